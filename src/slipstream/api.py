@@ -1,0 +1,142 @@
+"""The public Python API: `slipstream.load(...)` returns a `Model`.
+
+    model = slipstream.load()                      # the default model, pulled if missing
+    for event in model.generate("Once upon a time", max_tokens=32, seed=0):
+        print(event.text, end="", flush=True)
+
+A Model holds one KV cache, so it runs one generation at a time; the server queues requests.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from .chat_template import ChatTemplate
+from .config import ModelConfig
+from .errors import SlipstreamError
+from .gguf_file import GGUFFile
+from .runtime.engine import Engine
+from .runtime.generate import GenerationEvent, GenerationStats, generate
+from .runtime.sampler import SamplingParams
+from .tokenizer import Tokenizer
+from .weights import load_weights
+
+DEFAULT_MAX_CTX = 4096  # the KV cache is preallocated, so the default does not take 128k
+
+
+class BadDevice(SlipstreamError, ValueError):
+    """The requested device does not exist here."""
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BadDevice(f"device {str(device)!r} was requested but CUDA is not available; "
+                        f"use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise BadDevice(f"device {str(device)!r} is not supported; use cpu, cuda or auto")
+    return dev
+
+
+class Model:
+    def __init__(self, path: Path, gguf: GGUFFile, config: ModelConfig, engine: Engine,
+                 tokenizer: Tokenizer, template: ChatTemplate):
+        self.path = path
+        self.gguf = gguf
+        self.config = config
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.template = template
+        self.last_stats: GenerationStats | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def ctx(self) -> int:
+        return self.engine.ctx
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True
+                 ) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """float32 (len(ids), vocab) logits for ids in a fresh context."""
+        self.engine.reset()
+        out = self.engine.forward(list(ids), all_logits=True)
+        return out.cpu()
+
+    def generate(self, prompt_or_ids: str | Sequence[int], max_tokens: int = 256,
+                 temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
+                 min_p: float = 0.05, repeat_penalty: float = 1.0,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                 repeat_last_n: int = 64, seed: int | None = None,
+                 stop: str | Sequence[str] | None = None) -> Iterator[GenerationEvent]:
+        """Stream GenerationEvents (.id, .text, .finish_reason) for a prompt in a fresh context."""
+        ids = (self.tokenize(prompt_or_ids) if isinstance(prompt_or_ids, str)
+               else list(prompt_or_ids))
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                frequency_penalty=frequency_penalty,
+                                presence_penalty=presence_penalty, seed=seed)
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        self.last_stats = GenerationStats()
+        return generate(self.engine, self.tokenizer, ids, params, max_tokens, stops,
+                        stats=self.last_stats)
+
+    def chat_ids(self, messages: Sequence[dict]) -> list[int]:
+        """Token ids of the conversation rendered through the model's chat template."""
+        text = self.template.render(list(messages), add_generation_prompt=True)
+        ids = self.tokenize(text, add_special=True, parse_special=True)
+        bos = self.tokenizer.bos_id
+        # Templates that write the BOS text themselves would otherwise get it twice.
+        if bos is not None and len(ids) > 1 and ids[0] == bos and ids[1] == bos:
+            ids = ids[1:]
+        return ids
+
+    def chat(self, messages: Sequence[dict], **kwargs) -> Iterator[GenerationEvent]:
+        return self.generate(self.chat_ids(messages), **kwargs)
+
+
+def load(path: str | os.PathLike[str] | None = None, device: str | torch.device = "auto",
+         ctx: int | None = None, progress: bool = False) -> Model:
+    """Open a GGUF model (the default model, pulled if missing, when path is None)."""
+    from .pull import pull
+
+    model_path = Path(path) if path is not None else pull(quiet=not progress)
+    dev = resolve_device(device)
+    gf = GGUFFile(model_path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=model_path.name)
+    tokenizer = Tokenizer.from_metadata(gf.metadata)
+    template = ChatTemplate.from_metadata(gf.metadata)
+    n_ctx = min(cfg.context_length, DEFAULT_MAX_CTX) if ctx is None else int(ctx)
+    if n_ctx <= 0:
+        raise ValueError(f"ctx={n_ctx} is invalid: the context must hold at least one token")
+    # CPU keeps float16 weights (see weights.linear.DenseLinear) and float32 activations.
+    weight_dtype = torch.float16 if dev.type == "cpu" else torch.bfloat16
+    act_dtype = torch.float32
+    kv_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    weights = _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, progress)
+    engine = Engine(cfg, weights, dev, n_ctx, act_dtype, kv_dtype)
+    return Model(model_path, gf, cfg, engine, tokenizer, template)
+
+
+def _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, show: bool):
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    total = sum(t.n_bytes for t in gf.tensors.values())
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), disable=not show, transient=True) as bar:
+        task = bar.add_task(f"loading {gf.path.name}", total=total)
+        return load_weights(gf, cfg, dev, weight_dtype, act_dtype,
+                            progress=lambda n: bar.advance(task, n))

@@ -1,0 +1,43 @@
+"""Every error slipstream raises on purpose derives from SlipstreamError.
+
+Each names the offending value and, where there is one, what to do about it, so the CLI can
+print the message as one line and exit non-zero without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class SlipstreamError(Exception):
+    """Base class of all deliberate slipstream errors."""
+
+
+class GGUFError(SlipstreamError):
+    """The file is not a usable GGUF file (bad magic, version, truncation, inconsistent sizes)."""
+
+
+class UnsupportedTensorType(SlipstreamError):
+    """A tensor uses a GGML type slipstream has no format for."""
+
+
+class UnsupportedArchitecture(SlipstreamError):
+    """`general.architecture` names a model family slipstream does not implement."""
+
+
+class MissingMetadata(GGUFError):
+    """A metadata key the model needs is absent."""
+
+
+class ContextOverflow(SlipstreamError):
+    """A prompt (plus requested tokens) does not fit the context window."""
+
+
+class BudgetTooSmall(SlipstreamError):
+    """A memory budget cannot hold the minimum the engine needs to run."""
+
+
+class ModelNotFound(SlipstreamError):
+    """A model path does not exist, or the default model could not be pulled."""
+
+
+class TokenizerError(SlipstreamError):
+    """The tokenizer metadata in the GGUF is unusable."""

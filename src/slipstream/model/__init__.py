@@ -1,0 +1,10 @@
+"""The transformer math: pure functions over activations and weight objects.
+
+Nothing here knows a weight's format (Q4_K, F16, ...) or where it lives (VRAM, pinned RAM, disk):
+linear layers arrive as callables, norms as tensors.
+"""
+
+from .llama import LayerWeights, block_forward, rms_norm
+from .rope import RopeTable
+
+__all__ = ["LayerWeights", "RopeTable", "block_forward", "rms_norm"]

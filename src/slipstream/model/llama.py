@@ -1,0 +1,79 @@
+"""The Llama-shaped decoder block (Llama 1/2/3, Mistral, SmolLM, Qwen2 with QKV bias)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from .rope import RopeTable
+
+Linear = Callable[[torch.Tensor], torch.Tensor]  # (T, in) -> (T, out); knows its own format
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # (hidden,)
+    attn_q: Linear  # hidden -> n_heads * head_dim
+    attn_k: Linear  # hidden -> n_kv_heads * head_dim
+    attn_v: Linear  # hidden -> n_kv_heads * head_dim
+    attn_output: Linear  # n_heads * head_dim -> hidden
+    ffn_norm: torch.Tensor  # (hidden,)
+    ffn_gate: Linear  # hidden -> ffn
+    ffn_up: Linear  # hidden -> ffn
+    ffn_down: Linear  # ffn -> hidden
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf).to(x.dtype)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
+              group: int) -> torch.Tensor:
+    """Causal GQA attention of T new queries over S = start_pos + T cached keys.
+
+    q: (T, n_heads, d); k, v: (n_kv_heads, S, d). Returns (T, n_heads * d).
+    The query heads sharing one KV head are folded into the row dimension so K and V are
+    never copied per query head: (n_kv, group * T, d) against (n_kv, S, d).
+    """
+    T, n_heads, d = q.shape
+    n_kv, S, _ = k.shape
+    qg = q.permute(1, 0, 2).reshape(n_kv, group * T, d)  # rows ordered (group, T)
+    mask = None
+    if T > 1:
+        rows = torch.arange(T, device=q.device)[:, None] + start_pos
+        mask = torch.arange(S, device=q.device)[None, :] <= rows  # (T, S), True = attend
+        mask = mask.repeat(group, 1)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=1.0 / math.sqrt(d))
+    return out.reshape(n_heads, T, d).permute(1, 0, 2).reshape(T, n_heads * d)
+
+
+def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
+                  start_pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  rope: RopeTable) -> torch.Tensor:
+    """One decoder block on x (T, hidden) at positions start_pos .. start_pos + T - 1.
+
+    k_cache, v_cache: this layer's (n_kv_heads, max_ctx, head_dim) slices; the new keys and
+    values are written in place.
+    """
+    T = x.shape[0]
+    h = rms_norm(x, w.attn_norm, cfg.norm_eps)
+    q = w.attn_q(h).view(T, cfg.n_heads, cfg.head_dim)
+    k = w.attn_k(h).view(T, cfg.n_kv_heads, cfg.head_dim)
+    v = w.attn_v(h).view(T, cfg.n_kv_heads, cfg.head_dim)
+    q = rope.apply(q, positions)
+    k = rope.apply(k, positions)
+    end = start_pos + T
+    k_cache[:, start_pos:end] = k.transpose(0, 1).to(k_cache.dtype)
+    v_cache[:, start_pos:end] = v.transpose(0, 1).to(v_cache.dtype)
+    attn = attention(q.to(k_cache.dtype), k_cache[:, :end], v_cache[:, :end], start_pos,
+                     cfg.gqa_group)
+    x = x + w.attn_output(attn.to(x.dtype))
+    h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
+    return x + w.ffn_down(F.silu(w.ffn_gate(h)) * w.ffn_up(h))

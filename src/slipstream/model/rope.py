@@ -1,0 +1,47 @@
+"""Rotary position embeddings, in the two pairings GGUF models use.
+
+llama.cpp's converter permutes the rows of Llama's Q and K so that dimensions (2i, 2i+1) form a
+rotation pair ("normal" style). Qwen2 and other NEOX-style models are stored as trained and pair
+dimension i with i + rope_dim/2. Using the wrong one gives a model that runs but talks nonsense,
+which is why the pairing is tested against Hugging Face transformers, not guessed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import ModelConfig
+
+
+class RopeTable:
+    """cos/sin for every position up to max_pos, built once (float32, like HF)."""
+
+    def __init__(self, cfg: ModelConfig, max_pos: int, device: torch.device | str,
+                 freq_factors: torch.Tensor | None = None):
+        self.style = cfg.rope_style
+        self.rope_dim = cfg.rope_dim
+        exponent = torch.arange(0, cfg.rope_dim, 2, dtype=torch.int64).float() / cfg.rope_dim
+        inv_freq = 1.0 / (cfg.rope_base ** exponent)  # (rope_dim/2,)
+        if freq_factors is not None:
+            # Llama 3.x stores its long-context frequency correction as a `rope_freqs` tensor
+            # of per-frequency divisors; llama.cpp divides theta by it, and so do we.
+            inv_freq = inv_freq / freq_factors.float().cpu()
+        positions = torch.arange(max_pos, dtype=torch.float32) / cfg.rope_scale
+        angles = positions[:, None] * inv_freq[None, :]  # (max_pos, rope_dim/2)
+        self.cos = angles.cos().to(device)
+        self.sin = angles.sin().to(device)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate x (T, heads, head_dim) at positions (T,); dims past rope_dim pass through."""
+        cos = self.cos[positions][:, None, :]  # (T, 1, rope_dim/2)
+        sin = self.sin[positions][:, None, :]
+        rot, rest = x[..., : self.rope_dim].float(), x[..., self.rope_dim:]
+        if self.style == "normal":
+            x0, x1 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+        else:
+            half = self.rope_dim // 2
+            x0, x1 = rot[..., :half], rot[..., half:]
+            out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+        out = out.to(x.dtype)
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out

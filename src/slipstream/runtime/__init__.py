@@ -1,0 +1,1 @@
+"""Running a model: the engine (prefill/decode), KV cache, sampler and generation loop."""

@@ -1,0 +1,134 @@
+"""The generation loop: prefill the prompt, then decode token by token until a stop condition.
+
+Text is streamed through the tokenizer's incremental decoder, so a multi-byte character split
+across tokens is never emitted half-way, and text that might be the start of a stop string is
+held back until it is known not to be.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from ..errors import ContextOverflow
+from .engine import Engine
+from .sampler import Sampler, SamplingParams
+
+
+@dataclass
+class GenerationEvent:
+    """One generated token. `text` is the new printable text (may be empty while held back).
+
+    The last event of a generation has `finish_reason` "stop" (EOS/EOT token or stop string)
+    or "length" (max_tokens or the context filled up).
+    """
+
+    id: int
+    text: str
+    index: int
+    finish_reason: str | None = None
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        # the first generated token comes from the prefill logits, the rest from decode steps
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.decode_s if self.decode_s else 0.0
+
+
+class _StopMatcher:
+    """Holds back text that could still turn into a stop string."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, whether a stop string was hit)."""
+        self.pending += text
+        for s in self.stops:
+            i = self.pending.find(s)
+            if i >= 0:
+                out = self.pending[:i]
+                self.pending = ""
+                return out, True
+        hold = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
+             max_tokens: int, stop: Sequence[str] = (), stop_ids: set[int] | None = None,
+             stats: GenerationStats | None = None) -> Iterator[GenerationEvent]:
+    """Yield GenerationEvents for a fresh context holding prompt_ids."""
+    prompt = list(prompt_ids)
+    if not prompt:
+        raise ValueError("the prompt is empty; give at least one token")
+    if len(prompt) >= engine.ctx:
+        raise ContextOverflow(f"the prompt has {len(prompt)} tokens but the context holds "
+                              f"{engine.ctx}; shorten the prompt or raise --ctx")
+    stats = stats if stats is not None else GenerationStats()
+    stats.prompt_tokens = len(prompt)
+    stop_ids = set(stop_ids) if stop_ids is not None else set(tokenizer.eot_ids)
+    sampler = Sampler(params)
+    decoder = tokenizer.stream_decoder()
+    matcher = _StopMatcher(stop)
+    history = torch.tensor(prompt, dtype=torch.long)
+    budget = min(max_tokens, engine.ctx - len(prompt))
+
+    engine.reset()
+    t0 = time.perf_counter()
+    logits = engine.forward(prompt)[-1]
+    stats.prefill_s = time.perf_counter() - t0
+    t_decode = time.perf_counter()
+    for index in range(budget):
+        token = sampler(logits, history)
+        tid = int(token)
+        stats.generated_tokens = index + 1
+        if tid in stop_ids:
+            tail = matcher.flush() + decoder.flush()
+            stats.finish_reason = "stop"
+            yield GenerationEvent(tid, tail, index, "stop")
+            break
+        text, hit = matcher.push(decoder.push(tid))
+        if hit:
+            stats.finish_reason = "stop"
+            yield GenerationEvent(tid, text, index, "stop")
+            break
+        last = index == budget - 1
+        if last:
+            text += matcher.push(decoder.flush())[0] + matcher.flush()
+            stats.finish_reason = "length"
+            yield GenerationEvent(tid, text, index, "length")
+            break
+        yield GenerationEvent(tid, text, index)
+        history = torch.cat((history, token.view(1).cpu()))
+        logits = engine.forward(token.view(1))[-1]
+        stats.decode_s = time.perf_counter() - t_decode
+    stats.decode_s = time.perf_counter() - t_decode
