@@ -17,7 +17,7 @@ import torch
 
 from .chat_template import ChatTemplate
 from .config import ModelConfig
-from .errors import SlipstreamError
+from .errors import BadArgument
 from .gguf_file import GGUFFile
 from .runtime.engine import Engine
 from .runtime.generate import GenerationEvent, GenerationStats, generate
@@ -28,7 +28,7 @@ from .weights import load_weights
 DEFAULT_MAX_CTX = 4096  # the KV cache is preallocated, so the default does not take 128k
 
 
-class BadDevice(SlipstreamError, ValueError):
+class BadDevice(BadArgument):
     """The requested device does not exist here."""
 
 
@@ -121,7 +121,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     template = ChatTemplate.from_metadata(gf.metadata)
     n_ctx = min(cfg.context_length, DEFAULT_MAX_CTX) if ctx is None else int(ctx)
     if n_ctx <= 0:
-        raise ValueError(f"ctx={n_ctx} is invalid: the context must hold at least one token")
+        raise BadArgument(f"ctx={n_ctx} is invalid: the context must hold at least one token")
     # CPU keeps float16 weights (see weights.linear.DenseLinear) and float32 activations.
     weight_dtype = torch.float16 if dev.type == "cpu" else torch.bfloat16
     act_dtype = torch.float32

@@ -41,3 +41,7 @@ class ModelNotFound(SlipstreamError):
 
 class TokenizerError(SlipstreamError):
     """The tokenizer metadata in the GGUF is unusable."""
+
+
+class BadArgument(SlipstreamError, ValueError):
+    """An argument (sampling parameter, device, context size, ...) is out of range."""

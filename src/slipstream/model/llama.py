@@ -26,6 +26,10 @@ class LayerWeights:
     ffn_gate: Linear  # hidden -> ffn
     ffn_up: Linear  # hidden -> ffn
     ffn_down: Linear  # ffn -> hidden
+    # Optional fused projections, set by loaders whose format allows concatenating rows:
+    # one call instead of three (or two) matters when each call is a small memory-bound GEMV.
+    attn_qkv: Linear | None = None  # hidden -> (n_heads + 2 * n_kv_heads) * head_dim
+    ffn_gate_up: Linear | None = None  # hidden -> 2 * ffn
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,21 +58,27 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
     return out.reshape(n_heads, T, d).permute(1, 0, 2).reshape(T, n_heads * d)
 
 
-def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor, positions: torch.Tensor,
-                  start_pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  rope: RopeTable) -> torch.Tensor:
+def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
+                  cos_sin: tuple[torch.Tensor, torch.Tensor], start_pos: int,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, rope: RopeTable) -> torch.Tensor:
     """One decoder block on x (T, hidden) at positions start_pos .. start_pos + T - 1.
+
+    cos_sin: `rope.angles(positions)`, computed once per forward and shared by all layers.
 
     k_cache, v_cache: this layer's (n_kv_heads, max_ctx, head_dim) slices; the new keys and
     values are written in place.
     """
     T = x.shape[0]
     h = rms_norm(x, w.attn_norm, cfg.norm_eps)
-    q = w.attn_q(h).view(T, cfg.n_heads, cfg.head_dim)
-    k = w.attn_k(h).view(T, cfg.n_kv_heads, cfg.head_dim)
-    v = w.attn_v(h).view(T, cfg.n_kv_heads, cfg.head_dim)
-    q = rope.apply(q, positions)
-    k = rope.apply(k, positions)
+    n_qk = cfg.n_heads + cfg.n_kv_heads
+    if w.attn_qkv is not None:
+        qkv = w.attn_qkv(h).view(T, n_qk + cfg.n_kv_heads, cfg.head_dim)
+        qk, v = qkv[:, :n_qk], qkv[:, n_qk:]
+    else:
+        qk = torch.cat((w.attn_q(h), w.attn_k(h)), dim=-1).view(T, n_qk, cfg.head_dim)
+        v = w.attn_v(h).view(T, cfg.n_kv_heads, cfg.head_dim)
+    qk = rope.apply(qk, cos_sin)  # q and k heads rotate together: one pass, same angles
+    q, k = qk[:, :cfg.n_heads], qk[:, cfg.n_heads:]
     end = start_pos + T
     k_cache[:, start_pos:end] = k.transpose(0, 1).to(k_cache.dtype)
     v_cache[:, start_pos:end] = v.transpose(0, 1).to(v_cache.dtype)
@@ -76,4 +86,8 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor, positions:
                      cfg.gqa_group)
     x = x + w.attn_output(attn.to(x.dtype))
     h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
-    return x + w.ffn_down(F.silu(w.ffn_gate(h)) * w.ffn_up(h))
+    if w.ffn_gate_up is not None:
+        gate, up = w.ffn_gate_up(h).chunk(2, dim=-1)
+    else:
+        gate, up = w.ffn_gate(h), w.ffn_up(h)
+    return x + w.ffn_down(F.silu(gate) * up)

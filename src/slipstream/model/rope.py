@@ -31,10 +31,13 @@ class RopeTable:
         self.cos = angles.cos().to(device)
         self.sin = angles.sin().to(device)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Rotate x (T, heads, head_dim) at positions (T,); dims past rope_dim pass through."""
-        cos = self.cos[positions][:, None, :]  # (T, 1, rope_dim/2)
-        sin = self.sin[positions][:, None, :]
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions (T,), each (T, 1, rope_dim/2): broadcast over heads."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+    def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate x (T, heads, head_dim) by `angles(positions)`; dims past rope_dim pass."""
+        cos, sin = cos_sin
         rot, rest = x[..., : self.rope_dim].float(), x[..., self.rope_dim:]
         if self.style == "normal":
             x0, x1 = rot[..., 0::2], rot[..., 1::2]

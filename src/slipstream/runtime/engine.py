@@ -60,9 +60,10 @@ class Engine:
         T = ids.shape[0]
         start = self.pos
         positions = torch.arange(start, start + T, device=self.device)
+        cos_sin = self.rope.angles(positions)
         x = self.weights.embed(ids.to(self.device)).to(self.act_dtype)  # (T, hidden)
         for i, layer in enumerate(self.weights.layers):
             k_cache, v_cache = self.kv.layer(i)
-            x = block_forward(self.cfg, layer, x, positions, start, k_cache, v_cache, self.rope)
+            x = block_forward(self.cfg, layer, x, cos_sin, start, k_cache, v_cache, self.rope)
         self.pos += T
         return x

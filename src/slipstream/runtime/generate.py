@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..errors import ContextOverflow
+from ..errors import BadArgument, ContextOverflow
 from .engine import Engine
 from .sampler import Sampler, SamplingParams
 
@@ -89,7 +89,7 @@ def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], params: Sampl
     """Yield GenerationEvents for a fresh context holding prompt_ids."""
     prompt = list(prompt_ids)
     if not prompt:
-        raise ValueError("the prompt is empty; give at least one token")
+        raise BadArgument("the prompt is empty; give at least one token")
     if len(prompt) >= engine.ctx:
         raise ContextOverflow(f"the prompt has {len(prompt)} tokens but the context holds "
                               f"{engine.ctx}; shorten the prompt or raise --ctx")

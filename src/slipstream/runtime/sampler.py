@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import SlipstreamError
+from ..errors import BadArgument
 
 
-class BadSamplingParams(SlipstreamError, ValueError):
+class BadSamplingParams(BadArgument):
     """A sampling parameter is out of range."""
 
 

@@ -29,6 +29,23 @@ class DenseLinear:
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    @staticmethod
+    def fuse(parts: list["DenseLinear"]) -> tuple["DenseLinear", list["DenseLinear"]]:
+        """Concatenate output rows into one layer; the parts become views into it, so the
+        fused copy costs no extra memory."""
+        weight = torch.cat([p.weight for p in parts])
+        has_bias = any(p.bias is not None for p in parts)
+        bias = torch.cat([p.bias if p.bias is not None else
+                          torch.zeros(p.out_features, device=weight.device) for p in parts]
+                         ) if has_bias else None
+        views, row = [], 0
+        for p in parts:
+            n = p.out_features
+            views.append(DenseLinear(weight[row:row + n],
+                                     bias[row:row + n] if bias is not None else None))
+            row += n
+        return DenseLinear(weight, bias), views
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] <= GEMV_MAX_ROWS or self.weight.device.type != "cpu":
             y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)

