@@ -1,9 +1,6 @@
 """slipstream: GGUF LLM inference that streams layers through the GPU from pinned RAM and NVMe."""
 
-try:
-    from .api import Model, load
-except ModuleNotFoundError:  # TEMP while tokenizer lands
-    pass
+from .api import Model, load
 from .errors import SlipstreamError
 
 __all__ = ["Model", "SlipstreamError", "load"]

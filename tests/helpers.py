@@ -1,0 +1,36 @@
+"""Small shared helpers for tests: synthetic GGUF files and byte patching."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import torch
+
+from slipstream.config import ModelConfig
+from slipstream.gguf_file import GGUFFile
+from slipstream.runtime.engine import Engine
+from slipstream.weights import load_weights
+
+
+def cpu_engine(path: str | Path, ctx: int = 256) -> Engine:
+    """A CPU engine on a GGUF file without the tokenizer (for model-math tests)."""
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    weights = load_weights(gf, cfg, torch.device("cpu"), torch.float16, torch.float32)
+    return Engine(cfg, weights, torch.device("cpu"), ctx, torch.float32, torch.float32)
+
+
+def tensor_info_offset(path: Path, name: str) -> int:
+    """Byte offset of a tensor's info record (just after its name) in the GGUF header."""
+    data = path.read_bytes()
+    key = struct.pack("<Q", len(name)) + name.encode()
+    at = data.find(key)
+    assert at >= 0, name
+    return at + len(key)
+
+
+def patch(path: Path, offset: int, payload: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(payload)

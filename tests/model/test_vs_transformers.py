@@ -1,0 +1,95 @@
+"""The forward pass against Hugging Face transformers loading the same GGUF (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import cpu_engine
+from slipstream.synth import write_synth
+
+transformers = pytest.importorskip("transformers")
+
+# fp16 weights and a float32 residual stream: measured ~1e-3 relative error on the real model
+REL_TOL = 5e-3
+
+PROMPTS = [
+    "The capital of France is a city with a long history of",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "<|im_start|>user\nWhat is 17 * 23?<|im_end|>\n<|im_start|>assistant\n",
+    "Les élèves ont étudié 日本語 and emoji 🎉 together.",
+]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.fixture(scope="module")
+def hf_smollm(smollm_path):
+    tok = transformers.AutoTokenizer.from_pretrained(str(smollm_path.parent),
+                                                     gguf_file=smollm_path.name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm_path.parent), gguf_file=smollm_path.name, dtype=torch.float32)
+    model.eval()
+    return tok, model
+
+
+@pytest.fixture(scope="module")
+def ours_smollm(smollm_path):
+    return cpu_engine(smollm_path, ctx=512)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_real_model_logits_match_transformers(hf_smollm, ours_smollm, prompt):
+    tok, model = hf_smollm
+    ids = tok(prompt)["input_ids"]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    ours_smollm.reset()
+    ours = ours_smollm.forward(ids, all_logits=True)
+    assert ours.dtype == torch.float32 and ours.shape == ref.shape
+    assert rel_err(ours, ref) < REL_TOL
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_kv_cache_decode_matches_full_recompute(ours_smollm):
+    ids = [504, 3575, 282, 4649, 314, 253, 2240, 351, 253, 986, 1463, 282, 3573, 30, 216]
+    ours_smollm.reset()
+    full = ours_smollm.forward(ids, all_logits=True)
+    ours_smollm.reset()
+    parts = [ours_smollm.forward(ids[:4], all_logits=True)]
+    parts += [ours_smollm.forward(ids[i:i + 1]) for i in range(4, 9)]
+    parts.append(ours_smollm.forward(ids[9:], all_logits=True))  # a second batched chunk
+    stepped = torch.cat(parts)
+    assert rel_err(stepped, full) < REL_TOL
+    assert torch.equal(stepped.argmax(-1), full.argmax(-1))
+
+
+def _synth_pair(tmp_path, arch: str, quant: str, tie: bool, rope_freqs: bool = False):
+    # std 0.15 makes attention scores far from uniform, so a wrong RoPE pairing shows up
+    path = write_synth(tmp_path / f"{arch}-{quant}.gguf", "tiny", quant, arch=arch,
+                       from_floats=True, seed=3, tie_embeddings=tie, std=0.15,
+                       rope_freqs=rope_freqs)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                           dtype=torch.float32)
+    return path, hf.eval()
+
+
+@pytest.mark.parametrize("arch,quant,tie", [("llama", "Q8_0", False), ("llama", "Q4_K", True),
+                                            ("qwen2", "Q8_0", True), ("qwen2", "Q6_K", False)])
+def test_synthetic_architectures_match_transformers(tmp_path, arch, quant, tie):
+    path, hf = _synth_pair(tmp_path, arch, quant, tie)
+    ids = list(range(7, 300, 11))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    engine = cpu_engine(path)
+    ours = engine.forward(ids, all_logits=True)
+    assert rel_err(ours, ref) < REL_TOL
+    # Negative control: the other RoPE pairing must be clearly wrong, or this test could not
+    # tell them apart.
+    object.__setattr__(engine.cfg, "rope_style", "neox" if arch == "llama" else "normal")
+    engine.rope.style = engine.cfg.rope_style
+    engine.reset()
+    wrong = engine.forward(ids, all_logits=True)
+    assert rel_err(wrong, ref) > 10 * REL_TOL

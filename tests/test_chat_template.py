@@ -1,0 +1,137 @@
+"""Chat templates rendered by slipstream against Hugging Face's `apply_chat_template`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import pytest
+
+from slipstream.chat_template import CHATML_TEMPLATE, ChatTemplate
+from slipstream.errors import TokenizerError
+from slipstream.tokenizer import read_tokenizer_metadata
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+CONVERSATIONS = {
+    "single": [{"role": "user", "content": "Hi!"}],
+    "multi-turn": [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "4."},
+        {"role": "user", "content": "And 3+3? Answer with <b>bold</b> & ünïcödé 😀"},
+    ],
+    "system": [SYSTEM, {"role": "user", "content": "Hi!"}],
+    "system multi-turn": [
+        SYSTEM,
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": "Hi.\nHow can I help?"},
+        {"role": "user", "content": "  spaces and\ttabs  "},
+    ],
+}
+
+# Exercises what HF's environment adds over plain Jinja: trim_blocks/lstrip_blocks (indented
+# block tags on their own lines), loop controls, namespace, tojson without HTML escaping,
+# `{% generation %}`, and the special-token variables.
+RICH_TEMPLATE = """{{ bos_token }}
+{% set ns = namespace(n=0) %}
+{% if tools %}
+    Tools: {{ tools | tojson }}
+{% endif %}
+{% for message in messages %}
+    {% if message['role'] == 'skip' %}
+        {% continue %}
+    {% endif %}
+    {% set ns.n = ns.n + 1 %}
+    {% if message['role'] == 'assistant' %}
+        {% generation %}[A{{ ns.n }}] {{ message['content'] | trim }}{{ eos_token }}{% endgeneration %}
+    {% else %}
+        [{{ message['role'] | upper }}{{ ns.n }}] {{ message['content'] }}
+    {% endif %}
+    {% if loop.index > 6 %}{% break %}{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}[A]{% endif %}"""
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Find <x> & \"y\" in café",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+@pytest.fixture(scope="module")
+def smol_md(smollm_path: Path) -> dict:
+    return read_tokenizer_metadata(gguf.GGUFReader(str(smollm_path)))
+
+
+@pytest.fixture(scope="module")
+def smol_hf(smollm_path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
+
+
+@pytest.mark.parametrize("name", CONVERSATIONS)
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_model_template_matches_hf(smol_md, smol_hf, name: str, add_generation_prompt: bool) -> None:
+    messages = CONVERSATIONS[name]
+    ours = ChatTemplate.from_metadata(smol_md).render(messages, add_generation_prompt=add_generation_prompt)
+    hf = smol_hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    assert ours == hf
+    assert ours.endswith("<|im_start|>assistant\n") == add_generation_prompt
+
+
+def test_model_template_is_the_files(smol_md) -> None:
+    template = ChatTemplate.from_metadata(smol_md)
+    assert not template.is_fallback
+    assert template.source == smol_md["tokenizer.chat_template"]
+    # The SmolLM template inserts its default system prompt when there is none.
+    assert "named SmolLM" in template.render(CONVERSATIONS["single"])
+    assert "named SmolLM" not in template.render(CONVERSATIONS["system"])
+
+
+@pytest.mark.parametrize("name", CONVERSATIONS)
+def test_rich_template_matches_hf(smol_md, smol_hf, name: str) -> None:
+    messages = CONVERSATIONS[name] + [{"role": "skip", "content": "not shown"}]
+    tokens = ChatTemplate.from_metadata(smol_md).special_tokens
+    ours = ChatTemplate(RICH_TEMPLATE, bos_token=tokens["bos_token"], eos_token=tokens["eos_token"])
+    for tools in (None, TOOLS):
+        want = smol_hf.apply_chat_template(messages, tools=tools, chat_template=RICH_TEMPLATE,
+                                           tokenize=False, add_generation_prompt=True)
+        assert ours.render(messages, tools=tools) == want
+    assert '"Find <x> & \\"y\\" in café"' in ours.render(messages, tools=TOOLS)
+
+
+def test_fallback_is_chatml_when_the_file_has_no_template(smol_md) -> None:
+    md = {k: v for k, v in smol_md.items() if k != "tokenizer.chat_template"}
+    template = ChatTemplate.from_metadata(md)
+    assert template.is_fallback and template.source == CHATML_TEMPLATE
+    rendered = template.render(CONVERSATIONS["system"])
+    assert rendered == ("<|im_start|>system\nYou are terse.<|im_end|>\n"
+                        "<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n")
+    assert template.render(CONVERSATIONS["single"], add_generation_prompt=False) == \
+        "<|im_start|>user\nHi!<|im_end|>\n"
+    assert ChatTemplate.from_metadata({}).is_fallback
+
+
+def test_special_token_strings_come_from_the_vocabulary(smol_md) -> None:
+    tokens = ChatTemplate.from_metadata(smol_md).special_tokens
+    assert tokens == {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+                      "unk_token": "<|endoftext|>", "pad_token": "<|im_end|>"}
+
+
+def test_strftime_now_and_extra_variables() -> None:
+    template = ChatTemplate("{{ strftime_now('%Y') | length }} {{ enable_thinking }}")
+    assert template.render([], enable_thinking=False) == "4 False"
+
+
+def test_template_errors_raise_tokenizer_error() -> None:
+    with pytest.raises(TokenizerError, match="does not compile"):
+        ChatTemplate("{% for m in messages %}")
+    raising = ChatTemplate("{% if messages[0]['role'] != 'user' %}"
+                           "{{ raise_exception('Conversations must start with a user turn') }}{% endif %}ok")
+    assert raising.render([{"role": "user", "content": "x"}]) == "ok"
+    with pytest.raises(TokenizerError, match="must start with a user turn"):
+        raising.render([{"role": "assistant", "content": "x"}])
+    # The sandbox is immutable: a template cannot change the caller's messages.
+    messages = [{"role": "user", "content": "x"}]
+    with pytest.raises(TokenizerError):
+        ChatTemplate("{{ messages.append(1) }}").render(messages)
+    assert messages == [{"role": "user", "content": "x"}]
+    with pytest.raises(TokenizerError):
+        ChatTemplate("{{ messages[0].__class__.__subclasses__() }}").render(messages)
