@@ -12,8 +12,9 @@ models are tuned and run there:
   at all when the text starts with a space). `tokenizer.ggml.add_space_prefix = false` is honoured.
 - `llama-bpe` style vocabularies look a whole pre-tokenized word up before merging
   (`ignore_merges`, as in Llama 3's own tokenizer.json) and add BOS unless the file says not to.
-- `smollm` style vocabularies split digits one by one before the GPT-2 regex (as llama.cpp and
-  SmolLM's own tokenizer.json do; HF's GGUF path uses the plain GPT-2 regex).
+- `smollm` style vocabularies split digits one by one before the GPT-2 regex, as llama.cpp does
+  (HF's GGUF path uses the plain GPT-2 regex; SmolLM2's vocabulary has no token with two digits,
+  so for it the two agree).
 """
 
 from __future__ import annotations
