@@ -93,3 +93,36 @@ def test_synthetic_architectures_match_transformers(tmp_path, arch, quant, tie):
     engine.reset()
     wrong = engine.forward(ids, all_logits=True)
     assert rel_err(wrong, ref) > 10 * REL_TOL
+
+
+def test_perplexity_matches_transformers(hf_smollm, ours_smollm):
+    from slipstream.runtime.perplexity import perplexity
+
+    tok, model = hf_smollm
+    text = ("Perplexity measures how well a language model predicts a text. A lower value "
+            "means the model is less surprised by each next token, and a model that matches "
+            "another's logits closely must also match its perplexity. ") * 6
+    ids = tok(text)["input_ids"]
+    ctx = 64
+
+    def ours(chunk):
+        ours_smollm.reset()
+        return ours_smollm.forward(chunk, all_logits=True)
+
+    def theirs(chunk):
+        with torch.no_grad():
+            return model(torch.tensor([chunk])).logits[0]
+
+    a = perplexity(ours, ids, ctx)
+    b = perplexity(theirs, ids, ctx)
+    # and once more with code that shares nothing with runtime.perplexity
+    nll = []
+    for c in range(len(ids) // ctx):
+        chunk = ids[c * ctx:(c + 1) * ctx]
+        logits = theirs(chunk)[ctx // 2:ctx - 1]
+        nll.append(torch.nn.functional.cross_entropy(
+            logits, torch.tensor(chunk[ctx // 2 + 1:]), reduction="sum"))
+    manual = float(torch.exp(torch.stack(nll).sum() / (a.scored_tokens)))
+    assert a.chunks == len(ids) // ctx >= 2
+    assert abs(b.ppl - manual) / manual < 1e-4
+    assert abs(a.ppl - b.ppl) / b.ppl < 0.005

@@ -1,0 +1,190 @@
+"""Triton kernels against the reference dequantize-then-matmul (float64 on the CPU).
+
+Every format, odd shapes (rows 1, 17, 33, 300; K a whole number of blocks but not a power of two),
+m in {1, 3, 8} for the fused GEMV (and its tensor-core variant), m in {17, 512} for the prefill
+path. Errors are ||y - ref|| / ||ref||, bounded by the one table below.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton")
+gguf = pytest.importorskip("gguf")
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
+
+from slipstream import kernels  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+FLOATS = [T.F32, T.F16, T.BF16]
+LEGACY = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+KQUANTS = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+ALL = FLOATS + LEGACY + KQUANTS
+
+# Relative L2 error bounds, per format and path. The fused fp32 GEMV is exact up to summation
+# order (~1e-7 seen); the tensor-core GEMV and the prefill path round the weights to bf16
+# (~2^-9 per weight, ~4e-3 seen on random data). A bf16 output adds another ~2^-9.
+FP32_TOL = 2e-6
+BF16_W_TOL = 1e-2
+TOL: dict[T, dict[str, float]] = {
+    qt: {"gemv": FP32_TOL, "gemv_bf16_out": 8e-3, "gemv_dot": BF16_W_TOL, "prefill": BF16_W_TOL}
+    for qt in ALL
+}
+TOL[T.F32]["prefill"] = BF16_W_TOL  # weights go to bf16 for cuBLAS too
+TOL[T.BF16]["gemv_dot"] = BF16_W_TOL
+
+
+def _reference_dequant(raw: np.ndarray, qt: T, n: int, k: int) -> np.ndarray:
+    """float64 (n, k): slipstream.quant's torch oracle when present, else gguf-py's numpy one."""
+    try:
+        from slipstream.quant import dequantize
+    except ImportError:
+        return gguf.quants.dequantize(raw, qt).reshape(n, k).astype(np.float64)
+    return dequantize(torch.from_numpy(raw), qt, (n, k)).double().numpy()
+
+
+def _make_weight(qt: T, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random but sane GGUF bytes (n, row_bytes): quantized floats for formats gguf-py can
+    quantize, random blocks with small finite f16 scale fields for the K-quants."""
+    if qt in FLOATS:
+        data = rng.standard_normal((n, k)).astype(np.float32)
+        enc = data if qt == T.F32 else gguf.quants.quantize(data, qt)
+        return np.ascontiguousarray(enc).view(np.uint8).reshape(n, -1)
+    if qt in LEGACY:
+        data = rng.standard_normal((n, k)).astype(np.float32)
+        return gguf.quants.quantize(data, qt).reshape(n, -1)
+    _, tsize = GGML_QUANT_SIZES[qt]
+    nb = n * k // 256
+    blocks = rng.integers(0, 256, size=(nb, tsize), dtype=np.uint8)
+    f16_fields = {T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2),
+                  T.Q6_K: (208,)}[qt]
+    for off in f16_fields:
+        vals = rng.uniform(1e-3, 1e-2, size=nb).astype(np.float16)
+        blocks[:, off:off + 2] = vals.view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(n, -1)
+
+
+def _k_for(qt: T) -> int:
+    return 32 * 7 if GGML_QUANT_SIZES[qt][0] == 32 or qt in FLOATS else 256 * 3
+
+
+def _setup(qt: T, n: int, k: int, seed: int):
+    rng = np.random.default_rng(seed)
+    raw = _make_weight(qt, n, k, rng)
+    ref = _reference_dequant(raw, qt, n, k)
+    packed = kernels.pack_weight(torch.from_numpy(raw).cuda(), qt, n, k)
+    return packed, ref
+
+
+def _rel(y: torch.Tensor, ref: np.ndarray) -> float:
+    y = y.double().cpu().numpy()
+    assert np.isfinite(y).all(), "non-finite output"
+    return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+@pytest.mark.parametrize("qt", ALL, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 17, 33, 300])
+def test_gemv_matches_reference(qt: T, n: int) -> None:
+    k = _k_for(qt)
+    packed, ref = _setup(qt, n, k, seed=n)
+    for m in (1, 3, 8):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        yref = x.double().cpu().numpy() @ ref.T
+        out = torch.full((m, n), float("nan"), device="cuda")  # poison: every element written
+        kernels.gemv(x, packed, out=out)
+        assert _rel(out, yref) <= TOL[qt]["gemv"], (qt.name, n, m)
+        ybf = kernels.gemv(x, packed)
+        assert ybf.dtype == torch.bfloat16
+        assert _rel(ybf, yref) <= TOL[qt]["gemv_bf16_out"], (qt.name, n, m)
+        if qt not in FLOATS and n >= 16:
+            cfg = {"BN": 16, "NU": 8, "dot": 1, "num_warps": 4}
+            yd = kernels.gemv(x, packed, out_dtype=torch.float32, config=cfg)
+            assert _rel(yd, yref) <= TOL[qt]["gemv_dot"], (qt.name, n, m, "dot")
+
+
+@pytest.mark.parametrize("qt", ALL, ids=lambda t: t.name)
+def test_gemv_config_sweep(qt: T) -> None:
+    """Tile shapes the autotuned table may pick, including tails in N and K."""
+    k = _k_for(qt) * 3
+    n = 45
+    packed, ref = _setup(qt, n, k, seed=7)
+    x = torch.randn(2, k, device="cuda").to(torch.float16)
+    yref = x.double().cpu().numpy() @ ref.T
+    sizes = [{"BN": bn, "BK": bk} for bn in (1, 4, 16) for bk in (64, 512)] if qt in FLOATS \
+        else [{"BN": bn, "NU": nu} for bn in (1, 4, 16) for nu in (4, 16, 64)]
+    for cfg in sizes:
+        y = kernels.gemv(x, packed, out_dtype=torch.float32, config=dict(cfg, num_warps=4))
+        assert _rel(y, yref) <= TOL[qt]["gemv"], (qt.name, cfg)
+    if qt not in FLOATS:  # the m = 1 kernel's tiles (BN rows x NG scale groups)
+        for cfg in [{"BN": 1, "NG": 8}, {"BN": 2, "NG": 32}, {"BN": 8, "NG": 32},
+                    {"BN": 1, "NG": 256}]:
+            y = kernels.gemv(x[:1], packed, out_dtype=torch.float32, config=dict(cfg, num_warps=8))
+            assert _rel(y, yref[:1]) <= TOL[qt]["gemv"], (qt.name, cfg)
+
+
+@pytest.mark.parametrize("qt", ALL, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [17, 512])
+def test_prefill_matmul(qt: T, m: int) -> None:
+    k = _k_for(qt)
+    n = 33
+    packed, ref = _setup(qt, n, k, seed=m)
+    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    y = kernels.matmul(x.reshape(1, m, k), packed)
+    assert y.shape == (1, m, n) and y.dtype == torch.bfloat16
+    yref = x.double().cpu().numpy() @ ref.T
+    assert _rel(y.reshape(m, n), yref) <= TOL[qt]["prefill"]
+
+
+@pytest.mark.parametrize("qt", ALL, ids=lambda t: t.name)
+def test_dequantize_bit_exact(qt: T) -> None:
+    """Dequant to fp32 equals the reference exactly; to bf16, the reference rounded once."""
+    n, k = 17, _k_for(qt)
+    packed, ref = _setup(qt, n, k, seed=3)
+    w32 = kernels.dequantize(packed, torch.float32).double().cpu().numpy()
+    assert np.array_equal(w32, ref)
+    wbf = kernels.dequantize(packed).float().cpu()
+    assert torch.equal(wbf, torch.from_numpy(ref).float().to(torch.bfloat16).float())
+
+
+def test_matmul_small_m_uses_fused_path() -> None:
+    packed, ref = _setup(T.Q4_K, 33, 512, seed=11)
+    x = torch.randn(2, 3, 512, device="cuda").to(torch.bfloat16)
+    y = kernels.matmul(x, packed, out_dtype=torch.float32)
+    yref = x.reshape(6, 512).double().cpu().numpy() @ ref.T
+    assert y.shape == (2, 3, 33)
+    assert _rel(y.reshape(6, 33), yref) <= TOL[T.Q4_K]["gemv"]
+
+
+def test_pack_rejects_bad_input() -> None:
+    from slipstream.errors import GGUFError, UnsupportedTensorType
+
+    raw = torch.zeros(144, dtype=torch.uint8, device="cuda")
+    with pytest.raises(GGUFError):
+        kernels.pack_weight(raw, T.Q4_K, 1, 255)
+    with pytest.raises(GGUFError):
+        kernels.pack_weight(raw[:100], T.Q4_K, 1, 256)
+    with pytest.raises(UnsupportedTensorType):
+        kernels.pack_weight(raw, T.IQ2_XXS, 1, 256)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("hidden", [576, 4096, 5120])
+def test_rms_norm(dtype: torch.dtype, hidden: int) -> None:
+    eps = 1e-5
+    x = torch.randn(7, hidden, device="cuda").to(dtype)
+    r = torch.randn(7, hidden, device="cuda").to(dtype)
+    w = torch.randn(hidden, device="cuda").to(dtype)
+
+    def ref(v):
+        v = v.float()
+        return (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * w.float())
+
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    y = kernels.rms_norm(x, w, eps)
+    assert (y.float() - ref(x)).norm() / ref(x).norm() < tol
+    y2, h = kernels.rms_norm(x, w, eps, residual=r)
+    assert torch.equal(h, x + r)
+    assert (y2.float() - ref(x + r)).norm() / ref(x + r).norm() < tol

