@@ -1,0 +1,48 @@
+"""Triton GPU kernels: fused dequant-GEMV over GGUF formats, dequant for prefill, RMSNorm.
+
+Importing this package never needs CUDA or Triton (CI is CPU-only): the kernel modules are
+imported on first use of a name below. `available()` says whether they can run here.
+
+    packed = pack_weight(raw_uint8_cuda, qtype, rows, cols)   # once, at load time
+    y = matmul(x, packed)        # m <= 8: fused GEMV; larger m: dequant to bf16 + cuBLAS
+    y = gemv(x, packed)          # x (m <= 8, K)
+    w = dequantize(packed)       # (N, K) bf16
+    y = rms_norm(x, w, eps) ; y, h = rms_norm(x, w, eps, residual=r)
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "PackedWeight": "pack", "pack_weight": "pack", "QSPECS": "pack", "SUPPORTED": "pack",
+    "gemv": "gemv", "gemv_config": "gemv", "MAX_M": "gemv",
+    "dequantize": "dequant", "matmul": "dequant",
+    "rms_norm": "norm",
+}
+
+__all__ = sorted(_EXPORTS) + ["available"]
+
+
+def available() -> bool:
+    """True when Triton imports and a CUDA device is present (or TRITON_INTERPRET=1 is set)."""
+    import os
+
+    try:
+        import torch
+        import triton  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'slipstream.kernels' has no attribute {name!r}")
+    # Import every kernel module, then bind all exports: importing submodule `gemv` sets the
+    # package attribute `gemv` to the module, which must not shadow the function of that name.
+    mods = {m: importlib.import_module(f".{m}", __name__) for m in sorted(set(_EXPORTS.values()))}
+    for export, m in _EXPORTS.items():
+        globals()[export] = getattr(mods[m], export)
+    return globals()[name]
