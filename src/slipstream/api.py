@@ -122,10 +122,12 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     n_ctx = min(cfg.context_length, DEFAULT_MAX_CTX) if ctx is None else int(ctx)
     if n_ctx <= 0:
         raise BadArgument(f"ctx={n_ctx} is invalid: the context must hold at least one token")
-    # CPU keeps float16 weights (see weights.linear.DenseLinear) and float32 activations.
-    weight_dtype = torch.float16 if dev.type == "cpu" else torch.bfloat16
+    # CPU keeps float16 weights (see weights.linear.DenseLinear); CUDA keeps the GGUF formats,
+    # repacked for the Triton kernels. The residual stream is float32 on both, and the CUDA KV
+    # cache float16 (more mantissa than bf16, and attention values never approach its range).
+    weight_dtype = torch.float16
     act_dtype = torch.float32
-    kv_dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    kv_dtype = torch.float32 if dev.type == "cpu" else torch.float16
     weights = _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, progress)
     engine = Engine(cfg, weights, dev, n_ctx, act_dtype, kv_dtype)
     return Model(model_path, gf, cfg, engine, tokenizer, template)

@@ -220,6 +220,39 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(a: argparse.Namespace) -> int:
+    try:
+        from .server import run_server
+    except ImportError as e:
+        raise SlipstreamError(f"the server needs its extra ({e.name or e} is missing): "
+                              f"pip install 'slipstream[server]'") from None
+    if a.max_queue < 0:
+        raise SlipstreamError(f"--max-queue {a.max_queue} is invalid: must be >= 0")
+    run_server(_load(a), host=a.host, port=a.port, max_queue=a.max_queue)
+    return 0
+
+
+def cmd_synth(a: argparse.Namespace) -> int:
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    from .synth import write_synth
+
+    t0 = time.perf_counter()
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), console=err, transient=True) as bar:
+        task = bar.add_task(f"writing {Path(a.output).name}", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        path = write_synth(a.output, a.shape, a.quant, n_layers=a.layers, seed=a.seed,
+                           arch=a.arch, progress=progress)
+    dt = time.perf_counter() - t0
+    size = path.stat().st_size
+    err.print(f"wrote {path} ({size / 2**30:.2f} GiB in {dt:.1f} s, {size / dt / 1e6:.0f} MB/s)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slipstream", description="Run GGUF language models.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -258,6 +291,24 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", nargs="?", const="-", default=None,
                    help="write JSON to a file (or stdout with no argument)")
     b.set_defaults(func=cmd_bench)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, ...)")
+    _add_model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    s.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one "
+                   "generates; more get 503 with Retry-After (default 16)")
+    s.set_defaults(func=cmd_serve)
+
+    sy = sub.add_parser("synth", help="write a random-weight Llama-shaped GGUF for testing")
+    sy.add_argument("--shape", required=True, choices=["tiny", "1b", "8b", "70b"])
+    sy.add_argument("--quant", default="Q4_K",
+                    choices=["Q4_K", "Q4_K_M", "Q6_K", "Q8_0", "F16", "Q4_0", "Q5_K"])
+    sy.add_argument("--layers", type=int, default=None, help="override the layer count")
+    sy.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
+    sy.add_argument("--seed", type=int, default=0)
+    sy.add_argument("-o", "--output", required=True)
+    sy.set_defaults(func=cmd_synth)
     return p
 
 

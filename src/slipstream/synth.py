@@ -83,11 +83,52 @@ def _scale_for_std(qtype: Q, std: float) -> float:
     return std / max(float(vals.float().std()), 1e-12)
 
 
+# Random numbers are the slow part of synthesis (numpy makes them at a few hundred MB/s), so
+# big tensors are cut from a shared pool of ready-made random bytes at random offsets: each tensor
+# still gets different values, and writing runs at copy speed.
+_POOL_BYTES = 64 << 20
+_pools: dict[tuple, np.ndarray] = {}
+
+
+def _pool(kind: str, std: float = 1.0) -> np.ndarray:
+    key = (kind, std)
+    if key not in _pools:
+        seed = np.random.default_rng(0xC0FFEE)
+        if kind == "bytes":
+            pool = np.frombuffer(seed.bytes(_POOL_BYTES), dtype=np.uint8)
+        else:
+            f = seed.standard_normal(_POOL_BYTES // 4, dtype=np.float32) * np.float32(std)
+            if kind == "f16":
+                f = f.astype(np.float16)
+            elif kind == "bf16":
+                f = (f.view(np.uint32) >> 16).astype(np.uint16)
+            pool = f.view(np.uint8)
+        _pools[key] = pool
+    return _pools[key]
+
+
+def _cut(pool: np.ndarray, n: int, rng: np.random.Generator, align: int) -> np.ndarray:
+    """n bytes from the pool, starting at random aligned offsets (wrapping as needed)."""
+    out = np.empty(n, dtype=np.uint8)
+    done = 0
+    while done < n:
+        start = int(rng.integers(0, len(pool) // align)) * align
+        take = min(n - done, len(pool) - start)
+        out[done:done + take] = pool[start:start + take]
+        done += take
+    return out
+
+
+def _random_bytes(n: int, rng: np.random.Generator) -> np.ndarray:
+    if n <= 1 << 20:
+        return np.frombuffer(rng.bytes(n), dtype=np.uint8).copy()
+    return _cut(_pool("bytes"), n, rng, 1)
+
+
 def _random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator,
                    field_value: float) -> np.ndarray:
     _, type_size = GGML_QUANT_SIZES[qtype]
-    blocks = np.frombuffer(rng.bytes(n_blocks * type_size), dtype=np.uint8).reshape(
-        n_blocks, type_size).copy()
+    blocks = _random_bytes(n_blocks * type_size, rng).reshape(n_blocks, type_size)
     for off, mult in _F16_FIELDS[qtype]:
         f16 = np.frombuffer(np.float16(field_value * mult).tobytes(), dtype=np.uint8)
         blocks[:, off:off + 2] = f16
@@ -98,12 +139,14 @@ def random_tensor(qtype: Q, shape: tuple[int, int], rng: np.random.Generator, st
                   _cache: dict = {}) -> np.ndarray:
     """Random bytes of a (rows, cols) tensor of `qtype` with weights of about `std`."""
     rows, cols = shape
-    if qtype in (Q.F32, Q.F16):
-        dt = np.float32 if qtype == Q.F32 else np.float16
-        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(dt)
-    if qtype == Q.BF16:
-        f = rng.standard_normal(shape, dtype=np.float32) * std
-        return (f.view(np.uint32) >> 16).astype(np.uint16)
+    if qtype in (Q.F32, Q.F16, Q.BF16):
+        kind, dt = {Q.F32: ("f32", np.float32), Q.F16: ("f16", np.float16),
+                    Q.BF16: ("bf16", np.uint16)}[qtype]
+        size = np.dtype(dt).itemsize
+        if rows * cols <= 1 << 18:
+            f = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+            return f.astype(dt) if qtype != Q.BF16 else (f.view(np.uint32) >> 16).astype(dt)
+        return _cut(_pool(kind, std), rows * cols * size, rng, size).view(dt).reshape(shape)
     if qtype not in _F16_FIELDS:
         raise BadArgument(f"synth cannot make random {qtype.name} tensors")
     key = (qtype, std)

@@ -12,19 +12,21 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from .rope import RopeTable
 
+_HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
+
 Linear = Callable[[torch.Tensor], torch.Tensor]  # (T, in) -> (T, out); knows its own format
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # (hidden,)
-    attn_q: Linear  # hidden -> n_heads * head_dim
-    attn_k: Linear  # hidden -> n_kv_heads * head_dim
-    attn_v: Linear  # hidden -> n_kv_heads * head_dim
+    attn_q: Linear | None  # hidden -> n_heads * head_dim (None when only attn_qkv exists)
+    attn_k: Linear | None  # hidden -> n_kv_heads * head_dim
+    attn_v: Linear | None  # hidden -> n_kv_heads * head_dim
     attn_output: Linear  # n_heads * head_dim -> hidden
     ffn_norm: torch.Tensor  # (hidden,)
-    ffn_gate: Linear  # hidden -> ffn
-    ffn_up: Linear  # hidden -> ffn
+    ffn_gate: Linear | None  # hidden -> ffn (None when only ffn_gate_up exists)
+    ffn_up: Linear | None  # hidden -> ffn
     ffn_down: Linear  # ffn -> hidden
     # Optional fused projections, set by loaders whose format allows concatenating rows:
     # one call instead of three (or two) matters when each call is a small memory-bound GEMV.
@@ -33,38 +35,56 @@ class LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 (one fused op where torch has it: per-op overhead dominates
+    batch-1 decode on CPU)."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32 and _HAS_RMS_NORM:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * xf).to(x.dtype)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int,
-              group: int) -> torch.Tensor:
-    """Causal GQA attention of T new queries over S = start_pos + T cached keys.
+@dataclass(frozen=True)
+class Step:
+    """Which cache slots a forward step writes and reads.
 
-    q: (T, n_heads, d); k, v: (n_kv_heads, S, d). Returns (T, n_heads * d).
+    Eager steps know their start position on the host: keys go to start .. start + T - 1 and
+    attention reads the first start + T slots. Graph-captured decode steps must not bake the
+    position in, so they carry it only in `positions` (a device tensor), write with index_copy_
+    and read a fixed `span` of slots, masking those past the position.
+    """
+
+    positions: torch.Tensor  # (T,) long, on the device
+    span: int  # cache slots attention reads
+    start: int | None = None  # host-known start position (eager), None in a captured graph
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
+              group: int) -> torch.Tensor:
+    """Causal GQA attention of T new queries over the first `step.span` cached keys.
+
+    q: (T, n_heads, d); k, v: (n_kv_heads, span, d). Returns (T, n_heads * d).
     The query heads sharing one KV head are folded into the row dimension so K and V are
-    never copied per query head: (n_kv, group * T, d) against (n_kv, S, d).
+    never copied per query head: (n_kv, group * T, d) against (n_kv, span, d).
     """
     T, n_heads, d = q.shape
     n_kv, S, _ = k.shape
     qg = q.permute(1, 0, 2).reshape(n_kv, group * T, d)  # rows ordered (group, T)
     mask = None
-    if T > 1:
-        rows = torch.arange(T, device=q.device)[:, None] + start_pos
-        mask = torch.arange(S, device=q.device)[None, :] <= rows  # (T, S), True = attend
+    if T > 1 or step.start is None:
+        keys = torch.arange(S, device=q.device)
+        mask = keys[None, :] <= step.positions[:, None]  # (T, S), True = attend
         mask = mask.repeat(group, 1)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=1.0 / math.sqrt(d))
     return out.reshape(n_heads, T, d).permute(1, 0, 2).reshape(T, n_heads * d)
 
 
 def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
-                  cos_sin: tuple[torch.Tensor, torch.Tensor], start_pos: int,
+                  cos_sin: tuple[torch.Tensor, torch.Tensor], step: Step,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, rope: RopeTable) -> torch.Tensor:
-    """One decoder block on x (T, hidden) at positions start_pos .. start_pos + T - 1.
+    """One decoder block on x (T, hidden) at the positions `step` names.
 
-    cos_sin: `rope.angles(positions)`, computed once per forward and shared by all layers.
-
+    cos_sin: `rope.angles(step.positions)`, computed once per forward and shared by all layers.
     k_cache, v_cache: this layer's (n_kv_heads, max_ctx, head_dim) slices; the new keys and
     values are written in place.
     """
@@ -79,10 +99,14 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         v = w.attn_v(h).view(T, cfg.n_kv_heads, cfg.head_dim)
     qk = rope.apply(qk, cos_sin)  # q and k heads rotate together: one pass, same angles
     q, k = qk[:, :cfg.n_heads], qk[:, cfg.n_heads:]
-    end = start_pos + T
-    k_cache[:, start_pos:end] = k.transpose(0, 1).to(k_cache.dtype)
-    v_cache[:, start_pos:end] = v.transpose(0, 1).to(v_cache.dtype)
-    attn = attention(q.to(k_cache.dtype), k_cache[:, :end], v_cache[:, :end], start_pos,
+    k_new, v_new = k.transpose(0, 1).to(k_cache.dtype), v.transpose(0, 1).to(v_cache.dtype)
+    if step.start is not None:
+        k_cache[:, step.start:step.start + T] = k_new
+        v_cache[:, step.start:step.start + T] = v_new
+    else:
+        k_cache.index_copy_(1, step.positions, k_new)
+        v_cache.index_copy_(1, step.positions, v_new)
+    attn = attention(q.to(k_cache.dtype), k_cache[:, :step.span], v_cache[:, :step.span], step,
                      cfg.gqa_group)
     x = x + w.attn_output(attn.to(x.dtype))
     h = rms_norm(x, w.ffn_norm, cfg.norm_eps)

@@ -32,19 +32,30 @@ class RopeTable:
         self.sin = angles.sin().to(device)
 
     def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for positions (T,), each (T, 1, rope_dim/2): broadcast over heads."""
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        """What `apply` needs for positions (T,), computed once per forward for all layers.
 
-    def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate x (T, heads, head_dim) by `angles(positions)`; dims past rope_dim pass."""
-        cos, sin = cos_sin
-        rot, rest = x[..., : self.rope_dim].float(), x[..., self.rope_dim:]
+        normal: (cis, unused) with cis complex64 (T, 1, rope_dim/2), so the rotation is one
+        complex multiply of adjacent pairs viewed as complex numbers.
+        neox: (cos, sin) each (T, 1, rope_dim) with the half-angle table repeated twice.
+        """
+        cos, sin = self.cos[positions][:, None, :], self.sin[positions][:, None, :]
         if self.style == "normal":
-            x0, x1 = rot[..., 0::2], rot[..., 1::2]
-            out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+            return torch.complex(cos, sin), cos
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+    def apply(self, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate x (T, heads, head_dim) by `angles(positions)`; dims past rope_dim pass."""
+        T, heads, head_dim = x.shape
+        partial = self.rope_dim < head_dim
+        rot = x[..., : self.rope_dim] if partial else x
+        rot = rot.float()
+        if self.style == "normal":
+            pairs = torch.view_as_complex(rot.reshape(T, heads, self.rope_dim // 2, 2))
+            out = torch.view_as_real(pairs * angles[0]).reshape(T, heads, self.rope_dim)
         else:
+            cos, sin = angles
             half = self.rope_dim // 2
-            x0, x1 = rot[..., :half], rot[..., half:]
-            out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+            rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+            out = rot * cos + rotated * sin
         out = out.to(x.dtype)
-        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+        return torch.cat((out, x[..., self.rope_dim:]), dim=-1) if partial else out

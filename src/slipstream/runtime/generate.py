@@ -96,39 +96,50 @@ def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], params: Sampl
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
     stop_ids = set(stop_ids) if stop_ids is not None else set(tokenizer.eot_ids)
-    sampler = Sampler(params)
+    sampler = Sampler(params, device=engine.device)
     decoder = tokenizer.stream_decoder()
     matcher = _StopMatcher(stop)
-    history = torch.tensor(prompt, dtype=torch.long)
+    history = torch.tensor(prompt, dtype=torch.long, device=engine.device)
     budget = min(max_tokens, engine.ctx - len(prompt))
+    if budget <= 0:
+        return
 
     engine.reset()
     t0 = time.perf_counter()
     logits = engine.forward(prompt)[-1]
+    token = sampler(logits, history)  # 0-d, on the device
     stats.prefill_s = time.perf_counter() - t0
     t_decode = time.perf_counter()
-    for index in range(budget):
-        token = sampler(logits, history)
-        tid = int(token)
-        stats.generated_tokens = index + 1
-        if tid in stop_ids:
-            tail = matcher.flush() + decoder.flush()
-            stats.finish_reason = "stop"
-            yield GenerationEvent(tid, tail, index, "stop")
-            break
-        text, hit = matcher.push(decoder.push(tid))
-        if hit:
-            stats.finish_reason = "stop"
-            yield GenerationEvent(tid, text, index, "stop")
-            break
-        last = index == budget - 1
-        if last:
-            text += matcher.push(decoder.flush())[0] + matcher.flush()
-            stats.finish_reason = "length"
-            yield GenerationEvent(tid, text, index, "length")
-            break
-        yield GenerationEvent(tid, text, index)
-        history = torch.cat((history, token.view(1).cpu()))
-        logits = engine.forward(token.view(1))[-1]
+    # Looking one step ahead only pays where the device runs asynchronously to the host.
+    ahead = engine.device.type == "cuda"
+    try:
+        for index in range(budget):
+            last = index == budget - 1
+            # On CUDA, queue the next step before reading this token back: the device computes
+            # step t+1 while the host turns token t into text. A step that turns out not to be
+            # needed (a stop) is wasted work, never a wrong result: the next generation resets.
+            next_logits = engine.decode(token.view(1)) if (ahead and not last) else None
+            tid = int(token)
+            stats.generated_tokens = index + 1
+            if tid in stop_ids:
+                tail = matcher.flush() + decoder.flush()
+                stats.finish_reason = "stop"
+                yield GenerationEvent(tid, tail, index, "stop")
+                return
+            text, hit = matcher.push(decoder.push(tid))
+            if hit:
+                stats.finish_reason = "stop"
+                yield GenerationEvent(tid, text, index, "stop")
+                return
+            if last:
+                text += matcher.push(decoder.flush())[0] + matcher.flush()
+                stats.finish_reason = "length"
+                yield GenerationEvent(tid, text, index, "length")
+                return
+            if next_logits is None:
+                next_logits = engine.decode(token.view(1))
+            history = torch.cat((history, token.view(1)))
+            token = sampler(next_logits[-1], history)
+            yield GenerationEvent(tid, text, index)
+    finally:
         stats.decode_s = time.perf_counter() - t_decode
-    stats.decode_s = time.perf_counter() - t_decode

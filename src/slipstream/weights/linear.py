@@ -69,3 +69,51 @@ class QuantEmbedding:
         rows = self.raw[ids.to(self.raw.device)]
         return quant.dequantize(rows, self.ggml_type, (ids.shape[0], self.hidden)).to(
             self.out_dtype)
+
+
+class Workspace:
+    """One flat scratch buffer shared by every QuantLinear on a device: prefill dequantizes one
+    weight at a time into it, so it is sized for the largest weight, not their sum."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+        self.device = device
+        self.dtype = dtype
+        self.buffer = torch.empty(0, device=device, dtype=dtype)
+
+    def reserve(self, n_elements: int) -> None:
+        if self.buffer.numel() < n_elements:
+            self.buffer = torch.empty(n_elements, device=self.device, dtype=self.dtype)
+
+    def view(self, rows: int, cols: int) -> torch.Tensor:
+        self.reserve(rows * cols)
+        return self.buffer[: rows * cols].view(rows, cols)
+
+
+class QuantLinear:
+    """y = x @ W^T (+ b) with W kept in its GGUF format, repacked once for the Triton kernels:
+    a fused dequant-GEMV for up to 8 rows, dequantize-to-bf16 plus cuBLAS above that."""
+
+    def __init__(self, packed, bias: torch.Tensor | None, workspace: Workspace):
+        from .. import kernels
+
+        self.packed = packed
+        self.bias = bias
+        self.workspace = workspace
+        self._matmul = kernels.matmul
+        self._max_m = kernels.MAX_M
+        if packed.qtype not in (0, 1, 30):  # float formats need no scratch
+            workspace.reserve(packed.rows * packed.cols)
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.rows
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        scratch = None
+        if rows > self._max_m and self.packed.qtype not in (0, 1, 30):
+            scratch = self.workspace.view(self.packed.rows, self.packed.cols)
+        y = self._matmul(x, self.packed, out_dtype=x.dtype, scratch=scratch)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y

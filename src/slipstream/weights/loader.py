@@ -14,7 +14,7 @@ from ..config import ModelConfig
 from ..errors import GGUFError
 from ..gguf_file import GGUFFile
 from ..model.llama import LayerWeights
-from .linear import DenseLinear, QuantEmbedding
+from .linear import DenseLinear, QuantEmbedding, QuantLinear, Workspace
 
 
 @dataclass
@@ -89,30 +89,62 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
         tick(name)
         return t
 
-    def linear(prefix: str, shape: tuple[int, ...], shapes: dict) -> DenseLinear:
-        w = dense(gf, f"{prefix}.weight", shape, weight_dtype, device)
-        tick(f"{prefix}.weight")
-        bias = None
-        bias_name = f"{prefix}.bias"
-        if bias_name in gf.tensors:
-            bias = dense(gf, bias_name, (shape[0],), torch.float32, device)
-            tick(bias_name)
-        return DenseLinear(w, bias)
+    quantized = device.type == "cuda"
+    workspace = Workspace(device) if quantized else None
+
+    def bias_of(prefix: str, rows: int) -> torch.Tensor | None:
+        name = f"{prefix}.bias"
+        if name not in gf.tensors:
+            return None
+        tick(name)
+        return dense(gf, name, (rows,), torch.float32, device)
+
+    def linears(prefixes: list[str], shape_of: dict) -> tuple[Callable | None, list[Callable]]:
+        """The layers for `prefixes` (same input), plus one fused layer over all of them when
+        their formats allow it (None otherwise)."""
+        shapes_ = [shape_of[f"{p.rsplit('.', 1)[1]}.weight"] for p in prefixes]
+        biases = [bias_of(p, s[0]) for p, s in zip(prefixes, shapes_)]
+        if not quantized:
+            parts = []
+            for p, s, b in zip(prefixes, shapes_, biases):
+                parts.append(DenseLinear(dense(gf, f"{p}.weight", s, weight_dtype, device), b))
+                tick(f"{p}.weight")
+            if len(parts) == 1:
+                return None, parts
+            return DenseLinear.fuse(parts)
+        # GPU: the weights stay quantized, repacked for the kernels. Rows of the same format
+        # concatenate into one packed weight, so q/k/v (gate/up) cost one kernel launch.
+        from .. import kernels
+
+        types = {gf.tensors[f"{p}.weight"].ggml_type for p in prefixes}
+        raws = [raw_tensor(gf, f"{p}.weight", s).to(device) for p, s in zip(prefixes, shapes_)]
+        for p in prefixes:
+            tick(f"{p}.weight")
+        if len(prefixes) > 1 and len(types) == 1:
+            rows = sum(s[0] for s in shapes_)
+            packed = kernels.pack_weight(torch.cat(raws), types.pop(), rows, shapes_[0][1])
+            bias = (torch.cat([b if b is not None else torch.zeros(s[0], device=device)
+                               for b, s in zip(biases, shapes_)])
+                    if any(b is not None for b in biases) else None)
+            return QuantLinear(packed, bias, workspace), []
+        parts = [QuantLinear(kernels.pack_weight(r, gf.tensors[f"{p}.weight"].ggml_type, *s), b,
+                             workspace) for p, r, s, b in zip(prefixes, raws, shapes_, biases)]
+        return None, parts
 
     shapes = expected_shapes(cfg)
     layers = []
     for i in range(cfg.n_layers):
         p = f"blk.{i}"
-        lin = {k: linear(f"{p}.{k}", shapes[f"{k}.weight"], shapes)
-               for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
-                         "ffn_down")}
-        qkv, (lin["attn_q"], lin["attn_k"], lin["attn_v"]) = DenseLinear.fuse(
-            [lin["attn_q"], lin["attn_k"], lin["attn_v"]])
-        gate_up, (lin["ffn_gate"], lin["ffn_up"]) = DenseLinear.fuse(
-            [lin["ffn_gate"], lin["ffn_up"]])
+        qkv, qkv_parts = linears([f"{p}.attn_q", f"{p}.attn_k", f"{p}.attn_v"], shapes)
+        gate_up, gu_parts = linears([f"{p}.ffn_gate", f"{p}.ffn_up"], shapes)
+        (_, (attn_output,)), (_, (ffn_down,)) = (linears([f"{p}.attn_output"], shapes),
+                                                 linears([f"{p}.ffn_down"], shapes))
+        q, k, v = qkv_parts if qkv_parts else (None, None, None)
+        gate, up = gu_parts if gu_parts else (None, None)
         layers.append(LayerWeights(attn_norm=norm(f"{p}.attn_norm.weight"),
-                                   ffn_norm=norm(f"{p}.ffn_norm.weight"), attn_qkv=qkv,
-                                   ffn_gate_up=gate_up, **lin))
+                                   ffn_norm=norm(f"{p}.ffn_norm.weight"), attn_q=q, attn_k=k,
+                                   attn_v=v, attn_output=attn_output, ffn_gate=gate, ffn_up=up,
+                                   ffn_down=ffn_down, attn_qkv=qkv, ffn_gate_up=gate_up))
 
     embed_shape = (cfg.vocab_size, cfg.hidden)
     embed_info = gf.tensors.get("token_embd.weight")
@@ -121,7 +153,14 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
     tick("token_embd.weight")
     # Tied embeddings: models without output.weight reuse the embedding matrix as the head.
     head_name = "output.weight" if "output.weight" in gf.tensors else "token_embd.weight"
-    output = DenseLinear(dense(gf, head_name, embed_shape, weight_dtype, device))
+    if quantized:
+        from .. import kernels
+
+        head_raw = raw_tensor(gf, head_name, embed_shape).to(device)
+        output = QuantLinear(kernels.pack_weight(head_raw, gf.tensors[head_name].ggml_type,
+                                                 *embed_shape), None, workspace)
+    else:
+        output = DenseLinear(dense(gf, head_name, embed_shape, weight_dtype, device))
     if head_name == "output.weight":
         tick(head_name)
     rope_freqs = None

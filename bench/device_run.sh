@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Everything the GPU machine runs, in one call: install the carried wheels, run the GPU tests,
+# run the benchmarks, and write logs and JSON into OUTDIR ($1, default $OUT).
+#
+#   STAGE=kernels  kernel tests + kernel microbenchmark (no model file needed)
+#   STAGE=engine   engine GPU tests + resident benchmarks (needs the default model)
+#   STAGE=all      both (default)
+#
+# The device has no network, so the default model (98 MB, over the 64 MiB a call may carry)
+# travels in two parts: .model/a/part1 in one call, .model/b/part2 in the next; each is parked
+# in /tmp/slipstream-cache and the file is reassembled once both are there.
+set -uo pipefail
+OUTDIR=${1:-${OUT:-/tmp/slipstream-out}}
+STAGE=${STAGE:-all}
+mkdir -p "$OUTDIR"
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export SLIPSTREAM_CACHE=/tmp/slipstream-cache SLIPSTREAM_OFFLINE=1
+mkdir -p "$SLIPSTREAM_CACHE"
+for part in .model/a/part1 .model/b/part2; do
+  [ -f "$part" ] && cp "$part" "$SLIPSTREAM_CACHE/$(basename "$part")"
+done
+MODEL=$SLIPSTREAM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$MODEL" ] && [ -f "$SLIPSTREAM_CACHE/part1" ] && [ -f "$SLIPSTREAM_CACHE/part2" ]; then
+  cat "$SLIPSTREAM_CACHE/part1" "$SLIPSTREAM_CACHE/part2" > "$MODEL"
+fi
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUTDIR/gpu.txt"
+if [ "$STAGE" = kernels ] || [ "$STAGE" = all ]; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_kernels.py tests/quant 2>&1 \
+    | tail -25 | tee "$OUTDIR/pytest-kernels.log"
+  timeout 180 python3 bench/kernels_bench.py "$OUTDIR" --quick 2>&1 | tail -40 \
+    | tee "$OUTDIR/kernels-bench.log"
+fi
+if [ "$STAGE" = engine ] || [ "$STAGE" = all ]; then
+  if [ -f "$MODEL" ]; then
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_engine.py 2>&1 | tail -25 \
+      | tee "$OUTDIR/pytest-engine.log"
+  else
+    echo "default model not on the device: engine tests skipped" | tee "$OUTDIR/pytest-engine.log"
+  fi
+  python3 bench/gpu_bench.py "$OUTDIR" --cases "${CASES:-8b-q4k,8b-q8_0,8b-q6_k,8b-f16,70b-q4k}" \
+    2>&1 | tee "$OUTDIR/gpu-bench.log" | tail -30
+fi

@@ -1,0 +1,159 @@
+"""Resident GPU benchmark: synthesize anchor-shaped models, load them, measure pp512 and tg128.
+
+    python bench/gpu_bench.py OUTDIR [--cases 8b-q4k,8b-q8_0,...] [--workdir /tmp/models]
+
+Measures in the same run the device-to-device copy bandwidth (the HBM roofline) and the pinned
+host-to-device bandwidth, and reports each case's decode rate against its roofline: the bytes of
+weights one decode token reads, divided by the HBM bandwidth. Prints a table and writes
+OUTDIR/gpu-resident.json in the shape bench/results uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import slipstream  # noqa: E402
+from slipstream.runtime.bench import bench_decode, bench_prefill  # noqa: E402
+from slipstream.synth import write_synth  # noqa: E402
+from slipstream.weights.linear import QuantLinear  # noqa: E402
+
+CASES = {  # name: (shape, --quant)
+    "8b-q4k": ("8b", "Q4_K"),
+    "8b-q8_0": ("8b", "Q8_0"),
+    "8b-q6_k": ("8b", "Q6_K"),
+    "8b-f16": ("8b", "F16"),
+    "70b-q4k": ("70b", "Q4_K"),
+}
+
+
+def _event_time(fn, reps: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
+def hbm_copy_gbps(nbytes: int = 2 << 30) -> float:
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t = _event_time(lambda: b.copy_(a), 10)
+    return 2 * nbytes / t / 1e9  # bytes read + written
+
+
+def h2d_pinned_gbps(nbytes: int = 2 << 30) -> float:
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    t = _event_time(lambda: dev.copy_(host, non_blocking=True), 5)
+    return nbytes / t / 1e9
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes one decode token reads: every linear weight once, plus one embedding row."""
+    total = 0
+    w = model.engine.weights
+    for layer in w.layers:
+        for name in ("attn_qkv", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_up",
+                     "ffn_gate", "ffn_up", "ffn_down"):
+            lin = getattr(layer, name)
+            if isinstance(lin, QuantLinear):
+                total += lin.packed.nbytes
+    if isinstance(w.output, QuantLinear):
+        total += w.output.packed.nbytes
+    total += w.embed.raw.shape[1]
+    return total
+
+
+def run_case(name: str, workdir: Path, hbm: float) -> dict:
+    shape, quant = CASES[name]
+    path = workdir / f"{name}.gguf"
+    t0 = time.perf_counter()
+    write_synth(path, shape, quant)
+    synth_s = time.perf_counter() - t0
+    size = path.stat().st_size
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    model = slipstream.load(path, device="cuda", ctx=640)
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    pp = bench_prefill(model.engine, 512, reps=3)
+    tg = bench_decode(model.engine, 128, reps=3)
+    per_token = weight_bytes_per_token(model)
+    roofline = hbm * 1e9 / per_token
+    case = {
+        "name": f"{name}-resident",
+        "decode_tok_s": round(tg.tok_s, 2),
+        "prefill512_tok_s": round(pp.tok_s, 1),
+        "roofline_decode_tok_s": round(roofline, 1),
+        "decode_fraction_of_roofline": round(tg.tok_s / roofline, 3),
+        "weight_bytes_per_token": per_token,
+        "vram_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        "graph_capture_s": round(model.engine.graph_capture_s, 2),
+        "load_s": round(load_s, 1),
+        "file_bytes": size,
+        "synth_MBps": round(size / synth_s / 1e6, 0),
+        "decode_runs_s": [round(x, 4) for x in tg.seconds],
+        "prefill_runs_s": [round(x, 4) for x in pp.seconds],
+    }
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    path.unlink()
+    return case
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("outdir")
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--workdir", default="/tmp/slipstream-models")
+    a = ap.parse_args()
+    out = Path(a.outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(a.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    hbm = hbm_copy_gbps()
+    h2d = h2d_pinned_gbps()
+    print(f"HBM copy {hbm:.0f} GB/s, pinned H2D {h2d:.1f} GB/s", flush=True)
+    commit = os.environ.get("SLIPSTREAM_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
+    doc = {"device": torch.cuda.get_device_name(), "commit": commit,
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "torch": torch.__version__, "hbm_gbps": round(hbm, 1), "h2d_gbps": round(h2d, 1),
+           "cases": []}
+    for name in a.cases.split(","):
+        try:
+            case = run_case(name, work, hbm)
+        except Exception as e:  # record the failure and go on with the other cases
+            case = {"name": f"{name}-resident", "error": f"{type(e).__name__}: {e}"}
+        doc["cases"].append(case)
+        print(json.dumps(case), flush=True)
+        (out / "gpu-resident.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"\n{'case':22} {'tg128 tok/s':>12} {'roofline':>9} {'frac':>6} {'pp512 tok/s':>12} "
+          f"{'VRAM GiB':>9} {'capture s':>9}")
+    for c in doc["cases"]:
+        if "error" in c:
+            print(f"{c['name']:22} ERROR {c['error'][:80]}")
+            continue
+        print(f"{c['name']:22} {c['decode_tok_s']:12.1f} {c['roofline_decode_tok_s']:9.1f} "
+              f"{c['decode_fraction_of_roofline']:6.2f} {c['prefill512_tok_s']:12.1f} "
+              f"{c['vram_gib']:9.2f} {c['graph_capture_s']:9.2f}")
+
+
+if __name__ == "__main__":
+    main()

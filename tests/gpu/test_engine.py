@@ -1,0 +1,54 @@
+"""The CUDA engine (Triton kernels, quantized weights) against the CPU engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import slipstream
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = ["The capital of France is a city with a long history of",
+           "def fibonacci(n):\n    if n < 2:\n        return n\n",
+           "<|im_start|>user\nName three colors.<|im_end|>\n<|im_start|>assistant\n"]
+
+
+@pytest.fixture(scope="module")
+def cpu_model(smollm_path):
+    return slipstream.load(smollm_path, device="cpu", ctx=256)
+
+
+@pytest.fixture(scope="module")
+def gpu_model(smollm_path):
+    pytest.importorskip("triton")
+    return slipstream.load(smollm_path, device="cuda", ctx=256)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_gpu_logits_match_cpu(cpu_model, gpu_model, prompt):
+    ids = cpu_model.tokenize(prompt)
+    a = cpu_model.logits(ids)
+    b = gpu_model.logits(ids)
+    assert b.dtype == torch.float32 and b.shape == a.shape
+    assert float((a - b).norm() / a.norm()) < 2e-2
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
+
+
+def test_gpu_decode_steps_match_cpu(cpu_model, gpu_model):
+    ids = cpu_model.tokenize(PROMPTS[0])
+    for m in (cpu_model, gpu_model):
+        m.engine.reset()
+        m.engine.forward(ids[:3])
+    steps = [(cpu_model.engine.forward(ids[i:i + 1]).cpu(),
+              gpu_model.engine.forward(ids[i:i + 1]).cpu()) for i in range(3, len(ids))]
+    for a, b in steps:
+        assert float((a - b).norm() / a.norm()) < 1e-2
+
+
+def test_greedy_64_tokens_equal_cpu(cpu_model, gpu_model):
+    prompt = "Once upon a time, in a small village by the sea,"
+    a = [e.id for e in cpu_model.generate(prompt, max_tokens=64, temperature=0)]
+    b = [e.id for e in gpu_model.generate(prompt, max_tokens=64, temperature=0)]
+    first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    assert a == b, f"first divergence at token {first_diff}"
