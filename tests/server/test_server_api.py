@@ -4,18 +4,27 @@ cancellation on disconnect."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
 
-import httpx
 import pytest
 
-import slipstream
-from conftest import ServerProcess
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+pytest.importorskip("openai")
+pytest.importorskip("httpx")
+
+import httpx  # noqa: E402
+from server_process import ServerProcess  # noqa: E402
+
+import slipstream  # noqa: E402
 
 N = 12  # generated tokens per request: small, the CPU is slow and shared
 STORY = "Once upon a time"
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9,"  # greedy continues it far beyond any max_tokens here
 CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Name three colors."}]
 
@@ -207,11 +216,10 @@ def test_eight_concurrent_clients(server, model):
 def test_disconnect_cancels_generation(server, client):
     before = server.metric("slipstream_cancelled_total", 'stage="running"')
     tokens_before = server.metric("slipstream_generated_tokens_total")
-    body = {"messages": [{"role": "user", "content": "Write a very long story about a cat."}],
-            "max_tokens": 400, "temperature": 0, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        got = [line for line, _ in zip(lines, range(12)) if line.startswith("data: ")]
+    body = {"prompt": COUNTING, "max_tokens": 400, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        got = [line for line in itertools.islice(r.iter_lines(), 12)
+               if line.startswith("data: ")]
         assert len(got) >= 3
     # the stream is closed: the server must notice and stop generating
     deadline = time.monotonic() + 60
@@ -223,6 +231,19 @@ def test_disconnect_cancels_generation(server, client):
     r = client.completions.create(model="default", prompt=STORY, max_tokens=2, temperature=0)
     assert r.usage.completion_tokens == 2
     assert server.alive
+
+
+def test_disconnect_cancels_non_streamed_generation(server, client):
+    before = server.metric("slipstream_cancelled_total", 'stage="running"')
+    body = {"prompt": COUNTING, "max_tokens": 400, "temperature": 0}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(2.0))
+    deadline = time.monotonic() + 60
+    while server.metric("slipstream_cancelled_total", 'stage="running"') < before + 1:
+        assert time.monotonic() < deadline, "the generation was not cancelled"
+        time.sleep(0.2)
+    r = client.completions.create(model="default", prompt=STORY, max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
 
 
 def test_metrics(server):

@@ -1,4 +1,6 @@
-"""Real `slipstream serve` processes for the server tests, driven over loopback HTTP."""
+"""A real `slipstream serve` process for the server tests, driven over loopback HTTP.
+
+(A helper module, not a conftest: tests/conftest.py already owns the name `conftest`.)"""
 
 from __future__ import annotations
 
@@ -10,12 +12,8 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
-
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-pytest.importorskip("prometheus_client")
-openai = pytest.importorskip("openai")
 
 READY_TIMEOUT_S = 240  # loading the default model takes ~15 s on a free core; CI shares them
 

@@ -1,0 +1,218 @@
+"""The FastAPI app: OpenAI-compatible endpoints over one shared Model.
+
+    app = create_app(slipstream.load(), max_queue=16)
+
+Requests are validated and tokenized on the event loop's side (tokenizing runs on a one-thread
+executor so a long prompt does not stall other clients), then queued for the single generation
+thread (see worker.py). The handlers only await what that thread produces.
+
+Model names accepted: the GGUF file stem (what /v1/models lists), the file name, and the alias
+"default"; a request without `model` gets the served model too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+from collections.abc import AsyncIterator, Callable
+
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import SlipstreamError
+from ..runtime.generate import GenerationEvent
+from .errors import APIError, bad_request, from_slipstream, from_validation
+from .metrics import Metrics, MetricsMiddleware
+from .openai_format import DONE_LINE, Formatter, sse
+from .schemas import ChatRequest, CompletionRequest
+from .worker import Done, GenerationWorker, Job, QueueFull
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+ALIASES = ("default",)
+
+
+def create_app(model, max_queue: int = 16, model_id: str | None = None) -> FastAPI:
+    model_id = model_id or Path(model.path).stem
+    names = {model_id, Path(model.path).name, *ALIASES}
+    created = int(Path(model.path).stat().st_mtime) if Path(model.path).exists() else 0
+    metrics = Metrics()
+    worker = GenerationWorker(model, max_queue, on_done=metrics.generation_done,
+                              on_cancel=metrics.generation_cancelled)
+    metrics.watch(worker)
+    prep = ThreadPoolExecutor(1, thread_name_prefix="slipstream-tokenize")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        worker.start()
+        yield
+        worker.stop()
+        prep.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="slipstream", summary="OpenAI-compatible server for GGUF models",
+                  lifespan=lifespan, strict_content_type=False)
+    app.state.model, app.state.worker, app.state.metrics = model, worker, metrics
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+
+    def error_response(e: APIError) -> JSONResponse:
+        metrics.errors.labels(e.code or e.type).inc()
+        return e.response()
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return error_response(from_validation(e))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return error_response(APIError(e.status_code, f"{request.method} {request.url.path}: "
+                                       f"{e.detail}", code=code, headers=e.headers))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, e: Exception):
+        return error_response(APIError(500, f"internal error: {type(e).__name__}: {e}",
+                                       type="server_error", code="internal_error"))
+
+    def model_card() -> dict:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "slipstream"}
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": model_id, "device": str(model.device), "ctx": model.ctx,
+                "queue_depth": worker.waiting, "max_queue": worker.max_queue,
+                "running": int(worker.busy)}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str) -> dict:
+        check_model(name)
+        return model_card()
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in names:
+            raise APIError(404, f"The model {name!r} does not exist; this server serves "
+                           f"{model_id!r}", param="model", code="model_not_found")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        def prepare() -> list[int]:
+            if isinstance(req.prompt, str):
+                return model.tokenize(req.prompt)
+            bad = [t for t in req.prompt if not 0 <= t < model.tokenizer.vocab_size]
+            if bad:
+                raise bad_request(f"token id {bad[0]} is out of range [0, "
+                                  f"{model.tokenizer.vocab_size})", param="prompt")
+            return list(req.prompt)
+
+        return await serve(request, req, Formatter(False, model_id, req.include_usage), prepare,
+                           COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        messages = [m.for_template() for m in req.messages]
+        return await serve(request, req, Formatter(True, model_id, req.include_usage),
+                           lambda: model.chat_ids(messages), model.ctx, "messages")
+
+    async def serve(request: Request, req, fmt: Formatter, prepare: Callable[[], list[int]],
+                    default_max_tokens: int, prompt_param: str):
+        t0 = time.perf_counter()
+        check_model(req.model)
+        ids = await tokenize(prepare)
+        if not ids:
+            raise bad_request("the prompt is empty (it has no tokens)", param=prompt_param)
+        if len(ids) >= model.ctx:
+            raise APIError(400, f"This model's maximum context length is {model.ctx} tokens, "
+                           f"but the prompt has {len(ids)} tokens (and at least one token must "
+                           f"be generated). Shorten the prompt or start the server with a "
+                           f"larger --ctx.", param=prompt_param, code="context_length_exceeded")
+        try:
+            job = worker.submit(ids, req.sampling_kwargs(default_max_tokens))
+        except QueueFull as e:
+            raise APIError(503, f"The server is busy: {e}. Retry after {e.retry_after_s} s.",
+                           type="server_error", code="queue_full",
+                           headers={"Retry-After": str(e.retry_after_s)}) from None
+        if req.stream:
+            return StreamingResponse(stream(job, fmt, t0), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache",
+                                              "X-Accel-Buffering": "no"})
+        return await collect(job, fmt, request, t0)
+
+    async def tokenize(prepare: Callable[[], list[int]]) -> list[int]:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(prep, prepare)
+        except APIError:
+            raise
+        except (SlipstreamError, jinja2.TemplateError, ValueError) as e:
+            raise bad_request(f"the prompt could not be prepared: {e}") from None
+
+    async def collect(job: Job, fmt: Formatter, request: Request, t0: float) -> dict:
+        watcher = asyncio.create_task(cancel_on_disconnect(request, job))
+        parts: list[str] = []
+        try:
+            async for item in job.events():
+                if isinstance(item, Done):
+                    return fmt.response("".join(parts), item)
+                if item.index == 0:
+                    metrics.ttft.observe(time.perf_counter() - t0)
+                parts.append(item.text)
+        except SlipstreamError as e:
+            raise from_slipstream(e) from None
+        finally:
+            watcher.cancel()
+            job.cancel()
+        raise AssertionError("unreachable: a job always ends with Done")
+
+    async def stream(job: Job, fmt: Formatter, t0: float) -> AsyncIterator[str]:
+        # Starlette cancels this generator when the client disconnects; `finally` then
+        # cancels the job, which stops the generation at its next token.
+        try:
+            if fmt.chat:
+                yield fmt.chunk("", role=True)
+            async for item in job.events():
+                if isinstance(item, Done):
+                    if fmt.include_usage:
+                        yield fmt.usage_chunk(item)
+                    break
+                assert isinstance(item, GenerationEvent)
+                if item.index == 0:
+                    metrics.ttft.observe(time.perf_counter() - t0)
+                if item.text:
+                    yield fmt.chunk(item.text)
+                if item.finish_reason:
+                    yield fmt.chunk(None if fmt.chat else "", item.finish_reason)
+            yield DONE_LINE
+        except Exception as e:  # the status line is gone already: report in the stream
+            err = from_slipstream(e) if isinstance(e, SlipstreamError) else APIError(
+                500, f"internal error: {type(e).__name__}: {e}", type="server_error",
+                code="internal_error")
+            metrics.errors.labels(err.code or err.type).inc()
+            yield sse(err.body())
+            yield DONE_LINE
+        finally:
+            job.cancel()
+
+    return app
+
+
+async def cancel_on_disconnect(request: Request, job: Job, poll_s: float = 0.25) -> None:
+    """Non-streamed requests: nothing writes to the socket until the end, so poll for a
+    disconnect and cancel the job when the client is gone."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(poll_s)
+    job.cancel()

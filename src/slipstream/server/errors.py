@@ -1,0 +1,88 @@
+"""OpenAI-style API errors: `{"error": {"message", "type", "param", "code"}}` with a status code.
+
+Every error the server answers on purpose goes through `APIError`, so clients written against
+OpenAI (the `openai` package raises `BadRequestError`, `NotFoundError`, ... from the status and
+reads the body) see the shapes they expect.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from ..errors import BadArgument, ContextOverflow, SlipstreamError
+
+INVALID = "invalid_request_error"
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, type: str = INVALID,
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_slipstream(e: SlipstreamError) -> APIError:
+    """Map an engine error raised while preparing or running a request."""
+    if isinstance(e, ContextOverflow):
+        return APIError(400, str(e), param="messages", code="context_length_exceeded")
+    if isinstance(e, BadArgument):
+        return APIError(400, str(e))
+    return APIError(500, str(e), type="server_error", code="internal_error")
+
+
+def from_validation(exc: RequestValidationError) -> APIError:
+    """Turn FastAPI's 422 (pydantic errors or a body that is not JSON) into OpenAI's 400."""
+    errors = exc.errors()
+    if not errors:
+        return bad_request("the request body is invalid")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        return bad_request(f"the request body is not valid JSON ({detail})".replace(" ()", ""))
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Union branches add their type name to the location ("stop.str"); keep the field path.
+    loc = [p for p in loc if p not in _UNION_TAGS and "[" not in p]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+    if param is None and isinstance(first.get("input"), (bytes, str)):
+        # FastAPI parses JSON only for a JSON (or absent) Content-Type; curl -d sends a form type
+        msg = "the request body must be JSON, sent with Content-Type: application/json"
+    elif param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        msg = "the request body must be a JSON object"
+    elif param is not None and first.get("type") != "value_error":
+        # value errors are ours and name what is wrong; pydantic's own need the field and input
+        msg = f"{param}: {msg}"
+        if "input" in first and first.get("type") != "missing":
+            msg += f" (got {_short(first['input'])})"
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return bad_request(msg, param=param)
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "list[str]", "list[int]",
+               "list[list[int]]", "none", "function-after", "function-before", "literal"}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

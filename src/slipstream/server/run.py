@@ -1,0 +1,17 @@
+"""Run the app under uvicorn (what `slipstream serve` calls)."""
+
+from __future__ import annotations
+
+import uvicorn
+
+from .app import create_app
+
+
+def run_server(model, host: str = "127.0.0.1", port: int = 8080, max_queue: int = 16,
+               log_level: str = "info") -> None:
+    """Serve `model` until interrupted. Blocks."""
+    app = create_app(model, max_queue=max_queue)
+    # Open streams would hold a graceful shutdown forever; cut them after a few seconds.
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=3)
+    uvicorn.Server(config).run()

@@ -1,0 +1,144 @@
+"""The generation worker and the app's error paths on a fake model (no weights, milliseconds):
+FIFO order, the queue bound, cancellation of waiting and running jobs, and an error raised in
+the middle of a stream."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from slipstream.errors import SlipstreamError  # noqa: E402
+from slipstream.runtime.generate import GenerationEvent, GenerationStats  # noqa: E402
+from slipstream.server import create_app  # noqa: E402
+from slipstream.server.worker import Done, GenerationWorker, QueueFull  # noqa: E402
+
+
+class FakeTokenizer:
+    vocab_size = 100
+
+
+class FakeModel:
+    """Generates "t0 t1 ..." forever (until max_tokens); a prompt with id 99 fails at token 2.
+    `gate` can hold each generation at its start, so tests control who runs when."""
+
+    path = Path("fake-model.gguf")
+    ctx = 64
+    device = "cpu"
+    tokenizer = FakeTokenizer()
+
+    def __init__(self):
+        self.started: list[list[int]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.produced = 0
+        self.last_stats = None
+
+    def tokenize(self, text: str) -> list[int]:
+        return [ord(c) % 99 for c in text] or [1]
+
+    def chat_ids(self, messages) -> list[int]:
+        return self.tokenize("".join(m["content"] for m in messages))
+
+    def generate(self, ids, max_tokens=16, **kw):
+        self.last_stats = GenerationStats(prompt_tokens=len(ids))
+        self.started.append(list(ids))
+        return self._gen(list(ids), max_tokens)
+
+    def _gen(self, ids, max_tokens):
+        self.gate.wait(10)
+        for i in range(max_tokens):
+            if 99 in ids and i == 2:
+                raise SlipstreamError("the fake model broke")
+            time.sleep(0.005)
+            self.produced += 1
+            self.last_stats.generated_tokens = i + 1
+            yield GenerationEvent(i, f"t{i} ", i, "length" if i == max_tokens - 1 else None)
+
+
+def _wait(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+
+
+def test_fifo_bound_and_cancellation():
+    async def scenario():
+        model = FakeModel()
+        cancels: list[bool] = []
+        worker = GenerationWorker(model, max_queue=2, on_cancel=cancels.append)
+        worker.start()
+        try:
+            model.gate.clear()
+            first = worker.submit([1], {"max_tokens": 3})
+            await asyncio.to_thread(_wait, lambda: worker.busy and not worker.waiting)
+            second = worker.submit([2], {"max_tokens": 3})
+            third = worker.submit([3], {"max_tokens": 3})
+            with pytest.raises(QueueFull) as e:
+                worker.submit([4], {"max_tokens": 3})
+            assert e.value.retry_after_s >= 1
+            second.cancel()  # leaves the queue at once
+            assert worker.waiting == 1 and cancels == [False]
+            model.gate.set()
+            outs = []
+            for job in (first, second, third):
+                outs.append([item async for item in job.events()])
+            assert "".join(ev.text for ev in outs[0][:-1]) == "t0 t1 t2 "
+            assert outs[1] == [Done(1, 0, None, cancelled=True)]
+            assert outs[2][-1].completion_tokens == 3
+            assert model.started == [[1], [3]]  # first come, first served; [2] never ran
+
+            running = worker.submit([5], {"max_tokens": 10_000})
+            async for item in running.events():
+                if isinstance(item, GenerationEvent) and item.index == 3:
+                    produced_at_cancel = model.produced
+                    running.cancel()
+                if isinstance(item, Done):
+                    assert item.cancelled
+            assert model.produced - produced_at_cancel <= 1  # stopped at the next token
+            assert cancels == [False, True]
+        finally:
+            worker.stop()
+
+    asyncio.run(scenario())
+
+
+@pytest.fixture()
+def client():
+    with TestClient(create_app(FakeModel(), max_queue=4)) as c:
+        yield c
+
+
+def test_error_in_the_middle_of_a_stream(client):
+    body = {"prompt": [5, 99], "max_tokens": 8, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    assert '"error"' in events[-2] and "the fake model broke" in events[-2]
+    assert events[0].startswith('data: {"id":"cmpl-')
+
+
+def test_error_in_a_non_streamed_request(client):
+    r = client.post("/v1/completions", json={"prompt": [5, 99], "max_tokens": 8})
+    assert r.status_code == 500
+    assert r.json()["error"]["type"] == "server_error"
+    r = client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "t0 t1 "
+
+
+def test_default_max_tokens(client):
+    r = client.post("/v1/completions", json={"prompt": "x"})  # OpenAI's default: 16
+    assert r.json()["usage"]["completion_tokens"] == 16
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    # chat asks for the whole context (the real runtime caps it at what the prompt leaves)
+    assert r.json()["usage"]["completion_tokens"] == FakeModel.ctx
