@@ -109,8 +109,13 @@ class Model:
 
 
 def load(path: str | os.PathLike[str] | None = None, device: str | torch.device = "auto",
-         ctx: int | None = None, progress: bool = False) -> Model:
-    """Open a GGUF model (the default model, pulled if missing, when path is None)."""
+         ctx: int | None = None, progress: bool = False, precision: str = "fast") -> Model:
+    """Open a GGUF model (the default model, pulled if missing, when path is None).
+
+    precision: "fast" keeps CPU weights as float16 (half the bytes per decode token; logits
+    within ~1e-3 of float32); "exact" keeps them float32, the reference the GPU is tested
+    against. CUDA always computes from the GGUF formats themselves.
+    """
     from .pull import pull
 
     model_path = Path(path) if path is not None else pull(quiet=not progress)
@@ -125,7 +130,9 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     # CPU keeps float16 weights (see weights.linear.DenseLinear); CUDA keeps the GGUF formats,
     # repacked for the Triton kernels. The residual stream is float32 on both, and the CUDA KV
     # cache float16 (more mantissa than bf16, and attention values never approach its range).
-    weight_dtype = torch.float16
+    if precision not in ("fast", "exact"):
+        raise BadArgument(f"precision={precision!r} is invalid: use 'fast' or 'exact'")
+    weight_dtype = torch.float16 if precision == "fast" else torch.float32
     act_dtype = torch.float32
     kv_dtype = torch.float32 if dev.type == "cpu" else torch.float16
     weights = _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, progress)

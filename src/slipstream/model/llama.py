@@ -69,6 +69,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
     """
     T, n_heads, d = q.shape
     n_kv, S, _ = k.shape
+    if T == 1 and step.start is not None:  # eager decode: no mask, no permutes
+        qg = q.view(n_kv, group, d)
+        if q.device.type == "cpu":
+            # Two bmm and a softmax: CPU SDPA costs ~2.5x more at these tiny shapes, and
+            # decode on CPU is bound by per-op overhead.
+            scores = torch.bmm(qg * (1.0 / math.sqrt(d)), k.transpose(1, 2))
+            out = torch.bmm(torch.softmax(scores, dim=-1), v)
+        else:
+            out = F.scaled_dot_product_attention(qg, k, v, scale=1.0 / math.sqrt(d))
+        return out.reshape(1, n_heads * d)
     qg = q.permute(1, 0, 2).reshape(n_kv, group * T, d)  # rows ordered (group, T)
     mask = None
     if T > 1 or step.start is None:
@@ -99,16 +109,16 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         v = w.attn_v(h).view(T, cfg.n_kv_heads, cfg.head_dim)
     qk = rope.apply(qk, cos_sin)  # q and k heads rotate together: one pass, same angles
     q, k = qk[:, :cfg.n_heads], qk[:, cfg.n_heads:]
-    k_new, v_new = k.transpose(0, 1).to(k_cache.dtype), v.transpose(0, 1).to(v_cache.dtype)
+    k_new, v_new = k.transpose(0, 1), v.transpose(0, 1)  # (n_kv, T, d); copy_ casts
     if step.start is not None:
         k_cache[:, step.start:step.start + T] = k_new
         v_cache[:, step.start:step.start + T] = v_new
     else:
-        k_cache.index_copy_(1, step.positions, k_new)
-        v_cache.index_copy_(1, step.positions, v_new)
+        k_cache.index_copy_(1, step.positions, k_new.to(k_cache.dtype))
+        v_cache.index_copy_(1, step.positions, v_new.to(v_cache.dtype))
     attn = attention(q.to(k_cache.dtype), k_cache[:, :step.span], v_cache[:, :step.span], step,
                      cfg.gqa_group)
-    x = x + w.attn_output(attn.to(x.dtype))
+    x = x + w.attn_output(attn)
     h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
     if w.ffn_gate_up is not None:
         gate, up = w.ffn_gate_up(h).chunk(2, dim=-1)

@@ -44,7 +44,10 @@ class RopeTable:
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
     def apply(self, x: torch.Tensor, angles: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate x (T, heads, head_dim) by `angles(positions)`; dims past rope_dim pass."""
+        """Rotate x (T, heads, head_dim) by `angles(positions)`; dims past rope_dim pass.
+
+        The result is float32 whatever x's dtype: attention consumes it next, and casting back
+        would only round it."""
         T, heads, head_dim = x.shape
         partial = self.rope_dim < head_dim
         rot = x[..., : self.rope_dim] if partial else x
@@ -57,5 +60,4 @@ class RopeTable:
             half = self.rope_dim // 2
             rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
             out = rot * cos + rotated * sin
-        out = out.to(x.dtype)
-        return torch.cat((out, x[..., self.rope_dim:]), dim=-1) if partial else out
+        return torch.cat((out, x[..., self.rope_dim:].float()), dim=-1) if partial else out

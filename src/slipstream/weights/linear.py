@@ -47,12 +47,17 @@ class DenseLinear:
         return DenseLinear(weight, bias), views
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= GEMV_MAX_ROWS or self.weight.device.type != "cpu":
-            y = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
+        """For a few rows the result stays in the storage dtype: the next op (a residual add,
+        SiLU, RoPE in float32) promotes it anyway, and every skipped cast is one fewer op in
+        an overhead-bound decode step."""
+        if x.shape[0] == 1:  # matrix-vector: torch's gemv path beats a 1-row gemm on CPU
+            y = torch.mv(self.weight, x[0].to(self.weight.dtype)).unsqueeze(0)
+        elif x.shape[0] <= GEMV_MAX_ROWS or self.weight.device.type != "cpu":
+            y = F.linear(x.to(self.weight.dtype), self.weight)
         else:
             y = F.linear(x, self.weight.to(x.dtype))
         if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
+            y = y + self.bias
         return y
 
 
@@ -75,7 +80,7 @@ class Workspace:
     """One flat scratch buffer shared by every QuantLinear on a device: prefill dequantizes one
     weight at a time into it, so it is sized for the largest weight, not their sum."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float16):
         self.device = device
         self.dtype = dtype
         self.buffer = torch.empty(0, device=device, dtype=dtype)
@@ -91,7 +96,10 @@ class Workspace:
 
 class QuantLinear:
     """y = x @ W^T (+ b) with W kept in its GGUF format, repacked once for the Triton kernels:
-    a fused dequant-GEMV for up to 8 rows, dequantize-to-bf16 plus cuBLAS above that."""
+    a fused dequant-GEMV for up to 8 rows (float32 accumulation, exact weights), dequantize to
+    float16 plus cuBLAS above that. float16 rather than bf16: GGUF scales are float16, so the
+    dequantized weights keep 3 more mantissa bits, and activations after RMSNorm stay far
+    inside its range."""
 
     def __init__(self, packed, bias: torch.Tensor | None, workspace: Workspace):
         from .. import kernels
@@ -109,11 +117,14 @@ class QuantLinear:
         return self.packed.rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        scratch = None
-        if rows > self._max_m and self.packed.qtype not in (0, 1, 30):
-            scratch = self.workspace.view(self.packed.rows, self.packed.cols)
-        y = self._matmul(x, self.packed, out_dtype=x.dtype, scratch=scratch)
+        if x.shape[0] > self._max_m:
+            quantized = self.packed.qtype not in (0, 1, 30)
+            scratch = self.workspace.view(self.packed.rows, self.packed.cols) if quantized \
+                else None
+            y = self._matmul(x.to(torch.float16), self.packed, out_dtype=x.dtype,
+                             scratch=scratch)
+        else:
+            y = self._matmul(x, self.packed, out_dtype=x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
