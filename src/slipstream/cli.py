@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -193,25 +194,38 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from .runtime.bench import bench_decode, bench_prefill
+    from .runtime.bench import (bench_decode, bench_prefill, memory_read_gbps,
+                                weight_bytes_per_token)
 
     if a.ctx is None:
         a.ctx = max(a.pp, a.tg) + 16
     model = _load(a)
     results = [bench_prefill(model.engine, a.pp, a.reps), bench_decode(model.engine, a.tg,
                                                                       a.reps)]
+    bw = memory_read_gbps(model.device)
+    per_token = weight_bytes_per_token(model.engine)
+    roofline = bw * 1e9 / per_token
     t = Table(title=f"slipstream bench: {model.path.name} on {model.device}")
     for col in ("test", "tok/s", "±", "runs"):
         t.add_column(col, justify="right")
     for r in results:
         t.add_row(r.test, f"{r.tok_s:.1f}", f"{r.tok_s_std:.1f}", str(len(r.seconds)))
-    Console(stderr=a.json is not None and a.json == "-").print(t)
+    console = Console(stderr=a.json is not None and a.json == "-")
+    console.print(t)
+    console.print(f"weights read per decode token {per_token / 1e6:.1f} MB, memory read "
+                  f"{bw:.1f} GB/s: decode roofline {roofline:.1f} tok/s, reached "
+                  f"{results[1].tok_s / roofline:.0%}")
     if a.json:
         import torch
 
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip() or None
         doc = {"model": str(model.path), "device": str(model.device),
-               "threads": torch.get_num_threads(),
+               "threads": torch.get_num_threads(), "commit": commit,
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+               "memory_read_gbps": round(bw, 2), "weight_bytes_per_token": per_token,
+               "roofline_decode_tok_s": round(roofline, 1),
+               "decode_fraction_of_roofline": round(results[1].tok_s / roofline, 3),
                "results": [r.as_dict() for r in results]}
         if a.json == "-":
             print(json.dumps(doc, indent=2))

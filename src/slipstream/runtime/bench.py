@@ -75,6 +75,49 @@ def bench_decode(engine: Engine, n_tokens: int, reps: int = 3, seed: int = 0) ->
     return _result(f"tg{n_tokens}", n_tokens, times)
 
 
+def weight_bytes_per_token(engine: Engine) -> int:
+    """Bytes of weights one decode token reads: every linear layer once, one embedding row."""
+    from ..weights.linear import DenseLinear, QuantLinear
+
+    def nbytes(lin) -> int:
+        if isinstance(lin, QuantLinear):
+            return lin.packed.nbytes
+        if isinstance(lin, DenseLinear):
+            return lin.weight.numel() * lin.weight.element_size()
+        return 0
+
+    w = engine.weights
+    total = nbytes(w.output) + w.embed.raw.shape[1]
+    for layer in w.layers:
+        fused = [layer.attn_qkv, layer.ffn_gate_up]
+        parts = [layer.attn_q, layer.attn_k, layer.attn_v] if layer.attn_qkv is None else []
+        parts += [layer.ffn_gate, layer.ffn_up] if layer.ffn_gate_up is None else []
+        total += sum(nbytes(x) for x in fused + parts + [layer.attn_output, layer.ffn_down])
+    return total
+
+
+def memory_read_gbps(device: torch.device, nbytes: int = 256 << 20) -> float:
+    """Read bandwidth of the memory the weights live in: a sum over a buffer larger than cache
+    on CPU, a device-to-device copy (bytes read + written) on CUDA."""
+    a = torch.ones(nbytes // 4, device=device)
+    if device.type == "cuda":
+        b = torch.empty_like(a)
+        t = min(_timed_fn(device, lambda: b.copy_(a)) for _ in range(5))
+        return 2 * nbytes / t / 1e9
+    t = min(_timed_fn(device, lambda: a.sum()) for _ in range(5))
+    return nbytes / t / 1e9
+
+
+def _timed_fn(device: torch.device, fn: Callable[[], object]) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
 def _result(test: str, n: int, times: list[float]) -> BenchResult:
     rates = [n / t for t in times]
     std = statistics.stdev(rates) if len(rates) > 1 else 0.0
