@@ -4,7 +4,7 @@ Nothing here knows a weight's format (Q4_K, F16, ...) or where it lives (VRAM, p
 linear layers arrive as callables, norms as tensors.
 """
 
-from .llama import LayerWeights, Step, block_forward, rms_norm
+from .llama import LayerWeights, Step, block_forward, causal_mask, rms_norm
 from .rope import RopeTable
 
-__all__ = ["LayerWeights", "RopeTable", "Step", "block_forward", "rms_norm"]
+__all__ = ["LayerWeights", "RopeTable", "Step", "block_forward", "causal_mask", "rms_norm"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -13,6 +14,13 @@ from ..config import ModelConfig
 from .rope import RopeTable
 
 _HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_kernels() -> bool:
+    from .. import kernels
+
+    return kernels.available()
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # (T, in) -> (T, out); knows its own format
 
@@ -35,8 +43,12 @@ class LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in float32 (one fused op where torch has it: per-op overhead dominates
-    batch-1 decode on CPU)."""
+    """RMSNorm computed in float32, as one kernel where possible: per-op overhead dominates
+    batch-1 decode, on CPU and inside a CUDA graph alike."""
+    if x.is_cuda and _cuda_kernels():
+        from .. import kernels
+
+        return kernels.rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and _HAS_RMS_NORM:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()
@@ -57,6 +69,16 @@ class Step:
     positions: torch.Tensor  # (T,) long, on the device
     span: int  # cache slots attention reads
     start: int | None = None  # host-known start position (eager), None in a captured graph
+    mask: torch.Tensor | None = None  # (group * T, span) bool from `causal_mask`, or None
+
+
+def causal_mask(positions: torch.Tensor, span: int, group: int) -> torch.Tensor:
+    """(group * T, span) bool, True where query row may attend: key slot <= its position.
+
+    Rows are ordered (group, T) to match `attention`'s folding of query heads. Built once per
+    forward step and shared by every layer."""
+    keys = torch.arange(span, device=positions.device)
+    return (keys[None, :] <= positions[:, None]).repeat(group, 1)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
@@ -80,11 +102,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
             out = F.scaled_dot_product_attention(qg, k, v, scale=1.0 / math.sqrt(d))
         return out.reshape(1, n_heads * d)
     qg = q.permute(1, 0, 2).reshape(n_kv, group * T, d)  # rows ordered (group, T)
-    mask = None
-    if T > 1 or step.start is None:
-        keys = torch.arange(S, device=q.device)
-        mask = keys[None, :] <= step.positions[:, None]  # (T, S), True = attend
-        mask = mask.repeat(group, 1)
+    mask = step.mask
+    if mask is None and (T > 1 or step.start is None):
+        mask = causal_mask(step.positions, S, group)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=1.0 / math.sqrt(d))
     return out.reshape(n_heads, T, d).permute(1, 0, 2).reshape(T, n_heads * d)
 

@@ -13,7 +13,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ContextOverflow
-from ..model import RopeTable, Step, block_forward, rms_norm
+from ..model import RopeTable, Step, block_forward, causal_mask, rms_norm
 from ..weights import ModelWeights
 from .kv_cache import KVCache
 
@@ -68,7 +68,10 @@ class Engine:
         for start in range(0, T, PREFILL_CHUNK):
             chunk = ids[start: start + PREFILL_CHUNK].to(self.device)
             positions = torch.arange(self.pos, self.pos + chunk.shape[0], device=self.device)
-            step = Step(positions, span=self.pos + chunk.shape[0], start=self.pos)
+            span = self.pos + chunk.shape[0]
+            mask = causal_mask(positions, span, self.cfg.gqa_group) if chunk.shape[0] > 1 \
+                else None
+            step = Step(positions, span=span, start=self.pos, mask=mask)
             h = self._hidden(chunk, step)
             self.pos += chunk.shape[0]
             outs.append(h if all_logits else h[-1:])
@@ -108,7 +111,8 @@ class Engine:
         return x
 
     def _decode_body(self, span: int) -> torch.Tensor:
-        step = Step(self._pos_buf, span=span, start=None)
+        step = Step(self._pos_buf, span=span, start=None,
+                    mask=causal_mask(self._pos_buf, span, self.cfg.gqa_group))
         return self._logits(self._hidden(self._token_buf, step))
 
     def _capture(self, span: int) -> None:
