@@ -2,6 +2,8 @@
 
     python bench/kernels_bench.py OUT_DIR [--sweep] [--compile-only --part I/N] [--quick]
 
+--quick: Q4_K, Q6_K, Q8_0 and F16 only, on the 8B and 70B shapes, at m = 1, 8 and 512.
+
 GEMV times are CUDA-graph replays of back-to-back launches over enough copies of the weight to
 exceed the L2 (60 MB on an H200), so they are HBM-bound, launch gaps are squeezed out, and a
 decode step captured in a graph would see the same. "GB/s" is the GGUF size of the weight over the
@@ -173,11 +175,13 @@ SWEEP_CASES = [(T.Q4_K, 1, SHAPES_8B), (T.Q6_K, 1, [VOCAB_8B, SHAPES_8B[2]]),
                (T.Q5_K, 1, SHAPES_8B[3:4]), (T.Q3_K, 1, SHAPES_8B[3:4])]
 
 
+QUICK_FORMATS = [T.Q4_K, T.Q6_K, T.Q8_0, T.F16]
+
+
 def cases(quick: bool):
-    for qt in FORMATS:
+    """--quick: the anchor formats (Q4_K, Q6_K, Q8_0) and F16 on the 8B and 70B shapes."""
+    for qt in (QUICK_FORMATS if quick else FORMATS):
         shapes = SHAPES_8B + ([VOCAB_8B] if qt in (T.Q6_K, T.Q4_K, T.Q8_0) else []) + SHAPES_70B
-        if quick:
-            shapes = [SHAPES_8B[0], SHAPES_8B[2]]
         for name, n, k in shapes:
             yield qt, name, n, k
 
