@@ -54,6 +54,7 @@ class Model:
         self.tokenizer = tokenizer
         self.template = template
         self.last_stats: GenerationStats | None = None
+        self.plan = None  # memory.Plan: where each layer lives
 
     @property
     def device(self) -> torch.device:
@@ -109,12 +110,20 @@ class Model:
 
 
 def load(path: str | os.PathLike[str] | None = None, device: str | torch.device = "auto",
-         ctx: int | None = None, progress: bool = False, precision: str = "fast") -> Model:
+         ctx: int | None = None, progress: bool = False, precision: str = "fast",
+         ram_budget: str | int | None = None, vram_budget: str | int | None = None,
+         io: str = "direct", stream_delay=None) -> Model:
     """Open a GGUF model (the default model, pulled if missing, when path is None).
 
     precision: "fast" keeps CPU weights as float16 (half the bytes per decode token; logits
     within ~1e-3 of float32); "exact" keeps them float32, the reference the GPU is tested
     against. CUDA always computes from the GGUF formats themselves.
+
+    ram_budget (CPU): bytes (or "12GiB") of RAM for resident layers; the layers that do not fit
+    are read from the file on every token (io: "direct" = O_DIRECT reads, "buffered", or
+    "mmap" = the naive page-cache baseline). vram_budget (CUDA): checked against what the
+    resident model needs; streaming layers through the GPU is not implemented yet.
+    stream_delay: test hook, called in reader threads before each read.
     """
     from .pull import pull
 
@@ -135,12 +144,23 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     weight_dtype = torch.float16 if precision == "fast" else torch.float32
     act_dtype = torch.float32
     kv_dtype = torch.float32 if dev.type == "cpu" else torch.float16
-    weights = _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, progress)
-    engine = Engine(cfg, weights, dev, n_ctx, act_dtype, kv_dtype)
-    return Model(model_path, gf, cfg, engine, tokenizer, template)
+    from .memory.budget import parse_size
+    from .memory.setup import make_store, plan_for
+
+    plan = plan_for(gf, cfg, dev, weight_dtype, kv_dtype, n_ctx, parse_size(ram_budget),
+                    parse_size(vram_budget))
+    resident = {i for i, t in enumerate(plan.tiers) if t == "ram"}
+    weights = _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, progress,
+                                          resident)
+    store = make_store(gf, cfg, dev, weight_dtype, weights, plan, io, stream_delay)
+    engine = Engine(cfg, weights, dev, n_ctx, act_dtype, kv_dtype, layers=store)
+    model = Model(model_path, gf, cfg, engine, tokenizer, template)
+    model.plan = plan
+    return model
 
 
-def _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, show: bool):
+def _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, show: bool,
+                                resident: set[int] | None = None):
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     total = sum(t.n_bytes for t in gf.tensors.values())
@@ -148,4 +168,4 @@ def _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, show: boo
                   TransferSpeedColumn(), disable=not show, transient=True) as bar:
         task = bar.add_task(f"loading {gf.path.name}", total=total)
         return load_weights(gf, cfg, dev, weight_dtype, act_dtype,
-                            progress=lambda n: bar.advance(task, n))
+                            progress=lambda n: bar.advance(task, n), resident_layers=resident)

@@ -30,7 +30,7 @@ GRAPH_BUCKET = 256
 class Engine:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: torch.device,
                  ctx: int, act_dtype: torch.dtype, kv_dtype: torch.dtype,
-                 use_graphs: bool | None = None):
+                 use_graphs: bool | None = None, layers=None):
         self.cfg = cfg
         self.weights = weights
         self.device = device
@@ -38,6 +38,12 @@ class Engine:
         self.act_dtype = act_dtype
         self.kv = KVCache(cfg, ctx, device, kv_dtype)
         self.rope = RopeTable(cfg, ctx, device, weights.rope_freqs)
+        from ..memory import ResidentLayerStore
+
+        # Where each layer comes from on every forward: built at load time, or streamed.
+        self.layers = layers if layers is not None else ResidentLayerStore(weights.layers)
+        if use_graphs is None and not isinstance(self.layers, ResidentLayerStore):
+            use_graphs = False  # a captured graph would freeze one set of streamed weights
         self.pos = 0  # tokens already in the KV cache
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -105,9 +111,11 @@ class Engine:
     def _hidden(self, ids: torch.Tensor, step: Step) -> torch.Tensor:
         cos_sin = self.rope.angles(step.positions)
         x = self.weights.embed(ids).to(self.act_dtype)  # (T, hidden)
-        for i, layer in enumerate(self.weights.layers):
+        for i in range(self.cfg.n_layers):
+            layer = self.layers.acquire(i)
             k_cache, v_cache = self.kv.layer(i)
             x = block_forward(self.cfg, layer, x, cos_sin, step, k_cache, v_cache, self.rope)
+            self.layers.release(i)
         return x
 
     def _decode_body(self, span: int) -> torch.Tensor:

@@ -70,15 +70,144 @@ def dense(gf: GGUFFile, name: str, shape: tuple[int, ...], dtype: torch.dtype,
     return quant.dequantize(raw, info.ggml_type, shape).to(device=device, dtype=dtype)
 
 
+class TensorSource:
+    """Where a layer's tensors come from: the memory-mapped file (resident loading), or a
+    buffer holding the bytes of a span of the file (streaming from disk)."""
+
+    def __init__(self, gf: GGUFFile, buffer: torch.Tensor | None = None, base: int = 0):
+        self.gf = gf
+        self.buffer = buffer  # uint8, file bytes [base, base + len)
+        self.base = base
+
+    def has(self, name: str) -> bool:
+        return name in self.gf.tensors
+
+    def type_of(self, name: str):
+        return self.gf.tensors[name].ggml_type
+
+    def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.buffer is None:
+            return raw_tensor(self.gf, name, shape)
+        info = self.gf.tensors[name]
+        start = info.offset - self.base
+        rows = shape[0] if len(shape) == 2 else 1
+        return self.buffer[start:start + info.n_bytes].view(rows, -1)
+
+    def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+        t = quant.dequantize(self.raw(name, shape), self.type_of(name), shape).to(
+            device=device, dtype=dtype)
+        if self.buffer is not None and t.untyped_storage().data_ptr() == \
+                self.buffer.untyped_storage().data_ptr():
+            t = t.clone()  # F32 tensors decode to views; a staging buffer gets reused
+        return t
+
+
+LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                 "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
+                 "ffn_down.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias")
+
+
+def layer_span(gf: GGUFFile, i: int) -> tuple[int, int]:
+    """[start, end) of the file bytes holding layer i's tensors."""
+    infos = [gf.tensors[f"blk.{i}.{n}"] for n in LAYER_TENSORS if f"blk.{i}.{n}" in gf.tensors]
+    return min(t.offset for t in infos), max(t.offset + t.n_bytes for t in infos)
+
+
+class LayerBuilder:
+    """Turns a layer's GGUF tensors into the weight objects the model math calls: dense
+    float16/float32 linears on CPU, quantized weights repacked for the Triton kernels on CUDA.
+    Resident loading and streaming both build layers here, so their numbers are identical."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, weight_dtype: torch.dtype,
+                 workspace: Workspace | None = None):
+        self.cfg = cfg
+        self.device = device
+        self.weight_dtype = weight_dtype
+        self.quantized = device.type == "cuda"
+        self.workspace = workspace if workspace is not None else (
+            Workspace(device) if self.quantized else None)
+        self.shapes = expected_shapes(cfg)
+
+    def build(self, src: TensorSource, i: int) -> LayerWeights:
+        p = f"blk.{i}"
+        qkv, qkv_parts = self._linears(src, [f"{p}.attn_q", f"{p}.attn_k", f"{p}.attn_v"])
+        gate_up, gu_parts = self._linears(src, [f"{p}.ffn_gate", f"{p}.ffn_up"])
+        (_, (attn_output,)) = self._linears(src, [f"{p}.attn_output"])
+        (_, (ffn_down,)) = self._linears(src, [f"{p}.ffn_down"])
+        q, k, v = qkv_parts if qkv_parts else (None, None, None)
+        gate, up = gu_parts if gu_parts else (None, None)
+        hidden = (self.cfg.hidden,)
+        return LayerWeights(
+            attn_norm=src.dense(f"{p}.attn_norm.weight", hidden, torch.float32, self.device),
+            ffn_norm=src.dense(f"{p}.ffn_norm.weight", hidden, torch.float32, self.device),
+            attn_q=q, attn_k=k, attn_v=v, attn_output=attn_output, ffn_gate=gate, ffn_up=up,
+            ffn_down=ffn_down, attn_qkv=qkv, ffn_gate_up=gate_up)
+
+    def _linears(self, src: TensorSource, prefixes: list[str]
+                 ) -> tuple[Callable | None, list[Callable]]:
+        """The layers for `prefixes` (same input), plus one fused layer over all of them when
+        their formats allow it (None otherwise)."""
+        shapes = [self.shapes[f"{p.rsplit('.', 1)[1]}.weight"] for p in prefixes]
+        biases = [src.dense(f"{p}.bias", (s[0],), torch.float32, self.device)
+                  if src.has(f"{p}.bias") else None for p, s in zip(prefixes, shapes)]
+        if not self.quantized:
+            parts = [DenseLinear(src.dense(f"{p}.weight", s, self.weight_dtype, self.device), b)
+                     for p, s, b in zip(prefixes, shapes, biases)]
+            if len(parts) == 1:
+                return None, parts
+            return DenseLinear.fuse(parts)
+        # GPU: the weights stay quantized, repacked for the kernels. Rows of the same format
+        # concatenate into one packed weight, so q/k/v (gate/up) cost one kernel launch.
+        from .. import kernels
+
+        types = {src.type_of(f"{p}.weight") for p in prefixes}
+        raws = [src.raw(f"{p}.weight", s).to(self.device) for p, s in zip(prefixes, shapes)]
+        if len(prefixes) > 1 and len(types) == 1:
+            rows = sum(s[0] for s in shapes)
+            packed = kernels.pack_weight(torch.cat(raws), types.pop(), rows, shapes[0][1])
+            bias = (torch.cat([b if b is not None else torch.zeros(s[0], device=self.device)
+                               for b, s in zip(biases, shapes)])
+                    if any(b is not None for b in biases) else None)
+            return QuantLinear(packed, bias, self.workspace), []
+        parts = [QuantLinear(kernels.pack_weight(r, src.type_of(f"{p}.weight"), *s), b,
+                             self.workspace) for p, r, s, b in zip(prefixes, raws, shapes, biases)]
+        return None, parts
+
+
+def check_layer_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
+    """Every per-layer tensor exists with the shape the metadata implies (before any byte of
+    it is read, so a streamed layer cannot fail half-way through a generation)."""
+    shapes = expected_shapes(cfg)
+    for i in range(cfg.n_layers):
+        for suffix, shape in shapes.items():
+            name = f"blk.{i}.{suffix}"
+            info = gf.tensors.get(name)
+            if info is None:
+                if suffix.endswith(".bias"):
+                    continue
+                raise GGUFError(f"{gf.path.name}: missing tensor {name!r}")
+            if tuple(info.shape) != tuple(shape):
+                raise GGUFError(f"{gf.path.name}: tensor {name!r} has shape {list(info.shape)}, "
+                                f"expected {list(shape)} from the model metadata")
+
+
 def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
                  weight_dtype: torch.dtype, act_dtype: torch.dtype,
-                 progress: Callable[[int], None] | None = None) -> ModelWeights:
-    """Dequantize every 2-D weight into `weight_dtype` on `device`; norms stay float32.
+                 progress: Callable[[int], None] | None = None,
+                 resident_layers: set[int] | None = None) -> ModelWeights:
+    """Build the model's weights on `device`: every layer, or only `resident_layers` (the
+    others are left as None for a streaming store to fill). Norms stay float32.
 
-    `progress(n_bytes)` is called after each tensor so callers can drive a progress bar.
+    `progress(n_bytes)` is called after each layer so callers can drive a progress bar.
     """
     for name, info in gf.tensors.items():
         quant.get_format(info.ggml_type)  # unsupported types fail here, naming the type
+    check_layer_shapes(gf, cfg)
+    builder = LayerBuilder(cfg, device, weight_dtype)
+    workspace = builder.workspace
+    quantized = builder.quantized
+    src = TensorSource(gf)
 
     def tick(name: str) -> None:
         if progress is not None and name in gf.tensors:
@@ -89,62 +218,15 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
         tick(name)
         return t
 
-    quantized = device.type == "cuda"
-    workspace = Workspace(device) if quantized else None
-
-    def bias_of(prefix: str, rows: int) -> torch.Tensor | None:
-        name = f"{prefix}.bias"
-        if name not in gf.tensors:
-            return None
-        tick(name)
-        return dense(gf, name, (rows,), torch.float32, device)
-
-    def linears(prefixes: list[str], shape_of: dict) -> tuple[Callable | None, list[Callable]]:
-        """The layers for `prefixes` (same input), plus one fused layer over all of them when
-        their formats allow it (None otherwise)."""
-        shapes_ = [shape_of[f"{p.rsplit('.', 1)[1]}.weight"] for p in prefixes]
-        biases = [bias_of(p, s[0]) for p, s in zip(prefixes, shapes_)]
-        if not quantized:
-            parts = []
-            for p, s, b in zip(prefixes, shapes_, biases):
-                parts.append(DenseLinear(dense(gf, f"{p}.weight", s, weight_dtype, device), b))
-                tick(f"{p}.weight")
-            if len(parts) == 1:
-                return None, parts
-            return DenseLinear.fuse(parts)
-        # GPU: the weights stay quantized, repacked for the kernels. Rows of the same format
-        # concatenate into one packed weight, so q/k/v (gate/up) cost one kernel launch.
-        from .. import kernels
-
-        types = {gf.tensors[f"{p}.weight"].ggml_type for p in prefixes}
-        raws = [raw_tensor(gf, f"{p}.weight", s).to(device) for p, s in zip(prefixes, shapes_)]
-        for p in prefixes:
-            tick(f"{p}.weight")
-        if len(prefixes) > 1 and len(types) == 1:
-            rows = sum(s[0] for s in shapes_)
-            packed = kernels.pack_weight(torch.cat(raws), types.pop(), rows, shapes_[0][1])
-            bias = (torch.cat([b if b is not None else torch.zeros(s[0], device=device)
-                               for b, s in zip(biases, shapes_)])
-                    if any(b is not None for b in biases) else None)
-            return QuantLinear(packed, bias, workspace), []
-        parts = [QuantLinear(kernels.pack_weight(r, gf.tensors[f"{p}.weight"].ggml_type, *s), b,
-                             workspace) for p, r, s, b in zip(prefixes, raws, shapes_, biases)]
-        return None, parts
-
-    shapes = expected_shapes(cfg)
-    layers = []
+    layers: list[LayerWeights | None] = []
     for i in range(cfg.n_layers):
-        p = f"blk.{i}"
-        qkv, qkv_parts = linears([f"{p}.attn_q", f"{p}.attn_k", f"{p}.attn_v"], shapes)
-        gate_up, gu_parts = linears([f"{p}.ffn_gate", f"{p}.ffn_up"], shapes)
-        (_, (attn_output,)), (_, (ffn_down,)) = (linears([f"{p}.attn_output"], shapes),
-                                                 linears([f"{p}.ffn_down"], shapes))
-        q, k, v = qkv_parts if qkv_parts else (None, None, None)
-        gate, up = gu_parts if gu_parts else (None, None)
-        layers.append(LayerWeights(attn_norm=norm(f"{p}.attn_norm.weight"),
-                                   ffn_norm=norm(f"{p}.ffn_norm.weight"), attn_q=q, attn_k=k,
-                                   attn_v=v, attn_output=attn_output, ffn_gate=gate, ffn_up=up,
-                                   ffn_down=ffn_down, attn_qkv=qkv, ffn_gate_up=gate_up))
+        if resident_layers is not None and i not in resident_layers:
+            layers.append(None)
+            continue
+        layers.append(builder.build(src, i))
+        if progress is not None:
+            start, end = layer_span(gf, i)
+            progress(end - start)
 
     embed_shape = (cfg.vocab_size, cfg.hidden)
     embed_info = gf.tensors.get("token_embd.weight")
