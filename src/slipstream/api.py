@@ -145,10 +145,12 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     act_dtype = torch.float32
     kv_dtype = torch.float32 if dev.type == "cpu" else torch.float16
     from .memory.budget import parse_size
-    from .memory.setup import make_store, plan_for
+    from .memory.setup import make_store, measure_bandwidths, plan_for
 
     plan = plan_for(gf, cfg, dev, weight_dtype, kv_dtype, n_ctx, parse_size(ram_budget),
                     parse_size(vram_budget))
+    if plan.disk_layers:
+        measure_bandwidths(gf, plan, io)
     resident = {i for i, t in enumerate(plan.tiers) if t == "ram"}
     weights = _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, progress,
                                           resident)

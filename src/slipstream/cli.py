@@ -29,6 +29,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
     p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: the "
                    "model's, at most 4096)")
+    p.add_argument("--ram-budget", default=None, help="RAM for resident layers, e.g. 12GiB "
+                   "(CPU); the rest streams from disk every token")
+    p.add_argument("--vram-budget", default=None, help="VRAM the model may hold, e.g. 24GiB")
+    p.add_argument("--io", default="direct", choices=["direct", "buffered", "mmap"],
+                   help="how streamed layers are read: O_DIRECT (default), buffered, or the "
+                   "naive mmap baseline")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, n_default: int) -> None:
@@ -54,7 +60,14 @@ def _sampling_kwargs(a: argparse.Namespace) -> dict:
 def _load(a: argparse.Namespace):
     from . import api
 
-    return api.load(a.model, device=a.device, ctx=a.ctx, progress=sys.stderr.isatty())
+    model = api.load(a.model, device=a.device, ctx=a.ctx, progress=sys.stderr.isatty(),
+                     ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io)
+    if model.plan is not None and (model.plan.disk_layers or getattr(a, "stats", False)):
+        err.print(model.plan.table())
+        note = getattr(model.engine.layers, "note", "")
+        if note:
+            err.print(f"[yellow]{escape(note)}[/yellow]")
+    return model
 
 
 def _stream(events) -> None:
@@ -75,10 +88,32 @@ def _print_stats(model) -> None:
 
 def cmd_run(a: argparse.Namespace) -> int:
     model = _load(a)
+    model.engine.layers.stats.reset()
     _stream(model.generate(a.prompt, **_sampling_kwargs(a)))
     sys.stdout.write("\n")
     _print_stats(model)
+    if a.stats:
+        _print_breakdown(model)
     return 0
+
+
+def _print_breakdown(model) -> None:
+    """Where a token's time went: compute, waiting for disk reads, building streamed layers."""
+    s, store = model.last_stats, model.engine.layers.stats
+    tokens = max(s.prompt_tokens + s.generated_tokens, 1)
+    total = s.prefill_s + s.decode_s
+    t = Table(title="time per token (prefill and decode together)")
+    for col in ("part", "ms / token", "share"):
+        t.add_column(col, justify="right" if col != "part" else "left")
+    parts = [("disk wait", store.disk_wait_s), ("build streamed layers", store.build_s)]
+    parts.insert(0, ("compute", max(total - sum(p[1] for p in parts), 0.0)))
+    for name, sec in parts:
+        t.add_row(name, f"{sec / tokens * 1e3:.2f}", f"{sec / total:.0%}" if total else "-")
+    t.add_row("host-to-device, stall", "n/a on CPU", "")
+    t.caption = (f"{store.layers_streamed} layer loads from disk; "
+                 f"{getattr(getattr(model.engine.layers, 'reader', None), 'bytes_read', 0) / 1e6:.1f}"
+                 f" MB read")
+    err.print(t)
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
@@ -169,6 +204,21 @@ def cmd_info(a: argparse.Namespace) -> int:
     for name, n in types.most_common():
         tt.add_row(name, str(n), f"{nbytes[name]:,}")
     out.print(tt)
+    if a.plan:
+        import torch
+
+        from .api import resolve_device
+        from .memory.budget import parse_size
+        from .memory.setup import measure_bandwidths, plan_for
+
+        dev = resolve_device(a.device)
+        ctx = a.ctx or min(cfg.context_length, 4096)
+        wdt = torch.float16
+        kvd = torch.float32 if dev.type == "cpu" else torch.float16
+        plan = plan_for(gf, cfg, dev, wdt, kvd, ctx, parse_size(a.ram_budget),
+                        parse_size(a.vram_budget))
+        measure_bandwidths(gf, plan, a.io)
+        out.print(plan.table())
     return 0
 
 
@@ -274,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="generate text from a prompt")
     _add_model_args(r)
     r.add_argument("-p", "--prompt", default="Once upon a time,")
+    r.add_argument("--stats", action="store_true", help="print the tier plan and a per-token "
+                   "time breakdown")
     _add_sampling_args(r, 128)
     r.set_defaults(func=cmd_run)
 
@@ -288,7 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_pull)
 
     i = sub.add_parser("info", help="describe a GGUF model")
-    i.add_argument("-m", "--model")
+    _add_model_args(i)
+    i.add_argument("--plan", action="store_true", help="also show the tier plan for the budgets")
     i.set_defaults(func=cmd_info)
 
     pp = sub.add_parser("perplexity", help="perplexity of a text file, llama.cpp's method")

@@ -20,6 +20,8 @@ _EXPORTS = {
     "gemv": "gemv", "gemv_config": "gemv", "MAX_M": "gemv",
     "dequantize": "dequant", "matmul": "dequant",
     "rms_norm": "norm",
+    "decode_attention": "attention",
+    "rope_and_cache": "rope",
 }
 
 __all__ = sorted(_EXPORTS) + ["available"]

@@ -205,11 +205,13 @@ def _gemv_qv_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, y_ptr,
             wsh2 = words2 >> S
         for s in tl.static_range(SPU):
             # q: sum over the group of x * (code - OFF), per lane; xs: sum of x (min term)
-            for jj in tl.static_range(JPS):
-                j = s * JPS + jj
+            # j (the slot) must be a static_range variable to reach the helpers as a constexpr:
+            # `j = s * JPS + jj` makes a runtime int32 scalar, which Triton 3.6 passes on to a
+            # constexpr parameter as such (and a constexpr-annotated j cannot be reassigned)
+            for j in tl.static_range(s * JPS, (s + 1) * JPS):
                 f = _code_to_f32(words, wsh, hw, ones, j, LO, HI, OFF + CEN, S, ASM)
                 xj = tl.load(x_ptr + xoff + j * LO, mask=xmask, other=0.0).to(tl.float32)
-                if jj == 0:
+                if j == s * JPS:
                     q = f * xj
                     xs = xj
                 else:
@@ -289,8 +291,7 @@ def _gemv_q_dot_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, y_pt
         for s in tl.static_range(SPU):
             a, b = _group_affine(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uc[None, :], qmask, NUT,
                                  s, SPU, B, OFF, KQUANT, HAS_MIN, PACKED_SCMN)
-            for jj in tl.static_range(JPS):
-                j = s * JPS + jj
+            for j in tl.static_range(s * JPS, (s + 1) * JPS):  # constexpr j (see qv kernel)
                 bits = _bits_to(words, j * LO, LO, MANT) | 0x3F800000
                 if HI > 0:
                     bits = bits | _bits_to(hw, j * HI, HI, MANT + LO)

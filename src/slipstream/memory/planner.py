@@ -66,7 +66,9 @@ class Plan:
                       f"{bw:.1f}" if bw else "-")
         t.add_row("fixed", "head, norms, KV", fmt_bytes(self.fixed_bytes), "-", "-")
         tok_s = self.predicted_tok_s
-        t.caption = f"predicted decode: {tok_s:.1f} tok/s" if tok_s else None
+        t.caption = (f"predicted decode from link bandwidths alone: {tok_s:.1f} tok/s"
+                     + (" (CPU streaming also pays to dequantize each streamed layer)"
+                        if self.device == "cpu" and self.disk_layers else "")) if tok_s else None
         return t
 
 

@@ -56,6 +56,33 @@ def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype:
     return plan_layers("cpu", resident, file_bytes, fixed, ram_budget)
 
 
+def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str) -> None:
+    """Fill plan.bandwidth_gbps with what this machine does now: RAM read (a large sum) and,
+    when layers stream, a read of the streamed spans through the chosen I/O path."""
+    import time
+
+    from ..runtime.bench import memory_read_gbps
+    from .disk import AlignedBuffer, DirectReader
+
+    plan.bandwidth_gbps["ram"] = memory_read_gbps(torch.device("cpu"), 128 << 20)
+    if not plan.disk_layers or io == "mmap":
+        return
+    spans = [layer_span(gf, i) for i in plan.disk_layers]
+    reader = DirectReader(gf.path, io=io)
+    buf = AlignedBuffer(max(e - s for s, e in spans) + 8192)
+    try:
+        total, t0 = 0, time.perf_counter()
+        for s, e in spans:
+            reader.read_span(buf, s, e).result()
+            total += e - s
+            if total >= 64 << 20:
+                break
+        plan.bandwidth_gbps["disk"] = total / (time.perf_counter() - t0) / 1e9
+    finally:
+        reader.close()
+        buf.close()
+
+
 def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype, weights,
                plan: Plan, io: str, delay=None):
     if io not in IO_MODES:
