@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,6 +15,13 @@ from ..config import ModelConfig
 from .rope import RopeTable
 
 _HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
+
+
+def _use_fused_decode(k_cache: torch.Tensor) -> bool:
+    """The fused decode kernels serve CUDA fp16/bf16 caches; SLIPSTREAM_FUSED_DECODE=0 turns
+    them off (the torch path stays as their reference)."""
+    return (k_cache.is_cuda and k_cache.dtype in (torch.float16, torch.bfloat16)
+            and _cuda_kernels() and os.environ.get("SLIPSTREAM_FUSED_DECODE", "1") != "0")
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,6 +129,20 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     T = x.shape[0]
     h = rms_norm(x, w.attn_norm, cfg.norm_eps)
     n_qk = cfg.n_heads + cfg.n_kv_heads
+    if T == 1 and step.start is None and _use_fused_decode(k_cache):
+        # Captured CUDA decode: RoPE, the cache write and split-K attention in three kernels
+        # that read the position from device memory, instead of a dozen small ops.
+        from .. import kernels
+
+        qkv = w.attn_qkv(h) if w.attn_qkv is not None else torch.cat(
+            (w.attn_q(h), w.attn_k(h), w.attn_v(h)), dim=-1)
+        q = kernels.rope_and_cache(qkv, rope.cos, rope.sin, k_cache, v_cache, step.positions,
+                                   cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, rope.style,
+                                   rope_dim=rope.rope_dim)
+        attn = kernels.decode_attention(q, k_cache, v_cache, step.positions,
+                                        1.0 / math.sqrt(cfg.head_dim), cfg.gqa_group,
+                                        span=step.span)
+        return _ffn(cfg, w, x + w.attn_output(attn.reshape(1, -1)))
     if w.attn_qkv is not None:
         qkv = w.attn_qkv(h).view(T, n_qk + cfg.n_kv_heads, cfg.head_dim)
         qk, v = qkv[:, :n_qk], qkv[:, n_qk:]
@@ -138,7 +160,11 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         v_cache.index_copy_(1, step.positions, v_new.to(v_cache.dtype))
     attn = attention(q.to(k_cache.dtype), k_cache[:, :step.span], v_cache[:, :step.span], step,
                      cfg.gqa_group)
-    x = x + w.attn_output(attn)
+    return _ffn(cfg, w, x + w.attn_output(attn))
+
+
+def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """The SwiGLU half of the block, with its residual."""
     h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
     if w.ffn_gate_up is not None:
         gate, up = w.ffn_gate_up(h).chunk(2, dim=-1)
