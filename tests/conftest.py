@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from slipstream.errors import ModelNotFound
 from slipstream.pull import pull
 
 
@@ -29,5 +30,12 @@ def _seed_everything():
 
 @pytest.fixture(scope="session")
 def smollm_path() -> Path:
-    """The real default model, pulled once into the cache through slipstream's own pull."""
-    return pull(quiet=True)
+    """The real default model, pulled once into the cache through slipstream's own pull.
+
+    With SLIPSTREAM_OFFLINE=1 (the GPU machine has no network) a missing model skips."""
+    try:
+        return pull(quiet=True)
+    except ModelNotFound:
+        if os.environ.get("SLIPSTREAM_OFFLINE") == "1":
+            pytest.skip("default model not in the cache and SLIPSTREAM_OFFLINE=1")
+        raise
