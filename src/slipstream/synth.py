@@ -23,6 +23,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from . import quant
 from .errors import BadArgument
+from .tokenizer import bytes_to_unicode
 
 Q = GGMLQuantizationType
 
@@ -169,25 +170,11 @@ def float_tensor(qtype: Q, data: np.ndarray) -> np.ndarray:
     return quantize(data.astype(np.float32), qtype)
 
 
-def _gpt2_byte_alphabet() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 byte values (the byte-level BPE alphabet)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
-
-
 def build_vocab(vocab: int) -> tuple[list[str], list[int], list[str], dict[str, int]]:
     """tokens, token types, merges and special ids of a byte-level BPE with `vocab` tokens."""
     specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>",
                 "<|end_header_id|>"]
-    alphabet = _gpt2_byte_alphabet()
+    alphabet = [bytes_to_unicode()[b] for b in range(256)]  # GPT-2's byte alphabet
     letters = [c for c in "etaoinshrdlucmfwypvbgkjqxz"]
     space = alphabet[ord(" ")]
     merges, pieces = [], []

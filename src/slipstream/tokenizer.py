@@ -85,7 +85,7 @@ _END_OF_TURN_TEXTS = frozenset({
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table that byte-level vocabularies are spelled in."""
     printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
                  + list(range(ord("®"), ord("ÿ") + 1)))
@@ -100,7 +100,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-_BYTE_TO_CHAR = _bytes_to_unicode()
+_BYTE_TO_CHAR = bytes_to_unicode()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
 
 
