@@ -28,12 +28,14 @@ from slipstream.runtime.bench import bench_decode, bench_prefill  # noqa: E402
 from slipstream.synth import write_synth  # noqa: E402
 from slipstream.weights.linear import QuantLinear  # noqa: E402
 
-CASES = {  # name: (shape, --quant)
-    "8b-q4k": ("8b", "Q4_K"),
-    "8b-q8_0": ("8b", "Q8_0"),
-    "8b-q6_k": ("8b", "Q6_K"),
-    "8b-f16": ("8b", "F16"),
-    "70b-q4k": ("70b", "Q4_K"),
+CASES = {  # name: (shape, --quant, vram budget or None for resident)
+    "8b-q4k": ("8b", "Q4_K", None),
+    "8b-q8_0": ("8b", "Q8_0", None),
+    "8b-q6_k": ("8b", "Q6_K", None),
+    "8b-f16": ("8b", "F16", None),
+    "70b-q4k": ("70b", "Q4_K", None),
+    "8b-q4k-vram4": ("8b", "Q4_K", "4GiB"),
+    "70b-q4k-vram24": ("70b", "Q4_K", "24GiB"),
 }
 
 
@@ -79,24 +81,32 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
-def run_case(name: str, workdir: Path, hbm: float) -> dict:
-    shape, quant = CASES[name]
-    path = workdir / f"{name}.gguf"
+def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
+    shape, quant, budget = CASES[name]
+    path = workdir / f"{shape}-{quant}.gguf"
     t0 = time.perf_counter()
-    write_synth(path, shape, quant)
+    if not path.exists():  # cases of one shape and quant share the file
+        write_synth(path, shape, quant)
     synth_s = time.perf_counter() - t0
     size = path.stat().st_size
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    model = slipstream.load(path, device="cuda", ctx=640)
+    model = slipstream.load(path, device="cuda", ctx=640, vram_budget=budget)
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
     pp = bench_prefill(model.engine, 512, reps=3)
-    tg = bench_decode(model.engine, 128, reps=3)
-    per_token = weight_bytes_per_token(model)
-    roofline = hbm * 1e9 / per_token
+    tg = bench_decode(model.engine, 128 if budget is None else 16, reps=3)
+    if budget is None:
+        per_token = weight_bytes_per_token(model)
+        roofline = hbm * 1e9 / per_token
+    else:  # streamed: the PCIe copy of the pinned layers bounds decode
+        plan = model.plan
+        per_token = plan.bytes_per_token("pinned")
+        roofline = h2d * 1e9 / per_token
     case = {
-        "name": f"{name}-resident",
+        "name": name if budget else f"{name}-resident",
+        "tiers": {t: model.plan.tiers.count(t) for t in set(model.plan.tiers)},
+        "decode_test": tg.test,
         "decode_tok_s": round(tg.tok_s, 2),
         "prefill512_tok_s": round(pp.tok_s, 1),
         "roofline_decode_tok_s": round(roofline, 1),
@@ -106,14 +116,14 @@ def run_case(name: str, workdir: Path, hbm: float) -> dict:
         "graph_capture_s": round(model.engine.graph_capture_s, 2),
         "load_s": round(load_s, 1),
         "file_bytes": size,
-        "synth_MBps": round(size / synth_s / 1e6, 0),
+        "synth_MBps": round(size / synth_s / 1e6, 0) if synth_s > 1 else None,
         "decode_runs_s": [round(x, 4) for x in tg.seconds],
         "prefill_runs_s": [round(x, 4) for x in pp.seconds],
     }
+    model.engine.layers.close()
     del model
     gc.collect()
     torch.cuda.empty_cache()
-    path.unlink()
     return case
 
 
@@ -122,6 +132,7 @@ def main() -> None:
     ap.add_argument("outdir")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--workdir", default="/tmp/slipstream-models")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no case after this")
     a = ap.parse_args()
     out = Path(a.outdir)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,9 +147,13 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "torch": torch.__version__, "hbm_gbps": round(hbm, 1), "h2d_gbps": round(h2d, 1),
            "cases": []}
+    deadline = time.perf_counter() + a.budget_s
     for name in a.cases.split(","):
+        if time.perf_counter() > deadline:
+            doc["cases"].append({"name": name, "error": "skipped: out of the call's time"})
+            continue
         try:
-            case = run_case(name, work, hbm)
+            case = run_case(name, work, hbm, h2d)
         except Exception as e:  # record the failure and go on with the other cases
             case = {"name": f"{name}-resident", "error": f"{type(e).__name__}: {e}"}
         doc["cases"].append(case)

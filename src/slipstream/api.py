@@ -149,7 +149,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
 
     plan = plan_for(gf, cfg, dev, weight_dtype, kv_dtype, n_ctx, parse_size(ram_budget),
                     parse_size(vram_budget))
-    if plan.disk_layers:
+    if plan.streamed_layers:
         measure_bandwidths(gf, plan, io)
     resident = {i for i, t in enumerate(plan.tiers) if t == "ram"}
     weights = _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, progress,

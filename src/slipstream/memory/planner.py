@@ -17,7 +17,7 @@ from .budget import fmt_bytes
 @dataclass
 class Plan:
     device: str
-    tiers: list[str]  # per layer: "ram" (resident) or "disk"
+    tiers: list[str]  # per layer: "ram"/"disk" on CPU; "vram"/"pinned" on CUDA
     resident_bytes_per_layer: list[int]  # memory a resident layer takes
     file_bytes_per_layer: list[int]  # bytes read from disk when a layer streams
     fixed_bytes: int  # head, norms, KV cache, staging buffers: needed whatever the plan
@@ -29,6 +29,10 @@ class Plan:
     def disk_layers(self) -> list[int]:
         return [i for i, t in enumerate(self.tiers) if t == "disk"]
 
+    @property
+    def streamed_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.tiers) if t in ("disk", "pinned")]
+
     def bytes_per_token(self, tier: str) -> int:
         if tier == "disk":
             return sum(self.file_bytes_per_layer[i] for i in self.disk_layers)
@@ -38,7 +42,7 @@ class Plan:
     def predicted_tok_s(self) -> float | None:
         """Decode rate if every link ran at its measured bandwidth, one after another."""
         seconds = 0.0
-        for tier in ("ram", "disk"):
+        for tier in ("vram", "ram", "pinned", "disk"):
             bw = self.bandwidth_gbps.get(tier)
             n = self.bytes_per_token(tier)
             if n and not bw:
@@ -54,11 +58,11 @@ class Plan:
                         f"{fmt_bytes(self.budget) if self.budget else 'unlimited'})")
         for col in ("tier", "layers", "bytes held", "bytes moved / token", "GB/s"):
             t.add_column(col, justify="right" if col != "tier" else "left")
-        for tier in ("ram", "disk"):
+        for tier in ("vram", "ram", "pinned", "disk"):
             idx = [i for i, x in enumerate(self.tiers) if x == tier]
             if not idx:
                 continue
-            held = sum(self.resident_bytes_per_layer[i] for i in idx) if tier == "ram" else \
+            held = sum(self.resident_bytes_per_layer[i] for i in idx) if tier != "disk" else \
                 self.staging_buffers * max(self.file_bytes_per_layer)
             moved = self.bytes_per_token(tier)
             bw = self.bandwidth_gbps.get(tier)
@@ -82,12 +86,14 @@ def _ranges(idx: list[int]) -> str:
 
 
 def plan_layers(device: str, resident_bytes: list[int], file_bytes: list[int],
-                fixed_bytes: int, budget: int | None, staging_buffers: int = 2) -> Plan:
-    """Keep layers resident in order while they fit `budget` (None: all of them)."""
+                fixed_bytes: int, budget: int | None, staging_buffers: int = 2,
+                names: tuple[str, str] = ("ram", "disk")) -> Plan:
+    """Keep layers resident (tier names[0]) in order while they fit `budget` (None: all of
+    them); the rest go to the streamed tier names[1]."""
     n = len(resident_bytes)
     staging = staging_buffers * max(file_bytes) if n else 0
     if budget is None:
-        return Plan(device, ["ram"] * n, resident_bytes, file_bytes, fixed_bytes, None,
+        return Plan(device, [names[0]] * n, resident_bytes, file_bytes, fixed_bytes, None,
                     staging_buffers)
     minimum = fixed_bytes + staging
     if budget < minimum:
@@ -100,9 +106,9 @@ def plan_layers(device: str, resident_bytes: list[int], file_bytes: list[int],
     tiers = []
     for b in resident_bytes:
         if b <= room:
-            tiers.append("ram")
+            tiers.append(names[0])
             room -= b
         else:
-            tiers.append("disk")
+            tiers.append(names[1])
             room = -1  # keep the streamed layers one contiguous tail
     return Plan(device, tiers, resident_bytes, file_bytes, fixed_bytes, budget, staging_buffers)

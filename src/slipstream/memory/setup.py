@@ -13,6 +13,7 @@ from .planner import Plan, plan_layers
 from .store import DiskLayerStore, MmapLayerStore, ResidentLayerStore
 
 IO_MODES = ("direct", "buffered", "mmap")
+GPU_MARGIN = 1 << 30  # activations, graph pools, allocator slack on the GPU
 
 
 def layer_resident_bytes(gf: GGUFFile, i: int, weight_dtype: torch.dtype, device) -> int:
@@ -43,15 +44,20 @@ def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype:
         head.n_elements * torch.finfo(weight_dtype).bits // 8
     fixed = head_bytes + kv + cfg.hidden * 4
     if device.type == "cuda":
-        plan = plan_layers("cuda", resident, file_bytes, fixed, None)
-        need = sum(resident) + fixed
-        if vram_budget is not None and need > vram_budget:
+        # Kernel-packed weights run up to ~4% over GGUF size (K-quant scales kept as bytes).
+        packed = [int(r * 1.04) for r in resident]
+        largest = max(t.n_elements for t in gf.tensors.values() if len(t.shape) == 2)
+        workspace = 2 * largest  # fp16 prefill dequant scratch for the largest weight
+        # (the GPU slots are added by plan_layers as its staging buffers)
+        fixed_gpu = int(head_bytes * 1.04) + kv + workspace + GPU_MARGIN
+        plan = plan_layers("cuda", packed, file_bytes, fixed_gpu, vram_budget,
+                           staging_buffers=2, names=("vram", "pinned"))
+        pinned = sum(packed[i] for i in plan.streamed_layers)
+        if ram_budget is not None and pinned > ram_budget:
             raise BudgetTooSmall(
-                f"the model needs {fmt_bytes(need)} of VRAM resident (weights, head, KV cache "
-                f"for --ctx {ctx}) but --vram-budget is {fmt_bytes(vram_budget)}; streaming "
-                f"layers through the GPU is not implemented yet: raise the budget, lower "
-                f"--ctx, or run on --device cpu with --ram-budget")
-        plan.budget = vram_budget
+                f"{len(plan.streamed_layers)} layers ({fmt_bytes(pinned)}) must stream from "
+                f"pinned RAM but --ram-budget is {fmt_bytes(ram_budget)}; streaming from disk "
+                f"to the GPU is not implemented yet: raise --ram-budget or --vram-budget")
         return plan
     return plan_layers("cpu", resident, file_bytes, fixed, ram_budget)
 
@@ -64,6 +70,18 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str) -> None:
     from ..runtime.bench import memory_read_gbps
     from .disk import AlignedBuffer, DirectReader
 
+    if plan.device == "cuda":
+        plan.bandwidth_gbps["vram"] = memory_read_gbps(torch.device("cuda"), 1 << 30)
+        host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty_like(host, device="cuda")
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(4):
+            dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        plan.bandwidth_gbps["pinned"] = 4 * host.numel() / (time.perf_counter() - t0) / 1e9
+        return
     plan.bandwidth_gbps["ram"] = memory_read_gbps(torch.device("cpu"), 128 << 20)
     if not plan.disk_layers or io == "mmap":
         return
@@ -87,6 +105,10 @@ def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtyp
                plan: Plan, io: str, delay=None):
     if io not in IO_MODES:
         raise BadArgument(f"--io {io!r} is not supported; choose from {', '.join(IO_MODES)}")
+    if plan.device == "cuda":
+        if not plan.streamed_layers:
+            return ResidentLayerStore(weights.layers)
+        return _pinned_store(gf, cfg, device, weight_dtype, weights, plan, delay)
     if not plan.disk_layers:
         return ResidentLayerStore(weights.layers)
     builder = LayerBuilder(cfg, device, weight_dtype)
@@ -94,3 +116,25 @@ def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtyp
         return MmapLayerStore(gf, builder, weights.layers)
     return DiskLayerStore(gf, builder, weights.layers, n_buffers=plan.staging_buffers, io=io,
                           delay=delay)
+
+
+def _pinned_store(gf, cfg, device, weight_dtype, weights, plan: Plan, delay):
+    """Build each streamed layer once on the GPU, keep its image in pinned RAM."""
+    from rich.progress import BarColumn, DownloadColumn, Progress
+
+    from ..weights.loader import TensorSource
+    from .gpu_stream import PinnedLayerStore, to_image
+
+    # share the resident layers' scratch: one prefill workspace per device, not one per store
+    builder = LayerBuilder(cfg, device, weight_dtype, workspace=weights.output.workspace)
+    images = {}
+    total = sum(plan.resident_bytes_per_layer[i] for i in plan.streamed_layers)
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  transient=True) as bar:
+        task = bar.add_task("pinning streamed layers", total=total)
+        for i in plan.streamed_layers:
+            images[i] = to_image(builder.build(TensorSource(gf), i))
+            bar.advance(task, plan.resident_bytes_per_layer[i])
+    torch.cuda.empty_cache()
+    return PinnedLayerStore(weights.layers, images, device, builder.workspace,
+                            n_slots=plan.staging_buffers, delay=delay or 0)
