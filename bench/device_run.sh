@@ -34,17 +34,34 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee
 # carried) for the rest of this machine's life, so the engine figures still come out; the
 # marker file says so in every later call.
 FALLBACK=/tmp/slipstream-gemv-fallback
-if [ "$STAGE" = kernels ] || [ "$STAGE" = all ]; then
+if [ "$STAGE" = kernels ] || [ "$STAGE" = all ] || [ "$STAGE" = final ]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_kernels.py tests/quant 2>&1 \
     | tail -25 | tee "$OUTDIR/pytest-kernels.log"
   if grep -qE "[0-9]+ failed|error" "$OUTDIR/pytest-kernels.log" && [ -f .kernels_head/gemv.py ]; then
     echo "kernel tests failed: falling back to .kernels_head/gemv.py" | tee "$FALLBACK"
   fi
   [ -f "$FALLBACK" ] && cp .kernels_head/gemv.py src/slipstream/kernels/gemv.py
-  timeout 180 python3 bench/kernels_bench.py "$OUTDIR" --quick 2>&1 | tail -45 \
-    | tee "$OUTDIR/kernels-bench.log"
+  if [ "$STAGE" != final ]; then
+    timeout 180 python3 bench/kernels_bench.py "$OUTDIR" --quick 2>&1 | tail -45 \
+      | tee "$OUTDIR/kernels-bench.log"
+  fi
 fi
 if [ -f "$FALLBACK" ]; then cp .kernels_head/gemv.py src/slipstream/kernels/gemv.py; cat "$FALLBACK"; fi
+if [ "$STAGE" = final ]; then
+  # One short call: correctness first, then the headline cases, newest tests last.
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_engine.py \
+    tests/gpu/test_streaming_gpu.py 2>&1 | tail -25 | tee "$OUTDIR/pytest-engine.log"
+  if grep -qE "FAILED .*fused.*\[1\]|FAILED .*\[1\]" "$OUTDIR/pytest-engine.log"; then
+    echo "fused decode test failed: SLIPSTREAM_FUSED_DECODE=0 for the benchmarks" \
+      | tee -a "$OUTDIR/pytest-engine.log"
+    export SLIPSTREAM_FUSED_DECODE=0
+  fi
+  python3 bench/gpu_bench.py "$OUTDIR" --budget-s "${BENCH_BUDGET_S:-170}" \
+    --cases "${CASES:-8b-q4k,8b-q4k-vram4,70b-q4k-vram24,70b-q4k}" 2>&1 \
+    | tee "$OUTDIR/gpu-bench.log" | grep -v '^{' | tail -12
+  timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_attention_kernels.py \
+    2>&1 | tail -8 | tee "$OUTDIR/pytest-attention.log"
+fi
 if [ "$STAGE" = engine ] || [ "$STAGE" = all ]; then
   [ -f "$MODEL" ] || echo "default model not on the device: real-model engine tests skip"
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_engine.py \
