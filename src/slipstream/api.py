@@ -151,7 +151,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
                     parse_size(vram_budget))
     if plan.streamed_layers:
         measure_bandwidths(gf, plan, io)
-    resident = {i for i, t in enumerate(plan.tiers) if t == "ram"}
+    resident = {i for i, t in enumerate(plan.tiers) if t in ("ram", "vram")}
     weights = _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, progress,
                                           resident)
     store = make_store(gf, cfg, dev, weight_dtype, weights, plan, io, stream_delay)

@@ -24,7 +24,8 @@ def synth(tmp_path_factory):
 
 def _budget_for(model, resident_layers: int) -> int:
     p = model.plan
-    return p.fixed_bytes + sum(p.resident_bytes_per_layer[:resident_layers]) + 1
+    staging = p.staging_buffers * max(p.file_bytes_per_layer)
+    return p.fixed_bytes + staging + sum(p.resident_bytes_per_layer[:resident_layers]) + 1
 
 
 def _run(model, steps=12):
