@@ -118,14 +118,10 @@ def test_gemv_config_sweep(qt: T) -> None:
     for cfg in sizes:
         y = kernels.gemv(x, packed, out_dtype=torch.float32, config=dict(cfg, num_warps=4))
         assert _rel(y, yref) <= TOL[qt]["gemv"], (qt.name, cfg)
-    if qt not in FLOATS:  # m = 1 tiles, also in the old NG (scale groups) spelling
+    if qt not in FLOATS:  # the m = 1 kernel's tiles (BN rows x NG scale groups)
         for cfg in [{"BN": 1, "NG": 8}, {"BN": 2, "NG": 32}, {"BN": 8, "NG": 32},
                     {"BN": 1, "NG": 256}]:
             y = kernels.gemv(x[:1], packed, out_dtype=torch.float32, config=dict(cfg, num_warps=8))
-            assert _rel(y, yref[:1]) <= TOL[qt]["gemv"], (qt.name, cfg)
-        for cfg in [{"BN": 8, "NU": 32, "num_warps": 1}, {"BN": 4, "NU": 128, "num_warps": 4},
-                    {"BN": 2, "NU": 64, "num_warps": 2}]:
-            y = kernels.gemv(x[:1], packed, out_dtype=torch.float32, config=cfg)
             assert _rel(y, yref[:1]) <= TOL[qt]["gemv"], (qt.name, cfg)
 
 
