@@ -18,10 +18,12 @@ _HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
 
 
 def _use_fused_decode(k_cache: torch.Tensor) -> bool:
-    """The fused decode kernels serve CUDA fp16/bf16 caches; SLIPSTREAM_FUSED_DECODE=0 turns
-    them off (the torch path stays as their reference)."""
+    """The fused decode kernels serve CUDA fp16/bf16 caches. Opt-in (SLIPSTREAM_FUSED_DECODE=1)
+    until the engine-level GPU test passes with them: their kernel tests pass on the H200, but
+    the synthetic-model decode test failed there with and without them (undiagnosed), and the
+    torch path is the one verified against the CPU on the real model."""
     return (k_cache.is_cuda and k_cache.dtype in (torch.float16, torch.bfloat16)
-            and _cuda_kernels() and os.environ.get("SLIPSTREAM_FUSED_DECODE", "1") != "0")
+            and _cuda_kernels() and os.environ.get("SLIPSTREAM_FUSED_DECODE", "0") == "1")
 
 
 @functools.lru_cache(maxsize=None)
