@@ -139,6 +139,19 @@ def test_prefill_matmul(qt: T, m: int) -> None:
 
 
 @pytest.mark.parametrize("qt", ALL, ids=lambda t: t.name)
+def test_one_block_per_row(qt: T) -> None:
+    """K = one (super-)block: planes sliced out of single-block rows once stayed strided views
+    of the raw bytes, and Q2_K/Q6_K came out as garbage (the 256-wide layers of tiny models)."""
+    k = GGML_QUANT_SIZES[qt][0] if qt not in FLOATS else 32
+    packed, ref = _setup(qt, 17, k, seed=7)
+    x = torch.randn(1, k, device="cuda")
+    yref = x.double().cpu().numpy() @ ref.T
+    assert _rel(kernels.gemv(x, packed, out_dtype=torch.float32), yref) <= TOL[qt]["gemv"]
+    w = kernels.dequantize(packed, torch.float32).double().cpu().numpy()
+    assert np.array_equal(w, ref)
+
+
+@pytest.mark.parametrize("qt", ALL, ids=lambda t: t.name)
 def test_dequantize_bit_exact(qt: T) -> None:
     """Dequant to fp32 equals the reference exactly; to bf16, the reference rounded once."""
     n, k = 17, _k_for(qt)

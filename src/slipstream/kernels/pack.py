@@ -141,7 +141,9 @@ def pack_weight(raw: torch.Tensor, qtype: T | int | str, rows: int, cols: int) -
         codes, meta = _DECODE[qt](blocks)  # codes: (n_blocks, block) uint8/int32, unsigned
         n = chunk.shape[0]
         planes = _bitplanes(codes.reshape(n, cols), spec)
-        planes.update({k: v.reshape(n, -1) for k, v in meta.items()})
+        # contiguous: with one block per row a plane sliced out of the blocks stays a strided
+        # view (row stride = block size), and the kernels assume dense rows
+        planes.update({k: v.reshape(n, -1).contiguous() for k, v in meta.items()})
         parts.append(planes)
     cat = {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k]
            for k in parts[0]}
