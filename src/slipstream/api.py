@@ -145,16 +145,17 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     act_dtype = torch.float32
     kv_dtype = torch.float32 if dev.type == "cpu" else torch.float16
     from .memory.budget import parse_size
-    from .memory.setup import make_store, measure_bandwidths, plan_for
+    from .memory.setup import make_store, measure_bandwidths, pin_streamed_layers, plan_for
 
     plan = plan_for(gf, cfg, dev, weight_dtype, kv_dtype, n_ctx, parse_size(ram_budget),
                     parse_size(vram_budget))
     if plan.streamed_layers:
         measure_bandwidths(gf, plan, io)
     resident = {i for i, t in enumerate(plan.tiers) if t in ("ram", "vram")}
+    images = pin_streamed_layers(gf, cfg, dev, weight_dtype, plan)  # CUDA tier B, first
     weights = _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, progress,
                                           resident)
-    store = make_store(gf, cfg, dev, weight_dtype, weights, plan, io, stream_delay)
+    store = make_store(gf, cfg, dev, weight_dtype, weights, plan, io, stream_delay, images)
     engine = Engine(cfg, weights, dev, n_ctx, act_dtype, kv_dtype, layers=store)
     model = Model(model_path, gf, cfg, engine, tokenizer, template)
     model.plan = plan

@@ -81,6 +81,8 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str) -> None:
             dev.copy_(host, non_blocking=True)
         torch.cuda.synchronize()
         plan.bandwidth_gbps["pinned"] = 4 * host.numel() / (time.perf_counter() - t0) / 1e9
+        del host, dev
+        torch.cuda.empty_cache()  # the probe buffers must not stay reserved under the budget
         return
     plan.bandwidth_gbps["ram"] = memory_read_gbps(torch.device("cpu"), 128 << 20)
     if not plan.disk_layers or io == "mmap":
@@ -101,32 +103,21 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str) -> None:
         buf.close()
 
 
-def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype, weights,
-               plan: Plan, io: str, delay=None):
-    if io not in IO_MODES:
-        raise BadArgument(f"--io {io!r} is not supported; choose from {', '.join(IO_MODES)}")
-    if plan.device == "cuda":
-        if not plan.streamed_layers:
-            return ResidentLayerStore(weights.layers)
-        return _pinned_store(gf, cfg, device, weight_dtype, weights, plan, delay)
-    if not plan.disk_layers:
-        return ResidentLayerStore(weights.layers)
-    builder = LayerBuilder(cfg, device, weight_dtype)
-    if io == "mmap":
-        return MmapLayerStore(gf, builder, weights.layers)
-    return DiskLayerStore(gf, builder, weights.layers, n_buffers=plan.staging_buffers, io=io,
-                          delay=delay)
+def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype,
+                        plan: Plan) -> dict:
+    """CUDA tier B: build each streamed layer once on the GPU and keep its image in pinned RAM.
 
-
-def _pinned_store(gf, cfg, device, weight_dtype, weights, plan: Plan, delay):
-    """Build each streamed layer once on the GPU, keep its image in pinned RAM."""
+    Runs before the resident layers load, so the transient GPU copy of the layer being built
+    never sits on top of the resident model: the peak VRAM stays the steady-state one."""
+    if plan.device != "cuda" or not plan.streamed_layers:
+        return {}
     from rich.progress import BarColumn, DownloadColumn, Progress
 
+    from ..weights.linear import Workspace
     from ..weights.loader import TensorSource
-    from .gpu_stream import PinnedLayerStore, to_image
+    from .gpu_stream import to_image
 
-    # share the resident layers' scratch: one prefill workspace per device, not one per store
-    builder = LayerBuilder(cfg, device, weight_dtype, workspace=weights.output.workspace)
+    builder = LayerBuilder(cfg, device, weight_dtype, workspace=Workspace(device))
     images = {}
     total = sum(plan.resident_bytes_per_layer[i] for i in plan.streamed_layers)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
@@ -135,6 +126,28 @@ def _pinned_store(gf, cfg, device, weight_dtype, weights, plan: Plan, delay):
         for i in plan.streamed_layers:
             images[i] = to_image(builder.build(TensorSource(gf), i))
             bar.advance(task, plan.resident_bytes_per_layer[i])
+    del builder
     torch.cuda.empty_cache()
-    return PinnedLayerStore(weights.layers, images, device, builder.workspace,
-                            n_slots=plan.staging_buffers, delay=delay or 0)
+    return images
+
+
+def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype, weights,
+               plan: Plan, io: str, delay=None, images: dict | None = None):
+    if io not in IO_MODES:
+        raise BadArgument(f"--io {io!r} is not supported; choose from {', '.join(IO_MODES)}")
+    if plan.device == "cuda":
+        if not plan.streamed_layers:
+            return ResidentLayerStore(weights.layers)
+        from .gpu_stream import PinnedLayerStore
+
+        # the streamed layers share the resident layers' prefill workspace
+        return PinnedLayerStore(weights.layers, images or {}, device,
+                                weights.output.workspace, n_slots=plan.staging_buffers,
+                                delay=delay or 0)
+    if not plan.disk_layers:
+        return ResidentLayerStore(weights.layers)
+    builder = LayerBuilder(cfg, device, weight_dtype)
+    if io == "mmap":
+        return MmapLayerStore(gf, builder, weights.layers)
+    return DiskLayerStore(gf, builder, weights.layers, n_buffers=plan.staging_buffers, io=io,
+                          delay=delay)
