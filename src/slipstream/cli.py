@@ -109,7 +109,10 @@ def _print_breakdown(model) -> None:
     parts.insert(0, ("compute", max(total - sum(p[1] for p in parts), 0.0)))
     for name, sec in parts:
         t.add_row(name, f"{sec / tokens * 1e3:.2f}", f"{sec / total:.0%}" if total else "-")
-    t.add_row("host-to-device, stall", "n/a on CPU", "")
+    if model.device.type == "cpu":
+        t.add_row("host-to-device, stall", "n/a on CPU", "")
+    else:
+        t.add_row("host-to-device, stall", "not broken out on CUDA yet", "")
     t.caption = (f"{store.layers_streamed} layer loads from disk; "
                  f"{getattr(getattr(model.engine.layers, 'reader', None), 'bytes_read', 0) / 1e6:.1f}"
                  f" MB read")
