@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import slipstream  # noqa: E402
-from slipstream.runtime.bench import bench_decode, bench_prefill  # noqa: E402
+from slipstream.runtime.bench import (bench_decode, bench_prefill, h2d_pinned_gbps,  # noqa: E402
+                                      memory_read_gbps, weight_bytes_per_token)
 from slipstream.synth import write_synth  # noqa: E402
-from slipstream.weights.linear import QuantLinear  # noqa: E402
 
 CASES = {  # name: (shape, --quant, vram budget or None for resident)
     "8b-q4k": ("8b", "Q4_K", None),
@@ -37,48 +37,6 @@ CASES = {  # name: (shape, --quant, vram budget or None for resident)
     "8b-q4k-vram4": ("8b", "Q4_K", "4GiB"),
     "70b-q4k-vram24": ("70b", "Q4_K", "24GiB"),
 }
-
-
-def _event_time(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3 / reps
-
-
-def hbm_copy_gbps(nbytes: int = 2 << 30) -> float:
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    t = _event_time(lambda: b.copy_(a), 10)
-    return 2 * nbytes / t / 1e9  # bytes read + written
-
-
-def h2d_pinned_gbps(nbytes: int = 2 << 30) -> float:
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    t = _event_time(lambda: dev.copy_(host, non_blocking=True), 5)
-    return nbytes / t / 1e9
-
-
-def weight_bytes_per_token(model) -> int:
-    """Bytes one decode token reads: every linear weight once, plus one embedding row."""
-    total = 0
-    w = model.engine.weights
-    for layer in w.layers:
-        for name in ("attn_qkv", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate_up",
-                     "ffn_gate", "ffn_up", "ffn_down"):
-            lin = getattr(layer, name)
-            if isinstance(lin, QuantLinear):
-                total += lin.packed.nbytes
-    if isinstance(w.output, QuantLinear):
-        total += w.output.packed.nbytes
-    total += w.embed.raw.shape[1]
-    return total
 
 
 def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
@@ -97,7 +55,7 @@ def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
     pp = bench_prefill(model.engine, 512, reps=3)
     tg = bench_decode(model.engine, 128 if budget is None else 16, reps=3)
     if budget is None:
-        per_token = weight_bytes_per_token(model)
+        per_token = weight_bytes_per_token(model.engine)
         roofline = hbm * 1e9 / per_token
     else:  # streamed: the PCIe copy of the pinned layers bounds decode
         plan = model.plan
@@ -138,8 +96,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
-    hbm = hbm_copy_gbps()
-    h2d = h2d_pinned_gbps()
+    hbm = memory_read_gbps(torch.device("cuda"), 2 << 30)  # device copy, bytes read + written
+    h2d = h2d_pinned_gbps(2 << 30)
     print(f"HBM copy {hbm:.0f} GB/s, pinned H2D {h2d:.1f} GB/s", flush=True)
     commit = os.environ.get("SLIPSTREAM_COMMIT") or subprocess.run(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"

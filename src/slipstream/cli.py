@@ -62,7 +62,7 @@ def _load(a: argparse.Namespace):
 
     model = api.load(a.model, device=a.device, ctx=a.ctx, progress=sys.stderr.isatty(),
                      ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io)
-    if model.plan is not None and (model.plan.disk_layers or getattr(a, "stats", False)):
+    if model.plan is not None and (model.plan.streamed_layers or getattr(a, "stats", False)):
         err.print(model.plan.table())
         note = getattr(model.engine.layers, "note", "")
         if note:

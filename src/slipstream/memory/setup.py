@@ -67,22 +67,12 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str) -> None:
     when layers stream, a read of the streamed spans through the chosen I/O path."""
     import time
 
-    from ..runtime.bench import memory_read_gbps
+    from ..runtime.bench import h2d_pinned_gbps, memory_read_gbps
     from .disk import AlignedBuffer, DirectReader
 
     if plan.device == "cuda":
         plan.bandwidth_gbps["vram"] = memory_read_gbps(torch.device("cuda"), 1 << 30)
-        host = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
-        dev = torch.empty_like(host, device="cuda")
-        dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(4):
-            dev.copy_(host, non_blocking=True)
-        torch.cuda.synchronize()
-        plan.bandwidth_gbps["pinned"] = 4 * host.numel() / (time.perf_counter() - t0) / 1e9
-        del host, dev
-        torch.cuda.empty_cache()  # the probe buffers must not stay reserved under the budget
+        plan.bandwidth_gbps["pinned"] = h2d_pinned_gbps()
         return
     plan.bandwidth_gbps["ram"] = memory_read_gbps(torch.device("cpu"), 128 << 20)
     if not plan.disk_layers or io == "mmap":

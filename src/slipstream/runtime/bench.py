@@ -103,9 +103,27 @@ def memory_read_gbps(device: torch.device, nbytes: int = 256 << 20) -> float:
     if device.type == "cuda":
         b = torch.empty_like(a)
         t = min(_timed_fn(device, lambda: b.copy_(a)) for _ in range(5))
+        del a, b
+        torch.cuda.empty_cache()
         return 2 * nbytes / t / 1e9
     t = min(_timed_fn(device, lambda: a.sum()) for _ in range(5))
     return nbytes / t / 1e9
+
+
+def h2d_pinned_gbps(nbytes: int = 256 << 20, reps: int = 4) -> float:
+    """Pinned host-to-device copy bandwidth (CUDA), the tier-B streaming link."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty_like(host, device="cuda")
+
+    def copies() -> None:
+        for _ in range(reps):
+            dev.copy_(host, non_blocking=True)
+
+    dev.copy_(host, non_blocking=True)  # warm-up
+    t = _timed_fn(torch.device("cuda"), copies)
+    host = dev = None
+    torch.cuda.empty_cache()  # probe buffers must not stay reserved under a VRAM budget
+    return reps * nbytes / t / 1e9
 
 
 def _timed_fn(device: torch.device, fn: Callable[[], object]) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from .. import quant
 
@@ -94,6 +95,10 @@ class Workspace:
         return self.buffer[: rows * cols].view(rows, cols)
 
 
+_FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16),
+                int(GGMLQuantizationType.BF16)}
+
+
 class QuantLinear:
     """y = x @ W^T (+ b) with W kept in its GGUF format, repacked once for the Triton kernels:
     a fused dequant-GEMV for up to 8 rows (float32 accumulation, exact weights), dequantize to
@@ -109,7 +114,9 @@ class QuantLinear:
         self.workspace = workspace
         self._matmul = kernels.matmul
         self._max_m = kernels.MAX_M
-        if packed.qtype not in (0, 1, 30):  # float formats need no scratch
+        # float formats are multiplied as they are; quantized ones dequantize into scratch
+        self._scratch = int(packed.qtype) not in _FLOAT_TYPES
+        if self._scratch:
             workspace.reserve(packed.rows * packed.cols)
 
     @property
@@ -118,8 +125,7 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self._max_m:
-            quantized = self.packed.qtype not in (0, 1, 30)
-            scratch = self.workspace.view(self.packed.rows, self.packed.cols) if quantized \
+            scratch = self.workspace.view(self.packed.rows, self.packed.cols) if self._scratch \
                 else None
             y = self._matmul(x.to(torch.float16), self.packed, out_dtype=x.dtype,
                              scratch=scratch)

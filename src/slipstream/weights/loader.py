@@ -63,13 +63,6 @@ def raw_tensor(gf: GGUFFile, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return t.view(rows, -1)
 
 
-def dense(gf: GGUFFile, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-          device: torch.device) -> torch.Tensor:
-    info = gf.tensors.get(name)
-    raw = raw_tensor(gf, name, shape)
-    return quant.dequantize(raw, info.ggml_type, shape).to(device=device, dtype=dtype)
-
-
 class TensorSource:
     """Where a layer's tensors come from: the memory-mapped file (resident loading), or a
     buffer holding the bytes of a span of the file (streaming from disk)."""
@@ -213,11 +206,6 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
         if progress is not None and name in gf.tensors:
             progress(gf.tensors[name].n_bytes)
 
-    def norm(name: str) -> torch.Tensor:
-        t = dense(gf, name, (cfg.hidden,), torch.float32, device)
-        tick(name)
-        return t
-
     layers: list[LayerWeights | None] = []
     for i in range(cfg.n_layers):
         if resident_layers is not None and i not in resident_layers:
@@ -242,13 +230,14 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
         output = QuantLinear(kernels.pack_weight(head_raw, gf.tensors[head_name].ggml_type,
                                                  *embed_shape), None, workspace)
     else:
-        output = DenseLinear(dense(gf, head_name, embed_shape, weight_dtype, device))
+        output = DenseLinear(src.dense(head_name, embed_shape, weight_dtype, device))
     if head_name == "output.weight":
         tick(head_name)
     rope_freqs = None
     if "rope_freqs.weight" in gf.tensors:
-        rope_freqs = dense(gf, "rope_freqs.weight", (cfg.rope_dim // 2,), torch.float32,
-                           torch.device("cpu"))
-    return ModelWeights(embed=embed, layers=layers,
-                        output_norm=norm("output_norm.weight"), output=output,
+        rope_freqs = src.dense("rope_freqs.weight", (cfg.rope_dim // 2,), torch.float32,
+                               torch.device("cpu"))
+    output_norm = src.dense("output_norm.weight", (cfg.hidden,), torch.float32, device)
+    tick("output_norm.weight")
+    return ModelWeights(embed=embed, layers=layers, output_norm=output_norm, output=output,
                         rope_freqs=rope_freqs)
