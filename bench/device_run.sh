@@ -33,23 +33,23 @@ if [ ! -f "$MODEL" ] && [ -f "$SLIPSTREAM_CACHE/part1" ] && [ -f "$SLIPSTREAM_CA
   cat "$SLIPSTREAM_CACHE/part1" "$SLIPSTREAM_CACHE/part2" > "$MODEL"
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUTDIR/gpu.txt"
-# A GEMV kernel that fails its GPU tests is replaced by the previous one (.kernels_head, when
-# carried) for the rest of this machine's life, so the engine figures still come out; the
-# marker file says so in every later call.
-FALLBACK=/tmp/slipstream-gemv-fallback
 if [ "$STAGE" = kernels ] || [ "$STAGE" = all ] || [ "$STAGE" = final ]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_kernels.py tests/quant 2>&1 \
     | tail -25 | tee "$OUTDIR/pytest-kernels.log"
-  if grep -qE "[0-9]+ failed|error" "$OUTDIR/pytest-kernels.log" && [ -f .kernels_head/gemv.py ]; then
-    echo "kernel tests failed: falling back to .kernels_head/gemv.py" | tee "$FALLBACK"
-  fi
-  [ -f "$FALLBACK" ] && cp .kernels_head/gemv.py src/slipstream/kernels/gemv.py
   if [ "$STAGE" != final ]; then
-    timeout 180 python3 bench/kernels_bench.py "$OUTDIR" --quick 2>&1 | tail -45 \
+    timeout 240 python3 bench/kernels_bench.py "$OUTDIR" --quick 2>&1 | tail -45 \
       | tee "$OUTDIR/kernels-bench.log"
   fi
+  if [ "${SWEEP_Q8:-0}" = 1 ]; then  # tile sweep of the int8-activation GEMV
+    for p in 0 1 2 3 4 5 6 7; do
+      python3 bench/kernels_bench.py "$OUTDIR/compile" --sweep-q8 --compile-only --no-main \
+        --part $p/8 >/dev/null 2>&1 &
+    done
+    wait
+    timeout 200 python3 bench/kernels_bench.py "$OUTDIR" --sweep-q8 --no-main 2>&1 \
+      | grep -A40 "best configs" | tee "$OUTDIR/sweep-q8.log"
+  fi
 fi
-if [ -f "$FALLBACK" ]; then cp .kernels_head/gemv.py src/slipstream/kernels/gemv.py; cat "$FALLBACK"; fi
 if [ "$STAGE" = engine ] || [ "$STAGE" = all ] || [ "$STAGE" = final ]; then
   [ -f "$MODEL" ] || echo "default model not on the device: real-model engine tests skip"
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_engine.py \

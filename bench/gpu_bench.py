@@ -37,6 +37,30 @@ CASES = {  # name: (shape, --quant, vram budget or None for resident)
     "8b-q4k-vram4": ("8b", "Q4_K", "4GiB"),
     "70b-q4k-vram24": ("70b", "Q4_K", "24GiB"),
 }
+PRECISION = os.environ.get("SLIPSTREAM_PRECISION", "fast")  # "exact": fp32 decode GEMVs
+
+
+def profile_decode(engine, tokens: int = 16) -> dict:
+    """Kernel time per decode token, by kernel name, from the CUDA profiler (graph replays
+    included): where a token's time goes beyond the weight streaming."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        bench_decode(engine, tokens, reps=1)  # warm-up + 1 run: 2 * tokens decode steps
+    n = 2 * tokens
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = e.self_cuda_time_total
+        if us > 0:
+            rows.append({"kernel": e.key[:90], "us_per_token": round(us / n, 2),
+                         "calls_per_token": round(e.count / n, 2)})
+    rows.sort(key=lambda r: -r["us_per_token"])
+    total = sum(r["us_per_token"] for r in rows)
+    calls = sum(r["calls_per_token"] for r in rows)
+    return {"kernel_us_per_token": round(total, 1), "kernels_per_token": round(calls, 1),
+            "top": rows[:14]}
 
 
 def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
@@ -49,7 +73,8 @@ def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
     size = path.stat().st_size
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    model = slipstream.load(path, device="cuda", ctx=640, vram_budget=budget)
+    model = slipstream.load(path, device="cuda", ctx=640, vram_budget=budget,
+                            precision=PRECISION)
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
     pp = bench_prefill(model.engine, 512, reps=3)
@@ -65,6 +90,8 @@ def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
         "name": name if budget else f"{name}-resident",
         "tiers": {t: model.plan.tiers.count(t) for t in set(model.plan.tiers)},
         "decode_test": tg.test,
+        "precision": PRECISION,
+        "fused_decode": os.environ.get("SLIPSTREAM_FUSED_DECODE", "0") == "1",
         "decode_tok_s": round(tg.tok_s, 2),
         "prefill512_tok_s": round(pp.tok_s, 1),
         "roofline_decode_tok_s": round(roofline, 1),
@@ -78,6 +105,16 @@ def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
         "decode_runs_s": [round(x, 4) for x in tg.seconds],
         "prefill_runs_s": [round(x, 4) for x in pp.seconds],
     }
+    if budget is None and os.environ.get("SLIPSTREAM_PROFILE") == "1":
+        try:
+            case["profile"] = profile_decode(model.engine)
+            p = case["profile"]
+            print(f"{name}: {p['kernels_per_token']} kernels, {p['kernel_us_per_token']} us of "
+                  f"kernels per token; top: " + "; ".join(
+                      f"{r['kernel'][:40]} {r['us_per_token']}us x{r['calls_per_token']}"
+                      for r in p["top"][:8]), flush=True)
+        except Exception as e:  # profiling is diagnostics: never lose the case for it
+            case["profile"] = {"error": f"{type(e).__name__}: {e}"}
     model.engine.layers.close()
     del model
     gc.collect()

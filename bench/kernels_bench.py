@@ -30,6 +30,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from slipstream import kernels
 from slipstream.kernels.gemv import gemv_config
+from slipstream.kernels.gemv_q8 import gemv_q8, gemv_q8_config
 
 FORMATS = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
            T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -124,13 +125,19 @@ def _weights(qt: T, n: int, k: int, timed: bool, keep: bool = False) -> list:
     return ws
 
 
-def bench_gemv(qt: T, n: int, k: int, m: int, timed: bool, config=None, keep=False) -> dict:
+def bench_gemv(qt: T, n: int, k: int, m: int, timed: bool, config=None, keep=False,
+               q8: bool = False) -> dict:
+    """q8: the int8-activation kernel (gemv_q8.py), its x-quantizing launch included."""
     ws = _weights(qt, n, k, timed, keep)
     probe = ws[0]
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    cfg = config or gemv_config(probe, m)
-    fns = [lambda w=w: kernels.gemv(x, w, out=y, config=cfg) for w in ws]
+    if q8:
+        cfg = config or gemv_q8_config(probe, m)
+        fns = [lambda w=w: gemv_q8(x, w, out=y, config=cfg) for w in ws]
+    else:
+        cfg = config or gemv_config(probe, m)
+        fns = [lambda w=w: kernels.gemv(x, w, out=y, config=cfg) for w in ws]
     if not timed:
         fns[0]()
         return {}
@@ -158,6 +165,9 @@ def sweep_configs(qt: T, m: int) -> list[dict]:
     if qt in (T.F32, T.F16, T.BF16):
         return [{"BN": bn, "BK": bk, "num_warps": nw} for bn in (1, 2, 4, 8, 16)
                 for bk in (256, 512, 1024, 2048) for nw in (4, 8) if m * bn * bk <= 16384]
+    if m < 0:  # the int8-activation kernel at |m| rows
+        return [{"BN": bn, "NU": nu, "num_warps": nw} for bn in (2, 4, 8)
+                for nu in (32, 64, 128) for nw in (4, 8)]
     if m == 1:  # the m = 1 kernel (_gemv_q1_kernel): BN rows x NG scale groups per step
         return [{"BN": bn, "NG": ng, "num_warps": nw} for bn in (1, 2, 4, 8)
                 for ng in (16, 32, 64, 128, 256) for nw in (4, 8) if bn * ng * 32 <= 16384]
@@ -169,7 +179,10 @@ def sweep_configs(qt: T, m: int) -> list[dict]:
     return out
 
 
-# The m = 8 and F16 sweeps of the previous kernels are in bench/results; this one tunes m = 1.
+# The m = 8 and F16 sweeps of the previous kernels are in bench/results; --sweep-q8 tunes the
+# int8-activation kernel (m < 0 in these tuples means that kernel at |m| rows).
+SWEEP_Q8_CASES = [(T.Q4_K, -1, [SHAPES_8B[2], SHAPES_8B[3], SHAPES_70B[2]]),
+                  (T.Q6_K, -1, [VOCAB_8B]), (T.Q8_0, -1, [SHAPES_8B[2]])]
 SWEEP_CASES = [(T.Q4_K, 1, SHAPES_8B), (T.Q6_K, 1, [VOCAB_8B, SHAPES_8B[2]]),
                (T.Q8_0, 1, SHAPES_8B[2:3]), (T.Q4_0, 1, SHAPES_8B[2:3]),
                (T.Q5_K, 1, SHAPES_8B[3:4]), (T.Q3_K, 1, SHAPES_8B[3:4])]
@@ -190,6 +203,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-q8", action="store_true")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--part", default="0/1")
     ap.add_argument("--quick", action="store_true")
@@ -200,9 +214,10 @@ def main() -> None:
     timed = not args.compile_only
     torch.manual_seed(0)
 
-    if args.sweep:
+    if args.sweep or args.sweep_q8:
         sweep = []
-        jobs = [(qt, m, name, n, k, cfg) for qt, m, shapes in SWEEP_CASES
+        jobs = [(qt, m, name, n, k, cfg) for qt, m, shapes in
+                (SWEEP_Q8_CASES if args.sweep_q8 else SWEEP_CASES)
                 for name, n, k in shapes for cfg in sweep_configs(qt, m)]
         if not timed:  # compile: one launch per (format, m, config) is enough
             seen, uniq = set(), []
@@ -216,7 +231,7 @@ def main() -> None:
             if i % nparts != part:
                 continue
             try:
-                r = bench_gemv(qt, n, k, m, timed, config=cfg, keep=True)
+                r = bench_gemv(qt, abs(n), k, abs(m), timed, config=cfg, keep=True, q8=m < 0)
             except Exception as e:  # a config that does not compile or fit is data too
                 r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             if timed:
@@ -252,6 +267,12 @@ def main() -> None:
             except Exception as e:
                 r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
             row[f"m{m}"] = r
+            if qt not in (T.F32, T.F16, T.BF16):
+                try:
+                    r = bench_gemv(qt, n, k, m, timed, keep=True, q8=True)
+                except Exception as e:
+                    r = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                row[f"m{m}q8"] = r
         try:
             row["m512"] = bench_prefill(qt, n, k, 512, timed)
         except Exception as e:
@@ -268,11 +289,13 @@ def main() -> None:
     print(f"\n{torch.cuda.get_device_name()}  HBM copy (read+write): {hbm:.0f} GB/s  "
           f"[{time.time() - t0:.0f}s]")
     print(f"{'format':6s} {'shape':24s} {'m=1 us':>8s} {'GB/s':>6s} {'%HBM':>5s} "
-          f"{'m=8 us':>8s} {'GB/s':>6s} {'%HBM':>5s} {'m=512 us':>9s} {'TFLOP/s':>8s}")
+          f"{'m=8 us':>8s} {'GB/s':>6s} {'%HBM':>5s} "
+          f"{'q8 m=1':>8s} {'GB/s':>6s} {'%HBM':>5s} {'q8 m=8':>8s} {'GB/s':>6s} {'%HBM':>5s} "
+          f"{'m=512 us':>9s} {'TFLOP/s':>8s}")
     for row in rows:
         cells = []
-        for m in ("m1", "m8"):
-            r = row[m]
+        for m in ("m1", "m8", "m1q8", "m8q8"):
+            r = row.get(m, {})
             if "us" in r:
                 cells.append(f"{r['us']:8.1f} {r['GBps']:6.0f} {100 * r['GBps'] / hbm:5.1f}")
             else:
@@ -280,8 +303,8 @@ def main() -> None:
         p = row["m512"]
         cells.append(f"{p['us']:9.1f} {p['TFLOPs']:8.1f}" if "us" in p else f"{'ERR':>9s}")
         print(f"{row['format']:6s} {row['shape']:24s} " + " ".join(cells))
-    errs = [(r["format"], r["shape"], m, r[m]["error"]) for r in rows for m in ("m1", "m8", "m512")
-            if "error" in r[m]]
+    errs = [(r["format"], r["shape"], m, r[m]["error"]) for r in rows
+            for m in ("m1", "m8", "m1q8", "m8q8", "m512") if "error" in r.get(m, {})]
     for e in errs:
         print("ERROR", *e)
 

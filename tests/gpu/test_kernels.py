@@ -34,6 +34,12 @@ TOL: dict[T, dict[str, float]] = {
     for qt in ALL
 }
 TOL[T.F32]["prefill"] = BF16_W_TOL  # weights go to bf16 for cuBLAS too
+# The int8-activation GEMV (precision="fast"): against the reference run on the same int8-rounded
+# x it is exact up to fp32 summation order; against the unrounded x it carries x's rounding to
+# 8 bits per block of 32 (~0.5% per element on Gaussian data).
+for qt in LEGACY + KQUANTS:
+    TOL[qt]["gemv_q8"] = 2e-5
+    TOL[qt]["gemv_q8_vs_float_x"] = 1.5e-2
 TOL[T.BF16]["gemv_dot"] = BF16_W_TOL
 
 
@@ -201,3 +207,76 @@ def test_rms_norm(dtype: torch.dtype, hidden: int) -> None:
     y2, h = kernels.rms_norm(x, w, eps, residual=r)
     assert torch.equal(h, x + r)
     assert (y2.float() - ref(x + r)).norm() / ref(x + r).norm() < tol
+
+
+def _quantize_x_reference(x: torch.Tensor) -> np.ndarray:
+    """x rounded as the int8-activation GEMV specifies: per block of 32, codes are
+    round-half-away(x * (127 / max|x|)) computed in float32 (ties decided in float64 would
+    differ now and then), scale = max|x| / 127; returned dequantized, float64."""
+    xb = x.float().cpu().numpy().reshape(x.shape[0], -1, 32)
+    amax = np.abs(xb).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
+    v = xb * inv
+    q = np.sign(v) * np.floor(np.abs(v) + np.float32(0.5))
+    return (q.astype(np.float64) * (amax.astype(np.float64) / 127.0)).reshape(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("qt", LEGACY + KQUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [1, 17, 33, 300])
+def test_gemv_q8_matches_reference(qt: T, n: int) -> None:
+    from slipstream.kernels.gemv_q8 import gemv_q8
+
+    k = _k_for(qt)
+    packed, ref = _setup(qt, n, k, seed=n)
+    for m in (1, 3, 8):
+        x = torch.randn(m, k, device="cuda").to(torch.float16)
+        out = torch.full((m, n), float("nan"), device="cuda")  # poison: every element written
+        gemv_q8(x, packed, out=out)
+        assert _rel(out, _quantize_x_reference(x) @ ref.T) <= TOL[qt]["gemv_q8"], (qt.name, n, m)
+        if n >= 17:  # a relative error over one or two dot products is too heavy-tailed to bound
+            yref = x.double().cpu().numpy() @ ref.T
+            assert _rel(out, yref) <= TOL[qt]["gemv_q8_vs_float_x"], (qt.name, n, m)
+        r = torch.randn(m, n, device="cuda").to(torch.float16)
+        yr = gemv_q8(x, packed, residual=r, out_dtype=torch.float32)
+        assert _rel(yr, _quantize_x_reference(x) @ ref.T + r.double().cpu().numpy()) \
+            <= TOL[qt]["gemv_q8"], (qt.name, n, m, "residual")
+
+
+@pytest.mark.parametrize("qt", LEGACY + KQUANTS, ids=lambda t: t.name)
+def test_gemv_q8_config_sweep(qt: T) -> None:
+    """Tiles the config may pick, with tails in N (45 rows) and in K (units not a multiple
+    of NU)."""
+    from slipstream.kernels.gemv_q8 import gemv_q8
+
+    k = _k_for(qt) * 3
+    n = 45
+    packed, ref = _setup(qt, n, k, seed=7)
+    x = torch.randn(2, k, device="cuda").to(torch.bfloat16)
+    yref = _quantize_x_reference(x) @ ref.T
+    for bn, nu in ((1, 4), (2, 16), (4, 64), (8, 16)):
+        cfg = {"BN": bn, "NU": nu, "num_warps": 4}
+        y = gemv_q8(x, packed, out_dtype=torch.float32, config=cfg)
+        assert _rel(y, yref) <= TOL[qt]["gemv_q8"], (qt.name, cfg)
+        y1 = gemv_q8(x[:1], packed, out_dtype=torch.float32, config=cfg)
+        assert _rel(y1, yref[:1]) <= TOL[qt]["gemv_q8"], (qt.name, cfg, "m=1")
+
+
+def test_quantize_x_layout() -> None:
+    """Word k of a block holds the int8 codes of elements k, k+8, k+16, k+24 (bytes 0..3);
+    scales and half-block sums match the reference rounding."""
+    from slipstream.kernels.gemv_q8 import quantize_x
+
+    x = torch.randn(3, 32 * 5, device="cuda")
+    x[1, 32:64] = 0.0  # an all-zero block: scale 0, codes 0
+    xq, xs, xh = quantize_x(x)
+    xr = x.double().cpu().numpy().reshape(3, 5, 32)
+    amax = np.abs(xr).max(axis=2)
+    np.testing.assert_allclose(xs.cpu().numpy(), amax / 127.0, rtol=1e-6)
+    codes = xq.cpu().numpy().view(np.int8).reshape(3, 5, 8, 4)  # [row, block, word k, byte b]
+    expect = np.round(_quantize_x_reference(x).reshape(3, 5, 32) /
+                       np.maximum(amax, 1e-30)[:, :, None] * 127.0)
+    np.testing.assert_array_equal(codes.transpose(0, 1, 3, 2).reshape(3, 5, 32),
+                                  expect.astype(np.int8))
+    sums = expect.reshape(3, 5, 2, 16).sum(axis=3) * (amax / 127.0)[:, :, None]
+    np.testing.assert_allclose(xh.cpu().numpy(), sums, rtol=1e-5, atol=1e-6)

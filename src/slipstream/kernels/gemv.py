@@ -53,10 +53,11 @@ def _bits_to(v, src: tl.constexpr, nbits: tl.constexpr, dst: tl.constexpr):
 
 
 @triton.jit
-def _group_affine(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu, umask2, NUT,
-                  s: tl.constexpr, SPU: tl.constexpr, B: tl.constexpr, OFF: tl.constexpr,
-                  KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr):
-    """(a, b) of sub-group s of each unit, [BN, NU] fp32: contribution = a*F + b*X (see top)."""
+def _group_scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu, umask2, NUT, s, SPU: tl.constexpr,
+                     KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr):
+    """(scale, tmin), [BN, NU] fp32, of sub-group s of each unit uu: w = scale*(q - OFF) - tmin
+    (tmin is 0.0 when the format has no min)."""
+    tmin = 0.0
     if KQUANT:
         # super-block of 256 = 8 units: d/dmin gathered per unit (repeated addresses, L1 hits)
         sup = r2 * (NUT // 8) + uu // 8
@@ -78,10 +79,18 @@ def _group_affine(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu, umask2, NUT,
         scale = tl.load(d_ptr + r2 * NUT + uu, mask=umask2, other=0.0).to(tl.float32)
         if HAS_MIN:
             tmin = -tl.load(m_ptr + r2 * NUT + uu, mask=umask2, other=0.0).to(tl.float32)
+    return scale, tmin
+
+
+@triton.jit
+def _group_affine(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu, umask2, NUT,
+                  s, SPU: tl.constexpr, B: tl.constexpr, OFF: tl.constexpr,
+                  KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr):
+    """(a, b) of sub-group s of each unit, [BN, NU] fp32: contribution = a*F + b*X (see top)."""
+    scale, tmin = _group_scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu, umask2, NUT, s, SPU,
+                                   KQUANT, HAS_MIN, PACKED_SCMN)
     a = scale * (1 << B)
-    b = -scale * ((1 << B) + OFF)
-    if HAS_MIN:
-        b = b - tmin
+    b = -scale * ((1 << B) + OFF) - tmin
     return a, b
 
 
@@ -182,31 +191,9 @@ def _gemv_q1_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, y_ptr,
         X = tl.sum(tl.sum(x, axis=3), axis=2)  # [1, NG]
         g2 = gg[None, :]
         gmask2 = rmask[:, None] & (g2 < NGT)
-        # per-group (a, b) as in _group_affine, indexed by group instead of (unit, sub-group)
-        if KQUANT:
-            sup = r2 * (NUT // 8) + g2 // (8 * SPU)
-            d = tl.load(d_ptr + sup, mask=gmask2, other=0.0).to(tl.float32)
-            scv = tl.load(sc_ptr + r2 * NGT + g2, mask=gmask2, other=0)
-            if PACKED_SCMN:
-                sci = scv.to(tl.int32) & 0xFF
-                scale = d * (sci & 15).to(tl.float32)
-                if HAS_MIN:
-                    tmin = tl.load(m_ptr + sup, mask=gmask2, other=0.0).to(tl.float32) * \
-                        (sci >> 4).to(tl.float32)
-            else:
-                scale = d * scv.to(tl.float32)
-                if HAS_MIN:
-                    mnv = tl.load(mn_ptr + r2 * NGT + g2, mask=gmask2, other=0)
-                    tmin = tl.load(m_ptr + sup, mask=gmask2, other=0.0).to(tl.float32) * \
-                        mnv.to(tl.float32)
-        else:
-            scale = tl.load(d_ptr + r2 * NUT + g2, mask=gmask2, other=0.0).to(tl.float32)
-            if HAS_MIN:
-                tmin = -tl.load(m_ptr + r2 * NUT + g2, mask=gmask2, other=0.0).to(tl.float32)
-        a = scale * (1 << B)
-        b = -scale * ((1 << B) + OFF)
-        if HAS_MIN:
-            b = b - tmin
+        # a group g is sub-group g % SPU of unit g // SPU
+        a, b = _group_affine(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, g2 // SPU, gmask2, NUT,
+                             g2 % SPU, SPU, B, OFF, KQUANT, HAS_MIN, PACKED_SCMN)
         acc += a * F + b * X
     y = tl.sum(acc, axis=1)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)

@@ -32,7 +32,9 @@ def _cuda_kernels() -> bool:
 
     return kernels.available()
 
-Linear = Callable[[torch.Tensor], torch.Tensor]  # (T, in) -> (T, out); knows its own format
+# (T, in) -> (T, out), knowing its own format; `linear(x, residual=r)` returns r + linear(x),
+# which the GPU kernels fold into the matmul's epilogue.
+Linear = Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -144,7 +146,7 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         attn = kernels.decode_attention(q, k_cache, v_cache, step.positions,
                                         1.0 / math.sqrt(cfg.head_dim), cfg.gqa_group,
                                         span=step.span)
-        return _ffn(cfg, w, x + w.attn_output(attn.reshape(1, -1)))
+        return _ffn(cfg, w, w.attn_output(attn.reshape(1, -1), residual=x))
     if w.attn_qkv is not None:
         qkv = w.attn_qkv(h).view(T, n_qk + cfg.n_kv_heads, cfg.head_dim)
         qk, v = qkv[:, :n_qk], qkv[:, n_qk:]
@@ -162,7 +164,7 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         v_cache.index_copy_(1, step.positions, v_new.to(v_cache.dtype))
     attn = attention(q.to(k_cache.dtype), k_cache[:, :step.span], v_cache[:, :step.span], step,
                      cfg.gqa_group)
-    return _ffn(cfg, w, x + w.attn_output(attn))
+    return _ffn(cfg, w, w.attn_output(attn, residual=x))
 
 
 def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
@@ -172,4 +174,4 @@ def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = w.ffn_gate_up(h).chunk(2, dim=-1)
     else:
         gate, up = w.ffn_gate(h), w.ffn_up(h)
-    return x + w.ffn_down(F.silu(gate) * up)
+    return w.ffn_down(F.silu(gate) * up, residual=x)

@@ -47,10 +47,10 @@ class DenseLinear:
             row += n
         return DenseLinear(weight, bias), views
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """For a few rows the result stays in the storage dtype: the next op (a residual add,
-        SiLU, RoPE in float32) promotes it anyway, and every skipped cast is one fewer op in
-        an overhead-bound decode step."""
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W^T (+ b) (+ residual). For a few rows the product stays in the storage dtype:
+        the next op (the residual add, SiLU, RoPE in float32) promotes it anyway, and every
+        skipped cast is one fewer op in an overhead-bound decode step."""
         if x.shape[0] == 1:  # matrix-vector: torch's gemv path beats a 1-row gemm on CPU
             y = torch.mv(self.weight, x[0].to(self.weight.dtype)).unsqueeze(0)
         elif x.shape[0] <= GEMV_MAX_ROWS or self.weight.device.type != "cpu":
@@ -59,6 +59,8 @@ class DenseLinear:
             y = F.linear(x, self.weight.to(x.dtype))
         if self.bias is not None:
             y = y + self.bias
+        if residual is not None:
+            y = residual + y
         return y
 
 
@@ -78,12 +80,17 @@ class QuantEmbedding:
 
 
 class Workspace:
-    """One flat scratch buffer shared by every QuantLinear on a device: prefill dequantizes one
-    weight at a time into it, so it is sized for the largest weight, not their sum."""
+    """What the QuantLinears on one device share: a flat scratch buffer (prefill dequantizes one
+    weight at a time into it, so it is sized for the largest weight, not their sum), and the
+    decode precision. With `int8_activations` (precision="fast"), decode GEMVs round x to int8
+    per block of 32 and multiply codes with dp4a (kernels/gemv_q8.py: ~3x the fp32 kernel's
+    bandwidth); without it (precision="exact") they run in fp32 on the exact weights."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float16):
+    def __init__(self, device: torch.device, dtype: torch.dtype = torch.float16,
+                 int8_activations: bool = False):
         self.device = device
         self.dtype = dtype
+        self.int8_activations = int8_activations
         self.buffer = torch.empty(0, device=device, dtype=dtype)
 
     def reserve(self, n_elements: int) -> None:
@@ -100,11 +107,11 @@ _FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16),
 
 
 class QuantLinear:
-    """y = x @ W^T (+ b) with W kept in its GGUF format, repacked once for the Triton kernels:
-    a fused dequant-GEMV for up to 8 rows (float32 accumulation, exact weights), dequantize to
-    float16 plus cuBLAS above that. float16 rather than bf16: GGUF scales are float16, so the
-    dequantized weights keep 3 more mantissa bits, and activations after RMSNorm stay far
-    inside its range."""
+    """y = x @ W^T (+ b) (+ residual) with W kept in its GGUF format, repacked once for the
+    Triton kernels: a fused dequant-GEMV for up to 8 rows (float32 accumulation; x in int8 when
+    the workspace says so), dequantize to float16 plus cuBLAS above that. float16 rather than
+    bf16: GGUF scales are float16, so the dequantized weights keep 3 more mantissa bits, and
+    activations after RMSNorm stay far inside its range."""
 
     def __init__(self, packed, bias: torch.Tensor | None, workspace: Workspace):
         from .. import kernels
@@ -114,6 +121,11 @@ class QuantLinear:
         self.workspace = workspace
         self._matmul = kernels.matmul
         self._max_m = kernels.MAX_M
+        self._gemv_q8 = None
+        if workspace.int8_activations and int(packed.qtype) not in _FLOAT_TYPES:
+            from ..kernels.gemv_q8 import gemv_q8
+
+            self._gemv_q8 = gemv_q8
         # float formats are multiplied as they are; quantized ones dequantize into scratch
         self._scratch = int(packed.qtype) not in _FLOAT_TYPES
         if self._scratch:
@@ -123,14 +135,22 @@ class QuantLinear:
     def out_features(self) -> int:
         return self.packed.rows
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] > self._max_m:
             scratch = self.workspace.view(self.packed.rows, self.packed.cols) if self._scratch \
                 else None
             y = self._matmul(x.to(torch.float16), self.packed, out_dtype=x.dtype,
                              scratch=scratch)
+        elif self._gemv_q8 is not None:
+            # the residual is added inside the kernel: one launch fewer per block half
+            y = self._gemv_q8(x, self.packed, out_dtype=x.dtype,
+                              residual=residual if self.bias is None else None)
+            if self.bias is None:
+                return y
         else:
             y = self._matmul(x, self.packed, out_dtype=x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
+        if residual is not None:
+            y = residual + y
         return y

@@ -118,8 +118,10 @@ class LayerBuilder:
         self.device = device
         self.weight_dtype = weight_dtype
         self.quantized = device.type == "cuda"
+        # precision="fast" (float16 weight_dtype) decodes with int8 activations on CUDA
         self.workspace = workspace if workspace is not None else (
-            Workspace(device) if self.quantized else None)
+            Workspace(device, int8_activations=weight_dtype != torch.float32)
+            if self.quantized else None)
         self.shapes = expected_shapes(cfg)
 
     def build(self, src: TensorSource, i: int) -> LayerWeights:

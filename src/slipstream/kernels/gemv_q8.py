@@ -1,0 +1,258 @@
+"""Decode GEMV with int8 activations: y = x @ W^T + r, for 1..8 rows of x, W in a GGUF format.
+
+Why: the fp32 GEMV in gemv.py is bound by instructions, not by HBM. Unpacking each code to a
+float and multiplying it costs ~4 instructions per weight, so Q4_K streams at ~1 TB/s of the
+H200's ~4.3 TB/s. Here x is first quantized to int8 per block of 32 elements (one fp32 scale per
+block, as llama.cpp's q8_1), and the weight codes are multiplied four at a time, as bytes, by
+`dp4a` (a 4-way int8 dot product with int32 accumulation):
+
+* A 32-bit word of the lo plane (pack.py) holds 32/LO codes. One shift and one AND yield four
+  codes, one per byte (byte b holds slot NE*b + e of the word, for extraction e < NE = 8/LO),
+  so a Q4 word costs two dp4a and about three integer ops for its eight weights.
+* x is stored so that those four bytes meet their activations as one word: the quantized block
+  is written as 8 words, word k holding the bytes of elements k, k+8, k+16, k+24. Extraction e
+  of lane w then pairs with word e*LO + w, for every LO (2, 4 or 8).
+* High bits (Q5_*, Q3_K, Q6_K) are spread once per word from their plane into byte positions
+  (two shift-and-mask steps) and OR-ed onto each extraction.
+* 16-element scale groups (Q2_K, Q3_K, Q6_K) take two dp4a per word against x with the other
+  half's bytes masked off: bytes 0-1 of an x word are elements 0-15 of the block, bytes 2-3 are
+  16-31.
+
+Per group g the integer dot D = sum(q * xq) gives sum(w * x) ~= s*xs*D - (s*OFF + t)*xs*sum(xq)
+for w = s*(q - OFF) - t; sum(xq) per half-block comes with the quantized x. Only x is rounded
+(to 8 bits, relative error <= 1/254 of each block's max), so this serves precision="fast"; the
+fp32 kernels in gemv.py stay the exact path the CPU is checked against.
+
+Under TRITON_INTERPRET=1 (CPU CI), dp4a is emulated with shifts, so the same kernel logic runs.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemv import MAX_M, _group_scale_min
+from .pack import FLOAT_DTYPES, PackedWeight
+
+QK = 32  # activation elements per int8 block (one scale), and elements per unit of pack.py
+
+
+def _use_asm() -> bool:
+    return os.environ.get("TRITON_INTERPRET") != "1"
+
+
+@triton.jit
+def _dp4a(a, b, c, USE_ASM: tl.constexpr):
+    """c + sum over the four bytes of a (unsigned) times those of b (signed); int32."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise("dp4a.u32.s32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        r = c
+        for k in tl.static_range(4):
+            r += ((a >> (8 * k)) & 0xFF) * ((b << (24 - 8 * k)) >> 24)
+        return r
+
+
+@triton.jit
+def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, xh_ptr, NUT, stride_xm, BU: tl.constexpr):
+    """One row of x, BU blocks of 32: int8 codes (round half away from zero, scale amax/127),
+    laid out as 8 words per block (word k = bytes of elements k, k+8, k+16, k+24); the scale;
+    and scale * sum(codes) over each half-block."""
+    row = tl.program_id(0)
+    uu = tl.program_id(1) * BU + tl.arange(0, BU)
+    umask = uu < NUT
+    b3 = tl.arange(0, 4)[None, :, None]
+    k3 = tl.arange(0, 8)[None, None, :]
+    x = tl.load(x_ptr + row * stride_xm + uu[:, None, None] * 32 + b3 * 8 + k3,
+                mask=umask[:, None, None], other=0.0).to(tl.float32)  # [BU, 4, 8]
+    amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # [BU]
+    inv = tl.where(amax > 0, 127.0 / amax, 0.0)
+    v = x * inv[:, None, None]
+    q = tl.where(v >= 0, tl.floor(v + 0.5), -tl.floor(0.5 - v)).to(tl.int32)  # [-127, 127]
+    # bytes 0-2 as unsigned fields, byte 3 signed: the sum is the word, with no int32 overflow
+    fields = tl.where(b3 == 3, q << 24, (q & 0xFF) << (b3 * 8))
+    words = tl.sum(fields, axis=1)  # [BU, 8]
+    tl.store(xq_ptr + row * (NUT * 8) + uu[:, None] * 8 + tl.arange(0, 8)[None, :], words,
+             mask=umask[:, None])
+    scale = amax / 127.0
+    tl.store(xs_ptr + row * NUT + uu, scale, mask=umask)
+    qsum = tl.sum(q, axis=2)  # [BU, 4]: element blocks b*8 .. b*8+7
+    first = tl.arange(0, 4)[None, :] < 2
+    h0 = tl.sum(tl.where(first, qsum, 0), axis=1).to(tl.float32) * scale
+    h1 = tl.sum(tl.where(first, 0, qsum), axis=1).to(tl.float32) * scale
+    tl.store(xh_ptr + (row * NUT + uu) * 2, h0, mask=umask)
+    tl.store(xh_ptr + (row * NUT + uu) * 2 + 1, h1, mask=umask)
+
+
+@triton.jit
+def _gemv_q8_kernel(xq_ptr, xs_ptr, xh_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
+                    r_ptr, y_ptr, M, N, NUT, stride_rm, stride_ym,
+                    LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
+                    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr,
+                    HAS_RES: tl.constexpr, M_PAD: tl.constexpr, BN: tl.constexpr,
+                    NU: tl.constexpr, USE_ASM: tl.constexpr):
+    NE: tl.constexpr = 8 // LO  # extractions per word, four codes (one per byte) each
+    SPU: tl.constexpr = 32 // G  # scale groups per unit of 32
+    C: tl.constexpr = NE * HI  # high bits that belong to one byte of a lo word
+    LOMASK: tl.constexpr = ((1 << LO) - 1) * 0x01010101
+    HIMASK: tl.constexpr = (((1 << HI) - 1) << LO) * 0x01010101
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rmask = rows < N
+    offs_u = tl.arange(0, NU)
+    offs_w = tl.arange(0, LO)
+    offs_m = tl.arange(0, M_PAD)
+    mmask = offs_m < M
+    r3 = rows[:, None, None]
+    w3 = offs_w[None, None, :]
+    m4 = offs_m[:, None, None, None]
+    w4 = offs_w[None, None, None, :]
+    r2 = rows[:, None]
+    acc = tl.zeros([M_PAD, BN, NU], dtype=tl.float32)
+    for u0 in range(0, NUT, NU):
+        uu = u0 + offs_u
+        umask = uu < NUT
+        qmask = rmask[:, None, None] & umask[None, :, None]
+        qoff = r3 * (NUT * LO) + uu[None, :, None] * LO + w3  # [BN, NU, LO]
+        words = tl.load(lo_ptr + qoff, mask=qmask, other=0)
+        if HI > 0:
+            h = tl.load(hi_ptr + qoff, mask=qmask, other=0).to(tl.int32) & ((1 << (4 * C)) - 1)
+            # spread: the C high bits of byte b's slots move from bits [C*b, C*b+C) to byte b
+            h = (h | (h << (16 - 2 * C))) & (((1 << (2 * C)) - 1) * 0x10001)
+            h = (h | (h << (8 - C))) & (((1 << C) - 1) * 0x01010101)
+        u4 = uu[None, None, :, None]
+        xmask = mmask[:, None, None, None] & umask[None, None, :, None]
+        xbase = xq_ptr + m4 * (NUT * 8) + u4 * 8 + w4  # [M_PAD, 1, NU, LO]
+        D0 = tl.zeros([M_PAD, BN, NU, LO], dtype=tl.int32)
+        if SPU == 2:
+            D1 = tl.zeros([M_PAD, BN, NU, LO], dtype=tl.int32)
+        for e in tl.static_range(NE):
+            if NE == 1:
+                code = words
+            else:
+                code = (words >> (e * LO)) & LOMASK
+            if HI > 0:
+                if LO >= e * HI:
+                    code = code | ((h << (LO - e * HI)) & HIMASK)
+                else:
+                    code = code | ((h >> (e * HI - LO)) & HIMASK)
+            xw = tl.load(xbase + e * LO, mask=xmask, other=0)  # [M_PAD, 1, NU, LO]
+            code4 = tl.broadcast_to(code[None, :, :, :], [M_PAD, BN, NU, LO])
+            if SPU == 1:
+                D0 = _dp4a(code4, tl.broadcast_to(xw, [M_PAD, BN, NU, LO]), D0, USE_ASM)
+            else:
+                D0 = _dp4a(code4, tl.broadcast_to(xw & 0xFFFF, [M_PAD, BN, NU, LO]), D0,
+                           USE_ASM)
+                D1 = _dp4a(code4, tl.broadcast_to(xw & -65536, [M_PAD, BN, NU, LO]), D1,
+                           USE_ASM)
+        m3 = offs_m[:, None, None]
+        xmask3 = mmask[:, None, None] & umask[None, None, :]
+        xs = tl.load(xs_ptr + m3 * NUT + uu[None, None, :], mask=xmask3, other=0.0)
+        xh_base = xh_ptr + (m3 * NUT + uu[None, None, :]) * 2  # [M_PAD, 1, NU]
+        umask2 = rmask[:, None] & umask[None, :]
+        uu2 = uu[None, :]
+        for s in tl.static_range(SPU):
+            scale, tmin = _group_scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu2, umask2, NUT,
+                                           s, SPU, KQUANT, HAS_MIN, PACKED_SCMN)
+            if SPU == 1:
+                D = tl.sum(D0, axis=3).to(tl.float32)
+                xsum = tl.load(xh_base, mask=xmask3, other=0.0) + \
+                    tl.load(xh_base + 1, mask=xmask3, other=0.0)
+            else:
+                if s == 0:
+                    D = tl.sum(D0, axis=3).to(tl.float32)
+                else:
+                    D = tl.sum(D1, axis=3).to(tl.float32)
+                xsum = tl.load(xh_base + s, mask=xmask3, other=0.0)
+            off_t = scale * OFF  # [BN, NU]
+            if HAS_MIN:
+                off_t = off_t + tmin
+            acc += (scale[None, :, :] * xs) * D - off_t[None, :, :] * xsum
+    y = tl.sum(acc, axis=2)  # [M_PAD, BN]
+    ymask = mmask[:, None] & rmask[None, :]
+    if HAS_RES:
+        y += tl.load(r_ptr + offs_m[:, None] * stride_rm + rows[None, :], mask=ymask,
+                     other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=ymask)
+
+
+def _m_pad(m: int) -> int:
+    return triton.next_power_of_2(m)
+
+
+def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x (m, K), K a multiple of 32 -> (xq int32 (m, K/32*8), scales f32 (m, K/32),
+    half-block sums f32 (m, K/32, 2)) in the layout `_gemv_q8_kernel` reads."""
+    m, k = x.shape
+    if k % QK:
+        raise ValueError(f"x's width must be a multiple of {QK}, got {k}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    nut = k // QK
+    xq = torch.empty(m, nut * 8, device=x.device, dtype=torch.int32)
+    xs = torch.empty(m, nut, device=x.device, dtype=torch.float32)
+    xh = torch.empty(m, nut, 2, device=x.device, dtype=torch.float32)
+    bu = min(64, triton.next_power_of_2(nut))
+    _quantize_x_kernel[(m, triton.cdiv(nut, bu))](x, xq, xs, xh, nut, x.stride(0), BU=bu,
+                                                  num_warps=4)
+    return xq, xs, xh
+
+
+def supports(packed: PackedWeight) -> bool:
+    """Quantized formats only: float weights have no integer codes to feed dp4a."""
+    return packed.qtype not in FLOAT_DTYPES
+
+
+def gemv_q8_config(packed: PackedWeight, m: int) -> dict[str, int]:
+    """Tiles: each program streams BN rows, NU units (NU*LO words, 16-byte vectors per lane) per
+    step; ~1 KB of codes per row and step at m = 1, fewer units as m grows (the int32 partial
+    sums are [m, BN, NU, LO] registers)."""
+    spec = packed.spec
+    nut = packed.cols // QK
+    mp = _m_pad(m)
+    nu = max(4, 256 // spec.lo // mp)
+    nu = min(nu, max(4, triton.next_power_of_2(nut)))
+    bn = 4 if spec.group == 32 and spec.hi == 0 else 2
+    return {"BN": bn, "NU": nu, "num_warps": 4}
+
+
+def gemv_q8(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None,
+            out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None,
+            config: dict[str, int] | None = None) -> torch.Tensor:
+    """y = x @ W^T (+ residual) for x (m <= 8, K) in any float dtype, W quantized; fp32
+    accumulation, x rounded to int8 per block of 32 (see the module docstring)."""
+    if not supports(packed):
+        raise ValueError(f"gemv_q8 needs a quantized weight, got {packed.qtype.name}")
+    if x.dim() != 2 or x.shape[1] != packed.cols:
+        raise ValueError(f"x must be (m, {packed.cols}), got {tuple(x.shape)}")
+    m = x.shape[0]
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"gemv_q8 takes 1..{MAX_M} rows of x, got {m}")
+    n = packed.rows
+    if out is None:
+        out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
+    if residual is not None:
+        if residual.shape != (m, n):
+            raise ValueError(f"residual must be ({m}, {n}), got {tuple(residual.shape)}")
+        if residual.stride(1) != 1:
+            residual = residual.contiguous()
+    xq, xs, xh = quantize_x(x)
+    cfg = dict(config or gemv_q8_config(packed, m))
+    warps = cfg.pop("num_warps", 4)
+    spec = packed.spec
+    dummy = packed.lo
+    _gemv_q8_kernel[(triton.cdiv(n, cfg["BN"]),)](
+        xq, xs, xh, packed.lo, packed.hi if packed.hi is not None else dummy, packed.d,
+        packed.m if packed.m is not None else dummy,
+        packed.sc if packed.sc is not None else dummy,
+        packed.mn if packed.mn is not None else dummy,
+        residual if residual is not None else out, out, m, n, packed.cols // QK,
+        residual.stride(0) if residual is not None else 0, out.stride(0),
+        LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
+        HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, HAS_RES=residual is not None,
+        M_PAD=_m_pad(m), USE_ASM=_use_asm(), num_warps=warps, **cfg)
+    return out
