@@ -7,7 +7,7 @@
 #                  tests need the default model, see below; they skip without it)
 #   STAGE=all      both (default)
 #   STAGE=final    kernel tests, engine tests, and only the headline benchmark cases
-#   SLIPSTREAM_FUSED_DECODE=1 benchmarks the fused decode kernels (opt-in for now)
+#   SLIPSTREAM_FUSED_DECODE=0 benchmarks the torch-op decode path instead of the fused kernels
 #
 # The device has no network, so the default model (98 MB, over the 64 MiB a call may carry)
 # travels in two parts: .model/a/part1 in one call, .model/b/part2 in the next; each is parked

@@ -91,7 +91,7 @@ def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
         "tiers": {t: model.plan.tiers.count(t) for t in set(model.plan.tiers)},
         "decode_test": tg.test,
         "precision": PRECISION,
-        "fused_decode": os.environ.get("SLIPSTREAM_FUSED_DECODE", "0") == "1",
+        "fused_decode": os.environ.get("SLIPSTREAM_FUSED_DECODE", "1") == "1",
         "decode_tok_s": round(tg.tok_s, 2),
         "prefill512_tok_s": round(pp.tok_s, 1),
         "roofline_decode_tok_s": round(roofline, 1),

@@ -23,6 +23,8 @@ _EXPORTS = {
     "decode_attention": "attention",
     "rope_and_cache": "rope",
 }
+# kernels.gemv_q8 is the module (int8-activation GEMV: quantize_x, rms_norm_q8, gemv_q8,
+# gemv_q8_quantized); it is imported on first attribute access like the others.
 
 __all__ = sorted(_EXPORTS) + ["available"]
 

@@ -16,19 +16,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import MAX_M, gemv
+from .gemv import MAX_M, _group_scale_min, gemv
 from .pack import FLOAT_DTYPES, PackedWeight
 
 
 @triton.jit
-def _dequant_q_kernel(lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, out_ptr, N, NUT, stride_on,
-                      LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-                      KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr,
-                      BN: tl.constexpr, NU: tl.constexpr):
-    """out[n, k] = s_g * (q - OFF) - t_g in fp32, rounded once to out's dtype."""
+def _dequant_q_kernel(lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, out_ptr, N, NUT,
+                      stride_on, LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr,
+                      OFF: tl.constexpr, KQUANT: tl.constexpr, HAS_MIN: tl.constexpr,
+                      PACKED_SCMN: tl.constexpr, SM: tl.constexpr, BN: tl.constexpr,
+                      NU: tl.constexpr):
+    """out[n, k] = s_g * (q - OFF) - t_g in fp32, rounded once to out's dtype. SM: s_g and t_g
+    from the fused f16 plane (pack.fuse_scales)."""
     NJ: tl.constexpr = 32 // LO
     SPU: tl.constexpr = 32 // G
     JPS: tl.constexpr = NJ // SPU
+    P: tl.constexpr = SPU * (2 if HAS_MIN else 1)  # fused-scale entries per unit
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     uu = tl.program_id(1) * NU + tl.arange(0, NU)
     offs_w = tl.arange(0, LO)
@@ -45,26 +48,14 @@ def _dequant_q_kernel(lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, out_ptr, N, 
     m2 = (r2 < N) & (u2 < NUT)
     obase = out_ptr + r3 * stride_on + u3 * 32 + w3
     for s in tl.static_range(SPU):
-        if KQUANT:
-            sup = r2 * (NUT // 8) + u2 // 8
-            d = tl.load(d_ptr + sup, mask=m2, other=0.0).to(tl.float32)
-            scv = tl.load(sc_ptr + r2 * (NUT * SPU) + u2 * SPU + s, mask=m2, other=0)
-            if PACKED_SCMN:
-                sci = scv.to(tl.int32) & 0xFF
-                scale = d * (sci & 15).to(tl.float32)
-                if HAS_MIN:
-                    tmin = tl.load(m_ptr + sup, mask=m2, other=0.0).to(tl.float32) * \
-                        (sci >> 4).to(tl.float32)
-            else:
-                scale = d * scv.to(tl.float32)
-                if HAS_MIN:
-                    mnv = tl.load(mn_ptr + r2 * (NUT * SPU) + u2 * SPU + s, mask=m2, other=0)
-                    tmin = tl.load(m_ptr + sup, mask=m2, other=0.0).to(tl.float32) * \
-                        mnv.to(tl.float32)
-        else:
-            scale = tl.load(d_ptr + r2 * NUT + u2, mask=m2, other=0.0).to(tl.float32)
+        if SM:
+            smp = sm_ptr + (r2 * NUT + u2) * P + s
+            scale = tl.load(smp, mask=m2, other=0.0).to(tl.float32)
             if HAS_MIN:
-                tmin = -tl.load(m_ptr + r2 * NUT + u2, mask=m2, other=0.0).to(tl.float32)
+                tmin = tl.load(smp + SPU, mask=m2, other=0.0).to(tl.float32)
+        else:
+            scale, tmin = _group_scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, u2, m2, NUT, s,
+                                           SPU, KQUANT, HAS_MIN, PACKED_SCMN)
         scale3 = scale[:, :, None]
         if HAS_MIN:
             tmin3 = tmin[:, :, None]
@@ -98,12 +89,15 @@ def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.bfloat16,
     dummy = packed.lo
     grid = (triton.cdiv(n, bn), triton.cdiv(nut, nu))
     _dequant_q_kernel[grid](
-        packed.lo, packed.hi if packed.hi is not None else dummy, packed.d,
+        packed.lo, packed.hi if packed.hi is not None else dummy,
+        packed.d if packed.d is not None else dummy,
         packed.m if packed.m is not None else dummy,
         packed.sc if packed.sc is not None else dummy,
-        packed.mn if packed.mn is not None else dummy, out, n, nut, out.stride(0),
+        packed.mn if packed.mn is not None else dummy,
+        packed.sm if packed.sm is not None else dummy, out, n, nut, out.stride(0),
         LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
-        HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, BN=bn, NU=nu, num_warps=4)
+        HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, SM=packed.sm is not None, BN=bn,
+        NU=nu, num_warps=4)
     return out
 
 

@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import MAX_M, _group_scale_min
-from .pack import FLOAT_DTYPES, PackedWeight
+from .gemv import MAX_M
+from .pack import FLOAT_DTYPES, PackedWeight, sm_width
 
 QK = 32  # activation elements per int8 block (one scale), and elements per unit of pack.py
 
@@ -58,17 +58,12 @@ def _dp4a(a, b, c, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, xh_ptr, NUT, stride_xm, BU: tl.constexpr):
-    """One row of x, BU blocks of 32: int8 codes (round half away from zero, scale amax/127),
-    laid out as 8 words per block (word k = bytes of elements k, k+8, k+16, k+24); the scale;
-    and scale * sum(codes) over each half-block."""
-    row = tl.program_id(0)
-    uu = tl.program_id(1) * BU + tl.arange(0, BU)
-    umask = uu < NUT
+def _quantize_store(x, row, uu, umask, xq_ptr, xm_ptr, NUT):
+    """x [BU, 4, 8] fp32 (element b*8 + k of each block of 32) -> int8 codes (round half away
+    from zero of x * 127/amax, in fp32) stored as 8 words per block (word k = bytes of elements
+    k, k+8, k+16, k+24), and per block 4 int32 of metadata: the scale amax/127 (its fp32 bits),
+    the code sums of elements 0-15 and 16-31, and of all 32 (one 16-byte load in the GEMV)."""
     b3 = tl.arange(0, 4)[None, :, None]
-    k3 = tl.arange(0, 8)[None, None, :]
-    x = tl.load(x_ptr + row * stride_xm + uu[:, None, None] * 32 + b3 * 8 + k3,
-                mask=umask[:, None, None], other=0.0).to(tl.float32)  # [BU, 4, 8]
     amax = tl.max(tl.max(tl.abs(x), axis=2), axis=1)  # [BU]
     inv = tl.where(amax > 0, 127.0 / amax, 0.0)
     v = x * inv[:, None, None]
@@ -78,28 +73,65 @@ def _quantize_x_kernel(x_ptr, xq_ptr, xs_ptr, xh_ptr, NUT, stride_xm, BU: tl.con
     words = tl.sum(fields, axis=1)  # [BU, 8]
     tl.store(xq_ptr + row * (NUT * 8) + uu[:, None] * 8 + tl.arange(0, 8)[None, :], words,
              mask=umask[:, None])
-    scale = amax / 127.0
-    tl.store(xs_ptr + row * NUT + uu, scale, mask=umask)
-    qsum = tl.sum(q, axis=2)  # [BU, 4]: element blocks b*8 .. b*8+7
+    qsum = tl.sum(q, axis=2)  # [BU, 4]: elements b*8 .. b*8+7
     first = tl.arange(0, 4)[None, :] < 2
-    h0 = tl.sum(tl.where(first, qsum, 0), axis=1).to(tl.float32) * scale
-    h1 = tl.sum(tl.where(first, 0, qsum), axis=1).to(tl.float32) * scale
-    tl.store(xh_ptr + (row * NUT + uu) * 2, h0, mask=umask)
-    tl.store(xh_ptr + (row * NUT + uu) * 2 + 1, h1, mask=umask)
+    h0 = tl.sum(tl.where(first, qsum, 0), axis=1)
+    h1 = tl.sum(tl.where(first, 0, qsum), axis=1)
+    meta = xm_ptr + (row * NUT + uu) * 4
+    tl.store(meta, (amax / 127.0).to(tl.int32, bitcast=True), mask=umask)
+    tl.store(meta + 1, h0, mask=umask)
+    tl.store(meta + 2, h1, mask=umask)
+    tl.store(meta + 3, h0 + h1, mask=umask)
 
 
 @triton.jit
-def _gemv_q8_kernel(xq_ptr, xs_ptr, xh_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr,
-                    r_ptr, y_ptr, M, N, NUT, stride_rm, stride_ym,
+def _quantize_x_kernel(x_ptr, xq_ptr, xm_ptr, NUT, stride_xm, F, GLU: tl.constexpr,
+                       BU: tl.constexpr):
+    """BU blocks of one row of x; with GLU, of silu(x[:, :F]) * x[:, F:] (SwiGLU's product,
+    so the FFN's down projection needs no separate elementwise kernels)."""
+    row = tl.program_id(0)
+    uu = tl.program_id(1) * BU + tl.arange(0, BU)
+    umask = uu < NUT
+    offs = row * stride_xm + uu[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8 + \
+        tl.arange(0, 8)[None, None, :]
+    x = tl.load(x_ptr + offs, mask=umask[:, None, None], other=0.0).to(tl.float32)
+    if GLU:
+        up = tl.load(x_ptr + F + offs, mask=umask[:, None, None], other=0.0).to(tl.float32)
+        x = x / (1.0 + tl.exp(-x)) * up
+    _quantize_store(x, row, uu, umask, xq_ptr, xm_ptr, NUT)
+
+
+@triton.jit
+def _rms_norm_q8_kernel(x_ptr, w_ptr, xq_ptr, xm_ptr, NUT, stride_xm, eps,
+                        BU: tl.constexpr):
+    """RMSNorm of one row (fp32 statistics, as kernels.rms_norm), quantized for the GEMV."""
+    row = tl.program_id(0)
+    uu = tl.arange(0, BU)
+    umask = uu < NUT
+    offs = uu[:, None, None] * 32 + tl.arange(0, 4)[None, :, None] * 8 + \
+        tl.arange(0, 8)[None, None, :]
+    x = tl.load(x_ptr + row * stride_xm + offs, mask=umask[:, None, None],
+                other=0.0).to(tl.float32)
+    inv = 1.0 / tl.sqrt(tl.sum(tl.sum(tl.sum(x * x, axis=2), axis=1), axis=0) / (NUT * 32) + eps)
+    w = tl.load(w_ptr + offs, mask=umask[:, None, None], other=0.0).to(tl.float32)
+    _quantize_store(x * inv * w, row, uu, umask, xq_ptr, xm_ptr, NUT)
+
+
+@triton.jit
+def _gemv_q8_kernel(xq_ptr, xm_ptr, lo_ptr, hi_ptr, d_ptr, sm_ptr, r_ptr, y_ptr,
+                    M, N, NUT, stride_rm, stride_ym,
                     LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-                    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr,
-                    HAS_RES: tl.constexpr, M_PAD: tl.constexpr, BN: tl.constexpr,
-                    NU: tl.constexpr, USE_ASM: tl.constexpr):
+                    HAS_MIN: tl.constexpr, SM: tl.constexpr, HAS_RES: tl.constexpr,
+                    M_PAD: tl.constexpr, BN: tl.constexpr, NU: tl.constexpr,
+                    USE_ASM: tl.constexpr):
+    """SM: per-unit scales come from the fused f16 plane (pack.fuse_scales), P = SPU * (1 +
+    HAS_MIN) entries per unit; otherwise (Q4_0, Q5_0, Q8_0) from the plain f16 d per unit."""
     NE: tl.constexpr = 8 // LO  # extractions per word, four codes (one per byte) each
     SPU: tl.constexpr = 32 // G  # scale groups per unit of 32
     C: tl.constexpr = NE * HI  # high bits that belong to one byte of a lo word
     LOMASK: tl.constexpr = ((1 << LO) - 1) * 0x01010101
     HIMASK: tl.constexpr = (((1 << HI) - 1) << LO) * 0x01010101
+    P: tl.constexpr = SPU * (2 if HAS_MIN else 1)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rmask = rows < N
     offs_u = tl.arange(0, NU)
@@ -110,7 +142,7 @@ def _gemv_q8_kernel(xq_ptr, xs_ptr, xh_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr
     w3 = offs_w[None, None, :]
     m4 = offs_m[:, None, None, None]
     w4 = offs_w[None, None, None, :]
-    r2 = rows[:, None]
+    m3 = offs_m[:, None, None]
     acc = tl.zeros([M_PAD, BN, NU], dtype=tl.float32)
     for u0 in range(0, NUT, NU):
         uu = u0 + offs_u
@@ -123,9 +155,35 @@ def _gemv_q8_kernel(xq_ptr, xs_ptr, xh_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr
             # spread: the C high bits of byte b's slots move from bits [C*b, C*b+C) to byte b
             h = (h | (h << (16 - 2 * C))) & (((1 << (2 * C)) - 1) * 0x10001)
             h = (h | (h << (8 - C))) & (((1 << C) - 1) * 0x01010101)
+        # per-unit scales [BN, NU]
+        umask2 = rmask[:, None] & umask[None, :]
+        if SM:
+            sm = tl.load(sm_ptr + (r3 * NUT + uu[None, :, None]) * P +
+                         tl.arange(0, P)[None, None, :], mask=umask2[:, :, None],
+                         other=0.0).to(tl.float32)  # [BN, NU, P]
+            if P == 2:
+                sa, sb = tl.split(sm)
+                if HAS_MIN:
+                    s0, t0 = sa, sb
+                else:
+                    s0, s1 = sa, sb
+            else:  # P == 4: (s0, s1, t0, t1) -> pairs (s0, t0), (s1, t1)
+                pa, pb = tl.split(tl.reshape(sm, [BN, NU, 2, 2]))
+                s0, t0 = tl.split(pa)
+                s1, t1 = tl.split(pb)
+        else:
+            s0 = tl.load(d_ptr + rows[:, None] * NUT + uu[None, :], mask=umask2,
+                         other=0.0).to(tl.float32)
+        # x: codes per extraction, and (scale bits, sum 0-15, sum 16-31, sum) per unit
         u4 = uu[None, None, :, None]
         xmask = mmask[:, None, None, None] & umask[None, None, :, None]
         xbase = xq_ptr + m4 * (NUT * 8) + u4 * 8 + w4  # [M_PAD, 1, NU, LO]
+        xm = tl.load(xm_ptr + (m3 * NUT + uu[None, :, None]) * 4 + tl.arange(0, 4)[None, None, :],
+                     mask=mmask[:, None, None] & umask[None, :, None], other=0)  # [M_PAD, NU, 4]
+        xa, xb = tl.split(tl.reshape(xm, [M_PAD, NU, 2, 2]))  # (bits, sum1), (sum0, sum)
+        xs_bits, qs1 = tl.split(xa)
+        qs0, qs = tl.split(xb)
+        xs = xs_bits.to(tl.float32, bitcast=True)[:, None, :]  # [M_PAD, 1, NU]
         D0 = tl.zeros([M_PAD, BN, NU, LO], dtype=tl.int32)
         if SPU == 2:
             D1 = tl.zeros([M_PAD, BN, NU, LO], dtype=tl.int32)
@@ -148,29 +206,23 @@ def _gemv_q8_kernel(xq_ptr, xs_ptr, xh_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr
                            USE_ASM)
                 D1 = _dp4a(code4, tl.broadcast_to(xw & -65536, [M_PAD, BN, NU, LO]), D1,
                            USE_ASM)
-        m3 = offs_m[:, None, None]
-        xmask3 = mmask[:, None, None] & umask[None, None, :]
-        xs = tl.load(xs_ptr + m3 * NUT + uu[None, None, :], mask=xmask3, other=0.0)
-        xh_base = xh_ptr + (m3 * NUT + uu[None, None, :]) * 2  # [M_PAD, 1, NU]
-        umask2 = rmask[:, None] & umask[None, :]
-        uu2 = uu[None, :]
-        for s in tl.static_range(SPU):
-            scale, tmin = _group_scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu2, umask2, NUT,
-                                           s, SPU, KQUANT, HAS_MIN, PACKED_SCMN)
-            if SPU == 1:
-                D = tl.sum(D0, axis=3).to(tl.float32)
-                xsum = tl.load(xh_base, mask=xmask3, other=0.0) + \
-                    tl.load(xh_base + 1, mask=xmask3, other=0.0)
-            else:
-                if s == 0:
-                    D = tl.sum(D0, axis=3).to(tl.float32)
-                else:
-                    D = tl.sum(D1, axis=3).to(tl.float32)
-                xsum = tl.load(xh_base + s, mask=xmask3, other=0.0)
-            off_t = scale * OFF  # [BN, NU]
+        # sum(w*x) over a group = s*xs*(D - OFF*sum(xq)) - t*xs*sum(xq): the offset is taken
+        # off in integers, exactly, so no large terms cancel in fp32
+        if SPU == 1:
+            qsg = qs[:, None, :]
+            Dc = (tl.sum(D0, axis=3) - OFF * qsg).to(tl.float32)
+            acc += (s0[None, :, :] * xs) * Dc
             if HAS_MIN:
-                off_t = off_t + tmin
-            acc += (scale[None, :, :] * xs) * D - off_t[None, :, :] * xsum
+                acc -= t0[None, :, :] * (xs * qsg.to(tl.float32))
+        else:
+            qsg0 = qs0[:, None, :]
+            qsg1 = qs1[:, None, :]
+            Dc0 = (tl.sum(D0, axis=3) - OFF * qsg0).to(tl.float32)
+            Dc1 = (tl.sum(D1, axis=3) - OFF * qsg1).to(tl.float32)
+            acc += xs * (s0[None, :, :] * Dc0 + s1[None, :, :] * Dc1)
+            if HAS_MIN:
+                acc -= xs * (t0[None, :, :] * qsg0.to(tl.float32) +
+                             t1[None, :, :] * qsg1.to(tl.float32))
     y = tl.sum(acc, axis=2)  # [M_PAD, BN]
     ymask = mmask[:, None] & rmask[None, :]
     if HAS_RES:
@@ -184,22 +236,46 @@ def _m_pad(m: int) -> int:
     return triton.next_power_of_2(m)
 
 
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x (m, K), K a multiple of 32 -> (xq int32 (m, K/32*8), scales f32 (m, K/32),
-    half-block sums f32 (m, K/32, 2)) in the layout `_gemv_q8_kernel` reads."""
+def _q8_buffers(m: int, nut: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(m, nut * 8, device=device, dtype=torch.int32),
+            torch.empty(m, nut, 4, device=device, dtype=torch.int32))
+
+
+def quantize_x(x: torch.Tensor, glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (m, K), K a multiple of 32 -> (xq int32 (m, K/32*8), meta int32 (m, K/32, 4)) in the
+    layout `_gemv_q8_kernel` reads (see `_quantize_store`). glu: x is (m, 2K) [gate | up] and
+    silu(gate) * up is quantized."""
     m, k = x.shape
+    if glu:
+        k //= 2
     if k % QK:
         raise ValueError(f"x's width must be a multiple of {QK}, got {k}")
     if x.stride(1) != 1:
         x = x.contiguous()
     nut = k // QK
-    xq = torch.empty(m, nut * 8, device=x.device, dtype=torch.int32)
-    xs = torch.empty(m, nut, device=x.device, dtype=torch.float32)
-    xh = torch.empty(m, nut, 2, device=x.device, dtype=torch.float32)
+    xq, xm = _q8_buffers(m, nut, x.device)
     bu = min(64, triton.next_power_of_2(nut))
-    _quantize_x_kernel[(m, triton.cdiv(nut, bu))](x, xq, xs, xh, nut, x.stride(0), BU=bu,
-                                                  num_warps=4)
-    return xq, xs, xh
+    _quantize_x_kernel[(m, triton.cdiv(nut, bu))](x, xq, xm, nut, x.stride(0), k, GLU=glu,
+                                                  BU=bu, num_warps=4)
+    return xq, xm
+
+
+def rms_norm_q8(x: torch.Tensor, weight: torch.Tensor, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_x(rms_norm(x, weight, eps)) in one kernel (statistics in fp32; the normalized
+    row is quantized without an intermediate rounding to x's dtype)."""
+    m, k = x.shape
+    if k % QK or weight.shape != (k,):
+        raise ValueError(f"x (m, K) with K a multiple of {QK} and weight (K,) needed, got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    nut = k // QK
+    xq, xm = _q8_buffers(m, nut, x.device)
+    bu = triton.next_power_of_2(nut)
+    _rms_norm_q8_kernel[(m,)](x, weight, xq, xm, nut, x.stride(0), eps, BU=bu,
+                              num_warps=min(16, max(4, bu // 16)))
+    return xq, xm
 
 
 def supports(packed: PackedWeight) -> bool:
@@ -216,8 +292,7 @@ def gemv_q8_config(packed: PackedWeight, m: int) -> dict[str, int]:
     mp = _m_pad(m)
     nu = max(4, 256 // spec.lo // mp)
     nu = min(nu, max(4, triton.next_power_of_2(nut)))
-    bn = 4 if spec.group == 32 and spec.hi == 0 else 2
-    return {"BN": bn, "NU": nu, "num_warps": 4}
+    return {"BN": 2, "NU": nu, "num_warps": 4}
 
 
 def gemv_q8(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None,
@@ -225,34 +300,49 @@ def gemv_q8(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = No
             config: dict[str, int] | None = None) -> torch.Tensor:
     """y = x @ W^T (+ residual) for x (m <= 8, K) in any float dtype, W quantized; fp32
     accumulation, x rounded to int8 per block of 32 (see the module docstring)."""
-    if not supports(packed):
-        raise ValueError(f"gemv_q8 needs a quantized weight, got {packed.qtype.name}")
     if x.dim() != 2 or x.shape[1] != packed.cols:
         raise ValueError(f"x must be (m, {packed.cols}), got {tuple(x.shape)}")
-    m = x.shape[0]
+    _check(packed, x.shape[0])
+    return gemv_q8_quantized(*quantize_x(x), packed, out=out, out_dtype=out_dtype or x.dtype,
+                             residual=residual, config=config)
+
+
+def _check(packed: PackedWeight, m: int) -> None:
+    if not supports(packed):
+        raise ValueError(f"gemv_q8 needs a quantized weight, got {packed.qtype.name}")
+    if packed.sm is None and sm_width(packed.spec):
+        raise ValueError(f"gemv_q8 needs {packed.qtype.name}'s scales fused: pack.fuse_scales")
     if not 1 <= m <= MAX_M:
         raise ValueError(f"gemv_q8 takes 1..{MAX_M} rows of x, got {m}")
-    n = packed.rows
+
+
+def gemv_q8_quantized(xq: torch.Tensor, xm: torch.Tensor, packed: PackedWeight,
+                      out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+                      residual: torch.Tensor | None = None,
+                      config: dict[str, int] | None = None) -> torch.Tensor:
+    """gemv_q8 on an x already quantized (quantize_x, rms_norm_q8)."""
+    m, n = xq.shape[0], packed.rows
+    if xq.shape != (m, packed.cols // QK * 8) or xm.shape != (m, packed.cols // QK, 4):
+        raise ValueError(f"quantized x of shape {tuple(xq.shape)} does not fit K={packed.cols}")
+    _check(packed, m)
     if out is None:
-        out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
+        out = torch.empty(m, n, device=xq.device, dtype=out_dtype)
     if residual is not None:
         if residual.shape != (m, n):
             raise ValueError(f"residual must be ({m}, {n}), got {tuple(residual.shape)}")
         if residual.stride(1) != 1:
             residual = residual.contiguous()
-    xq, xs, xh = quantize_x(x)
+    spec = packed.spec
     cfg = dict(config or gemv_q8_config(packed, m))
     warps = cfg.pop("num_warps", 4)
-    spec = packed.spec
     dummy = packed.lo
     _gemv_q8_kernel[(triton.cdiv(n, cfg["BN"]),)](
-        xq, xs, xh, packed.lo, packed.hi if packed.hi is not None else dummy, packed.d,
-        packed.m if packed.m is not None else dummy,
-        packed.sc if packed.sc is not None else dummy,
-        packed.mn if packed.mn is not None else dummy,
+        xq, xm, packed.lo, packed.hi if packed.hi is not None else dummy,
+        packed.d if packed.d is not None else dummy,
+        packed.sm if packed.sm is not None else dummy,
         residual if residual is not None else out, out, m, n, packed.cols // QK,
         residual.stride(0) if residual is not None else 0, out.stride(0),
-        LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
-        HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, HAS_RES=residual is not None,
-        M_PAD=_m_pad(m), USE_ASM=_use_asm(), num_warps=warps, **cfg)
+        LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, HAS_MIN=spec.has_min,
+        SM=packed.sm is not None, HAS_RES=residual is not None, M_PAD=_m_pad(m),
+        USE_ASM=_use_asm(), num_warps=warps, **cfg)
     return out

@@ -83,6 +83,9 @@ class PackedWeight:
     m: torch.Tensor | None = None  # f16 (N, K/32) legacy min, or dmin (N, K/256) for K-quants
     sc: torch.Tensor | None = None  # int8/uint8 (N, K/G)
     mn: torch.Tensor | None = None  # uint8 (N, K/G)
+    # precision="fast": scales pre-multiplied per group, f16 (N, K/32, P), replacing d/m/sc/mn
+    # of the K-quants and Q4_1/Q5_1 (see fuse_scales)
+    sm: torch.Tensor | None = None
     gguf_bytes: int = 0  # size of the original GGUF tensor, for bandwidth accounting
 
     @property
@@ -96,7 +99,7 @@ class PackedWeight:
     @property
     def nbytes(self) -> int:
         """Bytes the kernels stream per full pass over the weight."""
-        planes = (self.lo, self.hi, self.d, self.m, self.sc, self.mn)
+        planes = (self.lo, self.hi, self.d, self.m, self.sc, self.mn, self.sm)
         return sum(p.numel() * p.element_size() for p in planes if p is not None)
 
 
@@ -148,6 +151,48 @@ def pack_weight(raw: torch.Tensor, qtype: T | int | str, rows: int, cols: int) -
     cat = {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k]
            for k in parts[0]}
     return PackedWeight(qt, rows, cols, gguf_bytes=nbytes, **cat)
+
+
+def sm_width(spec: QSpec) -> int:
+    """Entries per unit of 32 in the fused-scale plane: a scale per group, then a min per group
+    when the format has one (0: the format keeps its plain per-unit `d`)."""
+    if not spec.kquant and not spec.has_min:
+        return 0
+    spu = 32 // spec.group
+    return spu * (2 if spec.has_min else 1)
+
+
+def fuse_scales(packed: PackedWeight) -> PackedWeight:
+    """precision="fast": each group's scale s = d*sc and min t = dmin*mn (or Q4_1/Q5_1's d and
+    -m) precomputed and interleaved per unit, as f16: sm (N, K/32, P) = (s_0..s_{G-1}, t_0..).
+
+    Why: a decode GEMV otherwise gathers d, dmin, sc and mn with four small loads per row and
+    unit of 32 codes, and its speed is set by such instructions, not by HBM. One 4-byte load
+    replaces them. Cost: s and t are rounded to f16 (relative 2^-11, far below the int8
+    rounding of the activations this mode also makes), and Q4_K grows from 4.5 to 5 bits per
+    weight. Formats without a min and with one scale per 32 (Q4_0, Q5_0, Q8_0) are unchanged."""
+    spec = packed.spec
+    if spec is None or packed.sm is not None or sm_width(spec) == 0:
+        return packed
+    n, nut = packed.rows, packed.cols // 32
+    spu = 32 // spec.group
+    if not spec.kquant:  # Q4_1 / Q5_1: w = d*q + m
+        sm = torch.stack([packed.d, -packed.m], dim=-1)
+    else:
+        d = packed.d.float().repeat_interleave(8, dim=1)[:, :, None]  # (N, NUT, 1)
+        sc = packed.sc.view(n, nut, spu)
+        if spec.packed_scmn:
+            sci = sc.to(torch.int32) & 0xFF
+            scale, mn = d * (sci & 15).float(), sci >> 4
+        else:
+            scale, mn = d * sc.float(), packed.mn.view(n, nut, spu) if spec.has_min else None
+        parts = [scale]
+        if spec.has_min:
+            parts.append(packed.m.float().repeat_interleave(8, dim=1)[:, :, None] * mn.float())
+        sm = torch.cat(parts, dim=-1)
+    return PackedWeight(packed.qtype, n, packed.cols, lo=packed.lo, hi=packed.hi,
+                        d=None if spec.kquant or spec.has_min else packed.d,
+                        sm=sm.to(torch.float16).contiguous(), gguf_bytes=packed.gguf_bytes)
 
 
 def _bitplanes(codes: torch.Tensor, spec: QSpec) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from ..weights.linear import QuantLinear, Workspace
 from .store import StoreStats
 
 _ALIGN = 256  # bytes: keeps every plane aligned for the kernels' 16-byte vector loads
-_PLANES = ("lo", "hi", "d", "m", "sc", "mn")
+_PLANES = ("lo", "hi", "d", "m", "sc", "mn", "sm")
 
 
 @dataclass(frozen=True)

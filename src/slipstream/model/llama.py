@@ -18,12 +18,11 @@ _HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
 
 
 def _use_fused_decode(k_cache: torch.Tensor) -> bool:
-    """The fused decode kernels serve CUDA fp16/bf16 caches. Opt-in (SLIPSTREAM_FUSED_DECODE=1)
-    until the engine-level GPU test passes with them: their kernel tests pass on the H200, but
-    the synthetic-model decode test failed there with and without them (undiagnosed), and the
-    torch path is the one verified against the CPU on the real model."""
+    """The fused decode kernels serve CUDA fp16/bf16 caches: RoPE + cache write, split-K
+    attention (tests/gpu/test_engine.py checks them against the CPU engine on the H200).
+    SLIPSTREAM_FUSED_DECODE=0 falls back to the torch ops, for comparison."""
     return (k_cache.is_cuda and k_cache.dtype in (torch.float16, torch.bfloat16)
-            and _cuda_kernels() and os.environ.get("SLIPSTREAM_FUSED_DECODE", "0") == "1")
+            and _cuda_kernels() and os.environ.get("SLIPSTREAM_FUSED_DECODE", "1") == "1")
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,6 +120,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
     return out.reshape(n_heads, T, d).permute(1, 0, 2).reshape(T, n_heads * d)
 
 
+def _normed(linear: Linear, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """linear(rms_norm(x)), through the linear's fused norm+matmul when it has one."""
+    fused = getattr(linear, "norm_matmul", None)
+    if fused is not None:
+        return fused(x, weight, eps)
+    return linear(rms_norm(x, weight, eps))
+
+
 def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
                   cos_sin: tuple[torch.Tensor, torch.Tensor], step: Step,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, rope: RopeTable) -> torch.Tensor:
@@ -131,15 +138,17 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     values are written in place.
     """
     T = x.shape[0]
-    h = rms_norm(x, w.attn_norm, cfg.norm_eps)
     n_qk = cfg.n_heads + cfg.n_kv_heads
     if T == 1 and step.start is None and _use_fused_decode(k_cache):
         # Captured CUDA decode: RoPE, the cache write and split-K attention in three kernels
         # that read the position from device memory, instead of a dozen small ops.
         from .. import kernels
 
-        qkv = w.attn_qkv(h) if w.attn_qkv is not None else torch.cat(
-            (w.attn_q(h), w.attn_k(h), w.attn_v(h)), dim=-1)
+        if w.attn_qkv is not None:
+            qkv = _normed(w.attn_qkv, x, w.attn_norm, cfg.norm_eps)
+        else:
+            h = rms_norm(x, w.attn_norm, cfg.norm_eps)
+            qkv = torch.cat((w.attn_q(h), w.attn_k(h), w.attn_v(h)), dim=-1)
         q = kernels.rope_and_cache(qkv, rope.cos, rope.sin, k_cache, v_cache, step.positions,
                                    cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, rope.style,
                                    rope_dim=rope.rope_dim)
@@ -148,9 +157,11 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
                                         span=step.span)
         return _ffn(cfg, w, w.attn_output(attn.reshape(1, -1), residual=x))
     if w.attn_qkv is not None:
-        qkv = w.attn_qkv(h).view(T, n_qk + cfg.n_kv_heads, cfg.head_dim)
+        qkv = _normed(w.attn_qkv, x, w.attn_norm, cfg.norm_eps).view(
+            T, n_qk + cfg.n_kv_heads, cfg.head_dim)
         qk, v = qkv[:, :n_qk], qkv[:, n_qk:]
     else:
+        h = rms_norm(x, w.attn_norm, cfg.norm_eps)
         qk = torch.cat((w.attn_q(h), w.attn_k(h)), dim=-1).view(T, n_qk, cfg.head_dim)
         v = w.attn_v(h).view(T, cfg.n_kv_heads, cfg.head_dim)
     qk = rope.apply(qk, cos_sin)  # q and k heads rotate together: one pass, same angles
@@ -169,9 +180,13 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
 
 def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """The SwiGLU half of the block, with its residual."""
-    h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
     if w.ffn_gate_up is not None:
-        gate, up = w.ffn_gate_up(h).chunk(2, dim=-1)
+        gate_up = _normed(w.ffn_gate_up, x, w.ffn_norm, cfg.norm_eps)
+        glu = getattr(w.ffn_down, "glu_matmul", None)
+        if glu is not None:
+            return glu(gate_up, residual=x)
+        gate, up = gate_up.chunk(2, dim=-1)
     else:
+        h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
         gate, up = w.ffn_gate(h), w.ffn_up(h)
     return w.ffn_down(F.silu(gate) * up, residual=x)

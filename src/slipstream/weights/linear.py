@@ -121,11 +121,13 @@ class QuantLinear:
         self.workspace = workspace
         self._matmul = kernels.matmul
         self._max_m = kernels.MAX_M
-        self._gemv_q8 = None
+        self._q8 = None
         if workspace.int8_activations and int(packed.qtype) not in _FLOAT_TYPES:
-            from ..kernels.gemv_q8 import gemv_q8
+            from ..kernels import gemv_q8
+            from ..kernels.pack import fuse_scales
 
-            self._gemv_q8 = gemv_q8
+            self.packed = packed = fuse_scales(packed)
+            self._q8 = gemv_q8
         # float formats are multiplied as they are; quantized ones dequantize into scratch
         self._scratch = int(packed.qtype) not in _FLOAT_TYPES
         if self._scratch:
@@ -141,12 +143,8 @@ class QuantLinear:
                 else None
             y = self._matmul(x.to(torch.float16), self.packed, out_dtype=x.dtype,
                              scratch=scratch)
-        elif self._gemv_q8 is not None:
-            # the residual is added inside the kernel: one launch fewer per block half
-            y = self._gemv_q8(x, self.packed, out_dtype=x.dtype,
-                              residual=residual if self.bias is None else None)
-            if self.bias is None:
-                return y
+        elif self._q8 is not None:
+            return self._q8_matmul(self._q8.quantize_x(x), x.dtype, residual)
         else:
             y = self._matmul(x, self.packed, out_dtype=x.dtype)
         if self.bias is not None:
@@ -154,3 +152,33 @@ class QuantLinear:
         if residual is not None:
             y = residual + y
         return y
+
+    def _q8_matmul(self, xq_xm: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype,
+                   residual: torch.Tensor | None) -> torch.Tensor:
+        # the residual is added inside the kernel (one launch fewer), after the bias if any
+        if self.bias is None:
+            return self._q8.gemv_q8_quantized(*xq_xm, self.packed, out_dtype=dtype,
+                                              residual=residual)
+        y = self._q8.gemv_q8_quantized(*xq_xm, self.packed, out_dtype=dtype)
+        y = y + self.bias.to(y.dtype)
+        return y if residual is None else residual + y
+
+    def norm_matmul(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                    ) -> torch.Tensor:
+        """self(rms_norm(x, norm_weight, eps)); for decode with int8 activations the norm and
+        the quantization of its output are one kernel."""
+        if self._q8 is not None and x.shape[0] <= self._max_m:
+            return self._q8_matmul(self._q8.rms_norm_q8(x, norm_weight, eps), x.dtype, None)
+        from ..kernels import rms_norm
+
+        return self(rms_norm(x, norm_weight, eps))
+
+    def glu_matmul(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """self(silu(gate) * up) (+ residual) for gate_up = [gate | up]; for decode with int8
+        activations SwiGLU's product is formed inside the quantizing kernel."""
+        if self._q8 is not None and gate_up.shape[0] <= self._max_m:
+            return self._q8_matmul(self._q8.quantize_x(gate_up, glu=True), gate_up.dtype,
+                                   residual)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self(F.silu(gate) * up, residual)
