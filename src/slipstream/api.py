@@ -170,7 +170,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
         torch.cuda.empty_cache()
     store = make_store(gf, cfg, dev, weight_dtype, weights, plan, io, stream_delay, images,
                        disk)
-    engine = Engine(cfg, weights, dev, n_ctx, act_dtype, kv_dtype, layers=store)
+    engine = Engine(cfg, weights, dev, n_ctx, act_dtype, kv_dtype, layers=store,
+                    use_graphs=None if plan.graphs else False)
     model = Model(model_path, gf, cfg, engine, tokenizer, template)
     model.plan = plan
     return model

@@ -101,9 +101,10 @@ def check_space(directory: Path, needed: int, replaced: int = 0) -> None:
 
 
 def build_images(gf, cfg, device: torch.device, weight_dtype: torch.dtype, layers: list[int],
-                 image_bytes: list[int], progress: bool = True) -> ImageFile:
+                 image_bytes: list[int], progress: bool = True, builder=None) -> ImageFile:
     """Reuse the cached image file for `layers`, or build each layer once on the GPU and write
-    its image. `image_bytes` (the planner's per-layer sizes) sizes the disk-space check."""
+    its image. `image_bytes` (the planner's per-layer sizes) sizes the disk-space check.
+    `builder` (tests): a LayerBuilder that packs for the kernels on another device."""
     model = Path(gf.path)
     cached = open_images(model, layers)
     if cached is not None:
@@ -118,7 +119,8 @@ def build_images(gf, cfg, device: torch.device, weight_dtype: torch.dtype, layer
     from .gpu_stream import to_image
 
     index.unlink(missing_ok=True)  # no index may describe a half-written data file
-    builder = LayerBuilder(cfg, device, weight_dtype, workspace=Workspace(device))
+    if builder is None:
+        builder = LayerBuilder(cfg, device, weight_dtype, workspace=Workspace(device))
     tmp = data.with_name(data.name + ".tmp")
     entries: dict[str, dict] = {}
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

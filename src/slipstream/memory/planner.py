@@ -32,6 +32,7 @@ class Plan:
     host_staging: int = 0  # CUDA: pinned staging buffers of the disk tier
     reserve: dict[str, int] = field(default_factory=dict)  # CUDA: fixed_bytes by part
     io: str = "direct"
+    graphs: bool = True  # CUDA: the reserve holds CUDA graph pools (False: decode runs eager)
 
     @property
     def disk_layers(self) -> list[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ModelConfig
-from ..errors import BadArgument
+from ..errors import BadArgument, BudgetTooSmall
 from ..gguf_file import GGUFFile
 from ..weights.loader import LAYER_TENSORS, LayerBuilder, layer_span
 from .budget import mem_available
@@ -79,12 +79,17 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, device: torch.device, kv_dtype: t
     vram = [layer_vram_bytes(gf, cfg, i) for i in range(n)]
     image = [layer_image_bytes(gf, cfg, i) for i in range(n)]
     kv_elem = torch.finfo(kv_dtype).bits // 8
-    # CUDA graphs (and their pools) only serve a fully resident model
-    reserve = vram_reserve(gf, cfg, ctx, kv_elem, PREFILL_CHUNK, graphs=True)
-    plan = plan_cuda(vram, image, reserve, budget, ram_budget, N_SLOTS, N_STAGING, io)
-    if plan.streamed_layers:
-        reserve = vram_reserve(gf, cfg, ctx, kv_elem, PREFILL_CHUNK, graphs=False)
-        plan = plan_cuda(vram, image, reserve, budget, ram_budget, N_SLOTS, N_STAGING, io)
+    # CUDA graphs (and their pools) only serve a fully resident model: plan with their pools
+    # first; if layers stream anyway (or only fit without the pools), plan without them.
+    try:
+        plan = plan_cuda(vram, image, vram_reserve(gf, cfg, ctx, kv_elem, PREFILL_CHUNK, True),
+                         budget, ram_budget, N_SLOTS, N_STAGING, io)
+    except BudgetTooSmall:
+        plan = None
+    if plan is None or plan.streamed_layers:
+        plan = plan_cuda(vram, image, vram_reserve(gf, cfg, ctx, kv_elem, PREFILL_CHUNK, False),
+                         budget, ram_budget, N_SLOTS, N_STAGING, io)
+        plan.graphs = False
     return plan
 
 
