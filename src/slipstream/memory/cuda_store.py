@@ -83,7 +83,7 @@ class CudaLayerStore:
         self.released = 0
         self.stats = StoreStats()
         self.timeline: Timeline | None = None  # set by enable_timing (--stats)
-        self.note = ""
+        self._note = ""
         self.staging: StagingRing | None = None
         self.kvikio_file = None
         self.kvikio_pool: ThreadPoolExecutor | None = None
@@ -102,7 +102,6 @@ class CudaLayerStore:
             for b in buffers:
                 b.event = torch.cuda.Event()
             self.staging = StagingRing(reader, buffers, disk_order, disk.spans)
-            self.note = reader.note
         elif io == "kvikio":
             from .kvikio_io import require_kvikio
 
@@ -111,7 +110,7 @@ class CudaLayerStore:
             self.kvikio_pool = ThreadPoolExecutor(max_workers=max(1, threads),
                                                   thread_name_prefix="slipstream-kvikio")
             mode = "GPUDirect Storage" if _kvikio_gds(kvikio) else "compat mode (POSIX reads)"
-            self.note = f"kvikio: {mode}"
+            self._note = f"kvikio: {mode}"
         else:  # mmap baseline
             self.mmap_fd = os.open(disk.path, os.O_RDONLY)
             self.mm = mmap.mmap(self.mmap_fd, 0, prot=mmap.PROT_READ)
@@ -119,12 +118,17 @@ class CudaLayerStore:
                 warnings.simplefilter("ignore", UserWarning)
                 self.mm_tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
             self.mmap_slot = torch.empty(size, dtype=torch.uint8, device=self.device)
-            self.note = ("mmap: page-cache reads and pageable copies, no prefetch (baseline)"
+            self._note = ("mmap: page-cache reads and pageable copies, no prefetch (baseline)"
                          + ("; the file's pages are dropped from the page cache each pass, as "
                             "if RAM could not hold them" if self.drop_cache else ""))
 
     def __len__(self) -> int:
         return len(self.layers)
+
+    @property
+    def note(self) -> str:
+        """What the user should know about the I/O path (an O_DIRECT fallback, say)."""
+        return self.staging.reader.note if self.staging is not None else self._note
 
     def enable_timing(self, on: bool = True) -> None:
         """--stats: time compute, stalls and copies with CUDA events (one host sync per pass)."""
@@ -158,7 +162,7 @@ class CudaLayerStore:
         if kind == "kvikio":
             start = self.disk.spans[i][0]
             self.kvikio_reads[i] = self.kvikio_pool.submit(self._kvikio_read, k, n, start)
-            self.stats.disk_bytes += n
+            self.stats.disk_bytes += n  # straight into the slot: no host-to-device copy
         else:
             if kind == "pinned":
                 src, buf = self.images[i].host, None
@@ -180,9 +184,9 @@ class CudaLayerStore:
                 self.copied[k].record(self.copy_stream)
                 if buf is not None:
                     buf.event.record(self.copy_stream)
+            self.stats.h2d_bytes += n
             if buf is not None:
                 self.staging.give_back(buf, buf.event)  # its reader waits on the event
-        self.stats.h2d_bytes += n
         self.slot_of[i] = k
         self.slot_next = (k + 1) % len(self.slots)
         self.pos += 1
@@ -311,7 +315,10 @@ class CudaLayerStore:
             self.kvikio_pool = None
         if getattr(self, "mm", None) is not None:
             del self.mm_tensor
-            self.mm.close()
+            try:
+                self.mm.close()
+            except BufferError:  # a tensor still views the map; it closes when that goes
+                pass
             os.close(self.mmap_fd)
             self.mm = None
 
