@@ -100,8 +100,11 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str) -> None:
     from ..runtime.bench import h2d_pinned_gbps, memory_read_gbps
 
     if plan.device == "cuda":
-        plan.bandwidth_gbps["vram"] = memory_read_gbps(torch.device("cuda"), 1 << 30)
-        plan.bandwidth_gbps["pinned"] = h2d_pinned_gbps()
+        # probes sized within the budget: they run before the model loads, and the peak VRAM
+        # must stay under the budget however small it is
+        probe = max(min(1 << 30, (plan.budget or 1 << 33) // 8), 8 << 20)
+        plan.bandwidth_gbps["vram"] = memory_read_gbps(torch.device("cuda"), probe)
+        plan.bandwidth_gbps["pinned"] = h2d_pinned_gbps(min(256 << 20, probe))
         limit = 512 << 20
     else:
         plan.bandwidth_gbps["ram"] = memory_read_gbps(torch.device("cpu"), 128 << 20)
