@@ -98,7 +98,8 @@ class CudaLayerStore:
         disk_order = sorted(disk.spans)
         if io in ("direct", "buffered"):
             reader = DirectReader(disk.path, threads=threads, io=io, delay=self.delays.reader)
-            buffers = [StagingBuffer(size + 4096) for _ in range(max(1, n_staging))]
+            pinned = self.device.type == "cuda"  # (tests drive this store on the CPU)
+            buffers = [StagingBuffer(size + 4096, pinned) for _ in range(max(1, n_staging))]
             for b in buffers:
                 b.event = torch.cuda.Event()
             self.staging = StagingRing(reader, buffers, disk_order, disk.spans)
