@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import random
-import shutil
 import time
 
 import pytest

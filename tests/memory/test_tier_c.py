@@ -13,7 +13,8 @@ import time
 
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from slipstream.config import ModelConfig
 from slipstream.errors import BudgetTooSmall, MissingDependency
@@ -24,8 +25,7 @@ from slipstream.memory.disk import DirectReader, DiskReadError
 from slipstream.memory.planner import plan_cuda
 from slipstream.memory.staging import StagingBuffer, StagingRing
 from slipstream.memory.store import StoreStats, StreamDelays
-from slipstream.memory.vram import (layer_image_bytes, layer_vram_bytes, packed_planes,
-                                    vram_reserve)
+from slipstream.memory.vram import layer_image_bytes, layer_vram_bytes, packed_planes, vram_reserve
 from slipstream.synth import write_synth
 
 GiB = 2**30

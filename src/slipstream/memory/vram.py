@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from ..config import ModelConfig
 from ..gguf_file import GGUFFile
