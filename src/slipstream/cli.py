@@ -121,12 +121,13 @@ def breakdown_table(s, store, device: str) -> Table:
         t.add_row(name, f"{sec / tokens * 1e3:.2f}",
                   f"{sec / total:.0%}" if total and share else "", gbps)
 
-    if device == "cpu":
+    if device == "cpu" or not store.layers_streamed:
         parts = [("disk wait", store.disk_wait_s), ("build streamed layers", store.build_s)]
         row("compute", max(total - sum(p[1] for p in parts), 0.0))
         for name, sec in parts:
             row(name, sec)
-        t.add_row("host-to-device, stall", "n/a on CPU", "", "")
+        t.add_row("host-to-device, stall", "n/a on CPU" if device == "cpu" else
+                  "none: every layer is resident", "", "")
     else:
         row("compute (GPU busy on layers)", store.compute_s)
         row("stall (GPU idle between layers)", store.stall_s)
