@@ -325,7 +325,12 @@ class CudaLayerStore:
 
 
 def _kvikio_gds(kvikio) -> bool:
+    """Whether KvikIO will use GPUDirect Storage (the API moved between releases; the answer
+    only goes into the note, so any failure reads as compat mode)."""
     try:
-        return not kvikio.defaults.compat_mode()
-    except Exception:  # the API moved between releases; the note is only informative
+        d = kvikio.defaults
+        if hasattr(d, "is_compat_mode_preferred"):
+            return not d.is_compat_mode_preferred()
+        return not bool(d.compat_mode())
+    except Exception:
         return False

@@ -109,11 +109,13 @@ class Plan:
                       fmt_bytes(self.staging_buffers * self.slot_bytes), "-", "-")
         if self.reserve:
             for part, n in self.reserve.items():
-                t.add_row("reserve", part, fmt_bytes(n), "-", "-")
+                if n:
+                    t.add_row("reserve", part, fmt_bytes(n), "-", "-")
         else:
             t.add_row("fixed", "head, norms, KV", fmt_bytes(self.fixed_bytes), "-", "-")
         tok_s = self.predicted_tok_s
-        t.caption = (f"predicted decode from link bandwidths alone: {tok_s:.1f} tok/s"
+        t.caption = (f"predicted decode from link bandwidths alone: "
+                     f"{tok_s:.{1 if tok_s >= 10 else 2}f} tok/s"
                      + (" (CPU streaming also pays to dequantize each streamed layer)"
                         if self.device == "cpu" and self.disk_layers else "")) if tok_s else None
         return t
