@@ -132,7 +132,7 @@ def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
         "decode_test": tg.test,
         "decode_tok_s": round(tg.tok_s, 2),
         "prefill512_tok_s": round(pp.tok_s, 1),
-        "roofline_decode_tok_s": round(roofline, 1),
+        "roofline_decode_tok_s": round(roofline, 2),
         "decode_fraction_of_roofline": round(tg.tok_s / roofline, 3),
         "weight_bytes_per_token": per_token,
         "vram_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),

@@ -103,6 +103,7 @@ class CudaLayerStore:
             for b in buffers:
                 b.event = torch.cuda.Event()
             self.staging = StagingRing(reader, buffers, disk_order, disk.spans)
+            self.staging.ready(disk_order[0])  # start reading the first token's disk layers now
         elif io == "kvikio":
             from .kvikio_io import require_kvikio
 
