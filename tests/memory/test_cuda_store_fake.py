@@ -146,7 +146,9 @@ def test_the_staging_ring_waits_for_each_copy_event(fake_cuda, setup):
     reader thread calls that event's synchronize first."""
     store = _store(setup, "direct")
     calls = []
-    for buf in list(store.staging.free):
+    bufs = list(store.staging.free) + [b for _, b, _ in store.staging.reads]
+    assert len(bufs) == 3
+    for buf in bufs:
         buf.event = type("Ev", (FakeEvent,), {
             "synchronize": lambda self, b=buf: calls.append(id(b))})()
     for _ in range(3):
