@@ -126,6 +126,8 @@ def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
     else:  # streamed: the PCIe copy of the pinned layers bounds decode
         per_token = plan.bytes_per_token("pinned")
         roofline = h2d * 1e9 / per_token
+        extra = {"h2d_bytes_per_token": per_token,
+                 "h2d_gbps_achieved": round(per_token * tg.tok_s / 1e9, 2)}
     case = {
         "name": name if budget else f"{name}-resident",
         "tiers": {t: model.plan.tiers.count(t) for t in set(model.plan.tiers)},
