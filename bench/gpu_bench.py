@@ -78,6 +78,9 @@ def _streaming_figures(model, tg, h2d: float) -> dict:
     out = {
         "io": plan.io,
         "io_note": store.note,
+        # "direct" means the decode reads bypassed the page cache; "buffered" would mean the
+        # filesystem refused O_DIRECT and the figures may come from RAM
+        "disk_read_mode": store.staging.reader.mode if store.staging is not None else plan.io,
         "disk_bytes_per_token": disk_b,
         "h2d_bytes_per_token": h2d_b,
         "disk_gbps_achieved": round(disk_achieved, 2),
