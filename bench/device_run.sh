@@ -8,6 +8,9 @@
 #   STAGE=all      both (default)
 #   STAGE=final    kernel tests, engine tests, and only the headline benchmark cases
 #   SLIPSTREAM_FUSED_DECODE=0 benchmarks the torch-op decode path instead of the fused kernels
+#   TIER_C=1       also benchmark the disk tier: 70b-q4k-vram24-ram12 and its mmap baseline
+#                  70b-q4k-vram24-mmap (about 5 minutes more; writes a ~9 GB image file next
+#                  to the 40 GB model)
 #
 # The device has no network, so the default model (98 MB, over the 64 MiB a call may carry)
 # travels in two parts: .model/a/part1 in one call, .model/b/part2 in the next; each is parked
@@ -53,13 +56,16 @@ fi
 if [ "$STAGE" = engine ] || [ "$STAGE" = all ] || [ "$STAGE" = final ]; then
   [ -f "$MODEL" ] || echo "default model not on the device: real-model engine tests skip"
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_engine.py \
-    tests/gpu/test_streaming_gpu.py tests/gpu/test_attention_kernels.py 2>&1 | tail -25 \
+    tests/gpu/test_streaming_gpu.py tests/gpu/test_tier_c_gpu.py \
+    tests/gpu/test_attention_kernels.py 2>&1 | tail -25 \
     | tee "$OUTDIR/pytest-engine.log"
   # final: one short call, the headline cases only, stopping new cases after BENCH_BUDGET_S
   if [ "$STAGE" = final ]; then
     CASES=${CASES:-8b-q4k,8b-q4k-vram4,70b-q4k-vram24,70b-q4k}
   fi
+  CASES=${CASES:-8b-q4k,8b-q8_0,8b-q6_k,8b-f16,70b-q4k,8b-q4k-vram4,70b-q4k-vram24}
+  if [ "${TIER_C:-0}" = 1 ]; then CASES="$CASES,70b-q4k-vram24-ram12,70b-q4k-vram24-mmap"; fi
   python3 bench/gpu_bench.py "$OUTDIR" --budget-s "${BENCH_BUDGET_S:-1000000}" \
-    --cases "${CASES:-8b-q4k,8b-q8_0,8b-q6_k,8b-f16,70b-q4k,8b-q4k-vram4,70b-q4k-vram24}" \
-    2>&1 | tee "$OUTDIR/gpu-bench.log" | grep -v '^{' | tail -14
+    --cases "$CASES" \
+    2>&1 | tee "$OUTDIR/gpu-bench.log" | grep -v "^{" | tail -20
 fi

@@ -1,11 +1,14 @@
-"""Resident GPU benchmark: synthesize anchor-shaped models, load them, measure pp512 and tg128.
+"""GPU benchmark: synthesize anchor-shaped models, load them, measure pp512 and tg128.
 
     python bench/gpu_bench.py OUTDIR [--cases 8b-q4k,8b-q8_0,...] [--workdir /tmp/models]
 
 Measures in the same run the device-to-device copy bandwidth (the HBM roofline) and the pinned
 host-to-device bandwidth, and reports each case's decode rate against its roofline: the bytes of
-weights one decode token reads, divided by the HBM bandwidth. Prints a table and writes
-OUTDIR/gpu-resident.json in the shape bench/results uses.
+weights one decode token reads, divided by the HBM bandwidth (resident), or the bytes streamed
+per token over the links they cross (streamed). Cases with a disk tier also measure the
+O_DIRECT sequential read bandwidth of the file they stream from, in the same run, and report
+the GB/s each link achieved during decode. Slow cases decode fewer tokens (see decode_test).
+Prints a table and writes OUTDIR/gpu-resident.json in the shape bench/results uses.
 """
 
 from __future__ import annotations
@@ -24,18 +27,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import slipstream  # noqa: E402
-from slipstream.runtime.bench import (bench_decode, bench_prefill, h2d_pinned_gbps,  # noqa: E402
-                                      memory_read_gbps, weight_bytes_per_token)
+from slipstream.runtime.bench import (  # noqa: E402
+    bench_decode,
+    bench_prefill,
+    disk_read_gbps,
+    h2d_pinned_gbps,
+    memory_read_gbps,
+    weight_bytes_per_token,
+)
 from slipstream.synth import write_synth  # noqa: E402
 
-CASES = {  # name: (shape, --quant, vram budget or None for resident)
-    "8b-q4k": ("8b", "Q4_K", None),
-    "8b-q8_0": ("8b", "Q8_0", None),
-    "8b-q6_k": ("8b", "Q6_K", None),
-    "8b-f16": ("8b", "F16", None),
-    "70b-q4k": ("70b", "Q4_K", None),
-    "8b-q4k-vram4": ("8b", "Q4_K", "4GiB"),
-    "70b-q4k-vram24": ("70b", "Q4_K", "24GiB"),
+CASES = {  # name: (shape, --quant, vram budget or None for resident, ram budget, --io)
+    "8b-q4k": ("8b", "Q4_K", None, None, "direct"),
+    "8b-q8_0": ("8b", "Q8_0", None, None, "direct"),
+    "8b-q6_k": ("8b", "Q6_K", None, None, "direct"),
+    "8b-f16": ("8b", "F16", None, None, "direct"),
+    "70b-q4k": ("70b", "Q4_K", None, None, "direct"),
+    "8b-q4k-vram4": ("8b", "Q4_K", "4GiB", None, "direct"),
+    "70b-q4k-vram24": ("70b", "Q4_K", "24GiB", None, "direct"),
+    # tier C: the layers that fit neither budget are read from disk every token
+    "70b-q4k-vram24-ram12": ("70b", "Q4_K", "24GiB", "12GiB", "direct"),
+    "70b-q4k-vram24-mmap": ("70b", "Q4_K", "24GiB", "12GiB", "mmap"),
 }
 PRECISION = os.environ.get("SLIPSTREAM_PRECISION", "fast")  # "exact": fp32 decode GEMVs
 
@@ -63,8 +75,58 @@ def profile_decode(engine, tokens: int = 16) -> dict:
             "top": rows[:14]}
 
 
+# decode tokens and repetitions (after one warm-up run) of the cases that read from disk
+SLOW = {"direct": (8, 2), "mmap": (4, 1)}
+
+
+def _streaming_figures(model, tg, h2d: float) -> dict:
+    """Disk-tier figures: bytes per token on each link, GB/s achieved during decode, the
+    O_DIRECT sequential read of the same file measured now, and a --stats breakdown of two
+    decode tokens (CUDA events on, so measured apart from the timed runs)."""
+    plan, store = model.plan, model.engine.layers
+    disk_b = plan.bytes_per_token("disk")
+    h2d_b = plan.bytes_per_token("pinned") + disk_b
+    odirect, mode = disk_read_gbps(store.disk.path, 4 << 30)
+    disk_achieved = disk_b * tg.tok_s / 1e9
+    store.stats.reset()
+    store.enable_timing()
+    model.engine.reset()
+    ids = torch.arange(2, device="cuda") + 5
+    for i in range(2):
+        model.engine.decode(ids[i:i + 1])
+    torch.cuda.synchronize()
+    store.collect()
+    store.enable_timing(False)
+    s = store.stats
+    per_tok = {k: round(v / 2 * 1e3, 1) for k, v in (
+        ("compute_ms", s.compute_s), ("stall_ms", s.stall_s), ("disk_wait_ms", s.disk_wait_s),
+        ("h2d_busy_ms", s.h2d_s), ("disk_busy_ms", s.disk_read_s))}
+    out = {
+        "io": plan.io,
+        "io_note": store.note,
+        # "direct" means the decode reads bypassed the page cache; "buffered" would mean the
+        # filesystem refused O_DIRECT and the figures may come from RAM
+        "disk_read_mode": store.staging.reader.mode if store.staging is not None else plan.io,
+        "disk_bytes_per_token": disk_b,
+        "h2d_bytes_per_token": h2d_b,
+        "disk_gbps_achieved": round(disk_achieved, 2),
+        "h2d_gbps_achieved": round(h2d_b * tg.tok_s / 1e9, 2),
+        "odirect_seq_read_gbps": round(odirect, 2),
+        "odirect_seq_read_mode": mode,
+        "disk_fraction_of_odirect": round(disk_achieved / odirect, 3),
+        "stats_per_token": per_tok,
+        "h2d_link_busy_gbps": round(s.h2d_bytes / s.h2d_s / 1e9, 1) if s.h2d_s else None,
+        "disk_link_busy_gbps": round(s.disk_bytes / s.disk_read_s / 1e9, 2)
+        if s.disk_read_s else None,
+    }
+    # streamed roofline: the copy link carries pinned and disk layers, the disk its own; they
+    # overlap, so the slower one bounds decode
+    out["roofline_s_per_token"] = max(h2d_b / (h2d * 1e9), disk_b / (odirect * 1e9))
+    return out
+
+
 def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
-    shape, quant, budget = CASES[name]
+    shape, quant, budget, ram_budget, io = CASES[name]
     path = workdir / f"{shape}-{quant}.gguf"
     t0 = time.perf_counter()
     if not path.exists():  # cases of one shape and quant share the file
@@ -74,18 +136,27 @@ def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     model = slipstream.load(path, device="cuda", ctx=640, vram_budget=budget,
-                            precision=PRECISION)
+                            ram_budget=ram_budget, io=io, precision=PRECISION)
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
-    pp = bench_prefill(model.engine, 512, reps=3)
-    tg = bench_decode(model.engine, 128 if budget is None else 16, reps=3)
+    plan = model.plan
+    slow = SLOW.get(io) if plan.disk_layers else None
+    pp = bench_prefill(model.engine, 512, reps=slow[1] if slow else 3)
+    tg = bench_decode(model.engine, 128 if budget is None else slow[0] if slow else 16,
+                      reps=slow[1] if slow else 3)
+    extra = {}
     if budget is None:
         per_token = weight_bytes_per_token(model.engine)
         roofline = hbm * 1e9 / per_token
+    elif plan.disk_layers:
+        extra = _streaming_figures(model, tg, h2d)
+        per_token = extra["h2d_bytes_per_token"]
+        roofline = 1 / extra.pop("roofline_s_per_token")
     else:  # streamed: the PCIe copy of the pinned layers bounds decode
-        plan = model.plan
         per_token = plan.bytes_per_token("pinned")
         roofline = h2d * 1e9 / per_token
+        extra = {"h2d_bytes_per_token": per_token,
+                 "h2d_gbps_achieved": round(per_token * tg.tok_s / 1e9, 2)}
     case = {
         "name": name if budget else f"{name}-resident",
         "tiers": {t: model.plan.tiers.count(t) for t in set(model.plan.tiers)},
@@ -94,16 +165,25 @@ def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
         "fused_decode": os.environ.get("SLIPSTREAM_FUSED_DECODE", "1") == "1",
         "decode_tok_s": round(tg.tok_s, 2),
         "prefill512_tok_s": round(pp.tok_s, 1),
-        "roofline_decode_tok_s": round(roofline, 1),
+        "roofline_decode_tok_s": round(roofline, 2),
         "decode_fraction_of_roofline": round(tg.tok_s / roofline, 3),
         "weight_bytes_per_token": per_token,
         "vram_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        "vram_budget_gib": round(plan.budget / 2**30, 2),
+        "vram_planned_gib": round((plan.fixed_bytes + sum(
+            b for b, t in zip(plan.resident_bytes_per_layer, plan.tiers) if t == "vram")
+            + (plan.staging_buffers * plan.slot_bytes if plan.streamed_layers else 0))
+            / 2**30, 2),
+        "vram_reserve_gib": {k: round(v / 2**30, 3) for k, v in plan.reserve.items()},
+        "predicted_decode_tok_s": round(plan.predicted_tok_s, 2)
+        if plan.predicted_tok_s else None,
         "graph_capture_s": round(model.engine.graph_capture_s, 2),
         "load_s": round(load_s, 1),
         "file_bytes": size,
         "synth_MBps": round(size / synth_s / 1e6, 0) if synth_s > 1 else None,
         "decode_runs_s": [round(x, 4) for x in tg.seconds],
         "prefill_runs_s": [round(x, 4) for x in pp.seconds],
+        **extra,
     }
     if budget is None and os.environ.get("SLIPSTREAM_PROFILE") == "1":
         try:
@@ -120,6 +200,17 @@ def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     return case
+
+
+def _speedup(cases: list[dict]) -> None:
+    """Tiered over the mmap baseline with the same budgets, recorded on the mmap case."""
+    by = {c["name"]: c for c in cases if "error" not in c}
+    tiered, mmap = by.get("70b-q4k-vram24-ram12"), by.get("70b-q4k-vram24-mmap")
+    if tiered and mmap and mmap["decode_tok_s"]:
+        mmap["speedup_tiered_over_mmap_decode"] = round(
+            tiered["decode_tok_s"] / mmap["decode_tok_s"], 2)
+        mmap["speedup_tiered_over_mmap_prefill"] = round(
+            tiered["prefill512_tok_s"] / mmap["prefill512_tok_s"], 2)
 
 
 def main() -> None:
@@ -153,16 +244,23 @@ def main() -> None:
             case = {"name": f"{name}-resident", "error": f"{type(e).__name__}: {e}"}
         doc["cases"].append(case)
         print(json.dumps(case), flush=True)
+        _speedup(doc["cases"])
         (out / "gpu-resident.json").write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"\n{'case':22} {'tg128 tok/s':>12} {'roofline':>9} {'frac':>6} {'pp512 tok/s':>12} "
+    print(f"\n{'case':22} {'tg tok/s':>12} {'roofline':>9} {'frac':>6} {'pp512 tok/s':>12} "
           f"{'VRAM GiB':>9} {'capture s':>9}")
     for c in doc["cases"]:
         if "error" in c:
             print(f"{c['name']:22} ERROR {c['error'][:80]}")
             continue
-        print(f"{c['name']:22} {c['decode_tok_s']:12.1f} {c['roofline_decode_tok_s']:9.1f} "
+        print(f"{c['name']:22} {c['decode_tok_s']:12.2f} {c['roofline_decode_tok_s']:9.2f} "
               f"{c['decode_fraction_of_roofline']:6.2f} {c['prefill512_tok_s']:12.1f} "
               f"{c['vram_gib']:9.2f} {c['graph_capture_s']:9.2f}")
+        if "disk_gbps_achieved" in c:
+            print(f"{'':22} disk {c['disk_gbps_achieved']:.2f} GB/s of O_DIRECT "
+                  f"{c['odirect_seq_read_gbps']:.2f} ({c['disk_fraction_of_odirect']:.0%}), "
+                  f"H2D {c['h2d_gbps_achieved']:.1f} GB/s"
+                  + (f", {c['speedup_tiered_over_mmap_decode']}x tiered over mmap"
+                     if "speedup_tiered_over_mmap_decode" in c else ""))
 
 
 if __name__ == "__main__":

@@ -119,11 +119,15 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     within ~1e-3 of float32); "exact" keeps them float32, the reference the GPU is tested
     against. CUDA always computes from the GGUF formats themselves.
 
-    ram_budget (CPU): bytes (or "12GiB") of RAM for resident layers; the layers that do not fit
-    are read from the file on every token (io: "direct" = O_DIRECT reads, "buffered", or
-    "mmap" = the naive page-cache baseline). vram_budget (CUDA): checked against what the
-    resident model needs; streaming layers through the GPU is not implemented yet.
-    stream_delay: test hook, called in reader threads before each read.
+    vram_budget (CUDA): bytes (or "24GiB") of VRAM the model may hold, default what is free;
+    a reserve computed from the shapes (KV cache for ctx, activations, workspace, slots) comes
+    out of it and layers stay resident while the rest lasts. ram_budget: bytes of RAM for
+    layers (default MemAvailable less a margin): dequantized resident layers on CPU, pinned
+    layer images on CUDA (tier B). The layers that fit neither are read from disk on every
+    token (tier C). io: "direct" (O_DIRECT reads, the default), "buffered", "kvikio" (CUDA:
+    KvikIO into GPU memory), or "mmap" (the naive baseline: page cache, pageable copies).
+    stream_delay (tests): a memory.StreamDelays, or a callable run in reader threads before
+    each read, or an int of GPU cycles to stall the copy stream at random before each copy.
     """
     from .pull import pull
 
@@ -145,18 +149,29 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     act_dtype = torch.float32
     kv_dtype = torch.float32 if dev.type == "cpu" else torch.float16
     from .memory.budget import parse_size
-    from .memory.setup import make_store, measure_bandwidths, pin_streamed_layers, plan_for
+    from .memory.setup import (check_io, disk_images, make_store, measure_bandwidths,
+                               pin_streamed_layers, plan_for)
 
+    check_io(io, dev)
     plan = plan_for(gf, cfg, dev, weight_dtype, kv_dtype, n_ctx, parse_size(ram_budget),
-                    parse_size(vram_budget))
+                    parse_size(vram_budget), io)
     if plan.streamed_layers:
         measure_bandwidths(gf, plan, io)
     resident = {i for i, t in enumerate(plan.tiers) if t in ("ram", "vram")}
-    images = pin_streamed_layers(gf, cfg, dev, weight_dtype, plan)  # CUDA tier B, first
+    # CUDA tiers B and C are built first, while the GPU holds nothing else, so the transient
+    # GPU copy of the layer being built never sits on top of the resident model.
+    images = pin_streamed_layers(gf, cfg, dev, weight_dtype, plan)
+    disk = disk_images(gf, cfg, dev, weight_dtype, plan, progress)
     weights = _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, progress,
                                           resident)
-    store = make_store(gf, cfg, dev, weight_dtype, weights, plan, io, stream_delay, images)
-    engine = Engine(cfg, weights, dev, n_ctx, act_dtype, kv_dtype, layers=store)
+    if dev.type == "cuda":
+        # Give load-time transients back, so the run's own peak starts from the steady state
+        # (memory.vram reserves the larger of the two, not their sum).
+        torch.cuda.empty_cache()
+    store = make_store(gf, cfg, dev, weight_dtype, weights, plan, io, stream_delay, images,
+                       disk)
+    engine = Engine(cfg, weights, dev, n_ctx, act_dtype, kv_dtype, layers=store,
+                    use_graphs=None if plan.graphs else False)
     model = Model(model_path, gf, cfg, engine, tokenizer, template)
     model.plan = plan
     return model

@@ -29,12 +29,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
     p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: the "
                    "model's, at most 4096)")
-    p.add_argument("--ram-budget", default=None, help="RAM for resident layers, e.g. 12GiB "
-                   "(CPU); the rest streams from disk every token")
-    p.add_argument("--vram-budget", default=None, help="VRAM the model may hold, e.g. 24GiB")
-    p.add_argument("--io", default="direct", choices=["direct", "buffered", "mmap"],
-                   help="how streamed layers are read: O_DIRECT (default), buffered, or the "
-                   "naive mmap baseline")
+    p.add_argument("--ram-budget", default=None, help="RAM for layers, e.g. 12GiB: resident "
+                   "layers on CPU, pinned layers on CUDA (default: MemAvailable less a "
+                   "margin); the rest streams from disk every token")
+    p.add_argument("--vram-budget", default=None, help="VRAM the model may hold, e.g. 24GiB "
+                   "(default: what is free)")
+    p.add_argument("--io", default="direct", choices=["direct", "buffered", "mmap", "kvikio"],
+                   help="how layers are read from disk: O_DIRECT (default), buffered, KvikIO "
+                   "(CUDA, GPUDirect Storage), or the naive mmap baseline")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, n_default: int) -> None:
@@ -88,35 +90,57 @@ def _print_stats(model) -> None:
 
 def cmd_run(a: argparse.Namespace) -> int:
     model = _load(a)
-    model.engine.layers.stats.reset()
+    store = model.engine.layers
+    store.stats.reset()
+    if a.stats and hasattr(store, "enable_timing"):
+        store.enable_timing()
     _stream(model.generate(a.prompt, **_sampling_kwargs(a)))
     sys.stdout.write("\n")
     _print_stats(model)
     if a.stats:
-        _print_breakdown(model)
+        if hasattr(store, "collect"):
+            store.collect()
+        err.print(breakdown_table(model.last_stats, store.stats, model.device.type))
     return 0
 
 
-def _print_breakdown(model) -> None:
-    """Where a token's time went: compute, waiting for disk reads, building streamed layers."""
-    s, store = model.last_stats, model.engine.layers.stats
+def breakdown_table(s, store, device: str) -> Table:
+    """Where a token's time went (prefill and decode together), as a table.
+
+    CPU: compute, waiting for disk reads, dequantizing streamed layers. CUDA: the GPU's busy
+    time on the layers, its idle time between layers (a stall: waiting for a copy or for the
+    host), and the rest (embedding, head, sampling, Python); then the links, which overlap
+    with those: host-to-device copies and disk reads, with the GB/s each achieved."""
     tokens = max(s.prompt_tokens + s.generated_tokens, 1)
     total = s.prefill_s + s.decode_s
     t = Table(title="time per token (prefill and decode together)")
-    for col in ("part", "ms / token", "share"):
+    for col in ("part", "ms / token", "share", "GB/s"):
         t.add_column(col, justify="right" if col != "part" else "left")
-    parts = [("disk wait", store.disk_wait_s), ("build streamed layers", store.build_s)]
-    parts.insert(0, ("compute", max(total - sum(p[1] for p in parts), 0.0)))
-    for name, sec in parts:
-        t.add_row(name, f"{sec / tokens * 1e3:.2f}", f"{sec / total:.0%}" if total else "-")
-    if model.device.type == "cpu":
-        t.add_row("host-to-device, stall", "n/a on CPU", "")
+
+    def row(name: str, sec: float, share: bool = True, gbps: str = "") -> None:
+        t.add_row(name, f"{sec / tokens * 1e3:.2f}",
+                  f"{sec / total:.0%}" if total and share else "", gbps)
+
+    if device == "cpu" or not store.layers_streamed:
+        parts = [("disk wait", store.disk_wait_s), ("build streamed layers", store.build_s)]
+        row("compute", max(total - sum(p[1] for p in parts), 0.0))
+        for name, sec in parts:
+            row(name, sec)
+        t.add_row("host-to-device, stall", "n/a on CPU" if device == "cpu" else
+                  "none: every layer is resident", "", "")
     else:
-        t.add_row("host-to-device, stall", "not broken out on CUDA yet", "")
-    t.caption = (f"{store.layers_streamed} layer loads from disk; "
-                 f"{getattr(getattr(model.engine.layers, 'reader', None), 'bytes_read', 0) / 1e6:.1f}"
-                 f" MB read")
-    err.print(t)
+        row("compute (GPU busy on layers)", store.compute_s)
+        row("stall (GPU idle between layers)", store.stall_s)
+        row("  disk wait (host blocked on a read)", store.disk_wait_s, False)
+        row("other (embedding, head, host)", max(total - store.compute_s - store.stall_s, 0.0))
+        rate = f"{store.h2d_bytes / store.h2d_s / 1e9:.1f}" if store.h2d_s else "-"
+        row("host-to-device (copy stream busy)", store.h2d_s, False, rate)
+        rate = f"{store.disk_bytes / store.disk_read_s / 1e9:.2f}" if store.disk_read_s else "-"
+        row("disk reads (reader busy)", store.disk_read_s, False, rate)
+    t.caption = (f"{store.layers_streamed} streamed layer loads; {store.disk_bytes / 1e6:.1f} MB "
+                 f"read from disk, {store.h2d_bytes / 1e6:.1f} MB copied to the GPU; links "
+                 f"overlap compute, so their shares are not added")
+    return t
 
 
 def cmd_chat(a: argparse.Namespace) -> int:
@@ -219,7 +243,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         wdt = torch.float16
         kvd = torch.float32 if dev.type == "cpu" else torch.float16
         plan = plan_for(gf, cfg, dev, wdt, kvd, ctx, parse_size(a.ram_budget),
-                        parse_size(a.vram_budget))
+                        parse_size(a.vram_budget), a.io)
         measure_bandwidths(gf, plan, a.io)
         out.print(plan.table())
     return 0

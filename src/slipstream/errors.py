@@ -45,3 +45,7 @@ class TokenizerError(SlipstreamError):
 
 class BadArgument(SlipstreamError, ValueError):
     """An argument (sampling parameter, device, context size, ...) is out of range."""
+
+
+class MissingDependency(SlipstreamError):
+    """An optional package a requested feature needs is not installed."""

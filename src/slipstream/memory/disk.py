@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -63,18 +64,27 @@ class DirectReader:
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="slipstream-io")
         self._lock = threading.Lock()
         self.bytes_read = 0
+        self.timing = False  # record each read's interval (for --stats)
+        self.intervals: list[tuple[float, float]] = []  # (start, end) of each read
 
-    def read_span(self, buf: AlignedBuffer, start: int, end: int) -> Future:
-        """Read file bytes [start, end) into buf; the future's result is the offset of `start`
-        inside buf (the span is widened down to an aligned offset)."""
+    def read_span(self, buf, start: int, end: int,
+                  before: Callable[[], None] | None = None) -> Future:
+        """Read file bytes [start, end) into buf (anything with a writable, page-aligned
+        memoryview `.view` and `.nbytes`); the future's result is the offset of `start` inside
+        buf (the span is widened down to an aligned offset). `before` runs in the reader thread
+        first: the CUDA tier waits there until the buffer's last host-to-device copy is done."""
         base = start // ALIGN * ALIGN
         length = _round_up(end - base, ALIGN)
         if length > buf.nbytes:
             raise ValueError(f"span of {length} bytes does not fit a {buf.nbytes}-byte buffer")
-        return self.pool.submit(self._read, buf, base, length, end - base, start - base)
+        return self.pool.submit(self._read, buf, base, length, end - base, start - base, before)
 
-    def _read(self, buf: AlignedBuffer, base: int, length: int, needed: int, skew: int) -> int:
+    def _read(self, buf, base: int, length: int, needed: int, skew: int,
+              before: Callable[[], None] | None = None) -> int:
+        if before is not None:
+            before()
         done = 0
+        t0 = time.perf_counter()
         try:
             if self.delay is not None:
                 self.delay()
@@ -99,7 +109,21 @@ class DirectReader:
                                 f"or replaced while running")
         with self._lock:
             self.bytes_read += needed - skew
+            if self.timing:
+                self.intervals.append((t0, time.perf_counter()))
         return skew
+
+    def busy_seconds(self) -> float:
+        """Wall time during which at least one read was running, since the last call (the
+        union of the reads' intervals: two threads reading at once count once)."""
+        with self._lock:
+            spans, self.intervals = sorted(self.intervals), []
+        total, end = 0.0, float("-inf")
+        for a, b in spans:
+            if b > end:
+                total += b - max(a, end)
+                end = b
+        return total
 
     def _fall_back(self, err: OSError) -> None:
         with self._lock:

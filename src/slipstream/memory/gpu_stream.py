@@ -1,27 +1,21 @@
-"""Tier B on CUDA: layers kept in pinned host RAM, copied into a ring of GPU slots per use.
+"""Layer images: a layer built for the GPU kernels, flattened into one contiguous buffer.
 
 At load time each streamed layer is built once on the GPU (repacked for the kernels), then
-flattened into one contiguous pinned buffer: its "image". Per token, one host-to-device copy per
-layer moves the image into a free slot on a dedicated copy stream, and the layer is rebuilt as
-views into the slot, so no repacking happens on the hot path.
-
-Ordering is all on the GPU, with no host sync per layer:
-- compute waits on the event recorded after the slot's copy;
-- a copy into a slot waits on the event recorded after the last kernel that read the slot.
-So a slot is never overwritten while a kernel may still read it (the reference engine's race).
+flattened: its "image". Tier B keeps images in pinned RAM; tier C keeps them in a file
+(`image_file`). Per use, one host-to-device copy moves an image into a GPU slot and the layer
+is rebuilt as views into the slot (`from_image`), so no repacking happens on the hot path. The
+streaming itself is in `cuda_store`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import random
 from dataclasses import dataclass
 
 import torch
 
 from ..model.llama import LayerWeights
 from ..weights.linear import QuantLinear, Workspace
-from .store import StoreStats
 
 _ALIGN = 256  # bytes: keeps every plane aligned for the kernels' 16-byte vector loads
 _PLANES = ("lo", "hi", "d", "m", "sc", "mn", "sm")
@@ -37,14 +31,47 @@ class _Entry:
 
 
 @dataclass
-class LayerImage:
+class LayerLayout:
+    """Where each tensor of a layer sits inside its image: enough to rebuild the layer as views
+    into any buffer holding the image's bytes."""
+
     entries: list[_Entry]
     linears: dict[str, tuple]  # field -> (qtype, rows, cols, gguf_bytes) of each QuantLinear
-    host: torch.Tensor  # pinned uint8 holding every tensor of the layer
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {"nbytes": self.nbytes,
+                "entries": [[list(e.key), str(e.dtype).removeprefix("torch."), list(e.shape),
+                             e.offset, e.nbytes] for e in self.entries],
+                "linears": {k: [int(v[0]), *v[1:]] for k, v in self.linears.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "LayerLayout":
+        entries = [_Entry(tuple(k), getattr(torch, dt), tuple(shape), off, n)
+                   for k, dt, shape, off, n in d["entries"]]
+        from gguf import GGMLQuantizationType
+
+        linears = {k: (GGMLQuantizationType(v[0]), *v[1:]) for k, v in d["linears"].items()}
+        return cls(entries, linears, d["nbytes"])
+
+
+@dataclass
+class LayerImage:
+    layout: LayerLayout
+    host: torch.Tensor  # uint8 (pinned for tier B) holding every tensor of the layer
 
     @property
     def nbytes(self) -> int:
-        return self.host.numel()
+        return self.layout.nbytes
+
+    # tier-B code reads these straight off the image
+    @property
+    def entries(self) -> list[_Entry]:
+        return self.layout.entries
+
+    @property
+    def linears(self) -> dict[str, tuple]:
+        return self.layout.linears
 
 
 def _tensors(layer: LayerWeights):
@@ -61,14 +88,17 @@ def _tensors(layer: LayerWeights):
                 yield (f.name, "bias"), v.bias
 
 
-def to_image(layer: LayerWeights) -> LayerImage:
-    """Copy a GPU-built layer into one pinned host buffer (the GPU copy can then be freed)."""
+def to_image(layer: LayerWeights, pin: bool = True) -> LayerImage:
+    """Copy a GPU-built layer into one host buffer (the GPU copy can then be freed); pinned for
+    tier B, pageable when the image is only on its way to a file."""
     entries, offset = [], 0
     for key, t in _tensors(layer):
         n = t.numel() * t.element_size()
         entries.append(_Entry(key, t.dtype, tuple(t.shape), offset, n))
         offset += (n + _ALIGN - 1) // _ALIGN * _ALIGN
-    host = torch.empty(max(offset, _ALIGN), dtype=torch.uint8, pin_memory=True)
+    # a file image is zeroed so its padding is deterministic; pinned memory skips the memset
+    host = (torch.empty(max(offset, _ALIGN), dtype=torch.uint8, pin_memory=True) if pin
+            else torch.zeros(max(offset, _ALIGN), dtype=torch.uint8))
     tensors = dict(_tensors(layer))
     for e in entries:
         src = tensors[e.key].contiguous().view(torch.uint8).reshape(-1)
@@ -79,11 +109,12 @@ def to_image(layer: LayerWeights) -> LayerImage:
         if isinstance(v, QuantLinear):
             p = v.packed
             linears[f.name] = (p.qtype, p.rows, p.cols, p.gguf_bytes)
-    return LayerImage(entries, linears, host)
+    return LayerImage(LayerLayout(entries, linears, host.numel()), host)
 
 
-def from_image(image: LayerImage, slot: torch.Tensor, workspace: Workspace) -> LayerWeights:
-    """The layer as views into a device slot holding a copy of `image.host`."""
+def from_image(image: LayerImage | LayerLayout, slot: torch.Tensor,
+               workspace: Workspace) -> LayerWeights:
+    """The layer as views into a device slot holding a copy of the image's bytes."""
     from ..kernels import PackedWeight
 
     views: dict[tuple, torch.Tensor] = {}
@@ -100,79 +131,3 @@ def from_image(image: LayerImage, slot: torch.Tensor, workspace: Workspace) -> L
     for f in dataclasses.fields(LayerWeights):
         fields.setdefault(f.name, None)
     return LayerWeights(**fields)
-
-
-class PinnedLayerStore:
-    """Resident layers from `resident`; the others from pinned images through `n_slots` GPU
-    slots. `delay` (tests): the largest number of GPU clock cycles to stall the copy stream
-    before each copy, drawn at random, to shake out ordering bugs."""
-
-    def __init__(self, resident: list[LayerWeights | None], images: dict[int, LayerImage],
-                 device: torch.device, workspace: Workspace, n_slots: int = 2,
-                 delay: int = 0, seed: int = 0):
-        self.layers = resident
-        self.images = images
-        self.order = sorted(images)
-        self.device = device
-        self.workspace = workspace
-        size = max((im.nbytes for im in images.values()), default=_ALIGN)
-        n_slots = max(1, min(n_slots, len(self.order)))
-        self.slots = [torch.empty(size, dtype=torch.uint8, device=device) for _ in range(n_slots)]
-        self.copy_stream = torch.cuda.Stream(device)
-        self.copied = [torch.cuda.Event() for _ in range(n_slots)]
-        self.freed = [torch.cuda.Event() for _ in range(n_slots)]
-        self.slot_of: dict[int, int] = {}  # streamed layer -> slot its copy went to
-        self.slot_next = 0  # slot the next enqueued copy uses
-        self.next = 0  # index into self.order of the next layer to copy
-        self.in_use: dict[int, int] = {}  # layer acquired and not yet released -> slot
-        self.delay = delay
-        self.rng = random.Random(seed)
-        self.stats = StoreStats()
-        self.bytes_copied = 0
-        self.note = ""
-
-    def __len__(self) -> int:
-        return len(self.layers)
-
-    def _enqueue(self) -> None:
-        """Start the copy of the next layer in order into the next slot in the ring."""
-        i = self.order[self.next % len(self.order)]
-        k = self.slot_next
-        image = self.images[i]
-        with torch.cuda.stream(self.copy_stream):
-            self.copy_stream.wait_event(self.freed[k])  # the slot's last reader is done
-            if self.delay:
-                torch.cuda._sleep(self.rng.randrange(self.delay))
-            self.slots[k][: image.nbytes].copy_(image.host, non_blocking=True)
-            self.copied[k].record(self.copy_stream)
-        self.slot_of[i] = k
-        self.slot_next = (k + 1) % len(self.slots)
-        self.next += 1
-        self.bytes_copied += image.nbytes
-
-    def acquire(self, i: int) -> LayerWeights:
-        layer = self.layers[i]
-        if layer is not None:
-            return layer
-        if i not in self.slot_of:
-            # First use, or an out-of-order request: restart the ring at this layer. Slots
-            # stay protected by their `freed` events whatever was queued before.
-            self.slot_of.clear()
-            self.next = self.order.index(i)
-            for _ in range(len(self.slots)):
-                self._enqueue()
-        k = self.slot_of.pop(i)
-        torch.cuda.current_stream(self.device).wait_event(self.copied[k])
-        self.in_use[i] = k
-        self.stats.layers_streamed += 1
-        return from_image(self.images[i], self.slots[k], self.workspace)
-
-    def release(self, i: int) -> None:
-        k = self.in_use.pop(i, None)
-        if k is None:
-            return
-        self.freed[k].record(torch.cuda.current_stream(self.device))
-        self._enqueue()  # refill the slot just released with the layer n_slots ahead
-
-    def close(self) -> None:
-        torch.cuda.synchronize(self.device)

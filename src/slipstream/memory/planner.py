@@ -1,7 +1,9 @@
-"""The tier plan: which layers stay resident, which stream from disk each token.
+"""The tier plan: which layers stay resident, which stream each token, and from where.
 
 On CPU "resident" means dequantized in RAM (tier B's role); the rest is read from the GGUF file
-on every token (tier C). Layers are placed in order: earlier layers resident, the tail streamed,
+on every token (tier C). On CUDA layers stay in VRAM while the VRAM budget lasts (after its
+reserve), then in pinned RAM while the RAM budget lasts (tier B), and the rest is read from disk
+every token (tier C). Layers are placed in order: earlier layers resident, the tail streamed,
 so the reader can prefetch the streamed run sequentially. The plan also predicts decode speed
 from bandwidths measured at start-up.
 """
@@ -17,13 +19,20 @@ from .budget import fmt_bytes
 @dataclass
 class Plan:
     device: str
-    tiers: list[str]  # per layer: "ram"/"disk" on CPU; "vram"/"pinned" on CUDA
-    resident_bytes_per_layer: list[int]  # memory a resident layer takes
-    file_bytes_per_layer: list[int]  # bytes read from disk when a layer streams
-    fixed_bytes: int  # head, norms, KV cache, staging buffers: needed whatever the plan
-    budget: int | None
-    staging_buffers: int
-    bandwidth_gbps: dict[str, float] = field(default_factory=dict)  # "ram", "disk"
+    tiers: list[str]  # per layer: "ram"/"disk" on CPU; "vram"/"pinned"/"disk" on CUDA
+    resident_bytes_per_layer: list[int]  # memory a resident layer takes (RAM, or VRAM)
+    # bytes one use of a streamed layer moves: its GGUF span on CPU, its image on CUDA (the
+    # bytes of a slot, read from the image file for the disk tier)
+    file_bytes_per_layer: list[int]
+    fixed_bytes: int  # head, norms, KV cache, ...: needed whatever the plan (not the slots)
+    budget: int | None  # RAM on CPU, VRAM on CUDA
+    staging_buffers: int  # CPU: staging buffers; CUDA: GPU slots
+    bandwidth_gbps: dict[str, float] = field(default_factory=dict)  # "ram", "vram", "pinned", "disk"
+    ram_budget: int | None = None  # CUDA: pinned RAM for tier B images and tier C staging
+    host_staging: int = 0  # CUDA: pinned staging buffers of the disk tier
+    reserve: dict[str, int] = field(default_factory=dict)  # CUDA: fixed_bytes by part
+    io: str = "direct"
+    graphs: bool = True  # CUDA: the reserve holds CUDA graph pools (False: decode runs eager)
 
     @property
     def disk_layers(self) -> list[int]:
@@ -34,13 +43,32 @@ class Plan:
         return [i for i, t in enumerate(self.tiers) if t in ("disk", "pinned")]
 
     def bytes_per_token(self, tier: str) -> int:
-        if tier == "disk":
-            return sum(self.file_bytes_per_layer[i] for i in self.disk_layers)
+        if tier == "disk" or (tier == "pinned" and self.device == "cuda"):
+            return sum(b for b, t in zip(self.file_bytes_per_layer, self.tiers) if t == tier)
         return sum(b for b, t in zip(self.resident_bytes_per_layer, self.tiers) if t == tier)
 
     @property
+    def slot_bytes(self) -> int:
+        return max((self.file_bytes_per_layer[i] for i in self.streamed_layers), default=0)
+
+    @property
     def predicted_tok_s(self) -> float | None:
-        """Decode rate if every link ran at its measured bandwidth, one after another."""
+        """Decode rate if every link ran at its measured bandwidth.
+
+        CPU: one after another. CUDA: disk reads and host-to-device copies overlap (the copy
+        link carries the pinned and the disk layers), and the resident layers' compute does
+        not overlap the streaming (only the K-slot lookahead is copied meanwhile)."""
+        if self.device == "cuda":
+            bw = self.bandwidth_gbps
+            streamed = self.bytes_per_token("pinned") + self.bytes_per_token("disk")
+            links = []
+            for n, link in ((self.bytes_per_token("vram"), "vram"), (streamed, "pinned"),
+                            (self.bytes_per_token("disk"), "disk")):
+                if n and not bw.get(link):
+                    return None
+                links.append(n / (bw[link] * 1e9) if n else 0.0)
+            seconds = links[0] + max(links[1], links[2])
+            return 1.0 / seconds if seconds else None
         seconds = 0.0
         for tier in ("vram", "ram", "pinned", "disk"):
             bw = self.bandwidth_gbps.get(tier)
@@ -54,23 +82,40 @@ class Plan:
     def table(self):
         from rich.table import Table
 
-        t = Table(title=f"tier plan ({self.device}, budget "
-                        f"{fmt_bytes(self.budget) if self.budget else 'unlimited'})")
+        budget = f"budget {fmt_bytes(self.budget) if self.budget else 'unlimited'}"
+        if self.device == "cuda":
+            budget = (f"VRAM {fmt_bytes(self.budget)}, pinned RAM "
+                      f"{fmt_bytes(self.ram_budget) if self.ram_budget else 'unlimited'}")
+        t = Table(title=f"tier plan ({self.device}, {budget})")
         for col in ("tier", "layers", "bytes held", "bytes moved / token", "GB/s"):
             t.add_column(col, justify="right" if col != "tier" else "left")
         for tier in ("vram", "ram", "pinned", "disk"):
             idx = [i for i, x in enumerate(self.tiers) if x == tier]
             if not idx:
                 continue
-            held = sum(self.resident_bytes_per_layer[i] for i in idx) if tier != "disk" else \
-                self.staging_buffers * max(self.file_bytes_per_layer)
+            if tier == "disk":
+                held = (self.host_staging if self.device == "cuda" else self.staging_buffers) \
+                    * max(self.file_bytes_per_layer)
+            elif tier == "pinned":
+                held = sum(self.file_bytes_per_layer[i] for i in idx)
+            else:
+                held = sum(self.resident_bytes_per_layer[i] for i in idx)
             moved = self.bytes_per_token(tier)
             bw = self.bandwidth_gbps.get(tier)
             t.add_row(tier, _ranges(idx), fmt_bytes(held), fmt_bytes(moved),
                       f"{bw:.1f}" if bw else "-")
-        t.add_row("fixed", "head, norms, KV", fmt_bytes(self.fixed_bytes), "-", "-")
+        if self.device == "cuda" and self.streamed_layers:
+            t.add_row("GPU slots", f"{self.staging_buffers} x {fmt_bytes(self.slot_bytes)}",
+                      fmt_bytes(self.staging_buffers * self.slot_bytes), "-", "-")
+        if self.reserve:
+            for part, n in self.reserve.items():
+                if n:
+                    t.add_row("reserve", part, fmt_bytes(n), "-", "-")
+        else:
+            t.add_row("fixed", "head, norms, KV", fmt_bytes(self.fixed_bytes), "-", "-")
         tok_s = self.predicted_tok_s
-        t.caption = (f"predicted decode from link bandwidths alone: {tok_s:.1f} tok/s"
+        t.caption = (f"predicted decode from link bandwidths alone: "
+                     f"{tok_s:.{1 if tok_s >= 10 else 2}f} tok/s"
                      + (" (CPU streaming also pays to dequantize each streamed layer)"
                         if self.device == "cpu" and self.disk_layers else "")) if tok_s else None
         return t
@@ -112,3 +157,57 @@ def plan_layers(device: str, resident_bytes: list[int], file_bytes: list[int],
             tiers.append(names[1])
             room = -1  # keep the streamed layers one contiguous tail
     return Plan(device, tiers, resident_bytes, file_bytes, fixed_bytes, budget, staging_buffers)
+
+
+def plan_cuda(vram_bytes: list[int], image_bytes: list[int], reserve: dict[str, int],
+              vram_budget: int, ram_budget: int | None, n_slots: int = 2,
+              n_staging: int = 3, io: str = "direct") -> Plan:
+    """Layers in order: VRAM while `vram_budget` minus the reserve and the GPU slots lasts,
+    then pinned RAM while `ram_budget` (None: no limit) lasts, less the disk tier's pinned
+    staging buffers, then disk."""
+    n = len(vram_bytes)
+    fixed = sum(reserve.values())
+    slot = max(image_bytes) if n else 0
+    plan = Plan("cuda", ["vram"] * n, vram_bytes, image_bytes, fixed, vram_budget, n_slots,
+                ram_budget=ram_budget, reserve=dict(reserve), io=io)
+    if fixed + sum(vram_bytes) <= vram_budget:
+        return plan
+    # the mmap baseline copies its layers into one more slot of its own
+    slots = n_slots + (1 if io == "mmap" else 0)
+    minimum = fixed + slots * slot
+    if vram_budget < minimum:
+        raise BudgetTooSmall(
+            f"a {fmt_bytes(vram_budget)} VRAM budget cannot run this model on cuda: it needs "
+            f"at least {fmt_bytes(minimum)} (reserve {fmt_bytes(fixed)}: "
+            + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in reserve.items())
+            + f"; plus {slots} GPU slots of {fmt_bytes(slot)}); raise --vram-budget or lower "
+              f"--ctx")
+    room = vram_budget - minimum
+    tiers = []
+    for b in vram_bytes:
+        if b <= room:
+            tiers.append("vram")
+            room -= b
+        else:
+            tiers.append("pinned")
+            room = -1  # keep the streamed layers one contiguous tail
+    streamed = [i for i, t in enumerate(tiers) if t == "pinned"]
+    if ram_budget is not None and sum(image_bytes[i] for i in streamed) > ram_budget:
+        # the disk tier's pinned staging buffers come out of the RAM budget (kvikio and mmap
+        # bring their own)
+        host_staging = n_staging if io in ("direct", "buffered") else 0
+        if ram_budget < host_staging * slot:
+            raise BudgetTooSmall(
+                f"a {fmt_bytes(ram_budget)} RAM budget cannot stream this model from disk: its "
+                f"{host_staging} pinned staging buffers alone take "
+                f"{fmt_bytes(host_staging * slot)}; raise --ram-budget")
+        room = ram_budget - host_staging * slot
+        for i in streamed:
+            if image_bytes[i] <= room:
+                room -= image_bytes[i]
+            else:
+                tiers[i] = "disk"
+                room = -1
+        plan.host_staging = host_staging
+    plan.tiers = tiers
+    return plan

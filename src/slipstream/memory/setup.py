@@ -8,86 +8,133 @@ from ..config import ModelConfig
 from ..errors import BadArgument, BudgetTooSmall
 from ..gguf_file import GGUFFile
 from ..weights.loader import LAYER_TENSORS, LayerBuilder, layer_span
-from .budget import fmt_bytes
-from .planner import Plan, plan_layers
-from .store import DiskLayerStore, MmapLayerStore, ResidentLayerStore
+from .budget import mem_available
+from .planner import Plan, plan_cuda, plan_layers
+from .store import DiskLayerStore, MmapLayerStore, ResidentLayerStore, StreamDelays
+from .vram import layer_image_bytes, layer_vram_bytes, vram_reserve
 
-IO_MODES = ("direct", "buffered", "mmap")
-GPU_MARGIN = 1 << 30  # activations, graph pools, allocator slack on the GPU
+IO_MODES = ("direct", "buffered", "mmap", "kvikio")
+N_SLOTS = 2  # GPU slots: one being computed on while the next one's copy lands
+N_STAGING = 3  # tier C pinned staging buffers: one being copied while two are read
+
+
+def check_io(io: str, device: torch.device) -> None:
+    """Fail early, before anything is loaded, on an I/O mode this setup cannot run."""
+    if io not in IO_MODES:
+        raise BadArgument(f"--io {io!r} is not supported; choose from {', '.join(IO_MODES)}")
+    if io == "kvikio":
+        if device.type != "cuda":
+            raise BadArgument("--io kvikio reads into GPU memory and needs --device cuda")
+        from .kvikio_io import require_kvikio
+
+        require_kvikio()
 
 
 def layer_resident_bytes(gf: GGUFFile, i: int, weight_dtype: torch.dtype, device) -> int:
-    """Memory a resident layer takes: dense weights on CPU, the GGUF bytes on CUDA."""
+    """RAM a resident layer takes on CPU: dense weights (norms and biases in float32)."""
     total = 0
     for n in LAYER_TENSORS:
         info = gf.tensors.get(f"blk.{i}.{n}")
         if info is None:
             continue
-        if device.type == "cuda" or len(info.shape) == 1:
-            total += info.n_bytes if device.type == "cuda" else info.n_elements * 4
-        else:
-            total += info.n_elements * torch.finfo(weight_dtype).bits // 8
+        bits = 32 if len(info.shape) == 1 else torch.finfo(weight_dtype).bits
+        total += info.n_elements * bits // 8
     return total
+
+
+def default_ram_budget() -> int | None:
+    """MemAvailable less a margin for the OS, the page cache and Python (None: unknown)."""
+    avail = mem_available()
+    return max(avail - max(4 << 30, avail // 10), 0) if avail else None
 
 
 def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype: torch.dtype,
              kv_dtype: torch.dtype, ctx: int, ram_budget: int | None,
-             vram_budget: int | None) -> Plan:
+             vram_budget: int | None, io: str = "direct") -> Plan:
     n = cfg.n_layers
-    resident = [layer_resident_bytes(gf, i, weight_dtype, device) for i in range(n)]
+    if ram_budget is None:
+        ram_budget = default_ram_budget()
     spans = [layer_span(gf, i) for i in range(n)]
     file_bytes = [e - s for s, e in spans]
+    if device.type == "cuda":
+        return _plan_cuda(gf, cfg, device, kv_dtype, ctx, ram_budget, vram_budget, io,
+                          fused=weight_dtype != torch.float32)
+    resident = [layer_resident_bytes(gf, i, weight_dtype, device) for i in range(n)]
     head = gf.tensors.get("output.weight") or gf.tensors["token_embd.weight"]
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * ctx * cfg.head_dim * \
         torch.finfo(kv_dtype).bits // 8
-    head_bytes = head.n_bytes if device.type == "cuda" else \
-        head.n_elements * torch.finfo(weight_dtype).bits // 8
+    head_bytes = head.n_elements * torch.finfo(weight_dtype).bits // 8
     fixed = head_bytes + kv + cfg.hidden * 4
-    if device.type == "cuda":
-        # Kernel-packed weights run up to ~4% over GGUF size (K-quant scales kept as bytes).
-        packed = [int(r * 1.04) for r in resident]
-        largest = max(t.n_elements for t in gf.tensors.values() if len(t.shape) == 2)
-        workspace = 2 * largest  # fp16 prefill dequant scratch for the largest weight
-        # (the GPU slots are added by plan_layers as its staging buffers)
-        fixed_gpu = int(head_bytes * 1.04) + kv + workspace + GPU_MARGIN
-        plan = plan_layers("cuda", packed, file_bytes, fixed_gpu, vram_budget,
-                           staging_buffers=2, names=("vram", "pinned"))
-        pinned = sum(packed[i] for i in plan.streamed_layers)
-        if ram_budget is not None and pinned > ram_budget:
-            raise BudgetTooSmall(
-                f"{len(plan.streamed_layers)} layers ({fmt_bytes(pinned)}) must stream from "
-                f"pinned RAM but --ram-budget is {fmt_bytes(ram_budget)}; streaming from disk "
-                f"to the GPU is not implemented yet: raise --ram-budget or --vram-budget")
-        return plan
     return plan_layers("cpu", resident, file_bytes, fixed, ram_budget)
 
 
-def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str) -> None:
-    """Fill plan.bandwidth_gbps with what this machine does now: RAM read (a large sum) and,
-    when layers stream, a read of the streamed spans through the chosen I/O path."""
-    import time
+def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, device: torch.device, kv_dtype: torch.dtype,
+               ctx: int, ram_budget: int | None, vram_budget: int | None, io: str,
+               fused: bool) -> Plan:
+    """VRAM budget: what is free on the device now (capped by --vram-budget), less a reserve
+    computed from the model's shapes (memory.vram). `fused`: precision="fast" packs scales
+    fused (kernels.pack.fuse_scales), which changes the layer sizes."""
+    from ..runtime.engine import PREFILL_CHUNK
 
+    free, _ = torch.cuda.mem_get_info(device)
+    budget = free if vram_budget is None else min(vram_budget, free)
+    n = cfg.n_layers
+    vram = [layer_vram_bytes(gf, cfg, i, fused) for i in range(n)]
+    image = [layer_image_bytes(gf, cfg, i, fused) for i in range(n)]
+    kv_elem = torch.finfo(kv_dtype).bits // 8
+    # CUDA graphs (and their pools) only serve a fully resident model: plan with their pools
+    # first; if layers stream anyway (or only fit without the pools), plan without them.
+    try:
+        reserve = vram_reserve(gf, cfg, ctx, kv_elem, PREFILL_CHUNK, True, fused)
+        plan = plan_cuda(vram, image, reserve, budget, ram_budget, N_SLOTS, N_STAGING, io)
+    except BudgetTooSmall:
+        plan = None
+    if plan is None or plan.streamed_layers:
+        reserve = vram_reserve(gf, cfg, ctx, kv_elem, PREFILL_CHUNK, False, fused)
+        plan = plan_cuda(vram, image, reserve, budget, ram_budget, N_SLOTS, N_STAGING, io)
+        plan.graphs = False
+    return plan
+
+
+def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str) -> None:
+    """Fill plan.bandwidth_gbps with what this machine does now: memory read (a large sum on
+    CPU, a device copy on CUDA), pinned host-to-device copies (CUDA), and, when layers stream
+    from disk, an O_DIRECT (or buffered) sequential read of the disk layers' file spans."""
     from ..runtime.bench import h2d_pinned_gbps, memory_read_gbps
-    from .disk import AlignedBuffer, DirectReader
 
     if plan.device == "cuda":
-        plan.bandwidth_gbps["vram"] = memory_read_gbps(torch.device("cuda"), 1 << 30)
-        plan.bandwidth_gbps["pinned"] = h2d_pinned_gbps()
-        return
-    plan.bandwidth_gbps["ram"] = memory_read_gbps(torch.device("cpu"), 128 << 20)
+        # probes sized within the budget: they run before the model loads, and the peak VRAM
+        # must stay under the budget however small it is
+        probe = max(min(1 << 30, (plan.budget or 1 << 33) // 8), 8 << 20)
+        plan.bandwidth_gbps["vram"] = memory_read_gbps(torch.device("cuda"), probe)
+        plan.bandwidth_gbps["pinned"] = h2d_pinned_gbps(min(256 << 20, probe))
+        limit = 512 << 20
+    else:
+        plan.bandwidth_gbps["ram"] = memory_read_gbps(torch.device("cpu"), 128 << 20)
+        limit = 64 << 20
     if not plan.disk_layers or io == "mmap":
         return
     spans = [layer_span(gf, i) for i in plan.disk_layers]
-    reader = DirectReader(gf.path, io=io)
+    plan.bandwidth_gbps["disk"] = span_read_gbps(gf.path, spans, "buffered" if io == "buffered"
+                                                 else "direct", limit)
+
+
+def span_read_gbps(path, spans: list[tuple[int, int]], io: str, limit: int) -> float:
+    """GB/s of reading `spans` of a file in order (whole spans, until `limit` bytes)."""
+    import time
+
+    from .disk import AlignedBuffer, DirectReader
+
+    reader = DirectReader(path, io=io)
     buf = AlignedBuffer(max(e - s for s, e in spans) + 8192)
     try:
         total, t0 = 0, time.perf_counter()
         for s, e in spans:
             reader.read_span(buf, s, e).result()
             total += e - s
-            if total >= 64 << 20:
+            if total >= limit:
                 break
-        plan.bandwidth_gbps["disk"] = total / (time.perf_counter() - t0) / 1e9
+        return total / (time.perf_counter() - t0) / 1e9
     finally:
         reader.close()
         buf.close()
@@ -99,45 +146,57 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device, we
 
     Runs before the resident layers load, so the transient GPU copy of the layer being built
     never sits on top of the resident model: the peak VRAM stays the steady-state one."""
-    if plan.device != "cuda" or not plan.streamed_layers:
+    pinned = [i for i, t in enumerate(plan.tiers) if t == "pinned"]
+    if plan.device != "cuda" or not pinned:
         return {}
     from rich.progress import BarColumn, DownloadColumn, Progress
 
-    from ..weights.linear import Workspace
     from ..weights.loader import TensorSource
     from .gpu_stream import to_image
 
-    builder = LayerBuilder(cfg, device, weight_dtype, workspace=Workspace(device))
+    builder = LayerBuilder(cfg, device, weight_dtype)
     images = {}
-    total = sum(plan.resident_bytes_per_layer[i] for i in plan.streamed_layers)
+    total = sum(plan.file_bytes_per_layer[i] for i in pinned)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   transient=True) as bar:
         task = bar.add_task("pinning streamed layers", total=total)
-        for i in plan.streamed_layers:
+        for i in pinned:
             images[i] = to_image(builder.build(TensorSource(gf), i))
-            bar.advance(task, plan.resident_bytes_per_layer[i])
+            bar.advance(task, plan.file_bytes_per_layer[i])
     del builder
     torch.cuda.empty_cache()
     return images
 
 
+def disk_images(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype,
+                plan: Plan, progress: bool = False):
+    """CUDA tier C: the disk layers' repacked images, in a file (built now, or reused)."""
+    if plan.device != "cuda" or not plan.disk_layers:
+        return None
+    from .image_file import build_images
+
+    return build_images(gf, cfg, device, weight_dtype, plan.disk_layers,
+                        plan.file_bytes_per_layer, progress=progress)
+
+
 def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype, weights,
-               plan: Plan, io: str, delay=None, images: dict | None = None):
-    if io not in IO_MODES:
-        raise BadArgument(f"--io {io!r} is not supported; choose from {', '.join(IO_MODES)}")
+               plan: Plan, io: str, delay=None, images: dict | None = None, disk=None):
+    check_io(io, device)
+    delays = StreamDelays.of(delay)
     if plan.device == "cuda":
         if not plan.streamed_layers:
             return ResidentLayerStore(weights.layers)
-        from .gpu_stream import PinnedLayerStore
+        from .cuda_store import CudaLayerStore
 
         # the streamed layers share the resident layers' prefill workspace
-        return PinnedLayerStore(weights.layers, images or {}, device,
-                                weights.output.workspace, n_slots=plan.staging_buffers,
-                                delay=delay or 0)
+        return CudaLayerStore(weights.layers, device, weights.output.workspace,
+                              images=images or {}, disk=disk, io=io,
+                              n_slots=plan.staging_buffers,
+                              n_staging=plan.host_staging or N_STAGING, delays=delays)
     if not plan.disk_layers:
         return ResidentLayerStore(weights.layers)
     builder = LayerBuilder(cfg, device, weight_dtype)
     if io == "mmap":
         return MmapLayerStore(gf, builder, weights.layers)
     return DiskLayerStore(gf, builder, weights.layers, n_buffers=plan.staging_buffers, io=io,
-                          delay=delay)
+                          delay=delays.reader)

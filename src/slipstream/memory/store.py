@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
@@ -23,13 +23,39 @@ from .disk import AlignedBuffer, DirectReader
 
 @dataclass
 class StoreStats:
-    disk_wait_s: float = 0.0  # time the engine waited for reads to finish
+    disk_wait_s: float = 0.0  # time the engine (main thread) waited for reads to finish
     build_s: float = 0.0  # time turning streamed bytes into layers (dequantize)
     layers_streamed: int = 0
+    disk_bytes: int = 0  # bytes of streamed layers read from disk (or mmap)
+    h2d_bytes: int = 0  # bytes copied host-to-device into the GPU slots
+    # Measured only while stats are on (CUDA events, read back once per forward pass):
+    compute_s: float = 0.0  # GPU busy on the layers (compute stream)
+    stall_s: float = 0.0  # GPU idle between layers: waiting for a copy, or for the host
+    h2d_s: float = 0.0  # copy stream busy (overlaps compute)
+    disk_read_s: float = 0.0  # wall time with at least one read running (overlaps compute)
 
     def reset(self) -> None:
-        self.disk_wait_s = self.build_s = 0.0
-        self.layers_streamed = 0
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+
+@dataclass
+class StreamDelays:
+    """Test hooks that shake out ordering bugs: `reader` is called in a reader thread before
+    each read (sleep, or raise OSError to fake a failing disk); the copy stream stalls for a
+    random number of GPU cycles below `copy_cycles` before each host-to-device copy."""
+
+    reader: Callable[[], None] | None = None
+    copy_cycles: int = 0
+
+    @classmethod
+    def of(cls, x: "StreamDelays | Callable[[], None] | int | None") -> "StreamDelays":
+        """Also accepts the short forms: a callable (reader) or an int (copy_cycles)."""
+        if x is None or isinstance(x, StreamDelays):
+            return x or cls()
+        if callable(x):
+            return cls(reader=x)
+        return cls(copy_cycles=int(x))
 
 
 class ResidentLayerStore:
@@ -110,6 +136,7 @@ class DiskLayerStore:
         self._top_up()
         self.stats.disk_wait_s += t1 - t0
         self.stats.build_s += time.perf_counter() - t1
+        self.stats.disk_bytes += end - start
         self.stats.layers_streamed += 1
         return layer
 

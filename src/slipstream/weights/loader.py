@@ -208,16 +208,6 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
         if progress is not None and name in gf.tensors:
             progress(gf.tensors[name].n_bytes)
 
-    layers: list[LayerWeights | None] = []
-    for i in range(cfg.n_layers):
-        if resident_layers is not None and i not in resident_layers:
-            layers.append(None)
-            continue
-        layers.append(builder.build(src, i))
-        if progress is not None:
-            start, end = layer_span(gf, i)
-            progress(end - start)
-
     embed_shape = (cfg.vocab_size, cfg.hidden)
     embed_info = gf.tensors.get("token_embd.weight")
     embed_raw = raw_tensor(gf, "token_embd.weight", embed_shape).to(device)
@@ -229,8 +219,9 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
         from .. import kernels
 
         head_raw = raw_tensor(gf, head_name, embed_shape).to(device)
-        output = QuantLinear(kernels.pack_weight(head_raw, gf.tensors[head_name].ggml_type,
-                                                 *embed_shape), None, workspace)
+        packed = kernels.pack_weight(head_raw, gf.tensors[head_name].ggml_type, *embed_shape)
+        del head_raw  # before QuantLinear reserves the (largest) prefill workspace
+        output = QuantLinear(packed, None, workspace)
     else:
         output = DenseLinear(src.dense(head_name, embed_shape, weight_dtype, device))
     if head_name == "output.weight":
@@ -241,5 +232,17 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
                                torch.device("cpu"))
     output_norm = src.dense("output_norm.weight", (cfg.hidden,), torch.float32, device)
     tick("output_norm.weight")
+    # The layers come after the head: packing the head (the largest weight) while no layer is
+    # loaded yet keeps its transients off the VRAM peak (memory.vram counts them).
+    layers: list[LayerWeights | None] = []
+    for i in range(cfg.n_layers):
+        if resident_layers is not None and i not in resident_layers:
+            layers.append(None)
+            continue
+        layers.append(builder.build(src, i))
+        if progress is not None:
+            start, end = layer_span(gf, i)
+            progress(end - start)
+
     return ModelWeights(embed=embed, layers=layers, output_norm=output_norm, output=output,
                         rope_freqs=rope_freqs)

@@ -1,0 +1,169 @@
+"""Tier C on CUDA: the disk layers' repacked images, in a cache file next to the model.
+
+The GGUF file holds raw blocks; the kernels want repacked planes (kernels/pack.py). A layer read
+from disk every token could be repacked on the GPU after each copy, or repacked once at load and
+stored as an image file. We store the image file. Reasoning, on the 70B Q4_K anchor (0.49 GB of
+GGUF bytes per layer, 0.86 G weights; disk 2.3 GB/s, pinned H2D 55 GB/s, HBM ~4 TB/s):
+
+- Repacking on the GPU per use: `pack_weight` is a chain of elementwise torch ops over int64
+  codes, about six passes of 16 bytes per weight, ~80 GB of HBM traffic per layer: 20-40 ms plus
+  a few thousand kernel launches, per layer and per prompt chunk. It also allocates int64
+  temporaries of ~0.5 GB per 2048-row chunk (several live at once) on the hot path, 1-2 GB of
+  VRAM outside any budget, and it would run on the compute stream or fight it for the SMs.
+- Reading repacked images: the file is +2.8% bytes for Q4_K (+2.3% Q5_K, +3.6% Q3_K, 0% for
+  Q6_K/Q8_0/legacy formats), so a layer's read takes ~6 ms longer at 2.3 GB/s, and the load pays
+  one build (each disk layer packed once on the GPU, as tier B does) and one write: ~7 GB for
+  the 70B with 24 GiB VRAM and 12 GiB RAM, next to a 40 GB model on a 64 GiB disk. In exchange
+  the bytes on disk are exactly a slot's bytes: one O_DIRECT read into pinned staging, one
+  host-to-device copy, views. The hot path, the code and the bits are tier B's.
+
+The file is reused while the model file (size, mtime) and the image format are unchanged and it
+holds every layer asked for; otherwise it is rebuilt. It lives next to the model, or in the
+slipstream cache directory where the model's directory is not writable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import BudgetTooSmall, SlipstreamError
+from .budget import fmt_bytes
+from .disk import ALIGN
+from .gpu_stream import LayerLayout
+
+FORMAT_VERSION = 1  # bump when LayerLayout, to_image or pack_weight change their bytes
+SPACE_MARGIN = 1 << 30  # leave this much free on the disk after writing the file
+
+
+@dataclass
+class ImageFile:
+    path: Path
+    spans: dict[int, tuple[int, int]]  # layer -> [start, end) of its image in the file
+    layouts: dict[int, LayerLayout]
+
+
+def _round_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def image_paths(model: Path) -> tuple[Path, Path]:
+    """(data file, index file): next to the model when that directory is writable."""
+    model = model.resolve()
+    if os.access(model.parent, os.W_OK):
+        base = model.parent / f"{model.name}.slipstream"
+    else:
+        from ..pull import cache_dir
+
+        key = hashlib.sha1(str(model).encode()).hexdigest()[:12]
+        d = cache_dir() / "images"
+        d.mkdir(parents=True, exist_ok=True)
+        base = d / f"{model.name}.{key}.slipstream"
+    return base.with_name(base.name + ".img"), base.with_name(base.name + ".json")
+
+
+def _identity(model: Path, fused_scales: bool) -> dict:
+    """What an image file depends on: the model file, the image format, and the precision
+    (precision="fast" packs K-quant scales fused, see kernels.pack.fuse_scales)."""
+    st = model.stat()
+    return {"version": FORMAT_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "fused_scales": fused_scales}
+
+
+def open_images(model: Path, layers: list[int], fused_scales: bool = True) -> ImageFile | None:
+    """The cached image file when it is current and holds `layers`, else None."""
+    data, index = image_paths(model)
+    try:
+        doc = json.loads(index.read_text())
+        if doc.get("model") != _identity(model, fused_scales) or not data.exists():
+            return None
+        entries = {int(k): v for k, v in doc["layers"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not set(layers) <= set(entries):
+        return None
+    if data.stat().st_size < max((entries[i]["end"] for i in layers), default=0):
+        return None
+    return ImageFile(data, {i: (entries[i]["start"], entries[i]["end"]) for i in layers},
+                     {i: LayerLayout.from_json(entries[i]["layout"]) for i in layers})
+
+
+def check_space(directory: Path, needed: int, replaced: int = 0) -> None:
+    free = shutil.disk_usage(directory).free + replaced
+    if needed + SPACE_MARGIN > free:
+        raise BudgetTooSmall(
+            f"streaming from disk needs {fmt_bytes(needed)} of repacked layer images in "
+            f"{directory}, but only {fmt_bytes(free)} is free there (keeping "
+            f"{fmt_bytes(SPACE_MARGIN)} spare); free disk space or raise --ram-budget")
+
+
+def build_images(gf, cfg, device: torch.device, weight_dtype: torch.dtype, layers: list[int],
+                 image_bytes: list[int], progress: bool = True, builder=None) -> ImageFile:
+    """Reuse the cached image file for `layers`, or build each layer once on the GPU and write
+    its image. `image_bytes` (the planner's per-layer sizes) sizes the disk-space check.
+    `builder` (tests): a LayerBuilder that packs for the kernels on another device."""
+    model = Path(gf.path)
+    fused = weight_dtype != torch.float32  # precision="fast", as LayerBuilder decides
+    cached = open_images(model, layers, fused)
+    if cached is not None:
+        return cached
+    data, index = image_paths(model)
+    old = data.stat().st_size if data.exists() else 0
+    check_space(data.parent, sum(_round_up(image_bytes[i]) for i in layers), old)
+    from rich.progress import BarColumn, DownloadColumn, Progress
+
+    from ..weights.loader import LayerBuilder, TensorSource
+    from .gpu_stream import to_image
+
+    index.unlink(missing_ok=True)  # no index may describe a half-written data file
+    if builder is None:
+        builder = LayerBuilder(cfg, device, weight_dtype)
+    tmp = data.with_name(data.name + ".tmp")
+    entries: dict[str, dict] = {}
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        offset = 0
+        with Progress("[progress.description]{task.description}", BarColumn(),
+                      DownloadColumn(), transient=True, disable=not progress) as bar:
+            task = bar.add_task("writing repacked disk layers",
+                                total=sum(image_bytes[i] for i in layers))
+            for i in layers:
+                image = to_image(builder.build(TensorSource(gf), i), pin=False)
+                view = memoryview(image.host.numpy())
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], offset + done)
+                entries[str(i)] = {"start": offset, "end": offset + image.nbytes,
+                                   "layout": image.layout.to_json()}
+                offset = _round_up(offset + image.nbytes)
+                bar.advance(task, image.nbytes)
+        os.ftruncate(fd, offset)  # whole aligned blocks, so every O_DIRECT read is full
+        os.fsync(fd)
+        # The writes went through the page cache; drop them so tier C measures the disk
+        # (O_DIRECT reads bypass the cache anyway; this frees the RAM).
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError as e:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise SlipstreamError(f"writing the repacked layer images to {tmp} failed: "
+                              f"{e.strerror}") from None
+    os.close(fd)
+    del builder
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    os.replace(tmp, data)
+    doc = {"model": _identity(model, fused), "layers": entries}
+    index_tmp = index.with_name(index.name + ".tmp")
+    index_tmp.write_text(json.dumps(doc))
+    os.replace(index_tmp, index)  # the index last: a crash mid-write leaves no stale index
+    result = open_images(model, layers, fused)
+    if result is None:
+        raise SlipstreamError(f"the repacked layer images in {data} could not be read back")
+    return result

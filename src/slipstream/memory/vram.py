@@ -1,0 +1,162 @@
+"""What the GPU side of a model takes, computed from the GGUF index and the engine's shapes,
+without building anything: layer sizes in VRAM and as images, and the reserve the planner keeps
+out of the VRAM budget (KV cache, activations, workspace, slots, graph pools, load transients).
+
+Sizes follow kernels/pack.py's plane layout and the CUDA caching allocator's rounding; the GPU
+tests compare them with what loading really allocates.
+"""
+
+from __future__ import annotations
+
+import math
+
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+from ..config import ModelConfig
+from ..gguf_file import GGUFFile
+
+IMAGE_ALIGN = 256  # gpu_stream._ALIGN: every tensor of an image starts on this boundary
+_FLOAT_BYTES = {T.F32: 4, T.F16: 2, T.BF16: 2}
+# torch's caching allocator: requests round to 512 B; requests of 10 MiB and more get their own
+# segment rounded to 2 MiB; smaller ones share 2 MiB (<= 1 MiB) or 20 MiB segments.
+_SMALL_ROUND, _LARGE_ROUND, _LARGE_MIN = 512, 2 << 20, 10 << 20
+SHARED_SEGMENTS = (2 << 20) + (20 << 20)  # one partly used small and mid-size segment
+CUBLAS_WORKSPACE = 32 << 20  # per stream that runs GEMMs (torch's default on sm90)
+PACK_ROWS = 2048  # kernels/pack.py packs this many rows at a time
+PACK_TEMP_BYTES = 24  # per weight of one packed chunk: ~3 live int64 temporaries
+
+
+def alloc_bytes(n: int) -> int:
+    """What one CUDA tensor of n bytes takes from the allocator."""
+    if n >= _LARGE_MIN:
+        return -(-n // _LARGE_ROUND) * _LARGE_ROUND
+    return -(-max(n, 1) // _SMALL_ROUND) * _SMALL_ROUND
+
+
+def packed_planes(qtype: int, rows: int, cols: int, fused: bool = False) -> list[int]:
+    """Byte sizes of the planes kernels.pack_weight makes for a (rows, cols) weight; `fused`:
+    after pack.fuse_scales (precision="fast"), which replaces the scale planes by one f16
+    plane of sm_width entries per 32 weights where the format has more than a plain d."""
+    from ..kernels.pack import QSPECS, sm_width  # tables only: need neither CUDA nor Triton
+
+    qt = T(int(qtype))
+    if qt in _FLOAT_BYTES:
+        return [rows * cols * _FLOAT_BYTES[qt]]
+    s = QSPECS[qt]
+    planes = [rows * cols * s.lo // 8]
+    if s.hi:
+        planes.append(rows * cols * s.hi // 8)
+    if fused and sm_width(s):
+        return planes + [rows * cols // 32 * sm_width(s) * 2]
+    scales = rows * (cols // 256 if s.kquant else cols // 32) * 2  # f16 d (and m)
+    planes += [scales] * (2 if s.has_min else 1)
+    if s.kquant:
+        planes.append(rows * cols // s.group)  # sc
+        if s.has_min and not s.packed_scmn:
+            planes.append(rows * cols // s.group)  # mn
+    return planes
+
+
+def _linears(gf: GGUFFile, cfg: ModelConfig, i: int) -> list[tuple[int, int, int, int]]:
+    """(qtype, rows, cols, bias rows) of each linear LayerBuilder makes for layer i: q/k/v and
+    gate/up fuse when their formats agree."""
+    q_dim, kv = cfg.n_heads * cfg.head_dim, cfg.kv_dim
+    groups = [(("attn_q", q_dim), ("attn_k", kv), ("attn_v", kv)),
+              (("ffn_gate", cfg.ffn), ("ffn_up", cfg.ffn)),
+              (("attn_output", cfg.hidden),), (("ffn_down", cfg.hidden),)]
+    out = []
+    for group in groups:
+        types = {gf.tensors[f"blk.{i}.{n}.weight"].ggml_type for n, _ in group}
+        cols = gf.tensors[f"blk.{i}.{group[0][0]}.weight"].shape[1]
+        biased = any(f"blk.{i}.{n}.bias" in gf.tensors for n, _ in group)
+        if len(group) > 1 and len(types) == 1:
+            rows = sum(r for _, r in group)
+            out.append((int(types.pop()), rows, cols, rows if biased else 0))
+            continue
+        for n, r in group:
+            t = gf.tensors[f"blk.{i}.{n}.weight"]
+            out.append((int(t.ggml_type), r, cols, r if f"blk.{i}.{n}.bias" in gf.tensors else 0))
+    return out
+
+
+def _layer_tensors(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool) -> list[int]:
+    sizes = [cfg.hidden * 4, cfg.hidden * 4]  # attn_norm, ffn_norm (float32)
+    for qtype, rows, cols, bias in _linears(gf, cfg, i):
+        sizes += packed_planes(qtype, rows, cols, fused)
+        if bias:
+            sizes.append(bias * 4)
+    return sizes
+
+
+def layer_image_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool = False) -> int:
+    """Size of layer i's image (gpu_stream.to_image): what one slot holds and one copy moves."""
+    return sum(-(-n // IMAGE_ALIGN) * IMAGE_ALIGN for n in _layer_tensors(gf, cfg, i, fused))
+
+
+def layer_vram_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool = False) -> int:
+    """VRAM layer i takes when resident (each plane its own allocation)."""
+    return sum(alloc_bytes(n) for n in _layer_tensors(gf, cfg, i, fused))
+
+
+def _head(gf: GGUFFile):
+    return gf.tensors.get("output.weight") or gf.tensors["token_embd.weight"]
+
+
+def _pack_transient(qtype: int, rows: int, cols: int, raw: int) -> int:
+    """Extra VRAM while one weight is packed at load: its raw bytes (twice when fused parts are
+    concatenated), the per-chunk parts and their concatenation, and the int64 temporaries of
+    one chunk (fuse_scales' f32 temporaries are far smaller than these)."""
+    packed = sum(packed_planes(qtype, rows, cols))
+    return 2 * raw + 2 * packed + PACK_TEMP_BYTES * min(rows, PACK_ROWS) * cols
+
+
+def activation_bytes(cfg: ModelConfig, chunk: int, ctx: int) -> int:
+    """Peak activations of one prefill chunk through one block (weights excluded), with the
+    attention scores counted as SDPA's math path would materialise them (an upper bound)."""
+    q, kv, h, f = cfg.n_heads * cfg.head_dim, cfg.kv_dim, cfg.hidden, cfg.ffn
+    per_token = (4 * h * 4  # x, the normed h, the residual sum, the attention output (f32)
+                 + (q + 2 * kv) * 4 * 2  # qkv and the roped q/k (f32)
+                 + q * 2 + h * 2  # fp16 copies of q and of the GEMM input
+                 + 2 * f * 4 + 2 * f * 4 + f * 2)  # gate_up, silu(gate) and the product, fp16
+    scores = cfg.n_heads * chunk * ctx * 2
+    mask = cfg.gqa_group * chunk * ctx
+    logits = cfg.vocab_size * 4 * 2
+    return chunk * per_token + scores + mask + logits
+
+
+def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: int,
+                 chunk: int, graphs: bool, fused: bool = False) -> dict[str, int]:
+    """VRAM the engine needs besides the layers and the streaming slots, by part.
+
+    Loading and running peak at different times (api.load empties the allocator's cache in
+    between), so the reserve holds the larger of the load-time transients and the run-time
+    extras (KV cache, activations, graph pools, cuBLAS workspaces)."""
+    head = _head(gf)
+    vocab, hidden = head.shape
+    weights = [(int(head.ggml_type), vocab, hidden, head.n_bytes)]
+    largest = vocab * hidden
+    for qtype, rows, cols, _ in _linears(gf, cfg, 0):
+        weights.append((qtype, rows, cols, rows * cols // GGML_QUANT_SIZES[T(qtype)][0]
+                        * GGML_QUANT_SIZES[T(qtype)][1]))
+        largest = max(largest, rows * cols)
+    parts = {
+        "embedding": alloc_bytes(gf.tensors["token_embd.weight"].n_bytes),
+        "head": sum(alloc_bytes(n) for n in packed_planes(*weights[0][:3], fused)),
+        # prefill dequantizes one weight at a time into one fp16 scratch (weights.linear)
+        "prefill workspace": alloc_bytes(2 * largest),
+        "norms, rope, allocator": SHARED_SEGMENTS + 2 * ctx * cfg.rope_dim * 4,
+    }
+    kv = 2 * cfg.n_layers * cfg.n_kv_heads * ctx * cfg.head_dim * kv_bytes_per_elem
+    act = activation_bytes(cfg, min(chunk, ctx), ctx)
+    n_graphs = math.ceil(ctx / 256) if graphs else 0
+    graph_pool = alloc_bytes(activation_bytes(cfg, 1, ctx)) + (2 << 20)
+    run = {"KV cache": kv, "activations": act, "CUDA graph pools": n_graphs * graph_pool,
+           "cuBLAS workspaces": 2 * CUBLAS_WORKSPACE}
+    parts.update(run)
+    # load_weights packs the head before any layer, when little else is held; the layers'
+    # transients come on top of the layers already loaded
+    load = max(_pack_transient(*w) for w in weights[1:])
+    if load > sum(run.values()):
+        parts["load transients (beyond the above)"] = load - sum(run.values())
+    return parts

@@ -1,0 +1,159 @@
+"""The CUDA store's bookkeeping (the slot ring, the staging ring behind it, wrap-around into the
+next token, restarts after a pass that stopped part-way, the mmap baseline), driven on the CPU
+with CUDA streams and events faked as already complete. Copies are then synchronous, so this
+checks which bytes land where, not the GPU-side ordering (tests/gpu does that)."""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+
+import pytest
+import torch
+
+from slipstream.config import ModelConfig
+from slipstream.gguf_file import GGUFFile
+from slipstream.memory import StreamDelays
+from slipstream.synth import write_synth
+
+
+class FakeEvent:
+    def __init__(self, enable_timing: bool = False):
+        self.recorded = 0
+
+    def record(self, stream=None) -> None:
+        self.recorded += 1
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other) -> float:
+        return 0.25
+
+
+class FakeStream:
+    def __init__(self, device=None):
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    pytest.importorskip("triton")  # QuantLinear looks the kernels up (never runs them here)
+    from slipstream.memory.gpu_stream import _tensors, to_image
+    from slipstream.memory.image_file import build_images
+    from slipstream.memory.vram import layer_image_bytes
+    from slipstream.weights.linear import Workspace
+    from slipstream.weights.loader import LayerBuilder, TensorSource
+
+    d = tmp_path_factory.mktemp("fakecuda")
+    path = write_synth(d / "m.gguf", "tiny", "Q4_K_M", n_layers=6, from_floats=True,
+                       std=0.08, seed=9)
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
+    cpu = torch.device("cpu")
+    builder = LayerBuilder(cfg, cpu, torch.float16, workspace=Workspace(cpu))
+    builder.quantized = True
+    built = [builder.build(TensorSource(gf), i) for i in range(cfg.n_layers)]
+    want = [dict(_tensors(layer)) for layer in built]
+    images = {2: to_image(built[2], pin=False)}
+    sizes = [layer_image_bytes(gf, cfg, i) for i in range(cfg.n_layers)]
+    disk = build_images(gf, cfg, cpu, torch.float16, [3, 4, 5], sizes, progress=False,
+                        builder=builder)
+    return built, want, images, disk, builder.workspace
+
+
+def _check(layer, want) -> None:
+    from slipstream.memory.gpu_stream import _tensors
+
+    got = dict(_tensors(layer))
+    assert got.keys() == want.keys()
+    for key, t in got.items():
+        assert torch.equal(t, want[key]), key
+
+
+def _store(setup, io, delays=None, n_slots=2):
+    from slipstream.memory.cuda_store import CudaLayerStore
+
+    built, _, images, disk, ws = setup
+    resident = [built[0], built[1], None, None, None, None]
+    return CudaLayerStore(resident, torch.device("cpu"), ws, images=images, disk=disk, io=io,
+                          n_slots=n_slots, n_staging=3, delays=delays)
+
+
+@pytest.mark.parametrize("io,n_slots", [("direct", 2), ("buffered", 3), ("direct", 1),
+                                         ("mmap", 2)])
+def test_every_pass_gets_the_right_bytes(fake_cuda, setup, io, n_slots):
+    rng = random.Random(3)
+    store = _store(setup, io, StreamDelays(reader=lambda: time.sleep(rng.random() / 500)),
+                   n_slots)
+    want = setup[1]
+    store.enable_timing()
+    for _ in range(4):
+        for i in range(6):
+            layer = store.acquire(i)
+            if i >= 2:
+                _check(layer, want[i])
+            store.release(i)
+    store.collect()
+    s = store.stats
+    assert s.layers_streamed == 16 and s.disk_bytes > 0 and s.compute_s > 0
+    if io != "mmap":
+        assert s.h2d_bytes >= s.disk_bytes and s.h2d_s > 0
+    store.close()
+
+
+def test_a_pass_that_stopped_part_way_restarts_cleanly(fake_cuda, setup):
+    store = _store(setup, "direct")
+    want = setup[1]
+    for i in range(6):
+        store.acquire(i)
+        store.release(i)
+    for i in range(4):  # stops at layer 3 without releasing it (an error mid-forward)
+        store.acquire(i)
+        if i < 3:
+            store.release(i)
+    for order in ([0, 1, 2, 3, 4, 5], [0, 1, 4, 5], [0, 1, 2, 3, 4, 5]):  # and a skip
+        for i in order:
+            layer = store.acquire(i)
+            if i >= 2:
+                _check(layer, want[i])
+            store.release(i)
+    store.close()
+
+
+def test_the_staging_ring_waits_for_each_copy_event(fake_cuda, setup):
+    """Each staging buffer is refilled only after the event recorded with its last copy: the
+    reader thread calls that event's synchronize first."""
+    store = _store(setup, "direct")
+    calls = []
+    bufs = list(store.staging.free) + [b for _, b, _ in store.staging.reads]
+    assert len(bufs) == 3
+    for buf in bufs:
+        buf.event = type("Ev", (FakeEvent,), {
+            "synchronize": lambda self, b=buf: calls.append(id(b))})()
+    for _ in range(3):
+        for i in range(6):
+            store.acquire(i)
+            store.release(i)
+    store.close()
+    assert len(calls) >= 6  # every refill after the first use of a buffer waited
