@@ -7,6 +7,7 @@
 #                  tests need the default model, see below; they skip without it)
 #   STAGE=all      both (default)
 #   STAGE=final    kernel tests, engine tests, and only the headline benchmark cases
+#   STAGE=bench    the benchmark cases only (CASES=...)
 #   SLIPSTREAM_FUSED_DECODE=0 benchmarks the torch-op decode path instead of the fused kernels
 #   TIER_C=1       also benchmark the disk tier: 70b-q4k-vram24-ram12 and its mmap baseline
 #                  70b-q4k-vram24-mmap (about 5 minutes more; writes a ~9 GB image file next
@@ -37,8 +38,15 @@ if [ ! -f "$MODEL" ] && [ -f "$SLIPSTREAM_CACHE/part1" ] && [ -f "$SLIPSTREAM_CA
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUTDIR/gpu.txt"
 if [ "$STAGE" = kernels ] || [ "$STAGE" = all ] || [ "$STAGE" = final ]; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_kernels.py tests/quant 2>&1 \
-    | tail -25 | tee "$OUTDIR/pytest-kernels.log"
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_kernels.py tests/quant \
+    > "$OUTDIR/pytest-kernels.log" 2>&1
+  grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-kernels.log" | head -20; tail -1 "$OUTDIR/pytest-kernels.log"
+  # the int8-activation kernels failing their tests: benchmark the exact path for the rest of
+  # this machine's life, and say so
+  if grep -qE "^FAILED.*(q8|fused)" "$OUTDIR/pytest-kernels.log"; then
+    echo "int8-activation kernel tests failed: benchmarks use precision=exact" \
+      | tee /tmp/slipstream-q8-failed
+  fi
   if [ "$STAGE" != final ]; then
     timeout 240 python3 bench/kernels_bench.py "$OUTDIR" --quick 2>&1 | tail -45 \
       | tee "$OUTDIR/kernels-bench.log"
@@ -57,8 +65,11 @@ if [ "$STAGE" = engine ] || [ "$STAGE" = all ] || [ "$STAGE" = final ]; then
   [ -f "$MODEL" ] || echo "default model not on the device: real-model engine tests skip"
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_engine.py \
     tests/gpu/test_streaming_gpu.py tests/gpu/test_tier_c_gpu.py \
-    tests/gpu/test_attention_kernels.py 2>&1 | tail -25 \
-    | tee "$OUTDIR/pytest-engine.log"
+    tests/gpu/test_attention_kernels.py > "$OUTDIR/pytest-engine.log" 2>&1
+  grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-engine.log" | head -20; tail -1 "$OUTDIR/pytest-engine.log"
+fi
+if [ -f /tmp/slipstream-q8-failed ]; then export SLIPSTREAM_PRECISION=exact; cat /tmp/slipstream-q8-failed; fi
+if [ "$STAGE" = engine ] || [ "$STAGE" = all ] || [ "$STAGE" = final ] || [ "$STAGE" = bench ]; then
   # final: one short call, the headline cases only, stopping new cases after BENCH_BUDGET_S
   if [ "$STAGE" = final ]; then
     CASES=${CASES:-8b-q4k,8b-q4k-vram4,70b-q4k-vram24,70b-q4k}
