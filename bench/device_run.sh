@@ -38,8 +38,9 @@ if [ ! -f "$MODEL" ] && [ -f "$SLIPSTREAM_CACHE/part1" ] && [ -f "$SLIPSTREAM_CA
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv | tee "$OUTDIR/gpu.txt"
 if [ "$STAGE" = kernels ] || [ "$STAGE" = all ] || [ "$STAGE" = final ]; then
+  # KTESTS: a -k filter, to re-run only the kernel tests a change touched
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_kernels.py tests/quant \
-    > "$OUTDIR/pytest-kernels.log" 2>&1
+    ${KTESTS:+-k "$KTESTS"} > "$OUTDIR/pytest-kernels.log" 2>&1
   grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-kernels.log" | head -20; tail -1 "$OUTDIR/pytest-kernels.log"
   # the int8-activation kernels failing their tests: benchmark the exact path for the rest of
   # this machine's life, and say so
@@ -47,7 +48,7 @@ if [ "$STAGE" = kernels ] || [ "$STAGE" = all ] || [ "$STAGE" = final ]; then
     echo "int8-activation kernel tests failed: benchmarks use precision=exact" \
       | tee /tmp/slipstream-q8-failed
   fi
-  if [ "$STAGE" != final ]; then
+  if [ "$STAGE" != final ] && [ "${KBENCH:-1}" = 1 ]; then
     timeout 240 python3 bench/kernels_bench.py "$OUTDIR" --quick 2>&1 | tail -45 \
       | tee "$OUTDIR/kernels-bench.log"
   fi

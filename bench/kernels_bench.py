@@ -31,6 +31,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from slipstream import kernels
 from slipstream.kernels.gemv import gemv_config
 from slipstream.kernels.gemv_q8 import gemv_q8, gemv_q8_config
+from slipstream.kernels.pack import fuse_scales
 
 FORMATS = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
            T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -132,7 +133,9 @@ def bench_gemv(qt: T, n: int, k: int, m: int, timed: bool, config=None, keep=Fal
     probe = ws[0]
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-    if q8:
+    if q8:  # precision="fast" weights: scales fused per unit
+        ws = [fuse_scales(w) for w in ws]
+        probe = ws[0]
         cfg = config or gemv_q8_config(probe, m)
         fns = [lambda w=w: gemv_q8(x, w, out=y, config=cfg) for w in ws]
     else:

@@ -140,9 +140,6 @@ def _gemv_q8_kernel(xq_ptr, xm_ptr, lo_ptr, hi_ptr, d_ptr, sm_ptr, r_ptr, y_ptr,
     mmask = offs_m < M
     r3 = rows[:, None, None]
     w3 = offs_w[None, None, :]
-    m4 = offs_m[:, None, None, None]
-    w4 = offs_w[None, None, None, :]
-    m3 = offs_m[:, None, None]
     acc = tl.zeros([M_PAD, BN, NU], dtype=tl.float32)
     for u0 in range(0, NUT, NU):
         uu = u0 + offs_u
@@ -174,55 +171,57 @@ def _gemv_q8_kernel(xq_ptr, xm_ptr, lo_ptr, hi_ptr, d_ptr, sm_ptr, r_ptr, y_ptr,
         else:
             s0 = tl.load(d_ptr + rows[:, None] * NUT + uu[None, :], mask=umask2,
                          other=0.0).to(tl.float32)
-        # x: codes per extraction, and (scale bits, sum 0-15, sum 16-31, sum) per unit
-        u4 = uu[None, None, :, None]
-        xmask = mmask[:, None, None, None] & umask[None, None, :, None]
-        xbase = xq_ptr + m4 * (NUT * 8) + u4 * 8 + w4  # [M_PAD, 1, NU, LO]
-        xm = tl.load(xm_ptr + (m3 * NUT + uu[None, :, None]) * 4 + tl.arange(0, 4)[None, None, :],
-                     mask=mmask[:, None, None] & umask[None, :, None], other=0)  # [M_PAD, NU, 4]
-        xa, xb = tl.split(tl.reshape(xm, [M_PAD, NU, 2, 2]))  # (bits, sum1), (sum0, sum)
-        xs_bits, qs1 = tl.split(xa)
-        qs0, qs = tl.split(xb)
-        xs = xs_bits.to(tl.float32, bitcast=True)[:, None, :]  # [M_PAD, 1, NU]
-        D0 = tl.zeros([M_PAD, BN, NU, LO], dtype=tl.int32)
-        if SPU == 2:
-            D1 = tl.zeros([M_PAD, BN, NU, LO], dtype=tl.int32)
-        for e in tl.static_range(NE):
-            if NE == 1:
-                code = words
-            else:
-                code = (words >> (e * LO)) & LOMASK
-            if HI > 0:
-                if LO >= e * HI:
-                    code = code | ((h << (LO - e * HI)) & HIMASK)
+        # One row of x at a time: dp4a's operands are then [BN, NU, LO] tensors with x
+        # broadcast over rows only. (Broadcasting the codes over x's rows as well, in one 4-D
+        # dp4a, gave results off by ~1e-3 on the H200 for m > 1: the inline asm does not
+        # survive two operands broadcast along different axes.) The unpacking below is the
+        # same for every row, so the compiler computes it once.
+        for mi in tl.static_range(M_PAD):
+            xrow = umask & (tl.full([NU], mi, tl.int32) < M)
+            xm = tl.load(xm_ptr + (mi * NUT + uu[:, None]) * 4 + tl.arange(0, 4)[None, :],
+                         mask=xrow[:, None], other=0)  # [NU, 4]
+            xa, xb = tl.split(tl.reshape(xm, [NU, 2, 2]))  # (bits, sum1), (sum0, sum)
+            xs_bits, qs1 = tl.split(xa)
+            qs0, qs = tl.split(xb)
+            xs = xs_bits.to(tl.float32, bitcast=True)[None, :]  # [1, NU]
+            xbase = xq_ptr + mi * (NUT * 8) + uu[None, :, None] * 8 + w3  # [1, NU, LO]
+            D0 = tl.zeros([BN, NU, LO], dtype=tl.int32)
+            if SPU == 2:
+                D1 = tl.zeros([BN, NU, LO], dtype=tl.int32)
+            for e in tl.static_range(NE):
+                if NE == 1:
+                    code = words
                 else:
-                    code = code | ((h >> (e * HI - LO)) & HIMASK)
-            xw = tl.load(xbase + e * LO, mask=xmask, other=0)  # [M_PAD, 1, NU, LO]
-            code4 = tl.broadcast_to(code[None, :, :, :], [M_PAD, BN, NU, LO])
+                    code = (words >> (e * LO)) & LOMASK
+                if HI > 0:
+                    if LO >= e * HI:
+                        code = code | ((h << (LO - e * HI)) & HIMASK)
+                    else:
+                        code = code | ((h >> (e * HI - LO)) & HIMASK)
+                xw = tl.load(xbase + e * LO, mask=xrow[None, :, None], other=0)  # [1, NU, LO]
+                if SPU == 1:
+                    D0 = _dp4a(code, tl.broadcast_to(xw, [BN, NU, LO]), D0, USE_ASM)
+                else:
+                    D0 = _dp4a(code, tl.broadcast_to(xw & 0xFFFF, [BN, NU, LO]), D0, USE_ASM)
+                    D1 = _dp4a(code, tl.broadcast_to(xw & -65536, [BN, NU, LO]), D1, USE_ASM)
+            # sum(w*x) over a group = s*xs*(D - OFF*sum(xq)) - t*xs*sum(xq): the offset is
+            # taken off in integers, exactly, so no large terms cancel in fp32
             if SPU == 1:
-                D0 = _dp4a(code4, tl.broadcast_to(xw, [M_PAD, BN, NU, LO]), D0, USE_ASM)
+                qsg = qs[None, :]
+                part = (s0 * xs) * (tl.sum(D0, axis=2) - OFF * qsg).to(tl.float32)
+                if HAS_MIN:
+                    part -= t0 * (xs * qsg.to(tl.float32))
             else:
-                D0 = _dp4a(code4, tl.broadcast_to(xw & 0xFFFF, [M_PAD, BN, NU, LO]), D0,
-                           USE_ASM)
-                D1 = _dp4a(code4, tl.broadcast_to(xw & -65536, [M_PAD, BN, NU, LO]), D1,
-                           USE_ASM)
-        # sum(w*x) over a group = s*xs*(D - OFF*sum(xq)) - t*xs*sum(xq): the offset is taken
-        # off in integers, exactly, so no large terms cancel in fp32
-        if SPU == 1:
-            qsg = qs[:, None, :]
-            Dc = (tl.sum(D0, axis=3) - OFF * qsg).to(tl.float32)
-            acc += (s0[None, :, :] * xs) * Dc
-            if HAS_MIN:
-                acc -= t0[None, :, :] * (xs * qsg.to(tl.float32))
-        else:
-            qsg0 = qs0[:, None, :]
-            qsg1 = qs1[:, None, :]
-            Dc0 = (tl.sum(D0, axis=3) - OFF * qsg0).to(tl.float32)
-            Dc1 = (tl.sum(D1, axis=3) - OFF * qsg1).to(tl.float32)
-            acc += xs * (s0[None, :, :] * Dc0 + s1[None, :, :] * Dc1)
-            if HAS_MIN:
-                acc -= xs * (t0[None, :, :] * qsg0.to(tl.float32) +
-                             t1[None, :, :] * qsg1.to(tl.float32))
+                qsg0 = qs0[None, :]
+                qsg1 = qs1[None, :]
+                part = xs * (s0 * (tl.sum(D0, axis=2) - OFF * qsg0).to(tl.float32) +
+                             s1 * (tl.sum(D1, axis=2) - OFF * qsg1).to(tl.float32))
+                if HAS_MIN:
+                    part -= xs * (t0 * qsg0.to(tl.float32) + t1 * qsg1.to(tl.float32))
+            if M_PAD == 1:
+                acc += part[None, :, :]
+            else:
+                acc += tl.where(offs_m[:, None, None] == mi, part[None, :, :], 0.0)
     y = tl.sum(acc, axis=2)  # [M_PAD, BN]
     ymask = mmask[:, None] & rmask[None, :]
     if HAS_RES:
