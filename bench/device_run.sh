@@ -66,7 +66,7 @@ if [ "$STAGE" = engine ] || [ "$STAGE" = all ] || [ "$STAGE" = final ]; then
   [ -f "$MODEL" ] || echo "default model not on the device: real-model engine tests skip"
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_engine.py \
     tests/gpu/test_streaming_gpu.py tests/gpu/test_tier_c_gpu.py \
-    tests/gpu/test_attention_kernels.py > "$OUTDIR/pytest-engine.log" 2>&1
+    tests/gpu/test_attention_kernels.py ${ETESTS:+-k "$ETESTS"} > "$OUTDIR/pytest-engine.log" 2>&1
   grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-engine.log" | head -20; tail -1 "$OUTDIR/pytest-engine.log"
 fi
 if [ -f /tmp/slipstream-q8-failed ]; then export SLIPSTREAM_PRECISION=exact; cat /tmp/slipstream-q8-failed; fi
