@@ -13,8 +13,9 @@
 #                  70b-q4k-vram24-mmap (about 5 minutes more; writes a ~9 GB image file next
 #                  to the 40 GB model)
 #
-# The device's copy of the tree answers `git rev-parse HEAD` with the session's first commit:
-# pass SLIPSTREAM_COMMIT=<hash> (from this side) so the JSON names the commit that ran.
+# The device's copy of the tree may answer `git rev-parse HEAD` with an older commit than its
+# files: results also record "tree" (slipstream.provenance), the git tree hash of the files that
+# ran, which equals `git rev-parse COMMIT^{tree}` here; SLIPSTREAM_COMMIT=<hash> overrides HEAD.
 #
 # The device has no network, so the default model (98 MB, over the 64 MiB a call may carry)
 # travels in two parts: .model/a/part1 in one call, .model/b/part2 in the next; each is parked

@@ -17,7 +17,6 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from slipstream.runtime.bench import (  # noqa: E402
     memory_read_gbps,
     weight_bytes_per_token,
 )
+from slipstream.provenance import source_revision  # noqa: E402
 from slipstream.synth import write_synth  # noqa: E402
 
 CASES = {  # name: (shape, --quant, vram budget or None for resident, ram budget, --io)
@@ -227,9 +227,8 @@ def main() -> None:
     hbm = memory_read_gbps(torch.device("cuda"), 2 << 30)  # device copy, bytes read + written
     h2d = h2d_pinned_gbps(2 << 30)
     print(f"HBM copy {hbm:.0f} GB/s, pinned H2D {h2d:.1f} GB/s", flush=True)
-    commit = os.environ.get("SLIPSTREAM_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or "unknown"
-    doc = {"device": torch.cuda.get_device_name(), "commit": commit,
+    rev = source_revision()
+    doc = {"device": torch.cuda.get_device_name(), "commit": rev["commit"], "tree": rev["tree"],
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "torch": torch.__version__, "hbm_gbps": round(hbm, 1), "h2d_gbps": round(h2d, 1),
            "cases": []}

@@ -146,12 +146,9 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
 
 
 def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                             text=True, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
+    from slipstream.provenance import source_revision
+
+    return source_revision()["commit"]
 
 
 def run_load(url: str, n: int, concurrency: int, max_tokens: int) -> tuple[list[Result], float]:

@@ -34,3 +34,22 @@ def patch(path: Path, offset: int, payload: bytes) -> None:
     with open(path, "r+b") as f:
         f.seek(offset)
         f.write(payload)
+
+
+STREAM_PROMPT = list(range(5, 140, 3))
+
+
+def streamed_logits(model, steps: int = 12) -> list[torch.Tensor]:
+    """Prefill logits of STREAM_PROMPT and `steps` greedy decode steps, eager on both sides so
+    a streamed and a resident model run the same kernels (for bit-identity tests)."""
+    model.engine.use_graphs = False
+    model.engine.reset()
+    out = [model.engine.forward(STREAM_PROMPT, all_logits=True).cpu()]
+    tok = torch.tensor([7], device=model.engine.device)
+    for _ in range(steps):
+        logits = model.engine.decode(tok)
+        out.append(logits.cpu())
+        tok = logits[-1].argmax().view(1)
+    if model.engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    return out

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -295,10 +294,11 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.json:
         import torch
 
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or None
+        from .provenance import source_revision
+
+        rev = source_revision()
         doc = {"model": str(model.path), "device": str(model.device),
-               "threads": torch.get_num_threads(), "commit": commit,
+               "threads": torch.get_num_threads(), "commit": rev["commit"], "tree": rev["tree"],
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "memory_read_gbps": round(bw, 2), "weight_bytes_per_token": per_token,
                "roofline_decode_tok_s": round(roofline, 1),

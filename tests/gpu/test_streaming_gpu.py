@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import slipstream
+from helpers import streamed_logits
 from slipstream.errors import BudgetTooSmall
 
 pytestmark = pytest.mark.gpu
-PROMPT = list(range(5, 140, 3))
 
 
 @pytest.fixture(scope="module")
@@ -30,17 +30,6 @@ def _budget_for(model, resident_layers: int) -> int:
     return fixed + staging + sum(p.resident_bytes_per_layer[:resident_layers]) + 1
 
 
-def _run(model, steps=12):
-    model.engine.use_graphs = False  # both sides eager, so the same kernels run
-    model.engine.reset()
-    out = [model.engine.forward(PROMPT, all_logits=True).cpu()]
-    tok = torch.tensor([7], device="cuda")
-    for _ in range(steps):
-        logits = model.engine.decode(tok)
-        out.append(logits.cpu())
-        tok = logits[-1].argmax().view(1)
-    torch.cuda.synchronize()
-    return out
 
 
 @pytest.mark.parametrize("delay", [0, 2_000_000])
@@ -50,7 +39,7 @@ def test_pinned_streaming_is_bit_identical(synth, delay):
     streamed = slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget,
                                stream_delay=delay)
     assert streamed.plan.tiers == ["vram"] * 2 + ["pinned"] * 4
-    a, b = _run(resident), _run(streamed)
+    a, b = streamed_logits(resident), streamed_logits(streamed)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert streamed.engine.layers.stats.layers_streamed >= 4 * 13
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 import slipstream
+from helpers import streamed_logits
 from slipstream.memory import StreamDelays
 from slipstream.memory.disk import DiskReadError
 
 pytestmark = pytest.mark.gpu
-PROMPT = list(range(5, 140, 3))
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def synth(tmp_path_factory):
 @pytest.fixture(scope="module")
 def resident_out(synth):
     model = slipstream.load(synth, device="cuda", ctx=256)
-    out = _run(model)
+    out = streamed_logits(model)
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -56,17 +56,6 @@ def _budgets(model, vram_layers: int, pinned_layers: int) -> tuple[int, int]:
     return vram, ram
 
 
-def _run(model, steps=12):
-    model.engine.use_graphs = False  # both sides eager, so the same kernels run
-    model.engine.reset()
-    out = [model.engine.forward(PROMPT, all_logits=True).cpu()]
-    tok = torch.tensor([7], device="cuda")
-    for _ in range(steps):
-        logits = model.engine.decode(tok)
-        out.append(logits.cpu())
-        tok = logits[-1].argmax().view(1)
-    torch.cuda.synchronize()
-    return out
 
 
 def _load_tiered(synth, io="direct", delays=None, path=None, vram_layers=2, pinned_layers=1):
@@ -87,7 +76,7 @@ def _same(a, b) -> bool:
 def test_disk_tier_is_bit_identical(synth, resident_out, io):
     model = _load_tiered(synth, io)
     assert model.plan.tiers == ["vram"] * 2 + ["pinned"] + ["disk"] * 5
-    assert _same(resident_out, _run(model))
+    assert _same(resident_out, streamed_logits(model))
     stats = model.engine.layers.stats
     assert stats.layers_streamed >= 6 * 13 and stats.disk_bytes > 0
     model.engine.layers.close()
@@ -98,21 +87,21 @@ def test_disk_tier_is_bit_identical_under_random_delays(synth, resident_out):
     delays = StreamDelays(reader=lambda: time.sleep(rng.random() / 50), copy_cycles=2_000_000)
     model = _load_tiered(synth, delays=delays, vram_layers=1, pinned_layers=1)
     assert model.plan.tiers == ["vram", "pinned"] + ["disk"] * 6
-    assert _same(resident_out, _run(model))
+    assert _same(resident_out, streamed_logits(model))
     model.engine.layers.close()
 
 
 def test_all_layers_from_disk(synth, resident_out):
     model = _load_tiered(synth, vram_layers=0, pinned_layers=0)
     assert model.plan.tiers == ["disk"] * 8
-    assert _same(resident_out, _run(model))
+    assert _same(resident_out, streamed_logits(model))
     model.engine.layers.close()
 
 
 def test_mmap_baseline_is_bit_identical(synth, resident_out):
     model = _load_tiered(synth, io="mmap")
     assert "disk" in model.plan.tiers
-    assert _same(resident_out, _run(model))
+    assert _same(resident_out, streamed_logits(model))
     model.engine.layers.close()
 
 
@@ -120,7 +109,7 @@ def test_kvikio_is_bit_identical(synth, resident_out):
     pytest.importorskip("kvikio")
     model = _load_tiered(synth, io="kvikio", delays=StreamDelays(
         reader=lambda: time.sleep(random.random() / 100)))
-    assert _same(resident_out, _run(model))
+    assert _same(resident_out, streamed_logits(model))
     model.engine.layers.close()
 
 
@@ -128,11 +117,11 @@ def test_truncated_image_file_mid_run_is_a_clear_error(synth, tmp_path):
     path = tmp_path / "m.gguf"
     shutil.copy(synth, path)
     model = _load_tiered(synth, path=path)
-    _run(model, steps=1)
+    streamed_logits(model, steps=1)
     image = model.engine.layers.disk.path
     os.truncate(image, 4096)
     with pytest.raises(DiskReadError, match="truncated or replaced while running"):
-        _run(model, steps=2)
+        streamed_logits(model, steps=2)
     model.engine.layers.close()
 
 
@@ -142,11 +131,11 @@ def test_deleted_files_mid_run_keep_working(synth, resident_out, tmp_path):
     path = tmp_path / "m.gguf"
     shutil.copy(synth, path)
     model = _load_tiered(synth, path=path)
-    _run(model, steps=1)
+    streamed_logits(model, steps=1)
     image = model.engine.layers.disk.path
     path.unlink()
     image.unlink()
-    assert _same(resident_out, _run(model))
+    assert _same(resident_out, streamed_logits(model))
     model.engine.layers.close()
 
 
@@ -158,10 +147,10 @@ def test_reader_io_error_is_a_clear_error(synth):
             raise OSError(5, "Input/output error")
 
     model = _load_tiered(synth, delays=StreamDelays(reader=reader))
-    _run(model, steps=1)
+    streamed_logits(model, steps=1)
     state["fail"] = True
     with pytest.raises(DiskReadError, match="Input/output error"):
-        _run(model, steps=2)
+        streamed_logits(model, steps=2)
     model.engine.layers.close()
 
 
@@ -169,7 +158,7 @@ def test_stats_break_a_token_down(synth):
     model = _load_tiered(synth)
     store = model.engine.layers
     store.enable_timing()
-    _run(model, steps=4)
+    streamed_logits(model, steps=4)
     store.collect()
     s = store.stats
     assert s.compute_s > 0 and s.h2d_s > 0 and s.disk_read_s > 0 and s.stall_s >= 0
@@ -199,7 +188,7 @@ def test_streamed_model_stays_under_its_vram_budget(synth):
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_reserved()
     model = slipstream.load(synth, device="cuda", ctx=256, vram_budget=vram, ram_budget=ram)
-    _run(model, steps=4)
+    streamed_logits(model, steps=4)
     peak = torch.cuda.max_memory_reserved() - base
     assert peak <= vram, f"peak {peak} over the budget {vram}"
     model.engine.layers.close()
