@@ -34,14 +34,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import MAX_M
+from .gemv import MAX_M, _m_pad
 from .pack import FLOAT_DTYPES, PackedWeight, sm_width
 
 QK = 32  # activation elements per int8 block (one scale), and elements per unit of pack.py
 
 
-def _use_asm() -> bool:
-    return os.environ.get("TRITON_INTERPRET") != "1"
+# Triton's CPU interpreter (CI) cannot run inline PTX: there dp4a is emulated
+_USE_ASM = os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit
@@ -231,10 +231,6 @@ def _gemv_q8_kernel(xq_ptr, xm_ptr, lo_ptr, hi_ptr, d_ptr, sm_ptr, r_ptr, y_ptr,
              mask=ymask)
 
 
-def _m_pad(m: int) -> int:
-    return triton.next_power_of_2(m)
-
-
 def _q8_buffers(m: int, nut: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.empty(m, nut * 8, device=device, dtype=torch.int32),
             torch.empty(m, nut, 4, device=device, dtype=torch.int32))
@@ -343,5 +339,5 @@ def gemv_q8_quantized(xq: torch.Tensor, xm: torch.Tensor, packed: PackedWeight,
         residual.stride(0) if residual is not None else 0, out.stride(0),
         LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, HAS_MIN=spec.has_min,
         SM=packed.sm is not None, HAS_RES=residual is not None, M_PAD=_m_pad(m),
-        USE_ASM=_use_asm(), num_warps=warps, **cfg)
+        USE_ASM=_USE_ASM, num_warps=warps, **cfg)
     return out

@@ -100,7 +100,7 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str) -> None:
     """Fill plan.bandwidth_gbps with what this machine does now: memory read (a large sum on
     CPU, a device copy on CUDA), pinned host-to-device copies (CUDA), and, when layers stream
     from disk, an O_DIRECT (or buffered) sequential read of the disk layers' file spans."""
-    from ..runtime.bench import h2d_pinned_gbps, memory_read_gbps
+    from ..runtime.bench import h2d_pinned_gbps, memory_read_gbps, span_read_gbps
 
     if plan.device == "cuda":
         # probes sized within the budget: they run before the model loads, and the peak VRAM
@@ -115,29 +115,8 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str) -> None:
     if not plan.disk_layers or io == "mmap":
         return
     spans = [layer_span(gf, i) for i in plan.disk_layers]
-    plan.bandwidth_gbps["disk"] = span_read_gbps(gf.path, spans, "buffered" if io == "buffered"
-                                                 else "direct", limit)
-
-
-def span_read_gbps(path, spans: list[tuple[int, int]], io: str, limit: int) -> float:
-    """GB/s of reading `spans` of a file in order (whole spans, until `limit` bytes)."""
-    import time
-
-    from .disk import AlignedBuffer, DirectReader
-
-    reader = DirectReader(path, io=io)
-    buf = AlignedBuffer(max(e - s for s, e in spans) + 8192)
-    try:
-        total, t0 = 0, time.perf_counter()
-        for s, e in spans:
-            reader.read_span(buf, s, e).result()
-            total += e - s
-            if total >= limit:
-                break
-        return total / (time.perf_counter() - t0) / 1e9
-    finally:
-        reader.close()
-        buf.close()
+    plan.bandwidth_gbps["disk"], _ = span_read_gbps(
+        gf.path, spans, "buffered" if io == "buffered" else "direct", limit)
 
 
 def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype,

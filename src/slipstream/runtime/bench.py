@@ -126,26 +126,36 @@ def h2d_pinned_gbps(nbytes: int = 256 << 20, reps: int = 4) -> float:
     return reps * nbytes / t / 1e9
 
 
-def disk_read_gbps(path, nbytes: int = 4 << 30, block: int = 256 << 20) -> tuple[float, str]:
-    """O_DIRECT sequential read bandwidth of a file (like dd with 16 MiB requests: one thread,
-    the reader's 16 MiB preadv chunks), over its first `nbytes`. Bypasses the page cache, so
-    it measures the disk even when the file was just written. Returns (GB/s, the read mode:
-    "direct", or "buffered" where the filesystem refused O_DIRECT)."""
-    import os
-
+def span_read_gbps(path, spans: list[tuple[int, int]], io: str = "direct",
+                   limit: int | None = None) -> tuple[float, str]:
+    """GB/s of reading `spans` of a file in order, one read at a time (whole spans, until
+    `limit` bytes), through the streaming reader: O_DIRECT bypasses the page cache, so it
+    measures the disk even when the file was just written. Returns (GB/s, the read mode:
+    "direct", or "buffered" where asked for or where the filesystem refused O_DIRECT)."""
     from ..memory.disk import AlignedBuffer, DirectReader
 
-    size = min(nbytes, os.path.getsize(path))
-    reader = DirectReader(path, threads=1, io="direct")
-    buf = AlignedBuffer(block)
+    reader = DirectReader(path, threads=1, io=io)
+    buf = AlignedBuffer(max(e - s for s, e in spans) + 8192)
     try:
-        t0 = time.perf_counter()
-        for start in range(0, size, block):
-            reader.read_span(buf, start, min(start + block, size)).result()
-        return size / (time.perf_counter() - t0) / 1e9, reader.mode
+        total, t0 = 0, time.perf_counter()
+        for s, e in spans:
+            reader.read_span(buf, s, e).result()
+            total += e - s
+            if limit is not None and total >= limit:
+                break
+        return total / (time.perf_counter() - t0) / 1e9, reader.mode
     finally:
         reader.close()
         buf.close()
+
+
+def disk_read_gbps(path, nbytes: int = 4 << 30, block: int = 256 << 20) -> tuple[float, str]:
+    """O_DIRECT sequential read bandwidth over a file's first `nbytes`, in `block`-sized reads
+    (each issued as the reader's 16 MiB preadv chunks, like dd on one thread)."""
+    import os
+
+    size = min(nbytes, os.path.getsize(path))
+    return span_read_gbps(path, [(s, min(s + block, size)) for s in range(0, size, block)])
 
 
 def _timed_fn(device: torch.device, fn: Callable[[], object]) -> float:

@@ -120,6 +120,7 @@ class QuantLinear:
         self.bias = bias
         self.workspace = workspace
         self._matmul = kernels.matmul
+        self._rms_norm = kernels.rms_norm
         self._max_m = kernels.MAX_M
         self._q8 = None
         if workspace.int8_activations and int(packed.qtype) not in _FLOAT_TYPES:
@@ -169,9 +170,7 @@ class QuantLinear:
         the quantization of its output are one kernel."""
         if self._q8 is not None and x.shape[0] <= self._max_m:
             return self._q8_matmul(self._q8.rms_norm_q8(x, norm_weight, eps), x.dtype, None)
-        from ..kernels import rms_norm
-
-        return self(rms_norm(x, norm_weight, eps))
+        return self(self._rms_norm(x, norm_weight, eps))
 
     def glu_matmul(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None
                    ) -> torch.Tensor:
