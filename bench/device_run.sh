@@ -12,6 +12,17 @@
 #   TIER_C=1       also benchmark the disk tier: 70b-q4k-vram24-ram12 and its mmap baseline
 #                  70b-q4k-vram24-mmap (about 5 minutes more; writes a ~9 GB image file next
 #                  to the 40 GB model)
+#   CLI=1          also run `slipstream info --plan` and `slipstream run --stats` on CUDA (the
+#                  real model, and a synthetic 8B streamed from pinned RAM and disk); on by
+#                  default with STAGE=engine
+#   MEMTRACE=case,...  run these cases once more with the allocator's history on, and record
+#                  where their VRAM peak comes from (bench/memtrace.py)
+#   DROP_MODELS    globs under /tmp/slipstream-models to delete after the benchmarks (the
+#                  device disk holds 64 GiB: the 8B F16 and the 70B do not fit together)
+#
+# KvikIO (`--io kvikio`) travels as wheels in .whl/kvikio (kvikio-cu13 without cupy, which
+# slipstream does not use); they install into /tmp/site-kvikio, and the run says whether
+# kvikio imports.
 #
 # The device's copy of the tree may answer `git rev-parse HEAD` with an older commit than its
 # files: results also record "tree" (slipstream.provenance), the git tree hash of the files that
@@ -30,7 +41,25 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site
 fi
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=140
+if ls .whl/kvikio/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site-kvikio ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site-kvikio .whl/kvikio/*.whl
+fi
+if [ -d /tmp/site-kvikio ]; then
+  export PYTHONPATH=$PYTHONPATH:/tmp/site-kvikio
+  # libkvikio finds libcufile in site-packages; the wheel's copy sits in a --target folder, so
+  # the loader is pointed at it only where the system has none, and only if torch still works
+  if ! python3 -c "import kvikio" 2>/dev/null; then
+    lib=/tmp/site-kvikio/nvidia/cu13/lib
+    if LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} python3 -c \
+        "import torch, kvikio; torch.zeros(1, device='cuda')" 2>/dev/null; then
+      export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    fi
+  fi
+  python3 -c "import kvikio; print('kvikio', kvikio.__version__)" 2>&1 | tail -1 \
+    | tee "$OUTDIR/kvikio.txt"
+fi
 export SLIPSTREAM_CACHE=/tmp/slipstream-cache SLIPSTREAM_OFFLINE=1
 mkdir -p "$SLIPSTREAM_CACHE"
 for part in .model/a/part1 .model/b/part2; do
@@ -73,6 +102,35 @@ if [ "$STAGE" = engine ] || [ "$STAGE" = all ] || [ "$STAGE" = final ]; then
     tests/gpu/test_attention_kernels.py ${ETESTS:+-k "$ETESTS"} > "$OUTDIR/pytest-engine.log" 2>&1
   grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-engine.log" | head -20; tail -1 "$OUTDIR/pytest-engine.log"
 fi
+if [ "${CLI:-$([ "$STAGE" = engine ] && echo 1 || echo 0)}" = 1 ]; then
+  # the user's view on CUDA: the plan and the per-token breakdown as tables
+  SYN8=/tmp/slipstream-models/8b-Q4_K.gguf
+  mkdir -p /tmp/slipstream-models
+  [ -f "$SYN8" ] || python3 -m slipstream synth --shape 8b --quant Q4_K -o "$SYN8" >/dev/null 2>&1
+  {
+    B="--device cuda --ctx 2048 --vram-budget 320MiB --ram-budget 16MiB"
+    echo "\$ slipstream info --plan -m SmolLM2-135M-Instruct.Q4_1.gguf $B"
+    python3 -m slipstream info --plan -m "$MODEL" $B; echo "rc=$?"
+    echo "\$ slipstream run --stats -m SmolLM2-135M-Instruct.Q4_1.gguf $B -n 24 --temp 0"
+    python3 -m slipstream run --stats -m "$MODEL" $B -n 24 --temp 0 \
+      -p "Name three rivers in Europe."; echo "rc=$?"
+    echo "\$ slipstream run -m SmolLM2-135M-Instruct.Q4_1.gguf --device cuda -n 24 --temp 0 (resident)"
+    python3 -m slipstream run -m "$MODEL" --device cuda -n 24 --temp 0 \
+      -p "Name three rivers in Europe."; echo "rc=$?"
+    echo "\$ slipstream run --stats -m 8b-Q4_K.gguf --device cuda --vram-budget 4GiB --ram-budget 1GiB -n 8 --temp 0"
+    python3 -m slipstream run --stats -m "$SYN8" --device cuda --vram-budget 4GiB \
+      --ram-budget 1GiB -n 8 --temp 0 -p "Hello"; echo "rc=$?"
+    echo "\$ slipstream run -m 8b-Q4_K.gguf --device cuda --vram-budget 1GiB -n 4"
+    python3 -m slipstream run -m "$SYN8" --device cuda --vram-budget 1GiB -n 4 -p "Hello"
+    echo "rc=$?"
+  } > "$OUTDIR/cli-cuda.txt" 2>&1
+  tail -40 "$OUTDIR/cli-cuda.txt"
+  # what precision="fast" costs in generation: perplexity through the decode kernels
+  for prec in exact fast; do
+    echo "precision=$prec: $(python3 -m slipstream perplexity -m "$MODEL" -f tests/data/prose.txt \
+      --ctx 128 --chunks 4 --device cuda --precision $prec --decode-path 2>&1 | tail -1)"
+  done | tee "$OUTDIR/precision-ppl.txt"
+fi
 if [ -f /tmp/slipstream-q8-failed ]; then export SLIPSTREAM_PRECISION=exact; cat /tmp/slipstream-q8-failed; fi
 if [ "$STAGE" = engine ] || [ "$STAGE" = all ] || [ "$STAGE" = final ] || [ "$STAGE" = bench ]; then
   # final: one short call, the headline cases only, stopping new cases after BENCH_BUDGET_S
@@ -82,6 +140,8 @@ if [ "$STAGE" = engine ] || [ "$STAGE" = all ] || [ "$STAGE" = final ] || [ "$ST
   CASES=${CASES:-8b-q4k,8b-q8_0,8b-q6_k,8b-f16,70b-q4k,8b-q4k-vram4,70b-q4k-vram24}
   if [ "${TIER_C:-0}" = 1 ]; then CASES="$CASES,70b-q4k-vram24-ram12,70b-q4k-vram24-mmap"; fi
   python3 bench/gpu_bench.py "$OUTDIR" --budget-s "${BENCH_BUDGET_S:-1000000}" \
-    --cases "$CASES" \
+    --cases "$CASES" --memtrace "${MEMTRACE:-}" \
     2>&1 | tee "$OUTDIR/gpu-bench.log" | grep -v "^{" | tail -20
 fi
+for g in ${DROP_MODELS:-}; do rm -f /tmp/slipstream-models/$g; done
+df -h /tmp | tail -1

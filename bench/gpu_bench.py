@@ -9,15 +9,21 @@ per token over the links they cross (streamed). Cases with a disk tier also meas
 O_DIRECT sequential read bandwidth of the file they stream from, in the same run, and report
 the GB/s each link achieved during decode. Slow cases decode fewer tokens (see decode_test).
 Prints a table and writes OUTDIR/gpu-resident.json in the shape bench/results uses.
+
+Each case runs in a process of its own, so `torch.cuda.max_memory_reserved` is that case's
+alone (nothing cached from the case before) and a case that dies takes no other with it. Each
+case also records the allocator's peaks after load, prefill and decode (`vram_peaks_gib`), to
+tell which phase sets the peak and whether it is held memory or cache.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +43,8 @@ from slipstream.runtime.bench import (  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
 from slipstream.synth import write_synth  # noqa: E402
 
+from memtrace import MemTrace  # noqa: E402  (bench/, next to this file)
+
 CASES = {  # name: (shape, --quant, vram budget or None for resident, ram budget, --io)
     "8b-q4k": ("8b", "Q4_K", None, None, "direct"),
     "8b-q8_0": ("8b", "Q8_0", None, None, "direct"),
@@ -48,6 +56,9 @@ CASES = {  # name: (shape, --quant, vram budget or None for resident, ram budget
     # tier C: the layers that fit neither budget are read from disk every token
     "70b-q4k-vram24-ram12": ("70b", "Q4_K", "24GiB", "12GiB", "direct"),
     "70b-q4k-vram24-mmap": ("70b", "Q4_K", "24GiB", "12GiB", "mmap"),
+    # a small disk tier (about 15 of 32 layers), through O_DIRECT and through KvikIO
+    "8b-q4k-vram4-ram1": ("8b", "Q4_K", "4GiB", "1GiB", "direct"),
+    "8b-q4k-vram4-ram1-kvikio": ("8b", "Q4_K", "4GiB", "1GiB", "kvikio"),
 }
 PRECISION = os.environ.get("SLIPSTREAM_PRECISION", "fast")  # "exact": fp32 decode GEMVs
 
@@ -76,7 +87,7 @@ def profile_decode(engine, tokens: int = 16) -> dict:
 
 
 # decode tokens and repetitions (after one warm-up run) of the cases that read from disk
-SLOW = {"direct": (8, 2), "mmap": (4, 1)}
+SLOW = {"direct": (8, 2), "kvikio": (8, 2), "mmap": (4, 1)}
 
 
 def _streaming_figures(model, tg, h2d: float) -> dict:
@@ -133,17 +144,26 @@ def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
         write_synth(path, shape, quant)
     synth_s = time.perf_counter() - t0
     size = path.stat().st_size
+    start_reserved = torch.cuda.memory_reserved()
     torch.cuda.reset_peak_memory_stats()
+    trace = MemTrace() if os.environ.get("SLIPSTREAM_MEMTRACE") == "1" else None
+    if trace is not None:
+        trace.__enter__()
     t0 = time.perf_counter()
     model = slipstream.load(path, device="cuda", ctx=640, vram_budget=budget,
                             ram_budget=ram_budget, io=io, precision=PRECISION)
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
+    peaks = {"load": _peaks()}
     plan = model.plan
     slow = SLOW.get(io) if plan.disk_layers else None
     pp = bench_prefill(model.engine, 512, reps=slow[1] if slow else 3)
+    peaks["prefill"] = _peaks()
     tg = bench_decode(model.engine, 128 if budget is None else slow[0] if slow else 16,
                       reps=slow[1] if slow else 3)
+    peaks["decode"] = _peaks()
+    if trace is not None:
+        trace.__exit__(None, None, None)
     extra = {}
     if budget is None:
         per_token = weight_bytes_per_token(model.engine)
@@ -169,6 +189,10 @@ def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
         "decode_fraction_of_roofline": round(tg.tok_s / roofline, 3),
         "weight_bytes_per_token": per_token,
         "vram_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        # cumulative peaks (reserved, allocated) after each phase, and what the allocator held
+        # before the load (0 in a process of its own)
+        "vram_peaks_gib": peaks,
+        "vram_reserved_before_load_gib": round(start_reserved / 2**30, 3),
         "vram_budget_gib": round(plan.budget / 2**30, 2),
         "vram_planned_gib": round((plan.fixed_bytes + sum(
             b for b, t in zip(plan.resident_bytes_per_layer, plan.tiers) if t == "vram")
@@ -185,6 +209,8 @@ def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
         "prefill_runs_s": [round(x, 4) for x in pp.seconds],
         **extra,
     }
+    if trace is not None:
+        case["vram_peak_trace"] = trace.summary()
     if budget is None and os.environ.get("SLIPSTREAM_PROFILE") == "1":
         try:
             case["profile"] = profile_decode(model.engine)
@@ -196,10 +222,34 @@ def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
         except Exception as e:  # profiling is diagnostics: never lose the case for it
             case["profile"] = {"error": f"{type(e).__name__}: {e}"}
     model.engine.layers.close()
-    del model
-    gc.collect()
-    torch.cuda.empty_cache()
     return case
+
+
+def _peaks() -> dict:
+    torch.cuda.synchronize()
+    return {"reserved": round(torch.cuda.max_memory_reserved() / 2**30, 3),
+            "allocated": round(torch.cuda.max_memory_allocated() / 2**30, 3)}
+
+
+def run_case_in_child(name: str, workdir: Path, hbm: float, h2d: float,
+                      timeout_s: float, env: dict | None = None) -> dict:
+    """run_case in a fresh process (see the module's docstring); its printed lines pass
+    through, its case comes back through a JSON file."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result = Path(f.name)
+    cmd = [sys.executable, __file__, "--one", name, "--workdir", str(workdir),
+           "--hbm", repr(hbm), "--h2d", repr(h2d), "--case-json", str(result)]
+    try:
+        proc = subprocess.run(cmd, timeout=timeout_s, stdout=sys.stdout, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, **(env or {})})
+        if proc.returncode != 0 or not result.stat().st_size:
+            tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+            return {"name": name, "error": f"case process failed: {tail[0][:300]}"}
+        return json.loads(result.read_text())
+    except subprocess.TimeoutExpired:
+        return {"name": name, "error": f"case process ran past {timeout_s:.0f} s"}
+    finally:
+        result.unlink(missing_ok=True)
 
 
 def _speedup(cases: list[dict]) -> None:
@@ -215,11 +265,23 @@ def _speedup(cases: list[dict]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("outdir")
+    ap.add_argument("outdir", nargs="?", default="/tmp/slipstream-out")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--workdir", default="/tmp/slipstream-models")
     ap.add_argument("--budget-s", type=float, default=1e9, help="start no case after this")
+    ap.add_argument("--in-process", action="store_true", help="run every case in this process")
+    ap.add_argument("--memtrace", default="", help="cases to run a second time with the "
+                    "allocator's history on (slower), to say where their VRAM peak comes from")
+    # the child side of run_case_in_child
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--hbm", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--h2d", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--case-json", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.one:
+        case = run_case(a.one, Path(a.workdir), a.hbm, a.h2d)
+        Path(a.case_json).write_text(json.dumps(case))
+        return
     out = Path(a.outdir)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(a.workdir)
@@ -237,10 +299,18 @@ def main() -> None:
         if time.perf_counter() > deadline:
             doc["cases"].append({"name": name, "error": "skipped: out of the call's time"})
             continue
-        try:
-            case = run_case(name, work, hbm, h2d)
-        except Exception as e:  # record the failure and go on with the other cases
-            case = {"name": f"{name}-resident", "error": f"{type(e).__name__}: {e}"}
+        if a.in_process:
+            try:
+                case = run_case(name, work, hbm, h2d)
+            except Exception as e:  # record the failure and go on with the other cases
+                case = {"name": name, "error": f"{type(e).__name__}: {e}"}
+        else:
+            case = run_case_in_child(name, work, hbm, h2d,
+                                     max(60.0, deadline - time.perf_counter() + 600))
+            if name in a.memtrace.split(",") and "error" not in case:
+                diag = run_case_in_child(name, work, hbm, h2d, 600, {"SLIPSTREAM_MEMTRACE": "1"})
+                case["vram_peak_trace"] = diag.get("vram_peak_trace", diag.get("error"))
+                case["vram_gib_traced_run"] = diag.get("vram_gib")
         doc["cases"].append(case)
         print(json.dumps(case), flush=True)
         _speedup(doc["cases"])

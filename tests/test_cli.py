@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,6 +76,19 @@ def test_perplexity_command(smollm_path, tmp_path):
     assert r.returncode == 0, r.stderr
     ppl = float(r.stdout.split()[1])
     assert 1.0 < ppl < 20.0  # repeated text is easy to predict
+
+
+def test_perplexity_through_the_decode_path_matches_the_batched_one(smollm_path):
+    """--decode-path feeds one token at a time: on CPU both paths compute the same function."""
+    prose = Path(__file__).parent / "data" / "prose.txt"
+    ppl = {}
+    for flags in ([], ["--decode-path"]):
+        r = cli("perplexity", "-m", str(smollm_path), "-f", str(prose), "--ctx", "128",
+                "--chunks", "2", "--device", "cpu", "--precision", "exact", *flags)
+        assert r.returncode == 0, r.stderr
+        ppl[bool(flags)] = float(r.stdout.split()[1])
+    assert 2.0 < ppl[False] < 100.0  # prose: neither trivial nor noise
+    assert abs(ppl[True] / ppl[False] - 1) < 1e-3, ppl
 
 
 def test_perplexity_missing_file_is_one_line(tmp_path):

@@ -71,11 +71,15 @@ class Model:
     def detokenize(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids))
 
-    def logits(self, ids: Sequence[int]) -> torch.Tensor:
-        """float32 (len(ids), vocab) logits for ids in a fresh context."""
+    def logits(self, ids: Sequence[int], one_at_a_time: bool = False) -> torch.Tensor:
+        """float32 (len(ids), vocab) logits for ids in a fresh context. one_at_a_time: feed
+        the ids as decode steps, through the kernels generation uses (on CUDA the decode
+        GEMVs, not the prefill matmuls), to measure what precision costs in generation."""
         self.engine.reset()
-        out = self.engine.forward(list(ids), all_logits=True)
-        return out.cpu()
+        if not one_at_a_time:
+            return self.engine.forward(list(ids), all_logits=True).cpu()
+        ids = list(ids)
+        return torch.cat([self.engine.forward(ids[i:i + 1]) for i in range(len(ids))]).cpu()
 
     def generate(self, prompt_or_ids: str | Sequence[int], max_tokens: int = 256,
                  temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
@@ -109,15 +113,29 @@ class Model:
         return self.generate(self.chat_ids(messages), **kwargs)
 
 
+def dtypes_for(precision: str, dev: torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(weight dtype, KV-cache dtype). CPU keeps float16 (fast) or float32 (exact) weights (see
+    weights.linear.DenseLinear); on CUDA the weights keep their GGUF formats and float16 marks
+    "fast" to the layer builder. The residual stream is float32 on both, the CUDA KV cache
+    float16 (more mantissa than bf16, and attention values never approach its range)."""
+    if precision not in ("fast", "exact"):
+        raise BadArgument(f"precision={precision!r} is invalid: use 'fast' or 'exact'")
+    weight_dtype = torch.float16 if precision == "fast" else torch.float32
+    return weight_dtype, torch.float32 if dev.type == "cpu" else torch.float16
+
+
 def load(path: str | os.PathLike[str] | None = None, device: str | torch.device = "auto",
          ctx: int | None = None, progress: bool = False, precision: str = "fast",
          ram_budget: str | int | None = None, vram_budget: str | int | None = None,
          io: str = "direct", stream_delay=None) -> Model:
     """Open a GGUF model (the default model, pulled if missing, when path is None).
 
-    precision: "fast" keeps CPU weights as float16 (half the bytes per decode token; logits
-    within ~1e-3 of float32); "exact" keeps them float32, the reference the GPU is tested
-    against. CUDA always computes from the GGUF formats themselves.
+    precision: "fast" (the default) trades a little accuracy for speed. On CPU it keeps the
+    weights as float16 (half the bytes per decode token; logits within ~1e-3 of float32). On
+    CUDA, where weights always stay in their GGUF formats, decode GEMVs take int8 activations
+    (per block of 32, as llama.cpp's q8_1) and each group's scale and min are folded into one
+    f16 plane. "exact" keeps float32 CPU weights and float32 GPU activations: the reference
+    the GPU is tested against token for token.
 
     vram_budget (CUDA): bytes (or "24GiB") of VRAM the model may hold, default what is free;
     a reserve computed from the shapes (KV cache for ctx, activations, workspace, slots) comes
@@ -140,14 +158,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     n_ctx = min(cfg.context_length, DEFAULT_MAX_CTX) if ctx is None else int(ctx)
     if n_ctx <= 0:
         raise BadArgument(f"ctx={n_ctx} is invalid: the context must hold at least one token")
-    # CPU keeps float16 weights (see weights.linear.DenseLinear); CUDA keeps the GGUF formats,
-    # repacked for the Triton kernels. The residual stream is float32 on both, and the CUDA KV
-    # cache float16 (more mantissa than bf16, and attention values never approach its range).
-    if precision not in ("fast", "exact"):
-        raise BadArgument(f"precision={precision!r} is invalid: use 'fast' or 'exact'")
-    weight_dtype = torch.float16 if precision == "fast" else torch.float32
+    weight_dtype, kv_dtype = dtypes_for(precision, dev)
     act_dtype = torch.float32
-    kv_dtype = torch.float32 if dev.type == "cpu" else torch.float16
     from .memory.budget import parse_size
     from .memory.setup import (check_io, disk_images, make_store, measure_bandwidths,
                                pin_streamed_layers, plan_for)

@@ -33,6 +33,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "margin); the rest streams from disk every token")
     p.add_argument("--vram-budget", default=None, help="VRAM the model may hold, e.g. 24GiB "
                    "(default: what is free)")
+    p.add_argument("--precision", default="fast", choices=["fast", "exact"],
+                   help="fast (default): int8 activations in the CUDA decode GEMVs and float16 "
+                   "CPU weights; exact: float32 activations and CPU weights")
     p.add_argument("--io", default="direct", choices=["direct", "buffered", "mmap", "kvikio"],
                    help="how layers are read from disk: O_DIRECT (default), buffered, KvikIO "
                    "(CUDA, GPUDirect Storage), or the naive mmap baseline")
@@ -62,7 +65,8 @@ def _load(a: argparse.Namespace):
     from . import api
 
     model = api.load(a.model, device=a.device, ctx=a.ctx, progress=sys.stderr.isatty(),
-                     ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io)
+                     precision=a.precision, ram_budget=a.ram_budget,
+                     vram_budget=a.vram_budget, io=a.io)
     if model.plan is not None and (model.plan.streamed_layers or getattr(a, "stats", False)):
         err.print(model.plan.table())
         note = getattr(model.engine.layers, "note", "")
@@ -231,16 +235,13 @@ def cmd_info(a: argparse.Namespace) -> int:
         tt.add_row(name, str(n), f"{nbytes[name]:,}")
     out.print(tt)
     if a.plan:
-        import torch
-
-        from .api import resolve_device
+        from .api import dtypes_for, resolve_device
         from .memory.budget import parse_size
         from .memory.setup import measure_bandwidths, plan_for
 
         dev = resolve_device(a.device)
         ctx = a.ctx or min(cfg.context_length, 4096)
-        wdt = torch.float16
-        kvd = torch.float32 if dev.type == "cpu" else torch.float16
+        wdt, kvd = dtypes_for(a.precision, dev)
         plan = plan_for(gf, cfg, dev, wdt, kvd, ctx, parse_size(a.ram_budget),
                         parse_size(a.vram_budget), a.io)
         measure_bandwidths(gf, plan, a.io)
@@ -261,7 +262,10 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
     tokens = model.tokenize(text, add_special=True, parse_special=False)
     bos = model.tokenizer.bos_id if tokens and tokens[0] == model.tokenizer.bos_id else None
     t0 = time.perf_counter()
-    res = perplexity(model.logits, tokens, a.ctx, bos_id=bos, max_chunks=a.chunks,
+    def logits(ids):
+        return model.logits(ids, one_at_a_time=a.decode_path)
+
+    res = perplexity(logits, tokens, a.ctx, bos_id=bos, max_chunks=a.chunks,
                      on_chunk=lambda c, p: err.print(f"[dim]chunk {c + 1}: ppl {p:.4f}[/dim]"))
     dt = time.perf_counter() - t0
     print(f"perplexity {res.ppl:.4f} over {res.scored_tokens} tokens ({res.chunks} chunks of "
@@ -375,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(pp)
     pp.add_argument("-f", "--file", required=True)
     pp.add_argument("--chunks", type=int, default=None, help="score at most this many chunks")
+    pp.add_argument("--decode-path", action="store_true", help="feed each chunk one token at "
+                    "a time, through the kernels generation uses (slower; measures what "
+                    "--precision costs in generation, which the batched path does not use)")
     pp.set_defaults(func=cmd_perplexity)
 
     b = sub.add_parser("bench", help="prefill and decode speed (like llama-bench)")

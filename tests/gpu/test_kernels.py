@@ -339,7 +339,7 @@ def _codes(xq: torch.Tensor) -> np.ndarray:
     return xq.cpu().numpy().view(np.int8).astype(np.int32)
 
 
-@pytest.mark.parametrize("k", [32 * 7, 4096])
+@pytest.mark.parametrize("k", [32 * 7, 4096, 32 * 300])  # 300 blocks: a partial last program
 def test_fused_quantizers_match_separate_ops(k: int) -> None:
     """rms_norm_q8 = quantize_x(rms_norm(x)) and quantize_x(glu=True) =
     quantize_x(silu(gate) * up), up to ties decided differently (codes off by at most one)."""
@@ -356,3 +356,21 @@ def test_fused_quantizers_match_separate_ops(k: int) -> None:
         assert diff.max() <= 1 and (diff > 0).mean() < 1e-3
         np.testing.assert_allclose(xm[..., 0].cpu().numpy().view(np.float32),
                                    rm[..., 0].cpu().numpy().view(np.float32), rtol=1e-5)
+
+
+@pytest.mark.parametrize("qt", [T.Q4_K, T.Q8_0])
+def test_prefill_in_row_chunks_matches_the_whole_weight(qt: T) -> None:
+    """A weight larger than the capped prefill scratch (the head) is dequantized and multiplied
+    in row chunks (weights.linear.Workspace); the result is the whole weight's, chunk edges
+    included (300 rows in chunks of 64: four full and one of 44)."""
+    from slipstream.weights.linear import QuantLinear, Workspace
+
+    k = _k_for(qt) * 2
+    packed, wf = _setup(qt, 300, k, seed=11)
+    x = torch.randn(40, k, device="cuda")
+    whole = QuantLinear(packed, None, Workspace(torch.device("cuda")))(x)
+    capped = Workspace(torch.device("cuda"), max_elements=64 * k)
+    chunked = QuantLinear(packed, None, capped)(x)
+    assert capped.buffer.numel() == 64 * k
+    assert _rel(chunked, whole.double().cpu().numpy()) < 1e-3
+    assert _rel(chunked, x.double().cpu().numpy() @ wf.T) < 3e-3  # fp16 x and W

@@ -176,6 +176,8 @@ def test_planned_sizes_match_what_loading_builds(synth):
         assert image.nbytes == layer_image_bytes(model.gguf, model.config, i, fused=True)
     for i, layout in store.disk.layouts.items():
         assert layout.nbytes == model.plan.file_bytes_per_layer[i]
+    scratch = model.engine.weights.output.workspace.buffer
+    assert 0 < scratch.numel() * scratch.element_size() <= model.plan.reserve["prefill workspace"]
     store.close()
 
 

@@ -89,10 +89,26 @@ def test_vram_reserve_parts(tiny):
     gf, cfg = _open(tiny)
     r = vram_reserve(gf, cfg, ctx=256, kv_bytes_per_elem=2, chunk=2048, graphs=True)
     assert r["KV cache"] == 2 * cfg.n_layers * cfg.n_kv_heads * 256 * cfg.head_dim * 2
-    assert r["prefill workspace"] >= 2 * cfg.vocab_size * cfg.hidden
+    assert r["prefill workspace"] >= 2 * cfg.vocab_size * cfg.hidden  # head = largest here
     assert r["CUDA graph pools"] > 0
     r2 = vram_reserve(gf, cfg, ctx=512, kv_bytes_per_elem=2, chunk=2048, graphs=False)
     assert r2["KV cache"] == 2 * r["KV cache"] and r2["CUDA graph pools"] == 0
+
+
+def test_prefill_workspace_is_the_largest_layer_weight_not_the_head(tmp_path):
+    """With a vocabulary 8x the largest layer weight, the scratch stays the layer's size (the
+    head is multiplied in row chunks: weights.linear.Workspace)."""
+    from dataclasses import replace
+
+    from slipstream.synth import SHAPES
+    from slipstream.weights.loader import prefill_scratch_elements
+
+    path = write_synth(tmp_path / "wide.gguf", replace(SHAPES["tiny"], vocab=8192), "Q4_K",
+                       n_layers=1)
+    gf, cfg = _open(path)
+    r = vram_reserve(gf, cfg, ctx=64, kv_bytes_per_elem=2, chunk=64, graphs=False)
+    assert r["prefill workspace"] == 2 * prefill_scratch_elements(cfg) == 2 * 2 * 512 * 256
+    assert r["prefill workspace"] * 8 <= 2 * cfg.vocab_size * cfg.hidden
 
 
 # --- the planner on a fake CUDA budget -------------------------------------------------------

@@ -14,7 +14,9 @@ def require_kvikio():
     """The kvikio module, or a MissingDependency error that says how to install it."""
     try:
         import kvikio
-    except ImportError as e:
+    # not only ImportError: the package imports but its libraries fail to load (libcufile not
+    # found, say), which the user fixes the same way
+    except Exception as e:
         raise MissingDependency(f"--io kvikio needs the kvikio package, which does not import "
                                 f"here ({e}): {INSTALL_HINT}") from None
     return kvikio

@@ -132,19 +132,21 @@ def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: in
     Loading and running peak at different times (api.load empties the allocator's cache in
     between), so the reserve holds the larger of the load-time transients and the run-time
     extras (KV cache, activations, graph pools, cuBLAS workspaces)."""
+    from ..weights.loader import prefill_scratch_elements
+
     head = _head(gf)
     vocab, hidden = head.shape
     weights = [(int(head.ggml_type), vocab, hidden, head.n_bytes)]
-    largest = vocab * hidden
     for qtype, rows, cols, _ in _linears(gf, cfg, 0):
         weights.append((qtype, rows, cols, rows * cols // GGML_QUANT_SIZES[T(qtype)][0]
                         * GGML_QUANT_SIZES[T(qtype)][1]))
-        largest = max(largest, rows * cols)
+    # prefill dequantizes one weight at a time into one fp16 scratch, at most the largest
+    # layer weight (the head goes in row chunks; weights.linear.Workspace)
+    scratch = min(prefill_scratch_elements(cfg), max(r * c for _, r, c, _ in weights))
     parts = {
         "embedding": alloc_bytes(gf.tensors["token_embd.weight"].n_bytes),
         "head": sum(alloc_bytes(n) for n in packed_planes(*weights[0][:3], fused)),
-        # prefill dequantizes one weight at a time into one fp16 scratch (weights.linear)
-        "prefill workspace": alloc_bytes(2 * largest),
+        "prefill workspace": alloc_bytes(2 * scratch),
         "norms, rope, allocator": SHARED_SEGMENTS + 2 * ctx * cfg.rope_dim * 4,
     }
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * ctx * cfg.head_dim * kv_bytes_per_elem

@@ -84,18 +84,31 @@ class Workspace:
     weight at a time into it, so it is sized for the largest weight, not their sum), and the
     decode precision. With `int8_activations` (precision="fast"), decode GEMVs round x to int8
     per block of 32 and multiply codes with dp4a (kernels/gemv_q8.py: ~3x the fp32 kernel's
-    bandwidth); without it (precision="exact") they run in fp32 on the exact weights."""
+    bandwidth); without it (precision="exact") they run in fp32 on the exact weights.
+
+    `max_elements` caps the scratch (LayerBuilder sets the largest layer weight): a weight
+    larger than that, the output head in practice, is dequantized and multiplied in row chunks,
+    so the head's full fp16 copy (1 GiB for a 128k vocabulary at 4096 wide) never takes VRAM
+    that layers could use. Only prompts scored in full (logits of every token) use it."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype = torch.float16,
-                 int8_activations: bool = False):
+                 int8_activations: bool = False, max_elements: int | None = None):
         self.device = device
         self.dtype = dtype
         self.int8_activations = int8_activations
+        self.max_elements = max_elements
         self.buffer = torch.empty(0, device=device, dtype=dtype)
 
     def reserve(self, n_elements: int) -> None:
+        if self.max_elements is not None:
+            n_elements = min(n_elements, self.max_elements)
         if self.buffer.numel() < n_elements:
             self.buffer = torch.empty(n_elements, device=self.device, dtype=self.dtype)
+
+    def rows_per_chunk(self, cols: int) -> int:
+        """How many rows of a `cols`-wide weight one scratch holds (at least one)."""
+        cap = self.buffer.numel() if self.max_elements is None else self.max_elements
+        return max(1, cap // cols)
 
     def view(self, rows: int, cols: int) -> torch.Tensor:
         self.reserve(rows * cols)
@@ -140,10 +153,7 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[0] > self._max_m:
-            scratch = self.workspace.view(self.packed.rows, self.packed.cols) if self._scratch \
-                else None
-            y = self._matmul(x.to(torch.float16), self.packed, out_dtype=x.dtype,
-                             scratch=scratch)
+            y = self._prefill_matmul(x)
         elif self._q8 is not None:
             return self._q8_matmul(self._q8.quantize_x(x), x.dtype, residual)
         else:
@@ -152,6 +162,24 @@ class QuantLinear:
             y = y + self.bias.to(y.dtype)
         if residual is not None:
             y = residual + y
+        return y
+
+    def _prefill_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Dequantize into the scratch, then cuBLAS; in row chunks where the weight is larger
+        than the scratch (see Workspace)."""
+        x16 = x.to(torch.float16)
+        rows, cols = self.packed.rows, self.packed.cols
+        if not self._scratch:
+            return self._matmul(x16, self.packed, out_dtype=x.dtype)
+        chunk = self.workspace.rows_per_chunk(cols)
+        if rows <= chunk:
+            return self._matmul(x16, self.packed, out_dtype=x.dtype,
+                                scratch=self.workspace.view(rows, cols))
+        y = torch.empty(x.shape[0], rows, device=x.device, dtype=x.dtype)
+        for r0 in range(0, rows, chunk):
+            r1 = min(rows, r0 + chunk)
+            y[:, r0:r1] = self._matmul(x16, self.packed.row_slice(r0, r1), out_dtype=x.dtype,
+                                       scratch=self.workspace.view(r1 - r0, cols))
         return y
 
     def _q8_matmul(self, xq_xm: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype,

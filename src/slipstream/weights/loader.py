@@ -46,6 +46,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def prefill_scratch_elements(cfg: ModelConfig) -> int:
+    """Elements of the prefill scratch (Workspace.max_elements): the largest weight of a layer,
+    with q/k/v and gate/up counted fused as LayerBuilder fuses them where it can. The head is
+    multiplied in row chunks of this size."""
+    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_dim
+    return max((q_dim + 2 * kv_dim) * cfg.hidden, 2 * cfg.ffn * cfg.hidden,
+               cfg.hidden * q_dim, cfg.hidden * cfg.ffn)
+
+
 def raw_tensor(gf: GGUFFile, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """The tensor's bytes as a uint8 torch tensor (rows, row_bytes), after checking its shape."""
     info = gf.tensors.get(name)
@@ -120,7 +129,8 @@ class LayerBuilder:
         self.quantized = device.type == "cuda"
         # precision="fast" (float16 weight_dtype) decodes with int8 activations on CUDA
         self.workspace = workspace if workspace is not None else (
-            Workspace(device, int8_activations=weight_dtype != torch.float32)
+            Workspace(device, int8_activations=weight_dtype != torch.float32,
+                      max_elements=prefill_scratch_elements(cfg))
             if self.quantized else None)
         self.shapes = expected_shapes(cfg)
 
@@ -220,7 +230,7 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
 
         head_raw = raw_tensor(gf, head_name, embed_shape).to(device)
         packed = kernels.pack_weight(head_raw, gf.tensors[head_name].ggml_type, *embed_shape)
-        del head_raw  # before QuantLinear reserves the (largest) prefill workspace
+        del head_raw  # before QuantLinear reserves the prefill workspace
         output = QuantLinear(packed, None, workspace)
     else:
         output = DenseLinear(src.dense(head_name, embed_shape, weight_dtype, device))
