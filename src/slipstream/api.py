@@ -127,7 +127,7 @@ def dtypes_for(precision: str, dev: torch.device) -> tuple[torch.dtype, torch.dt
 def load(path: str | os.PathLike[str] | None = None, device: str | torch.device = "auto",
          ctx: int | None = None, progress: bool = False, precision: str = "fast",
          ram_budget: str | int | None = None, vram_budget: str | int | None = None,
-         io: str = "direct", stream_delay=None) -> Model:
+         io: str = "direct", stream_delay=None, gpu_slots: int = 2) -> Model:
     """Open a GGUF model (the default model, pulled if missing, when path is None).
 
     precision: "fast" (the default) trades a little accuracy for speed. On CPU it keeps the
@@ -144,6 +144,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     layer images on CUDA (tier B). The layers that fit neither are read from disk on every
     token (tier C). io: "direct" (O_DIRECT reads, the default), "buffered", "kvikio" (CUDA:
     KvikIO into GPU memory), or "mmap" (the naive baseline: page cache, pageable copies).
+    gpu_slots (CUDA, >= 2): the ring of GPU slots streamed layers are copied into.
     stream_delay (tests): a memory.StreamDelays, or a callable run in reader threads before
     each read, or an int of GPU cycles to stall the copy stream at random before each copy.
     """
@@ -166,7 +167,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
 
     check_io(io, dev)
     plan = plan_for(gf, cfg, dev, weight_dtype, kv_dtype, n_ctx, parse_size(ram_budget),
-                    parse_size(vram_budget), io)
+                    parse_size(vram_budget), io, gpu_slots)
     if plan.streamed_layers:
         measure_bandwidths(gf, plan, io)
     resident = {i for i, t in enumerate(plan.tiers) if t in ("ram", "vram")}

@@ -33,6 +33,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "margin); the rest streams from disk every token")
     p.add_argument("--vram-budget", default=None, help="VRAM the model may hold, e.g. 24GiB "
                    "(default: what is free)")
+    p.add_argument("--gpu-slots", type=int, default=2, help="CUDA streaming: the ring of GPU "
+                   "slots layers are copied into (at least 2, default 2; each holds one layer)")
     p.add_argument("--precision", default="fast", choices=["fast", "exact"],
                    help="fast (default): int8 activations in the CUDA decode GEMVs and float16 "
                    "CPU weights; exact: float32 activations and CPU weights")
@@ -66,7 +68,7 @@ def _load(a: argparse.Namespace):
 
     model = api.load(a.model, device=a.device, ctx=a.ctx, progress=sys.stderr.isatty(),
                      precision=a.precision, ram_budget=a.ram_budget,
-                     vram_budget=a.vram_budget, io=a.io)
+                     vram_budget=a.vram_budget, io=a.io, gpu_slots=a.gpu_slots)
     if model.plan is not None and (model.plan.streamed_layers or getattr(a, "stats", False)):
         err.print(model.plan.table())
         note = getattr(model.engine.layers, "note", "")
@@ -243,7 +245,7 @@ def cmd_info(a: argparse.Namespace) -> int:
         ctx = a.ctx or min(cfg.context_length, 4096)
         wdt, kvd = dtypes_for(a.precision, dev)
         plan = plan_for(gf, cfg, dev, wdt, kvd, ctx, parse_size(a.ram_budget),
-                        parse_size(a.vram_budget), a.io)
+                        parse_size(a.vram_budget), a.io, a.gpu_slots)
         measure_bandwidths(gf, plan, a.io)
         out.print(plan.table())
     return 0

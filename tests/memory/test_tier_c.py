@@ -16,6 +16,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
+import slipstream
 from slipstream.config import ModelConfig
 from slipstream.errors import BudgetTooSmall, MissingDependency
 from slipstream.gguf_file import GGUFFile
@@ -380,6 +381,26 @@ def test_cli_kvikio_on_cpu_is_one_line(tiny, capsys):
     assert main(["run", "-m", str(tiny), "--device", "cpu", "--io", "kvikio", "-n", "1"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "--device cuda" in err and "\n" not in err
+
+
+def test_gpu_slots_below_two_is_a_clear_error(tiny, capsys):
+    from slipstream.cli import main
+    from slipstream.errors import BadArgument
+
+    with pytest.raises(BadArgument, match="gpu_slots=1 is invalid"):
+        slipstream.load(tiny, device="cpu", gpu_slots=1)
+    assert main(["run", "-m", str(tiny), "--device", "cpu", "--gpu-slots", "0", "-n", "1"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "at least 2 GPU slots" in err and "\n" not in err
+
+
+def test_plan_cuda_takes_k_slots():
+    """K slots of the largest image come out of the VRAM budget before any layer."""
+    vram, image = [100] * 6, [90] * 6
+    reserve = {"KV cache": 100}
+    for k in (2, 3, 4):
+        plan = plan_cuda(vram, image, reserve, 100 + k * 90 + 200 + 5, None, n_slots=k)
+        assert plan.staging_buffers == k and plan.tiers == ["vram"] * 2 + ["pinned"] * 4
 
 
 def test_breakdown_table_on_cuda_stats():

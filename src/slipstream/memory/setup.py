@@ -14,7 +14,7 @@ from .store import DiskLayerStore, MmapLayerStore, ResidentLayerStore, StreamDel
 from .vram import layer_image_bytes, layer_vram_bytes, vram_reserve
 
 IO_MODES = ("direct", "buffered", "mmap", "kvikio")
-N_SLOTS = 2  # GPU slots: one being computed on while the next one's copy lands
+N_SLOTS = 2  # GPU slots (default): one being computed on while the next one's copy lands
 N_STAGING = 3  # tier C pinned staging buffers: one being copied while two are read
 
 
@@ -48,9 +48,20 @@ def default_ram_budget() -> int | None:
     return max(avail - max(4 << 30, avail // 10), 0) if avail else None
 
 
+def check_gpu_slots(gpu_slots: int) -> int:
+    """The ring needs a slot being computed on and one being filled."""
+    if not isinstance(gpu_slots, int) or gpu_slots < 2:
+        raise BadArgument(f"gpu_slots={gpu_slots!r} is invalid: the streaming ring needs at "
+                          f"least 2 GPU slots (one computed on while the next is copied)")
+    return gpu_slots
+
+
 def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype: torch.dtype,
              kv_dtype: torch.dtype, ctx: int, ram_budget: int | None,
-             vram_budget: int | None, io: str = "direct") -> Plan:
+             vram_budget: int | None, io: str = "direct", gpu_slots: int = N_SLOTS) -> Plan:
+    """gpu_slots (CUDA): K, the slots of the ring streamed layers are copied into; more slots
+    let copies run further ahead of compute, at one layer's VRAM each."""
+    check_gpu_slots(gpu_slots)
     n = cfg.n_layers
     if ram_budget is None:
         ram_budget = default_ram_budget()
@@ -58,7 +69,7 @@ def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype:
     file_bytes = [e - s for s, e in spans]
     if device.type == "cuda":
         return _plan_cuda(gf, cfg, device, kv_dtype, ctx, ram_budget, vram_budget, io,
-                          fused=weight_dtype != torch.float32)
+                          fused=weight_dtype != torch.float32, gpu_slots=gpu_slots)
     resident = [layer_resident_bytes(gf, i, weight_dtype, device) for i in range(n)]
     head = gf.tensors.get("output.weight") or gf.tensors["token_embd.weight"]
     kv = 2 * cfg.n_layers * cfg.n_kv_heads * ctx * cfg.head_dim * \
@@ -70,7 +81,7 @@ def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype:
 
 def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, device: torch.device, kv_dtype: torch.dtype,
                ctx: int, ram_budget: int | None, vram_budget: int | None, io: str,
-               fused: bool) -> Plan:
+               fused: bool, gpu_slots: int = N_SLOTS) -> Plan:
     """VRAM budget: what is free on the device now (capped by --vram-budget), less a reserve
     computed from the model's shapes (memory.vram). `fused`: precision="fast" packs scales
     fused (kernels.pack.fuse_scales), which changes the layer sizes."""
@@ -87,7 +98,7 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, device: torch.device, kv_dtype: t
     # first; if layers stream anyway (or only fit without the pools), plan without them.
     try:
         reserve = vram_reserve(gf, cfg, ctx, kv_elem, PREFILL_CHUNK, True, fused)
-        plan = plan_cuda(vram, image, reserve, budget, ram_budget, N_SLOTS, N_STAGING, io)
+        plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io)
     except BudgetTooSmall:
         plan = None
     # Streamed plans also leave the token embedding on the host (one row per token), which
@@ -95,7 +106,7 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, device: torch.device, kv_dtype: t
     if plan is None or plan.streamed_layers:
         reserve = vram_reserve(gf, cfg, ctx, kv_elem, PREFILL_CHUNK, False, fused,
                                embed_on_host=True)
-        plan = plan_cuda(vram, image, reserve, budget, ram_budget, N_SLOTS, N_STAGING, io)
+        plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io)
         plan.graphs = False
         plan.embed_on_host = True
     return plan
