@@ -36,6 +36,15 @@ def patch(path: Path, offset: int, payload: bytes) -> None:
         f.write(payload)
 
 
+def streaming_synth(directory: Path, n_layers: int, seed: int) -> Path:
+    """The small Q4_K_M model the streaming GPU tests place across tiers (mixed formats, so
+    layers differ in their planes; weights from floats, so the logits are sane)."""
+    from slipstream.synth import write_synth
+
+    return write_synth(directory / "s.gguf", "tiny", "Q4_K_M", n_layers=n_layers,
+                       from_floats=True, std=0.08, seed=seed)
+
+
 STREAM_PROMPT = list(range(5, 140, 3))
 
 

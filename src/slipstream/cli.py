@@ -263,10 +263,11 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
     model = _load(a)
     tokens = model.tokenize(text, add_special=True, parse_special=False)
     bos = model.tokenizer.bos_id if tokens and tokens[0] == model.tokenizer.bos_id else None
-    t0 = time.perf_counter()
+
     def logits(ids):
         return model.logits(ids, one_at_a_time=a.decode_path)
 
+    t0 = time.perf_counter()
     res = perplexity(logits, tokens, a.ctx, bos_id=bos, max_chunks=a.chunks,
                      on_chunk=lambda c, p: err.print(f"[dim]chunk {c + 1}: ppl {p:.4f}[/dim]"))
     dt = time.perf_counter() - t0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import slipstream
-from helpers import streamed_logits
+from helpers import streamed_logits, streaming_synth
 from slipstream.errors import BudgetTooSmall
 
 pytestmark = pytest.mark.gpu
@@ -16,10 +16,7 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):
     pytest.importorskip("triton")
-    from slipstream.synth import write_synth
-
-    return write_synth(tmp_path_factory.mktemp("gs") / "s.gguf", "tiny", "Q4_K_M", n_layers=6,
-                       from_floats=True, std=0.08, seed=4)
+    return streaming_synth(tmp_path_factory.mktemp("gs"), n_layers=6, seed=4)
 
 
 def _budget_for(model, resident_layers: int) -> int:

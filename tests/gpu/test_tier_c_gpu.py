@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import slipstream
-from helpers import streamed_logits
+from helpers import streamed_logits, streaming_synth
 from slipstream.memory import StreamDelays
 from slipstream.memory.disk import DiskReadError
 
@@ -26,12 +26,9 @@ pytestmark = pytest.mark.gpu
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory):
     pytest.importorskip("triton")
-    from slipstream.synth import write_synth
-
     # 8 layers: with 3 staging buffers in the RAM budget, a pinned layer and a disk tier need
     # more than 4 streamed layers
-    return write_synth(tmp_path_factory.mktemp("tc") / "s.gguf", "tiny", "Q4_K_M", n_layers=8,
-                       from_floats=True, std=0.08, seed=5)
+    return streaming_synth(tmp_path_factory.mktemp("tc"), n_layers=8, seed=5)
 
 
 @pytest.fixture(scope="module")

@@ -48,12 +48,11 @@ def default_ram_budget() -> int | None:
     return max(avail - max(4 << 30, avail // 10), 0) if avail else None
 
 
-def check_gpu_slots(gpu_slots: int) -> int:
+def check_gpu_slots(gpu_slots: int) -> None:
     """The ring needs a slot being computed on and one being filled."""
     if not isinstance(gpu_slots, int) or gpu_slots < 2:
         raise BadArgument(f"gpu_slots={gpu_slots!r} is invalid: the streaming ring needs at "
                           f"least 2 GPU slots (one computed on while the next is copied)")
-    return gpu_slots
 
 
 def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype: torch.dtype,
