@@ -374,3 +374,22 @@ def test_prefill_in_row_chunks_matches_the_whole_weight(qt: T) -> None:
     assert capped.buffer.numel() == 64 * k
     assert _rel(chunked, whole.double().cpu().numpy()) < 1e-3
     assert _rel(chunked, x.double().cpu().numpy() @ wf.T) < 3e-3  # fp16 x and W
+
+
+@pytest.mark.parametrize("qt", LEGACY + KQUANTS, ids=lambda t: t.name)
+def test_unfused_f16_scales_give_the_fused_bits(qt: T) -> None:
+    """Streamed layers keep the GGUF scale planes (pack.f16_scales) and the kernels round the
+    scales as fuse_scales does: dequantize and gemv_q8 give bit for bit what the fused weight
+    gives, so a layer computes the same in VRAM (fused) and streamed."""
+    from slipstream.kernels.gemv_q8 import gemv_q8
+    from slipstream.kernels.pack import f16_scales, fuse_scales
+
+    k = _k_for(qt) * 2
+    packed, _ = _setup(qt, 45, k, seed=13)
+    fused, unfused = fuse_scales(packed), f16_scales(packed)
+    assert unfused.sm is None and unfused.nbytes == packed.nbytes
+    for dtype in (torch.float32, torch.float16):
+        assert torch.equal(kernels.dequantize(fused, dtype), kernels.dequantize(unfused, dtype))
+    for m in (1, 3):
+        x = torch.randn(m, k, device="cuda")
+        assert torch.equal(gemv_q8(x, fused), gemv_q8(x, unfused)), (qt.name, m)

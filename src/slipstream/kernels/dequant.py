@@ -24,10 +24,11 @@ from .pack import FLOAT_DTYPES, PackedWeight
 def _dequant_q_kernel(lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, out_ptr, N, NUT,
                       stride_on, LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr,
                       OFF: tl.constexpr, KQUANT: tl.constexpr, HAS_MIN: tl.constexpr,
-                      PACKED_SCMN: tl.constexpr, SM: tl.constexpr, BN: tl.constexpr,
-                      NU: tl.constexpr):
+                      PACKED_SCMN: tl.constexpr, SM: tl.constexpr, F16_SCALES: tl.constexpr,
+                      BN: tl.constexpr, NU: tl.constexpr):
     """out[n, k] = s_g * (q - OFF) - t_g in fp32, rounded once to out's dtype. SM: s_g and t_g
-    from the fused f16 plane (pack.fuse_scales)."""
+    from the fused f16 plane (pack.fuse_scales); F16_SCALES: from the GGUF planes, rounded to
+    f16 the same way (PackedWeight.f16_scales), so both give the same bits."""
     NJ: tl.constexpr = 32 // LO
     SPU: tl.constexpr = 32 // G
     JPS: tl.constexpr = NJ // SPU
@@ -56,6 +57,10 @@ def _dequant_q_kernel(lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, out_
         else:
             scale, tmin = _group_scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, u2, m2, NUT, s,
                                            SPU, KQUANT, HAS_MIN, PACKED_SCMN)
+            if F16_SCALES:
+                scale = scale.to(tl.float16).to(tl.float32)
+                if HAS_MIN:
+                    tmin = tmin.to(tl.float16).to(tl.float32)
         scale3 = scale[:, :, None]
         if HAS_MIN:
             tmin3 = tmin[:, :, None]
@@ -96,8 +101,8 @@ def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.bfloat16,
         packed.mn if packed.mn is not None else dummy,
         packed.sm if packed.sm is not None else dummy, out, n, nut, out.stride(0),
         LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
-        HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, SM=packed.sm is not None, BN=bn,
-        NU=nu, num_warps=4)
+        HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, SM=packed.sm is not None,
+        F16_SCALES=packed.f16_scales and packed.sm is None, BN=bn, NU=nu, num_warps=4)
     return out
 
 

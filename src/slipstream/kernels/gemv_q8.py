@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import MAX_M, _m_pad
+from .gemv import MAX_M, _group_scale_min, _m_pad
 from .pack import FLOAT_DTYPES, PackedWeight, sm_width
 
 QK = 32  # activation elements per int8 block (one scale), and elements per unit of pack.py
@@ -127,14 +127,31 @@ def _rms_norm_q8_kernel(x_ptr, w_ptr, xq_ptr, xm_ptr, NUT, stride_xm, eps,
 
 
 @triton.jit
-def _gemv_q8_kernel(xq_ptr, xm_ptr, lo_ptr, hi_ptr, d_ptr, sm_ptr, r_ptr, y_ptr,
-                    M, N, NUT, stride_rm, stride_ym,
+def _f16_scales(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu, umask2, NUT, s, SPU: tl.constexpr,
+                KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr):
+    """(scale, tmin) of sub-group s from the GGUF scale planes, rounded to f16 exactly as
+    pack.fuse_scales stores them: d*sc is exact in fp32 (an 11-bit by at most 8-bit product),
+    so one round-to-nearest-even to f16 gives the fused plane's bits. A layer then computes the
+    same whether its scales are fused (resident) or not (streamed, 10 % fewer bytes)."""
+    scale, tmin = _group_scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu, umask2, NUT, s, SPU,
+                                   KQUANT, HAS_MIN, PACKED_SCMN)
+    scale = scale.to(tl.float16).to(tl.float32)
+    if HAS_MIN:
+        tmin = tmin.to(tl.float16).to(tl.float32)
+    return scale, tmin
+
+
+@triton.jit
+def _gemv_q8_kernel(xq_ptr, xm_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr,
+                    r_ptr, y_ptr, M, N, NUT, stride_rm, stride_ym,
                     LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-                    HAS_MIN: tl.constexpr, SM: tl.constexpr, HAS_RES: tl.constexpr,
+                    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr,
+                    SM: tl.constexpr, HAS_RES: tl.constexpr,
                     M_PAD: tl.constexpr, BN: tl.constexpr, NU: tl.constexpr,
                     USE_ASM: tl.constexpr):
     """SM: per-unit scales come from the fused f16 plane (pack.fuse_scales), P = SPU * (1 +
-    HAS_MIN) entries per unit; otherwise (Q4_0, Q5_0, Q8_0) from the plain f16 d per unit."""
+    HAS_MIN) entries per unit. Otherwise from the GGUF planes: the plain f16 d per unit (Q4_0,
+    Q5_0, Q8_0), or d/dmin/sc/mn rounded as fusing rounds them (_f16_scales)."""
     NE: tl.constexpr = 8 // LO  # extractions per word, four codes (one per byte) each
     SPU: tl.constexpr = 32 // G  # scale groups per unit of 32
     C: tl.constexpr = NE * HI  # high bits that belong to one byte of a lo word
@@ -177,6 +194,14 @@ def _gemv_q8_kernel(xq_ptr, xm_ptr, lo_ptr, hi_ptr, d_ptr, sm_ptr, r_ptr, y_ptr,
                 pa, pb = tl.split(tl.reshape(sm, [BN, NU, 2, 2]))
                 s0, t0 = tl.split(pa)
                 s1, t1 = tl.split(pb)
+        elif KQUANT or HAS_MIN:
+            r2 = rows[:, None]
+            u2 = uu[None, :]
+            s0, t0 = _f16_scales(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, u2, umask2, NUT, 0, SPU,
+                                 KQUANT, HAS_MIN, PACKED_SCMN)
+            if SPU == 2:
+                s1, t1 = _f16_scales(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, u2, umask2, NUT, 1, SPU,
+                                     KQUANT, HAS_MIN, PACKED_SCMN)
         else:
             s0 = tl.load(d_ptr + rows[:, None] * NUT + uu[None, :], mask=umask2,
                          other=0.0).to(tl.float32)
@@ -314,8 +339,9 @@ def gemv_q8(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = No
 def _check(packed: PackedWeight, m: int) -> None:
     if not supports(packed):
         raise ValueError(f"gemv_q8 needs a quantized weight, got {packed.qtype.name}")
-    if packed.sm is None and sm_width(packed.spec):
-        raise ValueError(f"gemv_q8 needs {packed.qtype.name}'s scales fused: pack.fuse_scales")
+    if packed.sm is None and sm_width(packed.spec) and not packed.f16_scales:
+        raise ValueError(f"gemv_q8 needs {packed.qtype.name}'s scales fused (pack.fuse_scales) "
+                         f"or marked f16_scales (pack.f16_scales)")
     if not 1 <= m <= MAX_M:
         raise ValueError(f"gemv_q8 takes 1..{MAX_M} rows of x, got {m}")
 
@@ -343,10 +369,14 @@ def gemv_q8_quantized(xq: torch.Tensor, xm: torch.Tensor, packed: PackedWeight,
     _gemv_q8_kernel[(triton.cdiv(n, cfg["BN"]),)](
         xq, xm, packed.lo, packed.hi if packed.hi is not None else dummy,
         packed.d if packed.d is not None else dummy,
+        packed.m if packed.m is not None else dummy,
+        packed.sc if packed.sc is not None else dummy,
+        packed.mn if packed.mn is not None else dummy,
         packed.sm if packed.sm is not None else dummy,
         residual if residual is not None else out, out, m, n, packed.cols // QK,
         residual.stride(0) if residual is not None else 0, out.stride(0),
-        LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, HAS_MIN=spec.has_min,
+        LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
+        HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn,
         SM=packed.sm is not None, HAS_RES=residual is not None, M_PAD=_m_pad(m),
         USE_ASM=_USE_ASM, num_warps=warps, **cfg)
     return out

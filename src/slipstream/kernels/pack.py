@@ -87,6 +87,10 @@ class PackedWeight:
     # of the K-quants and Q4_1/Q5_1 (see fuse_scales)
     sm: torch.Tensor | None = None
     gguf_bytes: int = 0  # size of the original GGUF tensor, for bandwidth accounting
+    # precision="fast" without fusing (streamed layers, whose bytes cross PCIe every token):
+    # the kernels round each group's scale and min to f16 as fuse_scales would, so the layer
+    # computes the same as its fused copy (see f16_scales())
+    f16_scales: bool = False
 
     @property
     def spec(self) -> QSpec | None:
@@ -201,6 +205,17 @@ def fuse_scales(packed: PackedWeight) -> PackedWeight:
     return PackedWeight(packed.qtype, n, packed.cols, lo=packed.lo, hi=packed.hi,
                         d=None if spec.kquant or spec.has_min else packed.d,
                         sm=sm.to(torch.float16).contiguous(), gguf_bytes=packed.gguf_bytes)
+
+
+def f16_scales(packed: PackedWeight) -> PackedWeight:
+    """precision="fast" for a weight that stays in the GGUF layout (4.5 bits per Q4_K weight
+    instead of fuse_scales' 5): the same numbers as fuse_scales(packed), computed in the
+    kernels (gemv_q8, dequantize), at the cost of the scale gathers fusing saves. For layers
+    whose speed is set by bytes moved, not by instructions: the streamed ones."""
+    spec = packed.spec
+    if spec is None or packed.sm is not None or sm_width(spec) == 0:
+        return packed
+    return replace(packed, f16_scales=True)
 
 
 def _bitplanes(codes: torch.Tensor, spec: QSpec) -> dict[str, torch.Tensor]:

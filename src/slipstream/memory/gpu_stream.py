@@ -36,7 +36,8 @@ class LayerLayout:
     into any buffer holding the image's bytes."""
 
     entries: list[_Entry]
-    linears: dict[str, tuple]  # field -> (qtype, rows, cols, gguf_bytes) of each QuantLinear
+    # field -> (qtype, rows, cols, gguf_bytes, f16_scales) of each QuantLinear
+    linears: dict[str, tuple]
     nbytes: int
 
     def to_json(self) -> dict:
@@ -51,7 +52,8 @@ class LayerLayout:
                    for k, dt, shape, off, n in d["entries"]]
         from gguf import GGMLQuantizationType
 
-        linears = {k: (GGMLQuantizationType(v[0]), *v[1:]) for k, v in d["linears"].items()}
+        linears = {k: (GGMLQuantizationType(v[0]), *v[1:4], bool(v[4]))
+                   for k, v in d["linears"].items()}
         return cls(entries, linears, d["nbytes"])
 
 
@@ -108,7 +110,7 @@ def to_image(layer: LayerWeights, pin: bool = True) -> LayerImage:
         v = getattr(layer, f.name)
         if isinstance(v, QuantLinear):
             p = v.packed
-            linears[f.name] = (p.qtype, p.rows, p.cols, p.gguf_bytes)
+            linears[f.name] = (p.qtype, p.rows, p.cols, p.gguf_bytes, p.f16_scales)
     return LayerImage(LayerLayout(entries, linears, host.numel()), host)
 
 
@@ -121,10 +123,12 @@ def from_image(image: LayerImage | LayerLayout, slot: torch.Tensor,
     for e in image.entries:
         views[e.key] = slot[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
     fields = {}
-    for name, (qtype, rows, cols, gguf_bytes) in image.linears.items():
+    for name, (qtype, rows, cols, gguf_bytes, f16_scales) in image.linears.items():
         planes = {p: views.get((name, p)) for p in _PLANES}
-        packed = PackedWeight(qtype, rows, cols, gguf_bytes=gguf_bytes, **planes)
-        fields[name] = QuantLinear(packed, views.get((name, "bias")), workspace)
+        packed = PackedWeight(qtype, rows, cols, gguf_bytes=gguf_bytes, f16_scales=f16_scales,
+                              **planes)
+        # as built: an image is never re-packed on the hot path
+        fields[name] = QuantLinear(packed, views.get((name, "bias")), workspace, fuse=False)
     for e in image.entries:
         if len(e.key) == 1:
             fields[e.key[0]] = views[e.key]

@@ -38,7 +38,7 @@ from .budget import fmt_bytes
 from .disk import ALIGN
 from .gpu_stream import LayerLayout
 
-FORMAT_VERSION = 1  # bump when LayerLayout, to_image or pack_weight change their bytes
+FORMAT_VERSION = 2  # bump when LayerLayout, to_image or pack_weight change their bytes
 SPACE_MARGIN = 1 << 30  # leave this much free on the disk after writing the file
 
 
@@ -68,20 +68,21 @@ def image_paths(model: Path) -> tuple[Path, Path]:
     return base.with_name(base.name + ".img"), base.with_name(base.name + ".json")
 
 
-def _identity(model: Path, fused_scales: bool) -> dict:
+def _identity(model: Path, f16_scales: bool) -> dict:
     """What an image file depends on: the model file, the image format, and the precision
-    (precision="fast" packs K-quant scales fused, see kernels.pack.fuse_scales)."""
+    (precision="fast" marks its weights to round scales to f16, kernels.pack.f16_scales;
+    images are never fused, so the bytes are the same, only the layouts say so)."""
     st = model.stat()
     return {"version": FORMAT_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "fused_scales": fused_scales}
+            "f16_scales": f16_scales}
 
 
-def open_images(model: Path, layers: list[int], fused_scales: bool = True) -> ImageFile | None:
+def open_images(model: Path, layers: list[int], f16_scales: bool = True) -> ImageFile | None:
     """The cached image file when it is current and holds `layers`, else None."""
     data, index = image_paths(model)
     try:
         doc = json.loads(index.read_text())
-        if doc.get("model") != _identity(model, fused_scales) or not data.exists():
+        if doc.get("model") != _identity(model, f16_scales) or not data.exists():
             return None
         entries = {int(k): v for k, v in doc["layers"].items()}
     except (OSError, ValueError, KeyError, TypeError):
@@ -109,8 +110,8 @@ def build_images(gf, cfg, device: torch.device, weight_dtype: torch.dtype, layer
     its image. `image_bytes` (the planner's per-layer sizes) sizes the disk-space check.
     `builder` (tests): a LayerBuilder that packs for the kernels on another device."""
     model = Path(gf.path)
-    fused = weight_dtype != torch.float32  # precision="fast", as LayerBuilder decides
-    cached = open_images(model, layers, fused)
+    fast = weight_dtype != torch.float32  # precision="fast", as LayerBuilder decides
+    cached = open_images(model, layers, fast)
     if cached is not None:
         return cached
     data, index = image_paths(model)
@@ -123,7 +124,7 @@ def build_images(gf, cfg, device: torch.device, weight_dtype: torch.dtype, layer
 
     index.unlink(missing_ok=True)  # no index may describe a half-written data file
     if builder is None:
-        builder = LayerBuilder(cfg, device, weight_dtype)
+        builder = LayerBuilder(cfg, device, weight_dtype, fuse_scales=False)
     tmp = data.with_name(data.name + ".tmp")
     entries: dict[str, dict] = {}
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -159,11 +160,11 @@ def build_images(gf, cfg, device: torch.device, weight_dtype: torch.dtype, layer
     if device.type == "cuda":
         torch.cuda.empty_cache()
     os.replace(tmp, data)
-    doc = {"model": _identity(model, fused), "layers": entries}
+    doc = {"model": _identity(model, fast), "layers": entries}
     index_tmp = index.with_name(index.name + ".tmp")
     index_tmp.write_text(json.dumps(doc))
     os.replace(index_tmp, index)  # the index last: a crash mid-write leaves no stale index
-    result = open_images(model, layers, fused)
+    result = open_images(model, layers, fast)
     if result is None:
         raise SlipstreamError(f"the repacked layer images in {data} could not be read back")
     return result

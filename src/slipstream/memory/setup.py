@@ -90,7 +90,8 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, device: torch.device, kv_dtype: t
     budget = free if vram_budget is None else min(vram_budget, free)
     n = cfg.n_layers
     vram = [layer_vram_bytes(gf, cfg, i, fused) for i in range(n)]
-    image = [layer_image_bytes(gf, cfg, i, fused) for i in range(n)]
+    # streamed layers keep the GGUF layout whatever the precision (pack.f16_scales)
+    image = [layer_image_bytes(gf, cfg, i) for i in range(n)]
     kv_elem = torch.finfo(kv_dtype).bits // 8
     # CUDA graphs (and their pools) only serve a fully resident model: plan with their pools
     # first; if layers stream anyway (or only fit without the pools), plan without them.
@@ -143,7 +144,7 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device, we
     from ..weights.loader import TensorSource
     from .gpu_stream import to_image
 
-    builder = LayerBuilder(cfg, device, weight_dtype)
+    builder = LayerBuilder(cfg, device, weight_dtype, fuse_scales=False)
     images = {}
     total = sum(plan.file_bytes_per_layer[i] for i in pinned)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),

@@ -122,10 +122,14 @@ class LayerBuilder:
     Resident loading and streaming both build layers here, so their numbers are identical."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device, weight_dtype: torch.dtype,
-                 workspace: Workspace | None = None):
+                 workspace: Workspace | None = None, fuse_scales: bool = True):
+        """fuse_scales (precision="fast"): resident layers fold their scales into one plane
+        for the decode kernels; streamed layers (False) keep the smaller GGUF layout and give
+        the same results (see QuantLinear)."""
         self.cfg = cfg
         self.device = device
         self.weight_dtype = weight_dtype
+        self.fuse_scales = fuse_scales
         self.quantized = device.type == "cuda"
         # precision="fast" (float16 weight_dtype) decodes with int8 activations on CUDA
         self.workspace = workspace if workspace is not None else (
@@ -174,9 +178,10 @@ class LayerBuilder:
             bias = (torch.cat([b if b is not None else torch.zeros(s[0], device=self.device)
                                for b, s in zip(biases, shapes)])
                     if any(b is not None for b in biases) else None)
-            return QuantLinear(packed, bias, self.workspace), []
+            return QuantLinear(packed, bias, self.workspace, self.fuse_scales), []
         parts = [QuantLinear(kernels.pack_weight(r, src.type_of(f"{p}.weight"), *s), b,
-                             self.workspace) for p, r, s, b in zip(prefixes, raws, shapes, biases)]
+                             self.workspace, self.fuse_scales)
+                 for p, r, s, b in zip(prefixes, raws, shapes, biases)]
         return None, parts
 
 
