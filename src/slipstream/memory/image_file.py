@@ -119,7 +119,7 @@ def build_images(gf, cfg, device: torch.device, weight_dtype: torch.dtype, layer
     check_space(data.parent, sum(_round_up(image_bytes[i]) for i in layers), old)
     from rich.progress import BarColumn, DownloadColumn, Progress
 
-    from ..weights.loader import LayerBuilder, TensorSource
+    from ..weights.loader import LayerBuilder, TensorSource, release_transients
     from .gpu_stream import to_image
 
     index.unlink(missing_ok=True)  # no index may describe a half-written data file
@@ -136,6 +136,7 @@ def build_images(gf, cfg, device: torch.device, weight_dtype: torch.dtype, layer
                                 total=sum(image_bytes[i] for i in layers))
             for i in layers:
                 image = to_image(builder.build(TensorSource(gf), i), pin=False)
+                release_transients(device)
                 view = memoryview(image.host.numpy())
                 done = 0
                 while done < len(view):

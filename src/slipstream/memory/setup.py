@@ -7,7 +7,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import BadArgument, BudgetTooSmall
 from ..gguf_file import GGUFFile
-from ..weights.loader import LAYER_TENSORS, LayerBuilder, layer_span
+from ..weights.loader import LAYER_TENSORS, LayerBuilder, layer_span, release_transients
 from .budget import mem_available
 from .planner import Plan, plan_cuda, plan_layers
 from .store import DiskLayerStore, MmapLayerStore, ResidentLayerStore, StreamDelays
@@ -152,6 +152,7 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device, we
         task = bar.add_task("pinning streamed layers", total=total)
         for i in pinned:
             images[i] = to_image(builder.build(TensorSource(gf), i))
+            release_transients(device)
             bar.advance(task, plan.file_bytes_per_layer[i])
     del builder
     torch.cuda.empty_cache()

@@ -46,6 +46,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def release_transients(device: torch.device) -> None:
+    """Give the allocator's cached blocks back to the device after a layer is built: packing
+    frees transients of several hundred MiB that the caching allocator would otherwise keep
+    reserved next to the next layer's, and the VRAM budget counts reserved memory (on the
+    H200, an 8B's load peaked 0.6 GiB of cache above what it held)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def prefill_scratch_elements(cfg: ModelConfig) -> int:
     """Elements of the prefill scratch (Workspace.max_elements): the largest weight of a layer,
     with q/k/v and gate/up counted fused as LayerBuilder fuses them where it can. The head is
@@ -237,6 +246,7 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
         packed = kernels.pack_weight(head_raw, gf.tensors[head_name].ggml_type, *embed_shape)
         del head_raw  # before QuantLinear reserves the prefill workspace
         output = QuantLinear(packed, None, workspace)
+        release_transients(device)
     else:
         output = DenseLinear(src.dense(head_name, embed_shape, weight_dtype, device))
     if head_name == "output.weight":
@@ -255,6 +265,7 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
             layers.append(None)
             continue
         layers.append(builder.build(src, i))
+        release_transients(device)
         if progress is not None:
             start, end = layer_span(gf, i)
             progress(end - start)
