@@ -176,7 +176,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     images = pin_streamed_layers(gf, cfg, dev, weight_dtype, plan)
     disk = disk_images(gf, cfg, dev, weight_dtype, plan, progress)
     weights = _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, progress,
-                                          resident)
+                                          resident, plan.embed_on_host)
     if dev.type == "cuda":
         # Give load-time transients back, so the run's own peak starts from the steady state
         # (memory.vram reserves the larger of the two, not their sum).
@@ -191,7 +191,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
 
 
 def _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, show: bool,
-                                resident: set[int] | None = None):
+                                resident: set[int] | None = None, embed_on_host: bool = False):
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     total = sum(t.n_bytes for t in gf.tensors.values())
@@ -199,4 +199,5 @@ def _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, show: boo
                   TransferSpeedColumn(), disable=not show, transient=True) as bar:
         task = bar.add_task(f"loading {gf.path.name}", total=total)
         return load_weights(gf, cfg, dev, weight_dtype, act_dtype,
-                            progress=lambda n: bar.advance(task, n), resident_layers=resident)
+                            progress=lambda n: bar.advance(task, n), resident_layers=resident,
+                            embed_on_host=embed_on_host)

@@ -20,10 +20,11 @@ def synth(tmp_path_factory):
 
 
 def _budget_for(model, resident_layers: int) -> int:
-    """A VRAM budget for `resident_layers` in VRAM (a streamed plan reserves no graph pools)."""
+    """A VRAM budget for `resident_layers` in VRAM (a streamed plan reserves no graph pools
+    and keeps the embedding on the host)."""
     p = model.plan
     staging = p.staging_buffers * max(p.file_bytes_per_layer)
-    fixed = p.fixed_bytes - p.reserve.get("CUDA graph pools", 0)
+    fixed = p.fixed_bytes - p.reserve.get("CUDA graph pools", 0) - p.reserve.get("embedding", 0)
     return fixed + staging + sum(p.resident_bytes_per_layer[:resident_layers]) + 1
 
 
@@ -36,6 +37,9 @@ def test_pinned_streaming_is_bit_identical(synth, delay):
     streamed = slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget,
                                stream_delay=delay)
     assert streamed.plan.tiers == ["vram"] * 2 + ["pinned"] * 4
+    # a streamed plan leaves the embedding table on the host; the logits must not notice
+    assert streamed.engine.weights.embed.raw.device.type == "cpu"
+    assert resident.engine.weights.embed.raw.device.type == "cuda"
     a, b = streamed_logits(resident), streamed_logits(streamed)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert streamed.engine.layers.stats.layers_streamed >= 4 * 13

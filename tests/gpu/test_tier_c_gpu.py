@@ -43,10 +43,11 @@ def resident_out(synth):
 
 def _budgets(model, vram_layers: int, pinned_layers: int) -> tuple[int, int]:
     """(vram, ram) budgets that keep `vram_layers` in VRAM, `pinned_layers` in pinned RAM and
-    put the rest on disk (the streamed plan has no CUDA graph pools in its reserve)."""
+    put the rest on disk (the streamed plan has no CUDA graph pools in its reserve, and keeps
+    the embedding on the host)."""
     p = model.plan
     slot = max(p.file_bytes_per_layer)
-    fixed = p.fixed_bytes - p.reserve.get("CUDA graph pools", 0)
+    fixed = p.fixed_bytes - p.reserve.get("CUDA graph pools", 0) - p.reserve.get("embedding", 0)
     vram = fixed + p.staging_buffers * slot + sum(p.resident_bytes_per_layer[:vram_layers]) + 1
     first = vram_layers
     ram = 3 * slot + sum(p.file_bytes_per_layer[first:first + pinned_layers]) + 1

@@ -94,6 +94,10 @@ def test_vram_reserve_parts(tiny):
     assert r["CUDA graph pools"] > 0
     r2 = vram_reserve(gf, cfg, ctx=512, kv_bytes_per_elem=2, chunk=2048, graphs=False)
     assert r2["KV cache"] == 2 * r["KV cache"] and r2["CUDA graph pools"] == 0
+    assert r2["embedding"] >= gf.tensors["token_embd.weight"].n_bytes
+    r3 = vram_reserve(gf, cfg, ctx=512, kv_bytes_per_elem=2, chunk=2048, graphs=False,
+                      embed_on_host=True)
+    assert r3["embedding"] == 0 and r3["head"] == r2["head"]
 
 
 def test_prefill_workspace_is_the_largest_layer_weight_not_the_head(tmp_path):

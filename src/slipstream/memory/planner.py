@@ -33,6 +33,7 @@ class Plan:
     reserve: dict[str, int] = field(default_factory=dict)  # CUDA: fixed_bytes by part
     io: str = "direct"
     graphs: bool = True  # CUDA: the reserve holds CUDA graph pools (False: decode runs eager)
+    embed_on_host: bool = False  # CUDA: the token embedding stays in host memory
 
     @property
     def disk_layers(self) -> list[int]:
@@ -111,6 +112,8 @@ class Plan:
             for part, n in self.reserve.items():
                 if n:
                     t.add_row("reserve", part, fmt_bytes(n), "-", "-")
+            if self.embed_on_host:
+                t.add_row("host", "token embedding", "memory map", "1 row / token", "-")
         else:
             t.add_row("fixed", "head, norms, KV", fmt_bytes(self.fixed_bytes), "-", "-")
         tok_s = self.predicted_tok_s

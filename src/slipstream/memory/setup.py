@@ -100,10 +100,14 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, device: torch.device, kv_dtype: t
         plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io)
     except BudgetTooSmall:
         plan = None
+    # Streamed plans also leave the token embedding on the host (one row per token), which
+    # gives its VRAM to layers.
     if plan is None or plan.streamed_layers:
-        reserve = vram_reserve(gf, cfg, ctx, kv_elem, PREFILL_CHUNK, False, fused)
+        reserve = vram_reserve(gf, cfg, ctx, kv_elem, PREFILL_CHUNK, False, fused,
+                               embed_on_host=True)
         plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io)
         plan.graphs = False
+        plan.embed_on_host = True
     return plan
 
 

@@ -126,8 +126,10 @@ def activation_bytes(cfg: ModelConfig, chunk: int, ctx: int) -> int:
 
 
 def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: int,
-                 chunk: int, graphs: bool, fused: bool = False) -> dict[str, int]:
+                 chunk: int, graphs: bool, fused: bool = False,
+                 embed_on_host: bool = False) -> dict[str, int]:
     """VRAM the engine needs besides the layers and the streaming slots, by part.
+    `embed_on_host`: the token embedding stays in host memory (streamed plans).
 
     Loading and running peak at different times (api.load empties the allocator's cache in
     between), so the reserve holds the larger of the load-time transients and the run-time
@@ -144,7 +146,7 @@ def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: in
     # layer weight (the head goes in row chunks; weights.linear.Workspace)
     scratch = min(prefill_scratch_elements(cfg), max(r * c for _, r, c, _ in weights))
     parts = {
-        "embedding": alloc_bytes(gf.tensors["token_embd.weight"].n_bytes),
+        "embedding": 0 if embed_on_host else alloc_bytes(gf.tensors["token_embd.weight"].n_bytes),
         "head": sum(alloc_bytes(n) for n in packed_planes(*weights[0][:3], fused)),
         "prefill workspace": alloc_bytes(2 * scratch),
         "norms, rope, allocator": SHARED_SEGMENTS + 2 * ctx * cfg.rope_dim * 4,

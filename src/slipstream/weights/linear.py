@@ -65,16 +65,26 @@ class DenseLinear:
 
 
 class QuantEmbedding:
-    """Token embedding kept in its GGUF format: a lookup dequantizes only the rows it gathers."""
+    """Token embedding kept in its GGUF format: a lookup dequantizes only the rows it gathers.
 
-    def __init__(self, raw: torch.Tensor, ggml_type: int, hidden: int, out_dtype: torch.dtype):
+    `device`: where the rows are dequantized and returned. The table may stay on the host
+    (`raw` on CPU, the file's memory map) while the model computes on CUDA: a token needs one
+    row of a table that is 0.4 GiB for an 8B, VRAM that a streamed model spends on layers
+    instead. The rows then cross to the GPU as raw bytes and are dequantized there, as they
+    would be from a GPU table, so both give the same numbers."""
+
+    def __init__(self, raw: torch.Tensor, ggml_type: int, hidden: int, out_dtype: torch.dtype,
+                 device: torch.device | None = None):
         self.raw = raw  # (vocab, row_bytes) uint8
         self.ggml_type = ggml_type
         self.hidden = hidden
         self.out_dtype = out_dtype
+        self.device = raw.device if device is None else device
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.raw[ids.to(self.raw.device)]
+        # a host table waits for the ids (one sync per step: streamed models only, which run
+        # without CUDA graphs and spend milliseconds per layer on copies anyway)
+        rows = self.raw[ids.to(self.raw.device)].to(self.device)
         return quant.dequantize(rows, self.ggml_type, (ids.shape[0], self.hidden)).to(
             self.out_dtype)
 

@@ -214,9 +214,11 @@ def check_layer_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
 def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
                  weight_dtype: torch.dtype, act_dtype: torch.dtype,
                  progress: Callable[[int], None] | None = None,
-                 resident_layers: set[int] | None = None) -> ModelWeights:
+                 resident_layers: set[int] | None = None,
+                 embed_on_host: bool = False) -> ModelWeights:
     """Build the model's weights on `device`: every layer, or only `resident_layers` (the
     others are left as None for a streaming store to fill). Norms stay float32.
+    `embed_on_host`: the token embedding stays in the file's memory map (see QuantEmbedding).
 
     `progress(n_bytes)` is called after each layer so callers can drive a progress bar.
     """
@@ -234,8 +236,10 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
 
     embed_shape = (cfg.vocab_size, cfg.hidden)
     embed_info = gf.tensors.get("token_embd.weight")
-    embed_raw = raw_tensor(gf, "token_embd.weight", embed_shape).to(device)
-    embed = QuantEmbedding(embed_raw, embed_info.ggml_type, cfg.hidden, act_dtype)
+    embed_raw = raw_tensor(gf, "token_embd.weight", embed_shape)
+    if not embed_on_host:
+        embed_raw = embed_raw.to(device)
+    embed = QuantEmbedding(embed_raw, embed_info.ggml_type, cfg.hidden, act_dtype, device)
     tick("token_embd.weight")
     # Tied embeddings: models without output.weight reuse the embedding matrix as the head.
     head_name = "output.weight" if "output.weight" in gf.tensors else "token_embd.weight"
