@@ -157,3 +157,34 @@ def test_the_staging_ring_waits_for_each_copy_event(fake_cuda, setup):
             store.release(i)
     store.close()
     assert len(calls) >= 6  # every refill after the first use of a buffer waited
+
+
+@pytest.mark.parametrize("io", ["direct", "buffered", "mmap"])
+def test_streamed_layers_between_resident_ones(fake_cuda, setup, io):
+    """The CUDA planner spreads streamed layers between resident ones (planner._interleave):
+    the ring serves layers 1 (pinned), 3 and 5 (disk) around resident 0, 2 and 4."""
+    from slipstream.memory.cuda_store import CudaLayerStore
+    from slipstream.memory.gpu_stream import to_image
+    from slipstream.memory.image_file import build_images
+    from slipstream.memory.vram import layer_image_bytes
+
+    built, want, _, disk_all, ws = setup
+    # the model next to its image file (MODEL.slipstream.img)
+    gf = GGUFFile(disk_all.path.with_name(disk_all.path.name.removesuffix(".slipstream.img")))
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    sizes = [layer_image_bytes(gf, cfg, i) for i in range(cfg.n_layers)]
+    disk = build_images(gf, cfg, torch.device("cpu"), torch.float16, [3, 5], sizes,
+                        progress=False)  # reuses the file built for 3-5
+    assert sorted(disk.spans) == [3, 5]
+    resident = [built[0], None, built[2], None, built[4], None]
+    store = CudaLayerStore(resident, torch.device("cpu"), ws,
+                           images={1: to_image(built[1], pin=False)}, disk=disk, io=io,
+                           n_slots=2, n_staging=3)
+    assert store.order == ([1] if io == "mmap" else [1, 3, 5])
+    for _ in range(3):
+        for i in range(6):
+            layer = store.acquire(i)
+            _check(layer, want[i])
+            store.release(i)
+    assert store.stats.layers_streamed == 9
+    store.close()

@@ -124,7 +124,9 @@ def test_plan_cuda_three_tiers():
     # VRAM: 100 reserve + 2 slots of 90 + 3 layers; RAM: 3 staging of 90 + 2 images
     plan = plan_cuda(vram, image, reserve, 100 + 180 + 300 + 5, 270 + 180 + 5, n_slots=2,
                      n_staging=3)
-    assert plan.tiers == ["vram"] * 3 + ["pinned"] * 2 + ["disk"] * 5
+    # the 7 streamed layers spread between the 3 in VRAM; the first 2 of them pinned
+    assert plan.tiers == ["pinned", "pinned", "vram", "disk", "disk", "vram", "disk", "disk",
+                          "vram", "disk"]
     assert plan.host_staging == 3 and plan.bytes_per_token("disk") == 450
     assert plan.bytes_per_token("pinned") == 180
     plan.bandwidth_gbps.update(vram=1000.0, pinned=50.0, disk=2.0)
@@ -147,13 +149,14 @@ def test_plan_cuda_budget_errors_name_the_minimum():
     plan = plan_cuda(vram, image, {"KV cache": 100}, 300, 100, io="kvikio")
     assert plan.host_staging == 0 and plan.tiers.count("disk") == 3
     # the mmap baseline's own slot comes out of the VRAM room
-    assert plan_cuda(vram, image, {}, 180 + 100, None).tiers[0] == "vram"
-    assert plan_cuda(vram, image, {}, 180 + 100, None, io="mmap").tiers[0] == "pinned"
+    assert plan_cuda(vram, image, {}, 180 + 100, None).tiers.count("vram") == 1
+    assert plan_cuda(vram, image, {}, 180 + 100, None, io="mmap").tiers.count("vram") == 0
 
 
 def test_plan_for_cuda_on_a_fake_device(tiny, monkeypatch):
     """The whole CUDA planning path, with torch.cuda.mem_get_info faked: small budgets put
-    the tail on disk, and the VRAM budget is capped by what is free."""
+    the streamed layers past the RAM budget on disk, and the VRAM budget is capped by what is
+    free."""
     from slipstream.memory.setup import plan_for
 
     gf, cfg = _open(tiny)
@@ -161,14 +164,16 @@ def test_plan_for_cuda_on_a_fake_device(tiny, monkeypatch):
     dev = torch.device("cuda")
     full = plan_for(gf, cfg, dev, torch.float16, torch.float16, 256, None, None)
     assert full.tiers == ["vram"] * 6 and full.budget == 80 * GiB
-    # graphs are off when layers stream, so the streamed plan's reserve has no graph pools
-    fixed = full.fixed_bytes - full.reserve["CUDA graph pools"]
+    # graphs are off when layers stream, so the streamed plan's reserve has no graph pools,
+    # and the embedding stays on the host
+    fixed = full.fixed_bytes - full.reserve["CUDA graph pools"] - full.reserve["embedding"]
     slot = max(full.file_bytes_per_layer)
     vram = fixed + 2 * slot + full.resident_bytes_per_layer[0] + 1
     ram = 3 * slot + slot + 1  # the staging buffers and one pinned layer
     plan = plan_for(gf, cfg, dev, torch.float16, torch.float16, 256, ram, vram)
-    assert plan.tiers == ["vram", "pinned"] + ["disk"] * 4
-    assert plan.reserve["KV cache"] > 0 and not plan.graphs
+    assert plan.tiers == ["pinned", "disk", "disk", "disk", "vram", "disk"]
+    assert plan.reserve["KV cache"] > 0 and not plan.graphs and plan.embed_on_host
+    assert plan.reserve["embedding"] == 0
     assert "CUDA graph pools" in plan.reserve and plan.reserve["CUDA graph pools"] == 0
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (vram // 2, 141 * GiB))
     with pytest.raises(BudgetTooSmall, match="VRAM budget cannot run this model on cuda"):
@@ -400,7 +405,8 @@ def test_plan_cuda_takes_k_slots():
     reserve = {"KV cache": 100}
     for k in (2, 3, 4):
         plan = plan_cuda(vram, image, reserve, 100 + k * 90 + 200 + 5, None, n_slots=k)
-        assert plan.staging_buffers == k and plan.tiers == ["vram"] * 2 + ["pinned"] * 4
+        assert plan.staging_buffers == k
+        assert plan.tiers == ["pinned", "vram", "pinned", "pinned", "vram", "pinned"]
 
 
 def test_breakdown_table_on_cuda_stats():
@@ -418,3 +424,14 @@ def test_breakdown_table_on_cuda_stats():
     for part in ("compute", "stall", "disk wait", "host-to-device", "disk reads"):
         assert part in out
     assert "28.6" in out  # 8 GiB in 0.3 s
+
+
+def test_plan_table_collapses_interleaved_layer_lists():
+    from slipstream.memory.planner import _interleave, _ranges
+
+    assert _ranges([0, 1, 2, 3]) == "0-3" and _ranges([5]) == "5" and _ranges([1, 3]) == "1, 3"
+    assert _ranges([1, 3, 5, 9, 10, 11]) == "1-5 step 2, 9-11"
+    tiers = _interleave([10] * 80, 370)  # 37 of 80 in VRAM, none of them adjacent
+    vram = [i for i, t in enumerate(tiers) if t == "vram"]
+    assert len(vram) == 37 and all(b - a >= 2 for a, b in zip(vram, vram[1:]))
+    assert tiers[-1] == "pinned"

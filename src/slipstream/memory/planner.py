@@ -1,11 +1,13 @@
 """The tier plan: which layers stay resident, which stream each token, and from where.
 
 On CPU "resident" means dequantized in RAM (tier B's role); the rest is read from the GGUF file
-on every token (tier C). On CUDA layers stay in VRAM while the VRAM budget lasts (after its
-reserve), then in pinned RAM while the RAM budget lasts (tier B), and the rest is read from disk
-every token (tier C). Layers are placed in order: earlier layers resident, the tail streamed,
-so the reader can prefetch the streamed run sequentially. The plan also predicts decode speed
-from bandwidths measured at start-up.
+on every token (tier C): earlier layers resident, the tail streamed, so the reader prefetches
+the streamed run sequentially from the file. On CUDA as many layers stay in VRAM as the VRAM
+budget holds (after its reserve), the streamed ones spread evenly between them so that each
+copy overlaps the compute before it (`_interleave`); of the streamed layers, the first ones
+in layer order are kept in pinned RAM while the RAM budget lasts (tier B), and the rest is read
+from disk every token (tier C), from an image file laid out in that order. The plan also
+predicts decode speed from bandwidths measured at start-up.
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ class Plan:
         """Decode rate if every link ran at its measured bandwidth.
 
         CPU: one after another. CUDA: disk reads and host-to-device copies overlap (the copy
-        link carries the pinned and the disk layers), and the resident layers' compute does
-        not overlap the streaming (only the K-slot lookahead is copied meanwhile)."""
+        link carries the pinned and the disk layers); the resident layers' compute is counted
+        on top, though interleaving lets copies run under it (a bound a few % low in decode,
+        where the copies dominate)."""
         if self.device == "cuda":
             bw = self.bandwidth_gbps
             streamed = self.bytes_per_token("pinned") + self.bytes_per_token("disk")
@@ -124,12 +127,47 @@ class Plan:
         return t
 
 
+def _interleave(vram_bytes: list[int], room: int) -> list[str]:
+    """As many layers in VRAM as `room` holds, with the streamed ones spread evenly between
+    them ("vram"/"pinned" per layer).
+
+    Why spread: the copy of a streamed layer runs while the layers before it compute. With the
+    streamed layers as one tail, the copy link idles through the resident head except for the
+    K slots it can fill ahead; a prefill chunk, whose compute per layer is as long as a layer's
+    copy, then pays for the resident and the streamed layers one after the other (on the H200,
+    70B at 24 GiB: 0.53 s per 512 tokens against 0.38 s of copies). Spread out, each copy
+    overlaps the compute before it. Decode is bound by the copies either way."""
+    n = len(vram_bytes)
+    count, used = 0, 0
+    for b in sorted(vram_bytes):  # how many fit at most
+        if used + b > room:
+            break
+        used, count = used + b, count + 1
+    while count > 0:
+        s = n - count  # streamed layers at evenly spaced positions, the last one last
+        streamed = {(j + 1) * n // s - 1 for j in range(s)} if s else set()
+        if sum(b for i, b in enumerate(vram_bytes) if i not in streamed) <= room:
+            return ["pinned" if i in streamed else "vram" for i in range(n)]
+        count -= 1
+    return ["pinned"] * n
+
+
 def _ranges(idx: list[int]) -> str:
-    out, start = [], idx[0]
-    for a, b in zip(idx, idx[1:] + [None]):
-        if b != a + 1:
-            out.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
+    """Layer indices for the plan table: runs with a constant step collapse ("0-9",
+    "1-71 step 2"), since the CUDA planner interleaves tiers."""
+    out, i = [], 0
+    while i < len(idx):
+        j = i + 1
+        if j < len(idx):
+            step = idx[j] - idx[i]
+            while j + 1 < len(idx) and idx[j + 1] - idx[j] == step:
+                j += 1
+            if j - i >= 2 or step == 1:  # three or more, or two neighbours
+                out.append(f"{idx[i]}-{idx[j]}" + (f" step {step}" if step > 1 else ""))
+                i = j + 1
+                continue
+        out.append(str(idx[i]))
+        i += 1
     return ", ".join(out)
 
 
@@ -185,15 +223,7 @@ def plan_cuda(vram_bytes: list[int], image_bytes: list[int], reserve: dict[str, 
             + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in reserve.items())
             + f"; plus {slots} GPU slots of {fmt_bytes(slot)}); raise --vram-budget or lower "
               f"--ctx")
-    room = vram_budget - minimum
-    tiers = []
-    for b in vram_bytes:
-        if b <= room:
-            tiers.append("vram")
-            room -= b
-        else:
-            tiers.append("pinned")
-            room = -1  # keep the streamed layers one contiguous tail
+    tiers = _interleave(vram_bytes, vram_budget - minimum)
     streamed = [i for i, t in enumerate(tiers) if t == "pinned"]
     if ram_budget is not None and sum(image_bytes[i] for i in streamed) > ram_budget:
         # the disk tier's pinned staging buffers come out of the RAM budget (kvikio and mmap
