@@ -114,7 +114,7 @@ if [ "${CLI:-$([ "$STAGE" = engine ] && echo 1 || echo 0)}" = 1 ]; then
   mkdir -p /tmp/slipstream-models
   [ -f "$SYN8" ] || python3 -m slipstream synth --shape 8b --quant Q4_K -o "$SYN8" >/dev/null 2>&1
   {
-    B="--device cuda --ctx 2048 --vram-budget 390MiB --ram-budget 24MiB"  # 7 VRAM, 8 pinned, 15 disk layers
+    B="--device cuda --ctx 2048 --vram-budget 360MiB --ram-budget 24MiB"  # 7 VRAM, 8 pinned, 15 disk layers
     echo "\$ slipstream info --plan -m SmolLM2-135M-Instruct.Q4_1.gguf $B"
     python3 -m slipstream info --plan -m "$MODEL" $B; echo "rc=$?"
     echo "\$ slipstream run --stats -m SmolLM2-135M-Instruct.Q4_1.gguf $B -n 24 --temp 0"
