@@ -17,8 +17,9 @@ import torch
 
 from .chat_template import ChatTemplate
 from .config import ModelConfig
-from .errors import BadArgument
+from .errors import BadArgument, BudgetTooSmall
 from .gguf_file import GGUFFile
+from .memory.budget import fmt_bytes
 from .runtime.engine import Engine
 from .runtime.generate import GenerationEvent, GenerationStats, generate
 from .runtime.sampler import SamplingParams
@@ -160,14 +161,42 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     if n_ctx <= 0:
         raise BadArgument(f"ctx={n_ctx} is invalid: the context must hold at least one token")
     weight_dtype, kv_dtype = dtypes_for(precision, dev)
-    act_dtype = torch.float32
     from .memory.budget import parse_size
-    from .memory.setup import (check_io, disk_images, make_store, measure_bandwidths,
-                               pin_streamed_layers, plan_for)
+    from .memory.setup import check_io, plan_for
 
     check_io(io, dev)
     plan = plan_for(gf, cfg, dev, weight_dtype, kv_dtype, n_ctx, parse_size(ram_budget),
                     parse_size(vram_budget), io, gpu_slots)
+    if dev.type != "cuda":
+        return _build(model_path, gf, cfg, dev, tokenizer, template, plan, n_ctx, weight_dtype,
+                      kv_dtype, progress, io, stream_delay)
+    from .memory.vram_cap import VramCap
+
+    cap = VramCap(dev, parse_size(vram_budget))
+    try:
+        model = _build(model_path, gf, cfg, dev, tokenizer, template, plan, n_ctx, weight_dtype,
+                       kv_dtype, progress, io, stream_delay)
+    except torch.cuda.OutOfMemoryError as e:
+        cap.release()
+        raise BudgetTooSmall(
+            f"loading {model_path.name} took more VRAM than the "
+            f"{fmt_bytes(cap.limit)} the budget allows this process ({e.args[0].splitlines()[0]})"
+            f"; raise --vram-budget or lower --ctx") from None
+    except BaseException:
+        cap.release()
+        raise
+    cap.attach(model)
+    return model
+
+
+def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, tokenizer,
+           template, plan, n_ctx: int, weight_dtype, kv_dtype, progress: bool, io: str,
+           stream_delay) -> Model:
+    """Load the planned model: streamed tiers first, then the resident weights, the store
+    and the engine."""
+    from .memory.setup import disk_images, make_store, measure_bandwidths, pin_streamed_layers
+
+    act_dtype = torch.float32
     if plan.streamed_layers:
         measure_bandwidths(gf, plan, io)
     resident = {i for i, t in enumerate(plan.tiers) if t in ("ram", "vram")}

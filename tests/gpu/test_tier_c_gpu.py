@@ -194,3 +194,39 @@ def test_streamed_model_stays_under_its_vram_budget(synth):
     peak = torch.cuda.max_memory_reserved() - base
     assert peak <= vram, f"peak {peak} over the budget {vram}"
     model.engine.layers.close()
+    del model
+    gc.collect()
+    # the allocator's cap lives as long as the model: afterwards the process may use more
+    extra = torch.empty(base + 2 * vram, dtype=torch.uint8, device="cuda")
+    del extra
+    torch.cuda.empty_cache()
+
+
+def test_a_load_that_outgrows_its_plan_stops_at_the_budget(synth, monkeypatch):
+    """The VRAM budget is held by the allocator, not only by the planner's arithmetic: a load
+    that allocates past its plan (here a budget-sized tensor taken in the middle of loading)
+    ends in BudgetTooSmall instead of reserving past the budget, and the cap goes with it."""
+    import slipstream.api as api
+    from slipstream.errors import BudgetTooSmall
+
+    probe = slipstream.load(synth, device="cuda", ctx=256)
+    vram, ram = _budgets(probe, 2, 1)
+    del probe
+    gc.collect()
+    torch.cuda.empty_cache()
+    real = api._load_weights_with_progress
+
+    def outgrowing(*args, **kwargs):
+        hog = torch.empty(vram, dtype=torch.uint8, device="cuda")
+        return real(*args, **kwargs), hog
+
+    monkeypatch.setattr(api, "_load_weights_with_progress", outgrowing)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_reserved()
+    with pytest.raises(BudgetTooSmall, match="raise --vram-budget"):
+        slipstream.load(synth, device="cuda", ctx=256, vram_budget=vram, ram_budget=ram)
+    assert torch.cuda.max_memory_reserved() - base <= vram
+    gc.collect()
+    extra = torch.empty(base + 2 * vram, dtype=torch.uint8, device="cuda")  # cap released
+    del extra
+    torch.cuda.empty_cache()

@@ -1,0 +1,61 @@
+"""The allocator cap that holds a CUDA VRAM budget (memory.vram_cap), with torch.cuda's three
+calls faked: the newest live model's cap applies, and freeing a model brings back the one
+before it (the GPU side is tested in tests/gpu/test_tier_c_gpu.py)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from slipstream.memory import vram_cap
+
+GIB = 1 << 30
+
+
+class _Owner:
+    """Stands in for a Model: vram_cap only needs something weakly referencable."""
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    state = {"reserved": 0, "fractions": []}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * GIB, 100 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, device=None: state["fractions"].append(fraction))
+    monkeypatch.setattr(vram_cap, "_limits", {})
+    return state
+
+
+def test_the_newest_model_sets_the_cap_and_freeing_it_restores_the_older(fake_cuda):
+    dev = torch.device("cuda", 0)
+    fake_cuda["reserved"] = 10 * GIB  # something else the process already holds
+    a = _Owner()
+    vram_cap.VramCap(dev, 24 * GIB).attach(a)
+    assert fake_cuda["fractions"][-1] == pytest.approx(0.34)
+    fake_cuda["reserved"] = 30 * GIB
+    b = _Owner()
+    vram_cap.VramCap(dev, None).attach(b)  # no budget: no cap while it lives
+    assert fake_cuda["fractions"][-1] == 1.0
+    del b
+    gc.collect()
+    assert fake_cuda["fractions"][-1] == pytest.approx(0.34)
+    del a
+    gc.collect()
+    assert fake_cuda["fractions"][-1] == 1.0
+
+
+def test_a_failed_load_releases_its_cap(fake_cuda):
+    cap = vram_cap.VramCap(torch.device("cuda", 0), 2 * GIB)
+    assert fake_cuda["fractions"][-1] == pytest.approx(0.02)
+    cap.release()
+    cap.release()  # idempotent: the error path and a finalizer may both get here
+    assert fake_cuda["fractions"] == [pytest.approx(0.02), 1.0]
+
+
+def test_a_budget_above_the_device_is_no_cap(fake_cuda):
+    cap = vram_cap.VramCap(torch.device("cuda", 0), 500 * GIB)
+    assert fake_cuda["fractions"][-1] == 1.0
+    cap.release()
