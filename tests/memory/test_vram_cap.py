@@ -23,8 +23,13 @@ def fake_cuda(monkeypatch):
     state = {"reserved": 0, "fractions": []}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * GIB, 100 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
-    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
-                        lambda fraction, device=None: state["fractions"].append(fraction))
+    def set_fraction(fraction, device=None):
+        if not isinstance(device, torch.device) or device.index is None:
+            raise ValueError("Expected a torch.device with a specified index")  # as torch does
+        state["fractions"].append(fraction)
+
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(vram_cap, "_limits", {})
     return state
 
@@ -33,7 +38,7 @@ def test_the_newest_model_sets_the_cap_and_freeing_it_restores_the_older(fake_cu
     dev = torch.device("cuda", 0)
     fake_cuda["reserved"] = 10 * GIB  # something else the process already holds
     a = _Owner()
-    vram_cap.VramCap(dev, 24 * GIB).attach(a)
+    vram_cap.VramCap(torch.device("cuda"), 24 * GIB).attach(a)  # as api.load passes it
     assert fake_cuda["fractions"][-1] == pytest.approx(0.34)
     fake_cuda["reserved"] = 30 * GIB
     b = _Owner()

@@ -26,7 +26,9 @@ class VramCap:
     """The cap of one model being loaded; `attach` ties it to the model's lifetime."""
 
     def __init__(self, device: torch.device, budget: int | None):
-        self.device = device
+        # the fraction is set per device and torch wants its index ("cuda" alone is refused)
+        index = torch.cuda.current_device() if device.index is None else device.index
+        device = self.device = torch.device("cuda", index)
         total = torch.cuda.mem_get_info(device)[1]
         self.total = total
         self.limit = total if budget is None else \
