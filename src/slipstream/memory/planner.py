@@ -106,7 +106,9 @@ class Plan:
                 held = sum(self.resident_bytes_per_layer[i] for i in idx)
             moved = self.bytes_per_token(tier)
             bw = self.bandwidth_gbps.get(tier)
-            t.add_row(tier, _ranges(idx), fmt_bytes(held), fmt_bytes(moved),
+            # the disk tier holds only its pinned staging buffers in RAM
+            held_text = fmt_bytes(held) + (" staging" if tier == "disk" else "")
+            t.add_row(tier, _ranges(idx), held_text, fmt_bytes(moved),
                       f"{bw:.1f}" if bw else "-")
         if self.device == "cuda" and self.streamed_layers:
             t.add_row("GPU slots", f"{self.staging_buffers} x {fmt_bytes(self.slot_bytes)}",
