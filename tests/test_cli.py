@@ -124,3 +124,20 @@ def test_pull_replaces_a_corrupt_file(smollm_path, tmp_path, monkeypatch):
     r = cli("pull")
     assert r.returncode == 0, r.stderr
     assert (cache / smollm_path.name).stat().st_size == pull_mod.DEFAULT_SIZE
+
+
+def test_a_cuda_out_of_memory_error_is_one_line(monkeypatch, capsys):
+    """An allocation past the VRAM budget at run time (the allocator holds the budget) ends in
+    one line that says what to change, not a traceback."""
+    import torch
+
+    from slipstream import cli as cli_mod
+
+    def out_of_memory(args):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
+
+    monkeypatch.setattr(cli_mod, "cmd_info", out_of_memory)
+    assert cli_mod.main(["info"]) == 1
+    stderr = capsys.readouterr().err
+    assert stderr.count("\n") == 1 and "Tried to allocate 2.00 GiB" in stderr
+    assert "raise --vram-budget" in stderr

@@ -427,6 +427,17 @@ def main(argv: list[str] | None = None) -> int:
     except SlipstreamError as e:
         err.print("[red]error:[/red] " + escape(str(e)), highlight=False, soft_wrap=True)
         return 1
+    except RuntimeError as e:
+        # a CUDA allocation the plan did not foresee (a VRAM budget is held by the allocator,
+        # memory.vram_cap); torch is imported by then if it can happen
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(e, torch.cuda.OutOfMemoryError):
+            raise
+        first = str(e).splitlines()[0] if str(e) else "CUDA out of memory"
+        err.print("[red]error:[/red] the GPU ran out of memory ("
+                  + escape(first) + "); lower --ctx or the prompt, or raise --vram-budget",
+                  highlight=False, soft_wrap=True)
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
