@@ -140,7 +140,9 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
 
     vram_budget (CUDA): bytes (or "24GiB") of VRAM the model may hold, default what is free;
     a reserve computed from the shapes (KV cache for ctx, activations, workspace, slots) comes
-    out of it and layers stay resident while the rest lasts. ram_budget: bytes of RAM for
+    out of it and layers stay resident while the rest lasts; while the model lives, torch's
+    caching allocator is capped at what the process held before plus the budget
+    (memory.vram_cap), and a load that would pass it raises BudgetTooSmall. ram_budget: bytes of RAM for
     layers (default MemAvailable less a margin): dequantized resident layers on CPU, pinned
     layer images on CUDA (tier B). The layers that fit neither are read from disk on every
     token (tier C). io: "direct" (O_DIRECT reads, the default), "buffered", "kvikio" (CUDA:
