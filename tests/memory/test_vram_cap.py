@@ -20,13 +20,14 @@ class _Owner:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    state = {"reserved": 0, "fractions": []}
+    state = {"reserved": 0, "fractions": [], "by_device": {}}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (100 * GIB, 100 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: state["reserved"])
     def set_fraction(fraction, device=None):
         if not isinstance(device, torch.device) or device.index is None:
             raise ValueError("Expected a torch.device with a specified index")  # as torch does
         state["fractions"].append(fraction)
+        state["by_device"][device.index] = fraction
 
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", set_fraction)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -64,3 +65,15 @@ def test_a_budget_above_the_device_is_no_cap(fake_cuda):
     cap = vram_cap.VramCap(torch.device("cuda", 0), 500 * GIB)
     assert fake_cuda["fractions"][-1] == 1.0
     cap.release()
+
+
+def test_each_device_keeps_its_own_cap(fake_cuda):
+    on_0, on_1 = _Owner(), _Owner()
+    vram_cap.VramCap(torch.device("cuda", 0), 10 * GIB).attach(on_0)
+    vram_cap.VramCap(torch.device("cuda", 1), 20 * GIB).attach(on_1)
+    assert fake_cuda["by_device"] == {0: pytest.approx(0.1), 1: pytest.approx(0.2)}
+    del on_1
+    gc.collect()
+    assert fake_cuda["by_device"] == {0: pytest.approx(0.1), 1: 1.0}
+    del on_0
+    gc.collect()

@@ -6,7 +6,7 @@ still reserved 24.02 GiB. A per-process memory fraction makes the allocator give
 and retry before it would grow past the budget, so the budget holds for reserved memory, which is
 what `torch.cuda.max_memory_reserved` reports and what other processes cannot use.
 
-The fraction is process-wide. The newest live model sets it: what the process held before that
+The fraction is per device and process-wide. The newest live model on a device sets it: what the process held before that
 model loaded plus its budget, or no cap when it was loaded without a budget. When it is freed,
 the cap of the model loaded before it (if any still lives) comes back.
 """
@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-_limits: dict[int, int] = {}  # live models' caps on reserved bytes, by key
+_limits: dict[int, tuple[int, int]] = {}  # live models' (device index, cap on reserved bytes)
 _keys = itertools.count()
 
 
@@ -34,7 +34,7 @@ class VramCap:
         self.limit = total if budget is None else \
             min(total, torch.cuda.memory_reserved(device) + budget)
         self.key = next(_keys)
-        _limits[self.key] = self.limit
+        _limits[self.key] = (index, self.limit)
         _apply(device, total)
 
     def attach(self, owner: object) -> None:
@@ -50,6 +50,7 @@ def _release(key: int, device: torch.device, total: int) -> None:
 
 
 def _apply(device: torch.device, total: int) -> None:
-    # the newest live model's cap: its base already counts what the older ones hold
-    limit = _limits[max(_limits)] if _limits else total
+    # the newest live model's cap on this device: its base already counts what older ones hold
+    mine = [key for key, (index, _) in _limits.items() if index == device.index]
+    limit = _limits[max(mine)][1] if mine else total
     torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
