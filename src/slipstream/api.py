@@ -17,7 +17,7 @@ import torch
 
 from .chat_template import ChatTemplate
 from .config import ModelConfig
-from .errors import BadArgument, BudgetTooSmall
+from .errors import BadArgument, BudgetTooSmall, oom_summary
 from .gguf_file import GGUFFile
 from .memory.budget import fmt_bytes
 from .runtime.engine import Engine
@@ -142,9 +142,9 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     a reserve computed from the shapes (KV cache for ctx, activations, workspace, slots) comes
     out of it and layers stay resident while the rest lasts; while the model lives, torch's
     caching allocator is capped at what the process held before plus the budget
-    (memory.vram_cap), and a load that would pass it raises BudgetTooSmall. ram_budget: bytes of RAM for
-    layers (default MemAvailable less a margin): dequantized resident layers on CPU, pinned
-    layer images on CUDA (tier B). The layers that fit neither are read from disk on every
+    (memory.vram_cap), and a load that would pass it raises BudgetTooSmall. ram_budget: bytes
+    of RAM for layers (default MemAvailable less a margin): dequantized resident layers on
+    CPU, pinned layer images on CUDA (tier B). The layers that fit neither are read from disk on every
     token (tier C). io: "direct" (O_DIRECT reads, the default), "buffered", "kvikio" (CUDA:
     KvikIO into GPU memory), or "mmap" (the naive baseline: page cache, pageable copies).
     gpu_slots (CUDA, >= 2): the ring of GPU slots streamed layers are copied into.
@@ -167,27 +167,26 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     from .memory.setup import check_io, plan_for
 
     check_io(io, dev)
-    plan = plan_for(gf, cfg, dev, weight_dtype, kv_dtype, n_ctx, parse_size(ram_budget),
-                    parse_size(vram_budget), io, gpu_slots)
-    if dev.type != "cuda":
-        return _build(model_path, gf, cfg, dev, tokenizer, template, plan, n_ctx, weight_dtype,
-                      kv_dtype, progress, io, stream_delay)
+    vram = parse_size(vram_budget)
+    plan = plan_for(gf, cfg, dev, weight_dtype, kv_dtype, n_ctx, parse_size(ram_budget), vram,
+                    io, gpu_slots)
     from .memory.vram_cap import VramCap
 
-    cap = VramCap(dev, parse_size(vram_budget))
+    cap = VramCap(dev, vram) if dev.type == "cuda" else None
     try:
         model = _build(model_path, gf, cfg, dev, tokenizer, template, plan, n_ctx, weight_dtype,
                        kv_dtype, progress, io, stream_delay)
-    except torch.cuda.OutOfMemoryError as e:
-        cap.release()
-        raise BudgetTooSmall(
-            f"loading {model_path.name} took more VRAM than the "
-            f"{fmt_bytes(cap.limit)} the budget allows this process ({e.args[0].splitlines()[0]})"
-            f"; raise --vram-budget or lower --ctx") from None
-    except BaseException:
-        cap.release()
+    except BaseException as e:
+        if cap is not None:
+            cap.release()
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                raise BudgetTooSmall(
+                    f"loading {model_path.name} took more VRAM than the {fmt_bytes(cap.limit)} "
+                    f"the budget allows this process ({oom_summary(e)}); raise --vram-budget "
+                    f"or lower --ctx") from None
         raise
-    cap.attach(model)
+    if cap is not None:
+        cap.attach(model)
     return model
 
 

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import SlipstreamError
+from .errors import SlipstreamError, oom_summary
 
 err = Console(stderr=True)
 
@@ -433,9 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(e, torch.cuda.OutOfMemoryError):
             raise
-        first = str(e).splitlines()[0] if str(e) else "CUDA out of memory"
         err.print("[red]error:[/red] the GPU ran out of memory ("
-                  + escape(first) + "); lower --ctx or the prompt, or raise --vram-budget",
+                  + escape(oom_summary(e)) + "); lower --ctx or the prompt, or raise --vram-budget",
                   highlight=False, soft_wrap=True)
         return 1
     except KeyboardInterrupt:

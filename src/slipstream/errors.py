@@ -49,3 +49,9 @@ class BadArgument(SlipstreamError, ValueError):
 
 class MissingDependency(SlipstreamError):
     """An optional package a requested feature needs is not installed."""
+
+
+def oom_summary(e: BaseException) -> str:
+    """The first line of a CUDA out-of-memory error (what was asked, what was free), for
+    one-line messages; torch's text goes on with allocator advice."""
+    return (str(e).splitlines() or ["CUDA out of memory"])[0]
