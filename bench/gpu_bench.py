@@ -32,12 +32,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import slipstream  # noqa: E402
-from slipstream.runtime.bench import (  # noqa: E402
-    bench_decode,
-    bench_prefill,
+from slipstream.memory.probes import (  # noqa: E402
     disk_read_gbps,
     h2d_pinned_gbps,
     memory_read_gbps,
+)
+from slipstream.runtime.bench import (  # noqa: E402
+    bench_decode,
+    bench_prefill,
     weight_bytes_per_token,
 )
 from slipstream.provenance import source_revision  # noqa: E402

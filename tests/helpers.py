@@ -9,7 +9,10 @@ import torch
 
 from slipstream.config import ModelConfig
 from slipstream.gguf_file import GGUFFile
+from slipstream.memory import ResidentLayerStore
+from slipstream.precision import Precision
 from slipstream.runtime.engine import Engine
+from slipstream.runtime.stage import Stage
 from slipstream.weights import load_weights
 
 
@@ -17,8 +20,16 @@ def cpu_engine(path: str | Path, ctx: int = 256) -> Engine:
     """A CPU engine on a GGUF file without the tokenizer (for model-math tests)."""
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
-    weights = load_weights(gf, cfg, torch.device("cpu"), torch.float16, torch.float32)
-    return Engine(cfg, weights, torch.device("cpu"), ctx, torch.float32, torch.float32)
+    weights = load_weights(gf, cfg, torch.device("cpu"), Precision.of("fast", torch.device("cpu")))
+    return Engine(cfg, weights, cpu_stages(cfg, weights, ctx))
+
+
+def cpu_stages(cfg: ModelConfig, weights, ctx: int, cuts: tuple[int, ...] = ()) -> list[Stage]:
+    """CPU stages over resident layers, split before each layer index in `cuts`."""
+    bounds = [0, *cuts, cfg.n_layers]
+    store = ResidentLayerStore(weights.layers)
+    return [Stage.build(cfg, torch.device("cpu"), range(a, b), store, ctx, torch.float32,
+                        weights.rope_freqs) for a, b in zip(bounds, bounds[1:])]
 
 
 def tensor_info_offset(path: Path, name: str) -> int:

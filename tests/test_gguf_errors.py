@@ -37,7 +37,10 @@ def load_all(path):
 
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
-    return load_weights(gf, cfg, torch.device("cpu"), torch.float16, torch.float32)
+    from slipstream.precision import Precision
+
+    cpu = torch.device("cpu")
+    return load_weights(gf, cfg, cpu, Precision.of("fast", cpu))
 
 
 def test_good_file_loads(good):

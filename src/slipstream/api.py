@@ -20,9 +20,11 @@ from .config import ModelConfig
 from .errors import BadArgument, BudgetTooSmall, oom_summary
 from .gguf_file import GGUFFile
 from .memory.budget import fmt_bytes
-from .runtime.engine import Engine
+from .precision import Precision
+from .runtime.engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
 from .runtime.generate import GenerationEvent, GenerationStats, generate
-from .runtime.sampler import SamplingParams
+from .runtime.sampler import Sampler, SamplingParams
+from .runtime.stage import Stage
 from .tokenizer import Tokenizer
 from .weights import load_weights
 
@@ -56,6 +58,31 @@ class Model:
         self.template = template
         self.last_stats: GenerationStats | None = None
         self.plan = None  # memory.Plan: where each layer lives
+        self._vram_cap = None  # memory.vram_cap.VramCap while the model holds a VRAM budget
+        self.closed = False
+
+    def close(self) -> None:
+        """Release what the model holds: its stores' reader threads, file descriptors, pinned
+        buffers and GPU slots, its VRAM cap, and the file's memory map. Safe to call twice; the
+        model cannot generate afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        for stage in self.engine.stages:
+            stage.store.close()
+        if self._vram_cap is not None:
+            self._vram_cap.release()
+            self._vram_cap = None
+        # the weights (the embedding table of a CPU model views the file's memory map) go with
+        # the engine, so the map and its descriptor are released now, not at garbage collection
+        self.engine = None
+        self.gguf.close()
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def device(self) -> torch.device:
@@ -97,7 +124,8 @@ class Model:
                                 presence_penalty=presence_penalty, seed=seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         self.last_stats = GenerationStats()
-        return generate(self.engine, self.tokenizer, ids, params, max_tokens, stops,
+        sampler = Sampler(params, device=self.engine.device)
+        return generate(self.engine, self.tokenizer, ids, sampler, max_tokens, stops,
                         stats=self.last_stats)
 
     def chat_ids(self, messages: Sequence[dict]) -> list[int]:
@@ -112,17 +140,6 @@ class Model:
 
     def chat(self, messages: Sequence[dict], **kwargs) -> Iterator[GenerationEvent]:
         return self.generate(self.chat_ids(messages), **kwargs)
-
-
-def dtypes_for(precision: str, dev: torch.device) -> tuple[torch.dtype, torch.dtype]:
-    """(weight dtype, KV-cache dtype). CPU keeps float16 (fast) or float32 (exact) weights (see
-    weights.linear.DenseLinear); on CUDA the weights keep their GGUF formats and float16 marks
-    "fast" to the layer builder. The residual stream is float32 on both, the CUDA KV cache
-    float16 (more mantissa than bf16, and attention values never approach its range)."""
-    if precision not in ("fast", "exact"):
-        raise BadArgument(f"precision={precision!r} is invalid: use 'fast' or 'exact'")
-    weight_dtype = torch.float16 if precision == "fast" else torch.float32
-    return weight_dtype, torch.float32 if dev.type == "cpu" else torch.float16
 
 
 def load(path: str | os.PathLike[str] | None = None, device: str | torch.device = "auto",
@@ -151,31 +168,22 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     stream_delay (tests): a memory.StreamDelays, or a callable run in reader threads before
     each read, or an int of GPU cycles to stall the copy stream at random before each copy.
     """
-    from .pull import pull
-
-    model_path = Path(path) if path is not None else pull(quiet=not progress)
+    model_path, gf, cfg = _open(path, progress)
     dev = resolve_device(device)
-    gf = GGUFFile(model_path)
-    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=model_path.name)
     tokenizer = Tokenizer.from_metadata(gf.metadata)
     template = ChatTemplate.from_metadata(gf.metadata)
-    n_ctx = min(cfg.context_length, DEFAULT_MAX_CTX) if ctx is None else int(ctx)
-    if n_ctx <= 0:
-        raise BadArgument(f"ctx={n_ctx} is invalid: the context must hold at least one token")
-    weight_dtype, kv_dtype = dtypes_for(precision, dev)
+    n_ctx = _context(cfg, ctx)
+    prec = Precision.of(precision, dev)
     from .memory.budget import parse_size
-    from .memory.setup import check_io, plan_for
 
-    check_io(io, dev)
     vram = parse_size(vram_budget)
-    plan = plan_for(gf, cfg, dev, weight_dtype, kv_dtype, n_ctx, parse_size(ram_budget), vram,
-                    io, gpu_slots)
+    plan = _plan(gf, cfg, dev, prec, n_ctx, ram_budget, vram, io, gpu_slots)
     from .memory.vram_cap import VramCap
 
     cap = VramCap(dev, vram) if dev.type == "cuda" else None
     try:
-        model = _build(model_path, gf, cfg, dev, tokenizer, template, plan, n_ctx, weight_dtype,
-                       kv_dtype, progress, io, stream_delay)
+        model = _build(model_path, gf, cfg, dev, tokenizer, template, plan, n_ctx, prec,
+                       progress, io, stream_delay)
     except BaseException as e:
         if cap is not None:
             cap.release()
@@ -187,40 +195,93 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
         raise
     if cap is not None:
         cap.attach(model)
+        model._vram_cap = cap
     return model
 
 
+def plan(path: str | os.PathLike[str] | None = None, device: str | torch.device = "auto",
+         ctx: int | None = None, precision: str = "fast", ram_budget: str | int | None = None,
+         vram_budget: str | int | None = None, io: str = "direct", gpu_slots: int = 2,
+         measure: bool = True):
+    """The tier plan (memory.Plan) that `load` would make with the same arguments, without
+    loading the model: which layers stay in VRAM or RAM, which stream from pinned RAM or disk,
+    and the reserve. The budgets are read from the machine now (free VRAM, MemAvailable).
+    measure: also probe the links' bandwidths, for the predicted decode rate.
+    `plan.table()` is what `slipstream info --plan` prints."""
+    _, gf, cfg = _open(path, progress=False)
+    dev = resolve_device(device)
+    from .memory.budget import parse_size
+
+    p = _plan(gf, cfg, dev, Precision.of(precision, dev), _context(cfg, ctx), ram_budget,
+              parse_size(vram_budget), io, gpu_slots)
+    if measure:
+        from .memory.setup import measure_bandwidths
+
+        measure_bandwidths(gf, p, io)
+    return p
+
+
+def _open(path, progress: bool) -> tuple[Path, GGUFFile, ModelConfig]:
+    from .pull import pull
+
+    model_path = Path(path) if path is not None else pull(quiet=not progress)
+    gf = GGUFFile(model_path)
+    return model_path, gf, ModelConfig.from_metadata(gf.metadata, set(gf.tensors),
+                                                     source=model_path.name)
+
+
+def _context(cfg: ModelConfig, ctx: int | None) -> int:
+    n_ctx = min(cfg.context_length, DEFAULT_MAX_CTX) if ctx is None else int(ctx)
+    if n_ctx <= 0:
+        raise BadArgument(f"ctx={n_ctx} is invalid: the context must hold at least one token")
+    return n_ctx
+
+
+def _plan(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Precision, ctx: int,
+          ram_budget, vram_budget: int | None, io: str, gpu_slots: int):
+    """The one planning path of `load` and `plan`."""
+    from .memory.budget import parse_size
+    from .memory.setup import check_io, plan_for
+
+    check_io(io, dev)
+    return plan_for(gf, cfg, dev, precision, ctx, parse_size(ram_budget), vram_budget, io,
+                    gpu_slots, prefill_chunk=PREFILL_CHUNK, graph_bucket=GRAPH_BUCKET)
+
+
 def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, tokenizer,
-           template, plan, n_ctx: int, weight_dtype, kv_dtype, progress: bool, io: str,
+           template, plan, n_ctx: int, precision: Precision, progress: bool, io: str,
            stream_delay) -> Model:
     """Load the planned model: streamed tiers first, then the resident weights, the store
     and the engine."""
     from .memory.setup import disk_images, make_store, measure_bandwidths, pin_streamed_layers
 
-    act_dtype = torch.float32
     if plan.streamed_layers:
         measure_bandwidths(gf, plan, io)
     resident = {i for i, t in enumerate(plan.tiers) if t in ("ram", "vram")}
     # CUDA tiers B and C are built first, while the GPU holds nothing else, so the transient
     # GPU copy of the layer being built never sits on top of the resident model.
-    images = pin_streamed_layers(gf, cfg, dev, weight_dtype, plan)
-    disk = disk_images(gf, cfg, dev, weight_dtype, plan, progress)
-    weights = _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, progress,
-                                          resident, plan.embed_on_host)
+    images = pin_streamed_layers(gf, cfg, dev, precision, plan)
+    disk = disk_images(gf, cfg, dev, precision, plan, progress)
+    weights = _load_weights_with_progress(gf, cfg, dev, precision, progress, resident,
+                                          plan.embed_on_host)
     if dev.type == "cuda":
         # Give load-time transients back, so the run's own peak starts from the steady state
         # (memory.vram reserves the larger of the two, not their sum).
         torch.cuda.empty_cache()
-    store = make_store(gf, cfg, dev, weight_dtype, weights, plan, io, stream_delay, images,
+    store = make_store(gf, cfg, dev, precision, weights, plan, io, stream_delay, images,
                        disk)
-    engine = Engine(cfg, weights, dev, n_ctx, act_dtype, kv_dtype, layers=store,
+    # one stage per planned stage (today one: the whole model on `dev`), all served by the store
+    stages = [Stage.build(cfg, torch.device(st.device) if st.device != dev.type else dev,
+                          st.layers, store, n_ctx, precision.kv_dtype, weights.rope_freqs)
+              for st in plan.stages]
+    engine = Engine(cfg, weights, stages, precision.act_dtype,
                     use_graphs=None if plan.graphs else False)
     model = Model(model_path, gf, cfg, engine, tokenizer, template)
     model.plan = plan
     return model
 
 
-def _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, show: bool,
+def _load_weights_with_progress(gf, cfg, dev, precision: Precision, show: bool,
                                 resident: set[int] | None = None, embed_on_host: bool = False):
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
@@ -228,6 +289,6 @@ def _load_weights_with_progress(gf, cfg, dev, weight_dtype, act_dtype, show: boo
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), disable=not show, transient=True) as bar:
         task = bar.add_task(f"loading {gf.path.name}", total=total)
-        return load_weights(gf, cfg, dev, weight_dtype, act_dtype,
+        return load_weights(gf, cfg, dev, precision,
                             progress=lambda n: bar.advance(task, n), resident_layers=resident,
                             embed_on_host=embed_on_host)

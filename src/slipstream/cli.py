@@ -71,7 +71,7 @@ def _load(a: argparse.Namespace):
                      vram_budget=a.vram_budget, io=a.io, gpu_slots=a.gpu_slots)
     if model.plan is not None and (model.plan.streamed_layers or getattr(a, "stats", False)):
         err.print(model.plan.table())
-        note = getattr(model.engine.layers, "note", "")
+        note = model.engine.layers.note
         if note:
             err.print(f"[yellow]{escape(note)}[/yellow]")
     return model
@@ -97,14 +97,13 @@ def cmd_run(a: argparse.Namespace) -> int:
     model = _load(a)
     store = model.engine.layers
     store.stats.reset()
-    if a.stats and hasattr(store, "enable_timing"):
+    if a.stats:
         store.enable_timing()
     _stream(model.generate(a.prompt, **_sampling_kwargs(a)))
     sys.stdout.write("\n")
     _print_stats(model)
     if a.stats:
-        if hasattr(store, "collect"):
-            store.collect()
+        store.collect()
         err.print(breakdown_table(model.last_stats, store.stats, model.device.type))
     return 0
 
@@ -199,6 +198,7 @@ def cmd_info(a: argparse.Namespace) -> int:
 
     from .config import ModelConfig
     from .gguf_file import GGUFFile
+    from .model.layer_spec import HEAD, head_tensor_name
     from .pull import pull
 
     path = Path(a.model) if a.model else pull(quiet=True)
@@ -216,7 +216,7 @@ def cmd_info(a: argparse.Namespace) -> int:
             ("context length", cfg.context_length),
             ("rope", f"{cfg.rope_style}, base {cfg.rope_base:g}, dim {cfg.rope_dim}"
                      + (", llama3 rope_freqs" if "rope_freqs.weight" in gf.tensors else "")),
-            ("tied embeddings", "output.weight" not in gf.tensors),
+            ("tied embeddings", head_tensor_name(gf.tensors) != HEAD),
             ("tokenizer", f"{gf.metadata.get('tokenizer.ggml.model')} "
                           f"(pre: {gf.metadata.get('tokenizer.ggml.pre', '-')})"),
             ("chat template", "yes" if gf.metadata.get("tokenizer.chat_template") else "no")]
@@ -237,17 +237,11 @@ def cmd_info(a: argparse.Namespace) -> int:
         tt.add_row(name, str(n), f"{nbytes[name]:,}")
     out.print(tt)
     if a.plan:
-        from .api import dtypes_for, resolve_device
-        from .memory.budget import parse_size
-        from .memory.setup import measure_bandwidths, plan_for
+        from .api import plan
 
-        dev = resolve_device(a.device)
-        ctx = a.ctx or min(cfg.context_length, 4096)
-        wdt, kvd = dtypes_for(a.precision, dev)
-        plan = plan_for(gf, cfg, dev, wdt, kvd, ctx, parse_size(a.ram_budget),
-                        parse_size(a.vram_budget), a.io, a.gpu_slots)
-        measure_bandwidths(gf, plan, a.io)
-        out.print(plan.table())
+        out.print(plan(path, device=a.device, ctx=a.ctx, precision=a.precision,
+                       ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io,
+                       gpu_slots=a.gpu_slots).table())
     return 0
 
 
@@ -277,8 +271,8 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from .runtime.bench import (bench_decode, bench_prefill, memory_read_gbps,
-                                weight_bytes_per_token)
+    from .memory.probes import memory_read_gbps
+    from .runtime.bench import bench_decode, bench_prefill, weight_bytes_per_token
 
     if a.ctx is None:
         a.ctx = max(a.pp, a.tg) + 16

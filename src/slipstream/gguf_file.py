@@ -140,9 +140,9 @@ class GGUFFile:
         return self.reader.data[info.offset: info.offset + info.n_bytes]
 
     def close(self) -> None:
-        mm = getattr(self.reader, "data", None)
-        if mm is not None and hasattr(mm, "_mmap") and mm._mmap is not None:
-            del self.reader.data
+        """Drop the reader and its memory map: the map and its file descriptor go as soon as
+        no tensor viewing it is left (Model.close drops the weights first)."""
+        self.reader = None
 
 
 def _field_value(field: Any) -> Any:

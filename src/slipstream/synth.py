@@ -22,7 +22,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 
 from . import quant
+from .config import ARCHITECTURES, ModelConfig
 from .errors import BadArgument
+from .model.layer_spec import EMBEDDING, HEAD, TensorSpec, spec_for
 from .tokenizer import bytes_to_unicode
 
 Q = GGMLQuantizationType
@@ -206,6 +208,26 @@ LLAMA3_TEMPLATE = (
     "{% endif %}")
 
 
+def _config(shape: SynthShape, arch: str) -> ModelConfig:
+    """The ModelConfig the file write_synth makes will read back as (Qwen2 with QKV biases)."""
+    if arch not in ARCHITECTURES:
+        raise BadArgument(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURES)}")
+    head_dim = shape.hidden // shape.n_heads
+    return ModelConfig(
+        architecture=arch, n_layers=shape.n_layers, hidden=shape.hidden, ffn=shape.ffn,
+        n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, head_dim=head_dim,
+        rope_dim=head_dim, vocab_size=shape.vocab, context_length=shape.context,
+        norm_eps=1e-5, rope_base=shape.rope_base, rope_style=ARCHITECTURES[arch],
+        attn_bias=arch == "qwen2")
+
+
+def _file_rank(t: TensorSpec) -> int:
+    """A layer's tensor order in synthesized files: attn_norm, the matrices, their biases,
+    ffn_norm. It fixes which random numbers each tensor gets, so it must never change."""
+    return {"attn_norm.weight": 0, "ffn_norm.weight": 3}.get(t.suffix,
+                                                           2 if t.kind == "bias" else 1)
+
+
 def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_K",
                 n_layers: int | None = None, seed: int = 0, arch: str = "llama",
                 from_floats: bool = False, tie_embeddings: bool = False,
@@ -225,7 +247,6 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
         raise BadArgument(f"unknown --quant {quant_mix!r}; choose from {', '.join(QUANT_MIXES)}")
     layer_type, out_type = QUANT_MIXES[quant_mix]
     head_dim = shape.hidden // shape.n_heads
-    kv = shape.n_kv_heads * head_dim
     rng = np.random.default_rng(seed)
     path = Path(path)
 
@@ -234,29 +255,20 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
             return Q.Q6_K
         return layer_type
 
+    cfg = _config(shape, arch)
+    layer = sorted((t for t in spec_for(arch).tensors if t.expected(cfg)), key=_file_rank)
     # name -> (ggml type, torch-order shape, weight std)
     plan: list[tuple[str, Q, tuple[int, ...], float]] = []
-    plan.append(("token_embd.weight", out_type if quant_mix != "Q4_K_M" else Q.Q4_K,
+    plan.append((EMBEDDING, out_type if quant_mix != "Q4_K_M" else Q.Q4_K,
                  (shape.vocab, shape.hidden), std))
     for i in range(shape.n_layers):
-        p = f"blk.{i}."
-        plan.append((p + "attn_norm.weight", Q.F32, (shape.hidden,), 0.0))
-        for name, s in (("attn_q.weight", (shape.hidden, shape.hidden)),
-                        ("attn_k.weight", (kv, shape.hidden)),
-                        ("attn_v.weight", (kv, shape.hidden)),
-                        ("attn_output.weight", (shape.hidden, shape.hidden)),
-                        ("ffn_gate.weight", (shape.ffn, shape.hidden)),
-                        ("ffn_up.weight", (shape.ffn, shape.hidden)),
-                        ("ffn_down.weight", (shape.hidden, shape.ffn))):
-            plan.append((p + name, layer_q(name), s, std))
-        if arch == "qwen2":
-            for name, n in (("attn_q.bias", shape.hidden), ("attn_k.bias", kv),
-                            ("attn_v.bias", kv)):
-                plan.append((p + name, Q.F32, (n,), 0.1))
-        plan.append((p + "ffn_norm.weight", Q.F32, (shape.hidden,), 0.0))
+        for t in layer:
+            q, sd = ((layer_q(t.suffix), std) if t.kind == "weight" else
+                     (Q.F32, 0.1 if t.kind == "bias" else 0.0))
+            plan.append((f"blk.{i}.{t.suffix}", q, t.shape(cfg), sd))
     plan.append(("output_norm.weight", Q.F32, (shape.hidden,), 0.0))
     if not tie_embeddings:
-        plan.append(("output.weight", out_type, (shape.vocab, shape.hidden), std))
+        plan.append((HEAD, out_type, (shape.vocab, shape.hidden), std))
     if rope_freqs:
         plan.append(("rope_freqs.weight", Q.F32, (head_dim // 2,), -1.0))
 

@@ -10,6 +10,7 @@ import gc
 import os
 import random
 import shutil
+import threading
 import time
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 
 import slipstream
 from helpers import streamed_logits, streaming_synth
-from slipstream.memory import StreamDelays
+from slipstream.memory import LayerStore, StreamDelays
 from slipstream.memory.disk import DiskReadError
 
 pytestmark = pytest.mark.gpu
@@ -163,6 +164,42 @@ def test_stats_break_a_token_down(synth):
     assert s.compute_s > 0 and s.h2d_s > 0 and s.disk_read_s > 0 and s.stall_s >= 0
     assert s.h2d_bytes >= s.disk_bytes > 0
     store.close()
+
+
+def _held(path) -> tuple[set[threading.Thread], int]:
+    """The streaming reader threads alive, and the descriptors open on `path`."""
+    gc.collect()
+    threads = {t for t in threading.enumerate() if t.name.startswith("slipstream-")}
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.path.realpath(f"/proc/self/fd/{fd}") == str(path.resolve())
+        except OSError:
+            pass  # closed while listing
+    return threads, fds
+
+
+@pytest.mark.parametrize("io", ["direct", "mmap"])
+def test_close_gives_back_threads_descriptors_and_slots(synth, io):
+    """close() joins the reader threads, closes the image file and drops the GPU slots (and
+    the pinned images); a second close is a no-op."""
+    from slipstream.memory.image_file import image_paths
+
+    image = image_paths(synth)[0]
+    before = _held(image)
+    model = _load_tiered(synth, io=io)
+    store = model.engine.layers
+    assert isinstance(store, LayerStore) and not store.graph_capturable
+    assert store.disk.path == image
+    streamed_logits(model, steps=1)
+    assert _held(image)[1] > before[1]
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    store.close()
+    store.close()
+    assert _held(image) == before
+    slot = max(model.plan.file_bytes_per_layer)
+    assert torch.cuda.memory_allocated() <= allocated - slot  # at least one slot went
 
 
 def test_planned_sizes_match_what_loading_builds(synth):

@@ -1,11 +1,11 @@
 """The CUDA store's bookkeeping (the slot ring, the staging ring behind it, wrap-around into the
 next token, restarts after a pass that stopped part-way, the mmap baseline), driven on the CPU
-with CUDA streams and events faked as already complete. Copies are then synchronous, so this
-checks which bytes land where, not the GPU-side ordering (tests/gpu does that)."""
+with CUDA streams and events faked as already complete (conftest.fake_cuda). Copies are then
+synchronous, so this checks which bytes land where, not the GPU-side ordering (tests/gpu does
+that)."""
 
 from __future__ import annotations
 
-import contextlib
 import random
 import time
 
@@ -15,53 +15,16 @@ import torch
 from slipstream.config import ModelConfig
 from slipstream.gguf_file import GGUFFile
 from slipstream.memory import StreamDelays
+from slipstream.precision import Precision
 from slipstream.synth import write_synth
-
-
-class FakeEvent:
-    def __init__(self, enable_timing: bool = False):
-        self.recorded = 0
-
-    def record(self, stream=None) -> None:
-        self.recorded += 1
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-    def elapsed_time(self, other) -> float:
-        return 0.25
-
-
-class FakeStream:
-    def __init__(self, device=None):
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-@pytest.fixture
-def fake_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     pytest.importorskip("triton")  # QuantLinear looks the kernels up (never runs them here)
-    from slipstream.memory.gpu_stream import _tensors, to_image
     from slipstream.memory.image_file import build_images
     from slipstream.memory.vram import layer_image_bytes
+    from slipstream.weights.image import _tensors, to_image
     from slipstream.weights.linear import Workspace
     from slipstream.weights.loader import LayerBuilder, TensorSource
 
@@ -71,19 +34,19 @@ def setup(tmp_path_factory):
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
     cpu = torch.device("cpu")
-    builder = LayerBuilder(cfg, cpu, torch.float16, workspace=Workspace(cpu))
+    builder = LayerBuilder(cfg, cpu, Precision.of("fast", cpu), workspace=Workspace(cpu))
     builder.quantized = True
     built = [builder.build(TensorSource(gf), i) for i in range(cfg.n_layers)]
     want = [dict(_tensors(layer)) for layer in built]
     images = {2: to_image(built[2], pin=False)}
     sizes = [layer_image_bytes(gf, cfg, i) for i in range(cfg.n_layers)]
-    disk = build_images(gf, cfg, cpu, torch.float16, [3, 4, 5], sizes, progress=False,
-                        builder=builder)
+    disk = build_images(gf, cfg, cpu, Precision.of("fast", cpu), [3, 4, 5], sizes,
+                        progress=False, builder=builder)
     return built, want, images, disk, builder.workspace
 
 
 def _check(layer, want) -> None:
-    from slipstream.memory.gpu_stream import _tensors
+    from slipstream.weights.image import _tensors
 
     got = dict(_tensors(layer))
     assert got.keys() == want.keys()
@@ -149,7 +112,7 @@ def test_the_staging_ring_waits_for_each_copy_event(fake_cuda, setup):
     bufs = list(store.staging.free) + [b for _, b, _ in store.staging.reads]
     assert len(bufs) == 3
     for buf in bufs:
-        buf.event = type("Ev", (FakeEvent,), {
+        buf.event = type("Ev", (torch.cuda.Event,), {  # FakeEvent, under fake_cuda
             "synchronize": lambda self, b=buf: calls.append(id(b))})()
     for _ in range(3):
         for i in range(6):
@@ -164,23 +127,24 @@ def test_streamed_layers_between_resident_ones(fake_cuda, setup, io):
     """The CUDA planner spreads streamed layers between resident ones (planner._interleave):
     the ring serves layers 1 (pinned), 3 and 5 (disk) around resident 0, 2 and 4."""
     from slipstream.memory.cuda_store import CudaLayerStore
-    from slipstream.memory.gpu_stream import to_image
     from slipstream.memory.image_file import build_images
     from slipstream.memory.vram import layer_image_bytes
+    from slipstream.weights.image import to_image
 
     built, want, _, disk_all, ws = setup
     # the model next to its image file (MODEL.slipstream.img)
     gf = GGUFFile(disk_all.path.with_name(disk_all.path.name.removesuffix(".slipstream.img")))
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
     sizes = [layer_image_bytes(gf, cfg, i) for i in range(cfg.n_layers)]
-    disk = build_images(gf, cfg, torch.device("cpu"), torch.float16, [3, 5], sizes,
+    cpu = torch.device("cpu")
+    disk = build_images(gf, cfg, cpu, Precision.of("fast", cpu), [3, 5], sizes,
                         progress=False)  # reuses the file built for 3-5
     assert sorted(disk.spans) == [3, 5]
     resident = [built[0], None, built[2], None, built[4], None]
     store = CudaLayerStore(resident, torch.device("cpu"), ws,
                            images={1: to_image(built[1], pin=False)}, disk=disk, io=io,
                            n_slots=2, n_staging=3)
-    assert store.order == ([1] if io == "mmap" else [1, 3, 5])
+    assert store.ring.order == ([1] if io == "mmap" else [1, 3, 5])
     for _ in range(3):
         for i in range(6):
             layer = store.acquire(i)

@@ -27,9 +27,12 @@ from slipstream.memory.planner import plan_cuda
 from slipstream.memory.staging import StagingBuffer, StagingRing
 from slipstream.memory.store import StoreStats, StreamDelays
 from slipstream.memory.vram import layer_image_bytes, layer_vram_bytes, packed_planes, vram_reserve
+from slipstream.precision import Precision
+from slipstream.runtime.engine import GRAPH_BUCKET, PREFILL_CHUNK
 from slipstream.synth import write_synth
 
 GiB = 2**30
+FAST_CPU = Precision.of("fast", torch.device("cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -69,14 +72,14 @@ def kernel_builder(tiny):
     from slipstream.weights.loader import LayerBuilder
 
     _, cfg = _open(tiny)
-    b = LayerBuilder(cfg, torch.device("cpu"), torch.float16, workspace=Workspace(
+    b = LayerBuilder(cfg, torch.device("cpu"), FAST_CPU, workspace=Workspace(
         torch.device("cpu")))
     b.quantized = True
     return b
 
 
 def test_image_bytes_predicted_exactly(tiny, kernel_builder):
-    from slipstream.memory.gpu_stream import to_image
+    from slipstream.weights.image import to_image
     from slipstream.weights.loader import TensorSource
 
     gf, cfg = _open(tiny)
@@ -88,15 +91,17 @@ def test_image_bytes_predicted_exactly(tiny, kernel_builder):
 
 def test_vram_reserve_parts(tiny):
     gf, cfg = _open(tiny)
-    r = vram_reserve(gf, cfg, ctx=256, kv_bytes_per_elem=2, chunk=2048, graphs=True)
+    r = vram_reserve(gf, cfg, ctx=256, kv_bytes_per_elem=2, chunk=2048, graphs=True,
+                     graph_bucket=GRAPH_BUCKET)
     assert r["KV cache"] == 2 * cfg.n_layers * cfg.n_kv_heads * 256 * cfg.head_dim * 2
     assert r["prefill workspace"] >= 2 * cfg.vocab_size * cfg.hidden  # head = largest here
     assert r["CUDA graph pools"] > 0
-    r2 = vram_reserve(gf, cfg, ctx=512, kv_bytes_per_elem=2, chunk=2048, graphs=False)
+    r2 = vram_reserve(gf, cfg, ctx=512, kv_bytes_per_elem=2, chunk=2048, graphs=False,
+                      graph_bucket=GRAPH_BUCKET)
     assert r2["KV cache"] == 2 * r["KV cache"] and r2["CUDA graph pools"] == 0
     assert r2["embedding"] >= gf.tensors["token_embd.weight"].n_bytes
     r3 = vram_reserve(gf, cfg, ctx=512, kv_bytes_per_elem=2, chunk=2048, graphs=False,
-                      embed_on_host=True)
+                      embed_on_host=True, graph_bucket=GRAPH_BUCKET)
     assert r3["embedding"] == 0 and r3["head"] == r2["head"]
 
 
@@ -111,7 +116,8 @@ def test_prefill_workspace_is_the_largest_layer_weight_not_the_head(tmp_path):
     path = write_synth(tmp_path / "wide.gguf", replace(SHAPES["tiny"], vocab=8192), "Q4_K",
                        n_layers=1)
     gf, cfg = _open(path)
-    r = vram_reserve(gf, cfg, ctx=64, kv_bytes_per_elem=2, chunk=64, graphs=False)
+    r = vram_reserve(gf, cfg, ctx=64, kv_bytes_per_elem=2, chunk=64, graphs=False,
+                     graph_bucket=GRAPH_BUCKET)
     assert r["prefill workspace"] == 2 * prefill_scratch_elements(cfg) == 2 * 2 * 512 * 256
     assert r["prefill workspace"] * 8 <= 2 * cfg.vocab_size * cfg.hidden
 
@@ -162,7 +168,9 @@ def test_plan_for_cuda_on_a_fake_device(tiny, monkeypatch):
     gf, cfg = _open(tiny)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GiB, 141 * GiB))
     dev = torch.device("cuda")
-    full = plan_for(gf, cfg, dev, torch.float16, torch.float16, 256, None, None)
+    fast = Precision.of("fast", dev)
+    engine = dict(prefill_chunk=PREFILL_CHUNK, graph_bucket=GRAPH_BUCKET)
+    full = plan_for(gf, cfg, dev, fast, 256, None, None, **engine)
     assert full.tiers == ["vram"] * 6 and full.budget == 80 * GiB
     # graphs are off when layers stream, so the streamed plan's reserve has no graph pools,
     # and the embedding stays on the host
@@ -170,14 +178,14 @@ def test_plan_for_cuda_on_a_fake_device(tiny, monkeypatch):
     slot = max(full.file_bytes_per_layer)
     vram = fixed + 2 * slot + full.resident_bytes_per_layer[0] + 1
     ram = 3 * slot + slot + 1  # the staging buffers and one pinned layer
-    plan = plan_for(gf, cfg, dev, torch.float16, torch.float16, 256, ram, vram)
+    plan = plan_for(gf, cfg, dev, fast, 256, ram, vram, **engine)
     assert plan.tiers == ["pinned", "disk", "disk", "disk", "vram", "disk"]
     assert plan.reserve["KV cache"] > 0 and not plan.graphs and plan.embed_on_host
     assert plan.reserve["embedding"] == 0
     assert "CUDA graph pools" in plan.reserve and plan.reserve["CUDA graph pools"] == 0
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (vram // 2, 141 * GiB))
     with pytest.raises(BudgetTooSmall, match="VRAM budget cannot run this model on cuda"):
-        plan_for(gf, cfg, dev, torch.float16, torch.float16, 256, ram, vram)
+        plan_for(gf, cfg, dev, fast, 256, ram, vram, **engine)
 
 
 # --- the image file ---------------------------------------------------------------------
@@ -185,14 +193,14 @@ def test_plan_for_cuda_on_a_fake_device(tiny, monkeypatch):
 def test_image_file_round_trip_and_reuse(tiny, tmp_path, kernel_builder):
     import shutil
 
-    from slipstream.memory.gpu_stream import _tensors, from_image, to_image
+    from slipstream.weights.image import _tensors, from_image, to_image
     from slipstream.weights.loader import TensorSource
 
     path = tmp_path / "m.gguf"
     shutil.copy(tiny, path)
     gf, cfg = _open(path)
     sizes = [layer_image_bytes(gf, cfg, i) for i in range(cfg.n_layers)]
-    imgs = image_file.build_images(gf, cfg, torch.device("cpu"), torch.float16, [3, 4, 5],
+    imgs = image_file.build_images(gf, cfg, torch.device("cpu"), FAST_CPU, [3, 4, 5],
                                    sizes, progress=False, builder=kernel_builder)
     assert imgs.path.parent == tmp_path and imgs.path.stat().st_size % 4096 == 0
     reader = DirectReader(imgs.path, io="direct")
@@ -231,14 +239,14 @@ def test_image_file_needs_disk_space(tiny, tmp_path, monkeypatch):
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda d: usage(10 * GiB, 10 * GiB, 100))
     with pytest.raises(BudgetTooSmall, match="repacked layer images .* only 100 B is free"):
-        image_file.build_images(gf, cfg, torch.device("cpu"), torch.float16, [5],
+        image_file.build_images(gf, cfg, torch.device("cpu"), FAST_CPU, [5],
                                 [10 << 20] * 6, progress=False)
 
 
 def test_layout_json_round_trip(tiny, kernel_builder):
     import json
 
-    from slipstream.memory.gpu_stream import LayerLayout, to_image
+    from slipstream.weights.image import LayerLayout, to_image
     from slipstream.weights.loader import TensorSource
 
     gf, _ = _open(tiny)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from helpers import cpu_engine
+from slipstream.runtime.graphs import DecodeGraphs
 from slipstream.synth import write_synth
 
 
@@ -16,14 +17,13 @@ def test_static_decode_body_matches_eager_decode(tmp_path):
     prompt = [3, 17, 99, 250, 7]
     eager.forward(prompt)
     static.forward(prompt)
-    static._token_buf = torch.zeros(1, dtype=torch.long)
-    static._pos_buf = torch.zeros(1, dtype=torch.long)
+    graphs = DecodeGraphs(static)
     for tok in [11, 42, 500, 8]:
         want = eager.forward([tok])
-        static._token_buf.fill_(tok)
-        static._pos_buf.fill_(static.pos)
-        got = static._decode_body(span=32)  # span past the position: masking must hide it
-        static.pos += 1
+        graphs.token.fill_(tok)
+        graphs.pos.fill_(static.length)
+        got = graphs.body(span=32)  # span past the position: masking must hide it
+        static.set_length(static.length + 1)
         # the two paths reach attention through different kernels (SDPA with a mask, bmm);
         # the head rounds logits to float16, so agreement is to float16 resolution
         assert float((got - want).norm() / want.norm()) < 1e-3

@@ -66,8 +66,8 @@ FLOAT_DTYPES: dict[T, torch.dtype] = {T.F32: torch.float32, T.F16: torch.float16
 SUPPORTED = tuple(FLOAT_DTYPES) + tuple(QSPECS)
 
 # Pack this many rows at a time so the transient int tensors stay small (the vocab matrix of an
-# 8B model would otherwise need ~2 GB of scratch).
-_PACK_ROWS = 2048
+# 8B model would otherwise need ~2 GB of scratch). memory.vram sizes the load transients by it.
+PACK_ROWS = 2048
 
 
 @dataclass
@@ -150,8 +150,8 @@ def pack_weight(raw: torch.Tensor, qtype: T | int | str, rows: int, cols: int) -
 
     spec = QSPECS[qt]
     parts: list[dict[str, torch.Tensor]] = []
-    for r0 in range(0, rows, _PACK_ROWS):
-        chunk = raw[r0:r0 + _PACK_ROWS]
+    for r0 in range(0, rows, PACK_ROWS):
+        chunk = raw[r0:r0 + PACK_ROWS]
         blocks = chunk.reshape(-1, tsize)  # (n_blocks, type_size)
         codes, meta = _DECODE[qt](blocks)  # codes: (n_blocks, block) uint8/int32, unsigned
         n = chunk.shape[0]

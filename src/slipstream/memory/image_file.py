@@ -34,9 +34,9 @@ from pathlib import Path
 import torch
 
 from ..errors import BudgetTooSmall, SlipstreamError
+from ..weights.image import LayerLayout
 from .budget import fmt_bytes
 from .disk import ALIGN
-from .gpu_stream import LayerLayout
 
 FORMAT_VERSION = 2  # bump when LayerLayout, to_image or pack_weight change their bytes
 SPACE_MARGIN = 1 << 30  # leave this much free on the disk after writing the file
@@ -104,13 +104,13 @@ def check_space(directory: Path, needed: int, replaced: int = 0) -> None:
             f"{fmt_bytes(SPACE_MARGIN)} spare); free disk space or raise --ram-budget")
 
 
-def build_images(gf, cfg, device: torch.device, weight_dtype: torch.dtype, layers: list[int],
+def build_images(gf, cfg, device: torch.device, precision, layers: list[int],
                  image_bytes: list[int], progress: bool = True, builder=None) -> ImageFile:
     """Reuse the cached image file for `layers`, or build each layer once on the GPU and write
     its image. `image_bytes` (the planner's per-layer sizes) sizes the disk-space check.
     `builder` (tests): a LayerBuilder that packs for the kernels on another device."""
     model = Path(gf.path)
-    fast = weight_dtype != torch.float32  # precision="fast", as LayerBuilder decides
+    fast = precision.name == "fast"
     cached = open_images(model, layers, fast)
     if cached is not None:
         return cached
@@ -119,12 +119,12 @@ def build_images(gf, cfg, device: torch.device, weight_dtype: torch.dtype, layer
     check_space(data.parent, sum(_round_up(image_bytes[i]) for i in layers), old)
     from rich.progress import BarColumn, DownloadColumn, Progress
 
+    from ..weights.image import to_image
     from ..weights.loader import LayerBuilder, TensorSource, release_transients
-    from .gpu_stream import to_image
 
     index.unlink(missing_ok=True)  # no index may describe a half-written data file
     if builder is None:
-        builder = LayerBuilder(cfg, device, weight_dtype, fuse_scales=False)
+        builder = LayerBuilder(cfg, device, precision, fuse_scales=False)
     tmp = data.with_name(data.name + ".tmp")
     entries: dict[str, dict] = {}
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

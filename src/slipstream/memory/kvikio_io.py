@@ -20,3 +20,29 @@ def require_kvikio():
         raise MissingDependency(f"--io kvikio needs the kvikio package, which does not import "
                                 f"here ({e}): {INSTALL_HINT}") from None
     return kvikio
+
+
+def gds_enabled() -> bool:
+    """Whether KvikIO will use GPUDirect Storage (the API moved between releases; the answer
+    only goes into the note, so any failure reads as compat mode)."""
+    try:
+        import kvikio.defaults as d  # a submodule the package does not import itself
+
+        if hasattr(d, "is_compat_mode_preferred"):
+            return not d.is_compat_mode_preferred()
+        return not bool(d.compat_mode())
+    except Exception:
+        return False
+
+
+def bypass_page_cache() -> None:
+    """Tier C reads bypass the page cache, KvikIO's too: in compat mode it would otherwise read
+    through it, and a RAM large enough to cache the file would stand in for the disk. Set for
+    the process (the reads run later, on KvikIO's threads); KvikIO releases without the
+    setting read as they always did."""
+    try:
+        import kvikio.defaults as d
+
+        d.set("auto_direct_io_read", True)
+    except Exception:  # a release without the setting (or without defaults.set)
+        pass

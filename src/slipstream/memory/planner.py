@@ -18,8 +18,23 @@ from ..errors import BudgetTooSmall
 from .budget import fmt_bytes
 
 
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage of a model: a device and a contiguous range of layers, with their own KV
+    cache; the first stage holds the token embedding, the last one the head. A model on one
+    device is one stage."""
+
+    device: str
+    layers: range
+    holds_embedding: bool = True
+    holds_head: bool = True
+
+
 @dataclass
 class Plan:
+    """The tier plan of one stage (per-layer lists are indexed from the stage's first layer;
+    with one stage, by layer index). `stages` lists the stages the engine chains."""
+
     device: str
     tiers: list[str]  # per layer: "ram"/"disk" on CPU; "vram"/"pinned"/"disk" on CUDA
     resident_bytes_per_layer: list[int]  # memory a resident layer takes (RAM, or VRAM)
@@ -36,6 +51,11 @@ class Plan:
     io: str = "direct"
     graphs: bool = True  # CUDA: the reserve holds CUDA graph pools (False: decode runs eager)
     embed_on_host: bool = False  # CUDA: the token embedding stays in host memory
+    stages: list[StagePlan] = field(default_factory=list)  # default: one, every layer
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            self.stages = [StagePlan(self.device, range(len(self.tiers)))]
 
     @property
     def disk_layers(self) -> list[int]:

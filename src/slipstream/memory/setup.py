@@ -7,9 +7,12 @@ import torch
 from ..config import ModelConfig
 from ..errors import BadArgument, BudgetTooSmall
 from ..gguf_file import GGUFFile
-from ..weights.loader import LAYER_TENSORS, LayerBuilder, layer_span, release_transients
+from ..model.layer_spec import head_tensor_name, kv_cache_bytes, spec_for
+from ..precision import Precision
+from ..weights.loader import LayerBuilder, layer_span, release_transients
 from .budget import mem_available
-from .planner import Plan, plan_cuda, plan_layers
+from .planner import Plan, StagePlan, plan_cuda, plan_layers
+from .protocol import LayerStore
 from .store import DiskLayerStore, MmapLayerStore, ResidentLayerStore, StreamDelays
 from .vram import layer_image_bytes, layer_vram_bytes, vram_reserve
 
@@ -30,14 +33,12 @@ def check_io(io: str, device: torch.device) -> None:
         require_kvikio()
 
 
-def layer_resident_bytes(gf: GGUFFile, i: int, weight_dtype: torch.dtype, device) -> int:
+def layer_resident_bytes(gf: GGUFFile, i: int, precision: Precision) -> int:
     """RAM a resident layer takes on CPU: dense weights (norms and biases in float32)."""
     total = 0
-    for n in LAYER_TENSORS:
-        info = gf.tensors.get(f"blk.{i}.{n}")
-        if info is None:
-            continue
-        bits = 32 if len(info.shape) == 1 else torch.finfo(weight_dtype).bits
+    for name in spec_for(gf.architecture).names(i, gf.tensors):
+        info = gf.tensors[name]
+        bits = 32 if len(info.shape) == 1 else torch.finfo(precision.weight_dtype).bits
         total += info.n_elements * bits // 8
     return total
 
@@ -55,56 +56,76 @@ def check_gpu_slots(gpu_slots: int) -> None:
                           f"least 2 GPU slots (one computed on while the next is copied)")
 
 
-def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype: torch.dtype,
-             kv_dtype: torch.dtype, ctx: int, ram_budget: int | None,
-             vram_budget: int | None, io: str = "direct", gpu_slots: int = N_SLOTS) -> Plan:
-    """gpu_slots (CUDA): K, the slots of the ring streamed layers are copied into; more slots
-    let copies run further ahead of compute, at one layer's VRAM each."""
+def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Precision,
+             ctx: int, ram_budget: int | None, vram_budget: int | None, io: str = "direct",
+             gpu_slots: int = N_SLOTS, *, prefill_chunk: int, graph_bucket: int) -> Plan:
+    """The plan of a model on one device: one stage of every layer (plan_stage).
+
+    gpu_slots (CUDA): K, the slots of the ring streamed layers are copied into; more slots
+    let copies run further ahead of compute, at one layer's VRAM each. prefill_chunk and
+    graph_bucket: the engine's (runtime.engine.PREFILL_CHUNK, GRAPH_BUCKET), which size the
+    CUDA reserve; the caller passes them because memory/ never imports runtime/."""
     check_gpu_slots(gpu_slots)
-    n = cfg.n_layers
+    stage = StagePlan(device.type, range(cfg.n_layers))
+    return plan_stage(gf, cfg, stage, device, precision, ctx, ram_budget, vram_budget, io,
+                      gpu_slots, prefill_chunk=prefill_chunk, graph_bucket=graph_bucket)
+
+
+def plan_stage(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.device,
+               precision: Precision, ctx: int, ram_budget: int | None,
+               vram_budget: int | None, io: str = "direct", gpu_slots: int = N_SLOTS, *,
+               prefill_chunk: int, graph_bucket: int) -> Plan:
+    """Tiers for the layers of one stage within its device's budgets. The fixed part counts
+    the stage's own KV cache, and the embedding and head only where the stage holds them."""
+    layers = stage.layers
     if ram_budget is None:
         ram_budget = default_ram_budget()
-    spans = [layer_span(gf, i) for i in range(n)]
+    spans = [layer_span(gf, i) for i in layers]
     file_bytes = [e - s for s, e in spans]
     if device.type == "cuda":
-        return _plan_cuda(gf, cfg, device, kv_dtype, ctx, ram_budget, vram_budget, io,
-                          fused=weight_dtype != torch.float32, gpu_slots=gpu_slots)
-    resident = [layer_resident_bytes(gf, i, weight_dtype, device) for i in range(n)]
-    head = gf.tensors.get("output.weight") or gf.tensors["token_embd.weight"]
-    kv = 2 * cfg.n_layers * cfg.n_kv_heads * ctx * cfg.head_dim * \
-        torch.finfo(kv_dtype).bits // 8
-    head_bytes = head.n_elements * torch.finfo(weight_dtype).bits // 8
-    fixed = head_bytes + kv + cfg.hidden * 4
-    return plan_layers("cpu", resident, file_bytes, fixed, ram_budget)
+        plan = _plan_cuda(gf, cfg, stage, device, precision, ctx, ram_budget, vram_budget, io,
+                          gpu_slots, prefill_chunk, graph_bucket)
+    else:
+        resident = [layer_resident_bytes(gf, i, precision) for i in layers]
+        kv = kv_cache_bytes(cfg, len(layers), ctx, torch.finfo(precision.kv_dtype).bits // 8)
+        head = gf.tensors[head_tensor_name(gf.tensors)]
+        head_bytes = head.n_elements * torch.finfo(precision.weight_dtype).bits // 8 \
+            if stage.holds_head else 0
+        fixed = head_bytes + kv + cfg.hidden * 4
+        plan = plan_layers("cpu", resident, file_bytes, fixed, ram_budget)
+    plan.stages = [stage]
+    return plan
 
 
-def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, device: torch.device, kv_dtype: torch.dtype,
-               ctx: int, ram_budget: int | None, vram_budget: int | None, io: str,
-               fused: bool, gpu_slots: int = N_SLOTS) -> Plan:
+def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.device,
+               precision: Precision, ctx: int, ram_budget: int | None,
+               vram_budget: int | None, io: str, gpu_slots: int, prefill_chunk: int,
+               graph_bucket: int) -> Plan:
     """VRAM budget: what is free on the device now (capped by --vram-budget), less a reserve
-    computed from the model's shapes (memory.vram). `fused`: precision="fast" packs scales
-    fused (kernels.pack.fuse_scales), which changes the layer sizes."""
-    from ..runtime.engine import PREFILL_CHUNK
-
+    computed from the stage's shapes (memory.vram). precision.fuse_scales (precision="fast")
+    packs resident layers' scales fused (kernels.pack.fuse_scales), which changes their
+    sizes."""
+    fused = precision.fuse_scales
     free, _ = torch.cuda.mem_get_info(device)
     budget = free if vram_budget is None else min(vram_budget, free)
-    n = cfg.n_layers
-    vram = [layer_vram_bytes(gf, cfg, i, fused) for i in range(n)]
+    vram = [layer_vram_bytes(gf, cfg, i, fused) for i in stage.layers]
     # streamed layers keep the GGUF layout whatever the precision (pack.f16_scales)
-    image = [layer_image_bytes(gf, cfg, i) for i in range(n)]
-    kv_elem = torch.finfo(kv_dtype).bits // 8
+    image = [layer_image_bytes(gf, cfg, i) for i in stage.layers]
+    kv_elem = torch.finfo(precision.kv_dtype).bits // 8
+    per_stage = dict(graph_bucket=graph_bucket, kv_layers=len(stage.layers),
+                     holds_embedding=stage.holds_embedding, holds_head=stage.holds_head)
     # CUDA graphs (and their pools) only serve a fully resident model: plan with their pools
     # first; if layers stream anyway (or only fit without the pools), plan without them.
     try:
-        reserve = vram_reserve(gf, cfg, ctx, kv_elem, PREFILL_CHUNK, True, fused)
+        reserve = vram_reserve(gf, cfg, ctx, kv_elem, prefill_chunk, True, fused, **per_stage)
         plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io)
     except BudgetTooSmall:
         plan = None
     # Streamed plans also leave the token embedding on the host (one row per token), which
     # gives its VRAM to layers.
     if plan is None or plan.streamed_layers:
-        reserve = vram_reserve(gf, cfg, ctx, kv_elem, PREFILL_CHUNK, False, fused,
-                               embed_on_host=True)
+        reserve = vram_reserve(gf, cfg, ctx, kv_elem, prefill_chunk, False, fused,
+                               embed_on_host=True, **per_stage)
         plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io)
         plan.graphs = False
         plan.embed_on_host = True
@@ -115,7 +136,7 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str) -> None:
     """Fill plan.bandwidth_gbps with what this machine does now: memory read (a large sum on
     CPU, a device copy on CUDA), pinned host-to-device copies (CUDA), and, when layers stream
     from disk, an O_DIRECT (or buffered) sequential read of the disk layers' file spans."""
-    from ..runtime.bench import h2d_pinned_gbps, memory_read_gbps, span_read_gbps
+    from .probes import h2d_pinned_gbps, memory_read_gbps, span_read_gbps
 
     if plan.device == "cuda":
         # probes sized within the budget: they run before the model loads, and the peak VRAM
@@ -134,8 +155,8 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str) -> None:
         gf.path, spans, "buffered" if io == "buffered" else "direct", limit)
 
 
-def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype,
-                        plan: Plan) -> dict:
+def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
+                        precision: Precision, plan: Plan) -> dict:
     """CUDA tier B: build each streamed layer once on the GPU and keep its image in pinned RAM.
 
     Runs before the resident layers load, so the transient GPU copy of the layer being built
@@ -145,10 +166,10 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device, we
         return {}
     from rich.progress import BarColumn, DownloadColumn, Progress
 
+    from ..weights.image import to_image
     from ..weights.loader import TensorSource
-    from .gpu_stream import to_image
 
-    builder = LayerBuilder(cfg, device, weight_dtype, fuse_scales=False)
+    builder = LayerBuilder(cfg, device, precision, fuse_scales=False)
     images = {}
     total = sum(plan.file_bytes_per_layer[i] for i in pinned)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
@@ -163,19 +184,20 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device, we
     return images
 
 
-def disk_images(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype,
+def disk_images(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Precision,
                 plan: Plan, progress: bool = False):
     """CUDA tier C: the disk layers' repacked images, in a file (built now, or reused)."""
     if plan.device != "cuda" or not plan.disk_layers:
         return None
     from .image_file import build_images
 
-    return build_images(gf, cfg, device, weight_dtype, plan.disk_layers,
+    return build_images(gf, cfg, device, precision, plan.disk_layers,
                         plan.file_bytes_per_layer, progress=progress)
 
 
-def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtype, weights,
-               plan: Plan, io: str, delay=None, images: dict | None = None, disk=None):
+def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Precision,
+               weights, plan: Plan, io: str, delay=None, images: dict | None = None,
+               disk=None) -> LayerStore:
     check_io(io, device)
     delays = StreamDelays.of(delay)
     if plan.device == "cuda":
@@ -190,7 +212,7 @@ def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, weight_dtyp
                               n_staging=plan.host_staging or N_STAGING, delays=delays)
     if not plan.disk_layers:
         return ResidentLayerStore(weights.layers)
-    builder = LayerBuilder(cfg, device, weight_dtype)
+    builder = LayerBuilder(cfg, device, precision)
     if io == "mmap":
         return MmapLayerStore(gf, builder, weights.layers)
     return DiskLayerStore(gf, builder, weights.layers, n_buffers=plan.staging_buffers, io=io,

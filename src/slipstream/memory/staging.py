@@ -1,9 +1,12 @@
-"""Tier C's staging ring: pinned host buffers that reader threads fill from disk, ahead of use.
+"""The read-ahead ring: host buffers that reader threads fill from disk, ahead of use.
+
+Both disk stores read through it: CUDA's tier C (pinned buffers, each then copied into a GPU
+slot, slots.py) and the CPU's (pageable buffers a layer is built from, store.py).
 
 A buffer cycles: read from disk (a reader thread), copied to the GPU (the copy stream), read
 again. The reference engine refilled a buffer while its copy could still be in flight. Here the
 reader thread that is about to refill a buffer first waits on the event recorded after the
-buffer's last copy, so:
+buffer's last copy (on CPU there is none: the buffer comes back once the layer is built), so:
 - the main thread hands a buffer back as soon as its copy is *enqueued*, and never waits on a
   copy itself (no host sync on the compute path);
 - a read never lands in a buffer a copy is still reading.

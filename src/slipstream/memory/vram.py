@@ -15,15 +15,16 @@ from gguf import GGMLQuantizationType as T
 
 from ..config import ModelConfig
 from ..gguf_file import GGUFFile
+from ..kernels.pack import PACK_ROWS  # tables only: needs neither CUDA nor Triton
+from ..model.layer_spec import EMBEDDING, head_tensor_name, kv_cache_bytes, spec_for
+from ..weights.image import IMAGE_ALIGN  # every tensor of an image starts on this boundary
 
-IMAGE_ALIGN = 256  # gpu_stream._ALIGN: every tensor of an image starts on this boundary
 _FLOAT_BYTES = {T.F32: 4, T.F16: 2, T.BF16: 2}
 # torch's caching allocator: requests round to 512 B; requests of 10 MiB and more get their own
 # segment rounded to 2 MiB; smaller ones share 2 MiB (<= 1 MiB) or 20 MiB segments.
 _SMALL_ROUND, _LARGE_ROUND, _LARGE_MIN = 512, 2 << 20, 10 << 20
 SHARED_SEGMENTS = (2 << 20) + (20 << 20)  # one partly used small and mid-size segment
 CUBLAS_WORKSPACE = 32 << 20  # per stream that runs GEMMs (torch's default on sm90)
-PACK_ROWS = 2048  # kernels/pack.py packs this many rows at a time
 PACK_TEMP_BYTES = 24  # per weight of one packed chunk: ~3 live int64 temporaries
 
 
@@ -60,28 +61,27 @@ def packed_planes(qtype: int, rows: int, cols: int, fused: bool = False) -> list
 
 def _linears(gf: GGUFFile, cfg: ModelConfig, i: int) -> list[tuple[int, int, int, int]]:
     """(qtype, rows, cols, bias rows) of each linear LayerBuilder makes for layer i: q/k/v and
-    gate/up fuse when their formats agree."""
-    q_dim, kv = cfg.n_heads * cfg.head_dim, cfg.kv_dim
-    groups = [(("attn_q", q_dim), ("attn_k", kv), ("attn_v", kv)),
-              (("ffn_gate", cfg.ffn), ("ffn_up", cfg.ffn)),
-              (("attn_output", cfg.hidden),), (("ffn_down", cfg.hidden),)]
+    gate/up fuse when their formats agree (model.layer_spec)."""
+    spec = spec_for(cfg.architecture)
+    shapes = spec.shapes(cfg)
     out = []
-    for group in groups:
-        types = {gf.tensors[f"blk.{i}.{n}.weight"].ggml_type for n, _ in group}
-        cols = gf.tensors[f"blk.{i}.{group[0][0]}.weight"].shape[1]
-        biased = any(f"blk.{i}.{n}.bias" in gf.tensors for n, _ in group)
-        if len(group) > 1 and len(types) == 1:
-            rows = sum(r for _, r in group)
-            out.append((int(types.pop()), rows, cols, rows if biased else 0))
-            continue
-        for n, r in group:
-            t = gf.tensors[f"blk.{i}.{n}.weight"]
-            out.append((int(t.ggml_type), r, cols, r if f"blk.{i}.{n}.bias" in gf.tensors else 0))
+    for group in spec.linears:
+        names = [f"blk.{i}.{p}.weight" for p in group.parts]
+        types = [gf.tensors[n].ggml_type for n in names]
+        cols = gf.tensors[names[0]].shape[1]
+        rows = [shapes[f"{p}.weight"][0] for p in group.parts]
+        biased = [f"blk.{i}.{p}.bias" in gf.tensors for p in group.parts]
+        if group.fuses(types):
+            out.append((int(types[0]), sum(rows), cols, sum(rows) if any(biased) else 0))
+        else:
+            out.extend((int(t), r, cols, r if b else 0) for t, r, b in zip(types, rows, biased))
     return out
 
 
 def _layer_tensors(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool) -> list[int]:
-    sizes = [cfg.hidden * 4, cfg.hidden * 4]  # attn_norm, ffn_norm (float32)
+    spec = spec_for(cfg.architecture)
+    shapes = spec.shapes(cfg)
+    sizes = [math.prod(shapes[f"{n}.weight"]) * 4 for n in spec.norms]  # float32
     for qtype, rows, cols, bias in _linears(gf, cfg, i):
         sizes += packed_planes(qtype, rows, cols, fused)
         if bias:
@@ -97,10 +97,6 @@ def layer_image_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool = Fals
 def layer_vram_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool = False) -> int:
     """VRAM layer i takes when resident (each plane its own allocation)."""
     return sum(alloc_bytes(n) for n in _layer_tensors(gf, cfg, i, fused))
-
-
-def _head(gf: GGUFFile):
-    return gf.tensors.get("output.weight") or gf.tensors["token_embd.weight"]
 
 
 def _pack_transient(qtype: int, rows: int, cols: int, raw: int) -> int:
@@ -127,40 +123,51 @@ def activation_bytes(cfg: ModelConfig, chunk: int, ctx: int) -> int:
 
 def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: int,
                  chunk: int, graphs: bool, fused: bool = False,
-                 embed_on_host: bool = False) -> dict[str, int]:
+                 embed_on_host: bool = False, *, graph_bucket: int,
+                 kv_layers: int | None = None, holds_embedding: bool = True,
+                 holds_head: bool = True) -> dict[str, int]:
     """VRAM the engine needs besides the layers and the streaming slots, by part.
     `embed_on_host`: the token embedding stays in host memory (streamed plans).
+    `chunk`, `graph_bucket`: the engine's prefill chunk and CUDA graph bucket (one graph per
+    `graph_bucket` positions of ctx), passed in because memory/ never imports runtime/.
+
+    Per stage of a model split over devices: `kv_layers` (default all), the layers whose KV
+    cache the stage holds, and whether it holds the token embedding and the head (the
+    activations are counted whole on every stage, an upper bound).
 
     Loading and running peak at different times (api.load empties the allocator's cache in
     between), so the reserve holds the larger of the load-time transients and the run-time
     extras (KV cache, activations, graph pools, cuBLAS workspaces)."""
     from ..weights.loader import prefill_scratch_elements
 
-    head = _head(gf)
-    vocab, hidden = head.shape
-    weights = [(int(head.ggml_type), vocab, hidden, head.n_bytes)]
-    for qtype, rows, cols, _ in _linears(gf, cfg, 0):
-        weights.append((qtype, rows, cols, rows * cols // GGML_QUANT_SIZES[T(qtype)][0]
-                        * GGML_QUANT_SIZES[T(qtype)][1]))
+    head = gf.tensors[head_tensor_name(gf.tensors)]
+    head_weight = (int(head.ggml_type), *head.shape, head.n_bytes)  # (vocab, hidden)
+    layer_weights = [(qtype, rows, cols, rows * cols // GGML_QUANT_SIZES[T(qtype)][0]
+                      * GGML_QUANT_SIZES[T(qtype)][1])
+                     for qtype, rows, cols, _ in _linears(gf, cfg, 0)]
+    weights = [head_weight] + layer_weights if holds_head else layer_weights
     # prefill dequantizes one weight at a time into one fp16 scratch, at most the largest
     # layer weight (the head goes in row chunks; weights.linear.Workspace)
     scratch = min(prefill_scratch_elements(cfg), max(r * c for _, r, c, _ in weights))
     parts = {
-        "embedding": 0 if embed_on_host else alloc_bytes(gf.tensors["token_embd.weight"].n_bytes),
-        "head": sum(alloc_bytes(n) for n in packed_planes(*weights[0][:3], fused)),
+        "embedding": (alloc_bytes(gf.tensors[EMBEDDING].n_bytes)
+                      if holds_embedding and not embed_on_host else 0),
+        "head": (sum(alloc_bytes(n) for n in packed_planes(*head_weight[:3], fused))
+                 if holds_head else 0),
         "prefill workspace": alloc_bytes(2 * scratch),
         "norms, rope, allocator": SHARED_SEGMENTS + 2 * ctx * cfg.rope_dim * 4,
     }
-    kv = 2 * cfg.n_layers * cfg.n_kv_heads * ctx * cfg.head_dim * kv_bytes_per_elem
+    kv = kv_cache_bytes(cfg, cfg.n_layers if kv_layers is None else kv_layers, ctx,
+                        kv_bytes_per_elem)
     act = activation_bytes(cfg, min(chunk, ctx), ctx)
-    n_graphs = math.ceil(ctx / 256) if graphs else 0
+    n_graphs = math.ceil(ctx / graph_bucket) if graphs else 0
     graph_pool = alloc_bytes(activation_bytes(cfg, 1, ctx)) + (2 << 20)
     run = {"KV cache": kv, "activations": act, "CUDA graph pools": n_graphs * graph_pool,
            "cuBLAS workspaces": 2 * CUBLAS_WORKSPACE}
     parts.update(run)
     # load_weights packs the head before any layer, when little else is held; the layers'
     # transients come on top of the layers already loaded
-    load = max(_pack_transient(*w) for w in weights[1:])
+    load = max(_pack_transient(*w) for w in layer_weights)
     if load > sum(run.values()):
         parts["load transients (beyond the above)"] = load - sum(run.values())
     return parts

@@ -1,85 +1,143 @@
-"""The forward pass over a sequence: embedding, every block, final norm and head.
+"""The forward pass over a sequence: embedding, every stage's blocks, final norm and head.
 
-The engine owns the KV cache and the position; callers feed it token ids. Prefill runs the whole
-prompt as one batch through each layer. Decode is one token; on CUDA it replays a captured CUDA
-graph, so a step costs one launch from the host and never waits on the GPU.
+The engine chains stages (runtime.stage: a device, a range of layers, their store, KV cache and
+RoPE table) and moves the hidden state across each boundary; the embedding runs on the first
+stage's device and the head on the last one's. Callers feed token ids and, optionally, a Step
+built outside (model.step: positions, KV slots, attention mask), such as a tree of drafted
+tokens. Prefill runs the whole prompt as one batch through each layer. Decode is one token; on
+CUDA with every layer resident it replays a captured CUDA graph (runtime.graphs).
 """
 
 from __future__ import annotations
 
-import time
+from typing import Sequence
 
 import torch
 
 from ..config import ModelConfig
 from ..errors import ContextOverflow
-from ..model import RopeTable, Step, block_forward, causal_mask, rms_norm
+from ..model import Step, append_step, block_forward, fused_decode_serves, rms_norm
 from ..weights import ModelWeights
-from .kv_cache import KVCache
+from .graphs import GRAPH_BUCKET, DecodeGraphs, bucket_span
+from .stage import Stage
 
 # Prompts longer than this are prefilled in chunks of it, which bounds the attention scores'
 # memory ((heads, chunk, ctx) floats) without giving up batching.
 PREFILL_CHUNK = 2048
 
-# A captured decode graph reads a fixed number of cache slots. One graph per bucket of this many
-# positions keeps the wasted attention reads under one bucket while capturing at most
-# ctx / GRAPH_BUCKET graphs, each on first use.
-GRAPH_BUCKET = 256
+__all__ = ["Engine", "GRAPH_BUCKET", "PREFILL_CHUNK"]
 
 
 class Engine:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, device: torch.device,
-                 ctx: int, act_dtype: torch.dtype, kv_dtype: torch.dtype,
-                 use_graphs: bool | None = None, layers=None):
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, stages: Sequence[Stage],
+                 act_dtype: torch.dtype = torch.float32, use_graphs: bool | None = None):
+        """use_graphs: capture decode in CUDA graphs (default: when there is one stage and it
+        can be captured, i.e. a CUDA device with every layer resident)."""
+        if not stages or [i for st in stages for i in st.layers] != list(range(cfg.n_layers)):
+            raise ValueError(f"the stages must cover layers 0..{cfg.n_layers - 1} in order")
         self.cfg = cfg
         self.weights = weights
-        self.device = device
-        self.ctx = ctx
+        self.stages = list(stages)
         self.act_dtype = act_dtype
-        self.kv = KVCache(cfg, ctx, device, kv_dtype)
-        self.rope = RopeTable(cfg, ctx, device, weights.rope_freqs)
-        from ..memory import ResidentLayerStore
+        capturable = len(self.stages) == 1 and self.stages[0].graph_capturable
+        self.use_graphs = capturable if use_graphs is None else use_graphs
+        self._graphs: DecodeGraphs | None = None
 
-        # Where each layer comes from on every forward: built at load time, or streamed.
-        self.layers = layers if layers is not None else ResidentLayerStore(weights.layers)
-        if use_graphs is None and not isinstance(self.layers, ResidentLayerStore):
-            use_graphs = False  # a captured graph would freeze one set of streamed weights
-        self.pos = 0  # tokens already in the KV cache
-        self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._token_buf: torch.Tensor | None = None  # (1,) static decode input
-        self._pos_buf: torch.Tensor | None = None  # (1,) static decode position
-        self.graph_capture_s = 0.0  # total time spent capturing, reported apart from runs
+    # --- what the engine holds ----------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        """Where tokens enter (the first stage's device)."""
+        return self.stages[0].device
+
+    @property
+    def ctx(self) -> int:
+        return self.stages[0].kv.max_ctx
+
+    @property
+    def layers(self):
+        """The first stage's layer store (with one stage, the model's)."""
+        return self.stages[0].store
+
+    @property
+    def kv(self):
+        return self.stages[0].kv
+
+    @property
+    def rope(self):
+        return self.stages[0].rope
+
+    @property
+    def graph_capture_s(self) -> float:
+        return self._graphs.capture_s if self._graphs is not None else 0.0
+
+    # --- the context --------------------------------------------------------------------------
+
+    @property
+    def length(self) -> int:
+        """Tokens in the KV cache (every stage's cache holds the same slots)."""
+        return self.stages[0].kv.length
+
+    @property
+    def pos(self) -> int:  # the position the next appended token takes
+        return self.length
+
+    def set_length(self, n: int) -> None:
+        for st in self.stages:
+            st.kv.length = n
 
     def reset(self) -> None:
-        self.pos = 0
+        self.set_length(0)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n cached tokens (a rejected draft's entries are dropped)."""
+        for st in self.stages:
+            st.kv.truncate(n)
+
+    def compact(self, src_slots: Sequence[int], dst_start: int) -> None:
+        """Keep the entries of `src_slots` (an accepted branch) at dst_start onwards, drop the
+        rest: every stage's cache moves the same slots."""
+        for st in self.stages:
+            st.kv.compact(src_slots, dst_start)
 
     def _check_room(self, n: int) -> None:
-        if self.pos + n > self.ctx:
-            raise ContextOverflow(f"{self.pos + n} tokens do not fit the context of {self.ctx} "
-                                  f"tokens; use a shorter prompt or a larger --ctx")
+        if self.length + n > self.ctx:
+            raise ContextOverflow(f"{self.length + n} tokens do not fit the context of "
+                                  f"{self.ctx} tokens; use a shorter prompt or a larger --ctx")
+
+    # --- forward ------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor | list[int], all_logits: bool = False) -> torch.Tensor:
-        """Append tokens to the context; return float32 logits (T, vocab) or (1, vocab).
+    def forward(self, tokens: torch.Tensor | list[int], all_logits: bool = False,
+                step: Step | None = None) -> torch.Tensor:
+        """Run tokens through the model; return float32 logits (T, vocab), or (1, vocab) for the
+        last token unless all_logits.
 
-        Tokens go through every layer as one batch (chunked past PREFILL_CHUNK).
+        Without a step the tokens are appended to the context as one batch (chunked past
+        PREFILL_CHUNK). With a step (built by the caller, e.g. `model.tree_step`), the tokens
+        take its positions and slots and attend as its mask says; the cache length becomes
+        `step.end`, which a caller may then `truncate` or `compact`.
         """
         ids = torch.as_tensor(tokens, dtype=torch.long)
         T = int(ids.shape[0])
         if T == 0:
             raise ValueError("forward() needs at least one token")
+        if step is not None:
+            if step.tokens != T:
+                raise ValueError(f"the step describes {step.tokens} tokens, not {T}")
+            if step.end > self.ctx:
+                raise ContextOverflow(f"{step.end} tokens do not fit the context of "
+                                      f"{self.ctx} tokens; use a larger --ctx")
+            h = self._hidden(ids.to(self.device), step)
+            self.set_length(step.end)
+            return self._logits(h if all_logits else h[-1:])
         self._check_room(T)
         outs = []
         for start in range(0, T, PREFILL_CHUNK):
             chunk = ids[start: start + PREFILL_CHUNK].to(self.device)
-            positions = torch.arange(self.pos, self.pos + chunk.shape[0], device=self.device)
-            span = self.pos + chunk.shape[0]
-            mask = causal_mask(positions, span, self.cfg.gqa_group) if chunk.shape[0] > 1 \
-                else None
-            step = Step(positions, span=span, start=self.pos, mask=mask)
-            h = self._hidden(chunk, step)
-            self.pos += chunk.shape[0]
+            n = int(chunk.shape[0])
+            h = self._hidden(chunk, self._append_step(n))
+            self.set_length(self.length + n)
             outs.append(h if all_logits else h[-1:])
         h = torch.cat(outs) if len(outs) > 1 else outs[0]
         return self._logits(h)
@@ -94,54 +152,41 @@ class Engine:
         self._check_room(1)
         if not self.use_graphs:
             return self.forward(token.view(1))
-        bucket = min(self.ctx, (self.pos // GRAPH_BUCKET + 1) * GRAPH_BUCKET)
-        if bucket not in self._graphs:
-            self._capture(bucket)
-        graph, logits = self._graphs[bucket]
-        self._token_buf.copy_(token.view(1), non_blocking=True)
-        self._pos_buf.fill_(self.pos)
-        graph.replay()
-        self.pos += 1
-        return logits
+        if self._graphs is None:
+            self._graphs = DecodeGraphs(self)
+        return self._graphs.step(token)
+
+    def run_step(self, ids: torch.Tensor, step: Step) -> torch.Tensor:
+        """Logits (T, vocab) of ids at `step`, leaving the cache length alone (graph bodies)."""
+        return self._logits(self._hidden(ids, step))
+
+    def _append_step(self, n: int) -> Step:
+        """n tokens appended at the current length. A CUDA decode token reads its graph
+        bucket's span, so an eager step (a streamed model) runs the fused decode kernels with
+        the launch shape a captured graph uses, and gives the same bits."""
+        first = self.stages[0]
+        span = None
+        if n == 1 and fused_decode_serves(first.kv.k):
+            span = bucket_span(self.length, self.ctx)
+        return append_step(self.length, n, first.device, span)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = rms_norm(h, self.weights.output_norm, self.cfg.norm_eps)
         return self.weights.output(h).float()
 
     def _hidden(self, ids: torch.Tensor, step: Step) -> torch.Tensor:
-        cos_sin = self.rope.angles(step.positions)
-        x = self.weights.embed(ids).to(self.act_dtype)  # (T, hidden)
-        for i in range(self.cfg.n_layers):
-            layer = self.layers.acquire(i)
-            k_cache, v_cache = self.kv.layer(i)
-            x = block_forward(self.cfg, layer, x, cos_sin, step, k_cache, v_cache, self.rope)
-            self.layers.release(i)
+        x = self.weights.embed(ids).to(self.act_dtype)  # (T, hidden), on the first device
+        group = self.cfg.gqa_group
+        for stage in self.stages:
+            s = step.to(stage.device)
+            if s.tokens > 1:
+                s = s.with_mask(group)  # built once per stage, shared by its layers
+            x = x.to(stage.device)
+            cos_sin = stage.rope.angles(s.positions)
+            first = stage.layers.start
+            for i in stage.layers:
+                layer = stage.store.acquire(i)
+                k_cache, v_cache = stage.kv.layer(i - first)
+                x = block_forward(self.cfg, layer, x, cos_sin, s, k_cache, v_cache, stage.rope)
+                stage.store.release(i)
         return x
-
-    def _decode_body(self, span: int) -> torch.Tensor:
-        step = Step(self._pos_buf, span=span, start=None,
-                    mask=causal_mask(self._pos_buf, span, self.cfg.gqa_group))
-        return self._logits(self._hidden(self._token_buf, step))
-
-    def _capture(self, span: int) -> None:
-        t0 = time.perf_counter()
-        if self._token_buf is None:
-            self._token_buf = torch.zeros(1, dtype=torch.long, device=self.device)
-            self._pos_buf = torch.zeros(1, dtype=torch.long, device=self.device)
-        # Warm up on a side stream (compiles Triton kernels, allocates workspaces), writing to
-        # a cache slot no real step has reached yet; then capture.
-        saved = self.pos
-        self._pos_buf.fill_(self.ctx - 1)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._decode_body(span)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = self._decode_body(span)
-        torch.cuda.synchronize(self.device)
-        self.pos = saved
-        self._graphs[span] = (graph, logits)
-        self.graph_capture_s += time.perf_counter() - t0

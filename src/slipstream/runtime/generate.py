@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from ..errors import BadArgument, ContextOverflow
 from .engine import Engine
-from .sampler import Sampler, SamplingParams
+from .sampler import Sampler
 
 
 @dataclass
@@ -83,10 +83,47 @@ class _StopMatcher:
         return out
 
 
-def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], params: SamplingParams,
+# A token source turns a prompt into generated tokens (0-d tensors, possibly still being
+# computed on the device): plain decoding is one (`autoregressive`); speculative decoding is
+# another, yielding several tokens per target pass. `generate` owns everything else: text,
+# stop strings, events, stats.
+TokenSource = Callable[[Engine, list[int], Sampler, int, GenerationStats],
+                       Iterator[torch.Tensor]]
+
+
+def autoregressive(engine: Engine, prompt: list[int], sampler: Sampler, budget: int,
+                   stats: GenerationStats) -> Iterator[torch.Tensor]:
+    """Prefill the prompt in a fresh context, then one decode step per token (at most
+    `budget` tokens). Sets stats.prefill_s."""
+    history = torch.tensor(prompt, dtype=torch.long, device=engine.device)
+    engine.reset()
+    t0 = time.perf_counter()
+    logits = engine.forward(prompt)[-1]
+    token = sampler(logits, history)  # 0-d, on the device
+    stats.prefill_s = time.perf_counter() - t0
+    # Looking one step ahead only pays where the device runs asynchronously to the host.
+    ahead = engine.device.type == "cuda"
+    for index in range(budget):
+        last = index == budget - 1
+        # On CUDA, queue the next step before this token is read back: the device computes
+        # step t+1 while the host turns token t into text. A step that turns out not to be
+        # needed (a stop) is wasted work, never a wrong result: the next generation resets.
+        next_logits = engine.decode(token.view(1)) if (ahead and not last) else None
+        yield token
+        if last:
+            return
+        if next_logits is None:
+            next_logits = engine.decode(token.view(1))
+        history = torch.cat((history, token.view(1)))
+        token = sampler(next_logits[-1], history)
+
+
+def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], sampler: Sampler,
              max_tokens: int, stop: Sequence[str] = (), stop_ids: set[int] | None = None,
-             stats: GenerationStats | None = None) -> Iterator[GenerationEvent]:
-    """Yield GenerationEvents for a fresh context holding prompt_ids."""
+             stats: GenerationStats | None = None,
+             source: TokenSource = autoregressive) -> Iterator[GenerationEvent]:
+    """Yield GenerationEvents for a fresh context holding prompt_ids, with tokens drawn from
+    `source` (plain decoding by default) through `sampler`."""
     prompt = list(prompt_ids)
     if not prompt:
         raise BadArgument("the prompt is empty; give at least one token")
@@ -96,29 +133,18 @@ def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], params: Sampl
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
     stop_ids = set(stop_ids) if stop_ids is not None else set(tokenizer.eot_ids)
-    sampler = Sampler(params, device=engine.device)
     decoder = tokenizer.stream_decoder()
     matcher = _StopMatcher(stop)
-    history = torch.tensor(prompt, dtype=torch.long, device=engine.device)
     budget = min(max_tokens, engine.ctx - len(prompt))
     if budget <= 0:
         return
 
-    engine.reset()
-    t0 = time.perf_counter()
-    logits = engine.forward(prompt)[-1]
-    token = sampler(logits, history)  # 0-d, on the device
-    stats.prefill_s = time.perf_counter() - t0
-    t_decode = time.perf_counter()
-    # Looking one step ahead only pays where the device runs asynchronously to the host.
-    ahead = engine.device.type == "cuda"
+    tokens = source(engine, prompt, sampler, budget, stats)
+    t_decode = None
     try:
-        for index in range(budget):
-            last = index == budget - 1
-            # On CUDA, queue the next step before reading this token back: the device computes
-            # step t+1 while the host turns token t into text. A step that turns out not to be
-            # needed (a stop) is wasted work, never a wrong result: the next generation resets.
-            next_logits = engine.decode(token.view(1)) if (ahead and not last) else None
+        for index, token in enumerate(tokens):
+            if t_decode is None:
+                t_decode = time.perf_counter()  # decode time counts from the first token
             tid = int(token)
             stats.generated_tokens = index + 1
             if tid in stop_ids:
@@ -131,15 +157,13 @@ def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], params: Sampl
                 stats.finish_reason = "stop"
                 yield GenerationEvent(tid, text, index, "stop")
                 return
-            if last:
+            if index == budget - 1:
                 text += matcher.push(decoder.flush())[0] + matcher.flush()
                 stats.finish_reason = "length"
                 yield GenerationEvent(tid, text, index, "length")
                 return
-            if next_logits is None:
-                next_logits = engine.decode(token.view(1))
-            history = torch.cat((history, token.view(1)))
-            token = sampler(next_logits[-1], history)
             yield GenerationEvent(tid, text, index)
     finally:
-        stats.decode_s = time.perf_counter() - t_decode
+        tokens.close()
+        if t_decode is not None:
+            stats.decode_s = time.perf_counter() - t_decode

@@ -1,23 +1,61 @@
-"""A preallocated KV cache: allocated once for the whole context, written in place."""
+"""A preallocated KV cache: allocated once for the whole context, written in place.
+
+The cache owns its length (how many leading slots hold the context). Plain steps append;
+speculative decoding writes a tree of drafted tokens past the length, then keeps the accepted
+branch (`compact`) and drops the rest (`truncate`).
+"""
 
 from __future__ import annotations
+
+from typing import Sequence
 
 import torch
 
 from ..config import ModelConfig
+from ..errors import ContextOverflow
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, max_ctx: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, max_ctx: int, device: torch.device, dtype: torch.dtype,
+                 n_layers: int | None = None):
+        """n_layers: the layers whose keys and values this cache holds (a stage's, default all);
+        `layer(j)` takes the index within them."""
         self.max_ctx = max_ctx
+        self.length = 0  # slots 0 .. length - 1 hold the context
+        n = cfg.n_layers if n_layers is None else n_layers
         # (n_layers, n_kv_heads, max_ctx, head_dim) for keys and for values
-        shape = (cfg.n_layers, cfg.n_kv_heads, max_ctx, cfg.head_dim)
+        shape = (n, cfg.n_kv_heads, max_ctx, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+    def layer(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[j], self.v[j]
 
     @property
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
+
+    def check_room(self, end: int) -> None:
+        if end > self.max_ctx:
+            raise ContextOverflow(f"{end} tokens do not fit the context of {self.max_ctx} "
+                                  f"tokens; use a shorter prompt or a larger --ctx")
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n slots (n <= length); later writes overwrite the rest."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} slots to {n}")
+        self.length = n
+
+    def compact(self, src_slots: Sequence[int] | torch.Tensor, dst_start: int) -> None:
+        """Move the entries of `src_slots` (in that order) to dst_start, dst_start + 1, ...
+        and make the length dst_start + len(src_slots): keep an accepted branch of a tree,
+        drop the rest. Every layer moves in one gather and one write per tensor."""
+        src = torch.as_tensor(src_slots, dtype=torch.long).to(self.k.device)
+        n = int(src.numel())
+        end = dst_start + n
+        self.check_room(end)
+        if n:
+            for t in (self.k, self.v):
+                # index_select copies first, so overlapping source and destination are safe
+                t[:, :, dst_start:end] = t.index_select(2, src)
+        self.length = end

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from .. import quant
+from ..model.llama import rms_norm
 
 # Row counts up to this go through the storage dtype directly (a memory-bound GEMV, where
 # fewer bytes win); larger batches upcast the weight to the activation dtype once per call,
@@ -14,7 +17,31 @@ from .. import quant
 GEMV_MAX_ROWS = 8
 
 
-class DenseLinear:
+class Linear(ABC):
+    """What the model math calls a linear layer: y = x @ W^T (+ b) (+ residual), the weight
+    held in the subclass's own format. The block also calls the two fused forms below on any
+    linear; their defaults are the plain composition, and a subclass overrides them where one
+    kernel does the pair (QuantLinear with int8 activations)."""
+
+    @abstractmethod
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x (T, in) -> (T, out); with `residual`, residual + that (GPU kernels fold the add
+        into the matmul's epilogue)."""
+
+    def norm_matmul(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                    ) -> torch.Tensor:
+        """self(rms_norm(x, norm_weight, eps))."""
+        return self(rms_norm(x, norm_weight, eps))
+
+    def glu_matmul(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """self(silu(gate) * up) (+ residual) for gate_up = [gate | up]: SwiGLU's down
+        projection."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self(F.silu(gate) * up, residual)
+
+
+class DenseLinear(Linear):
     """y = x @ W^T (+ b) with W held dense in `weight.dtype`.
 
     On CPU the weight is stored as float16: dequantized GGUF values round to it with a relative
@@ -129,7 +156,7 @@ _FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16),
                 int(GGMLQuantizationType.BF16)}
 
 
-class QuantLinear:
+class QuantLinear(Linear):
     """y = x @ W^T (+ b) (+ residual) with W kept in its GGUF format, repacked once for the
     Triton kernels: a fused dequant-GEMV for up to 8 rows (float32 accumulation; x in int8 when
     the workspace says so), dequantize to float16 plus cuBLAS above that. float16 rather than
@@ -221,5 +248,4 @@ class QuantLinear:
         if self._q8 is not None and gate_up.shape[0] <= self._max_m:
             return self._q8_matmul(self._q8.quantize_x(gate_up, glu=True), gate_up.dtype,
                                    residual)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self(F.silu(gate) * up, residual)
+        return super().glu_matmul(gate_up, residual)

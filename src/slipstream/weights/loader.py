@@ -13,7 +13,9 @@ from .. import quant
 from ..config import ModelConfig
 from ..errors import GGUFError
 from ..gguf_file import GGUFFile
+from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name, spec_for
 from ..model.llama import LayerWeights
+from ..precision import Precision
 from .linear import DenseLinear, QuantEmbedding, QuantLinear, Workspace
 
 
@@ -24,26 +26,6 @@ class ModelWeights:
     output_norm: torch.Tensor  # (hidden,)
     output: Callable[[torch.Tensor], torch.Tensor]  # hidden -> vocab
     rope_freqs: torch.Tensor | None  # (rope_dim/2,) llama3 frequency divisors, or None
-
-
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Torch-order shapes of each per-layer tensor (with the `blk.N.` prefix removed)."""
-    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_dim
-    shapes = {
-        "attn_norm.weight": (cfg.hidden,),
-        "attn_q.weight": (q_dim, cfg.hidden),
-        "attn_k.weight": (kv_dim, cfg.hidden),
-        "attn_v.weight": (kv_dim, cfg.hidden),
-        "attn_output.weight": (cfg.hidden, q_dim),
-        "ffn_norm.weight": (cfg.hidden,),
-        "ffn_gate.weight": (cfg.ffn, cfg.hidden),
-        "ffn_up.weight": (cfg.ffn, cfg.hidden),
-        "ffn_down.weight": (cfg.hidden, cfg.ffn),
-    }
-    if cfg.attn_bias:
-        shapes.update({"attn_q.bias": (q_dim,), "attn_k.bias": (kv_dim,),
-                       "attn_v.bias": (kv_dim,)})
-    return shapes
 
 
 def release_transients(device: torch.device) -> None:
@@ -59,9 +41,7 @@ def prefill_scratch_elements(cfg: ModelConfig) -> int:
     """Elements of the prefill scratch (Workspace.max_elements): the largest weight of a layer,
     with q/k/v and gate/up counted fused as LayerBuilder fuses them where it can. The head is
     multiplied in row chunks of this size."""
-    q_dim, kv_dim = cfg.n_heads * cfg.head_dim, cfg.kv_dim
-    return max((q_dim + 2 * kv_dim) * cfg.hidden, 2 * cfg.ffn * cfg.hidden,
-               cfg.hidden * q_dim, cfg.hidden * cfg.ffn)
+    return max(spec_for(cfg.architecture).fused_elements(cfg))
 
 
 def raw_tensor(gf: GGUFFile, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -114,14 +94,10 @@ class TensorSource:
         return t
 
 
-LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
-                 "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
-                 "ffn_down.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias")
-
-
 def layer_span(gf: GGUFFile, i: int) -> tuple[int, int]:
     """[start, end) of the file bytes holding layer i's tensors."""
-    infos = [gf.tensors[f"blk.{i}.{n}"] for n in LAYER_TENSORS if f"blk.{i}.{n}" in gf.tensors]
+    names = spec_for(gf.architecture).names(i, gf.tensors)
+    infos = [gf.tensors[n] for n in names]
     return min(t.offset for t in infos), max(t.offset + t.n_bytes for t in infos)
 
 
@@ -130,80 +106,80 @@ class LayerBuilder:
     float16/float32 linears on CPU, quantized weights repacked for the Triton kernels on CUDA.
     Resident loading and streaming both build layers here, so their numbers are identical."""
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, weight_dtype: torch.dtype,
+    def __init__(self, cfg: ModelConfig, device: torch.device, precision: Precision,
                  workspace: Workspace | None = None, fuse_scales: bool = True):
-        """fuse_scales (precision="fast"): resident layers fold their scales into one plane
-        for the decode kernels; streamed layers (False) keep the smaller GGUF layout and give
-        the same results (see QuantLinear)."""
+        """fuse_scales=False (streamed layers): keep the smaller GGUF scale layout even where
+        precision.fuse_scales folds the scales of resident layers into one plane for the
+        decode kernels; both give the same results (see QuantLinear)."""
         self.cfg = cfg
         self.device = device
-        self.weight_dtype = weight_dtype
-        self.fuse_scales = fuse_scales
+        self.precision = precision
+        self.fuse_scales = precision.fuse_scales and fuse_scales
         self.quantized = device.type == "cuda"
-        # precision="fast" (float16 weight_dtype) decodes with int8 activations on CUDA
         self.workspace = workspace if workspace is not None else (
-            Workspace(device, int8_activations=weight_dtype != torch.float32,
+            Workspace(device, int8_activations=precision.int8_activations,
                       max_elements=prefill_scratch_elements(cfg))
             if self.quantized else None)
-        self.shapes = expected_shapes(cfg)
+        self.spec = spec_for(cfg.architecture)
+        self.shapes = self.spec.shapes(cfg)
 
     def build(self, src: TensorSource, i: int) -> LayerWeights:
         p = f"blk.{i}"
-        qkv, qkv_parts = self._linears(src, [f"{p}.attn_q", f"{p}.attn_k", f"{p}.attn_v"])
-        gate_up, gu_parts = self._linears(src, [f"{p}.ffn_gate", f"{p}.ffn_up"])
-        (_, (attn_output,)) = self._linears(src, [f"{p}.attn_output"])
-        (_, (ffn_down,)) = self._linears(src, [f"{p}.ffn_down"])
-        q, k, v = qkv_parts if qkv_parts else (None, None, None)
-        gate, up = gu_parts if gu_parts else (None, None)
-        hidden = (self.cfg.hidden,)
-        return LayerWeights(
-            attn_norm=src.dense(f"{p}.attn_norm.weight", hidden, torch.float32, self.device),
-            ffn_norm=src.dense(f"{p}.ffn_norm.weight", hidden, torch.float32, self.device),
-            attn_q=q, attn_k=k, attn_v=v, attn_output=attn_output, ffn_gate=gate, ffn_up=up,
-            ffn_down=ffn_down, attn_qkv=qkv, ffn_gate_up=gate_up)
+        fields: dict[str, object] = {}
+        for group in self.spec.linears:
+            fused, parts = self._linears(src, [f"{p}.{n}" for n in group.parts], group)
+            if len(group.parts) > 1:
+                fields[group.field] = fused
+            fields.update(zip(group.parts, parts or [None] * len(group.parts)))
+        for norm in self.spec.norms:
+            fields[norm] = src.dense(f"{p}.{norm}.weight", self.shapes[f"{norm}.weight"],
+                                     torch.float32, self.device)
+        return LayerWeights(**fields)
 
-    def _linears(self, src: TensorSource, prefixes: list[str]
+    def _linears(self, src: TensorSource, prefixes: list[str], group: LinearGroup
                  ) -> tuple[Callable | None, list[Callable]]:
-        """The layers for `prefixes` (same input), plus one fused layer over all of them when
-        their formats allow it (None otherwise)."""
-        shapes = [self.shapes[f"{p.rsplit('.', 1)[1]}.weight"] for p in prefixes]
+        """The layers for `prefixes` (the group's parts in layer i), plus one fused layer over
+        all of them where the group's fusion rule allows it (None otherwise)."""
+        shapes = [self.shapes[f"{n}.weight"] for n in group.parts]
         biases = [src.dense(f"{p}.bias", (s[0],), torch.float32, self.device)
                   if src.has(f"{p}.bias") else None for p, s in zip(prefixes, shapes)]
         if not self.quantized:
-            parts = [DenseLinear(src.dense(f"{p}.weight", s, self.weight_dtype, self.device), b)
+            dtype = self.precision.weight_dtype
+            parts = [DenseLinear(src.dense(f"{p}.weight", s, dtype, self.device), b)
                      for p, s, b in zip(prefixes, shapes, biases)]
-            if len(parts) == 1:
+            if not group.fuses((), dense=True):
                 return None, parts
             return DenseLinear.fuse(parts)
         # GPU: the weights stay quantized, repacked for the kernels. Rows of the same format
         # concatenate into one packed weight, so q/k/v (gate/up) cost one kernel launch.
         from .. import kernels
 
-        types = {src.type_of(f"{p}.weight") for p in prefixes}
+        types = [src.type_of(f"{p}.weight") for p in prefixes]
         raws = [src.raw(f"{p}.weight", s).to(self.device) for p, s in zip(prefixes, shapes)]
-        if len(prefixes) > 1 and len(types) == 1:
+        if group.fuses(types):
             rows = sum(s[0] for s in shapes)
-            packed = kernels.pack_weight(torch.cat(raws), types.pop(), rows, shapes[0][1])
+            packed = kernels.pack_weight(torch.cat(raws), types[0], rows, shapes[0][1])
             bias = (torch.cat([b if b is not None else torch.zeros(s[0], device=self.device)
                                for b, s in zip(biases, shapes)])
                     if any(b is not None for b in biases) else None)
             return QuantLinear(packed, bias, self.workspace, self.fuse_scales), []
-        parts = [QuantLinear(kernels.pack_weight(r, src.type_of(f"{p}.weight"), *s), b,
-                             self.workspace, self.fuse_scales)
-                 for p, r, s, b in zip(prefixes, raws, shapes, biases)]
+        parts = [QuantLinear(kernels.pack_weight(r, t, *s), b, self.workspace, self.fuse_scales)
+                 for r, t, s, b in zip(raws, types, shapes, biases)]
         return None, parts
 
 
 def check_layer_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
     """Every per-layer tensor exists with the shape the metadata implies (before any byte of
     it is read, so a streamed layer cannot fail half-way through a generation)."""
-    shapes = expected_shapes(cfg)
+    spec = spec_for(cfg.architecture)
+    shapes = spec.shapes(cfg)
+    optional = {t.suffix for t in spec.tensors if t.optional}
     for i in range(cfg.n_layers):
         for suffix, shape in shapes.items():
             name = f"blk.{i}.{suffix}"
             info = gf.tensors.get(name)
             if info is None:
-                if suffix.endswith(".bias"):
+                if suffix in optional:
                     continue
                 raise GGUFError(f"{gf.path.name}: missing tensor {name!r}")
             if tuple(info.shape) != tuple(shape):
@@ -211,8 +187,7 @@ def check_layer_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
                                 f"expected {list(shape)} from the model metadata")
 
 
-def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
-                 weight_dtype: torch.dtype, act_dtype: torch.dtype,
+def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Precision,
                  progress: Callable[[int], None] | None = None,
                  resident_layers: set[int] | None = None,
                  embed_on_host: bool = False) -> ModelWeights:
@@ -225,7 +200,7 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
     for name, info in gf.tensors.items():
         quant.get_format(info.ggml_type)  # unsupported types fail here, naming the type
     check_layer_shapes(gf, cfg)
-    builder = LayerBuilder(cfg, device, weight_dtype)
+    builder = LayerBuilder(cfg, device, precision)
     workspace = builder.workspace
     quantized = builder.quantized
     src = TensorSource(gf)
@@ -235,14 +210,14 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
             progress(gf.tensors[name].n_bytes)
 
     embed_shape = (cfg.vocab_size, cfg.hidden)
-    embed_info = gf.tensors.get("token_embd.weight")
-    embed_raw = raw_tensor(gf, "token_embd.weight", embed_shape)
+    embed_info = gf.tensors.get(EMBEDDING)
+    embed_raw = raw_tensor(gf, EMBEDDING, embed_shape)
     if not embed_on_host:
         embed_raw = embed_raw.to(device)
-    embed = QuantEmbedding(embed_raw, embed_info.ggml_type, cfg.hidden, act_dtype, device)
-    tick("token_embd.weight")
-    # Tied embeddings: models without output.weight reuse the embedding matrix as the head.
-    head_name = "output.weight" if "output.weight" in gf.tensors else "token_embd.weight"
+    embed = QuantEmbedding(embed_raw, embed_info.ggml_type, cfg.hidden, precision.act_dtype,
+                           device)
+    tick(EMBEDDING)
+    head_name = head_tensor_name(gf.tensors)  # the embedding where the file ties them
     if quantized:
         from .. import kernels
 
@@ -252,8 +227,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
         output = QuantLinear(packed, None, workspace)
         release_transients(device)
     else:
-        output = DenseLinear(src.dense(head_name, embed_shape, weight_dtype, device))
-    if head_name == "output.weight":
+        output = DenseLinear(src.dense(head_name, embed_shape, precision.weight_dtype, device))
+    if head_name == HEAD:
         tick(head_name)
     rope_freqs = None
     if "rope_freqs.weight" in gf.tensors:

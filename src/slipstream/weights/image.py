@@ -2,9 +2,10 @@
 
 At load time each streamed layer is built once on the GPU (repacked for the kernels), then
 flattened: its "image". Tier B keeps images in pinned RAM; tier C keeps them in a file
-(`image_file`). Per use, one host-to-device copy moves an image into a GPU slot and the layer
-is rebuilt as views into the slot (`from_image`), so no repacking happens on the hot path. The
-streaming itself is in `cuda_store`.
+(memory.image_file). Per use, one host-to-device copy moves an image into a GPU slot and the
+layer is rebuilt as views into the slot (`from_image`), so no repacking happens on the hot path.
+The format knows the weight objects' planes (QuantLinear, PackedWeight), hence it lives beside
+them; the streaming itself is in memory (slots, sources, cuda_store).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from ..model.llama import LayerWeights
-from ..weights.linear import QuantLinear, Workspace
+from .linear import QuantLinear, Workspace
 
-_ALIGN = 256  # bytes: keeps every plane aligned for the kernels' 16-byte vector loads
+IMAGE_ALIGN = 256  # bytes: every tensor of an image starts on this boundary (memory.vram sizes
+# images with it), which keeps every plane aligned for the kernels' 16-byte vector loads
 _PLANES = ("lo", "hi", "d", "m", "sc", "mn", "sm")
 
 
@@ -97,10 +99,10 @@ def to_image(layer: LayerWeights, pin: bool = True) -> LayerImage:
     for key, t in _tensors(layer):
         n = t.numel() * t.element_size()
         entries.append(_Entry(key, t.dtype, tuple(t.shape), offset, n))
-        offset += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+        offset += (n + IMAGE_ALIGN - 1) // IMAGE_ALIGN * IMAGE_ALIGN
     # a file image is zeroed so its padding is deterministic; pinned memory skips the memset
-    host = (torch.empty(max(offset, _ALIGN), dtype=torch.uint8, pin_memory=True) if pin
-            else torch.zeros(max(offset, _ALIGN), dtype=torch.uint8))
+    host = (torch.empty(max(offset, IMAGE_ALIGN), dtype=torch.uint8, pin_memory=True) if pin
+            else torch.zeros(max(offset, IMAGE_ALIGN), dtype=torch.uint8))
     tensors = dict(_tensors(layer))
     for e in entries:
         src = tensors[e.key].contiguous().view(torch.uint8).reshape(-1)
@@ -117,7 +119,7 @@ def to_image(layer: LayerWeights, pin: bool = True) -> LayerImage:
 def from_image(image: LayerImage | LayerLayout, slot: torch.Tensor,
                workspace: Workspace) -> LayerWeights:
     """The layer as views into a device slot holding a copy of the image's bytes."""
-    from ..kernels import PackedWeight
+    from ..kernels.pack import PackedWeight  # the plane layout only: needs no Triton
 
     views: dict[tuple, torch.Tensor] = {}
     for e in image.entries:

@@ -1,0 +1,92 @@
+"""What every layer store offers the engine and the tools around it (CLI, bench, API).
+
+The engine asks for layer i (a global layer index, 0..n_layers-1), computes, and gives it back.
+Every store implements every member, as a no-op where it means nothing for that store, so no
+caller ever probes a store with hasattr. StoreBase holds those no-ops and the context-manager
+protocol once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from ..model.llama import LayerWeights
+
+
+@dataclass
+class StoreStats:
+    disk_wait_s: float = 0.0  # time the engine (main thread) waited for reads to finish
+    build_s: float = 0.0  # time turning streamed bytes into layers (dequantize)
+    layers_streamed: int = 0
+    disk_bytes: int = 0  # bytes of streamed layers read from disk (or mmap)
+    h2d_bytes: int = 0  # bytes copied host-to-device into the GPU slots
+    # Measured only while stats are on (CUDA events, read back once per forward pass):
+    compute_s: float = 0.0  # GPU busy on the layers (compute stream)
+    stall_s: float = 0.0  # GPU idle between layers: waiting for a copy, or for the host
+    h2d_s: float = 0.0  # copy stream busy (overlaps compute)
+    disk_read_s: float = 0.0  # wall time with at least one read running (overlaps compute)
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, f.default)
+
+
+@runtime_checkable
+class LayerStore(Protocol):
+    stats: StoreStats
+    note: str  # what the user should know about the I/O path ("" when nothing)
+    # True only when every layer is resident: a captured CUDA graph would freeze one set of
+    # streamed weights
+    graph_capturable: bool
+
+    def __len__(self) -> int: ...
+
+    def acquire(self, i: int) -> LayerWeights:
+        """Layer i, ready for the current stream's kernels."""
+        ...
+
+    def release(self, i: int) -> None:
+        """The kernels that read layer i are enqueued; its memory may be reused after them."""
+        ...
+
+    def enable_timing(self, on: bool = True) -> None:
+        """--stats: measure where a token's time goes (CUDA events on CUDA)."""
+        ...
+
+    def collect(self) -> None:
+        """Fold timing still pending into stats (end of a --stats run)."""
+        ...
+
+    def close(self) -> None:
+        """Give back reader threads, file descriptors, maps, pinned buffers and GPU slots.
+        Idempotent."""
+        ...
+
+    def __enter__(self) -> "LayerStore": ...
+
+    def __exit__(self, *exc) -> None: ...
+
+
+class StoreBase:
+    """The LayerStore members that mean nothing for some stores, as no-ops; and `with store:`
+    closing it."""
+
+    note = ""
+    graph_capturable = False
+
+    def enable_timing(self, on: bool = True) -> None:
+        pass
+
+    def collect(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

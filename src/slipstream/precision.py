@@ -1,0 +1,40 @@
+"""What precision="fast" or "exact" means on one device, decided once (api.load makes it) and
+read as explicit fields everywhere else, rather than decoded again from a weight dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import BadArgument
+
+NAMES = ("fast", "exact")
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str  # "fast" or "exact"
+    # CPU dense weights: float16 (fast: half the bytes per decode token, see
+    # weights.linear.DenseLinear) or float32 (exact). CUDA weights keep their GGUF formats.
+    weight_dtype: torch.dtype
+    # float32 on CPU; float16 on CUDA (more mantissa than bf16, and attention values never
+    # approach its range)
+    kv_dtype: torch.dtype
+    act_dtype: torch.dtype  # the residual stream: float32 on both
+    # CUDA fast: decode GEMVs round x to int8 per block of 32 (weights.linear.Workspace)
+    int8_activations: bool
+    # CUDA fast: resident layers fold each group's scale and min into one f16 plane
+    # (kernels.pack.fuse_scales); streamed layers keep the GGUF layout whatever this says
+    fuse_scales: bool
+
+    @classmethod
+    def of(cls, name: str, device: torch.device) -> "Precision":
+        """Precision `name` on `device` (cpu or cuda); BadArgument for any other name."""
+        if name not in NAMES:
+            raise BadArgument(f"precision={name!r} is invalid: use 'fast' or 'exact'")
+        fast = name == "fast"
+        cuda_fast = fast and device.type == "cuda"
+        return cls(name=name, weight_dtype=torch.float16 if fast else torch.float32,
+                   kv_dtype=torch.float32 if device.type == "cpu" else torch.float16,
+                   act_dtype=torch.float32, int8_activations=cuda_fast, fuse_scales=cuda_fast)

@@ -1,0 +1,43 @@
+"""A stage: one device, a contiguous range of layers, the store that hands them out, and the KV
+cache and RoPE table of those layers.
+
+The engine chains stages and moves the hidden state across each boundary. A model on one GPU
+(or on the CPU) is one stage; a second GPU, or layers computed on the CPU beside a GPU, is
+another stage rather than a fork of the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..config import ModelConfig
+from ..model import RopeTable
+from .kv_cache import KVCache
+
+if TYPE_CHECKING:  # the engine knows stores by their protocol only
+    from ..memory import LayerStore
+
+
+@dataclass
+class Stage:
+    device: torch.device
+    layers: range  # global layer indices, contiguous
+    store: "LayerStore"  # acquire(i) / release(i) with the global index
+    kv: KVCache  # keys and values of `layers` only
+    rope: RopeTable  # on `device`
+
+    @classmethod
+    def build(cls, cfg: ModelConfig, device: torch.device, layers: range, store: "LayerStore",
+              ctx: int, kv_dtype: torch.dtype,
+              rope_freqs: torch.Tensor | None = None) -> "Stage":
+        return cls(device, layers, store, KVCache(cfg, ctx, device, kv_dtype, len(layers)),
+                   RopeTable(cfg, ctx, device, rope_freqs))
+
+    @property
+    def graph_capturable(self) -> bool:
+        """A captured CUDA graph would freeze one set of streamed weights: only a stage whose
+        store hands out fixed layers on a CUDA device can be captured."""
+        return self.device.type == "cuda" and self.store.graph_capturable
