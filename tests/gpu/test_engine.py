@@ -64,9 +64,13 @@ def test_gpu_decode_steps_match_cpu(cpu_model, gpu_model, gpu_fast, precision):
             assert float((a - b).norm() / a.norm()) < 1e-2
         return
     # int8 activations (per block of 32, as llama.cpp's q8_1): SmolLM's outlier channels make
-    # the blocks that hold them coarse; 4.1% was measured on the H200 at the worst step
+    # the blocks that hold them coarse. One-token steps run the fused RoPE/attention kernels,
+    # as captured decode always did: on the H200 the worst step was 8.8 % through them and
+    # 5.5 % through the torch ops, with exact precision at 0.15 % either way
+    # (bench/results/2026-11-30-s5-fast-decode-error-h200.txt); the argmax agreement below
+    # and the perplexity test after it bound what this costs in generation
     errs = [float((a - b).norm() / a.norm()) for a, b in steps]
-    assert max(errs) < 6e-2, errs
+    assert max(errs) < 0.12, errs
     agree = np.mean([int(a.argmax()) == int(b.argmax()) for a, b in steps])
     assert agree >= 0.9, agree
 
