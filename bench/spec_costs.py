@@ -88,7 +88,7 @@ def main() -> None:
     target = model(work, "70b", vram_budget="24GiB")
     streamed = target.plan.bytes_per_token("pinned")
     for n in (1, 8, 64, 256, 512):
-        t = pass_seconds(target, n, reps=3)
+        t = pass_seconds(target.engine, n, reps=3)
         record({"name": "70b-q4k-vram24-pass", "nodes": n, "target_pass_s": round(min(t), 4),
                 "target_pass_median_s": round(statistics.median(t), 4),
                 "tiers": {k: target.plan.tiers.count(k) for k in set(target.plan.tiers)},
@@ -99,7 +99,7 @@ def main() -> None:
     torch.cuda.empty_cache()
     draft = model(work, "8b")
     for n in (1, 4, 8, 16, 32, 64, 128):
-        t = pass_seconds(draft, n, reps=5)
+        t = pass_seconds(draft.engine, n, reps=5)
         record({"name": "8b-q4k-draft-level", "nodes": n, "level_s": round(min(t), 5),
                 "level_median_s": round(statistics.median(t), 5)})
     tok = torch.tensor([7], device="cuda")
