@@ -89,7 +89,9 @@ def append_step(start: int, n: int, device: torch.device, span: int | None = Non
 
 def device_decode_step(pos: torch.Tensor, span: int) -> Step:
     """A decode step whose position lives only in device memory (`pos`, (1,) long), for a
-    captured CUDA graph that replays at any position below `span`."""
+    captured CUDA graph that replays at any position below `span`. Its `end` is only a bound
+    (the host does not know the position): the graph's owner keeps the cache length itself
+    (runtime.graphs), so such a step goes to `Engine.run_step`, never `Engine.forward`."""
     return Step(pos, pos, span=span, end=span, start=None)
 
 

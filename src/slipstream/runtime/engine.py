@@ -15,7 +15,6 @@ from typing import Sequence
 import torch
 
 from ..config import ModelConfig
-from ..errors import ContextOverflow
 from ..model import Step, append_step, block_forward, fused_decode_serves, rms_norm
 from ..weights import ModelWeights
 from .graphs import GRAPH_BUCKET, DecodeGraphs, bucket_span
@@ -78,10 +77,6 @@ class Engine:
         """Tokens in the KV cache (every stage's cache holds the same slots)."""
         return self.stages[0].kv.length
 
-    @property
-    def pos(self) -> int:  # the position the next appended token takes
-        return self.length
-
     def set_length(self, n: int) -> None:
         for st in self.stages:
             st.kv.length = n
@@ -101,9 +96,7 @@ class Engine:
             st.kv.compact(src_slots, dst_start)
 
     def _check_room(self, n: int) -> None:
-        if self.length + n > self.ctx:
-            raise ContextOverflow(f"{self.length + n} tokens do not fit the context of "
-                                  f"{self.ctx} tokens; use a shorter prompt or a larger --ctx")
+        self.stages[0].kv.check_room(self.length + n)
 
     # --- forward ------------------------------------------------------------------------------
 
@@ -125,9 +118,7 @@ class Engine:
         if step is not None:
             if step.tokens != T:
                 raise ValueError(f"the step describes {step.tokens} tokens, not {T}")
-            if step.end > self.ctx:
-                raise ContextOverflow(f"{step.end} tokens do not fit the context of "
-                                      f"{self.ctx} tokens; use a larger --ctx")
+            self.stages[0].kv.check_room(step.end)
             h = self._hidden(ids.to(self.device), step)
             self.set_length(step.end)
             return self._logits(h if all_logits else h[-1:])
