@@ -32,6 +32,24 @@ def cpu_stages(cfg: ModelConfig, weights, ctx: int, cuts: tuple[int, ...] = ()) 
                         weights.rope_freqs) for a, b in zip(bounds, bounds[1:])]
 
 
+class NormsOnly:
+    """A layer builder that keeps only the norms: enough for a layer image, without Triton
+    (the CUDA store's bookkeeping runs on the CPU with faked streams, tests/memory/conftest)."""
+
+    def __init__(self, builder):
+        self.builder = builder
+
+    def build(self, src, i: int):
+        import dataclasses
+
+        from slipstream.model.llama import LayerWeights
+
+        full = self.builder.build(src, i)
+        kept = {f.name: None for f in dataclasses.fields(LayerWeights)}
+        kept.update(attn_norm=full.attn_norm, ffn_norm=full.ffn_norm)
+        return LayerWeights(**kept)
+
+
 def tensor_info_offset(path: Path, name: str) -> int:
     """Byte offset of a tensor's info record (just after its name) in the GGUF header."""
     data = path.read_bytes()

@@ -22,7 +22,7 @@ from .gguf_file import GGUFFile
 from .memory.budget import fmt_bytes
 from .precision import Precision
 from .runtime.engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
-from .runtime.generate import GenerationEvent, GenerationStats, generate
+from .runtime.generate import GenerationEvent, GenerationStats, autoregressive, generate
 from .runtime.sampler import Sampler, SamplingParams
 from .runtime.stage import Stage
 from .tokenizer import Tokenizer
@@ -58,6 +58,9 @@ class Model:
         self.template = template
         self.last_stats: GenerationStats | None = None
         self.plan = None  # memory.Plan: where each layer lives
+        self.draft: Model | None = None  # load(draft=PATH): speculative decoding's draft
+        # load(skip_layers=K): each layer's calibrated input/output cosine similarity
+        self.layer_similarities: list[float] | None = None
         self._vram_cap = None  # memory.vram_cap.VramCap while the model holds a VRAM budget
         self.closed = False
 
@@ -68,6 +71,8 @@ class Model:
         if self.closed:
             return
         self.closed = True
+        if self.draft is not None:
+            self.draft.close()
         for stage in self.engine.stages:
             stage.store.close()
         if self._vram_cap is not None:
@@ -92,6 +97,11 @@ class Model:
     def ctx(self) -> int:
         return self.engine.ctx
 
+    @property
+    def skipped_layers(self) -> list[int]:
+        """The layers the forward pass leaves out (load(skip_layers=K)), in order."""
+        return sorted(self.engine.skip)
+
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True
                  ) -> list[int]:
         return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
@@ -114,8 +124,15 @@ class Model:
                  min_p: float = 0.05, repeat_penalty: float = 1.0,
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                  repeat_last_n: int = 64, seed: int | None = None,
-                 stop: str | Sequence[str] | None = None) -> Iterator[GenerationEvent]:
-        """Stream GenerationEvents (.id, .text, .finish_reason) for a prompt in a fresh context."""
+                 stop: str | Sequence[str] | None = None, draft: "Model | bool | None" = None,
+                 spec_nodes: int = 64) -> Iterator[GenerationEvent]:
+        """Stream GenerationEvents (.id, .text, .finish_reason) for a prompt in a fresh context.
+
+        draft: decode speculatively with this Model (same vocabulary) guessing trees of
+        `spec_nodes` tokens (the root included) that the model verifies in one pass each; the
+        tokens follow the same distribution as plain decoding (runtime.speculative). None: the
+        draft `load(draft=...)` loaded, if any; False: plain decoding. last_stats.extra then
+        holds the acceptance figures (spec_tokens_per_pass, ...)."""
         ids = (self.tokenize(prompt_or_ids) if isinstance(prompt_or_ids, str)
                else list(prompt_or_ids))
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -126,7 +143,19 @@ class Model:
         self.last_stats = GenerationStats()
         sampler = Sampler(params, device=self.engine.device)
         return generate(self.engine, self.tokenizer, ids, sampler, max_tokens, stops,
-                        stats=self.last_stats)
+                        stats=self.last_stats, source=self._source(draft, spec_nodes))
+
+    def _source(self, draft: "Model | bool | None", nodes: int):
+        """The token source generate() decodes with: plain, or speculative with a draft."""
+        from .runtime.speculative import check_vocab, speculative_source
+
+        if draft is None or draft is True:
+            draft = self.draft
+        if draft is None or draft is False:
+            return autoregressive
+        if draft is not self.draft:  # load(draft=...) checked its own
+            check_vocab(_tokens(self.gguf), _tokens(draft.gguf), str(self.path), str(draft.path))
+        return speculative_source(draft.engine, nodes=nodes)
 
     def chat_ids(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of the conversation rendered through the model's chat template."""
@@ -145,7 +174,8 @@ class Model:
 def load(path: str | os.PathLike[str] | None = None, device: str | torch.device = "auto",
          ctx: int | None = None, progress: bool = False, precision: str = "fast",
          ram_budget: str | int | None = None, vram_budget: str | int | None = None,
-         io: str = "direct", stream_delay=None, gpu_slots: int = 2) -> Model:
+         io: str = "direct", stream_delay=None, gpu_slots: int = 2,
+         skip_layers: int = 0, draft: str | os.PathLike[str] | None = None) -> Model:
     """Open a GGUF model (the default model, pulled if missing, when path is None).
 
     precision: "fast" (the default) trades a little accuracy for speed. On CPU it keeps the
@@ -167,12 +197,23 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     gpu_slots (CUDA, >= 2): the ring of GPU slots streamed layers are copied into.
     stream_delay (tests): a memory.StreamDelays, or a callable run in reader threads before
     each read, or an int of GPU cycles to stall the copy stream at random before each copy.
+    skip_layers: leave out the K layers whose output is most like their input (cosine
+    similarity on a calibration text shipped with the package, runtime.layer_skip), preferring
+    streamed layers among near-equals; they are neither streamed nor computed. Costs
+    accuracy: measure it with `slipstream perplexity --skip-layers K`. model.skipped_layers
+    and model.layer_similarities report the choice.
+    draft: a GGUF with the same vocabulary, loaded on the same device with the same ctx and
+    precision (and default budgets) as `model.draft`, which `generate` and `chat` then decode
+    speculatively with; DraftMismatch, before anything loads, if the vocabularies differ.
     """
     model_path, gf, cfg = _open(path, progress)
     dev = resolve_device(device)
     tokenizer = Tokenizer.from_metadata(gf.metadata)
     template = ChatTemplate.from_metadata(gf.metadata)
     n_ctx = _context(cfg, ctx)
+    _check_skip_layers(cfg, skip_layers)  # before the load, which may take minutes
+    if draft is not None:
+        _check_draft(model_path, gf, Path(draft))
     prec = Precision.of(precision, dev)
     from .memory.budget import parse_size
 
@@ -196,7 +237,52 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     if cap is not None:
         cap.attach(model)
         model._vram_cap = cap
+    if skip_layers:
+        try:
+            _skip_layers(model, skip_layers)
+        except BaseException:
+            model.close()
+            raise
+    if draft is not None:
+        try:  # a second load for now: the draft does not share the model's budgets yet
+            model.draft = load(draft, device=dev, ctx=n_ctx, precision=precision, io=io)
+        except BaseException:
+            model.close()
+            raise
     return model
+
+
+def _tokens(gf: GGUFFile) -> list[str]:
+    return list(gf.metadata.get("tokenizer.ggml.tokens") or ())
+
+
+def _check_draft(model_path: Path, gf: GGUFFile, draft: Path) -> None:
+    """A speculative draft must share the model's vocabulary (DraftMismatch otherwise)."""
+    from .runtime.speculative import check_vocab
+
+    dgf = GGUFFile(draft)
+    try:
+        check_vocab(_tokens(gf), _tokens(dgf), str(model_path), str(draft))
+    finally:
+        dgf.close()
+
+
+def _check_skip_layers(cfg: ModelConfig, k) -> None:
+    most = max(cfg.n_layers - 2, 0)  # the first and last layers are never skipped
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= most:
+        raise BadArgument(f"skip_layers={k!r} is invalid: between 0 and {most} for a model of "
+                          f"{cfg.n_layers} layers (never the first or the last)")
+
+
+def _skip_layers(model: Model, k: int) -> None:
+    """load(skip_layers=k): calibrate on the shipped text, then skip the k most redundant
+    layers, the plan's streamed ones first among near-equals (layer_skip.choose)."""
+    from .runtime import layer_skip
+
+    sims = layer_skip.calibrate(model.engine, model.tokenize(layer_skip.calibration_text()))
+    prefer = set(model.plan.streamed_layers) if model.plan is not None else set()
+    model.engine.skip = layer_skip.choose(sims, k=k, prefer=prefer)
+    model.layer_similarities = sims
 
 
 def plan(path: str | os.PathLike[str] | None = None, device: str | torch.device = "auto",

@@ -41,6 +41,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--io", default="direct", choices=["direct", "buffered", "mmap", "kvikio"],
                    help="how layers are read from disk: O_DIRECT (default), buffered, KvikIO "
                    "(CUDA, GPUDirect Storage), or the naive mmap baseline")
+    p.add_argument("--skip-layers", type=int, default=0, metavar="K",
+                   help="leave out the K layers whose output is most like their input (cosine "
+                   "similarity on a built-in calibration text; streamed layers first among "
+                   "near-equals): faster, less accurate (default 0)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, n_default: int) -> None:
@@ -68,7 +72,14 @@ def _load(a: argparse.Namespace):
 
     model = api.load(a.model, device=a.device, ctx=a.ctx, progress=sys.stderr.isatty(),
                      precision=a.precision, ram_budget=a.ram_budget,
-                     vram_budget=a.vram_budget, io=a.io, gpu_slots=a.gpu_slots)
+                     vram_budget=a.vram_budget, io=a.io, gpu_slots=a.gpu_slots,
+                     skip_layers=a.skip_layers)
+    if model.skipped_layers:
+        sims = model.layer_similarities
+        chosen = ", ".join(f"{i} ({sims[i]:.4f})" for i in model.skipped_layers)
+        # one line however many layers (soft_wrap): scripts parse it
+        err.print(f"skipping layers {chosen} [dim](cosine similarity of input and output on "
+                  f"the calibration text)[/dim]", soft_wrap=True)
     if model.plan is not None and (model.plan.streamed_layers or getattr(a, "stats", False)):
         err.print(model.plan.table())
         note = model.engine.layers.note

@@ -47,6 +47,10 @@ class BadArgument(SlipstreamError, ValueError):
     """An argument (sampling parameter, device, context size, ...) is out of range."""
 
 
+class DraftMismatch(BadArgument):
+    """A draft model for speculative decoding does not share the target's vocabulary."""
+
+
 class MissingDependency(SlipstreamError):
     """An optional package a requested feature needs is not installed."""
 

@@ -49,3 +49,55 @@ def test_pinned_streaming_is_bit_identical(synth, delay):
 def test_gpu_budget_too_small(synth):
     with pytest.raises(BudgetTooSmall, match="cannot run this model on cuda"):
         slipstream.load(synth, device="cuda", ctx=256, vram_budget="1MiB")
+
+
+def test_skipped_layers_are_never_copied_and_streaming_stays_bit_identical(synth):
+    """Layer skip (runtime.layer_skip): the ring's copy order leaves the skipped layers out,
+    and what is served still gives the resident model's bits."""
+    resident = slipstream.load(synth, device="cuda", ctx=256)
+    streamed = slipstream.load(synth, device="cuda", ctx=256,
+                               vram_budget=_budget_for(resident, 2))
+    assert streamed.plan.tiers == ["pinned", "vram", "pinned", "pinned", "vram", "pinned"]
+    ring = streamed.engine.layers.ring
+    copied, restarts = [], []
+    for src in ring.sources:
+        enqueue = src.enqueue
+        src.enqueue = lambda r, i, k, f=enqueue: copied.append(i) or f(r, i, k)
+    restart = ring.restart
+    ring.restart = lambda i: restarts.append(i) or restart(i)
+    for model in (resident, streamed):
+        model.engine.skip = {2, 3}
+    a, b = streamed_logits(resident), streamed_logits(streamed)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert set(copied) == {0, 5} and not restarts
+    for model in (resident, streamed):  # and back: every streamed layer is copied again
+        model.engine.skip = set()
+    copied.clear()
+    a, b = streamed_logits(resident), streamed_logits(streamed)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert set(copied) == {0, 2, 3, 5}
+
+
+def test_setting_skip_drops_the_captured_decode_graphs(synth):
+    """A captured graph froze the layers it ran: after engine.skip changes, graph decode must
+    give what eager decode with the new set gives."""
+    model = slipstream.load(synth, device="cuda", ctx=256)
+    assert model.engine.use_graphs
+
+    def greedy() -> list[torch.Tensor]:
+        model.engine.reset()
+        tok = model.engine.forward(list(range(5, 60, 3)))[-1].argmax().view(1)
+        out = []
+        for _ in range(6):
+            logits = model.engine.decode(tok).clone()
+            out.append(logits)
+            tok = logits[-1].argmax().view(1)
+        return out
+
+    full = greedy()  # captures graphs with every layer
+    model.engine.skip = {2}
+    with_graphs = greedy()
+    model.engine.use_graphs = False
+    eager = greedy()
+    assert all(torch.equal(x, y) for x, y in zip(with_graphs, eager))
+    assert not torch.equal(full[0], with_graphs[0])

@@ -7,7 +7,6 @@ built from layers that hold only their norms (so no Triton is needed to pack wei
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import os
 import subprocess
@@ -17,6 +16,7 @@ import threading
 import pytest
 import torch
 
+from helpers import NormsOnly
 from slipstream.config import ModelConfig
 from slipstream.gguf_file import GGUFFile
 from slipstream.memory import (
@@ -42,19 +42,6 @@ def tiny(tmp_path_factory):
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
     return gf, cfg
-
-
-class NormsOnly:
-    """A layer builder that keeps only the norms: enough for a layer image, without Triton."""
-
-    def __init__(self, builder: LayerBuilder):
-        self.builder = builder
-
-    def build(self, src: TensorSource, i: int) -> LayerWeights:
-        full = self.builder.build(src, i)
-        kept = {f.name: None for f in dataclasses.fields(LayerWeights)}
-        kept.update(attn_norm=full.attn_norm, ffn_norm=full.ffn_norm)
-        return LayerWeights(**kept)
 
 
 def _cpu_builder(cfg) -> LayerBuilder:

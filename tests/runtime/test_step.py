@@ -75,6 +75,33 @@ def test_tree_step_matches_token_by_token(model_parts):
         assert _close(logits[t], want), f"node {t}"
 
 
+@pytest.mark.parametrize("first", [1, 4, 8])
+def test_tree_step_grown_level_by_level(model_parts, first):
+    """A tree written in two steps (nodes ..first-1, then first.. with `first`, the earlier
+    nodes already cached) gives the logits of the tree written at once."""
+    whole = _engine(model_parts)
+    whole.forward(PREFIX)
+    start = whole.length
+    want = whole.forward(NODES, all_logits=True,
+                         step=tree_step(PARENTS, start, start, torch.device("cpu")))
+    engine = _engine(model_parts)
+    engine.forward(PREFIX)
+    head = engine.forward(NODES[:first], all_logits=True,
+                          step=tree_step(PARENTS[:first], start, start, torch.device("cpu")))
+    step = tree_step(PARENTS, start, start, torch.device("cpu"), first=first)
+    assert step.slots.tolist() == list(range(start + first, start + len(NODES)))
+    assert step.start == start + first and step.span == step.end == start + len(NODES)
+    assert step.positions.tolist() == \
+        [start + len(_path(t)) - 1 for t in range(first, len(NODES))]
+    tail = engine.forward(NODES[first:], all_logits=True, step=step)
+    assert engine.length == start + len(NODES)
+    got = torch.cat((head, tail))
+    for t in range(len(NODES)):
+        assert _close(got[t], want[t]), f"node {t}"
+    with pytest.raises(ValueError, match="first"):
+        tree_step(PARENTS, start, start, torch.device("cpu"), first=len(PARENTS))
+
+
 def test_compact_keeps_an_accepted_branch(model_parts):
     """After a tree pass, keep one branch (compact) and decode on: the same logits as if the
     branch had been decoded token by token, and the other branches leave no trace."""

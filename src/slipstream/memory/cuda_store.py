@@ -35,6 +35,7 @@ class CudaLayerStore(StoreBase):
         self.disk = disk
         self.stats = StoreStats()
         self.timeline: Timeline | None = None  # set by enable_timing (--stats)
+        self.skipped: frozenset[int] = frozenset()  # layers the engine skips (skip())
         self._last_acquired = -1  # the layer acquired last (a smaller index starts a pass)
         delays = delays or StreamDelays()
         self.layouts = {i: im.layout for i, im in self.images.items()}  # streamed layers'
@@ -96,7 +97,19 @@ class CudaLayerStore(StoreBase):
 
     # --- the engine's side ----------------------------------------------------------------
 
+    def skip(self, layers: frozenset[int]) -> None:
+        """Stream only the layers the engine will ask for: the ring's copy order and the disk
+        read-ahead leave the skipped ones out, so that no slot or read is spent on them."""
+        self.skipped = frozenset(layers)
+        if self.ring is not None:
+            self.ring.skip(self.skipped)
+        for src in self.sources:
+            if src.own_slot:  # outside the ring (mmap): told directly
+                src.skip(self.skipped)
+
     def acquire(self, i: int) -> LayerWeights:
+        if i in self.skipped and self.layers[i] is None:
+            raise ValueError(f"layer {i} is skipped: the store no longer streams it")
         stream = torch.cuda.current_stream(self.device)
         if i <= self._last_acquired and self.timeline is not None:
             # a new pass (the layer index went back; with stages, this store's first layer

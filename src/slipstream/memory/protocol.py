@@ -51,6 +51,13 @@ class LayerStore(Protocol):
         """The kernels that read layer i are enqueued; its memory may be reused after them."""
         ...
 
+    def skip(self, layers: frozenset[int]) -> None:
+        """The engine will not ask for `layers` (layer skip, runtime.layer_skip) until the next
+        call: a streaming store drops them from its read-ahead order, so it neither reads nor
+        copies them. Called between forward passes; a streaming store refuses to
+        hand out a skipped layer."""
+        ...
+
     def enable_timing(self, on: bool = True) -> None:
         """--stats: measure where a token's time goes (CUDA events on CUDA)."""
         ...
@@ -75,6 +82,9 @@ class StoreBase:
 
     note = ""
     graph_capturable = False
+
+    def skip(self, layers: frozenset[int]) -> None:
+        pass  # a store that reads nothing ahead has no order to change
 
     def enable_timing(self, on: bool = True) -> None:
         pass

@@ -38,6 +38,7 @@ class SlotRing:
         self.source_of = {i: src for src in sources for i in src.layouts}
         self.sources = sources
         self.order = sorted(self.source_of)  # the layers the ring serves, in use order
+        self.skipped: frozenset[int] = frozenset()  # served by no one (skip())
         if not self.order:
             raise ValueError("a slot ring needs at least one layer")
         n_slots = max(1, min(n_slots, len(self.order)))
@@ -50,7 +51,7 @@ class SlotRing:
         self.in_use: dict[int, int] = {}  # layer acquired, not yet released -> its slot
         self.slot_next = 0  # the slot the next enqueued copy uses
         # Positions count copies in ring order (layer order[pos % len(order)]). A copy may run
-        # at most n_slots positions ahead of the releases: its slot is the one freed then.
+        # at most `window` positions ahead of the releases: its slot is the one freed then.
         self.pos = 0
         self.released = 0
         self.stats = stats
@@ -80,13 +81,20 @@ class SlotRing:
         """Enqueue copies in ring order while a slot is free. Stops at a layer whose bytes are
         not there yet, unless it is at or before `until`, which must be enqueued on return."""
         n = len(self.order)
-        while self.pos < self.released + len(self.slots):
+        while self.pos < self.released + self.window:
             i = self.order[self.pos % n]
             if until is None and not self.source_of[i].ready(i):
                 return
             self._enqueue(i)
             if i == until:
                 until = None
+
+    @property
+    def window(self) -> int:
+        """How many positions copies may run ahead of the releases: one per slot, but never
+        more than the layers served (after skip() leaves fewer layers than slots), so that
+        no layer is in the ring twice."""
+        return min(len(self.slots), len(self.order))
 
     def _enqueue(self, i: int) -> None:
         k = self.slot_next
@@ -98,23 +106,45 @@ class SlotRing:
     def restart(self, i: int) -> None:
         """An out-of-order request (a forward pass that stopped part-way, say): settle what is
         in flight (host waits, but only here) and restart the ring at layer i."""
-        for k in self.in_use.values():
-            self.freed[k].record(torch.cuda.current_stream(self.device))
-        self.in_use.clear()
+        self._release_in_use()
         start = self.order.index(i)
         n = len(self.order)
         ahead = [self.order[(start + j) % n] for j in range(n)]
         for src in self.sources:  # first: a write outside stream order (kvikio) must land
-            src.restart(ahead)  # before the copy stream is drained below
+            if any(x in src.layouts for x in ahead):  # before the copy stream is drained
+                src.restart(ahead)
         self.copy_stream.synchronize()  # stale copies must not land after the next writes
         self.slot_of.clear()
         self.pos = self.released = start
 
+    def skip(self, layers: frozenset[int]) -> None:
+        """Serve only the layers not in `layers` from now on (layer skip): settle what is in
+        flight, as restart does, and restart the ring at the first layer left. A skipped layer
+        is then never copied, and the copies run ahead across it, so that the slot it would
+        have taken holds the next layer served instead."""
+        self._release_in_use()
+        self.skipped = frozenset(layers)
+        for src in self.sources:  # first: reads ahead of the old order must land or drop
+            src.skip(self.skipped)
+        self.copy_stream.synchronize()
+        self.slot_of.clear()
+        self.order = [i for i in sorted(self.source_of) if i not in self.skipped]
+        self.pos = self.released = 0
+
+    def _release_in_use(self) -> None:
+        """Layers acquired and not released (a pass that stopped part-way): their slots are
+        free once the kernels enqueued so far are done."""
+        for k in self.in_use.values():
+            self.freed[k].record(torch.cuda.current_stream(self.device))
+        self.in_use.clear()
+
     def acquire(self, i: int, stream: torch.cuda.Stream) -> torch.Tensor:
         """The slot holding layer i, with `stream` ordered after its arrival."""
+        if i in self.skipped:
+            raise ValueError(f"layer {i} is skipped: the slot ring no longer serves it")
         if i not in self.slot_of:
             n = len(self.order)
-            if self.order[self.pos % n] != i or self.pos >= self.released + len(self.slots):
+            if self.order[self.pos % n] != i or self.pos >= self.released + self.window:
                 self.restart(i)
             self.pump(until=i)
         k = self.slot_of.pop(i)

@@ -63,6 +63,10 @@ class Source:
         """The ring restarts at ahead[0] and serves `ahead` in order: drop or settle the work
         queued for the old order (on return, nothing may still write into a slot)."""
 
+    def skip(self, layers: frozenset[int]) -> None:
+        """The ring will not ask for `layers` any more (layer skip): leave them out of any
+        read-ahead, and settle the work queued for the old order, as restart does."""
+
     def enable_timing(self, on: bool) -> None:
         pass
 
@@ -120,6 +124,9 @@ class StagedDiskSource(Source):
 
     def restart(self, ahead: list[int]) -> None:
         self.staging.restart(next(x for x in ahead if x in self.layouts))
+
+    def skip(self, layers: frozenset[int]) -> None:
+        self.staging.reorder([i for i in sorted(self.layouts) if i not in layers])
 
     def enable_timing(self, on: bool) -> None:
         self.staging.reader.timing = on
@@ -188,6 +195,9 @@ class KvikioSource(Source):
                 pass
         self.reads.clear()
 
+    def skip(self, layers: frozenset[int]) -> None:
+        self.restart([])  # reads start only when the ring enqueues: settle those in flight
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
@@ -205,7 +215,7 @@ class MmapSource(Source):
                  device: torch.device, drop_cache: bool):
         super().__init__(disk.layouts, stats)
         self.spans = disk.spans
-        self.layers = sorted(disk.spans)
+        self.layers = sorted(disk.spans)  # in use order; the first one starts a pass
         self.drop_cache = drop_cache
         self.fd = os.open(disk.path, os.O_RDONLY)
         self.mm = mmap.mmap(self.fd, 0, prot=mmap.PROT_READ)
@@ -233,6 +243,10 @@ class MmapSource(Source):
 
     def release(self, i: int, stream: torch.cuda.Stream) -> None:
         pass  # the next acquire's copy is ordered after this layer's kernels by the stream
+
+    def skip(self, layers: frozenset[int]) -> None:
+        # the page cache is dropped when a pass reaches its first layer: one it still reads
+        self.layers = [i for i in sorted(self.spans) if i not in layers]
 
     def _drop_page_cache(self) -> None:
         """Unmap our pages, then ask the kernel to drop the file's cached pages (mapped pages

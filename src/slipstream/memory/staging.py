@@ -66,7 +66,7 @@ class StagingRing:
         self.next = 0  # index into order of the next layer to read
 
     def _top_up(self) -> None:
-        while self.free:
+        while self.free and self.order:  # an empty order (every layer skipped) reads nothing
             i = self.order[self.next % len(self.order)]
             buf = self.free.popleft()
             start, end = self.spans[i]
@@ -109,6 +109,14 @@ class StagingRing:
         """Drop the queued reads and read from layer i on."""
         self.drain()
         self.next = self.order.index(i)
+
+    def reorder(self, order: list[int]) -> None:
+        """Read `order` from now on (layer skip leaves layers out): the queued reads are
+        drained, and reading starts again at order[0]."""
+        self.drain()
+        self.order = list(order)
+        self.next = 0
+        self._top_up()
 
     def drain(self) -> None:
         while self.reads:

@@ -74,6 +74,7 @@ class DiskLayerStore(StoreBase):
         self.layers = resident
         order = [i for i, layer in enumerate(resident) if layer is None]
         self.spans = {i: layer_span(gf, i) for i in order}
+        self.skipped: frozenset[int] = frozenset()
         self.stats = StoreStats()
         self.staging: StagingRing | None = None
         if order:
@@ -91,10 +92,18 @@ class DiskLayerStore(StoreBase):
     def note(self) -> str:
         return self.staging.reader.note if self.staging is not None else ""
 
+    def skip(self, layers: frozenset[int]) -> None:
+        """Read ahead only the streamed layers the engine will ask for."""
+        self.skipped = frozenset(layers)
+        if self.staging is not None:
+            self.staging.reorder([i for i in sorted(self.spans) if i not in self.skipped])
+
     def acquire(self, i: int) -> LayerWeights:
         layer = self.layers[i]
         if layer is not None:
             return layer
+        if i in self.skipped:
+            raise ValueError(f"layer {i} is skipped: the store no longer reads it")
         t0 = time.perf_counter()
         buf, skew = self.staging.take(i)  # restarts the read-ahead at i when out of order
         t1 = time.perf_counter()

@@ -96,15 +96,22 @@ def device_decode_step(pos: torch.Tensor, span: int) -> Step:
 
 
 def tree_step(parents: Sequence[int], start: int, root_position: int,
-              device: torch.device) -> Step:
+              device: torch.device, first: int = 0) -> Step:
     """A tree of T tokens written at slots start .. start + T - 1 over a cache whose first
     `start` slots hold the prefix.
 
     parents[t] is the index (< t) of token t's parent in the tree, or -1 for a child of the
     prefix's last token. Token t sits at position root_position + depth(t) (depth 0 for the
     children of the prefix), so siblings share a position. It attends to the whole prefix, its
-    ancestors and itself, nothing else."""
+    ancestors and itself, nothing else.
+
+    first > 0 gives the step for tokens first .. T - 1 only, for a tree grown level by level
+    (a speculative draft): tokens 0 .. first - 1 already sit in the cache at slots start ..
+    start + first - 1, and the new tokens read the ones among them that are their ancestors."""
     T = len(parents)
+    if not 0 <= first < T:
+        raise ValueError(f"first = {first}: the step needs at least one new token of the "
+                         f"{T} in the tree")
     depth = [0] * T
     ancestors = torch.zeros(T, T, dtype=torch.bool)
     for t, p in enumerate(parents):
@@ -115,8 +122,9 @@ def tree_step(parents: Sequence[int], start: int, root_position: int,
             depth[t] = depth[p] + 1
             ancestors[t] = ancestors[p]
         ancestors[t, t] = True
-    allowed = torch.cat((torch.ones(T, start, dtype=torch.bool), ancestors), dim=1)
-    positions = torch.tensor(depth, dtype=torch.long) + root_position
-    slots = torch.arange(start, start + T)
+    n = T - first
+    allowed = torch.cat((torch.ones(n, start, dtype=torch.bool), ancestors[first:]), dim=1)
+    positions = torch.tensor(depth[first:], dtype=torch.long) + root_position
+    slots = torch.arange(start + first, start + T)
     return Step(positions.to(device), slots.to(device), span=start + T, end=start + T,
-                start=start, causal=False, allowed=allowed.to(device))
+                start=start + first, causal=False, allowed=allowed.to(device))

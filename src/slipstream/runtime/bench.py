@@ -76,7 +76,8 @@ def bench_decode(engine: Engine, n_tokens: int, reps: int = 3, seed: int = 0) ->
 
 
 def weight_bytes_per_token(engine: Engine) -> int:
-    """Bytes of weights one decode token reads: every linear layer once, one embedding row."""
+    """Bytes of weights one decode token reads: every linear layer once (of the layers not
+    skipped), one embedding row."""
     from ..weights.linear import DenseLinear, QuantLinear
 
     def nbytes(lin) -> int:
@@ -88,7 +89,9 @@ def weight_bytes_per_token(engine: Engine) -> int:
 
     w = engine.weights
     total = nbytes(w.output) + w.embed.raw.shape[1]
-    for layer in w.layers:
+    for i, layer in enumerate(w.layers):
+        if i in engine.skip:
+            continue
         fused = [layer.attn_qkv, layer.ffn_gate_up]
         parts = [layer.attn_q, layer.attn_k, layer.attn_v] if layer.attn_qkv is None else []
         parts += [layer.ffn_gate, layer.ffn_up] if layer.ffn_gate_up is None else []

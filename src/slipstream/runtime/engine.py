@@ -10,7 +10,7 @@ CUDA with every layer resident it replays a captured CUDA graph (runtime.graphs)
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -41,6 +41,10 @@ class Engine:
         capturable = len(self.stages) == 1 and self.stages[0].graph_capturable
         self.use_graphs = capturable if use_graphs is None else use_graphs
         self._graphs: DecodeGraphs | None = None
+        self._skip: frozenset[int] = frozenset()
+        # Called as layer_hook(i, x_in, x_out) after each computed layer (runtime.layer_skip's
+        # calibration records hidden states through it); None on every ordinary pass.
+        self.layer_hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
 
     # --- what the engine holds ----------------------------------------------------------------
 
@@ -69,6 +73,35 @@ class Engine:
     @property
     def graph_capture_s(self) -> float:
         return self._graphs.capture_s if self._graphs is not None else 0.0
+
+    # --- layer skip ---------------------------------------------------------------------------
+
+    @property
+    def skip(self) -> frozenset[int]:
+        """Layers the forward pass leaves out (runtime.layer_skip chooses them): neither
+        acquired from their store, so never streamed, nor computed; their KV slots stay as they
+        are, since no later token reads them either."""
+        return self._skip
+
+    @skip.setter
+    def skip(self, layers) -> None:
+        """Set the skipped layers. The context is reset: the cached keys and values of
+        the other layers were computed from hidden states the old set produced, so tokens that
+        followed them under a new set would attend to a different model's cache. Each store is
+        told, so that its read-ahead order leaves the skipped layers out."""
+        new = frozenset(int(i) for i in layers)
+        bad = sorted(i for i in new if not 0 <= i < self.cfg.n_layers)
+        if bad:
+            raise ValueError(f"cannot skip layers {bad}: the model has layers "
+                             f"0..{self.cfg.n_layers - 1}")
+        self.reset()
+        if new == self._skip:
+            return
+        self._skip = new
+        self._graphs = None  # captured graphs froze the old set of layers
+        stores = {id(st.store): st.store for st in self.stages}
+        for store in stores.values():
+            store.skip(new)
 
     # --- the context --------------------------------------------------------------------------
 
@@ -176,8 +209,13 @@ class Engine:
             cos_sin = stage.rope.angles(s.positions)
             first = stage.layers.start
             for i in stage.layers:
+                if i in self._skip:
+                    continue  # not acquired, so a streamed layer is never read or copied
                 layer = stage.store.acquire(i)
                 k_cache, v_cache = stage.kv.layer(i - first)
-                x = block_forward(self.cfg, layer, x, cos_sin, s, k_cache, v_cache, stage.rope)
+                y = block_forward(self.cfg, layer, x, cos_sin, s, k_cache, v_cache, stage.rope)
                 stage.store.release(i)
+                if self.layer_hook is not None:
+                    self.layer_hook(i, x, y)
+                x = y
         return x

@@ -1,0 +1,315 @@
+"""Lossless tree speculative decoding, as a token source for `runtime.generate`.
+
+A draft (a smaller Engine with the target's vocabulary and a KV cache of its own) guesses a tree
+of continuations of the pending token; the target scores the whole tree in one forward (a tree
+step, `model.step.tree_step`); then the user's Sampler walks the tree from its root, drawing
+every token from the target's own logits at the node reached, and descends while the token
+drawn is one the draft guessed. Every emitted token is thus drawn from the target's conditional
+distribution given everything before it, exactly as plain decoding draws it, whatever the
+sampling settings (penalties included: the history is the prompt plus every emitted token); the
+draft only decides how many tokens one target pass yields. At temperature 0 it is greedy
+decoding; with a seed, the Sampler's generator is used once per token in the same order as in
+plain decoding, so equal logits give equal tokens.
+
+The tree (SpecExec style) is deterministic: the most probable continuations by the draft's
+cumulative log-probability, grown level by level with one draft forward per level over the new
+nodes only.
+
+Invariant between rounds, with L = len(prompt) + emitted - 1:
+  * the target's cache holds the accepted prefix: the prompt and every emitted token but the
+    last, which is the pending root (sampled, not yet run through either model);
+  * the draft's cache holds the same slots except its `lag`: accepted tokens it never ran (a
+    tree leaf the walk descended into, or roots of plain steps), so draft.length + len(lag) == L
+    (lag is at most one token in a tree round). The next growth runs lag + root in one forward.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+
+from ..errors import BadArgument, DraftMismatch
+from ..model import tree_step
+from .engine import Engine
+from .generate import GenerationStats, TokenSource
+from .sampler import Sampler
+
+DEFAULT_NODES = 64  # tokens in one verify pass, the root included
+DEFAULT_DEPTH = 8  # drafted tokens below the root on the longest branch
+DEFAULT_TOP_K = 8  # children considered per expanded node
+
+
+@dataclass
+class DraftTree:
+    """A tree of drafted tokens below a root. Node 0 is the root (parent -1); a node's parent
+    always precedes it, and node i sits at slot start + i in both caches (in the draft's only
+    for nodes < `expanded`: the ones it ran, whose children it scored)."""
+
+    tokens: list[int]
+    parents: list[int] = field(default_factory=lambda: [-1])
+    depths: list[int] = field(default_factory=lambda: [0])
+    logprobs: list[float] = field(default_factory=lambda: [0.0])  # cumulative, draft's
+    children: list[dict[int, int]] = field(default_factory=lambda: [{}])  # token -> node
+    expanded: int = 0
+    forwards: int = 0  # draft forwards that grew it
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    def add(self, token: int, parent: int, logprob: float) -> int:
+        node = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.logprobs.append(logprob)
+        self.children.append({})
+        self.children[parent][token] = node
+        return node
+
+
+def grow_tree(draft: Engine, root: int, lag: Sequence[int], nodes: int, depth: int,
+              top_k: int) -> DraftTree:
+    """Grow a tree of at most `nodes` tokens (the root included) and `depth` levels below the
+    root, with the draft's cache holding the accepted prefix less `lag`.
+
+    Level 0 runs lag + root. Each later level adds the best candidates (top-k children of
+    every expanded node, by cumulative log-prob at temperature 1), at most an even share of
+    the remaining budget per level, so a confident chain can reach `depth` rather than the
+    budget going to the first levels' siblings; unpicked candidates stay in the pool for later
+    levels. The nodes of every level but the last run through the draft (one forward). Ties
+    break on (parent, rank), so the same logits always give the same tree."""
+    tree = DraftTree([root])
+    logits = _append(draft, [*lag, root])  # (1, vocab): the root's
+    tree.forwards = 1
+    start = draft.length - 1  # the root's slot
+    pool: list[tuple[float, int, int, int]] = []  # (-cumulative logprob, parent, rank, token)
+    for level in range(1, depth + 1):
+        _push_children(pool, tree, logits, tree.expanded, top_k, depth)
+        tree.expanded = len(tree)
+        room = nodes - len(tree)
+        if room <= 0 or not pool:
+            break
+        first = len(tree)
+        for _ in range(min(len(pool), math.ceil(room / (depth - level + 1)))):
+            neg, parent, _, token = heapq.heappop(pool)
+            tree.add(token, parent, -neg)
+        if level == depth or len(tree) == nodes:
+            break  # leaves: their children would not be used
+        step = tree_step(tree.parents, start, start, draft.device, first=first)
+        logits = draft.forward(tree.tokens[first:], all_logits=True, step=step)
+        tree.forwards += 1
+    return tree
+
+
+def _push_children(pool: list, tree: DraftTree, logits: torch.Tensor, first: int, top_k: int,
+                   max_depth: int) -> None:
+    """Put the top-k children of nodes first.. (one row of draft logits each) in the pool."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    k = min(top_k, logp.shape[-1])
+    values, ids = (t.tolist() for t in torch.topk(logp, k, dim=-1))
+    for row, (vals, toks) in enumerate(zip(values, ids)):
+        node = first + row
+        if tree.depths[node] >= max_depth:
+            continue
+        base = tree.logprobs[node]
+        for rank, (v, tok) in enumerate(zip(vals, toks)):
+            heapq.heappush(pool, (-(base + v), node, rank, tok))
+
+
+def walk(tree: DraftTree, logits: torch.Tensor, sampler: Sampler, history: torch.Tensor
+         ) -> tuple[list[int], list[torch.Tensor], torch.Tensor]:
+    """Draw tokens from the target's logits (one row per tree node) down the tree: at each
+    node the Sampler draws with the history so far; a drawn token the draft guessed is a child
+    to descend into, any other ends the walk (and is the next root).
+
+    Returns the accepted path (node indices from the root), the emitted tokens (0-d, one per
+    path node: the children descended into, then the last draw) and the history with them."""
+    node, path, out = 0, [0], []
+    while True:
+        token = sampler(logits[node], history)
+        history = torch.cat((history, token.view(1)))
+        out.append(token)
+        child = tree.children[node].get(int(token))
+        if child is None:
+            return path, out, history
+        node = child
+        path.append(node)
+
+
+def keep(engine: Engine, start: int, path: Sequence[int]) -> None:
+    """Keep the nodes `path` (indices of a tree written from slot `start`) as slots start..:
+    the leading nodes already in place stay where they are, the rest are compacted."""
+    lead = 0
+    while lead < len(path) and path[lead] == lead:
+        lead += 1
+    if lead == len(path):
+        engine.truncate(start + lead)
+    else:
+        engine.compact([start + i for i in path[lead:]], start + lead)
+
+
+@dataclass
+class SpecStats:
+    """Per-generation figures, written to GenerationStats.extra with a "spec_" prefix."""
+
+    target_passes: int = 0  # verify passes after the prefill
+    tokens: int = 0  # tokens those passes emitted
+    accepted: list[int] = field(default_factory=list)  # [a]: passes accepting a drafted tokens
+    tree_nodes: int = 0
+    draft_forwards: int = 0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    draft_prefill_s: float = 0.0
+
+    def record(self, tree_len: int, accepted: int, emitted: int) -> None:
+        self.target_passes += 1
+        self.tokens += emitted
+        self.tree_nodes += tree_len
+        while len(self.accepted) <= accepted:
+            self.accepted.append(0)
+        self.accepted[accepted] += 1
+
+    def write(self, stats: GenerationStats) -> None:
+        passes = max(self.target_passes, 1)
+        stats.extra.update(
+            spec_target_passes=self.target_passes,
+            spec_tokens_per_pass=self.tokens / passes,
+            spec_accepted_hist=list(self.accepted),
+            spec_tree_nodes_mean=self.tree_nodes / passes,
+            spec_draft_forwards=self.draft_forwards,
+            spec_draft_s=self.draft_s, spec_verify_s=self.verify_s,
+            spec_draft_prefill_s=self.draft_prefill_s)
+
+
+class Speculator:
+    """One generation's speculative state over a target and a draft engine: the history (prompt
+    plus emitted tokens), the pending root and the draft's lag (see the module's invariant)."""
+
+    def __init__(self, target: Engine, draft: Engine, sampler: Sampler,
+                 nodes: int = DEFAULT_NODES, depth: int = DEFAULT_DEPTH,
+                 top_k: int = DEFAULT_TOP_K, stats: SpecStats | None = None):
+        if draft.cfg.vocab_size != target.cfg.vocab_size:
+            raise DraftMismatch(f"the draft has {draft.cfg.vocab_size} logits per token and "
+                                f"the target {target.cfg.vocab_size}: they need one vocabulary")
+        self.target, self.draft, self.sampler = target, draft, sampler
+        self.nodes, self.depth, self.top_k = nodes, depth, top_k
+        self.stats = stats if stats is not None else SpecStats()
+        self.history = torch.zeros(0, dtype=torch.long, device=target.device)
+        self.root: torch.Tensor | None = None
+        self.lag: list[int] = []
+
+    def prefill(self, prompt: list[int]) -> torch.Tensor:
+        """Both caches hold the prompt; the first token (0-d) is drawn and pending."""
+        self.target.reset()
+        self.draft.reset()
+        self.history = torch.tensor(prompt, dtype=torch.long, device=self.target.device)
+        logits = self.target.forward(prompt)[-1]
+        self.root = self.sampler(logits, self.history)
+        self.history = torch.cat((self.history, self.root.view(1)))
+        t = time.perf_counter()
+        self.draft.forward(prompt)  # its logits are not needed: the root comes from the target
+        self.stats.draft_prefill_s += _since(t, self.draft.device)
+        self.lag = []
+        return self.root
+
+    def round(self, most: int) -> list[torch.Tensor]:
+        """One target pass: emit between 1 and `most` tokens (0-d), the last one pending."""
+        target, draft, root = self.target, self.draft, self.root
+        start = target.length  # the root's slot in both caches
+        # the verify pass needs `width` free slots in the target's cache, growth as many in
+        # the draft's; a round emits at most levels + 1 tokens
+        width = min(self.nodes, target.ctx - start, draft.ctx - start)
+        levels = min(self.depth, most - 1, width - 1)
+        t = time.perf_counter()
+        if levels < 1:
+            # a plain step (the last token, or the end of the context): the draft sits it out
+            tree = DraftTree([int(root)])
+            logits = target.decode(root.view(1))
+            self.lag.append(tree.tokens[0])
+        else:
+            tree = grow_tree(draft, int(root), self.lag, width, levels, self.top_k)
+            self.lag = []
+            self.stats.draft_forwards += tree.forwards
+            t_draft = time.perf_counter()
+            self.stats.draft_s += t_draft - t
+            t = t_draft
+            step = tree_step(tree.parents, start, start, target.device)
+            logits = target.forward(tree.tokens, all_logits=True, step=step)
+        path, tokens, self.history = walk(tree, logits, self.sampler, self.history)
+        keep(target, start, path)
+        if len(tree) > 1:
+            ran = [i for i in path if i < tree.expanded]  # the path's ancestors all ran
+            keep(draft, start, ran)
+            self.lag = [tree.tokens[i] for i in path[len(ran):]]
+        self.stats.verify_s += _since(t, target.device)
+        self.stats.record(len(tree), len(path) - 1, len(tokens))
+        self.root = tokens[-1]
+        return tokens
+
+
+def speculative_source(draft: Engine, nodes: int = DEFAULT_NODES, depth: int = DEFAULT_DEPTH,
+                       top_k: int = DEFAULT_TOP_K) -> TokenSource:
+    """A token source that decodes with `draft` guessing trees of at most `nodes` tokens (the
+    root included: the target's verify pass is `nodes` wide), `depth` drafted tokens deep,
+    from the `top_k` most probable children of each node. Lossless: see the module's text.
+    Writes SpecStats into the GenerationStats' extra, also when the generation stops early."""
+    for name, value in (("nodes", nodes), ("depth", depth), ("top_k", top_k)):
+        if value < 1:
+            raise BadArgument(f"speculative {name}={value} is invalid: must be >= 1")
+
+    def source(engine: Engine, prompt: list[int], sampler: Sampler, budget: int,
+               stats: GenerationStats) -> Iterator[torch.Tensor]:
+        spec = Speculator(engine, draft, sampler, nodes, depth, top_k)
+        try:
+            t = time.perf_counter()
+            root = spec.prefill(prompt)
+            stats.prefill_s = time.perf_counter() - t
+            yield root
+            emitted = 1
+            while emitted < budget:
+                for token in spec.round(budget - emitted):
+                    emitted += 1
+                    yield token
+        finally:
+            spec.stats.write(stats)
+
+    return source
+
+
+def _since(t: float, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t
+
+
+def _append(engine: Engine, tokens: list[int]) -> torch.Tensor:
+    """Run tokens appended at the engine's length; the last one's logits (1, vocab). One token
+    goes through decode (a CUDA graph where the engine has them)."""
+    if len(tokens) == 1:
+        return engine.decode(torch.tensor(tokens, device=engine.device))
+    return engine.forward(tokens)
+
+
+def check_vocab(target_tokens: Sequence[str], draft_tokens: Sequence[str], target_name: str,
+                draft_name: str) -> None:
+    """Raise DraftMismatch unless the two token lists (tokenizer.ggml.tokens) are equal."""
+    if list(target_tokens) == list(draft_tokens):
+        return
+    n, m = len(target_tokens), len(draft_tokens)
+    first = next((i for i, (a, b) in enumerate(zip(target_tokens, draft_tokens)) if a != b),
+                 min(n, m))
+    where = (f"token {first} is {target_tokens[first]!r} in {target_name} but "
+             f"{draft_tokens[first]!r} in {draft_name}" if first < min(n, m) else
+             f"the lists agree up to token {first}")
+    raise DraftMismatch(f"the draft {draft_name} does not share the vocabulary of "
+                        f"{target_name} ({n} tokens against {m}; {where}); a draft must use "
+                        f"the target's tokenizer")
