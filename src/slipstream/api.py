@@ -20,6 +20,7 @@ from .config import ModelConfig
 from .errors import BadArgument, BudgetTooSmall, oom_summary
 from .gguf_file import GGUFFile
 from .memory.budget import fmt_bytes
+from .model.layer_spec import kv_cache_bytes
 from .precision import Precision
 from .runtime.engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
 from .runtime.generate import GenerationEvent, GenerationStats, autoregressive, generate
@@ -62,6 +63,7 @@ class Model:
         # load(skip_layers=K): each layer's calibrated input/output cosine similarity
         self.layer_similarities: list[float] | None = None
         self._vram_cap = None  # memory.vram_cap.VramCap while the model holds a VRAM budget
+        self.owns_resources = True  # False for a self-draft, which borrows the target's
         self.closed = False
 
     def close(self) -> None:
@@ -73,6 +75,9 @@ class Model:
         self.closed = True
         if self.draft is not None:
             self.draft.close()
+        if not self.owns_resources:  # a self-draft: what it uses is the target's
+            self.engine = None
+            return
         for stage in self.engine.stages:
             stage.store.close()
         if self._vram_cap is not None:
@@ -175,7 +180,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
          ctx: int | None = None, progress: bool = False, precision: str = "fast",
          ram_budget: str | int | None = None, vram_budget: str | int | None = None,
          io: str = "direct", stream_delay=None, gpu_slots: int = 2,
-         skip_layers: int = 0, draft: str | os.PathLike[str] | None = None) -> Model:
+         skip_layers: int = 0, draft: str | os.PathLike[str] | None = None,
+         draft_skip_layers: int = 0) -> Model:
     """Open a GGUF model (the default model, pulled if missing, when path is None).
 
     precision: "fast" (the default) trades a little accuracy for speed. On CPU it keeps the
@@ -202,9 +208,15 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     streamed layers among near-equals; they are neither streamed nor computed. Costs
     accuracy: measure it with `slipstream perplexity --skip-layers K`. model.skipped_layers
     and model.layer_similarities report the choice.
-    draft: a GGUF with the same vocabulary, loaded on the same device with the same ctx and
-    precision (and default budgets) as `model.draft`, which `generate` and `chat` then decode
-    speculatively with; DraftMismatch, before anything loads, if the vocabularies differ.
+    draft: a GGUF with the same vocabulary, loaded as `model.draft` on the same device with
+    the same ctx and precision, which `generate` and `chat` then decode speculatively with;
+    DraftMismatch, before anything loads, if the vocabularies differ. The draft is placed
+    first, wholly resident, out of the same budgets (BudgetTooSmall if it does not fit whole);
+    the model gets what remains, and `model.plan` shows the draft's share.
+    draft_skip_layers: a self-draft instead of a file: the same weights with K layers left out
+    (every streamed layer first, so that the draft runs from resident layers alone, then the
+    most redundant by layer_skip's calibration) and a KV cache of its own, which comes out of
+    the budget.
     """
     model_path, gf, cfg = _open(path, progress)
     dev = resolve_device(device)
@@ -212,13 +224,35 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     template = ChatTemplate.from_metadata(gf.metadata)
     n_ctx = _context(cfg, ctx)
     _check_skip_layers(cfg, skip_layers)  # before the load, which may take minutes
+    if draft_skip_layers:
+        if draft is not None:
+            raise BadArgument("draft=... and draft_skip_layers=... name two drafts: give one")
+        _check_skip_layers(cfg, draft_skip_layers, what="draft_skip_layers")
     if draft is not None:
         _check_draft(model_path, gf, Path(draft))
     prec = Precision.of(precision, dev)
     from .memory.budget import parse_size
 
-    vram = parse_size(vram_budget)
-    plan = _plan(gf, cfg, dev, prec, n_ctx, ram_budget, vram, io, gpu_slots)
+    vram, ram = parse_size(vram_budget), parse_size(ram_budget)
+    draft_model = None
+    if draft is not None:  # placed first: the model gets what the draft leaves
+        draft_model, held = _place_draft(Path(draft), dev, n_ctx, precision, ram, vram, io)
+        vram, ram = _remaining(vram, ram, held, dev, f"the draft {Path(draft).name}",
+                               draft_model)
+    elif draft_skip_layers:  # the self-draft's own KV cache
+        held = kv_cache_bytes(cfg, cfg.n_layers, n_ctx,
+                              torch.finfo(prec.kv_dtype).bits // 8)
+        vram, ram = _remaining(vram, ram, held, dev, "the self-draft's KV cache", None)
+    try:
+        plan = _plan(gf, cfg, dev, prec, n_ctx, ram, vram, io, gpu_slots)
+    except BaseException:
+        if draft_model is not None:
+            draft_model.close()
+        raise
+    if draft is not None:
+        plan.draft = (Path(draft).name, held)
+    elif draft_skip_layers:
+        plan.draft = (f"self, {draft_skip_layers} layers skipped (KV cache)", held)
     from .memory.vram_cap import VramCap
 
     cap = VramCap(dev, vram) if dev.type == "cuda" else None
@@ -226,6 +260,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
         model = _build(model_path, gf, cfg, dev, tokenizer, template, plan, n_ctx, prec,
                        progress, io, stream_delay)
     except BaseException as e:
+        if draft_model is not None:
+            draft_model.close()
         if cap is not None:
             cap.release()
             if isinstance(e, torch.cuda.OutOfMemoryError):
@@ -237,19 +273,81 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     if cap is not None:
         cap.attach(model)
         model._vram_cap = cap
-    if skip_layers:
-        try:
+    model.draft = draft_model
+    try:
+        if skip_layers:
             _skip_layers(model, skip_layers)
-        except BaseException:
-            model.close()
-            raise
-    if draft is not None:
-        try:  # a second load for now: the draft does not share the model's budgets yet
-            model.draft = load(draft, device=dev, ctx=n_ctx, precision=precision, io=io)
-        except BaseException:
-            model.close()
-            raise
+        if draft_skip_layers:
+            model.draft = _self_draft(model, draft_skip_layers)
+    except BaseException:
+        model.close()
+        raise
     return model
+
+
+def _place_draft(path: Path, dev: torch.device, ctx: int, precision: str, ram: int | None,
+                 vram: int | None, io: str) -> tuple["Model", int]:
+    """Load a draft first, out of the budgets, wholly resident (a draft that streamed would
+    cost a pass of its own per tree level). Returns it and the bytes it holds: VRAM the CUDA
+    allocator reserved for it, or the RAM its plan keeps on CPU."""
+    before = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
+    d = load(path, device=dev, ctx=ctx, precision=precision, ram_budget=ram,
+             vram_budget=vram, io=io)
+    if d.plan is not None and d.plan.streamed_layers:
+        n, total = len(d.plan.streamed_layers), d.config.n_layers
+        d.close()
+        raise BudgetTooSmall(f"the draft {path.name} does not fit the budget whole ({n} of "
+                             f"its {total} layers would stream, and a draft must be resident); "
+                             f"raise --vram-budget/--ram-budget or use a smaller draft")
+    if dev.type == "cuda":
+        held = torch.cuda.memory_reserved(dev) - before
+    else:
+        held = sum(d.plan.resident_bytes_per_layer) + d.plan.fixed_bytes
+    return d, held
+
+
+def _remaining(vram: int | None, ram: int | None, held: int, dev: torch.device, what: str,
+               draft_model: "Model | None") -> tuple[int | None, int | None]:
+    """The budgets the model gets after `what` took `held` bytes of its device's budget (a
+    budget left unset is read from the machine at planning time, after the draft took its
+    share, so it needs no subtraction)."""
+    if dev.type == "cuda":
+        vram, left = (None, 1) if vram is None else (vram - held, vram - held)
+    else:
+        ram, left = (None, 1) if ram is None else (ram - held, ram - held)
+    if left <= 0:
+        if draft_model is not None:
+            draft_model.close()
+        budget = "--vram-budget" if dev.type == "cuda" else "--ram-budget"
+        raise BudgetTooSmall(f"{what} takes {fmt_bytes(held)}, all of {budget}: nothing is "
+                             f"left for the model; raise {budget} or use a smaller draft")
+    return vram, ram
+
+
+def _self_draft(model: "Model", k: int) -> "Model":
+    """The layer-skip self-draft: the model's weights and stores with k layers left out,
+    every streamed one first (its store streams them in the target's order only, and a draft
+    must run from what is resident), the rest the most redundant by calibration."""
+    from .runtime import layer_skip
+
+    streamed = set(model.plan.streamed_layers) if model.plan is not None else set()
+    if len(streamed) > k:
+        raise BadArgument(f"draft_skip_layers={k} leaves streamed layers in the self-draft: "
+                          f"the plan streams {len(streamed)} layers and a self-draft runs from "
+                          f"resident layers only; skip at least {len(streamed)}, raise the "
+                          f"budget, or give a draft file")
+    sims = model.layer_similarities or layer_skip.calibrate(
+        model.engine, model.tokenize(layer_skip.calibration_text()))
+    model.layer_similarities = sims
+    # the streamed layers are taken whatever their similarity; the rest by calibration
+    masked = [-1.0 if i in streamed else s for i, s in enumerate(sims)]
+    rest = layer_skip.choose(masked, k=k - len(streamed)) if k > len(streamed) else frozenset()
+    skip = frozenset(streamed) | rest | model.engine.skip
+    draft = Model(model.path, model.gguf, model.config, model.engine.self_draft(skip),
+                  model.tokenizer, model.template)
+    draft.plan = model.plan
+    draft.owns_resources = False  # the target's stores, map and cap: closed with the target
+    return draft
 
 
 def _tokens(gf: GGUFFile) -> list[str]:
@@ -267,10 +365,10 @@ def _check_draft(model_path: Path, gf: GGUFFile, draft: Path) -> None:
         dgf.close()
 
 
-def _check_skip_layers(cfg: ModelConfig, k) -> None:
+def _check_skip_layers(cfg: ModelConfig, k, what: str = "skip_layers") -> None:
     most = max(cfg.n_layers - 2, 0)  # the first and last layers are never skipped
     if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= most:
-        raise BadArgument(f"skip_layers={k!r} is invalid: between 0 and {most} for a model of "
+        raise BadArgument(f"{what}={k!r} is invalid: between 0 and {most} for a model of "
                           f"{cfg.n_layers} layers (never the first or the last)")
 
 

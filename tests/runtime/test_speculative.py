@@ -8,18 +8,14 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf import GGUFValueType, GGUFWriter
 
 import slipstream
-from slipstream.errors import BadArgument, DraftMismatch
-from slipstream.gguf_file import GGUFFile
+from slipstream.errors import BadArgument, BudgetTooSmall, DraftMismatch
 from slipstream.model import tree_step
-from slipstream.quant import dequantize
-from slipstream.quant.encode import quantize
+from slipstream.quant.requantize import requantize as quant_requantize
 from slipstream.runtime.generate import GenerationStats, generate
 from slipstream.runtime.sampler import Sampler, SamplingParams
 from slipstream.runtime.speculative import (Speculator, check_vocab, grow_tree, keep,
@@ -34,32 +30,9 @@ CHI2_ALPHA_Z = 3.09  # one-sided normal quantile of alpha = 1e-3
 
 def requantize(src: Path, dst: Path, qtype: Q = Q.Q4_0, only: tuple[Q, ...] = (Q.Q4_1,)
                ) -> Path:
-    """A copy of a GGUF whose `only`-typed tensors are re-encoded in `qtype` (through the
-    reference dequantizer and slipstream's encoder): a draft with the same vocabulary whose
-    weights differ by a second rounding."""
-    gf = GGUFFile(src)
-    w = GGUFWriter(dst, gf.architecture)
-    for key, fld in gf.reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        vtype = fld.types[0]
-        w.add_key_value(key, gf.metadata[key], vtype,
-                        fld.types[-1] if vtype == GGUFValueType.ARRAY else None)
-    for name, info in gf.tensors.items():
-        raw = np.array(gf.tensor_bytes(name))
-        if info.ggml_type in only:
-            x = dequantize(torch.from_numpy(raw), info.ggml_type, info.shape).numpy()
-            w.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)
-        elif info.ggml_type == Q.F32:
-            w.add_tensor(name, raw.view(np.float32).reshape(info.shape))
-        else:
-            w.add_tensor(name, raw.reshape(info.shape[0], -1), raw_dtype=info.ggml_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    gf.close()
-    return dst
+    """The default model's Q4_1 matrices re-encoded in `qtype`: a draft with the same
+    vocabulary whose weights differ by a second rounding."""
+    return quant_requantize(src, dst, qtype, only=only)
 
 
 # --- tiny synthetic pair: same vocabulary, different weights ------------------------------------
@@ -360,3 +333,49 @@ def test_load_refuses_a_draft_of_another_vocabulary(smollm_path, tmp_path):
     with pytest.raises(DraftMismatch, match=rf"same-size\.gguf.*{smollm_path.name}.*"
                                             rf"\({n} tokens against {n}; token 0 is"):
         slipstream.load(smollm_path, device="cpu", draft=other)
+
+
+# --- drafts out of the model's budgets, and the layer-skip self-draft ----------------------------
+
+def test_draft_is_placed_first_out_of_the_ram_budget(smollm_path, smollm_spec):
+    """A CPU draft's resident bytes come out of --ram-budget before the model is planned, and
+    the plan says so; a budget the draft alone fills is refused with both figures."""
+    draft_path = smollm_spec.draft.path
+    alone = slipstream.plan(draft_path, device="cpu", ctx=512, precision="exact",
+                            measure=False)
+    held = sum(alone.resident_bytes_per_layer) + alone.fixed_bytes
+    budget = held + 200 * 2**20  # the draft, and 200 MiB for the model
+    with slipstream.load(smollm_path, device="cpu", ctx=512, precision="exact",
+                         ram_budget=budget, draft=draft_path) as model:
+        assert model.plan.draft == (draft_path.name, held)
+        assert model.plan.budget == budget - held
+        assert "disk" in model.plan.tiers  # 200 MiB holds part of the model only
+        assert not model.draft.plan.streamed_layers
+    with pytest.raises(BudgetTooSmall, match=r"does not fit the budget whole"):
+        slipstream.load(smollm_path, device="cpu", ctx=512, ram_budget=held // 2,
+                        draft=draft_path)
+
+
+def test_layer_skip_self_draft_is_lossless(smollm_path):
+    """The self-draft shares the model's weights (no second file), leaves out K layers and
+    keeps a cache of its own; greedy output equals plain greedy output."""
+    with slipstream.load(smollm_path, device="cpu", ctx=256, precision="exact",
+                         draft_skip_layers=8) as model:
+        draft = model.draft
+        assert len(draft.engine.skip) == 8 and not model.engine.skip
+        assert draft.engine.weights is model.engine.weights
+        assert draft.engine.kv is not model.engine.kv
+        ids = model.tokenize("Photosynthesis is the process by which")
+        plain = [e.id for e in model.generate(ids, max_tokens=32, temperature=0, draft=False)]
+        spec = [e.id for e in model.generate(ids, max_tokens=32, temperature=0, spec_nodes=16)]
+        assert spec == plain
+        extra = model.last_stats.extra
+        assert extra["spec_target_passes"] < 31  # some drafted tokens were accepted
+    assert draft.engine is None  # closed with the model
+
+
+def test_self_draft_arguments(smollm_path):
+    with pytest.raises(BadArgument, match="two drafts"):
+        slipstream.load(smollm_path, device="cpu", draft=smollm_path, draft_skip_layers=2)
+    with pytest.raises(BadArgument, match=r"draft_skip_layers=40 is invalid"):
+        slipstream.load(smollm_path, device="cpu", draft_skip_layers=40)

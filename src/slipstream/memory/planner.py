@@ -52,6 +52,8 @@ class Plan:
     graphs: bool = True  # CUDA: the reserve holds CUDA graph pools (False: decode runs eager)
     embed_on_host: bool = False  # CUDA: the token embedding stays in host memory
     stages: list[StagePlan] = field(default_factory=list)  # default: one, every layer
+    # a speculative draft placed before this plan: (what it is, bytes it holds of the budget)
+    draft: tuple[str, int] | None = None
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -141,6 +143,8 @@ class Plan:
                 t.add_row("host", "token embedding", "memory map", "1 row / token", "-")
         else:
             t.add_row("fixed", "head, norms, KV", fmt_bytes(self.fixed_bytes), "-", "-")
+        if self.draft is not None:
+            t.add_row("draft", self.draft[0], fmt_bytes(self.draft[1]), "-", "-")
         tok_s = self.predicted_tok_s
         t.caption = (f"predicted decode from link bandwidths alone: "
                      f"{tok_s:.{1 if tok_s >= 10 else 2}f} tok/s"

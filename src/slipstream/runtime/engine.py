@@ -103,6 +103,23 @@ class Engine:
         for store in stores.values():
             store.skip(new)
 
+    def self_draft(self, skip: frozenset[int]) -> "Engine":
+        """A speculative self-draft: this engine's weights and stores with `skip` left out and
+        KV caches of its own. The stores are not told of `skip` (they keep serving this
+        engine, every layer in order), so every layer the draft runs must be resident: it
+        only looks the layer up, and decode can be captured in CUDA graphs."""
+        from .kv_cache import KVCache
+
+        stages = [Stage(st.device, st.layers, st.store,
+                        KVCache(self.cfg, st.kv.max_ctx, st.device, st.kv.k.dtype,
+                                len(st.layers)), st.rope)
+                  for st in self.stages]
+        resident_only = all(st.device.type == "cuda" for st in stages)
+        draft = Engine(self.cfg, self.weights, stages, self.act_dtype,
+                       use_graphs=len(stages) == 1 and resident_only)
+        draft._skip = frozenset(skip)
+        return draft
+
     # --- the context --------------------------------------------------------------------------
 
     @property
