@@ -64,6 +64,7 @@ class Model:
         self.layer_similarities: list[float] | None = None
         self._vram_cap = None  # memory.vram_cap.VramCap while the model holds a VRAM budget
         self.owns_resources = True  # False for a self-draft, which borrows the target's
+        self._sizers: dict[int, object] = {}  # speculative tree sizers, one per draft engine
         self.closed = False
 
     def close(self) -> None:
@@ -130,14 +131,18 @@ class Model:
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                  repeat_last_n: int = 64, seed: int | None = None,
                  stop: str | Sequence[str] | None = None, draft: "Model | bool | None" = None,
-                 spec_nodes: int = 64) -> Iterator[GenerationEvent]:
+                 spec_nodes: int | None = None, spec_depth: int | None = None
+                 ) -> Iterator[GenerationEvent]:
         """Stream GenerationEvents (.id, .text, .finish_reason) for a prompt in a fresh context.
 
-        draft: decode speculatively with this Model (same vocabulary) guessing trees of
-        `spec_nodes` tokens (the root included) that the model verifies in one pass each; the
-        tokens follow the same distribution as plain decoding (runtime.speculative). None: the
-        draft `load(draft=...)` loaded, if any; False: plain decoding. last_stats.extra then
-        holds the acceptance figures (spec_tokens_per_pass, ...)."""
+        draft: decode speculatively with this Model (same vocabulary) guessing trees that the
+        model verifies in one pass each; the tokens follow the same distribution as plain
+        decoding (runtime.speculative). None: the draft `load(draft=...)` loaded, if any;
+        False: plain decoding. spec_nodes: the trees' node budget (the root included); None
+        sizes each tree from the measured pass and draft costs and the acceptance so far
+        (runtime.spec_sizing), learned across this model's generations; spec_depth fixes the
+        depth likewise (None: chosen, 0 included, i.e. a plain step). last_stats.extra and
+        `last_speculation` then hold the acceptance figures."""
         ids = (self.tokenize(prompt_or_ids) if isinstance(prompt_or_ids, str)
                else list(prompt_or_ids))
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
@@ -148,10 +153,12 @@ class Model:
         self.last_stats = GenerationStats()
         sampler = Sampler(params, device=self.engine.device)
         return generate(self.engine, self.tokenizer, ids, sampler, max_tokens, stops,
-                        stats=self.last_stats, source=self._source(draft, spec_nodes))
+                        stats=self.last_stats,
+                        source=self._source(draft, spec_nodes, spec_depth))
 
-    def _source(self, draft: "Model | bool | None", nodes: int):
+    def _source(self, draft: "Model | bool | None", nodes: int | None, depth: int | None):
         """The token source generate() decodes with: plain, or speculative with a draft."""
+        from .runtime.spec_sizing import TreeSizer
         from .runtime.speculative import check_vocab, speculative_source
 
         if draft is None or draft is True:
@@ -160,7 +167,18 @@ class Model:
             return autoregressive
         if draft is not self.draft:  # load(draft=...) checked its own
             check_vocab(_tokens(self.gguf), _tokens(draft.gguf), str(self.path), str(draft.path))
-        return speculative_source(draft.engine, nodes=nodes)
+        # one sizer per draft, kept: costs and acceptance carry over between generations
+        sizer = self._sizers.setdefault(id(draft.engine), TreeSizer())
+        return speculative_source(draft.engine, nodes=nodes, depth=depth, sizer=sizer)
+
+    @property
+    def last_speculation(self) -> dict | None:
+        """The last generation's speculative figures (tokens per target pass, target passes,
+        accepted-depth histogram, mean tree nodes, draft and verify seconds), or None if it
+        decoded plainly."""
+        extra = self.last_stats.extra if self.last_stats is not None else {}
+        spec = {k[len("spec_"):]: v for k, v in extra.items() if k.startswith("spec_")}
+        return spec or None
 
     def chat_ids(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of the conversation rendered through the model's chat template."""

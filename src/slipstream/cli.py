@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import SlipstreamError, oom_summary
+from .errors import BadArgument, SlipstreamError, oom_summary
 
 err = Console(stderr=True)
 
@@ -47,6 +47,56 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "near-equals): faster, less accurate (default 0)")
 
 
+def _add_draft_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding: the commands that generate (run, chat, bench, serve)."""
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--draft", default=None, metavar="PATH", help="a smaller GGUF with the "
+                   "model's vocabulary that guesses trees of tokens the model verifies in one "
+                   "pass each (the output follows the same distribution as without it)")
+    g.add_argument("--draft-skip-layers", type=int, default=0, metavar="K", help="self-draft: "
+                   "the model itself with K layers skipped guesses the tokens (no second file)")
+    g.add_argument("--spec-nodes", type=int, default=None, metavar="N", help="tokens in one "
+                   "verify pass, the tree's root included (default: sized from the measured "
+                   "costs every round)")
+    g.add_argument("--spec-depth", type=int, default=None, metavar="D", help="drafted tokens "
+                   "below the root, every round (default: chosen from the measured costs and "
+                   "acceptance, plain steps included where trees do not pay)")
+
+
+def _check_draft_args(a: argparse.Namespace) -> None:
+    """The draft flags' own errors, before anything loads (a load may take minutes)."""
+    draft, skip = getattr(a, "draft", None), getattr(a, "draft_skip_layers", 0)
+    if draft is not None and skip:
+        raise BadArgument("--draft and --draft-skip-layers are two kinds of draft; give one")
+    if skip < 0:
+        raise BadArgument(f"--draft-skip-layers {skip} is invalid: must be >= 0")
+    sizes = (("--spec-nodes", getattr(a, "spec_nodes", None), "the tree's root"),
+             ("--spec-depth", getattr(a, "spec_depth", None), "one drafted token"))
+    for flag, value, least in sizes:
+        if value is not None and value < 1:
+            raise BadArgument(f"{flag} {value} is invalid: must be >= 1 ({least})")
+        if value is not None and draft is None and not skip:
+            raise BadArgument(f"{flag} sizes speculative decoding's trees: give --draft PATH "
+                              f"or --draft-skip-layers K too")
+
+
+def _draft_kwargs(a: argparse.Namespace) -> dict:
+    """load()'s draft arguments; none at all without a draft flag, so commands without them
+    load as before."""
+    if getattr(a, "draft", None) is not None:
+        return {"draft": a.draft}
+    if getattr(a, "draft_skip_layers", 0):
+        return {"draft_skip_layers": a.draft_skip_layers}
+    return {}
+
+
+def _spec_kwargs(a: argparse.Namespace) -> dict:
+    """generate()'s tree size where --spec-nodes/--spec-depth fix it (None: automatic); the
+    draft itself is the one load() attached to the model."""
+    return {"spec_nodes": getattr(a, "spec_nodes", None),
+            "spec_depth": getattr(a, "spec_depth", None)}
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, n_default: int) -> None:
     p.add_argument("-n", "--max-tokens", type=int, default=n_default)
     p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy")
@@ -68,12 +118,13 @@ def _sampling_kwargs(a: argparse.Namespace) -> dict:
 
 
 def _load(a: argparse.Namespace):
+    _check_draft_args(a)
     from . import api
 
     model = api.load(a.model, device=a.device, ctx=a.ctx, progress=sys.stderr.isatty(),
                      precision=a.precision, ram_budget=a.ram_budget,
                      vram_budget=a.vram_budget, io=a.io, gpu_slots=a.gpu_slots,
-                     skip_layers=a.skip_layers)
+                     skip_layers=a.skip_layers, **_draft_kwargs(a))
     if model.skipped_layers:
         sims = model.layer_similarities
         chosen = ", ".join(f"{i} ({sims[i]:.4f})" for i in model.skipped_layers)
@@ -104,18 +155,55 @@ def _print_stats(model) -> None:
               f"{s.finish_reason}[/dim]")
 
 
+def spec_table(extra: dict) -> Table | None:
+    """Speculative decoding's figures of one generation (GenerationStats.extra), or None when
+    it decoded plainly. Times are per target pass: what a pass costs is what the tokens it
+    yields have to pay for."""
+    if "spec_target_passes" not in extra:
+        return None
+    passes = extra["spec_target_passes"]
+    per_pass = max(passes, 1)
+    t = Table(title="speculative decoding", show_header=False)
+    t.add_column("figure", style="bold")
+    t.add_column("value", justify="right")
+    hist = extra.get("spec_accepted_hist") or []
+    rows = [("tokens per target pass", f"{extra['spec_tokens_per_pass']:.2f}"),
+            ("target passes", str(passes)),
+            ("mean tree nodes", f"{extra['spec_tree_nodes_mean']:.1f}"),
+            ("accepted drafted tokens: passes", "  ".join(f"{a}: {n}" for a, n in
+                                                          enumerate(hist)) or "-"),
+            ("draft ms / pass", f"{extra['spec_draft_s'] / per_pass * 1e3:.1f}"),
+            ("verify ms / pass", f"{extra['spec_verify_s'] / per_pass * 1e3:.1f}"),
+            ("draft forwards / pass", f"{extra.get('spec_draft_forwards', 0) / per_pass:.1f}"),
+            ("draft prefill ms", f"{extra.get('spec_draft_prefill_s', 0.0) * 1e3:.1f}")]
+    # the tree's budget, where the source reports what it chose (automatic sizing)
+    rows += [(label, str(extra[key])) for key, label in
+             (("spec_plain_steps", "plain steps (no tree)"), ("spec_nodes", "tree node budget"),
+              ("spec_depth", "tree depth budget")) if key in extra]
+    for name, value in rows:
+        t.add_row(name, value)
+    return t
+
+
+def _print_spec(model) -> None:
+    table = spec_table(model.last_stats.extra) if model.last_stats is not None else None
+    if table is not None:
+        err.print(table)
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     model = _load(a)
     store = model.engine.layers
     store.stats.reset()
     if a.stats:
         store.enable_timing()
-    _stream(model.generate(a.prompt, **_sampling_kwargs(a)))
+    _stream(model.generate(a.prompt, **_sampling_kwargs(a), **_spec_kwargs(a)))
     sys.stdout.write("\n")
     _print_stats(model)
     if a.stats:
         store.collect()
         err.print(breakdown_table(model.last_stats, store.stats, model.device.type))
+        _print_spec(model)
     return 0
 
 
@@ -184,7 +272,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
             continue
         messages.append({"role": "user", "content": text})
         reply = []
-        for ev in model.chat(messages, **_sampling_kwargs(a)):
+        for ev in model.chat(messages, **_sampling_kwargs(a), **_spec_kwargs(a)):
             reply.append(ev.text)
             sys.stdout.write(ev.text)
             sys.stdout.flush()
@@ -192,6 +280,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
         if a.verbose:
             _print_stats(model)
+            _print_spec(model)
     return 0
 
 
@@ -283,26 +372,26 @@ def cmd_perplexity(a: argparse.Namespace) -> int:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     from .memory.probes import memory_read_gbps
-    from .runtime.bench import bench_decode, bench_prefill, weight_bytes_per_token
+    from .runtime.bench import SPEC_PROMPT_TOKENS, SPEC_ROOM, bench_prefill, \
+        weight_bytes_per_token
 
+    speculative = bool(_draft_kwargs(a))
     if a.ctx is None:
-        a.ctx = max(a.pp, a.tg) + 16
+        # a speculative tg runs after a prompt, and its last verify passes need room
+        tg_room = SPEC_PROMPT_TOKENS + a.tg + SPEC_ROOM if speculative else a.tg
+        a.ctx = max(a.pp, tg_room) + 16
     model = _load(a)
-    results = [bench_prefill(model.engine, a.pp, a.reps), bench_decode(model.engine, a.tg,
-                                                                      a.reps)]
+    results = [bench_prefill(model.engine, a.pp, a.reps), _bench_tg(model, a)]
     bw = memory_read_gbps(model.device)
     per_token = weight_bytes_per_token(model.engine)
     roofline = bw * 1e9 / per_token
-    t = Table(title=f"slipstream bench: {model.path.name} on {model.device}")
-    for col in ("test", "tok/s", "±", "runs"):
-        t.add_column(col, justify="right")
-    for r in results:
-        t.add_row(r.test, f"{r.tok_s:.1f}", f"{r.tok_s_std:.1f}", str(len(r.seconds)))
     console = Console(stderr=a.json is not None and a.json == "-")
-    console.print(t)
+    console.print(bench_table(model, results))
     console.print(f"weights read per decode token {per_token / 1e6:.1f} MB, memory read "
                   f"{bw:.1f} GB/s: decode roofline {roofline:.1f} tok/s, reached "
-                  f"{results[1].tok_s / roofline:.0%}")
+                  f"{results[1].tok_s / roofline:.0%}"
+                  + (" (speculative: a target pass yields several tokens)" if speculative
+                     else ""))
     if a.json:
         import torch
 
@@ -316,11 +405,47 @@ def cmd_bench(a: argparse.Namespace) -> int:
                "roofline_decode_tok_s": round(roofline, 1),
                "decode_fraction_of_roofline": round(results[1].tok_s / roofline, 3),
                "results": [r.as_dict() for r in results]}
+        if speculative:
+            doc["draft"] = (str(model.draft.path) if a.draft is not None
+                            else f"self, {a.draft_skip_layers} layers skipped")
+            doc["spec_nodes"], doc["spec_depth"] = a.spec_nodes, a.spec_depth  # null: auto
         if a.json == "-":
             print(json.dumps(doc, indent=2))
         else:
             Path(a.json).write_text(json.dumps(doc, indent=2) + "\n")
     return 0
+
+
+def _bench_tg(model, a: argparse.Namespace):
+    """tg: plain decode steps, or with a draft speculative decoding of real text."""
+    from .runtime.bench import bench_decode, bench_speculative, spec_prompt
+    from .runtime.spec_sizing import TreeSizer
+    from .runtime.speculative import speculative_source
+
+    if model.draft is None:
+        return bench_decode(model.engine, a.tg, a.reps)
+    # what generate() decodes with: the loaded draft, trees of --spec-nodes/--spec-depth or
+    # sized by one sizer, which learns the costs over the warm-up as generate()'s does over
+    # a model's generations
+    source = speculative_source(model.draft.engine, nodes=a.spec_nodes, depth=a.spec_depth,
+                                sizer=TreeSizer())
+    return bench_speculative(model.engine, source, spec_prompt(model.tokenize), a.tg, a.reps)
+
+
+def bench_table(model, results) -> Table:
+    t = Table(title=f"slipstream bench: {model.path.name} on {model.device}")
+    spec = any(r.speculative for r in results)
+    cols = ["test", "tok/s", "±", "runs"]
+    cols += ["tok / pass", "target passes", "draft s", "verify s"] if spec else []
+    for col in cols:
+        t.add_column(col, justify="right")
+    for r in results:
+        row = [r.test, f"{r.tok_s:.1f}", f"{r.tok_s_std:.1f}", str(len(r.seconds))]
+        if spec:
+            row += ([f"{r.tokens_per_pass:.2f}", f"{r.target_passes:.0f}", f"{r.draft_s:.3f}",
+                     f"{r.verify_s:.3f}"] if r.speculative else [""] * 4)
+        t.add_row(*row)
+    return t
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -331,7 +456,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
                               f"pip install 'slipstream[server]'") from None
     if a.max_queue < 0:
         raise SlipstreamError(f"--max-queue {a.max_queue} is invalid: must be >= 0")
-    run_server(_load(a), host=a.host, port=a.port, max_queue=a.max_queue)
+    run_server(_load(a), host=a.host, port=a.port, max_queue=a.max_queue,
+               **_spec_kwargs(a))
     return 0
 
 
@@ -356,6 +482,42 @@ def cmd_synth(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(a: argparse.Namespace) -> int:
+    from gguf import GGMLQuantizationType
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from .quant.requantize import parse_type, requantize
+
+    qtype = parse_type(a.type)  # a bad name fails here, before the source is read
+    only = [_source_type(GGMLQuantizationType, name) for name in a.only] or None
+    t0 = time.perf_counter()
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), console=err,
+                  transient=True) as bar:
+        task = bar.add_task(f"{Path(a.src).name} to {qtype.name}", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        try:
+            path = requantize(a.src, a.dst, qtype, only=only, progress=progress)
+        except OSError as e:  # the destination's folder is missing or not writable
+            raise SlipstreamError(f"cannot write {a.dst!r}: {e.strerror}") from None
+    size = path.stat().st_size
+    err.print(f"wrote {path} ({size / 2**20:.1f} MiB in {time.perf_counter() - t0:.1f} s)")
+    print(path)
+    return 0
+
+
+def _source_type(types, name: str):
+    """--only's type: any GGML type a source may hold, not only the encodable ones."""
+    try:
+        return types[name.upper()]
+    except KeyError:
+        raise BadArgument(f"--only {name!r} is not a GGML tensor type (Q4_1, Q6_K, F16, ...)"
+                          ) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="slipstream", description="Run GGUF language models.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -364,8 +526,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(r)
     r.add_argument("-p", "--prompt", default="Once upon a time,")
     r.add_argument("--stats", action="store_true", help="print the tier plan and a per-token "
-                   "time breakdown")
+                   "time breakdown (and speculative decoding's acceptance, with a draft)")
     _add_sampling_args(r, 128)
+    _add_draft_args(r)
     r.set_defaults(func=cmd_run)
 
     c = sub.add_parser("chat", help="interactive multi-turn chat")
@@ -373,6 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system message")
     c.add_argument("-v", "--verbose", action="store_true", help="print stats after each reply")
     _add_sampling_args(c, 512)
+    _add_draft_args(c)
     c.set_defaults(func=cmd_chat)
 
     pl = sub.add_parser("pull", help="fetch the default model into the cache")
@@ -399,6 +563,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--reps", type=int, default=3)
     b.add_argument("--json", nargs="?", const="-", default=None,
                    help="write JSON to a file (or stdout with no argument)")
+    _add_draft_args(b)
     b.set_defaults(func=cmd_bench)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, ...)")
@@ -407,7 +572,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
     s.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one "
                    "generates; more get 503 with Retry-After (default 16)")
+    _add_draft_args(s)
     s.set_defaults(func=cmd_serve)
+
+    q = sub.add_parser("quantize", help="re-encode a GGUF's weights in another type (e.g. a "
+                       "speculative draft)")
+    q.add_argument("src", metavar="SRC", help="the GGUF to read")
+    q.add_argument("dst", metavar="DST", help="the GGUF to write (metadata copied whole)")
+    q.add_argument("type", metavar="TYPE", help="the weights' new type: Q4_0, Q8_0, Q4_K, "
+                   "Q2_K, F16, ...")
+    q.add_argument("--only", action="append", default=[], metavar="TYPE", help="re-encode "
+                   "only tensors of this type (repeatable; default: every matrix, the norms "
+                   "stay F32)")
+    q.set_defaults(func=cmd_quantize)
 
     sy = sub.add_parser("synth", help="write a random-weight Llama-shaped GGUF for testing")
     sy.add_argument("--shape", required=True, choices=["tiny", "1b", "8b", "70b"])

@@ -52,7 +52,7 @@ def test_gpu_seeded_sampling_equals_plain(tmp_path):
     params = dict(SAMPLING, repeat_penalty=1.3, max_tokens=24)
     for seed in range(8):
         plain = [e.id for e in target.generate(PREFIX, seed=seed, **params)]
-        spec = [e.id for e in target.generate(PREFIX, seed=seed, draft=draft, spec_nodes=12,
+        spec = [e.id for e in target.generate(PREFIX, seed=seed, draft=draft, spec_nodes=12, spec_depth=6,
                                               **params)]
         assert spec == plain, seed
     target.close()

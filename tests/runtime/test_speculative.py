@@ -184,7 +184,7 @@ def test_sampling_seed_for_seed_equals_plain(tiny, which):
     for seed in range(12):
         plain = [e.id for e in target.generate(PREFIX, seed=seed, **params)]
         spec = [e.id for e in target.generate(PREFIX, seed=seed, draft=drafts[which],
-                                              spec_nodes=12, **params)]
+                                              spec_nodes=12, spec_depth=6, **params)]
         assert spec == plain, seed
         passes += target.last_stats.extra["spec_target_passes"]
         assert target.last_stats.generated_tokens == len(plain)
@@ -193,8 +193,8 @@ def test_sampling_seed_for_seed_equals_plain(tiny, which):
 
 def test_caches_hold_the_accepted_prefix(tiny):
     """After every round the target's cache holds prompt + emitted - 1 tokens (the last one is
-    the pending root), the draft's as many less its lag (at most one token: an accepted leaf
-    it never ran), and both hold the keys a fresh prefill of those tokens writes."""
+    the pending root), the draft's as many less its lag (an accepted leaf it never ran, and
+    the roots of plain steps), and both hold the keys a fresh prefill of those tokens writes."""
     target, draft, _ = tiny
     sampler = Sampler(SamplingParams(seed=3, **SAMPLING))
     spec = Speculator(target.engine, draft.engine, sampler, nodes=10, depth=4, top_k=4)
@@ -203,7 +203,10 @@ def test_caches_hold_the_accepted_prefix(tiny):
     for _ in range(10):
         emitted += [int(x) for x in spec.round(50)]
         assert t.length == len(PREFIX) + len(emitted) - 1
-        assert d.length + len(spec.lag) == t.length and len(spec.lag) <= 1
+        # a tree round leaves at most one token unrun; each plain step (the sizer's choice
+        # when trees do not pay) adds its root
+        assert d.length + len(spec.lag) == t.length
+        assert len(spec.lag) <= 1 + spec.stats.plain_steps
         assert spec.lag == (PREFIX + emitted)[d.length:t.length]
         assert spec.history.tolist() == PREFIX + emitted
         assert int(spec.root) == emitted[-1]
@@ -306,7 +309,7 @@ def test_greedy_equals_plain_greedy(smollm_spec):
         plain = [e.id for e in model.generate(ids, max_tokens=GREEDY_TOKENS, temperature=0,
                                               draft=False)]
         spec = [e.id for e in model.generate(ids, max_tokens=GREEDY_TOKENS, temperature=0,
-                                             spec_nodes=16)]
+                                             spec_nodes=16, spec_depth=8)]
         if spec != plain:
             at = next(i for i, (a, b) in enumerate(zip(spec, plain)) if a != b)
             logits = model.logits(ids + plain[:at])[-1]
@@ -367,7 +370,8 @@ def test_layer_skip_self_draft_is_lossless(smollm_path):
         assert draft.engine.kv is not model.engine.kv
         ids = model.tokenize("Photosynthesis is the process by which")
         plain = [e.id for e in model.generate(ids, max_tokens=32, temperature=0, draft=False)]
-        spec = [e.id for e in model.generate(ids, max_tokens=32, temperature=0, spec_nodes=16)]
+        spec = [e.id for e in model.generate(ids, max_tokens=32, temperature=0, spec_nodes=16,
+                                             spec_depth=8)]
         assert spec == plain
         extra = model.last_stats.extra
         assert extra["spec_target_passes"] < 31  # some drafted tokens were accepted

@@ -1,6 +1,10 @@
 """llama-bench style measurements: pp (a prompt in one batch) and tg (tokens generated one at a
 time from an empty context), on random token ids, repeated and averaged.
 
+With a draft, tg decodes speculatively instead (bench_speculative): greedy tokens after a short
+prompt of real text, since how many tokens a target pass yields depends on how well the draft
+guesses them, which random ids would not show.
+
 On CUDA, time is taken with CUDA events around the whole run, and decode steps are fed from a
 device tensor so the host never waits inside the timed loop. Warm-up runs the exact timed
 workload once, so Triton compilation and CUDA-graph capture stay out of the figures (the engine
@@ -12,11 +16,16 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from .engine import Engine
+from .generate import GenerationStats, TokenSource
+from .sampler import Sampler, SamplingParams
+
+SPEC_PROMPT_TOKENS = 32  # the speculative tg's prompt: the start of the calibration text
+SPEC_ROOM = 64  # context left after a speculative tg: a default tree's verify pass fits
 
 
 @dataclass
@@ -26,9 +35,20 @@ class BenchResult:
     tok_s: float
     tok_s_std: float
     seconds: list[float]
+    # speculative tg only (means over the runs): tokens one target pass yielded, target passes
+    # per run, and the seconds per run spent growing trees with the draft and verifying them
+    tokens_per_pass: float | None = None
+    target_passes: float | None = None
+    draft_s: float | None = None
+    verify_s: float | None = None
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        # a plain run's record keeps its keys: the speculative ones only where they apply
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @property
+    def speculative(self) -> bool:
+        return self.tokens_per_pass is not None
 
 
 def _timed(engine: Engine, fn: Callable[[], None]) -> float:
@@ -73,6 +93,47 @@ def bench_decode(engine: Engine, n_tokens: int, reps: int = 3, seed: int = 0) ->
     run()  # warm-up, including graph capture for every bucket the run touches
     times = [_timed(engine, run) for _ in range(reps)]
     return _result(f"tg{n_tokens}", n_tokens, times)
+
+
+def spec_prompt(tokenize: Callable[[str], list[int]], n: int = SPEC_PROMPT_TOKENS) -> list[int]:
+    """The first n tokens of the calibration text shipped with the package (plain prose)."""
+    from .layer_skip import calibration_text
+
+    return tokenize(calibration_text())[:n]
+
+
+def bench_speculative(engine: Engine, source: TokenSource, prompt: list[int], n_tokens: int,
+                      reps: int = 3) -> BenchResult:
+    """tg through a speculative token source: n_tokens greedy tokens after `prompt`, timed
+    from the token the prefill draws (both models' prefills stay out, as tg has none) to the
+    last one. Greedy, so every run decodes the same tokens with the same trees."""
+    sampler = Sampler(SamplingParams(temperature=0.0), device=engine.device)
+
+    def run() -> tuple[float, dict]:
+        stats = GenerationStats()
+        tokens = source(engine, prompt, sampler, n_tokens + 1, stats)
+        next(tokens)  # the prefills
+        seconds = _timed(engine, lambda: _drain(tokens))
+        return seconds, stats.extra  # the source wrote its figures when it ran out
+
+    run()  # warm-up: as bench_decode's, and the draft's too
+    runs = [run() for _ in range(reps)]
+    res = _result(f"tg{n_tokens}", n_tokens, [t for t, _ in runs])
+    extras = [x for _, x in runs]
+
+    def mean(key: str) -> float:
+        return statistics.mean(float(x[key]) for x in extras)
+
+    res.tokens_per_pass = mean("spec_tokens_per_pass")
+    res.target_passes = mean("spec_target_passes")
+    res.draft_s = mean("spec_draft_s")
+    res.verify_s = mean("spec_verify_s")
+    return res
+
+
+def _drain(tokens: Iterator[torch.Tensor]) -> None:
+    for _ in tokens:
+        pass
 
 
 def weight_bytes_per_token(engine: Engine) -> int:

@@ -17,7 +17,7 @@ import torch
 from ..config import ModelConfig
 from ..model import Step, append_step, block_forward, fused_decode_serves, rms_norm
 from ..weights import ModelWeights
-from .graphs import GRAPH_BUCKET, DecodeGraphs, bucket_span
+from .graphs import GRAPH_BUCKET, DecodeGraphs, StepGraphs, bucket_span
 from .stage import Stage
 
 # Prompts longer than this are prefilled in chunks of it, which bounds the attention scores'
@@ -41,6 +41,7 @@ class Engine:
         capturable = len(self.stages) == 1 and self.stages[0].graph_capturable
         self.use_graphs = capturable if use_graphs is None else use_graphs
         self._graphs: DecodeGraphs | None = None
+        self._tree_graphs: StepGraphs | None = None  # masked steps (a draft's tree levels)
         self._skip: frozenset[int] = frozenset()
         # Called as layer_hook(i, x_in, x_out) after each computed layer (runtime.layer_skip's
         # calibration records hidden states through it); None on every ordinary pass.
@@ -72,7 +73,7 @@ class Engine:
 
     @property
     def graph_capture_s(self) -> float:
-        return self._graphs.capture_s if self._graphs is not None else 0.0
+        return sum(g.capture_s for g in (self._graphs, self._tree_graphs) if g is not None)
 
     # --- layer skip ---------------------------------------------------------------------------
 
@@ -98,7 +99,7 @@ class Engine:
         if new == self._skip:
             return
         self._skip = new
-        self._graphs = None  # captured graphs froze the old set of layers
+        self._graphs = self._tree_graphs = None  # captured graphs froze the old layers
         stores = {id(st.store): st.store for st in self.stages}
         for store in stores.values():
             store.skip(new)
@@ -169,9 +170,13 @@ class Engine:
             if step.tokens != T:
                 raise ValueError(f"the step describes {step.tokens} tokens, not {T}")
             self.stages[0].kv.check_room(step.end)
-            h = self._hidden(ids.to(self.device), step)
+            if self.use_graphs and all_logits and self._step_graphs().serves(step):
+                logits = self._step_graphs().run(ids.to(self.device), step)
+            else:
+                logits = self.run_step(ids.to(self.device), step) if all_logits else \
+                    self._logits(self._hidden(ids.to(self.device), step)[-1:])
             self.set_length(step.end)
-            return self._logits(h if all_logits else h[-1:])
+            return logits
         self._check_room(T)
         outs = []
         for start in range(0, T, PREFILL_CHUNK):
@@ -196,6 +201,11 @@ class Engine:
         if self._graphs is None:
             self._graphs = DecodeGraphs(self)
         return self._graphs.step(token)
+
+    def _step_graphs(self) -> StepGraphs:
+        if self._tree_graphs is None:
+            self._tree_graphs = StepGraphs(self)
+        return self._tree_graphs
 
     def run_step(self, ids: torch.Tensor, step: Step) -> torch.Tensor:
         """Logits (T, vocab) of ids at `step`, leaving the cache length alone (graph bodies)."""

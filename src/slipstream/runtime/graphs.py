@@ -71,3 +71,100 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         self.graphs[span] = (graph, logits)
         self.capture_s += time.perf_counter() - t0
+
+
+# Widths a masked step is padded to for capture: few graphs, at most 2x the rows (a draft's
+# level of 5 nodes runs as 8; up to 8 rows the decode GEMV serves, so padding there is free).
+STEP_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class StepGraphs:
+    """CUDA graphs of masked steps over up to STEP_WIDTHS[-1] tokens: a speculative draft's
+    tree levels, which eagerly cost ~10x the captured decode step in launch overhead alone.
+
+    One graph per (width, span) bucket, captured on first use from the step it first serves,
+    with its tokens, positions, slots and mask in static buffers. Padding rows write keys and
+    values to the slots right past the step's end (free: nothing reads them before a later
+    step writes them) and attend to slot 0 only, so they stay finite. All graphs share one
+    memory pool: they never run at once, and a replay's logits are read before the next one.
+    """
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+        self.device = engine.device
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.pool = None
+        self.capture_s = 0.0
+
+    def serves(self, step) -> bool:
+        """Whether a graph can run `step`: few enough tokens, and room past its end for the
+        padding rows' slots (near the end of the context it runs eagerly)."""
+        n = step.tokens
+        if n > STEP_WIDTHS[-1] or step.causal:
+            return False
+        width = next(w for w in STEP_WIDTHS if w >= n)
+        return step.end + (width - n) <= self.engine.ctx
+
+    def run(self, ids: torch.Tensor, step) -> torch.Tensor:
+        """Logits (n, vocab) of the step's n tokens (a view of the graph's static output)."""
+        n = step.tokens
+        width = next(w for w in STEP_WIDTHS if w >= n)
+        span = bucket_span(step.end - 1, self.engine.ctx)  # >= step.end
+        key = (width, span)
+        entry = self.graphs.get(key)
+        buffers = entry[1] if entry is not None else self._buffers(width, span)
+        self._fill(buffers, ids, step, width)
+        if entry is None:
+            entry = self._capture(buffers, span)
+            self.graphs[key] = entry
+        graph, _, logits = entry
+        graph.replay()
+        return logits[:n]
+
+    def _buffers(self, width: int, span: int) -> dict[str, torch.Tensor]:
+        dev = self.device
+        return dict(tokens=torch.zeros(width, dtype=torch.long, device=dev),
+                    positions=torch.zeros(width, dtype=torch.long, device=dev),
+                    slots=torch.zeros(width, dtype=torch.long, device=dev),
+                    allowed=torch.zeros(width, span, dtype=torch.bool, device=dev))
+
+    @staticmethod
+    def _fill(b: dict[str, torch.Tensor], ids: torch.Tensor, step, width: int) -> None:
+        n = step.tokens
+        b["tokens"][:n].copy_(ids, non_blocking=True)
+        b["positions"][:n].copy_(step.positions, non_blocking=True)
+        b["slots"][:n].copy_(step.slots, non_blocking=True)
+        allowed = b["allowed"]
+        allowed.zero_()
+        allowed[:n, :step.span].copy_(step.allowed, non_blocking=True)
+        if width > n:
+            b["tokens"][n:].zero_()
+            b["positions"][n:].zero_()
+            torch.arange(step.end, step.end + width - n, out=b["slots"][n:])
+            allowed[n:, 0] = True
+
+    def _body(self, b: dict[str, torch.Tensor], span: int) -> torch.Tensor:
+        from ..model import Step
+
+        step = Step(b["positions"], b["slots"], span=span, end=span, start=None,
+                    causal=False, allowed=b["allowed"])
+        return self.engine.run_step(b["tokens"], step)
+
+    def _capture(self, b: dict[str, torch.Tensor], span: int) -> tuple:
+        """Warm up on a side stream with the step being served (its cache writes are the
+        real ones, so repeating them is harmless), then capture."""
+        t0 = time.perf_counter()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._body(b, span)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self._body(b, span)
+        if self.pool is None:
+            self.pool = graph.pool()
+        torch.cuda.synchronize(self.device)
+        self.capture_s += time.perf_counter() - t0
+        return graph, b, logits

@@ -20,7 +20,8 @@ Invariant between rounds, with L = len(prompt) + emitted - 1:
     last, which is the pending root (sampled, not yet run through either model);
   * the draft's cache holds the same slots except its `lag`: accepted tokens it never ran (a
     tree leaf the walk descended into, or roots of plain steps), so draft.length + len(lag) == L
-    (lag is at most one token in a tree round). The next growth runs lag + root in one forward.
+    (at most one token after a tree round; a plain step, which the sizer chooses where trees
+    do not pay, adds its root). The next growth runs lag + root in one forward.
 """
 
 from __future__ import annotations
@@ -38,10 +39,13 @@ from ..model import tree_step
 from .engine import Engine
 from .generate import GenerationStats, TokenSource
 from .sampler import Sampler
+from .spec_sizing import TreeSizer
 
-DEFAULT_NODES = 64  # tokens in one verify pass, the root included
-DEFAULT_DEPTH = 8  # drafted tokens below the root on the longest branch
+DEFAULT_DEPTH = 8  # drafted tokens below the root on the longest branch, at most
 DEFAULT_TOP_K = 8  # children considered per expanded node
+# Nodes one draft level runs on CUDA: the rows the fused quantized GEMV serves (kernels.MAX_M);
+# a wider level dequantizes every weight for cuBLAS, ~4x the cost of a level on the 8B
+CUDA_LEVEL_WIDTH = 8
 
 
 @dataclass
@@ -77,7 +81,7 @@ class DraftTree:
 
 
 def grow_tree(draft: Engine, root: int, lag: Sequence[int], nodes: int, depth: int,
-              top_k: int) -> DraftTree:
+              top_k: int, level_width: int | None = None) -> DraftTree:
     """Grow a tree of at most `nodes` tokens (the root included) and `depth` levels below the
     root, with the draft's cache holding the accepted prefix less `lag`.
 
@@ -85,8 +89,11 @@ def grow_tree(draft: Engine, root: int, lag: Sequence[int], nodes: int, depth: i
     every expanded node, by cumulative log-prob at temperature 1), at most an even share of
     the remaining budget per level, so a confident chain can reach `depth` rather than the
     budget going to the first levels' siblings; unpicked candidates stay in the pool for later
-    levels. The nodes of every level but the last run through the draft (one forward). Ties
-    break on (parent, rank), so the same logits always give the same tree."""
+    levels. The nodes of every level but the last run through the draft (one forward), at
+    most `level_width` of them where given (on CUDA, the rows the quantized GEMV serves: a
+    wider level costs a dequantization of every weight); the last level takes what the
+    budget has left, as leaves. Ties break on (parent, rank), so the same logits always give
+    the same tree."""
     tree = DraftTree([root])
     logits = _append(draft, [*lag, root])  # (1, vocab): the root's
     tree.forwards = 1
@@ -99,10 +106,14 @@ def grow_tree(draft: Engine, root: int, lag: Sequence[int], nodes: int, depth: i
         if room <= 0 or not pool:
             break
         first = len(tree)
-        for _ in range(min(len(pool), math.ceil(room / (depth - level + 1)))):
+        last = level == depth
+        take = min(len(pool), room if last else math.ceil(room / (depth - level + 1)))
+        if level_width is not None and not last:
+            take = min(take, level_width)
+        for _ in range(take):
             neg, parent, _, token = heapq.heappop(pool)
             tree.add(token, parent, -neg)
-        if level == depth or len(tree) == nodes:
+        if last or len(tree) == nodes:
             break  # leaves: their children would not be used
         step = tree_step(tree.parents, start, start, draft.device, first=first)
         logits = draft.forward(tree.tokens[first:], all_logits=True, step=step)
@@ -169,9 +180,11 @@ class SpecStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     draft_prefill_s: float = 0.0
+    plain_steps: int = 0  # passes of the root alone (the sizer found no tree worth its cost)
 
     def record(self, tree_len: int, accepted: int, emitted: int) -> None:
         self.target_passes += 1
+        self.plain_steps += tree_len == 1
         self.tokens += emitted
         self.tree_nodes += tree_len
         while len(self.accepted) <= accepted:
@@ -187,7 +200,8 @@ class SpecStats:
             spec_tree_nodes_mean=self.tree_nodes / passes,
             spec_draft_forwards=self.draft_forwards,
             spec_draft_s=self.draft_s, spec_verify_s=self.verify_s,
-            spec_draft_prefill_s=self.draft_prefill_s)
+            spec_draft_prefill_s=self.draft_prefill_s,
+            spec_plain_steps=self.plain_steps)
 
 
 class Speculator:
@@ -195,13 +209,21 @@ class Speculator:
     plus emitted tokens), the pending root and the draft's lag (see the module's invariant)."""
 
     def __init__(self, target: Engine, draft: Engine, sampler: Sampler,
-                 nodes: int = DEFAULT_NODES, depth: int = DEFAULT_DEPTH,
-                 top_k: int = DEFAULT_TOP_K, stats: SpecStats | None = None):
+                 nodes: int | None = None, depth: int | None = None,
+                 top_k: int = DEFAULT_TOP_K, stats: SpecStats | None = None,
+                 sizer: TreeSizer | None = None):
+        """nodes: the tree's node budget (root included), depth: drafted tokens below the
+        root; each None lets `sizer` choose it every round (the depth up to DEFAULT_DEPTH,
+        0 being a plain step)."""
         if draft.cfg.vocab_size != target.cfg.vocab_size:
             raise DraftMismatch(f"the draft has {draft.cfg.vocab_size} logits per token and "
                                 f"the target {target.cfg.vocab_size}: they need one vocabulary")
         self.target, self.draft, self.sampler = target, draft, sampler
-        self.nodes, self.depth, self.top_k = nodes, depth, top_k
+        self.top_k = top_k
+        self.sizer = sizer if sizer is not None else TreeSizer()
+        self.sizer.max_depth = DEFAULT_DEPTH if depth is None else depth
+        self.sizer.fixed_nodes, self.sizer.fixed_depth = nodes, depth
+        self.level_width = CUDA_LEVEL_WIDTH if draft.device.type == "cuda" else None
         self.stats = stats if stats is not None else SpecStats()
         self.history = torch.zeros(0, dtype=torch.long, device=target.device)
         self.root: torch.Tensor | None = None
@@ -225,22 +247,26 @@ class Speculator:
         """One target pass: emit between 1 and `most` tokens (0-d), the last one pending."""
         target, draft, root = self.target, self.draft, self.root
         start = target.length  # the root's slot in both caches
+        nodes, depth = self.sizer.choose()
         # the verify pass needs `width` free slots in the target's cache, growth as many in
-        # the draft's; a round emits at most levels + 1 tokens
-        width = min(self.nodes, target.ctx - start, draft.ctx - start)
-        levels = min(self.depth, most - 1, width - 1)
+        # the draft's (and the lag's); a round emits at most levels + 1 tokens
+        width = min(nodes, target.ctx - start, draft.ctx - start)
+        levels = min(depth, most - 1, width - 1)
         t = time.perf_counter()
         if levels < 1:
-            # a plain step (the last token, or the end of the context): the draft sits it out
+            # a plain step (the sizer's choice, the last token, or the end of the context):
+            # the draft sits it out and catches up on the next tree
             tree = DraftTree([int(root)])
             logits = target.decode(root.view(1))
             self.lag.append(tree.tokens[0])
         else:
-            tree = grow_tree(draft, int(root), self.lag, width, levels, self.top_k)
+            tree = grow_tree(draft, int(root), self.lag, width, levels, self.top_k,
+                             self.level_width)
             self.lag = []
             self.stats.draft_forwards += tree.forwards
-            t_draft = time.perf_counter()
+            t_draft = time.perf_counter()  # growth ended on a host read of the draft's logits
             self.stats.draft_s += t_draft - t
+            self.sizer.observe_levels(tree.forwards, t_draft - t)
             t = t_draft
             step = tree_step(tree.parents, start, start, target.device)
             logits = target.forward(tree.tokens, all_logits=True, step=step)
@@ -250,25 +276,33 @@ class Speculator:
             ran = [i for i in path if i < tree.expanded]  # the path's ancestors all ran
             keep(draft, start, ran)
             self.lag = [tree.tokens[i] for i in path[len(ran):]]
-        self.stats.verify_s += _since(t, target.device)
+            self.sizer.observe_walk(tree.depth, len(path) - 1)
+        verify_s = _since(t, target.device)
+        self.stats.verify_s += verify_s
+        self.sizer.observe_pass(len(tree), verify_s)
         self.stats.record(len(tree), len(path) - 1, len(tokens))
         self.root = tokens[-1]
         return tokens
 
 
-def speculative_source(draft: Engine, nodes: int = DEFAULT_NODES, depth: int = DEFAULT_DEPTH,
-                       top_k: int = DEFAULT_TOP_K) -> TokenSource:
+def speculative_source(draft: Engine, nodes: int | None = None, depth: int | None = None,
+                       top_k: int = DEFAULT_TOP_K, sizer: TreeSizer | None = None
+                       ) -> TokenSource:
     """A token source that decodes with `draft` guessing trees of at most `nodes` tokens (the
-    root included: the target's verify pass is `nodes` wide), `depth` drafted tokens deep,
+    root included: the target's verify pass is `nodes` wide) and `depth` drafted tokens deep
+    (each None: chosen every round by `sizer` from measured costs, runtime.spec_sizing),
     from the `top_k` most probable children of each node. Lossless: see the module's text.
-    Writes SpecStats into the GenerationStats' extra, also when the generation stops early."""
+    A sizer passed in carries what it learned across generations. Writes SpecStats into the
+    GenerationStats' extra, also when the generation stops early."""
     for name, value in (("nodes", nodes), ("depth", depth), ("top_k", top_k)):
-        if value < 1:
-            raise BadArgument(f"speculative {name}={value} is invalid: must be >= 1")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise BadArgument(f"speculative {name}={value!r} is invalid: must be an integer "
+                              f">= 1")
 
     def source(engine: Engine, prompt: list[int], sampler: Sampler, budget: int,
                stats: GenerationStats) -> Iterator[torch.Tensor]:
-        spec = Speculator(engine, draft, sampler, nodes, depth, top_k)
+        spec = Speculator(engine, draft, sampler, nodes, depth, top_k, sizer=sizer)
         try:
             t = time.perf_counter()
             root = spec.prefill(prompt)
@@ -296,6 +330,10 @@ def _append(engine: Engine, tokens: list[int]) -> torch.Tensor:
     goes through decode (a CUDA graph where the engine has them)."""
     if len(tokens) == 1:
         return engine.decode(torch.tensor(tokens, device=engine.device))
+    if engine.use_graphs:  # as a chain-shaped tree step, which a captured graph serves
+        step = tree_step(list(range(-1, len(tokens) - 1)), engine.length, engine.length,
+                         engine.device)
+        return engine.forward(tokens, all_logits=True, step=step)[-1:]
     return engine.forward(tokens)
 
 

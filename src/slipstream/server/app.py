@@ -37,13 +37,18 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 ALIASES = ("default",)
 
 
-def create_app(model, max_queue: int = 16, model_id: str | None = None) -> FastAPI:
+def create_app(model, max_queue: int = 16, model_id: str | None = None,
+               spec_nodes: int | None = None, spec_depth: int | None = None) -> FastAPI:
+    """A model loaded with a draft (load(draft=...)) decodes every request speculatively;
+    spec_nodes and spec_depth fix its trees' size (None: Model.generate sizes them)."""
     model_id = model_id or Path(model.path).stem
     names = {model_id, Path(model.path).name, *ALIASES}
     created = int(Path(model.path).stat().st_mtime) if Path(model.path).exists() else 0
     metrics = Metrics()
     worker = GenerationWorker(model, max_queue, on_done=metrics.generation_done,
-                              on_cancel=metrics.generation_cancelled)
+                              on_cancel=metrics.generation_cancelled,
+                              generate_kwargs={"spec_nodes": spec_nodes,
+                                               "spec_depth": spec_depth})
     metrics.watch(worker)
     prep = ThreadPoolExecutor(1, thread_name_prefix="slipstream-tokenize")
 
@@ -85,11 +90,14 @@ def create_app(model, max_queue: int = 16, model_id: str | None = None) -> FastA
     def model_card() -> dict:
         return {"id": model_id, "object": "model", "created": created, "owned_by": "slipstream"}
 
+    draft = getattr(model, "draft", None)
+    draft_name = Path(draft.path).name if draft is not None else None
+
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "model": model_id, "device": str(model.device), "ctx": model.ctx,
-                "queue_depth": worker.waiting, "max_queue": worker.max_queue,
-                "running": int(worker.busy)}
+                "draft": draft_name, "queue_depth": worker.waiting,
+                "max_queue": worker.max_queue, "running": int(worker.busy)}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -11,6 +11,14 @@
     slipstream_running                             generations running (0 or 1)
     slipstream_request_duration_seconds{endpoint}  request latency (to the last byte)
     slipstream_time_to_first_token_seconds         from arrival to the first generated token
+
+With a draft (speculative decoding), after each generation that ran it:
+
+    slipstream_spec_target_passes_total            the target's verify passes
+    slipstream_spec_tokens_total                   tokens those passes yielded (divided by the
+                                                   passes: tokens accepted per target pass)
+    slipstream_spec_draft_seconds_total            time the draft spent growing trees
+    slipstream_spec_verify_seconds_total           time the target spent verifying them
 """
 
 from __future__ import annotations
@@ -50,6 +58,14 @@ class Metrics:
                                  "last byte", ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("slipstream_time_to_first_token_seconds", "From arrival to the "
                               "first generated token", buckets=_LATENCY_BUCKETS, registry=r)
+        self.spec_passes = Counter("slipstream_spec_target_passes", "Speculative decoding: "
+                                   "target verify passes", registry=r)
+        self.spec_tokens = Counter("slipstream_spec_tokens", "Speculative decoding: tokens "
+                                   "the target passes yielded", registry=r)
+        self.spec_draft_s = Counter("slipstream_spec_draft_seconds", "Speculative decoding: "
+                                    "seconds the draft spent growing trees", registry=r)
+        self.spec_verify_s = Counter("slipstream_spec_verify_seconds", "Speculative decoding: "
+                                     "seconds the target spent verifying trees", registry=r)
 
     def watch(self, worker: GenerationWorker) -> None:
         self.queue_depth.set_function(lambda: worker.waiting)
@@ -62,6 +78,18 @@ class Metrics:
         if done.completion_tokens > 1 and done.decode_s > 0:
             # the first token comes from the prefill logits, the rest from decode steps
             self.decode_tok_s.set((done.completion_tokens - 1) / done.decode_s)
+        self._speculation(done.extra)
+
+    def _speculation(self, extra: dict) -> None:
+        """Add one generation's speculative figures (nothing when it decoded plainly)."""
+        passes = extra.get("spec_target_passes")
+        if not passes:
+            return
+        self.spec_passes.inc(passes)
+        # the source reports a mean; passes x mean is the count it was taken from
+        self.spec_tokens.inc(round(extra["spec_tokens_per_pass"] * passes))
+        self.spec_draft_s.inc(extra.get("spec_draft_s", 0.0))
+        self.spec_verify_s.inc(extra.get("spec_verify_s", 0.0))
 
     def generation_cancelled(self, was_running: bool) -> None:
         self.cancelled.labels("running" if was_running else "waiting").inc()

@@ -43,6 +43,8 @@ class Done:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     cancelled: bool = False
+    # the generation's GenerationStats.extra: speculative decoding's figures when it ran
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -88,11 +90,16 @@ class GenerationWorker:
     """Runs jobs one at a time, first come first served, on a dedicated thread."""
 
     def __init__(self, model, max_queue: int = 16, on_done: Callable[[Done], None] | None = None,
-                 on_cancel: Callable[[bool], None] | None = None):
+                 on_cancel: Callable[[bool], None] | None = None,
+                 generate_kwargs: dict[str, Any] | None = None):
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue} is invalid: must be >= 0")
         self.model = model
         self.max_queue = max_queue
+        # the server's own arguments to every Model.generate (speculative tree sizes), past
+        # what the request chose; those left None are not passed, so generate's defaults hold
+        self.generate_kwargs = {k: v for k, v in (generate_kwargs or {}).items()
+                                if v is not None}
         self.on_done = on_done  # called on the worker thread after each generation
         self.on_cancel = on_cancel  # called with True (was running) or False (was waiting)
         self._waiting: deque[Job] = deque()
@@ -171,7 +178,7 @@ class GenerationWorker:
                 self._recent_s.append(time.perf_counter() - t0)
 
     def _run(self, job: Job) -> None:
-        gen = self.model.generate(job.prompt_ids, **job.kwargs)
+        gen = self.model.generate(job.prompt_ids, **job.kwargs, **self.generate_kwargs)
         n = 0
         finish = None
         try:
@@ -185,7 +192,8 @@ class GenerationWorker:
             gen.close()  # stops the decode loop when we left it early
         stats = self.model.last_stats
         done = Done(len(job.prompt_ids), n, finish, stats.prefill_s if stats else 0.0,
-                    stats.decode_s if stats else 0.0, cancelled=job.cancelled and finish is None)
+                    stats.decode_s if stats else 0.0, cancelled=job.cancelled and finish is None,
+                    extra=dict(stats.extra) if stats else {})
         if done.cancelled and self.on_cancel is not None:
             self.on_cancel(True)
         if self.on_done is not None:
