@@ -318,10 +318,26 @@ def _place_draft(path: Path, dev: torch.device, ctx: int, precision: str, ram: i
                              f"its {total} layers would stream, and a draft must be resident); "
                              f"raise --vram-budget/--ram-budget or use a smaller draft")
     if dev.type == "cuda":
+        _warm_draft(d.engine)  # its graphs' memory is the draft's too: count it now
         held = torch.cuda.memory_reserved(dev) - before
     else:
         held = sum(d.plan.resident_bytes_per_layer) + d.plan.fixed_bytes
     return d, held
+
+
+def _warm_draft(engine: Engine) -> None:
+    """Capture a draft's decode graph and one tree-level graph (runtime.graphs), whose memory
+    pools are then allocated before the model's budget is set from what the draft left."""
+    from .model import tree_step
+    from .runtime.speculative import CUDA_LEVEL_WIDTH
+
+    if not engine.use_graphs:
+        return
+    engine.reset()
+    engine.decode(torch.zeros(1, dtype=torch.long, device=engine.device))
+    step = tree_step([0] * CUDA_LEVEL_WIDTH, 1, 1, engine.device)
+    engine.forward([0] * CUDA_LEVEL_WIDTH, all_logits=True, step=step)
+    engine.reset()
 
 
 def _remaining(vram: int | None, ram: int | None, held: int, dev: torch.device, what: str,

@@ -33,7 +33,8 @@ def test_gpu_greedy_equals_plain_greedy(smollm_spec_gpu):
     for prompt in GREEDY_PROMPTS:
         ids = model.tokenize(prompt)
         plain = [e.id for e in model.generate(ids, max_tokens=128, temperature=0, draft=False)]
-        spec = [e.id for e in model.generate(ids, max_tokens=128, temperature=0)]
+        spec = [e.id for e in model.generate(ids, max_tokens=128, temperature=0,
+                                             spec_nodes=64, spec_depth=8)]
         extra = model.last_stats.extra
         if spec != plain:
             at = next(i for i, (a, b) in enumerate(zip(spec, plain)) if a != b)
@@ -52,8 +53,56 @@ def test_gpu_seeded_sampling_equals_plain(tmp_path):
     params = dict(SAMPLING, repeat_penalty=1.3, max_tokens=24)
     for seed in range(8):
         plain = [e.id for e in target.generate(PREFIX, seed=seed, **params)]
-        spec = [e.id for e in target.generate(PREFIX, seed=seed, draft=draft, spec_nodes=12, spec_depth=6,
-                                              **params)]
+        spec = [e.id for e in target.generate(PREFIX, seed=seed, draft=draft, spec_nodes=12,
+                                              spec_depth=6, **params)]
         assert spec == plain, seed
     target.close()
     draft.close()
+
+
+def test_gpu_streamed_target_greedy_equals_plain(smollm_path, tmp_path):
+    """The target streams most layers (a small VRAM budget after the resident draft, layers
+    from pinned RAM and disk) and the sizer picks the trees: still plain greedy's tokens."""
+    pytest.importorskip("triton")
+    draft = requantize(smollm_path, tmp_path / "draft-q4_0.gguf")
+    with slipstream.load(draft, device=DEVICE, ctx=512, precision="exact") as alone:
+        held = torch.cuda.memory_reserved()
+        del alone
+    torch.cuda.empty_cache()
+    with slipstream.load(smollm_path, device=DEVICE, ctx=512, precision="exact", draft=draft,
+                         vram_budget=held + (200 << 20), ram_budget="24MiB") as model:
+        assert model.plan.draft is not None and model.plan.streamed_layers
+        assert "disk" in model.plan.tiers
+        for prompt in GREEDY_PROMPTS[:3]:
+            ids = model.tokenize(prompt)
+            plain = [e.id for e in model.generate(ids, max_tokens=64, temperature=0,
+                                                  draft=False)]
+            spec = [e.id for e in model.generate(ids, max_tokens=64, temperature=0)]
+            assert spec == plain, (prompt, model.last_speculation)
+        assert model.last_speculation["target_passes"] > 0
+
+
+def test_tree_level_graphs_match_eager(smollm_path):
+    """A draft level through a captured graph (padded to its width bucket) gives the logits
+    the eager step gives, for widths inside and past the GEMV's rows."""
+    pytest.importorskip("triton")
+    from slipstream.model import tree_step
+
+    with slipstream.load(smollm_path, device=DEVICE, ctx=512) as model:
+        engine = model.engine
+        assert engine.use_graphs
+        for n in (1, 3, 8, 13, 40):
+            out = {}
+            for graphs in (True, False):
+                engine.use_graphs = graphs
+                engine.reset()
+                engine.forward(list(range(10, 50)))
+                parents = [-1] + [t // 2 for t in range(n - 1)]
+                step = tree_step(parents, 40, 40, engine.device)
+                ids = torch.arange(100, 100 + n, device=engine.device)
+                out[graphs] = engine.forward(ids, all_logits=True, step=step).clone()
+                assert engine.length == 40 + n
+            engine.use_graphs = True
+            assert out[True].shape == (n, model.config.vocab_size)
+            torch.testing.assert_close(out[True], out[False], atol=2e-2, rtol=1e-2)
+        assert engine._tree_graphs is not None and engine._tree_graphs.graphs

@@ -1,0 +1,37 @@
+# Sourced by the device scripts (device_run.sh, spec_device.sh) from the project root: install
+# the carried wheels (.whl: gguf; .whl/kvikio), point PYTHONPATH at them and at src/, and
+# reassemble the default model from the parts carried in two calls (.model/a/part1 and
+# .model/b/part2, parked in /tmp/slipstream-cache) into $MODEL. Needs $OUTDIR.
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=140
+if ls .whl/kvikio/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site-kvikio ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site-kvikio .whl/kvikio/*.whl
+fi
+if [ -d /tmp/site-kvikio ]; then
+  export PYTHONPATH=$PYTHONPATH:/tmp/site-kvikio
+  # libkvikio finds libcufile in site-packages; the wheel's copy sits in a --target folder, so
+  # the loader is pointed at it only where the system has none, and only if torch still works
+  if ! python3 -c "import kvikio" 2>/dev/null; then
+    lib=/tmp/site-kvikio/nvidia/cu13/lib
+    if LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} python3 -c \
+        "import torch, kvikio; torch.zeros(1, device='cuda')" 2>/dev/null; then
+      export LD_LIBRARY_PATH=$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    fi
+  fi
+  python3 -c "import kvikio; print('kvikio', kvikio.__version__)" 2>&1 | tail -1 \
+    | tee "$OUTDIR/kvikio.txt"
+fi
+export SLIPSTREAM_CACHE=/tmp/slipstream-cache SLIPSTREAM_OFFLINE=1
+mkdir -p "$SLIPSTREAM_CACHE"
+for part in .model/a/part1 .model/b/part2; do
+  [ -f "$part" ] && cp "$part" "$SLIPSTREAM_CACHE/$(basename "$part")"
+done
+MODEL=$SLIPSTREAM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$MODEL" ] && [ -f "$SLIPSTREAM_CACHE/part1" ] && [ -f "$SLIPSTREAM_CACHE/part2" ]; then
+  cat "$SLIPSTREAM_CACHE/part1" "$SLIPSTREAM_CACHE/part2" > "$MODEL"
+fi
