@@ -176,7 +176,7 @@ def spec_table(extra: dict) -> Table | None:
             ("verify ms / pass", f"{extra['spec_verify_s'] / per_pass * 1e3:.1f}"),
             ("draft forwards / pass", f"{extra.get('spec_draft_forwards', 0) / per_pass:.1f}"),
             ("draft prefill ms", f"{extra.get('spec_draft_prefill_s', 0.0) * 1e3:.1f}")]
-    # the tree's budget, where the source reports what it chose (automatic sizing)
+    # figures a source reports only where it has them (the sizer's plain steps, its choices)
     rows += [(label, str(extra[key])) for key, label in
              (("spec_plain_steps", "plain steps (no tree)"), ("spec_nodes", "tree node budget"),
               ("spec_depth", "tree depth budget")) if key in extra]
@@ -534,7 +534,8 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("chat", help="interactive multi-turn chat")
     _add_model_args(c)
     c.add_argument("--system", default=None, help="system message")
-    c.add_argument("-v", "--verbose", action="store_true", help="print stats after each reply")
+    c.add_argument("-v", "--verbose", action="store_true", help="print stats after each reply "
+                   "(and speculative decoding's acceptance, with a draft)")
     _add_sampling_args(c, 512)
     _add_draft_args(c)
     c.set_defaults(func=cmd_chat)

@@ -255,5 +255,8 @@ def test_metrics(server):
                  "slipstream_errors_total", "slipstream_time_to_first_token_seconds_bucket"):
         assert name in text
     assert server.metric("slipstream_generated_tokens_total") > 0
+    # no draft: the speculative counters are there, and stay at zero
+    assert "slipstream_spec_target_passes_total 0.0" in text
+    assert "slipstream_spec_tokens_total 0.0" in text
     assert server.metric("slipstream_requests_total",
                          'endpoint="/v1/chat/completions",status="200"') >= 1
