@@ -5,6 +5,7 @@
 #               synthesize the 70B and 8B Q4_K files (all kept while the machine stays warm)
 #   PART=all    (default) also: the speculative GPU tests, bench/spec_bench.py (default-spec,
 #               the 70B cases) and llama.cpp's -ngl 46 on the same 70B file, in this call
+#   TESTS=0 / LLAMA=0 leave out the GPU tests / llama.cpp; SPEC_ARGS: bench/spec_bench.py's
 # Carry .whl, .anchors (a copy of ../shared/anchors/, which does not travel), one model part
 # (.model/a or .model/b), and .llama.tar.xz (llama.cpp's source,
 # made by ../shared/anchors/fetch_llamacpp.sh, then `tar cJf .llama.tar.xz .llama`: the source
@@ -24,7 +25,7 @@ fi
 export LLAMA_SRC=/tmp/llama-src/.llama
 LB=.anchors/llamacpp_bench.sh  # a copy of ../shared/anchors/llamacpp_bench.sh, carried
 # the build runs beside the synthesis (both CPU-bound; about a minute each on 16 cores)
-( [ -x /tmp/lbuild/bin/llama-bench ] || bash $LB /dev/null >/dev/null 2>&1 ) &
+( [ "${LLAMA:-1}" = 0 ] || [ -x /tmp/lbuild/bin/llama-bench ] || bash $LB /dev/null >/dev/null 2>&1 ) &
 BUILD=$!
 for shape in 70b 8b; do
   [ -f $W/$shape-Q4_K.gguf ] || python3 -m slipstream synth --shape $shape --quant Q4_K \
@@ -33,11 +34,14 @@ done
 wait $BUILD
 ls -la $W /tmp/lbuild/bin/llama-bench 2>&1 | tail -4
 [ "$PART" = prep ] && exit 0
-python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_speculative_gpu.py \
-  tests/gpu/test_streaming_gpu.py -k "spec or skip or graph" > "$OUTDIR/pytest-spec.log" 2>&1
-grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-spec.log" | head; tail -1 "$OUTDIR/pytest-spec.log"
+if [ "${TESTS:-1}" = 1 ]; then
+  python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_speculative_gpu.py \
+    tests/gpu/test_streaming_gpu.py -k "spec or skip or graph" > "$OUTDIR/pytest-spec.log" 2>&1
+  grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-spec.log" | head; tail -1 "$OUTDIR/pytest-spec.log"
+fi
 python3 bench/spec_bench.py "$OUTDIR" --model "$MODEL" --workdir $W ${SPEC_ARGS:-} \
   > "$OUTDIR/spec-bench.log" 2>&1
 grep -v "^{" "$OUTDIR/spec-bench.log" | tail -25
+[ "${LLAMA:-1}" = 1 ] || exit 0
 bash $LB $W/70b-Q4_K.gguf -ngl 46 -p 512 -n 16 -r 1 -fa 1 -t 16 > "$OUTDIR/llamacpp-70b-ngl46.txt" 2>&1
 tail -8 "$OUTDIR/llamacpp-70b-ngl46.txt"

@@ -30,6 +30,10 @@ from .tokenizer import Tokenizer
 from .weights import load_weights
 
 DEFAULT_MAX_CTX = 4096  # the KV cache is preallocated, so the default does not take 128k
+# VRAM a CUDA draft keeps beyond what it holds after its first graphs: the graphs of later
+# context spans and level widths are captured as decoding reaches them, and the model planned
+# after the draft would otherwise leave them no room (on the H200 they fell back to eager)
+DRAFT_GRAPH_HEADROOM = 128 << 20
 
 
 class BadDevice(BadArgument):
@@ -308,6 +312,10 @@ def _place_draft(path: Path, dev: torch.device, ctx: int, precision: str, ram: i
     """Load a draft first, out of the budgets, wholly resident (a draft that streamed would
     cost a pass of its own per tree level). Returns it and the bytes it holds: VRAM the CUDA
     allocator reserved for it, or the RAM its plan keeps on CPU."""
+    if dev.type == "cuda":
+        # blocks cached from earlier work would hide the draft's share (the allocator would
+        # hand them out again): start from what live tensors hold
+        torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
     d = load(path, device=dev, ctx=ctx, precision=precision, ram_budget=ram,
              vram_budget=vram, io=io)
@@ -319,7 +327,7 @@ def _place_draft(path: Path, dev: torch.device, ctx: int, precision: str, ram: i
                              f"raise --vram-budget/--ram-budget or use a smaller draft")
     if dev.type == "cuda":
         _warm_draft(d.engine)  # its graphs' memory is the draft's too: count it now
-        held = torch.cuda.memory_reserved(dev) - before
+        held = torch.cuda.memory_reserved(dev) - before + DRAFT_GRAPH_HEADROOM
     else:
         held = sum(d.plan.resident_bytes_per_layer) + d.plan.fixed_bytes
     return d, held
@@ -335,8 +343,10 @@ def _warm_draft(engine: Engine) -> None:
         return
     engine.reset()
     engine.decode(torch.zeros(1, dtype=torch.long, device=engine.device))
-    step = tree_step([0] * CUDA_LEVEL_WIDTH, 1, 1, engine.device)
-    engine.forward([0] * CUDA_LEVEL_WIDTH, all_logits=True, step=step)
+    for width in (1, 2, 4, CUDA_LEVEL_WIDTH):  # the widths a tree level pads to
+        step = tree_step([-1] * width, 1, 1, engine.device)
+        engine.forward([0] * width, all_logits=True, step=step)
+        engine.truncate(1)
     engine.reset()
 
 

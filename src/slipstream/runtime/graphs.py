@@ -93,6 +93,7 @@ class StepGraphs:
         self.engine = engine
         self.device = engine.device
         self.graphs: dict[tuple[int, int], tuple] = {}
+        self.eager: set[tuple[int, int]] = set()  # buckets whose capture ran out of memory
         self.pool = None
         self.capture_s = 0.0
 
@@ -103,7 +104,8 @@ class StepGraphs:
         if n > STEP_WIDTHS[-1] or step.causal:
             return False
         width = next(w for w in STEP_WIDTHS if w >= n)
-        return step.end + (width - n) <= self.engine.ctx
+        key = (width, bucket_span(step.end - 1, self.engine.ctx))
+        return step.end + (width - n) <= self.engine.ctx and key not in self.eager
 
     def run(self, ids: torch.Tensor, step) -> torch.Tensor:
         """Logits (n, vocab) of the step's n tokens (a view of the graph's static output)."""
@@ -115,7 +117,14 @@ class StepGraphs:
         buffers = entry[1] if entry is not None else self._buffers(width, span)
         self._fill(buffers, ids, step, width)
         if entry is None:
-            entry = self._capture(buffers, span)
+            try:
+                entry = self._capture(buffers, span)
+            except torch.cuda.OutOfMemoryError:
+                # a tight VRAM budget: this bucket runs eagerly from now on, in what the
+                # allocator has cached rather than in a pool of its own
+                self.eager.add(key)
+                torch.cuda.empty_cache()
+                return self.engine.run_step(ids, step)
             self.graphs[key] = entry
         graph, _, logits = entry
         graph.replay()

@@ -43,9 +43,11 @@ from .spec_sizing import TreeSizer
 
 DEFAULT_DEPTH = 8  # drafted tokens below the root on the longest branch, at most
 DEFAULT_TOP_K = 8  # children considered per expanded node
-# Nodes one draft level runs on CUDA: the rows the fused quantized GEMV serves (kernels.MAX_M);
-# a wider level dequantizes every weight for cuBLAS, ~4x the cost of a level on the 8B
-CUDA_LEVEL_WIDTH = 8
+# Nodes one draft level runs on CUDA. Measured on the H200 (synthetic 8B Q4_K, captured
+# graphs, bench/results/2026-11-30-s6-spec-bench-70b-h200.json): a level of 1/2/4/8 nodes
+# costs 4.7/7.8/10.1/33 ms, and 16-128 nodes (dequantize + cuBLAS) 30-32 ms; 4 is the widest
+# before the fused GEMV's cost jumps
+CUDA_LEVEL_WIDTH = 4
 
 
 @dataclass
