@@ -59,3 +59,7 @@ def oom_summary(e: BaseException) -> str:
     """The first line of a CUDA out-of-memory error (what was asked, what was free), for
     one-line messages; torch's text goes on with allocator advice."""
     return (str(e).splitlines() or ["CUDA out of memory"])[0]
+
+
+class NonFiniteLogits(SlipstreamError):
+    """The model produced NaN or Inf logits: corrupt or out-of-range weights, most often."""

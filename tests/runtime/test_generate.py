@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import slipstream
-from slipstream.errors import ContextOverflow
+from slipstream.errors import ContextOverflow, NonFiniteLogits
+from slipstream.synth import write_synth
 from slipstream.runtime.generate import _StopMatcher
 
 PROMPT = "The three primary colors are"
@@ -74,3 +76,22 @@ def test_stop_matcher_holds_back_possible_prefixes():
     assert m.push("O") == ("", False)
     assert m.push("x") == ("STOx", False)
     assert m.push("yy STOP zz") == ("yy ", True)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_nan_logits_end_generation_with_a_clear_error(tmp_path, temperature):
+    """A weight gone NaN (what a corrupt file gives) makes every logit NaN: generation stops
+    with NonFiniteLogits before any such token is emitted, greedy or sampled."""
+    path = write_synth(tmp_path / "t.gguf", "tiny", "Q8_0", n_layers=2)
+    with slipstream.load(path, device="cpu", ctx=64) as m:
+        events = []
+        for e in m.generate([1, 2, 3], max_tokens=4, temperature=temperature, seed=0):
+            events.append(e)
+        assert len(events) == 4  # the healthy model runs
+        w = m.engine.weights  # a new tensor: the loaded one views the read-only file map
+        w.output_norm = torch.full_like(w.output_norm, float("nan"))
+        got = []
+        with pytest.raises(NonFiniteLogits, match=r"NaN or Inf logits at generated token 0"):
+            for e in m.generate([1, 2, 3], max_tokens=4, temperature=temperature, seed=0):
+                got.append(e)
+        assert got == []

@@ -13,7 +13,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from ..errors import BadArgument, ContextOverflow
+from ..errors import BadArgument, ContextOverflow, NonFiniteLogits
 from .engine import Engine
 from .sampler import Sampler
 
@@ -145,7 +145,14 @@ def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], sampler: Samp
         for index, token in enumerate(tokens):
             if t_decode is None:
                 t_decode = time.perf_counter()  # decode time counts from the first token
-            tid = int(token)
+            # the token and the sampler's non-finite flag in one read from the device
+            tid, bad = torch.stack((token.view(()), sampler.nonfinite.long())).tolist()
+            if bad:
+                raise NonFiniteLogits(
+                    f"the model produced NaN or Inf logits at generated token {index} (after "
+                    f"a {len(prompt)}-token prompt); its weights may be corrupt or out of "
+                    f"range: check the file's source, download it again, or try "
+                    f"--precision exact")
             stats.generated_tokens = index + 1
             if tid in stop_ids:
                 tail = matcher.flush() + decoder.flush()

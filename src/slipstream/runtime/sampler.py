@@ -50,6 +50,9 @@ class SamplingParams:
 class Sampler:
     def __init__(self, params: SamplingParams, device: torch.device | str = "cpu"):
         self.params = params
+        # set on the device when logits held NaN or Inf (the token drawn then is meaningless);
+        # read with the token, so the check adds no sync of its own (runtime.generate)
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
         self.generator = torch.Generator(device=device)
         if params.seed is not None:
             self.generator.manual_seed(params.seed)
@@ -91,8 +94,15 @@ class Sampler:
         return logits
 
     def __call__(self, logits: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
-        """logits: float32 (vocab,); history: previous token ids (n,) long. Returns a 0-d id."""
-        logits = self.penalize(logits.float(), history)
+        """logits: float32 (vocab,); history: previous token ids (n,) long. Returns a 0-d id.
+
+        Non-finite logits set `nonfinite` and are replaced by zeros, so that drawing still
+        works (multinomial rejects NaN, on CUDA with a device-side assert) until the caller
+        reads the flag and stops."""
+        logits = logits.float()
+        bad = ~torch.isfinite(logits).all()
+        self.nonfinite |= bad
+        logits = self.penalize(torch.where(bad, torch.zeros_like(logits), logits), history)
         if self.params.greedy:
             return logits.argmax()
         logits = self.filter(logits) / self.params.temperature
