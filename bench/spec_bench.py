@@ -44,10 +44,10 @@ from slipstream.provenance import source_revision  # noqa: E402
 from slipstream.quant.requantize import requantize  # noqa: E402
 from slipstream.runtime.speculative import CUDA_LEVEL_WIDTH  # noqa: E402
 from slipstream.synth import write_synth  # noqa: E402
+from spec_costs import PREFIX as PASS_PREFIX, pass_seconds  # noqa: E402  (bench/ is on sys.path)
 
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
           "The keeper")
-PASS_PREFIX = 256
 PUBLISHED_TOKENS_PER_PASS = (8.0, 13.0)  # UMbreLLa / SpecExec / Sequoia, 70B with an 8B draft
 
 
@@ -71,25 +71,13 @@ def decode(model, tokens: int, **kw) -> dict:
 
 
 def pass_costs(engine, widths, reps: int = 3) -> list[dict]:
-    """A target pass over a tree of n nodes after a PASS_PREFIX-token prefix (CUDA events)."""
+    """A target pass over a tree of n nodes after a PASS_PREFIX-token prefix (CUDA events;
+    spec_costs.pass_seconds)."""
     engine.reset()
     engine.forward(list(range(5, 5 + PASS_PREFIX)))
     rows = []
     for n in widths:
-        ids = torch.randint(0, engine.cfg.vocab_size, (n,), device=engine.device)
-        parents = [t // 4 - 1 for t in range(n)]
-        times = []
-        for r in range(reps + 1):
-            step = tree_step(parents, PASS_PREFIX, PASS_PREFIX, engine.device)
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            a.record()
-            engine.forward(ids, all_logits=True, step=step)
-            b.record()
-            b.synchronize()
-            engine.truncate(PASS_PREFIX)
-            if r:
-                times.append(a.elapsed_time(b) / 1e3)
+        times = pass_seconds(engine, n, reps)
         rows.append({"nodes": n, "target_pass_s": round(min(times), 4),
                      "target_pass_median_s": round(statistics.median(times), 4)})
     engine.reset()
