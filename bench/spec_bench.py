@@ -167,7 +167,8 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
     return rows
 
 
-def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = True
+def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = True,
+            pass_widths=(1, 8, 64, 256, 512), level_widths=(1, 2, 4, 8, 16, 32, 64, 128)
             ) -> list[dict]:
     t70, t8 = work / "70b-Q4_K.gguf", work / "8b-Q4_K.gguf"
     for path, shape in ((t70, "70b"), (t8, "8b")):
@@ -180,7 +181,7 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
         streamed = len(m.plan.streamed_layers)
         moved = m.plan.bytes_per_token("pinned")
         plain = decode(m, 12, draft=False)
-        passes = pass_costs(m.engine, (1, 8, 64, 256, 512))
+        passes = pass_costs(m.engine, pass_widths)
         rows.append({"name": "70b-q4k-vram24", "decode_tok_s": plain["decode_tok_s"],
                      "streamed_layers": streamed, "h2d_bytes_per_token": moved,
                      "h2d_gbps": round(h2d, 1),
@@ -189,17 +190,23 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     with slipstream.load(t70, device="cuda", ctx=2048, vram_budget="24GiB", draft=t8) as m:
-        levels = level_costs(m.draft.engine, (1, 2, 4, 8, 16, 32, 64, 128))
+        levels = level_costs(m.draft.engine, level_widths)
         same_split = decode(m, 8, draft=False)
-        auto = decode(m, tokens)
-        forced = decode(m, max(tokens // 2, 8), spec_nodes=256, spec_depth=8)
         spec_passes = pass_costs(m.engine, (1, 256))
-        plan = m.plan
+        draft_vram = m.plan.draft[1] if m.plan.draft else None
+        streamed_with_draft = len(m.plan.streamed_layers)
+        # forced first: the sized run may give the draft up (random weights accept nothing)
+        forced = decode(m, max(tokens // 3, 8), spec_nodes=256, spec_depth=8)
+        auto = decode(m, tokens)
+        released = m.draft_released
+        after = decode(m, 12, draft=False)  # plain, with the layers the draft's VRAM took
         row = {"name": "70b-q4k-vram24-spec", "draft": t8.name,
-               "draft_vram_bytes": plan.draft[1] if plan.draft else None,
-               "streamed_layers": len(plan.streamed_layers),
+               "draft_vram_bytes": draft_vram, "streamed_layers": streamed_with_draft,
                "plain_decode_tok_s": rows[0]["decode_tok_s"],
                "plain_same_split_tok_s": same_split["decode_tok_s"],
+               "draft_released": released is not None,
+               "layers_made_resident": len(released[1]) if released else 0,
+               "plain_after_release_tok_s": after["decode_tok_s"] if released else None,
                "levels": levels, "passes": spec_passes, "vram_gib": vram_gib()}
         for label, r in (("auto", auto), ("forced-256x8", forced)):
             rows.append(row | {"variant": label} | {k: v for k, v in r.items() if k != "ids"}
@@ -256,6 +263,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--project-from", default=None, metavar="JSON",
                     help="only recompute the projection from a spec-bench.json")
+    ap.add_argument("--quick", action="store_true", help="70B: fewer pass and level widths")
     ap.add_argument("--no-skip-case", action="store_true", help="leave out the 70B layer-skip "
                     "case (about 40 s)")
     a = ap.parse_args()
@@ -288,7 +296,8 @@ def main() -> None:
         save(default_spec(Path(a.model), work, a.tokens))
         torch.cuda.empty_cache()
     if "70b" in cases:
-        save(seventy(work, a.tokens, acceptance, skip_case=not a.no_skip_case))
+        quick = dict(pass_widths=(1, 256, 512), level_widths=(1, 2, 4)) if a.quick else {}
+        save(seventy(work, a.tokens, acceptance, skip_case=not a.no_skip_case, **quick))
     print(f"\n{'case':28} {'variant':16} {'tok/s':>8} {'plain':>8} {'tok/pass':>9} "
           f"{'pass s':>8} {'draft s':>8}")
     for c in doc["cases"]:

@@ -69,6 +69,8 @@ class Model:
         self._vram_cap = None  # memory.vram_cap.VramCap while the model holds a VRAM budget
         self.owns_resources = True  # False for a self-draft, which borrows the target's
         self._sizers: dict[int, object] = {}  # speculative tree sizers, one per draft engine
+        # (draft file, layers made resident) once a draft that did not pay was released
+        self.draft_released: tuple[str, list[int]] | None = None
         self.closed = False
 
     def close(self) -> None:
@@ -81,10 +83,12 @@ class Model:
         if self.draft is not None:
             self.draft.close()
         if not self.owns_resources:  # a self-draft: what it uses is the target's
+            self.engine.release()  # its own KV cache goes
             self.engine = None
             return
         for stage in self.engine.stages:
             stage.store.close()
+        self.engine.release()
         if self._vram_cap is not None:
             self._vram_cap.release()
             self._vram_cap = None
@@ -173,7 +177,35 @@ class Model:
             check_vocab(_tokens(self.gguf), _tokens(draft.gguf), str(self.path), str(draft.path))
         # one sizer per draft, kept: costs and acceptance carry over between generations
         sizer = self._sizers.setdefault(id(draft.engine), TreeSizer())
-        return speculative_source(draft.engine, nodes=nodes, depth=depth, sizer=sizer)
+        # the loaded draft, found not to pay, is given up mid-generation and its memory goes to
+        # the model; a draft passed in for one generation belongs to the caller
+        give_up = self.release_draft if draft is self.draft else None
+        return speculative_source(draft.engine, nodes=nodes, depth=depth, sizer=sizer,
+                                  give_up=give_up)
+
+    def release_draft(self) -> list[int]:
+        """Close the loaded draft and give the memory it held to the model: streamed layers
+        that now fit (the pinned tier on CUDA) become resident. Called by speculative decoding
+        when its sizer finds the draft never pays; later generations decode plainly. Returns
+        the layers made resident."""
+        draft, self.draft = self.draft, None
+        if draft is None:
+            return []
+        held = self.plan.draft[1] if self.plan is not None and self.plan.draft else 0
+        draft.close()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        room = max(held - DRAFT_GRAPH_HEADROOM, 0)  # the headroom stays with the process
+        promoted: list[int] = []
+        stores = {id(st.store): st.store for st in self.engine.stages}
+        for store in stores.values():
+            promoted += store.promote(room)
+        if self.plan is not None:
+            for i in promoted:
+                self.plan.tiers[i] = "vram"
+            self.plan.draft = None
+        self.draft_released = (draft.path.name, promoted)
+        return promoted
 
     @property
     def last_speculation(self) -> dict | None:

@@ -152,3 +152,27 @@ def test_streamed_layers_between_resident_ones(fake_cuda, setup, io):
             store.release(i)
     assert store.stats.layers_streamed == 9
     store.close()
+
+
+def test_promote_makes_pinned_layers_resident(fake_cuda, setup):
+    """Memory given back (a draft released): the pinned-tier layer becomes resident, served
+    with the same tensors, its pinned image dropped; the disk tier streams on as before."""
+    store = _store(setup, "direct")
+    want = setup[1]
+    for i in range(6):  # a pass with copies in flight into the next one
+        store.acquire(i)
+        store.release(i)
+    nbytes = store.images[2].host.numel()
+    assert store.promote(nbytes - 1) == []  # too little room: nothing moves
+    assert store.promote(nbytes) == [2]
+    assert 2 not in store.images and 2 not in store.feed and store.layers[2] is not None
+    streamed = store.stats.layers_streamed
+    for _ in range(2):
+        for i in range(6):
+            layer = store.acquire(i)
+            if i >= 2:
+                _check(layer, want[i])
+            store.release(i)
+    assert store.stats.layers_streamed == streamed + 6  # layers 3-5 only, twice
+    assert store.promote(1 << 40) == []  # no pinned layer left (disk layers stay)
+    store.close()

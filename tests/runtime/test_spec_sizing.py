@@ -66,3 +66,15 @@ def test_acceptance_estimate_tracks_the_walks(rate):
     assert sizer.rate(1) == pytest.approx(rate, abs=0.05)
     assert sizer.expected_tokens(2) == pytest.approx(1 + sizer.rate(1) + sizer.rate(1)
                                                      * sizer.rate(2))
+
+
+def test_gives_up_only_on_a_draft_that_never_pays():
+    bad = TreeSizer()
+    feed(bad, lambda n: 0.35, 0.01, 0.0, rounds=400)
+    assert bad.gives_up
+    good = TreeSizer()
+    feed(good, lambda n: 0.35, 0.01, 0.6, rounds=400)
+    assert not good.gives_up
+    early = TreeSizer()
+    feed(early, lambda n: 0.35, 0.01, 0.0, rounds=3)  # too few trees to tell
+    assert not early.gives_up

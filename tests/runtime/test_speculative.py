@@ -383,3 +383,30 @@ def test_self_draft_arguments(smollm_path):
         slipstream.load(smollm_path, device="cpu", draft=smollm_path, draft_skip_layers=2)
     with pytest.raises(BadArgument, match=r"draft_skip_layers=40 is invalid"):
         slipstream.load(smollm_path, device="cpu", draft_skip_layers=40)
+
+
+def test_a_draft_that_never_pays_is_given_up(tmp_path):
+    """A draft of other weights accepts nothing: after GIVE_UP_TREES tree rounds the sizer
+    gives it up mid-generation, the model releases it (on CUDA its memory would make pinned
+    layers resident; a CPU store has nowhere better to put them), the output stays plain
+    greedy's, and later generations decode plainly."""
+    from slipstream.runtime.spec_sizing import GIVE_UP_TREES
+
+    kw = dict(n_layers=2, from_floats=True, std=0.1)
+    target = write_synth(tmp_path / "t.gguf", "tiny", "Q8_0", seed=5, **kw)
+    other = write_synth(tmp_path / "o.gguf", "tiny", "Q8_0", seed=6, **kw)
+    with slipstream.load(target, device="cpu", ctx=512, precision="exact", draft=other) as m:
+        plain = [e.id for e in m.generate(PREFIX, max_tokens=300, temperature=0, draft=False)]
+        spec = [e.id for e in m.generate(PREFIX, max_tokens=300, temperature=0)]
+        assert spec == plain
+        report = m.last_speculation
+        assert report["draft_given_up_at"] is not None, report
+        trees = report["target_passes"] - report["plain_steps"]
+        assert trees >= GIVE_UP_TREES and report["accepted_hist"][1:] == []
+        assert m.draft is None and m.draft_released == ("o.gguf", [])
+        again = [e.id for e in m.generate(PREFIX, max_tokens=20, temperature=0)]
+        assert again == plain[:20] and m.last_speculation is None
+    with slipstream.load(target, device="cpu", ctx=512, precision="exact", draft=other) as m:
+        # a fixed tree size is the user's choice: never given up
+        list(m.generate(PREFIX, max_tokens=200, temperature=0, spec_nodes=8))
+        assert m.last_speculation["draft_given_up_at"] is None and m.draft is not None

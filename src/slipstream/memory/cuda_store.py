@@ -107,6 +107,34 @@ class CudaLayerStore(StoreBase):
             if src.own_slot:  # outside the ring (mmap): told directly
                 src.skip(self.skipped)
 
+    def promote(self, room: int) -> list[int]:
+        """Make pinned-tier layers resident, in layer order, while `room` bytes last: each
+        image is copied once into a GPU buffer of its own and the layer rebuilt as views into
+        it (the same layout as in a slot, so the same kernels and bits); its pinned copy is
+        given back. Disk-tier layers stay: they are the slowest to bring in and the last to
+        be worth holding."""
+        pinned = next((src for src in self.sources if isinstance(src, PinnedSource)), None)
+        if pinned is None or self.ring is None:
+            return []
+        chosen = []
+        for i in sorted(pinned.images):
+            n = pinned.images[i].host.numel()
+            if n > room:
+                break
+            room -= n
+            chosen.append(i)
+        if not chosen:
+            return []
+        self.ring.drop(chosen)  # settles the copies in flight first
+        for i in chosen:
+            image = pinned.images.pop(i)
+            pinned.layouts.pop(i, None)
+            buf = torch.empty(image.host.numel(), dtype=torch.uint8, device=self.device)
+            buf.copy_(image.host)
+            self.layers[i] = from_image(self.layouts.pop(i), buf, self.workspace)
+            self.feed.pop(i, None)
+        return chosen
+
     def acquire(self, i: int) -> LayerWeights:
         if i in self.skipped and self.layers[i] is None:
             raise ValueError(f"layer {i} is skipped: the store no longer streams it")

@@ -58,6 +58,12 @@ class LayerStore(Protocol):
         hand out a skipped layer."""
         ...
 
+    def promote(self, room: int) -> list[int]:
+        """Make streamed layers resident while `room` more bytes of the device's memory
+        last (memory a speculative draft gave back, say); returns the layers promoted, which
+        are served like layers built at load from then on."""
+        ...
+
     def enable_timing(self, on: bool = True) -> None:
         """--stats: measure where a token's time goes (CUDA events on CUDA)."""
         ...
@@ -85,6 +91,9 @@ class StoreBase:
 
     def skip(self, layers: frozenset[int]) -> None:
         pass  # a store that reads nothing ahead has no order to change
+
+    def promote(self, room: int) -> list[int]:
+        return []  # a store with no cheaper place to put a layer keeps its tiers
 
     def enable_timing(self, on: bool = True) -> None:
         pass

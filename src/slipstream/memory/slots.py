@@ -81,6 +81,8 @@ class SlotRing:
         """Enqueue copies in ring order while a slot is free. Stops at a layer whose bytes are
         not there yet, unless it is at or before `until`, which must be enqueued on return."""
         n = len(self.order)
+        if n == 0:
+            return  # every layer it served was made resident (drop)
         while self.pos < self.released + self.window:
             i = self.order[self.pos % n]
             if until is None and not self.source_of[i].ready(i):
@@ -128,6 +130,17 @@ class SlotRing:
             src.skip(self.skipped)
         self.copy_stream.synchronize()
         self.slot_of.clear()
+        self.order = [i for i in sorted(self.source_of) if i not in self.skipped]
+        self.pos = self.released = 0
+
+    def drop(self, layers) -> None:
+        """Serve `layers` no more (made resident elsewhere): settle what is in flight, as
+        restart does, and restart the ring at the first layer left."""
+        self._release_in_use()
+        self.copy_stream.synchronize()
+        self.slot_of.clear()
+        for i in layers:
+            self.source_of.pop(i, None)
         self.order = [i for i in sorted(self.source_of) if i not in self.skipped]
         self.pos = self.released = 0
 

@@ -121,6 +121,15 @@ class Engine:
         draft._skip = frozenset(skip)
         return draft
 
+    def release(self) -> None:
+        """Drop every tensor the engine references (its stages' KV caches and stores, the
+        weights, captured graphs and their pools), so that their memory goes back now even
+        if something still holds the engine (a generation it was drafting for). The stores
+        themselves are closed by their owner. The engine cannot run afterwards."""
+        self.stages = []
+        self.weights = None
+        self._graphs = self._tree_graphs = None
+
     # --- the context --------------------------------------------------------------------------
 
     @property

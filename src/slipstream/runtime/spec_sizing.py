@@ -28,6 +28,9 @@ START_NODES = 64  # until two pass widths have been timed
 # While plain steps win (a draft that is rarely right), one round in this many still
 # speculates, so that acceptance keeps being measured and can win again
 EXPLORE_EVERY = 16
+# Tree rounds seen before the sizer may conclude, from acceptance alone (no prior), that no
+# tree beats a plain step: then the draft is given up (its memory can go to the target)
+GIVE_UP_TREES = 8
 
 
 @dataclass
@@ -142,6 +145,25 @@ class TreeSizer:
         else:
             self._plain_streak = 0
         return nodes, best
+
+    @property
+    def gives_up(self) -> bool:
+        """Whether, after GIVE_UP_TREES tree rounds, the acceptance observed (without the
+        prior) makes every depth slower than a plain step; never with a fixed tree size."""
+        trees = self.reached[1] if len(self.reached) > 1 else 0
+        level = self.level_s
+        if (self.fixed_nodes is not None or self.fixed_depth is not None
+                or trees < GIVE_UP_TREES or level is None):
+            return False
+        nodes = self.nodes()
+        pass_n, pass_1 = self.pass_s(nodes), self.pass_s(1)
+        total, p, best = 1.0, 1.0, 0.0
+        for d in range(1, self.max_depth + 1):
+            seen = self.reached[d] if d < len(self.reached) else 0.0
+            p *= self.passed[d] / seen if seen else 0.0
+            total += p
+            best = max(best, total / (pass_n + d * level))
+        return best < 1.0 / pass_1
 
     def predicted_tok_s(self, nodes: int, depth: int) -> float | None:
         pass_n, level = self.pass_s(nodes), self.level_s

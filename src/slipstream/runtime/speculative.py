@@ -30,7 +30,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -183,6 +183,7 @@ class SpecStats:
     verify_s: float = 0.0
     draft_prefill_s: float = 0.0
     plain_steps: int = 0  # passes of the root alone (the sizer found no tree worth its cost)
+    given_up_at: int | None = None  # the pass after which the draft was given up
 
     def record(self, tree_len: int, accepted: int, emitted: int) -> None:
         self.target_passes += 1
@@ -203,7 +204,7 @@ class SpecStats:
             spec_draft_forwards=self.draft_forwards,
             spec_draft_s=self.draft_s, spec_verify_s=self.verify_s,
             spec_draft_prefill_s=self.draft_prefill_s,
-            spec_plain_steps=self.plain_steps)
+            spec_plain_steps=self.plain_steps, spec_draft_given_up_at=self.given_up_at)
 
 
 class Speculator:
@@ -213,10 +214,12 @@ class Speculator:
     def __init__(self, target: Engine, draft: Engine, sampler: Sampler,
                  nodes: int | None = None, depth: int | None = None,
                  top_k: int = DEFAULT_TOP_K, stats: SpecStats | None = None,
-                 sizer: TreeSizer | None = None):
+                 sizer: TreeSizer | None = None,
+                 give_up: Callable[[], None] | None = None):
         """nodes: the tree's node budget (root included), depth: drafted tokens below the
         root; each None lets `sizer` choose it every round (the depth up to DEFAULT_DEPTH,
-        0 being a plain step)."""
+        0 being a plain step). give_up: called once if the sizer concludes the draft does not
+        pay (TreeSizer.gives_up); the draft is not used after that."""
         if draft.cfg.vocab_size != target.cfg.vocab_size:
             raise DraftMismatch(f"the draft has {draft.cfg.vocab_size} logits per token and "
                                 f"the target {target.cfg.vocab_size}: they need one vocabulary")
@@ -226,6 +229,8 @@ class Speculator:
         self.sizer.max_depth = DEFAULT_DEPTH if depth is None else depth
         self.sizer.fixed_nodes, self.sizer.fixed_depth = nodes, depth
         self.level_width = CUDA_LEVEL_WIDTH if draft.device.type == "cuda" else None
+        self.give_up = give_up
+        self.given_up = False
         self.stats = stats if stats is not None else SpecStats()
         self.history = torch.zeros(0, dtype=torch.long, device=target.device)
         self.root: torch.Tensor | None = None
@@ -250,9 +255,13 @@ class Speculator:
         target, draft, root = self.target, self.draft, self.root
         start = target.length  # the root's slot in both caches
         nodes, depth = self.sizer.choose()
+        if not self.given_up and self.give_up is not None and self.sizer.gives_up:
+            self.given_up = True
+            self.stats.given_up_at = self.stats.target_passes
+            self.give_up()
         # the verify pass needs `width` free slots in the target's cache, growth as many in
         # the draft's (and the lag's); a round emits at most levels + 1 tokens
-        width = min(nodes, target.ctx - start, draft.ctx - start)
+        width = 1 if self.given_up else min(nodes, target.ctx - start, draft.ctx - start)
         levels = min(depth, most - 1, width - 1)
         t = time.perf_counter()
         if levels < 1:
@@ -288,13 +297,14 @@ class Speculator:
 
 
 def speculative_source(draft: Engine, nodes: int | None = None, depth: int | None = None,
-                       top_k: int = DEFAULT_TOP_K, sizer: TreeSizer | None = None
-                       ) -> TokenSource:
+                       top_k: int = DEFAULT_TOP_K, sizer: TreeSizer | None = None,
+                       give_up: Callable[[], None] | None = None) -> TokenSource:
     """A token source that decodes with `draft` guessing trees of at most `nodes` tokens (the
     root included: the target's verify pass is `nodes` wide) and `depth` drafted tokens deep
     (each None: chosen every round by `sizer` from measured costs, runtime.spec_sizing),
     from the `top_k` most probable children of each node. Lossless: see the module's text.
-    A sizer passed in carries what it learned across generations. Writes SpecStats into the
+    A sizer passed in carries what it learned across generations; `give_up` is called if it
+    concludes the draft does not pay (Speculator). Writes SpecStats into the
     GenerationStats' extra, also when the generation stops early."""
     for name, value in (("nodes", nodes), ("depth", depth), ("top_k", top_k)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -304,7 +314,8 @@ def speculative_source(draft: Engine, nodes: int | None = None, depth: int | Non
 
     def source(engine: Engine, prompt: list[int], sampler: Sampler, budget: int,
                stats: GenerationStats) -> Iterator[torch.Tensor]:
-        spec = Speculator(engine, draft, sampler, nodes, depth, top_k, sizer=sizer)
+        spec = Speculator(engine, draft, sampler, nodes, depth, top_k, sizer=sizer,
+                          give_up=give_up)
         try:
             t = time.perf_counter()
             root = spec.prefill(prompt)
