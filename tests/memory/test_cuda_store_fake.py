@@ -176,3 +176,15 @@ def test_promote_makes_pinned_layers_resident(fake_cuda, setup):
     assert store.stats.layers_streamed == streamed + 6  # layers 3-5 only, twice
     assert store.promote(1 << 40) == []  # no pinned layer left (disk layers stay)
     store.close()
+
+
+def test_promoted_layers_are_spread_over_the_streamed_ones():
+    """Taking every other one of 6 streamed layers leaves the rest spread out too, not a run."""
+    pytest.importorskip("triton")
+    from slipstream.memory.cuda_store import evenly_spaced
+
+    streamed = [1, 3, 5, 7, 9, 11]
+    assert evenly_spaced(streamed, 3) == [3, 7, 11]  # leaves 1, 5, 9
+    assert evenly_spaced(streamed, 1) == [7]
+    assert evenly_spaced(streamed, 6) == streamed and evenly_spaced(streamed, 9) == streamed
+    assert evenly_spaced(streamed, 0) == []

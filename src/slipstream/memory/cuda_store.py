@@ -108,21 +108,23 @@ class CudaLayerStore(StoreBase):
                 src.skip(self.skipped)
 
     def promote(self, room: int) -> list[int]:
-        """Make pinned-tier layers resident, in layer order, while `room` bytes last: each
-        image is copied once into a GPU buffer of its own and the layer rebuilt as views into
-        it (the same layout as in a slot, so the same kernels and bits); its pinned copy is
-        given back. Disk-tier layers stay: they are the slowest to bring in and the last to
-        be worth holding."""
+        """Make pinned-tier layers resident while `room` bytes last: each image is copied
+        once into a GPU buffer of its own and the layer rebuilt as views into it (the same
+        layout as in a slot, so the same kernels and bits); its pinned copy is given back.
+        The layers taken are spread evenly over the pinned ones, so that those left streaming
+        stay spread between resident layers (planner._interleave: a run of streamed layers
+        makes the copies wait on the compute, measured on the H200: 2.64 tok/s after taking
+        the first 12 in layer order, against 2.88 with the planner's spread). Disk-tier layers
+        stay: they are the slowest to bring in and the last to be worth holding."""
         pinned = next((src for src in self.sources if isinstance(src, PinnedSource)), None)
         if pinned is None or self.ring is None:
             return []
-        chosen = []
-        for i in sorted(pinned.images):
-            n = pinned.images[i].host.numel()
-            if n > room:
-                break
-            room -= n
-            chosen.append(i)
+        candidates = sorted(pinned.images)
+        if not candidates:
+            return []
+        size = max(pinned.images[i].host.numel() for i in candidates)
+        k = min(len(candidates), room // size)
+        chosen = evenly_spaced(candidates, k)
         if not chosen:
             return []
         self.ring.drop(chosen)  # settles the copies in flight first
@@ -179,3 +181,9 @@ class CudaLayerStore(StoreBase):
         self.ring = None
         self.feed = {}
         self.images = {}
+
+
+def evenly_spaced(items: list[int], k: int) -> list[int]:
+    """k of `items` spread evenly over them (the middle of each of k equal runs)."""
+    k = max(0, min(k, len(items)))
+    return [items[int((j + 0.5) * len(items) / k)] for j in range(k)]
