@@ -226,6 +226,12 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
                      "decode_tok_s": r["decode_tok_s"], "vram_gib": vram_gib(),
                      "note": "lossy: random weights say nothing of quality; the default "
                              "model's perplexity by K is in bench/results"})
+        # exactly the streamed layers, whatever calibration says: nothing crosses PCIe
+        m.engine.skip = frozenset(m.plan.streamed_layers)
+        r = decode(m, 16, draft=False)
+        rows.append({"name": "70b-q4k-vram24-skip-streamed", "skip_layers": streamed,
+                     "skipped_streamed": streamed, "decode_tok_s": r["decode_tok_s"],
+                     "vram_gib": vram_gib(), "note": "lossy, as above"})
     rows.append(projection(rows, acceptance))
     return rows
 
