@@ -125,3 +125,35 @@ def test_tree_level_graphs_match_eager(smollm_path):
             assert out[True].shape == (n, model.config.vocab_size)
             torch.testing.assert_close(out[True], out[False], atol=2e-2, rtol=1e-2)
         assert engine._tree_graphs is not None and engine._tree_graphs.graphs
+
+
+def test_gpu_a_draft_that_never_pays_gives_its_vram_to_the_target(tmp_path):
+    """A draft of other weights (a second seed) inside the budget: the sizer gives it up, the
+    VRAM it held makes pinned layers resident, and the output stays plain greedy's."""
+    pytest.importorskip("triton")
+    kw = dict(n_layers=6, from_floats=True, std=0.05)
+    target = write_synth(tmp_path / "t.gguf", "1b", "Q4_K", seed=5, **kw)
+    other = write_synth(tmp_path / "o.gguf", "1b", "Q4_K", seed=6, **kw)
+    model = None
+    for mib in range(512, 4096, 64):  # the least budget that holds the draft and the target
+        try:
+            model = slipstream.load(target, device=DEVICE, ctx=512, draft=other,
+                                    vram_budget=mib << 20)
+            break
+        except BudgetTooSmall:
+            continue
+    assert model is not None
+    with model:
+        streamed = list(model.plan.streamed_layers)
+        assert streamed and model.plan.draft is not None
+        prompt = [1, 2, 3, 4]
+        plain = [e.id for e in model.generate(prompt, max_tokens=300, temperature=0,
+                                              draft=False)]
+        spec = [e.id for e in model.generate(prompt, max_tokens=300, temperature=0)]
+        assert spec == plain
+        assert model.last_speculation["draft_given_up_at"] is not None
+        name, promoted = model.draft_released
+        assert name == "o.gguf" and promoted and set(promoted) <= set(streamed)
+        assert len(model.plan.streamed_layers) == len(streamed) - len(promoted)
+        again = [e.id for e in model.generate(prompt, max_tokens=64, temperature=0)]
+        assert again == plain[:64]
