@@ -477,7 +477,7 @@ def plan(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     if measure:
         from .memory.setup import measure_bandwidths
 
-        measure_bandwidths(gf, p, io)
+        measure_bandwidths(gf, p, io, cfg, Precision.of(precision, dev))
     return p
 
 
@@ -516,7 +516,7 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
     from .memory.setup import disk_images, make_store, measure_bandwidths, pin_streamed_layers
 
     if plan.streamed_layers:
-        measure_bandwidths(gf, plan, io)
+        measure_bandwidths(gf, plan, io, cfg, precision)
     resident = {i for i, t in enumerate(plan.tiers) if t in ("ram", "vram")}
     # CUDA tiers B and C are built first, while the GPU holds nothing else, so the transient
     # GPU copy of the layer being built never sits on top of the resident model.

@@ -443,3 +443,22 @@ def test_plan_table_collapses_interleaved_layer_lists():
     vram = [i for i, t in enumerate(tiers) if t == "vram"]
     assert len(vram) == 37 and all(b - a >= 2 for a, b in zip(vram, vram[1:]))
     assert tiers[-1] == "pinned"
+
+
+def test_plan_cpu_prediction_counts_the_rebuild_of_streamed_layers():
+    """CPU tier C rebuilds (dequantizes) every streamed layer on every token, which took 76 %
+    of a token's time: the prediction counts it, and says it cannot predict without it."""
+    from rich.console import Console
+
+    from slipstream.memory.planner import plan_layers
+
+    plan = plan_layers("cpu", [100] * 4, [40] * 4, fixed_bytes=10, budget=10 + 2 * 100 + 80)
+    assert plan.tiers == ["ram", "ram", "disk", "disk"]
+    plan.bandwidth_gbps.update(ram=10.0, disk=1.0)
+    assert plan.predicted_tok_s is None  # the rebuild not measured
+    plan.bandwidth_gbps["rebuild"] = 0.5
+    seconds = 200 / 10e9 + 80 / 1e9 + 80 / 0.5e9
+    assert plan.predicted_tok_s == pytest.approx(1 / seconds)
+    console = Console(width=200, record=True)
+    console.print(plan.table())
+    assert "rebuild" in console.export_text()

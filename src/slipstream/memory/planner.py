@@ -103,6 +103,11 @@ class Plan:
                 return None
             if n:
                 seconds += n / (bw * 1e9)
+        rebuild = self.bandwidth_gbps.get("rebuild")
+        if self.device == "cpu" and self.disk_layers:
+            if not rebuild:
+                return None  # unknown, and (measured) most of a streamed token's time
+            seconds += self.bytes_per_token("disk") / (rebuild * 1e9)
         return 1.0 / seconds if seconds else None
 
     def table(self):
@@ -146,10 +151,14 @@ class Plan:
         if self.draft is not None:
             t.add_row("draft", self.draft[0], fmt_bytes(self.draft[1]), "-", "-")
         tok_s = self.predicted_tok_s
-        t.caption = (f"predicted decode from link bandwidths alone: "
-                     f"{tok_s:.{1 if tok_s >= 10 else 2}f} tok/s"
-                     + (" (CPU streaming also pays to dequantize each streamed layer)"
-                        if self.device == "cpu" and self.disk_layers else "")) if tok_s else None
+        rebuild = self.bandwidth_gbps.get("rebuild")
+        if self.device == "cpu" and self.disk_layers and rebuild:
+            t.add_row("rebuild", "streamed layers, every token", "-",
+                      fmt_bytes(self.bytes_per_token("disk")), f"{rebuild:.2f}")
+        what = ("link bandwidths and the rebuild of streamed layers"
+                if self.device == "cpu" and self.disk_layers else "link bandwidths alone")
+        t.caption = (f"predicted decode from {what}: {tok_s:.{1 if tok_s >= 10 else 2}f} tok/s"
+                     if tok_s else None)
         return t
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..config import ModelConfig
@@ -9,7 +11,7 @@ from ..errors import BadArgument, BudgetTooSmall
 from ..gguf_file import GGUFFile
 from ..model.layer_spec import head_tensor_name, kv_cache_bytes, spec_for
 from ..precision import Precision
-from ..weights.loader import LayerBuilder, layer_span, release_transients
+from ..weights.loader import LayerBuilder, TensorSource, layer_span, release_transients
 from .budget import mem_available
 from .planner import Plan, StagePlan, plan_cuda, plan_layers
 from .protocol import LayerStore
@@ -132,10 +134,13 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
     return plan
 
 
-def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str) -> None:
+def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str, cfg: ModelConfig | None = None,
+                       precision: Precision | None = None) -> None:
     """Fill plan.bandwidth_gbps with what this machine does now: memory read (a large sum on
     CPU, a device copy on CUDA), pinned host-to-device copies (CUDA), and, when layers stream
-    from disk, an O_DIRECT (or buffered) sequential read of the disk layers' file spans."""
+    from disk, an O_DIRECT (or buffered) sequential read of the disk layers' file spans; on
+    CPU with cfg and precision, also how fast a streamed layer is rebuilt from its bytes
+    ("rebuild": the CPU disk store dequantizes every streamed layer on every token)."""
     from .probes import h2d_pinned_gbps, memory_read_gbps, span_read_gbps
 
     if plan.device == "cuda":
@@ -153,6 +158,21 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str) -> None:
     spans = [layer_span(gf, i) for i in plan.disk_layers]
     plan.bandwidth_gbps["disk"], _ = span_read_gbps(
         gf.path, spans, "buffered" if io == "buffered" else "direct", limit)
+    if plan.device == "cpu" and cfg is not None and precision is not None:
+        plan.bandwidth_gbps["rebuild"] = rebuild_gbps(gf, cfg, precision, plan.disk_layers[0])
+
+
+def rebuild_gbps(gf: GGUFFile, cfg: ModelConfig, precision: Precision, i: int) -> float:
+    """GB of layer i's file span rebuilt per second into the CPU's dense weights (what the CPU
+    disk store does per streamed layer and token), the best of two builds."""
+    builder = LayerBuilder(cfg, torch.device("cpu"), precision)
+    start, end = layer_span(gf, i)
+    best = float("inf")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        builder.build(TensorSource(gf), i)
+        best = min(best, time.perf_counter() - t0)
+    return (end - start) / best / 1e9
 
 
 def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
