@@ -33,6 +33,10 @@ def test_run_streams_the_same_text_as_the_api(smollm_path, model):
     assert r.returncode == 0, r.stderr
     assert r.stdout == expected + "\n"
     assert "tok/s" in r.stderr and "finish: length" in r.stderr
+    # llama.cpp's timings: load, prompt eval, eval with ms per token, total
+    for part in ("load ", "prompt ", " ms (", "generated 16 tok, decode ", " ms/tok)",
+                 "total "):
+        assert part in r.stderr, r.stderr
 
 
 def test_chat_is_multi_turn(smollm_path, model):
@@ -100,8 +104,8 @@ def test_perplexity_missing_file_is_one_line(tmp_path):
 
 def test_bad_sampling_arg_is_one_line(smollm_path):
     r = cli("run", "-m", str(smollm_path), "--top-p", "0", "-n", "2", "--device", "cpu")
-    assert r.returncode == 1 and "top_p=0.0 is invalid" in r.stderr
-    assert "Traceback" not in r.stderr
+    assert r.returncode == 1 and "--top-p 0.0 is invalid: must be in (0, 1]" in r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
 
 
 def test_pull_is_idempotent_and_repairs(smollm_path, tmp_path, monkeypatch):
@@ -126,6 +130,8 @@ def test_pull_replaces_a_corrupt_file(smollm_path, tmp_path, monkeypatch):
     r = cli("pull")
     assert r.returncode == 0, r.stderr
     assert (cache / smollm_path.name).stat().st_size == pull_mod.DEFAULT_SIZE
+    # nothing but the path on stdout (pip's log goes to stderr), so $(slipstream pull) works
+    assert r.stdout == f"{cache / smollm_path.name}\n", r.stdout
 
 
 def test_a_cuda_out_of_memory_error_is_one_line(monkeypatch, capsys):

@@ -543,11 +543,14 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
 
 def _load_weights_with_progress(gf, cfg, dev, precision: Precision, show: bool,
                                 resident: set[int] | None = None, embed_on_host: bool = False):
+    from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     total = sum(t.n_bytes for t in gf.tensors.values())
+    # on stderr: stdout carries the generated text, which may be piped
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), disable=not show, transient=True) as bar:
+                  TransferSpeedColumn(), disable=not show, transient=True,
+                  console=Console(stderr=True)) as bar:
         task = bar.add_task(f"loading {gf.path.name}", total=total)
         return load_weights(gf, cfg, dev, precision,
                             progress=lambda n: bar.advance(task, n), resident_layers=resident,

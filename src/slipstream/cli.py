@@ -1,15 +1,26 @@
 """The `slipstream` command: a thin shell over the Python API.
 
 Generated text goes to stdout as it is produced; stats, progress and errors go to stderr. Every
-deliberate error prints as one line and exits non-zero, never as a traceback.
+deliberate error prints as one line and exits non-zero, never as a traceback; arguments are
+checked before anything loads. `--help` and `info` do not import torch (the API and the model
+code are imported by the commands that run a model).
+
+Ctrl-C: in `chat`, the first press during a reply stops it at the next token and returns to the
+prompt (the partial reply stays in the conversation); at an idle prompt it says how to quit, and
+a second one quits. In `run`, it stops the generation, prints the summary and exits 130. A second
+press while a generation is still stopping interrupts at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,24 +28,76 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import BadArgument, SlipstreamError, oom_summary
+from .errors import BadArgument, ModelNotFound, SlipstreamError, oom_summary
 
 err = Console(stderr=True)
 
+DEFAULT_PROMPT = "Once upon a time,"
+
+
+def version() -> str:
+    """The installed distribution's version, else the source tree's (a checkout on
+    PYTHONPATH)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("slipstream")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
+class _VersionAction(argparse.Action):
+    """--version, computed only when asked for (reading the metadata costs a few ms)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                 help="print slipstream's version and exit"):
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"slipstream {version()}")
+        parser.exit()
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the text already says it (options
+    whose default is None say in words what happens without them)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        d = action.default
+        if (not action.option_strings or "default" in text or d is None or d is False
+                or d is argparse.SUPPRESS or d == []):
+            return text
+        return text + " (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (a value that is not a number, an unknown option) as one line and
+    exit 1, like every other error; the usage is one --help away."""
+
+    def error(self, message: str):
+        err.print(f"[red]error:[/red] {escape(self.prog)}: {escape(message)} (see "
+                  f"{escape(self.prog)} --help)", highlight=False, soft_wrap=True)
+        sys.exit(1)
+
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", help="GGUF file (default: the default model, pulled if "
-                   "missing)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default auto)")
-    p.add_argument("--ctx", type=int, default=None, help="context size in tokens (default: the "
-                   "model's, at most 4096)")
-    p.add_argument("--ram-budget", default=None, help="RAM for layers, e.g. 12GiB: resident "
-                   "layers on CPU, pinned layers on CUDA (default: MemAvailable less a "
-                   "margin); the rest streams from disk every token")
-    p.add_argument("--vram-budget", default=None, help="VRAM the model may hold, e.g. 24GiB "
-                   "(default: what is free)")
-    p.add_argument("--gpu-slots", type=int, default=2, help="CUDA streaming: the ring of GPU "
-                   "slots layers are copied into (at least 2, default 2; each holds one layer)")
+    p.add_argument("-m", "--model", metavar="PATH", help="GGUF file (default: the default "
+                   "model, pulled if missing)")
+    p.add_argument("--device", default="auto", metavar="DEV", help="auto, cpu or cuda[:N]")
+    p.add_argument("--ctx", type=int, default=None, metavar="N", help="context size in tokens "
+                   "(default: the model's, at most 4096)")
+    p.add_argument("--ram-budget", default=None, metavar="SIZE", help="RAM for layers, e.g. "
+                   "12GiB: resident layers on CPU, pinned layers on CUDA (default: "
+                   "MemAvailable less a margin); the rest streams from disk every token")
+    p.add_argument("--vram-budget", default=None, metavar="SIZE", help="VRAM the model may "
+                   "hold, e.g. 24GiB (default: what is free)")
+    p.add_argument("--gpu-slots", type=int, default=2, metavar="K", help="CUDA streaming: the "
+                   "ring of GPU slots layers are copied into, each holding one layer (at "
+                   "least 2)")
     p.add_argument("--precision", default="fast", choices=["fast", "exact"],
                    help="fast (default): int8 activations in the CUDA decode GEMVs and float16 "
                    "CPU weights; exact: float32 activations and CPU weights")
@@ -45,6 +108,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="leave out the K layers whose output is most like their input (cosine "
                    "similarity on a built-in calibration text; streamed layers first among "
                    "near-equals): faster, less accurate (default 0)")
+    p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                   help="CPU threads torch computes with (default: torch's choice, one per "
+                   "core)")
 
 
 def _add_draft_args(p: argparse.ArgumentParser) -> None:
@@ -52,7 +118,8 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--draft", default=None, metavar="PATH", help="a smaller GGUF with the "
                    "model's vocabulary that guesses trees of tokens the model verifies in one "
-                   "pass each (the output follows the same distribution as without it)")
+                   "pass each (the output follows the same distribution as without it; "
+                   "default: none, plain decoding)")
     g.add_argument("--draft-skip-layers", type=int, default=0, metavar="K", help="self-draft: "
                    "the model itself with K layers skipped guesses the tokens (no second file)")
     g.add_argument("--spec-nodes", type=int, default=None, metavar="N", help="tokens in one "
@@ -98,33 +165,144 @@ def _spec_kwargs(a: argparse.Namespace) -> dict:
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, n_default: int) -> None:
-    p.add_argument("-n", "--max-tokens", type=int, default=n_default)
-    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 is greedy")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g = p.add_argument_group("sampling")
+    g.add_argument("-n", "--max-tokens", type=int, default=n_default, metavar="N",
+                   help="tokens to generate at most; -1: until the end of text or until the "
+                   "context is full")
+    g.add_argument("--temp", type=float, default=0.8, metavar="T",
+                   help="temperature; 0 is greedy")
+    g.add_argument("--top-k", type=int, default=40, metavar="K",
+                   help="keep only the K most likely tokens; 0 keeps all")
+    g.add_argument("--top-p", type=float, default=0.95, metavar="P",
+                   help="keep the most likely tokens up to this probability mass; 1 keeps all")
+    g.add_argument("--min-p", type=float, default=0.05, metavar="P",
+                   help="drop tokens less likely than P times the most likely one; 0 keeps all")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, metavar="R",
+                   help="penalize the tokens of the last 64 (llama.cpp's repeat penalty); 1 "
+                   "is off")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="subtracted from a token's logit once per time it occurred (OpenAI's); "
+                   "0 is off")
+    g.add_argument("--presence-penalty", type=float, default=0.0, metavar="F",
+                   help="subtracted from the logit of every token that occurred (OpenAI's); 0 "
+                   "is off")
+    g.add_argument("--seed", type=int, default=None, metavar="S",
+                   help="random seed, for reproducible sampling (default: a new one each run)")
+    g.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop when the text contains STR; repeatable (default: none)")
 
 
-def _sampling_kwargs(a: argparse.Namespace) -> dict:
-    return dict(max_tokens=a.max_tokens, temperature=a.temp, top_k=a.top_k, top_p=a.top_p,
-                min_p=a.min_p, repeat_penalty=a.repeat_penalty,
+def _sampling_kwargs(a: argparse.Namespace, ctx: int) -> dict:
+    """generate()'s sampling arguments; -n -1 asks for the whole context (generate stops where
+    the prompt leaves no room)."""
+    return dict(max_tokens=ctx if a.max_tokens == -1 else a.max_tokens, temperature=a.temp,
+                top_k=a.top_k, top_p=a.top_p, min_p=a.min_p, repeat_penalty=a.repeat_penalty,
                 frequency_penalty=a.frequency_penalty, presence_penalty=a.presence_penalty,
                 seed=a.seed, stop=a.stop)
 
 
-def _load(a: argparse.Namespace):
+_SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed accepts
+_N_RULE = ">= 1, or -1 (until the end of text or the context)"
+# (attribute, flag, check, rule); an attribute a command does not have is skipped
+_RULES = [
+    ("max_tokens", "-n", lambda v: v == -1 or v >= 1, _N_RULE),
+    ("temp", "--temp", lambda v: v >= 0, ">= 0 (0 is greedy)"),
+    ("top_k", "--top-k", lambda v: v >= 0, ">= 0 (0 keeps all)"),
+    ("top_p", "--top-p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("min_p", "--min-p", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("repeat_penalty", "--repeat-penalty", lambda v: v > 0, "> 0 (1 is off)"),
+    ("frequency_penalty", "--frequency-penalty", lambda v: True, ""),
+    ("presence_penalty", "--presence-penalty", lambda v: True, ""),
+    ("seed", "--seed", lambda v: _SEED_RANGE[0] <= v <= _SEED_RANGE[1],
+     "in [-2**63, 2**64 - 1]"),
+    ("ctx", "--ctx", lambda v: v >= 1, ">= 1 (the context holds at least one token)"),
+    ("threads", "--threads", lambda v: v >= 1, ">= 1"),
+    ("gpu_slots", "--gpu-slots", lambda v: v >= 2, ">= 2: the streaming ring needs at least "
+     "2 GPU slots (one computed on while the next is copied)"),
+    ("skip_layers", "--skip-layers", lambda v: v >= 0, ">= 0"),
+    ("pp", "--pp", lambda v: v >= 1, ">= 1"),
+    ("tg", "--tg", lambda v: v >= 1, ">= 1"),
+    ("reps", "--reps", lambda v: v >= 1, ">= 1"),
+    ("chunks", "--chunks", lambda v: v >= 1, ">= 1"),
+    ("port", "--port", lambda v: 0 <= v <= 65535, "in [0, 65535]"),
+    ("max_queue", "--max-queue", lambda v: v >= 0, ">= 0"),
+    ("max_tokens_default", "--max-tokens-default", lambda v: v == -1 or v >= 1,
+     ">= 1, or -1 (until the context is full)"),
+]
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """Every argument's own errors, before anything loads (a load may take minutes): raises
+    BadArgument naming the flag, the value and what it must be."""
     _check_draft_args(a)
+    for attr, flag, ok, rule in _RULES:
+        value = getattr(a, attr, None)
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadArgument(f"{flag} {value} is invalid: must be a finite number")
+        if not ok(value):
+            raise BadArgument(f"{flag} {value} is invalid: must be {rule}")
+    device = getattr(a, "device", None)
+    if device is not None and not _DEVICE.fullmatch(device):
+        raise BadArgument(f"--device {device!r} is not supported: use auto, cpu, cuda or "
+                          f"cuda:N")
+    budgets = [(f, v) for f, v in (("--ram-budget", getattr(a, "ram_budget", None)),
+                                   ("--vram-budget", getattr(a, "vram_budget", None)))
+               if v is not None]
+    if budgets:
+        from .memory.budget import parse_size  # imports torch: only when a budget is given
+
+        for flag, value in budgets:
+            try:
+                parse_size(value)
+            except BadArgument as e:
+                raise BadArgument(f"{flag}: {e}") from None
+    if hasattr(a, "prompt_file"):
+        a.prompt = _read_prompt(a.prompt, a.prompt_file)
+    model = getattr(a, "model", None)
+    if model is not None and not Path(model).exists():
+        # what the load would say, without the seconds of imports before it
+        raise ModelNotFound(f"model file {model!r} does not exist")
+
+
+def _read_prompt(prompt: str | None, path: str | None) -> str:
+    """run's prompt: -p TEXT, -p - (stdin) or -f FILE, as UTF-8; one trailing newline is
+    dropped (what `echo` and editors add), as llama.cpp's -f does."""
+    if prompt is not None and path is not None:
+        raise BadArgument("give the prompt with -p or with -f, not both")
+    if path is None and prompt != "-":
+        return DEFAULT_PROMPT if prompt is None else prompt
+    what = "stdin" if path is None else repr(path)
+    try:
+        if path is None:
+            text = sys.stdin.buffer.read().decode("utf-8")
+        else:
+            text = Path(path).read_bytes().decode("utf-8")
+    except OSError as e:
+        raise BadArgument(f"cannot read the prompt from {what}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise BadArgument(f"the prompt in {what} is not UTF-8 text ({e.reason} at byte "
+                          f"{e.start})") from None
+    return text[:-1] if text.endswith("\n") else text
+
+
+def _load(a: argparse.Namespace):
+    """The model the arguments name (check_args has passed them); sets a.load_s, the load's
+    seconds (the imports before it not included)."""
+    import torch
+
     from . import api
 
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    t0 = time.perf_counter()
     model = api.load(a.model, device=a.device, ctx=a.ctx, progress=sys.stderr.isatty(),
                      precision=a.precision, ram_budget=a.ram_budget,
                      vram_budget=a.vram_budget, io=a.io, gpu_slots=a.gpu_slots,
                      skip_layers=a.skip_layers, **_draft_kwargs(a))
+    a.load_s = time.perf_counter() - t0
     if model.skipped_layers:
         sims = model.layer_similarities
         chosen = ", ".join(f"{i} ({sims[i]:.4f})" for i in model.skipped_layers)
@@ -139,20 +317,77 @@ def _load(a: argparse.Namespace):
     return model
 
 
-def _stream(events) -> None:
-    for ev in events:
-        if ev.text:
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
+class _CtrlC:
+    """While a generation streams: the first Ctrl-C sets `pressed` (the loop stops at the next
+    token and closes the generation, which leaves the model as any finished generation does); a
+    second one raises KeyboardInterrupt at once (a long prefill, a slow streamed token). Outside
+    the main thread (an embedding caller) signals stay as they are."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._installed = False
+        self._previous = None
+
+    def _handler(self, signum, frame) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __enter__(self) -> "_CtrlC":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handler)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            # None: a handler installed outside Python; the default is the nearest
+            signal.signal(signal.SIGINT, self._previous if self._previous is not None
+                          else signal.default_int_handler)
 
 
-def _print_stats(model) -> None:
-    s = model.last_stats
-    if s is None:
-        return
-    err.print(f"[dim]prompt {s.prompt_tokens} tok, {s.prefill_tok_s:.1f} tok/s | generated "
-              f"{s.generated_tokens} tok, {s.decode_tok_s:.1f} tok/s | finish: "
-              f"{s.finish_reason}[/dim]")
+def _stream(events, reply: list[str] | None = None) -> bool:
+    """Write the events' text to stdout as it comes (and to `reply`); True when Ctrl-C stopped
+    the generation before it finished. A second Ctrl-C raises KeyboardInterrupt."""
+    with _CtrlC() as ctrl_c:
+        try:
+            for ev in events:
+                if ev.text:
+                    sys.stdout.write(ev.text)
+                    sys.stdout.flush()
+                    if reply is not None:
+                        reply.append(ev.text)
+                if ctrl_c.pressed:
+                    break
+        finally:
+            events.close()  # ends prefill/decode where the loop left it early
+    return ctrl_c.pressed
+
+
+def summary(s, load_s: float | None = None, total_s: float | None = None,
+            interrupted: bool = False) -> str:
+    """One generation's timings on one line, like llama.cpp's: load, prompt eval (prefill:
+    tokens, time, tok/s), eval (decode: tokens, time, tok/s, ms per token) and total. The first
+    generated token comes from the prefill's logits, so decode's rates count the tokens after
+    it."""
+    steps = max(s.generated_tokens - 1, 0)
+    ms_per_token = s.decode_s / steps * 1e3 if steps else 0.0
+    parts = [f"load {load_s:.2f} s"] if load_s is not None else []
+    parts += [f"prompt {s.prompt_tokens} tok in {s.prefill_s * 1e3:.1f} ms "
+              f"({s.prefill_tok_s:.1f} tok/s)",
+              f"generated {s.generated_tokens} tok, decode {s.decode_s * 1e3:.1f} ms "
+              f"({s.decode_tok_s:.1f} tok/s, {ms_per_token:.1f} ms/tok)"]
+    if total_s is not None:
+        parts.append(f"total {total_s:.2f} s")
+    finish = s.finish_reason or ("interrupted" if interrupted else "none")
+    return " | ".join(parts) + f" | finish: {finish}"
+
+
+def _print_stats(model, load_s: float | None = None, total_s: float | None = None,
+                 interrupted: bool = False) -> None:
+    if model.last_stats is not None:
+        err.print(f"[dim]{summary(model.last_stats, load_s, total_s, interrupted)}[/dim]",
+                  highlight=False, soft_wrap=True)
 
 
 def spec_table(extra: dict) -> Table | None:
@@ -192,19 +427,26 @@ def _print_spec(model) -> None:
 
 
 def cmd_run(a: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
     model = _load(a)
     store = model.engine.layers
     store.stats.reset()
     if a.stats:
         store.enable_timing()
-    _stream(model.generate(a.prompt, **_sampling_kwargs(a), **_spec_kwargs(a)))
+    aborted = False  # a second Ctrl-C, which may have cut into the store's work
+    try:
+        interrupted = _stream(model.generate(a.prompt, **_sampling_kwargs(a, model.ctx),
+                                             **_spec_kwargs(a)))
+    except KeyboardInterrupt:
+        interrupted = aborted = True
     sys.stdout.write("\n")
-    _print_stats(model)
-    if a.stats:
+    sys.stdout.flush()
+    _print_stats(model, a.load_s, time.perf_counter() - t0, interrupted)
+    if a.stats and not aborted:
         store.collect()
         err.print(breakdown_table(model.last_stats, store.stats, model.device.type))
         _print_spec(model)
-    return 0
+    return 130 if interrupted else 0
 
 
 def breakdown_table(s, store, device: str) -> Table:
@@ -253,33 +495,45 @@ def cmd_chat(a: argparse.Namespace) -> int:
         messages.append({"role": "system", "content": a.system})
     interactive = sys.stdin.isatty()
     if interactive:
-        err.print("[dim]chat with the model; /reset clears the conversation, /exit or Ctrl-D "
-                  "quits[/dim]")
+        err.print("[dim]chat with the model; Ctrl-C stops a reply, /reset clears the "
+                  "conversation, /bye or Ctrl-D quits[/dim]", soft_wrap=True)
+    idle_ctrl_c = False  # the last thing at the prompt was a Ctrl-C
     while True:
         if interactive:
             sys.stderr.write("> ")
             sys.stderr.flush()
-        line = sys.stdin.readline()
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            if idle_ctrl_c:
+                sys.stderr.write("\n")
+                return 0
+            idle_ctrl_c = True
+            err.print("\n[dim](Ctrl-C again, Ctrl-D or /bye quits)[/dim]")
+            continue
+        idle_ctrl_c = False
         if not line:
+            if interactive:
+                sys.stderr.write("\n")
             break
         text = line.strip()
         if not text:
             continue
-        if text in ("/exit", "/quit"):
+        if text in ("/bye", "/exit", "/quit"):
             break
         if text == "/reset":
             messages = messages[:1] if a.system else []
             continue
         messages.append({"role": "user", "content": text})
-        reply = []
-        for ev in model.chat(messages, **_sampling_kwargs(a), **_spec_kwargs(a)):
-            reply.append(ev.text)
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
+        reply: list[str] = []
+        # a stopped reply stays in the conversation as far as it went: what the user saw
+        stopped = _stream(model.chat(messages, **_sampling_kwargs(a, model.ctx),
+                                     **_spec_kwargs(a)), reply)
         sys.stdout.write("\n")
+        sys.stdout.flush()
         messages.append({"role": "assistant", "content": "".join(reply)})
         if a.verbose:
-            _print_stats(model)
+            _print_stats(model, interrupted=stopped)
             _print_spec(model)
     return 0
 
@@ -298,7 +552,6 @@ def cmd_info(a: argparse.Namespace) -> int:
 
     from .config import ModelConfig
     from .gguf_file import GGUFFile
-    from .model.layer_spec import HEAD, head_tensor_name
     from .pull import pull
 
     path = Path(a.model) if a.model else pull(quiet=True)
@@ -316,7 +569,9 @@ def cmd_info(a: argparse.Namespace) -> int:
             ("context length", cfg.context_length),
             ("rope", f"{cfg.rope_style}, base {cfg.rope_base:g}, dim {cfg.rope_dim}"
                      + (", llama3 rope_freqs" if "rope_freqs.weight" in gf.tensors else "")),
-            ("tied embeddings", head_tensor_name(gf.tensors) != HEAD),
+            # model.layer_spec's head lookup; importing model/ would import torch, which
+            # `info` has no use for
+            ("tied embeddings", "output.weight" not in gf.tensors),
             ("tokenizer", f"{gf.metadata.get('tokenizer.ggml.model')} "
                           f"(pre: {gf.metadata.get('tokenizer.ggml.pre', '-')})"),
             ("chat template", "yes" if gf.metadata.get("tokenizer.chat_template") else "no")]
@@ -454,10 +709,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     except ImportError as e:
         raise SlipstreamError(f"the server needs its extra ({e.name or e} is missing): "
                               f"pip install 'slipstream[server]'") from None
-    if a.max_queue < 0:
-        raise SlipstreamError(f"--max-queue {a.max_queue} is invalid: must be >= 0")
-    run_server(_load(a), host=a.host, port=a.port, max_queue=a.max_queue,
-               **_spec_kwargs(a))
+    # the server listens first and answers /health ("loading") while the model loads
+    run_server(load=lambda: _load(a), host=a.host, port=a.port, max_queue=a.max_queue,
+               max_tokens_default=a.max_tokens_default, **_spec_kwargs(a))
     return 0
 
 
@@ -519,65 +773,79 @@ def _source_type(types, name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="slipstream", description="Run GGUF language models.")
+    p = _Parser(prog="slipstream", description="Run GGUF language models.",
+                formatter_class=_HelpFormatter)
+    p.add_argument("--version", action=_VersionAction)
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    r = sub.add_parser("run", help="generate text from a prompt")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help[:1].upper() + help[1:] + ".",
+                              formatter_class=_HelpFormatter)
+
+    r = command("run", "generate text from a prompt")
     _add_model_args(r)
-    r.add_argument("-p", "--prompt", default="Once upon a time,")
+    r.add_argument("-p", "--prompt", default=None, metavar="TEXT",
+                   help=f"the prompt; - reads it from stdin (default: {DEFAULT_PROMPT!r})")
+    r.add_argument("-f", "--file", dest="prompt_file", default=None, metavar="FILE",
+                   help="read the prompt from a UTF-8 file, instead of -p (default: none)")
     r.add_argument("--stats", action="store_true", help="print the tier plan and a per-token "
                    "time breakdown (and speculative decoding's acceptance, with a draft)")
     _add_sampling_args(r, 128)
     _add_draft_args(r)
     r.set_defaults(func=cmd_run)
 
-    c = sub.add_parser("chat", help="interactive multi-turn chat")
+    c = command("chat", "interactive multi-turn chat")
     _add_model_args(c)
-    c.add_argument("--system", default=None, help="system message")
+    c.add_argument("--system", default=None, help="system message (default: none)")
     c.add_argument("-v", "--verbose", action="store_true", help="print stats after each reply "
                    "(and speculative decoding's acceptance, with a draft)")
     _add_sampling_args(c, 512)
     _add_draft_args(c)
     c.set_defaults(func=cmd_chat)
 
-    pl = sub.add_parser("pull", help="fetch the default model into the cache")
+    pl = command("pull", "fetch the default model into the cache")
     pl.set_defaults(func=cmd_pull)
 
-    i = sub.add_parser("info", help="describe a GGUF model")
+    i = command("info", "describe a GGUF model")
     _add_model_args(i)
     i.add_argument("--plan", action="store_true", help="also show the tier plan for the budgets")
     i.set_defaults(func=cmd_info)
 
-    pp = sub.add_parser("perplexity", help="perplexity of a text file, llama.cpp's method")
+    pp = command("perplexity", "perplexity of a text file, llama.cpp's method")
     _add_model_args(pp)
-    pp.add_argument("-f", "--file", required=True)
-    pp.add_argument("--chunks", type=int, default=None, help="score at most this many chunks")
+    pp.add_argument("-f", "--file", required=True, help="the UTF-8 text to score")
+    pp.add_argument("--chunks", type=int, default=None, help="score at most this many chunks "
+                    "(default: all)")
     pp.add_argument("--decode-path", action="store_true", help="feed each chunk one token at "
                     "a time, through the kernels generation uses (slower; measures what "
                     "--precision costs in generation, which the batched path does not use)")
     pp.set_defaults(func=cmd_perplexity)
 
-    b = sub.add_parser("bench", help="prefill and decode speed (like llama-bench)")
+    b = command("bench", "prefill and decode speed (like llama-bench)")
     _add_model_args(b)
-    b.add_argument("--pp", type=int, default=512, help="prompt tokens (default 512)")
-    b.add_argument("--tg", type=int, default=128, help="generated tokens (default 128)")
-    b.add_argument("--reps", type=int, default=3)
-    b.add_argument("--json", nargs="?", const="-", default=None,
-                   help="write JSON to a file (or stdout with no argument)")
+    b.add_argument("--pp", type=int, default=512, help="prompt tokens")
+    b.add_argument("--tg", type=int, default=128, help="generated tokens")
+    b.add_argument("--reps", type=int, default=3, help="repetitions of each test")
+    b.add_argument("--json", nargs="?", const="-", default=None, metavar="FILE",
+                   help="write JSON to a file (or stdout with no argument; default: none)")
     _add_draft_args(b)
     b.set_defaults(func=cmd_bench)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, ...)")
+    s = command("serve", "OpenAI-compatible HTTP server (/v1/chat/completions, ...)")
     _add_model_args(s)
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind")
+    s.add_argument("--port", type=int, default=8080, help="port (0: any free one)")
     s.add_argument("--max-queue", type=int, default=16, help="requests that may wait while one "
-                   "generates; more get 503 with Retry-After (default 16)")
+                   "generates; more get 503 with Retry-After")
+    s.add_argument("--max-tokens-default", type=int, default=512, metavar="N",
+                   help="tokens a request that sets no max_tokens generates at most (-1: "
+                   "until the context is full; /v1/completions keeps OpenAI's 16 where that "
+                   "is fewer); a max_tokens above the context is refused with a 400")
     _add_draft_args(s)
     s.set_defaults(func=cmd_serve)
 
-    q = sub.add_parser("quantize", help="re-encode a GGUF's weights in another type (e.g. a "
-                       "speculative draft)")
+    q = command("quantize", "re-encode a GGUF's weights in another type (e.g. a speculative "
+                "draft)")
     q.add_argument("src", metavar="SRC", help="the GGUF to read")
     q.add_argument("dst", metavar="DST", help="the GGUF to write (metadata copied whole)")
     q.add_argument("type", metavar="TYPE", help="the weights' new type: Q4_0, Q8_0, Q4_K, "
@@ -587,14 +855,18 @@ def build_parser() -> argparse.ArgumentParser:
                    "stay F32)")
     q.set_defaults(func=cmd_quantize)
 
-    sy = sub.add_parser("synth", help="write a random-weight Llama-shaped GGUF for testing")
-    sy.add_argument("--shape", required=True, choices=["tiny", "1b", "8b", "70b"])
+    sy = command("synth", "write a random-weight Llama-shaped GGUF for testing")
+    sy.add_argument("--shape", required=True, choices=["tiny", "1b", "8b", "70b"],
+                    help="the model's shape")
     sy.add_argument("--quant", default="Q4_K",
-                    choices=["Q4_K", "Q4_K_M", "Q6_K", "Q8_0", "F16", "Q4_0", "Q5_K"])
-    sy.add_argument("--layers", type=int, default=None, help="override the layer count")
-    sy.add_argument("--arch", default="llama", choices=["llama", "qwen2"])
-    sy.add_argument("--seed", type=int, default=0)
-    sy.add_argument("-o", "--output", required=True)
+                    choices=["Q4_K", "Q4_K_M", "Q6_K", "Q8_0", "F16", "Q4_0", "Q5_K"],
+                    help="the weights' type")
+    sy.add_argument("--layers", type=int, default=None, help="override the layer count "
+                    "(default: the shape's)")
+    sy.add_argument("--arch", default="llama", choices=["llama", "qwen2"],
+                    help="the architecture written in the metadata")
+    sy.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    sy.add_argument("-o", "--output", required=True, help="the GGUF to write")
     sy.set_defaults(func=cmd_synth)
     return p
 
@@ -606,6 +878,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        check_args(args)
         return args.func(args)
     except SlipstreamError as e:
         err.print("[red]error:[/red] " + escape(str(e)), highlight=False, soft_wrap=True)

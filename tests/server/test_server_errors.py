@@ -19,12 +19,14 @@ import openai  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
 CTX = 256
+DEFAULT_CAP = 6  # --max-tokens-default: what a request without max_tokens gets
 LONG = "hello " * 400  # ~400 tokens: more than CTX
 
 
 @pytest.fixture(scope="module")
 def server():
-    s = ServerProcess("--ctx", str(CTX), "--max-queue", "1")
+    s = ServerProcess("--ctx", str(CTX), "--max-queue", "1", "--max-tokens-default",
+                      str(DEFAULT_CAP))
     try:
         s.wait_ready()
         yield s
@@ -66,6 +68,9 @@ MSGS = [{"role": "user", "content": "hi"}]
     (CHAT, {"messages": MSGS, "max_completion_tokens": 0}, "max_completion_tokens"),
     (COMP, {"prompt": "x", "max_tokens": "8"}, "max_tokens"),
     (COMP, {"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    (COMP, {"prompt": "x", "max_tokens": CTX + 1}, "max_tokens"),
+    (CHAT, {"messages": MSGS, "max_tokens": 10**6}, "max_tokens"),
+    (CHAT, {"messages": MSGS, "max_completion_tokens": CTX + 1}, "max_completion_tokens"),
     (COMP, {"prompt": "x", "top_p": 1.5}, "top_p"),
     (COMP, {"prompt": "x", "frequency_penalty": 3}, "frequency_penalty"),
     (CHAT, {"messages": MSGS, "presence_penalty": "a lot"}, "presence_penalty"),
@@ -195,6 +200,36 @@ def test_queue_full_returns_503_with_retry_after(server):
     assert server.metric("slipstream_errors_total", 'code="queue_full"') >= 2
     for c in [running_client, *clients]:
         c.close()
+
+
+def test_health_answered_while_loading(server):
+    """The server listens before the model loads: its first /health answer said so."""
+    status, body = server.first_health
+    assert (status, body["status"]) == (503, "loading"), server.first_health
+
+
+def test_banner(server):
+    out = server.output(tail=None)
+    for text in ("slipstream serve", "SmolLM2-135M-Instruct.Q4_1.gguf", "cpu", f"{CTX} tokens",
+                 f"{DEFAULT_CAP} when a request sets none", f"{server.url}/v1",
+                 f"{server.url}/health", "loaded in"):
+        assert text in out, out
+
+
+def test_max_tokens_above_the_context_says_what_fits(server):
+    err = assert_error(post(server, CHAT, json={"messages": MSGS, "max_tokens": 10**6}), 400,
+                       param="max_tokens")
+    assert f"{CTX} tokens" in err["message"] and "--ctx" in err["message"]
+
+
+def test_a_request_without_max_tokens_gets_the_default_cap(server):
+    body = {"messages": [{"role": "user", "content": "Count from one to one hundred."}],
+            "temperature": 0}
+    r = post(server, CHAT, json=body)
+    assert r.status_code == 200, r.text
+    usage, choice = r.json()["usage"], r.json()["choices"][0]
+    assert usage["completion_tokens"] <= DEFAULT_CAP
+    assert choice["finish_reason"] == "stop" or usage["completion_tokens"] == DEFAULT_CAP
 
 
 def test_still_serving_after_all_errors(server):

@@ -140,5 +140,64 @@ def test_default_max_tokens(client):
     r = client.post("/v1/completions", json={"prompt": "x"})  # OpenAI's default: 16
     assert r.json()["usage"]["completion_tokens"] == 16
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
-    # chat asks for the whole context (the real runtime caps it at what the prompt leaves)
+    # the default cap (512) is more than the context: chat asks for the whole context (the
+    # real runtime caps it at what the prompt leaves)
     assert r.json()["usage"]["completion_tokens"] == FakeModel.ctx
+    assert client.get("/health").json()["max_tokens_default"] == FakeModel.ctx
+
+
+CHAT_X = {"messages": [{"role": "user", "content": "x"}]}
+
+
+def test_the_default_cap_is_the_servers_choice():
+    with TestClient(create_app(FakeModel(), max_tokens_default=10)) as c:
+        r = c.post("/v1/chat/completions", json=CHAT_X)
+        assert r.json()["usage"]["completion_tokens"] == 10
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        r = c.post("/v1/completions", json={"prompt": "x"})  # fewer than OpenAI's 16
+        assert r.json()["usage"]["completion_tokens"] == 10
+        r = c.post("/v1/chat/completions", json=dict(CHAT_X, max_tokens=12))  # asked: honoured
+        assert r.json()["usage"]["completion_tokens"] == 12
+    with pytest.raises(ValueError, match="max_tokens_default=0"):
+        create_app(FakeModel(), max_tokens_default=0)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", dict(CHAT_X, max_tokens=FakeModel.ctx + 1), "max_tokens"),
+    ("/v1/chat/completions", dict(CHAT_X, max_completion_tokens=10**9),
+     "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 10**6, "stream": True}, "max_tokens"),
+])
+def test_max_tokens_above_the_context_is_a_400(client, path, body, param):
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    assert f"{FakeModel.ctx} tokens" in err["message"] and "--ctx" in err["message"]
+    # the context itself is allowed (the runtime stops where the prompt leaves no room)
+    body = dict(body, **{param: FakeModel.ctx})
+    assert client.post(path, json=body).status_code == 200
+
+
+def test_loading_then_ready():
+    """An app made before its model answers /health 503 "loading", the API 503 with
+    Retry-After, and serves once the model is attached."""
+    app = create_app(None, max_queue=4)
+    with TestClient(app) as c:
+        r = c.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading"
+        for method, path, body in (("POST", "/v1/chat/completions", CHAT_X),
+                                   ("POST", "/v1/completions", {"prompt": "x"}),
+                                   ("GET", "/v1/models", None)):
+            r = c.request(method, path, json=body)
+            assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["code"] == "model_loading"
+        assert c.get("/metrics").status_code == 200
+        app.state.attach(FakeModel())
+        health = c.get("/health").json()
+        assert health["status"] == "ok" and health["model"] == "fake-model"
+        r = c.post("/v1/chat/completions", json=dict(CHAT_X, max_tokens=3))
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == \
+            "t0 t1 t2 "
+        with pytest.raises(RuntimeError, match="already serves"):
+            app.state.attach(FakeModel())

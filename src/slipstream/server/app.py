@@ -6,18 +6,28 @@ Requests are validated and tokenized on the event loop's side (tokenizing runs o
 executor so a long prompt does not stall other clients), then queued for the single generation
 thread (see worker.py). The handlers only await what that thread produces.
 
+An app can also start before its model: create_app(None) answers /health with 503
+`{"status": "loading"}` and the other endpoints with 503 (code "model_loading") until
+`app.state.attach(model)`; `slipstream serve` listens first and loads the model meanwhile.
+
 Model names accepted: the GGUF file stem (what /v1/models lists), the file name, and the alias
 "default"; a request without `model` gets the served model too.
+
+A request without max_tokens generates at most `max_tokens_default` tokens (512 unless the
+server says otherwise; /v1/completions keeps OpenAI's 16 where that is fewer); one asking for
+more tokens than the context holds is refused with a 400.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 from collections.abc import AsyncIterator, Callable
+from types import SimpleNamespace
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -34,35 +44,87 @@ from .schemas import ChatRequest, CompletionRequest
 from .worker import Done, GenerationWorker, Job, QueueFull
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_MAX_TOKENS = 512  # a request without max_tokens: a reply, not the whole context
 ALIASES = ("default",)
+LOADING_RETRY_AFTER_S = 5
 
 
-def create_app(model, max_queue: int = 16, model_id: str | None = None,
-               spec_nodes: int | None = None, spec_depth: int | None = None) -> FastAPI:
+def default_max_tokens(max_tokens_default: int, ctx: int) -> tuple[int, int]:
+    """(chat, completions): what a request without max_tokens gets on a model of `ctx`
+    tokens; max_tokens_default -1 means until the context is full."""
+    chat = ctx if max_tokens_default == -1 else min(max_tokens_default, ctx)
+    return chat, min(COMPLETION_DEFAULT_MAX_TOKENS, chat)
+
+
+def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
+               spec_nodes: int | None = None, spec_depth: int | None = None,
+               max_tokens_default: int = DEFAULT_MAX_TOKENS) -> FastAPI:
     """A model loaded with a draft (load(draft=...)) decodes every request speculatively;
-    spec_nodes and spec_depth fix its trees' size (None: Model.generate sizes them)."""
-    model_id = model_id or Path(model.path).stem
-    names = {model_id, Path(model.path).name, *ALIASES}
-    created = int(Path(model.path).stat().st_mtime) if Path(model.path).exists() else 0
+    spec_nodes and spec_depth fix its trees' size (None: Model.generate sizes them).
+    model None: the app answers "loading" until app.state.attach(model)."""
+    if max_tokens_default != -1 and max_tokens_default < 1:
+        raise ValueError(f"max_tokens_default={max_tokens_default} is invalid: must be >= 1, "
+                         f"or -1 (until the context is full)")
     metrics = Metrics()
-    worker = GenerationWorker(model, max_queue, on_done=metrics.generation_done,
-                              on_cancel=metrics.generation_cancelled,
-                              generate_kwargs={"spec_nodes": spec_nodes,
-                                               "spec_depth": spec_depth})
-    metrics.watch(worker)
     prep = ThreadPoolExecutor(1, thread_name_prefix="slipstream-tokenize")
+    # what is served; `model` is set last, once the rest is in place (handlers test it)
+    served = SimpleNamespace(model=None, id=None, names=set(), created=0, worker=None,
+                             draft_name=None, chat_default=0, completion_default=0)
+    lock = threading.Lock()  # attach (any thread) against the lifespan (the event loop)
+    running = [False]
+    t_created = time.monotonic()
+
+    def attach(m) -> None:
+        """Serve `m` from now on (once; safe from any thread)."""
+        worker = GenerationWorker(m, max_queue, on_done=metrics.generation_done,
+                                  on_cancel=metrics.generation_cancelled,
+                                  generate_kwargs={"spec_nodes": spec_nodes,
+                                                   "spec_depth": spec_depth})
+        metrics.watch(worker)
+        with lock:
+            if served.model is not None:
+                raise RuntimeError("this app already serves a model")
+            served.id = model_id or Path(m.path).stem
+            served.names = {served.id, Path(m.path).name, *ALIASES}
+            served.created = int(Path(m.path).stat().st_mtime) if Path(m.path).exists() else 0
+            draft = getattr(m, "draft", None)
+            served.draft_name = Path(draft.path).name if draft is not None else None
+            served.chat_default, served.completion_default = default_max_tokens(
+                max_tokens_default, m.ctx)
+            served.worker = worker
+            app.state.model, app.state.worker = m, worker
+            served.model = m
+            if running[0]:
+                worker.start()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        worker.start()
+        with lock:
+            running[0] = True
+            if served.worker is not None:
+                served.worker.start()
         yield
-        worker.stop()
+        with lock:
+            running[0] = False
+            worker = served.worker
+        if worker is not None:
+            worker.stop()
         prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="slipstream", summary="OpenAI-compatible server for GGUF models",
                   lifespan=lifespan, strict_content_type=False)
-    app.state.model, app.state.worker, app.state.metrics = model, worker, metrics
+    app.state.model, app.state.worker, app.state.metrics = None, None, metrics
+    app.state.attach = attach
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+
+    def ready():
+        """What is served; a 503 while the model is still loading."""
+        if served.model is None:
+            raise APIError(503, "The model is still loading; retry in a few seconds (GET "
+                           "/health answers 200 once it is ready).", type="server_error",
+                           code="model_loading",
+                           headers={"Retry-After": str(LOADING_RETRY_AFTER_S)})
+        return served
 
     def error_response(e: APIError) -> JSONResponse:
         metrics.errors.labels(e.code or e.type).inc()
@@ -88,16 +150,21 @@ def create_app(model, max_queue: int = 16, model_id: str | None = None,
                                        type="server_error", code="internal_error"))
 
     def model_card() -> dict:
-        return {"id": model_id, "object": "model", "created": created, "owned_by": "slipstream"}
-
-    draft = getattr(model, "draft", None)
-    draft_name = Path(draft.path).name if draft is not None else None
+        s = ready()
+        return {"id": s.id, "object": "model", "created": s.created, "owned_by": "slipstream"}
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": model_id, "device": str(model.device), "ctx": model.ctx,
-                "draft": draft_name, "queue_depth": worker.waiting,
-                "max_queue": worker.max_queue, "running": int(worker.busy)}
+    async def health():
+        s = served
+        if s.model is None:
+            return JSONResponse({"status": "loading",
+                                 "loading_s": round(time.monotonic() - t_created, 1)},
+                                status_code=503,
+                                headers={"Retry-After": str(LOADING_RETRY_AFTER_S)})
+        return {"status": "ok", "model": s.id, "device": str(s.model.device),
+                "ctx": s.model.ctx, "draft": s.draft_name, "queue_depth": s.worker.waiting,
+                "max_queue": s.worker.max_queue, "running": int(s.worker.busy),
+                "max_tokens_default": s.chat_default}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -113,34 +180,46 @@ def create_app(model, max_queue: int = 16, model_id: str | None = None,
         return model_card()
 
     def check_model(name: str | None) -> None:
-        if name is not None and name not in names:
+        s = ready()
+        if name is not None and name not in s.names:
             raise APIError(404, f"The model {name!r} does not exist; this server serves "
-                           f"{model_id!r}", param="model", code="model_not_found")
+                           f"{s.id!r}", param="model", code="model_not_found")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
+        s = ready()
+
         def prepare() -> list[int]:
             if isinstance(req.prompt, str):
-                return model.tokenize(req.prompt)
-            bad = [t for t in req.prompt if not 0 <= t < model.tokenizer.vocab_size]
+                return s.model.tokenize(req.prompt)
+            vocab = s.model.tokenizer.vocab_size
+            bad = [t for t in req.prompt if not 0 <= t < vocab]
             if bad:
-                raise bad_request(f"token id {bad[0]} is out of range [0, "
-                                  f"{model.tokenizer.vocab_size})", param="prompt")
+                raise bad_request(f"token id {bad[0]} is out of range [0, {vocab})",
+                                  param="prompt")
             return list(req.prompt)
 
-        return await serve(request, req, Formatter(False, model_id, req.include_usage), prepare,
-                           COMPLETION_DEFAULT_MAX_TOKENS, "prompt")
+        return await serve(request, req, Formatter(False, s.id, req.include_usage), prepare,
+                           s.completion_default, "prompt")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
+        s = ready()
         messages = [m.for_template() for m in req.messages]
-        return await serve(request, req, Formatter(True, model_id, req.include_usage),
-                           lambda: model.chat_ids(messages), model.ctx, "messages")
+        return await serve(request, req, Formatter(True, s.id, req.include_usage),
+                           lambda: s.model.chat_ids(messages), s.chat_default, "messages")
 
     async def serve(request: Request, req, fmt: Formatter, prepare: Callable[[], list[int]],
                     default_max_tokens: int, prompt_param: str):
         t0 = time.perf_counter()
         check_model(req.model)
+        model, worker = served.model, served.worker
+        if req.max_tokens is not None and req.max_tokens > model.ctx:
+            param = ("max_completion_tokens" if getattr(req, "max_completion_tokens", None)
+                     is not None else "max_tokens")
+            raise bad_request(f"{param}={req.max_tokens} is more than this model's context "
+                              f"holds: {model.ctx} tokens, the prompt included. Ask for "
+                              f"fewer, or start the server with a larger --ctx.", param=param)
         ids = await tokenize(prepare)
         if not ids:
             raise bad_request("the prompt is empty (it has no tokens)", param=prompt_param)
@@ -215,6 +294,8 @@ def create_app(model, max_queue: int = 16, model_id: str | None = None,
         finally:
             job.cancel()
 
+    if model is not None:
+        attach(model)
     return app
 
 
