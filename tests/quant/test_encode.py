@@ -122,3 +122,27 @@ def test_unsupported_types() -> None:
     with pytest.raises(UnsupportedTensorType, match="IQ2_XXS"):
         encode.quantize(np.zeros((1, 256), np.float32), T.IQ2_XXS)
     assert GGML_QUANT_SIZES[T.Q4_K] == (256, 144)
+
+
+def test_requantize_falls_back_where_rows_are_not_whole_blocks(tmp_path):
+    """K-quants need rows of 256: without a fallback the encoder refuses a narrower matrix;
+    with one, those matrices take the fallback type and the file decodes like its source."""
+    from slipstream.errors import SlipstreamError
+    from slipstream.gguf_file import GGUFFile
+    from slipstream.quant.requantize import requantize
+    from dataclasses import replace
+
+    from slipstream.synth import SHAPES, write_synth
+
+    shape = replace(SHAPES["tiny"], ffn=320)  # ffn_down's rows: 320 wide, not whole blocks
+    src = write_synth(tmp_path / "s.gguf", shape, "Q8_0", n_layers=1, from_floats=True,
+                      std=0.1)
+    widths = {info.shape[-1] for info in GGUFFile(src).tensors.values() if len(info.shape) > 1}
+    assert any(w % 256 for w in widths)
+    with pytest.raises(SlipstreamError):
+        requantize(src, tmp_path / "bad.gguf", "Q2_K")
+    out = GGUFFile(requantize(src, tmp_path / "ok.gguf", "Q2_K", fallback="Q4_0"))
+    for name, info in out.tensors.items():
+        if len(info.shape) > 1:
+            want = "Q2_K" if info.shape[-1] % 256 == 0 else "Q4_0"
+            assert info.ggml_type.name == want, name

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from ..errors import BadArgument
 from ..gguf_file import GGUFFile
-from . import dequantize
+from . import dequantize, get_format
 from .encode import encodable_types, quantize
 
 # Types that are weights (quantized or float matrices): 1-D F32 tensors are norms and stay
@@ -39,14 +39,21 @@ def parse_type(name: str) -> GGMLQuantizationType:
 def requantize(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                qtype: GGMLQuantizationType | str,
                only: Iterable[GGMLQuantizationType] | None = None,
-               progress: Callable[[int, int], None] | None = None) -> Path:
+               progress: Callable[[int, int], None] | None = None,
+               fallback: GGMLQuantizationType | str | None = None) -> Path:
     """Write `dst`: `src` with its weight tensors re-encoded in `qtype`.
 
     only: re-encode just tensors of these types (default: every tensor that is not F32, i.e.
-    every matrix; the norms stay F32). progress(done, total) is called per tensor."""
+    every matrix; the norms stay F32). progress(done, total) is called per tensor.
+    fallback: the type for matrices whose rows are not whole `qtype` blocks (K-quants need
+    rows of 256: the default model's 576-wide matrices), as llama.cpp's quantizer does; None
+    leaves them to the encoder, which refuses them."""
     qtype = parse_type(qtype) if isinstance(qtype, str) else GGMLQuantizationType(qtype)
     if qtype not in encodable_types():
         raise BadArgument(f"cannot quantize to {qtype.name}")
+    if isinstance(fallback, str):
+        fallback = parse_type(fallback)
+    block = get_format(qtype).block_size
     only = set(only) if only is not None else None
     src, dst = Path(src), Path(dst)
     if src.resolve() == dst.resolve():
@@ -66,9 +73,10 @@ def requantize(src: str | os.PathLike[str], dst: str | os.PathLike[str],
             raw = np.array(gf.tensor_bytes(name))
             pick = (info.ggml_type in only) if only is not None else (
                 info.ggml_type not in _NEVER and len(info.shape) > 1)
-            if pick and info.ggml_type != qtype:
+            to = qtype if fallback is None or info.shape[-1] % block == 0 else fallback
+            if pick and info.ggml_type != to:
                 x = dequantize(torch.from_numpy(raw), info.ggml_type, info.shape).numpy()
-                w.add_tensor(name, quantize(x, qtype), raw_dtype=qtype)
+                w.add_tensor(name, quantize(x, to), raw_dtype=to)
             elif info.ggml_type == GGMLQuantizationType.F32:
                 w.add_tensor(name, raw.view(np.float32).reshape(info.shape))
             else:
