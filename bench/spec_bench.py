@@ -66,7 +66,10 @@ def decode(model, tokens: int, **kw) -> dict:
                    accepted_hist=spec["accepted_hist"],
                    tree_nodes_mean=round(spec["tree_nodes_mean"], 1),
                    target_pass_s=round(spec["verify_s"] / passes, 4),
-                   draft_s_per_pass=round(spec["draft_s"] / passes, 4))
+                   draft_s_per_pass=round(spec["draft_s"] / passes, 4),
+                   series_draft_forwards_per_pass=round(spec["draft_forwards"] / passes, 2),
+                   ahead_forwards_per_pass=round(spec.get("ahead_forwards", 0) / passes, 2),
+                   trees_grown_ahead=spec.get("ahead_trees", 0))
     return row | {"ids": out}
 
 

@@ -139,8 +139,8 @@ class Model:
                  frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                  repeat_last_n: int = 64, seed: int | None = None,
                  stop: str | Sequence[str] | None = None, draft: "Model | bool | None" = None,
-                 spec_nodes: int | None = None, spec_depth: int | None = None
-                 ) -> Iterator[GenerationEvent]:
+                 spec_nodes: int | None = None, spec_depth: int | None = None,
+                 spec_ahead: int | None = None) -> Iterator[GenerationEvent]:
         """Stream GenerationEvents (.id, .text, .finish_reason) for a prompt in a fresh context.
 
         draft: decode speculatively with this Model (same vocabulary) guessing trees that the
@@ -162,9 +162,10 @@ class Model:
         sampler = Sampler(params, device=self.engine.device)
         return generate(self.engine, self.tokenizer, ids, sampler, max_tokens, stops,
                         stats=self.last_stats,
-                        source=self._source(draft, spec_nodes, spec_depth))
+                        source=self._source(draft, spec_nodes, spec_depth, spec_ahead))
 
-    def _source(self, draft: "Model | bool | None", nodes: int | None, depth: int | None):
+    def _source(self, draft: "Model | bool | None", nodes: int | None, depth: int | None,
+                ahead: int | None = None):
         """The token source generate() decodes with: plain, or speculative with a draft."""
         from .runtime.spec_sizing import TreeSizer
         from .runtime.speculative import check_vocab, speculative_source
@@ -181,7 +182,7 @@ class Model:
         # the model; a draft passed in for one generation belongs to the caller
         give_up = self.release_draft if draft is self.draft else None
         return speculative_source(draft.engine, nodes=nodes, depth=depth, sizer=sizer,
-                                  give_up=give_up)
+                                  give_up=give_up, ahead=ahead)
 
     def release_draft(self) -> list[int]:
         """Close the loaded draft and give the memory it held to the model: streamed layers

@@ -75,20 +75,72 @@ def test_gpu_seeded_sampling_equals_plain(tmp_path):
     draft.close()
 
 
+# On CUDA even "exact" keeps an fp16 KV cache, and a tree pass (dequantize + cuBLAS) and a
+# decode step (fused GEMV) round apart: the synthetic "never pays" model, at its give-up,
+# parted from plain greedy at token 22 where its top-2 logits lay 1.56e-2 apart
+# (bench/results/2026-11-30-s7-pytest-spec-synth-h200.log), the same token with and without
+# trees grown ahead. A difference is accepted only at such a near-tie, after MIN_EQUAL tokens
+NEAR_TIE = 0.05
+MIN_EQUAL = 16
+
+
+def _assert_same(model, ids: list[int], spec: list[int], plain: list[int]) -> None:
+    """Speculative greedy equals plain greedy, or parts from it only at a near-tie of the
+    target's logits (top-2 margin below NEAR_TIE) after MIN_EQUAL equal tokens; otherwise
+    fail with the margin, which tells batched and single-token passes rounding apart from a
+    real fault."""
+    if spec == plain:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b),
+              min(len(spec), len(plain)))
+    margin = float("inf")
+    if at < min(len(spec), len(plain)):
+        top = torch.topk(model.logits(list(ids) + plain[:at])[-1].float(), 2).values
+        margin = float(top[0] - top[1])
+    if at >= MIN_EQUAL and margin < NEAR_TIE:
+        return
+    pytest.fail(f"speculative greedy differs from plain greedy at token {at} ({spec[at:at + 1]} "
+                f"against {plain[at:at + 1]}); the top-2 logit margin there is {margin:.2e}; "
+                f"{model.last_speculation}")
+
+
+def _streamed_with_draft(target, draft, **kw):
+    """The target loaded with `draft` resident and as little VRAM as it can stream in: the
+    draft's own VRAM, plus the least budget the target alone plans in, plus steps of 16 MiB
+    (the draft's captured graphs come out of the budget too). A budget stepped up from below
+    would reach the whole model first: a small model's streaming slots and reserve cost more
+    than its layers."""
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    with slipstream.load(draft, device=DEVICE, ctx=512):
+        draft_vram = torch.cuda.memory_reserved() - before
+    torch.cuda.empty_cache()
+    least = None
+    for mib in range(16, 2048, 16):
+        try:
+            slipstream.plan(target, device=DEVICE, ctx=512, vram_budget=mib << 20,
+                            measure=False, ram_budget=kw.get("ram_budget"),
+                            precision=kw.get("precision", "fast"))
+        except BudgetTooSmall:
+            continue
+        least = mib
+        break
+    assert least is not None
+    for extra in range(least + 16, least + 1024, 16):
+        try:
+            return slipstream.load(target, device=DEVICE, ctx=512, draft=draft,
+                                   vram_budget=draft_vram + (extra << 20), **kw)
+        except BudgetTooSmall:
+            continue
+    pytest.fail("no budget up to 1 GiB over the least one holds the target with its draft")
+
+
 def test_gpu_streamed_target_greedy_equals_plain(smollm_path, tmp_path):
     """The target streams most layers (a small VRAM budget after the resident draft, layers
     from pinned RAM and disk) and the sizer picks the trees: still plain greedy's tokens."""
     pytest.importorskip("triton")
     draft = requantize(smollm_path, tmp_path / "draft-q4_0.gguf")
-    model = None
-    for mib in range(256, 1024, 32):  # the least budget that holds the draft and the model
-        try:
-            model = slipstream.load(smollm_path, device=DEVICE, ctx=512, precision="exact",
-                                    draft=draft, vram_budget=mib << 20, ram_budget="24MiB")
-            break
-        except BudgetTooSmall:
-            continue
-    assert model is not None
+    model = _streamed_with_draft(smollm_path, draft, precision="exact", ram_budget="24MiB")
     with model:
         assert model.plan.draft is not None and model.plan.streamed_layers
         assert "disk" in model.plan.tiers
@@ -97,7 +149,7 @@ def test_gpu_streamed_target_greedy_equals_plain(smollm_path, tmp_path):
             plain = [e.id for e in model.generate(ids, max_tokens=64, temperature=0,
                                                   draft=False)]
             spec = [e.id for e in model.generate(ids, max_tokens=64, temperature=0)]
-            assert spec == plain, (prompt, model.last_speculation)
+            _assert_same(model, ids, spec, plain)
         assert model.last_speculation["target_passes"] > 0
 
 
@@ -134,15 +186,9 @@ def test_gpu_a_draft_that_never_pays_gives_its_vram_to_the_target(tmp_path):
     kw = dict(n_layers=6, from_floats=True, std=0.05)
     target = write_synth(tmp_path / "t.gguf", "1b", "Q4_K", seed=5, **kw)
     other = write_synth(tmp_path / "o.gguf", "1b", "Q4_K", seed=6, **kw)
-    model = None
-    for mib in range(512, 4096, 64):  # the least budget that holds the draft and the target
-        try:
-            model = slipstream.load(target, device=DEVICE, ctx=512, draft=other,
-                                    vram_budget=mib << 20)
-            break
-        except BudgetTooSmall:
-            continue
-    assert model is not None
+    # "exact": random weights give near-ties everywhere, which a 256-node tree pass and a
+    # decode step at "fast" round apart (the test failed at token 14 that way)
+    model = _streamed_with_draft(target, other, precision="exact")
     with model:
         streamed = list(model.plan.streamed_layers)
         assert streamed and model.plan.draft is not None
@@ -150,10 +196,10 @@ def test_gpu_a_draft_that_never_pays_gives_its_vram_to_the_target(tmp_path):
         plain = [e.id for e in model.generate(prompt, max_tokens=300, temperature=0,
                                               draft=False)]
         spec = [e.id for e in model.generate(prompt, max_tokens=300, temperature=0)]
-        assert spec == plain
+        _assert_same(model, prompt, spec, plain)
         assert model.last_speculation["draft_given_up_at"] is not None
         name, promoted = model.draft_released
         assert name == "o.gguf" and promoted and set(promoted) <= set(streamed)
         assert len(model.plan.streamed_layers) == len(streamed) - len(promoted)
         again = [e.id for e in model.generate(prompt, max_tokens=64, temperature=0)]
-        assert again == plain[:64]
+        _assert_same(model, prompt, again, plain[:64])

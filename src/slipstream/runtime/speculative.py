@@ -11,9 +11,15 @@ draft only decides how many tokens one target pass yields. At temperature 0 it i
 decoding; with a seed, the Sampler's generator is used once per token in the same order as in
 plain decoding, so equal logits give equal tokens.
 
-The tree (SpecExec style) is deterministic: the most probable continuations by the draft's
-cumulative log-probability, grown level by level with one draft forward per level over the new
-nodes only.
+The tree (SpecExec style, runtime.draft_tree) is deterministic: the most probable
+continuations by the draft's cumulative log-probability, grown level by level with one draft
+forward per level over the new nodes only. With `ahead`, the draft grows it on past what the
+target verified, after the pass; where the walk then ends at a token grown ahead, the subtree
+below it is the next tree (on the default model's Q8_0/Q4_0 pair, 59-67% of trees:
+bench/results/2026-11-30-s7-spec-ahead-cpu.json). That growth is meant to run beside the
+target's streamed pass; the first attempt, from a thread on a CUDA stream of its own, made
+passes slower on the H200 and is kept off main (branch s7-wip-ahead-overlap-cuda), so here it
+runs after the pass, on every device, and is off unless asked for.
 
 Invariant between rounds, with L = len(prompt) + emitted - 1:
   * the target's cache holds the accepted prefix: the prompt and every emitted token but the
@@ -21,13 +27,13 @@ Invariant between rounds, with L = len(prompt) + emitted - 1:
   * the draft's cache holds the same slots except its `lag`: accepted tokens it never ran (a
     tree leaf the walk descended into, or roots of plain steps), so draft.length + len(lag) == L
     (at most one token after a tree round; a plain step, which the sizer chooses where trees
-    do not pay, adds its root). The next growth runs lag + root in one forward.
+    do not pay, adds its root). The next growth runs lag + root in one forward;
+  * or, where the tree grown ahead holds the pending root: the draft's cache holds the
+    accepted prefix, then the root and the nodes of its subtree that ran (`Speculator.grown`).
 """
 
 from __future__ import annotations
 
-import heapq
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
@@ -36,6 +42,7 @@ import torch
 
 from ..errors import BadArgument, DraftMismatch
 from ..model import tree_step
+from .draft_tree import DraftTree, TreeGrower, grow_tree  # noqa: F401  (grow_tree: re-exported)
 from .engine import Engine
 from .generate import GenerationStats, TokenSource
 from .sampler import Sampler
@@ -48,111 +55,27 @@ DEFAULT_TOP_K = 8  # children considered per expanded node
 # costs 4.7/7.8/10.1/33 ms, and 16-128 nodes (dequantize + cuBLAS) 30-32 ms; 4 is the widest
 # before the fused GEMV's cost jumps
 CUDA_LEVEL_WIDTH = 4
+# Nodes a level grown ahead runs: CUDA's level width, on the CPU too, so that outcomes compare
+AHEAD_WIDTH = CUDA_LEVEL_WIDTH
 
 
-@dataclass
-class DraftTree:
-    """A tree of drafted tokens below a root. Node 0 is the root (parent -1); a node's parent
-    always precedes it, and node i sits at slot start + i in both caches (in the draft's only
-    for nodes < `expanded`: the ones it ran, whose children it scored)."""
-
-    tokens: list[int]
-    parents: list[int] = field(default_factory=lambda: [-1])
-    depths: list[int] = field(default_factory=lambda: [0])
-    logprobs: list[float] = field(default_factory=lambda: [0.0])  # cumulative, draft's
-    children: list[dict[int, int]] = field(default_factory=lambda: [{}])  # token -> node
-    expanded: int = 0
-    forwards: int = 0  # draft forwards that grew it
-
-    def __len__(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def depth(self) -> int:
-        return max(self.depths)
-
-    def add(self, token: int, parent: int, logprob: float) -> int:
-        node = len(self.tokens)
-        self.tokens.append(token)
-        self.parents.append(parent)
-        self.depths.append(self.depths[parent] + 1)
-        self.logprobs.append(logprob)
-        self.children.append({})
-        self.children[parent][token] = node
-        return node
-
-
-def grow_tree(draft: Engine, root: int, lag: Sequence[int], nodes: int, depth: int,
-              top_k: int, level_width: int | None = None) -> DraftTree:
-    """Grow a tree of at most `nodes` tokens (the root included) and `depth` levels below the
-    root, with the draft's cache holding the accepted prefix less `lag`.
-
-    Level 0 runs lag + root. Each later level adds the best candidates (top-k children of
-    every expanded node, by cumulative log-prob at temperature 1), at most an even share of
-    the remaining budget per level, so a confident chain can reach `depth` rather than the
-    budget going to the first levels' siblings; unpicked candidates stay in the pool for later
-    levels. The nodes of every level but the last run through the draft (one forward), at
-    most `level_width` of them where given (on CUDA, the rows the quantized GEMV serves: a
-    wider level costs a dequantization of every weight); the last level takes what the
-    budget has left, as leaves. Ties break on (parent, rank), so the same logits always give
-    the same tree."""
-    tree = DraftTree([root])
-    logits = _append(draft, [*lag, root])  # (1, vocab): the root's
-    tree.forwards = 1
-    start = draft.length - 1  # the root's slot
-    pool: list[tuple[float, int, int, int]] = []  # (-cumulative logprob, parent, rank, token)
-    for level in range(1, depth + 1):
-        _push_children(pool, tree, logits, tree.expanded, top_k, depth)
-        tree.expanded = len(tree)
-        room = nodes - len(tree)
-        if room <= 0 or not pool:
-            break
-        first = len(tree)
-        last = level == depth
-        take = min(len(pool), room if last else math.ceil(room / (depth - level + 1)))
-        if level_width is not None and not last:
-            take = min(take, level_width)
-        for _ in range(take):
-            neg, parent, _, token = heapq.heappop(pool)
-            tree.add(token, parent, -neg)
-        if last or len(tree) == nodes:
-            break  # leaves: their children would not be used
-        step = tree_step(tree.parents, start, start, draft.device, first=first)
-        logits = draft.forward(tree.tokens[first:], all_logits=True, step=step)
-        tree.forwards += 1
-    return tree
-
-
-def _push_children(pool: list, tree: DraftTree, logits: torch.Tensor, first: int, top_k: int,
-                   max_depth: int) -> None:
-    """Put the top-k children of nodes first.. (one row of draft logits each) in the pool."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    k = min(top_k, logp.shape[-1])
-    values, ids = (t.tolist() for t in torch.topk(logp, k, dim=-1))
-    for row, (vals, toks) in enumerate(zip(values, ids)):
-        node = first + row
-        if tree.depths[node] >= max_depth:
-            continue
-        base = tree.logprobs[node]
-        for rank, (v, tok) in enumerate(zip(vals, toks)):
-            heapq.heappush(pool, (-(base + v), node, rank, tok))
-
-
-def walk(tree: DraftTree, logits: torch.Tensor, sampler: Sampler, history: torch.Tensor
+def walk(tree: DraftTree, logits: torch.Tensor, sampler: Sampler, history: torch.Tensor,
+         rows: dict[int, int] | None = None
          ) -> tuple[list[int], list[torch.Tensor], torch.Tensor]:
-    """Draw tokens from the target's logits (one row per tree node) down the tree: at each
-    node the Sampler draws with the history so far; a drawn token the draft guessed is a child
-    to descend into, any other ends the walk (and is the next root).
+    """Draw tokens from the target's logits down the tree: at each node the Sampler draws with
+    the history so far; a drawn token the draft guessed, among the nodes the target verified,
+    is a child to descend into, any other ends the walk (and is the next root).
 
+    rows: each verified node's row of `logits` (None: every node, node i at row i).
     Returns the accepted path (node indices from the root), the emitted tokens (0-d, one per
     path node: the children descended into, then the last draw) and the history with them."""
     node, path, out = 0, [0], []
     while True:
-        token = sampler(logits[node], history)
+        token = sampler(logits[node if rows is None else rows[node]], history)
         history = torch.cat((history, token.view(1)))
         out.append(token)
         child = tree.children[node].get(int(token))
-        if child is None:
+        if child is None or (rows is not None and child not in rows):
             return path, out, history
         node = child
         path.append(node)
@@ -178,12 +101,15 @@ class SpecStats:
     tokens: int = 0  # tokens those passes emitted
     accepted: list[int] = field(default_factory=list)  # [a]: passes accepting a drafted tokens
     tree_nodes: int = 0
-    draft_forwards: int = 0
+    draft_forwards: int = 0  # in series, before target passes
     draft_s: float = 0.0
     verify_s: float = 0.0
     draft_prefill_s: float = 0.0
     plain_steps: int = 0  # passes of the root alone (the sizer found no tree worth its cost)
     given_up_at: int | None = None  # the pass after which the draft was given up
+    ahead_forwards: int = 0  # draft forwards grown past the verified nodes (`ahead`)
+    ahead_s: float = 0.0  # the time they took
+    ahead_trees: int = 0  # trees that were grown ahead, in the round before them
 
     def record(self, tree_len: int, accepted: int, emitted: int) -> None:
         self.target_passes += 1
@@ -204,37 +130,48 @@ class SpecStats:
             spec_draft_forwards=self.draft_forwards,
             spec_draft_s=self.draft_s, spec_verify_s=self.verify_s,
             spec_draft_prefill_s=self.draft_prefill_s,
-            spec_plain_steps=self.plain_steps, spec_draft_given_up_at=self.given_up_at)
+            spec_plain_steps=self.plain_steps, spec_draft_given_up_at=self.given_up_at,
+            spec_ahead_forwards=self.ahead_forwards, spec_ahead_s=self.ahead_s,
+            spec_ahead_trees=self.ahead_trees)
 
 
 class Speculator:
     """One generation's speculative state over a target and a draft engine: the history (prompt
-    plus emitted tokens), the pending root and the draft's lag (see the module's invariant)."""
+    plus emitted tokens), the pending root, the draft's lag (see the module's invariant), and
+    the tree grown ahead for the pending root, if the last pass's outcome was in it."""
 
     def __init__(self, target: Engine, draft: Engine, sampler: Sampler,
                  nodes: int | None = None, depth: int | None = None,
                  top_k: int = DEFAULT_TOP_K, stats: SpecStats | None = None,
                  sizer: TreeSizer | None = None,
-                 give_up: Callable[[], None] | None = None):
+                 give_up: Callable[[], None] | None = None, ahead: int | None = None):
         """nodes: the tree's node budget (root included), depth: drafted tokens below the
         root; each None lets `sizer` choose it every round (the depth up to DEFAULT_DEPTH,
         0 being a plain step). give_up: called once if the sizer concludes the draft does not
-        pay (TreeSizer.gives_up); the draft is not used after that."""
+        pay (TreeSizer.gives_up); the draft is not used after that. ahead: draft levels
+        grown past the verified nodes after each target pass, so that the next tree may be
+        grown already (None or 0: none)."""
         if draft.cfg.vocab_size != target.cfg.vocab_size:
             raise DraftMismatch(f"the draft has {draft.cfg.vocab_size} logits per token and "
                                 f"the target {target.cfg.vocab_size}: they need one vocabulary")
+        if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int)
+                                  or ahead < 0):
+            raise BadArgument(f"speculative ahead={ahead!r} is invalid: must be an integer "
+                              f">= 0")
         self.target, self.draft, self.sampler = target, draft, sampler
         self.top_k = top_k
         self.sizer = sizer if sizer is not None else TreeSizer()
         self.sizer.max_depth = DEFAULT_DEPTH if depth is None else depth
         self.sizer.fixed_nodes, self.sizer.fixed_depth = nodes, depth
         self.level_width = CUDA_LEVEL_WIDTH if draft.device.type == "cuda" else None
+        self.ahead = ahead
         self.give_up = give_up
         self.given_up = False
         self.stats = stats if stats is not None else SpecStats()
         self.history = torch.zeros(0, dtype=torch.long, device=target.device)
         self.root: torch.Tensor | None = None
         self.lag: list[int] = []
+        self.grown: TreeGrower | None = None  # the pending root's tree, grown ahead
 
     def prefill(self, prompt: list[int]) -> torch.Tensor:
         """Both caches hold the prompt; the first token (0-d) is drawn and pending."""
@@ -248,6 +185,7 @@ class Speculator:
         self.draft.forward(prompt)  # its logits are not needed: the root comes from the target
         self.stats.draft_prefill_s += _since(t, self.draft.device)
         self.lag = []
+        self.grown = None
         return self.root
 
     def round(self, most: int) -> list[torch.Tensor]:
@@ -263,48 +201,77 @@ class Speculator:
         # the draft's (and the lag's); a round emits at most levels + 1 tokens
         width = 1 if self.given_up else min(nodes, target.ctx - start, draft.ctx - start)
         levels = min(depth, most - 1, width - 1)
+        grown, self.grown = self.grown, None
         t = time.perf_counter()
         if levels < 1:
             # a plain step (the sizer's choice, the last token, or the end of the context):
             # the draft sits it out and catches up on the next tree
-            tree = DraftTree([int(root)])
+            if grown is not None:  # the root ran in the draft ahead: keep it, drop the rest
+                draft.truncate(start + 1)
+            else:
+                self.lag.append(int(root))
+            tree, verify = DraftTree(int(root)), [0]
             logits = target.decode(root.view(1))
-            self.lag.append(tree.tokens[0])
         else:
-            tree = grow_tree(draft, int(root), self.lag, width, levels, self.top_k,
-                             self.level_width)
-            self.lag = []
-            self.stats.draft_forwards += tree.forwards
-            t_draft = time.perf_counter()  # growth ended on a host read of the draft's logits
-            self.stats.draft_s += t_draft - t
-            self.sizer.observe_levels(tree.forwards, t_draft - t)
-            t = t_draft
-            step = tree_step(tree.parents, start, start, target.device)
-            logits = target.forward(tree.tokens, all_logits=True, step=step)
-        path, tokens, self.history = walk(tree, logits, self.sampler, self.history)
-        keep(target, start, path)
-        if len(tree) > 1:
-            ran = [i for i in path if i < tree.expanded]  # the path's ancestors all ran
-            keep(draft, start, ran)
-            self.lag = [tree.tokens[i] for i in path[len(ran):]]
-            self.sizer.observe_walk(tree.depth, len(path) - 1)
+            if grown is None:
+                grown = TreeGrower.begin(draft, int(root), self.lag, self.top_k)
+                grown.grow(width, levels, self.level_width)
+                self.lag = []
+                forwards = grown.tree.forwards
+                self.stats.draft_forwards += forwards
+                t_draft = time.perf_counter()  # growth ended on a host read of the logits
+                self.stats.draft_s += t_draft - t
+                self.sizer.observe_levels(forwards, t_draft - t)
+                t = t_draft
+            else:
+                self.stats.ahead_trees += 1
+            tree = grown.tree
+            verify = grown.snapshot(width, levels)
+            logits = self._verify(grown, verify, start)
+        rows = {node: row for row, node in enumerate(verify)}
+        path, tokens, self.history = walk(tree, logits, self.sampler, self.history, rows)
+        keep(target, start, [rows[i] for i in path])
+        if len(verify) > 1:
+            self.grown = grown.reroot(path, int(tokens[-1]))
+            if self.grown is None:
+                ran = [i for i in path if tree.ran[i]]  # a prefix: the path's ancestors ran
+                keep(draft, start, ran)
+                self.lag = [tree.tokens[i] for i in path[len(ran):]]
+            self.sizer.observe_walk(max(tree.depths[i] for i in verify), len(path) - 1)
         verify_s = _since(t, target.device)
         self.stats.verify_s += verify_s
-        self.sizer.observe_pass(len(tree), verify_s)
-        self.stats.record(len(tree), len(path) - 1, len(tokens))
+        self.sizer.observe_pass(len(verify), verify_s)
+        self.stats.record(len(verify), len(path) - 1, len(tokens))
         self.root = tokens[-1]
         return tokens
+
+    def _verify(self, grown: TreeGrower, verify: list[int], start: int) -> torch.Tensor:
+        """The target's pass over the nodes `verify` of the tree (one logits row each); then,
+        with `ahead`, the draft grows the tree on past them, for the next round."""
+        tree = grown.tree
+        rows = {node: row for row, node in enumerate(verify)}
+        parents = [rows[tree.parents[i]] if i else -1 for i in verify]
+        step = tree_step(parents, start, start, self.target.device)
+        logits = self.target.forward([tree.tokens[i] for i in verify], all_logits=True,
+                                     step=step)
+        if self.ahead:
+            t = time.perf_counter()
+            self.stats.ahead_forwards += grown.ahead(lambda: True, AHEAD_WIDTH, self.ahead)
+            self.stats.ahead_s += _since(t, self.draft.device)
+        return logits
 
 
 def speculative_source(draft: Engine, nodes: int | None = None, depth: int | None = None,
                        top_k: int = DEFAULT_TOP_K, sizer: TreeSizer | None = None,
-                       give_up: Callable[[], None] | None = None) -> TokenSource:
+                       give_up: Callable[[], None] | None = None, ahead: int | None = None
+                       ) -> TokenSource:
     """A token source that decodes with `draft` guessing trees of at most `nodes` tokens (the
     root included: the target's verify pass is `nodes` wide) and `depth` drafted tokens deep
     (each None: chosen every round by `sizer` from measured costs, runtime.spec_sizing),
     from the `top_k` most probable children of each node. Lossless: see the module's text.
     A sizer passed in carries what it learned across generations; `give_up` is called if it
-    concludes the draft does not pay (Speculator). Writes SpecStats into the
+    concludes the draft does not pay, and `ahead` sets the levels grown ahead after each
+    target pass (Speculator). Writes SpecStats into the
     GenerationStats' extra, also when the generation stops early."""
     for name, value in (("nodes", nodes), ("depth", depth), ("top_k", top_k)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
@@ -315,7 +282,7 @@ def speculative_source(draft: Engine, nodes: int | None = None, depth: int | Non
     def source(engine: Engine, prompt: list[int], sampler: Sampler, budget: int,
                stats: GenerationStats) -> Iterator[torch.Tensor]:
         spec = Speculator(engine, draft, sampler, nodes, depth, top_k, sizer=sizer,
-                          give_up=give_up)
+                          give_up=give_up, ahead=ahead)
         try:
             t = time.perf_counter()
             root = spec.prefill(prompt)
@@ -336,18 +303,6 @@ def _since(t: float, device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t
-
-
-def _append(engine: Engine, tokens: list[int]) -> torch.Tensor:
-    """Run tokens appended at the engine's length; the last one's logits (1, vocab). One token
-    goes through decode (a CUDA graph where the engine has them)."""
-    if len(tokens) == 1:
-        return engine.decode(torch.tensor(tokens, device=engine.device))
-    if engine.use_graphs:  # as a chain-shaped tree step, which a captured graph serves
-        step = tree_step(list(range(-1, len(tokens) - 1)), engine.length, engine.length,
-                         engine.device)
-        return engine.forward(tokens, all_logits=True, step=step)[-1:]
-    return engine.forward(tokens)
 
 
 def check_vocab(target_tokens: Sequence[str], draft_tokens: Sequence[str], target_name: str,

@@ -1,0 +1,286 @@
+"""The draft's tree of guesses and its growth (SpecExec): the most probable continuations of a
+root by the draft's cumulative log-probability, grown with one draft forward per level over the
+nodes picked for it.
+
+Node i of a tree sits at slot start + i of the draft's cache (start: the root's slot), written
+only once the node has run (`ran`); a node's parent has always run, since children are known
+only from their parent's logits, so on any path from the root only the last node may not have
+run. Nodes that never run leave holes nothing reads: each node attends to the prefix and its
+own ancestors alone.
+
+Growth happens in two places (runtime.speculative): in series before a target pass, level by
+level within a node budget and a depth, and ahead, while the target verifies a snapshot of the
+tree. Growing ahead keeps expanding the same tree by the same order, past the snapshot; when
+the target's walk then ends at a node the tree already holds (the token drawn after the
+accepted path is a guess grown ahead), the subtree below it is the next round's tree, grown
+while the target's layers streamed (`reroot`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..model import Step, tree_step
+from .engine import Engine
+
+# How deep growing ahead may go below the root. Pushing children this deep costs only a heap
+# entry each; the depth a verified snapshot may take is chosen per round (TreeSizer)
+AHEAD_DEPTH = 64
+
+
+class DraftTree:
+    """Nodes in growth order: node 0 is the root (parent -1); a parent precedes its
+    children."""
+
+    def __init__(self, root: int) -> None:
+        self.tokens: list[int] = [root]
+        self.parents: list[int] = [-1]
+        self.depths: list[int] = [0]
+        self.logprobs: list[float] = [0.0]  # cumulative from the root, the draft's
+        self.children: list[dict[int, int]] = [{}]  # token -> node
+        self.paths: list[tuple[int, ...]] = [(0,)]  # each node's ancestors and itself
+        self.ran: list[bool] = [False]
+        self.forwards = 0  # draft forwards that grew it
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DraftTree) and (self.tokens, self.parents, self.logprobs) == \
+            (other.tokens, other.parents, other.logprobs)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths)
+
+    @property
+    def expanded(self) -> int:
+        """Nodes that ran through the draft."""
+        return sum(self.ran)
+
+    def add(self, token: int, parent: int, logprob: float) -> int:
+        node = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.logprobs.append(logprob)
+        self.children.append({})
+        self.children[parent][token] = node
+        self.paths.append(self.paths[parent] + (node,))
+        self.ran.append(False)
+        return node
+
+    def subtree(self, node: int) -> list[int]:
+        """`node` and its descendants, in growth order."""
+        inside = {node}
+        for i in range(node + 1, len(self)):
+            if self.parents[i] in inside:
+                inside.add(i)
+        return sorted(inside)
+
+    def step(self, nodes: Sequence[int], start: int, device: torch.device) -> Step:
+        """The draft step that runs `nodes` (ascending) at slots start + node: each attends to
+        the prefix (slots < start) and to its ancestors. Built from the stored paths rather
+        than from the parent list, so a level costs the host time of its own rows only."""
+        T = len(self)
+        n = len(nodes)
+        allowed = np.zeros((n, start + T), dtype=np.bool_)
+        allowed[:, :start] = True
+        paths = [self.paths[i] for i in nodes]
+        rows = np.repeat(np.arange(n), [len(p) for p in paths])
+        allowed[rows, start + np.fromiter(itertools.chain.from_iterable(paths), np.int64)] = True
+        contiguous = nodes[-1] - nodes[0] == n - 1
+        idx = torch.tensor(nodes, dtype=torch.long)
+        depths = torch.tensor([self.depths[i] for i in nodes], dtype=torch.long)
+        return Step((depths + start).to(device), (idx + start).to(device), span=start + T,
+                    end=start + T, start=start + nodes[0] if contiguous else None,
+                    causal=False, allowed=torch.from_numpy(allowed).to(device))
+
+
+class TreeGrower:
+    """One tree being grown in the draft: the tree, the root's slot, and the candidates not yet
+    in it (the children of nodes that ran, by cumulative log-prob), kept between calls so
+    growth can go on after a snapshot went to the target."""
+
+    def __init__(self, draft: Engine, tree: DraftTree, start: int, top_k: int) -> None:
+        self.draft, self.tree, self.start, self.top_k = draft, tree, start, top_k
+        # (-cumulative logprob, parent, rank, token): ties break on (parent, rank), so the
+        # same logits always give the same tree
+        self.pool: list[tuple[float, int, int, int]] = []
+        self.unrun: list[tuple[float, int]] = []  # (-cumulative logprob, node): added, not run
+        self.ahead_forwards = 0
+
+    @classmethod
+    def begin(cls, draft: Engine, root: int, lag: Sequence[int], top_k: int) -> "TreeGrower":
+        """Level 0: the draft runs lag + root, appended at its length; the root's children
+        become candidates."""
+        grower = cls(draft, DraftTree(root), draft.length + len(lag), top_k)
+        logits = _append(draft, [*lag, root])
+        grower.tree.forwards = 1
+        grower.tree.ran[0] = True
+        grower._push_children(logits, [0])
+        return grower
+
+    # --- growth -------------------------------------------------------------------------------
+
+    def grow(self, nodes: int, depth: int, level_width: int | None) -> None:
+        """In series: levels 1..depth below the root, within `nodes` (root included). Each
+        level adds the best candidates, at most an even share of the remaining budget, so that
+        a confident chain can reach `depth` rather than the budget going to the first levels'
+        siblings; unpicked candidates stay for later levels. Every level but the last runs
+        its nodes through the draft (at most `level_width` of them where given: on CUDA the
+        rows the quantized GEMV serves); the last takes what the budget has left, as leaves."""
+        tree = self.tree
+        for level in range(1, depth + 1):
+            room = nodes - len(tree)
+            if room <= 0 or not (self.pool or self.unrun):
+                break
+            last = level == depth
+            take = room if last else math.ceil(room / (depth - level + 1))
+            if level_width is not None and not last:
+                take = min(take, level_width)
+            picked = self._pick(take, depth)
+            if not picked or last or len(tree) >= nodes:
+                break  # leaves: their children would not be verified
+            self._run(picked)
+
+    def ahead(self, go_on: Callable[[], bool], width: int, levels: int | None = None) -> int:
+        """Grow past the snapshot while `go_on()` (checked before each level) and, if given,
+        for at most `levels` levels: each level runs the `width` best candidates, nodes added
+        earlier as leaves included. Stops where the draft's context has no room. Returns the
+        levels run."""
+        done = 0
+        while (levels is None or done < levels) and go_on():
+            room = self.draft.ctx - self.start - len(self.tree) - width
+            if room < 0:
+                break
+            picked = self._pick(width, AHEAD_DEPTH, run_leaves=True)
+            if not picked:
+                break
+            self._run(picked)
+            done += 1
+        self.ahead_forwards += done
+        return done
+
+    def snapshot(self, nodes: int, depth: int) -> list[int]:
+        """The nodes a target pass verifies: those of depth <= `depth` in growth order, at most
+        `nodes` (a prefix of growth order is closed under ancestors), topped up with the best
+        candidates as leaves while there is room."""
+        keep = [i for i, d in enumerate(self.tree.depths) if d <= depth][:nodes]
+        if len(keep) < nodes:
+            first = len(self.tree)
+            self._pick(nodes - len(keep), depth)
+            keep += range(first, len(self.tree))
+        return keep
+
+    def reroot(self, path: Sequence[int], token: int) -> "TreeGrower | None":
+        """After a walk that accepted `path` (root first) and drew `token` after it: if the
+        tree holds that token below the path's end and it ran, the grower of its subtree, with
+        the draft's cache compacted to hold the path and then the subtree (its root at the
+        slot after the path). None where the tree does not hold it: the caller starts anew."""
+        tree = self.tree
+        node = tree.children[path[-1]].get(token)
+        if node is None or not tree.ran[node]:
+            return None
+        sub = tree.subtree(node)
+        self.draft.compact([self.start + i for i in (*path, *sub)], self.start)
+        new_index = {old: new for new, old in enumerate(sub)}
+        base_lp = tree.logprobs[node]
+        out = DraftTree(token)
+        out.ran[0] = True
+        for old in sub[1:]:
+            new = out.add(tree.tokens[old], new_index[tree.parents[old]],
+                          tree.logprobs[old] - base_lp)
+            out.ran[new] = tree.ran[old]
+        grower = TreeGrower(self.draft, out, self.start + len(path), self.top_k)
+        grower.pool = [(neg + base_lp, new_index[p], r, t) for neg, p, r, t in self.pool
+                       if p in new_index]
+        heapq.heapify(grower.pool)
+        grower.unrun = [(-out.logprobs[i], i) for i in range(len(out)) if not out.ran[i]]
+        heapq.heapify(grower.unrun)
+        return grower
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _pick(self, k: int, max_depth: int, run_leaves: bool = False) -> list[int]:
+        """Up to k best candidates of depth <= max_depth, added to the tree; with run_leaves,
+        nodes already added but never run compete too (growing ahead). Returns their nodes,
+        ascending."""
+        tree, out, deferred = self.tree, [], []
+        while len(out) < k:
+            use_unrun = run_leaves and self.unrun and \
+                (not self.pool or self.unrun[0][0] <= self.pool[0][0])
+            if use_unrun:
+                out.append(heapq.heappop(self.unrun)[1])
+                continue
+            if not self.pool:
+                break
+            entry = heapq.heappop(self.pool)
+            neg, parent, _, token = entry
+            if tree.depths[parent] + 1 > max_depth:
+                deferred.append(entry)
+                continue
+            node = tree.add(token, parent, -neg)
+            out.append(node)
+            if not run_leaves:
+                heapq.heappush(self.unrun, (neg, node))
+        for entry in deferred:
+            heapq.heappush(self.pool, entry)
+        return sorted(out)
+
+    def _run(self, nodes: list[int]) -> None:
+        """One draft forward over `nodes`; their children become candidates."""
+        tree = self.tree
+        ran = set(nodes)
+        self.unrun = [e for e in self.unrun if e[1] not in ran]
+        heapq.heapify(self.unrun)
+        step = tree.step(nodes, self.start, self.draft.device)
+        logits = self.draft.forward([tree.tokens[i] for i in nodes], all_logits=True,
+                                    step=step)
+        tree.forwards += 1
+        for i in nodes:
+            tree.ran[i] = True
+        self._push_children(logits, nodes)
+
+    def _push_children(self, logits: torch.Tensor, nodes: Sequence[int]) -> None:
+        """The top-k children of `nodes` (one row of draft logits each) become candidates."""
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        k = min(self.top_k, logp.shape[-1])
+        # .cpu() first: its binding lets go of the GIL while it waits for the device, which
+        # the main thread needs to go on launching the target's pass (growing ahead)
+        values, ids = (t.cpu().tolist() for t in torch.topk(logp, k, dim=-1))
+        tree = self.tree
+        for node, vals, toks in zip(nodes, values, ids):
+            if tree.depths[node] >= AHEAD_DEPTH:
+                continue
+            base = tree.logprobs[node]
+            for rank, (v, tok) in enumerate(zip(vals, toks)):
+                heapq.heappush(self.pool, (-(base + v), node, rank, tok))
+
+
+def grow_tree(draft: Engine, root: int, lag: Sequence[int], nodes: int, depth: int,
+              top_k: int, level_width: int | None = None) -> DraftTree:
+    """A tree of at most `nodes` tokens (the root included) and `depth` levels below the root,
+    grown in series with the draft's cache holding the accepted prefix less `lag`
+    (TreeGrower.begin, then grow)."""
+    grower = TreeGrower.begin(draft, root, lag, top_k)
+    grower.grow(nodes, depth, level_width)
+    return grower.tree
+
+
+def _append(engine: Engine, tokens: list[int]) -> torch.Tensor:
+    """Run tokens appended at the engine's length; the last one's logits (1, vocab). One token
+    goes through decode (a CUDA graph where the engine has them)."""
+    if len(tokens) == 1:
+        return engine.decode(torch.tensor(tokens, device=engine.device))
+    if engine.use_graphs:  # as a chain-shaped tree step, which a captured graph serves
+        step = tree_step(list(range(-1, len(tokens) - 1)), engine.length, engine.length,
+                         engine.device)
+        return engine.forward(tokens, all_logits=True, step=step)[-1:]
+    return engine.forward(tokens)
