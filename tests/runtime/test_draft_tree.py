@@ -12,7 +12,7 @@ import slipstream
 from slipstream.runtime.draft_tree import TreeGrower
 from slipstream.runtime.sampler import Sampler, SamplingParams
 from slipstream.runtime.speculative import Speculator
-from slipstream.synth import write_synth
+from runtime.test_speculative import tiny_models
 
 PREFIX = [3, 17, 99, 250, 7, 42, 300, 12]
 ROOT = 77
@@ -21,13 +21,9 @@ SAMPLING = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """(target, close draft, wrong draft): as in test_speculative, float32 "exact" models."""
-    d = tmp_path_factory.mktemp("ahead")
-    kw = dict(n_layers=2, from_floats=True, std=0.1)
-    paths = [write_synth(d / "t.gguf", "tiny", "Q8_0", seed=5, **kw),
-             write_synth(d / "d.gguf", "tiny", "Q4_0", seed=5, **kw),
-             write_synth(d / "o.gguf", "tiny", "Q8_0", seed=6, **kw)]
-    models = [slipstream.load(p, device="cpu", ctx=160, precision="exact") for p in paths]
+    """(target, close draft, wrong draft), as in test_speculative, with room for trees grown
+    ahead."""
+    models = tiny_models(tmp_path_factory.mktemp("ahead"), ctx=160)
     yield models
     for m in models:
         m.close()

@@ -37,17 +37,20 @@ def requantize(src: Path, dst: Path, qtype: Q = Q.Q4_0, only: tuple[Q, ...] = (Q
 
 # --- tiny synthetic pair: same vocabulary, different weights ------------------------------------
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_models(d: Path, ctx: int) -> list:
     """(target, draft, other): a float32 ("exact") tiny target; a draft of the same weights
     rounded to Q4_0 (close, so it often guesses right, but a different distribution); a model
     of another seed (mostly wrong guesses)."""
-    d = tmp_path_factory.mktemp("spec")
     kw = dict(n_layers=2, from_floats=True, std=0.1)
     paths = [write_synth(d / "t.gguf", "tiny", "Q8_0", seed=5, **kw),
              write_synth(d / "d.gguf", "tiny", "Q4_0", seed=5, **kw),
              write_synth(d / "o.gguf", "tiny", "Q8_0", seed=6, **kw)]
-    models = [slipstream.load(p, device="cpu", ctx=128, precision="exact") for p in paths]
+    return [slipstream.load(p, device="cpu", ctx=ctx, precision="exact") for p in paths]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    models = tiny_models(tmp_path_factory.mktemp("spec"), ctx=128)
     yield models
     for m in models:
         m.close()
