@@ -63,3 +63,15 @@ def oom_summary(e: BaseException) -> str:
 
 class NonFiniteLogits(SlipstreamError):
     """The model produced NaN or Inf logits: corrupt or out-of-range weights, most often."""
+
+
+class GGUFLayoutError(GGUFError):
+    """A count, length or offset in the GGUF header does not fit the file's bytes."""
+
+
+class TensorInfoError(GGUFError):
+    """A tensor's type, shape, size or data offset disagrees with the file's data section."""
+
+
+class InvalidMetadata(GGUFError):
+    """A metadata value has the wrong type or is out of range (hyper-parameters included)."""

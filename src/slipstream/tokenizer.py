@@ -117,11 +117,16 @@ def special_token_id(md: Mapping[str, Any], name: str) -> int | None:
     """`tokenizer.ggml.<name>_token_id`, with llama.cpp's SentencePiece defaults; None if unset or
     outside the vocabulary (llama.cpp disables such ids rather than failing)."""
     defaults = {"bos": 1, "eos": 2, "unknown": 0} if md.get("tokenizer.ggml.model") == "llama" else {}
-    value = md.get(f"tokenizer.ggml.{name}_token_id", defaults.get(name))
-    n_tokens = len(md.get("tokenizer.ggml.tokens") or ())
-    if value is None or not 0 <= int(value) < n_tokens:
+    key = f"tokenizer.ggml.{name}_token_id"
+    value = md.get(key, defaults.get(name))
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise TokenizerError(f"{key} is {value!r} ({type(value).__name__}), expected a token "
+                             f"id; the file's tokenizer metadata is corrupt")
+    tokens = md.get("tokenizer.ggml.tokens")
+    n_tokens = len(tokens) if isinstance(tokens, list) else 0
+    if value is None or not 0 <= value < n_tokens:
         return None
-    return int(value)
+    return value
 
 
 class Tokenizer:
@@ -149,16 +154,23 @@ class Tokenizer:
 
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any]) -> Tokenizer:
+        _check_metadata(md)
+        try:
+            return cls._from_checked_metadata(md)
+        except TokenizerError:
+            raise
+        except (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError):
+            raise
+        except BaseException as e:  # the tokenizers library (a Rust panic is a BaseException)
+            raise TokenizerError(f"the tokenizer metadata (tokenizer.ggml.*) was rejected by the "
+                                 f"tokenizers library: {type(e).__name__}: {_short(e)}; the "
+                                 f"file's tokenizer is corrupt or of an unsupported kind") from None
+
+    @classmethod
+    def _from_checked_metadata(cls, md: Mapping[str, Any]) -> Tokenizer:
         model = md.get("tokenizer.ggml.model")
-        if model is None:
-            raise TokenizerError("GGUF has no tokenizer.ggml.model; cannot build a tokenizer")
-        tokens = list(md.get("tokenizer.ggml.tokens") or ())
-        if not tokens:
-            raise TokenizerError("GGUF has no tokenizer.ggml.tokens; cannot build a tokenizer")
-        types = [int(t) for t in md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)]
-        if len(types) != len(tokens):
-            raise TokenizerError(f"tokenizer.ggml.token_type has {len(types)} entries for "
-                                 f"{len(tokens)} tokens")
+        tokens = list(md["tokenizer.ggml.tokens"])
+        types = list(md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
         seen: dict[str, int] = {}
         for i, tok in enumerate(tokens):
             if tok == "":
@@ -235,8 +247,14 @@ class Tokenizer:
         """Token ids of `text`. `add_special` adds BOS/EOS as the file asks; `parse_special`
         matches control tokens like `<|im_start|>` in the text (user-defined tokens always match,
         as in llama.cpp)."""
-        backend = self._backend if parse_special else self._literal()
-        ids = backend.encode(text, add_special_tokens=False).ids
+        try:
+            backend = self._backend if parse_special else self._literal()
+            ids = backend.encode(text, add_special_tokens=False).ids
+        except (KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError):
+            raise
+        except BaseException as e:  # the tokenizers library (a Rust panic is a BaseException)
+            raise TokenizerError(f"the tokenizer failed to encode the text: "
+                                 f"{type(e).__name__}: {_short(e)}") from None
         if add_special:
             if self._add_bos and self._bos_id is not None:
                 ids.insert(0, self._bos_id)
@@ -316,6 +334,62 @@ class StreamDecoder:
         return text
 
 
+# -- validation -------------------------------------------------------------------------------
+
+_MAX_SCORE_MERGE_WORK = 2_000_000_000
+_TOKEN_TYPES = range(0, 7)  # llama.cpp's LLAMA_TOKEN_TYPE_UNDEFINED .. BYTE
+
+
+def _short(e: BaseException, limit: int = 200) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _clip(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _check_metadata(md: Mapping[str, Any]) -> None:
+    """The tokenizer.ggml.* values have the types and lengths the builders assume; a failure
+    names the key, the entry and the value."""
+    model = md.get("tokenizer.ggml.model")
+    if model is None:
+        raise TokenizerError("GGUF has no tokenizer.ggml.model; cannot build a tokenizer")
+    if not isinstance(model, str):
+        raise TokenizerError(f"tokenizer.ggml.model is {_clip(model)}, expected a string such "
+                             f"as 'gpt2' or 'llama'; the file's tokenizer metadata is corrupt")
+    tokens = md.get("tokenizer.ggml.tokens")
+    if not tokens:
+        raise TokenizerError("GGUF has no tokenizer.ggml.tokens; cannot build a tokenizer")
+    if not isinstance(tokens, list):
+        raise TokenizerError(f"tokenizer.ggml.tokens is {_clip(tokens)}, expected an array of "
+                             f"strings; the file's tokenizer metadata is corrupt")
+    n = len(tokens)
+    for name, kind in (("tokens", str), ("merges", str), ("token_type", int),
+                       ("scores", (int, float))):
+        values = md.get(f"tokenizer.ggml.{name}")
+        if values is None:
+            continue
+        if not isinstance(values, list):
+            raise TokenizerError(f"tokenizer.ggml.{name} is {_clip(values)}, expected an array; "
+                                 f"the file's tokenizer metadata is corrupt")
+        for i, v in enumerate(values):
+            if isinstance(v, bool) or not isinstance(v, kind):
+                raise TokenizerError(f"tokenizer.ggml.{name}[{i}] is {_clip(v)} "
+                                     f"({type(v).__name__}); the file's tokenizer metadata is "
+                                     f"corrupt")
+        if name in ("token_type", "scores") and values and len(values) != n:
+            raise TokenizerError(f"tokenizer.ggml.{name} has {len(values)} entries for {n} "
+                                 f"tokens; the file's tokenizer metadata is corrupt")
+    for i, t in enumerate(md.get("tokenizer.ggml.token_type") or ()):
+        if t not in _TOKEN_TYPES:
+            raise TokenizerError(f"tokenizer.ggml.token_type[{i}] is {t}, not a token type "
+                                 f"(0..6); the file's tokenizer metadata is corrupt")
+    for name in ("bos", "eos", "unknown", "padding", "eot", "eom"):
+        special_token_id(md, name)  # type errors raise here
+
+
 # -- builders ---------------------------------------------------------------------------------
 
 
@@ -334,11 +408,24 @@ def _parse_merges(merges: Iterable[str]) -> list[tuple[str, str]]:
     for merge in merges:
         # Split at the first space after position 0, as llama.cpp does, so a merge whose left
         # side is itself a space still parses.
-        cut = merge.find(" ", 1)
-        if cut < 0:
-            raise TokenizerError(f"malformed merge {merge!r} in tokenizer.ggml.merges")
+        cut = merge.find(" ", 1) if isinstance(merge, str) else -1
+        if cut < 0 or cut == len(merge) - 1:
+            raise TokenizerError(f"malformed merge {_clip(merge)} in tokenizer.ggml.merges "
+                                 f"(expected two tokens separated by a space); the file's "
+                                 f"tokenizer is corrupt")
         pairs.append((merge[:cut], merge[cut + 1:]))
     return pairs
+
+
+def _check_merges(pairs: list[tuple[str, str]], vocab: Mapping[str, int]) -> None:
+    """Every merge joins two tokens into a third, all in the vocabulary (the tokenizers library
+    refuses anything else, with a message that does not say which merge)."""
+    for i, (a, b) in enumerate(pairs):
+        for part in (a, b, a + b):
+            if part not in vocab:
+                raise TokenizerError(
+                    f"tokenizer.ggml.merges[{i}] {_clip(a + ' ' + b)} uses {_clip(part)}, "
+                    f"which is not in tokenizer.ggml.tokens; the file's tokenizer is corrupt")
 
 
 def _byte_level_backend(md: Mapping[str, Any], tokens: list[str], types: list[int],
@@ -365,7 +452,9 @@ def _byte_level_backend(md: Mapping[str, Any], tokens: list[str], types: list[in
             key = tok if respelled in spelled or respelled in vocab else respelled
         vocab[key] = i
 
-    bpe = models.BPE(vocab=vocab, merges=_parse_merges(md["tokenizer.ggml.merges"]), dropout=None,
+    merges = _parse_merges(md["tokenizer.ggml.merges"])
+    _check_merges(merges, vocab)
+    bpe = models.BPE(vocab=vocab, merges=merges, dropout=None,
                      continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
                      ignore_merges=pre in _IGNORE_MERGES)
     backend = tokenizers.Tokenizer(bpe)
@@ -391,6 +480,7 @@ def _sentencepiece_backend(md: Mapping[str, Any], tokens: list[str], types: list
     vocab = {tok: i for i, tok in enumerate(tokens)}
     if "tokenizer.ggml.merges" in md:
         merges = _parse_merges(md["tokenizer.ggml.merges"])
+        _check_merges(merges, vocab)
     elif "tokenizer.ggml.scores" in md:
         merges = merges_from_scores(tokens, [float(s) for s in md["tokenizer.ggml.scores"]])
     else:
@@ -421,6 +511,14 @@ def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str
     """BPE merges implied by a SentencePiece vocabulary: every split of a token into two tokens,
     best score first. This is HF's `generate_merges`, so ties break the same way."""
     vocab = {tok: i for i, tok in enumerate(tokens)}
+    # Each token of length L tries L splits of O(L) each: bound the work a hostile vocabulary
+    # of long tokens can ask for (real ones need a few million).
+    work = sum(len(t) ** 2 for t in tokens)
+    if work > _MAX_SCORE_MERGE_WORK:
+        longest = max(tokens, key=len)
+        raise TokenizerError(f"tokenizer.ggml.tokens holds tokens too long to derive merges from "
+                             f"tokenizer.ggml.scores (the longest has {len(longest)} characters); "
+                             f"the file's tokenizer is corrupt")
     by_score = dict(zip(tokens, scores))
     merges: list[tuple[str, str, float]] = []
     for piece, score in by_score.items():
