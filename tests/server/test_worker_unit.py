@@ -74,7 +74,7 @@ def _wait(predicate, timeout=5.0):
 def test_fifo_bound_and_cancellation():
     async def scenario():
         model = FakeModel()
-        cancels: list[bool] = []
+        cancels: list[str] = []
         worker = GenerationWorker(model, max_queue=2, on_cancel=cancels.append)
         worker.start()
         try:
@@ -87,7 +87,7 @@ def test_fifo_bound_and_cancellation():
                 worker.submit([4], {"max_tokens": 3})
             assert e.value.retry_after_s >= 1
             second.cancel()  # leaves the queue at once
-            assert worker.waiting == 1 and cancels == [False]
+            assert worker.waiting == 1 and cancels == ["waiting"]
             model.gate.set()
             outs = []
             for job in (first, second, third):
@@ -105,7 +105,7 @@ def test_fifo_bound_and_cancellation():
                 if isinstance(item, Done):
                     assert item.cancelled
             assert model.produced - produced_at_cancel <= 1  # stopped at the next token
-            assert cancels == [False, True]
+            assert cancels == ["waiting", "running"]
         finally:
             worker.stop()
 
@@ -201,3 +201,47 @@ def test_loading_then_ready():
             "t0 t1 t2 "
         with pytest.raises(RuntimeError, match="already serves"):
             app.state.attach(FakeModel())
+
+
+def test_prefill_guard_same_bits_and_stops_between_chunks(tmp_path):
+    """The guard feeds a long prompt through the real Engine.forward one PREFILL_CHUNK at a
+    time: the logits are the unguarded call's bits, and a cancellation stops the prefill at
+    the next chunk boundary."""
+    import torch
+
+    import slipstream
+    from slipstream.runtime.engine import PREFILL_CHUNK
+    from slipstream.server.worker import Cancelled, prefill_guard
+    from slipstream.synth import write_synth
+
+    path = write_synth(tmp_path / "tiny.gguf", "tiny", "Q8_0", n_layers=2, seed=3)
+    n = 2 * PREFILL_CHUNK + 100  # three chunks
+    with slipstream.load(path, device="cpu", ctx=n + 8) as model:
+        ids = torch.randint(0, model.config.vocab_size, (n,)).tolist()
+        engine = model.engine
+        engine.reset()
+        plain = engine.forward(ids)
+        calls = []
+        real = engine.forward
+
+        def counting(tokens, **kw):
+            calls.append(len(tokens))
+            return real(tokens, **kw)
+
+        engine.forward = counting  # the guard wraps whatever forward the engine has
+        try:
+            engine.reset()
+            with prefill_guard(engine, lambda: False):
+                guarded = engine.forward(ids)
+                assert engine.forward([1]).shape == (1, plain.shape[1])  # a decode step
+            assert calls == [PREFILL_CHUNK, PREFILL_CHUNK, 100, 1]
+            assert torch.equal(plain, guarded)
+            calls.clear()
+            engine.reset()
+            with prefill_guard(engine, lambda: len(calls) >= 1):  # cancelled after chunk 1
+                with pytest.raises(Cancelled):
+                    engine.forward(ids)
+            assert calls == [PREFILL_CHUNK]
+        finally:
+            del engine.forward
+        assert engine.forward.__func__ is type(engine).forward  # the class's method again

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..weights.image import LayerImage, LayerLayout
-from .disk import DirectReader, DiskReadError
+from .disk import DirectReader, DiskReadError, FileWatch
 from .image_file import ImageFile
 from .protocol import StoreStats
 from .staging import IO_TIMEOUT_S, StagingBuffer, StagingRing
@@ -218,6 +218,7 @@ class MmapSource(Source):
         self.layers = sorted(disk.spans)  # in use order; the first one starts a pass
         self.drop_cache = drop_cache
         self.fd = os.open(disk.path, os.O_RDONLY)
+        self.watch = FileWatch(disk.path, self.fd)
         self.mm = mmap.mmap(self.fd, 0, prot=mmap.PROT_READ)
         with warnings.catch_warnings():  # read-only map; nothing writes through it
             warnings.simplefilter("ignore", UserWarning)
@@ -232,6 +233,10 @@ class MmapSource(Source):
         if self.drop_cache and i == self.layers[0]:
             self._drop_page_cache()
         start, end = self.spans[i]
+        # a map read past a truncated end is a SIGBUS, not an error: check the file first (a
+        # truncation between this fstat and the copy still faults; the reading sources, which
+        # are the default, have no such window)
+        self.watch.check(self.fd)
         t0 = time.perf_counter()
         # Pageable: torch stages the copy, ordered after the kernels that last read the slot,
         # and the host waits for it. Page faults read the file.

@@ -16,6 +16,11 @@ Model names accepted: the GGUF file stem (what /v1/models lists), the file name,
 A request without max_tokens generates at most `max_tokens_default` tokens (512 unless the
 server says otherwise; /v1/completions keeps OpenAI's 16 where that is fewer); one asking for
 more tokens than the context holds is refused with a 400.
+
+Hostile input gets a 4xx, never a 5xx: a body over `max_body` bytes a 413 before it is read
+(limits.py), text that is not valid Unicode (a lone surrogate spelled as a JSON escape) a 400
+naming the field (schemas.py). A client that goes away cancels its job, between two prefill
+chunks of a long prompt too (worker.py).
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import SlipstreamError
 from ..runtime.generate import GenerationEvent
 from .errors import APIError, bad_request, from_slipstream, from_validation
+from .limits import DEFAULT_MAX_BODY, BodyLimitMiddleware, BodyTooLarge
 from .metrics import Metrics, MetricsMiddleware
 from .openai_format import DONE_LINE, Formatter, sse
+from .page import router as chat_page
 from .schemas import ChatRequest, CompletionRequest
 from .worker import Done, GenerationWorker, Job, QueueFull
 
@@ -58,13 +65,17 @@ def default_max_tokens(max_tokens_default: int, ctx: int) -> tuple[int, int]:
 
 def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
                spec_nodes: int | None = None, spec_depth: int | None = None,
-               max_tokens_default: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+               max_tokens_default: int = DEFAULT_MAX_TOKENS,
+               max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
     """A model loaded with a draft (load(draft=...)) decodes every request speculatively;
     spec_nodes and spec_depth fix its trees' size (None: Model.generate sizes them).
-    model None: the app answers "loading" until app.state.attach(model)."""
+    model None: the app answers "loading" until app.state.attach(model). max_body: request
+    bodies over this many bytes get a 413 before they are read (limits.py)."""
     if max_tokens_default != -1 and max_tokens_default < 1:
         raise ValueError(f"max_tokens_default={max_tokens_default} is invalid: must be >= 1, "
                          f"or -1 (until the context is full)")
+    if max_body < 1:
+        raise ValueError(f"max_body={max_body} is invalid: must be >= 1")
     metrics = Metrics()
     prep = ThreadPoolExecutor(1, thread_name_prefix="slipstream-tokenize")
     # what is served; `model` is set last, once the rest is in place (handlers test it)
@@ -115,7 +126,11 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
                   lifespan=lifespan, strict_content_type=False)
     app.state.model, app.state.worker, app.state.metrics = None, None, metrics
     app.state.attach = attach
+    # the body limit inside the metrics middleware, so that its 413s are counted too
+    app.add_middleware(BodyLimitMiddleware, max_body=max_body,
+                       on_refused=lambda code: metrics.errors.labels(code).inc())
     app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.include_router(chat_page)  # GET /: the chat page
 
     def ready():
         """What is served; a 503 while the model is still loading."""
@@ -140,6 +155,9 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
+        if isinstance(e, BodyTooLarge):  # a body sent without a length ran past the limit
+            return error_response(APIError(413, e.detail, code="request_too_large",
+                                           headers={"Connection": "close"}))
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return error_response(APIError(e.status_code, f"{request.method} {request.url.path}: "
                                        f"{e.detail}", code=code, headers=e.headers))

@@ -7,12 +7,14 @@ reads the body) see the shapes they expect.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from ..errors import BadArgument, ContextOverflow, SlipstreamError
+from ..memory.disk import FileChanged
 
 INVALID = "invalid_request_error"
 
@@ -34,7 +36,17 @@ class APIError(Exception):
                           "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return AsciiJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII characters escaped: an error message may quote what the client sent,
+    and a lone surrogate in it would make Starlette's UTF-8 rendering fail (a 500 instead of
+    the error being reported)."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False,
+                          separators=(",", ":")).encode("ascii")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -47,6 +59,8 @@ def from_slipstream(e: SlipstreamError) -> APIError:
         return APIError(400, str(e), param="messages", code="context_length_exceeded")
     if isinstance(e, BadArgument):
         return APIError(400, str(e))
+    if isinstance(e, FileChanged):  # every later request fails too, until a restart
+        return APIError(500, str(e), type="server_error", code="model_file_changed")
     return APIError(500, str(e), type="server_error", code="internal_error")
 
 
@@ -55,7 +69,9 @@ def from_validation(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return bad_request("the request body is invalid")
-    first = errors[0]
+    # Our own checks (value errors) say most: in a union ("prompt": str | list[str]) the
+    # branch that fails on a bad string is listed after the branch that wanted another type.
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if first.get("type") == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
         return bad_request(f"the request body is not valid JSON ({detail})".replace(" ()", ""))

@@ -3,7 +3,8 @@
     slipstream_requests_total{endpoint, status}    HTTP requests answered
     slipstream_errors_total{code}                  requests answered with an error, by error code
     slipstream_cancelled_total{stage}              generations cancelled by a disconnect
-                                                   (stage: running or waiting)
+                                                   (stage: waiting, prefill (between
+                                                   prompt chunks) or running)
     slipstream_prompt_tokens_total                 prompt tokens processed
     slipstream_generated_tokens_total              tokens generated
     slipstream_decode_tokens_per_second            decode speed of the last finished generation
@@ -91,8 +92,8 @@ class Metrics:
         self.spec_draft_s.inc(extra.get("spec_draft_s", 0.0))
         self.spec_verify_s.inc(extra.get("spec_verify_s", 0.0))
 
-    def generation_cancelled(self, was_running: bool) -> None:
-        self.cancelled.labels("running" if was_running else "waiting").inc()
+    def generation_cancelled(self, stage: str) -> None:
+        self.cancelled.labels(stage).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

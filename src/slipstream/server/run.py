@@ -25,6 +25,7 @@ from rich.table import Table
 from ..errors import SlipstreamError
 from .app import COMPLETION_DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS, create_app, \
     default_max_tokens
+from .limits import DEFAULT_MAX_BODY
 
 STOP_TIMEOUT_S = 10  # uvicorn's graceful shutdown cuts open streams after 3 s
 
@@ -33,18 +34,18 @@ def run_server(model=None, host: str = "127.0.0.1", port: int = 8080, max_queue:
                log_level: str = "info", spec_nodes: int | None = None,
                spec_depth: int | None = None, *, load: Callable[[], object] | None = None,
                max_tokens_default: int = DEFAULT_MAX_TOKENS,
-               console: Console | None = None) -> None:
+               max_body: int = DEFAULT_MAX_BODY, console: Console | None = None) -> None:
     """Serve `model`, or the model `load()` returns (loaded while the server already answers
     /health), until interrupted. Blocks; KeyboardInterrupt (Ctrl-C) and SystemExit (SIGTERM,
     exit status 143) propagate after the server has stopped. spec_nodes, spec_depth,
-    max_tokens_default: see create_app."""
+    max_tokens_default, max_body: see create_app."""
     if (model is None) == (load is None):
         raise TypeError("run_server needs a model or a load function, not both")
     console = console or Console(stderr=True)
     sock = bind(host, port)
     url = http_url(host, sock.getsockname()[1])
     app = create_app(model, max_queue=max_queue, spec_nodes=spec_nodes, spec_depth=spec_depth,
-                     max_tokens_default=max_tokens_default)
+                     max_tokens_default=max_tokens_default, max_body=max_body)
     # Open streams would hold a graceful shutdown forever; cut them after a few seconds.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=3)
@@ -83,7 +84,7 @@ def run_server(model=None, host: str = "127.0.0.1", port: int = 8080, max_queue:
             load_s = time.perf_counter() - t0
         else:
             load_s = None
-        console.print(banner(model, url, max_queue, max_tokens_default, load_s))
+        console.print(banner(model, url, max_queue, max_tokens_default, load_s, max_body))
         if load is not None:
             app.state.attach(model)
         while not stopped.wait(0.5):
@@ -122,12 +123,19 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
+
+
 def http_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def banner(model, url: str, max_queue: int, max_tokens_default: int = DEFAULT_MAX_TOKENS,
-           load_s: float | None = None) -> Panel:
+           load_s: float | None = None, max_body: int = DEFAULT_MAX_BODY) -> Panel:
     """What is served where: the model, device, context, request defaults and URLs."""
     chat, completions = default_max_tokens(max_tokens_default, model.ctx)
     device = str(model.device)
@@ -145,7 +153,8 @@ def banner(model, url: str, max_queue: int, max_tokens_default: int = DEFAULT_MA
             ("max_tokens", f"{chat} when a request sets none"
                            + (f" ({completions} on /v1/completions)" if completions != chat
                               else "")),
-            ("queue", f"{max_queue} waiting requests, then 503")]
+            ("queue", f"{max_queue} waiting requests, then 503"),
+            ("max body", f"{_size(max_body)} per request, then 413")]
     if draft is not None:
         rows.append(("draft", Path(draft.path).name))
     if load_s is not None:
@@ -156,4 +165,4 @@ def banner(model, url: str, max_queue: int, max_tokens_default: int = DEFAULT_MA
     return Panel(t, title="slipstream serve", title_align="left", expand=False)
 
 
-__all__ = ["COMPLETION_DEFAULT_MAX_TOKENS", "banner", "bind", "run_server"]
+__all__ = ["COMPLETION_DEFAULT_MAX_TOKENS", "DEFAULT_MAX_BODY", "banner", "bind", "run_server"]

@@ -13,12 +13,28 @@ top_k 40, min_p 0.05), like llama.cpp's server, not OpenAI's (temperature 1, top
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, \
-    ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictInt, \
+    StrictStr, ValidationInfo, field_validator, model_validator
 
 MAX_STOPS = 4  # OpenAI's limit
+
+
+def _unicode_text(v: str) -> str:
+    """JSON's \\uXXXX escapes can spell a lone UTF-16 surrogate ("\\ud800"), which Python's
+    json accepts as a str that no UTF-8 encoder (the tokenizer's, the response's) can take:
+    refuse it here, where the error can still name the field, instead of failing later."""
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"the text is not valid Unicode: {v[e.start]!a} at character "
+                         f"{e.start} is a lone UTF-16 surrogate") from None
+    return v
+
+
+# Every string the server reads from a request: strict (no coercion) and valid Unicode.
+Text = Annotated[StrictStr, AfterValidator(_unicode_text)]
 
 
 class StreamOptions(BaseModel):
@@ -31,7 +47,7 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
-    model: str | None = None  # optional here: a single-model server knows what to run
+    model: Text | None = None  # optional here: a single-model server knows what to run
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, ge=0, le=1)
@@ -41,7 +57,7 @@ class _Sampling(BaseModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     seed: int | None = Field(None, ge=-2**63, le=2**64 - 1)  # torch's seed range
-    stop: StrictStr | list[StrictStr] | None = None
+    stop: Text | list[Text] | None = None
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -89,11 +105,11 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
+    prompt: Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
     echo: bool | None = False
     best_of: int | None = None
     logprobs: int | None = None
-    suffix: str | None = None
+    suffix: Text | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -119,15 +135,15 @@ class CompletionRequest(_Sampling):
 
 class ContentPart(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    type: StrictStr
-    text: StrictStr | None = None
+    type: Text
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: StrictStr | list[ContentPart] | None = None
-    name: str | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def for_template(self) -> dict[str, Any]:
         """The message as the chat template sees it: text content, `developer` as `system`."""

@@ -4,7 +4,9 @@ A Model holds one KV cache, so requests take turns. The event loop never runs th
 submits a `Job` and awaits what the worker thread pushes into the job's asyncio queue with
 `loop.call_soon_threadsafe`. A job cancelled while waiting leaves the queue at once; a job
 cancelled while running stops at the next token (the generator is closed, which ends the
-prefill/decode loop).
+decode loop), or, while its prompt is prefilled, at the end of the current prefill chunk
+(`prefill_guard`): a long prompt whose client has gone no longer holds the model until its
+whole prompt has been read.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +36,10 @@ class QueueFull(Exception):
         self.retry_after_s = retry_after_s
 
 
+class Cancelled(Exception):
+    """Raised inside a prefill to stop it: the job was cancelled between two chunks."""
+
+
 @dataclass
 class Done:
     """The last item of a job: token counts and timings of the generation."""
@@ -43,6 +50,7 @@ class Done:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     cancelled: bool = False
+    cancelled_in_prefill: bool = False  # stopped before its first token
     # the generation's GenerationStats.extra: speculative decoding's figures when it ran
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -90,7 +98,7 @@ class GenerationWorker:
     """Runs jobs one at a time, first come first served, on a dedicated thread."""
 
     def __init__(self, model, max_queue: int = 16, on_done: Callable[[Done], None] | None = None,
-                 on_cancel: Callable[[bool], None] | None = None,
+                 on_cancel: Callable[[str], None] | None = None,
                  generate_kwargs: dict[str, Any] | None = None):
         if max_queue < 0:
             raise ValueError(f"max_queue={max_queue} is invalid: must be >= 0")
@@ -101,7 +109,9 @@ class GenerationWorker:
         self.generate_kwargs = {k: v for k, v in (generate_kwargs or {}).items()
                                 if v is not None}
         self.on_done = on_done  # called on the worker thread after each generation
-        self.on_cancel = on_cancel  # called with True (was running) or False (was waiting)
+        # called with the stage the job was cancelled in: "waiting", "prefill" (before its
+        # first token) or "running"
+        self.on_cancel = on_cancel
         self._waiting: deque[Job] = deque()
         self._running: Job | None = None
         self._cv = threading.Condition()
@@ -155,7 +165,7 @@ class GenerationWorker:
                 return  # running (the loop notices) or already finished
         job.push(Done(len(job.prompt_ids), 0, None, cancelled=True))
         if self.on_cancel is not None:
-            self.on_cancel(False)
+            self.on_cancel("waiting")
 
     def _loop(self) -> None:
         while True:
@@ -178,24 +188,73 @@ class GenerationWorker:
                 self._recent_s.append(time.perf_counter() - t0)
 
     def _run(self, job: Job) -> None:
-        gen = self.model.generate(job.prompt_ids, **job.kwargs, **self.generate_kwargs)
         n = 0
         finish = None
-        try:
-            for ev in gen:
-                n += 1
-                finish = ev.finish_reason
-                job.push(ev)
-                if job.cancelled:
-                    break
-        finally:
-            gen.close()  # stops the decode loop when we left it early
+        in_prefill = False
+        with prefill_guard(getattr(self.model, "engine", None), lambda: job.cancelled):
+            gen = self.model.generate(job.prompt_ids, **job.kwargs, **self.generate_kwargs)
+            try:
+                for ev in gen:
+                    n += 1
+                    finish = ev.finish_reason
+                    job.push(ev)
+                    if job.cancelled:
+                        break
+            except Cancelled:
+                in_prefill = True
+            finally:
+                gen.close()  # stops the decode loop when we left it early
         stats = self.model.last_stats
         done = Done(len(job.prompt_ids), n, finish, stats.prefill_s if stats else 0.0,
                     stats.decode_s if stats else 0.0, cancelled=job.cancelled and finish is None,
-                    extra=dict(stats.extra) if stats else {})
+                    cancelled_in_prefill=in_prefill, extra=dict(stats.extra) if stats else {})
         if done.cancelled and self.on_cancel is not None:
-            self.on_cancel(True)
+            self.on_cancel("prefill" if in_prefill else "running")
         if self.on_done is not None:
             self.on_done(done)
         job.push(done)
+
+
+@contextmanager
+def prefill_guard(engine, cancelled: Callable[[], bool]) -> Iterator[None]:
+    """While the block runs, `engine.forward` feeds a long batch (a prompt) through the real
+    forward one PREFILL_CHUNK at a time, and raises Cancelled between chunks once `cancelled()`
+    is true. Each piece is exactly one of the chunks Engine.forward would have run itself
+    (same shapes, same cache positions), so the logits are the same bits (one row per chunk,
+    as forward returns them). Calls with a step, with
+    all_logits, or of one chunk or less (decode steps) go straight through.
+
+    The engine is wrapped through an instance attribute because generation is driven by
+    Model.generate, which takes no cancellation hook; the worker thread is the only caller
+    of the model while the block runs. (A `between_chunks` hook in Engine.forward would make
+    this unnecessary.)"""
+    if engine is None or not hasattr(engine, "forward"):  # a fake model in unit tests
+        yield
+        return
+    import torch
+
+    from ..runtime.engine import PREFILL_CHUNK
+
+    forward = engine.forward  # the bound method (or an instance attribute already there)
+    shadowed = vars(engine).get("forward")
+
+    def guarded(tokens, all_logits: bool = False, step=None):
+        n = len(tokens)
+        if step is not None or all_logits or n <= PREFILL_CHUNK:
+            return forward(tokens, all_logits=all_logits, step=step)
+        outs = []
+        for start in range(0, n, PREFILL_CHUNK):
+            if cancelled():
+                raise Cancelled()
+            outs.append(forward(tokens[start:start + PREFILL_CHUNK]))
+        # forward's own answer for a chunked batch: the last row of each chunk
+        return torch.cat(outs)
+
+    engine.forward = guarded
+    try:
+        yield
+    finally:
+        if shadowed is not None:
+            engine.forward = shadowed
+        else:
+            del engine.forward  # the class's method again

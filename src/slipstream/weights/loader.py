@@ -1,7 +1,18 @@
-"""Build a model's weight objects from a GGUF file for one device."""
+"""Build a model's weight objects from a GGUF file for one device.
+
+Private weights (`load_weights(private=...)`): GGUF tensors are read through the file's memory
+map, and a weight that needs no conversion (the token embedding, kept in its GGUF format; F32
+norms; F16 weights at float16 precision) would otherwise stay a view of that map. A view reads
+the file at every use, so a file truncated under the running model kills the process with
+SIGBUS on the next token, and one overwritten in place changes the model's output silently.
+With `private` those views are copied into the process's own memory at load, and the map's pages
+are given back to the page cache afterwards (they are clean file pages: nothing is lost), so a
+resident model never touches its file again.
+"""
 
 from __future__ import annotations
 
+import mmap
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -65,10 +76,12 @@ class TensorSource:
     """Where a layer's tensors come from: the memory-mapped file (resident loading), or a
     buffer holding the bytes of a span of the file (streaming from disk)."""
 
-    def __init__(self, gf: GGUFFile, buffer: torch.Tensor | None = None, base: int = 0):
+    def __init__(self, gf: GGUFFile, buffer: torch.Tensor | None = None, base: int = 0,
+                 private: bool = False):
         self.gf = gf
         self.buffer = buffer  # uint8, file bytes [base, base + len)
         self.base = base
+        self.private = private  # copy what would view the memory map (see the module doc)
 
     def has(self, name: str) -> bool:
         return name in self.gf.tensors
@@ -86,12 +99,19 @@ class TensorSource:
 
     def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
-        t = quant.dequantize(self.raw(name, shape), self.type_of(name), shape).to(
-            device=device, dtype=dtype)
-        if self.buffer is not None and t.untyped_storage().data_ptr() == \
-                self.buffer.untyped_storage().data_ptr():
-            t = t.clone()  # F32 tensors decode to views; a staging buffer gets reused
+        raw = self.raw(name, shape)
+        t = quant.dequantize(raw, self.type_of(name), shape).to(device=device, dtype=dtype)
+        if (self.buffer is not None or self.private) and _shares_memory(t, raw):
+            # F32 (and F16 at float16) tensors decode to views: a staging buffer gets reused,
+            # and a private model must not read its file after the load
+            t = t.clone()
         return t
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a's bytes lie inside b's storage (a view of it, not a copy)."""
+    lo = b.untyped_storage().data_ptr()
+    return lo <= a.data_ptr() < lo + b.untyped_storage().nbytes()
 
 
 def layer_span(gf: GGUFFile, i: int) -> tuple[int, int]:
@@ -190,20 +210,27 @@ def check_layer_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
 def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Precision,
                  progress: Callable[[int], None] | None = None,
                  resident_layers: set[int] | None = None,
-                 embed_on_host: bool = False) -> ModelWeights:
+                 embed_on_host: bool = False, private: bool | None = None) -> ModelWeights:
     """Build the model's weights on `device`: every layer, or only `resident_layers` (the
     others are left as None for a streaming store to fill). Norms stay float32.
-    `embed_on_host`: the token embedding stays in the file's memory map (see QuantEmbedding).
+    `embed_on_host`: the token embedding stays in host memory (see QuantEmbedding).
+    `private`: no weight stays a view of the file's memory map (see the module doc); None
+    (auto) is True on CPU, where it costs the embedding table's GGUF bytes (28.7 MiB for the
+    default model, whose RSS still ends lower: the file's pages are dropped), and False on
+    CUDA, where only an `embed_on_host` embedding would view the map and RAM is what a
+    streamed plan is short of.
 
     `progress(n_bytes)` is called after each layer so callers can drive a progress bar.
     """
+    if private is None:
+        private = device.type == "cpu"
     for name, info in gf.tensors.items():
         quant.get_format(info.ggml_type)  # unsupported types fail here, naming the type
     check_layer_shapes(gf, cfg)
     builder = LayerBuilder(cfg, device, precision)
     workspace = builder.workspace
     quantized = builder.quantized
-    src = TensorSource(gf)
+    src = TensorSource(gf, private=private)
 
     def tick(name: str) -> None:
         if progress is not None and name in gf.tensors:
@@ -213,7 +240,9 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     embed_info = gf.tensors.get(EMBEDDING)
     embed_raw = raw_tensor(gf, EMBEDDING, embed_shape)
     if not embed_on_host:
-        embed_raw = embed_raw.to(device)
+        embed_raw = embed_raw.to(device)  # on CPU still the map's bytes
+    if private and embed_raw.device.type == "cpu":
+        embed_raw = embed_raw.clone()
     embed = QuantEmbedding(embed_raw, embed_info.ggml_type, cfg.hidden, precision.act_dtype,
                            device)
     tick(EMBEDDING)
@@ -249,5 +278,22 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
             start, end = layer_span(gf, i)
             progress(end - start)
 
+    if private:
+        release_mapped_pages(gf)
     return ModelWeights(embed=embed, layers=layers, output_norm=output_norm, output=output,
                         rope_freqs=rope_freqs)
+
+
+def release_mapped_pages(gf: GGUFFile) -> None:
+    """Unmap the file pages the load touched from this process (MADV_DONTNEED on a read-only
+    shared map drops them from our RSS; they stay in the page cache, clean). A private model
+    reads nothing through the map any more, so they would only inflate RSS; a streamed layer
+    or a later map reader faults them in again, unchanged."""
+    data = getattr(getattr(gf, "reader", None), "data", None)
+    mm = getattr(data, "_mmap", None)  # numpy.memmap keeps its mmap.mmap here
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    try:
+        mm.madvise(mmap.MADV_DONTNEED)
+    except (OSError, ValueError):  # a closed map, or an OS without it: only RSS is at stake
+        pass
