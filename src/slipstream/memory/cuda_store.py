@@ -9,6 +9,8 @@ stalls and copies (timeline.py); without, nothing here waits on the GPU per laye
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..model.llama import LayerWeights
@@ -20,6 +22,9 @@ from .sources import KvikioSource, MmapSource, PinnedSource, Source, StagedDiskS
 from .staging import StagingRing
 from .store import StreamDelays
 from .timeline import Timeline
+
+if TYPE_CHECKING:
+    from ..runtime.trace import Tracer
 
 
 class CudaLayerStore(StoreBase):
@@ -95,6 +100,20 @@ class CudaLayerStore(StoreBase):
         for src in self.sources:
             src.enable_timing(on)
 
+    def trace(self, tracer: "Tracer | None") -> None:
+        """--trace: the compute and copy events of the timeline become spans (so timing goes
+        on, as with --stats), and tier C's reads too."""
+        if tracer is not None and self.timeline is None:
+            self.enable_timing()
+        if self.timeline is not None:
+            self.timeline.tracer = tracer
+            ring = self.ring
+            # a copy is enqueued by ring._enqueue(i), while order[pos] is still i
+            self.timeline.copy_layer = (lambda: ring.order[ring.pos % len(ring.order)]) \
+                if ring is not None and tracer is not None else None
+        if self.staging is not None:
+            self.staging.trace(tracer)
+
     # --- the engine's side ----------------------------------------------------------------
 
     def skip(self, layers: frozenset[int]) -> None:
@@ -151,7 +170,7 @@ class CudaLayerStore(StoreBase):
             layer = from_image(self.layouts[i], self.feed[i].acquire(i, stream), self.workspace)
             self.stats.layers_streamed += 1
         if self.timeline is not None:
-            self.timeline.layer_start(stream)
+            self.timeline.layer_start(stream, i)
         return layer
 
     def release(self, i: int) -> None:

@@ -22,10 +22,14 @@ import os
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING
 
 import torch
 
 from .disk import ALIGN, DirectReader, DiskReadError
+
+if TYPE_CHECKING:
+    from ..runtime.trace import Tracer
 
 # A read that has not finished after this long is reported as an error rather than waited on
 # for ever (a 0.5 GB layer takes 0.2 s at 2.3 GB/s; a stalled disk takes for ever).
@@ -117,6 +121,20 @@ class StagingRing:
         self.order = list(order)
         self.next = 0
         self._top_up()
+
+    def trace(self, tracer: "Tracer | None") -> None:
+        """--trace: each read becomes a "disk read" span named by its layer (the reader
+        reports file offsets; the spans map them back)."""
+        if tracer is None:
+            self.reader.on_read = None
+            return
+        layer_at = {start: i for i, (start, _) in self.spans.items()}
+
+        def on_read(start: int, end: int, t0: float, t1: float) -> None:
+            i = layer_at.get(start, -1)
+            tracer.span("disk read", f"L{i}", t0, t1, layer=i, bytes=end - start)
+
+        self.reader.on_read = on_read
 
     def drain(self) -> None:
         while self.reads:

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..model.llama import LayerWeights
 from ..weights.loader import LayerBuilder, TensorSource, layer_span
 from .disk import DirectReader
 from .protocol import StoreBase, StoreStats
 from .staging import StagingBuffer, StagingRing
+
+if TYPE_CHECKING:
+    from ..runtime.trace import Tracer
 
 __all__ = ["DiskLayerStore", "MmapLayerStore", "ResidentLayerStore", "StoreStats",
            "StreamDelays"]
@@ -43,7 +46,24 @@ class StreamDelays:
         return cls(copy_cycles=int(x))
 
 
-class ResidentLayerStore(StoreBase):
+class HostTraced:
+    """--trace on the CPU stores: a layer's compute is host time from acquire's return to its
+    release (the engine computes in between). Stores check `tracer` only; off, nothing runs."""
+
+    tracer: "Tracer | None" = None
+    _computing: float = 0.0  # when the layer being computed was handed out
+
+    def trace(self, tracer: "Tracer | None") -> None:
+        self.tracer = tracer
+
+    def _compute_starts(self) -> None:
+        self._computing = time.perf_counter()
+
+    def _compute_ends(self, i: int) -> None:
+        self.tracer.span("compute", f"L{i}", self._computing, time.perf_counter(), layer=i)
+
+
+class ResidentLayerStore(HostTraced, StoreBase):
     graph_capturable = True  # the same layers on every pass
 
     def __init__(self, layers: list[LayerWeights]):
@@ -53,14 +73,23 @@ class ResidentLayerStore(StoreBase):
     def __len__(self) -> int:
         return len(self.layers)
 
+    def trace(self, tracer: "Tracer | None") -> None:
+        # On CUDA a resident layer's host time is its kernels' launch, not their run, and
+        # decode replays CUDA graphs that never come here: trace only token spans there.
+        on_cuda = bool(self.layers) and self.layers[0].attn_norm.is_cuda
+        self.tracer = None if on_cuda else tracer
+
     def acquire(self, i: int) -> LayerWeights:
+        if self.tracer is not None:
+            self._compute_starts()
         return self.layers[i]
 
     def release(self, i: int) -> None:
-        pass
+        if self.tracer is not None:
+            self._compute_ends(i)
 
 
-class DiskLayerStore(StoreBase):
+class DiskLayerStore(HostTraced, StoreBase):
     """Resident layers from `resident`, the rest streamed from the GGUF file each time.
 
     On the CPU the staging buffer is the "slot": a layer is built (dequantized) straight from
@@ -92,6 +121,13 @@ class DiskLayerStore(StoreBase):
     def note(self) -> str:
         return self.staging.reader.note if self.staging is not None else ""
 
+    def trace(self, tracer: "Tracer | None") -> None:
+        """--trace: disk wait, rebuild and compute spans per layer, and the reader threads'
+        reads on a track of their own."""
+        self.tracer = tracer
+        if self.staging is not None:
+            self.staging.trace(tracer)
+
     def skip(self, layers: frozenset[int]) -> None:
         """Read ahead only the streamed layers the engine will ask for."""
         self.skipped = frozenset(layers)
@@ -101,6 +137,8 @@ class DiskLayerStore(StoreBase):
     def acquire(self, i: int) -> LayerWeights:
         layer = self.layers[i]
         if layer is not None:
+            if self.tracer is not None:
+                self._compute_starts()
             return layer
         if i in self.skipped:
             raise ValueError(f"layer {i} is skipped: the store no longer reads it")
@@ -113,14 +151,21 @@ class DiskLayerStore(StoreBase):
             layer = self.builder.build(TensorSource(self.gf, buffer=data, base=start), i)
         finally:
             self.staging.give_back(buf, None)  # the build copied everything out of the buffer
+        t2 = time.perf_counter()
         self.stats.disk_wait_s += t1 - t0
-        self.stats.build_s += time.perf_counter() - t1
+        self.stats.build_s += t2 - t1
         self.stats.disk_bytes += end - start
         self.stats.layers_streamed += 1
+        if self.tracer is not None:  # the same instants as the stats, so the two agree
+            self.tracer.span("disk wait", f"L{i}", t0, t1, layer=i)
+            self.tracer.span("rebuild", f"L{i}", t1, t2, layer=i, bytes=end - start)
+            self._compute_starts()
         return layer
 
     def release(self, i: int) -> None:
-        pass  # streamed layers are dropped by the engine; their buffers were freed at build
+        # streamed layers are dropped by the engine; their buffers were freed at build
+        if self.tracer is not None:
+            self._compute_ends(i)
 
     def close(self) -> None:
         if self.staging is not None:
@@ -128,7 +173,7 @@ class DiskLayerStore(StoreBase):
             self.staging = None
 
 
-class MmapLayerStore(StoreBase):
+class MmapLayerStore(HostTraced, StoreBase):
     """The naive baseline: streamed layers are built straight from the memory-mapped file,
     through the page cache, with no prefetch."""
 
@@ -145,13 +190,18 @@ class MmapLayerStore(StoreBase):
 
     def acquire(self, i: int) -> LayerWeights:
         layer = self.layers[i]
-        if layer is not None:
-            return layer
-        t0 = time.perf_counter()
-        layer = self.builder.build(TensorSource(self.gf), i)
-        self.stats.build_s += time.perf_counter() - t0
-        self.stats.layers_streamed += 1
+        if layer is None:
+            t0 = time.perf_counter()
+            layer = self.builder.build(TensorSource(self.gf), i)
+            t1 = time.perf_counter()
+            self.stats.build_s += t1 - t0
+            self.stats.layers_streamed += 1
+            if self.tracer is not None:  # page faults read the file inside the build
+                self.tracer.span("rebuild", f"L{i}", t0, t1, layer=i)
+        if self.tracer is not None:
+            self._compute_starts()
         return layer
 
     def release(self, i: int) -> None:
-        pass
+        if self.tracer is not None:
+            self._compute_ends(i)

@@ -1,21 +1,39 @@
-"""--stats on CUDA: where a forward pass's time went, from CUDA events.
+"""--stats and --trace on CUDA: where a forward pass's time went, from CUDA events.
 
-Events are recorded only while stats are on: around each layer's compute on the compute stream
-and around each host-to-device copy on the copy stream. Their elapsed times are read back once
-per forward pass (one host sync per token, and none at all with stats off), so the fast path
-keeps no per-layer host sync.
+Events are recorded only while stats (or a trace) are on: around each layer's compute on the
+compute stream and around each host-to-device copy on the copy stream. Their elapsed times are
+read back once per forward pass (one host sync per token, and none at all with stats off), so
+the fast path keeps no per-layer host sync.
+
+With a tracer the same events become spans (runtime.trace). CUDA events only give times
+relative to each other, so the first layer of a trace records an anchor event right after a
+device synchronize: the GPU reaches it at once, so its host time is known, and every other
+event's host time is the anchor's plus the elapsed time between them.
 """
 
 from __future__ import annotations
 
+import time
+from typing import TYPE_CHECKING, Callable
+
 import torch
+
+if TYPE_CHECKING:
+    from ..runtime.trace import Tracer
 
 
 class Timeline:
-    def __init__(self) -> None:
-        self.compute: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # one pass, in order
-        self.copies: list[tuple[torch.cuda.Event, torch.cuda.Event, int]] = []
-        self._open: torch.cuda.Event | None = None  # compute start of the current layer
+    def __init__(self, tracer: "Tracer | None" = None) -> None:
+        # one pass, in order: (layer, start, end) on the compute stream
+        self.compute: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        # (start, end, bytes, layer) on the copy stream; layer -1 where unknown
+        self.copies: list[tuple[torch.cuda.Event, torch.cuda.Event, int, int]] = []
+        self._open: tuple[int, torch.cuda.Event] | None = None  # the current layer's start
+        self.tracer = tracer
+        # --trace: names the layer a copy being enqueued is for (set by the store, which
+        # knows its ring's order); None: copies are traced without a layer
+        self.copy_layer: Callable[[], int] | None = None
+        self._anchor: tuple[torch.cuda.Event, float] | None = None  # (event, its host time)
 
     @staticmethod
     def mark(stream: torch.cuda.Stream) -> torch.cuda.Event:
@@ -23,32 +41,48 @@ class Timeline:
         e.record(stream)
         return e
 
-    def layer_start(self, stream: torch.cuda.Stream) -> None:
-        self._open = self.mark(stream)
+    def layer_start(self, stream: torch.cuda.Stream, layer: int = -1) -> None:
+        if self.tracer is not None and self._anchor is None:
+            torch.cuda.synchronize(stream.device)  # once per trace: the stream is then empty
+            self._anchor = (self.mark(stream), time.perf_counter())
+        self._open = (layer, self.mark(stream))
 
     def layer_end(self, stream: torch.cuda.Stream) -> None:
         if self._open is not None:
-            self.compute.append((self._open, self.mark(stream)))
+            layer, start = self._open
+            self.compute.append((layer, start, self.mark(stream)))
             self._open = None
 
     def copy(self, start: torch.cuda.Event, end: torch.cuda.Event, nbytes: int) -> None:
-        self.copies.append((start, end, nbytes))
+        layer = self.copy_layer() if self.copy_layer is not None else -1
+        self.copies.append((start, end, nbytes, layer))
 
     def flush(self, stats) -> None:
-        """Add this pass's compute, stall and copy times to `stats` (a StoreStats)."""
-        events = [e for pair in self.compute for e in pair] + \
-            [e for a, b, _ in self.copies for e in (a, b)]
+        """Add this pass's compute, stall and copy times to `stats` (a StoreStats), and its
+        spans to the tracer."""
+        events = [e for _, a, b in self.compute for e in (a, b)] + \
+            [e for a, b, _, _ in self.copies for e in (a, b)]
         if not events:
             return
         for e in events:
             e.synchronize()  # the one host wait per pass, only with stats on
-        ms = 0.0
-        for a, b in self.compute:
-            ms += a.elapsed_time(b)
-        stats.compute_s += ms / 1e3
-        gaps = sum(max(prev[1].elapsed_time(cur[0]), 0.0)
+        stats.compute_s += sum(a.elapsed_time(b) for _, a, b in self.compute) / 1e3
+        gaps = sum(max(prev[2].elapsed_time(cur[1]), 0.0)
                    for prev, cur in zip(self.compute, self.compute[1:]))
         stats.stall_s += gaps / 1e3
-        stats.h2d_s += sum(a.elapsed_time(b) for a, b, _ in self.copies) / 1e3
+        stats.h2d_s += sum(a.elapsed_time(b) for a, b, _, _ in self.copies) / 1e3
+        if self.tracer is not None and self._anchor is not None:
+            self._trace()
         self.compute.clear()
         self.copies.clear()
+
+    def _trace(self) -> None:
+        anchor, host = self._anchor
+
+        def at(e: torch.cuda.Event) -> float:  # host perf_counter time of a completed event
+            return host + anchor.elapsed_time(e) / 1e3
+
+        for layer, a, b in self.compute:
+            self.tracer.span("compute", f"L{layer}", at(a), at(b), layer=layer)
+        for a, b, n, layer in self.copies:
+            self.tracer.span("host-to-device", f"L{layer}", at(a), at(b), layer=layer, bytes=n)

@@ -15,8 +15,9 @@ The tree (SpecExec style, runtime.draft_tree) is deterministic: the most probabl
 continuations by the draft's cumulative log-probability, grown level by level with one draft
 forward per level over the new nodes only. With `ahead`, the draft grows it on past what the
 target verified, after the pass; where the walk then ends at a token grown ahead, the subtree
-below it is the next tree (on the default model's Q8_0/Q4_0 pair, 59-67% of trees:
-bench/results/2026-11-30-s7-spec-ahead-cpu.json). That growth is meant to run beside the
+below it is the next tree (on the default model's Q8_0/Q4_0 pair, 47-67% of trees, but with
+fewer tokens per pass than fresh trees: bench/results/2026-11-30-s7-spec-ahead-cpu.json; such
+a tree gets no growth in series yet). That growth is meant to run beside the
 target's streamed pass; the first attempt, from a thread on a CUDA stream of its own, made
 passes slower on the H200 and is kept off main (branch s7-wip-ahead-overlap-cuda), so here it
 runs after the pass, on every device, and is off unless asked for.
