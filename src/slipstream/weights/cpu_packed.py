@@ -1,0 +1,611 @@
+"""CPU linear layers that compute on quantized weights, packed once at load time.
+
+Today the CPU engine multiplies dense float16/float32 copies of the weights (DenseLinear). The
+classes here keep the weights quantized instead, in one of three layouts:
+
+``Int4PackLinear``  torch's int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``, group 32):
+    Q4_0, Q4_1 and Q4_K. Every group of 32 weights of one output row is w = (u - 8) * s + z
+    with u in [0, 15]. The GGUF formats are that exactly (see `group_affine` and `_int4_params`):
+
+        Q4_0  x = d * (q - 8)           ->  u = q, s = d,      z = 0
+        Q4_1  x = d * q + m             ->  u = q, s = d,      z = 8 d + m
+        Q4_K  x = d*sc_j * q - dmin*m_j ->  u = q, s = d*sc_j, z = 8 d*sc_j - dmin*m_j
+                                            (j: the 32-element sub-block; sc_j, m_j 6-bit)
+
+    The kernel is fast only in bfloat16 (float32/float16 inputs take a scalar loop ~40x slower
+    in torch 2.13), and then s, z, x and the output are all bfloat16: s and z are rounded to
+    nearest from their exact values, which is the mapping's only weight error.
+``Int4PairLinear``  Q8_0 on the same int4 kernel, each code split in two nibbles: q = 16 h + l,
+    h in [-8, 7], l in [0, 15]. The matrix becomes (out, 2 in): the high nibbles with scale
+    16 d and zero 0, then the low ones with scale d and zero 8 d, and x is fed twice. Each
+    block keeps its own scale, rounded to bfloat16 (16 and 8 are powers of two, so every
+    weight is exactly bf16(d) q): on the default model's Q8_0 requantization it costs 16x
+    less KL divergence than int8pack's per-row requantization (+0.6% perplexity there), for
+    10 bits a weight read instead of 8 (bench/results/*cpu-packed-ppl*).
+``Int8PackLinear``  torch's int8 CPU kernel (``aten._weight_int8pack_mm``): one scale per
+    output row, so the per-block scales of Q8_0 (32) and Q6_K (16) cannot be kept. Each row is
+    requantized: s_n = the smallest bfloat16 >= max_k |w_nk| / 127, c = round(w / s_n), which
+    errs by at most s_n / 2 per weight (exact only where a row's blocks share one scale that
+    bfloat16 holds). Also bfloat16 only, like int4.
+``DequantLinear``   exact float32: the GGUF codes as int8 plus float32 per-group scales (and
+    offsets), dequantized a few rows at a time into an L2-sized buffer and multiplied there. The
+    weights are bit-identical to slipstream's (and gguf-py's) dequantizer; only the order of
+    the sums differs from DenseLinear's float32 path. compiled=True adds a torch.compile'd
+    reduction for single rows.
+
+All of them answer the Linear protocol (x (m, in) -> (m, out), `residual=`, `out_features`) for
+any m; the packed kernels are meant for decode (m <= 8) and small speculation trees. Build them
+with `pack_linear` (one GGUF matrix) or `pack_group` (the parts of one LinearGroup, fused).
+
+None of these layouts is the GGUF byte layout, so a CPU copy costs RAM next to any pinned GGUF
+copy of the same rows; `nbytes` (or `packed_nbytes` before building) says how much: int4pack
+4 + 1 bits a weight (bfloat16 scale and zero per 32) against Q4_K's 4.5 and Q4_1's 5; int4pair
+10 bits against Q8_0's 8.5; int8pack 8 bits + 2 bytes a row. torch's int4 layout depends on the
+CPU's vector width (blocks of 64 rows with AVX-512, 32 with AVX2), so packed bytes are made on
+the machine that runs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from gguf import GGMLQuantizationType
+
+from ..quant import get_format
+from ..quant.base import crumbs, f16_field, nibbles
+from .linear import Linear
+
+Q = GGMLQuantizationType
+
+INT4_GROUP = 32  # torch's int4 CPU kernel takes groups of 32, 64, 128 or 256; GGUF's are 32
+BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bfloat16 keeps 8 significant bits: |round(v) - v| <= 2^-8 |v|
+INT4_FORMATS = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
+INT8_FORMATS = frozenset({Q.Q8_0, Q.Q6_K})  # the issue's int8pack formats (any format can go)
+UNPACKED_FORMATS = INT4_FORMATS | INT8_FORMATS  # the formats `group_affine` reads
+PAIR_FORMATS = frozenset({Q.Q8_0})  # 8-bit codes in groups of 32: two int4 halves
+KINDS = ("int4pack", "int4pair", "int8pack", "dequant", "dequant-compiled")
+# Load-time work goes a slice of rows at a time, ~256K weights (1 MiB of float32 transients),
+# so each unpacking step reads and writes L2 rather than RAM.
+_CHUNK_WEIGHTS = 1 << 18
+_DEQUANT_BUFFER_BYTES = 1 << 20  # DequantLinear's scratch: well inside one core's L2
+
+
+# --- GGUF blocks -> codes and per-group scale/offset -------------------------------------------
+
+@dataclass
+class GroupAffine:
+    """A quantized matrix as w[n, k] = codes[n, k] * scale[n, k // group] (+ offset[...]).
+
+    codes: (rows, cols) int8; scale, offset: (rows, cols // group) float32, offset None where
+    the format has none. `lo` is the smallest code the format can hold (codes - lo >= 0).
+    Every product and sum the GGUF dequantizer forms is reproduced in the same float32 order,
+    so dequantize() is bit-identical to slipstream.quant.dequantize (and to gguf-py)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    group: int
+    lo: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        rows, cols = self.shape
+        g = self.codes.view(rows, cols // self.group, self.group).float()
+        w = g * self.scale.unsqueeze(-1)
+        if self.offset is not None:
+            w = w + self.offset.unsqueeze(-1)
+        return w.view(rows, cols)
+
+    def exact(self) -> torch.Tensor:
+        """The weights in float64, without the dequantizer's float32 roundings (none for the
+        4- and 8-bit formats, whose products fit 24 bits; Q6_K's d*sc*q can take 25)."""
+        rows, cols = self.shape
+        w = self.codes.view(rows, cols // self.group, self.group).double() * \
+            self.scale.double().unsqueeze(-1)
+        if self.offset is not None:
+            w = w + self.offset.double().unsqueeze(-1)
+        return w.view(rows, cols)
+
+
+def _blocks(raw: torch.Tensor, qtype: Q, rows: int, cols: int) -> torch.Tensor:
+    fmt = get_format(qtype)
+    if raw.dtype != torch.uint8 or raw.numel() != rows * fmt.row_bytes(cols):
+        raise ValueError(f"{fmt.name} tensor of shape {(rows, cols)} needs "
+                         f"{rows * fmt.row_bytes(cols)} uint8 bytes, got {raw.numel()} "
+                         f"{raw.dtype}")
+    return raw.reshape(-1, fmt.type_size)
+
+
+def _k_scale_min(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # Q4_K's 8 six-bit scales and mins in 12 bytes (see quant/kquants.py for the layout)
+    sc_lo, m_lo, mix = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    sc = torch.cat([sc_lo & 0x3F, (mix & 0x0F) | ((sc_lo >> 2) & 0x30)], dim=1)
+    m = torch.cat([m_lo & 0x3F, (mix >> 4) | ((m_lo >> 2) & 0x30)], dim=1)
+    return sc, m
+
+
+def group_affine(raw: torch.Tensor, qtype: GGMLQuantizationType | int,
+                 shape: tuple[int, int]) -> GroupAffine:
+    """Unpack a GGUF matrix (uint8 bytes, rows x row_bytes) of a format in UNPACKED_FORMATS."""
+    qtype = Q(int(qtype))
+    rows, cols = (int(s) for s in shape)
+    b = _blocks(raw, qtype, rows, cols)
+    n = b.shape[0]
+    if qtype == Q.Q4_0:  # d | qs[16]; byte i: element i (low nibble), i + 16 (high)
+        codes = nibbles(b[:, 2:18]).reshape(n, 32).to(torch.int8) - 8
+        scale, offset, group, lo = f16_field(b, 0), None, 32, -8
+    elif qtype == Q.Q4_1:  # d | m | qs[16]
+        codes = nibbles(b[:, 4:20]).reshape(n, 32).to(torch.int8)
+        scale, offset, group, lo = f16_field(b, 0), f16_field(b, 2), 32, 0
+    elif qtype == Q.Q8_0:  # d | qs[32] int8
+        codes = b[:, 2:34].contiguous().view(torch.int8)
+        scale, offset, group, lo = f16_field(b, 0), None, 32, -128
+    elif qtype == Q.Q4_K:  # d | dmin | scales[12] | qs[128]: 8 sub-blocks of 32
+        d, dmin = f16_field(b, 0), f16_field(b, 2)
+        sc, m = _k_scale_min(b[:, 4:16])
+        # four 32-byte groups; group g: sub-block 2g in the low nibbles, 2g + 1 in the high
+        codes = nibbles(b[:, 16:144].reshape(n, 4, 32)).reshape(n, 256).to(torch.int8)
+        scale = d * sc.float()  # exact: an f16 times a 6-bit integer
+        offset = -(dmin * m.float())  # the dequantizer's "- dmin*m", exact likewise
+        group, lo = 32, 0
+    elif qtype == Q.Q6_K:  # ql[128] | qh[64] | scales[16] int8 | d: 16 sub-blocks of 16
+        ql, qh = b[:, 0:128], b[:, 128:192]
+        low = nibbles(ql.reshape(n, 2, 64)).reshape(n, 256)
+        high = crumbs(qh.reshape(n, 2, 32)).reshape(n, 256)
+        codes = (low | (high << 4)).to(torch.int8) - 32
+        sc = b[:, 192:208].contiguous().view(torch.int8)
+        scale = f16_field(b, 208) * sc.float()  # exact: an f16 times an 8-bit integer
+        offset, group, lo = None, 16, -32
+    else:
+        raise ValueError(f"no packed CPU layout reads {qtype.name}; "
+                         f"these do: {', '.join(t.name for t in sorted(UNPACKED_FORMATS))}")
+    per_row = cols // group
+    scale = scale.reshape(rows, per_row)
+    if offset is not None:
+        offset = offset.reshape(rows, per_row)
+    return GroupAffine(codes.reshape(rows, cols).contiguous(), scale.contiguous(),
+                       None if offset is None else offset.contiguous(), group, lo)
+
+
+# --- rounding to bfloat16 ----------------------------------------------------------------------
+
+def bf16_nearest(v: torch.Tensor) -> torch.Tensor:
+    """float64 -> bfloat16, rounded once to nearest even. (torch converts float64 through
+    float32, a double rounding that can land one ulp off; rounding to odd in the float32 step
+    makes the second rounding exact.)"""
+    v = v.double()
+    f = v.float()
+    back = f.double()
+    if torch.equal(back, v):  # exact in float32 (the usual case): one rounding, to bf16
+        return f.to(torch.bfloat16)
+    f = torch.where(back.abs() > v.abs(), torch.nextafter(f, torch.zeros_like(f)), f)
+    bits = f.view(torch.int32)
+    bits = torch.where(f.double() != v, bits | 1, bits)
+    return bits.view(torch.float32).to(torch.bfloat16)
+
+
+def bf16_ceil(v: torch.Tensor) -> torch.Tensor:
+    """float64 (>= 0) -> the smallest bfloat16 >= v."""
+    b = bf16_nearest(v)
+    low = b.double() < v.double()
+    bumped = (b.view(torch.int16) + 1).view(torch.bfloat16)  # next up, for b >= 0
+    return torch.where(low, bumped, b)
+
+
+# --- load-time packing -------------------------------------------------------------------------
+
+def _rows_per_chunk(cols: int, multiple: int = 64) -> int:
+    return max(multiple, _CHUNK_WEIGHTS // cols // multiple * multiple)
+
+
+def _chunks(raws: Sequence[torch.Tensor], qtypes: Sequence[GGMLQuantizationType | int],
+            shapes: Sequence[tuple[int, int]]):
+    """(first row in the stacked matrix, GroupAffine of a slice of rows) over every part."""
+    base = 0
+    for raw, qtype, (rows, cols) in zip(raws, qtypes, shapes):
+        raw = raw.reshape(rows, -1)
+        step = _rows_per_chunk(cols, 1)
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            yield base + r0, group_affine(raw[r0:r1], qtype, (r1 - r0, cols))
+        base += rows
+
+
+def _int4_params(ga: GroupAffine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch's int4 convention, w = (u - 8) * s + z, from a 4-bit GroupAffine:
+    u = codes - lo, s = scale, z = (lo + 8) * scale + offset. Returns (u uint8 (rows, cols),
+    s, z float64 (rows, cols // 32)), exact."""
+    if ga.group != INT4_GROUP or ga.lo not in (0, -8):
+        raise ValueError(f"int4pack needs 4-bit codes in groups of {INT4_GROUP}")
+    u = ga.codes if ga.lo == 0 else ga.codes + 8  # in [0, 15] by construction (nibbles)
+    s = ga.scale.double()
+    z = (ga.lo + 8) * s
+    if ga.offset is not None:
+        z = z + ga.offset.double()
+    return u.view(torch.uint8), s, z
+
+
+def _pack_int4(u: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) uint8 codes in [0, 15], rows a multiple of 16 -> torch's packed layout.
+    The packer works on blocks of 64 rows (32 on AVX2) stored one after another, so packing
+    slices of a multiple of 64 rows gives the same bytes as packing the whole matrix, with an
+    int32 transient of one slice."""
+    rows, cols = u.shape
+    out = torch.empty(rows, cols // 2, dtype=torch.uint8)
+    step = _rows_per_chunk(cols)
+    for r0 in range(0, rows, step):
+        r1 = min(rows, r0 + step)
+        out[r0:r1] = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            u[r0:r1].to(torch.int32), 1)
+    return out
+
+
+def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 weights (rows, cols) -> int8 codes and a bfloat16 scale per row, the codes
+    chosen against the rounded scale: s = bf16_ceil(max|w| / 127), c = round(w / s), so
+    |c| <= 127 and |c s - w| <= s / 2 (up to one float32 rounding of w / s)."""
+    amax = w.abs().amax(dim=1)
+    s = bf16_ceil(amax.double() / 127)
+    s = torch.where(s == 0, torch.ones_like(s), s)  # an all-zero row: codes 0
+    c = torch.round(w / s.float().unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+    return c, s
+
+
+# --- the linears -------------------------------------------------------------------------------
+
+def _finish(y: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None,
+            residual: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's bfloat16 output in the activation dtype, plus bias and residual: a mixed
+    add promotes to float32, so the cast costs no op where an add follows."""
+    if bias is not None:
+        y = torch.add(bias, y)  # bias is float32: promotes
+    if residual is not None:
+        return torch.add(residual, y)
+    return y.to(dtype)
+
+
+class Int4PackLinear(Linear):
+    """y = x @ W^T (+ b) (+ residual) through aten._weight_int4pack_mm_for_cpu (group 32).
+    `packed` is (rows padded to 16, in/2) uint8 in torch's layout and `scale_zeros`
+    (in/32, rows padded, 2) bfloat16."""
+
+    kind = "int4pack"
+
+    def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None):
+        self.packed = packed
+        self.scale_zeros = scale_zeros
+        self._out = out_features
+        self.bias = bias
+        self.in_features = packed.shape[1] * 2
+
+    @classmethod
+    def from_raws(cls, raws, qtypes, shapes, bias: torch.Tensor | None = None
+                  ) -> "Int4PackLinear":
+        """Stack the parts' rows (GGUF bytes, all of 4-bit formats) into one packed weight."""
+        rows = sum(r for r, _ in shapes)
+        cols = shapes[0][1]
+        padded = -(-rows // 16) * 16  # the packer needs rows in multiples of 16
+        u = torch.full((padded, cols), 8, dtype=torch.uint8)
+        scale_zeros = torch.zeros(cols // INT4_GROUP, padded, 2, dtype=torch.bfloat16)
+        for r0, ga in _chunks(raws, qtypes, shapes):
+            r1 = r0 + ga.shape[0]
+            uc, s, z = _int4_params(ga)
+            u[r0:r1] = uc
+            scale_zeros[:, r0:r1, 0] = bf16_nearest(s).t()
+            scale_zeros[:, r0:r1, 1] = bf16_nearest(z).t()
+        return cls(_pack_int4(u), scale_zeros, rows, bias)
+
+    @property
+    def out_features(self) -> int:
+        return self._out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a call reads: the packed codes and the scales and zeros."""
+        return self.packed.numel() + self.scale_zeros.numel() * 2
+
+    def row_slice(self, r0: int, r1: int) -> "Int4PackLinear":
+        """Output rows [r0, r1) as their own linear, sharing the packed codes (for splitting a
+        layer by rows). The packer lays rows out in independent blocks of 64 (32 on AVX2),
+        so r0 must be a multiple of 64, and r1 too unless it is out_features."""
+        if r0 % 64 or not (r1 % 64 == 0 or r1 == self._out) or not 0 <= r0 < r1 <= self._out:
+            raise ValueError(f"int4pack rows [{r0}, {r1}) do not start and end on 64-row "
+                             f"blocks of {self._out}")
+        end = self.packed.shape[0] if r1 == self._out else r1
+        bias = None if self.bias is None else self.bias[r0:r1]
+        return type(self)(self.packed[r0:end], self.scale_zeros[:, r0:end].contiguous(),
+                          r1 - r0, bias)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, INT4_GROUP, self.scale_zeros)
+        if y.shape[1] != self._out:
+            y = y[:, :self._out].contiguous()
+        return _finish(y, x.dtype, self.bias, residual)
+
+
+class Int4PairLinear(Int4PackLinear):
+    """Q8_0 through the int4 kernel: y = [x | x] @ [W_high | W_low]^T, where each 8-bit code
+    q = 16 h + l is held as u_high = h + 8 (scale 16 d, zero 0) and u_low = l (scale d, zero
+    8 d), so W_high + W_low = d q up to the bfloat16 rounding of d. `packed` is (rows padded
+    to 16, in) uint8 (2 in codes) and `scale_zeros` (2 in / 32, rows padded, 2) bfloat16."""
+
+    kind = "int4pair"
+
+    def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__(packed, scale_zeros, out_features, bias)
+        self.in_features = packed.shape[1]  # the kernel's input is twice this
+
+    @classmethod
+    def from_raws(cls, raws, qtypes, shapes, bias: torch.Tensor | None = None
+                  ) -> "Int4PairLinear":
+        """Stack the parts' rows (GGUF bytes, all Q8_0) into one packed weight."""
+        if any(Q(int(t)) not in PAIR_FORMATS for t in qtypes):
+            raise ValueError("int4pair reads Q8_0 only, not "
+                             f"{', '.join(Q(int(t)).name for t in qtypes)}")
+        rows, cols = sum(r for r, _ in shapes), shapes[0][1]
+        padded = -(-rows // 16) * 16
+        groups = cols // INT4_GROUP
+        u = torch.full((padded, 2 * cols), 8, dtype=torch.uint8)
+        scale_zeros = torch.zeros(2 * groups, padded, 2, dtype=torch.bfloat16)
+        for r0, ga in _chunks(raws, qtypes, shapes):
+            r1 = r0 + ga.shape[0]
+            q = ga.codes.to(torch.int16)  # [-128, 127]
+            high = torch.div(q, 16, rounding_mode="floor")  # [-8, 7]: floor keeps l >= 0
+            u[r0:r1, :cols] = (high + 8).to(torch.uint8)
+            u[r0:r1, cols:] = (q - 16 * high).to(torch.uint8)  # l in [0, 15]
+            d = bf16_nearest(ga.scale.double()).t()  # (groups, r1 - r0)
+            scale_zeros[:groups, r0:r1, 0] = d * 16  # exact: powers of two
+            scale_zeros[groups:, r0:r1, 0] = d
+            scale_zeros[groups:, r0:r1, 1] = d * 8
+        return cls(_pack_int4(u), scale_zeros, rows, bias)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return super().__call__(torch.cat([x, x], dim=-1), residual)
+
+
+class Int8PackLinear(Linear):
+    """y = x @ W^T (+ b) (+ residual) through aten._weight_int8pack_mm: int8 codes (out, in)
+    and one bfloat16 scale per output row (see `_int8_rows` for the requantization)."""
+
+    kind = "int8pack"
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor,
+                 bias: torch.Tensor | None = None):
+        self.codes = codes
+        self.scales = scales
+        self.bias = bias
+        self.in_features = codes.shape[1]
+
+    @classmethod
+    def from_raws(cls, raws, qtypes, shapes, bias: torch.Tensor | None = None
+                  ) -> "Int8PackLinear":
+        """Stack the parts' rows (GGUF bytes, any formats group_affine reads), requantized."""
+        rows = sum(r for r, _ in shapes)
+        codes = torch.empty(rows, shapes[0][1], dtype=torch.int8)
+        scales = torch.empty(rows, dtype=torch.bfloat16)
+        for r0, ga in _chunks(raws, qtypes, shapes):
+            r1 = r0 + ga.shape[0]
+            codes[r0:r1], scales[r0:r1] = _int8_rows(ga.dequantize())
+        return cls(codes, scales, bias)
+
+    @property
+    def out_features(self) -> int:
+        return self.codes.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 2
+
+    def row_slice(self, r0: int, r1: int) -> "Int8PackLinear":
+        """Output rows [r0, r1) as their own linear (views: no copy)."""
+        return Int8PackLinear(self.codes[r0:r1], self.scales[r0:r1],
+                              None if self.bias is None else self.bias[r0:r1])
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
+        return _finish(y, x.dtype, self.bias, residual)
+
+
+_COMPILED_DOT = None
+
+
+def _dot_rows(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+              x: torch.Tensor) -> torch.Tensor:
+    """One activation row against group-affine weights, as one fused reduction: codes (N, B, g)
+    int8, scale/offset (N, B), x (B, g) float32 -> (N,). Each group's dot product is formed on
+    the codes and then scaled (sum_b s_b (q_b . x_b) + o_b sum(x_b)): the weights' float32
+    values are never formed, so the sums differ from DenseLinear's in rounding only."""
+    p = (codes.to(torch.float32) * x).sum(-1)
+    if offset is None:
+        return (p * scale).sum(-1)
+    return (p * scale + offset * x.sum(-1)).sum(-1)
+
+
+def _compiled_dot():
+    global _COMPILED_DOT
+    if _COMPILED_DOT is None:  # one compilation for every shape (dynamic), at the first call
+        _COMPILED_DOT = torch.compile(_dot_rows, dynamic=True)
+    return _COMPILED_DOT
+
+
+class DequantLinear(Linear):
+    """y = x @ W^T (+ b) (+ residual) in float32 on the GGUF codes: a few rows at a time are
+    dequantized (codes * scale (+ offset), the dequantizer's own float32 operations) into a
+    scratch buffer that stays in L2, then multiplied. Exact: the weights are bit-identical to
+    slipstream.quant.dequantize; it reads 1 byte per weight plus 4 (or 8) bytes per group.
+
+    compiled=True: a single row (decode) goes through one torch.compile'd reduction on the
+    codes instead (`_dot_rows`; ~4x the eager rate here; the first call compiles, ~10-50 s,
+    and needs a C++ compiler); more rows stay eager (the compiled loop reads the codes once
+    per row)."""
+
+    def __init__(self, ga: GroupAffine, bias: torch.Tensor | None = None,
+                 compiled: bool = False):
+        self.ga = ga
+        self.bias = bias
+        self.compiled = compiled
+        rows, cols = ga.shape
+        self.in_features = cols
+        self._rows = max(1, min(rows, _DEQUANT_BUFFER_BYTES // (4 * cols)))
+        self._buf = torch.empty(self._rows, cols)
+
+    @classmethod
+    def from_raws(cls, raws, qtypes, shapes, bias: torch.Tensor | None = None,
+                  compiled: bool = False) -> "DequantLinear":
+        """Stack the parts' rows (GGUF bytes; one group size, i.e. all 32 or all Q6_K)."""
+        rows, cols = sum(r for r, _ in shapes), shapes[0][1]
+        codes = torch.empty(rows, cols, dtype=torch.int8)
+        scale = offset = None
+        group, lo = None, 0
+        for r0, ga in _chunks(raws, qtypes, shapes):
+            r1 = r0 + ga.shape[0]
+            if scale is None:
+                group = ga.group
+                scale = torch.empty(rows, cols // group)
+            if ga.group != group:
+                raise ValueError("parts of one DequantLinear need one group size")
+            if ga.offset is not None and offset is None:
+                offset = torch.zeros(rows, cols // group)
+            codes[r0:r1], scale[r0:r1] = ga.codes, ga.scale
+            if ga.offset is not None:
+                offset[r0:r1] = ga.offset
+            lo = min(lo, ga.lo)
+        return cls(GroupAffine(codes, scale, offset, group, lo), bias, compiled)
+
+    @property
+    def kind(self) -> str:
+        return "dequant-compiled" if self.compiled else "dequant"
+
+    @property
+    def out_features(self) -> int:
+        return self.ga.codes.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        ga = self.ga
+        return ga.codes.numel() + ga.scale.numel() * 4 + (
+            ga.offset.numel() * 4 if ga.offset is not None else 0)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        ga = self.ga
+        rows, cols = ga.shape
+        per = cols // ga.group
+        xf = x.float()
+        if self.compiled and x.shape[0] == 1:
+            y = _compiled_dot()(ga.codes.view(rows, per, ga.group), ga.scale, ga.offset,
+                                xf.view(per, ga.group)).unsqueeze(0)
+        else:
+            yt = torch.empty(rows, x.shape[0])  # (out, m): each chunk writes contiguous rows
+            for r0 in range(0, rows, self._rows):
+                r1 = min(rows, r0 + self._rows)
+                buf = self._buf[:r1 - r0]
+                g = buf.view(r1 - r0, per, ga.group)
+                torch.mul(ga.codes[r0:r1].view(r1 - r0, per, ga.group),
+                          ga.scale[r0:r1].unsqueeze(-1), out=g)
+                if ga.offset is not None:
+                    g.add_(ga.offset[r0:r1].unsqueeze(-1))
+                torch.mm(buf, xf.t(), out=yt[r0:r1])
+            y = yt.t()
+            if x.shape[0] > 1:
+                y = y.contiguous()
+        if self.bias is not None:
+            y = y + self.bias
+        if residual is not None:
+            y = residual + y
+        return y.to(x.dtype)
+
+
+# --- building ----------------------------------------------------------------------------------
+
+def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | None:
+    """The layout a tensor of `qtype` gets: `kind` if it can take it ("int4pack" only for
+    4-bit formats with groups of 32, "int4pair" only for Q8_0), or with kind="auto" int4pack
+    for Q4_0/Q4_1/Q4_K, int4pair for Q8_0 (int8pack's per-row requantization costs Q8_0 more
+    than the issue's 0.5% perplexity allowance on the default model; int4pair, 0.03%) and
+    int8pack for Q6_K (16-wide sub-blocks fit no int4 group); None for formats no layout
+    reads (keep DenseLinear for those)."""
+    qtype = Q(int(qtype))
+    if kind != "auto" and kind not in KINDS:
+        raise ValueError(f"kind must be auto or one of {', '.join(KINDS)}, not {kind!r}")
+    if qtype not in UNPACKED_FORMATS:
+        return None
+    if kind == "auto":
+        return ("int4pack" if qtype in INT4_FORMATS else
+                "int4pair" if qtype in PAIR_FORMATS else "int8pack")
+    if kind == "int4pack" and qtype not in INT4_FORMATS:
+        return None
+    if kind == "int4pair" and qtype not in PAIR_FORMATS:
+        return None
+    return kind
+
+
+def _dequant_compiled(raws, qtypes, shapes, bias=None) -> DequantLinear:
+    return DequantLinear.from_raws(raws, qtypes, shapes, bias, compiled=True)
+
+
+_BUILDERS = {"int4pack": Int4PackLinear.from_raws, "int4pair": Int4PairLinear.from_raws,
+             "int8pack": Int8PackLinear.from_raws,
+             "dequant": DequantLinear.from_raws, "dequant-compiled": _dequant_compiled}
+
+
+def packed_nbytes(qtype: GGMLQuantizationType | int, shape: tuple[int, int],
+                  kind: str = "auto") -> int | None:
+    """RAM the layout of kind_for(qtype, kind) takes for a (rows, cols) matrix (what `nbytes`
+    of the built linear reports), without building it; None where no layout reads qtype. For
+    memory planners (a resident CPU layer's bytes)."""
+    k = kind_for(qtype, kind)
+    if k is None:
+        return None
+    rows, cols = (int(s) for s in shape)
+    if k in ("int4pack", "int4pair"):
+        width = cols if k == "int4pack" else 2 * cols  # int4pair: two nibble planes
+        padded = -(-rows // 16) * 16
+        return padded * width // 2 + width // INT4_GROUP * padded * 2 * 2
+    if k == "int8pack":
+        return rows * cols + rows * 2
+    q = Q(int(qtype))
+    group = 16 if q == Q.Q6_K else 32
+    planes = 2 if q in (Q.Q4_1, Q.Q4_K) else 1  # scale, and offset where the format has one
+    return rows * cols + rows * (cols // group) * 4 * planes
+
+
+def _concat_bias(biases: Sequence[torch.Tensor | None], shapes) -> torch.Tensor | None:
+    if all(b is None for b in biases):
+        return None
+    return torch.cat([b.float() if b is not None else torch.zeros(s[0])
+                      for b, s in zip(biases, shapes)])
+
+
+def pack_linear(raw: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, int],
+                bias: torch.Tensor | None = None, kind: str = "auto") -> Linear | None:
+    """One GGUF matrix (uint8, rows x row_bytes, on the CPU) as a packed CPU linear, or None
+    where no layout reads its format (see kind_for). The bytes are only read (a view of the
+    file's memory map, or of a staging buffer about to be reused, will do)."""
+    fused, _ = pack_group([raw], [qtype], [shape], [bias], kind)
+    return fused
+
+
+def pack_group(raws: Sequence[torch.Tensor], qtypes: Sequence[GGMLQuantizationType | int],
+               shapes: Sequence[tuple[int, int]], biases: Sequence[torch.Tensor | None],
+               kind: str = "auto") -> tuple[Linear | None, list[Linear | None]]:
+    """The parts of one LinearGroup (q/k/v, gate/up: same input width) as packed CPU linears.
+
+    Where every part gets the same layout (e.g. Q4_K and Q4_0 both go to int4pack), their rows
+    are concatenated into one linear, returned as (fused, []). Otherwise (None, parts), with a
+    None part where its format has no layout. A single part comes back as (it, [])."""
+    kinds = [kind_for(t, kind) for t in qtypes]
+    groups = {16 if Q(int(t)) == Q.Q6_K else 32 for t in qtypes}
+    if kinds[0] is not None and len(set(kinds)) == 1 and (
+            not kinds[0].startswith("dequant") or len(groups) == 1):
+        return _BUILDERS[kinds[0]](raws, qtypes, shapes, _concat_bias(biases, shapes)), []
+    parts = [_BUILDERS[k]([r], [t], [s], b) if k is not None else None
+             for r, t, s, k, b in zip(raws, qtypes, shapes, kinds, biases)]
+    return None, parts
