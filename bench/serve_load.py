@@ -131,18 +131,25 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
         cmd += ["--ctx", str(args.ctx)]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    wait_healthy(proc, url, log, 300)
+    return proc, url, log
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, seconds: float) -> None:
+    """Return once the server at `url` answers /health 200; exit with its log's tail if it
+    dies or is not healthy within `seconds` (bench/serve_soak.py uses it too)."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             sys.exit(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, log
+            if httpx.get(url + "/health", timeout=5).status_code == 200:
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.5)
     proc.kill()
-    sys.exit(f"the server was not healthy within 300 s:\n{log.read_text()[-3000:]}")
+    sys.exit(f"the server was not healthy within {seconds:g} s:\n{log.read_text()[-3000:]}")
 
 
 def git_commit() -> str | None:

@@ -213,18 +213,12 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
         cmd += ["-t", str(args.threads)]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return proc, url, log
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    sys.exit(f"the server was not healthy within 600 s:\n{log.read_text()[-3000:]}")
+    # here, not at the top: tests load this file's client without bench/ on sys.path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from serve_load import wait_healthy
+
+    wait_healthy(proc, url, log, 600)
+    return proc, url, log
 
 
 def run_soak(url: str, sampler: RssSampler, args) -> tuple[list[Outcome], dict]:
