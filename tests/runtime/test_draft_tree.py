@@ -156,3 +156,31 @@ def test_caches_hold_the_accepted_prefix_with_trees_grown_ahead(tiny):
     assert grown_rounds > 0
     k_want, _ = _fresh_kv(target, PREFIX + emitted[:-1])
     assert torch.allclose(t.kv.k[:, :, :t.length], k_want, atol=1e-4, rtol=1e-4)
+
+
+def test_top_up_grows_a_tree_grown_ahead_to_the_rounds_depth(tiny):
+    """A subtree grown ahead beside other outcomes may be shallow: topped up in series (as a
+    fresh tree's levels grow, within the budget), its run nodes go deeper, and what the draft
+    ran holds a fresh forward's keys; a tree already deep enough gets nothing in series."""
+    draft = tiny[1]
+    grower = _grown(draft, levels=2)
+    tree = grower.tree
+    node = next(i for i in range(1, len(tree)) if tree.ran[i] and tree.depths[i] == 1)
+    new = grower.reroot([0], tree.tokens[node])
+    out = new.tree
+
+    def ran_depth() -> int:
+        return max(d for d, r in zip(out.depths, out.ran) if r)
+
+    before, size = ran_depth(), len(out)
+    assert before < 4
+    forwards = new.top_up(size + 24, 5, None)
+    assert forwards >= 1 and ran_depth() > before and len(out) <= size + 24
+    assert new.top_up(len(out) + 24, ran_depth() + 1, None) == 0
+    last_ran = max(j for j in range(len(out)) if out.ran[j])
+    assert new.start + last_ran < draft.engine.length <= new.start + len(out)
+    deep = max((j for j in range(len(out)) if out.ran[j]), key=lambda j: out.depths[j])
+    ids = PREFIX + [ROOT] + [out.tokens[k] for k in out.paths[deep]]
+    k_want, _ = _fresh_kv(draft, ids)
+    got = draft.engine.kv.k[:, :, new.start + deep]
+    assert torch.allclose(got, k_want[:, :, len(ids) - 1], atol=1e-4, rtol=1e-4)

@@ -129,25 +129,33 @@ class TreeGrower:
 
     # --- growth -------------------------------------------------------------------------------
 
-    def grow(self, nodes: int, depth: int, level_width: int | None) -> None:
-        """In series: levels 1..depth below the root, within `nodes` (root included). Each
-        level adds the best candidates, at most an even share of the remaining budget, so that
-        a confident chain can reach `depth` rather than the budget going to the first levels'
-        siblings; unpicked candidates stay for later levels. Every level but the last runs
-        its nodes through the draft (at most `level_width` of them where given: on CUDA the
-        rows the quantized GEMV serves); the last takes what the budget has left, as leaves."""
+    def grow(self, nodes: int, depth: int, level_width: int | None,
+             levels: int | None = None, run_leaves: bool = False) -> None:
+        """In series: `levels` levels (default: `depth`, a fresh tree's), nodes no deeper than
+        `depth` below the root, within `nodes` (root included). Each level adds the best
+        candidates, at most an even share of the remaining budget, so that a confident chain
+        can reach `depth` rather than the budget going to the first levels' siblings; unpicked
+        candidates stay for later levels. Every level but the last runs its nodes through the
+        draft (at most `level_width` of them where given: on CUDA the rows the quantized GEMV
+        serves); the last takes what the budget has left, as leaves. run_leaves: nodes added
+        earlier and never run compete with the candidates (a tree grown ahead)."""
         tree = self.tree
-        for level in range(1, depth + 1):
+        levels = depth if levels is None else levels
+        for level in range(1, levels + 1):
             room = nodes - len(tree)
             if room <= 0 or not (self.pool or self.unrun):
                 break
-            last = level == depth
-            take = room if last else math.ceil(room / (depth - level + 1))
+            last = level == levels
+            take = room if last else math.ceil(room / (levels - level + 1))
             if level_width is not None and not last:
                 take = min(take, level_width)
-            picked = self._pick(take, depth)
+            picked = self._pick(take, depth, run_leaves)
             if not picked or last or len(tree) >= nodes:
-                break  # leaves: their children would not be verified
+                # leaves: their children would not be verified; they stay candidates to run
+                self.unrun = [(-tree.logprobs[i], i) for i in range(len(tree))
+                              if not tree.ran[i]]
+                heapq.heapify(self.unrun)
+                break
             self._run(picked)
 
     def ahead(self, go_on: Callable[[], bool], width: int, levels: int | None = None) -> int:
@@ -167,6 +175,16 @@ class TreeGrower:
             done += 1
         self.ahead_forwards += done
         return done
+
+    def top_up(self, nodes: int, depth: int, level_width: int | None) -> int:
+        """In series, for a tree grown ahead: the levels that take its deepest run nodes down
+        to `depth - 1` (a fresh tree's depth), so that a subtree grown shallow beside other
+        outcomes is not verified shallow. Returns the draft forwards run."""
+        ran_depth = max(d for d, r in zip(self.tree.depths, self.tree.ran) if r)
+        before = self.tree.forwards
+        if ran_depth < depth - 1:
+            self.grow(nodes, depth, level_width, levels=depth - ran_depth, run_leaves=True)
+        return self.tree.forwards - before
 
     def snapshot(self, nodes: int, depth: int) -> list[int]:
         """The nodes a target pass verifies: those of depth <= `depth` in growth order, at most
@@ -212,12 +230,16 @@ class TreeGrower:
         """Up to k best candidates of depth <= max_depth, added to the tree; with run_leaves,
         nodes already added but never run compete too (growing ahead). Returns their nodes,
         ascending."""
-        tree, out, deferred = self.tree, [], []
+        tree, out, deferred, deep = self.tree, [], [], []
         while len(out) < k:
             use_unrun = run_leaves and self.unrun and \
                 (not self.pool or self.unrun[0][0] <= self.pool[0][0])
             if use_unrun:
-                out.append(heapq.heappop(self.unrun)[1])
+                entry = heapq.heappop(self.unrun)
+                if tree.depths[entry[1]] > max_depth:
+                    deep.append(entry)  # put back below
+                else:
+                    out.append(entry[1])
                 continue
             if not self.pool:
                 break
@@ -228,10 +250,11 @@ class TreeGrower:
                 continue
             node = tree.add(token, parent, -neg)
             out.append(node)
-            if not run_leaves:
-                heapq.heappush(self.unrun, (neg, node))
+            heapq.heappush(self.unrun, (neg, node))  # until it runs (_run takes it out)
         for entry in deferred:
             heapq.heappush(self.pool, entry)
+        for entry in deep:
+            heapq.heappush(self.unrun, entry)
         return sorted(out)
 
     def _run(self, nodes: list[int]) -> None:

@@ -15,12 +15,16 @@ The tree (SpecExec style, runtime.draft_tree) is deterministic: the most probabl
 continuations by the draft's cumulative log-probability, grown level by level with one draft
 forward per level over the new nodes only. With `ahead`, the draft grows it on past what the
 target verified, after the pass; where the walk then ends at a token grown ahead, the subtree
-below it is the next tree (on the default model's Q8_0/Q4_0 pair, 47-67% of trees, but with
-fewer tokens per pass than fresh trees: bench/results/2026-11-30-s7-spec-ahead-cpu.json; such
-a tree gets no growth in series yet). That growth is meant to run beside the
-target's streamed pass; the first attempt, from a thread on a CUDA stream of its own, made
-passes slower on the H200 and is kept off main (branch s7-wip-ahead-overlap-cuda), so here it
-runs after the pass, on every device, and is off unless asked for.
+below it is the next tree, topped up in series to the round's depth. On the default model's
+Q8_0/Q4_0 pair that does not pay yet (bench/results/2026-11-30-s7-spec-ahead-cpu.json and
+-topup-cpu.json, 64-node trees, greedy): fresh trees give 5.22 tokens per pass for 7.33 draft
+forwards in series; reused trees without the top-up 3.92 for 2.42 (67% of trees reused), with
+it 4.70 for 6.70 (25%). At the 70B's measured costs (a 0.485 s pass, 10 ms levels) the fresh
+trees win either way, and hiding the draft entirely would gain at most its ~13% of a round.
+The growth is meant to run beside the target's streamed pass; the first attempt, from a
+thread on a CUDA stream of its own, made passes slower on the H200 and is kept off main
+(branch s7-wip-ahead-overlap-cuda), so here it runs after the pass, on every device, and is
+off unless asked for.
 
 Invariant between rounds, with L = len(prompt) + emitted - 1:
   * the target's cache holds the accepted prefix: the prompt and every emitted token but the
@@ -43,11 +47,14 @@ import torch
 
 from ..errors import BadArgument, DraftMismatch
 from ..model import tree_step
-from .draft_tree import DraftTree, TreeGrower, grow_tree  # noqa: F401  (grow_tree: re-exported)
+from .draft_tree import DraftTree, TreeGrower, grow_tree
 from .engine import Engine
 from .generate import GenerationStats, TokenSource
 from .sampler import Sampler
 from .spec_sizing import TreeSizer
+
+__all__ = ["SpecStats", "Speculator", "check_vocab", "grow_tree", "keep", "speculative_source",
+           "walk"]
 
 DEFAULT_DEPTH = 8  # drafted tokens below the root on the longest branch, at most
 DEFAULT_TOP_K = 8  # children considered per expanded node
@@ -226,6 +233,13 @@ class Speculator:
                 t = t_draft
             else:
                 self.stats.ahead_trees += 1
+                forwards = grown.top_up(width, levels, self.level_width)
+                if forwards:
+                    self.stats.draft_forwards += forwards
+                    t_draft = time.perf_counter()
+                    self.stats.draft_s += t_draft - t
+                    self.sizer.observe_levels(forwards, t_draft - t)
+                    t = t_draft
             tree = grown.tree
             verify = grown.snapshot(width, levels)
             logits = self._verify(grown, verify, start)
