@@ -428,3 +428,24 @@ def test_the_bar_follows_both_downloads(env, hub, gguf_bytes, monkeypatch):
     assert [(t.description, t.completed, t.total) for t in bar.tasks] == [
         (FILE, len(gguf_bytes), len(gguf_bytes))] * 2
     assert console.file.getvalue().count("100%") >= 2  # drawn, on a terminal
+
+
+def test_load_and_its_draft_take_a_cached_name(tmp_path, monkeypatch):
+    """slipstream.load (and its draft=) take what -m takes: here a cached model's name, as
+    `slipstream list` shows it; a name nothing answers to is ModelNotFound, before loading."""
+    import slipstream as ss
+    from slipstream.errors import ModelNotFound
+    from slipstream.synth import write_synth
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    write_synth(cache / "tiny-target.gguf", "tiny", "Q8_0", n_layers=1)
+    write_synth(cache / "tiny-draft.gguf", "tiny", "Q4_0", n_layers=1)
+    with ss.load("tiny-target", device="cpu", ctx=64, draft="tiny-draft.gguf") as model:
+        assert model.path == cache / "tiny-target.gguf"
+        assert model.plan.draft is not None and model.plan.draft[0] == "tiny-draft.gguf"
+        assert len(list(model.generate([1, 2, 3], max_tokens=4, temperature=0))) == 4
+    with pytest.raises(ModelNotFound, match="no-such-model"):
+        ss.load("no-such-model", device="cpu")

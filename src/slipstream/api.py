@@ -239,7 +239,9 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
          io: str = "direct", stream_delay=None, gpu_slots: int = 2,
          skip_layers: int = 0, draft: str | os.PathLike[str] | None = None,
          draft_skip_layers: int = 0, private_weights: bool | None = None) -> Model:
-    """Open a GGUF model (the default model, pulled if missing, when path is None).
+    """Open a GGUF model: `path` (and `draft`) take what `slipstream -m` takes, a file, a cached
+    model's name (`slipstream list`), USER/REPO/FILE.gguf or a URL, pulled if the cache lacks
+    it; None is the default model, pulled if missing.
 
     precision: "fast" (the default) trades a little accuracy for speed. On CPU it keeps the
     weights as float16 (half the bytes per decode token; logits within ~1e-3 of float32). On
@@ -292,7 +294,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
             raise BadArgument("draft=... and draft_skip_layers=... name two drafts: give one")
         _check_skip_layers(cfg, draft_skip_layers, what="draft_skip_layers")
     if draft is not None:
-        _check_draft(model_path, gf, Path(draft))
+        draft = _resolve(draft, progress)
+        _check_draft(model_path, gf, draft)
     prec = Precision.of(precision, dev)
     from .memory.budget import parse_size
 
@@ -491,12 +494,21 @@ def plan(path: str | os.PathLike[str] | None = None, device: str | torch.device 
 
 
 def _open(path, progress: bool) -> tuple[Path, GGUFFile, ModelConfig]:
-    from .pull import pull
-
-    model_path = Path(path) if path is not None else pull(quiet=not progress)
+    model_path = _resolve(path, progress)
     gf = GGUFFile(model_path)
     return model_path, gf, ModelConfig.from_metadata(gf.metadata, set(gf.tensors),
                                                      source=model_path.name)
+
+
+def _resolve(path, progress: bool) -> Path:
+    """A model's file from what `-m` takes (pull.resolve): an existing file as it is; else a
+    cached name, USER/REPO/FILE.gguf or a URL, pulled if the cache lacks it; None: the default
+    model."""
+    from .pull import resolve
+
+    if path is not None and Path(path).is_file():
+        return Path(path)
+    return resolve(None if path is None else str(path), quiet=not progress)
 
 
 def _context(cfg: ModelConfig, ctx: int | None) -> int:

@@ -117,7 +117,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 def _add_draft_args(p: argparse.ArgumentParser) -> None:
     """Speculative decoding: the commands that generate (run, chat, bench, serve)."""
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--draft", default=None, metavar="PATH", help="a smaller GGUF with the "
+    g.add_argument("--draft", default=None, metavar="MODEL", help="a smaller GGUF (a path or "
+                   "anything -m takes) with the "
                    "model's vocabulary that guesses trees of tokens the model verifies in one "
                    "pass each (the output follows the same distribution as without it; "
                    "default: none, plain decoding)")
