@@ -218,7 +218,7 @@ class Speculator:
                 draft.truncate(start + 1)
             else:
                 self.lag.append(int(root))
-            tree, verify = DraftTree(int(root)), [0]
+            tree, verify, rows = DraftTree(int(root)), [0], {0: 0}
             logits = target.decode(root.view(1))
         else:
             if grown is None:
@@ -226,24 +226,19 @@ class Speculator:
                 grown.grow(width, levels, self.level_width)
                 self.lag = []
                 forwards = grown.tree.forwards
-                self.stats.draft_forwards += forwards
-                t_draft = time.perf_counter()  # growth ended on a host read of the logits
-                self.stats.draft_s += t_draft - t
-                self.sizer.observe_levels(forwards, t_draft - t)
-                t = t_draft
             else:
                 self.stats.ahead_trees += 1
                 forwards = grown.top_up(width, levels, self.level_width)
-                if forwards:
-                    self.stats.draft_forwards += forwards
-                    t_draft = time.perf_counter()
-                    self.stats.draft_s += t_draft - t
-                    self.sizer.observe_levels(forwards, t_draft - t)
-                    t = t_draft
+            if forwards:  # the draft's work in series, before the pass
+                t_draft = time.perf_counter()  # growth ended on a host read of the logits
+                self.stats.draft_forwards += forwards
+                self.stats.draft_s += t_draft - t
+                self.sizer.observe_levels(forwards, t_draft - t)
+                t = t_draft
             tree = grown.tree
             verify = grown.snapshot(width, levels)
-            logits = self._verify(grown, verify, start)
-        rows = {node: row for row, node in enumerate(verify)}
+            rows = {node: row for row, node in enumerate(verify)}
+            logits = self._verify(grown, verify, rows, start)
         path, tokens, self.history = walk(tree, logits, self.sampler, self.history, rows)
         keep(target, start, [rows[i] for i in path])
         if len(verify) > 1:
@@ -260,11 +255,11 @@ class Speculator:
         self.root = tokens[-1]
         return tokens
 
-    def _verify(self, grown: TreeGrower, verify: list[int], start: int) -> torch.Tensor:
-        """The target's pass over the nodes `verify` of the tree (one logits row each); then,
-        with `ahead`, the draft grows the tree on past them, for the next round."""
+    def _verify(self, grown: TreeGrower, verify: list[int], rows: dict[int, int],
+                start: int) -> torch.Tensor:
+        """The target's pass over the nodes `verify` of the tree (node -> logits row: `rows`);
+        then, with `ahead`, the draft grows the tree on past them, for the next round."""
         tree = grown.tree
-        rows = {node: row for row, node in enumerate(verify)}
         parents = [rows[tree.parents[i]] if i else -1 for i in verify]
         step = tree_step(parents, start, start, self.target.device)
         logits = self.target.forward([tree.tokens[i] for i in verify], all_logits=True,
