@@ -183,7 +183,7 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
     with slipstream.load(t70, device="cuda", ctx=2048, vram_budget="24GiB") as m:
         streamed = len(m.plan.streamed_layers)
         moved = m.plan.bytes_per_token("pinned")
-        plain = decode(m, 12, draft=False)
+        plain = decode(m, tokens, draft=False)  # as long as the speculative runs below
         passes = pass_costs(m.engine, pass_widths)
         rows.append({"name": "70b-q4k-vram24", "decode_tok_s": plain["decode_tok_s"],
                      "streamed_layers": streamed, "h2d_bytes_per_token": moved,
@@ -202,7 +202,7 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
         forced = decode(m, max(tokens // 3, 8), spec_nodes=256, spec_depth=8)
         auto = decode(m, tokens)
         released = m.draft_released
-        after = decode(m, 12, draft=False)  # plain, with the layers the draft's VRAM took
+        after = decode(m, tokens, draft=False)  # plain, with the layers the draft's VRAM took
         row = {"name": "70b-q4k-vram24-spec", "draft": t8.name,
                "draft_vram_bytes": draft_vram, "streamed_layers": streamed_with_draft,
                "plain_decode_tok_s": rows[0]["decode_tok_s"],
