@@ -238,7 +238,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
          ram_budget: str | int | None = None, vram_budget: str | int | None = None,
          io: str = "direct", stream_delay=None, gpu_slots: int = 2,
          skip_layers: int = 0, draft: str | os.PathLike[str] | None = None,
-         draft_skip_layers: int = 0, private_weights: bool | None = None) -> Model:
+         draft_skip_layers: int = 0, private_weights: bool | None = None,
+         hybrid: str | float = "auto", threads: int | None = None) -> Model:
     """Open a GGUF model: `path` (and `draft`) take what `slipstream -m` takes, a file, a cached
     model's name (`slipstream list`), USER/REPO/FILE.gguf or a URL, pulled if the cache lacks
     it; None is the default model, pulled if missing.
@@ -282,7 +283,18 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     cannot kill it (SIGBUS) or change its output (weights.loader). None: on CPU yes (the
     default model: the 28.7 MiB embedding copied, RSS 104 MiB lower, its file pages dropped),
     on CUDA no (only a streamed plan's host embedding is concerned; True copies it).
+    hybrid (CUDA, layers streamed from pinned RAM): "auto" (default) lets the CPU compute part
+    of each such layer's FFN during decode, from a packed copy in RAM, while PCIe brings the
+    rest, when the bandwidths measured at start-up predict it at least 5% faster (the plan
+    shows the split and the prediction; memory.hybrid_plan); "on" splits whatever it
+    predicts, "off" never, a number in (0, 1] sets the CPU's share. Not bit-identical to
+    "off": the CPU kernels round weights' scales and activations to bfloat16. threads: the
+    CPU threads of that share (default: three quarters of the cores); torch's whole process
+    then computes with them.
     """
+    from .memory.hybrid_plan import parse_hybrid
+
+    hybrid = parse_hybrid(hybrid)
     model_path, gf, cfg = _open(path, progress)
     dev = resolve_device(device)
     tokenizer = Tokenizer.from_metadata(gf.metadata)
@@ -324,7 +336,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     cap = VramCap(dev, vram) if dev.type == "cuda" else None
     try:
         model = _build(model_path, gf, cfg, dev, tokenizer, template, plan, n_ctx, prec,
-                       progress, io, stream_delay, private_weights)
+                       progress, io, stream_delay, private_weights, hybrid, threads)
     except BaseException as e:
         if draft_model is not None:
             draft_model.close()
@@ -474,7 +486,7 @@ def _skip_layers(model: Model, k: int) -> None:
 def plan(path: str | os.PathLike[str] | None = None, device: str | torch.device = "auto",
          ctx: int | None = None, precision: str = "fast", ram_budget: str | int | None = None,
          vram_budget: str | int | None = None, io: str = "direct", gpu_slots: int = 2,
-         measure: bool = True):
+         measure: bool = True, hybrid: str | float = "auto", threads: int | None = None):
     """The tier plan (memory.Plan) that `load` would make with the same arguments, without
     loading the model: which layers stay in VRAM or RAM, which stream from pinned RAM or disk,
     and the reserve. The budgets are read from the machine now (free VRAM, MemAvailable).
@@ -490,6 +502,10 @@ def plan(path: str | os.PathLike[str] | None = None, device: str | torch.device 
         from .memory.setup import measure_bandwidths
 
         measure_bandwidths(gf, p, io, cfg, Precision.of(precision, dev))
+        if p.streamed_layers:
+            from .memory.hybrid_plan import parse_hybrid
+
+            _plan_hybrid(gf, cfg, p, parse_hybrid(hybrid), threads)
     return p
 
 
@@ -531,17 +547,19 @@ def _plan(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Precisio
 
 def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, tokenizer,
            template, plan, n_ctx: int, precision: Precision, progress: bool, io: str,
-           stream_delay, private_weights: bool | None = None) -> Model:
+           stream_delay, private_weights: bool | None = None, hybrid: str | float = "off",
+           threads: int | None = None) -> Model:
     """Load the planned model: streamed tiers first, then the resident weights, the store
     and the engine."""
     from .memory.setup import disk_images, make_store, measure_bandwidths, pin_streamed_layers
 
     if plan.streamed_layers:
         measure_bandwidths(gf, plan, io, cfg, precision)
+        _plan_hybrid(gf, cfg, plan, hybrid, threads)
     resident = {i for i, t in enumerate(plan.tiers) if t in ("ram", "vram")}
     # CUDA tiers B and C are built first, while the GPU holds nothing else, so the transient
     # GPU copy of the layer being built never sits on top of the resident model.
-    images = pin_streamed_layers(gf, cfg, dev, precision, plan)
+    images, hosts = pin_streamed_layers(gf, cfg, dev, precision, plan)
     disk = disk_images(gf, cfg, dev, precision, plan, progress)
     weights = _load_weights_with_progress(gf, cfg, dev, precision, progress, resident,
                                           plan.embed_on_host, private_weights)
@@ -550,7 +568,7 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
         # (memory.vram reserves the larger of the two, not their sum).
         torch.cuda.empty_cache()
     store = make_store(gf, cfg, dev, precision, weights, plan, io, stream_delay, images,
-                       disk)
+                       disk, hosts)
     # one stage per planned stage (today one: the whole model on `dev`), all served by the store
     stages = [Stage.build(cfg, torch.device(st.device) if st.device != dev.type else dev,
                           st.layers, store, n_ctx, precision.kv_dtype, weights.rope_freqs)
@@ -560,6 +578,18 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
     model = Model(model_path, gf, cfg, engine, tokenizer, template)
     model.plan = plan
     return model
+
+
+def _plan_hybrid(gf: GGUFFile, cfg: ModelConfig, plan, hybrid: str | float,
+                 threads: int | None) -> None:
+    """plan.hybrid for a CUDA plan whose bandwidths are measured; the CPU's threads set."""
+    if plan.device != "cuda" or hybrid == "off":
+        return
+    from .memory.hybrid_plan import plan_hybrid
+
+    plan.hybrid = plan_hybrid(gf, cfg, plan, hybrid, threads)
+    if plan.hybrid is not None:
+        torch.set_num_threads(plan.hybrid.threads)
 
 
 def _load_weights_with_progress(gf, cfg, dev, precision: Precision, show: bool,

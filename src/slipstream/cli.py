@@ -111,7 +111,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "near-equals): faster, less accurate (default 0)")
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="CPU threads torch computes with (default: torch's choice, one per "
-                   "core)")
+                   "core; with --hybrid, three quarters of the cores)")
+    p.add_argument("--hybrid", default="auto", metavar="MODE", help="CUDA, layers streamed "
+                   "from pinned RAM: the CPU computes part of each one's FFN while PCIe "
+                   "brings the rest; auto (default: when the bandwidths measured at start-up "
+                   "predict it 5%% faster), on, off, or the CPU's share in (0, 1]")
 
 
 def _add_draft_args(p: argparse.ArgumentParser) -> None:
@@ -246,6 +250,10 @@ def check_args(a: argparse.Namespace) -> None:
             raise BadArgument(f"{flag} {value} is invalid: must be a finite number")
         if not ok(value):
             raise BadArgument(f"{flag} {value} is invalid: must be {rule}")
+    if getattr(a, "hybrid", None) not in (None, "auto", "off", "on"):
+        from .memory.hybrid_plan import parse_hybrid  # a share: imports torch, as loading will
+
+        parse_hybrid(a.hybrid)
     device = getattr(a, "device", None)
     if device is not None and not _DEVICE.fullmatch(device):
         raise BadArgument(f"--device {device!r} is not supported: use auto, cpu, cuda or "
@@ -318,7 +326,8 @@ def _load(a: argparse.Namespace):
                      skip_layers=a.skip_layers, **_draft_kwargs(a),
                      # a server must outlive its file being truncated or rewritten (SIGBUS):
                      # weights in private memory, on CUDA too (a streamed plan's embedding)
-                     private_weights=True if a.func is cmd_serve else None)
+                     private_weights=True if a.func is cmd_serve else None,
+                     hybrid=a.hybrid, threads=a.threads)
     a.load_s = time.perf_counter() - t0
     if model.skipped_layers:
         sims = model.layer_similarities
@@ -663,7 +672,7 @@ def cmd_info(a: argparse.Namespace) -> int:
 
         out.print(plan(path, device=a.device, ctx=a.ctx, precision=a.precision,
                        ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io,
-                       gpu_slots=a.gpu_slots).table())
+                       gpu_slots=a.gpu_slots, hybrid=a.hybrid, threads=a.threads).table())
     return 0
 
 

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..model.llama import LayerWeights
-from ..weights.image import LayerImage, from_image
+from ..weights.hybrid import REST_FIELDS
+from ..weights.image import LayerImage, from_image, prefix_bytes
 from .image_file import ImageFile
 from .protocol import StoreBase, StoreStats
 from .slots import SlotRing
@@ -32,7 +33,9 @@ class CudaLayerStore(StoreBase):
                  images: dict[int, LayerImage] | None = None, disk: ImageFile | None = None,
                  io: str = "direct", n_slots: int = 2, n_staging: int = 3, threads: int = 2,
                  delays: StreamDelays | None = None, seed: int = 0,
-                 drop_cache: bool = True):
+                 drop_cache: bool = True, hosts: dict | None = None):
+        """hosts: hybrid decode's CPU shares (weights.hybrid.HostFFN) of split pinned layers,
+        whose images end with the same units in GPU format (the part decode leaves out)."""
         self.layers = resident
         self.device = device
         self.workspace = workspace
@@ -64,6 +67,30 @@ class CudaLayerStore(StoreBase):
         # layer -> what hands out its slot: the ring, or a source with a slot of its own
         self.feed = {i: src if src.own_slot else self.ring
                      for src in self.sources for i in src.layouts}
+        self._views: dict[tuple[int, int, bool], LayerWeights] = {}  # (layer, slot, split)
+        self.hosts = dict(hosts or {})
+        # split layers: the bytes of their images before the GPU copy of the CPU's share
+        self.prefix = {i: prefix_bytes(self.layouts[i], REST_FIELDS) for i in self.hosts}
+        self.split_mode = False  # the pass running computes the CPU's shares on the CPU
+        for h in self.hosts.values():
+            h.io.stats = self.stats
+        self.begin_pass(1)  # the ring's first copies are a decode token's
+
+    def begin_pass(self, tokens: int) -> None:
+        """Split layers compute the CPU's share on the CPU for passes of up to the host
+        buffers' tokens (decode, small trees); larger ones are FLOP-bound there and copy
+        whole images. On a change the copies already made for the other kind of pass are
+        settled and the ring restarts (one host wait, at a prefill or a large tree)."""
+        if not self.hosts:
+            return
+        split = tokens <= next(iter(self.hosts.values())).io.max_tokens
+        if split == self.split_mode:
+            return
+        self.split_mode = split
+        pinned = next(src for src in self.sources if isinstance(src, PinnedSource))
+        pinned.upto = dict(self.prefix) if split else {}
+        if self.ring is not None and self.ring.pos:
+            self.ring.drop(())
 
     def _disk_source(self, disk: ImageFile, io: str, size: int, n_staging: int, threads: int,
                      delays: StreamDelays, drop_cache: bool) -> Source:
@@ -150,6 +177,10 @@ class CudaLayerStore(StoreBase):
         for i in chosen:
             image = pinned.images.pop(i)
             pinned.layouts.pop(i, None)
+            pinned.upto.pop(i, None)  # a split layer becomes whole: the GPU computes it all
+            self._views = {k: v for k, v in self._views.items() if k[0] != i}
+            self.hosts.pop(i, None)
+            self.prefix.pop(i, None)
             buf = torch.empty(image.host.numel(), dtype=torch.uint8, device=self.device)
             buf.copy_(image.host)
             self.layers[i] = from_image(self.layouts.pop(i), buf, self.workspace)
@@ -167,10 +198,27 @@ class CudaLayerStore(StoreBase):
         self._last_acquired = i
         layer = self.layers[i]
         if layer is None:
-            layer = from_image(self.layouts[i], self.feed[i].acquire(i, stream), self.workspace)
+            layer = self._views_of(i, self.feed[i].acquire(i, stream))
             self.stats.layers_streamed += 1
         if self.timeline is not None:
             self.timeline.layer_start(stream, i)
+        return layer
+
+    def _views_of(self, i: int, slot) -> LayerWeights:
+        """Layer i as views into `slot`, built once per slot it lands in (and per mode): a
+        layer's dozens of views and weight objects cost the host about a millisecond, which
+        hybrid decode, whose host waits on every split layer, would pay on its critical path.
+        Slots live as long as the store, so the views stay valid."""
+        split = self.split_mode and i in self.hosts
+        key = (i, slot.data_ptr(), split)
+        layer = self._views.get(key)
+        if layer is None:
+            if split:
+                layer = from_image(self.layouts[i], slot, self.workspace, upto=self.prefix[i])
+                layer.ffn_host = self.hosts[i]
+            else:
+                layer = from_image(self.layouts[i], slot, self.workspace)
+            self._views[key] = layer
         return layer
 
     def release(self, i: int) -> None:
@@ -200,6 +248,7 @@ class CudaLayerStore(StoreBase):
         self.ring = None
         self.feed = {}
         self.images = {}
+        self._views = {}
 
 
 def evenly_spaced(items: list[int], k: int) -> list[int]:

@@ -14,8 +14,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 from ..errors import BudgetTooSmall
 from .budget import fmt_bytes
+
+if TYPE_CHECKING:
+    from .hybrid_plan import HybridPlan
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,8 @@ class Plan:
     stages: list[StagePlan] = field(default_factory=list)  # default: one, every layer
     # a speculative draft placed before this plan: (what it is, bytes it holds of the budget)
     draft: tuple[str, int] | None = None
+    # CUDA: the pinned layers' FFN split with the CPU (memory.hybrid_plan), or None
+    hybrid: "HybridPlan | None" = None
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -84,6 +91,8 @@ class Plan:
         link carries the pinned and the disk layers); the resident layers' compute is counted
         on top, though interleaving lets copies run under it (a bound a few % low in decode,
         where the copies dominate)."""
+        if self.device == "cuda" and self.hybrid is not None and self.hybrid.predicted_tok_s:
+            return self.hybrid.predicted_tok_s  # the split's own prediction (hybrid_plan)
         if self.device == "cuda":
             bw = self.bandwidth_gbps
             streamed = self.bytes_per_token("pinned") + self.bytes_per_token("disk")
@@ -150,6 +159,13 @@ class Plan:
             t.add_row("fixed", "head, norms, KV", fmt_bytes(self.fixed_bytes), "-", "-")
         if self.draft is not None:
             t.add_row("draft", self.draft[0], fmt_bytes(self.draft[1]), "-", "-")
+        if self.hybrid is not None:
+            h = self.hybrid
+            t.add_row("hybrid CPU", f"{len(h.layers)} pinned layers: {h.cpu_share:.0%} of FFN "
+                      f"units, {h.threads} threads", fmt_bytes(h.extra_ram_bytes) + " packed",
+                      fmt_bytes(h.cpu_bytes_per_token), f"{h.cpu_gbps:.1f}")
+            t.add_row("hybrid PCIe", "the rest of those layers", "-",
+                      fmt_bytes(h.pcie_bytes_per_token), f"{h.pcie_gbps:.1f}")
         tok_s = self.predicted_tok_s
         rebuild = self.bandwidth_gbps.get("rebuild")
         if self.device == "cpu" and self.disk_layers and rebuild:
@@ -157,6 +173,9 @@ class Plan:
                       fmt_bytes(self.bytes_per_token("disk")), f"{rebuild:.2f}")
         what = ("link bandwidths and the rebuild of streamed layers"
                 if self.device == "cpu" and self.disk_layers else "link bandwidths alone")
+        if self.device == "cuda" and self.hybrid is not None and self.hybrid.plain_tok_s:
+            what = (f"PCIe and the CPU's share side by side (whole layers over PCIe: "
+                    f"{self.hybrid.plain_tok_s:.2f} tok/s)")
         t.caption = (f"predicted decode from {what}: {tok_s:.{1 if tok_s >= 10 else 2}f} tok/s"
                      if tok_s else None)
         return t

@@ -27,6 +27,10 @@ class StoreStats:
     stall_s: float = 0.0  # GPU idle between layers: waiting for a copy, or for the host
     h2d_s: float = 0.0  # copy stream busy (overlaps compute)
     disk_read_s: float = 0.0  # wall time with at least one read running (overlaps compute)
+    # Hybrid decode (weights.hybrid), host clock: the CPU's FFN shares, waits for their inputs
+    # included, and the packed bytes they read
+    cpu_s: float = 0.0
+    cpu_bytes: int = 0
 
     def reset(self) -> None:
         for f in fields(self):
@@ -56,6 +60,12 @@ class LayerStore(Protocol):
         call: a streaming store drops them from its read-ahead order, so it neither reads nor
         copies them. Called between forward passes; a streaming store refuses to
         hand out a skipped layer."""
+        ...
+
+    def begin_pass(self, tokens: int) -> None:
+        """A forward pass of `tokens` tokens starts (the engine calls it before acquiring the
+        pass's first layer): a store whose layers compute differently by batch size (hybrid
+        decode's CPU share) gets ready for it."""
         ...
 
     def promote(self, room: int) -> list[int]:
@@ -91,6 +101,9 @@ class StoreBase:
 
     def skip(self, layers: frozenset[int]) -> None:
         pass  # a store that reads nothing ahead has no order to change
+
+    def begin_pass(self, tokens: int) -> None:
+        pass  # layers computed the same at any batch size
 
     def promote(self, room: int) -> list[int]:
         return []  # a store with no cheaper place to put a layer keeps its tiers

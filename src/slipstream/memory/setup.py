@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -13,6 +14,7 @@ from ..model.layer_spec import head_tensor_name, kv_cache_bytes, spec_for
 from ..precision import Precision
 from ..weights.loader import LayerBuilder, TensorSource, layer_span, release_transients
 from .budget import mem_available
+from .hybrid_plan import HYBRID_MAX_TOKENS
 from .planner import Plan, StagePlan, plan_cuda, plan_layers
 from .protocol import LayerStore
 from .store import DiskLayerStore, MmapLayerStore, ResidentLayerStore, StreamDelays
@@ -176,32 +178,60 @@ def rebuild_gbps(gf: GGUFFile, cfg: ModelConfig, precision: Precision, i: int) -
 
 
 def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
-                        precision: Precision, plan: Plan) -> dict:
+                        precision: Precision, plan: Plan) -> tuple[dict, dict]:
     """CUDA tier B: build each streamed layer once on the GPU and keep its image in pinned RAM.
+    With plan.hybrid, the split layers are built in two FFN shares (weights.hybrid), and the
+    CPU's share is also packed for the CPU. Returns (images, host shares by layer).
 
     Runs before the resident layers load, so the transient GPU copy of the layer being built
     never sits on top of the resident model: the peak VRAM stays the steady-state one."""
     pinned = [i for i, t in enumerate(plan.tiers) if t == "pinned"]
     if plan.device != "cuda" or not pinned:
-        return {}
+        return {}, {}
     from rich.progress import BarColumn, DownloadColumn, Progress
 
+    from ..weights.hybrid import HostFFN, HostIO, ffn_raws, host_linears, split_layer
     from ..weights.image import to_image
     from ..weights.loader import TensorSource
 
     builder = LayerBuilder(cfg, device, precision, fuse_scales=False)
-    images = {}
+    hybrid = plan.hybrid
+    split = set(hybrid.layers) if hybrid is not None else set()
+    io = HostIO(device, cfg.hidden, HYBRID_MAX_TOKENS) if split else None
+    images, hosts = {}, {}
     total = sum(plan.file_bytes_per_layer[i] for i in pinned)
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  transient=True) as bar:
-        task = bar.add_task("pinning streamed layers", total=total)
-        for i in pinned:
-            images[i] = to_image(builder.build(TensorSource(gf), i))
-            release_transients(device)
-            bar.advance(task, plan.file_bytes_per_layer[i])
+    # The CPU's packed copies are made by a pool while the GPU builds the images: packing is
+    # many small torch ops, which release the GIL but use one core each.
+    # Each worker on one thread of its own: the pool is the parallelism.
+    threads = torch.get_num_threads()
+    if split:
+        torch.set_num_threads(1)
+    pool = ThreadPoolExecutor(max_workers=hybrid.threads) if split else None
+    packing = {i: pool.submit(host_linears, ffn_raws(TensorSource(gf), cfg, i), hybrid.keep)
+               for i in sorted(split)} if pool is not None else {}
+    try:
+        with Progress("[progress.description]{task.description}", BarColumn(),
+                      DownloadColumn(), transient=True) as bar:
+            task = bar.add_task("pinning streamed layers" + (
+                " and packing the CPU's share" if split else ""), total=total)
+            for i in pinned:
+                src = TensorSource(gf)
+                if i in split:
+                    images[i] = to_image(split_layer(builder, src, i, hybrid.keep))
+                    hosts[i] = HostFFN(*packing[i].result(), io)
+                else:
+                    images[i] = to_image(builder.build(src, i))
+                release_transients(device)
+                bar.advance(task, plan.file_bytes_per_layer[i])
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
+            torch.set_num_threads(threads)
     del builder
     torch.cuda.empty_cache()
-    return images
+    if hosts:
+        hybrid.extra_ram_bytes = sum(h.nbytes for h in hosts.values())
+    return images, hosts
 
 
 def disk_images(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Precision,
@@ -217,7 +247,7 @@ def disk_images(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision:
 
 def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Precision,
                weights, plan: Plan, io: str, delay=None, images: dict | None = None,
-               disk=None) -> LayerStore:
+               disk=None, hosts: dict | None = None) -> LayerStore:
     check_io(io, device)
     delays = StreamDelays.of(delay)
     if plan.device == "cuda":
@@ -229,7 +259,8 @@ def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: 
         return CudaLayerStore(weights.layers, device, weights.output.workspace,
                               images=images or {}, disk=disk, io=io,
                               n_slots=plan.staging_buffers,
-                              n_staging=plan.host_staging or N_STAGING, delays=delays)
+                              n_staging=plan.host_staging or N_STAGING, delays=delays,
+                              hosts=hosts)
     if not plan.disk_layers:
         return ResidentLayerStore(weights.layers)
     builder = LayerBuilder(cfg, device, precision)

@@ -83,9 +83,14 @@ class PinnedSource(Source):
     def __init__(self, images: dict[int, LayerImage], stats: StoreStats):
         super().__init__({i: im.layout for i, im in images.items()}, stats)
         self.images = images
+        # layer -> bytes to copy when less than the whole image (hybrid decode leaves the
+        # CPU's share, the image's tail, on the host)
+        self.upto: dict[int, int] = {}
 
     def enqueue(self, ring: SlotRing, i: int, k: int) -> None:
-        ring.copy_in(k, self.images[i].host)
+        host = self.images[i].host
+        n = self.upto.get(i)
+        ring.copy_in(k, host[:n] if n is not None else host)
 
     def close(self) -> None:
         self.images = {}  # the pinned images go with the store

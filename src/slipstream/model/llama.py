@@ -66,6 +66,22 @@ class LayerWeights:
     # one call instead of three (or two) matters when each call is a small memory-bound GEMV.
     attn_qkv: Linear | None = None  # hidden -> (n_heads + 2 * n_kv_heads) * head_dim
     ffn_gate_up: Linear | None = None  # hidden -> 2 * ffn
+    # A layer split for hybrid decode (weights.hybrid): ffn_gate_up / ffn_down then hold the
+    # GPU's intermediate units only. The other units are either here, in the same format
+    # (prefill, large trees), or computed elsewhere by `ffn_host` (decode): never both.
+    ffn_gate_up_rest: Linear | None = None  # hidden -> 2 * (the other units)
+    ffn_down_rest: Linear | None = None  # (the other units) -> hidden
+    ffn_host: "FFNShare | None" = None
+
+
+class FFNShare(Protocol):
+    """Part of a layer's FFN computed off the layer's device (the CPU's share in hybrid
+    decode): `start(h)` hands it the normed input without waiting; `finish(partial)` returns
+    partial plus its down-projection partial sum, on partial's device."""
+
+    def start(self, h: torch.Tensor) -> None: ...
+
+    def finish(self, partial: torch.Tensor) -> torch.Tensor: ...
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -167,8 +183,23 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
 
 def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """The SwiGLU half of the block, with its residual."""
+    if w.ffn_host is not None or w.ffn_down_rest is not None:
+        return _split_ffn(cfg, w, x)
     if w.ffn_gate_up is not None:
         gate_up = w.ffn_gate_up.norm_matmul(x, w.ffn_norm, cfg.norm_eps)
         return w.ffn_down.glu_matmul(gate_up, residual=x)
     h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
     return w.ffn_down(F.silu(w.ffn_gate(h)) * w.ffn_up(h), residual=x)
+
+
+def _split_ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU over intermediate units split in two (weights.hybrid): each side's down
+    projection is a partial sum over its own units, and the two add up to the whole. The share
+    computed elsewhere gets its input first, so that it runs while this device runs its own."""
+    h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
+    if w.ffn_host is not None:
+        w.ffn_host.start(h)
+    y = w.ffn_down.glu_matmul(w.ffn_gate_up(h), residual=x)
+    if w.ffn_host is not None:
+        return w.ffn_host.finish(y)
+    return w.ffn_down_rest.glu_matmul(w.ffn_gate_up_rest(h), residual=y)

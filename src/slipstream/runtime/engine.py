@@ -243,6 +243,7 @@ class Engine:
                 s = s.with_mask(group)  # built once per stage, shared by its layers
             x = x.to(stage.device)
             cos_sin = stage.rope.angles(s.positions)
+            stage.store.begin_pass(s.tokens)
             first = stage.layers.start
             for i in stage.layers:
                 if i in self._skip:

@@ -116,23 +116,36 @@ def to_image(layer: LayerWeights, pin: bool = True) -> LayerImage:
     return LayerImage(LayerLayout(entries, linears, host.numel()), host)
 
 
+def prefix_bytes(layout: LayerLayout, leave_out: tuple[str, ...]) -> int:
+    """Bytes of the image before the first tensor of the fields `leave_out` (which to_image
+    lays out last when they are LayerWeights' last fields): a copy of only that many bytes
+    holds every other field whole."""
+    offsets = [e.offset for e in layout.entries if e.key[0] in leave_out]
+    return min(offsets) if offsets else layout.nbytes
+
+
 def from_image(image: LayerImage | LayerLayout, slot: torch.Tensor,
-               workspace: Workspace) -> LayerWeights:
-    """The layer as views into a device slot holding a copy of the image's bytes."""
+               workspace: Workspace, upto: int | None = None) -> LayerWeights:
+    """The layer as views into a device slot holding a copy of the image's bytes; with `upto`,
+    only the image's first `upto` bytes are in the slot, and the fields with a tensor past
+    them are left None."""
     from ..kernels.pack import PackedWeight  # the plane layout only: needs no Triton
 
     views: dict[tuple, torch.Tensor] = {}
     for e in image.entries:
-        views[e.key] = slot[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+        if upto is None or e.offset + e.nbytes <= upto:
+            views[e.key] = slot[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
     fields = {}
     for name, (qtype, rows, cols, gguf_bytes, f16_scales) in image.linears.items():
+        if upto is not None and not any(k[0] == name for k in views):
+            continue
         planes = {p: views.get((name, p)) for p in _PLANES}
         packed = PackedWeight(qtype, rows, cols, gguf_bytes=gguf_bytes, f16_scales=f16_scales,
                               **planes)
         # as built: an image is never re-packed on the hot path
         fields[name] = QuantLinear(packed, views.get((name, "bias")), workspace, fuse=False)
     for e in image.entries:
-        if len(e.key) == 1:
+        if len(e.key) == 1 and e.key in views:
             fields[e.key[0]] = views[e.key]
     for f in dataclasses.fields(LayerWeights):
         fields.setdefault(f.name, None)

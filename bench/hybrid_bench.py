@@ -1,0 +1,194 @@
+"""Hybrid decode on the GPU machine (issue 13): the CPU computes part of each pinned layer's FFN
+while PCIe brings the rest, against whole layers over PCIe, on the same synthetic file.
+
+    python bench/hybrid_bench.py OUTDIR [--workdir /tmp/slipstream-models] [--cases 70b,8b]
+        [--threads 8,12,16] [--llamacpp FILE]
+
+Cases: 70b-q4k-vram24 / 70b-q4k-vram24-hybrid (the synthetic 70B Q4_K at 24 GiB) and
+8b-q4k-vram4 / 8b-q4k-vram4-hybrid. Each: decode tok/s over `--tokens` greedy steps after a
+warm-up (host clock around synchronised steps: every step ends in a device sync anyway), then
+the store's CUDA events over a few more (`--stats`: copy GB/s, compute, stalls, the CPU's
+seconds and GB/s), the plan's split and prediction, and VRAM reserved. The hybrid case also
+sweeps the CPU's threads on the loaded model (torch.set_num_threads takes effect at once).
+--llamacpp: llama-bench's output from the same call, whose tg figure goes into each case.
+Writes OUTDIR/hybrid-bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import slipstream  # noqa: E402
+from slipstream.memory.hybrid_plan import default_threads  # noqa: E402
+from slipstream.provenance import source_revision  # noqa: E402
+from slipstream.synth import write_synth  # noqa: E402
+
+
+def decode_rate(model, tokens: int) -> float:
+    engine = model.engine
+    engine.reset()
+    engine.forward(list(range(5, 13)))
+    ids = torch.arange(tokens + 3, device="cuda") + 100
+    for i in range(3):  # warm-up: the ring in its steady state
+        engine.decode(ids[i:i + 1])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(tokens):
+        engine.decode(ids[3 + i:4 + i])
+    torch.cuda.synchronize()
+    return tokens / (time.perf_counter() - t0)
+
+
+def breakdown(model, tokens: int) -> dict:
+    """The store's events per decode token (what --stats prints)."""
+    engine, store = model.engine, model.engine.layers
+    engine.reset()
+    engine.forward(list(range(5, 13)))
+    ids = torch.arange(tokens + 2, device="cuda") + 100
+    for i in range(2):
+        engine.decode(ids[i:i + 1])
+    torch.cuda.synchronize()
+    store.stats.reset()
+    store.enable_timing()
+    for i in range(tokens):
+        engine.decode(ids[2 + i:3 + i])
+    torch.cuda.synchronize()
+    store.collect()
+    store.enable_timing(False)
+    s, n = store.stats, tokens
+    return {"compute_ms": round(s.compute_s / n * 1e3, 2),
+            "stall_ms": round(s.stall_s / n * 1e3, 2),
+            "h2d_busy_ms": round(s.h2d_s / n * 1e3, 2),
+            "h2d_gb_per_token": round(s.h2d_bytes / n / 1e9, 3),
+            "pcie_gbps_achieved": round(s.h2d_bytes / s.h2d_s / 1e9, 1) if s.h2d_s else None,
+            "cpu_ms": round(s.cpu_s / n * 1e3, 2),
+            "cpu_gb_per_token": round(s.cpu_bytes / n / 1e9, 3),
+            "cpu_gbps_achieved": round(s.cpu_bytes / s.cpu_s / 1e9, 1) if s.cpu_s else None}
+
+
+def prefill_rate(model, n: int = 512) -> float:
+    engine = model.engine
+    ids = list(range(5, 5 + n))
+    engine.reset()
+    engine.forward(ids)  # warm-up (and the switch to whole-layer copies)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.reset()
+    engine.forward(ids)
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0)
+
+
+def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[int],
+         sweep: bool, prefill: bool = True) -> dict:
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    with slipstream.load(path, device="cuda", ctx=2048, vram_budget=budget,
+                         hybrid=hybrid) as m:
+        load_s = time.perf_counter() - t0
+        plan = m.plan
+        h = plan.hybrid
+        row = {"name": name, "vram_budget": budget, "hybrid": hybrid, "load_s": round(load_s, 1),
+               "tiers": {t: plan.tiers.count(t) for t in sorted(set(plan.tiers))},
+               "predicted_tok_s": round(plan.predicted_tok_s or 0, 3),
+               "pcie_gbps_probe": plan.bandwidth_gbps.get("pinned")}
+        if h is not None:
+            row.update(cpu_share=round(h.cpu_share, 4), ffn_units_on_gpu=h.keep,
+                       split_layers=len(h.layers), threads=h.threads,
+                       cpu_gbps_probe=round(h.cpu_gbps, 1),
+                       plain_predicted_tok_s=round(h.plain_tok_s or 0, 3),
+                       extra_ram_gib=round(h.extra_ram_bytes / 2**30, 2))
+        row["decode_tok_s"] = round(decode_rate(m, tokens), 3)
+        row["breakdown"] = breakdown(m, max(4, tokens // 2))
+        if h is not None and sweep:
+            rates = {}
+            for n in threads:
+                torch.set_num_threads(n)
+                rates[str(n)] = round(decode_rate(m, max(6, tokens // 2)), 3)
+                print(json.dumps({"name": name, "threads": n, "tok_s": rates[str(n)]}),
+                      flush=True)
+            torch.set_num_threads(h.threads)
+            row["decode_tok_s_by_threads"] = rates
+        if prefill:
+            row["prefill512_tok_s"] = round(prefill_rate(m), 1)
+            row["decode_after_prefill_tok_s"] = round(decode_rate(m, max(4, tokens // 2)), 3)
+        row["vram_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def llamacpp_tg(path: str | None) -> float | None:
+    """The tg figure of llama-bench's markdown table (t/s column), if the file has one."""
+    if not path or not Path(path).exists():
+        return None
+    for line in Path(path).read_text().splitlines():
+        if re.search(r"\|\s*tg\d+", line):
+            m = re.search(r"([\d.]+)\s*±\s*[\d.]+\s*\|?\s*$", line)
+            if m:
+                return float(m.group(1))
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("outdir")
+    ap.add_argument("--workdir", default="/tmp/slipstream-models")
+    ap.add_argument("--cases", default="70b,8b")
+    ap.add_argument("--tokens", type=int, default=12)
+    ap.add_argument("--threads", default="8,12,16")
+    ap.add_argument("--hybrid", default="auto", help="the hybrid cases' mode or share")
+    ap.add_argument("--llamacpp", default=None, help="llama-bench output from this call")
+    ap.add_argument("--skip-off", action="store_true", help="only the hybrid cases")
+    ap.add_argument("--no-prefill", action="store_true", help="leave out pp512")
+    a = ap.parse_args()
+    work = Path(a.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    threads = [int(t) for t in a.threads.split(",") if t]
+    out = Path(a.outdir, "hybrid-bench.json")
+    rows: list[dict] = []
+    doc = {"device": torch.cuda.get_device_name(), "host_cpus": torch.get_num_threads(),
+           "default_threads": default_threads(),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **source_revision(),
+           "torch": torch.__version__, "cases": rows}
+    hybrid = a.hybrid if a.hybrid in ("auto", "on", "off") else float(a.hybrid)
+    for shape, budget in (("70b", "24GiB"), ("8b", "4GiB")):
+        if shape not in a.cases.split(","):
+            continue
+        path = work / f"{shape}-Q4_K.gguf"
+        if not path.exists():
+            write_synth(path, shape, "Q4_K")
+        tag = f"{shape}-q4k-vram{budget[:-3]}"
+        for name, mode in ((tag, "off"), (f"{tag}-hybrid", hybrid)):
+            if mode == "off" and a.skip_off:
+                continue
+            rows.append(case(path, name, budget, mode, a.tokens, threads,
+                             sweep=shape == "70b", prefill=not a.no_prefill))
+            out.write_text(json.dumps(doc, indent=1))
+    tg = llamacpp_tg(a.llamacpp)
+    for r in rows:
+        r["llamacpp_decode_tok_s"] = tg
+        if tg:
+            r["ratio_to_llamacpp"] = round(r["decode_tok_s"] / tg, 3)
+    out.write_text(json.dumps(doc, indent=1))
+    print(f"{'case':28} {'tok/s':>7} {'pred':>7} {'share':>6} {'cpu GB/s':>8} "
+          f"{'pcie GB/s':>9} {'VRAM GiB':>8}")
+    for r in rows:
+        b = r["breakdown"]
+        print(f"{r['name']:28} {r['decode_tok_s']:7.3f} {r['predicted_tok_s']:7.3f} "
+              f"{r.get('cpu_share', 0):6.2f} {b['cpu_gbps_achieved'] or 0:8.1f} "
+              f"{b['pcie_gbps_achieved'] or 0:9.1f} {r['vram_gib']:8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Hybrid decode's split of a layer's FFN (weights.hybrid) on the CPU: the two shares add up to
+the whole layer, and the CPU's packed share matches it within the bfloat16 rounding of its
+kernels. The GPU side (images, the store's modes) is tested in tests/gpu/test_hybrid_gpu.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from slipstream.config import ModelConfig
+from slipstream.gguf_file import GGUFFile
+from slipstream.model.llama import _ffn
+from slipstream.precision import Precision
+from slipstream.synth import write_synth
+from slipstream.weights.hybrid import (HostFFN, HostIO, column_slice, ffn_raws, host_linears,
+                                       layer_splittable, split_layer, split_point)
+from slipstream.weights.loader import LayerBuilder, TensorSource
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module", params=["Q4_K", "Q4_K_M", "Q8_0", "Q4_0"])
+def layer_parts(request, tmp_path_factory):
+    path = write_synth(tmp_path_factory.mktemp("hy") / "t.gguf", "tiny", request.param,
+                       from_floats=True, std=0.05, seed=3)
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    builder = LayerBuilder(cfg, CPU, Precision.of("exact", CPU))
+    return cfg, builder, TensorSource(gf)
+
+
+def test_split_point_rounds_to_whole_blocks_and_checks_the_share():
+    assert split_point(28672, 0.5) == 14336
+    assert split_point(28672, 0.0) == 28672 and split_point(28672, 1.0) == 0
+    assert split_point(1000 * 256, 0.3) % 256 == 0
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        split_point(512, 1.5)
+
+
+def test_column_slice_takes_whole_blocks_of_each_row(layer_parts):
+    cfg, _, src = layer_parts
+    raws = ffn_raws(src, cfg, 0)
+    q = raws.qtypes["ffn_down"]
+    from gguf.quants import dequantize
+
+    whole = torch.from_numpy(dequantize(raws.down.numpy(), q)).reshape(cfg.hidden, cfg.ffn)
+    part = column_slice(raws.down, q, cfg.hidden, cfg.ffn, 256, 512)
+    got = torch.from_numpy(dequantize(part.numpy(), q)).reshape(cfg.hidden, 256)
+    assert torch.equal(got, whole[:, 256:512])
+    with pytest.raises(ValueError, match="blocks"):
+        column_slice(raws.down, q, cfg.hidden, cfg.ffn, 100, 512)
+
+
+def test_the_two_shares_add_up_to_the_whole_ffn(layer_parts):
+    cfg, builder, src = layer_parts
+    assert layer_splittable(src, cfg, 0)
+    whole = builder.build(src, 0)
+    split = split_layer(builder, src, 0, 256)
+    assert split.ffn_gate_up.out_features == 2 * 256
+    x = torch.randn(3, cfg.hidden, generator=torch.Generator().manual_seed(0))
+    ref, got = _ffn(cfg, whole, x), _ffn(cfg, split, x)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cpu_share_matches_within_bfloat16_rounding(layer_parts):
+    cfg, builder, src = layer_parts
+    whole = builder.build(src, 0)
+    split = split_layer(builder, src, 0, 256)
+    gate_up, down = host_linears(ffn_raws(src, cfg, 0), 256)
+    io = HostIO(CPU, cfg.hidden, max_tokens=8)
+    hybrid = dataclasses.replace(split, ffn_gate_up_rest=None, ffn_down_rest=None,
+                                 ffn_host=HostFFN(gate_up, down, io))
+    x = torch.randn(2, cfg.hidden, generator=torch.Generator().manual_seed(1))
+    ref, got = _ffn(cfg, whole, x) - x, _ffn(cfg, hybrid, x) - x  # the FFN's own output
+    rel = ((got - ref).norm() / ref.norm()).item()
+    assert rel < 2e-2, rel  # bfloat16 activations and scales (weights.cpu_packed)
+    # the CPU's share is half the units: without it the output is far off
+    part = _ffn(cfg, dataclasses.replace(split, ffn_down_rest=None, ffn_gate_up_rest=None),
+                x) - x
+    assert ((part - ref).norm() / ref.norm()).item() > 10 * rel
+    assert io.stats.cpu_bytes == gate_up.nbytes + down.nbytes and io.stats.cpu_s > 0
+    with pytest.raises(ValueError, match="at most 8 tokens"):
+        hybrid.ffn_host.start(torch.zeros(9, cfg.hidden))
+
+
+def test_split_layer_refuses_a_split_off_the_blocks(layer_parts):
+    cfg, builder, src = layer_parts
+    with pytest.raises(ValueError, match="multiples of 256"):
+        split_layer(builder, src, 0, 100)
+    with pytest.raises(ValueError, match="0 < keep"):
+        split_layer(builder, src, 0, cfg.ffn)
