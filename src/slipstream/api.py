@@ -288,13 +288,13 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     rest, when the bandwidths measured at start-up predict it at least 5% faster (the plan
     shows the split and the prediction; memory.hybrid_plan); "on" splits whatever it
     predicts, "off" never, a number in (0, 1] sets the CPU's share. Not bit-identical to
-    "off": the CPU kernels round weights' scales and activations to bfloat16. threads: the
+    "off": the CPU kernels round weights' scales and activations to bfloat16, so "auto" stays
+    off at precision="exact" (where a token must not depend on the batch it ran in: plain
+    against speculative decoding, say). threads: the
     CPU threads of that share (default: three quarters of the cores); torch's whole process
     then computes with them.
     """
-    from .memory.hybrid_plan import parse_hybrid
-
-    hybrid = parse_hybrid(hybrid)
+    hybrid = _hybrid_mode(hybrid, precision)
     model_path, gf, cfg = _open(path, progress)
     dev = resolve_device(device)
     tokenizer = Tokenizer.from_metadata(gf.metadata)
@@ -503,9 +503,7 @@ def plan(path: str | os.PathLike[str] | None = None, device: str | torch.device 
 
         measure_bandwidths(gf, p, io, cfg, Precision.of(precision, dev))
         if p.streamed_layers:
-            from .memory.hybrid_plan import parse_hybrid
-
-            _plan_hybrid(gf, cfg, p, parse_hybrid(hybrid), threads)
+            _plan_hybrid(gf, cfg, p, _hybrid_mode(hybrid, precision), threads)
     return p
 
 
@@ -578,6 +576,14 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
     model = Model(model_path, gf, cfg, engine, tokenizer, template)
     model.plan = plan
     return model
+
+
+def _hybrid_mode(hybrid: str | float, precision: str) -> str | float:
+    """load(hybrid=)'s value checked, with "auto" off at precision="exact" (see load)."""
+    from .memory.hybrid_plan import parse_hybrid
+
+    mode = parse_hybrid(hybrid)
+    return "off" if mode == "auto" and precision == "exact" else mode
 
 
 def _plan_hybrid(gf: GGUFFile, cfg: ModelConfig, plan, hybrid: str | float,

@@ -106,3 +106,11 @@ def test_cli_refuses_a_bad_hybrid_value_before_loading():
     assert r.returncode == 1
     assert "--hybrid '2' is invalid" in r.stderr and "Traceback" not in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_auto_is_off_at_exact_precision_and_a_given_mode_stays():
+    from slipstream.api import _hybrid_mode
+
+    assert _hybrid_mode("auto", "exact") == "off"
+    assert _hybrid_mode("auto", "fast") == "auto"
+    assert _hybrid_mode("0.5", "exact") == 0.5 and _hybrid_mode("on", "exact") == "on"
