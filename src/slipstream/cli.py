@@ -492,7 +492,8 @@ def breakdown_table(s, store, device: str) -> Table:
     CPU: compute, waiting for disk reads, dequantizing streamed layers. CUDA: the GPU's busy
     time on the layers, its idle time between layers (a stall: waiting for a copy or for the
     host), and the rest (embedding, head, sampling, Python); then the links, which overlap
-    with those: host-to-device copies and disk reads, with the GB/s each achieved."""
+    with those: host-to-device copies, disk reads and hybrid decode's CPU share, with the GB/s
+    each achieved."""
     tokens = max(s.prompt_tokens + s.generated_tokens, 1)
     total = s.prefill_s + s.decode_s
     t = Table(title="time per token (prefill and decode together)")
@@ -519,6 +520,9 @@ def breakdown_table(s, store, device: str) -> Table:
         row("host-to-device (copy stream busy)", store.h2d_s, False, rate)
         rate = f"{store.disk_bytes / store.disk_read_s / 1e9:.2f}" if store.disk_read_s else "-"
         row("disk reads (reader busy)", store.disk_read_s, False, rate)
+        if store.cpu_s:  # hybrid decode: the CPU's FFN shares, from input to hand-back
+            row("hybrid CPU share (host, waits included)", store.cpu_s, False,
+                f"{store.cpu_bytes / store.cpu_s / 1e9:.1f}")
     t.caption = (f"{store.layers_streamed} streamed layer loads; {store.disk_bytes / 1e6:.1f} MB "
                  f"read from disk, {store.h2d_bytes / 1e6:.1f} MB copied to the GPU; links "
                  f"overlap compute, so their shares are not added")

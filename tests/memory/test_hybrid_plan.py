@@ -114,3 +114,23 @@ def test_auto_is_off_at_exact_precision_and_a_given_mode_stays():
     assert _hybrid_mode("auto", "exact") == "off"
     assert _hybrid_mode("auto", "fast") == "auto"
     assert _hybrid_mode("0.5", "exact") == 0.5 and _hybrid_mode("on", "exact") == "on"
+
+
+def test_stats_table_shows_the_cpu_share():
+    from rich.console import Console
+
+    from slipstream.cli import breakdown_table
+    from slipstream.memory.protocol import StoreStats
+    from slipstream.runtime.generate import GenerationStats
+
+    gen = GenerationStats()
+    gen.prompt_tokens, gen.generated_tokens, gen.prefill_s, gen.decode_s = 8, 8, 0.5, 2.0
+    store = StoreStats(layers_streamed=640, compute_s=1.5, stall_s=0.2, h2d_s=1.6,
+                       h2d_bytes=84 * 10**9, cpu_s=1.2, cpu_bytes=60 * 10**9)
+    console = Console(record=True, width=160)
+    console.print(breakdown_table(gen, store, "cuda"))
+    text = console.export_text()
+    assert "hybrid CPU share" in text and "50.0" in text  # 60 GB in 1.2 s
+    store.cpu_s = 0.0
+    console.print(breakdown_table(gen, store, "cuda"))
+    assert console.export_text().count("hybrid CPU share") == 0  # export_text clears
