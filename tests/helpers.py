@@ -16,11 +16,11 @@ from slipstream.runtime.stage import Stage
 from slipstream.weights import load_weights
 
 
-def cpu_engine(path: str | Path, ctx: int = 256) -> Engine:
+def cpu_engine(path: str | Path, ctx: int = 256, precision: str = "fast") -> Engine:
     """A CPU engine on a GGUF file without the tokenizer (for model-math tests)."""
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
-    weights = load_weights(gf, cfg, torch.device("cpu"), Precision.of("fast", torch.device("cpu")))
+    weights = load_weights(gf, cfg, torch.device("cpu"), Precision.of(precision, torch.device("cpu")))
     return Engine(cfg, weights, cpu_stages(cfg, weights, ctx))
 
 

@@ -11,8 +11,10 @@ import re
 import shutil
 import socket
 import subprocess
+import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -30,11 +32,16 @@ FILE = "tiny-Q8_0.gguf"
 @dataclass
 class FakeHub:
     """What the server serves and what it saw. `drops` GETs in a row send the headers of the
-    whole answer but only `drop_at` bytes of the file, then cut the connection."""
+    whole answer but only `drop_at` bytes of the file, then cut the connection. With
+    `stall_at`, GETs send the bytes up to there, set `stalled` and hold the connection open
+    until `release` is set (a download in progress, for a test to kill)."""
     repos: dict[str, dict[str, bytes]] = field(default_factory=dict)  # repo id -> files
     plain: dict[str, bytes] = field(default_factory=dict)  # /files/NAME -> bytes
     drops: int = 0
     drop_at: int = 0
+    stall_at: int = 0
+    stalled: threading.Event = field(default_factory=threading.Event)
+    release: threading.Event = field(default_factory=threading.Event)
     log: list[tuple[str, str, str | None]] = field(default_factory=list)  # method, path, Range
     url: str = ""
 
@@ -91,6 +98,13 @@ def _handler(hub: FakeHub):
             self.send_header("Content-Length", str(len(data) - start))
             self.end_headers()
             if not body:
+                return
+            if hub.stall_at > start:
+                self.wfile.write(data[start:hub.stall_at])
+                self.wfile.flush()
+                hub.stalled.set()
+                hub.release.wait(60)
+                self.close_connection = True
                 return
             if hub.drops > 0:
                 hub.drops -= 1
@@ -231,8 +245,7 @@ def test_run_m_pulls_a_hub_file_before_loading(env, hub):
 def test_hub_resumes_a_dropped_connection(env, hub):
     """huggingface_hub resumes by itself, within one pull: the connection drops at 15 MiB, the
     next GET asks with a Range header for what follows the last whole chunk it wrote (it reads
-    10 MiB chunks), and the file is whole. (A pull killed part-way starts over: huggingface_hub
-    2.x deletes its temporary file.)"""
+    10 MiB chunks), and the file is whole. (A pull killed part-way: the next test.)"""
     big = b"GGUF" + os.urandom((24 << 20) - 4)  # only the magic is checked
     hub.repos[REPO]["big.gguf"] = big
     hub.drops, hub.drop_at = 1, 15 << 20
@@ -241,6 +254,46 @@ def test_hub_resumes_a_dropped_connection(env, hub):
     assert Path(r.stdout.strip()).read_bytes() == big
     assert gets(hub) == [(f"/{REPO}/resolve/main/big.gguf", None),
                          (f"/{REPO}/resolve/main/big.gguf", f"bytes={10 << 20}-")]
+
+
+def test_hub_resumes_a_pull_killed_mid_download(env, hub, tmp_path):
+    """huggingface_hub 2.x never reuses the temporary file of a pull that was killed; slipstream
+    resumes it: the next pull asks with a Range header for the bytes after it, the file ends
+    whole, byte for byte, with huggingface_hub's metadata (a third pull downloads nothing),
+    and no temporary file is left behind."""
+    big = b"GGUF" + os.urandom((24 << 20) - 4)
+    hub.repos[REPO]["big.gguf"] = big
+    hub.stall_at = (12 << 20) + 5  # huggingface_hub writes whole 10 MiB chunks: 10 MiB of it
+    left = _kill_mid_download(env, hub, f"{REPO}/big.gguf", tmp_path / "cache",
+                              "*.incomplete")
+    kept = left.read_bytes()
+    assert len(kept) == 10 << 20 and kept == big[:len(kept)]
+    hub.stall_at, hub.log[:] = 0, []
+    r = slipstream(env, "pull", f"{REPO}/big.gguf")
+    assert r.returncode == 0, r.stderr
+    path = Path(r.stdout.strip())
+    assert hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(big).digest()
+    assert gets(hub) == [(f"/{REPO}/resolve/main/big.gguf", f"bytes={len(kept)}-")]
+    assert not list((tmp_path / "cache").rglob("*.incomplete"))
+    hub.log[:] = []
+    assert slipstream(env, "pull", f"{REPO}/big.gguf").stdout == r.stdout
+    assert gets(hub) == []  # up to date: a HEAD, no download
+
+
+def test_hub_drops_what_a_killed_pull_left_of_a_changed_file(env, hub, tmp_path):
+    """The file changed on the Hub since the pull was killed (another ETag): what it left is
+    deleted and the new file downloaded whole."""
+    old = b"GGUF" + os.urandom((12 << 20) - 4)
+    hub.repos[REPO]["big.gguf"] = old
+    hub.stall_at = (12 << 20) - 5
+    _kill_mid_download(env, hub, f"{REPO}/big.gguf", tmp_path / "cache", "*.incomplete")
+    new = b"GGUF" + os.urandom((12 << 20) - 4)
+    hub.repos[REPO]["big.gguf"], hub.stall_at, hub.log[:] = new, 0, []
+    r = slipstream(env, "pull", f"{REPO}/big.gguf")
+    assert r.returncode == 0, r.stderr
+    assert Path(r.stdout.strip()).read_bytes() == new
+    assert gets(hub) == [(f"/{REPO}/resolve/main/big.gguf", None)]
+    assert not list((tmp_path / "cache").rglob("*.incomplete"))
 
 
 @pytest.mark.parametrize("ref, needle", [
@@ -331,6 +384,51 @@ def test_url_resumes_an_interrupted_pull(env, hub, gguf_bytes, tmp_path):
     assert r.returncode == 0, r.stderr
     assert Path(r.stdout.strip()).read_bytes() == gguf_bytes and not partial.exists()
     assert gets(hub) == [(f"/files/{FILE}", f"bytes={half}-")]
+
+
+def _kill_mid_download(env, hub, ref: str, partial_dir: Path, pattern: str) -> Path:
+    """Start `slipstream pull REF`, wait until the server has sent hub.stall_at bytes and the
+    downloader has written its whole chunks of them, SIGKILL it (no handler, no clean-up can
+    run), and return the file it was writing."""
+    proc = subprocess.Popen([sys.executable, "-m", "slipstream", "pull", ref], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        assert hub.stalled.wait(60), "the pull never started downloading"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            found = [p for p in partial_dir.rglob(pattern) if p.stat().st_size >= 4 << 20]
+            if found:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"no {pattern} of 4 MiB under {partial_dir}")
+        proc.send_signal(signal.SIGKILL)
+        assert proc.wait(30) == -signal.SIGKILL
+    finally:
+        proc.kill()
+        proc.communicate()
+        hub.release.set()  # let the stalled handler finish
+    return found[0]
+
+
+def test_url_resumes_a_pull_killed_mid_download(env, hub, tmp_path):
+    """`slipstream pull URL` killed (SIGKILL) part-way keeps FILE.partial, whatever it had
+    written; the next pull asks with a Range header for the bytes after it, and the file ends
+    whole, byte for byte. (Its If-Range guard: test_url_starts_over_when_the_file_changed.)"""
+    big = b"GGUF" + os.urandom((12 << 20) - 4)  # only the magic is checked
+    hub.plain["big.gguf"] = big
+    url = f"{hub.url}/files/big.gguf"
+    hub.stall_at = (6 << 20) + 12345  # the downloader writes whole 1 MiB chunks: 6 MiB of it
+    partial = _kill_mid_download(env, hub, url, tmp_path / "cache", "big.gguf.partial")
+    kept = partial.read_bytes()
+    assert 4 << 20 <= len(kept) <= hub.stall_at and kept == big[:len(kept)]
+    hub.stall_at, hub.log[:] = 0, []
+    r = slipstream(env, "pull", url)
+    assert r.returncode == 0, r.stderr
+    path = Path(r.stdout.strip())
+    assert hashlib.sha256(path.read_bytes()).digest() == hashlib.sha256(big).digest()
+    assert gets(hub) == [("/files/big.gguf", f"bytes={len(kept)}-")]
+    assert not partial.exists()
 
 
 def test_url_starts_over_when_the_file_changed(env, hub, gguf_bytes, tmp_path):

@@ -27,6 +27,9 @@ class Precision:
     # CUDA fast: resident layers fold each group's scale and min into one f16 plane
     # (kernels.pack.fuse_scales); streamed layers keep the GGUF layout whatever this says
     fuse_scales: bool
+    # CPU fast: decode matvecs through packed int4/int8 copies of the weights (weights.
+    # cpu_packed.PackedDecodeLinear: bfloat16 activations), prefill through the dense ones
+    cpu_packed_decode: bool = False
 
     @classmethod
     def of(cls, name: str, device: torch.device) -> "Precision":
@@ -37,4 +40,5 @@ class Precision:
         cuda_fast = fast and device.type == "cuda"
         return cls(name=name, weight_dtype=torch.float16 if fast else torch.float32,
                    kv_dtype=torch.float32 if device.type == "cpu" else torch.float16,
-                   act_dtype=torch.float32, int8_activations=cuda_fast, fuse_scales=cuda_fast)
+                   act_dtype=torch.float32, int8_activations=cuda_fast, fuse_scales=cuda_fast,
+                   cpu_packed_decode=fast and device.type == "cpu")

@@ -102,6 +102,11 @@ def bytes_to_unicode() -> dict[int, str]:
 
 _BYTE_TO_CHAR = bytes_to_unicode()
 _CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
+# The same tables for whole strings at C speed (a vocabulary has 50-250k tokens, and a loop over
+# their characters in Python took 0.2 s of each load): the first character outside the byte
+# alphabet, and str.translate to the bytes' code points, which latin-1 then encodes as bytes.
+_OUTSIDE_BYTE_ALPHABET = re.compile("[^" + "".join(map(re.escape, sorted(_CHAR_TO_BYTE))) + "]")
+_ALPHABET_TO_LATIN1 = {ord(c): b for c, b in _CHAR_TO_BYTE.items()}
 
 
 def read_tokenizer_metadata(reader: Any) -> dict[str, Any]:
@@ -172,7 +177,8 @@ class Tokenizer:
         tokens = list(md["tokenizer.ggml.tokens"])
         types = list(md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens))
         seen: dict[str, int] = {}
-        for i, tok in enumerate(tokens):
+        clean = "" not in tokens and len(set(tokens)) == len(tokens)  # the loop has nothing to do
+        for i, tok in enumerate(() if clean else tokens):
             if tok == "":
                 tokens[i] = tok = f"[EMPTY_{i}]"   # llama.cpp's name for an empty token
             if tok in seen:
@@ -338,6 +344,9 @@ class StreamDecoder:
 
 _MAX_SCORE_MERGE_WORK = 2_000_000_000
 _TOKEN_TYPES = range(0, 7)  # llama.cpp's LLAMA_TOKEN_TYPE_UNDEFINED .. BYTE
+_TOKEN_TYPE_SET = frozenset(_TOKEN_TYPES)
+# _check_metadata: the exact types each array's values may have without a closer look
+_EXACT_TYPES = {"tokens": {str}, "merges": {str}, "token_type": {int}, "scores": {int, float}}
 
 
 def _short(e: BaseException, limit: int = 200) -> str:
@@ -374,7 +383,10 @@ def _check_metadata(md: Mapping[str, Any]) -> None:
         if not isinstance(values, list):
             raise TokenizerError(f"tokenizer.ggml.{name} is {_clip(values)}, expected an array; "
                                  f"the file's tokenizer metadata is corrupt")
-        for i, v in enumerate(values):
+        # the types present, gathered at C speed; only an unexpected one needs the loop below,
+        # which finds the first offender (and accepts subclasses, as isinstance does)
+        exact = set(map(type, values)) <= _EXACT_TYPES[name]
+        for i, v in enumerate(() if exact else values):
             if isinstance(v, bool) or not isinstance(v, kind):
                 raise TokenizerError(f"tokenizer.ggml.{name}[{i}] is {_clip(v)} "
                                      f"({type(v).__name__}); the file's tokenizer metadata is "
@@ -382,7 +394,8 @@ def _check_metadata(md: Mapping[str, Any]) -> None:
         if name in ("token_type", "scores") and values and len(values) != n:
             raise TokenizerError(f"tokenizer.ggml.{name} has {len(values)} entries for {n} "
                                  f"tokens; the file's tokenizer metadata is corrupt")
-    for i, t in enumerate(md.get("tokenizer.ggml.token_type") or ()):
+    token_types = md.get("tokenizer.ggml.token_type") or ()
+    for i, t in enumerate(() if set(token_types) <= _TOKEN_TYPE_SET else token_types):
         if t not in _TOKEN_TYPES:
             raise TokenizerError(f"tokenizer.ggml.token_type[{i}] is {t}, not a token type "
                                  f"(0..6); the file's tokenizer metadata is corrupt")
@@ -436,16 +449,18 @@ def _byte_level_backend(md: Mapping[str, Any], tokens: list[str], types: list[in
     vocab: dict[str, int] = {}
     pieces: list[bytes] = []
     spelled = set(tokens)
+    outside = _OUTSIDE_BYTE_ALPHABET.search
     for i, (tok, kind) in enumerate(zip(tokens, types)):
-        if kind in (NORMAL, UNUSED) and set(tok) <= _CHAR_TO_BYTE.keys():
-            pieces.append(bytes(_CHAR_TO_BYTE[c] for c in tok))
+        in_alphabet = outside(tok) is None
+        if kind in (NORMAL, UNUSED) and in_alphabet:
+            pieces.append(tok.translate(_ALPHABET_TO_LATIN1).encode("latin-1"))
         elif kind == BYTE and (m := _BYTE_TOKEN.fullmatch(tok)):
             pieces.append(bytes([int(m.group(1), 16)]))
         else:
             # Special tokens, and normal ones spelled outside the byte alphabet, are their text.
             pieces.append(tok.encode("utf-8"))
         key = tok
-        if kind == NORMAL and not set(tok) <= _CHAR_TO_BYTE.keys():
+        if kind == NORMAL and not in_alphabet:
             # Respell a token written in plain text into the byte alphabet so merges can reach
             # it, as HF's converter does -- unless that spelling is already taken.
             respelled = "".join(_BYTE_TO_CHAR[b] for b in tok.encode("utf-8"))

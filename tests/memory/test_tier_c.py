@@ -447,17 +447,18 @@ def test_plan_table_collapses_interleaved_layer_lists():
 
 def test_plan_cpu_prediction_counts_the_rebuild_of_streamed_layers():
     """CPU tier C rebuilds (dequantizes) every streamed layer on every token, which took 76 %
-    of a token's time: the prediction counts it, and says it cannot predict without it."""
+    of a token's time: the prediction counts it with every layer's compute and the head, and
+    says it cannot predict without the rates (tests/memory/test_cpu_predict.py has more)."""
     from rich.console import Console
 
     from slipstream.memory.planner import plan_layers
 
     plan = plan_layers("cpu", [100] * 4, [40] * 4, fixed_bytes=10, budget=10 + 2 * 100 + 80)
     assert plan.tiers == ["ram", "ram", "disk", "disk"]
-    plan.bandwidth_gbps.update(ram=10.0, disk=1.0)
+    plan.bandwidth_gbps.update(ram=10.0, disk=1.0, compute=4.0)
     assert plan.predicted_tok_s is None  # the rebuild not measured
     plan.bandwidth_gbps["rebuild"] = 0.5
-    seconds = 200 / 10e9 + 80 / 1e9 + 80 / 0.5e9
+    seconds = 400 / 4e9 + 80 / 0.5e9  # every layer computes; the reads overlap
     assert plan.predicted_tok_s == pytest.approx(1 / seconds)
     console = Console(width=200, record=True)
     console.print(plan.table())

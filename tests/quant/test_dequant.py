@@ -182,3 +182,27 @@ def test_cuda_matches_cpu(qtype: T) -> None:
     cuda = quant.dequantize(raw.cuda(), qtype, shape)
     assert cuda.device.type == "cuda" and cuda.dtype == torch.float32
     assert_bit_identical(cuda, cpu.numpy())
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_dequantize_as_is_dequantize_then_to(qtype: T, dtype: torch.dtype, monkeypatch) -> None:
+    """dequantize_as narrows chunk by chunk (here 3 blocks a chunk, so a tensor spans several
+    and ends in a short one, at an odd byte offset): the same bits as the whole tensor
+    dequantized and then narrowed, and the same errors."""
+    monkeypatch.setattr(quant, "CHUNK_ELEMENTS", 3 * GGML_QUANT_SIZES[qtype][0])
+    rng = np.random.default_rng([int(qtype), 11])
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    rows, blocks_per_row = 4, 5
+    raw = random_blocks(qtype, rows * blocks_per_row, rng).reshape(-1)
+    buf = torch.zeros(raw.size + 1, dtype=torch.uint8)
+    buf[1:] = torch.from_numpy(raw)
+    shape = (rows, blocks_per_row * block_size)
+    want = quant.dequantize(buf[1:], qtype, shape).to(dtype)
+    got = quant.dequantize_as(buf[1:], qtype, shape, dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got.view(bits), want.view(bits))  # NaN payloads and -0.0 included
+    with pytest.raises(GGUFError, match="needs"):
+        quant.dequantize_as(buf[1:-1], qtype, shape, dtype)

@@ -91,3 +91,4 @@ def test_split_layer_refuses_a_split_off_the_blocks(layer_parts):
         split_layer(builder, src, 0, 100)
     with pytest.raises(ValueError, match="0 < keep"):
         split_layer(builder, src, 0, cfg.ffn)
+

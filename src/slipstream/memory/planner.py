@@ -8,6 +8,10 @@ copy overlaps the compute before it (`_interleave`); of the streamed layers, the
 in layer order are kept in pinned RAM while the RAM budget lasts (tier B), and the rest is read
 from disk every token (tier C), from an image file laid out in that order. The plan also
 predicts decode speed from bandwidths measured at start-up.
+
+On CPU a decode token is bound by the CPU (cpu_token_seconds): every layer and the head compute
+as dense matvecs, and each streamed layer is first rebuilt from its GGUF bytes; the reader
+threads fetch those bytes ahead, so the disk only shows where it is slower than all of that.
 """
 
 from __future__ import annotations
@@ -49,7 +53,9 @@ class Plan:
     fixed_bytes: int  # head, norms, KV cache, ...: needed whatever the plan (not the slots)
     budget: int | None  # RAM on CPU, VRAM on CUDA
     staging_buffers: int  # CPU: staging buffers; CUDA: GPU slots
-    bandwidth_gbps: dict[str, float] = field(default_factory=dict)  # "ram", "vram", "pinned", "disk"
+    # GB/s by link: "ram", "vram", "pinned", "disk"; on CPU also "compute", "gemv" and
+    # "rebuild" (per byte of a decode step's parts: memory.probes.cpu_decode_rates)
+    bandwidth_gbps: dict[str, float] = field(default_factory=dict)
     ram_budget: int | None = None  # CUDA: pinned RAM for tier B images and tier C staging
     host_staging: int = 0  # CUDA: pinned staging buffers of the disk tier
     reserve: dict[str, int] = field(default_factory=dict)  # CUDA: fixed_bytes by part
@@ -59,6 +65,9 @@ class Plan:
     stages: list[StagePlan] = field(default_factory=list)  # default: one, every layer
     # a speculative draft placed before this plan: (what it is, bytes it holds of the budget)
     draft: tuple[str, int] | None = None
+    # CPU: dense bytes of the head's weight, one matvec over them per token (0: not known, or a
+    # stage without the head)
+    head_bytes: int = 0
     # CUDA: the pinned layers' FFN split with the CPU (memory.hybrid_plan), or None
     hybrid: "HybridPlan | None" = None
 
@@ -87,10 +96,10 @@ class Plan:
     def predicted_tok_s(self) -> float | None:
         """Decode rate if every link ran at its measured bandwidth.
 
-        CPU: one after another. CUDA: disk reads and host-to-device copies overlap (the copy
-        link carries the pinned and the disk layers); the resident layers' compute is counted
-        on top, though interleaving lets copies run under it (a bound a few % low in decode,
-        where the copies dominate)."""
+        CUDA: disk reads and host-to-device copies overlap (the copy link carries the pinned
+        and the disk layers); the resident layers' compute is counted on top, though
+        interleaving lets copies run under it (a bound a few % low in decode, where the copies
+        dominate). CPU: see cpu_token_seconds."""
         if self.device == "cuda" and self.hybrid is not None and self.hybrid.predicted_tok_s:
             return self.hybrid.predicted_tok_s  # the split's own prediction (hybrid_plan)
         if self.device == "cuda":
@@ -104,20 +113,34 @@ class Plan:
                 links.append(n / (bw[link] * 1e9) if n else 0.0)
             seconds = links[0] + max(links[1], links[2])
             return 1.0 / seconds if seconds else None
-        seconds = 0.0
-        for tier in ("vram", "ram", "pinned", "disk"):
-            bw = self.bandwidth_gbps.get(tier)
-            n = self.bytes_per_token(tier)
-            if n and not bw:
-                return None
-            if n:
-                seconds += n / (bw * 1e9)
-        rebuild = self.bandwidth_gbps.get("rebuild")
-        if self.device == "cpu" and self.disk_layers:
-            if not rebuild:
-                return None  # unknown, and (measured) most of a streamed token's time
-            seconds += self.bytes_per_token("disk") / (rebuild * 1e9)
-        return 1.0 / seconds if seconds else None
+        parts = self.cpu_token_seconds()
+        return 1.0 / parts["token"] if parts and parts["token"] else None
+
+    def cpu_token_seconds(self) -> dict[str, float] | None:
+        """Seconds of one CPU decode token by part, from the rates measured on this machine
+        (memory.probes.cpu_decode_rates); None where a rate it needs was not measured.
+
+        "compute": every layer's decode step, at the "compute" rate per dense byte (probed on a
+          layer just rebuilt, as a streamed layer runs; a resident layer, out of cache after a
+          token of other layers, runs at about that rate too);
+        "head": the head's matvec over head_bytes, at the "gemv" rate;
+        "rebuild": turning the streamed layers' GGUF bytes into dense layers ("rebuild" rate);
+        "disk": reading those bytes ("disk" rate), which reader threads do ahead of use;
+        "token": the CPU's parts in series, or the reads where they take longer (they overlap
+          the CPU's work, not each other)."""
+        if self.device != "cpu":
+            return None
+        bw = self.bandwidth_gbps
+        streamed = self.bytes_per_token("disk")
+        needed = ("compute", "rebuild", "disk") if streamed else ("compute",)
+        if not all(bw.get(k) for k in needed):
+            return None
+        parts = {"compute": sum(self.resident_bytes_per_layer) / (bw["compute"] * 1e9),
+                 "head": self.head_bytes / ((bw.get("gemv") or bw["compute"]) * 1e9),
+                 "rebuild": streamed / (bw["rebuild"] * 1e9) if streamed else 0.0,
+                 "disk": streamed / (bw["disk"] * 1e9) if streamed else 0.0}
+        parts["token"] = max(parts["compute"] + parts["head"] + parts["rebuild"], parts["disk"])
+        return parts
 
     def table(self):
         from rich.table import Table
@@ -166,19 +189,38 @@ class Plan:
                       fmt_bytes(h.cpu_bytes_per_token), f"{h.cpu_gbps:.1f}")
             t.add_row("hybrid PCIe", "the rest of those layers", "-",
                       fmt_bytes(h.pcie_bytes_per_token), f"{h.pcie_gbps:.1f}")
+        if self.device == "cpu":
+            t.caption = self._cpu_rows(t)
+            return t
         tok_s = self.predicted_tok_s
-        rebuild = self.bandwidth_gbps.get("rebuild")
-        if self.device == "cpu" and self.disk_layers and rebuild:
-            t.add_row("rebuild", "streamed layers, every token", "-",
-                      fmt_bytes(self.bytes_per_token("disk")), f"{rebuild:.2f}")
-        what = ("link bandwidths and the rebuild of streamed layers"
-                if self.device == "cpu" and self.disk_layers else "link bandwidths alone")
-        if self.device == "cuda" and self.hybrid is not None and self.hybrid.plain_tok_s:
+        what = "link bandwidths alone"
+        if self.hybrid is not None and self.hybrid.plain_tok_s:
             what = (f"PCIe and the CPU's share side by side (whole layers over PCIe: "
                     f"{self.hybrid.plain_tok_s:.2f} tok/s)")
-        t.caption = (f"predicted decode from {what}: {tok_s:.{1 if tok_s >= 10 else 2}f} tok/s"
-                     if tok_s else None)
+        t.caption = (f"predicted decode from {what}: "
+                     f"{tok_s:.{1 if tok_s >= 10 else 2}f} tok/s" if tok_s else None)
         return t
+
+    def _cpu_rows(self, t) -> str | None:
+        """The CPU table's compute and rebuild rows; returns its caption (the prediction)."""
+        bw = self.bandwidth_gbps
+        if bw.get("compute"):
+            t.add_row("compute", "every layer and the head, every token", "-",
+                      fmt_bytes(sum(self.resident_bytes_per_layer) + self.head_bytes),
+                      f"{bw['compute']:.2f}")
+        if self.disk_layers and bw.get("rebuild"):
+            t.add_row("rebuild", "streamed layers, every token", "-",
+                      fmt_bytes(self.bytes_per_token("disk")), f"{bw['rebuild']:.2f}")
+        parts = self.cpu_token_seconds()
+        if not parts or not parts["token"]:
+            return None
+        tok_s = 1.0 / parts["token"]
+        ms = {k: v * 1e3 for k, v in parts.items()}
+        rate = f"{ms['token']:.0f} ms/token, {tok_s:.{1 if tok_s >= 10 else 2}f} tok/s"
+        if not self.disk_layers:
+            return f"predicted decode: compute {rate}"
+        return (f"predicted decode: compute {ms['compute'] + ms['head']:.0f} ms + rebuild "
+                f"{ms['rebuild']:.0f} ms (disk reads {ms['disk']:.0f} ms, overlapped) = {rate}")
 
 
 def _interleave(vram_bytes: list[int], room: int) -> list[str]:

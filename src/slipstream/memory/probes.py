@@ -83,3 +83,122 @@ def _timed_fn(device: torch.device, fn: Callable[[], object]) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
+
+
+# --- what a CPU decode step costs ------------------------------------------------------------
+# A streamed CPU token is bound by the CPU, not by the disk: each streamed layer is rebuilt
+# (dequantized into dense weights) from its bytes, then every layer and the head compute as
+# dense float matvecs, whose speed per byte is far from the memory's (a decode step through a
+# float16 layer ran at 3.5 GB/s where a float32 sum reads 15 GB/s, on the 2-core CI machine).
+# So the plan's CPU prediction needs both rates, measured here on one real layer the way the
+# store and the engine use it.
+
+PROBE_CTX = 64  # KV slots of the probe's decode step: a short context, as at a run's start
+
+
+def cpu_decode_rates(gf, cfg, precision, layer: int, time_budget_s: float = 0.5,
+                     max_reps: int = 25) -> dict[str, float]:
+    """GB/s of one CPU decode step's parts, measured on layer `layer` of `gf` the way the disk
+    store and the engine treat a streamed layer: built from a copy of its span in RAM, then
+    run through one decode step at once.
+
+    "rebuild": its GGUF bytes turned into the dense layer per second (DiskLayerStore's build,
+      for each streamed layer on every token, on the heap it keeps steady: store.steady_heap);
+    "compute": its RAM bytes as the planner counts them (setup.layer_resident_bytes, which
+      the plan's per-layer sizes are) through one decoder block's decode step per second
+      (block_forward at a short context: the matvecs, norms, RoPE, attention and residuals,
+      whatever kernels the built layer uses), timed right after the build, as a streamed
+      layer runs; a resident layer, out of cache after a whole token of other layers, costs
+      about the same;
+    "gemv": a weight's float bytes (at precision.weight_dtype, as the planner counts the
+      head's) per second through its matrix-vector product alone, on the layer's ffn_down
+      (the head's cost, which is one matvec).
+
+    A build and its step run once to warm up (first-call paths), then again while
+    `time_budget_s` lasts (at most `max_reps` times); the medians count, so that a burst of
+    load from elsewhere on a shared machine moves none of them much. A layer too slow to
+    repeat within the budget counts its first run."""
+    from ..weights.loader import LayerBuilder, TensorSource, layer_span
+    from .setup import layer_resident_bytes
+    from .store import steady_heap
+
+    start, end = layer_span(gf, layer)
+    data = _file_bytes(gf.path, start, end)
+    steady_heap(end - start)
+    builder = LayerBuilder(cfg, torch.device("cpu"), precision)
+    src = TensorSource(gf, buffer=data, base=start)
+    held: list = [None]
+
+    def build_and_step() -> tuple[float, float]:
+        t0 = time.perf_counter()
+        weights = builder.build(src, layer)
+        t1 = time.perf_counter()
+        step = _decode_step(cfg, weights)
+        t2 = time.perf_counter()
+        step()
+        t3 = time.perf_counter()
+        # the engine holds the layer it ran last until the next one is built: so here
+        held[0] = weights
+        return t1 - t0, t3 - t2
+
+    builds, steps = zip(*_repeat(build_and_step, time_budget_s, max_reps))
+    down = held[0].ffn_down
+    x = torch.randn(1, cfg.ffn)
+
+    def gemv() -> tuple[float]:
+        t0 = time.perf_counter()
+        down(x)
+        return (time.perf_counter() - t0,)
+
+    (gemvs,) = zip(*_repeat(gemv, time_budget_s, max_reps))
+    down_bytes = cfg.hidden * cfg.ffn * torch.finfo(precision.weight_dtype).bits // 8
+    return {"rebuild": (end - start) / _median(builds) / 1e9,
+            "compute": layer_resident_bytes(gf, layer, precision) / _median(steps) / 1e9,
+            "gemv": down_bytes / _median(gemvs) / 1e9}
+
+
+def _file_bytes(path, start: int, end: int) -> torch.Tensor:
+    """File bytes [start, end) as a uint8 tensor in RAM (through the page cache: the rebuild
+    is timed, not the read)."""
+    import numpy as np
+
+    return torch.from_numpy(np.fromfile(path, dtype=np.uint8, count=end - start, offset=start))
+
+
+def _decode_step(cfg, weights) -> Callable[[], object]:
+    """One decode token through the layer, as the engine runs it: at position PROBE_CTX - 1,
+    with a KV cache of PROBE_CTX slots (the rewrites of the same slot change nothing timed)."""
+    from ..model.llama import block_forward
+    from ..model.rope import RopeTable
+    from ..model.step import append_step
+
+    cpu = torch.device("cpu")
+    # RoPE frequency factors (Llama 3) change the angles, not the work: left out
+    rope = RopeTable(cfg, PROBE_CTX, cpu)
+    k_cache = torch.zeros(cfg.n_kv_heads, PROBE_CTX, cfg.head_dim)
+    v_cache = torch.zeros_like(k_cache)
+    step = append_step(PROBE_CTX - 1, 1, cpu)
+    cos_sin = rope.angles(step.positions)
+    x = torch.randn(1, cfg.hidden)
+    return lambda: block_forward(cfg, weights, x, cos_sin, step, k_cache, v_cache, rope)
+
+
+def _repeat(fn: Callable[[], tuple[float, ...]], budget_s: float,
+            max_reps: int) -> list[tuple[float, ...]]:
+    """fn()'s timings: one warm-up run, then runs while `budget_s` lasts (at most `max_reps`);
+    the warm-up's own where it alone took longer than the budget (a second run would double
+    a probe that is already slow)."""
+    t0 = time.perf_counter()
+    first = fn()
+    if time.perf_counter() - t0 > budget_s:
+        return [first]
+    runs: list[tuple[float, ...]] = []
+    deadline = time.perf_counter() + budget_s
+    while len(runs) < max_reps and (not runs or time.perf_counter() < deadline):
+        runs.append(fn())
+    return runs
+
+
+def _median(xs) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]

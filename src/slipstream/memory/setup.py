@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -45,6 +45,36 @@ def layer_resident_bytes(gf: GGUFFile, i: int, precision: Precision) -> int:
         bits = 32 if len(info.shape) == 1 else torch.finfo(precision.weight_dtype).bits
         total += info.n_elements * bits // 8
     return total
+
+
+def packed_decode_bytes(gf: GGUFFile, cfg: ModelConfig) -> int:
+    """RAM the CPU's packed decode copies (weights.cpu_packed.PackedDecodeLinear) add to the
+    dense weights: every layer's linears and the head, where their formats pack."""
+    from ..weights.cpu_packed import packed_nbytes
+
+    names = [n for i in range(cfg.n_layers) for n in spec_for(gf.architecture).names(i, gf.tensors)]
+    names.append(head_tensor_name(gf.tensors))
+    total = 0
+    for name in names:
+        info = gf.tensors[name]
+        if len(info.shape) == 2:
+            total += packed_nbytes(info.ggml_type, (int(info.shape[0]), int(info.shape[1]))) or 0
+    return total
+
+
+def cpu_load_precision(precision: Precision, plan: Plan, gf: GGUFFile,
+                       cfg: ModelConfig) -> Precision:
+    """The precision a CPU plan loads with. Packed decode copies only where every layer is
+    resident and the copies fit the RAM budget: a streamed layer is rebuilt on every token,
+    and packing it there would cost far more than the packed matvec saves, while resident and
+    streamed layers must compute alike."""
+    if plan.device != "cpu" or not precision.cpu_packed_decode:
+        return precision
+    held = plan.fixed_bytes + sum(plan.resident_bytes_per_layer)
+    if plan.disk_layers or (plan.budget is not None
+                            and held + packed_decode_bytes(gf, cfg) > plan.budget):
+        return dataclasses.replace(precision, cpu_packed_decode=False)
+    return precision
 
 
 def default_ram_budget() -> int | None:
@@ -97,6 +127,7 @@ def plan_stage(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
             if stage.holds_head else 0
         fixed = head_bytes + kv + cfg.hidden * 4
         plan = plan_layers("cpu", resident, file_bytes, fixed, ram_budget)
+        plan.head_bytes = head_bytes  # one matvec over it per token (the CPU prediction)
     plan.stages = [stage]
     return plan
 
@@ -141,9 +172,10 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str, cfg: ModelConfig | Non
     """Fill plan.bandwidth_gbps with what this machine does now: memory read (a large sum on
     CPU, a device copy on CUDA), pinned host-to-device copies (CUDA), and, when layers stream
     from disk, an O_DIRECT (or buffered) sequential read of the disk layers' file spans; on
-    CPU with cfg and precision, also how fast a streamed layer is rebuilt from its bytes
-    ("rebuild": the CPU disk store dequantizes every streamed layer on every token)."""
-    from .probes import h2d_pinned_gbps, memory_read_gbps, span_read_gbps
+    CPU with cfg and precision, also what a decode step costs per byte (probes.cpu_decode_rates:
+    "compute", "gemv", and "rebuild", the CPU disk store dequantizing every streamed layer on
+    every token), which the CPU prediction needs (Plan.cpu_token_seconds)."""
+    from .probes import cpu_decode_rates, h2d_pinned_gbps, memory_read_gbps, span_read_gbps
 
     if plan.device == "cuda":
         # probes sized within the budget: they run before the model loads, and the peak VRAM
@@ -155,26 +187,17 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str, cfg: ModelConfig | Non
     else:
         plan.bandwidth_gbps["ram"] = memory_read_gbps(torch.device("cpu"), 128 << 20)
         limit = 64 << 20
+        if cfg is not None and precision is not None:
+            # a CPU token is bound by compute and by rebuilding its streamed layers: their
+            # rates, measured on the first streamed layer (or the first layer)
+            first = plan.stages[0].layers.start
+            layer = first + (plan.disk_layers[0] if plan.disk_layers else 0)
+            plan.bandwidth_gbps.update(cpu_decode_rates(gf, cfg, precision, layer))
     if not plan.disk_layers or io == "mmap":
         return
     spans = [layer_span(gf, i) for i in plan.disk_layers]
     plan.bandwidth_gbps["disk"], _ = span_read_gbps(
         gf.path, spans, "buffered" if io == "buffered" else "direct", limit)
-    if plan.device == "cpu" and cfg is not None and precision is not None:
-        plan.bandwidth_gbps["rebuild"] = rebuild_gbps(gf, cfg, precision, plan.disk_layers[0])
-
-
-def rebuild_gbps(gf: GGUFFile, cfg: ModelConfig, precision: Precision, i: int) -> float:
-    """GB of layer i's file span rebuilt per second into the CPU's dense weights (what the CPU
-    disk store does per streamed layer and token), the best of two builds."""
-    builder = LayerBuilder(cfg, torch.device("cpu"), precision)
-    start, end = layer_span(gf, i)
-    best = float("inf")
-    for _ in range(2):
-        t0 = time.perf_counter()
-        builder.build(TensorSource(gf), i)
-        best = min(best, time.perf_counter() - t0)
-    return (end - start) / best / 1e9
 
 
 def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
@@ -192,7 +215,6 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
 
     from ..weights.hybrid import HostFFN, HostIO, ffn_raws, host_linears, split_layer
     from ..weights.image import to_image
-    from ..weights.loader import TensorSource
 
     builder = LayerBuilder(cfg, device, precision, fuse_scales=False)
     hybrid = plan.hybrid
@@ -263,7 +285,8 @@ def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: 
                               hosts=hosts)
     if not plan.disk_layers:
         return ResidentLayerStore(weights.layers)
-    builder = LayerBuilder(cfg, device, precision)
+    # streamed layers are rebuilt every token: dense only (cpu_load_precision)
+    builder = LayerBuilder(cfg, device, dataclasses.replace(precision, cpu_packed_decode=False))
     if io == "mmap":
         return MmapLayerStore(gf, builder, weights.layers)
     return DiskLayerStore(gf, builder, weights.layers, n_buffers=plan.staging_buffers, io=io,

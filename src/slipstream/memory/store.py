@@ -10,6 +10,8 @@ so no read ever lands in a buffer still being consumed. The CUDA store is in cud
 
 from __future__ import annotations
 
+import ctypes
+import platform
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -44,6 +46,35 @@ class StreamDelays:
         if callable(x):
             return cls(reader=x)
         return cls(copy_cycles=int(x))
+
+
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_MAX = 32 << 20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+INT_MAX = 2**31 - 1
+
+
+def steady_heap(span_bytes: int) -> bool:
+    """Let a CPU store rebuild streamed layers from memory the process already holds.
+
+    Every token, each streamed layer allocates its dense weights and the dequantizing
+    transients, and frees them a layer later. glibc's malloc by default moves its thresholds
+    with what the process did before: depending on that history it returns the freed blocks
+    to the OS (munmap, or trimming the heap's top) and takes fresh zeroed pages on the next
+    build, which cost the default model's 2.2 MB layers 1.3-2x their build time (thousands of
+    page faults per layer, measured). Fixed thresholds keep blocks up to 32 MiB in the heap and
+    the heap's free top in place up to 16x a layer's span, so a build reuses the last one's
+    memory: the peak RSS is the same, it is only kept. Blocks over 32 MiB (a large model's
+    transients) are mapped either way. Process-wide; a no-op (False) outside glibc."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    trim = min(max(64 << 20, 16 * span_bytes), INT_MAX)
+    return bool(mallopt(M_TRIM_THRESHOLD, trim)) and bool(mallopt(M_MMAP_THRESHOLD,
+                                                                   MMAP_THRESHOLD_MAX))
 
 
 class HostTraced:
@@ -113,6 +144,7 @@ class DiskLayerStore(HostTraced, StoreBase):
                        for _ in range(max(1, min(n_buffers, len(order))))]
             reader = DirectReader(gf.path, threads=threads, io=io, delay=delay)
             self.staging = StagingRing(reader, buffers, order, self.spans)
+            steady_heap(size)
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -17,7 +17,12 @@ from ..errors import GGUFError, UnsupportedTensorType
 from . import floats, kquants, legacy  # noqa: F401  (importing them registers the formats)
 from .base import QuantFormat, registry
 
-__all__ = ["QuantFormat", "dequantize", "get_format", "row_bytes", "supported_types"]
+__all__ = ["QuantFormat", "dequantize", "dequantize_as", "get_format", "row_bytes",
+           "supported_types"]
+
+# dequantize_as: elements per chunk, so that a chunk's float32 steps (widen the codes, scale,
+# offset) stay in the core's cache (1 MiB of float32) instead of crossing RAM once per step
+CHUNK_ELEMENTS = 1 << 18
 
 
 def supported_types() -> list[GGMLQuantizationType]:
@@ -64,3 +69,26 @@ def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType | int,
                         f"got {raw.numel()}")
     blocks = raw.reshape(-1, fmt.type_size)  # (n_blocks, type_size)
     return fmt.dequantize_blocks(blocks).reshape(shape)
+
+
+def dequantize_as(raw: torch.Tensor, qtype: GGMLQuantizationType | int,
+                  shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """dequantize(raw, qtype, shape).to(dtype), bit for bit, in chunks of blocks written
+    straight into the result: a load (and a streamed CPU layer, on every token) no longer
+    makes the whole float32 tensor and then a second pass to narrow it. Unquantized types
+    (one element per block) and float32 results take the plain path, which makes no extra
+    pass."""
+    fmt = get_format(qtype)
+    if fmt.block_size == 1 or dtype == torch.float32:
+        return dequantize(raw, qtype, shape).to(dtype)
+    shape = tuple(int(s) for s in shape)
+    if raw.dtype != torch.uint8 or not shape or any(s < 0 for s in shape) \
+            or raw.numel() != math.prod(shape[:-1]) * fmt.row_bytes(shape[-1]):
+        return dequantize(raw, qtype, shape)  # raises, with dequantize's own message
+    blocks = raw.reshape(-1, fmt.type_size)
+    out = torch.empty(shape, dtype=dtype, device=raw.device)
+    flat = out.view(-1, fmt.block_size)
+    step = max(1, CHUNK_ELEMENTS // fmt.block_size)
+    for at in range(0, blocks.shape[0], step):
+        flat[at:at + step].copy_(fmt.dequantize_blocks(blocks[at:at + step]))
+    return out

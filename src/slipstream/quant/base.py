@@ -88,8 +88,14 @@ def nibbles(packed: torch.Tensor) -> torch.Tensor:
 
     That is the GGML order: byte i holds element i in its low nibble and element i + k in its
     high nibble, so stacking on a new second-to-last axis and flattening gives element order.
+    Both halves are written straight into the result (no temporaries to stack: a load
+    dequantizes every weight, and streaming on CPU every streamed layer on every token).
     """
-    return torch.stack([packed & 0x0F, packed >> 4], dim=-2)
+    k = packed.shape[-1]
+    out = torch.empty((*packed.shape[:-1], 2, k), dtype=torch.uint8, device=packed.device)
+    torch.bitwise_and(packed, 0x0F, out=out[..., 0, :])
+    torch.bitwise_right_shift(packed, 4, out=out[..., 1, :])
+    return out
 
 
 def crumbs(packed: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,9 @@ Block layouts (bytes, little-endian):
     Q8_0  d:f16 | qs[32] (int8)           x = q * d
 Nibble byte i holds element i (low) and element i + 16 (high); qh is one 32-bit little-endian
 word whose bit j is the fifth bit of element j. The float arithmetic (order of the multiply and
-the add, no fused multiply-add) mirrors gguf-py so results are bit-identical to it.
+the add, no fused multiply-add) mirrors gguf-py so results are bit-identical to it; the
+products and sums are taken in place, in the float32 tensor the codes were widened into (the
+same operations in the same order: the same bits, without a new tensor for each step).
 """
 
 from __future__ import annotations
@@ -22,15 +24,15 @@ from .base import bits, f16_field, nibbles, register
 def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d = f16_field(blocks, 0)  # (n, 1)
-    q = nibbles(blocks[:, 2:18]).reshape(n, 32).to(torch.int8) - 8
-    return d * q.float()
+    x = nibbles(blocks[:, 2:18]).reshape(n, 32).float()
+    return x.sub_(8).mul_(d)  # q - 8 is exact in float32, as in int8
 
 
 def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d, m = f16_field(blocks, 0), f16_field(blocks, 2)
-    q = nibbles(blocks[:, 4:20]).reshape(n, 32)
-    return d * q.float() + m
+    x = nibbles(blocks[:, 4:20]).reshape(n, 32).float()
+    return x.mul_(d).add_(m)
 
 
 def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
@@ -43,20 +45,20 @@ def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
     d = f16_field(blocks, 0)
-    q = _five_bit(blocks[:, 2:6], blocks[:, 6:22]).to(torch.int8) - 16
-    return d * q.float()
+    x = _five_bit(blocks[:, 2:6], blocks[:, 6:22]).float()
+    return x.sub_(16).mul_(d)  # q - 16 is exact in float32, as in int8
 
 
 def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
     d, m = f16_field(blocks, 0), f16_field(blocks, 2)
-    q = _five_bit(blocks[:, 4:8], blocks[:, 8:24])
-    return d * q.float() + m
+    x = _five_bit(blocks[:, 4:8], blocks[:, 8:24]).float()
+    return x.mul_(d).add_(m)
 
 
 def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     d = f16_field(blocks, 0)
     q = blocks[:, 2:34].contiguous().view(torch.int8)
-    return q.float() * d
+    return q.float().mul_(d)
 
 
 Q4_0 = register(GGMLQuantizationType.Q4_0, _q4_0)

@@ -1,7 +1,9 @@
 """Hub downloads through huggingface_hub: it resolves the file (HF_ENDPOINT, HF_TOKEN, gated
 and private repositories, redirects to a CDN or Xet storage), checks the ETag against what the
 cache holds, and resumes a connection that drops mid-file with a Range request. slipstream
-adds its own bar, the GGUF check, and one-line errors."""
+adds its own bar, the GGUF check, one-line errors, and the resumption of a pull that was
+killed: huggingface_hub 2.x downloads into a temporary file of its own per process and never
+reuses one a dead process left (`_resume_killed`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from rich.progress import Progress
 
 from ..errors import ModelNotFound
 from . import DownloadError
+from .progress import hub_tqdm
 from .refs import HubRef
 from .store import CachedModel, hub_dir, is_gguf, remove
 
@@ -41,8 +44,6 @@ def download(ref: HubRef, bar: Progress) -> Path:
     from huggingface_hub import errors as hfe
     from huggingface_hub import hf_hub_download
 
-    from .progress import hub_tqdm
-
     local_dir = hub_dir(ref)
     if offline():
         path = local_dir / ref.filename
@@ -58,6 +59,7 @@ def download(ref: HubRef, bar: Progress) -> Path:
         with warnings.catch_warnings():
             # huggingface_hub only warns when the disk lacks the room for the file; refuse
             warnings.filterwarnings("error", message="Not enough free disk space")
+            _resume_killed(ref, local_dir, where, bar)
             path = Path(hf_hub_download(ref.repo_id, ref.filename, revision=ref.revision,
                                         local_dir=local_dir, endpoint=where,
                                         tqdm_class=hub_tqdm(bar, ref.filename)))
@@ -102,6 +104,64 @@ def download(ref: HubRef, bar: Progress) -> Path:
         remove(CachedModel(ref.name, path, 0, ""))
         raise DownloadError(f"{ref} is not a GGUF file (no GGUF magic); nothing was kept")
     return path
+
+
+def _resume_killed(ref: HubRef, local_dir: Path, where: str, bar: Progress) -> None:
+    """Finish the file a killed pull of `ref` left, where the Hub still serves the same file.
+
+    huggingface_hub (2.x) downloads into `<hash>.<etag>.<random>.incomplete` beside its
+    metadata and deletes it on any error it sees, but a process that is killed leaves it, and
+    the next pull starts a new one from byte 0: a pull killed at 30 of 40 GB costs 30 GB more,
+    and the 30 GB stay on disk unseen. So, holding huggingface_hub's own lock for the file (no
+    pull of it is running): the largest leftover of the ETag the Hub now answers is resumed
+    with a Range request from its length (huggingface_hub's http_get, which also copes with
+    a server that ignores the Range), moved into place with huggingface_hub's metadata, so that
+    hf_hub_download finds the file up to date; every other leftover (another ETag: the file
+    changed) is deleted. Files the Hub serves through Xet storage are left to hf_xet, whose
+    chunk cache keeps what a killed pull fetched. Where huggingface_hub's layout is not the
+    one known here, nothing is done and the pull starts over as before."""
+    try:
+        from filelock import FileLock, Timeout
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+        from huggingface_hub._local_folder import (get_local_download_paths,
+                                                   write_download_metadata)
+        from huggingface_hub.file_download import http_get
+        from huggingface_hub.utils import build_hf_headers
+    except ImportError:
+        return
+    paths = get_local_download_paths(local_dir, ref.filename)
+    prefix = paths.incomplete_path("ETAG").name.split(".")[0]  # the file's short hash
+    if not list(paths.metadata_path.parent.glob(f"{prefix}.*.incomplete")):
+        return
+    lock = FileLock(paths.lock_path, timeout=0)
+    try:
+        lock.acquire()
+    except Timeout:
+        return  # a pull of this file is running: what it writes is not ours to touch
+    try:
+        left = sorted(paths.metadata_path.parent.glob(f"{prefix}.*.incomplete"),
+                      key=lambda f: f.stat().st_size, reverse=True)
+        url = hf_hub_url(ref.repo_id, ref.filename, revision=ref.revision, endpoint=where)
+        meta = get_hf_file_metadata(url)
+        plain = meta.xet_file_data is None and meta.location and meta.size
+        keep = next((f for f in left if plain and f.name.split(".")[1] == meta.etag
+                     and f.stat().st_size <= meta.size), None)
+        for f in left:
+            if f is not keep:
+                f.unlink(missing_ok=True)
+        if keep is None:
+            return
+        with open(keep, "r+b") as f:
+            f.seek(0, os.SEEK_END)
+            http_get(meta.location, f, resume_size=f.tell(), headers=build_hf_headers(),
+                     expected_size=meta.size, displayed_filename=ref.filename,
+                     tqdm_class=hub_tqdm(bar, ref.filename))
+        os.replace(keep, paths.file_path)
+    finally:
+        lock.release()
+    # after the release: huggingface_hub takes the same lock to write it, through a lock
+    # object of its own, which would wait for ours for ever
+    write_download_metadata(local_dir, ref.filename, meta.commit_hash, meta.etag)
 
 
 def _first_line(e: BaseException) -> str:

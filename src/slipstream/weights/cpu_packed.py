@@ -48,7 +48,7 @@ the machine that runs them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from gguf import GGMLQuantizationType
@@ -609,3 +609,39 @@ def pack_group(raws: Sequence[torch.Tensor], qtypes: Sequence[GGMLQuantizationTy
     parts = [_BUILDERS[k]([r], [t], [s], b) if k is not None else None
              for r, t, s, k, b in zip(raws, qtypes, shapes, kinds, biases)]
     return None, parts
+
+
+# --- decode through a packed layout, batches through the dense weight ---------------------------
+
+class PackedDecodeLinear(Linear):
+    """A CPU linear held twice: packed (above) for decode and small trees, where a matvec is
+    bound by the bytes it reads (int4 reads a quarter of float16's), and dense for prefill,
+    where torch's packed CPU kernels are FLOP-bound and slower than a float32 GEMM.
+
+    The packed copy is made at the first call that needs it, from GGUF bytes the caller copied
+    at load (so the model file is not read again): packing costs about as much as the rest of
+    the load, which the first token (a prefill) then does not wait for. Where `pack` returns
+    None (no layout reads the format), decode stays dense. RAM: the packed copy on top of the
+    dense weight, and the GGUF bytes until it is made."""
+
+    def __init__(self, dense: Linear, pack: Callable[[], Linear | None], max_rows: int):
+        self.dense = dense
+        self._pack: Callable[[], Linear | None] | None = pack
+        self._packed: Linear | None = None
+        self.max_rows = max_rows
+
+    @property
+    def out_features(self) -> int:
+        return self.dense.out_features
+
+    @property
+    def packed(self) -> Linear:
+        """The decode copy (made now if not yet; the dense weight where none can be)."""
+        if self._pack is not None:
+            self._packed, self._pack = self._pack(), None  # the GGUF bytes go with the thunk
+        return self._packed if self._packed is not None else self.dense
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[0] <= self.max_rows:
+            return self.packed(x, residual)
+        return self.dense(x, residual)

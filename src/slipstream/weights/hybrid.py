@@ -220,7 +220,6 @@ def split_layer(builder, src, i: int, keep: int):
     ffn_down_rest, each in the builder's format (quantized for the GPU kernels, or dense on a
     CPU device). The layer is the same function of its input as the unsplit one; only the
     order of the down projection's sums differs."""
-    from ..model.llama import LayerWeights  # noqa: F401  (the type built)
     from .linear import DenseLinear, QuantLinear
 
     cfg = builder.cfg

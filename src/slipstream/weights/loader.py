@@ -27,7 +27,7 @@ from ..gguf_file import GGUFFile
 from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name, spec_for
 from ..model.llama import LayerWeights
 from ..precision import Precision
-from .linear import DenseLinear, QuantEmbedding, QuantLinear, Workspace
+from .linear import GEMV_MAX_ROWS, DenseLinear, QuantEmbedding, QuantLinear, Workspace
 
 
 @dataclass
@@ -100,7 +100,9 @@ class TensorSource:
     def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
         raw = self.raw(name, shape)
-        t = quant.dequantize(raw, self.type_of(name), shape).to(device=device, dtype=dtype)
+        # narrowed chunk by chunk as it is decoded (the same bits as a whole float32 tensor
+        # narrowed after): no float32 copy of the whole weight to fault in and walk again
+        t = quant.dequantize_as(raw, self.type_of(name), shape, dtype).to(device=device)
         if (self.buffer is not None or self.private) and _shares_memory(t, raw):
             # F32 (and F16 at float16) tensors decode to views: a staging buffer gets reused,
             # and a private model must not read its file after the load
@@ -168,8 +170,10 @@ class LayerBuilder:
             parts = [DenseLinear(src.dense(f"{p}.weight", s, dtype, self.device), b)
                      for p, s, b in zip(prefixes, shapes, biases)]
             if not group.fuses((), dense=True):
-                return None, parts
-            return DenseLinear.fuse(parts)
+                return None, [self._packed_decode(src, [p], [s], [b], d)
+                              for p, s, b, d in zip(prefixes, shapes, biases, parts)]
+            fused, views = DenseLinear.fuse(parts)
+            return self._packed_decode(src, prefixes, shapes, biases, fused), views
         # GPU: the weights stay quantized, repacked for the kernels. Rows of the same format
         # concatenate into one packed weight, so q/k/v (gate/up) cost one kernel launch.
         from .. import kernels
@@ -186,6 +190,24 @@ class LayerBuilder:
         parts = [QuantLinear(kernels.pack_weight(r, t, *s), b, self.workspace, self.fuse_scales)
                  for r, t, s, b in zip(raws, types, shapes, biases)]
         return None, parts
+
+
+    def _packed_decode(self, src: TensorSource, prefixes: list[str], shapes, biases,
+                       dense: DenseLinear):
+        """`dense` with a packed copy for decode (precision.cpu_packed_decode), when the
+        tensors' formats pack into one layout; else `dense` alone."""
+        if not self.precision.cpu_packed_decode:
+            return dense
+        from .cpu_packed import PackedDecodeLinear, kind_for, pack_group
+
+        types = [src.type_of(f"{p}.weight") for p in prefixes]
+        if any(kind_for(t) is None for t in types):
+            return dense
+        # the bytes copied now: packing waits for the first decode step, and the model's file
+        # must not be read after the load (private weights, see the module doc)
+        raws = [src.raw(f"{p}.weight", s).clone() for p, s in zip(prefixes, shapes)]
+        return PackedDecodeLinear(dense, lambda: pack_group(raws, types, shapes, biases)[0],
+                                  GEMV_MAX_ROWS)
 
 
 def check_layer_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
@@ -256,7 +278,9 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
         output = QuantLinear(packed, None, workspace)
         release_transients(device)
     else:
-        output = DenseLinear(src.dense(head_name, embed_shape, precision.weight_dtype, device))
+        output = builder._packed_decode(
+            src, [head_name.removesuffix(".weight")], [embed_shape], [None],
+            DenseLinear(src.dense(head_name, embed_shape, precision.weight_dtype, device)))
     if head_name == HEAD:
         tick(head_name)
     rope_freqs = None
