@@ -91,3 +91,12 @@ def streamed_logits(model, steps: int = 12) -> list[torch.Tensor]:
     if model.engine.device.type == "cuda":
         torch.cuda.synchronize()
     return out
+
+
+def vram_budget_for(model, resident_layers: int, slack: int = 1) -> int:
+    """A VRAM budget for `resident_layers` of `model`'s plan in VRAM (a streamed plan reserves
+    no graph pools and keeps the embedding on the host); `slack` bytes on top."""
+    p = model.plan
+    staging = p.staging_buffers * max(p.file_bytes_per_layer)
+    fixed = p.fixed_bytes - p.reserve.get("CUDA graph pools", 0) - p.reserve.get("embedding", 0)
+    return fixed + staging + sum(p.resident_bytes_per_layer[:resident_layers]) + slack

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import slipstream
-from helpers import streamed_logits, streaming_synth
+from helpers import streamed_logits, streaming_synth, vram_budget_for
 from slipstream.errors import BudgetTooSmall
 
 pytestmark = pytest.mark.gpu
@@ -19,21 +19,12 @@ def synth(tmp_path_factory):
     return streaming_synth(tmp_path_factory.mktemp("gs"), n_layers=6, seed=4)
 
 
-def _budget_for(model, resident_layers: int) -> int:
-    """A VRAM budget for `resident_layers` in VRAM (a streamed plan reserves no graph pools
-    and keeps the embedding on the host)."""
-    p = model.plan
-    staging = p.staging_buffers * max(p.file_bytes_per_layer)
-    fixed = p.fixed_bytes - p.reserve.get("CUDA graph pools", 0) - p.reserve.get("embedding", 0)
-    return fixed + staging + sum(p.resident_bytes_per_layer[:resident_layers]) + 1
-
-
 
 
 @pytest.mark.parametrize("delay", [0, 2_000_000])
 def test_pinned_streaming_is_bit_identical(synth, delay):
     resident = slipstream.load(synth, device="cuda", ctx=256)
-    budget = _budget_for(resident, 2)
+    budget = vram_budget_for(resident, 2)
     streamed = slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget,
                                stream_delay=delay)
     # the streamed layers spread between the resident ones (memory.planner._interleave)
@@ -56,7 +47,7 @@ def test_skipped_layers_are_never_copied_and_streaming_stays_bit_identical(synth
     and what is served still gives the resident model's bits."""
     resident = slipstream.load(synth, device="cuda", ctx=256)
     streamed = slipstream.load(synth, device="cuda", ctx=256,
-                               vram_budget=_budget_for(resident, 2))
+                               vram_budget=vram_budget_for(resident, 2))
     assert streamed.plan.tiers == ["pinned", "vram", "pinned", "pinned", "vram", "pinned"]
     ring = streamed.engine.layers.ring
     copied, restarts = [], []
