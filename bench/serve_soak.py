@@ -20,7 +20,11 @@ latency p50/p95 (first send to final answer, Retry-After waits included, and of 
 attempt alone). Exits 1 when a check fails (5xx, invalid body, RSS growth >= 50 MB).
 
 `--time-limit S` stops sending new requests after S seconds (the figures then say how many ran),
-for machines that cannot run the whole soak in the time they have.
+for machines that cannot run the whole soak in the time they have. SIGTERM or Ctrl-C does the
+same at once: the requests in flight finish, and the figures of what ran are written.
+
+`-t N` sets the server's torch threads (recorded with the figures, with this process's nice
+level): on a small shared machine, `-t 1` leaves a core to the clients and to other work.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import socket
 import subprocess
 import sys
@@ -221,9 +226,11 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
     return proc, url, log
 
 
-def run_soak(url: str, sampler: RssSampler, args) -> tuple[list[Outcome], dict]:
+def run_soak(url: str, sampler: RssSampler, args, stop: threading.Event
+             ) -> tuple[list[Outcome], dict]:
     """Warm-up requests first (not counted), then `args.requests` from args.concurrency
-    threads, each taking the next index until the count or the time limit is reached."""
+    threads, each taking the next index until the count or the time limit is reached, or
+    `stop` is set."""
     with httpx.Client(timeout=httpx.Timeout(300, connect=10)) as c:
         for i in range(args.warmup):
             o = one(c, url, -1 - i, args.max_tokens)
@@ -241,7 +248,8 @@ def run_soak(url: str, sampler: RssSampler, args) -> tuple[list[Outcome], dict]:
             while True:
                 with lock:
                     i = next_index[0]
-                    if i >= args.requests or time.monotonic() >= stop_at:
+                    if (i >= args.requests or time.monotonic() >= stop_at
+                            or stop.is_set()):
                         return
                     next_index[0] += 1
                 o = one(c, url, i, args.max_tokens)
@@ -312,10 +320,13 @@ def table(doc: dict) -> str:
     f, c = doc["results"], doc["config"]
     rows = [
         ("date", doc["date"]), ("commit", f"{doc['commit']} (+ uncommitted changes to "
-                                          f"{len(doc['uncommitted'])} files)"),
+                                          f"{len(doc['uncommitted'])} files) at the start"
+                                          + (f"; HEAD was {doc['commit_at_end'][:7]} at the "
+                                             f"end" if doc.get("commit_at_end") else "")),
         ("machine", doc["machine"]), ("model", f"{doc['model']} on {doc['device']}"),
         ("load", f"{c['requests']} requests asked, concurrency {c['concurrency']}, max_tokens "
-                 f"{c['max_tokens']}, server --max-queue {c['max_queue']}"
+                 f"{c['max_tokens']}, server --max-queue {c['max_queue']}, server threads "
+                 f"{c.get('threads') or 'torch default'}, nice {c.get('nice', 0)}"
                  + (f", time limit {c['time_limit_s']} s" if c["time_limit_s"] else "")),
         ("requests done", f"{f['requests']} ({f['valid']} valid) in {f['wall_s']} s, "
                           f"{f['requests_per_s']} req/s"),
@@ -352,12 +363,23 @@ def main() -> int:
     p.add_argument("--out", help="JSON path (a .txt table is written next to it)")
     args = p.parse_args()
 
+    stop = threading.Event()  # SIGTERM / Ctrl-C: send nothing more, write what ran
+
+    def on_signal(signum, frame) -> None:
+        print(f"signal {signum}: no new requests; finishing those in flight", flush=True)
+        stop.set()
+
+    # the tree the server runs is the one at its start: commits made during a long soak are not
+    # in it, so the figures name the start's commit and changes (and the end's, if it moved)
+    commit, uncommitted = git_head(), git_dirty()
     proc, url, log = start_server(args)
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     sampler = RssSampler(proc.pid)
     sampler.start()
     try:
         health = httpx.get(url + "/health", timeout=10).json()
-        outcomes, run = run_soak(url, sampler, args)
+        outcomes, run = run_soak(url, sampler, args, stop)
         alive = proc.poll() is None
     finally:
         sampler.stop.set()
@@ -372,12 +394,14 @@ def main() -> int:
               "server alive at the end": alive}
     verdict = ("pass" if all(checks.values()) else
                "FAIL: " + ", ".join(k for k, v in checks.items() if not v))
-    if figures["requests"] < args.requests:  # the time limit cut the run short: say so
-        verdict += (f" on {figures['requests']} of the {args.requests} requests asked (the "
-                    f"--time-limit of {args.time_limit:.0f} s ended the run)")
+    if figures["requests"] < args.requests:  # the run was cut short: say so, and why
+        why = ("a signal ended the run" if stop.is_set() else
+               f"the --time-limit of {args.time_limit:.0f} s ended the run")
+        verdict += f" on {figures['requests']} of the {args.requests} requests asked ({why})"
     date = time.strftime("%Y-%m-%d", time.gmtime())
     doc = {"bench": "serve_soak", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "commit": git_head(), "uncommitted": git_dirty(),
+           "commit": commit, "uncommitted": uncommitted,
+           **({"commit_at_end": git_head()} if git_head() != commit else {}),
            "machine": f"{platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, "
                       f"Linux {platform.release()}, load avg "
                       f"{', '.join(f'{x:.1f}' for x in os.getloadavg())} at the end",
@@ -386,6 +410,7 @@ def main() -> int:
            "config": {"requests": args.requests, "concurrency": args.concurrency,
                       "max_tokens": args.max_tokens, "max_queue": args.max_queue,
                       "warmup": args.warmup, "time_limit_s": args.time_limit,
+                      "threads": args.threads, "nice": os.nice(0),
                       "kinds": list(KINDS), "temperature": 0.7},
            "results": figures, "checks": checks, "verdict": verdict,
            "failures": [asdict(o) for o in failed[:50]],

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import re
+import threading
+import time
 from pathlib import Path
 
 import gguf
 import pytest
 
+from slipstream import chat_template
 from slipstream.chat_template import CHATML_TEMPLATE, ChatTemplate
-from slipstream.errors import TokenizerError
+from slipstream.errors import ChatTemplateLimitExceeded, TokenizerError
 from slipstream.tokenizer import read_tokenizer_metadata
 
 SYSTEM = {"role": "system", "content": "You are terse."}
@@ -135,3 +139,99 @@ def test_template_errors_raise_tokenizer_error() -> None:
     assert messages == [{"role": "user", "content": "x"}]
     with pytest.raises(TokenizerError):
         ChatTemplate("{{ messages[0].__class__.__subclasses__() }}").render(messages)
+
+
+def _render_within(source: str, seconds: float = 30.0) -> BaseException | str:
+    """Compile and render `source` on a thread; what it returned or raised. Fails the test if
+    it still runs after `seconds` (an unbounded template: the thread is left to the process)."""
+    result: list[BaseException | str] = []
+
+    def run() -> None:
+        try:
+            result.append(ChatTemplate(source).render([{"role": "user", "content": "hi"}]))
+        except BaseException as e:  # noqa: BLE001 - the test looks at what it was
+            result.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    t0 = time.monotonic()
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still rendering after {seconds} s: {source}"
+    assert time.monotonic() - t0 < seconds
+    return result[0]
+
+
+# (template, what the error names). Unbounded, the first would hang or refuse with an error
+# of another type; the second would build gigabytes (or a 1 TB string, or a 10**7-digit
+# number): kept small enough here for a run without the bounds to fail, not to fill the RAM.
+LOOPING = {
+    "huge range": ("{% for i in range(10**12) %}x{% endfor %}", r"range\(1000000000000\)"),
+    "nested loops": ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}"
+                     "{% endfor %}", "more than 250,000 loop iterations and calls"),
+    "nested loops over a string": ("{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}"
+                                   "{% endfor %}{% endfor %}", "loop iterations"),
+    "exponential macro": ("{% macro d(n) %}{% if n > 0 %}{{ d(n - 1) }}{{ d(n - 1) }}{% endif %}"
+                          "{% endmacro %}{{ d(60) }}", "loop iterations and calls"),
+}
+EXPLODING = {
+    "repeated string": ("{{ 'x' * 10**12 }}", r"'x' \* 1000000000000: 1,000,000,000,000 items"),
+    "output": ("{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}",
+               "text grows past 16,777,216 characters"),
+    "doubling with ~": ("{% set ns = namespace(s='x') %}{% for i in range(26) %}"
+                        "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s }}",
+                        "a string \\(with ~\\) of 33,554,432 items"),
+    "doubling with +": ("{% set ns = namespace(s=['x']) %}{% for i in range(26) %}"
+                        "{% set ns.s = ns.s + ns.s %}{% endfor %}", "33,554,432 items"),
+    "doubling through a macro": ("{% macro d(s) %}{{ s }}{{ s }}{% endmacro %}"
+                                 "{% set ns = namespace(s='x') %}{% for i in range(26) %}"
+                                 "{% set ns.s = d(ns.s) %}{% endfor %}", "text grows past"),
+    "power": ("{{ 10 ** 10000000 }}", r"10 \*\* 10000000: more than 65,536 bits"),
+    "squaring": ("{% set ns = namespace(x=3) %}{% for i in range(24) %}"
+                 "{% set ns.x = ns.x * ns.x %}{% endfor %}{{ ns.x > 0 }}", "65,536 bits"),
+}
+
+
+@pytest.mark.parametrize("name", LOOPING)
+def test_a_looping_template_is_stopped(name: str) -> None:
+    source, names = LOOPING[name]
+    error = _render_within(source)
+    assert isinstance(error, ChatTemplateLimitExceeded), repr(error)[:300]
+    assert isinstance(error, TokenizerError)  # the server answers it with a 400
+    assert error.args[0].startswith("the chat template ")
+    assert re.search(names, str(error)), str(error)
+
+
+@pytest.mark.parametrize("name", EXPLODING)
+def test_an_exploding_template_is_stopped(name: str) -> None:
+    source, names = EXPLODING[name]
+    error = _render_within(source)
+    assert isinstance(error, ChatTemplateLimitExceeded), repr(error)[:300]
+    assert re.search(names, str(error)), str(error)
+
+
+def test_a_slow_template_is_stopped_by_the_clock(monkeypatch) -> None:
+    monkeypatch.setattr(chat_template, "RENDER_TIMEOUT_S", -1.0)
+    with pytest.raises(ChatTemplateLimitExceeded, match="ran for more than -1 s"):
+        ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}").render(
+            [{"role": "user", "content": "hi"}])
+
+
+def test_python_errors_in_a_template_raise_tokenizer_error() -> None:
+    for source, names in [("{{ 1 / 0 }}", "ZeroDivisionError"),
+                          ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+                          ("{{ 'a' + 1 }}", "TypeError")]:
+        error = _render_within(source)
+        assert type(error) is TokenizerError and names in str(error), repr(error)[:300]
+
+
+def test_bounded_templates_render_as_before() -> None:
+    """The bounds leave what real templates do alone: loop.length and loop.last, recursive
+    loops, range(), small repetitions, ~ and +."""
+    source = ("{% for m in messages %}{{ m.content }}{{ loop.index }}/{{ loop.length }}"
+              "{{ '.' if loop.last else ',' }}{% endfor %}"
+              "{% for x in tree recursive %}[{{ x.n }}{{ loop(x.kids) if x.kids }}]{% endfor %}"
+              "{{ range(3) | list }}{{ '-' * 3 }}{{ 'a' ~ 'b' + 'c' }}{{ 2 ** 10 }}")
+    tree = [{"n": 1, "kids": [{"n": 2, "kids": []}]}, {"n": 3, "kids": []}]
+    out = ChatTemplate(source).render([{"role": "user", "content": "a"},
+                                       {"role": "user", "content": "b"}], tree=tree)
+    assert out == "a1/2,b2/2.[1[2]][3][0, 1, 2]---abc1024"

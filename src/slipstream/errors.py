@@ -75,3 +75,9 @@ class TensorInfoError(GGUFError):
 
 class InvalidMetadata(GGUFError):
     """A metadata value has the wrong type or is out of range (hyper-parameters included)."""
+
+
+class ChatTemplateLimitExceeded(TokenizerError):
+    """A chat template ran past a bound on one render (a range's size, loop iterations and
+    calls, time, the size of a string, list or number it builds, or of its output): it loops
+    without end or explodes, so the file's template is unusable as it is."""

@@ -179,6 +179,29 @@ def test_max_tokens_above_the_context_is_a_400(client, path, body, param):
     assert client.post(path, json=body).status_code == 200
 
 
+class RunawayTemplateModel(FakeModel):
+    """A model whose chat template (from its file) loops: range(10**12) once gave a 500."""
+
+    def __init__(self):
+        super().__init__()
+        from slipstream.chat_template import ChatTemplate
+
+        self.template = ChatTemplate("{% for i in range(10**12) %}x{% endfor %}")
+
+    def chat_ids(self, messages) -> list[int]:  # as Model.chat_ids does
+        return self.tokenize(self.template.render(list(messages)))
+
+
+def test_a_runaway_chat_template_is_a_400_naming_the_bound():
+    with TestClient(create_app(RunawayTemplateModel())) as c:
+        r = c.post("/v1/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert r.status_code == 400, r.text
+        assert "range(1000000000000): more than 100,000 items" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200  # and the server goes on serving
+
+
 def test_loading_then_ready():
     """An app made before its model answers /health 503 "loading", the API 503 with
     Retry-After, and serves once the model is attached."""
