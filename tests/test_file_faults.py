@@ -185,3 +185,40 @@ def test_streamed_model_reads_on_after_deletion(tiny_copy):
     assert r["error"] is None, r["error"]
     assert r["got"] == r["ref"] and r["after"] == r["ref"]
     assert not tiny_copy.exists()
+
+
+def test_mmap_source_catches_a_file_rewritten_during_its_copy(tmp_path):
+    """The mmap baseline (--io mmap on CUDA) checks the file after each layer's copy too, so a
+    rewrite while the copy read the map fails before any kernel reads the slot."""
+    import torch
+
+    from slipstream.memory.disk import FileChanged
+    from slipstream.memory.image_file import ImageFile
+    from slipstream.memory.protocol import StoreStats
+    from slipstream.memory.sources import MmapSource
+
+    path = tmp_path / "img"
+    path.write_bytes(bytes(range(256)) * 32)
+    disk = ImageFile(path, {0: (0, 4096), 1: (4096, 8192)}, {0: None, 1: None})
+    src = MmapSource(disk, StoreStats(), 4096, torch.device("cpu"), drop_cache=False)
+    stream = None
+    assert torch.equal(src.acquire(0, stream), torch.tensor(list(range(256)) * 16,
+                                                            dtype=torch.uint8))
+
+    class Rewriting:  # the slot's copy, with the file rewritten in place while it runs
+        def __init__(self, slot):
+            self.slot = slot
+
+        def __getitem__(self, key):
+            return self
+
+        def copy_(self, data):
+            with open(path, "r+b") as f:
+                f.write(b"\xff" * 16)
+            os.utime(path, ns=(1, 1))  # a distinct mtime, however coarse the clock
+            return self.slot
+
+    src.slot = Rewriting(src.slot)
+    with pytest.raises(FileChanged, match="rewritten while running"):
+        src.acquire(1, stream)
+    src.close()

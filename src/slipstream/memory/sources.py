@@ -246,6 +246,9 @@ class MmapSource(Source):
         # Pageable: torch stages the copy, ordered after the kernels that last read the slot,
         # and the host waits for it. Page faults read the file.
         self.slot[:end - start].copy_(self.mm_tensor[start:end])
+        # and after: a file rewritten while the copy read it fails here, before any kernel
+        # reads the slot, instead of one layer computing on mixed bytes unnoticed
+        self.watch.check(self.fd)
         self.stats.disk_wait_s += time.perf_counter() - t0
         self.stats.disk_bytes += end - start
         self.stats.h2d_bytes += end - start
