@@ -64,8 +64,9 @@ def test_streamed_equals_resident_with_random_reader_delays(tiny):
 
 
 def test_real_model_streamed_equals_resident(smollm_path):
-    resident = slipstream.load(smollm_path, device="cpu", ctx=128)
-    streamed = slipstream.load(smollm_path, device="cpu", ctx=128, ram_budget="150MiB")
+    resident = slipstream.load(smollm_path, device="cpu", ctx=128, precision=EXACT)
+    streamed = slipstream.load(smollm_path, device="cpu", ctx=128, ram_budget="150MiB",
+                               precision=EXACT)
     assert "disk" in streamed.plan.tiers and "ram" in streamed.plan.tiers
     ids = resident.tokenize("Streaming must not change a single bit:")
     assert torch.equal(resident.logits(ids), streamed.logits(ids))
