@@ -614,9 +614,10 @@ def pack_group(raws: Sequence[torch.Tensor], qtypes: Sequence[GGMLQuantizationTy
 # --- decode through a packed layout, batches through the dense weight ---------------------------
 
 class PackedDecodeLinear(Linear):
-    """A CPU linear held twice: packed (above) for decode and small trees, where a matvec is
-    bound by the bytes it reads (int4 reads a quarter of float16's), and dense for prefill,
-    where torch's packed CPU kernels are FLOP-bound and slower than a float32 GEMM.
+    """A CPU linear held twice: packed (above) for calls of up to `max_rows` tokens (decode),
+    where a matvec is bound by the bytes it reads (int4 reads a quarter of float16's), and
+    dense for larger ones (prefill), where torch's packed CPU kernels are FLOP-bound and slower
+    than a float32 GEMM.
 
     The packed copy is made at the first call that needs it, from GGUF bytes the caller copied
     at load (so the model file is not read again): packing costs about as much as the rest of

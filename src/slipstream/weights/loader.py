@@ -27,7 +27,7 @@ from ..gguf_file import GGUFFile
 from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name, spec_for
 from ..model.llama import LayerWeights
 from ..precision import Precision
-from .linear import GEMV_MAX_ROWS, DenseLinear, QuantEmbedding, QuantLinear, Workspace
+from .linear import DenseLinear, QuantEmbedding, QuantLinear, Workspace
 
 
 @dataclass
@@ -206,8 +206,10 @@ class LayerBuilder:
         # the bytes copied now: packing waits for the first decode step, and the model's file
         # must not be read after the load (private weights, see the module doc)
         raws = [src.raw(f"{p}.weight", s).clone() for p, s in zip(prefixes, shapes)]
+        # one token at a time only: a short prompt then stays on the dense weights, so the
+        # first token never waits for the packing (the first decode step pays it)
         return PackedDecodeLinear(dense, lambda: pack_group(raws, types, shapes, biases)[0],
-                                  GEMV_MAX_ROWS)
+                                  max_rows=1)
 
 
 def check_layer_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
