@@ -27,7 +27,7 @@ from ..gguf_file import GGUFFile
 from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name, spec_for
 from ..model.llama import LayerWeights
 from ..precision import Precision
-from .linear import DenseLinear, QuantEmbedding, QuantLinear, Workspace
+from .linear import GEMV_MAX_ROWS, DenseLinear, QuantEmbedding, QuantLinear, Workspace
 
 
 @dataclass
@@ -206,10 +206,11 @@ class LayerBuilder:
         # the bytes copied now: packing waits for the first decode step, and the model's file
         # must not be read after the load (private weights, see the module doc)
         raws = [src.raw(f"{p}.weight", s).clone() for p, s in zip(prefixes, shapes)]
-        # one token at a time only: a short prompt then stays on the dense weights, so the
-        # first token never waits for the packing (the first decode step pays it)
+        # up to GEMV_MAX_ROWS tokens, as DenseLinear's own matvec path: a row's bits then do
+        # not depend on how many rows share its call (the server's chunked prefill relies on
+        # it); a prompt that short pays the packing, a longer one leaves it to the first step
         return PackedDecodeLinear(dense, lambda: pack_group(raws, types, shapes, biases)[0],
-                                  max_rows=1)
+                                  GEMV_MAX_ROWS)
 
 
 def check_layer_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
