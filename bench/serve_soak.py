@@ -46,6 +46,10 @@ from pathlib import Path
 import httpx
 import psutil
 
+# bench/ on the path whoever loads this file (the tests load its client by path)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_load import percentile, wait_healthy  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [
     "Explain why the sky is blue.",
@@ -172,16 +176,6 @@ def one(client: httpx.Client, url: str, i: int, max_tokens: int) -> Outcome:
         return Outcome(i, kind, 200, now - t0, now - ta, retries, error)
 
 
-def percentile(values: list[float], q: float) -> float:
-    xs = sorted(values)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 class RssSampler(threading.Thread):
     """Samples the server's RSS every `every_s` seconds (and on demand with `now()`)."""
 
@@ -218,10 +212,6 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
         cmd += ["-t", str(args.threads)]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    # here, not at the top: tests load this file's client without bench/ on sys.path
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from serve_load import wait_healthy
-
     wait_healthy(proc, url, log, 600)
     return proc, url, log
 
