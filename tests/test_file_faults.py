@@ -11,6 +11,8 @@ killing pytest. What must hold:
 The controls load the resident model with private_weights=False (its embedding a view of the
 file's map): a truncation then kills it by SIGBUS and an overwrite changes its output, which
 shows that the faults reach the bytes the model uses.
+The --io mmap stores (the CPU's MmapLayerStore, CUDA's MmapSource) read through positional reads
+now, not a map: a file truncated right before a layer's read must be FileChanged, not SIGBUS.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ if args.get("ram_budget"):
     kw["ram_budget"] = args["ram_budget"]
 if args.get("private") is not None:
     kw["private_weights"] = args["private"]
+if args.get("io"):
+    kw["io"] = args["io"]
 model = slipstream.load(path, **kw)
 prompt = args["prompt"]
 n = args["tokens"]
@@ -88,15 +92,24 @@ print("RESULT " + json.dumps(out), flush=True)
 TOKENS = 8
 
 
-def run_child(path: Path, fault: str, prompt, ram_budget=None, private=None) -> dict:
-    """Run one fault case; returns the child's result (fails the test on a signal)."""
+def data_offset(path: Path) -> int:
     gf = GGUFFile(path)
-    start = gf.reader.data_offset  # the faults hit the tensor data, not the header
+    start = gf.reader.data_offset  # where the tensor data starts, after the header
     gf.close()
+    return start
+
+
+def run_child(path: Path, fault: str, prompt, ram_budget=None, private=None, io=None) -> dict:
+    """Run one fault case; returns the child's result (fails the test on a signal)."""
     args = {"path": str(path), "fault": fault, "prompt": prompt, "tokens": TOKENS,
-            "ram_budget": ram_budget, "private": private, "fault_start": start}
+            "ram_budget": ram_budget, "private": private, "io": io,
+            "fault_start": data_offset(path)}  # the faults hit the tensor data
+    return run_script(CHILD, args)
+
+
+def run_script(script: str, args: dict) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    p = subprocess.run([sys.executable, "-c", CHILD, json.dumps(args)], capture_output=True,
+    p = subprocess.run([sys.executable, "-c", script, json.dumps(args)], capture_output=True,
                        text=True, timeout=600, env=env)
     return {"returncode": p.returncode, "stderr": p.stderr[-3000:],
             "result": next((json.loads(ln[7:]) for ln in p.stdout.splitlines()
@@ -164,9 +177,10 @@ def test_control_mapped_resident_model_changes_on_overwrite(model_copy):
 STREAM_BUDGET = "1600KiB"  # every layer of the tiny model is read from disk each token
 
 
+@pytest.mark.parametrize("io", ["direct", "mmap"])
 @pytest.mark.parametrize("fault", ["truncate", "overwrite", "overwrite_keep_mtime"])
-def test_streamed_model_detects_a_changed_file(tiny_copy, fault):
-    r = assert_clean(run_child(tiny_copy, fault, TINY_PROMPT, ram_budget=STREAM_BUDGET))
+def test_streamed_model_detects_a_changed_file(tiny_copy, fault, io):
+    r = assert_clean(run_child(tiny_copy, fault, TINY_PROMPT, ram_budget=STREAM_BUDGET, io=io))
     assert "disk" in r["plan"]
     assert r["error"] is not None, "the change went unnoticed"
     assert r["error"]["type"] == "FileChanged"
@@ -179,17 +193,124 @@ def test_streamed_model_detects_a_changed_file(tiny_copy, fault):
     assert r["got"] == r["ref"][:len(r["got"])]
 
 
-def test_streamed_model_reads_on_after_deletion(tiny_copy):
-    r = assert_clean(run_child(tiny_copy, "delete", TINY_PROMPT, ram_budget=STREAM_BUDGET))
+@pytest.mark.parametrize("io", ["direct", "mmap"])
+def test_streamed_model_reads_on_after_deletion(tiny_copy, io):
+    r = assert_clean(run_child(tiny_copy, "delete", TINY_PROMPT, ram_budget=STREAM_BUDGET,
+                               io=io))
     assert "disk" in r["plan"]
     assert r["error"] is None, r["error"]
     assert r["got"] == r["ref"] and r["after"] == r["ref"]
     assert not tiny_copy.exists()
 
 
-def test_mmap_source_catches_a_file_rewritten_during_its_copy(tmp_path):
-    """The mmap baseline (--io mmap on CUDA) checks the file after each layer's copy too, so a
-    rewrite while the copy read the map fails before any kernel reads the slot."""
+# --- --io mmap: positional reads, so a truncation right before a read is no SIGBUS ----------
+
+MMAP_CHILD = r'''
+import json, os, sys
+import torch
+from slipstream.errors import SlipstreamError
+from slipstream.memory.disk import FileWatch
+
+args = json.loads(sys.argv[1])
+path = args["path"]
+armed, cut = [False], []
+
+
+def cut_now():
+    """Truncate the file to args["cut"] bytes, once, at the first hook reached once armed."""
+    if armed[0] and not cut:
+        os.truncate(path, args["cut"])
+        cut.append(True)
+
+
+# The file shrinks at the last moment before a layer's bytes are read, whichever way the store
+# reads them: right after a FileWatch check passed (the old map's copy came next), as a
+# positional read starts, or as a layer's build starts (the old CPU store built from the map).
+real_check, real_preadv = FileWatch.check, os.preadv
+
+
+def check(self, fd):
+    real_check(self, fd)
+    cut_now()
+
+
+def preadv(fd, buffers, offset, *flags):
+    cut_now()
+    return real_preadv(fd, buffers, offset, *flags)
+
+
+FileWatch.check, os.preadv = check, preadv
+
+if args["store"] == "cpu":
+    from slipstream.config import ModelConfig
+    from slipstream.gguf_file import GGUFFile
+    from slipstream.memory import MmapLayerStore
+    from slipstream.precision import Precision
+    from slipstream.weights.loader import LayerBuilder
+
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source="tiny")
+    cpu = torch.device("cpu")
+    builder = LayerBuilder(cfg, cpu, Precision.of("exact", cpu))
+    real_build = builder.build
+
+    def build(src, i):
+        cut_now()
+        return real_build(src, i)
+
+    builder.build = build
+    store = MmapLayerStore(gf, builder, [None] * cfg.n_layers)
+
+    def get(i):
+        store.acquire(i)
+        store.release(i)
+else:  # CUDA's MmapSource, driven on the CPU (its slot a CPU tensor, no stream)
+    from slipstream.memory.image_file import ImageFile
+    from slipstream.memory.protocol import StoreStats
+    from slipstream.memory.sources import MmapSource
+
+    spans = {0: (0, 4096), 1: (4096, 8192)}
+    store = MmapSource(ImageFile(path, spans, {0: None, 1: None}), StoreStats(), 4096,
+                       torch.device("cpu"), drop_cache=False)
+
+    def get(i):
+        store.acquire(i, None)
+
+get(0)  # a clean read first
+armed[0] = True
+out = {"error": None}
+try:
+    get(1)
+except SlipstreamError as e:
+    out["error"] = {"type": type(e).__name__, "message": str(e)}
+out["cut"] = bool(cut)
+store.close()
+print("RESULT " + json.dumps(out), flush=True)
+'''
+
+
+@pytest.mark.parametrize("store", ["cpu", "cuda-source"])
+def test_mmap_mode_truncated_right_before_a_read_is_file_changed(tiny_copy, tmp_path, store):
+    """The file is truncated between the store's last check and its read of a layer's bytes:
+    a read through a map would be a SIGBUS (the old code's fate: a negative return code here);
+    a positional read comes back short and the reader's check names the change."""
+    if store == "cpu":
+        path, cut = tiny_copy, data_offset(tiny_copy)  # every layer's bytes cut off
+    else:
+        path, cut = tmp_path / "img", 4096  # layer 1's image, [4096, 8192), cut off
+        path.write_bytes(bytes(range(256)) * 32)
+    size = path.stat().st_size
+    r = assert_clean(run_script(MMAP_CHILD, {"path": str(path), "store": store, "cut": cut}))
+    assert r["cut"], "the hook never ran: the store read its file another way"
+    assert r["error"] is not None, "the truncation went unnoticed"
+    assert r["error"]["type"] == "FileChanged"
+    assert str(path) in r["error"]["message"]
+    assert f"its size went from {size} to {cut} bytes" in r["error"]["message"]
+
+
+def test_mmap_source_catches_a_file_rewritten_during_its_read(tmp_path):
+    """The mmap baseline (--io mmap on CUDA) checks the file after each layer's read, so a
+    rewrite while it reads fails before the bytes reach the slot, let alone a kernel."""
     import torch
 
     from slipstream.memory.disk import FileChanged
@@ -205,20 +326,97 @@ def test_mmap_source_catches_a_file_rewritten_during_its_copy(tmp_path):
     assert torch.equal(src.acquire(0, stream), torch.tensor(list(range(256)) * 16,
                                                             dtype=torch.uint8))
 
-    class Rewriting:  # the slot's copy, with the file rewritten in place while it runs
-        def __init__(self, slot):
-            self.slot = slot
+    def rewrite():  # the reader's test hook: runs in its thread, right before the read
+        with open(path, "r+b") as f:
+            f.seek(4096)
+            f.write(b"\xff" * 16)
+        os.utime(path, ns=(1, 1))  # a distinct mtime, however coarse the clock
 
-        def __getitem__(self, key):
-            return self
-
-        def copy_(self, data):
-            with open(path, "r+b") as f:
-                f.write(b"\xff" * 16)
-            os.utime(path, ns=(1, 1))  # a distinct mtime, however coarse the clock
-            return self.slot
-
-    src.slot = Rewriting(src.slot)
+    src.reads.reader.delay = rewrite
     with pytest.raises(FileChanged, match="rewritten while running"):
         src.acquire(1, stream)
+    assert torch.equal(src.slot, torch.tensor(list(range(256)) * 16, dtype=torch.uint8))
+    src.close()
+    src.close()  # a second close is a no-op
+
+
+def _same_layer(a, b) -> bool:
+    """Every tensor of two CPU-built layers (norms, dense weights and biases) bit-identical."""
+    import dataclasses
+
+    import torch
+
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if hasattr(x, "weight"):
+            x, y = (x.weight, x.bias), (y.weight, y.bias)
+        else:
+            x, y = (x,), (y,)
+        for u, v in zip(x, y):
+            if (u is None) != (v is None) or (u is not None and not torch.equal(u, v)):
+                return False
+    return True
+
+
+def test_mmap_store_builds_the_same_bits_as_the_other_io_paths(tiny):
+    """Unchanged file: the CPU mmap store's layers are bit-identical to the ones built from the
+    file's map (as resident loading builds them) and to the disk store's (O_DIRECT or buffered
+    reads), pass after pass; it counts what it read."""
+    import torch
+
+    from slipstream.config import ModelConfig
+    from slipstream.memory import DiskLayerStore, MmapLayerStore
+    from slipstream.precision import Precision
+    from slipstream.weights.loader import LayerBuilder, TensorSource, layer_span
+
+    gf = GGUFFile(tiny)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=tiny.name)
+    cpu = torch.device("cpu")
+    builder = LayerBuilder(cfg, cpu, Precision.of("exact", cpu))
+    want = [builder.build(TensorSource(gf), i) for i in range(cfg.n_layers)]
+    resident = [want[0]] + [None] * (cfg.n_layers - 1)
+    mm = MmapLayerStore(gf, builder, list(resident))
+    disk = DiskLayerStore(gf, builder, list(resident), io="direct")
+    for _ in range(2):
+        for i in range(cfg.n_layers):
+            assert _same_layer(mm.acquire(i), want[i]), i
+            assert _same_layer(disk.acquire(i), want[i]), i
+            mm.release(i)
+            disk.release(i)
+    streamed = sum(e - s for s, e in (layer_span(gf, i) for i in range(1, cfg.n_layers)))
+    assert mm.stats.layers_streamed == 2 * (cfg.n_layers - 1)
+    assert mm.stats.disk_bytes == 2 * streamed == disk.stats.disk_bytes
+    mm.close()
+    disk.close()
+    mm.close()  # a second close is a no-op
+    gf.close()
+
+
+@pytest.mark.parametrize("drop_cache", [False, True])
+def test_mmap_source_reads_the_files_bytes(tmp_path, drop_cache):
+    """Unchanged file: each layer's slot holds exactly its span of the image file (unaligned
+    spans included), pass after pass, skipped layers left out; bytes counted."""
+    import torch
+
+    from slipstream.memory.image_file import ImageFile
+    from slipstream.memory.protocol import StoreStats
+    from slipstream.memory.sources import MmapSource
+
+    path = tmp_path / "img"
+    data = bytes((k * 7 + k // 251) % 256 for k in range(5 * 4096))
+    path.write_bytes(data)
+    spans = {3: (0, 4096), 4: (4096, 4096 + 5000), 5: (12288 + 100, 20000)}
+    stats = StoreStats()
+    src = MmapSource(ImageFile(path, spans, dict.fromkeys(spans)), stats, 8192,
+                     torch.device("cpu"), drop_cache=drop_cache)
+    for layers in ([3, 4, 5], [3, 4, 5], [4, 5]):
+        if layers != sorted(spans):
+            src.skip(frozenset(sorted(spans)) - frozenset(layers))
+        for i in layers:
+            s, e = spans[i]
+            got = src.acquire(i, None)[:e - s]
+            assert bytes(got.numpy()) == data[s:e], i
+            src.release(i, None)
+    n = sum(e - s for s, e in spans.values())
+    assert stats.disk_bytes == stats.h2d_bytes == 2 * n + n - 4096
     src.close()

@@ -10,16 +10,16 @@ ordered after the slot's `freed` event), and make compute wait for them (`arrive
 - KvikioSource: tier C through KvikIO, which reads the file straight into the slot (GPUDirect
   Storage, or its compat mode's own bounce buffers). It writes outside stream order, so its
   thread waits for the slot's `freed` event on the host first, and compute waits for the read.
-- MmapSource: the naive baseline, outside the ring: the image file memory-mapped, one pageable
-  copy on the compute stream into a slot of its own when the layer is needed, nothing ahead.
+- MmapSource: the naive baseline (--io mmap), outside the ring: when a layer is needed, one
+  positional read through the page cache (not a map, whatever the name: see
+  store.PageCacheReads) into a pageable buffer, then one pageable copy on the compute stream
+  into a slot of its own; nothing ahead.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import time
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Callable
@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..weights.image import LayerImage, LayerLayout
-from .disk import DirectReader, DiskReadError, FileWatch
+from .disk import DirectReader, DiskReadError
 from .image_file import ImageFile
 from .protocol import StoreStats
 from .staging import IO_TIMEOUT_S, StagingBuffer, StagingRing
+from .store import PageCacheReads
 
 if TYPE_CHECKING:
     from .slots import SlotRing
@@ -211,8 +212,10 @@ class KvikioSource(Source):
 
 
 class MmapSource(Source):
-    """The baseline, outside the ring: a pageable copy from the memory-mapped image file into a
-    slot of its own, on the compute stream, when the layer is needed."""
+    """The baseline, outside the ring: when the layer is needed, a positional read of its image
+    through the page cache into a pageable buffer (store.PageCacheReads: a file changed or
+    truncated under it is a FileChanged, where a map's read was a SIGBUS), then a pageable copy
+    into a slot of its own, on the compute stream."""
 
     own_slot = True
 
@@ -222,12 +225,7 @@ class MmapSource(Source):
         self.spans = disk.spans
         self.layers = sorted(disk.spans)  # in use order; the first one starts a pass
         self.drop_cache = drop_cache
-        self.fd = os.open(disk.path, os.O_RDONLY)
-        self.watch = FileWatch(disk.path, self.fd)
-        self.mm = mmap.mmap(self.fd, 0, prot=mmap.PROT_READ)
-        with warnings.catch_warnings():  # read-only map; nothing writes through it
-            warnings.simplefilter("ignore", UserWarning)
-            self.mm_tensor = torch.frombuffer(self.mm, dtype=torch.uint8)
+        self.reads = PageCacheReads(disk.path, slot_bytes)
         self.slot = torch.empty(slot_bytes, dtype=torch.uint8, device=device)
         self.note = ("mmap: page-cache reads and pageable copies, no prefetch (baseline)"
                      + ("; the file's pages are dropped from the page cache each pass, as "
@@ -238,17 +236,11 @@ class MmapSource(Source):
         if self.drop_cache and i == self.layers[0]:
             self._drop_page_cache()
         start, end = self.spans[i]
-        # a map read past a truncated end is a SIGBUS, not an error: check the file first (a
-        # truncation between this fstat and the copy still faults; the reading sources, which
-        # are the default, have no such window)
-        self.watch.check(self.fd)
         t0 = time.perf_counter()
+        data = self.reads.read(start, end)  # a changed file raises here, before the slot
         # Pageable: torch stages the copy, ordered after the kernels that last read the slot,
-        # and the host waits for it. Page faults read the file.
-        self.slot[:end - start].copy_(self.mm_tensor[start:end])
-        # and after: a file rewritten while the copy read it fails here, before any kernel
-        # reads the slot, instead of one layer computing on mixed bytes unnoticed
-        self.watch.check(self.fd)
+        # and the host waits until the buffer is copied out, so the next read may reuse it.
+        self.slot[:end - start].copy_(data)
         self.stats.disk_wait_s += time.perf_counter() - t0
         self.stats.disk_bytes += end - start
         self.stats.h2d_bytes += end - start
@@ -262,24 +254,16 @@ class MmapSource(Source):
         self.layers = [i for i in sorted(self.spans) if i not in layers]
 
     def _drop_page_cache(self) -> None:
-        """Unmap our pages, then ask the kernel to drop the file's cached pages (mapped pages
-        are not dropped, hence both). Emulates RAM too small to cache the streamed layers."""
-        lo = min(s for s, _ in self.spans.values())
-        hi = max(e for _, e in self.spans.values())
-        lo -= lo % mmap.PAGESIZE
-        if hasattr(mmap, "MADV_DONTNEED"):
-            self.mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
+        """Ask the kernel to drop the file's cached pages: emulates RAM too small to cache the
+        streamed layers (the reads then come from the disk)."""
         if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(self.fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
+            lo = min(s for s, _ in self.spans.values())
+            hi = max(e for _, e in self.spans.values())
+            os.posix_fadvise(self.reads.reader.fd, lo, hi - lo, os.POSIX_FADV_DONTNEED)
 
     def close(self) -> None:
-        if self.mm is None:
+        if self.reads is None:
             return
-        del self.mm_tensor
-        try:
-            self.mm.close()
-        except BufferError:  # a tensor still views the map; it closes when that goes
-            pass
-        os.close(self.fd)
-        self.mm = None
+        self.reads.close()
+        self.reads = None
         self.slot = None

@@ -5,7 +5,8 @@ on the fly from staging buffers that reader threads fill ahead of the engine (st
 read-ahead ring, the one CUDA's tier C reads through too), so the next layers' reads overlap
 this layer's compute. A staging buffer returns to the ring only after the layer built from it
 no longer needs it; on CPU that is right after the build (dequantizing copies the bytes out),
-so no read ever lands in a buffer still being consumed. The CUDA store is in cuda_store.
+so no read ever lands in a buffer still being consumed. The --io mmap store reads each layer
+when it is asked for, nothing ahead (PageCacheReads). The CUDA store is in cuda_store.
 """
 
 from __future__ import annotations
@@ -13,14 +14,18 @@ from __future__ import annotations
 import ctypes
 import platform
 import time
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
+
+import torch
 
 from ..model.llama import LayerWeights
 from ..weights.loader import LayerBuilder, TensorSource, layer_span
-from .disk import DirectReader
+from .disk import ALIGN, DirectReader, DiskReadError
 from .protocol import StoreBase, StoreStats
-from .staging import StagingBuffer, StagingRing
+from .staging import IO_TIMEOUT_S, StagingBuffer, StagingRing
 
 if TYPE_CHECKING:
     from ..runtime.trace import Tracer
@@ -205,9 +210,42 @@ class DiskLayerStore(HostTraced, StoreBase):
             self.staging = None
 
 
+class PageCacheReads:
+    """--io mmap's reads (both devices): a span of the file read when asked for, nothing ahead,
+    by positional reads through the page cache into one reused buffer.
+
+    Not through a memory map, as the mode's name once meant: a map read past the end of a file
+    truncated under it is a SIGBUS that kills the process, and no check before the read can
+    close the window. A positional read of a shrunk file just comes back short; the reader
+    (disk.DirectReader, buffered) checks the file after every read (size and modification
+    time, sampled checksums) and raises FileChanged, naming the file, for that or any change."""
+
+    def __init__(self, path: str | Path, max_span: int):
+        # One reader thread, waited for at once: the reader's checks and a stall timeout, and
+        # no read-ahead. With one thread, a read that timed out finishes before the next one
+        # starts, so the buffer is never written by two reads at once.
+        self.reader = DirectReader(path, threads=1, io="buffered")
+        self.buf = StagingBuffer(max_span + 2 * ALIGN, pinned=False)  # spans widen to pages
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        """File bytes [start, end), in the reused buffer (valid until the next read)."""
+        try:
+            skew = self.reader.read_span(self.buf, start, end).result(timeout=IO_TIMEOUT_S)
+        except FutureTimeout:
+            raise DiskReadError(
+                f"reading bytes {start}..{end} of {self.reader.path.name} did not finish in "
+                f"{IO_TIMEOUT_S:.0f} s; the disk stalled (SLIPSTREAM_IO_TIMEOUT_S sets the "
+                f"limit)") from None
+        return self.buf.tensor[skew:skew + end - start]
+
+    def close(self) -> None:
+        self.reader.close()  # joins its thread, closes the file
+
+
 class MmapLayerStore(HostTraced, StoreBase):
-    """The naive baseline: streamed layers are built straight from the memory-mapped file,
-    through the page cache, with no prefetch."""
+    """The naive baseline (--io mmap): each streamed layer read from the file through the page
+    cache when the engine asks for it (PageCacheReads: positional reads, not a map), then
+    built; no prefetch."""
 
     note = "mmap: page-cache reads, no prefetch (baseline)"
 
@@ -215,7 +253,10 @@ class MmapLayerStore(HostTraced, StoreBase):
         self.gf = gf
         self.builder = builder
         self.layers = resident
+        self.spans = {i: layer_span(gf, i) for i, layer in enumerate(resident) if layer is None}
         self.stats = StoreStats()
+        self.reads = (PageCacheReads(gf.path, max(e - s for s, e in self.spans.values()))
+                      if self.spans else None)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -223,13 +264,20 @@ class MmapLayerStore(HostTraced, StoreBase):
     def acquire(self, i: int) -> LayerWeights:
         layer = self.layers[i]
         if layer is None:
+            start, end = self.spans[i]
             t0 = time.perf_counter()
-            layer = self.builder.build(TensorSource(self.gf), i)
+            data = self.reads.read(start, end)  # FileChanged if the file changed under us
             t1 = time.perf_counter()
-            self.stats.build_s += t1 - t0
+            # the build copies everything out of the buffer, which the next read reuses
+            layer = self.builder.build(TensorSource(self.gf, buffer=data, base=start), i)
+            t2 = time.perf_counter()
+            self.stats.disk_wait_s += t1 - t0
+            self.stats.build_s += t2 - t1
+            self.stats.disk_bytes += end - start
             self.stats.layers_streamed += 1
-            if self.tracer is not None:  # page faults read the file inside the build
-                self.tracer.span("rebuild", f"L{i}", t0, t1, layer=i)
+            if self.tracer is not None:
+                self.tracer.span("disk wait", f"L{i}", t0, t1, layer=i)
+                self.tracer.span("rebuild", f"L{i}", t1, t2, layer=i, bytes=end - start)
         if self.tracer is not None:
             self._compute_starts()
         return layer
@@ -237,3 +285,8 @@ class MmapLayerStore(HostTraced, StoreBase):
     def release(self, i: int) -> None:
         if self.tracer is not None:
             self._compute_ends(i)
+
+    def close(self) -> None:
+        if self.reads is not None:
+            self.reads.close()
+            self.reads = None
