@@ -107,18 +107,35 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
             row.update(cpu_share=round(h.cpu_share, 4), ffn_units_on_gpu=h.keep,
                        split_layers=len(h.layers), threads=h.threads,
                        cpu_gbps_probe=round(h.cpu_gbps, 1),
+                       pcie_gbps_beside_cpu=round(h.pcie_gbps, 1),
                        plain_predicted_tok_s=round(h.plain_tok_s or 0, 3),
                        extra_ram_gib=round(h.extra_ram_bytes / 2**30, 2))
+        # the links' roofline, from the rates measured at load in this run: whole layers over
+        # PCIe; hybrid, the larger of the CPU's and PCIe's times for their shares
+        streamed = sum(b for b, t in zip(plan.file_bytes_per_layer, plan.tiers) if t == "pinned")
+        pcie = plan.bandwidth_gbps.get("pinned") or 0
+        if h is None:
+            link_s = streamed / (pcie * 1e9) if pcie else None
+        else:
+            link_s = max(h.pcie_bytes_per_token / (h.pcie_gbps * 1e9),
+                         h.cpu_bytes_per_token / (h.cpu_gbps * 1e9))
+        row["roofline_tok_s"] = round(1 / link_s, 3) if link_s else None
         row["decode_tok_s"] = round(decode_rate(m, tokens), 3)
+        if link_s:
+            row["ratio_to_roofline"] = round(row["decode_tok_s"] * link_s, 3)
         row["breakdown"] = breakdown(m, max(4, tokens // 2))
         if h is not None and sweep:
             rates = {}
             for n in threads:
                 torch.set_num_threads(n)
-                rates[str(n)] = round(decode_rate(m, max(6, tokens // 2)), 3)
+                for host in m.engine.layers.hosts.values():  # hybrid's CPU worker thread
+                    host.io.threads = n
+                rates[str(n)] = round(decode_rate(m, max(8, tokens // 2)), 3)
                 print(json.dumps({"name": name, "threads": n, "tok_s": rates[str(n)]}),
                       flush=True)
             torch.set_num_threads(h.threads)
+            for host in m.engine.layers.hosts.values():
+                host.io.threads = h.threads
             row["decode_tok_s_by_threads"] = rates
         if prefill:
             row["prefill512_tok_s"] = round(prefill_rate(m), 1)
@@ -146,7 +163,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/slipstream-models")
     ap.add_argument("--cases", default="70b,8b")
     ap.add_argument("--tokens", type=int, default=12)
-    ap.add_argument("--threads", default="8,12,16")
+    ap.add_argument("--threads", default="4,8,12,16")
     ap.add_argument("--hybrid", default="auto", help="the hybrid cases' mode or share")
     ap.add_argument("--llamacpp", default=None, help="llama-bench output from this call")
     ap.add_argument("--skip-off", action="store_true", help="only the hybrid cases")

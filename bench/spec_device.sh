@@ -5,7 +5,8 @@
 #               synthesize the 70B and 8B Q4_K files (all kept while the machine stays warm)
 #   PART=all    (default) also: the speculative GPU tests, bench/spec_bench.py (default-spec,
 #               the 70B cases) and llama.cpp's -ngl 46 on the same 70B file, in this call
-#   TESTS=0 / LLAMA=0 leave out the GPU tests / llama.cpp; SPEC_ARGS: bench/spec_bench.py's
+#   TESTS=0 / LLAMA=0 leave out the GPU tests / llama.cpp; SPEC_ARGS: bench/spec_bench.py's;
+#   SHAPES: the synthetic files made (default "70b 8b")
 # Carry .whl, .anchors (a copy of ../shared/anchors/, which does not travel), one model part
 # (.model/a or .model/b), and .llama.tar.xz (llama.cpp's source,
 # made by ../shared/anchors/fetch_llamacpp.sh, then `tar cJf .llama.tar.xz .llama`: the source
@@ -27,7 +28,7 @@ LB=.anchors/llamacpp_bench.sh  # a copy of ../shared/anchors/llamacpp_bench.sh, 
 # the build runs beside the synthesis (both CPU-bound; about a minute each on 16 cores)
 ( [ "${LLAMA:-1}" = 0 ] || [ -x /tmp/lbuild/bin/llama-bench ] || bash $LB /dev/null >/dev/null 2>&1 ) &
 BUILD=$!
-for shape in 70b 8b; do
+for shape in ${SHAPES:-70b 8b}; do
   [ -f $W/$shape-Q4_K.gguf ] || python3 -m slipstream synth --shape $shape --quant Q4_K \
     -o $W/$shape-Q4_K.gguf >/dev/null 2>&1
 done

@@ -105,3 +105,49 @@ def test_promotion_makes_a_split_layer_whole(synth):
         got = _forced_logits(split, steps=4)
     for x, y in zip(got, ref):
         assert _rel(x, y) < 3e-2
+
+
+def test_run_ahead_gives_the_bits_of_waiting_on_the_host(pair):
+    """The worker thread and the stream's wait for it (run-ahead) compute what the host
+    computing each share itself computes, bit for bit; and the wait kernel did run."""
+    _, split = pair
+    ios = {id(h.io): h.io for h in split.engine.layers.hosts.values()}
+    assert ios and all(io.run_ahead for io in ios.values())
+    ahead = _forced_logits(split, steps=6)
+    try:
+        for io in ios.values():
+            io.run_ahead = False
+        waited = _forced_logits(split, steps=6)
+    finally:
+        for io in ios.values():
+            io.run_ahead = True
+    for x, y in zip(ahead, waited):
+        assert torch.equal(x, y)
+
+
+def test_the_stream_waits_for_the_host_flag():
+    """Work queued behind wait_host_flag sees what the host wrote before bumping the flag, even
+    though the host bumps it well after the work was enqueued; a flag never bumped makes the
+    wait give up and say so."""
+    import threading
+    import time
+
+    from slipstream import kernels
+
+    flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    value = torch.zeros(1024, dtype=torch.float32, pin_memory=True)
+    failed = torch.zeros(1, dtype=torch.int32, device="cuda")
+    kernels.wait_host_flag(flag, 1, failed)
+    got = value.to("cuda", non_blocking=True) * 2
+
+    def later() -> None:
+        time.sleep(0.2)
+        value.fill_(3.0)
+        flag.numpy()[0] = 1
+
+    t0 = time.perf_counter()
+    threading.Thread(target=later).start()
+    assert torch.equal(got.cpu(), torch.full((1024,), 6.0))
+    assert time.perf_counter() - t0 >= 0.19 and int(failed.item()) == 0
+    kernels.wait_host_flag(flag, 2, failed, max_spins=1000)
+    assert int(failed.item()) == 1

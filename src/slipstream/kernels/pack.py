@@ -65,9 +65,16 @@ FLOAT_DTYPES: dict[T, torch.dtype] = {T.F32: torch.float32, T.F16: torch.float16
                                       T.BF16: torch.bfloat16}
 SUPPORTED = tuple(FLOAT_DTYPES) + tuple(QSPECS)
 
-# Pack this many rows at a time so the transient int tensors stay small (the vocab matrix of an
-# 8B model would otherwise need ~2 GB of scratch). memory.vram sizes the load transients by it.
-PACK_ROWS = 2048
+# Pack this many weights at a time (whole rows) so the transient int tensors stay small (the
+# vocab matrix of an 8B model would otherwise need ~2 GB of scratch; a 70B's 28672-wide
+# ffn_down took 1.4 GB in 2048-row chunks, VRAM that a streamed plan gives to layers).
+# memory.vram sizes the load transients by it.
+PACK_ELEMENTS = 2048 * 8192
+
+
+def pack_chunk_rows(rows: int, cols: int) -> int:
+    """Rows of a (rows, cols) weight that pack_weight packs at a time."""
+    return max(1, min(rows, PACK_ELEMENTS // cols))
 
 
 @dataclass
@@ -150,8 +157,9 @@ def pack_weight(raw: torch.Tensor, qtype: T | int | str, rows: int, cols: int) -
 
     spec = QSPECS[qt]
     parts: list[dict[str, torch.Tensor]] = []
-    for r0 in range(0, rows, PACK_ROWS):
-        chunk = raw[r0:r0 + PACK_ROWS]
+    step = pack_chunk_rows(rows, cols)
+    for r0 in range(0, rows, step):
+        chunk = raw[r0:r0 + step]
         blocks = chunk.reshape(-1, tsize)  # (n_blocks, type_size)
         codes, meta = _DECODE[qt](blocks)  # codes: (n_blocks, block) uint8/int32, unsigned
         n = chunk.shape[0]

@@ -241,6 +241,12 @@ class CudaLayerStore(StoreBase):
         staging buffers and GPU slots. Idempotent."""
         if not self.sources:
             return
+        failure = None
+        for io in {id(h.io): h.io for h in self.hosts.values()}.values():
+            try:  # hybrid's CPU worker first: the stream may be waiting on it
+                io.close()
+            except RuntimeError as e:
+                failure = e
         torch.cuda.synchronize(self.device)  # no copy or kernel may still use what goes
         for src in self.sources:
             src.close()
@@ -249,6 +255,8 @@ class CudaLayerStore(StoreBase):
         self.feed = {}
         self.images = {}
         self._views = {}
+        if failure is not None:
+            raise failure
 
 
 def evenly_spaced(items: list[int], k: int) -> list[int]:

@@ -1,13 +1,15 @@
 """When and how much hybrid decode gives the CPU: the split of each pinned-tier layer's FFN
 (weights.hybrid) chosen so that the CPU's share and the PCIe copy of the rest finish together,
-from the CPU's packed-matvec GB/s and the pinned copy GB/s measured on this machine.
+from the CPU's packed-matvec GB/s and the pinned copy GB/s measured on this machine, running
+together (they share host memory).
 
 Per streamed layer of image bytes B with FFN bytes F, a CPU share s of the FFN's units takes
-s F c / C + h seconds on the CPU's side (c: the CPU layout's bytes per GGUF byte, C its GB/s,
-h the hand-over: two small copies, a host wait and the launches up to the next split layer)
-while PCIe moves B - s F at P GB/s. Both finish together at s = (B / P - h) / (F / P + F c / C),
-and decode is bound by the larger of the two. Tier C (disk) layers stay whole on the GPU: the CPU
-would have to read them from disk too.
+s F c / C + f seconds on the CPU's side (c: the CPU layout's bytes per GGUF byte, C its GB/s,
+f its fixed cost per layer) while PCIe moves B - s F at P GB/s. Both finish together at
+s = (B / P - f) / (F / P + F c / C); decode is bound by the larger of the two, plus the
+hand-over h per layer (the input's copy down, the result's copy up and the sum). Small layers
+(an 8B's) have too little to share for f and h: auto then stays off. Tier C (disk) layers stay
+whole on the GPU: the CPU would have to read them from disk too.
 """
 
 from __future__ import annotations
@@ -20,13 +22,18 @@ from dataclasses import dataclass, field
 # Tokens up to which a split layer's CPU share runs on the CPU (decode, small trees); larger
 # passes (prefill, big speculation trees) are FLOP-bound on the CPU and copy whole layers.
 HYBRID_MAX_TOKENS = 8
-# Time per split layer and token on the CPU's side of the pipeline besides its matvecs: the
-# normed input's copy down and the wait for it, the result's copy up, and the host launching
-# the GPU work up to the next split layer, which the host cannot run ahead of while it waits.
-# Measured on the H200 (bench/results/2026-12-01-s8-hybrid-bench-h200-call5): the 8B's split
-# layers took about 3 ms each against 1.2 ms of CPU time, before the store cached each
-# layer's views (about a millisecond of Python per layer); 1 ms is the estimate after.
-HANDOVER_S = 1.0e-3
+# Time per split layer and token besides the bytes each side moves, measured on the H200 with
+# the host running ahead (weights.hybrid.HostIO), bench/results/2026-12-01-s9-hybrid-bench-*:
+# - on the CPU's side, its fixed cost per layer (thread wake-ups, the activation's casts, the
+#   small ops between the matvecs): the 70B's 38 split layers took 196.6 ms of CPU time for
+#   8.8 GB read at 55 GB/s beside the copy (160 ms), the 8B's 16 took 33.6 ms for 0.79 GB
+#   (15 ms): about a millisecond each;
+# - after both sides, the hand-over (the input's copy down, the wait kernel, the result's copy
+#   up and the sum): the 70B took 218 ms a token against 197 ms of either side's busy time,
+#   0.55 ms a layer. (In session 8 the host waited on every CPU share and rebuilt the layer's
+#   views: 3 ms a layer on the 8B.)
+CPU_FIXED_S = 1.0e-3
+HANDOVER_S = 0.55e-3
 MODES = ("auto", "off", "on")
 
 
@@ -77,10 +84,17 @@ def default_threads() -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def cpu_packed_gbps(threads: int, rows: int = 16384, cols: int = 8192, reps: int = 12) -> float:
+def cpu_packed_gbps(threads: int, rows: int = 16384, cols: int = 8192, reps: int = 12,
+                    beside_copy: bool = False, copy_bytes: int = 128 << 20
+                    ) -> tuple[float, float | None]:
     """GB/s of torch's int4 CPU kernel on one token against a 64 MiB weight (larger than the
-    caches), with `threads` threads: the rate the CPU's share runs at. Measured once per
-    process and thread count."""
+    caches), with `threads` threads: the rate the CPU's share runs at. beside_copy (CUDA): the
+    kernel runs while pinned host-to-device copies do, as in hybrid decode, since both read
+    host memory and slow each other down (on the H200 host the kernel alone read 76 GB/s and
+    51 GB/s during decode, where the share was set from the 76). Returns the kernel's GB/s
+    and, beside_copy, the copies' GB/s measured over the same time (else None), copying
+    `copy_bytes` at a time into a device buffer of that size. Measured once per process and
+    setting."""
     import torch
 
     from ..weights.cpu_packed import INT4_GROUP, _pack_int4
@@ -93,22 +107,57 @@ def cpu_packed_gbps(threads: int, rows: int = 16384, cols: int = 8192, reps: int
         packed = _pack_int4(u)
         scale_zeros = torch.full((cols // INT4_GROUP, rows, 2), 0.01, dtype=torch.bfloat16)
         x = torch.randn(1, cols, dtype=torch.bfloat16, generator=gen)
-        mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        weight_bytes = packed.numel() + scale_zeros.numel() * 2
+
+        def one() -> None:
+            torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scale_zeros)
+
         for _ in range(2):
-            mm(x, packed, INT4_GROUP, scale_zeros)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            mm(x, packed, INT4_GROUP, scale_zeros)
-        seconds = (time.perf_counter() - t0) / reps
-        return (packed.numel() + scale_zeros.numel() * 2) / seconds / 1e9
+            one()
+        if not beside_copy:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                one()
+            return weight_bytes * reps / (time.perf_counter() - t0) / 1e9, None
+        return _beside_copy(one, weight_bytes, copy_bytes)
     finally:
         torch.set_num_threads(saved)
+
+
+def _beside_copy(one, weight_bytes: int, copy_bytes: int,
+                 total: int = 3 << 30) -> tuple[float, float]:
+    """Run `one` (a CPU matvec over weight_bytes) back to back while pinned copies of
+    copy_bytes, `total` bytes in all, run on a CUDA stream (about 55 ms at PCIe 5): both
+    rates over that time."""
+    import torch
+
+    host = torch.empty(copy_bytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(copy_bytes, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dev.copy_(host)  # warm the link
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        for _ in range(copies := max(1, total // copy_bytes)):
+            dev.copy_(host, non_blocking=True)
+        end.record(stream)
+    n = 0
+    t0 = time.perf_counter()
+    while not end.query() or n < 2:
+        one()
+        n += 1
+    cpu_s = time.perf_counter() - t0
+    end.synchronize()
+    copy_s = start.elapsed_time(end) / 1e3
+    return weight_bytes * n / cpu_s / 1e9, copy_bytes * copies / copy_s / 1e9
 
 
 def balanced_share(image_bytes: int, ffn_bytes: int, cpu_ratio: float, pcie_gbps: float,
                    cpu_gbps: float, handover_s: float = 0.0) -> float:
     """The CPU share of the FFN at which CPU and PCIe finish the split layers together (module
-    doc), the CPU's side also paying `handover_s` (the layers' hand-overs); in [0, 1]."""
+    doc), the CPU's side also paying `handover_s` (its fixed cost over the layers); in
+    [0, 1]."""
     if ffn_bytes <= 0 or cpu_gbps <= 0:
         return 0.0
     pcie, cpu = pcie_gbps * 1e9, cpu_gbps * 1e9
@@ -118,12 +167,15 @@ def balanced_share(image_bytes: int, ffn_bytes: int, cpu_ratio: float, pcie_gbps
 
 def decode_seconds(image_bytes: list[int], ffn_bytes: list[int], share: float,
                    cpu_ratio: float, pcie_gbps: float, cpu_gbps: float) -> tuple[float, int, int]:
-    """A decode token's time through the split layers (PCIe and CPU in parallel, plus the
-    hand-over), and the bytes each side moves."""
+    """A decode token's time through the split layers (PCIe and the CPU, with its fixed cost
+    per layer, in parallel, plus the hand-over), and the bytes each side moves."""
     cpu_bytes = int(sum(share * f * cpu_ratio for f in ffn_bytes))
     pcie_bytes = int(sum(b - share * f for b, f in zip(image_bytes, ffn_bytes)))
-    seconds = max(pcie_bytes / (pcie_gbps * 1e9), cpu_bytes / (cpu_gbps * 1e9))
-    return seconds + (HANDOVER_S * len(image_bytes) if share > 0 else 0.0), cpu_bytes, pcie_bytes
+    if share <= 0:
+        return pcie_bytes / (pcie_gbps * 1e9), cpu_bytes, pcie_bytes
+    n = len(image_bytes)
+    seconds = max(pcie_bytes / (pcie_gbps * 1e9), cpu_bytes / (cpu_gbps * 1e9) + CPU_FIXED_S * n)
+    return seconds + HANDOVER_S * n, cpu_bytes, pcie_bytes
 
 
 def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None = None,
@@ -154,7 +206,17 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     if not layers or not pcie:
         return None
     threads = threads or default_threads()
-    cpu = cpu_gbps or cpu_packed_gbps(threads)
+    if cpu_gbps is None:
+        # both links as they run together: the share from rates measured alone gave the
+        # CPU too much (see cpu_packed_gbps)
+        import torch
+
+        # the copy's device buffer within the budget, as measure_bandwidths' probes
+        copy_bytes = max(min(128 << 20, (plan.budget or 1 << 33) // 8), 8 << 20)
+        cpu_gbps, beside = cpu_packed_gbps(threads, beside_copy=torch.cuda.is_available(),
+                                           copy_bytes=copy_bytes)
+        pcie = min(pcie, beside or pcie)
+    cpu = cpu_gbps
     ffn, ratio_num, ratio_den = [], 0, 0
     for i in layers:
         f = 0
@@ -168,7 +230,7 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     cpu_ratio = ratio_num / ratio_den  # the CPU layout's bytes per GGUF byte
     image = [plan.file_bytes_per_layer[i] for i in layers]
     share = share_given if share_given is not None else balanced_share(
-        sum(image), sum(ffn), cpu_ratio, pcie, cpu, HANDOVER_S * len(layers))
+        sum(image), sum(ffn), cpu_ratio, pcie, cpu, CPU_FIXED_S * len(layers))
     keep = split_point(cfg.ffn, share)
     keep = max(min(keep, cfg.ffn - 256), 256)  # each side at least one aligned block
     share = 1.0 - keep / cfg.ffn

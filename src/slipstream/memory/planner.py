@@ -62,6 +62,11 @@ class Plan:
     io: str = "direct"
     graphs: bool = True  # CUDA: the reserve holds CUDA graph pools (False: decode runs eager)
     embed_on_host: bool = False  # CUDA: the token embedding stays in host memory
+    # CUDA: resident layers' scales folded into one plane (precision "fast"; streamed plans
+    # keep the GGUF layout, 7.5% smaller on a 70B Q4_K layer: more layers fit), and the cap
+    # on the prefill scratch in elements (None: the largest weight)
+    fuse_scales: bool = True
+    scratch_elements: int | None = None
     stages: list[StagePlan] = field(default_factory=list)  # default: one, every layer
     # a speculative draft placed before this plan: (what it is, bytes it holds of the budget)
     draft: tuple[str, int] | None = None

@@ -23,6 +23,10 @@ from .vram import layer_image_bytes, layer_vram_bytes, vram_reserve
 IO_MODES = ("direct", "buffered", "mmap", "kvikio")
 N_SLOTS = 2  # GPU slots (default): one being computed on while the next one's copy lands
 N_STAGING = 3  # tier C pinned staging buffers: one being copied while two are read
+# Prefill scratch of streamed plans, in fp16 elements (128 MiB): a 70B's fused gate/up
+# (470M elements) goes in row chunks, and the 0.75 GiB saved holds another layer and a half.
+# A streamed prefill waits on the copies, not on the extra launches.
+STREAMED_SCRATCH_ELEMENTS = 64 << 20
 
 
 def check_io(io: str, device: torch.device) -> None:
@@ -156,14 +160,20 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
         plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io)
     except BudgetTooSmall:
         plan = None
-    # Streamed plans also leave the token embedding on the host (one row per token), which
-    # gives its VRAM to layers.
+    # Streamed plans give what they can to layers, since each resident layer is one less to
+    # copy every token: the token embedding stays on the host (one row per token), resident
+    # layers keep the GGUF scale layout as streamed ones do (the same results: QuantLinear),
+    # and prefill dequantizes the largest weights in row chunks of a smaller scratch.
     if plan is None or plan.streamed_layers:
-        reserve = vram_reserve(gf, cfg, ctx, kv_elem, prefill_chunk, False, fused,
-                               embed_on_host=True, **per_stage)
+        vram = [layer_vram_bytes(gf, cfg, i, False) for i in stage.layers]
+        reserve = vram_reserve(gf, cfg, ctx, kv_elem, prefill_chunk, False, False,
+                               embed_on_host=True, scratch_cap=STREAMED_SCRATCH_ELEMENTS,
+                               **per_stage)
         plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io)
         plan.graphs = False
         plan.embed_on_host = True
+        plan.fuse_scales = False
+        plan.scratch_elements = STREAMED_SCRATCH_ELEMENTS
     return plan
 
 
@@ -219,7 +229,9 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
     builder = LayerBuilder(cfg, device, precision, fuse_scales=False)
     hybrid = plan.hybrid
     split = set(hybrid.layers) if hybrid is not None else set()
-    io = HostIO(device, cfg.hidden, HYBRID_MAX_TOKENS) if split else None
+    io = HostIO(device, cfg.hidden, HYBRID_MAX_TOKENS, slots=len(split),
+                threads=hybrid.threads) if split else None
+    slot_of = {i: k for k, i in enumerate(sorted(split))}
     images, hosts = {}, {}
     total = sum(plan.file_bytes_per_layer[i] for i in pinned)
     # The CPU's packed copies are made by a pool while the GPU builds the images: packing is
@@ -240,7 +252,7 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
                 src = TensorSource(gf)
                 if i in split:
                     images[i] = to_image(split_layer(builder, src, i, hybrid.keep))
-                    hosts[i] = HostFFN(*packing[i].result(), io)
+                    hosts[i] = HostFFN(*packing[i].result(), io, slot_of[i])
                 else:
                     images[i] = to_image(builder.build(src, i))
                 release_transients(device)

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as T
 
 from ..config import ModelConfig
 from ..gguf_file import GGUFFile
-from ..kernels.pack import PACK_ROWS  # tables only: needs neither CUDA nor Triton
+from ..kernels.pack import pack_chunk_rows  # tables only: needs neither CUDA nor Triton
 from ..model.layer_spec import EMBEDDING, head_tensor_name, kv_cache_bytes, spec_for
 from ..weights.image import IMAGE_ALIGN  # every tensor of an image starts on this boundary
 
@@ -104,7 +104,7 @@ def _pack_transient(qtype: int, rows: int, cols: int, raw: int) -> int:
     concatenated), the per-chunk parts and their concatenation, and the int64 temporaries of
     one chunk (fuse_scales' f32 temporaries are far smaller than these)."""
     packed = sum(packed_planes(qtype, rows, cols))
-    return 2 * raw + 2 * packed + PACK_TEMP_BYTES * min(rows, PACK_ROWS) * cols
+    return 2 * raw + 2 * packed + PACK_TEMP_BYTES * pack_chunk_rows(rows, cols) * cols
 
 
 def activation_bytes(cfg: ModelConfig, chunk: int, ctx: int) -> int:
@@ -125,7 +125,7 @@ def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: in
                  chunk: int, graphs: bool, fused: bool = False,
                  embed_on_host: bool = False, *, graph_bucket: int,
                  kv_layers: int | None = None, holds_embedding: bool = True,
-                 holds_head: bool = True) -> dict[str, int]:
+                 holds_head: bool = True, scratch_cap: int | None = None) -> dict[str, int]:
     """VRAM the engine needs besides the layers and the streaming slots, by part.
     `embed_on_host`: the token embedding stays in host memory (streamed plans).
     `chunk`, `graph_bucket`: the engine's prefill chunk and CUDA graph bucket (one graph per
@@ -137,7 +137,10 @@ def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: in
 
     Loading and running peak at different times (api.load empties the allocator's cache in
     between), so the reserve holds the larger of the load-time transients and the run-time
-    extras (KV cache, activations, graph pools, cuBLAS workspaces)."""
+    extras (KV cache, activations, graph pools, cuBLAS workspaces).
+
+    `scratch_cap`: elements the prefill scratch is held to (streamed plans: weights larger
+    than that are dequantized and multiplied in row chunks, weights.linear.Workspace)."""
     from ..weights.loader import prefill_scratch_elements
 
     head = gf.tensors[head_tensor_name(gf.tensors)]
@@ -149,6 +152,8 @@ def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: in
     # prefill dequantizes one weight at a time into one fp16 scratch, at most the largest
     # layer weight (the head goes in row chunks; weights.linear.Workspace)
     scratch = min(prefill_scratch_elements(cfg), max(r * c for _, r, c, _ in weights))
+    if scratch_cap is not None:
+        scratch = min(scratch, scratch_cap)
     parts = {
         "embedding": (alloc_bytes(gf.tensors[EMBEDDING].n_bytes)
                       if holds_embedding and not embed_on_host else 0),

@@ -17,6 +17,8 @@ the GPU. The extra RAM is the CPU's packed copy of its units (weights.cpu_packed
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -97,9 +99,9 @@ def host_linears(raws: FFNRaws, keep: int):
 
 @dataclass
 class HostStats:
-    """What the CPU's shares cost: seconds the host spent on them (waiting for the input
-    included) and bytes of packed weights read (a layer store hands HostIO its own StoreStats,
-    which has the same fields)."""
+    """What the CPU's shares cost: seconds the CPU spent computing them (from the input's
+    arrival to the result's hand-back) and bytes of packed weights read (a layer store hands
+    HostIO its own StoreStats, which has the same fields)."""
 
     cpu_s: float = 0.0
     cpu_bytes: int = 0
@@ -110,87 +112,174 @@ class HostFFN:
     """The CPU's share of one layer's FFN, the other side of the split (see the module doc).
 
     `start(h)` queues the normed input's copy to the host behind the kernels enqueued so far;
-    the caller then enqueues the GPU's share; `finish(partial)` waits for the input, computes
-    the CPU's partial sum with the host's threads, and adds it to the GPU's on the device.
-    Layers run one at a time, so one pinned input buffer and a pair of output buffers (a
-    layer's result may still be on its way up while the next layer writes) serve all layers:
-    they are shared through `io`."""
+    the caller then enqueues the GPU's share; `finish(partial)` has the CPU's partial sum
+    added to the GPU's on the device (HostIO: at once on a CPU device; on CUDA, by a worker
+    thread while the host goes on enqueueing the next layers). `slot`: this layer's input and
+    output buffers in `io` (one pair per split layer, so that layers in flight never share)."""
 
     gate_up: object  # Linear on the CPU: hidden -> 2 * (ffn - keep)
     down: object  # Linear on the CPU: (ffn - keep) -> hidden
     io: "HostIO"
+    slot: int = 0
 
     @property
     def nbytes(self) -> int:
         return self.gate_up.nbytes + self.down.nbytes
 
+    def compute(self, h: torch.Tensor) -> torch.Tensor:
+        """The CPU's partial sum of the down projection over its units, for input rows h."""
+        gate, up = self.gate_up(h).chunk(2, dim=-1)
+        return self.down(F.silu(gate.float()) * up.float())
+
     def start(self, h: torch.Tensor) -> None:
-        self.io.send(h)
+        self.io.send(h, self.slot)
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
-        h = self.io.receive()
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        y = self.down(F.silu(gate.float()) * up.float())
-        self.io.stats.cpu_s += time.perf_counter() - t0
-        self.io.stats.cpu_bytes += self.nbytes
-        return partial + self.io.back(y, partial)
+        return self.io.finish(self, partial)
 
 
 @dataclass
 class HostIO:
-    """The buffers and events the CPU's shares of one model's layers go through (one layer at
-    a time). On a CPU device (tests) the tensors are handed over as they are."""
+    """The buffers, events and worker the CPU's shares of one model's split layers go through.
+
+    On CUDA the host does not wait for the CPU's share (run-ahead): `finish` hands the layer to
+    a worker thread and enqueues, on the stream, a wait for the worker's counter in pinned
+    memory (kernels.wait_host_flag), the result's copy up and the sum; the host goes on
+    enqueueing the next layers, so the GPU runs them as soon as the CPU's result lands instead
+    of after the host has launched them. The worker takes layers in order: it waits for the
+    input's copy down (a CUDA event), computes, writes the result into the layer's pinned
+    output buffer and then bumps the counter (x86 keeps the two stores in that order).
+    Where the wait kernel cannot run, it falls back to waiting on the host (`run_ahead`
+    False). On a CPU device (tests) the share is computed at once."""
 
     device: torch.device
     hidden: int
     max_tokens: int
+    slots: int = 1
     stats: HostStats = field(default_factory=HostStats)
+    threads: int | None = None  # the worker's torch threads (None: the creating thread's)
 
     def __post_init__(self) -> None:
         cuda = self.device.type == "cuda"
         shape = (self.max_tokens, self.hidden)
-        self._in = torch.empty(shape, dtype=torch.float32, pin_memory=cuda)
+        self._in = [torch.empty(shape, dtype=torch.float32, pin_memory=cuda)
+                    for _ in range(self.slots)]
         self._out = [torch.empty(shape, dtype=torch.float32, pin_memory=cuda)
-                     for _ in range(2)]
-        self._sent = torch.cuda.Event() if cuda else None
-        self._landed = [torch.cuda.Event() for _ in range(2)] if cuda else None
-        self._turn = 0
-        self._rows = 0
-        self._h: torch.Tensor | None = None
+                     for _ in range(self.slots)]
+        self._rows = [0] * self.slots
+        self._sent: list[torch.cuda.Event | None] = [None] * self.slots
+        self._h: list[torch.Tensor | None] = [None] * self.slots
+        self.run_ahead = cuda
+        if self.threads is None:
+            self.threads = torch.get_num_threads()
+        if cuda:
+            self._flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+            self._failed = torch.zeros(1, dtype=torch.int32, device=self.device)
+            self._seq = 0
+            self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+            self._error: BaseException | None = None
+            self._worker: threading.Thread | None = None
 
-    def send(self, h: torch.Tensor) -> None:
+    # --- the host's side ----------------------------------------------------------------------
+
+    def send(self, h: torch.Tensor, slot: int = 0) -> None:
         """Queue h's copy to the host on the current stream (no wait here)."""
         if h.shape[0] > self.max_tokens:
             raise ValueError(f"the CPU share takes at most {self.max_tokens} tokens, "
                              f"not {h.shape[0]}")
-        self._rows = h.shape[0]
-        if self._sent is None:
-            self._h = h.float()
+        self._rows[slot] = h.shape[0]
+        if self.device.type != "cuda":
+            self._h[slot] = h.float()
             return
-        self._in[:self._rows].copy_(h.float(), non_blocking=True)
-        self._sent.record()
+        self._in[slot][:h.shape[0]].copy_(h.float(), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._sent[slot] = event
 
-    def receive(self) -> torch.Tensor:
-        """The input sent last, once it has landed on the host."""
-        if self._sent is None:
-            return self._h
-        self._sent.synchronize()
-        return self._in[:self._rows]
+    def finish(self, ffn: HostFFN, partial: torch.Tensor) -> torch.Tensor:
+        slot, rows = ffn.slot, self._rows[ffn.slot]
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            y = ffn.compute(self._h[slot])
+            self._count(ffn, time.perf_counter() - t0)
+            return partial + y.to(partial.dtype)
+        if self.run_ahead:
+            self.check()
+            self._seq += 1
+            self._start_worker()
+            self._jobs.put((ffn, self._sent[slot], slot, rows, self._seq))
+            try:
+                from .. import kernels
 
-    def back(self, y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """y (on the host) on like's device and dtype, copied from a pinned buffer whose last
-        copy up has landed."""
-        if self._landed is None:
-            return y.to(like.dtype)
-        k = self._turn
-        self._turn ^= 1
-        self._landed[k].synchronize()  # the layer before last's result is up already
-        out = self._out[k][:y.shape[0]]
-        out.copy_(y)
-        up = out.to(like.device, non_blocking=True)
-        self._landed[k].record()
-        return up.to(like.dtype)
+                kernels.wait_host_flag(self._flag, self._seq, self._failed)
+            except Exception:  # no wait kernel here: wait on the host from now on
+                self.run_ahead = False
+                self._wait_seq(self._seq)
+        else:
+            t0 = time.perf_counter()
+            self._sent[slot].synchronize()
+            self._out[slot][:rows].copy_(ffn.compute(self._in[slot][:rows]))
+            self._count(ffn, time.perf_counter() - t0)
+        up = self._out[slot][:rows].to(partial.device, non_blocking=True)
+        return partial + up.to(partial.dtype)
+
+    def check(self) -> None:
+        """Raise what the worker ran into (the layers after it got a zero share)."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the CPU's share of hybrid decode failed: {error}") from error
+
+    def close(self) -> None:
+        """Stop the worker once the layers handed to it are done; raise if a wait on the
+        stream gave up (read here only: it costs a device sync)."""
+        if self.device.type != "cuda" or self._worker is None:
+            return
+        self._jobs.put(None)
+        self._worker.join()
+        self._worker = None
+        self.check()
+        if int(self._failed.item()):
+            raise RuntimeError("a GPU wait for the CPU's share of hybrid decode gave up: the "
+                               "CPU worker stopped answering")
+
+    # --- the worker's side --------------------------------------------------------------------
+
+    def _start_worker(self) -> None:
+        if self._worker is None:
+            self._worker = threading.Thread(target=self._work, name="slipstream-hybrid-cpu",
+                                            daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        flag = self._flag.numpy()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            ffn, sent, slot, rows, seq = job
+            try:
+                if self._error is None:
+                    if torch.get_num_threads() != self.threads:
+                        torch.set_num_threads(self.threads)  # per thread under OpenMP
+                    sent.synchronize()
+                    t0 = time.perf_counter()
+                    self._out[slot][:rows].copy_(ffn.compute(self._in[slot][:rows]))
+                    self._count(ffn, time.perf_counter() - t0)
+            except BaseException as e:  # the stream must not wait forever: bump anyway
+                self._error = e
+            finally:
+                flag[0] = seq
+
+    def _wait_seq(self, seq: int) -> None:
+        """Wait on the host until the worker has finished job `seq`."""
+        flag = self._flag.numpy()
+        while flag[0] < seq and self._worker is not None and self._worker.is_alive():
+            time.sleep(0)
+        self.check()
+
+    def _count(self, ffn: HostFFN, seconds: float) -> None:
+        self.stats.cpu_s += seconds
+        self.stats.cpu_bytes += ffn.nbytes
 
 
 def ffn_raws(src, cfg, i: int) -> FFNRaws:

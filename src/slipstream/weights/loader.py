@@ -129,10 +129,12 @@ class LayerBuilder:
     Resident loading and streaming both build layers here, so their numbers are identical."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device, precision: Precision,
-                 workspace: Workspace | None = None, fuse_scales: bool = True):
+                 workspace: Workspace | None = None, fuse_scales: bool = True,
+                 scratch_elements: int | None = None):
         """fuse_scales=False (streamed layers): keep the smaller GGUF scale layout even where
         precision.fuse_scales folds the scales of resident layers into one plane for the
-        decode kernels; both give the same results (see QuantLinear)."""
+        decode kernels; both give the same results (see QuantLinear). scratch_elements: a
+        cap on the prefill scratch below the largest layer weight (streamed plans)."""
         self.cfg = cfg
         self.device = device
         self.precision = precision
@@ -140,7 +142,8 @@ class LayerBuilder:
         self.quantized = device.type == "cuda"
         self.workspace = workspace if workspace is not None else (
             Workspace(device, int8_activations=precision.int8_activations,
-                      max_elements=prefill_scratch_elements(cfg))
+                      max_elements=min(prefill_scratch_elements(cfg),
+                                       scratch_elements or prefill_scratch_elements(cfg)))
             if self.quantized else None)
         self.spec = spec_for(cfg.architecture)
         self.shapes = self.spec.shapes(cfg)
@@ -235,7 +238,8 @@ def check_layer_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
 def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Precision,
                  progress: Callable[[int], None] | None = None,
                  resident_layers: set[int] | None = None,
-                 embed_on_host: bool = False, private: bool | None = None) -> ModelWeights:
+                 embed_on_host: bool = False, private: bool | None = None,
+                 scratch_elements: int | None = None) -> ModelWeights:
     """Build the model's weights on `device`: every layer, or only `resident_layers` (the
     others are left as None for a streaming store to fill). Norms stay float32.
     `embed_on_host`: the token embedding stays in host memory (see QuantEmbedding).
@@ -245,6 +249,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     CUDA, where only an `embed_on_host` embedding would view the map and RAM is what a
     streamed plan is short of.
 
+    `scratch_elements`: the prefill scratch's cap (memory.planner.Plan.scratch_elements).
+
     `progress(n_bytes)` is called after each layer so callers can drive a progress bar.
     """
     if private is None:
@@ -252,7 +258,7 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     for name, info in gf.tensors.items():
         quant.get_format(info.ggml_type)  # unsupported types fail here, naming the type
     check_layer_shapes(gf, cfg)
-    builder = LayerBuilder(cfg, device, precision)
+    builder = LayerBuilder(cfg, device, precision, scratch_elements=scratch_elements)
     workspace = builder.workspace
     quantized = builder.quantized
     src = TensorSource(gf, private=private)
