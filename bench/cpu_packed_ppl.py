@@ -13,9 +13,9 @@ same GGUF bytes:
     int8pack   per-row requantization to int8 against one bfloat16 scale per row
     dequant    DequantLinear: the GGUF codes and float32 scales, exact weights
 
-The same is done on the model re-encoded as Q8_0 (`quant.requantize`, every matrix) and as Q6_K
-(ffn_down; the 576-wide matrices fall back to Q8_0), with "auto" giving Q6_K int8pack and Q8_0
-int4pair. Each re-encoding has its own exact reference, so the table separates a mapping's cost
+The same is done on the model re-encoded as Q8_0 (`quant.requantize`, every matrix), as Q6_K
+and as Q4_K (ffn_down; the 576-wide matrices fall back to Q8_0), with "auto" giving Q6_K
+int8pack, Q4_K int4pack and Q8_0 int4pair. Each re-encoding has its own exact reference, so the table separates a mapping's cost
 from the format's.
 "fast" (float16 dense: today's CPU default) is measured for scale. The head (the tied Q8_0
 embedding) stays float32 dense except in the "head ..." variants: it is a fifth of the default
@@ -67,12 +67,18 @@ VARIANTS = [("Q4_1 exact (f32 dense)", "q4_1", "exact", None, None),
             ("Q8_0 dequant", "q8_0", "exact", "dequant", None),
             ("Q6_K/Q8_0 exact (f32 dense)", "q6_k", "exact", None, None),
             ("Q6_K/Q8_0 auto", "q6_k", "exact", "auto", None),
-            ("Q6_K/Q8_0 dequant", "q6_k", "exact", "dequant", None)]
+            ("Q6_K/Q8_0 dequant", "q6_k", "exact", "dequant", None),
+            ("Q4_K/Q8_0 exact (f32 dense)", "q4_k", "exact", None, None),
+            ("Q4_K/Q8_0 auto", "q4_k", "exact", "auto", None),
+            ("Q4_K/Q8_0 dequant", "q4_k", "exact", "dequant", None)]
 # How each source is made from the model: (type, fallback for rows that are not whole blocks)
 SOURCES = {"q8_0": ("Q8_0", None),
            # K-quant blocks are 256 wide: only ffn_down (1536 wide) takes Q6_K, the 576-wide
            # matrices fall back to Q8_0, as llama.cpp's quantizer would do
-           "q6_k": ("Q6_K", "Q8_0")}
+           "q6_k": ("Q6_K", "Q8_0"),
+           # Q4_K onto int4pack (scale and min rounded to bfloat16): ffn_down again, with the
+           # 576-wide matrices in Q8_0 (int4pair, whose cost the Q8_0 rows measure alone)
+           "q4_k": ("Q4_K", "Q8_0")}
 
 
 def _meta() -> dict:
@@ -256,6 +262,8 @@ def run(a: argparse.Namespace) -> dict:
             "sources": {"q4_1": "the model as shipped (Q4_1 matrices, Q8_0 tied head)",
                         "q8_0": "quant.requantize(model, Q8_0): every matrix",
                         "q6_k": "quant.requantize(model, Q6_K, fallback=Q8_0): ffn_down Q6_K, "
+                                "the 576-wide matrices Q8_0",
+                        "q4_k": "quant.requantize(model, Q4_K, fallback=Q8_0): ffn_down Q4_K, "
                                 "the 576-wide matrices Q8_0"},
             "texts": list(texts), "ctx": a.ctx,
             "tokens_evaluated": sum(v["positions"] for v in rows[0]["texts"].values()),

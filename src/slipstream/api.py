@@ -582,7 +582,8 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
                           st.layers, store, n_ctx, precision.kv_dtype, weights.rope_freqs)
               for st in plan.stages]
     engine = Engine(cfg, weights, stages, precision.act_dtype,
-                    use_graphs=None if plan.graphs else False)
+                    use_graphs=None if plan.graphs else False,
+                    prefill_chunk=plan.prefill_chunk or PREFILL_CHUNK)
     model = Model(model_path, gf, cfg, engine, tokenizer, template)
     model.plan = plan
     return model

@@ -67,6 +67,7 @@ class Plan:
     # on the prefill scratch in elements (None: the largest weight)
     fuse_scales: bool = True
     scratch_elements: int | None = None
+    prefill_chunk: int | None = None  # CUDA: the engine's prefill chunk (None: its default)
     stages: list[StagePlan] = field(default_factory=list)  # default: one, every layer
     # a speculative draft placed before this plan: (what it is, bytes it holds of the budget)
     draft: tuple[str, int] | None = None

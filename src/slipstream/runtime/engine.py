@@ -29,15 +29,19 @@ __all__ = ["Engine", "GRAPH_BUCKET", "PREFILL_CHUNK"]
 
 class Engine:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, stages: Sequence[Stage],
-                 act_dtype: torch.dtype = torch.float32, use_graphs: bool | None = None):
+                 act_dtype: torch.dtype = torch.float32, use_graphs: bool | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK):
         """use_graphs: capture decode in CUDA graphs (default: when there is one stage and it
-        can be captured, i.e. a CUDA device with every layer resident)."""
+        can be captured, i.e. a CUDA device with every layer resident). prefill_chunk: the
+        most tokens one forward runs at once (the plan's: its VRAM reserve holds their
+        activations)."""
         if not stages or [i for st in stages for i in st.layers] != list(range(cfg.n_layers)):
             raise ValueError(f"the stages must cover layers 0..{cfg.n_layers - 1} in order")
         self.cfg = cfg
         self.weights = weights
         self.stages = list(stages)
         self.act_dtype = act_dtype
+        self.prefill_chunk = prefill_chunk
         capturable = len(self.stages) == 1 and self.stages[0].graph_capturable
         self.use_graphs = capturable if use_graphs is None else use_graphs
         self._graphs: DecodeGraphs | None = None
@@ -117,7 +121,8 @@ class Engine:
                   for st in self.stages]
         resident_only = all(st.device.type == "cuda" for st in stages)
         draft = Engine(self.cfg, self.weights, stages, self.act_dtype,
-                       use_graphs=len(stages) == 1 and resident_only)
+                       use_graphs=len(stages) == 1 and resident_only,
+                       prefill_chunk=self.prefill_chunk)
         draft._skip = frozenset(skip)
         return draft
 
@@ -167,7 +172,7 @@ class Engine:
         last token unless all_logits.
 
         Without a step the tokens are appended to the context as one batch (chunked past
-        PREFILL_CHUNK). With a step (built by the caller, e.g. `model.tree_step`), the tokens
+        self.prefill_chunk). With a step (built by the caller, e.g. `model.tree_step`), the tokens
         take its positions and slots and attend as its mask says; the cache length becomes
         `step.end`, which a caller may then `truncate` or `compact`.
         """
@@ -188,8 +193,8 @@ class Engine:
             return logits
         self._check_room(T)
         outs = []
-        for start in range(0, T, PREFILL_CHUNK):
-            chunk = ids[start: start + PREFILL_CHUNK].to(self.device)
+        for start in range(0, T, self.prefill_chunk):
+            chunk = ids[start: start + self.prefill_chunk].to(self.device)
             n = int(chunk.shape[0])
             h = self._hidden(chunk, self._append_step(n))
             self.set_length(self.length + n)

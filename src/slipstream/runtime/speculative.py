@@ -206,8 +206,10 @@ class Speculator:
             self.stats.given_up_at = self.stats.target_passes
             self.give_up()
         # the verify pass needs `width` free slots in the target's cache, growth as many in
-        # the draft's (and the lag's); a round emits at most levels + 1 tokens
-        width = 1 if self.given_up else min(nodes, target.ctx - start, draft.ctx - start)
+        # the draft's (and the lag's), and at most the target's prefill chunk of activations
+        # (what its plan reserved VRAM for); a round emits at most levels + 1 tokens
+        width = 1 if self.given_up else min(nodes, target.prefill_chunk, target.ctx - start,
+                                            draft.ctx - start)
         levels = min(depth, most - 1, width - 1)
         grown, self.grown = self.grown, None
         t = time.perf_counter()

@@ -218,7 +218,7 @@ class GenerationWorker:
 @contextmanager
 def prefill_guard(engine, cancelled: Callable[[], bool]) -> Iterator[None]:
     """While the block runs, `engine.forward` feeds a long batch (a prompt) through the real
-    forward one PREFILL_CHUNK at a time, and raises Cancelled between chunks once `cancelled()`
+    forward one engine.prefill_chunk at a time, and raises Cancelled between chunks once `cancelled()`
     is true. Each piece is exactly one of the chunks Engine.forward would have run itself
     (same shapes, same cache positions), so the logits are the same bits (one row per chunk,
     as forward returns them). Calls with a step, with
@@ -235,18 +235,19 @@ def prefill_guard(engine, cancelled: Callable[[], bool]) -> Iterator[None]:
 
     from ..runtime.engine import PREFILL_CHUNK
 
+    chunk = getattr(engine, "prefill_chunk", PREFILL_CHUNK)
     forward = engine.forward  # the bound method (or an instance attribute already there)
     shadowed = vars(engine).get("forward")
 
     def guarded(tokens, all_logits: bool = False, step=None):
         n = len(tokens)
-        if step is not None or all_logits or n <= PREFILL_CHUNK:
+        if step is not None or all_logits or n <= chunk:
             return forward(tokens, all_logits=all_logits, step=step)
         outs = []
-        for start in range(0, n, PREFILL_CHUNK):
+        for start in range(0, n, chunk):
             if cancelled():
                 raise Cancelled()
-            outs.append(forward(tokens[start:start + PREFILL_CHUNK]))
+            outs.append(forward(tokens[start:start + chunk]))
         # forward's own answer for a chunked batch: the last row of each chunk
         return torch.cat(outs)
 
