@@ -58,6 +58,10 @@ def main() -> None:
         lines.append(f"| {test} | {s['llama_cpp_tok_s']} | {s['slipstream_tok_s']} | "
                      f"{s['ratio']} |")
     lines.append("")
+    for test in summary:  # the spread a shared machine's load leaves, round by round
+        lines.append(f"{test} per round, llama.cpp / slipstream: " + "; ".join(
+            f"{r['llama'][test]['tok_s']:.1f} / {r['slipstream'][test]['tok_s']:.1f}"
+            for r in rounds))
     lines.append("load average per round (before / between / after): " + "; ".join(
         f"{r['loadavg_before']} / {r['loadavg_between']} / {r['loadavg_after']}" for r in rounds))
     a.out.with_suffix(".txt").write_text("\n".join(lines) + "\n")

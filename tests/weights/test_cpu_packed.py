@@ -487,3 +487,89 @@ def test_kinds():
     assert pack_linear(torch.zeros(16, 4 * 176, dtype=torch.uint8), Q.Q5_K, (16, 1024)) is None
     with pytest.raises(ValueError):
         kind_for(Q.Q4_K, "fp8")
+
+
+# --- the decode path's fused forms (PackedDecodeLinear.norm_matmul / glu_matmul) -------------
+
+def test_rms_norm_bf16_rows_alone_and_near_the_exact_norm():
+    """Each row is normed as a call of its own would norm it (a decode token and the same token
+    in a verification tree or a short prompt get the same bits), and within two bfloat16
+    roundings of the float64 norm (the result's and float32's on the way)."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(8, 576, generator=g) * torch.logspace(-2, 2, 8)[:, None]
+    w = torch.rand(576, generator=g) + 0.5
+    y = cpu_packed.rms_norm_bf16(x, w, 1e-5)
+    assert y.dtype == torch.bfloat16 and y.shape == x.shape
+    for i in range(8):
+        assert torch.equal(cpu_packed.rms_norm_bf16(x[i:i + 1], w, 1e-5)[0], y[i])
+    xd = x.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert torch.all((y.double() - ref).abs() <= 2 * U * ref.abs())
+    out = torch.empty(1, 576, dtype=torch.bfloat16)
+    assert cpu_packed.rms_norm_bf16(x[:1], w, 1e-5, out) is out and torch.equal(out, y[:1])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
+def test_packed_decode_fused_forms(qtype):
+    """norm_matmul and glu_matmul on the packed path: the kernel's bfloat16 product of the
+    bfloat16 norm (and of SwiGLU formed in bfloat16), each row as in a call of its own; more
+    rows than max_rows go to the dense weight's own forms."""
+    from slipstream.weights.cpu_packed import PackedDecodeLinear
+    from slipstream.weights.linear import DenseLinear
+
+    rng = np.random.default_rng(13)
+    rows, cols = 96, 256
+    raw = torch.from_numpy(random_tensor(qtype, (rows, cols), rng, 0.02)).view(rows, -1)
+    dense = DenseLinear(oracle(raw, qtype).float())
+    packed = pack_linear(raw, qtype, (rows, cols))
+    lin = PackedDecodeLinear(dense, lambda: packed, max_rows=8)
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(8, cols, generator=g)
+    norm = torch.rand(cols, generator=g) + 0.5
+    with torch.inference_mode():  # the engine's mode; the row buffer made here serves both
+        first = lin.norm_matmul(x[:1], norm, 1e-5)
+    y = lin.norm_matmul(x, norm, 1e-5)
+    assert torch.equal(first, y[:1])
+    assert y.dtype == torch.bfloat16 and y.shape == (8, rows)
+    assert torch.equal(y, packed.kernel(cpu_packed.rms_norm_bf16(x, norm, 1e-5)))
+    for i in range(8):
+        assert torch.equal(lin.norm_matmul(x[i:i + 1], norm, 1e-5)[0], y[i])
+    assert torch.equal(lin.norm_matmul(x[:1], norm, 1e-5), y[:1])  # the row buffer reused
+    ref = rms_norm(x, norm, 1e-5).double() @ oracle(raw, qtype).t()
+    assert float((y.double() - ref).norm() / ref.norm()) < 0.02
+    gu = torch.randn(8, 2 * cols, generator=g).to(torch.bfloat16)
+    r = torch.randn(8, rows, generator=g)
+    z = lin.glu_matmul(gu, residual=r)
+    gate, up = gu.chunk(2, dim=-1)
+    assert z.dtype == torch.float32
+    assert torch.equal(z, r + packed.kernel(F.silu(gate) * up).float())
+    for i in range(8):
+        assert torch.equal(lin.glu_matmul(gu[i:i + 1], residual=r[i:i + 1])[0], z[i])
+    big = torch.randn(9, cols, generator=g)
+    assert torch.equal(lin.norm_matmul(big, norm, 1e-5), dense.norm_matmul(big, norm, 1e-5))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # RoPE pairs adjacent / halves; bias
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+def test_cpu_decode_block_is_the_general_path(tmp_path, monkeypatch, precision, arch):
+    """model.llama's one-token CPU path (_cpu_decode, model.cpu_decode) computes the general
+    path's bits: the logits and the keys and values it caches."""
+    from helpers import cpu_engine
+
+    from slipstream.model import llama
+    from slipstream.model.step import append_step
+
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q4_K", n_layers=2, from_floats=True,
+                       std=0.1, seed=3, arch=arch)
+    runs = []
+    for lean in (True, False):
+        monkeypatch.setattr(llama, "CPU_DECODE", lean)
+        engine = cpu_engine(path, ctx=32, precision=precision)
+        assert engine.weights.layers[0].attn_qkv is not None
+        engine.forward([3, 17, 99])
+        logits = torch.cat([engine.forward([t]) for t in (11, 42, 500, 8)])
+        with torch.no_grad():  # outside inference mode, on the same thread's buffers
+            engine.run_step(torch.tensor([7]), append_step(engine.length, 1, engine.device))
+        runs.append((logits, engine.kv.k[:, :, :7], engine.kv.v[:, :, :7]))
+    for lean, general in zip(*runs):
+        assert torch.equal(lean, general)

@@ -12,10 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
+from .cpu_decode import decode_attention
 from .rope import RopeTable
 from .step import Step
 
 _HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
+# One causal token on CPU takes `_cpu_decode`, the general path's ops less their overhead
+# (False: the general path, which gives the same bits; tests compare the two).
+CPU_DECODE = True
 
 
 def fused_decode_serves(k_cache: torch.Tensor) -> bool:
@@ -141,6 +145,9 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     values are written in place, at `step.slots`.
     """
     T = x.shape[0]
+    if (T == 1 and CPU_DECODE and x.device.type == "cpu" and w.attn_qkv is not None
+            and not step.needs_mask):
+        return _cpu_decode(cfg, w, x, cos_sin, step.start, k_cache, v_cache, rope)
     n_qk = cfg.n_heads + cfg.n_kv_heads
     if uses_fused_decode(step, k_cache):
         # RoPE, the cache write and split-K attention in three kernels that read the position
@@ -178,6 +185,17 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         v_cache.index_copy_(1, step.slots, v_new.to(v_cache.dtype))
     attn = attention(q.to(k_cache.dtype), k_cache[:, :step.span], v_cache[:, :step.span], step,
                      cfg.gqa_group)
+    return _ffn(cfg, w, w.attn_output(attn, residual=x))
+
+
+def _cpu_decode(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
+                cos_sin: tuple[torch.Tensor, torch.Tensor], pos: int, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+    """block_forward of one causal token at slot `pos` on CPU: the general path's ops on the
+    same values (so the same bits), with fewer calls around them (model.cpu_decode), since
+    per-call overhead bounds CPU decode as much as the matmuls do."""
+    qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps)
+    attn = decode_attention(cfg, qkv, cos_sin, pos, k_cache, v_cache, rope)
     return _ffn(cfg, w, w.attn_output(attn, residual=x))
 
 

@@ -47,10 +47,12 @@ the machine that runs them.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from ..quant import get_format
@@ -70,6 +72,12 @@ KINDS = ("int4pack", "int4pair", "int8pack", "dequant", "dequant-compiled")
 # so each unpacking step reads and writes L2 rather than RAM.
 _CHUNK_WEIGHTS = 1 << 18
 _DEQUANT_BUFFER_BYTES = 1 << 20  # DequantLinear's scratch: well inside one core's L2
+# The packed kernels as torch functions: torch.ops.aten's Python dispatch costs ~1.5 us a call,
+# which a decode step pays ~120 times (looked up at the call where torch lacks the function).
+_INT4_MM = getattr(torch, "_weight_int4pack_mm_for_cpu", None) or (
+    lambda *args: torch.ops.aten._weight_int4pack_mm_for_cpu(*args))
+_INT8_MM = getattr(torch, "_weight_int8pack_mm", None) or (
+    lambda *args: torch.ops.aten._weight_int8pack_mm(*args))
 
 
 # --- GGUF blocks -> codes and per-group scale/offset -------------------------------------------
@@ -322,12 +330,13 @@ class Int4PackLinear(Linear):
         return type(self)(self.packed[r0:end], self.scale_zeros[:, r0:end].contiguous(),
                           r1 - r0, bias)
 
+    def kernel(self, xb: torch.Tensor) -> torch.Tensor:
+        """The bare product of bfloat16 x (m, in): bfloat16 (m, out), no bias."""
+        y = _INT4_MM(xb, self.packed, INT4_GROUP, self.scale_zeros)
+        return y if y.shape[1] == self._out else y[:, :self._out].contiguous()
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), self.packed, INT4_GROUP, self.scale_zeros)
-        if y.shape[1] != self._out:
-            y = y[:, :self._out].contiguous()
-        return _finish(y, x.dtype, self.bias, residual)
+        return _finish(self.kernel(x.to(torch.bfloat16)), x.dtype, self.bias, residual)
 
 
 class Int4PairLinear(Int4PackLinear):
@@ -367,8 +376,8 @@ class Int4PairLinear(Int4PackLinear):
             scale_zeros[groups:, r0:r1, 1] = d * 8
         return cls(_pack_int4(u), scale_zeros, rows, bias)
 
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        return super().__call__(torch.cat([x, x], dim=-1), residual)
+    def kernel(self, xb: torch.Tensor) -> torch.Tensor:
+        return super().kernel(torch.cat([xb, xb], dim=-1))
 
 
 class Int8PackLinear(Linear):
@@ -409,9 +418,12 @@ class Int8PackLinear(Linear):
         return Int8PackLinear(self.codes[r0:r1], self.scales[r0:r1],
                               None if self.bias is None else self.bias[r0:r1])
 
+    def kernel(self, xb: torch.Tensor) -> torch.Tensor:
+        """The bare product of bfloat16 x (m, in): bfloat16 (m, out), no bias."""
+        return _INT8_MM(xb, self.codes, self.scales)
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
-        return _finish(y, x.dtype, self.bias, residual)
+        return _finish(self.kernel(x.to(torch.bfloat16)), x.dtype, self.bias, residual)
 
 
 _COMPILED_DOT = None
@@ -623,13 +635,25 @@ class PackedDecodeLinear(Linear):
     at load (so the model file is not read again): packing costs about as much as the rest of
     the load, which the first token (a prefill) then does not wait for. Where `pack` returns
     None (no layout reads the format), decode stays dense. RAM: the packed copy on top of the
-    dense weight, and the GGUF bytes until it is made."""
+    dense weight, and the GGUF bytes until it is made.
+
+    Decode on CPU is bound by per-op overhead as much as by the kernels (a 135M model's token
+    is ~120 kernel calls and ~25 small ops a layer), so the block's fused forms go straight to
+    the bfloat16 kernel: `norm_matmul` normalizes into bfloat16 in one op (`rms_norm_bf16`)
+    and returns the kernel's bfloat16 output (the RoPE, the cache write and `glu_matmul` that
+    consume it widen it exactly), and `glu_matmul` takes that bfloat16 [gate | up] as it is.
+    Every op works row by row, so a row's bits never depend on the others in its call."""
 
     def __init__(self, dense: Linear, pack: Callable[[], Linear | None], max_rows: int):
         self.dense = dense
         self._pack: Callable[[], Linear | None] | None = pack
         self._packed: Linear | None = None
         self.max_rows = max_rows
+        # the packed copy's bare bfloat16 product (Int4PackLinear.kernel...) and its bias,
+        # looked up once: each attribute lookup is a measurable share of a decode step
+        self._kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._bias: torch.Tensor | None = None
+        self._row: torch.Tensor | None = None  # norm_matmul's one-row bfloat16 input
 
     @property
     def out_features(self) -> int:
@@ -640,9 +664,74 @@ class PackedDecodeLinear(Linear):
         """The decode copy (made now if not yet; the dense weight where none can be)."""
         if self._pack is not None:
             self._packed, self._pack = self._pack(), None  # the GGUF bytes go with the thunk
+            self._kernel = getattr(self._packed, "kernel", None)
+            self._bias = getattr(self._packed, "bias", None)
         return self._packed if self._packed is not None else self.dense
 
+    def _decode_kernel(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The bfloat16 product for a call of `rows` rows, or None (a prefill, or a packed
+        copy without one: no layout, or DequantLinear)."""
+        if rows > self.max_rows:
+            return None
+        if self._pack is not None:
+            self.packed  # noqa: B018 (made at the first call that needs it)
+        return self._kernel
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] <= self.max_rows:
-            return self.packed(x, residual)
-        return self.dense(x, residual)
+        kernel = self._decode_kernel(x.shape[0])
+        if kernel is None:
+            return self.packed(x, residual) if x.shape[0] <= self.max_rows else \
+                self.dense(x, residual)
+        return _finish(kernel(x.to(torch.bfloat16)), x.dtype, self._bias, residual)
+
+    def norm_matmul(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float
+                    ) -> torch.Tensor:
+        """self(rms_norm(x, norm_weight, eps)); bfloat16 (plus a bias, float32) on the packed
+        path."""
+        kernel = self._decode_kernel(x.shape[0])
+        if kernel is None:
+            return super().norm_matmul(x, norm_weight, eps)
+        if x.shape[0] == 1:  # decode: the normed row goes in a buffer kept for it
+            if self._row is None:
+                with torch.inference_mode(False):  # writable in and outside inference mode
+                    self._row = torch.empty(x.shape, dtype=torch.bfloat16)
+            y = kernel(rms_norm_bf16(x, norm_weight, eps, self._row))
+        else:
+            y = kernel(rms_norm_bf16(x, norm_weight, eps))
+        return y if self._bias is None else torch.add(self._bias, y)
+
+    def glu_matmul(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+        """self(silu(gate) * up) (+ residual); on the packed path the product is formed in
+        gate_up's dtype (bfloat16 from `norm_matmul`), which the kernel reads anyway."""
+        kernel = self._decode_kernel(gate_up.shape[0])
+        if kernel is None:
+            return super().glu_matmul(gate_up, residual)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = torch.mul(F.silu(gate), up)
+        if h.dtype != torch.bfloat16:
+            h = h.to(torch.bfloat16)
+        return _finish(kernel(h), gate_up.dtype if residual is None else residual.dtype,
+                       self._bias, residual)
+
+
+_ZERO = torch.zeros(())
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """bfloat16(x * rsqrt(mean(x^2) + eps) * weight) for float32 x (m, n), into `out` if
+    given: the norm's scale is taken to the host (one small reduction) and the rest is one
+    addcmul writing bfloat16, instead of F.rms_norm's chain of ops and a cast. Row by row
+    (the one-row case is the same elementwise op), so each row's bits are those of a call of
+    its own."""
+    n = x.shape[-1]
+    scales = [1.0 / math.sqrt(norm * norm / n + eps)
+              for norm in torch.linalg.vector_norm(x, dim=-1).tolist()]
+    if out is None:
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+    if len(scales) == 1:
+        return torch.addcmul(_ZERO, x, weight, value=scales[0], out=out)
+    for i, r in enumerate(scales):
+        torch.addcmul(_ZERO, x[i], weight, value=r, out=out[i])
+    return out
