@@ -29,3 +29,23 @@ def test_static_decode_body_matches_eager_decode(tmp_path):
         assert float((got - want).norm() / want.norm()) < 1e-3
         assert torch.equal(got.argmax(-1), want.argmax(-1))
     assert torch.equal(eager.kv.k[:, :, :9], static.kv.k[:, :, :9])
+
+
+def test_weight_bytes_count_the_packed_cpu_copies(tmp_path):
+    """`slipstream bench`'s roofline divides by the bytes a decode token reads: on CPU at
+    precision fast that is the packed copies (weights.cpu_packed), about the GGUF bytes of the
+    linears (4-bit codes plus bfloat16 scale and zero per 32 against Q4_0's fp16 scale per 32),
+    not the dense copies and not nothing."""
+    from slipstream.gguf_file import GGUFFile
+    from slipstream.runtime.bench import weight_bytes_per_token
+
+    path = write_synth(tmp_path / "q4.gguf", "tiny", "Q4_0", n_layers=2)
+    tensors = GGUFFile(path).tensors
+    head = tensors.get("output.weight", tensors["token_embd.weight"])
+    gguf = head.n_bytes + sum(t.n_bytes for n, t in tensors.items()
+                              if n.startswith("blk.") and n.endswith(".weight")
+                              and "norm" not in n)
+    fast = weight_bytes_per_token(cpu_engine(path, precision="fast"))
+    exact = weight_bytes_per_token(cpu_engine(path, precision="exact"))  # float32 dense
+    assert gguf < fast < 1.3 * gguf
+    assert exact > 4 * gguf  # 32-bit weights against ~4.5-bit codes

@@ -139,14 +139,17 @@ def _drain(tokens: Iterator[torch.Tensor]) -> None:
 def weight_bytes_per_token(engine: Engine) -> int:
     """Bytes of weights one decode token reads: every linear layer once (of the layers not
     skipped), one embedding row."""
+    from ..weights.cpu_packed import PackedDecodeLinear
     from ..weights.linear import DenseLinear, QuantLinear
 
     def nbytes(lin) -> int:
+        if isinstance(lin, PackedDecodeLinear):  # CPU decode reads the packed copy
+            lin = lin.packed
         if isinstance(lin, QuantLinear):
             return lin.packed.nbytes
         if isinstance(lin, DenseLinear):
             return lin.weight.numel() * lin.weight.element_size()
-        return 0
+        return int(getattr(lin, "nbytes", 0) or 0)  # the CPU's packed layouts
 
     w = engine.weights
     total = nbytes(w.output) + w.embed.raw.shape[1]
