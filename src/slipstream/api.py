@@ -9,7 +9,6 @@ A Model holds one KV cache, so it runs one generation at a time; the server queu
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -566,11 +565,8 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
     # GPU copy of the layer being built never sits on top of the resident model.
     images, hosts = pin_streamed_layers(gf, cfg, dev, precision, plan)
     disk = disk_images(gf, cfg, dev, precision, plan, progress)
-    # a streamed plan's resident layers keep the GGUF scale layout (Plan.fuse_scales)
-    weights = _load_weights_with_progress(
-        gf, cfg, dev, dataclasses.replace(precision, fuse_scales=precision.fuse_scales
-                                          and plan.fuse_scales),
-        progress, resident, plan.embed_on_host, private_weights, plan.scratch_elements)
+    weights = _load_weights_with_progress(gf, cfg, dev, precision, progress, resident,
+                                          plan.embed_on_host, private_weights, plan)
     if dev.type == "cuda":
         # Give load-time transients back, so the run's own peak starts from the steady state
         # (memory.vram reserves the larger of the two, not their sum).
@@ -611,8 +607,7 @@ def _plan_hybrid(gf: GGUFFile, cfg: ModelConfig, plan, hybrid: str | float,
 
 def _load_weights_with_progress(gf, cfg, dev, precision: Precision, show: bool,
                                 resident: set[int] | None = None, embed_on_host: bool = False,
-                                private: bool | None = None,
-                                scratch_elements: int | None = None):
+                                private: bool | None = None, plan=None):
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
@@ -625,4 +620,5 @@ def _load_weights_with_progress(gf, cfg, dev, precision: Precision, show: bool,
         return load_weights(gf, cfg, dev, precision,
                             progress=lambda n: bar.advance(task, n), resident_layers=resident,
                             embed_on_host=embed_on_host, private=private,
-                            scratch_elements=scratch_elements)
+                            scratch_elements=plan.scratch_elements if plan else None,
+                            fuse_scales=plan.fuse_scales if plan else True)

@@ -143,7 +143,7 @@ class LayerBuilder:
         self.workspace = workspace if workspace is not None else (
             Workspace(device, int8_activations=precision.int8_activations,
                       max_elements=min(prefill_scratch_elements(cfg),
-                                       scratch_elements or prefill_scratch_elements(cfg)))
+                                       scratch_elements or float("inf")))
             if self.quantized else None)
         self.spec = spec_for(cfg.architecture)
         self.shapes = self.spec.shapes(cfg)
@@ -239,7 +239,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
                  progress: Callable[[int], None] | None = None,
                  resident_layers: set[int] | None = None,
                  embed_on_host: bool = False, private: bool | None = None,
-                 scratch_elements: int | None = None) -> ModelWeights:
+                 scratch_elements: int | None = None,
+                 fuse_scales: bool = True) -> ModelWeights:
     """Build the model's weights on `device`: every layer, or only `resident_layers` (the
     others are left as None for a streaming store to fill). Norms stay float32.
     `embed_on_host`: the token embedding stays in host memory (see QuantEmbedding).
@@ -249,7 +250,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     CUDA, where only an `embed_on_host` embedding would view the map and RAM is what a
     streamed plan is short of.
 
-    `scratch_elements`: the prefill scratch's cap (memory.planner.Plan.scratch_elements).
+    `scratch_elements`, `fuse_scales`: the prefill scratch's cap, and whether resident layers
+    may fold their scales (memory.planner.Plan: a streamed plan does neither).
 
     `progress(n_bytes)` is called after each layer so callers can drive a progress bar.
     """
@@ -258,7 +260,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     for name, info in gf.tensors.items():
         quant.get_format(info.ggml_type)  # unsupported types fail here, naming the type
     check_layer_shapes(gf, cfg)
-    builder = LayerBuilder(cfg, device, precision, scratch_elements=scratch_elements)
+    builder = LayerBuilder(cfg, device, precision, fuse_scales=fuse_scales,
+                           scratch_elements=scratch_elements)
     workspace = builder.workspace
     quantized = builder.quantized
     src = TensorSource(gf, private=private)
