@@ -2,7 +2,7 @@
 while PCIe brings the rest, against whole layers over PCIe, on the same synthetic file.
 
     python bench/hybrid_bench.py OUTDIR [--workdir /tmp/slipstream-models] [--cases 70b,8b]
-        [--threads 8,12,16] [--llamacpp FILE]
+        [--threads 8,12,16] [--llamacpp 70b=FILE --llamacpp 8b=FILE]
 
 Cases: 70b-q4k-vram24 / 70b-q4k-vram24-hybrid (the synthetic 70B Q4_K at 24 GiB) and
 8b-q4k-vram4 / 8b-q4k-vram4-hybrid. Each: decode tok/s over `--tokens` greedy steps after a
@@ -10,7 +10,8 @@ warm-up (host clock around synchronised steps: every step ends in a device sync 
 the store's CUDA events over a few more (`--stats`: copy GB/s, compute, stalls, the CPU's
 seconds and GB/s), the plan's split and prediction, and VRAM reserved. The hybrid case also
 sweeps the CPU's threads on the loaded model (torch.set_num_threads takes effect at once).
---llamacpp: llama-bench's output from the same call, whose tg figure goes into each case.
+--llamacpp 70b=FILE: llama-bench's output on that shape from the same call; its best tg figure
+over the thread counts it ran goes into that shape's cases.
 Writes OUTDIR/hybrid-bench.json.
 """
 
@@ -141,20 +142,35 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
             row["prefill512_tok_s"] = round(prefill_rate(m), 1)
             row["decode_after_prefill_tok_s"] = round(decode_rate(m, max(4, tokens // 2)), 3)
         row["vram_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        # what the driver counts for the process (the CUDA context and cuBLAS's handles too),
+        # as llama.cpp's "max memory used" is: reserved blocks stay until the model closes
+        free, total = torch.cuda.mem_get_info()
+        row["vram_process_gib"] = round((total - free) / 2**30, 2)
     print(json.dumps(row), flush=True)
     return row
 
 
-def llamacpp_tg(path: str | None) -> float | None:
-    """The tg figure of llama-bench's markdown table (t/s column), if the file has one."""
+def llamacpp_tg(path: str | None) -> dict | None:
+    """llama-bench's tg figures (t/s column) by thread count, and the best of them: the
+    comparison is against llama.cpp at its best thread count in this call, not at ours."""
     if not path or not Path(path).exists():
         return None
+    by_threads: dict[str, float] = {}
+    columns: list[str] = []
     for line in Path(path).read_text().splitlines():
-        if re.search(r"\|\s*tg\d+", line):
-            m = re.search(r"([\d.]+)\s*±\s*[\d.]+\s*\|?\s*$", line)
-            if m:
-                return float(m.group(1))
-    return None
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] == "model":
+            columns = cells
+        if not re.search(r"\|\s*tg\d+", line):
+            continue
+        rate = re.search(r"([\d.]+)\s*±\s*[\d.]+\s*\|?\s*$", line)
+        if rate is None:
+            continue
+        threads = cells[columns.index("threads")] if "threads" in columns else "default"
+        by_threads[threads] = max(float(rate.group(1)), by_threads.get(threads, 0.0))
+    if not by_threads:
+        return None
+    return {"best": max(by_threads.values()), "by_threads": by_threads}
 
 
 def main() -> None:
@@ -165,7 +181,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=12)
     ap.add_argument("--threads", default="4,8,12,16")
     ap.add_argument("--hybrid", default="auto", help="the hybrid cases' mode or share")
-    ap.add_argument("--llamacpp", default=None, help="llama-bench output from this call")
+    ap.add_argument("--llamacpp", action="append", default=[],
+                    help="SHAPE=FILE: llama-bench's output on that shape from this call")
     ap.add_argument("--skip-off", action="store_true", help="only the hybrid cases")
     ap.add_argument("--no-prefill", action="store_true", help="leave out pp512")
     a = ap.parse_args()
@@ -189,18 +206,31 @@ def main() -> None:
         for name, mode in ((tag, "off"), (f"{tag}-hybrid", hybrid)):
             if mode == "off" and a.skip_off:
                 continue
-            rows.append(case(path, name, budget, mode, a.tokens, threads,
-                             sweep=shape == "70b", prefill=not a.no_prefill))
+            try:
+                rows.append(case(path, name, budget, mode, a.tokens, threads,
+                                 sweep=shape == "70b", prefill=not a.no_prefill))
+            except Exception as e:  # recorded, and the other cases still run
+                print(f"{name}: {type(e).__name__}: {e}", flush=True)
+                rows.append({"name": name, "vram_budget": budget, "hybrid": mode,
+                             "error": f"{type(e).__name__}: {str(e)[:400]}"})
+                torch.cuda.empty_cache()
             out.write_text(json.dumps(doc, indent=1))
-    tg = llamacpp_tg(a.llamacpp)
+    llama = dict(spec.split("=", 1) for spec in a.llamacpp)
     for r in rows:
-        r["llamacpp_decode_tok_s"] = tg
+        tg = llamacpp_tg(llama.get(r["name"].split("-")[0]))
+        if "error" in r:
+            continue
+        r["llamacpp_decode_tok_s"] = tg and tg["best"]
         if tg:
-            r["ratio_to_llamacpp"] = round(r["decode_tok_s"] / tg, 3)
+            r["llamacpp_decode_tok_s_by_threads"] = tg["by_threads"]
+            r["ratio_to_llamacpp"] = round(r["decode_tok_s"] / tg["best"], 3)
     out.write_text(json.dumps(doc, indent=1))
     print(f"{'case':28} {'tok/s':>7} {'pred':>7} {'share':>6} {'cpu GB/s':>8} "
           f"{'pcie GB/s':>9} {'VRAM GiB':>8}")
     for r in rows:
+        if "error" in r:
+            print(f"{r['name']:28} failed: {r['error'][:80]}")
+            continue
         b = r["breakdown"]
         print(f"{r['name']:28} {r['decode_tok_s']:7.3f} {r['predicted_tok_s']:7.3f} "
               f"{r.get('cpu_share', 0):6.2f} {b['cpu_gbps_achieved'] or 0:8.1f} "

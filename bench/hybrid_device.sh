@@ -2,9 +2,11 @@
 # Hybrid decode on the GPU machine, in one call (issue 13's H200 acceptance):
 #   bash bench/hybrid_device.sh OUTDIR
 # synthesizes the 70B and 8B Q4_K files and builds llama-bench (spec_device.sh PART=prep),
-# times llama.cpp's -ngl 46 on the 70B, then bench/hybrid_bench.py (whole layers and hybrid,
+# times llama.cpp on each shape (-ngl 46 / 16, threads 8,12,16), then bench/hybrid_bench.py (whole layers and hybrid,
 # 70B at 24 GiB and 8B at 4 GiB, the thread sweep) with llama.cpp's figure from this call.
-# TESTS=1 also runs the hybrid and streaming GPU tests first. Carry what spec_device.sh says.
+# TESTS=1 also runs the hybrid and streaming GPU tests first (PART=tests: only those, after the
+# synthesis and llama.cpp's build, which stay on the machine while it is warm).
+# Carry what spec_device.sh says.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/slipstream-out}}
 mkdir -p "$OUTDIR"
@@ -21,15 +23,20 @@ if [ "${TESTS:-0}" = 1 ]; then
     tests/gpu/test_engine.py -k "mmap or vram or budget" > "$OUTDIR/pytest-tierc.log" 2>&1
   grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-tierc.log" | head; tail -1 "$OUTDIR/pytest-tierc.log"
 fi
-# CASES=8b: the 8B alone, against llama.cpp with 16 of its 32 layers on the GPU (as the 4 GiB
-# plan holds), without the 70B's synthesis
+[ "${PART:-all}" = tests ] && exit 0
+# llama.cpp on each shape's file, with the layers on the GPU that slipstream's plan holds at that
+# budget (-ngl 46 for the 70B at 24 GiB, 16 for the 8B at 4 GiB), three repetitions at each of
+# LLAMA_THREADS; hybrid_bench compares against the best of them
 CASES=${CASES:-70b,8b}
-NGL=${NGL:-46}; LSHAPE=70b
-[ "$CASES" = 8b ] && { NGL=${NGL_8B:-16}; LSHAPE=8b; }
-LL="$OUTDIR/llamacpp-$LSHAPE-ngl$NGL.txt"
-timeout 150 bash .anchors/llamacpp_bench.sh $W/$LSHAPE-Q4_K.gguf -ngl $NGL -p 512 -n 16 -r 1 -fa 1 \
-  -t 16 > "$LL" 2>&1
-tail -6 "$LL"
-timeout ${BENCH_S:-330} python3 bench/hybrid_bench.py "$OUTDIR" --workdir $W --llamacpp "$LL" \
+LLAMA_ARGS=()
+for shape in ${CASES//,/ }; do
+  ngl=${NGL:-46}; [ "$shape" = 8b ] && ngl=${NGL_8B:-16}
+  LL="$OUTDIR/llamacpp-$shape-ngl$ngl.txt"
+  timeout ${LLAMA_S:-200} bash .anchors/llamacpp_bench.sh $W/$shape-Q4_K.gguf -ngl $ngl -p 512 \
+    -n 16 -r ${LLAMA_REPS:-3} -fa 1 -t ${LLAMA_THREADS:-8,12,16} > "$LL" 2>&1
+  grep -E "tg16|max memory" "$LL"
+  LLAMA_ARGS+=(--llamacpp "$shape=$LL")
+done
+timeout ${BENCH_S:-330} python3 bench/hybrid_bench.py "$OUTDIR" --workdir $W "${LLAMA_ARGS[@]}" \
   --cases "$CASES" ${HYBRID_ARGS:-} > "$OUTDIR/hybrid-bench.log" 2>&1
 grep -v "^{" "$OUTDIR/hybrid-bench.log" | tail -12
