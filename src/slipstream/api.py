@@ -336,7 +336,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
         plan.draft = (f"self, {draft_skip_layers} layers skipped (KV cache)", held)
     from .memory.vram_cap import VramCap
 
-    cap = VramCap(dev, vram, expandable=bool(plan.streamed_layers)) if dev.type == "cuda" else None
+    cap = VramCap(dev, vram) if dev.type == "cuda" else None
     try:
         model = _build(model_path, gf, cfg, dev, tokenizer, template, plan, n_ctx, prec,
                        progress, io, stream_delay, private_weights, hybrid, threads)

@@ -39,12 +39,14 @@ def test_a_streamed_plan_caps_chunk_and_scratch_and_counts_them(model, monkeypat
     streamed = vram_reserve(gf, cfg, 4096, 2, 512, False, False, embed_on_host=True,
                             graph_bucket=256, scratch_cap=setup.STREAMED_SCRATCH_ELEMENTS)
     layer = layer_vram_bytes(gf, cfg, 0, False)
+    streamed["allocator slack"] = int(setup.STREAMED_SLACK_LAYERS * layer)
     budget = sum(streamed.values()) + 6 * layer  # two slots and four resident layers
     plan = _plan(gf, cfg, budget, monkeypatch)
     assert plan.tiers.count("vram") == 4 and plan.fuse_scales is False
     assert plan.prefill_chunk == setup.STREAMED_PREFILL_CHUNK
     assert plan.scratch_elements == setup.STREAMED_SCRATCH_ELEMENTS
     assert plan.reserve["activations"] == activation_bytes(cfg, 512, 4096)
+    assert plan.reserve["allocator slack"] == streamed["allocator slack"] > 0
     assert plan.resident_bytes_per_layer == [layer_vram_bytes(gf, cfg, i, False)
                                              for i in range(cfg.n_layers)]
     # the same budget with the resident plan's accounting (fused scales, 2048-token chunks)

@@ -77,20 +77,3 @@ def test_each_device_keeps_its_own_cap(fake_cuda):
     assert fake_cuda["by_device"] == {0: pytest.approx(0.1), 1: 1.0}
     del on_0
     gc.collect()
-
-
-@pytest.mark.parametrize("env", [None, "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])
-def test_streamed_plans_switch_to_expandable_segments_unless_the_user_configured(
-        fake_cuda, monkeypatch, env):
-    settings = []
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", settings.append,
-                        raising=False)
-    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
-        monkeypatch.delenv(name, raising=False)
-    if env:
-        monkeypatch.setenv(env, "max_split_size_mb:512")
-    vram_cap.VramCap(torch.device("cuda", 0), 24 * GIB)  # resident plans leave it alone
-    vram_cap.VramCap(torch.device("cuda", 0), None, expandable=True)  # no budget: no cap
-    assert settings == []
-    vram_cap.VramCap(torch.device("cuda", 0), 24 * GIB, expandable=True)
-    assert settings == ([] if env else ["expandable_segments:True"])

@@ -33,6 +33,13 @@ STREAMED_SCRATCH_ELEMENTS = 64 << 20
 # prefills 512 tokens in 0.45 s while its 38 streamed layers copy in 0.34 s, an 8B 56 ms
 # against 36 ms), so smaller chunks cost no time and give their VRAM to layers.
 STREAMED_PREFILL_CHUNK = 512
+# What a streamed plan keeps unallocated beyond its counted parts, in resident layers: the
+# holes that the load's packing transients leave between the layers it keeps. On the H200 a 70B
+# planned at 24 GiB with no such allowance (45 layers) failed its first 512-token prefill with
+# 23.54 GiB allocated and 0.47-0.57 GiB reserved but free only in such pieces (expandable
+# segments did not help). 2.25 layers (1.04 GiB) leave it 42 layers, the count that ran at
+# 22.71 GiB reserved (bench/results/2026-12-01-h200-session10.md).
+STREAMED_SLACK_LAYERS = 2.25
 
 
 def check_io(io: str, device: torch.device) -> None:
@@ -177,6 +184,7 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
         reserve = vram_reserve(gf, cfg, ctx, kv_elem, chunk, False, False,
                                embed_on_host=True, scratch_cap=STREAMED_SCRATCH_ELEMENTS,
                                **per_stage)
+        reserve["allocator slack"] = int(STREAMED_SLACK_LAYERS * max(vram, default=0))
         plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io)
         plan.graphs = False
         plan.embed_on_host = True

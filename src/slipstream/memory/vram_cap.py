@@ -9,18 +9,11 @@ what `torch.cuda.max_memory_reserved` reports and what other processes cannot us
 The fraction is per device and process-wide. The newest live model on a device sets it: what the process held before that
 model loaded plus its budget, or no cap when it was loaded without a budget. When it is freed,
 the cap of the model loaded before it (if any still lives) comes back.
-
-A streamed plan fills its budget to within a few hundred MiB, and the load's packing transients
-leave holes between the layers it keeps: on the H200 a 70B planned at 24 GiB (45 layers)
-failed its first 512-token prefill with 566 MiB reserved but free in pieces too small to use.
-Such plans switch the allocator to expandable segments, which give those pages back, unless
-the user configured the allocator (PYTORCH_CUDA_ALLOC_CONF or PYTORCH_ALLOC_CONF).
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 import weakref
 
 import torch
@@ -32,7 +25,7 @@ _keys = itertools.count()
 class VramCap:
     """The cap of one model being loaded; `attach` ties it to the model's lifetime."""
 
-    def __init__(self, device: torch.device, budget: int | None, expandable: bool = False):
+    def __init__(self, device: torch.device, budget: int | None):
         # the fraction is set per device and torch wants its index ("cuda" alone is refused)
         index = torch.cuda.current_device() if device.index is None else device.index
         device = self.device = torch.device("cuda", index)
@@ -43,8 +36,6 @@ class VramCap:
         self.key = next(_keys)
         _limits[self.key] = (index, self.limit)
         _apply(device, total)
-        if expandable and budget is not None:
-            use_expandable_segments()
 
     def attach(self, owner: object) -> None:
         weakref.finalize(owner, _release, self.key, self.device, self.total)
@@ -63,16 +54,3 @@ def _apply(device: torch.device, total: int) -> None:
     mine = [key for key, (index, _) in _limits.items() if index == device.index]
     limit = _limits[max(mine)][1] if mine else total
     torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
-
-
-def use_expandable_segments() -> bool:
-    """Switch the caching allocator to expandable segments for the allocations that follow
-    (process-wide, as the allocator is). False where the user set the allocator's
-    configuration or this torch cannot change it at run time."""
-    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
-        return False
-    setter = getattr(torch.cuda.memory, "_set_allocator_settings", None)
-    if setter is None:
-        return False
-    setter("expandable_segments:True")
-    return True
