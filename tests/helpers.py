@@ -93,10 +93,22 @@ def streamed_logits(model, steps: int = 12) -> list[torch.Tensor]:
     return out
 
 
+def streamed_slack(plan) -> int:
+    """The allocator slack a streamed plan of this model would reserve (memory.setup), from a
+    plan that may not stream (its own slack, if it has one, is not counted twice)."""
+    from slipstream.memory.setup import STREAMED_SLACK_LAYERS
+
+    if "allocator slack" in plan.reserve:
+        return 0
+    return int(STREAMED_SLACK_LAYERS * max(plan.resident_bytes_per_layer))
+
+
 def vram_budget_for(model, resident_layers: int, slack: int = 1) -> int:
     """A VRAM budget for `resident_layers` of `model`'s plan in VRAM (a streamed plan reserves
-    no graph pools and keeps the embedding on the host); `slack` bytes on top."""
+    no graph pools, keeps the embedding on the host and leaves the allocator its slack);
+    `slack` bytes on top."""
     p = model.plan
     staging = p.staging_buffers * max(p.file_bytes_per_layer)
     fixed = p.fixed_bytes - p.reserve.get("CUDA graph pools", 0) - p.reserve.get("embedding", 0)
+    fixed += streamed_slack(p)
     return fixed + staging + sum(p.resident_bytes_per_layer[:resident_layers]) + slack
