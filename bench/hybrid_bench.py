@@ -217,9 +217,9 @@ def main() -> None:
             out.write_text(json.dumps(doc, indent=1))
     llama = dict(spec.split("=", 1) for spec in a.llamacpp)
     for r in rows:
-        tg = llamacpp_tg(llama.get(r["name"].split("-")[0]))
         if "error" in r:
             continue
+        tg = llamacpp_tg(llama.get(r["name"].split("-")[0]))
         r["llamacpp_decode_tok_s"] = tg and tg["best"]
         if tg:
             r["llamacpp_decode_tok_s_by_threads"] = tg["by_threads"]

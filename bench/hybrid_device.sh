@@ -2,8 +2,9 @@
 # Hybrid decode on the GPU machine, in one call (issue 13's H200 acceptance):
 #   bash bench/hybrid_device.sh OUTDIR
 # synthesizes the 70B and 8B Q4_K files and builds llama-bench (spec_device.sh PART=prep),
-# times llama.cpp on each shape (-ngl 46 / 16, threads 8,12,16), then bench/hybrid_bench.py (whole layers and hybrid,
-# 70B at 24 GiB and 8B at 4 GiB, the thread sweep) with llama.cpp's figure from this call.
+# times llama.cpp on each shape (-ngl 46 / 16, threads 8,12,16), then bench/hybrid_bench.py
+# (whole layers and hybrid, 70B at 24 GiB and 8B at 4 GiB, the thread sweep) with llama.cpp's
+# best figure from this call.
 # TESTS=1 also runs the hybrid and streaming GPU tests first (PART=tests: only those, after the
 # synthesis and llama.cpp's build, which stay on the machine while it is warm).
 # Carry what spec_device.sh says.

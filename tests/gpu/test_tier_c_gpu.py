@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import slipstream
-from helpers import streamed_logits, streamed_slack, streaming_synth
+from helpers import streamed_logits, streaming_synth, vram_budget_for
 from slipstream.memory import LayerStore, StreamDelays
 from slipstream.memory.disk import DiskReadError
 
@@ -48,9 +48,7 @@ def _budgets(model, vram_layers: int, pinned_layers: int) -> tuple[int, int]:
     the embedding on the host)."""
     p = model.plan
     slot = max(p.file_bytes_per_layer)
-    fixed = p.fixed_bytes - p.reserve.get("CUDA graph pools", 0) - p.reserve.get("embedding", 0)
-    fixed += streamed_slack(p)
-    vram = fixed + p.staging_buffers * slot + sum(p.resident_bytes_per_layer[:vram_layers]) + 1
+    vram = vram_budget_for(model, vram_layers)
     first = vram_layers
     ram = 3 * slot + sum(p.file_bytes_per_layer[first:first + pinned_layers]) + 1
     return vram, ram

@@ -175,11 +175,10 @@ def test_plan_for_cuda_on_a_fake_device(tiny, monkeypatch):
     # graphs are off when layers stream, so the streamed plan's reserve has no graph pools,
     # and the embedding stays on the host
     # and it leaves the allocator a slack (memory.setup.STREAMED_SLACK_LAYERS)
-    from slipstream.memory.setup import STREAMED_SLACK_LAYERS
+    from helpers import streamed_slack
 
-    slack = int(STREAMED_SLACK_LAYERS * max(full.resident_bytes_per_layer))
     fixed = (full.fixed_bytes - full.reserve["CUDA graph pools"] - full.reserve["embedding"]
-             + slack)
+             + streamed_slack(full))
     slot = max(full.file_bytes_per_layer)
     vram = fixed + 2 * slot + full.resident_bytes_per_layer[0] + 1
     ram = 3 * slot + slot + 1  # the staging buffers and one pinned layer
