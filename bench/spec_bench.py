@@ -48,7 +48,8 @@ from spec_costs import PREFIX as PASS_PREFIX, pass_seconds  # noqa: E402  (bench
 
 PROMPT = ("Write a short story about a lighthouse keeper who finds a message in a bottle. "
           "The keeper")
-PUBLISHED_TOKENS_PER_PASS = (8.0, 13.0)  # UMbreLLa / SpecExec / Sequoia, 70B with an 8B draft
+PUBLISHED_TOKENS_PER_PASS = (8.0, 13.0)
+AHEAD_BESIDE = 64  # levels the draft may grow past a tree's verified nodes, beside the pass  # UMbreLLa / SpecExec / Sequoia, 70B with an 8B draft
 
 
 def decode(model, tokens: int, **kw) -> dict:
@@ -69,7 +70,8 @@ def decode(model, tokens: int, **kw) -> dict:
                    draft_s_per_pass=round(spec["draft_s"] / passes, 4),
                    series_draft_forwards_per_pass=round(spec["draft_forwards"] / passes, 2),
                    ahead_forwards_per_pass=round(spec.get("ahead_forwards", 0) / passes, 2),
-                   trees_grown_ahead=spec.get("ahead_trees", 0))
+                   trees_grown_ahead=spec.get("ahead_trees", 0),
+                   ahead_beside_per_pass=round(spec.get("ahead_beside", 0) / passes, 2))
     return row | {"ids": out}
 
 
@@ -158,14 +160,23 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
         auto = decode(m, tokens)
         auto2 = decode(m, tokens)  # the sizer has learned the costs on the first run
         fixed = decode(m, tokens, spec_nodes=64, spec_depth=8)
+        # the draft growing the next tree on its own stream while the target's layers stream
+        beside = decode(m, tokens, spec_ahead=AHEAD_BESIDE)
+        fixed_beside = decode(m, tokens, spec_nodes=64, spec_depth=8, spec_ahead=AHEAD_BESIDE)
         levels = level_costs(m.draft.engine, (1, 4, 8))  # the widths growth runs
         base = {"name": "default-spec", "target": target.name, "draft": draft.name,
                 "vram_budget_bytes": budgets["vram_budget"], "ram_budget": "24MiB",
                 "draft_vram_bytes": m.plan.draft[1] if m.plan.draft else None,
                 "tiers": tiers, "plain_decode_tok_s": plain["decode_tok_s"],
-                "greedy_equal": auto2["ids"] == plain["ids"] == fixed["ids"],
+                "greedy_equal": auto2["ids"] == plain["ids"] == fixed["ids"] == beside["ids"]
+                == fixed_beside["ids"],
+                "greedy_equal_by_variant": {
+                    k: r["ids"] == plain["ids"] for k, r in (
+                        ("auto", auto2), ("nodes64-depth8", fixed), ("auto-beside", beside),
+                        ("nodes64-depth8-beside", fixed_beside))},
                 "draft_levels": levels, "vram_gib": vram_gib()}
-        for label, r in (("auto-first", auto), ("auto", auto2), ("nodes64-depth8", fixed)):
+        for label, r in (("auto-first", auto), ("auto", auto2), ("nodes64-depth8", fixed),
+                         ("auto-beside", beside), ("nodes64-depth8-beside", fixed_beside)):
             rows.append(base | {"variant": label} | {k: v for k, v in r.items() if k != "ids"})
     return rows
 
@@ -200,6 +211,9 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
         streamed_with_draft = len(m.plan.streamed_layers)
         # forced first: the sized run may give the draft up (random weights accept nothing)
         forced = decode(m, max(tokens // 3, 8), spec_nodes=256, spec_depth=8)
+        # the same trees with the draft growing beside the pass: does the pass slow down?
+        forced_beside = decode(m, max(tokens // 3, 8), spec_nodes=256, spec_depth=8,
+                               spec_ahead=AHEAD_BESIDE)
         auto = decode(m, tokens)
         released = m.draft_released
         after = decode(m, tokens, draft=False)  # plain, with the layers the draft's VRAM took
@@ -211,7 +225,8 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
                "layers_made_resident": len(released[1]) if released else 0,
                "plain_after_release_tok_s": after["decode_tok_s"] if released else None,
                "levels": levels, "passes": spec_passes, "vram_gib": vram_gib()}
-        for label, r in (("auto", auto), ("forced-256x8", forced)):
+        for label, r in (("auto", auto), ("forced-256x8", forced),
+                         ("forced-256x8-beside", forced_beside)):
             rows.append(row | {"variant": label} | {k: v for k, v in r.items() if k != "ids"}
                         | {"ratio_to_plain": round(r["decode_tok_s"]
                                                    / rows[0]["decode_tok_s"], 3)})

@@ -150,7 +150,36 @@ def test_gpu_streamed_target_greedy_equals_plain(smollm_path, tmp_path):
                                                   draft=False)]
             spec = [e.id for e in model.generate(ids, max_tokens=64, temperature=0)]
             _assert_same(model, ids, spec, plain)
+            beside = [e.id for e in model.generate(ids, max_tokens=64, temperature=0,
+                                                   spec_ahead=AHEAD)]
+            _assert_same(model, ids, beside, plain)
+            assert model.last_speculation["ahead_beside"] > 0, model.last_speculation
         assert model.last_speculation["target_passes"] > 0
+
+
+AHEAD = 64  # levels a tree may grow past its verified nodes, beside the target's pass
+
+
+def test_gpu_growing_beside_a_streamed_pass_is_lossless(tmp_path):
+    """The draft (the target's weights at 4 bits) grows the next tree on its own stream while
+    the target's layers stream from pinned RAM and disk: the levels run beside the pass, trees
+    grown there are reused, and the tokens stay plain greedy's."""
+    pytest.importorskip("triton")
+    kw = dict(n_layers=8, from_floats=True, std=0.05, seed=5)
+    target = write_synth(tmp_path / "t.gguf", "1b", "Q8_0", **kw)
+    draft = write_synth(tmp_path / "d.gguf", "1b", "Q4_0", **kw)
+    model = _streamed_with_draft(target, draft, precision="exact", ram_budget="64MiB")
+    with model:
+        assert model.plan.streamed_layers and model.plan.draft is not None
+        prompt = [1, 2, 3, 4]
+        plain = [e.id for e in model.generate(prompt, max_tokens=96, temperature=0,
+                                              draft=False)]
+        spec = [e.id for e in model.generate(prompt, max_tokens=96, temperature=0,
+                                             spec_nodes=32, spec_depth=4, spec_ahead=AHEAD)]
+        _assert_same(model, prompt, spec, plain)
+        got = model.last_speculation
+        assert got["ahead_beside"] == got["ahead_forwards"] > 0, got
+        print(f"tiers {sorted(set(model.plan.tiers))}: {got}")
 
 
 def test_tree_level_graphs_match_eager(smollm_path):

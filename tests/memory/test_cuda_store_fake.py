@@ -188,3 +188,31 @@ def test_promoted_layers_are_spread_over_the_streamed_ones():
     assert evenly_spaced(streamed, 1) == [7]
     assert evenly_spaced(streamed, 6) == streamed and evenly_spaced(streamed, 9) == streamed
     assert evenly_spaced(streamed, 0) == []
+
+
+def test_waiting_says_when_a_read_has_not_landed(fake_cuda, setup):
+    """waiting(i) is True exactly while layer i streams from disk and its read has not
+    finished: resident and pinned layers never wait, and once the read lands the layer is
+    acquired with its bytes (the engine grows a draft's tree in that gap)."""
+    import threading
+
+    gate = threading.Event()
+    store = _store(setup, "direct", StreamDelays(reader=gate.wait))
+    want = setup[1]
+    for i in (0, 1, 2):  # resident, resident, pinned
+        assert not store.waiting(i)
+        store.release(i) if store.acquire(i) is not None else None
+    assert store.waiting(3)  # its read waits at the gate
+    assert store.waiting(3)  # asking twice changes nothing
+    gate.set()
+    deadline = time.monotonic() + 10
+    while store.waiting(3):
+        assert time.monotonic() < deadline, "the read never landed"
+        time.sleep(0.001)
+    for i in (3, 4, 5):
+        while store.waiting(i):
+            time.sleep(0.001)
+        layer = store.acquire(i)
+        _check(layer, want[i])
+        store.release(i)
+    store.close()

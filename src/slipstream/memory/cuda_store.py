@@ -204,6 +204,13 @@ class CudaLayerStore(StoreBase):
             self.timeline.layer_start(stream, i)
         return layer
 
+    def waiting(self, i: int) -> bool:
+        """Layer i streams through the ring and its bytes (a tier-C read) are not there yet.
+        Resident layers never wait; the mmap baseline reads on demand, nothing ahead."""
+        if self.layers[i] is not None or self.ring is None or self.feed.get(i) is not self.ring:
+            return False
+        return self.ring.waiting(i)
+
     def _views_of(self, i: int, slot) -> LayerWeights:
         """Layer i as views into `slot`, built once per slot it lands in (and per mode): a
         layer's dozens of views and weight objects cost the host about a millisecond, which

@@ -55,6 +55,12 @@ class LayerStore(Protocol):
         """The kernels that read layer i are enqueued; its memory may be reused after them."""
         ...
 
+    def waiting(self, i: int) -> bool:
+        """Whether acquiring layer i now would block the host on a read that has not landed
+        (never blocks itself): a caller with other work to enqueue (a speculative draft's
+        next level) may do it first and ask again."""
+        ...
+
     def skip(self, layers: frozenset[int]) -> None:
         """The engine will not ask for `layers` (layer skip, runtime.layer_skip) until the next
         call: a streaming store drops them from its read-ahead order, so it neither reads nor
@@ -104,6 +110,9 @@ class StoreBase:
 
     def begin_pass(self, tokens: int) -> None:
         pass  # layers computed the same at any batch size
+
+    def waiting(self, i: int) -> bool:
+        return False  # nothing read ahead: acquire never waits on a read in flight
 
     def promote(self, room: int) -> list[int]:
         return []  # a store with no cheaper place to put a layer keeps its tiers

@@ -151,6 +151,17 @@ class SlotRing:
             self.freed[k].record(torch.cuda.current_stream(self.device))
         self.in_use.clear()
 
+    def waiting(self, i: int) -> bool:
+        """Whether acquire(i) would block the host on bytes not there yet: after enqueueing
+        the copies that are ready, layer i is the next due and its bytes have not landed. An
+        out-of-order request (acquire restarts the ring) is not a wait on a read: False."""
+        if i in self.slot_of or i in self.skipped or i not in self.source_of:
+            return False
+        self.pump()
+        if i in self.slot_of or self.pos >= self.released + self.window:
+            return False
+        return self.order[self.pos % len(self.order)] == i and not self.source_of[i].ready(i)
+
     def acquire(self, i: int, stream: torch.cuda.Stream) -> torch.Tensor:
         """The slot holding layer i, with `stream` ordered after its arrival."""
         if i in self.skipped:

@@ -167,7 +167,8 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor | list[int], all_logits: bool = False,
-                step: Step | None = None) -> torch.Tensor:
+                step: Step | None = None, idle: Callable[[], bool] | None = None
+                ) -> torch.Tensor:
         """Run tokens through the model; return float32 logits (T, vocab), or (1, vocab) for the
         last token unless all_logits.
 
@@ -175,6 +176,10 @@ class Engine:
         self.prefill_chunk). With a step (built by the caller, e.g. `model.tree_step`), the tokens
         take its positions and slots and attend as its mask says; the cache length becomes
         `step.end`, which a caller may then `truncate` or `compact`.
+
+        idle: called, instead of blocking, whenever the next layer's bytes are still being
+        read (LayerStore.waiting), until it returns False (it has nothing left to do) or the
+        bytes are there: a speculative draft grows its tree there while the target streams.
         """
         ids = torch.as_tensor(tokens, dtype=torch.long)
         T = int(ids.shape[0])
@@ -187,8 +192,8 @@ class Engine:
             if self.use_graphs and all_logits and self._step_graphs().serves(step):
                 logits = self._step_graphs().run(ids.to(self.device), step)
             else:
-                logits = self.run_step(ids.to(self.device), step) if all_logits else \
-                    self._logits(self._hidden(ids.to(self.device), step)[-1:])
+                h = self._hidden(ids.to(self.device), step, idle)
+                logits = self._logits(h if all_logits else h[-1:])
             self.set_length(step.end)
             return logits
         self._check_room(T)
@@ -196,7 +201,7 @@ class Engine:
         for start in range(0, T, self.prefill_chunk):
             chunk = ids[start: start + self.prefill_chunk].to(self.device)
             n = int(chunk.shape[0])
-            h = self._hidden(chunk, self._append_step(n))
+            h = self._hidden(chunk, self._append_step(n), idle)
             self.set_length(self.length + n)
             outs.append(h if all_logits else h[-1:])
         h = torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -239,7 +244,8 @@ class Engine:
         h = rms_norm(h, self.weights.output_norm, self.cfg.norm_eps)
         return self.weights.output(h).float()
 
-    def _hidden(self, ids: torch.Tensor, step: Step) -> torch.Tensor:
+    def _hidden(self, ids: torch.Tensor, step: Step,
+                idle: Callable[[], bool] | None = None) -> torch.Tensor:
         x = self.weights.embed(ids).to(self.act_dtype)  # (T, hidden), on the first device
         group = self.cfg.gqa_group
         for stage in self.stages:
@@ -253,6 +259,9 @@ class Engine:
             for i in stage.layers:
                 if i in self._skip:
                     continue  # not acquired, so a streamed layer is never read or copied
+                while idle is not None and stage.store.waiting(i):
+                    if not idle():
+                        idle = None  # nothing left to do: block on the reads from here on
                 layer = stage.store.acquire(i)
                 k_cache, v_cache = stage.kv.layer(i - first)
                 y = block_forward(self.cfg, layer, x, cos_sin, s, k_cache, v_cache, stage.rope)

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 GRAPH_BUCKET = 256
+# Only this thread is barred from unsafe CUDA calls while it captures: tier C's reader threads
+# wait on copy events meanwhile (staging.py), which a global capture would turn into errors
+CAPTURE_MODE = "thread_local"
 
 
 def bucket_span(length: int, ctx: int) -> int:
@@ -66,7 +69,7 @@ class DecodeGraphs:
                 self.body(span)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):
             logits = self.body(span)
         torch.cuda.synchronize(self.device)
         self.graphs[span] = (graph, logits)
@@ -170,7 +173,7 @@ class StepGraphs:
                 self._body(b, span)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
             logits = self._body(b, span)
         if self.pool is None:
             self.pool = graph.pool()
