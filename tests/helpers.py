@@ -94,21 +94,15 @@ def streamed_logits(model, steps: int = 12) -> list[torch.Tensor]:
 
 
 def streamed_slack(plan) -> int:
-    """The allocator slack a streamed plan of this model would reserve (memory.setup), from a
-    plan that may not stream (its own slack, if it has one, is not counted twice)."""
-    from slipstream.memory.setup import STREAMED_SLACK_LAYERS
+    """memory.setup.streamed_slack."""
+    from slipstream.memory.setup import streamed_slack as slack_of
 
-    if "allocator slack" in plan.reserve:
-        return 0
-    return int(STREAMED_SLACK_LAYERS * max(plan.resident_bytes_per_layer))
+    return slack_of(plan)
 
 
 def vram_budget_for(model, resident_layers: int, slack: int = 1) -> int:
-    """A VRAM budget for `resident_layers` of `model`'s plan in VRAM (a streamed plan reserves
-    no graph pools, keeps the embedding on the host and leaves the allocator its slack);
-    `slack` bytes on top."""
-    p = model.plan
-    staging = p.staging_buffers * max(p.file_bytes_per_layer)
-    fixed = p.fixed_bytes - p.reserve.get("CUDA graph pools", 0) - p.reserve.get("embedding", 0)
-    fixed += streamed_slack(p)
-    return fixed + staging + sum(p.resident_bytes_per_layer[:resident_layers]) + slack
+    """A VRAM budget for `resident_layers` of `model`'s plan in VRAM, the rest streamed
+    (memory.setup.streamed_vram_budget)."""
+    from slipstream.memory.setup import streamed_vram_budget
+
+    return streamed_vram_budget(model.plan, resident_layers, slack)

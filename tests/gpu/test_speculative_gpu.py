@@ -9,6 +9,7 @@ import torch
 
 import slipstream
 from slipstream.errors import BudgetTooSmall
+from slipstream.memory.setup import streamed_vram_budget
 from runtime.test_speculative import GREEDY_PROMPTS, PREFIX, SAMPLING, requantize
 from slipstream.synth import write_synth
 
@@ -104,35 +105,29 @@ def _assert_same(model, ids: list[int], spec: list[int], plain: list[int]) -> No
                 f"{model.last_speculation}")
 
 
-def _streamed_with_draft(target, draft, **kw):
-    """The target loaded with `draft` resident and as little VRAM as it can stream in: the
-    draft's own VRAM, plus the least budget the target alone plans in, plus steps of 16 MiB
-    (the draft's captured graphs come out of the budget too). A budget stepped up from below
-    would reach the whole model first: a small model's streaming slots and reserve cost more
-    than its layers."""
+def _streamed_with_draft(target, draft, resident: int = 2, **kw):
+    """The target loaded with `draft` resident and `resident` of its own layers in VRAM, the
+    rest streamed: the draft's own VRAM plus the budget a streamed plan of the target needs
+    for that (memory.setup.streamed_vram_budget), stepped up by 16 MiB while the load says
+    it is too small (the draft's captured graphs come out of the budget too). A budget
+    stepped up from below would reach the whole model first: a small model's streaming
+    slots and reserve cost more than its layers."""
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
     with slipstream.load(draft, device=DEVICE, ctx=512):
         draft_vram = torch.cuda.memory_reserved() - before
     torch.cuda.empty_cache()
-    least = None
-    for mib in range(16, 2048, 16):
-        try:
-            slipstream.plan(target, device=DEVICE, ctx=512, vram_budget=mib << 20,
-                            measure=False, ram_budget=kw.get("ram_budget"),
-                            precision=kw.get("precision", "fast"))
-        except BudgetTooSmall:
-            continue
-        least = mib
-        break
-    assert least is not None
-    for extra in range(least + 16, least + 1024, 16):
+    with slipstream.load(target, device=DEVICE, ctx=512,
+                         precision=kw.get("precision", "fast")) as alone:
+        base = streamed_vram_budget(alone.plan, resident)
+    torch.cuda.empty_cache()
+    for extra in range(0, 1024, 16):
         try:
             return slipstream.load(target, device=DEVICE, ctx=512, draft=draft,
-                                   vram_budget=draft_vram + (extra << 20), **kw)
+                                   vram_budget=draft_vram + base + (extra << 20), **kw)
         except BudgetTooSmall:
             continue
-    pytest.fail("no budget up to 1 GiB over the least one holds the target with its draft")
+    pytest.fail("no budget up to 1 GiB over the streamed one holds the target with its draft")
 
 
 def test_gpu_streamed_target_greedy_equals_plain(smollm_path, tmp_path):
@@ -168,7 +163,7 @@ def test_gpu_growing_beside_a_streamed_pass_is_lossless(tmp_path):
     kw = dict(n_layers=8, from_floats=True, std=0.05, seed=5)
     target = write_synth(tmp_path / "t.gguf", "1b", "Q8_0", **kw)
     draft = write_synth(tmp_path / "d.gguf", "1b", "Q4_0", **kw)
-    model = _streamed_with_draft(target, draft, precision="exact", ram_budget="64MiB")
+    model = _streamed_with_draft(target, draft, precision="exact", ram_budget="256MiB")
     with model:
         assert model.plan.streamed_layers and model.plan.draft is not None
         prompt = [1, 2, 3, 4]

@@ -59,8 +59,9 @@ def _store(setup, io, delays=None, n_slots=2):
 
     built, _, images, disk, ws = setup
     resident = [built[0], built[1], None, None, None, None]
-    return CudaLayerStore(resident, torch.device("cpu"), ws, images=images, disk=disk, io=io,
-                          n_slots=n_slots, n_staging=3, delays=delays)
+    # a copy of the images: promote() takes layers out of the dict it is given
+    return CudaLayerStore(resident, torch.device("cpu"), ws, images=dict(images), disk=disk,
+                          io=io, n_slots=n_slots, n_staging=3, delays=delays)
 
 
 @pytest.mark.parametrize("io,n_slots", [("direct", 2), ("buffered", 3), ("direct", 1),

@@ -174,18 +174,33 @@ class CudaLayerStore(StoreBase):
         if not chosen:
             return []
         self.ring.drop(chosen)  # settles the copies in flight first
+        taken = []
         for i in chosen:
+            try:
+                buf = torch.empty(pinned.images[i].host.numel(), dtype=torch.uint8,
+                                  device=self.device)
+            except torch.cuda.OutOfMemoryError:
+                # the room counted is not there in one piece (the allocator's holes): the
+                # layers not taken go on streaming, from the ring restarted without the
+                # ones taken
+                torch.cuda.empty_cache()
+                self.ring.drop(())
+                for j in chosen[len(taken):]:
+                    self.ring.source_of[j] = pinned
+                self.ring.order = [j for j in sorted(self.ring.source_of)
+                                   if j not in self.ring.skipped]
+                break
+            taken.append(i)
             image = pinned.images.pop(i)
             pinned.layouts.pop(i, None)
             pinned.upto.pop(i, None)  # a split layer becomes whole: the GPU computes it all
             self._views = {k: v for k, v in self._views.items() if k[0] != i}
             self.hosts.pop(i, None)
             self.prefix.pop(i, None)
-            buf = torch.empty(image.host.numel(), dtype=torch.uint8, device=self.device)
             buf.copy_(image.host)
             self.layers[i] = from_image(self.layouts.pop(i), buf, self.workspace)
             self.feed.pop(i, None)
-        return chosen
+        return taken
 
     def acquire(self, i: int) -> LayerWeights:
         if i in self.skipped and self.layers[i] is None:

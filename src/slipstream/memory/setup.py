@@ -194,6 +194,27 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
     return plan
 
 
+def streamed_slack(plan: Plan) -> int:
+    """The allocator slack a streamed CUDA plan of this model reserves, from a plan that may
+    not stream (its own slack, if it has one, is not counted twice)."""
+    if "allocator slack" in plan.reserve:
+        return 0
+    return int(STREAMED_SLACK_LAYERS * max(plan.resident_bytes_per_layer, default=0))
+
+
+def streamed_vram_budget(plan: Plan, resident_layers: int, slack: int = 1) -> int:
+    """A VRAM budget whose plan holds `resident_layers` of this model's layers in VRAM and
+    streams the rest, from any CUDA plan of it (a streamed plan reserves no graph pools,
+    keeps the embedding on the host and leaves the allocator its slack); `slack` bytes on
+    top. A small model's streaming reserve costs more than its layers, so a budget stepped
+    up from below reaches the all-resident plan first: tests and benchmarks that must
+    stream a small model ask for a budget this way."""
+    staging = plan.staging_buffers * max(plan.file_bytes_per_layer, default=0)
+    fixed = plan.fixed_bytes - plan.reserve.get("CUDA graph pools", 0) \
+        - plan.reserve.get("embedding", 0) + streamed_slack(plan)
+    return fixed + staging + sum(plan.resident_bytes_per_layer[:resident_layers]) + slack
+
+
 def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str, cfg: ModelConfig | None = None,
                        precision: Precision | None = None) -> None:
     """Fill plan.bandwidth_gbps with what this machine does now: memory read (a large sum on
