@@ -37,9 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import slipstream  # noqa: E402
-from slipstream.errors import BudgetTooSmall  # noqa: E402
 from slipstream.memory.probes import h2d_pinned_gbps  # noqa: E402
-from slipstream.memory.setup import streamed_vram_budget  # noqa: E402
 from slipstream.model import tree_step  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
 from slipstream.quant.requantize import requantize  # noqa: E402
@@ -143,24 +141,10 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
         if not dst.exists():
             requantize(model_path, dst, q)
     rows = []
-    # the draft alone, to size the budget: what it holds, plus what a streamed plan of the
-    # target needs with RESIDENT of its layers in VRAM (a budget stepped up from below
-    # reaches the all-resident plan first: a small model's streaming reserve costs more than
-    # its layers)
-    with slipstream.load(draft, device="cuda", ctx=1024):
-        draft_vram = torch.cuda.memory_reserved()
-    torch.cuda.empty_cache()
-    with slipstream.load(target, device="cuda", ctx=1024) as alone:
-        base = streamed_vram_budget(alone.plan, RESIDENT)
-    torch.cuda.empty_cache()
-    # the draft's share in the real load also holds its captured graphs: step up from there
-    for extra in range(0, 1024, 16):
-        budgets = dict(vram_budget=draft_vram + base + (extra << 20), ram_budget="24MiB")
-        try:
-            m = slipstream.load(target, device="cuda", ctx=1024, draft=draft, **budgets)
-            break
-        except BudgetTooSmall:
-            continue
+    # RESIDENT of the target's layers in VRAM (load's vram_layers, as llama.cpp's -ngl), 24
+    # MiB of pinned RAM, the rest read from disk on every pass; the draft wholly resident
+    budgets = dict(vram_layers=RESIDENT, ram_budget="24MiB")
+    m = slipstream.load(target, device="cuda", ctx=1024, draft=draft, **budgets)
     with m:
         tiers = {k: m.plan.tiers.count(k) for k in set(m.plan.tiers)}
         plain = decode(m, tokens, draft=False)
@@ -172,7 +156,7 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
         fixed_beside = decode(m, tokens, spec_nodes=64, spec_depth=8, spec_ahead=AHEAD_BESIDE)
         levels = level_costs(m.draft.engine, (1, 4, 8))  # the widths growth runs
         base = {"name": "default-spec", "target": target.name, "draft": draft.name,
-                "vram_budget_bytes": budgets["vram_budget"], "ram_budget": "24MiB",
+                "vram_layers": RESIDENT, "ram_budget": "24MiB",
                 "draft_vram_bytes": m.plan.draft[1] if m.plan.draft else None,
                 "tiers": tiers, "plain_decode_tok_s": plain["decode_tok_s"],
                 "greedy_equal": auto2["ids"] == plain["ids"] == fixed["ids"] == beside["ids"]

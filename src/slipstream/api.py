@@ -239,7 +239,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
          io: str = "direct", stream_delay=None, gpu_slots: int = 2,
          skip_layers: int = 0, draft: str | os.PathLike[str] | None = None,
          draft_skip_layers: int = 0, private_weights: bool | None = None,
-         hybrid: str | float = "auto", threads: int | None = None) -> Model:
+         hybrid: str | float = "auto", threads: int | None = None,
+         vram_layers: int | None = None) -> Model:
     """Open a GGUF model: `path` (and `draft`) take what `slipstream -m` takes, a file, a cached
     model's name (`slipstream list`), USER/REPO/FILE.gguf or a URL, pulled if the cache lacks
     it; None is the default model, pulled if missing.
@@ -266,6 +267,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     gpu_slots (CUDA, >= 2): the ring of GPU slots streamed layers are copied into.
     stream_delay (tests): a memory.StreamDelays, or a callable run in reader threads before
     each read, or an int of GPU cycles to stall the copy stream at random before each copy.
+    vram_layers (CUDA): hold at most this many layers in VRAM, whatever the budget allows
+    (llama.cpp's -ngl); the rest stream from pinned RAM or disk as the budgets say.
     skip_layers: leave out the K layers whose output is most like their input (cosine
     similarity on a calibration text shipped with the package, runtime.layer_skip), preferring
     streamed layers among near-equals; they are neither streamed nor computed. Costs
@@ -325,7 +328,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
                               torch.finfo(prec.kv_dtype).bits // 8)
         vram, ram = _remaining(vram, ram, held, dev, "the self-draft's KV cache", None)
     try:
-        plan = _plan(gf, cfg, dev, prec, n_ctx, ram, vram, io, gpu_slots)
+        plan = _plan(gf, cfg, dev, prec, n_ctx, ram, vram, io, gpu_slots, vram_layers)
     except BaseException:
         if draft_model is not None:
             draft_model.close()
@@ -489,7 +492,8 @@ def _skip_layers(model: Model, k: int) -> None:
 def plan(path: str | os.PathLike[str] | None = None, device: str | torch.device = "auto",
          ctx: int | None = None, precision: str = "fast", ram_budget: str | int | None = None,
          vram_budget: str | int | None = None, io: str = "direct", gpu_slots: int = 2,
-         measure: bool = True, hybrid: str | float = "auto", threads: int | None = None):
+         measure: bool = True, hybrid: str | float = "auto", threads: int | None = None,
+         vram_layers: int | None = None):
     """The tier plan (memory.Plan) that `load` would make with the same arguments, without
     loading the model: which layers stay in VRAM or RAM, which stream from pinned RAM or disk,
     and the reserve. The budgets are read from the machine now (free VRAM, MemAvailable).
@@ -500,7 +504,7 @@ def plan(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     from .memory.budget import parse_size
 
     p = _plan(gf, cfg, dev, Precision.of(precision, dev), _context(cfg, ctx), ram_budget,
-              parse_size(vram_budget), io, gpu_slots)
+              parse_size(vram_budget), io, gpu_slots, vram_layers)
     if measure:
         from .memory.setup import cpu_load_precision, measure_bandwidths
 
@@ -537,14 +541,20 @@ def _context(cfg: ModelConfig, ctx: int | None) -> int:
 
 
 def _plan(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Precision, ctx: int,
-          ram_budget, vram_budget: int | None, io: str, gpu_slots: int):
+          ram_budget, vram_budget: int | None, io: str, gpu_slots: int,
+          vram_layers: int | None = None):
     """The one planning path of `load` and `plan`."""
     from .memory.budget import parse_size
     from .memory.setup import check_io, plan_for
 
     check_io(io, dev)
+    if vram_layers is not None and (isinstance(vram_layers, bool)
+                                    or not isinstance(vram_layers, int) or vram_layers < 0):
+        raise BadArgument(f"vram_layers={vram_layers!r} is invalid: must be an integer >= 0 "
+                          f"(the most layers held in VRAM)")
     return plan_for(gf, cfg, dev, precision, ctx, parse_size(ram_budget), vram_budget, io,
-                    gpu_slots, prefill_chunk=PREFILL_CHUNK, graph_bucket=GRAPH_BUCKET)
+                    gpu_slots, prefill_chunk=PREFILL_CHUNK, graph_bucket=GRAPH_BUCKET,
+                    vram_layers=vram_layers)
 
 
 def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, tokenizer,

@@ -8,8 +8,6 @@ import pytest
 import torch
 
 import slipstream
-from slipstream.errors import BudgetTooSmall
-from slipstream.memory.setup import streamed_vram_budget
 from runtime.test_speculative import GREEDY_PROMPTS, PREFIX, SAMPLING, requantize
 from slipstream.synth import write_synth
 
@@ -106,28 +104,11 @@ def _assert_same(model, ids: list[int], spec: list[int], plain: list[int]) -> No
 
 
 def _streamed_with_draft(target, draft, resident: int = 2, **kw):
-    """The target loaded with `draft` resident and `resident` of its own layers in VRAM, the
-    rest streamed: the draft's own VRAM plus the budget a streamed plan of the target needs
-    for that (memory.setup.streamed_vram_budget), stepped up by 16 MiB while the load says
-    it is too small (the draft's captured graphs come out of the budget too). A budget
-    stepped up from below would reach the whole model first: a small model's streaming
-    slots and reserve cost more than its layers."""
-    torch.cuda.empty_cache()
-    before = torch.cuda.memory_reserved()
-    with slipstream.load(draft, device=DEVICE, ctx=512):
-        draft_vram = torch.cuda.memory_reserved() - before
-    torch.cuda.empty_cache()
-    with slipstream.load(target, device=DEVICE, ctx=512,
-                         precision=kw.get("precision", "fast")) as alone:
-        base = streamed_vram_budget(alone.plan, resident)
-    torch.cuda.empty_cache()
-    for extra in range(0, 1024, 16):
-        try:
-            return slipstream.load(target, device=DEVICE, ctx=512, draft=draft,
-                                   vram_budget=draft_vram + base + (extra << 20), **kw)
-        except BudgetTooSmall:
-            continue
-    pytest.fail("no budget up to 1 GiB over the streamed one holds the target with its draft")
+    """The target loaded with `draft` resident and at most `resident` of its own layers in
+    VRAM (load's vram_layers), the rest streamed from pinned RAM or disk as kw's RAM budget
+    says."""
+    return slipstream.load(target, device=DEVICE, ctx=512, draft=draft, vram_layers=resident,
+                           **kw)
 
 
 def test_gpu_streamed_target_greedy_equals_plain(smollm_path, tmp_path):

@@ -229,7 +229,7 @@ class Plan:
                 f"{ms['rebuild']:.0f} ms (disk reads {ms['disk']:.0f} ms, overlapped) = {rate}")
 
 
-def _interleave(vram_bytes: list[int], room: int) -> list[str]:
+def _interleave(vram_bytes: list[int], room: int, most: int | None = None) -> list[str]:
     """As many layers in VRAM as `room` holds, with the streamed ones spread evenly between
     them ("vram"/"pinned" per layer).
 
@@ -245,6 +245,8 @@ def _interleave(vram_bytes: list[int], room: int) -> list[str]:
         if used + b > room:
             break
         used, count = used + b, count + 1
+    if most is not None:
+        count = min(count, most)
     while count > 0:
         s = n - count  # streamed layers at evenly spaced positions, the last one last
         streamed = {(j + 1) * n // s - 1 for j in range(s)} if s else set()
@@ -304,16 +306,17 @@ def plan_layers(device: str, resident_bytes: list[int], file_bytes: list[int],
 
 def plan_cuda(vram_bytes: list[int], image_bytes: list[int], reserve: dict[str, int],
               vram_budget: int, ram_budget: int | None, n_slots: int = 2,
-              n_staging: int = 3, io: str = "direct") -> Plan:
-    """Layers in order: VRAM while `vram_budget` minus the reserve and the GPU slots lasts,
-    then pinned RAM while `ram_budget` (None: no limit) lasts, less the disk tier's pinned
-    staging buffers, then disk."""
+              n_staging: int = 3, io: str = "direct", vram_layers: int | None = None) -> Plan:
+    """Layers in order: VRAM while `vram_budget` minus the reserve and the GPU slots lasts
+    (and at most `vram_layers` of them, where given: the user's override, as llama.cpp's
+    -ngl), then pinned RAM while `ram_budget` (None: no limit) lasts, less the disk tier's
+    pinned staging buffers, then disk."""
     n = len(vram_bytes)
     fixed = sum(reserve.values())
     slot = max(image_bytes) if n else 0
     plan = Plan("cuda", ["vram"] * n, vram_bytes, image_bytes, fixed, vram_budget, n_slots,
                 ram_budget=ram_budget, reserve=dict(reserve), io=io)
-    if fixed + sum(vram_bytes) <= vram_budget:
+    if fixed + sum(vram_bytes) <= vram_budget and (vram_layers is None or vram_layers >= n):
         return plan
     # the mmap baseline copies its layers into one more slot of its own
     slots = n_slots + (1 if io == "mmap" else 0)
@@ -325,7 +328,7 @@ def plan_cuda(vram_bytes: list[int], image_bytes: list[int], reserve: dict[str, 
             + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in reserve.items())
             + f"; plus {slots} GPU slots of {fmt_bytes(slot)}); raise --vram-budget or lower "
               f"--ctx")
-    tiers = _interleave(vram_bytes, vram_budget - minimum)
+    tiers = _interleave(vram_bytes, vram_budget - minimum, vram_layers)
     streamed = [i for i, t in enumerate(tiers) if t == "pinned"]
     if ram_budget is not None and sum(image_bytes[i] for i in streamed) > ram_budget:
         # the disk tier's pinned staging buffers come out of the RAM budget (kvikio and mmap

@@ -109,8 +109,12 @@ def check_gpu_slots(gpu_slots: int) -> None:
 
 def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Precision,
              ctx: int, ram_budget: int | None, vram_budget: int | None, io: str = "direct",
-             gpu_slots: int = N_SLOTS, *, prefill_chunk: int, graph_bucket: int) -> Plan:
+             gpu_slots: int = N_SLOTS, *, prefill_chunk: int, graph_bucket: int,
+             vram_layers: int | None = None) -> Plan:
     """The plan of a model on one device: one stage of every layer (plan_stage).
+
+    vram_layers (CUDA): hold at most this many layers in VRAM whatever the budget allows
+    (the user's override of the plan, as llama.cpp's -ngl); the rest stream.
 
     gpu_slots (CUDA): K, the slots of the ring streamed layers are copied into; more slots
     let copies run further ahead of compute, at one layer's VRAM each. prefill_chunk and
@@ -119,13 +123,14 @@ def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Pr
     check_gpu_slots(gpu_slots)
     stage = StagePlan(device.type, range(cfg.n_layers))
     return plan_stage(gf, cfg, stage, device, precision, ctx, ram_budget, vram_budget, io,
-                      gpu_slots, prefill_chunk=prefill_chunk, graph_bucket=graph_bucket)
+                      gpu_slots, prefill_chunk=prefill_chunk, graph_bucket=graph_bucket,
+                      vram_layers=vram_layers)
 
 
 def plan_stage(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.device,
                precision: Precision, ctx: int, ram_budget: int | None,
                vram_budget: int | None, io: str = "direct", gpu_slots: int = N_SLOTS, *,
-               prefill_chunk: int, graph_bucket: int) -> Plan:
+               prefill_chunk: int, graph_bucket: int, vram_layers: int | None = None) -> Plan:
     """Tiers for the layers of one stage within its device's budgets. The fixed part counts
     the stage's own KV cache, and the embedding and head only where the stage holds them."""
     layers = stage.layers
@@ -135,7 +140,7 @@ def plan_stage(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
     file_bytes = [e - s for s, e in spans]
     if device.type == "cuda":
         plan = _plan_cuda(gf, cfg, stage, device, precision, ctx, ram_budget, vram_budget, io,
-                          gpu_slots, prefill_chunk, graph_bucket)
+                          gpu_slots, prefill_chunk, graph_bucket, vram_layers)
     else:
         resident = [layer_resident_bytes(gf, i, precision) for i in layers]
         kv = kv_cache_bytes(cfg, len(layers), ctx, torch.finfo(precision.kv_dtype).bits // 8)
@@ -152,7 +157,7 @@ def plan_stage(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
 def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.device,
                precision: Precision, ctx: int, ram_budget: int | None,
                vram_budget: int | None, io: str, gpu_slots: int, prefill_chunk: int,
-               graph_bucket: int) -> Plan:
+               graph_bucket: int, vram_layers: int | None = None) -> Plan:
     """VRAM budget: what is free on the device now (capped by --vram-budget), less a reserve
     computed from the stage's shapes (memory.vram). precision.fuse_scales (precision="fast")
     packs resident layers' scales fused (kernels.pack.fuse_scales), which changes their
@@ -169,6 +174,8 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
     # CUDA graphs (and their pools) only serve a fully resident model: plan with their pools
     # first; if layers stream anyway (or only fit without the pools), plan without them.
     try:
+        if vram_layers is not None and vram_layers < len(vram):
+            raise BudgetTooSmall("the user holds fewer layers than the model's in VRAM")
         reserve = vram_reserve(gf, cfg, ctx, kv_elem, prefill_chunk, True, fused, **per_stage)
         plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io)
     except BudgetTooSmall:
@@ -185,7 +192,8 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
                                embed_on_host=True, scratch_cap=STREAMED_SCRATCH_ELEMENTS,
                                **per_stage)
         reserve["allocator slack"] = int(STREAMED_SLACK_LAYERS * max(vram, default=0))
-        plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io)
+        plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io,
+                         vram_layers)
         plan.graphs = False
         plan.embed_on_host = True
         plan.fuse_scales = False
