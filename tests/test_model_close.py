@@ -22,7 +22,7 @@ def test_close_releases_threads_and_descriptors(tmp_path):
     path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=6, from_floats=True,
                        std=0.1, seed=3)
     full = slipstream.plan(path, device="cpu", ctx=64, measure=False)
-    staging = full.staging_buffers * max(full.file_bytes_per_layer)
+    staging = full.staging_buffers * max(full.file_bytes_per_layer) + full.prefill_staging
     budget = full.fixed_bytes + staging + sum(full.resident_bytes_per_layer[:2])
     before = _held()
     with slipstream.load(path, device="cpu", ctx=64, ram_budget=budget) as model:

@@ -502,10 +502,9 @@ def plan(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     p = _plan(gf, cfg, dev, Precision.of(precision, dev), _context(cfg, ctx), ram_budget,
               parse_size(vram_budget), io, gpu_slots)
     if measure:
-        from .memory.setup import cpu_load_precision, measure_bandwidths
+        from .memory.setup import measure_bandwidths
 
-        prec = cpu_load_precision(Precision.of(precision, dev), p, gf, cfg)
-        measure_bandwidths(gf, p, io, cfg, prec)
+        measure_bandwidths(gf, p, io, cfg, Precision.of(precision, dev))
         if p.streamed_layers:
             _plan_hybrid(gf, cfg, p, _hybrid_mode(hybrid, precision), threads)
     return p
@@ -553,10 +552,9 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
            threads: int | None = None) -> Model:
     """Load the planned model: streamed tiers first, then the resident weights, the store
     and the engine."""
-    from .memory.setup import (cpu_load_precision, disk_images, make_store,
-                               measure_bandwidths, pin_streamed_layers)
+    from .memory.setup import (disk_images, make_store, measure_bandwidths,
+                               pin_streamed_layers)
 
-    precision = cpu_load_precision(precision, plan, gf, cfg)
     if plan.streamed_layers:
         measure_bandwidths(gf, plan, io, cfg, precision)
         _plan_hybrid(gf, cfg, plan, hybrid, threads)

@@ -10,8 +10,10 @@ from disk every token (tier C), from an image file laid out in that order. The p
 predicts decode speed from bandwidths measured at start-up.
 
 On CPU a decode token is bound by the CPU (cpu_token_seconds): every layer and the head compute
-as dense matvecs, and each streamed layer is first rebuilt from its GGUF bytes; the reader
-threads fetch those bytes ahead, so the disk only shows where it is slower than all of that.
+as matvecs (through packed copies at precision "fast", dense at "exact"), and each streamed
+layer is first made from the bytes read for it: views into its packed image ("fast"), or
+rebuilt from its GGUF bytes ("exact"); the reader threads fetch those bytes ahead, so the disk
+only shows where it is slower than all of that.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class Plan:
     head_bytes: int = 0
     # CUDA: the pinned layers' FFN split with the CPU (memory.hybrid_plan), or None
     hybrid: "HybridPlan | None" = None
+    # CPU: the disk layers decode from packed images (file_bytes_per_layer are the images'
+    # sizes), and prefill reads their GGUF spans through prefill_staging bytes of buffers
+    cpu_images: bool = False
+    prefill_staging: int = 0
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -126,11 +132,13 @@ class Plan:
         """Seconds of one CPU decode token by part, from the rates measured on this machine
         (memory.probes.cpu_decode_rates); None where a rate it needs was not measured.
 
-        "compute": every layer's decode step, at the "compute" rate per dense byte (probed on a
-          layer just rebuilt, as a streamed layer runs; a resident layer, out of cache after a
+        "compute": every layer's decode step, at the "compute" rate per resident byte (probed
+          on a layer made as a streamed layer is; a resident layer, out of cache after a
           token of other layers, runs at about that rate too);
         "head": the head's matvec over head_bytes, at the "gemv" rate;
-        "rebuild": turning the streamed layers' GGUF bytes into dense layers ("rebuild" rate);
+        "rebuild": making the streamed layers from the bytes read for them ("rebuild" rate per
+          byte moved): views into packed images (cpu_images), or dense layers rebuilt from
+          their GGUF bytes;
         "disk": reading those bytes ("disk" rate), which reader threads do ahead of use;
         "token": the CPU's parts in series, or the reads where they take longer (they overlap
           the CPU's work, not each other)."""
@@ -164,7 +172,7 @@ class Plan:
                 continue
             if tier == "disk":
                 held = (self.host_staging if self.device == "cuda" else self.staging_buffers) \
-                    * max(self.file_bytes_per_layer)
+                    * max(self.file_bytes_per_layer) + self.prefill_staging
             elif tier == "pinned":
                 held = sum(self.file_bytes_per_layer[i] for i in idx)
             else:
@@ -215,7 +223,9 @@ class Plan:
                       fmt_bytes(sum(self.resident_bytes_per_layer) + self.head_bytes),
                       f"{bw['compute']:.2f}")
         if self.disk_layers and bw.get("rebuild"):
-            t.add_row("rebuild", "streamed layers, every token", "-",
+            t.add_row("views" if self.cpu_images else "rebuild",
+                      "streamed layers' packed images, every token" if self.cpu_images else
+                      "streamed layers, every token", "-",
                       fmt_bytes(self.bytes_per_token("disk")), f"{bw['rebuild']:.2f}")
         parts = self.cpu_token_seconds()
         if not parts or not parts["token"]:
@@ -225,7 +235,8 @@ class Plan:
         rate = f"{ms['token']:.0f} ms/token, {tok_s:.{1 if tok_s >= 10 else 2}f} tok/s"
         if not self.disk_layers:
             return f"predicted decode: compute {rate}"
-        return (f"predicted decode: compute {ms['compute'] + ms['head']:.0f} ms + rebuild "
+        made = "views" if self.cpu_images else "rebuild"
+        return (f"predicted decode: compute {ms['compute'] + ms['head']:.0f} ms + {made} "
                 f"{ms['rebuild']:.0f} ms (disk reads {ms['disk']:.0f} ms, overlapped) = {rate}")
 
 
@@ -275,21 +286,25 @@ def _ranges(idx: list[int]) -> str:
 
 def plan_layers(device: str, resident_bytes: list[int], file_bytes: list[int],
                 fixed_bytes: int, budget: int | None, staging_buffers: int = 2,
-                names: tuple[str, str] = ("ram", "disk")) -> Plan:
+                names: tuple[str, str] = ("ram", "disk"), prefill_staging: int = 0) -> Plan:
     """Keep layers resident (tier names[0]) in order while they fit `budget` (None: all of
-    them); the rest go to the streamed tier names[1]."""
+    them); the rest go to the streamed tier names[1]. `prefill_staging`: bytes of staging
+    held beside the `staging_buffers` buffers of file_bytes (CPU: the GGUF spans' ring where
+    streamed layers decode from packed images)."""
     n = len(resident_bytes)
-    staging = staging_buffers * max(file_bytes) if n else 0
+    staging = staging_buffers * max(file_bytes) + prefill_staging if n else 0
     if budget is None:
         return Plan(device, [names[0]] * n, resident_bytes, file_bytes, fixed_bytes, None,
-                    staging_buffers)
+                    staging_buffers, prefill_staging=prefill_staging)
     minimum = fixed_bytes + staging
     if budget < minimum:
+        extra = (f" and a prefill staging buffer of {fmt_bytes(prefill_staging)}"
+                 if prefill_staging else "")
         raise BudgetTooSmall(
             f"a {fmt_bytes(budget)} budget cannot run this model on {device}: it needs at least "
             f"{fmt_bytes(minimum)} (head, norms and KV cache {fmt_bytes(fixed_bytes)}, plus "
-            f"{staging_buffers} staging buffers of {fmt_bytes(max(file_bytes))}); raise the "
-            f"budget or lower --ctx")
+            f"{staging_buffers} staging buffers of {fmt_bytes(max(file_bytes))}{extra}); raise "
+            f"the budget or lower --ctx")
     room = budget - minimum
     tiers = []
     for b in resident_bytes:
@@ -299,7 +314,8 @@ def plan_layers(device: str, resident_bytes: list[int], file_bytes: list[int],
         else:
             tiers.append(names[1])
             room = -1  # keep the streamed layers one contiguous tail
-    return Plan(device, tiers, resident_bytes, file_bytes, fixed_bytes, budget, staging_buffers)
+    return Plan(device, tiers, resident_bytes, file_bytes, fixed_bytes, budget, staging_buffers,
+                prefill_staging=prefill_staging)
 
 
 def plan_cuda(vram_bytes: list[int], image_bytes: list[int], reserve: dict[str, int],

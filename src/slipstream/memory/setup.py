@@ -23,6 +23,9 @@ from .vram import layer_image_bytes, layer_vram_bytes, vram_reserve
 IO_MODES = ("direct", "buffered", "mmap", "kvikio")
 N_SLOTS = 2  # GPU slots (default): one being computed on while the next one's copy lands
 N_STAGING = 3  # tier C pinned staging buffers: one being copied while two are read
+# CPU: staging buffers of the GGUF spans where streamed layers decode from packed images; only
+# prefill reads those, and a prefill pass computes long enough per layer to hide one read
+PREFILL_STAGING = 1
 # Prefill scratch of streamed plans, in fp16 elements (128 MiB): a 70B's fused gate/up
 # (470M elements) goes in row chunks, and the 0.75 GiB saved holds another layer and a half.
 # A streamed prefill waits on the copies, not on the extra launches.
@@ -55,43 +58,33 @@ def check_io(io: str, device: torch.device) -> None:
 
 
 def layer_resident_bytes(gf: GGUFFile, i: int, precision: Precision) -> int:
-    """RAM a resident layer takes on CPU: dense weights (norms and biases in float32)."""
+    """RAM a resident layer takes on CPU: dense weights (norms and biases in float32), plus
+    the packed decode copies of its matrices where precision.cpu_packed_decode makes them."""
     total = 0
     for name in spec_for(gf.architecture).names(i, gf.tensors):
         info = gf.tensors[name]
         bits = 32 if len(info.shape) == 1 else torch.finfo(precision.weight_dtype).bits
-        total += info.n_elements * bits // 8
+        total += info.n_elements * bits // 8 + _packed_bytes(info, precision)
     return total
 
 
-def packed_decode_bytes(gf: GGUFFile, cfg: ModelConfig) -> int:
-    """RAM the CPU's packed decode copies (weights.cpu_packed.PackedDecodeLinear) add to the
-    dense weights: every layer's linears and the head, where their formats pack."""
+def _packed_bytes(info, precision: Precision) -> int:
+    """RAM of a tensor's packed decode copy (weights.cpu_packed.PackedDecodeLinear; 0 where
+    none is made). Counted per tensor: a fused group packs its parts' rows together, which
+    pads less."""
+    if len(info.shape) != 2 or not precision.cpu_packed_decode:
+        return 0
     from ..weights.cpu_packed import packed_nbytes
 
-    names = [n for i in range(cfg.n_layers) for n in spec_for(gf.architecture).names(i, gf.tensors)]
-    names.append(head_tensor_name(gf.tensors))
-    total = 0
-    for name in names:
-        info = gf.tensors[name]
-        if len(info.shape) == 2:
-            total += packed_nbytes(info.ggml_type, (int(info.shape[0]), int(info.shape[1]))) or 0
-    return total
+    return packed_nbytes(info.ggml_type, (int(info.shape[0]), int(info.shape[1]))) or 0
 
 
-def cpu_load_precision(precision: Precision, plan: Plan, gf: GGUFFile,
-                       cfg: ModelConfig) -> Precision:
-    """The precision a CPU plan loads with. Packed decode copies only where every layer is
-    resident and the copies fit the RAM budget: a streamed layer is rebuilt on every token,
-    and packing it there would cost far more than the packed matvec saves, while resident and
-    streamed layers must compute alike."""
-    if plan.device != "cpu" or not precision.cpu_packed_decode:
-        return precision
-    held = plan.fixed_bytes + sum(plan.resident_bytes_per_layer)
-    if plan.disk_layers or (plan.budget is not None
-                            and held + packed_decode_bytes(gf, cfg) > plan.budget):
-        return dataclasses.replace(precision, cpu_packed_decode=False)
-    return precision
+def head_decode_bytes(gf: GGUFFile, precision: Precision) -> int:
+    """Bytes the head's decode matvec reads on CPU: its packed copy where one is made, else
+    its dense weight."""
+    head = gf.tensors[head_tensor_name(gf.tensors)]
+    return _packed_bytes(head, precision) or \
+        head.n_elements * torch.finfo(precision.weight_dtype).bits // 8
 
 
 def default_ram_budget() -> int | None:
@@ -137,15 +130,39 @@ def plan_stage(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
         plan = _plan_cuda(gf, cfg, stage, device, precision, ctx, ram_budget, vram_budget, io,
                           gpu_slots, prefill_chunk, graph_bucket)
     else:
-        resident = [layer_resident_bytes(gf, i, precision) for i in layers]
-        kv = kv_cache_bytes(cfg, len(layers), ctx, torch.finfo(precision.kv_dtype).bits // 8)
-        head = gf.tensors[head_tensor_name(gf.tensors)]
-        head_bytes = head.n_elements * torch.finfo(precision.weight_dtype).bits // 8 \
-            if stage.holds_head else 0
-        fixed = head_bytes + kv + cfg.hidden * 4
-        plan = plan_layers("cpu", resident, file_bytes, fixed, ram_budget)
-        plan.head_bytes = head_bytes  # one matvec over it per token (the CPU prediction)
+        plan = _plan_cpu(gf, cfg, stage, precision, ctx, ram_budget, file_bytes)
     plan.stages = [stage]
+    return plan
+
+
+def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Precision,
+              ctx: int, ram_budget: int | None, span_bytes: list[int]) -> Plan:
+    """Resident layers hold their dense weights, and their packed decode copies at
+    precision.cpu_packed_decode; so does the head. Where copies are made, a streamed layer
+    moves its packed image per decode token (weights.cpu_image: the bytes its decode reads,
+    nothing rebuilt) and its GGUF span per prefill pass, through a ring of one buffer
+    (memory.store.DiskLayerStore), which the plan holds too."""
+    layers = stage.layers
+    resident = [layer_resident_bytes(gf, i, precision) for i in layers]
+    kv = kv_cache_bytes(cfg, len(layers), ctx, torch.finfo(precision.kv_dtype).bits // 8)
+    head_bytes = head_bytes_held = 0
+    if stage.holds_head:
+        head = gf.tensors[head_tensor_name(gf.tensors)]
+        head_bytes = head_decode_bytes(gf, precision)
+        head_bytes_held = head.n_elements * torch.finfo(precision.weight_dtype).bits // 8 \
+            + _packed_bytes(head, precision)
+    fixed = head_bytes_held + kv + cfg.hidden * 4
+    images = precision.cpu_packed_decode
+    if images:
+        from ..weights.cpu_image import image_nbytes
+
+        moved = [image_nbytes(gf, cfg, i, precision) for i in layers]
+        plan = plan_layers("cpu", resident, moved, fixed, ram_budget,
+                           prefill_staging=max(span_bytes, default=0))
+    else:
+        plan = plan_layers("cpu", resident, span_bytes, fixed, ram_budget)
+    plan.cpu_images = images and bool(plan.disk_layers)
+    plan.head_bytes = head_bytes  # one matvec over it per token (the CPU prediction)
     return plan
 
 
@@ -215,13 +232,16 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str, cfg: ModelConfig | Non
         plan.bandwidth_gbps["ram"] = memory_read_gbps(torch.device("cpu"), 128 << 20)
         limit = 64 << 20
         if cfg is not None and precision is not None:
-            # a CPU token is bound by compute and by rebuilding its streamed layers: their
-            # rates, measured on the first streamed layer (or the first layer)
+            # a CPU token is bound by compute and by making its streamed layers (rebuilt, or
+            # views into packed images): their rates, measured on the first streamed layer
+            # (or the first layer)
             first = plan.stages[0].layers.start
             layer = first + (plan.disk_layers[0] if plan.disk_layers else 0)
             plan.bandwidth_gbps.update(cpu_decode_rates(gf, cfg, precision, layer))
     if not plan.disk_layers or io == "mmap":
         return
+    # the disk's rate on the layers' GGUF spans: a read of the same sizes from the same disk
+    # as the packed images' (which are not written yet when a plan is made)
     spans = [layer_span(gf, i) for i in plan.disk_layers]
     plan.bandwidth_gbps["disk"], _ = span_read_gbps(
         gf.path, spans, "buffered" if io == "buffered" else "direct", limit)
@@ -287,9 +307,17 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
 
 def disk_images(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Precision,
                 plan: Plan, progress: bool = False):
-    """CUDA tier C: the disk layers' repacked images, in a file (built now, or reused)."""
-    if plan.device != "cuda" or not plan.disk_layers:
+    """The disk layers' images, in a file (built now, or reused): CUDA tier C's repacked
+    layers, or on CPU the packed decode copies (plan.cpu_images)."""
+    if not plan.disk_layers:
         return None
+    if plan.device == "cpu":
+        if not plan.cpu_images:
+            return None
+        from .image_file import build_cpu_images
+
+        return build_cpu_images(gf, cfg, precision, plan.disk_layers,
+                                plan.file_bytes_per_layer, progress=progress)
     from .image_file import build_images
 
     return build_images(gf, cfg, device, precision, plan.disk_layers,
@@ -314,9 +342,11 @@ def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: 
                               hosts=hosts)
     if not plan.disk_layers:
         return ResidentLayerStore(weights.layers)
-    # streamed layers are rebuilt every token: dense only (cpu_load_precision)
+    # a streamed layer rebuilt from its GGUF span serves passes its packed image (`disk`,
+    # where there is one) does not: dense only
     builder = LayerBuilder(cfg, device, dataclasses.replace(precision, cpu_packed_decode=False))
     if io == "mmap":
-        return MmapLayerStore(gf, builder, weights.layers)
+        return MmapLayerStore(gf, builder, weights.layers, images=disk)
     return DiskLayerStore(gf, builder, weights.layers, n_buffers=plan.staging_buffers, io=io,
-                          delay=delays.reader)
+                          delay=delays.reader, images=disk,
+                          gguf_buffers=PREFILL_STAGING if disk is not None else None)
