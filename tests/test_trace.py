@@ -173,9 +173,9 @@ def _stats_ms_per_token(stderr: str) -> tuple[dict[str, float], int]:
 
 @pytest.mark.slow
 def test_streamed_run_trace_nests_and_matches_stats(smollm_path, tmp_path):
-    """The default model at --ram-budget 300MiB streams its last layers from disk (2-29 at
-    "fast": they decode from packed images, the "rebuild" spans making them views into the
-    staging buffers): every layer's
+    """The default model at --ram-budget 300MiB streams its last layers from disk (at "fast"
+    they decode from packed images, the "rebuild" spans making them views into the staging
+    buffers; the first layers' images are held in RAM): every layer's
     compute, and every streamed layer's disk wait and rebuild, lies inside its token's span,
     in layer order, one after another on the engine's thread; the reader threads' reads run
     under them; and each track's total is what --stats reports."""

@@ -560,7 +560,8 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
         _plan_hybrid(gf, cfg, plan, hybrid, threads)
     resident = {i for i, t in enumerate(plan.tiers) if t in ("ram", "vram")}
     # CUDA tiers B and C are built first, while the GPU holds nothing else, so the transient
-    # GPU copy of the layer being built never sits on top of the resident model.
+    # GPU copy of the layer being built never sits on top of the resident model (on CPU:
+    # the "packed" layers' images and the disk layers' image file).
     images, hosts = pin_streamed_layers(gf, cfg, dev, precision, plan)
     disk = disk_images(gf, cfg, dev, precision, plan, progress)
     weights = _load_weights_with_progress(gf, cfg, dev, precision, progress, resident,

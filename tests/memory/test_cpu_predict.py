@@ -89,13 +89,20 @@ def test_steady_heap_is_harmless():
     assert torch.ones(8 << 20, dtype=torch.uint8).sum() == 8 << 20
 
 
-def test_plan_predicts_a_streamed_cpu_model(tiny):
-    """api.plan (what `info --plan` prints) measures the rates the prediction needs."""
-    plain = slipstream.plan(tiny, device="cpu", measure=False)
-    layer, staging = plain.resident_bytes_per_layer[0], 2 * max(plain.file_bytes_per_layer)
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_plan_predicts_a_streamed_cpu_model(tiny, precision):
+    """api.plan (what `info --plan` prints) measures the rates the prediction needs: at
+    "exact" 2 layers whole and the rest rebuilt every token, at "fast" 2 layers' packed
+    images in RAM and the rest's read every token."""
+    plain = slipstream.plan(tiny, device="cpu", measure=False, precision=precision)
+    staging = 2 * max(plain.file_bytes_per_layer) + plain.prefill_staging
+    # whole layers at "exact"; packed images at "fast", where a plan that streams holds those
+    layer = plain.file_bytes_per_layer[0] if plain.cpu_images else \
+        plain.resident_bytes_per_layer[0]
     budget = plain.fixed_bytes + staging + 2 * layer + layer // 2
-    plan = slipstream.plan(tiny, device="cpu", ram_budget=budget)
-    assert plan.tiers.count("ram") == 2 and plan.disk_layers
+    plan = slipstream.plan(tiny, device="cpu", ram_budget=budget, precision=precision)
+    held = "packed" if precision == "fast" else "ram"
+    assert plan.tiers == [held] * 2 + ["disk"] * 4
     assert plan.head_bytes > 0
     parts = plan.cpu_token_seconds()
     assert parts is not None and all(v > 0 for v in parts.values())

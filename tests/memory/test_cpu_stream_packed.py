@@ -44,11 +44,13 @@ def tiny_copy(tiny, tmp_path):
     return path
 
 
-def budget_for(path, resident_layers: int) -> int:
-    """A RAM budget that keeps the first `resident_layers` layers in RAM at "fast"."""
-    plan = slipstream.plan(path, device="cpu", ctx=64, measure=False)
-    return plan.fixed_bytes + 2 * max(plan.file_bytes_per_layer) + plan.prefill_staging + \
-        sum(plan.resident_bytes_per_layer[:resident_layers]) + 1
+def budget_for(path, packed: int, whole: int = 0) -> int:
+    """A RAM budget that keeps the images of the first `packed` layers in RAM at "fast" (the
+    rest streamed), and where every layer is packed, the first `whole` ones whole."""
+    plan = slipstream.plan(path, device="cpu", ctx=64, measure=False)  # every layer whole
+    images, full = plan.file_bytes_per_layer, plan.resident_bytes_per_layer
+    return plan.fixed_bytes + 2 * max(images) + plan.prefill_staging + sum(images[:packed]) + \
+        sum(f - m for f, m in zip(full[:whole], images[:whole])) + 1
 
 
 def greedy(model, prompt, n=10):
@@ -58,27 +60,47 @@ def greedy(model, prompt, n=10):
 def test_the_plan_streams_packed_images_and_counts_their_buffers(tiny):
     gf = GGUFFile(tiny)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
-    plan = slipstream.plan(tiny, device="cpu", ctx=64, ram_budget=budget_for(tiny, 2),
-                           measure=False)
-    assert plan.tiers == ["ram"] * 2 + ["disk"] * 4 and plan.cpu_images
-    assert plan.file_bytes_per_layer == [image_nbytes(gf, cfg, i, FAST) for i in range(6)]
+    images = [image_nbytes(gf, cfg, i, FAST) for i in range(6)]
+    for (packed, whole), tiers in {(0, 0): ["disk"] * 6,
+                                   (2, 0): ["packed"] * 2 + ["disk"] * 4,
+                                   (6, 0): ["packed"] * 6,
+                                   (6, 2): ["ram"] * 2 + ["packed"] * 4}.items():
+        plan = slipstream.plan(tiny, device="cpu", ctx=64, measure=False,
+                               ram_budget=budget_for(tiny, packed, whole))
+        assert plan.tiers == tiers and plan.cpu_images
+        assert plan.file_bytes_per_layer == images
+        # a packed layer holds its image; a whole one its dense weights and packed copies
+        for i, t in enumerate(tiers):
+            if t != "ram":
+                assert plan.resident_bytes_per_layer[i] == images[i]
+        held = plan.fixed_bytes + plan.staging_buffers * max(images) + plan.prefill_staging + \
+            sum(b for b, t in zip(plan.resident_bytes_per_layer, tiers) if t != "disk")
+        assert held <= plan.budget
+    # the largest packed layer being a little larger than the others, the budget of 2 packed
+    # layers less a byte keeps one
+    plan = slipstream.plan(tiny, device="cpu", ctx=64, measure=False,
+                           ram_budget=budget_for(tiny, 2) - 2)
+    assert plan.tiers == ["packed"] + ["disk"] * 5
     spans = [gf.tensors[n] for n in gf.tensors if n.startswith("blk.0.")]
     span = max(t.offset + t.n_bytes for t in spans) - min(t.offset for t in spans)
     assert plan.prefill_staging == PREFILL_STAGING * span
     exact = slipstream.plan(tiny, device="cpu", ctx=64, ram_budget=budget_for(tiny, 2),
                             precision="exact", measure=False)
     assert not exact.cpu_images and exact.prefill_staging == 0
+    assert set(exact.tiers) <= {"ram", "disk"}
     gf.close()
 
 
 @pytest.mark.parametrize("io", ["direct", "buffered", "mmap"])
-def test_streamed_packed_layers_give_the_resident_bits(tiny_copy, io):
+@pytest.mark.parametrize("packed,whole", [(2, 0), (6, 1)])
+def test_streamed_packed_layers_give_the_resident_bits(tiny_copy, io, packed, whole):
     resident = slipstream.load(tiny_copy, device="cpu", ctx=64)
     streamed = slipstream.load(tiny_copy, device="cpu", ctx=64, io=io,
-                               ram_budget=budget_for(tiny_copy, 2))
-    assert streamed.plan.tiers.count("disk") == 4 and streamed.plan.cpu_images
+                               ram_budget=budget_for(tiny_copy, packed, whole))
+    assert streamed.plan.tiers.count("packed") == packed - whole
+    assert streamed.plan.tiers.count("disk") == 6 - packed
     data, _ = image_file.image_paths(tiny_copy, "slipstream-cpu")
-    assert data.exists()
+    assert data.exists() == (packed < 6)  # written only for layers that stream from disk
     for prompt in (SHORT, LONG):  # the packed pass and the dense one
         assert torch.equal(resident.logits(prompt), streamed.logits(prompt))
         assert greedy(resident, prompt) == greedy(streamed, prompt)
@@ -95,8 +117,10 @@ def test_streamed_packed_layers_give_the_resident_bits(tiny_copy, io):
 
 def test_decode_layers_are_views_into_the_staging_buffers(tiny_copy):
     """A decode pass reads the images, not the GGUF file, and makes no dense weights."""
-    model = slipstream.load(tiny_copy, device="cpu", ctx=64, ram_budget=budget_for(tiny_copy, 0))
+    model = slipstream.load(tiny_copy, device="cpu", ctx=64,
+                            ram_budget=budget_for(tiny_copy, 2))
     store = model.engine.layers
+    assert model.plan.tiers == ["packed"] * 2 + ["disk"] * 4
     greedy(model, SHORT, 2)
     gguf_reads = store.staging.reader.bytes_read
     image_reads = store.decode_staging.reader.bytes_read
@@ -108,6 +132,8 @@ def test_decode_layers_are_views_into_the_staging_buffers(tiny_copy):
               layer.attn_norm):
         assert base <= w.data_ptr() < base + buf.nbytes  # a view, not a copy
     store.release(3)
+    assert store.acquire(1) is store.acquire(1)  # a packed layer: made once, in RAM
+    store.release(1)
     greedy(model, SHORT, 4)
     assert store.staging.reader.bytes_read == gguf_reads  # the GGUF: prefill passes only
     assert store.decode_staging.reader.bytes_read > image_reads
@@ -128,8 +154,7 @@ def test_streamed_packed_under_random_reader_delays(tiny_copy):
 def test_real_model_streamed_packed_equals_resident(smollm_path):
     resident = slipstream.load(smollm_path, device="cpu", ctx=128)
     streamed = slipstream.load(smollm_path, device="cpu", ctx=128, ram_budget="150MiB")
-    assert "disk" in streamed.plan.tiers and "ram" in streamed.plan.tiers
-    assert streamed.plan.cpu_images
+    assert {"packed", "disk"} <= set(streamed.plan.tiers) and streamed.plan.cpu_images
     ids = resident.tokenize("Streaming must not change a single bit:")
     assert len(ids) > 8  # a dense prefill pass, then packed decode passes
     assert torch.equal(resident.logits(ids), streamed.logits(ids))
@@ -145,7 +170,8 @@ def test_a_skipped_layer_is_read_from_neither_file(tiny_copy, monkeypatch):
 
     resident = slipstream.load(tiny_copy, device="cpu", ctx=64)
     streamed = slipstream.load(tiny_copy, device="cpu", ctx=64,
-                               ram_budget=budget_for(tiny_copy, 0))
+                               ram_budget=budget_for(tiny_copy, 1))
+    assert streamed.plan.tiers == ["packed"] + ["disk"] * 5
     reads = []
     read_span = DirectReader.read_span
     monkeypatch.setattr(DirectReader, "read_span", lambda self, buf, start, end, *a, **k:

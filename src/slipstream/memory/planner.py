@@ -47,8 +47,12 @@ class Plan:
     with one stage, by layer index). `stages` lists the stages the engine chains."""
 
     device: str
-    tiers: list[str]  # per layer: "ram"/"disk" on CPU; "vram"/"pinned"/"disk" on CUDA
-    resident_bytes_per_layer: list[int]  # memory a resident layer takes (RAM, or VRAM)
+    # per layer: "ram"/"packed"/"disk" on CPU; "vram"/"pinned"/"disk" on CUDA. A CPU "packed"
+    # layer holds only its packed decode image in RAM: decode reads nothing, prefill rebuilds
+    # it from the file as a "disk" layer's
+    tiers: list[str]
+    # memory a resident layer takes (RAM, or VRAM); a CPU "packed" layer's: its image
+    resident_bytes_per_layer: list[int]
     # bytes one use of a streamed layer moves: its GGUF span on CPU, its image on CUDA (the
     # bytes of a slot, read from the image file for the disk tier)
     file_bytes_per_layer: list[int]
@@ -78,8 +82,9 @@ class Plan:
     head_bytes: int = 0
     # CUDA: the pinned layers' FFN split with the CPU (memory.hybrid_plan), or None
     hybrid: "HybridPlan | None" = None
-    # CPU: the disk layers decode from packed images (file_bytes_per_layer are the images'
-    # sizes), and prefill reads their GGUF spans through prefill_staging bytes of buffers
+    # CPU: every layer decodes through packed copies, the bytes of its image, which are its
+    # file_bytes_per_layer (the disk layers' images are read per token); prefill reads the
+    # packed and disk layers' GGUF spans through prefill_staging bytes of buffers
     cpu_images: bool = False
     prefill_staging: int = 0
 
@@ -93,7 +98,9 @@ class Plan:
 
     @property
     def streamed_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.tiers) if t in ("disk", "pinned")]
+        """Layers read from somewhere else than where they compute, at least in some passes
+        (a CPU "packed" layer in prefill)."""
+        return [i for i, t in enumerate(self.tiers) if t in ("disk", "pinned", "packed")]
 
     def bytes_per_token(self, tier: str) -> int:
         if tier == "disk" or (tier == "pinned" and self.device == "cuda"):
@@ -149,7 +156,11 @@ class Plan:
         needed = ("compute", "rebuild", "disk") if streamed else ("compute",)
         if not all(bw.get(k) for k in needed):
             return None
-        parts = {"compute": sum(self.resident_bytes_per_layer) / (bw["compute"] * 1e9),
+        # the "compute" rate is per byte of what a layer decodes from: its image where every
+        # layer decodes packed, its resident bytes otherwise
+        computed = sum(self.file_bytes_per_layer) if self.cpu_images else \
+            sum(self.resident_bytes_per_layer)
+        parts = {"compute": computed / (bw["compute"] * 1e9),
                  "head": self.head_bytes / ((bw.get("gemv") or bw["compute"]) * 1e9),
                  "rebuild": streamed / (bw["rebuild"] * 1e9) if streamed else 0.0,
                  "disk": streamed / (bw["disk"] * 1e9) if streamed else 0.0}
@@ -166,7 +177,7 @@ class Plan:
         t = Table(title=f"tier plan ({self.device}, {budget})")
         for col in ("tier", "layers", "bytes held", "bytes moved / token", "GB/s"):
             t.add_column(col, justify="right" if col != "tier" else "left")
-        for tier in ("vram", "ram", "pinned", "disk"):
+        for tier in ("vram", "ram", "packed", "pinned", "disk"):
             idx = [i for i, x in enumerate(self.tiers) if x == tier]
             if not idx:
                 continue
@@ -219,9 +230,10 @@ class Plan:
         """The CPU table's compute and rebuild rows; returns its caption (the prediction)."""
         bw = self.bandwidth_gbps
         if bw.get("compute"):
+            computed = sum(self.file_bytes_per_layer) if self.cpu_images else \
+                sum(self.resident_bytes_per_layer)
             t.add_row("compute", "every layer and the head, every token", "-",
-                      fmt_bytes(sum(self.resident_bytes_per_layer) + self.head_bytes),
-                      f"{bw['compute']:.2f}")
+                      fmt_bytes(computed + self.head_bytes), f"{bw['compute']:.2f}")
         if self.disk_layers and bw.get("rebuild"):
             t.add_row("views" if self.cpu_images else "rebuild",
                       "streamed layers' packed images, every token" if self.cpu_images else

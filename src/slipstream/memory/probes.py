@@ -106,8 +106,9 @@ def cpu_decode_rates(gf, cfg, precision, layer: int, time_budget_s: float = 0.5,
       at precision.cpu_packed_decode its packed image (weights.cpu_image) made into views
       (DiskLayerStore's decode layers), else its GGUF span built into the dense layer
       (DiskLayerStore's rebuild, on the heap it keeps steady: store.steady_heap);
-    "compute": its RAM bytes as the planner counts them (setup.layer_resident_bytes, which
-      the plan's per-layer sizes are) through one decoder block's decode step per second
+    "compute": the bytes the planner counts a layer's decode by (its image's at precision.
+      cpu_packed_decode, else its resident RAM bytes, setup.layer_resident_bytes: the plan's
+      per-layer sizes, Plan.cpu_token_seconds) through one decoder block's decode step per second
       (block_forward at a short context: the matvecs, norms, RoPE, attention and residuals,
       whatever kernels the layer uses), timed right after the layer is made, as a streamed
       layer runs; a resident layer, out of cache after a whole token of other layers, costs
@@ -171,8 +172,10 @@ def cpu_decode_rates(gf, cfg, precision, layer: int, time_budget_s: float = 0.5,
     (gemvs,) = zip(*_repeat(gemv, time_budget_s, max_reps))
     head_bytes = head_decode_bytes(gf, precision) if precision.cpu_packed_decode else \
         cfg.hidden * cfg.ffn * torch.finfo(precision.weight_dtype).bits // 8
+    computed = moved if precision.cpu_packed_decode else \
+        layer_resident_bytes(gf, layer, precision)
     return {"rebuild": moved / _median(builds) / 1e9,
-            "compute": layer_resident_bytes(gf, layer, precision) / _median(steps) / 1e9,
+            "compute": computed / _median(steps) / 1e9,
             "gemv": head_bytes / _median(gemvs) / 1e9}
 
 

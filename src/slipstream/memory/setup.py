@@ -141,7 +141,14 @@ def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Preci
     precision.cpu_packed_decode; so does the head. Where copies are made, a streamed layer
     moves its packed image per decode token (weights.cpu_image: the bytes its decode reads,
     nothing rebuilt) and its GGUF span per prefill pass, through a ring of one buffer
-    (memory.store.DiskLayerStore), which the plan holds too."""
+    (memory.store.DiskLayerStore), which the plan holds too.
+
+    And where not every layer fits whole, layers are kept "packed": only their image in RAM
+    (a quarter of the dense weights and copies of a Q4 layer), which is all a decode pass
+    reads, prefill rebuilding them from the file as a streamed layer. As many layers as fit
+    are kept so, in order, since each is one less image read per token; the rest stream. Room
+    left once every layer is packed makes the first ones whole again ("ram"), which saves
+    their rebuilds in prefill."""
     layers = stage.layers
     resident = [layer_resident_bytes(gf, i, precision) for i in layers]
     kv = kv_cache_bytes(cfg, len(layers), ctx, torch.finfo(precision.kv_dtype).bits // 8)
@@ -159,11 +166,37 @@ def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Preci
         moved = [image_nbytes(gf, cfg, i, precision) for i in layers]
         plan = plan_layers("cpu", resident, moved, fixed, ram_budget,
                            prefill_staging=max(span_bytes, default=0))
+        if plan.disk_layers:
+            _keep_packed(plan, resident, moved)
     else:
         plan = plan_layers("cpu", resident, span_bytes, fixed, ram_budget)
-    plan.cpu_images = images and bool(plan.disk_layers)
+    plan.cpu_images = images
     plan.head_bytes = head_bytes  # one matvec over it per token (the CPU prediction)
     return plan
+
+
+def _keep_packed(plan: Plan, whole: list[int], image: list[int]) -> None:
+    """Re-tier a CPU plan that streams (see _plan_cpu): "packed" layers while their images
+    fit, then "disk"; once every layer is packed, the first ones "ram" while the room left
+    holds the rest of them (whole minus image)."""
+    n = len(whole)
+    room = plan.budget - plan.fixed_bytes - plan.staging_buffers * max(image) - \
+        plan.prefill_staging
+    tiers = []
+    for b in image:
+        if b <= room and (not tiers or tiers[-1] == "packed"):
+            tiers.append("packed")
+            room -= b
+        else:
+            tiers.append("disk")
+    for i in range(n):
+        if tiers[i] != "packed" or "disk" in tiers or whole[i] - image[i] > room:
+            break
+        tiers[i] = "ram"
+        room -= whole[i] - image[i]
+    plan.tiers = tiers
+    plan.resident_bytes_per_layer = [b if t == "ram" else m
+                                     for b, m, t in zip(whole, image, tiers)]
 
 
 def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.device,
@@ -255,6 +288,8 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
 
     Runs before the resident layers load, so the transient GPU copy of the layer being built
     never sits on top of the resident model: the peak VRAM stays the steady-state one."""
+    if plan.device == "cpu":
+        return packed_cpu_layers(gf, cfg, precision, plan), {}
     pinned = [i for i, t in enumerate(plan.tiers) if t == "pinned"]
     if plan.device != "cuda" or not pinned:
         return {}, {}
@@ -305,6 +340,16 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
     return images, hosts
 
 
+def packed_cpu_layers(gf: GGUFFile, cfg: ModelConfig, precision: Precision,
+                      plan: Plan) -> dict[int, tuple]:
+    """The CPU plan's "packed" layers: each built once and kept as its packed image (weights.
+    cpu_image: (uint8 image, layout)) in RAM, which decode passes compute on as views."""
+    from ..weights.cpu_image import cpu_image_of
+
+    return {i: cpu_image_of(gf, cfg, precision, i)
+            for i, t in enumerate(plan.tiers) if t == "packed"}
+
+
 def disk_images(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Precision,
                 plan: Plan, progress: bool = False):
     """The disk layers' images, in a file (built now, or reused): CUDA tier C's repacked
@@ -312,7 +357,7 @@ def disk_images(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision:
     if not plan.disk_layers:
         return None
     if plan.device == "cpu":
-        if not plan.cpu_images:
+        if not plan.cpu_images:  # precision "exact": rebuilt from the GGUF file every pass
             return None
         from .image_file import build_cpu_images
 
@@ -340,13 +385,13 @@ def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: 
                               n_slots=plan.staging_buffers,
                               n_staging=plan.host_staging or N_STAGING, delays=delays,
                               hosts=hosts)
-    if not plan.disk_layers:
+    if not plan.streamed_layers:
         return ResidentLayerStore(weights.layers)
-    # a streamed layer rebuilt from its GGUF span serves passes its packed image (`disk`,
-    # where there is one) does not: dense only
+    # a streamed layer rebuilt from its GGUF span serves passes its packed image (`disk`, or
+    # `images` for the "packed" layers, where there is one) does not: dense only
     builder = LayerBuilder(cfg, device, dataclasses.replace(precision, cpu_packed_decode=False))
     if io == "mmap":
-        return MmapLayerStore(gf, builder, weights.layers, images=disk)
+        return MmapLayerStore(gf, builder, weights.layers, images=disk, packed=images)
     return DiskLayerStore(gf, builder, weights.layers, n_buffers=plan.staging_buffers, io=io,
-                          delay=delays.reader, images=disk,
-                          gguf_buffers=PREFILL_STAGING if disk is not None else None)
+                          delay=delays.reader, images=disk, packed=images,
+                          gguf_buffers=PREFILL_STAGING if plan.cpu_images else None)

@@ -15,8 +15,10 @@ sources, chosen per forward pass (begin_pass), as PackedDecodeLinear chooses per
 - longer passes read the layer's GGUF span and rebuild its dense weights, which dequantizing
   copies out of the buffer (given back right after the build), as every pass does at "exact".
 Each source has its own ring, so passes of both kinds can alternate without draining reads.
+A "packed" layer (memory.setup._plan_cpu) keeps its image in RAM: decode passes compute on
+views of it, made once, and read nothing; prefill passes rebuild it from the GGUF file.
 The --io mmap store reads each layer when it is asked for, nothing ahead (PageCacheReads),
-from the same two sources. The CUDA store is in cuda_store.
+from the same sources. The CUDA store is in cuda_store.
 """
 
 from __future__ import annotations
@@ -151,7 +153,9 @@ class DiskLayerStore(HostTraced, StoreBase):
     def __init__(self, gf, builder: LayerBuilder, resident: list[LayerWeights | None],
                  n_buffers: int = 2, threads: int = 2, io: str = "direct",
                  delay: Callable[[], None] | None = None, images: ImageFile | None = None,
-                 gguf_buffers: int | None = None):
+                 gguf_buffers: int | None = None, packed: dict[int, tuple] | None = None):
+        """`packed`: the "packed" layers' images in RAM, {layer: (uint8 image, layout)}
+        (weights.cpu_image.cpu_image_of); `images`: the disk layers' image file."""
         self.gf = gf
         self.builder = builder
         self.layers = resident
@@ -160,8 +164,13 @@ class DiskLayerStore(HostTraced, StoreBase):
         self.skipped: frozenset[int] = frozenset()
         self.stats = StoreStats()
         self.staging: StagingRing | None = None  # the GGUF spans
-        self.decode_staging: StagingRing | None = None  # the packed images
-        self.images = images if order else None
+        self.decode_staging: StagingRing | None = None  # the disk layers' packed images
+        # decode layers of the "packed" layers: views into their images, made once
+        self.packed = {i: decode_layer(layout, host) for i, (host, layout) in
+                       (packed or {}).items()}
+        self._images_held = packed  # the views' memory
+        disk = [i for i in order if i not in self.packed]
+        self.images = images if disk else None
         self._tokens = 1  # the pass's (begin_pass)
         self._held: dict[int, StagingBuffer] = {}  # decode layers' buffers, until release
         if order:
@@ -169,8 +178,8 @@ class DiskLayerStore(HostTraced, StoreBase):
                                       gguf_buffers or n_buffers, threads, io, delay)
             steady_heap(max(e - s for s, e in self.spans.values()))
         if self.images is not None:
-            spans = {i: self.images.spans[i] for i in order}
-            self.decode_staging = self._ring(self.images.path, spans, order, n_buffers,
+            spans = {i: self.images.spans[i] for i in disk}
+            self.decode_staging = self._ring(self.images.path, spans, disk, n_buffers,
                                              threads, io, delay)
             for i, crc in self.images.fingerprints.items():
                 if i in spans:
@@ -206,7 +215,7 @@ class DiskLayerStore(HostTraced, StoreBase):
         """Read ahead only the streamed layers the engine will ask for."""
         self.skipped = frozenset(layers)
         for ring in self._rings():
-            ring.reorder([i for i in sorted(self.spans) if i not in self.skipped])
+            ring.reorder([i for i in sorted(ring.spans) if i not in self.skipped])
 
     def begin_pass(self, tokens: int) -> None:
         self._tokens = tokens
@@ -222,7 +231,12 @@ class DiskLayerStore(HostTraced, StoreBase):
             return layer
         if i in self.skipped:
             raise ValueError(f"layer {i} is skipped: the store no longer reads it")
-        packed = self.decode_staging is not None and self._tokens <= GEMV_MAX_ROWS
+        decode = self._tokens <= GEMV_MAX_ROWS
+        if decode and i in self.packed:
+            if self.tracer is not None:
+                self._compute_starts()
+            return self.packed[i]
+        packed = self.decode_staging is not None and decode
         ring = self.decode_staging if packed else self.staging
         t0 = time.perf_counter()
         buf, skew = ring.take(i)  # restarts the read-ahead at i when out of order
@@ -311,7 +325,7 @@ class MmapLayerStore(HostTraced, StoreBase):
     note = "mmap: page-cache reads, no prefetch (baseline)"
 
     def __init__(self, gf, builder: LayerBuilder, resident: list[LayerWeights | None],
-                 images: ImageFile | None = None):
+                 images: ImageFile | None = None, packed: dict[int, tuple] | None = None):
         self.gf = gf
         self.builder = builder
         self.layers = resident
@@ -320,13 +334,17 @@ class MmapLayerStore(HostTraced, StoreBase):
         self._tokens = 1
         self.reads = (PageCacheReads(gf.path, max(e - s for s, e in self.spans.values()))
                       if self.spans else None)
-        self.images = images if self.spans else None
+        self.packed = {i: decode_layer(layout, host) for i, (host, layout) in
+                       (packed or {}).items()}  # as DiskLayerStore's
+        self._images_held = packed
+        disk = [i for i in self.spans if i not in self.packed]
+        self.images = images if disk else None
         self.image_reads = None
         if self.images is not None:
-            spans = [self.images.spans[i] for i in self.spans]
+            spans = [self.images.spans[i] for i in disk]
             self.image_reads = PageCacheReads(self.images.path,
                                               max(e - s for s, e in spans))
-            for i in self.spans:
+            for i in disk:
                 if i in self.images.fingerprints:
                     self.image_reads.reader.expect(*self.images.spans[i],
                                                    self.images.fingerprints[i])
@@ -339,6 +357,8 @@ class MmapLayerStore(HostTraced, StoreBase):
 
     def acquire(self, i: int) -> LayerWeights:
         layer = self.layers[i]
+        if layer is None and self._tokens <= GEMV_MAX_ROWS:
+            layer = self.packed.get(i)
         if layer is None:
             packed = self.image_reads is not None and self._tokens <= GEMV_MAX_ROWS
             start, end = self.images.spans[i] if packed else self.spans[i]
