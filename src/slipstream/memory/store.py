@@ -168,7 +168,6 @@ class DiskLayerStore(HostTraced, StoreBase):
         # decode layers of the "packed" layers: views into their images, made once
         self.packed = {i: decode_layer(layout, host) for i, (host, layout) in
                        (packed or {}).items()}
-        self._images_held = packed  # the views' memory
         disk = [i for i in order if i not in self.packed]
         self.images = images if disk else None
         self._tokens = 1  # the pass's (begin_pass)
@@ -336,7 +335,6 @@ class MmapLayerStore(HostTraced, StoreBase):
                       if self.spans else None)
         self.packed = {i: decode_layer(layout, host) for i, (host, layout) in
                        (packed or {}).items()}  # as DiskLayerStore's
-        self._images_held = packed
         disk = [i for i in self.spans if i not in self.packed]
         self.images = images if disk else None
         self.image_reads = None
