@@ -186,10 +186,9 @@ TINY_LONG_PROMPT = TINY_PROMPT + [3, 1000, 64, 2]  # over 8 tokens: a prefill re
 
 def all_streamed(path: Path, precision: str) -> int:
     """A RAM budget that streams every layer of the model from disk each token."""
-    import slipstream
+    from helpers import cpu_budget
 
-    plan = slipstream.plan(path, device="cpu", ctx=64, precision=precision, measure=False)
-    return plan.fixed_bytes + 2 * max(plan.file_bytes_per_layer) + plan.prefill_staging + 1
+    return cpu_budget(path, precision=precision)
 
 
 def cpu_images(path: Path) -> Path:

@@ -19,6 +19,8 @@ from slipstream.memory.store import steady_heap
 from slipstream.precision import Precision
 from slipstream.synth import write_synth
 
+from helpers import cpu_budget
+
 FAST_CPU = Precision.of("fast", torch.device("cpu"))
 
 
@@ -94,13 +96,15 @@ def test_plan_predicts_a_streamed_cpu_model(tiny, precision):
     """api.plan (what `info --plan` prints) measures the rates the prediction needs: at
     "exact" 2 layers whole and the rest rebuilt every token, at "fast" 2 layers' packed
     images in RAM and the rest's read every token."""
-    plain = slipstream.plan(tiny, device="cpu", measure=False, precision=precision)
-    staging = 2 * max(plain.file_bytes_per_layer) + plain.prefill_staging
+    plain = slipstream.plan(tiny, device="cpu", ctx=64, measure=False, precision=precision)
     # whole layers at "exact"; packed images at "fast", where a plan that streams holds those
-    layer = plain.file_bytes_per_layer[0] if plain.cpu_images else \
-        plain.resident_bytes_per_layer[0]
-    budget = plain.fixed_bytes + staging + 2 * layer + layer // 2
-    plan = slipstream.plan(tiny, device="cpu", ram_budget=budget, precision=precision)
+    if precision == "fast":
+        budget = cpu_budget(tiny, packed=2) + plain.file_bytes_per_layer[0] // 2
+    else:
+        budget = cpu_budget(tiny, whole=2, precision=precision) + \
+            plain.resident_bytes_per_layer[0] // 2
+    plan = slipstream.plan(tiny, device="cpu", ctx=64, ram_budget=budget,
+                           precision=precision)
     held = "packed" if precision == "fast" else "ram"
     assert plan.tiers == [held] * 2 + ["disk"] * 4
     assert plan.head_bytes > 0

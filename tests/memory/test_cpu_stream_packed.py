@@ -24,6 +24,9 @@ from slipstream.memory.setup import PREFILL_STAGING
 from slipstream.precision import Precision
 from slipstream.synth import write_synth
 from slipstream.weights.cpu_image import image_nbytes
+from slipstream.weights.linear import OnDemandDenseLinear
+
+from helpers import cpu_budget
 
 FAST = Precision.of("fast", torch.device("cpu"))
 SHORT = [5, 77, 300, 12, 901, 44, 7, 8]  # 8 tokens: one pass through the packed decode path
@@ -47,10 +50,7 @@ def tiny_copy(tiny, tmp_path):
 def budget_for(path, packed: int, whole: int = 0) -> int:
     """A RAM budget that keeps the images of the first `packed` layers in RAM at "fast" (the
     rest streamed), and where every layer is packed, the first `whole` ones whole."""
-    plan = slipstream.plan(path, device="cpu", ctx=64, measure=False)  # every layer whole
-    images, full = plan.file_bytes_per_layer, plan.resident_bytes_per_layer
-    return plan.fixed_bytes + 2 * max(images) + plan.prefill_staging + sum(images[:packed]) + \
-        sum(f - m for f, m in zip(full[:whole], images[:whole])) + 1
+    return cpu_budget(path, packed, whole)
 
 
 def greedy(model, prompt, n=10):
@@ -153,8 +153,12 @@ def test_streamed_packed_under_random_reader_delays(tiny_copy):
 
 def test_real_model_streamed_packed_equals_resident(smollm_path):
     resident = slipstream.load(smollm_path, device="cpu", ctx=128)
-    streamed = slipstream.load(smollm_path, device="cpu", ctx=128, ram_budget="150MiB")
-    assert {"packed", "disk"} <= set(streamed.plan.tiers) and streamed.plan.cpu_images
+    streamed = slipstream.load(smollm_path, device="cpu", ctx=128,
+                               ram_budget=cpu_budget(smollm_path, packed=20, ctx=128))
+    assert streamed.plan.tiers == ["packed"] * 20 + ["disk"] * 10
+    # the head holds its GGUF bytes: an all-logits pass of more than 8 rows dequantizes it
+    assert streamed.plan.head_dense_on_demand
+    assert isinstance(streamed.engine.weights.output.dense, OnDemandDenseLinear)
     ids = resident.tokenize("Streaming must not change a single bit:")
     assert len(ids) > 8  # a dense prefill pass, then packed decode passes
     assert torch.equal(resident.logits(ids), streamed.logits(ids))

@@ -17,6 +17,8 @@ from slipstream.memory import parse_size
 from slipstream.memory.disk import DiskReadError
 from slipstream.synth import write_synth
 
+from helpers import cpu_budget
+
 PROMPT = [5, 77, 300, 12, 901, 44, 7, 8]
 # Streamed and resident layers compute alike at either precision. Here both sides load at
 # "exact", where every pass rebuilds each streamed layer from its GGUF bytes (dense float32);
@@ -83,8 +85,7 @@ def test_budget_too_small_names_the_minimum(tiny):
 
 def all_streamed(path, precision: str) -> int:
     """A RAM budget that streams every layer of `path` from disk."""
-    plan = slipstream.plan(path, device="cpu", ctx=64, precision=precision, measure=False)
-    return plan.fixed_bytes + 2 * max(plan.file_bytes_per_layer) + plan.prefill_staging + 1
+    return cpu_budget(path, precision=precision)
 
 
 def test_truncated_file_mid_run_is_a_clear_error(tiny, tmp_path):

@@ -54,7 +54,7 @@ def test_streamed_server_reports_a_changed_file(tmp_path, precision):
     place (the model file at "exact"; at "fast" the packed layer images written at load),
     requests fail with a 500 that names the file (code model_file_changed), not with other
     output; the process stays up."""
-    import slipstream
+    from helpers import cpu_budget
     from slipstream.memory.image_file import image_paths
     from slipstream.synth import write_synth
 
@@ -63,8 +63,7 @@ def test_streamed_server_reports_a_changed_file(tmp_path, precision):
     gf = GGUFFile(path)
     data_start = gf.reader.data_offset
     gf.close()
-    plan = slipstream.plan(path, device="cpu", ctx=64, precision=precision, measure=False)
-    budget = plan.fixed_bytes + 2 * max(plan.file_bytes_per_layer) + plan.prefill_staging + 1
+    budget = cpu_budget(path, precision=precision)  # every layer streamed
     changed, start = (path, data_start) if precision == "exact" else \
         (image_paths(path, "slipstream-cpu")[0], 0)
     server = ServerProcess("-m", str(path), "--ctx", "64", "--ram-budget", str(budget),

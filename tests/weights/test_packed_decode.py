@@ -75,3 +75,27 @@ def test_decode_goes_packed_and_batches_dense():
     unpackable = PackedDecodeLinear(Spy("dense"), lambda: None, max_rows=8)
     unpackable(torch.zeros(1, 4))
     assert calls[-1] == "dense"
+
+
+def test_an_on_demand_dense_linear_gives_the_dense_linears_bits(tmp_path):
+    """A streamed plan's head keeps its GGUF bytes and dequantizes them per call of more than
+    8 rows (linear.OnDemandDenseLinear): the bits of DenseLinear over the weight the loader
+    makes from the same bytes, for any row count, with bias and residual."""
+    from slipstream.weights.linear import DenseLinear, OnDemandDenseLinear
+    from slipstream.weights.loader import TensorSource, raw_tensor
+
+    path = write_synth(tmp_path / "t.gguf", "tiny", "Q8_0", n_layers=1, from_floats=True,
+                       seed=4)
+    gf = GGUFFile(path)
+    name = "blk.0.ffn_down.weight"
+    shape = rows, cols = tuple(int(d) for d in gf.tensors[name].shape)  # as the loader reads it
+    raw = raw_tensor(gf, name, shape).clone()
+    bias = torch.randn(rows)
+    dense = DenseLinear(TensorSource(gf).dense(name, shape, torch.float16, CPU), bias)
+    lazy = OnDemandDenseLinear(raw, gf.tensors[name].ggml_type, shape, torch.float16, bias)
+    assert lazy.out_features == dense.out_features == rows
+    for t in (1, 5, 12):
+        x, r = torch.randn(t, cols), torch.randn(t, rows)
+        assert torch.equal(lazy(x), dense(x))
+        assert torch.equal(lazy(x, residual=r), dense(x, residual=r))
+    gf.close()

@@ -87,6 +87,8 @@ class Plan:
     # packed and disk layers' GGUF spans through prefill_staging bytes of buffers
     cpu_images: bool = False
     prefill_staging: int = 0
+    # CPU: the head holds its GGUF bytes, not its dense weight (memory.setup._plan_cpu)
+    head_dense_on_demand: bool = False
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -147,8 +149,11 @@ class Plan:
           byte moved): views into packed images (cpu_images), or dense layers rebuilt from
           their GGUF bytes;
         "disk": reading those bytes ("disk" rate), which reader threads do ahead of use;
-        "token": the CPU's parts in series, or the reads where they take longer (they overlap
-          the CPU's work, not each other)."""
+        "token": a token of the read-ahead ring (token_seconds_of_ring): the CPU's parts in
+          series, and the waits for reads the ring could not start early enough (with
+          staging_buffers buffers, a streamed layer's read starts once the layer that many
+          streamed layers before it is released), so neither simply the CPU's sum nor the
+          reads' where the two are close."""
         if self.device != "cpu":
             return None
         bw = self.bandwidth_gbps
@@ -164,7 +169,17 @@ class Plan:
                  "head": self.head_bytes / ((bw.get("gemv") or bw["compute"]) * 1e9),
                  "rebuild": streamed / (bw["rebuild"] * 1e9) if streamed else 0.0,
                  "disk": streamed / (bw["disk"] * 1e9) if streamed else 0.0}
-        parts["token"] = max(parts["compute"] + parts["head"] + parts["rebuild"], parts["disk"])
+        rate = bw["compute"] * 1e9
+        layers = []  # (CPU seconds, read seconds or None) per layer, in order
+        for i, t in enumerate(self.tiers):
+            own = (self.file_bytes_per_layer[i] if self.cpu_images else
+                   self.resident_bytes_per_layer[i]) / rate
+            if t == "disk":
+                b = self.file_bytes_per_layer[i]
+                layers.append((own + b / (bw["rebuild"] * 1e9), b / (bw["disk"] * 1e9)))
+            else:
+                layers.append((own, None))
+        parts["token"] = token_seconds_of_ring(layers, parts["head"], self.staging_buffers)
         return parts
 
     def table(self):
@@ -249,7 +264,33 @@ class Plan:
             return f"predicted decode: compute {rate}"
         made = "views" if self.cpu_images else "rebuild"
         return (f"predicted decode: compute {ms['compute'] + ms['head']:.0f} ms + {made} "
-                f"{ms['rebuild']:.0f} ms (disk reads {ms['disk']:.0f} ms, overlapped) = {rate}")
+                f"{ms['rebuild']:.0f} ms (disk reads {ms['disk']:.0f} ms, read ahead into "
+                f"{self.staging_buffers} buffers) = {rate}")
+
+
+def token_seconds_of_ring(layers: list[tuple[float, float | None]], tail: float,
+                          buffers: int, tokens: int = 4) -> float:
+    """Seconds per token of a CPU decode loop fed by a read-ahead ring (memory.staging): each
+    layer is (CPU seconds, read seconds or None where it is not read); `tail` is the CPU's
+    work after the last layer (the head). Reads run one after another, in the streamed
+    layers' order and cyclically over tokens, each into a buffer that the layer `buffers`
+    reads before it gave back at its release; a layer's CPU work waits for its read. The
+    last of `tokens` tokens is the steady state."""
+    released: list[float] = []  # release time of each streamed layer, in reading order
+    disk = clock = start = 0.0
+    for _ in range(tokens):
+        start = clock
+        for cpu, read in layers:
+            if read is not None:
+                k = len(released)
+                disk = max(disk, released[k - buffers] if k >= buffers else 0.0) + read
+                clock = max(clock, disk)
+                clock += cpu
+                released.append(clock)
+            else:
+                clock += cpu
+        clock += tail
+    return clock - start
 
 
 def _interleave(vram_bytes: list[int], room: int) -> list[str]:

@@ -148,24 +148,34 @@ def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Preci
     reads, prefill rebuilding them from the file as a streamed layer. As many layers as fit
     are kept so, in order, since each is one less image read per token; the rest stream. Room
     left once every layer is packed makes the first ones whole again ("ram"), which saves
-    their rebuilds in prefill."""
+    their rebuilds in prefill. Such a plan also holds the head without its dense weight
+    (head_dense_on_demand): its GGUF bytes instead, dequantized for the calls of more than
+    GEMV_MAX_ROWS rows alone (all-logits passes: perplexity, speculation trees), while decode
+    and a prompt's last row go through its packed copy."""
     layers = stage.layers
     resident = [layer_resident_bytes(gf, i, precision) for i in layers]
-    kv = kv_cache_bytes(cfg, len(layers), ctx, torch.finfo(precision.kv_dtype).bits // 8)
-    head_bytes = head_bytes_held = 0
-    if stage.holds_head:
-        head = gf.tensors[head_tensor_name(gf.tensors)]
-        head_bytes = head_decode_bytes(gf, precision)
-        head_bytes_held = head.n_elements * torch.finfo(precision.weight_dtype).bits // 8 \
-            + _packed_bytes(head, precision)
-    fixed = head_bytes_held + kv + cfg.hidden * 4
+    head_bytes = head_decode_bytes(gf, precision) if stage.holds_head else 0
+    fixed = cpu_fixed_bytes(gf, cfg, precision, ctx, stage)
     images = precision.cpu_packed_decode
     if images:
         from ..weights.cpu_image import image_nbytes
 
         moved = [image_nbytes(gf, cfg, i, precision) for i in layers]
-        plan = plan_layers("cpu", resident, moved, fixed, ram_budget,
-                           prefill_staging=max(span_bytes, default=0))
+        staging = max(span_bytes, default=0)
+        on_demand = head_dense_on_demand(gf, precision, stage)
+        try:
+            plan = plan_layers("cpu", resident, moved, fixed, ram_budget,
+                               prefill_staging=staging)
+            streams = bool(plan.disk_layers)
+        except BudgetTooSmall:
+            if not on_demand:
+                raise
+            streams = True  # too small even to stream with the dense head: try without
+        if streams and on_demand:
+            plan = plan_layers("cpu", resident, moved,
+                               cpu_fixed_bytes(gf, cfg, precision, ctx, stage, True),
+                               ram_budget, prefill_staging=staging)
+            plan.head_dense_on_demand = True
         if plan.disk_layers:
             _keep_packed(plan, resident, moved)
     else:
@@ -173,6 +183,33 @@ def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Preci
     plan.cpu_images = images
     plan.head_bytes = head_bytes  # one matvec over it per token (the CPU prediction)
     return plan
+
+
+def head_dense_on_demand(gf: GGUFFile, precision: Precision, stage: StagePlan | None = None
+                         ) -> bool:
+    """Whether a CPU plan that streams may hold the head without its dense weight: where it
+    has a packed copy for decode (weights.loader.load_weights(head_dense_on_demand=...))."""
+    from ..weights.cpu_packed import kind_for
+
+    holds = stage is None or stage.holds_head
+    head = gf.tensors[head_tensor_name(gf.tensors)]
+    return holds and precision.cpu_packed_decode and kind_for(head.ggml_type) is not None
+
+
+def cpu_fixed_bytes(gf: GGUFFile, cfg: ModelConfig, precision: Precision, ctx: int,
+                    stage: StagePlan | None = None, head_on_demand: bool = False) -> int:
+    """RAM a CPU plan holds whatever its tiers: the KV cache of the stage's layers, the
+    head where the stage holds it (dense weight and packed copy, or with `head_on_demand`
+    its GGUF bytes and packed copy), and a row of activations."""
+    layers = stage.layers if stage is not None else range(cfg.n_layers)
+    kv = kv_cache_bytes(cfg, len(layers), ctx, torch.finfo(precision.kv_dtype).bits // 8)
+    held = 0
+    if stage is None or stage.holds_head:
+        head = gf.tensors[head_tensor_name(gf.tensors)]
+        dense = head.n_bytes if head_on_demand else \
+            head.n_elements * torch.finfo(precision.weight_dtype).bits // 8
+        held = dense + _packed_bytes(head, precision)
+    return held + kv + cfg.hidden * 4
 
 
 def _keep_packed(plan: Plan, whole: list[int], image: list[int]) -> None:
