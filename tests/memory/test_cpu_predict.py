@@ -117,3 +117,21 @@ def _table_text(plan) -> str:
     console = Console(width=200, record=True)
     console.print(plan.table())
     return console.export_text()
+
+
+def test_the_ring_hides_reads_only_as_far_as_its_buffers_reach():
+    """token_seconds_of_ring against cases worked by hand: 4 layers of 1 s of CPU work each,
+    the last two read from disk."""
+    from slipstream.memory.planner import token_seconds_of_ring
+
+    # reads of 1 s: both are read while the first two layers compute (2 buffers): no wait
+    assert token_seconds_of_ring([(1, None), (1, None), (1, 1), (1, 1)], 0, 2) == 4
+    # one buffer: layer 3's read starts at layer 2's release, and the CPU waits 1 s for it
+    assert token_seconds_of_ring([(1, None), (1, None), (1, 1), (1, 1)], 0, 1) == 5
+    # reads of 3 s: the disk is busy all the time, 6 s per token whatever the buffers
+    assert token_seconds_of_ring([(1, None), (1, None), (1, 3), (1, 3)], 0, 2) == 6
+    # a head of 2 s after the last layer: the CPU's 6 s a token and the disk's 6 s overlap
+    # wholly (layer 2's read runs under layer 3, the head and layers 0-1)
+    assert token_seconds_of_ring([(1, None), (1, None), (1, 3), (1, 3)], 2, 2) == 6
+    # and a 3 s head: the CPU's 7 s
+    assert token_seconds_of_ring([(1, None), (1, None), (1, 3), (1, 3)], 3, 2) == 7

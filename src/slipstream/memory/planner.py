@@ -179,7 +179,9 @@ class Plan:
                 layers.append((own + b / (bw["rebuild"] * 1e9), b / (bw["disk"] * 1e9)))
             else:
                 layers.append((own, None))
-        parts["token"] = token_seconds_of_ring(layers, parts["head"], self.staging_buffers)
+        # the store makes no more buffers than layers it reads (store.DiskLayerStore)
+        buffers = max(1, min(self.staging_buffers, len(self.disk_layers)))
+        parts["token"] = token_seconds_of_ring(layers, parts["head"], buffers)
         return parts
 
     def table(self):
