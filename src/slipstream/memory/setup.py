@@ -161,7 +161,7 @@ def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Preci
         from ..weights.cpu_image import image_nbytes
 
         moved = [image_nbytes(gf, cfg, i, precision) for i in layers]
-        staging = max(span_bytes, default=0)
+        staging = PREFILL_STAGING * max(span_bytes, default=0)
         on_demand = head_dense_on_demand(gf, precision, stage)
         try:
             plan = plan_layers("cpu", resident, moved, fixed, ram_budget,
