@@ -6,7 +6,9 @@ falls on both alike), a run between two predictions, whose mean (seconds per tok
 part) is the run's predicted rate; each prediction serves the runs on both sides of it:
 
     predicted  `slipstream info --plan --ram-budget B --device cpu` (api.plan, which it prints):
-               the tok/s of its caption, with the parts it sums (compute, head, rebuild, disk);
+               the tok/s of its caption, with the parts it sums (compute, head, rebuild, disk;
+               "rebuild" is making the streamed layers: views into their packed images at
+               precision "fast" since session 11, dequantizing them before);
     measured   `slipstream run -m MODEL --ram-budget B --device cpu -n N --stats --temp 0
                --trace FILE`: the decode rate of its summary line (1000 / its ms/tok), the
                run's own prediction (the plan it prints, measured in that process just before
@@ -153,8 +155,8 @@ def table(result: dict) -> str:
              f"-n {result['tokens']}, greedy; {len(reps)} repetitions",
              *([f"note: {result['note']}"] if result.get("note") else []), "",
              "| rep | predicted tok/s (info --plan, before and after) | compute + head ms "
-             "| rebuild ms | disk ms | measured tok/s (run) | compute ms | rebuild ms "
-             "| run's own prediction | ratio |",
+             "| rebuild (views) ms | disk ms | measured tok/s (run) | compute ms "
+             "| rebuild (views) ms | run's own prediction | ratio |",
              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for i, r in enumerate(reps):
         p, m = r["predicted"], r["measured"]
@@ -168,8 +170,8 @@ def table(result: dict) -> str:
                      f" | {tr.get('compute', 0):.0f} | {tr.get('rebuild', 0):.0f}"
                      f" | {own if own is not None else '-'} | {r['ratio']:.2f} |")
     lines += ["", "measured compute and rebuild: the run's --trace spans, median ms per decode "
-              "token (compute there is every layer's host time; the head, sampling and the "
-              "rest of a token are outside it)"]
+              "token (compute there is every layer's host time; the head, sampling, the waits "
+              "for disk reads and the rest of a token are outside it)"]
     lines += ["", f"medians: predicted {s['predicted_tok_s']:.2f} tok/s, measured "
               f"{s['measured_tok_s']:.2f} tok/s, ratio {s['ratio']:.2f} "
               f"({'within' if s['within_25pct'] else 'NOT within'} 25%); the run's own "

@@ -106,3 +106,27 @@ def vram_budget_for(model, resident_layers: int, slack: int = 1) -> int:
     from slipstream.memory.setup import streamed_vram_budget
 
     return streamed_vram_budget(model.plan, resident_layers, slack)
+
+
+def cpu_budget(path: str | Path, packed: int = 0, whole: int = 0, precision: str = "fast",
+               ctx: int = 64) -> int:
+    """A RAM budget for a CPU plan of `path` that streams: at "fast" the images of the first
+    `packed` layers held (and, where every layer is packed, the first `whole` whole), the rest
+    streamed, with the head a streaming plan holds (memory.setup.cpu_fixed_bytes); at "exact"
+    the first `whole` layers resident, the rest streamed."""
+    import slipstream
+    from slipstream.memory.setup import cpu_fixed_bytes, head_dense_on_demand
+
+    plan = slipstream.plan(path, device="cpu", ctx=ctx, precision=precision, measure=False)
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    prec = Precision.of(precision, torch.device("cpu"))
+    fixed = cpu_fixed_bytes(gf, cfg, prec, ctx, head_on_demand=head_dense_on_demand(gf, prec))
+    gf.close()
+    files, full = plan.file_bytes_per_layer, plan.resident_bytes_per_layer
+    staging = plan.staging_buffers * max(files) + plan.prefill_staging
+    if precision == "exact":
+        return fixed + staging + sum(full[:whole]) + 1
+    return fixed + staging + sum(files[:packed]) + \
+        sum(f - m for f, m in zip(full[:whole], files[:whole])) + 1
+

@@ -6,8 +6,11 @@ killing pytest. What must hold:
 - a resident CPU model (weights in private memory, the default on CPU) never reads its file
   again: every fault leaves its output unchanged;
 - a streamed model detects a change (size, modification time, or a sampled checksum of what it
-  reads) and stops with FileChanged naming the file; a deleted file reads on through the open
-  descriptor, output unchanged.
+  reads) of a file it reads and stops with FileChanged naming the file; a deleted file reads
+  on through the open descriptor, output unchanged. At "exact" every pass reads the model
+  file; at "fast" decode passes read the packed layer images written at load (MODEL.slipstream-
+  cpu.img) and only prefill passes of more than 8 tokens read the model file, so each file's
+  faults are caught at its next read.
 The controls load the resident model with private_weights=False (its embedding a view of the
 file's map): a truncation then kills it by SIGBUS and an overwrite changes its output, which
 shows that the faults reach the bytes the model uses.
@@ -38,7 +41,7 @@ from slipstream.gguf_file import GGUFFile
 
 args = json.loads(sys.argv[1])
 path = args["path"]
-kw = dict(device="cpu", ctx=64)
+kw = dict(device="cpu", ctx=64, precision=args.get("precision") or "fast")
 if args.get("ram_budget"):
     kw["ram_budget"] = args["ram_budget"]
 if args.get("private") is not None:
@@ -55,6 +58,7 @@ def greedy():
 
 
 def fault(kind):
+    path = args["fault_path"]  # the model file, or its packed layer images
     st = os.stat(path)
     start = args["fault_start"]
     if kind == "truncate":
@@ -99,11 +103,14 @@ def data_offset(path: Path) -> int:
     return start
 
 
-def run_child(path: Path, fault: str, prompt, ram_budget=None, private=None, io=None) -> dict:
-    """Run one fault case; returns the child's result (fails the test on a signal)."""
+def run_child(path: Path, fault: str, prompt, ram_budget=None, private=None, io=None,
+              precision=None, target: Path | None = None) -> dict:
+    """Run one fault case; returns the child's result (fails the test on a signal). The fault
+    hits `target` (default: the model file's tensor data)."""
     args = {"path": str(path), "fault": fault, "prompt": prompt, "tokens": TOKENS,
-            "ram_budget": ram_budget, "private": private, "io": io,
-            "fault_start": data_offset(path)}  # the faults hit the tensor data
+            "ram_budget": ram_budget, "private": private, "io": io, "precision": precision,
+            "fault_path": str(target or path),
+            "fault_start": 0 if target else data_offset(path)}
     return run_script(CHILD, args)
 
 
@@ -174,33 +181,75 @@ def test_control_mapped_resident_model_changes_on_overwrite(model_copy):
 
 # --- streamed: a change is detected; a deletion is not a change ------------------------------
 
-STREAM_BUDGET = "1600KiB"  # every layer of the tiny model is read from disk each token
+TINY_LONG_PROMPT = TINY_PROMPT + [3, 1000, 64, 2]  # over 8 tokens: a prefill reads the model file
 
 
-@pytest.mark.parametrize("io", ["direct", "mmap"])
-@pytest.mark.parametrize("fault", ["truncate", "overwrite", "overwrite_keep_mtime"])
-def test_streamed_model_detects_a_changed_file(tiny_copy, fault, io):
-    r = assert_clean(run_child(tiny_copy, fault, TINY_PROMPT, ram_budget=STREAM_BUDGET, io=io))
+def all_streamed(path: Path, precision: str) -> int:
+    """A RAM budget that streams every layer of the model from disk each token."""
+    from helpers import cpu_budget
+
+    return cpu_budget(path, precision=precision)
+
+
+def cpu_images(path: Path) -> Path:
+    from slipstream.memory.image_file import image_paths
+
+    return image_paths(path, "slipstream-cpu")[0]
+
+
+CHANGED = {"truncate": "truncated or replaced while running",
+           "overwrite": "rewritten while running",
+           "overwrite_keep_mtime": "differ from their first read"}
+# the images' index holds their checksums as written, which their first read is checked against
+CHANGED_IMAGE = dict(CHANGED, overwrite_keep_mtime="differ from what was written there")
+
+
+def assert_changed(r: dict, changed: Path, expected: str) -> None:
     assert "disk" in r["plan"]
     assert r["error"] is not None, "the change went unnoticed"
     assert r["error"]["type"] == "FileChanged"
-    assert str(tiny_copy) in r["error"]["message"]
-    expected = {"truncate": "truncated or replaced while running",
-                "overwrite": "rewritten while running",
-                "overwrite_keep_mtime": "differ from their first read"}[fault]
+    assert str(changed) in r["error"]["message"]
     assert expected in r["error"]["message"]
     # the tokens it did give came from the file as it was
     assert r["got"] == r["ref"][:len(r["got"])]
 
 
 @pytest.mark.parametrize("io", ["direct", "mmap"])
-def test_streamed_model_reads_on_after_deletion(tiny_copy, io):
-    r = assert_clean(run_child(tiny_copy, "delete", TINY_PROMPT, ram_budget=STREAM_BUDGET,
-                               io=io))
+@pytest.mark.parametrize("fault", ["truncate", "overwrite", "overwrite_keep_mtime"])
+def test_streamed_model_detects_a_changed_file(tiny_copy, fault, io):
+    """At "exact" every pass reads the model file."""
+    r = assert_clean(run_child(tiny_copy, fault, TINY_PROMPT, precision="exact", io=io,
+                               ram_budget=all_streamed(tiny_copy, "exact")))
+    assert_changed(r, tiny_copy, CHANGED[fault])
+
+
+@pytest.mark.parametrize("io", ["direct", "mmap"])
+@pytest.mark.parametrize("fault", ["truncate", "overwrite", "overwrite_keep_mtime"])
+def test_streamed_packed_model_detects_a_changed_image_file(tiny_copy, fault, io):
+    """At "fast" decode reads the packed layer images."""
+    r = assert_clean(run_child(tiny_copy, fault, TINY_PROMPT, io=io, target=cpu_images(tiny_copy),
+                               ram_budget=all_streamed(tiny_copy, "fast")))
+    assert_changed(r, cpu_images(tiny_copy), CHANGED_IMAGE[fault])
+
+
+@pytest.mark.parametrize("fault", ["truncate", "overwrite", "overwrite_keep_mtime"])
+def test_streamed_packed_model_detects_a_changed_model_file_at_its_next_prefill(tiny_copy,
+                                                                                fault):
+    r = assert_clean(run_child(tiny_copy, fault, TINY_LONG_PROMPT,
+                               ram_budget=all_streamed(tiny_copy, "fast")))
+    assert_changed(r, tiny_copy, CHANGED[fault])
+
+
+@pytest.mark.parametrize("io", ["direct", "mmap"])
+@pytest.mark.parametrize("precision,images", [("exact", False), ("fast", True)])
+def test_streamed_model_reads_on_after_deletion(tiny_copy, io, precision, images):
+    target = cpu_images(tiny_copy) if images else None
+    r = assert_clean(run_child(tiny_copy, "delete", TINY_PROMPT, io=io, precision=precision,
+                               target=target, ram_budget=all_streamed(tiny_copy, precision)))
     assert "disk" in r["plan"]
     assert r["error"] is None, r["error"]
     assert r["got"] == r["ref"] and r["after"] == r["ref"]
-    assert not tiny_copy.exists()
+    assert not (target or tiny_copy).exists()
 
 
 # --- --io mmap: positional reads, so a truncation right before a read is no SIGBUS ----------

@@ -9,6 +9,8 @@ import threading
 import pytest
 
 import slipstream
+
+from helpers import cpu_budget
 from slipstream.synth import write_synth
 
 
@@ -21,12 +23,11 @@ def _held() -> tuple[int, int]:
 def test_close_releases_threads_and_descriptors(tmp_path):
     path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=6, from_floats=True,
                        std=0.1, seed=3)
-    full = slipstream.plan(path, device="cpu", ctx=64, measure=False)
-    staging = full.staging_buffers * max(full.file_bytes_per_layer)
-    budget = full.fixed_bytes + staging + sum(full.resident_bytes_per_layer[:2])
+    # room for two layers' packed images (precision "fast"): the tail streams from disk
+    budget = cpu_budget(path, packed=2)
     before = _held()
     with slipstream.load(path, device="cpu", ctx=64, ram_budget=budget) as model:
-        assert model.plan.tiers == ["ram"] * 2 + ["disk"] * 4  # the tail streams from disk
+        assert model.plan.tiers == ["packed"] * 2 + ["disk"] * 4
         text = list(model.generate("hello", max_tokens=4, temperature=0))
         assert len(text) >= 1
         during = _held()

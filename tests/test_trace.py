@@ -173,7 +173,9 @@ def _stats_ms_per_token(stderr: str) -> tuple[dict[str, float], int]:
 
 @pytest.mark.slow
 def test_streamed_run_trace_nests_and_matches_stats(smollm_path, tmp_path):
-    """The default model at --ram-budget 300MiB streams layers 9-29 from disk: every layer's
+    """The default model at --ram-budget 300MiB streams its last layers from disk (at "fast"
+    they decode from packed images, the "rebuild" spans making them views into the staging
+    buffers; the first layers' images are held in RAM): every layer's
     compute, and every streamed layer's disk wait and rebuild, lies inside its token's span,
     in layer order, one after another on the engine's thread; the reader threads' reads run
     under them; and each track's total is what --stats reports."""
@@ -194,7 +196,9 @@ def test_streamed_run_trace_nests_and_matches_stats(smollm_path, tmp_path):
     assert [e["name"] for e in tokens] == ["prefill + token 0", "token 1", "token 2"]
     assert all(end(a) <= b["ts"] for a, b in zip(tokens, tokens[1:]))  # one after another
     n_layers = 30
-    streamed = list(range(9, 30))  # the plan at 300MiB: layers 0-8 in RAM
+    plan = slipstream.plan(smollm_path, device="cpu", ram_budget="300MiB", measure=False)
+    streamed = plan.disk_layers  # the plan at 300MiB: the first layers in RAM, then these
+    assert streamed == list(range(streamed[0], n_layers)) and streamed[0] > 0
     for tok in tokens:
         comp = [e for e in tracks["compute"] if inside(e, tok)]
         assert [e["args"]["layer"] for e in comp] == list(range(n_layers)), tok["name"]
@@ -221,8 +225,14 @@ def test_streamed_run_trace_nests_and_matches_stats(smollm_path, tmp_path):
     for kind, row in (("rebuild", "build streamed layers"), ("disk wait", "disk wait")):
         assert total_ms[kind] / n_tok == pytest.approx(stats[row], rel=0.01, abs=0.01), kind
     # --stats' compute is the rest of the time, embedding, head and sampling included: the
-    # layers' spans are most of it
-    assert 0.5 * stats["compute"] <= total_ms["compute"] / n_tok <= stats["compute"] + 0.01
+    # layers' spans are most of it in a decode token (the first token's also holds the lazy
+    # packing of the resident weights' decode copies, the head's outside any layer)
+    assert total_ms["compute"] / n_tok <= stats["compute"] + 0.01
+    for tok in tokens[1:]:
+        inside_ms = {k: sum(e["dur"] for e in tracks[k] if inside(e, tok)) / 1e3
+                     for k in ("compute", "disk wait", "rebuild")}
+        rest = tok["dur"] / 1e3 - inside_ms["disk wait"] - inside_ms["rebuild"]
+        assert inside_ms["compute"] >= 0.5 * rest, tok["name"]
 
 
 def test_trace_into_a_missing_folder_fails_before_loading(tmp_path):

@@ -506,10 +506,9 @@ def plan(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     p = _plan(gf, cfg, dev, Precision.of(precision, dev), _context(cfg, ctx), ram_budget,
               parse_size(vram_budget), io, gpu_slots, vram_layers)
     if measure:
-        from .memory.setup import cpu_load_precision, measure_bandwidths
+        from .memory.setup import measure_bandwidths
 
-        prec = cpu_load_precision(Precision.of(precision, dev), p, gf, cfg)
-        measure_bandwidths(gf, p, io, cfg, prec)
+        measure_bandwidths(gf, p, io, cfg, Precision.of(precision, dev))
         if p.streamed_layers:
             _plan_hybrid(gf, cfg, p, _hybrid_mode(hybrid, precision), threads)
     return p
@@ -563,16 +562,16 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
            threads: int | None = None) -> Model:
     """Load the planned model: streamed tiers first, then the resident weights, the store
     and the engine."""
-    from .memory.setup import (cpu_load_precision, disk_images, make_store,
-                               measure_bandwidths, pin_streamed_layers)
+    from .memory.setup import (disk_images, make_store, measure_bandwidths,
+                               pin_streamed_layers)
 
-    precision = cpu_load_precision(precision, plan, gf, cfg)
     if plan.streamed_layers:
         measure_bandwidths(gf, plan, io, cfg, precision)
         _plan_hybrid(gf, cfg, plan, hybrid, threads)
     resident = {i for i, t in enumerate(plan.tiers) if t in ("ram", "vram")}
     # CUDA tiers B and C are built first, while the GPU holds nothing else, so the transient
-    # GPU copy of the layer being built never sits on top of the resident model.
+    # GPU copy of the layer being built never sits on top of the resident model (on CPU:
+    # the "packed" layers' images and the disk layers' image file).
     images, hosts = pin_streamed_layers(gf, cfg, dev, precision, plan)
     disk = disk_images(gf, cfg, dev, precision, plan, progress)
     weights = _load_weights_with_progress(gf, cfg, dev, precision, progress, resident,
@@ -631,4 +630,5 @@ def _load_weights_with_progress(gf, cfg, dev, precision: Precision, show: bool,
                             progress=lambda n: bar.advance(task, n), resident_layers=resident,
                             embed_on_host=embed_on_host, private=private,
                             scratch_elements=plan.scratch_elements if plan else None,
-                            fuse_scales=plan.fuse_scales if plan else True)
+                            fuse_scales=plan.fuse_scales if plan else True,
+                            head_dense_on_demand=plan.head_dense_on_demand if plan else False)

@@ -19,6 +19,8 @@ from slipstream.memory.store import steady_heap
 from slipstream.precision import Precision
 from slipstream.synth import write_synth
 
+from helpers import cpu_budget
+
 FAST_CPU = Precision.of("fast", torch.device("cpu"))
 
 
@@ -89,13 +91,22 @@ def test_steady_heap_is_harmless():
     assert torch.ones(8 << 20, dtype=torch.uint8).sum() == 8 << 20
 
 
-def test_plan_predicts_a_streamed_cpu_model(tiny):
-    """api.plan (what `info --plan` prints) measures the rates the prediction needs."""
-    plain = slipstream.plan(tiny, device="cpu", measure=False)
-    layer, staging = plain.resident_bytes_per_layer[0], 2 * max(plain.file_bytes_per_layer)
-    budget = plain.fixed_bytes + staging + 2 * layer + layer // 2
-    plan = slipstream.plan(tiny, device="cpu", ram_budget=budget)
-    assert plan.tiers.count("ram") == 2 and plan.disk_layers
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_plan_predicts_a_streamed_cpu_model(tiny, precision):
+    """api.plan (what `info --plan` prints) measures the rates the prediction needs: at
+    "exact" 2 layers whole and the rest rebuilt every token, at "fast" 2 layers' packed
+    images in RAM and the rest's read every token."""
+    plain = slipstream.plan(tiny, device="cpu", ctx=64, measure=False, precision=precision)
+    # whole layers at "exact"; packed images at "fast", where a plan that streams holds those
+    if precision == "fast":
+        budget = cpu_budget(tiny, packed=2) + plain.file_bytes_per_layer[0] // 2
+    else:
+        budget = cpu_budget(tiny, whole=2, precision=precision) + \
+            plain.resident_bytes_per_layer[0] // 2
+    plan = slipstream.plan(tiny, device="cpu", ctx=64, ram_budget=budget,
+                           precision=precision)
+    held = "packed" if precision == "fast" else "ram"
+    assert plan.tiers == [held] * 2 + ["disk"] * 4
     assert plan.head_bytes > 0
     parts = plan.cpu_token_seconds()
     assert parts is not None and all(v > 0 for v in parts.values())
@@ -106,3 +117,21 @@ def _table_text(plan) -> str:
     console = Console(width=200, record=True)
     console.print(plan.table())
     return console.export_text()
+
+
+def test_the_ring_hides_reads_only_as_far_as_its_buffers_reach():
+    """token_seconds_of_ring against cases worked by hand: 4 layers of 1 s of CPU work each,
+    the last two read from disk."""
+    from slipstream.memory.planner import token_seconds_of_ring
+
+    # reads of 1 s: both are read while the first two layers compute (2 buffers): no wait
+    assert token_seconds_of_ring([(1, None), (1, None), (1, 1), (1, 1)], 0, 2) == 4
+    # one buffer: layer 3's read starts at layer 2's release, and the CPU waits 1 s for it
+    assert token_seconds_of_ring([(1, None), (1, None), (1, 1), (1, 1)], 0, 1) == 5
+    # reads of 3 s: the disk is busy all the time, 6 s per token whatever the buffers
+    assert token_seconds_of_ring([(1, None), (1, None), (1, 3), (1, 3)], 0, 2) == 6
+    # a head of 2 s after the last layer: the CPU's 6 s a token and the disk's 6 s overlap
+    # wholly (layer 2's read runs under layer 3, the head and layers 0-1)
+    assert token_seconds_of_ring([(1, None), (1, None), (1, 3), (1, 3)], 2, 2) == 6
+    # and a 3 s head: the CPU's 7 s
+    assert token_seconds_of_ring([(1, None), (1, None), (1, 3), (1, 3)], 3, 2) == 7

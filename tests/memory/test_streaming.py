@@ -17,10 +17,12 @@ from slipstream.memory import parse_size
 from slipstream.memory.disk import DiskReadError
 from slipstream.synth import write_synth
 
+from helpers import cpu_budget
+
 PROMPT = [5, 77, 300, 12, 901, 44, 7, 8]
-# Streamed and resident layers compute alike at either precision, but at "fast" an all-resident
-# CPU model decodes through packed copies that a streamed plan does not make (memory.setup.
-# cpu_load_precision): the comparisons below load both sides at "exact", the same kernels.
+# Streamed and resident layers compute alike at either precision. Here both sides load at
+# "exact", where every pass rebuilds each streamed layer from its GGUF bytes (dense float32);
+# at "fast" streamed layers decode from packed images (tests/memory/test_cpu_stream_packed.py).
 EXACT = "exact"
 
 
@@ -81,10 +83,19 @@ def test_budget_too_small_names_the_minimum(tiny):
         slipstream.load(tiny, device="cpu", ctx=64, ram_budget="1KiB")
 
 
+def all_streamed(path, precision: str) -> int:
+    """A RAM budget that streams every layer of `path` from disk."""
+    return cpu_budget(path, precision=precision)
+
+
 def test_truncated_file_mid_run_is_a_clear_error(tiny, tmp_path):
     path = tmp_path / "m.gguf"
     shutil.copy(tiny, path)
-    model = slipstream.load(path, device="cpu", ctx=64, ram_budget="1600KiB", io="buffered")
+    # at "exact" every pass reads the GGUF file (at "fast" decode reads the packed images,
+    # whose truncation test_cpu_stream_packed.py checks)
+    model = slipstream.load(path, device="cpu", ctx=64, ram_budget=all_streamed(path, EXACT),
+                            io="buffered", precision=EXACT)
+    assert model.plan.tiers == ["disk"] * 6
     greedy(model, 2)
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size // 2)
@@ -107,6 +118,7 @@ def test_disk_read_error_is_a_clear_error(tiny):
     def fail():
         raise OSError(errno.EIO, "Input/output error")
 
-    model = slipstream.load(tiny, device="cpu", ctx=64, ram_budget="1600KiB", stream_delay=fail)
+    model = slipstream.load(tiny, device="cpu", ctx=64, ram_budget=all_streamed(tiny, "fast"),
+                            stream_delay=fail)
     with pytest.raises(DiskReadError, match="Input/output error"):
         greedy(model, 2)

@@ -160,8 +160,8 @@ def test_setting_skip_resets_the_context_and_checks_the_layers(synth):
 
 
 def test_a_streamed_model_never_reads_a_skipped_layer(synth, monkeypatch):
-    # both at "exact": an all-resident "fast" model decodes through packed copies that a
-    # streamed one does not make (memory.setup.cpu_load_precision)
+    # both at "exact", where every pass reads the GGUF spans this test follows (at "fast",
+    # tests/memory/test_cpu_stream_packed.py follows the packed images' reads)
     resident = slipstream.load(synth, device="cpu", ctx=64, precision="exact")
     budget = resident.plan.fixed_bytes + 2 * max(resident.plan.file_bytes_per_layer) + 1
     streamed = slipstream.load(synth, device="cpu", ctx=64, ram_budget=budget, precision="exact")

@@ -48,10 +48,14 @@ def test_server_survives_its_file_truncated_and_overwritten(smollm_path, tmp_pat
         server.stop()
 
 
-def test_streamed_server_reports_a_changed_file(tmp_path):
-    """A server whose layers stream from disk: after its file is rewritten in place, requests
-    fail with a 500 that names the file (code model_file_changed), not with other output; the
-    process stays up."""
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_streamed_server_reports_a_changed_file(tmp_path, precision):
+    """A server whose layers stream from disk: after the file its decode reads is rewritten in
+    place (the model file at "exact"; at "fast" the packed layer images written at load),
+    requests fail with a 500 that names the file (code model_file_changed), not with other
+    output; the process stays up."""
+    from helpers import cpu_budget
+    from slipstream.memory.image_file import image_paths
     from slipstream.synth import write_synth
 
     path = write_synth(tmp_path / "tiny.gguf", "tiny", "Q4_K", n_layers=6, from_floats=True,
@@ -59,22 +63,26 @@ def test_streamed_server_reports_a_changed_file(tmp_path):
     gf = GGUFFile(path)
     data_start = gf.reader.data_offset
     gf.close()
-    server = ServerProcess("-m", str(path), "--ctx", "64", "--ram-budget", "1600KiB")
+    budget = cpu_budget(path, precision=precision)  # every layer streamed
+    changed, start = (path, data_start) if precision == "exact" else \
+        (image_paths(path, "slipstream-cpu")[0], 0)
+    server = ServerProcess("-m", str(path), "--ctx", "64", "--ram-budget", str(budget),
+                           "--precision", precision)
     body = {"prompt": [5, 77, 300, 12], "max_tokens": 4, "temperature": 0}
     try:
         server.wait_ready()
         r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
-        with open(path, "r+b") as f:
-            f.seek(data_start)
+        with open(changed, "r+b") as f:
+            f.seek(start)
             data = f.read()
-            f.seek(data_start)
+            f.seek(start)
             f.write(bytes(b ^ 0x5A for b in data))
         for _ in range(2):  # and the next request too
             r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
             assert r.status_code == 500, r.text
             err = r.json()["error"]
-            assert err["code"] == "model_file_changed" and str(path) in err["message"]
+            assert err["code"] == "model_file_changed" and str(changed) in err["message"]
         assert server.alive
     finally:
         server.stop()

@@ -120,6 +120,7 @@ class DirectReader:
             self.fd = os.open(self.path, os.O_RDONLY)
         self.watch = FileWatch(self.path, self.fd)  # see FileChanged
         self.fingerprints: dict[tuple[int, int], int] = {}  # (start, n) -> first read's CRC
+        self.written: set[tuple[int, int]] = set()  # spans whose CRC came from `expect`
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="slipstream-io")
         self._lock = threading.Lock()
         self.bytes_read = 0
@@ -180,6 +181,13 @@ class DirectReader:
             self.on_read(base + skew, base + needed, t0, t1)
         return skew
 
+    def expect(self, start: int, end: int, crc: int) -> None:
+        """Check the first read of file bytes [start, end) too: against `crc`, their
+        fingerprint when the file was written (an image file's index records it)."""
+        with self._lock:
+            self.fingerprints[(start, end - start)] = crc
+            self.written.add((start, end - start))
+
     def check_unchanged(self) -> None:
         """Raise FileChanged if the open file's size or modification time moved since open."""
         self.watch.check(self.fd)
@@ -189,6 +197,11 @@ class DirectReader:
         with self._lock:
             first = self.fingerprints.setdefault((start, n), crc)
         if crc != first:
+            if (start, n) in self.written:
+                raise FileChanged(f"{self.path} changed on disk: bytes {start}..{start + n} "
+                                  f"differ from what was written there (same size and "
+                                  f"modification time); its weights can no longer be trusted. "
+                                  f"Delete it (it is rebuilt at the next load) and reload")
             raise FileChanged(f"{self.path} changed on disk while the model was running: bytes "
                               f"{start}..{start + n} differ from their first read (same size "
                               f"and modification time); its weights can no longer be trusted. "

@@ -20,6 +20,13 @@ GGUF bytes per layer, 0.86 G weights; disk 2.3 GB/s, pinned H2D 55 GB/s, HBM ~4 
 The file is reused while the model file (size, mtime) and the image format are unchanged and it
 holds every layer asked for; otherwise it is rebuilt. It lives next to the model, or in the
 slipstream cache directory where the model's directory is not writable.
+
+CPU streaming keeps images too (`build_cpu_images`, weights.cpu_image: a layer packed for
+torch's int4/int8 CPU kernels), in a file of their own (`MODEL.slipstream-cpu.img`) written by
+the same code. Their index also records the torch version and a fingerprint of torch's int4
+layout on this CPU (it depends on the CPU's vector width), and, per layer, the sampled CRC the
+disk reader checks every read against (disk.fingerprint): an image changed after it was written
+fails its first read with FileChanged instead of computing with other weights.
 """
 
 from __future__ import annotations
@@ -28,17 +35,20 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from typing import Any, Callable
 
 import torch
 
 from ..errors import BudgetTooSmall, SlipstreamError
 from ..weights.image import LayerLayout
 from .budget import fmt_bytes
-from .disk import ALIGN
+from .disk import ALIGN, fingerprint
 
 FORMAT_VERSION = 2  # bump when LayerLayout, to_image or pack_weight change their bytes
+CPU_FORMAT_VERSION = 1  # bump when weights.cpu_image or weights.cpu_packed change their bytes
 SPACE_MARGIN = 1 << 30  # leave this much free on the disk after writing the file
 
 
@@ -46,25 +56,29 @@ SPACE_MARGIN = 1 << 30  # leave this much free on the disk after writing the fil
 class ImageFile:
     path: Path
     spans: dict[int, tuple[int, int]]  # layer -> [start, end) of its image in the file
-    layouts: dict[int, LayerLayout]
+    layouts: dict[int, Any]  # LayerLayout (CUDA) or weights.cpu_image.CpuLayerLayout
+    # layer -> disk.fingerprint of its image as written (CPU images; empty for CUDA's), which
+    # a reader is seeded with (DirectReader.expect) so its first read is checked too
+    fingerprints: dict[int, int] = field(default_factory=dict)
 
 
 def _round_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def image_paths(model: Path) -> tuple[Path, Path]:
-    """(data file, index file): next to the model when that directory is writable."""
+def image_paths(model: Path, kind: str = "slipstream") -> tuple[Path, Path]:
+    """(data file, index file): next to the model when that directory is writable. `kind`
+    names the file: "slipstream" (CUDA's images) or "slipstream-cpu"."""
     model = model.resolve()
     if os.access(model.parent, os.W_OK):
-        base = model.parent / f"{model.name}.slipstream"
+        base = model.parent / f"{model.name}.{kind}"
     else:
         from ..pull import cache_dir
 
         key = hashlib.sha1(str(model).encode()).hexdigest()[:12]
         d = cache_dir() / "images"
         d.mkdir(parents=True, exist_ok=True)
-        base = d / f"{model.name}.{key}.slipstream"
+        base = d / f"{model.name}.{key}.{kind}"
     return base.with_name(base.name + ".img"), base.with_name(base.name + ".json")
 
 
@@ -79,20 +93,33 @@ def _identity(model: Path, f16_scales: bool) -> dict:
 
 def open_images(model: Path, layers: list[int], f16_scales: bool = True) -> ImageFile | None:
     """The cached image file when it is current and holds `layers`, else None."""
-    data, index = image_paths(model)
+    return _open_index(*image_paths(model), _identity(model, f16_scales), layers,
+                       LayerLayout.from_json)
+
+
+def _open_index(data: Path, index: Path, identity: dict, layers: list[int],
+                parse: Callable[[dict], Any]) -> ImageFile | None:
+    """The image file `index` describes, when it was written for `identity`, holds `layers`,
+    and (where the index says) is still the file that was written (size and mtime); else
+    None (to be rebuilt)."""
     try:
         doc = json.loads(index.read_text())
-        if doc.get("model") != _identity(model, f16_scales) or not data.exists():
+        if doc.get("model") != identity or not data.exists():
             return None
+        written = doc.get("file")
+        st = data.stat()
+        if written is not None and [st.st_size, st.st_mtime_ns] != written:
+            return None  # changed after it was written: rebuild it
         entries = {int(k): v for k, v in doc["layers"].items()}
+        if not set(layers) <= set(entries):
+            return None
+        if st.st_size < max((entries[i]["end"] for i in layers), default=0):
+            return None
+        return ImageFile(data, {i: (entries[i]["start"], entries[i]["end"]) for i in layers},
+                         {i: parse(entries[i]["layout"]) for i in layers},
+                         {i: entries[i]["crc"] for i in layers if "crc" in entries[i]})
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not set(layers) <= set(entries):
-        return None
-    if data.stat().st_size < max((entries[i]["end"] for i in layers), default=0):
-        return None
-    return ImageFile(data, {i: (entries[i]["start"], entries[i]["end"]) for i in layers},
-                     {i: LayerLayout.from_json(entries[i]["layout"]) for i in layers})
 
 
 def check_space(directory: Path, needed: int, replaced: int = 0) -> None:
@@ -114,17 +141,85 @@ def build_images(gf, cfg, device: torch.device, precision, layers: list[int],
     cached = open_images(model, layers, fast)
     if cached is not None:
         return cached
+    from ..weights.image import to_image
+    from ..weights.loader import LayerBuilder, TensorSource, release_transients
+
+    if builder is None:
+        builder = LayerBuilder(cfg, device, precision, fuse_scales=False)
+
+    def make(i: int) -> tuple[torch.Tensor, dict]:
+        image = to_image(builder.build(TensorSource(gf), i), pin=False)
+        release_transients(device)
+        return image.host, image.layout.to_json()
+
     data, index = image_paths(model)
+    write_images(data, index, _identity(model, fast), layers, image_bytes, make,
+                 "writing repacked disk layers", progress)
+    del builder, make
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    result = open_images(model, layers, fast)
+    if result is None:
+        raise SlipstreamError(f"the repacked layer images in {data} could not be read back")
+    return result
+
+
+def cpu_identity(model: Path) -> dict:
+    """What a CPU image file depends on: the model file, the format, torch (its packers), and
+    torch's int4 layout on this machine (weights.cpu_image.layout_fingerprint)."""
+    from ..weights.cpu_image import layout_fingerprint
+
+    st = model.stat()
+    return {"version": CPU_FORMAT_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "torch": torch.__version__, "int4_layout": layout_fingerprint()}
+
+
+def open_cpu_images(model: Path, layers: list[int]) -> ImageFile | None:
+    """The cached CPU image file when it is current and holds `layers`, else None."""
+    from ..weights.cpu_image import CpuLayerLayout
+
+    return _open_index(*image_paths(model, "slipstream-cpu"), cpu_identity(model), layers,
+                       CpuLayerLayout.from_json)
+
+
+def build_cpu_images(gf, cfg, precision, layers: list[int], image_bytes: list[int],
+                     progress: bool = True) -> ImageFile:
+    """CPU streaming: reuse the cached CPU image file for `layers`, or pack each layer once
+    for the CPU kernels (weights.cpu_image) and write its image. `image_bytes`: the planner's
+    per-layer sizes (weights.cpu_image.image_nbytes), for the disk-space check."""
+    from ..weights.cpu_image import cpu_image_of
+
+    model = Path(gf.path)
+    cached = open_cpu_images(model, layers)
+    if cached is not None:
+        return cached
+
+    def make(i: int) -> tuple[torch.Tensor, dict]:
+        host, layout = cpu_image_of(gf, cfg, precision, i)
+        return host, layout.to_json()
+
+    data, index = image_paths(model, "slipstream-cpu")
+    write_images(data, index, cpu_identity(model), layers, image_bytes, make,
+                 "packing streamed layers for the CPU", progress, checksums=True)
+    result = open_cpu_images(model, layers)
+    if result is None:
+        raise SlipstreamError(f"the packed layer images in {data} could not be read back")
+    return result
+
+
+def write_images(data: Path, index: Path, identity: dict, layers: list[int],
+                 image_bytes: list[int], make: Callable[[int], tuple[torch.Tensor, dict]],
+                 what: str, progress: bool, checksums: bool = False) -> None:
+    """Write make(i)'s image bytes for each of `layers` (each at an ALIGN boundary, the file
+    padded to whole blocks so every O_DIRECT read is full), then the index: `identity`, each
+    layer's span and layout, with `checksums` its sampled CRC (disk.fingerprint), and the data
+    file's size and mtime as written. The index goes last, through a rename, so that a crash
+    mid-write leaves no index describing a half-written file."""
     old = data.stat().st_size if data.exists() else 0
     check_space(data.parent, sum(_round_up(image_bytes[i]) for i in layers), old)
     from rich.progress import BarColumn, DownloadColumn, Progress
 
-    from ..weights.image import to_image
-    from ..weights.loader import LayerBuilder, TensorSource, release_transients
-
     index.unlink(missing_ok=True)  # no index may describe a half-written data file
-    if builder is None:
-        builder = LayerBuilder(cfg, device, precision, fuse_scales=False)
     tmp = data.with_name(data.name + ".tmp")
     entries: dict[str, dict] = {}
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -132,40 +227,36 @@ def build_images(gf, cfg, device: torch.device, precision, layers: list[int],
         offset = 0
         with Progress("[progress.description]{task.description}", BarColumn(),
                       DownloadColumn(), transient=True, disable=not progress) as bar:
-            task = bar.add_task("writing repacked disk layers",
-                                total=sum(image_bytes[i] for i in layers))
+            task = bar.add_task(what, total=sum(image_bytes[i] for i in layers))
             for i in layers:
-                image = to_image(builder.build(TensorSource(gf), i), pin=False)
-                release_transients(device)
-                view = memoryview(image.host.numpy())
+                host, layout = make(i)
+                view = memoryview(host.numpy())
                 done = 0
                 while done < len(view):
                     done += os.pwrite(fd, view[done:], offset + done)
-                entries[str(i)] = {"start": offset, "end": offset + image.nbytes,
-                                   "layout": image.layout.to_json()}
-                offset = _round_up(offset + image.nbytes)
-                bar.advance(task, image.nbytes)
+                entries[str(i)] = {"start": offset, "end": offset + len(view),
+                                   "layout": layout}
+                if checksums:
+                    entries[str(i)]["crc"] = fingerprint(view, 0, len(view))
+                offset = _round_up(offset + len(view))
+                bar.advance(task, len(view))
         os.ftruncate(fd, offset)  # whole aligned blocks, so every O_DIRECT read is full
         os.fsync(fd)
-        # The writes went through the page cache; drop them so tier C measures the disk
-        # (O_DIRECT reads bypass the cache anyway; this frees the RAM).
+        # The writes went through the page cache; drop them so the streamed tier measures the
+        # disk (O_DIRECT reads bypass the cache anyway; this frees the RAM).
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     except OSError as e:
         os.close(fd)
         tmp.unlink(missing_ok=True)
-        raise SlipstreamError(f"writing the repacked layer images to {tmp} failed: "
+        raise SlipstreamError(f"writing the layer images to {tmp} failed: "
                               f"{e.strerror}") from None
     os.close(fd)
-    del builder
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
     os.replace(tmp, data)
-    doc = {"model": _identity(model, fast), "layers": entries}
+    st = data.stat()
+    doc = {"model": identity, "layers": entries}
+    if checksums:
+        doc["file"] = [st.st_size, st.st_mtime_ns]
     index_tmp = index.with_name(index.name + ".tmp")
     index_tmp.write_text(json.dumps(doc))
     os.replace(index_tmp, index)  # the index last: a crash mid-write leaves no stale index
-    result = open_images(model, layers, fast)
-    if result is None:
-        raise SlipstreamError(f"the repacked layer images in {data} could not be read back")
-    return result

@@ -10,8 +10,10 @@ from disk every token (tier C), from an image file laid out in that order. The p
 predicts decode speed from bandwidths measured at start-up.
 
 On CPU a decode token is bound by the CPU (cpu_token_seconds): every layer and the head compute
-as dense matvecs, and each streamed layer is first rebuilt from its GGUF bytes; the reader
-threads fetch those bytes ahead, so the disk only shows where it is slower than all of that.
+as matvecs (through packed copies at precision "fast", dense at "exact"), and each streamed
+layer is first made from the bytes read for it: views into its packed image ("fast"), or
+rebuilt from its GGUF bytes ("exact"); the reader threads fetch those bytes ahead, so the disk
+only shows where it is slower than all of that.
 """
 
 from __future__ import annotations
@@ -45,8 +47,12 @@ class Plan:
     with one stage, by layer index). `stages` lists the stages the engine chains."""
 
     device: str
-    tiers: list[str]  # per layer: "ram"/"disk" on CPU; "vram"/"pinned"/"disk" on CUDA
-    resident_bytes_per_layer: list[int]  # memory a resident layer takes (RAM, or VRAM)
+    # per layer: "ram"/"packed"/"disk" on CPU; "vram"/"pinned"/"disk" on CUDA. A CPU "packed"
+    # layer holds only its packed decode image in RAM: decode reads nothing, prefill rebuilds
+    # it from the file as a "disk" layer's
+    tiers: list[str]
+    # memory a resident layer takes (RAM, or VRAM); a CPU "packed" layer's: its image
+    resident_bytes_per_layer: list[int]
     # bytes one use of a streamed layer moves: its GGUF span on CPU, its image on CUDA (the
     # bytes of a slot, read from the image file for the disk tier)
     file_bytes_per_layer: list[int]
@@ -76,6 +82,13 @@ class Plan:
     head_bytes: int = 0
     # CUDA: the pinned layers' FFN split with the CPU (memory.hybrid_plan), or None
     hybrid: "HybridPlan | None" = None
+    # CPU: every layer decodes through packed copies, the bytes of its image, which are its
+    # file_bytes_per_layer (the disk layers' images are read per token); prefill reads the
+    # packed and disk layers' GGUF spans through prefill_staging bytes of buffers
+    cpu_images: bool = False
+    prefill_staging: int = 0
+    # CPU: the head holds its GGUF bytes, not its dense weight (memory.setup._plan_cpu)
+    head_dense_on_demand: bool = False
 
     def __post_init__(self) -> None:
         if not self.stages:
@@ -87,7 +100,9 @@ class Plan:
 
     @property
     def streamed_layers(self) -> list[int]:
-        return [i for i, t in enumerate(self.tiers) if t in ("disk", "pinned")]
+        """Layers read from somewhere else than where they compute, at least in some passes
+        (a CPU "packed" layer in prefill)."""
+        return [i for i, t in enumerate(self.tiers) if t in ("disk", "pinned", "packed")]
 
     def bytes_per_token(self, tier: str) -> int:
         if tier == "disk" or (tier == "pinned" and self.device == "cuda"):
@@ -126,14 +141,19 @@ class Plan:
         """Seconds of one CPU decode token by part, from the rates measured on this machine
         (memory.probes.cpu_decode_rates); None where a rate it needs was not measured.
 
-        "compute": every layer's decode step, at the "compute" rate per dense byte (probed on a
-          layer just rebuilt, as a streamed layer runs; a resident layer, out of cache after a
+        "compute": every layer's decode step, at the "compute" rate per resident byte (probed
+          on a layer made as a streamed layer is; a resident layer, out of cache after a
           token of other layers, runs at about that rate too);
         "head": the head's matvec over head_bytes, at the "gemv" rate;
-        "rebuild": turning the streamed layers' GGUF bytes into dense layers ("rebuild" rate);
+        "rebuild": making the streamed layers from the bytes read for them ("rebuild" rate per
+          byte moved): views into packed images (cpu_images), or dense layers rebuilt from
+          their GGUF bytes;
         "disk": reading those bytes ("disk" rate), which reader threads do ahead of use;
-        "token": the CPU's parts in series, or the reads where they take longer (they overlap
-          the CPU's work, not each other)."""
+        "token": a token of the read-ahead ring (token_seconds_of_ring): the CPU's parts in
+          series, and the waits for reads the ring could not start early enough (with
+          staging_buffers buffers, a streamed layer's read starts once the layer that many
+          streamed layers before it is released), so neither simply the CPU's sum nor the
+          reads' where the two are close."""
         if self.device != "cpu":
             return None
         bw = self.bandwidth_gbps
@@ -141,11 +161,27 @@ class Plan:
         needed = ("compute", "rebuild", "disk") if streamed else ("compute",)
         if not all(bw.get(k) for k in needed):
             return None
-        parts = {"compute": sum(self.resident_bytes_per_layer) / (bw["compute"] * 1e9),
+        # the "compute" rate is per byte of what a layer decodes from: its image where every
+        # layer decodes packed, its resident bytes otherwise
+        computed = sum(self.file_bytes_per_layer) if self.cpu_images else \
+            sum(self.resident_bytes_per_layer)
+        parts = {"compute": computed / (bw["compute"] * 1e9),
                  "head": self.head_bytes / ((bw.get("gemv") or bw["compute"]) * 1e9),
                  "rebuild": streamed / (bw["rebuild"] * 1e9) if streamed else 0.0,
                  "disk": streamed / (bw["disk"] * 1e9) if streamed else 0.0}
-        parts["token"] = max(parts["compute"] + parts["head"] + parts["rebuild"], parts["disk"])
+        rate = bw["compute"] * 1e9
+        layers = []  # (CPU seconds, read seconds or None) per layer, in order
+        for i, t in enumerate(self.tiers):
+            own = (self.file_bytes_per_layer[i] if self.cpu_images else
+                   self.resident_bytes_per_layer[i]) / rate
+            if t == "disk":
+                b = self.file_bytes_per_layer[i]
+                layers.append((own + b / (bw["rebuild"] * 1e9), b / (bw["disk"] * 1e9)))
+            else:
+                layers.append((own, None))
+        # the store makes no more buffers than layers it reads (store.DiskLayerStore)
+        buffers = max(1, min(self.staging_buffers, len(self.disk_layers)))
+        parts["token"] = token_seconds_of_ring(layers, parts["head"], buffers)
         return parts
 
     def table(self):
@@ -158,13 +194,13 @@ class Plan:
         t = Table(title=f"tier plan ({self.device}, {budget})")
         for col in ("tier", "layers", "bytes held", "bytes moved / token", "GB/s"):
             t.add_column(col, justify="right" if col != "tier" else "left")
-        for tier in ("vram", "ram", "pinned", "disk"):
+        for tier in ("vram", "ram", "packed", "pinned", "disk"):
             idx = [i for i, x in enumerate(self.tiers) if x == tier]
             if not idx:
                 continue
             if tier == "disk":
                 held = (self.host_staging if self.device == "cuda" else self.staging_buffers) \
-                    * max(self.file_bytes_per_layer)
+                    * max(self.file_bytes_per_layer) + self.prefill_staging
             elif tier == "pinned":
                 held = sum(self.file_bytes_per_layer[i] for i in idx)
             else:
@@ -211,11 +247,14 @@ class Plan:
         """The CPU table's compute and rebuild rows; returns its caption (the prediction)."""
         bw = self.bandwidth_gbps
         if bw.get("compute"):
+            computed = sum(self.file_bytes_per_layer) if self.cpu_images else \
+                sum(self.resident_bytes_per_layer)
             t.add_row("compute", "every layer and the head, every token", "-",
-                      fmt_bytes(sum(self.resident_bytes_per_layer) + self.head_bytes),
-                      f"{bw['compute']:.2f}")
+                      fmt_bytes(computed + self.head_bytes), f"{bw['compute']:.2f}")
         if self.disk_layers and bw.get("rebuild"):
-            t.add_row("rebuild", "streamed layers, every token", "-",
+            t.add_row("views" if self.cpu_images else "rebuild",
+                      "streamed layers' packed images, every token" if self.cpu_images else
+                      "streamed layers, every token", "-",
                       fmt_bytes(self.bytes_per_token("disk")), f"{bw['rebuild']:.2f}")
         parts = self.cpu_token_seconds()
         if not parts or not parts["token"]:
@@ -225,8 +264,35 @@ class Plan:
         rate = f"{ms['token']:.0f} ms/token, {tok_s:.{1 if tok_s >= 10 else 2}f} tok/s"
         if not self.disk_layers:
             return f"predicted decode: compute {rate}"
-        return (f"predicted decode: compute {ms['compute'] + ms['head']:.0f} ms + rebuild "
-                f"{ms['rebuild']:.0f} ms (disk reads {ms['disk']:.0f} ms, overlapped) = {rate}")
+        made = "views" if self.cpu_images else "rebuild"
+        return (f"predicted decode: compute {ms['compute'] + ms['head']:.0f} ms + {made} "
+                f"{ms['rebuild']:.0f} ms (disk reads {ms['disk']:.0f} ms, read ahead into "
+                f"{self.staging_buffers} buffers) = {rate}")
+
+
+def token_seconds_of_ring(layers: list[tuple[float, float | None]], tail: float,
+                          buffers: int, tokens: int = 4) -> float:
+    """Seconds per token of a CPU decode loop fed by a read-ahead ring (memory.staging): each
+    layer is (CPU seconds, read seconds or None where it is not read); `tail` is the CPU's
+    work after the last layer (the head). Reads run one after another, in the streamed
+    layers' order and cyclically over tokens, each into a buffer that the layer `buffers`
+    reads before it gave back at its release; a layer's CPU work waits for its read. The
+    last of `tokens` tokens is the steady state."""
+    released: list[float] = []  # release time of each streamed layer, in reading order
+    disk = clock = start = 0.0
+    for _ in range(tokens):
+        start = clock
+        for cpu, read in layers:
+            if read is not None:
+                k = len(released)
+                disk = max(disk, released[k - buffers] if k >= buffers else 0.0) + read
+                clock = max(clock, disk)
+                clock += cpu
+                released.append(clock)
+            else:
+                clock += cpu
+        clock += tail
+    return clock - start
 
 
 def _interleave(vram_bytes: list[int], room: int, most: int | None = None) -> list[str]:
@@ -277,21 +343,25 @@ def _ranges(idx: list[int]) -> str:
 
 def plan_layers(device: str, resident_bytes: list[int], file_bytes: list[int],
                 fixed_bytes: int, budget: int | None, staging_buffers: int = 2,
-                names: tuple[str, str] = ("ram", "disk")) -> Plan:
+                names: tuple[str, str] = ("ram", "disk"), prefill_staging: int = 0) -> Plan:
     """Keep layers resident (tier names[0]) in order while they fit `budget` (None: all of
-    them); the rest go to the streamed tier names[1]."""
+    them); the rest go to the streamed tier names[1]. `prefill_staging`: bytes of staging
+    held beside the `staging_buffers` buffers of file_bytes (CPU: the GGUF spans' ring where
+    streamed layers decode from packed images)."""
     n = len(resident_bytes)
-    staging = staging_buffers * max(file_bytes) if n else 0
+    staging = staging_buffers * max(file_bytes) + prefill_staging if n else 0
     if budget is None:
         return Plan(device, [names[0]] * n, resident_bytes, file_bytes, fixed_bytes, None,
-                    staging_buffers)
+                    staging_buffers, prefill_staging=prefill_staging)
     minimum = fixed_bytes + staging
     if budget < minimum:
+        extra = (f" and a prefill staging buffer of {fmt_bytes(prefill_staging)}"
+                 if prefill_staging else "")
         raise BudgetTooSmall(
             f"a {fmt_bytes(budget)} budget cannot run this model on {device}: it needs at least "
             f"{fmt_bytes(minimum)} (head, norms and KV cache {fmt_bytes(fixed_bytes)}, plus "
-            f"{staging_buffers} staging buffers of {fmt_bytes(max(file_bytes))}); raise the "
-            f"budget or lower --ctx")
+            f"{staging_buffers} staging buffers of {fmt_bytes(max(file_bytes))}{extra}); raise "
+            f"the budget or lower --ctx")
     room = budget - minimum
     tiers = []
     for b in resident_bytes:
@@ -301,7 +371,8 @@ def plan_layers(device: str, resident_bytes: list[int], file_bytes: list[int],
         else:
             tiers.append(names[1])
             room = -1  # keep the streamed layers one contiguous tail
-    return Plan(device, tiers, resident_bytes, file_bytes, fixed_bytes, budget, staging_buffers)
+    return Plan(device, tiers, resident_bytes, file_bytes, fixed_bytes, budget, staging_buffers,
+                prefill_staging=prefill_staging)
 
 
 def plan_cuda(vram_bytes: list[int], image_bytes: list[int], reserve: dict[str, int],

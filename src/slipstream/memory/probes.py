@@ -86,12 +86,12 @@ def _timed_fn(device: torch.device, fn: Callable[[], object]) -> float:
 
 
 # --- what a CPU decode step costs ------------------------------------------------------------
-# A streamed CPU token is bound by the CPU, not by the disk: each streamed layer is rebuilt
-# (dequantized into dense weights) from its bytes, then every layer and the head compute as
-# dense float matvecs, whose speed per byte is far from the memory's (a decode step through a
-# float16 layer ran at 3.5 GB/s where a float32 sum reads 15 GB/s, on the 2-core CI machine).
-# So the plan's CPU prediction needs both rates, measured here on one real layer the way the
-# store and the engine use it.
+# A CPU decode token's layers are made from the bytes read for them (at "exact" each streamed
+# layer is rebuilt, dequantized into dense weights; at "fast" it is views into its packed
+# image), then every layer and the head compute as matvecs, whose speed per byte is far from
+# the memory's (a decode step through a float16 layer ran at 3.5 GB/s where a float32 sum
+# reads 15 GB/s, on the 2-core CI machine). So the plan's CPU prediction needs those rates,
+# measured here on one real layer the way the store and the engine use it.
 
 PROBE_CTX = 64  # KV slots of the probe's decode step: a short context, as at a run's start
 
@@ -99,39 +99,56 @@ PROBE_CTX = 64  # KV slots of the probe's decode step: a short context, as at a 
 def cpu_decode_rates(gf, cfg, precision, layer: int, time_budget_s: float = 0.5,
                      max_reps: int = 25) -> dict[str, float]:
     """GB/s of one CPU decode step's parts, measured on layer `layer` of `gf` the way the disk
-    store and the engine treat a streamed layer: built from a copy of its span in RAM, then
-    run through one decode step at once.
+    store and the engine treat a streamed layer: made from its bytes in RAM, then run through
+    one decode step at once.
 
-    "rebuild": its GGUF bytes turned into the dense layer per second (DiskLayerStore's build,
-      for each streamed layer on every token, on the heap it keeps steady: store.steady_heap);
-    "compute": its RAM bytes as the planner counts them (setup.layer_resident_bytes, which
-      the plan's per-layer sizes are) through one decoder block's decode step per second
+    "rebuild": the bytes a streamed layer moves per token turned into the layer, per second:
+      at precision.cpu_packed_decode its packed image (weights.cpu_image) made into views
+      (DiskLayerStore's decode layers), else its GGUF span built into the dense layer
+      (DiskLayerStore's rebuild, on the heap it keeps steady: store.steady_heap);
+    "compute": the bytes the planner counts a layer's decode by (its image's at precision.
+      cpu_packed_decode, else its resident RAM bytes, setup.layer_resident_bytes: the plan's
+      per-layer sizes, Plan.cpu_token_seconds) through one decoder block's decode step per second
       (block_forward at a short context: the matvecs, norms, RoPE, attention and residuals,
-      whatever kernels the built layer uses), timed right after the build, as a streamed
+      whatever kernels the layer uses), timed right after the layer is made, as a streamed
       layer runs; a resident layer, out of cache after a whole token of other layers, costs
       about the same;
-    "gemv": a weight's float bytes (at precision.weight_dtype, as the planner counts the
-      head's) per second through its matrix-vector product alone, on the layer's ffn_down
-      (the head's cost, which is one matvec).
+    "gemv": the head's decode bytes (setup.head_decode_bytes, as the planner counts them) per
+      second through one matvec: the head itself, packed, at precision.cpu_packed_decode;
+      else the layer's ffn_down at precision.weight_dtype.
 
     A build and its step run once to warm up (first-call paths), then again while
     `time_budget_s` lasts (at most `max_reps` times); the medians count, so that a burst of
     load from elsewhere on a shared machine moves none of them much. A layer too slow to
     repeat within the budget counts its first run."""
     from ..weights.loader import LayerBuilder, TensorSource, layer_span
-    from .setup import layer_resident_bytes
-    from .store import steady_heap
+    from .setup import head_decode_bytes, layer_resident_bytes
 
-    start, end = layer_span(gf, layer)
-    data = _file_bytes(gf.path, start, end)
-    steady_heap(end - start)
-    builder = LayerBuilder(cfg, torch.device("cpu"), precision)
-    src = TensorSource(gf, buffer=data, base=start)
+    if precision.cpu_packed_decode:
+        from ..weights.cpu_image import cpu_image_of, decode_layer
+
+        data, layout = cpu_image_of(gf, cfg, precision, layer)
+        moved = layout.nbytes
+
+        def make():
+            return decode_layer(layout, data)
+    else:
+        from .store import steady_heap
+
+        start, end = layer_span(gf, layer)
+        data = _file_bytes(gf.path, start, end)
+        moved = end - start
+        steady_heap(moved)
+        builder = LayerBuilder(cfg, torch.device("cpu"), precision)
+        src = TensorSource(gf, buffer=data, base=start)
+
+        def make():
+            return builder.build(src, layer)
     held: list = [None]
 
     def build_and_step() -> tuple[float, float]:
         t0 = time.perf_counter()
-        weights = builder.build(src, layer)
+        weights = make()
         t1 = time.perf_counter()
         step = _decode_step(cfg, weights)
         t2 = time.perf_counter()
@@ -142,19 +159,41 @@ def cpu_decode_rates(gf, cfg, precision, layer: int, time_budget_s: float = 0.5,
         return t1 - t0, t3 - t2
 
     builds, steps = zip(*_repeat(build_and_step, time_budget_s, max_reps))
-    down = held[0].ffn_down
-    x = torch.randn(1, cfg.ffn)
+    if precision.cpu_packed_decode:
+        head, x = _packed_head(gf, cfg), torch.randn(1, cfg.hidden)
+    else:
+        head, x = held[0].ffn_down, torch.randn(1, cfg.ffn)
 
     def gemv() -> tuple[float]:
         t0 = time.perf_counter()
-        down(x)
+        head(x)
         return (time.perf_counter() - t0,)
 
     (gemvs,) = zip(*_repeat(gemv, time_budget_s, max_reps))
-    down_bytes = cfg.hidden * cfg.ffn * torch.finfo(precision.weight_dtype).bits // 8
-    return {"rebuild": (end - start) / _median(builds) / 1e9,
-            "compute": layer_resident_bytes(gf, layer, precision) / _median(steps) / 1e9,
-            "gemv": down_bytes / _median(gemvs) / 1e9}
+    head_bytes = head_decode_bytes(gf, precision) if precision.cpu_packed_decode else \
+        cfg.hidden * cfg.ffn * torch.finfo(precision.weight_dtype).bits // 8
+    computed = moved if precision.cpu_packed_decode else \
+        layer_resident_bytes(gf, layer, precision)
+    return {"rebuild": moved / _median(builds) / 1e9,
+            "compute": computed / _median(steps) / 1e9,
+            "gemv": head_bytes / _median(gemvs) / 1e9}
+
+
+def _packed_head(gf, cfg):
+    """The head's decode linear as a resident model's is (its packed copy; the dense weight
+    where no layout reads its format, weights.loader.LayerBuilder._packed_decode)."""
+    from ..model.layer_spec import head_tensor_name
+    from ..weights.cpu_packed import PackedDecodeLinear, kind_for, pack_linear
+    from ..weights.linear import GEMV_MAX_ROWS, DenseLinear
+    from ..weights.loader import TensorSource, raw_tensor
+
+    name = head_tensor_name(gf.tensors)
+    qtype, shape = gf.tensors[name].ggml_type, (cfg.vocab_size, cfg.hidden)
+    if kind_for(qtype) is None:
+        return DenseLinear(TensorSource(gf).dense(name, shape, torch.float16,
+                                                  torch.device("cpu")))
+    return PackedDecodeLinear.decode_only(pack_linear(raw_tensor(gf, name, shape), qtype, shape),
+                                          GEMV_MAX_ROWS)
 
 
 def _file_bytes(path, start: int, end: int) -> torch.Tensor:

@@ -23,6 +23,9 @@ from .vram import layer_image_bytes, layer_vram_bytes, vram_reserve
 IO_MODES = ("direct", "buffered", "mmap", "kvikio")
 N_SLOTS = 2  # GPU slots (default): one being computed on while the next one's copy lands
 N_STAGING = 3  # tier C pinned staging buffers: one being copied while two are read
+# CPU: staging buffers of the GGUF spans where streamed layers decode from packed images; only
+# prefill reads those, and a prefill pass computes long enough per layer to hide one read
+PREFILL_STAGING = 1
 # Prefill scratch of streamed plans, in fp16 elements (128 MiB): a 70B's fused gate/up
 # (470M elements) goes in row chunks, and the 0.75 GiB saved holds another layer and a half.
 # A streamed prefill waits on the copies, not on the extra launches.
@@ -55,43 +58,33 @@ def check_io(io: str, device: torch.device) -> None:
 
 
 def layer_resident_bytes(gf: GGUFFile, i: int, precision: Precision) -> int:
-    """RAM a resident layer takes on CPU: dense weights (norms and biases in float32)."""
+    """RAM a resident layer takes on CPU: dense weights (norms and biases in float32), plus
+    the packed decode copies of its matrices where precision.cpu_packed_decode makes them."""
     total = 0
     for name in spec_for(gf.architecture).names(i, gf.tensors):
         info = gf.tensors[name]
         bits = 32 if len(info.shape) == 1 else torch.finfo(precision.weight_dtype).bits
-        total += info.n_elements * bits // 8
+        total += info.n_elements * bits // 8 + _packed_bytes(info, precision)
     return total
 
 
-def packed_decode_bytes(gf: GGUFFile, cfg: ModelConfig) -> int:
-    """RAM the CPU's packed decode copies (weights.cpu_packed.PackedDecodeLinear) add to the
-    dense weights: every layer's linears and the head, where their formats pack."""
+def _packed_bytes(info, precision: Precision) -> int:
+    """RAM of a tensor's packed decode copy (weights.cpu_packed.PackedDecodeLinear; 0 where
+    none is made). Counted per tensor: a fused group packs its parts' rows together, which
+    pads less."""
+    if len(info.shape) != 2 or not precision.cpu_packed_decode:
+        return 0
     from ..weights.cpu_packed import packed_nbytes
 
-    names = [n for i in range(cfg.n_layers) for n in spec_for(gf.architecture).names(i, gf.tensors)]
-    names.append(head_tensor_name(gf.tensors))
-    total = 0
-    for name in names:
-        info = gf.tensors[name]
-        if len(info.shape) == 2:
-            total += packed_nbytes(info.ggml_type, (int(info.shape[0]), int(info.shape[1]))) or 0
-    return total
+    return packed_nbytes(info.ggml_type, (int(info.shape[0]), int(info.shape[1]))) or 0
 
 
-def cpu_load_precision(precision: Precision, plan: Plan, gf: GGUFFile,
-                       cfg: ModelConfig) -> Precision:
-    """The precision a CPU plan loads with. Packed decode copies only where every layer is
-    resident and the copies fit the RAM budget: a streamed layer is rebuilt on every token,
-    and packing it there would cost far more than the packed matvec saves, while resident and
-    streamed layers must compute alike."""
-    if plan.device != "cpu" or not precision.cpu_packed_decode:
-        return precision
-    held = plan.fixed_bytes + sum(plan.resident_bytes_per_layer)
-    if plan.disk_layers or (plan.budget is not None
-                            and held + packed_decode_bytes(gf, cfg) > plan.budget):
-        return dataclasses.replace(precision, cpu_packed_decode=False)
-    return precision
+def head_decode_bytes(gf: GGUFFile, precision: Precision) -> int:
+    """Bytes the head's decode matvec reads on CPU: its packed copy where one is made, else
+    its dense weight."""
+    head = gf.tensors[head_tensor_name(gf.tensors)]
+    return _packed_bytes(head, precision) or \
+        head.n_elements * torch.finfo(precision.weight_dtype).bits // 8
 
 
 def default_ram_budget() -> int | None:
@@ -142,16 +135,110 @@ def plan_stage(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
         plan = _plan_cuda(gf, cfg, stage, device, precision, ctx, ram_budget, vram_budget, io,
                           gpu_slots, prefill_chunk, graph_bucket, vram_layers)
     else:
-        resident = [layer_resident_bytes(gf, i, precision) for i in layers]
-        kv = kv_cache_bytes(cfg, len(layers), ctx, torch.finfo(precision.kv_dtype).bits // 8)
-        head = gf.tensors[head_tensor_name(gf.tensors)]
-        head_bytes = head.n_elements * torch.finfo(precision.weight_dtype).bits // 8 \
-            if stage.holds_head else 0
-        fixed = head_bytes + kv + cfg.hidden * 4
-        plan = plan_layers("cpu", resident, file_bytes, fixed, ram_budget)
-        plan.head_bytes = head_bytes  # one matvec over it per token (the CPU prediction)
+        plan = _plan_cpu(gf, cfg, stage, precision, ctx, ram_budget, file_bytes)
     plan.stages = [stage]
     return plan
+
+
+def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Precision,
+              ctx: int, ram_budget: int | None, span_bytes: list[int]) -> Plan:
+    """Resident layers hold their dense weights, and their packed decode copies at
+    precision.cpu_packed_decode; so does the head. Where copies are made, a streamed layer
+    moves its packed image per decode token (weights.cpu_image: the bytes its decode reads,
+    nothing rebuilt) and its GGUF span per prefill pass, through a ring of one buffer
+    (memory.store.DiskLayerStore), which the plan holds too.
+
+    And where not every layer fits whole, layers are kept "packed": only their image in RAM
+    (a quarter of the dense weights and copies of a Q4 layer), which is all a decode pass
+    reads, prefill rebuilding them from the file as a streamed layer. As many layers as fit
+    are kept so, in order, since each is one less image read per token; the rest stream. Room
+    left once every layer is packed makes the first ones whole again ("ram"), which saves
+    their rebuilds in prefill. Such a plan also holds the head without its dense weight
+    (head_dense_on_demand): its GGUF bytes instead, dequantized for the calls of more than
+    GEMV_MAX_ROWS rows alone (all-logits passes: perplexity, speculation trees), while decode
+    and a prompt's last row go through its packed copy."""
+    layers = stage.layers
+    resident = [layer_resident_bytes(gf, i, precision) for i in layers]
+    head_bytes = head_decode_bytes(gf, precision) if stage.holds_head else 0
+    fixed = cpu_fixed_bytes(gf, cfg, precision, ctx, stage)
+    images = precision.cpu_packed_decode
+    if images:
+        from ..weights.cpu_image import image_nbytes
+
+        moved = [image_nbytes(gf, cfg, i, precision) for i in layers]
+        staging = PREFILL_STAGING * max(span_bytes, default=0)
+        on_demand = head_dense_on_demand(gf, precision, stage)
+        try:
+            plan = plan_layers("cpu", resident, moved, fixed, ram_budget,
+                               prefill_staging=staging)
+            streams = bool(plan.disk_layers)
+        except BudgetTooSmall:
+            if not on_demand:
+                raise
+            streams = True  # too small even to stream with the dense head: try without
+        if streams and on_demand:
+            plan = plan_layers("cpu", resident, moved,
+                               cpu_fixed_bytes(gf, cfg, precision, ctx, stage, True),
+                               ram_budget, prefill_staging=staging)
+            plan.head_dense_on_demand = True
+        if plan.disk_layers:
+            _keep_packed(plan, resident, moved)
+    else:
+        plan = plan_layers("cpu", resident, span_bytes, fixed, ram_budget)
+    plan.cpu_images = images
+    plan.head_bytes = head_bytes  # one matvec over it per token (the CPU prediction)
+    return plan
+
+
+def head_dense_on_demand(gf: GGUFFile, precision: Precision, stage: StagePlan | None = None
+                         ) -> bool:
+    """Whether a CPU plan that streams may hold the head without its dense weight: where it
+    has a packed copy for decode (weights.loader.load_weights(head_dense_on_demand=...))."""
+    from ..weights.cpu_packed import kind_for
+
+    holds = stage is None or stage.holds_head
+    head = gf.tensors[head_tensor_name(gf.tensors)]
+    return holds and precision.cpu_packed_decode and kind_for(head.ggml_type) is not None
+
+
+def cpu_fixed_bytes(gf: GGUFFile, cfg: ModelConfig, precision: Precision, ctx: int,
+                    stage: StagePlan | None = None, head_on_demand: bool = False) -> int:
+    """RAM a CPU plan holds whatever its tiers: the KV cache of the stage's layers, the
+    head where the stage holds it (dense weight and packed copy, or with `head_on_demand`
+    its GGUF bytes and packed copy), and a row of activations."""
+    layers = stage.layers if stage is not None else range(cfg.n_layers)
+    kv = kv_cache_bytes(cfg, len(layers), ctx, torch.finfo(precision.kv_dtype).bits // 8)
+    held = 0
+    if stage is None or stage.holds_head:
+        head = gf.tensors[head_tensor_name(gf.tensors)]
+        dense = head.n_bytes if head_on_demand else \
+            head.n_elements * torch.finfo(precision.weight_dtype).bits // 8
+        held = dense + _packed_bytes(head, precision)
+    return held + kv + cfg.hidden * 4
+
+
+def _keep_packed(plan: Plan, whole: list[int], image: list[int]) -> None:
+    """Re-tier a CPU plan that streams (see _plan_cpu): "packed" layers while their images
+    fit, then "disk"; once every layer is packed, the first ones "ram" while the room left
+    holds the rest of them (whole minus image)."""
+    n = len(whole)
+    room = plan.budget - plan.fixed_bytes - plan.staging_buffers * max(image) - \
+        plan.prefill_staging
+    tiers = []
+    for b in image:
+        if b <= room and (not tiers or tiers[-1] == "packed"):
+            tiers.append("packed")
+            room -= b
+        else:
+            tiers.append("disk")
+    for i in range(n):
+        if tiers[i] != "packed" or "disk" in tiers or whole[i] - image[i] > room:
+            break
+        tiers[i] = "ram"
+        room -= whole[i] - image[i]
+    plan.tiers = tiers
+    plan.resident_bytes_per_layer = [b if t == "ram" else m
+                                     for b, m, t in zip(whole, image, tiers)]
 
 
 def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.device,
@@ -244,13 +331,16 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str, cfg: ModelConfig | Non
         plan.bandwidth_gbps["ram"] = memory_read_gbps(torch.device("cpu"), 128 << 20)
         limit = 64 << 20
         if cfg is not None and precision is not None:
-            # a CPU token is bound by compute and by rebuilding its streamed layers: their
-            # rates, measured on the first streamed layer (or the first layer)
+            # a CPU token is bound by compute and by making its streamed layers (rebuilt, or
+            # views into packed images): their rates, measured on the first streamed layer
+            # (or the first layer)
             first = plan.stages[0].layers.start
             layer = first + (plan.disk_layers[0] if plan.disk_layers else 0)
             plan.bandwidth_gbps.update(cpu_decode_rates(gf, cfg, precision, layer))
     if not plan.disk_layers or io == "mmap":
         return
+    # the disk's rate on the layers' GGUF spans: a read of the same sizes from the same disk
+    # as the packed images' (which are not written yet when a plan is made)
     spans = [layer_span(gf, i) for i in plan.disk_layers]
     plan.bandwidth_gbps["disk"], _ = span_read_gbps(
         gf.path, spans, "buffered" if io == "buffered" else "direct", limit)
@@ -264,6 +354,8 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
 
     Runs before the resident layers load, so the transient GPU copy of the layer being built
     never sits on top of the resident model: the peak VRAM stays the steady-state one."""
+    if plan.device == "cpu":
+        return packed_cpu_layers(gf, cfg, precision, plan), {}
     pinned = [i for i, t in enumerate(plan.tiers) if t == "pinned"]
     if plan.device != "cuda" or not pinned:
         return {}, {}
@@ -314,11 +406,29 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
     return images, hosts
 
 
+def packed_cpu_layers(gf: GGUFFile, cfg: ModelConfig, precision: Precision,
+                      plan: Plan) -> dict[int, tuple]:
+    """The CPU plan's "packed" layers: each built once and kept as its packed image (weights.
+    cpu_image: (uint8 image, layout)) in RAM, which decode passes compute on as views."""
+    from ..weights.cpu_image import cpu_image_of
+
+    return {i: cpu_image_of(gf, cfg, precision, i)
+            for i, t in enumerate(plan.tiers) if t == "packed"}
+
+
 def disk_images(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Precision,
                 plan: Plan, progress: bool = False):
-    """CUDA tier C: the disk layers' repacked images, in a file (built now, or reused)."""
-    if plan.device != "cuda" or not plan.disk_layers:
+    """The disk layers' images, in a file (built now, or reused): CUDA tier C's repacked
+    layers, or on CPU the packed decode copies (plan.cpu_images)."""
+    if not plan.disk_layers:
         return None
+    if plan.device == "cpu":
+        if not plan.cpu_images:  # precision "exact": rebuilt from the GGUF file every pass
+            return None
+        from .image_file import build_cpu_images
+
+        return build_cpu_images(gf, cfg, precision, plan.disk_layers,
+                                plan.file_bytes_per_layer, progress=progress)
     from .image_file import build_images
 
     return build_images(gf, cfg, device, precision, plan.disk_layers,
@@ -341,11 +451,13 @@ def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: 
                               n_slots=plan.staging_buffers,
                               n_staging=plan.host_staging or N_STAGING, delays=delays,
                               hosts=hosts)
-    if not plan.disk_layers:
+    if not plan.streamed_layers:
         return ResidentLayerStore(weights.layers)
-    # streamed layers are rebuilt every token: dense only (cpu_load_precision)
+    # a streamed layer rebuilt from its GGUF span serves passes its packed image (`disk`, or
+    # `images` for the "packed" layers, where there is one) does not: dense only
     builder = LayerBuilder(cfg, device, dataclasses.replace(precision, cpu_packed_decode=False))
     if io == "mmap":
-        return MmapLayerStore(gf, builder, weights.layers)
+        return MmapLayerStore(gf, builder, weights.layers, images=disk, packed=images)
     return DiskLayerStore(gf, builder, weights.layers, n_buffers=plan.staging_buffers, io=io,
-                          delay=delays.reader)
+                          delay=delays.reader, images=disk, packed=images,
+                          gguf_buffers=PREFILL_STAGING if plan.cpu_images else None)

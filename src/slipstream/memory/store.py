@@ -4,9 +4,21 @@ The resident store hands out layers built at load time. The disk store builds st
 on the fly from staging buffers that reader threads fill ahead of the engine (staging.py's
 read-ahead ring, the one CUDA's tier C reads through too), so the next layers' reads overlap
 this layer's compute. A staging buffer returns to the ring only after the layer built from it
-no longer needs it; on CPU that is right after the build (dequantizing copies the bytes out),
-so no read ever lands in a buffer still being consumed. The --io mmap store reads each layer
-when it is asked for, nothing ahead (PageCacheReads). The CUDA store is in cuda_store.
+no longer needs it, so no read ever lands in a buffer still being consumed.
+
+Where resident layers decode through packed copies (precision "fast"), a streamed layer has two
+sources, chosen per forward pass (begin_pass), as PackedDecodeLinear chooses per call:
+- passes of up to GEMV_MAX_ROWS tokens (decode, short prompts, small speculation trees) read
+  the layer's packed image (weights.cpu_image; image_file.build_cpu_images writes them at
+  load) and compute on views into the staging buffer: nothing is dequantized or repacked, and
+  the buffer goes back to the ring when the engine releases the layer;
+- longer passes read the layer's GGUF span and rebuild its dense weights, which dequantizing
+  copies out of the buffer (given back right after the build), as every pass does at "exact".
+Each source has its own ring, so passes of both kinds can alternate without draining reads.
+A "packed" layer (memory.setup._plan_cpu) keeps its image in RAM: decode passes compute on
+views of it, made once, and read nothing; prefill passes rebuild it from the GGUF file.
+The --io mmap store reads each layer when it is asked for, nothing ahead (PageCacheReads),
+from the same sources. The CUDA store is in cuda_store.
 """
 
 from __future__ import annotations
@@ -22,8 +34,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..model.llama import LayerWeights
+from ..weights.cpu_image import decode_layer
+from ..weights.linear import GEMV_MAX_ROWS
 from ..weights.loader import LayerBuilder, TensorSource, layer_span
 from .disk import ALIGN, DirectReader, DiskReadError
+from .image_file import ImageFile
 from .protocol import StoreBase, StoreStats
 from .staging import IO_TIMEOUT_S, StagingBuffer, StagingRing
 
@@ -126,14 +141,21 @@ class ResidentLayerStore(HostTraced, StoreBase):
 
 
 class DiskLayerStore(HostTraced, StoreBase):
-    """Resident layers from `resident`, the rest streamed from the GGUF file each time.
+    """Resident layers from `resident`, the rest streamed from disk each time: from `images`
+    (packed CPU images) in passes of up to GEMV_MAX_ROWS tokens where given, else from the
+    GGUF file (rebuilt dense).
 
     On the CPU the staging buffer is the "slot": a layer is built (dequantized) straight from
-    it, so there is no copy to order and no GPU slot ring, only the read-ahead ring."""
+    it, or made as views into it, so there is no copy to order and no GPU slot ring, only the
+    read-ahead rings. `gguf_buffers`: the GGUF ring's buffers (default `n_buffers`); with
+    images, prefill alone reads it, whose passes are long enough to hide one read each."""
 
     def __init__(self, gf, builder: LayerBuilder, resident: list[LayerWeights | None],
                  n_buffers: int = 2, threads: int = 2, io: str = "direct",
-                 delay: Callable[[], None] | None = None):
+                 delay: Callable[[], None] | None = None, images: ImageFile | None = None,
+                 gguf_buffers: int | None = None, packed: dict[int, tuple] | None = None):
+        """`packed`: the "packed" layers' images in RAM, {layer: (uint8 image, layout)}
+        (weights.cpu_image.cpu_image_of); `images`: the disk layers' image file."""
         self.gf = gf
         self.builder = builder
         self.layers = resident
@@ -141,15 +163,35 @@ class DiskLayerStore(HostTraced, StoreBase):
         self.spans = {i: layer_span(gf, i) for i in order}
         self.skipped: frozenset[int] = frozenset()
         self.stats = StoreStats()
-        self.staging: StagingRing | None = None
+        self.staging: StagingRing | None = None  # the GGUF spans
+        self.decode_staging: StagingRing | None = None  # the disk layers' packed images
+        # decode layers of the "packed" layers: views into their images, made once
+        self.packed = {i: decode_layer(layout, host) for i, (host, layout) in
+                       (packed or {}).items()}
+        disk = [i for i in order if i not in self.packed]
+        self.images = images if disk else None
+        self._tokens = 1  # the pass's (begin_pass)
+        self._held: dict[int, StagingBuffer] = {}  # decode layers' buffers, until release
         if order:
-            size = max(e - s for s, e in self.spans.values()) + 2 * 4096
-            # no more buffers than layers: each read ahead is a different layer
-            buffers = [StagingBuffer(size, pinned=False)
-                       for _ in range(max(1, min(n_buffers, len(order))))]
-            reader = DirectReader(gf.path, threads=threads, io=io, delay=delay)
-            self.staging = StagingRing(reader, buffers, order, self.spans)
-            steady_heap(size)
+            self.staging = self._ring(gf.path, self.spans, order,
+                                      gguf_buffers or n_buffers, threads, io, delay)
+            steady_heap(max(e - s for s, e in self.spans.values()))
+        if self.images is not None:
+            spans = {i: self.images.spans[i] for i in disk}
+            self.decode_staging = self._ring(self.images.path, spans, disk, n_buffers,
+                                             threads, io, delay)
+            for i, crc in self.images.fingerprints.items():
+                if i in spans:
+                    self.decode_staging.reader.expect(*spans[i], crc)
+
+    @staticmethod
+    def _ring(path, spans, order, n_buffers, threads, io, delay) -> StagingRing:
+        size = max(e - s for s, e in spans.values()) + 2 * 4096
+        # no more buffers than layers: each read ahead is a different layer
+        buffers = [StagingBuffer(size, pinned=False)
+                   for _ in range(max(1, min(n_buffers, len(order))))]
+        reader = DirectReader(path, threads=threads, io=io, delay=delay)
+        return StagingRing(reader, buffers, order, spans)
 
     def __len__(self) -> int:
         return len(self.layers)
@@ -158,18 +200,27 @@ class DiskLayerStore(HostTraced, StoreBase):
     def note(self) -> str:
         return self.staging.reader.note if self.staging is not None else ""
 
+    def _rings(self) -> list[StagingRing]:
+        return [r for r in (self.staging, self.decode_staging) if r is not None]
+
     def trace(self, tracer: "Tracer | None") -> None:
         """--trace: disk wait, rebuild and compute spans per layer, and the reader threads'
         reads on a track of their own."""
         self.tracer = tracer
-        if self.staging is not None:
-            self.staging.trace(tracer)
+        for ring in self._rings():
+            ring.trace(tracer)
 
     def skip(self, layers: frozenset[int]) -> None:
         """Read ahead only the streamed layers the engine will ask for."""
         self.skipped = frozenset(layers)
-        if self.staging is not None:
-            self.staging.reorder([i for i in sorted(self.spans) if i not in self.skipped])
+        for ring in self._rings():
+            ring.reorder([i for i in sorted(ring.spans) if i not in self.skipped])
+
+    def begin_pass(self, tokens: int) -> None:
+        self._tokens = tokens
+        for buf in self._held.values():  # a pass that ended in an error left them out
+            self.decode_staging.give_back(buf, None)
+        self._held.clear()
 
     def acquire(self, i: int) -> LayerWeights:
         layer = self.layers[i]
@@ -179,15 +230,30 @@ class DiskLayerStore(HostTraced, StoreBase):
             return layer
         if i in self.skipped:
             raise ValueError(f"layer {i} is skipped: the store no longer reads it")
+        decode = self._tokens <= GEMV_MAX_ROWS
+        if decode and i in self.packed:
+            if self.tracer is not None:
+                self._compute_starts()
+            return self.packed[i]
+        packed = self.decode_staging is not None and decode
+        ring = self.decode_staging if packed else self.staging
         t0 = time.perf_counter()
-        buf, skew = self.staging.take(i)  # restarts the read-ahead at i when out of order
+        buf, skew = ring.take(i)  # restarts the read-ahead at i when out of order
         t1 = time.perf_counter()
-        start, end = self.spans[i]
-        try:
-            data = buf.tensor[skew:skew + end - start]
-            layer = self.builder.build(TensorSource(self.gf, buffer=data, base=start), i)
-        finally:
-            self.staging.give_back(buf, None)  # the build copied everything out of the buffer
+        start, end = ring.spans[i]
+        data = buf.tensor[skew:skew + end - start]
+        if packed:
+            try:
+                layer = decode_layer(self.images.layouts[i], data)
+            except BaseException:
+                ring.give_back(buf, None)
+                raise
+            self._held[i] = buf  # the layer is views into it: back to the ring at release
+        else:
+            try:
+                layer = self.builder.build(TensorSource(self.gf, buffer=data, base=start), i)
+            finally:
+                ring.give_back(buf, None)  # the build copied everything out of the buffer
         t2 = time.perf_counter()
         self.stats.disk_wait_s += t1 - t0
         self.stats.build_s += t2 - t1
@@ -200,14 +266,21 @@ class DiskLayerStore(HostTraced, StoreBase):
         return layer
 
     def release(self, i: int) -> None:
-        # streamed layers are dropped by the engine; their buffers were freed at build
+        # streamed layers are dropped by the engine; a rebuilt one's buffer was given back at
+        # its build, a decode layer's (views into it) goes back now
+        buf = self._held.pop(i, None)
+        if buf is not None:
+            self.decode_staging.give_back(buf, None)
         if self.tracer is not None:
             self._compute_ends(i)
 
     def close(self) -> None:
-        if self.staging is not None:
-            self.staging.close()  # waits for the reads in flight, joins the reader threads
-            self.staging = None
+        for buf in self._held.values():  # a pass that ended in an error left them out
+            self.decode_staging.give_back(buf, None)
+        self._held.clear()
+        for ring in self._rings():
+            ring.close()  # waits for the reads in flight, joins the reader threads
+        self.staging = self.decode_staging = None
 
 
 class PageCacheReads:
@@ -245,31 +318,56 @@ class PageCacheReads:
 class MmapLayerStore(HostTraced, StoreBase):
     """The naive baseline (--io mmap): each streamed layer read from the file through the page
     cache when the engine asks for it (PageCacheReads: positional reads, not a map), then
-    built; no prefetch."""
+    built; no prefetch. With `images`, passes of up to GEMV_MAX_ROWS tokens read the packed
+    image instead and compute on views of the read buffer, as DiskLayerStore does."""
 
     note = "mmap: page-cache reads, no prefetch (baseline)"
 
-    def __init__(self, gf, builder: LayerBuilder, resident: list[LayerWeights | None]):
+    def __init__(self, gf, builder: LayerBuilder, resident: list[LayerWeights | None],
+                 images: ImageFile | None = None, packed: dict[int, tuple] | None = None):
         self.gf = gf
         self.builder = builder
         self.layers = resident
         self.spans = {i: layer_span(gf, i) for i, layer in enumerate(resident) if layer is None}
         self.stats = StoreStats()
+        self._tokens = 1
         self.reads = (PageCacheReads(gf.path, max(e - s for s, e in self.spans.values()))
                       if self.spans else None)
+        self.packed = {i: decode_layer(layout, host) for i, (host, layout) in
+                       (packed or {}).items()}  # as DiskLayerStore's
+        disk = [i for i in self.spans if i not in self.packed]
+        self.images = images if disk else None
+        self.image_reads = None
+        if self.images is not None:
+            spans = [self.images.spans[i] for i in disk]
+            self.image_reads = PageCacheReads(self.images.path,
+                                              max(e - s for s, e in spans))
+            for i in disk:
+                if i in self.images.fingerprints:
+                    self.image_reads.reader.expect(*self.images.spans[i],
+                                                   self.images.fingerprints[i])
 
     def __len__(self) -> int:
         return len(self.layers)
 
+    def begin_pass(self, tokens: int) -> None:
+        self._tokens = tokens
+
     def acquire(self, i: int) -> LayerWeights:
         layer = self.layers[i]
+        if layer is None and self._tokens <= GEMV_MAX_ROWS:
+            layer = self.packed.get(i)
         if layer is None:
-            start, end = self.spans[i]
+            packed = self.image_reads is not None and self._tokens <= GEMV_MAX_ROWS
+            start, end = self.images.spans[i] if packed else self.spans[i]
             t0 = time.perf_counter()
-            data = self.reads.read(start, end)  # FileChanged if the file changed under us
+            # FileChanged if the file changed under us
+            data = (self.image_reads if packed else self.reads).read(start, end)
             t1 = time.perf_counter()
-            # the build copies everything out of the buffer, which the next read reuses
-            layer = self.builder.build(TensorSource(self.gf, buffer=data, base=start), i)
+            if packed:  # views into the reused buffer: valid until the next layer's read
+                layer = decode_layer(self.images.layouts[i], data)
+            else:  # the build copies everything out of the buffer, which the next read reuses
+                layer = self.builder.build(TensorSource(self.gf, buffer=data, base=start), i)
             t2 = time.perf_counter()
             self.stats.disk_wait_s += t1 - t0
             self.stats.build_s += t2 - t1
@@ -287,6 +385,7 @@ class MmapLayerStore(HostTraced, StoreBase):
             self._compute_ends(i)
 
     def close(self) -> None:
-        if self.reads is not None:
-            self.reads.close()
-            self.reads = None
+        for reads in (self.reads, self.image_reads):
+            if reads is not None:
+                reads.close()
+        self.reads = self.image_reads = None

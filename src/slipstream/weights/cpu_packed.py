@@ -655,6 +655,16 @@ class PackedDecodeLinear(Linear):
         self._bias: torch.Tensor | None = None
         self._row: torch.Tensor | None = None  # norm_matmul's one-row bfloat16 input
 
+    @classmethod
+    def decode_only(cls, packed: Linear, max_rows: int) -> "PackedDecodeLinear":
+        """A packed copy alone, with no dense weight behind it: a streamed layer's decode
+        linear (weights.cpu_image), which serves calls of up to `max_rows` tokens exactly as
+        a resident layer's PackedDecodeLinear does; a larger call is an error (the store
+        builds prefill layers dense)."""
+        lin = cls(_NoDense(packed.out_features, max_rows), lambda: packed, max_rows)
+        lin.packed  # noqa: B018 (the kernel and bias looked up now, not at the first call)
+        return lin
+
     @property
     def out_features(self) -> int:
         return self.dense.out_features
@@ -713,6 +723,19 @@ class PackedDecodeLinear(Linear):
             h = h.to(torch.bfloat16)
         return _finish(kernel(h), gate_up.dtype if residual is None else residual.dtype,
                        self._bias, residual)
+
+
+class _NoDense(Linear):
+    """The dense side of a decode-only PackedDecodeLinear: there is none."""
+
+    def __init__(self, out_features: int, max_rows: int):
+        self.out_features = out_features
+        self.max_rows = max_rows
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        raise RuntimeError(f"a decode-only layer (packed weights alone) was called with "
+                           f"{x.shape[0]} rows; it serves up to {self.max_rows}: passes of "
+                           f"more tokens need the layer built with its dense weights")
 
 
 _ZERO = torch.zeros(())

@@ -91,6 +91,30 @@ class DenseLinear(Linear):
         return y
 
 
+class OnDemandDenseLinear(Linear):
+    """DenseLinear over a weight it does not hold: its GGUF bytes are dequantized to `dtype`
+    at each call (quant.dequantize_as, as the loader makes the dense weight), then multiplied
+    as DenseLinear does, so each call gives DenseLinear's bits. For a weight that is seldom
+    multiplied dense: a streamed CPU plan's head, which decodes through its packed copy and
+    needs the dense weight only for all-logits passes of more than GEMV_MAX_ROWS rows."""
+
+    def __init__(self, raw: torch.Tensor, qtype: GGMLQuantizationType | int,
+                 shape: tuple[int, int], dtype: torch.dtype, bias: torch.Tensor | None = None):
+        self.raw = raw  # (rows, row_bytes) uint8, private memory
+        self.qtype = qtype
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.bias = bias
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        weight = quant.dequantize_as(self.raw, self.qtype, self.shape, self.dtype)
+        return DenseLinear(weight, self.bias)(x, residual)
+
+
 class QuantEmbedding:
     """Token embedding kept in its GGUF format: a lookup dequantizes only the rows it gathers.
 

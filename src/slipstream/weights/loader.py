@@ -27,7 +27,8 @@ from ..gguf_file import GGUFFile
 from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name, spec_for
 from ..model.llama import LayerWeights
 from ..precision import Precision
-from .linear import GEMV_MAX_ROWS, DenseLinear, QuantEmbedding, QuantLinear, Workspace
+from .linear import (GEMV_MAX_ROWS, DenseLinear, Linear, OnDemandDenseLinear, QuantEmbedding,
+                     QuantLinear, Workspace)
 
 
 @dataclass
@@ -196,9 +197,10 @@ class LayerBuilder:
 
 
     def _packed_decode(self, src: TensorSource, prefixes: list[str], shapes, biases,
-                       dense: DenseLinear):
+                       dense: Linear, raws: list[torch.Tensor] | None = None):
         """`dense` with a packed copy for decode (precision.cpu_packed_decode), when the
-        tensors' formats pack into one layout; else `dense` alone."""
+        tensors' formats pack into one layout; else `dense` alone. `raws`: the weights' GGUF
+        bytes, already copied (else copied here)."""
         if not self.precision.cpu_packed_decode:
             return dense
         from .cpu_packed import PackedDecodeLinear, kind_for, pack_group
@@ -208,7 +210,8 @@ class LayerBuilder:
             return dense
         # the bytes copied now: packing waits for the first decode step, and the model's file
         # must not be read after the load (private weights, see the module doc)
-        raws = [src.raw(f"{p}.weight", s).clone() for p, s in zip(prefixes, shapes)]
+        if raws is None:
+            raws = [src.raw(f"{p}.weight", s).clone() for p, s in zip(prefixes, shapes)]
         # up to GEMV_MAX_ROWS tokens, as DenseLinear's own matvec path: a row's bits then do
         # not depend on how many rows share its call (the server's chunked prefill relies on
         # it); a prompt that short pays the packing, a longer one leaves it to the first step
@@ -240,7 +243,7 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
                  resident_layers: set[int] | None = None,
                  embed_on_host: bool = False, private: bool | None = None,
                  scratch_elements: int | None = None,
-                 fuse_scales: bool = True) -> ModelWeights:
+                 fuse_scales: bool = True, head_dense_on_demand: bool = False) -> ModelWeights:
     """Build the model's weights on `device`: every layer, or only `resident_layers` (the
     others are left as None for a streaming store to fill). Norms stay float32.
     `embed_on_host`: the token embedding stays in host memory (see QuantEmbedding).
@@ -252,6 +255,9 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
 
     `scratch_elements`, `fuse_scales`: the prefill scratch's cap, and whether resident layers
     may fold their scales (memory.planner.Plan: a streamed plan does neither).
+    `head_dense_on_demand` (CPU, with packed decode copies): the head keeps its GGUF bytes
+    instead of its dense weight, which calls of more than GEMV_MAX_ROWS rows dequantize
+    (linear.OnDemandDenseLinear: the same bits); decode goes through its packed copy.
 
     `progress(n_bytes)` is called after each layer so callers can drive a progress bar.
     """
@@ -289,6 +295,15 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
         del head_raw  # before QuantLinear reserves the prefill workspace
         output = QuantLinear(packed, None, workspace)
         release_transients(device)
+    elif head_dense_on_demand:
+        # a head tied to the embedding shares its bytes (already copied where private)
+        raw = embed_raw if head_name == EMBEDDING else raw_tensor(gf, head_name, embed_shape)
+        if private and head_name != EMBEDDING:
+            raw = raw.clone()
+        dense = OnDemandDenseLinear(raw, gf.tensors[head_name].ggml_type, embed_shape,
+                                    precision.weight_dtype)
+        output = builder._packed_decode(src, [head_name.removesuffix(".weight")],
+                                        [embed_shape], [None], dense, raws=[raw])
     else:
         output = builder._packed_decode(
             src, [head_name.removesuffix(".weight")], [embed_shape], [None],

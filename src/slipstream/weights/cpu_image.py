@@ -1,0 +1,197 @@
+"""CPU layer images: a streamed layer packed for the CPU decode kernels, as one flat buffer.
+
+A resident CPU layer at precision="fast" decodes through packed copies of its weights
+(cpu_packed.PackedDecodeLinear: torch's int4/int8 CPU kernels). A streamed layer computes the
+same way, from an image of those packed copies written once at load (memory.image_file.
+build_cpu_images): per decode pass the disk store reads the image into a staging buffer and
+`decode_layer` makes the layer as views into it, so no token dequantizes or repacks anything.
+
+The image holds exactly what decode reads, made by the resident path's own code from the same
+GGUF bytes (LayerBuilder.build, then each linear's `.packed`), so a streamed layer gives the
+same bits as a resident one:
+- each linear group (q/k/v fused, gate/up fused, the output and down projections): its packed
+  copy's planes (int4pack, int4pair: codes and bfloat16 scale/zero pairs; int8pack: codes and
+  per-row scales) and float32 bias, or, where no packed layout reads its formats (the resident
+  layer then decodes dense too), its dense weight at precision.weight_dtype;
+- the norms, float32.
+Prefill (more than GEMV_MAX_ROWS tokens a pass) multiplies the dense weights, which the image
+does not hold: the store rebuilds those from the GGUF file as before (memory.store).
+
+torch's int4 layout depends on the CPU's vector width, so an image is only valid on a machine
+that packs alike: `layout_fingerprint` goes into the image file's identity.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from dataclasses import dataclass
+
+import torch
+
+from ..model.layer_spec import spec_for
+from ..model.llama import LayerWeights
+from .cpu_packed import (INT4_GROUP, Int4PackLinear, Int4PairLinear, Int8PackLinear,
+                         PackedDecodeLinear, kind_for)
+from .image import IMAGE_ALIGN, _Entry
+from .linear import GEMV_MAX_ROWS, DenseLinear
+
+CPU = torch.device("cpu")
+_PACKED = {"int4pack": Int4PackLinear, "int4pair": Int4PairLinear, "int8pack": Int8PackLinear}
+
+
+@dataclass
+class CpuLayerLayout:
+    """Where each tensor of a CPU layer image sits, and what each linear is: enough to make
+    the layer as views into any buffer holding the image's bytes."""
+
+    entries: list[_Entry]
+    linears: dict[str, tuple[str, int]]  # field -> (kind: int4pack/int4pair/int8pack/dense, rows)
+    nbytes: int
+
+    def to_json(self) -> dict:
+        return {"nbytes": self.nbytes,
+                "entries": [[list(e.key), str(e.dtype).removeprefix("torch."), list(e.shape),
+                             e.offset, e.nbytes] for e in self.entries],
+                "linears": {k: list(v) for k, v in self.linears.items()}}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CpuLayerLayout":
+        entries = [_Entry(tuple(k), getattr(torch, dt), tuple(shape), off, n)
+                   for k, dt, shape, off, n in d["entries"]]
+        linears = {k: (str(v[0]), int(v[1])) for k, v in d["linears"].items()}
+        return cls(entries, linears, int(d["nbytes"]))
+
+
+def layout_fingerprint() -> int:
+    """CRC-32 of torch's int4 packing of a fixed 64 x 64 pattern on this machine: differs
+    where the packer's layout does (AVX-512 against AVX2, another torch)."""
+    r = torch.arange(64).unsqueeze(1)
+    c = torch.arange(64).unsqueeze(0)
+    u = ((r * 7 + c * 3) % 16).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
+    return zlib.crc32(packed.contiguous().view(torch.uint8).numpy().tobytes())
+
+
+def _fields(architecture: str) -> list[str]:
+    """The LayerWeights fields a decode layer holds: one linear per group (the fused field of
+    a multi-part group: block_forward uses it whenever it is set)."""
+    spec = spec_for(architecture)
+    return [g.field if len(g.parts) > 1 else g.parts[0] for g in spec.linears]
+
+
+def _linear_tensors(lin) -> tuple[str, int, list[tuple[str, torch.Tensor]]]:
+    """(kind, rows, [(plane, tensor)]) of the linear decode uses."""
+    if isinstance(lin, PackedDecodeLinear):
+        lin = lin.packed  # packs now (its dense weight where pack_group made no copy)
+    if isinstance(lin, Int4PackLinear):  # and Int4PairLinear
+        planes = [("packed", lin.packed), ("scale_zeros", lin.scale_zeros)]
+        kind = lin.kind
+    elif isinstance(lin, Int8PackLinear):
+        planes, kind = [("codes", lin.codes), ("scales", lin.scales)], lin.kind
+    elif isinstance(lin, DenseLinear):
+        planes, kind = [("weight", lin.weight)], "dense"
+    else:
+        raise TypeError(f"no CPU image holds a {type(lin).__name__}")
+    if lin.bias is not None:
+        planes.append(("bias", lin.bias))
+    return kind, lin.out_features, planes
+
+
+def to_cpu_image(layer: LayerWeights, architecture: str) -> tuple[torch.Tensor, CpuLayerLayout]:
+    """A CPU-built layer (LayerBuilder at precision.cpu_packed_decode) as (uint8 image,
+    layout): the packed copies its decode uses (made now), and its norms."""
+    items: list[tuple[tuple, torch.Tensor]] = []
+    linears: dict[str, tuple[str, int]] = {}
+    for name in _fields(architecture):
+        kind, rows, planes = _linear_tensors(getattr(layer, name))
+        linears[name] = (kind, rows)
+        items += [((name, plane), t) for plane, t in planes]
+    for f in dataclasses.fields(layer):
+        v = getattr(layer, f.name)
+        if isinstance(v, torch.Tensor):
+            items.append(((f.name,), v))
+    entries, offset = [], 0
+    for key, t in items:
+        n = t.numel() * t.element_size()
+        entries.append(_Entry(key, t.dtype, tuple(t.shape), offset, n))
+        offset += (n + IMAGE_ALIGN - 1) // IMAGE_ALIGN * IMAGE_ALIGN
+    host = torch.zeros(max(offset, IMAGE_ALIGN), dtype=torch.uint8)  # padding deterministic
+    for e, (_, t) in zip(entries, items):
+        host[e.offset:e.offset + e.nbytes].copy_(t.contiguous().view(torch.uint8).reshape(-1))
+    return host, CpuLayerLayout(entries, linears, host.numel())
+
+
+def cpu_image_of(gf, cfg, precision, i: int) -> tuple[torch.Tensor, CpuLayerLayout]:
+    """Layer i of `gf` built as a resident CPU layer is (packed decode copies on), as an
+    image."""
+    from .loader import LayerBuilder, TensorSource
+
+    if not precision.cpu_packed_decode:
+        raise ValueError(f"CPU layer images hold packed decode copies, which precision "
+                         f"{precision.name!r} does not use")
+    layer = LayerBuilder(cfg, CPU, precision).build(TensorSource(gf), i)
+    return to_cpu_image(layer, cfg.architecture)
+
+
+def decode_layer(layout: CpuLayerLayout, buf: torch.Tensor) -> LayerWeights:
+    """The layer as views into `buf` (uint8, holding the image's bytes), for passes of up to
+    GEMV_MAX_ROWS tokens: each linear computes as a resident layer's decode does
+    (PackedDecodeLinear over the packed copy, or DenseLinear where the image holds the dense
+    weight). The views are valid while `buf` is not overwritten."""
+    views = {e.key: buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+             for e in layout.entries}
+    fields: dict[str, object] = {}
+    for name, (kind, rows) in layout.linears.items():
+        bias = views.get((name, "bias"))
+        if kind == "dense":
+            fields[name] = DenseLinear(views[(name, "weight")], bias)
+            continue
+        if kind == "int8pack":
+            lin = Int8PackLinear(views[(name, "codes")], views[(name, "scales")], bias)
+        else:
+            lin = _PACKED[kind](views[(name, "packed")], views[(name, "scale_zeros")], rows,
+                                bias)
+        fields[name] = PackedDecodeLinear.decode_only(lin, GEMV_MAX_ROWS)
+    for key, v in views.items():
+        if len(key) == 1:
+            fields[key[0]] = v
+    for f in dataclasses.fields(LayerWeights):
+        fields.setdefault(f.name, None)
+    return LayerWeights(**fields)
+
+
+def _aligned(n: int) -> int:
+    return (n + IMAGE_ALIGN - 1) // IMAGE_ALIGN * IMAGE_ALIGN
+
+
+def image_nbytes(gf, cfg, i: int, precision) -> int:
+    """Bytes of layer i's CPU image (what to_cpu_image makes), from the tensors' types and
+    shapes alone: the planner sizes the disk tier with it before anything is built."""
+    spec = spec_for(cfg.architecture)
+    shapes = spec.shapes(cfg)
+    dense_bytes = torch.finfo(precision.weight_dtype).bits // 8
+    total = 0
+    for group in spec.linears:
+        names = [f"blk.{i}.{p}" for p in group.parts]
+        types = [gf.tensors[f"{n}.weight"].ggml_type for n in names]
+        part_shapes = [shapes[f"{p}.weight"] for p in group.parts]
+        rows, cols = sum(s[0] for s in part_shapes), part_shapes[0][1]
+        kinds = {kind_for(t) for t in types}
+        # LayerBuilder._packed_decode packs a group whose parts all take one layout
+        # (cpu_packed.pack_group); any other group decodes dense
+        kind = kinds.pop() if len(kinds) == 1 else None
+        padded = -(-rows // 16) * 16
+        if kind == "int4pack":
+            total += _aligned(padded * cols // 2) + _aligned(cols // INT4_GROUP * padded * 4)
+        elif kind == "int4pair":
+            total += _aligned(padded * cols) + _aligned(2 * cols // INT4_GROUP * padded * 4)
+        elif kind == "int8pack":
+            total += _aligned(rows * cols) + _aligned(rows * 2)
+        else:
+            total += _aligned(rows * cols * dense_bytes)
+        if any(f"{n}.bias" in gf.tensors for n in names):
+            total += _aligned(rows * 4)
+    for norm in spec.norms:
+        total += _aligned(int(torch.Size(shapes[f"{norm}.weight"]).numel()) * 4)
+    return max(total, IMAGE_ALIGN)

@@ -1,0 +1,167 @@
+"""weights.cpu_image: a streamed CPU layer's packed image, made into views, computes as the
+resident layer does (the same bits), holds exactly the packed copies of the GGUF bytes, and is
+the size the planner counts.
+
+References: the resident layer (LayerBuilder at precision "fast", whose packed copies
+tests/weights/test_cpu_packed.py checks against gguf.quants.dequantize), cpu_packed.pack_group
+run on the file's bytes directly, and gguf.quants.dequantize itself.
+"""
+
+from __future__ import annotations
+
+import gguf.quants
+import pytest
+import torch
+
+from slipstream.config import ModelConfig
+from slipstream.gguf_file import GGUFFile
+from slipstream.model.llama import block_forward
+from slipstream.model.layer_spec import spec_for
+from slipstream.model.rope import RopeTable
+from slipstream.model.step import append_step
+from slipstream.precision import Precision
+from slipstream.synth import write_synth
+from slipstream.weights import cpu_image
+from slipstream.weights.cpu_packed import PackedDecodeLinear, kind_for, pack_group
+from slipstream.weights.linear import DenseLinear
+from slipstream.weights.loader import LayerBuilder, TensorSource, raw_tensor
+
+CPU = torch.device("cpu")
+FAST = Precision.of("fast", CPU)
+# (architecture, quant mix) -> the kind each decode linear takes. Q4_K_M's q/k/v mix Q4_K and
+# Q6_K, whose layouts differ, so the resident layer decodes that group dense (pack_group
+# fuses only parts of one layout); Q5_K has no packed layout at all.
+CASES = {
+    ("llama", "Q4_K"): dict(attn_qkv="int4pack", attn_output="int4pack",
+                            ffn_gate_up="int4pack", ffn_down="int4pack"),
+    ("llama", "Q4_K_M"): dict(attn_qkv="dense", attn_output="int4pack",
+                              ffn_gate_up="int4pack", ffn_down="int8pack"),
+    ("llama", "Q8_0"): dict(attn_qkv="int4pair", attn_output="int4pair",
+                            ffn_gate_up="int4pair", ffn_down="int4pair"),
+    ("llama", "Q4_0"): dict(attn_qkv="int4pack", attn_output="int4pack",
+                            ffn_gate_up="int4pack", ffn_down="int4pack"),
+    ("llama", "Q5_K"): dict(attn_qkv="dense", attn_output="dense", ffn_gate_up="dense",
+                            ffn_down="dense"),
+    ("qwen2", "Q4_K"): dict(attn_qkv="int4pack", attn_output="int4pack",
+                            ffn_gate_up="int4pack", ffn_down="int4pack"),  # q/k/v biases
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES), ids=lambda c: f"{c[0]}-{c[1]}")
+def model(request, tmp_path_factory):
+    arch, mix = request.param
+    path = write_synth(tmp_path_factory.mktemp("cpuimg") / f"{arch}-{mix}.gguf", "tiny", mix,
+                       n_layers=2, arch=arch, from_floats=True, std=0.08, seed=5)
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    yield request.param, gf, cfg
+    gf.close()
+
+
+def test_the_image_holds_each_linear_as_the_resident_decode_does(model):
+    case, gf, cfg = model
+    host, layout = cpu_image.cpu_image_of(gf, cfg, FAST, 1)
+    assert {k: v[0] for k, v in layout.linears.items()} == CASES[case]
+    assert host.numel() == layout.nbytes == cpu_image.image_nbytes(gf, cfg, 1, FAST)
+    # every tensor on an IMAGE_ALIGN boundary, inside the image, in order
+    ends = [0] + [e.offset + e.nbytes for e in layout.entries]
+    assert all(e.offset % 256 == 0 and e.offset >= end for e, end in zip(layout.entries, ends))
+    assert ends[-1] <= layout.nbytes
+    assert cpu_image.CpuLayerLayout.from_json(layout.to_json()) == layout
+
+
+def _block(cfg, layer, rows: int) -> torch.Tensor:
+    rope = RopeTable(cfg, 64, CPU)
+    k = torch.zeros(cfg.n_kv_heads, 64, cfg.head_dim)
+    v = torch.zeros_like(k)
+    x = torch.randn(rows, cfg.hidden, generator=torch.Generator().manual_seed(rows))
+    out = []
+    for start in (0, rows):  # the second pass attends to the first one's cache entries
+        step = append_step(start, rows, CPU)
+        out.append(block_forward(cfg, layer, x + start, rope.angles(step.positions), step, k, v,
+                                 rope))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_views_of_the_image_compute_the_resident_layers_bits(model, rows):
+    _, gf, cfg = model
+    host, layout = cpu_image.cpu_image_of(gf, cfg, FAST, 1)
+    # at an odd page offset of a larger buffer, as a staging buffer holds it
+    buf = torch.zeros(host.numel() + 3 * 4096, dtype=torch.uint8)
+    buf[4096:4096 + host.numel()] = host
+    views = cpu_image.decode_layer(layout, buf[4096:4096 + host.numel()])
+    resident = LayerBuilder(cfg, CPU, FAST).build(TensorSource(gf), 1)
+    assert torch.equal(_block(cfg, views, rows), _block(cfg, resident, rows))
+    assert views.attn_q is None and views.ffn_gate is None  # the fused linears serve
+
+
+def test_the_image_is_pack_groups_copy_of_the_files_bytes(model):
+    """Each packed plane in the image equals what cpu_packed.pack_group makes of the layer's
+    GGUF bytes read straight from the file; dense ones equal the GGUF dequantizer's values."""
+    case, gf, cfg = model
+    host, layout = cpu_image.cpu_image_of(gf, cfg, FAST, 0)
+    views = cpu_image.decode_layer(layout, host)
+    shapes = spec_for(cfg.architecture).shapes(cfg)
+    for group in spec_for(cfg.architecture).linears:
+        field = group.field if len(group.parts) > 1 else group.parts[0]
+        names = [f"blk.0.{p}" for p in group.parts]
+        part_shapes = [shapes[f"{p}.weight"] for p in group.parts]
+        raws = [raw_tensor(gf, f"{n}.weight", s) for n, s in zip(names, part_shapes)]
+        types = [gf.tensors[f"{n}.weight"].ggml_type for n in names]
+        got = getattr(views, field)
+        if CASES[case][field] == "dense":
+            assert isinstance(got, DenseLinear)
+            want = torch.cat([torch.from_numpy(gguf.quants.dequantize(r.numpy(), t))
+                              for r, t in zip(raws, types)]).to(torch.float16)
+            assert torch.equal(got.weight, want)
+            continue
+        assert isinstance(got, PackedDecodeLinear)
+        biases = [TensorSource(gf).dense(f"{n}.bias", (s[0],), torch.float32, CPU)
+                  if f"{n}.bias" in gf.tensors else None for n, s in zip(names, part_shapes)]
+        ref, _ = pack_group(raws, types, part_shapes, biases)
+        assert ref.kind == CASES[case][field] == kind_for(types[0])
+        packed = got.packed
+        planes = ("codes", "scales") if ref.kind == "int8pack" else ("packed", "scale_zeros")
+        for plane in planes:
+            assert torch.equal(getattr(packed, plane), getattr(ref, plane)), (field, plane)
+        assert (packed.bias is None) == (ref.bias is None)
+        if ref.bias is not None:
+            assert torch.equal(packed.bias, ref.bias)
+
+
+def test_a_packed_linear_of_the_image_matches_gguf_dequantize(model):
+    """The image's ffn_down against x @ W^T with W from gguf.quants.dequantize (float64): the
+    packed layouts round scales and activations to bfloat16 (tests/weights/test_cpu_packed.py
+    bounds each layout's error; here a relative 3e-2 of the output's scale)."""
+    _, gf, cfg = model
+    host, layout = cpu_image.cpu_image_of(gf, cfg, FAST, 0)
+    down = cpu_image.decode_layer(layout, host).ffn_down
+    name = "blk.0.ffn_down.weight"
+    w = torch.from_numpy(gguf.quants.dequantize(
+        raw_tensor(gf, name, (cfg.hidden, cfg.ffn)).numpy(), gf.tensors[name].ggml_type)).double()
+    x = torch.randn(3, cfg.ffn)
+    want = x.double() @ w.t()
+    got = down(x).double()
+    assert (got - want).abs().max() <= 3e-2 * want.abs().max()
+
+
+def test_a_decode_only_linear_refuses_a_prefill_pass(model):
+    _, gf, cfg = model
+    host, layout = cpu_image.cpu_image_of(gf, cfg, FAST, 0)
+    down = cpu_image.decode_layer(layout, host).ffn_down
+    if isinstance(down, DenseLinear):
+        pytest.skip("a dense linear serves every pass")
+    with pytest.raises(RuntimeError, match="decode-only layer .* called with 9 rows"):
+        down(torch.zeros(9, cfg.ffn))
+
+
+def test_images_need_packed_decode(model):
+    _, gf, cfg = model
+    with pytest.raises(ValueError, match="packed decode copies"):
+        cpu_image.cpu_image_of(gf, cfg, Precision.of("exact", CPU), 0)
+
+
+def test_the_layout_fingerprint_is_this_machines_packing():
+    a = cpu_image.layout_fingerprint()
+    assert a == cpu_image.layout_fingerprint() and isinstance(a, int)
