@@ -120,6 +120,7 @@ def test_version():
     (["run", "--ctx", "0"], "--ctx 0 is invalid"),
     (["run", "-t", "0"], "--threads 0 is invalid: must be >= 1"),
     (["run", "--gpu-slots", "1"], "at least 2 GPU slots"),
+    (["run", "-ngl", "-1"], "--vram-layers -1 is invalid"),
     (["run", "--device", "gpu"], "--device 'gpu' is not supported"),
     (["run", "-p", "x", "-f", "prompt.txt"], "give the prompt with -p or with -f, not both"),
     (["run", "-f", "missing.txt"], "cannot read the prompt from 'missing.txt'"),

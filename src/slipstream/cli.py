@@ -96,6 +96,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "MemAvailable less a margin); the rest streams from disk every token")
     p.add_argument("--vram-budget", default=None, metavar="SIZE", help="VRAM the model may "
                    "hold, e.g. 24GiB (default: what is free)")
+    p.add_argument("-ngl", "--vram-layers", type=int, default=None, metavar="N",
+                   help="CUDA: hold at most N layers in VRAM whatever --vram-budget allows, as "
+                   "llama.cpp's -ngl; the rest stream (default: as many as the budget holds)")
     p.add_argument("--gpu-slots", type=int, default=2, metavar="K", help="CUDA streaming: the "
                    "ring of GPU slots layers are copied into, each holding one layer (at "
                    "least 2)")
@@ -226,6 +229,7 @@ _RULES = [
     ("gpu_slots", "--gpu-slots", lambda v: v >= 2, ">= 2: the streaming ring needs at least "
      "2 GPU slots (one computed on while the next is copied)"),
     ("skip_layers", "--skip-layers", lambda v: v >= 0, ">= 0"),
+    ("vram_layers", "--vram-layers", lambda v: v >= 0, ">= 0"),
     ("pp", "--pp", lambda v: v >= 1, ">= 1"),
     ("tg", "--tg", lambda v: v >= 1, ">= 1"),
     ("reps", "--reps", lambda v: v >= 1, ">= 1"),
@@ -327,7 +331,7 @@ def _load(a: argparse.Namespace):
                      # a server must outlive its file being truncated or rewritten (SIGBUS):
                      # weights in private memory, on CUDA too (a streamed plan's embedding)
                      private_weights=True if a.func is cmd_serve else None,
-                     hybrid=a.hybrid, threads=a.threads)
+                     hybrid=a.hybrid, threads=a.threads, vram_layers=a.vram_layers)
     a.load_s = time.perf_counter() - t0
     if model.skipped_layers:
         sims = model.layer_similarities
@@ -676,7 +680,8 @@ def cmd_info(a: argparse.Namespace) -> int:
 
         out.print(plan(path, device=a.device, ctx=a.ctx, precision=a.precision,
                        ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io,
-                       gpu_slots=a.gpu_slots, hybrid=a.hybrid, threads=a.threads).table())
+                       gpu_slots=a.gpu_slots, hybrid=a.hybrid, threads=a.threads,
+                       vram_layers=a.vram_layers).table())
     return 0
 
 
