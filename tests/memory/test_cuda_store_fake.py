@@ -179,6 +179,39 @@ def test_promote_makes_pinned_layers_resident(fake_cuda, setup):
     store.close()
 
 
+def test_a_promotion_the_allocator_cannot_give_keeps_the_layer_streaming(fake_cuda, setup,
+                                                                        monkeypatch):
+    """The room counted is not there in one piece (the allocator's holes): promote() takes
+    nothing it cannot allocate, and the layer goes on streaming with the right bytes."""
+    store = _store(setup, "direct")
+    want = setup[1]
+    for i in range(6):
+        store.acquire(i)
+        store.release(i)
+    real_empty = torch.empty
+
+    def no_room(*args, **kw):
+        if kw.get("device") is not None:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_empty(*args, **kw)
+
+    monkeypatch.setattr(torch, "empty", no_room)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    assert store.promote(1 << 40) == []
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert 2 in store.images and store.layers[2] is None
+    streamed = store.stats.layers_streamed
+    for _ in range(2):
+        for i in range(6):
+            layer = store.acquire(i)
+            if i >= 2:
+                _check(layer, want[i])
+            store.release(i)
+    assert store.stats.layers_streamed == streamed + 8  # layers 2-5, twice
+    assert store.promote(1 << 40) == [2]  # with room it goes as before
+    store.close()
+
+
 def test_promoted_layers_are_spread_over_the_streamed_ones():
     """Taking every other one of 6 streamed layers leaves the rest spread out too, not a run."""
     pytest.importorskip("triton")
