@@ -155,25 +155,28 @@ def test_streamed_layers_between_resident_ones(fake_cuda, setup, io):
     store.close()
 
 
+def _passes(store, want=None, n: int = 1) -> None:
+    """n passes over the six layers; with `want`, the streamed ones' bytes are checked."""
+    for _ in range(n):
+        for i in range(6):
+            layer = store.acquire(i)
+            if want is not None and i >= 2:
+                _check(layer, want[i])
+            store.release(i)
+
+
 def test_promote_makes_pinned_layers_resident(fake_cuda, setup):
     """Memory given back (a draft released): the pinned-tier layer becomes resident, served
     with the same tensors, its pinned image dropped; the disk tier streams on as before."""
     store = _store(setup, "direct")
     want = setup[1]
-    for i in range(6):  # a pass with copies in flight into the next one
-        store.acquire(i)
-        store.release(i)
+    _passes(store)  # a pass with copies in flight into the next one
     nbytes = store.images[2].host.numel()
     assert store.promote(nbytes - 1) == []  # too little room: nothing moves
     assert store.promote(nbytes) == [2]
     assert 2 not in store.images and 2 not in store.feed and store.layers[2] is not None
     streamed = store.stats.layers_streamed
-    for _ in range(2):
-        for i in range(6):
-            layer = store.acquire(i)
-            if i >= 2:
-                _check(layer, want[i])
-            store.release(i)
+    _passes(store, want, 2)
     assert store.stats.layers_streamed == streamed + 6  # layers 3-5 only, twice
     assert store.promote(1 << 40) == []  # no pinned layer left (disk layers stay)
     store.close()
@@ -185,9 +188,7 @@ def test_a_promotion_the_allocator_cannot_give_keeps_the_layer_streaming(fake_cu
     nothing it cannot allocate, and the layer goes on streaming with the right bytes."""
     store = _store(setup, "direct")
     want = setup[1]
-    for i in range(6):
-        store.acquire(i)
-        store.release(i)
+    _passes(store)
     real_empty = torch.empty
 
     def no_room(*args, **kw):
@@ -201,12 +202,7 @@ def test_a_promotion_the_allocator_cannot_give_keeps_the_layer_streaming(fake_cu
     monkeypatch.setattr(torch, "empty", real_empty)
     assert 2 in store.images and store.layers[2] is None
     streamed = store.stats.layers_streamed
-    for _ in range(2):
-        for i in range(6):
-            layer = store.acquire(i)
-            if i >= 2:
-                _check(layer, want[i])
-            store.release(i)
+    _passes(store, want, 2)
     assert store.stats.layers_streamed == streamed + 8  # layers 2-5, twice
     assert store.promote(1 << 40) == [2]  # with room it goes as before
     store.close()
