@@ -201,8 +201,10 @@ class Model:
         room = max(held - DRAFT_GRAPH_HEADROOM, 0)  # the headroom stays with the process
         promoted: list[int] = []
         stores = {id(st.store): st.store for st in self.engine.stages}
+        cap = self.plan.vram_layers if self.plan is not None else None
+        most = None if cap is None else max(cap - self.plan.tiers.count("vram"), 0)
         for store in stores.values():
-            promoted += store.promote(room)
+            promoted += store.promote(room, most)
         if self.plan is not None:
             for i in promoted:
                 self.plan.tiers[i] = "vram"

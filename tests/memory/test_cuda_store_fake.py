@@ -173,6 +173,7 @@ def test_promote_makes_pinned_layers_resident(fake_cuda, setup):
     _passes(store)  # a pass with copies in flight into the next one
     nbytes = store.images[2].host.numel()
     assert store.promote(nbytes - 1) == []  # too little room: nothing moves
+    assert store.promote(1 << 40, most=0) == []  # the user's cap on layers in VRAM holds
     assert store.promote(nbytes) == [2]
     assert 2 not in store.images and 2 not in store.feed and store.layers[2] is not None
     streamed = store.stats.layers_streamed

@@ -17,6 +17,7 @@ def test_a_cap_streams_what_the_budget_would_hold(cap):
     plan = plan_cuda(vram, [12] * 8, RESERVE, vram_budget=10_000, ram_budget=None,
                      vram_layers=cap)
     assert plan.tiers.count("vram") == cap
+    assert plan.vram_layers == cap  # kept: promote() after a draft's release honours it
     assert plan.tiers.count("pinned") == 8 - cap
     # uncapped, the same budget holds everything
     assert plan_cuda(vram, [12] * 8, RESERVE, 10_000, None).tiers == ["vram"] * 8

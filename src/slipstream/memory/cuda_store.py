@@ -153,8 +153,9 @@ class CudaLayerStore(StoreBase):
             if src.own_slot:  # outside the ring (mmap): told directly
                 src.skip(self.skipped)
 
-    def promote(self, room: int) -> list[int]:
-        """Make pinned-tier layers resident while `room` bytes last: each image is copied
+    def promote(self, room: int, most: int | None = None) -> list[int]:
+        """Make pinned-tier layers resident while `room` bytes last (at most `most` of them:
+        the user's cap on layers in VRAM): each image is copied
         once into a GPU buffer of its own and the layer rebuilt as views into it (the same
         layout as in a slot, so the same kernels and bits); its pinned copy is given back.
         The layers taken are spread evenly over the pinned ones, so that those left streaming
@@ -169,7 +170,7 @@ class CudaLayerStore(StoreBase):
         if not candidates:
             return []
         size = max(pinned.images[i].host.numel() for i in candidates)
-        k = min(len(candidates), room // size)
+        k = min(len(candidates), room // size, len(candidates) if most is None else most)
         chosen = evenly_spaced(candidates, k)
         if not chosen:
             return []

@@ -77,6 +77,8 @@ class Plan:
     stages: list[StagePlan] = field(default_factory=list)  # default: one, every layer
     # a speculative draft placed before this plan: (what it is, bytes it holds of the budget)
     draft: tuple[str, int] | None = None
+    # CUDA: the user's cap on layers in VRAM (vram_layers, as llama.cpp's -ngl), or None
+    vram_layers: int | None = None
     # CPU: dense bytes of the head's weight, one matvec over them per token (0: not known, or a
     # stage without the head)
     head_bytes: int = 0
@@ -386,7 +388,7 @@ def plan_cuda(vram_bytes: list[int], image_bytes: list[int], reserve: dict[str, 
     fixed = sum(reserve.values())
     slot = max(image_bytes) if n else 0
     plan = Plan("cuda", ["vram"] * n, vram_bytes, image_bytes, fixed, vram_budget, n_slots,
-                ram_budget=ram_budget, reserve=dict(reserve), io=io)
+                ram_budget=ram_budget, reserve=dict(reserve), io=io, vram_layers=vram_layers)
     if fixed + sum(vram_bytes) <= vram_budget and (vram_layers is None or vram_layers >= n):
         return plan
     # the mmap baseline copies its layers into one more slot of its own

@@ -74,10 +74,10 @@ class LayerStore(Protocol):
         decode's CPU share) gets ready for it."""
         ...
 
-    def promote(self, room: int) -> list[int]:
+    def promote(self, room: int, most: int | None = None) -> list[int]:
         """Make streamed layers resident while `room` more bytes of the device's memory
-        last (memory a speculative draft gave back, say); returns the layers promoted, which
-        are served like layers built at load from then on."""
+        last (memory a speculative draft gave back, say), at most `most` of them; returns the
+        layers promoted, which are served like layers built at load from then on."""
         ...
 
     def enable_timing(self, on: bool = True) -> None:
@@ -114,7 +114,7 @@ class StoreBase:
     def waiting(self, i: int) -> bool:
         return False  # nothing read ahead: acquire never waits on a read in flight
 
-    def promote(self, room: int) -> list[int]:
+    def promote(self, room: int, most: int | None = None) -> list[int]:
         return []  # a store with no cheaper place to put a layer keeps its tiers
 
     def enable_timing(self, on: bool = True) -> None:
