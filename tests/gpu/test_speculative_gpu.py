@@ -9,7 +9,6 @@ import torch
 
 import slipstream
 from slipstream.errors import BudgetTooSmall
-from slipstream.memory.setup import streamed_vram_budget
 from runtime.test_speculative import GREEDY_PROMPTS, PREFIX, SAMPLING, requantize
 from slipstream.synth import write_synth
 
@@ -113,28 +112,35 @@ def _streamed_with_draft(target, draft, resident: int = 2, **kw):
                            **kw)
 
 
-def _streamed_by_budget(target, draft, resident: int = 2, **kw):
+def _streamed_by_budget(target, draft, **kw):
     """As _streamed_with_draft, but by a VRAM budget rather than a cap, so that the VRAM a
-    released draft gives back can make layers resident: the draft's own VRAM plus what a
-    streamed plan of the target needs for `resident` layers (memory.setup
-    .streamed_vram_budget; a model whose layers outweigh its streaming reserve), stepped up
-    by 16 MiB while the load says it is too small (the draft's graphs come out of it too)."""
+    released draft gives back can make layers resident: the draft's own VRAM, plus the least
+    budget the target alone plans in, plus steps of 16 MiB (the draft's captured graphs come
+    out of the budget too). For a model whose layers outweigh its streaming reserve: a small
+    one's budget stepped up from below reaches the all-resident plan first."""
     torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved()
     with slipstream.load(draft, device=DEVICE, ctx=512):
         draft_vram = torch.cuda.memory_reserved() - before
     torch.cuda.empty_cache()
-    with slipstream.load(target, device=DEVICE, ctx=512,
-                         precision=kw.get("precision", "fast")) as alone:
-        base = streamed_vram_budget(alone.plan, resident)
-    torch.cuda.empty_cache()
-    for extra in range(0, 1024, 16):
+    least = None
+    for mib in range(16, 2048, 16):
         try:
-            return slipstream.load(target, device=DEVICE, ctx=512, draft=draft,
-                                   vram_budget=draft_vram + base + (extra << 20), **kw)
+            slipstream.plan(target, device=DEVICE, ctx=512, vram_budget=mib << 20,
+                            measure=False, ram_budget=kw.get("ram_budget"),
+                            precision=kw.get("precision", "fast"))
         except BudgetTooSmall:
             continue
-    pytest.fail("no budget up to 1 GiB over the streamed one holds the target with its draft")
+        least = mib
+        break
+    assert least is not None
+    for extra in range(least + 16, least + 1024, 16):
+        try:
+            return slipstream.load(target, device=DEVICE, ctx=512, draft=draft,
+                                   vram_budget=draft_vram + (extra << 20), **kw)
+        except BudgetTooSmall:
+            continue
+    pytest.fail("no budget up to 1 GiB over the least one holds the target with its draft")
 
 
 def test_gpu_streamed_target_greedy_equals_plain(smollm_path, tmp_path):
