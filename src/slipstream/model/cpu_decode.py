@@ -41,6 +41,7 @@ class _Scratch:
         self.attn_row = self.attn.view(1, n_q * d)
 
 
+_ZERO = torch.zeros(())  # baddbmm's ignored input (beta=0)
 _LOCAL = threading.local()  # per thread: two models decoding at once never share buffers
 
 
@@ -78,6 +79,7 @@ def decode_attention(cfg: ModelConfig, qkv: torch.Tensor, cos_sin: tuple[torch.T
     v_cache[:, pos] = v
     if q.dtype != k_cache.dtype:
         q = q.to(k_cache.dtype)
-    scores = torch.bmm(q * (1.0 / math.sqrt(d)), k_cache[:, :pos + 1].transpose(1, 2))
+    scores = torch.baddbmm(_ZERO, q, k_cache[:, :pos + 1].transpose(1, 2), beta=0,
+                           alpha=1.0 / math.sqrt(d))
     torch.bmm(torch.softmax(scores, dim=-1), v_cache[:, :pos + 1], out=s.attn)
     return s.attn_row

@@ -17,6 +17,7 @@ from .rope import RopeTable
 from .step import Step
 
 _HAS_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
+_ZERO = torch.zeros(())  # baddbmm's ignored input (beta=0)
 # One causal token on CPU takes `_cpu_decode`, the general path's ops less their overhead
 # (False: the general path, which gives the same bits; tests compare the two).
 CPU_DECODE = True
@@ -117,8 +118,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
         qg = q.view(n_kv, group, d)
         if q.device.type == "cpu":
             # Two bmm and a softmax: CPU SDPA costs ~2.5x more at these tiny shapes, and
-            # decode on CPU is bound by per-op overhead.
-            scores = torch.bmm(qg * (1.0 / math.sqrt(d)), k.transpose(1, 2))
+            # decode on CPU is bound by per-op overhead (so the scale rides on the first bmm).
+            scores = torch.baddbmm(_ZERO, qg, k.transpose(1, 2), beta=0,
+                                   alpha=1.0 / math.sqrt(d))
             out = torch.bmm(torch.softmax(scores, dim=-1), v)
         else:
             out = F.scaled_dot_product_attention(qg, k, v, scale=1.0 / math.sqrt(d))

@@ -27,9 +27,12 @@ class KVCache:
         shape = (n, cfg.n_kv_heads, max_ctx, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # each layer's (k, v) views made once: a decode step asks for every layer's, and two
+        # index ops a layer are a measurable share of a CPU token
+        self._layers = [(self.k[j], self.v[j]) for j in range(n)]
 
     def layer(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[j], self.v[j]
+        return self._layers[j]
 
     @property
     def nbytes(self) -> int:

@@ -749,12 +749,14 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float,
     (the one-row case is the same elementwise op), so each row's bits are those of a call of
     its own."""
     n = x.shape[-1]
-    scales = [1.0 / math.sqrt(norm * norm / n + eps)
-              for norm in torch.linalg.vector_norm(x, dim=-1).tolist()]
+    norms = torch.linalg.vector_norm(x, dim=-1)
     if out is None:
         out = torch.empty(x.shape, dtype=torch.bfloat16)
-    if len(scales) == 1:
-        return torch.addcmul(_ZERO, x, weight, value=scales[0], out=out)
+    if x.shape[0] == 1:  # float() of the one norm: a third of tolist()'s cost
+        norm = float(norms)
+        return torch.addcmul(_ZERO, x, weight, value=1.0 / math.sqrt(norm * norm / n + eps),
+                             out=out)
+    scales = [1.0 / math.sqrt(norm * norm / n + eps) for norm in norms.tolist()]
     for i, r in enumerate(scales):
         torch.addcmul(_ZERO, x[i], weight, value=r, out=out[i])
     return out
