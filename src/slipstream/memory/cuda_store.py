@@ -174,24 +174,21 @@ class CudaLayerStore(StoreBase):
         chosen = evenly_spaced(candidates, k)
         if not chosen:
             return []
-        self.ring.drop(chosen)  # settles the copies in flight first
-        taken = []
+        # each layer's GPU buffer first: where the room counted is not there in one piece
+        # (the allocator's holes), the layers not given one go on streaming
+        bufs = []
         for i in chosen:
             try:
-                buf = torch.empty(pinned.images[i].host.numel(), dtype=torch.uint8,
-                                  device=self.device)
+                bufs.append(torch.empty(pinned.images[i].host.numel(), dtype=torch.uint8,
+                                        device=self.device))
             except torch.cuda.OutOfMemoryError:
-                # the room counted is not there in one piece (the allocator's holes): the
-                # layers not taken go on streaming, from the ring restarted without the
-                # ones taken
                 torch.cuda.empty_cache()
-                self.ring.drop(())
-                for j in chosen[len(taken):]:
-                    self.ring.source_of[j] = pinned
-                self.ring.order = [j for j in sorted(self.ring.source_of)
-                                   if j not in self.ring.skipped]
                 break
-            taken.append(i)
+        chosen = chosen[:len(bufs)]
+        if not chosen:
+            return []
+        self.ring.drop(chosen)  # settles the copies in flight first
+        for i, buf in zip(chosen, bufs):
             image = pinned.images.pop(i)
             pinned.layouts.pop(i, None)
             pinned.upto.pop(i, None)  # a split layer becomes whole: the GPU computes it all
@@ -201,7 +198,7 @@ class CudaLayerStore(StoreBase):
             buf.copy_(image.host)
             self.layers[i] = from_image(self.layouts.pop(i), buf, self.workspace)
             self.feed.pop(i, None)
-        return taken
+        return chosen
 
     def acquire(self, i: int) -> LayerWeights:
         if i in self.skipped and self.layers[i] is None:

@@ -281,8 +281,10 @@ class Speculator:
                 done = grown.ahead(go_on, AHEAD_WIDTH, min(levels, left))
             left -= done
             self.stats.ahead_forwards += done
-            self.stats.ahead_s += time.perf_counter() - t
-            if stream is not None:
+            if stream is None:  # in series: its time is the draft's, device included
+                self.stats.ahead_s += _since(t, self.draft.device)
+            else:  # beside the pass: the host's, which is what it may cost the pass
+                self.stats.ahead_s += time.perf_counter() - t
                 self.stats.ahead_beside += done
             return done
 
