@@ -91,16 +91,17 @@ def prefill_rate(model, n: int = 512) -> float:
 
 
 def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[int],
-         sweep: bool, prefill: bool = True) -> dict:
+         sweep: bool, prefill: bool = True, vram_layers: int | None = None) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     with slipstream.load(path, device="cuda", ctx=2048, vram_budget=budget,
-                         hybrid=hybrid) as m:
+                         hybrid=hybrid, vram_layers=vram_layers) as m:
         load_s = time.perf_counter() - t0
         plan = m.plan
         h = plan.hybrid
         row = {"name": name, "vram_budget": budget, "hybrid": hybrid, "load_s": round(load_s, 1),
+               "vram_layers_cap": vram_layers,
                "tiers": {t: plan.tiers.count(t) for t in sorted(set(plan.tiers))},
                "predicted_tok_s": round(plan.predicted_tok_s or 0, 3),
                "pcie_gbps_probe": plan.bandwidth_gbps.get("pinned")}
@@ -150,6 +151,9 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
     return row
 
 
+FALLBACK_LAYERS = {"70b": 42, "8b": 16}
+
+
 def llamacpp_tg(path: str | None) -> dict | None:
     """llama-bench's tg figures (t/s column) by thread count, and the best of them: the
     comparison is against llama.cpp at its best thread count in this call, not at ours."""
@@ -179,7 +183,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/slipstream-models")
     ap.add_argument("--cases", default="70b,8b")
     ap.add_argument("--tokens", type=int, default=12)
-    ap.add_argument("--threads", default="4,8,12,16")
+    ap.add_argument("--threads", default="4,8,10,12,14,16")
     ap.add_argument("--hybrid", default="auto", help="the hybrid cases' mode or share")
     ap.add_argument("--llamacpp", action="append", default=[],
                     help="SHAPE=FILE: llama-bench's output on that shape from this call")
@@ -206,14 +210,23 @@ def main() -> None:
         for name, mode in ((tag, "off"), (f"{tag}-hybrid", hybrid)):
             if mode == "off" and a.skip_off:
                 continue
+            run = dict(sweep=shape == "70b", prefill=not a.no_prefill)
             try:
-                rows.append(case(path, name, budget, mode, a.tokens, threads,
-                                 sweep=shape == "70b", prefill=not a.no_prefill))
+                rows.append(case(path, name, budget, mode, a.tokens, threads, **run))
             except Exception as e:  # recorded, and the other cases still run
                 print(f"{name}: {type(e).__name__}: {e}", flush=True)
                 rows.append({"name": name, "vram_budget": budget, "hybrid": mode,
                              "error": f"{type(e).__name__}: {str(e)[:400]}"})
                 torch.cuda.empty_cache()
+                # out of memory: once more with the layer count that ran before the plans'
+                # layers took one buffer each (session 9: 42 for the 70B, 16 for the 8B)
+                if "out of memory" in str(e).lower() and shape in FALLBACK_LAYERS:
+                    try:
+                        rows.append(case(path, name, budget, mode, a.tokens, threads, **run,
+                                         vram_layers=FALLBACK_LAYERS[shape]))
+                    except Exception as e2:
+                        print(f"{name} (fallback): {type(e2).__name__}: {e2}", flush=True)
+                        torch.cuda.empty_cache()
             out.write_text(json.dumps(doc, indent=1))
     llama = dict(spec.split("=", 1) for spec in a.llamacpp)
     for r in rows:

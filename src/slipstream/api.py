@@ -633,4 +633,5 @@ def _load_weights_with_progress(gf, cfg, dev, precision: Precision, show: bool,
                             embed_on_host=embed_on_host, private=private,
                             scratch_elements=plan.scratch_elements if plan else None,
                             fuse_scales=plan.fuse_scales if plan else True,
-                            head_dense_on_demand=plan.head_dense_on_demand if plan else False)
+                            head_dense_on_demand=plan.head_dense_on_demand if plan else False,
+                            flat_layers=plan.flat_layers if plan else False)

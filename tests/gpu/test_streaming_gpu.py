@@ -32,9 +32,20 @@ def test_pinned_streaming_is_bit_identical(synth, delay):
     # a streamed plan leaves the embedding table on the host; the logits must not notice
     assert streamed.engine.weights.embed.raw.device.type == "cpu"
     assert resident.engine.weights.embed.raw.device.type == "cuda"
+    # its resident layers sit in one buffer each (weights.image.flattened), the model's don't
+    assert streamed.plan.flat_layers and not resident.plan.flat_layers
+    for i in (1, 4):
+        assert len(_storages(streamed.engine.weights.layers[i])) == 1
+        assert len(_storages(resident.engine.weights.layers[i])) > 1
     a, b = streamed_logits(resident), streamed_logits(streamed)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert streamed.engine.layers.stats.layers_streamed >= 4 * 13
+
+
+def _storages(layer) -> set[int]:
+    from slipstream.weights.image import _tensors
+
+    return {t.untyped_storage().data_ptr() for _, t in _tensors(layer)}
 
 
 def test_gpu_budget_too_small(synth):

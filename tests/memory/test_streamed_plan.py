@@ -13,7 +13,8 @@ from slipstream.errors import BudgetTooSmall
 from slipstream.gguf_file import GGUFFile
 from slipstream.memory import setup
 from slipstream.memory.planner import StagePlan, plan_cuda
-from slipstream.memory.vram import activation_bytes, layer_vram_bytes, vram_reserve
+from slipstream.memory.vram import (activation_bytes, layer_flat_bytes, layer_vram_bytes,
+                                   vram_reserve)
 from slipstream.precision import Precision
 from slipstream.synth import write_synth
 from helpers import cpu_engine
@@ -38,16 +39,17 @@ def test_a_streamed_plan_caps_chunk_and_scratch_and_counts_them(model, monkeypat
     _, gf, cfg = model
     streamed = vram_reserve(gf, cfg, 4096, 2, 512, False, False, embed_on_host=True,
                             graph_bucket=256, scratch_cap=setup.STREAMED_SCRATCH_ELEMENTS)
-    layer = layer_vram_bytes(gf, cfg, 0, False)
+    layer = layer_flat_bytes(gf, cfg, 0)
     streamed["allocator slack"] = int(setup.STREAMED_SLACK_LAYERS * layer)
     budget = sum(streamed.values()) + 6 * layer  # two slots and four resident layers
     plan = _plan(gf, cfg, budget, monkeypatch)
-    assert plan.tiers.count("vram") == 4 and plan.fuse_scales is False
+    assert plan.tiers.count("vram") == 4 and plan.fuse_scales is False and plan.flat_layers
     assert plan.prefill_chunk == setup.STREAMED_PREFILL_CHUNK
     assert plan.scratch_elements == setup.STREAMED_SCRATCH_ELEMENTS
     assert plan.reserve["activations"] == activation_bytes(cfg, 512, 4096)
     assert plan.reserve["allocator slack"] == streamed["allocator slack"] > 0
-    assert plan.resident_bytes_per_layer == [layer_vram_bytes(gf, cfg, i, False)
+    # each resident layer in one buffer of its image (weights.image.flattened)
+    assert plan.resident_bytes_per_layer == [layer_flat_bytes(gf, cfg, i)
                                              for i in range(cfg.n_layers)]
     # the same budget with the resident plan's accounting (fused scales, 2048-token chunks)
     # holds fewer layers, or cannot run at all
@@ -66,6 +68,7 @@ def test_a_resident_plan_keeps_its_defaults(model, monkeypatch):
     plan = _plan(gf, cfg, None, monkeypatch)
     assert not plan.streamed_layers
     assert plan.prefill_chunk is None and plan.fuse_scales and plan.scratch_elements is None
+    assert not plan.flat_layers
 
 
 def test_the_engine_runs_prompts_in_its_chunks(model):

@@ -26,7 +26,8 @@ from slipstream.memory.disk import DirectReader, DiskReadError
 from slipstream.memory.planner import plan_cuda
 from slipstream.memory.staging import StagingBuffer, StagingRing
 from slipstream.memory.store import StoreStats, StreamDelays
-from slipstream.memory.vram import layer_image_bytes, layer_vram_bytes, packed_planes, vram_reserve
+from slipstream.memory.vram import (layer_flat_bytes, layer_image_bytes, layer_vram_bytes,
+                                   packed_planes, vram_reserve)
 from slipstream.precision import Precision
 from slipstream.runtime.engine import GRAPH_BUCKET, PREFILL_CHUNK
 from slipstream.synth import write_synth
@@ -180,7 +181,7 @@ def test_plan_for_cuda_on_a_fake_device(tiny, monkeypatch):
     fixed = (full.fixed_bytes - full.reserve["CUDA graph pools"] - full.reserve["embedding"]
              + streamed_slack(full))
     slot = max(full.file_bytes_per_layer)
-    vram = fixed + 2 * slot + full.resident_bytes_per_layer[0] + 1
+    vram = fixed + 2 * slot + layer_flat_bytes(gf, cfg, 4) + 1  # one layer, in one buffer
     ram = 3 * slot + slot + 1  # the staging buffers and one pinned layer
     plan = plan_for(gf, cfg, dev, fast, 256, ram, vram, **engine)
     assert plan.tiers == ["pinned", "disk", "disk", "disk", "vram", "disk"]

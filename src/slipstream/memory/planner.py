@@ -72,6 +72,9 @@ class Plan:
     # keep the GGUF layout, 7.5% smaller on a 70B Q4_K layer: more layers fit), and the cap
     # on the prefill scratch in elements (None: the largest weight)
     fuse_scales: bool = True
+    # CUDA: each resident layer in one buffer laid out as its image (streamed plans:
+    # weights.image.flattened leaves no allocator holes between layers)
+    flat_layers: bool = False
     scratch_elements: int | None = None
     prefill_chunk: int | None = None  # CUDA: the engine's prefill chunk (None: its default)
     stages: list[StagePlan] = field(default_factory=list)  # default: one, every layer

@@ -18,7 +18,8 @@ from .hybrid_plan import HYBRID_MAX_TOKENS
 from .planner import Plan, StagePlan, plan_cuda, plan_layers
 from .protocol import LayerStore
 from .store import DiskLayerStore, MmapLayerStore, ResidentLayerStore, StreamDelays
-from .vram import layer_image_bytes, layer_vram_bytes, vram_reserve
+from .vram import (alloc_bytes, layer_flat_bytes, layer_image_bytes, layer_vram_bytes,
+                   vram_reserve)
 
 IO_MODES = ("direct", "buffered", "mmap", "kvikio")
 N_SLOTS = 2  # GPU slots (default): one being computed on while the next one's copy lands
@@ -36,13 +37,14 @@ STREAMED_SCRATCH_ELEMENTS = 64 << 20
 # prefills 512 tokens in 0.45 s while its 38 streamed layers copy in 0.34 s, an 8B 56 ms
 # against 36 ms), so smaller chunks cost no time and give their VRAM to layers.
 STREAMED_PREFILL_CHUNK = 512
-# What a streamed plan keeps unallocated beyond its counted parts, in resident layers: the
-# holes that the load's packing transients leave between the layers it keeps. On the H200 a 70B
-# planned at 24 GiB with no such allowance (45 layers) failed its first 512-token prefill with
-# 23.54 GiB allocated and 0.47-0.57 GiB reserved but free only in such pieces (expandable
-# segments did not help). 2.25 layers (1.04 GiB) leave it 42 layers, the count that ran at
-# 22.71 GiB reserved (bench/results/2026-12-01-h200-session10.md).
-STREAMED_SLACK_LAYERS = 2.25
+# What a streamed plan keeps unallocated beyond its counted parts, in resident layers. On the
+# H200 a 70B planned at 24 GiB with none (45 layers) failed its first 512-token prefill with
+# 23.54 GiB allocated and 0.47-0.57 GiB reserved but free only in holes between the loaded
+# layers' small planes (bench/results/2026-12-01-h200-session10.md); 2.25 layers of slack (42
+# layers) then ran. Resident layers of streamed plans now take one buffer each (weights.image.
+# flattened), which leaves no such holes; half a layer stays for the head's packing and the
+# allocator's rounding.
+STREAMED_SLACK_LAYERS = 0.5
 
 
 def check_io(io: str, device: torch.device) -> None:
@@ -270,10 +272,10 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
     # Streamed plans give what they can to layers, since each resident layer is one less to
     # copy every token: the token embedding stays on the host (one row per token), resident
     # layers keep the GGUF scale layout as streamed ones do (the same results: QuantLinear),
-    # prefill dequantizes the largest weights in row chunks of a smaller scratch, and runs
-    # prompts in chunks of STREAMED_PREFILL_CHUNK tokens.
+    # each in one buffer, prefill dequantizes the largest weights in row chunks of a smaller
+    # scratch, and runs prompts in chunks of STREAMED_PREFILL_CHUNK tokens.
     if plan is None or plan.streamed_layers:
-        vram = [layer_vram_bytes(gf, cfg, i, False) for i in stage.layers]
+        vram = [layer_flat_bytes(gf, cfg, i) for i in stage.layers]
         chunk = min(prefill_chunk, STREAMED_PREFILL_CHUNK)
         reserve = vram_reserve(gf, cfg, ctx, kv_elem, chunk, False, False,
                                embed_on_host=True, scratch_cap=STREAMED_SCRATCH_ELEMENTS,
@@ -284,6 +286,7 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
         plan.graphs = False
         plan.embed_on_host = True
         plan.fuse_scales = False
+        plan.flat_layers = True
         plan.scratch_elements = STREAMED_SCRATCH_ELEMENTS
         plan.prefill_chunk = chunk
     return plan
@@ -294,20 +297,28 @@ def streamed_slack(plan: Plan) -> int:
     not stream (its own slack, if it has one, is not counted twice)."""
     if "allocator slack" in plan.reserve:
         return 0
-    return int(STREAMED_SLACK_LAYERS * max(plan.resident_bytes_per_layer, default=0))
+    return int(STREAMED_SLACK_LAYERS * max(_flat_sizes(plan), default=0))
+
+
+def _flat_sizes(plan: Plan) -> list[int]:
+    """Each layer's VRAM resident in a streamed CUDA plan (one buffer of its image, whose
+    size a CUDA plan holds as the bytes one streamed use moves), from any CUDA plan of it."""
+    if plan.flat_layers:
+        return plan.resident_bytes_per_layer
+    return [alloc_bytes(n) for n in plan.file_bytes_per_layer]
 
 
 def streamed_vram_budget(plan: Plan, resident_layers: int, slack: int = 1) -> int:
     """A VRAM budget whose plan holds `resident_layers` of this model's layers in VRAM and
     streams the rest, from any CUDA plan of it (a streamed plan reserves no graph pools,
-    keeps the embedding on the host and leaves the allocator its slack); `slack` bytes on
-    top. A small model's streaming reserve costs more than its layers, so a budget stepped
-    up from below reaches the all-resident plan first: tests and benchmarks that must
-    stream a small model ask for a budget this way."""
+    keeps the embedding on the host, holds each layer in one buffer and leaves the allocator
+    its slack); `slack` bytes on top. A small model's streaming reserve costs more than its
+    layers, so a budget stepped up from below reaches the all-resident plan first: tests and
+    benchmarks that must stream a small model ask for a budget this way."""
     staging = plan.staging_buffers * max(plan.file_bytes_per_layer, default=0)
     fixed = plan.fixed_bytes - plan.reserve.get("CUDA graph pools", 0) \
         - plan.reserve.get("embedding", 0) + streamed_slack(plan)
-    return fixed + staging + sum(plan.resident_bytes_per_layer[:resident_layers]) + slack
+    return fixed + staging + sum(_flat_sizes(plan)[:resident_layers]) + slack
 
 
 def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str, cfg: ModelConfig | None = None,

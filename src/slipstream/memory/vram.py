@@ -99,6 +99,12 @@ def layer_vram_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool = False
     return sum(alloc_bytes(n) for n in _layer_tensors(gf, cfg, i, fused))
 
 
+def layer_flat_bytes(gf: GGUFFile, cfg: ModelConfig, i: int) -> int:
+    """VRAM layer i takes resident in one buffer laid out as its image (weights.image.flattened,
+    streamed plans): one allocation."""
+    return alloc_bytes(layer_image_bytes(gf, cfg, i))
+
+
 def _pack_transient(qtype: int, rows: int, cols: int, raw: int) -> int:
     """Extra VRAM while one weight is packed at load: its raw bytes (twice when fused parts are
     concatenated), the per-chunk parts and their concatenation, and the int64 temporaries of

@@ -92,28 +92,55 @@ def _tensors(layer: LayerWeights):
                 yield (f.name, "bias"), v.bias
 
 
-def to_image(layer: LayerWeights, pin: bool = True) -> LayerImage:
-    """Copy a GPU-built layer into one host buffer (the GPU copy can then be freed); pinned for
-    tier B, pageable when the image is only on its way to a file."""
+def layout_of(layer: LayerWeights) -> LayerLayout:
+    """Where each of a built layer's tensors goes in its image (nothing copied)."""
     entries, offset = [], 0
     for key, t in _tensors(layer):
         n = t.numel() * t.element_size()
         entries.append(_Entry(key, t.dtype, tuple(t.shape), offset, n))
         offset += (n + IMAGE_ALIGN - 1) // IMAGE_ALIGN * IMAGE_ALIGN
-    # a file image is zeroed so its padding is deterministic; pinned memory skips the memset
-    host = (torch.empty(max(offset, IMAGE_ALIGN), dtype=torch.uint8, pin_memory=True) if pin
-            else torch.zeros(max(offset, IMAGE_ALIGN), dtype=torch.uint8))
-    tensors = dict(_tensors(layer))
-    for e in entries:
-        src = tensors[e.key].contiguous().view(torch.uint8).reshape(-1)
-        host[e.offset:e.offset + e.nbytes].copy_(src)
     linears = {}
     for f in dataclasses.fields(layer):
         v = getattr(layer, f.name)
         if isinstance(v, QuantLinear):
             p = v.packed
             linears[f.name] = (p.qtype, p.rows, p.cols, p.gguf_bytes, p.f16_scales)
-    return LayerImage(LayerLayout(entries, linears, host.numel()), host)
+    return LayerLayout(entries, linears, max(offset, IMAGE_ALIGN))
+
+
+def _fill(buf: torch.Tensor, layer: LayerWeights, layout: LayerLayout) -> None:
+    tensors = dict(_tensors(layer))
+    for e in layout.entries:
+        src = tensors[e.key].contiguous().view(torch.uint8).reshape(-1)
+        buf[e.offset:e.offset + e.nbytes].copy_(src)
+
+
+def to_image(layer: LayerWeights, pin: bool = True) -> LayerImage:
+    """Copy a GPU-built layer into one host buffer (the GPU copy can then be freed); pinned for
+    tier B, pageable when the image is only on its way to a file."""
+    layout = layout_of(layer)
+    # a file image is zeroed so its padding is deterministic; pinned memory skips the memset
+    host = (torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True) if pin
+            else torch.zeros(layout.nbytes, dtype=torch.uint8))
+    _fill(host, layer, layout)
+    return LayerImage(layout, host)
+
+
+def flattened(layer: LayerWeights, workspace: Workspace) -> LayerWeights:
+    """The layer moved into one buffer on its own device, laid out as its image, and rebuilt
+    as views into it (as a streamed layer in its slot): the same bytes, one allocation.
+
+    A layer built in place holds a dozen planes, and those under 10 MiB (scales, norms) share
+    the caching allocator's 20 MiB segments with the build's transients; once the transients
+    are freed, those segments stay reserved around the planes, unusable for a large request.
+    On the H200 a 70B's 45 resident layers left 0.47-0.57 GiB so stranded, and its first
+    prefill ran out of memory at a 24 GiB budget. The caller frees the build's transients
+    first (weights.loader.release_transients), so the buffer takes a segment of its own."""
+    layout = layout_of(layer)
+    device = next(t for _, t in _tensors(layer)).device
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    _fill(buf, layer, layout)
+    return from_image(layout, buf, workspace)
 
 
 def prefix_bytes(layout: LayerLayout, leave_out: tuple[str, ...]) -> int:

@@ -27,6 +27,7 @@ from ..gguf_file import GGUFFile
 from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name, spec_for
 from ..model.llama import LayerWeights
 from ..precision import Precision
+from .image import flattened
 from .linear import (GEMV_MAX_ROWS, DenseLinear, Linear, OnDemandDenseLinear, QuantEmbedding,
                      QuantLinear, Workspace)
 
@@ -243,7 +244,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
                  resident_layers: set[int] | None = None,
                  embed_on_host: bool = False, private: bool | None = None,
                  scratch_elements: int | None = None,
-                 fuse_scales: bool = True, head_dense_on_demand: bool = False) -> ModelWeights:
+                 fuse_scales: bool = True, head_dense_on_demand: bool = False,
+                 flat_layers: bool = False) -> ModelWeights:
     """Build the model's weights on `device`: every layer, or only `resident_layers` (the
     others are left as None for a streaming store to fill). Norms stay float32.
     `embed_on_host`: the token embedding stays in host memory (see QuantEmbedding).
@@ -258,6 +260,10 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     `head_dense_on_demand` (CPU, with packed decode copies): the head keeps its GGUF bytes
     instead of its dense weight, which calls of more than GEMV_MAX_ROWS rows dequantize
     (linear.OnDemandDenseLinear: the same bits); decode goes through its packed copy.
+
+    `flat_layers` (CUDA): each layer in one device buffer laid out as its image
+    (weights.image.flattened: no allocator holes between the layers; a streamed plan, which
+    sizes its resident layers so, memory.vram.layer_flat_bytes).
 
     `progress(n_bytes)` is called after each layer so callers can drive a progress bar.
     """
@@ -323,7 +329,11 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
         if resident_layers is not None and i not in resident_layers:
             layers.append(None)
             continue
-        layers.append(builder.build(src, i))
+        layer = builder.build(src, i)
+        if flat_layers and builder.quantized:
+            release_transients(device)  # the build's, before the layer takes its buffer
+            layer = flattened(layer, workspace)
+        layers.append(layer)
         release_transients(device)
         if progress is not None:
             start, end = layer_span(gf, i)
