@@ -63,8 +63,8 @@ def test_hybrid_decode_matches_whole_layers(pair):
     store = split.engine.layers
     store.stats.reset()
     b = _forced_logits(split)
-    # the prefill (prompt > HYBRID_MAX_TOKENS) ran whole layers on the GPU: same weights, the
-    # down projection summed in two parts
+    # the prefill (wider than the plan's max_tokens) ran whole layers on the GPU: same
+    # weights, the down projection summed in two parts
     assert _rel(b[0], a[0]) < 5e-3  # measured 1.4e-3 on the H200
     # decode: the CPU's half of each split FFN in bfloat16 (weights.cpu_packed)
     for x, y in zip(b[1:], a[1:]):
@@ -80,7 +80,7 @@ def test_decode_copies_only_the_gpu_share(pair):
     for name, m in (("whole", whole), ("split", split)):
         engine, store = m.engine, m.engine.layers
         engine.reset()
-        engine.forward(STREAM_PROMPT[:4])  # <= HYBRID_MAX_TOKENS: a split pass
+        engine.forward(STREAM_PROMPT[:4])  # split or whole by the plan's crossover (max_tokens)
         torch.cuda.synchronize()
         store.stats.reset()
         for t in range(4):

@@ -12,8 +12,8 @@ import torch
 from slipstream.config import ModelConfig
 from slipstream.errors import BadArgument
 from slipstream.gguf_file import GGUFFile
-from slipstream.memory.hybrid_plan import (balanced_share, decode_seconds, parse_hybrid,
-                                           plan_hybrid)
+from slipstream.memory.hybrid_plan import (HYBRID_MAX_TOKENS, TOKEN_WIDTHS, balanced_share,
+                                           decode_seconds, parse_hybrid, plan_hybrid)
 from slipstream.memory.planner import plan_cuda
 from slipstream.synth import write_synth
 
@@ -61,6 +61,9 @@ def synth(tmp_path_factory):
     return gf, ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
 
 
+FLAT = {m: 1.0 for m in TOKEN_WIDTHS}  # a CPU kernel that costs the same at every width
+
+
 def _plan(gf, cfg, pcie: float):
     from slipstream.memory.vram import layer_image_bytes
 
@@ -74,7 +77,7 @@ def test_plan_hybrid_splits_the_pinned_layers_and_predicts_faster(synth):
     gf, cfg = synth
     plan = _plan(gf, cfg, pcie=0.05)  # a slow link: the per-layer handover is small beside it
     pinned = [i for i, t in enumerate(plan.tiers) if t == "pinned"]
-    hp = plan_hybrid(gf, cfg, plan, "auto", threads=4, cpu_gbps=0.05)
+    hp = plan_hybrid(gf, cfg, plan, "auto", threads=4, cpu_gbps=0.05, token_scaling=FLAT)
     assert hp is not None and hp.layers == pinned
     assert hp.keep == 256 and hp.cpu_share == pytest.approx(0.5)
     assert hp.predicted_tok_s > 1.05 * hp.plain_tok_s
@@ -86,16 +89,42 @@ def test_plan_hybrid_splits_the_pinned_layers_and_predicts_faster(synth):
     console.print(plan.table())
     text = console.export_text()
     assert "hybrid CPU" in text and "50% of FFN" in text and "whole layers over PCIe" in text
+    # a CPU kernel as fast on 8 tokens as on one: every small pass splits
+    assert hp.max_tokens == HYBRID_MAX_TOKENS and "passes up to 8 tokens" in text
+
+
+def test_the_widest_split_pass_is_where_the_cpu_stops_paying():
+    from slipstream.memory.hybrid_plan import hybrid_max_tokens
+
+    image, ffn = [1000 << 20] * 10, [700 << 20] * 10
+    share, args = 0.5, dict(cpu_ratio=1.0, pcie_gbps=50.0, cpu_gbps=50.0)
+    # one token: the CPU reads 350 MiB a layer while PCIe copies 650, against 1000 whole
+    assert hybrid_max_tokens(image, ffn, share, scaling=FLAT, **args) == 8
+    # the CPU's side costs r times one token's: it loses once r * 350 MiB (+ the fixed and
+    # hand-over costs) take longer than 1000 MiB over PCIe
+    steep = {1: 1.0, 2: 1.9, 4: 3.6, 8: 7.0}
+    assert hybrid_max_tokens(image, ffn, share, scaling=steep, **args) == 2
+    # decode keeps its split even where no width pays
+    assert hybrid_max_tokens(image, ffn, share, scaling={1: 1.0, 2: 9.0}, cpu_ratio=1.0,
+                             pcie_gbps=50.0, cpu_gbps=5.0) == 1
+
+
+def test_the_cpu_kernel_is_timed_at_each_width():
+    from slipstream.memory.hybrid_plan import cpu_token_scaling
+
+    scaling = cpu_token_scaling(1, rows=512, cols=1024, reps=2, widths=(1, 2, 8))
+    assert list(scaling) == [1, 2, 8] and scaling[1] == 1.0
+    assert all(r > 0 for r in scaling.values())
 
 
 def test_auto_stays_off_where_the_cpu_would_not_help(synth):
     gf, cfg = synth
     plan = _plan(gf, cfg, pcie=55.0)
-    assert plan_hybrid(gf, cfg, plan, "auto", threads=4, cpu_gbps=0.5) is None
-    forced = plan_hybrid(gf, cfg, plan, "on", threads=4, cpu_gbps=0.5)
+    assert plan_hybrid(gf, cfg, plan, "auto", threads=4, cpu_gbps=0.5, token_scaling=FLAT) is None
+    forced = plan_hybrid(gf, cfg, plan, "on", threads=4, cpu_gbps=0.5, token_scaling=FLAT)
     assert forced is not None and forced.predicted_tok_s < forced.plain_tok_s
-    assert plan_hybrid(gf, cfg, plan, "off", threads=4, cpu_gbps=50.0) is None
-    given = plan_hybrid(gf, cfg, plan, 1.0, threads=4, cpu_gbps=50.0)
+    assert plan_hybrid(gf, cfg, plan, "off", threads=4, cpu_gbps=50.0, token_scaling=FLAT) is None
+    given = plan_hybrid(gf, cfg, plan, 1.0, threads=4, cpu_gbps=50.0, token_scaling=FLAT)
     assert given.keep == 256  # each side keeps at least one block of units
 
 

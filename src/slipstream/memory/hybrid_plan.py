@@ -19,9 +19,12 @@ import os
 import time
 from dataclasses import dataclass, field
 
-# Tokens up to which a split layer's CPU share runs on the CPU (decode, small trees); larger
-# passes (prefill, big speculation trees) are FLOP-bound on the CPU and copy whole layers.
+# The most tokens a split layer's CPU share may take (decode, small trees): the host buffers'
+# size. Below it the plan's crossover (HybridPlan.max_tokens) is measured: passes above that
+# are FLOP-bound on the CPU and copy whole layers. On the H200 a 70B pass of 8 tokens took
+# 0.83 s split and 0.32 s whole (bench/results/2026-12-01-s12-spec-bench-h200-call2).
 HYBRID_MAX_TOKENS = 8
+TOKEN_WIDTHS = (1, 2, 4, 8)  # the pass widths the crossover probe times
 # Time per split layer and token besides the bytes each side moves, measured on the H200 with
 # the host running ahead (weights.hybrid.HostIO), bench/results/2026-12-01-s9-hybrid-bench-*:
 # - on the CPU's side, its fixed cost per layer (thread wake-ups, the activation's casts, the
@@ -52,6 +55,9 @@ class HybridPlan:
     predicted_tok_s: float | None = None
     plain_tok_s: float | None = None  # the same plan without the split
     note: str = ""
+    # passes of up to this many tokens split (decode, small trees; from the CPU kernel's
+    # measured cost by width, hybrid_max_tokens); larger ones copy whole layers
+    max_tokens: int = 1
     extra_ram_bytes: int = 0  # the CPU's packed copies, next to the pinned images
     gguf_ffn_bytes: dict[int, int] = field(default_factory=dict)
 
@@ -97,21 +103,10 @@ def cpu_packed_gbps(threads: int, rows: int = 16384, cols: int = 8192, reps: int
     setting."""
     import torch
 
-    from ..weights.cpu_packed import INT4_GROUP, _pack_int4
-
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        gen = torch.Generator().manual_seed(0)
-        u = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=gen)
-        packed = _pack_int4(u)
-        scale_zeros = torch.full((cols // INT4_GROUP, rows, 2), 0.01, dtype=torch.bfloat16)
-        x = torch.randn(1, cols, dtype=torch.bfloat16, generator=gen)
-        weight_bytes = packed.numel() + scale_zeros.numel() * 2
-
-        def one() -> None:
-            torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scale_zeros)
-
+        one, weight_bytes = _int4_matmul(rows, cols, 1)
         for _ in range(2):
             one()
         if not beside_copy:
@@ -122,6 +117,81 @@ def cpu_packed_gbps(threads: int, rows: int = 16384, cols: int = 8192, reps: int
         return _beside_copy(one, weight_bytes, copy_bytes)
     finally:
         torch.set_num_threads(saved)
+
+
+def _int4_matmul(rows: int, cols: int, tokens: int):
+    """A call of torch's int4 CPU kernel on `tokens` rows against a random (rows, cols)
+    weight, and the weight's bytes."""
+    import torch
+
+    from ..weights.cpu_packed import INT4_GROUP
+
+    packed, scale_zeros = _int4_weight(rows, cols)
+    x = torch.randn(tokens, cols, dtype=torch.bfloat16,
+                    generator=torch.Generator().manual_seed(1))
+
+    def one() -> None:
+        torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scale_zeros)
+
+    return one, packed.numel() + scale_zeros.numel() * 2
+
+
+@functools.lru_cache(maxsize=2)
+def _int4_weight(rows: int, cols: int):
+    """A random int4pack weight and its scales (packed once: the probes share it)."""
+    import torch
+
+    from ..weights.cpu_packed import INT4_GROUP, _pack_int4
+
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=gen)
+    scale_zeros = torch.full((cols // INT4_GROUP, rows, 2), 0.01, dtype=torch.bfloat16)
+    return _pack_int4(u), scale_zeros
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_token_scaling(threads: int, rows: int = 16384, cols: int = 8192, reps: int = 4,
+                      widths: tuple[int, ...] = TOKEN_WIDTHS) -> dict[int, float]:
+    """The int4 CPU kernel's time on m tokens over its time on one, for each m of `widths`,
+    with `threads` threads: one token reads the weight at memory speed, several multiply it
+    more times than the bytes cost (above a few tokens the CPU is FLOP-bound). Measured once
+    per process and setting, each width on the same weight, best of `reps`."""
+    import torch
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        seconds = {}
+        for m in widths:
+            one, _ = _int4_matmul(rows, cols, m)
+            one()
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                one()
+                best = min(best, time.perf_counter() - t0)
+            seconds[m] = best
+        return {m: seconds[m] / seconds[widths[0]] for m in widths}
+    finally:
+        torch.set_num_threads(saved)
+
+
+def hybrid_max_tokens(image_bytes: list[int], ffn_bytes: list[int], share: float,
+                      cpu_ratio: float, pcie_gbps: float, cpu_gbps: float,
+                      scaling: dict[int, float]) -> int:
+    """The widest pass (of `scaling`'s widths, in order) whose split is still faster than
+    copying the split layers whole: the CPU's side of an m-token pass at its measured cost
+    by width, PCIe's the same bytes as for one token. At least 1 (decode), as a split plan
+    exists for decode."""
+    whole_s = sum(image_bytes) / (pcie_gbps * 1e9)
+    best = 1
+    for m in sorted(scaling):
+        split_s, _, _ = decode_seconds(image_bytes, ffn_bytes, share, cpu_ratio, pcie_gbps,
+                                       cpu_gbps / scaling[m])
+        if split_s >= whole_s:
+            break
+        best = m
+    return best
 
 
 def _beside_copy(one, weight_bytes: int, copy_bytes: int,
@@ -179,11 +249,14 @@ def decode_seconds(image_bytes: list[int], ffn_bytes: list[int], share: float,
 
 
 def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None = None,
-                cpu_gbps: float | None = None) -> HybridPlan | None:
+                cpu_gbps: float | None = None, token_scaling: dict[int, float] | None = None
+                ) -> HybridPlan | None:
     """The split for `plan` (CUDA, bandwidths measured), or None when hybrid decode is off, has
     no pinned layer to split, or (mode "auto") would not be at least 5% faster than copying
     whole layers. mode: "auto", "on" (split at the balanced share whatever it predicts), "off",
-    or a CPU share in (0, 1] (measurements). cpu_gbps: measured here when not given."""
+    or a CPU share in (0, 1] (measurements). cpu_gbps, token_scaling (cpu_token_scaling: the
+    CPU kernel's cost by pass width, which sets the widest split pass): measured here when
+    not given."""
     from gguf import GGMLQuantizationType
 
     from ..weights.cpu_packed import packed_nbytes
@@ -240,9 +313,13 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     if plain:
         whole_s = sum(image) / (pcie * 1e9)
         predicted = 1.0 / (1.0 / plain - whole_s + split_s)
+    if token_scaling is None:
+        token_scaling = cpu_token_scaling(threads)
+    _int4_weight.cache_clear()  # the probes' 64 MiB weight (their results stay cached)
+    widest = hybrid_max_tokens(image, ffn, share, cpu_ratio, pcie, cpu, token_scaling)
     hp = HybridPlan(share, keep, layers, cpu, pcie, threads, cpu_bytes, pcie_bytes,
-                    predicted, plain, extra_ram_bytes=cpu_bytes,
-                    gguf_ffn_bytes=dict(zip(layers, ffn)))
+                    predicted, plain, max_tokens=min(widest, HYBRID_MAX_TOKENS),
+                    extra_ram_bytes=cpu_bytes, gguf_ffn_bytes=dict(zip(layers, ffn)))
     if mode == "auto" and not (predicted and plain and predicted >= 1.05 * plain):
         return None
     return hp

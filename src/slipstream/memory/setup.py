@@ -14,7 +14,6 @@ from ..model.layer_spec import head_tensor_name, kv_cache_bytes, spec_for
 from ..precision import Precision
 from ..weights.loader import LayerBuilder, TensorSource, layer_span, release_transients
 from .budget import mem_available
-from .hybrid_plan import HYBRID_MAX_TOKENS
 from .planner import Plan, StagePlan, plan_cuda, plan_layers
 from .protocol import LayerStore
 from .store import DiskLayerStore, MmapLayerStore, ResidentLayerStore, StreamDelays
@@ -378,7 +377,7 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
     builder = LayerBuilder(cfg, device, precision, fuse_scales=False)
     hybrid = plan.hybrid
     split = set(hybrid.layers) if hybrid is not None else set()
-    io = HostIO(device, cfg.hidden, HYBRID_MAX_TOKENS, slots=len(split),
+    io = HostIO(device, cfg.hidden, hybrid.max_tokens, slots=len(split),
                 threads=hybrid.threads) if split else None
     slot_of = {i: k for k, i in enumerate(sorted(split))}
     images, hosts = {}, {}
