@@ -7,13 +7,17 @@
 # best figure from this call.
 # TESTS=1 also runs the hybrid and streaming GPU tests first (PART=tests: only those, after the
 # synthesis and llama.cpp's build, which stay on the machine while it is warm).
+# All of it takes more than one call's 600 s (session 12: the limit ended the bench after its
+# first case), so it runs in two calls while the machine stays warm:
+#   PART=llama  the synthesis, llama.cpp's build and its runs (kept in /tmp/llama-out)
+#   PART=bench  hybrid_bench.py against those llama.cpp figures (copied into OUTDIR)
 # Carry what spec_device.sh says.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/slipstream-out}}
 mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/.."
 [ "${CASES:-70b,8b}" = 8b ] && export SHAPES=8b
-PART=prep bash bench/spec_device.sh "$OUTDIR"
+[ "${PART:-all}" = bench ] || PART=prep bash bench/spec_device.sh "$OUTDIR"
 source bench/device_setup.sh
 W=/tmp/slipstream-models
 if [ "${TESTS:-0}" = 1 ]; then
@@ -30,14 +34,22 @@ fi
 # LLAMA_THREADS; hybrid_bench compares against the best of them
 CASES=${CASES:-70b,8b}
 LLAMA_ARGS=()
+KEPT=/tmp/llama-out  # PART=llama's runs, for PART=bench in the next call
+mkdir -p $KEPT
 for shape in ${CASES//,/ }; do
   ngl=${NGL:-46}; [ "$shape" = 8b ] && ngl=${NGL_8B:-16}
   LL="$OUTDIR/llamacpp-$shape-ngl$ngl.txt"
-  timeout ${LLAMA_S:-200} bash .anchors/llamacpp_bench.sh $W/$shape-Q4_K.gguf -ngl $ngl -p 512 \
-    -n 16 -r ${LLAMA_REPS:-3} -fa 1 -t ${LLAMA_THREADS:-8,12,16} > "$LL" 2>&1
+  if [ "${PART:-all}" = bench ]; then
+    cp "$KEPT/$(basename "$LL")" "$LL" || echo "no llama.cpp run of $shape kept: PART=llama first"
+  else
+    timeout ${LLAMA_S:-200} bash .anchors/llamacpp_bench.sh $W/$shape-Q4_K.gguf -ngl $ngl \
+      -p 512 -n 16 -r ${LLAMA_REPS:-3} -fa 1 -t ${LLAMA_THREADS:-8,12,16} > "$LL" 2>&1
+    cp "$LL" $KEPT/
+  fi
   grep -E "tg16|max memory" "$LL"
   LLAMA_ARGS+=(--llamacpp "$shape=$LL")
 done
+[ "${PART:-all}" = llama ] && exit 0
 timeout ${BENCH_S:-330} python3 bench/hybrid_bench.py "$OUTDIR" --workdir $W "${LLAMA_ARGS[@]}" \
   --cases "$CASES" ${HYBRID_ARGS:-} > "$OUTDIR/hybrid-bench.log" 2>&1
 grep -v "^{" "$OUTDIR/hybrid-bench.log" | tail -12

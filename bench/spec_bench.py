@@ -130,6 +130,17 @@ def level_costs(engine, widths, reps: int = 10) -> list[dict]:
     return rows
 
 
+def hybrid_of(model) -> dict | None:
+    """The plan's hybrid split, where one was made (hybrid decode is on by default)."""
+    h = model.plan.hybrid
+    if h is None:
+        return None
+    return {"cpu_share": round(h.cpu_share, 4), "split_layers": len(h.layers),
+            "max_tokens": h.max_tokens, "threads": h.threads,
+            "cpu_gbps_probe": round(h.cpu_gbps, 1),
+            "predicted_tok_s": round(h.predicted_tok_s or 0, 3)}
+
+
 def vram_gib() -> float:
     return round(torch.cuda.max_memory_reserved() / 2**30, 2)
 
@@ -192,7 +203,7 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
                      "streamed_layers": streamed, "h2d_bytes_per_token": moved,
                      "h2d_gbps": round(h2d, 1),
                      "roofline_tok_s": round(h2d * 1e9 / moved, 3) if moved else None,
-                     "passes": passes, "vram_gib": vram_gib()})
+                     "passes": passes, "hybrid": hybrid_of(m), "vram_gib": vram_gib()})
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     with slipstream.load(t70, device="cuda", ctx=2048, vram_budget="24GiB",
@@ -201,6 +212,7 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
         same_split = decode(m, 8, draft=False)
         spec_passes = pass_costs(m.engine, (1, 256))
         draft_vram = m.plan.draft[1] if m.plan.draft else None
+        split_with_draft = hybrid_of(m)
         streamed_with_draft = len(m.plan.streamed_layers)
         # forced first: the sized run may give the draft up (random weights accept nothing)
         forced = attempt(decode, m, max(tokens // 3, 8), spec_nodes=256, spec_depth=8)
@@ -217,7 +229,8 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
                "draft_released": released is not None,
                "layers_made_resident": len(released[1]) if released else 0,
                "plain_after_release_tok_s": after["decode_tok_s"] if released else None,
-               "levels": levels, "passes": spec_passes, "vram_gib": vram_gib()}
+               "levels": levels, "passes": spec_passes, "hybrid": split_with_draft,
+               "vram_gib": vram_gib()}
         for label, r in (("auto", auto), ("forced-256x8", forced),
                          ("forced-256x8-beside", forced_beside)):
             rows.append(row | {"variant": label} | {k: v for k, v in r.items() if k != "ids"}
