@@ -222,6 +222,13 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
         auto = attempt(decode, m, tokens)
         released = m.draft_released
         after = decode(m, tokens, draft=False)  # plain, with the layers the draft's VRAM took
+        store = m.engine.layers
+        # what plain decode runs on after the release (session 12: 7% under plain without a
+        # draft, with one streamed layer more): resident layers, split layers, how long the
+        # release took
+        after_release = {"resident_layers": sum(x is not None for x in store.layers),
+                         "split_layers": len(getattr(store, "hosts", {}) or {}),
+                         "release_s": round(m.draft_release_s or 0, 3)} if released else None
         row = {"name": "70b-q4k-vram24-spec", "draft": t8.name,
                "draft_vram_bytes": draft_vram, "streamed_layers": streamed_with_draft,
                "plain_decode_tok_s": rows[0]["decode_tok_s"],
@@ -229,6 +236,7 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
                "draft_released": released is not None,
                "layers_made_resident": len(released[1]) if released else 0,
                "plain_after_release_tok_s": after["decode_tok_s"] if released else None,
+               "after_release": after_release,
                "levels": levels, "passes": spec_passes, "hybrid": split_with_draft,
                "vram_gib": vram_gib()}
         for label, r in (("auto", auto), ("forced-256x8", forced),

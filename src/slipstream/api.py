@@ -10,6 +10,7 @@ A Model holds one KV cache, so it runs one generation at a time; the server queu
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -71,6 +72,7 @@ class Model:
         self._sizers: dict[int, object] = {}  # speculative tree sizers, one per draft engine
         # (draft file, layers made resident) once a draft that did not pay was released
         self.draft_released: tuple[str, list[int]] | None = None
+        self.draft_release_s: float | None = None  # how long giving it up took
         self.closed = False
 
     def close(self) -> None:
@@ -194,6 +196,7 @@ class Model:
         draft, self.draft = self.draft, None
         if draft is None:
             return []
+        t0 = time.perf_counter()
         held = self.plan.draft[1] if self.plan is not None and self.plan.draft else 0
         draft.close()
         if self.device.type == "cuda":
@@ -210,6 +213,7 @@ class Model:
                 self.plan.tiers[i] = "vram"
             self.plan.draft = None
         self.draft_released = (draft.path.name, promoted)
+        self.draft_release_s = time.perf_counter() - t0
         return promoted
 
     @property

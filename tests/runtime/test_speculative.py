@@ -407,6 +407,7 @@ def test_a_draft_that_never_pays_is_given_up(tmp_path):
         trees = report["target_passes"] - report["plain_steps"]
         assert trees >= GIVE_UP_TREES and report["accepted_hist"][1:] == []
         assert m.draft is None and m.draft_released == ("o.gguf", [])
+        assert m.draft_release_s is not None and m.draft_release_s >= 0
         again = [e.id for e in m.generate(PREFIX, max_tokens=20, temperature=0)]
         assert again == plain[:20] and m.last_speculation is None
     with slipstream.load(target, device="cpu", ctx=512, precision="exact", draft=other) as m:
