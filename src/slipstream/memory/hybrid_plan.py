@@ -313,13 +313,13 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     if plain:
         whole_s = sum(image) / (pcie * 1e9)
         predicted = 1.0 / (1.0 / plain - whole_s + split_s)
-    if token_scaling is None:
+    split = mode != "auto" or bool(predicted and plain and predicted >= 1.05 * plain)
+    if split and token_scaling is None:  # the widths are timed only for a split made
         token_scaling = cpu_token_scaling(threads)
     _int4_weight.cache_clear()  # the probes' 64 MiB weight (their results stay cached)
-    widest = hybrid_max_tokens(image, ffn, share, cpu_ratio, pcie, cpu, token_scaling)
-    hp = HybridPlan(share, keep, layers, cpu, pcie, threads, cpu_bytes, pcie_bytes,
-                    predicted, plain, max_tokens=min(widest, HYBRID_MAX_TOKENS),
-                    extra_ram_bytes=cpu_bytes, gguf_ffn_bytes=dict(zip(layers, ffn)))
-    if mode == "auto" and not (predicted and plain and predicted >= 1.05 * plain):
+    if not split:
         return None
-    return hp
+    widest = hybrid_max_tokens(image, ffn, share, cpu_ratio, pcie, cpu, token_scaling)
+    return HybridPlan(share, keep, layers, cpu, pcie, threads, cpu_bytes, pcie_bytes,
+                      predicted, plain, max_tokens=min(widest, HYBRID_MAX_TOKENS),
+                      extra_ram_bytes=cpu_bytes, gguf_ffn_bytes=dict(zip(layers, ffn)))

@@ -300,10 +300,9 @@ def streamed_slack(plan: Plan) -> int:
 
 
 def _flat_sizes(plan: Plan) -> list[int]:
-    """Each layer's VRAM resident in a streamed CUDA plan (one buffer of its image, whose
-    size a CUDA plan holds as the bytes one streamed use moves), from any CUDA plan of it."""
-    if plan.flat_layers:
-        return plan.resident_bytes_per_layer
+    """Each layer's VRAM resident in a streamed CUDA plan, from any CUDA plan of it: one
+    buffer of its image (vram.layer_flat_bytes), whose size a CUDA plan holds as the bytes
+    one streamed use moves."""
     return [alloc_bytes(n) for n in plan.file_bytes_per_layer]
 
 
