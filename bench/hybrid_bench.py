@@ -228,6 +228,16 @@ def main() -> None:
                         print(f"{name} (fallback): {type(e2).__name__}: {e2}", flush=True)
                         torch.cuda.empty_cache()
             out.write_text(json.dumps(doc, indent=1))
+        # auto declined the split (it predicted no gain): the split's own figures, forced
+        if mode == "auto" and rows and rows[-1].get("name") == f"{tag}-hybrid" \
+                and "error" not in rows[-1] and "cpu_share" not in rows[-1]:
+            try:
+                rows.append(case(path, f"{tag}-hybrid-forced", budget, "on", a.tokens,
+                                 threads, sweep=False, prefill=False))
+            except Exception as e:
+                print(f"{tag}-hybrid-forced: {type(e).__name__}: {e}", flush=True)
+                torch.cuda.empty_cache()
+            out.write_text(json.dumps(doc, indent=1))
     llama = dict(spec.split("=", 1) for spec in a.llamacpp)
     for r in rows:
         if "error" in r:

@@ -196,6 +196,7 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
     with slipstream.load(t70, device="cuda", ctx=2048, vram_budget="24GiB",
                          vram_layers=vram_layers) as m:
         streamed = len(m.plan.streamed_layers)
+        plain_layout = list(m.plan.streamed_layers)
         moved = m.plan.bytes_per_token("pinned")
         plain = decode(m, tokens, draft=False)  # as long as the speculative runs below
         passes = pass_costs(m.engine, pass_widths)
@@ -228,7 +229,12 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
         # release took
         after_release = {"resident_layers": sum(x is not None for x in store.layers),
                          "split_layers": len(getattr(store, "hosts", {}) or {}),
-                         "release_s": round(m.draft_release_s or 0, 3)} if released else None
+                         "release_s": round(m.draft_release_s or 0, 3),
+                         # since session 13 the plan beside the draft streams plain's layers
+                         # first and the release promotes the others: plain's layout again
+                         "same_layout_as_plain": m.plan.streamed_layers == plain_layout,
+                         "vram_gib_after": round(torch.cuda.memory_reserved() / 2**30, 2)
+                         } if released else None
         row = {"name": "70b-q4k-vram24-spec", "draft": t8.name,
                "draft_vram_bytes": draft_vram, "streamed_layers": streamed_with_draft,
                "plain_decode_tok_s": rows[0]["decode_tok_s"],

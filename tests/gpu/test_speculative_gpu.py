@@ -243,5 +243,9 @@ def test_gpu_a_draft_that_never_pays_gives_its_vram_to_the_target(tmp_path):
         name, promoted = model.draft_released
         assert name == "o.gguf" and promoted and set(promoted) <= set(streamed)
         assert len(model.plan.streamed_layers) == len(streamed) - len(promoted)
+        # the layout of the same budget without the draft comes back (load streamed those
+        # layers first beside the draft)
+        assert model.plain_streamed is not None and set(model.plain_streamed) <= set(streamed)
+        assert model.plan.streamed_layers == model.plain_streamed
         again = [e.id for e in model.generate(prompt, max_tokens=64, temperature=0)]
         _assert_same(model, prompt, again, plain[:64])

@@ -174,6 +174,7 @@ def test_promote_makes_pinned_layers_resident(fake_cuda, setup):
     nbytes = store.images[2].host.numel()
     assert store.promote(nbytes - 1) == []  # too little room: nothing moves
     assert store.promote(1 << 40, most=0) == []  # the user's cap on layers in VRAM holds
+    assert store.promote(1 << 40, only=[3, 4]) == []  # only those: not pinned here
     assert store.promote(nbytes) == [2]
     assert 2 not in store.images and 2 not in store.feed and store.layers[2] is not None
     streamed = store.stats.layers_streamed
@@ -212,7 +213,7 @@ def test_a_promotion_the_allocator_cannot_give_keeps_the_layer_streaming(fake_cu
 def test_promoted_layers_are_spread_over_the_streamed_ones():
     """Taking every other one of 6 streamed layers leaves the rest spread out too, not a run."""
     pytest.importorskip("triton")
-    from slipstream.memory.cuda_store import evenly_spaced
+    from slipstream.memory.planner import evenly_spaced
 
     streamed = [1, 3, 5, 7, 9, 11]
     assert evenly_spaced(streamed, 3) == [3, 7, 11]  # leaves 1, 5, 9

@@ -42,6 +42,22 @@ def test_decode_seconds_counts_the_slower_side_and_the_handover():
     assert plain == pytest.approx(4 * 100e6 / 50e9)
 
 
+def test_the_balanced_share_is_the_fastest_for_the_time_model():
+    """The share that balance_share picks with the fixed cost and the hand-over on the CPU's
+    side is the minimum of decode_seconds over all shares: the copy link is given the bytes
+    it would otherwise idle through while the CPU's path pays the hand-over."""
+    from slipstream.memory.hybrid_plan import CPU_FIXED_S, HANDOVER_S
+
+    n, image, ffn, ratio, pcie, cpu = 36, 495e6, 406e6, 1.07, 54.0, 47.0
+    best = balanced_share(n * image, n * ffn, ratio, pcie, cpu, (CPU_FIXED_S + HANDOVER_S) * n)
+    at = lambda s: decode_seconds([image] * n, [ffn] * n, s, ratio, pcie, cpu)[0]  # noqa: E731
+    grid = [k / 200 for k in range(1, 200)]
+    assert at(best) <= min(at(s) for s in grid) * (1 + 1e-9)
+    # the share set for the fixed cost alone gives the CPU more, and is slower
+    fixed_only = balanced_share(n * image, n * ffn, ratio, pcie, cpu, CPU_FIXED_S * n)
+    assert fixed_only > best and at(fixed_only) > at(best)
+
+
 @pytest.mark.parametrize("value,want", [("auto", "auto"), ("off", "off"), ("on", "on"),
                                         ("0.4", 0.4), (1, 1.0)])
 def test_parse_hybrid(value, want):

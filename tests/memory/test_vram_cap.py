@@ -77,3 +77,19 @@ def test_each_device_keeps_its_own_cap(fake_cuda):
     assert fake_cuda["by_device"] == {0: pytest.approx(0.1), 1: 1.0}
     del on_0
     gc.collect()
+
+
+def test_growing_a_cap_raises_it_and_release_still_removes_it(fake_cuda):
+    """A draft's headroom given back (Model.release_draft): the cap grows by it, never past
+    the device; a released cap no longer grows."""
+    fake_cuda["reserved"] = 6 * GIB  # the draft's share, loaded before the model
+    cap = vram_cap.VramCap(torch.device("cuda", 0), 18 * GIB)
+    assert fake_cuda["fractions"][-1] == pytest.approx(0.24)
+    cap.grow(GIB)
+    assert fake_cuda["fractions"][-1] == pytest.approx(0.25) and cap.limit == 25 * GIB
+    cap.grow(500 * GIB)
+    assert fake_cuda["fractions"][-1] == 1.0
+    cap.release()
+    n = len(fake_cuda["fractions"])
+    cap.grow(GIB)
+    assert len(fake_cuda["fractions"]) == n and fake_cuda["by_device"][0] == 1.0

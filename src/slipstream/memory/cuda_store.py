@@ -9,6 +9,7 @@ stalls and copies (timeline.py); without, nothing here waits on the GPU per laye
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,6 +18,7 @@ from ..model.llama import LayerWeights
 from ..weights.hybrid import REST_FIELDS
 from ..weights.image import LayerImage, from_image, prefix_bytes
 from .image_file import ImageFile
+from .planner import evenly_spaced
 from .protocol import StoreBase, StoreStats
 from .slots import SlotRing
 from .sources import KvikioSource, MmapSource, PinnedSource, Source, StagedDiskSource
@@ -153,9 +155,11 @@ class CudaLayerStore(StoreBase):
             if src.own_slot:  # outside the ring (mmap): told directly
                 src.skip(self.skipped)
 
-    def promote(self, room: int, most: int | None = None) -> list[int]:
-        """Make pinned-tier layers resident while `room` bytes last (at most `most` of them:
-        the user's cap on layers in VRAM): each image is copied
+    def promote(self, room: int | None, most: int | None = None,
+                only: Collection[int] | None = None) -> list[int]:
+        """Make pinned-tier layers resident while `room` bytes last (None: all those the
+        allocator gives room for; at most `most` of them: the user's cap on layers in VRAM; of
+        `only`, where given): each image is copied
         once into a GPU buffer of its own and the layer rebuilt as views into it (the same
         layout as in a slot, so the same kernels and bits); its pinned copy is given back.
         The layers taken are spread evenly over the pinned ones, so that those left streaming
@@ -166,11 +170,12 @@ class CudaLayerStore(StoreBase):
         pinned = next((src for src in self.sources if isinstance(src, PinnedSource)), None)
         if pinned is None or self.ring is None:
             return []
-        candidates = sorted(pinned.images)
+        candidates = sorted(i for i in pinned.images if only is None or i in only)
         if not candidates:
             return []
         size = max(pinned.images[i].host.numel() for i in candidates)
-        k = min(len(candidates), room // size, len(candidates) if most is None else most)
+        k = min(len(candidates), len(candidates) if room is None else room // size,
+                len(candidates) if most is None else most)
         chosen = evenly_spaced(candidates, k)
         if not chosen:
             return []
@@ -279,7 +284,3 @@ class CudaLayerStore(StoreBase):
             raise failure
 
 
-def evenly_spaced(items: list[int], k: int) -> list[int]:
-    """k of `items` spread evenly over them (the middle of each of k equal runs)."""
-    k = max(0, min(k, len(items)))
-    return [items[int((j + 0.5) * len(items) / k)] for j in range(k)]

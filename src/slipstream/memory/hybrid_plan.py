@@ -6,8 +6,10 @@ together (they share host memory).
 Per streamed layer of image bytes B with FFN bytes F, a CPU share s of the FFN's units takes
 s F c / C + f seconds on the CPU's side (c: the CPU layout's bytes per GGUF byte, C its GB/s,
 f its fixed cost per layer) while PCIe moves B - s F at P GB/s. Both finish together at
-s = (B / P - f) / (F / P + F c / C); decode is bound by the larger of the two, plus the
-hand-over h per layer (the input's copy down, the result's copy up and the sum). Small layers
+s = (B / P - f - h) / (F / P + F c / C), where h is the hand-over per layer (the input's copy
+down, the result's copy up and the sum, with the GPU's own compute of the token): it lies on the
+CPU's path, in series with its share, while the copy link goes on bringing the next layers, so
+the link is given the bytes to fill it. Decode is bound by the larger of the two. Small layers
 (an 8B's) have too little to share for f and h: auto then stays off. Tier C (disk) layers stay
 whole on the GPU: the CPU would have to read them from disk too.
 """
@@ -32,9 +34,13 @@ TOKEN_WIDTHS = (1, 2, 4, 8)  # the pass widths the crossover probe times
 #   8.8 GB read at 55 GB/s beside the copy (160 ms), the 8B's 16 took 33.6 ms for 0.79 GB
 #   (15 ms): about a millisecond each;
 # - after both sides, the hand-over (the input's copy down, the wait kernel, the result's copy
-#   up and the sum): the 70B took 218 ms a token against 197 ms of either side's busy time,
-#   0.55 ms a layer. (In session 8 the host waited on every CPU share and rebuilt the layer's
-#   views: 3 ms a layer on the 8B.)
+#   up and the sum, and the GPU's compute between the CPU's shares): the 70B took 218 ms a
+#   token against 197 ms of either side's busy time, 0.55 ms a layer. (In session 8 the host
+#   waited on every CPU share and rebuilt the layer's views: 3 ms a layer on the 8B.)
+#   The copy link ran 197.6 of those 218 ms: it idles while the CPU's path pays the
+#   hand-over, when the share was set for the CPU's busy time alone to match the link's. The
+#   balance therefore counts the hand-over on the CPU's side (decode_seconds: 217.6 ms
+#   predicted from that run's busy times, 217.9 measured).
 CPU_FIXED_S = 1.0e-3
 HANDOVER_S = 0.55e-3
 MODES = ("auto", "off", "on")
@@ -237,15 +243,16 @@ def balanced_share(image_bytes: int, ffn_bytes: int, cpu_ratio: float, pcie_gbps
 
 def decode_seconds(image_bytes: list[int], ffn_bytes: list[int], share: float,
                    cpu_ratio: float, pcie_gbps: float, cpu_gbps: float) -> tuple[float, int, int]:
-    """A decode token's time through the split layers (PCIe and the CPU, with its fixed cost
-    per layer, in parallel, plus the hand-over), and the bytes each side moves."""
+    """A decode token's time through the split layers (PCIe, in parallel with the CPU's path:
+    its shares with their fixed cost per layer, and the hand-over in series with them; module
+    doc), and the bytes each side moves."""
     cpu_bytes = int(sum(share * f * cpu_ratio for f in ffn_bytes))
     pcie_bytes = int(sum(b - share * f for b, f in zip(image_bytes, ffn_bytes)))
     if share <= 0:
         return pcie_bytes / (pcie_gbps * 1e9), cpu_bytes, pcie_bytes
     n = len(image_bytes)
-    seconds = max(pcie_bytes / (pcie_gbps * 1e9), cpu_bytes / (cpu_gbps * 1e9) + CPU_FIXED_S * n)
-    return seconds + HANDOVER_S * n, cpu_bytes, pcie_bytes
+    cpu_path = cpu_bytes / (cpu_gbps * 1e9) + (CPU_FIXED_S + HANDOVER_S) * n
+    return max(pcie_bytes / (pcie_gbps * 1e9), cpu_path), cpu_bytes, pcie_bytes
 
 
 def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None = None,
@@ -303,7 +310,7 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     cpu_ratio = ratio_num / ratio_den  # the CPU layout's bytes per GGUF byte
     image = [plan.file_bytes_per_layer[i] for i in layers]
     share = share_given if share_given is not None else balanced_share(
-        sum(image), sum(ffn), cpu_ratio, pcie, cpu, CPU_FIXED_S * len(layers))
+        sum(image), sum(ffn), cpu_ratio, pcie, cpu, (CPU_FIXED_S + HANDOVER_S) * len(layers))
     keep = split_point(cfg.ffn, share)
     keep = max(min(keep, cfg.ffn - 256), 256)  # each side at least one aligned block
     share = 1.0 - keep / cfg.ffn

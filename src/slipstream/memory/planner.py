@@ -18,8 +18,8 @@ only shows where it is slower than all of that.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 from ..errors import BudgetTooSmall
@@ -303,9 +303,26 @@ def token_seconds_of_ring(layers: list[tuple[float, float | None]], tail: float,
     return clock - start
 
 
-def _interleave(vram_bytes: list[int], room: int, most: int | None = None) -> list[str]:
+def evenly_spaced(items: list[int], k: int) -> list[int]:
+    """k of `items` spread evenly over them (the middle of each of k equal runs)."""
+    k = max(0, min(k, len(items)))
+    return [items[int((j + 0.5) * len(items) / k)] for j in range(k)]
+
+
+def _streamed_positions(n: int, s: int, stream_first: Collection[int] | None) -> set[int]:
+    """Which s of n layers stream: evenly spaced, the last one last; with `stream_first` (the
+    layers a plan at a larger budget streams), those and s - len(stream_first) more spread
+    evenly over the others, so that promoting the others later gives that plan's layout."""
+    if stream_first is not None and len(stream_first) <= s:
+        others = [i for i in range(n) if i not in stream_first]
+        return set(stream_first) | set(evenly_spaced(others, s - len(stream_first)))
+    return {(j + 1) * n // s - 1 for j in range(s)} if s else set()
+
+
+def _interleave(vram_bytes: list[int], room: int, most: int | None = None,
+                stream_first: Collection[int] | None = None) -> list[str]:
     """As many layers in VRAM as `room` holds, with the streamed ones spread evenly between
-    them ("vram"/"pinned" per layer).
+    them ("vram"/"pinned" per layer); `stream_first`: see _streamed_positions.
 
     Why spread: the copy of a streamed layer runs while the layers before it compute. With the
     streamed layers as one tail, the copy link idles through the resident head except for the
@@ -322,8 +339,7 @@ def _interleave(vram_bytes: list[int], room: int, most: int | None = None) -> li
     if most is not None:
         count = min(count, most)
     while count > 0:
-        s = n - count  # streamed layers at evenly spaced positions, the last one last
-        streamed = {(j + 1) * n // s - 1 for j in range(s)} if s else set()
+        streamed = _streamed_positions(n, n - count, stream_first)
         if sum(b for i, b in enumerate(vram_bytes) if i not in streamed) <= room:
             return ["pinned" if i in streamed else "vram" for i in range(n)]
         count -= 1
@@ -385,11 +401,14 @@ def plan_layers(device: str, resident_bytes: list[int], file_bytes: list[int],
 
 def plan_cuda(vram_bytes: list[int], image_bytes: list[int], reserve: dict[str, int],
               vram_budget: int, ram_budget: int | None, n_slots: int = 2,
-              n_staging: int = 3, io: str = "direct", vram_layers: int | None = None) -> Plan:
+              n_staging: int = 3, io: str = "direct", vram_layers: int | None = None,
+              stream_first: Collection[int] | None = None) -> Plan:
     """Layers in order: VRAM while `vram_budget` minus the reserve and the GPU slots lasts
     (and at most `vram_layers` of them, where given: the user's override, as llama.cpp's
     -ngl), then pinned RAM while `ram_budget` (None: no limit) lasts, less the disk tier's
-    pinned staging buffers, then disk."""
+    pinned staging buffers, then disk. stream_first: layers streamed before any other
+    (_streamed_positions; a model planned beside a draft streams what it would stream
+    without one, so that giving the draft up restores that layout)."""
     n = len(vram_bytes)
     fixed = sum(reserve.values())
     slot = max(image_bytes) if n else 0
@@ -407,7 +426,7 @@ def plan_cuda(vram_bytes: list[int], image_bytes: list[int], reserve: dict[str, 
             + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in reserve.items())
             + f"; plus {slots} GPU slots of {fmt_bytes(slot)}); raise --vram-budget or lower "
               f"--ctx")
-    tiers = _interleave(vram_bytes, vram_budget - minimum, vram_layers)
+    tiers = _interleave(vram_bytes, vram_budget - minimum, vram_layers, stream_first)
     streamed = [i for i, t in enumerate(tiers) if t == "pinned"]
     if ram_budget is not None and sum(image_bytes[i] for i in streamed) > ram_budget:
         # the disk tier's pinned staging buffers come out of the RAM budget (kvikio and mmap

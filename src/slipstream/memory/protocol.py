@@ -8,6 +8,7 @@ protocol once.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -74,10 +75,12 @@ class LayerStore(Protocol):
         decode's CPU share) gets ready for it."""
         ...
 
-    def promote(self, room: int, most: int | None = None) -> list[int]:
+    def promote(self, room: int | None, most: int | None = None,
+                only: Collection[int] | None = None) -> list[int]:
         """Make streamed layers resident while `room` more bytes of the device's memory
-        last (memory a speculative draft gave back, say), at most `most` of them; returns the
-        layers promoted, which are served like layers built at load from then on."""
+        last (memory a speculative draft gave back, say; None: as the allocator allows), at
+        most `most` of them, of `only` where given; returns the layers promoted, which are
+        served like layers built at load from then on."""
         ...
 
     def enable_timing(self, on: bool = True) -> None:
@@ -114,7 +117,8 @@ class StoreBase:
     def waiting(self, i: int) -> bool:
         return False  # nothing read ahead: acquire never waits on a read in flight
 
-    def promote(self, room: int, most: int | None = None) -> list[int]:
+    def promote(self, room: int | None, most: int | None = None,
+                only: Collection[int] | None = None) -> list[int]:
         return []  # a store with no cheaper place to put a layer keeps its tiers
 
     def enable_timing(self, on: bool = True) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -104,11 +105,14 @@ def check_gpu_slots(gpu_slots: int) -> None:
 def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Precision,
              ctx: int, ram_budget: int | None, vram_budget: int | None, io: str = "direct",
              gpu_slots: int = N_SLOTS, *, prefill_chunk: int, graph_bucket: int,
-             vram_layers: int | None = None) -> Plan:
+             vram_layers: int | None = None,
+             stream_first: Collection[int] | None = None) -> Plan:
     """The plan of a model on one device: one stage of every layer (plan_stage).
 
     vram_layers (CUDA): hold at most this many layers in VRAM whatever the budget allows
     (the user's override of the plan, as llama.cpp's -ngl); the rest stream.
+    stream_first (CUDA): layers that stream before any other, where layers stream
+    (planner.plan_cuda).
 
     gpu_slots (CUDA): K, the slots of the ring streamed layers are copied into; more slots
     let copies run further ahead of compute, at one layer's VRAM each. prefill_chunk and
@@ -118,13 +122,14 @@ def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Pr
     stage = StagePlan(device.type, range(cfg.n_layers))
     return plan_stage(gf, cfg, stage, device, precision, ctx, ram_budget, vram_budget, io,
                       gpu_slots, prefill_chunk=prefill_chunk, graph_bucket=graph_bucket,
-                      vram_layers=vram_layers)
+                      vram_layers=vram_layers, stream_first=stream_first)
 
 
 def plan_stage(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.device,
                precision: Precision, ctx: int, ram_budget: int | None,
                vram_budget: int | None, io: str = "direct", gpu_slots: int = N_SLOTS, *,
-               prefill_chunk: int, graph_bucket: int, vram_layers: int | None = None) -> Plan:
+               prefill_chunk: int, graph_bucket: int, vram_layers: int | None = None,
+               stream_first: Collection[int] | None = None) -> Plan:
     """Tiers for the layers of one stage within its device's budgets. The fixed part counts
     the stage's own KV cache, and the embedding and head only where the stage holds them."""
     layers = stage.layers
@@ -134,7 +139,7 @@ def plan_stage(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
     file_bytes = [e - s for s, e in spans]
     if device.type == "cuda":
         plan = _plan_cuda(gf, cfg, stage, device, precision, ctx, ram_budget, vram_budget, io,
-                          gpu_slots, prefill_chunk, graph_bucket, vram_layers)
+                          gpu_slots, prefill_chunk, graph_bucket, vram_layers, stream_first)
     else:
         plan = _plan_cpu(gf, cfg, stage, precision, ctx, ram_budget, file_bytes)
     plan.stages = [stage]
@@ -245,9 +250,10 @@ def _keep_packed(plan: Plan, whole: list[int], image: list[int]) -> None:
 def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.device,
                precision: Precision, ctx: int, ram_budget: int | None,
                vram_budget: int | None, io: str, gpu_slots: int, prefill_chunk: int,
-               graph_bucket: int, vram_layers: int | None = None) -> Plan:
+               graph_bucket: int, vram_layers: int | None = None,
+               stream_first: Collection[int] | None = None) -> Plan:
     """VRAM budget: what is free on the device now (capped by --vram-budget), less a reserve
-    computed from the stage's shapes (memory.vram). precision.fuse_scales (precision="fast")
+    computed from the stage's shapes (memory.vram); stream_first in global layer indices. precision.fuse_scales (precision="fast")
     packs resident layers' scales fused (kernels.pack.fuse_scales), which changes their
     sizes."""
     fused = precision.fuse_scales
@@ -280,8 +286,10 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
                                embed_on_host=True, scratch_cap=STREAMED_SCRATCH_ELEMENTS,
                                **per_stage)
         reserve["allocator slack"] = int(STREAMED_SLACK_LAYERS * max(vram, default=0))
+        first = None if stream_first is None else \
+            [k for k, i in enumerate(stage.layers) if i in set(stream_first)]
         plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io,
-                         vram_layers)
+                         vram_layers, first)
         plan.graphs = False
         plan.embed_on_host = True
         plan.fuse_scales = False

@@ -40,6 +40,15 @@ class VramCap:
     def attach(self, owner: object) -> None:
         weakref.finalize(owner, _release, self.key, self.device, self.total)
 
+    def grow(self, extra: int) -> None:
+        """Let the model reserve `extra` bytes more (a draft's headroom, once the draft is
+        gone: the cap then equals the model's own budget)."""
+        if self.key not in _limits:
+            return
+        self.limit = min(self.total, self.limit + extra)
+        _limits[self.key] = (self.device.index, self.limit)
+        _apply(self.device, self.total)
+
     def release(self) -> None:
         _release(self.key, self.device, self.total)
 
