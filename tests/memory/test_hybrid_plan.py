@@ -144,6 +144,38 @@ def test_auto_stays_off_where_the_cpu_would_not_help(synth):
     assert given.keep == 256  # each side keeps at least one block of units
 
 
+@pytest.fixture(scope="module")
+def wide_ffn(tmp_path_factory):
+    """Layers with 16 blocks of FFN units, so that a share lands where the balance puts it."""
+    from slipstream.synth import SynthShape
+
+    shape = SynthShape(hidden=256, ffn=4096, n_layers=6, n_heads=4, n_kv_heads=2, vocab=1024,
+                       context=2048, rope_base=10000.0)
+    path = write_synth(tmp_path_factory.mktemp("hpw") / "w.gguf", shape, "Q4_K")
+    gf = GGUFFile(path)
+    return gf, ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+
+
+def test_auto_stays_off_where_fixed_costs_outweigh_each_layers_cpu_work(wide_ffn):
+    """A link just slow enough that the time model predicts a gain, but each layer's share
+    of CPU work is below the fixed costs every split layer pays (the H200's 8B: 0.4 ms of
+    work a layer, predicted 45 tok/s, measured 20 against 29 whole): auto declines, "on"
+    still splits."""
+    from slipstream.memory.hybrid_plan import CPU_FIXED_S, HANDOVER_S
+    from slipstream.memory.vram import layer_image_bytes
+
+    gf, cfg = wide_ffn
+    image = layer_image_bytes(gf, cfg, 0)
+    gbps = image / (1.5 * (CPU_FIXED_S + HANDOVER_S)) / 1e9  # a layer's copy: 1.5x the costs
+    plan = _plan(gf, cfg, pcie=gbps)
+    forced = plan_hybrid(gf, cfg, plan, "on", threads=4, cpu_gbps=gbps, token_scaling=FLAT)
+    assert forced is not None and forced.predicted_tok_s > 1.05 * forced.plain_tok_s
+    per_layer = forced.cpu_bytes_per_token / len(forced.layers) / (gbps * 1e9)
+    assert per_layer < CPU_FIXED_S + HANDOVER_S
+    assert plan_hybrid(gf, cfg, plan, "auto", threads=4, cpu_gbps=gbps,
+                       token_scaling=FLAT) is None
+
+
 def test_cli_refuses_a_bad_hybrid_value_before_loading():
     r = subprocess.run([sys.executable, "-m", "slipstream", "run", "-m", "/nonexistent.gguf",
                         "--hybrid", "2", "-p", "hi"], capture_output=True, text=True,

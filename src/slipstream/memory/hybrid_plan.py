@@ -260,7 +260,7 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
                 ) -> HybridPlan | None:
     """The split for `plan` (CUDA, bandwidths measured), or None when hybrid decode is off, has
     no pinned layer to split, or (mode "auto") would not be at least 5% faster than copying
-    whole layers. mode: "auto", "on" (split at the balanced share whatever it predicts), "off",
+    whole layers or gives each layer's CPU less work than its fixed costs. mode: "auto", "on" (split at the balanced share whatever it predicts), "off",
     or a CPU share in (0, 1] (measurements). cpu_gbps, token_scaling (cpu_token_scaling: the
     CPU kernel's cost by pass width, which sets the widest split pass): measured here when
     not given."""
@@ -320,7 +320,16 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     if plain:
         whole_s = sum(image) / (pcie * 1e9)
         predicted = 1.0 / (1.0 / plain - whole_s + split_s)
-    split = mode != "auto" or bool(predicted and plain and predicted >= 1.05 * plain)
+    # auto also wants each split layer's CPU work to outweigh what every split layer pays
+    # whatever its share (CPU_FIXED_S + HANDOVER_S, measured on the 70B): for small layers
+    # those costs are what decides, and they are not known well enough to bet on. The H200's
+    # 8B at 4 GiB split 11 layers at a 20% share (0.4 ms of CPU work a layer, a prediction of
+    # 45 tok/s) and decoded at 20.1 tok/s against 29.3 whole: its CPU took 4 ms a layer
+    # (bench/results/2026-12-01-s13-hybrid-bench-h200-call2.json).
+    cpu_layer_s = cpu_bytes / len(layers) / (cpu * 1e9)
+    amortized = cpu_layer_s >= CPU_FIXED_S + HANDOVER_S
+    split = mode != "auto" or bool(predicted and plain and predicted >= 1.05 * plain
+                                   and amortized)
     if split and token_scaling is None:  # the widths are timed only for a split made
         token_scaling = cpu_token_scaling(threads)
     _int4_weight.cache_clear()  # the probes' 64 MiB weight (their results stay cached)
