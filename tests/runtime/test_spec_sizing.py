@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from slipstream.runtime.spec_sizing import EXPLORE_EVERY, NODE_CHOICES, TreeSizer
+from slipstream.runtime.spec_sizing import (EXPLORE_EVERY, GIVE_UP_MIN_TREES, GIVE_UP_TREES,
+                                            NODE_CHOICES, TreeSizer, chance_at_least)
 
 
 def feed(sizer: TreeSizer, pass_s, level_s: float, accept_rate: float, rounds: int = 200):
@@ -78,3 +79,70 @@ def test_gives_up_only_on_a_draft_that_never_pays():
     early = TreeSizer()
     feed(early, lambda n: 0.35, 0.01, 0.0, rounds=3)  # too few trees to tell
     assert not early.gives_up
+
+
+def _trees_until_given_up(pass_s, level_s: float, accept_rate: float, rounds: int = 400):
+    """Tree rounds fed before the sizer gives the draft up (None: it never does)."""
+    sizer, rng = TreeSizer(), random.Random(0)
+    for _ in range(rounds):
+        if sizer.gives_up:
+            return int(sizer.reached[1])
+        nodes, depth = sizer.choose()
+        sizer.observe_pass(nodes if depth else 1, pass_s(nodes if depth else 1))
+        if depth:
+            sizer.observe_levels(depth, depth * level_s)
+            accepted = 0
+            while accepted < depth and rng.random() < accept_rate:
+                accepted += 1
+            sizer.observe_walk(depth, accepted)
+    return None
+
+
+def hybrid_70b(n: int) -> float:
+    """The H200's 70B at 24 GiB beside an 8B draft (session 13): passes of up to 2 tokens
+    split with the CPU (0.21 s), wider ones copy whole layers (0.34 s at 8, 0.51 s at 512)."""
+    return 0.21 if n <= 2 else 0.34 + 0.17 * n / 512
+
+
+def test_dear_trees_are_given_up_sooner_than_cheap_ones():
+    """Where every tree pass costs far more than a plain step, a draft that accepts nothing
+    goes after a few rounds; where a tree costs about a plain step, trying is cheap and the
+    sizer waits for GIVE_UP_TREES rounds. A draft that pays on the dear pass is kept."""
+    dear = _trees_until_given_up(hybrid_70b, 0.02, 0.0)
+    cheap = _trees_until_given_up(lambda n: 0.35, 0.003, 0.0)
+    assert dear is not None and GIVE_UP_MIN_TREES <= dear < GIVE_UP_TREES
+    assert cheap is not None and cheap >= GIVE_UP_TREES
+    assert _trees_until_given_up(hybrid_70b, 0.02, 0.85) is None
+
+
+def test_a_plain_step_is_timed_before_trees_are_weighed_against_it():
+    """The first tree's pass is no measure of a plain step's (a hybrid plan splits only the
+    narrowest passes): the second round is a plain step."""
+    sizer = TreeSizer()
+    nodes, depth = sizer.choose()
+    assert depth > 0
+    sizer.observe_pass(nodes, hybrid_70b(nodes))
+    sizer.observe_levels(depth, depth * 0.02)
+    sizer.observe_walk(depth, 0)
+    assert sizer.choose()[1] == 0
+    sizer.observe_pass(1, hybrid_70b(1))
+    assert sizer.pass_s(1) == pytest.approx(0.21) and sizer.pass_s(nodes) > 0.34
+
+
+def test_break_even_rate_is_where_a_tree_matches_a_plain_step():
+    sizer = TreeSizer()
+    r = sizer.break_even_rate(0.44, 0.21, 0.02)
+    best = max((1 - r ** (d + 1)) / (1 - r) / (0.44 + d * 0.02) for d in range(1, 9))
+    assert best == pytest.approx(1 / 0.21, rel=1e-6)
+    assert sizer.break_even_rate(0.35, 0.35, 0.003) < 0.05  # free trees pay at any rate
+    assert sizer.break_even_rate(5.0, 0.21, 0.02) == 1.0  # nothing pays a pass that dear
+
+
+@pytest.mark.parametrize("rate,successes,trials", [(0.65, 0, 3), (0.3, 2, 10), (0.5, 7, 9)])
+def test_chance_at_least_is_the_beta_posterior_tail(rate, successes, trials):
+    """Against the posterior integrated numerically (uniform prior, midpoint rule)."""
+    failures, steps = trials - successes, 200_000
+    xs = [(k + 0.5) / steps for k in range(steps)]
+    dens = [x ** successes * (1 - x) ** failures for x in xs]
+    tail = sum(d for x, d in zip(xs, dens) if x >= rate) / sum(dens)
+    assert chance_at_least(rate, successes, trials) == pytest.approx(tail, abs=1e-4)

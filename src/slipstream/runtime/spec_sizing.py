@@ -18,6 +18,7 @@ explicit node budget (`--spec-nodes`) fixes N, an explicit depth (`--spec-depth`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 NODE_CHOICES = (16, 32, 64, 128, 256, 512)
@@ -31,6 +32,14 @@ EXPLORE_EVERY = 16
 # Tree rounds seen before the sizer may conclude, from acceptance alone (no prior), that no
 # tree beats a plain step: then the draft is given up (its memory can go to the target)
 GIVE_UP_TREES = 8
+# Sooner where trees are dear: after at least GIVE_UP_MIN_TREES tree rounds, the draft is also
+# given up once the chance that its first-token acceptance reaches the break-even rate (the
+# rate at which some tree would beat a plain step) is below GIVE_UP_BELIEF, on a uniform prior.
+# The H200's 70B at 24 GiB with an 8B draft: a 256-node pass costs 0.44 s against 0.21 s for a
+# plain step, so a tree needs about 65% acceptance per depth; 3 rounds that accept nothing
+# leave a 1.5% chance of that, where 8 rounds spent 8 x ~0.5 s learning it.
+GIVE_UP_MIN_TREES = 3
+GIVE_UP_BELIEF = 0.05
 
 
 @dataclass
@@ -39,7 +48,12 @@ class TreeSizer:
     max_depth: int = 8
     fixed_nodes: int | None = None  # --spec-nodes
     fixed_depth: int | None = None  # --spec-depth: every round speculates this deep
-    # (nodes, seconds) of target passes; sums for the least-squares line
+    # (nodes, seconds) of tree passes (two nodes or more); sums for the least-squares line.
+    # Plain steps are kept apart: a hybrid plan splits only passes of a few tokens, so a
+    # one-node pass can cost much less than the line through the trees says (the H200's 70B:
+    # 0.21 s for one token, 0.34-0.46 s for 8 to 512)
+    _plain_n: int = 0
+    _plain_s: float = 0.0
     _n: float = 0.0
     _sx: float = 0.0
     _sy: float = 0.0
@@ -54,6 +68,10 @@ class TreeSizer:
     # --- what the rounds report ---------------------------------------------------------------
 
     def observe_pass(self, nodes: int, seconds: float) -> None:
+        if nodes <= 1:
+            self._plain_n += 1
+            self._plain_s += seconds
+            return
         x, y = float(nodes), float(seconds)
         self._n += 1
         self._sx += x
@@ -97,9 +115,11 @@ class TreeSizer:
         return total
 
     def pass_s(self, nodes: int) -> float | None:
-        """The fitted target pass cost at `nodes` (None before any pass)."""
-        if self._n == 0:
-            return None
+        """The target pass cost at `nodes`: a plain step's mean for one node, the line fitted
+        over the tree passes for more (either standing in for the other before it is seen;
+        None before any pass)."""
+        if self._n == 0 or (nodes <= 1 and self._plain_n):
+            return self._plain_s / self._plain_n if self._plain_n else None
         mean_x, mean_y = self._sx / self._n, self._sy / self._n
         var = self._sxx / self._n - mean_x * mean_x
         slope = (self._sxy / self._n - mean_x * mean_y) / var if var > 1e-9 else 0.0
@@ -132,6 +152,8 @@ class TreeSizer:
         pass_n, pass_1, level = self.pass_s(nodes), self.pass_s(1), self.level_s
         if pass_n is None or level is None:
             return nodes, self.max_depth  # nothing measured yet: speculate, and measure
+        if not self._plain_n:
+            return nodes, 0  # one plain step, to know what a tree has to beat (it costs none)
         best, best_rate = 0, 1.0 / pass_1
         for depth in range(1, self.max_depth + 1):
             rate = self.expected_tokens(depth) / (pass_n + depth * level)
@@ -148,15 +170,22 @@ class TreeSizer:
 
     @property
     def gives_up(self) -> bool:
-        """Whether, after GIVE_UP_TREES tree rounds, the acceptance observed (without the
-        prior) makes every depth slower than a plain step; never with a fixed tree size."""
+        """Whether the draft should be given up (never with a fixed tree size): after
+        GIVE_UP_TREES tree rounds, the acceptance observed (without the prior) makes every
+        depth slower than a plain step; or, after GIVE_UP_MIN_TREES, a first-token acceptance
+        high enough to pay has become unlikely (GIVE_UP_BELIEF)."""
         trees = self.reached[1] if len(self.reached) > 1 else 0
         level = self.level_s
         if (self.fixed_nodes is not None or self.fixed_depth is not None
-                or trees < GIVE_UP_TREES or level is None):
+                or trees < GIVE_UP_MIN_TREES or level is None):
             return False
         nodes = self.nodes()
         pass_n, pass_1 = self.pass_s(nodes), self.pass_s(1)
+        needed = self.break_even_rate(pass_n, pass_1, level)
+        if chance_at_least(needed, int(self.passed[1]), int(trees)) < GIVE_UP_BELIEF:
+            return True
+        if trees < GIVE_UP_TREES:
+            return False
         total, p, best = 1.0, 1.0, 0.0
         for d in range(1, self.max_depth + 1):
             seen = self.reached[d] if d < len(self.reached) else 0.0
@@ -165,8 +194,44 @@ class TreeSizer:
             best = max(best, total / (pass_n + d * level))
         return best < 1.0 / pass_1
 
+    def break_even_rate(self, pass_n: float, pass_1: float, level: float) -> float:
+        """The acceptance per depth, the same at every depth, at which the best tree of this
+        size is as fast as a plain step (1.0 where none is even at full acceptance). Constant
+        by depth is the assumption; a draft whose first token is rarely right but whose later
+        ones nearly always are would be given up wrongly, and one right at first and wrong
+        later is left to the rule on every depth's observed rate (gives_up)."""
+        def pays(r: float) -> bool:
+            total, p = 1.0, 1.0
+            for d in range(1, self.max_depth + 1):
+                p *= r
+                total += p
+                if total / (pass_n + d * level) >= 1.0 / pass_1:
+                    return True
+            return False
+
+        if not pays(1.0):
+            return 1.0
+        lo, hi = 0.0, 1.0
+        for _ in range(30):  # bisection: pays() is monotone in r
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if pays(mid) else (mid, hi)
+        return hi
+
     def predicted_tok_s(self, nodes: int, depth: int) -> float | None:
         pass_n, level = self.pass_s(nodes), self.level_s
         if pass_n is None:
             return None
         return self.expected_tokens(depth) / (pass_n + depth * (level or 0.0))
+
+
+def chance_at_least(rate: float, successes: int, trials: int) -> float:
+    """P(r >= rate) for a Bernoulli rate r with a uniform prior after `successes` of `trials`:
+    the Beta(1 + s, 1 + f) tail, which for whole counts is a binomial sum
+    (P(Binomial(trials + 1, rate) <= successes))."""
+    if rate <= 0.0:
+        return 1.0
+    if rate >= 1.0:
+        return 0.0
+    n = trials + 1
+    return sum(math.comb(n, k) * rate ** k * (1 - rate) ** (n - k)
+               for k in range(successes + 1))
