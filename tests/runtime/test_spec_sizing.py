@@ -10,11 +10,16 @@ from slipstream.runtime.spec_sizing import (EXPLORE_EVERY, GIVE_UP_MIN_TREES, GI
                                             NODE_CHOICES, TreeSizer, chance_at_least)
 
 
-def feed(sizer: TreeSizer, pass_s, level_s: float, accept_rate: float, rounds: int = 200):
+def feed(sizer: TreeSizer, pass_s, level_s: float, accept_rate: float, rounds: int = 200,
+         until_given_up: bool = False):
     """Rounds of a model whose pass costs pass_s(nodes), whose levels cost level_s, and whose
-    walk descends each depth with probability accept_rate (a seeded generator)."""
+    walk descends each depth with probability accept_rate (a seeded generator). Returns the
+    next choice; until_given_up: stops where the sizer gives up, returning the tree rounds
+    fed by then (None if it never does)."""
     rng = random.Random(0)
     for _ in range(rounds):
+        if until_given_up and sizer.gives_up:
+            return int(sizer.reached[1])
         nodes, depth = sizer.choose()
         sizer.observe_pass(nodes if depth else 1, pass_s(nodes if depth else 1))
         if depth:
@@ -23,7 +28,7 @@ def feed(sizer: TreeSizer, pass_s, level_s: float, accept_rate: float, rounds: i
             while accepted < depth and rng.random() < accept_rate:
                 accepted += 1
             sizer.observe_walk(depth, accepted)
-    return sizer.choose()
+    return None if until_given_up else sizer.choose()
 
 
 def test_streamed_target_with_a_good_cheap_draft_grows_wide_and_deep():
@@ -81,21 +86,9 @@ def test_gives_up_only_on_a_draft_that_never_pays():
     assert not early.gives_up
 
 
-def _trees_until_given_up(pass_s, level_s: float, accept_rate: float, rounds: int = 400):
+def _trees_until_given_up(pass_s, level_s: float, accept_rate: float):
     """Tree rounds fed before the sizer gives the draft up (None: it never does)."""
-    sizer, rng = TreeSizer(), random.Random(0)
-    for _ in range(rounds):
-        if sizer.gives_up:
-            return int(sizer.reached[1])
-        nodes, depth = sizer.choose()
-        sizer.observe_pass(nodes if depth else 1, pass_s(nodes if depth else 1))
-        if depth:
-            sizer.observe_levels(depth, depth * level_s)
-            accepted = 0
-            while accepted < depth and rng.random() < accept_rate:
-                accepted += 1
-            sizer.observe_walk(depth, accepted)
-    return None
+    return feed(TreeSizer(), pass_s, level_s, accept_rate, rounds=400, until_given_up=True)
 
 
 def hybrid_70b(n: int) -> float:
