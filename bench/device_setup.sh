@@ -2,6 +2,10 @@
 # the carried wheels (.whl: gguf; .whl/kvikio), point PYTHONPATH at them and at src/, and
 # reassemble the default model from the parts carried in two calls (.model/a/part1 and
 # .model/b/part2, parked in /tmp/slipstream-cache) into $MODEL. Needs $OUTDIR.
+# Exports SLIPSTREAM_MODELS, where the synthetic 70B and 8B files go: /dev/shm where it has room
+# (a RAM disk: the ~45 GB are written at memory speed, with no writeback to disk running under
+# the first measurements: on the disk, synthesis took about 5 of call 1's 7 minutes in session
+# 13, and the first 70B decodes after it ran 10-20% under later ones), else /tmp.
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
@@ -26,6 +30,15 @@ if [ -d /tmp/site-kvikio ]; then
   python3 -c "import kvikio; print('kvikio', kvikio.__version__)" 2>&1 | tail -1 \
     | tee "$OUTDIR/kvikio.txt"
 fi
+if [ -z "${SLIPSTREAM_MODELS:-}" ]; then
+  if [ -d /dev/shm/slipstream-models ]; then SLIPSTREAM_MODELS=/dev/shm/slipstream-models
+  elif [ -d /tmp/slipstream-models ]; then SLIPSTREAM_MODELS=/tmp/slipstream-models
+  elif [ "$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1 | tr -d ' ')" -ge 50 ] 2>/dev/null
+  then SLIPSTREAM_MODELS=/dev/shm/slipstream-models
+  else SLIPSTREAM_MODELS=/tmp/slipstream-models
+  fi
+fi
+export SLIPSTREAM_MODELS
 export SLIPSTREAM_CACHE=/tmp/slipstream-cache SLIPSTREAM_OFFLINE=1
 mkdir -p "$SLIPSTREAM_CACHE"
 for part in .model/a/part1 .model/b/part2; do

@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 [ "${CASES:-70b,8b}" = 8b ] && export SHAPES=8b
 [ "${PART:-all}" = bench ] || PART=prep bash bench/spec_device.sh "$OUTDIR"
 source bench/device_setup.sh
-W=/tmp/slipstream-models
+W=$SLIPSTREAM_MODELS  # device_setup.sh: /dev/shm where it has room
 if [ "${TESTS:-0}" = 1 ]; then
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_hybrid_gpu.py \
     tests/gpu/test_streaming_gpu.py > "$OUTDIR/pytest-hybrid.log" 2>&1

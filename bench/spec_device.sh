@@ -17,7 +17,7 @@ PART=${PART:-all}
 mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/.."
 source bench/device_setup.sh
-W=/tmp/slipstream-models
+W=$SLIPSTREAM_MODELS  # device_setup.sh: /dev/shm where it has room
 mkdir -p $W
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUTDIR/gpu.txt"
 if [ -f .llama.tar.xz ] && [ ! -d /tmp/llama-src/.llama ]; then
@@ -33,6 +33,8 @@ for shape in ${SHAPES:-70b 8b}; do
     -o $W/$shape-Q4_K.gguf >/dev/null 2>&1
 done
 wait $BUILD
+# files written to a disk: let the writeback finish before anything is timed
+case $W in /dev/shm/*) ;; *) sync ;; esac
 ls -la $W /tmp/lbuild/bin/llama-bench 2>&1 | tail -4
 [ "$PART" = prep ] && exit 0
 if [ "${TESTS:-1}" = 1 ]; then
