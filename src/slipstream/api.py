@@ -74,8 +74,10 @@ class Model:
         self.draft_released: tuple[str, list[int]] | None = None
         self.draft_release_s: float | None = None  # how long giving it up took
         # CUDA, with a draft file: the layers the model streams when planned without the draft
-        # (its own plan streams them and more), restored when the draft is given up
+        # (its own plan streams them and more), restored when the draft is given up, and how
+        # much faster that plan predicts plain decode (what giving the draft up would win)
         self.plain_streamed: list[int] | None = None
+        self.release_gain = 1.0
         self.closed = False
 
     def close(self) -> None:
@@ -185,6 +187,7 @@ class Model:
             check_vocab(_tokens(self.gguf), _tokens(draft.gguf), str(self.path), str(draft.path))
         # one sizer per draft, kept: costs and acceptance carry over between generations
         sizer = self._sizers.setdefault(id(draft.engine), TreeSizer())
+        sizer.plain_gain = self.release_gain if draft is self.draft else 1.0
         # the loaded draft, found not to pay, is given up mid-generation and its memory goes to
         # the model; a draft passed in for one generation belongs to the caller
         give_up = self.release_draft if draft is self.draft else None
@@ -335,10 +338,11 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     from .memory.budget import parse_size
 
     vram, ram = parse_size(vram_budget), parse_size(ram_budget)
-    draft_model, plain_streamed = None, None
+    draft_model, plain_plan = None, None
     if draft is not None and dev.type == "cuda":
-        plain_streamed = _plain_streamed(gf, cfg, dev, prec, n_ctx, ram, vram, io, gpu_slots,
-                                         vram_layers)
+        plain_plan = _plain_plan(gf, cfg, dev, prec, n_ctx, ram, vram, io, gpu_slots,
+                                 vram_layers)
+    plain_streamed = plain_plan.streamed_layers if plain_plan is not None else None
     if draft is not None:  # placed first: the model gets what the draft leaves
         draft_model, held = _place_draft(Path(draft), dev, n_ctx, precision, ram, vram, io)
         vram, ram = _remaining(vram, ram, held, dev, f"the draft {Path(draft).name}",
@@ -380,6 +384,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
         model._vram_cap = cap
     model.draft = draft_model
     model.plain_streamed = plain_streamed
+    if plain_plan is not None:
+        model.release_gain = _release_gain(gf, cfg, plan, plain_plan, hybrid, threads)
     try:
         if skip_layers:
             _skip_layers(model, skip_layers)
@@ -578,21 +584,38 @@ def _plan(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Precisio
                     vram_layers=vram_layers, stream_first=stream_first)
 
 
-def _plain_streamed(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Precision,
-                    ctx: int, ram_budget, vram_budget: int | None, io: str, gpu_slots: int,
-                    vram_layers: int | None) -> list[int] | None:
-    """The layers the model would stream at these budgets without a draft (planned before the
-    draft loads, so that an unset budget reads the same free VRAM), or None where that plan
-    fails: the model planned beside the draft then streams them first (planner.plan_cuda), so
+def _plain_plan(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Precision,
+                ctx: int, ram_budget, vram_budget: int | None, io: str, gpu_slots: int,
+                vram_layers: int | None):
+    """The model's plan at these budgets without a draft (planned before the draft loads, so
+    that an unset budget reads the same free VRAM), or None where that plan fails. The model
+    planned beside the draft streams its streamed layers first (planner.plan_cuda), so
     that giving the draft up (Model.release_draft) brings back plain decode's own layout. On
     the H200 (70B at 24 GiB, 8B draft), promoting an even spread of the draft plan's layers
     instead left plain decode 7% under plain decode at the same budget without a draft, with
     one streamed layer more and the streamed ones spread otherwise."""
     try:
         return _plan(gf, cfg, dev, precision, ctx, ram_budget, vram_budget, io, gpu_slots,
-                     vram_layers).streamed_layers
+                     vram_layers)
     except BudgetTooSmall:
         return None
+
+
+def _release_gain(gf: GGUFFile, cfg: ModelConfig, plan, plain_plan, hybrid: str | float,
+                  threads: int | None) -> float:
+    """How much faster plain decode is predicted to run once the draft is given up: the
+    no-draft plan's predicted tok/s over the loaded plan's, on the bandwidths measured at load
+    (hybrid split as load makes it), in [1, 2]; 1 where either prediction is missing. The tree
+    sizer gives the draft up against this bar (runtime.spec_sizing.TreeSizer.plain_gain)."""
+    if not plan.streamed_layers or not plan.bandwidth_gbps:
+        return 1.0
+    plain_plan.bandwidth_gbps.update(plan.bandwidth_gbps)
+    if plain_plan.streamed_layers:
+        _plan_hybrid(gf, cfg, plain_plan, hybrid, threads)
+    with_draft, without = plan.predicted_tok_s, plain_plan.predicted_tok_s
+    if not with_draft or not without:
+        return 1.0
+    return max(1.0, min(2.0, without / with_draft))
 
 
 def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, tokenizer,

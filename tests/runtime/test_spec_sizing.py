@@ -139,3 +139,17 @@ def test_chance_at_least_is_the_beta_posterior_tail(rate, successes, trials):
     dens = [x ** successes * (1 - x) ** failures for x in xs]
     tail = sum(d for x, d in zip(xs, dens) if x >= rate) / sum(dens)
     assert chance_at_least(rate, successes, trials) == pytest.approx(tail, abs=1e-4)
+
+
+def test_a_draft_that_beats_plain_steps_but_not_plain_decode_without_it_is_given_up():
+    """Trees that beat a plain step with the draft loaded, but not the plain decode that the
+    draft's memory would buy (plain_gain): kept at gain 1, given up at 1.5."""
+    def cost(n: int) -> float:
+        return 0.2 if n == 1 else 0.25
+
+    kept = TreeSizer()
+    assert feed(kept, cost, 0.005, 0.5, rounds=300, until_given_up=True) is None
+    assert kept.predicted_tok_s(*kept.choose()) > 1 / 0.2  # faster than a plain step
+    gained = TreeSizer(plain_gain=1.5)
+    assert kept.predicted_tok_s(*kept.choose()) < 1.5 / 0.2  # slower than plain without it
+    assert feed(gained, cost, 0.005, 0.5, rounds=300, until_given_up=True) is not None

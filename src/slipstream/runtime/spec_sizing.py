@@ -48,6 +48,10 @@ class TreeSizer:
     max_depth: int = 8
     fixed_nodes: int | None = None  # --spec-nodes
     fixed_depth: int | None = None  # --spec-depth: every round speculates this deep
+    # how much faster plain decode would run without the draft (its memory given to the
+    # target: api._release_gain); giving the draft up is weighed against that, not against
+    # plain steps with the draft still loaded
+    plain_gain: float = 1.0
     # (nodes, seconds) of tree passes (two nodes or more); sums for the least-squares line.
     # Plain steps are kept apart: a hybrid plan splits only passes of a few tokens, so a
     # one-node pass can cost much less than the line through the trees says (the H200's 70B:
@@ -172,15 +176,17 @@ class TreeSizer:
     def gives_up(self) -> bool:
         """Whether the draft should be given up (never with a fixed tree size): after
         GIVE_UP_TREES tree rounds, the acceptance observed (without the prior) makes every
-        depth slower than a plain step; or, after GIVE_UP_MIN_TREES, a first-token acceptance
-        high enough to pay has become unlikely (GIVE_UP_BELIEF)."""
+        depth slower than plain decode without the draft (a plain step, `plain_gain` times
+        faster); or, after GIVE_UP_MIN_TREES, a first-token acceptance high enough to beat that
+        has become unlikely (GIVE_UP_BELIEF)."""
         trees = self.reached[1] if len(self.reached) > 1 else 0
         level = self.level_s
         if (self.fixed_nodes is not None or self.fixed_depth is not None
                 or trees < GIVE_UP_MIN_TREES or level is None):
             return False
         nodes = self.nodes()
-        pass_n, pass_1 = self.pass_s(nodes), self.pass_s(1)
+        pass_n = self.pass_s(nodes)
+        pass_1 = self.pass_s(1) / max(self.plain_gain, 1.0)  # plain decode once released
         needed = self.break_even_rate(pass_n, pass_1, level)
         if chance_at_least(needed, int(self.passed[1]), int(trees)) < GIVE_UP_BELIEF:
             return True
