@@ -185,7 +185,7 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
 
 def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = True,
             pass_widths=(1, 8, 64, 256, 512), level_widths=(1, 2, 4, 8, 16, 32, 64, 128),
-            vram_layers: int | None = None) -> list[dict]:
+            vram_layers: int | None = None, fresh_sizer: bool = False) -> list[dict]:
     t70, t8 = work / "70b-Q4_K.gguf", work / "8b-Q4_K.gguf"
     for path, shape in ((t70, "70b"), (t8, "8b")):
         if not path.exists():
@@ -220,6 +220,8 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
         # the same trees with the draft growing beside the pass: does the pass slow down?
         forced_beside = attempt(decode, m, max(tokens // 3, 8), spec_nodes=256, spec_depth=8,
                                 spec_ahead=AHEAD_BESIDE)
+        if fresh_sizer:  # the sized run as a first generation: its learning rounds count
+            m._sizers.clear()
         auto = attempt(decode, m, tokens)
         released = m.draft_released
         after = decode(m, tokens, draft=False)  # plain, with the layers the draft's VRAM took
@@ -245,7 +247,8 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
                "after_release": after_release,
                "levels": levels, "passes": spec_passes, "hybrid": split_with_draft,
                "vram_gib": vram_gib()}
-        for label, r in (("auto", auto), ("forced-256x8", forced),
+        for label, r in (("auto-fresh-sizer" if fresh_sizer else "auto", auto),
+                         ("forced-256x8", forced),
                          ("forced-256x8-beside", forced_beside)):
             rows.append(row | {"variant": label} | {k: v for k, v in r.items() if k != "ids"}
                         | ({"ratio_to_plain": round(r["decode_tok_s"]
@@ -320,6 +323,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="70B: fewer pass and level widths")
     ap.add_argument("--no-skip-case", action="store_true", help="leave out the 70B layer-skip "
                     "case (about 40 s)")
+    ap.add_argument("--fresh-sizer", action="store_true", help="70B: the sized run starts "
+                    "from a new tree sizer (a first generation, its learning rounds and the "
+                    "draft's release included) instead of the one the forced runs taught")
     a = ap.parse_args()
     out, work = Path(a.outdir), Path(a.workdir)
     out.mkdir(parents=True, exist_ok=True)
@@ -352,7 +358,8 @@ def main() -> None:
     if "70b" in cases:
         quick = dict(pass_widths=(1, 256, 512), level_widths=(1, 2, 4)) if a.quick else {}
         try:
-            save(seventy(work, a.tokens, acceptance, skip_case=not a.no_skip_case, **quick))
+            save(seventy(work, a.tokens, acceptance, skip_case=not a.no_skip_case,
+                         fresh_sizer=a.fresh_sizer, **quick))
         except torch.OutOfMemoryError as e:
             # once more with the 42 layers in VRAM that ran before the plans' layers took
             # one buffer each (bench/results/2026-12-01-h200-session9.md)
@@ -360,7 +367,7 @@ def main() -> None:
             doc["oom_retry"] = str(e)[:400]
             torch.cuda.empty_cache()
             save(seventy(work, a.tokens, acceptance, skip_case=not a.no_skip_case,
-                         vram_layers=42, **quick))
+                         vram_layers=42, fresh_sizer=a.fresh_sizer, **quick))
     print(f"\n{'case':28} {'variant':16} {'tok/s':>8} {'plain':>8} {'tok/pass':>9} "
           f"{'pass s':>8} {'draft s':>8}")
     for c in doc["cases"]:
