@@ -207,15 +207,17 @@ class Model:
         draft.close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        room = max(held - DRAFT_GRAPH_HEADROOM, 0)  # the headroom stays with the process
-        only = None
         if self.plain_streamed is not None and self.plan is not None:
             # the plan without the draft: what it holds fits the budget by that plan's own
             # reserve, which the draft's share no longer takes (nor the cap its headroom)
-            only = [i for i in self.plan.streamed_layers if i not in set(self.plain_streamed)]
+            keep_streaming = set(self.plain_streamed)
+            only = [i for i in self.plan.streamed_layers if i not in keep_streaming]
             room = None
             if self._vram_cap is not None:
                 self._vram_cap.grow(DRAFT_GRAPH_HEADROOM)
+        else:
+            only = None
+            room = max(held - DRAFT_GRAPH_HEADROOM, 0)  # the headroom stays with the process
         promoted: list[int] = []
         stores = {id(st.store): st.store for st in self.engine.stages}
         cap = self.plan.vram_layers if self.plan is not None else None

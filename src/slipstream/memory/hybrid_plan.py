@@ -43,6 +43,7 @@ TOKEN_WIDTHS = (1, 2, 4, 8)  # the pass widths the crossover probe times
 #   predicted from that run's busy times, 217.9 measured).
 CPU_FIXED_S = 1.0e-3
 HANDOVER_S = 0.55e-3
+LAYER_COST_S = CPU_FIXED_S + HANDOVER_S  # what the CPU's path pays per split layer, any share
 MODES = ("auto", "off", "on")
 
 
@@ -251,7 +252,7 @@ def decode_seconds(image_bytes: list[int], ffn_bytes: list[int], share: float,
     if share <= 0:
         return pcie_bytes / (pcie_gbps * 1e9), cpu_bytes, pcie_bytes
     n = len(image_bytes)
-    cpu_path = cpu_bytes / (cpu_gbps * 1e9) + (CPU_FIXED_S + HANDOVER_S) * n
+    cpu_path = cpu_bytes / (cpu_gbps * 1e9) + LAYER_COST_S * n
     return max(pcie_bytes / (pcie_gbps * 1e9), cpu_path), cpu_bytes, pcie_bytes
 
 
@@ -260,8 +261,9 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
                 ) -> HybridPlan | None:
     """The split for `plan` (CUDA, bandwidths measured), or None when hybrid decode is off, has
     no pinned layer to split, or (mode "auto") would not be at least 5% faster than copying
-    whole layers or gives each layer's CPU less work than its fixed costs. mode: "auto", "on" (split at the balanced share whatever it predicts), "off",
-    or a CPU share in (0, 1] (measurements). cpu_gbps, token_scaling (cpu_token_scaling: the
+    whole layers or gives each layer's CPU less work than its fixed costs. mode: "auto", "on"
+    (split at the balanced share whatever it predicts), "off", or a CPU share in (0, 1]
+    (measurements). cpu_gbps, token_scaling (cpu_token_scaling: the
     CPU kernel's cost by pass width, which sets the widest split pass): measured here when
     not given."""
     from gguf import GGMLQuantizationType
@@ -310,7 +312,7 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     cpu_ratio = ratio_num / ratio_den  # the CPU layout's bytes per GGUF byte
     image = [plan.file_bytes_per_layer[i] for i in layers]
     share = share_given if share_given is not None else balanced_share(
-        sum(image), sum(ffn), cpu_ratio, pcie, cpu, (CPU_FIXED_S + HANDOVER_S) * len(layers))
+        sum(image), sum(ffn), cpu_ratio, pcie, cpu, LAYER_COST_S * len(layers))
     keep = split_point(cfg.ffn, share)
     keep = max(min(keep, cfg.ffn - 256), 256)  # each side at least one aligned block
     share = 1.0 - keep / cfg.ffn
@@ -321,13 +323,13 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
         whole_s = sum(image) / (pcie * 1e9)
         predicted = 1.0 / (1.0 / plain - whole_s + split_s)
     # auto also wants each split layer's CPU work to outweigh what every split layer pays
-    # whatever its share (CPU_FIXED_S + HANDOVER_S, measured on the 70B): for small layers
+    # whatever its share (LAYER_COST_S, measured on the 70B): for small layers
     # those costs are what decides, and they are not known well enough to bet on. The H200's
     # 8B at 4 GiB split 11 layers at a 20% share (0.4 ms of CPU work a layer, a prediction of
     # 45 tok/s) and decoded at 20.1 tok/s against 29.3 whole: its CPU took 4 ms a layer
     # (bench/results/2026-12-01-s13-hybrid-bench-h200-call2.json).
     cpu_layer_s = cpu_bytes / len(layers) / (cpu * 1e9)
-    amortized = cpu_layer_s >= CPU_FIXED_S + HANDOVER_S
+    amortized = cpu_layer_s >= LAYER_COST_S
     split = mode != "auto" or bool(predicted and plain and predicted >= 1.05 * plain
                                    and amortized)
     if split and token_scaling is None:  # the widths are timed only for a split made

@@ -313,9 +313,10 @@ def _streamed_positions(n: int, s: int, stream_first: Collection[int] | None) ->
     """Which s of n layers stream: evenly spaced, the last one last; with `stream_first` (the
     layers a plan at a larger budget streams), those and s - len(stream_first) more spread
     evenly over the others, so that promoting the others later gives that plan's layout."""
-    if stream_first is not None and len(stream_first) <= s:
-        others = [i for i in range(n) if i not in stream_first]
-        return set(stream_first) | set(evenly_spaced(others, s - len(stream_first)))
+    first = set(stream_first) if stream_first is not None else None
+    if first is not None and len(first) <= s:
+        others = [i for i in range(n) if i not in first]
+        return first | set(evenly_spaced(others, s - len(first)))
     return {(j + 1) * n // s - 1 for j in range(s)} if s else set()
 
 

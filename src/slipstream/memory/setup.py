@@ -253,9 +253,9 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
                graph_bucket: int, vram_layers: int | None = None,
                stream_first: Collection[int] | None = None) -> Plan:
     """VRAM budget: what is free on the device now (capped by --vram-budget), less a reserve
-    computed from the stage's shapes (memory.vram); stream_first in global layer indices. precision.fuse_scales (precision="fast")
-    packs resident layers' scales fused (kernels.pack.fuse_scales), which changes their
-    sizes."""
+    computed from the stage's shapes (memory.vram); stream_first in global layer indices.
+    precision.fuse_scales (precision="fast") packs resident layers' scales fused
+    (kernels.pack.fuse_scales), which changes their sizes."""
     fused = precision.fuse_scales
     free, _ = torch.cuda.mem_get_info(device)
     budget = free if vram_budget is None else min(vram_budget, free)
@@ -286,8 +286,10 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
                                embed_on_host=True, scratch_cap=STREAMED_SCRATCH_ELEMENTS,
                                **per_stage)
         reserve["allocator slack"] = int(STREAMED_SLACK_LAYERS * max(vram, default=0))
-        first = None if stream_first is None else \
-            [k for k, i in enumerate(stage.layers) if i in set(stream_first)]
+        first = None
+        if stream_first is not None:  # global indices to the stage's own
+            wanted = set(stream_first)
+            first = [k for k, i in enumerate(stage.layers) if i in wanted]
         plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io,
                          vram_layers, first)
         plan.graphs = False
