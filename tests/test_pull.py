@@ -394,14 +394,18 @@ def _kill_mid_download(env, hub, ref: str, partial_dir: Path, pattern: str) -> P
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert hub.stalled.wait(60), "the pull never started downloading"
-        deadline = time.monotonic() + 30
+        # A write of a whole chunk can be seen part-way (CI once killed at 8 of 10 MiB): wait
+        # until the file has stopped growing, the downloader being stalled by then.
+        deadline, sizes = time.monotonic() + 30, []
         while time.monotonic() < deadline:
             found = [p for p in partial_dir.rglob(pattern) if p.stat().st_size >= 4 << 20]
-            if found:
+            sizes = sizes[-9:] + [found[0].stat().st_size if found else 0]
+            if found and len(sizes) == 10 and len(set(sizes)) == 1:
                 break
             time.sleep(0.05)
         else:
-            raise AssertionError(f"no {pattern} of 4 MiB under {partial_dir}")
+            raise AssertionError(f"no {pattern} of 4 MiB under {partial_dir} that stopped "
+                                 f"growing (sizes {sizes})")
         proc.send_signal(signal.SIGKILL)
         assert proc.wait(30) == -signal.SIGKILL
     finally:
