@@ -13,6 +13,9 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from .cpu_decode import decode_attention
+from .cpu_native import decode_layer as native_decode_layer
+from .cpu_native import native_layer
+from .cpu_native import serves as native_serves
 from .rope import RopeTable
 from .step import Step
 
@@ -21,6 +24,8 @@ _ZERO = torch.zeros(())  # baddbmm's ignored input (beta=0)
 # One causal token on CPU takes `_cpu_decode`, the general path's ops less their overhead
 # (False: the general path, which gives the same bits; tests compare the two).
 CPU_DECODE = True
+# ... and through the native ops where they serve it (model.cpu_native; False: the torch ops)
+CPU_NATIVE = True
 
 
 def fused_decode_serves(k_cache: torch.Tensor) -> bool:
@@ -77,6 +82,9 @@ class LayerWeights:
     ffn_gate_up_rest: Linear | None = None  # hidden -> 2 * (the other units)
     ffn_down_rest: Linear | None = None  # (the other units) -> hidden
     ffn_host: "FFNShare | None" = None
+    # The layer's CPU decode form through the native ops (model.cpu_native), made at its first
+    # CPU decode token: a NativeLayer, or False where the layer cannot take one.
+    cpu_native: object = None
 
 
 class FFNShare(Protocol):
@@ -195,7 +203,12 @@ def _cpu_decode(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
                 v_cache: torch.Tensor, rope: RopeTable) -> torch.Tensor:
     """block_forward of one causal token at slot `pos` on CPU: the general path's ops on the
     same values (so the same bits), with fewer calls around them (model.cpu_decode), since
-    per-call overhead bounds CPU decode as much as the matmuls do."""
+    per-call overhead bounds CPU decode as much as the matmuls do. Where the native ops serve
+    the layer (model.cpu_native), the same math in four calls instead, to float32 rounding."""
+    if CPU_NATIVE and w.ffn_host is None and w.ffn_down_rest is None:
+        nl = native_layer(w)
+        if nl is not None and native_serves(x, pos, k_cache):
+            return native_decode_layer(cfg, nl, x, cos_sin, pos, k_cache, v_cache, rope)
     qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps)
     attn = decode_attention(cfg, qkv, cos_sin, pos, k_cache, v_cache, rope)
     return _ffn(cfg, w, w.attn_output(attn, residual=x))

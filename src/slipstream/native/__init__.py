@@ -1,0 +1,124 @@
+"""Native CPU decode ops: decode_ops.c, compiled once per machine with the system's C compiler
+and called through ctypes.
+
+Why C: a CPU decode token of a small model spends as long in ~25 tiny torch calls a layer as in
+its matmuls, each call a few microseconds of dispatch around a few hundred floats of work
+(bench/results/*cpu-speed*). torch has no fused op for a norm into bfloat16, a one-token
+attention with RoPE and the cache write, or SwiGLU into bfloat16, and a ctypes call costs what
+one small torch call does. The matmuls stay torch's packed kernels.
+
+Why compiled here rather than shipped: `-march=native` vectorizes for the CPU that runs it, and
+the build needs nothing but `cc` (no torch headers: about half a second). The library is cached
+under ~/.cache/slipstream/native (SLIPSTREAM_NATIVE_DIR overrides), keyed by the source, the
+compiler and the CPU's flags. Without a compiler, or with SLIPSTREAM_NATIVE=0, `library()` is
+None and decode takes the torch ops (model.cpu_decode), which compute the same math.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+SOURCE = "decode_ops.c"
+FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno")
+ARCH_FLAGS = ("-march=native",)  # dropped when the compiler does not know it
+
+_P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
+    "ss_rms_norm_bf16": (_P, _P, _I64, _F, _P),
+    "ss_add_rms_norm_bf16": (_P, _P, _P, _I64, _F, _P, _P),
+    "ss_silu_mul_bf16": (_P, _I64, _P),
+    "ss_decode_attention": (_P, _INT, _P, _P, _I64, _INT, _I64, _P, _P, _I64, _I64, _I64, _I64,
+                            _F, _P, _P),
+}
+
+
+def enabled() -> bool:
+    return os.environ.get("SLIPSTREAM_NATIVE", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def library() -> ctypes.CDLL | None:
+    """The compiled decode ops, built at the first call on this machine; None where they
+    cannot be (no C compiler, a failed build) or are turned off (SLIPSTREAM_NATIVE=0)."""
+    if not enabled():
+        return None
+    try:
+        path = _built()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if path is None:
+        return None
+    lib = ctypes.CDLL(str(path))
+    for name, args in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = list(args), None
+    return lib
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC")
+    return cc if cc and shutil.which(cc) else shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    env = os.environ.get("SLIPSTREAM_NATIVE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "slipstream" / "native"
+
+
+def _built() -> Path | None:
+    """The shared library for this source, compiler and CPU: cached, or compiled now."""
+    cc = _compiler()
+    if cc is None:
+        return None
+    source = resources.files(__package__).joinpath(SOURCE).read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                             timeout=30).stdout
+    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
+                                     platform.machine().encode(), _cpu_flags().encode(),
+                                     sys.platform.encode()])).hexdigest()[:16]
+    for root in (_cache_dir(), Path(tempfile.gettempdir()) / "slipstream-native"):
+        path = root / f"decode_ops-{key}.so"
+        if path.exists():
+            return path
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            return _compile(cc, source, path)
+        except OSError:
+            continue  # not writable: the next place
+    return None
+
+
+def _compile(cc: str, source: bytes, path: Path) -> Path | None:
+    """Compile into a temporary name and rename it into place, so that processes building at
+    once never load a half-written library."""
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        src = Path(tmp) / SOURCE
+        src.write_bytes(source)
+        out = Path(tmp) / path.name
+        for arch in (ARCH_FLAGS, ()):
+            r = subprocess.run([cc, *FLAGS, *arch, str(src), "-o", str(out), "-lm"],
+                               capture_output=True, text=True, timeout=120)
+            if r.returncode == 0:
+                os.replace(out, path)
+                return path
+    return None

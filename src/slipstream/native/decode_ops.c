@@ -1,0 +1,288 @@
+/* The small operations of one CPU decode token, each fused into one call (see native/__init__.py).
+ *
+ * A decode step of a small model on CPU spends as long in ~25 tiny torch calls a layer (norms,
+ * RoPE, the cache write, attention, SwiGLU) as in its four matmuls: each call costs a few
+ * microseconds of dispatch for a few hundred floats of work. These functions do the same math on
+ * raw buffers, one call for what took a dozen. The matmuls stay torch's packed kernels, which read
+ * and write bfloat16 rows: the functions here produce and consume those rows.
+ *
+ * Activations are float32, the KV cache float32, matmul inputs and outputs bfloat16 (stored as
+ * uint16 bit patterns, rounded to nearest even as torch rounds them). Sums run in 16-lane vectors
+ * (GCC vector extensions: the same source on AVX-512, AVX2 or NEON), so the order of additions
+ * differs from torch's: results agree to float32 rounding, not bit for bit.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* unaligned loads */
+typedef int32_t i16v __attribute__((vector_size(64)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+
+#define LANES 16
+
+static inline v16 load16(const float *p) { return *(const v16u *)p; }
+static inline void store16(float *p, v16 v) { *(v16u *)p = v; }
+
+/* A tree of four shuffles and adds: the lanes' sum with a dependency chain of 4, not 16. */
+static inline float hsum16(v16 v) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+}
+
+static inline v16 splat(float f) { return (v16){0} + f; }
+
+/* Lane-wise select (C has no vector ?:): where m is all ones, a; elsewhere b. */
+static inline v16 select16(i16v m, v16 a, v16 b) { return (v16)(((i16v)a & m) | ((i16v)b & ~m)); }
+
+/* e^x in 16 lanes to about 2 float32 ulps (Cephes' expf: x = k ln2 + r, |r| <= ln2 / 2,
+ * e^r by a degree-6 polynomial, 2^k put into the exponent). Below -87.3 it gives 0 and above
+ * 88.4 infinity, as libm's expf underflows and overflows, so that silu(-100) is 0 as torch's
+ * is, and softmax's -inf scores vanish. */
+static inline v16 exp16(v16 x) {
+    v16 lo = splat(-87.33654f), hi = splat(88.37626f);
+    i16v under = x < lo, over = x > hi;
+    x = select16(under, lo, x);
+    x = select16(over, hi, x);
+    v16 kf = x * 1.44269504088896341f + 0.5f;
+    i16v k = __builtin_convertvector(kf, i16v);
+    k -= (i16v)(__builtin_convertvector(k, v16) > kf) & 1;  /* floor, not truncation */
+    v16 fk = __builtin_convertvector(k, v16);
+    v16 r = x - fk * 0.693359375f - fk * -2.12194440e-4f;
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    i16v bits = (i16v)p + ((k) << 23);
+    bits &= ~under;
+    return select16(over, splat(INFINITY), (v16)bits);
+}
+
+/* torch's float -> bfloat16 in 16 lanes (see f32_to_bf16), as the 32-bit lanes' top halves. */
+static inline u16v bf16_bits16(v16 f) {
+    u16v u = (u16v)f;
+    u16v nan = (u16v)((u & 0x7fffffffu) > 0x7f800000u);
+    u16v r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (r & ~nan) | (nan & 0x7fc0u);
+}
+
+static inline v16 bf16_round16(v16 f) { return (v16)(bf16_bits16(f) << 16); }
+
+static inline void store_bf16_16(uint16_t *out, v16 f) {
+    u16v b = bf16_bits16(f);
+    for (int j = 0; j < LANES; j++) out[j] = (uint16_t)b[j];
+}
+
+static inline v16 load_bf16_16(const uint16_t *p) {
+    u16v u;
+    for (int j = 0; j < LANES; j++) u[j] = (uint32_t)p[j] << 16;
+    return (v16)u;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* torch's float -> bfloat16: round to nearest even, NaN to a quiet NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    v16 acc = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) acc += load16(a + i) * load16(b + i);
+    float s = hsum16(acc);
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* out = bf16(x * rsqrt(mean(x^2) + eps) * w), x of n floats. */
+static void norm_into(const float *x, const float *w, int64_t n, float eps, uint16_t *out) {
+    float ss = dot(x, x, n);
+    float r = (float)(1.0 / sqrt((double)ss / (double)n + (double)eps));
+    for (int64_t i = 0; i < n; i++) out[i] = f32_to_bf16(r * x[i] * w[i]);
+}
+
+void ss_rms_norm_bf16(const float *x, const float *w, int64_t n, float eps, uint16_t *out) {
+    norm_into(x, w, n, eps, out);
+}
+
+/* x_out = x + y (y the bfloat16 output of a matmul, widened exactly, as torch.add promotes it),
+ * then out = the RMS norm of x_out in bfloat16: the residual add after attention and the FFN's
+ * norm in one call. */
+void ss_add_rms_norm_bf16(const float *x, const uint16_t *y, const float *w, int64_t n,
+                          float eps, float *x_out, uint16_t *out) {
+    for (int64_t i = 0; i < n; i++) x_out[i] = x[i] + bf16_to_f32(y[i]);
+    norm_into(x_out, w, n, eps, out);
+}
+
+/* out = bf16(bf16(silu(gate)) * up) for gate_up = [gate | up], 2n bfloat16: torch's
+ * mul(silu(gate), up) in bfloat16, each op rounding its result. */
+void ss_silu_mul_bf16(const uint16_t *gate_up, int64_t n, uint16_t *out) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        v16 g = load_bf16_16(gate_up + i);
+        v16 s = bf16_round16(g / (1.0f + exp16(-g)));
+        store_bf16_16(out + i, s * load_bf16_16(gate_up + n + i));
+    }
+    for (; i < n; i++) {
+        float g = bf16_to_f32(gate_up[i]);
+        float s = bf16_to_f32(f32_to_bf16(g / (1.0f + exp16(splat(-g))[0])));
+        out[i] = f32_to_bf16(s * bf16_to_f32(gate_up[n + i]));
+    }
+}
+
+/* Rotate one head's first rope_dim dims in place, by the angles RopeTable.angles gives.
+ * style 0 ("normal"): pairs (2i, 2i+1), angles interleaved as (cos_i, sin_i) in `ang` (the
+ * complex table's bytes; `ang_sin` unused); style 1 ("neox"): pairs (i, i + rope_dim/2), cos_i
+ * in ang[i] and sin_i in ang_sin[i]. */
+static void rope_head(float *h, const float *ang, const float *ang_sin, int64_t rope_dim,
+                      int style) {
+    int64_t half = rope_dim / 2;
+    if (style == 0) {
+        for (int64_t i = 0; i < half; i++) {
+            float c = ang[2 * i], s = ang[2 * i + 1];
+            float re = h[2 * i], im = h[2 * i + 1];
+            h[2 * i] = re * c - im * s;
+            h[2 * i + 1] = re * s + im * c;
+        }
+    } else {
+        for (int64_t i = 0; i < half; i++) {
+            float c = ang[i], s = ang_sin[i];
+            float x1 = h[i], x2 = h[i + half];
+            h[i] = x1 * c - x2 * s;
+            h[i + half] = x2 * c + x1 * s;
+        }
+    }
+}
+
+/* softmax of n scores in place: e^(s - max) / sum, the exponentials 16 at a time. */
+static void softmax(float *sc, int64_t n) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t t = 0; t < n; t++) m = sc[t] > m ? sc[t] : m;
+    v16 acc = {0};
+    int64_t t = 0;
+    for (; t + LANES <= n; t += LANES) {
+        v16 e = exp16(load16(sc + t) - m);
+        store16(sc + t, e);
+        acc += e;
+    }
+    sum = hsum16(acc);
+    for (; t < n; t++) {
+        sc[t] = exp16(splat(sc[t] - m))[0];
+        sum += sc[t];
+    }
+    float inv = 1.0f / sum;
+    for (t = 0; t < n; t++) sc[t] *= inv;
+}
+
+#define MAX_GROUP 8  /* query heads per KV head held in registers at once */
+
+/* Scores, softmax and the weighted sum of values for G query heads q (G, d) sharing one KV
+ * head's rows K, V (span, d), into out (G, d) bfloat16. G is a constant at each call site
+ * (see attend_heads), so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_group(
+        const float *q, const float *K, const float *V, int64_t span, int64_t d, float scale,
+        float *scores, uint16_t *out, const int G) {
+    for (int64_t t = 0; t < span; t++) {
+        const float *kr = K + t * d;
+        v16 acc[MAX_GROUP];
+        float tail[MAX_GROUP];
+        for (int g = 0; g < G; g++) { acc[g] = (v16){0}; tail[g] = 0.0f; }
+        int64_t i = 0;
+        for (; i + LANES <= d; i += LANES) {
+            v16 k16 = load16(kr + i);
+            for (int g = 0; g < G; g++) acc[g] += load16(q + g * d + i) * k16;
+        }
+        for (; i < d; i++)
+            for (int g = 0; g < G; g++) tail[g] += q[g * d + i] * kr[i];
+        for (int g = 0; g < G; g++) scores[g * span + t] = (hsum16(acc[g]) + tail[g]) * scale;
+    }
+    for (int g = 0; g < G; g++) softmax(scores + g * span, span);
+    for (int64_t i = 0; i < d; i += LANES) {  /* 16 output dims of the G heads at once */
+        int64_t w = d - i < LANES ? d - i : LANES;
+        v16 acc[MAX_GROUP];
+        for (int g = 0; g < G; g++) acc[g] = (v16){0};
+        if (w == LANES) {
+            for (int64_t t = 0; t < span; t++) {
+                v16 vr = load16(V + t * d + i);
+                for (int g = 0; g < G; g++) acc[g] += scores[g * span + t] * vr;
+            }
+        } else {
+            for (int64_t t = 0; t < span; t++) {
+                v16 vr = {0};
+                for (int64_t j = 0; j < w; j++) vr[j] = V[t * d + i + j];
+                for (int g = 0; g < G; g++) acc[g] += scores[g * span + t] * vr;
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            u16v b = bf16_bits16(acc[g]);
+            for (int64_t j = 0; j < w; j++) out[g * d + i + j] = (uint16_t)b[j];
+        }
+    }
+}
+
+static void attend_heads(const float *q, const float *K, const float *V, int64_t span,
+                         int64_t d, float scale, float *scores, uint16_t *out, int64_t group) {
+    for (int64_t g0 = 0; g0 < group; g0 += MAX_GROUP) {
+        int64_t left = group - g0;
+        const float *qg = q + g0 * d;
+        uint16_t *og = out + g0 * d;
+        switch (left < MAX_GROUP ? left : MAX_GROUP) {
+        case 1: attend_group(qg, K, V, span, d, scale, scores, og, 1); break;
+        case 2: attend_group(qg, K, V, span, d, scale, scores, og, 2); break;
+        case 3: attend_group(qg, K, V, span, d, scale, scores, og, 3); break;
+        case 4: attend_group(qg, K, V, span, d, scale, scores, og, 4); break;
+        case 5: attend_group(qg, K, V, span, d, scale, scores, og, 5); break;
+        case 6: attend_group(qg, K, V, span, d, scale, scores, og, 6); break;
+        case 7: attend_group(qg, K, V, span, d, scale, scores, og, 7); break;
+        default: attend_group(qg, K, V, span, d, scale, scores, og, 8); break;
+        }
+    }
+}
+
+/* Attention of one causal token at slot `pos` over slots 0..pos of one layer:
+ *   qkv      [q (n_q d) | k (n_kv d) | v (n_kv d)], bfloat16 (qkv_f32 = 0) or float32 (1)
+ *   ang, ang_sin  the token's rotary angles (see rope_head)
+ *   k_cache, v_cache  (n_kv, max_ctx, d) float32: the token's rotated key and its value are
+ *            written at slot pos
+ *   scratch  (n_q d) + (n_q / n_kv) * (pos + 1) floats
+ *   out      (n_q d) bfloat16: head h_q = kv * group + g at [h_q d, (h_q + 1) d)
+ * Scores are (q . k) * scale, as torch.baddbmm's alpha applies it. Each key and value row is
+ * read once for all the query heads that share it. */
+void ss_decode_attention(const void *qkv, int qkv_f32, const float *ang, const float *ang_sin,
+                         int64_t rope_dim, int style, int64_t pos, float *k_cache,
+                         float *v_cache, int64_t max_ctx, int64_t n_q, int64_t n_kv, int64_t d,
+                         float scale, float *scratch, uint16_t *out) {
+    int64_t n = n_q + 2 * n_kv, group = n_q / n_kv, span = pos + 1;
+    float *q = scratch;  /* the query heads, rotated */
+    float *scores = scratch + n_q * d;  /* (group, span) */
+    for (int64_t h = 0; h < n; h++) {
+        float *dst;
+        if (h < n_q) dst = q + h * d;
+        else if (h < n_q + n_kv) dst = k_cache + ((h - n_q) * max_ctx + pos) * d;
+        else dst = v_cache + ((h - n_q - n_kv) * max_ctx + pos) * d;
+        if (qkv_f32) memcpy(dst, (const float *)qkv + h * d, (size_t)d * sizeof(float));
+        else for (int64_t i = 0; i < d; i++) dst[i] = bf16_to_f32(((const uint16_t *)qkv)[h * d + i]);
+        if (h < n_q + n_kv) rope_head(dst, ang, ang_sin, rope_dim, style);
+    }
+    for (int64_t kv = 0; kv < n_kv; kv++)
+        attend_heads(q + kv * group * d, k_cache + kv * max_ctx * d, v_cache + kv * max_ctx * d,
+                     span, d, scale, scores, out + kv * group * d, group);
+}
