@@ -207,7 +207,7 @@ def _cpu_decode(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     the layer (model.cpu_native), the same math in four calls instead, to float32 rounding."""
     if CPU_NATIVE and w.ffn_host is None and w.ffn_down_rest is None:
         nl = native_layer(w)
-        if nl is not None and native_serves(x, pos, k_cache):
+        if nl is not None and native_serves(x, pos, k_cache, v_cache):
             return native_decode_layer(cfg, nl, x, cos_sin, pos, k_cache, v_cache, rope)
     qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps)
     attn = decode_attention(cfg, qkv, cos_sin, pos, k_cache, v_cache, rope)

@@ -29,7 +29,9 @@ from importlib import resources
 from pathlib import Path
 
 SOURCE = "decode_ops.c"
-FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno")
+# -ffp-contract=off: no fused multiply-adds, so that every product is rounded as torch rounds
+# it (RoPE as torch's complex multiply) and the bits do not depend on whether the CPU has FMA.
+FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
 ARCH_FLAGS = ("-march=native",)  # dropped when the compiler does not know it
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
