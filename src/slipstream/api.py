@@ -337,6 +337,10 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
         draft = _resolve(draft, progress)
         _check_draft(model_path, gf, draft)
     prec = Precision.of(precision, dev)
+    if prec.cpu_packed_decode:
+        from . import native
+
+        native.build_in_background()  # a first build (~2 s) runs beside the load, not at decode
     from .memory.budget import parse_size
 
     vram, ram = parse_size(vram_budget), parse_size(ram_budget)

@@ -199,3 +199,29 @@ def test_long_context_goes_to_torch(monkeypatch, tmp_path):
     for t in (3, 4, 5, 6):
         engine.forward([t])
     assert calls == [2, 3]  # slots 2 and 3; 4 and 5 by the torch ops
+
+
+def test_one_build_however_many_threads_ask(monkeypatch, tmp_path):
+    """api.load starts the build beside the load (native.build_in_background) while a decode
+    may ask for the library too: one compile, one library for all of them."""
+    import threading
+
+    builds = []
+    real = native._compile
+    monkeypatch.setattr(native, "_compile", lambda *a: builds.append(a) or real(*a))
+    monkeypatch.setenv("SLIPSTREAM_NATIVE_DIR", str(tmp_path / "native"))
+    native.library.cache_clear()
+    try:
+        got = []
+        threads = [threading.Thread(target=lambda: got.append(native.library()))
+                   for _ in range(3)]
+        native.build_in_background()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(builds) == 1 and len(got) == 3 and None not in got
+        assert len(list((tmp_path / "native").glob("decode_ops-*.so"))) == 1
+    finally:
+        monkeypatch.delenv("SLIPSTREAM_NATIVE_DIR")
+        native.library.cache_clear()

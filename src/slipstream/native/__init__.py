@@ -25,6 +25,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from importlib import resources
 from pathlib import Path
 
@@ -48,10 +49,25 @@ def enabled() -> bool:
     return os.environ.get("SLIPSTREAM_NATIVE", "1") != "0"
 
 
+_BUILD_LOCK = threading.Lock()  # one build per process, however many threads ask at once
+
+
 @functools.lru_cache(maxsize=None)
 def library() -> ctypes.CDLL | None:
     """The compiled decode ops, built at the first call on this machine; None where they
     cannot be (no C compiler, a failed build) or are turned off (SLIPSTREAM_NATIVE=0)."""
+    with _BUILD_LOCK:
+        return _load()
+
+
+def build_in_background() -> None:
+    """Have `library()` ready by the first decode token: api.load starts it beside the load
+    (a first build takes about 2 s on 2 busy cores; afterwards a cached library loads in ms)."""
+    if enabled():
+        threading.Thread(target=library, name="slipstream-native-build", daemon=True).start()
+
+
+def _load() -> ctypes.CDLL | None:
     if not enabled():
         return None
     try:
