@@ -45,14 +45,14 @@ _ZERO = torch.zeros(())  # baddbmm's ignored input (beta=0)
 _LOCAL = threading.local()  # per thread: two models decoding at once never share buffers
 
 
-def _scratch(n_q: int, n_kv: int, d: int, dtype: torch.dtype) -> _Scratch:
+def thread_buffers(make, *key):
+    """make(*key), made once per thread and key (two models decoding at once on two threads
+    never share buffers), outside inference mode so that calls outside it may write them too."""
     cache = _LOCAL.__dict__.setdefault("scratch", {})
-    key = (n_q, n_kv, d, dtype)
-    s = cache.get(key)
+    s = cache.get((make, *key))
     if s is None:
-        # made outside inference mode, so that calls outside it may write them too
         with torch.inference_mode(False):
-            s = cache[key] = _Scratch(n_q, n_kv, d, dtype)
+            s = cache[(make, *key)] = make(*key)
     return s
 
 
@@ -66,7 +66,7 @@ def decode_attention(cfg: ModelConfig, qkv: torch.Tensor, cos_sin: tuple[torch.T
     (the output projection reads it at once)."""
     n_q, n_kv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     n = n_q + n_kv
-    s = _scratch(n_q, n_kv, d, k_cache.dtype)
+    s = thread_buffers(_Scratch, n_q, n_kv, d, k_cache.dtype)
     if rope.style == "normal" and rope.rope_dim == d:  # RopeTable.apply's ops, into s.out
         s.qkv.copy_(qkv)
         torch.mul(s.rot_c, cos_sin[0], out=s.out_c)

@@ -14,7 +14,6 @@ float32 cache, and a context up to NATIVE_MAX_SPAN (past it torch's threaded bmm
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,14 +21,13 @@ import torch
 
 from .. import native
 from ..config import ModelConfig
+from .cpu_decode import thread_buffers
 from .rope import RopeTable
 
 # Slots attended to: the C attention is single-threaded, and past about 1000 slots torch's
 # two-threaded bmm caught up with it on the 2-core machine (a CPU decode token of the default
 # model: 8.2 against 11.5 ms at slot 0, 16.8 against 16.0 at slot 1000, session 14).
 NATIVE_MAX_SPAN = 1024
-_LOCAL = threading.local()
-
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -56,15 +54,21 @@ def native_layer(w) -> NativeLayer | None:
 
 
 def _make(w) -> NativeLayer | None:
-    if native.library() is None or w.ffn_gate_up is None or w.ffn_host is not None \
-            or w.ffn_down_rest is not None:
+    """(A split FFN, weights.hybrid, is turned away by the caller at every token.)"""
+    if native.library() is None or w.ffn_gate_up is None:
         return None
     linears = (w.attn_qkv, w.attn_output, w.ffn_gate_up, w.ffn_down)
-    kernels = [getattr(lin, "_decode_kernel", lambda rows: None)(1) for lin in linears]
-    if any(k is None for k in kernels) or any(lin._bias is not None for lin in linears[1:]):
+    # weights.cpu_packed.PackedDecodeLinear's (looked up by name: the model's math does not
+    # import the weight formats)
+    ask = [getattr(lin, "one_row_kernel", None) for lin in linears]
+    if None in ask:
         return None
+    decode = [one_row_kernel() for one_row_kernel in ask]
+    if None in decode or any(bias is not None for _, bias in decode[1:]):
+        return None
+    (qkv, qkv_bias), (out, _), (gate_up, _), (down, _) = decode
     norms = [n.float().contiguous() for n in (w.attn_norm, w.ffn_norm)]
-    return NativeLayer(*kernels[:1], w.attn_qkv._bias, *kernels[1:], *norms)
+    return NativeLayer(qkv, qkv_bias, out, gate_up, down, *norms)
 
 
 class _Scratch:
@@ -72,24 +76,15 @@ class _Scratch:
     the attention's queries and scores, its bfloat16 output, the residual after attention, and
     the SwiGLU row."""
 
-    def __init__(self, cfg: ModelConfig, max_ctx: int):
-        with torch.inference_mode(False):  # writable in and outside inference mode
-            self.h = torch.empty(1, cfg.hidden, dtype=torch.bfloat16)
-            self.work = torch.empty(cfg.n_heads * cfg.head_dim + cfg.gqa_group * max_ctx)
-            self.attn = torch.empty(1, cfg.n_heads * cfg.head_dim, dtype=torch.bfloat16)
-            self.mid = torch.empty(1, cfg.hidden)
-            self.act = torch.empty(1, cfg.ffn, dtype=torch.bfloat16)
+    def __init__(self, hidden: int, n_heads: int, head_dim: int, group: int, ffn: int,
+                 max_ctx: int):
+        self.h = torch.empty(1, hidden, dtype=torch.bfloat16)
+        self.work = torch.empty(n_heads * head_dim + group * max_ctx)
+        self.attn = torch.empty(1, n_heads * head_dim, dtype=torch.bfloat16)
+        self.mid = torch.empty(1, hidden)
+        self.act = torch.empty(1, ffn, dtype=torch.bfloat16)
         self.ptrs = tuple(t.data_ptr() for t in (self.h, self.work, self.attn, self.mid,
                                                   self.act))
-
-
-def _scratch(cfg: ModelConfig, max_ctx: int) -> _Scratch:
-    cache = _LOCAL.__dict__.setdefault("scratch", {})
-    key = (cfg.hidden, cfg.n_heads, cfg.head_dim, cfg.gqa_group, cfg.ffn, max_ctx)
-    s = cache.get(key)
-    if s is None:
-        s = cache[key] = _Scratch(cfg, max_ctx)
-    return s
 
 
 def serves(x: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -107,7 +102,8 @@ def decode_layer(cfg: ModelConfig, nl: NativeLayer, x: torch.Tensor,
     token's key and value at slot pos of this layer's (n_kv, max_ctx, d) caches."""
     lib = native.library()
     max_ctx = k_cache.shape[1]
-    s = _scratch(cfg, max_ctx)
+    s = thread_buffers(_Scratch, cfg.hidden, cfg.n_heads, cfg.head_dim, cfg.gqa_group, cfg.ffn,
+                       max_ctx)
     h_p, work_p, attn_p, mid_p, act_p = s.ptrs
     eps = cfg.norm_eps
     lib.ss_rms_norm_bf16(x.data_ptr(), nl.attn_norm.data_ptr(), cfg.hidden, eps, h_p)

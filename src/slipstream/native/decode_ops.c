@@ -113,14 +113,10 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 /* out = bf16(x * rsqrt(mean(x^2) + eps) * w), x of n floats. */
-static void norm_into(const float *x, const float *w, int64_t n, float eps, uint16_t *out) {
+void ss_rms_norm_bf16(const float *x, const float *w, int64_t n, float eps, uint16_t *out) {
     float ss = dot(x, x, n);
     float r = (float)(1.0 / sqrt((double)ss / (double)n + (double)eps));
     for (int64_t i = 0; i < n; i++) out[i] = f32_to_bf16(r * x[i] * w[i]);
-}
-
-void ss_rms_norm_bf16(const float *x, const float *w, int64_t n, float eps, uint16_t *out) {
-    norm_into(x, w, n, eps, out);
 }
 
 /* x_out = x + y (y the bfloat16 output of a matmul, widened exactly, as torch.add promotes it),
@@ -129,7 +125,7 @@ void ss_rms_norm_bf16(const float *x, const float *w, int64_t n, float eps, uint
 void ss_add_rms_norm_bf16(const float *x, const uint16_t *y, const float *w, int64_t n,
                           float eps, float *x_out, uint16_t *out) {
     for (int64_t i = 0; i < n; i++) x_out[i] = x[i] + bf16_to_f32(y[i]);
-    norm_into(x_out, w, n, eps, out);
+    ss_rms_norm_bf16(x_out, w, n, eps, out);
 }
 
 /* out = bf16(bf16(silu(gate)) * up) for gate_up = [gate | up], 2n bfloat16: torch's

@@ -687,6 +687,14 @@ class PackedDecodeLinear(Linear):
             self.packed  # noqa: B018 (made at the first call that needs it)
         return self._kernel
 
+    def one_row_kernel(self) -> tuple[Callable[[torch.Tensor], torch.Tensor],
+                                      torch.Tensor | None] | None:
+        """The bare bfloat16 product of a one-row call and the bias to add to it (float32, or
+        None), for callers that fuse what surrounds it (model.cpu_native); None where decode
+        has no packed kernel."""
+        kernel = self._decode_kernel(1)
+        return None if kernel is None else (kernel, self._bias)
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         kernel = self._decode_kernel(x.shape[0])
         if kernel is None:
