@@ -1,8 +1,9 @@
 """Triton kernels against the reference dequantize-then-matmul (float64 on the CPU).
 
 Every format, odd shapes (rows 1, 17, 33, 300; K a whole number of blocks but not a power of two),
-m in {1, 3, 8} for the fused GEMV (and its tensor-core variant), m in {17, 512} for the prefill
-path. Errors are ||y - ref|| / ||ref||, bounded by the one table below.
+m in {1, 3, 8} for the fused GEMV (and its tensor-core variant), m up to 128 for the
+tensor-core quantized GEMM (qgemm), m in {17, 512} for matmul's dispatch (qgemm, then the
+prefill path). Errors are ||y - ref|| / ||ref||, bounded by the one table below.
 """
 
 from __future__ import annotations
@@ -367,7 +368,7 @@ def test_prefill_in_row_chunks_matches_the_whole_weight(qt: T) -> None:
 
     k = _k_for(qt) * 2
     packed, wf = _setup(qt, 300, k, seed=11)
-    x = torch.randn(40, k, device="cuda")
+    x = torch.randn(200, k, device="cuda")  # past qgemm's 128 rows: the scratch's path
     whole = QuantLinear(packed, None, Workspace(torch.device("cuda")))(x)
     capped = Workspace(torch.device("cuda"), max_elements=64 * k)
     chunked = QuantLinear(packed, None, capped)(x)
@@ -393,3 +394,95 @@ def test_unfused_f16_scales_give_the_fused_bits(qt: T) -> None:
     for m in (1, 3):
         x = torch.randn(m, k, device="cuda")
         assert torch.equal(gemv_q8(x, fused), gemv_q8(x, unfused)), (qt.name, m)
+
+
+# --- the tensor-core quantized GEMM (kernels/qgemm.py), m up to 128 -----------------------------
+
+# float16 weights and x (2^-11 relative each): ~5e-4 seen on random data
+QGEMM_TOL = 2e-3
+QUANTIZED = LEGACY + KQUANTS
+
+
+@pytest.mark.parametrize("qt", QUANTIZED, ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [17, 300])
+def test_qgemm_matches_reference(qt: T, n: int) -> None:
+    from slipstream.kernels.qgemm import qgemm
+
+    k = _k_for(qt) * 2
+    packed, ref = _setup(qt, n, k, seed=n + 1)
+    for m in (1, 9, 17, 64, 128):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        yref = x.double().cpu().numpy() @ ref.T
+        out = torch.full((m, n), float("nan"), device="cuda")  # poison: every element written
+        qgemm(x, packed, out=out)
+        assert _rel(out, yref) <= QGEMM_TOL, (qt.name, n, m)
+    yb = qgemm(x, packed)  # the output in x's dtype
+    assert yb.dtype == torch.bfloat16 and yb.shape == (x.shape[0], n)
+    assert _rel(yb, yref) <= TOL[qt]["gemv_bf16_out"], (qt.name, n)
+
+
+@pytest.mark.parametrize("qt", [T.Q4_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K],
+                         ids=lambda t: t.name)
+def test_qgemm_tiles(qt: T) -> None:
+    """Tiles the sweep may pick, with tails in N and K (K not a whole number of steps) and K
+    split across programs: every one the reference's, and a split sums in a fixed order."""
+    from slipstream.kernels.qgemm import qgemm
+
+    k = _k_for(qt) * 3
+    n = 45
+    packed, ref = _setup(qt, n, k, seed=5)
+    x = torch.randn(33, k, device="cuda").to(torch.float16)
+    yref = x.double().cpu().numpy() @ ref.T
+    for bn, warps, nu in ((32, 4, 2), (64, 4, 8), (128, 8, 32), (64, 8, 16)):
+        for split in (1, 3):
+            cfg = {"BN": bn, "NU": nu, "SPLIT": split, "num_warps": warps}
+            y = qgemm(x, packed, out_dtype=torch.float32, config=cfg)
+            assert _rel(y, yref) <= QGEMM_TOL, (qt.name, cfg)
+            assert torch.equal(y, qgemm(x, packed, out_dtype=torch.float32, config=cfg))
+
+
+@pytest.mark.parametrize("qt", LEGACY + KQUANTS, ids=lambda t: t.name)
+def test_qgemm_fused_and_unfused_scales_give_the_same_bits(qt: T) -> None:
+    """precision="fast": a resident layer (fused scale plane) and a streamed one (GGUF planes,
+    scales rounded in the kernel) multiply the same weights, bit for bit, at every width."""
+    from slipstream.kernels.pack import f16_scales, fuse_scales
+    from slipstream.kernels.qgemm import qgemm
+
+    k = _k_for(qt) * 2
+    packed, _ = _setup(qt, 45, k, seed=17)
+    fused, unfused = fuse_scales(packed), f16_scales(packed)
+    wf = kernels.dequantize(fused, torch.float32).double().cpu().numpy()
+    for m in (9, 64):
+        x = torch.randn(m, k, device="cuda")
+        y = qgemm(x, fused)
+        assert torch.equal(y, qgemm(x, unfused)), (qt.name, m)
+        assert _rel(y, x.double().cpu().numpy() @ wf.T) <= QGEMM_TOL
+
+
+def test_matmul_routes_small_batches_to_qgemm() -> None:
+    """kernels.matmul: m <= 8 the fused GEMV, 9..128 qgemm (the same bits as calling it), more
+    than 128 dequantize + cuBLAS; each within its tolerance of the reference. And a CUDA graph
+    replays qgemm to the bit (draft levels run captured)."""
+    from slipstream.kernels.qgemm import MAX_M, qgemm
+
+    k = 512
+    packed, ref = _setup(T.Q4_K, 70, k, seed=23)
+    for m in (9, MAX_M):
+        x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+        assert torch.equal(kernels.matmul(x, packed), qgemm(x, packed))
+    x = torch.randn(MAX_M + 1, k, device="cuda").to(torch.bfloat16)
+    y = kernels.matmul(x, packed, out_dtype=torch.float32)
+    assert _rel(y, x.double().cpu().numpy() @ ref.T) <= TOL[T.Q4_K]["prefill"]
+    x = torch.randn(40, k, device="cuda").to(torch.bfloat16)
+    eager = qgemm(x, packed)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        qgemm(x, packed)  # compiled outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        captured = qgemm(x, packed)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)

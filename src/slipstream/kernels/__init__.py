@@ -4,8 +4,9 @@ Importing this package never needs CUDA or Triton (CI is CPU-only): the kernel m
 imported on first use of a name below. `available()` says whether they can run here.
 
     packed = pack_weight(raw_uint8_cuda, qtype, rows, cols)   # once, at load time
-    y = matmul(x, packed)        # m <= 8: fused GEMV; larger m: dequant to bf16 + cuBLAS
+    y = matmul(x, packed)        # m <= 8: fused GEMV; m <= 128: qgemm; larger: dequant + cuBLAS
     y = gemv(x, packed)          # x (m <= 8, K)
+    y = qgemm(x, packed)         # x (m <= 128, K), quantized W, on the tensor cores
     w = dequantize(packed)       # (N, K) bf16
     y = rms_norm(x, w, eps) ; y, h = rms_norm(x, w, eps, residual=r)
 """
@@ -18,7 +19,8 @@ from typing import Any
 _EXPORTS = {
     "PackedWeight": "pack", "pack_weight": "pack", "QSPECS": "pack", "SUPPORTED": "pack",
     "gemv": "gemv", "gemv_config": "gemv", "MAX_M": "gemv",
-    "dequantize": "dequant", "matmul": "dequant",
+    "dequantize": "dequant", "matmul": "dequant", "QGEMM_MAX_M": "dequant",
+    "qgemm": "qgemm",
     "rms_norm": "norm",
     "decode_attention": "attention",
     "rope_and_cache": "rope",

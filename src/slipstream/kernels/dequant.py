@@ -5,9 +5,8 @@ scratch (N, K) bf16 buffer and multiplied by cuBLAS on the tensor cores. For m <
 in gemv.py reads only the quantized bytes. Measured on an H200 at m = 512 (Q4_K 14336x4096):
 dequant 205 us + cuBLAS 115 us = 312 us, 193 TFLOP/s; 70B 28672x8192: 686 + 337 us, 238 TFLOP/s.
 The dequant kernel runs at only ~0.7 TB/s (strided 8-byte stores per slot), so it is 2/3 of the
-prefill time: a faster dequant or a fused dequant-in-GEMM is the next step. There is no fused
-GEMM yet, so dispatch is simply m <= 8 -> GEMV, else dequant + cuBLAS (at m = 8 the fused GEMV,
-~110 us for Q4_K 14336x4096, already beats dequant + cuBLAS, ~300 us).
+prefill time. Dispatch: m <= 8 -> GEMV, m <= QGEMM_MAX_M (128) -> qgemm.py's fused
+dequant-in-GEMM (a draft's tree levels and small verification trees), else dequant + cuBLAS.
 """
 
 from __future__ import annotations
@@ -16,8 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import MAX_M, _group_scale_min, gemv
+from .gemv import MAX_M, _scale_min, gemv
 from .pack import FLOAT_DTYPES, PackedWeight
+from .qgemm import MAX_M as QGEMM_MAX_M, qgemm, supports as qgemm_supports
 
 
 @triton.jit
@@ -49,18 +49,8 @@ def _dequant_q_kernel(lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, out_
     m2 = (r2 < N) & (u2 < NUT)
     obase = out_ptr + r3 * stride_on + u3 * 32 + w3
     for s in tl.static_range(SPU):
-        if SM:
-            smp = sm_ptr + (r2 * NUT + u2) * P + s
-            scale = tl.load(smp, mask=m2, other=0.0).to(tl.float32)
-            if HAS_MIN:
-                tmin = tl.load(smp + SPU, mask=m2, other=0.0).to(tl.float32)
-        else:
-            scale, tmin = _group_scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, u2, m2, NUT, s,
-                                           SPU, KQUANT, HAS_MIN, PACKED_SCMN)
-            if F16_SCALES:
-                scale = scale.to(tl.float16).to(tl.float32)
-                if HAS_MIN:
-                    tmin = tmin.to(tl.float16).to(tl.float32)
+        scale, tmin = _scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, r2, u2, m2, NUT, s, SPU,
+                                 P, KQUANT, HAS_MIN, PACKED_SCMN, SM, F16_SCALES)
         scale3 = scale[:, :, None]
         if HAS_MIN:
             tmin3 = tmin[:, :, None]
@@ -108,9 +98,9 @@ def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.bfloat16,
 
 def matmul(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype | None = None,
            scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """y[..., N] = x[..., K] @ W^T. Rows m = prod(x.shape[:-1]): the fused GEMV for m <= 8,
-    otherwise dequantize to bf16 (into `scratch` if given) + cuBLAS. Output dtype: out_dtype or
-    x's dtype."""
+    """y[..., N] = x[..., K] @ W^T. Rows m = prod(x.shape[:-1]): the fused GEMV for m <= 8, the
+    tensor-core quantized GEMM (qgemm.py) up to QGEMM_MAX_M, otherwise dequantize (into
+    `scratch` if given) + cuBLAS. Output dtype: out_dtype or x's dtype."""
     if x.shape[-1] != packed.cols:
         raise ValueError(f"x's last dim must be {packed.cols}, got {tuple(x.shape)}")
     lead = x.shape[:-1]
@@ -119,6 +109,8 @@ def matmul(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype | None 
     out_dtype = out_dtype or x.dtype
     if m <= MAX_M:
         y = gemv(x2, packed, out_dtype=out_dtype)
+    elif m <= QGEMM_MAX_M and qgemm_supports(packed):
+        y = qgemm(x2, packed, out_dtype=out_dtype)
     else:
         # bf16 tensor-core matmul; fp16 activations stay fp16 (same speed, more mantissa)
         cdtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16

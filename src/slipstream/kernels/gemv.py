@@ -83,6 +83,29 @@ def _group_scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu, umask2, NUT, s, SPU: 
 
 
 @triton.jit
+def _scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, r2, uu, umask2, NUT, s, SPU: tl.constexpr,
+               P: tl.constexpr, KQUANT: tl.constexpr, HAS_MIN: tl.constexpr,
+               PACKED_SCMN: tl.constexpr, SM: tl.constexpr, F16_SCALES: tl.constexpr):
+    """_group_scale_min from whichever planes the weight has: the fused f16 plane (SM,
+    pack.fuse_scales: P entries per unit), the GGUF planes rounded to f16 as fusing rounds them
+    (F16_SCALES, pack.f16_scales), or the GGUF planes as they are."""
+    if SM:
+        smp = sm_ptr + (r2 * NUT + uu) * P + s
+        scale = tl.load(smp, mask=umask2, other=0.0).to(tl.float32)
+        tmin = 0.0
+        if HAS_MIN:
+            tmin = tl.load(smp + SPU, mask=umask2, other=0.0).to(tl.float32)
+    else:
+        scale, tmin = _group_scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu, umask2, NUT, s,
+                                       SPU, KQUANT, HAS_MIN, PACKED_SCMN)
+        if F16_SCALES:
+            scale = scale.to(tl.float16).to(tl.float32)
+            if HAS_MIN:
+                tmin = tmin.to(tl.float16).to(tl.float32)
+    return scale, tmin
+
+
+@triton.jit
 def _group_affine(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu, umask2, NUT,
                   s, SPU: tl.constexpr, B: tl.constexpr, OFF: tl.constexpr,
                   KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr):

@@ -183,7 +183,8 @@ _FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16),
 class QuantLinear(Linear):
     """y = x @ W^T (+ b) (+ residual) with W kept in its GGUF format, repacked once for the
     Triton kernels: a fused dequant-GEMV for up to 8 rows (float32 accumulation; x in int8 when
-    the workspace says so), dequantize to float16 plus cuBLAS above that. float16 rather than
+    the workspace says so), a fused dequant-GEMM on the tensor cores up to 128 (float16
+    weights, as below), dequantize to float16 plus cuBLAS above that. float16 rather than
     bf16: GGUF scales are float16, so the dequantized weights keep 3 more mantissa bits, and
     activations after RMSNorm stay far inside its range."""
 
@@ -200,6 +201,7 @@ class QuantLinear(Linear):
         self._matmul = kernels.matmul
         self._rms_norm = kernels.rms_norm
         self._max_m = kernels.MAX_M
+        self._qgemm_max_m = kernels.QGEMM_MAX_M
         self._q8 = None
         if workspace.int8_activations and int(packed.qtype) not in _FLOAT_TYPES:
             from ..kernels import gemv_q8
@@ -217,8 +219,12 @@ class QuantLinear(Linear):
         return self.packed.rows
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[0] > self._max_m:
-            y = self._prefill_matmul(x)
+        m = x.shape[0]
+        if m > self._max_m:
+            # small batches (tree levels, verification): the fused quantized GEMM, which
+            # needs no scratch; prefill-sized ones: dequantize + cuBLAS
+            y = self._matmul(x, self.packed, out_dtype=x.dtype) \
+                if self._scratch and m <= self._qgemm_max_m else self._prefill_matmul(x)
         elif self._q8 is not None:
             return self._q8_matmul(self._q8.quantize_x(x), x.dtype, residual)
         else:

@@ -1,0 +1,179 @@
+"""Small-m quantized GEMM on the tensor cores: y[m, N] = x[m, K] @ W[N, K]^T for m up to 128.
+
+Why: a draft's tree level and a resident target's tree verification multiply 8 to 128 tokens by
+every weight. The fused GEMVs (gemv.py, gemv_q8.py) do work per code that grows with m (one FMA
+or dp4a per row of x), and the prefill path dequantizes the whole weight to a float16 scratch
+and reads it back for cuBLAS: a level of the 8B draft cost ~30 ms at every width from 8 to 128
+on an H200 (bench/results/*session13*), against 4.7 ms at width 1. Here every code is unpacked
+once per program into a float16 weight tile in registers, and the tile is multiplied by all m
+rows of x at once on the tensor cores, so the unpacking is paid once and m only adds MMA work.
+
+Weights are rounded to float16 before the product, as the prefill path's scratch is (GGUF scales
+are float16, so float16 keeps 3 more mantissa bits than bfloat16); x is rounded to float16 as
+the prefill path rounds it; sums are float32. The results are those of dequantize + cuBLAS up to
+summation order and the ~2^-11 rounding of each weight (the code is expanded with pack.py's
+mantissa trick, w = a*f + b, see gemv.py, instead of (q - OFF)*s - t).
+
+Tiles: a program owns BN rows and walks a range of K in steps of NU units of 32; per step it
+loads the [BN, NU*LO] code words once and, for each of a word's 32/LO slots, expands one
+[BN, NU*LO] weight tile and multiplies it by the matching [NU*LO, M_PAD] tile of x (element
+u*32 + j*LO + w of slot j, lane w: the plane layout of pack.py). SPLIT > 1 splits K across
+programs (for N too small to fill the SMs) into float32 partials, summed in a fixed order:
+results do not depend on scheduling.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .gemv import _bits_to, _scale_min, _sm_count
+from .pack import FLOAT_DTYPES, PackedWeight, sm_width
+
+MAX_M = 128  # rows of x this kernel takes (M_PAD up to 128 keeps the accumulator in registers)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _qgemm_kernel(xt_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, y_ptr,
+                  M, N, NUT, units_per_split, stride_ym, stride_ys,
+                  LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
+                  KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr,
+                  SM: tl.constexpr, F16_SCALES: tl.constexpr, M_PAD: tl.constexpr,
+                  BN: tl.constexpr, NU: tl.constexpr, WDT: tl.constexpr):
+    """xt: x in slot order (slot_order), so that each [NU*LO, M] tile is one contiguous block."""
+    NJ: tl.constexpr = 32 // LO  # slots per word
+    SPU: tl.constexpr = 32 // G  # scale groups per unit of 32
+    JPS: tl.constexpr = NJ // SPU  # slots per scale group
+    B: tl.constexpr = LO + HI
+    MANT: tl.constexpr = 23 - B
+    P: tl.constexpr = SPU * (2 if HAS_MIN else 1)
+    NUL: tl.constexpr = NU * LO
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rmask = rows < N
+    r2 = rows[:, None]
+    u_begin = tl.program_id(1) * units_per_split
+    u_end = tl.minimum(u_begin + units_per_split, NUT)
+    cols = tl.arange(0, NUL)
+    offs_m = tl.arange(0, M_PAD)
+    xmask = (offs_m < M)[None, :]
+    xtile = cols[:, None] * M + offs_m[None, :]  # [NUL, M_PAD] within one slot's block
+    acc = tl.zeros([BN, M_PAD], dtype=tl.float32)
+    for u0 in range(u_begin, u_end, NU):
+        uc = u0 + cols // LO  # [NUL] the unit of each column
+        qmask = rmask[:, None] & (uc < u_end)[None, :]
+        qoff = r2 * (NUT * LO) + u0 * LO + cols[None, :]  # a unit's LO words are contiguous
+        words = tl.load(lo_ptr + qoff, mask=qmask, other=0)
+        if HI > 0:
+            hw = tl.load(hi_ptr + qoff, mask=qmask, other=0).to(tl.int32)
+        xstep = xt_ptr + (u0 // NU) * (NJ * NUL * M)
+        for s in tl.static_range(SPU):
+            scale, tmin = _scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, r2, uc[None, :],
+                                     qmask, NUT, s, SPU, P, KQUANT, HAS_MIN, PACKED_SCMN, SM,
+                                     F16_SCALES)
+            a = scale * (1 << B)  # w = a*f + b for f = 1 + q/2^B (gemv.py's mantissa trick)
+            b = -scale * ((1 << B) + OFF) - tmin
+            for jj in tl.static_range(JPS):
+                j = s * JPS + jj
+                bits = _bits_to(words, j * LO, LO, MANT) | 0x3F800000
+                if HI > 0:
+                    bits = bits | _bits_to(hw, j * HI, HI, MANT + LO)
+                w = (a * bits.to(tl.float32, bitcast=True) + b).to(WDT)  # [BN, NUL]
+                xt = tl.load(xstep + j * (NUL * M) + xtile, mask=xmask, other=0.0)
+                acc = tl.dot(w, xt.to(WDT), acc)
+    ymask = rmask[:, None] & xmask
+    yp = y_ptr + tl.program_id(1) * stride_ys + offs_m[None, :] * stride_ym + rows[:, None]
+    tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+def supports(packed: PackedWeight) -> bool:
+    """Quantized formats only (float weights go to cuBLAS as they are)."""
+    return packed.qtype not in FLOAT_DTYPES and packed.spec is not None
+
+
+def m_pad(m: int) -> int:
+    """The accumulator's columns for m rows of x: a power of two, at least 16 (the MMA's)."""
+    return max(16, triton.next_power_of_2(m))
+
+
+def slot_order(x: torch.Tensor, lo_bits: int, nu: int, dtype: torch.dtype) -> torch.Tensor:
+    """x (m, K) as the kernel reads it: for each step of nu units of 32 elements and each slot j
+    of pack.py's words, the [nu*LO, m] block of elements u*32 + j*LO + w (unit u, lane w), m
+    contiguous; K zero-padded to whole steps (the weight's codes past K are masked to 0)."""
+    m, k = x.shape
+    step = nu * 32
+    if k % step:
+        x = torch.nn.functional.pad(x, (0, step - k % step))
+    nj = 32 // lo_bits
+    xs = x.view(m, -1, nu, nj, lo_bits).permute(1, 3, 2, 4, 0)  # (steps, j, u, w, m)
+    return xs.to(dtype).contiguous()
+
+
+def qgemm_config(packed: PackedWeight, m: int) -> dict[str, int]:
+    """Tile sizes for one launch: BN rows per program, NU units of 32 per K step, SPLIT
+    programs along K. NU makes a slot's tile NU*LO = 64 columns wide (the MMA's K); BN = 64
+    (one warpgroup's MMA rows) where N gives the SMs two programs each, else 32; K is split
+    until they have that many, while each split keeps at least 8 steps."""
+    spec = packed.spec
+    n, nut = packed.rows, packed.cols // 32
+    nu = max(1, 64 // spec.lo)
+    sms = _sm_count(packed.device)
+    bn = 64 if -(-n // 64) >= 2 * sms else 32
+    split = 1
+    while -(-n // bn) * split <= sms and nut // (split * 2) >= 8 * nu:
+        split *= 2
+    return {"BN": bn, "NU": nu, "SPLIT": split, "num_warps": 4}
+
+
+def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None,
+          out_dtype: torch.dtype | None = None, config: dict[str, int] | None = None
+          ) -> torch.Tensor:
+    """y = x @ W^T for x (m, K), 1 <= m <= MAX_M, W quantized -> (m, N) in out_dtype (default
+    x's dtype). `config` overrides qgemm_config (for tuning)."""
+    if x.dim() != 2 or x.shape[1] != packed.cols:
+        raise ValueError(f"x must be (m, {packed.cols}), got {tuple(x.shape)}")
+    m = x.shape[0]
+    if not 1 <= m <= MAX_M:
+        raise ValueError(f"qgemm takes 1..{MAX_M} rows of x, got {m}; use matmul()")
+    if not supports(packed):
+        raise ValueError(f"qgemm multiplies quantized weights, not {packed.qtype.name}")
+    n, nut = packed.rows, packed.cols // 32
+    out_dtype = out_dtype or x.dtype
+    cfg = dict(config or qgemm_config(packed, m))
+    warps = cfg.pop("num_warps", 4)
+    split = cfg.pop("SPLIT", 1)
+    nu = cfg["NU"]
+    steps = -(-nut // nu)
+    units = -(-steps // split) * nu  # whole steps per split
+    split = -(-nut // units)
+    spec = packed.spec
+    wdt = torch.float32 if _INTERPRET else torch.float16
+    xt = slot_order(x, spec.lo, nu, wdt)
+    if split == 1:
+        y = out if out is not None else torch.empty(m, n, device=x.device, dtype=out_dtype)
+        part = y
+    else:  # float32 partials, summed below in a fixed order
+        part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
+    dummy = packed.lo
+    grid = (triton.cdiv(n, cfg["BN"]), split)
+    _qgemm_kernel[grid](
+        xt, packed.lo, packed.hi if packed.hi is not None else dummy,
+        packed.d if packed.d is not None else dummy,
+        packed.m if packed.m is not None else dummy,
+        packed.sc if packed.sc is not None else dummy,
+        packed.mn if packed.mn is not None else dummy,
+        packed.sm if packed.sm is not None else dummy, part,
+        m, n, nut, units, part.stride(-2), part.stride(0) if split > 1 else 0,
+        LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
+        HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, SM=packed.sm is not None,
+        F16_SCALES=packed.f16_scales and packed.sm is None and sm_width(spec) > 0,
+        M_PAD=m_pad(m), WDT=tl.float32 if _INTERPRET else tl.float16, num_warps=warps, **cfg)
+    if split == 1:
+        return y
+    y = part.sum(0)
+    if out is not None:
+        return out.copy_(y)
+    return y if y.dtype == out_dtype else y.to(out_dtype)
