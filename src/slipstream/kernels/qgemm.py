@@ -25,6 +25,7 @@ results do not depend on scheduling.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 import triton
@@ -42,7 +43,7 @@ def _qgemm_kernel(xt_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, 
                   M, N, NUT, units_per_split, stride_ym, stride_ys,
                   LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
                   KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr,
-                  SM: tl.constexpr, F16_SCALES: tl.constexpr, M_PAD: tl.constexpr,
+                  SM: tl.constexpr, M_PAD: tl.constexpr,
                   BN: tl.constexpr, NU: tl.constexpr, WDT: tl.constexpr):
     """xt: x in slot order (slot_order), so that each [NU*LO, M] tile is one contiguous block."""
     NJ: tl.constexpr = 32 // LO  # slots per word
@@ -73,7 +74,7 @@ def _qgemm_kernel(xt_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, 
         for s in tl.static_range(SPU):
             scale, tmin = _scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, r2, uc[None, :],
                                      qmask, NUT, s, SPU, P, KQUANT, HAS_MIN, PACKED_SCMN, SM,
-                                     F16_SCALES)
+                                     False)
             a = scale * (1 << B)  # w = a*f + b for f = 1 + q/2^B (gemv.py's mantissa trick)
             b = -scale * ((1 << B) + OFF) - tmin
             for jj in tl.static_range(JPS):
@@ -87,6 +88,49 @@ def _qgemm_kernel(xt_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, 
     ymask = rmask[:, None] & xmask
     yp = y_ptr + tl.program_id(1) * stride_ys + offs_m[None, :] * stride_ym + rows[:, None]
     tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+
+
+@triton.jit
+def _fuse_scales_kernel(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, N, NUT, SPU: tl.constexpr,
+                        P: tl.constexpr, KQUANT: tl.constexpr, HAS_MIN: tl.constexpr,
+                        PACKED_SCMN: tl.constexpr, BN: tl.constexpr, NU: tl.constexpr):
+    """pack.fuse_scales on the GPU, into a buffer: the same f16 numbers (the kernels' f16
+    rounding of the scales equals fuse_scales', tests/gpu/test_kernels.py)."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    uu = tl.program_id(1) * NU + tl.arange(0, NU)
+    r2 = rows[:, None]
+    u2 = uu[None, :]
+    mask = (r2 < N) & (u2 < NUT)
+    base = sm_ptr + (r2 * NUT + u2) * P
+    for s in tl.static_range(SPU):
+        scale, tmin = _scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, r2, u2, mask, NUT, s, SPU,
+                                 P, KQUANT, HAS_MIN, PACKED_SCMN, False, True)
+        tl.store(base + s, scale.to(tl.float16), mask=mask)
+        if HAS_MIN:
+            tl.store(base + SPU + s, tmin.to(tl.float16), mask=mask)
+
+
+def with_fused_scales(packed: PackedWeight, buffer: torch.Tensor | None = None) -> PackedWeight:
+    """A weight that keeps its GGUF scale planes for precision="fast" (pack.f16_scales: a
+    streamed layer) with its fused plane made now, into `buffer` where it is float16 and
+    holds N*K/32*P elements. qgemm multiplies such a weight through the fused kernel, so
+    that a streamed layer computes the same bits as its resident, fused copy: the two kernels'
+    code differs, and so, on an H200, did their float16 products' sums."""
+    spec = packed.spec
+    n, nut = packed.rows, packed.cols // 32
+    p = sm_width(spec)
+    if buffer is None or buffer.dtype != torch.float16 or buffer.numel() < n * nut * p:
+        buffer = torch.empty(n * nut * p, device=packed.device, dtype=torch.float16)
+    sm = buffer.reshape(-1)[: n * nut * p].view(n, nut, p)
+    bn, nu = 16, 64
+    dummy = packed.lo
+    _fuse_scales_kernel[(triton.cdiv(n, bn), triton.cdiv(nut, nu))](
+        packed.d, packed.m if packed.m is not None else dummy,
+        packed.sc if packed.sc is not None else dummy,
+        packed.mn if packed.mn is not None else dummy, sm, n, nut, SPU=32 // spec.group, P=p,
+        KQUANT=spec.kquant, HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, BN=bn, NU=nu,
+        num_warps=4)
+    return replace(packed, sm=sm, f16_scales=False)
 
 
 def supports(packed: PackedWeight) -> bool:
@@ -112,27 +156,44 @@ def slot_order(x: torch.Tensor, lo_bits: int, nu: int, dtype: torch.dtype) -> to
     return xs.to(dtype).contiguous()
 
 
+# shared memory the pipeliner may fill with x tiles (of the H200's 227 KiB a block)
+_SMEM_FOR_X = 160 << 10
+
+
 def qgemm_config(packed: PackedWeight, m: int) -> dict[str, int]:
     """Tile sizes for one launch: BN rows per program, NU units of 32 per K step, SPLIT
-    programs along K. NU makes a slot's tile NU*LO = 64 columns wide (the MMA's K); BN = 64
-    (one warpgroup's MMA rows) where N gives the SMs two programs each, else 32; K is split
-    until they have that many, while each split keeps at least 8 steps."""
+    programs along K. From the H200 sweep (bench/qgemm_bench.py; Q4_K 6144x4096: m = 16 best
+    at BN 64, NU 8, SPLIT 4, 68 us against 96 us unsplit; m = 64 at NU 16): a slot's tile is
+    NU*LO = 32 columns wide up to 32 rows of x, 64 at 64 rows, 32 again at 128 (the x tiles
+    of a step must leave room in shared memory for two stages), and K is split until the
+    programs fill the SMs twice over, each split keeping at least 4 steps."""
     spec = packed.spec
     n, nut = packed.rows, packed.cols // 32
-    nu = max(1, 64 // spec.lo)
+    mp = m_pad(m)
+    nul = 64 if mp == 64 else 32
+    nu = max(nul // spec.lo, 16 // spec.lo, 1)
     sms = _sm_count(packed.device)
-    bn = 64 if -(-n // 64) >= 2 * sms else 32
+    bn = 64
     split = 1
-    while -(-n // bn) * split <= sms and nut // (split * 2) >= 8 * nu:
+    while -(-n // bn) * split < 2 * sms and nut // (split * 2) >= 4 * nu:
         split *= 2
     return {"BN": bn, "NU": nu, "SPLIT": split, "num_warps": 4}
 
 
+def _stages(nu: int, mp: int, esize: int) -> int:
+    """Software-pipelining depth whose x tiles fit the shared memory (Triton's default, 3,
+    asked for 276 KiB at 128 rows and 16 units a step)."""
+    step_bytes = nu * 32 * mp * esize
+    return max(1, min(3, _SMEM_FOR_X // step_bytes))
+
+
 def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None,
-          out_dtype: torch.dtype | None = None, config: dict[str, int] | None = None
-          ) -> torch.Tensor:
+          out_dtype: torch.dtype | None = None, config: dict[str, int] | None = None,
+          scale_buffer: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T for x (m, K), 1 <= m <= MAX_M, W quantized -> (m, N) in out_dtype (default
-    x's dtype). `config` overrides qgemm_config (for tuning)."""
+    x's dtype). `config` overrides qgemm_config (for tuning). A weight with unfused f16
+    scales (a streamed layer at precision="fast") has its fused plane made first, into
+    `scale_buffer` if given (see with_fused_scales)."""
     if x.dim() != 2 or x.shape[1] != packed.cols:
         raise ValueError(f"x must be (m, {packed.cols}), got {tuple(x.shape)}")
     m = x.shape[0]
@@ -145,12 +206,15 @@ def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None
     cfg = dict(config or qgemm_config(packed, m))
     warps = cfg.pop("num_warps", 4)
     split = cfg.pop("SPLIT", 1)
-    nu = cfg["NU"]
+    spec = packed.spec
+    nu = cfg["NU"] = max(cfg["NU"], 16 // spec.lo)  # the MMA's K: 16 at least
+    wdt = torch.float32 if _INTERPRET else torch.float16
+    stages = cfg.pop("num_stages", None) or _stages(nu, m_pad(m), wdt.itemsize)
+    if packed.f16_scales and packed.sm is None and sm_width(spec) > 0:
+        packed = with_fused_scales(packed, scale_buffer)
     steps = -(-nut // nu)
     units = -(-steps // split) * nu  # whole steps per split
     split = -(-nut // units)
-    spec = packed.spec
-    wdt = torch.float32 if _INTERPRET else torch.float16
     xt = slot_order(x, spec.lo, nu, wdt)
     if split == 1:
         y = out if out is not None else torch.empty(m, n, device=x.device, dtype=out_dtype)
@@ -169,8 +233,8 @@ def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None
         m, n, nut, units, part.stride(-2), part.stride(0) if split > 1 else 0,
         LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
         HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, SM=packed.sm is not None,
-        F16_SCALES=packed.f16_scales and packed.sm is None and sm_width(spec) > 0,
-        M_PAD=m_pad(m), WDT=tl.float32 if _INTERPRET else tl.float16, num_warps=warps, **cfg)
+        M_PAD=m_pad(m), WDT=tl.float32 if _INTERPRET else tl.float16, num_warps=warps,
+        num_stages=stages, **cfg)
     if split == 1:
         return y
     y = part.sum(0)

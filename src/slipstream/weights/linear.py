@@ -201,7 +201,7 @@ class QuantLinear(Linear):
         self._matmul = kernels.matmul
         self._rms_norm = kernels.rms_norm
         self._max_m = kernels.MAX_M
-        self._qgemm_max_m = kernels.QGEMM_MAX_M
+        self._qgemm, self._qgemm_max_m = kernels.qgemm, kernels.QGEMM_MAX_M
         self._q8 = None
         if workspace.int8_activations and int(packed.qtype) not in _FLOAT_TYPES:
             from ..kernels import gemv_q8
@@ -221,10 +221,14 @@ class QuantLinear(Linear):
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         m = x.shape[0]
         if m > self._max_m:
-            # small batches (tree levels, verification): the fused quantized GEMM, which
-            # needs no scratch; prefill-sized ones: dequantize + cuBLAS
-            y = self._matmul(x, self.packed, out_dtype=x.dtype) \
-                if self._scratch and m <= self._qgemm_max_m else self._prefill_matmul(x)
+            # small batches (tree levels, verification): the fused quantized GEMM (the
+            # scratch holds a streamed layer's fused scales for the call); prefill-sized
+            # ones: dequantize into the scratch + cuBLAS
+            if self._scratch and m <= self._qgemm_max_m:
+                y = self._qgemm(x, self.packed, out_dtype=x.dtype,
+                                scale_buffer=self.workspace.buffer)
+            else:
+                y = self._prefill_matmul(x)
         elif self._q8 is not None:
             return self._q8_matmul(self._q8.quantize_x(x), x.dtype, residual)
         else:
