@@ -153,3 +153,26 @@ def test_a_draft_that_beats_plain_steps_but_not_plain_decode_without_it_is_given
     gained = TreeSizer(plain_gain=1.5)
     assert kept.predicted_tok_s(*kept.choose()) < 1.5 / 0.2  # slower than plain without it
     assert feed(gained, cost, 0.005, 0.5, rounds=300, until_given_up=True) is not None
+
+
+def test_a_draft_holding_the_targets_memory_is_settled_with_trees_back_to_back():
+    """With plain decode faster once the draft is released (plain_gain > 1), the rounds that
+    decide the give-up come at once: a draft that accepts nothing on the H200's 70B is given up
+    after its GIVE_UP_MIN_TREES trees and the one timed plain step, not after trees spread one
+    in EXPLORE_EVERY plain steps (which a draft holding no memory still gets)."""
+    def rounds_until_given_up(gain: float) -> tuple[int, int]:
+        sizer = TreeSizer(plain_gain=gain)
+        rounds = 0
+        while not sizer.gives_up and rounds < 400:
+            nodes, depth = sizer.choose()
+            sizer.observe_pass(nodes if depth else 1, hybrid_70b(nodes if depth else 1))
+            if depth:
+                sizer.observe_levels(depth, depth * 0.02)
+                sizer.observe_walk(depth, 0)
+            rounds += 1
+        return rounds, int(sizer.reached[1])
+
+    rounds, trees = rounds_until_given_up(1.35)
+    assert trees == GIVE_UP_MIN_TREES and rounds == GIVE_UP_MIN_TREES + 1
+    rounds, trees = rounds_until_given_up(1.0)
+    assert trees >= GIVE_UP_MIN_TREES and rounds > EXPLORE_EVERY
