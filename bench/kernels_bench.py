@@ -176,9 +176,6 @@ def sweep_configs(qt: T, m: int) -> list[dict]:
                 for ng in (16, 32, 64, 128, 256) for nw in (4, 8) if bn * ng * 32 <= 16384]
     out = [{"BN": bn, "NU": nu, "num_warps": nw} for bn in (1, 2, 4, 8, 16)
            for nu in (8, 16, 32, 64) for nw in (4, 8) if 8 * bn * nu <= 2048]
-    if m > 1:
-        out += [{"BN": bn, "NU": nu, "dot": 1, "num_warps": nw} for bn in (16, 32, 64)
-                for nu in (4, 8, 16) for nw in (4, 8)]
     return out
 
 

@@ -6,9 +6,8 @@ quantized byte is loaded once, with 16-byte loads along a row (see pack.py for t
 nothing dequantized goes to memory.
 
 Kernels: `_gemv_q1_kernel` (m = 1, natural-K-order tiles, x read once per step),
-`_gemv_q_kernel` (m = 2..8, fp32 on CUDA cores), `_gemv_q_dot_kernel` (m = 2..8 on tensor cores,
-bf16-rounded weights; opt-in via config {"dot": 1}, not the default: it measured about the same as
-the fp32 path and is less exact), `_gemv_f_kernel` (F32/F16/BF16).
+`_gemv_q_kernel` (m = 2..8, fp32 on CUDA cores; the tensor cores serve more rows, in
+qgemm.py), `_gemv_f_kernel` (F32/F16/BF16).
 
 Measured on an H200 (bench/kernels_bench.py): F32/F16/BF16 weights stream at 60-100% of the
 4.2 TB/s copy rate, but the quantized kernels are instruction-bound, not HBM-bound: at m = 1
@@ -29,8 +28,6 @@ the end. Results are deterministic (no atomics, fixed reduction order).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -223,55 +220,6 @@ def _gemv_q1_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, y_ptr,
 
 
 @triton.jit
-def _gemv_q_dot_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, y_ptr,
-                       M, N, NUT, stride_xm, stride_ym,
-                       LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
-                       KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr,
-                       M_PAD: tl.constexpr, BN: tl.constexpr, NU: tl.constexpr,
-                       WDT: tl.constexpr):
-    """Tensor-core variant for m = 2..8 (x padded to 16 rows): each slot's codes are expanded to
-    bf16 weights in registers and multiplied with tl.dot, so the FMAs per code do not grow with m.
-    Weights are rounded to bf16 (rel. error ~2^-9 per weight, like the prefill path)."""
-    NJ: tl.constexpr = 32 // LO
-    SPU: tl.constexpr = 32 // G
-    JPS: tl.constexpr = NJ // SPU
-    B: tl.constexpr = LO + HI
-    MANT: tl.constexpr = 23 - B
-    NUL: tl.constexpr = NU * LO
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    rmask = rows < N
-    r2 = rows[:, None]
-    cols = tl.arange(0, NUL)
-    offs_m = tl.arange(0, M_PAD)
-    acc = tl.zeros([BN, M_PAD], dtype=tl.float32)
-    for u0 in range(0, NUT, NU):
-        uc = u0 + cols // LO  # [NUL] unit of each column
-        cmask = uc < NUT
-        qmask = rmask[:, None] & cmask[None, :]
-        qoff = r2 * (NUT * LO) + u0 * LO + cols[None, :]  # contiguous along a row
-        words = tl.load(lo_ptr + qoff, mask=qmask, other=0)
-        if HI > 0:
-            hw = tl.load(hi_ptr + qoff, mask=qmask, other=0).to(tl.int32)
-        xk = uc * 32 + cols % LO  # [NUL]
-        xmask = cmask[:, None] & (offs_m < M)[None, :]
-        for s in tl.static_range(SPU):
-            a, b = _group_affine(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uc[None, :], qmask, NUT,
-                                 s, SPU, B, OFF, KQUANT, HAS_MIN, PACKED_SCMN)
-            for jj in tl.static_range(JPS):
-                j = s * JPS + jj
-                bits = _bits_to(words, j * LO, LO, MANT) | 0x3F800000
-                if HI > 0:
-                    bits = bits | _bits_to(hw, j * HI, HI, MANT + LO)
-                w = (a * bits.to(tl.float32, bitcast=True) + b).to(WDT)  # [BN, NUL]
-                xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (xk + j * LO)[:, None],
-                             mask=xmask, other=0.0).to(WDT)  # [NUL, M_PAD]
-                acc = tl.dot(w, xt, acc)
-    ymask = rmask[:, None] & (offs_m < M)[None, :]
-    tl.store(y_ptr + offs_m[None, :] * stride_ym + rows[:, None], acc.to(y_ptr.dtype.element_ty),
-             mask=ymask)
-
-
-@triton.jit
 def _gemv_f_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                    M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     """Plain GEMV for F32/F16/BF16 weights (fp32 accumulation, one reduction at the end)."""
@@ -377,19 +325,13 @@ def gemv(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None,
             LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
             HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, num_warps=warps, **cfg)
         return out
-    use_dot = cfg.pop("dot", 0)
-    kernel = _gemv_q_kernel
-    if use_dot:
-        kernel = _gemv_q_dot_kernel
-        # Triton's CPU interpreter (3.9) computes bf16 tl.dot wrongly; fp32 there for the logic
-        cfg["WDT"] = tl.float32 if os.environ.get("TRITON_INTERPRET") == "1" else tl.bfloat16
-    kernel[grid](
+    _gemv_q_kernel[grid](
         x, packed.lo, packed.hi if packed.hi is not None else dummy, packed.d,
         packed.m if packed.m is not None else dummy,
         packed.sc if packed.sc is not None else dummy,
         packed.mn if packed.mn is not None else dummy, out,
         m, n, packed.cols // 32, x.stride(0), out.stride(0),
         LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
-        HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, M_PAD=16 if use_dot else _m_pad(m),
+        HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, M_PAD=_m_pad(m),
         num_warps=warps, **cfg)
     return out
