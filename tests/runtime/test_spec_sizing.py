@@ -176,3 +176,40 @@ def test_a_draft_holding_the_targets_memory_is_settled_with_trees_back_to_back()
     assert trees == GIVE_UP_MIN_TREES and rounds == GIVE_UP_MIN_TREES + 1
     rounds, trees = rounds_until_given_up(1.0)
     assert trees >= GIVE_UP_MIN_TREES and rounds > EXPLORE_EVERY
+
+
+def test_a_draft_levels_warm_up_does_not_set_their_cost():
+    """A round whose growth compiled kernels or captured graphs (23.5 ms a level against 3.6
+    on the H200's default-spec) is outvoted: the cheapest while there are fewer than three
+    rounds, then the median of the recent ones."""
+    sizer = TreeSizer()
+    sizer.observe_levels(4, 4 * 0.0235)
+    assert sizer.level_s == pytest.approx(0.0235)
+    sizer.observe_levels(2, 2 * 0.0036)
+    assert sizer.level_s == pytest.approx(0.0036)
+    for _ in range(3):
+        sizer.observe_levels(8, 8 * 0.0037)
+    assert sizer.level_s == pytest.approx(0.0037)
+
+
+def test_an_unlucky_first_tree_is_tried_again_at_once():
+    """A first tree that accepted nothing (the prior's 0.6 falls to 0.4) is followed by
+    another tree where one at the prior's rate would pay, not by EXPLORE_EVERY plain steps."""
+    sizer = TreeSizer()
+    nodes, depth = sizer.choose()
+    sizer.observe_pass(nodes, 0.080)
+    sizer.observe_levels(depth, depth * 0.0036)
+    sizer.observe_walk(depth, 0)
+    assert sizer.choose()[1] == 0  # the one plain step that times what trees must beat
+    sizer.observe_pass(1, 0.041)
+    assert sizer.rate(1) == pytest.approx(0.4)
+    assert sizer.choose()[1] > 0
+
+
+def test_a_flat_tree_line_takes_the_widest_tree_however_cheap_a_plain_step():
+    """Trees as dear at 512 nodes as at 16 (a streamed target) take the widest, even where a
+    plain step costs half of any tree pass (a hybrid plan splits only the narrowest passes)."""
+    sizer = TreeSizer()
+    for n, t in ((64, 0.44), (512, 0.445), (16, 0.44), (1, 0.21)):
+        sizer.observe_pass(n, t)
+    assert sizer.nodes() == NODE_CHOICES[-1]

@@ -19,6 +19,7 @@ explicit node budget (`--spec-nodes`) fixes N, an explicit depth (`--spec-depth`
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass, field
 
 NODE_CHOICES = (16, 32, 64, 128, 256, 512)
@@ -26,6 +27,19 @@ NODES_SLACK = 0.10  # a wider tree may cost this much more per pass than a one-n
 PRIOR_RATE = 0.6  # acceptance per depth before any round (weight PRIOR_WEIGHT rounds)
 PRIOR_WEIGHT = 2.0
 START_NODES = 64  # until two pass widths have been timed
+# Rounds whose draft levels the level cost is the median of. A round that first runs a level
+# width, or a position past a graph's span, compiles kernels and captures graphs: on the H200
+# the first run of default-spec spent 23.5 ms a level (its draft seconds over its forwards)
+# where the graphs take 3.0-4.4 ms (session 15), and the next run, whose sizer still held that
+# mean, took plain steps in 32 of 34 passes (27.1 tok/s, against 34.5 with trees forced).
+LEVEL_ROUNDS = 15
+# For its first GIVE_UP_TREES tree rounds the choice weighs each depth's acceptance this many
+# standard deviations above its estimate (an upper confidence bound): a draft whose first tree
+# was unlucky is tried again at once rather than EXPLORE_EVERY plain steps later. Without it
+# one failed first round took the estimate from the prior's 0.6 to 0.4 and plain steps won
+# for the next 16 rounds, whatever the draft's real rate. Later rounds weigh the estimate
+# itself (where trees cost about a plain step, any optimism would keep trying a useless draft).
+CHOICE_OPTIMISM = 1.0
 # While plain steps win (a draft that is rarely right), one round in this many still
 # speculates, so that acceptance keeps being measured and can win again
 EXPLORE_EVERY = 16
@@ -63,8 +77,7 @@ class TreeSizer:
     _sy: float = 0.0
     _sxx: float = 0.0
     _sxy: float = 0.0
-    _level_s: float = 0.0
-    _levels: int = 0
+    _level_rounds: list[float] = field(default_factory=list)  # seconds a level, per round
     _plain_streak: int = 0
     reached: list[float] = field(default_factory=list)  # [d]: rounds whose tree reached depth d
     passed: list[float] = field(default_factory=list)  # [d]: ... and whose walk descended to d
@@ -84,8 +97,8 @@ class TreeSizer:
         self._sxy += x * y
 
     def observe_levels(self, levels: int, seconds: float) -> None:
-        self._levels += levels
-        self._level_s += seconds
+        self._level_rounds.append(seconds / levels)
+        del self._level_rounds[:-LEVEL_ROUNDS]
 
     def observe_walk(self, tree_depth: int, accepted: int) -> None:
         """A round whose tree went `tree_depth` deep accepted `accepted` drafted tokens."""
@@ -101,20 +114,23 @@ class TreeSizer:
 
     # --- the model ----------------------------------------------------------------------------
 
-    def rate(self, d: int) -> float:
-        """r_d with the prior; depths never tried take the deepest tried one's rate."""
+    def rate(self, d: int, optimism: float = 0.0) -> float:
+        """r_d with the prior; depths never tried take the deepest tried one's rate. optimism:
+        that many standard deviations of the estimate added (at most 1.0)."""
         last = min(d, len(self.reached) - 1)
         while last > 1 and self.reached[last] == 0:
             last -= 1
-        if last < 1:
-            return PRIOR_RATE
-        return ((self.passed[last] + PRIOR_RATE * PRIOR_WEIGHT)
-                / (self.reached[last] + PRIOR_WEIGHT))
+        seen = self.reached[last] if last >= 1 else 0.0
+        mean = ((self.passed[last] if last >= 1 else 0.0) + PRIOR_RATE * PRIOR_WEIGHT) \
+            / (seen + PRIOR_WEIGHT)
+        if not optimism:
+            return mean
+        return min(1.0, mean + optimism * math.sqrt(mean * (1 - mean) / (seen + PRIOR_WEIGHT + 1)))
 
-    def expected_tokens(self, depth: int) -> float:
+    def expected_tokens(self, depth: int, optimism: float = 0.0) -> float:
         total, p = 1.0, 1.0
         for d in range(1, depth + 1):
-            p *= self.rate(d)
+            p *= self.rate(d, optimism)
             total += p
         return total
 
@@ -132,7 +148,15 @@ class TreeSizer:
 
     @property
     def level_s(self) -> float | None:
-        return self._level_s / self._levels if self._levels else None
+        """A draft level's cost: the median over the last LEVEL_ROUNDS rounds' mean levels
+        (the cheapest while fewer than three), so that rounds whose growth compiled kernels or
+        captured graphs do not set it (see LEVEL_ROUNDS)."""
+        samples = self._level_rounds
+        if not samples:
+            return None
+        if len(samples) < 3:
+            return min(samples)
+        return statistics.median(samples)
 
     # --- the choice ---------------------------------------------------------------------------
 
@@ -143,9 +167,12 @@ class TreeSizer:
         if not widths_seen:
             # try the widest choice once early: a second width is what the line needs
             return min(START_NODES if self._n == 0 else self.max_nodes, self.max_nodes)
-        one = self.pass_s(1)
+        # against the narrowest tree, not a plain step: a hybrid plan's plain step can cost
+        # half a tree pass of any width (the H200's 70B: 0.21 s against 0.34-0.49), and then no
+        # width would fit and every tree took the narrowest choice, however flat the line
+        narrowest = self.pass_s(NODE_CHOICES[0])
         fits = [n for n in NODE_CHOICES if n <= self.max_nodes
-                and self.pass_s(n) <= one * (1 + NODES_SLACK)]
+                and self.pass_s(n) <= narrowest * (1 + NODES_SLACK)]
         return max(fits) if fits else min(NODE_CHOICES[0], self.max_nodes)
 
     def choose(self) -> tuple[int, int]:
@@ -158,9 +185,11 @@ class TreeSizer:
             return nodes, self.max_depth  # nothing measured yet: speculate, and measure
         if not self._plain_n:
             return nodes, 0  # one plain step, to know what a tree has to beat (it costs none)
+        trees = self.reached[1] if len(self.reached) > 1 else 0
+        optimism = CHOICE_OPTIMISM if trees < GIVE_UP_TREES else 0.0
         best, best_rate = 0, 1.0 / pass_1
         for depth in range(1, self.max_depth + 1):
-            rate = self.expected_tokens(depth) / (pass_n + depth * level)
+            rate = self.expected_tokens(depth, optimism) / (pass_n + depth * level)
             if rate > best_rate:
                 best, best_rate = depth, rate
         if best == 0:
