@@ -1,0 +1,377 @@
+/* 4-bit weights times int8-quantized activations: the CPU decode matmul of the q4vnni kind
+ * (weights/cpu_packed.py, Q4VnniLinear).
+ *
+ * Why: torch's int4 CPU kernel widens every code to bfloat16 and multiplies in floats, and is
+ * compute-bound on a small machine. Quantizing the activation row once per call to int8 (blocks
+ * of 32, one float scale each) turns each 32-group's dot product into integer multiply-adds, 64
+ * at a time with AVX-512 VNNI (vpdpbusd: unsigned bytes x signed bytes, summed four by four into
+ * int32 lanes), and the float work into a few operations per group.
+ *
+ * Math. A weight row's group g (32 columns) is w = s_g * u + z_g with u in [0, 15] (Q4_0:
+ * s = d, z = -8 d; Q4_1: s = d, z = m; Q4_K: s = d sc_j, z = -dmin m_j). The activation's block
+ * g is x ~ dx_g * q with q = round(x / dx_g) in [-127, 127], dx_g = max|x| / 127. Then
+ *     sum_g (s_g * (dx_g * sum(u q)) + z_g * (dx_g * sum(q)))
+ * where both integer sums are exact. The min term uses the quantized block's sum, not x's own:
+ * then the error is w . (x - dx q) with w centred on zero, rather than (s u) . (x - dx q) with
+ * u's mean of ~7.5 left in, about four times the variance.
+ *
+ * Layout (made by Q4VnniLinear.from_raws): rows in blocks of 16 (the last one padded with zero
+ * rows), each block's groups one after another, each group a record of
+ *     256 bytes of codes | s[16] | z[16]        (s, z float16 or float32: `scale_f32`)
+ * The codes of row r, columns 4j..4j+3 of the group (j = 0..7), are bytes 4r..4r+3 of chunk
+ * j % 4 (64 bytes each), in the low nibbles for j < 4 and the high ones for j >= 4. So one
+ * 64-byte load and two masks (one after a shift) give two vectors in which lane r holds 4 codes
+ * of row r, and each vpdpbusd against 4 activation bytes broadcast to every lane advances 16 rows
+ * by 4 columns: lane r ends up with row r's whole group sum, and the group's 16 scales are one
+ * vector load, so no horizontal sums are needed.
+ *
+ * Rows are split across threads by blocks (OpenMP, below; the calling thread quantizes x
+ * first). A row
+ * of x gives the same bits whatever the other rows of its call and the thread count: each output
+ * element is computed by one thread in a fixed order.
+ *
+ * Without AVX-512 VNNI the same layout and the same float operations in the same order run in
+ * plain C (q4_block_generic); the integer sums are exact either way, so both give the same bits.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q4_VNNI 1
+#include <immintrin.h>
+#else
+#define Q4_VNNI 0
+#endif
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define Q4_ROWS 16     /* rows per block: one 32-bit lane of a 512-bit vector each */
+#define Q4_GROUP 32    /* columns per scale (GGUF's 4-bit formats all use 32) */
+#define Q4_CODES 256   /* bytes of codes per group record: 16 rows x 32 nibbles */
+#define Q4_MAX_M 4     /* activation rows multiplied per pass over the weights */
+
+static inline int64_t q4_record_bytes(int scale_f32) {
+    return Q4_CODES + 2 * Q4_ROWS * (scale_f32 ? 4 : 2);
+}
+
+/* float16 bits -> float32, exactly (subnormals, infinities and NaNs included). */
+static inline float q4_half(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else {  /* subnormal: normalize */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400u));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float q4_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* torch's float -> bfloat16: round to nearest even, NaN to a quiet NaN. */
+static inline uint16_t q4_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* One activation row of k floats -> q (k int8), dx and sx (k / 32 floats each): per block,
+ * dx = max|x| / 127, q = round-half-even(x / dx) and sx = dx * sum(q); an all-zero block gets
+ * dx = 0 and q = 0. Exposed for tests, which rebuild the reference product from it. */
+void ss_q8_quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float *sx) {
+    for (int64_t g = 0; g < k / Q4_GROUP; g++) {
+        const float *xb = x + g * Q4_GROUP;
+        int8_t *qb = q + g * Q4_GROUP;
+        float amax = 0.0f;
+        for (int i = 0; i < Q4_GROUP; i++) {  /* not fmaxf: a libm call per element */
+            float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
+        float d = amax / 127.0f;
+        float inv_ok = d != 0.0f ? 1.0f : 0.0f, dd = d != 0.0f ? d : 1.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < Q4_GROUP; i++) {
+            float v = nearbyintf(xb[i] / dd) * inv_ok;
+            v = v < -127.0f ? -127.0f : v > 127.0f ? 127.0f : v;  /* x / d can pass 127 */
+            qb[i] = (int8_t)(int32_t)v;
+            sum += qb[i];
+        }
+        dx[g] = d;
+        sx[g] = d * (float)sum;
+    }
+}
+
+/* The outputs of one 16-row block for M activation rows: out[r * 16 + i] = row i's dot with x_r.
+ * q: M rows of k int8; dx, sx: M rows of G floats. */
+static inline __attribute__((always_inline)) void q4_block_generic(
+        const uint8_t *blk, int64_t G, const int scale_f32, const int8_t *q, const float *dx,
+        const float *sx, int64_t k, float *out, const int M) {
+    float accs[Q4_MAX_M][Q4_ROWS], accz[Q4_MAX_M][Q4_ROWS];
+    memset(accs, 0, sizeof accs);
+    memset(accz, 0, sizeof accz);
+    const int64_t rec = q4_record_bytes(scale_f32);
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *p = blk + g * rec;
+        float s[Q4_ROWS], z[Q4_ROWS];
+        for (int i = 0; i < Q4_ROWS; i++) {
+            if (scale_f32) {
+                memcpy(&s[i], p + Q4_CODES + 4 * i, 4);
+                memcpy(&z[i], p + Q4_CODES + 4 * Q4_ROWS + 4 * i, 4);
+            } else {
+                uint16_t hs, hz;
+                memcpy(&hs, p + Q4_CODES + 2 * i, 2);
+                memcpy(&hz, p + Q4_CODES + 2 * Q4_ROWS + 2 * i, 2);
+                s[i] = q4_half(hs);
+                z[i] = q4_half(hz);
+            }
+        }
+        for (int r = 0; r < M; r++) {
+            const int8_t *xg = q + r * k + g * Q4_GROUP;
+            float d = dx[r * G + g], sg = sx[r * G + g];
+            for (int i = 0; i < Q4_ROWS; i++) {
+                int32_t isum = 0;
+                for (int j = 0; j < 8; j++)
+                    for (int t = 0; t < 4; t++) {
+                        int code = (p[64 * (j & 3) + 4 * i + t] >> (4 * (j >> 2))) & 0x0f;
+                        isum += code * xg[4 * j + t];
+                    }
+                float prod = (float)isum * d;
+                accs[r][i] = fmaf(prod, s[i], accs[r][i]);
+                accz[r][i] = fmaf(z[i], sg, accz[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < M; r++)
+        for (int i = 0; i < Q4_ROWS; i++) out[r * Q4_ROWS + i] = accs[r][i] + accz[r][i];
+}
+
+#if Q4_VNNI
+/* q4_block_generic with VNNI: the same sums and the same float operations, 16 rows a vector. */
+static inline __attribute__((always_inline)) void q4_block_vnni(
+        const uint8_t *blk, int64_t G, const int scale_f32, const int8_t *q, const float *dx,
+        const float *sx, int64_t k, float *out, const int M) {
+    __m512 accs[Q4_MAX_M], accz[Q4_MAX_M];
+    for (int r = 0; r < M; r++) { accs[r] = _mm512_setzero_ps(); accz[r] = _mm512_setzero_ps(); }
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const int64_t rec = q4_record_bytes(scale_f32);
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *p = blk + g * rec;
+        __m512i u[8];
+        for (int c = 0; c < 4; c++) {
+            __m512i v = _mm512_loadu_si512((const void *)(p + 64 * c));
+            u[c] = _mm512_and_si512(v, low);
+            u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+        __m512 s, z;
+        if (scale_f32) {
+            s = _mm512_loadu_ps((const void *)(p + Q4_CODES));
+            z = _mm512_loadu_ps((const void *)(p + Q4_CODES + 64));
+        } else {
+            s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + Q4_CODES)));
+            z = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + Q4_CODES + 32)));
+        }
+        for (int r = 0; r < M; r++) {
+            const int8_t *xg = q + r * k + g * Q4_GROUP;
+            /* two chains of four, so the adds' latency overlaps */
+            __m512i a0 = _mm512_setzero_si512(), a1 = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {
+                int32_t x0, x1;
+                memcpy(&x0, xg + 4 * j, 4);
+                memcpy(&x1, xg + 4 * j + 4, 4);
+                a0 = _mm512_dpbusd_epi32(a0, u[j], _mm512_set1_epi32(x0));
+                a1 = _mm512_dpbusd_epi32(a1, u[j + 1], _mm512_set1_epi32(x1));
+            }
+            __m512 prod = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)),
+                                        _mm512_set1_ps(dx[r * G + g]));
+            accs[r] = _mm512_fmadd_ps(prod, s, accs[r]);
+            accz[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[r * G + g]), accz[r]);
+        }
+    }
+    for (int r = 0; r < M; r++)
+        _mm512_storeu_ps(out + r * Q4_ROWS, _mm512_add_ps(accs[r], accz[r]));
+}
+#endif
+
+/* Blocks [b0, b1) for M quantized activation rows, into y (rows of n outputs, float32 or
+ * bfloat16). With X2 the rows come in pairs (a row's int8 codes, then its residual's: see
+ * ss_q4_matvec) and each output is the pair's sum, rounded once. */
+static inline __attribute__((always_inline)) void q4_blocks(
+        const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G, const int scale_f32,
+        const int8_t *q, const float *dx, const float *sx, int64_t k, void *y, int y_f32,
+        int generic, const int M, const int X2) {
+    const int64_t block_bytes = G * q4_record_bytes(scale_f32);
+    float out[Q4_MAX_M * Q4_ROWS];
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *blk = w + b * block_bytes;
+#if Q4_VNNI
+        if (!generic) q4_block_vnni(blk, G, scale_f32, q, dx, sx, k, out, M);
+        else
+#endif
+        q4_block_generic(blk, G, scale_f32, q, dx, sx, k, out, M);
+        int64_t r0 = b * Q4_ROWS, rows = n - r0 < Q4_ROWS ? n - r0 : Q4_ROWS;
+        for (int r = 0; r < M / (1 + X2); r++) {
+            float o[Q4_ROWS];
+            for (int i = 0; i < Q4_ROWS; i++)
+                o[i] = X2 ? out[2 * r * Q4_ROWS + i] + out[(2 * r + 1) * Q4_ROWS + i]
+                          : out[r * Q4_ROWS + i];
+            if (y_f32) {
+                memcpy((float *)y + r * n + r0, o, (size_t)rows * sizeof(float));
+            } else {
+                uint16_t *yb = (uint16_t *)y + r * n + r0;
+                for (int64_t i = 0; i < rows; i++) yb[i] = q4_f32_to_bf16(o[i]);
+            }
+        }
+    }
+}
+
+/* One thread's share: every quantized row (mq of them: m, or 2 m with x2) over its blocks, in
+ * passes of up to Q4_MAX_M (a pass reads the weights once). */
+static void q4_share(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G,
+                     int scale_f32, const int8_t *q, const float *dx, const float *sx, int64_t k,
+                     int64_t mq, void *y, int y_f32, int generic, int x2) {
+    size_t out_elem = y_f32 ? sizeof(float) : sizeof(uint16_t);
+    for (int64_t r0 = 0; r0 < mq; r0 += Q4_MAX_M) {
+        const int8_t *qr = q + r0 * k;
+        const float *dr = dx + r0 * G, *sr = sx + r0 * G;
+        void *yr = (char *)y + (size_t)(r0 / (1 + x2) * n) * out_elem;
+        int left = (int)(mq - r0 < Q4_MAX_M ? mq - r0 : Q4_MAX_M);
+#define Q4_CASE(M_, SF_, X2_) \
+    q4_blocks(w, b0, b1, n, G, SF_, qr, dr, sr, k, yr, y_f32, generic, M_, X2_)
+        /* each (rows, scale type, pairing) its own copy, so that all three are constants */
+        switch (left * 4 + (scale_f32 != 0) * 2 + (x2 != 0)) {
+        case 4: Q4_CASE(1, 0, 0); break;
+        case 6: Q4_CASE(1, 1, 0); break;
+        case 8: Q4_CASE(2, 0, 0); break;
+        case 10: Q4_CASE(2, 1, 0); break;
+        case 12: Q4_CASE(3, 0, 0); break;
+        case 14: Q4_CASE(3, 1, 0); break;
+        case 16: Q4_CASE(4, 0, 0); break;
+        case 18: Q4_CASE(4, 1, 0); break;
+        case 9: Q4_CASE(2, 0, 1); break;
+        case 11: Q4_CASE(2, 1, 1); break;
+        case 17: Q4_CASE(4, 0, 1); break;
+        default: Q4_CASE(4, 1, 1); break;  /* 19 */
+        }
+#undef Q4_CASE
+    }
+}
+
+/* --- threads --------------------------------------------------------------------------------
+ *
+ * OpenMP, which in a process that has imported torch is torch's own libgomp (native/__init__.py)
+ * and so torch's own worker threads. A pool of our own (pthreads, workers spinning ~100 us after
+ * each job, then parking on a futex) was tried first: alone it handed off in well under a
+ * microsecond, against ~3.5 us for a libgomp fork and join, but in a decode step its spinning
+ * worker fought torch's libgomp workers, which spin after every torch parallel op (the head's
+ * matmul), for the same 2 cores: the default model decoded at 86-98 tok/s with it against
+ * 150-161 with OpenMP (int4pack: 119-122), same session, alternating runs. Without OpenMP the
+ * caller runs every block. */
+
+typedef struct {
+    const uint8_t *w;
+    int64_t n, k, nb, G, mq;
+    int scale_f32, y_f32, generic, x2;
+    const int8_t *q;
+    const float *dx, *sx;
+    void *y;
+} q4_job;
+
+static void q4_run_part(const q4_job *j, int part, int parts) {
+    int64_t b0 = j->nb * part / parts, b1 = j->nb * (part + 1) / parts;
+    q4_share(j->w, b0, b1, j->n, j->G, j->scale_f32, j->q, j->dx, j->sx, j->k, j->mq, j->y,
+             j->y_f32, j->generic, j->x2);
+}
+
+static void q4_parallel(const q4_job *j, int parts) {
+#ifdef _OPENMP
+    if (parts > 1) {
+#pragma omp parallel num_threads(parts)
+        q4_run_part(j, omp_get_thread_num(), omp_get_num_threads());
+        return;
+    }
+#endif
+    q4_run_part(j, 0, 1);
+}
+
+/* A packed weight (what Q4VnniLinear holds), passed as one pointer: ctypes converts each
+ * argument at every call, ~0.2 us apiece. */
+typedef struct {
+    const uint8_t *w;
+    int64_t n, k;
+    int64_t scale_f32;
+} q4_weight;
+
+#define Q4_X_F32 1   /* flags: x is float32 (else bfloat16) */
+#define Q4_Y_F32 2   /* y is float32 (else bfloat16) */
+#define Q4_GENERIC 4 /* the plain-C loop even where VNNI is compiled in (tests) */
+#define Q4_X2 8      /* two int8 passes per row: x ~ dx1 q1 + dx2 q2 (see below) */
+#define Q4_THREADS_SHIFT 8  /* flags >> 8: threads sharing the rows (0 or 1: the caller alone) */
+
+/* y (m, n) = x (m, k) @ W^T for W (n, k) packed as above (ceil(n / 16) blocks of k / 32
+ * records). x rows contiguous, y likewise, written for the n real rows only.
+ *
+ * Q4_X2: each row is quantized twice, x ~ dx1 q1 + dx2 q2 with q2 the int8 quantization of the
+ * residual x - dx1 q1 (per block, |x - dx1 q1 - dx2 q2| <= dx2 / 2 ~ max|x| / 64516), and the
+ * two are multiplied as two rows of one pass: the codes are unpacked once for both, the
+ * integer work doubles. One int8 pass errs by up to max|x_block| / 254 per element, several
+ * times bfloat16's rounding of the same row; two, far less than it. */
+void ss_q4_matvec(const q4_weight *wd, const void *x, void *y, int64_t m, int64_t flags) {
+    int64_t n = wd->n, k = wd->k, G = k / Q4_GROUP, nb = (n + Q4_ROWS - 1) / Q4_ROWS;
+    int x2 = (flags & Q4_X2) != 0;
+    int64_t mq = m * (1 + x2);  /* quantized rows */
+    /* one allocation: the float row (bf16 widened), then q, dx, sx for all quantized rows */
+    size_t fbytes = (size_t)k * sizeof(float), qbytes = (size_t)(mq * k + 63) / 64 * 64;
+    char *scratch = malloc(fbytes + qbytes + 2 * (size_t)(mq * G) * sizeof(float));
+    if (scratch == NULL) return;  /* the caller's output stays as it was: see Q4VnniLinear */
+    float *xf = (float *)scratch;
+    int8_t *q = (int8_t *)(scratch + fbytes);
+    float *dx = (float *)(scratch + fbytes + qbytes), *sx = dx + mq * G;
+    for (int64_t r = 0; r < m; r++) {
+        const float *row = xf;
+        if (!(flags & Q4_X_F32)) {
+            const uint16_t *xb = (const uint16_t *)x + r * k;
+            for (int64_t i = 0; i < k; i++) xf[i] = q4_bf16_to_f32(xb[i]);
+        } else if (x2) {
+            memcpy(xf, (const float *)x + r * k, fbytes);  /* overwritten by the residual */
+        } else {
+            row = (const float *)x + r * k;
+        }
+        int64_t slot = r * (1 + x2);
+        int8_t *q1 = q + slot * k;
+        float *dx1 = dx + slot * G;
+        ss_q8_quantize_row(row, k, q1, dx1, sx + slot * G);
+        if (x2) {
+            for (int64_t i = 0; i < k; i++) xf[i] -= dx1[i / Q4_GROUP] * (float)q1[i];
+            ss_q8_quantize_row(xf, k, q1 + k, dx1 + G, sx + slot * G + G);
+        }
+    }
+    q4_job j = {wd->w, n, k, nb, G, mq, (int)wd->scale_f32, (flags & Q4_Y_F32) != 0,
+                (flags & Q4_GENERIC) != 0, x2, q, dx, sx, y};
+    int64_t threads = flags >> Q4_THREADS_SHIFT;
+    /* at least 4 blocks a thread: below that a hand-off costs more than it saves */
+    if (threads > nb / 4) threads = nb / 4;
+    q4_parallel(&j, threads < 1 ? 1 : (int)threads);
+    free(scratch);
+}
+
+/* Whether this build has the VNNI loop (else every call takes the plain-C one). */
+int ss_q4_has_vnni(void) { return Q4_VNNI; }
