@@ -64,11 +64,11 @@ def time_calls(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def matvecs(lins: list[Q4VnniLinear], passes: int):
-    """One-row bfloat16 calls of each linear with `passes` int8 passes, as the native decode
+def matvecs(lins: list[Q4VnniLinear], bits: int):
+    """One-row bfloat16 calls of each linear with `bits`-bit activations, as the native decode
     layer makes them: straight into a buffer kept for it."""
     out = torch.empty(1, lins[0].out_features, dtype=torch.bfloat16)
-    return [lambda xb, lin=lin: lin.matvec(xb, out, passes=passes) for lin in lins]
+    return [lambda xb, lin=lin: lin.matvec(xb, out, act_bits=bits) for lin in lins]
 
 
 def main() -> None:
@@ -96,9 +96,9 @@ def main() -> None:
                 xb = torch.randn(1, shapes[0][1]).to(torch.bfloat16)
                 ref = xb.double() @ w.t()
                 rel = {"int4pack": float((int4[0].kernel(xb).double() - ref).norm() / ref.norm())}
-                for p in (1, 2):
+                for p in (8, 16):
                     y = vnni[0].matvec(xb, torch.empty(1, ref.shape[1], dtype=torch.bfloat16),
-                                       passes=p)
+                                       act_bits=p)
                     rel[f"q4vnni/{p}"] = float((y.double() - ref).norm() / ref.norm())
         cases[name] = (int4, vnni, xb, rel, (sum(s[0] for s in shapes), shapes[0][1]),
                        [t.name for t in types])
@@ -110,14 +110,14 @@ def main() -> None:
                 torch.set_num_threads(threads)
                 for name, (int4, vnni, xb, *_r) in cases.items():
                     for kind, calls in (("int4pack", [lin.kernel for lin in int4]),
-                                        ("q4vnni/1", matvecs(vnni, 1)),
-                                        ("q4vnni/2", matvecs(vnni, 2))):
+                                        ("q4vnni/8", matvecs(vnni, 8)),
+                                        ("q4vnni/16", matvecs(vnni, 16))):
                         turn = itertools.cycle(calls)
                         t = time_calls(lambda: next(turn)(xb), a.reps)
                         times.setdefault((name, kind, threads), []).append(t)
     torch.set_num_threads(saved)
     rows = []
-    kinds = ("int4pack", "q4vnni/1", "q4vnni/2")
+    kinds = ("int4pack", "q4vnni/8", "q4vnni/16")
     for name, (_i, _v, _x, rel, shape, types) in cases.items():
         for threads in (1, 2):
             row = {"matrix": name, "shape": list(shape), "types": types, "threads": threads,
@@ -128,25 +128,25 @@ def main() -> None:
                              "spread_us": [1e6 * min(ts), 1e6 * max(ts)]}
             rows.append(row)
     date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    lines = [f"q4vnni (1 and 2 int8 passes) vs int4pack, one bf16 row, layers {a.layers} of "
+    lines = [f"q4vnni (8- and 16-bit activations) vs int4pack, one bf16 row, layers {a.layers} of "
              f"{Path(path).name} in turn, {a.rounds} rounds x {a.reps} calls ({date}, "
              f"{(source_revision()['commit'] or '')[:10]})", "",
-             "| matrix (out x in) | threads | int4pack us | q4vnni/1 us | q4vnni/2 us | "
-             "speedup /1 | speedup /2 | rel err int4pack | /1 | /2 |",
+             "| matrix (out x in) | threads | int4pack us | q4vnni/8 us | q4vnni/16 us | "
+             "speedup /8 | speedup /16 | rel err int4pack | /8 | /16 |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         cells = [f"{r[k]['us']:.1f} ({r[k]['spread_us'][0]:.1f}-{r[k]['spread_us'][1]:.1f})"
                  for k in kinds]
         lines.append(f"| {r['matrix']} {r['shape'][0]}x{r['shape'][1]} | {r['threads']} | "
                      + " | ".join(cells) + " | "
-                     f"{r['int4pack']['us'] / r['q4vnni/1']['us']:.2f}x | "
-                     f"{r['int4pack']['us'] / r['q4vnni/2']['us']:.2f}x | "
+                     f"{r['int4pack']['us'] / r['q4vnni/8']['us']:.2f}x | "
+                     f"{r['int4pack']['us'] / r['q4vnni/16']['us']:.2f}x | "
                      + " | ".join(f"{r['rel_err'][k]:.1e}" for k in kinds) + " |")
     for threads in (1, 2):
         tot = {k: sum(r[k]["us"] for r in rows if r["threads"] == threads) for k in kinds}
         lines.append(f"| one layer (sum) | {threads} | " + " | ".join(
-            f"{tot[k]:.1f}" for k in kinds) + f" | {tot['int4pack'] / tot['q4vnni/1']:.2f}x | "
-            f"{tot['int4pack'] / tot['q4vnni/2']:.2f}x | | | |")
+            f"{tot[k]:.1f}" for k in kinds) + f" | {tot['int4pack'] / tot['q4vnni/8']:.2f}x | "
+            f"{tot['int4pack'] / tot['q4vnni/16']:.2f}x | | | |")
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out is not None:

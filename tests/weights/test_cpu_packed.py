@@ -107,16 +107,22 @@ def weight_error_bound(lin: Linear, ga: GroupAffine, w: torch.Tensor) -> torch.T
 
 
 def q4vnni_bound(ga: GroupAffine, xd: torch.Tensor) -> torch.Tensor:
-    """A priori |y - x w^T| of q4vnni for float64 x (m, K): the int8 quantization of x and the
-    float32 sums (see the module doc)."""
+    """A priori |y - x w^T| of q4vnni/q8vnni for float64 x (m, K): the quantization of x to
+    cpu_packed.Q4VNNI_ACT_BITS bits and the float32 sums (see the module doc)."""
     rows, cols = ga.shape
-    u, s, z = cpu_packed._q4vnni_params(ga)
+    if ga.lo == -128:  # Q8_0 (q8vnni): u = q + 128, z = -128 d
+        u, s, z = ga.codes.to(torch.int16) + 128, ga.scale, -128 * ga.scale
+    else:
+        u, s, z = cpu_packed._q4vnni_params(ga)
     w = ga.exact()
     terms = ((u.double().view(rows, -1, 32) * s.double()[..., None]).abs()
              + z.double().abs()[..., None]).view(rows, cols)
-    dx = xd.abs().view(xd.shape[0], -1, 32).amax(-1) / 127
+    bits16 = cpu_packed.Q4VNNI_ACT_BITS == 16
+    top = 32512 if bits16 else 127
+    dx = xd.abs().view(xd.shape[0], -1, 32).amax(-1) / top
     dxe = (dx / 2 * (1 + 2.0 ** -20))[..., None].expand(-1, -1, 32).reshape(xd.shape)
-    return dxe @ w.abs().t() + (cols // 32 + 3) * F32_U * ((xd.abs() + dxe) @ terms.t())
+    roundings = cols // 32 + 3 + (bits16 and ga.lo == -128)  # Q8_0 x 16 bits: sums past 2^24
+    return dxe @ w.abs().t() + roundings * F32_U * ((xd.abs() + dxe) @ terms.t())
 
 
 def check(lin: Linear, raw: torch.Tensor, qtype: Q, shape, xs: list[torch.Tensor],
@@ -153,7 +159,7 @@ def check(lin: Linear, raw: torch.Tensor, qtype: Q, shape, xs: list[torch.Tensor
     y_ref = xd @ w.t()
     err = (y.double() - r - y_ref).abs()
     k = shape[1]
-    if isinstance(lin, Q4VnniLinear):
+    if isinstance(lin, Q4VnniLinear):  # and Q8VnniLinear
         bound = q4vnni_bound(ga, xd)
     elif isinstance(lin, DequantLinear) and lin.compiled:
         coded = ga.codes.double().abs().view(shape[0], -1, ga.group) * \
@@ -202,7 +208,8 @@ MAPPINGS = [(Q.Q4_0, "int4pack"), (Q.Q4_1, "int4pack"), (Q.Q4_K, "int4pack"),
             (Q.Q4_0, "dequant"), (Q.Q4_1, "dequant"), (Q.Q4_K, "dequant"), (Q.Q8_0, "dequant"),
             (Q.Q6_K, "dequant")]
 if q4vnni_available():  # the native library: int8 activations times the 4-bit codes
-    MAPPINGS += [(Q.Q4_0, "q4vnni"), (Q.Q4_1, "q4vnni"), (Q.Q4_K, "q4vnni")]
+    MAPPINGS += [(Q.Q4_0, "q4vnni"), (Q.Q4_1, "q4vnni"), (Q.Q4_K, "q4vnni"),
+                 (Q.Q8_0, "q8vnni")]
 INT4 = kind_for(Q.Q4_K)  # what "auto" packs the 4-bit formats as here: q4vnni or int4pack
 
 
@@ -322,8 +329,8 @@ def test_every_batch_size_up_to_8(synth_files, m):
 
 @pytest.mark.slow
 def test_default_model(smollm_path):
-    """The default model: Q4_1 layers (int4pack) and its Q8_0 tied embedding (int4pair), and
-    both through int8pack and dequant."""
+    """The default model: Q4_1 layers (q4vnni, or int4pack without the native library) and its
+    Q8_0 tied embedding (q8vnni, or int4pair), and both through int8pack and dequant."""
     gf = GGUFFile(smollm_path)
     g = torch.Generator().manual_seed(2)
     cases = [f"blk.{i}.{m}.weight" for i in (0, 15, 29) for m in MATRICES]
@@ -506,7 +513,8 @@ def test_kinds():
     four = "q4vnni" if q4vnni_available() else "int4pack"
     assert kind_for(Q.Q4_K) == four and kind_for(Q.Q4_1) == four and kind_for(Q.Q4_0) == four
     assert kind_for(Q.Q4_K, "int4pack") == "int4pack"
-    assert kind_for(Q.Q8_0) == "int4pair" and kind_for(Q.Q6_K) == "int8pack"
+    assert kind_for(Q.Q8_0) == ("q8vnni" if q4vnni_available() else "int4pair")
+    assert kind_for(Q.Q8_0, "int4pair") == "int4pair" and kind_for(Q.Q6_K) == "int8pack"
     assert kind_for(Q.Q8_0, "int8pack") == "int8pack"
     assert kind_for(Q.Q6_K, "int4pack") is None and kind_for(Q.Q5_K) is None
     assert kind_for(Q.Q4_K, "int4pair") is None and kind_for(Q.Q8_0, "int4pack") is None

@@ -49,6 +49,7 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
                             _F, _P, _P),
     # q4_matvec.c
     "ss_q8_quantize_row": (_P, _I64, _P, _P, _P),
+    "ss_q16_quantize_row": (_P, _I64, _P, _P, _P, _P),
     "ss_q4_matvec": (_P, _P, _P, _I64, _I64),
 }
 RETURNS = {"ss_q4_has_vnni": _INT}  # functions that return something (and take nothing)

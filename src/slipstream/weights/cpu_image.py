@@ -32,8 +32,8 @@ import torch
 from ..model.layer_spec import spec_for
 from ..model.llama import LayerWeights
 from .cpu_packed import (INT4_GROUP, Int4PackLinear, Int4PairLinear, Int8PackLinear,
-                         PackedDecodeLinear, Q, Q4VnniLinear, kind_for, q4vnni_available,
-                         q4vnni_nbytes)
+                         PackedDecodeLinear, Q, Q4VnniLinear, Q8VnniLinear, kind_for,
+                         q4vnni_available, q4vnni_nbytes, q8vnni_nbytes)
 from .image import IMAGE_ALIGN, _Entry
 from .linear import GEMV_MAX_ROWS, DenseLinear
 
@@ -155,8 +155,9 @@ def decode_layer(layout: CpuLayerLayout, buf: torch.Tensor) -> LayerWeights:
             continue
         if kind == "int8pack":
             lin = Int8PackLinear(views[(name, "codes")], views[(name, "scales")], bias)
-        elif kind == "q4vnni":
-            lin = Q4VnniLinear(views[(name, "packed")], rows, bias)
+        elif kind in ("q4vnni", "q8vnni"):
+            cls = Q4VnniLinear if kind == "q4vnni" else Q8VnniLinear
+            lin = cls(views[(name, "packed")], rows, bias)
         else:
             lin = _PACKED[kind](views[(name, "packed")], views[(name, "scale_zeros")], rows,
                                 bias)
@@ -192,6 +193,8 @@ def image_nbytes(gf, cfg, i: int, precision) -> int:
         padded = -(-rows // 16) * 16
         if kind == "q4vnni":
             total += _aligned(q4vnni_nbytes(rows, cols, any(Q(int(t)) == Q.Q4_K for t in types)))
+        elif kind == "q8vnni":
+            total += _aligned(q8vnni_nbytes(rows, cols))
         elif kind == "int4pack":
             total += _aligned(padded * cols // 2) + _aligned(cols // INT4_GROUP * padded * 4)
         elif kind == "int4pair":

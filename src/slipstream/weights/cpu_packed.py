@@ -76,7 +76,7 @@ INT4_FORMATS = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 INT8_FORMATS = frozenset({Q.Q8_0, Q.Q6_K})  # the issue's int8pack formats (any format can go)
 UNPACKED_FORMATS = INT4_FORMATS | INT8_FORMATS  # the formats `group_affine` reads
 PAIR_FORMATS = frozenset({Q.Q8_0})  # 8-bit codes in groups of 32: two int4 halves
-KINDS = ("q4vnni", "int4pack", "int4pair", "int8pack", "dequant", "dequant-compiled")
+KINDS = ("q4vnni", "q8vnni", "int4pack", "int4pair", "int8pack", "dequant", "dequant-compiled")
 # Load-time work goes a slice of rows at a time, ~256K weights (1 MiB of float32 transients),
 # so each unpacking step reads and writes L2 rather than RAM.
 _CHUNK_WEIGHTS = 1 << 18
@@ -391,9 +391,10 @@ class Int4PairLinear(Int4PackLinear):
 
 # q4vnni's layout (native/q4_matvec.c): rows in blocks of 16, each block's 32-column groups as
 # records of 256 bytes of codes and 16 scales and 16 zeros (float16, or float32 where float16
-# cannot hold them exactly)
+# cannot hold them exactly); q8vnni's records: 512 bytes of codes and 16 float16 scales
 Q4V_ROWS = 16
 Q4V_CODE_BYTES = Q4V_ROWS * INT4_GROUP // 2
+Q4V_FORMATS = {320: 0, 384: 1, 544: 2}  # record bytes -> q4_matvec.c's Q4_F16, Q4_F32, Q8_F16
 
 
 def q4vnni_record_bytes(scale_f32: bool) -> int:
@@ -404,6 +405,11 @@ def q4vnni_nbytes(rows: int, cols: int, scale_f32: bool) -> int:
     """Bytes of a (rows, cols) q4vnni weight: with float16 scales, int4pack's 4 + 1 bits a
     weight (its rows padded to 16 rather than 64); float32, 4 + 2."""
     return -(-rows // Q4V_ROWS) * (cols // INT4_GROUP) * q4vnni_record_bytes(scale_f32)
+
+
+def q8vnni_nbytes(rows: int, cols: int) -> int:
+    """Bytes of a (rows, cols) q8vnni weight: 8 + 0.5 bits a weight, Q8_0's own size."""
+    return -(-rows // Q4V_ROWS) * (cols // INT4_GROUP) * 544
 
 
 def _q4vnni_params(ga: GroupAffine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -431,6 +437,14 @@ def _q4vnni_codes(u: torch.Tensor) -> torch.Tensor:
                                                     Q4V_CODE_BYTES)
 
 
+def _q8vnni_codes(u: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) uint8 codes, rows a multiple of 16 -> (blocks, groups, 512) bytes: row r's
+    columns 4j..4j+3 of a group at bytes 4r..4r+3 of 64-byte chunk j (see q4_matvec.c)."""
+    rows, cols = u.shape
+    q = u.view(rows // Q4V_ROWS, Q4V_ROWS, cols // INT4_GROUP, 8, 4).permute(0, 2, 3, 1, 4)
+    return q.reshape(rows // Q4V_ROWS, cols // INT4_GROUP, 8 * Q4V_ROWS * 4)
+
+
 def _q4vnni_plane(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(rows, groups) float32 scales or zeros -> (blocks, groups, 16 * itemsize) bytes."""
     rows, groups = v.shape
@@ -440,19 +454,21 @@ def _q4vnni_plane(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 class _Q4Weight(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("scale_f32", ctypes.c_int64)]
+                ("fmt", ctypes.c_int64)]
 
 
-# int8 passes per activation row (q4_matvec.c's Q4_X2): 2 quantizes the residual of the first
-# pass too, so that the activations lose less than bfloat16 does, for twice the integer work
-Q4VNNI_PASSES = int(os.environ.get("SLIPSTREAM_Q4VNNI_PASSES", "1"))
+# Bits the activations are quantized to per block of 32 (q4_matvec.c's Q4_X16): 8 is llama.cpp's
+# int8 (4x int4pack's KL divergence on the default model, bench/results/*q4vnni*); 16, held as
+# two int8 digits, loses less than bfloat16 does, for twice the vpdpbusd work (a quarter more
+# time a token here). SLIPSTREAM_Q4VNNI_BITS=8 picks the faster, lossier one.
+Q4VNNI_ACT_BITS = int(os.environ.get("SLIPSTREAM_Q4VNNI_BITS", "16"))
 
 
 def q4vnni_flags(x_f32: bool, y_f32: bool, threads: int, generic: bool = False,
-                 passes: int | None = None) -> int:
+                 act_bits: int | None = None) -> int:
     """ss_q4_matvec's flags argument (see q4_matvec.c)."""
-    two = (Q4VNNI_PASSES if passes is None else passes) == 2
-    return int(x_f32) | int(y_f32) << 1 | int(generic) << 2 | int(two) << 3 | int(threads) << 8
+    x16 = (Q4VNNI_ACT_BITS if act_bits is None else act_bits) == 16
+    return int(x_f32) | int(y_f32) << 1 | int(generic) << 2 | int(x16) << 3 | int(threads) << 8
 
 
 class Q4VnniLinear(Linear):
@@ -477,10 +493,10 @@ class Q4VnniLinear(Linear):
         self._out = out_features
         self.bias = bias
         self.in_features = packed.shape[1] * INT4_GROUP
-        self.scale_f32 = packed.shape[2] == q4vnni_record_bytes(True)
-        if packed.shape[2] != q4vnni_record_bytes(self.scale_f32):
-            raise ValueError(f"q4vnni records are {q4vnni_record_bytes(False)} or "
-                             f"{q4vnni_record_bytes(True)} bytes, not {packed.shape[2]}")
+        fmt = Q4V_FORMATS.get(packed.shape[2])
+        if fmt is None or (fmt == 2) != (self.kind == "q8vnni"):
+            raise ValueError(f"{self.kind} records are not {packed.shape[2]} bytes")
+        self.scale_f32 = fmt == 1
         lib = native.library()
         if lib is None:
             raise RuntimeError("q4vnni needs the native library (slipstream.native), which "
@@ -488,10 +504,9 @@ class Q4VnniLinear(Linear):
                                "SLIPSTREAM_NATIVE=0)")
         self._matvec = lib.ss_q4_matvec
         # q4_matvec.c's q4_weight, made once: the call then passes one pointer for it
-        self._desc = _Q4Weight(packed.data_ptr(), out_features, self.in_features,
-                               int(self.scale_f32))
+        self._desc = _Q4Weight(packed.data_ptr(), out_features, self.in_features, fmt)
         self.desc = ctypes.addressof(self._desc)
-        self.flags = q4vnni_flags(False, False, 0)  # the passes bit (bf16 in and out)
+        self.flags = q4vnni_flags(False, False, 0)  # the activation bits (bf16 in and out)
 
     @classmethod
     def from_raws(cls, raws, qtypes, shapes, bias: torch.Tensor | None = None
@@ -535,11 +550,11 @@ class Q4VnniLinear(Linear):
         return type(self)(self.packed[r0 // Q4V_ROWS:-(-r1 // Q4V_ROWS)], r1 - r0, bias)
 
     def matvec(self, x: torch.Tensor, out: torch.Tensor, threads: int | None = None,
-               generic: bool = False, passes: int | None = None) -> torch.Tensor:
+               generic: bool = False, act_bits: int | None = None) -> torch.Tensor:
         """out (m, out) = x (m, in) @ W^T: x and out contiguous, float32 or bfloat16 each.
         threads: torch's intra-op count unless given; generic: the plain-C loop even where
-        VNNI is compiled in (tests compare the two); passes: int8 passes per row (1 or 2;
-        default Q4VNNI_PASSES)."""
+        VNNI is compiled in (tests compare the two); act_bits: 8 or 16 (default
+        Q4VNNI_ACT_BITS)."""
         m = x.shape[0]
         if x.shape[-1] != self.in_features or tuple(out.shape) != (m, self._out) or \
                 not (x.is_contiguous() and out.is_contiguous()):
@@ -547,7 +562,7 @@ class Q4VnniLinear(Linear):
                              f"needs contiguous (m, {self.in_features}) and (m, {self._out})")
         flags = q4vnni_flags(x.dtype == torch.float32, out.dtype == torch.float32,
                              torch.get_num_threads() if threads is None else threads, generic,
-                             passes)
+                             act_bits)
         self._matvec(self.desc, x.data_ptr(), out.data_ptr(), m, flags)
         return out
 
@@ -577,6 +592,34 @@ def _finish_f32(y: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None,
     if residual is not None:
         return torch.add(residual, y)
     return y.to(dtype)
+
+
+class Q8VnniLinear(Q4VnniLinear):
+    """Q8_0 through the same kernel (native/q4_matvec.c's Q8_F16 records): each code stored as
+    u = q + 128 (unsigned, for vpdpbusd), with w = d u - 128 d, so the weights are Q8_0's exactly
+    (d float16, as in the file) at Q8_0's own 8.5 bits a weight. Against int4pair (Q8_0 as two
+    int4 halves through torch's kernel): 15% fewer bytes, exact scales, int8 activations.
+    `packed` is (ceil(rows / 16), in / 32, 544) uint8."""
+
+    kind = "q8vnni"
+
+    @classmethod
+    def from_raws(cls, raws, qtypes, shapes, bias: torch.Tensor | None = None
+                  ) -> "Q8VnniLinear":
+        """Stack the parts' rows (GGUF bytes, all Q8_0) into one packed weight."""
+        if any(Q(int(t)) not in PAIR_FORMATS for t in qtypes):
+            raise ValueError("q8vnni reads Q8_0 only, not "
+                             f"{', '.join(Q(int(t)).name for t in qtypes)}")
+        rows, cols = sum(r for r, _ in shapes), shapes[0][1]
+        padded = -(-rows // Q4V_ROWS) * Q4V_ROWS
+        u = torch.zeros(padded, cols, dtype=torch.uint8)  # padding rows: scale 0
+        s = torch.zeros(padded, cols // INT4_GROUP)
+        for r0, ga in _chunks(raws, qtypes, shapes):
+            r1 = r0 + ga.shape[0]
+            u[r0:r1] = (ga.codes.to(torch.int16) + 128).to(torch.uint8)
+            s[r0:r1] = ga.scale
+        packed = torch.cat([_q8vnni_codes(u), _q4vnni_plane(s, torch.float16)], dim=2)
+        return cls(packed, rows, bias)
 
 
 class Int8PackLinear(Linear):
@@ -747,12 +790,12 @@ def q4vnni_available() -> bool:
 
 def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | None:
     """The layout a tensor of `qtype` gets: `kind` if it can take it ("q4vnni" and "int4pack"
-    only for 4-bit formats with groups of 32, "int4pair" only for Q8_0), or with kind="auto"
-    q4vnni for Q4_0/Q4_1/Q4_K where the native library is there (int4pack where not),
-    int4pair for Q8_0 (int8pack's per-row requantization costs Q8_0 more than the issue's 0.5%
-    perplexity allowance on the default model; int4pair, 0.03%) and int8pack for Q6_K (16-wide
-    sub-blocks fit no int4 group); None for formats no layout reads (keep DenseLinear for
-    those)."""
+    only for 4-bit formats with groups of 32, "q8vnni" and "int4pair" only for Q8_0), or with
+    kind="auto": where the native library is there (q4vnni_available), q4vnni for
+    Q4_0/Q4_1/Q4_K and q8vnni for Q8_0; where not, int4pack and int4pair (int8pack's per-row
+    requantization costs Q8_0 more than the issue's 0.5% perplexity allowance on the default
+    model; int4pair, 0.03%); int8pack for Q6_K (16-wide sub-blocks fit no int4 group); None
+    for formats no layout reads (keep DenseLinear for those)."""
     qtype = Q(int(qtype))
     if kind != "auto" and kind not in KINDS:
         raise ValueError(f"kind must be auto or one of {', '.join(KINDS)}, not {kind!r}")
@@ -761,10 +804,12 @@ def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | Non
     if kind == "auto":
         if qtype in INT4_FORMATS:
             return "q4vnni" if q4vnni_available() else "int4pack"
-        return "int4pair" if qtype in PAIR_FORMATS else "int8pack"
+        if qtype in PAIR_FORMATS:
+            return "q8vnni" if q4vnni_available() else "int4pair"
+        return "int8pack"
     if kind in ("int4pack", "q4vnni") and qtype not in INT4_FORMATS:
         return None
-    if kind == "int4pair" and qtype not in PAIR_FORMATS:
+    if kind in ("int4pair", "q8vnni") and qtype not in PAIR_FORMATS:
         return None
     return kind
 
@@ -773,7 +818,8 @@ def _dequant_compiled(raws, qtypes, shapes, bias=None) -> DequantLinear:
     return DequantLinear.from_raws(raws, qtypes, shapes, bias, compiled=True)
 
 
-_BUILDERS = {"q4vnni": Q4VnniLinear.from_raws, "int4pack": Int4PackLinear.from_raws, "int4pair": Int4PairLinear.from_raws,
+_BUILDERS = {"q4vnni": Q4VnniLinear.from_raws, "q8vnni": Q8VnniLinear.from_raws,
+             "int4pack": Int4PackLinear.from_raws, "int4pair": Int4PairLinear.from_raws,
              "int8pack": Int8PackLinear.from_raws,
              "dequant": DequantLinear.from_raws, "dequant-compiled": _dequant_compiled}
 
@@ -789,6 +835,8 @@ def packed_nbytes(qtype: GGMLQuantizationType | int, shape: tuple[int, int],
     rows, cols = (int(s) for s in shape)
     if k == "q4vnni":  # float16 scales and zeros hold Q4_0's and Q4_1's exactly, not Q4_K's
         return q4vnni_nbytes(rows, cols, scale_f32=Q(int(qtype)) == Q.Q4_K)
+    if k == "q8vnni":
+        return q8vnni_nbytes(rows, cols)
     if k in ("int4pack", "int4pair"):
         width = cols if k == "int4pack" else 2 * cols  # int4pair: two nibble planes
         padded = -(-rows // 16) * 16
