@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from slipstream.gguf_file import GGUFFile  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
 from slipstream.pull import pull_default  # noqa: E402
-from slipstream.weights.cpu_packed import Int4PackLinear, Q4VnniLinear  # noqa: E402
+from slipstream.weights.cpu_packed import (Int4PackLinear, Int4PairLinear,  # noqa: E402
+                                           Q4VnniLinear, Q8VnniLinear)
 
 GROUPS = {"qkv": ["attn_q", "attn_k", "attn_v"], "o": ["attn_output"],
           "gate_up": ["ffn_gate", "ffn_up"], "down": ["ffn_down"]}
@@ -102,6 +103,20 @@ def main() -> None:
                     rel[f"q4vnni/{p}"] = float((y.double() - ref).norm() / ref.norm())
         cases[name] = (int4, vnni, xb, rel, (sum(s[0] for s in shapes), shapes[0][1]),
                        [t.name for t in types])
+    # the tied Q8_0 head: int4pair (the "int4pack" column) against q8vnni, one matrix
+    info = gf.tensors["token_embd.weight"]
+    shape = (int(info.shape[0]), int(info.shape[1]))
+    raw = torch.from_numpy(gf.tensor_bytes("token_embd.weight").copy()).reshape(shape[0], -1)
+    pair = Int4PairLinear.from_raws([raw], [info.ggml_type], [shape])
+    q8 = Q8VnniLinear.from_raws([raw], [info.ggml_type], [shape])
+    xb = torch.randn(1, shape[1]).to(torch.bfloat16)
+    ref = xb.double() @ torch.from_numpy(gguf.quants.dequantize(raw.numpy(), info.ggml_type)
+                                         ).double().t()
+    rel = {"int4pack": float((pair.kernel(xb).double() - ref).norm() / ref.norm())}
+    for p in (8, 16):
+        y = q8.matvec(xb, torch.empty(1, shape[0], dtype=torch.bfloat16), act_bits=p)
+        rel[f"q4vnni/{p}"] = float((y.double() - ref).norm() / ref.norm())
+    cases["head (int4pair / q8vnni)"] = ([pair], [q8], xb, rel, shape, [info.ggml_type.name])
     times: dict[tuple[str, str, int], list[float]] = {}
     saved = torch.get_num_threads()
     with torch.inference_mode():
@@ -143,7 +158,8 @@ def main() -> None:
                      f"{r['int4pack']['us'] / r['q4vnni/16']['us']:.2f}x | "
                      + " | ".join(f"{r['rel_err'][k]:.1e}" for k in kinds) + " |")
     for threads in (1, 2):
-        tot = {k: sum(r[k]["us"] for r in rows if r["threads"] == threads) for k in kinds}
+        tot = {k: sum(r[k]["us"] for r in rows if r["threads"] == threads and
+                      not r["matrix"].startswith("head")) for k in kinds}
         lines.append(f"| one layer (sum) | {threads} | " + " | ".join(
             f"{tot[k]:.1f}" for k in kinds) + f" | {tot['int4pack'] / tot['q4vnni/8']:.2f}x | "
             f"{tot['int4pack'] / tot['q4vnni/16']:.2f}x | | | |")
@@ -152,7 +168,8 @@ def main() -> None:
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         doc = {"name": "q4vnni-bench", "model": Path(path).name, "rows": rows, "date": date,
-               "layers": a.layers, "rounds": a.rounds, "reps": a.reps, "device": platform.processor() or "cpu",
+               "layers": a.layers, "rounds": a.rounds, "reps": a.reps,
+               "device": platform.processor() or "cpu",
                "commit": source_revision()}
         a.out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
         a.out.with_suffix(".txt").write_text(text)

@@ -243,7 +243,8 @@ def test_packing_layout():
         for j in range(8):
             chunk = p[g, 64 * (j % 4):64 * (j % 4 + 1)].view(16, 4).to(torch.int16)
             codes = (chunk >> 4) if j >= 4 else (chunk & 15)
-            assert torch.equal(codes, ga.codes[:, 32 * g + 4 * j:32 * g + 4 * j + 4].to(torch.int16))
+            want = ga.codes[:, 32 * g + 4 * j:32 * g + 4 * j + 4].to(torch.int16)
+            assert torch.equal(codes, want)
         s = p[g, 256:288].view(torch.float16).float()
         z = p[g, 288:320].view(torch.float16).float()
         assert torch.equal(s, ga.scale[:, g]) and torch.equal(z, ga.offset[:, g])
@@ -321,5 +322,6 @@ def test_q8_packing_layout():
     for g in range(2):
         for j in range(8):
             chunk = p[g, 64 * j:64 * (j + 1)].view(16, 4).to(torch.int16) - 128
-            assert torch.equal(chunk, ga.codes[:, 32 * g + 4 * j:32 * g + 4 * j + 4].to(torch.int16))
+            want = ga.codes[:, 32 * g + 4 * j:32 * g + 4 * j + 4].to(torch.int16)
+            assert torch.equal(chunk, want)
         assert torch.equal(p[g, 512:544].view(torch.float16).float(), ga.scale[:, g])

@@ -30,8 +30,8 @@
  * 4j..4j+3, bytes 4r..4r+3 for row r, each code as an unsigned byte.
  *
  * Rows are split across threads by blocks (OpenMP, below; the calling thread quantizes x
- * first). A row of x gives the same bits whatever the other rows of its call and the thread count: each output
- * element is computed by one thread in a fixed order.
+ * first). A row of x gives the same bits whatever the other rows of its call and the thread
+ * count: each output element is computed by one thread in a fixed order.
  *
  * Without AVX-512 VNNI the same layout and the same float operations in the same order run in
  * plain C (q4_block_generic); the integer sums are exact either way, so both give the same bits.

@@ -5,11 +5,14 @@ classes here keep the weights quantized instead, in one of these layouts:
 
 ``Q4VnniLinear``    Q4_0, Q4_1 and Q4_K through slipstream's own kernel (native/q4_matvec.c; the
     4-bit formats' choice wherever the native library builds): each activation row is
-    quantized to int8 per block of 32 (one float scale) and multiplied by the 4-bit codes as
-    integers (AVX-512 VNNI where the CPU has it), each group's scale and zero applied once,
-    as llama.cpp does. The weights are exact (w = s u + z with s, z float16 for Q4_0/Q4_1,
-    float32 for Q4_K); the activations' int8 rounding is the error, ~0.5% of a matvec's
-    output (relative), about what int4pack's bfloat16 weights cost.
+    quantized per block of 32 (one float scale) and multiplied by the 4-bit codes as integers
+    (AVX-512 VNNI where the CPU has it), each group's scale and zero applied once, as
+    llama.cpp does. The weights are exact (w = s u + z with s, z float16 for Q4_0/Q4_1,
+    float32 for Q4_K). The activations' rounding is the error: with the default 16 bits (two
+    int8 digits) less than bfloat16's; with 8 (llama.cpp's; SLIPSTREAM_Q4VNNI_BITS=8, ~1.1x
+    faster on the default model) ~0.5% of a matvec's output, twice int4pack's error.
+``Q8VnniLinear``    Q8_0 on the same kernel (codes q + 128, 8.5 bits a weight, exact weights):
+    the format's choice, the default model's tied head included, where the library builds.
 ``Int4PackLinear``  torch's int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``, group 32):
     Q4_0, Q4_1 and Q4_K. Every group of 32 weights of one output row is w = (u - 8) * s + z
     with u in [0, 15]. The GGUF formats are that exactly (see `group_affine` and `_int4_params`):
@@ -46,8 +49,9 @@ with `pack_linear` (one GGUF matrix) or `pack_group` (the parts of one LinearGro
 
 None of these layouts is the GGUF byte layout, so a CPU copy costs RAM next to any pinned GGUF
 copy of the same rows; `nbytes` (or `packed_nbytes` before building) says how much: q4vnni
-4 + 1 bits a weight for Q4_0/Q4_1, 4 + 2 for Q4_K; int4pack 4 + 1 bits a weight (bfloat16 scale and zero per 32) against Q4_K's 4.5 and Q4_1's 5; int4pair
-10 bits against Q8_0's 8.5; int8pack 8 bits + 2 bytes a row. torch's int4 layout depends on the
+4 + 1 bits a weight for Q4_0/Q4_1, 4 + 2 for Q4_K; int4pack 4 + 1 bits a weight (bfloat16
+scale and zero per 32) against Q4_K's 4.5 and Q4_1's 5; q8vnni 8.5, int4pair 10 bits against
+Q8_0's 8.5; int8pack 8 bits + 2 bytes a row. torch's int4 layout depends on the
 CPU's vector width (blocks of 64 rows with AVX-512, 32 with AVX2), so packed bytes are made on
 the machine that runs them.
 """
@@ -473,12 +477,13 @@ def q4vnni_flags(x_f32: bool, y_f32: bool, threads: int, generic: bool = False,
 
 class Q4VnniLinear(Linear):
     """y = x @ W^T (+ b) (+ residual) for Q4_0, Q4_1 and Q4_K through native/q4_matvec.c: each
-    activation row quantized to int8 per block of 32 (a float scale each) and multiplied by the
-    4-bit codes as integers (AVX-512 VNNI where the CPU has it, plain C elsewhere), each group's
-    scale and zero applied once. The weights are the GGUF ones exactly (scales and zeros
-    float16 where that holds them, float32 otherwise); the activations' rounding to int8 is the
-    kernel's only error (bench/results/*q4vnni*). Needs the native library: kind_for picks
-    q4vnni only where native.available().
+    activation row quantized to 16 (or 8) bits per block of 32 (a float scale each) and the
+    integers multiplied by the 4-bit codes (AVX-512 VNNI where the CPU has it, plain C
+    elsewhere), each group's scale and zero applied once. The weights are the GGUF ones
+    exactly (scales and zeros float16 where that holds them, float32 otherwise); the
+    activations' rounding (to Q4VNNI_ACT_BITS bits) is the kernel's only error besides float32
+    sums. Needs the native
+    library: kind_for picks q4vnni only where q4vnni_available().
 
     `packed` is (ceil(rows / 16), in / 32, record) uint8, record = 320 bytes (float16 scales)
     or 384 (float32)."""
