@@ -325,3 +325,17 @@ def test_q8_packing_layout():
             want = ga.codes[:, 32 * g + 4 * j:32 * g + 4 * j + 4].to(torch.int16)
             assert torch.equal(chunk, want)
         assert torch.equal(p[g, 512:544].view(torch.float16).float(), ga.scale[:, g])
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_a_nan_or_infinity_in_x_gives_nan(bits):
+    """A non-finite activation makes every output NaN, as a float matmul's would be (not the
+    garbage of NaN cast to an integer); the other rows of the call are unaffected."""
+    raw = make_raw(Q.Q4_1, 32, 96, 12)
+    lin = pack_linear(raw, Q.Q4_1, (32, 96), kind="q4vnni")
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(12))
+    x[0, 40] = float("nan")
+    x[1, 7] = float("inf")
+    y = lin.matvec(x, torch.empty(3, 32), act_bits=bits)
+    assert bool(y[:2].isnan().all()) and bool(y[2].isfinite().all())
+    assert torch.equal(y[2:], lin.matvec(x[2:], torch.empty(1, 32), act_bits=bits))

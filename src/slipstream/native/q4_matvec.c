@@ -115,10 +115,13 @@ static void q4_quantize_row(const float *x, int64_t k, float top, int8_t *q, int
         float amax = 0.0f;
         for (int i = 0; i < Q4_GROUP; i++) {  /* not fmaxf: a libm call per element */
             float a = fabsf(xb[i]);
-            amax = a > amax ? a : amax;
+            amax = a > amax || a != a ? a : amax;  /* a NaN sticks */
         }
         float d = amax / top;
-        float ok = d != 0.0f ? 1.0f : 0.0f, dd = d != 0.0f ? d : 1.0f;
+        /* a NaN or an infinity in the block: codes 0 and dx NaN, so that the outputs are NaN
+         * (as a float matmul's would be) rather than what casting NaN to an integer gives */
+        float ok = d != 0.0f && isfinite(d) ? 1.0f : 0.0f, dd = ok != 0.0f ? d : 1.0f;
+        if (!isfinite(d)) d = NAN;
         int32_t X[Q4_GROUP], sum = 0;
         for (int i = 0; i < Q4_GROUP; i++) {
             float v = nearbyintf(xb[i] / dd) * ok;
