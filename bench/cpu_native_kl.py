@@ -4,6 +4,10 @@ ops serve) at precision "fast" with them on and off, and both are compared with 
 "exact" (float32 dense weights) on the same tokens: mean KL divergence of the next-token
 distribution, top-1 agreement, and the perplexity of the text under each.
 
+The 4-bit layers go through each packed kind in turn: int4pack (torch's int4 kernel, bfloat16
+scales; the Q8_0 head int4pair) and, where the native library builds, q4vnni (and q8vnni for the
+head) with 8- and with 16-bit activations (weights.cpu_packed.Q4VNNI_ACT_BITS).
+
     PYTHONPATH=src python bench/cpu_native_kl.py --tokens 512 \\
         --out bench/results/DATE-cpu-native-kl
 """
@@ -22,7 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import os  # noqa: E402
+
 import slipstream  # noqa: E402
+from slipstream.weights import cpu_packed  # noqa: E402
 from slipstream.model import llama  # noqa: E402
 from slipstream.pull import pull_default  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
@@ -60,9 +67,19 @@ def main() -> None:
         ids = exact.tokenize(TEXT.read_text())[:a.tokens]
         ref = decode_logits(exact, ids, native=False)
         exact.close()
-        fast = slipstream.load(path, device="cpu", ctx=ctx, precision="fast")
-        rows = {"fast, torch ops": compare(decode_logits(fast, ids, False), ref, ids),
-                "fast, native ops": compare(decode_logits(fast, ids, True), ref, ids)}
+        rows = {}
+        settings = [("int4pack+int4pair", "0", 16)]
+        if cpu_packed.q4vnni_available():
+            settings += [("q4vnni+q8vnni 8-bit x", "1", 8), ("q4vnni+q8vnni 16-bit x", "1", 16)]
+        for label, on, bits in settings:
+            os.environ["SLIPSTREAM_Q4VNNI"] = on
+            cpu_packed.Q4VNNI_ACT_BITS = bits
+            fast = slipstream.load(path, device="cpu", ctx=ctx, precision="fast")
+            rows[f"fast, {label}, torch ops"] = compare(decode_logits(fast, ids, False), ref,
+                                                        ids)
+            rows[f"fast, {label}, native ops"] = compare(decode_logits(fast, ids, True), ref,
+                                                         ids)
+            fast.close()
         rows["exact"] = compare(ref, ref, ids)
     doc = {"name": "cpu-native-kl", "model": Path(path).name, "tokens": len(ids),
            "text": TEXT.name, "rows": rows, "device": platform.processor() or "cpu",

@@ -31,19 +31,18 @@ FAST = Precision.of("fast", CPU)
 # (architecture, quant mix) -> the kind each decode linear takes. Q4_K_M's q/k/v mix Q4_K and
 # Q6_K, whose layouts differ, so the resident layer decodes that group dense (pack_group
 # fuses only parts of one layout); Q5_K has no packed layout at all.
+INT8 = kind_for(8)  # Q8_0's: q8vnni or int4pair
+INT4 = kind_for(12)  # Q4_K (12)'s decode layout here: q4vnni with the native library, else int4pack
 CASES = {
-    ("llama", "Q4_K"): dict(attn_qkv="int4pack", attn_output="int4pack",
-                            ffn_gate_up="int4pack", ffn_down="int4pack"),
-    ("llama", "Q4_K_M"): dict(attn_qkv="dense", attn_output="int4pack",
-                              ffn_gate_up="int4pack", ffn_down="int8pack"),
-    ("llama", "Q8_0"): dict(attn_qkv="int4pair", attn_output="int4pair",
-                            ffn_gate_up="int4pair", ffn_down="int4pair"),
-    ("llama", "Q4_0"): dict(attn_qkv="int4pack", attn_output="int4pack",
-                            ffn_gate_up="int4pack", ffn_down="int4pack"),
+    ("llama", "Q4_K"): dict(attn_qkv=INT4, attn_output=INT4, ffn_gate_up=INT4, ffn_down=INT4),
+    ("llama", "Q4_K_M"): dict(attn_qkv="dense", attn_output=INT4, ffn_gate_up=INT4,
+                              ffn_down="int8pack"),
+    ("llama", "Q8_0"): dict(attn_qkv=INT8, attn_output=INT8, ffn_gate_up=INT8, ffn_down=INT8),
+    ("llama", "Q4_0"): dict(attn_qkv=INT4, attn_output=INT4, ffn_gate_up=INT4, ffn_down=INT4),
     ("llama", "Q5_K"): dict(attn_qkv="dense", attn_output="dense", ffn_gate_up="dense",
                             ffn_down="dense"),
-    ("qwen2", "Q4_K"): dict(attn_qkv="int4pack", attn_output="int4pack",
-                            ffn_gate_up="int4pack", ffn_down="int4pack"),  # q/k/v biases
+    ("qwen2", "Q4_K"): dict(attn_qkv=INT4, attn_output=INT4, ffn_gate_up=INT4,
+                            ffn_down=INT4),  # q/k/v biases
 }
 
 
@@ -122,7 +121,9 @@ def test_the_image_is_pack_groups_copy_of_the_files_bytes(model):
         ref, _ = pack_group(raws, types, part_shapes, biases)
         assert ref.kind == CASES[case][field] == kind_for(types[0])
         packed = got.packed
-        planes = ("codes", "scales") if ref.kind == "int8pack" else ("packed", "scale_zeros")
+        planes = {"int8pack": ("codes", "scales"), "q4vnni": ("packed",),
+                  "q8vnni": ("packed",)}.get(
+            ref.kind, ("packed", "scale_zeros"))
         for plane in planes:
             assert torch.equal(getattr(packed, plane), getattr(ref, plane)), (field, plane)
         assert (packed.bias is None) == (ref.bias is None)

@@ -12,6 +12,12 @@ unit roundoff; K the input width):
   int8pack  weights: requantized per row against a bfloat16 scale s_n <= (1 + 2^-7) max|w_n| /
             127, so |w' - w| <= s_n / 2 (+ 128 2^-24 s_n: w / s_n is divided in float32);
             then x, accumulation and output as above.
+  q4vnni    weights exact (float16/float32 scales hold the GGUF values); x quantized to int8 per
+            block of 32, |x' - x| <= dx / 2 with dx = max|x_block| / 127 (+ float32's rounding
+            of dx and x / dx: the factor 1 + 2^-20); integer sums exact, then per group a
+            product and two multiply-adds, a final add: (G + 3) 2^-24 sum (|s u| + |z|) |x'|
+            for G = K / 32 groups (tests/weights/test_q4vnni.py holds the kernel to that
+            alone, against the same quantized x); no output rounding (float32 out).
   dequant   weights exact; float32 accumulation only (K 2^-24 sum |w x|; the compiled
             reduction sums scaled group dot products and offsets: 2 K 2^-24 sum (|cs|+|o|)|x|).
 
@@ -38,7 +44,7 @@ from slipstream.synth import SHAPES, random_tensor, write_synth
 from slipstream.weights import cpu_packed
 from slipstream.weights.cpu_packed import (BF16_UNIT_ROUNDOFF, DequantLinear, GroupAffine,
                                            Int4PackLinear, Int4PairLinear, Int8PackLinear,
-                                           bf16_ceil,
+                                           Q4VnniLinear, bf16_ceil, q4vnni_available,
                                            bf16_nearest, group_affine, kind_for, pack_group,
                                            pack_linear, packed_nbytes)
 from slipstream.weights.linear import Linear
@@ -100,6 +106,25 @@ def weight_error_bound(lin: Linear, ga: GroupAffine, w: torch.Tensor) -> torch.T
     return torch.zeros(rows, cols, dtype=torch.float64)
 
 
+def q4vnni_bound(ga: GroupAffine, xd: torch.Tensor) -> torch.Tensor:
+    """A priori |y - x w^T| of q4vnni/q8vnni for float64 x (m, K): the quantization of x to
+    cpu_packed.Q4VNNI_ACT_BITS bits and the float32 sums (see the module doc)."""
+    rows, cols = ga.shape
+    if ga.lo == -128:  # Q8_0 (q8vnni): u = q + 128, z = -128 d
+        u, s, z = ga.codes.to(torch.int16) + 128, ga.scale, -128 * ga.scale
+    else:
+        u, s, z = cpu_packed._q4vnni_params(ga)
+    w = ga.exact()
+    terms = ((u.double().view(rows, -1, 32) * s.double()[..., None]).abs()
+             + z.double().abs()[..., None]).view(rows, cols)
+    bits16 = cpu_packed.Q4VNNI_ACT_BITS == 16
+    top = 32512 if bits16 else 127
+    dx = xd.abs().view(xd.shape[0], -1, 32).amax(-1) / top
+    dxe = (dx / 2 * (1 + 2.0 ** -20))[..., None].expand(-1, -1, 32).reshape(xd.shape)
+    roundings = cols // 32 + 3 + (bits16 and ga.lo == -128)  # Q8_0 x 16 bits: sums past 2^24
+    return dxe @ w.abs().t() + roundings * F32_U * ((xd.abs() + dxe) @ terms.t())
+
+
 def check(lin: Linear, raw: torch.Tensor, qtype: Q, shape, xs: list[torch.Tensor],
           residual: bool = False) -> dict:
     """Assert lin(x) is within the derived bound of the oracle for each x in xs (each called on
@@ -134,7 +159,9 @@ def check(lin: Linear, raw: torch.Tensor, qtype: Q, shape, xs: list[torch.Tensor
     y_ref = xd @ w.t()
     err = (y.double() - r - y_ref).abs()
     k = shape[1]
-    if isinstance(lin, DequantLinear) and lin.compiled:
+    if isinstance(lin, Q4VnniLinear):  # and Q8VnniLinear
+        bound = q4vnni_bound(ga, xd)
+    elif isinstance(lin, DequantLinear) and lin.compiled:
         coded = ga.codes.double().abs().view(shape[0], -1, ga.group) * \
             ga.scale.double().abs()[..., None]
         if ga.offset is not None:
@@ -180,6 +207,10 @@ MAPPINGS = [(Q.Q4_0, "int4pack"), (Q.Q4_1, "int4pack"), (Q.Q4_K, "int4pack"),
             (Q.Q4_1, "int8pack"), (Q.Q4_K, "int8pack"),
             (Q.Q4_0, "dequant"), (Q.Q4_1, "dequant"), (Q.Q4_K, "dequant"), (Q.Q8_0, "dequant"),
             (Q.Q6_K, "dequant")]
+if q4vnni_available():  # the native library: int8 activations times the 4-bit codes
+    MAPPINGS += [(Q.Q4_0, "q4vnni"), (Q.Q4_1, "q4vnni"), (Q.Q4_K, "q4vnni"),
+                 (Q.Q8_0, "q8vnni")]
+INT4 = kind_for(Q.Q4_K)  # what "auto" packs the 4-bit formats as here: q4vnni or int4pack
 
 
 def encoded_floats(qtype: Q, shape: tuple[int, int], rng: np.random.Generator) -> torch.Tensor:
@@ -287,7 +318,7 @@ def test_every_batch_size_up_to_8(synth_files, m):
     tensors = {t[2]: t for t in _layer_tensors(synth_files["tiny-Q4_K_M"])}
     q8 = torch.from_numpy(random_tensor(Q.Q8_0, (40, 512), np.random.default_rng(m), 0.02))
     tensors[Q.Q8_0] = (None, q8.view(40, -1), None, (40, 512))
-    for qtype, kinds in ((Q.Q4_K, ("int4pack", "int8pack", "dequant")),
+    for qtype, kinds in ((Q.Q4_K, ("int4pack", INT4, "int8pack", "dequant")),
                          (Q.Q6_K, ("int8pack", "dequant")),
                          (Q.Q8_0, ("int4pair", "int8pack", "dequant"))):
         _, raw, _, shape = tensors[qtype]
@@ -298,8 +329,8 @@ def test_every_batch_size_up_to_8(synth_files, m):
 
 @pytest.mark.slow
 def test_default_model(smollm_path):
-    """The default model: Q4_1 layers (int4pack) and its Q8_0 tied embedding (int4pair), and
-    both through int8pack and dequant."""
+    """The default model: Q4_1 layers (q4vnni, or int4pack without the native library) and its
+    Q8_0 tied embedding (q8vnni, or int4pair), and both through int8pack and dequant."""
     gf = GGUFFile(smollm_path)
     g = torch.Generator().manual_seed(2)
     cases = [f"blk.{i}.{m}.weight" for i in (0, 15, 29) for m in MATRICES]
@@ -379,7 +410,7 @@ def test_residual_bias_padding_and_fusion():
     x = torch.randn(5, cols)
     res = torch.randn(5, sum(n for _, n in specs))
     fused, parts = pack_group(raws, [t for t, _ in specs], shapes, biases)
-    assert isinstance(fused, Int4PackLinear) and parts == [] and fused.out_features == 72
+    assert fused.kind == INT4 and parts == [] and fused.out_features == 72
     y = fused(x, residual=res)
     singles = [pack_linear(r, t, s, b) for r, (t, _), s, b in zip(raws, specs, shapes, biases)]
     assert torch.equal(y, res + torch.cat([p(x) for p in singles], dim=1))
@@ -391,15 +422,15 @@ def test_residual_bias_padding_and_fusion():
     q6 = torch.from_numpy(random_tensor(Q.Q6_K, (16, cols), rng, 0.02)).view(16, -1)
     fused, parts = pack_group([raws[0], q6], [Q.Q4_K, Q.Q6_K], [shapes[0], (16, cols)],
                               [None, None])
-    assert fused is None and [p.kind for p in parts] == ["int4pack", "int8pack"]
+    assert fused is None and [p.kind for p in parts] == [INT4, "int8pack"]
     # int8 takes both: one linear
     fused, _ = pack_group([raws[0], q6], [Q.Q4_K, Q.Q6_K], [shapes[0], (16, cols)],
                           [None, None], kind="int8pack")
     assert isinstance(fused, Int8PackLinear) and fused.out_features == 56
 
 
-@pytest.mark.parametrize("qtype,kind", [(Q.Q4_K, "int4pack"), (Q.Q8_0, "int4pair"),
-                                        (Q.Q8_0, "int8pack")])
+@pytest.mark.parametrize("qtype,kind", [(Q.Q4_K, "int4pack"), (Q.Q4_K, INT4),
+                                        (Q.Q8_0, "int4pair"), (Q.Q8_0, "int8pack")])
 def test_packed_kernels_are_batch_invariant(qtype, kind):
     """A row's result does not depend on the other rows of the batch (torch's packed kernels
     reduce each row alone, in the same order): decode, verification trees and prefill agree
@@ -418,7 +449,8 @@ def test_row_slices_give_the_rows():
     rows of the whole."""
     rng = np.random.default_rng(9)
     rows, cols = 200, 256  # 200: a partial last block, padded to 208 for int4
-    for qtype, kind in ((Q.Q4_K, "int4pack"), (Q.Q8_0, "int4pair"), (Q.Q6_K, "int8pack")):
+    for qtype, kind in ((Q.Q4_K, "int4pack"), (Q.Q4_K, INT4), (Q.Q8_0, "int4pair"),
+                        (Q.Q6_K, "int8pack")):
         raw = torch.from_numpy(random_tensor(qtype, (rows, cols), rng, 0.02)).view(rows, -1)
         lin = pack_linear(raw, qtype, (rows, cols), torch.randn(rows), kind=kind)
         assert lin.kind == kind
@@ -429,7 +461,7 @@ def test_row_slices_give_the_rows():
             assert type(part) is type(lin) and part.out_features == r1 - r0
             assert torch.equal(part(x), y[:, r0:r1])
     lin4 = pack_linear(torch.from_numpy(random_tensor(Q.Q4_K, (rows, cols), rng, 0.02))
-                       .view(rows, -1), Q.Q4_K, (rows, cols))
+                       .view(rows, -1), Q.Q4_K, (rows, cols), kind="int4pack")
     with pytest.raises(ValueError):
         lin4.row_slice(32, 96)  # not on 64-row blocks
 
@@ -478,8 +510,11 @@ def test_packed_nbytes_is_what_is_built(qtype, rows, kind):
 
 
 def test_kinds():
-    assert kind_for(Q.Q4_K) == "int4pack" and kind_for(Q.Q4_1) == "int4pack"
-    assert kind_for(Q.Q8_0) == "int4pair" and kind_for(Q.Q6_K) == "int8pack"
+    four = "q4vnni" if q4vnni_available() else "int4pack"
+    assert kind_for(Q.Q4_K) == four and kind_for(Q.Q4_1) == four and kind_for(Q.Q4_0) == four
+    assert kind_for(Q.Q4_K, "int4pack") == "int4pack"
+    assert kind_for(Q.Q8_0) == ("q8vnni" if q4vnni_available() else "int4pair")
+    assert kind_for(Q.Q8_0, "int4pair") == "int4pair" and kind_for(Q.Q6_K) == "int8pack"
     assert kind_for(Q.Q8_0, "int8pack") == "int8pack"
     assert kind_for(Q.Q6_K, "int4pack") is None and kind_for(Q.Q5_K) is None
     assert kind_for(Q.Q4_K, "int4pair") is None and kind_for(Q.Q8_0, "int4pack") is None

@@ -42,6 +42,12 @@ class NativeLayer:
     down: Kernel
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
+    # the four packed weights' q4_matvec.c descriptors (weights.cpu_packed.Q4VnniLinear.desc)
+    # where all four are q4vnni: decode_layer then calls the C matvec itself, into buffers of
+    # its own, rather than the kernels (each a Python call and a tensor allocation)
+    descs: tuple[int, int, int, int] | None = None
+    qkv_rows: int = 0  # the fused q/k/v's output width (its buffer's), where descs is set
+    q4_flags: int = 0  # ss_q4_matvec's flags but the thread count (Q4VnniLinear's)
 
 
 def native_layer(w) -> NativeLayer | None:
@@ -68,7 +74,18 @@ def _make(w) -> NativeLayer | None:
         return None
     (qkv, qkv_bias), (out, _), (gate_up, _), (down, _) = decode
     norms = [n.float().contiguous() for n in (w.attn_norm, w.ffn_norm)]
-    return NativeLayer(qkv, qkv_bias, out, gate_up, down, *norms)
+    packed = [getattr(lin, "packed", None) for lin in linears]
+    descs = tuple(getattr(p, "desc", None) for p in packed)
+    if None in descs:
+        descs = None
+    else:  # the buffers decode_layer writes them into are sized from the config
+        qkv_w, o_w, gate_up_w, down_w = packed
+        if not (o_w.out_features == down_w.out_features == qkv_w.in_features and
+                gate_up_w.out_features == 2 * down_w.in_features):
+            descs = None
+    return NativeLayer(qkv, qkv_bias, out, gate_up, down, *norms, descs=descs,
+                       qkv_rows=packed[0].out_features if descs else 0,
+                       q4_flags=packed[0].flags if descs else 0)
 
 
 class _Scratch:
@@ -77,14 +94,19 @@ class _Scratch:
     the SwiGLU row."""
 
     def __init__(self, hidden: int, n_heads: int, head_dim: int, group: int, ffn: int,
-                 max_ctx: int):
+                 max_ctx: int, qkv_rows: int):
         self.h = torch.empty(1, hidden, dtype=torch.bfloat16)
         self.work = torch.empty(n_heads * head_dim + group * max_ctx)
         self.attn = torch.empty(1, n_heads * head_dim, dtype=torch.bfloat16)
         self.mid = torch.empty(1, hidden)
         self.act = torch.empty(1, ffn, dtype=torch.bfloat16)
+        # the q4vnni matmuls' outputs (bfloat16, as the packed kernels give them)
+        self.qkv = torch.empty(1, qkv_rows, dtype=torch.bfloat16)
+        self.o = torch.empty(1, hidden, dtype=torch.bfloat16)
+        self.gate_up = torch.empty(1, 2 * ffn, dtype=torch.bfloat16)
+        self.down = torch.empty(1, hidden, dtype=torch.bfloat16)
         self.ptrs = tuple(t.data_ptr() for t in (self.h, self.work, self.attn, self.mid,
-                                                  self.act))
+                                                  self.act, self.qkv, self.o, self.gate_up))
 
 
 def serves(x: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -103,11 +125,18 @@ def decode_layer(cfg: ModelConfig, nl: NativeLayer, x: torch.Tensor,
     lib = native.library()
     max_ctx = k_cache.shape[1]
     s = thread_buffers(_Scratch, cfg.hidden, cfg.n_heads, cfg.head_dim, cfg.gqa_group, cfg.ffn,
-                       max_ctx)
-    h_p, work_p, attn_p, mid_p, act_p = s.ptrs
+                       max_ctx, nl.qkv_rows)
+    h_p, work_p, attn_p, mid_p, act_p, qkv_p, o_p, gate_up_p = s.ptrs
     eps = cfg.norm_eps
+    descs = nl.descs
+    # q4_matvec.c's flags: bfloat16 in and out, torch's thread count (see Q4VnniLinear)
+    flags = nl.q4_flags | torch.get_num_threads() << 8
     lib.ss_rms_norm_bf16(x.data_ptr(), nl.attn_norm.data_ptr(), cfg.hidden, eps, h_p)
-    qkv = nl.qkv(s.h)
+    if descs is not None:
+        lib.ss_q4_matvec(descs[0], h_p, qkv_p, 1, flags)
+        qkv = s.qkv
+    else:
+        qkv = nl.qkv(s.h)
     if nl.qkv_bias is not None:
         qkv = torch.add(nl.qkv_bias, qkv)  # float32, as the torch path adds it
     ang, ang_sin = cos_sin  # "normal": complex (cos, sin) pairs; "neox": cos and sin
@@ -116,9 +145,20 @@ def decode_layer(cfg: ModelConfig, nl: NativeLayer, x: torch.Tensor,
                             k_cache.data_ptr(), v_cache.data_ptr(), max_ctx, cfg.n_heads,
                             cfg.n_kv_heads, cfg.head_dim, 1.0 / math.sqrt(cfg.head_dim),
                             work_p, attn_p)
-    y = nl.out(s.attn)
+    if descs is not None:
+        lib.ss_q4_matvec(descs[1], attn_p, o_p, 1, flags)
+        y = s.o
+    else:
+        y = nl.out(s.attn)
     lib.ss_add_rms_norm_bf16(x.data_ptr(), y.data_ptr(), nl.ffn_norm.data_ptr(), cfg.hidden,
                              eps, mid_p, h_p)
-    gate_up = nl.gate_up(s.h)
+    if descs is not None:
+        lib.ss_q4_matvec(descs[2], h_p, gate_up_p, 1, flags)
+        gate_up = s.gate_up
+    else:
+        gate_up = nl.gate_up(s.h)
     lib.ss_silu_mul_bf16(gate_up.data_ptr(), cfg.ffn, act_p)
+    if descs is not None:
+        lib.ss_q4_matvec(descs[3], act_p, s.down.data_ptr(), 1, flags)
+        return torch.add(s.mid, s.down)
     return torch.add(s.mid, nl.down(s.act))

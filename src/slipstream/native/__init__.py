@@ -29,11 +29,16 @@ import threading
 from importlib import resources
 from pathlib import Path
 
-SOURCE = "decode_ops.c"
+SOURCES = ("decode_ops.c", "q4_matvec.c")  # compiled together into one library
 # -ffp-contract=off: no fused multiply-adds, so that every product is rounded as torch rounds
 # it (RoPE as torch's complex multiply) and the bits do not depend on whether the CPU has FMA.
 FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
 ARCH_FLAGS = ("-march=native",)  # dropped when the compiler does not know it
+# q4_matvec.c splits rows over threads with OpenMP. The library links libgomp.so.1, which in a
+# process that has imported torch resolves to torch's own bundled copy (same SONAME, already
+# loaded), so the matmuls share torch's thread pool rather than starting a second one. Dropped
+# (one thread) where the compiler has no OpenMP.
+OPENMP_FLAGS = ("-fopenmp",)
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
@@ -42,7 +47,12 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     "ss_silu_mul_bf16": (_P, _I64, _P),
     "ss_decode_attention": (_P, _INT, _P, _P, _I64, _INT, _I64, _P, _P, _I64, _I64, _I64, _I64,
                             _F, _P, _P),
+    # q4_matvec.c
+    "ss_q8_quantize_row": (_P, _I64, _P, _P, _P),
+    "ss_q16_quantize_row": (_P, _I64, _P, _P, _P, _P),
+    "ss_q4_matvec": (_P, _P, _P, _I64, _I64),
 }
+RETURNS = {"ss_q4_has_vnni": _INT}  # functions that return something (and take nothing)
 
 
 def enabled() -> bool:
@@ -80,6 +90,9 @@ def _load() -> ctypes.CDLL | None:
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = list(args), None
+    for name, ret in RETURNS.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = [], ret
     return lib
 
 
@@ -108,10 +121,12 @@ def _built() -> Path | None:
     cc = _compiler()
     if cc is None:
         return None
-    source = resources.files(__package__).joinpath(SOURCE).read_bytes()
+    sources = {name: resources.files(__package__).joinpath(name).read_bytes()
+               for name in SOURCES}
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    key = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
+    flags = " ".join(FLAGS + ARCH_FLAGS + OPENMP_FLAGS).encode()
+    key = hashlib.sha256(b"\0".join([*sources.values(), version.encode(), flags,
                                      platform.machine().encode(), _cpu_flags().encode(),
                                      sys.platform.encode()])).hexdigest()[:16]
     for root in (_cache_dir(), Path(tempfile.gettempdir()) / "slipstream-native"):
@@ -120,22 +135,26 @@ def _built() -> Path | None:
             return path
         try:
             root.mkdir(parents=True, exist_ok=True)
-            return _compile(cc, source, path)
+            return _compile(cc, sources, path)
         except OSError:
             continue  # not writable: the next place
     return None
 
 
-def _compile(cc: str, source: bytes, path: Path) -> Path | None:
+def _compile(cc: str, sources: dict[str, bytes], path: Path) -> Path | None:
     """Compile into a temporary name and rename it into place, so that processes building at
-    once never load a half-written library."""
+    once never load a half-written library. Tries without OpenMP, then without -march=native,
+    where the compiler refuses them."""
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src = Path(tmp) / SOURCE
-        src.write_bytes(source)
+        srcs = []
+        for name, text in sources.items():
+            srcs.append(Path(tmp) / name)
+            srcs[-1].write_bytes(text)
         out = Path(tmp) / path.name
-        for arch in (ARCH_FLAGS, ()):
-            r = subprocess.run([cc, *FLAGS, *arch, str(src), "-o", str(out), "-lm"],
-                               capture_output=True, text=True, timeout=120)
+        for arch, omp in ((ARCH_FLAGS, OPENMP_FLAGS), (ARCH_FLAGS, ()), ((), OPENMP_FLAGS),
+                          ((), ())):
+            r = subprocess.run([cc, *FLAGS, *arch, *omp, *map(str, srcs), "-o", str(out),
+                                "-lm"], capture_output=True, text=True, timeout=120)
             if r.returncode == 0:
                 os.replace(out, path)
                 return path

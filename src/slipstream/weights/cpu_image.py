@@ -32,7 +32,8 @@ import torch
 from ..model.layer_spec import spec_for
 from ..model.llama import LayerWeights
 from .cpu_packed import (INT4_GROUP, Int4PackLinear, Int4PairLinear, Int8PackLinear,
-                         PackedDecodeLinear, kind_for)
+                         PackedDecodeLinear, Q, Q4VnniLinear, Q8VnniLinear, kind_for,
+                         q4vnni_available, q4vnni_nbytes, q8vnni_nbytes)
 from .image import IMAGE_ALIGN, _Entry
 from .linear import GEMV_MAX_ROWS, DenseLinear
 
@@ -46,7 +47,7 @@ class CpuLayerLayout:
     the layer as views into any buffer holding the image's bytes."""
 
     entries: list[_Entry]
-    linears: dict[str, tuple[str, int]]  # field -> (kind: int4pack/int4pair/int8pack/dense, rows)
+    linears: dict[str, tuple[str, int]]  # field -> (kind: q4vnni/int4pack/.../dense, rows)
     nbytes: int
 
     def to_json(self) -> dict:
@@ -70,7 +71,10 @@ def layout_fingerprint() -> int:
     c = torch.arange(64).unsqueeze(0)
     u = ((r * 7 + c * 3) % 16).to(torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
-    return zlib.crc32(packed.contiguous().view(torch.uint8).numpy().tobytes())
+    crc = zlib.crc32(packed.contiguous().view(torch.uint8).numpy().tobytes())
+    # whether the 4-bit formats pack as q4vnni (native library there) or int4pack: an image of
+    # one is no use to a process that would build the other
+    return zlib.crc32(b"q4vnni-1", crc) if q4vnni_available() else crc
 
 
 def _fields(architecture: str) -> list[str]:
@@ -84,7 +88,9 @@ def _linear_tensors(lin) -> tuple[str, int, list[tuple[str, torch.Tensor]]]:
     """(kind, rows, [(plane, tensor)]) of the linear decode uses."""
     if isinstance(lin, PackedDecodeLinear):
         lin = lin.packed  # packs now (its dense weight where pack_group made no copy)
-    if isinstance(lin, Int4PackLinear):  # and Int4PairLinear
+    if isinstance(lin, Q4VnniLinear):
+        planes, kind = [("packed", lin.packed)], lin.kind
+    elif isinstance(lin, Int4PackLinear):  # and Int4PairLinear
         planes = [("packed", lin.packed), ("scale_zeros", lin.scale_zeros)]
         kind = lin.kind
     elif isinstance(lin, Int8PackLinear):
@@ -149,6 +155,9 @@ def decode_layer(layout: CpuLayerLayout, buf: torch.Tensor) -> LayerWeights:
             continue
         if kind == "int8pack":
             lin = Int8PackLinear(views[(name, "codes")], views[(name, "scales")], bias)
+        elif kind in ("q4vnni", "q8vnni"):
+            cls = Q4VnniLinear if kind == "q4vnni" else Q8VnniLinear
+            lin = cls(views[(name, "packed")], rows, bias)
         else:
             lin = _PACKED[kind](views[(name, "packed")], views[(name, "scale_zeros")], rows,
                                 bias)
@@ -182,7 +191,11 @@ def image_nbytes(gf, cfg, i: int, precision) -> int:
         # (cpu_packed.pack_group); any other group decodes dense
         kind = kinds.pop() if len(kinds) == 1 else None
         padded = -(-rows // 16) * 16
-        if kind == "int4pack":
+        if kind == "q4vnni":
+            total += _aligned(q4vnni_nbytes(rows, cols, any(Q(int(t)) == Q.Q4_K for t in types)))
+        elif kind == "q8vnni":
+            total += _aligned(q8vnni_nbytes(rows, cols))
+        elif kind == "int4pack":
             total += _aligned(padded * cols // 2) + _aligned(cols // INT4_GROUP * padded * 4)
         elif kind == "int4pair":
             total += _aligned(padded * cols) + _aligned(2 * cols // INT4_GROUP * padded * 4)

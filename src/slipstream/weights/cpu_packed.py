@@ -1,8 +1,18 @@
 """CPU linear layers that compute on quantized weights, packed once at load time.
 
 Today the CPU engine multiplies dense float16/float32 copies of the weights (DenseLinear). The
-classes here keep the weights quantized instead, in one of three layouts:
+classes here keep the weights quantized instead, in one of these layouts:
 
+``Q4VnniLinear``    Q4_0, Q4_1 and Q4_K through slipstream's own kernel (native/q4_matvec.c; the
+    4-bit formats' choice wherever the native library builds): each activation row is
+    quantized per block of 32 (one float scale) and multiplied by the 4-bit codes as integers
+    (AVX-512 VNNI where the CPU has it), each group's scale and zero applied once, as
+    llama.cpp does. The weights are exact (w = s u + z with s, z float16 for Q4_0/Q4_1,
+    float32 for Q4_K). The activations' rounding is the error: with the default 16 bits (two
+    int8 digits) less than bfloat16's; with 8 (llama.cpp's; SLIPSTREAM_Q4VNNI_BITS=8, ~1.1x
+    faster on the default model) ~0.5% of a matvec's output, twice int4pack's error.
+``Q8VnniLinear``    Q8_0 on the same kernel (codes q + 128, 8.5 bits a weight, exact weights):
+    the format's choice, the default model's tied head included, where the library builds.
 ``Int4PackLinear``  torch's int4 CPU kernel (``aten._weight_int4pack_mm_for_cpu``, group 32):
     Q4_0, Q4_1 and Q4_K. Every group of 32 weights of one output row is w = (u - 8) * s + z
     with u in [0, 15]. The GGUF formats are that exactly (see `group_affine` and `_int4_params`):
@@ -38,16 +48,19 @@ any m; the packed kernels are meant for decode (m <= 8) and small speculation tr
 with `pack_linear` (one GGUF matrix) or `pack_group` (the parts of one LinearGroup, fused).
 
 None of these layouts is the GGUF byte layout, so a CPU copy costs RAM next to any pinned GGUF
-copy of the same rows; `nbytes` (or `packed_nbytes` before building) says how much: int4pack
-4 + 1 bits a weight (bfloat16 scale and zero per 32) against Q4_K's 4.5 and Q4_1's 5; int4pair
-10 bits against Q8_0's 8.5; int8pack 8 bits + 2 bytes a row. torch's int4 layout depends on the
+copy of the same rows; `nbytes` (or `packed_nbytes` before building) says how much: q4vnni
+4 + 1 bits a weight for Q4_0/Q4_1, 4 + 2 for Q4_K; int4pack 4 + 1 bits a weight (bfloat16
+scale and zero per 32) against Q4_K's 4.5 and Q4_1's 5; q8vnni 8.5, int4pair 10 bits against
+Q8_0's 8.5; int8pack 8 bits + 2 bytes a row. torch's int4 layout depends on the
 CPU's vector width (blocks of 64 rows with AVX-512, 32 with AVX2), so packed bytes are made on
 the machine that runs them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -67,7 +80,7 @@ INT4_FORMATS = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 INT8_FORMATS = frozenset({Q.Q8_0, Q.Q6_K})  # the issue's int8pack formats (any format can go)
 UNPACKED_FORMATS = INT4_FORMATS | INT8_FORMATS  # the formats `group_affine` reads
 PAIR_FORMATS = frozenset({Q.Q8_0})  # 8-bit codes in groups of 32: two int4 halves
-KINDS = ("int4pack", "int4pair", "int8pack", "dequant", "dequant-compiled")
+KINDS = ("q4vnni", "q8vnni", "int4pack", "int4pair", "int8pack", "dequant", "dequant-compiled")
 # Load-time work goes a slice of rows at a time, ~256K weights (1 MiB of float32 transients),
 # so each unpacking step reads and writes L2 rather than RAM.
 _CHUNK_WEIGHTS = 1 << 18
@@ -380,6 +393,240 @@ class Int4PairLinear(Int4PackLinear):
         return super().kernel(torch.cat([xb, xb], dim=-1))
 
 
+# q4vnni's layout (native/q4_matvec.c): rows in blocks of 16, each block's 32-column groups as
+# records of 256 bytes of codes and 16 scales and 16 zeros (float16, or float32 where float16
+# cannot hold them exactly); q8vnni's records: 512 bytes of codes and 16 float16 scales
+Q4V_ROWS = 16
+Q4V_CODE_BYTES = Q4V_ROWS * INT4_GROUP // 2
+Q4V_FORMATS = {320: 0, 384: 1, 544: 2}  # record bytes -> q4_matvec.c's Q4_F16, Q4_F32, Q8_F16
+
+
+def q4vnni_record_bytes(scale_f32: bool) -> int:
+    return Q4V_CODE_BYTES + 2 * Q4V_ROWS * (4 if scale_f32 else 2)
+
+
+def q4vnni_nbytes(rows: int, cols: int, scale_f32: bool) -> int:
+    """Bytes of a (rows, cols) q4vnni weight: with float16 scales, int4pack's 4 + 1 bits a
+    weight (its rows padded to 16 rather than 64); float32, 4 + 2."""
+    return -(-rows // Q4V_ROWS) * (cols // INT4_GROUP) * q4vnni_record_bytes(scale_f32)
+
+
+def q8vnni_nbytes(rows: int, cols: int) -> int:
+    """Bytes of a (rows, cols) q8vnni weight: 8 + 0.5 bits a weight, Q8_0's own size."""
+    return -(-rows // Q4V_ROWS) * (cols // INT4_GROUP) * 544
+
+
+def _q4vnni_params(ga: GroupAffine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q4vnni's convention, w = s * u + z, from a 4-bit GroupAffine: u = codes - lo in [0, 15],
+    s = scale, z = lo * scale + offset. All three formats' s and z are exact in float32 (Q4_0:
+    -8 d; Q4_1: d, m; Q4_K: an f16 times a 6-bit integer)."""
+    if ga.group != INT4_GROUP or ga.lo not in (0, -8):
+        raise ValueError(f"q4vnni needs 4-bit codes in groups of {INT4_GROUP}")
+    u = ga.codes if ga.lo == 0 else ga.codes + 8
+    s = ga.scale.float()
+    z = ga.lo * s
+    if ga.offset is not None:
+        z = z + ga.offset.float()
+    return u.view(torch.uint8), s, z
+
+
+def _q4vnni_codes(u: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) codes in [0, 15], rows a multiple of 16 -> (blocks, groups, 256) bytes:
+    row r's columns 4j..4j+3 of a group at bytes 4r..4r+3 of 64-byte chunk j % 4, in the low
+    nibble for j < 4 and the high one for j >= 4 (see q4_matvec.c)."""
+    rows, cols = u.shape
+    q = u.view(rows // Q4V_ROWS, Q4V_ROWS, cols // INT4_GROUP, 2, 4, 4)  # b, r, g, half, j%4, t
+    q = q.permute(0, 2, 3, 4, 1, 5)  # b, g, half, j % 4, r, t
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(rows // Q4V_ROWS, cols // INT4_GROUP,
+                                                    Q4V_CODE_BYTES)
+
+
+def _q8vnni_codes(u: torch.Tensor) -> torch.Tensor:
+    """(rows, cols) uint8 codes, rows a multiple of 16 -> (blocks, groups, 512) bytes: row r's
+    columns 4j..4j+3 of a group at bytes 4r..4r+3 of 64-byte chunk j (see q4_matvec.c)."""
+    rows, cols = u.shape
+    q = u.view(rows // Q4V_ROWS, Q4V_ROWS, cols // INT4_GROUP, 8, 4).permute(0, 2, 3, 1, 4)
+    return q.reshape(rows // Q4V_ROWS, cols // INT4_GROUP, 8 * Q4V_ROWS * 4)
+
+
+def _q4vnni_plane(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(rows, groups) float32 scales or zeros -> (blocks, groups, 16 * itemsize) bytes."""
+    rows, groups = v.shape
+    t = v.to(dtype).view(rows // Q4V_ROWS, Q4V_ROWS, groups).transpose(1, 2).contiguous()
+    return t.view(torch.uint8).view(rows // Q4V_ROWS, groups, -1)
+
+
+class _Q4Weight(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("fmt", ctypes.c_int64)]
+
+
+# Bits the activations are quantized to per block of 32 (q4_matvec.c's Q4_X16): 8 is llama.cpp's
+# int8 (4x int4pack's KL divergence on the default model, bench/results/*q4vnni*); 16, held as
+# two int8 digits, loses less than bfloat16 does, for twice the vpdpbusd work (a quarter more
+# time a token here). SLIPSTREAM_Q4VNNI_BITS=8 picks the faster, lossier one.
+Q4VNNI_ACT_BITS = int(os.environ.get("SLIPSTREAM_Q4VNNI_BITS", "16"))
+
+
+def q4vnni_flags(x_f32: bool, y_f32: bool, threads: int, generic: bool = False,
+                 act_bits: int | None = None) -> int:
+    """ss_q4_matvec's flags argument (see q4_matvec.c)."""
+    x16 = (Q4VNNI_ACT_BITS if act_bits is None else act_bits) == 16
+    return int(x_f32) | int(y_f32) << 1 | int(generic) << 2 | int(x16) << 3 | int(threads) << 8
+
+
+class Q4VnniLinear(Linear):
+    """y = x @ W^T (+ b) (+ residual) for Q4_0, Q4_1 and Q4_K through native/q4_matvec.c: each
+    activation row quantized to 16 (or 8) bits per block of 32 (a float scale each) and the
+    integers multiplied by the 4-bit codes (AVX-512 VNNI where the CPU has it, plain C
+    elsewhere), each group's scale and zero applied once. The weights are the GGUF ones
+    exactly (scales and zeros float16 where that holds them, float32 otherwise); the
+    activations' rounding (to Q4VNNI_ACT_BITS bits) is the kernel's only error besides float32
+    sums. Needs the native
+    library: kind_for picks q4vnni only where q4vnni_available().
+
+    `packed` is (ceil(rows / 16), in / 32, record) uint8, record = 320 bytes (float16 scales)
+    or 384 (float32)."""
+
+    kind = "q4vnni"
+
+    def __init__(self, packed: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None):
+        from .. import native
+
+        self.packed = packed
+        self._out = out_features
+        self.bias = bias
+        self.in_features = packed.shape[1] * INT4_GROUP
+        fmt = Q4V_FORMATS.get(packed.shape[2])
+        if fmt is None or (fmt == 2) != (self.kind == "q8vnni"):
+            raise ValueError(f"{self.kind} records are not {packed.shape[2]} bytes")
+        self.scale_f32 = fmt == 1
+        lib = native.library()
+        if lib is None:
+            raise RuntimeError("q4vnni needs the native library (slipstream.native), which "
+                               "this process does not have (no C compiler, or "
+                               "SLIPSTREAM_NATIVE=0)")
+        self._matvec = lib.ss_q4_matvec
+        # q4_matvec.c's q4_weight, made once: the call then passes one pointer for it
+        self._desc = _Q4Weight(packed.data_ptr(), out_features, self.in_features, fmt)
+        self.desc = ctypes.addressof(self._desc)
+        self.flags = q4vnni_flags(False, False, 0)  # the activation bits (bf16 in and out)
+
+    @classmethod
+    def from_raws(cls, raws, qtypes, shapes, bias: torch.Tensor | None = None
+                  ) -> "Q4VnniLinear":
+        """Stack the parts' rows (GGUF bytes, all of 4-bit formats) into one packed weight."""
+        rows, cols = sum(r for r, _ in shapes), shapes[0][1]
+        padded = -(-rows // Q4V_ROWS) * Q4V_ROWS
+        groups = cols // INT4_GROUP
+        u = torch.zeros(padded, cols, dtype=torch.uint8)  # padding rows: codes and scales 0
+        s = torch.zeros(padded, groups)
+        z = torch.zeros(padded, groups)
+        for r0, ga in _chunks(raws, qtypes, shapes):
+            r1 = r0 + ga.shape[0]
+            u[r0:r1], s[r0:r1], z[r0:r1] = _q4vnni_params(ga)
+        # float16 where it holds every scale and zero exactly: Q4_0's and Q4_1's (f16 fields;
+        # -8 d too, short of overflow), never in general Q4_K's (an f16 times a 6-bit integer),
+        # which keep float32 so that packed_nbytes can tell the size from the format
+        halves = not any(Q(int(t)) == Q.Q4_K for t in qtypes) and all(
+            torch.equal(v.half().float(), v) for v in (s, z))
+        dtype = torch.float16 if halves else torch.float32
+        packed = torch.cat([_q4vnni_codes(u), _q4vnni_plane(s, dtype), _q4vnni_plane(z, dtype)],
+                           dim=2)
+        return cls(packed, rows, bias)
+
+    @property
+    def out_features(self) -> int:
+        return self._out
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    def row_slice(self, r0: int, r1: int) -> "Q4VnniLinear":
+        """Output rows [r0, r1) as their own linear, sharing the packed bytes; r0 a multiple of
+        16, and r1 too unless it is out_features."""
+        if r0 % Q4V_ROWS or not (r1 % Q4V_ROWS == 0 or r1 == self._out) or \
+                not 0 <= r0 < r1 <= self._out:
+            raise ValueError(f"q4vnni rows [{r0}, {r1}) do not start and end on "
+                             f"{Q4V_ROWS}-row blocks of {self._out}")
+        bias = None if self.bias is None else self.bias[r0:r1]
+        return type(self)(self.packed[r0 // Q4V_ROWS:-(-r1 // Q4V_ROWS)], r1 - r0, bias)
+
+    def matvec(self, x: torch.Tensor, out: torch.Tensor, threads: int | None = None,
+               generic: bool = False, act_bits: int | None = None) -> torch.Tensor:
+        """out (m, out) = x (m, in) @ W^T: x and out contiguous, float32 or bfloat16 each.
+        threads: torch's intra-op count unless given; generic: the plain-C loop even where
+        VNNI is compiled in (tests compare the two); act_bits: 8 or 16 (default
+        Q4VNNI_ACT_BITS)."""
+        m = x.shape[0]
+        if x.shape[-1] != self.in_features or tuple(out.shape) != (m, self._out) or \
+                not (x.is_contiguous() and out.is_contiguous()):
+            raise ValueError(f"q4vnni matvec of {tuple(x.shape)} into {tuple(out.shape)}: "
+                             f"needs contiguous (m, {self.in_features}) and (m, {self._out})")
+        flags = q4vnni_flags(x.dtype == torch.float32, out.dtype == torch.float32,
+                             torch.get_num_threads() if threads is None else threads, generic,
+                             act_bits)
+        self._matvec(self.desc, x.data_ptr(), out.data_ptr(), m, flags)
+        return out
+
+    def kernel(self, xb: torch.Tensor) -> torch.Tensor:
+        """The bare product of bfloat16 x (m, in): bfloat16 (m, out), no bias (what
+        Int4PackLinear.kernel returns)."""
+        if not xb.is_contiguous():
+            xb = xb.contiguous()
+        y = torch.empty(xb.shape[0], self._out, dtype=torch.bfloat16)
+        self._matvec(self.desc, xb.data_ptr(), y.data_ptr(), xb.shape[0],
+                     self.flags | (xb.dtype == torch.float32) | torch.get_num_threads() << 8)
+        return y
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        x = x.contiguous()
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        y = torch.empty(x.shape[0], self._out)  # float32: one rounding fewer than the kernel
+        self.matvec(x, y)
+        return _finish_f32(y, x.dtype, self.bias, residual)
+
+
+def _finish_f32(y: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None,
+                residual: torch.Tensor | None) -> torch.Tensor:
+    if bias is not None:
+        y = y.add_(bias)
+    if residual is not None:
+        return torch.add(residual, y)
+    return y.to(dtype)
+
+
+class Q8VnniLinear(Q4VnniLinear):
+    """Q8_0 through the same kernel (native/q4_matvec.c's Q8_F16 records): each code stored as
+    u = q + 128 (unsigned, for vpdpbusd), with w = d u - 128 d, so the weights are Q8_0's exactly
+    (d float16, as in the file) at Q8_0's own 8.5 bits a weight. Against int4pair (Q8_0 as two
+    int4 halves through torch's kernel): 15% fewer bytes, exact scales, int8 activations.
+    `packed` is (ceil(rows / 16), in / 32, 544) uint8."""
+
+    kind = "q8vnni"
+
+    @classmethod
+    def from_raws(cls, raws, qtypes, shapes, bias: torch.Tensor | None = None
+                  ) -> "Q8VnniLinear":
+        """Stack the parts' rows (GGUF bytes, all Q8_0) into one packed weight."""
+        if any(Q(int(t)) not in PAIR_FORMATS for t in qtypes):
+            raise ValueError("q8vnni reads Q8_0 only, not "
+                             f"{', '.join(Q(int(t)).name for t in qtypes)}")
+        rows, cols = sum(r for r, _ in shapes), shapes[0][1]
+        padded = -(-rows // Q4V_ROWS) * Q4V_ROWS
+        u = torch.zeros(padded, cols, dtype=torch.uint8)  # padding rows: scale 0
+        s = torch.zeros(padded, cols // INT4_GROUP)
+        for r0, ga in _chunks(raws, qtypes, shapes):
+            r1 = r0 + ga.shape[0]
+            u[r0:r1] = (ga.codes.to(torch.int16) + 128).to(torch.uint8)
+            s[r0:r1] = ga.scale
+        packed = torch.cat([_q8vnni_codes(u), _q4vnni_plane(s, torch.float16)], dim=2)
+        return cls(packed, rows, bias)
+
+
 class Int8PackLinear(Linear):
     """y = x @ W^T (+ b) (+ residual) through aten._weight_int8pack_mm: int8 codes (out, in)
     and one bfloat16 scale per output row (see `_int8_rows` for the requantization)."""
@@ -537,24 +784,37 @@ class DequantLinear(Linear):
 
 # --- building ----------------------------------------------------------------------------------
 
+def q4vnni_available() -> bool:
+    """Whether q4vnni can run here: the native library builds (slipstream.native; a first call
+    compiles it, ~2 s, then it is cached per machine) and is not turned off (SLIPSTREAM_NATIVE=0,
+    or SLIPSTREAM_Q4VNNI=0 for this kind alone: the 4-bit formats then go to int4pack)."""
+    from .. import native
+
+    return os.environ.get("SLIPSTREAM_Q4VNNI", "1") != "0" and native.library() is not None
+
+
 def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | None:
-    """The layout a tensor of `qtype` gets: `kind` if it can take it ("int4pack" only for
-    4-bit formats with groups of 32, "int4pair" only for Q8_0), or with kind="auto" int4pack
-    for Q4_0/Q4_1/Q4_K, int4pair for Q8_0 (int8pack's per-row requantization costs Q8_0 more
-    than the issue's 0.5% perplexity allowance on the default model; int4pair, 0.03%) and
-    int8pack for Q6_K (16-wide sub-blocks fit no int4 group); None for formats no layout
-    reads (keep DenseLinear for those)."""
+    """The layout a tensor of `qtype` gets: `kind` if it can take it ("q4vnni" and "int4pack"
+    only for 4-bit formats with groups of 32, "q8vnni" and "int4pair" only for Q8_0), or with
+    kind="auto": where the native library is there (q4vnni_available), q4vnni for
+    Q4_0/Q4_1/Q4_K and q8vnni for Q8_0; where not, int4pack and int4pair (int8pack's per-row
+    requantization costs Q8_0 more than the issue's 0.5% perplexity allowance on the default
+    model; int4pair, 0.03%); int8pack for Q6_K (16-wide sub-blocks fit no int4 group); None
+    for formats no layout reads (keep DenseLinear for those)."""
     qtype = Q(int(qtype))
     if kind != "auto" and kind not in KINDS:
         raise ValueError(f"kind must be auto or one of {', '.join(KINDS)}, not {kind!r}")
     if qtype not in UNPACKED_FORMATS:
         return None
     if kind == "auto":
-        return ("int4pack" if qtype in INT4_FORMATS else
-                "int4pair" if qtype in PAIR_FORMATS else "int8pack")
-    if kind == "int4pack" and qtype not in INT4_FORMATS:
+        if qtype in INT4_FORMATS:
+            return "q4vnni" if q4vnni_available() else "int4pack"
+        if qtype in PAIR_FORMATS:
+            return "q8vnni" if q4vnni_available() else "int4pair"
+        return "int8pack"
+    if kind in ("int4pack", "q4vnni") and qtype not in INT4_FORMATS:
         return None
-    if kind == "int4pair" and qtype not in PAIR_FORMATS:
+    if kind in ("int4pair", "q8vnni") and qtype not in PAIR_FORMATS:
         return None
     return kind
 
@@ -563,7 +823,8 @@ def _dequant_compiled(raws, qtypes, shapes, bias=None) -> DequantLinear:
     return DequantLinear.from_raws(raws, qtypes, shapes, bias, compiled=True)
 
 
-_BUILDERS = {"int4pack": Int4PackLinear.from_raws, "int4pair": Int4PairLinear.from_raws,
+_BUILDERS = {"q4vnni": Q4VnniLinear.from_raws, "q8vnni": Q8VnniLinear.from_raws,
+             "int4pack": Int4PackLinear.from_raws, "int4pair": Int4PairLinear.from_raws,
              "int8pack": Int8PackLinear.from_raws,
              "dequant": DequantLinear.from_raws, "dequant-compiled": _dequant_compiled}
 
@@ -577,6 +838,10 @@ def packed_nbytes(qtype: GGMLQuantizationType | int, shape: tuple[int, int],
     if k is None:
         return None
     rows, cols = (int(s) for s in shape)
+    if k == "q4vnni":  # float16 scales and zeros hold Q4_0's and Q4_1's exactly, not Q4_K's
+        return q4vnni_nbytes(rows, cols, scale_f32=Q(int(qtype)) == Q.Q4_K)
+    if k == "q8vnni":
+        return q8vnni_nbytes(rows, cols)
     if k in ("int4pack", "int4pair"):
         width = cols if k == "int4pack" else 2 * cols  # int4pair: two nibble planes
         padded = -(-rows // 16) * 16

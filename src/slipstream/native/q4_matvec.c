@@ -1,0 +1,430 @@
+/* 4-bit (and 8-bit) weights times int8-quantized activations: the CPU decode matmul of the
+ * q4vnni and q8vnni kinds (weights/cpu_packed.py, Q4VnniLinear, Q8VnniLinear).
+ *
+ * Why: torch's int4 CPU kernel widens every code to bfloat16 and multiplies in floats, and is
+ * compute-bound on a small machine. Quantizing the activation row once per call to int8 (blocks
+ * of 32, one float scale each) turns each 32-group's dot product into integer multiply-adds, 64
+ * at a time with AVX-512 VNNI (vpdpbusd: unsigned bytes x signed bytes, summed four by four into
+ * int32 lanes), and the float work into a few operations per group.
+ *
+ * Math. A weight row's group g (32 columns) is w = s_g * u + z_g with u in [0, 15] (Q4_0:
+ * s = d, z = -8 d; Q4_1: s = d, z = m; Q4_K: s = d sc_j, z = -dmin m_j; Q8_0's 8-bit codes:
+ * u = q + 128 in [0, 255], s = d, z = -128 d). The activation's block
+ * g is x ~ dx_g * q with q = round(x / dx_g) in [-127, 127], dx_g = max|x| / 127. Then
+ *     sum_g (s_g * (dx_g * sum(u q)) + z_g * (dx_g * sum(q)))
+ * where both integer sums are exact. The min term uses the quantized block's sum, not x's own:
+ * then the error is w . (x - dx q) with w centred on zero, rather than (s u) . (x - dx q) with
+ * u's mean of ~7.5 left in, about four times the variance.
+ *
+ * Layout (made by Q4VnniLinear.from_raws): rows in blocks of 16 (the last one padded with zero
+ * rows), each block's groups one after another, each group a record of
+ *     Q4_F16: 256 bytes of codes | s[16] | z[16]   (float16)
+ *     Q4_F32: 256 bytes of codes | s[16] | z[16]   (float32: Q4_K's d sc is not a float16)
+ *     Q8_F16: 512 bytes of codes | s[16]           (float16; Q8_0: u = q + 128, z = -128 s)
+ * 4-bit codes: those of row r, columns 4j..4j+3 of the group (j = 0..7), are bytes 4r..4r+3 of
+ * chunk j % 4 (64 bytes each), in the low nibbles for j < 4 and the high ones for j >= 4. So one
+ * 64-byte load and two masks (one after a shift) give two vectors in which lane r holds 4 codes
+ * of row r, and each vpdpbusd against 4 activation bytes broadcast to every lane advances 16 rows
+ * by 4 columns: lane r ends up with row r's whole group sum, and the group's 16 scales are one
+ * vector load, so no horizontal sums are needed. 8-bit codes: chunk j (64 bytes) holds columns
+ * 4j..4j+3, bytes 4r..4r+3 for row r, each code as an unsigned byte.
+ *
+ * Rows are split across threads by blocks (OpenMP, below; the calling thread quantizes x
+ * first). A row of x gives the same bits whatever the other rows of its call and the thread
+ * count: each output element is computed by one thread in a fixed order.
+ *
+ * Without AVX-512 VNNI the same layout and the same float operations in the same order run in
+ * plain C (q4_block_generic); the integer sums are exact either way, so both give the same bits.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define Q4_VNNI 1
+#include <immintrin.h>
+#else
+#define Q4_VNNI 0
+#endif
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#define Q4_ROWS 16     /* rows per block: one 32-bit lane of a 512-bit vector each */
+#define Q4_GROUP 32    /* columns per scale (GGUF's 4-bit formats all use 32) */
+#define Q4_MAX_M 4     /* activation rows multiplied per pass over the weights */
+
+/* the record formats (q4_weight.fmt) */
+#define Q4_F16 0
+#define Q4_F32 1
+#define Q8_F16 2
+
+static inline int64_t q4_code_bytes(int fmt) { return fmt == Q8_F16 ? 512 : 256; }
+
+static inline int64_t q4_record_bytes(int fmt) {
+    return fmt == Q4_F16 ? 256 + 64 : fmt == Q4_F32 ? 256 + 128 : 512 + 32;
+}
+
+/* float16 bits -> float32, exactly (subnormals, infinities and NaNs included). */
+static inline float q4_half(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else {  /* subnormal: normalize */
+        int e = -1;
+        do { man <<= 1; e++; } while (!(man & 0x400u));
+        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline float q4_bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* torch's float -> bfloat16: round to nearest even, NaN to a quiet NaN. */
+static inline uint16_t q4_f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* One activation row of k floats, per block of 32: dx = max|x| / top, X = round-half-even(x / dx)
+ * clamped to [-top, top], sx = dx * sum(X); an all-zero block gets dx = 0 and X = 0. With
+ * top = 127 X is the int8 code q (lo unused); with top = 32512 (= 127 * 256) X is split into
+ * two int8 digits, X = 256 hi + lo with lo in [-128, 127] and hi in [-127, 127], stored as
+ * q = hi and lo. */
+static void q4_quantize_row(const float *x, int64_t k, float top, int8_t *q, int8_t *lo,
+                            float *dx, float *sx) {
+    for (int64_t g = 0; g < k / Q4_GROUP; g++) {
+        const float *xb = x + g * Q4_GROUP;
+        float amax = 0.0f;
+        for (int i = 0; i < Q4_GROUP; i++) {  /* not fmaxf: a libm call per element */
+            float a = fabsf(xb[i]);
+            amax = a > amax || a != a ? a : amax;  /* a NaN sticks */
+        }
+        float d = amax / top;
+        /* a NaN or an infinity in the block: codes 0 and dx NaN, so that the outputs are NaN
+         * (as a float matmul's would be) rather than what casting NaN to an integer gives */
+        float ok = d != 0.0f && isfinite(d) ? 1.0f : 0.0f, dd = ok != 0.0f ? d : 1.0f;
+        if (!isfinite(d)) d = NAN;
+        int32_t X[Q4_GROUP], sum = 0;
+        for (int i = 0; i < Q4_GROUP; i++) {
+            float v = nearbyintf(xb[i] / dd) * ok;
+            v = v < -top ? -top : v > top ? top : v;  /* x / d can pass top by a rounding */
+            X[i] = (int32_t)v;
+            sum += X[i];
+        }
+        for (int i = 0; i < Q4_GROUP; i++) {
+            if (lo == NULL) {
+                q[g * Q4_GROUP + i] = (int8_t)X[i];
+            } else {
+                int32_t l = ((X[i] + 128) & 0xff) - 128;
+                lo[g * Q4_GROUP + i] = (int8_t)l;
+                q[g * Q4_GROUP + i] = (int8_t)((X[i] - l) / 256);
+            }
+        }
+        dx[g] = d;
+        sx[g] = d * (float)sum;
+    }
+}
+
+/* The int8 quantization (one digit): q (k int8), dx, sx (k / 32 floats). For tests. */
+void ss_q8_quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float *sx) {
+    q4_quantize_row(x, k, 127.0f, q, NULL, dx, sx);
+}
+
+/* The 16-bit quantization as two int8 digits: hi, lo (k int8 each), dx, sx. For tests. */
+void ss_q16_quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, float *dx,
+                         float *sx) {
+    q4_quantize_row(x, k, 32512.0f, hi, lo, dx, sx);
+}
+
+/* A record's 16 scales and 16 zeros as floats. */
+static inline void q4_scales(const uint8_t *p, const int fmt, float *s, float *z) {
+    const uint8_t *sp = p + q4_code_bytes(fmt);
+    for (int i = 0; i < Q4_ROWS; i++) {
+        if (fmt == Q4_F32) {
+            memcpy(&s[i], sp + 4 * i, 4);
+            memcpy(&z[i], sp + 4 * Q4_ROWS + 4 * i, 4);
+        } else {
+            uint16_t hs, hz;
+            memcpy(&hs, sp + 2 * i, 2);
+            s[i] = q4_half(hs);
+            if (fmt == Q4_F16) {
+                memcpy(&hz, sp + 2 * Q4_ROWS + 2 * i, 2);
+                z[i] = q4_half(hz);
+            } else {
+                z[i] = -128.0f * s[i];  /* exact: a power of two */
+            }
+        }
+    }
+}
+
+/* Code t (0..3) of quad j (columns 4j..4j+3) of row i in a record. */
+static inline int q4_code(const uint8_t *p, const int fmt, int i, int j, int t) {
+    if (fmt == Q8_F16) return p[64 * j + 4 * i + t];
+    return (p[64 * (j & 3) + 4 * i + t] >> (4 * (j >> 2))) & 0x0f;
+}
+
+/* The outputs of one 16-row block for M activation rows: out[r * 16 + i] = row i's dot with x_r.
+ * q: M rows of k int8 codes (X16: of 2 k, the high digits then the low ones); dx, sx: M rows of
+ * G floats. */
+static inline __attribute__((always_inline)) void q4_block_generic(
+        const uint8_t *blk, int64_t G, const int fmt, const int8_t *q, const float *dx,
+        const float *sx, int64_t k, float *out, const int M, const int X16) {
+    float accs[Q4_MAX_M][Q4_ROWS], accz[Q4_MAX_M][Q4_ROWS];
+    memset(accs, 0, sizeof accs);
+    memset(accz, 0, sizeof accz);
+    const int64_t rec = q4_record_bytes(fmt);
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *p = blk + g * rec;
+        float s[Q4_ROWS], z[Q4_ROWS];
+        q4_scales(p, fmt, s, z);
+        for (int r = 0; r < M; r++) {
+            const int8_t *xg = q + r * k * (1 + X16) + g * Q4_GROUP;
+            float d = dx[r * G + g], sg = sx[r * G + g];
+            for (int i = 0; i < Q4_ROWS; i++) {
+                int32_t isum = 0, lsum = 0;
+                for (int j = 0; j < 8; j++)
+                    for (int t = 0; t < 4; t++) {
+                        int c = q4_code(p, fmt, i, j, t);
+                        isum += c * xg[4 * j + t];
+                        if (X16) lsum += c * xg[k + 4 * j + t];
+                    }
+                if (X16) isum = isum * 256 + lsum;  /* the sum of the codes times X, exactly */
+                float prod = (float)isum * d;
+                accs[r][i] = fmaf(prod, s[i], accs[r][i]);
+                accz[r][i] = fmaf(z[i], sg, accz[r][i]);
+            }
+        }
+    }
+    for (int r = 0; r < M; r++)
+        for (int i = 0; i < Q4_ROWS; i++) out[r * Q4_ROWS + i] = accs[r][i] + accz[r][i];
+}
+
+#if Q4_VNNI
+/* acc + the 16 rows' dot products of one group's codes u with 32 int8 activations xg. */
+static inline __m512i q4_dot_vnni(const __m512i *u, const int8_t *xg, __m512i acc) {
+    __m512i a1 = _mm512_setzero_si512();  /* two chains of four, so their latencies overlap */
+    for (int j = 0; j < 8; j += 2) {
+        int32_t x0, x1;
+        memcpy(&x0, xg + 4 * j, 4);
+        memcpy(&x1, xg + 4 * j + 4, 4);
+        acc = _mm512_dpbusd_epi32(acc, u[j], _mm512_set1_epi32(x0));
+        a1 = _mm512_dpbusd_epi32(a1, u[j + 1], _mm512_set1_epi32(x1));
+    }
+    return _mm512_add_epi32(acc, a1);
+}
+
+/* q4_block_generic with VNNI: the same sums and the same float operations, 16 rows a vector. */
+static inline __attribute__((always_inline)) void q4_block_vnni(
+        const uint8_t *blk, int64_t G, const int fmt, const int8_t *q, const float *dx,
+        const float *sx, int64_t k, float *out, const int M, const int X16) {
+    __m512 accs[Q4_MAX_M], accz[Q4_MAX_M];
+    for (int r = 0; r < M; r++) { accs[r] = _mm512_setzero_ps(); accz[r] = _mm512_setzero_ps(); }
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const int64_t rec = q4_record_bytes(fmt), codes = q4_code_bytes(fmt);
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *p = blk + g * rec;
+        __m512i u[8];
+        if (fmt == Q8_F16) {
+            for (int j = 0; j < 8; j++) u[j] = _mm512_loadu_si512((const void *)(p + 64 * j));
+        } else {
+            for (int c = 0; c < 4; c++) {
+                __m512i v = _mm512_loadu_si512((const void *)(p + 64 * c));
+                u[c] = _mm512_and_si512(v, low);
+                u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+        }
+        __m512 s, z;
+        if (fmt == Q4_F32) {
+            s = _mm512_loadu_ps((const void *)(p + codes));
+            z = _mm512_loadu_ps((const void *)(p + codes + 64));
+        } else {
+            s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + codes)));
+            z = fmt == Q4_F16
+                ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + codes + 32)))
+                : _mm512_mul_ps(s, _mm512_set1_ps(-128.0f));
+        }
+        for (int r = 0; r < M; r++) {
+            const int8_t *xg = q + r * k * (1 + X16) + g * Q4_GROUP;
+            __m512i a = q4_dot_vnni(u, xg, _mm512_setzero_si512());
+            if (X16)  /* 256 (u . hi) + u . lo: the codes times X, exactly */
+                a = q4_dot_vnni(u, xg + k, _mm512_slli_epi32(a, 8));
+            __m512 prod = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(dx[r * G + g]));
+            accs[r] = _mm512_fmadd_ps(prod, s, accs[r]);
+            accz[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[r * G + g]), accz[r]);
+        }
+    }
+    for (int r = 0; r < M; r++)
+        _mm512_storeu_ps(out + r * Q4_ROWS, _mm512_add_ps(accs[r], accz[r]));
+}
+#endif
+
+/* Blocks [b0, b1) for M activation rows, into y (rows of n outputs, float32 or bfloat16). */
+static inline __attribute__((always_inline)) void q4_blocks(
+        const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G, const int fmt,
+        const int8_t *q, const float *dx, const float *sx, int64_t k, void *y, int y_f32,
+        int generic, const int M, const int X16) {
+    const int64_t block_bytes = G * q4_record_bytes(fmt);
+    float out[Q4_MAX_M * Q4_ROWS];
+    for (int64_t b = b0; b < b1; b++) {
+        const uint8_t *blk = w + b * block_bytes;
+#if Q4_VNNI
+        if (!generic) q4_block_vnni(blk, G, fmt, q, dx, sx, k, out, M, X16);
+        else
+#endif
+        q4_block_generic(blk, G, fmt, q, dx, sx, k, out, M, X16);
+        int64_t r0 = b * Q4_ROWS, rows = n - r0 < Q4_ROWS ? n - r0 : Q4_ROWS;
+        for (int r = 0; r < M; r++) {
+            const float *o = out + r * Q4_ROWS;
+            if (y_f32) {
+                memcpy((float *)y + r * n + r0, o, (size_t)rows * sizeof(float));
+            } else {
+                uint16_t *yb = (uint16_t *)y + r * n + r0;
+                for (int64_t i = 0; i < rows; i++) yb[i] = q4_f32_to_bf16(o[i]);
+            }
+        }
+    }
+}
+
+/* One thread's share: every activation row over its blocks, in passes of up to Q4_MAX_M rows
+ * (a pass reads the weights once). */
+static void q4_share(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G,
+                     int fmt, const int8_t *q, const float *dx, const float *sx, int64_t k,
+                     int64_t m, void *y, int y_f32, int generic, int x16) {
+    size_t out_elem = y_f32 ? sizeof(float) : sizeof(uint16_t);
+    for (int64_t r0 = 0; r0 < m; r0 += Q4_MAX_M) {
+        const int8_t *qr = q + r0 * k * (1 + x16);
+        const float *dr = dx + r0 * G, *sr = sx + r0 * G;
+        void *yr = (char *)y + (size_t)(r0 * n) * out_elem;
+        int left = (int)(m - r0 < Q4_MAX_M ? m - r0 : Q4_MAX_M);
+#define Q4_CASE(M_, F_) \
+    if (x16) q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, generic, M_, 1); \
+    else q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, generic, M_, 0)
+#define Q4_FMTS(M_) \
+    if (fmt == Q4_F16) { Q4_CASE(M_, Q4_F16); } \
+    else if (fmt == Q4_F32) { Q4_CASE(M_, Q4_F32); } \
+    else { Q4_CASE(M_, Q8_F16); }
+        /* each (rows, format, digits) its own copy, so that all three are constants */
+        switch (left) {
+        case 1: Q4_FMTS(1); break;
+        case 2: Q4_FMTS(2); break;
+        case 3: Q4_FMTS(3); break;
+        default: Q4_FMTS(4); break;
+        }
+#undef Q4_FMTS
+#undef Q4_CASE
+    }
+}
+
+/* --- threads --------------------------------------------------------------------------------
+ *
+ * OpenMP, which in a process that has imported torch is torch's own libgomp (native/__init__.py)
+ * and so torch's own worker threads. A pool of our own (pthreads, workers spinning ~100 us after
+ * each job, then parking on a futex) was tried first: alone it handed off in well under a
+ * microsecond, against ~3.5 us for a libgomp fork and join, but in a decode step its spinning
+ * worker fought torch's libgomp workers, which spin after every torch parallel op (the head's
+ * matmul), for the same 2 cores: the default model decoded at 86-98 tok/s with it against
+ * 150-161 with OpenMP (int4pack: 119-122), same session, alternating runs. Without OpenMP the
+ * caller runs every block. */
+
+typedef struct {
+    const uint8_t *w;
+    int64_t n, k, nb, G, m;
+    int fmt, y_f32, generic, x16;
+    const int8_t *q;
+    const float *dx, *sx;
+    void *y;
+} q4_job;
+
+static void q4_run_part(const q4_job *j, int part, int parts) {
+    int64_t b0 = j->nb * part / parts, b1 = j->nb * (part + 1) / parts;
+    q4_share(j->w, b0, b1, j->n, j->G, j->fmt, j->q, j->dx, j->sx, j->k, j->m, j->y,
+             j->y_f32, j->generic, j->x16);
+}
+
+static void q4_parallel(const q4_job *j, int parts) {
+#ifdef _OPENMP
+    if (parts > 1) {
+#pragma omp parallel num_threads(parts)
+        q4_run_part(j, omp_get_thread_num(), omp_get_num_threads());
+        return;
+    }
+#endif
+    q4_run_part(j, 0, 1);
+}
+
+/* A packed weight (what Q4VnniLinear holds), passed as one pointer: ctypes converts each
+ * argument at every call, ~0.2 us apiece. */
+typedef struct {
+    const uint8_t *w;
+    int64_t n, k;
+    int64_t fmt;  /* Q4_F16, Q4_F32 or Q8_F16 */
+} q4_weight;
+
+#define Q4_X_F32 1   /* flags: x is float32 (else bfloat16) */
+#define Q4_Y_F32 2   /* y is float32 (else bfloat16) */
+#define Q4_GENERIC 4 /* the plain-C loop even where VNNI is compiled in (tests) */
+#define Q4_X16 8     /* 16-bit activations as two int8 digits (see below) */
+#define Q4_THREADS_SHIFT 8  /* flags >> 8: threads sharing the rows (0 or 1: the caller alone) */
+
+/* y (m, n) = x (m, k) @ W^T for W (n, k) packed as above (ceil(n / 16) blocks of k / 32
+ * records). x rows contiguous, y likewise, written for the n real rows only.
+ *
+ * Q4_X16: each block of x is quantized to 16 bits instead of 8 (X = round(x / dx), |X| <= 32512,
+ * dx = max|x| / 32512, so |x - dx X| <= dx / 2, ~1/256 of the int8 error and below bfloat16's
+ * rounding of x) and X split into two int8 digits, X = 256 hi + lo: the group sum is
+ * 256 (u . hi) + u . lo, two vpdpbusd chains over the same unpacked codes, with the float work
+ * of one. The exact sum stays below 2^24 for 4-bit codes (15 * 32512 * 32), so its conversion to
+ * float is exact too; for 8-bit codes it is rounded once. */
+void ss_q4_matvec(const q4_weight *wd, const void *x, void *y, int64_t m, int64_t flags) {
+    int64_t n = wd->n, k = wd->k, G = k / Q4_GROUP, nb = (n + Q4_ROWS - 1) / Q4_ROWS;
+    int x16 = (flags & Q4_X16) != 0;
+    /* one allocation: the float row (bf16 widened), then the codes, dx and sx of all rows */
+    size_t fbytes = (size_t)k * sizeof(float);
+    size_t qbytes = (size_t)(m * k * (1 + x16) + 63) / 64 * 64;
+    char *scratch = malloc(fbytes + qbytes + 2 * (size_t)(m * G) * sizeof(float));
+    if (scratch == NULL) return;  /* the caller's output stays as it was: see Q4VnniLinear */
+    float *xf = (float *)scratch;
+    int8_t *q = (int8_t *)(scratch + fbytes);
+    float *dx = (float *)(scratch + fbytes + qbytes), *sx = dx + m * G;
+    for (int64_t r = 0; r < m; r++) {
+        const float *row;
+        if (flags & Q4_X_F32) {
+            row = (const float *)x + r * k;
+        } else {
+            const uint16_t *xb = (const uint16_t *)x + r * k;
+            for (int64_t i = 0; i < k; i++) xf[i] = q4_bf16_to_f32(xb[i]);
+            row = xf;
+        }
+        int8_t *qr = q + r * k * (1 + x16);
+        q4_quantize_row(row, k, x16 ? 32512.0f : 127.0f, qr, x16 ? qr + k : NULL, dx + r * G,
+                        sx + r * G);
+    }
+    q4_job j = {wd->w, n, k, nb, G, m, (int)wd->fmt, (flags & Q4_Y_F32) != 0,
+                (flags & Q4_GENERIC) != 0, x16, q, dx, sx, y};
+    int64_t threads = flags >> Q4_THREADS_SHIFT;
+    /* at least 4 blocks a thread: below that a hand-off costs more than it saves */
+    if (threads > nb / 4) threads = nb / 4;
+    q4_parallel(&j, threads < 1 ? 1 : (int)threads);
+    free(scratch);
+}
+
+/* Whether this build has the VNNI loop (else every call takes the plain-C one). */
+int ss_q4_has_vnni(void) { return Q4_VNNI; }

@@ -1,0 +1,341 @@
+"""weights.cpu_packed.Q4VnniLinear, Q8VnniLinear and native/q4_matvec.c: 4-bit (and Q8_0's
+8-bit) weights times int8 activations.
+
+The oracle: gguf-py's `dequantize` of the same GGUF bytes (float64) times the activations as the
+kernel quantizes them (int8 codes q and per-32 scales dx from `ss_q8_quantize_row`, themselves
+checked against a torch reimplementation; or the 16-bit X = 256 hi + lo of
+`ss_q16_quantize_row`), summed in float64. The kernel's sums of code
+products are exact integers, so what it may differ by is its float32 roundings alone: per group
+one product (isum * dx), one multiply-add into the scale term and one into the zero term (whose
+dx * sum(q) is rounded once too), then one final add. For G groups that is at most
+(G + 3) 2^-24 sum_k (|s_g u_k| + |z_g|) |dx q_k| per output (first-order), which each test holds
+every output to.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+import gguf.quants
+
+from slipstream import native
+from slipstream.synth import random_tensor
+from slipstream.weights import cpu_packed
+from slipstream.weights.cpu_packed import (Q4VnniLinear, Q8VnniLinear, group_affine, kind_for,
+                                           pack_linear, packed_nbytes)
+
+F32_U = 2.0 ** -24
+
+pytestmark = pytest.mark.skipif(native.library() is None,
+                                reason="no native library (no C compiler, or SLIPSTREAM_NATIVE=0)")
+
+# (format, rows, cols): odd row counts (the last 16-row block padded), and widths that are not
+# a multiple of 256 where the format allows it (Q4_0, Q4_1: blocks of 32; Q4_K: 256)
+SHAPES = [(Q.Q4_0, 37, 96), (Q.Q4_0, 16, 32), (Q.Q4_1, 45, 160), (Q.Q4_1, 64, 576),
+          (Q.Q4_K, 23, 256), (Q.Q4_K, 80, 768), (Q.Q8_0, 29, 96), (Q.Q8_0, 48, 576)]
+KIND = {Q.Q4_0: "q4vnni", Q.Q4_1: "q4vnni", Q.Q4_K: "q4vnni", Q.Q8_0: "q8vnni"}
+IDS = [f"{t.name}-{r}x{c}" for t, r, c in SHAPES]
+
+
+def make_raw(qtype: Q, rows: int, cols: int, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng([int(qtype), rows, cols, seed])
+    return torch.from_numpy(random_tensor(qtype, (rows, cols), rng, 0.02)).view(rows, -1)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The C's 8-bit quantization (q int8 (m, k), dx, sx float32 (m, k / 32)) of float32 rows
+    x."""
+    lib = native.library()
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    dx, sx = torch.empty(m, k // 32), torch.empty(m, k // 32)
+    x = x.contiguous()
+    for r in range(m):
+        lib.ss_q8_quantize_row(x[r].data_ptr(), k, q[r].data_ptr(), dx[r].data_ptr(),
+                               sx[r].data_ptr())
+    return q, dx, sx
+
+
+def quantize16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The C's 16-bit quantization of float32 rows x: (X int32 (m, k) = 256 hi + lo, dx)."""
+    lib = native.library()
+    m, k = x.shape
+    hi, lo = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k, dtype=torch.int8)
+    dx, sx = torch.empty(m, k // 32), torch.empty(m, k // 32)
+    x = x.contiguous()
+    for r in range(m):
+        lib.ss_q16_quantize_row(x[r].data_ptr(), k, hi[r].data_ptr(), lo[r].data_ptr(),
+                                dx[r].data_ptr(), sx[r].data_ptr())
+    X = 256 * hi.to(torch.int32) + lo.to(torch.int32)
+    assert torch.equal(sx, dx * X.view(m, -1, 32).sum(-1).float())
+    return X, dx
+
+
+def quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """The activations as the kernel sees them, float64 (m, k): dx q for one int8 digit, dx X
+    for two (X = 256 hi + lo, 16 bits)."""
+    m, k = x.shape
+    if bits == 8:
+        X, dx, _ = quantize_rows(x)
+    else:
+        X, dx = quantize16_rows(x)
+    return (X.double().view(m, -1, 32) * dx.double()[..., None]).view(m, k)
+
+
+def affine(raw: torch.Tensor, qtype: Q, shape):
+    """(u, s, z) with w = s u + z: the kernel's unsigned codes and per-group scale and zero."""
+    ga = group_affine(raw, qtype, shape)
+    if qtype == Q.Q8_0:
+        return ga.codes.to(torch.int16) + 128, ga.scale, -128 * ga.scale
+    return cpu_packed._q4vnni_params(ga)
+
+
+def oracle(raw: torch.Tensor, qtype: Q, shape, x: torch.Tensor, bits: int = 8):
+    """(float64 y of the dequantized weights times the quantized x, the rounding bound per
+    output), x float32 (m, k). Per group: a product, two multiply-adds (and for Q8_0's codes
+    times 16-bit X, whose sums pass 2^24, the sum's conversion to float); then one add."""
+    rows, cols = shape
+    w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype)).double()
+    xq = quantized(x, bits)
+    u, s, z = affine(raw, qtype, shape)
+    terms = ((u.double().view(rows, -1, 32) * s.double()[..., None]).abs()
+             + z.double().abs()[..., None]).view(rows, cols)
+    roundings = cols // 32 + 3 + (qtype == Q.Q8_0 and bits == 16)
+    return xq @ w.t(), roundings * F32_U * (xq.abs() @ terms.t())
+
+
+def test_quantizer_matches_torch():
+    """dx = max|x| / 127 in float32, q = round-half-even(x / dx) clamped to 127, sx = dx sum(q);
+    an all-zero block gives zeros; halves round to even."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 256, generator=g) * torch.tensor([1e-3, 1.0, 300.0])[:, None]
+    x[1, 32:64] = 0.0  # a zero block
+    x[2, 64:96] = torch.arange(32) - 15.5  # halves, and with max |x| = 127 dx = 1 exactly:
+    x[2, 64] = -127.0  # so x / dx hits exact halves
+    q, dx, sx = quantize_rows(x)
+    blocks = x.view(3, -1, 32)
+    d_ref = blocks.abs().amax(-1) / 127.0
+    safe = torch.where(d_ref == 0, torch.ones_like(d_ref), d_ref)
+    q_ref = torch.round(blocks / safe[..., None]).clamp(-127, 127)
+    q_ref = torch.where(d_ref[..., None] == 0, torch.zeros_like(q_ref), q_ref).to(torch.int8)
+    assert torch.equal(dx, d_ref)
+    assert torch.equal(q.view(3, -1, 32), q_ref)
+    assert torch.equal(sx, d_ref * q_ref.sum(-1).float())
+    assert torch.equal(q[1, 32:64], torch.zeros(32, dtype=torch.int8)) and dx[1, 1] == 0
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("qtype,rows,cols", SHAPES, ids=IDS)
+def test_kernel_against_the_oracle(qtype, rows, cols, threads, bits):
+    """float32 in and out, 1 to 9 activation rows (passes of 4 in the C), both loops, 8- and
+    16-bit activations."""
+    raw = make_raw(qtype, rows, cols, 1)
+    lin = pack_linear(raw, qtype, (rows, cols), kind=KIND[qtype])
+    assert isinstance(lin, Q4VnniLinear) and lin.out_features == rows
+    assert lin.kind == KIND[qtype]
+    assert lin.nbytes == packed_nbytes(qtype, (rows, cols), kind=KIND[qtype])
+    assert lin.scale_f32 == (qtype == Q.Q4_K)  # Q4_0/Q4_1/Q8_0's fields are float16s
+    g = torch.Generator().manual_seed(rows)
+    for m in (1, 3, 9):
+        x = torch.randn(m, cols, generator=g)
+        x[0, :32] *= 50  # one block far larger than the rest
+        y_ref, bound = oracle(raw, qtype, (rows, cols), x, bits)
+        for generic in (False, True):
+            y = lin.matvec(x, torch.empty(m, rows), threads=threads, generic=generic,
+                           act_bits=bits)
+            err = (y.double() - y_ref).abs()
+            assert bool((err <= bound * (1 + 1e-6) + 1e-30).all()), (
+                f"{qtype.name} m={m} generic={generic}: off by "
+                f"{(err / (bound + 1e-30)).max():.3f} of the rounding bound")
+
+
+@pytest.mark.parametrize("qtype,rows,cols", SHAPES, ids=IDS)
+def test_16_bit_activations_lose_less_than_bfloat16(qtype, rows, cols):
+    """Against the exact x (not its quantization): int8 activations err by ~0.5% of the output,
+    more than rounding x to bfloat16 does; 16 bits, far less than that."""
+    raw = make_raw(qtype, rows, cols, 10)
+    lin = pack_linear(raw, qtype, (rows, cols), kind=KIND[qtype])
+    w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype)).double()
+    x = torch.randn(4, cols, generator=torch.Generator().manual_seed(10))
+    y_ref = x.double() @ w.t()
+
+    def rel(y):
+        return float((y.double() - y_ref).norm() / y_ref.norm())
+
+    bf16 = rel(x.to(torch.bfloat16).double() @ w.t())
+    one = rel(lin.matvec(x, torch.empty(4, rows), act_bits=8))
+    two = rel(lin.matvec(x, torch.empty(4, rows), act_bits=16))
+    assert 1e-3 < one < 2e-2 and two < bf16 / 20, (one, two, bf16)
+
+
+@pytest.mark.parametrize("qtype,rows,cols", SHAPES, ids=IDS)
+def test_vnni_and_plain_c_agree_bit_for_bit(qtype, rows, cols):
+    """The same float operations in the same order in both loops, any thread count, and a row's
+    bits whatever else shares its call."""
+    raw = make_raw(qtype, rows, cols, 2)
+    lin = pack_linear(raw, qtype, (rows, cols), kind=KIND[qtype])
+    x = torch.randn(6, cols, generator=torch.Generator().manual_seed(3))
+    for bits in (8, 16):
+        ys = [lin.matvec(x, torch.empty(6, rows), threads=t, generic=gen, act_bits=bits)
+              for t in (1, 2) for gen in (False, True)]
+        for y in ys[1:]:
+            assert torch.equal(y, ys[0])
+        for r in range(6):
+            one = lin.matvec(x[r:r + 1], torch.empty(1, rows), threads=2, act_bits=bits)
+            assert torch.equal(one, ys[0][r:r + 1])
+
+
+def test_has_vnni_where_the_cpu_does():
+    """-march=native turns the VNNI loop on wherever the CPU has it (else the tests above ran
+    the plain-C loop twice)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    if " avx512_vnni" in flags and " avx512bw" in flags:
+        assert native.library().ss_q4_has_vnni() == 1
+
+
+def test_bfloat16_input_and_output():
+    """kernel(): bfloat16 rows in (widened exactly), bfloat16 out = the float32 result rounded
+    to nearest even, as torch rounds."""
+    raw = make_raw(Q.Q4_1, 45, 160, 4)
+    lin = pack_linear(raw, Q.Q4_1, (45, 160), kind="q4vnni")
+    xb = torch.randn(2, 160, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    y32 = lin.matvec(xb.float(), torch.empty(2, 45))
+    assert torch.equal(lin.matvec(xb, torch.empty(2, 45)), y32)
+    yb = lin.kernel(xb)
+    assert yb.dtype == torch.bfloat16 and yb.shape == (2, 45)
+    assert torch.equal(yb, y32.to(torch.bfloat16))
+
+
+def test_linear_call_bias_residual_and_row_slice():
+    """__call__ in float32 (plus bias, residual), row_slice shares the packed bytes."""
+    rows, cols = 48, 96
+    raw = make_raw(Q.Q4_0, rows, cols, 5)
+    bias = torch.randn(rows)
+    lin = cpu_packed.pack_group([raw], [Q.Q4_0], [(rows, cols)], [bias], kind="q4vnni")[0]
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(5))
+    r = torch.randn(3, rows)
+    y = lin(x)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, lin.matvec(x, torch.empty(3, rows)) + bias)
+    assert torch.equal(lin(x, residual=r), r + y)
+    part = lin.row_slice(16, 48)
+    assert part.packed.data_ptr() == lin.packed[1:].data_ptr()
+    assert torch.equal(part(x), y[:, 16:48])
+    with pytest.raises(ValueError):
+        lin.row_slice(8, 48)
+
+
+def test_packing_layout():
+    """Chunk j % 4 of a group record, bytes 4r..4r+3: row r's columns 4j..4j+3, low nibbles for
+    j < 4; then 16 scales and 16 zeros."""
+    rows, cols = 16, 64
+    raw = make_raw(Q.Q4_1, rows, cols, 6)
+    lin = pack_linear(raw, Q.Q4_1, (rows, cols), kind="q4vnni")
+    ga = group_affine(raw, Q.Q4_1, (rows, cols))
+    p = lin.packed[0]  # (groups, 320)
+    for g in range(2):
+        for j in range(8):
+            chunk = p[g, 64 * (j % 4):64 * (j % 4 + 1)].view(16, 4).to(torch.int16)
+            codes = (chunk >> 4) if j >= 4 else (chunk & 15)
+            want = ga.codes[:, 32 * g + 4 * j:32 * g + 4 * j + 4].to(torch.int16)
+            assert torch.equal(codes, want)
+        s = p[g, 256:288].view(torch.float16).float()
+        z = p[g, 288:320].view(torch.float16).float()
+        assert torch.equal(s, ga.scale[:, g]) and torch.equal(z, ga.offset[:, g])
+
+
+def test_a_wrong_weight_fails_the_check():
+    """The oracle check can fail: one nibble changed in the packed bytes moves an output past
+    the rounding bound."""
+    rows, cols = 16, 64
+    raw = make_raw(Q.Q4_1, rows, cols, 7)
+    lin = pack_linear(raw, Q.Q4_1, (rows, cols), kind="q4vnni")
+    x = torch.randn(1, cols, generator=torch.Generator().manual_seed(7))
+    y_ref, bound = oracle(raw, Q.Q4_1, (rows, cols), x)
+    lin.packed[0, 0, 0] ^= 0x08  # row 0, column 0: code +- 8
+    err = (lin.matvec(x, torch.empty(1, rows), act_bits=8).double() - y_ref).abs()
+    assert bool((err > bound).any())
+
+
+def test_auto_kind_and_fallback(monkeypatch):
+    """kind_for("auto") gives q4vnni for the 4-bit formats where the library is there and
+    int4pack with SLIPSTREAM_Q4VNNI=0; other formats are unchanged; no other format packs as
+    q4vnni."""
+    for q in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
+        assert kind_for(q) == "q4vnni" and kind_for(q, "q4vnni") == "q4vnni"
+        assert kind_for(q, "q8vnni") is None
+    assert kind_for(Q.Q8_0) == "q8vnni" and kind_for(Q.Q6_K) == "int8pack"
+    assert kind_for(Q.Q8_0, "q4vnni") is None and kind_for(Q.Q6_K, "q4vnni") is None
+    assert kind_for(Q.Q6_K, "q8vnni") is None
+    monkeypatch.setenv("SLIPSTREAM_Q4VNNI", "0")
+    assert kind_for(Q.Q4_1) == "int4pack" and kind_for(Q.Q8_0) == "int4pair"
+    assert pack_linear(make_raw(Q.Q4_1, 16, 64, 8), Q.Q4_1, (16, 64)).kind == "int4pack"
+
+
+def test_default_model_layer_against_the_oracle(smollm_path):
+    """Layer 0's fused matrices of the default model (Q4_1), one bfloat16-valued row each, as
+    decode feeds them."""
+    from slipstream.gguf_file import GGUFFile
+    from slipstream.weights.loader import raw_tensor
+
+    gf = GGUFFile(smollm_path)
+    g = torch.Generator().manual_seed(9)
+    for parts in (["attn_q", "attn_k", "attn_v"], ["attn_output"], ["ffn_gate", "ffn_up"],
+                  ["ffn_down"]):
+        names = [f"blk.0.{p}.weight" for p in parts]
+        infos = [gf.tensors[n] for n in names]
+        raws = [raw_tensor(gf, n, i.shape).clone() for n, i in zip(names, infos)]
+        shapes = [tuple(i.shape) for i in infos]
+        lin = cpu_packed.pack_group(raws, [i.ggml_type for i in infos], shapes,
+                                    [None] * len(parts), kind="q4vnni")[0]
+        raw, rows, cols = torch.cat(raws), sum(s[0] for s in shapes), shapes[0][1]
+        x = torch.randn(1, cols, generator=g).to(torch.bfloat16).float()
+        y_ref, bound = oracle(raw, infos[0].ggml_type, (rows, cols), x)
+        y = lin.matvec(x, torch.empty(1, rows), threads=2, act_bits=8)
+        assert bool(((y.double() - y_ref).abs() <= bound * (1 + 1e-6)).all()), parts
+    # the tied Q8_0 head (its first 4096 rows): q8vnni
+    info = gf.tensors["token_embd.weight"]
+    raw = raw_tensor(gf, info.name, info.shape)[:4096].clone()
+    lin = pack_linear(raw, Q.Q8_0, (4096, 576), kind="q8vnni")
+    x = torch.randn(1, 576, generator=g).to(torch.bfloat16).float()
+    y_ref, bound = oracle(raw, Q.Q8_0, (4096, 576), x, 16)
+    y = lin.matvec(x, torch.empty(1, 4096), threads=2, act_bits=16)
+    assert bool(((y.double() - y_ref).abs() <= bound * (1 + 1e-6)).all())
+    gf.close()
+
+
+def test_q8_packing_layout():
+    """q8vnni: chunk j of a group record, bytes 4r..4r+3: row r's columns 4j..4j+3 as q + 128;
+    then 16 float16 scales (Q8_0's d)."""
+    rows, cols = 16, 64
+    raw = make_raw(Q.Q8_0, rows, cols, 11)
+    lin = pack_linear(raw, Q.Q8_0, (rows, cols), kind="q8vnni")
+    assert isinstance(lin, Q8VnniLinear) and lin.packed.shape == (1, 2, 544)
+    ga = group_affine(raw, Q.Q8_0, (rows, cols))
+    p = lin.packed[0]
+    for g in range(2):
+        for j in range(8):
+            chunk = p[g, 64 * j:64 * (j + 1)].view(16, 4).to(torch.int16) - 128
+            want = ga.codes[:, 32 * g + 4 * j:32 * g + 4 * j + 4].to(torch.int16)
+            assert torch.equal(chunk, want)
+        assert torch.equal(p[g, 512:544].view(torch.float16).float(), ga.scale[:, g])
+
+
+@pytest.mark.parametrize("bits", [8, 16])
+def test_a_nan_or_infinity_in_x_gives_nan(bits):
+    """A non-finite activation makes every output NaN, as a float matmul's would be (not the
+    garbage of NaN cast to an integer); the other rows of the call are unaffected."""
+    raw = make_raw(Q.Q4_1, 32, 96, 12)
+    lin = pack_linear(raw, Q.Q4_1, (32, 96), kind="q4vnni")
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(12))
+    x[0, 40] = float("nan")
+    x[1, 7] = float("inf")
+    y = lin.matvec(x, torch.empty(3, 32), act_bits=bits)
+    assert bool(y[:2].isnan().all()) and bool(y[2].isfinite().all())
+    assert torch.equal(y[2:], lin.matvec(x[2:], torch.empty(1, 32), act_bits=bits))
