@@ -269,7 +269,7 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     from gguf import GGMLQuantizationType
 
     from ..weights.cpu_packed import packed_nbytes
-    from ..weights.hybrid import layer_splittable, split_point
+    from ..weights.hybrid import HOST_KIND, layer_splittable, split_point
     from ..weights.loader import TensorSource
 
     share_given = None
@@ -306,7 +306,8 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
             info = gf.tensors[f"blk.{i}.{n}.weight"]
             f += info.n_bytes
             q = GGMLQuantizationType(int(info.ggml_type))
-            ratio_num += packed_nbytes(q, (int(info.shape[0]), int(info.shape[1]))) or 0
+            ratio_num += packed_nbytes(q, (int(info.shape[0]), int(info.shape[1])),
+                                       HOST_KIND) or 0
             ratio_den += info.n_bytes
         ffn.append(f)
     cpu_ratio = ratio_num / ratio_den  # the CPU layout's bytes per GGUF byte

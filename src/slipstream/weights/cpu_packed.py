@@ -800,17 +800,20 @@ def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | Non
     Q4_0/Q4_1/Q4_K and q8vnni for Q8_0; where not, int4pack and int4pair (int8pack's per-row
     requantization costs Q8_0 more than the issue's 0.5% perplexity allowance on the default
     model; int4pair, 0.03%); int8pack for Q6_K (16-wide sub-blocks fit no int4 group); None
-    for formats no layout reads (keep DenseLinear for those)."""
+    for formats no layout reads (keep DenseLinear for those). kind="torch": auto's choice
+    among torch's kernels alone (int4pack, int4pair, int8pack)."""
     qtype = Q(int(qtype))
-    if kind != "auto" and kind not in KINDS:
-        raise ValueError(f"kind must be auto or one of {', '.join(KINDS)}, not {kind!r}")
+    if kind not in ("auto", "torch") and kind not in KINDS:
+        raise ValueError(f"kind must be auto, torch or one of {', '.join(KINDS)}, "
+                         f"not {kind!r}")
     if qtype not in UNPACKED_FORMATS:
         return None
-    if kind == "auto":
+    if kind in ("auto", "torch"):
+        ours = kind == "auto" and q4vnni_available()
         if qtype in INT4_FORMATS:
-            return "q4vnni" if q4vnni_available() else "int4pack"
+            return "q4vnni" if ours else "int4pack"
         if qtype in PAIR_FORMATS:
-            return "q8vnni" if q4vnni_available() else "int4pair"
+            return "q8vnni" if ours else "int4pair"
         return "int8pack"
     if kind in ("int4pack", "q4vnni") and qtype not in INT4_FORMATS:
         return None

@@ -32,6 +32,10 @@ from .cpu_packed import kind_for, pack_group, pack_linear
 # whole 64-row blocks of torch's int4 CPU layout along gate/up's rows
 SPLIT_ALIGN = 256
 REST_FIELDS = ("ffn_gate_up_rest", "ffn_down_rest")  # the image's tail: decode leaves it out
+# The CPU's share runs on torch's packed kernels, not on the native q4vnni/q8vnni ones that CPU
+# decode takes: memory.hybrid_plan balances the split by timing torch's int4 kernel, and the
+# native kernels have not yet been run on the GPU machine's CPU beside its copies
+HOST_KIND = "torch"
 
 
 def split_point(ffn: int, cpu_share: float, align: int = SPLIT_ALIGN) -> int:
@@ -50,7 +54,7 @@ def splittable(qtypes: dict[str, GGMLQuantizationType], ffn: int) -> bool:
     if gate != up or ffn % SPLIT_ALIGN:
         return False
     for q in (gate, down):
-        if kind_for(q) is None or SPLIT_ALIGN % GGML_QUANT_SIZES[q][0]:
+        if kind_for(q, HOST_KIND) is None or SPLIT_ALIGN % GGML_QUANT_SIZES[q][0]:
             return False
     return True
 
@@ -91,9 +95,9 @@ def host_linears(raws: FFNRaws, keep: int):
     parts, shapes = raws.gate_up_rows(keep, raws.ffn)
     parts = [p.cpu() for p in parts]
     qt = raws.qtypes["ffn_gate"]
-    gate_up, _ = pack_group(parts, [qt, qt], shapes, [None, None])
+    gate_up, _ = pack_group(parts, [qt, qt], shapes, [None, None], HOST_KIND)
     down = pack_linear(raws.down_cols(keep, raws.ffn).cpu(), raws.qtypes["ffn_down"],
-                       (raws.hidden, raws.ffn - keep))
+                       (raws.hidden, raws.ffn - keep), kind=HOST_KIND)
     return gate_up, down
 
 
