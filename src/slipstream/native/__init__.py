@@ -30,6 +30,7 @@ from importlib import resources
 from pathlib import Path
 
 SOURCES = ("decode_ops.c", "q4_matvec.c")  # compiled together into one library
+HEADERS = ("bf16.h",)  # what they include: written beside them, and part of the cache key
 # -ffp-contract=off: no fused multiply-adds, so that every product is rounded as torch rounds
 # it (RoPE as torch's complex multiply) and the bits do not depend on whether the CPU has FMA.
 FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
@@ -122,7 +123,7 @@ def _built() -> Path | None:
     if cc is None:
         return None
     sources = {name: resources.files(__package__).joinpath(name).read_bytes()
-               for name in SOURCES}
+               for name in SOURCES + HEADERS}
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
     flags = " ".join(FLAGS + ARCH_FLAGS + OPENMP_FLAGS).encode()
@@ -148,8 +149,9 @@ def _compile(cc: str, sources: dict[str, bytes], path: Path) -> Path | None:
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         srcs = []
         for name, text in sources.items():
-            srcs.append(Path(tmp) / name)
-            srcs[-1].write_bytes(text)
+            (Path(tmp) / name).write_bytes(text)
+            if name in SOURCES:
+                srcs.append(Path(tmp) / name)
         out = Path(tmp) / path.name
         for arch, omp in ((ARCH_FLAGS, OPENMP_FLAGS), (ARCH_FLAGS, ()), ((), OPENMP_FLAGS),
                           ((), ())):

@@ -16,6 +16,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* unaligned loads */
 typedef int32_t i16v __attribute__((vector_size(64)));
@@ -87,21 +89,6 @@ static inline v16 load_bf16_16(const uint16_t *p) {
     return (v16)u;
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* torch's float -> bfloat16: round to nearest even, NaN to a quiet NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     v16 acc = {0};

@@ -42,6 +42,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q4_VNNI 1
 #include <immintrin.h>
@@ -87,21 +89,6 @@ static inline float q4_half(uint16_t h) {
     return f;
 }
 
-static inline float q4_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* torch's float -> bfloat16: round to nearest even, NaN to a quiet NaN. */
-static inline uint16_t q4_f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* One activation row of k floats, per block of 32: dx = max|x| / top, X = round-half-even(x / dx)
  * clamped to [-top, top], sx = dx * sum(X); an all-zero block gets dx = 0 and X = 0. With
@@ -297,7 +284,7 @@ static inline __attribute__((always_inline)) void q4_blocks(
                 memcpy((float *)y + r * n + r0, o, (size_t)rows * sizeof(float));
             } else {
                 uint16_t *yb = (uint16_t *)y + r * n + r0;
-                for (int64_t i = 0; i < rows; i++) yb[i] = q4_f32_to_bf16(o[i]);
+                for (int64_t i = 0; i < rows; i++) yb[i] = f32_to_bf16(o[i]);
             }
         }
     }
@@ -410,7 +397,7 @@ void ss_q4_matvec(const q4_weight *wd, const void *x, void *y, int64_t m, int64_
             row = (const float *)x + r * k;
         } else {
             const uint16_t *xb = (const uint16_t *)x + r * k;
-            for (int64_t i = 0; i < k; i++) xf[i] = q4_bf16_to_f32(xb[i]);
+            for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(xb[i]);
             row = xf;
         }
         int8_t *qr = q + r * k * (1 + x16);
