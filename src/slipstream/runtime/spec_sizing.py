@@ -185,7 +185,7 @@ class TreeSizer:
             return nodes, self.max_depth  # nothing measured yet: speculate, and measure
         if not self._plain_n:
             return nodes, 0  # one plain step, to know what a tree has to beat (it costs none)
-        trees = self.reached[1] if len(self.reached) > 1 else 0
+        trees = self._trees
         optimism = CHOICE_OPTIMISM if trees < GIVE_UP_TREES else 0.0
         best, best_rate = 0, 1.0 / pass_1
         for depth in range(1, self.max_depth + 1):
@@ -202,6 +202,11 @@ class TreeSizer:
         return nodes, best
 
     @property
+    def _trees(self) -> float:
+        """Tree rounds observed (rounds whose walk tried depth 1)."""
+        return self.reached[1] if len(self.reached) > 1 else 0
+
+    @property
     def _settling(self) -> bool:
         """Whether the rounds that decide if the draft is given up come now, back to back: while
         the draft holds memory the target would decode faster with (plain_gain > 1), a plain
@@ -209,7 +214,7 @@ class TreeSizer:
         spend their plain steps in between at the slower rate (the H200's 70B beside an 8B
         draft: 0.28 s against 0.21 s a step; 48 tokens at 0.85x plain decode in session 15,
         where the three trees that settle it came 16 plain steps apart)."""
-        trees = self.reached[1] if len(self.reached) > 1 else 0
+        trees = self._trees
         return (self.plain_gain > 1.0 and trees < GIVE_UP_MIN_TREES
                 and self.fixed_nodes is None and self.fixed_depth is None)
 
@@ -220,7 +225,7 @@ class TreeSizer:
         depth slower than plain decode without the draft (a plain step, `plain_gain` times
         faster); or, after GIVE_UP_MIN_TREES, a first-token acceptance high enough to beat that
         has become unlikely (GIVE_UP_BELIEF)."""
-        trees = self.reached[1] if len(self.reached) > 1 else 0
+        trees = self._trees
         level = self.level_s
         if (self.fixed_nodes is not None or self.fixed_depth is not None
                 or trees < GIVE_UP_MIN_TREES or level is None):

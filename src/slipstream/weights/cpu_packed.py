@@ -281,13 +281,21 @@ def _int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _finish(y: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None,
             residual: torch.Tensor | None) -> torch.Tensor:
-    """The kernel's bfloat16 output in the activation dtype, plus bias and residual: a mixed
-    add promotes to float32, so the cast costs no op where an add follows."""
+    """A kernel's output (bfloat16, or float32 from q4vnni) in the activation dtype, plus bias
+    and residual: a mixed add promotes to float32, so the cast costs no op where an add
+    follows."""
     if bias is not None:
         y = torch.add(bias, y)  # bias is float32: promotes
     if residual is not None:
         return torch.add(residual, y)
     return y.to(dtype)
+
+
+def _check_pair_formats(kind: str, qtypes) -> None:
+    """The Q8_0 layouts (int4pair, q8vnni) read nothing else."""
+    if any(Q(int(t)) not in PAIR_FORMATS for t in qtypes):
+        raise ValueError(f"{kind} reads Q8_0 only, not "
+                         f"{', '.join(Q(int(t)).name for t in qtypes)}")
 
 
 class Int4PackLinear(Linear):
@@ -369,9 +377,7 @@ class Int4PairLinear(Int4PackLinear):
     def from_raws(cls, raws, qtypes, shapes, bias: torch.Tensor | None = None
                   ) -> "Int4PairLinear":
         """Stack the parts' rows (GGUF bytes, all Q8_0) into one packed weight."""
-        if any(Q(int(t)) not in PAIR_FORMATS for t in qtypes):
-            raise ValueError("int4pair reads Q8_0 only, not "
-                             f"{', '.join(Q(int(t)).name for t in qtypes)}")
+        _check_pair_formats(cls.kind, qtypes)
         rows, cols = sum(r for r, _ in shapes), shapes[0][1]
         padded = -(-rows // 16) * 16
         groups = cols // INT4_GROUP
@@ -398,11 +404,15 @@ class Int4PairLinear(Int4PackLinear):
 # cannot hold them exactly); q8vnni's records: 512 bytes of codes and 16 float16 scales
 Q4V_ROWS = 16
 Q4V_CODE_BYTES = Q4V_ROWS * INT4_GROUP // 2
-Q4V_FORMATS = {320: 0, 384: 1, 544: 2}  # record bytes -> q4_matvec.c's Q4_F16, Q4_F32, Q8_F16
+Q8V_RECORD_BYTES = 2 * Q4V_CODE_BYTES + 2 * Q4V_ROWS  # 8-bit codes, 16 float16 scales
 
 
 def q4vnni_record_bytes(scale_f32: bool) -> int:
     return Q4V_CODE_BYTES + 2 * Q4V_ROWS * (4 if scale_f32 else 2)
+
+
+# record bytes -> q4_matvec.c's Q4_F16, Q4_F32, Q8_F16
+Q4V_FORMATS = {q4vnni_record_bytes(False): 0, q4vnni_record_bytes(True): 1, Q8V_RECORD_BYTES: 2}
 
 
 def q4vnni_nbytes(rows: int, cols: int, scale_f32: bool) -> int:
@@ -413,7 +423,7 @@ def q4vnni_nbytes(rows: int, cols: int, scale_f32: bool) -> int:
 
 def q8vnni_nbytes(rows: int, cols: int) -> int:
     """Bytes of a (rows, cols) q8vnni weight: 8 + 0.5 bits a weight, Q8_0's own size."""
-    return -(-rows // Q4V_ROWS) * (cols // INT4_GROUP) * 544
+    return -(-rows // Q4V_ROWS) * (cols // INT4_GROUP) * Q8V_RECORD_BYTES
 
 
 def _q4vnni_params(ga: GroupAffine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -482,8 +492,7 @@ class Q4VnniLinear(Linear):
     elsewhere), each group's scale and zero applied once. The weights are the GGUF ones
     exactly (scales and zeros float16 where that holds them, float32 otherwise); the
     activations' rounding (to Q4VNNI_ACT_BITS bits) is the kernel's only error besides float32
-    sums. Needs the native
-    library: kind_for picks q4vnni only where q4vnni_available().
+    sums. Needs the native library: kind_for picks q4vnni only where q4vnni_available().
 
     `packed` is (ceil(rows / 16), in / 32, record) uint8, record = 320 bytes (float16 scales)
     or 384 (float32)."""
@@ -587,16 +596,7 @@ class Q4VnniLinear(Linear):
             x = x.float()
         y = torch.empty(x.shape[0], self._out)  # float32: one rounding fewer than the kernel
         self.matvec(x, y)
-        return _finish_f32(y, x.dtype, self.bias, residual)
-
-
-def _finish_f32(y: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None,
-                residual: torch.Tensor | None) -> torch.Tensor:
-    if bias is not None:
-        y = y.add_(bias)
-    if residual is not None:
-        return torch.add(residual, y)
-    return y.to(dtype)
+        return _finish(y, x.dtype, self.bias, residual)
 
 
 class Q8VnniLinear(Q4VnniLinear):
@@ -612,9 +612,7 @@ class Q8VnniLinear(Q4VnniLinear):
     def from_raws(cls, raws, qtypes, shapes, bias: torch.Tensor | None = None
                   ) -> "Q8VnniLinear":
         """Stack the parts' rows (GGUF bytes, all Q8_0) into one packed weight."""
-        if any(Q(int(t)) not in PAIR_FORMATS for t in qtypes):
-            raise ValueError("q8vnni reads Q8_0 only, not "
-                             f"{', '.join(Q(int(t)).name for t in qtypes)}")
+        _check_pair_formats(cls.kind, qtypes)
         rows, cols = sum(r for r, _ in shapes), shapes[0][1]
         padded = -(-rows // Q4V_ROWS) * Q4V_ROWS
         u = torch.zeros(padded, cols, dtype=torch.uint8)  # padding rows: scale 0
