@@ -5,7 +5,7 @@ what speculation's tree growth pays per level (issue: "make a level cost a few m
 
 Each level is `Engine.forward` over n sibling nodes below a 256-token prefix with a tree step,
 through the engine's CUDA graphs and eagerly, logits read back as growth reads them
-(spec_bench.level_costs). Widths above 8 go through kernels.qgemm. Writes
+(spec_bench.level_costs). Widths from 5 go through kernels.qgemm. Writes
 OUT_DIR/draft-levels.json (the GPU results shape: device, date, commit, tree).
 """
 

@@ -106,7 +106,9 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
                "predicted_tok_s": round(plan.predicted_tok_s or 0, 3),
                "pcie_gbps_probe": plan.bandwidth_gbps.get("pinned")}
         if h is not None:
-            row.update(cpu_share=round(h.cpu_share, 4), ffn_units_on_gpu=h.keep,
+            from slipstream.weights.hybrid import HOST_KIND
+
+            row.update(host_kind=HOST_KIND, cpu_share=round(h.cpu_share, 4), ffn_units_on_gpu=h.keep,
                        split_layers=len(h.layers), threads=h.threads,
                        cpu_gbps_probe=round(h.cpu_gbps, 1),
                        pcie_gbps_beside_cpu=round(h.pcie_gbps, 1),

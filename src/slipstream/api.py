@@ -433,13 +433,14 @@ def _warm_draft(engine: Engine) -> None:
     """Capture a draft's decode graph and one tree-level graph (runtime.graphs), whose memory
     pools are then allocated before the model's budget is set from what the draft left."""
     from .model import tree_step
+    from .runtime.graphs import STEP_WIDTHS
     from .runtime.speculative import CUDA_LEVEL_WIDTH
 
     if not engine.use_graphs:
         return
     engine.reset()
     engine.decode(torch.zeros(1, dtype=torch.long, device=engine.device))
-    for width in (1, 2, 4, CUDA_LEVEL_WIDTH):  # the widths a tree level pads to
+    for width in (w for w in STEP_WIDTHS if w <= CUDA_LEVEL_WIDTH):  # a level's widths
         step = tree_step([-1] * width, 1, 1, engine.device)
         engine.forward([0] * width, all_logits=True, step=step)
         engine.truncate(1)

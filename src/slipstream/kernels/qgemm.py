@@ -35,6 +35,11 @@ from .gemv import _bits_to, _scale_min, _sm_count
 from .pack import FLOAT_DTYPES, PackedWeight, sm_width
 
 MAX_M = 128  # rows of x this kernel takes (M_PAD up to 128 keeps the accumulator in registers)
+# From this many rows matmul() routes here rather than to the GEMVs. H200, gate_up 28672x4096
+# Q4_K (bench/results/2026-12-02-s15-qgemm-bench-h200-call5.json): the int8-activation GEMV
+# took 105 us at 4 rows and 389 at 8 (its rows unroll), the float one 128 and 206, where this
+# kernel takes 136 us for anything up to 32 rows
+MIN_M = 5
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -139,8 +144,10 @@ def supports(packed: PackedWeight) -> bool:
 
 
 def m_pad(m: int) -> int:
-    """The accumulator's columns for m rows of x: a power of two, at least 16 (the MMA's)."""
-    return max(16, triton.next_power_of_2(m))
+    """The accumulator's columns for m rows of x: a power of two, at least 32. The MMA needs
+    16; 32 costs half as much in every shape and format of the H200 sweep (gate_up Q4_K 136
+    against 254 us, the Q6_K head 633 against 1,020), for the same tiles."""
+    return max(32, triton.next_power_of_2(m))
 
 
 def slot_order(x: torch.Tensor, lo_bits: int, nu: int, dtype: torch.dtype) -> torch.Tensor:
@@ -162,17 +169,20 @@ _SMEM_FOR_X = 160 << 10
 
 def qgemm_config(packed: PackedWeight, m: int) -> dict[str, int]:
     """Tile sizes for one launch: BN rows per program, NU units of 32 per K step, SPLIT
-    programs along K. From the H200 sweep (bench/qgemm_bench.py; Q4_K 6144x4096: m = 16 best
-    at BN 64, NU 8, SPLIT 4, 68 us against 96 us unsplit; m = 64 at NU 16): a slot's tile is
-    NU*LO = 32 columns wide up to 32 rows of x, 64 at 64 rows, 32 again at 128 (the x tiles
-    of a step must leave room in shared memory for two stages), and K is split until the
-    programs fill the SMs twice over, each split keeping at least 4 steps."""
+    programs along K. From the H200 sweep (bench/qgemm_bench.py, 2026-12-02 call 5): a slot's
+    tile is NU*LO = 32 columns wide up to 32 rows of x and 64 from 64 rows (at 128 rows NU 16
+    took gate_up 28672x4096 Q4_K from 410 to 318 us, qkv 6144x4096 from 100 to 83 split 4);
+    at 128 rows a weight whose 128-row blocks fill the SMs takes BN 128 with 8 warps (gate_up
+    315 us); K is split until the programs fill the SMs twice over, each split keeping at
+    least 4 steps (Q4_K 6144x4096 at 16 rows: 68 us split 4 against 96 unsplit)."""
     spec = packed.spec
     n, nut = packed.rows, packed.cols // 32
     mp = m_pad(m)
-    nul = 64 if mp == 64 else 32
+    nul = 64 if mp >= 64 else 32
     nu = max(nul // spec.lo, 16 // spec.lo, 1)
     sms = _sm_count(packed.device)
+    if mp == 128 and -(-n // 128) >= sms:
+        return {"BN": 128, "NU": nu, "SPLIT": 1, "num_warps": 8}
     bn = 64
     split = 1
     while -(-n // bn) * split < 2 * sms and nut // (split * 2) >= 4 * nu:

@@ -127,20 +127,49 @@ def cpu_packed_gbps(threads: int, rows: int = 16384, cols: int = 8192, reps: int
 
 
 def _int4_matmul(rows: int, cols: int, tokens: int):
-    """A call of torch's int4 CPU kernel on `tokens` rows against a random (rows, cols)
-    weight, and the weight's bytes."""
+    """A call of the CPU kernel hybrid decode runs Q4_K on (weights.hybrid.HOST_KIND: torch's
+    int4 kernel, or q4vnni) on `tokens` rows against a random (rows, cols) weight, and the
+    weight's packed bytes."""
     import torch
+    from gguf import GGMLQuantizationType
 
-    from ..weights.cpu_packed import INT4_GROUP
+    from ..weights.cpu_packed import INT4_GROUP, kind_for
+    from ..weights.hybrid import HOST_KIND
 
-    packed, scale_zeros = _int4_weight(rows, cols)
     x = torch.randn(tokens, cols, dtype=torch.bfloat16,
                     generator=torch.Generator().manual_seed(1))
+    if kind_for(GGMLQuantizationType.Q4_K, HOST_KIND) == "q4vnni":
+        linear = _q4vnni_weight(rows, cols)
+
+        def one() -> None:
+            linear.kernel(x)
+
+        return one, linear.nbytes
+    packed, scale_zeros = _int4_weight(rows, cols)
 
     def one() -> None:
         torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scale_zeros)
 
     return one, packed.numel() + scale_zeros.numel() * 2
+
+
+@functools.lru_cache(maxsize=2)
+def _q4vnni_weight(rows: int, cols: int):
+    """A random weight in q4vnni's layout for Q4_K (float32 scales and zeros, all 0.01; codes
+    random), made in its records directly: packing random Q4_K bytes took 9 s for a quarter
+    of this size on 2 cores."""
+    import torch
+
+    from ..weights.cpu_packed import (INT4_GROUP, Q4V_CODE_BYTES, Q4V_ROWS, Q4VnniLinear,
+                                      q4vnni_record_bytes)
+
+    gen = torch.Generator().manual_seed(0)
+    blocks, groups = -(-rows // Q4V_ROWS), cols // INT4_GROUP
+    packed = torch.randint(0, 256, (blocks, groups, q4vnni_record_bytes(True)),
+                           dtype=torch.uint8, generator=gen)
+    planes = torch.full((blocks, groups, 2 * Q4V_ROWS), 0.01, dtype=torch.float32)
+    packed[..., Q4V_CODE_BYTES:] = planes.view(torch.uint8)
+    return Q4VnniLinear(packed, rows)
 
 
 @functools.lru_cache(maxsize=2)

@@ -17,6 +17,7 @@ the GPU. The extra RAM is the CPU's packed copy of its units (weights.cpu_packed
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -32,10 +33,15 @@ from .cpu_packed import kind_for, pack_group, pack_linear
 # whole 64-row blocks of torch's int4 CPU layout along gate/up's rows
 SPLIT_ALIGN = 256
 REST_FIELDS = ("ffn_gate_up_rest", "ffn_down_rest")  # the image's tail: decode leaves it out
-# The CPU's share runs on torch's packed kernels, not on the native q4vnni/q8vnni ones that CPU
-# decode takes: memory.hybrid_plan balances the split by timing torch's int4 kernel, and the
-# native kernels have not yet been run on the GPU machine's CPU beside its copies
-HOST_KIND = "torch"
+# The CPU's share runs on torch's packed kernels by default, not on the native q4vnni/q8vnni
+# ones that CPU decode takes: those have not yet been measured on the GPU machine's CPU beside
+# its copies. SLIPSTREAM_HYBRID_KIND=auto takes them (cpu_packed.kind_for's "auto");
+# memory.hybrid_plan's probe times the kernel of the kind chosen here.
+HOST_KINDS = ("torch", "auto")
+HOST_KIND = os.environ.get("SLIPSTREAM_HYBRID_KIND", "torch")
+if HOST_KIND not in HOST_KINDS:
+    raise ValueError(f"SLIPSTREAM_HYBRID_KIND must be one of {', '.join(HOST_KINDS)}, "
+                     f"not {HOST_KIND!r}")
 
 
 def split_point(ffn: int, cpu_share: float, align: int = SPLIT_ALIGN) -> int:

@@ -200,7 +200,6 @@ class QuantLinear(Linear):
         self.workspace = workspace
         self._matmul = kernels.matmul
         self._rms_norm = kernels.rms_norm
-        self._max_m = kernels.MAX_M
         self._qgemm, self._qgemm_max_m = kernels.qgemm, kernels.QGEMM_MAX_M
         self._q8 = None
         if workspace.int8_activations and int(packed.qtype) not in _FLOAT_TYPES:
@@ -211,6 +210,9 @@ class QuantLinear(Linear):
             self._q8 = gemv_q8
         # float formats are multiplied as they are; quantized ones dequantize into scratch
         self._scratch = int(packed.qtype) not in _FLOAT_TYPES
+        # rows the GEMVs take: quantized weights go to qgemm from QGEMM_MIN_M rows (see
+        # kernels.matmul), float ones from MAX_M + 1 to cuBLAS
+        self._max_m = kernels.QGEMM_MIN_M - 1 if self._scratch else kernels.MAX_M
         if self._scratch:
             workspace.reserve(packed.rows * packed.cols)
 
