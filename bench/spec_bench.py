@@ -158,6 +158,8 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
     m = slipstream.load(target, device="cuda", ctx=1024, draft=draft, **budgets)
     with m:
         tiers = {k: m.plan.tiers.count(k) for k in set(m.plan.tiers)}
+        # before the runs: a sized run may give the draft up (session 16's did)
+        levels = level_costs(m.draft.engine, (1, 4, 8, CUDA_LEVEL_WIDTH))  # widths growth runs
         plain = decode(m, tokens, draft=False)
         auto = decode(m, tokens)
         auto2 = decode(m, tokens)  # the sizer has learned the costs on the first run
@@ -165,11 +167,11 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
         # the draft growing the next tree on its own stream while the target's layers stream
         beside = decode(m, tokens, spec_ahead=AHEAD_BESIDE)
         fixed_beside = decode(m, tokens, spec_nodes=64, spec_depth=8, spec_ahead=AHEAD_BESIDE)
-        levels = level_costs(m.draft.engine, (1, 4, 8))  # the widths growth runs
         base = {"name": "default-spec", "target": target.name, "draft": draft.name,
                 "vram_layers": RESIDENT, "ram_budget": "24MiB",
                 "draft_vram_bytes": m.plan.draft[1] if m.plan.draft else None,
                 "tiers": tiers, "plain_decode_tok_s": plain["decode_tok_s"],
+                "draft_released": m.draft_released is not None,
                 "greedy_equal": auto2["ids"] == plain["ids"] == fixed["ids"] == beside["ids"]
                 == fixed_beside["ids"],
                 "greedy_equal_by_variant": {

@@ -397,6 +397,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
             _skip_layers(model, skip_layers)
         if draft_skip_layers:
             model.draft = _self_draft(model, draft_skip_layers)
+        if model.draft is not None and dev.type == "cuda":
+            _warm_target(model.engine)
     except BaseException:
         model.close()
         raise
@@ -430,17 +432,42 @@ def _place_draft(path: Path, dev: torch.device, ctx: int, precision: str, ram: i
 
 
 def _warm_draft(engine: Engine) -> None:
-    """Capture a draft's decode graph and one tree-level graph (runtime.graphs), whose memory
+    """Capture a draft's decode graph and its tree-level graphs (runtime.graphs), whose memory
     pools are then allocated before the model's budget is set from what the draft left."""
-    from .model import tree_step
     from .runtime.graphs import STEP_WIDTHS
     from .runtime.speculative import CUDA_LEVEL_WIDTH
 
     if not engine.use_graphs:
         return
+    _run_tree_steps(engine, [w for w in STEP_WIDTHS if w <= CUDA_LEVEL_WIDTH])
+
+
+# Tree passes a CUDA target runs once at load when it has a draft: one per kernel variant a
+# verification can reach (kernels.qgemm's accumulator of 32, 64 and 128 rows; dequantize +
+# cuBLAS above). Their first run compiles Triton kernels: on the H200 the first 256-node
+# rounds of the 70B took 1.5 s a pass against 0.44 s once compiled (bench/results/
+# 2026-12-02-s16-*), and a sizer that timed them gave the draft up
+TARGET_WARM_WIDTHS = (32, 64, 128, 256)
+
+
+def _warm_target(engine: Engine) -> None:
+    """Compile the target's tree-pass kernels before the first generation (see
+    TARGET_WARM_WIDTHS); a budget too tight for a pass leaves the rest to compile on use."""
+    try:
+        _run_tree_steps(engine, [w for w in TARGET_WARM_WIDTHS if w < engine.ctx])
+    except torch.cuda.OutOfMemoryError:
+        engine.reset()
+        torch.cuda.empty_cache()
+
+
+def _run_tree_steps(engine: Engine, widths: list[int]) -> None:
+    """A decode step, then one tree of each width of siblings below it; the cache is left
+    empty."""
+    from .model import tree_step
+
     engine.reset()
     engine.decode(torch.zeros(1, dtype=torch.long, device=engine.device))
-    for width in (w for w in STEP_WIDTHS if w <= CUDA_LEVEL_WIDTH):  # a level's widths
+    for width in widths:
         step = tree_step([-1] * width, 1, 1, engine.device)
         engine.forward([0] * width, all_logits=True, step=step)
         engine.truncate(1)
