@@ -137,13 +137,13 @@ def prompt_ids(model) -> list[tuple[str, list[int]]]:
 
 
 def run_one(model, ids: list[int], max_tokens: int, temperature: float, seed: int,
-            nodes: int | None) -> tuple[list[int], dict, object]:
+            nodes: int | None, depth: int = SPEC_DEPTH) -> tuple[list[int], dict, object]:
     if nodes is None:
         kw = dict(draft=False)
     else:
         kw = dict(spec_nodes=nodes)
         if "spec_depth" in inspect.signature(model.generate).parameters:
-            kw["spec_depth"] = SPEC_DEPTH
+            kw["spec_depth"] = depth
     toks = [e.id for e in model.generate(ids, max_tokens=max_tokens, temperature=temperature,
                                          seed=seed, **SAMPLING, **kw)]
     st = model.last_stats
@@ -158,7 +158,7 @@ def measure_cell(model, prompts, nodes: int, temperature: float, a, plain: dict 
     per_prompt, mismatches = [], []
     t0 = time.perf_counter()
     for name, ids in prompts:
-        toks, x, st = run_one(model, ids, a.max_tokens, temperature, a.seed, nodes)
+        toks, x, st = run_one(model, ids, a.max_tokens, temperature, a.seed, nodes, a.depth)
         p = int(x["spec_target_passes"])
         n = int(round(x["spec_tokens_per_pass"] * p))
         passes += p
@@ -187,7 +187,7 @@ def measure_cell(model, prompts, nodes: int, temperature: float, a, plain: dict 
         per_prompt.append(pp)
     wall = time.perf_counter() - t0
     q = max(passes, 1)
-    row = {"nodes": nodes, "temperature": temperature,
+    row = {"nodes": nodes, "depth": a.depth, "temperature": temperature,
            "tokens_per_pass": round(tokens / q, 4), "passes": passes, "tokens": tokens,
            "generated_tokens": generated, "accepted_hist": hist,
            "mean_accepted": round(sum(i * c for i, c in enumerate(hist)) / q, 4),
@@ -274,13 +274,14 @@ def cpu_name() -> str:
 def table(rows: list[dict]) -> Table:
     t = Table(title="speculative decoding on the CPU: tokens per target pass "
                     "(SmolLM2-135M-Instruct; drafts requantized by slipstream)")
-    cols = ["target", "draft", "nodes", "T", "tok/pass", "used tok/pass", "passes", "tokens",
+    cols = ["target", "draft", "nodes", "depth", "T", "tok/pass", "used tok/pass", "passes", "tokens",
             "accepted hist",
             "tree", "draft ms/pass", "verify ms/pass", "wall s", "greedy = plain"]
     for c in cols:
         t.add_column(c, justify="left" if c in ("target", "draft", "accepted hist") else "right")
     for r in rows:
-        t.add_row(r["target"], r["draft"], str(r["nodes"]), f"{r['temperature']:g}",
+        t.add_row(r["target"], r["draft"], str(r["nodes"]), str(r.get("depth", SPEC_DEPTH)),
+                  f"{r['temperature']:g}",
                   f"{r['tokens_per_pass']:.3f}", f"{r['tokens_per_pass_used']:.3f}",
                   str(r["passes"]), str(r["tokens"]),
                   " ".join(map(str, r["accepted_hist"])), f"{r['tree_nodes_mean']:.1f}",
@@ -308,6 +309,8 @@ def main() -> None:
                         "layer-skip self-draft")
     p.add_argument("--nodes", default="16,64,256")
     p.add_argument("--temps", default="0,0.8")
+    p.add_argument("--depth", type=int, default=SPEC_DEPTH, help="the trees' depth (drafted "
+                   "tokens below the root on the longest branch)")
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="the first N prompts")
     p.add_argument("--seed", type=int, default=1234)
@@ -429,7 +432,8 @@ def write_doc(a, out: Path, src: Path, files, made, drafts_info, rows, notes, lo
            "runtime_s": round(time.perf_counter() - t_all, 1), "partial": partial}
     runs, all_rows = [run], list(rows)
     if old is not None:  # --merge: the old rows this run did not remeasure, first
-        key = lambda r: (r["target"], r["draft"], r["nodes"], r["temperature"])  # noqa: E731
+        key = lambda r: (r["target"], r["draft"], r["nodes"], r.get("depth", SPEC_DEPTH),  # noqa: E731
+                         r["temperature"])
         mine = {key(r) for r in rows}
         all_rows = [r for r in old["rows"] if key(r) not in mine] + all_rows
         old_threads = old.get("threads")  # a run written before runs carried their threads
@@ -455,7 +459,7 @@ def write_doc(a, out: Path, src: Path, files, made, drafts_info, rows, notes, lo
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **(_START or provenance()),
         "settings": {"precision": a.precision, "ctx": a.ctx, "max_tokens": a.max_tokens,
-                     "seed": a.seed, **SAMPLING, "spec_depth": SPEC_DEPTH,
+                     "seed": a.seed, **SAMPLING, "spec_depth": a.depth,
                      "tree_top_k": 8, "sizer": "bypassed: spec_nodes and spec_depth fixed",
                      "prompts": [{"name": n, "kind": k, "text": t}
                                  for n, k, t in PROMPTS[:a.prompts]],

@@ -442,22 +442,24 @@ def _warm_draft(engine: Engine) -> None:
     _run_tree_steps(engine, [w for w in STEP_WIDTHS if w <= CUDA_LEVEL_WIDTH])
 
 
-# Tree passes a CUDA target runs once at load when it has a draft: one per kernel variant a
-# verification can reach (kernels.qgemm's accumulator of 32, 64 and 128 rows; dequantize +
-# cuBLAS above). Their first run compiles Triton kernels: on the H200 the first 256-node
-# rounds of the 70B took 1.5 s a pass against 0.44 s once compiled (bench/results/
-# 2026-12-02-s16-*), and a sizer that timed them gave the draft up
-TARGET_WARM_WIDTHS = (32, 64, 128, 256)
+# Tree passes a CUDA target runs once at load when it has a draft: one per accumulator width
+# of kernels.qgemm (32, 64, 128 rows), which a verification pass of 5 to 128 nodes reaches.
+# Their first run compiles Triton kernels: on the H200 the first 256-node rounds of the 70B
+# took 1.5 s a pass against 0.44 s once compiled (bench/results/2026-12-02-h200-session16.md),
+# and a sizer that timed them gave the draft up. Wider passes take dequantize + cuBLAS, which
+# prefill compiles.
+TARGET_WARM_WIDTHS = (32, 64, 128)
 
 
 def _warm_target(engine: Engine) -> None:
     """Compile the target's tree-pass kernels before the first generation (see
-    TARGET_WARM_WIDTHS); a budget too tight for a pass leaves the rest to compile on use."""
+    TARGET_WARM_WIDTHS), then hand the passes' cached blocks back. A budget too tight for a
+    pass's logits leaves the rest to compile on first use (the layers have streamed by then)."""
     try:
         _run_tree_steps(engine, [w for w in TARGET_WARM_WIDTHS if w < engine.ctx])
     except torch.cuda.OutOfMemoryError:
         engine.reset()
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
 
 
 def _run_tree_steps(engine: Engine, widths: list[int]) -> None:

@@ -165,16 +165,15 @@ def test_dequantize_bit_exact(qt: T) -> None:
 
 
 def test_matmul_small_m_uses_fused_path() -> None:
-    """Fewer than QGEMM_MIN_M rows of a quantized weight (leading dims folded) go to the GEMV:
-    the same bits as calling it."""
+    """Up to 8 rows (leading dims folded) go to the exact GEMV: the same bits as calling it."""
     packed, ref = _setup(T.Q4_K, 33, 512, seed=11)
-    x = torch.randn(2, 2, 512, device="cuda").to(torch.bfloat16)
+    x = torch.randn(2, 4, 512, device="cuda").to(torch.bfloat16)
     y = kernels.matmul(x, packed, out_dtype=torch.float32)
-    yref = x.reshape(4, 512).double().cpu().numpy() @ ref.T
-    assert y.shape == (2, 2, 33)
-    assert torch.equal(y.reshape(4, 33), kernels.gemv(x.reshape(4, 512), packed,
+    yref = x.reshape(8, 512).double().cpu().numpy() @ ref.T
+    assert y.shape == (2, 4, 33)
+    assert torch.equal(y.reshape(8, 33), kernels.gemv(x.reshape(8, 512), packed,
                                                        out_dtype=torch.float32))
-    assert _rel(y.reshape(4, 33), yref) <= TOL[T.Q4_K]["gemv"]
+    assert _rel(y.reshape(8, 33), yref) <= TOL[T.Q4_K]["gemv"]
 
 
 def test_pack_rejects_bad_input() -> None:
@@ -469,14 +468,14 @@ def test_qgemm_fused_and_unfused_scales_give_the_same_bits(qt: T) -> None:
 
 
 def test_matmul_routes_small_batches_to_qgemm() -> None:
-    """kernels.matmul: below MIN_M rows the fused GEMV, MIN_M..128 qgemm (the same bits as
-    calling it), more than 128 dequantize + cuBLAS; each within its tolerance of the
-    reference. And a CUDA graph replays qgemm to the bit (draft levels run captured)."""
-    from slipstream.kernels.qgemm import MAX_M, MIN_M, qgemm
+    """kernels.matmul: m <= 8 the fused GEMV, 9..128 qgemm (the same bits as calling it), more
+    than 128 dequantize + cuBLAS; each within its tolerance of the reference. And a CUDA graph
+    replays qgemm to the bit (draft levels run captured)."""
+    from slipstream.kernels.qgemm import MAX_M, qgemm
 
     k = 512
     packed, ref = _setup(T.Q4_K, 70, k, seed=23)
-    for m in (MIN_M, 8, MAX_M):
+    for m in (9, MAX_M):
         x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
         assert torch.equal(kernels.matmul(x, packed), qgemm(x, packed))
     x = torch.randn(MAX_M + 1, k, device="cuda").to(torch.bfloat16)

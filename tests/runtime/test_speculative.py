@@ -414,3 +414,19 @@ def test_a_draft_that_never_pays_is_given_up(tmp_path):
         # a fixed tree size is the user's choice: never given up
         list(m.generate(PREFIX, max_tokens=200, temperature=0, spec_nodes=8))
         assert m.last_speculation["draft_given_up_at"] is None and m.draft is not None
+
+
+def test_warm_up_tree_passes_leave_the_model_as_loaded(tiny):
+    """The tree passes load runs to compile a CUDA target's kernels (api._run_tree_steps)
+    leave an empty cache and change no output: greedy tokens after them equal a fresh load's."""
+    from slipstream.api import _run_tree_steps
+
+    target, _, _ = tiny
+    fresh = slipstream.load(target.path, device="cpu", ctx=128, precision="exact")
+    want = [e.id for e in fresh.generate(PREFIX, max_tokens=12, temperature=0)]
+    fresh.close()
+    target.engine.forward(PREFIX)  # a cache in use before the warm-up, as after a generation
+    _run_tree_steps(target.engine, [4, 16, 32])
+    assert target.engine.length == 0
+    got = [e.id for e in target.generate(PREFIX, max_tokens=12, temperature=0)]
+    assert got == want

@@ -4,7 +4,7 @@ Importing this package never needs CUDA or Triton (CI is CPU-only): the kernel m
 imported on first use of a name below. `available()` says whether they can run here.
 
     packed = pack_weight(raw_uint8_cuda, qtype, rows, cols)   # once, at load time
-    y = matmul(x, packed)        # m <= 4: fused GEMV; m <= 128: qgemm; larger: dequant + cuBLAS
+    y = matmul(x, packed)        # m <= 8: fused GEMV; m <= 128: qgemm; larger: dequant + cuBLAS
     y = gemv(x, packed)          # x (m <= 8, K)
     y = qgemm(x, packed)         # x (m <= 128, K), quantized W, on the tensor cores
     w = dequantize(packed)       # (N, K) bf16

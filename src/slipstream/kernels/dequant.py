@@ -5,9 +5,8 @@ scratch (N, K) bf16 buffer and multiplied by cuBLAS on the tensor cores. For m <
 in gemv.py reads only the quantized bytes. Measured on an H200 at m = 512 (Q4_K 14336x4096):
 dequant 205 us + cuBLAS 115 us = 312 us, 193 TFLOP/s; 70B 28672x8192: 686 + 337 us, 238 TFLOP/s.
 The dequant kernel runs at only ~0.7 TB/s (strided 8-byte stores per slot), so it is 2/3 of the
-prefill time. Dispatch for quantized weights: m < QGEMM_MIN_M (5) -> GEMV, m <= QGEMM_MAX_M
-(128) -> qgemm.py's fused dequant-in-GEMM (a draft's tree levels and small verification
-trees), else dequant + cuBLAS.
+prefill time. Dispatch: m <= 8 -> GEMV, m <= QGEMM_MAX_M (128) -> qgemm.py's fused
+dequant-in-GEMM (a draft's tree levels and small verification trees), else dequant + cuBLAS.
 """
 
 from __future__ import annotations
@@ -18,7 +17,8 @@ import triton.language as tl
 
 from .gemv import MAX_M, _scale_min, gemv
 from .pack import FLOAT_DTYPES, PackedWeight
-from .qgemm import MAX_M as QGEMM_MAX_M, MIN_M as QGEMM_MIN_M, qgemm, supports as qgemm_supports
+from .qgemm import MAX_M as QGEMM_MAX_M, qgemm, supports as qgemm_supports
+from .qgemm import MIN_M as QGEMM_MIN_M  # noqa: F401 (kernels.QGEMM_MIN_M)
 
 
 @triton.jit
@@ -99,20 +99,21 @@ def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.bfloat16,
 
 def matmul(x: torch.Tensor, packed: PackedWeight, out_dtype: torch.dtype | None = None,
            scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """y[..., N] = x[..., K] @ W^T. Rows m = prod(x.shape[:-1]): for quantized weights the
-    fused GEMV below QGEMM_MIN_M rows and the tensor-core quantized GEMM (qgemm.py) up to
-    QGEMM_MAX_M; for float ones the GEMV up to MAX_M; otherwise dequantize (into `scratch` if
-    given) + cuBLAS. Output dtype: out_dtype or x's dtype."""
+    """y[..., N] = x[..., K] @ W^T. Rows m = prod(x.shape[:-1]): the exact fused GEMV for
+    m <= 8 (float32 products of the file's weights: precision "exact" keeps them for tree
+    passes of up to 8 nodes, at the cost of qgemm's there), the tensor-core quantized GEMM
+    (qgemm.py) up to QGEMM_MAX_M, otherwise dequantize (into `scratch` if given) + cuBLAS.
+    The int8-activation GEMV (precision "fast", weights.linear.QuantLinear) hands over to
+    qgemm from QGEMM_MIN_M rows instead. Output dtype: out_dtype or x's dtype."""
     if x.shape[-1] != packed.cols:
         raise ValueError(f"x's last dim must be {packed.cols}, got {tuple(x.shape)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, packed.cols)
     m = x2.shape[0]
     out_dtype = out_dtype or x.dtype
-    quantized = qgemm_supports(packed)
-    if m < QGEMM_MIN_M or (m <= MAX_M and not quantized):
+    if m <= MAX_M:
         y = gemv(x2, packed, out_dtype=out_dtype)
-    elif m <= QGEMM_MAX_M and quantized:
+    elif m <= QGEMM_MAX_M and qgemm_supports(packed):
         y = qgemm(x2, packed, out_dtype=out_dtype)
     else:
         # bf16 tensor-core matmul; fp16 activations stay fp16 (same speed, more mantissa)

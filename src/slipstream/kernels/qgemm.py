@@ -35,10 +35,11 @@ from .gemv import _bits_to, _scale_min, _sm_count
 from .pack import FLOAT_DTYPES, PackedWeight, sm_width
 
 MAX_M = 128  # rows of x this kernel takes (M_PAD up to 128 keeps the accumulator in registers)
-# From this many rows matmul() routes here rather than to the GEMVs. H200, gate_up 28672x4096
-# Q4_K (bench/results/2026-12-02-s15-qgemm-bench-h200-call5.json): the int8-activation GEMV
-# took 105 us at 4 rows and 389 at 8 (its rows unroll), the float one 128 and 206, where this
-# kernel takes 136 us for anything up to 32 rows
+# From this many rows the int8-activation GEMV (precision "fast") hands over to this kernel
+# (weights.linear.QuantLinear). H200, gate_up 28672x4096 Q4_K (bench/results/
+# 2026-12-02-s15-qgemm-bench-h200-call5.json): that GEMV took 105 us at 4 rows and 389 at 8
+# (its rows unroll), where this kernel takes ~140 us for anything up to 32 rows. The exact
+# float GEMV keeps its 8 rows (kernels.matmul): 206 us at 8, as fast as this kernel there
 MIN_M = 5
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
