@@ -178,6 +178,29 @@ def test_a_draft_holding_the_targets_memory_is_settled_with_trees_back_to_back()
     assert trees >= GIVE_UP_MIN_TREES and rounds > EXPLORE_EVERY
 
 
+def test_the_rounds_that_settle_a_draft_holding_memory_take_the_narrowest_trees():
+    """While the draft holds the target's memory (plain_gain > 1) the rounds that decide
+    whether it stays take the two narrowest tree sizes (a line needs two widths), however flat
+    the pass line; a draft that pays then grows as wide as one that holds nothing."""
+    flat = lambda n: 0.35 + 1e-5 * n  # noqa: E731 (a streamed 70B's passes)
+    sizer = TreeSizer(plain_gain=1.35)
+    sizes = []
+    while sizer._trees < GIVE_UP_MIN_TREES:
+        nodes, depth = sizer.choose()
+        if depth:
+            sizes.append(nodes)
+        sizer.observe_pass(nodes if depth else 1, flat(nodes if depth else 1))
+        if depth:
+            sizer.observe_levels(depth, depth * 0.003)
+            sizer.observe_walk(depth, min(depth, 3))
+    assert sizes == [NODE_CHOICES[0], NODE_CHOICES[1], NODE_CHOICES[0]]
+    assert not sizer.gives_up
+    assert feed(sizer, flat, 0.003, 0.8) == feed(TreeSizer(), flat, 0.003, 0.8) \
+        == (NODE_CHOICES[-1], 8)
+    unheld = TreeSizer()  # no memory to give back: the widths the line wants, at once
+    assert unheld.choose()[0] not in NODE_CHOICES[:2]
+
+
 def test_a_draft_levels_warm_up_does_not_set_their_cost():
     """A round whose growth compiled kernels or captured graphs (23.5 ms a level against 3.6
     on the H200's default-spec) is outvoted: the cheapest while there are fewer than three

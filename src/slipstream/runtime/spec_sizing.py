@@ -163,6 +163,13 @@ class TreeSizer:
     def nodes(self) -> int:
         if self.fixed_nodes is not None:
             return self.fixed_nodes
+        if self._settling:
+            # the rounds that decide whether the draft stays: the narrowest trees, two widths
+            # for the pass line. A draft that accepts nothing is given up on what its first
+            # tokens do, which a wide tree shows no better, and on the H200's 70B these
+            # rounds took 256-512-node passes (0.44-0.49 s against 0.32 s at 16; session 16's
+            # fresh sizer: 3 trees of 234 nodes on average)
+            return min(NODE_CHOICES[int(self._n) % 2], self.max_nodes)
         widths_seen = self._n >= 2 and self._sxx / self._n - (self._sx / self._n) ** 2 > 1e-9
         if not widths_seen:
             # try the widest choice once early: a second width is what the line needs
