@@ -33,6 +33,7 @@ import slipstream  # noqa: E402
 from slipstream.memory.hybrid_plan import default_threads  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
 from slipstream.synth import write_synth  # noqa: E402
+from slipstream.weights.hybrid import HOST_KIND  # noqa: E402
 
 
 def decode_rate(model, tokens: int) -> float:
@@ -106,9 +107,8 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
                "predicted_tok_s": round(plan.predicted_tok_s or 0, 3),
                "pcie_gbps_probe": plan.bandwidth_gbps.get("pinned")}
         if h is not None:
-            from slipstream.weights.hybrid import HOST_KIND
-
-            row.update(host_kind=HOST_KIND, cpu_share=round(h.cpu_share, 4), ffn_units_on_gpu=h.keep,
+            row.update(host_kind=HOST_KIND, cpu_share=round(h.cpu_share, 4),
+                       ffn_units_on_gpu=h.keep,
                        split_layers=len(h.layers), threads=h.threads,
                        cpu_gbps_probe=round(h.cpu_gbps, 1),
                        pcie_gbps_beside_cpu=round(h.pcie_gbps, 1),

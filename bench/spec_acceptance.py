@@ -274,9 +274,8 @@ def cpu_name() -> str:
 def table(rows: list[dict]) -> Table:
     t = Table(title="speculative decoding on the CPU: tokens per target pass "
                     "(SmolLM2-135M-Instruct; drafts requantized by slipstream)")
-    cols = ["target", "draft", "nodes", "depth", "T", "tok/pass", "used tok/pass", "passes", "tokens",
-            "accepted hist",
-            "tree", "draft ms/pass", "verify ms/pass", "wall s", "greedy = plain"]
+    cols = ["target", "draft", "nodes", "depth", "T", "tok/pass", "used tok/pass", "passes",
+            "tokens", "accepted hist", "tree", "draft ms/pass", "verify ms/pass", "wall s", "greedy = plain"]
     for c in cols:
         t.add_column(c, justify="left" if c in ("target", "draft", "accepted hist") else "right")
     for r in rows:
@@ -432,8 +431,10 @@ def write_doc(a, out: Path, src: Path, files, made, drafts_info, rows, notes, lo
            "runtime_s": round(time.perf_counter() - t_all, 1), "partial": partial}
     runs, all_rows = [run], list(rows)
     if old is not None:  # --merge: the old rows this run did not remeasure, first
-        key = lambda r: (r["target"], r["draft"], r["nodes"], r.get("depth", SPEC_DEPTH),  # noqa: E731
-                         r["temperature"])
+        def key(r: dict) -> tuple:
+            return (r["target"], r["draft"], r["nodes"], r.get("depth", SPEC_DEPTH),
+                    r["temperature"])
+
         mine = {key(r) for r in rows}
         all_rows = [r for r in old["rows"] if key(r) not in mine] + all_rows
         old_threads = old.get("threads")  # a run written before runs carried their threads

@@ -100,8 +100,8 @@ def default_threads() -> int:
 def cpu_packed_gbps(threads: int, rows: int = 16384, cols: int = 8192, reps: int = 12,
                     beside_copy: bool = False, copy_bytes: int = 128 << 20
                     ) -> tuple[float, float | None]:
-    """GB/s of torch's int4 CPU kernel on one token against a 64 MiB weight (larger than the
-    caches), with `threads` threads: the rate the CPU's share runs at. beside_copy (CUDA): the
+    """GB/s of hybrid's CPU kernel for Q4_K (_host_matmul) on one token against a 64 MiB
+    weight (larger than the caches), with `threads` threads: the rate the CPU's share runs at. beside_copy (CUDA): the
     kernel runs while pinned host-to-device copies do, as in hybrid decode, since both read
     host memory and slow each other down (on the H200 host the kernel alone read 76 GB/s and
     51 GB/s during decode, where the share was set from the 76). Returns the kernel's GB/s
@@ -113,7 +113,7 @@ def cpu_packed_gbps(threads: int, rows: int = 16384, cols: int = 8192, reps: int
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        one, weight_bytes = _int4_matmul(rows, cols, 1)
+        one, weight_bytes = _host_matmul(rows, cols, 1)
         for _ in range(2):
             one()
         if not beside_copy:
@@ -126,7 +126,7 @@ def cpu_packed_gbps(threads: int, rows: int = 16384, cols: int = 8192, reps: int
         torch.set_num_threads(saved)
 
 
-def _int4_matmul(rows: int, cols: int, tokens: int):
+def _host_matmul(rows: int, cols: int, tokens: int):
     """A call of the CPU kernel hybrid decode runs Q4_K on (weights.hybrid.HOST_KIND: torch's
     int4 kernel, or q4vnni) on `tokens` rows against a random (rows, cols) weight, and the
     weight's packed bytes."""
@@ -188,8 +188,8 @@ def _int4_weight(rows: int, cols: int):
 @functools.lru_cache(maxsize=None)
 def cpu_token_scaling(threads: int, rows: int = 16384, cols: int = 8192, reps: int = 4,
                       widths: tuple[int, ...] = TOKEN_WIDTHS) -> dict[int, float]:
-    """The int4 CPU kernel's time on m tokens over its time on one, for each m of `widths`,
-    with `threads` threads: one token reads the weight at memory speed, several multiply it
+    """Hybrid's CPU kernel's time (_host_matmul) on m tokens over its time on one, for each m
+    of `widths`, with `threads` threads: one token reads the weight at memory speed, several multiply it
     more times than the bytes cost (above a few tokens the CPU is FLOP-bound). Measured once
     per process and setting, each width on the same weight, best of `reps`."""
     import torch
@@ -199,7 +199,7 @@ def cpu_token_scaling(threads: int, rows: int = 16384, cols: int = 8192, reps: i
     try:
         seconds = {}
         for m in widths:
-            one, _ = _int4_matmul(rows, cols, m)
+            one, _ = _host_matmul(rows, cols, m)
             one()
             best = float("inf")
             for _ in range(reps):

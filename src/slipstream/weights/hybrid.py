@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ..errors import BadArgument
 from .cpu_packed import kind_for, pack_group, pack_linear
 
 # keep (and ffn - keep) in multiples of this: a K-quant block along down's columns (256), and
@@ -40,8 +41,8 @@ REST_FIELDS = ("ffn_gate_up_rest", "ffn_down_rest")  # the image's tail: decode 
 HOST_KINDS = ("torch", "auto")
 HOST_KIND = os.environ.get("SLIPSTREAM_HYBRID_KIND", "torch")
 if HOST_KIND not in HOST_KINDS:
-    raise ValueError(f"SLIPSTREAM_HYBRID_KIND must be one of {', '.join(HOST_KINDS)}, "
-                     f"not {HOST_KIND!r}")
+    raise BadArgument(f"SLIPSTREAM_HYBRID_KIND={HOST_KIND!r} is invalid: set it to one of "
+                      f"{', '.join(HOST_KINDS)}, or unset it")
 
 
 def split_point(ffn: int, cpu_share: float, align: int = SPLIT_ALIGN) -> int:
