@@ -224,15 +224,10 @@ def test_streamed_run_trace_nests_and_matches_stats(smollm_path, tmp_path):
     total_ms = {k: sum(e["dur"] for e in evs) / 1e3 for k, evs in tracks.items()}
     for kind, row in (("rebuild", "build streamed layers"), ("disk wait", "disk wait")):
         assert total_ms[kind] / n_tok == pytest.approx(stats[row], rel=0.01, abs=0.01), kind
-    # --stats' compute is the rest of the time, embedding, head and sampling included: the
-    # layers' spans are most of it in a decode token (the first token's also holds the lazy
-    # packing of the resident weights' decode copies, the head's outside any layer)
+    # --stats' compute is the rest of the time, embedding, head and sampling included, so the
+    # layers' spans are at most that. How much of a token they cover is a timing, left to the
+    # benchmarks: on a loaded 2-core CI machine the gaps between spans grew to 3/4 of a token.
     assert total_ms["compute"] / n_tok <= stats["compute"] + 0.01
-    for tok in tokens[1:]:
-        inside_ms = {k: sum(e["dur"] for e in tracks[k] if inside(e, tok)) / 1e3
-                     for k in ("compute", "disk wait", "rebuild")}
-        rest = tok["dur"] / 1e3 - inside_ms["disk wait"] - inside_ms["rebuild"]
-        assert inside_ms["compute"] >= 0.5 * rest, tok["name"]
 
 
 def test_trace_into_a_missing_folder_fails_before_loading(tmp_path):
