@@ -428,6 +428,8 @@ def spec_table(extra: dict) -> Table | None:
         return None
     passes = extra["spec_target_passes"]
     per_pass = max(passes, 1)
+    # the plain steps after the draft was given up are not timed one by one (plain decoding)
+    timed = max(passes - extra.get("spec_plain_after_give_up", 0), 1)
     t = Table(title="speculative decoding", show_header=False)
     t.add_column("figure", style="bold")
     t.add_column("value", justify="right")
@@ -438,12 +440,14 @@ def spec_table(extra: dict) -> Table | None:
             ("accepted drafted tokens: passes", "  ".join(f"{a}: {n}" for a, n in
                                                           enumerate(hist)) or "-"),
             ("draft ms / pass", f"{extra['spec_draft_s'] / per_pass * 1e3:.1f}"),
-            ("verify ms / pass", f"{extra['spec_verify_s'] / per_pass * 1e3:.1f}"),
+            ("verify ms / pass", f"{extra['spec_verify_s'] / timed * 1e3:.1f}"),
             ("draft forwards / pass", f"{extra.get('spec_draft_forwards', 0) / per_pass:.1f}"),
             ("draft prefill ms", f"{extra.get('spec_draft_prefill_s', 0.0) * 1e3:.1f}")]
     # figures a source reports only where it has them (the sizer's plain steps, its choices)
     rows += [(label, str(extra[key])) for key, label in
-             (("spec_plain_steps", "plain steps (no tree)"), ("spec_nodes", "tree node budget"),
+             (("spec_plain_steps", "plain steps (no tree)"),
+              ("spec_plain_after_give_up", "of which after the draft was given up"),
+              ("spec_nodes", "tree node budget"),
               ("spec_depth", "tree depth budget")) if key in extra]
     for name, value in rows:
         t.add_row(name, value)

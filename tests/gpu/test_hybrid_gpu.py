@@ -151,3 +151,35 @@ def test_the_stream_waits_for_the_host_flag():
     assert time.perf_counter() - t0 >= 0.19 and int(failed.item()) == 0
     kernels.wait_host_flag(flag, 2, failed, max_spins=1000)
     assert int(failed.item()) == 1
+
+
+def test_default_model_split_costs_under_half_a_percent_of_perplexity(smollm_path):
+    """Issue 13's correctness on the real model: the default model with 4 layers in VRAM and
+    the rest pinned, its FFNs split half and half with the CPU, against the same plan with
+    whole layers. The CPU's int4 layout rounds Q4_1's scales and mins to bfloat16 and takes
+    bfloat16 activations, so the mapping is not exact: perplexity of a page of prose through
+    the decode path stays within 0.5 %, and greedy tokens are compared for the report."""
+    from pathlib import Path
+
+    from slipstream.runtime.perplexity import perplexity
+
+    text = (Path(__file__).parents[1] / "data" / "prose.txt").read_text()
+    ppl, greedy = {}, {}
+    for mode in ("off", 0.5):
+        with slipstream.load(smollm_path, device="cuda", ctx=256, vram_layers=4,
+                             precision="exact", hybrid=mode) as m:
+            if mode == "off":
+                assert m.plan.hybrid is None and len(m.plan.streamed_layers) > 20
+            else:
+                assert m.plan.hybrid is not None and m.plan.hybrid.layers
+            ids = m.tokenize(text, add_special=True)
+            store = m.engine.layers
+            store.stats.reset()
+            ppl[mode] = perplexity(lambda c, m=m: m.logits(c, one_at_a_time=True), ids, 128,
+                                   max_chunks=3).ppl
+            if mode != "off":
+                assert store.stats.cpu_bytes > 0  # the CPU did compute its share
+            greedy[mode] = [e.id for e in m.generate("The lighthouse keeper", max_tokens=32,
+                                                     temperature=0)]
+    same = next((i for i, (a, b) in enumerate(zip(greedy["off"], greedy[0.5])) if a != b), 32)
+    assert abs(ppl[0.5] / ppl["off"] - 1) < 5e-3, (ppl, f"greedy equal for {same} tokens")

@@ -406,10 +406,21 @@ def test_a_draft_that_never_pays_is_given_up(tmp_path):
         assert report["draft_given_up_at"] is not None, report
         trees = report["target_passes"] - report["plain_steps"]
         assert trees >= GIVE_UP_MIN_TREES and report["accepted_hist"][1:] == []
+        # the round that gave it up took one plain step; every token after that came from
+        # plain decoding's own loop (runtime.generate.decode_steps), counted as passes of 1
+        assert report["target_passes"] == len(plain) - 1
+        given_up = report["draft_given_up_at"]
+        assert report["plain_after_give_up"] == report["target_passes"] - given_up - 1 > 200
         assert m.draft is None and m.draft_released == ("o.gguf", [])
         assert m.draft_release_s is not None and m.draft_release_s >= 0
         again = [e.id for e in m.generate(PREFIX, max_tokens=20, temperature=0)]
         assert again == plain[:20] and m.last_speculation is None
+    sampling = dict(SAMPLING, repeat_penalty=1.3, presence_penalty=0.2, max_tokens=120)
+    with slipstream.load(target, device="cpu", ctx=512, precision="exact", draft=other) as m:
+        # seeded sampling with penalties across the handover: the history it reads carries on
+        plain = [e.id for e in m.generate(PREFIX, seed=7, draft=False, **sampling)]
+        spec = [e.id for e in m.generate(PREFIX, seed=7, **sampling)]
+        assert m.last_speculation["plain_after_give_up"] > 0 and spec == plain
     with slipstream.load(target, device="cpu", ctx=512, precision="exact", draft=other) as m:
         # a fixed tree size is the user's choice: never given up
         list(m.generate(PREFIX, max_tokens=200, temperature=0, spec_nodes=8))

@@ -101,21 +101,36 @@ def autoregressive(engine: Engine, prompt: list[int], sampler: Sampler, budget: 
     logits = engine.forward(prompt)[-1]
     token = sampler(logits, history)  # 0-d, on the device
     stats.prefill_s = time.perf_counter() - t0
+    history = torch.cat((history, token.view(1)))
+    more = budget - 1
+    # queued before the first token is read back, as decode_steps does for the others
+    logits = engine.decode(token.view(1)) if (more and engine.device.type == "cuda") else None
+    yield token
+    if more:
+        yield from decode_steps(engine, token, history, sampler, more, logits)
+
+
+def decode_steps(engine: Engine, token: torch.Tensor, history: torch.Tensor, sampler: Sampler,
+                 count: int, logits: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
+    """Plain decoding from a drawn token: `count` more tokens, one decode step each. `token`
+    is emitted but not yet in the cache, `history` ends with it; `logits`, if given, are its
+    decode step's, already queued. Speculative decoding hands over to this once its draft is
+    given up, so that the rest of the generation runs exactly as plain decoding does."""
     # Looking one step ahead only pays where the device runs asynchronously to the host.
     ahead = engine.device.type == "cuda"
-    for index in range(budget):
-        last = index == budget - 1
+    if logits is None:
+        logits = engine.decode(token.view(1))
+    for index in range(count):
+        token = sampler(logits[-1], history)
+        history = torch.cat((history, token.view(1)))
+        last = index == count - 1
         # On CUDA, queue the next step before this token is read back: the device computes
         # step t+1 while the host turns token t into text. A step that turns out not to be
         # needed (a stop) is wasted work, never a wrong result: the next generation resets.
-        next_logits = engine.decode(token.view(1)) if (ahead and not last) else None
+        logits = engine.decode(token.view(1)) if (ahead and not last) else None
         yield token
-        if last:
-            return
-        if next_logits is None:
-            next_logits = engine.decode(token.view(1))
-        history = torch.cat((history, token.view(1)))
-        token = sampler(next_logits[-1], history)
+        if not last and logits is None:
+            logits = engine.decode(token.view(1))
 
 
 def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], sampler: Sampler,

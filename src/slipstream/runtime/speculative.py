@@ -50,7 +50,7 @@ from ..errors import BadArgument, DraftMismatch
 from ..model import tree_step
 from .draft_tree import DraftTree, TreeGrower, grow_tree
 from .engine import Engine
-from .generate import GenerationStats, TokenSource
+from .generate import GenerationStats, TokenSource, decode_steps
 from .sampler import Sampler
 from .spec_sizing import TreeSizer
 
@@ -122,6 +122,7 @@ class SpecStats:
     ahead_s: float = 0.0  # the time they took
     ahead_trees: int = 0  # trees that were grown ahead, in the round before them
     ahead_beside: int = 0  # of ahead_forwards: grown on the draft's stream beside the pass
+    plain_after_give_up: int = 0  # of plain_steps: decode steps once the draft was given up
 
     def record(self, tree_len: int, accepted: int, emitted: int) -> None:
         self.target_passes += 1
@@ -131,6 +132,12 @@ class SpecStats:
         while len(self.accepted) <= accepted:
             self.accepted.append(0)
         self.accepted[accepted] += 1
+
+    def record_plain(self) -> None:
+        """A plain decode step after the draft was given up (timed with the generation, not
+        as a verify pass: it is not synchronised)."""
+        self.record(1, 0, 1)
+        self.plain_after_give_up += 1
 
     def write(self, stats: GenerationStats) -> None:
         passes = max(self.target_passes, 1)
@@ -144,7 +151,8 @@ class SpecStats:
             spec_draft_prefill_s=self.draft_prefill_s,
             spec_plain_steps=self.plain_steps, spec_draft_given_up_at=self.given_up_at,
             spec_ahead_forwards=self.ahead_forwards, spec_ahead_s=self.ahead_s,
-            spec_ahead_trees=self.ahead_trees, spec_ahead_beside=self.ahead_beside)
+            spec_ahead_trees=self.ahead_trees, spec_ahead_beside=self.ahead_beside,
+            spec_plain_after_give_up=self.plain_after_give_up)
 
 
 class Speculator:
@@ -352,10 +360,16 @@ def speculative_source(draft: Engine, nodes: int | None = None, depth: int | Non
             stats.prefill_s = time.perf_counter() - t
             yield root
             emitted = 1
-            while emitted < budget:
+            while emitted < budget and not spec.given_up:
                 for token in spec.round(budget - emitted):
                     emitted += 1
                     yield token
+            # the draft given up: the rest is plain decoding's own loop (one step queued
+            # ahead of the host), not rounds that each end in a sync
+            for token in decode_steps(engine, spec.root, spec.history, sampler,
+                                      budget - emitted):
+                spec.stats.record_plain()
+                yield token
         finally:
             spec.stats.write(stats)
 
