@@ -157,23 +157,41 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
     # RESIDENT of the target's layers in VRAM (load's vram_layers, as llama.cpp's -ngl), 24
     # MiB of pinned RAM, the rest read from disk on every pass; the draft wholly resident
     budgets = dict(vram_layers=RESIDENT, ram_budget="24MiB")
-    m = slipstream.load(target, device="cuda", ctx=1024, draft=draft, **budgets)
-    with m:
+
+    def open_model():
+        return slipstream.load(target, device="cuda", ctx=1024, draft=draft, **budgets)
+
+    m = open_model()
+    given_up = []  # variants during which the sizer gave the draft up (session 16's call 2)
+
+    def run(label: str, **kw) -> dict:
+        nonlocal m
+        if m.draft is None:  # given up in an earlier variant: a fresh load for this one
+            m.close()
+            m = open_model()
+        r = decode(m, tokens, **kw)
+        if m.draft is None:
+            given_up.append(label)
+        return r | {"draft_given_up": m.draft is None}
+
+    try:
         tiers = {k: m.plan.tiers.count(k) for k in set(m.plan.tiers)}
-        # before the runs: a sized run may give the draft up (session 16's did)
+        draft_vram = m.plan.draft[1] if m.plan.draft else None
+        # before the runs: a sized run may give the draft up
         levels = level_costs(m.draft.engine, (1, 4, 8, CUDA_LEVEL_WIDTH))  # widths growth runs
         plain = decode(m, tokens, draft=False)
-        auto = decode(m, tokens)
-        auto2 = decode(m, tokens)  # the sizer has learned the costs on the first run
-        fixed = decode(m, tokens, spec_nodes=64, spec_depth=8)
+        auto = run("auto-first")
+        auto2 = run("auto")  # the sizer has learned the costs on the first run (same load)
+        fixed = run("nodes64-depth8", spec_nodes=64, spec_depth=8)
         # the draft growing the next tree on its own stream while the target's layers stream
-        beside = decode(m, tokens, spec_ahead=AHEAD_BESIDE)
-        fixed_beside = decode(m, tokens, spec_nodes=64, spec_depth=8, spec_ahead=AHEAD_BESIDE)
+        beside = run("auto-beside", spec_ahead=AHEAD_BESIDE)
+        fixed_beside = run("nodes64-depth8-beside", spec_nodes=64, spec_depth=8,
+                           spec_ahead=AHEAD_BESIDE)
         base = {"name": "default-spec", "target": target.name, "draft": draft.name,
                 "vram_layers": RESIDENT, "ram_budget": "24MiB",
-                "draft_vram_bytes": m.plan.draft[1] if m.plan.draft else None,
+                "draft_vram_bytes": draft_vram,
                 "tiers": tiers, "plain_decode_tok_s": plain["decode_tok_s"],
-                "draft_released": m.draft_released is not None,
+                "draft_released": bool(given_up), "draft_given_up_in": given_up,
                 "greedy_equal": auto2["ids"] == plain["ids"] == fixed["ids"] == beside["ids"]
                 == fixed_beside["ids"],
                 "greedy_equal_by_variant": {
@@ -181,9 +199,11 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
                         ("auto", auto2), ("nodes64-depth8", fixed), ("auto-beside", beside),
                         ("nodes64-depth8-beside", fixed_beside))},
                 "draft_levels": levels, "vram_gib": vram_gib()}
-        for label, r in (("auto-first", auto), ("auto", auto2), ("nodes64-depth8", fixed),
-                         ("auto-beside", beside), ("nodes64-depth8-beside", fixed_beside)):
-            rows.append(base | {"variant": label} | {k: v for k, v in r.items() if k != "ids"})
+    finally:
+        m.close()
+    for label, r in (("auto-first", auto), ("auto", auto2), ("nodes64-depth8", fixed),
+                     ("auto-beside", beside), ("nodes64-depth8-beside", fixed_beside)):
+        rows.append(base | {"variant": label} | {k: v for k, v in r.items() if k != "ids"})
     return rows
 
 
@@ -205,9 +225,15 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
         # warmed first: a first generation compiles the decode kernels inside its timing
         # (session 16: 3.695 tok/s cold here against hybrid_bench's warmed 4.664, same plan)
         decode(m, 4, draft=False)
-        plain = decode(m, tokens, draft=False)  # as long as the speculative runs below
+        first = decode(m, tokens, draft=False)  # as long as the speculative runs below
         passes = pass_costs(m.engine, pass_widths)
+        # twice, around the pass costs: runs of hybrid decode spread by 7-20% (session 16);
+        # the floor is judged against their mean
+        second = decode(m, tokens, draft=False)
+        plain_runs = [first["decode_tok_s"], second["decode_tok_s"]]
+        plain = {"decode_tok_s": round(statistics.mean(plain_runs), 3)}
         rows.append({"name": "70b-q4k-vram24", "decode_tok_s": plain["decode_tok_s"],
+                     "decode_tok_s_runs": plain_runs,
                      "streamed_layers": streamed, "h2d_bytes_per_token": moved,
                      "h2d_gbps": round(h2d, 1),
                      "roofline_tok_s": round(h2d * 1e9 / moved, 3) if moved else None,
