@@ -66,8 +66,8 @@ def decode(model, tokens: int, **kw) -> dict:
                    target_passes=spec["target_passes"], plain_steps=spec["plain_steps"],
                    accepted_hist=spec["accepted_hist"],
                    tree_nodes_mean=round(spec["tree_nodes_mean"], 1),
-                   target_pass_s=round(spec["verify_s"] / max(
-                       passes - spec.get("plain_after_give_up", 0), 1), 4),
+                   target_pass_s=round(spec["verify_s"]
+                                       / max(spec.get("verify_passes", passes), 1), 4),
                    plain_after_give_up=spec.get("plain_after_give_up", 0),
                    draft_s_per_pass=round(spec["draft_s"] / passes, 4),
                    series_draft_forwards_per_pass=round(spec["draft_forwards"] / passes, 2),

@@ -428,8 +428,7 @@ def spec_table(extra: dict) -> Table | None:
         return None
     passes = extra["spec_target_passes"]
     per_pass = max(passes, 1)
-    # the plain steps after the draft was given up are not timed one by one (plain decoding)
-    timed = max(passes - extra.get("spec_plain_after_give_up", 0), 1)
+    timed = max(extra.get("spec_verify_passes", passes), 1)
     t = Table(title="speculative decoding", show_header=False)
     t.add_column("figure", style="bold")
     t.add_column("value", justify="right")

@@ -5,6 +5,8 @@ makes a split layer whole."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -159,8 +161,6 @@ def test_default_model_split_costs_under_half_a_percent_of_perplexity(smollm_pat
     whole layers. The CPU's int4 layout rounds Q4_1's scales and mins to bfloat16 and takes
     bfloat16 activations, so the mapping is not exact: perplexity of a page of prose through
     the decode path stays within 0.5 %, and greedy tokens are compared for the report."""
-    from pathlib import Path
-
     from slipstream.runtime.perplexity import perplexity
 
     text = (Path(__file__).parents[1] / "data" / "prose.txt").read_text()

@@ -152,7 +152,9 @@ class SpecStats:
             spec_plain_steps=self.plain_steps, spec_draft_given_up_at=self.given_up_at,
             spec_ahead_forwards=self.ahead_forwards, spec_ahead_s=self.ahead_s,
             spec_ahead_trees=self.ahead_trees, spec_ahead_beside=self.ahead_beside,
-            spec_plain_after_give_up=self.plain_after_give_up)
+            spec_plain_after_give_up=self.plain_after_give_up,
+            # the passes verify_s times: the plain steps after the give-up are not timed
+            spec_verify_passes=self.target_passes - self.plain_after_give_up)
 
 
 class Speculator:
