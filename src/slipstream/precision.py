@@ -30,6 +30,11 @@ class Precision:
     # CPU fast: decode matvecs through packed int4/int8 copies of the weights (weights.
     # cpu_packed.PackedDecodeLinear: bfloat16 activations), prefill through the dense ones
     cpu_packed_decode: bool = False
+    # CUDA exact: matmuls of more rows than the decode GEMV takes (tree passes, prefill) also
+    # multiply float32 values, so that a verification pass rounds like the decode steps it
+    # stands for up to summation order (float16 products there parted speculative greedy
+    # from plain at top-2 margins of 2-3e-3 on the H200, session 18)
+    float32_products: bool = False
 
     @classmethod
     def of(cls, name: str, device: torch.device) -> "Precision":
@@ -41,4 +46,5 @@ class Precision:
         return cls(name=name, weight_dtype=torch.float16 if fast else torch.float32,
                    kv_dtype=torch.float32 if device.type == "cpu" else torch.float16,
                    act_dtype=torch.float32, int8_activations=cuda_fast, fuse_scales=cuda_fast,
-                   cpu_packed_decode=fast and device.type == "cpu")
+                   cpu_packed_decode=fast and device.type == "cpu",
+                   float32_products=not fast and device.type == "cuda")

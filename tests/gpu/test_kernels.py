@@ -467,6 +467,31 @@ def test_qgemm_fused_and_unfused_scales_give_the_same_bits(qt: T) -> None:
         assert _rel(y, x.double().cpu().numpy() @ wf.T) <= QGEMM_TOL
 
 
+@pytest.mark.parametrize("qt", QUANTIZED, ids=lambda t: t.name)
+def test_exact_qgemm_is_float32_like_the_gemv(qt: T) -> None:
+    """precision="exact": qgemm's float32 variant is within the fp32 GEMV's bound of gguf's
+    dequantized weights (float16 weights and x are ~100x further off), and so is an exact
+    QuantLinear above qgemm's 128 rows (float weights too): a verification pass rounds like
+    the decode steps it stands for."""
+    from slipstream.kernels.qgemm import qgemm
+    from slipstream.weights.linear import QuantLinear, Workspace
+
+    k = _k_for(qt) * 2
+    packed, ref = _setup(qt, 45, k, seed=29)
+    for m in (9, 64, 128):
+        x = torch.randn(m, k, device="cuda")
+        yref = x.double().cpu().numpy() @ ref.T
+        assert _rel(qgemm(x, packed, exact=True), yref) <= FP32_TOL, (qt.name, m)
+    assert _rel(qgemm(x, packed), yref) > 10 * FP32_TOL  # the float16 kernel, for scale
+    exact = Workspace(torch.device("cuda"), float32_products=True)
+    x = torch.randn(300, k, device="cuda")
+    yref = x.double().cpu().numpy() @ ref.T
+    assert _rel(QuantLinear(packed, None, exact)(x), yref) <= FP32_TOL, qt.name
+    wf = torch.from_numpy(ref.astype(np.float32)).cuda()
+    floats = kernels.pack_weight(wf.contiguous().view(torch.uint8), T.F32, 45, k)
+    assert _rel(QuantLinear(floats, None, exact)(x), yref) <= FP32_TOL
+
+
 def test_matmul_routes_small_batches_to_qgemm() -> None:
     """kernels.matmul: m <= 8 the fused GEMV, 9..128 qgemm (the same bits as calling it), more
     than 128 dequantize + cuBLAS; each within its tolerance of the reference. And a CUDA graph

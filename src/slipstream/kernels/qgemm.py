@@ -14,6 +14,11 @@ the prefill path rounds it; sums are float32. The results are those of dequantiz
 summation order and the ~2^-11 rounding of each weight (the code is expanded with pack.py's
 mantissa trick, w = a*f + b, see gemv.py, instead of (q - OFF)*s - t).
 
+`exact=True` (precision "exact"): weights and x stay float32 and the tile products are IEEE
+float32 (no TF32), as the exact GEMV's are, so a tree pass rounds like the decode steps it
+verifies up to summation order. On the CUDA cores, not the tensor cores: the reference, not the
+fast path.
+
 Tiles: a program owns BN rows and walks a range of K in steps of NU units of 32; per step it
 loads the [BN, NU*LO] code words once and, for each of a word's 32/LO slots, expands one
 [BN, NU*LO] weight tile and multiplies it by the matching [NU*LO, M_PAD] tile of x (element
@@ -50,7 +55,7 @@ def _qgemm_kernel(xt_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, 
                   LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
                   KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr,
                   SM: tl.constexpr, M_PAD: tl.constexpr,
-                  BN: tl.constexpr, NU: tl.constexpr, WDT: tl.constexpr):
+                  BN: tl.constexpr, NU: tl.constexpr, WDT: tl.constexpr, IEEE: tl.constexpr):
     """xt: x in slot order (slot_order), so that each [NU*LO, M] tile is one contiguous block."""
     NJ: tl.constexpr = 32 // LO  # slots per word
     SPU: tl.constexpr = 32 // G  # scale groups per unit of 32
@@ -90,7 +95,10 @@ def _qgemm_kernel(xt_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, 
                     bits = bits | _bits_to(hw, j * HI, HI, MANT + LO)
                 w = (a * bits.to(tl.float32, bitcast=True) + b).to(WDT)  # [BN, NUL]
                 xt = tl.load(xstep + j * (NUL * M) + xtile, mask=xmask, other=0.0)
-                acc = tl.dot(w, xt.to(WDT), acc)
+                if IEEE:
+                    acc = tl.dot(w, xt.to(WDT), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w, xt.to(WDT), acc)
     ymask = rmask[:, None] & xmask
     yp = y_ptr + tl.program_id(1) * stride_ys + offs_m[None, :] * stride_ym + rows[:, None]
     tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ymask)
@@ -200,11 +208,12 @@ def _stages(nu: int, mp: int, esize: int) -> int:
 
 def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None,
           out_dtype: torch.dtype | None = None, config: dict[str, int] | None = None,
-          scale_buffer: torch.Tensor | None = None) -> torch.Tensor:
+          scale_buffer: torch.Tensor | None = None, exact: bool = False) -> torch.Tensor:
     """y = x @ W^T for x (m, K), 1 <= m <= MAX_M, W quantized -> (m, N) in out_dtype (default
     x's dtype). `config` overrides qgemm_config (for tuning). A weight with unfused f16
     scales (a streamed layer at precision="fast") has its fused plane made first, into
-    `scale_buffer` if given (see with_fused_scales)."""
+    `scale_buffer` if given (see with_fused_scales). exact: float32 weights, x and products
+    (see the module's docstring)."""
     if x.dim() != 2 or x.shape[1] != packed.cols:
         raise ValueError(f"x must be (m, {packed.cols}), got {tuple(x.shape)}")
     m = x.shape[0]
@@ -215,11 +224,14 @@ def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None
     n, nut = packed.rows, packed.cols // 32
     out_dtype = out_dtype or x.dtype
     cfg = dict(config or qgemm_config(packed, m))
+    if exact and config is None:
+        # float32 tiles take twice the registers: the 128-row blocks' 8 warps would spill
+        cfg.update(BN=min(cfg["BN"], 64), num_warps=4)
     warps = cfg.pop("num_warps", 4)
     split = cfg.pop("SPLIT", 1)
     spec = packed.spec
     nu = cfg["NU"] = max(cfg["NU"], 16 // spec.lo)  # the MMA's K: 16 at least
-    wdt = torch.float32 if _INTERPRET else torch.float16
+    wdt = torch.float32 if _INTERPRET or exact else torch.float16
     stages = cfg.pop("num_stages", None) or _stages(nu, m_pad(m), wdt.itemsize)
     if packed.f16_scales and packed.sm is None and sm_width(spec) > 0:
         packed = with_fused_scales(packed, scale_buffer)
@@ -244,7 +256,8 @@ def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None
         m, n, nut, units, part.stride(-2), part.stride(0) if split > 1 else 0,
         LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
         HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, SM=packed.sm is not None,
-        M_PAD=m_pad(m), WDT=tl.float32 if _INTERPRET else tl.float16, num_warps=warps,
+        M_PAD=m_pad(m), WDT=tl.float32 if wdt == torch.float32 else tl.float16,
+        IEEE=exact and not _INTERPRET, num_warps=warps,
         num_stages=stages, **cfg)
     if split == 1:
         return y

@@ -145,7 +145,8 @@ class Workspace:
     weight at a time into it, so it is sized for the largest weight, not their sum), and the
     decode precision. With `int8_activations` (precision="fast"), decode GEMVs round x to int8
     per block of 32 and multiply codes with dp4a (kernels/gemv_q8.py: ~3x the fp32 kernel's
-    bandwidth); without it (precision="exact") they run in fp32 on the exact weights.
+    bandwidth); without it (precision="exact") they run in fp32 on the exact weights, and with
+    `float32_products` (precision="exact" too) so do the matmuls of more rows (QuantLinear).
 
     `max_elements` caps the scratch (LayerBuilder sets the largest layer weight): a weight
     larger than that, the output head in practice, is dequantized and multiplied in row chunks,
@@ -153,10 +154,12 @@ class Workspace:
     that layers could use. Only prompts scored in full (logits of every token) use it."""
 
     def __init__(self, device: torch.device, dtype: torch.dtype = torch.float16,
-                 int8_activations: bool = False, max_elements: int | None = None):
+                 int8_activations: bool = False, max_elements: int | None = None,
+                 float32_products: bool = False):
         self.device = device
         self.dtype = dtype
         self.int8_activations = int8_activations
+        self.float32_products = float32_products
         self.max_elements = max_elements
         self.buffer = torch.empty(0, device=device, dtype=dtype)
 
@@ -175,6 +178,9 @@ class Workspace:
         self.reserve(rows * cols)
         return self.buffer[: rows * cols].view(rows, cols)
 
+
+# the float32 copy of a float weight's rows that one step of QuantLinear._float32_matmul makes
+_FLOAT32_CHUNK_BYTES = 64 << 20
 
 _FLOAT_TYPES = {int(GGMLQuantizationType.F32), int(GGMLQuantizationType.F16),
                 int(GGMLQuantizationType.BF16)}
@@ -214,6 +220,9 @@ class QuantLinear(Linear):
         # rows (its cost jumps at 8: 389 us against qgemm's 146 for gate_up 28672x4096 Q4_K
         # on the H200); the exact one keeps up to MAX_M (209 us against 209, and float32)
         self._max_m = kernels.QGEMM_MIN_M - 1 if self._q8 is not None else kernels.MAX_M
+        # precision "exact": no float16 rounding above the GEMV's rows either
+        self._float32 = workspace.float32_products and (
+            not self._scratch or kernels.qgemm_supports(packed))
         if self._scratch:
             workspace.reserve(packed.rows * packed.cols)
 
@@ -223,7 +232,9 @@ class QuantLinear(Linear):
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         m = x.shape[0]
-        if m > self._max_m:
+        if m > self._max_m and self._float32:
+            y = self._float32_matmul(x)
+        elif m > self._max_m:
             # small batches (tree levels, verification): the fused quantized GEMM (the
             # scratch holds a streamed layer's fused scales for the call); prefill-sized
             # ones: dequantize into the scratch + cuBLAS
@@ -240,6 +251,25 @@ class QuantLinear(Linear):
             y = y + self.bias.to(y.dtype)
         if residual is not None:
             y = residual + y
+        return y
+
+    def _float32_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 values and sums, as the exact decode GEMV has: quantized weights through
+        qgemm's float32 variant, QGEMM_MAX_M rows of x at a time (each reads the whole weight:
+        precision "exact" is the reference, not the fast path); float weights through cuBLAS in
+        float32, a row chunk of the weight at a time (the float32 copy stays small)."""
+        x32 = x.float()
+        if self._scratch:
+            step = self._qgemm_max_m
+            parts = [self._qgemm(x32[r:r + step], self.packed, out_dtype=x.dtype, exact=True)
+                     for r in range(0, x32.shape[0], step)]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        weight = self.packed.lo
+        rows, cols = weight.shape
+        chunk = max(1, _FLOAT32_CHUNK_BYTES // (4 * cols))
+        y = torch.empty(x.shape[0], rows, device=x.device, dtype=x.dtype)
+        for r0 in range(0, rows, chunk):
+            y[:, r0:r0 + chunk] = x32 @ weight[r0:r0 + chunk].float().t()
         return y
 
     def _prefill_matmul(self, x: torch.Tensor) -> torch.Tensor:

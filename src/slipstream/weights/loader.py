@@ -144,6 +144,7 @@ class LayerBuilder:
         self.quantized = device.type == "cuda"
         self.workspace = workspace if workspace is not None else (
             Workspace(device, int8_activations=precision.int8_activations,
+                      float32_products=precision.float32_products,
                       max_elements=min(prefill_scratch_elements(cfg),
                                        scratch_elements or float("inf")))
             if self.quantized else None)
