@@ -50,9 +50,13 @@ GIVE_UP_TREES = 8
 # given up once the chance that its first-token acceptance reaches the break-even rate (the
 # rate at which some tree would beat a plain step) is below GIVE_UP_BELIEF, on a uniform prior.
 # The H200's 70B at 24 GiB with an 8B draft: a 256-node pass costs 0.44 s against 0.21 s for a
-# plain step, so a tree needs about 65% acceptance per depth; 3 rounds that accept nothing
-# leave a 1.5% chance of that, where 8 rounds spent 8 x ~0.5 s learning it.
-GIVE_UP_MIN_TREES = 3
+# plain step, so a tree needs about 65% acceptance per depth; 2 rounds that accept nothing
+# leave a 4.3% chance of that (3 rounds 1.5%), where 8 rounds spent 8 x ~0.5 s learning it.
+# Two, not three: the belief is the guard (one failed round leaves 12% at that rate, and a
+# cheaper tree's lower break-even keeps a draft longer), and in session 18's fresh sizer
+# (call 3) the third settling tree was a 0.38 s pass for one token in a 48-token run at 0.87x
+# the plain decode right after it.
+GIVE_UP_MIN_TREES = 2
 GIVE_UP_BELIEF = 0.05
 
 
