@@ -11,8 +11,8 @@ The counter lives in pinned host memory, which the GPU reads over PCIe (unified 
 each load is volatile so that it goes to memory every time. A spin that outlasts `timeout_s`
 by the GPU's own clock (%globaltimer: a host thread that died) gives up and sets `failed[0]`,
 so a stuck host shows up as an error rather than a GPU that never finishes. The bound is a time,
-not a count of loads: on the H200 a spin of 2^24 loads gave up in under 0.2 s (session 18), where
-it was meant to wait for tens of seconds.
+not a count of loads: on the H200, work behind a spin of 2^24 loads ran before a host that bumped
+the flag 0.2 s later (session 18), where the spin was meant to last tens of seconds.
 """
 
 from __future__ import annotations
