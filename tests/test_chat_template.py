@@ -198,7 +198,9 @@ def test_a_looping_template_is_stopped(name: str) -> None:
     assert isinstance(error, ChatTemplateLimitExceeded), repr(error)[:300]
     assert isinstance(error, TokenizerError)  # the server answers it with a 400
     assert error.args[0].startswith("the chat template ")
-    assert re.search(names, str(error)), str(error)
+    # the named bound, or the 5 s one where a loaded machine renders too slowly to reach it
+    # first (CI's 2 cores, session 18: the exponential macro's 250,000 calls took over 5 s)
+    assert re.search(f"{names}|ran for more than 5 s", str(error)), str(error)
 
 
 @pytest.mark.parametrize("name", EXPLODING)
