@@ -91,6 +91,13 @@ def prefill_rate(model, n: int = 512) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def set_threads(m, n: int) -> None:
+    """torch's CPU threads and hybrid's CPU worker's, at once (both take effect at once)."""
+    torch.set_num_threads(n)
+    for host in m.engine.layers.hosts.values():
+        host.io.threads = n
+
+
 def thread_sweep(m, name: str, threads: list[int], tokens: int) -> dict:
     """Decode tok/s at each thread count on the loaded model, swept up and then down, the mean
     of the two kept: later runs of a sweep ran faster (session 18: plain decode 3.19, 3.60,
@@ -98,9 +105,7 @@ def thread_sweep(m, name: str, threads: list[int], tokens: int) -> dict:
     higher counts."""
     runs: dict[str, list[float]] = {str(n): [] for n in threads}
     for n in threads + threads[::-1]:
-        torch.set_num_threads(n)
-        for host in m.engine.layers.hosts.values():  # hybrid's CPU worker thread
-            host.io.threads = n
+        set_threads(m, n)
         runs[str(n)].append(round(decode_rate(m, tokens), 3))
         print(json.dumps({"name": name, "threads": n, "tok_s": runs[str(n)][-1]}), flush=True)
     return {"decode_tok_s_by_threads": {n: round(sum(r) / len(r), 3) for n, r in runs.items()},
@@ -146,9 +151,7 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
         row["breakdown"] = breakdown(m, max(4, tokens // 2))
         if h is not None and sweep:
             row.update(thread_sweep(m, name, threads, max(8, tokens // 2)))
-            torch.set_num_threads(h.threads)
-            for host in m.engine.layers.hosts.values():
-                host.io.threads = h.threads
+            set_threads(m, h.threads)
         if prefill:
             row["prefill512_tok_s"] = round(prefill_rate(m), 1)
             row["decode_after_prefill_tok_s"] = round(decode_rate(m, max(4, tokens // 2)), 3)
