@@ -7,8 +7,13 @@
 # the first measurements: on the disk, synthesis took about 5 of call 1's 7 minutes in session
 # 13, and the first 70B decodes after it ran 10-20% under later ones), else /tmp.
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
+  # once per machine: a script started in the background while another imports from /tmp/site
+  # must not reinstall under it
+  if [ ! -f /tmp/site/.installed ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .whl/*.whl || exit 1
+    touch /tmp/site/.installed
+  fi
   export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=140
