@@ -196,7 +196,7 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/slipstream-models")
     ap.add_argument("--cases", default="70b,8b")
     ap.add_argument("--tokens", type=int, default=12)
-    ap.add_argument("--threads", default="4,8,10,12,14,16")
+    ap.add_argument("--threads", default="8,10,12,13,14,15,16")
     ap.add_argument("--hybrid", default="auto", help="the hybrid cases' mode or share")
     ap.add_argument("--llamacpp", action="append", default=[],
                     help="SHAPE=FILE: llama-bench's output on that shape from this call")

@@ -351,9 +351,9 @@ def floor(work: Path, tokens: int, vram_layers: int | None = None) -> list[dict]
         released = m.draft_released
         runs.append(shown({"run": "speculative, fresh sizer",
                            "streamed_layers": streamed_with_draft,
-                     "vram_gib": vram_gib(),
-                     "draft_released": released is not None,
-                     "release_s": round(m.draft_release_s or 0, 3)} | spec))
+                           "vram_gib": vram_gib(),
+                           "draft_released": released is not None,
+                           "release_s": round(m.draft_release_s or 0, 3)} | spec))
         after = decode(m, tokens, draft=False)
         runs.append(shown({"run": "plain, same load after the release",
                            "decode_tok_s": after["decode_tok_s"],

@@ -88,12 +88,14 @@ def parse_hybrid(value: str | float | None) -> str | float:
 
 
 def default_threads() -> int:
-    """Three quarters of the cores: on the H200 host (16 cores) 12 threads ran the CPU's share
-    at 49.9 GB/s beside a pinned copy at 53.3 GB/s, where 16 threads fell to 39.5 GB/s and
-    starved nothing but themselves (issue 13's measurement); the rest feed the copy engine,
-    the disk readers and the Python thread that drives the GPU."""
+    """All cores but one in eight (14 of the H200 host's 16): the rest feed the copy engine,
+    the disk readers and the Python thread that drives the GPU. Measured on the 70B at
+    24 GiB with hybrid on (s18-hybrid-bench-h200-call2.json): 4 / 8 / 10 / 12 / 14 / 16
+    threads decoded 2.43 / 4.49 / 4.56 / 4.78 / 4.91 / 4.81 tok/s. At 16 the CPU's reads
+    starve the pinned copy (issue 13's table: 39.5 GB/s beside it, against 49.9 at 12)."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (3 * (n or 4)) // 4)
+    n = n or 4
+    return max(1, n - max(1, n // 8))
 
 
 @functools.lru_cache(maxsize=None)
