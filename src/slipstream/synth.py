@@ -19,7 +19,7 @@ from typing import Callable
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
 
 from . import quant
 from .config import ARCHITECTURES, ModelConfig
@@ -63,6 +63,18 @@ QUANT_MIXES: dict[str, tuple[Q, Q]] = {
     "F16": (Q.F16, Q.F16),
     "Q4_0": (Q.Q4_0, Q.Q6_K),
     "Q5_K": (Q.Q5_K, Q.Q6_K),
+}
+
+# general.file_type of each mix: llama.cpp's own enum (LlamaFileType), which is not the
+# tensors' GGML type: writing Q4_K's GGML id (12) made llama.cpp name the 70B "Q3_K - Medium"
+FILE_TYPES: dict[str, LlamaFileType] = {
+    "Q4_K": LlamaFileType.MOSTLY_Q4_K_S,  # every layer matrix Q4_K
+    "Q4_K_M": LlamaFileType.MOSTLY_Q4_K_M,
+    "Q6_K": LlamaFileType.MOSTLY_Q6_K,
+    "Q8_0": LlamaFileType.MOSTLY_Q8_0,
+    "F16": LlamaFileType.MOSTLY_F16,
+    "Q4_0": LlamaFileType.MOSTLY_Q4_0,
+    "Q5_K": LlamaFileType.MOSTLY_Q5_K_S,
 }
 
 # (byte offset, multiplier) of the float16 scale fields inside one block, per format: the only
@@ -284,7 +296,7 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(shape.vocab)
-    w.add_file_type(int(layer_type))
+    w.add_file_type(int(FILE_TYPES[quant_mix]))
     tokens, types, merges, special = build_vocab(shape.vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("llama-bpe")

@@ -88,14 +88,14 @@ def parse_hybrid(value: str | float | None) -> str | float:
 
 
 def default_threads() -> int:
-    """All cores but one in eight (14 of the H200 host's 16): the rest feed the copy engine,
-    the disk readers and the Python thread that drives the GPU. Measured on the 70B at
-    24 GiB with hybrid on (s18-hybrid-bench-h200-call2.json): 4 / 8 / 10 / 12 / 14 / 16
-    threads decoded 2.43 / 4.49 / 4.56 / 4.78 / 4.91 / 4.81 tok/s. At 16 the CPU's reads
-    starve the pinned copy (issue 13's table: 39.5 GB/s beside it, against 49.9 at 12)."""
+    """All cores but one (15 of the H200 host's 16): the one left drives the GPU and the copy
+    engine's submissions. Measured on the 70B at 24 GiB with hybrid on, each count's decode
+    the mean of a sweep up and down on one load (bench/results/2026-12-03-s20-hybrid-bench-
+    h200-call1.json): 8 / 10 / 12 / 13 / 14 / 15 / 16 threads, 4.42 / 4.45 / 4.86 / 4.95 /
+    4.94 / 5.12 / 4.75 tok/s. All 16 starve the pinned copy (issue 13's table: the CPU's
+    kernel beside it fell to 39.5 GB/s, from 49.9 at 12)."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    n = n or 4
-    return max(1, n - max(1, n // 8))
+    return max(1, (n or 4) - 1)
 
 
 @functools.lru_cache(maxsize=None)
