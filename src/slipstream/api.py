@@ -93,8 +93,9 @@ class Model:
             self.engine.release()  # its own KV cache goes
             self.engine = None
             return
-        for stage in self.engine.stages:
-            stage.store.close()
+        stores = {id(st.store): st.store for st in self.engine.stages}  # stages may share one
+        for store in stores.values():
+            store.close()
         self.engine.release()
         if self._vram_cap is not None:
             self._vram_cap.release()
@@ -262,7 +263,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
          skip_layers: int = 0, draft: str | os.PathLike[str] | None = None,
          draft_skip_layers: int = 0, private_weights: bool | None = None,
          hybrid: str | float = "auto", threads: int | None = None,
-         vram_layers: int | None = None) -> Model:
+         vram_layers: int | None = None,
+         devices: Sequence[str | torch.device] | None = None) -> Model:
     """Open a GGUF model: `path` (and `draft`) take what `slipstream -m` takes, a file, a cached
     model's name (`slipstream list`), USER/REPO/FILE.gguf or a URL, pulled if the cache lacks
     it; None is the default model, pulled if missing.
@@ -291,6 +293,11 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     each read, or an int of GPU cycles to stall the copy stream at random before each copy.
     vram_layers (CUDA): hold at most this many layers in VRAM, whatever the budget allows
     (llama.cpp's -ngl); the rest stream from pinned RAM or disk as the budgets say.
+    devices: the model as one stage per entry, each a contiguous range of layers with its own
+    KV cache (the embedding on the first, the head on the last), e.g. ["cpu", "cpu"]. A
+    vram_budget list ("24GiB,12GiB") gives one budget per entry. Stages on distinct devices
+    (GPU to GPU) are not built yet and are refused; a CUDA index the machine lacks raises
+    DeviceNotFound.
     skip_layers: leave out the K layers whose output is most like their input (cosine
     similarity on a calibration text shipped with the package, runtime.layer_skip), preferring
     streamed layers among near-equals; they are neither streamed nor computed. Costs
@@ -323,6 +330,9 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     then computes with them.
     """
     hybrid = _hybrid_mode(hybrid, precision)
+    stage_devices = None
+    if devices is not None:  # checked before the file is opened: a wrong index fails at once
+        device, vram_budget, stage_devices = _stage_devices(devices, vram_budget)
     model_path, gf, cfg = _open(path, progress)
     dev = resolve_device(device)
     tokenizer = Tokenizer.from_metadata(gf.metadata)
@@ -364,6 +374,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
         if draft_model is not None:
             draft_model.close()
         raise
+    if stage_devices is not None:
+        plan.stages = _stage_plans(cfg, stage_devices)
     if draft is not None:
         plan.draft = (Path(draft).name, held)
     elif draft_skip_layers:
@@ -690,6 +702,38 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
     model = Model(model_path, gf, cfg, engine, tokenizer, template)
     model.plan = plan
     return model
+
+
+def _stage_devices(devices, vram_budget):
+    """load(devices=...): the device the stages run on, its VRAM budget, and the devices one
+    stage each. One process runs its stages on one device today: the hidden state's hand-over
+    from GPU to GPU and a store per GPU are not built, so distinct devices are refused."""
+    from .memory.budget import parse_size
+    from .memory.devices import per_device_budgets, resolve_devices
+
+    devs = resolve_devices(devices)
+    budgets = per_device_budgets(vram_budget, len(devs))
+    distinct = sorted({str(d) for d in devs})
+    if len(distinct) > 1:
+        raise BadArgument(f"stages on {len(distinct)} devices ({', '.join(distinct)}) are not "
+                          f"supported yet: give the same device for each stage, e.g. "
+                          f"--devices cpu,cpu")
+    # one device, a budget per stage: together, the device's
+    sizes = [parse_size(b) for b in budgets]
+    budget = None if any(b is None for b in sizes) else sum(sizes)
+    return devs[0], budget, devs
+
+
+def _stage_plans(cfg: ModelConfig, devices: list[torch.device]) -> list:
+    """One StagePlan per device, over contiguous layer ranges: the embedding on the first, the
+    head on the last."""
+    from .memory.devices import stage_ranges
+    from .memory.planner import StagePlan
+
+    ranges = stage_ranges(cfg.n_layers, len(devices))
+    last = len(devices) - 1
+    return [StagePlan(dev.type, layers, holds_embedding=k == 0, holds_head=k == last)
+            for k, (dev, layers) in enumerate(zip(devices, ranges))]
 
 
 def _hybrid_mode(hybrid: str | float, precision: str) -> str | float:

@@ -96,6 +96,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "MemAvailable less a margin); the rest streams from disk every token")
     p.add_argument("--vram-budget", default=None, metavar="SIZE", help="VRAM the model may "
                    "hold, e.g. 24GiB (default: what is free)")
+    p.add_argument("--gpus", default=None, metavar="LIST", help="one stage per GPU, e.g. 0,1; "
+                   "a --vram-budget list (24GiB,12GiB) gives each its own (stages on distinct "
+                   "GPUs are not built yet; default: one stage on --device)")
+    p.add_argument("--devices", default=None, metavar="LIST", help="one stage per device, "
+                   "each a contiguous range of layers with its own KV cache, e.g. cpu,cpu (default: one "
+                   "stage on --device)")
     p.add_argument("-ngl", "--vram-layers", type=int, default=None, metavar="N",
                    help="CUDA: hold at most N layers in VRAM whatever --vram-budget allows, as "
                    "llama.cpp's -ngl; the rest stream (default: as many as the budget holds)")
@@ -154,6 +160,16 @@ def _check_draft_args(a: argparse.Namespace) -> None:
         if value is not None and draft is None and not skip:
             raise BadArgument(f"{flag} sizes speculative decoding's trees: give --draft PATH "
                               f"or --draft-skip-layers K too")
+
+
+def _stage_devices(a) -> list[str] | None:
+    """--gpus 0,1 (cuda:0, cuda:1) or --devices cpu,cpu: one stage per entry; None: one."""
+    gpus, devices = getattr(a, "gpus", None), getattr(a, "devices", None)
+    if gpus is not None and devices is not None:
+        raise BadArgument("--gpus and --devices both name the stages' devices: give one")
+    if gpus is not None:
+        return [f"cuda:{g.strip()}" for g in gpus.split(",")]
+    return [d.strip() for d in devices.split(",")] if devices is not None else None
 
 
 def _draft_kwargs(a: argparse.Namespace) -> dict:
@@ -271,7 +287,9 @@ def check_args(a: argparse.Namespace) -> None:
 
         for flag, value in budgets:
             try:
-                size = parse_size(value)
+                # --vram-budget may list one budget per device (--gpus / --devices)
+                parts = value.split(",") if flag == "--vram-budget" else [value]
+                size = min(parse_size(part.strip()) for part in parts)
             except BadArgument as e:
                 raise BadArgument(f"{flag}: {e}") from None
             if flag == "--max-body" and size < 1:
@@ -331,7 +349,8 @@ def _load(a: argparse.Namespace):
                      # a server must outlive its file being truncated or rewritten (SIGBUS):
                      # weights in private memory, on CUDA too (a streamed plan's embedding)
                      private_weights=True if a.func is cmd_serve else None,
-                     hybrid=a.hybrid, threads=a.threads, vram_layers=a.vram_layers)
+                     hybrid=a.hybrid, threads=a.threads, vram_layers=a.vram_layers,
+                     devices=_stage_devices(a))
     a.load_s = time.perf_counter() - t0
     if model.skipped_layers:
         sims = model.layer_similarities

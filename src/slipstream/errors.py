@@ -47,6 +47,10 @@ class BadArgument(SlipstreamError, ValueError):
     """An argument (sampling parameter, device, context size, ...) is out of range."""
 
 
+class DeviceNotFound(BadArgument):
+    """A device the user named (cuda:N) does not exist on this machine."""
+
+
 class DraftMismatch(BadArgument):
     """A draft model for speculative decoding does not share the target's vocabulary."""
 

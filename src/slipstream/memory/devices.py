@@ -1,0 +1,72 @@
+"""The devices a model's stages run on: the user's list checked, a budget for each, and the
+layers split into contiguous ranges, one range per stage (issue 16).
+
+A stage is a device and a range of layers with their own KV cache (runtime.stage); the engine
+chains the stages and moves the hidden state across each boundary. The first stage holds the
+token embedding, the last one the head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import BadArgument, DeviceNotFound
+
+
+def resolve_devices(devices: Sequence[str | torch.device]) -> list[torch.device]:
+    """Each name as a torch.device with its index; a CUDA index this machine lacks raises
+    DeviceNotFound with the index and the count."""
+    if isinstance(devices, (str, torch.device)) or not devices:
+        raise BadArgument(f"devices={devices!r}: give a list of devices, e.g. "
+                          f"['cuda:0', 'cuda:1'] or ['cpu', 'cpu']")
+    out = []
+    for name in devices:
+        try:
+            dev = torch.device(name)
+        except (RuntimeError, TypeError) as e:
+            raise BadArgument(f"device {name!r} is not a device name ({e})") from None
+        if dev.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            index = 0 if dev.index is None else dev.index
+            if index >= count:
+                raise DeviceNotFound(
+                    f"cuda:{index} does not exist: this machine has {count} CUDA device(s); "
+                    f"name GPUs 0..{count - 1}" if count else
+                    f"cuda:{index} does not exist: this machine has no CUDA device; "
+                    f"use --device cpu")
+            dev = torch.device("cuda", index)
+        elif dev.type != "cpu":
+            raise BadArgument(f"device {name!r}: stages run on 'cpu' or 'cuda:N'")
+        out.append(dev)
+    return out
+
+
+def per_device_budgets(budget, n_devices: int) -> list:
+    """One budget a device: a single budget applies to each, a list (or "24GiB,12GiB") sets
+    them one by one and must name as many as there are devices."""
+    if isinstance(budget, (list, tuple)):
+        parts = list(budget)
+    elif isinstance(budget, str) and "," in budget:
+        parts = [p.strip() for p in budget.split(",")]
+    else:
+        return [budget] * n_devices
+    if len(parts) != n_devices:
+        raise BadArgument(f"{len(parts)} VRAM budgets ({', '.join(map(str, parts))}) for "
+                          f"{n_devices} devices: give one budget for all, or one per device")
+    return parts
+
+
+def stage_ranges(n_layers: int, n_stages: int) -> list[range]:
+    """Contiguous ranges of layers, as even as the count allows (the first ones one longer)."""
+    if not 1 <= n_stages <= n_layers:
+        raise BadArgument(f"{n_stages} stages for a model of {n_layers} layers: each stage "
+                          f"needs at least one layer")
+    size, extra = divmod(n_layers, n_stages)
+    ranges, start = [], 0
+    for k in range(n_stages):
+        end = start + size + (k < extra)
+        ranges.append(range(start, end))
+        start = end
+    return ranges
