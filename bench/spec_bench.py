@@ -248,7 +248,6 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
         draft_vram = m.plan.draft[1] if m.plan.draft else None
         split_with_draft = hybrid_of(m)
         streamed_with_draft = len(m.plan.streamed_layers)
-        hybrid_with_draft = hybrid_of(m)
         # forced first: the sized run may give the draft up (random weights accept nothing)
         forced = attempt(decode, m, max(tokens // 3, 8), spec_nodes=256, spec_depth=8)
         # the same trees with the draft growing beside the pass: does the pass slow down?

@@ -18,9 +18,10 @@ import torch
 
 from .chat_template import ChatTemplate
 from .config import ModelConfig
-from .errors import BadArgument, BudgetTooSmall, oom_summary
+from .errors import BadArgument, BudgetTooSmall, DeviceNotFound, oom_summary
 from .gguf_file import GGUFFile
 from .memory.budget import fmt_bytes
+from .memory.devices import resolve_device
 from .model.layer_spec import kv_cache_bytes
 from .precision import Precision
 from .runtime.engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
@@ -37,20 +38,7 @@ DEFAULT_MAX_CTX = 4096  # the KV cache is preallocated, so the default does not 
 DRAFT_GRAPH_HEADROOM = 128 << 20
 
 
-class BadDevice(BadArgument):
-    """The requested device does not exist here."""
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise BadDevice(f"device {str(device)!r} was requested but CUDA is not available; "
-                        f"use --device cpu")
-    if dev.type not in ("cpu", "cuda"):
-        raise BadDevice(f"device {str(device)!r} is not supported; use cpu, cuda or auto")
-    return dev
+BadDevice = DeviceNotFound  # api's name for it before memory.devices checked every device
 
 
 class Model:

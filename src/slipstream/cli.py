@@ -100,8 +100,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    "a --vram-budget list (24GiB,12GiB) gives each its own (stages on distinct "
                    "GPUs are not built yet; default: one stage on --device)")
     p.add_argument("--devices", default=None, metavar="LIST", help="one stage per device, "
-                   "each a contiguous range of layers with its own KV cache, e.g. cpu,cpu (default: one "
-                   "stage on --device)")
+                   "each a contiguous range of layers with its own KV cache, e.g. cpu,cpu "
+                   "(default: one stage on --device)")
     p.add_argument("-ngl", "--vram-layers", type=int, default=None, metavar="N",
                    help="CUDA: hold at most N layers in VRAM whatever --vram-budget allows, as "
                    "llama.cpp's -ngl; the rest stream (default: as many as the budget holds)")
@@ -162,7 +162,7 @@ def _check_draft_args(a: argparse.Namespace) -> None:
                               f"or --draft-skip-layers K too")
 
 
-def _stage_devices(a) -> list[str] | None:
+def _devices_arg(a) -> list[str] | None:
     """--gpus 0,1 (cuda:0, cuda:1) or --devices cpu,cpu: one stage per entry; None: one."""
     gpus, devices = getattr(a, "gpus", None), getattr(a, "devices", None)
     if gpus is not None and devices is not None:
@@ -350,7 +350,7 @@ def _load(a: argparse.Namespace):
                      # weights in private memory, on CUDA too (a streamed plan's embedding)
                      private_weights=True if a.func is cmd_serve else None,
                      hybrid=a.hybrid, threads=a.threads, vram_layers=a.vram_layers,
-                     devices=_stage_devices(a))
+                     devices=_devices_arg(a))
     a.load_s = time.perf_counter() - t0
     if model.skipped_layers:
         sims = model.layer_similarities

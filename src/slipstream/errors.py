@@ -48,7 +48,7 @@ class BadArgument(SlipstreamError, ValueError):
 
 
 class DeviceNotFound(BadArgument):
-    """A device the user named (cuda:N) does not exist on this machine."""
+    """A device the user named (cuda, cuda:N, ...) does not exist on this machine."""
 
 
 class DraftMismatch(BadArgument):

@@ -15,31 +15,39 @@ import torch
 from ..errors import BadArgument, DeviceNotFound
 
 
+def resolve_device(name: str | torch.device) -> torch.device:
+    """A device name ("auto", "cpu", "cuda", "cuda:N") as the torch.device it means here; one
+    this machine lacks raises DeviceNotFound, saying what it has."""
+    if str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError) as e:
+        raise BadArgument(f"device {name!r} is not a device name ({e})") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise DeviceNotFound(f"device {str(name)!r} is not supported; use cpu, cuda[:N] or auto")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = 0 if dev.index is None else dev.index
+    if not count:
+        raise DeviceNotFound(f"cuda:{index} does not exist: CUDA is not available on this "
+                             f"machine; use --device cpu")
+    if index >= count:
+        raise DeviceNotFound(f"cuda:{index} does not exist: this machine has {count} CUDA "
+                             f"device(s); name GPUs 0..{count - 1}")
+    return dev
+
+
 def resolve_devices(devices: Sequence[str | torch.device]) -> list[torch.device]:
-    """Each name as a torch.device with its index; a CUDA index this machine lacks raises
-    DeviceNotFound with the index and the count."""
+    """Each stage's device (resolve_device); each CUDA one with its index."""
     if isinstance(devices, (str, torch.device)) or not devices:
         raise BadArgument(f"devices={devices!r}: give a list of devices, e.g. "
                           f"['cuda:0', 'cuda:1'] or ['cpu', 'cpu']")
     out = []
     for name in devices:
-        try:
-            dev = torch.device(name)
-        except (RuntimeError, TypeError) as e:
-            raise BadArgument(f"device {name!r} is not a device name ({e})") from None
-        if dev.type == "cuda":
-            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            index = 0 if dev.index is None else dev.index
-            if index >= count:
-                raise DeviceNotFound(
-                    f"cuda:{index} does not exist: this machine has {count} CUDA device(s); "
-                    f"name GPUs 0..{count - 1}" if count else
-                    f"cuda:{index} does not exist: this machine has no CUDA device; "
-                    f"use --device cpu")
-            dev = torch.device("cuda", index)
-        elif dev.type != "cpu":
-            raise BadArgument(f"device {name!r}: stages run on 'cpu' or 'cuda:N'")
-        out.append(dev)
+        dev = resolve_device(name)
+        out.append(torch.device("cuda", dev.index or 0) if dev.type == "cuda" else dev)
     return out
 
 
