@@ -42,6 +42,28 @@ def test_pinned_streaming_is_bit_identical(synth, delay):
     assert streamed.engine.layers.stats.layers_streamed >= 4 * 13
 
 
+def test_promoted_layers_take_the_resident_layout_and_bits(synth):
+    """Memory given back (a draft released): a pinned layer made resident holds the very
+    tensors a resident load builds, the fused scale plane included at precision "fast"
+    (weights.image.resident_copy), in one buffer; and the logits stay the resident model's."""
+    from slipstream.weights.image import _tensors
+
+    resident = slipstream.load(synth, device="cuda", ctx=256)
+    budget = vram_budget_for(resident, 2)
+    streamed = slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget)
+    pinned = [i for i, t in enumerate(streamed.plan.tiers) if t == "pinned"]
+    torch.cuda.set_per_process_memory_fraction(1.0)  # room for the promoted layers
+    assert streamed.engine.layers.promote(None) == pinned
+    for i in pinned:
+        got = dict(_tensors(streamed.engine.weights.layers[i]))
+        want = dict(_tensors(resident.engine.weights.layers[i]))
+        assert got.keys() == want.keys() and any(k[-1] == "sm" for k in got)
+        assert all(torch.equal(got[k], want[k]) for k in want), i
+        assert len(_storages(streamed.engine.weights.layers[i])) == 1
+    a, b = streamed_logits(resident), streamed_logits(streamed)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def _storages(layer) -> set[int]:
     from slipstream.weights.image import _tensors
 

@@ -16,7 +16,7 @@ import torch
 
 from ..model.llama import LayerWeights
 from ..weights.hybrid import REST_FIELDS
-from ..weights.image import LayerImage, from_image, prefix_bytes
+from ..weights.image import LayerImage, from_image, prefix_bytes, resident_copy
 from .image_file import ImageFile
 from .planner import evenly_spaced
 from .protocol import StoreBase, StoreStats
@@ -160,8 +160,9 @@ class CudaLayerStore(StoreBase):
         """Make pinned-tier layers resident while `room` bytes last (None: all those the
         allocator gives room for; at most `most` of them: the user's cap on layers in VRAM; of
         `only`, where given): each image is copied
-        once into a GPU buffer of its own and the layer rebuilt as views into it (the same
-        layout as in a slot, so the same kernels and bits); its pinned copy is given back.
+        once into a GPU buffer of its own, laid out as the loader lays out resident layers
+        (weights.image.resident_copy: the same bits, and the resident decode kernels); its
+        pinned copy is given back.
         The layers taken are spread evenly over the pinned ones, so that those left streaming
         stay spread between resident layers (planner._interleave: a run of streamed layers
         makes the copies wait on the compute, measured on the H200: 2.64 tok/s after taking
@@ -179,29 +180,29 @@ class CudaLayerStore(StoreBase):
         chosen = evenly_spaced(candidates, k)
         if not chosen:
             return []
-        # each layer's GPU buffer first: where the room counted is not there in one piece
-        # (the allocator's holes), the layers not given one go on streaming
-        bufs = []
+        # each layer built first, while the ring goes on streaming it from the same pinned
+        # bytes: where the room counted is not there in one piece (the allocator's holes),
+        # the layers not built go on streaming
+        built: dict[int, LayerWeights] = {}
         for i in chosen:
             try:
-                bufs.append(torch.empty(pinned.images[i].host.numel(), dtype=torch.uint8,
-                                        device=self.device))
+                built[i] = resident_copy(pinned.images[i], self.device, self.workspace)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 break
-        chosen = chosen[:len(bufs)]
+        chosen = list(built)
         if not chosen:
             return []
         self.ring.drop(chosen)  # settles the copies in flight first
-        for i, buf in zip(chosen, bufs):
-            image = pinned.images.pop(i)
+        for i in chosen:
+            pinned.images.pop(i)
             pinned.layouts.pop(i, None)
             pinned.upto.pop(i, None)  # a split layer becomes whole: the GPU computes it all
             self._views = {k: v for k, v in self._views.items() if k[0] != i}
             self.hosts.pop(i, None)
             self.prefix.pop(i, None)
-            buf.copy_(image.host)
-            self.layers[i] = from_image(self.layouts.pop(i), buf, self.workspace)
+            self.layouts.pop(i)
+            self.layers[i] = built[i]
             self.feed.pop(i, None)
         return chosen
 

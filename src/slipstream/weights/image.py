@@ -177,3 +177,41 @@ def from_image(image: LayerImage | LayerLayout, slot: torch.Tensor,
     for f in dataclasses.fields(LayerWeights):
         fields.setdefault(f.name, None)
     return LayerWeights(**fields)
+
+
+def resident_copy(image: LayerImage, device: torch.device, workspace: Workspace) -> LayerWeights:
+    """A streamed layer made resident (memory given back: a draft released) as the loader
+    builds resident layers, in one buffer of its own. At precision "fast" resident layers fold
+    their scales into one plane (kernels.pack.fuse_scales) while images keep the GGUF planes
+    (pack.f16_scales); the two give the same bits, but the unfused decode GEMV gathers four
+    scale planes per unit and is slower where bytes moved no longer set the speed, so the
+    fused plane is made here, on the GPU, from the image's scale planes alone (the code planes
+    go from the host straight into the layer's buffer: no second copy of the layer in VRAM)."""
+    fuse = workspace.int8_activations and any(v[4] for v in image.linears.values())
+    if not fuse:
+        buf = torch.empty(image.nbytes, dtype=torch.uint8, device=device)
+        buf.copy_(image.host)
+        return from_image(image.layout, buf, workspace)
+    from ..kernels.qgemm import with_fused_scales
+
+    on_host = from_image(image.layout, image.host, workspace)
+    dummy = torch.empty(1, dtype=torch.int32, device=device)  # a pointer the kernel never reads
+    fields = {}
+    for f in dataclasses.fields(on_host):
+        v = getattr(on_host, f.name)
+        if isinstance(v, QuantLinear) and v.packed.f16_scales:
+            p = v.packed
+            scales = {k: getattr(p, k).to(device) for k in ("d", "m", "sc", "mn")
+                      if getattr(p, k) is not None}
+            sm = with_fused_scales(dataclasses.replace(p, lo=dummy, **scales)).sm
+            spec = p.spec
+            # what pack.fuse_scales keeps: the codes, the fused plane, d where it is the scale
+            packed = dataclasses.replace(p, d=None if spec.kquant or spec.has_min else p.d,
+                                         m=None, sc=None, mn=None, sm=sm, f16_scales=False)
+            v = QuantLinear(packed, v.bias, workspace, fuse=False)
+        fields[f.name] = v
+    mixed = LayerWeights(**fields)  # planes on the host and on the GPU: _fill copies both
+    layout = layout_of(mixed)
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    _fill(buf, mixed, layout)
+    return from_image(layout, buf, workspace)
