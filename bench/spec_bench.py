@@ -52,10 +52,19 @@ RESIDENT = 4  # default-spec: the target's layers held in VRAM; the rest stream
 AHEAD_BESIDE = 64  # levels the draft may grow past a tree's verified nodes, beside the pass  # UMbreLLa / SpecExec / Sequoia, 70B with an 8B draft
 
 
-def decode(model, tokens: int, **kw) -> dict:
-    """Greedy generation of `tokens` tokens; figures of the run."""
+def decode(model, tokens: int, trace: bool = False, **kw) -> dict:
+    """Greedy generation of `tokens` tokens; figures of the run. trace: also each token's
+    interval (host clock between events; each event reads its token back) and what the
+    target's store moved in it (StoreStats' counters, kept whether or not --stats is on)."""
     ids = model.tokenize(PROMPT)
-    out = [e.id for e in model.generate(ids, max_tokens=tokens, temperature=0, **kw)]
+    out, marks = [], []
+    store = model.engine.layers if trace else None
+    for e in model.generate(ids, max_tokens=tokens, temperature=0, **kw):
+        out.append(e.id)
+        if trace:
+            s = store.stats
+            marks.append((time.perf_counter(), s.h2d_bytes, s.cpu_bytes, s.cpu_s,
+                          s.layers_streamed, model.draft is None))
     st = model.last_stats
     row = {"decode_tok_s": round(st.decode_tok_s, 3), "generated": st.generated_tokens,
            "prefill_s": round(st.prefill_s, 3), "decode_s": round(st.decode_s, 3)}
@@ -74,7 +83,23 @@ def decode(model, tokens: int, **kw) -> dict:
                    ahead_forwards_per_pass=round(spec.get("ahead_forwards", 0) / passes, 2),
                    trees_grown_ahead=spec.get("ahead_trees", 0),
                    ahead_beside_per_pass=round(spec.get("ahead_beside", 0) / passes, 2))
+    if trace:
+        row["trace"] = step_trace(marks)
     return row | {"ids": out}
+
+
+def step_trace(marks: list[tuple]) -> dict:
+    """Per-token intervals and store traffic from decode(trace=True)'s marks, with a summary
+    of the slow ones: where a run's time went, token by token."""
+    steps = [{"ms": round((b[0] - a[0]) * 1e3, 1), "h2d_mb": round((b[1] - a[1]) / 1e6, 1),
+              "cpu_mb": round((b[2] - a[2]) / 1e6, 1), "cpu_ms": round((b[3] - a[3]) * 1e3, 1),
+              "streamed": b[4] - a[4], "draft_gone": b[5]} for a, b in zip(marks, marks[1:])]
+    ms = sorted(s["ms"] for s in steps)
+    median = ms[len(ms) // 2] if ms else 0.0
+    slow = [(i, s["ms"]) for i, s in enumerate(steps) if s["ms"] > 1.5 * median]
+    return {"median_ms": median, "total_ms": round(sum(ms), 1),
+            "slow_steps": slow[:40], "slow_excess_ms": round(sum(m - median for _, m in slow), 1),
+            "steps": steps}
 
 
 def attempt(run, *args, **kw) -> dict:
@@ -387,6 +412,46 @@ def floor(work: Path, tokens: int, vram_layers: int | None = None) -> list[dict]
     return [row]
 
 
+def floor_trace(work: Path, tokens: int) -> list[dict]:
+    """Where the floor's time goes (session 21: a speculative run 6.6 s slower than its parts):
+    two loads with the draft, each a speculative run from a fresh sizer and then plain decode
+    on the same load, traced token by token (decode(trace=True)). The first load warms plain
+    decode only, as floor() does; the second also runs forced 256-node trees first, so that
+    the kernels of tree-wide passes and draft levels are compiled before the traced run."""
+    t70, t8 = work / "70b-Q4_K.gguf", work / "8b-Q4_K.gguf"
+    for path, shape in ((t70, "70b"), (t8, "8b")):
+        if not path.exists():
+            write_synth(path, shape, "Q4_K")
+    rows = []
+    for label in ("plain-warmed", "trees-warmed"):
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        with slipstream.load(t70, device="cuda", ctx=2048, vram_budget="24GiB",
+                             draft=t8) as m:
+            decode(m, 4, draft=False)
+            if label == "trees-warmed":
+                attempt(decode, m, 8, spec_nodes=256, spec_depth=8)
+                m._sizers.clear()
+            spec = attempt(decode, m, tokens, trace=True)
+            release_s = round(m.draft_release_s or 0, 3)
+            after = decode(m, tokens, trace=True, draft=False)
+            after.pop("ids")
+            spec.pop("ids", None)
+            row = {"name": "70b-q4k-vram24-spec", "variant": f"floor-trace-{label}",
+                   "tokens": tokens, "release_s": release_s, "speculative": spec,
+                   "plain_after_release": after, "vram_gib": vram_gib()}
+            print(json.dumps({k: v for k, v in row.items() if k not in ("speculative",
+                                                                         "plain_after_release")}
+                             | {"spec_tok_s": spec.get("decode_tok_s"),
+                                "spec_median_ms": spec.get("trace", {}).get("median_ms"),
+                                "spec_slow": spec.get("trace", {}).get("slow_steps"),
+                                "after_tok_s": after["decode_tok_s"],
+                                "after_median_ms": after["trace"]["median_ms"],
+                                "after_slow": after["trace"]["slow_steps"]}), flush=True)
+            rows.append(row)
+    return rows
+
+
 def projection(rows: list[dict], acceptance: list[dict]) -> dict:
     """tok/s = tokens per pass / (target pass + depth x draft level), from measured costs."""
     plain = next(r for r in rows if r["name"] == "70b-q4k-vram24")
@@ -433,6 +498,8 @@ def main() -> None:
                     "case (about 40 s)")
     ap.add_argument("--floor", action="store_true", help="70B: only the floor, bracketed by "
                     "plain runs on both sides (three loads)")
+    ap.add_argument("--floor-trace", action="store_true", help="70B: the floor's speculative "
+                    "run and plain after it, token by token, on two loads (floor_trace)")
     ap.add_argument("--fresh-sizer", action="store_true", help="70B: the sized run starts "
                     "from a new tree sizer (a first generation, its learning rounds and the "
                     "draft's release included) instead of the one the forced runs taught")
@@ -465,7 +532,9 @@ def main() -> None:
     if "default-spec" in cases:
         save(default_spec(Path(a.model), work, a.tokens))
         torch.cuda.empty_cache()
-    if "70b" in cases and a.floor:
+    if "70b" in cases and a.floor_trace:
+        save(floor_trace(work, a.tokens))
+    elif "70b" in cases and a.floor:
         save(floor(work, a.tokens))
     elif "70b" in cases:
         quick = dict(pass_widths=(1, 256, 512), level_widths=(1, 2, 4)) if a.quick else {}
