@@ -112,8 +112,58 @@ def thread_sweep(m, name: str, threads: list[int], tokens: int) -> dict:
             "decode_tok_s_by_threads_runs": runs}
 
 
+NEIGHBOUR = """
+import sys, numpy as np
+a = np.ones(1 << 27); b = np.empty_like(a)  # 1 GiB each: far past the caches
+while True:
+    np.copyto(b, a)
+"""
+
+
+def balance_of(store) -> dict:
+    """Where the running balance (memory.hybrid_balance) stands: split layers the CPU serves,
+    and each change made (pass, layers split, CPU GB/s measured)."""
+    b = getattr(store, "balance", None)
+    return {"split_layers_active": len(getattr(store, "active", ()) or ()),
+            "balance_changes": list(b.changes) if b is not None else None,
+            "balance_cpu_gbps": round(b.cpu_gbps, 1) if b is not None and b.cpu_gbps else None}
+
+
+def under_neighbour(m, name: str, processes: int, tokens: int, rounds: int = 2) -> dict:
+    """Decode while `processes` other processes stream host memory (a noisy neighbour on the
+    host's cores and memory bus, as the H200's host had in session 22), with the running
+    balance and without it (the plan's split held), alternately on the same load."""
+    import subprocess
+
+    store = m.engine.layers
+    balance, hosts = store.balance, sorted(store.hosts)
+    hogs = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) for _ in range(processes)]
+    runs: dict[str, list[float]] = {"balanced": [], "plan_split": []}
+    states = []
+    try:
+        time.sleep(2)  # the hogs' arrays allocated and streaming
+        for _ in range(rounds):
+            for label in ("balanced", "plan_split"):
+                store.balance = balance if label == "balanced" else None
+                if label == "plan_split":
+                    store.split_only(hosts)
+                runs[label].append(round(decode_rate(m, tokens), 3))
+                states.append({"run": label, "tok_s": runs[label][-1], **balance_of(store)})
+                print(json.dumps({"name": name, "neighbour": processes} | states[-1]),
+                      flush=True)
+    finally:
+        for h in hogs:
+            h.kill()
+        for h in hogs:
+            h.wait()
+        store.balance = balance
+    return {"neighbour_processes": processes, "neighbour_runs": runs, "neighbour_states": states,
+            "neighbour_tok_s": {k: round(sum(v) / len(v), 3) for k, v in runs.items()}}
+
+
 def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[int],
-         sweep: bool, prefill: bool = True, vram_layers: int | None = None) -> dict:
+         sweep: bool, prefill: bool = True, vram_layers: int | None = None,
+         neighbour: int = 0) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -149,6 +199,10 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
         if link_s:
             row["ratio_to_roofline"] = round(row["decode_tok_s"] * link_s, 3)
         row["breakdown"] = breakdown(m, max(4, tokens // 2))
+        if h is not None:
+            row.update(balance_of(m.engine.layers))
+        if h is not None and neighbour:
+            row.update(under_neighbour(m, name, neighbour, tokens))
         if h is not None and sweep:
             row.update(thread_sweep(m, name, threads, max(8, tokens // 2)))
             set_threads(m, h.threads)
@@ -202,6 +256,9 @@ def main() -> None:
                     help="SHAPE=FILE: llama-bench's output on that shape from this call")
     ap.add_argument("--skip-off", action="store_true", help="only the hybrid cases")
     ap.add_argument("--no-prefill", action="store_true", help="leave out pp512")
+    ap.add_argument("--neighbour", type=int, default=0, metavar="N",
+                    help="hybrid cases: also decode beside N processes streaming host memory, "
+                         "with the running balance and without it")
     a = ap.parse_args()
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -223,7 +280,8 @@ def main() -> None:
         for name, mode in ((tag, "off"), (f"{tag}-hybrid", hybrid)):
             if mode == "off" and a.skip_off:
                 continue
-            run = dict(sweep=shape == "70b", prefill=not a.no_prefill)
+            run = dict(sweep=shape == "70b", prefill=not a.no_prefill,
+                       neighbour=a.neighbour if mode != "off" else 0)
             try:
                 rows.append(case(path, name, budget, mode, a.tokens, threads, **run))
             except Exception as e:  # recorded, and the other cases still run

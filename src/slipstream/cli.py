@@ -478,6 +478,17 @@ def _print_spec(model) -> None:
         err.print(table)
 
 
+def _print_balance(store) -> None:
+    """Hybrid decode's running balance (memory.hybrid_balance), where it changed the split."""
+    balance = getattr(store, "balance", None)
+    if balance is None or not balance.changes:
+        return
+    err.print(f"[dim]hybrid: the CPU computes {len(store.active)} of {len(store.hosts)} split "
+              f"layers (it measured {balance.cpu_gbps or 0:.1f} GB/s; the split changed "
+              f"{len(balance.changes)} times while decoding, to follow the CPU's rate)[/dim]",
+              soft_wrap=True)
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     model = _load(a)
@@ -504,6 +515,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         store.collect()  # CUDA: the last pass's events
     if a.stats and not aborted:
         err.print(breakdown_table(model.last_stats, store.stats, model.device.type))
+        _print_balance(store)
         _print_spec(model)
     if tracer is not None:
         tracer.write(a.trace)

@@ -92,6 +92,52 @@ def test_decode_copies_only_the_gpu_share(pair):
     assert moved["split"] < 0.8 * moved["whole"]
 
 
+def _decode_bytes(model, steps: int = 8) -> float:
+    """Host-to-device bytes per decode token, counted from a steady ring (one step first)."""
+    engine, store = model.engine, model.engine.layers
+    engine.reset()
+    engine.forward(STREAM_PROMPT[:4])
+    engine.decode(torch.tensor([5], device="cuda"))
+    torch.cuda.synchronize()
+    store.stats.reset()
+    for t in range(steps):
+        engine.decode(torch.tensor([9 + t], device="cuda"))
+    torch.cuda.synchronize()
+    return store.stats.h2d_bytes / steps
+
+
+def test_layers_given_back_by_the_balance_run_whole(pair):
+    """Split layers the balance takes off the CPU (memory.hybrid_balance) copy their whole
+    image and compute every unit on the GPU; the others stay split. Driven here through the
+    store's balance with a PCIe rate so high that the CPU is always the slower side: after
+    one window it keeps one layer."""
+    from slipstream.memory.hybrid_balance import HybridBalance, SplitLayer
+
+    whole, split = pair
+    store = split.engine.layers
+    assert store.balance is None  # a share the user gave stays as given
+    hosts = sorted(store.hosts)
+    assert len(hosts) >= 2
+    ref = _forced_logits(whole)
+    all_split = _decode_bytes(split)
+    try:
+        store.balance = HybridBalance(
+            {i: SplitLayer(h.nbytes, store.prefix[i], store.layouts[i].nbytes)
+             for i, h in store.hosts.items()}, 0, pcie_gbps=1e6, window=2)
+        got = _forced_logits(split)  # 10 decode passes: judged after the third
+        assert len(store.active) == 1 and store.balance.changes
+        kept = set(store.active)
+        moved = _decode_bytes(split)
+    finally:
+        store.balance = None
+        store.split_only(hosts)
+    extra = sum(store.layouts[i].nbytes - store.prefix[i] for i in hosts if i not in kept)
+    assert abs(moved - all_split - extra) <= 0.02 * moved
+    for x, y in zip(got[1:], ref[1:]):
+        assert _rel(x, y) < 3e-2
+    assert _decode_bytes(split) == pytest.approx(all_split, rel=0.02)
+
+
 def test_promotion_makes_a_split_layer_whole(synth):
     with slipstream.load(synth, device="cuda", ctx=256) as resident:
         budget = _budget(resident, 2)

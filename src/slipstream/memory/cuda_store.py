@@ -17,6 +17,7 @@ import torch
 from ..model.llama import LayerWeights
 from ..weights.hybrid import REST_FIELDS
 from ..weights.image import LayerImage, from_image, prefix_bytes, resident_copy
+from .hybrid_balance import HybridBalance, SplitLayer
 from .image_file import ImageFile
 from .planner import evenly_spaced
 from .protocol import StoreBase, StoreStats
@@ -35,9 +36,12 @@ class CudaLayerStore(StoreBase):
                  images: dict[int, LayerImage] | None = None, disk: ImageFile | None = None,
                  io: str = "direct", n_slots: int = 2, n_staging: int = 3, threads: int = 2,
                  delays: StreamDelays | None = None, seed: int = 0,
-                 drop_cache: bool = True, hosts: dict | None = None):
+                 drop_cache: bool = True, hosts: dict | None = None,
+                 pcie_gbps: float | None = None):
         """hosts: hybrid decode's CPU shares (weights.hybrid.HostFFN) of split pinned layers,
-        whose images end with the same units in GPU format (the part decode leaves out)."""
+        whose images end with the same units in GPU format (the part decode leaves out).
+        pcie_gbps: the plan's PCIe rate beside the CPU; with it, decode keeps the split
+        balanced as the CPU's measured rate changes (memory.hybrid_balance)."""
         self.layers = resident
         self.device = device
         self.workspace = workspace
@@ -76,6 +80,12 @@ class CudaLayerStore(StoreBase):
         self.split_mode = False  # the pass running computes the CPU's shares on the CPU
         for h in self.hosts.values():
             h.io.stats = self.stats
+        # the split layers whose shares the CPU computes in decode; the others run whole
+        self.active = set(self.hosts)
+        self.balance = HybridBalance(
+            {i: SplitLayer(h.nbytes, self.prefix[i], self.layouts[i].nbytes)
+             for i, h in self.hosts.items()}, 0, pcie_gbps) if self.hosts and pcie_gbps \
+            else None
         self.begin_pass(1)  # the ring's first copies are a decode token's
 
     def begin_pass(self, tokens: int) -> None:
@@ -86,13 +96,37 @@ class CudaLayerStore(StoreBase):
         if not self.hosts:
             return
         split = tokens <= next(iter(self.hosts.values())).io.max_tokens
+        if split and self.balance is not None:
+            self.balance.other_bytes = self._unsplit_bytes()
+            active = self.balance.observe(self.stats.cpu_s, self.stats.cpu_bytes)
+            if active is not None:
+                self.split_only(active)
         if split == self.split_mode:
             return
         self.split_mode = split
         pinned = next(src for src in self.sources if isinstance(src, PinnedSource))
-        pinned.upto = dict(self.prefix) if split else {}
+        pinned.upto = {i: self.prefix[i] for i in self.active} if split else {}
         if self.ring is not None and self.ring.pos:
             self.ring.drop(())
+
+    def split_only(self, layers: Collection[int]) -> None:
+        """Decode computes the CPU's shares of these split layers only; the other split
+        layers run whole on the GPU (their images copied in full, as for prefill). The copies
+        already made for the old split are settled at the next pass's start."""
+        active = set(layers)
+        if not active <= set(self.hosts):
+            raise ValueError(f"layers {sorted(active - set(self.hosts))} are not split")
+        if active != self.active:
+            self.active = active
+            if self.split_mode:  # begin_pass sees a change of mode: new copies, new views
+                self.split_mode = False
+                if self.ring is not None and self.ring.pos:
+                    self.ring.drop(())
+
+    def _unsplit_bytes(self) -> int:
+        """What the streamed layers that are not split copy per decode token."""
+        return sum(self.layouts[i].nbytes for i in self.feed
+                   if i not in self.hosts and i not in self.skipped)
 
     def _disk_source(self, disk: ImageFile, io: str, size: int, n_staging: int, threads: int,
                      delays: StreamDelays, drop_cache: bool) -> Source:
@@ -193,6 +227,8 @@ class CudaLayerStore(StoreBase):
         chosen = list(built)
         if not chosen:
             return []
+        if self.balance is not None:
+            self.balance.forget(chosen)
         self.ring.drop(chosen)  # settles the copies in flight first
         for i in chosen:
             pinned.images.pop(i)
@@ -200,6 +236,7 @@ class CudaLayerStore(StoreBase):
             pinned.upto.pop(i, None)  # a split layer becomes whole: the GPU computes it all
             self._views = {k: v for k, v in self._views.items() if k[0] != i}
             self.hosts.pop(i, None)
+            self.active.discard(i)
             self.prefix.pop(i, None)
             self.layouts.pop(i)
             self.layers[i] = built[i]
@@ -235,7 +272,7 @@ class CudaLayerStore(StoreBase):
         layer's dozens of views and weight objects cost the host about a millisecond, which
         hybrid decode, whose host waits on every split layer, would pay on its critical path.
         Slots live as long as the store, so the views stay valid."""
-        split = self.split_mode and i in self.hosts
+        split = self.split_mode and i in self.active
         key = (i, slot.data_ptr(), split)
         layer = self._views.get(key)
         if layer is None:

@@ -67,6 +67,9 @@ class HybridPlan:
     max_tokens: int = 1
     extra_ram_bytes: int = 0  # the CPU's packed copies, next to the pinned images
     gguf_ffn_bytes: dict[int, int] = field(default_factory=dict)
+    # mode "auto": decode keeps the split balanced as the CPU's measured rate changes
+    # (memory.hybrid_balance); a share or "on" given by the user stays as given
+    rebalance: bool = False
 
 
 def parse_hybrid(value: str | float | None) -> str | float:
@@ -372,4 +375,5 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     widest = hybrid_max_tokens(image, ffn, share, cpu_ratio, pcie, cpu, token_scaling)
     return HybridPlan(share, keep, layers, cpu, pcie, threads, cpu_bytes, pcie_bytes,
                       predicted, plain, max_tokens=min(widest, HYBRID_MAX_TOKENS),
-                      extra_ram_bytes=cpu_bytes, gguf_ffn_bytes=dict(zip(layers, ffn)))
+                      extra_ram_bytes=cpu_bytes, gguf_ffn_bytes=dict(zip(layers, ffn)),
+                      rebalance=mode == "auto")

@@ -469,7 +469,8 @@ def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: 
                               images=images or {}, disk=disk, io=io,
                               n_slots=plan.staging_buffers,
                               n_staging=plan.host_staging or N_STAGING, delays=delays,
-                              hosts=hosts)
+                              hosts=hosts, pcie_gbps=plan.hybrid.pcie_gbps
+                              if hosts and plan.hybrid.rebalance else None)
     if not plan.streamed_layers:
         return ResidentLayerStore(weights.layers)
     # a streamed layer rebuilt from its GGUF span serves passes its packed image (`disk`, or

@@ -1,0 +1,125 @@
+"""Hybrid decode's split, kept balanced while decoding: how many split layers the CPU serves.
+
+The plan sets each split layer's CPU share from bandwidths probed at start-up
+(memory.hybrid_plan). The CPU's rate then changes under the engine: on the H200's host,
+sharing its cores with other tenants, the CPU's shares ran at 26-34 GB/s in some calls
+against a 59-63 GB/s probe, and hybrid decode fell to 2.74-3.95 tok/s, below copying whole
+layers (3.10), because the GPU waited on the CPU at every split layer
+(bench/results/2026-12-03-s22-hybrid-bench-h200-call2.json, -call3.json).
+
+Changing the share itself would repack the CPU's weights. Instead, a split layer can run
+whole on the GPU: its image is copied in full (the rest units are in it already, as for
+prefill) and its CPU share sits idle. So the balance is a count k of the split layers that
+go on computing on the CPU, spread evenly over them, chosen to minimise a decode token's
+time through both paths:
+
+    cpu(k)  = CPU bytes of the k layers / the CPU's rate measured over the last passes
+    pcie(k) = the bytes all streamed layers copy with k of them split / the PCIe rate
+    token   = max(cpu(k), pcie(k))
+
+The CPU's rate is what its worker measured (bytes read over seconds computing, from each
+input's arrival), so it follows the machine; PCIe's is the plan's probe beside the CPU.
+k never drops below 1, so that the CPU's rate stays measured and k can climb back when the
+CPU recovers, and never exceeds the split layers packed at load. A change costs one host wait
+(the ring's copies are settled and restarted), so it is made only for a predicted gain of
+MIN_GAIN or more, judged every WINDOW decode passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .planner import evenly_spaced
+
+WINDOW = 8  # decode passes between judgements
+MIN_GAIN = 0.03  # the predicted token-time gain a change must promise
+
+
+@dataclass
+class SplitLayer:
+    """One split layer's bytes: its CPU share's packed weights, the GPU share's image prefix
+    (what PCIe copies while it is split) and its whole image (while it runs whole)."""
+
+    cpu_bytes: int
+    prefix_bytes: int
+    image_bytes: int
+
+
+def token_seconds(layers: dict[int, SplitLayer], active: set[int], other_bytes: int,
+                  cpu_gbps: float, pcie_gbps: float) -> float:
+    """A decode token's time through CPU and PCIe (the module's model) with `active` split."""
+    cpu = sum(layers[i].cpu_bytes for i in active) / (cpu_gbps * 1e9)
+    pcie_bytes = other_bytes + sum(
+        s.prefix_bytes if i in active else s.image_bytes for i, s in layers.items())
+    return max(cpu, pcie_bytes / (pcie_gbps * 1e9))
+
+
+def best_count(layers: dict[int, SplitLayer], other_bytes: int, cpu_gbps: float,
+               pcie_gbps: float) -> int:
+    """The count of split layers (1 .. all) that minimises token_seconds, the layers taken
+    evenly spaced; the largest such count on a tie."""
+    order = sorted(layers)
+    best_k, best_t = len(order), float("inf")
+    for k in range(len(order), 0, -1):
+        t = token_seconds(layers, set(evenly_spaced(order, k)), other_bytes, cpu_gbps,
+                          pcie_gbps)
+        if t < best_t * (1 - 1e-9):
+            best_k, best_t = k, t
+    return best_k
+
+
+@dataclass
+class HybridBalance:
+    """The running judgement over one store's split layers (see the module doc).
+
+    observe(cpu_seconds, cpu_bytes) is called at each decode pass's start with the store's
+    running totals; every WINDOW passes it returns the new active set when a change pays,
+    else None. `changes` records each change: (pass, layers split, CPU GB/s measured)."""
+
+    layers: dict[int, SplitLayer]
+    other_bytes: int  # what the streamed layers that are not split copy per token
+    pcie_gbps: float
+    active: set[int] = field(default_factory=set)
+    window: int = WINDOW
+    passes: int = 0
+    changes: list[tuple[int, int, float]] = field(default_factory=list)
+    cpu_gbps: float | None = None  # the rate measured over the last window
+    _mark: tuple[float, int] | None = None
+    _since: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.active:
+            self.active = set(self.layers)
+
+    def observe(self, cpu_seconds: float, cpu_bytes: int) -> set[int] | None:
+        self.passes += 1
+        if self._mark is None:
+            self._mark = (cpu_seconds, cpu_bytes)
+            return None
+        self._since += 1
+        if self._since < self.window:
+            return None
+        seconds, nbytes = cpu_seconds - self._mark[0], cpu_bytes - self._mark[1]
+        self._mark, self._since = (cpu_seconds, cpu_bytes), 0
+        if seconds <= 0 or nbytes <= 0 or not self.layers:
+            return None
+        self.cpu_gbps = nbytes / seconds / 1e9
+        k = best_count(self.layers, self.other_bytes, self.cpu_gbps, self.pcie_gbps)
+        if k == len(self.active):
+            return None
+        chosen = set(evenly_spaced(sorted(self.layers), k))
+        now = token_seconds(self.layers, self.active, self.other_bytes, self.cpu_gbps,
+                            self.pcie_gbps)
+        then = token_seconds(self.layers, chosen, self.other_bytes, self.cpu_gbps,
+                             self.pcie_gbps)
+        if then > now * (1 - MIN_GAIN):
+            return None
+        self.active = chosen
+        self.changes.append((self.passes, k, round(self.cpu_gbps, 1)))
+        return chosen
+
+    def forget(self, layers) -> None:
+        """Layers no longer split (promoted to VRAM: the GPU computes them whole)."""
+        for i in layers:
+            self.layers.pop(i, None)
+            self.active.discard(i)
