@@ -124,7 +124,7 @@ def test_layers_given_back_by_the_balance_run_whole(pair):
         store.balance = HybridBalance(
             {i: SplitLayer(h.nbytes, store.prefix[i], store.layouts[i].nbytes)
              for i, h in store.hosts.items()}, 0, pcie_gbps=1e6, window=2)
-        got = _forced_logits(split)  # 10 decode passes: judged after the third
+        got = _forced_logits(split)  # 10 decode passes: changed at the fifth (two windows)
         assert len(store.active) == 1 and store.balance.changes
         kept = set(store.active)
         moved = _decode_bytes(split)

@@ -69,19 +69,29 @@ def _feed(balance: HybridBalance, gbps: float, passes: int, state: list[float]):
     return out
 
 
-def test_observe_judges_once_a_window_and_follows_the_cpu_both_ways():
+def test_observe_changes_after_two_windows_agree_and_follows_the_cpu_both_ways():
     balance = HybridBalance(seventy_layers(), 0, PCIE, window=4)
     state = [0.0, 0.0]
-    first = _feed(balance, 34.4, 5, state)
-    # the first pass sets the mark; the window's fourth pass after it judges
-    assert first[:4] == [None] * 4 and first[4] is not None
+    first = _feed(balance, 34.4, 9, state)
+    # the first pass sets the mark; each window's fourth pass after it judges; the change
+    # waits for the second window to call for it too
+    assert first[:8] == [None] * 8 and first[8] is not None
     assert len(balance.active) in (30, 31) and balance.active <= set(balance.layers)
     assert balance.cpu_gbps == pytest.approx(34.4)
-    assert balance.changes == [(5, len(balance.active), 34.4)]
-    # the CPU recovers: the next judgement gives every layer back
-    back = _feed(balance, 57.0, 4, state)
-    assert back[:3] == [None] * 3 and back[3] == set(balance.layers)
+    assert balance.changes == [(9, len(balance.active), 34.4)]
+    # the CPU recovers: two windows later every layer is back
+    back = _feed(balance, 57.0, 8, state)
+    assert back[:7] == [None] * 7 and back[7] == set(balance.layers)
     assert len(balance.changes) == 2
+
+
+def test_one_window_out_of_line_changes_nothing():
+    balance = HybridBalance(seventy_layers(), 0, PCIE, window=4)
+    state = [0.0, 0.0]
+    # a slow first window (a load's warm-up), then the CPU at its probed rate
+    out = _feed(balance, 34.4, 5, state) + _feed(balance, 57.0, 8, state)
+    assert out == [None] * 13 and not balance.changes
+    assert balance.active == set(balance.layers)
 
 
 def test_a_change_must_promise_its_minimum_gain():

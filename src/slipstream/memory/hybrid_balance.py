@@ -22,7 +22,10 @@ input's arrival), so it follows the machine; PCIe's is the plan's probe beside t
 k never drops below 1, so that the CPU's rate stays measured and k can climb back when the
 CPU recovers, and never exceeds the split layers packed at load. A change costs one host wait
 (the ring's copies are settled and restarted), so it is made only for a predicted gain of
-MIN_GAIN or more, judged every WINDOW decode passes.
+MIN_GAIN or more, judged every WINDOW decode passes, and only once two windows in a row call
+for a change the same way: on the H200 the first window after a load measured the CPU at 40
+GB/s and the next at 49 (-s22-hybrid-bench-h200-call4.json), and a single window took three
+layers off the CPU for eight passes before giving them back.
 """
 
 from __future__ import annotations
@@ -73,8 +76,8 @@ class HybridBalance:
     """The running judgement over one store's split layers (see the module doc).
 
     observe(cpu_seconds, cpu_bytes) is called at each decode pass's start with the store's
-    running totals; every WINDOW passes it returns the new active set when a change pays,
-    else None. `changes` records each change: (pass, layers split, CPU GB/s measured)."""
+    running totals; every WINDOW passes it judges, and returns the new active set when this
+    window and the one before both found a change that pays (the same way), else None. `changes` records each change: (pass, layers split, CPU GB/s measured)."""
 
     layers: dict[int, SplitLayer]
     other_bytes: int  # what the streamed layers that are not split copy per token
@@ -86,6 +89,7 @@ class HybridBalance:
     cpu_gbps: float | None = None  # the rate measured over the last window
     _mark: tuple[float, int] | None = None
     _since: int = 0
+    _wanted: int = 0  # the direction the last window called for: -1 fewer, +1 more, 0 none
 
     def __post_init__(self) -> None:
         if not self.active:
@@ -105,14 +109,16 @@ class HybridBalance:
             return None
         self.cpu_gbps = nbytes / seconds / 1e9
         k = best_count(self.layers, self.other_bytes, self.cpu_gbps, self.pcie_gbps)
-        if k == len(self.active):
-            return None
         chosen = set(evenly_spaced(sorted(self.layers), k))
         now = token_seconds(self.layers, self.active, self.other_bytes, self.cpu_gbps,
                             self.pcie_gbps)
         then = token_seconds(self.layers, chosen, self.other_bytes, self.cpu_gbps,
                              self.pcie_gbps)
-        if then > now * (1 - MIN_GAIN):
+        wanted = 0 if k == len(self.active) or then > now * (1 - MIN_GAIN) else \
+            (1 if k > len(self.active) else -1)
+        confirmed = wanted != 0 and wanted == self._wanted
+        self._wanted = 0 if confirmed else wanted
+        if not confirmed:
             return None
         self.active = chosen
         self.changes.append((self.passes, k, round(self.cpu_gbps, 1)))
