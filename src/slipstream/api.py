@@ -217,6 +217,10 @@ class Model:
             for i in promoted:
                 self.plan.tiers[i] = "vram"
             self.plan.draft = None
+            if promoted and self.plan.hybrid is not None:
+                from .memory.hybrid_plan import after_promotion
+
+                self.plan.hybrid = after_promotion(self.plan, promoted)
         self.draft_released = (draft.path.name, promoted)
         self.draft_release_s = time.perf_counter() - t0
         return promoted

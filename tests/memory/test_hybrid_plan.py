@@ -109,6 +109,34 @@ def test_plan_hybrid_splits_the_pinned_layers_and_predicts_faster(synth):
     assert hp.max_tokens == HYBRID_MAX_TOKENS and "passes up to 8 tokens" in text
 
 
+def test_after_promotion_is_the_split_a_new_plan_would_make(synth):
+    """A draft given up promotes split layers to VRAM: the plan's split then describes the
+    layers left, as planning the new tiers at the same share and rates does."""
+    from slipstream.memory.hybrid_plan import after_promotion
+
+    gf, cfg = synth
+    plan = _plan(gf, cfg, pcie=0.05)
+    hp = plan_hybrid(gf, cfg, plan, "auto", threads=4, cpu_gbps=0.05, token_scaling=FLAT)
+    plan.hybrid = hp
+    gone = hp.layers[:1]
+    for i in gone:
+        plan.tiers[i] = "vram"
+    after = after_promotion(plan, gone)
+    plan.hybrid = None
+    fresh = plan_hybrid(gf, cfg, plan, hp.cpu_share, threads=4, cpu_gbps=0.05,
+                        token_scaling=FLAT)
+    assert after.layers == fresh.layers == hp.layers[1:]
+    assert after.cpu_bytes_per_token == fresh.cpu_bytes_per_token < hp.cpu_bytes_per_token
+    assert after.pcie_bytes_per_token == fresh.pcie_bytes_per_token
+    assert after.plain_tok_s == pytest.approx(fresh.plain_tok_s)
+    assert after.predicted_tok_s == pytest.approx(fresh.predicted_tok_s)
+    assert after.predicted_tok_s > hp.predicted_tok_s  # one layer fewer to move
+    plan.hybrid = hp
+    for i in hp.layers:
+        plan.tiers[i] = "vram"
+    assert after_promotion(plan, hp.layers) is None
+
+
 def test_the_widest_split_pass_is_where_the_cpu_stops_paying():
     from slipstream.memory.hybrid_plan import hybrid_max_tokens
 

@@ -16,6 +16,8 @@ whole on the GPU: the CPU would have to read them from disk too.
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 import os
 import time
@@ -290,6 +292,48 @@ def decode_seconds(image_bytes: list[int], ffn_bytes: list[int], share: float,
     return max(pcie_bytes / (pcie_gbps * 1e9), cpu_path), cpu_bytes, pcie_bytes
 
 
+def split_prediction(plain_tok_s: float | None, image_bytes: list[int], split_s: float,
+                     pcie_gbps: float) -> float | None:
+    """Decode tok/s with the split: the plain plan's token time with the split layers' whole
+    copies replaced by the split's time through them (decode_seconds)."""
+    if not plain_tok_s:
+        return None
+    whole_s = sum(image_bytes) / (pcie_gbps * 1e9)
+    return 1.0 / (1.0 / plain_tok_s - whole_s + split_s)
+
+
+def after_promotion(plan, promoted) -> "HybridPlan | None":
+    """plan.hybrid once `promoted` layers (made resident when a draft was given up) no longer
+    split: the layers left, their bytes per token and packed RAM, and the prediction made again
+    from the plan's tiers as they are now (plan.tiers must already say "vram" for them). None
+    where no split layer is left."""
+    h = plan.hybrid
+    if h is None:
+        return None
+    gone = set(promoted)
+    layers = [i for i in h.layers if i not in gone]
+    if not layers:
+        return None
+    ffn = [h.gguf_ffn_bytes[i] for i in layers]
+    total_ffn = sum(h.gguf_ffn_bytes[i] for i in h.layers)
+    # the CPU layout's bytes per GGUF byte, as plan_hybrid measured it
+    cpu_ratio = h.cpu_bytes_per_token / (h.cpu_share * total_ffn) if h.cpu_share else 0.0
+    image = [plan.file_bytes_per_layer[i] for i in layers]
+    split_s, cpu_bytes, pcie_bytes = decode_seconds(image, ffn, h.cpu_share, cpu_ratio,
+                                                    h.pcie_gbps, h.cpu_gbps)
+    plan.hybrid = None  # the plain prediction at today's tiers
+    try:
+        plain = plan.predicted_tok_s
+    finally:
+        plan.hybrid = h
+    return dataclasses.replace(
+        h, layers=layers, cpu_bytes_per_token=cpu_bytes, pcie_bytes_per_token=pcie_bytes,
+        predicted_tok_s=split_prediction(plain, image, split_s, h.pcie_gbps),
+        plain_tok_s=plain,
+        extra_ram_bytes=int(h.extra_ram_bytes * sum(ffn) / total_ffn) if total_ffn else 0,
+        gguf_ffn_bytes={i: h.gguf_ffn_bytes[i] for i in layers})
+
+
 def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None = None,
                 cpu_gbps: float | None = None, token_scaling: dict[int, float] | None = None
                 ) -> HybridPlan | None:
@@ -353,10 +397,7 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     share = 1.0 - keep / cfg.ffn
     split_s, cpu_bytes, pcie_bytes = decode_seconds(image, ffn, share, cpu_ratio, pcie, cpu)
     plain = plan.predicted_tok_s
-    predicted = None
-    if plain:
-        whole_s = sum(image) / (pcie * 1e9)
-        predicted = 1.0 / (1.0 / plain - whole_s + split_s)
+    predicted = split_prediction(plain, image, split_s, pcie)
     # auto also wants each split layer's CPU work to outweigh what every split layer pays
     # whatever its share (LAYER_COST_S, measured on the 70B): for small layers
     # those costs are what decides, and they are not known well enough to bet on. The H200's
