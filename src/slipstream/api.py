@@ -61,12 +61,21 @@ class Model:
         # (draft file, layers made resident) once a draft that did not pay was released
         self.draft_released: tuple[str, list[int]] | None = None
         self.draft_release_s: float | None = None  # how long giving it up took
+        self.pipeline_stages: list[dict] | None = None  # distributed: every rank's stage
         # CUDA, with a draft file: the layers the model streams when planned without the draft
         # (its own plan streams them and more), restored when the draft is given up, and how
         # much faster that plan predicts plain decode (what giving the draft up would win)
         self.plain_streamed: list[int] | None = None
         self.release_gain = 1.0
         self.closed = False
+
+    def serve(self) -> None:
+        """A --distributed pipeline's ranks after the first: compute this rank's stage of
+        every pass rank 0 runs, until rank 0 closes its model (runtime.pipeline)."""
+        serve = getattr(self.engine, "serve", None)
+        if serve is None:
+            raise BadArgument("serve() is for a model loaded with distributed=True")
+        serve()
 
     def close(self) -> None:
         """Release what the model holds: its stores' reader threads, file descriptors, pinned
@@ -81,6 +90,9 @@ class Model:
             self.engine.release()  # its own KV cache goes
             self.engine = None
             return
+        stop = getattr(self.engine, "stop", None)  # a pipeline's rank 0: the others return
+        if stop is not None:
+            stop()
         stores = {id(st.store): st.store for st in self.engine.stages}  # stages may share one
         for store in stores.values():
             store.close()
@@ -256,7 +268,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
          draft_skip_layers: int = 0, private_weights: bool | None = None,
          hybrid: str | float = "auto", threads: int | None = None,
          vram_layers: int | None = None,
-         devices: Sequence[str | torch.device] | None = None) -> Model:
+         devices: Sequence[str | torch.device] | None = None,
+         distributed: bool = False) -> Model:
     """Open a GGUF model: `path` (and `draft`) take what `slipstream -m` takes, a file, a cached
     model's name (`slipstream list`), USER/REPO/FILE.gguf or a URL, pulled if the cache lacks
     it; None is the default model, pulled if missing.
@@ -290,6 +303,11 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     vram_budget list ("24GiB,12GiB") gives one budget per entry. Stages on distinct devices
     (GPU to GPU) are not built yet and are refused; a CUDA index the machine lacks raises
     DeviceNotFound.
+    distributed: one stage per process under torchrun (runtime.pipeline): this process loads
+    and plans only its rank's contiguous range of layers, within its own budgets (the
+    embedding on rank 0, the head on the last rank). Rank 0's model generates as usual; the
+    others call `model.serve()` until rank 0 closes its model. device "auto" is the GPU
+    LOCAL_RANK names (NCCL), or the CPU (gloo).
     skip_layers: leave out the K layers whose output is most like their input (cosine
     similarity on a calibration text shipped with the package, runtime.layer_skip), preferring
     streamed layers among near-equals; they are neither streamed nor computed. Costs
@@ -323,6 +341,15 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     """
     hybrid = _hybrid_mode(hybrid, precision)
     stage_devices = None
+    pipeline = None
+    if distributed:
+        if devices is not None or draft is not None or draft_skip_layers or skip_layers:
+            raise BadArgument("distributed=True runs one stage per process; devices=, a "
+                              "draft and layer skip do not combine with it yet")
+        from .runtime.pipeline import join
+
+        pipeline = join(device)
+        device = pipeline.device
     if devices is not None:  # checked before the file is opened: a wrong index fails at once
         device, vram_budget, stage_devices = _stage_devices(devices, vram_budget)
     model_path, gf, cfg = _open(path, progress)
@@ -359,9 +386,17 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
         held = kv_cache_bytes(cfg, cfg.n_layers, n_ctx,
                               torch.finfo(prec.kv_dtype).bits // 8)
         vram, ram = _remaining(vram, ram, held, dev, "the self-draft's KV cache", None)
+    stage = None
+    if pipeline is not None:
+        from .memory.devices import stage_ranges
+        from .memory.planner import StagePlan
+
+        layers = stage_ranges(cfg.n_layers, pipeline.world)[pipeline.rank]
+        stage = StagePlan(dev.type, layers, holds_embedding=pipeline.first,
+                          holds_head=pipeline.last)
     try:
         plan = _plan(gf, cfg, dev, prec, n_ctx, ram, vram, io, gpu_slots, vram_layers,
-                     stream_first=plain_streamed)
+                     stream_first=plain_streamed, stage=stage)
     except BaseException:
         if draft_model is not None:
             draft_model.close()
@@ -377,7 +412,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     cap = VramCap(dev, vram) if dev.type == "cuda" else None
     try:
         model = _build(model_path, gf, cfg, dev, tokenizer, template, plan, n_ctx, prec,
-                       progress, io, stream_delay, private_weights, hybrid, threads)
+                       progress, io, stream_delay, private_weights, hybrid, threads,
+                       pipeline)
     except BaseException as e:
         if draft_model is not None:
             draft_model.close()
@@ -389,6 +425,10 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
                     f"the budget allows this process ({oom_summary(e)}); raise --vram-budget "
                     f"or lower --ctx") from None
         raise
+    if pipeline is not None:
+        from .runtime.pipeline import stage_rows
+
+        model.pipeline_stages = stage_rows(pipeline, plan)  # every rank's, for rank 0's table
     if cap is not None:
         cap.attach(model)
         model._vram_cap = cap
@@ -609,8 +649,9 @@ def _context(cfg: ModelConfig, ctx: int | None) -> int:
 
 def _plan(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Precision, ctx: int,
           ram_budget, vram_budget: int | None, io: str, gpu_slots: int,
-          vram_layers: int | None = None, stream_first: list[int] | None = None):
-    """The one planning path of `load` and `plan`."""
+          vram_layers: int | None = None, stream_first: list[int] | None = None,
+          stage=None):
+    """The one planning path of `load` and `plan` (stage: a pipeline process's own)."""
     from .memory.budget import parse_size
     from .memory.setup import check_io, plan_for
 
@@ -621,7 +662,7 @@ def _plan(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Precisio
                           f"(the most layers held in VRAM)")
     return plan_for(gf, cfg, dev, precision, ctx, parse_size(ram_budget), vram_budget, io,
                     gpu_slots, prefill_chunk=PREFILL_CHUNK, graph_bucket=GRAPH_BUCKET,
-                    vram_layers=vram_layers, stream_first=stream_first)
+                    vram_layers=vram_layers, stream_first=stream_first, stage=stage)
 
 
 def _plain_plan(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Precision,
@@ -661,7 +702,7 @@ def _release_gain(gf: GGUFFile, cfg: ModelConfig, plan, plain_plan, hybrid: str 
 def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, tokenizer,
            template, plan, n_ctx: int, precision: Precision, progress: bool, io: str,
            stream_delay, private_weights: bool | None = None, hybrid: str | float = "off",
-           threads: int | None = None) -> Model:
+           threads: int | None = None, pipeline=None) -> Model:
     """Load the planned model: streamed tiers first, then the resident weights, the store
     and the engine."""
     from .memory.setup import (disk_images, make_store, measure_bandwidths,
@@ -678,6 +719,7 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
     disk = disk_images(gf, cfg, dev, precision, plan, progress)
     weights = _load_weights_with_progress(gf, cfg, dev, precision, progress, resident,
                                           plan.embed_on_host, private_weights, plan)
+    stage_plan = plan.stages[0]
     if dev.type == "cuda":
         # Give load-time transients back, so the run's own peak starts from the steady state
         # (memory.vram reserves the larger of the two, not their sum).
@@ -688,9 +730,16 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
     stages = [Stage.build(cfg, torch.device(st.device) if st.device != dev.type else dev,
                           st.layers, store, n_ctx, precision.kv_dtype, weights.rope_freqs)
               for st in plan.stages]
-    engine = Engine(cfg, weights, stages, precision.act_dtype,
-                    use_graphs=None if plan.graphs else False,
-                    prefill_chunk=plan.prefill_chunk or PREFILL_CHUNK)
+    if pipeline is not None:
+        from .runtime.pipeline import PipelineEngine
+
+        engine = PipelineEngine(cfg, weights, stages, precision.act_dtype,
+                                prefill_chunk=plan.prefill_chunk or PREFILL_CHUNK,
+                                layers=stage_plan.layers, pipeline=pipeline)
+    else:
+        engine = Engine(cfg, weights, stages, precision.act_dtype,
+                        use_graphs=None if plan.graphs else False,
+                        prefill_chunk=plan.prefill_chunk or PREFILL_CHUNK)
     model = Model(model_path, gf, cfg, engine, tokenizer, template)
     model.plan = plan
     return model
@@ -766,4 +815,6 @@ def _load_weights_with_progress(gf, cfg, dev, precision: Precision, show: bool,
                             scratch_elements=plan.scratch_elements if plan else None,
                             fuse_scales=plan.fuse_scales if plan else True,
                             head_dense_on_demand=plan.head_dense_on_demand if plan else False,
-                            flat_layers=plan.flat_layers if plan else False)
+                            flat_layers=plan.flat_layers if plan else False,
+                            holds_embedding=plan.stages[0].holds_embedding if plan else True,
+                            holds_head=plan.stages[-1].holds_head if plan else True)

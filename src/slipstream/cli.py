@@ -102,6 +102,10 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", default=None, metavar="LIST", help="one stage per device, "
                    "each a contiguous range of layers with its own KV cache, e.g. cpu,cpu "
                    "(default: one stage on --device)")
+    p.add_argument("--distributed", action="store_true", help="one stage per process, under "
+                   "torchrun (torchrun --nproc-per-node 2 -m slipstream run --distributed ...): "
+                   "each rank loads its range of layers, NCCL between GPUs, gloo on CPUs; rank "
+                   "0 prints, the others compute their stage")
     p.add_argument("-ngl", "--vram-layers", type=int, default=None, metavar="N",
                    help="CUDA: hold at most N layers in VRAM whatever --vram-budget allows, as "
                    "llama.cpp's -ngl; the rest stream (default: as many as the budget holds)")
@@ -350,8 +354,22 @@ def _load(a: argparse.Namespace):
                      # weights in private memory, on CUDA too (a streamed plan's embedding)
                      private_weights=True if a.func is cmd_serve else None,
                      hybrid=a.hybrid, threads=a.threads, vram_layers=a.vram_layers,
-                     devices=_devices_arg(a))
+                     devices=_devices_arg(a), distributed=a.distributed)
     a.load_s = time.perf_counter() - t0
+    if a.distributed and not model.engine.pipeline.first:
+        # the ranks after the first compute their stage of rank 0's passes, then leave
+        try:
+            model.serve()
+        finally:
+            model.close()
+        raise SystemExit(0)
+    if a.distributed:  # rank 0: the others return when it stops, however the command ends
+        import atexit
+
+        from .runtime.pipeline import stage_table
+
+        atexit.register(model.engine.stop)
+        err.print(stage_table(model.pipeline_stages))
     if model.skipped_layers:
         sims = model.layer_similarities
         chosen = ", ".join(f"{i} ({sims[i]:.4f})" for i in model.skipped_layers)

@@ -65,6 +65,10 @@ def oom_summary(e: BaseException) -> str:
     return (str(e).splitlines() or ["CUDA out of memory"])[0]
 
 
+class PipelineBroken(SlipstreamError):
+    """A process of a --distributed pipeline died or stopped answering (runtime.pipeline)."""
+
+
 class NonFiniteLogits(SlipstreamError):
     """The model produced NaN or Inf logits: corrupt or out-of-range weights, most often."""
 

@@ -78,3 +78,20 @@ def stage_ranges(n_layers: int, n_stages: int) -> list[range]:
         ranges.append(range(start, end))
         start = end
     return ranges
+
+
+REMOTE = "remote"  # a pipeline's tier for the layers another process holds
+
+
+def pad_stage_plan(plan, stage, n_layers: int) -> None:
+    """A stage's plan (per-layer lists indexed from its first layer) indexed by layer instead:
+    the other stages' layers get the tier REMOTE and no bytes, so that nothing of them is
+    loaded, pinned or streamed here, and every tier sum counts this stage's layers only."""
+    before, after = stage.layers.start, n_layers - stage.layers.stop
+    if len(plan.tiers) != len(stage.layers):
+        raise ValueError(f"the plan has {len(plan.tiers)} layers, the stage "
+                         f"{len(stage.layers)}")
+    plan.tiers = [REMOTE] * before + list(plan.tiers) + [REMOTE] * after
+    for name in ("resident_bytes_per_layer", "file_bytes_per_layer"):
+        setattr(plan, name, [0] * before + list(getattr(plan, name)) + [0] * after)
+    plan.stages = [stage]

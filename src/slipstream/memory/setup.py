@@ -106,8 +106,12 @@ def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Pr
              ctx: int, ram_budget: int | None, vram_budget: int | None, io: str = "direct",
              gpu_slots: int = N_SLOTS, *, prefill_chunk: int, graph_bucket: int,
              vram_layers: int | None = None,
-             stream_first: Collection[int] | None = None) -> Plan:
-    """The plan of a model on one device: one stage of every layer (plan_stage).
+             stream_first: Collection[int] | None = None,
+             stage: StagePlan | None = None) -> Plan:
+    """The plan of a model on one device: one stage of every layer (plan_stage); or, with
+    `stage`, of that stage alone (a process of a pipeline, runtime.pipeline), its per-layer
+    lists then indexed by layer with the other stages' layers in the tier "remote"
+    (devices.pad_stage_plan).
 
     vram_layers (CUDA): hold at most this many layers in VRAM whatever the budget allows
     (the user's override of the plan, as llama.cpp's -ngl); the rest stream.
@@ -119,10 +123,16 @@ def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Pr
     graph_bucket: the engine's (runtime.engine.PREFILL_CHUNK, GRAPH_BUCKET), which size the
     CUDA reserve; the caller passes them because memory/ never imports runtime/."""
     check_gpu_slots(gpu_slots)
-    stage = StagePlan(device.type, range(cfg.n_layers))
-    return plan_stage(gf, cfg, stage, device, precision, ctx, ram_budget, vram_budget, io,
+    whole = stage is None
+    stage = StagePlan(device.type, range(cfg.n_layers)) if whole else stage
+    plan = plan_stage(gf, cfg, stage, device, precision, ctx, ram_budget, vram_budget, io,
                       gpu_slots, prefill_chunk=prefill_chunk, graph_bucket=graph_bucket,
                       vram_layers=vram_layers, stream_first=stream_first)
+    if not whole:
+        from .devices import pad_stage_plan
+
+        pad_stage_plan(plan, stage, cfg.n_layers)
+    return plan
 
 
 def plan_stage(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.device,

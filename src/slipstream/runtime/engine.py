@@ -30,13 +30,16 @@ __all__ = ["Engine", "GRAPH_BUCKET", "PREFILL_CHUNK"]
 class Engine:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, stages: Sequence[Stage],
                  act_dtype: torch.dtype = torch.float32, use_graphs: bool | None = None,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, layers: range | None = None):
         """use_graphs: capture decode in CUDA graphs (default: when there is one stage and it
         can be captured, i.e. a CUDA device with every layer resident). prefill_chunk: the
         most tokens one forward runs at once (the plan's: its VRAM reserve holds their
-        activations)."""
-        if not stages or [i for st in stages for i in st.layers] != list(range(cfg.n_layers)):
-            raise ValueError(f"the stages must cover layers 0..{cfg.n_layers - 1} in order")
+        activations). layers: the layers the stages compute (default: all; a process of a
+        pipeline computes its own range, runtime.pipeline)."""
+        span = range(cfg.n_layers) if layers is None else layers
+        if not stages or [i for st in stages for i in st.layers] != list(span):
+            raise ValueError(f"the stages must cover layers {span.start}..{span.stop - 1} in "
+                             f"order")
         self.cfg = cfg
         self.weights = weights
         self.stages = list(stages)
@@ -247,26 +250,31 @@ class Engine:
     def _hidden(self, ids: torch.Tensor, step: Step,
                 idle: Callable[[], bool] | None = None) -> torch.Tensor:
         x = self.weights.embed(ids).to(self.act_dtype)  # (T, hidden), on the first device
-        group = self.cfg.gqa_group
         for stage in self.stages:
-            s = step.to(stage.device)
-            if s.tokens > 1:
-                s = s.with_mask(group)  # built once per stage, shared by its layers
-            x = x.to(stage.device)
-            cos_sin = stage.rope.angles(s.positions)
-            stage.store.begin_pass(s.tokens)
-            first = stage.layers.start
-            for i in stage.layers:
-                if i in self._skip:
-                    continue  # not acquired, so a streamed layer is never read or copied
-                while idle is not None and stage.store.waiting(i):
-                    if not idle():
-                        idle = None  # nothing left to do: block on the reads from here on
-                layer = stage.store.acquire(i)
-                k_cache, v_cache = stage.kv.layer(i - first)
-                y = block_forward(self.cfg, layer, x, cos_sin, s, k_cache, v_cache, stage.rope)
-                stage.store.release(i)
-                if self.layer_hook is not None:
-                    self.layer_hook(i, x, y)
-                x = y
+            x = self._run_stage(stage, x, step, idle)
+        return x
+
+    def _run_stage(self, stage: Stage, x: torch.Tensor, step: Step,
+                   idle: Callable[[], bool] | None = None) -> torch.Tensor:
+        """The hidden states x through one stage's layers (moved to its device first)."""
+        s = step.to(stage.device)
+        if s.tokens > 1:
+            s = s.with_mask(self.cfg.gqa_group)  # built once per stage, shared by its layers
+        x = x.to(stage.device)
+        cos_sin = stage.rope.angles(s.positions)
+        stage.store.begin_pass(s.tokens)
+        first = stage.layers.start
+        for i in stage.layers:
+            if i in self._skip:
+                continue  # not acquired, so a streamed layer is never read or copied
+            while idle is not None and stage.store.waiting(i):
+                if not idle():
+                    idle = None  # nothing left to do: block on the reads from here on
+            layer = stage.store.acquire(i)
+            k_cache, v_cache = stage.kv.layer(i - first)
+            y = block_forward(self.cfg, layer, x, cos_sin, s, k_cache, v_cache, stage.rope)
+            stage.store.release(i)
+            if self.layer_hook is not None:
+                self.layer_hook(i, x, y)
+            x = y
         return x

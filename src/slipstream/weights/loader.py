@@ -34,10 +34,10 @@ from .linear import (GEMV_MAX_ROWS, DenseLinear, Linear, OnDemandDenseLinear, Qu
 
 @dataclass
 class ModelWeights:
-    embed: QuantEmbedding
+    embed: QuantEmbedding | None  # None: a pipeline stage after the first (runtime.pipeline)
     layers: list[LayerWeights]
     output_norm: torch.Tensor  # (hidden,)
-    output: Callable[[torch.Tensor], torch.Tensor]  # hidden -> vocab
+    output: Callable[[torch.Tensor], torch.Tensor] | None  # hidden -> vocab (None: not last)
     rope_freqs: torch.Tensor | None  # (rope_dim/2,) llama3 frequency divisors, or None
 
 
@@ -246,7 +246,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
                  embed_on_host: bool = False, private: bool | None = None,
                  scratch_elements: int | None = None,
                  fuse_scales: bool = True, head_dense_on_demand: bool = False,
-                 flat_layers: bool = False) -> ModelWeights:
+                 flat_layers: bool = False, holds_embedding: bool = True,
+                 holds_head: bool = True) -> ModelWeights:
     """Build the model's weights on `device`: every layer, or only `resident_layers` (the
     others are left as None for a streaming store to fill). Norms stay float32.
     `embed_on_host`: the token embedding stays in host memory (see QuantEmbedding).
@@ -265,6 +266,9 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     `flat_layers` (CUDA): each layer in one device buffer laid out as its image
     (weights.image.flattened: no allocator holes between the layers; a streamed plan, which
     sizes its resident layers so, memory.vram.layer_flat_bytes).
+
+    `holds_embedding`, `holds_head`: False for a pipeline stage that is not the first / the
+    last (runtime.pipeline): that weight is not loaded (None).
 
     `progress(n_bytes)` is called after each layer so callers can drive a progress bar.
     """
@@ -285,16 +289,21 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
 
     embed_shape = (cfg.vocab_size, cfg.hidden)
     embed_info = gf.tensors.get(EMBEDDING)
-    embed_raw = raw_tensor(gf, EMBEDDING, embed_shape)
-    if not embed_on_host:
-        embed_raw = embed_raw.to(device)  # on CPU still the map's bytes
-    if private and embed_raw.device.type == "cpu":
-        embed_raw = embed_raw.clone()
-    embed = QuantEmbedding(embed_raw, embed_info.ggml_type, cfg.hidden, precision.act_dtype,
-                           device)
+    embed_raw, embed = None, None
+    if holds_embedding or (head_dense_on_demand and holds_head):
+        embed_raw = raw_tensor(gf, EMBEDDING, embed_shape)
+        if not embed_on_host:
+            embed_raw = embed_raw.to(device)  # on CPU still the map's bytes
+        if private and embed_raw.device.type == "cpu":
+            embed_raw = embed_raw.clone()
+    if holds_embedding:
+        embed = QuantEmbedding(embed_raw, embed_info.ggml_type, cfg.hidden,
+                               precision.act_dtype, device)
     tick(EMBEDDING)
     head_name = head_tensor_name(gf.tensors)  # the embedding where the file ties them
-    if quantized:
+    if not holds_head:
+        output = None
+    elif quantized:
         from .. import kernels
 
         head_raw = raw_tensor(gf, head_name, embed_shape).to(device)

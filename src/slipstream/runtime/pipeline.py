@@ -1,0 +1,260 @@
+"""One model over several processes (issue 16): each process holds one stage, a contiguous
+range of layers with its own KV cache, and the hidden states go from stage to stage by
+torch.distributed send/recv (NCCL between GPUs, gloo on CPUs), launched by torchrun:
+
+    torchrun --nproc-per-node 2 -m slipstream run -m MODEL --distributed "prompt"
+
+Rank 0 holds the embedding and runs the generation (tokenizer, sampler, stop strings, the
+output); the last rank holds the head. Every forward pass starts with a header from rank 0 to
+every other rank (what the pass is), then the hidden states travel rank 0 -> 1 -> ... -> last,
+and the last rank sends the logits back to rank 0, which samples there with the user's sampler
+as a single process would: the same logits give the same tokens. Across machines it is the
+same code with torchrun's --nnodes; no transport of our own.
+
+Not across processes yet: tree steps (speculative decoding) and the KV compaction they need;
+they raise BadArgument. Every send and receive has the process group's timeout (TIMEOUT_S by
+default, SLIPSTREAM_DIST_TIMEOUT), so a rank that dies gives rank 0 a PipelineBroken error
+naming the peer instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import BadArgument, PipelineBroken
+from ..model import Step
+from .engine import Engine
+
+TIMEOUT_S = 60.0  # a peer silent this long is taken for dead
+OP_FORWARD, OP_LENGTH, OP_TRUNCATE, OP_STOP = 1, 2, 3, 4
+HEADER = 4  # int64s: op, tokens, all_logits, value
+
+
+@dataclass
+class Pipeline:
+    """This process's place in the pipeline."""
+
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.world - 1
+
+
+def join(device: str | torch.device = "auto", timeout_s: float | None = None) -> Pipeline:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the
+    environment), or the one already initialised: NCCL where this process has a GPU (the
+    one LOCAL_RANK names), gloo on CPU. At least two processes."""
+    if not dist.is_available():
+        raise BadArgument("this torch build has no torch.distributed: --distributed needs it")
+    if not dist.is_initialized():
+        missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+                   if k not in os.environ]
+        if missing:
+            raise BadArgument(f"--distributed runs one process per stage under torchrun "
+                              f"({', '.join(missing)} unset): e.g. torchrun --nproc-per-node 2 "
+                              f"-m slipstream run --distributed ...")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if str(device) == "auto":
+        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", local)
+    if not dist.is_initialized():
+        seconds = timeout_s or float(os.environ.get("SLIPSTREAM_DIST_TIMEOUT", TIMEOUT_S))
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend, timeout=timedelta(seconds=seconds))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2:
+        raise BadArgument("--distributed needs at least 2 processes (torchrun "
+                          "--nproc-per-node 2); one process runs the model without it")
+    return Pipeline(rank, world, dev)
+
+
+def stage_rows(pipeline: Pipeline, plan) -> list[dict]:
+    """Every rank's stage as rank 0 shows it (a collective: each rank calls it once, after its
+    load): device, layer range, layers by tier, bytes held and its predicted ms per token."""
+    from ..memory.devices import REMOTE
+    from ..memory.planner import fmt_bytes
+
+    stage = plan.stages[0]
+    tiers: dict[str, int] = {}
+    for t in plan.tiers:
+        if t != REMOTE:
+            tiers[t] = tiers.get(t, 0) + 1
+    held = sum(b for b, t in zip(plan.resident_bytes_per_layer, plan.tiers)
+               if t not in (REMOTE, "disk")) + plan.fixed_bytes
+    tok_s = plan.predicted_tok_s
+    mine = {"rank": pipeline.rank, "device": str(pipeline.device),
+            "layers": f"{stage.layers.start}-{stage.layers.stop - 1}",
+            "tiers": ", ".join(f"{n} {t}" for t, n in tiers.items()),
+            "held": fmt_bytes(held), "ms_per_token": 1e3 / tok_s if tok_s else None,
+            "holds": " + ".join(w for w, h in (("embedding", stage.holds_embedding),
+                                               ("head", stage.holds_head)) if h)}
+    rows: list = [None] * pipeline.world
+    dist.all_gather_object(rows, mine)
+    return rows
+
+
+def stage_table(rows: list[dict]):
+    """The pipeline's plan, one row per rank; decode's prediction is the stages' times added
+    (a token passes through them one after another)."""
+    from rich.table import Table
+
+    t = Table(title=f"pipeline plan ({len(rows)} processes)")
+    for col in ("rank", "device", "layers", "tiers", "holds", "bytes held", "ms / token"):
+        t.add_column(col, justify="left" if col in ("device", "tiers", "holds") else "right")
+    for r in rows:
+        ms = r["ms_per_token"]
+        t.add_row(str(r["rank"]), r["device"], r["layers"], r["tiers"], r["holds"] or "-",
+                  r["held"], f"{ms:.1f}" if ms else "-")
+    times = [r["ms_per_token"] for r in rows]
+    if all(times):
+        total = sum(times)
+        t.caption = (f"predicted decode: {total:.1f} ms/token, {1e3 / total:.2f} tok/s (the "
+                     f"stages one after another, hand-overs not counted)")
+    return t
+
+
+class PipelineEngine(Engine):
+    """An Engine over this process's stage only: rank 0 drives the pipeline (forward, decode,
+    the cache length) and the other ranks `serve` it (see the module doc)."""
+
+    def __init__(self, *args, pipeline: Pipeline, **kw):
+        super().__init__(*args, use_graphs=False, **kw)
+        self.pipeline = pipeline
+        self.stage = self.stages[0]
+        self._stopped = False
+
+    # --- rank 0 ----------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, tokens, all_logits: bool = False, step: Step | None = None,
+                idle: Callable[[], bool] | None = None) -> torch.Tensor:
+        if step is not None:
+            raise BadArgument("tree steps (speculative decoding) do not run across processes "
+                              "yet: decode without a draft under --distributed")
+        self._driver_only("forward")
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+        T = int(ids.shape[0])
+        if T == 0:
+            raise ValueError("forward() needs at least one token")
+        self._check_room(T)
+        outs = []
+        for start in range(0, T, self.prefill_chunk):
+            chunk = ids[start: start + self.prefill_chunk].to(self.device)
+            n = int(chunk.shape[0])
+            self._tell(OP_FORWARD, n, all_logits)
+            x = self.weights.embed(chunk).to(self.act_dtype)
+            x = self._run_stage(self.stage, x, self._append_step(n))
+            self._send(x, 1)
+            self.stage.kv.length += n
+            rows = n if all_logits else 1
+            outs.append(self._recv((rows, self.cfg.vocab_size), torch.float32,
+                                   self.pipeline.world - 1))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def decode(self, token: torch.Tensor) -> torch.Tensor:
+        self._check_room(1)
+        return self.forward(token.view(1))
+
+    def set_length(self, n: int) -> None:
+        if self.pipeline.first:
+            self._tell(OP_LENGTH, value=n)
+        super().set_length(n)
+
+    def truncate(self, n: int) -> None:
+        if self.pipeline.first:
+            self._tell(OP_TRUNCATE, value=n)
+        super().truncate(n)
+
+    def compact(self, src_slots, dst_start: int) -> None:
+        raise BadArgument("KV compaction (speculative decoding) does not run across "
+                          "processes yet")
+
+    def stop(self) -> None:
+        """Rank 0: let the other ranks' `serve` return (at close)."""
+        if self.pipeline.first and not self._stopped:
+            self._stopped = True
+            try:
+                self._tell(OP_STOP)
+            except PipelineBroken:
+                pass  # a peer already gone has nothing left to stop
+
+    # --- the other ranks ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        """Ranks after the first: run this stage's part of every pass rank 0 starts, until it
+        stops the pipeline."""
+        if self.pipeline.first:
+            raise ValueError("rank 0 drives the pipeline; the other ranks serve it")
+        p = self.pipeline
+        while True:
+            op, n, all_logits, value = self._recv((HEADER,), torch.long, 0).tolist()
+            if op == OP_STOP:
+                return
+            if op == OP_LENGTH:
+                super().set_length(value)
+            elif op == OP_TRUNCATE:
+                super().truncate(value)
+            elif op == OP_FORWARD:
+                x = self._recv((n, self.cfg.hidden), self.act_dtype, p.rank - 1)
+                x = self._run_stage(self.stage, x, self._append_step(n))
+                self.stage.kv.length += n
+                if p.last:
+                    self._send(self._logits(x if all_logits else x[-1:]), 0)
+                else:
+                    self._send(x, p.rank + 1)
+            else:
+                raise PipelineBroken(f"rank {p.rank} got an unknown pipeline op {op} from "
+                                     f"rank 0")
+
+    # --- messages -----------------------------------------------------------------------------
+
+    def _driver_only(self, what: str) -> None:
+        if not self.pipeline.first:
+            raise ValueError(f"{what}() runs on rank 0; rank {self.pipeline.rank} serves")
+
+    def _tell(self, op: int, tokens: int = 0, all_logits: bool = False, value: int = 0) -> None:
+        header = torch.tensor([op, tokens, int(all_logits), value], dtype=torch.long)
+        for r in range(1, self.pipeline.world):
+            self._send(header, r)
+
+    def _wire(self) -> torch.device:
+        # gloo moves CPU tensors, NCCL device ones
+        return self.pipeline.device if self.pipeline.device.type == "cuda" else \
+            torch.device("cpu")
+
+    def _send(self, t: torch.Tensor, peer: int) -> None:
+        try:
+            dist.send(t.contiguous().to(self._wire()), peer)
+        except RuntimeError as e:  # DistBackendError too; gloo reports a dead peer so
+            raise self._broken(peer, "send to", e) from None
+
+    def _recv(self, shape, dtype, peer: int) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype, device=self._wire())
+        try:
+            dist.recv(t, peer)
+        except RuntimeError as e:  # DistBackendError too; gloo reports a dead peer so
+            raise self._broken(peer, "receive from", e) from None
+        return t.to(self.device)
+
+    def _broken(self, peer: int, what: str, e: BaseException) -> PipelineBroken:
+        return PipelineBroken(f"rank {self.pipeline.rank} could not {what} rank {peer} "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200]}): that "
+                              f"process died or stopped answering; restart every rank")

@@ -1,0 +1,158 @@
+"""One model over two processes (runtime.pipeline, issue 16): torchrun starts two gloo ranks on
+the CPU, each loading only its own range of layers; greedy and seeded sampled output equal the
+single-process run's, token for token, through the API and the CLI; a rank that dies gives
+rank 0 a clear error rather than a hang."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import slipstream
+from slipstream.errors import BadArgument
+from slipstream.memory.devices import REMOTE, pad_stage_plan
+from slipstream.memory.planner import Plan, StagePlan
+
+PROMPT = "Write a haiku about the sea."
+SRC = str(Path(slipstream.__file__).resolve().parents[1])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(args: list[str], timeout: float = 240, env: dict | None = None
+              ) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           "2", "--master-addr", "127.0.0.1", "--master-port",
+                           str(_free_port()), *args], capture_output=True, text=True,
+                          timeout=timeout, env=full)
+
+
+RANK_SCRIPT = textwrap.dedent("""
+    import json, os, sys
+    import torch.distributed as dist
+    import slipstream
+    from slipstream.errors import PipelineBroken
+    path, out, n, temp, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+    m = slipstream.load(path, device="cpu", distributed=True, ctx=512)
+    rank = dist.get_rank()
+    info = {"held": [i for i, w in enumerate(m.engine.weights.layers) if w is not None],
+            "embed": m.engine.weights.embed is not None,
+            "head": m.engine.weights.output is not None,
+            "remote": sum(t == "remote" for t in m.plan.tiers)}
+    if rank == 0:
+        import time
+        t0 = time.perf_counter()
+        try:
+            info["ids"] = [e.id for e in m.generate(%r, max_tokens=n, temperature=temp,
+                                                    seed=7)]
+        except PipelineBroken as e:
+            info["error"], info["error_s"] = str(e), time.perf_counter() - t0
+        json.dump(info, open(f"{out}.0", "w"))
+        m.close()
+    else:
+        json.dump(info, open(f"{out}.{rank}", "w"))
+        if mode == "die":
+            os._exit(0)  # gone without a word: rank 0's next pass finds no peer
+        if mode == "hang":
+            import time
+            time.sleep(25)  # alive but silent, past rank 0's timeout
+            os._exit(0)
+        m.serve()
+        m.close()
+    dist.destroy_process_group()
+""" % PROMPT)
+
+
+def _ranks(tmp_path: Path, model: Path, tokens: int, temp: float, mode: str = "serve",
+           env: dict | None = None):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    out = tmp_path / "out"
+    done = _torchrun([str(script), str(model), str(out), str(tokens), str(temp), mode],
+                     env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(Path(f"{out}.{r}").read_text()) for r in (0, 1)]
+
+
+def _single(model: Path, tokens: int, temp: float) -> list[int]:
+    with slipstream.load(model, device="cpu", ctx=512) as m:
+        return [e.id for e in m.generate(PROMPT, max_tokens=tokens, temperature=temp, seed=7)]
+
+
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+def test_two_gloo_ranks_give_the_single_process_tokens(smollm_path, tmp_path, temp):
+    first, second = _ranks(tmp_path, smollm_path, 40, temp)
+    assert first["ids"] == _single(smollm_path, 40, temp)
+    # each rank built its own 15 of the 30 layers, the embedding on rank 0, the head on 1
+    assert first["held"] == list(range(15)) and second["held"] == list(range(15, 30))
+    assert first["remote"] == second["remote"] == 15
+    assert (first["embed"], first["head"], second["embed"], second["head"]) == \
+        (True, False, False, True)
+
+
+def test_the_cli_under_torchrun_prints_what_one_process_prints(smollm_path):
+    args = ["-m", str(smollm_path), "-n", "24", "--temp", "0", "-p", PROMPT]
+    env = {**os.environ, "PYTHONPATH": SRC}
+    alone = subprocess.run([sys.executable, "-m", "slipstream", "run", *args],
+                           capture_output=True, text=True, timeout=240, env=env)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    both = _torchrun(["-m", "slipstream", "run", "--distributed", *args])
+    assert both.returncode == 0, both.stderr[-3000:]
+    assert both.stdout == alone.stdout and alone.stdout.strip()
+
+
+def test_a_rank_that_dies_gives_rank_0_a_clear_error(smollm_path, tmp_path):
+    t0 = time.perf_counter()
+    first, _ = _ranks(tmp_path, smollm_path, 8, 0.0, mode="die")
+    assert "rank 1" in first["error"] and "restart every rank" in first["error"]
+    assert "ids" not in first
+    assert time.perf_counter() - t0 < 200  # an error, not a hang until the test's timeout
+
+
+def test_a_silent_rank_gives_rank_0_an_error_after_the_timeout(smollm_path, tmp_path):
+    t0 = time.perf_counter()
+    first, _ = _ranks(tmp_path, smollm_path, 8, 0.0, mode="hang",
+                      env={"SLIPSTREAM_DIST_TIMEOUT": "8"})
+    assert "rank 1" in first["error"] and "stopped answering" in first["error"]
+    assert "ids" not in first
+    assert 7 < first["error_s"] < 20  # the 8 s timeout, not the peer's 25 s of silence
+
+
+def test_distributed_outside_torchrun_says_how_to_start_it(smollm_path, monkeypatch):
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(BadArgument, match="torchrun --nproc-per-node 2"):
+        slipstream.load(smollm_path, device="cpu", distributed=True)
+
+
+def test_distributed_refuses_a_draft(smollm_path):
+    with pytest.raises(BadArgument, match="draft"):
+        slipstream.load(smollm_path, device="cpu", distributed=True, draft=smollm_path)
+
+
+def test_a_stage_plan_padded_to_layer_indices():
+    plan = Plan("cpu", ["ram", "packed", "disk"], [10, 11, 12], [20, 21, 22], 5, None, 1)
+    stage = StagePlan("cpu", range(2, 5), holds_embedding=False, holds_head=False)
+    pad_stage_plan(plan, stage, 7)
+    assert plan.tiers == [REMOTE, REMOTE, "ram", "packed", "disk", REMOTE, REMOTE]
+    assert plan.resident_bytes_per_layer == [0, 0, 10, 11, 12, 0, 0]
+    assert plan.file_bytes_per_layer == [0, 0, 20, 21, 22, 0, 0]
+    assert plan.disk_layers == [4] and plan.streamed_layers == [3, 4]
+    assert plan.stages == [stage]
+    with pytest.raises(ValueError, match="3 layers"):
+        pad_stage_plan(Plan("cpu", ["ram"] * 3, [1] * 3, [1] * 3, 0, None, 1),
+                       StagePlan("cpu", range(0, 2)), 4)
