@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from slipstream.config import ModelConfig
 from slipstream.errors import BadArgument
