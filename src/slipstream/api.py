@@ -719,7 +719,6 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
     disk = disk_images(gf, cfg, dev, precision, plan, progress)
     weights = _load_weights_with_progress(gf, cfg, dev, precision, progress, resident,
                                           plan.embed_on_host, private_weights, plan)
-    stage_plan = plan.stages[0]
     if dev.type == "cuda":
         # Give load-time transients back, so the run's own peak starts from the steady state
         # (memory.vram reserves the larger of the two, not their sum).
@@ -735,7 +734,7 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
 
         engine = PipelineEngine(cfg, weights, stages, precision.act_dtype,
                                 prefill_chunk=plan.prefill_chunk or PREFILL_CHUNK,
-                                layers=stage_plan.layers, pipeline=pipeline)
+                                layers=plan.stages[0].layers, pipeline=pipeline)
     else:
         engine = Engine(cfg, weights, stages, precision.act_dtype,
                         use_graphs=None if plan.graphs else False,

@@ -84,8 +84,8 @@ class CudaLayerStore(StoreBase):
         self.active = set(self.hosts)
         self.balance = HybridBalance(
             {i: SplitLayer(h.nbytes, self.prefix[i], self.layouts[i].nbytes)
-             for i, h in self.hosts.items()}, 0, pcie_gbps) if self.hosts and pcie_gbps \
-            else None
+             for i, h in self.hosts.items()}, self._unsplit_bytes(), pcie_gbps) \
+            if self.hosts and pcie_gbps else None
         self.begin_pass(1)  # the ring's first copies are a decode token's
 
     def begin_pass(self, tokens: int) -> None:
@@ -97,12 +97,15 @@ class CudaLayerStore(StoreBase):
             return
         split = tokens <= next(iter(self.hosts.values())).io.max_tokens
         if split and self.balance is not None:
-            self.balance.other_bytes = self._unsplit_bytes()
             active = self.balance.observe(self.stats.cpu_s, self.stats.cpu_bytes)
             if active is not None:
                 self.split_only(active)
-        if split == self.split_mode:
-            return
+        if split != self.split_mode:
+            self._set_split(split)
+
+    def _set_split(self, split: bool) -> None:
+        """Copy the active split layers' prefixes (split) or every image whole; the copies
+        already made the other way are settled and the ring restarts."""
         self.split_mode = split
         pinned = next(src for src in self.sources if isinstance(src, PinnedSource))
         pinned.upto = {i: self.prefix[i] for i in self.active} if split else {}
@@ -111,17 +114,14 @@ class CudaLayerStore(StoreBase):
 
     def split_only(self, layers: Collection[int]) -> None:
         """Decode computes the CPU's shares of these split layers only; the other split
-        layers run whole on the GPU (their images copied in full, as for prefill). The copies
-        already made for the old split are settled at the next pass's start."""
+        layers run whole on the GPU (their images copied in full, as for prefill)."""
         active = set(layers)
         if not active <= set(self.hosts):
             raise ValueError(f"layers {sorted(active - set(self.hosts))} are not split")
         if active != self.active:
             self.active = active
-            if self.split_mode:  # begin_pass sees a change of mode: new copies, new views
-                self.split_mode = False
-                if self.ring is not None and self.ring.pos:
-                    self.ring.drop(())
+            if self.split_mode:  # the copies made for the old split go; views follow active
+                self._set_split(True)
 
     def _unsplit_bytes(self) -> int:
         """What the streamed layers that are not split copy per decode token."""
@@ -183,6 +183,8 @@ class CudaLayerStore(StoreBase):
         """Stream only the layers the engine will ask for: the ring's copy order and the disk
         read-ahead leave the skipped ones out, so that no slot or read is spent on them."""
         self.skipped = frozenset(layers)
+        if self.balance is not None:
+            self.balance.other_bytes = self._unsplit_bytes()
         if self.ring is not None:
             self.ring.skip(self.skipped)
         for src in self.sources:
@@ -241,6 +243,8 @@ class CudaLayerStore(StoreBase):
             self.layouts.pop(i)
             self.layers[i] = built[i]
             self.feed.pop(i, None)
+        if self.balance is not None:
+            self.balance.other_bytes = self._unsplit_bytes()
         return chosen
 
     def acquire(self, i: int) -> LayerWeights:

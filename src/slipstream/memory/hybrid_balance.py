@@ -77,7 +77,8 @@ class HybridBalance:
 
     observe(cpu_seconds, cpu_bytes) is called at each decode pass's start with the store's
     running totals; every WINDOW passes it judges, and returns the new active set when this
-    window and the one before both found a change that pays (the same way), else None. `changes` records each change: (pass, layers split, CPU GB/s measured)."""
+    window and the one before both found a change that pays (the same way), else None.
+    `changes` records each change: (pass, layers split, CPU GB/s measured)."""
 
     layers: dict[int, SplitLayer]
     other_bytes: int  # what the streamed layers that are not split copy per token

@@ -16,12 +16,10 @@ whole on the GPU: the CPU would have to read them from disk too.
 
 from __future__ import annotations
 
-import dataclasses
-
 import functools
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # The most tokens a split layer's CPU share may take (decode, small trees): the host buffers'
 # size. Below it the plan's crossover (HybridPlan.max_tokens) is measured: passes above that
@@ -321,12 +319,8 @@ def after_promotion(plan, promoted) -> "HybridPlan | None":
     image = [plan.file_bytes_per_layer[i] for i in layers]
     split_s, cpu_bytes, pcie_bytes = decode_seconds(image, ffn, h.cpu_share, cpu_ratio,
                                                     h.pcie_gbps, h.cpu_gbps)
-    plan.hybrid = None  # the plain prediction at today's tiers
-    try:
-        plain = plan.predicted_tok_s
-    finally:
-        plan.hybrid = h
-    return dataclasses.replace(
+    plain = plan.whole_layers_tok_s  # at today's tiers
+    return replace(
         h, layers=layers, cpu_bytes_per_token=cpu_bytes, pcie_bytes_per_token=pcie_bytes,
         predicted_tok_s=split_prediction(plain, image, split_s, h.pcie_gbps),
         plain_tok_s=plain,

@@ -128,6 +128,11 @@ class Plan:
         dominate). CPU: see cpu_token_seconds."""
         if self.device == "cuda" and self.hybrid is not None and self.hybrid.predicted_tok_s:
             return self.hybrid.predicted_tok_s  # the split's own prediction (hybrid_plan)
+        return self.whole_layers_tok_s
+
+    @property
+    def whole_layers_tok_s(self) -> float | None:
+        """predicted_tok_s with every streamed layer copied whole (no hybrid split)."""
         if self.device == "cuda":
             bw = self.bandwidth_gbps
             streamed = self.bytes_per_token("pinned") + self.bytes_per_token("disk")
