@@ -124,12 +124,33 @@ def test_a_rank_that_dies_gives_rank_0_a_clear_error(smollm_path, tmp_path):
 
 
 def test_a_silent_rank_gives_rank_0_an_error_after_the_timeout(smollm_path, tmp_path):
-    t0 = time.perf_counter()
     first, _ = _ranks(tmp_path, smollm_path, 8, 0.0, mode="hang",
                       env={"SLIPSTREAM_DIST_TIMEOUT": "8"})
     assert "rank 1" in first["error"] and "stopped answering" in first["error"]
     assert "ids" not in first
     assert 7 < first["error_s"] < 20  # the 8 s timeout, not the peer's 25 s of silence
+
+
+def test_a_rank_whose_load_fails_stops_the_others_with_a_clear_error(smollm_path, tmp_path):
+    """Rank 1 gets a RAM budget too small for its layers: it prints its own one-line error,
+    and rank 0, waiting for the ranks' plans, gives one too (or torchrun stops it first)
+    instead of waiting forever."""
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        from slipstream.cli import main
+        budget = "1MiB" if os.environ["RANK"] == "1" else "4GiB"
+        sys.exit(main(["run", "-m", sys.argv[1], "--distributed", "--ram-budget", budget,
+                       "-n", "4", "-p", "hi"]))
+    """))
+    t0 = time.perf_counter()
+    done = _torchrun([str(script), str(smollm_path)], env={"SLIPSTREAM_DIST_TIMEOUT": "10"})
+    assert done.returncode != 0
+    assert "budget cannot run this model" in done.stderr  # rank 1's own error
+    # rank 0: its own line if it reaches the plans' gather first, else torchrun stops it
+    assert "another rank did not" in done.stderr or "SIGTERM" in done.stderr
+    assert "slipstream/" not in done.stderr  # one line each, no traceback through our code
+    assert time.perf_counter() - t0 < 120
 
 
 def test_distributed_outside_torchrun_says_how_to_start_it(smollm_path, monkeypatch):

@@ -106,7 +106,12 @@ def stage_rows(pipeline: Pipeline, plan) -> list[dict]:
             "holds": " + ".join(w for w, h in (("embedding", stage.holds_embedding),
                                                ("head", stage.holds_head)) if h)}
     rows: list = [None] * pipeline.world
-    dist.all_gather_object(rows, mine)
+    try:
+        dist.all_gather_object(rows, mine)
+    except RuntimeError as e:  # a rank whose load failed never joins the gather
+        raise PipelineBroken(f"rank {pipeline.rank} loaded its stage but another rank did not "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); see that "
+                             f"rank's error and restart every rank") from None
     return rows
 
 
