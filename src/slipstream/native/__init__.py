@@ -1,5 +1,5 @@
-"""Native CPU decode ops: decode_ops.c, compiled once per machine with the system's C compiler
-and called through ctypes.
+"""Native CPU ops, compiled once per machine with the system's C compiler and called through
+ctypes: decode_ops.c and q4_matvec.c for decode, int4_pack.c for load-time packing.
 
 Why C: a CPU decode token of a small model spends as long in ~25 tiny torch calls a layer as in
 its matmuls, each call a few microseconds of dispatch around a few hundred floats of work
@@ -29,7 +29,7 @@ import threading
 from importlib import resources
 from pathlib import Path
 
-SOURCES = ("decode_ops.c", "q4_matvec.c")  # compiled together into one library
+SOURCES = ("decode_ops.c", "q4_matvec.c", "int4_pack.c")  # compiled together into one library
 HEADERS = ("bf16.h",)  # what they include: written beside them, and part of the cache key
 # -ffp-contract=off: no fused multiply-adds, so that every product is rounded as torch rounds
 # it (RoPE as torch's complex multiply) and the bits do not depend on whether the CPU has FMA.
@@ -52,6 +52,8 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     "ss_q8_quantize_row": (_P, _I64, _P, _P, _P),
     "ss_q16_quantize_row": (_P, _I64, _P, _P, _P, _P),
     "ss_q4_matvec": (_P, _P, _P, _I64, _I64),
+    # int4_pack.c
+    "ss_int4pack_rows": (_P, _I64, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT),
 }
 RETURNS = {"ss_q4_has_vnni": _INT}  # functions that return something (and take nothing)
 

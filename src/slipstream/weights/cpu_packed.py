@@ -298,6 +298,24 @@ def _check_pair_formats(kind: str, qtypes) -> None:
                          f"{', '.join(Q(int(t)).name for t in qtypes)}")
 
 
+def int4pack_torch(raws, qtypes, shapes) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parts' rows (GGUF bytes of 4-bit formats) stacked in torch's int4 layout, by torch
+    ops: (packed (rows padded to 16, cols / 2) uint8, scale_zeros (cols / 32, padded, 2)
+    bfloat16)."""
+    rows = sum(r for r, _ in shapes)
+    cols = shapes[0][1]
+    padded = -(-rows // 16) * 16  # the packer needs rows in multiples of 16
+    u = torch.full((padded, cols), 8, dtype=torch.uint8)
+    scale_zeros = torch.zeros(cols // INT4_GROUP, padded, 2, dtype=torch.bfloat16)
+    for r0, ga in _chunks(raws, qtypes, shapes):
+        r1 = r0 + ga.shape[0]
+        uc, s, z = _int4_params(ga)
+        u[r0:r1] = uc
+        scale_zeros[:, r0:r1, 0] = bf16_nearest(s).t()
+        scale_zeros[:, r0:r1, 1] = bf16_nearest(z).t()
+    return _pack_int4(u), scale_zeros
+
+
 class Int4PackLinear(Linear):
     """y = x @ W^T (+ b) (+ residual) through aten._weight_int4pack_mm_for_cpu (group 32).
     `packed` is (rows padded to 16, in/2) uint8 in torch's layout and `scale_zeros`
@@ -316,19 +334,14 @@ class Int4PackLinear(Linear):
     @classmethod
     def from_raws(cls, raws, qtypes, shapes, bias: torch.Tensor | None = None
                   ) -> "Int4PackLinear":
-        """Stack the parts' rows (GGUF bytes, all of 4-bit formats) into one packed weight."""
+        """Stack the parts' rows (GGUF bytes, all of 4-bit formats) into one packed weight:
+        in one native pass where int4_pack.c can (weights.int4_native), else in torch ops
+        (the same bits)."""
+        from .int4_native import pack_native
+
         rows = sum(r for r, _ in shapes)
-        cols = shapes[0][1]
-        padded = -(-rows // 16) * 16  # the packer needs rows in multiples of 16
-        u = torch.full((padded, cols), 8, dtype=torch.uint8)
-        scale_zeros = torch.zeros(cols // INT4_GROUP, padded, 2, dtype=torch.bfloat16)
-        for r0, ga in _chunks(raws, qtypes, shapes):
-            r1 = r0 + ga.shape[0]
-            uc, s, z = _int4_params(ga)
-            u[r0:r1] = uc
-            scale_zeros[:, r0:r1, 0] = bf16_nearest(s).t()
-            scale_zeros[:, r0:r1, 1] = bf16_nearest(z).t()
-        return cls(_pack_int4(u), scale_zeros, rows, bias)
+        packed = pack_native(raws, qtypes, shapes)
+        return cls(*(packed or int4pack_torch(raws, qtypes, shapes)), rows, bias)
 
     @property
     def out_features(self) -> int:

@@ -1,0 +1,94 @@
+"""Load-time packing of 4-bit GGUF matrices into torch's int4 CPU layout in one native pass
+(native/int4_pack.c), for Int4PackLinear (weights.cpu_packed).
+
+Why: in torch ops the packing is a dozen small calls per 64 rows. On the H200 host, hybrid
+decode's CPU share of a 70B (7.7 GB) took about 100 s that way on a pool of 15 threads,
+against 23 s for the whole load without it (bench/results/2026-12-03-s23-*load-profile*).
+
+torch's layout depends on the CPU it runs on (blocks of 64 rows with AVX-512, 32 with AVX2),
+so the native packer is used only after it reproduced torch's own packing, bit for bit, on a
+random matrix of each format, once per process. Where it did not, or the library cannot be
+built, or a part's rows are not whole blocks, pack_native returns None and the torch ops pack.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from .. import native
+from ..quant import get_format
+from .cpu_packed import INT4_GROUP, int4pack_torch
+
+FORMATS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q4_K: 2}  # int4_pack.c's FMT_* codes
+BLOCKS = (64, 32)  # torch's row blocks: AVX-512, AVX2
+
+
+def pack_native(raws, qtypes, shapes, threads: int | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """What int4pack_torch returns, made by int4_pack.c; None where it cannot be (see above).
+    threads: OpenMP threads of the call (default torch's count for this thread: 1 inside a
+    pool that set it so)."""
+    if any(Q(int(t)) not in FORMATS for t in qtypes):
+        return None
+    block = native_block()
+    if block is None or any(r % block for r, _ in shapes):
+        return None
+    return _pack(raws, qtypes, shapes, block, threads or torch.get_num_threads())
+
+
+@functools.lru_cache(maxsize=None)
+def native_block() -> int | None:
+    """The row block with which int4_pack.c reproduces torch's packing here, or None."""
+    if native.library() is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    cases = [_random_matrix(q, 128, 512, gen) for q in FORMATS]
+    refs = [int4pack_torch([raw], [q], [(128, 512)]) for q, raw in zip(FORMATS, cases)]
+    for block in BLOCKS:
+        if all(_same(_pack([raw], [q], [(128, 512)], block, 1), ref)
+               for q, raw, ref in zip(FORMATS, cases, refs)):
+            return block
+    return None
+
+
+def _pack(raws, qtypes, shapes, block: int, threads: int
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    lib = native.library()
+    rows, cols = sum(r for r, _ in shapes), shapes[0][1]
+    packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
+    scale_zeros = torch.empty(cols // INT4_GROUP, rows, 2, dtype=torch.bfloat16)
+    row0 = 0
+    for raw, qtype, (r, c) in zip(raws, qtypes, shapes):
+        if c != cols:
+            raise ValueError(f"parts of one packed linear need one width, not {c} and {cols}")
+        raw = raw.reshape(r, -1).contiguous()
+        if raw.dtype != torch.uint8 or raw.shape[1] != get_format(Q(int(qtype))).row_bytes(c):
+            raise ValueError(f"{Q(int(qtype)).name} rows of {c} columns are "
+                             f"{get_format(Q(int(qtype))).row_bytes(c)} uint8 bytes, not "
+                             f"{tuple(raw.shape)} {raw.dtype}")
+        lib.ss_int4pack_rows(raw.data_ptr(), raw.shape[1], FORMATS[Q(int(qtype))], r, cols,
+                             row0, rows, block, packed.data_ptr(), scale_zeros.data_ptr(),
+                             threads)
+        row0 += r
+    return packed, scale_zeros
+
+
+def _same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    return all(x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+               for x, y in zip(a, b))
+
+
+def _random_matrix(qtype: Q, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Random GGUF bytes of a (rows, cols) matrix whose float16 fields are finite: random
+    codes, scales and mins, with some zero and negative scales."""
+    fmt = get_format(qtype)
+    raw = torch.randint(0, 256, (rows * cols // fmt.block_size, fmt.type_size),
+                        dtype=torch.uint8, generator=gen)
+    halves = 2 if qtype in (Q.Q4_1, Q.Q4_K) else 1  # d (and m / dmin) at the block's start
+    f16 = (torch.randn(raw.shape[0], halves, generator=gen) * 0.05).half()
+    f16[::7, 0] = 0.0
+    raw[:, :2 * halves] = f16.view(torch.uint8).reshape(raw.shape[0], 2 * halves)
+    return raw.reshape(rows, -1)
