@@ -234,7 +234,13 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
 
 def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = True,
             pass_widths=(1, 8, 64, 256, 512), level_widths=(1, 2, 4, 8, 16, 32, 64, 128),
-            vram_layers: int | None = None, fresh_sizer: bool = False) -> list[dict]:
+            vram_layers: int | None = None, fresh_sizer: bool = False,
+            bracket: bool = False) -> list[dict]:
+    """bracket: the issue's floor in the same run. The sized run starts from a fresh sizer,
+    and a third load without the draft decodes plain after it, so that the speculative figure
+    stands between plain runs on both sides (floor()'s bracket, without its extra loads); the
+    layer-skip case then runs on that third load, with exactly the streamed layers skipped."""
+    fresh_sizer = fresh_sizer or bracket
     t70, t8 = work / "70b-Q4_K.gguf", work / "8b-Q4_K.gguf"
     for path, shape in ((t70, "70b"), (t8, "8b")):
         if not path.exists():
@@ -274,9 +280,11 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
         split_with_draft = hybrid_of(m)
         streamed_with_draft = len(m.plan.streamed_layers)
         # forced first: the sized run may give the draft up (random weights accept nothing)
-        forced = attempt(decode, m, max(tokens // 3, 8), spec_nodes=256, spec_depth=8)
+        # (16 tokens at most: a forced 256-node pass costs about a second here)
+        forced_tokens = min(max(tokens // 3, 8), 16)
+        forced = attempt(decode, m, forced_tokens, spec_nodes=256, spec_depth=8)
         # the same trees with the draft growing beside the pass: does the pass slow down?
-        forced_beside = attempt(decode, m, max(tokens // 3, 8), spec_nodes=256, spec_depth=8,
+        forced_beside = attempt(decode, m, forced_tokens, spec_nodes=256, spec_depth=8,
                                 spec_ahead=AHEAD_BESIDE)
         if fresh_sizer:  # the sized run as a first generation: its learning rounds count
             m._sizers.clear()
@@ -312,6 +320,10 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
                         | ({"ratio_to_plain": round(r["decode_tok_s"]
                                                     / rows[0]["decode_tok_s"], 3)}
                            if "decode_tok_s" in r else {}))
+    if bracket:
+        rows.extend(_bracket_load(t70, rows, tokens, vram_layers))
+        rows.append(projection(rows, acceptance))
+        return rows
     if not skip_case:
         rows.append(projection(rows, acceptance))
         return rows
@@ -335,6 +347,39 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
                      "vram_gib": vram_gib(), "note": "lossy, as above"})
     rows.append(projection(rows, acceptance))
     return rows
+
+
+def _bracket_load(t70: Path, rows: list[dict], tokens: int, vram_layers: int | None
+                  ) -> list[dict]:
+    """seventy(bracket=True)'s third load: plain decode after the speculative load, the floor
+    row judged against the plain runs on both sides, then the streamed layers skipped."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    with slipstream.load(t70, device="cuda", ctx=2048, vram_budget="24GiB",
+                         vram_layers=vram_layers) as m:
+        decode(m, 4, draft=False)
+        after = decode(m, tokens, draft=False)
+        streamed = list(m.plan.streamed_layers)
+        m.engine.skip = frozenset(streamed)  # nothing crosses PCIe
+        skipped = decode(m, 16, draft=False)
+        skip_row = {"name": "70b-q4k-vram24-skip-streamed", "skip_layers": len(streamed),
+                    "skipped_streamed": len(streamed), "decode_tok_s": skipped["decode_tok_s"],
+                    "vram_gib": vram_gib(), "note": "lossy: random weights say nothing of "
+                    "quality; the default model's perplexity by K is in bench/results"}
+    plain, spec = rows[0], next(r for r in rows if r.get("variant") == "auto-fresh-sizer")
+    sides = [plain["decode_tok_s"], after["decode_tok_s"]]
+    bracket = statistics.mean(sides)
+    row = {"name": "70b-q4k-vram24-spec", "variant": "floor-bracketed", "tokens": tokens,
+           "decode_tok_s": spec.get("decode_tok_s"), "plain_decode_tok_s": round(bracket, 3),
+           "plain_decode_tok_s_sides": sides,
+           "plain_after_release_tok_s": spec.get("plain_after_release_tok_s"),
+           "tokens_per_pass": spec.get("tokens_per_pass"),
+           "target_pass_s": spec.get("target_pass_s"),
+           "note": "before: the mean of the first load's two plain runs (around the pass "
+                   "costs); after: a third load without the draft, after the speculative one"}
+    if spec.get("decode_tok_s"):
+        row["ratio_to_plain"] = round(spec["decode_tok_s"] / bracket, 3)
+    return [row, skip_row]
 
 
 def floor(work: Path, tokens: int, vram_layers: int | None = None) -> list[dict]:
@@ -500,6 +545,9 @@ def main() -> None:
                     "plain runs on both sides (three loads)")
     ap.add_argument("--floor-trace", action="store_true", help="70B: the floor's speculative "
                     "run and plain after it, token by token, on two loads (floor_trace)")
+    ap.add_argument("--bracket", action="store_true", help="70B: the floor bracketed in the "
+                    "same run: a fresh sizer for the sized run, then a third load decoding "
+                    "plain (and the streamed layers skipped there, for the skip case)")
     ap.add_argument("--fresh-sizer", action="store_true", help="70B: the sized run starts "
                     "from a new tree sizer (a first generation, its learning rounds and the "
                     "draft's release included) instead of the one the forced runs taught")
@@ -540,7 +588,7 @@ def main() -> None:
         quick = dict(pass_widths=(1, 256, 512), level_widths=(1, 2, 4)) if a.quick else {}
         try:
             save(seventy(work, a.tokens, acceptance, skip_case=not a.no_skip_case,
-                         fresh_sizer=a.fresh_sizer, **quick))
+                         fresh_sizer=a.fresh_sizer, bracket=a.bracket, **quick))
         except torch.OutOfMemoryError as e:
             # once more with the 42 layers in VRAM that ran before the plans' layers took
             # one buffer each (bench/results/2026-12-01-h200-session9.md)
@@ -548,7 +596,8 @@ def main() -> None:
             doc["oom_retry"] = str(e)[:400]
             torch.cuda.empty_cache()
             save(seventy(work, a.tokens, acceptance, skip_case=not a.no_skip_case,
-                         vram_layers=42, fresh_sizer=a.fresh_sizer, **quick))
+                         vram_layers=42, fresh_sizer=a.fresh_sizer, bracket=a.bracket,
+                         **quick))
     print(f"\n{'case':28} {'variant':16} {'tok/s':>8} {'plain':>8} {'tok/pass':>9} "
           f"{'pass s':>8} {'draft s':>8}")
     for c in doc["cases"]:
