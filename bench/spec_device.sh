@@ -3,9 +3,12 @@
 #   bash bench/spec_device.sh OUTDIR
 #   PART=prep   park the model part carried, untar .llama.tar.xz and build llama-bench, and
 #               synthesize the 70B and 8B Q4_K files (all kept while the machine stays warm)
-#   PART=all    (default) also: the speculative GPU tests, bench/spec_bench.py (default-spec,
-#               the 70B cases) and llama.cpp's -ngl 46 on the same 70B file, in this call
-#   TESTS=0 / LLAMA=0 leave out the GPU tests / llama.cpp; SPEC_ARGS: bench/spec_bench.py's;
+#   PART=all    (default) also: llama.cpp's -ngl 46 on the 70B file, then bench/spec_bench.py
+#               (default-spec, the 70B cases with the floor bracketed: --tokens 64 --bracket),
+#               in this call. Session 23 ran these in 332 s after a prep call, about 400 s
+#               with the prep (s23-spec-bench-h200-call3.json)
+#   TESTS=1 / LLAMA=0 add the speculative GPU tests (about 3 minutes more: past one call's
+#   600 s with the rest) / leave out llama.cpp; SPEC_ARGS: bench/spec_bench.py's;
 #   SHAPES: the synthetic files made (default "70b 8b")
 # Carry .whl, .anchors (a copy of ../shared/anchors/, which does not travel), one model part
 # (.model/a or .model/b), and .llama.tar.xz (llama.cpp's source,
@@ -37,14 +40,16 @@ wait $BUILD
 case $W in /dev/shm/*) ;; *) sync ;; esac
 ls -la $W /tmp/lbuild/bin/llama-bench 2>&1 | tail -4
 [ "$PART" = prep ] && exit 0
-if [ "${TESTS:-1}" = 1 ]; then
+if [ "${LLAMA:-1}" = 1 ]; then
+  timeout 120 bash $LB $W/70b-Q4_K.gguf -ngl 46 -p 512 -n 16 -r 1 -fa 1 -t 16 \
+    > "$OUTDIR/llamacpp-70b-ngl46.txt" 2>&1
+  grep -E "tg16|pp512|max memory" "$OUTDIR/llamacpp-70b-ngl46.txt"
+fi
+if [ "${TESTS:-0}" = 1 ]; then
   python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_speculative_gpu.py \
     tests/gpu/test_streaming_gpu.py -k "spec or skip or graph" > "$OUTDIR/pytest-spec.log" 2>&1
   grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-spec.log" | head; tail -1 "$OUTDIR/pytest-spec.log"
 fi
-python3 bench/spec_bench.py "$OUTDIR" --model "$MODEL" --workdir $W ${SPEC_ARGS:-} \
-  > "$OUTDIR/spec-bench.log" 2>&1
+python3 bench/spec_bench.py "$OUTDIR" --model "$MODEL" --workdir $W \
+  ${SPEC_ARGS:---tokens 64 --bracket} > "$OUTDIR/spec-bench.log" 2>&1
 grep -v "^{" "$OUTDIR/spec-bench.log" | tail -25
-[ "${LLAMA:-1}" = 1 ] || exit 0
-bash $LB $W/70b-Q4_K.gguf -ngl 46 -p 512 -n 16 -r 1 -fa 1 -t 16 > "$OUTDIR/llamacpp-70b-ngl46.txt" 2>&1
-tail -8 "$OUTDIR/llamacpp-70b-ngl46.txt"
