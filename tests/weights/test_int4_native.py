@@ -90,3 +90,17 @@ def test_rows_not_in_whole_blocks_go_to_the_torch_ops():
     lin = Int4PackLinear.from_raws([raw], [Q.Q4_K], [(block + 16, 256)])  # still packs
     assert same_bits((lin.packed, lin.scale_zeros),
                      int4pack_torch([raw], [Q.Q4_K], [(block + 16, 256)]))
+
+
+def test_the_check_outlives_the_library_turned_off(monkeypatch):
+    """A packing while SLIPSTREAM_NATIVE=0 (the torch ops) must not leave the native packer
+    off once the library is back (CI: test_cpu_native's off switch ran first in a worker)."""
+    monkeypatch.setenv("SLIPSTREAM_NATIVE", "0")
+    native.library.cache_clear()
+    try:
+        raw = encoded(Q.Q4_K, 64, 256, 9)
+        assert pack_native([raw], [Q.Q4_K], [(64, 256)]) is None
+    finally:
+        monkeypatch.delenv("SLIPSTREAM_NATIVE")
+        native.library.cache_clear()
+    assert native_block() in (32, 64)

@@ -39,11 +39,16 @@ def pack_native(raws, qtypes, shapes, threads: int | None = None
     return _pack(raws, qtypes, shapes, block, threads or torch.get_num_threads())
 
 
-@functools.lru_cache(maxsize=None)
 def native_block() -> int | None:
-    """The row block with which int4_pack.c reproduces torch's packing here, or None."""
-    if native.library() is None:
-        return None
+    """The row block with which int4_pack.c reproduces torch's packing here, or None. Checked
+    once per library: while SLIPSTREAM_NATIVE=0 turns the library off, nothing is cached, so
+    the check runs when it comes back."""
+    lib = native.library()
+    return None if lib is None else _checked_block(lib._handle)
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_block(handle: int) -> int | None:
     gen = torch.Generator().manual_seed(0)
     cases = [_random_matrix(q, 128, 512, gen) for q in FORMATS]
     refs = [int4pack_torch([raw], [q], [(128, 512)]) for q, raw in zip(FORMATS, cases)]
