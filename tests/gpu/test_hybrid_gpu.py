@@ -173,6 +173,57 @@ def test_run_ahead_gives_the_bits_of_waiting_on_the_host(pair):
         assert torch.equal(x, y)
 
 
+def test_the_fused_wait_and_add_gives_the_bits_of_the_copy_and_add(pair):
+    """Run-ahead's fused kernel (the wait, the read of the host's result from pinned memory and
+    the add in one) computes what the wait, the copy up and torch's add compute, bit for bit."""
+    _, split = pair
+    ios = {id(h.io): h.io for h in split.engine.layers.hosts.values()}
+    assert ios and all(io.run_ahead and io.fused_add for io in ios.values())
+    fused = _forced_logits(split, steps=6)
+    assert all(io.fused_add for io in ios.values())  # it ran: a failure turns it off
+    try:
+        for io in ios.values():
+            io.fused_add = False
+        copied = _forced_logits(split, steps=6)
+    finally:
+        for io in ios.values():
+            io.fused_add = True
+    for x, y in zip(fused, copied):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_fused_add_waits_for_the_host_and_rounds_as_torch(dtype):
+    """wait_host_add reads the host's buffer only once the flag is bumped, though the host
+    writes it well after the kernel was enqueued; its sum is torch's partial +
+    host.to(partial.dtype) bit for bit; a flag never bumped makes it give up and say so."""
+    import threading
+    import time
+
+    from slipstream import kernels
+
+    gen = torch.Generator().manual_seed(3)
+    flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    host = torch.zeros(3, 5000, dtype=torch.float32, pin_memory=True)
+    value = torch.randn(3, 5000, generator=gen)
+    partial = torch.randn(3, 5000, generator=gen).to(device="cuda", dtype=dtype)
+    failed = torch.zeros(1, dtype=torch.int32, device="cuda")
+    want = partial + value.to("cuda").to(dtype)  # before the wait holds the stream up
+    got = kernels.wait_host_add(flag, 1, failed, host, partial) * 1
+
+    def later() -> None:
+        time.sleep(0.2)
+        host.copy_(value)
+        flag.numpy()[0] = 1
+
+    t0 = time.perf_counter()
+    threading.Thread(target=later).start()
+    assert torch.equal(got.cpu(), want.cpu())
+    assert time.perf_counter() - t0 >= 0.19 and int(failed.item()) == 0
+    kernels.wait_host_add(flag, 2, failed, host, partial, timeout_s=0.001)
+    assert int(failed.item()) == 1
+
+
 def test_the_stream_waits_for_the_host_flag():
     """Work queued behind wait_host_flag sees what the host wrote before bumping the flag, even
     though the host bumps it well after the work was enqueued; a flag never bumped makes the

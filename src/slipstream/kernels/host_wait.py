@@ -13,6 +13,12 @@ by the GPU's own clock (%globaltimer: a host thread that died) gives up and sets
 so a stuck host shows up as an error rather than a GPU that never finishes. The bound is a time,
 not a count of loads: on the H200, work behind a spin of 2^24 loads ran before a host that bumped
 the flag 0.2 s later (session 18), where the spin was meant to last tens of seconds.
+
+`wait_host_add(flag, target, failed, host, partial)` is the same wait fused with what hybrid
+decode does after it: the kernel reads the host's result straight from pinned memory and adds it
+to the GPU's partial sum. Without it a small host-to-device copy sits between the wait and the
+add, on a link the ring's layer copies keep busy, and every split layer pays for it on the
+critical path (weights.hybrid.HostIO).
 """
 
 from __future__ import annotations
@@ -32,15 +38,40 @@ def _now_ns():
 
 
 @triton.jit
-def _wait_kernel(flag_ptr, target, failed_ptr, timeout_ns):
+def _spin(flag_ptr, target, timeout_ns):
+    """Spin until flag >= target or timeout_ns pass by the GPU's clock; the flag's last value."""
     start = _now_ns()
     waited = start - start  # an int64 zero, as the loop reassigns it
     seen = tl.load(flag_ptr, volatile=True)
     while (seen < target) & (waited < timeout_ns):
         seen = tl.load(flag_ptr, volatile=True)
         waited = _now_ns() - start
-    if seen < target:
+    return seen
+
+
+@triton.jit
+def _wait_kernel(flag_ptr, target, failed_ptr, timeout_ns):
+    if _spin(flag_ptr, target, timeout_ns) < target:
         tl.store(failed_ptr, 1)
+
+
+@triton.jit
+def _wait_add_kernel(flag_ptr, target, failed_ptr, timeout_ns, host_ptr, part_ptr, out_ptr, n,
+                     BLOCK: tl.constexpr):
+    # every program spins on the flag itself: no program may read the host's buffer before
+    # the host has finished writing it
+    if _spin(flag_ptr, target, timeout_ns) < target:
+        tl.store(failed_ptr, 1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    # volatile: the host rewrites this buffer every token, and the GPU must not serve a line
+    # it read before
+    h = tl.load(host_ptr + offs, mask=mask, volatile=True)
+    p = tl.load(part_ptr + offs, mask=mask)
+    # torch's `partial + host.to(partial.dtype)`: the host's value rounded to partial's type,
+    # the sum taken in float32 and rounded once
+    y = p.to(tl.float32) + h.to(p.dtype).to(tl.float32)
+    tl.store(out_ptr + offs, y.to(p.dtype), mask=mask)
 
 
 def wait_host_flag(flag: torch.Tensor, target: int, failed: torch.Tensor,
@@ -48,3 +79,24 @@ def wait_host_flag(flag: torch.Tensor, target: int, failed: torch.Tensor,
     """Enqueue on the current stream: spin until flag[0] (int64, pinned host) >= target;
     failed (int32, on the device) is set to 1 if that takes longer than timeout_s."""
     _wait_kernel[(1,)](flag, target, failed, int(timeout_s * 1e9), num_warps=1)
+
+
+ADD_BLOCK = 2048
+
+
+def wait_host_add(flag: torch.Tensor, target: int, failed: torch.Tensor, host: torch.Tensor,
+                  partial: torch.Tensor, timeout_s: float = TIMEOUT_S) -> torch.Tensor:
+    """Enqueue on the current stream: wait as wait_host_flag does, then return
+    partial + host.to(partial.dtype), reading host (float32, pinned, contiguous, partial's
+    shape) straight from host memory once the flag says it is written."""
+    if host.shape != partial.shape or host.dtype != torch.float32 or not host.is_contiguous():
+        raise ValueError(f"the host's buffer must be float32, contiguous and of the partial "
+                         f"sum's shape {tuple(partial.shape)}, not {host.dtype} "
+                         f"{tuple(host.shape)}")
+    partial = partial.contiguous()
+    out = torch.empty_like(partial)
+    n = partial.numel()
+    _wait_add_kernel[(triton.cdiv(n, ADD_BLOCK),)](flag, target, failed, int(timeout_s * 1e9),
+                                                   host, partial, out, n, BLOCK=ADD_BLOCK,
+                                                   num_warps=4)
+    return out

@@ -155,7 +155,8 @@ class HostIO:
 
     On CUDA the host does not wait for the CPU's share (run-ahead): `finish` hands the layer to
     a worker thread and enqueues, on the stream, a wait for the worker's counter in pinned
-    memory (kernels.wait_host_flag), the result's copy up and the sum; the host goes on
+    memory that then reads the result from there and adds it (kernels.wait_host_add; with
+    fused_add False, kernels.wait_host_flag, the result's copy up and the sum); the host goes on
     enqueueing the next layers, so the GPU runs them as soon as the CPU's result lands instead
     of after the host has launched them. The worker takes layers in order: it waits for the
     input's copy down (a CUDA event), computes, writes the result into the layer's pinned
@@ -169,6 +170,10 @@ class HostIO:
     slots: int = 1
     stats: HostStats = field(default_factory=HostStats)
     threads: int | None = None  # the worker's torch threads (None: the creating thread's)
+    # run-ahead: one kernel waits for the worker, reads its result from pinned memory and adds
+    # it (kernels.wait_host_add), instead of a wait, a small copy up behind the ring's layer
+    # copies, and an add
+    fused_add: bool = True
 
     def __post_init__(self) -> None:
         cuda = self.device.type == "cuda"
@@ -222,6 +227,12 @@ class HostIO:
             try:
                 from .. import kernels
 
+                if self.fused_add:
+                    try:
+                        return kernels.wait_host_add(self._flag, self._seq, self._failed,
+                                                     self._out[slot][:rows], partial)
+                    except Exception:  # not built here: the wait, the copy and the add
+                        self.fused_add = False
                 kernels.wait_host_flag(self._flag, self._seq, self._failed)
             except Exception:  # no wait kernel here: wait on the host from now on
                 self.run_ahead = False
