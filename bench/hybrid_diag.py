@@ -9,10 +9,10 @@ weights of the 70B's shapes at its share, from a worker thread as in decode: its
 alone, the whole chain back to back, and the chain with a pause between calls (as the GPU's
 work between split layers leaves it), which shows what waking the CPU's threads costs.
 Part 2, with --model: the 70B at 24 GiB, hybrid auto, decoded in alternating rounds on one load
-with each setting: the fused wait-and-add (kernels.wait_host_add) against the wait, copy and
-add; and the interpreter's switch interval at its default against 0.2 ms (the worker thread
-takes the GIL for every op it dispatches, and waits up to a switch interval for it while the
-main thread runs ahead enqueueing).
+with each setting: the worker's OpenMP team kept awake between split layers (HostIO.keep_warm)
+or left to sleep, and the fused wait-and-add (kernels.wait_host_add) against the wait, copy and
+add. (Session 24's first call also tried the interpreter's switch interval at 0.2 ms against
+the default 5 ms: 3.88 against 4.30 tok/s.)
 Writes OUTDIR/hybrid-diag.json.
 """
 
@@ -59,7 +59,7 @@ def _in_worker(fn, threads: int):
 
 def chain_costs(hidden: int, units: int, threads: int, reps: int = 40) -> dict:
     """Part 1 (module doc): milliseconds per call, medians of `reps`."""
-    from slipstream.weights.hybrid import HostFFN
+    from slipstream.weights.hybrid import HostFFN, _omp_touch
 
     gate_up = _int4_linear(2 * units, hidden, 1)
     down = _int4_linear(hidden, units, 2)
@@ -68,12 +68,15 @@ def chain_costs(hidden: int, units: int, threads: int, reps: int = 40) -> dict:
     xb, mid = x.to(torch.bfloat16), torch.randn(1, units).to(torch.bfloat16)
     out = torch.empty(1, hidden)
 
-    def timed(fn, pause_s: float = 0.0) -> float:
+    def timed(fn, pause_s: float = 0.0, between=None) -> float:
+        """Median ms of fn, each call after time.sleep(pause_s) or `between()` (untimed)."""
         for _ in range(3):
             fn()
         times = []
         for _ in range(reps):
-            if pause_s:
+            if between is not None:
+                between()
+            elif pause_s:
                 time.sleep(pause_s)
             t0 = time.perf_counter()
             fn()
@@ -87,6 +90,15 @@ def chain_costs(hidden: int, units: int, threads: int, reps: int = 40) -> dict:
         for pause in (0.0002, 0.001):
             row[f"chain_after_{pause * 1e3:g}ms_pause_ms"] = timed(
                 lambda: out.copy_(ffn.compute(x)), pause)
+        touch = _omp_touch()
+        if touch is not None:  # the same 1 ms pause, the team kept awake (HostIO.keep_warm)
+            def warm_pause() -> None:
+                end = time.perf_counter() + 0.001
+                while time.perf_counter() < end:
+                    touch(threads)
+
+            row["chain_after_1ms_kept_warm_ms"] = timed(lambda: out.copy_(ffn.compute(x)),
+                                                        between=warm_pause)
         return row
 
     row = _in_worker(measure, threads)
@@ -109,9 +121,9 @@ def decode_ab(path: Path, budget: str, hybrid, rounds: int, tokens: int) -> dict
 
     default_interval = sys.getswitchinterval()
     settings = {
-        "fused_add": dict(fused=True, interval=default_interval),
-        "copy_then_add": dict(fused=False, interval=default_interval),
-        "fused_add_switch_0.2ms": dict(fused=True, interval=0.0002),
+        "fused_add_kept_warm": dict(fused=True, warm=True, interval=default_interval),
+        "fused_add_team_sleeps": dict(fused=True, warm=False, interval=default_interval),
+        "copy_then_add_kept_warm": dict(fused=False, warm=True, interval=default_interval),
     }
     t0 = time.perf_counter()
     with slipstream.load(path, device="cuda", ctx=2048, vram_budget=budget, hybrid=hybrid) as m:
@@ -129,7 +141,7 @@ def decode_ab(path: Path, budget: str, hybrid, rounds: int, tokens: int) -> dict
                 for name in order:
                     s = settings[name]
                     for io in _ios(m):
-                        io.fused_add = s["fused"]
+                        io.fused_add, io.keep_warm = s["fused"], s["warm"]
                     sys.setswitchinterval(s["interval"])
                     runs[name].append(round(decode_rate(m, tokens), 3))
                     print(json.dumps({"setting": name, "round": r, "tok_s": runs[name][-1]}),
@@ -138,7 +150,7 @@ def decode_ab(path: Path, budget: str, hybrid, rounds: int, tokens: int) -> dict
         finally:
             sys.setswitchinterval(default_interval)
             for io in _ios(m):
-                io.fused_add = True
+                io.fused_add = io.keep_warm = True
         row["fused_add_stayed_on"] = fused_ok
         row["runs"] = runs
         row["tok_s"] = {k: round(statistics.mean(v), 3) for k, v in runs.items()}
@@ -179,7 +191,8 @@ def main() -> None:
     print(f"chain at {c['threads']} threads, {c['weight_mb']} MB: kernels "
           f"{c['gate_up_kernel_ms'] + c['down_kernel_ms']:.3f} ms ({c['kernels_gbps']} GB/s), "
           f"chain {c['chain_ms']} ms ({c['chain_gbps']} GB/s), after 0.2/1 ms pauses "
-          f"{c['chain_after_0.2ms_pause_ms']} / {c['chain_after_1ms_pause_ms']} ms")
+          f"{c['chain_after_0.2ms_pause_ms']} / {c['chain_after_1ms_pause_ms']} ms, after 1 ms "
+          f"kept warm {c.get('chain_after_1ms_kept_warm_ms')} ms")
     for k, v in out.get("decode", {}).get("tok_s", {}).items():
         print(f"{k:28} {v:7.3f} tok/s  {out['decode']['runs'][k]}")
 

@@ -52,6 +52,7 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     "ss_q8_quantize_row": (_P, _I64, _P, _P, _P),
     "ss_q16_quantize_row": (_P, _I64, _P, _P, _P, _P),
     "ss_q4_matvec": (_P, _P, _P, _I64, _I64),
+    "ss_omp_touch": (_INT,),
     # int4_pack.c
     "ss_int4pack_rows": (_P, _I64, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT),
 }

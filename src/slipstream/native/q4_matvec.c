@@ -357,6 +357,23 @@ static void q4_parallel(const q4_job *j, int parts) {
     q4_run_part(j, 0, 1);
 }
 
+/* An empty parallel region of `threads`: the calling thread's OpenMP team wakes up if it slept,
+ * and stays spinning for libgomp's spin count after it. Hybrid decode's CPU worker calls it in a
+ * loop while it waits for the next split layer's input (weights.hybrid.HostIO): on the H200's
+ * host the CPU share's chain took 4.14 ms back to back and 4.74 / 4.91 ms after a pause of
+ * 0.2 / 1 ms, as long as the GPU's work between two split layers (bench/results/2026-12-04-
+ * s24-hybrid-diag-h200-call1.json), the team having gone to sleep. */
+void ss_omp_touch(int threads) {
+#ifdef _OPENMP
+    if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+        { }
+    }
+#else
+    (void)threads;
+#endif
+}
+
 /* A packed weight (what Q4VnniLinear holds), passed as one pointer: ctypes converts each
  * argument at every call, ~0.2 us apiece. */
 typedef struct {

@@ -174,6 +174,9 @@ class HostIO:
     # it (kernels.wait_host_add), instead of a wait, a small copy up behind the ring's layer
     # copies, and an add
     fused_add: bool = True
+    # the worker keeps its OpenMP team spinning while it waits for the next input
+    # (native ss_omp_touch), rather than letting it sleep and paying for waking it each layer
+    keep_warm: bool = True
 
     def __post_init__(self) -> None:
         cuda = self.device.type == "cuda"
@@ -283,7 +286,7 @@ class HostIO:
                 if self._error is None:
                     if torch.get_num_threads() != self.threads:
                         torch.set_num_threads(self.threads)  # per thread under OpenMP
-                    sent.synchronize()
+                    self._await(sent)
                     t0 = time.perf_counter()
                     self._out[slot][:rows].copy_(ffn.compute(self._in[slot][:rows]))
                     self._count(ffn, time.perf_counter() - t0)
@@ -291,6 +294,17 @@ class HostIO:
                 self._error = e
             finally:
                 flag[0] = seq
+
+    def _await(self, sent: torch.cuda.Event) -> None:
+        """Wait for the input's copy down; keep_warm: touching the worker's OpenMP team the
+        while (an empty parallel region, well under a microsecond while the team is awake),
+        so that it is awake when the input lands."""
+        touch = _omp_touch() if self.keep_warm else None
+        if touch is None:
+            sent.synchronize()
+            return
+        while not sent.query():
+            touch(self.threads)
 
     def _wait_seq(self, seq: int) -> None:
         """Wait on the host until the worker has finished job `seq`."""
@@ -302,6 +316,14 @@ class HostIO:
     def _count(self, ffn: HostFFN, seconds: float) -> None:
         self.stats.cpu_s += seconds
         self.stats.cpu_bytes += ffn.nbytes
+
+
+def _omp_touch():
+    """The native library's ss_omp_touch, or None where it did not build."""
+    from .. import native
+
+    lib = native.library()
+    return lib.ss_omp_touch if lib is not None else None
 
 
 def ffn_raws(src, cfg, i: int) -> FFNRaws:
