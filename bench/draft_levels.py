@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir")
     ap.add_argument("--workdir", default="/tmp/slipstream-models")
+    ap.add_argument("--name", default="draft-levels.json", help="the JSON file's name")
     a = ap.parse_args()
     path = Path(a.workdir) / "8b-Q4_K.gguf"
     model = slipstream.load(str(path), device="cuda", ctx=1024)
@@ -40,8 +42,9 @@ def main() -> None:
     rev = source_revision()
     doc = {"device": torch.cuda.get_device_name(), "commit": rev["commit"], "tree": rev["tree"],
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
-           "model": path.name, "precision": "fast (the CUDA default)", "levels": rows}
-    Path(a.out_dir, "draft-levels.json").write_text(json.dumps(doc, indent=1))
+           "model": path.name, "precision": "fast (the CUDA default)",
+           "qgemm_kernel": os.environ.get("SLIPSTREAM_QGEMM", "default"), "levels": rows}
+    Path(a.out_dir, a.name).write_text(json.dumps(doc, indent=1))
     print(f"{'width':>5s} {'graph ms':>9s} {'eager ms':>9s}")
     for r in rows:
         print(f"{r['nodes']:5d} {r['level_graph_s'] * 1e3:9.2f} {r['level_eager_s'] * 1e3:9.2f}"

@@ -422,8 +422,9 @@ def test_qgemm_matches_reference(qt: T, n: int) -> None:
 @pytest.mark.parametrize("qt", [T.Q4_0, T.Q5_1, T.Q8_0, T.Q2_K, T.Q3_K, T.Q4_K, T.Q6_K],
                          ids=lambda t: t.name)
 def test_qgemm_tiles(qt: T) -> None:
-    """Tiles the sweep may pick, with tails in N and K (K not a whole number of steps) and K
-    split across programs: every one the reference's, and a split sums in a fixed order."""
+    """The per-slot kernel's tiles the sweep may pick, with tails in N and K (K not a whole
+    number of steps) and K split across programs: every one the reference's, and a split sums
+    in a fixed order."""
     from slipstream.kernels.qgemm import qgemm
 
     k = _k_for(qt) * 3
@@ -433,7 +434,35 @@ def test_qgemm_tiles(qt: T) -> None:
     yref = x.double().cpu().numpy() @ ref.T
     for bn, warps, nu in ((32, 4, 2), (64, 4, 8), (128, 8, 32), (64, 8, 16)):
         for split in (1, 3):
-            cfg = {"BN": bn, "NU": nu, "SPLIT": split, "num_warps": warps}
+            cfg = {"KERNEL": "slots", "BN": bn, "NU": nu, "SPLIT": split, "num_warps": warps}
+            y = qgemm(x, packed, out_dtype=torch.float32, config=cfg)
+            assert _rel(y, yref) <= QGEMM_TOL, (qt.name, cfg)
+            assert torch.equal(y, qgemm(x, packed, out_dtype=torch.float32, config=cfg))
+
+
+@pytest.mark.parametrize("qt", QUANTIZED, ids=lambda t: t.name)
+def test_qgemm_wide_kernel_matches_reference(qt: T) -> None:
+    """The wide kernel (kernels/qgemm_wide.py, one MMA per K step), whichever kernel qgemm
+    uses by default: GGUF and fused scale planes, widths 1..128, tiles the sweep may pick with
+    tails in N and K and K split across programs; the same bits on a second call."""
+    from slipstream.kernels.pack import fuse_scales
+    from slipstream.kernels.qgemm import qgemm
+
+    k = _k_for(qt) * 3
+    n = 45
+    packed, ref = _setup(qt, n, k, seed=31)
+    for weight in (packed, fuse_scales(packed)):
+        for m in (1, 5, 17, 33, 100, 128):
+            x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+            yref = x.double().cpu().numpy() @ ref.T
+            out = torch.full((m, n), float("nan"), device="cuda")
+            qgemm(x, weight, out=out, config={"KERNEL": "wide"})
+            assert _rel(out, yref) <= QGEMM_TOL, (qt.name, m)
+    x = torch.randn(33, k, device="cuda").to(torch.float16)
+    yref = x.double().cpu().numpy() @ ref.T
+    for bn, nu, warps in ((32, 2, 4), (64, 4, 4), (128, 8, 8), (16, 8, 4)):
+        for split in (1, 3):
+            cfg = {"KERNEL": "wide", "BN": bn, "NU": nu, "SPLIT": split, "num_warps": warps}
             y = qgemm(x, packed, out_dtype=torch.float32, config=cfg)
             assert _rel(y, yref) <= QGEMM_TOL, (qt.name, cfg)
             assert torch.equal(y, qgemm(x, packed, out_dtype=torch.float32, config=cfg))

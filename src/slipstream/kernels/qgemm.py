@@ -38,6 +38,7 @@ import triton.language as tl
 
 from .gemv import _bits_to, _scale_min, _sm_count
 from .pack import FLOAT_DTYPES, PackedWeight, sm_width
+from .qgemm_wide import qgemm_wide
 
 MAX_M = 128  # rows of x this kernel takes (M_PAD up to 128 keeps the accumulator in registers)
 # From this many rows the int8-activation GEMV (precision "fast") hands over to this kernel
@@ -47,6 +48,16 @@ MAX_M = 128  # rows of x this kernel takes (M_PAD up to 128 keeps the accumulato
 # float GEMV keeps its 8 rows (kernels.matmul): 206 us at 8, as fast as this kernel there
 MIN_M = 5
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# precision "fast" multiplies through qgemm_wide.py's kernel (one wide MMA per K step) unless
+# SLIPSTREAM_QGEMM=slots asks for this module's per-slot kernel; config={"KERNEL": ...} per call
+_KERNEL = os.environ.get("SLIPSTREAM_QGEMM", "slots")
+
+
+def _use_wide(config: dict | None) -> bool:
+    choice = (config or {}).get("KERNEL", _KERNEL)
+    if choice not in ("wide", "slots"):
+        raise ValueError(f"qgemm kernel must be 'wide' or 'slots', got {choice!r}")
+    return choice == "wide"
 
 
 @triton.jit
@@ -223,18 +234,21 @@ def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None
         raise ValueError(f"qgemm multiplies quantized weights, not {packed.qtype.name}")
     n, nut = packed.rows, packed.cols // 32
     out_dtype = out_dtype or x.dtype
-    cfg = dict(config or qgemm_config(packed, m))
-    if exact and config is None:
+    spec = packed.spec
+    if packed.f16_scales and packed.sm is None and sm_width(spec) > 0:
+        packed = with_fused_scales(packed, scale_buffer)
+    tiles = {k: v for k, v in (config or {}).items() if k != "KERNEL"}
+    if not exact and _use_wide(config):
+        return qgemm_wide(x, packed, out, out_dtype, m_pad(m), tiles or None)
+    cfg = tiles or qgemm_config(packed, m)
+    if exact and not tiles:
         # float32 tiles take twice the registers: the 128-row blocks' 8 warps would spill
         cfg.update(BN=min(cfg["BN"], 64), num_warps=4)
     warps = cfg.pop("num_warps", 4)
     split = cfg.pop("SPLIT", 1)
-    spec = packed.spec
     nu = cfg["NU"] = max(cfg["NU"], 16 // spec.lo)  # the MMA's K: 16 at least
     wdt = torch.float32 if _INTERPRET or exact else torch.float16
     stages = cfg.pop("num_stages", None) or _stages(nu, m_pad(m), wdt.itemsize)
-    if packed.f16_scales and packed.sm is None and sm_width(spec) > 0:
-        packed = with_fused_scales(packed, scale_buffer)
     steps = -(-nut // nu)
     units = -(-steps // split) * nu  # whole steps per split
     split = -(-nut // units)
