@@ -1,6 +1,7 @@
-"""qgemm's two fast kernels side by side: the per-slot one (kernels/qgemm.py) and the wide one
-(kernels/qgemm_wide.py, one [BN, NU*32] x [NU*32, m] MMA per K step), on an 8B draft's
-matrices, with a tile sweep of the wide kernel.
+"""qgemm's fast kernels side by side: the per-slot one (kernels/qgemm.py) and the wide one
+(kernels/qgemm_wide.py, one [BN, NU*32] x [NU*32, m] MMA per K step) with float32 and with
+float16 dequantization (the default), on an 8B draft's matrices, with a tile sweep of the
+wide kernel.
 
     python bench/qgemm_wide_bench.py OUT_DIR [--sweep] [--compile-only --part I/N]
 
@@ -42,7 +43,8 @@ CASES = [(T.Q4_K, s) for s in LAYER_8B] + [(T.Q6_K, HEAD_8B), (T.Q8_0, LAYER_8B[
 WIDTHS = (2, 4, 8, 16, 32, 64, 128)
 SWEEP_WIDTHS = (8, 32, 128)
 # the kernels at their default tiles: per slot, wide, wide with float16 dequantization
-PATHS = {"slots": {"KERNEL": "slots"}, "wide": {"KERNEL": "wide"}}
+PATHS = {"slots": {"KERNEL": "slots"}, "wide_f32": {"KERNEL": "wide", "F16MATH": False},
+         "wide": {"KERNEL": "wide"}}
 SWEEP_CASES = [CASES[i] for i in (0, 2, 3, 4)]  # qkv, gate_up, down, head
 
 
@@ -90,7 +92,6 @@ def main() -> None:
         for qt, (name, n, k) in CASES:
             for m in WIDTHS:
                 jobs += [(qt, n, k, m, c) for c in PATHS.values()]
-                jobs.append((qt, n, k, m, {"KERNEL": "wide", "F16MATH": True}))
         uniq = {json.dumps([j[0].name, *j[1:]], sort_keys=True): j for j in jobs}
         for i, key in enumerate(sorted(uniq)):
             if i % parts != part:
@@ -135,8 +136,7 @@ def main() -> None:
         for m in WIDTHS:
             row = {"format": qt.name, "shape": name, "N": n, "K": k, "m": m, "gguf_bytes": gb,
                    "wide_config": wide_config(ws[0], m)}
-            paths = dict(PATHS, wide_f16={**wide_config(ws[0], m), "KERNEL": "wide",
-                                          "F16MATH": True})
+            paths = PATHS
             for p, cfg in paths.items():
                 try:
                     t = time_call(ws, m, cfg)
@@ -162,7 +162,7 @@ def main() -> None:
     level = []
     for m in WIDTHS:
         parts_ = {}
-        for p in (*PATHS, "wide_f16"):
+        for p in PATHS:
             us = [r.get(f"{p}_us") for r in doc["rows"] if r["m"] == m and
                   (r["format"], r["shape"]) in {("Q4_K", s[0]) for s in LAYER_8B} |
                   {("Q6_K", HEAD_8B[0])}]
@@ -172,11 +172,11 @@ def main() -> None:
     doc["level_8b"] = level
     out.write_text(json.dumps(doc, indent=1))
     print(f"\n{doc['device']}  HBM copy {hbm:.0f} GB/s; an 8B draft level's matmuls, ms:")
-    print(f"{'m':>4s} " + " ".join(f"{p:>8s}" for p in (*PATHS, "wide_f16")))
+    print(f"{'m':>4s} " + " ".join(f"{p:>8s}" for p in PATHS))
     for r in level:
         lv = r["level_matmul_ms"]
         print(f"{r['m']:4d} " + " ".join(f"{lv.get(p, float('nan')):8.2f}"
-                                          for p in (*PATHS, "wide_f16")))
+                                          for p in PATHS))
 
 
 if __name__ == "__main__":

@@ -48,9 +48,11 @@ MAX_M = 128  # rows of x this kernel takes (M_PAD up to 128 keeps the accumulato
 # float GEMV keeps its 8 rows (kernels.matmul): 206 us at 8, as fast as this kernel there
 MIN_M = 5
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# precision "fast" multiplies through qgemm_wide.py's kernel (one wide MMA per K step) unless
-# SLIPSTREAM_QGEMM=slots asks for this module's per-slot kernel; config={"KERNEL": ...} per call
-_KERNEL = os.environ.get("SLIPSTREAM_QGEMM", "slots")
+# precision "fast" multiplies through qgemm_wide.py's kernel (one wide MMA per K step: an 8B
+# draft's tree level of 8-128 nodes in 10.8-15.7 ms against 16.6-24.5 through this module's,
+# H200, bench/results/2026-12-04-s25-*) unless SLIPSTREAM_QGEMM=slots asks for this module's
+# per-slot kernel (the exact variant's); config={"KERNEL": ...} picks per call
+_KERNEL = os.environ.get("SLIPSTREAM_QGEMM", "wide")
 
 
 def _use_wide(config: dict | None) -> bool:
@@ -239,7 +241,7 @@ def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None
         packed = with_fused_scales(packed, scale_buffer)
     tiles = {k: v for k, v in (config or {}).items() if k != "KERNEL"}
     if not exact and _use_wide(config):
-        return qgemm_wide(x, packed, out, out_dtype, m_pad(m), tiles or None)
+        return qgemm_wide(x, packed, out, out_dtype, tiles or None)
     cfg = tiles or qgemm_config(packed, m)
     if exact and not tiles:
         # float32 tiles take twice the registers: the 128-row blocks' 8 warps would spill

@@ -12,15 +12,16 @@ The tile's K order is the plane layout's (pack.py): column c of a step = unit c 
 w = (c % 32) // NJ, slot j = c % NJ holds element unit*32 + j*LO + w. wide_order() permutes x
 into that order once per call, so every load of x is one contiguous [NU*32, m] block.
 
-Numbers: the weights are expanded as gemv.py does (the code masked into 1.0f's mantissa, then
-one FMA with the group's affine a, b) and rounded to float16, x to float16, sums float32: what
+Numbers: by default (F16MATH) a code q goes into the mantissa of 1024.0h, q - OFF comes out
+of one exact float16 subtraction, and w = (q - OFF) * scale - min is one float16 FMA: one
+rounding, as when float32 arithmetic is rounded to float16 at the end, and no conversions.
+F16MATH=False expands as gemv.py does (the code in 1.0f's mantissa, a float32 FMA, then a
+conversion): 0-8% slower on the H200. x is rounded to float16, sums are float32: what
 qgemm.py's fast path computes, up to summation order. Its exact variant (float32 products)
 stays in qgemm.py.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -62,7 +63,7 @@ def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_
                        KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr,
                        SM: tl.constexpr, M_PAD: tl.constexpr, BN: tl.constexpr,
                        NU: tl.constexpr, F16MATH: tl.constexpr):
-    """xw: x in wide_order, (K padded to whole steps, M) with M contiguous."""
+    """xw: x in wide_order, (K padded to whole steps, M_PAD) with M_PAD contiguous."""
     NJ: tl.constexpr = 32 // LO  # slots per word
     SPU: tl.constexpr = 32 // G  # scale groups per unit of 32
     JPS: tl.constexpr = NJ // SPU  # slots per scale group
@@ -83,8 +84,8 @@ def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_
     u_end = tl.minimum(u_begin + units_per_split, NUT)
     cols = tl.arange(0, BK)
     offs_m = tl.arange(0, M_PAD)
-    xmask = (offs_m < M)[None, :]
-    xtile = cols[:, None] * M + offs_m[None, :]  # [BK, M_PAD]
+    ymask = (rows < N)[:, None] & (offs_m < M)[None, :]
+    xtile = cols[:, None] * M_PAD + offs_m[None, :]  # [BK, M_PAD]
     acc = tl.zeros([BN, M_PAD], dtype=tl.float32)
     for u0 in range(u_begin, u_end, NU):
         uu2 = u0 + nu2
@@ -110,27 +111,32 @@ def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_
             b = -scale * ((1 << B) + OFF) - tmin
             w = (a * f + b).to(tl.float16)
         w = tl.reshape(w, [BN, BK])
-        xt = tl.load(xw_ptr + u0 * 32 * M + xtile, mask=xmask, other=0.0)
+        xt = tl.load(xw_ptr + u0 * 32 * M_PAD + xtile)  # rows past M are zeros
         acc = tl.dot(w, xt, acc)
-    ymask = rmask[:, None] & xmask
     yp = y_ptr + tl.program_id(1) * stride_ys + offs_m[None, :] * stride_ym + rows[:, None]
     tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ymask)
 
 
-def wide_order(x: torch.Tensor, lo_bits: int, nu: int) -> torch.Tensor:
-    """x (m, K) as the kernel reads it: (K padded to whole steps of nu units, m), float16, with
-    each unit's 32 elements in the order (lane w, slot j) of element j*LO + w."""
+def wide_order(x: torch.Tensor, lo_bits: int, nu: int, m_pad: int) -> torch.Tensor:
+    """x (m, K) as the kernel reads it: (K padded to whole steps of nu units, m_pad), float16,
+    each unit's 32 elements in the order (lane w, slot j) of element j*LO + w, and the rows past
+    m zero. Padding the rows makes every load of x one aligned [NU*32, M_PAD] block: with m as
+    the stride, a width not a multiple of 16 (m = 8) took 128 registers a thread, not 80."""
     m, k = x.shape
     step = nu * 32
-    if k % step:
-        x = torch.nn.functional.pad(x, (0, step - k % step))
-    xs = x.view(m, -1, 32 // lo_bits, lo_bits).permute(1, 3, 2, 0)  # (unit, w, j, m)
-    return xs.to(torch.float16).reshape(-1, m)
+    if k % step or m != m_pad:
+        x = torch.nn.functional.pad(x, (0, -k % step, 0, m_pad - m))
+    xs = x.view(m_pad, -1, 32 // lo_bits, lo_bits).permute(1, 3, 2, 0)  # (unit, w, j, m)
+    return xs.to(torch.float16).reshape(-1, m_pad)
 
 
 def wide_config(packed: PackedWeight, m: int) -> dict[str, int]:
-    """Tile sizes for one launch (bench/qgemm_bench.py sweeps them): BN rows, NU units of 32
-    per step, SPLIT programs along K until the programs fill the SMs twice over."""
+    """Tile sizes for one launch: BN rows, NU units of 32 per step, SPLIT programs along K
+    until the programs fill the SMs twice over, M_PAD columns of x (16 up to 16 rows) and the
+    float16 dequantization. From the H200 sweeps (bench/qgemm_wide_bench.py, session 25 calls
+    1-2, bench/results/2026-12-04-s25-*): BN 64 / NU 4 was best or within 5% of the best tile
+    for the 8B's Q4_K matrices and Q6_K head at 8 and 32 rows; M_PAD 16 took 7-9% off at 8
+    rows; float16 dequantization 0-8% at every width."""
     n, nut = packed.rows, packed.cols // 32
     nu = 4
     bn = 64
@@ -139,12 +145,11 @@ def wide_config(packed: PackedWeight, m: int) -> dict[str, int]:
     while -(-n // bn) * split < 2 * sms and nut // (split * 2) >= 2 * nu:
         split *= 2
     return {"BN": bn, "NU": nu, "SPLIT": split, "num_warps": 4, "num_stages": 3,
-            "F16MATH": os.environ.get("SLIPSTREAM_QGEMM_F16", "0") == "1"}
+            "M_PAD": max(16, triton.next_power_of_2(m)), "F16MATH": True}
 
 
 def qgemm_wide(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None,
-               out_dtype: torch.dtype, m_pad: int, config: dict[str, int] | None = None
-               ) -> torch.Tensor:
+               out_dtype: torch.dtype, config: dict[str, int] | None = None) -> torch.Tensor:
     """y = x @ W^T for x (m, K), W quantized with its scales fused where the format has them
     (qgemm.qgemm checks the arguments and fuses a streamed layer's scales first)."""
     m = x.shape[0]
@@ -153,14 +158,13 @@ def qgemm_wide(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None,
     warps = cfg.pop("num_warps", 4)
     stages = cfg.pop("num_stages", 3)
     split = cfg.pop("SPLIT", 1)
-    m_pad = cfg.pop("M_PAD", m_pad)
-    cfg.setdefault("F16MATH", False)
+    m_pad = cfg.pop("M_PAD")
     spec = packed.spec
     nu = cfg["NU"] = max(cfg["NU"], 1)
     steps = -(-nut // nu)
     units = -(-steps // split) * nu  # whole steps per split
     split = -(-nut // units)
-    xw = wide_order(x, spec.lo, nu)
+    xw = wide_order(x, spec.lo, nu, m_pad)
     if split == 1:
         y = out if out is not None else torch.empty(m, n, device=x.device, dtype=out_dtype)
         part = y

@@ -77,7 +77,7 @@ class DecodeGraphs:
 
 
 # Widths a masked step is padded to for capture: few graphs, at most 2x the rows (a draft's
-# level of 5 nodes runs as 8; kernels.qgemm pads every 5..32 rows to 32 anyway).
+# level of 5 nodes runs as 8; kernels.qgemm pads 5..16 rows to 16 and 17..32 to 32 anyway).
 STEP_WIDTHS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
