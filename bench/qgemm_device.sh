@@ -3,7 +3,7 @@
 #   1. the qgemm GPU tests (KTESTS: a -k filter; EXTRA_TESTS: more test paths), 8 processes;
 #   2. with LEVELS=1, an 8B draft's tree level by width (bench/draft_levels.py) with each kernel
 #      of LEVEL_KERNELS (default "slots wide"; the synthetic 8B is made beside the tests);
-#   3. Triton's compiles for the benchmark in 8 processes, then bench/qgemm_wide_bench.py
+#   3. unless BENCH=0, Triton's compiles for the benchmark in 8 processes, then bench/qgemm_wide_bench.py
 #      (--sweep unless SWEEP=0), cut at BENCH_S seconds.
 # Writes logs and JSON into OUTDIR ($1, default $OUT). Carry .whl (the gguf wheel).
 set -uo pipefail
@@ -21,9 +21,9 @@ if [ "${LEVELS:-0}" = 1 ] && [ ! -f "$SYN8" ]; then
 fi
 timeout ${TEST_S:-280} python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 \
   tests/gpu/test_kernels.py ${EXTRA_TESTS:-} -k "${KTESTS:-qgemm or matmul_routes or seeded}" \
-  > "$OUTDIR/pytest-qgemm.log" 2>&1
+  --durations=8 > "$OUTDIR/pytest-qgemm.log" 2>&1
 echo "tests: $(( $(date +%s) - t0 )) s"
-grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-qgemm.log" | head -10; tail -1 "$OUTDIR/pytest-qgemm.log"
+grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-qgemm.log" | head -10; tail -12 "$OUTDIR/pytest-qgemm.log"
 wait
 if [ "${LEVELS:-0}" = 1 ]; then
   for kern in ${LEVEL_KERNELS:-slots wide}; do
@@ -31,6 +31,7 @@ if [ "${LEVELS:-0}" = 1 ]; then
       --workdir "$SLIPSTREAM_MODELS" --name "levels-$kern.json" 2>&1 | tail -9 | sed "s/^/[$kern] /"
   done
 fi
+[ "${BENCH:-1}" = 1 ] || { echo "total: $(( $(date +%s) - t0 )) s"; exit 0; }
 for i in 0 1 2 3 4 5 6 7; do
   timeout 200 python3 bench/qgemm_wide_bench.py /tmp/compile $SW --compile-only --part $i/8 \
     > /tmp/compile_$i.log 2>&1 &
