@@ -72,12 +72,36 @@ def time_call(ws: list, m: int, config: dict | None, path: str = "qgemm") -> flo
     return _graph_time([lambda w=w: qgemm(x, w, out=y, config=config) for w in ws])
 
 
+def leave_out(out_dir: Path) -> None:
+    """The wide kernel at its default tiles with nothing, the scales, the MMA or the unpacking
+    left out (qgemm_wide's LEAVE_OUT; the results are wrong on purpose): by difference, what
+    each stage of a K step costs."""
+    stages = {0: "full", 1: "no scales", 2: "no MMA", 3: "no unpacking"}
+    qt, (name, n, k) = CASES[2]
+    ws = [fuse_scales(w) for w in weights(qt, n, k)]
+    rows = []
+    for m in (16, 128):
+        for lo, what in stages.items():
+            t = time_call(ws, m, {"KERNEL": "wide", "LEAVE_OUT": lo})
+            rows.append({"format": qt.name, "shape": name, "m": m, "left_out": what,
+                         "us": round(t * 1e6, 2)})
+            print(f"{name} m={m:3d} {what:13s} {t * 1e6:8.1f} us", flush=True)
+    rev = source_revision()
+    doc = {"device": torch.cuda.get_device_name(), "commit": rev["commit"], "tree": rev["tree"],
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "torch": torch.__version__, "rows": rows}
+    (out_dir / "qgemm-leave-out.json").write_text(json.dumps(doc, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--part", default="0/1")
+    ap.add_argument("--leave-out", action="store_true",
+                    help="only time the wide kernel with each stage left out in turn (gate_up "
+                         "Q4_K, 16 and 128 rows): where a step's time goes")
     a = ap.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
     torch.manual_seed(0)
@@ -105,6 +129,9 @@ def main() -> None:
             except Exception as e:
                 print(f"compile {qt.name} m={m} {cfg}: {type(e).__name__}: {str(e)[:200]}")
         torch.cuda.synchronize()
+        return
+    if a.leave_out:
+        leave_out(Path(a.out_dir))
         return
     rev = source_revision()
     hbm = hbm_copy_gbps()

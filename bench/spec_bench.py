@@ -539,6 +539,9 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/slipstream-models")
     ap.add_argument("--cases", default="default-spec,70b")
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--levels-from", default=None, metavar="JSON",
+                    help="with --project-from: the draft's level costs from a draft_levels.py "
+                         "file (a later kernel's) instead of the spec-bench file's")
     ap.add_argument("--project-from", default=None, metavar="JSON",
                     help="only recompute the projection from a spec-bench.json")
     ap.add_argument("--quick", action="store_true", help="70B: fewer pass and level widths")
@@ -573,8 +576,15 @@ def main() -> None:
 
     if a.project_from:  # recompute the projection from a results file, on any machine
         measured = json.loads(Path(a.project_from).read_text())
+        extra = {}
+        if a.levels_from:
+            levels = json.loads(Path(a.levels_from).read_text())
+            spec = next(r for r in measured["cases"] if r["name"] == "70b-q4k-vram24-spec")
+            spec["levels"] = levels["levels"]
+            extra = {"levels_from": Path(a.levels_from).name,
+                     "levels_from_tree": levels.get("tree")}
         row = projection(measured["cases"], acceptance) | {
-            "from": Path(a.project_from).name, "from_tree": measured.get("tree")}
+            "from": Path(a.project_from).name, "from_tree": measured.get("tree")} | extra
         doc["cases"] = [row]
         (out / "spec-projection.json").write_text(json.dumps(doc, indent=2) + "\n")
         print(json.dumps(row, indent=2))

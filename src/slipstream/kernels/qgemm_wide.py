@@ -62,8 +62,10 @@ def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_
                        LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
                        KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr,
                        SM: tl.constexpr, M_PAD: tl.constexpr, BN: tl.constexpr,
-                       NU: tl.constexpr, F16MATH: tl.constexpr):
-    """xw: x in wide_order, (K padded to whole steps, M_PAD) with M_PAD contiguous."""
+                       NU: tl.constexpr, F16MATH: tl.constexpr, LEAVE_OUT: tl.constexpr = 0):
+    """xw: x in wide_order, (K padded to whole steps, M_PAD) with M_PAD contiguous.
+    LEAVE_OUT (bench/qgemm_wide_bench.py --leave-out, wrong results): 1 the scales, 2 the MMA,
+    3 the unpacking, to time a step's stages by difference."""
     NJ: tl.constexpr = 32 // LO  # slots per word
     SPU: tl.constexpr = 32 // G  # scale groups per unit of 32
     JPS: tl.constexpr = NJ // SPU  # slots per scale group
@@ -97,9 +99,15 @@ def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_
         if HI > 0:
             hw = tl.load(hi_ptr + woff, mask=wmask, other=0).to(tl.int32)
             q = q | (((hw >> (slot5 * HI)) & ((1 << HI) - 1)) << LO)
-        scale, tmin = _scales5(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, r2, uu2, umask2, NUT, SPU,
-                               P, KQUANT, HAS_MIN, PACKED_SCMN, SM)
-        if F16MATH:
+        if LEAVE_OUT == 0 or LEAVE_OUT == 2:
+            scale, tmin = _scales5(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, r2, uu2, umask2, NUT,
+                                   SPU, P, KQUANT, HAS_MIN, PACKED_SCMN, SM)
+        if LEAVE_OUT == 1:  # no scales: the codes as they are
+            w = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        elif LEAVE_OUT == 3:  # no unpacking: each word's low half, the same in all its slots
+            w = ((words & 0x3FF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) \
+                + tl.zeros([BN, NU, LO, SPU, JPS], dtype=tl.float16)
+        elif F16MATH:
             # q in the mantissa of 1024.0h (a B <= 10-bit code is exact there), q - OFF by an
             # exact float16 subtraction, then one float16 FMA: no float32 and no conversions
             qh = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
@@ -112,7 +120,11 @@ def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_
             w = (a * f + b).to(tl.float16)
         w = tl.reshape(w, [BN, BK])
         xt = tl.load(xw_ptr + u0 * 32 * M_PAD + xtile)  # rows past M are zeros
-        acc = tl.dot(w, xt, acc)
+        if LEAVE_OUT == 2:  # no MMA: sums that keep the loads and the unpacking alive
+            acc += tl.sum(w.to(tl.float32), axis=1)[:, None] \
+                * tl.sum(xt.to(tl.float32), axis=0)[None, :]
+        else:
+            acc = tl.dot(w, xt, acc)
     yp = y_ptr + tl.program_id(1) * stride_ys + offs_m[None, :] * stride_ym + rows[:, None]
     tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ymask)
 
