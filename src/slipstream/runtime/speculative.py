@@ -60,11 +60,11 @@ __all__ = ["SpecStats", "Speculator", "check_vocab", "grow_tree", "keep", "specu
 DEFAULT_DEPTH = 8  # drafted tokens below the root on the longest branch, at most
 DEFAULT_TOP_K = 8  # children considered per expanded node
 # Nodes one draft level runs on CUDA. Measured on the H200 (synthetic 8B Q4_K, captured
-# graphs, bench/results/2026-12-02-s15-draft-levels-h200-call5.json): a level of 1/2/4 nodes
-# costs 4.7/7.8/10.2 ms through the fused GEMVs, and 32 nodes 16.5 ms through kernels.qgemm
-# (16-64 nodes 16-22 ms, against ~30 ms for dequantize + cuBLAS before it): 8 times the
-# nodes of a 4-wide level for 1.6 times its cost, so a 256-node tree's levels run 32 nodes
-# each rather than 4
+# graphs, bench/results/2026-12-04-s25-draft-levels-wide-h200-call3.json): a level of 1/2/4
+# nodes costs 4.6/7.7/10.0 ms through the fused GEMVs, and 8/16/32/64 nodes 10.7/10.3/11.0/
+# 13.8 ms through kernels.qgemm's wide kernel (16.5 ms at 32 through the per-slot kernel of
+# session 15): 8 times the nodes of a 4-wide level for 1.1 times its cost, so a 256-node
+# tree's levels run 32 nodes each rather than 4
 CUDA_LEVEL_WIDTH = 32
 # Nodes a level grown ahead runs: CUDA's level width, on the CPU too, so that outcomes compare
 AHEAD_WIDTH = CUDA_LEVEL_WIDTH
