@@ -46,7 +46,9 @@ if [ "$STAGE" = kernels ] || [ "$STAGE" = all ] || [ "$STAGE" = final ]; then
   if python3 -m pytest -q -p no:cacheprovider --co -n 2 tests/quant >/dev/null 2>&1; then
     XDIST="-n 8"
   fi
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_kernels.py tests/quant \
+  # the compile_heavy tests (minutes of Triton compiling for kernels rarely changed) with HEAVY=1
+  KSEL=$([ "${HEAVY:-0}" = 1 ] && echo gpu || echo "gpu and not compile_heavy")
+  python3 -m pytest -q -p no:cacheprovider -m "$KSEL" tests/gpu/test_kernels.py tests/quant \
     $XDIST ${KTESTS:+-k "$KTESTS"} > "$OUTDIR/pytest-kernels.log" 2>&1
   grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-kernels.log" | head -20; tail -1 "$OUTDIR/pytest-kernels.log"
   # the int8-activation kernels failing their tests: benchmark the exact path for the rest of

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for qgemm's kernels, in this order:
-#   1. the qgemm GPU tests (KTESTS: a -k filter; EXTRA_TESTS: more test paths), 8 processes;
+#   1. the qgemm GPU tests (KTESTS: a -k filter; EXTRA_TESTS: more test paths), 8 processes,
+#      without the compile_heavy ones unless HEAVY=1;
 #   2. with LEVELS=1, an 8B draft's tree level by width (bench/draft_levels.py) with each kernel
 #      of LEVEL_KERNELS (default "slots wide"; the synthetic 8B is made beside the tests);
 #   3. unless BENCH=0, Triton's compiles for the benchmark in 8 processes, then bench/qgemm_wide_bench.py
@@ -19,7 +20,8 @@ mkdir -p "$SLIPSTREAM_MODELS"
 if [ "${LEVELS:-0}" = 1 ] && [ ! -f "$SYN8" ]; then
   python3 -m slipstream synth --shape 8b --quant Q4_K -o "$SYN8" >/tmp/synth.log 2>&1 &
 fi
-timeout ${TEST_S:-280} python3 -m pytest -q -p no:cacheprovider -m gpu -n 8 \
+SEL=$([ "${HEAVY:-0}" = 1 ] && echo gpu || echo "gpu and not compile_heavy")
+timeout ${TEST_S:-280} python3 -m pytest -q -p no:cacheprovider -m "$SEL" -n 8 \
   tests/gpu/test_kernels.py ${EXTRA_TESTS:-} -k "${KTESTS:-qgemm or matmul_routes or seeded}" \
   --durations=8 > "$OUTDIR/pytest-qgemm.log" 2>&1
 echo "tests: $(( $(date +%s) - t0 )) s"

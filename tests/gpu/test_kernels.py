@@ -496,7 +496,12 @@ def test_qgemm_fused_and_unfused_scales_give_the_same_bits(qt: T) -> None:
         assert _rel(y, x.double().cpu().numpy() @ wf.T) <= QGEMM_TOL
 
 
-@pytest.mark.parametrize("qt", QUANTIZED, ids=lambda t: t.name)
+# the exact kernel unrolls a [BN, 64] float32 tile per slot, 16 slots for the 2-bit formats
+HEAVY = pytest.mark.compile_heavy
+
+
+@pytest.mark.parametrize("qt", [pytest.param(t, marks=HEAVY) if t in (T.Q2_K, T.Q3_K) else t
+                                for t in QUANTIZED], ids=lambda t: t.name)
 def test_exact_qgemm_is_float32_like_the_gemv(qt: T) -> None:
     """precision="exact": qgemm's float32 variant is within the fp32 GEMV's bound of gguf's
     dequantized weights (float16 weights and x are ~100x further off), and so is an exact
