@@ -38,6 +38,33 @@ def test_streamed_target_with_a_good_cheap_draft_grows_wide_and_deep():
     assert depth == 8
 
 
+def test_a_good_draft_goes_past_the_probe_depth_where_levels_are_cheap():
+    """As the Speculator sets it up (probe depth 8, at most 16): the first tree goes 8 deep,
+    then a streamed pass's flat cost, 3 ms levels and 80% acceptance take the trees past 8 (at
+    most depth + 1 tokens come of a pass, so 8 deep caps it at 9); with levels a tenth of the
+    pass, as on a CPU, they stay shallower."""
+    sizer = TreeSizer(max_depth=16, probe_depth=8)
+    assert sizer.choose()[1] == 8
+    deep = feed(sizer, lambda n: 0.35 + 1e-5 * n, 0.003, 0.8)[1]
+    assert deep >= 12  # the deepest depths are the least sampled, so estimated a little low
+    assert feed(TreeSizer(max_depth=16, probe_depth=8), lambda n: 0.05, 0.005, 0.8)[1] < deep
+
+
+def test_a_useless_draft_is_probed_and_settled_at_the_probe_depth():
+    """Trees that explore, or settle whether a draft holding memory stays, go the probe depth
+    deep however deep the choice may go: a draft that accepts nothing costs what it did."""
+    sizer = TreeSizer(max_depth=16, probe_depth=8, plain_gain=1.3)
+    depths = []
+    for _ in range(3 * EXPLORE_EVERY):
+        nodes, depth = sizer.choose()
+        sizer.observe_pass(nodes if depth else 1, 0.44 if depth else 0.21)
+        if depth:
+            depths.append(depth)
+            sizer.observe_levels(depth, depth * 0.011)
+            sizer.observe_walk(depth, 0)
+    assert depths and max(depths) == 8
+
+
 def test_resident_target_keeps_trees_narrow():
     """A pass whose cost grows with its width (a resident target): the widest tree within the
     slack of a one-node pass."""

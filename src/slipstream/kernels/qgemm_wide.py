@@ -6,11 +6,15 @@ read the 8B's gate_up (28672x4096 Q4_K) at ~0.5 TB/s, a seventh of HBM, so a dra
 cost 16-25 ms where a captured decode step costs 2.6 (bench/results/*s16-draft-levels*). Here
 a program unpacks all the codes of NU units (NU*32 columns of K) into one [BN, NU*32] float16
 tile and makes one [BN, NU*32] x [NU*32, m] product of it per step, so the tensor cores see
-K = 64..256 at once and the unpacking is a few shifts on a 5-D view of the words.
+K = 64..256 at once and the unpacking is a few shifts on a 5-D view of the words. On the H200
+(bench/results/2026-12-04-session25.md): gate_up at 8 rows in 99 us against 144, the Q6_K head
+in 442 against 947, a draft level of 8 / 32 / 128 nodes in 10.7 / 11.0 / 15.7 ms against 17.2
+/ 16.6 / 24.5; still 0.10-0.16 of HBM, the scales' and codes' unpacking being most of a step.
 
 The tile's K order is the plane layout's (pack.py): column c of a step = unit c // 32, lane
 w = (c % 32) // NJ, slot j = c % NJ holds element unit*32 + j*LO + w. wide_order() permutes x
-into that order once per call, so every load of x is one contiguous [NU*32, m] block.
+into that order once per call, padded to M_PAD rows, so every load of x is one aligned
+[NU*32, M_PAD] block.
 
 Numbers: by default (F16MATH) a code q goes into the mantissa of 1024.0h, q - OFF comes out
 of one exact float16 subtraction, and w = (q - OFF) * scale - min is one float16 FMA: one

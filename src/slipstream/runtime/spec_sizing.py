@@ -11,7 +11,8 @@ date from the rounds themselves:
     reached depth d - 1 and the tree went that deep, with a weak prior.
 
 Each round it picks the depth D (0: a plain step, the draft sits out) that maximizes expected
-tokens per second, E(D) / (pass(N) + D * level), with E(D) = 1 + sum_{d<=D} prod_{j<=d} r_j, and
+tokens per second, E(D) / (pass(N) + D * level), with E(D) = 1 + sum_{d<=D} prod_{j<=d} r_j
+(depths not yet tried taking the deepest tried one's rate), up to max_depth, and
 the largest N whose predicted pass costs at most NODES_SLACK more than a one-node pass. An
 explicit node budget (`--spec-nodes`) fixes N, an explicit depth (`--spec-depth`) fixes D.
 """
@@ -63,7 +64,11 @@ GIVE_UP_BELIEF = 0.05
 @dataclass
 class TreeSizer:
     max_nodes: int = NODE_CHOICES[-1]
-    max_depth: int = 8
+    max_depth: int = 8  # the deepest tree the choice may make
+    # the depth of the trees grown before anything is measured, and of the ones that explore or
+    # settle whether a draft stays: a draft that accepts nothing costs the same as before the
+    # choice could go deeper, and depths past it are tried once measured rates say they pay
+    probe_depth: int = 8
     fixed_nodes: int | None = None  # --spec-nodes
     fixed_depth: int | None = None  # --spec-depth: every round speculates this deep
     # how much faster plain decode would run without the draft (its memory given to the
@@ -192,8 +197,9 @@ class TreeSizer:
         if self.fixed_depth is not None:
             return nodes, self.fixed_depth
         pass_n, pass_1, level = self.pass_s(nodes), self.pass_s(1), self.level_s
+        probe = min(self.probe_depth, self.max_depth)
         if pass_n is None or level is None:
-            return nodes, self.max_depth  # nothing measured yet: speculate, and measure
+            return nodes, probe  # nothing measured yet: speculate, and measure
         if not self._plain_n:
             return nodes, 0  # one plain step, to know what a tree has to beat (it costs none)
         trees = self._trees
@@ -207,7 +213,7 @@ class TreeSizer:
             self._plain_streak += 1
             if self._plain_streak >= EXPLORE_EVERY or self._settling:
                 self._plain_streak = 0
-                return nodes, self.max_depth
+                return nodes, probe
         else:
             self._plain_streak = 0
         return nodes, best

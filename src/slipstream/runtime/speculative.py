@@ -57,7 +57,16 @@ from .spec_sizing import TreeSizer
 __all__ = ["SpecStats", "Speculator", "check_vocab", "grow_tree", "keep", "speculative_source",
            "walk"]
 
-DEFAULT_DEPTH = 8  # drafted tokens below the root on the longest branch, at most
+# Drafted tokens below the root on the longest branch: the trees grown before the sizer has
+# measured anything (and those that explore or settle a draft) go DEFAULT_DEPTH deep, and the
+# sizer may choose up to MAX_DEPTH where the measured acceptance and costs say deeper pays. A
+# streamed 70B's pass costs the same for 1 node as for 512 and a draft level ~11 ms against
+# its ~0.44 s (bench/results/2026-12-04-session25.md), so a good draft's trees pay deep: the
+# published 8-13 tokens a pass need depths past 8 (at most depth + 1 tokens come of a pass),
+# and the CPU table's 135M pair gave 6.66 tokens a pass at depth 16 against 6.15 at 8
+# (256 nodes, greedy, bench/results/2026-12-02-s16-spec-acceptance-depth*-exact-cpu.json)
+DEFAULT_DEPTH = 8
+MAX_DEPTH = 16
 DEFAULT_TOP_K = 8  # children considered per expanded node
 # Nodes one draft level runs on CUDA. Measured on the H200 (synthetic 8B Q4_K, captured
 # graphs, bench/results/2026-12-04-s25-draft-levels-wide-h200-call3.json): a level of 1/2/4
@@ -168,8 +177,8 @@ class Speculator:
                  sizer: TreeSizer | None = None,
                  give_up: Callable[[], None] | None = None, ahead: int | None = None):
         """nodes: the tree's node budget (root included), depth: drafted tokens below the
-        root; each None lets `sizer` choose it every round (the depth up to DEFAULT_DEPTH,
-        0 being a plain step). give_up: called once if the sizer concludes the draft does not
+        root; each None lets `sizer` choose it every round (the depth up to MAX_DEPTH, 0
+        being a plain step). give_up: called once if the sizer concludes the draft does not
         pay (TreeSizer.gives_up); the draft is not used after that. ahead: draft levels
         grown past the verified nodes after each target pass, so that the next tree may be
         grown already (None or 0: none)."""
@@ -183,7 +192,8 @@ class Speculator:
         self.target, self.draft, self.sampler = target, draft, sampler
         self.top_k = top_k
         self.sizer = sizer if sizer is not None else TreeSizer()
-        self.sizer.max_depth = DEFAULT_DEPTH if depth is None else depth
+        self.sizer.max_depth = MAX_DEPTH if depth is None else depth
+        self.sizer.probe_depth = DEFAULT_DEPTH
         self.sizer.fixed_nodes, self.sizer.fixed_depth = nodes, depth
         self.level_width = CUDA_LEVEL_WIDTH if draft.device.type == "cuda" else None
         self.ahead = ahead
