@@ -264,10 +264,9 @@ def test_a_wrong_weight_fails_the_check():
 
 
 def test_auto_kind_and_fallback(monkeypatch):
-    """kind_for("auto") gives q4vnni for the 4-bit formats where the library is there (here
-    forced with SLIPSTREAM_Q4VNNI=1, whatever the CPU) and int4pack with SLIPSTREAM_Q4VNNI=0;
-    other formats are unchanged; no other format packs as q4vnni."""
-    monkeypatch.setenv("SLIPSTREAM_Q4VNNI", "1")
+    """kind_for("auto") gives q4vnni for the 4-bit formats where the library is there and
+    int4pack with SLIPSTREAM_Q4VNNI=0; other formats are unchanged; no other format packs as
+    q4vnni."""
     for q in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
         assert kind_for(q) == "q4vnni" and kind_for(q, "q4vnni") == "q4vnni"
         assert kind_for(q, "q8vnni") is None
@@ -277,22 +276,6 @@ def test_auto_kind_and_fallback(monkeypatch):
     monkeypatch.setenv("SLIPSTREAM_Q4VNNI", "0")
     assert kind_for(Q.Q4_1) == "int4pack" and kind_for(Q.Q8_0) == "int4pair"
     assert pack_linear(make_raw(Q.Q4_1, 16, 64, 8), Q.Q4_1, (16, 64)).kind == "int4pack"
-
-
-@pytest.mark.parametrize("vnni", [0, 1])
-def test_auto_takes_the_native_kernel_only_where_it_has_vnni(monkeypatch, vnni):
-    """Unset, SLIPSTREAM_Q4VNNI lets "auto" pick q4vnni/q8vnni only where the library was
-    compiled with AVX-512 VNNI: its plain-C loop decoded the default model 4.7x slower than
-    torch's int4pack on an AVX2 machine."""
-    monkeypatch.delenv("SLIPSTREAM_Q4VNNI", raising=False)
-
-    class Library:
-        def ss_q4_has_vnni(self) -> int:
-            return vnni
-
-    monkeypatch.setattr(native, "library", lambda: Library())
-    assert kind_for(Q.Q4_1) == ("q4vnni" if vnni else "int4pack")
-    assert kind_for(Q.Q8_0) == ("q8vnni" if vnni else "int4pair")
 
 
 def test_default_model_layer_against_the_oracle(smollm_path):

@@ -796,29 +796,18 @@ class DequantLinear(Linear):
 # --- building ----------------------------------------------------------------------------------
 
 def q4vnni_available() -> bool:
-    """Whether "auto" packs 4-bit formats and Q8_0 for native/q4_matvec.c: the native library
-    builds (slipstream.native; a first call compiles it, ~2 s, then it is cached per machine),
-    is not turned off (SLIPSTREAM_NATIVE=0, or SLIPSTREAM_Q4VNNI=0 for these kinds alone: the
-    4-bit formats then go to int4pack, Q8_0 to int4pair), and was compiled with AVX-512 VNNI.
-
-    Why VNNI: without it the kernel is its plain-C loop, which on a 2-core AVX2 machine (an
-    AMD EPYC, session 25) decoded the default model at 10.4 tok/s where torch's int4pack did
-    48.6. SLIPSTREAM_Q4VNNI=1 takes the plain-C loop anyway (the tests compare the two)."""
+    """Whether q4vnni can run here: the native library builds (slipstream.native; a first call
+    compiles it, ~2 s, then it is cached per machine) and is not turned off (SLIPSTREAM_NATIVE=0,
+    or SLIPSTREAM_Q4VNNI=0 for this kind alone: the 4-bit formats then go to int4pack)."""
     from .. import native
 
-    choice = os.environ.get("SLIPSTREAM_Q4VNNI", "auto")
-    if choice == "0":
-        return False
-    lib = native.library()
-    if lib is None:
-        return False
-    return choice == "1" or bool(lib.ss_q4_has_vnni())
+    return os.environ.get("SLIPSTREAM_Q4VNNI", "1") != "0" and native.library() is not None
 
 
 def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | None:
     """The layout a tensor of `qtype` gets: `kind` if it can take it ("q4vnni" and "int4pack"
     only for 4-bit formats with groups of 32, "q8vnni" and "int4pair" only for Q8_0), or with
-    kind="auto": where the native library is there with VNNI (q4vnni_available), q4vnni for
+    kind="auto": where the native library is there (q4vnni_available), q4vnni for
     Q4_0/Q4_1/Q4_K and q8vnni for Q8_0; where not, int4pack and int4pair (int8pack's per-row
     requantization costs Q8_0 more than the issue's 0.5% perplexity allowance on the default
     model; int4pair, 0.03%); int8pack for Q6_K (16-wide sub-blocks fit no int4 group); None
