@@ -104,6 +104,16 @@ def sweep(hbm: float) -> list[dict]:
     return rows
 
 
+def results_header(hbm: float) -> dict:
+    """The GPU results shape's fields (device, commit, tree, date, versions), the copy rate
+    measured in the run, and empty rows and sweep."""
+    rev = source_revision()
+    return {"device": torch.cuda.get_device_name(), "commit": rev["commit"], "tree": rev["tree"],
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "torch": torch.__version__, "triton": __import__("triton").__version__,
+            "hbm_copy_GBps": round(hbm, 1), "rows": [], "sweep": []}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out_dir")
@@ -111,12 +121,8 @@ def main() -> None:
     a = ap.parse_args()
     os.makedirs(a.out_dir, exist_ok=True)
     torch.manual_seed(0)
-    rev = source_revision()
     hbm = hbm_copy_gbps()
-    doc = {"device": torch.cuda.get_device_name(), "commit": rev["commit"], "tree": rev["tree"],
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "torch": torch.__version__, "triton": __import__("triton").__version__,
-           "hbm_copy_GBps": round(hbm, 1), "rows": [], "sweep": []}
+    doc = results_header(hbm)
     out = Path(a.out_dir) / "qgemm-bench.json"
     if not a.no_sweep:
         doc["sweep"] = sweep(hbm)

@@ -20,7 +20,6 @@ import itertools
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,14 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kernels_bench import _graph_time, _random_packed, hbm_copy_gbps  # noqa: E402
-from qgemm_bench import HEAD_8B, LAYER_8B, LAYERS_8B, weights  # noqa: E402
+from qgemm_bench import HEAD_8B, LAYER_8B, LAYERS_8B, results_header, weights  # noqa: E402
 
 from slipstream.kernels.gemv_q8 import gemv_q8  # noqa: E402
 from slipstream.kernels.pack import fuse_scales  # noqa: E402
 from slipstream.kernels.qgemm import qgemm  # noqa: E402
 from slipstream.kernels import qgemm_wide  # noqa: E402
 from slipstream.kernels.qgemm_wide import wide_config  # noqa: E402
-from slipstream.provenance import source_revision  # noqa: E402
 
 CASES = [(T.Q4_K, s) for s in LAYER_8B] + [(T.Q6_K, HEAD_8B), (T.Q8_0, LAYER_8B[2])]
 WIDTHS = (2, 4, 8, 16, 32, 64, 128)
@@ -86,10 +84,7 @@ def leave_out(out_dir: Path) -> None:
             rows.append({"format": qt.name, "shape": name, "m": m, "left_out": what,
                          "us": round(t * 1e6, 2)})
             print(f"{name} m={m:3d} {what:13s} {t * 1e6:8.1f} us", flush=True)
-    rev = source_revision()
-    doc = {"device": torch.cuda.get_device_name(), "commit": rev["commit"], "tree": rev["tree"],
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "torch": torch.__version__, "rows": rows}
+    doc = results_header(hbm_copy_gbps()) | {"rows": rows}
     (out_dir / "qgemm-leave-out.json").write_text(json.dumps(doc, indent=1))
 
 
@@ -133,12 +128,8 @@ def main() -> None:
     if a.leave_out:
         leave_out(Path(a.out_dir))
         return
-    rev = source_revision()
     hbm = hbm_copy_gbps()
-    doc = {"device": torch.cuda.get_device_name(), "commit": rev["commit"], "tree": rev["tree"],
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "torch": torch.__version__, "triton": __import__("triton").__version__,
-           "hbm_copy_GBps": round(hbm, 1), "rows": [], "sweep": []}
+    doc = results_header(hbm)
     out = Path(a.out_dir) / "qgemm-wide.json"
     for qt, (name, n, k) in CASES:
         ws = [fuse_scales(w) for w in weights(qt, n, k)]

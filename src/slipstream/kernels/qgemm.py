@@ -39,6 +39,7 @@ import triton.language as tl
 from .gemv import _bits_to, _scale_min, _sm_count
 from .pack import FLOAT_DTYPES, PackedWeight, sm_width
 from .qgemm_wide import qgemm_wide
+from .splitk import finish, format_constants, outputs, planes, split_units
 
 MAX_M = 128  # rows of x this kernel takes (M_PAD up to 128 keeps the accumulator in registers)
 # From this many rows the int8-activation GEMV (precision "fast") hands over to this kernel
@@ -251,33 +252,13 @@ def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None
     nu = cfg["NU"] = max(cfg["NU"], 16 // spec.lo)  # the MMA's K: 16 at least
     wdt = torch.float32 if _INTERPRET or exact else torch.float16
     stages = cfg.pop("num_stages", None) or _stages(nu, m_pad(m), wdt.itemsize)
-    steps = -(-nut // nu)
-    units = -(-steps // split) * nu  # whole steps per split
-    split = -(-nut // units)
+    units, split = split_units(nut, nu, split)
     xt = slot_order(x, spec.lo, nu, wdt)
-    if split == 1:
-        y = out if out is not None else torch.empty(m, n, device=x.device, dtype=out_dtype)
-        part = y
-    else:  # float32 partials, summed below in a fixed order
-        part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    dummy = packed.lo
-    grid = (triton.cdiv(n, cfg["BN"]), split)
-    _qgemm_kernel[grid](
-        xt, packed.lo, packed.hi if packed.hi is not None else dummy,
-        packed.d if packed.d is not None else dummy,
-        packed.m if packed.m is not None else dummy,
-        packed.sc if packed.sc is not None else dummy,
-        packed.mn if packed.mn is not None else dummy,
-        packed.sm if packed.sm is not None else dummy, part,
+    part = outputs(m, n, split, out, out_dtype, x.device)
+    _qgemm_kernel[(triton.cdiv(n, cfg["BN"]), split)](
+        xt, *planes(packed), part,
         m, n, nut, units, part.stride(-2), part.stride(0) if split > 1 else 0,
-        LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
-        HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, SM=packed.sm is not None,
-        M_PAD=m_pad(m), WDT=tl.float32 if wdt == torch.float32 else tl.float16,
-        IEEE=exact and not _INTERPRET, num_warps=warps,
-        num_stages=stages, **cfg)
-    if split == 1:
-        return y
-    y = part.sum(0)
-    if out is not None:
-        return out.copy_(y)
-    return y if y.dtype == out_dtype else y.to(out_dtype)
+        **format_constants(packed), M_PAD=m_pad(m),
+        WDT=tl.float32 if wdt == torch.float32 else tl.float16,
+        IEEE=exact and not _INTERPRET, num_warps=warps, num_stages=stages, **cfg)
+    return finish(part, split, out, out_dtype)

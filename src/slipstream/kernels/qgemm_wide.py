@@ -33,6 +33,7 @@ import triton.language as tl
 
 from .gemv import _scale_min, _sm_count
 from .pack import PackedWeight
+from .splitk import finish, format_constants, outputs, planes, split_units
 
 last_launch = None  # the last launch's compiled kernel (n_regs, n_spills), for the benchmarks
 
@@ -152,34 +153,13 @@ def qgemm_wide(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None,
     stages = cfg.pop("num_stages", 3)
     split = cfg.pop("SPLIT", 1)
     m_pad = cfg.pop("M_PAD")
-    spec = packed.spec
     nu = cfg["NU"] = max(cfg["NU"], 1)
-    steps = -(-nut // nu)
-    units = -(-steps // split) * nu  # whole steps per split
-    split = -(-nut // units)
-    xw = wide_order(x, spec.lo, nu, m_pad)
-    if split == 1:
-        y = out if out is not None else torch.empty(m, n, device=x.device, dtype=out_dtype)
-        part = y
-    else:  # float32 partials, summed below in a fixed order
-        part = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
-    dummy = packed.lo
-    grid = (triton.cdiv(n, cfg["BN"]), split)
+    units, split = split_units(nut, nu, split)
+    xw = wide_order(x, packed.spec.lo, nu, m_pad)
+    part = outputs(m, n, split, out, out_dtype, x.device)
     global last_launch
-    last_launch = _qgemm_wide_kernel[grid](
-        xw, packed.lo, packed.hi if packed.hi is not None else dummy,
-        packed.d if packed.d is not None else dummy,
-        packed.m if packed.m is not None else dummy,
-        packed.sc if packed.sc is not None else dummy,
-        packed.mn if packed.mn is not None else dummy,
-        packed.sm if packed.sm is not None else dummy, part,
+    last_launch = _qgemm_wide_kernel[(triton.cdiv(n, cfg["BN"]), split)](
+        xw, *planes(packed), part,
         m, n, nut, units, part.stride(-2), part.stride(0) if split > 1 else 0,
-        LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
-        HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, SM=packed.sm is not None,
-        M_PAD=m_pad, num_warps=warps, num_stages=stages, **cfg)
-    if split == 1:
-        return y
-    y = part.sum(0)
-    if out is not None:
-        return out.copy_(y)
-    return y if y.dtype == out_dtype else y.to(out_dtype)
+        **format_constants(packed), M_PAD=m_pad, num_warps=warps, num_stages=stages, **cfg)
+    return finish(part, split, out, out_dtype)
