@@ -39,6 +39,29 @@ last_launch = None  # the last launch's compiled kernel (n_regs, n_spills), for 
 
 
 @triton.jit
+def _scales5(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, r2, uu2, umask2, NUT, SPU: tl.constexpr,
+             P: tl.constexpr, KQUANT: tl.constexpr, HAS_MIN: tl.constexpr,
+             PACKED_SCMN: tl.constexpr, SM: tl.constexpr):
+    """(scale, tmin) of every group of the [BN, NU] units, as [BN, NU, 1, SPU, 1] (tmin a
+    scalar 0.0 without a min)."""
+    s0, t0 = _scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, r2, uu2, umask2, NUT, 0, SPU, P,
+                        KQUANT, HAS_MIN, PACKED_SCMN, SM, False)
+    if SPU == 1:
+        scale = s0[:, :, None, None, None]
+        tmin = t0
+        if HAS_MIN:
+            tmin = t0[:, :, None, None, None]
+    else:
+        s1, t1 = _scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, r2, uu2, umask2, NUT, 1, SPU,
+                            P, KQUANT, HAS_MIN, PACKED_SCMN, SM, False)
+        scale = tl.join(s0, s1)[:, :, None, :, None]
+        tmin = t0
+        if HAS_MIN:
+            tmin = tl.join(t0, t1)[:, :, None, :, None]
+    return scale, tmin
+
+
+@triton.jit
 def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, y_ptr,
                        M, N, NUT, units_per_split, stride_ym, stride_ys,
                        LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
@@ -57,11 +80,13 @@ def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_
     BK: tl.constexpr = NU * 32
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rmask = rows < N
+    r2 = rows[:, None]
+    nu2 = tl.arange(0, NU)[None, :]
     r5 = rows[:, None, None, None, None]
     nu5 = tl.arange(0, NU)[None, :, None, None, None]
     w5 = tl.arange(0, LO)[None, None, :, None, None]
-    group5 = tl.arange(0, SPU)[None, None, None, :, None]
-    slot5 = group5 * JPS + tl.arange(0, JPS)[None, None, None, None, :]  # j = s*JPS + jj
+    slot5 = (tl.arange(0, SPU)[None, None, None, :, None] * JPS
+             + tl.arange(0, JPS)[None, None, None, None, :])  # j = s*JPS + jj
     u_begin = tl.program_id(1) * units_per_split
     u_end = tl.minimum(u_begin + units_per_split, NUT)
     cols = tl.arange(0, BK)
@@ -70,6 +95,8 @@ def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_
     xtile = cols[:, None] * M_PAD + offs_m[None, :]  # [BK, M_PAD]
     acc = tl.zeros([BN, M_PAD], dtype=tl.float32)
     for u0 in range(u_begin, u_end, NU):
+        uu2 = u0 + nu2
+        umask2 = rmask[:, None] & (uu2 < u_end)
         wmask = (r5 < N) & (u0 + nu5 < u_end)
         woff = r5 * (NUT * LO) + (u0 + nu5) * LO + w5  # [BN, NU, LO, 1, 1]: contiguous words
         words = tl.load(lo_ptr + woff, mask=wmask, other=0)
@@ -78,12 +105,8 @@ def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_
             hw = tl.load(hi_ptr + woff, mask=wmask, other=0).to(tl.int32)
             q = q | (((hw >> (slot5 * HI)) & ((1 << HI) - 1)) << LO)
         if LEAVE_OUT == 0 or LEAVE_OUT == 2:
-            # [BN, NU, 1, SPU, 1], loaded with 5-D offsets so that they broadcast over the
-            # codes in registers: gathered as [BN, NU] tiles and joined, they cost 27 of
-            # gate_up's 98 us at 16 rows (H200, --leave-out), in layout conversions
-            scale, tmin = _scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, r5, u0 + nu5, wmask,
-                                     NUT, group5, SPU, P, KQUANT, HAS_MIN, PACKED_SCMN, SM,
-                                     False)
+            scale, tmin = _scales5(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, r2, uu2, umask2, NUT,
+                                   SPU, P, KQUANT, HAS_MIN, PACKED_SCMN, SM)
         if LEAVE_OUT == 1:  # no scales: the codes as they are
             w = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
         elif LEAVE_OUT == 3:  # no unpacking: each word's low half, the same in all its slots
