@@ -3,12 +3,13 @@
 #   bash bench/hybrid_diag.sh OUTDIR
 # synthesizes the 70B (spec_device.sh PART=prep, SHAPES=70b) and builds llama-bench, runs the
 # new hybrid GPU tests, llama.cpp -ngl 46 on the 70B, then hybrid_diag.py at the plan's share
-# and at SHARE (default 0.5625). Carry .whl, .anchors and .llama.tar.xz.
+# and at SHARE (default 0.5625; none leaves it out). SHAPES="70b 8b" also makes the 8B draft
+# for a spec_bench.py call after this one. Carry .whl, .anchors and .llama.tar.xz.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/slipstream-out}}
 mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/.."
-SHAPES=70b LLAMA=${LLAMA:-1} PART=prep bash bench/spec_device.sh /tmp/prep > /tmp/prep.log 2>&1; tail -3 /tmp/prep.log
+SHAPES=${SHAPES:-70b} LLAMA=${LLAMA:-1} PART=prep bash bench/spec_device.sh /tmp/prep > /tmp/prep.log 2>&1; tail -3 /tmp/prep.log
 source bench/device_setup.sh
 W=$SLIPSTREAM_MODELS
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_hybrid_gpu.py \
@@ -21,5 +22,5 @@ if [ "${LLAMA:-1}" = 1 ]; then
 fi
 timeout 200 python3 bench/hybrid_diag.py "$OUTDIR/auto" --model $W/70b-Q4_K.gguf --rounds 3 \
   > "$OUTDIR/diag-auto.log" 2>&1; grep -v "^{" "$OUTDIR/diag-auto.log" | tail -6
-timeout 120 python3 bench/hybrid_diag.py "$OUTDIR/share" --model $W/70b-Q4_K.gguf --rounds 1 \
+[ "${SHARE:-}" = none ] || timeout 120 python3 bench/hybrid_diag.py "$OUTDIR/share" --model $W/70b-Q4_K.gguf --rounds 1 \
   --hybrid ${SHARE:-0.5625} > "$OUTDIR/diag-share.log" 2>&1; grep -v "^{" "$OUTDIR/diag-share.log" | tail -4

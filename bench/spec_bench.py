@@ -325,11 +325,9 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
                            if "decode_tok_s" in r else {}))
     if bracket:
         rows.extend(_bracket_load(t70, rows, tokens, vram_layers))
-        rows.append(projection(rows, acceptance))
-        return rows
+        return _with_projection(rows, acceptance)
     if not skip_case:
-        rows.append(projection(rows, acceptance))
-        return rows
+        return _with_projection(rows, acceptance)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     with slipstream.load(t70, device="cuda", ctx=2048, vram_budget="24GiB",
@@ -348,8 +346,7 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
         rows.append({"name": "70b-q4k-vram24-skip-streamed", "skip_layers": streamed,
                      "skipped_streamed": streamed, "decode_tok_s": r["decode_tok_s"],
                      "vram_gib": vram_gib(), "note": "lossy, as above"})
-    rows.append(projection(rows, acceptance))
-    return rows
+    return _with_projection(rows, acceptance)
 
 
 def _bracket_load(t70: Path, rows: list[dict], tokens: int, vram_layers: int | None
@@ -500,12 +497,26 @@ def floor_trace(work: Path, tokens: int) -> list[dict]:
     return rows
 
 
+def _with_projection(rows: list[dict], acceptance: list[dict]) -> list[dict]:
+    """The measured rows, with the projection row after them; a projection that cannot be made
+    from them leaves its reason, never the measured rows lost."""
+    try:
+        return rows + [projection(rows, acceptance)]
+    except (KeyError, StopIteration, TypeError) as exc:
+        return rows + [{"name": "70b-8b-projection", "projected": True,
+                        "error": f"{type(exc).__name__}: {exc}"}]
+
+
 def projection(rows: list[dict], acceptance: list[dict]) -> dict:
     """tok/s = tokens per pass / (target pass + depth x draft level), from measured costs."""
     plain = next(r for r in rows if r["name"] == "70b-q4k-vram24")
     spec = next(r for r in rows if r["name"] == "70b-q4k-vram24-spec")
     pass_s = {p["nodes"]: p["target_pass_s"] for p in spec["passes"]}[256]
-    level = {lv["nodes"]: lv["level_graph_s"] for lv in spec["levels"]}[CUDA_LEVEL_WIDTH]
+    levels = {lv["nodes"]: lv["level_graph_s"] for lv in spec["levels"]}
+    # session 26 lost a whole 70B run to a KeyError here (--quick measured no 32-node level):
+    # the nearest width measured stands in, and the row says which
+    level_width = min(levels, key=lambda w: abs(w - CUDA_LEVEL_WIDTH))
+    level = levels[level_width]
     depth = 16
     cases = {f"published {t:g}": t for t in PUBLISHED_TOKENS_PER_PASS}
     for temp in (0, 0.8):
@@ -523,11 +534,11 @@ def projection(rows: list[dict], acceptance: list[dict]) -> dict:
             "tok_s_draft_beside": hidden,
             "beside_pass_s": beside["target_pass_s"] if beside else None,
             "measured_inputs": {"target_pass_256_s": pass_s,
-                                f"draft_level_{CUDA_LEVEL_WIDTH}_s": level,
+                                f"draft_level_{level_width}_s": level,
                                 "depth": depth},
             "note": "projected, not measured: tokens per pass over the measured cost of one "
                     "round (a 256-node target pass with the draft inside the 24 GiB, and "
-                    f"{depth} draft levels of {CUDA_LEVEL_WIDTH} nodes through CUDA graphs)",
+                    f"{depth} draft levels of {level_width} nodes through CUDA graphs)",
             "tok_s": {k: round(t / (pass_s + depth * level), 2) for k, t in cases.items()},
             "plain_decode_tok_s": plain["decode_tok_s"]}
 
@@ -598,7 +609,7 @@ def main() -> None:
     elif "70b" in cases and a.floor:
         save(floor(work, a.tokens))
     elif "70b" in cases:
-        quick = dict(pass_widths=(1, 256, 512), level_widths=(1, 2, 4)) if a.quick else {}
+        quick = dict(pass_widths=(1, 256, 512), level_widths=(1, 4, CUDA_LEVEL_WIDTH)) if a.quick else {}
         try:
             save(seventy(work, a.tokens, acceptance, skip_case=not a.no_skip_case,
                          fresh_sizer=a.fresh_sizer, bracket=a.bracket, **quick))
