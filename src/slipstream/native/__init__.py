@@ -56,7 +56,8 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     # int4_pack.c
     "ss_int4pack_rows": (_P, _I64, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT),
 }
-RETURNS = {"ss_q4_has_vnni": _INT}  # functions that return something (and take nothing)
+# functions that return something (and take nothing)
+RETURNS = {"ss_q4_has_vnni": _INT, "ss_q4_has_simd": _INT}
 
 
 def enabled() -> bool:

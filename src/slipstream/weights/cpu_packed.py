@@ -6,7 +6,8 @@ classes here keep the weights quantized instead, in one of these layouts:
 ``Q4VnniLinear``    Q4_0, Q4_1 and Q4_K through slipstream's own kernel (native/q4_matvec.c; the
     4-bit formats' choice wherever the native library builds): each activation row is
     quantized per block of 32 (one float scale) and multiplied by the 4-bit codes as integers
-    (AVX-512 VNNI where the CPU has it), each group's scale and zero applied once, as
+    (AVX-512 VNNI where the CPU has it, else AVX2, else plain C: the same bits from all three),
+    each group's scale and zero applied once, as
     llama.cpp does. The weights are exact (w = s u + z with s, z float16 for Q4_0/Q4_1,
     float32 for Q4_K). The activations' rounding is the error: with the default 16 bits (two
     int8 digits) less than bfloat16's; with 8 (llama.cpp's; SLIPSTREAM_Q4VNNI_BITS=8, ~1.1x
@@ -501,8 +502,8 @@ def q4vnni_flags(x_f32: bool, y_f32: bool, threads: int, generic: bool = False,
 class Q4VnniLinear(Linear):
     """y = x @ W^T (+ b) (+ residual) for Q4_0, Q4_1 and Q4_K through native/q4_matvec.c: each
     activation row quantized to 16 (or 8) bits per block of 32 (a float scale each) and the
-    integers multiplied by the 4-bit codes (AVX-512 VNNI where the CPU has it, plain C
-    elsewhere), each group's scale and zero applied once. The weights are the GGUF ones
+    integers multiplied by the 4-bit codes (AVX-512 VNNI where the CPU has it, else AVX2, else
+    plain C), each group's scale and zero applied once. The weights are the GGUF ones
     exactly (scales and zeros float16 where that holds them, float32 otherwise); the
     activations' rounding (to Q4VNNI_ACT_BITS bits) is the kernel's only error besides float32
     sums. Needs the native library: kind_for picks q4vnni only where q4vnni_available().
@@ -580,7 +581,7 @@ class Q4VnniLinear(Linear):
                generic: bool = False, act_bits: int | None = None) -> torch.Tensor:
         """out (m, out) = x (m, in) @ W^T: x and out contiguous, float32 or bfloat16 each.
         threads: torch's intra-op count unless given; generic: the plain-C loop even where
-        VNNI is compiled in (tests compare the two); act_bits: 8 or 16 (default
+        a vector loop (VNNI or AVX2) is compiled in (tests compare the two); act_bits: 8 or 16 (default
         Q4VNNI_ACT_BITS)."""
         m = x.shape[0]
         if x.shape[-1] != self.in_features or tuple(out.shape) != (m, self._out) or \
