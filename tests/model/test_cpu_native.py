@@ -160,6 +160,37 @@ def test_layer_after_layer_matches_the_torch_path(tmp_path, monkeypatch):
         assert torch.allclose(ka, kb, rtol=0.02, atol=0.02 * float(kb.abs().max())), arch
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_fused_layer_is_the_call_by_call_path_bit_for_bit(tmp_path, monkeypatch, arch):
+    """native/decode_layer.c makes the same calls in the same order as decode_layer's Python
+    (FUSED_LAYER off), so the keys, values and logits are the same bits, at 1 and 2 threads.
+    qwen2's q/k/v bias keeps its layers on the call-by-call path (no fused call is made)."""
+    from helpers import cpu_engine
+
+    path = write_synth(tmp_path / f"{arch}.gguf", "tiny", "Q4_0", n_layers=3,
+                       from_floats=True, std=0.1, seed=7, arch=arch)
+    runs = {}
+    for fused in (True, False):
+        for threads in (1, 2):
+            monkeypatch.setattr(cpu_native, "FUSED_LAYER", fused)
+            torch.set_num_threads(threads)
+            engine = cpu_engine(path, ctx=64, precision="fast")
+            engine.forward([3, 17, 99])
+            logits = torch.cat([engine.forward([t]) for t in (11, 42, 500, 8, 1, 2, 3)])
+            runs[fused, threads] = (logits, engine.kv.k[:, :, :10].clone(),
+                                    engine.kv.v[:, :, :10].clone())
+            assert all(isinstance(w.cpu_native, cpu_native.NativeLayer)
+                       for w in engine.weights.layers)
+            # the ss_layer is made at a layer's first fused call
+            made = [w.cpu_native.fused is not None for w in engine.weights.layers]
+            assert made == [fused and arch == "llama"] * 3, (arch, fused)
+    torch.set_num_threads(2)
+    ref = runs[False, 1]
+    for key, got in runs.items():
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b), (arch, key)
+
+
 def test_off_switch_and_unserved_layers(monkeypatch, tmp_path):
     """SLIPSTREAM_NATIVE=0 turns the library off (decode takes the torch ops); exact precision
     has no packed kernels, so no layer takes the native form."""

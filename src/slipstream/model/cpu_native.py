@@ -13,6 +13,7 @@ float32 cache, and a context up to NATIVE_MAX_SPAN (past it torch's threaded bmm
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -28,7 +29,31 @@ from .rope import RopeTable
 # two-threaded bmm caught up with it on the 2-core machine (a CPU decode token of the default
 # model: 8.2 against 11.5 ms at slot 0, 16.8 against 16.0 at slot 1000, session 14).
 NATIVE_MAX_SPAN = 1024
+# Where all four matmuls are q4vnni and q/k/v have no bias, the whole layer is one C call
+# (native/decode_layer.c, the same calls in the same order, so the same bits): the Python
+# between eight calls cost ~30 us of a ~230 us layer on the 2-core machine (session 26).
+# Tests turn it off to compare.
+FUSED_LAYER = True
 Kernel = Callable[[torch.Tensor], torch.Tensor]
+
+_P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _LayerDesc(ctypes.Structure):
+    """native/decode_layer.c's ss_layer."""
+
+    _fields_ = [("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
+                ("attn_norm", _P), ("ffn_norm", _P),
+                ("hidden", _I64), ("n_q", _I64), ("n_kv", _I64), ("d", _I64), ("ffn", _I64),
+                ("rope_dim", _I64), ("rope_style", _I64), ("q4_flags", _I64),
+                ("eps", _F), ("scale", _F)]
+
+
+class _ScratchDesc(ctypes.Structure):
+    """native/decode_layer.c's ss_scratch."""
+
+    _fields_ = [(name, _P) for name in
+                ("h", "work", "attn", "mid", "act", "qkv", "o", "gate_up", "down")]
 
 
 @dataclass
@@ -48,6 +73,8 @@ class NativeLayer:
     descs: tuple[int, int, int, int] | None = None
     qkv_rows: int = 0  # the fused q/k/v's output width (its buffer's), where descs is set
     q4_flags: int = 0  # ss_q4_matvec's flags but the thread count (Q4VnniLinear's)
+    # decode_layer.c's ss_layer for this layer and a model shape (made at its first token)
+    fused: tuple[tuple, _LayerDesc] | None = None
 
 
 def native_layer(w) -> NativeLayer | None:
@@ -107,6 +134,8 @@ class _Scratch:
         self.down = torch.empty(1, hidden, dtype=torch.bfloat16)
         self.ptrs = tuple(t.data_ptr() for t in (self.h, self.work, self.attn, self.mid,
                                                   self.act, self.qkv, self.o, self.gate_up))
+        self._desc = _ScratchDesc(*self.ptrs, self.down.data_ptr())
+        self.desc = ctypes.addressof(self._desc)
 
 
 def serves(x: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -126,6 +155,13 @@ def decode_layer(cfg: ModelConfig, nl: NativeLayer, x: torch.Tensor,
     max_ctx = k_cache.shape[1]
     s = thread_buffers(_Scratch, cfg.hidden, cfg.n_heads, cfg.head_dim, cfg.gqa_group, cfg.ffn,
                        max_ctx, nl.qkv_rows)
+    if FUSED_LAYER and descs_fused(cfg, nl, rope) is not None:
+        out = torch.empty(1, cfg.hidden)
+        ang, ang_sin = cos_sin
+        lib.ss_decode_layer(nl.fused[1].addr, s.desc, x.data_ptr(), out.data_ptr(),
+                            ang.data_ptr(), ang_sin.data_ptr(), pos, k_cache.data_ptr(),
+                            v_cache.data_ptr(), max_ctx, torch.get_num_threads())
+        return out
     h_p, work_p, attn_p, mid_p, act_p, qkv_p, o_p, gate_up_p = s.ptrs
     eps = cfg.norm_eps
     descs = nl.descs
@@ -162,3 +198,20 @@ def decode_layer(cfg: ModelConfig, nl: NativeLayer, x: torch.Tensor,
         lib.ss_q4_matvec(descs[3], act_p, s.down.data_ptr(), 1, flags)
         return torch.add(s.mid, s.down)
     return torch.add(s.mid, nl.down(s.act))
+
+
+def descs_fused(cfg: ModelConfig, nl: NativeLayer, rope: RopeTable) -> _LayerDesc | None:
+    """The layer's ss_layer for decode_layer.c, made once per layer and shape; None where the
+    layer needs the call-by-call path (a matmul that is not q4vnni, or a q/k/v bias)."""
+    if nl.descs is None or nl.qkv_bias is not None:
+        return None
+    key = (cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn, cfg.norm_eps,
+           rope.rope_dim, rope.style)
+    if nl.fused is None or nl.fused[0] != key:
+        desc = _LayerDesc(*nl.descs, nl.attn_norm.data_ptr(), nl.ffn_norm.data_ptr(),
+                          cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn,
+                          rope.rope_dim, int(rope.style != "normal"), nl.q4_flags,
+                          cfg.norm_eps, 1.0 / math.sqrt(cfg.head_dim))
+        desc.addr = ctypes.addressof(desc)
+        nl.fused = (key, desc)
+    return nl.fused[1]

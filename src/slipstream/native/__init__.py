@@ -29,7 +29,7 @@ import threading
 from importlib import resources
 from pathlib import Path
 
-SOURCES = ("decode_ops.c", "q4_matvec.c", "int4_pack.c")  # compiled together into one library
+SOURCES = ("decode_ops.c", "q4_matvec.c", "int4_pack.c", "decode_layer.c")  # compiled together into one library
 HEADERS = ("bf16.h",)  # what they include: written beside them, and part of the cache key
 # -ffp-contract=off: no fused multiply-adds, so that every product is rounded as torch rounds
 # it (RoPE as torch's complex multiply) and the bits do not depend on whether the CPU has FMA.
@@ -53,6 +53,9 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     "ss_q16_quantize_row": (_P, _I64, _P, _P, _P, _P),
     "ss_q4_matvec": (_P, _P, _P, _I64, _I64),
     "ss_omp_touch": (_INT,),
+    # decode_layer.c: (layer, scratch, x, x_out, ang, ang_sin, pos, k_cache, v_cache, max_ctx,
+    # threads)
+    "ss_decode_layer": (_P, _P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64),
     # int4_pack.c
     "ss_int4pack_rows": (_P, _I64, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT),
 }

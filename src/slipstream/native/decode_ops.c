@@ -7,9 +7,10 @@
  * and write bfloat16 rows: the functions here produce and consume those rows.
  *
  * Activations are float32, the KV cache float32, matmul inputs and outputs bfloat16 (stored as
- * uint16 bit patterns, rounded to nearest even as torch rounds them). Sums run in 16-lane vectors
- * (GCC vector extensions: the same source on AVX-512, AVX2 or NEON), so the order of additions
- * differs from torch's: results agree to float32 rounding, not bit for bit.
+ * uint16 bit patterns, rounded to nearest even as torch rounds them). Sums run in vectors of the
+ * CPU's width (GCC vector extensions: the same source on AVX-512, AVX2 or NEON), so the order of
+ * additions differs from torch's, and between CPUs of different widths: results agree to float32
+ * rounding, not bit for bit. On one machine they are the same at any thread count.
  */
 
 #include <math.h>
@@ -18,83 +19,95 @@
 
 #include "bf16.h"
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));  /* unaligned loads */
-typedef int32_t i16v __attribute__((vector_size(64)));
-typedef uint32_t u16v __attribute__((vector_size(64)));
-
+/* the vector width of the CPU compiled for: a wider type on AVX2 splits into two registers and
+ * its cross-half shuffles (hsum) cost more than they save */
+#if defined(__AVX512F__)
 #define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(4 * LANES)));
+typedef float vfu __attribute__((vector_size(4 * LANES), aligned(4)));  /* unaligned loads */
+typedef int32_t vi __attribute__((vector_size(4 * LANES)));
+typedef uint32_t vu __attribute__((vector_size(4 * LANES)));
+typedef uint16_t vh __attribute__((vector_size(2 * LANES)));  /* bfloat16 bits */
 
-static inline v16 load16(const float *p) { return *(const v16u *)p; }
-static inline void store16(float *p, v16 v) { *(v16u *)p = v; }
+static inline vf loadv(const float *p) { return *(const vfu *)p; }
+static inline void storev(float *p, vf v) { *(vfu *)p = v; }
 
-/* A tree of four shuffles and adds: the lanes' sum with a dependency chain of 4, not 16. */
-static inline float hsum16(v16 v) {
+/* A tree of shuffles and adds: the lanes' sum with a dependency chain of log2(LANES), not LANES. */
+static inline float hsum(vf v) {
+#if LANES == 16
     v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
     v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
     v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
     v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+#else
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+#endif
     return v[0];
 }
 
-static inline v16 splat(float f) { return (v16){0} + f; }
+static inline vf splat(float f) { return (vf){0} + f; }
 
 /* Lane-wise select (C has no vector ?:): where m is all ones, a; elsewhere b. */
-static inline v16 select16(i16v m, v16 a, v16 b) { return (v16)(((i16v)a & m) | ((i16v)b & ~m)); }
+static inline vf selectv(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 
-/* e^x in 16 lanes to about 2 float32 ulps (Cephes' expf: x = k ln2 + r, |r| <= ln2 / 2,
+/* e^x in LANES lanes to about 2 float32 ulps (Cephes' expf: x = k ln2 + r, |r| <= ln2 / 2,
  * e^r by a degree-6 polynomial, 2^k put into the exponent). Below -87.3 it gives 0 and above
  * 88.4 infinity, as libm's expf underflows and overflows, so that silu(-100) is 0 as torch's
  * is, and softmax's -inf scores vanish. */
-static inline v16 exp16(v16 x) {
-    v16 lo = splat(-87.33654f), hi = splat(88.37626f);
-    i16v under = x < lo, over = x > hi;
-    x = select16(under, lo, x);
-    x = select16(over, hi, x);
-    v16 kf = x * 1.44269504088896341f + 0.5f;
-    i16v k = __builtin_convertvector(kf, i16v);
-    k -= (i16v)(__builtin_convertvector(k, v16) > kf) & 1;  /* floor, not truncation */
-    v16 fk = __builtin_convertvector(k, v16);
-    v16 r = x - fk * 0.693359375f - fk * -2.12194440e-4f;
-    v16 p = splat(1.9875691500e-4f);
+static inline vf expv(vf x) {
+    vf lo = splat(-87.33654f), hi = splat(88.37626f);
+    vi under = x < lo, over = x > hi;
+    x = selectv(under, lo, x);
+    x = selectv(over, hi, x);
+    vf kf = x * 1.44269504088896341f + 0.5f;
+    vi k = __builtin_convertvector(kf, vi);
+    k -= (vi)(__builtin_convertvector(k, vf) > kf) & 1;  /* floor, not truncation */
+    vf fk = __builtin_convertvector(k, vf);
+    vf r = x - fk * 0.693359375f - fk * -2.12194440e-4f;
+    vf p = splat(1.9875691500e-4f);
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    i16v bits = (i16v)p + ((k) << 23);
+    vi bits = (vi)p + ((k) << 23);
     bits &= ~under;
-    return select16(over, splat(INFINITY), (v16)bits);
+    return selectv(over, splat(INFINITY), (vf)bits);
 }
 
-/* torch's float -> bfloat16 in 16 lanes (see f32_to_bf16), as the 32-bit lanes' top halves. */
-static inline u16v bf16_bits16(v16 f) {
-    u16v u = (u16v)f;
-    u16v nan = (u16v)((u & 0x7fffffffu) > 0x7f800000u);
-    u16v r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+/* torch's float -> bfloat16 in LANES lanes (see f32_to_bf16), as the 32-bit lanes' top halves. */
+static inline vu bf16_bits_v(vf f) {
+    vu u = (vu)f;
+    vu nan = (vu)((u & 0x7fffffffu) > 0x7f800000u);
+    vu r = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
     return (r & ~nan) | (nan & 0x7fc0u);
 }
 
-static inline v16 bf16_round16(v16 f) { return (v16)(bf16_bits16(f) << 16); }
+static inline vf bf16_round_v(vf f) { return (vf)(bf16_bits_v(f) << 16); }
 
-static inline void store_bf16_16(uint16_t *out, v16 f) {
-    u16v b = bf16_bits16(f);
-    for (int j = 0; j < LANES; j++) out[j] = (uint16_t)b[j];
+static inline void store_bf16_v(uint16_t *out, vf f) {
+    vh b = __builtin_convertvector(bf16_bits_v(f), vh);
+    memcpy(out, &b, sizeof b);
 }
 
-static inline v16 load_bf16_16(const uint16_t *p) {
-    u16v u;
-    for (int j = 0; j < LANES; j++) u[j] = (uint32_t)p[j] << 16;
-    return (v16)u;
+static inline vf load_bf16_v(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
 }
 
 
 static inline float dot(const float *a, const float *b, int64_t n) {
-    v16 acc = {0};
+    vf acc = {0};
     int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) acc += load16(a + i) * load16(b + i);
-    float s = hsum16(acc);
+    for (; i + LANES <= n; i += LANES) acc += loadv(a + i) * loadv(b + i);
+    float s = hsum(acc);
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
@@ -120,13 +133,13 @@ void ss_add_rms_norm_bf16(const float *x, const uint16_t *y, const float *w, int
 void ss_silu_mul_bf16(const uint16_t *gate_up, int64_t n, uint16_t *out) {
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES) {
-        v16 g = load_bf16_16(gate_up + i);
-        v16 s = bf16_round16(g / (1.0f + exp16(-g)));
-        store_bf16_16(out + i, s * load_bf16_16(gate_up + n + i));
+        vf g = load_bf16_v(gate_up + i);
+        vf s = bf16_round_v(g / (1.0f + expv(-g)));
+        store_bf16_v(out + i, s * load_bf16_v(gate_up + n + i));
     }
     for (; i < n; i++) {
         float g = bf16_to_f32(gate_up[i]);
-        float s = bf16_to_f32(f32_to_bf16(g / (1.0f + exp16(splat(-g))[0])));
+        float s = bf16_to_f32(f32_to_bf16(g / (1.0f + expv(splat(-g))[0])));
         out[i] = f32_to_bf16(s * bf16_to_f32(gate_up[n + i]));
     }
 }
@@ -155,20 +168,20 @@ static void rope_head(float *h, const float *ang, const float *ang_sin, int64_t 
     }
 }
 
-/* softmax of n scores in place: e^(s - max) / sum, the exponentials 16 at a time. */
+/* softmax of n scores in place: e^(s - max) / sum, the exponentials LANES at a time. */
 static void softmax(float *sc, int64_t n) {
     float m = -INFINITY, sum = 0.0f;
     for (int64_t t = 0; t < n; t++) m = sc[t] > m ? sc[t] : m;
-    v16 acc = {0};
+    vf acc = {0};
     int64_t t = 0;
     for (; t + LANES <= n; t += LANES) {
-        v16 e = exp16(load16(sc + t) - m);
-        store16(sc + t, e);
+        vf e = expv(loadv(sc + t) - m);
+        storev(sc + t, e);
         acc += e;
     }
-    sum = hsum16(acc);
+    sum = hsum(acc);
     for (; t < n; t++) {
-        sc[t] = exp16(splat(sc[t] - m))[0];
+        sc[t] = expv(splat(sc[t] - m))[0];
         sum += sc[t];
     }
     float inv = 1.0f / sum;
@@ -185,37 +198,37 @@ static inline __attribute__((always_inline)) void attend_group(
         float *scores, uint16_t *out, const int G) {
     for (int64_t t = 0; t < span; t++) {
         const float *kr = K + t * d;
-        v16 acc[MAX_GROUP];
+        vf acc[MAX_GROUP];
         float tail[MAX_GROUP];
-        for (int g = 0; g < G; g++) { acc[g] = (v16){0}; tail[g] = 0.0f; }
+        for (int g = 0; g < G; g++) { acc[g] = (vf){0}; tail[g] = 0.0f; }
         int64_t i = 0;
         for (; i + LANES <= d; i += LANES) {
-            v16 k16 = load16(kr + i);
-            for (int g = 0; g < G; g++) acc[g] += load16(q + g * d + i) * k16;
+            vf k16 = loadv(kr + i);
+            for (int g = 0; g < G; g++) acc[g] += loadv(q + g * d + i) * k16;
         }
         for (; i < d; i++)
             for (int g = 0; g < G; g++) tail[g] += q[g * d + i] * kr[i];
-        for (int g = 0; g < G; g++) scores[g * span + t] = (hsum16(acc[g]) + tail[g]) * scale;
+        for (int g = 0; g < G; g++) scores[g * span + t] = (hsum(acc[g]) + tail[g]) * scale;
     }
     for (int g = 0; g < G; g++) softmax(scores + g * span, span);
-    for (int64_t i = 0; i < d; i += LANES) {  /* 16 output dims of the G heads at once */
+    for (int64_t i = 0; i < d; i += LANES) {  /* LANES output dims of the G heads at once */
         int64_t w = d - i < LANES ? d - i : LANES;
-        v16 acc[MAX_GROUP];
-        for (int g = 0; g < G; g++) acc[g] = (v16){0};
+        vf acc[MAX_GROUP];
+        for (int g = 0; g < G; g++) acc[g] = (vf){0};
         if (w == LANES) {
             for (int64_t t = 0; t < span; t++) {
-                v16 vr = load16(V + t * d + i);
+                vf vr = loadv(V + t * d + i);
                 for (int g = 0; g < G; g++) acc[g] += scores[g * span + t] * vr;
             }
         } else {
             for (int64_t t = 0; t < span; t++) {
-                v16 vr = {0};
+                vf vr = {0};
                 for (int64_t j = 0; j < w; j++) vr[j] = V[t * d + i + j];
                 for (int g = 0; g < G; g++) acc[g] += scores[g * span + t] * vr;
             }
         }
         for (int g = 0; g < G; g++) {
-            u16v b = bf16_bits16(acc[g]);
+            vu b = bf16_bits_v(acc[g]);
             for (int64_t j = 0; j < w; j++) out[g * d + i + j] = (uint16_t)b[j];
         }
     }
