@@ -271,6 +271,11 @@ static inline __attribute__((always_inline)) void q4_block_vnni(
 #endif
 
 #if Q4_AVX2
+/* Records prefetched ahead in a block's first pass. Weights streamed from RAM (a decode token
+ * reads every layer once): on the 2-core AVX2 machine, prefetching took gate_up (3072 x 576
+ * Q4_1, one row) from 80.8 to 58.6 us and down (576 x 1536) from 40.7 to 31.3 (session 26). */
+#define Q4_PREFETCH 8
+
 /* x's 4 int8 codes of quad j broadcast to every 32-bit lane. */
 static inline __m256i q4_quad_avx2(const int8_t *xg, int j) {
     int32_t v;
@@ -299,6 +304,10 @@ static inline __attribute__((always_inline)) void q4_block_avx2(
         for (int r = 0; r < M; r++) { accs[r] = _mm256_setzero_ps(); accz[r] = _mm256_setzero_ps(); }
         for (int64_t g = 0; g < G; g++) {
             const uint8_t *p = blk + g * rec;
+            /* the first half's pass reads the block from RAM: prefetch Q4_PREFETCH records
+             * ahead of it; the second reads it from cache: prefetch the next block's record */
+            const char *ahead = (const char *)(h == 0 ? p + Q4_PREFETCH * rec : p + G * rec);
+            for (int64_t o = 0; o < rec; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
             /* per activation row: int16 sums of the codes (Q8: of their low nibbles) times the
              * high digits of x, of the Q8 codes' high nibbles, and both again for x's low digits */
             __m256i sl[Q4_MAX_M], sh[Q4_MAX_M], tl[Q4_MAX_M], th[Q4_MAX_M];
