@@ -178,7 +178,6 @@ class Model:
                 ahead: int | None = None):
         """The token source generate() decodes with: plain, or speculative with a draft."""
         from .runtime.spec_sizing import TreeSizer
-        from .weights.linear import PACKED_MAX_ROWS
         from .runtime.speculative import check_vocab, speculative_source
 
         if draft is None or draft is True:
@@ -190,10 +189,10 @@ class Model:
         # one sizer per draft, kept: costs and acceptance carry over between generations
         sizer = self._sizers.setdefault(id(draft.engine), TreeSizer())
         if self.engine.device.type == "cpu":
-            # a CPU pass costs in proportion to its rows (FLOP-bound), and past PACKED_MAX_ROWS
-            # its layers multiply dense weights upcast at every call: a first tree of
-            # START_NODES (64) nodes cost a 135M target ~250 ms against ~70 ms at 16
-            sizer.max_nodes = min(sizer.max_nodes, PACKED_MAX_ROWS)
+            # a CPU pass costs in proportion to its rows (FLOP-bound): the sizer's first tree of
+            # START_NODES (64) nodes cost the default model's Q8_0 ~250 ms, against ~11 ms for
+            # a plain step (session 26)
+            sizer.max_nodes = min(sizer.max_nodes, CPU_MAX_TREE_NODES)
         sizer.plain_gain = self.release_gain if draft is self.draft else 1.0
         # the loaded draft, found not to pay, is given up mid-generation and its memory goes to
         # the model; a draft passed in for one generation belongs to the caller
@@ -514,6 +513,10 @@ def _warm_target(engine: Engine) -> None:
     except torch.cuda.OutOfMemoryError:
         engine.reset()
     torch.cuda.empty_cache()
+
+
+# The widest tree the sizer may grow for a CPU target (NODE_CHOICES' two narrowest).
+CPU_MAX_TREE_NODES = 32
 
 
 def _warm_cpu(engine: Engine) -> None:

@@ -184,7 +184,7 @@ def _packed_head(gf, cfg):
     where no layout reads its format, weights.loader.LayerBuilder._packed_decode)."""
     from ..model.layer_spec import head_tensor_name
     from ..weights.cpu_packed import PackedDecodeLinear, kind_for, pack_linear
-    from ..weights.linear import PACKED_MAX_ROWS, DenseLinear
+    from ..weights.linear import GEMV_MAX_ROWS, DenseLinear
     from ..weights.loader import TensorSource, raw_tensor
 
     name = head_tensor_name(gf.tensors)
@@ -193,7 +193,7 @@ def _packed_head(gf, cfg):
         return DenseLinear(TensorSource(gf).dense(name, shape, torch.float16,
                                                   torch.device("cpu")))
     return PackedDecodeLinear.decode_only(pack_linear(raw_tensor(gf, name, shape), qtype, shape),
-                                          PACKED_MAX_ROWS)
+                                          GEMV_MAX_ROWS)
 
 
 def _file_bytes(path, start: int, end: int) -> torch.Tensor:

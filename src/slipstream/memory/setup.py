@@ -171,7 +171,7 @@ def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Preci
     left once every layer is packed makes the first ones whole again ("ram"), which saves
     their rebuilds in prefill. Such a plan also holds the head without its dense weight
     (head_dense_on_demand): its GGUF bytes instead, dequantized for the calls of more than
-    PACKED_MAX_ROWS rows alone (all-logits passes: perplexity, speculation trees), while decode
+    GEMV_MAX_ROWS rows alone (all-logits passes: perplexity, speculation trees), while decode
     and a prompt's last row go through its packed copy."""
     layers = stage.layers
     resident = [layer_resident_bytes(gf, i, precision) for i in layers]

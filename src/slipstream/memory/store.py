@@ -8,7 +8,7 @@ no longer needs it, so no read ever lands in a buffer still being consumed.
 
 Where resident layers decode through packed copies (precision "fast"), a streamed layer has two
 sources, chosen per forward pass (begin_pass), as PackedDecodeLinear chooses per call:
-- passes of up to PACKED_MAX_ROWS tokens (decode, short prompts, small speculation trees) read
+- passes of up to GEMV_MAX_ROWS tokens (decode, short prompts, small speculation trees) read
   the layer's packed image (weights.cpu_image; image_file.build_cpu_images writes them at
   load) and compute on views into the staging buffer: nothing is dequantized or repacked, and
   the buffer goes back to the ring when the engine releases the layer;
@@ -35,7 +35,7 @@ import torch
 
 from ..model.llama import LayerWeights
 from ..weights.cpu_image import decode_layer
-from ..weights.linear import PACKED_MAX_ROWS
+from ..weights.linear import GEMV_MAX_ROWS
 from ..weights.loader import LayerBuilder, TensorSource, layer_span
 from .disk import ALIGN, DirectReader, DiskReadError
 from .image_file import ImageFile
@@ -142,7 +142,7 @@ class ResidentLayerStore(HostTraced, StoreBase):
 
 class DiskLayerStore(HostTraced, StoreBase):
     """Resident layers from `resident`, the rest streamed from disk each time: from `images`
-    (packed CPU images) in passes of up to PACKED_MAX_ROWS tokens where given, else from the
+    (packed CPU images) in passes of up to GEMV_MAX_ROWS tokens where given, else from the
     GGUF file (rebuilt dense).
 
     On the CPU the staging buffer is the "slot": a layer is built (dequantized) straight from
@@ -230,7 +230,7 @@ class DiskLayerStore(HostTraced, StoreBase):
             return layer
         if i in self.skipped:
             raise ValueError(f"layer {i} is skipped: the store no longer reads it")
-        decode = self._tokens <= PACKED_MAX_ROWS
+        decode = self._tokens <= GEMV_MAX_ROWS
         if decode and i in self.packed:
             if self.tracer is not None:
                 self._compute_starts()
@@ -318,7 +318,7 @@ class PageCacheReads:
 class MmapLayerStore(HostTraced, StoreBase):
     """The naive baseline (--io mmap): each streamed layer read from the file through the page
     cache when the engine asks for it (PageCacheReads: positional reads, not a map), then
-    built; no prefetch. With `images`, passes of up to PACKED_MAX_ROWS tokens read the packed
+    built; no prefetch. With `images`, passes of up to GEMV_MAX_ROWS tokens read the packed
     image instead and compute on views of the read buffer, as DiskLayerStore does."""
 
     note = "mmap: page-cache reads, no prefetch (baseline)"
@@ -355,10 +355,10 @@ class MmapLayerStore(HostTraced, StoreBase):
 
     def acquire(self, i: int) -> LayerWeights:
         layer = self.layers[i]
-        if layer is None and self._tokens <= PACKED_MAX_ROWS:
+        if layer is None and self._tokens <= GEMV_MAX_ROWS:
             layer = self.packed.get(i)
         if layer is None:
-            packed = self.image_reads is not None and self._tokens <= PACKED_MAX_ROWS
+            packed = self.image_reads is not None and self._tokens <= GEMV_MAX_ROWS
             start, end = self.images.spans[i] if packed else self.spans[i]
             t0 = time.perf_counter()
             # FileChanged if the file changed under us

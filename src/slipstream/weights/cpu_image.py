@@ -14,7 +14,7 @@ same bits as a resident one:
   per-row scales) and float32 bias, or, where no packed layout reads its formats (the resident
   layer then decodes dense too), its dense weight at precision.weight_dtype;
 - the norms, float32.
-Prefill (more than PACKED_MAX_ROWS tokens a pass) multiplies the dense weights, which the image
+Prefill (more than GEMV_MAX_ROWS tokens a pass) multiplies the dense weights, which the image
 does not hold: the store rebuilds those from the GGUF file as before (memory.store).
 
 torch's int4 layout depends on the CPU's vector width, so an image is only valid on a machine
@@ -35,7 +35,7 @@ from .cpu_packed import (INT4_GROUP, Int4PackLinear, Int4PairLinear, Int8PackLin
                          PackedDecodeLinear, Q, Q4VnniLinear, Q8VnniLinear, kind_for,
                          q4vnni_available, q4vnni_nbytes, q8vnni_nbytes)
 from .image import IMAGE_ALIGN, _Entry
-from .linear import PACKED_MAX_ROWS, DenseLinear
+from .linear import GEMV_MAX_ROWS, DenseLinear
 
 CPU = torch.device("cpu")
 _PACKED = {"int4pack": Int4PackLinear, "int4pair": Int4PairLinear, "int8pack": Int8PackLinear}
@@ -142,7 +142,7 @@ def cpu_image_of(gf, cfg, precision, i: int) -> tuple[torch.Tensor, CpuLayerLayo
 
 def decode_layer(layout: CpuLayerLayout, buf: torch.Tensor) -> LayerWeights:
     """The layer as views into `buf` (uint8, holding the image's bytes), for passes of up to
-    PACKED_MAX_ROWS tokens: each linear computes as a resident layer's decode does
+    GEMV_MAX_ROWS tokens: each linear computes as a resident layer's decode does
     (PackedDecodeLinear over the packed copy, or DenseLinear where the image holds the dense
     weight). The views are valid while `buf` is not overwritten."""
     views = {e.key: buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
@@ -161,7 +161,7 @@ def decode_layer(layout: CpuLayerLayout, buf: torch.Tensor) -> LayerWeights:
         else:
             lin = _PACKED[kind](views[(name, "packed")], views[(name, "scale_zeros")], rows,
                                 bias)
-        fields[name] = PackedDecodeLinear.decode_only(lin, PACKED_MAX_ROWS)
+        fields[name] = PackedDecodeLinear.decode_only(lin, GEMV_MAX_ROWS)
     for key, v in views.items():
         if len(key) == 1:
             fields[key[0]] = v

@@ -15,17 +15,6 @@ from ..model.llama import rms_norm
 # fewer bytes win); larger batches upcast the weight to the activation dtype once per call,
 # because half-precision GEMM on CPU is far slower than float32 GEMM.
 GEMV_MAX_ROWS = 8
-# Row counts up to this go through a CPU linear's packed copy (weights.cpu_packed.
-# PackedDecodeLinear: decode, short prompts, speculation trees) rather than its dense weight,
-# which above GEMV_MAX_ROWS is upcast to float32 at every call (~0.9 ms for a 3072 x 512
-# matrix on the 2-core machine). There, per call of 3072 x 512 (session 26, us): at 16 rows
-# every packed kind beat the dense path (q4vnni 476, int8pack 625, int4pack 756, q8vnni 846,
-# int4pair 1494 against 1651-1822); at 32, all but int4pair (Q8_0 without the native library:
-# 2951 against 1983-2167); at 64 only q4vnni. A whole forward of the default model: 9 rows
-# 49.9 against 133.2 ms, 32 rows 123.1 against 163.3, 64 rows 236.0 against 247.3. Every kind
-# computes row by row, so a row's bits do not depend on how many rows share its call up to
-# here; the streamed CPU store switches from packed images to dense builds at the same count.
-PACKED_MAX_ROWS = 32
 
 
 class Linear(ABC):
@@ -107,7 +96,7 @@ class OnDemandDenseLinear(Linear):
     at each call (quant.dequantize_as, as the loader makes the dense weight), then multiplied
     as DenseLinear does, so each call gives DenseLinear's bits. For a weight that is seldom
     multiplied dense: a streamed CPU plan's head, which decodes through its packed copy and
-    needs the dense weight only for all-logits passes of more than PACKED_MAX_ROWS rows."""
+    needs the dense weight only for all-logits passes of more than GEMV_MAX_ROWS rows."""
 
     def __init__(self, raw: torch.Tensor, qtype: GGMLQuantizationType | int,
                  shape: tuple[int, int], dtype: torch.dtype, bias: torch.Tensor | None = None):

@@ -28,7 +28,7 @@ from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name, s
 from ..model.llama import LayerWeights
 from ..precision import Precision
 from .image import flattened
-from .linear import (PACKED_MAX_ROWS, DenseLinear, Linear, OnDemandDenseLinear, QuantEmbedding,
+from .linear import (GEMV_MAX_ROWS, DenseLinear, Linear, OnDemandDenseLinear, QuantEmbedding,
                      QuantLinear, Workspace)
 
 
@@ -214,11 +214,11 @@ class LayerBuilder:
         # must not be read after the load (private weights, see the module doc)
         if raws is None:
             raws = [src.raw(f"{p}.weight", s).clone() for p, s in zip(prefixes, shapes)]
-        # up to PACKED_MAX_ROWS tokens: a row's bits then do not depend on how many rows share
-        # its call (the server's chunked prefill relies on it); a prompt that short pays the
-        # packing, a longer one leaves it to the first step
+        # up to GEMV_MAX_ROWS tokens, as DenseLinear's own matvec path: a row's bits then do
+        # not depend on how many rows share its call (the server's chunked prefill relies on
+        # it); a prompt that short pays the packing, a longer one leaves it to the first step
         return PackedDecodeLinear(dense, lambda: pack_group(raws, types, shapes, biases)[0],
-                                  PACKED_MAX_ROWS)
+                                  GEMV_MAX_ROWS)
 
 
 def check_layer_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
@@ -260,7 +260,7 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     `scratch_elements`, `fuse_scales`: the prefill scratch's cap, and whether resident layers
     may fold their scales (memory.planner.Plan: a streamed plan does neither).
     `head_dense_on_demand` (CPU, with packed decode copies): the head keeps its GGUF bytes
-    instead of its dense weight, which calls of more than PACKED_MAX_ROWS rows dequantize
+    instead of its dense weight, which calls of more than GEMV_MAX_ROWS rows dequantize
     (linear.OnDemandDenseLinear: the same bits); decode goes through its packed copy.
 
     `flat_layers` (CUDA): each layer in one device buffer laid out as its image
