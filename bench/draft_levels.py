@@ -43,9 +43,7 @@ def main() -> None:
     doc = {"device": torch.cuda.get_device_name(), "commit": rev["commit"], "tree": rev["tree"],
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
            "model": path.name, "precision": "fast (the CUDA default)",
-           "qgemm_kernel": os.environ.get("SLIPSTREAM_QGEMM", "default"),
-           "qgemm_x_direct": os.environ.get("SLIPSTREAM_QGEMM_X_DIRECT", "0") == "1",
-           "levels": rows}
+           "qgemm_kernel": os.environ.get("SLIPSTREAM_QGEMM", "default"), "levels": rows}
     Path(a.out_dir, a.name).write_text(json.dumps(doc, indent=1))
     print(f"{'width':>5s} {'graph ms':>9s} {'eager ms':>9s}")
     for r in rows:

@@ -28,10 +28,8 @@ echo "tests: $(( $(date +%s) - t0 )) s"
 grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-qgemm.log" | head -10; tail -12 "$OUTDIR/pytest-qgemm.log"
 wait
 if [ "${LEVELS:-0}" = 1 ]; then
-  for kern in ${LEVEL_KERNELS:-slots wide}; do  # "wide-direct": wide with X_DIRECT
-    direct=$([ "${kern%-direct}" != "$kern" ] && echo 1 || echo 0)
-    SLIPSTREAM_QGEMM=${kern%-direct} SLIPSTREAM_QGEMM_X_DIRECT=$direct \
-    timeout 150 python3 bench/draft_levels.py "$OUTDIR" \
+  for kern in ${LEVEL_KERNELS:-slots wide}; do
+    SLIPSTREAM_QGEMM=$kern timeout 150 python3 bench/draft_levels.py "$OUTDIR" \
       --workdir "$SLIPSTREAM_MODELS" --name "levels-$kern.json" 2>&1 | tail -9 | sed "s/^/[$kern] /"
   done
 fi

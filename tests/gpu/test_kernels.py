@@ -468,25 +468,6 @@ def test_qgemm_wide_kernel_matches_reference(qt: T) -> None:
             assert torch.equal(y, qgemm(x, packed, out_dtype=torch.float32, config=cfg))
 
 
-@pytest.mark.parametrize("qt", QUANTIZED, ids=lambda t: t.name)
-def test_qgemm_wide_reads_x_directly_with_the_same_bits(qt: T) -> None:
-    """X_DIRECT (the kernel reads x in the tile's order itself) against wide_order's copy:
-    the same bits, bfloat16 and float32 x, widths with row and K tails, K split."""
-    from slipstream.kernels.qgemm import qgemm
-
-    k = _k_for(qt) * 3
-    packed, ref = _setup(qt, 45, k, seed=41)
-    for m in (1, 5, 17, 100):
-        for dtype in (torch.bfloat16, torch.float32):
-            x = torch.randn(m, k, device="cuda").to(dtype)
-            for split in (1, 3):
-                cfg = {"KERNEL": "wide", "BN": 32, "NU": 4, "SPLIT": split}
-                copied, direct = (qgemm(x, packed, out_dtype=torch.float32,
-                                        config=dict(cfg, X_DIRECT=d)) for d in (False, True))
-                assert torch.equal(copied, direct), (qt.name, m, dtype, split)
-                assert _rel(direct, x.double().cpu().numpy() @ ref.T) <= QGEMM_TOL
-
-
 @pytest.mark.parametrize("qt", LEGACY + KQUANTS, ids=lambda t: t.name)
 def test_qgemm_fused_and_unfused_scales_give_the_same_bits(qt: T) -> None:
     """precision="fast": a resident layer (fused scale plane) and a streamed one (GGUF planes,

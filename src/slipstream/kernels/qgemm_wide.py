@@ -27,8 +27,6 @@ stays in qgemm.py.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -38,11 +36,6 @@ from .pack import PackedWeight
 from .splitk import finish, format_constants, outputs, planes, split_units
 
 last_launch = None  # the last launch's compiled kernel (n_regs, n_spills), for the benchmarks
-# X_DIRECT's default: the kernel reads x itself instead of wide_order's copy (two or three
-# launches a matmul, ~12 a layer of a draft level). The same bits under Triton's interpreter for
-# every format, width and split (session 26); not yet timed on a GPU, so off unless
-# SLIPSTREAM_QGEMM_X_DIRECT=1 (bench/draft_levels.py runs both).
-X_DIRECT = os.environ.get("SLIPSTREAM_QGEMM_X_DIRECT", "0") == "1"
 
 
 @triton.jit
@@ -70,15 +63,12 @@ def _scales5(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, r2, uu2, umask2, NUT, SPU: tl
 
 @triton.jit
 def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, y_ptr,
-                       M, N, NUT, units_per_split, stride_ym, stride_ys, K, stride_xm,
+                       M, N, NUT, units_per_split, stride_ym, stride_ys,
                        LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
                        KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr,
                        SM: tl.constexpr, M_PAD: tl.constexpr, BN: tl.constexpr,
-                       NU: tl.constexpr, F16MATH: tl.constexpr, LEAVE_OUT: tl.constexpr = 0,
-                       X_DIRECT: tl.constexpr = False):
-    """xw: x in wide_order, (K padded to whole steps, M_PAD) with M_PAD contiguous; with
-    X_DIRECT, x itself (M, K), rows stride_xm apart, read in the tile's order and rounded to
-    float16 here (the same bits as wide_order's copy, without its two or three launches).
+                       NU: tl.constexpr, F16MATH: tl.constexpr, LEAVE_OUT: tl.constexpr = 0):
+    """xw: x in wide_order, (K padded to whole steps, M_PAD) with M_PAD contiguous.
     LEAVE_OUT (bench/qgemm_wide_bench.py --leave-out, wrong results): 1 the scales, 2 the MMA,
     3 the unpacking, to time a step's stages by difference."""
     NJ: tl.constexpr = 32 // LO  # slots per word
@@ -103,10 +93,6 @@ def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_
     offs_m = tl.arange(0, M_PAD)
     ymask = (rows < N)[:, None] & (offs_m < M)[None, :]
     xtile = cols[:, None] * M_PAD + offs_m[None, :]  # [BK, M_PAD]
-    # X_DIRECT: column c of a step is element unit*32 + j*LO + w of x's row (see the module doc)
-    xelem = (cols // 32) * 32 + (cols % NJ) * LO + (cols % 32) // NJ
-    xrow = offs_m[None, :] * stride_xm
-    xrowmask = (offs_m < M)[None, :]
     acc = tl.zeros([BN, M_PAD], dtype=tl.float32)
     for u0 in range(u_begin, u_end, NU):
         uu2 = u0 + nu2
@@ -138,12 +124,7 @@ def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_
             b = -scale * ((1 << B) + OFF) - tmin
             w = (a * f + b).to(tl.float16)
         w = tl.reshape(w, [BN, BK])
-        if X_DIRECT:
-            e = u0 * 32 + xelem
-            xt = tl.load(xw_ptr + xrow + e[:, None], mask=xrowmask & (e < K)[:, None],
-                         other=0.0).to(tl.float16)
-        else:
-            xt = tl.load(xw_ptr + u0 * 32 * M_PAD + xtile)  # rows past M are zeros
+        xt = tl.load(xw_ptr + u0 * 32 * M_PAD + xtile)  # rows past M are zeros
         if LEAVE_OUT == 2:  # no MMA: sums that keep the loads and the unpacking alive
             acc += tl.sum(w.to(tl.float32), axis=1)[:, None] \
                 * tl.sum(xt.to(tl.float32), axis=0)[None, :]
@@ -181,7 +162,7 @@ def wide_config(packed: PackedWeight, m: int) -> dict[str, int]:
     while -(-n // bn) * split < 2 * sms and nut // (split * 2) >= 2 * nu:
         split *= 2
     return {"BN": bn, "NU": nu, "SPLIT": split, "num_warps": 4, "num_stages": 3,
-            "M_PAD": max(16, triton.next_power_of_2(m)), "F16MATH": True, "X_DIRECT": X_DIRECT}
+            "M_PAD": max(16, triton.next_power_of_2(m)), "F16MATH": True}
 
 
 def qgemm_wide(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None,
@@ -197,15 +178,11 @@ def qgemm_wide(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None,
     m_pad = cfg.pop("M_PAD")
     nu = cfg["NU"] = max(cfg["NU"], 1)
     units, split = split_units(nut, nu, split)
-    if cfg.get("X_DIRECT"):
-        xw = x if x.stride(-1) == 1 else x.contiguous()
-    else:
-        xw = wide_order(x, packed.spec.lo, nu, m_pad)
+    xw = wide_order(x, packed.spec.lo, nu, m_pad)
     part = outputs(m, n, split, out, out_dtype, x.device)
     global last_launch
     last_launch = _qgemm_wide_kernel[(triton.cdiv(n, cfg["BN"]), split)](
         xw, *planes(packed), part,
         m, n, nut, units, part.stride(-2), part.stride(0) if split > 1 else 0,
-        x.shape[1], xw.stride(0),
         **format_constants(packed), M_PAD=m_pad, num_warps=warps, num_stages=stages, **cfg)
     return finish(part, split, out, out_dtype)
