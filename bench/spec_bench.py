@@ -609,7 +609,8 @@ def main() -> None:
     elif "70b" in cases and a.floor:
         save(floor(work, a.tokens))
     elif "70b" in cases:
-        quick = dict(pass_widths=(1, 256, 512), level_widths=(1, 4, CUDA_LEVEL_WIDTH)) if a.quick else {}
+        quick = dict(pass_widths=(1, 256, 512),
+                     level_widths=(1, 4, CUDA_LEVEL_WIDTH)) if a.quick else {}
         try:
             save(seventy(work, a.tokens, acceptance, skip_case=not a.no_skip_case,
                          fresh_sizer=a.fresh_sizer, bracket=a.bracket, **quick))

@@ -73,8 +73,8 @@ class NativeLayer:
     descs: tuple[int, int, int, int] | None = None
     qkv_rows: int = 0  # the fused q/k/v's output width (its buffer's), where descs is set
     q4_flags: int = 0  # ss_q4_matvec's flags but the thread count (Q4VnniLinear's)
-    # decode_layer.c's ss_layer for this layer and a model shape (made at its first token)
-    fused: tuple[tuple, _LayerDesc] | None = None
+    # decode_layer.c's ss_layer for this layer (made at its first fused token)
+    fused: _LayerDesc | None = None
 
 
 def native_layer(w) -> NativeLayer | None:
@@ -155,10 +155,11 @@ def decode_layer(cfg: ModelConfig, nl: NativeLayer, x: torch.Tensor,
     max_ctx = k_cache.shape[1]
     s = thread_buffers(_Scratch, cfg.hidden, cfg.n_heads, cfg.head_dim, cfg.gqa_group, cfg.ffn,
                        max_ctx, nl.qkv_rows)
-    if FUSED_LAYER and descs_fused(cfg, nl, rope) is not None:
+    fused = descs_fused(cfg, nl, rope) if FUSED_LAYER else None
+    if fused is not None:
         out = torch.empty(1, cfg.hidden)
         ang, ang_sin = cos_sin
-        lib.ss_decode_layer(nl.fused[1].addr, s.desc, x.data_ptr(), out.data_ptr(),
+        lib.ss_decode_layer(fused.addr, s.desc, x.data_ptr(), out.data_ptr(),
                             ang.data_ptr(), ang_sin.data_ptr(), pos, k_cache.data_ptr(),
                             v_cache.data_ptr(), max_ctx, torch.get_num_threads())
         return out
@@ -201,17 +202,16 @@ def decode_layer(cfg: ModelConfig, nl: NativeLayer, x: torch.Tensor,
 
 
 def descs_fused(cfg: ModelConfig, nl: NativeLayer, rope: RopeTable) -> _LayerDesc | None:
-    """The layer's ss_layer for decode_layer.c, made once per layer and shape; None where the
-    layer needs the call-by-call path (a matmul that is not q4vnni, or a q/k/v bias)."""
+    """The layer's ss_layer for decode_layer.c, made at its first call (a layer belongs to one
+    model, so its shape and RoPE do not change); None where the layer needs the call-by-call
+    path (a matmul that is not q4vnni, or a q/k/v bias)."""
     if nl.descs is None or nl.qkv_bias is not None:
         return None
-    key = (cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn, cfg.norm_eps,
-           rope.rope_dim, rope.style)
-    if nl.fused is None or nl.fused[0] != key:
+    if nl.fused is None:
         desc = _LayerDesc(*nl.descs, nl.attn_norm.data_ptr(), nl.ffn_norm.data_ptr(),
                           cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn,
                           rope.rope_dim, int(rope.style != "normal"), nl.q4_flags,
                           cfg.norm_eps, 1.0 / math.sqrt(cfg.head_dim))
         desc.addr = ctypes.addressof(desc)
-        nl.fused = (key, desc)
-    return nl.fused[1]
+        nl.fused = desc
+    return nl.fused

@@ -29,7 +29,8 @@ import threading
 from importlib import resources
 from pathlib import Path
 
-SOURCES = ("decode_ops.c", "q4_matvec.c", "int4_pack.c", "decode_layer.c")  # compiled together into one library
+# compiled together into one library
+SOURCES = ("decode_ops.c", "q4_matvec.c", "int4_pack.c", "decode_layer.c")
 HEADERS = ("bf16.h",)  # what they include: written beside them, and part of the cache key
 # -ffp-contract=off: no fused multiply-adds, so that every product is rounded as torch rounds
 # it (RoPE as torch's complex multiply) and the bits do not depend on whether the CPU has FMA.

@@ -581,8 +581,8 @@ class Q4VnniLinear(Linear):
                generic: bool = False, act_bits: int | None = None) -> torch.Tensor:
         """out (m, out) = x (m, in) @ W^T: x and out contiguous, float32 or bfloat16 each.
         threads: torch's intra-op count unless given; generic: the plain-C loop even where
-        a vector loop (VNNI or AVX2) is compiled in (tests compare the two); act_bits: 8 or 16 (default
-        Q4VNNI_ACT_BITS)."""
+        a vector loop (VNNI or AVX2) is compiled in (tests compare the two); act_bits: 8 or
+        16 (default Q4VNNI_ACT_BITS)."""
         m = x.shape[0]
         if x.shape[-1] != self.in_features or tuple(out.shape) != (m, self._out) or \
                 not (x.is_contiguous() and out.is_contiguous()):
