@@ -5,7 +5,8 @@ Target: the default model (SmolLM2-135M-Instruct, pulled as Q4_1) requantized to
 with --targets Q8_0,F16). Drafts: its Q2_K and Q4_0 requantizations, and the layer-skip
 self-draft (`load(draft_skip_layers=K)`: the target's own weights with K layers left out),
 where this checkout's `slipstream.load` has that keyword (rows are skipped with a note where it
-does not). Every file is made by `slipstream.quant.requantize` from the Q4_1 file (dequantized,
+does not), and the low-bit copy (`--drafts lowbit-Q2_K`: `load(draft_lowbit="Q2_K")`, the
+target's layers requantized at load, sharing its embedding, head, norms and KV cache). Every file is made by `slipstream.quant.requantize` from the Q4_1 file (dequantized,
 then re-encoded by slipstream's own encoders, not llama.cpp's); a Q2_K file keeps the matrices
 whose rows are not whole 256-element blocks (576 columns here: all but ffn_down) in a fallback
 type (Q4_0 by default, as llama.cpp falls back from K-quants to a 32-block type), because
@@ -228,6 +229,14 @@ def load_pair(target: Path, draft: str, files: dict, ctx: int, precision: str):
             pass
         return m, {"kind": "layer-skip self-draft", "load": f"draft_skip_layers={k}",
                    "skipped_layers": skipped}
+    if draft.startswith("lowbit-"):
+        qtype = draft.split("-", 1)[1]
+        m = slipstream.load(target, device="cpu", ctx=ctx, precision=precision,
+                            draft_lowbit=qtype)
+        return m, {"kind": "low-bit self-draft (weights.lowbit: the target's layers "
+                           "requantized at load, its embedding, head, norms and KV cache "
+                           "shared)", "load": f"draft_lowbit={qtype!r}",
+                   "plan_draft": list(m.plan.draft)}
     path = files[draft]
     m = slipstream.load(target, device="cpu", ctx=ctx, precision=precision, draft=path)
     return m, {"kind": "file", "path": str(path)}
@@ -304,8 +313,8 @@ def main() -> None:
                    "(reused when present)")
     p.add_argument("--targets", default="Q8_0", help="comma-separated: Q8_0, F16")
     p.add_argument("--drafts", default="Q2_K,Q4_0,skip-4,skip-8",
-                   help="comma-separated: a type to requantize to, or skip-K for the "
-                        "layer-skip self-draft")
+                   help="comma-separated: a type to requantize to, skip-K for the "
+                        "layer-skip self-draft, lowbit-TYPE for the low-bit copy")
     p.add_argument("--nodes", default="16,64,256")
     p.add_argument("--temps", default="0,0.8")
     p.add_argument("--depth", type=int, default=SPEC_DEPTH, help="the trees' depth (drafted "
@@ -354,7 +363,8 @@ def main() -> None:
 
     src = Path(pull(quiet=True))
     files, made = {}, {}
-    for q in dict.fromkeys(targets + [d for d in drafts if not d.startswith("skip-")]):
+    for q in dict.fromkeys(targets + [d for d in drafts
+                                      if not d.startswith(("skip-", "lowbit-"))]):
         files[q], made[q] = make_file(src, work, q, a.fallback)
 
     notes = list(a.note)

@@ -270,8 +270,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
          ram_budget: str | int | None = None, vram_budget: str | int | None = None,
          io: str = "direct", stream_delay=None, gpu_slots: int = 2,
          skip_layers: int = 0, draft: str | os.PathLike[str] | None = None,
-         draft_skip_layers: int = 0, private_weights: bool | None = None,
-         hybrid: str | float = "auto", threads: int | None = None,
+         draft_skip_layers: int = 0, draft_lowbit: str | None = None,
+         private_weights: bool | None = None, hybrid: str | float = "auto", threads: int | None = None,
          vram_layers: int | None = None,
          devices: Sequence[str | torch.device] | None = None,
          distributed: bool = False) -> Model:
@@ -327,6 +327,11 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     (every streamed layer first, so that the draft runs from resident layers alone, then the
     most redundant by layer_skip's calibration) and a KV cache of its own, which comes out of
     the budget.
+    draft_lowbit: a self-draft that is the model with a low-bit copy ("Q2_K", "Q3_K", "Q4_0",
+    ...) of the layers whose reading bounds it: on CUDA the layers the plan streams, on the
+    CPU every layer. The copy is requantized at load (weights.lowbit), placed first out of the
+    budget (the model streams what the rest leaves), and the draft shares the model's
+    embedding, head, norms, resident layers and KV cache (SubSpec).
     private_weights: copy every weight that would stay a view of the file's memory map (the
     token embedding, F32 norms, F16 weights at float16) into private memory, and drop the
     map's pages after the load, so that a file truncated or overwritten under the running model
@@ -348,7 +353,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     stage_devices = None
     pipeline = None
     if distributed:
-        if devices is not None or draft is not None or draft_skip_layers or skip_layers:
+        if devices is not None or draft is not None or draft_skip_layers or skip_layers or \
+                draft_lowbit is not None:
             raise BadArgument("distributed=True runs one stage per process; devices=, a "
                               "draft and layer skip do not combine with it yet")
         from .runtime.pipeline import join
@@ -367,6 +373,14 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
         if draft is not None:
             raise BadArgument("draft=... and draft_skip_layers=... name two drafts: give one")
         _check_skip_layers(cfg, draft_skip_layers, what="draft_skip_layers")
+    lowbit_type = None
+    if draft_lowbit is not None:
+        if draft is not None or draft_skip_layers:
+            raise BadArgument("draft_lowbit=... and another draft (draft=, draft_skip_layers=) "
+                              "name two drafts: give one")
+        from .weights.lowbit import parse_lowbit_type
+
+        lowbit_type = parse_lowbit_type(draft_lowbit)
     if draft is not None:
         draft = _resolve(draft, progress)
         _check_draft(model_path, gf, draft)
@@ -379,7 +393,9 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
 
     vram, ram = parse_size(vram_budget), parse_size(ram_budget)
     draft_model, plain_plan = None, None
-    if draft is not None and dev.type == "cuda":
+    if lowbit_type is not None and dev.type == "cuda" and vram is None:
+        vram = torch.cuda.mem_get_info(dev)[0]  # the copy's share comes out of a known budget
+    if (draft is not None or lowbit_type is not None) and dev.type == "cuda":
         plain_plan = _plain_plan(gf, cfg, dev, prec, n_ctx, ram, vram, io, gpu_slots,
                                  vram_layers)
     plain_streamed = plain_plan.streamed_layers if plain_plan is not None else None
@@ -391,6 +407,11 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
         held = kv_cache_bytes(cfg, cfg.n_layers, n_ctx,
                               torch.finfo(prec.kv_dtype).bits // 8)
         vram, ram = _remaining(vram, ram, held, dev, "the self-draft's KV cache", None)
+    elif lowbit_type is not None:
+        copied, held = _size_lowbit(gf, cfg, dev, prec, n_ctx, ram, vram, io, gpu_slots,
+                                    vram_layers, lowbit_type, plain_streamed)
+        vram, ram = _remaining(vram, ram, held, dev,
+                               f"the {lowbit_type.name} copy of {len(copied)} layers", None)
     stage = None
     if pipeline is not None:
         from .memory.devices import stage_ranges
@@ -412,6 +433,9 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
         plan.draft = (Path(draft).name, held)
     elif draft_skip_layers:
         plan.draft = (f"self, {draft_skip_layers} layers skipped (KV cache)", held)
+    elif lowbit_type is not None:
+        plan.draft = (f"self, {lowbit_type.name} copy of {len(copied)} layers "
+                      f"(shares the KV cache)", held)
     from .memory.vram_cap import VramCap
 
     cap = VramCap(dev, vram) if dev.type == "cuda" else None
@@ -446,6 +470,12 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
             _skip_layers(model, skip_layers)
         if draft_skip_layers:
             model.draft = _self_draft(model, draft_skip_layers)
+        if lowbit_type is not None:
+            if cap is not None:
+                cap.grow(held)  # the copy's share, taken out of the model's budget above
+            model.draft = _lowbit_draft(model, prec, lowbit_type, copied, progress)
+            if dev.type == "cuda":
+                _warm_draft(model.draft.engine)
         if model.draft is not None:
             if dev.type == "cuda":
                 _warm_target(model.engine)
@@ -583,6 +613,64 @@ def _self_draft(model: "Model", k: int) -> "Model":
     rest = layer_skip.choose(masked, k=k - len(streamed)) if k > len(streamed) else frozenset()
     skip = frozenset(streamed) | rest | model.engine.skip
     draft = Model(model.path, model.gguf, model.config, model.engine.self_draft(skip),
+                  model.tokenizer, model.template)
+    draft.plan = model.plan
+    draft.owns_resources = False  # the target's stores, map and cap: closed with the target
+    return draft
+
+
+def _size_lowbit(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, prec: Precision,
+                 ctx: int, ram, vram, io: str, gpu_slots: int, vram_layers,
+                 qtype, plain_streamed: list[int] | None) -> tuple[list[int], int]:
+    """The layers a low-bit copy holds and the bytes it takes: on the CPU every layer (each is
+    read from RAM every token); on CUDA the layers the model streams once the copy's bytes
+    have left its budget, found by planning again until the streamed set is covered (each
+    round streams at least the last one's layers: the planner streams `plain_streamed`
+    first)."""
+    from .memory.setup import layer_resident_bytes
+    from .memory.vram import layer_vram_bytes
+    from .weights.lowbit import RetypedFile
+
+    if dev.type != "cuda":
+        copied = list(range(cfg.n_layers))
+        view = RetypedFile(gf, qtype, copied)
+        return copied, sum(layer_resident_bytes(view, i, prec) for i in copied)
+    copied: set[int] = set(plain_streamed or ())
+    while True:
+        view = RetypedFile(gf, qtype, copied)
+        held = sum(layer_vram_bytes(view, cfg, i, prec.fuse_scales) for i in copied)
+        if vram - held <= 0:
+            raise BudgetTooSmall(f"a {qtype.name} copy of the {len(copied)} layers the model "
+                                 f"would stream takes {fmt_bytes(held)}, all of the VRAM "
+                                 f"budget ({fmt_bytes(vram)}); raise --vram-budget or choose "
+                                 f"a smaller type")
+        streamed = set(_plan(gf, cfg, dev, prec, ctx, ram, vram - held, io, gpu_slots,
+                             vram_layers, stream_first=plain_streamed).streamed_layers)
+        if streamed <= copied:
+            return sorted(copied), held
+        copied |= streamed
+
+
+def _lowbit_draft(model: "Model", prec: Precision, qtype, copied: list[int],
+                  show: bool) -> "Model":
+    """The low-bit self-draft (weights.lowbit): the copy of `copied` built on the model's
+    device (sharing its CUDA workspace), the model's other layers, and its KV cache."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from .weights.lowbit import build_lowbit_layers
+
+    workspace = getattr(model.engine.weights.output, "workspace", None)
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn(), disable=not show, transient=True,
+                  console=Console(stderr=True)) as bar:
+        task = bar.add_task(f"requantizing the draft's layers to {qtype.name}",
+                            total=len(copied))
+        layers = build_lowbit_layers(model.gguf, model.config, model.device, prec, qtype,
+                                     copied, workspace=workspace,
+                                     progress=lambda n: bar.advance(task, n))
+    draft = Model(model.path, model.gguf, model.config,
+                  model.engine.self_draft(model.engine.skip, replace=layers, share_kv=True),
                   model.tokenizer, model.template)
     draft.plan = model.plan
     draft.owns_resources = False  # the target's stores, map and cap: closed with the target

@@ -10,12 +10,13 @@ CUDA with every layer resident it replays a captured CUDA graph (runtime.graphs)
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
 from ..config import ModelConfig
 from ..model import Step, append_step, block_forward, fused_decode_serves, rms_norm
+from ..model.llama import LayerWeights
 from ..weights import ModelWeights
 from .graphs import GRAPH_BUCKET, DecodeGraphs, StepGraphs, bucket_span
 from .stage import Stage
@@ -111,23 +112,55 @@ class Engine:
         for store in stores.values():
             store.skip(new)
 
-    def self_draft(self, skip: frozenset[int]) -> "Engine":
-        """A speculative self-draft: this engine's weights and stores with `skip` left out and
-        KV caches of its own. The stores are not told of `skip` (they keep serving this
-        engine, every layer in order), so every layer the draft runs must be resident: it
-        only looks the layer up, and decode can be captured in CUDA graphs."""
+    def self_draft(self, skip: frozenset[int] = frozenset(),
+                   replace: Mapping[int, LayerWeights] | None = None,
+                   share_kv: bool = False) -> "Engine":
+        """A speculative self-draft: this engine's weights with `skip` left out.
+
+        Without `replace` it runs on this engine's stores, which are not told of `skip` (they
+        keep serving this engine, every layer in order), so every layer the draft runs must be
+        resident: it only looks the layer up. `replace` (layer -> weights, weights.lowbit's
+        low-bit copy) gives the draft layers of its own for those indices; the others are this
+        engine's resident layers (ValueError where one is neither). Either way decode can be
+        captured in CUDA graphs.
+
+        share_kv: the draft writes into this engine's KV caches instead of caches of its own:
+        it reads the target's exact keys and values of the accepted prefix, needs no prefill
+        and no catching up (runtime.speculative), and its tree's entries are overwritten by the
+        verify pass that follows (SubSpec)."""
+        from ..memory.store import ResidentLayerStore
         from .kv_cache import KVCache
 
-        stages = [Stage(st.device, st.layers, st.store,
-                        KVCache(self.cfg, st.kv.max_ctx, st.device, st.kv.k.dtype,
-                                len(st.layers)), st.rope)
-                  for st in self.stages]
+        stages = []
+        for st in self.stages:
+            store = st.store
+            if replace is not None:
+                held = getattr(st.store, "layers", [])
+                layers: list[LayerWeights | None] = [None] * self.cfg.n_layers
+                for i in st.layers:
+                    layer = replace.get(i)
+                    if layer is None and i not in skip:
+                        layer = held[i] if i < len(held) else None
+                        if layer is None:
+                            raise ValueError(f"layer {i} is neither in the draft's copy nor "
+                                             f"resident in the target")
+                    layers[i] = layer
+                store = ResidentLayerStore(layers)
+            kv = st.kv if share_kv else KVCache(self.cfg, st.kv.max_ctx, st.device,
+                                                st.kv.k.dtype, len(st.layers))
+            stages.append(Stage(st.device, st.layers, store, kv, st.rope))
         resident_only = all(st.device.type == "cuda" for st in stages)
         draft = Engine(self.cfg, self.weights, stages, self.act_dtype,
                        use_graphs=len(stages) == 1 and resident_only,
                        prefill_chunk=self.prefill_chunk)
         draft._skip = frozenset(skip)
         return draft
+
+    def shares_kv(self, other: "Engine") -> bool:
+        """Whether this engine writes into one of `other`'s KV caches (a self-draft made with
+        share_kv)."""
+        mine = {id(st.kv) for st in self.stages}
+        return any(id(st.kv) in mine for st in other.stages)
 
     def release(self) -> None:
         """Drop every tensor the engine references (its stages' KV caches and stores, the

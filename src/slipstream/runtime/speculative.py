@@ -35,6 +35,11 @@ Invariant between rounds, with L = len(prompt) + emitted - 1:
     do not pay, adds its root). The next growth runs lag + root in one forward;
   * or, where the tree grown ahead holds the pending root: the draft's cache holds the
     accepted prefix, then the root and the nodes of its subtree that ran (`Speculator.grown`).
+  * A draft that shares the target's KV cache (`Engine.self_draft(share_kv=True)`, the low-bit
+    copy) has no cache of its own: the prefix it reads is the target's, so it has no prefill
+    and no lag; it writes its tree from the root's slot on, and the verify pass then writes
+    the target's entries over those slots before the walk compacts them. Nothing is grown
+    ahead for it (that would write over the verified entries before the walk).
 """
 
 from __future__ import annotations
@@ -189,6 +194,11 @@ class Speculator:
                                   or ahead < 0):
             raise BadArgument(f"speculative ahead={ahead!r} is invalid: must be an integer "
                               f">= 0")
+        self.shared_kv = draft.shares_kv(target)
+        if self.shared_kv and ahead:
+            raise BadArgument(f"speculative ahead={ahead} does not combine with a draft that "
+                              f"writes into the target's KV cache (the low-bit copy): growing "
+                              f"past the verified nodes would overwrite their entries")
         self.target, self.draft, self.sampler = target, draft, sampler
         self.top_k = top_k
         self.sizer = sizer if sizer is not None else TreeSizer()
@@ -209,14 +219,16 @@ class Speculator:
     def prefill(self, prompt: list[int]) -> torch.Tensor:
         """Both caches hold the prompt; the first token (0-d) is drawn and pending."""
         self.target.reset()
-        self.draft.reset()
+        if not self.shared_kv:
+            self.draft.reset()
         self.history = torch.tensor(prompt, dtype=torch.long, device=self.target.device)
         logits = self.target.forward(prompt)[-1]
         self.root = self.sampler(logits, self.history)
         self.history = torch.cat((self.history, self.root.view(1)))
-        t = time.perf_counter()
-        self.draft.forward(prompt)  # its logits are not needed: the root comes from the target
-        self.stats.draft_prefill_s += _since(t, self.draft.device)
+        if not self.shared_kv:  # a shared cache holds the target's prefix already
+            t = time.perf_counter()
+            self.draft.forward(prompt)  # its logits are not needed: the root is the target's
+            self.stats.draft_prefill_s += _since(t, self.draft.device)
         self.lag = []
         self.grown = None
         return self.root
@@ -243,7 +255,7 @@ class Speculator:
             # the draft sits it out and catches up on the next tree
             if grown is not None:  # the root ran in the draft ahead: keep it, drop the rest
                 draft.truncate(start + 1)
-            else:
+            elif not self.shared_kv:
                 self.lag.append(int(root))
             tree, verify, rows = DraftTree(int(root)), [0], {0: 0}
             logits = target.decode(root.view(1))
@@ -269,8 +281,9 @@ class Speculator:
         path, tokens, self.history = walk(tree, logits, self.sampler, self.history, rows)
         keep(target, start, [rows[i] for i in path])
         if len(verify) > 1:
-            self.grown = grown.reroot(path, int(tokens[-1]))
-            if self.grown is None:
+            # a shared cache holds the target's path now, compacted: nothing to keep or reuse
+            self.grown = None if self.shared_kv else grown.reroot(path, int(tokens[-1]))
+            if self.grown is None and not self.shared_kv:
                 ran = [i for i in path if tree.ran[i]]  # a prefix: the path's ancestors ran
                 keep(draft, start, ran)
                 self.lag = [tree.tokens[i] for i in path[len(ran):]]
