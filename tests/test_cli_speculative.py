@@ -125,6 +125,18 @@ def test_run_with_a_draft_prints_what_plain_run_prints(smollm_path, draft, plain
     _spec_figures(r.stderr)
 
 
+def test_run_with_the_lowbit_self_draft(smollm_path, plain_run):
+    """--draft-lowbit: no second file; the text is the plain run's, and the plan table names
+    the copy."""
+    r = cli("run", "-m", str(smollm_path), *RUN, "--draft-lowbit", "Q2_K", "--spec-nodes",
+            "16", "--spec-depth", "6", "--stats")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == plain_run.stdout
+    assert "self: Q2_K copy, 30 layers" in r.stderr
+    passes, per_pass, _ = _spec_figures(r.stderr)
+    assert per_pass > 1.5, (passes, per_pass)
+
+
 def test_run_spec_nodes_and_depth_fix_the_trees(smollm_path, draft, plain_run):
     r = cli("run", "-m", str(smollm_path), *RUN, "--draft", str(draft), "--spec-nodes", "16",
             "--spec-depth", "4", "--stats")
@@ -171,8 +183,11 @@ def test_bench_with_a_draft(smollm_path, draft, tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (["--draft", "D", "--spec-nodes", "0"], "--spec-nodes 0 is invalid: must be >= 1"),
     (["--draft", "D", "--spec-depth", "-1"], "--spec-depth -1 is invalid: must be >= 1"),
-    (["--draft", "D", "--draft-skip-layers", "2"], "--draft and --draft-skip-layers"),
-    (["--spec-nodes", "8"], "give --draft PATH or --draft-skip-layers K too"),
+    (["--draft", "D", "--draft-skip-layers", "2"], "--draft and --draft-skip-layers are 2"),
+    (["--spec-nodes", "8"], "give --draft PATH, --draft-skip-layers K or --draft-lowbit TYPE"),
+    (["--draft-lowbit", "Q2_K", "--draft-skip-layers", "2"],
+     "--draft-skip-layers and --draft-lowbit are 2 kinds of draft"),
+    (["--draft-lowbit", "Q7_Z"], "cannot make a low-bit copy in 'Q7_Z'"),
 ])
 @pytest.mark.parametrize("command", ["run", "bench", "serve"])
 def test_draft_flag_errors_come_before_loading(tmp_path, command, flags, message):

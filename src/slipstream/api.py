@@ -369,10 +369,6 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     template = ChatTemplate.from_metadata(gf.metadata)
     n_ctx = _context(cfg, ctx)
     _check_skip_layers(cfg, skip_layers)  # before the load, which may take minutes
-    if draft_skip_layers:
-        if draft is not None:
-            raise BadArgument("draft=... and draft_skip_layers=... name two drafts: give one")
-        _check_skip_layers(cfg, draft_skip_layers, what="draft_skip_layers")
     lowbit_type = None
     if draft_lowbit is not None:
         if draft is not None or draft_skip_layers:
@@ -381,6 +377,10 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
         from .weights.lowbit import parse_lowbit_type
 
         lowbit_type = parse_lowbit_type(draft_lowbit)
+    if draft_skip_layers:
+        if draft is not None:
+            raise BadArgument("draft=... and draft_skip_layers=... name two drafts: give one")
+        _check_skip_layers(cfg, draft_skip_layers, what="draft_skip_layers")
     if draft is not None:
         draft = _resolve(draft, progress)
         _check_draft(model_path, gf, draft)
@@ -434,8 +434,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     elif draft_skip_layers:
         plan.draft = (f"self, {draft_skip_layers} layers skipped (KV cache)", held)
     elif lowbit_type is not None:
-        plan.draft = (f"self, {lowbit_type.name} copy of {len(copied)} layers "
-                      f"(shares the KV cache)", held)
+        plan.draft = (f"self: {lowbit_type.name} copy, {len(copied)} layers", held)
     from .memory.vram_cap import VramCap
 
     cap = VramCap(dev, vram) if dev.type == "cuda" else None

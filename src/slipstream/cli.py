@@ -141,6 +141,10 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
                    "default: none, plain decoding)")
     g.add_argument("--draft-skip-layers", type=int, default=0, metavar="K", help="self-draft: "
                    "the model itself with K layers skipped guesses the tokens (no second file)")
+    g.add_argument("--draft-lowbit", default=None, metavar="TYPE", help="self-draft: the "
+                   "model with a copy of its streamed layers (every layer on a CPU) "
+                   "requantized at load to TYPE (Q2_K, Q3_K, Q4_0, ...) and kept resident, "
+                   "sharing the model's KV cache (no second file)")
     g.add_argument("--spec-nodes", type=int, default=None, metavar="N", help="tokens in one "
                    "verify pass, the tree's root included (default: sized from the measured "
                    "costs every round)")
@@ -152,8 +156,15 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
 def _check_draft_args(a: argparse.Namespace) -> None:
     """The draft flags' own errors, before anything loads (a load may take minutes)."""
     draft, skip = getattr(a, "draft", None), getattr(a, "draft_skip_layers", 0)
-    if draft is not None and skip:
-        raise BadArgument("--draft and --draft-skip-layers are two kinds of draft; give one")
+    lowbit = getattr(a, "draft_lowbit", None)
+    given = [flag for flag, on in (("--draft", draft is not None), ("--draft-skip-layers", skip),
+                                   ("--draft-lowbit", lowbit is not None)) if on]
+    if len(given) > 1:
+        raise BadArgument(f"{' and '.join(given)} are {len(given)} kinds of draft; give one")
+    if lowbit is not None:
+        from .weights.lowbit import parse_lowbit_type
+
+        parse_lowbit_type(lowbit)
     if skip < 0:
         raise BadArgument(f"--draft-skip-layers {skip} is invalid: must be >= 0")
     sizes = (("--spec-nodes", getattr(a, "spec_nodes", None), "the tree's root"),
@@ -161,9 +172,9 @@ def _check_draft_args(a: argparse.Namespace) -> None:
     for flag, value, least in sizes:
         if value is not None and value < 1:
             raise BadArgument(f"{flag} {value} is invalid: must be >= 1 ({least})")
-        if value is not None and draft is None and not skip:
-            raise BadArgument(f"{flag} sizes speculative decoding's trees: give --draft PATH "
-                              f"or --draft-skip-layers K too")
+        if value is not None and not given:
+            raise BadArgument(f"{flag} sizes speculative decoding's trees: give --draft PATH, "
+                              f"--draft-skip-layers K or --draft-lowbit TYPE too")
 
 
 def _devices_arg(a) -> list[str] | None:
@@ -183,6 +194,8 @@ def _draft_kwargs(a: argparse.Namespace) -> dict:
         return {"draft": a.draft}
     if getattr(a, "draft_skip_layers", 0):
         return {"draft_skip_layers": a.draft_skip_layers}
+    if getattr(a, "draft_lowbit", None) is not None:
+        return {"draft_lowbit": a.draft_lowbit}
     return {}
 
 
@@ -799,7 +812,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                "results": [r.as_dict() for r in results]}
         if speculative:
             doc["draft"] = (str(model.draft.path) if a.draft is not None
-                            else f"self, {a.draft_skip_layers} layers skipped")
+                            else model.plan.draft[0] if model.plan is not None and
+                            model.plan.draft else f"self, {a.draft_skip_layers} layers skipped")
             doc["spec_nodes"], doc["spec_depth"] = a.spec_nodes, a.spec_depth  # null: auto
         if a.json == "-":
             print(json.dumps(doc, indent=2))

@@ -168,6 +168,30 @@ def test_gpu_streamed_target_greedy_equals_plain(smollm_path, tmp_path):
         assert model.last_speculation["target_passes"] > 0
 
 
+def test_gpu_lowbit_draft_over_a_streamed_target_is_lossless(smollm_path):
+    """The low-bit copy of the layers the target streams (2 resident, the rest from pinned RAM
+    and disk) drafts from VRAM alone, writing into the target's KV cache: plain greedy's
+    tokens."""
+    pytest.importorskip("triton")
+    with slipstream.load(smollm_path, device=DEVICE, ctx=512, precision="exact",
+                         vram_layers=2, ram_budget="24MiB", draft_lowbit="Q2_K") as model:
+        streamed = model.plan.streamed_layers
+        assert len(streamed) == model.config.n_layers - 2 and "disk" in model.plan.tiers
+        assert model.plan.draft[0] == f"self: Q2_K copy, {len(streamed)} layers"
+        draft = model.draft.engine
+        assert draft.shares_kv(model.engine) and draft.use_graphs
+        assert sorted(draft.stages[0].store.layers[i] is not None
+                      for i in range(model.config.n_layers)) == [True] * model.config.n_layers
+        for prompt in GREEDY_PROMPTS[:3]:
+            ids = model.tokenize(prompt)
+            plain = [e.id for e in model.generate(ids, max_tokens=64, temperature=0,
+                                                  draft=False)]
+            spec = [e.id for e in model.generate(ids, max_tokens=64, temperature=0,
+                                                 spec_nodes=32, spec_depth=8)]
+            _assert_same(model, ids, spec, plain)
+        assert model.last_speculation["tokens_per_pass"] > 1.5, model.last_speculation
+
+
 AHEAD = 64  # levels a tree may grow past its verified nodes, beside the target's pass
 
 

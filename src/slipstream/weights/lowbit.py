@@ -11,12 +11,16 @@ layer is the same kind of object as any other layer of its device: the same kern
 Rows that are not whole blocks of the chosen type (K-quants need 256 columns; the default
 model's are 576 wide) take a 32-element fallback (Q4_0), as llama.cpp's quantizer falls back.
 
-Encoding runs at ~20 ns an element on one core (numpy; threads gain ~1.2x): a second for the
-default model, minutes for a 70B's streamed layers.
+Encoding runs at ~20 ns an element on one core (numpy, which holds the GIL enough that two
+threads gain ~1.2x): a second for the default model in-process; a copy of more than
+POOL_MIN_ELEMENTS weights is encoded by a pool of worker processes, a few layers ahead of the
+builds (a 70B's 80 layers are ~23 minutes of one core).
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Callable, Collection
 
@@ -35,6 +39,8 @@ from .linear import Workspace
 from .loader import LayerBuilder, TensorSource
 
 DEFAULT_TYPE = "Q2_K"
+# Copies this large are encoded by worker processes (spawned: a forked torch is not safe)
+POOL_MIN_ELEMENTS = 1 << 30
 # The type for rows that are not whole blocks of the chosen one (K-quants' 256)
 FALLBACK = GGMLQuantizationType.Q4_0
 
@@ -92,11 +98,13 @@ class RetypedFile:
 
 
 class RequantizedSource(TensorSource):
-    """A TensorSource whose layer matrices are re-encoded in the copy's type when read."""
+    """A TensorSource whose layer matrices are re-encoded in the copy's type when read (or
+    taken from `encoded`, name -> bytes made ahead by worker processes)."""
 
     def __init__(self, gf: GGUFFile, qtype: GGMLQuantizationType):
         super().__init__(gf, private=True)
         self.qtype = qtype
+        self.encoded: dict[str, "Future[np.ndarray]"] = {}
 
     def type_of(self, name: str):
         info = self.gf.tensors[name]
@@ -108,10 +116,32 @@ class RequantizedSource(TensorSource):
         to = copy_type(info, self.qtype)
         if to is None:
             return raw.clone()  # a private copy: the draft never reads the file afterwards
-        dense = quant.dequantize(raw, info.ggml_type, tuple(shape)).numpy()
-        from ..quant.encode import quantize
+        ahead = self.encoded.pop(name, None)
+        if ahead is not None:
+            return torch.from_numpy(ahead.result())
+        return torch.from_numpy(_encode(raw, info.ggml_type, tuple(shape), to))
 
-        return torch.from_numpy(np.ascontiguousarray(quantize(dense, to)))
+
+def _encode(raw: torch.Tensor, src_type, shape: tuple[int, ...], to) -> np.ndarray:
+    from ..quant.encode import quantize
+
+    dense = quant.dequantize(raw, src_type, shape).numpy()
+    return np.ascontiguousarray(quantize(dense, to))
+
+
+_WORKER_FILE: GGUFFile | None = None
+
+
+def _worker_init(path: str) -> None:
+    global _WORKER_FILE
+    torch.set_num_threads(1)
+    _WORKER_FILE = GGUFFile(path)
+
+
+def _encode_in_worker(name: str, to: int) -> np.ndarray:
+    info = _WORKER_FILE.tensors[name]
+    raw = torch.from_numpy(np.asarray(_WORKER_FILE.tensor_bytes(name))).view(info.shape[0], -1)
+    return _encode(raw, info.ggml_type, tuple(info.shape), GGMLQuantizationType(to))
 
 
 @dataclass
@@ -130,18 +160,44 @@ class LowBitCopy:
 def build_lowbit_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
                         precision: Precision, qtype: GGMLQuantizationType,
                         layers: Collection[int], workspace: Workspace | None = None,
-                        progress: Callable[[int], None] | None = None
-                        ) -> dict[int, LayerWeights]:
+                        progress: Callable[[int], None] | None = None,
+                        workers: int | None = None) -> dict[int, LayerWeights]:
     """Layers `layers` of `gf` requantized to `qtype`, built for `device` as resident layers
-    are (the target's `workspace` shared on CUDA). progress(1) after each layer."""
+    are (the target's `workspace` shared on CUDA). progress(1) after each layer. workers:
+    encoding processes (None: one per core for a copy of more than POOL_MIN_ELEMENTS weights,
+    else none; 0: none)."""
     from .loader import release_transients
 
+    order = sorted(layers)
+    spec = spec_for(gf.architecture)
+    todo = {i: [(n, copy_type(gf.tensors[n], qtype)) for n in spec.names(i, gf.tensors)]
+            for i in order}
+    todo = {i: [(n, t) for n, t in names if t is not None] for i, names in todo.items()}
+    if workers is None:
+        size = sum(gf.tensors[n].n_elements for names in todo.values() for n, _ in names)
+        workers = (os.cpu_count() or 1) if size > POOL_MIN_ELEMENTS else 0
     builder = LayerBuilder(cfg, device, precision, workspace=workspace)
     src = RequantizedSource(gf, qtype)
-    out: dict[int, LayerWeights] = {}
-    for i in sorted(layers):
-        out[i] = builder.build(src, i)
-        release_transients(device)
-        if progress is not None:
-            progress(1)
-    return out
+    pool = None
+    if workers > 1:
+        import multiprocessing
+
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_worker_init, initargs=(str(gf.path),))
+    ahead = max(2, workers // 4)  # layers whose encoding is under way: bounds their RAM
+    try:
+        out: dict[int, LayerWeights] = {}
+        for k, i in enumerate(order):
+            if pool is not None:
+                for j in order[k:k + ahead + 1]:
+                    for name, to in todo[j]:
+                        if name not in src.encoded and j not in out:
+                            src.encoded[name] = pool.submit(_encode_in_worker, name, int(to))
+            out[i] = builder.build(src, i)
+            release_transients(device)
+            if progress is not None:
+                progress(1)
+        return out
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
