@@ -18,6 +18,14 @@ Q4_K at a 24 GiB VRAM budget.
 Then a projection for a real 70B/8B pair from the measured pass and level costs, with the
 acceptance of bench/results' CPU acceptance table and the published 8-13: labelled projected.
 
+lowbit (cases default-spec-lowbit, 70b-q4k-vram24-lowbit): the low-bit self-draft
+(`load(draft_lowbit=...)`: the streamed layers requantized at load, resident, the target's KV
+cache shared). The default model's Q8_0 streamed as in default-spec with a Q2_K copy; the 70B
+at 24 GiB with a Q2_K copy if the plan can hold one (its 80 layers in Q2_K are ~22.5 GB: the
+copy may leave the target nothing, and the load then says BudgetTooSmall, which is the row).
+Random weights: the 70B's acceptance is the Q2_K copy's agreement with its own Q4_K target,
+not a real pair's.
+
 Timings: decode_tok_s from GenerationStats (tokens after the first / decode seconds, host
 clock around synchronising work); passes with CUDA events. Writes OUTDIR/spec-bench.json.
 """
@@ -229,6 +237,69 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
     for label, r in (("auto-first", auto), ("auto", auto2), ("nodes64-depth8", fixed),
                      ("auto-beside", beside), ("nodes64-depth8-beside", fixed_beside)):
         rows.append(base | {"variant": label} | {k: v for k, v in r.items() if k != "ids"})
+    return rows
+
+
+LOWBIT_TYPE = "Q2_K"
+
+
+def lowbit_cases(model_path: Path, work: Path, tokens: int, seventy_b: bool) -> list[dict]:
+    """The low-bit self-draft over a streamed target: the default model's Q8_0 (RESIDENT layers
+    in VRAM, 24 MiB pinned, the rest from disk) and, with seventy_b, the synthetic 70B at
+    24 GiB. Each: plain decode, sized and forced trees, the copy's load time and VRAM, the
+    draft's level costs and the target's pass costs."""
+    target = work / "smollm-q8_0.gguf"
+    if not target.exists():
+        requantize(model_path, target, "Q8_0")
+    cases = [("default-spec-lowbit", target,
+              dict(ctx=1024, vram_layers=RESIDENT, ram_budget="24MiB"), (32, 64))]
+    if seventy_b:
+        t70 = work / "70b-Q4_K.gguf"
+        if not t70.exists():
+            write_synth(t70, "70b", "Q4_K")
+        cases.append(("70b-q4k-vram24-lowbit", t70, dict(ctx=2048, vram_budget="24GiB"),
+                      (64, 256)))
+    rows = []
+    for name, path, budgets, trees in cases:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        with slipstream.load(path, device="cuda", **budgets) as plain_model:
+            decode(plain_model, 4, draft=False)
+            plain = decode(plain_model, tokens, draft=False)
+            plain_streamed = len(plain_model.plan.streamed_layers)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        try:
+            m = slipstream.load(path, device="cuda", draft_lowbit=LOWBIT_TYPE, **budgets)
+        except Exception as e:  # noqa: BLE001 - a copy the budget cannot hold is the finding
+            rows.append({"name": name, "draft": f"lowbit {LOWBIT_TYPE}",
+                         "plain_decode_tok_s": plain["decode_tok_s"],
+                         "plain_streamed_layers": plain_streamed,
+                         "error": f"{type(e).__name__}: {str(e)[:400]}"})
+            continue
+        with m:
+            load_s = time.perf_counter() - t0
+            base = {"name": name, "draft": f"lowbit {LOWBIT_TYPE}", "load_s": round(load_s, 1),
+                    "plan_draft": list(m.plan.draft) if m.plan.draft else None,
+                    "streamed_layers": len(m.plan.streamed_layers),
+                    "plain_streamed_layers": plain_streamed,
+                    "plain_decode_tok_s": plain["decode_tok_s"],
+                    "levels": level_costs(m.draft.engine, (1, 4, 8, CUDA_LEVEL_WIDTH)),
+                    "passes": pass_costs(m.engine, (1, 64, 256))}
+            same_plan = decode(m, tokens, draft=False)
+            base["plain_same_plan_tok_s"] = same_plan["decode_tok_s"]
+            runs = [(f"forced-{n}x8", attempt(decode, m, tokens, spec_nodes=n, spec_depth=8))
+                    for n in trees]
+            runs.append(("auto", attempt(decode, m, tokens)))
+            base["vram_gib"] = vram_gib()
+            for label, r in runs:
+                equal = r.get("ids") == plain["ids"] if "ids" in r else None
+                rows.append(base | {"variant": label, "greedy_equal": equal}
+                            | {k: v for k, v in r.items() if k != "ids"}
+                            | ({"ratio_to_plain": round(r["decode_tok_s"]
+                                                        / plain["decode_tok_s"], 3)}
+                               if "decode_tok_s" in r else {}))
     return rows
 
 
@@ -548,7 +619,9 @@ def main() -> None:
     ap.add_argument("outdir")
     ap.add_argument("--model", required=True, help="the default model (Q4_1)")
     ap.add_argument("--workdir", default="/tmp/slipstream-models")
-    ap.add_argument("--cases", default="default-spec,70b")
+    ap.add_argument("--cases", default="default-spec,70b", help="comma-separated: "
+                    "default-spec, 70b, lowbit (the default model's low-bit self-draft), "
+                    "70b-lowbit (that and the 70B's)")
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--levels-from", default=None, metavar="JSON",
                     help="with --project-from: the draft's level costs from a draft_levels.py "
@@ -603,6 +676,9 @@ def main() -> None:
     cases = a.cases.split(",")
     if "default-spec" in cases:
         save(default_spec(Path(a.model), work, a.tokens))
+        torch.cuda.empty_cache()
+    if "lowbit" in cases or "70b-lowbit" in cases:
+        save(lowbit_cases(Path(a.model), work, a.tokens, "70b-lowbit" in cases))
         torch.cuda.empty_cache()
     if "70b" in cases and a.floor_trace:
         save(floor_trace(work, a.tokens))

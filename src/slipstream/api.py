@@ -311,7 +311,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     distributed: one stage per process under torchrun (runtime.pipeline): this process loads
     and plans only its rank's contiguous range of layers, within its own budgets (the
     embedding on rank 0, the head on the last rank). Rank 0's model generates as usual; the
-    others call `model.serve()` until rank 0 closes its model. device "auto" is the GPU
+    others call `model.serve()` until rank 0 closes its model. A draft file is loaded by
+    rank 0 alone, out of its budgets, and verified across the ranks. device "auto" is the GPU
     LOCAL_RANK names (NCCL), or the CPU (gloo).
     skip_layers: leave out the K layers whose output is most like their input (cosine
     similarity on a calibration text shipped with the package, runtime.layer_skip), preferring
@@ -353,14 +354,17 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     stage_devices = None
     pipeline = None
     if distributed:
-        if devices is not None or draft is not None or draft_skip_layers or skip_layers or \
+        if devices is not None or draft_skip_layers or skip_layers or \
                 draft_lowbit is not None:
-            raise BadArgument("distributed=True runs one stage per process; devices=, a "
-                              "draft and layer skip do not combine with it yet")
+            raise BadArgument("distributed=True runs one stage per process; devices=, layer "
+                              "skip and the self-drafts do not combine with it yet (a draft "
+                              "file does: rank 0 holds it)")
         from .runtime.pipeline import join
 
         pipeline = join(device)
         device = pipeline.device
+        if not pipeline.first:
+            draft = None  # rank 0 holds the draft and grows the trees; the others verify
     if devices is not None:  # checked before the file is opened: a wrong index fails at once
         device, vram_budget, stage_devices = _stage_devices(devices, vram_budget)
     model_path, gf, cfg = _open(path, progress)
@@ -395,7 +399,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     draft_model, plain_plan = None, None
     if lowbit_type is not None and dev.type == "cuda" and vram is None:
         vram = torch.cuda.mem_get_info(dev)[0]  # the copy's share comes out of a known budget
-    if (draft is not None or lowbit_type is not None) and dev.type == "cuda":
+    if (draft is not None or lowbit_type is not None) and dev.type == "cuda" and \
+            pipeline is None:
         plain_plan = _plain_plan(gf, cfg, dev, prec, n_ctx, ram, vram, io, gpu_slots,
                                  vram_layers)
     plain_streamed = plain_plan.streamed_layers if plain_plan is not None else None

@@ -160,9 +160,58 @@ def test_distributed_outside_torchrun_says_how_to_start_it(smollm_path, monkeypa
         slipstream.load(smollm_path, device="cpu", distributed=True)
 
 
-def test_distributed_refuses_a_draft(smollm_path):
-    with pytest.raises(BadArgument, match="draft"):
-        slipstream.load(smollm_path, device="cpu", distributed=True, draft=smollm_path)
+def test_distributed_refuses_the_self_drafts(smollm_path):
+    for kw in (dict(draft_skip_layers=4), dict(draft_lowbit="Q2_K")):
+        with pytest.raises(BadArgument, match="self-drafts do not combine"):
+            slipstream.load(smollm_path, device="cpu", distributed=True, **kw)
+
+
+SPEC_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import torch.distributed as dist
+    import slipstream
+    path, draft, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    m = slipstream.load(path, device="cpu", distributed=True, ctx=512, precision="exact",
+                        draft=draft)
+    rank = dist.get_rank()
+    if rank == 0:
+        runs = {}
+        for name, kw in (("spec", dict(spec_nodes=16, spec_depth=6)), ("plain", dict(draft=False)),
+                         ("sampled", dict(spec_nodes=12, spec_depth=4, temperature=0.8, seed=3))):
+            kw = {"temperature": 0, **kw}
+            runs[name] = [e.id for e in m.generate(%r, max_tokens=40, **kw)]
+            runs[name + "_spec"] = m.last_speculation
+        json.dump(runs | {"has_draft": m.draft is not None}, open(out, "w"))
+        m.close()
+    else:
+        assert m.draft is None
+        m.serve()
+        m.close()
+    dist.destroy_process_group()
+""" % PROMPT)
+
+
+def test_speculative_decoding_across_two_gloo_ranks(smollm_path, tmp_path):
+    """A draft file on rank 0 grows the trees; each verify pass is a tree step sent to both
+    ranks and the walk's compaction follows it: greedy output equals one process's plain
+    greedy output (precision "exact"), and a seeded sampled run its plain sampled run."""
+    from runtime.test_speculative import requantize
+
+    draft = requantize(smollm_path, tmp_path / "draft-q4_0.gguf")
+    script = tmp_path / "spec.py"
+    script.write_text(SPEC_SCRIPT)
+    out = tmp_path / "spec.json"
+    done = _torchrun([str(script), str(smollm_path), str(draft), str(out)], timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(out.read_text())
+    assert runs["has_draft"] and runs["plain_spec"] is None
+    with slipstream.load(smollm_path, device="cpu", ctx=512, precision="exact") as alone:
+        greedy = [e.id for e in alone.generate(PROMPT, max_tokens=40, temperature=0)]
+        sampled = [e.id for e in alone.generate(PROMPT, max_tokens=40, temperature=0.8, seed=3)]
+    assert runs["spec"] == runs["plain"] == greedy
+    assert runs["sampled"] == sampled
+    spec = runs["spec_spec"]
+    assert spec["target_passes"] < 39 and spec["tokens_per_pass"] > 1, spec
 
 
 def test_a_stage_plan_padded_to_layer_indices():

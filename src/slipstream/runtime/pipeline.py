@@ -11,10 +11,12 @@ and the last rank sends the logits back to rank 0, which samples there with the 
 as a single process would: the same logits give the same tokens. Across machines it is the
 same code with torchrun's --nnodes; no transport of our own.
 
-Not across processes yet: tree steps (speculative decoding) and the KV compaction they need;
-they raise BadArgument. Every send and receive has the process group's timeout (TIMEOUT_S by
-default, SLIPSTREAM_DIST_TIMEOUT), so a rank that dies gives rank 0 a PipelineBroken error
-naming the peer instead of a hang.
+Speculative decoding runs across processes too: the draft (a file, loaded whole on rank 0
+only, out of rank 0's budgets) grows its trees on rank 0, and the target's verify pass is a
+step (positions, slots, the tree's attention mask) that rank 0 sends every rank with the pass's
+header; the walk's KV compaction is one more message. Every send and receive has the process
+group's timeout (TIMEOUT_S by default, SLIPSTREAM_DIST_TIMEOUT), so a rank that dies gives
+rank 0 a PipelineBroken error naming the peer instead of a hang.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ..model import Step
 from .engine import Engine
 
 TIMEOUT_S = 60.0  # a peer silent this long is taken for dead
-OP_FORWARD, OP_LENGTH, OP_TRUNCATE, OP_STOP = 1, 2, 3, 4
+OP_FORWARD, OP_LENGTH, OP_TRUNCATE, OP_STOP, OP_STEP, OP_COMPACT = 1, 2, 3, 4, 5, 6
 HEADER = 4  # int64s: op, tokens, all_logits, value
 
 
@@ -135,6 +137,16 @@ def stage_table(rows: list[dict]):
     return t
 
 
+def _step_wire(step: Step) -> list[torch.Tensor]:
+    """A step as the tensors rank 0 sends (its attention mask as bytes: gloo moves no bool)."""
+    head = torch.tensor([step.end, -1 if step.start is None else step.start, int(step.causal)],
+                        dtype=torch.long)
+    out = [head, step.positions.long(), step.slots.long()]
+    if not step.causal:
+        out.append(step.allowed.to(torch.uint8))
+    return out
+
+
 class PipelineEngine(Engine):
     """An Engine over this process's stage only: rank 0 drives the pipeline (forward, decode,
     the cache length) and the other ranks `serve` it (see the module doc)."""
@@ -150,10 +162,9 @@ class PipelineEngine(Engine):
     @torch.inference_mode()
     def forward(self, tokens, all_logits: bool = False, step: Step | None = None,
                 idle: Callable[[], bool] | None = None) -> torch.Tensor:
-        if step is not None:
-            raise BadArgument("tree steps (speculative decoding) do not run across processes "
-                              "yet: decode without a draft under --distributed")
         self._driver_only("forward")
+        if step is not None:
+            return self._forward_step(tokens, all_logits, step)
         ids = torch.as_tensor(tokens, dtype=torch.long)
         T = int(ids.shape[0])
         if T == 0:
@@ -188,8 +199,32 @@ class PipelineEngine(Engine):
         super().truncate(n)
 
     def compact(self, src_slots, dst_start: int) -> None:
-        raise BadArgument("KV compaction (speculative decoding) does not run across "
-                          "processes yet")
+        if self.pipeline.first:
+            slots = torch.as_tensor(list(src_slots), dtype=torch.long)
+            self._tell(OP_COMPACT, int(slots.shape[0]), value=dst_start)
+            for r in range(1, self.pipeline.world):
+                self._send(slots, r)
+        super().compact(src_slots, dst_start)
+
+    def _forward_step(self, tokens, all_logits: bool, step: Step) -> torch.Tensor:
+        """Rank 0: a caller's step (a tree to verify) through every stage: the step goes to
+        every rank with the header, the hidden states down the ranks, the logits back."""
+        ids = torch.as_tensor(tokens, dtype=torch.long)
+        T = int(ids.shape[0])
+        if step.tokens != T:
+            raise ValueError(f"the step describes {step.tokens} tokens, not {T}")
+        self.stage.kv.check_room(step.end)
+        self._tell(OP_STEP, T, all_logits, value=step.span)
+        wire = _step_wire(step)
+        for r in range(1, self.pipeline.world):
+            for t in wire:
+                self._send(t, r)
+        x = self.weights.embed(ids.to(self.device)).to(self.act_dtype)
+        x = self._run_stage(self.stage, x, step)
+        self._send(x, 1)
+        Engine.set_length(self, step.end)
+        rows = T if all_logits else 1
+        return self._recv((rows, self.cfg.vocab_size), torch.float32, self.pipeline.world - 1)
 
     def stop(self) -> None:
         """Rank 0: let the other ranks' `serve` return (at close)."""
@@ -217,10 +252,17 @@ class PipelineEngine(Engine):
                 super().set_length(value)
             elif op == OP_TRUNCATE:
                 super().truncate(value)
-            elif op == OP_FORWARD:
+            elif op == OP_COMPACT:
+                slots = self._recv((n,), torch.long, 0)
+                super().compact(slots.tolist(), value)
+            elif op in (OP_FORWARD, OP_STEP):
+                step = self._recv_step(n, value) if op == OP_STEP else self._append_step(n)
                 x = self._recv((n, self.cfg.hidden), self.act_dtype, p.rank - 1)
-                x = self._run_stage(self.stage, x, self._append_step(n))
-                self.stage.kv.length += n
+                x = self._run_stage(self.stage, x, step)
+                if op == OP_STEP:
+                    super().set_length(step.end)
+                else:
+                    self.stage.kv.length += n
                 if p.last:
                     self._send(self._logits(x if all_logits else x[-1:]), 0)
                 else:
@@ -230,6 +272,15 @@ class PipelineEngine(Engine):
                                      f"rank 0")
 
     # --- messages -----------------------------------------------------------------------------
+
+    def _recv_step(self, n: int, span: int) -> Step:
+        """The step rank 0 sent after an OP_STEP header (_step_wire's tensors)."""
+        end, start, causal = self._recv((3,), torch.long, 0).tolist()
+        positions = self._recv((n,), torch.long, 0)
+        slots = self._recv((n,), torch.long, 0)
+        allowed = None if causal else self._recv((n, span), torch.uint8, 0).bool()
+        return Step(positions, slots, span=span, end=end, start=None if start < 0 else start,
+                    causal=bool(causal), allowed=allowed)
 
     def _driver_only(self, what: str) -> None:
         if not self.pipeline.first:
