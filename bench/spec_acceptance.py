@@ -216,7 +216,8 @@ def load_pair(target: Path, draft: str, files: dict, ctx: int, precision: str):
     """(model, draft description) for one target and draft; None where the draft cannot be
     loaded by this checkout."""
     if draft.startswith("skip-"):
-        k = int(draft.split("-", 1)[1])
+        k = int(draft.split("-")[1])
+        own_kv = draft.endswith("-ownkv")  # as before session 27: a KV cache of its own
         if not has_draft_skip():
             return None, None
         m = slipstream.load(target, device="cpu", ctx=ctx, precision=precision,
@@ -227,8 +228,19 @@ def load_pair(target: Path, draft: str, files: dict, ctx: int, precision: str):
             skipped = sorted(d.engine.skip) if d is not None and d.engine.skip else None
         except Exception:  # noqa: BLE001
             pass
-        return m, {"kind": "layer-skip self-draft", "load": f"draft_skip_layers={k}",
-                   "skipped_layers": skipped}
+        if own_kv:
+            from slipstream.api import Model
+
+            d = m.draft
+            mine = Model(m.path, m.gguf, m.config, m.engine.self_draft(d.engine.skip),
+                         m.tokenizer, m.template)
+            mine.owns_resources = False
+            d.close()
+            m.draft = mine
+        return m, {"kind": "layer-skip self-draft" + (", with a KV cache of its own (built as "
+                                                       "model.engine.self_draft(skip))"
+                                                       if own_kv else ""),
+                   "load": f"draft_skip_layers={k}", "skipped_layers": skipped}
     if draft.startswith("lowbit-"):
         qtype = draft.split("-", 1)[1]
         m = slipstream.load(target, device="cpu", ctx=ctx, precision=precision,
@@ -314,7 +326,8 @@ def main() -> None:
     p.add_argument("--targets", default="Q8_0", help="comma-separated: Q8_0, F16")
     p.add_argument("--drafts", default="Q2_K,Q4_0,skip-4,skip-8",
                    help="comma-separated: a type to requantize to, skip-K for the "
-                        "layer-skip self-draft, lowbit-TYPE for the low-bit copy")
+                        "layer-skip self-draft (skip-K-ownkv: with a KV cache of its own), "
+                        "lowbit-TYPE for the low-bit copy")
     p.add_argument("--nodes", default="16,64,256")
     p.add_argument("--temps", default="0,0.8")
     p.add_argument("--depth", type=int, default=SPEC_DEPTH, help="the trees' depth (drafted "

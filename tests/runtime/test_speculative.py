@@ -364,13 +364,13 @@ def test_draft_is_placed_first_out_of_the_ram_budget(smollm_path, smollm_spec):
 
 def test_layer_skip_self_draft_is_lossless(smollm_path):
     """The self-draft shares the model's weights (no second file), leaves out K layers and
-    keeps a cache of its own; greedy output equals plain greedy output."""
+    writes into the model's KV cache; greedy output equals plain greedy output."""
     with slipstream.load(smollm_path, device="cpu", ctx=256, precision="exact",
                          draft_skip_layers=8) as model:
         draft = model.draft
         assert len(draft.engine.skip) == 8 and not model.engine.skip
         assert draft.engine.weights is model.engine.weights
-        assert draft.engine.kv is not model.engine.kv
+        assert draft.engine.shares_kv(model.engine) and model.plan.draft[1] == 0
         ids = model.tokenize("Photosynthesis is the process by which")
         plain = [e.id for e in model.generate(ids, max_tokens=32, temperature=0, draft=False)]
         spec = [e.id for e in model.generate(ids, max_tokens=32, temperature=0, spec_nodes=16,
