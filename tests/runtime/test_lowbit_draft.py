@@ -207,3 +207,44 @@ def test_worker_processes_encode_the_same_bytes(tiny_path):
             a, b = getattr(alone[i], field), getattr(pooled[i], field)
             assert torch.equal(a.weight, b.weight), (i, field)
     gf.close()
+
+
+def test_cuda_sizing_covers_what_the_smaller_budget_streams(tmp_path, monkeypatch):
+    """On CUDA the copy holds the layers the model streams once the copy's bytes have left its
+    budget: planned again until that set is covered; BudgetTooSmall where the copy alone
+    fills the budget. A stand-in planner: 1 MiB a layer, 1 MiB of reserve; the copy 0.5 MiB a
+    layer."""
+    import slipstream.api as api
+    import slipstream.memory.vram as vram_mod
+    from slipstream.config import ModelConfig
+    from slipstream.gguf_file import GGUFFile
+    from slipstream.memory.planner import Plan
+
+    path = write_synth(tmp_path / "six.gguf", "tiny", "Q8_0", n_layers=6)
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    mib, n = 1 << 20, 6
+    monkeypatch.setattr(vram_mod, "layer_vram_bytes", lambda view, c, i, fused=False: mib // 2)
+    budgets = []
+
+    def fake_plan(gf_, cfg_, dev, prec, ctx, ram, vram, *rest, stream_first=None, stage=None):
+        budgets.append(vram)
+        resident = max(0, min(n, int(vram / mib - 1)))
+        return Plan("cuda", ["vram"] * resident + ["pinned"] * (n - resident), [mib] * n,
+                    [mib] * n, 0, None, 1)
+
+    monkeypatch.setattr(api, "_plan", fake_plan)
+    prec = slipstream.precision.Precision.of("exact", torch.device("cpu"))
+    dev = torch.device("cuda")
+    # 6 MiB: plain decode streams layer 5; its copy leaves 5.5 MiB, which streams 4 and 5;
+    # their copy leaves 5 MiB, which streams the same two
+    copied, held = api._size_lowbit(gf, cfg, dev, prec, 128, None, 6 * mib, "direct", 2, None,
+                                    Q.Q2_K, [5])
+    assert (copied, held) == ([4, 5], mib)
+    assert budgets == [5.5 * mib, 5 * mib]
+    # 2 MiB: every round streams more, until the copy of all six takes 3 MiB of the 2
+    with pytest.raises(BudgetTooSmall, match=r"Q2_K copy of the \d layers the model would "
+                                             r"stream takes"):
+        api._size_lowbit(gf, cfg, dev, prec, 128, None, 2 * mib, "direct", 2, None, Q.Q2_K,
+                         [1, 2, 3, 4, 5])
+    gf.close()
