@@ -22,7 +22,6 @@ from .errors import BadArgument, BudgetTooSmall, DeviceNotFound, oom_summary
 from .gguf_file import GGUFFile
 from .memory.budget import fmt_bytes
 from .memory.devices import resolve_device
-from .model.layer_spec import kv_cache_bytes
 from .precision import Precision
 from .runtime.engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
 from .runtime.generate import GenerationEvent, GenerationStats, autoregressive, generate
@@ -271,7 +270,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
          io: str = "direct", stream_delay=None, gpu_slots: int = 2,
          skip_layers: int = 0, draft: str | os.PathLike[str] | None = None,
          draft_skip_layers: int = 0, draft_lowbit: str | None = None,
-         private_weights: bool | None = None, hybrid: str | float = "auto", threads: int | None = None,
+         private_weights: bool | None = None, hybrid: str | float = "auto",
+         threads: int | None = None,
          vram_layers: int | None = None,
          devices: Sequence[str | torch.device] | None = None,
          distributed: bool = False) -> Model:
@@ -671,6 +671,10 @@ def _lowbit_draft(model: "Model", prec: Precision, qtype, copied: list[int],
         layers = build_lowbit_layers(model.gguf, model.config, model.device, prec, qtype,
                                      copied, workspace=workspace,
                                      progress=lambda n: bar.advance(task, n))
+    if model.device.type == "cpu":  # private weights: the pages the copy read go back too
+        from .weights.loader import release_mapped_pages
+
+        release_mapped_pages(model.gguf)
     draft = Model(model.path, model.gguf, model.config,
                   model.engine.self_draft(model.engine.skip, replace=layers, share_kv=True),
                   model.tokenizer, model.template)
