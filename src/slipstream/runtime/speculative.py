@@ -1,8 +1,9 @@
 """Lossless tree speculative decoding, as a token source for `runtime.generate`.
 
-A draft (a smaller Engine with the target's vocabulary and a KV cache of its own) guesses a tree
-of continuations of the pending token; the target scores the whole tree in one forward (a tree
-step, `model.step.tree_step`); then the user's Sampler walks the tree from its root, drawing
+A draft (an Engine with the target's vocabulary: a smaller model with a KV cache of its own,
+or a self-draft writing into the target's) guesses a tree of continuations of the pending
+token; the target scores the whole tree in one forward (a tree step, `model.step.tree_step`);
+then the user's Sampler walks the tree from its root, drawing
 every token from the target's own logits at the node reached, and descends while the token
 drawn is one the draft guessed. Every emitted token is thus drawn from the target's conditional
 distribution given everything before it, exactly as plain decoding draws it, whatever the
