@@ -144,8 +144,9 @@ def _add_draft_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-lowbit", default=None, metavar="TYPE", help="self-draft: the "
                    "model with a copy of its streamed layers (every layer on a CPU) "
                    "requantized at load to TYPE (Q2_K, Q3_K, Q4_0, ...) and kept resident, "
-                   "sharing the model's KV cache (no second file); on a CPU take Q4_0, whose "
-                   "decode reads packed 4-bit codes (the K-quants compute dense there)")
+                   "sharing the model's KV cache (no second file; default: none); on a CPU "
+                   "take Q4_0, whose decode reads packed 4-bit codes (the K-quants compute "
+                   "dense there)")
     g.add_argument("--spec-nodes", type=int, default=None, metavar="N", help="tokens in one "
                    "verify pass, the tree's root included (default: sized from the measured "
                    "costs every round)")
