@@ -1,7 +1,7 @@
 """A low-bit copy of a model's layers: the speculative self-draft that SubSpec calls a
 substitute. The layers whose reading bounds the target (those it streams on a GPU; every layer
 on a CPU, which reads each one from RAM every token) are requantized at load to a coarse format
-(Q2_K by default) and kept resident; the draft runs the target's own resident layers, embedding,
+(Q2_K, say) and kept resident; the draft runs the target's own resident layers, embedding,
 head and norms around them, and writes its guesses into the target's KV cache (runtime.engine
 `self_draft(share_kv=True)`), so its prefix is the target's exact keys and values.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Collection
 
 import numpy as np
@@ -38,7 +38,6 @@ from ..precision import Precision
 from .linear import Workspace
 from .loader import LayerBuilder, TensorSource
 
-DEFAULT_TYPE = "Q2_K"
 # Copies this large are encoded by worker processes (spawned: a forked torch is not safe)
 POOL_MIN_ELEMENTS = 1 << 30
 # The type for rows that are not whole blocks of the chosen one (K-quants' 256)
@@ -142,19 +141,6 @@ def _encode_in_worker(name: str, to: int) -> np.ndarray:
     info = _WORKER_FILE.tensors[name]
     raw = torch.from_numpy(np.asarray(_WORKER_FILE.tensor_bytes(name))).view(info.shape[0], -1)
     return _encode(raw, info.ggml_type, tuple(info.shape), GGMLQuantizationType(to))
-
-
-@dataclass
-class LowBitCopy:
-    """The built copy: layer -> weights, and what it is."""
-
-    qtype: GGMLQuantizationType
-    layers: dict[int, LayerWeights]
-    bytes: int  # what the sizing functions count for it (VRAM on CUDA, RAM on CPU)
-
-    @property
-    def name(self) -> str:
-        return self.qtype.name
 
 
 def build_lowbit_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
