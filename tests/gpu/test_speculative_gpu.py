@@ -192,6 +192,29 @@ def test_gpu_lowbit_draft_over_a_streamed_target_is_lossless(smollm_path):
         assert model.last_speculation["tokens_per_pass"] > 1.5, model.last_speculation
 
 
+def test_gpu_lowbit_copy_of_a_synthetic_streamed_target_is_lossless(tmp_path):
+    """As above without the real model: a synthetic Q8_0 target whose 6 streamed layers (pinned
+    RAM and disk) get a Q4_0 copy in VRAM; the draft mixes the copies with the target's 2
+    resident layers and writes into the target's KV cache, through captured graphs."""
+    pytest.importorskip("triton")
+    kw = dict(n_layers=8, from_floats=True, std=0.05, seed=5)
+    target = write_synth(tmp_path / "t.gguf", "tiny", "Q8_0", **kw)
+    with slipstream.load(target, device=DEVICE, ctx=512, precision="exact", vram_layers=2,
+                         ram_budget="3MiB", draft_lowbit="Q4_0") as model:
+        streamed = model.plan.streamed_layers
+        assert len(streamed) == 6 and "disk" in model.plan.tiers, model.plan.tiers
+        assert model.plan.draft[0] == "self: Q4_0 copy, 6 layers", model.plan.draft
+        draft = model.draft.engine
+        assert draft.shares_kv(model.engine) and draft.use_graphs
+        prompt = [1, 2, 3, 4]
+        plain = [e.id for e in model.generate(prompt, max_tokens=96, temperature=0,
+                                              draft=False)]
+        spec = [e.id for e in model.generate(prompt, max_tokens=96, temperature=0,
+                                             spec_nodes=32, spec_depth=6)]
+        _assert_same(model, prompt, spec, plain)
+        assert model.last_speculation["tokens_per_pass"] > 1.5, model.last_speculation
+
+
 AHEAD = 64  # levels a tree may grow past its verified nodes, beside the target's pass
 
 
