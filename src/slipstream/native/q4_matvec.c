@@ -211,6 +211,12 @@ static inline __attribute__((always_inline)) void q4_block_generic(
         for (int i = 0; i < Q4_ROWS; i++) out[r * Q4_ROWS + i] = accs[r][i] + accz[r][i];
 }
 
+/* Records prefetched ahead of the one being read. Weights streamed from RAM (a decode token
+ * reads every layer once): on the 2-core AVX2 machine, prefetching took gate_up (3072 x 576
+ * Q4_1, one row) from 80.8 to 58.6 us and down (576 x 1536) from 40.7 to 31.3 (session 26).
+ * The VNNI loop prefetches the same distance (untimed there when added: session 28). */
+#define Q4_PREFETCH 8
+
 #if Q4_VNNI
 /* acc + the 16 rows' dot products of one group's codes u with 32 int8 activations xg. */
 static inline __m512i q4_dot_vnni(const __m512i *u, const int8_t *xg, __m512i acc) {
@@ -235,6 +241,10 @@ static inline __attribute__((always_inline)) void q4_block_vnni(
     const int64_t rec = q4_record_bytes(fmt), codes = q4_code_bytes(fmt);
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *p = blk + g * rec;
+        /* one pass over the block, from RAM: prefetch ahead (into the next block at its end,
+         * which this thread reads next); a prefetch past the weights does not fault */
+        const char *ahead = (const char *)(p + Q4_PREFETCH * rec);
+        for (int64_t o = 0; o < rec; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
         __m512i u[8];
         if (fmt == Q8_F16) {
             for (int j = 0; j < 8; j++) u[j] = _mm512_loadu_si512((const void *)(p + 64 * j));
@@ -271,10 +281,6 @@ static inline __attribute__((always_inline)) void q4_block_vnni(
 #endif
 
 #if Q4_AVX2
-/* Records prefetched ahead in a block's first pass. Weights streamed from RAM (a decode token
- * reads every layer once): on the 2-core AVX2 machine, prefetching took gate_up (3072 x 576
- * Q4_1, one row) from 80.8 to 58.6 us and down (576 x 1536) from 40.7 to 31.3 (session 26). */
-#define Q4_PREFETCH 8
 
 /* x's 4 int8 codes of quad j broadcast to every 32-bit lane. */
 static inline __m256i q4_quad_avx2(const int8_t *xg, int j) {
