@@ -264,6 +264,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     threads = [int(t) for t in a.threads.split(",") if t]
     out = Path(a.outdir, "hybrid-bench.json")
+    out.parent.mkdir(parents=True, exist_ok=True)  # session 28 lost a run to a missing folder
     rows: list[dict] = []
     doc = {"device": torch.cuda.get_device_name(), "host_cpus": torch.get_num_threads(),
            "default_threads": default_threads(),

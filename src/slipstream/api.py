@@ -399,10 +399,10 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
 
     vram, ram = parse_size(vram_budget), parse_size(ram_budget)
     draft_model, plain_plan = None, None
-    if lowbit_type is not None and dev.type == "cuda" and vram is None:
-        vram = torch.cuda.mem_get_info(dev)[0]  # the copy's share comes out of a known budget
-    if (draft is not None or lowbit_type is not None) and dev.type == "cuda" and \
-            pipeline is None:
+    self_draft = lowbit_type is not None or bool(draft_skip_layers)
+    if self_draft and dev.type == "cuda" and vram is None:
+        vram = torch.cuda.mem_get_info(dev)[0]  # the draft's share comes out of a known budget
+    if (draft is not None or self_draft) and dev.type == "cuda" and pipeline is None:
         plain_plan = _plain_plan(gf, cfg, dev, prec, n_ctx, ram, vram, io, gpu_slots,
                                  vram_layers)
     plain_streamed = plain_plan.streamed_layers if plain_plan is not None else None
@@ -415,6 +415,9 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
                                     vram_layers, lowbit_type, plain_streamed)
         vram, ram = _remaining(vram, ram, held, dev,
                                f"the {lowbit_type.name} copy of {len(copied)} layers", None)
+    elif draft_skip_layers and dev.type == "cuda":
+        held = _self_draft_vram(gf, bool(plain_streamed))
+        vram, ram = _remaining(vram, ram, held, dev, "the layer-skip self-draft", None)
     stage = None
     if pipeline is not None:
         from .memory.devices import stage_ranges
@@ -435,7 +438,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     if draft is not None:
         plan.draft = (Path(draft).name, held)
     elif draft_skip_layers:
-        plan.draft = (f"self: {draft_skip_layers} layers skipped", 0)
+        plan.draft = (f"self: {draft_skip_layers} layers skipped",
+                      held if dev.type == "cuda" else 0)
     elif lowbit_type is not None:
         plan.draft = (f"self: {lowbit_type.name} copy, {len(copied)} layers", held)
     from .memory.vram_cap import VramCap
@@ -470,14 +474,14 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     try:
         if skip_layers:
             _skip_layers(model, skip_layers)
+        if self_draft and cap is not None:
+            cap.grow(held)  # the draft's share, taken out of the model's budget above
         if draft_skip_layers:
             model.draft = _self_draft(model, draft_skip_layers)
         if lowbit_type is not None:
-            if cap is not None:
-                cap.grow(held)  # the copy's share, taken out of the model's budget above
             model.draft = _lowbit_draft(model, prec, lowbit_type, copied, progress)
-            if dev.type == "cuda":
-                _warm_draft(model.draft.engine)
+        if self_draft and dev.type == "cuda":
+            _warm_draft(model.draft.engine)  # its graphs' pools, inside its share
         if model.draft is not None:
             if dev.type == "cuda":
                 _warm_target(model.engine)
@@ -640,7 +644,8 @@ def _size_lowbit(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, prec: Precis
     copied: set[int] = set(plain_streamed or ())
     while True:
         view = RetypedFile(gf, qtype, copied)
-        held = sum(layer_vram_bytes(view, cfg, i, prec.fuse_scales) for i in copied)
+        held = sum(layer_vram_bytes(view, cfg, i, prec.fuse_scales) for i in copied) + \
+            _self_draft_vram(gf, bool(copied))
         if vram - held <= 0:
             raise BudgetTooSmall(f"a {qtype.name} copy of the {len(copied)} layers the model "
                                  f"would stream takes {fmt_bytes(held)}, all of the VRAM "
@@ -651,6 +656,17 @@ def _size_lowbit(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, prec: Precis
         if streamed <= copied:
             return sorted(copied), held
         copied |= streamed
+
+
+def _self_draft_vram(gf: GGUFFile, streamed: bool) -> int:
+    """VRAM a self-draft on CUDA takes beyond any layers of its own: its graphs' headroom, and
+    where the model streams (its token table then stays on the host, which no captured graph
+    can read: Engine.self_draft) a copy of the token table."""
+    from .memory.vram import alloc_bytes
+    from .model.layer_spec import EMBEDDING
+
+    table = alloc_bytes(gf.tensors[EMBEDDING].n_bytes) if streamed else 0
+    return DRAFT_GRAPH_HEADROOM + table
 
 
 def _lowbit_draft(model: "Model", prec: Precision, qtype, copied: list[int],

@@ -215,6 +215,30 @@ def test_gpu_lowbit_copy_of_a_synthetic_streamed_target_is_lossless(tmp_path):
         assert model.last_speculation["tokens_per_pass"] > 1.5, model.last_speculation
 
 
+def test_gpu_layer_skip_draft_of_a_streamed_target_is_lossless(tmp_path):
+    """The layer-skip self-draft of a target that streams 2 of its 8 layers (both skipped) runs
+    the resident 6 through captured graphs, writing into the target's KV cache; the target's
+    token table stays on the host, so the draft holds a VRAM copy of it (a host lookup cannot
+    be captured: session 28's first run of a self-draft on a streamed target failed there)."""
+    pytest.importorskip("triton")
+    kw = dict(n_layers=8, from_floats=True, std=0.05, seed=5)
+    target = write_synth(tmp_path / "t.gguf", "tiny", "Q8_0", **kw)
+    with slipstream.load(target, device=DEVICE, ctx=512, precision="exact", vram_layers=6,
+                         ram_budget="3MiB", draft_skip_layers=2) as model:
+        assert len(model.plan.streamed_layers) == 2 and model.plan.embed_on_host
+        draft = model.draft.engine
+        assert draft.shares_kv(model.engine) and draft.use_graphs
+        assert model.engine.weights.embed.raw.device.type == "cpu"
+        assert draft.weights.embed.raw.device.type == "cuda"
+        prompt = [1, 2, 3, 4]
+        plain = [e.id for e in model.generate(prompt, max_tokens=96, temperature=0,
+                                              draft=False)]
+        spec = [e.id for e in model.generate(prompt, max_tokens=96, temperature=0,
+                                             spec_nodes=32, spec_depth=6)]
+        _assert_same(model, prompt, spec, plain)
+        assert model.last_speculation is not None, model.last_stats.extra
+
+
 AHEAD = 64  # levels a tree may grow past its verified nodes, beside the target's pass
 
 

@@ -234,14 +234,17 @@ def test_cuda_sizing_covers_what_the_smaller_budget_streams(tmp_path, monkeypatc
                     [mib] * n, 0, None, 1)
 
     monkeypatch.setattr(api, "_plan", fake_plan)
+    # the draft's graphs and its VRAM copy of the token table (Engine.self_draft): 0.25 MiB
+    monkeypatch.setattr(api, "_self_draft_vram", lambda gf_, streamed: mib // 4)
     prec = slipstream.precision.Precision.of("exact", torch.device("cpu"))
     dev = torch.device("cuda")
-    # 6 MiB: plain decode streams layer 5; its copy leaves 5.5 MiB, which streams 4 and 5;
-    # their copy leaves 5 MiB, which streams the same two
+    # 6 MiB: plain decode streams layer 5; its copy and the table leave 5.25 MiB, which
+    # streams 4 and 5; their copy leaves 4.75 MiB, which streams 3 to 5; theirs 4.25 MiB, the
+    # same three
     copied, held = api._size_lowbit(gf, cfg, dev, prec, 128, None, 6 * mib, "direct", 2, None,
                                     Q.Q2_K, [5])
-    assert (copied, held) == ([4, 5], mib)
-    assert budgets == [5.5 * mib, 5 * mib]
+    assert (copied, held) == ([3, 4, 5], 1.75 * mib)
+    assert budgets == [5.25 * mib, 4.75 * mib, 4.25 * mib]
     # 2 MiB: every round streams more, until the copy of all six takes 3 MiB of the 2
     with pytest.raises(BudgetTooSmall, match=r"Q2_K copy of the \d layers the model would "
                                              r"stream takes"):

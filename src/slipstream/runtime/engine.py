@@ -10,6 +10,7 @@ CUDA with every layer resident it replays a captured CUDA graph (runtime.graphs)
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -149,9 +150,15 @@ class Engine:
             kv = st.kv if share_kv else KVCache(self.cfg, st.kv.max_ctx, st.device,
                                                 st.kv.k.dtype, len(st.layers))
             stages.append(Stage(st.device, st.layers, store, kv, st.rope))
-        resident_only = all(st.device.type == "cuda" for st in stages)
-        draft = Engine(self.cfg, self.weights, stages, self.act_dtype,
-                       use_graphs=len(stages) == 1 and resident_only,
+        graphs = len(stages) == 1 and all(st.device.type == "cuda" for st in stages)
+        weights = self.weights
+        embed = weights.embed
+        if graphs and embed is not None and embed.raw.device != embed.device:
+            # a streamed target keeps its token table on the host, and a lookup there copies
+            # ids to the host, which no CUDA graph can hold: the draft's levels are captured,
+            # so it takes a copy of the table in VRAM (api counts it in the draft's share)
+            weights = replace(weights, embed=embed.on_device())
+        draft = Engine(self.cfg, weights, stages, self.act_dtype, use_graphs=graphs,
                        prefill_chunk=self.prefill_chunk)
         draft._skip = frozenset(skip)
         return draft

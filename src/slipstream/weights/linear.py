@@ -132,6 +132,11 @@ class QuantEmbedding:
         self.out_dtype = out_dtype
         self.device = raw.device if device is None else device
 
+    def on_device(self) -> "QuantEmbedding":
+        """This table with its rows held where they are returned (a host table's VRAM copy)."""
+        return QuantEmbedding(self.raw.to(self.device), self.ggml_type, self.hidden,
+                              self.out_dtype, self.device)
+
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         # a host table waits for the ids (one sync per step: streamed models only, which run
         # without CUDA graphs and spend milliseconds per layer on copies anyway)
