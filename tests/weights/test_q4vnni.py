@@ -342,3 +342,45 @@ def test_a_nan_or_infinity_in_x_gives_nan(bits):
     y = lin.matvec(x, torch.empty(3, 32), act_bits=bits)
     assert bool(y[:2].isnan().all()) and bool(y[2].isfinite().all())
     assert torch.equal(y[2:], lin.matvec(x[2:], torch.empty(1, 32), act_bits=bits))
+
+
+@pytest.mark.parametrize("qtype,rows,cols", [s for s in SHAPES if s[0] != Q.Q8_0],
+                         ids=[i for s, i in zip(SHAPES, IDS) if s[0] != Q.Q8_0])
+def test_float16_scales_kind_against_the_rounded_oracle(qtype, rows, cols):
+    """kind "q4vnni-f16" (the hybrid CPU share's auto-f16): every scale and zero rounded to
+    float16, Q4_K's too, so a Q4_K weight takes a sixth fewer bytes; the kernel then computes
+    the oracle of the rounded weights within the same rounding bound, and stays within
+    float16's rounding (2^-11 of each weight's terms) of the exact GGUF weights."""
+    raw = make_raw(qtype, rows, cols, 3)
+    lin = pack_linear(raw, qtype, (rows, cols), kind="q4vnni-f16")
+    exact = pack_linear(raw, qtype, (rows, cols), kind="q4vnni")
+    assert not lin.scale_f32 and lin.nbytes == packed_nbytes(qtype, (rows, cols), "q4vnni-f16")
+    if qtype == Q.Q4_K:
+        assert lin.nbytes * 6 == exact.nbytes * 5
+    else:  # Q4_0/Q4_1's float16 fields: the same weight
+        assert torch.equal(lin.packed, exact.packed)
+    u, s, z = affine(raw, qtype, (rows, cols))
+    s16, z16 = s.half().double(), z.half().double()
+    w16 = (u.double().view(rows, -1, 32) * s16[..., None] + z16[..., None]).view(rows, cols)
+    w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype)).double()
+    terms = ((u.double().view(rows, -1, 32) * s16[..., None]).abs()
+             + z16.abs()[..., None]).view(rows, cols)
+    g = torch.Generator().manual_seed(rows)
+    for m in (1, 3, 9):
+        x = torch.randn(m, cols, generator=g)
+        xq = quantized(x, 8)
+        bound = (cols // 32 + 3) * F32_U * (xq.abs() @ terms.t())
+        y = lin.matvec(x, torch.empty(m, rows), act_bits=8).double()
+        assert bool(((y - xq @ w16.t()).abs() <= bound * (1 + 1e-6) + 1e-30).all())
+        # against the exact weights: float16's rounding of each scale and zero on top
+        off = (y - xq @ w.t()).abs()
+        assert bool((off <= bound * (1 + 1e-6) + 2.0 ** -11 * (xq.abs() @ terms.t())).all())
+
+
+def test_auto_f16_kind_chooses_q4vnni_f16_where_auto_chooses_q4vnni(monkeypatch):
+    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
+        assert kind_for(qtype, "auto-f16") == "q4vnni-f16"
+    assert kind_for(Q.Q8_0, "auto-f16") == kind_for(Q.Q8_0, "auto")
+    assert kind_for(Q.Q6_K, "auto-f16") == kind_for(Q.Q6_K, "auto") == "int8pack"
+    monkeypatch.setattr(cpu_packed, "q4vnni_available", lambda: False)
+    assert kind_for(Q.Q4_K, "auto-f16") == "int4pack"

@@ -143,8 +143,9 @@ def _host_matmul(rows: int, cols: int, tokens: int):
 
     x = torch.randn(tokens, cols, dtype=torch.bfloat16,
                     generator=torch.Generator().manual_seed(1))
-    if kind_for(GGMLQuantizationType.Q4_K, HOST_KIND) == "q4vnni":
-        linear = _q4vnni_weight(rows, cols)
+    kind = kind_for(GGMLQuantizationType.Q4_K, HOST_KIND)
+    if kind in ("q4vnni", "q4vnni-f16"):
+        linear = _q4vnni_weight(rows, cols, kind == "q4vnni-f16")
 
         def one() -> None:
             linear.kernel(x)
@@ -159,10 +160,10 @@ def _host_matmul(rows: int, cols: int, tokens: int):
 
 
 @functools.lru_cache(maxsize=2)
-def _q4vnni_weight(rows: int, cols: int):
-    """A random weight in q4vnni's layout for Q4_K (float32 scales and zeros, all 0.01; codes
-    random), made in its records directly: packing random Q4_K bytes took 9 s for a quarter
-    of this size on 2 cores."""
+def _q4vnni_weight(rows: int, cols: int, halves: bool = False):
+    """A random weight in q4vnni's layout for Q4_K (float32 scales and zeros, or float16 with
+    `halves`, all 0.01; codes random), made in its records directly: packing random Q4_K
+    bytes took 9 s for a quarter of this size on 2 cores."""
     import torch
 
     from ..weights.cpu_packed import (INT4_GROUP, Q4V_CODE_BYTES, Q4V_ROWS, Q4VnniLinear,
@@ -170,9 +171,10 @@ def _q4vnni_weight(rows: int, cols: int):
 
     gen = torch.Generator().manual_seed(0)
     blocks, groups = -(-rows // Q4V_ROWS), cols // INT4_GROUP
-    packed = torch.randint(0, 256, (blocks, groups, q4vnni_record_bytes(True)),
+    packed = torch.randint(0, 256, (blocks, groups, q4vnni_record_bytes(not halves)),
                            dtype=torch.uint8, generator=gen)
-    planes = torch.full((blocks, groups, 2 * Q4V_ROWS), 0.01, dtype=torch.float32)
+    planes = torch.full((blocks, groups, 2 * Q4V_ROWS), 0.01,
+                        dtype=torch.float16 if halves else torch.float32)
     packed[..., Q4V_CODE_BYTES:] = planes.view(torch.uint8)
     return Q4VnniLinear(packed, rows)
 

@@ -81,7 +81,9 @@ INT4_FORMATS = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
 INT8_FORMATS = frozenset({Q.Q8_0, Q.Q6_K})  # the issue's int8pack formats (any format can go)
 UNPACKED_FORMATS = INT4_FORMATS | INT8_FORMATS  # the formats `group_affine` reads
 PAIR_FORMATS = frozenset({Q.Q8_0})  # 8-bit codes in groups of 32: two int4 halves
-KINDS = ("q4vnni", "q8vnni", "int4pack", "int4pair", "int8pack", "dequant", "dequant-compiled")
+KINDS = ("q4vnni", "q4vnni-f16", "q8vnni", "int4pack", "int4pair", "int8pack", "dequant",
+         "dequant-compiled")
+AUTO_KINDS = ("auto", "torch", "auto-f16")  # kind_for's choices among KINDS
 # Load-time work goes a slice of rows at a time, ~256K weights (1 MiB of float32 transients),
 # so each unpacking step reads and writes L2 rather than RAM.
 _CHUNK_WEIGHTS = 1 << 18
@@ -537,9 +539,11 @@ class Q4VnniLinear(Linear):
         self.flags = q4vnni_flags(False, False, 0)  # the activation bits (bf16 in and out)
 
     @classmethod
-    def from_raws(cls, raws, qtypes, shapes, bias: torch.Tensor | None = None
-                  ) -> "Q4VnniLinear":
-        """Stack the parts' rows (GGUF bytes, all of 4-bit formats) into one packed weight."""
+    def from_raws(cls, raws, qtypes, shapes, bias: torch.Tensor | None = None,
+                  round_scales: bool = False) -> "Q4VnniLinear":
+        """Stack the parts' rows (GGUF bytes, all of 4-bit formats) into one packed weight.
+        round_scales (kind "q4vnni-f16"): Q4_K's scales and zeros too are rounded to float16,
+        for a sixth fewer bytes to read (not exact: ~11 bits of each, against int4pack's 8)."""
         rows, cols = sum(r for r, _ in shapes), shapes[0][1]
         padded = -(-rows // Q4V_ROWS) * Q4V_ROWS
         groups = cols // INT4_GROUP
@@ -552,7 +556,12 @@ class Q4VnniLinear(Linear):
         # float16 where it holds every scale and zero exactly: Q4_0's and Q4_1's (f16 fields;
         # -8 d too, short of overflow), never in general Q4_K's (an f16 times a 6-bit integer),
         # which keep float32 so that packed_nbytes can tell the size from the format
-        halves = not any(Q(int(t)) == Q.Q4_K for t in qtypes) and all(
+        if round_scales:
+            top = float(torch.finfo(torch.float16).max)
+            if max(float(s.abs().max()), float(z.abs().max())) > top:
+                raise ValueError(f"a scale or zero past float16's range ({top:g}): this weight "
+                                 f"cannot take q4vnni-f16; use q4vnni")
+        halves = round_scales or not any(Q(int(t)) == Q.Q4_K for t in qtypes) and all(
             torch.equal(v.half().float(), v) for v in (s, z))
         dtype = torch.float16 if halves else torch.float32
         packed = torch.cat([_q4vnni_codes(u), _q4vnni_plane(s, dtype), _q4vnni_plane(z, dtype)],
@@ -813,21 +822,21 @@ def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | Non
     requantization costs Q8_0 more than the issue's 0.5% perplexity allowance on the default
     model; int4pair, 0.03%); int8pack for Q6_K (16-wide sub-blocks fit no int4 group); None
     for formats no layout reads (keep DenseLinear for those). kind="torch": auto's choice
-    among torch's kernels alone (int4pack, int4pair, int8pack)."""
+    among torch's kernels alone (int4pack, int4pair, int8pack). kind="auto-f16": auto's, with
+    "q4vnni-f16" for "q4vnni" (Q4_K's scales rounded to float16: 5 bits a weight, not 6)."""
     qtype = Q(int(qtype))
-    if kind not in ("auto", "torch") and kind not in KINDS:
-        raise ValueError(f"kind must be auto, torch or one of {', '.join(KINDS)}, "
-                         f"not {kind!r}")
+    if kind not in AUTO_KINDS and kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(AUTO_KINDS + KINDS)}, not {kind!r}")
     if qtype not in UNPACKED_FORMATS:
         return None
-    if kind in ("auto", "torch"):
-        ours = kind == "auto" and q4vnni_available()
+    if kind in AUTO_KINDS:
+        ours = kind != "torch" and q4vnni_available()
         if qtype in INT4_FORMATS:
-            return "q4vnni" if ours else "int4pack"
+            return ("q4vnni-f16" if kind == "auto-f16" else "q4vnni") if ours else "int4pack"
         if qtype in PAIR_FORMATS:
             return "q8vnni" if ours else "int4pair"
         return "int8pack"
-    if kind in ("int4pack", "q4vnni") and qtype not in INT4_FORMATS:
+    if kind in ("int4pack", "q4vnni", "q4vnni-f16") and qtype not in INT4_FORMATS:
         return None
     if kind in ("int4pair", "q8vnni") and qtype not in PAIR_FORMATS:
         return None
@@ -838,7 +847,12 @@ def _dequant_compiled(raws, qtypes, shapes, bias=None) -> DequantLinear:
     return DequantLinear.from_raws(raws, qtypes, shapes, bias, compiled=True)
 
 
-_BUILDERS = {"q4vnni": Q4VnniLinear.from_raws, "q8vnni": Q8VnniLinear.from_raws,
+def _q4vnni_f16(raws, qtypes, shapes, bias=None) -> "Q4VnniLinear":
+    return Q4VnniLinear.from_raws(raws, qtypes, shapes, bias, round_scales=True)
+
+
+_BUILDERS = {"q4vnni": Q4VnniLinear.from_raws, "q4vnni-f16": _q4vnni_f16,
+             "q8vnni": Q8VnniLinear.from_raws,
              "int4pack": Int4PackLinear.from_raws, "int4pair": Int4PairLinear.from_raws,
              "int8pack": Int8PackLinear.from_raws,
              "dequant": DequantLinear.from_raws, "dequant-compiled": _dequant_compiled}
@@ -855,6 +869,8 @@ def packed_nbytes(qtype: GGMLQuantizationType | int, shape: tuple[int, int],
     rows, cols = (int(s) for s in shape)
     if k == "q4vnni":  # float16 scales and zeros hold Q4_0's and Q4_1's exactly, not Q4_K's
         return q4vnni_nbytes(rows, cols, scale_f32=Q(int(qtype)) == Q.Q4_K)
+    if k == "q4vnni-f16":
+        return q4vnni_nbytes(rows, cols, scale_f32=False)
     if k == "q8vnni":
         return q8vnni_nbytes(rows, cols)
     if k in ("int4pack", "int4pair"):
