@@ -55,3 +55,25 @@ def test_weight_bytes_count_the_packed_cpu_copies(tmp_path):
     exact = weight_bytes_per_token(cpu_engine(path, precision="exact"))  # float32 dense
     assert gguf < fast < 1.3 * gguf
     assert exact > 4 * gguf  # 32-bit weights against ~4.5-bit codes
+
+
+def test_captured_weights_hold_the_token_table_where_rows_are_returned(tmp_path):
+    """A self-draft captured in CUDA graphs cannot look rows up in a host table (the lookup
+    copies ids to the host): captured_weights copies the table to its rows' device (here
+    "meta" stands in for CUDA) and leaves everything else, and a table already there, as is."""
+    import dataclasses
+
+    from slipstream.runtime.engine import captured_weights
+    from slipstream.weights.linear import QuantEmbedding
+
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2)
+    weights = cpu_engine(path, ctx=64).weights
+    assert captured_weights(weights) is weights  # a CPU table returning CPU rows
+    host = weights.embed
+    split = dataclasses.replace(weights, embed=QuantEmbedding(
+        host.raw, host.ggml_type, host.hidden, host.out_dtype, torch.device("meta")))
+    moved = captured_weights(split)
+    assert moved.embed.raw.device.type == "meta" and moved.embed.device.type == "meta"
+    assert moved.embed.raw.shape == host.raw.shape and moved.embed.ggml_type == host.ggml_type
+    assert split.embed.raw.device.type == "cpu"  # the target's own table stays on the host
+    assert moved.layers is weights.layers and moved.output is weights.output

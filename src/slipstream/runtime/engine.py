@@ -10,7 +10,7 @@ CUDA with every layer resident it replays a captured CUDA graph (runtime.graphs)
 
 from __future__ import annotations
 
-from dataclasses import replace
+import dataclasses
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -27,6 +27,17 @@ from .stage import Stage
 PREFILL_CHUNK = 2048
 
 __all__ = ["Engine", "GRAPH_BUCKET", "PREFILL_CHUNK"]
+
+
+def captured_weights(weights: ModelWeights) -> ModelWeights:
+    """`weights` as an engine whose steps are captured in CUDA graphs can use them: a streamed
+    model keeps its token table on the host, and a lookup there copies the ids to the host,
+    which no graph can hold, so the table is copied to where its rows are returned (a
+    self-draft of a streamed target: api counts the copy in the draft's share)."""
+    embed = weights.embed
+    if embed is None or embed.raw.device == embed.device:
+        return weights
+    return dataclasses.replace(weights, embed=embed.on_device())
 
 
 class Engine:
@@ -151,14 +162,8 @@ class Engine:
                                                 st.kv.k.dtype, len(st.layers))
             stages.append(Stage(st.device, st.layers, store, kv, st.rope))
         graphs = len(stages) == 1 and all(st.device.type == "cuda" for st in stages)
-        weights = self.weights
-        embed = weights.embed
-        if graphs and embed is not None and embed.raw.device != embed.device:
-            # a streamed target keeps its token table on the host, and a lookup there copies
-            # ids to the host, which no CUDA graph can hold: the draft's levels are captured,
-            # so it takes a copy of the table in VRAM (api counts it in the draft's share)
-            weights = replace(weights, embed=embed.on_device())
-        draft = Engine(self.cfg, weights, stages, self.act_dtype, use_graphs=graphs,
+        draft = Engine(self.cfg, captured_weights(self.weights) if graphs else self.weights,
+                       stages, self.act_dtype, use_graphs=graphs,
                        prefill_chunk=self.prefill_chunk)
         draft._skip = frozenset(skip)
         return draft
