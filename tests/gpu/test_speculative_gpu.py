@@ -104,6 +104,14 @@ def _assert_same(model, ids: list[int], spec: list[int], plain: list[int]) -> No
                 f"{model.last_speculation}")
 
 
+def _greedy_equals_plain(model, ids: list[int], tokens: int, **spec) -> None:
+    """Greedy decoding of `ids` with the model's draft (`spec`: the tree's options) against
+    plain greedy (_assert_same)."""
+    plain = [e.id for e in model.generate(ids, max_tokens=tokens, temperature=0, draft=False)]
+    out = [e.id for e in model.generate(ids, max_tokens=tokens, temperature=0, **spec)]
+    _assert_same(model, ids, out, plain)
+
+
 def _streamed_with_draft(target, draft, resident: int = 2, **kw):
     """The target loaded with `draft` resident and at most `resident` of its own layers in
     VRAM (load's vram_layers), the rest streamed from pinned RAM or disk as kw's RAM budget
@@ -183,12 +191,8 @@ def test_gpu_lowbit_draft_over_a_streamed_target_is_lossless(smollm_path):
         assert sorted(draft.stages[0].store.layers[i] is not None
                       for i in range(model.config.n_layers)) == [True] * model.config.n_layers
         for prompt in GREEDY_PROMPTS[:3]:
-            ids = model.tokenize(prompt)
-            plain = [e.id for e in model.generate(ids, max_tokens=64, temperature=0,
-                                                  draft=False)]
-            spec = [e.id for e in model.generate(ids, max_tokens=64, temperature=0,
-                                                 spec_nodes=32, spec_depth=8)]
-            _assert_same(model, ids, spec, plain)
+            _greedy_equals_plain(model, model.tokenize(prompt), 64, spec_nodes=32,
+                                 spec_depth=8)
         assert model.last_speculation["tokens_per_pass"] > 1.5, model.last_speculation
 
 
@@ -206,12 +210,7 @@ def test_gpu_lowbit_copy_of_a_synthetic_streamed_target_is_lossless(tmp_path):
         assert model.plan.draft[0] == "self: Q4_0 copy, 6 layers", model.plan.draft
         draft = model.draft.engine
         assert draft.shares_kv(model.engine) and draft.use_graphs
-        prompt = [1, 2, 3, 4]
-        plain = [e.id for e in model.generate(prompt, max_tokens=96, temperature=0,
-                                              draft=False)]
-        spec = [e.id for e in model.generate(prompt, max_tokens=96, temperature=0,
-                                             spec_nodes=32, spec_depth=6)]
-        _assert_same(model, prompt, spec, plain)
+        _greedy_equals_plain(model, [1, 2, 3, 4], 96, spec_nodes=32, spec_depth=6)
         assert model.last_speculation["tokens_per_pass"] > 1.5, model.last_speculation
 
 
@@ -230,12 +229,7 @@ def test_gpu_layer_skip_draft_of_a_streamed_target_is_lossless(tmp_path):
         assert draft.shares_kv(model.engine) and draft.use_graphs
         assert model.engine.weights.embed.raw.device.type == "cpu"
         assert draft.weights.embed.raw.device.type == "cuda"
-        prompt = [1, 2, 3, 4]
-        plain = [e.id for e in model.generate(prompt, max_tokens=96, temperature=0,
-                                              draft=False)]
-        spec = [e.id for e in model.generate(prompt, max_tokens=96, temperature=0,
-                                             spec_nodes=32, spec_depth=6)]
-        _assert_same(model, prompt, spec, plain)
+        _greedy_equals_plain(model, [1, 2, 3, 4], 96, spec_nodes=32, spec_depth=6)
         assert model.last_speculation is not None, model.last_stats.extra
 
 
