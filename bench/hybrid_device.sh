@@ -11,6 +11,8 @@
 # first case), so it runs in two calls while the machine stays warm:
 #   PART=llama  the synthesis, llama.cpp's build and its runs (kept in /tmp/llama-out)
 #   PART=bench  hybrid_bench.py against those llama.cpp figures (copied into OUTDIR)
+# KINDS="auto-f16 auto": after the main run (the default CPU kernels), the hybrid 70B case again
+# with the CPU share on each of those SLIPSTREAM_HYBRID_KIND values, into OUTDIR/kind-K.
 # Carry what spec_device.sh says.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/slipstream-out}}
@@ -53,3 +55,9 @@ done
 timeout ${BENCH_S:-330} python3 bench/hybrid_bench.py "$OUTDIR" --workdir $W "${LLAMA_ARGS[@]}" \
   --cases "$CASES" ${HYBRID_ARGS:-} > "$OUTDIR/hybrid-bench.log" 2>&1
 grep -v "^{" "$OUTDIR/hybrid-bench.log" | tail -12
+for kind in ${KINDS:-}; do
+  SLIPSTREAM_HYBRID_KIND=$kind timeout ${KIND_S:-150} python3 bench/hybrid_bench.py \
+    "$OUTDIR/kind-$kind" --workdir $W "${LLAMA_ARGS[@]}" --cases 70b --skip-off --no-prefill \
+    --threads ${KIND_THREADS:-15} > "$OUTDIR/hybrid-bench-$kind.log" 2>&1
+  grep -v "^{" "$OUTDIR/hybrid-bench-$kind.log" | tail -2
+done
