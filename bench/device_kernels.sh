@@ -19,7 +19,7 @@ SWEEP=""; NOMAIN=""
 
 # Compile everything first, in parallel: tests (xdist) and the bench's launches (8 parts).
 t0=$(date +%s)
-( timeout 140 python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider tests/gpu/test_kernels.py \
+( timeout -s INT -k 20 140 python3 -m pytest -q -m gpu -n 6 -p no:cacheprovider tests/gpu/test_kernels.py \
     > "$OUT/pytest.log" 2>&1; echo "pytest exit $?" >> "$OUT/pytest.log" ) &
 PYT=$!
 for i in 0 1 2 3 4 5 6 7; do

@@ -23,10 +23,10 @@ cd "$(dirname "$0")/.."
 source bench/device_setup.sh
 W=$SLIPSTREAM_MODELS  # device_setup.sh: /dev/shm where it has room
 if [ "${TESTS:-0}" = 1 ]; then
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_hybrid_gpu.py \
+  timeout -s INT -k 20 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_hybrid_gpu.py \
     tests/gpu/test_streaming_gpu.py > "$OUTDIR/pytest-hybrid.log" 2>&1
   grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-hybrid.log" | head; tail -1 "$OUTDIR/pytest-hybrid.log"
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_tier_c_gpu.py \
+  timeout -s INT -k 20 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_tier_c_gpu.py \
     tests/gpu/test_engine.py -k "mmap or vram or budget" > "$OUTDIR/pytest-tierc.log" 2>&1
   grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-tierc.log" | head; tail -1 "$OUTDIR/pytest-tierc.log"
 fi

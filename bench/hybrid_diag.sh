@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 SHAPES=${SHAPES:-70b} LLAMA=${LLAMA:-1} PART=prep bash bench/spec_device.sh /tmp/prep > /tmp/prep.log 2>&1; tail -3 /tmp/prep.log
 source bench/device_setup.sh
 W=$SLIPSTREAM_MODELS
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_hybrid_gpu.py \
+timeout -s INT -k 20 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_hybrid_gpu.py \
   -k "fused or host_flag or run_ahead or matches_whole" > "$OUTDIR/pytest-hybrid.log" 2>&1
 grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-hybrid.log" | head; tail -1 "$OUTDIR/pytest-hybrid.log"
 if [ "${LLAMA:-1}" = 1 ]; then

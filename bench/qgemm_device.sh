@@ -21,7 +21,7 @@ if [ "${LEVELS:-0}" = 1 ] && [ ! -f "$SYN8" ]; then
   python3 -m slipstream synth --shape 8b --quant Q4_K -o "$SYN8" >/tmp/synth.log 2>&1 &
 fi
 SEL=$([ "${HEAVY:-0}" = 1 ] && echo gpu || echo "gpu and not compile_heavy")
-timeout ${TEST_S:-280} python3 -m pytest -q -p no:cacheprovider -m "$SEL" -n 8 \
+timeout -s INT -k 20 ${TEST_S:-280} python3 -m pytest -q -p no:cacheprovider -m "$SEL" -n 8 \
   tests/gpu/test_kernels.py ${EXTRA_TESTS:-} -k "${KTESTS:-qgemm or matmul_routes or seeded}" \
   --durations=8 > "$OUTDIR/pytest-qgemm.log" 2>&1
 echo "tests: $(( $(date +%s) - t0 )) s"

@@ -7,7 +7,8 @@
 #               (default-spec, the 70B cases with the floor bracketed: --tokens 64 --bracket),
 #               in this call. Session 23 ran these in 332 s after a prep call, about 400 s
 #               with the prep (s23-spec-bench-h200-call3.json)
-#   TESTS=1 / LLAMA=0 add the speculative GPU tests (about 3 minutes more: past one call's
+#   TESTS=1 / LLAMA=0 add the speculative GPU tests (cut at TEST_S, default 240 s, by SIGINT,
+#   on which pytest still prints the failures it has; about 3 minutes more: past one call's
 #   600 s with the rest) / leave out llama.cpp; SPEC_ARGS: bench/spec_bench.py's;
 #   SHAPES: the synthetic files made (default "70b 8b")
 # Carry .whl, .anchors (a copy of ../shared/anchors/, which does not travel), one model part
@@ -46,8 +47,9 @@ if [ "${LLAMA:-1}" = 1 ]; then
   grep -E "tg16|pp512|max memory" "$OUTDIR/llamacpp-70b-ngl46.txt"
 fi
 if [ "${TESTS:-0}" = 1 ]; then
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_speculative_gpu.py \
-    tests/gpu/test_streaming_gpu.py -k "spec or skip or graph" > "$OUTDIR/pytest-spec.log" 2>&1
+  timeout -s INT -k 20 ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider -m gpu \
+    tests/gpu/test_speculative_gpu.py tests/gpu/test_streaming_gpu.py -k "spec or skip or graph" \
+    > "$OUTDIR/pytest-spec.log" 2>&1
   grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-spec.log" | head; tail -1 "$OUTDIR/pytest-spec.log"
 fi
 python3 bench/spec_bench.py "$OUTDIR" --model "$MODEL" --workdir $W \
