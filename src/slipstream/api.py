@@ -415,8 +415,8 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
                                     vram_layers, lowbit_type, plain_streamed)
         vram, ram = _remaining(vram, ram, held, dev,
                                f"the {lowbit_type.name} copy of {len(copied)} layers", None)
-    elif draft_skip_layers and dev.type == "cuda":
-        held = _self_draft_vram(gf, bool(plain_streamed))
+    elif draft_skip_layers:  # on CUDA: its graphs, and a VRAM token table if the model streams
+        held = _self_draft_vram(gf, bool(plain_streamed)) if dev.type == "cuda" else 0
         vram, ram = _remaining(vram, ram, held, dev, "the layer-skip self-draft", None)
     stage = None
     if pipeline is not None:
@@ -438,8 +438,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     if draft is not None:
         plan.draft = (Path(draft).name, held)
     elif draft_skip_layers:
-        plan.draft = (f"self: {draft_skip_layers} layers skipped",
-                      held if dev.type == "cuda" else 0)
+        plan.draft = (f"self: {draft_skip_layers} layers skipped", held)
     elif lowbit_type is not None:
         plan.draft = (f"self: {lowbit_type.name} copy, {len(copied)} layers", held)
     from .memory.vram_cap import VramCap

@@ -28,20 +28,20 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import BadArgument
-from .cpu_packed import kind_for, pack_group, pack_linear
+from .cpu_packed import AUTO_KINDS, kind_for, pack_group, pack_linear
 
 # keep (and ffn - keep) in multiples of this: a K-quant block along down's columns (256), and
 # whole 64-row blocks of torch's int4 CPU layout along gate/up's rows
 SPLIT_ALIGN = 256
 REST_FIELDS = ("ffn_gate_up_rest", "ffn_down_rest")  # the image's tail: decode leaves it out
 # The CPU's share runs on torch's packed kernels by default, not on the native q4vnni/q8vnni
-# ones that CPU decode takes: those have not yet been measured on the GPU machine's CPU beside
-# its copies. SLIPSTREAM_HYBRID_KIND=auto takes them (cpu_packed.kind_for's "auto"; on the
-# H200's host, session 28: 4.885 tok/s against torch's 4.816, the CPU reading 74.5 GB/s of
-# q4vnni's 6 bits a Q4_K weight, and PCIe falling to 42.8 GB/s beside it); auto-f16 takes them
-# with Q4_K's scales rounded to float16 (5 bits a weight, int4pack's size; not yet timed);
+# ones that CPU decode takes: on the H200's host (session 28) those gained nothing beside the
+# copies, 4.885 tok/s against torch's 4.816 on the 70B, the CPU reading 74.5 GB/s of q4vnni's
+# 6 bits a Q4_K weight and PCIe falling to 42.8 GB/s. SLIPSTREAM_HYBRID_KIND (one of
+# cpu_packed.kind_for's automatic choices) picks: auto takes them; auto-f16 takes them with
+# Q4_K's scales rounded to float16 (5 bits a weight, int4pack's size; not yet timed).
 # memory.hybrid_plan's probe times the kernel of the kind chosen here.
-HOST_KINDS = ("torch", "auto", "auto-f16")
+HOST_KINDS = AUTO_KINDS
 HOST_KIND = os.environ.get("SLIPSTREAM_HYBRID_KIND", "torch")
 if HOST_KIND not in HOST_KINDS:
     raise BadArgument(f"SLIPSTREAM_HYBRID_KIND={HOST_KIND!r} is invalid: set it to one of "
