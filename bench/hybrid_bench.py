@@ -185,6 +185,8 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
                        pcie_gbps_beside_cpu=round(h.pcie_gbps, 1),
                        plain_predicted_tok_s=round(h.plain_tok_s or 0, 3),
                        extra_ram_gib=round(h.extra_ram_bytes / 2**30, 2))
+        else:  # whole layers (off, or auto declining the split): nothing on the CPU
+            row["cpu_share"] = 0.0
         # the links' roofline, from the rates measured at load in this run: whole layers over
         # PCIe; hybrid, the larger of the CPU's and PCIe's times for their shares
         streamed = sum(b for b, t in zip(plan.file_bytes_per_layer, plan.tiers) if t == "pinned")

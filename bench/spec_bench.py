@@ -359,7 +359,9 @@ def seventy(work: Path, tokens: int, acceptance: list[dict], skip_case: bool = T
                                 spec_ahead=AHEAD_BESIDE)
         if fresh_sizer:  # the sized run as a first generation: its learning rounds count
             m._sizers.clear()
-        auto = attempt(decode, m, tokens)
+        # traced (per-token intervals and store traffic): where a floor under 0.9x loses
+        # its time (session 28: four learning passes averaged 0.85 s against a 0.45 s step)
+        auto = attempt(decode, m, tokens, trace=fresh_sizer)
         released = m.draft_released
         after = decode(m, tokens, draft=False)  # plain, with the layers the draft's VRAM took
         store = m.engine.layers
