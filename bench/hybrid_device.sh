@@ -11,7 +11,7 @@
 # first case), so it runs in two calls while the machine stays warm:
 #   PART=llama  the synthesis, llama.cpp's build and its runs (kept in /tmp/llama-out)
 #   PART=bench  hybrid_bench.py against those llama.cpp figures (copied into OUTDIR)
-# KINDS="auto-f16 auto": after the main run (the default CPU kernels), the hybrid 70B case again
+# KINDS="torch auto-f16": after the main run (the default CPU kernels), the hybrid 70B case again
 # with the CPU share on each of those SLIPSTREAM_HYBRID_KIND values, into OUTDIR/kind-K.
 # Carry what spec_device.sh says.
 set -uo pipefail

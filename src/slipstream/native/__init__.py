@@ -1,5 +1,6 @@
 """Native CPU ops, compiled once per machine with the system's C compiler and called through
-ctypes: decode_ops.c and q4_matvec.c for decode, int4_pack.c for load-time packing.
+ctypes: decode_ops.c and q4_matvec.c for decode, int4_pack.c for load-time packing (int4pack
+and q4vnni).
 
 Why C: a CPU decode token of a small model spends as long in ~25 tiny torch calls a layer as in
 its matmuls, each call a few microseconds of dispatch around a few hundred floats of work
@@ -59,6 +60,7 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     "ss_decode_layer": (_P, _P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64),
     # int4_pack.c
     "ss_int4pack_rows": (_P, _I64, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT),
+    "ss_q4vnni_rows": (_P, _I64, _INT, _I64, _I64, _I64, _P, _I64, _P, _P, _INT),
 }
 # functions that return something (and take nothing)
 RETURNS = {"ss_q4_has_vnni": _INT, "ss_q4_has_simd": _INT}

@@ -147,3 +147,72 @@ void ss_int4pack_rows(const uint8_t *raw, int64_t row_bytes, int fmt, int64_t ro
         }
     }
 }
+
+/* ------------------------------------------------------------------------------------------
+ * The same GGUF 4-bit rows into q4vnni's records (weights/cpu_packed.py, Q4VnniLinear: the
+ * layout q4_matvec.c reads), for the same reason: in torch ops the unpacking and the permute
+ * are a dozen calls per chunk of rows, and a 70B's hybrid load with q4vnni took 70-85 s
+ * against int4pack's 25-34 s (bench/results/2026-12-05-s29-hybrid-bench-*-h100-call4.json,
+ * s28's on the H200).
+ *
+ * q4vnni's convention: w = s u + z, u in [0, 15], in float32 as the torch path forms it:
+ *     Q4_0: s = d, z = -8 d;  Q4_1: s = d, z = 0 s + m;  Q4_K: s = d sc_j, z = 0 s - dmin m_j
+ * (0 s: the torch path's lo * s, kept for its signed zeros). A record holds 16 rows x 32
+ * columns: its first 256 bytes are the codes, row r's columns 4j..4j+3 at bytes
+ * (j % 4) * 64 + 4r .. + 3, in the low nibble for j < 4 and the high one for j >= 4; the scale
+ * and zero planes after them are the caller's (written from s_out and z_out). */
+static void vnni_group_of(const uint8_t *b, int fmt, int g, uint8_t *u, float *s, float *z) {
+    if (fmt == FMT_Q4_K) {
+        float d = (float)f16_to_double(rd16(b)), dmin = (float)f16_to_double(rd16(b + 2));
+        const uint8_t *sc = b + 4, *qs = b + 16 + 32 * (g / 2);
+        int sj, mj;
+        if (g < 4) {
+            sj = sc[g] & 63;
+            mj = sc[g + 4] & 63;
+        } else {
+            sj = (sc[g + 4] & 0x0f) | ((sc[g - 4] >> 6) << 4);
+            mj = (sc[g + 4] >> 4) | ((sc[g] >> 6) << 4);
+        }
+        int shift = (g & 1) ? 4 : 0;
+        for (int i = 0; i < 32; i++) u[i] = (qs[i] >> shift) & 0x0f;
+        *s = d * (float)sj;
+        *z = 0.0f * *s + -(dmin * (float)mj);
+        return;
+    }
+    const uint8_t *qs = b + (fmt == FMT_Q4_1 ? 4 : 2);
+    for (int i = 0; i < 16; i++) {
+        u[i] = qs[i] & 0x0f;
+        u[i + 16] = qs[i] >> 4;
+    }
+    float d = (float)f16_to_double(rd16(b));
+    *s = d;
+    *z = fmt == FMT_Q4_1 ? 0.0f * d + (float)f16_to_double(rd16(b + 2)) : -8.0f * d;
+}
+
+/* Rows [0, rows) of a matrix of `fmt` (row r at raw + r * row_bytes, columns [0, cols)) as
+ * rows row0.. of a stacked q4vnni weight: codes into `packed` (records of `record_bytes`,
+ * cols / 32 of them per 16-row block), s and z into float32 (padded_rows, cols / 32) planes.
+ * Rows are shared out over `threads` OpenMP threads; each writes only its own bytes, so a
+ * record may hold rows of two parts (a part's rows need not be a multiple of 16). */
+void ss_q4vnni_rows(const uint8_t *raw, int64_t row_bytes, int fmt, int64_t rows, int64_t cols,
+                    int64_t row0, uint8_t *packed, int64_t record_bytes, float *s_out,
+                    float *z_out, int threads) {
+    const int64_t bsize = fmt == FMT_Q4_K ? 144 : (fmt == FMT_Q4_1 ? 20 : 18);
+    const int per_block = fmt == FMT_Q4_K ? 8 : 1;
+    const int64_t groups = cols / 32;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = raw + r * row_bytes;
+        const int64_t n = row0 + r, rr = n % 16;
+        uint8_t *rec = packed + (n / 16) * groups * record_bytes;
+        for (int64_t g = 0; g < groups; g++) {
+            uint8_t u[32];
+            vnni_group_of(row + (g / per_block) * bsize, fmt, (int)(g % per_block), u,
+                          s_out + n * groups + g, z_out + n * groups + g);
+            uint8_t *p = rec + g * record_bytes + 4 * rr;
+            for (int jm = 0; jm < 4; jm++)
+                for (int t = 0; t < 4; t++)
+                    p[jm * 64 + t] = (uint8_t)(u[jm * 4 + t] | (u[16 + jm * 4 + t] << 4));
+        }
+    }
+}

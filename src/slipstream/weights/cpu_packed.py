@@ -547,12 +547,21 @@ class Q4VnniLinear(Linear):
         rows, cols = sum(r for r, _ in shapes), shapes[0][1]
         padded = -(-rows // Q4V_ROWS) * Q4V_ROWS
         groups = cols // INT4_GROUP
-        u = torch.zeros(padded, cols, dtype=torch.uint8)  # padding rows: codes and scales 0
-        s = torch.zeros(padded, groups)
-        z = torch.zeros(padded, groups)
-        for r0, ga in _chunks(raws, qtypes, shapes):
-            r1 = r0 + ga.shape[0]
-            u[r0:r1], s[r0:r1], z[r0:r1] = _q4vnni_params(ga)
+        from .int4_native import q4vnni_native
+
+        # in one native pass where the library is there (the same bits; in torch ops a 70B's
+        # hybrid load took 70-85 s against int4pack's 25-34 s, which packs natively)
+        native = q4vnni_native(raws, qtypes, shapes, padded)
+        if native is not None:
+            codes, s, z = native
+        else:
+            u = torch.zeros(padded, cols, dtype=torch.uint8)  # padding rows: codes, scales 0
+            s = torch.zeros(padded, groups)
+            z = torch.zeros(padded, groups)
+            for r0, ga in _chunks(raws, qtypes, shapes):
+                r1 = r0 + ga.shape[0]
+                u[r0:r1], s[r0:r1], z[r0:r1] = _q4vnni_params(ga)
+            codes = _q4vnni_codes(u)
         # float16 where it holds every scale and zero exactly: Q4_0's and Q4_1's (f16 fields;
         # -8 d too, short of overflow), never in general Q4_K's (an f16 times a 6-bit integer),
         # which keep float32 so that packed_nbytes can tell the size from the format
@@ -564,8 +573,7 @@ class Q4VnniLinear(Linear):
         halves = round_scales or not any(Q(int(t)) == Q.Q4_K for t in qtypes) and all(
             torch.equal(v.half().float(), v) for v in (s, z))
         dtype = torch.float16 if halves else torch.float32
-        packed = torch.cat([_q4vnni_codes(u), _q4vnni_plane(s, dtype), _q4vnni_plane(z, dtype)],
-                           dim=2)
+        packed = torch.cat([codes, _q4vnni_plane(s, dtype), _q4vnni_plane(z, dtype)], dim=2)
         return cls(packed, rows, bias)
 
     @property

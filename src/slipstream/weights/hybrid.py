@@ -34,15 +34,20 @@ from .cpu_packed import AUTO_KINDS, kind_for, pack_group, pack_linear
 # whole 64-row blocks of torch's int4 CPU layout along gate/up's rows
 SPLIT_ALIGN = 256
 REST_FIELDS = ("ffn_gate_up_rest", "ffn_down_rest")  # the image's tail: decode leaves it out
-# The CPU's share runs on torch's packed kernels by default, not on the native q4vnni/q8vnni
-# ones that CPU decode takes: on the H200's host (session 28) those gained nothing beside the
-# copies, 4.885 tok/s against torch's 4.816 on the 70B, the CPU reading 74.5 GB/s of q4vnni's
-# 6 bits a Q4_K weight and PCIe falling to 42.8 GB/s. SLIPSTREAM_HYBRID_KIND (one of
-# cpu_packed.kind_for's automatic choices) picks: auto takes them; auto-f16 takes them with
-# Q4_K's scales rounded to float16 (5 bits a weight, int4pack's size; not yet timed).
+# The CPU's share runs on the native q4vnni/q8vnni kernels that CPU decode takes (kind "auto"),
+# where the library builds. Beside the copies they were ahead of torch's int4pack on both GPU
+# hosts measured since the VNNI loop prefetches: the H200's (session 28) 4.885 tok/s on the
+# 70B at 24 GiB against 4.816, the H100's (session 29) 5.772 and 4.883 against 4.137 and 4.314
+# (bench/results/2026-12-05-s29-hybrid-bench-*-h100-call{2,4,5}.json), its CPU share reading
+# 77-84 GB/s of q4vnni's 6 bits a Q4_K weight against 50-52 of int4pack's 5. (Session 16's
+# H200 had it slower, 3.72 against 4.66, before the probe and the prefetch were fixed.) Their
+# load-time packing is native since session 29 (int4_pack.c): 70-85 s loads of the 70B before.
+# SLIPSTREAM_HYBRID_KIND (one of cpu_packed.kind_for's automatic choices) picks: torch takes
+# torch's kernels; auto-f16 rounds Q4_K's scales to float16 (5 bits a weight: 5.315 tok/s in
+# session 29, its probe overrating the CPU and giving it a 0.71 share).
 # memory.hybrid_plan's probe times the kernel of the kind chosen here.
 HOST_KINDS = AUTO_KINDS
-HOST_KIND = os.environ.get("SLIPSTREAM_HYBRID_KIND", "torch")
+HOST_KIND = os.environ.get("SLIPSTREAM_HYBRID_KIND", "auto")
 if HOST_KIND not in HOST_KINDS:
     raise BadArgument(f"SLIPSTREAM_HYBRID_KIND={HOST_KIND!r} is invalid: set it to one of "
                       f"{', '.join(HOST_KINDS)}, or unset it")

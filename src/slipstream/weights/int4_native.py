@@ -1,5 +1,6 @@
 """Load-time packing of 4-bit GGUF matrices into torch's int4 CPU layout in one native pass
-(native/int4_pack.c), for Int4PackLinear (weights.cpu_packed).
+(native/int4_pack.c), for Int4PackLinear (weights.cpu_packed); and into q4vnni's codes and
+float32 scale and zero planes, for Q4VnniLinear (q4vnni_native).
 
 Why: in torch ops the packing is a dozen small calls per 64 rows. On the H200 host, hybrid
 decode's CPU share of a 70B (7.7 GB) took about 100 s that way on a pool of 15 threads,
@@ -67,13 +68,7 @@ def _pack(raws, qtypes, shapes, block: int, threads: int
     scale_zeros = torch.empty(cols // INT4_GROUP, rows, 2, dtype=torch.bfloat16)
     row0 = 0
     for raw, qtype, (r, c) in zip(raws, qtypes, shapes):
-        if c != cols:
-            raise ValueError(f"parts of one packed linear need one width, not {c} and {cols}")
-        raw = raw.reshape(r, -1).contiguous()
-        if raw.dtype != torch.uint8 or raw.shape[1] != get_format(Q(int(qtype))).row_bytes(c):
-            raise ValueError(f"{Q(int(qtype)).name} rows of {c} columns are "
-                             f"{get_format(Q(int(qtype))).row_bytes(c)} uint8 bytes, not "
-                             f"{tuple(raw.shape)} {raw.dtype}")
+        raw = _rows_of(raw, qtype, r, c, cols)
         lib.ss_int4pack_rows(raw.data_ptr(), raw.shape[1], FORMATS[Q(int(qtype))], r, cols,
                              row0, rows, block, packed.data_ptr(), scale_zeros.data_ptr(),
                              threads)
@@ -97,3 +92,42 @@ def _random_matrix(qtype: Q, rows: int, cols: int, gen: torch.Generator) -> torc
     f16[::7, 0] = 0.0
     raw[:, :2 * halves] = f16.view(torch.uint8).reshape(raw.shape[0], 2 * halves)
     return raw.reshape(rows, -1)
+
+
+def q4vnni_native(raws, qtypes, shapes, padded_rows: int, threads: int | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The stacked parts' q4vnni codes (padded_rows / 16, cols / 32, 256) uint8 and their
+    float32 scales and zeros (padded_rows, cols / 32), made by int4_pack.c's ss_q4vnni_rows:
+    the bits of cpu_packed's torch path (_q4vnni_codes of _q4vnni_params), with padding rows
+    0. None where the library is not there or a part is not Q4_0, Q4_1 or Q4_K. threads:
+    OpenMP threads (default torch's count for this thread: 1 inside a pool that set it so)."""
+    from .cpu_packed import Q4V_CODE_BYTES, Q4V_ROWS
+
+    lib = native.library()
+    if lib is None or any(Q(int(t)) not in FORMATS for t in qtypes):
+        return None
+    cols = shapes[0][1]
+    groups = cols // INT4_GROUP
+    codes = torch.zeros(padded_rows // Q4V_ROWS, groups, Q4V_CODE_BYTES, dtype=torch.uint8)
+    scales = torch.zeros(padded_rows, groups)
+    zeros = torch.zeros(padded_rows, groups)
+    row0 = 0
+    for raw, qtype, (r, c) in zip(raws, qtypes, shapes):
+        raw = _rows_of(raw, qtype, r, c, cols)
+        lib.ss_q4vnni_rows(raw.data_ptr(), raw.shape[1], FORMATS[Q(int(qtype))], r, cols, row0,
+                           codes.data_ptr(), Q4V_CODE_BYTES, scales.data_ptr(), zeros.data_ptr(),
+                           threads or torch.get_num_threads())
+        row0 += r
+    return codes, scales, zeros
+
+
+def _rows_of(raw: torch.Tensor, qtype, rows: int, c: int, cols: int) -> torch.Tensor:
+    """A part's GGUF bytes as contiguous (rows, row_bytes) uint8, checked."""
+    if c != cols:
+        raise ValueError(f"parts of one packed linear need one width, not {c} and {cols}")
+    raw = raw.reshape(rows, -1).contiguous()
+    if raw.dtype != torch.uint8 or raw.shape[1] != get_format(Q(int(qtype))).row_bytes(c):
+        raise ValueError(f"{Q(int(qtype)).name} rows of {c} columns are "
+                         f"{get_format(Q(int(qtype))).row_bytes(c)} uint8 bytes, not "
+                         f"{tuple(raw.shape)} {raw.dtype}")
+    return raw
