@@ -53,3 +53,10 @@ MODEL=$SLIPSTREAM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$MODEL" ] && [ -f "$SLIPSTREAM_CACHE/part1" ] && [ -f "$SLIPSTREAM_CACHE/part2" ]; then
   cat "$SLIPSTREAM_CACHE/part1" "$SLIPSTREAM_CACHE/part2" > "$MODEL"
 fi
+# the host as this call found it (session 29's H100 host ran one plan at two speeds across loads:
+# its NUMA layout and CPU were not recorded then)
+if [ -n "${OUTDIR:-}" ] && [ ! -f "$OUTDIR/host.txt" ]; then
+  { lscpu; echo; for n in /sys/devices/system/node/node*; do
+      [ -d "$n" ] && echo "$(basename "$n"): cpus $(cat "$n/cpulist") $(grep MemTotal "$n/meminfo")"
+    done; echo; nproc; free -g; } > "$OUTDIR/host.txt" 2>&1
+fi

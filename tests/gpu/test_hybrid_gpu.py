@@ -1,5 +1,5 @@
 """Hybrid decode on CUDA: pinned layers whose FFN is split with the CPU give the logits of whole
-layers within the CPU kernels' bfloat16 rounding; decode copies only each image's prefix;
+layers within the CPU kernels' rounding; decode copies only each image's prefix;
 prefill and large trees copy whole images and compute the split layers on the GPU; promotion
 makes a split layer whole."""
 
@@ -68,7 +68,8 @@ def test_hybrid_decode_matches_whole_layers(pair):
     # the prefill (wider than the plan's max_tokens) ran whole layers on the GPU: same
     # weights, the down projection summed in two parts
     assert _rel(b[0], a[0]) < 5e-3  # measured 1.4e-3 on the H200
-    # decode: the CPU's half of each split FFN in bfloat16 (weights.cpu_packed)
+    # decode: the CPU's half of each split FFN through its packed layout (weights.cpu_packed:
+    # activations rounded to 16 bits a block, or to bfloat16)
     for x, y in zip(b[1:], a[1:]):
         assert _rel(x, y) < 3e-2
     assert store.stats.cpu_bytes > 0 and store.stats.cpu_s > 0
@@ -255,9 +256,11 @@ def test_the_stream_waits_for_the_host_flag():
 def test_default_model_split_costs_under_half_a_percent_of_perplexity(smollm_path):
     """Issue 13's correctness on the real model: the default model with 4 layers in VRAM and
     the rest pinned, its FFNs split half and half with the CPU, against the same plan with
-    whole layers. The CPU's int4 layout rounds Q4_1's scales and mins to bfloat16 and takes
-    bfloat16 activations, so the mapping is not exact: perplexity of a page of prose through
-    the decode path stays within 0.5 %, and greedy tokens are compared for the report."""
+    whole layers. The CPU's layout is not exact (q4vnni, the default since session 29, rounds
+    the activations to 16 bits a block of 32; int4pack, SLIPSTREAM_HYBRID_KIND=torch, rounds
+    Q4_1's scales and mins and the activations to bfloat16): perplexity of a page of prose
+    through the decode path stays within 0.5 %, and greedy tokens are compared for the
+    report."""
     from slipstream.runtime.perplexity import perplexity
 
     text = (Path(__file__).parents[1] / "data" / "prose.txt").read_text()
