@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType as Q
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from slipstream.provenance import source_revision  # noqa: E402
+from slipstream.provenance import cpu_name, source_revision  # noqa: E402
 from slipstream.weights import int4_native  # noqa: E402
 from slipstream.weights.cpu_packed import pack_group  # noqa: E402
 from slipstream.weights.int4_native import _random_matrix  # noqa: E402
@@ -67,20 +67,10 @@ def main() -> None:
                   f"of Q4_K", flush=True)
     doc = {"what": "packing a gate/up pair of Q4_K matrices on one thread",
            "shape": [a.rows, a.cols], "gguf_bytes": gguf_bytes, "reps": a.reps,
-           "cpu": _cpu(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+           "cpu": cpu_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            **source_revision(), "torch": torch.__version__, "rows": rows}
     a.outdir.mkdir(parents=True, exist_ok=True)
     (a.outdir / "pack-speed.json").write_text(json.dumps(doc, indent=1))
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

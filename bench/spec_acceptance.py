@@ -45,6 +45,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 import slipstream  # noqa: E402
+from slipstream.provenance import cpu_name  # noqa: E402
 
 DEFAULT_OUT = REPO / "bench/results/2026-11-30-spec-acceptance-cpu.json"
 QUICK_OUT = Path("/tmp/slipstream-spec/2026-11-30-spec-acceptance-cpu-quick.json")
@@ -280,16 +281,6 @@ def provenance() -> dict:
            for f in files if (REPO / f).exists()}
     return {"commit": commit, "dirty": bool(dirty), "dirty_paths": dirty,
             "sha256_16_of_files_run": sha}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def table(rows: list[dict]) -> Table:

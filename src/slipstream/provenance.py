@@ -38,3 +38,16 @@ def source_revision(root: Path = _ROOT) -> dict[str, str | None]:
             _git(root, "add", "-A", ".", env=env)
             tree = _git(root, "write-tree", env=env)
     return {"commit": commit, "tree": tree}
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), for results measured on the host's CPU."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"

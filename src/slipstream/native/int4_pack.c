@@ -80,24 +80,25 @@ static inline uint16_t bf16_nearest(double v) {
 
 static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
-/* One 32-column group's codes u[32], scale and zero, from block bytes `b`, group `g` of the
- * format's block (Q4_K: 8 groups per block). */
-static void group_of(const uint8_t *b, int fmt, int g, uint8_t *u, double *s, double *z) {
+/* One 32-column group's codes u[32], from block bytes `b`, group `g` of the format's block
+ * (Q4_K: 8 groups per block), and the fields its weights are made of: Q4_K's d, the group's
+ * 6-bit scale sj, dmin and its 6-bit min mj; Q4_0's and Q4_1's d (sj 1), and Q4_1's m in dmin
+ * (mj 1; Q4_0: 0). */
+static void group_fields(const uint8_t *b, int fmt, int g, uint8_t *u, double *d, int *sj,
+                         double *dmin, int *mj) {
     if (fmt == FMT_Q4_K) {
-        double d = f16_to_double(rd16(b)), dmin = f16_to_double(rd16(b + 2));
         const uint8_t *sc = b + 4, *qs = b + 16 + 32 * (g / 2);
-        int sj, mj;
+        *d = f16_to_double(rd16(b));
+        *dmin = f16_to_double(rd16(b + 2));
         if (g < 4) {
-            sj = sc[g] & 63;
-            mj = sc[g + 4] & 63;
+            *sj = sc[g] & 63;
+            *mj = sc[g + 4] & 63;
         } else {
-            sj = (sc[g + 4] & 0x0f) | ((sc[g - 4] >> 6) << 4);
-            mj = (sc[g + 4] >> 4) | ((sc[g] >> 6) << 4);
+            *sj = (sc[g + 4] & 0x0f) | ((sc[g - 4] >> 6) << 4);
+            *mj = (sc[g + 4] >> 4) | ((sc[g] >> 6) << 4);
         }
         int shift = (g & 1) ? 4 : 0;  /* sub-block 2i in the low nibbles, 2i + 1 in the high */
         for (int i = 0; i < 32; i++) u[i] = (qs[i] >> shift) & 0x0f;
-        *s = d * sj;
-        *z = 8.0 * *s - dmin * mj;
         return;
     }
     const uint8_t *qs = b + (fmt == FMT_Q4_1 ? 4 : 2);
@@ -105,9 +106,24 @@ static void group_of(const uint8_t *b, int fmt, int g, uint8_t *u, double *s, do
         u[i] = qs[i] & 0x0f;
         u[i + 16] = qs[i] >> 4;
     }
-    double d = f16_to_double(rd16(b));
+    *d = f16_to_double(rd16(b));
+    *sj = 1;
+    *dmin = fmt == FMT_Q4_1 ? f16_to_double(rd16(b + 2)) : 0.0;
+    *mj = fmt == FMT_Q4_1 ? 1 : 0;
+}
+
+/* torch's int4 convention for the group: its codes u[32], scale and zero (above). */
+static void group_of(const uint8_t *b, int fmt, int g, uint8_t *u, double *s, double *z) {
+    double d, dmin;
+    int sj, mj;
+    group_fields(b, fmt, g, u, &d, &sj, &dmin, &mj);
+    if (fmt == FMT_Q4_K) {
+        *s = d * sj;
+        *z = 8.0 * *s - dmin * mj;
+        return;
+    }
     *s = d;
-    *z = fmt == FMT_Q4_1 ? 8.0 * d + f16_to_double(rd16(b + 2)) : 0.0 * d;  /* -0 as torch */
+    *z = fmt == FMT_Q4_1 ? 8.0 * d + dmin : 0.0 * d;  /* -0 as torch */
 }
 
 /* Rows [0, rows) of a matrix of `fmt` (row r's bytes at raw + r * row_bytes; its columns
@@ -162,31 +178,16 @@ void ss_int4pack_rows(const uint8_t *raw, int64_t row_bytes, int fmt, int64_t ro
  * (j % 4) * 64 + 4r .. + 3, in the low nibble for j < 4 and the high one for j >= 4; the scale
  * and zero planes after them are the caller's (written from s_out and z_out). */
 static void vnni_group_of(const uint8_t *b, int fmt, int g, uint8_t *u, float *s, float *z) {
+    double d, dmin;
+    int sj, mj;
+    group_fields(b, fmt, g, u, &d, &sj, &dmin, &mj);
     if (fmt == FMT_Q4_K) {
-        float d = (float)f16_to_double(rd16(b)), dmin = (float)f16_to_double(rd16(b + 2));
-        const uint8_t *sc = b + 4, *qs = b + 16 + 32 * (g / 2);
-        int sj, mj;
-        if (g < 4) {
-            sj = sc[g] & 63;
-            mj = sc[g + 4] & 63;
-        } else {
-            sj = (sc[g + 4] & 0x0f) | ((sc[g - 4] >> 6) << 4);
-            mj = (sc[g + 4] >> 4) | ((sc[g] >> 6) << 4);
-        }
-        int shift = (g & 1) ? 4 : 0;
-        for (int i = 0; i < 32; i++) u[i] = (qs[i] >> shift) & 0x0f;
-        *s = d * (float)sj;
-        *z = 0.0f * *s + -(dmin * (float)mj);
-        return;
+        *s = (float)d * (float)sj;
+        *z = 0.0f * *s + -((float)dmin * (float)mj);
+    } else {
+        *s = (float)d;
+        *z = fmt == FMT_Q4_1 ? 0.0f * *s + (float)dmin : -8.0f * *s;
     }
-    const uint8_t *qs = b + (fmt == FMT_Q4_1 ? 4 : 2);
-    for (int i = 0; i < 16; i++) {
-        u[i] = qs[i] & 0x0f;
-        u[i + 16] = qs[i] >> 4;
-    }
-    float d = (float)f16_to_double(rd16(b));
-    *s = d;
-    *z = fmt == FMT_Q4_1 ? 0.0f * d + (float)f16_to_double(rd16(b + 2)) : -8.0f * d;
 }
 
 /* Rows [0, rows) of a matrix of `fmt` (row r at raw + r * row_bytes, columns [0, cols)) as
