@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -49,6 +50,26 @@ def decode_rate(model, tokens: int) -> float:
         engine.decode(ids[3 + i:4 + i])
     torch.cuda.synchronize()
     return tokens / (time.perf_counter() - t0)
+
+
+def host_load(since: dict | None = None) -> dict:
+    """The machine's load average and this process's CPU seconds, and with `since` what the
+    process used in between (CPU seconds over wall seconds: about 1 + the hybrid worker's
+    threads busy): session 29's H100 ran one plan at 39 and at 32 tok/s on different loads,
+    with nothing recorded to tell a busy host from a slow process."""
+    import resource
+
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    now = {"loadavg": [round(x, 2) for x in os.getloadavg()],
+           "process_cpu_s": round(use.ru_utime + use.ru_stime, 3),
+           "wall": time.perf_counter()}
+    if since is None:
+        return now
+    wall = now["wall"] - since["wall"]
+    cpu = now["process_cpu_s"] - since["process_cpu_s"]
+    return {"loadavg_before": since["loadavg"], "loadavg_after": now["loadavg"],
+            "process_cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
+            "process_cores_busy": round(cpu / wall, 2) if wall > 0 else None}
 
 
 def breakdown(model, tokens: int) -> dict:
@@ -197,7 +218,9 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
             link_s = max(h.pcie_bytes_per_token / (h.pcie_gbps * 1e9),
                          h.cpu_bytes_per_token / (h.cpu_gbps * 1e9))
         row["roofline_tok_s"] = round(1 / link_s, 3) if link_s else None
+        before = host_load()
         row["decode_tok_s"] = round(decode_rate(m, tokens), 3)
+        row["host_load"] = host_load(before)
         if link_s:
             row["ratio_to_roofline"] = round(row["decode_tok_s"] * link_s, 3)
         row["breakdown"] = breakdown(m, max(4, tokens // 2))
