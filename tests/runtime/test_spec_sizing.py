@@ -263,3 +263,52 @@ def test_a_flat_tree_line_takes_the_widest_tree_however_cheap_a_plain_step():
     for n, t in ((64, 0.44), (512, 0.445), (16, 0.44), (1, 0.21)):
         sizer.observe_pass(n, t)
     assert sizer.nodes() == NODE_CHOICES[-1]
+
+
+def test_a_first_use_pass_does_not_set_the_line():
+    """A narrow pass that compiled kernels (the H100's 70B: 1.73 s for the first 16-node round,
+    0.54 s for the 32-node one after it) costs no more than a wider pass measured cheaper; at
+    one width, a spike among its recent passes is outvoted by their median."""
+    sizer = TreeSizer()
+    sizer.observe_pass(16, 1.73)
+    assert sizer.pass_s(16) == pytest.approx(1.73)  # nothing to tell it from yet
+    sizer.observe_pass(32, 0.54)
+    assert sizer.pass_s(16) == pytest.approx(0.54) and sizer.pass_s(512) == pytest.approx(0.54)
+    for t in (0.06, 0.06, 1.0, 0.06):
+        sizer.observe_pass(64, t)
+    assert sizer.pass_s(64) == pytest.approx(0.06)
+    for t in (0.30, 0.31, 0.29):
+        sizer.observe_pass(1, t)
+    assert sizer.pass_s(1) == pytest.approx(0.30)
+
+
+def test_a_good_draft_keeps_its_trees_after_a_first_pass_that_compiled():
+    """default-spec on the H100 (session 29): plain steps of 35.5 ms, tree passes of 60 ms at
+    any width but the first, which compiled kernels for a second, 4 ms levels, and 75%
+    acceptance (its trees gave 4.6 tokens each). The sizer took plain steps in 17 of 27 rounds
+    while that second sat in a mean over every pass; now trees win nearly every round."""
+    sizer = TreeSizer(plain_gain=1.1)
+    first = [True]
+
+    def pass_s(n: int) -> float:
+        if n <= 1:
+            return 0.0355
+        if first[0]:
+            first[0] = False
+            return 1.0
+        return 0.060
+
+    rng = random.Random(1)
+    plain = 0
+    for _ in range(40):
+        nodes, depth = sizer.choose()
+        sizer.observe_pass(nodes if depth else 1, pass_s(nodes if depth else 1))
+        if not depth:
+            plain += 1
+            continue
+        sizer.observe_levels(depth, depth * 0.004)
+        accepted = 0
+        while accepted < depth and rng.random() < 0.75:
+            accepted += 1
+        sizer.observe_walk(depth, accepted)
+    assert plain <= 3 and not sizer.gives_up

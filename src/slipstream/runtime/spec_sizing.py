@@ -34,6 +34,15 @@ START_NODES = 64  # until two pass widths have been timed
 # where the graphs take 3.0-4.4 ms (session 15), and the next run, whose sizer still held that
 # mean, took plain steps in 32 of 34 passes (27.1 tok/s, against 34.5 with trees forced).
 LEVEL_ROUNDS = 15
+# Passes the cost of each tree width (and of a plain step) is taken over, the same way: the
+# cheapest while fewer than three, then the median; and no width costs more than a wider one
+# (a pass never gets cheaper for more nodes). A mean over every pass let one first-use pass
+# set the line for the whole generation: on the H100 (session 29) the 70B's first 16-node
+# round took 1.73 s against 0.54 s for the 32-node one after it, and default-spec's sizer,
+# whose first generation kept its draft, took plain steps in 17 of 27 rounds of the next
+# (33.15 tok/s against 38.05 with the same trees grown beside the pass), where its trees
+# gave 4.6 tokens each (bench/results/2026-12-05-s29-spec-bench-h100-call3.json).
+PASS_ROUNDS = 15
 # For its first GIVE_UP_TREES tree rounds the choice weighs each depth's acceptance this many
 # standard deviations above its estimate (an upper confidence bound): a draft whose first tree
 # was unlucky is tried again at once rather than EXPLORE_EVERY plain steps later. Without it
@@ -75,17 +84,14 @@ class TreeSizer:
     # target: api._release_gain); giving the draft up is weighed against that, not against
     # plain steps with the draft still loaded
     plain_gain: float = 1.0
-    # (nodes, seconds) of tree passes (two nodes or more); sums for the least-squares line.
-    # Plain steps are kept apart: a hybrid plan splits only passes of a few tokens, so a
-    # one-node pass can cost much less than the line through the trees says (the H200's 70B:
-    # 0.21 s for one token, 0.34-0.46 s for 8 to 512)
-    _plain_n: int = 0
-    _plain_s: float = 0.0
-    _n: float = 0.0
-    _sx: float = 0.0
-    _sy: float = 0.0
-    _sxx: float = 0.0
-    _sxy: float = 0.0
+    # seconds of tree passes (two nodes or more) by width, the last PASS_ROUNDS of each, for
+    # the line through the widths' costs (see PASS_ROUNDS). Plain steps are kept apart: a
+    # hybrid plan splits only passes of a few tokens, so a one-node pass can cost much less
+    # than the line through the trees says (the H200's 70B: 0.21 s for one token, 0.34-0.46 s
+    # for 8 to 512)
+    _plain_rounds: list[float] = field(default_factory=list)
+    _width_rounds: dict[int, list[float]] = field(default_factory=dict)
+    _n: int = 0  # tree passes observed
     _level_rounds: list[float] = field(default_factory=list)  # seconds a level, per round
     _plain_streak: int = 0
     reached: list[float] = field(default_factory=list)  # [d]: rounds whose tree reached depth d
@@ -94,16 +100,11 @@ class TreeSizer:
     # --- what the rounds report ---------------------------------------------------------------
 
     def observe_pass(self, nodes: int, seconds: float) -> None:
-        if nodes <= 1:
-            self._plain_n += 1
-            self._plain_s += seconds
-            return
-        x, y = float(nodes), float(seconds)
-        self._n += 1
-        self._sx += x
-        self._sy += y
-        self._sxx += x * x
-        self._sxy += x * y
+        rounds = self._plain_rounds if nodes <= 1 else self._width_rounds.setdefault(nodes, [])
+        rounds.append(float(seconds))
+        del rounds[:-PASS_ROUNDS]
+        if nodes > 1:
+            self._n += 1
 
     def observe_levels(self, levels: int, seconds: float) -> None:
         self._level_rounds.append(seconds / levels)
@@ -144,28 +145,34 @@ class TreeSizer:
         return total
 
     def pass_s(self, nodes: int) -> float | None:
-        """The target pass cost at `nodes`: a plain step's mean for one node, the line fitted
-        over the tree passes for more (either standing in for the other before it is seen;
-        None before any pass)."""
-        if self._n == 0 or (nodes <= 1 and self._plain_n):
-            return self._plain_s / self._plain_n if self._plain_n else None
-        mean_x, mean_y = self._sx / self._n, self._sy / self._n
-        var = self._sxx / self._n - mean_x * mean_x
-        slope = (self._sxy / self._n - mean_x * mean_y) / var if var > 1e-9 else 0.0
-        slope = max(slope, 0.0)
+        """The target pass cost at `nodes`: a plain step's for one node, the line fitted
+        through the tree widths' costs for more (either standing in for the other before it
+        is seen; None before any pass). Each cost as PASS_ROUNDS says."""
+        if not self._width_rounds or (nodes <= 1 and self._plain_rounds):
+            return _robust(self._plain_rounds) if self._plain_rounds else None
+        points = self._width_costs()
+        mean_x = sum(x for x, _ in points) / len(points)
+        mean_y = sum(y for _, y in points) / len(points)
+        var = sum((x - mean_x) ** 2 for x, _ in points) / len(points)
+        cov = sum((x - mean_x) * (y - mean_y) for x, y in points) / len(points)
+        slope = max(cov / var, 0.0) if var > 1e-9 else 0.0
         return max(mean_y + slope * (nodes - mean_x), 1e-9)
+
+    def _width_costs(self) -> list[tuple[float, float]]:
+        """(width, cost) of each tree width seen, no width dearer than a wider one."""
+        costs = sorted((w, _robust(r)) for w, r in self._width_rounds.items())
+        out, cap = [], math.inf
+        for w, c in reversed(costs):
+            cap = min(cap, c)
+            out.append((float(w), cap))
+        return out[::-1]
 
     @property
     def level_s(self) -> float | None:
         """A draft level's cost: the median over the last LEVEL_ROUNDS rounds' mean levels
         (the cheapest while fewer than three), so that rounds whose growth compiled kernels or
         captured graphs do not set it (see LEVEL_ROUNDS)."""
-        samples = self._level_rounds
-        if not samples:
-            return None
-        if len(samples) < 3:
-            return min(samples)
-        return statistics.median(samples)
+        return _robust(self._level_rounds) if self._level_rounds else None
 
     # --- the choice ---------------------------------------------------------------------------
 
@@ -179,7 +186,7 @@ class TreeSizer:
             # rounds took 256-512-node passes (0.44-0.49 s against 0.32 s at 16; session 16's
             # fresh sizer: 3 trees of 234 nodes on average)
             return min(NODE_CHOICES[int(self._n) % 2], self.max_nodes)
-        widths_seen = self._n >= 2 and self._sxx / self._n - (self._sx / self._n) ** 2 > 1e-9
+        widths_seen = len(self._width_rounds) >= 2
         if not widths_seen:
             # try the widest choice once early: a second width is what the line needs
             return min(START_NODES if self._n == 0 else self.max_nodes, self.max_nodes)
@@ -200,7 +207,7 @@ class TreeSizer:
         probe = min(self.probe_depth, self.max_depth)
         if pass_n is None or level is None:
             return nodes, probe  # nothing measured yet: speculate, and measure
-        if not self._plain_n:
+        if not self._plain_rounds:
             return nodes, 0  # one plain step, to know what a tree has to beat (it costs none)
         trees = self._trees
         optimism = CHOICE_OPTIMISM if trees < GIVE_UP_TREES else 0.0
@@ -291,6 +298,12 @@ class TreeSizer:
         if pass_n is None:
             return None
         return self.expected_tokens(depth) / (pass_n + depth * (level or 0.0))
+
+
+def _robust(samples: list[float]) -> float:
+    """A cost from its last rounds: the cheapest while fewer than three (a first run that
+    compiled kernels is not the cost), then the median."""
+    return min(samples) if len(samples) < 3 else statistics.median(samples)
 
 
 def chance_at_least(rate: float, successes: int, trials: int) -> float:
