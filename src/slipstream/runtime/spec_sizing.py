@@ -36,12 +36,14 @@ START_NODES = 64  # until two pass widths have been timed
 LEVEL_ROUNDS = 15
 # Passes the cost of each tree width (and of a plain step) is taken over, the same way: the
 # cheapest while fewer than three, then the median; and no width costs more than a wider one
-# (a pass never gets cheaper for more nodes). A mean over every pass let one first-use pass
+# (a pass never gets cheaper for more nodes). A mean over every pass lets one first-use pass
 # set the line for the whole generation: on the H100 (session 29) the 70B's first 16-node
-# round took 1.73 s against 0.54 s for the 32-node one after it, and default-spec's sizer,
+# round took 1.73 s against 0.54 s for the 32-node one after it; and default-spec's sizer,
 # whose first generation kept its draft, took plain steps in 17 of 27 rounds of the next
-# (33.15 tok/s against 38.05 with the same trees grown beside the pass), where its trees
-# gave 4.6 tokens each (bench/results/2026-12-05-s29-spec-bench-h100-call3.json).
+# (33.15 tok/s against 38.05 with the trees grown beside the pass) where its trees gave 4.6
+# tokens each (bench/results/2026-12-05-s29-spec-bench-h100-call3.json), presumably after
+# such a pass (its passes were not recorded one by one; tests/runtime/test_spec_sizing.py
+# reproduces the effect: 36 plain steps in 40 rounds with the mean, at most 3 now).
 PASS_ROUNDS = 15
 # For its first GIVE_UP_TREES tree rounds the choice weighs each depth's acceptance this many
 # standard deviations above its estimate (an upper confidence bound): a draft whose first tree
