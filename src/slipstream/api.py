@@ -542,8 +542,10 @@ def _warm_draft(engine: Engine) -> None:
 # the wide path, which the load did not warm then. 16 came in session 29: the sizer's first
 # tree is 16 nodes (M_PAD 16), and on the H100 its round took 1.73 s (24 GB copied; 0.54 s in
 # the 32-node round after it) in the 70B's floor run (s29-spec-bench-h100-call3.json, its
-# trace), presumably compiling those kernels: not yet re-measured with this warm-up.
-TARGET_WARM_WIDTHS = (16, 32, 64, 128, 256)
+# trace), presumably compiling those kernels: not yet re-measured with this warm-up. 512, the
+# sizer's widest (NODE_CHOICES), is tried once early for its pass line: its first pass, at a
+# GEMM shape cuBLAS has not run, would be that width's only sample for a while.
+TARGET_WARM_WIDTHS = (16, 32, 64, 128, 256, 512)
 
 
 def _warm_target(engine: Engine) -> None:
