@@ -213,7 +213,9 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
         # before the runs: a sized run may give the draft up
         levels = level_costs(m.draft.engine, (1, 4, 8, CUDA_LEVEL_WIDTH))  # widths growth runs
         plain = decode(m, tokens, draft=False)
-        auto = run("auto-first")
+        # traced: a first generation's slow rounds (session 29's H100 took plain steps in 17
+        # of 27 rounds of the next generation, presumably after a first-use pass)
+        auto = run("auto-first", trace=True)
         auto2 = run("auto")  # the sizer has learned the costs on the first run (same load)
         fixed = run("nodes64-depth8", spec_nodes=64, spec_depth=8)
         # the draft growing the next tree on its own stream while the target's layers stream
