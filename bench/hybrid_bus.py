@@ -84,8 +84,8 @@ def main() -> None:
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     # the CPU's weight: rows for about --gib of packed bytes (q4vnni's probe scale included)
-    one, per_row = _host_matmul(16, COLS, 1)
-    rows = max(16, int(a.gib * 2**30 / (per_row / 16)) // 16 * 16)
+    _, bytes_16_rows = _host_matmul(16, COLS, 1)
+    rows = max(16, int(a.gib * 2**30 / (bytes_16_rows / 16)) // 16 * 16)
     one, nbytes = _host_matmul(rows, COLS, 1)
     hosts, dev = [], None
     if cuda:

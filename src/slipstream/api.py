@@ -530,21 +530,17 @@ def _warm_draft(engine: Engine) -> None:
     _run_tree_steps(engine, [w for w in STEP_WIDTHS if w <= CUDA_LEVEL_WIDTH])
 
 
-# Tree passes a CUDA target runs once at load when it has a draft: one per accumulator width
-# of kernels.qgemm's wide kernel (16, 32, 64, 128 rows: its M_PAD), which a verification pass
-# of 5 to 128 nodes reaches,
-# and one wider (dequantize + cuBLAS, as prefill takes past 128 tokens: a short prompt's
-# prefill never compiles it, and the sizer's second tree is its widest, 512 nodes). Their
-# first run compiles Triton kernels: on the H200 the first 256-node rounds of the 70B took
-# 1.5 s a pass against 0.44 s once compiled (bench/results/2026-12-02-h200-session16.md), and
-# a sizer that timed them gave the draft up. Session 28's first default-spec generation on a
-# fresh machine did the same (its passes 0.31 s against 0.07 s in the next run), presumably in
-# the wide path, which the load did not warm then. 16 came in session 29: the sizer's first
-# tree is 16 nodes (M_PAD 16), and on the H100 its round took 1.73 s (24 GB copied; 0.54 s in
-# the 32-node round after it) in the 70B's floor run (s29-spec-bench-h100-call3.json, its
-# trace), presumably compiling those kernels: not yet re-measured with this warm-up. 512, the
-# sizer's widest (NODE_CHOICES), is tried once early for its pass line: its first pass, at a
-# GEMM shape cuBLAS has not run, would be that width's only sample for a while.
+# Tree passes a CUDA target runs once at load when it has a draft, so that no pass the sizer
+# times compiles kernels: one per accumulator width of kernels.qgemm's wide kernel (its M_PAD:
+# 16, 32, 64, 128 rows), which passes of 5 to 128 nodes reach, and the wider dequantize +
+# cuBLAS path at 256 and 512 (the sizer's widest, tried once early for its pass line; a short
+# prompt's prefill never runs that path). Compiling inside timed passes cost: on the H200 the
+# first 256-node rounds of the 70B took 1.5 s a pass against 0.44 s once compiled, and a sizer
+# that timed them gave the draft up (bench/results/2026-12-02-h200-session16.md); session 28's
+# first default-spec generation did the same (passes 0.31 s against 0.07 s in the next run);
+# on the H100 (session 29) the 70B's first 16-node round took 1.73 s against 0.54 s for the
+# 32-node one after it (s29-spec-bench-h100-call3.json, its trace). 16 and 512 came in
+# session 29, not yet run on a GPU.
 TARGET_WARM_WIDTHS = (16, 32, 64, 128, 256, 512)
 
 

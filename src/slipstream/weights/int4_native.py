@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as Q
 
 from .. import native
 from ..quant import get_format
-from .cpu_packed import INT4_GROUP, int4pack_torch
+from .cpu_packed import INT4_GROUP, Q4V_CODE_BYTES, Q4V_ROWS, int4pack_torch
 
 FORMATS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q4_K: 2}  # int4_pack.c's FMT_* codes
 BLOCKS = (64, 32)  # torch's row blocks: AVX-512, AVX2
@@ -101,8 +101,6 @@ def q4vnni_native(raws, qtypes, shapes, padded_rows: int, threads: int | None = 
     the bits of cpu_packed's torch path (_q4vnni_codes of _q4vnni_params), with padding rows
     0. None where the library is not there or a part is not Q4_0, Q4_1 or Q4_K. threads:
     OpenMP threads (default torch's count for this thread: 1 inside a pool that set it so)."""
-    from .cpu_packed import Q4V_CODE_BYTES, Q4V_ROWS
-
     lib = native.library()
     if lib is None or any(Q(int(t)) not in FORMATS for t in qtypes):
         return None
