@@ -253,15 +253,58 @@ def test_the_stream_waits_for_the_host_flag():
     assert int(failed.item()) == 1
 
 
-def test_default_model_split_costs_under_half_a_percent_of_perplexity(smollm_path):
+def test_the_cpu_share_read_in_place_from_the_images(synth, monkeypatch):
+    """SLIPSTREAM_HYBRID_KIND=planes: the CPU's share of each split layer is read from the
+    layer's pinned image (no packed copy: the Q4_K rest linears are PlaneLinears over the
+    image's bytes, and only formats the plane kernel does not read, this Q4_K_M's Q6_K downs,
+    are packed), and decode gives the logits of whole layers within the kernels' rounding,
+    as the packed kinds do."""
+    from slipstream.weights import hybrid
+    from slipstream.weights.plane_host import PlaneLinear
+
+    monkeypatch.setattr(hybrid, "HOST_KIND", "planes")
+    with slipstream.load(synth, device="cuda", ctx=256) as resident:
+        budget = _budget(resident, 2)
+    with slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget, hybrid="off",
+                         precision="exact") as whole:
+        a = _forced_logits(whole)
+    with slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget, hybrid=0.5,
+                         precision="exact") as split:
+        store = split.engine.layers
+        assert store.hosts
+        in_place = 0
+        for i, host in store.hosts.items():
+            image = store.images[i].host
+            lo, hi = image.data_ptr(), image.data_ptr() + image.numel()
+            for part in (host.gate_up, host.down):
+                if isinstance(part, PlaneLinear):
+                    in_place += 1
+                    assert lo <= part.packed.lo.data_ptr() < hi
+        assert in_place >= len(store.hosts)  # every gate/up at least (Q4_K)
+        assert split.plan.hybrid.extra_ram_bytes == sum(
+            h.extra_ram_bytes for h in store.hosts.values())
+        store.stats.reset()
+        b = _forced_logits(split)
+        assert store.stats.cpu_bytes > 0
+    assert _rel(b[0], a[0]) < 5e-3
+    for x, y in zip(b[1:], a[1:]):
+        assert _rel(x, y) < 3e-2
+
+
+@pytest.mark.parametrize("kind", ["auto", "planes"])
+def test_default_model_split_costs_under_half_a_percent_of_perplexity(smollm_path, kind,
+                                                                      monkeypatch):
     """Issue 13's correctness on the real model: the default model with 4 layers in VRAM and
     the rest pinned, its FFNs split half and half with the CPU, against the same plan with
     whole layers. The CPU's layout is not exact (q4vnni, the default since session 29, rounds
     the activations to 16 bits a block of 32; int4pack, SLIPSTREAM_HYBRID_KIND=torch, rounds
-    Q4_1's scales and mins and the activations to bfloat16): perplexity of a page of prose
-    through the decode path stays within 0.5 %, and greedy tokens are compared for the
-    report."""
+    Q4_1's scales and mins and the activations to bfloat16; planes, read in place from the
+    images, rounds the activations as q4vnni does): perplexity of a page of prose through the
+    decode path stays within 0.5 %, and greedy tokens are compared for the report."""
     from slipstream.runtime.perplexity import perplexity
+    from slipstream.weights import hybrid
+
+    monkeypatch.setattr(hybrid, "HOST_KIND", kind)
 
     text = (Path(__file__).parents[1] / "data" / "prose.txt").read_text()
     ppl, greedy = {}, {}

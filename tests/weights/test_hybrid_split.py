@@ -68,7 +68,8 @@ def test_the_cpu_share_matches_within_bfloat16_rounding(layer_parts):
     cfg, builder, src = layer_parts
     whole = builder.build(src, 0)
     split = split_layer(builder, src, 0, 256)
-    gate_up, down = host_linears(ffn_raws(src, cfg, 0), 256)
+    parts = host_linears(ffn_raws(src, cfg, 0), 256)
+    gate_up, down = parts["gate_up"], parts["down"]
     io = HostIO(CPU, cfg.hidden, max_tokens=8)
     hybrid = dataclasses.replace(split, ffn_gate_up_rest=None, ffn_down_rest=None,
                                  ffn_host=HostFFN(gate_up, down, io))

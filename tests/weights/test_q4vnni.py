@@ -14,17 +14,16 @@ every output to.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 import gguf.quants
 
 from slipstream import native
-from slipstream.synth import random_tensor
 from slipstream.weights import cpu_packed
 from slipstream.weights.cpu_packed import (Q4VnniLinear, Q8VnniLinear, group_affine, kind_for,
                                            pack_linear, packed_nbytes)
+from quant_oracle import make_raw, quantize_rows, quantized
 
 F32_U = 2.0 ** -24
 
@@ -37,51 +36,6 @@ SHAPES = [(Q.Q4_0, 37, 96), (Q.Q4_0, 16, 32), (Q.Q4_1, 45, 160), (Q.Q4_1, 64, 57
           (Q.Q4_K, 23, 256), (Q.Q4_K, 80, 768), (Q.Q8_0, 29, 96), (Q.Q8_0, 48, 576)]
 KIND = {Q.Q4_0: "q4vnni", Q.Q4_1: "q4vnni", Q.Q4_K: "q4vnni", Q.Q8_0: "q8vnni"}
 IDS = [f"{t.name}-{r}x{c}" for t, r, c in SHAPES]
-
-
-def make_raw(qtype: Q, rows: int, cols: int, seed: int) -> torch.Tensor:
-    rng = np.random.default_rng([int(qtype), rows, cols, seed])
-    return torch.from_numpy(random_tensor(qtype, (rows, cols), rng, 0.02)).view(rows, -1)
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The C's 8-bit quantization (q int8 (m, k), dx, sx float32 (m, k / 32)) of float32 rows
-    x."""
-    lib = native.library()
-    m, k = x.shape
-    q = torch.empty(m, k, dtype=torch.int8)
-    dx, sx = torch.empty(m, k // 32), torch.empty(m, k // 32)
-    x = x.contiguous()
-    for r in range(m):
-        lib.ss_q8_quantize_row(x[r].data_ptr(), k, q[r].data_ptr(), dx[r].data_ptr(),
-                               sx[r].data_ptr())
-    return q, dx, sx
-
-
-def quantize16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The C's 16-bit quantization of float32 rows x: (X int32 (m, k) = 256 hi + lo, dx)."""
-    lib = native.library()
-    m, k = x.shape
-    hi, lo = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k, dtype=torch.int8)
-    dx, sx = torch.empty(m, k // 32), torch.empty(m, k // 32)
-    x = x.contiguous()
-    for r in range(m):
-        lib.ss_q16_quantize_row(x[r].data_ptr(), k, hi[r].data_ptr(), lo[r].data_ptr(),
-                                dx[r].data_ptr(), sx[r].data_ptr())
-    X = 256 * hi.to(torch.int32) + lo.to(torch.int32)
-    assert torch.equal(sx, dx * X.view(m, -1, 32).sum(-1).float())
-    return X, dx
-
-
-def quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """The activations as the kernel sees them, float64 (m, k): dx q for one int8 digit, dx X
-    for two (X = 256 hi + lo, 16 bits)."""
-    m, k = x.shape
-    if bits == 8:
-        X, dx, _ = quantize_rows(x)
-    else:
-        X, dx = quantize16_rows(x)
-    return (X.double().view(m, -1, 32) * dx.double()[..., None]).view(m, k)
 
 
 def affine(raw: torch.Tensor, qtype: Q, shape):

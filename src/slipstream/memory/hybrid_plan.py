@@ -70,6 +70,8 @@ class HybridPlan:
     # mode "auto": decode keeps the split balanced as the CPU's measured rate changes
     # (memory.hybrid_balance); a share or "on" given by the user stays as given
     rebalance: bool = False
+    host_kind: str = ""  # the CPU's layout for Q4_K (weights.hybrid.host_kind): "planes" reads
+    # the pinned images in place
 
 
 def parse_hybrid(value: str | float | None) -> str | float:
@@ -103,22 +105,23 @@ def default_threads() -> int:
 
 @functools.lru_cache(maxsize=None)
 def cpu_packed_gbps(threads: int, rows: int = 16384, cols: int = 8192, reps: int = 12,
-                    beside_copy: bool = False, copy_bytes: int = 128 << 20
-                    ) -> tuple[float, float | None]:
+                    beside_copy: bool = False, copy_bytes: int = 128 << 20,
+                    kind: str | None = None) -> tuple[float, float | None]:
     """GB/s of hybrid's CPU kernel for Q4_K (_host_matmul) on one token against a 64 MiB
     weight (larger than the caches), with `threads` threads: the rate the CPU's share runs at. beside_copy (CUDA): the
     kernel runs while pinned host-to-device copies do, as in hybrid decode, since both read
     host memory and slow each other down (on the H200 host the kernel alone read 76 GB/s and
     51 GB/s during decode, where the share was set from the 76). Returns the kernel's GB/s
     and, beside_copy, the copies' GB/s measured over the same time (else None), copying
-    `copy_bytes` at a time into a device buffer of that size. Measured once per process and
+    `copy_bytes` at a time into a device buffer of that size. kind: the CPU layout timed
+    (None: weights.hybrid.host_kind's for Q4_K now). Measured once per process and
     setting."""
     import torch
 
     saved = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        one, weight_bytes = _host_matmul(rows, cols, 1)
+        one, weight_bytes = _host_matmul(rows, cols, 1, kind)
         for _ in range(2):
             one()
         if not beside_copy:
@@ -131,24 +134,30 @@ def cpu_packed_gbps(threads: int, rows: int = 16384, cols: int = 8192, reps: int
         torch.set_num_threads(saved)
 
 
-def _host_matmul(rows: int, cols: int, tokens: int):
-    """A call of the CPU kernel hybrid decode runs Q4_K on (weights.hybrid.HOST_KIND: torch's
-    int4 kernel, or q4vnni) on `tokens` rows against a random (rows, cols) weight, and the
-    weight's packed bytes."""
+def _host_matmul(rows: int, cols: int, tokens: int, kind: str | None = None):
+    """A call of the CPU kernel hybrid decode runs Q4_K on (kind, or weights.hybrid.host_kind's:
+    torch's int4 kernel, q4vnni, or the image's planes read in place) on `tokens` rows against
+    a random (rows, cols) weight, and the weight's bytes in that layout."""
     import torch
     from gguf import GGMLQuantizationType
 
-    from ..weights.cpu_packed import INT4_GROUP, kind_for
-    from ..weights.hybrid import HOST_KIND
+    from ..weights.cpu_packed import INT4_GROUP
+    from ..weights.hybrid import host_kind
 
     x = torch.randn(tokens, cols, dtype=torch.bfloat16,
                     generator=torch.Generator().manual_seed(1))
-    kind = kind_for(GGMLQuantizationType.Q4_K, HOST_KIND)
-    if kind in ("q4vnni", "q4vnni-f16"):
-        linear = _q4vnni_weight(rows * Q4VNNI_PROBE_SCALE, cols, kind == "q4vnni-f16")
+    kind = kind or host_kind(GGMLQuantizationType.Q4_K)
+    if kind in ("q4vnni", "q4vnni-f16", "planes"):
+        # the plane probe's weight as large as q4vnni's (see Q4VNNI_PROBE_SCALE)
+        if kind == "planes":
+            linear = _plane_weight(rows * Q4VNNI_PROBE_SCALE, cols)
+            call = linear
+        else:
+            linear = _q4vnni_weight(rows * Q4VNNI_PROBE_SCALE, cols, kind == "q4vnni-f16")
+            call = linear.kernel
 
         def one() -> None:
-            linear.kernel(x)
+            call(x)
 
         return one, linear.nbytes
     packed, scale_zeros = _int4_weight(rows, cols)
@@ -189,6 +198,27 @@ def _q4vnni_weight(rows: int, cols: int, halves: bool = False):
 
 
 @functools.lru_cache(maxsize=2)
+def _plane_weight(rows: int, cols: int):
+    """A random Q4_K weight in the GPU kernels' planes (kernels.pack) in host memory, read by
+    weights.plane_host.PlaneLinear (codes random; d, dmin 0.01; scales and mins random 6-bit),
+    made directly: packing random Q4_K bytes would take seconds on a small machine."""
+    import torch
+    from gguf import GGMLQuantizationType
+
+    from ..kernels.pack import PackedWeight
+    from ..weights.plane_host import PlaneLinear
+
+    gen = torch.Generator().manual_seed(0)
+    lo = torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, cols // 8), dtype=torch.int32,
+                       generator=gen)
+    d = torch.full((rows, cols // 256), 0.01, dtype=torch.float16)
+    sc, mn = (torch.randint(0, 64, (rows, cols // 32), dtype=torch.uint8, generator=gen)
+              for _ in range(2))
+    return PlaneLinear(PackedWeight(GGMLQuantizationType.Q4_K, rows, cols, lo=lo, d=d,
+                                    m=d.clone(), sc=sc, mn=mn))
+
+
+@functools.lru_cache(maxsize=2)
 def _int4_weight(rows: int, cols: int):
     """A random int4pack weight and its scales (packed once: the probes share it)."""
     import torch
@@ -203,7 +233,8 @@ def _int4_weight(rows: int, cols: int):
 
 @functools.lru_cache(maxsize=None)
 def cpu_token_scaling(threads: int, rows: int = 16384, cols: int = 8192, reps: int = 4,
-                      widths: tuple[int, ...] = TOKEN_WIDTHS) -> dict[int, float]:
+                      widths: tuple[int, ...] = TOKEN_WIDTHS, kind: str | None = None
+                      ) -> dict[int, float]:
     """Hybrid's CPU kernel's time (_host_matmul) on m tokens over its time on one, for each m
     of `widths`, with `threads` threads: one token reads the weight at memory speed, several multiply it
     more times than the bytes cost (above a few tokens the CPU is FLOP-bound). Measured once
@@ -215,7 +246,7 @@ def cpu_token_scaling(threads: int, rows: int = 16384, cols: int = 8192, reps: i
     try:
         seconds = {}
         for m in widths:
-            one, _ = _host_matmul(rows, cols, m)
+            one, _ = _host_matmul(rows, cols, m, kind)
             one()
             best = float("inf")
             for _ in range(reps):
@@ -351,8 +382,7 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     not given."""
     from gguf import GGMLQuantizationType
 
-    from ..weights.cpu_packed import packed_nbytes
-    from ..weights.hybrid import HOST_KIND, layer_splittable, split_point
+    from ..weights.hybrid import host_kind, host_nbytes, layer_splittable, split_point
     from ..weights.loader import TensorSource
 
     share_given = None
@@ -371,6 +401,7 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     if not layers or not pcie:
         return None
     threads = threads or default_threads()
+    kind = host_kind(GGMLQuantizationType.Q4_K)  # the probes' layout (their results are cached)
     if cpu_gbps is None:
         # both links as they run together: the share from rates measured alone gave the
         # CPU too much (see cpu_packed_gbps)
@@ -379,19 +410,21 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
         # the copy's device buffer within the budget, as measure_bandwidths' probes
         copy_bytes = max(min(128 << 20, (plan.budget or 1 << 33) // 8), 8 << 20)
         cpu_gbps, beside = cpu_packed_gbps(threads, beside_copy=torch.cuda.is_available(),
-                                           copy_bytes=copy_bytes)
+                                           copy_bytes=copy_bytes, kind=kind)
         pcie = min(pcie, beside or pcie)
     cpu = cpu_gbps
-    ffn, ratio_num, ratio_den = [], 0, 0
+    ffn, ratio_num, ratio_den, packed_num = [], 0, 0, 0
     for i in layers:
         f = 0
         for n in ("ffn_gate", "ffn_up", "ffn_down"):
             info = gf.tensors[f"blk.{i}.{n}.weight"]
             f += info.n_bytes
             q = GGMLQuantizationType(int(info.ggml_type))
-            ratio_num += packed_nbytes(q, (int(info.shape[0]), int(info.shape[1])),
-                                       HOST_KIND) or 0
+            nbytes = host_nbytes(q, (int(info.shape[0]), int(info.shape[1]))) or 0
+            ratio_num += nbytes
             ratio_den += info.n_bytes
+            if host_kind(q) != "planes":  # a packed copy beside the image (not read in place)
+                packed_num += nbytes
         ffn.append(f)
     cpu_ratio = ratio_num / ratio_den  # the CPU layout's bytes per GGUF byte
     image = [plan.file_bytes_per_layer[i] for i in layers]
@@ -414,13 +447,15 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     split = mode != "auto" or bool(predicted and plain and predicted >= 1.05 * plain
                                    and amortized)
     if split and token_scaling is None:  # the widths are timed only for a split made
-        token_scaling = cpu_token_scaling(threads)
+        token_scaling = cpu_token_scaling(threads, kind=kind)
     _int4_weight.cache_clear()  # the probes' weights (their results stay cached)
     _q4vnni_weight.cache_clear()
+    _plane_weight.cache_clear()
     if not split:
         return None
     widest = hybrid_max_tokens(image, ffn, share, cpu_ratio, pcie, cpu, token_scaling)
     return HybridPlan(share, keep, layers, cpu, pcie, threads, cpu_bytes, pcie_bytes,
                       predicted, plain, max_tokens=min(widest, HYBRID_MAX_TOKENS),
-                      extra_ram_bytes=cpu_bytes, gguf_ffn_bytes=dict(zip(layers, ffn)),
+                      extra_ram_bytes=int(cpu_bytes * packed_num / max(ratio_num, 1)),
+                      gguf_ffn_bytes=dict(zip(layers, ffn)), host_kind=kind,
                       rebalance=mode == "auto")

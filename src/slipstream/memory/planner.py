@@ -240,7 +240,8 @@ class Plan:
                       else f"passes up to {h.max_tokens} tokens")
             t.add_row("hybrid CPU", f"{len(h.layers)} pinned layers: {h.cpu_share:.0%} of FFN "
                       f"units, {h.threads} threads, {widest}",
-                      fmt_bytes(h.extra_ram_bytes) + " packed",
+                      fmt_bytes(h.extra_ram_bytes) + " packed" if h.extra_ram_bytes
+                      else "read in place",
                       fmt_bytes(h.cpu_bytes_per_token), f"{h.cpu_gbps:.1f}")
             t.add_row("hybrid PCIe", "the rest of those layers", "-",
                       fmt_bytes(h.pcie_bytes_per_token), f"{h.pcie_gbps:.1f}")

@@ -390,7 +390,8 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
         return {}, {}
     from rich.progress import BarColumn, DownloadColumn, Progress
 
-    from ..weights.hybrid import HostFFN, HostIO, ffn_raws, host_linears, split_layer
+    from ..weights.hybrid import (HostFFN, HostIO, ffn_raws, host_linears, in_place_linears,
+                                  split_layer)
     from ..weights.image import to_image
 
     builder = LayerBuilder(cfg, device, precision, fuse_scales=False)
@@ -402,7 +403,8 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
     images, hosts = {}, {}
     total = sum(plan.file_bytes_per_layer[i] for i in pinned)
     # The CPU's packed copies are made by a pool while the GPU builds the images: packing is
-    # many small torch ops, which release the GIL but use one core each.
+    # many small torch ops, which release the GIL but use one core each. (What the CPU reads
+    # in place from the images, kind "planes", needs no packing: host_linears leaves it out.)
     # Each worker on one thread of its own: the pool is the parallelism.
     threads = torch.get_num_threads()
     if split:
@@ -419,7 +421,8 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
                 src = TensorSource(gf)
                 if i in split:
                     images[i] = to_image(split_layer(builder, src, i, hybrid.keep))
-                    hosts[i] = HostFFN(*packing[i].result(), io, slot_of[i])
+                    parts = packing[i].result() | in_place_linears(images[i])
+                    hosts[i] = HostFFN(parts["gate_up"], parts["down"], io, slot_of[i])
                 else:
                     images[i] = to_image(builder.build(src, i))
                 release_transients(device)
@@ -431,7 +434,7 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
     del builder
     torch.cuda.empty_cache()
     if hosts:
-        hybrid.extra_ram_bytes = sum(h.nbytes for h in hosts.values())
+        hybrid.extra_ram_bytes = sum(h.extra_ram_bytes for h in hosts.values())
     return images, hosts
 
 

@@ -1,6 +1,6 @@
 """Native CPU ops, compiled once per machine with the system's C compiler and called through
 ctypes: decode_ops.c and q4_matvec.c for decode, int4_pack.c for load-time packing (int4pack
-and q4vnni).
+and q4vnni), plane_matvec.c for hybrid decode's CPU share read from the GPU's layer images.
 
 Why C: a CPU decode token of a small model spends as long in ~25 tiny torch calls a layer as in
 its matmuls, each call a few microseconds of dispatch around a few hundred floats of work
@@ -31,8 +31,8 @@ from importlib import resources
 from pathlib import Path
 
 # compiled together into one library
-SOURCES = ("decode_ops.c", "q4_matvec.c", "int4_pack.c", "decode_layer.c")
-HEADERS = ("bf16.h",)  # what they include: written beside them, and part of the cache key
+SOURCES = ("decode_ops.c", "q4_matvec.c", "int4_pack.c", "decode_layer.c", "plane_matvec.c")
+HEADERS = ("bf16.h", "half.h")  # what they include: written beside them, and part of the cache key
 # -ffp-contract=off: no fused multiply-adds, so that every product is rounded as torch rounds
 # it (RoPE as torch's complex multiply) and the bits do not depend on whether the CPU has FMA.
 FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
@@ -61,9 +61,12 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     # int4_pack.c
     "ss_int4pack_rows": (_P, _I64, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT),
     "ss_q4vnni_rows": (_P, _I64, _INT, _I64, _I64, _I64, _P, _I64, _P, _P, _INT),
+    # plane_matvec.c (returns 0, or -1 where its scratch could not be allocated)
+    "ss_plane_matvec": (_P, _P, _P, _I64, _I64),
 }
+INT_RESULTS = ("ss_plane_matvec",)  # of SIGNATURES, those returning an int
 # functions that return something (and take nothing)
-RETURNS = {"ss_q4_has_vnni": _INT, "ss_q4_has_simd": _INT}
+RETURNS = {"ss_q4_has_vnni": _INT, "ss_q4_has_simd": _INT, "ss_plane_has_simd": _INT}
 
 
 def enabled() -> bool:
@@ -100,7 +103,7 @@ def _load() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = list(args), None
+        fn.argtypes, fn.restype = list(args), _INT if name in INT_RESULTS else None
     for name, ret in RETURNS.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [], ret

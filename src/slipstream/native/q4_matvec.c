@@ -44,6 +44,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "half.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q4_VNNI 1
@@ -76,26 +77,6 @@ static inline int64_t q4_code_bytes(int fmt) { return fmt == Q8_F16 ? 512 : 256;
 static inline int64_t q4_record_bytes(int fmt) {
     return fmt == Q4_F16 ? 256 + 64 : fmt == Q4_F32 ? 256 + 128 : 512 + 32;
 }
-
-/* float16 bits -> float32, exactly (subnormals, infinities and NaNs included). */
-static inline float q4_half(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu, u;
-    if (exp == 0x1f) {
-        u = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        u = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        u = sign;
-    } else {  /* subnormal: normalize */
-        int e = -1;
-        do { man <<= 1; e++; } while (!(man & 0x400u));
-        u = sign | ((uint32_t)(112 - e) << 23) | ((man & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 
 /* One activation row of k floats, per block of 32: dx = max|x| / top, X = round-half-even(x / dx)
  * clamped to [-top, top], sx = dx * sum(X); an all-zero block gets dx = 0 and X = 0. With
@@ -158,10 +139,10 @@ static inline void q4_scales(const uint8_t *p, const int fmt, float *s, float *z
         } else {
             uint16_t hs, hz;
             memcpy(&hs, sp + 2 * i, 2);
-            s[i] = q4_half(hs);
+            s[i] = f16_to_f32(hs);
             if (fmt == Q4_F16) {
                 memcpy(&hz, sp + 2 * Q4_ROWS + 2 * i, 2);
-                z[i] = q4_half(hz);
+                z[i] = f16_to_f32(hz);
             } else {
                 z[i] = -128.0f * s[i];  /* exact: a power of two */
             }

@@ -12,7 +12,9 @@ A split layer keeps its whole FFN in GPU format as well, the units past `keep` i
 linears (`ffn_gate_up_rest`, `ffn_down_rest`) laid out at the end of the layer's image. Decode
 copies only the image's prefix and hands the rest to the CPU (`HostFFN`); prefill and large
 speculation trees, FLOP-bound where the CPU is slow, copy the whole image and run the rest on
-the GPU. The extra RAM is the CPU's packed copy of its units (weights.cpu_packed).
+the GPU. The extra RAM is the CPU's packed copy of its units (weights.cpu_packed), unless the
+CPU reads those rest linears in place from the pinned image (kind "planes", weights.plane_host):
+then there is no extra RAM and nothing to pack.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import BadArgument
-from .cpu_packed import AUTO_KINDS, kind_for, pack_group, pack_linear
+from .cpu_packed import AUTO_KINDS, kind_for, pack_group, pack_linear, packed_nbytes
+from .plane_host import KIND as PLANES
+from .plane_host import PLANE_FORMATS, PlaneLinear, plane_nbytes, planes_available
 
 # keep (and ffn - keep) in multiples of this: a K-quant block along down's columns (256), and
 # whole 64-row blocks of torch's int4 CPU layout along gate/up's rows
@@ -42,15 +46,39 @@ REST_FIELDS = ("ffn_gate_up_rest", "ffn_down_rest")  # the image's tail: decode 
 # 77-84 GB/s of q4vnni's 6 bits a Q4_K weight against 50-52 of int4pack's 5. (Session 16's
 # H200 had it slower, 3.72 against 4.66, before the probe and the prefetch were fixed.) Their
 # load-time packing is native since session 29 (int4_pack.c): 70-85 s loads of the 70B before.
-# SLIPSTREAM_HYBRID_KIND (one of cpu_packed.kind_for's automatic choices) picks: torch takes
-# torch's kernels; auto-f16 rounds Q4_K's scales to float16 (5 bits a weight: 5.315 tok/s in
-# session 29, its probe overrating the CPU and giving it a 0.71 share).
+# SLIPSTREAM_HYBRID_KIND (one of cpu_packed.kind_for's automatic choices, or "planes") picks:
+# torch takes torch's kernels; auto-f16 rounds Q4_K's scales to float16 (5 bits a weight: 5.315
+# tok/s in session 29, its probe overrating the CPU and giving it a 0.71 share); planes reads
+# the Q4_0/Q4_1/Q4_K rest linears in place from the pinned image (4.625 bits a Q4_K weight, no
+# extra RAM, no packing; other formats as auto). On this 2-core AVX2 machine planes computes
+# 11.6 Gweights/s a thread against q4vnni's 14.9 (bench/results/2026-12-05-s30-plane-speed-
+# cpu.json): a bet on host memory, not on the cores; not yet measured on a GPU host.
 # memory.hybrid_plan's probe times the kernel of the kind chosen here.
-HOST_KINDS = AUTO_KINDS
+HOST_KINDS = AUTO_KINDS + (PLANES,)
 HOST_KIND = os.environ.get("SLIPSTREAM_HYBRID_KIND", "auto")
 if HOST_KIND not in HOST_KINDS:
     raise BadArgument(f"SLIPSTREAM_HYBRID_KIND={HOST_KIND!r} is invalid: set it to one of "
                       f"{', '.join(HOST_KINDS)}, or unset it")
+
+
+def host_kind(qtype: GGMLQuantizationType | int) -> str | None:
+    """The CPU layout the CPU's share of a `qtype` matrix takes: "planes" (read in place from
+    the pinned image) where HOST_KIND asks for it and the plane kernel reads qtype, else
+    cpu_packed.kind_for's choice (None: no CPU layout reads qtype)."""
+    if HOST_KIND == PLANES:
+        if GGMLQuantizationType(int(qtype)) in PLANE_FORMATS and planes_available():
+            return PLANES
+        return kind_for(qtype, "auto")
+    return kind_for(qtype, HOST_KIND)
+
+
+def host_nbytes(qtype: GGMLQuantizationType | int, shape: tuple[int, int]) -> int | None:
+    """Bytes the CPU reads per pass over a (rows, cols) matrix of `qtype` in host_kind's
+    layout (the plane bytes where it reads the image in place)."""
+    kind = host_kind(qtype)
+    if kind == PLANES:
+        return plane_nbytes(qtype, *shape)
+    return None if kind is None else packed_nbytes(qtype, shape, kind)
 
 
 def split_point(ffn: int, cpu_share: float, align: int = SPLIT_ALIGN) -> int:
@@ -69,7 +97,7 @@ def splittable(qtypes: dict[str, GGMLQuantizationType], ffn: int) -> bool:
     if gate != up or ffn % SPLIT_ALIGN:
         return False
     for q in (gate, down):
-        if kind_for(q, HOST_KIND) is None or SPLIT_ALIGN % GGML_QUANT_SIZES[q][0]:
+        if host_kind(q) is None or SPLIT_ALIGN % GGML_QUANT_SIZES[q][0]:
             return False
     return True
 
@@ -104,16 +132,39 @@ class FFNRaws:
         return column_slice(self.down, self.qtypes["ffn_down"], self.hidden, self.ffn, c0, c1)
 
 
-def host_linears(raws: FFNRaws, keep: int):
-    """The CPU's units [keep, ffn): gate/up rows as one packed linear, down's columns as
-    another (weights.cpu_packed, built from CPU bytes)."""
-    parts, shapes = raws.gate_up_rows(keep, raws.ffn)
-    parts = [p.cpu() for p in parts]
-    qt = raws.qtypes["ffn_gate"]
-    gate_up, _ = pack_group(parts, [qt, qt], shapes, [None, None], HOST_KIND)
-    down = pack_linear(raws.down_cols(keep, raws.ffn).cpu(), raws.qtypes["ffn_down"],
-                       (raws.hidden, raws.ffn - keep), kind=HOST_KIND)
-    return gate_up, down
+def host_linears(raws: FFNRaws, keep: int, image=None) -> dict[str, object]:
+    """The CPU's units [keep, ffn): "gate_up" (gate/up rows as one linear) and "down" (down's
+    columns), each read in place from the split layer's pinned `image` (its rest linears'
+    planes) where host_kind says "planes", else packed for the CPU (weights.cpu_packed, from
+    CPU bytes). Without `image` only the packed ones are returned (the rest comes from the
+    image once it is built: see in_place_linears)."""
+    out = {}
+    if host_kind(raws.qtypes["ffn_gate"]) != PLANES:
+        parts, shapes = raws.gate_up_rows(keep, raws.ffn)
+        parts = [p.cpu() for p in parts]
+        qt = raws.qtypes["ffn_gate"]
+        out["gate_up"], _ = pack_group(parts, [qt, qt], shapes, [None, None],
+                                       host_kind(qt))
+    if host_kind(raws.qtypes["ffn_down"]) != PLANES:
+        qt = raws.qtypes["ffn_down"]
+        out["down"] = pack_linear(raws.down_cols(keep, raws.ffn).cpu(), qt,
+                                  (raws.hidden, raws.ffn - keep), kind=host_kind(qt))
+    if image is not None:
+        out = in_place_linears(image) | out
+    return out
+
+
+def in_place_linears(image) -> dict[str, object]:
+    """The CPU's share of a split layer read from its pinned image: "gate_up" and "down" for
+    those rest linears whose format host_kind reads in place ("planes")."""
+    from .image import packed_planes
+
+    out = {}
+    for key, field_name in (("gate_up", REST_FIELDS[0]), ("down", REST_FIELDS[1])):
+        qtype = image.linears[field_name][0]
+        if host_kind(qtype) == PLANES:
+            out[key] = PlaneLinear(packed_planes(image, field_name))
+    return out
 
 
 @dataclass
@@ -143,7 +194,14 @@ class HostFFN:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the CPU reads per token."""
         return self.gate_up.nbytes + self.down.nbytes
+
+    @property
+    def extra_ram_bytes(self) -> int:
+        """RAM its weights take besides the pinned image (packed copies; none read in
+        place)."""
+        return sum(p.nbytes for p in (self.gate_up, self.down) if not isinstance(p, PlaneLinear))
 
     def compute(self, h: torch.Tensor) -> torch.Tensor:
         """The CPU's partial sum of the down projection over its units, for input rows h."""

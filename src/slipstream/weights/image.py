@@ -151,6 +151,18 @@ def prefix_bytes(layout: LayerLayout, leave_out: tuple[str, ...]) -> int:
     return min(offsets) if offsets else layout.nbytes
 
 
+def packed_planes(image: LayerImage, name: str):
+    """Linear `name`'s planes (a kernels.pack.PackedWeight) as views of the image's host bytes,
+    nothing copied: what the CPU reads in place (weights.plane_host)."""
+    from ..kernels.pack import PackedWeight  # the plane layout only: needs no Triton
+
+    qtype, rows, cols, gguf_bytes, f16_scales = image.linears[name]
+    planes = {e.key[1]: image.host[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+              for e in image.entries if e.key[0] == name and e.key[1] in _PLANES}
+    return PackedWeight(qtype, rows, cols, gguf_bytes=gguf_bytes, f16_scales=f16_scales,
+                        **planes)
+
+
 def from_image(image: LayerImage | LayerLayout, slot: torch.Tensor,
                workspace: Workspace, upto: int | None = None) -> LayerWeights:
     """The layer as views into a device slot holding a copy of the image's bytes; with `upto`,
