@@ -55,3 +55,26 @@ def quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
     else:
         X, dx = quantize16_rows(x)
     return (X.double().view(m, -1, 32) * dx.double()[..., None]).view(m, k)
+
+
+def assert_within_bound(y: torch.Tensor, y_ref: torch.Tensor, bound: torch.Tensor,
+                        what: str) -> None:
+    """Every output of the kernel (y) within its rounding bound of the float64 oracle."""
+    err = (y.double() - y_ref).abs()
+    assert bool((err <= bound * (1 + 1e-6) + 1e-30).all()), (
+        f"{what}: off by {(err / (bound + 1e-30)).max():.3f} of the rounding bound")
+
+
+def assert_same_bits_every_way(lin, x: torch.Tensor, rows: int) -> None:
+    """lin.matvec gives the same bits at 1 and 2 threads, through the vector loop and the
+    plain-C one, at 8- and 16-bit activations alike, and a row of x the same bits alone as
+    beside the others of its call."""
+    m = x.shape[0]
+    for bits in (8, 16):
+        ys = [lin.matvec(x, torch.empty(m, rows), threads=t, generic=gen, act_bits=bits)
+              for t in (1, 2) for gen in (False, True)]
+        for y in ys[1:]:
+            assert torch.equal(y, ys[0])
+        for r in range(m):
+            one = lin.matvec(x[r:r + 1], torch.empty(1, rows), threads=2, act_bits=bits)
+            assert torch.equal(one, ys[0][r:r + 1])

@@ -22,7 +22,7 @@ from slipstream.kernels.pack import pack_weight
 from slipstream.weights import cpu_packed
 from slipstream.weights.cpu_packed import group_affine
 from slipstream.weights.plane_host import PlaneLinear, plane_nbytes, plane_readable
-from quant_oracle import make_raw, quantized
+from quant_oracle import assert_same_bits_every_way, assert_within_bound, make_raw, quantized
 
 F32_U = 2.0 ** -24
 
@@ -66,10 +66,8 @@ def test_kernel_against_the_oracle(qtype, rows, cols, bits):
             for generic in (False, True):
                 y = lin.matvec(x, torch.empty(m, rows), threads=threads, generic=generic,
                                act_bits=bits)
-                err = (y.double() - y_ref).abs()
-                assert bool((err <= bound * (1 + 1e-6) + 1e-30).all()), (
-                    f"{qtype.name} m={m} threads={threads} generic={generic}: off by "
-                    f"{(err / (bound + 1e-30)).max():.3f} of the rounding bound")
+                assert_within_bound(y, y_ref, bound, f"{qtype.name} m={m} threads={threads} "
+                                                     f"generic={generic}")
 
 
 @pytest.mark.parametrize("qtype,rows,cols", SHAPES, ids=IDS)
@@ -78,15 +76,9 @@ def test_simd_and_plain_c_agree_bit_for_bit(qtype, rows, cols):
     bits whatever else shares its call."""
     raw = make_raw(qtype, rows, cols, 2)
     lin = PlaneLinear(planes_of(raw, qtype, rows, cols))
-    x = torch.randn(6, cols, generator=torch.Generator().manual_seed(3))
-    for bits in (8, 16):
-        ys = [lin.matvec(x, torch.empty(6, rows), threads=t, generic=gen, act_bits=bits)
-              for t in (1, 2) for gen in (False, True)]
-        for y in ys[1:]:
-            assert torch.equal(y, ys[0])
-        for r in range(6):
-            one = lin.matvec(x[r:r + 1], torch.empty(1, rows), threads=2, act_bits=bits)
-            assert torch.equal(one, ys[0][r:r + 1])
+    assert_same_bits_every_way(lin, torch.randn(6, cols,
+                                                generator=torch.Generator().manual_seed(3)),
+                               rows)
 
 
 @pytest.mark.parametrize("qtype,rows,cols", SHAPES, ids=IDS)

@@ -23,7 +23,8 @@ from slipstream import native
 from slipstream.weights import cpu_packed
 from slipstream.weights.cpu_packed import (Q4VnniLinear, Q8VnniLinear, group_affine, kind_for,
                                            pack_linear, packed_nbytes)
-from quant_oracle import make_raw, quantize_rows, quantized
+from quant_oracle import (assert_same_bits_every_way, assert_within_bound, make_raw,
+                          quantize_rows, quantized)
 
 F32_U = 2.0 ** -24
 
@@ -100,10 +101,7 @@ def test_kernel_against_the_oracle(qtype, rows, cols, threads, bits):
         for generic in (False, True):
             y = lin.matvec(x, torch.empty(m, rows), threads=threads, generic=generic,
                            act_bits=bits)
-            err = (y.double() - y_ref).abs()
-            assert bool((err <= bound * (1 + 1e-6) + 1e-30).all()), (
-                f"{qtype.name} m={m} generic={generic}: off by "
-                f"{(err / (bound + 1e-30)).max():.3f} of the rounding bound")
+            assert_within_bound(y, y_ref, bound, f"{qtype.name} m={m} generic={generic}")
 
 
 @pytest.mark.parametrize("qtype,rows,cols", SHAPES, ids=IDS)
@@ -131,15 +129,9 @@ def test_vnni_and_plain_c_agree_bit_for_bit(qtype, rows, cols):
     bits whatever else shares its call."""
     raw = make_raw(qtype, rows, cols, 2)
     lin = pack_linear(raw, qtype, (rows, cols), kind=KIND[qtype])
-    x = torch.randn(6, cols, generator=torch.Generator().manual_seed(3))
-    for bits in (8, 16):
-        ys = [lin.matvec(x, torch.empty(6, rows), threads=t, generic=gen, act_bits=bits)
-              for t in (1, 2) for gen in (False, True)]
-        for y in ys[1:]:
-            assert torch.equal(y, ys[0])
-        for r in range(6):
-            one = lin.matvec(x[r:r + 1], torch.empty(1, rows), threads=2, act_bits=bits)
-            assert torch.equal(one, ys[0][r:r + 1])
+    assert_same_bits_every_way(lin, torch.randn(6, cols,
+                                                generator=torch.Generator().manual_seed(3)),
+                               rows)
 
 
 def test_has_vnni_where_the_cpu_does():
