@@ -29,10 +29,11 @@ F32_U = 2.0 ** -24
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="no native library (no C compiler, or SLIPSTREAM_NATIVE=0)")
 
-# units per row: odd (3, 5: a last unit without a pair), not a multiple of 8 (18: the AVX2 loop
-# leaves a tail to the plain-C one), whole super-blocks (Q4_K: 8, 24)
-SHAPES = [(Q.Q4_0, 37, 96), (Q.Q4_0, 16, 576), (Q.Q4_1, 45, 160), (Q.Q4_1, 64, 512),
-          (Q.Q4_K, 23, 256), (Q.Q4_K, 80, 768)]
+# units per row: odd (3, 5: a last unit without a pair), not a multiple of 8 (18, 12: the vector
+# loop leaves a tail of 2 or 4 units to the plain-C one, in pairs, or with VNNI a quad), whole
+# super-blocks (Q4_K: 8, 24); odd row counts leave a row out of the loops' pairs of rows
+SHAPES = [(Q.Q4_0, 37, 96), (Q.Q4_0, 16, 576), (Q.Q4_0, 19, 384), (Q.Q4_1, 45, 160),
+          (Q.Q4_1, 64, 512), (Q.Q4_K, 23, 256), (Q.Q4_K, 80, 768)]
 IDS = [f"{t.name}-{r}x{c}" for t, r, c in SHAPES]
 
 
@@ -79,6 +80,20 @@ def test_simd_and_plain_c_agree_bit_for_bit(qtype, rows, cols):
     assert_same_bits_every_way(lin, torch.randn(6, cols,
                                                 generator=torch.Generator().manual_seed(3)),
                                rows)
+
+
+def test_has_a_vector_loop_where_the_cpu_does():
+    """-march=native builds the VNNI loop wherever the CPU has AVX-512 VNNI (the GPU hosts'
+    Xeons: the loop is run and checked against the plain-C one only there) and the AVX2 one
+    elsewhere with AVX2 (else the tests above ran the plain-C loop twice)."""
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    lib = native.library()
+    if " avx2" in flags and " fma" in flags and " f16c" in flags:
+        assert lib.ss_plane_has_simd() == 1
+    assert lib.ss_plane_has_vnni() == int(" avx512_vnni" in flags and " avx512bw" in flags)
 
 
 @pytest.mark.parametrize("qtype,rows,cols", SHAPES, ids=IDS)

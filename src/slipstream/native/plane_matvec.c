@@ -48,6 +48,15 @@
 #else
 #define PL_AVX2 0
 #endif
+/* AVX-512 VNNI (the GPU hosts' Xeons): the integer sums through vpdpbusd, 4 units a vector;
+ * the float work as in the AVX2 loop */
+#if PL_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PL_VNNI 1
+#else
+#define PL_VNNI 0
+#endif
+/* units whose activation digits lie side by side (see pl_x_offset) */
+#define PL_XGROUP (PL_VNNI ? 4 : 2)
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -82,15 +91,17 @@ typedef struct {
     int64_t n, k, fmt;
 } plane_weight;
 
-/* Where a unit's activation digits go in the permuted row: units are taken in pairs (u, u + 1),
- * 64 digits a pair, [u's 16 low-nibble columns | u + 1's | u's 16 high-nibble columns | u + 1's],
- * so that one 32-byte load of the pair's codes, split into nibbles, meets two 32-byte loads of
- * digits; a last unit without a pair is [its low-nibble columns | its high ones]. Returns the
- * offset of unit u's low-nibble digits; its high ones are `*hi_step` further on. */
+/* Where a unit's activation digits go in the permuted row: units are taken in groups of
+ * g = PL_XGROUP (pairs for AVX2, quads for VNNI), 32 g digits a group: [the g units' 16
+ * low-nibble columns each | their 16 high-nibble columns each], so that one load of the group's
+ * codes (16 g bytes), split into nibbles, meets two loads of digits. Units after the last whole
+ * group take pairs, and a last one alone [its low-nibble columns | its high ones]. Returns the
+ * offset of unit u's low-nibble digits; its high ones are `*hi_step` further on. The layout
+ * only places the digits: the sums, hence the bits, are the same with either. */
 static inline int64_t pl_x_offset(int64_t u, int64_t units, int64_t *hi_step) {
-    int paired = (u | 1) < units;
-    *hi_step = paired ? 32 : 16;
-    return (u & ~(int64_t)1) * PL_UNIT + (paired ? (u & 1) * 16 : 0);
+    int64_t g = (u | (PL_XGROUP - 1)) < units ? PL_XGROUP : (u | 1) < units ? 2 : 1;
+    *hi_step = 16 * g;
+    return (u & ~(g - 1)) * PL_UNIT + (u & (g - 1)) * 16;
 }
 
 /* Column (within its unit) of code position b of the 16 a unit's bytes hold, in their low
@@ -272,6 +283,80 @@ static inline __attribute__((always_inline)) void pl_tile_avx2(
             _mm256_storeu_ps(accz_out[q * M + r], accz[q][r]);
         }
 }
+
+#if PL_VNNI
+/* A group of 8 units' integer sums, in the lanes' order (pl_lane), for one row's codes (at
+ * its unit u) against x: the group's digits, x[0..1] units u..u+3's low- and high-nibble
+ * columns, x[2..3] u+4..u+7's (X16: x[4..7] the low digits likewise). vpdpbusd sums each
+ * unit's 4-column products into its 128-bit lane's 4 int32s (exact: no saturation), then two
+ * adds within the lanes and one permute leave the 8 totals in the AVX2 loop's order. */
+static inline __m256i pl_sums8_vnni(const uint8_t *codes, const __m512i *x, const int X16) {
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 4, 12, 5, 13,
+                                            0, 0, 0, 0, 0, 0, 0, 0);
+    __m512i a[2];
+    for (int half = 0; half < 2; half++) {
+        __m512i v = _mm512_loadu_si512((const void *)(codes + 64 * half));
+        __m512i lo = _mm512_and_si512(v, low);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        const __m512i *xh = x + 2 * half;
+        __m512i acc = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xh[0]);
+        acc = _mm512_dpbusd_epi32(acc, hi, xh[1]);
+        if (X16) {  /* 256 (u . hi) + u . lo, exact in int32 */
+            __m512i l = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xh[4]);
+            acc = _mm512_add_epi32(_mm512_slli_epi32(acc, 8), _mm512_dpbusd_epi32(l, hi, xh[5]));
+        }
+        a[half] = acc;
+    }
+    /* 128-bit lane j: a[0]'s 4 partials of unit u+j (A), a[1]'s of u+4+j (B) */
+    __m512i t = _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]),
+                                 _mm512_unpackhi_epi32(a[0], a[1]));  /* A02 B02 A13 B13 */
+    t = _mm512_add_epi32(t, _mm512_shuffle_epi32(t, _MM_PERM_BADC));  /* A B A B */
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, t));
+}
+
+/* pl_tile_avx2 with the integer sums through VNNI (the same sums, so the same bits). */
+static inline __attribute__((always_inline)) void pl_tile_vnni(
+        const plane_weight *w, int64_t row, int64_t u0, int64_t u1, const int8_t *xq,
+        int64_t xstride, const float *dx, const float *sx, const int R, const int M,
+        const int X16, float accs_out[][PL_LANES], float accz_out[][PL_LANES]) {
+    const int64_t units = w->k / PL_UNIT, row_bytes = w->k / 2;
+    const uint8_t *codes = w->lo + row * row_bytes;
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    __m256 accs[PL_TILE][PL_MAX_M], accz[PL_TILE][PL_MAX_M];
+    for (int q = 0; q < R; q++)
+        for (int r = 0; r < M; r++) {
+            accs[q][r] = _mm256_loadu_ps(accs_out[q * M + r]);
+            accz[q][r] = _mm256_loadu_ps(accz_out[q * M + r]);
+        }
+    for (int64_t u = u0; u < u1; u += PL_LANES) {
+        __m256 s[PL_TILE], z[PL_TILE];
+        for (int q = 0; q < R; q++) pl_scales8(w, row + q, u, &s[q], &z[q]);
+        for (int r = 0; r < M; r++) {
+            const int8_t *xr = xq + r * xstride + u * PL_UNIT;
+            __m512i x[8];
+            for (int c = 0; c < 4 + 4 * X16; c++)  /* 64 bytes each, the low digits k on */
+                x[c] = _mm512_loadu_si512((const void *)(xr + (c >> 2) * w->k + 64 * (c & 3)));
+            __m256 d = _mm256_permutevar8x32_ps(_mm256_loadu_ps(dx + r * units + u), order);
+            __m256 t = _mm256_permutevar8x32_ps(_mm256_loadu_ps(sx + r * units + u), order);
+            for (int q = 0; q < R; q++) {
+                __m256i sums = pl_sums8_vnni(codes + q * row_bytes + u * 16, x, X16);
+                __m256 prod = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), d);
+                accs[q][r] = _mm256_fmadd_ps(prod, s[q], accs[q][r]);
+                accz[q][r] = _mm256_fmadd_ps(z[q], t, accz[q][r]);
+            }
+        }
+    }
+    for (int q = 0; q < R; q++)
+        for (int r = 0; r < M; r++) {
+            _mm256_storeu_ps(accs_out[q * M + r], accs[q][r]);
+            _mm256_storeu_ps(accz_out[q * M + r], accz[q][r]);
+        }
+}
+#define PL_TILE_SIMD pl_tile_vnni
+#else
+#define PL_TILE_SIMD pl_tile_avx2
+#endif
 #endif
 
 /* Rows [r0, r1) for M activation rows into y (rows of n floats): with AVX2, in tiles of R rows
@@ -298,9 +383,9 @@ static inline __attribute__((always_inline)) void pl_rows(
         if (!generic) {
             if (R > 1 && row + R <= r1) {
                 tile = R;
-                pl_tile_avx2(w, row, 0, whole, xq, xstride, dx, sx, R, M, X16, accs, accz);
+                PL_TILE_SIMD(w, row, 0, whole, xq, xstride, dx, sx, R, M, X16, accs, accz);
             } else {
-                pl_tile_avx2(w, row, 0, whole, xq, xstride, dx, sx, 1, M, X16, accs, accz);
+                PL_TILE_SIMD(w, row, 0, whole, xq, xstride, dx, sx, 1, M, X16, accs, accz);
             }
             done = whole;
         }
@@ -394,5 +479,8 @@ int ss_plane_matvec(const plane_weight *w, const float *x, float *y, int64_t m, 
     return 0;
 }
 
-/* Whether this build has the AVX2 loop (else every call takes the plain-C one). */
+/* Whether this build has a vector loop, AVX2 or VNNI (else every call takes the plain-C one). */
 int ss_plane_has_simd(void) { return PL_AVX2; }
+
+/* Whether this build's vector loop sums through AVX-512 VNNI. */
+int ss_plane_has_vnni(void) { return PL_VNNI; }
