@@ -609,9 +609,11 @@ def projection(rows: list[dict], acceptance: list[dict]) -> dict:
     cases = {f"published {t:g}": (t, depth) for t in PUBLISHED_TOKENS_PER_PASS}
     used = []
     for temp in (0, 0.8):
+        # the row projecting the most tok/s: a deeper tree accepts more and costs more levels
         best = max((a for a in acceptance if a.get("temperature") == temp
-                    and a.get("nodes") == 256), key=lambda a: a["tokens_per_pass"],
-                   default=None)
+                    and a.get("nodes") == 256),
+                   key=lambda a: a["tokens_per_pass"] / (pass_s + int(a.get("depth") or depth)
+                                                         * level), default=None)
         if best:
             d = int(best.get("depth") or depth)
             cases[f"best CPU acceptance-table row (135M pair, draft {best['draft']}, 256 "
