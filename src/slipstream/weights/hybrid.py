@@ -51,7 +51,7 @@ REST_FIELDS = ("ffn_gate_up_rest", "ffn_down_rest")  # the image's tail: decode 
 # tok/s in session 29, its probe overrating the CPU and giving it a 0.71 share); planes reads
 # the Q4_0/Q4_1/Q4_K rest linears in place from the pinned image (4.625 bits a Q4_K weight, no
 # extra RAM, no packing; other formats as auto). On this 2-core AVX2 machine planes computes
-# 11.6 Gweights/s a thread against q4vnni's 14.9 (bench/results/2026-12-05-s30-plane-speed-
+# 12.1 Gweights/s a thread against q4vnni's 15.1 (bench/results/2026-12-05-s30-plane-speed-
 # cpu.json): a bet on host memory, not on the cores; not yet measured on a GPU host.
 # memory.hybrid_plan's probe times the kernel of the kind chosen here.
 HOST_KINDS = AUTO_KINDS + (PLANES,)
