@@ -190,7 +190,7 @@ def measure_cell(model, prompts, nodes: int, temperature: float, a, plain: dict 
     wall = time.perf_counter() - t0
     q = max(passes, 1)
     row = {"nodes": nodes, "depth": a.depth, "temperature": temperature,
-           "tokens_per_pass": round(tokens / q, 4), "passes": passes, "tokens": tokens,
+           "tree_tau": _tree_tau(temperature), "tokens_per_pass": round(tokens / q, 4), "passes": passes, "tokens": tokens,
            "generated_tokens": generated, "accepted_hist": hist,
            "mean_accepted": round(sum(i * c for i, c in enumerate(hist)) / q, 4),
            "tree_nodes_mean": round(tree_nodes / q, 2),
@@ -299,6 +299,16 @@ def table(rows: list[dict]) -> Table:
                   f"{r['draft_ms_per_pass']:.1f}", f"{r['verify_ms_per_pass']:.1f}",
                   f"{r['wall_s']:.0f}", r.get("greedy_equals_plain", ""))
     return t
+
+
+def _tree_tau(temperature: float) -> float | None:
+    """The temperature the draft's candidates were ranked at (runtime.draft_tree.tree_tau;
+    None before session 30, when it was always 1)."""
+    try:
+        from slipstream.runtime.draft_tree import tree_tau
+    except ImportError:
+        return None
+    return tree_tau(temperature)
 
 
 def write(doc: dict, out: Path) -> None:

@@ -13,7 +13,8 @@ decoding; with a seed, the Sampler's generator is used once per token in the sam
 plain decoding, so equal logits give equal tokens.
 
 The tree (SpecExec style, runtime.draft_tree) is deterministic: the most probable
-continuations by the draft's cumulative log-probability, grown level by level with one draft
+continuations by the draft's cumulative log-probability (at the sampling temperature, no lower
+than 0.3: draft_tree.tree_tau), grown level by level with one draft
 forward per level over the new nodes only. With `ahead`, the draft grows it on past what the
 target verified, after the pass; where the walk then ends at a token grown ahead, the subtree
 below it is the next tree, topped up in series to the round's depth. On the default model's
@@ -54,7 +55,7 @@ import torch
 
 from ..errors import BadArgument, DraftMismatch
 from ..model import tree_step
-from .draft_tree import DraftTree, TreeGrower, grow_tree
+from .draft_tree import DraftTree, TreeGrower, grow_tree, tree_tau
 from .engine import Engine
 from .generate import GenerationStats, TokenSource, decode_steps
 from .sampler import Sampler
@@ -202,6 +203,7 @@ class Speculator:
                               f"past the verified nodes would overwrite their entries")
         self.target, self.draft, self.sampler = target, draft, sampler
         self.top_k = top_k
+        self.tau = tree_tau(sampler.params.temperature)  # ranks the trees' candidates
         self.sizer = sizer if sizer is not None else TreeSizer()
         self.sizer.max_depth = MAX_DEPTH if depth is None else depth
         self.sizer.probe_depth = DEFAULT_DEPTH
@@ -262,7 +264,7 @@ class Speculator:
             logits = target.decode(root.view(1))
         else:
             if grown is None:
-                grown = TreeGrower.begin(draft, int(root), self.lag, self.top_k)
+                grown = TreeGrower.begin(draft, int(root), self.lag, self.top_k, self.tau)
                 grown.grow(width, levels, self.level_width)
                 self.lag = []
                 forwards = grown.tree.forwards
