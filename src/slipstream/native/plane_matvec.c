@@ -223,65 +223,34 @@ static inline __m256i pl_pair_sums(__m256i lo, __m256i hi, const __m256i *x, con
                             _mm256_madd_epi16(pl, ones));
 }
 
-/* pl_units_generic for whole groups of 8 units [u0, u1) of R consecutive rows at once, with
- * AVX2: each activation digit vector loaded once for the R rows (a row's codes are 4 bits a
- * weight, its activation digits 8 or 16: read for every row alone, x would be most of the
- * bytes the loop moves). acc*_out[q * M + r]: row q's accumulators for activation row r. */
-static inline __attribute__((always_inline)) void pl_tile_avx2(
-        const plane_weight *w, int64_t row, int64_t u0, int64_t u1, const int8_t *xq,
-        int64_t xstride, const float *dx, const float *sx, const int R, const int M,
-        const int X16, float accs_out[][PL_LANES], float accz_out[][PL_LANES]) {
-    const int64_t units = w->k / PL_UNIT, row_bytes = w->k / 2;
-    const uint8_t *codes = w->lo + row * row_bytes;
-    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
-    __m256 accs[PL_TILE][PL_MAX_M], accz[PL_TILE][PL_MAX_M];
-    for (int q = 0; q < R; q++)
-        for (int r = 0; r < M; r++) {
-            accs[q][r] = _mm256_loadu_ps(accs_out[q * M + r]);
-            accz[q][r] = _mm256_loadu_ps(accz_out[q * M + r]);
+/* The integer sums of a group of 8 units [u, u + 8) of R consecutive rows (codes: the first
+ * row's) against one activation row's digits at xr, in the lanes' order (pl_lane), with AVX2:
+ * each digit vector loaded once for the R rows (a row's codes are 4 bits a weight, its
+ * activation digits 8 or 16: read for every row alone, x would be most of the bytes the loop
+ * moves). Each pair's sums are [u+2i: 4 lanes | u+2i+1: 4]; horizontal adds (within 128-bit
+ * halves) of pairs 0,1 and 2,3, then of those, leave [u, u+2, u+4, u+6 | u+1, u+3, u+5, u+7]. */
+static inline __attribute__((always_inline)) void pl_group_sums_avx2(
+        const uint8_t *codes, int64_t row_bytes, int64_t u, const int8_t *xr, int64_t k,
+        const int R, const int X16, __m256i *sums) {
+    __m256i half[PL_TILE][2];
+    for (int h = 0; h < 2; h++) {
+        __m256i x[2][4];  /* pair 2h + p's digits: low-nibble columns, high; X16 too */
+        for (int p = 0; p < 2; p++) {
+            const int8_t *xp = xr + 64 * (2 * h + p);
+            for (int c = 0; c < 2 + 2 * X16; c++)
+                x[p][c] = _mm256_loadu_si256((const __m256i *)(xp + (c >> 1) * k + 32 * (c & 1)));
         }
-    for (int64_t u = u0; u < u1; u += PL_LANES) {
-        __m256 s[PL_TILE], z[PL_TILE];
-        for (int q = 0; q < R; q++) pl_scales8(w, row + q, u, &s[q], &z[q]);
-        for (int r = 0; r < M; r++) {
-            const int8_t *xr = xq + r * xstride + u * PL_UNIT;
-            /* pr = [u+2i: 4 lanes | u+2i+1: 4]; horizontal adds (within 128-bit halves) of
-             * pairs 0,1 and 2,3, then of those, leave [u, u+2, u+4, u+6 | u+1, u+3, u+5, u+7] */
-            __m256i half[PL_TILE][2];
-            for (int h = 0; h < 2; h++) {
-                __m256i x[2][4];  /* pair 2h + p's digits: low-nibble columns, high; X16 too */
-                for (int p = 0; p < 2; p++) {
-                    const int8_t *xp = xr + 64 * (2 * h + p);
-                    for (int c = 0; c < 2 + 2 * X16; c++)
-                        x[p][c] = _mm256_loadu_si256(
-                            (const __m256i *)(xp + (c >> 1) * w->k + 32 * (c & 1)));
-                }
-                for (int q = 0; q < R; q++) {
-                    __m256i pr[2];
-                    for (int p = 0; p < 2; p++) {
-                        __m256i lo, hi;
-                        pl_nibbles(codes + q * row_bytes + (u + 2 * (2 * h + p)) * 16, &lo,
-                                   &hi);
-                        pr[p] = pl_pair_sums(lo, hi, x[p], X16);
-                    }
-                    half[q][h] = _mm256_hadd_epi32(pr[0], pr[1]);
-                }
+        for (int q = 0; q < R; q++) {
+            __m256i pr[2];
+            for (int p = 0; p < 2; p++) {
+                __m256i lo, hi;
+                pl_nibbles(codes + q * row_bytes + (u + 2 * (2 * h + p)) * 16, &lo, &hi);
+                pr[p] = pl_pair_sums(lo, hi, x[p], X16);
             }
-            __m256 d = _mm256_permutevar8x32_ps(_mm256_loadu_ps(dx + r * units + u), order);
-            __m256 t = _mm256_permutevar8x32_ps(_mm256_loadu_ps(sx + r * units + u), order);
-            for (int q = 0; q < R; q++) {
-                __m256i sums = _mm256_hadd_epi32(half[q][0], half[q][1]);
-                __m256 prod = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), d);
-                accs[q][r] = _mm256_fmadd_ps(prod, s[q], accs[q][r]);
-                accz[q][r] = _mm256_fmadd_ps(z[q], t, accz[q][r]);
-            }
+            half[q][h] = _mm256_hadd_epi32(pr[0], pr[1]);
         }
     }
-    for (int q = 0; q < R; q++)
-        for (int r = 0; r < M; r++) {
-            _mm256_storeu_ps(accs_out[q * M + r], accs[q][r]);
-            _mm256_storeu_ps(accz_out[q * M + r], accz[q][r]);
-        }
+    for (int q = 0; q < R; q++) sums[q] = _mm256_hadd_epi32(half[q][0], half[q][1]);
 }
 
 #if PL_VNNI
@@ -315,8 +284,25 @@ static inline __m256i pl_sums8_vnni(const uint8_t *codes, const __m512i *x, cons
     return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, t));
 }
 
-/* pl_tile_avx2 with the integer sums through VNNI (the same sums, so the same bits). */
-static inline __attribute__((always_inline)) void pl_tile_vnni(
+/* pl_group_sums_avx2 through VNNI (the same sums): the group's digits loaded once for the R
+ * rows. */
+static inline __attribute__((always_inline)) void pl_group_sums_vnni(
+        const uint8_t *codes, int64_t row_bytes, int64_t u, const int8_t *xr, int64_t k,
+        const int R, const int X16, __m256i *sums) {
+    __m512i x[8];
+    for (int c = 0; c < 4 + 4 * X16; c++)  /* 64 bytes each; the low digits k further on */
+        x[c] = _mm512_loadu_si512((const void *)(xr + (c >> 2) * k + 64 * (c & 3)));
+    for (int q = 0; q < R; q++) sums[q] = pl_sums8_vnni(codes + q * row_bytes + u * 16, x, X16);
+}
+#define PL_GROUP_SUMS pl_group_sums_vnni
+#else
+#define PL_GROUP_SUMS pl_group_sums_avx2
+#endif
+
+/* pl_units_generic for whole groups of 8 units [u0, u1) of R consecutive rows at once, with
+ * vectors: the integer sums by PL_GROUP_SUMS (AVX2 or VNNI), the float work 8 units a vector
+ * in the lanes' order. acc*_out[q * M + r]: row q's accumulators for activation row r. */
+static inline __attribute__((always_inline)) void pl_tile_simd(
         const plane_weight *w, int64_t row, int64_t u0, int64_t u1, const int8_t *xq,
         int64_t xstride, const float *dx, const float *sx, const int R, const int M,
         const int X16, float accs_out[][PL_LANES], float accz_out[][PL_LANES]) {
@@ -333,15 +319,13 @@ static inline __attribute__((always_inline)) void pl_tile_vnni(
         __m256 s[PL_TILE], z[PL_TILE];
         for (int q = 0; q < R; q++) pl_scales8(w, row + q, u, &s[q], &z[q]);
         for (int r = 0; r < M; r++) {
-            const int8_t *xr = xq + r * xstride + u * PL_UNIT;
-            __m512i x[8];
-            for (int c = 0; c < 4 + 4 * X16; c++)  /* 64 bytes each, the low digits k on */
-                x[c] = _mm512_loadu_si512((const void *)(xr + (c >> 2) * w->k + 64 * (c & 3)));
+            __m256i sums[PL_TILE];
+            PL_GROUP_SUMS(codes, row_bytes, u, xq + r * xstride + u * PL_UNIT, w->k, R, X16,
+                          sums);
             __m256 d = _mm256_permutevar8x32_ps(_mm256_loadu_ps(dx + r * units + u), order);
             __m256 t = _mm256_permutevar8x32_ps(_mm256_loadu_ps(sx + r * units + u), order);
             for (int q = 0; q < R; q++) {
-                __m256i sums = pl_sums8_vnni(codes + q * row_bytes + u * 16, x, X16);
-                __m256 prod = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), d);
+                __m256 prod = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[q]), d);
                 accs[q][r] = _mm256_fmadd_ps(prod, s[q], accs[q][r]);
                 accz[q][r] = _mm256_fmadd_ps(z[q], t, accz[q][r]);
             }
@@ -353,10 +337,6 @@ static inline __attribute__((always_inline)) void pl_tile_vnni(
             _mm256_storeu_ps(accz_out[q * M + r], accz[q][r]);
         }
 }
-#define PL_TILE_SIMD pl_tile_vnni
-#else
-#define PL_TILE_SIMD pl_tile_avx2
-#endif
 #endif
 
 /* Rows [r0, r1) for M activation rows into y (rows of n floats): with AVX2, in tiles of R rows
@@ -383,9 +363,9 @@ static inline __attribute__((always_inline)) void pl_rows(
         if (!generic) {
             if (R > 1 && row + R <= r1) {
                 tile = R;
-                PL_TILE_SIMD(w, row, 0, whole, xq, xstride, dx, sx, R, M, X16, accs, accz);
+                pl_tile_simd(w, row, 0, whole, xq, xstride, dx, sx, R, M, X16, accs, accz);
             } else {
-                PL_TILE_SIMD(w, row, 0, whole, xq, xstride, dx, sx, 1, M, X16, accs, accz);
+                pl_tile_simd(w, row, 0, whole, xq, xstride, dx, sx, 1, M, X16, accs, accz);
             }
             done = whole;
         }

@@ -8,7 +8,7 @@ drawing each token on its path, which the draft's distribution at that temperatu
 At temperature 0 the walk descends where the draft's token is the target's argmax, a chance
 the draft's own softmax understates when it is unsure between close guesses: a sharper one
 (TAU_GREEDY) ranks its chains higher. Measured on the default model's Q8_0 with its low-bit
-Q4_0 copy, 256 nodes 16 deep (bench/results/2026-12-05-s30-spec-acceptance-tau-cpu.json):
+Q4_0 copy, 256 nodes 16 deep (bench/results/2026-12-05-s30-spec-tree-tau-sweep-cpu.json):
 greedy 8.72 tokens a pass at the draft's temperature 1, 10.29 at 0.5, 10.92 at 0.3; at
 temperature 0.8, 6.99 at 1 and 6.97 at 0.8.
 

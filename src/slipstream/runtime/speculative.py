@@ -14,8 +14,8 @@ plain decoding, so equal logits give equal tokens.
 
 The tree (SpecExec style, runtime.draft_tree) is deterministic: the most probable
 continuations by the draft's cumulative log-probability (at the sampling temperature, no lower
-than 0.3: draft_tree.tree_tau), grown level by level with one draft
-forward per level over the new nodes only. With `ahead`, the draft grows it on past what the
+than 0.3: draft_tree.tree_tau), grown level by level with one draft forward per level over the
+new nodes only. With `ahead`, the draft grows it on past what the
 target verified, after the pass; where the walk then ends at a token grown ahead, the subtree
 below it is the next tree, topped up in series to the round's depth. On the default model's
 Q8_0/Q4_0 pair that does not pay yet (bench/results/2026-11-30-s7-spec-ahead-cpu.json and
