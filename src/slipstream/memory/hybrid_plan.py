@@ -70,8 +70,6 @@ class HybridPlan:
     # mode "auto": decode keeps the split balanced as the CPU's measured rate changes
     # (memory.hybrid_balance); a share or "on" given by the user stays as given
     rebalance: bool = False
-    host_kind: str = ""  # the CPU's layout for Q4_K (weights.hybrid.host_kind): "planes" reads
-    # the pinned images in place
 
 
 def parse_hybrid(value: str | float | None) -> str | float:
@@ -147,19 +145,12 @@ def _host_matmul(rows: int, cols: int, tokens: int, kind: str | None = None):
     x = torch.randn(tokens, cols, dtype=torch.bfloat16,
                     generator=torch.Generator().manual_seed(1))
     kind = kind or host_kind(GGMLQuantizationType.Q4_K)
-    if kind in ("q4vnni", "q4vnni-f16", "planes"):
-        # the plane probe's weight as large as q4vnni's (see Q4VNNI_PROBE_SCALE)
-        if kind == "planes":
-            linear = _plane_weight(rows * Q4VNNI_PROBE_SCALE, cols)
-            call = linear
-        else:
-            linear = _q4vnni_weight(rows * Q4VNNI_PROBE_SCALE, cols, kind == "q4vnni-f16")
-            call = linear.kernel
-
-        def one() -> None:
-            call(x)
-
-        return one, linear.nbytes
+    if kind == "planes":  # its weight as large as q4vnni's (see Q4VNNI_PROBE_SCALE)
+        planes = _plane_weight(rows * Q4VNNI_PROBE_SCALE, cols)
+        return (lambda: planes(x)), planes.nbytes
+    if kind in ("q4vnni", "q4vnni-f16"):
+        linear = _q4vnni_weight(rows * Q4VNNI_PROBE_SCALE, cols, kind == "q4vnni-f16")
+        return (lambda: linear.kernel(x)), linear.nbytes
     packed, scale_zeros = _int4_weight(rows, cols)
 
     def one() -> None:
@@ -457,5 +448,5 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     return HybridPlan(share, keep, layers, cpu, pcie, threads, cpu_bytes, pcie_bytes,
                       predicted, plain, max_tokens=min(widest, HYBRID_MAX_TOKENS),
                       extra_ram_bytes=int(cpu_bytes * packed_num / max(ratio_num, 1)),
-                      gguf_ffn_bytes=dict(zip(layers, ffn)), host_kind=kind,
+                      gguf_ffn_bytes=dict(zip(layers, ffn)),
                       rebalance=mode == "auto")

@@ -139,16 +139,15 @@ def host_linears(raws: FFNRaws, keep: int, image=None) -> dict[str, object]:
     CPU bytes). Without `image` only the packed ones are returned (the rest comes from the
     image once it is built: see in_place_linears)."""
     out = {}
-    if host_kind(raws.qtypes["ffn_gate"]) != PLANES:
+    gate_kind, down_kind = (host_kind(raws.qtypes[n]) for n in ("ffn_gate", "ffn_down"))
+    if gate_kind != PLANES:
         parts, shapes = raws.gate_up_rows(keep, raws.ffn)
-        parts = [p.cpu() for p in parts]
         qt = raws.qtypes["ffn_gate"]
-        out["gate_up"], _ = pack_group(parts, [qt, qt], shapes, [None, None],
-                                       host_kind(qt))
-    if host_kind(raws.qtypes["ffn_down"]) != PLANES:
-        qt = raws.qtypes["ffn_down"]
-        out["down"] = pack_linear(raws.down_cols(keep, raws.ffn).cpu(), qt,
-                                  (raws.hidden, raws.ffn - keep), kind=host_kind(qt))
+        out["gate_up"], _ = pack_group([p.cpu() for p in parts], [qt, qt], shapes,
+                                       [None, None], gate_kind)
+    if down_kind != PLANES:
+        out["down"] = pack_linear(raws.down_cols(keep, raws.ffn).cpu(), raws.qtypes["ffn_down"],
+                                  (raws.hidden, raws.ffn - keep), kind=down_kind)
     if image is not None:
         out = in_place_linears(image) | out
     return out

@@ -154,11 +154,23 @@ def prefix_bytes(layout: LayerLayout, leave_out: tuple[str, ...]) -> int:
 def packed_planes(image: LayerImage, name: str):
     """Linear `name`'s planes (a kernels.pack.PackedWeight) as views of the image's host bytes,
     nothing copied: what the CPU reads in place (weights.plane_host)."""
+    return _packed_weight(image.linears, _views(image.entries, image.host), name)
+
+
+def _views(entries: list[_Entry], buf: torch.Tensor, upto: int | None = None
+           ) -> dict[tuple, torch.Tensor]:
+    """Each tensor of a layout as a view into `buf` (with `upto`, those within its first
+    `upto` bytes)."""
+    return {e.key: buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+            for e in entries if upto is None or e.offset + e.nbytes <= upto}
+
+
+def _packed_weight(linears: dict[str, tuple], views: dict[tuple, torch.Tensor], name: str):
+    """Linear `name`'s PackedWeight over its planes' views."""
     from ..kernels.pack import PackedWeight  # the plane layout only: needs no Triton
 
-    qtype, rows, cols, gguf_bytes, f16_scales = image.linears[name]
-    planes = {e.key[1]: image.host[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
-              for e in image.entries if e.key[0] == name and e.key[1] in _PLANES}
+    qtype, rows, cols, gguf_bytes, f16_scales = linears[name]
+    planes = {p: views.get((name, p)) for p in _PLANES}
     return PackedWeight(qtype, rows, cols, gguf_bytes=gguf_bytes, f16_scales=f16_scales,
                         **planes)
 
@@ -168,19 +180,12 @@ def from_image(image: LayerImage | LayerLayout, slot: torch.Tensor,
     """The layer as views into a device slot holding a copy of the image's bytes; with `upto`,
     only the image's first `upto` bytes are in the slot, and the fields with a tensor past
     them are left None."""
-    from ..kernels.pack import PackedWeight  # the plane layout only: needs no Triton
-
-    views: dict[tuple, torch.Tensor] = {}
-    for e in image.entries:
-        if upto is None or e.offset + e.nbytes <= upto:
-            views[e.key] = slot[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+    views = _views(image.entries, slot, upto)
     fields = {}
-    for name, (qtype, rows, cols, gguf_bytes, f16_scales) in image.linears.items():
+    for name in image.linears:
         if upto is not None and not any(k[0] == name for k in views):
             continue
-        planes = {p: views.get((name, p)) for p in _PLANES}
-        packed = PackedWeight(qtype, rows, cols, gguf_bytes=gguf_bytes, f16_scales=f16_scales,
-                              **planes)
+        packed = _packed_weight(image.linears, views, name)
         # as built: an image is never re-packed on the hot path
         fields[name] = QuantLinear(packed, views.get((name, "bias")), workspace, fuse=False)
     for e in image.entries:
