@@ -40,6 +40,7 @@ import torch
 
 from ..model import Step, tree_step
 from .engine import Engine
+from .tree_calibration import NodeDraws, logsumexps
 
 # The draft's temperature for ranking a greedy target's tree (see the module's text)
 TAU_GREEDY = 0.3
@@ -69,6 +70,8 @@ class DraftTree:
         self.paths: list[tuple[int, ...]] = [(0,)]  # each node's ancestors and itself
         self.ran: list[bool] = [False]
         self.forwards = 0  # draft forwards that grew it
+        # each node that ran: the draft's distribution there, as TauFit scores it
+        self.draws: dict[int, NodeDraws] = {}
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -131,10 +134,13 @@ class TreeGrower:
     growth can go on after a snapshot went to the target."""
 
     def __init__(self, draft: Engine, tree: DraftTree, start: int, top_k: int,
-                 tau: float = 1.0) -> None:
-        """tau: the temperature the draft's logits are ranked at (tree_tau)."""
+                 tau: float = 1.0, grid: Sequence[float] = ()) -> None:
+        """tau: the temperature the draft's logits are ranked at (tree_tau, or a TauFit's);
+        grid: the temperatures each ran node's distribution is kept at for a TauFit (tau is
+        added to them)."""
         self.draft, self.tree, self.start, self.top_k = draft, tree, start, top_k
         self.tau = tau
+        self.grid = tuple(sorted(set(grid) | {tau}))
         # (-cumulative logprob, parent, rank, token): ties break on (parent, rank), so the
         # same logits always give the same tree
         self.pool: list[tuple[float, int, int, int]] = []
@@ -143,10 +149,10 @@ class TreeGrower:
 
     @classmethod
     def begin(cls, draft: Engine, root: int, lag: Sequence[int], top_k: int,
-              tau: float = 1.0) -> "TreeGrower":
+              tau: float = 1.0, grid: Sequence[float] = ()) -> "TreeGrower":
         """Level 0: the draft runs lag + root, appended at its length; the root's children
         become candidates."""
-        grower = cls(draft, DraftTree(root), draft.length + len(lag), top_k, tau)
+        grower = cls(draft, DraftTree(root), draft.length + len(lag), top_k, tau, grid)
         logits = _append(draft, [*lag, root])
         grower.tree.forwards = 1
         grower.tree.ran[0] = True
@@ -242,7 +248,9 @@ class TreeGrower:
             new = out.add(tree.tokens[old], new_index[tree.parents[old]],
                           tree.logprobs[old] - base_lp)
             out.ran[new] = tree.ran[old]
-        grower = TreeGrower(self.draft, out, self.start + len(path), self.top_k, self.tau)
+        out.draws = {new_index[old]: d for old, d in tree.draws.items() if old in new_index}
+        grower = TreeGrower(self.draft, out, self.start + len(path), self.top_k, self.tau,
+                            self.grid)
         grower.pool = [(neg + base_lp, new_index[p], r, t) for neg, p, r, t in self.pool
                        if p in new_index]
         heapq.heapify(grower.pool)
@@ -298,28 +306,34 @@ class TreeGrower:
         self._push_children(logits, nodes)
 
     def _push_children(self, logits: torch.Tensor, nodes: Sequence[int]) -> None:
-        """The top-k children of `nodes` (one row of draft logits each) become candidates."""
+        """The top-k children of `nodes` (one row of draft logits each) become candidates,
+        ranked by log-softmax(logits / tau); each node's draws are kept for a TauFit."""
         logits = logits.float()
-        logp = torch.log_softmax(logits if self.tau == 1.0 else logits / self.tau, dim=-1)
-        k = min(self.top_k, logp.shape[-1])
+        k = min(self.top_k, logits.shape[-1])
+        top, ids = torch.topk(logits, k, dim=-1)  # the same order at any temperature
         # .cpu() first: its binding lets go of the GIL while it waits for the device, which
         # the main thread needs to go on launching the target's pass (growing ahead)
-        values, ids = (t.cpu().tolist() for t in torch.topk(logp, k, dim=-1))
+        rows = torch.cat((top, logsumexps(logits, self.grid)), dim=-1).cpu().tolist()
+        ids = ids.cpu().tolist()
+        g = self.grid.index(self.tau)
         tree = self.tree
-        for node, vals, toks in zip(nodes, values, ids):
+        for node, row, toks in zip(nodes, rows, ids):
+            vals, lse = row[:k], row[k:]
+            tree.draws[node] = NodeDraws(tuple(toks), tuple(vals), tuple(lse))
             if tree.depths[node] >= AHEAD_DEPTH:
                 continue
             base = tree.logprobs[node]
             for rank, (v, tok) in enumerate(zip(vals, toks)):
-                heapq.heappush(self.pool, (-(base + v), node, rank, tok))
+                heapq.heappush(self.pool, (-(base + v / self.tau - lse[g]), node, rank, tok))
 
 
 def grow_tree(draft: Engine, root: int, lag: Sequence[int], nodes: int, depth: int,
-              top_k: int, level_width: int | None = None, tau: float = 1.0) -> DraftTree:
+              top_k: int, level_width: int | None = None, tau: float = 1.0,
+              grid: Sequence[float] = ()) -> DraftTree:
     """A tree of at most `nodes` tokens (the root included) and `depth` levels below the root,
     grown in series with the draft's cache holding the accepted prefix less `lag`
     (TreeGrower.begin, then grow)."""
-    grower = TreeGrower.begin(draft, root, lag, top_k, tau)
+    grower = TreeGrower.begin(draft, root, lag, top_k, tau, grid)
     grower.grow(nodes, depth, level_width)
     return grower.tree
 

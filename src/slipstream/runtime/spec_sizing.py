@@ -23,6 +23,8 @@ import math
 import statistics
 from dataclasses import dataclass, field
 
+from .tree_calibration import TauFit
+
 NODE_CHOICES = (16, 32, 64, 128, 256, 512)
 NODES_SLACK = 0.10  # a wider tree may cost this much more per pass than a one-node one
 PRIOR_RATE = 0.6  # acceptance per depth before any round (weight PRIOR_WEIGHT rounds)
@@ -96,6 +98,9 @@ class TreeSizer:
     _n: int = 0  # tree passes observed
     _level_rounds: list[float] = field(default_factory=list)  # seconds a level, per round
     _plain_streak: int = 0
+    # the trees' ranking temperature, fitted per sampling temperature to what the walks drew
+    # (runtime.tree_calibration): like the rates below, a lesson about this draft
+    tau_fits: dict[float, TauFit] = field(default_factory=dict)
     reached: list[float] = field(default_factory=list)  # [d]: rounds whose tree reached depth d
     passed: list[float] = field(default_factory=list)  # [d]: ... and whose walk descended to d
 

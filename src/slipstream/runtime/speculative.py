@@ -60,6 +60,7 @@ from .engine import Engine
 from .generate import GenerationStats, TokenSource, decode_steps
 from .sampler import Sampler
 from .spec_sizing import TreeSizer
+from .tree_calibration import TauFit
 
 __all__ = ["SpecStats", "Speculator", "check_vocab", "grow_tree", "keep", "speculative_source",
            "walk"]
@@ -203,8 +204,12 @@ class Speculator:
                               f"past the verified nodes would overwrite their entries")
         self.target, self.draft, self.sampler = target, draft, sampler
         self.top_k = top_k
-        self.tau = tree_tau(sampler.params.temperature)  # ranks the trees' candidates
         self.sizer = sizer if sizer is not None else TreeSizer()
+        # ranks the trees' candidates: fitted to the walks, one fit per sampling temperature,
+        # kept with the sizer's other lessons about this draft
+        temperature = float(sampler.params.temperature)
+        self.fit = self.sizer.tau_fits.setdefault(temperature, TauFit(tree_tau(temperature)))
+        self.tau = self.fit.tau
         self.sizer.max_depth = MAX_DEPTH if depth is None else depth
         self.sizer.probe_depth = DEFAULT_DEPTH
         self.sizer.fixed_nodes, self.sizer.fixed_depth = nodes, depth
@@ -264,7 +269,8 @@ class Speculator:
             logits = target.decode(root.view(1))
         else:
             if grown is None:
-                grown = TreeGrower.begin(draft, int(root), self.lag, self.top_k, self.tau)
+                grown = TreeGrower.begin(draft, int(root), self.lag, self.top_k, self.tau,
+                                         self.fit.grid)
                 grown.grow(width, levels, self.level_width)
                 self.lag = []
                 forwards = grown.tree.forwards
@@ -291,6 +297,8 @@ class Speculator:
                 keep(draft, start, ran)
                 self.lag = [tree.tokens[i] for i in path[len(ran):]]
             self.sizer.observe_walk(max(tree.depths[i] for i in verify), len(path) - 1)
+            self.fit.observe_walk(tree.draws, path, tree.tokens, int(tokens[-1]))
+            self.tau = self.fit.tau
         verify_s = _since(t, target.device)
         self.stats.verify_s += verify_s
         self.sizer.observe_pass(len(verify), verify_s)

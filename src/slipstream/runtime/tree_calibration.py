@@ -1,0 +1,111 @@
+"""The temperature a draft's tree is ranked at, fitted to what the target's walks draw.
+
+A node's worth is the chance that the walk reaches it: the product of the target's chances of
+drawing each token on its path. The draft's softmax at some temperature tau estimates those
+chances, and which tau estimates them best depends on the draft: on the default model's Q8_0,
+greedy, 256 nodes 16 deep, its low-bit Q4_0 copy gave 10.92 tokens a pass ranked at 0.3 and
+8.72 at 1, its low-bit Q2_K copy 5.08 at 0.3 and 5.71 at 1
+(bench/results/2026-12-05-s30-spec-tree-tau-sweep-cpu.json, -tree-tau1-q2k-cpu.json).
+
+TauFit scores every node the walk passed through that ran in the draft: the token the target
+drew there, under the draft's distribution at each tau of a grid, coarsened to the node's
+top-k children and "anything else" (the only outcomes a tree can hold). The next trees are
+ranked at the tau with the highest log-likelihood so far: temperature scaling, the usual way to
+calibrate a classifier's confidence, with the target's draws as the labels. Until MIN_OBSERVED
+nodes are scored, trees rank at draft_tree.tree_tau(T). SLIPSTREAM_TREE_TAU=fixed keeps that
+default throughout (to measure what the fit gains).
+
+Lossless whatever tau is: the ranking decides which guesses the target verifies, never which
+token it emits.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+# Temperatures the fit chooses among (a factor of about 1.4 apart); the default for the
+# sampler's temperature (tree_tau) is added to them
+GRID = (0.25, 0.35, 0.5, 0.7, 1.0, 1.4)
+# Nodes scored before the fit replaces the default: a round scores its accepted path's nodes
+# (1 + the tokens it accepted), so a few rounds
+MIN_OBSERVED = 32
+# The smallest chance an outcome is scored at (the "anything else" of a draft sure of its
+# top-k children), so that one surprise costs a bounded log-likelihood
+FLOOR = 1e-30
+
+
+@dataclass(frozen=True)
+class NodeDraws:
+    """What scoring a node needs of the draft's logits there: its top-k children's tokens and
+    raw logits, and the logsumexp of logits / tau for each tau of the fit's grid."""
+
+    tokens: tuple[int, ...]
+    logits: tuple[float, ...]
+    lse: tuple[float, ...]
+
+
+def logsumexps(logits: torch.Tensor, taus: Sequence[float]) -> torch.Tensor:
+    """(n, len(taus)): logsumexp(logits / tau) over the vocabulary, per row and tau; one row
+    of logits (n, vocab) in memory at a time beside the input."""
+    top = logits.amax(dim=-1, keepdim=True)
+    shifted = logits - top
+    cols = [torch.exp(shifted * (1.0 / tau)).sum(dim=-1).log() + top[:, 0] / tau
+            for tau in taus]
+    return torch.stack(cols, dim=-1)
+
+
+@dataclass
+class TauFit:
+    """The log-likelihood of the target's draws at each tau of `grid`, summed over the nodes
+    observed; `tau` is the ranking temperature for the next trees."""
+
+    default: float
+    grid: tuple[float, ...] = ()
+    min_observed: float = MIN_OBSERVED
+    observed: int = 0
+    loglik: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if os.environ.get("SLIPSTREAM_TREE_TAU") == "fixed":
+            self.grid, self.min_observed = (self.default,), math.inf
+        self.grid = tuple(sorted(set(self.grid or GRID) | {self.default}))
+        if not self.loglik:
+            self.loglik = [0.0] * len(self.grid)
+
+    @property
+    def tau(self) -> float:
+        if self.observed < self.min_observed:
+            return self.default
+        best = max(range(len(self.grid)), key=lambda g: (self.loglik[g], -abs(
+            math.log(self.grid[g] / self.default))))
+        return self.grid[best]
+
+    def index(self, tau: float) -> int:
+        return self.grid.index(tau)
+
+    def observe(self, node: NodeDraws, token: int) -> None:
+        """The target drew `token` at a node whose draft distribution is `node`."""
+        hit = node.tokens.index(token) if token in node.tokens else None
+        for g, tau in enumerate(self.grid):
+            if hit is not None:
+                logp = node.logits[hit] / tau - node.lse[g]
+            else:
+                inside = sum(math.exp(v / tau - node.lse[g]) for v in node.logits)
+                logp = math.log(max(1.0 - inside, FLOOR))
+            self.loglik[g] += max(logp, math.log(FLOOR))
+        self.observed += 1
+
+    def observe_walk(self, draws: dict[int, NodeDraws], path: Sequence[int],
+                     tokens: Sequence[int], last: int) -> None:
+        """A walk that accepted `path` (tree nodes, root first; `tokens`: each node's token)
+        and drew `last` after it: every node of the path the draft ran is scored on the token
+        the target drew there."""
+        for i, node in enumerate(path):
+            seen = draws.get(node)
+            if seen is not None:
+                self.observe(seen, tokens[path[i + 1]] if i + 1 < len(path) else last)
