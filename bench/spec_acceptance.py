@@ -190,7 +190,8 @@ def measure_cell(model, prompts, nodes: int, temperature: float, a, plain: dict 
     wall = time.perf_counter() - t0
     q = max(passes, 1)
     row = {"nodes": nodes, "depth": a.depth, "temperature": temperature,
-           "tree_tau": _tree_tau(temperature), "tokens_per_pass": round(tokens / q, 4), "passes": passes, "tokens": tokens,
+           "tree_tau": _tree_tau(temperature), **_tau_fit(model, temperature),
+           "tokens_per_pass": round(tokens / q, 4), "passes": passes, "tokens": tokens,
            "generated_tokens": generated, "accepted_hist": hist,
            "mean_accepted": round(sum(i * c for i, c in enumerate(hist)) / q, 4),
            "tree_nodes_mean": round(tree_nodes / q, 2),
@@ -309,6 +310,21 @@ def _tree_tau(temperature: float) -> float | None:
     except ImportError:
         return None
     return tree_tau(temperature)
+
+
+def _tau_fit(model, temperature: float) -> dict:
+    """The ranking temperature's fit after the cell (runtime.tree_calibration, session 31 on;
+    it carries over from cell to cell of one draft, as over a model's generations): the mode
+    (SLIPSTREAM_TREE_TAU=fixed keeps tree_tau throughout), the temperature it ranks at, the
+    nodes it scored and the log-likelihood per temperature of its grid."""
+    fits = [s.tau_fits[float(temperature)] for s in getattr(model, "_sizers", {}).values()
+            if float(temperature) in getattr(s, "tau_fits", {})]
+    if not fits:
+        return {}
+    fit = fits[0]
+    return {"tree_tau_mode": os.environ.get("SLIPSTREAM_TREE_TAU", "fit"),
+            "tree_tau_fitted": fit.tau, "tree_tau_observed": fit.observed,
+            "tree_tau_loglik": {f"{t:g}": round(v, 2) for t, v in zip(fit.grid, fit.loglik)}}
 
 
 def write(doc: dict, out: Path) -> None:

@@ -166,3 +166,24 @@ def test_a_generation_fits_and_ranks_its_trees_at_the_fit(tiny):
     assert any(v != 0.0 for v in fit.loglik)
     again = Speculator(target.engine, draft.engine, sampler, nodes=24, depth=4, sizer=sizer)
     assert again.fit is fit and again.tau == fit.tau
+
+
+def test_a_settled_fit_stops_scoring_and_keeps_its_temperature():
+    """Past `settled_at` scored nodes the fit stops: trees keep no grid (one pass over the
+    vocabulary a level) and further draws change nothing."""
+    gen = torch.Generator().manual_seed(3)
+    fit = TauFit(0.3, settled_at=200)
+    assert fit.grid_to_keep == fit.grid
+    while not fit.settled:
+        row = torch.randn(1000, generator=gen) * 2.5
+        token = int(torch.multinomial(torch.softmax(row / 1.0, -1), 1, generator=gen))
+        fit.observe(_draws(row, fit.grid, 8), token)
+    assert fit.observed == 200 and fit.grid_to_keep == () and fit.tau == 1.0
+    frozen = list(fit.loglik)
+    row = torch.randn(1000, generator=gen)
+    fit.observe(_draws(row, fit.grid, 8), int(row.argmax()))
+    assert fit.loglik == frozen and fit.tau == 1.0
+    # a node kept at one temperature only (a tree grown after settling) is never scored
+    fresh = TauFit(0.3)
+    fresh.observe(_draws(row, (0.3,), 8), int(row.argmax()))
+    assert fresh.observed == 0

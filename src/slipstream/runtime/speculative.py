@@ -270,7 +270,7 @@ class Speculator:
         else:
             if grown is None:
                 grown = TreeGrower.begin(draft, int(root), self.lag, self.top_k, self.tau,
-                                         self.fit.grid)
+                                         self.fit.grid_to_keep)
                 grown.grow(width, levels, self.level_width)
                 self.lag = []
                 forwards = grown.tree.forwards

@@ -12,7 +12,11 @@ drew there, under the draft's distribution at each tau of a grid, coarsened to t
 top-k children and "anything else" (the only outcomes a tree can hold). The next trees are
 ranked at the tau with the highest log-likelihood so far: temperature scaling, the usual way to
 calibrate a classifier's confidence, with the target's draws as the labels. Until MIN_OBSERVED
-nodes are scored, trees rank at draft_tree.tree_tau(T). SLIPSTREAM_TREE_TAU=fixed keeps that
+nodes are scored, trees rank at draft_tree.tree_tau(T). Keeping a node's distribution at every
+temperature of the grid costs a pass over the vocabulary each (a 32-node level of the default
+model's 49,152 logits: about 33 ms for the grid on one core of this project's CPU machine,
+against 6 ms for one temperature), so once SETTLED nodes are scored the fit stops and trees keep
+its temperature, at one pass a level. SLIPSTREAM_TREE_TAU=fixed keeps that
 default throughout (to measure what the fit gains).
 
 Lossless whatever tau is: the ranking decides which guesses the target verifies, never which
@@ -34,6 +38,8 @@ GRID = (0.25, 0.35, 0.5, 0.7, 1.0, 1.4)
 # Nodes scored before the fit replaces the default: a round scores its accepted path's nodes
 # (1 + the tokens it accepted), so a few rounds
 MIN_OBSERVED = 32
+# Nodes scored after which the fit stops (see the module's text)
+SETTLED = 256
 # The smallest chance an outcome is scored at (the "anything else" of a draft sure of its
 # top-k children), so that one surprise costs a bounded log-likelihood
 FLOOR = 1e-30
@@ -67,6 +73,7 @@ class TauFit:
     default: float
     grid: tuple[float, ...] = ()
     min_observed: float = MIN_OBSERVED
+    settled_at: float = SETTLED
     observed: int = 0
     loglik: list[float] = field(default_factory=list)
 
@@ -85,11 +92,21 @@ class TauFit:
             math.log(self.grid[g] / self.default))))
         return self.grid[best]
 
-    def index(self, tau: float) -> int:
-        return self.grid.index(tau)
+    @property
+    def settled(self) -> bool:
+        return self.observed >= self.settled_at
+
+    @property
+    def grid_to_keep(self) -> tuple[float, ...]:
+        """The temperatures a grown tree keeps its nodes' distributions at: the grid while
+        fitting, none once settled."""
+        return () if self.settled else self.grid
 
     def observe(self, node: NodeDraws, token: int) -> None:
-        """The target drew `token` at a node whose draft distribution is `node`."""
+        """The target drew `token` at a node whose draft distribution is `node` (kept at
+        every temperature of the grid; a node kept at fewer is not scored)."""
+        if self.settled or len(node.lse) != len(self.grid):
+            return
         hit = node.tokens.index(token) if token in node.tokens else None
         for g, tau in enumerate(self.grid):
             if hit is not None:
