@@ -13,7 +13,8 @@ decoding; with a seed, the Sampler's generator is used once per token in the sam
 plain decoding, so equal logits give equal tokens.
 
 The tree (SpecExec style, runtime.draft_tree) is deterministic: the most probable
-continuations by the draft's cumulative log-probability (at the sampling temperature, no lower
+continuations by the draft's cumulative log-probability (at a temperature fitted to the
+target's draws, runtime.tree_calibration, starting from the sampling temperature, no lower
 than 0.3: draft_tree.tree_tau), grown level by level with one draft forward per level over the
 new nodes only. With `ahead`, the draft grows it on past what the
 target verified, after the pass; where the walk then ends at a token grown ahead, the subtree
