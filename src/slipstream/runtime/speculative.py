@@ -299,6 +299,7 @@ class Speculator:
                 self.lag = [tree.tokens[i] for i in path[len(ran):]]
             self.sizer.observe_walk(max(tree.depths[i] for i in verify), len(path) - 1)
             self.fit.observe_walk(tree.draws, path, tree.tokens, int(tokens[-1]))
+            self.fit.observe_tree(tree, verify, path)
             self.tau = self.fit.tau
         verify_s = _since(t, target.device)
         self.stats.verify_s += verify_s

@@ -76,19 +76,28 @@ class TauFit:
     settled_at: float = SETTLED
     observed: int = 0
     loglik: list[float] = field(default_factory=list)
+    # experimental (SLIPSTREAM_TREE_TAU=walk): the tokens each tau's ranking would have
+    # accepted from the verified trees, kept to half their nodes (reranked_acceptance)
+    walked: list[float] = field(default_factory=list)
+    by_walk: bool = False
 
     def __post_init__(self) -> None:
-        if os.environ.get("SLIPSTREAM_TREE_TAU") == "fixed":
+        mode = os.environ.get("SLIPSTREAM_TREE_TAU")
+        if mode == "fixed":
             self.grid, self.min_observed = (self.default,), math.inf
+        self.by_walk = mode == "walk"
         self.grid = tuple(sorted(set(self.grid or GRID) | {self.default}))
         if not self.loglik:
             self.loglik = [0.0] * len(self.grid)
+        if not self.walked:
+            self.walked = [0.0] * len(self.grid)
 
     @property
     def tau(self) -> float:
         if self.observed < self.min_observed:
             return self.default
-        best = max(range(len(self.grid)), key=lambda g: (self.loglik[g], -abs(
+        score = self.walked if self.by_walk else self.loglik
+        best = max(range(len(self.grid)), key=lambda g: (score[g], -abs(
             math.log(self.grid[g] / self.default))))
         return self.grid[best]
 
@@ -126,3 +135,43 @@ class TauFit:
             seen = draws.get(node)
             if seen is not None:
                 self.observe(seen, tokens[path[i + 1]] if i + 1 < len(path) else last)
+
+    def observe_tree(self, tree, verify: Sequence[int], path: Sequence[int]) -> None:
+        """The round's verified tree and accepted path, for the walk's score (by_walk)."""
+        if self.settled or not self.by_walk:
+            return
+        got = reranked_acceptance(tree, verify, path, self.grid)
+        if got is not None:
+            self.walked = [w + a for w, a in zip(self.walked, got)]
+
+
+def reranked_acceptance(tree, verify: Sequence[int], path: Sequence[int],
+                        grid: Sequence[float]) -> list[int] | None:
+    """For each tau of the grid, the drafted tokens the walk would have accepted had the
+    tree kept only the best half of its verified nodes by their cumulative log-probability
+    at tau: the accepted path's longest prefix inside that half. Within the verified tree
+    only (nodes it never held have no known outcome), so biased towards the tau it was grown
+    at, less so the smaller the half. None where a verified node's parent kept no draws at
+    every tau."""
+    n_grid = len(grid)
+    inside = set(verify)
+    cum = {0: [0.0] * n_grid}
+    for node in verify[1:]:
+        parent = tree.parents[node]
+        seen = tree.draws.get(parent)
+        if seen is None or len(seen.lse) != n_grid or parent not in cum:
+            return None
+        rank = seen.tokens.index(tree.tokens[node])
+        cum[node] = [c + seen.logits[rank] / tau - seen.lse[g]
+                     for g, (c, tau) in enumerate(zip(cum[parent], grid))]
+    keep = max(2, len(verify) // 2)
+    out = []
+    for g in range(n_grid):
+        best = set(sorted(inside, key=lambda v: (-cum[v][g], v))[:keep])
+        accepted = 0
+        for node in path[1:]:
+            if node not in best:
+                break
+            accepted += 1
+        out.append(accepted)
+    return out
