@@ -96,13 +96,19 @@ def tiny(tmp_path_factory):
         m.close()
 
 
-def test_grown_trees_keep_each_ran_nodes_draws_and_reroot_carries_them(tiny):
-    draft = tiny[1]
+def _grown(draft, ahead_levels: int) -> TreeGrower:
+    """A tree of the draft after PREFIX, ranked at 0.5, grown ahead `ahead_levels` levels."""
     draft.engine.reset()
     draft.engine.forward(PREFIX)
     grower = TreeGrower.begin(draft.engine, ROOT, [], top_k=4, tau=0.5, grid=GRID)
     grower.grow(12, 3, None)
-    grower.ahead(lambda: True, width=6, levels=2)
+    grower.ahead(lambda: True, width=6, levels=ahead_levels)
+    return grower
+
+
+def test_grown_trees_keep_each_ran_nodes_draws_and_reroot_carries_them(tiny):
+    draft = tiny[1]
+    grower = _grown(draft, 2)
     tree = grower.tree
     assert sorted(tree.draws) == [i for i in range(len(tree)) if tree.ran[i]]
     # the root's draws are the draft's logits after PREFIX + ROOT, in a fresh context
@@ -118,11 +124,7 @@ def test_grown_trees_keep_each_ran_nodes_draws_and_reroot_carries_them(tiny):
     assert math.isclose(tree.logprobs[child], root.logits[0] / 0.5 - root.lse[g],
                         rel_tol=1e-6)
     # reroot below a node that ran and has a child that ran
-    draft.engine.reset()
-    draft.engine.forward(PREFIX)
-    grower = TreeGrower.begin(draft.engine, ROOT, [], top_k=4, tau=0.5, grid=GRID)
-    grower.grow(12, 3, None)
-    grower.ahead(lambda: True, width=6, levels=3)
+    grower = _grown(draft, 3)
     tree = grower.tree
     node = next(i for i in range(1, len(tree))
                 if tree.ran[i] and any(tree.ran[c] for c in tree.children[i].values()))
