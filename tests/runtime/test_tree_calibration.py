@@ -9,12 +9,12 @@ import math
 import pytest
 import torch
 
-from slipstream.runtime.draft_tree import TreeGrower, tree_tau
+from slipstream.runtime.draft_tree import DraftTree, TreeGrower, tree_tau
 from slipstream.runtime.sampler import Sampler, SamplingParams
 from slipstream.runtime.spec_sizing import TreeSizer
 from slipstream.runtime.speculative import Speculator
 from slipstream.runtime.tree_calibration import (GRID, MIN_OBSERVED, NodeDraws, TauFit,
-                                                 logsumexps)
+                                                 logsumexps, reranked_acceptance)
 from runtime.test_speculative import tiny_models
 
 PREFIX = [3, 17, 99, 250, 7, 42, 300, 12]
@@ -61,7 +61,7 @@ def test_the_fit_finds_the_temperature_the_draws_come_from(truth):
     """Draws from softmax(logits / truth): after enough of them the fit ranks at truth, the
     grid's member; before MIN_OBSERVED it keeps the default it was given."""
     gen = torch.Generator().manual_seed(2)
-    fit = TauFit(0.7)
+    fit = TauFit(0.7, by="loglik")
     assert truth in fit.grid
     for i in range(600):
         row = torch.randn(2000, generator=gen) * 2.5
@@ -174,7 +174,7 @@ def test_a_settled_fit_stops_scoring_and_keeps_its_temperature():
     """Past `settled_at` scored nodes the fit stops: trees keep no grid (one pass over the
     vocabulary a level) and further draws change nothing."""
     gen = torch.Generator().manual_seed(3)
-    fit = TauFit(0.3, settled_at=200)
+    fit = TauFit(0.3, settled_at=200, by="loglik")
     assert fit.grid_to_keep == fit.grid
     while not fit.settled:
         row = torch.randn(1000, generator=gen) * 2.5
@@ -189,3 +189,65 @@ def test_a_settled_fit_stops_scoring_and_keeps_its_temperature():
     fresh = TauFit(0.3)
     fresh.observe(_draws(row, (0.3,), 8), int(row.argmax()))
     assert fresh.observed == 0
+
+
+def test_reranked_acceptance_keeps_the_best_half_at_each_temperature():
+    """A root whose draft leans to 9 over 4 (logits 2.0 and 1.8 among 40 others at 0); below 9
+    a chain 9 -> 5 -> 6 it is fairly sure of (logit 3 against 40 at 0), below 4 a guess 7. The
+    target walked 9, 5, 6. Kept to half of the tree's 6 nodes (3 with the root), a sharp
+    ranking (0.25) keeps the chain's first two nodes and accepts 2; a soft one (1) ranks 4
+    above 5 and accepts 1."""
+    tree = DraftTree(0)
+    b = tree.add(9, 0, 0.0)
+    a = tree.add(4, 0, 0.0)
+    c = tree.add(5, b, 0.0)
+    d = tree.add(6, c, 0.0)
+    e = tree.add(7, a, 0.0)
+    grid = (0.25, 1.0)
+
+    def draws(tokens, logits, vocab_rest=40, rest_logit=0.0):
+        lse = tuple(math.log(sum(math.exp(v / t) for v in logits) + vocab_rest *
+                             math.exp(rest_logit / t)) for t in grid)
+        return NodeDraws(tuple(tokens), tuple(logits), lse)
+
+    tree.draws = {0: draws([9, 4], [2.0, 1.8]), a: draws([7], [0.5]),
+                  b: draws([5], [3.0]), c: draws([6], [3.0]), d: draws([1], [0.0])}
+    verify = [0, b, a, c, d, e]
+    path = [0, b, c, d]
+    sharp, soft = reranked_acceptance(tree, verify, path, grid)
+    # by hand: cumulative log-probabilities at each tau, the best 3 of 6 nodes kept
+    for tau, got in zip(grid, (sharp, soft)):
+        cum = {0: 0.0}
+        for node in verify[1:]:
+            par = tree.parents[node]
+            dr = tree.draws[par]
+            g = grid.index(tau)
+            cum[node] = cum[par] + dr.logits[dr.tokens.index(tree.tokens[node])] / tau - dr.lse[g]
+        kept = sorted(verify, key=lambda v: (-cum[v], v))[:3]
+        want = 0
+        for node in path[1:]:
+            if node not in kept:
+                break
+            want += 1
+        assert got == want
+    assert (sharp, soft) == (2, 1)
+    # a verified node whose parent kept no draws at every tau: no score
+    tree.draws[b] = NodeDraws((5,), (3.0,), (1.0,))
+    assert reranked_acceptance(tree, verify, path, grid) is None
+
+
+def test_the_walk_score_ranks_by_default_and_loglik_on_request(monkeypatch):
+    monkeypatch.delenv("SLIPSTREAM_TREE_TAU", raising=False)
+    fit = TauFit(0.3)
+    assert fit.by == "walk"
+    fit.observed = MIN_OBSERVED
+    fit.walked = [0.0] * len(fit.grid)
+    fit.walked[fit.grid.index(1.0)] = 5.0
+    fit.loglik[fit.grid.index(0.5)] = 1.0
+    assert fit.tau == 1.0
+    monkeypatch.setenv("SLIPSTREAM_TREE_TAU", "loglik")
+    other = TauFit(0.3)
+    other.observed, other.walked, other.loglik = fit.observed, fit.walked, [
+        -1.0] * len(fit.grid)
+    other.loglik[other.grid.index(0.5)] = 1.0
+    assert other.by == "loglik" and other.tau == 0.5

@@ -7,17 +7,30 @@ greedy, 256 nodes 16 deep, its low-bit Q4_0 copy gave 10.92 tokens a pass ranked
 8.72 at 1, its low-bit Q2_K copy 5.08 at 0.3 and 5.71 at 1
 (bench/results/2026-12-05-s30-spec-tree-tau-sweep-cpu.json, -tree-tau1-q2k-cpu.json).
 
-TauFit scores every node the walk passed through that ran in the draft: the token the target
-drew there, under the draft's distribution at each tau of a grid, coarsened to the node's
-top-k children and "anything else" (the only outcomes a tree can hold). The next trees are
-ranked at the tau with the highest log-likelihood so far: temperature scaling, the usual way to
-calibrate a classifier's confidence, with the target's draws as the labels. Until MIN_OBSERVED
-nodes are scored, trees rank at draft_tree.tree_tau(T). Keeping a node's distribution at every
-temperature of the grid costs a pass over the vocabulary each (a 32-node level of the default
-model's 49,152 logits: about 33 ms for the grid on one core of this project's CPU machine,
-against 6 ms for one temperature), so once SETTLED nodes are scored the fit stops and trees keep
-its temperature, at one pass a level. SLIPSTREAM_TREE_TAU=fixed keeps that
-default throughout (to measure what the fit gains).
+Two scores are kept for each tau of a grid, from every round:
+
+- walk (what ranks the trees): the drafted tokens the round's walk would have accepted had
+  the verified tree kept only the best half of its nodes ranked at tau (reranked_acceptance).
+  It scores the ranking itself, as the tree uses it.
+- loglik (SLIPSTREAM_TREE_TAU=loglik ranks by it): at every node the walk passed through that
+  ran in the draft, the log-chance of the token the target drew there under the draft's
+  distribution at tau, coarsened to the node's top-k children and "anything else":
+  temperature scaling, the usual way to calibrate a classifier's confidence. It picks a
+  softer tau than the ranking wants, presumably because a right guess makes the next one
+  likelier, which per-node chances do not see.
+
+Measured on the CPU (the default model's Q8_0, 256 nodes 16 deep, greedy; the s31 files
+below): the low-bit Q4_0 copy gave 10.70 tokens a pass by walk (fitted 0.25) and 10.49 by
+loglik (0.35), the low-bit Q2_K copy 5.71 (1.0) and 5.62 (0.7): within 2% of the best fixed
+tau for each, where a fixed 0.3 cost the Q2_K copy 11% and a fixed 1 the Q4_0 copy 20%
+(2026-12-05-s31-spec-tau-walk-cpu.json, -s31-spec-acceptance-tau-fit-cpu.json).
+
+Until MIN_OBSERVED nodes are scored, trees rank at draft_tree.tree_tau(T). Keeping a node's
+distribution at every temperature of the grid costs a pass over the vocabulary each (a
+32-node level of the default model's 49,152 logits: about 33 ms for the grid on one core of
+this project's CPU machine, against 6 ms for one temperature), so once SETTLED nodes are
+scored the fit stops and trees keep its temperature, at one pass a level.
+SLIPSTREAM_TREE_TAU=fixed keeps tree_tau throughout (to measure what the fit gains).
 
 Lossless whatever tau is: the ranking decides which guesses the target verifies, never which
 token it emits.
@@ -67,7 +80,7 @@ def logsumexps(logits: torch.Tensor, taus: Sequence[float]) -> torch.Tensor:
 
 @dataclass
 class TauFit:
-    """The log-likelihood of the target's draws at each tau of `grid`, summed over the nodes
+    """The scores of each tau of `grid` (the module's text), summed over the rounds and nodes
     observed; `tau` is the ranking temperature for the next trees."""
 
     default: float
@@ -76,16 +89,16 @@ class TauFit:
     settled_at: float = SETTLED
     observed: int = 0
     loglik: list[float] = field(default_factory=list)
-    # experimental (SLIPSTREAM_TREE_TAU=walk): the tokens each tau's ranking would have
-    # accepted from the verified trees, kept to half their nodes (reranked_acceptance)
+    # the tokens each tau's ranking would have accepted from the verified trees, kept to half
+    # their nodes (reranked_acceptance)
     walked: list[float] = field(default_factory=list)
-    by_walk: bool = False
+    by: str = ""  # which score ranks: "walk" or "loglik" (default: SLIPSTREAM_TREE_TAU's, walk)
 
     def __post_init__(self) -> None:
-        mode = os.environ.get("SLIPSTREAM_TREE_TAU")
+        mode = os.environ.get("SLIPSTREAM_TREE_TAU", "walk")
         if mode == "fixed":
             self.grid, self.min_observed = (self.default,), math.inf
-        self.by_walk = mode == "walk"
+        self.by = self.by or ("loglik" if mode == "loglik" else "walk")
         self.grid = tuple(sorted(set(self.grid or GRID) | {self.default}))
         if not self.loglik:
             self.loglik = [0.0] * len(self.grid)
@@ -96,7 +109,7 @@ class TauFit:
     def tau(self) -> float:
         if self.observed < self.min_observed:
             return self.default
-        score = self.walked if self.by_walk else self.loglik
+        score = self.walked if self.by == "walk" else self.loglik
         best = max(range(len(self.grid)), key=lambda g: (score[g], -abs(
             math.log(self.grid[g] / self.default))))
         return self.grid[best]
@@ -137,8 +150,8 @@ class TauFit:
                 self.observe(seen, tokens[path[i + 1]] if i + 1 < len(path) else last)
 
     def observe_tree(self, tree, verify: Sequence[int], path: Sequence[int]) -> None:
-        """The round's verified tree and accepted path, for the walk's score (by_walk)."""
-        if self.settled or not self.by_walk:
+        """The round's verified tree and accepted path, for the walk's score."""
+        if self.settled:
             return
         got = reranked_acceptance(tree, verify, path, self.grid)
         if got is not None:
