@@ -23,7 +23,7 @@ Measured on the CPU (the default model's Q8_0, 256 nodes 16 deep, greedy; the s3
 below): the low-bit Q4_0 copy gave 10.70 tokens a pass by walk (fitted 0.25) and 10.49 by
 loglik (0.35), the low-bit Q2_K copy 5.71 (1.0) and 5.62 (0.7): within 2% of the best fixed
 tau for each, where a fixed 0.3 cost the Q2_K copy 11% and a fixed 1 the Q4_0 copy 20%
-(2026-12-05-s31-spec-tau-walk-cpu.json, -s31-spec-acceptance-tau-fit-cpu.json).
+(2026-12-05-s31-spec-acceptance-tau-walk-cpu.json, -s31-spec-acceptance-tau-fit-cpu.json).
 
 Until MIN_OBSERVED nodes are scored, trees rank at draft_tree.tree_tau(T). Keeping a node's
 distribution at every temperature of the grid costs a pass over the vocabulary each (a
