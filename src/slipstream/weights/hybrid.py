@@ -52,7 +52,13 @@ REST_FIELDS = ("ffn_gate_up_rest", "ffn_down_rest")  # the image's tail: decode 
 # the Q4_0/Q4_1/Q4_K rest linears in place from the pinned image (4.625 bits a Q4_K weight, no
 # extra RAM, no packing; other formats as auto). On this 2-core AVX2 machine planes computes
 # 12.1 Gweights/s a thread against q4vnni's 15.1 (bench/results/2026-12-05-s30-plane-speed-
-# cpu.json): a bet on host memory, not on the cores; not yet measured on a GPU host.
+# cpu.json): a bet on host memory, not on the cores. It lost that bet on the H200's host
+# (session 31, a 16-core Sapphire Rapids, its AVX-512 VNNI loop): 9.0 Gweights/s a thread
+# against 14.1, 106 against 132 at 15 threads, 53 GB/s beside the copies against q4vnni's 80
+# (about 92 Gweights/s against 106), and the 70B at 24 GiB decoded 4.323 tok/s against 4.460
+# (2026-12-05-s31-plane-speed-h200-host-call1.json, -hybrid-bus-*-h200-call2.json,
+# -hybrid-bench{,-planes}-h200-call1.json): the CPU's share is compute-bound there too. So it
+# stays opt-in; its loop, not the bus, is what to improve.
 # memory.hybrid_plan's probe times the kernel of the kind chosen here.
 HOST_KINDS = AUTO_KINDS + (PLANES,)
 HOST_KIND = os.environ.get("SLIPSTREAM_HYBRID_KIND", "auto")
