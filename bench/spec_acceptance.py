@@ -314,17 +314,21 @@ def _tree_tau(temperature: float) -> float | None:
 
 def _tau_fit(model, temperature: float) -> dict:
     """The ranking temperature's fit after the cell (runtime.tree_calibration, session 31 on;
-    it carries over from cell to cell of one draft, as over a model's generations): the mode
-    (SLIPSTREAM_TREE_TAU=fixed keeps tree_tau throughout), the temperature it ranks at, the
-    nodes it scored and the log-likelihood per temperature of its grid."""
+    it carries over from cell to cell of one draft, as over a model's generations): the score
+    that ranks (walk or loglik; fixed: SLIPSTREAM_TREE_TAU=fixed keeps tree_tau throughout),
+    the temperature it ranks at, the nodes it scored and both scores per temperature of its
+    grid."""
     fits = [s.tau_fits[float(temperature)] for s in getattr(model, "_sizers", {}).values()
             if float(temperature) in getattr(s, "tau_fits", {})]
     if not fits:
         return {}
     fit = fits[0]
-    return {"tree_tau_mode": os.environ.get("SLIPSTREAM_TREE_TAU", "fit"),
+    mode = "fixed" if os.environ.get("SLIPSTREAM_TREE_TAU") == "fixed" else \
+        getattr(fit, "by", "loglik")
+    return {"tree_tau_mode": mode,
             "tree_tau_fitted": fit.tau, "tree_tau_observed": fit.observed,
-            "tree_tau_loglik": {f"{t:g}": round(v, 2) for t, v in zip(fit.grid, fit.loglik)}}
+            "tree_tau_loglik": {f"{t:g}": round(v, 2) for t, v in zip(fit.grid, fit.loglik)},
+            "tree_tau_walked": {f"{t:g}": v for t, v in zip(fit.grid, getattr(fit, "walked", []))}}
 
 
 def write(doc: dict, out: Path) -> None:
