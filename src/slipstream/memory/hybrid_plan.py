@@ -96,7 +96,9 @@ def default_threads() -> int:
     the mean of a sweep up and down on one load (bench/results/2026-12-03-s20-hybrid-bench-
     h200-call1.json): 8 / 10 / 12 / 13 / 14 / 15 / 16 threads, 4.42 / 4.45 / 4.86 / 4.95 /
     4.94 / 5.12 / 4.75 tok/s. All 16 starve the pinned copy (issue 13's table: the CPU's
-    kernel beside it fell to 39.5 GB/s, from 49.9 at 12)."""
+    kernel beside it fell to 39.5 GB/s, from 49.9 at 12). With q4vnni on another H200 host
+    (session 31, -s31-hybrid-bench-h200-call1.json): 14 / 15 / 16 threads 4.444 / 4.440 /
+    3.991, 14 and 15 level within their runs, 16 a tenth behind again."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (n or 4) - 1)
 
