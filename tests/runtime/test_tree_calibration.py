@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from slipstream.errors import BadArgument
 from slipstream.runtime.draft_tree import DraftTree, TreeGrower, tree_tau
 from slipstream.runtime.sampler import Sampler, SamplingParams
 from slipstream.runtime.spec_sizing import TreeSizer
@@ -251,3 +252,9 @@ def test_the_walk_score_ranks_by_default_and_loglik_on_request(monkeypatch):
         -1.0] * len(fit.grid)
     other.loglik[other.grid.index(0.5)] = 1.0
     assert other.by == "loglik" and other.tau == 0.5
+
+
+def test_an_unknown_mode_is_refused_with_the_ones_there_are(monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_TREE_TAU", "wlak")
+    with pytest.raises(BadArgument, match="SLIPSTREAM_TREE_TAU='wlak'.*walk, loglik, fixed"):
+        TauFit(0.3)

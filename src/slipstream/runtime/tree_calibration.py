@@ -41,9 +41,14 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+from ..errors import BadArgument
+
+if TYPE_CHECKING:
+    from .draft_tree import DraftTree
 
 # Temperatures the fit chooses among (a factor of about 1.4 apart); the default for the
 # sampler's temperature (tree_tau) is added to them
@@ -56,6 +61,7 @@ SETTLED = 256
 # The smallest chance an outcome is scored at (the "anything else" of a draft sure of its
 # top-k children), so that one surprise costs a bounded log-likelihood
 FLOOR = 1e-30
+MODES = ("walk", "loglik", "fixed")  # SLIPSTREAM_TREE_TAU's values
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,9 @@ class TauFit:
 
     def __post_init__(self) -> None:
         mode = os.environ.get("SLIPSTREAM_TREE_TAU", "walk")
+        if mode not in MODES:
+            raise BadArgument(f"SLIPSTREAM_TREE_TAU={mode!r} is invalid: set it to one of "
+                              f"{', '.join(MODES)}, or unset it")
         if mode == "fixed":
             self.grid, self.min_observed = (self.default,), math.inf
         self.by = self.by or ("loglik" if mode == "loglik" else "walk")
@@ -149,7 +158,8 @@ class TauFit:
             if seen is not None:
                 self.observe(seen, tokens[path[i + 1]] if i + 1 < len(path) else last)
 
-    def observe_tree(self, tree, verify: Sequence[int], path: Sequence[int]) -> None:
+    def observe_tree(self, tree: DraftTree, verify: Sequence[int], path: Sequence[int]
+                     ) -> None:
         """The round's verified tree and accepted path, for the walk's score."""
         if self.settled:
             return
@@ -158,7 +168,7 @@ class TauFit:
             self.walked = [w + a for w, a in zip(self.walked, got)]
 
 
-def reranked_acceptance(tree, verify: Sequence[int], path: Sequence[int],
+def reranked_acceptance(tree: DraftTree, verify: Sequence[int], path: Sequence[int],
                         grid: Sequence[float]) -> list[int] | None:
     """For each tau of the grid, the drafted tokens the walk would have accepted had the
     tree kept only the best half of its verified nodes by their cumulative log-probability
