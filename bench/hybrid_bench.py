@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import slipstream  # noqa: E402
-from slipstream.memory.hybrid_plan import default_threads  # noqa: E402
+from slipstream.memory.hybrid_plan import default_threads, hybrid_headroom  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
 from slipstream.synth import write_synth  # noqa: E402
 from slipstream.weights.hybrid import HOST_KIND  # noqa: E402
@@ -143,11 +143,24 @@ while True:
 
 def balance_of(store) -> dict:
     """Where the running balance (memory.hybrid_balance) stands: split layers the CPU serves,
-    and each change made (pass, layers split, CPU GB/s measured)."""
+    each change made (pass, layers split, CPU GB/s measured, PCIe GB/s judged by), and the
+    rates of its last window (PCIe's from the copies metered, memory.timeline.CopyMeter)."""
     b = getattr(store, "balance", None)
     return {"split_layers_active": len(getattr(store, "active", ()) or ()),
             "balance_changes": list(b.changes) if b is not None else None,
-            "balance_cpu_gbps": round(b.cpu_gbps, 1) if b is not None and b.cpu_gbps else None}
+            "balance_cpu_gbps": round(b.cpu_gbps, 1) if b is not None and b.cpu_gbps else None,
+            "balance_pcie_gbps": round(b.pcie_measured, 1)
+            if b is not None and b.pcie_measured else None}
+
+
+def settle(model, tokens: int) -> dict:
+    """Decode `tokens` steps before timing, so that the running balance has judged (a window
+    of 8 passes, a change once two windows agree): where the plan packed headroom, the split
+    decode starts with is not the one it settles on. The rate over those steps and the
+    balance's state after them."""
+    rate = decode_rate(model, tokens)
+    return {"settle_tokens": tokens, "settle_tok_s": round(rate, 3),
+            **{f"settled_{k}": v for k, v in balance_of(model.engine.layers).items()}}
 
 
 def under_neighbour(m, name: str, processes: int, tokens: int, rounds: int = 2) -> dict:
@@ -184,7 +197,7 @@ def under_neighbour(m, name: str, processes: int, tokens: int, rounds: int = 2) 
 
 def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[int],
          sweep: bool, prefill: bool = True, vram_layers: int | None = None,
-         neighbour: int = 0) -> dict:
+         neighbour: int = 0, settle_tokens: int = 0) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -199,7 +212,9 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
                "predicted_tok_s": round(plan.predicted_tok_s or 0, 3),
                "pcie_gbps_probe": plan.bandwidth_gbps.get("pinned")}
         if h is not None:
-            row.update(host_kind=HOST_KIND, cpu_share=round(h.cpu_share, 4),
+            row.update(host_kind=HOST_KIND, cpu_share=round(h.mean_share, 4),
+                       cpu_share_packed=round(h.cpu_share, 4), headroom=hybrid_headroom(),
+                       split_layers_at_start=h.active_layers or len(h.layers),
                        ffn_units_on_gpu=h.keep,
                        split_layers=len(h.layers), threads=h.threads,
                        cpu_gbps_probe=round(h.cpu_gbps, 1),
@@ -218,6 +233,8 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
             link_s = max(h.pcie_bytes_per_token / (h.pcie_gbps * 1e9),
                          h.cpu_bytes_per_token / (h.cpu_gbps * 1e9))
         row["roofline_tok_s"] = round(1 / link_s, 3) if link_s else None
+        if h is not None and h.rebalance and settle_tokens:
+            row.update(settle(m, settle_tokens))
         before = host_load()
         row["decode_tok_s"] = round(decode_rate(m, tokens), 3)
         row["host_load"] = host_load(before)
@@ -226,6 +243,9 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
         row["breakdown"] = breakdown(m, max(4, tokens // 2))
         if h is not None:
             row.update(balance_of(m.engine.layers))
+            # the CPU's share of the split layers' FFN units as decode was timed: the share
+            # packed over the layers the balance keeps split
+            row["cpu_share"] = round(h.cpu_share * row["split_layers_active"] / len(h.layers), 4)
         if h is not None and neighbour:
             row.update(under_neighbour(m, name, neighbour, tokens))
         if h is not None and sweep:
@@ -281,6 +301,9 @@ def main() -> None:
                     help="SHAPE=FILE: llama-bench's output on that shape from this call")
     ap.add_argument("--skip-off", action="store_true", help="only the hybrid cases")
     ap.add_argument("--no-prefill", action="store_true", help="leave out pp512")
+    ap.add_argument("--settle", type=int, default=40, metavar="TOKENS",
+                    help="hybrid cases with a running balance: decode this many steps before "
+                         "timing, so that the balance has judged")
     ap.add_argument("--neighbour", type=int, default=0, metavar="N",
                     help="hybrid cases: also decode beside N processes streaming host memory, "
                          "with the running balance and without it")
@@ -307,7 +330,8 @@ def main() -> None:
             if mode == "off" and a.skip_off:
                 continue
             run = dict(sweep=shape == "70b", prefill=not a.no_prefill,
-                       neighbour=a.neighbour if mode != "off" else 0)
+                       neighbour=a.neighbour if mode != "off" else 0,
+                       settle_tokens=a.settle)
             try:
                 rows.append(case(path, name, budget, mode, a.tokens, threads, **run))
             except Exception as e:  # recorded, and the other cases still run
@@ -345,7 +369,7 @@ def main() -> None:
             r["llamacpp_decode_tok_s_by_threads"] = tg["by_threads"]
             r["ratio_to_llamacpp"] = round(r["decode_tok_s"] / tg["best"], 3)
     out.write_text(json.dumps(doc, indent=1))
-    print(f"{'case':28} {'tok/s':>7} {'pred':>7} {'share':>6} {'cpu GB/s':>8} "
+    print(f"{'case':28} {'tok/s':>7} {'pred':>7} {'share':>6} {'split':>6} {'cpu GB/s':>8} "
           f"{'pcie GB/s':>9} {'VRAM GiB':>8}")
     for r in rows:
         if "error" in r:
@@ -353,7 +377,9 @@ def main() -> None:
             continue
         b = r["breakdown"]
         print(f"{r['name']:28} {r['decode_tok_s']:7.3f} {r['predicted_tok_s']:7.3f} "
-              f"{r.get('cpu_share', 0):6.2f} {b['cpu_gbps_achieved'] or 0:8.1f} "
+              f"{r.get('cpu_share', 0):6.2f} "
+              f"{str(r.get('split_layers_active', '-')) + '/' + str(r.get('split_layers', '-')):>6} "
+              f"{b['cpu_gbps_achieved'] or 0:8.1f} "
               f"{b['pcie_gbps_achieved'] or 0:9.1f} {r['vram_gib']:8.2f}")
 
 

@@ -326,3 +326,48 @@ def test_default_model_split_costs_under_half_a_percent_of_perplexity(smollm_pat
                                                      temperature=0)]
     same = next((i for i, (a, b) in enumerate(zip(greedy["off"], greedy[0.5])) if a != b), 32)
     assert abs(ppl[0.5] / ppl["off"] - 1) < 5e-3, (ppl, f"greedy equal for {same} tokens")
+
+
+def test_a_plan_with_headroom_starts_on_fewer_layers_and_meters_the_copies(synth, pair,
+                                                                            monkeypatch):
+    """A plan packed with headroom (memory.hybrid_plan.HEADROOM_DEFAULT) starts decode with
+    fewer split layers than it packed, keeps logits as whole layers give them, and meters
+    every copy of its split passes for the balance (memory.timeline.CopyMeter): the bytes
+    the copy stream moved, at a rate a PCIe link can have."""
+    import dataclasses
+
+    from slipstream.memory import hybrid_plan
+
+    whole, split = pair
+    planned = hybrid_plan.plan_hybrid
+
+    def with_headroom(*args, **kwargs):  # the split of `pair`, as auto with headroom makes it
+        hp = planned(*args, **kwargs)
+        return dataclasses.replace(hp, rebalance=True, active_layers=1) if hp else hp
+
+    monkeypatch.setattr(hybrid_plan, "plan_hybrid", with_headroom)
+    budget = whole.plan.budget
+    with slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget, hybrid=0.5,
+                         precision="exact") as m:
+        store = m.engine.layers
+        assert len(store.hosts) >= 2 and store.balance is not None
+        assert len(store.active) == 1 == len(store.balance.active)
+        meter = store.ring.meter
+        assert meter is not None
+        ref = _forced_logits(whole)
+        m.engine.reset()
+        m.engine.forward(STREAM_PROMPT[:4])
+        m.engine.decode(torch.tensor([5], device="cuda"))
+        torch.cuda.synchronize()
+        meter.poll()
+        seconds, nbytes = meter.seconds, meter.nbytes
+        store.stats.reset()
+        for t in range(6):
+            m.engine.decode(torch.tensor([9 + t], device="cuda"))
+        torch.cuda.synchronize()
+        s, n = meter.poll()
+        assert n - nbytes == store.stats.h2d_bytes > 0
+        assert 1.0 < (n - nbytes) / (s - seconds) / 1e9 < 2000.0
+        got = _forced_logits(m)
+    for x, y in zip(got[1:], ref[1:]):
+        assert _rel(x, y) < 3e-2

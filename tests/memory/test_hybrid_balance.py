@@ -78,7 +78,7 @@ def test_observe_changes_after_two_windows_agree_and_follows_the_cpu_both_ways()
     assert first[:8] == [None] * 8 and first[8] is not None
     assert len(balance.active) in (30, 31) and balance.active <= set(balance.layers)
     assert balance.cpu_gbps == pytest.approx(34.4)
-    assert balance.changes == [(9, len(balance.active), 34.4)]
+    assert balance.changes == [(9, len(balance.active), 34.4, PCIE)]
     # the CPU recovers: two windows later every layer is back
     back = _feed(balance, 57.0, 8, state)
     assert back[:7] == [None] * 7 and back[7] == set(balance.layers)
@@ -123,3 +123,78 @@ def test_forgotten_layers_leave_the_balance():
     balance.forget(gone)
     assert not set(gone) & (set(balance.layers) | balance.active)
     assert len(balance.active) == 31
+
+
+# The H200's 70B at 24 GiB in session 31 (bench/results/2026-12-05-s31-hybrid-bench-h200-call1
+# .json): 36 split layers of 0.495 GB images whose FFN holds 0.396 GB, the CPU's layout 1.33
+# bytes per GGUF byte; decode measured the CPU at 67.9 GB/s and the copies at 43.6, where the
+# plan's probe had said 49.4. Here each share is packed at 0.69 (headroom 1.25 over the 0.554
+# the probes gave), and decode starts with 29 of the 36 layers split.
+S31_FFN, S31_IMAGE, S31_RATIO, S31_PACKED = 0.396, 0.495, 1.33, 0.69
+
+
+def s31_layers() -> dict[int, SplitLayer]:
+    cpu = int(S31_PACKED * S31_FFN * S31_RATIO * GB)
+    prefix = int((S31_IMAGE - S31_PACKED * S31_FFN) * GB)
+    return {i: SplitLayer(cpu, prefix, int(S31_IMAGE * GB))
+            for i in evenly_spaced(list(range(80)), 36)}
+
+
+def _feed_both(balance: HybridBalance, cpu_gbps: float, pcie_gbps: float, passes: int,
+               state: list[float]):
+    """Decode passes with the CPU and the copies at these rates (the store's running totals
+    of both in state: cpu seconds, cpu bytes, copy seconds, copy bytes)."""
+    out = []
+    for _ in range(passes):
+        layers = balance.layers
+        cpu = sum(layers[i].cpu_bytes for i in balance.active)
+        copied = balance.other_bytes + sum(s.prefix_bytes if i in balance.active
+                                           else s.image_bytes for i, s in layers.items())
+        state[0] += cpu / (cpu_gbps * GB)
+        state[1] += cpu
+        state[2] += copied / (pcie_gbps * GB)
+        state[3] += copied
+        out.append(balance.observe(state[0], int(state[1]), state[2], int(state[3])))
+    return out
+
+
+def test_the_handover_counts_on_the_cpus_side():
+    layers = seventy_layers()
+    active = set(evenly_spaced(sorted(layers), 10))
+    bare = token_seconds(layers, active, 40 * GB, 57.0, PCIE)
+    assert bare == pytest.approx((40 + 10 * 0.28 + 26 * 0.495) / PCIE)  # PCIe's side
+    slow = token_seconds(layers, set(layers), 0, 20.0, PCIE, layer_s=1e-3)
+    assert slow == pytest.approx(36 * 0.232 / 20.0 + 36 * 1e-3)  # the CPU's side
+    # a large enough hand-over takes layers off the CPU that its bytes alone would keep
+    assert best_count(layers, 0, 57.0, PCIE, layer_s=5e-3) < best_count(layers, 0, 57.0, PCIE)
+
+
+def test_a_cpu_with_time_to_spare_takes_more_layers_judged_by_the_copies_measured():
+    layers = s31_layers()
+    start = set(evenly_spaced(sorted(layers), 29))
+    handover = 0.55e-3
+    # judged by the probe alone, the CPU gets a few layers more
+    by_probe = best_count(layers, 0, 67.9, 49.4, handover)
+    # the copies measured slower than probed: the CPU should take more of the work
+    measured = best_count(layers, 0, 67.9, 43.6, handover)
+    assert 29 < by_probe < measured <= 36
+    balance = HybridBalance(layers, 0, 49.4, active=set(start), window=4, layer_s=handover)
+    state = [0.0] * 4
+    out = _feed_both(balance, 67.9, 43.6, 9, state)
+    assert out[:8] == [None] * 8 and out[8] == balance.active
+    assert len(balance.active) == measured
+    assert balance.pcie_measured == pytest.approx(43.6)
+    assert balance.changes == [(9, measured, 67.9, 43.6)]
+    before = token_seconds(layers, start, 0, 67.9, 43.6, handover)
+    after = token_seconds(layers, balance.active, 0, 67.9, 43.6, handover)
+    assert after < 0.93 * before  # 227 ms a token at 29 layers, about 201 at the count chosen
+
+
+def test_without_copies_measured_the_probe_judges_pcie():
+    layers = s31_layers()
+    balance = HybridBalance(layers, 0, 49.4, active=set(evenly_spaced(sorted(layers), 29)),
+                            window=4, layer_s=0.55e-3)
+    _feed(balance, 67.9, 9, [0.0, 0.0])
+    assert balance.pcie_measured is None
+    assert balance.changes and balance.changes[-1][3] == 49.4
+    assert len(balance.active) == best_count(layers, 0, 67.9, 49.4, 0.55e-3)

@@ -238,3 +238,73 @@ def test_stats_table_shows_the_cpu_share():
     store.cpu_s = 0.0
     console.print(breakdown_table(gen, store, "cuda"))
     assert console.export_text().count("hybrid CPU share") == 0  # export_text clears
+
+
+def test_headroom_packs_more_and_starts_with_fewer_layers_split(wide_ffn, monkeypatch):
+    """Headroom (HEADROOM_DEFAULT): each layer's share packed larger, decode starting with as
+    many fewer layers split, so the bytes each side moves at the start stay those of the
+    balanced split and the running balance can give the CPU more layers later."""
+    from slipstream.memory.hybrid_plan import HEADROOM_ENV
+
+    gf, cfg = wide_ffn
+    monkeypatch.delenv(HEADROOM_ENV, raising=False)
+    plan = _plan(gf, cfg, pcie=0.05)
+    kw = dict(threads=4, cpu_gbps=0.05, token_scaling=FLAT)
+    flat = plan_hybrid(gf, cfg, plan, "auto", headroom=1.0, **kw)
+    assert flat is not None and flat.active_layers is None
+    assert flat.mean_share == flat.cpu_share
+    n = len(flat.layers)
+    room = plan_hybrid(gf, cfg, plan, "auto", headroom=1.5, **kw)
+    assert room.layers == flat.layers and room.rebalance
+    assert room.cpu_share > flat.cpu_share
+    assert room.keep == max(256, cfg.ffn - round(cfg.ffn * 1.5 * flat.cpu_share / 256) * 256)
+    assert room.active_layers == round(n * flat.cpu_share / room.cpu_share) < n
+    # about the same bytes each way at the start (to the nearest layer)
+    assert abs(room.mean_share - flat.cpu_share) <= room.cpu_share / n
+    assert room.cpu_bytes_per_token == pytest.approx(
+        flat.cpu_bytes_per_token * room.mean_share / flat.cpu_share, rel=1e-6)
+    # the RAM packed grows with the share packed, not with the share used
+    assert room.extra_ram_bytes == pytest.approx(
+        flat.extra_ram_bytes * room.cpu_share / flat.cpu_share, rel=1e-6)
+    plan.hybrid = room
+    from rich.console import Console
+
+    console = Console(record=True, width=220)
+    console.print(plan.table())
+    assert f"({room.active_layers} split at the start:" in console.export_text()
+    # the environment sets it where the caller does not
+    monkeypatch.setenv(HEADROOM_ENV, "1.5")
+    assert plan_hybrid(gf, cfg, plan, "auto", **kw).active_layers == room.active_layers
+
+
+def test_headroom_applies_to_auto_only_and_is_refused_out_of_range(wide_ffn, monkeypatch):
+    from slipstream.memory.hybrid_plan import HEADROOM_ENV, hybrid_headroom
+
+    gf, cfg = wide_ffn
+    plan = _plan(gf, cfg, pcie=0.05)
+    kw = dict(threads=4, cpu_gbps=0.05, token_scaling=FLAT, headroom=1.5)
+    # a share the user gave, or "on", is split as given: no balance runs to move it
+    assert plan_hybrid(gf, cfg, plan, 0.5, **kw).active_layers is None
+    assert plan_hybrid(gf, cfg, plan, "on", **kw).active_layers is None
+    for bad in ("0.5", "lots", "9"):
+        monkeypatch.setenv(HEADROOM_ENV, bad)
+        with pytest.raises(BadArgument, match=HEADROOM_ENV):
+            hybrid_headroom()
+    monkeypatch.setenv(HEADROOM_ENV, "1.25")
+    assert hybrid_headroom() == 1.25
+
+
+def test_after_promotion_keeps_at_most_the_layers_left_split(wide_ffn):
+    from slipstream.memory.hybrid_plan import after_promotion
+
+    gf, cfg = wide_ffn
+    plan = _plan(gf, cfg, pcie=0.05)
+    hp = plan_hybrid(gf, cfg, plan, "auto", threads=4, cpu_gbps=0.05, token_scaling=FLAT,
+                     headroom=1.5)
+    plan.hybrid = hp
+    gone = hp.layers[:-1]
+    for i in gone:
+        plan.tiers[i] = "vram"
+    after = after_promotion(plan, gone)
+    assert after.layers == hp.layers[-1:] and after.active_layers == 1
+    assert after.cpu_share == hp.cpu_share

@@ -18,6 +18,7 @@ from ..model.llama import LayerWeights
 from ..weights.hybrid import REST_FIELDS
 from ..weights.image import LayerImage, from_image, prefix_bytes, resident_copy
 from .hybrid_balance import HybridBalance, SplitLayer
+from .hybrid_plan import HANDOVER_S
 from .image_file import ImageFile
 from .planner import evenly_spaced
 from .protocol import StoreBase, StoreStats
@@ -25,7 +26,7 @@ from .slots import SlotRing
 from .sources import KvikioSource, MmapSource, PinnedSource, Source, StagedDiskSource
 from .staging import StagingRing
 from .store import StreamDelays
-from .timeline import Timeline
+from .timeline import CopyMeter, Timeline
 
 if TYPE_CHECKING:
     from ..runtime.trace import Tracer
@@ -37,11 +38,12 @@ class CudaLayerStore(StoreBase):
                  io: str = "direct", n_slots: int = 2, n_staging: int = 3, threads: int = 2,
                  delays: StreamDelays | None = None, seed: int = 0,
                  drop_cache: bool = True, hosts: dict | None = None,
-                 pcie_gbps: float | None = None):
+                 pcie_gbps: float | None = None, active: int | None = None):
         """hosts: hybrid decode's CPU shares (weights.hybrid.HostFFN) of split pinned layers,
         whose images end with the same units in GPU format (the part decode leaves out).
         pcie_gbps: the plan's PCIe rate beside the CPU; with it, decode keeps the split
-        balanced as the CPU's measured rate changes (memory.hybrid_balance)."""
+        balanced as the CPU's and the copies' measured rates change (memory.hybrid_balance).
+        active: how many of the split layers decode starts with (evenly spaced; None: all)."""
         self.layers = resident
         self.device = device
         self.workspace = workspace
@@ -81,11 +83,17 @@ class CudaLayerStore(StoreBase):
         for h in self.hosts.values():
             h.io.stats = self.stats
         # the split layers whose shares the CPU computes in decode; the others run whole
-        self.active = set(self.hosts)
+        order = sorted(self.hosts)
+        self.active = set(evenly_spaced(order, max(1, min(active, len(order))))
+                          if active is not None and order else order)
         self.balance = HybridBalance(
             {i: SplitLayer(h.nbytes, self.prefix[i], self.layouts[i].nbytes)
-             for i, h in self.hosts.items()}, self._unsplit_bytes(), pcie_gbps) \
+             for i, h in self.hosts.items()}, self._unsplit_bytes(), pcie_gbps,
+            active=set(self.active), layer_s=HANDOVER_S) \
             if self.hosts and pcie_gbps else None
+        if self.balance is not None and self.ring is not None:
+            # the copies' achieved rate, for the balance's judgement of PCIe
+            self.ring.meter = CopyMeter()
         self.begin_pass(1)  # the ring's first copies are a decode token's
 
     def begin_pass(self, tokens: int) -> None:
@@ -97,7 +105,9 @@ class CudaLayerStore(StoreBase):
             return
         split = tokens <= next(iter(self.hosts.values())).io.max_tokens
         if split and self.balance is not None:
-            active = self.balance.observe(self.stats.cpu_s, self.stats.cpu_bytes)
+            meter = self.ring.meter if self.ring is not None else None
+            copied = meter.poll() if meter is not None else (None, None)
+            active = self.balance.observe(self.stats.cpu_s, self.stats.cpu_bytes, *copied)
             if active is not None:
                 self.split_only(active)
         if split != self.split_mode:
@@ -107,6 +117,8 @@ class CudaLayerStore(StoreBase):
         """Copy the active split layers' prefixes (split) or every image whole; the copies
         already made the other way are settled and the ring restarts."""
         self.split_mode = split
+        if self.ring is not None and self.ring.meter is not None:
+            self.ring.meter.on = split  # prefill's whole copies run without the CPU beside
         pinned = next(src for src in self.sources if isinstance(src, PinnedSource))
         pinned.upto = {i: self.prefix[i] for i in self.active} if split else {}
         if self.ring is not None and self.ring.pos:

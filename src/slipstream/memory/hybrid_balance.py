@@ -14,18 +14,26 @@ go on computing on the CPU, spread evenly over them, chosen to minimise a decode
 time through both paths:
 
     cpu(k)  = CPU bytes of the k layers / the CPU's rate measured over the last passes
+              + k x the hand-over each split layer pays on the CPU's path
     pcie(k) = the bytes all streamed layers copy with k of them split / the PCIe rate
     token   = max(cpu(k), pcie(k))
 
 The CPU's rate is what its worker measured (bytes read over seconds computing, from each
-input's arrival), so it follows the machine; PCIe's is the plan's probe beside the CPU.
-k never drops below 1, so that the CPU's rate stays measured and k can climb back when the
-CPU recovers, and never exceeds the split layers packed at load. A change costs one host wait
-(the ring's copies are settled and restarted), so it is made only for a predicted gain of
-MIN_GAIN or more, judged every WINDOW decode passes, and only once two windows in a row call
-for a change the same way: on the H200 the first window after a load measured the CPU at 40
-GB/s and the next at 49 (-s22-hybrid-bench-h200-call4.json), and a single window took three
-layers off the CPU for eight passes before giving them back.
+input's arrival), so it follows the machine. PCIe's is what the copies achieved over the same
+passes where the store meters them (memory.timeline.CopyMeter), else the plan's probe beside
+the CPU: on the H200 the probe said 49.4 GB/s and decode's copies ran at 43.6 beside the
+CPU's share, which then finished 67 ms of a 224 ms token early
+(bench/results/2026-12-05-s31-hybrid-bench-h200-call1.json).
+
+k never drops below 1, so that the CPU's rate stays measured, and never exceeds the split
+layers packed at load. The plan may pack each split layer's share with headroom and start
+decode with fewer of them split (memory.hybrid_plan), so that k can also climb when the CPU
+has time to spare. A change costs
+one host wait (the ring's copies are settled and restarted), so it is made only for a
+predicted gain of MIN_GAIN or more, judged every WINDOW decode passes, and only once two
+windows in a row call for a change the same way: on the H200 the first window after a load
+measured the CPU at 40 GB/s and the next at 49 (-s22-hybrid-bench-h200-call4.json), and a
+single window took three layers off the CPU for eight passes before giving them back.
 """
 
 from __future__ import annotations
@@ -49,23 +57,24 @@ class SplitLayer:
 
 
 def token_seconds(layers: dict[int, SplitLayer], active: set[int], other_bytes: int,
-                  cpu_gbps: float, pcie_gbps: float) -> float:
-    """A decode token's time through CPU and PCIe (the module's model) with `active` split."""
-    cpu = sum(layers[i].cpu_bytes for i in active) / (cpu_gbps * 1e9)
+                  cpu_gbps: float, pcie_gbps: float, layer_s: float = 0.0) -> float:
+    """A decode token's time through CPU and PCIe (the module's model) with `active` split,
+    each of them paying `layer_s` on the CPU's path besides its bytes."""
+    cpu = sum(layers[i].cpu_bytes for i in active) / (cpu_gbps * 1e9) + layer_s * len(active)
     pcie_bytes = other_bytes + sum(
         s.prefix_bytes if i in active else s.image_bytes for i, s in layers.items())
     return max(cpu, pcie_bytes / (pcie_gbps * 1e9))
 
 
 def best_count(layers: dict[int, SplitLayer], other_bytes: int, cpu_gbps: float,
-               pcie_gbps: float) -> int:
+               pcie_gbps: float, layer_s: float = 0.0) -> int:
     """The count of split layers (1 .. all) that minimises token_seconds, the layers taken
     evenly spaced; the largest such count on a tie."""
     order = sorted(layers)
     best_k, best_t = len(order), float("inf")
     for k in range(len(order), 0, -1):
         t = token_seconds(layers, set(evenly_spaced(order, k)), other_bytes, cpu_gbps,
-                          pcie_gbps)
+                          pcie_gbps, layer_s)
         if t < best_t * (1 - 1e-9):
             best_k, best_t = k, t
     return best_k
@@ -75,20 +84,23 @@ def best_count(layers: dict[int, SplitLayer], other_bytes: int, cpu_gbps: float,
 class HybridBalance:
     """The running judgement over one store's split layers (see the module doc).
 
-    observe(cpu_seconds, cpu_bytes) is called at each decode pass's start with the store's
-    running totals; every WINDOW passes it judges, and returns the new active set when this
-    window and the one before both found a change that pays (the same way), else None.
-    `changes` records each change: (pass, layers split, CPU GB/s measured)."""
+    observe(cpu_seconds, cpu_bytes, copy_seconds, copy_bytes) is called at each decode pass's
+    start with the store's running totals (the copies' where metered, else None); every
+    WINDOW passes it judges, and returns the new active set when this window and the one
+    before both found a change that pays (the same way), else None. `changes` records each
+    change: (pass, layers split, CPU GB/s measured, PCIe GB/s judged by)."""
 
     layers: dict[int, SplitLayer]
     other_bytes: int  # what the streamed layers that are not split copy per token
-    pcie_gbps: float
+    pcie_gbps: float  # the plan's probe: PCIe's rate until the copies are measured
     active: set[int] = field(default_factory=set)
     window: int = WINDOW
+    layer_s: float = 0.0  # what each split layer pays on the CPU's path besides its bytes
     passes: int = 0
-    changes: list[tuple[int, int, float]] = field(default_factory=list)
+    changes: list[tuple[int, int, float, float]] = field(default_factory=list)
     cpu_gbps: float | None = None  # the rate measured over the last window
-    _mark: tuple[float, int] | None = None
+    pcie_measured: float | None = None  # the copies' rate over the last window, if metered
+    _mark: tuple[float, int, float | None, int | None] | None = None
     _since: int = 0
     _wanted: int = 0  # the direction the last window called for: -1 fewer, +1 more, 0 none
 
@@ -96,25 +108,32 @@ class HybridBalance:
         if not self.active:
             self.active = set(self.layers)
 
-    def observe(self, cpu_seconds: float, cpu_bytes: int) -> set[int] | None:
+    def observe(self, cpu_seconds: float, cpu_bytes: int, copy_seconds: float | None = None,
+                copy_bytes: int | None = None) -> set[int] | None:
         self.passes += 1
+        mark = (cpu_seconds, cpu_bytes, copy_seconds, copy_bytes)
         if self._mark is None:
-            self._mark = (cpu_seconds, cpu_bytes)
+            self._mark = mark
             return None
         self._since += 1
         if self._since < self.window:
             return None
-        seconds, nbytes = cpu_seconds - self._mark[0], cpu_bytes - self._mark[1]
-        self._mark, self._since = (cpu_seconds, cpu_bytes), 0
+        before, self._mark, self._since = self._mark, mark, 0
+        seconds, nbytes = cpu_seconds - before[0], cpu_bytes - before[1]
         if seconds <= 0 or nbytes <= 0 or not self.layers:
             return None
         self.cpu_gbps = nbytes / seconds / 1e9
-        k = best_count(self.layers, self.other_bytes, self.cpu_gbps, self.pcie_gbps)
+        if copy_seconds is not None and before[2] is not None:
+            copied_s, copied = copy_seconds - before[2], copy_bytes - before[3]
+            if copied_s > 0 and copied > 0:
+                self.pcie_measured = copied / copied_s / 1e9
+        pcie = self.pcie_measured or self.pcie_gbps
+        k = best_count(self.layers, self.other_bytes, self.cpu_gbps, pcie, self.layer_s)
         chosen = set(evenly_spaced(sorted(self.layers), k))
-        now = token_seconds(self.layers, self.active, self.other_bytes, self.cpu_gbps,
-                            self.pcie_gbps)
-        then = token_seconds(self.layers, chosen, self.other_bytes, self.cpu_gbps,
-                             self.pcie_gbps)
+        now = token_seconds(self.layers, self.active, self.other_bytes, self.cpu_gbps, pcie,
+                            self.layer_s)
+        then = token_seconds(self.layers, chosen, self.other_bytes, self.cpu_gbps, pcie,
+                             self.layer_s)
         wanted = 0 if k == len(self.active) or then > now * (1 - MIN_GAIN) else \
             (1 if k > len(self.active) else -1)
         confirmed = wanted != 0 and wanted == self._wanted
@@ -122,7 +141,7 @@ class HybridBalance:
         if not confirmed:
             return None
         self.active = chosen
-        self.changes.append((self.passes, k, round(self.cpu_gbps, 1)))
+        self.changes.append((self.passes, k, round(self.cpu_gbps, 1), round(pcie, 1)))
         return chosen
 
     def forget(self, layers) -> None:

@@ -26,7 +26,7 @@ import torch
 
 from .protocol import StoreStats
 from .sources import Source
-from .timeline import Timeline
+from .timeline import CopyMeter, Timeline
 
 
 class SlotRing:
@@ -58,6 +58,7 @@ class SlotRing:
         self.copy_cycles = copy_cycles
         self.rng = random.Random(seed)
         self.timeline: Timeline | None = None  # set by the store while --stats is on
+        self.meter: CopyMeter | None = None  # set by the store while hybrid decode balances
 
     def copy_in(self, k: int, src: torch.Tensor, done: torch.cuda.Event | None = None) -> None:
         """Enqueue a copy of `src` (uint8, host) into slot k on the copy stream, after the
@@ -69,9 +70,13 @@ class SlotRing:
                 torch.cuda._sleep(self.rng.randrange(self.copy_cycles))
             t = self.timeline
             start_ev = t.mark(self.copy_stream) if t is not None else None
+            meter = self.meter if self.meter is not None and self.meter.on else None
+            metered = meter.start(self.copy_stream) if meter is not None else None
             self.slots[k][:n].copy_(src, non_blocking=True)
             if t is not None:
                 t.copy(start_ev, t.mark(self.copy_stream), n)
+            if meter is not None:
+                meter.end(self.copy_stream, metered, n)
             self.copied[k].record(self.copy_stream)
             if done is not None:
                 done.record(self.copy_stream)

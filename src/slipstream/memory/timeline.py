@@ -14,6 +14,7 @@ event's host time is the anchor's plus the elapsed time between them.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -86,3 +87,49 @@ class Timeline:
             self.tracer.span("compute", f"L{layer}", at(a), at(b), layer=layer)
         for a, b, n, layer in self.copies:
             self.tracer.span("host-to-device", f"L{layer}", at(a), at(b), layer=layer, bytes=n)
+
+
+class CopyMeter:
+    """The copy stream's busy seconds and bytes, kept with stats off: hybrid decode's balance
+    (memory.hybrid_balance) judges PCIe by the rate its copies achieve beside the CPU's share,
+    which is not the start-up probe's (on the H200: 43.6 GB/s in decode against a probe of
+    49.4 beside the CPU kernel, bench/results/2026-12-05-s31-hybrid-bench-h200-call1.json).
+
+    An event pair around each copy; poll() reads back those completed, in the order recorded
+    (one stream's events complete in that order), never waiting, and reuses their events.
+    Only while `on` (the store's split passes, so that prefill's whole copies, which run
+    without the CPU beside them, are not counted)."""
+
+    MAX_PENDING = 4096  # polled at each pass; past this (nobody polling) read back first
+
+    def __init__(self, event: Callable[[], "torch.cuda.Event"] | None = None) -> None:
+        self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event, int]] = deque()
+        self._spare: list[torch.cuda.Event] = []
+        self.seconds = 0.0  # totals over the copies read back (running, never reset)
+        self.nbytes = 0
+        self.on = True
+
+    def _mark(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        e = self._spare.pop() if self._spare else self._event()
+        e.record(stream)
+        return e
+
+    def start(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        return self._mark(stream)
+
+    def end(self, stream: torch.cuda.Stream, start: torch.cuda.Event, nbytes: int) -> None:
+        self._pending.append((start, self._mark(stream), nbytes))
+        if len(self._pending) > self.MAX_PENDING:
+            self.poll()
+            while len(self._pending) > self.MAX_PENDING:  # still running: the oldest go
+                self._pending.popleft()
+
+    def poll(self) -> tuple[float, int]:
+        """The running totals, with every copy completed since the last poll added."""
+        while self._pending and self._pending[0][1].query():
+            a, b, n = self._pending.popleft()
+            self.seconds += a.elapsed_time(b) / 1e3
+            self.nbytes += n
+            self._spare += (a, b)
+        return self.seconds, self.nbytes
