@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import slipstream  # noqa: E402
-from slipstream.memory.hybrid_plan import default_threads, hybrid_headroom  # noqa: E402
+from slipstream.memory.hybrid_plan import default_threads  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
 from slipstream.synth import write_synth  # noqa: E402
 from slipstream.weights.hybrid import HOST_KIND  # noqa: E402
@@ -155,9 +155,8 @@ def balance_of(store) -> dict:
 
 def settle(model, tokens: int) -> dict:
     """Decode `tokens` steps before timing, so that the running balance has judged (a window
-    of 8 passes, a change once two windows agree): where the plan packed headroom, the split
-    decode starts with is not the one it settles on. The rate over those steps and the
-    balance's state after them."""
+    of 8 passes, a change once two windows agree) and the figures timed are those of the
+    split it settles on. The rate over those steps and the balance's state after them."""
     rate = decode_rate(model, tokens)
     return {"settle_tokens": tokens, "settle_tok_s": round(rate, 3),
             **{f"settled_{k}": v for k, v in balance_of(model.engine.layers).items()}}
@@ -212,9 +211,7 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
                "predicted_tok_s": round(plan.predicted_tok_s or 0, 3),
                "pcie_gbps_probe": plan.bandwidth_gbps.get("pinned")}
         if h is not None:
-            row.update(host_kind=HOST_KIND, cpu_share=round(h.mean_share, 4),
-                       cpu_share_packed=round(h.cpu_share, 4), headroom=hybrid_headroom(),
-                       split_layers_at_start=h.active_layers or len(h.layers),
+            row.update(host_kind=HOST_KIND, cpu_share=round(h.cpu_share, 4),
                        ffn_units_on_gpu=h.keep,
                        split_layers=len(h.layers), threads=h.threads,
                        cpu_gbps_probe=round(h.cpu_gbps, 1),

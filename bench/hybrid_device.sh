@@ -13,8 +13,6 @@
 #   PART=bench  hybrid_bench.py against those llama.cpp figures (copied into OUTDIR)
 # KINDS="torch auto-f16": after the main run (the default CPU kernels), the hybrid 70B case again
 # with the CPU share on each of those SLIPSTREAM_HYBRID_KIND values, into OUTDIR/kind-K.
-# HEADROOMS="1 1.5": the same with each SLIPSTREAM_HYBRID_HEADROOM (memory.hybrid_plan), into
-# OUTDIR/headroom-H (the main run takes the one exported, if any).
 # GPU_TESTS="tests/gpu/test_x.py ...": run those GPU tests while the synthesis and llama.cpp's
 # build run (nothing is timed then), cut at GPU_TEST_S (default 240 s), waited for before
 # llama.cpp is timed; log in OUTDIR/pytest-beside-prep.log.
@@ -70,12 +68,6 @@ done
 timeout ${BENCH_S:-330} python3 bench/hybrid_bench.py "$OUTDIR" --workdir $W "${LLAMA_ARGS[@]}" \
   --cases "$CASES" ${HYBRID_ARGS:-} > "$OUTDIR/hybrid-bench.log" 2>&1
 grep -v "^{" "$OUTDIR/hybrid-bench.log" | tail -12
-for headroom in ${HEADROOMS:-}; do
-  SLIPSTREAM_HYBRID_HEADROOM=$headroom timeout ${HEADROOM_S:-150} python3 bench/hybrid_bench.py \
-    "$OUTDIR/headroom-$headroom" --workdir $W "${LLAMA_ARGS[@]}" --cases 70b --skip-off \
-    --no-prefill --threads ${KIND_THREADS:-15} > "$OUTDIR/hybrid-bench-headroom-$headroom.log" 2>&1
-  grep -v "^{" "$OUTDIR/hybrid-bench-headroom-$headroom.log" | tail -2
-done
 for kind in ${KINDS:-}; do
   SLIPSTREAM_HYBRID_KIND=$kind timeout ${KIND_S:-150} python3 bench/hybrid_bench.py \
     "$OUTDIR/kind-$kind" --workdir $W "${LLAMA_ARGS[@]}" --cases 70b --skip-off --no-prefill \

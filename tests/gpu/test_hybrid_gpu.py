@@ -328,12 +328,11 @@ def test_default_model_split_costs_under_half_a_percent_of_perplexity(smollm_pat
     assert abs(ppl[0.5] / ppl["off"] - 1) < 5e-3, (ppl, f"greedy equal for {same} tokens")
 
 
-def test_a_plan_with_headroom_starts_on_fewer_layers_and_meters_the_copies(synth, pair,
-                                                                            monkeypatch):
-    """A plan packed with headroom (memory.hybrid_plan.HEADROOM_DEFAULT) starts decode with
-    fewer split layers than it packed, keeps logits as whole layers give them, and meters
-    every copy of its split passes for the balance (memory.timeline.CopyMeter): the bytes
-    the copy stream moved, at a rate a PCIe link can have."""
+def test_the_balance_meters_every_copy_of_a_split_decode(synth, pair, monkeypatch):
+    """A plan whose split the balance keeps (mode auto) meters every copy of its split decode
+    passes (memory.timeline.CopyMeter), so the balance judges PCIe by the rate the copies
+    achieve: the bytes the store copied, at a rate a PCIe link can have; prefill's whole
+    copies are not counted. Logits stay those of whole layers."""
     import dataclasses
 
     from slipstream.memory import hybrid_plan
@@ -341,26 +340,25 @@ def test_a_plan_with_headroom_starts_on_fewer_layers_and_meters_the_copies(synth
     whole, split = pair
     planned = hybrid_plan.plan_hybrid
 
-    def with_headroom(*args, **kwargs):  # the split of `pair`, as auto with headroom makes it
+    def balanced(*args, **kwargs):  # the split of `pair`, kept balanced as auto's is
         hp = planned(*args, **kwargs)
-        return dataclasses.replace(hp, rebalance=True, active_layers=1) if hp else hp
+        return dataclasses.replace(hp, rebalance=True) if hp else hp
 
-    monkeypatch.setattr(hybrid_plan, "plan_hybrid", with_headroom)
-    budget = whole.plan.budget
-    with slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget, hybrid=0.5,
-                         precision="exact") as m:
+    monkeypatch.setattr(hybrid_plan, "plan_hybrid", balanced)
+    with slipstream.load(synth, device="cuda", ctx=256, vram_budget=whole.plan.budget,
+                         hybrid=0.5, precision="exact") as m:
         store = m.engine.layers
         assert len(store.hosts) >= 2 and store.balance is not None
-        assert len(store.active) == 1 == len(store.balance.active)
         meter = store.ring.meter
         assert meter is not None
         ref = _forced_logits(whole)
         m.engine.reset()
-        m.engine.forward(STREAM_PROMPT[:4])
+        m.engine.forward(STREAM_PROMPT)  # whole copies: not metered
+        torch.cuda.synchronize()
+        assert meter.poll()[1] == 0 and not meter.on
         m.engine.decode(torch.tensor([5], device="cuda"))
         torch.cuda.synchronize()
-        meter.poll()
-        seconds, nbytes = meter.seconds, meter.nbytes
+        seconds, nbytes = meter.poll()
         store.stats.reset()
         for t in range(6):
             m.engine.decode(torch.tensor([9 + t], device="cuda"))

@@ -128,8 +128,8 @@ def test_forgotten_layers_leave_the_balance():
 # The H200's 70B at 24 GiB in session 31 (bench/results/2026-12-05-s31-hybrid-bench-h200-call1
 # .json): 36 split layers of 0.495 GB images whose FFN holds 0.396 GB, the CPU's layout 1.33
 # bytes per GGUF byte; decode measured the CPU at 67.9 GB/s and the copies at 43.6, where the
-# plan's probe had said 49.4. Here each share is packed at 0.69 (headroom 1.25 over the 0.554
-# the probes gave), and decode starts with 29 of the 36 layers split.
+# plan's probe had said 49.4. Here each share is 0.69 and the balance has 29 of the 36 layers
+# split (as after taking some off a CPU that was slow for a while).
 S31_FFN, S31_IMAGE, S31_RATIO, S31_PACKED = 0.396, 0.495, 1.33, 0.69
 
 

@@ -38,12 +38,11 @@ class CudaLayerStore(StoreBase):
                  io: str = "direct", n_slots: int = 2, n_staging: int = 3, threads: int = 2,
                  delays: StreamDelays | None = None, seed: int = 0,
                  drop_cache: bool = True, hosts: dict | None = None,
-                 pcie_gbps: float | None = None, active: int | None = None):
+                 pcie_gbps: float | None = None):
         """hosts: hybrid decode's CPU shares (weights.hybrid.HostFFN) of split pinned layers,
         whose images end with the same units in GPU format (the part decode leaves out).
         pcie_gbps: the plan's PCIe rate beside the CPU; with it, decode keeps the split
-        balanced as the CPU's and the copies' measured rates change (memory.hybrid_balance).
-        active: how many of the split layers decode starts with (evenly spaced; None: all)."""
+        balanced as the CPU's and the copies' measured rates change (memory.hybrid_balance)."""
         self.layers = resident
         self.device = device
         self.workspace = workspace
@@ -83,13 +82,11 @@ class CudaLayerStore(StoreBase):
         for h in self.hosts.values():
             h.io.stats = self.stats
         # the split layers whose shares the CPU computes in decode; the others run whole
-        order = sorted(self.hosts)
-        self.active = set(evenly_spaced(order, max(1, min(active, len(order))))
-                          if active is not None and order else order)
+        self.active = set(self.hosts)
         self.balance = HybridBalance(
             {i: SplitLayer(h.nbytes, self.prefix[i], self.layouts[i].nbytes)
              for i, h in self.hosts.items()}, self._unsplit_bytes(), pcie_gbps,
-            active=set(self.active), layer_s=HANDOVER_S) \
+            layer_s=HANDOVER_S) \
             if self.hosts and pcie_gbps else None
         if self.balance is not None and self.ring is not None:
             # the copies' achieved rate, for the balance's judgement of PCIe

@@ -26,9 +26,15 @@ CPU's share, which then finished 67 ms of a 224 ms token early
 (bench/results/2026-12-05-s31-hybrid-bench-h200-call1.json).
 
 k never drops below 1, so that the CPU's rate stays measured, and never exceeds the split
-layers packed at load. The plan may pack each split layer's share with headroom and start
-decode with fewer of them split (memory.hybrid_plan), so that k can also climb when the CPU
-has time to spare. A change costs
+layers packed at load. So the balance can only take work off the CPU. Packing each share with
+headroom and starting with fewer layers split, so that k could also climb, was tried (session
+32) and lost: on the H200 the 70B at 24 GiB decoded 4.288 tok/s with 28 of 36 layers split at
+a 0.73 share against 5.036 with all 36 at 0.54, the same bytes on each side in all
+(bench/results/2026-12-05-s32-hybrid-bench-headroom{1.3,1}-h200-call1.json). The copy stream
+runs one slot ahead of compute: while the GPU waits at a split layer for the CPU's share, the
+copy link can bring only the next layer, whose prefix is short when it is split too, and then
+idles. A share the CPU finishes in about the time the next layer's copy takes keeps both busy;
+a few heavier layers do not, whatever the totals say (the model here counts totals). A change costs
 one host wait (the ring's copies are settled and restarted), so it is made only for a
 predicted gain of MIN_GAIN or more, judged every WINDOW decode passes, and only once two
 windows in a row call for a change the same way: on the H200 the first window after a load

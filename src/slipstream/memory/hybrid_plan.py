@@ -45,17 +45,6 @@ CPU_FIXED_S = 1.0e-3
 HANDOVER_S = 0.55e-3
 LAYER_COST_S = CPU_FIXED_S + HANDOVER_S  # what the CPU's path pays per split layer, any share
 MODES = ("auto", "off", "on")
-# Headroom (mode auto): each split layer's CPU share is packed at this many times the balanced
-# share, and decode starts with the fraction 1/headroom of the split layers computing theirs
-# (the others copy whole images), the same bytes per token on each side as the balanced split.
-# The running balance (memory.hybrid_balance) can then give the CPU more layers as well as take
-# them away: the share from the start-up probes gave the CPU too little on the H200 (its share
-# done in 155 ms of a 224 ms token, the copies slower in decode than probed:
-# bench/results/2026-12-05-s31-hybrid-bench-h200-call1.json), and a share fixed at load could
-# only shrink. The packed copy's RAM grows by the same factor.
-# SLIPSTREAM_HYBRID_HEADROOM sets it (1: off, the split exactly as balanced at load).
-HEADROOM_DEFAULT = 1.0
-HEADROOM_ENV = "SLIPSTREAM_HYBRID_HEADROOM"
 
 
 @dataclass
@@ -81,17 +70,6 @@ class HybridPlan:
     # mode "auto": decode keeps the split balanced as the CPU's measured rate changes
     # (memory.hybrid_balance); a share or "on" given by the user stays as given
     rebalance: bool = False
-    # how many of `layers` decode starts with split (evenly spaced; the others copy whole):
-    # fewer than all where cpu_share was packed with headroom (HEADROOM_DEFAULT); None: all
-    active_layers: int | None = None
-
-    @property
-    def mean_share(self) -> float:
-        """The CPU's share of the split layers' FFN units on average, at the start: cpu_share
-        over the layers decode starts with split."""
-        if not self.layers:
-            return 0.0
-        return self.cpu_share * (self.active_layers or len(self.layers)) / len(self.layers)
 
 
 def parse_hybrid(value: str | float | None) -> str | float:
@@ -110,23 +88,6 @@ def parse_hybrid(value: str | float | None) -> str | float:
         raise BadArgument(f"--hybrid {value!r} is invalid: give auto, off, on, or the CPU's "
                           f"share of each streamed layer's FFN in (0, 1]")
     return share
-
-
-def hybrid_headroom(value: str | float | None = None) -> float:
-    """The packing headroom (HEADROOM_DEFAULT's comment): `value`, else SLIPSTREAM_HYBRID_HEADROOM,
-    else the default; at least 1 (BadArgument otherwise)."""
-    from ..errors import BadArgument
-
-    if value is None:
-        value = os.environ.get(HEADROOM_ENV) or HEADROOM_DEFAULT
-    try:
-        headroom = float(value)
-    except (TypeError, ValueError):
-        headroom = float("nan")
-    if not 1.0 <= headroom <= 4.0:  # NaN fails too
-        raise BadArgument(f"{HEADROOM_ENV}={value!r} is invalid: give a factor from 1 (no "
-                          f"headroom) to 4 on the CPU share packed for hybrid decode")
-    return headroom
 
 
 def default_threads() -> int:
@@ -351,18 +312,15 @@ def balanced_share(image_bytes: int, ffn_bytes: int, cpu_ratio: float, pcie_gbps
 
 
 def decode_seconds(image_bytes: list[int], ffn_bytes: list[int], share: float,
-                   cpu_ratio: float, pcie_gbps: float, cpu_gbps: float,
-                   split_layers: int | None = None) -> tuple[float, int, int]:
+                   cpu_ratio: float, pcie_gbps: float, cpu_gbps: float) -> tuple[float, int, int]:
     """A decode token's time through the split layers (PCIe, in parallel with the CPU's path:
     its shares with their fixed cost per layer, and the hand-over in series with them; module
-    doc), and the bytes each side moves. share: the CPU's share of all these layers' FFN
-    units, on average; split_layers: how many of them carry it (the fixed costs' count;
-    None: all)."""
+    doc), and the bytes each side moves."""
     cpu_bytes = int(sum(share * f * cpu_ratio for f in ffn_bytes))
     pcie_bytes = int(sum(b - share * f for b, f in zip(image_bytes, ffn_bytes)))
     if share <= 0:
         return pcie_bytes / (pcie_gbps * 1e9), cpu_bytes, pcie_bytes
-    n = len(image_bytes) if split_layers is None else split_layers
+    n = len(image_bytes)
     cpu_path = cpu_bytes / (cpu_gbps * 1e9) + LAYER_COST_S * n
     return max(pcie_bytes / (pcie_gbps * 1e9), cpu_path), cpu_bytes, pcie_bytes
 
@@ -392,17 +350,13 @@ def after_promotion(plan, promoted) -> "HybridPlan | None":
     ffn = [h.gguf_ffn_bytes[i] for i in layers]
     total_ffn = sum(h.gguf_ffn_bytes[i] for i in h.layers)
     # the CPU layout's bytes per GGUF byte, as plan_hybrid measured it
-    mean = h.mean_share
-    cpu_ratio = h.cpu_bytes_per_token / (mean * total_ffn) if mean else 0.0
+    cpu_ratio = h.cpu_bytes_per_token / (h.cpu_share * total_ffn) if h.cpu_share else 0.0
     image = [plan.file_bytes_per_layer[i] for i in layers]
-    active = None if h.active_layers is None else max(1, min(h.active_layers, len(layers)))
-    share = h.cpu_share * (active or len(layers)) / len(layers)
-    split_s, cpu_bytes, pcie_bytes = decode_seconds(image, ffn, share, cpu_ratio,
-                                                    h.pcie_gbps, h.cpu_gbps, active)
+    split_s, cpu_bytes, pcie_bytes = decode_seconds(image, ffn, h.cpu_share, cpu_ratio,
+                                                    h.pcie_gbps, h.cpu_gbps)
     plain = plan.whole_layers_tok_s  # at today's tiers
     return replace(
-        h, layers=layers, active_layers=active,
-        cpu_bytes_per_token=cpu_bytes, pcie_bytes_per_token=pcie_bytes,
+        h, layers=layers, cpu_bytes_per_token=cpu_bytes, pcie_bytes_per_token=pcie_bytes,
         predicted_tok_s=split_prediction(plain, image, split_s, h.pcie_gbps),
         plain_tok_s=plain,
         extra_ram_bytes=int(h.extra_ram_bytes * sum(ffn) / total_ffn) if total_ffn else 0,
@@ -410,16 +364,15 @@ def after_promotion(plan, promoted) -> "HybridPlan | None":
 
 
 def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None = None,
-                cpu_gbps: float | None = None, token_scaling: dict[int, float] | None = None,
-                headroom: float | None = None) -> HybridPlan | None:
+                cpu_gbps: float | None = None, token_scaling: dict[int, float] | None = None
+                ) -> HybridPlan | None:
     """The split for `plan` (CUDA, bandwidths measured), or None when hybrid decode is off, has
     no pinned layer to split, or (mode "auto") would not be at least 5% faster than copying
     whole layers or gives each layer's CPU less work than its fixed costs. mode: "auto", "on"
     (split at the balanced share whatever it predicts), "off", or a CPU share in (0, 1]
     (measurements). cpu_gbps, token_scaling (cpu_token_scaling: the
     CPU kernel's cost by pass width, which sets the widest split pass): measured here when
-    not given. headroom (mode "auto"; hybrid_headroom's when None): the CPU share packed
-    over the balanced one, decode starting with as many fewer layers split."""
+    not given."""
     from gguf import GGMLQuantizationType
 
     from ..weights.hybrid import host_kind, host_nbytes, layer_splittable, split_point
@@ -494,32 +447,8 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     if not split:
         return None
     widest = hybrid_max_tokens(image, ffn, share, cpu_ratio, pcie, cpu, token_scaling)
-    packed_share, active = share, None
-    if mode == "auto":
-        wanted, active = _with_headroom(cfg.ffn, share, len(layers), hybrid_headroom(headroom))
-        if active is not None:  # the share packed, then the layers starting split, rounded
-            keep = max(min(split_point(cfg.ffn, wanted), cfg.ffn - 256), 256)
-            packed_share = 1.0 - keep / cfg.ffn
-            active = max(1, min(len(layers), round(len(layers) * share / packed_share)))
-            mean = packed_share * active / len(layers)
-            split_s, cpu_bytes, pcie_bytes = decode_seconds(image, ffn, mean, cpu_ratio, pcie,
-                                                            cpu, active)
-            predicted = split_prediction(plain, image, split_s, pcie)
-    packed_bytes = int(packed_share * sum(ffn) * cpu_ratio)  # in the CPU's layout
-    return HybridPlan(packed_share, keep, layers, cpu, pcie, threads, cpu_bytes, pcie_bytes,
+    return HybridPlan(share, keep, layers, cpu, pcie, threads, cpu_bytes, pcie_bytes,
                       predicted, plain, max_tokens=min(widest, HYBRID_MAX_TOKENS),
-                      extra_ram_bytes=int(packed_bytes * packed_num / max(ratio_num, 1)),
+                      extra_ram_bytes=int(cpu_bytes * packed_num / max(ratio_num, 1)),
                       gguf_ffn_bytes=dict(zip(layers, ffn)),
-                      rebalance=mode == "auto", active_layers=active)
-
-
-def _with_headroom(ffn_units: int, share: float, n_layers: int, headroom: float
-                   ) -> tuple[float, int | None]:
-    """The share to pack and how many layers decode starts with split, for the balanced
-    `share` and `headroom` (HEADROOM_DEFAULT's comment): the same bytes per token on each
-    side, to the nearest layer. (share, None) where there is no headroom to give (each side
-    keeps at least one 256-unit block)."""
-    packed = min(share * headroom, 1.0 - 256 / ffn_units)
-    if headroom <= 1.0 or packed <= share:
-        return share, None
-    return packed, max(1, min(n_layers, round(n_layers * share / packed)))
+                      rebalance=mode == "auto")

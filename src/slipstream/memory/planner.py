@@ -238,10 +238,8 @@ class Plan:
             h = self.hybrid
             widest = ("decode only" if h.max_tokens == 1
                       else f"passes up to {h.max_tokens} tokens")
-            starting = "" if h.active_layers is None or h.active_layers == len(h.layers) \
-                else f" ({h.active_layers} split at the start: {h.mean_share:.0%} on average)"
             t.add_row("hybrid CPU", f"{len(h.layers)} pinned layers: {h.cpu_share:.0%} of FFN "
-                      f"units{starting}, {h.threads} threads, {widest}",
+                      f"units, {h.threads} threads, {widest}",
                       fmt_bytes(h.extra_ram_bytes) + " packed" if h.extra_ram_bytes
                       else "read in place",
                       fmt_bytes(h.cpu_bytes_per_token), f"{h.cpu_gbps:.1f}")

@@ -483,8 +483,7 @@ def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: 
                               n_slots=plan.staging_buffers,
                               n_staging=plan.host_staging or N_STAGING, delays=delays,
                               hosts=hosts, pcie_gbps=plan.hybrid.pcie_gbps
-                              if hosts and plan.hybrid.rebalance else None,
-                              active=plan.hybrid.active_layers if hosts else None)
+                              if hosts and plan.hybrid.rebalance else None)
     if not plan.streamed_layers:
         return ResidentLayerStore(weights.layers)
     # a streamed layer rebuilt from its GGUF span serves passes its packed image (`disk`, or
