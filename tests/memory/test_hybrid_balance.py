@@ -198,3 +198,71 @@ def test_without_copies_measured_the_probe_judges_pcie():
     assert balance.pcie_measured is None
     assert balance.changes and balance.changes[-1][3] == 49.4
     assert len(balance.active) == best_count(layers, 0, 67.9, 49.4, 0.55e-3)
+
+
+# Session 32's H200 call 1 (bench/results/2026-12-05-s32-hybrid-bench-headroom{1,1.3}-h200-
+# call1.json): the 70B at 24 GiB, 36 of 80 layers streamed and split, run with every split
+# layer's CPU share at 0.54 (198.6 ms a token measured) and with 28 of them at 0.73, the other
+# 8 copied whole (233.2 ms), about the same bytes each way in all. Per split layer: the CPU's
+# packed bytes and the prefix copied, from the runs' per-token figures; images of 0.495 GB.
+def s32_ring(n_split: int, cpu_gb: float, prefix_gb: float):
+    streamed = evenly_spaced(list(range(80)), 36)
+    ring = [(i, int(0.495 * GB) if i in streamed else 0) for i in range(80)]
+    layers = {i: SplitLayer(int(cpu_gb * GB), int(prefix_gb * GB), int(0.495 * GB))
+              for i in streamed}
+    return ring, layers, set(evenly_spaced(streamed, n_split))
+
+
+def test_the_ring_model_tells_heavier_split_layers_apart_where_totals_do_not():
+    from slipstream.memory.hybrid_balance import pipeline_seconds
+
+    even = s32_ring(36, 10.362 / 36, 9.823 / 36)
+    heavy = s32_ring(28, 10.834 / 28, 0.205)
+    handover = 0.55e-3
+    ring_even = pipeline_seconds(*even, 68.5, 53.1, handover)
+    ring_heavy = pipeline_seconds(*heavy, 65.9, 51.1, handover)
+    assert ring_even == pytest.approx(0.1986, rel=0.08)  # measured 198.6 ms
+    assert ring_heavy == pytest.approx(0.2332, rel=0.08)  # measured 233.2 ms
+    assert ring_heavy > 1.15 * ring_even
+    # the totals see about the same token both ways (the CPU's and PCIe's sums barely move)
+    totals = [token_seconds(layers, active, 0, cpu, pcie, handover)
+              for (_, layers, active), cpu, pcie in ((even, 68.5, 53.1), (heavy, 65.9, 51.1))]
+    assert abs(totals[1] / totals[0] - 1) < 0.05
+
+
+def test_the_ring_model_is_the_copies_where_nothing_is_split():
+    from slipstream.memory.hybrid_balance import pipeline_seconds
+
+    ring = [(i, 500 * 10**6 if i % 2 else 0) for i in range(10)]  # 5 streamed, 5 resident
+    whole = pipeline_seconds(ring, {}, set(), 50.0, 50.0, gpu_s=1e-4)
+    assert whole == pytest.approx(5 * 0.01, rel=0.02)  # bound by the copies: 10 ms each
+    # one slot: each copy waits for the compute of the streamed layer before it, and overlaps
+    # only the resident layer's between them (5 ms under its 10)
+    slow_gpu = pipeline_seconds(ring, {}, set(), 50.0, 50.0, slots=1, gpu_s=5e-3)
+    assert slow_gpu == pytest.approx(5 * (0.01 + 5e-3), rel=0.02)
+    two = pipeline_seconds(ring, {}, set(), 50.0, 50.0, slots=2, gpu_s=5e-3)
+    assert two == pytest.approx(5 * 0.01, rel=0.02)  # copies back to back, compute under them
+
+
+def test_with_its_ring_the_balance_judges_by_it():
+    ring, layers, _ = s32_ring(36, 10.362 / 36, 9.823 / 36)
+    balance = HybridBalance(dict(layers), 0, 53.1, window=2, layer_s=0.55e-3, ring=ring)
+    state = [0.0] * 4
+    _feed_both(balance, 20.0, 53.1, 5, state)  # a CPU at a third of its rate
+    assert balance.changes and len(balance.active) < 36
+    k = len(balance.active)
+    assert k == best_count(layers, 0, 20.0, 53.1, 0.55e-3, ring=ring)
+    assert k != best_count(layers, 0, 20.0, 53.1, 0.55e-3)  # the totals would choose otherwise
+
+
+def test_the_store_gives_the_balance_its_pass_in_order():
+    """CudaLayerStore._ring_layout: every layer a pass runs, resident ones at 0 bytes, the
+    streamed ones at their whole image, skipped ones left out."""
+    from types import SimpleNamespace
+
+    from slipstream.memory.cuda_store import CudaLayerStore
+
+    store = SimpleNamespace(layers=["r", None, "r", None, None], skipped=frozenset({3}),
+                            feed={1: "ring", 3: "ring", 4: "ring"},
+                            layouts={i: SimpleNamespace(nbytes=100 * i) for i in (1, 3, 4)})
+    assert CudaLayerStore._ring_layout(store) == [(0, 0), (1, 100), (2, 0), (4, 400)]

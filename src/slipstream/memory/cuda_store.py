@@ -86,7 +86,8 @@ class CudaLayerStore(StoreBase):
         self.balance = HybridBalance(
             {i: SplitLayer(h.nbytes, self.prefix[i], self.layouts[i].nbytes)
              for i, h in self.hosts.items()}, self._unsplit_bytes(), pcie_gbps,
-            layer_s=HANDOVER_S) \
+            layer_s=HANDOVER_S, ring=self._ring_layout(),
+            slots=len(self.ring.slots) if self.ring is not None else 2) \
             if self.hosts and pcie_gbps else None
         if self.balance is not None and self.ring is not None:
             # the copies' achieved rate, for the balance's judgement of PCIe
@@ -131,6 +132,14 @@ class CudaLayerStore(StoreBase):
             self.active = active
             if self.split_mode:  # the copies made for the old split go; views follow active
                 self._set_split(True)
+
+    def _ring_layout(self) -> list[tuple[int, int]]:
+        """A decode pass's layers in order as the balance's ring model takes them (memory.
+        hybrid_balance.pipeline_seconds): (layer, bytes of its whole image; 0 if resident),
+        the skipped ones left out."""
+        return [(i, 0 if self.layers[i] is not None else self.layouts[i].nbytes)
+                for i in range(len(self.layers))
+                if i not in self.skipped and (self.layers[i] is not None or i in self.feed)]
 
     def _unsplit_bytes(self) -> int:
         """What the streamed layers that are not split copy per decode token."""
@@ -194,6 +203,7 @@ class CudaLayerStore(StoreBase):
         self.skipped = frozenset(layers)
         if self.balance is not None:
             self.balance.other_bytes = self._unsplit_bytes()
+            self.balance.ring = self._ring_layout()
         if self.ring is not None:
             self.ring.skip(self.skipped)
         for src in self.sources:
@@ -254,6 +264,7 @@ class CudaLayerStore(StoreBase):
             self.feed.pop(i, None)
         if self.balance is not None:
             self.balance.other_bytes = self._unsplit_bytes()
+            self.balance.ring = self._ring_layout()
         return chosen
 
     def acquire(self, i: int) -> LayerWeights:

@@ -34,7 +34,13 @@ a 0.73 share against 5.036 with all 36 at 0.54, the same bytes on each side in a
 runs one slot ahead of compute: while the GPU waits at a split layer for the CPU's share, the
 copy link can bring only the next layer, whose prefix is short when it is split too, and then
 idles. A share the CPU finishes in about the time the next layer's copy takes keeps both busy;
-a few heavier layers do not, whatever the totals say (the model here counts totals). A change costs
+a few heavier layers do not, whatever the totals say. So where the store gives the balance its
+ring (every layer of a pass in order, and the slots), a token's time is that of the ring
+itself, simulated layer by layer (pipeline_seconds): each streamed layer's copy waits for its
+slot to be freed by the compute of the layer `slots` places before it, and each layer's
+compute for its copy, the layer before, and at a split layer the CPU's share and hand-over.
+That model put the two runs above at 191 and 244 ms a token (measured 199 and 233); the totals
+alone put the slower one first. A change costs
 one host wait (the ring's copies are settled and restarted), so it is made only for a
 predicted gain of MIN_GAIN or more, judged every WINDOW decode passes, and only once two
 windows in a row call for a change the same way: on the H200 the first window after a load
@@ -44,12 +50,16 @@ single window took three layers off the CPU for eight passes before giving them 
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from .planner import evenly_spaced
 
 WINDOW = 8  # decode passes between judgements
 MIN_GAIN = 0.03  # the predicted token-time gain a change must promise
+# The GPU's own compute of a decode layer (a 70B layer at 24 GiB on the H200: 26.3 ms for 80
+# layers, bench/results/2026-12-05-s32-hybrid-bench-headroom1.3-h200-call1.json, whole layers)
+GPU_LAYER_S = 0.33e-3
 
 
 @dataclass
@@ -72,15 +82,47 @@ def token_seconds(layers: dict[int, SplitLayer], active: set[int], other_bytes: 
     return max(cpu, pcie_bytes / (pcie_gbps * 1e9))
 
 
+def pipeline_seconds(ring: list[tuple[int, int]], layers: dict[int, SplitLayer],
+                     active: set[int], cpu_gbps: float, pcie_gbps: float, layer_s: float = 0.0,
+                     slots: int = 2, gpu_s: float = GPU_LAYER_S, tokens: int = 3) -> float:
+    """A decode token's time through the slot ring (the module doc), in its steady state (the
+    last of `tokens` simulated: the copies run ahead into the next token). ring: every layer
+    of a pass in order as (layer, bytes its whole image copies; 0 for a resident layer)."""
+    pcie, cpu = pcie_gbps * 1e9, cpu_gbps * 1e9
+    copy_end = compute_end = token = 0.0
+    done: deque[float] = deque(maxlen=max(1, slots))  # the last slots' compute ends
+    for _ in range(tokens):
+        start = compute_end
+        for i, whole in ring:
+            if not whole:
+                compute_end += gpu_s
+                continue
+            split = layers.get(i)
+            on_cpu = split is not None and i in active
+            nbytes = split.prefix_bytes if on_cpu else (split.image_bytes if split else whole)
+            # the slot this copy takes was last read by the layer `slots` copies back
+            begin = max(copy_end, done[0]) if len(done) == done.maxlen else copy_end
+            copy_end = begin + nbytes / pcie
+            share = split.cpu_bytes / cpu + layer_s if on_cpu else 0.0
+            compute_end = max(copy_end, compute_end) + gpu_s + share
+            done.append(compute_end)
+        token = compute_end - start
+    return token
+
+
 def best_count(layers: dict[int, SplitLayer], other_bytes: int, cpu_gbps: float,
-               pcie_gbps: float, layer_s: float = 0.0) -> int:
-    """The count of split layers (1 .. all) that minimises token_seconds, the layers taken
-    evenly spaced; the largest such count on a tie."""
+               pcie_gbps: float, layer_s: float = 0.0, ring: list[tuple[int, int]] | None = None,
+               slots: int = 2) -> int:
+    """The count of split layers (1 .. all) that minimises a token's time, the layers taken
+    evenly spaced; the largest such count on a tie. With `ring`, the time is the ring's
+    (pipeline_seconds), else token_seconds' totals."""
     order = sorted(layers)
     best_k, best_t = len(order), float("inf")
     for k in range(len(order), 0, -1):
-        t = token_seconds(layers, set(evenly_spaced(order, k)), other_bytes, cpu_gbps,
-                          pcie_gbps, layer_s)
+        active = set(evenly_spaced(order, k))
+        t = pipeline_seconds(ring, layers, active, cpu_gbps, pcie_gbps, layer_s, slots) \
+            if ring is not None else \
+            token_seconds(layers, active, other_bytes, cpu_gbps, pcie_gbps, layer_s)
         if t < best_t * (1 - 1e-9):
             best_k, best_t = k, t
     return best_k
@@ -102,6 +144,9 @@ class HybridBalance:
     active: set[int] = field(default_factory=set)
     window: int = WINDOW
     layer_s: float = 0.0  # what each split layer pays on the CPU's path besides its bytes
+    # the store's ring (pipeline_seconds' `ring`) and slots; None: judge by the totals
+    ring: list[tuple[int, int]] | None = None
+    slots: int = 2
     passes: int = 0
     changes: list[tuple[int, int, float, float]] = field(default_factory=list)
     cpu_gbps: float | None = None  # the rate measured over the last window
@@ -134,12 +179,11 @@ class HybridBalance:
             if copied_s > 0 and copied > 0:
                 self.pcie_measured = copied / copied_s / 1e9
         pcie = self.pcie_measured or self.pcie_gbps
-        k = best_count(self.layers, self.other_bytes, self.cpu_gbps, pcie, self.layer_s)
+        k = best_count(self.layers, self.other_bytes, self.cpu_gbps, pcie, self.layer_s,
+                       self.ring, self.slots)
         chosen = set(evenly_spaced(sorted(self.layers), k))
-        now = token_seconds(self.layers, self.active, self.other_bytes, self.cpu_gbps, pcie,
-                            self.layer_s)
-        then = token_seconds(self.layers, chosen, self.other_bytes, self.cpu_gbps, pcie,
-                             self.layer_s)
+        now, then = (self.seconds(active, self.cpu_gbps, pcie)
+                     for active in (self.active, chosen))
         wanted = 0 if k == len(self.active) or then > now * (1 - MIN_GAIN) else \
             (1 if k > len(self.active) else -1)
         confirmed = wanted != 0 and wanted == self._wanted
@@ -149,6 +193,14 @@ class HybridBalance:
         self.active = chosen
         self.changes.append((self.passes, k, round(self.cpu_gbps, 1), round(pcie, 1)))
         return chosen
+
+    def seconds(self, active: set[int], cpu_gbps: float, pcie_gbps: float) -> float:
+        """A token's time with `active` split, by the ring where known, else by the totals."""
+        if self.ring is not None:
+            return pipeline_seconds(self.ring, self.layers, active, cpu_gbps, pcie_gbps,
+                                    self.layer_s, self.slots)
+        return token_seconds(self.layers, active, self.other_bytes, cpu_gbps, pcie_gbps,
+                             self.layer_s)
 
     def forget(self, layers) -> None:
         """Layers no longer split (promoted to VRAM: the GPU computes them whole)."""
