@@ -155,7 +155,7 @@ def build_images(gf, cfg, device: torch.device, precision, layers: list[int],
     data, index = image_paths(model)
     write_images(data, index, _identity(model, fast), layers, image_bytes, make,
                  "writing repacked disk layers", progress)
-    del builder, make
+    builder = make = None  # the builder and its workspace go before the next allocations
     if device.type == "cuda":
         torch.cuda.empty_cache()
     result = open_images(model, layers, fast)
