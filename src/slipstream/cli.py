@@ -516,9 +516,10 @@ def _print_balance(store) -> None:
     balance = getattr(store, "balance", None)
     if balance is None or not balance.changes:
         return
+    copies = f", the copies {balance.pcie_measured:.1f}" if balance.pcie_measured else ""
     err.print(f"[dim]hybrid: the CPU computes {len(store.active)} of {len(store.hosts)} split "
-              f"layers (it measured {balance.cpu_gbps or 0:.1f} GB/s; the split changed "
-              f"{len(balance.changes)} times while decoding, to follow the CPU's rate)[/dim]",
+              f"layers (it measured {balance.cpu_gbps or 0:.1f} GB/s{copies}; the split "
+              f"changed {len(balance.changes)} times while decoding, to follow the rates)[/dim]",
               soft_wrap=True)
 
 

@@ -266,3 +266,23 @@ def test_the_store_gives_the_balance_its_pass_in_order():
                             feed={1: "ring", 3: "ring", 4: "ring"},
                             layouts={i: SimpleNamespace(nbytes=100 * i) for i in (1, 3, 4)})
     assert CudaLayerStore._ring_layout(store) == [(0, 0), (1, 100), (2, 0), (4, 400)]
+
+
+def test_the_cli_says_where_the_balance_moved_the_split(capsys):
+    """--stats' note after a generation whose split the balance changed: layers kept split and
+    both rates it judged by (cli._print_balance)."""
+    from types import SimpleNamespace
+
+    from slipstream.cli import _print_balance
+
+    balance = HybridBalance(seventy_layers(), 0, PCIE, window=1)
+    store = SimpleNamespace(balance=balance, active=set(), hosts=balance.layers)
+    _print_balance(store)
+    assert capsys.readouterr().err == ""  # no change made: nothing to say
+    state = [0.0] * 4
+    _feed_both(balance, 20.0, 41.5, 3, state)
+    store.active = balance.active
+    _print_balance(store)
+    err = " ".join(capsys.readouterr().err.split())
+    assert f"computes {len(balance.active)} of 36 split layers" in err
+    assert "20.0 GB/s, the copies 41.5" in err and "changed 1 times" in err
