@@ -13,27 +13,14 @@
 #   PART=bench  hybrid_bench.py against those llama.cpp figures (copied into OUTDIR)
 # KINDS="torch auto-f16": after the main run (the default CPU kernels), the hybrid 70B case again
 # with the CPU share on each of those SLIPSTREAM_HYBRID_KIND values, into OUTDIR/kind-K.
-# GPU_TESTS="tests/gpu/test_x.py ...": run those GPU tests while the synthesis and llama.cpp's
-# build run (nothing is timed then), cut at GPU_TEST_S (default 240 s), waited for before
-# llama.cpp is timed; log in OUTDIR/pytest-beside-prep.log.
 # Carry what spec_device.sh says.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/slipstream-out}}
 mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/.."
 [ "${CASES:-70b,8b}" = 8b ] && export SHAPES=8b
-source bench/device_setup.sh
-TESTS_PID=
-if [ -n "${GPU_TESTS:-}" ]; then
-  timeout -s INT -k 20 ${GPU_TEST_S:-240} python3 -m pytest -q -p no:cacheprovider -m gpu \
-    $GPU_TESTS > "$OUTDIR/pytest-beside-prep.log" 2>&1 &
-  TESTS_PID=$!
-fi
 [ "${PART:-all}" = bench ] || PART=prep bash bench/spec_device.sh "$OUTDIR"
-if [ -n "$TESTS_PID" ]; then
-  wait $TESTS_PID
-  grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-beside-prep.log" | head; tail -1 "$OUTDIR/pytest-beside-prep.log"
-fi
+source bench/device_setup.sh
 W=$SLIPSTREAM_MODELS  # device_setup.sh: /dev/shm where it has room
 if [ "${TESTS:-0}" = 1 ]; then
   timeout -s INT -k 20 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu/test_hybrid_gpu.py \

@@ -40,9 +40,10 @@ itself, simulated layer by layer (pipeline_seconds): each streamed layer's copy 
 slot to be freed by the compute of the layer `slots` places before it, and each layer's
 compute for its copy, the layer before, and at a split layer the CPU's share and hand-over.
 That model put the two runs above at 191 and 244 ms a token (measured 199 and 233); the totals
-alone put the slower one first. A change costs
-one host wait (the ring's copies are settled and restarted), so it is made only for a
-predicted gain of MIN_GAIN or more, judged every WINDOW decode passes, and only once two
+alone put them within 3% of each other (185 and 190).
+
+A change costs one host wait (the ring's copies are settled and restarted), so it is made only
+for a predicted gain of MIN_GAIN or more, judged every WINDOW decode passes, and only once two
 windows in a row call for a change the same way: on the H200 the first window after a load
 measured the CPU at 40 GB/s and the next at 49 (-s22-hybrid-bench-h200-call4.json), and a
 single window took three layers off the CPU for eight passes before giving them back.
@@ -110,19 +111,26 @@ def pipeline_seconds(ring: list[tuple[int, int]], layers: dict[int, SplitLayer],
     return token
 
 
+def modelled_seconds(layers: dict[int, SplitLayer], active: set[int], other_bytes: int,
+                     cpu_gbps: float, pcie_gbps: float, layer_s: float = 0.0,
+                     ring: list[tuple[int, int]] | None = None, slots: int = 2) -> float:
+    """A token's time with `active` split: the ring's (pipeline_seconds) where it is known,
+    else token_seconds' totals."""
+    if ring is not None:
+        return pipeline_seconds(ring, layers, active, cpu_gbps, pcie_gbps, layer_s, slots)
+    return token_seconds(layers, active, other_bytes, cpu_gbps, pcie_gbps, layer_s)
+
+
 def best_count(layers: dict[int, SplitLayer], other_bytes: int, cpu_gbps: float,
                pcie_gbps: float, layer_s: float = 0.0, ring: list[tuple[int, int]] | None = None,
                slots: int = 2) -> int:
-    """The count of split layers (1 .. all) that minimises a token's time, the layers taken
-    evenly spaced; the largest such count on a tie. With `ring`, the time is the ring's
-    (pipeline_seconds), else token_seconds' totals."""
+    """The count of split layers (1 .. all) that minimises modelled_seconds, the layers taken
+    evenly spaced; the largest such count on a tie."""
     order = sorted(layers)
     best_k, best_t = len(order), float("inf")
     for k in range(len(order), 0, -1):
-        active = set(evenly_spaced(order, k))
-        t = pipeline_seconds(ring, layers, active, cpu_gbps, pcie_gbps, layer_s, slots) \
-            if ring is not None else \
-            token_seconds(layers, active, other_bytes, cpu_gbps, pcie_gbps, layer_s)
+        t = modelled_seconds(layers, set(evenly_spaced(order, k)), other_bytes, cpu_gbps,
+                             pcie_gbps, layer_s, ring, slots)
         if t < best_t * (1 - 1e-9):
             best_k, best_t = k, t
     return best_k
@@ -182,7 +190,8 @@ class HybridBalance:
         k = best_count(self.layers, self.other_bytes, self.cpu_gbps, pcie, self.layer_s,
                        self.ring, self.slots)
         chosen = set(evenly_spaced(sorted(self.layers), k))
-        now, then = (self.seconds(active, self.cpu_gbps, pcie)
+        now, then = (modelled_seconds(self.layers, active, self.other_bytes, self.cpu_gbps,
+                                      pcie, self.layer_s, self.ring, self.slots)
                      for active in (self.active, chosen))
         wanted = 0 if k == len(self.active) or then > now * (1 - MIN_GAIN) else \
             (1 if k > len(self.active) else -1)
@@ -193,14 +202,6 @@ class HybridBalance:
         self.active = chosen
         self.changes.append((self.passes, k, round(self.cpu_gbps, 1), round(pcie, 1)))
         return chosen
-
-    def seconds(self, active: set[int], cpu_gbps: float, pcie_gbps: float) -> float:
-        """A token's time with `active` split, by the ring where known, else by the totals."""
-        if self.ring is not None:
-            return pipeline_seconds(self.ring, self.layers, active, cpu_gbps, pcie_gbps,
-                                    self.layer_s, self.slots)
-        return token_seconds(self.layers, active, self.other_bytes, cpu_gbps, pcie_gbps,
-                             self.layer_s)
 
     def forget(self, layers) -> None:
         """Layers no longer split (promoted to VRAM: the GPU computes them whole)."""
