@@ -99,6 +99,36 @@ def breakdown(model, tokens: int) -> dict:
             "cpu_gbps_achieved": round(s.cpu_bytes / s.cpu_s / 1e9, 1) if s.cpu_s else None}
 
 
+def traced(model, tokens: int, path: Path) -> dict:
+    """Decode `tokens` steps under a tracer (runtime.trace: the GPU's layers, the host's
+    enqueueing, the copies and the CPU worker's wait and share per split layer), save the
+    trace to `path` (ui.perfetto.dev opens it) and return trace.split_timing's summary: where
+    a split layer's serial path goes, and the GPU's gaps between layers."""
+    from slipstream.runtime import trace
+
+    engine, store = model.engine, model.engine.layers
+    engine.reset()
+    engine.forward(list(range(5, 13)))
+    ids = torch.arange(tokens + 2, device="cuda") + 100
+    for i in range(2):
+        engine.decode(ids[i:i + 1])
+    torch.cuda.synchronize()
+    tracer = trace.Tracer(f"hybrid_bench {path.stem}")
+    trace.attach(model, tracer)
+    try:
+        for i in range(tokens):
+            engine.decode(ids[2 + i:3 + i])
+        torch.cuda.synchronize()
+        store.collect()
+        for host in list(store.hosts.values())[:1]:
+            host.io.close()  # the worker's last spans are recorded once it has stopped
+    finally:
+        trace.attach(model, None)
+        store.enable_timing(False)
+    tracer.write(path)
+    return trace.split_timing(tracer.spans())
+
+
 def prefill_rate(model, n: int = 512) -> float:
     engine = model.engine
     ids = list(range(5, 5 + n))
@@ -196,7 +226,8 @@ def under_neighbour(m, name: str, processes: int, tokens: int, rounds: int = 2) 
 
 def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[int],
          sweep: bool, prefill: bool = True, vram_layers: int | None = None,
-         neighbour: int = 0, settle_tokens: int = 0) -> dict:
+         neighbour: int = 0, settle_tokens: int = 0, trace_tokens: int = 0,
+         outdir: Path | None = None) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -238,6 +269,8 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
         if link_s:
             row["ratio_to_roofline"] = round(row["decode_tok_s"] * link_s, 3)
         row["breakdown"] = breakdown(m, max(4, tokens // 2))
+        if trace_tokens and outdir is not None:
+            row["split_timing"] = traced(m, trace_tokens, outdir / f"trace-{name}.json")
         if h is not None:
             row.update(balance_of(m.engine.layers))
             # the CPU's share of the split layers' FFN units as decode was timed: the share
@@ -304,6 +337,9 @@ def main() -> None:
     ap.add_argument("--neighbour", type=int, default=0, metavar="N",
                     help="hybrid cases: also decode beside N processes streaming host memory, "
                          "with the running balance and without it")
+    ap.add_argument("--trace-tokens", type=int, default=6, metavar="N",
+                    help="trace N decode steps of each case (OUTDIR/trace-CASE.json) and "
+                         "record where a split layer's time goes (split_timing); 0: none")
     a = ap.parse_args()
     work = Path(a.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -328,7 +364,8 @@ def main() -> None:
                 continue
             run = dict(sweep=shape == "70b", prefill=not a.no_prefill,
                        neighbour=a.neighbour if mode != "off" else 0,
-                       settle_tokens=a.settle)
+                       settle_tokens=a.settle, trace_tokens=a.trace_tokens,
+                       outdir=out.parent)
             try:
                 rows.append(case(path, name, budget, mode, a.tokens, threads, **run))
             except Exception as e:  # recorded, and the other cases still run

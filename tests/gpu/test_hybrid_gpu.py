@@ -369,3 +369,36 @@ def test_the_balance_meters_every_copy_of_a_split_decode(synth, pair, monkeypatc
         got = _forced_logits(m)
     for x, y in zip(got[1:], ref[1:]):
         assert _rel(x, y) < 3e-2
+
+
+def test_a_trace_takes_each_split_layer_apart(pair):
+    """--trace on a split decode: every split layer's CPU share and its worker's wait are
+    spans that lie inside the layer's GPU compute span (the GPU waits for the share), and
+    trace.split_timing's parts add up to those spans."""
+    from slipstream.runtime import trace
+
+    _, split = pair
+    store = split.engine.layers
+    split.engine.reset()
+    split.engine.forward(STREAM_PROMPT)
+    tracer = trace.Tracer()
+    trace.attach(split, tracer)
+    try:
+        for t in range(4):
+            split.engine.decode(torch.tensor([9 + t], device="cuda"))
+        torch.cuda.synchronize()
+        store.collect()
+        next(iter(store.hosts.values())).io.close()  # the worker's last spans are in
+    finally:
+        trace.attach(split, None)
+    spans = tracer.spans()
+    shares = [e for e in spans if e["cat"] == "cpu share"]
+    assert {e["args"]["layer"] for e in shares} == set(store.active)
+    assert len(shares) == 4 * len(store.active)
+    assert len([e for e in spans if e["cat"] == "cpu wait"]) == len(shares)
+    assert [e for e in spans if e["cat"] == "launch"]
+    timing = trace.split_timing(spans)
+    assert timing["split_layers_traced"] == len(shares)
+    assert timing["cpu_us"] > 0
+    # the share lies inside its layer's GPU span (clock mapping error well under 0.2 ms)
+    assert timing["gpu_to_cpu_us"] > -200 and timing["cpu_to_gpu_us"] > -200

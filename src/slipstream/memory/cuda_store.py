@@ -9,6 +9,7 @@ stalls and copies (timeline.py); without, nothing here waits on the GPU per laye
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from typing import TYPE_CHECKING
 
@@ -194,6 +195,8 @@ class CudaLayerStore(StoreBase):
                 if ring is not None and tracer is not None else None
         if self.staging is not None:
             self.staging.trace(tracer)
+        for host in self.hosts.values():  # hybrid decode's CPU worker: its wait and share
+            host.io.tracer = tracer
 
     # --- the engine's side ----------------------------------------------------------------
 
@@ -270,6 +273,7 @@ class CudaLayerStore(StoreBase):
     def acquire(self, i: int) -> LayerWeights:
         if i in self.skipped and self.layers[i] is None:
             raise ValueError(f"layer {i} is skipped: the store no longer streams it")
+        launched = time.perf_counter()
         stream = torch.cuda.current_stream(self.device)
         if i <= self._last_acquired and self.timeline is not None:
             # a new pass (the layer index went back; with stages, this store's first layer
@@ -281,7 +285,7 @@ class CudaLayerStore(StoreBase):
             layer = self._views_of(i, self.feed[i].acquire(i, stream))
             self.stats.layers_streamed += 1
         if self.timeline is not None:
-            self.timeline.layer_start(stream, i)
+            self.timeline.layer_start(stream, i, launched)
         return layer
 
     def waiting(self, i: int) -> bool:

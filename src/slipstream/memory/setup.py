@@ -422,7 +422,7 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
                 if i in split:
                     images[i] = to_image(split_layer(builder, src, i, hybrid.keep))
                     parts = packing[i].result() | in_place_linears(images[i])
-                    hosts[i] = HostFFN(parts["gate_up"], parts["down"], io, slot_of[i])
+                    hosts[i] = HostFFN(parts["gate_up"], parts["down"], io, slot_of[i], i)
                 else:
                     images[i] = to_image(builder.build(src, i))
                 release_transients(device)

@@ -27,9 +27,12 @@ class Timeline:
     def __init__(self, tracer: "Tracer | None" = None) -> None:
         # one pass, in order: (layer, start, end) on the compute stream
         self.compute: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        # --trace: (layer, host time its enqueueing began, ended), in the same order
+        self.launches: list[tuple[int, float, float]] = []
         # (start, end, bytes, layer) on the copy stream; layer -1 where unknown
         self.copies: list[tuple[torch.cuda.Event, torch.cuda.Event, int, int]] = []
         self._open: tuple[int, torch.cuda.Event] | None = None  # the current layer's start
+        self._launch_start = 0.0
         self.tracer = tracer
         # --trace: names the layer a copy being enqueued is for (set by the store, which
         # knows its ring's order); None: copies are traced without a layer
@@ -42,16 +45,22 @@ class Timeline:
         e.record(stream)
         return e
 
-    def layer_start(self, stream: torch.cuda.Stream, layer: int = -1) -> None:
+    def layer_start(self, stream: torch.cuda.Stream, layer: int = -1,
+                    launched: float | None = None) -> None:
+        """launched: the host time the layer's enqueueing began (the store's acquire), for
+        the trace's launch track; now where not given."""
         if self.tracer is not None and self._anchor is None:
             torch.cuda.synchronize(stream.device)  # once per trace: the stream is then empty
             self._anchor = (self.mark(stream), time.perf_counter())
         self._open = (layer, self.mark(stream))
+        self._launch_start = time.perf_counter() if launched is None else launched
 
     def layer_end(self, stream: torch.cuda.Stream) -> None:
         if self._open is not None:
             layer, start = self._open
             self.compute.append((layer, start, self.mark(stream)))
+            if self.tracer is not None:
+                self.launches.append((layer, self._launch_start, time.perf_counter()))
             self._open = None
 
     def copy(self, start: torch.cuda.Event, end: torch.cuda.Event, nbytes: int) -> None:
@@ -76,6 +85,7 @@ class Timeline:
             self._trace()
         self.compute.clear()
         self.copies.clear()
+        self.launches.clear()
 
     def _trace(self) -> None:
         anchor, host = self._anchor
@@ -87,6 +97,8 @@ class Timeline:
             self.tracer.span("compute", f"L{layer}", at(a), at(b), layer=layer)
         for a, b, n, layer in self.copies:
             self.tracer.span("host-to-device", f"L{layer}", at(a), at(b), layer=layer, bytes=n)
+        for layer, begun, ended in self.launches:
+            self.tracer.span("launch", f"L{layer}", begun, ended, layer=layer)
 
 
 class CopyMeter:

@@ -12,6 +12,11 @@ for them, is seen at a glance:
   rebuild         per streamed layer: turning its bytes into a layer (CPU dequantization)
   disk read       per streamed layer: a reader thread's read (runs ahead of the compute)
   host-to-device  per streamed layer: the copy into a GPU slot (copy stream; CUDA events)
+  launch          CUDA, per layer: the host enqueueing the layer's kernels (perf_counter), so
+                  that a GPU waiting on Python shows as compute spans no longer than these
+  cpu wait        hybrid decode, per split layer: the CPU worker waiting for the layer's input
+  cpu share       hybrid decode, per split layer: the CPU computing its share of the FFN, from
+                  the input's arrival to the result's hand-back (the flag the GPU waits on)
 
 Spans are recorded by the layer stores (memory/) only while a tracer is attached, so a run
 without --trace does no extra work. Times are time.perf_counter() seconds; CUDA event times are
@@ -30,7 +35,8 @@ from typing import Any
 
 # track -> tid, in the order the viewers should stack them (they sort by tid)
 TRACKS: dict[str, int] = {"token": 1, "compute": 2, "disk wait": 3, "rebuild": 4,
-                          "disk read": 5, "host-to-device": 6}
+                          "disk read": 5, "host-to-device": 6, "launch": 7, "cpu wait": 8,
+                          "cpu share": 9}
 PID = 1
 
 
@@ -103,3 +109,74 @@ def attach(model, tracer: Tracer | None) -> None:
     stores = {id(st.store): st.store for st in model.engine.stages}
     for store in stores.values():
         store.trace(tracer)
+
+
+def split_timing(spans: list[dict[str, Any]]) -> dict[str, Any]:
+    """Where hybrid decode's serial path went, from a trace's spans (Tracer.spans()): the
+    compute track's GPU layers, the launch track's host enqueueing and the CPU worker's
+    wait and share spans, all in microseconds. Per split layer (one with a "cpu share"
+    span), matched to the compute span of the same layer that began last before it:
+
+      gpu_to_cpu  the layer's GPU start to the CPU seeing its input: the GPU's attention and
+                  the input's copy down, and the worker noticing it
+      cpu         the CPU's share
+      cpu_to_gpu  the CPU's hand-back to the layer's GPU end: the wait kernel seeing the
+                  flag, reading the result and adding it, and the rest of the layer
+
+    and over all layers: GPU compute of the layers that ran no share (resident or whole),
+    the gaps between consecutive compute spans, and the part of those gaps where the host
+    had not yet begun enqueueing the next layer when the GPU finished the last (host-bound).
+    Means are per traced split layer; totals are per decode pass (spans of one pass per
+    run of layer indices that does not go back)."""
+    compute = [e for e in spans if e["cat"] == "compute"]
+    shares = [e for e in spans if e["cat"] == "cpu share"]
+    launches = {(e["args"]["layer"], e["ts"]): e for e in spans if e["cat"] == "launch"}
+    if not compute:
+        return {}
+    compute.sort(key=lambda e: e["ts"])
+    passes = 1 + sum(1 for a, b in zip(compute, compute[1:])
+                     if b["args"]["layer"] <= a["args"]["layer"])
+    by_layer: dict[int, list[dict[str, Any]]] = {}
+    for e in compute:
+        by_layer.setdefault(e["args"]["layer"], []).append(e)
+    split_parts = {"gpu_to_cpu": [], "cpu": [], "cpu_to_gpu": []}
+    split_spans = set()
+    for s in sorted(shares, key=lambda e: e["ts"]):
+        before = [c for c in by_layer.get(s["args"]["layer"], []) if c["ts"] <= s["ts"]]
+        if not before:
+            continue
+        c = before[-1]
+        split_spans.add(id(c))
+        split_parts["gpu_to_cpu"].append(s["ts"] - c["ts"])
+        split_parts["cpu"].append(s["dur"])
+        split_parts["cpu_to_gpu"].append(c["ts"] + c["dur"] - s["ts"] - s["dur"])
+    gaps = host_bound = 0.0
+    launch_list = sorted(launches.values(), key=lambda e: e["ts"])
+    for a, b in zip(compute, compute[1:]):
+        if b["args"]["layer"] <= a["args"]["layer"]:
+            continue  # between passes: the host samples the token
+        gap = max(b["ts"] - (a["ts"] + a["dur"]), 0.0)
+        gaps += gap
+        # the launch of b: the last one of b's layer begun before b's GPU start
+        la = [e for e in launch_list if e["args"]["layer"] == b["args"]["layer"]
+              and e["ts"] <= b["ts"]]
+        if la and gap:
+            host_bound += min(gap, max(la[-1]["ts"] - (a["ts"] + a["dur"]), 0.0))
+    other = [c["dur"] for c in compute if id(c) not in split_spans]
+    n_split = len(split_parts["cpu"])
+
+    def mean(v: list[float]) -> float:
+        return round(sum(v) / len(v), 1) if v else 0.0
+
+    out: dict[str, Any] = {"passes": passes, "split_layers_traced": n_split}
+    out.update({f"{k}_us": mean(v) for k, v in split_parts.items()})
+    out["other_layer_gpu_us"] = mean(other)
+    out["per_pass_ms"] = {
+        "split_gpu_to_cpu": round(sum(split_parts["gpu_to_cpu"]) / passes / 1e3, 2),
+        "split_cpu": round(sum(split_parts["cpu"]) / passes / 1e3, 2),
+        "split_cpu_to_gpu": round(sum(split_parts["cpu_to_gpu"]) / passes / 1e3, 2),
+        "other_layers_gpu": round(sum(other) / passes / 1e3, 2),
+        "gaps": round(gaps / passes / 1e3, 2),
+        "gaps_host_bound": round(host_bound / passes / 1e3, 2),
+    }
+    return out

@@ -196,6 +196,7 @@ class HostFFN:
     down: object  # Linear on the CPU: (ffn - keep) -> hidden
     io: "HostIO"
     slot: int = 0
+    layer: int = -1  # the model's layer index (names its spans in a trace)
 
     @property
     def nbytes(self) -> int:
@@ -248,6 +249,8 @@ class HostIO:
     # the worker keeps its OpenMP team spinning while it waits for the next input
     # (native ss_omp_touch), rather than letting it sleep and paying for waking it each layer
     keep_warm: bool = True
+    # --trace (runtime.trace.Tracer): the worker's wait for each input and its share, as spans
+    tracer: object | None = None
 
     def __post_init__(self) -> None:
         cuda = self.device.type == "cuda"
@@ -353,18 +356,26 @@ class HostIO:
             if job is None:
                 return
             ffn, sent, slot, rows, seq = job
+            t0 = t1 = None
             try:
                 if self._error is None:
                     if torch.get_num_threads() != self.threads:
                         torch.set_num_threads(self.threads)  # per thread under OpenMP
-                    self._await(sent)
                     t0 = time.perf_counter()
+                    self._await(sent)
+                    t1 = time.perf_counter()
                     self._out[slot][:rows].copy_(ffn.compute(self._in[slot][:rows]))
-                    self._count(ffn, time.perf_counter() - t0)
+                    self._count(ffn, time.perf_counter() - t1)
             except BaseException as e:  # the stream must not wait forever: bump anyway
                 self._error = e
             finally:
                 flag[0] = seq
+            tracer = self.tracer
+            if tracer is not None and t1 is not None:
+                name = f"L{ffn.layer}"
+                tracer.span("cpu wait", name, t0, t1, layer=ffn.layer)
+                tracer.span("cpu share", name, t1, time.perf_counter(), layer=ffn.layer,
+                            bytes=ffn.nbytes)
 
     def _await(self, sent: torch.cuda.Event) -> None:
         """Wait for the input's copy down; keep_warm: touching the worker's OpenMP team the
