@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import slipstream  # noqa: E402
-from slipstream.memory.hybrid_plan import default_threads  # noqa: E402
+from slipstream.memory.hybrid_plan import default_threads, last_level_cache_bytes  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
 from slipstream.synth import write_synth  # noqa: E402
 from slipstream.weights.hybrid import HOST_KIND  # noqa: E402
@@ -62,14 +62,62 @@ def host_load(since: dict | None = None) -> dict:
     use = resource.getrusage(resource.RUSAGE_SELF)
     now = {"loadavg": [round(x, 2) for x in os.getloadavg()],
            "process_cpu_s": round(use.ru_utime + use.ru_stime, 3),
-           "wall": time.perf_counter()}
+           "steal_s": steal_seconds(), "wall": time.perf_counter()}
     if since is None:
         return now
     wall = now["wall"] - since["wall"]
     cpu = now["process_cpu_s"] - since["process_cpu_s"]
-    return {"loadavg_before": since["loadavg"], "loadavg_after": now["loadavg"],
-            "process_cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
-            "process_cores_busy": round(cpu / wall, 2) if wall > 0 else None}
+    out = {"loadavg_before": since["loadavg"], "loadavg_after": now["loadavg"],
+           "process_cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
+           "process_cores_busy": round(cpu / wall, 2) if wall > 0 else None}
+    if now["steal_s"] is not None and since["steal_s"] is not None:
+        # the hypervisor running others on this VM's cores: time the process could not have
+        out["cores_stolen"] = round((now["steal_s"] - since["steal_s"]) / wall, 2) if wall else None
+    return out
+
+
+def steal_seconds() -> float | None:
+    """All cores' steal time so far (/proc/stat, in USER_HZ ticks of 1/100 s), or None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / 100.0
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def host_share_rates(store, threads: int) -> dict:
+    """The split layers' CPU shares run back to back on this thread, outside decode: their GB/s
+    alone and beside pinned copies as long as theirs (memory.hybrid_plan._beside_copy), next
+    to the plan's probe, which reads one large weight. Tells the probe's error apart from what
+    decode's chain adds (the worker's waits, the main thread)."""
+    from slipstream.memory.hybrid_plan import _beside_copy
+
+    hosts = [store.hosts[i] for i in sorted(store.active)]
+    if not hosts:
+        return {}
+    x = torch.randn(1, hosts[0].io.hidden)
+    nbytes = sum(h.nbytes for h in hosts)
+
+    def one() -> None:
+        for h in hosts:
+            h.compute(x)
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        one()
+        t0 = time.perf_counter()
+        for _ in range(2):
+            one()
+        alone = 2 * nbytes / (time.perf_counter() - t0) / 1e9
+        # copies for about as long as two passes over the shares at the rate alone
+        total = int(55e9 * 2 * nbytes / (alone * 1e9))
+        beside, copies = _beside_copy(one, nbytes, 128 << 20, total=max(total, 1 << 30))
+    finally:
+        torch.set_num_threads(saved)
+    return {"shares_alone_gbps": round(alone, 1), "shares_beside_copy_gbps": round(beside, 1),
+            "copies_beside_shares_gbps": round(copies, 1)}
 
 
 def breakdown(model, tokens: int) -> dict:
@@ -289,6 +337,8 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
         # as llama.cpp's "max memory used" is: reserved blocks stay until the model closes
         free, total = torch.cuda.mem_get_info()
         row["vram_process_gib"] = round((total - free) / 2**30, 2)
+        if h is not None:  # after VRAM is read: its copies take a device buffer of their own
+            row["host_share_rates"] = host_share_rates(m.engine.layers, h.threads)
     print(json.dumps(row), flush=True)
     return row
 
@@ -349,6 +399,7 @@ def main() -> None:
     rows: list[dict] = []
     doc = {"device": torch.cuda.get_device_name(), "host_cpus": torch.get_num_threads(),
            "default_threads": default_threads(),
+           "last_level_cache_mib": last_level_cache_bytes() >> 20,
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **source_revision(),
            "torch": torch.__version__, "cases": rows}
     hybrid = a.hybrid if a.hybrid in ("auto", "on", "off") else float(a.hybrid)

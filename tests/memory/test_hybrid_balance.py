@@ -10,6 +10,7 @@ import pytest
 from slipstream.memory.hybrid_balance import (MIN_GAIN, HybridBalance, SplitLayer, best_count,
                                               token_seconds)
 from slipstream.memory.planner import evenly_spaced
+from slipstream.memory.hybrid_plan import HANDOVER_S
 
 GB = 10**9
 PCIE = 55.0
@@ -218,7 +219,7 @@ def test_the_ring_model_tells_heavier_split_layers_apart_where_totals_do_not():
 
     even = s32_ring(36, 10.362 / 36, 9.823 / 36)
     heavy = s32_ring(28, 10.834 / 28, 0.205)
-    handover = 0.55e-3
+    handover = HANDOVER_S
     ring_even = pipeline_seconds(*even, 68.5, 53.1, handover)
     ring_heavy = pipeline_seconds(*heavy, 65.9, 51.1, handover)
     assert ring_even == pytest.approx(0.1986, rel=0.08)  # measured 198.6 ms
@@ -228,6 +229,21 @@ def test_the_ring_model_tells_heavier_split_layers_apart_where_totals_do_not():
     totals = [token_seconds(layers, active, 0, cpu, pcie, handover)
               for (_, layers, active), cpu, pcie in ((even, 68.5, 53.1), (heavy, 65.9, 51.1))]
     assert abs(totals[1] / totals[0] - 1) < 0.05
+
+
+def test_the_ring_model_gives_the_traced_token():
+    """Session 33's H100 call 1, traced (bench/results/2026-12-05-s33-hybrid-bench-h100-
+    call1.json): the same layout with every split layer at a 0.598 share, the CPU reading
+    11.381 GB a token at 68.7 GB/s and the copies 9.037 GB at 53.9: 188.9 ms a token, of
+    which the CPU's shares took 168.6 ms and the resident layers' GPU 14.5. Here the chain
+    binds, not the copies."""
+    from slipstream.memory.hybrid_balance import pipeline_seconds
+
+    ring, layers, active = s32_ring(36, 11.381 / 36, 9.037 / 36)
+    token = pipeline_seconds(ring, layers, active, 68.7, 53.9, HANDOVER_S)
+    assert token == pytest.approx(0.1889, rel=0.03)
+    copies = sum(s.prefix_bytes for s in layers.values()) / 53.9e9
+    assert token > copies * 1.05
 
 
 def test_the_ring_model_is_the_copies_where_nothing_is_split():

@@ -188,12 +188,17 @@ def test_auto_stays_off_where_fixed_costs_outweigh_each_layers_cpu_work(wide_ffn
     of CPU work is below the fixed costs every split layer pays (the H200's 8B: 0.4 ms of
     work a layer, predicted 45 tok/s, measured 20 against 29 whole): auto declines, "on"
     still splits."""
-    from slipstream.memory.hybrid_plan import CPU_FIXED_S, HANDOVER_S
+    from slipstream.memory.hybrid_plan import CPU_FIXED_S, GPU_LAYER_S, HANDOVER_S
     from slipstream.memory.vram import layer_image_bytes
 
     gf, cfg = wide_ffn
     image = layer_image_bytes(gf, cfg, 0)
-    gbps = image / (1.5 * (CPU_FIXED_S + HANDOVER_S)) / 1e9  # a layer's copy: 1.5x the costs
+    plan = _plan(gf, cfg, pcie=55.0)
+    split = sum(t == "pinned" for t in plan.tiers)
+    # a layer's copy: 1.5x what the chain pays per split layer besides the CPU's work (its
+    # fixed costs, and its part of the GPU's compute of the layers that do not split)
+    chain = CPU_FIXED_S + HANDOVER_S + GPU_LAYER_S * (len(plan.tiers) - split) / split
+    gbps = image / (1.5 * chain) / 1e9
     plan = _plan(gf, cfg, pcie=gbps)
     forced = plan_hybrid(gf, cfg, plan, "on", threads=4, cpu_gbps=gbps, token_scaling=FLAT)
     assert forced is not None and forced.predicted_tok_s > 1.05 * forced.plain_tok_s

@@ -54,13 +54,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from .hybrid_plan import GPU_LAYER_S
 from .planner import evenly_spaced
 
 WINDOW = 8  # decode passes between judgements
 MIN_GAIN = 0.03  # the predicted token-time gain a change must promise
-# The GPU's own compute of a decode layer (a 70B layer at 24 GiB on the H200: 26.3 ms for 80
-# layers, bench/results/2026-12-05-s32-hybrid-bench-headroom1.3-h200-call1.json, whole layers)
-GPU_LAYER_S = 0.33e-3
 
 
 @dataclass
@@ -88,7 +86,10 @@ def pipeline_seconds(ring: list[tuple[int, int]], layers: dict[int, SplitLayer],
                      slots: int = 2, gpu_s: float = GPU_LAYER_S, tokens: int = 3) -> float:
     """A decode token's time through the slot ring (the module doc), in its steady state (the
     last of `tokens` simulated: the copies run ahead into the next token). ring: every layer
-    of a pass in order as (layer, bytes its whole image copies; 0 for a resident layer)."""
+    of a pass in order as (layer, bytes its whole image copies; 0 for a resident layer). A
+    layer the GPU computes whole takes gpu_s on the chain; a split one `layer_s` (its GPU
+    part and the hand-over: the GPU's share of the FFN runs beside the CPU's, bench/results/
+    2026-12-05-s33-hybrid-bench-h100-call1.json's split_timing) and the CPU's share."""
     pcie, cpu = pcie_gbps * 1e9, cpu_gbps * 1e9
     copy_end = compute_end = token = 0.0
     done: deque[float] = deque(maxlen=max(1, slots))  # the last slots' compute ends
@@ -104,8 +105,8 @@ def pipeline_seconds(ring: list[tuple[int, int]], layers: dict[int, SplitLayer],
             # the slot this copy takes was last read by the layer `slots` copies back
             begin = max(copy_end, done[0]) if len(done) == done.maxlen else copy_end
             copy_end = begin + nbytes / pcie
-            share = split.cpu_bytes / cpu + layer_s if on_cpu else 0.0
-            compute_end = max(copy_end, compute_end) + gpu_s + share
+            chain = split.cpu_bytes / cpu + layer_s if on_cpu else gpu_s
+            compute_end = max(copy_end, compute_end) + chain
             done.append(compute_end)
         token = compute_end - start
     return token
@@ -151,7 +152,7 @@ class HybridBalance:
     pcie_gbps: float  # the plan's probe: PCIe's rate until the copies are measured
     active: set[int] = field(default_factory=set)
     window: int = WINDOW
-    layer_s: float = 0.0  # what each split layer pays on the CPU's path besides its bytes
+    layer_s: float = 0.0  # what each split layer pays on the chain besides its share
     # the store's ring (pipeline_seconds' `ring`) and slots; None: judge by the totals
     ring: list[tuple[int, int]] | None = None
     slots: int = 2

@@ -6,10 +6,11 @@ together (they share host memory).
 Per streamed layer of image bytes B with FFN bytes F, a CPU share s of the FFN's units takes
 s F c / C + f seconds on the CPU's side (c: the CPU layout's bytes per GGUF byte, C its GB/s,
 f its fixed cost per layer) while PCIe moves B - s F at P GB/s. Both finish together at
-s = (B / P - f - h) / (F / P + F c / C), where h is the hand-over per layer (the input's copy
-down, the result's copy up and the sum, with the GPU's own compute of the token): it lies on the
-CPU's path, in series with its share, while the copy link goes on bringing the next layers, so
-the link is given the bytes to fill it. Decode is bound by the larger of the two. Small layers
+s = (B / P - f - h - g R / n) / (F / P + F c / C), where h is the hand-over per layer (the
+split layer's attention, the input's copy down and the result's sum) and g the GPU's compute of
+each of the R layers that do not split, over the n split ones: all of it lies on the chain, in
+series with the CPU's shares, while the copy link goes on bringing the next layers, so the link
+is given the bytes to fill it. Decode is bound by the larger of the two. Small layers
 (an 8B's) have too little to share for f and h: auto then stays off. Tier C (disk) layers stay
 whole on the GPU: the CPU would have to read them from disk too.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from pathlib import Path
 from dataclasses import dataclass, field, replace
 
 # The most tokens a split layer's CPU share may take (decode, small trees): the host buffers'
@@ -27,23 +29,26 @@ from dataclasses import dataclass, field, replace
 # 0.83 s split and 0.32 s whole (bench/results/2026-12-01-s12-spec-bench-h200-call2).
 HYBRID_MAX_TOKENS = 8
 TOKEN_WIDTHS = (1, 2, 4, 8)  # the pass widths the crossover probe times
-# Time per split layer and token besides the bytes each side moves, measured on the H200 with
-# the host running ahead (weights.hybrid.HostIO), bench/results/2026-12-01-s9-hybrid-bench-*:
-# - on the CPU's side, its fixed cost per layer (thread wake-ups, the activation's casts, the
-#   small ops between the matvecs): the 70B's 38 split layers took 196.6 ms of CPU time for
-#   8.8 GB read at 55 GB/s beside the copy (160 ms), the 8B's 16 took 33.6 ms for 0.79 GB
-#   (15 ms): about a millisecond each;
-# - after both sides, the hand-over (the input's copy down, the wait kernel, the result's copy
-#   up and the sum, and the GPU's compute between the CPU's shares): the 70B took 218 ms a
-#   token against 197 ms of either side's busy time, 0.55 ms a layer. (In session 8 the host
-#   waited on every CPU share and rebuilt the layer's views: 3 ms a layer on the 8B.)
-#   The copy link ran 197.6 of those 218 ms: it idles while the CPU's path pays the
-#   hand-over, when the share was set for the CPU's busy time alone to match the link's. The
-#   balance therefore counts the hand-over on the CPU's side (decode_seconds: 217.6 ms
-#   predicted from that run's busy times, 217.9 measured).
-CPU_FIXED_S = 1.0e-3
-HANDOVER_S = 0.55e-3
-LAYER_COST_S = CPU_FIXED_S + HANDOVER_S  # what the CPU's path pays per split layer, any share
+# Time per split layer and token besides the bytes each side moves. A decode token is a chain:
+# every layer in order, each split layer's GPU part, then its CPU share, then the hand-back,
+# while the copies of the streamed layers run beside the whole chain. Measured with --trace on
+# the H100 (bench/results/2026-12-05-s33-hybrid-bench-h100-call1.json, split_timing: the 70B
+# at 24 GiB, 36 split layers between 44 resident ones, 188.9 ms a token):
+# - HANDOVER_S: a split layer's GPU part on the chain: its attention, the normed input's copy
+#   down and the worker seeing it (0.153 ms from the layer's GPU start to the CPU starting),
+#   and after the share the wait kernel seeing the flag and adding the result (about 0: the
+#   GPU's own share of the FFN is done long before). Session 9 had inferred 0.55 ms from the
+#   totals, when the resident layers' GPU time was not yet counted on the chain.
+# - GPU_LAYER_S: a layer the GPU computes whole (0.328 ms a resident 70B layer, 0.30 an 8B
+#   one: streamed plans run without CUDA graphs). 44 of them took 14.5 ms of the token.
+# - CPU_FIXED_S: the CPU's cost per share besides its bytes (the Python and torch calls around
+#   the two native matvecs: about 20 us on 2 cores here, more with 15 threads' fork-joins).
+#   Session 9's 1.0 ms came from a probe that read its weight partly from the host's 300 MiB
+#   last-level cache (cpu_packed_gbps now reads a weight larger than it).
+CPU_FIXED_S = 0.1e-3
+HANDOVER_S = 0.16e-3
+GPU_LAYER_S = 0.33e-3
+LAYER_COST_S = CPU_FIXED_S + HANDOVER_S  # what the chain pays per split layer, any share
 MODES = ("auto", "off", "on")
 
 
@@ -147,11 +152,11 @@ def _host_matmul(rows: int, cols: int, tokens: int, kind: str | None = None):
     x = torch.randn(tokens, cols, dtype=torch.bfloat16,
                     generator=torch.Generator().manual_seed(1))
     kind = kind or host_kind(GGMLQuantizationType.Q4_K)
-    if kind == "planes":  # its weight as large as q4vnni's (see Q4VNNI_PROBE_SCALE)
-        planes = _plane_weight(rows * Q4VNNI_PROBE_SCALE, cols)
+    if kind == "planes":  # its weight as large as q4vnni's (see probe_rows)
+        planes = _plane_weight(probe_rows(rows, cols), cols)
         return (lambda: planes(x)), planes.nbytes
     if kind in ("q4vnni", "q4vnni-f16"):
-        linear = _q4vnni_weight(rows * Q4VNNI_PROBE_SCALE, cols, kind == "q4vnni-f16")
+        linear = _q4vnni_weight(probe_rows(rows, cols), cols, kind == "q4vnni-f16")
         return (lambda: linear.kernel(x)), linear.nbytes
     packed, scale_zeros = _int4_weight(rows, cols)
 
@@ -161,13 +166,39 @@ def _host_matmul(rows: int, cols: int, tokens: int, kind: str | None = None):
     return one, packed.numel() + scale_zeros.numel() * 2
 
 
-# q4vnni's probe weight is this many times the rows asked for. At 16384 x 8192 (96 MiB of
-# records) the H200 host's q4vnni probe read 149.8 GB/s beside the copies, and its share of
-# the 70B's decode 74.5 (s28-hybrid-bench-q4vnni-h200-call4.json): a weight about the size of
-# that host's last-level cache is partly read from it. Its records are written directly, so
-# a larger one costs little (int4pack's, packed from codes, keeps its size: the default plan
-# is left as measured).
-Q4VNNI_PROBE_SCALE = 4
+# The q4vnni and planes probes' weight is at least PROBE_CACHE_MULTIPLE times the host's
+# last-level cache. The H100 and H200 hosts have a 300 MiB L3: at 16384 x 8192 (96 MiB of
+# records) the H200 host's probe read 149.8 GB/s beside the copies and decode's share 74.5
+# (s28-hybrid-bench-q4vnni-h200-call4.json); at 4x that (402 MB, sessions 29-33) the probes
+# still read 72-150 GB/s where decode's shares, 11 GB a token, ran at 62-84, and on the H100
+# a 95.1 GB/s probe set a 0.598 share that left the copies idle 20 ms of a 189 ms token
+# (s33-hybrid-bench-h100-call1.json). Their records are written directly, so a large one
+# costs little (int4pack's, packed from codes, keeps its size: the default plan is left as
+# measured).
+PROBE_CACHE_MULTIPLE = 3
+PROBE_MAX_BYTES = 2 << 30
+
+
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache this host reports (Linux sysfs), or 64 MiB where it says none."""
+    best = 0
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = size.read_text().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG")) * scale)
+        except (OSError, ValueError):
+            continue
+    return best or 64 << 20
+
+
+def probe_rows(rows: int, cols: int, bits_per_weight: float = 6.0) -> int:
+    """The probe weight's rows: at least `rows`, and enough that a weight of `cols` columns
+    at q4vnni's bits per weight is PROBE_CACHE_MULTIPLE times the last-level cache (at most
+    PROBE_MAX_BYTES), in 64-row blocks."""
+    want = min(PROBE_CACHE_MULTIPLE * last_level_cache_bytes(), PROBE_MAX_BYTES)
+    need = int(want * 8 / bits_per_weight / cols)
+    return -(-max(rows, need) // 64) * 64
 
 
 @functools.lru_cache(maxsize=2)
@@ -254,7 +285,7 @@ def cpu_token_scaling(threads: int, rows: int = 16384, cols: int = 8192, reps: i
 
 def hybrid_max_tokens(image_bytes: list[int], ffn_bytes: list[int], share: float,
                       cpu_ratio: float, pcie_gbps: float, cpu_gbps: float,
-                      scaling: dict[int, float]) -> int:
+                      scaling: dict[int, float], other_s: float = 0.0) -> int:
     """The widest pass (of `scaling`'s widths, in order) whose split is still faster than
     copying the split layers whole: the CPU's side of an m-token pass at its measured cost
     by width, PCIe's the same bytes as for one token. At least 1 (decode), as a split plan
@@ -263,7 +294,7 @@ def hybrid_max_tokens(image_bytes: list[int], ffn_bytes: list[int], share: float
     best = 1
     for m in sorted(scaling):
         split_s, _, _ = decode_seconds(image_bytes, ffn_bytes, share, cpu_ratio, pcie_gbps,
-                                       cpu_gbps / scaling[m])
+                                       cpu_gbps / scaling[m], other_s)
         if split_s >= whole_s:
             break
         best = m
@@ -302,7 +333,8 @@ def _beside_copy(one, weight_bytes: int, copy_bytes: int,
 def balanced_share(image_bytes: int, ffn_bytes: int, cpu_ratio: float, pcie_gbps: float,
                    cpu_gbps: float, handover_s: float = 0.0) -> float:
     """The CPU share of the FFN at which CPU and PCIe finish the split layers together (module
-    doc), the CPU's side also paying `handover_s` (its fixed cost over the layers); in
+    doc), the CPU's side also paying `handover_s` (the chain's time besides the shares' bytes:
+    the fixed costs and hand-overs of the split layers, the GPU's compute of the others); in
     [0, 1]."""
     if ffn_bytes <= 0 or cpu_gbps <= 0:
         return 0.0
@@ -312,16 +344,17 @@ def balanced_share(image_bytes: int, ffn_bytes: int, cpu_ratio: float, pcie_gbps
 
 
 def decode_seconds(image_bytes: list[int], ffn_bytes: list[int], share: float,
-                   cpu_ratio: float, pcie_gbps: float, cpu_gbps: float) -> tuple[float, int, int]:
-    """A decode token's time through the split layers (PCIe, in parallel with the CPU's path:
-    its shares with their fixed cost per layer, and the hand-over in series with them; module
-    doc), and the bytes each side moves."""
+                   cpu_ratio: float, pcie_gbps: float, cpu_gbps: float,
+                   other_s: float = 0.0) -> tuple[float, int, int]:
+    """A decode token's time through the split layers (PCIe, in parallel with the chain: the
+    CPU's shares with their fixed cost per layer and the hand-over, and `other_s`, the GPU's
+    compute of the layers that do not split; module doc), and the bytes each side moves."""
     cpu_bytes = int(sum(share * f * cpu_ratio for f in ffn_bytes))
     pcie_bytes = int(sum(b - share * f for b, f in zip(image_bytes, ffn_bytes)))
     if share <= 0:
         return pcie_bytes / (pcie_gbps * 1e9), cpu_bytes, pcie_bytes
     n = len(image_bytes)
-    cpu_path = cpu_bytes / (cpu_gbps * 1e9) + LAYER_COST_S * n
+    cpu_path = cpu_bytes / (cpu_gbps * 1e9) + LAYER_COST_S * n + other_s
     return max(pcie_bytes / (pcie_gbps * 1e9), cpu_path), cpu_bytes, pcie_bytes
 
 
@@ -333,6 +366,12 @@ def split_prediction(plain_tok_s: float | None, image_bytes: list[int], split_s:
         return None
     whole_s = sum(image_bytes) / (pcie_gbps * 1e9)
     return 1.0 / (1.0 / plain_tok_s - whole_s + split_s)
+
+
+def chain_others_s(plan, split_layers) -> float:
+    """The GPU's compute, per decode token, of the plan's layers that do not split: it lies on
+    the chain with the CPU's shares (module doc)."""
+    return GPU_LAYER_S * (len(plan.tiers) - len(split_layers))
 
 
 def after_promotion(plan, promoted) -> "HybridPlan | None":
@@ -353,7 +392,8 @@ def after_promotion(plan, promoted) -> "HybridPlan | None":
     cpu_ratio = h.cpu_bytes_per_token / (h.cpu_share * total_ffn) if h.cpu_share else 0.0
     image = [plan.file_bytes_per_layer[i] for i in layers]
     split_s, cpu_bytes, pcie_bytes = decode_seconds(image, ffn, h.cpu_share, cpu_ratio,
-                                                    h.pcie_gbps, h.cpu_gbps)
+                                                    h.pcie_gbps, h.cpu_gbps,
+                                                    chain_others_s(plan, layers))
     plain = plan.whole_layers_tok_s  # at today's tiers
     return replace(
         h, layers=layers, cpu_bytes_per_token=cpu_bytes, pcie_bytes_per_token=pcie_bytes,
@@ -421,12 +461,14 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
         ffn.append(f)
     cpu_ratio = ratio_num / ratio_den  # the CPU layout's bytes per GGUF byte
     image = [plan.file_bytes_per_layer[i] for i in layers]
+    others_s = chain_others_s(plan, layers)
     share = share_given if share_given is not None else balanced_share(
-        sum(image), sum(ffn), cpu_ratio, pcie, cpu, LAYER_COST_S * len(layers))
+        sum(image), sum(ffn), cpu_ratio, pcie, cpu, LAYER_COST_S * len(layers) + others_s)
     keep = split_point(cfg.ffn, share)
     keep = max(min(keep, cfg.ffn - 256), 256)  # each side at least one aligned block
     share = 1.0 - keep / cfg.ffn
-    split_s, cpu_bytes, pcie_bytes = decode_seconds(image, ffn, share, cpu_ratio, pcie, cpu)
+    split_s, cpu_bytes, pcie_bytes = decode_seconds(image, ffn, share, cpu_ratio, pcie, cpu,
+                                                    others_s)
     plain = plan.predicted_tok_s
     predicted = split_prediction(plain, image, split_s, pcie)
     # auto also wants each split layer's CPU work to outweigh what every split layer pays
@@ -446,7 +488,8 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     _plane_weight.cache_clear()
     if not split:
         return None
-    widest = hybrid_max_tokens(image, ffn, share, cpu_ratio, pcie, cpu, token_scaling)
+    widest = hybrid_max_tokens(image, ffn, share, cpu_ratio, pcie, cpu, token_scaling,
+                               others_s)
     return HybridPlan(share, keep, layers, cpu, pcie, threads, cpu_bytes, pcie_bytes,
                       predicted, plain, max_tokens=min(widest, HYBRID_MAX_TOKENS),
                       extra_ram_bytes=int(cpu_bytes * packed_num / max(ratio_num, 1)),
