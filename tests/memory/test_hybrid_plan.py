@@ -188,7 +188,8 @@ def test_auto_stays_off_where_fixed_costs_outweigh_each_layers_cpu_work(wide_ffn
     of CPU work is below the fixed costs every split layer pays (the H200's 8B: 0.4 ms of
     work a layer, predicted 45 tok/s, measured 20 against 29 whole): auto declines, "on"
     still splits."""
-    from slipstream.memory.hybrid_plan import CPU_FIXED_S, GPU_LAYER_S, HANDOVER_S
+    from slipstream.memory.hybrid_plan import (CPU_FIXED_S, GPU_LAYER_S, HANDOVER_S,
+                                               MIN_CPU_LAYER_S)
     from slipstream.memory.vram import layer_image_bytes
 
     gf, cfg = wide_ffn
@@ -203,7 +204,7 @@ def test_auto_stays_off_where_fixed_costs_outweigh_each_layers_cpu_work(wide_ffn
     forced = plan_hybrid(gf, cfg, plan, "on", threads=4, cpu_gbps=gbps, token_scaling=FLAT)
     assert forced is not None and forced.predicted_tok_s > 1.05 * forced.plain_tok_s
     per_layer = forced.cpu_bytes_per_token / len(forced.layers) / (gbps * 1e9)
-    assert per_layer < CPU_FIXED_S + HANDOVER_S
+    assert per_layer < MIN_CPU_LAYER_S
     assert plan_hybrid(gf, cfg, plan, "auto", threads=4, cpu_gbps=gbps,
                        token_scaling=FLAT) is None
 
@@ -243,3 +244,26 @@ def test_stats_table_shows_the_cpu_share():
     store.cpu_s = 0.0
     console.print(breakdown_table(gen, store, "cuda"))
     assert console.export_text().count("hybrid CPU share") == 0  # export_text clears
+
+
+def test_the_cpu_probe_reads_a_weight_larger_than_the_last_level_cache(monkeypatch):
+    """The H100/H200 hosts' 300 MiB L3 served part of a 402 MB probe weight: the probe read
+    95 GB/s where decode's shares ran at 69 (session 33). The weight is now three times the
+    cache (capped), in whole 64-row blocks, never smaller than asked."""
+    from slipstream.memory import hybrid_plan
+
+    monkeypatch.setattr(hybrid_plan, "last_level_cache_bytes", lambda: 300 << 20)
+    rows = hybrid_plan.probe_rows(16384, 8192)
+    assert rows % 64 == 0 and rows * 8192 * 6 / 8 >= 3 * (300 << 20)
+    assert rows * 8192 * 6 / 8 < 3 * (300 << 20) + 64 * 8192
+    monkeypatch.setattr(hybrid_plan, "last_level_cache_bytes", lambda: 1 << 20)
+    assert hybrid_plan.probe_rows(16384, 8192) == 16384
+    monkeypatch.setattr(hybrid_plan, "last_level_cache_bytes", lambda: 64 << 30)
+    capped = hybrid_plan.probe_rows(64, 8192) * 8192 * 6 / 8
+    assert capped <= hybrid_plan.PROBE_MAX_BYTES + 64 * 8192  # the cap, up to a whole block
+
+
+def test_this_hosts_last_level_cache_is_read():
+    from slipstream.memory.hybrid_plan import last_level_cache_bytes
+
+    assert (1 << 20) <= last_level_cache_bytes() <= (4 << 30)

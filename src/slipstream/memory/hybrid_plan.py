@@ -49,6 +49,13 @@ CPU_FIXED_S = 0.1e-3
 HANDOVER_S = 0.16e-3
 GPU_LAYER_S = 0.33e-3
 LAYER_COST_S = CPU_FIXED_S + HANDOVER_S  # what the chain pays per split layer, any share
+# Auto splits only where each layer's CPU share would take at least this long. The 70B's
+# shares (4-5 ms a layer) pay; the 8B's 0.4 ms did not in session 13, before the host ran
+# ahead of the CPU's shares, and small shares have not been measured since: the chain model
+# now predicts the 8B at 4 GiB near 55 tok/s split against 38 whole, a bet this keeps off
+# until a trace of it (bench/hybrid_bench.py --hybrid on) says what its hand-over costs.
+# (Session 9's figure for what every split layer paid, 1.55 ms.)
+MIN_CPU_LAYER_S = 1.55e-3
 MODES = ("auto", "off", "on")
 
 
@@ -305,19 +312,23 @@ def _beside_copy(one, weight_bytes: int, copy_bytes: int,
                  total: int = 3 << 30) -> tuple[float, float]:
     """Run `one` (a CPU matvec over weight_bytes) back to back while pinned copies of
     copy_bytes, `total` bytes in all, run on a CUDA stream (about 55 ms at PCIe 5): both
-    rates over that time."""
+    rates over that time. The copies cycle through a pinned buffer larger than the last-level
+    cache (probe_rows' multiple, at most 1 GiB), as decode's copies read images never in it:
+    one buffer copied again and again could be served partly from the cache."""
     import torch
 
-    host = torch.empty(copy_bytes, dtype=torch.uint8).pin_memory()
+    chunks = max(1, min(PROBE_CACHE_MULTIPLE * last_level_cache_bytes(), 1 << 30)
+                 // copy_bytes)
+    host = torch.empty(chunks, copy_bytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(copy_bytes, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    dev.copy_(host)  # warm the link
+    dev.copy_(host[0])  # warm the link
     torch.cuda.synchronize()
     with torch.cuda.stream(stream):
         start.record(stream)
-        for _ in range(copies := max(1, total // copy_bytes)):
-            dev.copy_(host, non_blocking=True)
+        for k in range(copies := max(1, total // copy_bytes)):
+            dev.copy_(host[k % chunks], non_blocking=True)
         end.record(stream)
     n = 0
     t0 = time.perf_counter()
@@ -471,14 +482,13 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
                                                     others_s)
     plain = plan.predicted_tok_s
     predicted = split_prediction(plain, image, split_s, pcie)
-    # auto also wants each split layer's CPU work to outweigh what every split layer pays
-    # whatever its share (LAYER_COST_S, measured on the 70B): for small layers
-    # those costs are what decides, and they are not known well enough to bet on. The H200's
+    # auto also wants each split layer's CPU work to be at least MIN_CPU_LAYER_S: for small
+    # layers the fixed costs are what decides, and they are not known well enough to bet on. The H200's
     # 8B at 4 GiB split 11 layers at a 20% share (0.4 ms of CPU work a layer, a prediction of
     # 45 tok/s) and decoded at 20.1 tok/s against 29.3 whole: its CPU took 4 ms a layer
     # (bench/results/2026-12-01-s13-hybrid-bench-h200-call2.json).
     cpu_layer_s = cpu_bytes / len(layers) / (cpu * 1e9)
-    amortized = cpu_layer_s >= LAYER_COST_S
+    amortized = cpu_layer_s >= MIN_CPU_LAYER_S
     split = mode != "auto" or bool(predicted and plain and predicted >= 1.05 * plain
                                    and amortized)
     if split and token_scaling is None:  # the widths are timed only for a split made
