@@ -330,3 +330,20 @@ def test_auto_f16_kind_chooses_q4vnni_f16_where_auto_chooses_q4vnni(monkeypatch)
     assert kind_for(Q.Q6_K, "auto-f16") == kind_for(Q.Q6_K, "auto") == "int8pack"
     monkeypatch.setattr(cpu_packed, "q4vnni_available", lambda: False)
     assert kind_for(Q.Q4_K, "auto-f16") == "int4pack"
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_threads_taking_chunks_give_the_bits_of_equal_shares(threads):
+    """Threads take the row blocks in chunks as they finish (q4_parallel), not one equal share
+    each: every block is still one thread's, computed in one order, so the output is the static
+    split's and the single thread's bit for bit, at thread counts that do not divide the 16-row
+    blocks (a 70-block weight: more chunks than blocks at 5 threads x 8)."""
+    rows, cols = 16 * 70 - 5, 512
+    raw = make_raw(Q.Q4_K, rows, cols, 4)
+    lin = pack_linear(raw, Q.Q4_K, (rows, cols), kind="q4vnni")
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(5))
+    one = lin.matvec(x, torch.empty(3, rows), threads=1)
+    chunks = lin.matvec(x, torch.empty(3, rows), threads=threads, chunks=True)
+    static = lin.matvec(x, torch.empty(3, rows), threads=threads, chunks=False)
+    assert torch.equal(chunks.view(torch.int32), one.view(torch.int32))
+    assert torch.equal(static.view(torch.int32), one.view(torch.int32))

@@ -453,14 +453,36 @@ static void q4_run_part(const q4_job *j, int part, int parts) {
              j->y_f32, j->generic, j->x16);
 }
 
-static void q4_parallel(const q4_job *j, int parts) {
+#define Q4_CHUNKS_PER_THREAD 8
+
+/* With Q4_CHUNKS, threads take the blocks in chunks, Q4_CHUNKS_PER_THREAD a thread, from a
+ * shared counter (dynamic scheduling), rather than one equal share each. A region lasts as long
+ * as its slowest thread, and on a host whose cores are shared (the GPU hosts' 16 vCPUs, with the
+ * main thread enqueueing CUDA work, the driver's threads and the hypervisor beside the 15
+ * workers), one thread descheduled for a while holds every other one at the barrier: hybrid
+ * decode's CPU shares ran with about 8.7 of the 15 threads' cores busy on average
+ * (bench/results/2026-12-05-s33-hybrid-bench-h100-call1.json, host_load). Each block is still
+ * computed by one thread in one order, so the results are the static split's bit for bit. Not
+ * the default until a GPU host has measured it: on the shared 2-core CI machine two runs put the
+ * chunks at 1.02x and 1.03x alone, 0.92x and 1.12x beside a busy core (bench/results/
+ * 2026-12-05-s33-cpu-chunks{-run1,}.json): noise there, no verdict. */
+static void q4_parallel(const q4_job *j, int parts, int dynamic) {
 #ifdef _OPENMP
     if (parts > 1) {
+        if (dynamic) {
+            int64_t chunks = (int64_t)parts * Q4_CHUNKS_PER_THREAD;
+            if (chunks > j->nb) chunks = j->nb;
+#pragma omp parallel for num_threads(parts) schedule(dynamic, 1)
+            for (int64_t c = 0; c < chunks; c++)
+                q4_run_part(j, (int)c, (int)chunks);
+        } else {
 #pragma omp parallel num_threads(parts)
-        q4_run_part(j, omp_get_thread_num(), omp_get_num_threads());
+            q4_run_part(j, omp_get_thread_num(), omp_get_num_threads());
+        }
         return;
     }
 #endif
+    (void)dynamic;
     q4_run_part(j, 0, 1);
 }
 
@@ -493,6 +515,7 @@ typedef struct {
 #define Q4_Y_F32 2   /* y is float32 (else bfloat16) */
 #define Q4_GENERIC 4 /* the plain-C loop even where a vector loop is compiled in (tests) */
 #define Q4_X16 8     /* 16-bit activations as two int8 digits (see below) */
+#define Q4_CHUNKS 16 /* threads take chunks of the blocks (else one equal share each) */
 #define Q4_THREADS_SHIFT 8  /* flags >> 8: threads sharing the rows (0 or 1: the caller alone) */
 
 /* y (m, n) = x (m, k) @ W^T for W (n, k) packed as above (ceil(n / 16) blocks of k / 32
@@ -533,7 +556,7 @@ void ss_q4_matvec(const q4_weight *wd, const void *x, void *y, int64_t m, int64_
     int64_t threads = flags >> Q4_THREADS_SHIFT;
     /* at least 4 blocks a thread: below that a hand-off costs more than it saves */
     if (threads > nb / 4) threads = nb / 4;
-    q4_parallel(&j, threads < 1 ? 1 : (int)threads);
+    q4_parallel(&j, threads < 1 ? 1 : (int)threads, (flags & Q4_CHUNKS) != 0);
     free(scratch);
 }
 

@@ -494,11 +494,20 @@ class _Q4Weight(ctypes.Structure):
 Q4VNNI_ACT_BITS = int(os.environ.get("SLIPSTREAM_Q4VNNI_BITS", "16"))
 
 
+# SLIPSTREAM_CPU_CHUNKS=1: the q4vnni/q8vnni matvec's threads take chunks of the rows as they
+# finish, not one equal share each (native/q4_matvec.c, q4_parallel: for hosts whose cores are
+# shared; same bits either way). Opt-in until measured on a GPU host.
+CPU_CHUNKS = os.environ.get("SLIPSTREAM_CPU_CHUNKS", "0") == "1"
+
+
 def q4vnni_flags(x_f32: bool, y_f32: bool, threads: int, generic: bool = False,
-                 act_bits: int | None = None) -> int:
-    """ss_q4_matvec's flags argument (see q4_matvec.c)."""
+                 act_bits: int | None = None, chunks: bool | None = None) -> int:
+    """ss_q4_matvec's flags argument (see q4_matvec.c). chunks: the threads take chunks of
+    the rows as they finish rather than one equal share each (default CPU_CHUNKS)."""
     x16 = (Q4VNNI_ACT_BITS if act_bits is None else act_bits) == 16
-    return int(x_f32) | int(y_f32) << 1 | int(generic) << 2 | int(x16) << 3 | int(threads) << 8
+    chunks = CPU_CHUNKS if chunks is None else chunks
+    return int(x_f32) | int(y_f32) << 1 | int(generic) << 2 | int(x16) << 3 | \
+        int(chunks) << 4 | int(threads) << 8
 
 
 class Q4VnniLinear(Linear):
@@ -595,11 +604,13 @@ class Q4VnniLinear(Linear):
         return type(self)(self.packed[r0 // Q4V_ROWS:-(-r1 // Q4V_ROWS)], r1 - r0, bias)
 
     def matvec(self, x: torch.Tensor, out: torch.Tensor, threads: int | None = None,
-               generic: bool = False, act_bits: int | None = None) -> torch.Tensor:
+               generic: bool = False, act_bits: int | None = None,
+               chunks: bool | None = None) -> torch.Tensor:
         """out (m, out) = x (m, in) @ W^T: x and out contiguous, float32 or bfloat16 each.
         threads: torch's intra-op count unless given; generic: the plain-C loop even where
         a vector loop (VNNI or AVX2) is compiled in (tests compare the two); act_bits: 8 or
-        16 (default Q4VNNI_ACT_BITS)."""
+        16 (default Q4VNNI_ACT_BITS); chunks: the threads take chunks of the rows rather than
+        equal shares (default CPU_CHUNKS; benchmarks and tests compare the two)."""
         m = x.shape[0]
         if x.shape[-1] != self.in_features or tuple(out.shape) != (m, self._out) or \
                 not (x.is_contiguous() and out.is_contiguous()):
@@ -607,7 +618,7 @@ class Q4VnniLinear(Linear):
                              f"needs contiguous (m, {self.in_features}) and (m, {self._out})")
         flags = q4vnni_flags(x.dtype == torch.float32, out.dtype == torch.float32,
                              torch.get_num_threads() if threads is None else threads, generic,
-                             act_bits)
+                             act_bits, chunks)
         self._matvec(self.desc, x.data_ptr(), out.data_ptr(), m, flags)
         return out
 
