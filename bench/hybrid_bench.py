@@ -400,6 +400,7 @@ def main() -> None:
     doc = {"device": torch.cuda.get_device_name(), "host_cpus": torch.get_num_threads(),
            "default_threads": default_threads(),
            "last_level_cache_mib": last_level_cache_bytes() >> 20,
+           "env": {k: v for k, v in os.environ.items() if k.startswith("SLIPSTREAM_")},
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **source_revision(),
            "torch": torch.__version__, "cases": rows}
     hybrid = a.hybrid if a.hybrid in ("auto", "on", "off") else float(a.hybrid)

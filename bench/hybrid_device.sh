@@ -13,6 +13,8 @@
 #   PART=bench  hybrid_bench.py against those llama.cpp figures (copied into OUTDIR)
 # KINDS="torch auto-f16": after the main run (the default CPU kernels), the hybrid 70B case again
 # with the CPU share on each of those SLIPSTREAM_HYBRID_KIND values, into OUTDIR/kind-K.
+# VARIANTS="SLIPSTREAM_CPU_CHUNKS=1 SLIPSTREAM_HYBRID_KIND=auto-f16,SLIPSTREAM_CPU_CHUNKS=1":
+# the same for any environment (comma-separated assignments per variant), into OUTDIR/env-N.
 # Carry what spec_device.sh says.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/slipstream-out}}
@@ -60,4 +62,13 @@ for kind in ${KINDS:-}; do
     "$OUTDIR/kind-$kind" --workdir $W "${LLAMA_ARGS[@]}" --cases 70b --skip-off --no-prefill \
     --threads ${KIND_THREADS:-15} > "$OUTDIR/hybrid-bench-$kind.log" 2>&1
   grep -v "^{" "$OUTDIR/hybrid-bench-$kind.log" | tail -2
+done
+n=0
+for variant in ${VARIANTS:-}; do
+  n=$((n + 1))
+  echo "$variant" > "$OUTDIR/env-$n.txt"
+  env ${variant//,/ } timeout ${KIND_S:-150} python3 bench/hybrid_bench.py "$OUTDIR/env-$n" \
+    --workdir $W "${LLAMA_ARGS[@]}" --cases 70b --skip-off --no-prefill \
+    --threads ${KIND_THREADS:-15} > "$OUTDIR/hybrid-bench-env-$n.log" 2>&1
+  echo "$variant:"; grep -v "^{" "$OUTDIR/hybrid-bench-env-$n.log" | tail -2
 done
