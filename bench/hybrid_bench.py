@@ -120,19 +120,27 @@ def host_share_rates(store, threads: int) -> dict:
             "copies_beside_shares_gbps": round(copies, 1)}
 
 
-def breakdown(model, tokens: int) -> dict:
-    """The store's events per decode token (what --stats prints)."""
-    engine, store = model.engine, model.engine.layers
+def warmed_up(model, tokens: int) -> torch.Tensor:
+    """A short prompt and two decode steps (the ring in its steady state); the ids of the
+    `tokens` steps to time after them."""
+    engine = model.engine
     engine.reset()
     engine.forward(list(range(5, 13)))
     ids = torch.arange(tokens + 2, device="cuda") + 100
     for i in range(2):
         engine.decode(ids[i:i + 1])
     torch.cuda.synchronize()
+    return ids[2:]
+
+
+def breakdown(model, tokens: int) -> dict:
+    """The store's events per decode token (what --stats prints)."""
+    engine, store = model.engine, model.engine.layers
+    ids = warmed_up(model, tokens)
     store.stats.reset()
     store.enable_timing()
     for i in range(tokens):
-        engine.decode(ids[2 + i:3 + i])
+        engine.decode(ids[i:i + 1])
     torch.cuda.synchronize()
     store.collect()
     store.enable_timing(False)
@@ -155,17 +163,12 @@ def traced(model, tokens: int, path: Path) -> dict:
     from slipstream.runtime import trace
 
     engine, store = model.engine, model.engine.layers
-    engine.reset()
-    engine.forward(list(range(5, 13)))
-    ids = torch.arange(tokens + 2, device="cuda") + 100
-    for i in range(2):
-        engine.decode(ids[i:i + 1])
-    torch.cuda.synchronize()
+    ids = warmed_up(model, tokens)
     tracer = trace.Tracer(f"hybrid_bench {path.stem}")
     trace.attach(model, tracer)
     try:
         for i in range(tokens):
-            engine.decode(ids[2 + i:3 + i])
+            engine.decode(ids[i:i + 1])
         torch.cuda.synchronize()
         store.collect()
         for host in list(store.hosts.values())[:1]:
