@@ -15,6 +15,8 @@
 # with the CPU share on each of those SLIPSTREAM_HYBRID_KIND values, into OUTDIR/kind-K.
 # VARIANTS="SLIPSTREAM_CPU_CHUNKS=1 SLIPSTREAM_HYBRID_KIND=auto-f16,SLIPSTREAM_CPU_CHUNKS=1":
 # the same for any environment (comma-separated assignments per variant), into OUTDIR/env-N.
+# SHARES="0.55 0.6": the same at each given CPU share (the plan's choice bypassed), into
+# OUTDIR/share-S: what the plan's share is worth against its neighbours, in the same call.
 # Carry what spec_device.sh says.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/slipstream-out}}
@@ -71,4 +73,10 @@ for variant in ${VARIANTS:-}; do
     --workdir $W "${LLAMA_ARGS[@]}" --cases 70b --skip-off --no-prefill \
     --threads ${KIND_THREADS:-15} > "$OUTDIR/hybrid-bench-env-$n.log" 2>&1
   echo "$variant:"; grep -v "^{" "$OUTDIR/hybrid-bench-env-$n.log" | tail -2
+done
+for share in ${SHARES:-}; do
+  timeout ${KIND_S:-150} python3 bench/hybrid_bench.py "$OUTDIR/share-$share" --workdir $W \
+    "${LLAMA_ARGS[@]}" --cases 70b --skip-off --no-prefill --threads ${KIND_THREADS:-15} \
+    --hybrid $share > "$OUTDIR/hybrid-bench-share-$share.log" 2>&1
+  grep -v "^{" "$OUTDIR/hybrid-bench-share-$share.log" | tail -2
 done
