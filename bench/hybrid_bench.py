@@ -278,16 +278,17 @@ def under_neighbour(m, name: str, processes: int, tokens: int, rounds: int = 2) 
 def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[int],
          sweep: bool, prefill: bool = True, vram_layers: int | None = None,
          neighbour: int = 0, settle_tokens: int = 0, trace_tokens: int = 0,
-         outdir: Path | None = None) -> dict:
+         outdir: Path | None = None, ctx: int = 2048) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    with slipstream.load(path, device="cuda", ctx=2048, vram_budget=budget,
+    with slipstream.load(path, device="cuda", ctx=ctx, vram_budget=budget,
                          hybrid=hybrid, vram_layers=vram_layers) as m:
         load_s = time.perf_counter() - t0
         plan = m.plan
         h = plan.hybrid
-        row = {"name": name, "vram_budget": budget, "hybrid": hybrid, "load_s": round(load_s, 1),
+        row = {"name": name, "vram_budget": budget, "hybrid": hybrid, "ctx": ctx,
+               "load_s": round(load_s, 1),
                "vram_layers_cap": vram_layers,
                "tiers": {t: plan.tiers.count(t) for t in sorted(set(plan.tiers))},
                "predicted_tok_s": round(plan.predicted_tok_s or 0, 3),
@@ -390,6 +391,9 @@ def main() -> None:
     ap.add_argument("--neighbour", type=int, default=0, metavar="N",
                     help="hybrid cases: also decode beside N processes streaming host memory, "
                          "with the running balance and without it")
+    ap.add_argument("--ctx", type=int, default=2048,
+                    help="the context the KV cache holds (llama-bench sizes its own to each "
+                         "test: 16 positions for tg16, 512 for pp512)")
     ap.add_argument("--trace-tokens", type=int, default=6, metavar="N",
                     help="trace N decode steps of each case (OUTDIR/trace-CASE.json) and "
                          "record where a split layer's time goes (split_timing); 0: none")
@@ -420,7 +424,7 @@ def main() -> None:
             run = dict(sweep=shape == "70b", prefill=not a.no_prefill,
                        neighbour=a.neighbour if mode != "off" else 0,
                        settle_tokens=a.settle, trace_tokens=a.trace_tokens,
-                       outdir=out.parent)
+                       outdir=out.parent, ctx=a.ctx)
             try:
                 rows.append(case(path, name, budget, mode, a.tokens, threads, **run))
             except Exception as e:  # recorded, and the other cases still run
@@ -443,7 +447,7 @@ def main() -> None:
                 and "error" not in rows[-1] and "cpu_share" not in rows[-1]:
             try:
                 rows.append(case(path, f"{tag}-hybrid-forced", budget, "on", a.tokens,
-                                 threads, sweep=False, prefill=False))
+                                 threads, sweep=False, prefill=False, ctx=a.ctx))
             except Exception as e:
                 print(f"{tag}-hybrid-forced: {type(e).__name__}: {e}", flush=True)
                 torch.cuda.empty_cache()
