@@ -313,3 +313,28 @@ def test_a_good_draft_keeps_its_trees_after_a_first_pass_that_compiled():
             accepted += 1
         sizer.observe_walk(depth, accepted)
     assert plain <= 3 and not sizer.gives_up
+
+
+def test_a_prompt_the_draft_never_agrees_on_gives_it_up_before_any_tree():
+    """The prompt's positions are trials of the first drafted token (spec_sizing's
+    PROMPT_POSITIONS): none of 16 hits make a 25% rate unlikely (0.75^17 < 5%) and the draft is
+    given up before its first tree; fewer trials, or a draft that agrees now and then, or a
+    tree size the user fixed, keep it."""
+    from slipstream.runtime.spec_sizing import PROMPT_MIN_TRIALS
+
+    s = TreeSizer()
+    s.observe_prompt(0, PROMPT_MIN_TRIALS - 1)
+    assert not s.gives_up
+    s.observe_prompt(0, 1)
+    assert s.prompt_says_no and s.gives_up
+    some = TreeSizer()
+    some.observe_prompt(3, PROMPT_MIN_TRIALS)
+    assert not some.prompt_says_no and not some.gives_up
+    fixed = TreeSizer(fixed_nodes=64)
+    fixed.observe_prompt(0, 64)
+    assert not fixed.gives_up
+    # the evidence adds up over generations
+    later = TreeSizer()
+    for _ in range(4):
+        later.observe_prompt(0, 4)
+    assert later.gives_up

@@ -444,3 +444,81 @@ def test_warm_up_tree_passes_leave_the_model_as_loaded(tiny):
     assert target.engine.length == 0
     got = [e.id for e in target.generate(PREFIX, max_tokens=12, temperature=0)]
     assert got == want
+
+
+def test_prompt_agreement_counts_the_targets_choice_among_the_drafts_candidates():
+    from slipstream.runtime.speculative import prompt_agreement
+
+    target = torch.tensor([[0.0, 5.0, 1.0, 0.0], [3.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 9.0]])
+    draft = torch.tensor([[0.0, 2.0, 3.0, 0.0], [0.0, 4.0, 5.0, 1.0], [9.0, 8.0, 7.0, 6.0]])
+    # top-2 of the draft: {2, 1}, {2, 1}, {0, 1}; the target's choices: 1, 0, 3
+    assert prompt_agreement(target, draft, 2) == (1, 3)
+    assert prompt_agreement(target, draft, 4) == (3, 3)
+    assert prompt_agreement(target[-1:], draft, 4) == (1, 1)  # the rows both give
+
+
+def test_the_last_logits_of_a_prompt_are_those_of_all_logits(tiny):
+    """Engine.forward(prompt, last=k) gives the last k rows of all_logits, across prefill
+    chunks too (to the head's rounding: its product over k rows and over all of them may
+    round differently)."""
+    target, _, _ = tiny
+    engine = target.engine
+    prompt = list(range(3, 3 + 40))
+    engine.reset()
+    every = engine.forward(prompt, all_logits=True)
+    chunk = engine.prefill_chunk
+    try:
+        engine.prefill_chunk = 16  # three chunks, the last one shorter than k
+        for k in (1, 5, 12, 30):
+            engine.reset()
+            got = engine.forward(prompt, last=k)
+            assert got.shape == (k, every.shape[1])
+            assert torch.allclose(got, every[-k:], rtol=1e-4, atol=1e-4)
+            assert torch.equal(got.argmax(-1), every[-k:].argmax(-1))
+    finally:
+        engine.prefill_chunk = chunk
+
+
+def test_a_draft_of_another_model_is_given_up_at_the_prompt_and_output_stays_plain(tiny):
+    """The tiny target with a draft of other weights: on a prompt of 48 tokens its candidates
+    hold the target's choice too rarely, so the draft is given up before any tree (the sizer's
+    prompt evidence), and greedy output is plain greedy's. The Q4_0 copy of the target's own
+    weights is kept."""
+    from slipstream.runtime.sampler import Sampler, SamplingParams
+    from slipstream.runtime.spec_sizing import TreeSizer
+    from slipstream.runtime.speculative import Speculator, prompt_agreement
+
+    target, close, other = tiny
+    prompt = [(7 * i + 3) % 200 + 1 for i in range(48)]
+    for draft, expect_give_up in ((other, True), (close, False)):
+        target.engine.reset()
+        draft.engine.reset()
+        hits, trials = prompt_agreement(target.engine.forward(prompt, last=48),
+                                        draft.engine.forward(prompt, last=48), 8)
+        sizer = TreeSizer()
+        given = []
+        dec = Speculator(target.engine, draft.engine, Sampler(SamplingParams()), sizer=sizer,
+                         give_up=lambda: given.append(1))
+        dec.prefill(prompt)
+        assert (sizer.prompt_hits, sizer.prompt_trials) == (hits, trials)
+        assert sizer.prompt_says_no is expect_give_up, (hits, trials)
+        dec.round(4)
+        assert bool(given) is expect_give_up
+
+
+def test_a_draft_the_prompt_rules_out_never_grows_a_tree(tmp_path):
+    """End to end: with a 48-token prompt the draft of other weights is given up at the first
+    round (the prompt's evidence), no tree is grown, the model releases it, and the output is
+    plain greedy's."""
+    kw = dict(n_layers=2, from_floats=True, std=0.1)
+    target = write_synth(tmp_path / "t.gguf", "tiny", "Q8_0", seed=5, **kw)
+    other = write_synth(tmp_path / "o.gguf", "tiny", "Q8_0", seed=6, **kw)
+    prompt = [(7 * i + 3) % 200 + 1 for i in range(48)]
+    with slipstream.load(target, device="cpu", ctx=256, precision="exact", draft=other) as m:
+        plain = [e.id for e in m.generate(prompt, max_tokens=40, temperature=0, draft=False)]
+        spec = [e.id for e in m.generate(prompt, max_tokens=40, temperature=0)]
+        assert spec == plain
+        report = m.last_speculation
+        assert report["draft_given_up_at"] == 0, report
+        assert report["target_passes"] == report["plain_steps"]  # no tree
+        assert m.draft is None

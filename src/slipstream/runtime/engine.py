@@ -215,10 +215,10 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor | list[int], all_logits: bool = False,
-                step: Step | None = None, idle: Callable[[], bool] | None = None
-                ) -> torch.Tensor:
-        """Run tokens through the model; return float32 logits (T, vocab), or (1, vocab) for the
-        last token unless all_logits.
+                step: Step | None = None, idle: Callable[[], bool] | None = None,
+                last: int = 1) -> torch.Tensor:
+        """Run tokens through the model; return float32 logits (T, vocab), or (last, vocab)
+        for the last `last` tokens (at most T) unless all_logits.
 
         Without a step the tokens are appended to the context as one batch (chunked past
         self.prefill_chunk). With a step (built by the caller, e.g. `model.tree_step`), the tokens
@@ -251,9 +251,9 @@ class Engine:
             n = int(chunk.shape[0])
             h = self._hidden(chunk, self._append_step(n), idle)
             self.set_length(self.length + n)
-            outs.append(h if all_logits else h[-1:])
+            outs.append(h if all_logits else h[-last:])
         h = torch.cat(outs) if len(outs) > 1 else outs[0]
-        return self._logits(h)
+        return self._logits(h if all_logits else h[-last:])
 
     @torch.inference_mode()
     def decode(self, token: torch.Tensor) -> torch.Tensor:

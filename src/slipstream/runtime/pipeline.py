@@ -161,7 +161,7 @@ class PipelineEngine(Engine):
 
     @torch.inference_mode()
     def forward(self, tokens, all_logits: bool = False, step: Step | None = None,
-                idle: Callable[[], bool] | None = None) -> torch.Tensor:
+                idle: Callable[[], bool] | None = None, last: int = 1) -> torch.Tensor:
         self._driver_only("forward")
         if step is not None:
             return self._forward_step(tokens, all_logits, step)
@@ -170,19 +170,21 @@ class PipelineEngine(Engine):
         if T == 0:
             raise ValueError("forward() needs at least one token")
         self._check_room(T)
+        every = all_logits or last > 1  # the last rank sends every row's logits
         outs = []
         for start in range(0, T, self.prefill_chunk):
             chunk = ids[start: start + self.prefill_chunk].to(self.device)
             n = int(chunk.shape[0])
-            self._tell(OP_FORWARD, n, all_logits)
+            self._tell(OP_FORWARD, n, every)
             x = self.weights.embed(chunk).to(self.act_dtype)
             x = self._run_stage(self.stage, x, self._append_step(n))
             self._send(x, 1)
             self.stage.kv.length += n
-            rows = n if all_logits else 1
+            rows = n if every else 1
             outs.append(self._recv((rows, self.cfg.vocab_size), torch.float32,
                                    self.pipeline.world - 1))
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+        logits = torch.cat(outs) if len(outs) > 1 else outs[0]
+        return logits if all_logits else logits[-last:]
 
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         self._check_room(1)

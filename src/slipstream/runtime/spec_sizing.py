@@ -72,6 +72,18 @@ GIVE_UP_TREES = 8
 # the plain decode right after it.
 GIVE_UP_MIN_TREES = 2
 GIVE_UP_BELIEF = 0.05
+# Before any tree, the prompt already tells a draft that cannot pay: at each of its last
+# positions (PROMPT_POSITIONS at most) both models give logits anyway, and whether the target's
+# top token is among the draft's top few (a tree's first level) is a trial of the first
+# drafted token's acceptance. Once PROMPT_MIN_TRIALS have been seen, a draft whose rate reaching
+# PROMPT_FLOOR_RATE has become unlikely (GIVE_UP_BELIEF) is given up before its first tree: the
+# H100's 70B with a random 8B draft spent its first two tree rounds, 2.3 s, learning what the
+# prompt could have said (bench/results/2026-12-05-s29-spec-bench-h100-call3.json: the floor
+# at 0.90x). A real pair agrees far above the floor: the default model's Q4_0 and Q2_K copies
+# accept 3.7-7.2 tokens a pass (s32-spec-acceptance-16-64-cpu.json).
+PROMPT_POSITIONS = 64
+PROMPT_MIN_TRIALS = 16
+PROMPT_FLOOR_RATE = 0.25
 
 
 @dataclass
@@ -103,6 +115,10 @@ class TreeSizer:
     tau_fits: dict[float, TauFit] = field(default_factory=dict)
     reached: list[float] = field(default_factory=list)  # [d]: rounds whose tree reached depth d
     passed: list[float] = field(default_factory=list)  # [d]: ... and whose walk descended to d
+    # the prompts' evidence (observe_prompt): positions where the target's top token was among
+    # the draft's candidates, of those compared
+    prompt_hits: int = 0
+    prompt_trials: int = 0
 
     # --- what the rounds report ---------------------------------------------------------------
 
@@ -116,6 +132,19 @@ class TreeSizer:
     def observe_levels(self, levels: int, seconds: float) -> None:
         self._level_rounds.append(seconds / levels)
         del self._level_rounds[:-LEVEL_ROUNDS]
+
+    def observe_prompt(self, hits: int, trials: int) -> None:
+        """Of `trials` prompt positions, the target's top token was among the draft's top
+        candidates at `hits` (PROMPT_POSITIONS' note)."""
+        self.prompt_hits += int(hits)
+        self.prompt_trials += int(trials)
+
+    @property
+    def prompt_says_no(self) -> bool:
+        """The prompts seen make a first-token acceptance of PROMPT_FLOOR_RATE unlikely."""
+        return (self.prompt_trials >= PROMPT_MIN_TRIALS
+                and chance_at_least(PROMPT_FLOOR_RATE, self.prompt_hits, self.prompt_trials)
+                < GIVE_UP_BELIEF)
 
     def observe_walk(self, tree_depth: int, accepted: int) -> None:
         """A round whose tree went `tree_depth` deep accepted `accepted` drafted tokens."""
@@ -251,15 +280,19 @@ class TreeSizer:
 
     @property
     def gives_up(self) -> bool:
-        """Whether the draft should be given up (never with a fixed tree size): after
-        GIVE_UP_TREES tree rounds, the acceptance observed (without the prior) makes every
-        depth slower than plain decode without the draft (a plain step, `plain_gain` times
-        faster); or, after GIVE_UP_MIN_TREES, a first-token acceptance high enough to beat that
-        has become unlikely (GIVE_UP_BELIEF)."""
+        """Whether the draft should be given up (never with a fixed tree size): at once where
+        the prompts say it cannot pay (prompt_says_no); after GIVE_UP_TREES tree rounds, the
+        acceptance observed (without the prior) makes every depth slower than plain decode
+        without the draft (a plain step, `plain_gain` times faster); or, after
+        GIVE_UP_MIN_TREES, a first-token acceptance high enough to beat that has become
+        unlikely (GIVE_UP_BELIEF)."""
+        if self.fixed_nodes is not None or self.fixed_depth is not None:
+            return False
+        if self.prompt_says_no:
+            return True
         trees = self._trees
         level = self.level_s
-        if (self.fixed_nodes is not None or self.fixed_depth is not None
-                or trees < GIVE_UP_MIN_TREES or level is None):
+        if trees < GIVE_UP_MIN_TREES or level is None:
             return False
         nodes = self.nodes()
         pass_n = self.pass_s(nodes)

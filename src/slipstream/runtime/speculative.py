@@ -60,7 +60,7 @@ from .draft_tree import DraftTree, TreeGrower, grow_tree, tree_tau
 from .engine import Engine
 from .generate import GenerationStats, TokenSource, decode_steps
 from .sampler import Sampler
-from .spec_sizing import TreeSizer
+from .spec_sizing import PROMPT_POSITIONS, TreeSizer
 from .tree_calibration import TauFit
 
 __all__ = ["SpecStats", "Speculator", "check_vocab", "grow_tree", "keep", "speculative_source",
@@ -86,6 +86,19 @@ DEFAULT_TOP_K = 8  # children considered per expanded node
 CUDA_LEVEL_WIDTH = 32
 # Nodes a level grown ahead runs: CUDA's level width, on the CPU too, so that outcomes compare
 AHEAD_WIDTH = CUDA_LEVEL_WIDTH
+
+
+def prompt_agreement(target_logits: torch.Tensor, draft_logits: torch.Tensor,
+                     top_k: int) -> tuple[int, int]:
+    """(hits, trials): of the rows both give (the same positions), those where the target's
+    top token is among the draft's `top_k` most likely, the candidates a tree's first level
+    takes."""
+    rows = min(target_logits.shape[0], draft_logits.shape[0])
+    if rows == 0:
+        return 0, 0
+    choice = target_logits[-rows:].argmax(dim=-1).to(draft_logits.device)
+    top = draft_logits[-rows:].topk(min(top_k, draft_logits.shape[-1]), dim=-1).indices
+    return int((top == choice[:, None]).any(dim=-1).sum()), rows
 
 
 def walk(tree: DraftTree, logits: torch.Tensor, sampler: Sampler, history: torch.Tensor,
@@ -231,13 +244,18 @@ class Speculator:
         if not self.shared_kv:
             self.draft.reset()
         self.history = torch.tensor(prompt, dtype=torch.long, device=self.target.device)
-        logits = self.target.forward(prompt)[-1]
-        self.root = self.sampler(logits, self.history)
+        # the last positions' logits of both models: how often the draft's candidates hold
+        # the target's choice there tells the sizer early whether the draft can pay
+        # (spec_sizing.PROMPT_POSITIONS); a shared cache's draft reads the target's prefix
+        last = 1 if self.shared_kv else min(len(prompt), PROMPT_POSITIONS)
+        tail = self.target.forward(prompt, last=last)
+        self.root = self.sampler(tail[-1], self.history)
         self.history = torch.cat((self.history, self.root.view(1)))
         if not self.shared_kv:  # a shared cache holds the target's prefix already
             t = time.perf_counter()
-            self.draft.forward(prompt)  # its logits are not needed: the root is the target's
+            drafted = self.draft.forward(prompt, last=last)
             self.stats.draft_prefill_s += _since(t, self.draft.device)
+            self.sizer.observe_prompt(*prompt_agreement(tail, drafted, self.top_k))
         self.lag = []
         self.grown = None
         return self.root
