@@ -20,8 +20,8 @@ from __future__ import annotations
 import functools
 import os
 import time
-from pathlib import Path
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 # The most tokens a split layer's CPU share may take (decode, small trees): the host buffers'
 # size. Below it the plan's crossover (HybridPlan.max_tokens) is measured: passes above that
