@@ -259,6 +259,15 @@ def test_prefill_guard_same_bits_and_stops_between_chunks(tmp_path):
                 assert engine.forward([1]).shape == (1, plain.shape[1])  # a decode step
             assert calls == [PREFILL_CHUNK, PREFILL_CHUNK, 100, 1]
             assert torch.equal(plain, guarded)
+            # the last rows of a prompt (speculation's evidence) across the final chunk
+            engine.reset()
+            wide = real(ids, last=150)
+            engine.reset()
+            with prefill_guard(engine, lambda: False):
+                wide_guarded = engine.forward(ids, last=150)
+            assert wide_guarded.shape == wide.shape == (150, plain.shape[1])
+            assert torch.allclose(wide_guarded, wide, rtol=1e-4, atol=1e-4)
+            assert torch.equal(wide_guarded.argmax(-1), wide.argmax(-1))
             calls.clear()
             engine.reset()
             with prefill_guard(engine, lambda: len(calls) >= 1):  # cancelled after chunk 1

@@ -220,8 +220,8 @@ def prefill_guard(engine, cancelled: Callable[[], bool]) -> Iterator[None]:
     """While the block runs, `engine.forward` feeds a long batch (a prompt) through the real
     forward one engine.prefill_chunk at a time, and raises Cancelled between chunks once `cancelled()`
     is true. Each piece is exactly one of the chunks Engine.forward would have run itself
-    (same shapes, same cache positions), so the logits are the same bits (one row per chunk,
-    as forward returns them). Calls with a step, with
+    (same shapes, same cache positions), so the logits are the same bits (the last row, as
+    forward returns it). Calls with a step, with
     all_logits, or of one chunk or less (decode steps) go straight through.
 
     The engine is wrapped through an instance attribute because generation is driven by
@@ -239,17 +239,20 @@ def prefill_guard(engine, cancelled: Callable[[], bool]) -> Iterator[None]:
     forward = engine.forward  # the bound method (or an instance attribute already there)
     shadowed = vars(engine).get("forward")
 
-    def guarded(tokens, all_logits: bool = False, step=None):
+    def guarded(tokens, all_logits: bool = False, step=None, last: int = 1, **kw):
         n = len(tokens)
         if step is not None or all_logits or n <= chunk:
-            return forward(tokens, all_logits=all_logits, step=step)
+            return forward(tokens, all_logits=all_logits, step=step, last=last, **kw)
         outs = []
         for start in range(0, n, chunk):
             if cancelled():
                 raise Cancelled()
-            outs.append(forward(tokens[start:start + chunk]))
-        # forward's own answer for a chunked batch: the last row of each chunk
-        return torch.cat(outs)
+            piece = tokens[start:start + chunk]
+            outs.append(forward(piece, last=min(last, len(piece)), **kw))
+        # forward's own answer: the batch's last `last` rows (with last=1, the head over the
+        # final chunk's last row, as forward computes it; more rows than the final chunk
+        # holds come from the chunks before, their head applied chunk by chunk)
+        return torch.cat(outs)[-last:]
 
     engine.forward = guarded
     try:
