@@ -311,8 +311,9 @@ def test_split_timing_takes_a_split_layer_apart_and_finds_host_bound_gaps() -> N
         tr.span("launch", "L0", t(-0.1), t(0.0), layer=0)
         tr.span("launch", "L1", t(0.9 if p == 0 else 0.1), t(1.0), layer=1)
         tr.span("cpu wait", "L1", t(0.2), t(1.3), layer=1)
-        tr.span("cpu share", "L1", t(1.3), t(5.3), layer=1)
+        tr.span("cpu share", "L1", t(1.3), t(5.3), layer=1, cores=8.0 + 2 * p)
     got = trace.split_timing(tr.spans())
+    assert got["cores_busy_during_shares"] == pytest.approx(9.0)
     assert got["passes"] == 2 and got["split_layers_traced"] == 2
     assert got["gpu_to_cpu_us"] == pytest.approx(300, abs=1)
     assert got["cpu_us"] == pytest.approx(4000, abs=1)

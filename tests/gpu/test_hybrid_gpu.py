@@ -402,3 +402,4 @@ def test_a_trace_takes_each_split_layer_apart(pair):
     assert timing["cpu_us"] > 0
     # the share lies inside its layer's GPU span (clock mapping error well under 0.2 ms)
     assert timing["gpu_to_cpu_us"] > -200 and timing["cpu_to_gpu_us"] > -200
+    assert 0 < timing["cores_busy_during_shares"] <= 2 * (torch.get_num_threads() + 2)

@@ -123,7 +123,8 @@ def split_timing(spans: list[dict[str, Any]]) -> dict[str, Any]:
       cpu_to_gpu  the CPU's hand-back to the layer's GPU end: the wait kernel seeing the
                   flag, reading the result and adding it, and the rest of the layer
 
-    and over all layers: GPU compute of the layers that ran no share (resident or whole),
+    and the process's cores busy during the shares where the worker recorded them; and over
+    all layers: GPU compute of the layers that ran no share (resident or whole),
     the gaps between consecutive compute spans, and the part of those gaps where the host
     had not yet begun enqueueing the next layer when the GPU finished the last (host-bound).
     Means are per traced split layer; totals are per decode pass (spans of one pass per
@@ -170,6 +171,11 @@ def split_timing(spans: list[dict[str, Any]]) -> dict[str, Any]:
 
     out: dict[str, Any] = {"passes": passes, "split_layers_traced": n_split}
     out.update({f"{k}_us": mean(v) for k, v in split_parts.items()})
+    # the process's cores busy while a share ran (its threads' CPU time over the share's
+    # wall time: the worker's team and the main thread), where the worker recorded it
+    cores = [s["args"]["cores"] for s in shares if s.get("args", {}).get("cores") is not None]
+    if cores:
+        out["cores_busy_during_shares"] = round(sum(cores) / len(cores), 2)
     out["other_layer_gpu_us"] = mean(other)
     out["per_pass_ms"] = {
         "split_gpu_to_cpu": round(sum(split_parts["gpu_to_cpu"]) / passes / 1e3, 2),

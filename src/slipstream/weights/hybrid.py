@@ -357,6 +357,7 @@ class HostIO:
                 return
             ffn, sent, slot, rows, seq = job
             t0 = t1 = None
+            tracer = self.tracer
             try:
                 if self._error is None:
                     if torch.get_num_threads() != self.threads:
@@ -364,18 +365,21 @@ class HostIO:
                     t0 = time.perf_counter()
                     self._await(sent)
                     t1 = time.perf_counter()
+                    # traced: the process's CPU time over the share (every thread's), so that
+                    # the trace says how many cores the share kept busy
+                    c1 = time.process_time() if tracer is not None else 0.0
                     self._out[slot][:rows].copy_(ffn.compute(self._in[slot][:rows]))
                     self._count(ffn, time.perf_counter() - t1)
             except BaseException as e:  # the stream must not wait forever: bump anyway
                 self._error = e
             finally:
                 flag[0] = seq
-            tracer = self.tracer
             if tracer is not None and t1 is not None:
+                t2, c2 = time.perf_counter(), time.process_time()
                 name = f"L{ffn.layer}"
                 tracer.span("cpu wait", name, t0, t1, layer=ffn.layer)
-                tracer.span("cpu share", name, t1, time.perf_counter(), layer=ffn.layer,
-                            bytes=ffn.nbytes)
+                tracer.span("cpu share", name, t1, t2, layer=ffn.layer, bytes=ffn.nbytes,
+                            cores=round((c2 - c1) / (t2 - t1), 2) if t2 > t1 else None)
 
     def _await(self, sent: torch.cuda.Event) -> None:
         """Wait for the input's copy down; keep_warm: touching the worker's OpenMP team the
