@@ -273,12 +273,13 @@ class CudaLayerStore(StoreBase):
     def acquire(self, i: int) -> LayerWeights:
         if i in self.skipped and self.layers[i] is None:
             raise ValueError(f"layer {i} is skipped: the store no longer streams it")
-        launched = time.perf_counter()
         stream = torch.cuda.current_stream(self.device)
         if i <= self._last_acquired and self.timeline is not None:
             # a new pass (the layer index went back; with stages, this store's first layer
             # need not be 0): read the last pass's events back
             self.timeline.flush(self.stats)
+        # the host starting to enqueue this layer (--trace's launch track), after that wait
+        launched = time.perf_counter() if self.timeline is not None else None
         self._last_acquired = i
         layer = self.layers[i]
         if layer is None:

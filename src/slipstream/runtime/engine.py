@@ -233,6 +233,8 @@ class Engine:
         T = int(ids.shape[0])
         if T == 0:
             raise ValueError("forward() needs at least one token")
+        if last < 1:
+            raise ValueError(f"forward(last={last}): the rows of logits asked for must be >= 1")
         if step is not None:
             if step.tokens != T:
                 raise ValueError(f"the step describes {step.tokens} tokens, not {T}")

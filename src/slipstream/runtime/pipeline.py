@@ -35,7 +35,7 @@ from .engine import Engine
 
 TIMEOUT_S = 60.0  # a peer silent this long is taken for dead
 OP_FORWARD, OP_LENGTH, OP_TRUNCATE, OP_STOP, OP_STEP, OP_COMPACT = 1, 2, 3, 4, 5, 6
-HEADER = 4  # int64s: op, tokens, all_logits, value
+HEADER = 4  # int64s: op, tokens, rows (the last rows whose logits come back), value
 
 
 @dataclass
@@ -170,17 +170,16 @@ class PipelineEngine(Engine):
         if T == 0:
             raise ValueError("forward() needs at least one token")
         self._check_room(T)
-        every = all_logits or last > 1  # the last rank sends every row's logits
         outs = []
         for start in range(0, T, self.prefill_chunk):
             chunk = ids[start: start + self.prefill_chunk].to(self.device)
             n = int(chunk.shape[0])
-            self._tell(OP_FORWARD, n, every)
+            rows = n if all_logits else min(last, n)  # a chunk's last rows come back
+            self._tell(OP_FORWARD, n, rows)
             x = self.weights.embed(chunk).to(self.act_dtype)
             x = self._run_stage(self.stage, x, self._append_step(n))
             self._send(x, 1)
             self.stage.kv.length += n
-            rows = n if every else 1
             outs.append(self._recv((rows, self.cfg.vocab_size), torch.float32,
                                    self.pipeline.world - 1))
         logits = torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -216,7 +215,8 @@ class PipelineEngine(Engine):
         if step.tokens != T:
             raise ValueError(f"the step describes {step.tokens} tokens, not {T}")
         self.stage.kv.check_room(step.end)
-        self._tell(OP_STEP, T, all_logits, value=step.span)
+        rows = T if all_logits else 1
+        self._tell(OP_STEP, T, rows, value=step.span)
         wire = _step_wire(step)
         for r in range(1, self.pipeline.world):
             for t in wire:
@@ -225,7 +225,6 @@ class PipelineEngine(Engine):
         x = self._run_stage(self.stage, x, step)
         self._send(x, 1)
         Engine.set_length(self, step.end)
-        rows = T if all_logits else 1
         return self._recv((rows, self.cfg.vocab_size), torch.float32, self.pipeline.world - 1)
 
     def stop(self) -> None:
@@ -247,7 +246,7 @@ class PipelineEngine(Engine):
             raise ValueError("rank 0 drives the pipeline; the other ranks serve it")
         p = self.pipeline
         while True:
-            op, n, all_logits, value = self._recv((HEADER,), torch.long, 0).tolist()
+            op, n, rows, value = self._recv((HEADER,), torch.long, 0).tolist()
             if op == OP_STOP:
                 return
             if op == OP_LENGTH:
@@ -266,7 +265,7 @@ class PipelineEngine(Engine):
                 else:
                     self.stage.kv.length += n
                 if p.last:
-                    self._send(self._logits(x if all_logits else x[-1:]), 0)
+                    self._send(self._logits(x[-rows:]), 0)
                 else:
                     self._send(x, p.rank + 1)
             else:
@@ -288,8 +287,8 @@ class PipelineEngine(Engine):
         if not self.pipeline.first:
             raise ValueError(f"{what}() runs on rank 0; rank {self.pipeline.rank} serves")
 
-    def _tell(self, op: int, tokens: int = 0, all_logits: bool = False, value: int = 0) -> None:
-        header = torch.tensor([op, tokens, int(all_logits), value], dtype=torch.long)
+    def _tell(self, op: int, tokens: int = 0, rows: int = 0, value: int = 0) -> None:
+        header = torch.tensor([op, tokens, rows, value], dtype=torch.long)
         for r in range(1, self.pipeline.world):
             self._send(header, r)
 

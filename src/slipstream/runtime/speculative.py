@@ -246,8 +246,11 @@ class Speculator:
         self.history = torch.tensor(prompt, dtype=torch.long, device=self.target.device)
         # the last positions' logits of both models: how often the draft's candidates hold
         # the target's choice there tells the sizer early whether the draft can pay
-        # (spec_sizing.PROMPT_POSITIONS); a shared cache's draft reads the target's prefix
-        last = 1 if self.shared_kv else min(len(prompt), PROMPT_POSITIONS)
+        # (spec_sizing.PROMPT_POSITIONS); not where nothing would act on it (a tree size the
+        # user fixed, no way to give the draft up) or the draft reads the target's cache
+        weighed = not self.shared_kv and self.give_up is not None and \
+            self.sizer.fixed_nodes is None and self.sizer.fixed_depth is None
+        last = min(len(prompt), PROMPT_POSITIONS) if weighed else 1
         tail = self.target.forward(prompt, last=last)
         self.root = self.sampler(tail[-1], self.history)
         self.history = torch.cat((self.history, self.root.view(1)))
@@ -255,7 +258,8 @@ class Speculator:
             t = time.perf_counter()
             drafted = self.draft.forward(prompt, last=last)
             self.stats.draft_prefill_s += _since(t, self.draft.device)
-            self.sizer.observe_prompt(*prompt_agreement(tail, drafted, self.top_k))
+            if weighed:
+                self.sizer.observe_prompt(*prompt_agreement(tail, drafted, self.top_k))
         self.lag = []
         self.grown = None
         return self.root

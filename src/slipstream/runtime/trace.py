@@ -25,6 +25,7 @@ moved onto that clock by memory.timeline.
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import threading
@@ -129,40 +130,36 @@ def split_timing(spans: list[dict[str, Any]]) -> dict[str, Any]:
     had not yet begun enqueueing the next layer when the GPU finished the last (host-bound).
     Means are per traced split layer; totals are per decode pass (spans of one pass per
     run of layer indices that does not go back)."""
-    compute = [e for e in spans if e["cat"] == "compute"]
-    shares = [e for e in spans if e["cat"] == "cpu share"]
-    launches = {(e["args"]["layer"], e["ts"]): e for e in spans if e["cat"] == "launch"}
+    by_track: dict[str, list[dict[str, Any]]] = {}
+    for e in sorted(spans, key=lambda e: e["ts"]):
+        by_track.setdefault(e["cat"], []).append(e)
+    compute = by_track.get("compute", [])
+    shares = by_track.get("cpu share", [])
     if not compute:
         return {}
-    compute.sort(key=lambda e: e["ts"])
     passes = 1 + sum(1 for a, b in zip(compute, compute[1:])
                      if b["args"]["layer"] <= a["args"]["layer"])
-    by_layer: dict[int, list[dict[str, Any]]] = {}
-    for e in compute:
-        by_layer.setdefault(e["args"]["layer"], []).append(e)
+    compute_of, launch_of = _by_layer(compute), _by_layer(by_track.get("launch", []))
     split_parts = {"gpu_to_cpu": [], "cpu": [], "cpu_to_gpu": []}
     split_spans = set()
-    for s in sorted(shares, key=lambda e: e["ts"]):
-        before = [c for c in by_layer.get(s["args"]["layer"], []) if c["ts"] <= s["ts"]]
-        if not before:
+    for s in shares:
+        c = _last_begun(compute_of, s["args"]["layer"], s["ts"])
+        if c is None:
             continue
-        c = before[-1]
         split_spans.add(id(c))
         split_parts["gpu_to_cpu"].append(s["ts"] - c["ts"])
         split_parts["cpu"].append(s["dur"])
         split_parts["cpu_to_gpu"].append(c["ts"] + c["dur"] - s["ts"] - s["dur"])
     gaps = host_bound = 0.0
-    launch_list = sorted(launches.values(), key=lambda e: e["ts"])
     for a, b in zip(compute, compute[1:]):
         if b["args"]["layer"] <= a["args"]["layer"]:
             continue  # between passes: the host samples the token
         gap = max(b["ts"] - (a["ts"] + a["dur"]), 0.0)
         gaps += gap
         # the launch of b: the last one of b's layer begun before b's GPU start
-        la = [e for e in launch_list if e["args"]["layer"] == b["args"]["layer"]
-              and e["ts"] <= b["ts"]]
-        if la and gap:
-            host_bound += min(gap, max(la[-1]["ts"] - (a["ts"] + a["dur"]), 0.0))
+        la = _last_begun(launch_of, b["args"]["layer"], b["ts"])
+        if la is not None and gap:
+            host_bound += min(gap, max(la["ts"] - (a["ts"] + a["dur"]), 0.0))
     other = [c["dur"] for c in compute if id(c) not in split_spans]
     n_split = len(split_parts["cpu"])
 
@@ -186,3 +183,21 @@ def split_timing(spans: list[dict[str, Any]]) -> dict[str, Any]:
         "gaps_host_bound": round(host_bound / passes / 1e3, 2),
     }
     return out
+
+
+def _by_layer(spans: list[dict[str, Any]]) -> dict[int, tuple[list[float], list[dict]]]:
+    """Spans (in time order) by their layer: (their start times, the spans)."""
+    out: dict[int, tuple[list[float], list[dict]]] = {}
+    for e in spans:
+        starts, evs = out.setdefault(e["args"]["layer"], ([], []))
+        starts.append(e["ts"])
+        evs.append(e)
+    return out
+
+
+def _last_begun(index: dict[int, tuple[list[float], list[dict]]], layer: int,
+                ts: float) -> dict[str, Any] | None:
+    """The span of `layer` that began last at or before `ts`, if any."""
+    starts, evs = index.get(layer, ([], []))
+    k = bisect.bisect_right(starts, ts)
+    return evs[k - 1] if k else None
