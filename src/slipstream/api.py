@@ -398,6 +398,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     from .memory.budget import parse_size
 
     vram, ram = parse_size(vram_budget), parse_size(ram_budget)
+    vram, outside = _allocator_budget(vram, dev)
     draft_model, plain_plan = None, None
     self_draft = lowbit_type is not None or bool(draft_skip_layers)
     if self_draft and dev.type == "cuda" and vram is None:
@@ -433,6 +434,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
         if draft_model is not None:
             draft_model.close()
         raise
+    plan.outside_allocator = outside
     if stage_devices is not None:
         plan.stages = _stage_plans(cfg, stage_devices)
     if draft is not None:
@@ -493,6 +495,21 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     return model
 
 
+def _allocator_budget(vram: int | None, dev: torch.device) -> tuple[int | None, int]:
+    """A VRAM budget is what the driver counts for the process: what is left of it for torch's
+    allocator once the CUDA context is counted (memory.cuda_context), and that context."""
+    if vram is None or dev.type != "cuda":
+        return vram, 0
+    from .memory.cuda_context import outside_allocator_bytes
+
+    outside = outside_allocator_bytes(dev)
+    if vram <= outside:
+        raise BudgetTooSmall(f"a {fmt_bytes(vram)} VRAM budget does not cover the CUDA context "
+                             f"({fmt_bytes(outside)} outside torch's allocator); raise "
+                             f"--vram-budget")
+    return vram - outside, outside
+
+
 def _place_draft(path: Path, dev: torch.device, ctx: int, precision: str, ram: int | None,
                  vram: int | None, io: str) -> tuple["Model", int]:
     """Load a draft first, out of the budgets, wholly resident (a draft that streamed would
@@ -503,6 +520,10 @@ def _place_draft(path: Path, dev: torch.device, ctx: int, precision: str, ram: i
         # hand them out again): start from what live tensors hold
         torch.cuda.empty_cache()
     before = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
+    if vram is not None and dev.type == "cuda":  # the draft's load counts the context again
+        from .memory.cuda_context import outside_allocator_bytes
+
+        vram += outside_allocator_bytes(dev)
     d = load(path, device=dev, ctx=ctx, precision=precision, ram_budget=ram,
              vram_budget=vram, io=io)
     if d.plan is not None and d.plan.streamed_layers:
@@ -750,8 +771,10 @@ def plan(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     dev = resolve_device(device)
     from .memory.budget import parse_size
 
+    vram, outside = _allocator_budget(parse_size(vram_budget), dev)
     p = _plan(gf, cfg, dev, Precision.of(precision, dev), _context(cfg, ctx), ram_budget,
-              parse_size(vram_budget), io, gpu_slots, vram_layers)
+              vram, io, gpu_slots, vram_layers)
+    p.outside_allocator = outside
     if measure:
         from .memory.setup import measure_bandwidths
 

@@ -85,6 +85,9 @@ class Plan:
     # CPU: dense bytes of the head's weight, one matvec over them per token (0: not known, or a
     # stage without the head)
     head_bytes: int = 0
+    # CUDA: bytes of the user's VRAM budget kept for what the driver counts beside the
+    # allocator (memory.cuda_context); `budget` is what is left for the allocator
+    outside_allocator: int = 0
     # CUDA: the pinned layers' FFN split with the CPU (memory.hybrid_plan), or None
     hybrid: "HybridPlan | None" = None
     # CPU: every layer decodes through packed copies, the bytes of its image, which are its
@@ -199,7 +202,8 @@ class Plan:
 
         budget = f"budget {fmt_bytes(self.budget) if self.budget else 'unlimited'}"
         if self.device == "cuda":
-            budget = (f"VRAM {fmt_bytes(self.budget)}, pinned RAM "
+            vram = self.budget + self.outside_allocator if self.budget else 0
+            budget = (f"VRAM {fmt_bytes(vram)}, pinned RAM "
                       f"{fmt_bytes(self.ram_budget) if self.ram_budget else 'unlimited'}")
         t = Table(title=f"tier plan ({self.device}, {budget})")
         for col in ("tier", "layers", "bytes held", "bytes moved / token", "GB/s"):
@@ -224,6 +228,9 @@ class Plan:
         if self.device == "cuda" and self.streamed_layers:
             t.add_row("GPU slots", f"{self.staging_buffers} x {fmt_bytes(self.slot_bytes)}",
                       fmt_bytes(self.staging_buffers * self.slot_bytes), "-", "-")
+        if self.outside_allocator:
+            t.add_row("reserve", "CUDA context, kernels (outside the allocator)",
+                      fmt_bytes(self.outside_allocator), "-", "-")
         if self.reserve:
             for part, n in self.reserve.items():
                 if n:

@@ -333,10 +333,14 @@ def streamed_vram_budget(plan: Plan, resident_layers: int, slack: int = 1) -> in
     its slack); `slack` bytes on top. A small model's streaming reserve costs more than its
     layers, so a budget stepped up from below reaches the all-resident plan first: tests and
     benchmarks that must stream a small model ask for a budget this way."""
+    from .cuda_context import outside_allocator_bytes
+
     staging = plan.staging_buffers * max(plan.file_bytes_per_layer, default=0)
     fixed = plan.fixed_bytes - plan.reserve.get("CUDA graph pools", 0) \
         - plan.reserve.get("embedding", 0) + streamed_slack(plan)
-    return fixed + staging + sum(_flat_sizes(plan)[:resident_layers]) + slack
+    # a budget is what the driver counts: load takes the CUDA context out of it first
+    context = outside_allocator_bytes(torch.device(plan.device)) if plan.device == "cuda" else 0
+    return fixed + staging + sum(_flat_sizes(plan)[:resident_layers]) + slack + context
 
 
 def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str, cfg: ModelConfig | None = None,
