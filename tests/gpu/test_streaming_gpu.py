@@ -71,8 +71,13 @@ def _storages(layer) -> set[int]:
 
 
 def test_gpu_budget_too_small(synth):
-    with pytest.raises(BudgetTooSmall, match="cannot run this model on cuda"):
+    from slipstream.memory.cuda_context import outside_allocator_bytes
+
+    with pytest.raises(BudgetTooSmall, match="does not cover the CUDA context"):
         slipstream.load(synth, device="cuda", ctx=256, vram_budget="1MiB")
+    context = outside_allocator_bytes(torch.device("cuda"))
+    with pytest.raises(BudgetTooSmall, match="cannot run this model on cuda"):
+        slipstream.load(synth, device="cuda", ctx=256, vram_budget=context + (1 << 20))
 
 
 def test_skipped_layers_are_never_copied_and_streaming_stays_bit_identical(synth):

@@ -228,7 +228,11 @@ def test_streamed_model_stays_under_its_vram_budget(synth):
     model = slipstream.load(synth, device="cuda", ctx=256, vram_budget=vram, ram_budget=ram)
     streamed_logits(model, steps=4)
     peak = torch.cuda.max_memory_reserved() - base
-    assert peak <= vram, f"peak {peak} over the budget {vram}"
+    # the budget is what the driver counts: the allocator gets it less the CUDA context
+    from slipstream.memory.cuda_context import outside_allocator_bytes
+
+    allocator = vram - outside_allocator_bytes(torch.device("cuda"))
+    assert peak <= allocator, f"peak {peak} over the allocator's share {allocator} of {vram}"
     model.engine.layers.close()
     del model
     gc.collect()
