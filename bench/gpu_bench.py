@@ -196,11 +196,15 @@ def run_case(name: str, workdir: Path, hbm: float, h2d: float) -> dict:
         "decode_fraction_of_roofline": round(tg.tok_s / roofline, 3),
         "weight_bytes_per_token": per_token,
         "vram_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
+        # what the driver counts on the device now (the CUDA context too): the budget's measure
+        "vram_process_gib": round((lambda f, t: (t - f) / 2**30)(*torch.cuda.mem_get_info()), 2),
         # cumulative peaks (reserved, allocated) after each phase, and what the allocator held
         # before the load (0 in a process of its own)
         "vram_peaks_gib": peaks,
         "vram_reserved_before_load_gib": round(start_reserved / 2**30, 3),
-        "vram_budget_gib": round(plan.budget / 2**30, 2),
+        # the user's budget; the allocator's share is that less the CUDA context
+        "vram_budget_gib": round((plan.budget + plan.outside_allocator) / 2**30, 2),
+        "vram_context_gib": round(plan.outside_allocator / 2**30, 2),
         "vram_planned_gib": round((plan.fixed_bytes + sum(
             b for b, t in zip(plan.resident_bytes_per_layer, plan.tiers) if t == "vram")
             + (plan.staging_buffers * plan.slot_bytes if plan.streamed_layers else 0))
