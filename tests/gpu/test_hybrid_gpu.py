@@ -346,7 +346,8 @@ def test_the_balance_meters_every_copy_of_a_split_decode(synth, pair, monkeypatc
 
     monkeypatch.setattr(hybrid_plan, "plan_hybrid", balanced)
     budget = whole.plan.budget + whole.plan.outside_allocator  # as the user gave it
-    with slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget, hybrid=0.5, precision="exact") as m:
+    with slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget, hybrid=0.5,
+                         precision="exact") as m:
         store = m.engine.layers
         assert len(store.hosts) >= 2 and store.balance is not None
         meter = store.ring.meter
