@@ -56,6 +56,11 @@ LAYER_COST_S = CPU_FIXED_S + HANDOVER_S  # what the chain pays per split layer, 
 # until a trace of it (bench/hybrid_bench.py --hybrid on) says what its hand-over costs.
 # (Session 9's figure for what every split layer paid, 1.55 ms.)
 MIN_CPU_LAYER_S = 1.55e-3
+# Decode's CPU shares against the probe (cpu_packed_gbps beside a copy): on session 34's H100
+# host, with the threads taking chunks, the probe read 93.0 GB/s and decode's shares 80.6
+# (85.9 once the balance had settled): a share from the probe's rate was 0.69 where the chain
+# and the copies meet at about 0.63 (bench/results/2026-12-05-s34-hybrid-bench-*-h100-call1).
+DECODE_CPU_EFFICIENCY = 0.87
 MODES = ("auto", "off", "on")
 
 
@@ -408,7 +413,8 @@ def after_promotion(plan, promoted) -> "HybridPlan | None":
     plain = plan.whole_layers_tok_s  # at today's tiers
     return replace(
         h, layers=layers, cpu_bytes_per_token=cpu_bytes, pcie_bytes_per_token=pcie_bytes,
-        predicted_tok_s=split_prediction(plain, image, split_s, h.pcie_gbps),
+        predicted_tok_s=split_prediction(plain, image, split_s,
+                                         plan.bandwidth_gbps.get("pinned", h.pcie_gbps)),
         plain_tok_s=plain,
         extra_ram_bytes=int(h.extra_ram_bytes * sum(ffn) / total_ffn) if total_ffn else 0,
         gguf_ffn_bytes={i: h.gguf_ffn_bytes[i] for i in layers})
@@ -456,6 +462,9 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
         cpu_gbps, beside = cpu_packed_gbps(threads, beside_copy=torch.cuda.is_available(),
                                            copy_bytes=copy_bytes, kind=kind)
         pcie = min(pcie, beside or pcie)
+        # the probe's matvec over one large weight reads faster than decode's shares, 38
+        # weights a third its size each, one after another with the GPU's work between them
+        cpu_gbps *= DECODE_CPU_EFFICIENCY
     cpu = cpu_gbps
     ffn, ratio_num, ratio_den, packed_num = [], 0, 0, 0
     for i in layers:
@@ -481,7 +490,8 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     split_s, cpu_bytes, pcie_bytes = decode_seconds(image, ffn, share, cpu_ratio, pcie, cpu,
                                                     others_s)
     plain = plan.predicted_tok_s
-    predicted = split_prediction(plain, image, split_s, pcie)
+    # the plain plan's prediction copies whole layers at the rate measured alone
+    predicted = split_prediction(plain, image, split_s, plan.bandwidth_gbps["pinned"])
     # auto also wants each split layer's CPU work to be at least MIN_CPU_LAYER_S: for small
     # layers the fixed costs are what decides, and they are not known well enough to bet on. The H200's
     # 8B at 4 GiB split 11 layers at a 20% share (0.4 ms of CPU work a layer, a prediction of

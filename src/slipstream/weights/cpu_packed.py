@@ -494,10 +494,13 @@ class _Q4Weight(ctypes.Structure):
 Q4VNNI_ACT_BITS = int(os.environ.get("SLIPSTREAM_Q4VNNI_BITS", "16"))
 
 
-# SLIPSTREAM_CPU_CHUNKS=1: the q4vnni/q8vnni matvec's threads take chunks of the rows as they
-# finish, not one equal share each (native/q4_matvec.c, q4_parallel: for hosts whose cores are
-# shared; same bits either way). Opt-in until measured on a GPU host.
-CPU_CHUNKS = os.environ.get("SLIPSTREAM_CPU_CHUNKS", "0") == "1"
+# The q4vnni/q8vnni matvec's threads take chunks of the rows as they finish, not one equal
+# share each (native/q4_matvec.c, q4_parallel; same bits either way): on session 34's H100 host
+# a 70B's split layers' shares ran at 104.4 GB/s alone with chunks against 82.9 with equal
+# shares (15 threads), and hybrid decode at 5.25 tok/s against 4.14 at the same share
+# (bench/results/2026-12-05-s34-hybrid-bench-*-h100-call1.json). SLIPSTREAM_CPU_CHUNKS=0: equal
+# shares.
+CPU_CHUNKS = os.environ.get("SLIPSTREAM_CPU_CHUNKS", "1") == "1"
 
 
 def q4vnni_flags(x_f32: bool, y_f32: bool, threads: int, generic: bool = False,
