@@ -444,7 +444,7 @@ def main() -> None:
             out.write_text(json.dumps(doc, indent=1))
         # auto declined the split (it predicted no gain): the split's own figures, forced
         if mode == "auto" and rows and rows[-1].get("name") == f"{tag}-hybrid" \
-                and "error" not in rows[-1] and "cpu_share" not in rows[-1]:
+                and "error" not in rows[-1] and not rows[-1].get("cpu_share"):
             try:
                 rows.append(case(path, f"{tag}-hybrid-forced", budget, "on", a.tokens,
                                  threads, sweep=False, prefill=False, ctx=a.ctx))
