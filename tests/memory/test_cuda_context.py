@@ -60,3 +60,16 @@ def test_the_plan_table_shows_the_whole_budget_and_the_context_row():
     from slipstream.memory.budget import fmt_bytes
 
     assert f"VRAM {fmt_bytes(budget)}" in text
+
+
+def test_load_gives_the_allocator_the_budget_less_the_context(monkeypatch):
+    from slipstream import api
+    from slipstream.errors import BudgetTooSmall
+
+    dev = _device(monkeypatch, used=GIB + 300 * MIB, reserved=GIB)  # the floor applies
+    floor = cuda_context.CONTEXT_FLOOR
+    assert api._allocator_budget(24 * GIB, dev) == (24 * GIB - floor, floor)
+    assert api._allocator_budget(None, dev) == (None, 0)  # no budget: what is free
+    assert api._allocator_budget(GIB, torch.device("cpu")) == (GIB, 0)
+    with pytest.raises(BudgetTooSmall, match="does not cover the CUDA context"):
+        api._allocator_budget(floor, dev)
