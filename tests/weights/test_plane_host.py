@@ -242,3 +242,19 @@ def test_the_default_kind_still_packs(split_image):
     parts = hybrid.host_linears(hybrid.ffn_raws(src, cfg, 0), 256, image)
     assert not any(isinstance(p, PlaneLinear) for p in parts.values())
     assert dataclasses.is_dataclass(hybrid.HostFFN(parts["gate_up"], parts["down"], None))
+
+
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_threads_taking_chunks_give_the_bits_of_equal_shares(threads):
+    """Threads take the rows in chunks as they finish (as q4vnni's do), not one equal share
+    each: every row is still one thread's, computed in one order, so the output is the static
+    split's and the single thread's bit for bit, at thread counts that do not divide the rows,
+    with more activation rows than one pass over the weights takes."""
+    rows, cols = 16 * 70 - 5, 512
+    lin = PlaneLinear(planes_of(make_raw(Q.Q4_K, rows, cols, 4), Q.Q4_K, rows, cols))
+    x = torch.randn(6, cols, generator=torch.Generator().manual_seed(5))
+    one = lin.matvec(x, torch.empty(6, rows), threads=1)
+    chunks = lin.matvec(x, torch.empty(6, rows), threads=threads, chunks=True)
+    static = lin.matvec(x, torch.empty(6, rows), threads=threads, chunks=False)
+    assert torch.equal(chunks.view(torch.int32), one.view(torch.int32))
+    assert torch.equal(static.view(torch.int32), one.view(torch.int32))

@@ -66,6 +66,7 @@
 #define PL_LANES 8       /* units summed side by side: a Q4_K super-block */
 #define PL_MAX_M 4       /* activation rows per pass over the weights */
 #define PL_TILE 2        /* weight rows sharing each activation load (decode: one x row) */
+#define PL_CHUNKS_PER_THREAD 8  /* PL_CHUNKS: row ranges a thread, taken as threads finish */
 
 /* the formats (plane_weight.fmt) */
 #define PL_Q4_0 0
@@ -75,6 +76,7 @@
 /* flags (the same bits as ss_q4_matvec's where they mean the same) */
 #define PL_GENERIC 4        /* the plain-C loop even where AVX2 is compiled in (tests) */
 #define PL_X16 8            /* 16-bit activations as two int8 digits */
+#define PL_CHUNKS 16        /* threads take chunks of the rows (else one equal share each) */
 #define PL_THREADS_SHIFT 8  /* flags >> 8: threads sharing the rows */
 
 /* q4_matvec.c's quantization of one activation row per block of 32 */
@@ -448,8 +450,18 @@ int ss_plane_matvec(const plane_weight *w, const float *x, float *y, int64_t m, 
     if (threads < 1) threads = 1;
 #ifdef _OPENMP
     if (threads > 1) {
+        if (flags & PL_CHUNKS) {
+            /* as q4_matvec.c's q4_parallel: chunks from a shared counter, so that one thread
+             * descheduled for a while does not hold the rest at the barrier; each row is still
+             * one thread's, in one order: the same bits */
+            int64_t chunks = threads * PL_CHUNKS_PER_THREAD;
+            if (chunks > w->n / 16) chunks = w->n / 16;
+#pragma omp parallel for num_threads((int)threads) schedule(dynamic, 1)
+            for (int64_t c = 0; c < chunks; c++) pl_run_part(&j, (int)c, (int)chunks);
+        } else {
 #pragma omp parallel num_threads((int)threads)
-        pl_run_part(&j, omp_get_thread_num(), omp_get_num_threads());
+            pl_run_part(&j, omp_get_thread_num(), omp_get_num_threads());
+        }
         free(scratch);
         return 0;
     }

@@ -462,10 +462,12 @@ static void q4_run_part(const q4_job *j, int part, int parts) {
  * workers), one thread descheduled for a while holds every other one at the barrier: hybrid
  * decode's CPU shares ran with about 8.7 of the 15 threads' cores busy on average
  * (bench/results/2026-12-05-s33-hybrid-bench-h100-call1.json, host_load). Each block is still
- * computed by one thread in one order, so the results are the static split's bit for bit. Not
- * the default until a GPU host has measured it: on the shared 2-core CI machine two runs put the
- * chunks at 1.02x and 1.03x alone, 0.92x and 1.12x beside a busy core (bench/results/
- * 2026-12-05-s33-cpu-chunks{-run1,}.json): noise there, no verdict. */
+ * computed by one thread in one order, so the results are the static split's bit for bit. The
+ * default (weights/cpu_packed.py's CPU_CHUNKS) since an H100 host ran a 70B's split layers'
+ * shares at 104.4 GB/s chunked against 82.9 in equal shares, and hybrid decode at 5.25 against
+ * 4.14 tok/s (bench/results/2026-12-05-s34-hybrid-bench{,-chunks}-h100-call1.json); on the
+ * shared 2-core CI machine two runs put them at 1.02x and 1.03x alone, 0.92x and 1.12x beside a
+ * busy core (2026-12-05-s33-cpu-chunks{-run1,}.json). */
 static void q4_parallel(const q4_job *j, int parts, int dynamic) {
 #ifdef _OPENMP
     if (parts > 1) {

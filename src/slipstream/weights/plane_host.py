@@ -18,12 +18,13 @@ import ctypes
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from .cpu_packed import CPU_CHUNKS
 from .linear import Linear
 
 # plane_matvec.c's formats
 PLANE_FORMATS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q4_K: 2}
 KIND = "planes"  # weights.hybrid's name for this CPU layout
-_GENERIC, _X16, _THREADS_SHIFT = 4, 8, 8  # plane_matvec.c's flags
+_GENERIC, _X16, _CHUNKS, _THREADS_SHIFT = 4, 8, 16, 8  # plane_matvec.c's flags
 
 
 def plane_nbytes(qtype: Q | int, rows: int, cols: int) -> int:
@@ -106,10 +107,13 @@ class PlaneLinear(Linear):
         return self.packed.nbytes
 
     def matvec(self, x: torch.Tensor, out: torch.Tensor, threads: int | None = None,
-               generic: bool = False, act_bits: int | None = None) -> torch.Tensor:
+               generic: bool = False, act_bits: int | None = None,
+               chunks: bool | None = None) -> torch.Tensor:
         """out (m, out) = x (m, in) @ W^T, both float32 and contiguous. threads: torch's
         intra-op count unless given; generic: the plain-C loop even where the AVX2 one is
-        compiled in (tests compare them); act_bits 8 or 16 (default: the instance's)."""
+        compiled in (tests compare them); act_bits 8 or 16 (default: the instance's); chunks:
+        the threads take chunks of the rows as they finish rather than one equal share each
+        (default cpu_packed.CPU_CHUNKS; the same bits either way)."""
         m = x.shape[0]
         if x.dtype != torch.float32 or out.dtype != torch.float32 or \
                 x.shape[-1] != self.in_features or tuple(out.shape) != (m, self.out_features) \
@@ -121,8 +125,9 @@ class PlaneLinear(Linear):
         if bits not in (8, 16):
             raise ValueError(f"activation bits must be 8 or 16, not {bits!r}")
         threads = torch.get_num_threads() if threads is None else threads
+        chunks = CPU_CHUNKS if chunks is None else chunks
         flags = (_GENERIC if generic else 0) | (_X16 if bits == 16 else 0) | \
-            int(threads) << _THREADS_SHIFT
+            (_CHUNKS if chunks else 0) | int(threads) << _THREADS_SHIFT
         if self._matvec(self.desc, x.data_ptr(), out.data_ptr(), m, flags) != 0:
             raise MemoryError(f"the CPU's plane kernel could not allocate its scratch for "
                               f"{m} rows of {self.in_features}")
