@@ -341,6 +341,8 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
         # as llama.cpp's "max memory used" is: reserved blocks stay until the model closes
         free, total = torch.cuda.mem_get_info()
         row["vram_process_gib"] = round((total - free) / 2**30, 2)
+        # what load kept of the budget for that (memory.cuda_context)
+        row["vram_context_gib"] = round(m.plan.outside_allocator / 2**30, 2)
         if h is not None:  # after VRAM is read: its copies take a device buffer of their own
             row["host_share_rates"] = host_share_rates(m.engine.layers, h.threads)
     print(json.dumps(row), flush=True)
