@@ -78,3 +78,13 @@ def assert_same_bits_every_way(lin, x: torch.Tensor, rows: int) -> None:
         for r in range(m):
             one = lin.matvec(x[r:r + 1], torch.empty(1, rows), threads=2, act_bits=bits)
             assert torch.equal(one, ys[0][r:r + 1])
+
+
+def assert_chunked_threads_give_the_bits(lin, x: torch.Tensor, rows: int, threads: int) -> None:
+    """lin.matvec at `threads` gives the single thread's bits with the threads taking chunks of
+    the rows as they finish and with one equal share each."""
+    m = x.shape[0]
+    one = lin.matvec(x, torch.empty(m, rows), threads=1)
+    for chunks in (True, False):
+        y = lin.matvec(x, torch.empty(m, rows), threads=threads, chunks=chunks)
+        assert torch.equal(y.view(torch.int32), one.view(torch.int32)), f"chunks={chunks}"

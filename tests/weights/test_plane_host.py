@@ -22,7 +22,8 @@ from slipstream.kernels.pack import pack_weight
 from slipstream.weights import cpu_packed
 from slipstream.weights.cpu_packed import group_affine
 from slipstream.weights.plane_host import PlaneLinear, plane_nbytes, plane_readable
-from quant_oracle import assert_same_bits_every_way, assert_within_bound, make_raw, quantized
+from quant_oracle import (assert_chunked_threads_give_the_bits, assert_same_bits_every_way,
+                          assert_within_bound, make_raw, quantized)
 
 F32_U = 2.0 ** -24
 
@@ -253,8 +254,4 @@ def test_threads_taking_chunks_give_the_bits_of_equal_shares(threads):
     rows, cols = 16 * 70 - 5, 512
     lin = PlaneLinear(planes_of(make_raw(Q.Q4_K, rows, cols, 4), Q.Q4_K, rows, cols))
     x = torch.randn(6, cols, generator=torch.Generator().manual_seed(5))
-    one = lin.matvec(x, torch.empty(6, rows), threads=1)
-    chunks = lin.matvec(x, torch.empty(6, rows), threads=threads, chunks=True)
-    static = lin.matvec(x, torch.empty(6, rows), threads=threads, chunks=False)
-    assert torch.equal(chunks.view(torch.int32), one.view(torch.int32))
-    assert torch.equal(static.view(torch.int32), one.view(torch.int32))
+    assert_chunked_threads_give_the_bits(lin, x, rows, threads)

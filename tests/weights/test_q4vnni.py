@@ -23,8 +23,8 @@ from slipstream import native
 from slipstream.weights import cpu_packed
 from slipstream.weights.cpu_packed import (Q4VnniLinear, Q8VnniLinear, group_affine, kind_for,
                                            pack_linear, packed_nbytes)
-from quant_oracle import (assert_same_bits_every_way, assert_within_bound, make_raw,
-                          quantize_rows, quantized)
+from quant_oracle import (assert_chunked_threads_give_the_bits, assert_same_bits_every_way,
+                          assert_within_bound, make_raw, quantize_rows, quantized)
 
 F32_U = 2.0 ** -24
 
@@ -342,8 +342,4 @@ def test_threads_taking_chunks_give_the_bits_of_equal_shares(threads):
     raw = make_raw(Q.Q4_K, rows, cols, 4)
     lin = pack_linear(raw, Q.Q4_K, (rows, cols), kind="q4vnni")
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(5))
-    one = lin.matvec(x, torch.empty(3, rows), threads=1)
-    chunks = lin.matvec(x, torch.empty(3, rows), threads=threads, chunks=True)
-    static = lin.matvec(x, torch.empty(3, rows), threads=threads, chunks=False)
-    assert torch.equal(chunks.view(torch.int32), one.view(torch.int32))
-    assert torch.equal(static.view(torch.int32), one.view(torch.int32))
+    assert_chunked_threads_give_the_bits(lin, x, rows, threads)
