@@ -5,7 +5,8 @@ together (they share host memory).
 
 Per streamed layer of image bytes B with FFN bytes F, a CPU share s of the FFN's units takes
 s F c / C + f seconds on the CPU's side (c: the CPU layout's bytes per GGUF byte, C its GB/s
-in decode, the probe's rate derated by DECODE_CPU_EFFICIENCY, f its fixed cost per layer) while PCIe moves B - s F at P GB/s. Both finish together at
+in decode, the probe's rate derated by DECODE_CPU_EFFICIENCY, f its fixed cost per layer)
+while PCIe moves B - s F at P GB/s. Both finish together at
 s = (B / P - f - h - g R / n) / (F / P + F c / C), where h is the hand-over per layer (the
 split layer's attention, the input's copy down and the result's sum) and g the GPU's compute of
 each of the R layers that do not split, over the n split ones: all of it lies on the chain, in

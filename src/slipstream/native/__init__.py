@@ -32,7 +32,7 @@ from pathlib import Path
 
 # compiled together into one library
 SOURCES = ("decode_ops.c", "q4_matvec.c", "int4_pack.c", "decode_layer.c", "plane_matvec.c")
-HEADERS = ("bf16.h", "half.h")  # what they include: written beside them, and part of the cache key
+HEADERS = ("bf16.h", "half.h", "parallel.h")  # what they include: written beside them, and part of the cache key
 # -ffp-contract=off: no fused multiply-adds, so that every product is rounded as torch rounds
 # it (RoPE as torch's complex multiply) and the bits do not depend on whether the CPU has FMA.
 FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")

@@ -41,6 +41,7 @@
 #include <string.h>
 
 #include "half.h"
+#include "parallel.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PL_AVX2 1
@@ -58,15 +59,10 @@
 /* units whose activation digits lie side by side (see pl_x_offset) */
 #define PL_XGROUP (PL_VNNI ? 4 : 2)
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #define PL_UNIT 32       /* columns per unit (a code block and its scale) */
 #define PL_LANES 8       /* units summed side by side: a Q4_K super-block */
 #define PL_MAX_M 4       /* activation rows per pass over the weights */
 #define PL_TILE 2        /* weight rows sharing each activation load (decode: one x row) */
-#define PL_CHUNKS_PER_THREAD 8  /* PL_CHUNKS: row ranges a thread, taken as threads finish */
 
 /* the formats (plane_weight.fmt) */
 #define PL_Q4_0 0
@@ -393,7 +389,8 @@ typedef struct {
 
 /* One thread's rows, every activation row, in passes of up to PL_MAX_M (a pass reads the
  * weights once). */
-static void pl_run_part(const pl_job *j, int part, int parts) {
+static void pl_run_part(const void *job, int part, int parts) {
+    const pl_job *j = job;
     const int64_t n = j->w->n, units = j->w->k / PL_UNIT;
     int64_t r0 = n * part / parts, r1 = n * (part + 1) / parts;
     for (int64_t a = 0; a < j->m; a += PL_MAX_M) {
@@ -448,25 +445,9 @@ int ss_plane_matvec(const plane_weight *w, const float *x, float *y, int64_t m, 
     /* at least 16 rows a thread: below that a hand-off costs more than it saves */
     if (threads > w->n / 16) threads = w->n / 16;
     if (threads < 1) threads = 1;
-#ifdef _OPENMP
-    if (threads > 1) {
-        if (flags & PL_CHUNKS) {
-            /* as q4_matvec.c's q4_parallel: chunks from a shared counter, so that one thread
-             * descheduled for a while does not hold the rest at the barrier; each row is still
-             * one thread's, in one order: the same bits */
-            int64_t chunks = threads * PL_CHUNKS_PER_THREAD;
-            if (chunks > w->n / 16) chunks = w->n / 16;
-#pragma omp parallel for num_threads((int)threads) schedule(dynamic, 1)
-            for (int64_t c = 0; c < chunks; c++) pl_run_part(&j, (int)c, (int)chunks);
-        } else {
-#pragma omp parallel num_threads((int)threads)
-            pl_run_part(&j, omp_get_thread_num(), omp_get_num_threads());
-        }
-        free(scratch);
-        return 0;
-    }
-#endif
-    pl_run_part(&j, 0, 1);
+    /* PL_CHUNKS: the threads take chunks of the rows as they finish (parallel.h), each
+     * chunk at least 16 rows */
+    ss_parallel(pl_run_part, &j, (int)threads, w->n / 16, (flags & PL_CHUNKS) != 0);
     free(scratch);
     return 0;
 }

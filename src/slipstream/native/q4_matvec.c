@@ -45,6 +45,7 @@
 
 #include "bf16.h"
 #include "half.h"
+#include "parallel.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define Q4_VNNI 1
@@ -447,45 +448,24 @@ typedef struct {
     void *y;
 } q4_job;
 
-static void q4_run_part(const q4_job *j, int part, int parts) {
+/* part `part` of `parts` equal ranges of the row blocks (parallel.h's run) */
+static void q4_run_part(const void *job, int part, int parts) {
+    const q4_job *j = job;
     int64_t b0 = j->nb * part / parts, b1 = j->nb * (part + 1) / parts;
     q4_share(j->w, b0, b1, j->n, j->G, j->fmt, j->q, j->dx, j->sx, j->k, j->m, j->y,
              j->y_f32, j->generic, j->x16);
 }
 
-#define Q4_CHUNKS_PER_THREAD 8
-
-/* With Q4_CHUNKS, threads take the blocks in chunks, Q4_CHUNKS_PER_THREAD a thread, from a
- * shared counter (dynamic scheduling), rather than one equal share each. A region lasts as long
- * as its slowest thread, and on a host whose cores are shared (the GPU hosts' 16 vCPUs, with the
- * main thread enqueueing CUDA work, the driver's threads and the hypervisor beside the 15
- * workers), one thread descheduled for a while holds every other one at the barrier: hybrid
- * decode's CPU shares ran with about 8.7 of the 15 threads' cores busy on average
- * (bench/results/2026-12-05-s33-hybrid-bench-h100-call1.json, host_load). Each block is still
- * computed by one thread in one order, so the results are the static split's bit for bit. The
- * default (weights/cpu_packed.py's CPU_CHUNKS) since an H100 host ran a 70B's split layers'
- * shares at 104.4 GB/s chunked against 82.9 in equal shares, and hybrid decode at 5.25 against
- * 4.14 tok/s (bench/results/2026-12-05-s34-hybrid-bench{,-chunks}-h100-call1.json); on the
- * shared 2-core CI machine two runs put them at 1.02x and 1.03x alone, 0.92x and 1.12x beside a
- * busy core (2026-12-05-s33-cpu-chunks{-run1,}.json). */
+/* With Q4_CHUNKS the threads take the row blocks in chunks (parallel.h): hybrid decode's CPU
+ * shares ran with about 8.7 of the 15 threads' cores busy on average with one equal share each
+ * (bench/results/2026-12-05-s33-hybrid-bench-h100-call1.json, host_load). The default
+ * (weights/cpu_packed.py's CPU_CHUNKS) since an H100 host ran a 70B's split layers' shares at
+ * 104.4 GB/s chunked against 82.9 in equal shares, and hybrid decode at 5.25 against 4.14 tok/s
+ * (bench/results/2026-12-05-s34-hybrid-bench{,-chunks}-h100-call1.json); on the shared 2-core
+ * CI machine two runs put them at 1.02x and 1.03x alone, 0.92x and 1.12x beside a busy core
+ * (2026-12-05-s33-cpu-chunks{-run1,}.json). */
 static void q4_parallel(const q4_job *j, int parts, int dynamic) {
-#ifdef _OPENMP
-    if (parts > 1) {
-        if (dynamic) {
-            int64_t chunks = (int64_t)parts * Q4_CHUNKS_PER_THREAD;
-            if (chunks > j->nb) chunks = j->nb;
-#pragma omp parallel for num_threads(parts) schedule(dynamic, 1)
-            for (int64_t c = 0; c < chunks; c++)
-                q4_run_part(j, (int)c, (int)chunks);
-        } else {
-#pragma omp parallel num_threads(parts)
-            q4_run_part(j, omp_get_thread_num(), omp_get_num_threads());
-        }
-        return;
-    }
-#endif
-    (void)dynamic;
-    q4_run_part(j, 0, 1);
+    ss_parallel(q4_run_part, j, parts, j->nb, dynamic);
 }
 
 /* An empty parallel region of `threads`: the calling thread's OpenMP team wakes up if it slept,
