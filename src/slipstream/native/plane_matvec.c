@@ -56,6 +56,10 @@
 #else
 #define PL_VNNI 0
 #endif
+/* VNNI's sums come out in the units' own order (pl_sums8_vnni), so the float work skips the
+ * permutes into the lanes' order and permutes the accumulators once a tile instead: each lane
+ * still sees the same units in the same order, so the same bits. */
+#define PL_NATURAL PL_VNNI
 /* units whose activation digits lie side by side (see pl_x_offset) */
 #define PL_XGROUP (PL_VNNI ? 4 : 2)
 
@@ -174,28 +178,35 @@ static inline void pl_units_generic(const plane_weight *w, int64_t row, int64_t 
 }
 
 #if PL_AVX2
-/* The scales and zeros of units [u, u + 8) of a row as vectors in the lanes' order (pl_lane),
- * each the same value as pl_unit_scale's, computed the same way. */
+/* The lanes' order (pl_lane) of 8 units in their own order, as a permute: lane-order position l
+ * holds unit PL_ORDER[l]. */
+#define PL_ORDER _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7)
+
+/* A vector of 8 units' values in their own order, in the order the sums come in. */
+static inline __m256 pl_to_sums_order(__m256 v) {
+    return PL_NATURAL ? v : _mm256_permutevar8x32_ps(v, PL_ORDER);
+}
+
+/* The scales and zeros of units [u, u + 8) of a row as vectors in the sums' order (the lanes'
+ * order, or the units' own with PL_NATURAL), each the same value as pl_unit_scale's, computed
+ * the same way. */
 static inline void pl_scales8(const plane_weight *w, int64_t row, int64_t u, __m256 *s,
                               __m256 *z) {
     const int64_t units = w->k / PL_UNIT;
-    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
     if (w->fmt == PL_Q4_K) {
         int64_t sb = row * (w->k / 256) + u / 8;
         __m256 d = _mm256_set1_ps(f16_to_f32(w->d[sb]));
         __m256 ndmin = _mm256_set1_ps(-f16_to_f32(w->m[sb]));
         __m128i scb = _mm_loadl_epi64((const __m128i *)(w->sc + row * units + u));
         __m128i mnb = _mm_loadl_epi64((const __m128i *)(w->mn + row * units + u));
-        *s = _mm256_mul_ps(d, _mm256_cvtepi32_ps(
-            _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(scb), order)));
-        *z = _mm256_mul_ps(ndmin, _mm256_cvtepi32_ps(
-            _mm256_permutevar8x32_epi32(_mm256_cvtepu8_epi32(mnb), order)));
+        *s = _mm256_mul_ps(d, pl_to_sums_order(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(scb))));
+        *z = _mm256_mul_ps(ndmin, pl_to_sums_order(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mnb))));
     } else {
-        *s = _mm256_permutevar8x32_ps(
-            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->d + row * units + u))), order);
+        *s = pl_to_sums_order(
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w->d + row * units + u))));
         *z = w->fmt == PL_Q4_1
-             ? _mm256_permutevar8x32_ps(_mm256_cvtph_ps(
-                   _mm_loadu_si128((const __m128i *)(w->m + row * units + u))), order)
+             ? pl_to_sums_order(_mm256_cvtph_ps(
+                   _mm_loadu_si128((const __m128i *)(w->m + row * units + u))))
              : _mm256_mul_ps(*s, _mm256_set1_ps(-8.0f));
     }
 }
@@ -252,14 +263,14 @@ static inline __attribute__((always_inline)) void pl_group_sums_avx2(
 }
 
 #if PL_VNNI
-/* A group of 8 units' integer sums, in the lanes' order (pl_lane), for one row's codes (at
- * its unit u) against x: the group's digits, x[0..1] units u..u+3's low- and high-nibble
- * columns, x[2..3] u+4..u+7's (X16: x[4..7] the low digits likewise). vpdpbusd sums each
- * unit's 4-column products into its 128-bit lane's 4 int32s (exact: no saturation), then two
- * adds within the lanes and one permute leave the 8 totals in the AVX2 loop's order. */
+/* A group of 8 units' integer sums, in the units' own order, for one row's codes (at its unit
+ * u) against x: the group's digits, x[0..1] units u..u+3's low- and high-nibble columns,
+ * x[2..3] u+4..u+7's (X16: x[4..7] the low digits likewise). vpdpbusd sums each unit's
+ * 4-column products into its 128-bit lane's 4 int32s (exact: no saturation), then two adds
+ * within the lanes and one permute leave the 8 totals in order. */
 static inline __m256i pl_sums8_vnni(const uint8_t *codes, const __m512i *x, const int X16) {
     const __m512i low = _mm512_set1_epi8(0x0f);
-    const __m512i order = _mm512_setr_epi32(0, 8, 1, 9, 4, 12, 5, 13,
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13,
                                             0, 0, 0, 0, 0, 0, 0, 0);
     __m512i a[2];
     for (int half = 0; half < 2; half++) {
@@ -306,12 +317,18 @@ static inline __attribute__((always_inline)) void pl_tile_simd(
         const int X16, float accs_out[][PL_LANES], float accz_out[][PL_LANES]) {
     const int64_t units = w->k / PL_UNIT, row_bytes = w->k / 2;
     const uint8_t *codes = w->lo + row * row_bytes;
-    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    /* the accumulators in the sums' order: PL_NATURAL's units' own order comes from the lanes'
+     * by the inverse of PL_ORDER, and goes back by PL_ORDER */
+    const __m256i from_lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     __m256 accs[PL_TILE][PL_MAX_M], accz[PL_TILE][PL_MAX_M];
     for (int q = 0; q < R; q++)
         for (int r = 0; r < M; r++) {
             accs[q][r] = _mm256_loadu_ps(accs_out[q * M + r]);
             accz[q][r] = _mm256_loadu_ps(accz_out[q * M + r]);
+            if (PL_NATURAL) {
+                accs[q][r] = _mm256_permutevar8x32_ps(accs[q][r], from_lanes);
+                accz[q][r] = _mm256_permutevar8x32_ps(accz[q][r], from_lanes);
+            }
         }
     for (int64_t u = u0; u < u1; u += PL_LANES) {
         __m256 s[PL_TILE], z[PL_TILE];
@@ -320,8 +337,8 @@ static inline __attribute__((always_inline)) void pl_tile_simd(
             __m256i sums[PL_TILE];
             PL_GROUP_SUMS(codes, row_bytes, u, xq + r * xstride + u * PL_UNIT, w->k, R, X16,
                           sums);
-            __m256 d = _mm256_permutevar8x32_ps(_mm256_loadu_ps(dx + r * units + u), order);
-            __m256 t = _mm256_permutevar8x32_ps(_mm256_loadu_ps(sx + r * units + u), order);
+            __m256 d = pl_to_sums_order(_mm256_loadu_ps(dx + r * units + u));
+            __m256 t = pl_to_sums_order(_mm256_loadu_ps(sx + r * units + u));
             for (int q = 0; q < R; q++) {
                 __m256 prod = _mm256_mul_ps(_mm256_cvtepi32_ps(sums[q]), d);
                 accs[q][r] = _mm256_fmadd_ps(prod, s[q], accs[q][r]);
@@ -331,6 +348,10 @@ static inline __attribute__((always_inline)) void pl_tile_simd(
     }
     for (int q = 0; q < R; q++)
         for (int r = 0; r < M; r++) {
+            if (PL_NATURAL) {
+                accs[q][r] = _mm256_permutevar8x32_ps(accs[q][r], PL_ORDER);
+                accz[q][r] = _mm256_permutevar8x32_ps(accz[q][r], PL_ORDER);
+            }
             _mm256_storeu_ps(accs_out[q * M + r], accs[q][r]);
             _mm256_storeu_ps(accz_out[q * M + r], accz[q][r]);
         }
