@@ -216,22 +216,30 @@ def probe_rows(rows: int, cols: int, bits_per_weight: float = 6.0) -> int:
 
 @functools.lru_cache(maxsize=2)
 def _q4vnni_weight(rows: int, cols: int, halves: bool = False):
-    """A random weight in q4vnni's layout for Q4_K (float32 scales and zeros, or float16 with
-    `halves`, all 0.01; codes random), made in its records directly: packing random Q4_K
-    bytes took 9 s for a quarter of this size on 2 cores."""
+    """A random weight in the q4vnni layout Q4_K takes (Q4_K's own scales, d and dmin 0.01 and
+    scales and mins random; or float32 scales and zeros, or float16 with `halves`, all 0.01;
+    codes random), made in its records directly: packing random Q4_K bytes took 9 s for a
+    quarter of this size on 2 cores."""
     import torch
+    from gguf import GGMLQuantizationType
 
-    from ..weights.cpu_packed import (INT4_GROUP, Q4V_CODE_BYTES, Q4V_ROWS, Q4VnniLinear,
-                                      q4vnni_record_bytes)
+    from ..weights import cpu_packed as cp
 
     gen = torch.Generator().manual_seed(0)
-    blocks, groups = -(-rows // Q4V_ROWS), cols // INT4_GROUP
-    packed = torch.randint(0, 256, (blocks, groups, q4vnni_record_bytes(not halves)),
-                           dtype=torch.uint8, generator=gen)
-    planes = torch.full((blocks, groups, 2 * Q4V_ROWS), 0.01,
-                        dtype=torch.float16 if halves else torch.float32)
-    packed[..., Q4V_CODE_BYTES:] = planes.view(torch.uint8)
-    return Q4VnniLinear(packed, rows)
+    blocks, groups = -(-rows // cp.Q4V_ROWS), cols // cp.INT4_GROUP
+    k_scales = not halves and cp.q4vnni_k_scales((GGMLQuantizationType.Q4_K,), cols)
+    record = cp.Q4V_KS_RECORD_BYTES if k_scales else cp.q4vnni_record_bytes(not halves)
+    packed = torch.randint(0, 256, (blocks, groups, record), dtype=torch.uint8, generator=gen)
+    if k_scales:  # each run's header: d and dmin
+        runs = packed.view(blocks, groups // cp.Q4V_KS_RUN, -1)
+        runs[..., :cp.Q4V_KS_HEADER_BYTES] = torch.full(
+            (blocks, groups // cp.Q4V_KS_RUN, 2 * cp.Q4V_ROWS), 0.01,
+            dtype=torch.float16).view(torch.uint8)
+    else:
+        planes = torch.full((blocks, groups, 2 * cp.Q4V_ROWS), 0.01,
+                            dtype=torch.float16 if halves else torch.float32)
+        packed[..., cp.Q4V_CODE_BYTES:] = planes.view(torch.uint8)
+    return cp.Q4VnniLinear(packed, rows)
 
 
 @functools.lru_cache(maxsize=2)

@@ -32,8 +32,8 @@ import torch
 from ..model.layer_spec import spec_for
 from ..model.llama import LayerWeights
 from .cpu_packed import (INT4_GROUP, Int4PackLinear, Int4PairLinear, Int8PackLinear,
-                         PackedDecodeLinear, Q, Q4VnniLinear, Q8VnniLinear, kind_for,
-                         q4vnni_available, q4vnni_nbytes, q8vnni_nbytes)
+                         PackedDecodeLinear, Q4VnniLinear, Q8VnniLinear, kind_for,
+                         q4vnni_available, q4vnni_parts_nbytes, q8vnni_nbytes)
 from .image import IMAGE_ALIGN, _Entry
 from .linear import GEMV_MAX_ROWS, DenseLinear
 
@@ -192,7 +192,7 @@ def image_nbytes(gf, cfg, i: int, precision) -> int:
         kind = kinds.pop() if len(kinds) == 1 else None
         padded = -(-rows // 16) * 16
         if kind == "q4vnni":
-            total += _aligned(q4vnni_nbytes(rows, cols, any(Q(int(t)) == Q.Q4_K for t in types)))
+            total += _aligned(q4vnni_parts_nbytes(types, rows, cols))
         elif kind == "q8vnni":
             total += _aligned(q8vnni_nbytes(rows, cols))
         elif kind == "int4pack":

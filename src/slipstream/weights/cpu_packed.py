@@ -427,14 +427,41 @@ def q4vnni_record_bytes(scale_f32: bool) -> int:
     return Q4V_CODE_BYTES + 2 * Q4V_ROWS * (4 if scale_f32 else 2)
 
 
-# record bytes -> q4_matvec.c's Q4_F16, Q4_F32, Q8_F16
-Q4V_FORMATS = {q4vnni_record_bytes(False): 0, q4vnni_record_bytes(True): 1, Q8V_RECORD_BYTES: 2}
+# Q4_K's own scales (q4_matvec.c's Q4_KS): groups in runs of 8 (a Q4_K super-block), each run a
+# header of the 16 rows' d and dmin (float16, 64 bytes), then 8 records of 256 bytes of codes
+# and the rows' 6-bit scales and mins as bytes (32): 296 bytes a group, 4.625 bits a weight
+# against the float32 records' 6, with the same bits (d sc and -dmin mn are exact in float32).
+Q4V_KS_RUN = 8
+Q4V_KS_HEADER_BYTES = 2 * Q4V_ROWS * 2
+Q4V_KS_RECORD_BYTES = Q4V_CODE_BYTES + 2 * Q4V_ROWS + Q4V_KS_HEADER_BYTES // Q4V_KS_RUN
+# SLIPSTREAM_Q4VNNI_KS=0 packs Q4_K with float32 scales and zeros as before (the same bits,
+# 30% more bytes: for benchmarks comparing the two)
+Q4VNNI_KS = os.environ.get("SLIPSTREAM_Q4VNNI_KS", "1") == "1"
+
+# record bytes -> q4_matvec.c's Q4_F16, Q4_F32, Q8_F16, Q4_KS
+Q4V_FORMATS = {q4vnni_record_bytes(False): 0, q4vnni_record_bytes(True): 1, Q8V_RECORD_BYTES: 2,
+               Q4V_KS_RECORD_BYTES: 3}
 
 
-def q4vnni_nbytes(rows: int, cols: int, scale_f32: bool) -> int:
+def q4vnni_k_scales(qtypes: Sequence[GGMLQuantizationType | int], cols: int) -> bool:
+    """Whether q4vnni packs these parts with Q4_K's own scales (Q4_KS): every part Q4_K."""
+    return Q4VNNI_KS and cols % (Q4V_KS_RUN * INT4_GROUP) == 0 and all(
+        Q(int(t)) == Q.Q4_K for t in qtypes)
+
+
+def q4vnni_nbytes(rows: int, cols: int, scale_f32: bool, k_scales: bool = False) -> int:
     """Bytes of a (rows, cols) q4vnni weight: with float16 scales, int4pack's 4 + 1 bits a
-    weight (its rows padded to 16 rather than 64); float32, 4 + 2."""
-    return -(-rows // Q4V_ROWS) * (cols // INT4_GROUP) * q4vnni_record_bytes(scale_f32)
+    weight (its rows padded to 16 rather than 64); float32, 4 + 2; Q4_K's own, 4 + 0.625."""
+    record = Q4V_KS_RECORD_BYTES if k_scales else q4vnni_record_bytes(scale_f32)
+    return -(-rows // Q4V_ROWS) * (cols // INT4_GROUP) * record
+
+
+def q4vnni_parts_nbytes(qtypes: Sequence[GGMLQuantizationType | int], rows: int,
+                        cols: int) -> int:
+    """Bytes of the q4vnni weight Q4VnniLinear.from_raws makes of parts of these formats
+    stacked into (rows, cols)."""
+    has_k = any(Q(int(t)) == Q.Q4_K for t in qtypes)
+    return q4vnni_nbytes(rows, cols, has_k, q4vnni_k_scales(qtypes, cols))
 
 
 def q8vnni_nbytes(rows: int, cols: int) -> int:
@@ -473,6 +500,32 @@ def _q8vnni_codes(u: torch.Tensor) -> torch.Tensor:
     rows, cols = u.shape
     q = u.view(rows // Q4V_ROWS, Q4V_ROWS, cols // INT4_GROUP, 8, 4).permute(0, 2, 3, 1, 4)
     return q.reshape(rows // Q4V_ROWS, cols // INT4_GROUP, 8 * Q4V_ROWS * 4)
+
+
+def _q4vnni_ks(raws, qtypes, shapes, codes: torch.Tensor) -> torch.Tensor:
+    """Q4_K parts stacked by rows, with their codes already in q4vnni's records ((blocks,
+    groups, 256), padding rows 0) -> (blocks, groups, Q4V_KS_RECORD_BYTES) uint8 in Q4_KS's
+    layout: per run of 8 groups, the 16 rows' d then dmin (the file's float16 bits), then each
+    group's codes, the rows' 6-bit scales, then their mins."""
+    blocks, groups = codes.shape[0], codes.shape[1]
+    padded, runs = blocks * Q4V_ROWS, groups // Q4V_KS_RUN
+    halves = torch.zeros(padded, runs, 2, dtype=torch.int16)  # d, dmin
+    scale_min = torch.zeros(padded, groups, 2, dtype=torch.uint8)  # sc, mn
+    r0 = 0
+    for raw, qtype, (r, c) in zip(raws, qtypes, shapes):
+        b = _blocks(raw, Q(int(qtype)), r, c)  # (r * runs, 144)
+        halves[r0:r0 + r] = b[:, 0:4].contiguous().view(torch.int16).view(r, runs, 2)
+        sc, mn = _k_scale_min(b[:, 4:16])
+        scale_min[r0:r0 + r, :, 0] = sc.reshape(r, groups)
+        scale_min[r0:r0 + r, :, 1] = mn.reshape(r, groups)
+        r0 += r
+    header = halves.view(blocks, Q4V_ROWS, runs, 2).permute(0, 2, 3, 1).contiguous()
+    header = header.view(torch.uint8).view(blocks, runs, Q4V_KS_HEADER_BYTES)
+    sm = scale_min.view(blocks, Q4V_ROWS, runs, Q4V_KS_RUN, 2).permute(0, 2, 3, 4, 1)
+    records = torch.cat([codes.view(blocks, runs, Q4V_KS_RUN, Q4V_CODE_BYTES),
+                         sm.reshape(blocks, runs, Q4V_KS_RUN, 2 * Q4V_ROWS)], dim=3)
+    packed = torch.cat([header, records.view(blocks, runs, -1)], dim=2)
+    return packed.view(blocks, groups, Q4V_KS_RECORD_BYTES)
 
 
 def _q4vnni_plane(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -539,6 +592,7 @@ class Q4VnniLinear(Linear):
         if fmt is None or (fmt == 2) != (self.kind == "q8vnni"):
             raise ValueError(f"{self.kind} records are not {packed.shape[2]} bytes")
         self.scale_f32 = fmt == 1
+        self.k_scales = fmt == 3  # Q4_K's own scales (Q4_KS)
         lib = native.library()
         if lib is None:
             raise RuntimeError("q4vnni needs the native library (slipstream.native), which "
@@ -564,8 +618,14 @@ class Q4VnniLinear(Linear):
         # in one native pass where the library is there (the same bits; in torch ops a 70B's
         # hybrid load took 70-85 s against int4pack's 25-34 s, which packs natively)
         native = q4vnni_native(raws, qtypes, shapes, padded)
+        k_scales = not round_scales and q4vnni_k_scales(qtypes, cols)
         if native is not None:
             codes, s, z = native
+        elif k_scales:  # the scales come from the file's fields
+            u = torch.zeros(padded, cols, dtype=torch.uint8)
+            for r0, ga in _chunks(raws, qtypes, shapes):
+                u[r0:r0 + ga.shape[0]] = _q4vnni_params(ga)[0]
+            codes = _q4vnni_codes(u)
         else:
             u = torch.zeros(padded, cols, dtype=torch.uint8)  # padding rows: codes, scales 0
             s = torch.zeros(padded, groups)
@@ -574,6 +634,8 @@ class Q4VnniLinear(Linear):
                 r1 = r0 + ga.shape[0]
                 u[r0:r1], s[r0:r1], z[r0:r1] = _q4vnni_params(ga)
             codes = _q4vnni_codes(u)
+        if k_scales:
+            return cls(_q4vnni_ks(raws, qtypes, shapes, codes), rows, bias)
         # float16 where it holds every scale and zero exactly: Q4_0's and Q4_1's (f16 fields;
         # -8 d too, short of overflow), never in general Q4_K's (an f16 times a 6-bit integer),
         # which keep float32 so that packed_nbytes can tell the size from the format
@@ -890,7 +952,7 @@ def packed_nbytes(qtype: GGMLQuantizationType | int, shape: tuple[int, int],
         return None
     rows, cols = (int(s) for s in shape)
     if k == "q4vnni":  # float16 scales and zeros hold Q4_0's and Q4_1's exactly, not Q4_K's
-        return q4vnni_nbytes(rows, cols, scale_f32=Q(int(qtype)) == Q.Q4_K)
+        return q4vnni_parts_nbytes((qtype,), rows, cols)
     if k == "q4vnni-f16":
         return q4vnni_nbytes(rows, cols, scale_f32=False)
     if k == "q8vnni":
