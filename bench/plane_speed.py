@@ -1,5 +1,6 @@
 """The CPU kernels hybrid decode's CPU share can run, on a 70B layer's share: the image's planes
-read in place (weights.plane_host, kind "planes"), q4vnni and torch's int4pack.
+read in place (weights.plane_host, kind "planes"), q4vnni (Q4_K's own scales, 4.625 bits a
+weight), q4vnni-f32 (its float32 records before session 35, 6 bits) and torch's int4pack.
 
     python bench/plane_speed.py OUTDIR [--threads 1,2] [--share 0.6] [--reps 3] [--rounds 3]
 
@@ -8,7 +9,7 @@ Each kind multiplies m activation rows (1: decode, 4: a small tree) by a split l
 matrix, down's columns as another), random weights made directly in each layout: the best of
 --reps in each of --rounds rounds, the kinds taking turns within a round (a shared machine's
 load moves between them), and the median over the rounds. Reports ms a layer, weights a second and bytes read a second (each layout's own bytes:
-planes 4.625 bits a Q4_K weight, q4vnni 6, int4pack 5). Prints a table; writes
+planes and q4vnni 4.625 bits a Q4_K weight, q4vnni-f32 6, int4pack 5). Prints a table; writes
 OUTDIR/plane-speed.json. On a small machine the kernels are compute-bound (their weights a
 second is the figure); on a GPU host sharing its memory bus with the copies, bytes are.
 """
@@ -47,8 +48,10 @@ def layer_share(kind: str, units: int):
 
         nbytes = sum(p.numel() + sz.numel() * 2 for p, sz in mats)
     else:
-        make = hybrid_plan._plane_weight if kind == "planes" else hybrid_plan._q4vnni_weight
-        mats = [make(*s) for s in shapes]
+        if kind == "planes":
+            mats = [hybrid_plan._plane_weight(*s) for s in shapes]
+        else:  # q4vnni: Q4_K's own scales (4.625 bits); q4vnni-f32: the float32 records (6)
+            mats = [hybrid_plan._q4vnni_weight(*s, k_scales=kind == "q4vnni") for s in shapes]
 
         def mul(i, x):
             out = torch.empty(x.shape[0], mats[i].out_features)
@@ -71,7 +74,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--kinds", default="planes,q4vnni,int4pack")
+    ap.add_argument("--kinds", default="planes,q4vnni,q4vnni-f32,int4pack")
     a = ap.parse_args()
     cores = torch.get_num_threads()
     threads = [int(t) for t in a.threads.split(",")] if a.threads else sorted({1, cores})

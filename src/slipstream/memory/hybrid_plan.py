@@ -215,11 +215,12 @@ def probe_rows(rows: int, cols: int, bits_per_weight: float = 6.0) -> int:
 
 
 @functools.lru_cache(maxsize=2)
-def _q4vnni_weight(rows: int, cols: int, halves: bool = False):
-    """A random weight in the q4vnni layout Q4_K takes (Q4_K's own scales, d and dmin 0.01 and
-    scales and mins random; or float32 scales and zeros, or float16 with `halves`, all 0.01;
-    codes random), made in its records directly: packing random Q4_K bytes took 9 s for a
-    quarter of this size on 2 cores."""
+def _q4vnni_weight(rows: int, cols: int, halves: bool = False, k_scales: bool | None = None):
+    """A random weight in the q4vnni layout Q4_K takes (k_scales, the default where
+    cpu_packed.Q4VNNI_KS: Q4_K's own scales, d and dmin 0.01 and scales and mins random; else
+    float32 scales and zeros, or float16 with `halves`, all 0.01; codes random), made in its
+    records directly: packing random Q4_K bytes took 9 s for a quarter of this size on 2
+    cores."""
     import torch
     from gguf import GGMLQuantizationType
 
@@ -227,7 +228,8 @@ def _q4vnni_weight(rows: int, cols: int, halves: bool = False):
 
     gen = torch.Generator().manual_seed(0)
     blocks, groups = -(-rows // cp.Q4V_ROWS), cols // cp.INT4_GROUP
-    k_scales = not halves and cp.q4vnni_k_scales((GGMLQuantizationType.Q4_K,), cols)
+    if k_scales is None:
+        k_scales = not halves and cp.q4vnni_k_scales((GGMLQuantizationType.Q4_K,), cols)
     record = cp.Q4V_KS_RECORD_BYTES if k_scales else cp.q4vnni_record_bytes(not halves)
     packed = torch.randint(0, 256, (blocks, groups, record), dtype=torch.uint8, generator=gen)
     if k_scales:  # each run's header: d and dmin
