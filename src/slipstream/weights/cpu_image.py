@@ -31,6 +31,7 @@ import torch
 
 from ..model.layer_spec import spec_for
 from ..model.llama import LayerWeights
+from . import cpu_packed
 from .cpu_packed import (INT4_GROUP, Int4PackLinear, Int4PairLinear, Int8PackLinear,
                          PackedDecodeLinear, Q4VnniLinear, Q8VnniLinear, kind_for,
                          q4vnni_available, q4vnni_parts_nbytes, q8vnni_nbytes)
@@ -72,9 +73,12 @@ def layout_fingerprint() -> int:
     u = ((r * 7 + c * 3) % 16).to(torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
     crc = zlib.crc32(packed.contiguous().view(torch.uint8).numpy().tobytes())
-    # whether the 4-bit formats pack as q4vnni (native library there) or int4pack: an image of
-    # one is no use to a process that would build the other
-    return zlib.crc32(b"q4vnni-1", crc) if q4vnni_available() else crc
+    # whether the 4-bit formats pack as q4vnni (native library there) or int4pack, and Q4_K's
+    # q4vnni records with its own scales (since session 35) or float32 ones: an image of one
+    # is no use to a process that would build the other
+    if not q4vnni_available():
+        return crc
+    return zlib.crc32(b"q4vnni-ks" if cpu_packed.Q4VNNI_KS else b"q4vnni-1", crc)
 
 
 def _fields(architecture: str) -> list[str]:
