@@ -92,8 +92,7 @@ def test_kernel_against_the_oracle(qtype, rows, cols, threads, bits):
     assert isinstance(lin, Q4VnniLinear) and lin.out_features == rows
     assert lin.kind == KIND[qtype]
     assert lin.nbytes == packed_nbytes(qtype, (rows, cols), kind=KIND[qtype])
-    # Q4_0/Q4_1/Q8_0's fields are float16s; Q4_K keeps its own 6-bit scales behind float16s
-    assert not lin.scale_f32 and lin.k_scales == (qtype == Q.Q4_K)
+    assert lin.scale_f32 == (qtype == Q.Q4_K)  # Q4_0/Q4_1/Q8_0's fields are float16s
     g = torch.Generator().manual_seed(rows)
     for m in (1, 3, 9):
         x = torch.randn(m, cols, generator=g)
@@ -206,13 +205,14 @@ def test_q4k_own_scales_give_the_float32_records_bits(rows, cols, monkeypatch):
     records (6 bits), in both loops, for 8- and 16-bit activations: d sc and -dmin mn are the
     same exact products either way."""
     raw = make_raw(Q.Q4_K, rows, cols, 11)
-    own = pack_linear(raw, Q.Q4_K, (rows, cols), kind="q4vnni")
-    monkeypatch.setattr(cpu_packed, "Q4VNNI_KS", False)
     f32 = pack_linear(raw, Q.Q4_K, (rows, cols), kind="q4vnni")
+    assert f32.nbytes == packed_nbytes(Q.Q4_K, (rows, cols), kind="q4vnni")
+    monkeypatch.setattr(cpu_packed, "Q4VNNI_KS", True)  # SLIPSTREAM_Q4VNNI_KS=1
+    own = pack_linear(raw, Q.Q4_K, (rows, cols), kind="q4vnni")
     assert own.k_scales and f32.scale_f32 and not f32.k_scales
     assert own.nbytes * 8 == -(-rows // 16) * 16 * cols * 4.625
     assert f32.nbytes * 8 == -(-rows // 16) * 16 * cols * 6
-    assert f32.nbytes == packed_nbytes(Q.Q4_K, (rows, cols), kind="q4vnni")
+    assert own.nbytes == packed_nbytes(Q.Q4_K, (rows, cols), kind="q4vnni")
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(12))
     x[1, 64:96] *= -40
     for generic in (False, True):
@@ -222,26 +222,33 @@ def test_q4k_own_scales_give_the_float32_records_bits(rows, cols, monkeypatch):
             assert torch.equal(a, b), (generic, bits)
 
 
-def test_q4k_own_scales_layout():
+def test_q4k_own_scales_layout(monkeypatch):
     """Q4_KS: each run of 8 groups starts with the 16 rows' d then dmin (the file's float16
-    bits), then 8 records of codes (as Q4_F32's), the rows' 6-bit scales, then their mins."""
+    bits), then each group's 16 6-bit scales, then their mins, then the groups' codes (as
+    Q4_F32's), each group's on whole 64-byte lines."""
+    monkeypatch.setattr(cpu_packed, "Q4VNNI_KS", True)
     rows, cols = 16, 512
     raw = make_raw(Q.Q4_K, rows, cols, 13)
     own = pack_linear(raw, Q.Q4_K, (rows, cols), kind="q4vnni")
     ga = group_affine(raw, Q.Q4_K, (rows, cols))
     blocks = raw.view(rows, cols // 256, 144)
     run_bytes = own.packed.view(2, -1)  # the two runs of the one 16-row block
+    assert run_bytes.shape[1] == 320 + 8 * 256
     for run in range(2):
         head = run_bytes[run, :64].view(torch.int16)
         assert torch.equal(head[:16], blocks[:, run, 0:2].contiguous().view(torch.int16)[:, 0])
         assert torch.equal(head[16:], blocks[:, run, 2:4].contiguous().view(torch.int16)[:, 0])
         d = head[:16].view(torch.float16).float()
+        dmin = head[16:].view(torch.float16).float()
         for i in range(8):
-            rec = run_bytes[run, 64 + 288 * i:64 + 288 * (i + 1)]
             g = 8 * run + i
-            chunk = rec[0:64].view(16, 4).to(torch.int16)  # quad 0's codes
+            sc = run_bytes[run, 64 + 16 * i:80 + 16 * i].float()
+            mn = run_bytes[run, 192 + 16 * i:208 + 16 * i].float()
+            assert torch.equal(d * sc, ga.scale[:, g])
+            assert torch.equal(-(dmin * mn), ga.offset[:, g])
+            codes = run_bytes[run, 320 + 256 * i:320 + 256 * (i + 1)]
+            chunk = codes[0:64].view(16, 4).to(torch.int16)  # quad 0's codes
             assert torch.equal(chunk & 15, ga.codes[:, 32 * g:32 * g + 4].to(torch.int16))
-            assert torch.equal(d * rec[256:272].float(), ga.scale[:, g])
 
 
 def test_a_wrong_weight_fails_the_check():
@@ -346,9 +353,8 @@ def test_float16_scales_kind_against_the_rounded_oracle(qtype, rows, cols):
     lin = pack_linear(raw, qtype, (rows, cols), kind="q4vnni-f16")
     exact = pack_linear(raw, qtype, (rows, cols), kind="q4vnni")
     assert not lin.scale_f32 and lin.nbytes == packed_nbytes(qtype, (rows, cols), "q4vnni-f16")
-    if qtype == Q.Q4_K:  # 5 bits a weight, against the exact records' 4.625 (Q4_K's own scales)
-        padded = -(-rows // 16) * 16
-        assert lin.nbytes * 8 == padded * cols * 5 and exact.nbytes * 8 == padded * cols * 4.625
+    if qtype == Q.Q4_K:
+        assert lin.nbytes * 6 == exact.nbytes * 5
     else:  # Q4_0/Q4_1's float16 fields: the same weight
         assert torch.equal(lin.packed, exact.packed)
     u, s, z = affine(raw, qtype, (rows, cols))

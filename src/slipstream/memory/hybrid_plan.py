@@ -232,9 +232,9 @@ def _q4vnni_weight(rows: int, cols: int, halves: bool = False, k_scales: bool | 
         k_scales = not halves and cp.q4vnni_k_scales((GGMLQuantizationType.Q4_K,), cols)
     record = cp.Q4V_KS_RECORD_BYTES if k_scales else cp.q4vnni_record_bytes(not halves)
     packed = torch.randint(0, 256, (blocks, groups, record), dtype=torch.uint8, generator=gen)
-    if k_scales:  # each run's header: d and dmin
+    if k_scales:  # each run's header starts with d and dmin
         runs = packed.view(blocks, groups // cp.Q4V_KS_RUN, -1)
-        runs[..., :cp.Q4V_KS_HEADER_BYTES] = torch.full(
+        runs[..., :4 * cp.Q4V_ROWS] = torch.full(
             (blocks, groups // cp.Q4V_KS_RUN, 2 * cp.Q4V_ROWS), 0.01,
             dtype=torch.float16).view(torch.uint8)
     else:

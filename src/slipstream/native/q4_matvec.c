@@ -76,35 +76,42 @@
 #define Q4_KS 3
 
 /* Q4_KS: Q4_K's own scales, 4.625 bits a weight against Q4_F32's 6, the same bits. A block's
- * groups go in runs of 8 (a Q4_K super-block), each run a header, d[16] and dmin[16] (float16,
- * the file's), then 8 records of 256 bytes of codes | sc[16] | mn[16] (the 6-bit scales and
- * mins as bytes). s = d sc and z = -dmin mn are products of a float16 and a 6-bit integer,
- * exact in float32: Q4_F32's stored values, so the same sums and the same bits, from 23% fewer
- * bytes for a CPU share that shares host memory with the copy engine. */
+ * groups go in runs of 8 (a Q4_K super-block), each run a header of d[16] and dmin[16]
+ * (float16, the file's), then sc[8][16] and mn[8][16] (each group's 6-bit scales and mins as
+ * bytes), 320 bytes, then the 8 groups' 256 bytes of codes: every load stays within 64-byte
+ * lines (a first layout with each group's scales after its codes put every other group's
+ * codes 32 bytes off a line). s = d sc and z = -dmin mn are products of a float16 and a 6-bit
+ * integer, exact in float32: Q4_F32's stored values, so the same sums and the same bits, from
+ * 23% fewer bytes for a CPU share that shares host memory with the copy engine. */
 #define Q4_KS_RUN 8
-#define Q4_KS_HEADER 64
-#define Q4_KS_RECORD (256 + 32)
+#define Q4_KS_HEADER (4 * Q4_ROWS + 2 * Q4_KS_RUN * Q4_ROWS)
+#define Q4_KS_RUN_BYTES (Q4_KS_HEADER + Q4_KS_RUN * 256)
 
 static inline int64_t q4_code_bytes(int fmt) { return fmt == Q8_F16 ? 512 : 256; }
 
 /* Bytes a group takes in a block (Q4_KS: its share of a run, header included). */
 static inline int64_t q4_record_bytes(int fmt) {
     return fmt == Q4_F16 ? 256 + 64 : fmt == Q4_F32 ? 256 + 128 : fmt == Q8_F16 ? 512 + 32
-           : Q4_KS_RECORD + Q4_KS_HEADER / Q4_KS_RUN;
+           : Q4_KS_RUN_BYTES / Q4_KS_RUN;
 }
 
-/* Group g's record in a block. */
+/* Group g's record in a block (Q4_KS: its codes). */
 static inline const uint8_t *q4_record(const uint8_t *blk, int64_t g, const int fmt) {
     if (fmt == Q4_KS)
-        return blk + (g / Q4_KS_RUN) * (Q4_KS_HEADER + Q4_KS_RUN * Q4_KS_RECORD) + Q4_KS_HEADER
-               + (g % Q4_KS_RUN) * Q4_KS_RECORD;
+        return blk + (g / Q4_KS_RUN) * Q4_KS_RUN_BYTES + Q4_KS_HEADER + (g % Q4_KS_RUN) * 256;
     return blk + g * q4_record_bytes(fmt);
 }
 
-/* Q4_KS: the header (d[16] then dmin[16]) of the run holding group g's record p. */
+/* Q4_KS: the header (d[16] then dmin[16]) of the run holding group g's codes p. */
 static inline const uint16_t *q4_ks_header(const uint8_t *p, int64_t g) {
-    return (const uint16_t *)(p - (g % Q4_KS_RUN) * Q4_KS_RECORD - Q4_KS_HEADER);
+    return (const uint16_t *)(p - (g % Q4_KS_RUN) * 256 - Q4_KS_HEADER);
 }
+
+/* Q4_KS: group g's 16 scales (its 16 mins are Q4_KS_MINS further on). */
+static inline const uint8_t *q4_ks_scales(const uint8_t *p, int64_t g) {
+    return (const uint8_t *)q4_ks_header(p, g) + 4 * Q4_ROWS + (g % Q4_KS_RUN) * Q4_ROWS;
+}
+#define Q4_KS_MINS (Q4_KS_RUN * Q4_ROWS)
 
 /* One activation row of k floats, per block of 32: dx = max|x| / top, X = round-half-even(x / dx)
  * clamped to [-top, top], sx = dx * sum(X); an all-zero block gets dx = 0 and X = 0. With
@@ -163,8 +170,9 @@ static inline void q4_scales(const uint8_t *p, int64_t g, const int fmt, float *
     for (int i = 0; i < Q4_ROWS; i++) {
         if (fmt == Q4_KS) {
             const uint16_t *h = q4_ks_header(p, g);
-            s[i] = f16_to_f32(h[i]) * (float)sp[i];
-            z[i] = -f16_to_f32(h[Q4_ROWS + i]) * (float)sp[Q4_ROWS + i];
+            const uint8_t *sc = q4_ks_scales(p, g);
+            s[i] = f16_to_f32(h[i]) * (float)sc[i];
+            z[i] = -f16_to_f32(h[Q4_ROWS + i]) * (float)sc[Q4_KS_MINS + i];
         } else if (fmt == Q4_F32) {
             memcpy(&s[i], sp + 4 * i, 4);
             memcpy(&z[i], sp + 4 * Q4_ROWS + 4 * i, 4);
@@ -258,7 +266,15 @@ static inline __attribute__((always_inline)) void q4_block_vnni(
          * which this thread reads next; Q4_KS: about that far); a prefetch past the weights
          * does not fault */
         const char *ahead = (const char *)(p + Q4_PREFETCH * rec);
-        for (int64_t o = 0; o < rec; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+        int64_t ahead_bytes = rec;
+        if (fmt == Q4_KS) {  /* the codes Q4_KS_RUN groups on, and at a run's start its header */
+            ahead = (const char *)(p + Q4_KS_RUN_BYTES);
+            ahead_bytes = 256;
+            if (g % Q4_KS_RUN == 0)
+                for (int64_t o = 0; o < Q4_KS_HEADER; o += 64)
+                    _mm_prefetch(ahead - Q4_KS_HEADER + o, _MM_HINT_T0);
+        }
+        for (int64_t o = 0; o < ahead_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
         __m512i u[8];
         if (fmt == Q8_F16) {
             for (int j = 0; j < 8; j++) u[j] = _mm512_loadu_si512((const void *)(p + 64 * j));
@@ -279,10 +295,11 @@ static inline __attribute__((always_inline)) void q4_block_vnni(
                         _mm256_loadu_si256((const __m256i *)(h + Q4_ROWS)))),
                     _mm512_set1_epi32((int)0x80000000)));
             }
+            const uint8_t *sc = q4_ks_scales(p, g);
             s = _mm512_mul_ps(ks_d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(p + codes)))));
+                _mm_loadu_si128((const __m128i *)sc))));
             z = _mm512_mul_ps(ks_ndmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(p + codes + Q4_ROWS)))));
+                _mm_loadu_si128((const __m128i *)(sc + Q4_KS_MINS)))));
         } else if (fmt == Q4_F32) {
             s = _mm512_loadu_ps((const void *)(p + codes));
             z = _mm512_loadu_ps((const void *)(p + codes + 64));
@@ -384,13 +401,14 @@ static inline __attribute__((always_inline)) void q4_block_avx2(
             __m256 s, z;
             if (fmt == Q4_KS) {
                 const uint16_t *hd = q4_ks_header(p, g) + 8 * h;
+                const uint8_t *sc = q4_ks_scales(p, g) + 8 * h;
                 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hd)),
                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                                      _mm_loadl_epi64((const __m128i *)(p + codes + 8 * h)))));
+                                      _mm_loadl_epi64((const __m128i *)sc))));
                 z = _mm256_mul_ps(_mm256_xor_ps(_mm256_set1_ps(-0.0f), _mm256_cvtph_ps(
                                       _mm_loadu_si128((const __m128i *)(hd + Q4_ROWS)))),
                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                      (const __m128i *)(p + codes + Q4_ROWS + 8 * h)))));
+                                      (const __m128i *)(sc + Q4_KS_MINS)))));
             } else if (fmt == Q4_F32) {
                 s = _mm256_loadu_ps((const float *)(p + codes + 32 * h));
                 z = _mm256_loadu_ps((const float *)(p + codes + 64 + 32 * h));

@@ -428,15 +428,18 @@ def q4vnni_record_bytes(scale_f32: bool) -> int:
 
 
 # Q4_K's own scales (q4_matvec.c's Q4_KS): groups in runs of 8 (a Q4_K super-block), each run a
-# header of the 16 rows' d and dmin (float16, 64 bytes), then 8 records of 256 bytes of codes
-# and the rows' 6-bit scales and mins as bytes (32): 296 bytes a group, 4.625 bits a weight
+# header of the 16 rows' d and dmin (float16) and each group's 6-bit scales and mins as bytes
+# (320 bytes), then the 8 groups' 256 bytes of codes: 296 bytes a group, 4.625 bits a weight
 # against the float32 records' 6, with the same bits (d sc and -dmin mn are exact in float32).
 Q4V_KS_RUN = 8
-Q4V_KS_HEADER_BYTES = 2 * Q4V_ROWS * 2
-Q4V_KS_RECORD_BYTES = Q4V_CODE_BYTES + 2 * Q4V_ROWS + Q4V_KS_HEADER_BYTES // Q4V_KS_RUN
-# SLIPSTREAM_Q4VNNI_KS=0 packs Q4_K with float32 scales and zeros as before (the same bits,
-# 30% more bytes: for benchmarks comparing the two)
-Q4VNNI_KS = os.environ.get("SLIPSTREAM_Q4VNNI_KS", "1") == "1"
+Q4V_KS_HEADER_BYTES = 2 * Q4V_ROWS * 2 + 2 * Q4V_KS_RUN * Q4V_ROWS
+Q4V_KS_RECORD_BYTES = Q4V_CODE_BYTES + Q4V_KS_HEADER_BYTES // Q4V_KS_RUN
+# SLIPSTREAM_Q4VNNI_KS=1 packs Q4_K with its own scales (opt-in: its one run on a GPU host, an
+# H100's with a steal-time-loaded CPU, gave hybrid decode 3.875 tok/s against 5.252 with the
+# float32 records on a host of that kind in session 34, its CPU share reading 40.5 GB/s, and
+# that layout put every other group's codes 32 bytes off a cache line, mended since; on the
+# 2-core CI machine it is as fast or faster: bench/results/2026-12-06-s35-*)
+Q4VNNI_KS = os.environ.get("SLIPSTREAM_Q4VNNI_KS", "0") == "1"
 
 # record bytes -> q4_matvec.c's Q4_F16, Q4_F32, Q8_F16, Q4_KS
 Q4V_FORMATS = {q4vnni_record_bytes(False): 0, q4vnni_record_bytes(True): 1, Q8V_RECORD_BYTES: 2,
@@ -505,8 +508,8 @@ def _q8vnni_codes(u: torch.Tensor) -> torch.Tensor:
 def _q4vnni_ks(raws, qtypes, shapes, codes: torch.Tensor) -> torch.Tensor:
     """Q4_K parts stacked by rows, with their codes already in q4vnni's records ((blocks,
     groups, 256), padding rows 0) -> (blocks, groups, Q4V_KS_RECORD_BYTES) uint8 in Q4_KS's
-    layout: per run of 8 groups, the 16 rows' d then dmin (the file's float16 bits), then each
-    group's codes, the rows' 6-bit scales, then their mins."""
+    layout: per run of 8 groups, the 16 rows' d then dmin (the file's float16 bits), the 8
+    groups' 16 scales each, their 16 mins each, then the 8 groups' codes."""
     blocks, groups = codes.shape[0], codes.shape[1]
     padded, runs = blocks * Q4V_ROWS, groups // Q4V_KS_RUN
     halves = torch.zeros(padded, runs, 2, dtype=torch.int16)  # d, dmin
@@ -520,11 +523,11 @@ def _q4vnni_ks(raws, qtypes, shapes, codes: torch.Tensor) -> torch.Tensor:
         scale_min[r0:r0 + r, :, 1] = mn.reshape(r, groups)
         r0 += r
     header = halves.view(blocks, Q4V_ROWS, runs, 2).permute(0, 2, 3, 1).contiguous()
-    header = header.view(torch.uint8).view(blocks, runs, Q4V_KS_HEADER_BYTES)
-    sm = scale_min.view(blocks, Q4V_ROWS, runs, Q4V_KS_RUN, 2).permute(0, 2, 3, 4, 1)
-    records = torch.cat([codes.view(blocks, runs, Q4V_KS_RUN, Q4V_CODE_BYTES),
-                         sm.reshape(blocks, runs, Q4V_KS_RUN, 2 * Q4V_ROWS)], dim=3)
-    packed = torch.cat([header, records.view(blocks, runs, -1)], dim=2)
+    header = header.view(torch.uint8).view(blocks, runs, -1)
+    # (blocks, runs, [sc, mn], group, row)
+    sm = scale_min.view(blocks, Q4V_ROWS, runs, Q4V_KS_RUN, 2).permute(0, 2, 4, 3, 1)
+    packed = torch.cat([header, sm.reshape(blocks, runs, -1),
+                        codes.reshape(blocks, runs, Q4V_KS_RUN * Q4V_CODE_BYTES)], dim=2)
     return packed.view(blocks, groups, Q4V_KS_RECORD_BYTES)
 
 
