@@ -21,7 +21,7 @@ from slipstream.model.rope import RopeTable
 from slipstream.model.step import append_step
 from slipstream.precision import Precision
 from slipstream.synth import write_synth
-from slipstream.weights import cpu_image
+from slipstream.weights import cpu_image, cpu_packed
 from slipstream.weights.cpu_packed import PackedDecodeLinear, kind_for, pack_group
 from slipstream.weights.linear import DenseLinear
 from slipstream.weights.loader import LayerBuilder, TensorSource, raw_tensor
@@ -163,6 +163,10 @@ def test_images_need_packed_decode(model):
         cpu_image.cpu_image_of(gf, cfg, Precision.of("exact", CPU), 0)
 
 
-def test_the_layout_fingerprint_is_this_machines_packing():
+def test_the_layout_fingerprint_is_this_machines_packing(monkeypatch):
     a = cpu_image.layout_fingerprint()
     assert a == cpu_image.layout_fingerprint() and isinstance(a, int)
+    # Q4_K's q4vnni records with its own scales are another layout: an image of one must not
+    # serve a process that packs the other
+    monkeypatch.setattr(cpu_packed, "Q4VNNI_KS", not cpu_packed.Q4VNNI_KS)
+    assert (cpu_image.layout_fingerprint() != a) == cpu_packed.q4vnni_available()
