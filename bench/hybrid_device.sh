@@ -22,6 +22,12 @@ set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/slipstream-out}}
 mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/.."
+# DEADLINE_S: pack OUTDIR into $OUT/call-partial.tgz after that many seconds, so that a call cut
+# by its limit still brings back what it wrote (bench/deadline_tar.sh)
+if [ -n "${DEADLINE_S:-}" ] && [ -n "${OUT:-}" ] && [ -z "${DEADLINE_ARMED:-}" ]; then
+  export DEADLINE_ARMED=1  # once per call: hybrid_device.sh runs spec_device.sh too
+  bash bench/deadline_tar.sh "$DEADLINE_S" "$OUTDIR" "$OUT/call.tgz" &
+fi
 [ "${CASES:-70b,8b}" = 8b ] && export SHAPES=8b
 [ "${PART:-all}" = bench ] || PART=prep bash bench/spec_device.sh "$OUTDIR"
 source bench/device_setup.sh
