@@ -263,8 +263,7 @@ static inline __attribute__((always_inline)) void q4_block_vnni(
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *p = q4_record(blk, g, fmt);
         /* one pass over the block, from RAM: prefetch ahead (into the next block at its end,
-         * which this thread reads next; Q4_KS: about that far); a prefetch past the weights
-         * does not fault */
+         * which this thread reads next); a prefetch past the weights does not fault */
         const char *ahead = (const char *)(p + Q4_PREFETCH * rec);
         int64_t ahead_bytes = rec;
         if (fmt == Q4_KS) {  /* the codes Q4_KS_RUN groups on, and at a run's start its header */
