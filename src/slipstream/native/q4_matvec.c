@@ -167,10 +167,10 @@ void ss_q16_quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, floa
 /* A record's 16 scales and 16 zeros as floats (g: its group, for Q4_KS's header). */
 static inline void q4_scales(const uint8_t *p, int64_t g, const int fmt, float *s, float *z) {
     const uint8_t *sp = p + q4_code_bytes(fmt);
+    const uint16_t *h = fmt == Q4_KS ? q4_ks_header(p, g) : NULL;
+    const uint8_t *sc = fmt == Q4_KS ? q4_ks_scales(p, g) : NULL;
     for (int i = 0; i < Q4_ROWS; i++) {
         if (fmt == Q4_KS) {
-            const uint16_t *h = q4_ks_header(p, g);
-            const uint8_t *sc = q4_ks_scales(p, g);
             s[i] = f16_to_f32(h[i]) * (float)sc[i];
             z[i] = -f16_to_f32(h[Q4_ROWS + i]) * (float)sc[Q4_KS_MINS + i];
         } else if (fmt == Q4_F32) {

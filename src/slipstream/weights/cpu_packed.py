@@ -624,11 +624,6 @@ class Q4VnniLinear(Linear):
         k_scales = not round_scales and q4vnni_k_scales(qtypes, cols)
         if native is not None:
             codes, s, z = native
-        elif k_scales:  # the scales come from the file's fields
-            u = torch.zeros(padded, cols, dtype=torch.uint8)
-            for r0, ga in _chunks(raws, qtypes, shapes):
-                u[r0:r0 + ga.shape[0]] = _q4vnni_params(ga)[0]
-            codes = _q4vnni_codes(u)
         else:
             u = torch.zeros(padded, cols, dtype=torch.uint8)  # padding rows: codes, scales 0
             s = torch.zeros(padded, groups)
@@ -637,7 +632,7 @@ class Q4VnniLinear(Linear):
                 r1 = r0 + ga.shape[0]
                 u[r0:r1], s[r0:r1], z[r0:r1] = _q4vnni_params(ga)
             codes = _q4vnni_codes(u)
-        if k_scales:
+        if k_scales:  # the scales and mins from the file's fields, not s and z
             return cls(_q4vnni_ks(raws, qtypes, shapes, codes), rows, bias)
         # float16 where it holds every scale and zero exactly: Q4_0's and Q4_1's (f16 fields;
         # -8 d too, short of overflow), never in general Q4_K's (an f16 times a 6-bit integer),
