@@ -81,18 +81,27 @@ def test_quantizer_matches_torch():
     assert torch.equal(q[1, 32:64], torch.zeros(32, dtype=torch.int8)) and dx[1, 1] == 0
 
 
+# Q4_K packs either way: its own scales (Q4_KS, the default) or the float32 records
+LAYOUTS = [(t, r, c, False) for t, r, c in SHAPES] + [
+    (t, r, c, True) for t, r, c in SHAPES if t == Q.Q4_K]
+LAYOUT_IDS = [f"{t.name}-{r}x{c}" + ("-ks" if ks else "") for t, r, c, ks in LAYOUTS]
+
+
 @pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("qtype,rows,cols", SHAPES, ids=IDS)
-def test_kernel_against_the_oracle(qtype, rows, cols, threads, bits):
+@pytest.mark.parametrize("qtype,rows,cols,k_scales", LAYOUTS, ids=LAYOUT_IDS)
+def test_kernel_against_the_oracle(qtype, rows, cols, k_scales, threads, bits, monkeypatch):
     """float32 in and out, 1 to 9 activation rows (passes of 4 in the C), both loops, 8- and
     16-bit activations."""
+    monkeypatch.setattr(cpu_packed, "Q4VNNI_KS", k_scales)  # SLIPSTREAM_Q4VNNI_KS
     raw = make_raw(qtype, rows, cols, 1)
     lin = pack_linear(raw, qtype, (rows, cols), kind=KIND[qtype])
     assert isinstance(lin, Q4VnniLinear) and lin.out_features == rows
     assert lin.kind == KIND[qtype]
     assert lin.nbytes == packed_nbytes(qtype, (rows, cols), kind=KIND[qtype])
-    assert lin.scale_f32 == (qtype == Q.Q4_K)  # Q4_0/Q4_1/Q8_0's fields are float16s
+    assert lin.k_scales == k_scales
+    # Q4_0/Q4_1/Q8_0's fields are float16s; Q4_K's float32 records or its own scales
+    assert lin.scale_f32 == (qtype == Q.Q4_K and not k_scales)
     g = torch.Generator().manual_seed(rows)
     for m in (1, 3, 9):
         x = torch.randn(m, cols, generator=g)
@@ -205,6 +214,7 @@ def test_q4k_own_scales_give_the_float32_records_bits(rows, cols, monkeypatch):
     records (6 bits), in both loops, for 8- and 16-bit activations: d sc and -dmin mn are the
     same exact products either way."""
     raw = make_raw(Q.Q4_K, rows, cols, 11)
+    monkeypatch.setattr(cpu_packed, "Q4VNNI_KS", False)  # SLIPSTREAM_Q4VNNI_KS=0
     f32 = pack_linear(raw, Q.Q4_K, (rows, cols), kind="q4vnni")
     assert f32.nbytes == packed_nbytes(Q.Q4_K, (rows, cols), kind="q4vnni")
     monkeypatch.setattr(cpu_packed, "Q4VNNI_KS", True)  # SLIPSTREAM_Q4VNNI_KS=1
@@ -344,12 +354,13 @@ def test_a_nan_or_infinity_in_x_gives_nan(bits):
 
 @pytest.mark.parametrize("qtype,rows,cols", [s for s in SHAPES if s[0] != Q.Q8_0],
                          ids=[i for s, i in zip(SHAPES, IDS) if s[0] != Q.Q8_0])
-def test_float16_scales_kind_against_the_rounded_oracle(qtype, rows, cols):
+def test_float16_scales_kind_against_the_rounded_oracle(qtype, rows, cols, monkeypatch):
     """kind "q4vnni-f16" (the hybrid CPU share's auto-f16): every scale and zero rounded to
     float16, Q4_K's too, so a Q4_K weight takes a sixth fewer bytes; the kernel then computes
     the oracle of the rounded weights within the same rounding bound, and stays within
     float16's rounding (2^-11 of each weight's terms) of the exact GGUF weights."""
     raw = make_raw(qtype, rows, cols, 3)
+    monkeypatch.setattr(cpu_packed, "Q4VNNI_KS", False)  # against the float32 records
     lin = pack_linear(raw, qtype, (rows, cols), kind="q4vnni-f16")
     exact = pack_linear(raw, qtype, (rows, cols), kind="q4vnni")
     assert not lin.scale_f32 and lin.nbytes == packed_nbytes(qtype, (rows, cols), "q4vnni-f16")

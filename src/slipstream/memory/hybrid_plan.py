@@ -50,13 +50,16 @@ CPU_FIXED_S = 0.1e-3
 HANDOVER_S = 0.16e-3
 GPU_LAYER_S = 0.33e-3
 LAYER_COST_S = CPU_FIXED_S + HANDOVER_S  # what the chain pays per split layer, any share
-# Auto splits only where each layer's CPU share would take at least this long. The 70B's
-# shares (4-5 ms a layer) pay; the 8B's 0.4 ms did not in session 13, before the host ran
-# ahead of the CPU's shares, and small shares have not been measured since: the chain model
-# now predicts the 8B at 4 GiB near 55 tok/s split against 38 whole, a bet this keeps off
-# until a trace of it (bench/hybrid_bench.py --hybrid on) says what its hand-over costs.
-# (Session 9's figure for what every split layer paid, 1.55 ms.)
-MIN_CPU_LAYER_S = 1.55e-3
+# Auto splits only where each layer's CPU share would take at least this long, by the probe's
+# rate. The H200's 8B at 4 GiB split 11 layers at a 20% share in session 13 (0.4 ms of CPU work
+# a layer by the probe) and decoded at 20.1 tok/s against 29.3 whole, when the host still
+# waited for each share. Session 36 forced the split on an H100 (the 8B at 4 GiB, 18 layers at
+# a 0.64 share, the float32 records: 0.83 ms a layer by the probe, 1.34 ms measured in the
+# trace with 8.7 of 15 threads' cores busy): 34.05, then 24.9-29.2 in four repeats as the host
+# slowed, at a 0.5 share 33.87, against 24.10 whole; auto at this threshold took the split and
+# its balance kept 14 of 18 layers on the CPU: 31.08 (bench/results/2026-12-06-s36-hybrid-
+# bench-8b-*-h100-call*.json). With Q4_KS the same share is 0.64 ms by the probe.
+MIN_CPU_LAYER_S = 0.5e-3
 # Decode's CPU shares against the probe (cpu_packed_gbps beside a copy): on session 34's H100
 # host, with the threads taking chunks, the probe read 93.0 GB/s and decode's shares 80.6
 # (85.9 once the balance had settled): a share from the probe's rate was 0.69 where the chain
@@ -504,10 +507,7 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     # the plain plan's prediction copies whole layers at the rate measured alone
     predicted = split_prediction(plain, image, split_s, plan.bandwidth_gbps["pinned"])
     # auto also wants each split layer's CPU work to be at least MIN_CPU_LAYER_S: for small
-    # layers the fixed costs are what decides, and they are not known well enough to bet on. The H200's
-    # 8B at 4 GiB split 11 layers at a 20% share (0.4 ms of CPU work a layer, a prediction of
-    # 45 tok/s) and decoded at 20.1 tok/s against 29.3 whole: its CPU took 4 ms a layer
-    # (bench/results/2026-12-01-s13-hybrid-bench-h200-call2.json).
+    # layers the fixed costs every share pays decide (see MIN_CPU_LAYER_S for what was measured)
     cpu_layer_s = cpu_bytes / len(layers) / (cpu * 1e9)
     amortized = cpu_layer_s >= MIN_CPU_LAYER_S
     split = mode != "auto" or bool(predicted and plain and predicted >= 1.05 * plain

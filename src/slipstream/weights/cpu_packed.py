@@ -434,12 +434,12 @@ def q4vnni_record_bytes(scale_f32: bool) -> int:
 Q4V_KS_RUN = 8
 Q4V_KS_HEADER_BYTES = 2 * Q4V_ROWS * 2 + 2 * Q4V_KS_RUN * Q4V_ROWS
 Q4V_KS_RECORD_BYTES = Q4V_CODE_BYTES + Q4V_KS_HEADER_BYTES // Q4V_KS_RUN
-# SLIPSTREAM_Q4VNNI_KS=1 packs Q4_K with its own scales (opt-in: its one run on a GPU host, an
-# H100's with a steal-time-loaded CPU, gave hybrid decode 3.875 tok/s against 5.252 with the
-# float32 records on a host of that kind in session 34, its CPU share reading 40.5 GB/s, and
-# that layout put every other group's codes 32 bytes off a cache line, mended since; on the
-# 2-core CI machine it is as fast or faster: bench/results/2026-12-06-s35-*)
-Q4VNNI_KS = os.environ.get("SLIPSTREAM_Q4VNNI_KS", "0") == "1"
+# Q4_KS is the default since session 36: on an H100's host (a 16-core Sapphire Rapids, no steal)
+# the 70B at 24 GiB decoded 5.865 tok/s with it against 4.699 with the float32 records in the
+# same call, its CPU share computing 154 Gweights/s (89.3 GB/s of its bytes) against 99 (74.2
+# GB/s) with 12.55 cores busy in both (bench/results/2026-12-06-s36-hybrid-bench-{q4ks,f32}-
+# h100-call1.json). SLIPSTREAM_Q4VNNI_KS=0 packs the float32 records instead.
+Q4VNNI_KS = os.environ.get("SLIPSTREAM_Q4VNNI_KS", "1") != "0"
 
 # record bytes -> q4_matvec.c's Q4_F16, Q4_F32, Q8_F16, Q4_KS
 Q4V_FORMATS = {q4vnni_record_bytes(False): 0, q4vnni_record_bytes(True): 1, Q8V_RECORD_BYTES: 2,

@@ -58,9 +58,9 @@ REST_FIELDS = ("ffn_gate_up_rest", "ffn_down_rest")  # the image's tail: decode 
 # (about 92 Gweights/s against 106), and the 70B at 24 GiB decoded 4.323 tok/s against 4.460
 # (2026-12-05-s31-plane-speed-h200-host-call1.json, -hybrid-bus-*-h200-call2.json,
 # -hybrid-bench{,-planes}-h200-call1.json): the CPU's share is compute-bound there too. So it
-# stays opt-in; its loop, not the bus, is what to improve. SLIPSTREAM_Q4VNNI_KS=1
-# (weights.cpu_packed) gives q4vnni Q4_K's own scales: the planes' 4.625 bits a weight in
-# q4vnni's loop, packed at load.
+# stays opt-in; its loop, not the bus, is what to improve. q4vnni packs Q4_K with its own
+# scales by default (Q4_KS, weights.cpu_packed; SLIPSTREAM_Q4VNNI_KS=0 for the float32 records):
+# the planes' 4.625 bits a weight in q4vnni's loop, packed at load.
 # memory.hybrid_plan's probe times the kernel of the kind chosen here.
 HOST_KINDS = AUTO_KINDS + (PLANES,)
 HOST_KIND = os.environ.get("SLIPSTREAM_HYBRID_KIND", "auto")
