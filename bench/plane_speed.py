@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -116,6 +117,8 @@ def main() -> None:
     doc = {"bench": "plane-speed", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "device": "cpu", "cpu": cpu_name(), "cores": cores, **source_revision(ROOT),
            "torch": torch.__version__, "share": a.share, "cpu_units": units,
+           # build-time settings of the native loops (native/__init__.py), if any
+           "native_defines": os.environ.get("SLIPSTREAM_NATIVE_DEFINES", ""),
            "weights_per_layer": weights, "rows": rows,
            "rounds": a.rounds, "reps": a.reps,
            "note": "random weights in each layout; the median over rounds of the best of "

@@ -14,6 +14,9 @@ every output to.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -406,3 +409,47 @@ def test_threads_taking_chunks_give_the_bits_of_equal_shares(threads):
     lin = pack_linear(raw, Q.Q4_K, (rows, cols), kind="q4vnni")
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(5))
     assert_chunked_threads_give_the_bits(lin, x, rows, threads)
+
+
+def test_build_time_defines_are_checked(monkeypatch):
+    """SLIPSTREAM_NATIVE_DEFINES (bench/cpu_prefetch.sh) takes -DNAME[=VALUE] words only."""
+    monkeypatch.setenv("SLIPSTREAM_NATIVE_DEFINES", "-DQ4_PREFETCH_FAR_RUNS=4; rm -rf /")
+    with pytest.raises(ValueError, match="'-DQ4_PREFETCH_FAR_RUNS=4;' is not -DNAME"):
+        native._defines()
+    monkeypatch.setenv("SLIPSTREAM_NATIVE_DEFINES", "-DQ4_PREFETCH_FAR_RUNS=4 -DNDEBUG")
+    assert native._defines() == ("-DQ4_PREFETCH_FAR_RUNS=4", "-DNDEBUG")
+
+
+def test_q4ks_prefetch_distance_leaves_the_bits(tmp_path):
+    """Q4_KS's L2 prefetch (q4_matvec.c's Q4_PREFETCH_FAR_RUNS) only moves bytes into the
+    caches: builds without it and far ahead give this process's bits, on 1 and 2 threads; each
+    build is a library of its own (the defines are part of its cache key)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from gguf import GGMLQuantizationType as Q
+from slipstream.weights import cpu_packed
+from quant_oracle import make_raw
+cpu_packed.Q4VNNI_KS = True
+raw = make_raw(Q.Q4_K, 48, 4096, 21)
+lin = cpu_packed.pack_linear(raw, Q.Q4_K, (48, 4096), kind="q4vnni")
+assert lin.k_scales
+x = torch.randn(3, 4096, generator=torch.Generator().manual_seed(22))
+ys = [lin.matvec(x, torch.empty(3, 48), threads=t) for t in (1, 2)]
+if len(sys.argv) > 1:
+    torch.save(ys, sys.argv[1])
+"""
+    scope: dict = {}
+    exec(code, scope)  # this process's library: the default distance
+    tests = str(Path(__file__).resolve().parents[1])
+    for far in (0, 16):
+        out = tmp_path / f"far{far}.pt"
+        env = dict(os.environ, SLIPSTREAM_NATIVE_DEFINES=f"-DQ4_PREFETCH_FAR_RUNS={far}",
+                   SLIPSTREAM_NATIVE_DIR=str(tmp_path / "lib"),
+                   PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+        subprocess.run([sys.executable, "-c", code, str(out)], env=env, check=True, timeout=300)
+        ys = torch.load(out)
+        assert all(torch.equal(a, b) for a, b in zip(scope["ys"], ys)), far
+    assert len(list((tmp_path / "lib").glob("decode_ops-*.so"))) == 2

@@ -22,6 +22,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -42,6 +43,10 @@ ARCH_FLAGS = ("-march=native",)  # dropped when the compiler does not know it
 # loaded), so the matmuls share torch's thread pool rather than starting a second one. Dropped
 # (one thread) where the compiler has no OpenMP.
 OPENMP_FLAGS = ("-fopenmp",)
+# Build-time settings for experiments (q4_matvec.c's prefetch distances): whitespace-separated
+# -DNAME or -DNAME=VALUE, part of the cache key. Benchmarks only: the defaults are measured.
+DEFINES_ENV = "SLIPSTREAM_NATIVE_DEFINES"
+_DEFINE = re.compile(r"-D[A-Z][A-Z0-9_]*(=[A-Za-z0-9_]+)?")
 
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
@@ -140,7 +145,8 @@ def _built() -> Path | None:
                for name in SOURCES + HEADERS}
     version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                              timeout=30).stdout
-    flags = " ".join(FLAGS + ARCH_FLAGS + OPENMP_FLAGS).encode()
+    defines = _defines()
+    flags = " ".join(FLAGS + ARCH_FLAGS + OPENMP_FLAGS + defines).encode()
     key = hashlib.sha256(b"\0".join([*sources.values(), version.encode(), flags,
                                      platform.machine().encode(), _cpu_flags().encode(),
                                      sys.platform.encode()])).hexdigest()[:16]
@@ -150,13 +156,24 @@ def _built() -> Path | None:
             return path
         try:
             root.mkdir(parents=True, exist_ok=True)
-            return _compile(cc, sources, path)
+            return _compile(cc, sources, path, defines)
         except OSError:
             continue  # not writable: the next place
     return None
 
 
-def _compile(cc: str, sources: dict[str, bytes], path: Path) -> Path | None:
+def _defines() -> tuple[str, ...]:
+    """SLIPSTREAM_NATIVE_DEFINES' -D settings; anything else in it is refused."""
+    words = tuple(os.environ.get(DEFINES_ENV, "").split())
+    bad = [w for w in words if not _DEFINE.fullmatch(w)]
+    if bad:
+        raise ValueError(f"{DEFINES_ENV}={os.environ[DEFINES_ENV]!r}: {bad[0]!r} is not "
+                         f"-DNAME or -DNAME=VALUE (letters, digits, underscores)")
+    return words
+
+
+def _compile(cc: str, sources: dict[str, bytes], path: Path,
+             defines: tuple[str, ...] = ()) -> Path | None:
     """Compile into a temporary name and rename it into place, so that processes building at
     once never load a half-written library. Tries without OpenMP, then without -march=native,
     where the compiler refuses them."""
@@ -169,7 +186,7 @@ def _compile(cc: str, sources: dict[str, bytes], path: Path) -> Path | None:
         out = Path(tmp) / path.name
         for arch, omp in ((ARCH_FLAGS, OPENMP_FLAGS), (ARCH_FLAGS, ()), ((), OPENMP_FLAGS),
                           ((), ())):
-            r = subprocess.run([cc, *FLAGS, *arch, *omp, *map(str, srcs), "-o", str(out),
+            r = subprocess.run([cc, *FLAGS, *defines, *arch, *omp, *map(str, srcs), "-o", str(out),
                                 "-lm"], capture_output=True, text=True, timeout=120)
             if r.returncode == 0:
                 os.replace(out, path)

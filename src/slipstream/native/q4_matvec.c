@@ -234,8 +234,29 @@ static inline __attribute__((always_inline)) void q4_block_generic(
 /* Records prefetched ahead of the one being read. Weights streamed from RAM (a decode token
  * reads every layer once): on the 2-core AVX2 machine, prefetching took gate_up (3072 x 576
  * Q4_1, one row) from 80.8 to 58.6 us and down (576 x 1536) from 40.7 to 31.3 (session 26).
- * The VNNI loop prefetches the same distance (untimed there when added: session 28). */
+ * The VNNI loop prefetches the same distance (untimed there when added: session 28).
+ * The VNNI loop's distances and hint can be set at build time (SLIPSTREAM_NATIVE_DEFINES,
+ * native/__init__.py), so that a GPU host's cores can be timed with each (bench/
+ * cpu_prefetch_device.sh): there a hybrid share reads about 7 GB/s a core with 15 cores busy
+ * and the same 100 GB/s with a copy beside it or not, a ceiling of the cores' outstanding
+ * reads rather than of the memory bus, which prefetching farther or into L2 may lift. */
+#ifndef Q4_PREFETCH
 #define Q4_PREFETCH 8
+#endif
+#ifndef Q4_KS_PREFETCH_RUNS  /* Q4_KS: runs of 8 records ahead */
+#define Q4_KS_PREFETCH_RUNS 1
+#endif
+#ifndef Q4_PREFETCH_HINT
+#define Q4_PREFETCH_HINT _MM_HINT_T0
+#endif
+/* Q4_KS: a second prefetch, into L2, this many runs ahead (0: none). On the 2-core CI-class
+ * EPYC a 70B layer's 0.6 share decoded at 38-40 Gweights/s on one thread with 4 against 28-29
+ * without, 54 against 46-50 on two; 8 and 16 about as 4 (bench/cpu_prefetch.sh, twice: bench/
+ * results/2026-12-06-s36-cpu-prefetch-far-cpu.txt and the run before it): the L1 prefetch
+ * alone keeps too few lines in flight for one core's stream. Not tried on the other formats. */
+#ifndef Q4_PREFETCH_FAR_RUNS
+#define Q4_PREFETCH_FAR_RUNS 4
+#endif
 
 #if Q4_VNNI
 /* acc + the 16 rows' dot products of one group's codes u with 32 int8 activations xg. */
@@ -266,14 +287,21 @@ static inline __attribute__((always_inline)) void q4_block_vnni(
          * which this thread reads next); a prefetch past the weights does not fault */
         const char *ahead = (const char *)(p + Q4_PREFETCH * rec);
         int64_t ahead_bytes = rec;
-        if (fmt == Q4_KS) {  /* the codes Q4_KS_RUN groups on, and at a run's start its header */
-            ahead = (const char *)(p + Q4_KS_RUN_BYTES);
+        if (fmt == Q4_KS) {  /* the codes whole runs on, and at a run's start its header */
+            ahead = (const char *)(p + Q4_KS_PREFETCH_RUNS * Q4_KS_RUN_BYTES);
             ahead_bytes = 256;
             if (g % Q4_KS_RUN == 0)
                 for (int64_t o = 0; o < Q4_KS_HEADER; o += 64)
-                    _mm_prefetch(ahead - Q4_KS_HEADER + o, _MM_HINT_T0);
+                    _mm_prefetch(ahead - Q4_KS_HEADER + o, Q4_PREFETCH_HINT);
         }
-        for (int64_t o = 0; o < ahead_bytes; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+        for (int64_t o = 0; o < ahead_bytes; o += 64) _mm_prefetch(ahead + o, Q4_PREFETCH_HINT);
+        if (fmt == Q4_KS && Q4_PREFETCH_FAR_RUNS > 0) {  /* the same bytes farther on, into L2 */
+            const char *far = (const char *)(p + Q4_PREFETCH_FAR_RUNS * Q4_KS_RUN_BYTES);
+            if (g % Q4_KS_RUN == 0)
+                for (int64_t o = 0; o < Q4_KS_HEADER; o += 64)
+                    _mm_prefetch(far - Q4_KS_HEADER + o, _MM_HINT_T1);
+            for (int64_t o = 0; o < 256; o += 64) _mm_prefetch(far + o, _MM_HINT_T1);
+        }
         __m512i u[8];
         if (fmt == Q8_F16) {
             for (int j = 0; j < 8; j++) u[j] = _mm512_loadu_si512((const void *)(p + 64 * j));
