@@ -5,6 +5,7 @@
 # times llama.cpp on each shape (-ngl 46 / 16, threads 8,12,16), then bench/hybrid_bench.py
 # (whole layers and hybrid, 70B at 24 GiB and 8B at 4 GiB, the thread sweep) with llama.cpp's
 # best figure from this call.
+# PREFETCH=1 times q4vnni's L2 prefetch distances on the host's cores before the benches.
 # TESTS=1 also runs the hybrid and streaming GPU tests first (PART=tests: only those, after the
 # synthesis and llama.cpp's build, which stay on the machine while it is warm).
 # All of it takes more than one call's 600 s (session 12: the limit ended the bench after its
@@ -41,6 +42,12 @@ if [ "${TESTS:-0}" = 1 ]; then
   grep -E "^(FAILED|ERROR)" "$OUTDIR/pytest-tierc.log" | head; tail -1 "$OUTDIR/pytest-tierc.log"
 fi
 [ "${PART:-all}" = tests ] && exit 0
+# PREFETCH=1: q4vnni's L2 prefetch distances on this host's cores first (CPU only, about a
+# minute: bench/cpu_prefetch.sh), into OUTDIR/prefetch
+if [ "${PREFETCH:-0}" = 1 ]; then
+  ROUNDS=${PREFETCH_ROUNDS:-2} THREADS=${PREFETCH_THREADS:-1,8,15} TOKENS=1 timeout 150 \
+    bash bench/cpu_prefetch.sh "$OUTDIR/prefetch" 2>&1 | tail -13
+fi
 # llama.cpp on each shape's file, with the layers on the GPU that slipstream's plan holds at that
 # budget (-ngl 46 for the 70B at 24 GiB, 16 for the 8B at 4 GiB), three repetitions at each of
 # LLAMA_THREADS; hybrid_bench compares against the best of them
