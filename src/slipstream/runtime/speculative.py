@@ -24,10 +24,12 @@ Q8_0/Q4_0 pair that does not pay yet (bench/results/2026-11-30-s7-spec-ahead-cpu
 forwards in series; reused trees without the top-up 3.92 for 2.42 (67% of trees reused), with
 it 4.70 for 6.70 (25%). At the 70B's measured costs (a 0.485 s pass, 10 ms levels) the fresh
 trees win either way, and hiding the draft entirely would gain at most its ~13% of a round.
-The growth is meant to run beside the target's streamed pass; the first attempt, from a
-thread on a CUDA stream of its own, made passes slower on the H200 and is kept off main
-(branch s7-wip-ahead-overlap-cuda), so here it runs after the pass, on every device, and is
-off unless asked for.
+On CUDA, with a draft of its own, the growth runs beside the target's streamed pass on a
+stream of the draft's, launched from the same host thread (`Speculator._verify`: a second
+launching thread starved the target's, passes 0.497 -> 0.938 s on the H200, session 7); on the
+CPU after the pass. It is off unless asked for: on GPUs it has won and lost on the default
+model streamed from disk (README, `generate(spec_ahead=K)`), and random 70B weights accept
+nothing for it to gain.
 
 Invariant between rounds, with L = len(prompt) + emitted - 1:
   * the target's cache holds the accepted prefix: the prompt and every emitted token but the
