@@ -257,6 +257,13 @@ static inline __attribute__((always_inline)) void q4_block_generic(
 #ifndef Q4_PREFETCH_FAR_RUNS
 #define Q4_PREFETCH_FAR_RUNS 4
 #endif
+/* The other formats' second prefetch into L2, in records ahead (0: none). The default model's
+ * Q4_1 decoded on the 2-core EPYC at a mean 190 tok/s with 16 against 180 without over six
+ * alternating runs each, within their spread (bench/results/2026-12-06-s36-cpu-prefetch-far-
+ * q41-decode-cpu.txt): left off. */
+#ifndef Q4_PREFETCH_FAR_RECORDS
+#define Q4_PREFETCH_FAR_RECORDS 0
+#endif
 
 #if Q4_VNNI
 /* acc + the 16 rows' dot products of one group's codes u with 32 int8 activations xg. */
@@ -301,6 +308,9 @@ static inline __attribute__((always_inline)) void q4_block_vnni(
                 for (int64_t o = 0; o < Q4_KS_HEADER; o += 64)
                     _mm_prefetch(far - Q4_KS_HEADER + o, _MM_HINT_T1);
             for (int64_t o = 0; o < 256; o += 64) _mm_prefetch(far + o, _MM_HINT_T1);
+        } else if (fmt != Q4_KS && Q4_PREFETCH_FAR_RECORDS > 0) {
+            const char *far = (const char *)(p + Q4_PREFETCH_FAR_RECORDS * rec);
+            for (int64_t o = 0; o < rec; o += 64) _mm_prefetch(far + o, _MM_HINT_T1);
         }
         __m512i u[8];
         if (fmt == Q8_F16) {
