@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import slipstream  # noqa: E402
 from slipstream.memory.hybrid_plan import default_threads, last_level_cache_bytes  # noqa: E402
+from slipstream.memory.probes import steal_seconds  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
 from slipstream.synth import write_synth  # noqa: E402
 from slipstream.weights.hybrid import HOST_KIND  # noqa: E402
@@ -74,16 +75,6 @@ def host_load(since: dict | None = None) -> dict:
         # the hypervisor running others on this VM's cores: time the process could not have
         out["cores_stolen"] = round((now["steal_s"] - since["steal_s"]) / wall, 2) if wall else None
     return out
-
-
-def steal_seconds() -> float | None:
-    """All cores' steal time so far (/proc/stat, in USER_HZ ticks of 1/100 s), or None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        return int(fields[8]) / 100.0
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def host_share_rates(store, threads: int) -> dict:
@@ -300,7 +291,9 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
                        cpu_gbps_probe=round(h.cpu_gbps, 1),
                        pcie_gbps_beside_cpu=round(h.pcie_gbps, 1),
                        plain_predicted_tok_s=round(h.plain_tok_s or 0, 3),
-                       extra_ram_gib=round(h.extra_ram_bytes / 2**30, 2))
+                       extra_ram_gib=round(h.extra_ram_bytes / 2**30, 2),
+                       probe_cores_stolen=None if h.cores_stolen is None
+                       else round(h.cores_stolen, 2))
         else:  # whole layers (off, or auto declining the split): nothing on the CPU
             row["cpu_share"] = 0.0
         # the links' roofline, from the rates measured at load in this run: whole layers over

@@ -106,6 +106,46 @@ def test_plan_hybrid_splits_the_pinned_layers_and_predicts_faster(synth):
     assert "hybrid CPU" in text and "50% of FFN" in text and "whole layers over PCIe" in text
     # a CPU kernel as fast on 8 tokens as on one: every small pass splits
     assert hp.max_tokens == HYBRID_MAX_TOKENS and "passes up to 8 tokens" in text
+    # no probe ran here (cpu_gbps given), so no steal measured and no warning
+    assert hp.cores_stolen is None and "hypervisor" not in text
+
+
+def test_plan_table_warns_of_cores_stolen_while_the_cpu_was_probed(synth):
+    """A host whose hypervisor takes cores (session 35's H100: 1.1 stolen, hybrid at 3.9 tok/s
+    against 5.2 predicted) is named in the plan table; a few stolen ticks are not."""
+    import dataclasses
+
+    from rich.console import Console
+
+    gf, cfg = synth
+    plan = _plan(gf, cfg, pcie=0.05)
+    hp = plan_hybrid(gf, cfg, plan, "auto", threads=4, cpu_gbps=0.05, token_scaling=FLAT)
+    texts = []
+    for stolen in (1.13, 0.1):
+        plan.hybrid = dataclasses.replace(hp, cores_stolen=stolen)
+        console = Console(record=True, width=240)
+        console.print(plan.table())
+        texts.append(console.export_text())
+    assert "the hypervisor took 1.1 cores while the CPU was probed" in texts[0]
+    assert "hypervisor" not in texts[1]
+
+
+def test_steal_meter_reads_the_cores_taken_over_its_span(tmp_path, monkeypatch):
+    """/proc/stat's steal column (the 8th number, in 1/100 s) over the span's wall time."""
+    from slipstream.memory import probes
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 0 20 300 4 0 1 800 0 0\ncpu0 1 2 3\n")
+    import types
+
+    clock = iter([100.0, 102.0, 200.0, 201.0])
+    monkeypatch.setattr(probes, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    with probes.StealMeter(str(stat)) as m:
+        stat.write_text("cpu  10 0 20 300 4 0 1 1100 0 0\n")  # 3 s of steal in 2 s of wall
+    assert m.cores == pytest.approx(1.5)
+    with probes.StealMeter(str(tmp_path / "none")) as m:  # no /proc/stat: not reported
+        pass
+    assert m.cores is None
 
 
 def test_after_promotion_is_the_split_a_new_plan_would_make(synth):

@@ -91,6 +91,11 @@ class HybridPlan:
     # mode "auto": decode keeps the split balanced as the CPU's measured rate changes
     # (memory.hybrid_balance); a share or "on" given by the user stays as given
     rebalance: bool = False
+    # cores the hypervisor took from the machine while the CPU's rate was probed (None: not
+    # probed here, or not reported): on session 35's H100 host 1.1 cores were stolen and
+    # hybrid decode ran at 3.9 tok/s against 5.2 predicted, the shares with about 6 of 15
+    # threads' cores busy (bench/results/2026-12-06-s35-hybrid-bench-q4ks-h100-call1.json)
+    cores_stolen: float | None = None
 
 
 def parse_hybrid(value: str | float | None) -> str | float:
@@ -448,6 +453,7 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
 
     from ..weights.hybrid import host_kind, host_nbytes, layer_splittable, split_point
     from ..weights.loader import TensorSource
+    from .probes import StealMeter
 
     share_given = None
     if not isinstance(mode, str):
@@ -466,6 +472,7 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
         return None
     threads = threads or default_threads()
     kind = host_kind(GGMLQuantizationType.Q4_K)  # the probes' layout (their results are cached)
+    steal = StealMeter()  # measured only around a probe run here
     if cpu_gbps is None:
         # both links as they run together: the share from rates measured alone gave the
         # CPU too much (see cpu_packed_gbps)
@@ -473,8 +480,9 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
 
         # the copy's device buffer within the budget, as measure_bandwidths' probes
         copy_bytes = max(min(128 << 20, (plan.budget or 1 << 33) // 8), 8 << 20)
-        cpu_gbps, beside = cpu_packed_gbps(threads, beside_copy=torch.cuda.is_available(),
-                                           copy_bytes=copy_bytes, kind=kind)
+        with StealMeter() as steal:
+            cpu_gbps, beside = cpu_packed_gbps(threads, beside_copy=torch.cuda.is_available(),
+                                               copy_bytes=copy_bytes, kind=kind)
         pcie = min(pcie, beside or pcie)
         # the probe's matvec over one large weight reads faster than decode's shares, 38
         # weights a third its size each, one after another with the GPU's work between them
@@ -525,4 +533,4 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
                       predicted, plain, max_tokens=min(widest, HYBRID_MAX_TOKENS),
                       extra_ram_bytes=int(cpu_bytes * packed_num / max(ratio_num, 1)),
                       gguf_ffn_bytes=dict(zip(layers, ffn)),
-                      rebalance=mode == "auto")
+                      rebalance=mode == "auto", cores_stolen=steal.cores)

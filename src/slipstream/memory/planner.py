@@ -28,6 +28,10 @@ from .budget import fmt_bytes
 if TYPE_CHECKING:
     from .hybrid_plan import HybridPlan
 
+# The plan table warns when the hypervisor took at least this many cores while the CPU was
+# probed (HybridPlan.cores_stolen): hybrid decode's team of threads waits on the cores taken
+STOLEN_WARN_CORES = 0.25
+
 
 @dataclass(frozen=True)
 class StagePlan:
@@ -252,6 +256,10 @@ class Plan:
                       fmt_bytes(h.cpu_bytes_per_token), f"{h.cpu_gbps:.1f}")
             t.add_row("hybrid PCIe", "the rest of those layers", "-",
                       fmt_bytes(h.pcie_bytes_per_token), f"{h.pcie_gbps:.1f}")
+            if h.cores_stolen is not None and h.cores_stolen >= STOLEN_WARN_CORES:
+                t.add_row("host", f"the hypervisor took {h.cores_stolen:.1f} cores while the "
+                          f"CPU was probed: hybrid decode may run slower than predicted",
+                          "-", "-", "-")
         if self.device == "cpu":
             t.caption = self._cpu_rows(t)
             return t

@@ -17,6 +17,36 @@ import torch
 from .disk import AlignedBuffer, DirectReader
 
 
+def steal_seconds(stat: str = "/proc/stat") -> float | None:
+    """All cores' steal time so far: what the hypervisor ran elsewhere while this machine's
+    vCPUs wanted to run (the first line of /proc/stat, in USER_HZ ticks of 1/100 s), or None
+    where there is no such file."""
+    try:
+        with open(stat) as f:
+            fields = f.readline().split()
+        return int(fields[8]) / 100.0
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class StealMeter:
+    """Cores the hypervisor took from this machine over a span of wall time: `with
+    StealMeter() as m: ...`, then m.cores (None where steal time is not reported)."""
+
+    def __init__(self, stat: str = "/proc/stat") -> None:
+        self.stat = stat
+        self.cores: float | None = None
+
+    def __enter__(self) -> "StealMeter":
+        self._start = (steal_seconds(self.stat), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        steal, t = steal_seconds(self.stat), time.perf_counter()
+        if steal is not None and self._start[0] is not None and t > self._start[1]:
+            self.cores = max(steal - self._start[0], 0.0) / (t - self._start[1])
+
+
 def memory_read_gbps(device: torch.device, nbytes: int = 256 << 20) -> float:
     """Read bandwidth of the memory the weights live in: a sum over a buffer larger than cache
     on CPU, a device-to-device copy (bytes read + written) on CUDA."""
