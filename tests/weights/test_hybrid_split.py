@@ -86,6 +86,29 @@ def test_the_cpu_share_matches_within_bfloat16_rounding(layer_parts):
         hybrid.ffn_host.start(torch.zeros(9, cfg.hidden))
 
 
+@pytest.mark.parametrize("kind", ["auto", "torch", "planes"])
+def test_the_workers_path_gives_computes_bits(layer_parts, kind, monkeypatch):
+    """HostFFN.compute_into (the CUDA worker's path: its buffers reused, the result written in
+    place) gives compute's bits for 1 to 8 rows, whatever the CPU kernels are (those without
+    an output buffer of their own go through compute)."""
+    from slipstream.weights import hybrid
+    from slipstream.weights.hybrid import Scratch
+
+    cfg, builder, src = layer_parts
+    monkeypatch.setattr(hybrid, "HOST_KIND", kind)
+    parts = host_linears(ffn_raws(src, cfg, 0), 256)
+    if "gate_up" not in parts:  # planes reads the image in place: not packed here
+        pytest.skip(f"{kind} packs nothing for this format")
+    ffn = HostFFN(parts["gate_up"], parts["down"], HostIO(CPU, cfg.hidden, max_tokens=8))
+    scratch = Scratch()
+    g = torch.Generator().manual_seed(5)
+    for m in (1, 8, 3):  # the scratch grows, then serves a smaller call
+        h = torch.randn(m, cfg.hidden, generator=g)
+        out = torch.full((m, cfg.hidden), float("nan"))
+        ffn.compute_into(h, out, scratch)
+        assert torch.equal(out, ffn.compute(h).float()), m
+
+
 def test_split_layer_refuses_a_split_off_the_blocks(layer_parts):
     cfg, builder, src = layer_parts
     with pytest.raises(ValueError, match="multiples of 256"):

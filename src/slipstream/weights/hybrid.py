@@ -184,6 +184,20 @@ class HostStats:
     cpu_bytes: int = 0
 
 
+class Scratch:
+    """Float32 buffers reused from call to call by one thread (hybrid's CPU worker): buffer k
+    as an (m, n) view, grown when a call needs more."""
+
+    def __init__(self) -> None:
+        self._flat: dict[int, torch.Tensor] = {}
+
+    def get(self, k: int, m: int, n: int) -> torch.Tensor:
+        flat = self._flat.get(k)
+        if flat is None or flat.numel() < m * n:
+            flat = self._flat[k] = torch.empty(m * n)
+        return flat[:m * n].view(m, n)
+
+
 @dataclass
 class HostFFN:
     """The CPU's share of one layer's FFN, the other side of the split (see the module doc).
@@ -215,6 +229,26 @@ class HostFFN:
         """The CPU's partial sum of the down projection over its units, for input rows h."""
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return self.down(F.silu(gate.float()) * up.float())
+
+    def compute_into(self, h: torch.Tensor, out: torch.Tensor, scratch: "Scratch") -> None:
+        """compute(h) written into `out` (float32, contiguous), with the same bits: where both
+        linears multiply into a buffer given them (q4vnni, q8vnni, planes), through `scratch`
+        and in place, with no tensor made per call. The share is on hybrid decode's chain
+        (an 8B's took 1.34 ms on an H100 host): on the 2-core CI machine compute and the copy
+        into `out` spent 125-218 us of an 8B's share besides its two matvecs, this 95-145
+        (bench/results/2026-12-06-s36-host-ffn-overhead-cpu.txt and a run before it; the
+        rest is the SiLU, the product and the activations' quantization). h: float32,
+        contiguous."""
+        if not (hasattr(self.gate_up, "matvec") and hasattr(self.down, "matvec")):
+            out.copy_(self.compute(h))
+            return
+        m, units = h.shape[0], self.down.in_features
+        gate_up = scratch.get(0, m, 2 * units)
+        self.gate_up.matvec(h, gate_up)
+        act = scratch.get(1, m, units)
+        torch.ops.aten.silu.out(gate_up[:, :units], out=act)
+        act.mul_(gate_up[:, units:])
+        self.down.matvec(act, out)
 
     def start(self, h: torch.Tensor) -> None:
         self.io.send(h, self.slot)
@@ -272,6 +306,7 @@ class HostIO:
             self._failed = torch.zeros(1, dtype=torch.int32, device=self.device)
             self._seq = 0
             self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+            self._scratch = Scratch()  # the worker's alone
             self._error: BaseException | None = None
             self._worker: threading.Thread | None = None
 
@@ -370,7 +405,8 @@ class HostIO:
                     # traced: the process's CPU time over the share (every thread's), so that
                     # the trace says how many cores the share kept busy
                     c1 = time.process_time() if tracer is not None else 0.0
-                    self._out[slot][:rows].copy_(ffn.compute(self._in[slot][:rows]))
+                    ffn.compute_into(self._in[slot][:rows], self._out[slot][:rows],
+                                     self._scratch)
                     self._count(ffn, time.perf_counter() - t1)
             except BaseException as e:  # the stream must not wait forever: bump anyway
                 self._error = e
