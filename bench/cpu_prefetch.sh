@@ -33,7 +33,8 @@ for f in sorted(out.glob("far-*-r*/plane-speed.json")):
     far = int(f.parent.name.split("-")[1])
     for row in doc["rows"]:
         runs.setdefault((far, row["threads"], row["tokens"]), []).append(row["gweights_per_s"])
-rows = [{"far_runs": far, "threads": t, "tokens": m, "gweights_per_s": statistics.median(v),
+rows = [{"far_runs": far, "threads": t, "tokens": m,
+         "gweights_per_s": round(statistics.median(v), 2),
          "rounds": v} for (far, t, m), v in sorted(runs.items())]
 print(f"{'far runs':>8} {'threads':>7} {'m':>3} {'Gweights/s':>10}  rounds")
 for r in rows:

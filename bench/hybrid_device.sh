@@ -45,7 +45,8 @@ fi
 # PREFETCH=1: q4vnni's L2 prefetch distances on this host's cores first (CPU only, about a
 # minute: bench/cpu_prefetch.sh), into OUTDIR/prefetch
 if [ "${PREFETCH:-0}" = 1 ]; then
-  ROUNDS=${PREFETCH_ROUNDS:-2} THREADS=${PREFETCH_THREADS:-1,8,15} TOKENS=1 timeout 150 \
+  FARS=${PREFETCH_FARS:-0 4 16} ROUNDS=${PREFETCH_ROUNDS:-2} THREADS=${PREFETCH_THREADS:-1,8,15} \
+    TOKENS=1 timeout 150 \
     bash bench/cpu_prefetch.sh "$OUTDIR/prefetch" 2>&1 | tail -13
 fi
 # llama.cpp on each shape's file, with the layers on the GPU that slipstream's plan holds at that
