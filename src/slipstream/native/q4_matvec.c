@@ -250,10 +250,10 @@ static inline __attribute__((always_inline)) void q4_block_generic(
 #define Q4_PREFETCH_HINT _MM_HINT_T0
 #endif
 /* Q4_KS: a second prefetch, into L2, this many runs ahead (0: none). On the 2-core CI-class
- * EPYC a 70B layer's 0.6 share decoded at 38-40 Gweights/s on one thread with 4 against 28-29
- * without, 54 against 46-50 on two; 8 and 16 about as 4 (bench/cpu_prefetch.sh, twice: bench/
- * results/2026-12-06-s36-cpu-prefetch-far-cpu.txt and the run before it): the L1 prefetch
- * alone keeps too few lines in flight for one core's stream. Not tried on the other formats. */
+ * EPYC a 70B layer's 0.6 share decoded at 35-40 Gweights/s on one thread with 4 against 28-29
+ * without, 50-54 against 43-50 on two; 8 and 16 about as 4 (bench/cpu_prefetch.sh, three runs:
+ * bench/results/2026-12-06-s36-cpu-prefetch-far{,-run3}-cpu.*, and the run before them): the
+ * L1 prefetch alone keeps too few lines in flight for one core's stream. */
 #ifndef Q4_PREFETCH_FAR_RUNS
 #define Q4_PREFETCH_FAR_RUNS 4
 #endif
