@@ -239,7 +239,8 @@ class HostFFN:
         (bench/results/2026-12-06-s36-host-ffn-overhead-cpu.txt and a run before it; the
         rest is the SiLU, the product and the activations' quantization). h: float32,
         contiguous."""
-        if not (hasattr(self.gate_up, "matvec") and hasattr(self.down, "matvec")):
+        if not all(hasattr(lin, "matvec") and getattr(lin, "bias", None) is None
+                   for lin in (self.gate_up, self.down)):  # (split layers have no FFN bias)
             out.copy_(self.compute(h))
             return
         m, units = h.shape[0], self.down.in_features
