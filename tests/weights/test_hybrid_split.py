@@ -89,17 +89,23 @@ def test_the_cpu_share_matches_within_bfloat16_rounding(layer_parts):
 @pytest.mark.parametrize("kind", ["auto", "torch", "planes"])
 def test_the_workers_path_gives_computes_bits(layer_parts, kind, monkeypatch):
     """HostFFN.compute_into (the CUDA worker's path: its buffers reused, the result written in
-    place) gives compute's bits for 1 to 8 rows, whatever the CPU kernels are (those without
-    an output buffer of their own go through compute)."""
+    place) gives compute's bits for 1 to 8 rows, whatever the CPU kernels are: the layer's own
+    share packed by auto (q4vnni, q8vnni, int8pack for Q6_K) or torch (int4pack, no output
+    buffer of its own: through compute), and planes read in place (random Q4_K planes, as the
+    pinned image holds them)."""
+    from slipstream.memory.hybrid_plan import _plane_weight
     from slipstream.weights import hybrid
     from slipstream.weights.hybrid import Scratch
 
     cfg, builder, src = layer_parts
-    monkeypatch.setattr(hybrid, "HOST_KIND", kind)
-    parts = host_linears(ffn_raws(src, cfg, 0), 256)
-    if "gate_up" not in parts:  # planes reads the image in place: not packed here
-        pytest.skip(f"{kind} packs nothing for this format")
-    ffn = HostFFN(parts["gate_up"], parts["down"], HostIO(CPU, cfg.hidden, max_tokens=8))
+    if kind == "planes":
+        units = 512
+        gate_up, down = _plane_weight(2 * units, cfg.hidden), _plane_weight(cfg.hidden, units)
+    else:
+        monkeypatch.setattr(hybrid, "HOST_KIND", kind)
+        parts = host_linears(ffn_raws(src, cfg, 0), 256)
+        gate_up, down = parts["gate_up"], parts["down"]
+    ffn = HostFFN(gate_up, down, HostIO(CPU, cfg.hidden, max_tokens=8))
     scratch = Scratch()
     g = torch.Generator().manual_seed(5)
     for m in (1, 8, 3):  # the scratch grows, then serves a smaller call
