@@ -186,8 +186,8 @@ def _compile(cc: str, sources: dict[str, bytes], path: Path,
         out = Path(tmp) / path.name
         for arch, omp in ((ARCH_FLAGS, OPENMP_FLAGS), (ARCH_FLAGS, ()), ((), OPENMP_FLAGS),
                           ((), ())):
-            r = subprocess.run([cc, *FLAGS, *defines, *arch, *omp, *map(str, srcs), "-o", str(out),
-                                "-lm"], capture_output=True, text=True, timeout=120)
+            r = subprocess.run([cc, *FLAGS, *defines, *arch, *omp, *map(str, srcs), "-o",
+                                str(out), "-lm"], capture_output=True, text=True, timeout=120)
             if r.returncode == 0:
                 os.replace(out, path)
                 return path
