@@ -55,8 +55,8 @@ LAYER_COST_S = CPU_FIXED_S + HANDOVER_S  # what the chain pays per split layer, 
 # a layer by the probe) and decoded at 20.1 tok/s against 29.3 whole, when the host still
 # waited for each share. Session 36 forced the split on an H100 (the 8B at 4 GiB, 18 layers at
 # a 0.64 share, the float32 records: 0.83 ms a layer by the probe, 1.34 ms measured in the
-# trace with 8.7 of 15 threads' cores busy): 34.05, then 24.9-29.2 in four repeats as the host
-# slowed, at a 0.5 share 33.87, against 24.10 whole; auto at this threshold took the split and
+# trace with 8.7 of 15 threads' cores busy): 34.05, then 24.9-29.2 in four repeats, at a 0.5
+# share 33.87, against 24.10 whole; auto at this threshold took the split and
 # its balance kept 14 of 18 layers on the CPU: 31.08 (bench/results/2026-12-06-s36-hybrid-
 # bench-8b-*-h100-call*.json). With Q4_KS the same share is 0.64 ms by the probe.
 MIN_CPU_LAYER_S = 0.5e-3
@@ -472,7 +472,7 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
         return None
     threads = threads or default_threads()
     kind = host_kind(GGMLQuantizationType.Q4_K)  # the probes' layout (their results are cached)
-    steal = StealMeter()  # measured only around a probe run here
+    cores_stolen = None  # measured only around a probe run here
     if cpu_gbps is None:
         # both links as they run together: the share from rates measured alone gave the
         # CPU too much (see cpu_packed_gbps)
@@ -483,6 +483,7 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
         with StealMeter() as steal:
             cpu_gbps, beside = cpu_packed_gbps(threads, beside_copy=torch.cuda.is_available(),
                                                copy_bytes=copy_bytes, kind=kind)
+        cores_stolen = steal.cores
         pcie = min(pcie, beside or pcie)
         # the probe's matvec over one large weight reads faster than decode's shares, 38
         # weights a third its size each, one after another with the GPU's work between them
@@ -533,4 +534,4 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
                       predicted, plain, max_tokens=min(widest, HYBRID_MAX_TOKENS),
                       extra_ram_bytes=int(cpu_bytes * packed_num / max(ratio_num, 1)),
                       gguf_ffn_bytes=dict(zip(layers, ffn)),
-                      rebalance=mode == "auto", cores_stolen=steal.cores)
+                      rebalance=mode == "auto", cores_stolen=cores_stolen)

@@ -234,36 +234,30 @@ static inline __attribute__((always_inline)) void q4_block_generic(
 /* Records prefetched ahead of the one being read. Weights streamed from RAM (a decode token
  * reads every layer once): on the 2-core AVX2 machine, prefetching took gate_up (3072 x 576
  * Q4_1, one row) from 80.8 to 58.6 us and down (576 x 1536) from 40.7 to 31.3 (session 26).
- * The VNNI loop prefetches the same distance (untimed there when added: session 28).
- * The VNNI loop's distances and hint can be set at build time (SLIPSTREAM_NATIVE_DEFINES,
- * native/__init__.py), so that a GPU host's cores can be timed with each (bench/
- * cpu_prefetch_device.sh): there a hybrid share reads about 7 GB/s a core with 15 cores busy
- * and the same 100 GB/s with a copy beside it or not, a ceiling of the cores' outstanding
- * reads rather than of the memory bus, which prefetching farther or into L2 may lift. */
-#ifndef Q4_PREFETCH
+ * The VNNI loop prefetches the same distance (untimed there when added: session 28). */
 #define Q4_PREFETCH 8
-#endif
-#ifndef Q4_KS_PREFETCH_RUNS  /* Q4_KS: runs of 8 records ahead */
-#define Q4_KS_PREFETCH_RUNS 1
-#endif
-#ifndef Q4_PREFETCH_HINT
-#define Q4_PREFETCH_HINT _MM_HINT_T0
-#endif
-/* Q4_KS: a second prefetch, into L2, this many runs ahead (0: none). On the 2-core CI-class
- * EPYC a 70B layer's 0.6 share decoded at 35-40 Gweights/s on one thread with 4 against 28-29
- * without, 50-54 against 43-50 on two; 8 and 16 about as 4 (bench/cpu_prefetch.sh, three runs:
- * bench/results/2026-12-06-s36-cpu-prefetch-far{,-run3}-cpu.*, and the run before them): the
- * L1 prefetch alone keeps too few lines in flight for one core's stream. */
+/* Q4_KS prefetches the codes a run on into L1 (and a run's header at its start) and, this many
+ * runs on, into L2 (0: not). On the 2-core CI-class EPYC a 70B layer's 0.6 share decoded at
+ * 35-40 Gweights/s on one thread with 4 against 28-29 without, 50-54 against 43-50 on two; 8
+ * and 16 about as 4 (bench/cpu_prefetch.sh, three runs: bench/results/2026-12-06-s36-cpu-
+ * prefetch-far{,-run3}-cpu.*, and the run before them): the L1 prefetch alone keeps too few
+ * lines in flight for one core's stream. Set at build time (SLIPSTREAM_NATIVE_DEFINES,
+ * native/__init__.py) so that bench/cpu_prefetch.sh can time the distances on a GPU host,
+ * whose hybrid shares read about 7 GB/s a core with a copy beside them or not: the cores'
+ * outstanding reads rather than the memory bus. */
 #ifndef Q4_PREFETCH_FAR_RUNS
 #define Q4_PREFETCH_FAR_RUNS 4
 #endif
-/* The other formats' second prefetch into L2, in records ahead (0: none). The default model's
- * Q4_1 decoded on the 2-core EPYC at a mean 190 tok/s with 16 against 180 without over six
- * alternating runs each, within their spread (bench/results/2026-12-06-s36-cpu-prefetch-far-
- * q41-decode-cpu.txt): left off. */
-#ifndef Q4_PREFETCH_FAR_RECORDS
-#define Q4_PREFETCH_FAR_RECORDS 0
-#endif
+
+/* Q4_KS: prefetch group g's codes `runs` runs on from p, and at a run's start that run's
+ * header, with `hint` (a macro: _mm_prefetch takes a constant). */
+#define Q4_KS_PREFETCH(p, g, runs, hint) do { \
+        const char *at_ = (const char *)(p) + (runs) * Q4_KS_RUN_BYTES; \
+        if ((g) % Q4_KS_RUN == 0) \
+            for (int64_t o_ = 0; o_ < Q4_KS_HEADER; o_ += 64) \
+                _mm_prefetch(at_ - Q4_KS_HEADER + o_, hint); \
+        for (int64_t o_ = 0; o_ < 256; o_ += 64) _mm_prefetch(at_ + o_, hint); \
+    } while (0)
 
 #if Q4_VNNI
 /* acc + the 16 rows' dot products of one group's codes u with 32 int8 activations xg. */
@@ -292,25 +286,12 @@ static inline __attribute__((always_inline)) void q4_block_vnni(
         const uint8_t *p = q4_record(blk, g, fmt);
         /* one pass over the block, from RAM: prefetch ahead (into the next block at its end,
          * which this thread reads next); a prefetch past the weights does not fault */
-        const char *ahead = (const char *)(p + Q4_PREFETCH * rec);
-        int64_t ahead_bytes = rec;
-        if (fmt == Q4_KS) {  /* the codes whole runs on, and at a run's start its header */
-            ahead = (const char *)(p + Q4_KS_PREFETCH_RUNS * Q4_KS_RUN_BYTES);
-            ahead_bytes = 256;
-            if (g % Q4_KS_RUN == 0)
-                for (int64_t o = 0; o < Q4_KS_HEADER; o += 64)
-                    _mm_prefetch(ahead - Q4_KS_HEADER + o, Q4_PREFETCH_HINT);
-        }
-        for (int64_t o = 0; o < ahead_bytes; o += 64) _mm_prefetch(ahead + o, Q4_PREFETCH_HINT);
-        if (fmt == Q4_KS && Q4_PREFETCH_FAR_RUNS > 0) {  /* the same bytes farther on, into L2 */
-            const char *far = (const char *)(p + Q4_PREFETCH_FAR_RUNS * Q4_KS_RUN_BYTES);
-            if (g % Q4_KS_RUN == 0)
-                for (int64_t o = 0; o < Q4_KS_HEADER; o += 64)
-                    _mm_prefetch(far - Q4_KS_HEADER + o, _MM_HINT_T1);
-            for (int64_t o = 0; o < 256; o += 64) _mm_prefetch(far + o, _MM_HINT_T1);
-        } else if (fmt != Q4_KS && Q4_PREFETCH_FAR_RECORDS > 0) {
-            const char *far = (const char *)(p + Q4_PREFETCH_FAR_RECORDS * rec);
-            for (int64_t o = 0; o < rec; o += 64) _mm_prefetch(far + o, _MM_HINT_T1);
+        if (fmt == Q4_KS) {
+            Q4_KS_PREFETCH(p, g, 1, _MM_HINT_T0);
+            if (Q4_PREFETCH_FAR_RUNS > 0) Q4_KS_PREFETCH(p, g, Q4_PREFETCH_FAR_RUNS, _MM_HINT_T1);
+        } else {
+            const char *ahead = (const char *)(p + Q4_PREFETCH * rec);
+            for (int64_t o = 0; o < rec; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
         }
         __m512i u[8];
         if (fmt == Q8_F16) {
