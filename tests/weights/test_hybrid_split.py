@@ -115,6 +115,38 @@ def test_the_workers_path_gives_computes_bits(layer_parts, kind, monkeypatch):
         assert torch.equal(out, ffn.compute(h).float()), m
 
 
+def test_the_fused_share_is_the_four_calls_in_one(layer_parts, monkeypatch):
+    """Where both CPU linears are q4vnni/q8vnni, the share is one native call (ss_q4_ffn: the
+    two matvecs and the SwiGLU between them): it matches the four calls it replaces (the
+    matvecs and torch's SiLU and product) to float32 rounding of the SiLU, which the second
+    matvec's 16-bit activations may carry to a last few bits, for 1 to 8 rows; with
+    SLIPSTREAM_HOST_FUSED off the four calls run."""
+    from slipstream import native
+    from slipstream.weights import hybrid
+    from slipstream.weights.hybrid import Scratch
+
+    cfg, builder, src = layer_parts
+    parts = host_linears(ffn_raws(src, cfg, 0), 256)
+    ffn = HostFFN(parts["gate_up"], parts["down"], HostIO(CPU, cfg.hidden, max_tokens=8))
+    kinds = {getattr(p, "kind", None) for p in parts.values()}
+    if native.library() is None or not kinds <= {"q4vnni", "q8vnni"}:
+        assert ffn._fused() is None  # Q4_K_M's Q6_K down takes int8pack: four calls
+        return
+    assert ffn._fused() is not None
+    g = torch.Generator().manual_seed(9)
+    for m in (1, 8, 3):
+        h = torch.randn(m, cfg.hidden, generator=g)
+        fused = torch.full((m, cfg.hidden), float("nan"))
+        ffn.compute_into(h, fused, Scratch())
+        monkeypatch.setattr(hybrid, "HOST_FUSED", False)
+        assert ffn._fused() is None
+        calls = torch.full((m, cfg.hidden), float("nan"))
+        ffn.compute_into(h, calls, Scratch())
+        monkeypatch.setattr(hybrid, "HOST_FUSED", True)
+        torch.testing.assert_close(fused, calls, rtol=1e-4, atol=1e-4 * calls.abs().max().item())
+        assert not torch.equal(fused, torch.zeros_like(fused))
+
+
 def test_split_layer_refuses_a_split_off_the_blocks(layer_parts):
     cfg, builder, src = layer_parts
     with pytest.raises(ValueError, match="multiples of 256"):

@@ -438,7 +438,7 @@ lin = cpu_packed.pack_linear(raw, Q.Q4_K, (48, 4096), kind="q4vnni")
 assert lin.k_scales
 x = torch.randn(3, 4096, generator=torch.Generator().manual_seed(22))
 ys = [lin.matvec(x, torch.empty(3, 48), threads=t) for t in (1, 2)]
-if len(sys.argv) > 1:
+if __name__ == "__main__":  # the child (python -c CODE OUT); in-process, argv is pytest's
     torch.save(ys, sys.argv[1])
 """
     scope: dict = {}

@@ -59,6 +59,8 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     "ss_q8_quantize_row": (_P, _I64, _P, _P, _P),
     "ss_q16_quantize_row": (_P, _I64, _P, _P, _P, _P),
     "ss_q4_matvec": (_P, _P, _P, _I64, _I64),
+    "ss_q4_ffn": (_P, _P, _P, _P, _P, _P, _I64, _I64),
+    "ss_silu_mul_f32": (_P, _I64, _I64, _P),
     "ss_omp_touch": (_INT,),
     # decode_layer.c: (layer, scratch, x, x_out, ang, ang_sin, pos, k_cache, v_cache, max_ctx,
     # threads)

@@ -144,6 +144,22 @@ void ss_silu_mul_bf16(const uint16_t *gate_up, int64_t n, uint16_t *out) {
     }
 }
 
+/* out = silu(gate) * up in float32 for m rows of gate_up = [gate | up] (2n floats a row), out
+ * m rows of n: the SwiGLU between hybrid decode's two CPU matvecs (ss_q4_ffn), unrounded. */
+void ss_silu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = gate_up + r * 2 * n, *u = g + n;
+        float *o = out + r * n;
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES) {
+            vf x = loadv(g + i);
+            vf y = x / (1.0f + expv(-x)) * loadv(u + i);
+            memcpy(o + i, &y, sizeof y);
+        }
+        for (; i < n; i++) o[i] = g[i] / (1.0f + expv(splat(-g[i]))[0]) * u[i];
+    }
+}
+
 /* Rotate one head's first rope_dim dims in place, by the angles RopeTable.angles gives.
  * style 0 ("normal"): pairs (2i, 2i+1), angles interleaved as (cos_i, sin_i) in `ang` (the
  * complex table's bytes; `ang_sin` unused); style 1 ("neox"): pairs (i, i + rope_dim/2), cos_i

@@ -633,6 +633,23 @@ void ss_q4_matvec(const q4_weight *wd, const void *x, void *y, int64_t m, int64_
     free(scratch);
 }
 
+void ss_silu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out);  /* decode_ops.c */
+
+/* The CPU's share of a split FFN (weights.hybrid.HostFFN) in one call: gu = x gate_up^T (m rows
+ * of [gate | up]), act = silu(gate) * up, out = act down^T, float32 throughout. One call rather
+ * than four is one release of Python's GIL rather than four hand-backs: hybrid decode's worker
+ * otherwise waits for the GIL between them while the main thread enqueues CUDA work, and its
+ * OpenMP team idles meanwhile (on session 36's H100 host the shares ran 17% slower, with about
+ * two cores fewer busy, while the main thread was enqueueing). gu and act: scratch of m * 2 *
+ * units and m * units floats (units = down's k). flags as ss_q4_matvec's, less the X/Y types. */
+void ss_q4_ffn(const q4_weight *gate_up, const q4_weight *down, const float *x, float *gu,
+               float *act, float *out, int64_t m, int64_t flags) {
+    int64_t f32 = Q4_X_F32 | Q4_Y_F32;
+    ss_q4_matvec(gate_up, x, gu, m, flags | f32);
+    ss_silu_mul_f32(gu, m, down->k, act);
+    ss_q4_matvec(down, act, out, m, flags | f32);
+}
+
 /* Whether this build has the VNNI loop. */
 int ss_q4_has_vnni(void) { return Q4_VNNI; }
 

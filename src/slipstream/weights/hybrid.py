@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -63,6 +64,20 @@ REST_FIELDS = ("ffn_gate_up_rest", "ffn_down_rest")  # the image's tail: decode 
 # the planes' 4.625 bits a weight in q4vnni's loop, packed at load.
 # memory.hybrid_plan's probe times the kernel of the kind chosen here.
 HOST_KINDS = AUTO_KINDS + (PLANES,)
+# The CPU's share in one native call where both its linears are q4vnni/q8vnni (native ss_q4_ffn:
+# the two matvecs and the SwiGLU between them, the GIL released once), rather than four calls
+# that each hand the GIL back (HostFFN.compute_into). SLIPSTREAM_HOST_FUSED=0: the four calls.
+HOST_FUSED = os.environ.get("SLIPSTREAM_HOST_FUSED", "1") != "0"
+# Python's GIL switch interval while hybrid decode's CPU worker runs (sys.setswitchinterval; 5 ms
+# by default). The worker needs the GIL between its native calls while the main thread holds it
+# to enqueue CUDA work (Triton's launches release it rarely); a waiting thread gets it only
+# once the holder lets go or this interval passes, and the worker's OpenMP team idles
+# meanwhile. On the 2-core CI machine, with a thread beside it that never lets go, an 8B's
+# share took a median 18.8 ms fused (35 ms as four calls) at 5 ms and 3.2-3.6 (3.8-6.3) at
+# 0.1 ms, against 2.4-5.4 with the thread idle (bench/host_share_gil.py,
+# bench/results/2026-12-06-s37-host-share-gil-cpu.txt). Not yet timed on a GPU host.
+# Process-wide, and never raised: SLIPSTREAM_GIL_SWITCH_S overrides (0: left alone).
+GIL_SWITCH_S = float(os.environ.get("SLIPSTREAM_GIL_SWITCH_S", "0.0001"))
 HOST_KIND = os.environ.get("SLIPSTREAM_HYBRID_KIND", "auto")
 if HOST_KIND not in HOST_KINDS:
     raise BadArgument(f"SLIPSTREAM_HYBRID_KIND={HOST_KIND!r} is invalid: set it to one of "
@@ -227,23 +242,52 @@ class HostFFN:
 
     def compute(self, h: torch.Tensor) -> torch.Tensor:
         """The CPU's partial sum of the down projection over its units, for input rows h."""
+        if self._fused() is not None:
+            out = torch.empty(h.shape[0], self.down.out_features)
+            self.compute_into(h.float().contiguous(), out, Scratch())
+            return out
         gate, up = self.gate_up(h).chunk(2, dim=-1)
         return self.down(F.silu(gate.float()) * up.float())
 
+    def _fused(self):
+        """native ss_q4_ffn where it computes this share (both linears q4vnni/q8vnni, no bias:
+        see HOST_FUSED), else None."""
+        if not HOST_FUSED:
+            return None
+        from .cpu_packed import Q4VnniLinear
+
+        if not all(isinstance(lin, Q4VnniLinear) and lin.bias is None
+                   for lin in (self.gate_up, self.down)):
+            return None
+        from .. import native
+
+        lib = native.library()
+        return None if lib is None else lib.ss_q4_ffn
+
     def compute_into(self, h: torch.Tensor, out: torch.Tensor, scratch: "Scratch") -> None:
         """compute(h) written into `out` (float32, contiguous), with the same bits: where both
-        linears multiply into a buffer given them (q4vnni, q8vnni, planes), through `scratch`
-        and in place, with no tensor made per call. The share is on hybrid decode's chain
+        linears are q4vnni/q8vnni, in one native call (HOST_FUSED); else where both multiply
+        into a buffer given them (planes, or HOST_FUSED off), through `scratch` and in place,
+        with no tensor made per call. The share is on hybrid decode's chain
         (an 8B's took 1.34 ms on an H100 host): on the 2-core CI machine compute and the copy
         into `out` spent 125-218 us of an 8B's share besides its two matvecs, this 95-145
         (bench/results/2026-12-06-s36-host-ffn-overhead-cpu.txt and a run before it; the
         rest is the SiLU, the product and the activations' quantization). h: float32,
         contiguous."""
+        m, units = h.shape[0], self.down.in_features
+        fused = self._fused()
+        if fused is not None:
+            from .cpu_packed import q4vnni_flags
+
+            gate_up, act = scratch.get(0, m, 2 * units), scratch.get(1, m, units)
+            fused(self.gate_up.desc, self.down.desc, h.data_ptr(), gate_up.data_ptr(),
+                  act.data_ptr(), out.data_ptr(), m,
+                  q4vnni_flags(True, True, torch.get_num_threads()))
+            return
         if not all(hasattr(lin, "matvec") and getattr(lin, "bias", None) is None
                    for lin in (self.gate_up, self.down)):  # (split layers have no FFN bias)
             out.copy_(self.compute(h))
             return
-        m, units = h.shape[0], self.down.in_features
         gate_up = scratch.get(0, m, 2 * units)
         self.gate_up.matvec(h, gate_up)
         act = scratch.get(1, m, units)
@@ -383,6 +427,8 @@ class HostIO:
 
     def _start_worker(self) -> None:
         if self._worker is None:
+            if GIL_SWITCH_S > 0:
+                sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_S))
             self._worker = threading.Thread(target=self._work, name="slipstream-hybrid-cpu",
                                             daemon=True)
             self._worker.start()
