@@ -35,7 +35,7 @@ from slipstream.memory.hybrid_plan import default_threads, last_level_cache_byte
 from slipstream.memory.probes import steal_seconds  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
 from slipstream.synth import write_synth  # noqa: E402
-from slipstream.weights.hybrid import HOST_KIND  # noqa: E402
+from slipstream.weights.hybrid import GIL_SWITCH_S, HOST_FUSED, HOST_KIND  # noqa: E402
 
 
 def decode_rate(model, tokens: int) -> float:
@@ -63,14 +63,19 @@ def host_load(since: dict | None = None) -> dict:
     use = resource.getrusage(resource.RUSAGE_SELF)
     now = {"loadavg": [round(x, 2) for x in os.getloadavg()],
            "process_cpu_s": round(use.ru_utime + use.ru_stime, 3),
-           "steal_s": steal_seconds(), "wall": time.perf_counter()}
+           "steal_s": steal_seconds(), "wall": time.perf_counter(),
+           "main_thread_cpu_s": time.thread_time()}  # the caller's: the thread enqueueing
     if since is None:
         return now
     wall = now["wall"] - since["wall"]
     cpu = now["process_cpu_s"] - since["process_cpu_s"]
     out = {"loadavg_before": since["loadavg"], "loadavg_after": now["loadavg"],
            "process_cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
-           "process_cores_busy": round(cpu / wall, 2) if wall > 0 else None}
+           "process_cores_busy": round(cpu / wall, 2) if wall > 0 else None,
+           # the main thread's share of it: enqueueing CUDA work, holding the GIL the hybrid
+           # worker needs between its calls (weights.hybrid.GIL_SWITCH_S)
+           "main_thread_busy": round((now["main_thread_cpu_s"] - since["main_thread_cpu_s"])
+                                     / wall, 2) if wall > 0 else None}
     if now["steal_s"] is not None and since["steal_s"] is not None:
         # the hypervisor running others on this VM's cores: time the process could not have
         out["cores_stolen"] = round((now["steal_s"] - since["steal_s"]) / wall, 2) if wall else None
@@ -285,7 +290,8 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
                "predicted_tok_s": round(plan.predicted_tok_s or 0, 3),
                "pcie_gbps_probe": plan.bandwidth_gbps.get("pinned")}
         if h is not None:
-            row.update(host_kind=HOST_KIND, cpu_share=round(h.cpu_share, 4),
+            row.update(host_kind=HOST_KIND, host_fused=HOST_FUSED, gil_switch_s=GIL_SWITCH_S,
+                       cpu_share=round(h.cpu_share, 4),
                        ffn_units_on_gpu=h.keep,
                        split_layers=len(h.layers), threads=h.threads,
                        cpu_gbps_probe=round(h.cpu_gbps, 1),

@@ -15,7 +15,9 @@
 # KINDS="torch auto-f16": after the main run (the default CPU kernels), the hybrid 70B case again
 # with the CPU share on each of those SLIPSTREAM_HYBRID_KIND values, into OUTDIR/kind-K.
 # VARIANTS="SLIPSTREAM_CPU_CHUNKS=1 SLIPSTREAM_HYBRID_KIND=auto-f16,SLIPSTREAM_CPU_CHUNKS=1":
-# the same for any environment (comma-separated assignments per variant), into OUTDIR/env-N.
+# the same for any environment (comma-separated assignments per variant), into OUTDIR/env-N
+# (the 70B; VARIANT_CASES=70b,8b both).
+# GIL=1: bench/host_share_gil.py on this host's cores (about a minute), into OUTDIR/gil.
 # SHARES="0.55 0.6": the same at each given CPU share (the plan's choice bypassed), into
 # OUTDIR/share-S: what the plan's share is worth against its neighbours, in the same call.
 # Carry what spec_device.sh says.
@@ -48,6 +50,10 @@ if [ "${PREFETCH:-0}" = 1 ]; then
   FARS=${PREFETCH_FARS:-0 4 16} ROUNDS=${PREFETCH_ROUNDS:-2} THREADS=${PREFETCH_THREADS:-1,8,15} \
     TOKENS=1 timeout 150 \
     bash bench/cpu_prefetch.sh "$OUTDIR/prefetch" 2>&1 | tail -13
+fi
+if [ "${GIL:-0}" = 1 ]; then
+  timeout 150 python3 bench/host_share_gil.py "$OUTDIR/gil/host-share-gil.json" \
+    --threads ${GIL_THREADS:-14} --shares 100 --rounds 1 2>&1 | tail -13
 fi
 # llama.cpp on each shape's file, with the layers on the GPU that slipstream's plan holds at that
 # budget (-ngl 46 for the 70B at 24 GiB, 16 for the 8B at 4 GiB), three repetitions at each of
@@ -84,7 +90,7 @@ for variant in ${VARIANTS:-}; do
   n=$((n + 1))
   echo "$variant" > "$OUTDIR/env-$n.txt"
   env ${variant//,/ } timeout ${KIND_S:-150} python3 bench/hybrid_bench.py "$OUTDIR/env-$n" \
-    --workdir $W "${LLAMA_ARGS[@]}" --cases 70b --skip-off --no-prefill \
+    --workdir $W "${LLAMA_ARGS[@]}" --cases ${VARIANT_CASES:-70b} --skip-off --no-prefill \
     --threads ${KIND_THREADS:-15} > "$OUTDIR/hybrid-bench-env-$n.log" 2>&1
   echo "$variant:"; grep -v "^{" "$OUTDIR/hybrid-bench-env-$n.log" | tail -2
 done
