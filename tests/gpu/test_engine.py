@@ -92,16 +92,33 @@ def test_fast_precision_costs_little_perplexity(cpu_model, gpu_model, gpu_fast):
 
 
 def test_greedy_64_tokens_equal_cpu(cpu_model, gpu_model):
+    """Greedy generation at precision "exact" gives the CPU's tokens, except where the two
+    paths' own logit difference (float32 sums in other orders, bounded by
+    test_gpu_decode_steps_match_cpu) is larger than a near-tie: there greedy may part, the GPU
+    taking the CPU's runner-up, and the test shows it. An H100 parted at token 60 at a top-2
+    gap of 0.003 (bench/results/2026-12-06-s37-pytest-gpu-h100-call4.log); an H200 gave all 64
+    tokens."""
     prompt = "Once upon a time, in a small village by the sea,"
     a = [e.id for e in cpu_model.generate(prompt, max_tokens=64, temperature=0)]
     b = [e.id for e in gpu_model.generate(prompt, max_tokens=64, temperature=0)]
     first_diff = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-    margin = None
-    if first_diff is not None:  # how close the tie was, for the failure message
-        logits = cpu_model.logits(cpu_model.tokenize(prompt) + a[:first_diff])[-1]
-        top = logits.topk(2).values
-        margin = float(top[0] - top[1])
-    assert a == b, f"first divergence at token {first_diff} (CPU top-2 logit gap {margin})"
+    if first_diff is None:
+        assert a == b
+        return
+    # the step where they parted, through the decode path both generations took
+    ctx = cpu_model.tokenize(prompt) + a[:first_diff]
+    cpu = cpu_model.logits(ctx, one_at_a_time=True)[-1]
+    gpu = gpu_model.logits(ctx, one_at_a_time=True)[-1].cpu()
+    top = cpu.topk(2)
+    gap = float(top.values[0] - top.values[1])
+    apart = float((cpu - gpu).abs().max())
+    message = (f"first divergence at token {first_diff}: GPU {b[first_diff]}, CPU top-2 "
+               f"{top.indices.tolist()} {gap:.2e} apart, the paths' largest logit difference "
+               f"there {apart:.2e}")
+    print(message)
+    assert b[first_diff] == int(top.indices[1]), message  # the CPU's runner-up
+    assert gap <= 2 * apart, message  # a tie within the two paths' own difference
+    assert float((cpu - gpu).norm() / cpu.norm()) < 1e-2, message
 
 
 @pytest.fixture(scope="module")
