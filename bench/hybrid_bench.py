@@ -35,7 +35,8 @@ from slipstream.memory.hybrid_plan import default_threads, last_level_cache_byte
 from slipstream.memory.probes import steal_seconds  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
 from slipstream.synth import write_synth  # noqa: E402
-from slipstream.weights.hybrid import GIL_SWITCH_S, HOST_FUSED, HOST_KIND  # noqa: E402
+from slipstream.weights.hybrid import (GIL_SWITCH_S, HOST_FUSED, HOST_KIND,  # noqa: E402
+                                       HOST_SIGNAL)
 
 
 def decode_rate(model, tokens: int) -> float:
@@ -303,7 +304,8 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
                "predicted_tok_s": round(plan.predicted_tok_s or 0, 3),
                "pcie_gbps_probe": plan.bandwidth_gbps.get("pinned")}
         if h is not None:
-            row.update(host_kind=HOST_KIND, host_fused=HOST_FUSED, gil_switch_s=GIL_SWITCH_S,
+            row.update(host_kind=HOST_KIND, host_fused=HOST_FUSED, host_signal=HOST_SIGNAL,
+                       gil_switch_s=GIL_SWITCH_S,
                        cpu_share=round(h.cpu_share, 4),
                        ffn_units_on_gpu=h.keep,
                        split_layers=len(h.layers), threads=h.threads,

@@ -193,6 +193,45 @@ def test_the_fused_wait_and_add_gives_the_bits_of_the_copy_and_add(pair):
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_send_to_host_writes_the_values_then_the_flag(dtype):
+    """kernels.send_to_host: the input's values in float32 in pinned memory (torch's .float()
+    bit for bit) and the flag raised to the counter given, in stream order."""
+    from slipstream import kernels
+
+    src = torch.randn(3, 5000, generator=torch.Generator().manual_seed(4)).to("cuda", dtype)
+    dst = torch.full((3, 5000), float("nan"), pin_memory=True)
+    flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    kernels.send_to_host(src, dst, flag, 7)
+    torch.cuda.synchronize()
+    assert int(flag[0]) == 7 and torch.equal(dst, src.float().cpu())
+
+
+def test_host_signal_gives_the_bits_of_the_copy_and_event(tmp_path, monkeypatch):
+    """HOST_SIGNAL (the input sent by a kernel that raises a flag, the worker's wait, share
+    and hand-back in one native call) computes what the copy, the event and the Python worker
+    compute, bit for bit, on layers whose CPU share is fused (all Q4_K: q4vnni both ways)."""
+    from slipstream.synth import write_synth
+    from slipstream.weights import hybrid
+
+    path = write_synth(tmp_path / "q4k.gguf", "tiny", "Q4_K", n_layers=6, from_floats=True,
+                       std=0.08, seed=5)
+    with slipstream.load(path, device="cuda", ctx=256) as resident:
+        budget = _budget(resident, 2)
+    with slipstream.load(path, device="cuda", ctx=256, vram_budget=budget, hybrid=0.5,
+                         precision="exact") as split:
+        hosts = split.engine.layers.hosts.values()
+        assert hosts and all(h._fused() is not None for h in hosts)
+        copied = _forced_logits(split, steps=6)
+        ios = {id(h.io): h.io for h in hosts}
+        assert all(int(io._arrived[0]) == 0 for io in ios.values())
+        monkeypatch.setattr(hybrid, "HOST_SIGNAL", True)
+        signalled = _forced_logits(split, steps=6)
+        assert all(io.signal_ok and int(io._arrived[0]) > 0 for io in ios.values())  # it ran
+    for x, y in zip(copied, signalled):
+        assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_the_fused_add_waits_for_the_host_and_rounds_as_torch(dtype):
     """wait_host_add reads the host's buffer only once the flag is bumped, though the host

@@ -147,6 +147,48 @@ def test_the_fused_share_is_the_four_calls_in_one(layer_parts, monkeypatch):
         assert not torch.equal(fused, torch.zeros_like(fused))
 
 
+def test_the_share_on_signal_waits_for_the_flag_then_hands_back(layer_parts, monkeypatch):
+    """HOST_SIGNAL's native call (ss_q4_ffn_on_signal): nothing is computed and the counter
+    stays until the arrival flag reaches the job's number; then the share is compute_into's,
+    bit for bit, and the counter takes the number. An input that never arrives gives up after
+    SIGNAL_TIMEOUT_S with an error, the counter untouched."""
+    import threading
+    import time
+
+    from slipstream import native
+    from slipstream.weights import hybrid
+    from slipstream.weights.hybrid import Scratch
+
+    cfg, builder, src = layer_parts
+    parts = host_linears(ffn_raws(src, cfg, 0), 256)
+    ffn = HostFFN(parts["gate_up"], parts["down"], HostIO(CPU, cfg.hidden, max_tokens=8))
+    if native.library() is None or ffn._fused() is None:
+        pytest.skip("no fused share for these formats here (Q4_K_M's Q6_K down, or no "
+                    "native library)")
+    h = torch.randn(2, cfg.hidden, generator=torch.Generator().manual_seed(11))
+    want = torch.empty(2, cfg.hidden)
+    ffn.compute_into(h, want, Scratch())
+    arrived, done = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    out = torch.full((2, cfg.hidden), float("nan"))
+    waited: list[float] = []
+    worker = threading.Thread(target=lambda: waited.append(
+        ffn.compute_on_signal(h, out, Scratch(), arrived, 3, done, 1)))
+    worker.start()
+    time.sleep(0.1)
+    assert worker.is_alive() and int(done[0]) == 0 and out.isnan().all()
+    arrived[0] = 2  # an earlier job's number: still waiting
+    time.sleep(0.05)
+    assert worker.is_alive() and int(done[0]) == 0
+    arrived[0] = 3
+    worker.join(timeout=30)
+    assert not worker.is_alive() and int(done[0]) == 3
+    assert torch.equal(out, want) and waited[0] >= 0.14
+    monkeypatch.setattr(hybrid, "SIGNAL_TIMEOUT_S", 0.05)
+    with pytest.raises(RuntimeError, match="did not arrive"):
+        ffn.compute_on_signal(h, out, Scratch(), arrived, 4, done, 1)
+    assert int(done[0]) == 3
+
+
 def test_split_layer_refuses_a_split_off_the_blocks(layer_parts):
     cfg, builder, src = layer_parts
     with pytest.raises(ValueError, match="multiples of 256"):

@@ -14,6 +14,9 @@ so a stuck host shows up as an error rather than a GPU that never finishes. The 
 not a count of loads: on the H200, work behind a spin of 2^24 loads ran before a host that bumped
 the flag 0.2 s later (session 18), where the spin was meant to last tens of seconds.
 
+`send_to_host(src, dst, flag, seq)` is the other direction: the input written into pinned host
+memory and a flag raised after it, in stream order, for a host thread polling in native code.
+
 `wait_host_add(flag, target, failed, host, partial)` is the same wait fused with what hybrid
 decode does after it: the kernel reads the host's result straight from pinned memory and adds it
 to the GPU's partial sum. Without it a small host-to-device copy sits between the wait and the
@@ -82,6 +85,42 @@ def wait_host_flag(flag: torch.Tensor, target: int, failed: torch.Tensor,
 
 
 ADD_BLOCK = 2048
+SEND_BLOCK = 2048
+
+
+@triton.jit
+def _fence_sys():
+    """This thread's earlier stores performed for the whole system (the host included) before
+    its later ones (PTX membar.sys)."""
+    return tl.inline_asm_elementwise("membar.sys; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
+def _send_kernel(src_ptr, dst_ptr, n, flag_ptr, seq, BLOCK: tl.constexpr):
+    # one program: every thread stores its part, fences, and only after the barrier that
+    # follows does the flag go out, so the host never sees the flag before the values
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, n, BLOCK):
+        o = start + offs
+        m = o < n
+        x = tl.load(src_ptr + o, mask=m)
+        tl.store(dst_ptr + o, x.to(tl.float32), mask=m)
+    _fence_sys()
+    tl.debug_barrier()
+    tl.store(flag_ptr, seq)
+
+
+def send_to_host(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor, seq: int) -> None:
+    """Enqueue on the current stream: dst (float32, pinned host, contiguous) = src as float32,
+    then flag[0] (int64, pinned host) = seq, the flag written only once every value is in host
+    memory. The host's side polls the flag (native ss_q4_ffn_on_signal) instead of querying a
+    CUDA event behind a copy, which needs Python (weights.hybrid.HOST_SIGNAL)."""
+    if dst.shape != src.shape or dst.dtype != torch.float32 or not dst.is_contiguous():
+        raise ValueError(f"the host's buffer must be float32, contiguous and of the input's "
+                         f"shape {tuple(src.shape)}, not {dst.dtype} {tuple(dst.shape)}")
+    src = src.contiguous()
+    _send_kernel[(1,)](src, dst, src.numel(), flag, seq, BLOCK=SEND_BLOCK, num_warps=4)
 
 
 def wait_host_add(flag: torch.Tensor, target: int, failed: torch.Tensor, host: torch.Tensor,

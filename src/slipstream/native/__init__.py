@@ -61,6 +61,10 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     "ss_q4_matvec": (_P, _P, _P, _I64, _I64),
     "ss_q4_ffn": (_P, _P, _P, _P, _P, _P, _I64, _I64),
     "ss_silu_mul_f32": (_P, _I64, _I64, _P),
+    # (gate_up, down, x, gu, act, out, m, flags, arrived, seq, done, threads, timeout_s,
+    # waited_s): returns 0, or -1 on a timeout
+    "ss_q4_ffn_on_signal": (_P, _P, _P, _P, _P, _P, _I64, _I64, _P, _I64, _P, _I64,
+                            ctypes.c_double, _P),
     "ss_omp_touch": (_INT,),
     # decode_layer.c: (layer, scratch, x, x_out, ang, ang_sin, pos, k_cache, v_cache, max_ctx,
     # threads)
@@ -71,7 +75,7 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     # plane_matvec.c (returns 0, or -1 where its scratch could not be allocated)
     "ss_plane_matvec": (_P, _P, _P, _I64, _I64),
 }
-INT_RESULTS = ("ss_plane_matvec",)  # of SIGNATURES, those returning an int
+INT_RESULTS = ("ss_plane_matvec", "ss_q4_ffn_on_signal")  # of SIGNATURES, those returning an int
 # functions that return something (and take nothing)
 RETURNS = {"ss_q4_has_vnni": _INT, "ss_q4_has_simd": _INT, "ss_plane_has_simd": _INT,
            "ss_plane_has_vnni": _INT}

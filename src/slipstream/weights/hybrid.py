@@ -78,6 +78,15 @@ HOST_FUSED = os.environ.get("SLIPSTREAM_HOST_FUSED", "1") != "0"
 # bench/results/2026-12-06-s37-host-share-gil-cpu.txt). Not yet timed on a GPU host.
 # Process-wide, and never raised: SLIPSTREAM_GIL_SWITCH_S overrides (0: left alone).
 GIL_SWITCH_S = float(os.environ.get("SLIPSTREAM_GIL_SWITCH_S", "0.0001"))
+# The fused share's input sent by a kernel that writes it into pinned memory and raises a flag
+# after it (kernels.send_to_host), the worker waiting for that flag, computing and handing back
+# in one native call (ss_q4_ffn_on_signal): no Python, so no GIL, between the input landing and
+# the result's counter. Without it the worker polls a CUDA event from Python: on session 37's
+# H100 an 8B's split layer took 0.32 ms from its GPU start to its CPU share's start (0.82 ms
+# before the share was fused), a 70B's 0.16 (2026-12-06-s37-hybrid-bench-h100-call2.json).
+# Off until measured on a GPU: SLIPSTREAM_HOST_SIGNAL=1 turns it on.
+HOST_SIGNAL = os.environ.get("SLIPSTREAM_HOST_SIGNAL", "0") == "1"
+SIGNAL_TIMEOUT_S = 60.0  # as kernels.host_wait's: far beyond a share, short of a hang
 HOST_KIND = os.environ.get("SLIPSTREAM_HYBRID_KIND", "auto")
 if HOST_KIND not in HOST_KINDS:
     raise BadArgument(f"SLIPSTREAM_HYBRID_KIND={HOST_KIND!r} is invalid: set it to one of "
@@ -295,8 +304,31 @@ class HostFFN:
         act.mul_(gate_up[:, units:])
         self.down.matvec(act, out)
 
+    def compute_on_signal(self, h: torch.Tensor, out: torch.Tensor, scratch: "Scratch",
+                          arrived: torch.Tensor, seq: int, done: torch.Tensor,
+                          threads: int) -> float:
+        """compute_into(h, out) once arrived[0] >= seq, then done[0] = seq, in one native call
+        (HOST_SIGNAL; fused shares only: see _fused). Returns the seconds spent waiting;
+        raises RuntimeError if the input does not arrive within SIGNAL_TIMEOUT_S."""
+        import ctypes
+
+        from .. import native
+        from .cpu_packed import q4vnni_flags
+
+        m, units = h.shape[0], self.down.in_features
+        gate_up, act = scratch.get(0, m, 2 * units), scratch.get(1, m, units)
+        waited = ctypes.c_double(0.0)
+        rc = native.library().ss_q4_ffn_on_signal(
+            self.gate_up.desc, self.down.desc, h.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
+            out.data_ptr(), m, q4vnni_flags(True, True, threads), arrived.data_ptr(), seq,
+            done.data_ptr(), threads, SIGNAL_TIMEOUT_S, ctypes.byref(waited))
+        if rc != 0:
+            raise RuntimeError(f"layer {self.layer}'s input for the CPU's share did not arrive "
+                               f"in {SIGNAL_TIMEOUT_S:.0f} s (the GPU stopped; see its error)")
+        return waited.value
+
     def start(self, h: torch.Tensor) -> None:
-        self.io.send(h, self.slot)
+        self.io.send(h, self.slot, signal=HOST_SIGNAL and self._fused() is not None)
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
         return self.io.finish(self, partial)
@@ -332,6 +364,8 @@ class HostIO:
     keep_warm: bool = True
     # --trace (runtime.trace.Tracer): the worker's wait for each input and its share, as spans
     tracer: object | None = None
+    # HOST_SIGNAL's send kernel serves here (False once it has failed: copies and events)
+    signal_ok: bool = True
 
     def __post_init__(self) -> None:
         cuda = self.device.type == "cuda"
@@ -342,12 +376,16 @@ class HostIO:
                      for _ in range(self.slots)]
         self._rows = [0] * self.slots
         self._sent: list[torch.cuda.Event | None] = [None] * self.slots
+        # the counter value each slot's input raises the arrival flag to (send_to_host), or
+        # None where it went by a copy and an event
+        self._signal_seq: list[int | None] = [None] * self.slots
         self._h: list[torch.Tensor | None] = [None] * self.slots
         self.run_ahead = cuda
         if self.threads is None:
             self.threads = torch.get_num_threads()
         if cuda:
             self._flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+            self._arrived = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # HOST_SIGNAL
             self._failed = torch.zeros(1, dtype=torch.int32, device=self.device)
             self._seq = 0
             self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -357,8 +395,10 @@ class HostIO:
 
     # --- the host's side ----------------------------------------------------------------------
 
-    def send(self, h: torch.Tensor, slot: int = 0) -> None:
-        """Queue h's copy to the host on the current stream (no wait here)."""
+    def send(self, h: torch.Tensor, slot: int = 0, signal: bool = False) -> None:
+        """Queue h's copy to the host on the current stream (no wait here). signal: by
+        kernels.send_to_host, which raises the arrival flag to the next job's counter after
+        it, for a worker waiting in native code (HOST_SIGNAL), where run-ahead serves."""
         if h.shape[0] > self.max_tokens:
             raise ValueError(f"the CPU share takes at most {self.max_tokens} tokens, "
                              f"not {h.shape[0]}")
@@ -366,8 +406,19 @@ class HostIO:
         if self.device.type != "cuda":
             self._h[slot] = h.float()
             return
-        self._in[slot][:h.shape[0]].copy_(h.float(), non_blocking=True)
-        event = torch.cuda.Event()
+        self._signal_seq[slot] = None
+        if signal and self.run_ahead and self.signal_ok:
+            try:
+                from .. import kernels
+
+                kernels.send_to_host(h, self._in[slot][:h.shape[0]], self._arrived,
+                                     self._seq + 1)
+                self._signal_seq[slot] = self._seq + 1
+            except Exception:  # no kernel here: the copy and the event from now on
+                self.signal_ok = False
+        if self._signal_seq[slot] is None:
+            self._in[slot][:h.shape[0]].copy_(h.float(), non_blocking=True)
+        event = torch.cuda.Event()  # also where the input went by the flag: the fallbacks'
         event.record()
         self._sent[slot] = event
 
@@ -382,7 +433,8 @@ class HostIO:
             self.check()
             self._seq += 1
             self._start_worker()
-            self._jobs.put((ffn, self._sent[slot], slot, rows, self._seq))
+            signaled = self._signal_seq[slot] == self._seq  # else: the event, as ever
+            self._jobs.put((ffn, self._sent[slot], slot, rows, self._seq, signaled))
             try:
                 from .. import kernels
 
@@ -439,7 +491,7 @@ class HostIO:
             job = self._jobs.get()
             if job is None:
                 return
-            ffn, sent, slot, rows, seq = job
+            ffn, sent, slot, rows, seq, signaled = job
             t0 = t1 = None
             tracer = self.tracer
             try:
@@ -447,13 +499,21 @@ class HostIO:
                     if torch.get_num_threads() != self.threads:
                         torch.set_num_threads(self.threads)  # per thread under OpenMP
                     t0 = time.perf_counter()
-                    self._await(sent)
-                    t1 = time.perf_counter()
-                    # traced: the process's CPU time over the share (every thread's), so that
-                    # the trace says how many cores the share kept busy
-                    c1 = time.process_time() if tracer is not None else 0.0
-                    ffn.compute_into(self._in[slot][:rows], self._out[slot][:rows],
-                                     self._scratch)
+                    if signaled:  # the wait, the share and the counter in one native call
+                        # (traced, the cores counted over both)
+                        c1 = time.process_time() if tracer is not None else 0.0
+                        waited = ffn.compute_on_signal(
+                            self._in[slot][:rows], self._out[slot][:rows], self._scratch,
+                            self._arrived, seq, self._flag, self.threads)
+                        t1 = t0 + waited
+                    else:
+                        self._await(sent)
+                        t1 = time.perf_counter()
+                        # traced: the process's CPU time over the share (every thread's), so
+                        # that the trace says how many cores the share kept busy
+                        c1 = time.process_time() if tracer is not None else 0.0
+                        ffn.compute_into(self._in[slot][:rows], self._out[slot][:rows],
+                                         self._scratch)
                     self._count(ffn, time.perf_counter() - t1)
             except BaseException as e:  # the stream must not wait forever: bump anyway
                 self._error = e
