@@ -236,10 +236,41 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
                 "draft_levels": levels, "vram_gib": vram_gib()}
     finally:
         m.close()
+    # at precision "fast" speculative greedy parts from plain at near-ties (batched and
+    # single-token passes round differently): where, how near, and the same at "exact"
+    base["exactness"] = attempt(exactness, target, draft, budgets, tokens, plain["ids"],
+                                auto2["ids"])
     for label, r in (("auto-first", auto), ("auto", auto2), ("nodes64-depth8", fixed),
                      ("auto-beside", beside), ("nodes64-depth8-beside", fixed_beside)):
         rows.append(base | {"variant": label} | {k: v for k, v in r.items() if k != "ids"})
     return rows
+
+
+def exactness(target: Path, draft: Path, budgets: dict, tokens: int,
+              fast_plain: list[int], fast_spec: list[int]) -> dict:
+    """Issue 12's lossless check where the bench can show it: where the fast path's speculative
+    greedy output parts from plain's, the index and the plain path's top-2 logit gap there
+    (through the decode kernels plain generation takes: a near-tie or not); then plain and
+    speculative greedy at precision "exact" on a fresh load, and whether they are equal."""
+    out: dict = {}
+    first = next((i for i, (a, b) in enumerate(zip(fast_plain, fast_spec)) if a != b), None)
+    if first is not None:
+        with slipstream.load(target, device="cuda", ctx=1024, **budgets) as m:
+            ctx = m.tokenize(PROMPT) + fast_plain[:first]
+            top = m.logits(ctx, one_at_a_time=True)[-1].topk(2)
+        out["fast_first_divergence"] = {
+            "index": first, "plain": fast_plain[first], "speculative": fast_spec[first],
+            "plain_top2": top.indices.tolist(),
+            "plain_top2_gap": round(float(top.values[0] - top.values[1]), 5)}
+    with slipstream.load(target, device="cuda", ctx=1024, draft=draft, precision="exact",
+                         **budgets) as m:
+        plain = decode(m, tokens, draft=False)
+        spec = decode(m, tokens)
+    out.update(exact_plain_decode_tok_s=plain["decode_tok_s"],
+               exact_decode_tok_s=spec["decode_tok_s"],
+               exact_tokens_per_pass=spec.get("tokens_per_pass"),
+               greedy_equal_exact=plain["ids"] == spec["ids"])
+    return out
 
 
 LOWBIT_TYPE = "Q2_K"
