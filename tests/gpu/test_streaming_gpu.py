@@ -42,6 +42,39 @@ def test_pinned_streaming_is_bit_identical(synth, delay):
     assert streamed.engine.layers.stats.layers_streamed >= 4 * 13
 
 
+def test_gather_host_rows_reads_pinned_rows_on_the_gpu():
+    """kernels.gather_host_rows: the rows device ids name, read by the GPU from a pinned host
+    table, equal to the host's own indexing (repeats and the last row included)."""
+    from slipstream import kernels
+
+    g = torch.Generator().manual_seed(6)
+    table = torch.randint(0, 256, (1000, 210), generator=g, dtype=torch.uint8).pin_memory()
+    ids = torch.tensor([5, 999, 0, 5], device="cuda")
+    got = kernels.gather_host_rows(table, ids)
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), table[ids.cpu()])
+
+
+def test_a_pinned_embedding_gives_the_host_lookups_bits(synth, monkeypatch):
+    """SLIPSTREAM_PINNED_EMBED: a streamed model's host embedding pinned at load and read by
+    the GPU gives the logits of the host lookup, bit for bit."""
+    from slipstream.weights import loader
+
+    resident = slipstream.load(synth, device="cuda", ctx=256)
+    budget = vram_budget_for(resident, 2)
+    resident.close()
+    host = slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget)
+    assert not host.engine.weights.embed.pinned
+    want = streamed_logits(host)
+    host.close()
+    monkeypatch.setattr(loader, "PINNED_EMBED", True)
+    pinned = slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget)
+    embed = pinned.engine.weights.embed
+    assert embed.pinned and embed.raw.device.type == "cpu" and embed.raw.is_pinned()
+    got = streamed_logits(pinned)
+    pinned.close()
+    assert all(torch.equal(x, y) for x, y in zip(want, got))
+
+
 def test_promoted_layers_take_the_resident_layout_and_bits(synth):
     """Memory given back (a draft released): a pinned layer made resident holds the very
     tensors a resident load builds, the fused scale plane included at precision "fast"

@@ -27,6 +27,7 @@ _EXPORTS = {
     "decode_attention": "attention",
     "rope_and_cache": "rope",
     "wait_host_flag": "host_wait", "wait_host_add": "host_wait", "send_to_host": "host_wait",
+    "gather_host_rows": "host_rows",
 }
 # kernels.gemv_q8 is the module (int8-activation GEMV: quantize_x, rms_norm_q8, gemv_q8,
 # gemv_q8_quantized); it is imported on first attribute access like the others.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 
 import torch
@@ -115,6 +116,13 @@ class OnDemandDenseLinear(Linear):
         return DenseLinear(weight, self.bias)(x, residual)
 
 
+# A streamed model's host-side embedding pinned at load and read by the GPU (kernels.
+# host_rows), so that a decode step's lookup needs no host sync: the table's bytes (0.4-0.9 GiB
+# for an 8B-70B) in pinned RAM besides the budget's. Off until measured on a GPU:
+# SLIPSTREAM_PINNED_EMBED=1 turns it on.
+PINNED_EMBED = os.environ.get("SLIPSTREAM_PINNED_EMBED", "0") == "1"
+
+
 class QuantEmbedding:
     """Token embedding kept in its GGUF format: a lookup dequantizes only the rows it gathers.
 
@@ -125,12 +133,15 @@ class QuantEmbedding:
     would be from a GPU table, so both give the same numbers."""
 
     def __init__(self, raw: torch.Tensor, ggml_type: int, hidden: int, out_dtype: torch.dtype,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, pinned: bool = False):
+        """pinned: `raw` is a host table in pinned memory, which a CUDA `device` reads itself
+        (kernels.gather_host_rows: no host sync per lookup; PINNED_EMBED)."""
         self.raw = raw  # (vocab, row_bytes) uint8
         self.ggml_type = ggml_type
         self.hidden = hidden
         self.out_dtype = out_dtype
         self.device = raw.device if device is None else device
+        self.pinned = pinned and raw.device.type == "cpu" and self.device.type == "cuda"
 
     def on_device(self) -> "QuantEmbedding":
         """This table with its rows held where they are returned (a host table's VRAM copy)."""
@@ -138,9 +149,14 @@ class QuantEmbedding:
                               self.out_dtype, self.device)
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        # a host table waits for the ids (one sync per step: streamed models only, which run
-        # without CUDA graphs and spend milliseconds per layer on copies anyway)
-        rows = self.raw[ids.to(self.raw.device)].to(self.device)
+        if self.pinned and ids.device.type == "cuda":
+            from .. import kernels
+
+            rows = kernels.gather_host_rows(self.raw, ids)  # the GPU reads the host's rows
+        else:
+            # a host table waits for the ids (one sync per step: streamed models only, which
+            # run without CUDA graphs and spend milliseconds per layer on copies anyway)
+            rows = self.raw[ids.to(self.raw.device)].to(self.device)
         return quant.dequantize(rows, self.ggml_type, (ids.shape[0], self.hidden)).to(
             self.out_dtype)
 

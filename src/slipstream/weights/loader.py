@@ -28,8 +28,8 @@ from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name, s
 from ..model.llama import LayerWeights
 from ..precision import Precision
 from .image import flattened
-from .linear import (GEMV_MAX_ROWS, DenseLinear, Linear, OnDemandDenseLinear, QuantEmbedding,
-                     QuantLinear, Workspace)
+from .linear import (GEMV_MAX_ROWS, PINNED_EMBED, DenseLinear, Linear, OnDemandDenseLinear,
+                     QuantEmbedding, QuantLinear, Workspace)
 
 
 @dataclass
@@ -290,15 +290,18 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     embed_shape = (cfg.vocab_size, cfg.hidden)
     embed_info = gf.tensors.get(EMBEDDING)
     embed_raw, embed = None, None
+    pinned = False
     if holds_embedding or (head_dense_on_demand and holds_head):
         embed_raw = raw_tensor(gf, EMBEDDING, embed_shape)
         if not embed_on_host:
             embed_raw = embed_raw.to(device)  # on CPU still the map's bytes
-        if private and embed_raw.device.type == "cpu":
+        elif PINNED_EMBED and device.type == "cuda":
+            embed_raw, pinned = embed_raw.contiguous().pin_memory(), True  # a private copy
+        if private and embed_raw.device.type == "cpu" and not pinned:
             embed_raw = embed_raw.clone()
     if holds_embedding:
         embed = QuantEmbedding(embed_raw, embed_info.ggml_type, cfg.hidden,
-                               precision.act_dtype, device)
+                               precision.act_dtype, device, pinned=pinned)
     tick(EMBEDDING)
     head_name = head_tensor_name(gf.tensors)  # the embedding where the file ties them
     if not holds_head:
