@@ -189,6 +189,21 @@ def test_the_share_on_signal_waits_for_the_flag_then_hands_back(layer_parts, mon
     assert int(done[0]) == 3
 
 
+@pytest.mark.parametrize("value", ["abc", "-1", "nan"])
+def test_a_bad_gil_switch_interval_is_named(value):
+    """SLIPSTREAM_GIL_SWITCH_S, read at import: a value that is no number of seconds >= 0 is a
+    BadArgument naming it, not a bare ValueError."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, SLIPSTREAM_GIL_SWITCH_S=value)
+    r = subprocess.run([sys.executable, "-c", "import slipstream.weights.hybrid"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "BadArgument" in r.stderr and f"SLIPSTREAM_GIL_SWITCH_S={value!r}" in r.stderr
+
+
 def test_split_layer_refuses_a_split_off_the_blocks(layer_parts):
     cfg, builder, src = layer_parts
     with pytest.raises(ValueError, match="multiples of 256"):

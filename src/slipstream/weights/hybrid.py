@@ -77,7 +77,20 @@ HOST_FUSED = os.environ.get("SLIPSTREAM_HOST_FUSED", "1") != "0"
 # 0.1 ms, against 2.4-5.4 with the thread idle (bench/host_share_gil.py,
 # bench/results/2026-12-06-s37-host-share-gil-cpu.txt). Not yet timed on a GPU host.
 # Process-wide, and never raised: SLIPSTREAM_GIL_SWITCH_S overrides (0: left alone).
-GIL_SWITCH_S = float(os.environ.get("SLIPSTREAM_GIL_SWITCH_S", "0.0001"))
+def _seconds_env(name: str, default: str) -> float:
+    """A non-negative number of seconds from the environment, or a BadArgument naming it."""
+    value = os.environ.get(name, default)
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:  # also NaN
+        raise BadArgument(f"{name}={value!r} is invalid: set it to a number of seconds >= 0, "
+                          f"or unset it")
+    return seconds
+
+
+GIL_SWITCH_S = _seconds_env("SLIPSTREAM_GIL_SWITCH_S", "0.0001")
 # The fused share's input sent by a kernel that writes it into pinned memory and raises a flag
 # after it (kernels.send_to_host), the worker waiting for that flag, computing and handing back
 # in one native call (ss_q4_ffn_on_signal): no Python, so no GIL, between the input landing and
@@ -283,26 +296,32 @@ class HostFFN:
         (bench/results/2026-12-06-s36-host-ffn-overhead-cpu.txt and a run before it; the
         rest is the SiLU, the product and the activations' quantization). h: float32,
         contiguous."""
-        m, units = h.shape[0], self.down.in_features
         fused = self._fused()
         if fused is not None:
-            from .cpu_packed import q4vnni_flags
-
-            gate_up, act = scratch.get(0, m, 2 * units), scratch.get(1, m, units)
-            fused(self.gate_up.desc, self.down.desc, h.data_ptr(), gate_up.data_ptr(),
-                  act.data_ptr(), out.data_ptr(), m,
-                  q4vnni_flags(True, True, torch.get_num_threads()))
+            fused(*self._fused_args(h, out, scratch, torch.get_num_threads()))
             return
         if not all(hasattr(lin, "matvec") and getattr(lin, "bias", None) is None
                    for lin in (self.gate_up, self.down)):  # (split layers have no FFN bias)
             out.copy_(self.compute(h))
             return
+        m, units = h.shape[0], self.down.in_features
         gate_up = scratch.get(0, m, 2 * units)
         self.gate_up.matvec(h, gate_up)
         act = scratch.get(1, m, units)
         torch.ops.aten.silu.out(gate_up[:, :units], out=act)
         act.mul_(gate_up[:, units:])
         self.down.matvec(act, out)
+
+    def _fused_args(self, h: torch.Tensor, out: torch.Tensor, scratch: "Scratch",
+                    threads: int) -> tuple:
+        """ss_q4_ffn's arguments (the first eight of ss_q4_ffn_on_signal's): the two weights,
+        h, the gate/up and activation buffers from `scratch`, out, the rows and the flags."""
+        from .cpu_packed import q4vnni_flags
+
+        m, units = h.shape[0], self.down.in_features
+        gate_up, act = scratch.get(0, m, 2 * units), scratch.get(1, m, units)
+        return (self.gate_up.desc, self.down.desc, h.data_ptr(), gate_up.data_ptr(),
+                act.data_ptr(), out.data_ptr(), m, q4vnni_flags(True, True, threads))
 
     def compute_on_signal(self, h: torch.Tensor, out: torch.Tensor, scratch: "Scratch",
                           arrived: torch.Tensor, seq: int, done: torch.Tensor,
@@ -313,14 +332,10 @@ class HostFFN:
         import ctypes
 
         from .. import native
-        from .cpu_packed import q4vnni_flags
 
-        m, units = h.shape[0], self.down.in_features
-        gate_up, act = scratch.get(0, m, 2 * units), scratch.get(1, m, units)
         waited = ctypes.c_double(0.0)
         rc = native.library().ss_q4_ffn_on_signal(
-            self.gate_up.desc, self.down.desc, h.data_ptr(), gate_up.data_ptr(), act.data_ptr(),
-            out.data_ptr(), m, q4vnni_flags(True, True, threads), arrived.data_ptr(), seq,
+            *self._fused_args(h, out, scratch, threads), arrived.data_ptr(), seq,
             done.data_ptr(), threads, SIGNAL_TIMEOUT_S, ctypes.byref(waited))
         if rc != 0:
             raise RuntimeError(f"layer {self.layer}'s input for the CPU's share did not arrive "
