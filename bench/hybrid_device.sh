@@ -8,8 +8,13 @@
 # PREFETCH=1 times q4vnni's L2 prefetch distances on the host's cores before the benches.
 # TESTS=1 also runs the hybrid and streaming GPU tests first (PART=tests: only those, after the
 # synthesis and llama.cpp's build, which stay on the machine while it is warm).
-# All of it takes more than one call's 600 s (session 12: the limit ended the bench after its
-# first case), so it runs in two calls while the machine stays warm:
+# All of it takes more than one call's 600 s (session 38: the synthesis and llama.cpp's CUDA
+# build with its runs took 6 of the call's 9.4 minutes, and the limit cut the bench after the
+# 70B), so it runs in two calls while the machine stays warm:
+#   PART=prep   the synthesis and llama.cpp's build only (kept while the machine stays warm)
+#   then PART=all (the default) in the next call: llama.cpp's runs and the bench, both cases,
+#   in one call (the build and the files found in place)
+# or, splitting the runs from the bench instead (not one call's comparison):
 #   PART=llama  the synthesis, llama.cpp's build and its runs (kept in /tmp/llama-out)
 #   PART=bench  hybrid_bench.py against those llama.cpp figures (copied into OUTDIR)
 # KINDS="torch auto-f16": after the main run (the default CPU kernels), the hybrid 70B case again
@@ -33,6 +38,7 @@ if [ -n "${DEADLINE_S:-}" ] && [ -n "${OUT:-}" ] && [ -z "${DEADLINE_ARMED:-}" ]
 fi
 [ "${CASES:-70b,8b}" = 8b ] && export SHAPES=8b
 [ "${PART:-all}" = bench ] || PART=prep bash bench/spec_device.sh "$OUTDIR"
+[ "${PART:-all}" = prep ] && exit 0
 source bench/device_setup.sh
 W=$SLIPSTREAM_MODELS  # device_setup.sh: /dev/shm where it has room
 if [ "${TESTS:-0}" = 1 ]; then

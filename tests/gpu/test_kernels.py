@@ -507,7 +507,7 @@ def test_exact_qgemm_is_float32_like_the_gemv(qt: T) -> None:
     dequantized weights (float16 weights and x are ~100x further off), and so is an exact
     QuantLinear above qgemm's 128 rows (float weights too): a verification pass rounds like
     the decode steps it stands for."""
-    from slipstream.kernels.qgemm import qgemm
+    from slipstream.kernels.qgemm import EXACT_MAX_M, qgemm
     from slipstream.weights.linear import QuantLinear, Workspace
 
     k = _k_for(qt) * 2
@@ -517,6 +517,12 @@ def test_exact_qgemm_is_float32_like_the_gemv(qt: T) -> None:
         yref = x.double().cpu().numpy() @ ref.T
         assert _rel(qgemm(x, packed, exact=True), yref) <= FP32_TOL, (qt.name, m)
     assert _rel(qgemm(x, packed), yref) > 10 * FP32_TOL  # the float16 kernel, for scale
+    # above EXACT_MAX_M rows the exact kernel runs in row blocks (its 128-row variant took
+    # ptxas minutes): the bits of launching each block alone
+    assert m > EXACT_MAX_M
+    assert torch.equal(qgemm(x, packed, exact=True),
+                       torch.cat([qgemm(x[:EXACT_MAX_M], packed, exact=True),
+                                  qgemm(x[EXACT_MAX_M:], packed, exact=True)]))
     exact = Workspace(torch.device("cuda"), float32_products=True)
     x = torch.randn(300, k, device="cuda")
     yref = x.double().cpu().numpy() @ ref.T

@@ -48,6 +48,12 @@ MAX_M = 128  # rows of x this kernel takes (M_PAD up to 128 keeps the accumulato
 # (its rows unroll), where this kernel takes ~140 us for anything up to 32 rows. The exact
 # float GEMV keeps its 8 rows (kernels.matmul): 206 us at 8, as fast as this kernel there
 MIN_M = 5
+# precision "exact" multiplies at most this many rows of x per launch, and more in row blocks
+# that each read the whole weight: its float32 tile products run on the CUDA cores, unrolled
+# for every slot of a code word, and at 128 rows (M_PAD 128) ptxas ran past five minutes on
+# one kernel (session 38, H100, Triton 3.6: the default model's greedy test in tests/gpu
+# stalled in it twice), where the 64-row variant compiled within the tests' time
+EXACT_MAX_M = 64
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # precision "fast" multiplies through qgemm_wide.py's kernel (one wide MMA per K step: an 8B
 # draft's tree level of 8-128 nodes in 10.8-15.7 ms against 16.6-24.5 through this module's,
@@ -235,6 +241,8 @@ def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None
         raise ValueError(f"qgemm takes 1..{MAX_M} rows of x, got {m}; use matmul()")
     if not supports(packed):
         raise ValueError(f"qgemm multiplies quantized weights, not {packed.qtype.name}")
+    if exact and m > EXACT_MAX_M:
+        return _exact_in_row_blocks(x, packed, out, out_dtype, config, scale_buffer)
     n, nut = packed.rows, packed.cols // 32
     out_dtype = out_dtype or x.dtype
     spec = packed.spec
@@ -262,3 +270,21 @@ def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None
         WDT=tl.float32 if wdt == torch.float32 else tl.float16,
         IEEE=exact and not _INTERPRET, num_warps=warps, num_stages=stages, **cfg)
     return finish(part, split, out, out_dtype)
+
+
+def _exact_in_row_blocks(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None,
+                         out_dtype: torch.dtype | None, config: dict[str, int] | None,
+                         scale_buffer: torch.Tensor | None) -> torch.Tensor:
+    """qgemm(..., exact=True) of more than EXACT_MAX_M rows: blocks of EXACT_MAX_M rows, each
+    its own launch, written into one output (the same values as one launch: rows of x never
+    meet in a sum)."""
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, packed.rows, device=x.device, dtype=out_dtype or x.dtype)
+    for r in range(0, m, EXACT_MAX_M):
+        block = out[r:r + EXACT_MAX_M]
+        y = qgemm(x[r:r + EXACT_MAX_M], packed, out=block if block.is_contiguous() else None,
+                  out_dtype=out.dtype, config=config, scale_buffer=scale_buffer, exact=True)
+        if y.data_ptr() != block.data_ptr():
+            block.copy_(y)
+    return out
