@@ -517,8 +517,8 @@ def test_exact_qgemm_is_float32_like_the_gemv(qt: T) -> None:
         yref = x.double().cpu().numpy() @ ref.T
         assert _rel(qgemm(x, packed, exact=True), yref) <= FP32_TOL, (qt.name, m)
     assert _rel(qgemm(x, packed), yref) > 10 * FP32_TOL  # the float16 kernel, for scale
-    # above EXACT_MAX_M rows the exact kernel runs in row blocks (its 128-row variant took
-    # ptxas minutes): the bits of launching each block alone
+    # above EXACT_MAX_M rows the exact kernel runs in row blocks (its 128-row variant stalled
+    # ptxas for minutes): the bits of launching each block alone
     assert m > EXACT_MAX_M
     assert torch.equal(qgemm(x, packed, exact=True),
                        torch.cat([qgemm(x[:EXACT_MAX_M], packed, exact=True),

@@ -50,9 +50,10 @@ MAX_M = 128  # rows of x this kernel takes (M_PAD up to 128 keeps the accumulato
 MIN_M = 5
 # precision "exact" multiplies at most this many rows of x per launch, and more in row blocks
 # that each read the whole weight: its float32 tile products run on the CUDA cores, unrolled
-# for every slot of a code word, and at 128 rows (M_PAD 128) ptxas ran past five minutes on
-# one kernel (session 38, H100, Triton 3.6: the default model's greedy test in tests/gpu
-# stalled in it twice), where the 64-row variant compiled within the tests' time
+# for every slot of a code word, and the 128-row variant (M_PAD 128) stalls ptxas: the default
+# model's greedy test in tests/gpu (a 100+-token exact prefill) did not finish in 430 s, and
+# in the next call was still in ptxas for it at 110 s (session 38, H100, Triton 3.6), where
+# the tests whose rows stay within 64 compiled and passed
 EXACT_MAX_M = 64
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # precision "fast" multiplies through qgemm_wide.py's kernel (one wide MMA per K step: an 8B
