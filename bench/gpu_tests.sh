@@ -10,6 +10,9 @@
 # ran, verbosely into OUTDIR/pytest-<file>.log; one summary line per file.
 # The default model's tests need it in the device's cache: carry .model/a in one call and
 # .model/b in a later one on the same warm machine (bench/device_setup.sh reassembles it).
+# PYTEST_K: pytest's -k expression for the part's files (e.g. "not default_model" in the call
+# before the model's second half arrives). HEAVY=1 also runs the compile_heavy tests
+# (pyproject.toml's markers: Triton compiles of minutes), left out otherwise.
 set -uo pipefail
 OUTDIR=${1:-${OUT:-/tmp/slipstream-out}}
 mkdir -p "$OUTDIR"
@@ -29,8 +32,9 @@ for f in $FILES; do
   left=$((deadline - SECONDS))
   if [ "$left" -lt 30 ]; then echo "$f: not run (the part's ${PART_S:-540} s are spent)"; continue; fi
   log="$OUTDIR/pytest-${f%.py}.log"
-  timeout -s INT -k 20 "$left" python3 -m pytest -v -p no:cacheprovider -m gpu \
-    "tests/gpu/$f" -rs --durations=10 > "$log" 2>&1
+  marks="gpu"; [ "${HEAVY:-0}" = 1 ] || marks="gpu and not compile_heavy"
+  timeout -s INT -k 20 "$left" python3 -m pytest -v -p no:cacheprovider -m "$marks" \
+    ${PYTEST_K:+-k "$PYTEST_K"} "tests/gpu/$f" -rs --durations=10 > "$log" 2>&1
   echo "$f: $(grep -E '(passed|failed|error|skipped)' "$log" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$log" | head -10
 done
