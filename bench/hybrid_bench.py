@@ -190,6 +190,19 @@ def generate_rate(model, tokens: int) -> float:
     return model.last_stats.decode_tok_s
 
 
+def with_llamacpp(row: dict, llama: dict[str, str]) -> None:
+    """llama-bench's figure on the row's shape (from this call's run) into the row, as soon as
+    the row is made: session 38's call ended in the 8B's cases, and the 70B's rows, written
+    only at the end until then, went without it."""
+    if "error" in row:
+        return
+    tg = llamacpp_tg(llama.get(row["name"].split("-")[0]))
+    row["llamacpp_decode_tok_s"] = tg and tg["best"]
+    if tg:
+        row["llamacpp_decode_tok_s_by_threads"] = tg["by_threads"]
+        row["ratio_to_llamacpp"] = round(row["decode_tok_s"] / tg["best"], 3)
+
+
 def prefill_rate(model, n: int = 512) -> float:
     engine = model.engine
     ids = list(range(5, 5 + n))
@@ -428,9 +441,13 @@ def main() -> None:
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **source_revision(),
            "torch": torch.__version__, "cases": rows}
     hybrid = a.hybrid if a.hybrid in ("auto", "on", "off") else float(a.hybrid)
-    for shape, budget in (("70b", "24GiB"), ("8b", "4GiB")):
-        if shape not in a.cases.split(","):
-            continue
+    llama = dict(spec.split("=", 1) for spec in a.llamacpp)
+    budgets = {"70b": "24GiB", "8b": "4GiB"}
+    # in the order given: "8b,70b" has the short case done before a call's limit can cut it
+    for shape in [c for c in a.cases.split(",") if c]:
+        if shape not in budgets:
+            raise SystemExit(f"--cases: unknown shape {shape!r} (70b or 8b)")
+        budget = budgets[shape]
         path = work / f"{shape}-Q4_K.gguf"
         if not path.exists():
             write_synth(path, shape, "Q4_K")
@@ -460,6 +477,7 @@ def main() -> None:
                     except Exception as e2:
                         print(f"{name} (fallback): {type(e2).__name__}: {e2}", flush=True)
                         torch.cuda.empty_cache()
+            with_llamacpp(rows[-1], llama)
             out.write_text(json.dumps(doc, indent=1))
         # auto declined the split (it predicted no gain): the split's own figures, forced
         if mode == "auto" and rows and rows[-1].get("name") == f"{tag}-hybrid" \
@@ -467,20 +485,11 @@ def main() -> None:
             try:
                 rows.append(case(path, f"{tag}-hybrid-forced", budget, "on", a.tokens,
                                  threads, sweep=False, prefill=False, ctx=a.ctx))
+                with_llamacpp(rows[-1], llama)
             except Exception as e:
                 print(f"{tag}-hybrid-forced: {type(e).__name__}: {e}", flush=True)
                 torch.cuda.empty_cache()
             out.write_text(json.dumps(doc, indent=1))
-    llama = dict(spec.split("=", 1) for spec in a.llamacpp)
-    for r in rows:
-        if "error" in r:
-            continue
-        tg = llamacpp_tg(llama.get(r["name"].split("-")[0]))
-        r["llamacpp_decode_tok_s"] = tg and tg["best"]
-        if tg:
-            r["llamacpp_decode_tok_s_by_threads"] = tg["by_threads"]
-            r["ratio_to_llamacpp"] = round(r["decode_tok_s"] / tg["best"], 3)
-    out.write_text(json.dumps(doc, indent=1))
     print(f"{'case':28} {'tok/s':>7} {'pred':>7} {'share':>6} {'split':>6} {'cpu GB/s':>8} "
           f"{'pcie GB/s':>9} {'VRAM GiB':>8}")
     for r in rows:
