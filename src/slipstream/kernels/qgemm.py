@@ -53,7 +53,7 @@ MIN_M = 5
 # for every slot of a code word, and the 128-row variant (M_PAD 128) stalls ptxas: the default
 # model's greedy test in tests/gpu (a 100+-token exact prefill) did not finish in 430 s, and
 # in the next call was still in ptxas for it at 110 s (session 38, H100, Triton 3.6), where
-# the tests whose rows stay within 64 compiled and passed
+# the 64-row variant compiled: that test's 64-node tree passes (root included) ran before it
 EXACT_MAX_M = 64
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # precision "fast" multiplies through qgemm_wide.py's kernel (one wide MMA per K step: an 8B
