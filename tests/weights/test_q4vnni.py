@@ -420,36 +420,54 @@ def test_build_time_defines_are_checked(monkeypatch):
     assert native._defines() == ("-DQ4_PREFETCH_FAR_RUNS=4", "-DNDEBUG")
 
 
-def test_q4ks_prefetch_distance_leaves_the_bits(tmp_path):
-    """Q4_KS's L2 prefetch (q4_matvec.c's Q4_PREFETCH_FAR_RUNS) only moves bytes into the
-    caches: builds without it and far ahead give this process's bits, on 1 and 2 threads; each
-    build is a library of its own (the defines are part of its cache key)."""
-    import subprocess
-    import sys
-
-    code = """
+# A Q4_KS share computed in a child process built with SLIPSTREAM_NATIVE_DEFINES (the child:
+# python -c CODE OUT; exec'd in-process, argv is pytest's, so it only computes)
+_BITS_CODE = """
 import sys, torch
 from gguf import GGMLQuantizationType as Q
 from slipstream.weights import cpu_packed
 from quant_oracle import make_raw
 cpu_packed.Q4VNNI_KS = True
-raw = make_raw(Q.Q4_K, 48, 4096, 21)
-lin = cpu_packed.pack_linear(raw, Q.Q4_K, (48, 4096), kind="q4vnni")
+raw = make_raw(Q.Q4_K, 160, 4096, 21)  # 10 blocks of 16 rows, 38 KiB each
+lin = cpu_packed.pack_linear(raw, Q.Q4_K, (160, 4096), kind="q4vnni")
 assert lin.k_scales
-x = torch.randn(3, 4096, generator=torch.Generator().manual_seed(22))
-ys = [lin.matvec(x, torch.empty(3, 48), threads=t) for t in (1, 2)]
-if __name__ == "__main__":  # the child (python -c CODE OUT); in-process, argv is pytest's
+x = torch.randn(ROWS, 4096, generator=torch.Generator().manual_seed(22))
+ys = [lin.matvec(x, torch.full((ROWS, 160), float("nan")), threads=t, chunks=c)
+      for t, c in ((1, False), (2, False), (2, True))]
+if __name__ == "__main__":
     torch.save(ys, sys.argv[1])
 """
+
+
+def _bits_under_builds(tmp_path, rows: int, defines: list[str]) -> None:
+    """Each build's bits (its own library: the defines are part of the cache key) equal this
+    process's, on 1 thread and on 2 (equal shares of the blocks, and chunks of them)."""
+    import subprocess
+    import sys
+
+    code = _BITS_CODE.replace("ROWS", str(rows))
     scope: dict = {}
-    exec(code, scope)  # this process's library: the default distance
+    exec(code, scope)  # this process's library: the defaults
     tests = str(Path(__file__).resolve().parents[1])
-    for far in (0, 16):
-        out = tmp_path / f"far{far}.pt"
-        env = dict(os.environ, SLIPSTREAM_NATIVE_DEFINES=f"-DQ4_PREFETCH_FAR_RUNS={far}",
+    for n, define in enumerate(defines):
+        out = tmp_path / f"build{n}.pt"
+        env = dict(os.environ, SLIPSTREAM_NATIVE_DEFINES=define,
                    SLIPSTREAM_NATIVE_DIR=str(tmp_path / "lib"),
                    PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
         subprocess.run([sys.executable, "-c", code, str(out)], env=env, check=True, timeout=300)
         ys = torch.load(out)
-        assert all(torch.equal(a, b) for a, b in zip(scope["ys"], ys)), far
-    assert len(list((tmp_path / "lib").glob("decode_ops-*.so"))) == 2
+        assert all(torch.equal(a, b) for a, b in zip(scope["ys"], ys)), define
+    assert len(list((tmp_path / "lib").glob("decode_ops-*.so"))) == len(defines)
+
+
+def test_q4ks_prefetch_distance_leaves_the_bits(tmp_path):
+    """Q4_KS's L2 prefetch (q4_matvec.c's Q4_PREFETCH_FAR_RUNS) only moves bytes into the
+    caches: builds without it and far ahead give this process's bits."""
+    _bits_under_builds(tmp_path, 3, ["-DQ4_PREFETCH_FAR_RUNS=0", "-DQ4_PREFETCH_FAR_RUNS=16"])
+
+
+def test_row_passes_tiled_leave_the_bits(tmp_path):
+    """q4_matvec.c's Q4_TILE_BYTES (off by default) only reorders the passes over more than
+    Q4_MAX_M rows: 9 rows (three passes) in tiles of one block and of three (128 KiB) give the
+    untiled bits."""
+    _bits_under_builds(tmp_path, 9, ["-DQ4_TILE_BYTES=1", "-DQ4_TILE_BYTES=131072"])

@@ -489,11 +489,11 @@ static inline __attribute__((always_inline)) void q4_blocks(
     }
 }
 
-/* One thread's share: every activation row over its blocks, in passes of up to Q4_MAX_M rows
- * (a pass reads the weights once). */
-static void q4_share(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G,
-                     int fmt, const int8_t *q, const float *dx, const float *sx, int64_t k,
-                     int64_t m, void *y, int y_f32, int generic, int x16) {
+/* Blocks [b0, b1) for all m activation rows, in passes of up to Q4_MAX_M rows (each pass reads
+ * the blocks once). */
+static void q4_tile(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G,
+                    int fmt, const int8_t *q, const float *dx, const float *sx, int64_t k,
+                    int64_t m, void *y, int y_f32, int generic, int x16) {
     size_t out_elem = y_f32 ? sizeof(float) : sizeof(uint16_t);
     for (int64_t r0 = 0; r0 < m; r0 += Q4_MAX_M) {
         const int8_t *qr = q + r0 * k * (1 + x16);
@@ -517,6 +517,36 @@ static void q4_share(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_
         }
 #undef Q4_FMTS
 #undef Q4_CASE
+    }
+}
+
+/* Bytes of weights that a thread's passes over more than Q4_MAX_M rows take at a time, or 0 (the
+ * default) for none. With a tile, every pass runs over one tile of blocks before the next tile,
+ * so that the passes after the first read it from the core's own L2 (512 KiB on the CI
+ * machine's cores, 2 MiB on the H100 hosts'), and the weights come from memory once whatever m;
+ * without, one pass over all of a thread's blocks for each group of Q4_MAX_M rows reads them
+ * from memory once per group. Where the rows are cheap (VNNI) those later passes may be bound by
+ * memory, and tiling would help; where the loop is bound by its arithmetic it should not matter.
+ * Not yet measured (session 38's runs on the CI machine shared its cores with a CI job and
+ * told nothing): set it through SLIPSTREAM_NATIVE_DEFINES (bench/cpu_prefetch.sh DEFINE=...)
+ * until a GPU host has. */
+#ifndef Q4_TILE_BYTES
+#define Q4_TILE_BYTES 0
+#endif
+
+/* One thread's share: every activation row over its blocks [b0, b1), tile by tile. A row's sums
+ * are the same whatever the tiling: each output element is one block's, computed in one go. */
+static void q4_share(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G,
+                     int fmt, const int8_t *q, const float *dx, const float *sx, int64_t k,
+                     int64_t m, void *y, int y_f32, int generic, int x16) {
+    int64_t tile = b1 - b0;  /* no tiling, or one pass: nothing to tile */
+    if (Q4_TILE_BYTES > 0 && m > Q4_MAX_M) {
+        tile = (int64_t)Q4_TILE_BYTES / (G * q4_record_bytes(fmt));
+        if (tile < 1) tile = 1;
+    }
+    for (int64_t t0 = b0; t0 < b1; t0 += tile) {
+        int64_t t1 = t0 + tile < b1 ? t0 + tile : b1;
+        q4_tile(w, t0, t1, n, G, fmt, q, dx, sx, k, m, y, y_f32, generic, x16);
     }
 }
 
