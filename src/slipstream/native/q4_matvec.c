@@ -526,10 +526,12 @@ static void q4_tile(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t
  * machine's cores, 2 MiB on the H100 hosts'), and the weights come from memory once whatever m;
  * without, one pass over all of a thread's blocks for each group of Q4_MAX_M rows reads them
  * from memory once per group. Where the rows are cheap (VNNI) those later passes may be bound by
- * memory, and tiling would help; where the loop is bound by its arithmetic it should not matter.
- * Not yet measured (session 38's runs on the CI machine shared its cores with a CI job and
- * told nothing): set it through SLIPSTREAM_NATIVE_DEFINES (bench/cpu_prefetch.sh DEFINE=...)
- * until a GPU host has. */
+ * memory, and tiling would help; where the loop is bound by its arithmetic it matters little: on
+ * the 2-core CI machine (AVX2) a pass of 4 rows costs twice one of 1, and a 192 KiB tile gave
+ * 9.93 / 19.14 Gweights/s at 8 rows on 1 / 2 threads against 9.46 / 17.6 untiled, 5.01 / 9.43
+ * against 4.86 / 9.08 at 16 (medians of 3 rounds, bench/results/2026-12-06-s38-cpu-tile-cpu.*).
+ * Set it through SLIPSTREAM_NATIVE_DEFINES (bench/cpu_prefetch.sh DEFINE=...) until a GPU host
+ * has measured it. */
 #ifndef Q4_TILE_BYTES
 #define Q4_TILE_BYTES 0
 #endif
