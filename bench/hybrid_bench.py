@@ -6,7 +6,8 @@ while PCIe brings the rest, against whole layers over PCIe, on the same syntheti
 
 Cases: 70b-q4k-vram24 / 70b-q4k-vram24-hybrid (the synthetic 70B Q4_K at 24 GiB) and
 8b-q4k-vram4 / 8b-q4k-vram4-hybrid. Each: decode tok/s over `--tokens` greedy steps after a
-warm-up (host clock around synchronised steps: every step ends in a device sync anyway), then
+warm-up (host clock around synchronised steps: every step ends in a device sync anyway), the
+median of `--repeats` such runs, then greedy generation through model.generate, then
 the store's CUDA events over a few more (`--stats`: copy GB/s, compute, stalls, the CPU's
 seconds and GB/s), the plan's split and prediction, and VRAM reserved. The hybrid case also
 sweeps the CPU's threads on the loaded model (torch.set_num_threads takes effect at once).
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -301,7 +303,7 @@ def under_neighbour(m, name: str, processes: int, tokens: int, rounds: int = 2) 
 def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[int],
          sweep: bool, prefill: bool = True, vram_layers: int | None = None,
          neighbour: int = 0, settle_tokens: int = 0, trace_tokens: int = 0,
-         outdir: Path | None = None, ctx: int = 2048) -> dict:
+         outdir: Path | None = None, ctx: int = 2048, repeats: int = 1) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -343,7 +345,11 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
         if h is not None and h.rebalance and settle_tokens:
             row.update(settle(m, settle_tokens))
         before = host_load()
-        row["decode_tok_s"] = round(decode_rate(m, tokens), 3)
+        # the median of `repeats` runs, each kept: one load of session 38's 70B read 5.79-6.52
+        # tok/s across its timed runs
+        runs = [round(decode_rate(m, tokens), 3) for _ in range(repeats)]
+        row["decode_tok_s"] = round(statistics.median(runs), 3)
+        row["decode_tok_s_runs"] = runs
         row["host_load"] = host_load(before)
         row["generate_tok_s"] = round(generate_rate(m, tokens), 3)
         if link_s:
@@ -409,6 +415,8 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/slipstream-models")
     ap.add_argument("--cases", default="70b,8b")
     ap.add_argument("--tokens", type=int, default=12)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed decode runs of --tokens steps each; decode_tok_s is their median")
     ap.add_argument("--threads", default="8,10,12,13,14,15,16")
     ap.add_argument("--hybrid", default="auto", help="the hybrid cases' mode or share")
     ap.add_argument("--llamacpp", action="append", default=[],
@@ -460,7 +468,7 @@ def main() -> None:
             run = dict(sweep=True, prefill=not a.no_prefill,
                        neighbour=a.neighbour if mode != "off" else 0,
                        settle_tokens=a.settle, trace_tokens=a.trace_tokens,
-                       outdir=out.parent, ctx=a.ctx)
+                       outdir=out.parent, ctx=a.ctx, repeats=max(1, a.repeats))
             try:
                 rows.append(case(path, name, budget, mode, a.tokens, threads, **run))
             except Exception as e:  # recorded, and the other cases still run
