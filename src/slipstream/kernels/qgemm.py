@@ -39,7 +39,8 @@ import triton.language as tl
 from .gemv import _bits_to, _scale_min, _sm_count
 from .pack import FLOAT_DTYPES, PackedWeight, sm_width
 from .qgemm_wide import qgemm_wide
-from .splitk import finish, format_constants, outputs, planes, split_units
+from .splitk import (finish, format_constants, in_row_blocks, outputs, planes,
+                     split_units)
 
 MAX_M = 128  # rows of x this kernel takes (M_PAD up to 128 keeps the accumulator in registers)
 # From this many rows the int8-activation GEMV (precision "fast") hands over to this kernel
@@ -243,7 +244,11 @@ def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None
     if not supports(packed):
         raise ValueError(f"qgemm multiplies quantized weights, not {packed.qtype.name}")
     if exact and m > EXACT_MAX_M:
-        return _exact_in_row_blocks(x, packed, out, out_dtype, config, scale_buffer)
+        def launch(xb: torch.Tensor, into: torch.Tensor | None) -> torch.Tensor:
+            return qgemm(xb, packed, out=into, out_dtype=out_dtype or x.dtype, config=config,
+                         scale_buffer=scale_buffer, exact=True)
+
+        return in_row_blocks(launch, x, EXACT_MAX_M, out, packed.rows, out_dtype or x.dtype)
     n, nut = packed.rows, packed.cols // 32
     out_dtype = out_dtype or x.dtype
     spec = packed.spec
@@ -271,21 +276,3 @@ def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None
         WDT=tl.float32 if wdt == torch.float32 else tl.float16,
         IEEE=exact and not _INTERPRET, num_warps=warps, num_stages=stages, **cfg)
     return finish(part, split, out, out_dtype)
-
-
-def _exact_in_row_blocks(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None,
-                         out_dtype: torch.dtype | None, config: dict[str, int] | None,
-                         scale_buffer: torch.Tensor | None) -> torch.Tensor:
-    """qgemm(..., exact=True) of more than EXACT_MAX_M rows: blocks of EXACT_MAX_M rows, each
-    its own launch, written into one output (the same values as one launch: rows of x never
-    meet in a sum)."""
-    m = x.shape[0]
-    if out is None:
-        out = torch.empty(m, packed.rows, device=x.device, dtype=out_dtype or x.dtype)
-    for r in range(0, m, EXACT_MAX_M):
-        block = out[r:r + EXACT_MAX_M]
-        y = qgemm(x[r:r + EXACT_MAX_M], packed, out=block if block.is_contiguous() else None,
-                  out_dtype=out.dtype, config=config, scale_buffer=scale_buffer, exact=True)
-        if y.data_ptr() != block.data_ptr():
-            block.copy_(y)
-    return out

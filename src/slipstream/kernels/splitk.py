@@ -1,8 +1,11 @@
 """Launch plumbing shared by the small-m quantized GEMMs (qgemm.py, qgemm_wide.py): the
-packed planes as kernel arguments, the format's constants, and K split across programs into
-float32 partials that are summed in a fixed order, so results do not depend on scheduling."""
+packed planes as kernel arguments, the format's constants, K split across programs into
+float32 partials that are summed in a fixed order, so results do not depend on scheduling, and
+the rows of x split across launches (in_row_blocks). Triton-free: CI tests it on the CPU."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -48,3 +51,21 @@ def finish(part: torch.Tensor, split: int, out: torch.Tensor | None,
     if out is not None:
         return out.copy_(y)
     return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def in_row_blocks(launch: Callable[..., torch.Tensor], x: torch.Tensor, rows: int,
+                  out: torch.Tensor | None, n: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """y (m, n) from launch(x_block, y_block) on blocks of at most `rows` rows of x, each
+    written into its rows of one output (`out` if given): for a kernel whose variant for more
+    rows costs too much to compile (qgemm's exact one). Rows of x never meet in a sum, so the
+    values are those of launching each block alone. A launch may return its result elsewhere
+    than the block it was given (a split-K finish); it is copied in then."""
+    m = x.shape[0]
+    if out is None:
+        out = torch.empty(m, n, device=x.device, dtype=out_dtype)
+    for r in range(0, m, rows):
+        block = out[r:r + rows]
+        y = launch(x[r:r + rows], block if block.is_contiguous() else None)
+        if y.data_ptr() != block.data_ptr():
+            block.copy_(y)
+    return out
