@@ -24,8 +24,8 @@ def _matmul_launch(weight: torch.Tensor, limit: int, calls: list):
 
 @pytest.mark.parametrize("m", [1, 63, 64, 65, 100, 128])
 def test_row_blocks_give_the_rows_of_one_product(m):
-    """in_row_blocks (qgemm's exact kernel past EXACT_MAX_M rows): launches of at most 64 rows,
-    the last one short, each writing its own rows of one output; the rows are those of the
+    """in_row_blocks (qgemm's exact kernel past EXACT_MAX_M rows): launches of at most the
+    limit (64 here), the last one short, each writing its own rows of one output; the rows are those of the
     whole product, into `out` where one is given (every element written: it starts as NaN)."""
     gen = torch.Generator().manual_seed(m)
     weight = torch.randn(24, 40, generator=gen)

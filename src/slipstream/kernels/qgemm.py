@@ -53,9 +53,10 @@ MIN_M = 5
 # that each read the whole weight: its float32 tile products run on the CUDA cores, unrolled
 # for every slot of a code word, and the 128-row variant (M_PAD 128) stalls ptxas: the default
 # model's greedy test in tests/gpu (a 100+-token exact prefill) did not finish in 430 s, and
-# in the next call was still in ptxas for it at 110 s (session 38, H100, Triton 3.6), where
-# the 64-row variant compiled: that test's 64-node tree passes (root included) ran before it
-EXACT_MAX_M = 64
+# in the next call was still in ptxas for it at 110 s (session 38, H100, Triton 3.6). 32 rows
+# is the smallest variant (m_pad), the one a tree pass of up to 32 nodes compiles anyway, so
+# the exact kernel compiles once per format, its unrolled loop body an eighth of the 128-row one's
+EXACT_MAX_M = 32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # precision "fast" multiplies through qgemm_wide.py's kernel (one wide MMA per K step: an 8B
 # draft's tree level of 8-128 nodes in 10.8-15.7 ms against 16.6-24.5 through this module's,
