@@ -250,6 +250,10 @@ class HostFFN:
     io: "HostIO"
     slot: int = 0
     layer: int = -1  # the model's layer index (names its spans in a trace)
+    # _fused's lookup, made once: it runs twice per split layer and token (start and
+    # compute_into), on decode's chain, and the library's lookup takes a lock
+    _native_ffn: object = field(default=None, init=False, repr=False, compare=False)
+    _native_looked_up: bool = field(default=False, init=False, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
@@ -276,6 +280,12 @@ class HostFFN:
         see HOST_FUSED), else None."""
         if not HOST_FUSED:
             return None
+        if not self._native_looked_up:
+            self._native_ffn = self._find_native_ffn()
+            self._native_looked_up = True
+        return self._native_ffn
+
+    def _find_native_ffn(self):
         from .cpu_packed import Q4VnniLinear
 
         if not all(isinstance(lin, Q4VnniLinear) and lin.bias is None
