@@ -29,25 +29,13 @@ def smollm_spec_gpu(smollm_path, tmp_path_factory):
 
 def test_gpu_greedy_equals_plain_greedy(smollm_spec_gpu):
     """precision "exact": fp32 GEMVs in decode and fp32 matmuls in the tree pass, which still
-    round differently; a mismatch reports the top-2 margin where the two parted."""
+    round differently over the fp16 cache; a parting is accepted only at a near-tie, and the
+    tokens after it are compared too (_greedy_equals_plain)."""
     model = smollm_spec_gpu
     for prompt in GREEDY_PROMPTS:
-        ids = model.tokenize(prompt)
-        plain = [e.id for e in model.generate(ids, max_tokens=128, temperature=0, draft=False)]
-        spec = [e.id for e in model.generate(ids, max_tokens=128, temperature=0,
-                                             spec_nodes=64, spec_depth=8)]
-        extra = model.last_stats.extra
-        if spec != plain:
-            # a parting is only allowed at a tie: the two paths round differently, and at an
-            # exact tie (seen on the H200: margin 0 at token 60 of the first prompt) argmax
-            # over differently rounded logits may take either token
-            at = next(i for i, (a, b) in enumerate(zip(spec, plain)) if a != b)
-            top = torch.topk(model.logits(ids + plain[:at])[-1], 2).values
-            margin = float(top[0] - top[1])
-            print(f"{prompt!r}: parted at token {at} ({spec[at]} against {plain[at]}), "
-                  f"top-2 margin {margin:.2e}")
-            assert margin < 1e-3, (f"{prompt!r}: parted at token {at} ({spec[at]} against "
-                                   f"{plain[at]}), top-2 margin {margin:.2e}; {extra}")
+        ties, extra = _greedy_equals_plain(model, model.tokenize(prompt), 128,
+                                           spec_nodes=64, spec_depth=8)
+        print(f"{prompt!r}: near-ties (token, top-2 margin) {ties}")
         assert extra["spec_tokens_per_pass"] > 1.5, extra
 
 
@@ -79,37 +67,67 @@ def test_gpu_seeded_sampling_equals_plain(tmp_path):
 # decode step (fused GEMV) round apart: the synthetic "never pays" model, at its give-up,
 # parted from plain greedy at token 22 where its top-2 logits lay 1.56e-2 apart
 # (bench/results/2026-11-30-s7-pytest-spec-synth-h200.log), the same token with and without
-# trees grown ahead. A difference is accepted only at such a near-tie, after MIN_EQUAL tokens
+# trees grown ahead; the default model's first greedy prompt parted at token 60, where its
+# top-2 logits lay 0 apart on the H200 and 3.37e-3 on an H100
+# (2026-12-06-s39-pytest-speculative-gpu-h100-call3.log). A difference is accepted only at such
+# a near-tie, after MIN_EQUAL tokens; _greedy_equals_plain goes on past it, MAX_TIES times
 NEAR_TIE = 0.05
 MIN_EQUAL = 16
+MAX_TIES = 2
 
 
-def _assert_same(model, ids: list[int], spec: list[int], plain: list[int]) -> None:
-    """Speculative greedy equals plain greedy, or parts from it only at a near-tie of the
-    target's logits (top-2 margin below NEAR_TIE) after MIN_EQUAL equal tokens; otherwise
-    fail with the margin, which tells batched and single-token passes rounding apart from a
-    real fault."""
+def _parting(model, ids: list[int], spec: list[int], plain: list[int],
+             equal_before: int = 0) -> tuple[int, float] | None:
+    """Where speculative greedy `spec` parts from plain greedy `plain` (both continuing `ids`,
+    after `equal_before` tokens that agreed): None where they agree, else (index, top-2
+    margin) if it is a near-tie of the target's logits (margin below NEAR_TIE, after at least
+    MIN_EQUAL equal tokens in all); otherwise fail with the margin, which tells batched and
+    single-token passes rounding apart from a real fault."""
     if spec == plain:
-        return
+        return None
     at = next((i for i, (a, b) in enumerate(zip(spec, plain)) if a != b),
               min(len(spec), len(plain)))
     margin = float("inf")
     if at < min(len(spec), len(plain)):
         top = torch.topk(model.logits(list(ids) + plain[:at])[-1].float(), 2).values
         margin = float(top[0] - top[1])
-    if at >= MIN_EQUAL and margin < NEAR_TIE:
-        return
-    pytest.fail(f"speculative greedy differs from plain greedy at token {at} ({spec[at:at + 1]} "
-                f"against {plain[at:at + 1]}); the top-2 logit margin there is {margin:.2e}; "
-                f"{model.last_speculation}")
+    if equal_before + at >= MIN_EQUAL and margin < NEAR_TIE:
+        return at, margin
+    pytest.fail(f"speculative greedy differs from plain greedy at token {equal_before + at} "
+                f"({spec[at:at + 1]} against {plain[at:at + 1]}); the top-2 logit margin "
+                f"there is {margin:.2e}; {model.last_speculation}")
 
 
-def _greedy_equals_plain(model, ids: list[int], tokens: int, **spec) -> None:
+def _assert_same(model, ids: list[int], spec: list[int], plain: list[int]) -> None:
+    """Speculative greedy equals plain greedy, or parts from it only at a near-tie
+    (_parting). For runs whose state cannot be replayed (a draft given up midway); where it
+    can, _greedy_equals_plain also checks the tokens after a tie."""
+    _parting(model, ids, spec, plain)
+
+
+def _greedy_equals_plain(model, ids: list[int], tokens: int,
+                         **spec) -> tuple[list[tuple[int, float]], dict]:
     """Greedy decoding of `ids` with the model's draft (`spec`: the tree's options) against
-    plain greedy (_assert_same)."""
-    plain = [e.id for e in model.generate(ids, max_tokens=tokens, temperature=0, draft=False)]
-    out = [e.id for e in model.generate(ids, max_tokens=tokens, temperature=0, **spec)]
-    _assert_same(model, ids, out, plain)
+    plain greedy, token for token over `tokens` tokens. At a near-tie (_parting) both go on
+    from plain's tokens through the tied one, at most MAX_TIES times, so that a fault after
+    a tie still fails. Returns the ties (token index, top-2 margin) and the first speculative
+    run's figures (last_stats.extra)."""
+    ids, done, ties, first = list(ids), 0, [], None
+    while done < tokens:
+        plain = [e.id for e in model.generate(ids, max_tokens=tokens - done, temperature=0,
+                                              draft=False)]
+        out = [e.id for e in model.generate(ids, max_tokens=tokens - done, temperature=0,
+                                            **spec)]
+        first = dict(model.last_stats.extra) if first is None else first
+        tie = _parting(model, ids, out, plain, done)
+        if tie is None:
+            break
+        at, margin = tie
+        ties.append((done + at, margin))
+        assert len(ties) <= MAX_TIES, f"more than {MAX_TIES} near-ties: {ties}"
+        ids += plain[:at + 1]
+        done += at + 1
+    return ties, first
 
 
 def _streamed_with_draft(target, draft, resident: int = 2, **kw):
