@@ -8,7 +8,12 @@ Each kind multiplies m activation rows (1: decode, 4: a small tree) by a split l
 (a 70B's FFN: hidden 8192, 28672 units, the CPU taking `share` of them: gate/up's rows as one
 matrix, down's columns as another), random weights made directly in each layout: the best of
 --reps in each of --rounds rounds, the kinds taking turns within a round (a shared machine's
-load moves between them), and the median over the rounds. Reports ms a layer, weights a second and bytes read a second (each layout's own bytes:
+load moves between them), and the median over the rounds. Each timed call goes to the next of
+--layers distinct shares (default: as many as outweigh twice the last-level cache), so that
+the weights come from DRAM as in decode, where a split layer's share is read once a token: a
+300 MiB L3 (session 37's and 39's H100 hosts) holds one 70B share of 243 MB, and calling it
+again measured the cache (session 39: 60.8 then 33.3 Gweights/s for a token in two rounds,
+106-144 for 4). Reports ms a layer, weights a second and bytes read a second (each layout's own bytes:
 planes and q4vnni 4.625 bits a Q4_K weight, q4vnni-f32 6, int4pack 5). Prints a table; writes
 OUTDIR/plane-speed.json. On a small machine the kernels are compute-bound (their weights a
 second is the figure); on a GPU host sharing its memory bus with the copies, bytes are.
@@ -76,6 +81,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kinds", default="planes,q4vnni,q4vnni-f32,int4pack")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="distinct shares each kind rotates over (0: outweigh twice the LLC)")
     a = ap.parse_args()
     cores = torch.get_num_threads()
     threads = [int(t) for t in a.threads.split(",")] if a.threads else sorted({1, cores})
@@ -83,7 +90,12 @@ def main() -> None:
     weights = 3 * units * HIDDEN
     tokens = [int(v) for v in a.tokens.split(",")]
     kinds = a.kinds.split(",")
-    shares = {kind: layer_share(kind, units) for kind in kinds}
+    per_kind = {kind: layer_share(kind, units) for kind in kinds}
+    layers = a.layers or max(1, -(-2 * hybrid_plan.last_level_cache_bytes()
+                                  // min(n for _, n in per_kind.values())))
+    # each kind's calls rotate over `layers` distinct shares (the first one made above)
+    shares = {kind: ([call] + [layer_share(kind, units)[0] for _ in range(layers - 1)], nbytes)
+              for kind, (call, nbytes) in per_kind.items()}
     times: dict[tuple, list[float]] = {}
     for _ in range(a.rounds):
         for t in threads:
@@ -91,13 +103,15 @@ def main() -> None:
             for m in tokens:
                 x = torch.randn(m, HIDDEN, generator=torch.Generator().manual_seed(m))
                 for kind in kinds:
-                    call = shares[kind][0]
-                    call(x)
+                    calls = shares[kind][0]
+                    for call in calls:  # warm: threads awake, pages touched
+                        call(x)
                     best = float("inf")
                     for _ in range(a.reps):
                         t0 = time.perf_counter()
-                        call(x)
-                        best = min(best, time.perf_counter() - t0)
+                        for call in calls:
+                            call(x)
+                        best = min(best, (time.perf_counter() - t0) / len(calls))
                     times.setdefault((kind, t, m), []).append(best)
     rows = []
     print(f"{'kind':>9} {'threads':>7} {'m':>3} {'ms/layer':>9} {'Gweights/s':>10} {'GB/s':>7}"
@@ -120,9 +134,11 @@ def main() -> None:
            # build-time settings of the native loops (native/__init__.py), if any
            "native_defines": os.environ.get("SLIPSTREAM_NATIVE_DEFINES", ""),
            "weights_per_layer": weights, "rows": rows,
-           "rounds": a.rounds, "reps": a.reps,
+           "rounds": a.rounds, "reps": a.reps, "layers": layers,
+           "last_level_cache_mib": hybrid_plan.last_level_cache_bytes() >> 20,
            "note": "random weights in each layout; the median over rounds of the best of "
-                   "--reps, kinds taking turns; a 70B layer's CPU share"}
+                   "--reps (each a pass over `layers` distinct shares, per share), kinds taking "
+                   "turns; a 70B layer's CPU share"}
     a.outdir.mkdir(parents=True, exist_ok=True)
     (a.outdir / "plane-speed.json").write_text(json.dumps(doc, indent=2) + "\n")
 
