@@ -305,7 +305,8 @@ def test_split_timing_takes_a_split_layer_apart_and_finds_host_bound_gaps() -> N
     """Two passes of a resident layer 0 and a split layer 1, times in ms: layer 1's GPU span
     begins at 1.0, its CPU share runs 1.3-5.3 and the GPU ends at 5.5 (gpu_to_cpu 0.3, cpu
     4.0, cpu_to_gpu 0.2). Between layers 0 and 1 the GPU idles 0.2 ms, of which the host
-    began enqueueing layer 1 0.1 ms late in the first pass and early in the second."""
+    began enqueueing layer 1 0.1 ms late in the first pass and early in the second. The host
+    enqueues layer 0 in 0.1 ms, layer 1 in 0.1 then 0.9 ms."""
     tr = Tracer()
     ms = 1e-3
     for p, base in enumerate((0.0, 10.0)):
@@ -327,6 +328,9 @@ def test_split_timing_takes_a_split_layer_apart_and_finds_host_bound_gaps() -> N
     assert per["split_cpu"] == pytest.approx(4.0, abs=0.01)
     assert per["gaps"] == pytest.approx(0.2, abs=0.01)
     assert per["gaps_host_bound"] == pytest.approx(0.05, abs=0.01)  # 0.1 ms in one of 2 passes
+    assert got["launch_split_us"] == pytest.approx(500, abs=1)
+    assert got["launch_other_us"] == pytest.approx(100, abs=1)
+    assert per["launch"] == pytest.approx(0.6, abs=0.01)  # (0.1 + 0.1 + 0.1 + 0.9) / 2
 
 
 def test_split_timing_of_a_trace_without_compute_is_empty() -> None:

@@ -127,7 +127,10 @@ def split_timing(spans: list[dict[str, Any]]) -> dict[str, Any]:
     and the process's cores busy during the shares where the worker recorded them; and over
     all layers: GPU compute of the layers that ran no share (resident or whole),
     the gaps between consecutive compute spans, and the part of those gaps where the host
-    had not yet begun enqueueing the next layer when the GPU finished the last (host-bound).
+    had not yet begun enqueueing the next layer when the GPU finished the last (host-bound);
+    and the host's enqueueing (the launch track) per split and per other layer, and its sum a
+    pass: near the token's time, the host bounds it even without gaps (session 39's 8B, where
+    the enqueue of a split layer's attention was most of gpu_to_cpu).
     Means are per traced split layer; totals are per decode pass (spans of one pass per
     run of layer indices that does not go back)."""
     by_track: dict[str, list[dict[str, Any]]] = {}
@@ -162,6 +165,10 @@ def split_timing(spans: list[dict[str, Any]]) -> dict[str, Any]:
             host_bound += min(gap, max(la["ts"] - (a["ts"] + a["dur"]), 0.0))
     other = [c["dur"] for c in compute if id(c) not in split_spans]
     n_split = len(split_parts["cpu"])
+    split_layers = {s["args"]["layer"] for s in shares}
+    launches = by_track.get("launch", [])
+    launch_split = [e["dur"] for e in launches if e["args"]["layer"] in split_layers]
+    launch_other = [e["dur"] for e in launches if e["args"]["layer"] not in split_layers]
 
     def mean(v: list[float]) -> float:
         return round(sum(v) / len(v), 1) if v else 0.0
@@ -174,6 +181,8 @@ def split_timing(spans: list[dict[str, Any]]) -> dict[str, Any]:
     if cores:
         out["cores_busy_during_shares"] = round(sum(cores) / len(cores), 2)
     out["other_layer_gpu_us"] = mean(other)
+    out["launch_split_us"] = mean(launch_split)
+    out["launch_other_us"] = mean(launch_other)
     out["per_pass_ms"] = {
         "split_gpu_to_cpu": round(sum(split_parts["gpu_to_cpu"]) / passes / 1e3, 2),
         "split_cpu": round(sum(split_parts["cpu"]) / passes / 1e3, 2),
@@ -181,6 +190,7 @@ def split_timing(spans: list[dict[str, Any]]) -> dict[str, Any]:
         "other_layers_gpu": round(sum(other) / passes / 1e3, 2),
         "gaps": round(gaps / passes / 1e3, 2),
         "gaps_host_bound": round(host_bound / passes / 1e3, 2),
+        "launch": round(sum(e["dur"] for e in launches) / passes / 1e3, 2),
     }
     return out
 
