@@ -225,18 +225,27 @@ def set_threads(m, n: int) -> None:
         host.io.threads = n
 
 
-def thread_sweep(m, name: str, threads: list[int], tokens: int) -> dict:
+def thread_sweep(m, name: str, threads: list[int], tokens: int, trace_tokens: int = 0,
+                 outdir: Path | None = None) -> dict:
     """Decode tok/s at each thread count on the loaded model, swept up and then down, the mean
     of the two kept: later runs of a sweep ran faster (session 18: plain decode 3.19, 3.60,
     then 4.44 tok/s on one layout), which a single sweep in rising order credits to the
-    higher counts."""
+    higher counts. With trace_tokens, each count is also traced once (on the way up, into
+    OUTDIR/trace-NAME-tN.json) and its split_timing kept: whether fewer threads leave the
+    host's enqueue a core (session 39's 8B, bound by it beside 15 threads)."""
     runs: dict[str, list[float]] = {str(n): [] for n in threads}
+    timings: dict[str, dict] = {}
     for n in threads + threads[::-1]:
         set_threads(m, n)
         runs[str(n)].append(round(decode_rate(m, tokens), 3))
         print(json.dumps({"name": name, "threads": n, "tok_s": runs[str(n)][-1]}), flush=True)
-    return {"decode_tok_s_by_threads": {n: round(sum(r) / len(r), 3) for n, r in runs.items()},
-            "decode_tok_s_by_threads_runs": runs}
+        if trace_tokens and outdir is not None and str(n) not in timings:
+            timings[str(n)] = traced(m, trace_tokens, outdir / f"trace-{name}-t{n}.json")
+    out = {"decode_tok_s_by_threads": {n: round(sum(r) / len(r), 3) for n, r in runs.items()},
+           "decode_tok_s_by_threads_runs": runs}
+    if timings:
+        out["split_timing_by_threads"] = timings
+    return out
 
 
 NEIGHBOUR = """
@@ -365,7 +374,8 @@ def case(path: Path, name: str, budget: str, hybrid, tokens: int, threads: list[
         if h is not None and neighbour:
             row.update(under_neighbour(m, name, neighbour, tokens))
         if h is not None and sweep:
-            row.update(thread_sweep(m, name, threads, max(8, tokens // 2)))
+            row.update(thread_sweep(m, name, threads, max(8, tokens // 2),
+                                    trace_tokens if len(threads) > 1 else 0, outdir))
             set_threads(m, h.threads)
         if prefill:
             row["prefill512_tok_s"] = round(prefill_rate(m), 1)
