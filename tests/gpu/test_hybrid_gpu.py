@@ -443,3 +443,40 @@ def test_a_trace_takes_each_split_layer_apart(pair):
     # the share lies inside its layer's GPU span (clock mapping error well under 0.2 ms)
     assert timing["gpu_to_cpu_us"] > -200 and timing["cpu_to_gpu_us"] > -200
     assert 0 < timing["cores_busy_during_shares"] <= 2 * (torch.get_num_threads() + 2)
+
+
+@pytest.mark.parametrize("hybrid", ["off", 0.5])
+def test_graphs_of_fixed_layers_give_the_eager_bits(synth, hybrid):
+    """runtime.layer_graphs (SLIPSTREAM_LAYER_GRAPHS): in a streamed model's eager decode, its
+    resident layers replay graphs of their own, one per layer and span bucket (a bucket
+    crossed here), between streamed or split layers, and give the eager step's bits."""
+    with slipstream.load(synth, device="cuda", ctx=512) as resident:
+        budget = vram_budget_for(resident, 2, slack=4096)
+    with slipstream.load(synth, device="cuda", ctx=512, vram_budget=budget, hybrid=hybrid,
+                         precision="exact") as model:
+        engine = model.engine
+        store = engine.layers
+        assert not engine.use_graphs and (model.plan.hybrid is None) == (hybrid == "off")
+        fixed = [i for i in range(len(store)) if store.fixed(i)]
+        assert len(fixed) == 2 and len(fixed) < len(store)
+        prompt = list(range(3, 253))  # 250 tokens: decode crosses slot 256, bucket 256 to 512
+
+        def run() -> list[torch.Tensor]:
+            engine.reset()
+            out = [engine.forward(prompt).float().cpu()]
+            for t in range(10):
+                out.append(engine.decode(torch.tensor([11 + 7 * t], device="cuda"))
+                           .float().cpu())
+            torch.cuda.synchronize()
+            return out
+
+        engine.layer_graphs = False
+        eager = run()
+        assert not engine._layer_graphs
+        engine.layer_graphs = True
+        graphed = run()  # captures
+        again = run()  # replays
+        keys = {k for g in engine._layer_graphs.values() for k in g.graphs}
+        assert keys == {(i, span) for i in fixed for span in (256, 512)}
+        for a, b, c in zip(eager, graphed, again):
+            assert torch.equal(a, b) and torch.equal(a, c)

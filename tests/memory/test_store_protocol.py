@@ -95,6 +95,11 @@ def test_every_store_is_a_layer_store(fake_cuda, tiny, kind):
     assert isinstance(store.stats, StoreStats) and isinstance(store.note, str)
     assert store.graph_capturable is (kind == "resident")  # streamed weights change per pass
     assert len(store) == N_LAYERS
+    # the layers a graph of one layer may freeze (runtime.layer_graphs): the CUDA store's
+    # resident layer 0, every layer of the resident store, none of a CPU store that streams
+    fixed = [store.fixed(i) for i in range(N_LAYERS)]
+    expected = {"resident": [True] * 4, "disk": [False] * 4, "mmap": [False] * 4}
+    assert fixed == expected.get(kind, [True, False, False, False]), kind
     store.enable_timing()
     _passes(store)
     store.collect()

@@ -289,6 +289,10 @@ class CudaLayerStore(StoreBase):
             self.timeline.layer_start(stream, i, launched)
         return layer
 
+    def fixed(self, i: int) -> bool:
+        # resident (built at load or promoted); a split or streamed layer has no entry here
+        return self.layers[i] is not None
+
     def waiting(self, i: int) -> bool:
         """Layer i streams through the ring and its bytes (a tier-C read) are not there yet.
         Resident layers never wait; the mmap baseline reads on demand, nothing ahead."""

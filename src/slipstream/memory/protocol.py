@@ -62,6 +62,12 @@ class LayerStore(Protocol):
         next level) may do it first and ask again."""
         ...
 
+    def fixed(self, i: int) -> bool:
+        """Whether layer i is handed out as the same weights, computed the same way, on every
+        pass (resident and not split), so that a CUDA graph of its forward stays valid
+        (runtime.layer_graphs)."""
+        ...
+
     def skip(self, layers: frozenset[int]) -> None:
         """The engine will not ask for `layers` (layer skip, runtime.layer_skip) until the next
         call: a streaming store drops them from its read-ahead order, so it neither reads nor
@@ -116,6 +122,9 @@ class StoreBase:
 
     def waiting(self, i: int) -> bool:
         return False  # nothing read ahead: acquire never waits on a read in flight
+
+    def fixed(self, i: int) -> bool:
+        return self.graph_capturable  # a store that streams nothing hands out fixed layers
 
     def promote(self, room: int | None, most: int | None = None,
                 only: Collection[int] | None = None) -> list[int]:

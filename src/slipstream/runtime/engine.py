@@ -17,9 +17,10 @@ import torch
 
 from ..config import ModelConfig
 from ..model import Step, append_step, block_forward, fused_decode_serves, rms_norm
-from ..model.llama import LayerWeights
+from ..model.llama import LayerWeights, uses_fused_decode
 from ..weights import ModelWeights
 from .graphs import GRAPH_BUCKET, DecodeGraphs, StepGraphs, bucket_span
+from .layer_graphs import LayerGraphs, layer_graphs_enabled
 from .stage import Stage
 
 # Prompts longer than this are prefilled in chunks of it, which bounds the attention scores'
@@ -62,6 +63,10 @@ class Engine:
         self.use_graphs = capturable if use_graphs is None else use_graphs
         self._graphs: DecodeGraphs | None = None
         self._tree_graphs: StepGraphs | None = None  # masked steps (a draft's tree levels)
+        # eager decode steps (a streamed model): fixed layers through graphs of their own,
+        # per stage (runtime.layer_graphs; SLIPSTREAM_LAYER_GRAPHS=1)
+        self.layer_graphs = layer_graphs_enabled()
+        self._layer_graphs: dict[int, LayerGraphs] = {}
         self._skip: frozenset[int] = frozenset()
         # Called as layer_hook(i, x_in, x_out) after each computed layer (runtime.layer_skip's
         # calibration records hidden states through it); None on every ordinary pass.
@@ -93,7 +98,8 @@ class Engine:
 
     @property
     def graph_capture_s(self) -> float:
-        return sum(g.capture_s for g in (self._graphs, self._tree_graphs) if g is not None)
+        return (sum(g.capture_s for g in (self._graphs, self._tree_graphs) if g is not None)
+                + sum(g.capture_s for g in self._layer_graphs.values()))
 
     # --- layer skip ---------------------------------------------------------------------------
 
@@ -120,6 +126,7 @@ class Engine:
             return
         self._skip = new
         self._graphs = self._tree_graphs = None  # captured graphs froze the old layers
+        self._layer_graphs = {}
         stores = {id(st.store): st.store for st in self.stages}
         for store in stores.values():
             store.skip(new)
@@ -182,6 +189,7 @@ class Engine:
         self.stages = []
         self.weights = None
         self._graphs = self._tree_graphs = None
+        self._layer_graphs = {}
 
     # --- the context --------------------------------------------------------------------------
 
@@ -280,6 +288,22 @@ class Engine:
         """Logits (T, vocab) of ids at `step`, leaving the cache length alone (graph bodies)."""
         return self._logits(self._hidden(ids, step))
 
+    def _graphs_of(self, stage: Stage, step: Step) -> LayerGraphs | None:
+        """The stage's graphs of single layers, where this step may use them: an eager decode
+        step through the fused kernels (a streamed model's; a resident one replays whole-step
+        graphs, inside whose capture this runs), with no layer hook to see each layer's
+        tensors, on one GPU (a capture is made on the current device). The step's position
+        goes into their static copy."""
+        if (not self.layer_graphs or self.use_graphs or self.layer_hook is not None
+                or len(self.stages) != 1 or stage.device.type != "cuda"
+                or not uses_fused_decode(step, stage.kv.k)):
+            return None
+        graphs = self._layer_graphs.get(id(stage))
+        if graphs is None:
+            graphs = self._layer_graphs[id(stage)] = LayerGraphs(stage.device)
+        graphs.begin_step(step)
+        return graphs
+
     def _append_step(self, n: int) -> Step:
         """n tokens appended at the current length. A CUDA decode token reads its graph
         bucket's span, so an eager step (a streamed model) runs the fused decode kernels with
@@ -311,6 +335,7 @@ class Engine:
         cos_sin = stage.rope.angles(s.positions)
         stage.store.begin_pass(s.tokens)
         first = stage.layers.start
+        graphs = self._graphs_of(stage, s)
         for i in stage.layers:
             if i in self._skip:
                 continue  # not acquired, so a streamed layer is never read or copied
@@ -319,7 +344,14 @@ class Engine:
                     idle = None  # nothing left to do: block on the reads from here on
             layer = stage.store.acquire(i)
             k_cache, v_cache = stage.kv.layer(i - first)
-            y = block_forward(self.cfg, layer, x, cos_sin, s, k_cache, v_cache, stage.rope)
+            y = None
+            if graphs is not None and stage.store.fixed(i):
+                def forward(x_in, step, layer=layer, k_cache=k_cache, v_cache=v_cache):
+                    return block_forward(self.cfg, layer, x_in, cos_sin, step, k_cache,
+                                         v_cache, stage.rope)
+                y = graphs.run(i, layer, x, forward, s.span)
+            if y is None:
+                y = block_forward(self.cfg, layer, x, cos_sin, s, k_cache, v_cache, stage.rope)
             stage.store.release(i)
             if self.layer_hook is not None:
                 self.layer_hook(i, x, y)

@@ -1,0 +1,65 @@
+"""Engine dispatch to runtime.layer_graphs (SLIPSTREAM_LAYER_GRAPHS), on the CPU with a stand-in
+for the graphs (capture needs CUDA: tests/gpu/test_hybrid_gpu.py replays real ones): in a
+decode step, each layer its store calls fixed goes to the graphs with the step's span, and
+their result is the layer's output; where they decline (None) the layer runs eagerly;
+prefill never asks them. The graphs' own bits are the GPU test's."""
+
+from __future__ import annotations
+
+import torch
+
+from helpers import cpu_engine
+from slipstream.model import append_step
+from slipstream.synth import write_synth
+
+
+class StandIn:
+    """Runs the layer's forward as the eager step would (the same step), recording calls; the
+    layers in `decline` are left to the engine."""
+
+    def __init__(self, engine, decline: set[int]):
+        self.engine, self.decline = engine, decline
+        self.calls: list[tuple[int, int]] = []
+
+    def run(self, i, layer, x, forward, span):
+        self.calls.append((i, span))
+        if i in self.decline:
+            return None
+        return forward(x, append_step(self.engine.length, 1, x.device, span))
+
+
+def test_fixed_layers_of_a_decode_step_go_through_the_graphs(tmp_path, monkeypatch):
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=4, from_floats=True,
+                       std=0.1, seed=5)
+    plain = cpu_engine(path, ctx=64, precision="exact")
+    routed = cpu_engine(path, ctx=64, precision="exact")
+    fixed = {0, 2, 3}
+    monkeypatch.setattr(routed.layers, "fixed", lambda i: i in fixed)
+    stand_in = StandIn(routed, decline={3})
+    steps = []
+
+    def graphs_of(stage, step):
+        steps.append(step.tokens)
+        return stand_in if step.tokens == 1 else None
+
+    monkeypatch.setattr(routed, "_graphs_of", graphs_of)
+    prompt = [3, 17, 99, 250, 7]
+    assert torch.equal(routed.forward(prompt), plain.forward(prompt))
+    assert stand_in.calls == [] and steps == [len(prompt)]  # prefill: no graphs
+    for t in range(3):
+        token = torch.tensor([11 + t])
+        assert torch.equal(routed.decode(token), plain.decode(token))
+    # each step's span (on the CPU one past its slot; on CUDA its graph bucket)
+    assert stand_in.calls == [(i, len(prompt) + 1 + t) for t in range(3) for i in (0, 2, 3)]
+
+
+def test_graphs_of_stays_off_without_the_setting_and_on_the_cpu(tmp_path, monkeypatch):
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", from_floats=True, std=0.1, seed=5)
+    monkeypatch.delenv("SLIPSTREAM_LAYER_GRAPHS", raising=False)
+    engine = cpu_engine(path, ctx=64, precision="exact")
+    assert engine.layer_graphs is False
+    monkeypatch.setenv("SLIPSTREAM_LAYER_GRAPHS", "1")
+    engine = cpu_engine(path, ctx=64, precision="exact")
+    assert engine.layer_graphs is True
+    step = append_step(0, 1, torch.device("cpu"), 64)
+    assert engine._graphs_of(engine.stages[0], step) is None  # the CPU has no graphs
