@@ -98,6 +98,7 @@ class LayerGraphs:
         t0 = time.perf_counter()
         if self.x is None or self.x.shape != x.shape or self.x.dtype != x.dtype:
             self.x = torch.empty_like(x)
+            self.graphs.clear()  # they read the input they were captured with
         self.x.copy_(x)
         step = device_decode_step(self.pos, span)
         side = torch.cuda.Stream(self.device)
@@ -105,9 +106,24 @@ class LayerGraphs:
         with torch.cuda.stream(side):
             forward(self.x, step)
         torch.cuda.current_stream(self.device).wait_stream(side)
+        # capture_begin/end on the side stream rather than torch.cuda.graph, whose entry
+        # synchronizes the device and empties the allocator's caches (and the pinned host
+        # cache) at every capture: a layer per span bucket, many per generation
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=CAPTURE_MODE):
-            out = forward(self.x, step)
+        with torch.cuda.stream(side):
+            # the pool positionally and only when there is one, as torch.cuda.graph passes it
+            pool = () if self.pool is None else (self.pool,)
+            graph.capture_begin(*pool, capture_error_mode=CAPTURE_MODE)
+            try:
+                out = forward(self.x, step)
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except RuntimeError:
+                    pass  # the capture the error broke; the first error is the one to see
+                raise
+            graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(side)
         if self.pool is None:
             self.pool = graph.pool()
         self.capture_s += time.perf_counter() - t0
