@@ -354,6 +354,7 @@ class HostFFN:
 
     def start(self, h: torch.Tensor) -> None:
         self.io.send(h, self.slot, signal=HOST_SIGNAL and self._fused() is not None)
+        self.io.submit(self)
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
         return self.io.finish(self, partial)
@@ -405,6 +406,8 @@ class HostIO:
         # None where it went by a copy and an event
         self._signal_seq: list[int | None] = [None] * self.slots
         self._h: list[torch.Tensor | None] = [None] * self.slots
+        # the job each slot's share went to the worker as (submit), until its finish
+        self._queued: list[int | None] = [None] * self.slots
         self.run_ahead = cuda
         if self.threads is None:
             self.threads = torch.get_num_threads()
@@ -447,6 +450,22 @@ class HostIO:
         event.record()
         self._sent[slot] = event
 
+    def submit(self, ffn: HostFFN) -> None:
+        """Run-ahead: hand the layer's share to the worker as soon as its input's copy is
+        queued (send). The worker waits for the copy itself, so it starts when the input
+        lands, not once the host has also enqueued the GPU's own share and reached finish:
+        on session 39's 8B the input reached the worker 825 us after its layer began on the
+        GPU, the host still enqueueing. Jobs go in layer order, as the GPU's waits do."""
+        if self.device.type != "cuda" or not self.run_ahead:
+            return
+        slot = ffn.slot
+        self.check()
+        self._seq += 1
+        self._start_worker()
+        signaled = self._signal_seq[slot] == self._seq  # else: the event, as ever
+        self._jobs.put((ffn, self._sent[slot], slot, self._rows[slot], self._seq, signaled))
+        self._queued[slot] = self._seq
+
     def finish(self, ffn: HostFFN, partial: torch.Tensor) -> torch.Tensor:
         slot, rows = ffn.slot, self._rows[ffn.slot]
         if self.device.type != "cuda":
@@ -455,24 +474,22 @@ class HostIO:
             self._count(ffn, time.perf_counter() - t0)
             return partial + y.to(partial.dtype)
         if self.run_ahead:
-            self.check()
-            self._seq += 1
-            self._start_worker()
-            signaled = self._signal_seq[slot] == self._seq  # else: the event, as ever
-            self._jobs.put((ffn, self._sent[slot], slot, rows, self._seq, signaled))
+            if self._queued[slot] is None:  # sent without start (a caller of send alone)
+                self.submit(ffn)
+            seq, self._queued[slot] = self._queued[slot], None
             try:
                 from .. import kernels
 
                 if self.fused_add:
                     try:
-                        return kernels.wait_host_add(self._flag, self._seq, self._failed,
+                        return kernels.wait_host_add(self._flag, seq, self._failed,
                                                      self._out[slot][:rows], partial)
                     except Exception:  # not built here: the wait, the copy and the add
                         self.fused_add = False
-                kernels.wait_host_flag(self._flag, self._seq, self._failed)
+                kernels.wait_host_flag(self._flag, seq, self._failed)
             except Exception:  # no wait kernel here: wait on the host from now on
                 self.run_ahead = False
-                self._wait_seq(self._seq)
+                self._wait_seq(seq)
         else:
             t0 = time.perf_counter()
             self._sent[slot].synchronize()
