@@ -480,3 +480,18 @@ def test_graphs_of_fixed_layers_give_the_eager_bits(synth, hybrid):
         assert keys == {(i, span) for i in fixed for span in (256, 512)}
         for a, b, c in zip(eager, graphed, again):
             assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_handing_the_share_over_at_start_gives_the_same_bits(pair, monkeypatch):
+    """SLIPSTREAM_HOST_EARLY: the worker gets each split layer's share right after its input's
+    copy is queued, not at finish; the same shares of the same inputs, bit for bit."""
+    from slipstream.weights import hybrid
+
+    _, split = pair
+    monkeypatch.setattr(hybrid, "HOST_EARLY", False)
+    late = _forced_logits(split, steps=6)
+    monkeypatch.setattr(hybrid, "HOST_EARLY", True)
+    early = _forced_logits(split, steps=6)
+    assert split.engine.layers.stats.cpu_bytes > 0
+    for x, y in zip(early, late):
+        assert torch.equal(x, y)

@@ -100,6 +100,12 @@ GIL_SWITCH_S = _seconds_env("SLIPSTREAM_GIL_SWITCH_S", "0.0001")
 # Off until measured on a GPU: SLIPSTREAM_HOST_SIGNAL=1 turns it on.
 HOST_SIGNAL = os.environ.get("SLIPSTREAM_HOST_SIGNAL", "0") == "1"
 SIGNAL_TIMEOUT_S = 60.0  # as kernels.host_wait's: far beyond a share, short of a hang
+# Run-ahead hands a split layer's share to the worker at start (HostIO.submit), right after
+# its input's copy is queued, rather than at finish, after the host has also enqueued the
+# GPU's own share: session 39's 8B, bound by the host's enqueue, had its worker learn of each
+# layer 1.27 ms into the layer's 1.59 ms enqueue. Off until measured on a GPU:
+# SLIPSTREAM_HOST_EARLY=1 turns it on.
+HOST_EARLY = os.environ.get("SLIPSTREAM_HOST_EARLY", "0") == "1"
 HOST_KIND = os.environ.get("SLIPSTREAM_HYBRID_KIND", "auto")
 if HOST_KIND not in HOST_KINDS:
     raise BadArgument(f"SLIPSTREAM_HYBRID_KIND={HOST_KIND!r} is invalid: set it to one of "
@@ -354,7 +360,8 @@ class HostFFN:
 
     def start(self, h: torch.Tensor) -> None:
         self.io.send(h, self.slot, signal=HOST_SIGNAL and self._fused() is not None)
-        self.io.submit(self)
+        if HOST_EARLY:
+            self.io.submit(self)
 
     def finish(self, partial: torch.Tensor) -> torch.Tensor:
         return self.io.finish(self, partial)
@@ -451,11 +458,9 @@ class HostIO:
         self._sent[slot] = event
 
     def submit(self, ffn: HostFFN) -> None:
-        """Run-ahead: hand the layer's share to the worker as soon as its input's copy is
-        queued (send). The worker waits for the copy itself, so it starts when the input
-        lands, not once the host has also enqueued the GPU's own share and reached finish:
-        on session 39's 8B the input reached the worker 825 us after its layer began on the
-        GPU, the host still enqueueing. Jobs go in layer order, as the GPU's waits do."""
+        """Run-ahead: hand the layer's share to the worker, which waits for its input's copy
+        itself; at the latest in finish, with HOST_EARLY right after send. Jobs go in layer
+        order, as the GPU's waits for their counters do."""
         if self.device.type != "cuda" or not self.run_ahead:
             return
         slot = ffn.slot
@@ -474,7 +479,7 @@ class HostIO:
             self._count(ffn, time.perf_counter() - t0)
             return partial + y.to(partial.dtype)
         if self.run_ahead:
-            if self._queued[slot] is None:  # sent without start (a caller of send alone)
+            if self._queued[slot] is None:  # not handed over at start (HOST_EARLY off)
                 self.submit(ffn)
             seq, self._queued[slot] = self._queued[slot], None
             try:
