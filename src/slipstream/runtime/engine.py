@@ -11,6 +11,7 @@ CUDA with every layer resident it replays a captured CUDA graph (runtime.graphs)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -288,6 +289,11 @@ class Engine:
         """Logits (T, vocab) of ids at `step`, leaving the cache length alone (graph bodies)."""
         return self._logits(self._hidden(ids, step))
 
+    def _block(self, stage: Stage, layer: LayerWeights, cos_sin, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """One layer of the stage on x at `step` (eagerly, or as a layer graph captures it)."""
+        return block_forward(self.cfg, layer, x, cos_sin, step, k_cache, v_cache, stage.rope)
+
     def _graphs_of(self, stage: Stage, step: Step) -> LayerGraphs | None:
         """The stage's graphs of single layers, where this step may use them: an eager decode
         step through the fused kernels (a streamed model's; a resident one replays whole-step
@@ -344,14 +350,12 @@ class Engine:
                     idle = None  # nothing left to do: block on the reads from here on
             layer = stage.store.acquire(i)
             k_cache, v_cache = stage.kv.layer(i - first)
+            block = functools.partial(self._block, stage, layer, cos_sin, k_cache, v_cache)
             y = None
             if graphs is not None and stage.store.fixed(i):
-                def forward(x_in, step, layer=layer, k_cache=k_cache, v_cache=v_cache):
-                    return block_forward(self.cfg, layer, x_in, cos_sin, step, k_cache,
-                                         v_cache, stage.rope)
-                y = graphs.run(i, layer, x, forward, s.span)
-            if y is None:
-                y = block_forward(self.cfg, layer, x, cos_sin, s, k_cache, v_cache, stage.rope)
+                y = graphs.run(i, layer, x, block, s.span)
+            if y is None:  # eager: no graphs here, or this one's capture ran out of memory
+                y = block(x, s)
             stage.store.release(i)
             if self.layer_hook is not None:
                 self.layer_hook(i, x, y)
