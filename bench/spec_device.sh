@@ -20,16 +20,7 @@ OUTDIR=${1:-${OUT:-/tmp/slipstream-out}}
 PART=${PART:-all}
 mkdir -p "$OUTDIR"
 cd "$(dirname "$0")/.."
-# DEADLINE_S: pack OUTDIR into $OUT/call-partial.tgz after that many seconds, so that a call cut
-# by its limit still brings back what it wrote (bench/deadline_tar.sh)
-if [ -n "${DEADLINE_S:-}" ] && [ -n "${OUT:-}" ] && [ -z "${DEADLINE_ARMED:-}" ]; then
-  export DEADLINE_ARMED=1  # once per call: hybrid_device.sh runs spec_device.sh too
-  # its own output detached and killed when this script ends: a sleeper left holding the
-  # call's stdout kept session 39's call 2 running for 316 s after its work had finished
-  bash bench/deadline_tar.sh "$DEADLINE_S" "$OUTDIR" "$OUT/call.tgz" >/dev/null 2>&1 &
-  DEADLINE_PID=$!
-  trap 'kill $DEADLINE_PID 2>/dev/null' EXIT
-fi
+source bench/deadline_arm.sh  # DEADLINE_S: OUTDIR packed at a deadline
 source bench/device_setup.sh
 W=$SLIPSTREAM_MODELS  # device_setup.sh: /dev/shm where it has room
 mkdir -p $W
