@@ -78,18 +78,27 @@ class LayerGraphs:
             return None
         entry = self.graphs.get(key)
         if entry is None or entry.layer() is not layer:
-            try:
-                entry = self._capture(layer, x, forward, span)
-            except torch.cuda.OutOfMemoryError:
-                # a tight VRAM budget: this layer runs eagerly at this span from now on
+            self.graphs.pop(key, None)
+            entry = self._capture_within_budget(layer, x, forward, span)
+            if entry is None:  # a tight VRAM budget: eager at this span from now on
                 self.eager.add(key)
-                self.graphs.pop(key, None)
-                torch.cuda.empty_cache()
                 return None
             self.graphs[key] = entry
         self.x.copy_(x)
         entry.graph.replay()
         return entry.out
+
+    def _capture_within_budget(self, layer: object, x: torch.Tensor, forward: LayerForward,
+                               span: int) -> _Captured | None:
+        """_capture; where the pool cannot grow under the budget's cap (memory.vram_cap), once
+        more after the allocator's cache is given back (a device sync, at a capture only);
+        None if that fails too."""
+        for _ in range(2):
+            try:
+                return self._capture(layer, x, forward, span)
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()
+        return None
 
     def _capture(self, layer: object, x: torch.Tensor, forward: LayerForward,
                  span: int) -> _Captured:
