@@ -63,3 +63,54 @@ def test_graphs_of_stays_off_without_the_setting_and_on_the_cpu(tmp_path, monkey
     assert engine.layer_graphs is True
     step = append_step(0, 1, torch.device("cpu"), 64)
     assert engine._graphs_of(engine.stages[0], step) is None  # the CPU has no graphs
+
+
+class Layer:
+    """A stand-in layer object (held weakly by the graphs, as LayerWeights is)."""
+
+
+def test_one_capture_per_layer_and_span_again_for_a_new_layer_eager_after_two_ooms(monkeypatch):
+    """LayerGraphs.run's bookkeeping, with a stand-in for the capture: a (layer, span) is
+    captured once and replayed after (the input through the static copy); a new object for
+    the layer (promoted, rebuilt) is captured again; a capture out of memory twice leaves that
+    key eager (None) for good."""
+    import weakref
+
+    from slipstream.runtime import layer_graphs
+
+    graphs = layer_graphs.LayerGraphs(torch.device("cpu"))
+    captured, oom = [], {("ooms", 512)}
+
+    def capture(layer, x, forward, span):
+        if (getattr(layer, "name", ""), span) in oom:
+            raise torch.cuda.OutOfMemoryError("stand-in")
+        if graphs.x is None:
+            graphs.x = torch.empty_like(x)
+        out = torch.empty_like(x)
+
+        class Graph:
+            def replay(self) -> None:
+                out.copy_(forward(graphs.x, span))
+
+        captured.append((layer, span))
+        return layer_graphs._Captured(Graph(), out, weakref.ref(layer))
+
+    monkeypatch.setattr(graphs, "_capture", capture)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    def forward(x, span):
+        return x * 2 + span
+
+    a, b = Layer(), Layer()
+    x = torch.ones(1, 4)
+    assert torch.equal(graphs.run(0, a, x, forward, 256), x * 2 + 256)
+    assert torch.equal(graphs.run(0, a, 3 * x, forward, 256), 3 * x * 2 + 256)  # a replay
+    assert torch.equal(graphs.run(0, a, x, forward, 512), x * 2 + 512)
+    assert captured == [(a, 256), (a, 512)]
+    graphs.run(0, b, x, forward, 256)  # layer 0 is another object now
+    assert captured[-1] == (b, 256)
+    failing = Layer()
+    failing.name = "ooms"
+    assert graphs.run(1, failing, x, forward, 512) is None
+    assert (1, 512) in graphs.eager and graphs.run(1, failing, x, forward, 512) is None
+    assert len(captured) == 3
