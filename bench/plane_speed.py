@@ -72,6 +72,13 @@ def layer_share(kind: str, units: int):
     return call, nbytes
 
 
+def _q4_amx() -> int | None:
+    from slipstream import native
+
+    lib = native.library()
+    return None if lib is None else int(lib.ss_q4_has_amx())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("outdir", type=Path)
@@ -133,6 +140,9 @@ def main() -> None:
            "torch": torch.__version__, "share": a.share, "cpu_units": units,
            # build-time settings of the native loops (native/__init__.py), if any
            "native_defines": os.environ.get("SLIPSTREAM_NATIVE_DEFINES", ""),
+           # which loop ran passes of more than 4 rows (1: AMX tiles; a Q4_AMX=1 build at 0
+           # ran VNNI: no tiles in its compiler, CPU or kernel)
+           "q4_amx": _q4_amx(),
            "weights_per_layer": weights, "rows": rows,
            "rounds": a.rounds, "reps": a.reps, "layers": layers,
            "last_level_cache_mib": hybrid_plan.last_level_cache_bytes() >> 20,

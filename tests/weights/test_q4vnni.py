@@ -427,25 +427,27 @@ import sys, torch
 from gguf import GGMLQuantizationType as Q
 from slipstream.weights import cpu_packed
 from quant_oracle import make_raw
-cpu_packed.Q4VNNI_KS = True
-raw = make_raw(Q.Q4_K, 160, 4096, 21)  # 10 blocks of 16 rows, 38 KiB each
-lin = cpu_packed.pack_linear(raw, Q.Q4_K, (160, 4096), kind="q4vnni")
-assert lin.k_scales
+cpu_packed.Q4VNNI_KS = KS
+raw = make_raw(Q.QTYPE, 160, 4096, 21)  # 10 blocks of 16 rows, 38 KiB each (Q4_K)
+lin = cpu_packed.pack_linear(raw, Q.QTYPE, (160, 4096), kind=KIND)
 x = torch.randn(ROWS, 4096, generator=torch.Generator().manual_seed(22))
-ys = [lin.matvec(x, torch.full((ROWS, 160), float("nan")), threads=t, chunks=c)
-      for t, c in ((1, False), (2, False), (2, True))]
+ys = [lin.matvec(x, torch.full((ROWS, 160), float("nan")), threads=t, chunks=c, act_bits=b)
+      for t, c in ((1, False), (2, False), (2, True)) for b in (8, 16)]
 if __name__ == "__main__":
     torch.save(ys, sys.argv[1])
 """
 
 
-def _bits_under_builds(tmp_path, rows: int, defines: list[str]) -> None:
+def _bits_under_builds(tmp_path, rows: int, defines: list[str], qtype: str = "Q4_K",
+                       k_scales: bool = True) -> None:
     """Each build's bits (its own library: the defines are part of the cache key) equal this
-    process's, on 1 thread and on 2 (equal shares of the blocks, and chunks of them)."""
+    process's, on 1 thread and on 2 (equal shares of the blocks, and chunks of them), with
+    8-bit and 16-bit activations; Q4_K as its own scales (Q4_KS) unless k_scales is False."""
     import subprocess
     import sys
 
-    code = _BITS_CODE.replace("ROWS", str(rows))
+    code = (_BITS_CODE.replace("ROWS", str(rows)).replace("QTYPE", qtype)
+            .replace("KS", str(k_scales)).replace("KIND", repr(KIND[getattr(Q, qtype)])))
     scope: dict = {}
     exec(code, scope)  # this process's library: the defaults
     tests = str(Path(__file__).resolve().parents[1])
@@ -457,7 +459,7 @@ def _bits_under_builds(tmp_path, rows: int, defines: list[str]) -> None:
         subprocess.run([sys.executable, "-c", code, str(out)], env=env, check=True, timeout=300)
         ys = torch.load(out)
         assert all(torch.equal(a, b) for a, b in zip(scope["ys"], ys)), define
-    assert len(list((tmp_path / "lib").glob("decode_ops-*.so"))) == len(defines)
+    assert len(list((tmp_path / "lib").glob("decode_ops-*.so"))) >= len(defines)
 
 
 def test_q4ks_prefetch_distance_leaves_the_bits(tmp_path):
@@ -471,3 +473,38 @@ def test_row_passes_tiled_leave_the_bits(tmp_path):
     Q4_MAX_M rows: 9 rows (three passes) in tiles of one block and of three (128 KiB) give the
     untiled bits."""
     _bits_under_builds(tmp_path, 9, ["-DQ4_TILE_BYTES=1", "-DQ4_TILE_BYTES=131072"])
+
+
+def _has_amx() -> bool:
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("qtype,k_scales", [("Q4_K", True), ("Q4_K", False), ("Q4_0", True),
+                                            ("Q8_0", True)], ids=["Q4_KS", "Q4_F32", "Q4_F16",
+                                                                  "Q8_F16"])
+def test_amx_passes_leave_the_bits(tmp_path, qtype, k_scales):
+    """q4_matvec.c's Q4_AMX: passes of more than Q4_MAX_M rows through AMX tiles (19 rows: a
+    pass of 16 and one of 3) give the VNNI loop's bits, every record format, both activation
+    widths. Q4_AMX=2 does the tile operations in C, so that any AVX-512 VNNI machine tests the
+    layout; Q4_AMX=1, the tiles themselves, where the CPU has them (the GPU hosts)."""
+    lib = native.library()
+    if lib is None or lib.ss_q4_has_vnni() != 1:
+        pytest.skip("the AMX loop is built beside the AVX-512 VNNI one only")
+    defines = ["-DQ4_AMX=2"] + (["-DQ4_AMX=1"] if _has_amx() else [])
+    _bits_under_builds(tmp_path, 19, defines, qtype, k_scales)
+    # each build ran the loop it was built for (a Q4_AMX=1 build whose compiler lacked the
+    # tiles, or whose kernel refused them, would run VNNI and pass the above by default)
+    import subprocess
+    import sys
+
+    for define, want in zip(defines, (2, 1)):
+        env = dict(os.environ, SLIPSTREAM_NATIVE_DEFINES=define,
+                   SLIPSTREAM_NATIVE_DIR=str(tmp_path / "lib"))
+        got = subprocess.run([sys.executable, "-c", "from slipstream import native; "
+                              "print(native.library().ss_q4_has_amx())"], env=env, check=True,
+                             capture_output=True, text=True, timeout=300).stdout.split()[-1]
+        assert int(got) == want, (define, got)
+    assert lib.ss_q4_has_amx() == 0  # the default build: off

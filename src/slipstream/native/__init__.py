@@ -77,8 +77,8 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
 }
 INT_RESULTS = ("ss_plane_matvec", "ss_q4_ffn_on_signal")  # of SIGNATURES, those returning an int
 # functions that return something (and take nothing)
-RETURNS = {"ss_q4_has_vnni": _INT, "ss_q4_has_simd": _INT, "ss_plane_has_simd": _INT,
-           "ss_plane_has_vnni": _INT}
+RETURNS = {"ss_q4_has_vnni": _INT, "ss_q4_has_simd": _INT, "ss_q4_has_amx": _INT,
+           "ss_plane_has_simd": _INT, "ss_plane_has_vnni": _INT}
 
 
 def enabled() -> bool:

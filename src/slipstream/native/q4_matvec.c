@@ -66,6 +66,22 @@
 #include <omp.h>
 #endif
 
+/* Q4_AMX (build-time, default 0): passes over more than Q4_MAX_M activation rows through AMX's
+ * int8 tiles where the CPU has them (q4_block_amx below); 2 runs the same code with the tile
+ * operations done in C, so that any AVX-512 VNNI machine can test the layout. */
+#ifndef Q4_AMX
+#define Q4_AMX 0
+#endif
+#if Q4_AMX == 1 && Q4_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define Q4_AMX_TILES 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#elif Q4_AMX == 2 && Q4_VNNI
+#define Q4_AMX_TILES 2
+#else
+#define Q4_AMX_TILES 0
+#endif
+
 #define Q4_ROWS 16     /* rows per block: one 32-bit lane of a 512-bit vector each */
 #define Q4_GROUP 32    /* columns per scale (GGUF's 4-bit formats all use 32) */
 #define Q4_MAX_M 4     /* activation rows multiplied per pass over the weights */
@@ -274,68 +290,214 @@ static inline __m512i q4_dot_vnni(const __m512i *u, const int8_t *xg, __m512i ac
     return _mm512_add_epi32(acc, a1);
 }
 
+/* One record's prefetches (into the next block at its end, which this thread reads next; a
+ * prefetch past the weights does not fault): a pass over the block reads it from RAM. */
+static inline __attribute__((always_inline)) void q4_prefetch_vnni(
+        const uint8_t *p, int64_t g, const int fmt, int64_t rec) {
+    if (fmt == Q4_KS) {
+        Q4_KS_PREFETCH(p, g, 1, _MM_HINT_T0);
+        if (Q4_PREFETCH_FAR_RUNS > 0) Q4_KS_PREFETCH(p, g, Q4_PREFETCH_FAR_RUNS, _MM_HINT_T1);
+    } else {
+        const char *ahead = (const char *)(p + Q4_PREFETCH * rec);
+        for (int64_t o = 0; o < rec; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
+    }
+}
+
+/* A record's codes as 8 vectors, u[j] lane i holding row i's codes of columns 4j..4j+3. */
+static inline __attribute__((always_inline)) void q4_unpack_vnni(
+        const uint8_t *p, const int fmt, __m512i *u) {
+    if (fmt == Q8_F16) {
+        for (int j = 0; j < 8; j++) u[j] = _mm512_loadu_si512((const void *)(p + 64 * j));
+    } else {
+        const __m512i low = _mm512_set1_epi8(0x0f);
+        for (int c = 0; c < 4; c++) {
+            __m512i v = _mm512_loadu_si512((const void *)(p + 64 * c));
+            u[c] = _mm512_and_si512(v, low);
+            u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+    }
+}
+
+/* A record's 16 scales s and zeros z (Q4_KS: from its run's d and -dmin, kept in ks_d and
+ * ks_ndmin from the run's first group on). */
+static inline __attribute__((always_inline)) void q4_scales_vnni(
+        const uint8_t *p, int64_t g, const int fmt, __m512 *ks_d, __m512 *ks_ndmin,
+        __m512 *s, __m512 *z) {
+    const int64_t codes = q4_code_bytes(fmt);
+    if (fmt == Q4_KS) {
+        if (g % Q4_KS_RUN == 0) {  /* a run's d and -dmin, for its 8 records */
+            const uint16_t *h = q4_ks_header(p, g);
+            *ks_d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+            *ks_ndmin = _mm512_castsi512_ps(_mm512_xor_si512(  /* negated, as q4_scales */
+                _mm512_castps_si512(_mm512_cvtph_ps(
+                    _mm256_loadu_si256((const __m256i *)(h + Q4_ROWS)))),
+                _mm512_set1_epi32((int)0x80000000)));
+        }
+        const uint8_t *sc = q4_ks_scales(p, g);
+        *s = _mm512_mul_ps(*ks_d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i *)sc))));
+        *z = _mm512_mul_ps(*ks_ndmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_loadu_si128((const __m128i *)(sc + Q4_KS_MINS)))));
+    } else if (fmt == Q4_F32) {
+        *s = _mm512_loadu_ps((const void *)(p + codes));
+        *z = _mm512_loadu_ps((const void *)(p + codes + 64));
+    } else {
+        *s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + codes)));
+        *z = fmt == Q4_F16
+             ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + codes + 32)))
+             : _mm512_mul_ps(*s, _mm512_set1_ps(-128.0f));
+    }
+}
+
+/* acc[r] and accz[r] advanced by one group: a (the codes times row r's X, exactly) times its
+ * dx, times s; z times its sx (the same float operations as q4_block_generic). */
+#define Q4_ACCUMULATE(a, r) do { \
+        __m512 prod_ = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(dx[(r) * G + g])); \
+        accs[r] = _mm512_fmadd_ps(prod_, s, accs[r]); \
+        accz[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[(r) * G + g]), accz[r]); \
+    } while (0)
+
 /* q4_block_generic with VNNI: the same sums and the same float operations, 16 rows a vector. */
 static inline __attribute__((always_inline)) void q4_block_vnni(
         const uint8_t *blk, int64_t G, const int fmt, const int8_t *q, const float *dx,
         const float *sx, int64_t k, float *out, const int M, const int X16) {
     __m512 accs[Q4_MAX_M], accz[Q4_MAX_M];
     for (int r = 0; r < M; r++) { accs[r] = _mm512_setzero_ps(); accz[r] = _mm512_setzero_ps(); }
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    const int64_t rec = q4_record_bytes(fmt), codes = q4_code_bytes(fmt);
+    const int64_t rec = q4_record_bytes(fmt);
     __m512 ks_d = _mm512_setzero_ps(), ks_ndmin = _mm512_setzero_ps();
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *p = q4_record(blk, g, fmt);
-        /* one pass over the block, from RAM: prefetch ahead (into the next block at its end,
-         * which this thread reads next); a prefetch past the weights does not fault */
-        if (fmt == Q4_KS) {
-            Q4_KS_PREFETCH(p, g, 1, _MM_HINT_T0);
-            if (Q4_PREFETCH_FAR_RUNS > 0) Q4_KS_PREFETCH(p, g, Q4_PREFETCH_FAR_RUNS, _MM_HINT_T1);
-        } else {
-            const char *ahead = (const char *)(p + Q4_PREFETCH * rec);
-            for (int64_t o = 0; o < rec; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T0);
-        }
+        q4_prefetch_vnni(p, g, fmt, rec);
         __m512i u[8];
-        if (fmt == Q8_F16) {
-            for (int j = 0; j < 8; j++) u[j] = _mm512_loadu_si512((const void *)(p + 64 * j));
-        } else {
-            for (int c = 0; c < 4; c++) {
-                __m512i v = _mm512_loadu_si512((const void *)(p + 64 * c));
-                u[c] = _mm512_and_si512(v, low);
-                u[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-            }
-        }
+        q4_unpack_vnni(p, fmt, u);
         __m512 s, z;
-        if (fmt == Q4_KS) {
-            if (g % Q4_KS_RUN == 0) {  /* a run's d and -dmin, for its 8 records */
-                const uint16_t *h = q4_ks_header(p, g);
-                ks_d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
-                ks_ndmin = _mm512_castsi512_ps(_mm512_xor_si512(  /* negated, as q4_scales */
-                    _mm512_castps_si512(_mm512_cvtph_ps(
-                        _mm256_loadu_si256((const __m256i *)(h + Q4_ROWS)))),
-                    _mm512_set1_epi32((int)0x80000000)));
-            }
-            const uint8_t *sc = q4_ks_scales(p, g);
-            s = _mm512_mul_ps(ks_d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)sc))));
-            z = _mm512_mul_ps(ks_ndmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(sc + Q4_KS_MINS)))));
-        } else if (fmt == Q4_F32) {
-            s = _mm512_loadu_ps((const void *)(p + codes));
-            z = _mm512_loadu_ps((const void *)(p + codes + 64));
-        } else {
-            s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + codes)));
-            z = fmt == Q4_F16
-                ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + codes + 32)))
-                : _mm512_mul_ps(s, _mm512_set1_ps(-128.0f));
-        }
+        q4_scales_vnni(p, g, fmt, &ks_d, &ks_ndmin, &s, &z);
         for (int r = 0; r < M; r++) {
             const int8_t *xg = q + r * k * (1 + X16) + g * Q4_GROUP;
             __m512i a = q4_dot_vnni(u, xg, _mm512_setzero_si512());
             if (X16)  /* 256 (u . hi) + u . lo: the codes times X, exactly */
                 a = q4_dot_vnni(u, xg + k, _mm512_slli_epi32(a, 8));
-            __m512 prod = _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(dx[r * G + g]));
-            accs[r] = _mm512_fmadd_ps(prod, s, accs[r]);
-            accz[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(sx[r * G + g]), accz[r]);
+            Q4_ACCUMULATE(a, r);
+        }
+    }
+    for (int r = 0; r < M; r++)
+        _mm512_storeu_ps(out + r * Q4_ROWS, _mm512_add_ps(accs[r], accz[r]));
+}
+#endif
+
+#if Q4_AMX_TILES
+/* AMX: one tile multiply gives a group's sums for up to 16 activation rows at once, where VNNI
+ * takes 8 vpdpbusd (and 8 broadcasts) per row. The unpacked codes u[0..7] are already the B
+ * operand in AMX's layout: B's row j holds, for each of the 16 weight rows i, the 4 codes of
+ * columns 4j..4j+3 (u[j]'s lane i). A is the rows' 32 int8 codes of the group, one tile row
+ * each (stride k, or 2 k for the high and the low digits). TDPBSUD (signed A, unsigned B) sums
+ * their products exactly into int32, as vpdpbusd does, and the float work after it is
+ * q4_block_vnni's, in the same order: the same bits. Tiles: 0 the sums (M x 16 int32), 1 A
+ * (M x 32 bytes), 2 B (8 x 64 bytes). */
+#define Q4_AMX_M 16  /* tile rows: activation rows a pass (with 16-bit ones, two tile
+                            * multiplies a group, the high digits and the low) */
+
+#if Q4_AMX_TILES == 1
+typedef struct __attribute__((aligned(64))) {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} q4_tile_config;
+
+#define Q4_ARCH_REQ_XCOMP_PERM 0x1023
+#define Q4_XFEATURE_XTILEDATA 18
+
+/* Linux lends a process AMX's tile state only when asked (once; every thread then has it). */
+static int q4_amx_ready(void) {
+    static int state;  /* 0: not asked yet, 1: granted, -1: refused (an older kernel) */
+    int now = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+    if (now == 0) {
+        now = syscall(SYS_arch_prctl, Q4_ARCH_REQ_XCOMP_PERM, Q4_XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+        __atomic_store_n(&state, now, __ATOMIC_RELEASE);
+    }
+    return now > 0;
+}
+
+/* This thread's tiles for passes of M activation rows. */
+static void q4_amx_configure(int M) {
+    q4_tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    c.rows[0] = (uint8_t)M; c.colsb[0] = 64;
+    c.rows[1] = (uint8_t)M; c.colsb[1] = 32;
+    c.rows[2] = 8;          c.colsb[2] = 64;
+    _tile_loadconfig(&c);
+}
+
+static inline void q4_amx_release(void) { _tile_release(); }
+
+/* B, the group's codes (8 rows of 64 bytes), into tile 2. */
+static inline __attribute__((always_inline)) void q4_amx_load_b(const uint8_t *b) {
+    _tile_loadd(2, b, 64);
+}
+
+/* c (M x 16 int32) = the M rows of a (32 int8 codes each, `stride` bytes apart) times B. */
+static inline __attribute__((always_inline)) void q4_amx_dot(
+        const uint8_t *b, const int8_t *a, int64_t stride, int M, int32_t *c) {
+    (void)b;
+    (void)M;
+    _tile_zero(0);
+    _tile_loadd(1, a, stride);
+    _tile_dpbsud(0, 1, 2);
+    _tile_stored(0, c, 64);
+}
+#else  /* Q4_AMX_TILES == 2: the tile operations in C */
+static int q4_amx_ready(void) { return 1; }
+static void q4_amx_configure(int M) { (void)M; }
+static inline void q4_amx_release(void) {}
+static inline void q4_amx_load_b(const uint8_t *b) { (void)b; }
+
+static inline void q4_amx_dot(const uint8_t *b, const int8_t *a, int64_t stride, int M,
+                              int32_t *c) {
+    for (int r = 0; r < M; r++)
+        for (int i = 0; i < Q4_ROWS; i++) {
+            int32_t sum = 0;
+            for (int j = 0; j < 8; j++)
+                for (int t = 0; t < 4; t++)
+                    sum += (int32_t)a[r * stride + 4 * j + t] * (int32_t)b[64 * j + 4 * i + t];
+            c[r * Q4_ROWS + i] = sum;
+        }
+}
+#endif
+
+/* q4_block_vnni for up to Q4_AMX_M activation rows, the group sums from the tiles (the caller
+ * has configured them for M rows). */
+static inline __attribute__((always_inline)) void q4_block_amx(
+        const uint8_t *blk, int64_t G, const int fmt, const int8_t *q, const float *dx,
+        const float *sx, int64_t k, float *out, const int M, const int X16) {
+    __m512 accs[Q4_AMX_M], accz[Q4_AMX_M];
+    for (int r = 0; r < M; r++) { accs[r] = _mm512_setzero_ps(); accz[r] = _mm512_setzero_ps(); }
+    const int64_t rec = q4_record_bytes(fmt), stride = k * (1 + X16);
+    __m512 ks_d = _mm512_setzero_ps(), ks_ndmin = _mm512_setzero_ps();
+    uint8_t bt[8 * 64] __attribute__((aligned(64)));
+    int32_t hi[Q4_AMX_M * Q4_ROWS] __attribute__((aligned(64)));
+    int32_t lo[Q4_AMX_M * Q4_ROWS] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *p = q4_record(blk, g, fmt);
+        q4_prefetch_vnni(p, g, fmt, rec);
+        const uint8_t *b = p;  /* 8-bit codes: the record's 8 chunks are B as they are */
+        if (fmt != Q8_F16) {
+            __m512i u[8];
+            q4_unpack_vnni(p, fmt, u);
+            for (int j = 0; j < 8; j++) _mm512_store_si512((void *)(bt + 64 * j), u[j]);
+            b = bt;
+        }
+        __m512 s, z;
+        q4_scales_vnni(p, g, fmt, &ks_d, &ks_ndmin, &s, &z);
+        q4_amx_load_b(b);
+        q4_amx_dot(b, q + g * Q4_GROUP, stride, M, hi);
+        if (X16) q4_amx_dot(b, q + k + g * Q4_GROUP, stride, M, lo);
+        for (int r = 0; r < M; r++) {
+            __m512i a = _mm512_load_si512((const void *)(hi + r * Q4_ROWS));
+            if (X16)  /* 256 (u . hi) + u . lo, as q4_block_vnni */
+                a = _mm512_add_epi32(_mm512_slli_epi32(a, 8),
+                                     _mm512_load_si512((const void *)(lo + r * Q4_ROWS)));
+            Q4_ACCUMULATE(a, r);
         }
     }
     for (int r = 0; r < M; r++)
@@ -459,15 +621,27 @@ static inline __attribute__((always_inline)) void q4_block_avx2(
 }
 #endif
 
-/* Blocks [b0, b1) for M activation rows, into y (rows of n outputs, float32 or bfloat16). */
+#if Q4_AMX_TILES
+#define Q4_PASS_M Q4_AMX_M  /* the most activation rows of one pass, whichever loop runs it */
+#else
+#define Q4_PASS_M Q4_MAX_M
+#endif
+
+/* Blocks [b0, b1) for M activation rows, into y (rows of n outputs, float32 or bfloat16);
+ * AMX: through q4_block_amx (tiles configured for M rows). */
 static inline __attribute__((always_inline)) void q4_blocks(
         const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G, const int fmt,
         const int8_t *q, const float *dx, const float *sx, int64_t k, void *y, int y_f32,
-        int generic, const int M, const int X16) {
+        int generic, const int M, const int X16, const int AMX) {
     const int64_t block_bytes = G * q4_record_bytes(fmt);
-    float out[Q4_MAX_M * Q4_ROWS];
+    float out[Q4_PASS_M * Q4_ROWS];
+    (void)AMX;
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *blk = w + b * block_bytes;
+#if Q4_AMX_TILES
+        if (AMX) q4_block_amx(blk, G, fmt, q, dx, sx, k, out, M, X16);
+        else
+#endif
 #if Q4_VNNI
         if (!generic) q4_block_vnni(blk, G, fmt, q, dx, sx, k, out, M, X16);
         else
@@ -489,11 +663,42 @@ static inline __attribute__((always_inline)) void q4_blocks(
     }
 }
 
+#if Q4_AMX_TILES
+/* q4_tile through AMX: passes of up to Q4_AMX_M rows, each format its own copy. */
+static void q4_tile_amx(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G,
+                        int fmt, const int8_t *q, const float *dx, const float *sx, int64_t k,
+                        int64_t m, void *y, int y_f32, int x16) {
+    size_t out_elem = y_f32 ? sizeof(float) : sizeof(uint16_t);
+    for (int64_t r0 = 0; r0 < m; r0 += Q4_AMX_M) {
+        const int8_t *qr = q + r0 * k * (1 + x16);
+        const float *dr = dx + r0 * G, *sr = sx + r0 * G;
+        void *yr = (char *)y + (size_t)(r0 * n) * out_elem;
+        int left = (int)(m - r0 < Q4_AMX_M ? m - r0 : Q4_AMX_M);
+        q4_amx_configure(left);
+#define Q4_AMX_CASE(F_) \
+    if (x16) q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, 0, left, 1, 1); \
+    else q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, 0, left, 0, 1)
+        if (fmt == Q4_F16) { Q4_AMX_CASE(Q4_F16); }
+        else if (fmt == Q4_F32) { Q4_AMX_CASE(Q4_F32); }
+        else if (fmt == Q4_KS) { Q4_AMX_CASE(Q4_KS); }
+        else { Q4_AMX_CASE(Q8_F16); }
+#undef Q4_AMX_CASE
+        q4_amx_release();
+    }
+}
+#endif
+
 /* Blocks [b0, b1) for all m activation rows, in passes of up to Q4_MAX_M rows (each pass reads
- * the blocks once). */
+ * the blocks once); with Q4_AMX, more than Q4_MAX_M rows go through q4_tile_amx. */
 static void q4_tile(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G,
                     int fmt, const int8_t *q, const float *dx, const float *sx, int64_t k,
                     int64_t m, void *y, int y_f32, int generic, int x16) {
+#if Q4_AMX_TILES
+    if (!generic && m > Q4_MAX_M && q4_amx_ready()) {
+        q4_tile_amx(w, b0, b1, n, G, fmt, q, dx, sx, k, m, y, y_f32, x16);
+        return;
+    }
+#endif
     size_t out_elem = y_f32 ? sizeof(float) : sizeof(uint16_t);
     for (int64_t r0 = 0; r0 < m; r0 += Q4_MAX_M) {
         const int8_t *qr = q + r0 * k * (1 + x16);
@@ -501,8 +706,8 @@ static void q4_tile(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t
         void *yr = (char *)y + (size_t)(r0 * n) * out_elem;
         int left = (int)(m - r0 < Q4_MAX_M ? m - r0 : Q4_MAX_M);
 #define Q4_CASE(M_, F_) \
-    if (x16) q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, generic, M_, 1); \
-    else q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, generic, M_, 0)
+    if (x16) q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, generic, M_, 1, 0); \
+    else q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, generic, M_, 0, 0)
 #define Q4_FMTS(M_) \
     if (fmt == Q4_F16) { Q4_CASE(M_, Q4_F16); } \
     else if (fmt == Q4_F32) { Q4_CASE(M_, Q4_F32); } \
@@ -726,3 +931,14 @@ int ss_q4_has_vnni(void) { return Q4_VNNI; }
 
 /* Whether this build has a vector loop, VNNI or AVX2 (else every call takes the plain-C one). */
 int ss_q4_has_simd(void) { return Q4_VNNI || Q4_AVX2; }
+
+/* Whether passes over more than Q4_MAX_M rows go through AMX: 1 the tiles (built with them and
+ * granted by the kernel), 2 their C stand-in (Q4_AMX=2), 0 not (Q4_AMX=0, or a compiler or CPU
+ * without them, or a kernel refusing them: a Q4_AMX=1 build that runs the VNNI loop says so). */
+int ss_q4_has_amx(void) {
+#if Q4_AMX_TILES == 1
+    return q4_amx_ready() ? 1 : 0;
+#else
+    return Q4_AMX_TILES;
+#endif
+}
