@@ -439,10 +439,12 @@ if __name__ == "__main__":
 
 
 def _bits_under_builds(tmp_path, rows: int, defines: list[str], qtype: str = "Q4_K",
-                       k_scales: bool = True) -> None:
+                       k_scales: bool = True, lib_dir: Path | None = None) -> None:
     """Each build's bits (its own library: the defines are part of the cache key) equal this
     process's, on 1 thread and on 2 (equal shares of the blocks, and chunks of them), with
-    8-bit and 16-bit activations; Q4_K as its own scales (Q4_KS) unless k_scales is False."""
+    8-bit and 16-bit activations; Q4_K as its own scales (Q4_KS) unless k_scales is False.
+    lib_dir: where the builds go (default tmp_path/lib; tests of several parameters share one,
+    so that each build is made once)."""
     import subprocess
     import sys
 
@@ -454,12 +456,12 @@ def _bits_under_builds(tmp_path, rows: int, defines: list[str], qtype: str = "Q4
     for n, define in enumerate(defines):
         out = tmp_path / f"build{n}.pt"
         env = dict(os.environ, SLIPSTREAM_NATIVE_DEFINES=define,
-                   SLIPSTREAM_NATIVE_DIR=str(tmp_path / "lib"),
+                   SLIPSTREAM_NATIVE_DIR=str(lib_dir or tmp_path / "lib"),
                    PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
         subprocess.run([sys.executable, "-c", code, str(out)], env=env, check=True, timeout=300)
         ys = torch.load(out)
         assert all(torch.equal(a, b) for a, b in zip(scope["ys"], ys)), define
-    assert len(list((tmp_path / "lib").glob("decode_ops-*.so"))) >= len(defines)
+    assert len(list((lib_dir or tmp_path / "lib").glob("decode_ops-*.so"))) >= len(defines)
 
 
 def test_q4ks_prefetch_distance_leaves_the_bits(tmp_path):
@@ -482,10 +484,15 @@ def _has_amx() -> bool:
         return False
 
 
+@pytest.fixture(scope="module")
+def amx_builds(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("amx-lib")
+
+
 @pytest.mark.parametrize("qtype,k_scales", [("Q4_K", True), ("Q4_K", False), ("Q4_0", True),
                                             ("Q8_0", True)], ids=["Q4_KS", "Q4_F32", "Q4_F16",
                                                                   "Q8_F16"])
-def test_amx_passes_leave_the_bits(tmp_path, qtype, k_scales):
+def test_amx_passes_leave_the_bits(tmp_path, amx_builds, qtype, k_scales):
     """q4_matvec.c's Q4_AMX: passes of more than Q4_MAX_M rows through AMX tiles (19 rows: a
     pass of 16 and one of 3) give the VNNI loop's bits, every record format, both activation
     widths. Q4_AMX=2 does the tile operations in C, so that any AVX-512 VNNI machine tests the
@@ -494,7 +501,7 @@ def test_amx_passes_leave_the_bits(tmp_path, qtype, k_scales):
     if lib is None or lib.ss_q4_has_vnni() != 1:
         pytest.skip("the AMX loop is built beside the AVX-512 VNNI one only")
     defines = ["-DQ4_AMX=2"] + (["-DQ4_AMX=1"] if _has_amx() else [])
-    _bits_under_builds(tmp_path, 19, defines, qtype, k_scales)
+    _bits_under_builds(tmp_path, 19, defines, qtype, k_scales, amx_builds)
     # each build ran the loop it was built for (a Q4_AMX=1 build whose compiler lacked the
     # tiles, or whose kernel refused them, would run VNNI and pass the above by default)
     import subprocess
@@ -502,7 +509,7 @@ def test_amx_passes_leave_the_bits(tmp_path, qtype, k_scales):
 
     for define, want in zip(defines, (2, 1)):
         env = dict(os.environ, SLIPSTREAM_NATIVE_DEFINES=define,
-                   SLIPSTREAM_NATIVE_DIR=str(tmp_path / "lib"))
+                   SLIPSTREAM_NATIVE_DIR=str(amx_builds))
         got = subprocess.run([sys.executable, "-c", "from slipstream import native; "
                               "print(native.library().ss_q4_has_amx())"], env=env, check=True,
                              capture_output=True, text=True, timeout=300).stdout.split()[-1]
