@@ -663,48 +663,38 @@ static inline __attribute__((always_inline)) void q4_blocks(
     }
 }
 
-#if Q4_AMX_TILES
-/* q4_tile through AMX: passes of up to Q4_AMX_M rows, each format its own copy. */
-static void q4_tile_amx(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G,
-                        int fmt, const int8_t *q, const float *dx, const float *sx, int64_t k,
-                        int64_t m, void *y, int y_f32, int x16) {
-    size_t out_elem = y_f32 ? sizeof(float) : sizeof(uint16_t);
-    for (int64_t r0 = 0; r0 < m; r0 += Q4_AMX_M) {
-        const int8_t *qr = q + r0 * k * (1 + x16);
-        const float *dr = dx + r0 * G, *sr = sx + r0 * G;
-        void *yr = (char *)y + (size_t)(r0 * n) * out_elem;
-        int left = (int)(m - r0 < Q4_AMX_M ? m - r0 : Q4_AMX_M);
-        q4_amx_configure(left);
-#define Q4_AMX_CASE(F_) \
-    if (x16) q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, 0, left, 1, 1); \
-    else q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, 0, left, 0, 1)
-        if (fmt == Q4_F16) { Q4_AMX_CASE(Q4_F16); }
-        else if (fmt == Q4_F32) { Q4_AMX_CASE(Q4_F32); }
-        else if (fmt == Q4_KS) { Q4_AMX_CASE(Q4_KS); }
-        else { Q4_AMX_CASE(Q8_F16); }
-#undef Q4_AMX_CASE
-        q4_amx_release();
-    }
-}
-#endif
-
 /* Blocks [b0, b1) for all m activation rows, in passes of up to Q4_MAX_M rows (each pass reads
- * the blocks once); with Q4_AMX, more than Q4_MAX_M rows go through q4_tile_amx. */
+ * the blocks once); with Q4_AMX, more than Q4_MAX_M rows go through the tiles, Q4_AMX_M a pass. */
 static void q4_tile(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G,
                     int fmt, const int8_t *q, const float *dx, const float *sx, int64_t k,
                     int64_t m, void *y, int y_f32, int generic, int x16) {
 #if Q4_AMX_TILES
-    if (!generic && m > Q4_MAX_M && q4_amx_ready()) {
-        q4_tile_amx(w, b0, b1, n, G, fmt, q, dx, sx, k, m, y, y_f32, x16);
-        return;
-    }
+    const int amx = !generic && m > Q4_MAX_M && q4_amx_ready();
+#else
+    const int amx = 0;
 #endif
+    const int64_t pass = amx ? Q4_PASS_M : Q4_MAX_M;
     size_t out_elem = y_f32 ? sizeof(float) : sizeof(uint16_t);
-    for (int64_t r0 = 0; r0 < m; r0 += Q4_MAX_M) {
+    for (int64_t r0 = 0; r0 < m; r0 += pass) {
         const int8_t *qr = q + r0 * k * (1 + x16);
         const float *dr = dx + r0 * G, *sr = sx + r0 * G;
         void *yr = (char *)y + (size_t)(r0 * n) * out_elem;
-        int left = (int)(m - r0 < Q4_MAX_M ? m - r0 : Q4_MAX_M);
+        int left = (int)(m - r0 < pass ? m - r0 : pass);
+#if Q4_AMX_TILES
+        if (amx) {  /* each format its own copy; the rows a runtime count */
+            q4_amx_configure(left);
+#define Q4_AMX_CASE(F_) \
+    if (x16) q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, 0, left, 1, 1); \
+    else q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, 0, left, 0, 1)
+            if (fmt == Q4_F16) { Q4_AMX_CASE(Q4_F16); }
+            else if (fmt == Q4_F32) { Q4_AMX_CASE(Q4_F32); }
+            else if (fmt == Q4_KS) { Q4_AMX_CASE(Q4_KS); }
+            else { Q4_AMX_CASE(Q8_F16); }
+#undef Q4_AMX_CASE
+            q4_amx_release();
+            continue;
+        }
+#endif
 #define Q4_CASE(M_, F_) \
     if (x16) q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, generic, M_, 1, 0); \
     else q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, generic, M_, 0, 0)
