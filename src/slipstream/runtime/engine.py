@@ -291,7 +291,7 @@ class Engine:
 
     def _block(self, stage: Stage, layer: LayerWeights, cos_sin, k_cache: torch.Tensor,
                v_cache: torch.Tensor, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """One layer of the stage on x at `step` (eagerly, or as a layer graph captures it)."""
+        """One layer of the stage on x at `step`, as a layer graph captures it."""
         return block_forward(self.cfg, layer, x, cos_sin, step, k_cache, v_cache, stage.rope)
 
     def _graphs_of(self, stage: Stage, step: Step) -> LayerGraphs | None:
@@ -350,12 +350,12 @@ class Engine:
                     idle = None  # nothing left to do: block on the reads from here on
             layer = stage.store.acquire(i)
             k_cache, v_cache = stage.kv.layer(i - first)
-            block = functools.partial(self._block, stage, layer, cos_sin, k_cache, v_cache)
             y = None
             if graphs is not None and stage.store.fixed(i):
-                y = graphs.run(i, layer, x, block, s.span)
+                y = graphs.run(i, layer, x, functools.partial(
+                    self._block, stage, layer, cos_sin, k_cache, v_cache), s.span)
             if y is None:  # eager: no graphs here, or this one's capture ran out of memory
-                y = block(x, s)
+                y = block_forward(self.cfg, layer, x, cos_sin, s, k_cache, v_cache, stage.rope)
             stage.store.release(i)
             if self.layer_hook is not None:
                 self.layer_hook(i, x, y)
