@@ -25,6 +25,7 @@ import re
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -483,6 +484,7 @@ def main() -> None:
                 rows.append(case(path, name, budget, mode, a.tokens, threads, **run))
             except Exception as e:  # recorded, and the other cases still run
                 print(f"{name}: {type(e).__name__}: {e}", flush=True)
+                traceback.print_exc()  # where it failed, into the call's log
                 rows.append({"name": name, "vram_budget": budget, "hybrid": mode,
                              "error": f"{type(e).__name__}: {str(e)[:400]}"})
                 torch.cuda.empty_cache()

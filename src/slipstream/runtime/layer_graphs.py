@@ -108,6 +108,12 @@ class LayerGraphs:
         if self.x is None or self.x.shape != x.shape or self.x.dtype != x.dtype:
             self.x = torch.empty_like(x)
             self.graphs.clear()  # they read the input they were captured with
+        if not self.graphs:
+            # a pool lives only while a graph captured into it does: once the last one is
+            # dropped (its layer rebuilt, the input remade), torch's allocator refuses the id
+            # for good (an internal assert at capture_begin, session 40's 70B), so the next
+            # capture starts a pool of its own
+            self.pool = None
         self.x.copy_(x)
         step = device_decode_step(self.pos, span)
         side = torch.cuda.Stream(self.device)
