@@ -7,7 +7,7 @@
 #   PART=4 bash bench/gpu_tests.sh OUTDIR   speculative decoding
 # The part's files run one after another within PART_S seconds (default 540: under one call's
 # 600 s with the setup), each cut by SIGINT at what is left so that pytest still reports what
-# ran, verbosely into OUTDIR/pytest-<file>.log; one summary line per file.
+# ran, verbosely into OUTDIR/pytest-<file>.log (with what passing tests printed: the greedy tests' near-ties); one summary line per file.
 # The default model's tests need it in the device's cache: carry .model/a in one call and
 # .model/b in a later one on the same warm machine (bench/device_setup.sh reassembles it).
 # PYTEST_K: pytest's -k expression for the part's files (e.g. "not default_model" in the call
@@ -34,7 +34,7 @@ for f in $FILES; do
   log="$OUTDIR/pytest-${f%.py}.log"
   marks="gpu"; [ "${HEAVY:-0}" = 1 ] || marks="gpu and not compile_heavy"
   timeout -s INT -k 20 "$left" python3 -m pytest -v -p no:cacheprovider -m "$marks" \
-    ${PYTEST_K:+-k "$PYTEST_K"} "tests/gpu/$f" -rs --durations=10 > "$log" 2>&1
+    ${PYTEST_K:+-k "$PYTEST_K"} "tests/gpu/$f" -rsP --durations=10 > "$log" 2>&1
   echo "$f: $(grep -E '(passed|failed|error|skipped)' "$log" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$log" | head -10
 done

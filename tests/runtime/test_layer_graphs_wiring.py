@@ -114,3 +114,111 @@ def test_one_capture_per_layer_and_span_again_for_a_new_layer_eager_after_two_oo
     assert graphs.run(1, failing, x, forward, 512) is None
     assert (1, 512) in graphs.eager and graphs.run(1, failing, x, forward, 512) is None
     assert len(captured) == 3
+
+
+class FakeAllocator:
+    """torch's rule for graph pools, as CUDACachingAllocator keeps it: a pool lives while a
+    graph captured into it does, and a capture into an id whose graphs are all gone fails (an
+    internal assert in torch; session 40's 70B hit it)."""
+
+    def __init__(self):
+        self.use_count: dict[tuple[int, int], int] = {}
+        self.next_id = 1
+
+    def graph_class(self, allocator_rules: "FakeAllocator", empty_for: set[int]):
+        class Graph:
+            """torch.cuda.CUDAGraph's capture surface; `empty_for`: the layers whose capture
+            records nothing (torch warns at capture_end)."""
+
+            def __init__(self):
+                self.id = None
+
+            def capture_begin(self, *pool, capture_error_mode=None):
+                if pool:
+                    count = allocator_rules.use_count.get(pool[0])
+                    if count is not None and count <= 0:
+                        raise RuntimeError("it->second->use_count > 0 INTERNAL ASSERT FAILED")
+                    self.id = pool[0]
+                else:
+                    self.id = (0, allocator_rules.next_id)
+                    allocator_rules.next_id += 1
+                allocator_rules.use_count[self.id] = allocator_rules.use_count.get(self.id, 0) + 1
+
+            def capture_end(self):
+                if Graph.capturing in empty_for:
+                    import warnings
+                    warnings.warn("The CUDA Graph is empty. This usually means ...")
+
+            def pool(self):
+                return self.id
+
+            def replay(self):
+                pass
+
+            def __del__(self):
+                if self.id is not None:
+                    allocator_rules.use_count[self.id] -= 1
+
+        Graph.capturing = None
+        return Graph
+
+
+def test_captures_after_every_graph_is_gone_take_a_new_pool_and_empty_ones_run_eagerly(
+        monkeypatch):
+    """LayerGraphs._capture against a stand-in for torch's graph and pool rules (the GPU test
+    in test_hybrid_gpu.py drops real graphs): once the last graph is dropped its pool id is
+    dead, so the next capture must start a pool of its own rather than assert; and a capture
+    that recorded nothing (torch's "graph is empty") leaves the layer eager instead of
+    replaying nothing."""
+    import contextlib
+    import warnings
+
+    from slipstream.runtime import layer_graphs
+
+    rules = FakeAllocator()
+    empty_for: set[int] = set()
+    Graph = rules.graph_class(rules, empty_for)
+
+    class Stream:
+        def __init__(self, *a, **k):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+
+    graphs = layer_graphs.LayerGraphs(torch.device("cpu"))
+    x = torch.ones(1, 4)
+
+    def forward_of(i):
+        def forward(inp, step):
+            Graph.capturing = i
+            return inp * 2
+        return forward
+
+    layers = [Layer(), Layer(), Layer()]
+    assert graphs.run(0, layers[0], x, forward_of(0), 256) is not None
+    assert graphs.run(1, layers[1], x, forward_of(1), 256) is not None
+    first_pool = graphs.pool
+    assert {g.graph.pool() for g in graphs.graphs.values()} == {first_pool}
+    graphs.graphs.clear()  # every graph gone (layers rebuilt): the pool id is dead
+    assert rules.use_count[first_pool] == 0
+    assert graphs.run(0, layers[0], x, forward_of(0), 256) is not None
+    assert graphs.pool != first_pool
+    # one graph dropped while another lives keeps the shared pool
+    shared = graphs.pool
+    assert graphs.run(1, layers[1], x, forward_of(1), 256) is not None
+    graphs.graphs.pop((0, 256))
+    assert graphs.run(0, Layer(), x, forward_of(0), 256) is not None
+    assert graphs.pool == shared
+    # an empty capture: eager from then on, and the capture's warning not passed on
+    empty_for.add(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert graphs.run(2, layers[2], x, forward_of(2), 256) is None
+    assert (2, 256) in graphs.eager and (2, 256) not in graphs.graphs

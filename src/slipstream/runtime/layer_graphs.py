@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,10 @@ def layer_graphs_enabled() -> bool:
 
 
 LayerForward = Callable[[torch.Tensor, Step], torch.Tensor]
+
+
+class EmptyCapture(RuntimeError):
+    """A layer's capture recorded no kernels (torch warns and would replay nothing)."""
 
 
 @dataclass
@@ -92,12 +97,14 @@ class LayerGraphs:
                                span: int) -> _Captured | None:
         """_capture; where the pool cannot grow under the budget's cap (memory.vram_cap), once
         more after the allocator's cache is given back (a device sync, at a capture only);
-        None if that fails too."""
+        None if that fails too, or if the capture recorded nothing (EmptyCapture)."""
         for _ in range(2):
             try:
                 return self._capture(layer, x, forward, span)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
+            except EmptyCapture:
+                return None
         return None
 
     def _capture(self, layer: object, x: torch.Tensor, forward: LayerForward,
@@ -132,13 +139,23 @@ class LayerGraphs:
             try:
                 out = forward(self.x, step)
             except BaseException:
-                try:
-                    graph.capture_end()
-                except RuntimeError:
-                    pass  # the capture the error broke; the first error is the one to see
+                with warnings.catch_warnings():
+                    # a capture cut short at the layer's first allocation (out of memory) is
+                    # empty, and torch warns of it: noise beside the error raised next
+                    warnings.simplefilter("ignore")
+                    try:
+                        graph.capture_end()
+                    except RuntimeError:
+                        pass  # the capture the error broke; the first error is the one to see
                 raise
-            graph.capture_end()
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                graph.capture_end()
         torch.cuda.current_stream(self.device).wait_stream(side)
+        if any("graph is empty" in str(w.message).lower() for w in said):
+            # nothing was captured: a replay would leave the static output as it was, a wrong
+            # layer rather than a slow one, so the layer runs eagerly instead
+            raise EmptyCapture(f"layer graph at span {span} captured no work")
         if self.pool is None:
             self.pool = graph.pool()
         self.capture_s += time.perf_counter() - t0
