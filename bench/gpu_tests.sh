@@ -7,7 +7,8 @@
 #   PART=4 bash bench/gpu_tests.sh OUTDIR   speculative decoding
 # The part's files run one after another within PART_S seconds (default 540: under one call's
 # 600 s with the setup), each cut by SIGINT at what is left so that pytest still reports what
-# ran, verbosely into OUTDIR/pytest-<file>.log (with what passing tests printed: the greedy tests' near-ties); one summary line per file.
+# ran, verbosely into OUTDIR/pytest-<file>.log, with what passing tests printed (the greedy
+# tests' near-ties); one summary line per file.
 # The default model's tests need it in the device's cache: carry .model/a in one call and
 # .model/b in a later one on the same warm machine (bench/device_setup.sh reassembles it).
 # PYTEST_K: pytest's -k expression for the part's files (e.g. "not default_model" in the call
