@@ -34,8 +34,10 @@ for f in $FILES; do
   if [ "$left" -lt 30 ]; then echo "$f: not run (the part's ${PART_S:-540} s are spent)"; continue; fi
   log="$OUTDIR/pytest-${f%.py}.log"
   marks="gpu"; [ "${HEAVY:-0}" = 1 ] || marks="gpu and not compile_heavy"
+  # the settings the part ran under (SLIPSTREAM_LAYER_GRAPHS=1, say) head its log
+  env | grep '^SLIPSTREAM_' | sort > "$log"
   timeout -s INT -k 20 "$left" python3 -m pytest -v -p no:cacheprovider -m "$marks" \
-    ${PYTEST_K:+-k "$PYTEST_K"} "tests/gpu/$f" -rsP --durations=10 > "$log" 2>&1
+    ${PYTEST_K:+-k "$PYTEST_K"} "tests/gpu/$f" -rsP --durations=10 >> "$log" 2>&1
   echo "$f: $(grep -E '(passed|failed|error|skipped)' "$log" | tail -1)"
   grep -E "^(FAILED|ERROR)" "$log" | head -10
 done
