@@ -125,7 +125,9 @@ class FakeAllocator:
         self.use_count: dict[tuple[int, int], int] = {}
         self.next_id = 1
 
-    def graph_class(self, allocator_rules: "FakeAllocator", empty_for: set[int]):
+    def graph_class(self, empty_for: set[int]):
+        allocator_rules = self
+
         class Graph:
             """torch.cuda.CUDAGraph's capture surface; `empty_for`: the layers whose capture
             records nothing (torch warns at capture_end)."""
@@ -177,7 +179,7 @@ def test_captures_after_every_graph_is_gone_take_a_new_pool_and_empty_ones_run_e
 
     rules = FakeAllocator()
     empty_for: set[int] = set()
-    Graph = rules.graph_class(rules, empty_for)
+    Graph = rules.graph_class(empty_for)
 
     class Stream:
         def __init__(self, *a, **k):

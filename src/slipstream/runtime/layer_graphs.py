@@ -41,10 +41,6 @@ def layer_graphs_enabled() -> bool:
 LayerForward = Callable[[torch.Tensor, Step], torch.Tensor]
 
 
-class EmptyCapture(RuntimeError):
-    """A layer's capture recorded no kernels (torch warns and would replay nothing)."""
-
-
 @dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
@@ -97,20 +93,19 @@ class LayerGraphs:
                                span: int) -> _Captured | None:
         """_capture; where the pool cannot grow under the budget's cap (memory.vram_cap), once
         more after the allocator's cache is given back (a device sync, at a capture only);
-        None if that fails too, or if the capture recorded nothing (EmptyCapture)."""
+        None if that fails too, or if the capture recorded nothing (_capture)."""
         for _ in range(2):
             try:
                 return self._capture(layer, x, forward, span)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
-            except EmptyCapture:
-                return None
         return None
 
     def _capture(self, layer: object, x: torch.Tensor, forward: LayerForward,
-                 span: int) -> _Captured:
+                 span: int) -> _Captured | None:
         """Warm up once on a side stream on the real input (Triton compiles, workspaces; the
-        token's keys and values written as the replay will write them again), then capture."""
+        token's keys and values written as the replay will write them again), then capture.
+        None where the capture recorded nothing."""
         t0 = time.perf_counter()
         if self.x is None or self.x.shape != x.shape or self.x.dtype != x.dtype:
             self.x = torch.empty_like(x)
@@ -155,7 +150,7 @@ class LayerGraphs:
         if any("graph is empty" in str(w.message).lower() for w in said):
             # nothing was captured: a replay would leave the static output as it was, a wrong
             # layer rather than a slow one, so the layer runs eagerly instead
-            raise EmptyCapture(f"layer graph at span {span} captured no work")
+            return None
         if self.pool is None:
             self.pool = graph.pool()
         self.capture_s += time.perf_counter() - t0
