@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from slipstream.memory.hybrid_plan import _q4vnni_weight  # noqa: E402
+from slipstream.hybrid.plan import _q4vnni_weight  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
 
 

@@ -31,7 +31,7 @@ import os  # noqa: E402
 import slipstream  # noqa: E402
 from slipstream.weights import cpu_packed  # noqa: E402
 from slipstream.model import llama  # noqa: E402
-from slipstream.pull import pull_default  # noqa: E402
+from slipstream.hub.pull import pull_default  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
 
 TEXT = Path(__file__).resolve().parents[1] / "tests" / "data" / "prose.txt"

@@ -109,7 +109,7 @@ def swap_linears(model, kind: str) -> dict:
     from the model's own GGUF bytes. The layer objects are the ones the model's resident store
     hands to the forward pass, so changing their fields changes what it multiplies by. A group
     (q/k/v, gate/up) stays fused where pack_group fuses it; the head is left as loaded."""
-    from slipstream.gguf_file import GGUFFile
+    from slipstream.modelfile.gguf_file import GGUFFile
     from slipstream.model.layer_spec import spec_for
     from slipstream.weights.cpu_packed import pack_group
     from slipstream.weights.loader import TensorSource
@@ -150,7 +150,7 @@ def swap_linears(model, kind: str) -> dict:
 
 def swap_head(model, kind: str) -> dict:
     """The output head (the tied embedding here) as a cpu_packed linear of `kind`."""
-    from slipstream.gguf_file import GGUFFile
+    from slipstream.modelfile.gguf_file import GGUFFile
     from slipstream.model.layer_spec import head_tensor_name
     from slipstream.weights.cpu_packed import pack_linear
     from slipstream.weights.loader import TensorSource
@@ -199,7 +199,7 @@ def _texts(names: list[str]) -> dict[str, str]:
 
 def run(a: argparse.Namespace) -> dict:
     import slipstream
-    from slipstream.pull import pull
+    from slipstream.hub.pull import pull
     from slipstream.quant.requantize import requantize
 
     src = Path(a.model) if a.model else pull(quiet=True)

@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--note", default=None, help="a line recorded with the results (what ran)")
     a = ap.parse_args()
     if a.model is None:
-        from slipstream.pull import pull
+        from slipstream.hub.pull import pull
 
         a.model = str(pull(quiet=True))
     measure(a.model, a.ram_budget, 4)  # warm-up: page cache, .pyc files

@@ -62,7 +62,7 @@ if str(SRC) not in sys.path:
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
-from slipstream import validate  # noqa: E402
+from slipstream.modelfile import validate  # noqa: E402
 
 BAD = ("uncaught", "crash", "hang", "memory", "nan")
 OUTCOMES = ("clean", "ok") + BAD + ("harness",)  # harness: the fuzzer's own failure
@@ -732,11 +732,11 @@ def check_file(path: Path, full: bool, prompt: str = "Hello world, the") -> dict
 
     import slipstream
     from slipstream import quant
-    from slipstream.chat_template import ChatTemplate
-    from slipstream.config import ModelConfig
+    from slipstream.modelfile.chat_template import ChatTemplate
+    from slipstream.modelfile.config import ModelConfig
     from slipstream.errors import NonFiniteLogits, SlipstreamError
-    from slipstream.gguf_file import GGUFFile
-    from slipstream.tokenizer import Tokenizer
+    from slipstream.modelfile.gguf_file import GGUFFile
+    from slipstream.modelfile.tokenizer import Tokenizer
     from slipstream.weights.loader import check_layer_shapes
 
     res: dict[str, Any] = {}
@@ -1290,7 +1290,7 @@ def main() -> None:
         return
     smollm = None
     if args.smollm == "auto":
-        from slipstream.pull import default_model_path
+        from slipstream.hub.pull import default_model_path
 
         cand = default_model_path()
         smollm = cand if cand.exists() else None

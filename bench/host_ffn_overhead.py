@@ -21,9 +21,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from slipstream.memory import hybrid_plan  # noqa: E402
+from slipstream.hybrid import plan as hybrid_plan  # noqa: E402
 from slipstream.provenance import cpu_name, source_revision  # noqa: E402
-from slipstream.weights.hybrid import HostFFN, HostIO, Scratch  # noqa: E402
+from slipstream.hybrid.ffn import HostFFN, HostIO, Scratch  # noqa: E402
 
 SHAPES = {"8b (0.64 of 14336 units)": (4096, 9216), "70b (0.73 of 28672 units)": (8192, 20992)}
 

@@ -1,6 +1,6 @@
 """What a thread holding Python's GIL costs hybrid decode's CPU share: an 8B's share (random
 q4vnni weights, the 0.64 share of session 36's H100 runs) timed in a worker thread, as
-weights.hybrid.HostIO runs it, with the main thread idle or busy in pure Python (never letting
+hybrid.ffn.HostIO runs it, with the main thread idle or busy in pure Python (never letting
 go of the GIL, as a run of Triton launches), fused into one native call (HOST_FUSED) or as
 four calls, at several GIL switch intervals.
 
@@ -24,10 +24,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from slipstream.memory import hybrid_plan  # noqa: E402
+from slipstream.hybrid import plan as hybrid_plan  # noqa: E402
 from slipstream.provenance import cpu_name, source_revision  # noqa: E402
-from slipstream.weights import hybrid  # noqa: E402
-from slipstream.weights.hybrid import HostFFN, HostIO, Scratch  # noqa: E402
+from slipstream.hybrid import ffn as hybrid  # noqa: E402
+from slipstream.hybrid.ffn import HostFFN, HostIO, Scratch  # noqa: E402
 
 HIDDEN, UNITS = 4096, 9216  # an 8B's split layer at a 0.64 share
 INTERVALS = (0.005, 0.0005, 0.0001)

@@ -34,11 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 import slipstream  # noqa: E402
-from slipstream.memory.hybrid_plan import default_threads, last_level_cache_bytes  # noqa: E402
+from slipstream.hybrid.plan import default_threads, last_level_cache_bytes  # noqa: E402
 from slipstream.memory.probes import steal_seconds  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
 from slipstream.synth import write_synth  # noqa: E402
-from slipstream.weights.hybrid import (GIL_SWITCH_S, HOST_FUSED, HOST_KIND,  # noqa: E402
+from slipstream.hybrid.ffn import (GIL_SWITCH_S, HOST_FUSED, HOST_KIND,  # noqa: E402
                                        HOST_SIGNAL)
 
 
@@ -77,7 +77,7 @@ def host_load(since: dict | None = None) -> dict:
            "process_cpu_s": round(cpu, 3), "wall_s": round(wall, 3),
            "process_cores_busy": round(cpu / wall, 2) if wall > 0 else None,
            # the main thread's share of it: enqueueing CUDA work, holding the GIL the hybrid
-           # worker needs between its calls (weights.hybrid.GIL_SWITCH_S)
+           # worker needs between its calls (hybrid.ffn.GIL_SWITCH_S)
            "main_thread_busy": round((now["main_thread_cpu_s"] - since["main_thread_cpu_s"])
                                      / wall, 2) if wall > 0 else None}
     if now["steal_s"] is not None and since["steal_s"] is not None:
@@ -88,10 +88,10 @@ def host_load(since: dict | None = None) -> dict:
 
 def host_share_rates(store, threads: int) -> dict:
     """The split layers' CPU shares run back to back on this thread, outside decode: their GB/s
-    alone and beside pinned copies as long as theirs (memory.hybrid_plan._beside_copy), next
+    alone and beside pinned copies as long as theirs (hybrid.plan._beside_copy), next
     to the plan's probe, which reads one large weight. Tells the probe's error apart from what
     decode's chain adds (the worker's waits, the main thread)."""
-    from slipstream.memory.hybrid_plan import _beside_copy
+    from slipstream.hybrid.plan import _beside_copy
 
     hosts = [store.hosts[i] for i in sorted(store.active)]
     if not hosts:
@@ -258,7 +258,7 @@ while True:
 
 
 def balance_of(store) -> dict:
-    """Where the running balance (memory.hybrid_balance) stands: split layers the CPU serves,
+    """Where the running balance (hybrid.balance) stands: split layers the CPU serves,
     each change made (pass, layers split, CPU GB/s measured, PCIe GB/s judged by), and the
     rates of its last window (PCIe's from the copies metered, memory.timeline.CopyMeter)."""
     b = getattr(store, "balance", None)

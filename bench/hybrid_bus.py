@@ -1,6 +1,6 @@
 """Host memory shared by hybrid decode's two paths: the CPU kernel's GB/s and the pinned copy's,
 each alone and both at once, by CPU thread count, over buffers far past the host's caches; and
-the start-up probe's figures (memory.hybrid_plan.cpu_packed_gbps) beside them.
+the start-up probe's figures (hybrid.plan.cpu_packed_gbps) beside them.
 
     python bench/hybrid_bus.py OUTDIR [--threads 8,10,12,14,15,16] [--gib 1.5] [--seconds 1]
 
@@ -9,7 +9,7 @@ split 76.8 + 53.3 in one call (5.77 tok/s) and 83.9 + 42.3 in the next (4.88) at
 CPU share, while the start-up probe had read 110-131 GB/s on the CPU and 54 over PCIe at the same
 time (bench/results/2026-12-05-session29.md). Whether the probe's small buffers flatter both
 rates, and how many threads leave the copies their link, is what this measures; the kind is
-weights.hybrid.HOST_KIND's (SLIPSTREAM_HYBRID_KIND). Without CUDA only the CPU's column runs.
+hybrid.ffn.HOST_KIND's (SLIPSTREAM_HYBRID_KIND). Without CUDA only the CPU's column runs.
 Prints a table; writes OUTDIR/hybrid-bus.json.
 """
 
@@ -26,9 +26,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from slipstream.memory.hybrid_plan import _host_matmul, cpu_packed_gbps  # noqa: E402
+from slipstream.hybrid.plan import _host_matmul, cpu_packed_gbps  # noqa: E402
 from slipstream.provenance import cpu_name, source_revision  # noqa: E402
-from slipstream.weights.hybrid import HOST_KIND  # noqa: E402
+from slipstream.hybrid.ffn import HOST_KIND  # noqa: E402
 
 CHUNK = 256 << 20  # one copy: a few layers' GPU share of a 70B, as the ring moves them
 COLS = 8192

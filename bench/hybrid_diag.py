@@ -4,7 +4,7 @@ decode token was its CPU shares' busy time plus about 1.1 ms a split layer
 
     python bench/hybrid_diag.py OUTDIR [--model 70b.gguf] [--rounds 3] [--tokens 32]
 
-Part 1, no model: the CPU share's chain (weights.hybrid.HostFFN.compute) on random int4
+Part 1, no model: the CPU share's chain (hybrid.ffn.HostFFN.compute) on random int4
 weights of the 70B's shapes at its share, from a worker thread as in decode: its two kernels
 alone, the whole chain back to back, and the chain with a pause between calls (as the GPU's
 work between split layers leaves it), which shows what waking the CPU's threads costs.
@@ -59,7 +59,7 @@ def _in_worker(fn, threads: int):
 
 def chain_costs(hidden: int, units: int, threads: int, reps: int = 40) -> dict:
     """Part 1 (module doc): milliseconds per call, medians of `reps`."""
-    from slipstream.weights.hybrid import HostFFN, _omp_touch
+    from slipstream.hybrid.ffn import HostFFN, _omp_touch
 
     gate_up = _int4_linear(2 * units, hidden, 1)
     down = _int4_linear(hidden, units, 2)
@@ -160,7 +160,7 @@ def decode_ab(path: Path, budget: str, hybrid, rounds: int, tokens: int) -> dict
 
 
 def main() -> None:
-    from slipstream.memory.hybrid_plan import default_threads
+    from slipstream.hybrid.plan import default_threads
     from slipstream.provenance import source_revision
 
     ap = argparse.ArgumentParser()

@@ -186,7 +186,7 @@ def main() -> None:
                    "the same name with .txt")
     a = p.parse_args()
     if a.model is None:
-        from slipstream.pull import pull
+        from slipstream.hub.pull import pull
 
         a.model = str(pull(quiet=True))
     ks = [int(k) for k in a.ks.split(",")]

@@ -383,7 +383,7 @@ def make_quants(build: Path, base: Path, types: list[str], outdir: Path) -> list
 
 
 def tensor_types(path: Path) -> str:
-    from slipstream.gguf_file import GGUFFile
+    from slipstream.modelfile.gguf_file import GGUFFile
     gf = GGUFFile(path)
     counts: dict[str, int] = {}
     for t in gf.tensors.values():

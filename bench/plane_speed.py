@@ -1,5 +1,5 @@
 """The CPU kernels hybrid decode's CPU share can run, on a 70B layer's share: the image's planes
-read in place (weights.plane_host, kind "planes"), q4vnni (Q4_K's own scales, 4.625 bits a
+read in place (hybrid.plane_host, kind "planes"), q4vnni (Q4_K's own scales, 4.625 bits a
 weight), q4vnni-f32 (its float32 records before session 35, 6 bits) and torch's int4pack.
 
     python bench/plane_speed.py OUTDIR [--threads 1,2] [--share 0.6] [--reps 3] [--rounds 3]
@@ -34,7 +34,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from slipstream.memory import hybrid_plan  # noqa: E402
+from slipstream.hybrid import plan as hybrid_plan  # noqa: E402
 from slipstream.provenance import cpu_name, source_revision  # noqa: E402
 from slipstream.weights.cpu_packed import INT4_GROUP  # noqa: E402
 

@@ -31,9 +31,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from slipstream.gguf_file import GGUFFile  # noqa: E402
+from slipstream.modelfile.gguf_file import GGUFFile  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
-from slipstream.pull import pull_default  # noqa: E402
+from slipstream.hub.pull import pull_default  # noqa: E402
 from slipstream.weights.cpu_packed import (Int4PackLinear, Int4PairLinear,  # noqa: E402
                                            Q4VnniLinear, Q8VnniLinear)
 

@@ -64,8 +64,8 @@ PROMPTS = [
     ("chat-explain", "chat", "Explain what a hash table is and when I should use one."),
 ]
 SAMPLING = dict(top_k=40, top_p=0.95, min_p=0.05)
-# The tree's depth is fixed (runtime.speculative's DEFAULT_DEPTH), not left to the sizer
-# (runtime.spec_sizing), which would choose it, plain steps included, from timings: the table
+# The tree's depth is fixed (speculative.rounds's DEFAULT_DEPTH), not left to the sizer
+# (speculative.sizing), which would choose it, plain steps included, from timings: the table
 # measures acceptance at a given tree shape, whatever the machine's load.
 SPEC_DEPTH = 8
 HOW_COUNTED = ("tokens_per_pass: spec_tokens_per_pass x spec_target_passes per generation (every "
@@ -111,7 +111,7 @@ def make_file(src: Path, work: Path, qtype: str, fallback: str) -> tuple[Path, d
 
 
 def tensor_types(path: Path) -> dict[str, int]:
-    from slipstream.gguf_file import GGUFFile
+    from slipstream.modelfile.gguf_file import GGUFFile
 
     gf = GGUFFile(path)
     try:
@@ -247,7 +247,7 @@ def load_pair(target: Path, draft: str, files: dict, ctx: int, precision: str):
         qtype = draft.split("-", 1)[1]
         m = slipstream.load(target, device="cpu", ctx=ctx, precision=precision,
                             draft_lowbit=qtype)
-        return m, {"kind": "low-bit self-draft (weights.lowbit: the target's layers "
+        return m, {"kind": "low-bit self-draft (speculative.lowbit: the target's layers "
                            "requantized at load, its embedding, head, norms and KV cache "
                            "shared)", "load": f"draft_lowbit={qtype!r}",
                    "plan_draft": list(m.plan.draft)}
@@ -303,17 +303,17 @@ def table(rows: list[dict]) -> Table:
 
 
 def _tree_tau(temperature: float) -> float | None:
-    """The temperature the draft's candidates were ranked at (runtime.draft_tree.tree_tau;
+    """The temperature the draft's candidates were ranked at (speculative.tree.tree_tau;
     None before session 30, when it was always 1)."""
     try:
-        from slipstream.runtime.draft_tree import tree_tau
+        from slipstream.speculative.tree import tree_tau
     except ImportError:
         return None
     return tree_tau(temperature)
 
 
 def _tau_fit(model, temperature: float) -> dict:
-    """The ranking temperature's fit after the cell (runtime.tree_calibration, session 31 on;
+    """The ranking temperature's fit after the cell (speculative.calibration, session 31 on;
     it carries over from cell to cell of one draft, as over a model's generations): the score
     that ranks (walk or loglik; fixed: SLIPSTREAM_TREE_TAU=fixed keeps tree_tau throughout),
     the temperature it ranks at, the nodes it scored and both scores per temperature of its
@@ -393,7 +393,7 @@ def main() -> None:
     nodes = [int(x) for x in a.nodes.split(",")]
     temps = [float(x) for x in a.temps.split(",")]
 
-    from slipstream.pull import pull
+    from slipstream.hub.pull import pull
 
     src = Path(pull(quiet=True))
     files, made = {}, {}

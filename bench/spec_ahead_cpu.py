@@ -1,6 +1,6 @@
 """How often the tree grown ahead holds the next root, on the real pair, on the CPU.
 
-While a target pass runs, the draft grows the same tree on ahead (runtime.draft_tree); when the
+While a target pass runs, the draft grows the same tree on ahead (speculative.tree); when the
 walk's outcome is a node grown ahead, the next tree needs no draft forward in series. On CUDA
 that growth runs beside the streamed pass; on the CPU it runs after it (the cores are shared),
 so this bench measures the outcome, not the time: the share of rounds whose tree was grown
@@ -75,7 +75,7 @@ def main() -> None:
     p.add_argument("--out", default=str(REPO / "bench/results/2026-11-30-s7-spec-ahead-cpu.json"))
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    from slipstream.pull import pull
+    from slipstream.hub.pull import pull
 
     src = Path(pull(quiet=True))
     work = Path(a.work)

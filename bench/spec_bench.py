@@ -49,7 +49,7 @@ from slipstream.memory.probes import h2d_pinned_gbps  # noqa: E402
 from slipstream.model import tree_step  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
 from slipstream.quant.requantize import requantize  # noqa: E402
-from slipstream.runtime.speculative import CUDA_LEVEL_WIDTH  # noqa: E402
+from slipstream.speculative.rounds import CUDA_LEVEL_WIDTH  # noqa: E402
 from slipstream.synth import write_synth  # noqa: E402
 from spec_costs import PREFIX as PASS_PREFIX, pass_seconds  # noqa: E402  (bench/ is on sys.path)
 

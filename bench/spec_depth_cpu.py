@@ -1,6 +1,6 @@
 """The sizer's depth cap on the CPU: the default model's Q8_0 as target, its Q4_0 as draft,
-trees sized by the sizer (runtime.spec_sizing) with drafted depths up to 8 (the cap before
-session 25) and up to 16 (runtime.speculative.MAX_DEPTH), against plain decoding.
+trees sized by the sizer (speculative.sizing) with drafted depths up to 8 (the cap before
+session 25) and up to 16 (speculative.rounds.MAX_DEPTH), against plain decoding.
 
     python bench/spec_depth_cpu.py [--tokens 96] [--out FILE]
 
@@ -25,8 +25,8 @@ import torch  # noqa: E402
 
 import slipstream  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
-from slipstream.pull import pull_default  # noqa: E402
-from slipstream.runtime import speculative  # noqa: E402
+from slipstream.hub.pull import pull_default  # noqa: E402
+from slipstream.speculative import rounds as speculative  # noqa: E402
 from spec_acceptance import PROMPTS, make_file, prompt_ids  # noqa: E402
 
 

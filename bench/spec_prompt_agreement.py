@@ -1,5 +1,5 @@
 """How often a draft's 8 best hold the target's top token over a prompt's last positions (the
-speculative sizer's first evidence, runtime.spec_sizing.PROMPT_POSITIONS), on CPU: the default
+speculative sizer's first evidence, speculative.sizing.PROMPT_POSITIONS), on CPU: the default
 model's Q8_0 requantization as target against its Q4_0 and Q2_K copies, on prose, code, noise
 and facts, and whether the sizer would give the draft up before its first tree.
 
@@ -19,10 +19,10 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import slipstream  # noqa: E402
 from slipstream.provenance import source_revision  # noqa: E402
-from slipstream.pull import pull_default  # noqa: E402
+from slipstream.hub.pull import pull_default  # noqa: E402
 from slipstream.quant.requantize import requantize  # noqa: E402
-from slipstream.runtime.spec_sizing import PROMPT_POSITIONS, TreeSizer  # noqa: E402
-from slipstream.runtime.speculative import DEFAULT_TOP_K, prompt_agreement  # noqa: E402
+from slipstream.speculative.sizing import PROMPT_POSITIONS, TreeSizer  # noqa: E402
+from slipstream.speculative.rounds import DEFAULT_TOP_K, prompt_agreement  # noqa: E402
 
 PROMPTS = {
     "prose": "Write a short story about a lighthouse keeper who finds a message in a bottle.",

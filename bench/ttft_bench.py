@@ -155,7 +155,7 @@ def main() -> None:
                     "in-process (imports, load, first token; cProfile of the load)")
     a = ap.parse_args()
     if a.model is None:
-        from slipstream.pull import pull
+        from slipstream.hub.pull import pull
 
         a.model = str(pull(quiet=True))
     plan = cases(a.model, a.ctx, a.threads)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from slipstream.errors import ModelNotFound
-from slipstream.pull import pull
+from slipstream.hub.pull import pull
 
 
 def pytest_collection_modifyitems(config, items):

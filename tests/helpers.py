@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from slipstream.config import ModelConfig
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.config import ModelConfig
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.memory import ResidentLayerStore
 from slipstream.precision import Precision
 from slipstream.runtime.engine import Engine

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import slipstream
-from slipstream import pull as pull_mod
+from slipstream.hub import pull as pull_mod
 
 
 def cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -16,12 +16,12 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 import slipstream
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.synth import SHAPES, write_synth
 
 
 # "exact": with "fast" CPU weights a tree pass and a decode step round differently, enough to
-# flip a near-tie between the top two tokens (tests/runtime/test_speculative.py)
+# flip a near-tie between the top two tokens (tests/speculative/test_speculative.py)
 RUN = ("--device", "cpu", "--ctx", "256", "--precision", "exact", "--temp", "0", "-n", "24")
 PROSE = ("The quick brown fox jumps over the lazy dog. The capital of France is Paris, and "
          "the capital of Italy is Rome.")

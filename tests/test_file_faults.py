@@ -30,14 +30,14 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.synth import write_synth
 
 CHILD = r'''
 import json, os, sys
 import slipstream
 from slipstream.errors import SlipstreamError
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.gguf_file import GGUFFile
 
 args = json.loads(sys.argv[1])
 path = args["path"]
@@ -291,8 +291,8 @@ def preadv(fd, buffers, offset, *flags):
 FileWatch.check, os.preadv = check, preadv
 
 if args["store"] == "cpu":
-    from slipstream.config import ModelConfig
-    from slipstream.gguf_file import GGUFFile
+    from slipstream.modelfile.config import ModelConfig
+    from slipstream.modelfile.gguf_file import GGUFFile
     from slipstream.memory import MmapLayerStore
     from slipstream.precision import Precision
     from slipstream.weights.loader import LayerBuilder
@@ -413,7 +413,7 @@ def test_mmap_store_builds_the_same_bits_as_the_other_io_paths(tiny):
     reads), pass after pass; it counts what it read."""
     import torch
 
-    from slipstream.config import ModelConfig
+    from slipstream.modelfile.config import ModelConfig
     from slipstream.memory import DiskLayerStore, MmapLayerStore
     from slipstream.precision import Precision
     from slipstream.weights.loader import LayerBuilder, TensorSource, layer_span

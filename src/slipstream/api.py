@@ -16,10 +16,10 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .chat_template import ChatTemplate
-from .config import ModelConfig
+from .modelfile.chat_template import ChatTemplate
+from .modelfile.config import ModelConfig
 from .errors import BadArgument, BudgetTooSmall, DeviceNotFound, oom_summary
-from .gguf_file import GGUFFile
+from .modelfile.gguf_file import GGUFFile
 from .memory.budget import fmt_bytes
 from .memory.devices import resolve_device
 from .precision import Precision
@@ -27,7 +27,7 @@ from .runtime.engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
 from .runtime.generate import GenerationEvent, GenerationStats, autoregressive, generate
 from .runtime.sampler import Sampler, SamplingParams
 from .runtime.stage import Stage
-from .tokenizer import Tokenizer
+from .modelfile.tokenizer import Tokenizer
 from .weights import load_weights
 
 DEFAULT_MAX_CTX = 4096  # the KV cache is preallocated, so the default does not take 128k
@@ -152,13 +152,13 @@ class Model:
 
         draft: decode speculatively with this Model (same vocabulary) guessing trees that the
         model verifies in one pass each; the tokens follow the same distribution as plain
-        decoding (runtime.speculative). None: the draft `load(draft=...)` loaded, if any;
+        decoding (speculative.rounds). None: the draft `load(draft=...)` loaded, if any;
         False: plain decoding. spec_nodes: the trees' node budget (the root included); None
         sizes each tree from the measured pass and draft costs and the acceptance so far
-        (runtime.spec_sizing), learned across this model's generations; spec_depth fixes the
+        (speculative.sizing), learned across this model's generations; spec_depth fixes the
         depth likewise (None: chosen, 0 included, i.e. a plain step). spec_ahead: draft levels
         grown past each verified tree, so that the next one may be grown already (None: none;
-        runtime.speculative). last_stats.extra and `last_speculation` then hold the acceptance
+        speculative.rounds). last_stats.extra and `last_speculation` then hold the acceptance
         figures."""
         ids = (self.tokenize(prompt_or_ids) if isinstance(prompt_or_ids, str)
                else list(prompt_or_ids))
@@ -176,8 +176,8 @@ class Model:
     def _source(self, draft: "Model | bool | None", nodes: int | None, depth: int | None,
                 ahead: int | None = None):
         """The token source generate() decodes with: plain, or speculative with a draft."""
-        from .runtime.spec_sizing import TreeSizer
-        from .runtime.speculative import check_vocab, speculative_source
+        from .speculative.sizing import TreeSizer
+        from .speculative.rounds import check_vocab, speculative_source
 
         if draft is None or draft is True:
             draft = self.draft
@@ -234,7 +234,7 @@ class Model:
                 self.plan.tiers[i] = "vram"
             self.plan.draft = None
             if promoted and self.plan.hybrid is not None:
-                from .memory.hybrid_plan import after_promotion
+                from .hybrid.plan import after_promotion
 
                 self.plan.hybrid = after_promotion(self.plan, promoted)
         self.draft_released = (draft.path.name, promoted)
@@ -332,7 +332,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     skipped, 64-node trees; session 27) and holds no memory of its own.
     draft_lowbit: a self-draft that is the model with a low-bit copy ("Q2_K", "Q3_K", "Q4_0",
     ...) of the layers whose reading bounds it: on CUDA the layers the plan streams, on the
-    CPU every layer. The copy is requantized at load (weights.lowbit), placed first out of the
+    CPU every layer. The copy is requantized at load (speculative.lowbit), placed first out of the
     budget (the model streams what the rest leaves), and the draft shares the model's
     embedding, head, norms, resident layers and KV cache (SubSpec).
     private_weights: copy every weight that would stay a view of the file's memory map (the
@@ -344,7 +344,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
     hybrid (CUDA, layers streamed from pinned RAM): "auto" (default) lets the CPU compute part
     of each such layer's FFN during decode, from a packed copy in RAM, while PCIe brings the
     rest, when the bandwidths measured at start-up predict it at least 5% faster (the plan
-    shows the split and the prediction; memory.hybrid_plan); "on" splits whatever it
+    shows the split and the prediction; hybrid.plan); "on" splits whatever it
     predicts, "off" never, a number in (0, 1] sets the CPU's share. Not bit-identical to
     "off": the CPU kernels round weights' scales and activations to bfloat16, so "auto" stays
     off at precision="exact" (where a token must not depend on the batch it ran in: plain
@@ -380,7 +380,7 @@ def load(path: str | os.PathLike[str] | None = None, device: str | torch.device 
         if draft is not None or draft_skip_layers:
             raise BadArgument("draft_lowbit=... and another draft (draft=, draft_skip_layers=) "
                               "name two drafts: give one")
-        from .weights.lowbit import parse_lowbit_type
+        from .speculative.lowbit import parse_lowbit_type
 
         lowbit_type = parse_lowbit_type(draft_lowbit)
     if draft_skip_layers:
@@ -544,7 +544,7 @@ def _warm_draft(engine: Engine) -> None:
     """Capture a draft's decode graph and its tree-level graphs (runtime.graphs), whose memory
     pools are then allocated before the model's budget is set from what the draft left."""
     from .runtime.graphs import STEP_WIDTHS
-    from .runtime.speculative import CUDA_LEVEL_WIDTH
+    from .speculative.rounds import CUDA_LEVEL_WIDTH
 
     if not engine.use_graphs:
         return
@@ -660,7 +660,7 @@ def _size_lowbit(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, prec: Precis
     first)."""
     from .memory.setup import layer_resident_bytes
     from .memory.vram import layer_vram_bytes
-    from .weights.lowbit import RetypedFile
+    from .speculative.lowbit import RetypedFile
 
     if dev.type != "cuda":
         copied = list(range(cfg.n_layers))
@@ -696,12 +696,12 @@ def _self_draft_vram(gf: GGUFFile, streamed: bool) -> int:
 
 def _lowbit_draft(model: "Model", prec: Precision, qtype, copied: list[int],
                   show: bool) -> "Model":
-    """The low-bit self-draft (weights.lowbit): the copy of `copied` built on the model's
+    """The low-bit self-draft (speculative.lowbit): the copy of `copied` built on the model's
     device (sharing its CUDA workspace), the model's other layers, and its KV cache."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
-    from .weights.lowbit import build_lowbit_layers
+    from .speculative.lowbit import build_lowbit_layers
 
     workspace = getattr(model.engine.weights.output, "workspace", None)
     with Progress("[progress.description]{task.description}", BarColumn(),
@@ -730,7 +730,7 @@ def _tokens(gf: GGUFFile) -> list[str]:
 
 def _check_draft(model_path: Path, gf: GGUFFile, draft: Path) -> None:
     """A speculative draft must share the model's vocabulary (DraftMismatch otherwise)."""
-    from .runtime.speculative import check_vocab
+    from .speculative.rounds import check_vocab
 
     dgf = GGUFFile(draft)
     try:
@@ -795,7 +795,7 @@ def _resolve(path, progress: bool) -> Path:
     """A model's file from what `-m` takes (pull.resolve): an existing file as it is; else a
     cached name, USER/REPO/FILE.gguf or a URL, pulled if the cache lacks it; None: the default
     model."""
-    from .pull import resolve
+    from .hub.pull import resolve
 
     if path is not None and Path(path).is_file():
         return Path(path)
@@ -849,7 +849,7 @@ def _release_gain(gf: GGUFFile, cfg: ModelConfig, plan, plain_plan, hybrid: str 
     """How much faster plain decode is predicted to run once the draft is given up: the
     no-draft plan's predicted tok/s over the loaded plan's, on the bandwidths measured at load
     (hybrid split as load makes it), in [1, 2]; 1 where either prediction is missing. The tree
-    sizer gives the draft up against this bar (runtime.spec_sizing.TreeSizer.plain_gain)."""
+    sizer gives the draft up against this bar (speculative.sizing.TreeSizer.plain_gain)."""
     if not plan.streamed_layers or not plan.bandwidth_gbps:
         return 1.0
     plain_plan.bandwidth_gbps.update(plan.bandwidth_gbps)
@@ -940,7 +940,7 @@ def _stage_plans(cfg: ModelConfig, devices: list[torch.device]) -> list:
 
 def _hybrid_mode(hybrid: str | float, precision: str) -> str | float:
     """load(hybrid=)'s value checked, with "auto" off at precision="exact" (see load)."""
-    from .memory.hybrid_plan import parse_hybrid
+    from .hybrid.plan import parse_hybrid
 
     mode = parse_hybrid(hybrid)
     return "off" if mode == "auto" and precision == "exact" else mode
@@ -951,7 +951,7 @@ def _plan_hybrid(gf: GGUFFile, cfg: ModelConfig, plan, hybrid: str | float,
     """plan.hybrid for a CUDA plan whose bandwidths are measured; the CPU's threads set."""
     if plan.device != "cuda" or hybrid == "off":
         return
-    from .memory.hybrid_plan import plan_hybrid
+    from .hybrid.plan import plan_hybrid
 
     plan.hybrid = plan_hybrid(gf, cfg, plan, hybrid, threads)
     if plan.hybrid is not None:

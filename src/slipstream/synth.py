@@ -22,10 +22,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
 
 from . import quant
-from .config import ARCHITECTURES, ModelConfig
+from .modelfile.config import ARCHITECTURES, ModelConfig
 from .errors import BadArgument
 from .model.layer_spec import EMBEDDING, HEAD, TensorSpec, spec_for
-from .tokenizer import bytes_to_unicode
+from .modelfile.tokenizer import bytes_to_unicode
 
 Q = GGMLQuantizationType
 

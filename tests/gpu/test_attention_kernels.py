@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from slipstream.config import ModelConfig
+from slipstream.modelfile.config import ModelConfig
 from slipstream.kernels.attention import (
     decode_attention,
     plan,

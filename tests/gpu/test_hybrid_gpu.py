@@ -108,11 +108,11 @@ def _decode_bytes(model, steps: int = 8) -> float:
 
 
 def test_layers_given_back_by_the_balance_run_whole(pair):
-    """Split layers the balance takes off the CPU (memory.hybrid_balance) copy their whole
+    """Split layers the balance takes off the CPU (hybrid.balance) copy their whole
     image and compute every unit on the GPU; the others stay split. Driven here through the
     store's balance with a PCIe rate so high that the CPU is always the slower side: after
     one window it keeps one layer."""
-    from slipstream.memory.hybrid_balance import HybridBalance, SplitLayer
+    from slipstream.hybrid.balance import HybridBalance, SplitLayer
 
     whole, split = pair
     store = split.engine.layers
@@ -212,7 +212,7 @@ def test_host_signal_gives_the_bits_of_the_copy_and_event(tmp_path, monkeypatch)
     and hand-back in one native call) computes what the copy, the event and the Python worker
     compute, bit for bit, on layers whose CPU share is fused (all Q4_K: q4vnni both ways)."""
     from slipstream.synth import write_synth
-    from slipstream.weights import hybrid
+    from slipstream.hybrid import ffn as hybrid
 
     path = write_synth(tmp_path / "q4k.gguf", "tiny", "Q4_K", n_layers=6, from_floats=True,
                        std=0.08, seed=5)
@@ -298,8 +298,8 @@ def test_the_cpu_share_read_in_place_from_the_images(synth, monkeypatch):
     image's bytes, and only formats the plane kernel does not read, this Q4_K_M's Q6_K downs,
     are packed), and decode gives the logits of whole layers within the kernels' rounding,
     as the packed kinds do."""
-    from slipstream.weights import hybrid
-    from slipstream.weights.plane_host import PlaneLinear
+    from slipstream.hybrid import ffn as hybrid
+    from slipstream.hybrid.plane_host import PlaneLinear
 
     monkeypatch.setattr(hybrid, "HOST_KIND", "planes")
     with slipstream.load(synth, device="cuda", ctx=256) as resident:
@@ -341,7 +341,7 @@ def test_default_model_split_costs_under_half_a_percent_of_perplexity(smollm_pat
     images, rounds the activations as q4vnni does): perplexity of a page of prose through the
     decode path stays within 0.5 %, and greedy tokens are compared for the report."""
     from slipstream.runtime.perplexity import perplexity
-    from slipstream.weights import hybrid
+    from slipstream.hybrid import ffn as hybrid
 
     monkeypatch.setattr(hybrid, "HOST_KIND", kind)
 
@@ -374,7 +374,7 @@ def test_the_balance_meters_every_copy_of_a_split_decode(synth, pair, monkeypatc
     copies are not counted. Logits stay those of whole layers."""
     import dataclasses
 
-    from slipstream.memory import hybrid_plan
+    from slipstream.hybrid import plan as hybrid_plan
 
     whole, split = pair
     planned = hybrid_plan.plan_hybrid
@@ -490,7 +490,7 @@ def test_graphs_of_fixed_layers_give_the_eager_bits(synth, hybrid):
 def test_handing_the_share_over_at_start_gives_the_same_bits(pair, monkeypatch):
     """SLIPSTREAM_HOST_EARLY: the worker gets each split layer's share right after its input's
     copy is queued, not at finish; the same shares of the same inputs, bit for bit."""
-    from slipstream.weights import hybrid
+    from slipstream.hybrid import ffn as hybrid
 
     _, split = pair
     monkeypatch.setattr(hybrid, "HOST_EARLY", False)

@@ -9,7 +9,7 @@ import torch
 
 import slipstream
 from slipstream.errors import BudgetTooSmall
-from runtime.test_speculative import GREEDY_PROMPTS, PREFIX, SAMPLING, requantize
+from speculative.test_speculative import GREEDY_PROMPTS, PREFIX, SAMPLING, requantize
 from slipstream.synth import write_synth
 
 pytestmark = pytest.mark.gpu

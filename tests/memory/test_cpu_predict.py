@@ -11,8 +11,8 @@ import torch
 from rich.console import Console
 
 import slipstream
-from slipstream.config import ModelConfig
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.config import ModelConfig
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.memory.planner import plan_layers
 from slipstream.memory.probes import cpu_decode_rates
 from slipstream.memory.store import steady_heap

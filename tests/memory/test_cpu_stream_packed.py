@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import slipstream
-from slipstream.config import ModelConfig
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.config import ModelConfig
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.memory import image_file
 from slipstream.memory.disk import DiskReadError, FileChanged
 from slipstream.memory.setup import PREFILL_STAGING

@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from slipstream.config import ModelConfig
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.config import ModelConfig
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.memory import StreamDelays
 from slipstream.precision import Precision
 from slipstream.synth import write_synth

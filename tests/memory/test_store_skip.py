@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from helpers import NormsOnly
-from slipstream.config import ModelConfig
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.config import ModelConfig
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.memory import DiskLayerStore
 from slipstream.precision import Precision
 from slipstream.synth import write_synth

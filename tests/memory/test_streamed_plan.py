@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream.config import ModelConfig
+from slipstream.modelfile.config import ModelConfig
 from slipstream.errors import BudgetTooSmall
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.memory import setup
 from slipstream.memory.planner import StagePlan, plan_cuda
 from slipstream.memory.vram import (activation_bytes, layer_flat_bytes, layer_vram_bytes,

@@ -17,9 +17,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 import slipstream
-from slipstream.config import ModelConfig
+from slipstream.modelfile.config import ModelConfig
 from slipstream.errors import BudgetTooSmall, MissingDependency
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.kernels.pack import SUPPORTED, pack_weight
 from slipstream.memory import image_file
 from slipstream.memory.disk import DirectReader, DiskReadError

@@ -3,8 +3,8 @@ stage's layers only, and the embedding and head only where the stage holds them.
 
 from __future__ import annotations
 
-from slipstream.config import ModelConfig
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.config import ModelConfig
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.memory.vram import vram_reserve
 from slipstream.model.layer_spec import kv_cache_bytes
 from slipstream.synth import write_synth

@@ -8,9 +8,9 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from slipstream.config import ARCHITECTURES, ModelConfig
+from slipstream.modelfile.config import ARCHITECTURES, ModelConfig
 from slipstream.errors import UnsupportedArchitecture
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.model.layer_spec import (EMBEDDING, HEAD, head_tensor_name, kv_cache_bytes,
                                          spec_for)
 from slipstream.precision import Precision

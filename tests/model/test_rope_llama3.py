@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import cpu_engine
-from slipstream.config import ModelConfig
+from slipstream.modelfile.config import ModelConfig
 from slipstream.model.rope import RopeTable
 from slipstream.synth import write_synth
 

@@ -128,7 +128,7 @@ def test_requantize_falls_back_where_rows_are_not_whole_blocks(tmp_path):
     """K-quants need rows of 256: without a fallback the encoder refuses a narrower matrix;
     with one, those matrices take the fallback type and the file decodes like its source."""
     from slipstream.errors import SlipstreamError
-    from slipstream.gguf_file import GGUFFile
+    from slipstream.modelfile.gguf_file import GGUFFile
     from slipstream.quant.requantize import requantize
     from dataclasses import replace
 

@@ -1,6 +1,6 @@
 """Engine.forward's idle hook: while the next layer's read has not landed (LayerStore.waiting),
 the engine calls idle() instead of blocking, until idle has nothing left to do; the pass's
-output does not depend on it. Speculation grows its draft's tree there (runtime.speculative)."""
+output does not depend on it. Speculation grows its draft's tree there (speculative.rounds)."""
 
 from __future__ import annotations
 

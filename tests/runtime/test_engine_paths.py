@@ -42,7 +42,7 @@ def test_weight_bytes_count_the_packed_cpu_copies(tmp_path):
     precision fast that is the packed copies (weights.cpu_packed), about the GGUF bytes of the
     linears (4-bit codes plus bfloat16 scale and zero per 32 against Q4_0's fp16 scale per 32),
     not the dense copies and not nothing."""
-    from slipstream.gguf_file import GGUFFile
+    from slipstream.modelfile.gguf_file import GGUFFile
     from slipstream.runtime.bench import weight_bytes_per_token
 
     path = write_synth(tmp_path / "q4.gguf", "tiny", "Q4_0", n_layers=2)

@@ -13,7 +13,7 @@ import torch
 import slipstream
 from helpers import cpu_engine, patch
 from slipstream.errors import BadArgument
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.memory.disk import DirectReader
 from slipstream.runtime.layer_skip import calibrate, calibration_text, choose
 from slipstream.synth import write_synth

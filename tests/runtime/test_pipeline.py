@@ -195,7 +195,7 @@ def test_speculative_decoding_across_two_gloo_ranks(smollm_path, tmp_path):
     """A draft file on rank 0 grows the trees; each verify pass is a tree step sent to both
     ranks and the walk's compaction follows it: greedy output equals one process's plain
     greedy output (precision "exact"), and a seeded sampled run its plain sampled run."""
-    from runtime.test_speculative import requantize
+    from speculative.test_speculative import requantize
 
     draft = requantize(smollm_path, tmp_path / "draft-q4_0.gguf")
     script = tmp_path / "spec.py"

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from helpers import cpu_stages
-from slipstream.config import ModelConfig
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.config import ModelConfig
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.model import tree_step
 from slipstream.precision import Precision
 from slipstream.runtime.engine import Engine

@@ -15,7 +15,7 @@ pytest.importorskip("httpx")
 import httpx  # noqa: E402
 from server_process import ServerProcess  # noqa: E402
 
-from slipstream.gguf_file import GGUFFile  # noqa: E402
+from slipstream.modelfile.gguf_file import GGUFFile  # noqa: E402
 
 BODY = {"prompt": "The three most useful kitchen tools are", "max_tokens": 8, "temperature": 0}
 

@@ -32,7 +32,7 @@ STORY = "Once upon a time"
 COUNTERS = ("slipstream_spec_target_passes_total", "slipstream_spec_tokens_total",
             "slipstream_spec_draft_seconds_total", "slipstream_spec_verify_seconds_total")
 # "exact" on both sides: with "fast" CPU weights a tree pass and a decode step round
-# differently, enough to flip a near-tie (tests/runtime/test_speculative.py)
+# differently, enough to flip a near-tie (tests/speculative/test_speculative.py)
 LOAD = ("--precision", "exact", "--ctx", "256")
 
 

@@ -184,7 +184,7 @@ class RunawayTemplateModel(FakeModel):
 
     def __init__(self):
         super().__init__()
-        from slipstream.chat_template import ChatTemplate
+        from slipstream.modelfile.chat_template import ChatTemplate
 
         self.template = ChatTemplate("{% for i in range(10**12) %}x{% endfor %}")
 

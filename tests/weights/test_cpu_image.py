@@ -13,8 +13,8 @@ import gguf.quants
 import pytest
 import torch
 
-from slipstream.config import ModelConfig
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.config import ModelConfig
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.model.llama import block_forward
 from slipstream.model.layer_spec import spec_for
 from slipstream.model.rope import RopeTable

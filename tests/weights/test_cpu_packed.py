@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.model.llama import rms_norm
 from slipstream.quant.encode import quantize
 from slipstream.synth import SHAPES, random_tensor, write_synth

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from slipstream.config import ModelConfig
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.config import ModelConfig
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.memory.vram import layer_flat_bytes, layer_image_bytes
 from slipstream.precision import Precision
 from slipstream.synth import write_synth

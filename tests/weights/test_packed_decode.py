@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import slipstream
-from slipstream.gguf_file import GGUFFile
+from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.memory.setup import layer_resident_bytes
 from slipstream.precision import Precision
 from slipstream.synth import write_synth

@@ -295,7 +295,7 @@ def test_auto_kind_and_fallback(monkeypatch):
 def test_default_model_layer_against_the_oracle(smollm_path):
     """Layer 0's fused matrices of the default model (Q4_1), one bfloat16-valued row each, as
     decode feeds them."""
-    from slipstream.gguf_file import GGUFFile
+    from slipstream.modelfile.gguf_file import GGUFFile
     from slipstream.weights.loader import raw_tensor
 
     gf = GGUFFile(smollm_path)

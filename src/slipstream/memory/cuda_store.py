@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..model.llama import LayerWeights
-from ..weights.hybrid import REST_FIELDS
+from ..hybrid.ffn import REST_FIELDS
 from ..weights.image import LayerImage, from_image, prefix_bytes, resident_copy
-from .hybrid_balance import HybridBalance, SplitLayer
-from .hybrid_plan import HANDOVER_S
+from ..hybrid.balance import HybridBalance, SplitLayer
+from ..hybrid.plan import HANDOVER_S
 from .image_file import ImageFile
 from .planner import evenly_spaced
 from .protocol import StoreBase, StoreStats
@@ -40,10 +40,10 @@ class CudaLayerStore(StoreBase):
                  delays: StreamDelays | None = None, seed: int = 0,
                  drop_cache: bool = True, hosts: dict | None = None,
                  pcie_gbps: float | None = None):
-        """hosts: hybrid decode's CPU shares (weights.hybrid.HostFFN) of split pinned layers,
+        """hosts: hybrid decode's CPU shares (hybrid.ffn.HostFFN) of split pinned layers,
         whose images end with the same units in GPU format (the part decode leaves out).
         pcie_gbps: the plan's PCIe rate beside the CPU; with it, decode keeps the split
-        balanced as the CPU's and the copies' measured rates change (memory.hybrid_balance)."""
+        balanced as the CPU's and the copies' measured rates change (hybrid.balance)."""
         self.layers = resident
         self.device = device
         self.workspace = workspace

@@ -73,7 +73,7 @@ def image_paths(model: Path, kind: str = "slipstream") -> tuple[Path, Path]:
     if os.access(model.parent, os.W_OK):
         base = model.parent / f"{model.name}.{kind}"
     else:
-        from ..pull import cache_dir
+        from ..hub.pull import cache_dir
 
         key = hashlib.sha1(str(model).encode()).hexdigest()[:12]
         d = cache_dir() / "images"

@@ -26,7 +26,7 @@ from ..errors import BudgetTooSmall
 from .budget import fmt_bytes
 
 if TYPE_CHECKING:
-    from .hybrid_plan import HybridPlan
+    from ..hybrid.plan import HybridPlan
 
 # The plan table warns when the hypervisor took at least this many cores while the CPU was
 # probed (HybridPlan.cores_stolen): hybrid decode's team of threads waits on the cores taken
@@ -92,7 +92,7 @@ class Plan:
     # CUDA: bytes of the user's VRAM budget kept for what the driver counts beside the
     # allocator (memory.cuda_context); `budget` is what is left for the allocator
     outside_allocator: int = 0
-    # CUDA: the pinned layers' FFN split with the CPU (memory.hybrid_plan), or None
+    # CUDA: the pinned layers' FFN split with the CPU (hybrid.plan), or None
     hybrid: "HybridPlan | None" = None
     # CPU: every layer decodes through packed copies, the bytes of its image, which are its
     # file_bytes_per_layer (the disk layers' images are read per token); prefill reads the

@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ..config import ModelConfig
+from ..modelfile.config import ModelConfig
 from ..errors import BadArgument, BudgetTooSmall
-from ..gguf_file import GGUFFile
+from ..modelfile.gguf_file import GGUFFile
 from ..model.layer_spec import head_tensor_name, kv_cache_bytes, spec_for
 from ..precision import Precision
 from ..weights.loader import LayerBuilder, TensorSource, layer_span, release_transients
@@ -382,7 +382,7 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str, cfg: ModelConfig | Non
 def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
                         precision: Precision, plan: Plan) -> tuple[dict, dict]:
     """CUDA tier B: build each streamed layer once on the GPU and keep its image in pinned RAM.
-    With plan.hybrid, the split layers are built in two FFN shares (weights.hybrid), and the
+    With plan.hybrid, the split layers are built in two FFN shares (hybrid.ffn), and the
     CPU's share is also packed for the CPU. Returns (images, host shares by layer).
 
     Runs before the resident layers load, so the transient GPU copy of the layer being built
@@ -394,7 +394,7 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
         return {}, {}
     from rich.progress import BarColumn, DownloadColumn, Progress
 
-    from ..weights.hybrid import (HostFFN, HostIO, ffn_raws, host_linears, in_place_linears,
+    from ..hybrid.ffn import (HostFFN, HostIO, ffn_raws, host_linears, in_place_linears,
                                   split_layer)
     from ..weights.image import to_image
 

@@ -103,7 +103,7 @@ class Timeline:
 
 class CopyMeter:
     """The copy stream's busy seconds and bytes, kept with stats off: hybrid decode's balance
-    (memory.hybrid_balance) judges PCIe by the rate its copies achieve beside the CPU's share,
+    (hybrid.balance) judges PCIe by the rate its copies achieve beside the CPU's share,
     which is not the start-up probe's (on the H200: 43.6 GB/s in decode against a probe of
     49.4 beside the CPU kernel, bench/results/2026-12-05-s31-hybrid-bench-h200-call1.json).
 

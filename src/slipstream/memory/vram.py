@@ -13,8 +13,8 @@ import math
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
-from ..config import ModelConfig
-from ..gguf_file import GGUFFile
+from ..modelfile.config import ModelConfig
+from ..modelfile.gguf_file import GGUFFile
 from ..kernels.pack import pack_chunk_rows  # tables only: needs neither CUDA nor Triton
 from ..model.layer_spec import EMBEDDING, head_tensor_name, kv_cache_bytes, spec_for
 from ..weights.image import IMAGE_ALIGN  # every tensor of an image starts on this boundary

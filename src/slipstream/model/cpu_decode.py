@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from ..config import ModelConfig
+from ..modelfile.config import ModelConfig
 from .rope import RopeTable
 
 

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from .. import native
-from ..config import ModelConfig
+from ..modelfile.config import ModelConfig
 from .cpu_decode import thread_buffers
 from .rope import RopeTable
 
@@ -87,7 +87,7 @@ def native_layer(w) -> NativeLayer | None:
 
 
 def _make(w) -> NativeLayer | None:
-    """(A split FFN, weights.hybrid, is turned away by the caller at every token.)"""
+    """(A split FFN, hybrid.ffn, is turned away by the caller at every token.)"""
     if native.library() is None or w.ffn_gate_up is None:
         return None
     linears = (w.attn_qkv, w.attn_output, w.ffn_gate_up, w.ffn_down)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Iterable
 
-from ..config import ARCHITECTURES, ModelConfig
+from ..modelfile.config import ARCHITECTURES, ModelConfig
 from ..errors import UnsupportedArchitecture
 
 Shape = tuple[int, ...]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ModelConfig
+from ..modelfile.config import ModelConfig
 
 
 class RopeTable:

@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from ..errors import BadArgument
-from ..gguf_file import GGUFFile
+from ..modelfile.gguf_file import GGUFFile
 from . import dequantize, get_format
 from .encode import encodable_types, quantize
 

@@ -16,7 +16,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ..config import ModelConfig
+from ..modelfile.config import ModelConfig
 from ..model import Step, append_step, block_forward, fused_decode_serves, rms_norm
 from ..model.llama import LayerWeights, uses_fused_decode
 from ..weights import ModelWeights
@@ -139,14 +139,14 @@ class Engine:
 
         Without `replace` it runs on this engine's stores, which are not told of `skip` (they
         keep serving this engine, every layer in order), so every layer the draft runs must be
-        resident: it only looks the layer up. `replace` (layer -> weights, weights.lowbit's
+        resident: it only looks the layer up. `replace` (layer -> weights, speculative.lowbit's
         low-bit copy) gives the draft layers of its own for those indices; the others are this
         engine's resident layers (ValueError where one is neither). Either way decode can be
         captured in CUDA graphs.
 
         share_kv: the draft writes into this engine's KV caches instead of caches of its own:
         it reads the target's exact keys and values of the accepted prefix, needs no prefill
-        and no catching up (runtime.speculative), and its tree's entries are overwritten by the
+        and no catching up (speculative.rounds), and its tree's entries are overwritten by the
         verify pass that follows (SubSpec)."""
         from ..memory.store import ResidentLayerStore
         from .kv_cache import KVCache

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from ..config import ModelConfig
+from ..modelfile.config import ModelConfig
 from ..errors import ContextOverflow
 
 

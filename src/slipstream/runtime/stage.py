@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import ModelConfig
+from ..modelfile.config import ModelConfig
 from ..model import RopeTable
 from .kv_cache import KVCache
 

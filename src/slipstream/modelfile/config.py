@@ -1,0 +1,200 @@
+"""ModelConfig: the shape and hyper-parameters of a model, read from GGUF metadata."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any, Collection, Mapping
+
+from ..errors import GGUFError, InvalidMetadata, MissingMetadata, UnsupportedArchitecture
+from .validate import FIX, md_float, md_int, md_str
+
+# Ranges of the hyper-parameters: far beyond any real model, but small enough that nothing
+# sized from them (RoPE tables, KV caches, plans) can run away before a tensor shape disagrees.
+MAX_LAYERS = 4096
+MAX_DIM = 1 << 20  # hidden and FFN sizes
+MAX_HEADS = 1 << 12
+MAX_HEAD_DIM = 1 << 12
+MAX_VOCAB = 1 << 22
+MAX_CONTEXT = 1 << 24
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")
+
+# Architectures with the Llama block shape. The value says how RoPE pairs dimensions:
+# llama.cpp's converter permutes Llama's Q/K rows so that adjacent dims form a rotation pair
+# ("normal" RoPE), while Qwen2 is stored unpermuted and pairs dim i with dim i + d/2 ("neox").
+ARCHITECTURES: dict[str, str] = {
+    "llama": "normal",
+    "mistral": "normal",
+    "qwen2": "neox",
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    n_layers: int
+    hidden: int
+    ffn: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_dim: int
+    vocab_size: int
+    context_length: int
+    norm_eps: float
+    rope_base: float
+    rope_style: str  # "normal" (adjacent pairs) or "neox" (halves)
+    rope_scaling: str = "none"  # "none" or "linear"
+    rope_scale: float = 1.0  # linear scaling factor (positions divided by it)
+    attn_bias: bool = False  # QKV bias (Qwen2)
+    name: str = ""
+
+    @property
+    def gqa_group(self) -> int:
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @classmethod
+    def from_metadata(cls, md: Mapping[str, Any], tensor_names: set[str] | None = None,
+                      source: str = "model") -> "ModelConfig":
+        """The config a file's metadata describes, after checking every hyper-parameter's type
+        and range and, given the file's tensor names, the layer count against the tensors."""
+        arch = md.get("general.architecture")
+        if not isinstance(arch, str):
+            raise MissingMetadata(f"{source}: missing required metadata 'general.architecture'")
+        if arch not in ARCHITECTURES:
+            raise UnsupportedArchitecture(
+                f"{source}: architecture {arch!r} is not supported; supported: "
+                f"{', '.join(sorted(ARCHITECTURES))}")
+
+        def key(k: str) -> str:
+            return f"{arch}.{k}"
+
+        n_layers = md_int(md, key("block_count"), source, 1, MAX_LAYERS)
+        hidden = md_int(md, key("embedding_length"), source, 1, MAX_DIM)
+        ffn = md_int(md, key("feed_forward_length"), source, 1, MAX_DIM, per_layer=True)
+        n_heads = md_int(md, key("attention.head_count"), source, 1, MAX_HEADS, per_layer=True)
+        n_kv_heads = md_int(md, key("attention.head_count_kv"), source, 1, MAX_HEADS,
+                            default=n_heads, per_layer=True)
+        if n_heads % n_kv_heads:
+            raise GGUFError(f"{source}: head counts {n_heads} (query) and {n_kv_heads} (key/value) "
+                            f"are invalid; the query count must be a positive multiple "
+                            f"({key('attention.head_count')} / "
+                            f"{key('attention.head_count_kv')}); {FIX}")
+        if key("attention.key_length") in md:
+            head_dim = md_int(md, key("attention.key_length"), source, 1, MAX_HEAD_DIM)
+        else:
+            if hidden % n_heads:
+                raise InvalidMetadata(
+                    f"{source}: {key('embedding_length')} {hidden} is not a multiple of "
+                    f"{key('attention.head_count')} {n_heads}, and there is no "
+                    f"{key('attention.key_length')} to give the head size; {FIX}")
+            head_dim = hidden // n_heads
+            if head_dim > MAX_HEAD_DIM:
+                raise InvalidMetadata(f"{source}: the head size {hidden} / {n_heads} = "
+                                      f"{head_dim} is larger than {MAX_HEAD_DIM}; {FIX}")
+        value_dim = md_int(md, key("attention.value_length"), source, 1, MAX_HEAD_DIM,
+                           default=head_dim)
+        if value_dim != head_dim:
+            raise UnsupportedArchitecture(
+                f"{source}: {key('attention.value_length')} {value_dim} differs from the key "
+                f"head size {head_dim}; slipstream supports equal key and value head sizes")
+        rope_dim = md_int(md, key("rope.dimension_count"), source, 1, head_dim, default=head_dim,
+                          hint=f" (at most the head size {head_dim})")
+        if rope_dim % 2:
+            raise InvalidMetadata(f"{source}: metadata {key('rope.dimension_count')!r} is "
+                                  f"{rope_dim}; RoPE rotates pairs of dimensions, so it must be "
+                                  f"even; {FIX}")
+        tokens = md.get("tokenizer.ggml.tokens")
+        if tokens is not None and not isinstance(tokens, list):
+            raise InvalidMetadata(f"{source}: metadata 'tokenizer.ggml.tokens' is not an array; "
+                                  f"{FIX}")
+        if key("vocab_size") in md:
+            vocab = md_int(md, key("vocab_size"), source, 1, MAX_VOCAB)
+            if tokens is not None and len(tokens) != vocab:
+                raise InvalidMetadata(
+                    f"{source}: metadata {key('vocab_size')!r} is {vocab} but "
+                    f"'tokenizer.ggml.tokens' has {len(tokens)} tokens; the two must agree; "
+                    f"{FIX}")
+        else:
+            if tokens is None:
+                raise MissingMetadata(f"{source}: missing required metadata '{arch}.vocab_size' "
+                                      f"(and no tokenizer.ggml.tokens to infer it from)")
+            vocab = len(tokens)
+            if not 1 <= vocab <= MAX_VOCAB:
+                raise InvalidMetadata(f"{source}: 'tokenizer.ggml.tokens' has {vocab} tokens; a "
+                                      f"vocabulary has 1..{MAX_VOCAB}; {FIX}")
+        context = md_int(md, key("context_length"), source, 1, MAX_CONTEXT, default=2048)
+        eps = md_float(md, key("attention.layer_norm_rms_epsilon"), source, 1e-5, 0.0, 1.0,
+                       lo_open=True, hint=" (models use 1e-6 to 1e-5)")
+        rope_base = md_float(md, key("rope.freq_base"), source, 10000.0, 1.0, 1e30,
+                             hint=" (models use 1e4 to 1e7)")
+        scaling = md_str(md, key("rope.scaling.type"), source, "none")
+        scale = md_float(md, key("rope.scaling.factor"), source, 1.0, 0.0, 1e6) or 1.0
+        if scale < 1e-3:
+            raise InvalidMetadata(f"{source}: metadata {key('rope.scaling.factor')!r} is "
+                                  f"{scale!r}; a RoPE scaling factor is at least 0.001 (0 means "
+                                  f"none); {FIX}")
+        if scaling not in ("none", "linear") and not (scaling == "yarn" and scale == 1.0):
+            raise UnsupportedArchitecture(f"{source}: RoPE scaling type {scaling!r} is not "
+                                          f"supported; supported: none, linear, llama3 (rope_freqs)")
+        names = tensor_names or set()
+        cfg = cls(
+            architecture=arch,
+            n_layers=n_layers,
+            hidden=hidden,
+            ffn=ffn,
+            n_heads=n_heads,
+            n_kv_heads=n_kv_heads,
+            head_dim=head_dim,
+            rope_dim=rope_dim,
+            vocab_size=vocab,
+            context_length=context,
+            norm_eps=eps,
+            rope_base=rope_base,
+            rope_style=ARCHITECTURES[arch],
+            rope_scaling="linear" if scaling == "linear" else "none",
+            rope_scale=scale if scaling == "linear" else 1.0,
+            attn_bias="blk.0.attn_q.bias" in names,
+            name=str(md.get("general.name", "")),
+        )
+        if tensor_names is not None:
+            cfg.check_tensor_names(tensor_names, source)
+        return cfg
+
+    def check_tensor_names(self, names: Collection[str], source: str = "model") -> None:
+        """The layer count against the tensors present: every `blk.N.` tensor has N below
+        block_count, and every tensor a layer needs (and the embedding and final norm) is
+        there. Shapes are checked by weights.check_layer_shapes, before any byte is read."""
+        from ..model.layer_spec import EMBEDDING, spec_for
+
+        layers: dict[int, str] = {}
+        for name in names:
+            m = _LAYER_TENSOR.match(name)
+            if m:
+                layers.setdefault(int(m.group(1)), name)
+        beyond = sorted(i for i in layers if i >= self.n_layers)
+        if beyond:
+            raise InvalidMetadata(
+                f"{source}: metadata '{self.architecture}.block_count' is {self.n_layers} but "
+                f"the file has tensors of layer {beyond[-1]} (e.g. {layers[beyond[-1]]!r}), "
+                f"{len(beyond)} layer(s) beyond it; the layer count or the tensor names are "
+                f"wrong; {FIX}")
+        required = [t.suffix for t in spec_for(self.architecture).tensors if not t.optional]
+        for name in (EMBEDDING, "output_norm.weight"):
+            if name not in names:
+                raise GGUFError(f"{source}: missing tensor {name!r}")
+        for i in range(self.n_layers):
+            for suffix in required:
+                name = f"blk.{i}.{suffix}"
+                if name not in names:
+                    have = "" if i in layers else (
+                        f" (the file has no tensors of layer {i}, but "
+                        f"'{self.architecture}.block_count' is {self.n_layers})")
+                    raise GGUFError(f"{source}: missing tensor {name!r}{have}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
