@@ -867,6 +867,7 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
            threads: int | None = None, pipeline=None) -> Model:
     """Load the planned model: streamed tiers first, then the resident weights, the store
     and the engine."""
+    from .hybrid.policy import HybridSplit
     from .memory.setup import (disk_images, make_store, measure_bandwidths,
                                pin_streamed_layers)
 
@@ -877,7 +878,8 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
     # CUDA tiers B and C are built first, while the GPU holds nothing else, so the transient
     # GPU copy of the layer being built never sits on top of the resident model (on CPU:
     # the "packed" layers' images and the disk layers' image file).
-    images, hosts = pin_streamed_layers(gf, cfg, dev, precision, plan)
+    images, split = pin_streamed_layers(gf, cfg, dev, precision, plan,
+                                        HybridSplit.of(plan, cfg, dev))
     disk = disk_images(gf, cfg, dev, precision, plan, progress)
     weights = _load_weights_with_progress(gf, cfg, dev, precision, progress, resident,
                                           plan.embed_on_host, private_weights, plan)
@@ -886,7 +888,7 @@ def _build(model_path: Path, gf: GGUFFile, cfg: ModelConfig, dev: torch.device, 
         # (memory.vram reserves the larger of the two, not their sum).
         torch.cuda.empty_cache()
     store = make_store(gf, cfg, dev, precision, weights, plan, io, stream_delay, images,
-                       disk, hosts)
+                       disk, split)
     # one stage per planned stage (today one: the whole model on `dev`), all served by the store
     stages = [Stage.build(cfg, torch.device(st.device) if st.device != dev.type else dev,
                           st.layers, store, n_ctx, precision.kv_dtype, weights.rope_freqs)

@@ -2,10 +2,9 @@
 
 The plan sets each split layer's CPU share from bandwidths probed at start-up
 (hybrid.plan). The CPU's rate then changes under the engine: on the H200's host,
-sharing its cores with other tenants, the CPU's shares ran at 26-34 GB/s in some calls
+sharing its cores with other tenants, the CPU's shares ran at 26-34 GB/s in some runs
 against a 59-63 GB/s probe, and hybrid decode fell to 2.74-3.95 tok/s, below copying whole
-layers (3.10), because the GPU waited on the CPU at every split layer
-(bench/results/2026-12-03-s22-hybrid-bench-h200-call2.json, -call3.json).
+layers (3.10), because the GPU waited on the CPU at every split layer.
 
 Changing the share itself would repack the CPU's weights. Instead, a split layer can run
 whole on the GPU: its image is copied in full (the rest units are in it already, as for
@@ -22,15 +21,13 @@ The CPU's rate is what its worker measured (bytes read over seconds computing, f
 input's arrival), so it follows the machine. PCIe's is what the copies achieved over the same
 passes where the store meters them (memory.timeline.CopyMeter), else the plan's probe beside
 the CPU: on the H200 the probe said 49.4 GB/s and decode's copies ran at 43.6 beside the
-CPU's share, which then finished 67 ms of a 224 ms token early
-(bench/results/2026-12-05-s31-hybrid-bench-h200-call1.json).
+CPU's share, which then finished 67 ms of a 224 ms token early.
 
 k never drops below 1, so that the CPU's rate stays measured, and never exceeds the split
 layers packed at load. So the balance can only take work off the CPU. Packing each share with
-headroom and starting with fewer layers split, so that k could also climb, was tried (session
-32) and lost: on the H200 the 70B at 24 GiB decoded 4.288 tok/s with 28 of 36 layers split at
-a 0.73 share against 5.036 with all 36 at 0.54, the same bytes on each side in all
-(bench/results/2026-12-05-s32-hybrid-bench-headroom{1.3,1}-h200-call1.json). The copy stream
+headroom and starting with fewer layers split, so that k could also climb, loses: on the H200
+the 70B at 24 GiB decoded 4.288 tok/s with 28 of 36 layers split at a 0.73 share against 5.036
+with all 36 at 0.54, the same bytes on each side in all. The copy stream
 runs one slot ahead of compute: while the GPU waits at a split layer for the CPU's share, the
 copy link can bring only the next layer, whose prefix is short when it is split too, and then
 idles. A share the CPU finishes in about the time the next layer's copy takes keeps both busy;
@@ -45,7 +42,7 @@ alone put them within 3% of each other (185 and 190).
 A change costs one host wait (the ring's copies are settled and restarted), so it is made only
 for a predicted gain of MIN_GAIN or more, judged every WINDOW decode passes, and only once two
 windows in a row call for a change the same way: on the H200 the first window after a load
-measured the CPU at 40 GB/s and the next at 49 (-s22-hybrid-bench-h200-call4.json), and a
+measured the CPU at 40 GB/s and the next at 49, and a
 single window took three layers off the CPU for eight passes before giving them back.
 """
 
@@ -88,8 +85,8 @@ def pipeline_seconds(ring: list[tuple[int, int]], layers: dict[int, SplitLayer],
     last of `tokens` simulated: the copies run ahead into the next token). ring: every layer
     of a pass in order as (layer, bytes its whole image copies; 0 for a resident layer). A
     layer the GPU computes whole takes gpu_s on the chain; a split one `layer_s` (its GPU
-    part and the hand-over: the GPU's share of the FFN runs beside the CPU's, bench/results/
-    2026-12-05-s33-hybrid-bench-h100-call1.json's split_timing) and the CPU's share."""
+    part and the hand-over: the GPU's share of the FFN runs beside the CPU's, as --trace
+    shows) and the CPU's share."""
     pcie, cpu = pcie_gbps * 1e9, cpu_gbps * 1e9
     copy_end = compute_end = token = 0.0
     done: deque[float] = deque(maxlen=max(1, slots))  # the last slots' compute ends

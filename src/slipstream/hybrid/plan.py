@@ -1,7 +1,7 @@
 """When and how much hybrid decode gives the CPU: the split of each pinned-tier layer's FFN
-(hybrid.ffn) chosen so that the CPU's share and the PCIe copy of the rest finish together,
+(hybrid.split) chosen so that the CPU's share and the PCIe copy of the rest finish together,
 from the CPU's packed-matvec GB/s and the pinned copy GB/s measured on this machine, running
-together (they share host memory).
+together (they share host memory; hybrid.probe).
 
 Per streamed layer of image bytes B with FFN bytes F, a CPU share s of the FFN's units takes
 s F c / C + f seconds on the CPU's side (c: the CPU layout's bytes per GGUF byte, C its GB/s
@@ -18,52 +18,53 @@ whole on the GPU: the CPU would have to read them from disk too.
 
 from __future__ import annotations
 
-import functools
 import os
-import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+
+from ..errors import BadArgument
+from ..memory.probes import StealMeter
+from ..weights.cpu import kind_for, packed_nbytes
+from ..weights.loader import TensorSource
+from .probe import clear_weights, cpu_packed_gbps, cpu_token_scaling
+from .split import layer_splittable, split_point
 
 # The most tokens a split layer's CPU share may take (decode, small trees): the host buffers'
 # size. Below it the plan's crossover (HybridPlan.max_tokens) is measured: passes above that
 # are FLOP-bound on the CPU and copy whole layers. On the H200 a 70B pass of 8 tokens took
-# 0.83 s split and 0.32 s whole (bench/results/2026-12-01-s12-spec-bench-h200-call2).
+# 0.83 s split and 0.32 s whole.
 HYBRID_MAX_TOKENS = 8
-TOKEN_WIDTHS = (1, 2, 4, 8)  # the pass widths the crossover probe times
 # Time per split layer and token besides the bytes each side moves. A decode token is a chain:
 # every layer in order, each split layer's GPU part, then its CPU share, then the hand-back,
 # while the copies of the streamed layers run beside the whole chain. Measured with --trace on
-# the H100 (bench/results/2026-12-05-s33-hybrid-bench-h100-call1.json, split_timing: the 70B
-# at 24 GiB, 36 split layers between 44 resident ones, 188.9 ms a token):
+# an H100 (the 70B at 24 GiB, 36 split layers between 44 resident ones, 188.9 ms a token):
 # - HANDOVER_S: a split layer's GPU part on the chain: its attention, the normed input's copy
 #   down and the worker seeing it (0.153 ms from the layer's GPU start to the CPU starting),
 #   and after the share the wait kernel seeing the flag and adding the result (about 0: the
-#   GPU's own share of the FFN is done long before). Session 9 had inferred 0.55 ms from the
-#   totals, when the resident layers' GPU time was not yet counted on the chain.
+#   GPU's own share of the FFN is done long before).
 # - GPU_LAYER_S: a layer the GPU computes whole (0.328 ms a resident 70B layer, 0.30 an 8B
 #   one: streamed plans run without CUDA graphs). 44 of them took 14.5 ms of the token.
 # - CPU_FIXED_S: the CPU's cost per share besides its bytes (the Python and torch calls around
 #   the two native matvecs: about 20 us on 2 cores here, more with 15 threads' fork-joins).
-#   Session 9's 1.0 ms came from a probe that read its weight partly from the host's 300 MiB
-#   last-level cache (cpu_packed_gbps now reads a weight larger than it).
 CPU_FIXED_S = 0.1e-3
 HANDOVER_S = 0.16e-3
 GPU_LAYER_S = 0.33e-3
 LAYER_COST_S = CPU_FIXED_S + HANDOVER_S  # what the chain pays per split layer, any share
 # Auto splits only where each layer's CPU share would take at least this long, by the probe's
-# rate. The H200's 8B at 4 GiB split 11 layers at a 20% share in session 13 (0.4 ms of CPU work
-# a layer by the probe) and decoded at 20.1 tok/s against 29.3 whole, when the host still
-# waited for each share. Session 36 forced the split on an H100 (the 8B at 4 GiB, 18 layers at
-# a 0.64 share, the float32 records: 0.83 ms a layer by the probe, 1.34 ms measured in the
-# trace with 8.7 of 15 threads' cores busy): 34.05, then 24.9-29.2 in four repeats, at a 0.5
-# share 33.87, against 24.10 whole; auto at this threshold took the split and
-# its balance kept 14 of 18 layers on the CPU: 31.08 (bench/results/2026-12-06-s36-hybrid-
-# bench-8b-*-h100-call*.json). With Q4_KS the same share is 0.64 ms by the probe.
+# rate. The H200's 8B at 4 GiB split 11 layers at a 20% share (0.4 ms of CPU work a layer by
+# the probe) and decoded at 20.1 tok/s against 29.3 whole, when the host still waited for each
+# share. Forced on an H100 (the 8B at 4 GiB, 18 layers at a 0.64 share, float32 records:
+# 0.83 ms a layer by the probe, 1.34 ms measured in the trace with 8.7 of 15 threads' cores
+# busy) the split decoded at 34.05, then 24.9-29.2 in four repeats, at a 0.5 share 33.87,
+# against 24.10 whole; auto at this threshold took the split and its balance kept 14 of 18
+# layers on the CPU: 31.08. With Q4_K's own scales the same share is 0.64 ms by the probe.
 MIN_CPU_LAYER_S = 0.5e-3
-# Decode's CPU shares against the probe (cpu_packed_gbps beside a copy): on session 34's H100
+# Decode's CPU shares against the probe (cpu_packed_gbps beside a copy): on a 16-core H100
 # host, with the threads taking chunks, the probe read 93.0 GB/s and decode's shares 80.6
 # (85.9 once the balance had settled): a share from the probe's rate was 0.69 where the chain
-# and the copies meet at about 0.63 (bench/results/2026-12-05-s34-hybrid-bench-*-h100-call1).
+# and the copies meet at about 0.63.
 DECODE_CPU_EFFICIENCY = 0.87
 MODES = ("auto", "off", "on")
 
@@ -73,7 +74,7 @@ class HybridPlan:
     """The split of the plan's pinned layers between CPU and PCIe."""
 
     cpu_share: float  # of each split layer's FFN units, computed on the CPU
-    keep: int  # FFN units each split layer keeps on the GPU (hybrid.ffn.split_point)
+    keep: int  # FFN units each split layer keeps on the GPU (hybrid.split.split_point)
     layers: list[int]  # the split layers (pinned tier, splittable FFN)
     cpu_gbps: float  # the CPU's packed-matvec rate measured at start-up
     pcie_gbps: float
@@ -92,16 +93,13 @@ class HybridPlan:
     # (hybrid.balance); a share or "on" given by the user stays as given
     rebalance: bool = False
     # cores the hypervisor took from the machine while the CPU's rate was probed (None: not
-    # probed here, or not reported): on session 35's H100 host 1.1 cores were stolen and
-    # hybrid decode ran at 3.9 tok/s against 5.2 predicted, the shares with about 6 of 15
-    # threads' cores busy (bench/results/2026-12-06-s35-hybrid-bench-q4ks-h100-call1.json)
+    # probed here, or not reported): on an H100 host with 1.1 cores stolen hybrid decode ran
+    # at 3.9 tok/s against 5.2 predicted, the shares with about 6 of 15 threads' cores busy
     cores_stolen: float | None = None
 
 
 def parse_hybrid(value: str | float | None) -> str | float:
     """--hybrid's value: auto, off, on, or a CPU share in (0, 1] (BadArgument otherwise)."""
-    from ..errors import BadArgument
-
     if value is None:
         return "auto"
     if isinstance(value, str) and value in MODES:
@@ -117,201 +115,15 @@ def parse_hybrid(value: str | float | None) -> str | float:
 
 
 def default_threads() -> int:
-    """All cores but one (15 of the H200 host's 16): the one left drives the GPU and the copy
-    engine's submissions. Measured on the 70B at 24 GiB with hybrid on, each count's decode
-    the mean of a sweep up and down on one load (bench/results/2026-12-03-s20-hybrid-bench-
-    h200-call1.json): 8 / 10 / 12 / 13 / 14 / 15 / 16 threads, 4.42 / 4.45 / 4.86 / 4.95 /
-    4.94 / 5.12 / 4.75 tok/s. All 16 starve the pinned copy (issue 13's table: the CPU's
-    kernel beside it fell to 39.5 GB/s, from 49.9 at 12). With q4vnni on another H200 host
-    (session 31, -s31-hybrid-bench-h200-call1.json): 14 / 15 / 16 threads 4.444 / 4.440 /
-    3.991, 14 and 15 level within their runs, 16 a tenth behind again."""
+    """All cores but one (15 of a 16-core GPU host's): the one left drives the GPU and the
+    copy engine's submissions. Measured on the 70B at 24 GiB with hybrid on, each count's
+    decode the mean of a sweep up and down on one load of an H200 host: 8 / 10 / 12 / 13 / 14 /
+    15 / 16 threads, 4.42 / 4.45 / 4.86 / 4.95 / 4.94 / 5.12 / 4.75 tok/s; all 16 starve the
+    pinned copy (the CPU's kernel beside it fell to 39.5 GB/s, from 49.9 at 12). With q4vnni
+    on another H200 host: 14 / 15 / 16 threads 4.444 / 4.440 / 3.991, 14 and 15 level within
+    their runs, 16 a tenth behind again."""
     n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return max(1, (n or 4) - 1)
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_packed_gbps(threads: int, rows: int = 16384, cols: int = 8192, reps: int = 12,
-                    beside_copy: bool = False, copy_bytes: int = 128 << 20,
-                    kind: str | None = None) -> tuple[float, float | None]:
-    """GB/s of hybrid's CPU kernel for Q4_K (_host_matmul) on one token against a 64 MiB
-    weight (larger than the caches), with `threads` threads: the rate the CPU's share runs at. beside_copy (CUDA): the
-    kernel runs while pinned host-to-device copies do, as in hybrid decode, since both read
-    host memory and slow each other down (on the H200 host the kernel alone read 76 GB/s and
-    51 GB/s during decode, where the share was set from the 76). Returns the kernel's GB/s
-    and, beside_copy, the copies' GB/s measured over the same time (else None), copying
-    `copy_bytes` at a time into a device buffer of that size. kind: the CPU layout timed
-    (None: hybrid.ffn.host_kind's for Q4_K now). Measured once per process and
-    setting."""
-    import torch
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        one, weight_bytes = _host_matmul(rows, cols, 1, kind)
-        for _ in range(2):
-            one()
-        if not beside_copy:
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                one()
-            return weight_bytes * reps / (time.perf_counter() - t0) / 1e9, None
-        return _beside_copy(one, weight_bytes, copy_bytes)
-    finally:
-        torch.set_num_threads(saved)
-
-
-def _host_matmul(rows: int, cols: int, tokens: int, kind: str | None = None):
-    """A call of the CPU kernel hybrid decode runs Q4_K on (kind, or hybrid.ffn.host_kind's:
-    torch's int4 kernel, q4vnni, or the image's planes read in place) on `tokens` rows against
-    a random (rows, cols) weight, and the weight's bytes in that layout."""
-    import torch
-    from gguf import GGMLQuantizationType
-
-    from ..weights.cpu_packed import INT4_GROUP
-    from .ffn import host_kind
-
-    x = torch.randn(tokens, cols, dtype=torch.bfloat16,
-                    generator=torch.Generator().manual_seed(1))
-    kind = kind or host_kind(GGMLQuantizationType.Q4_K)
-    if kind == "planes":  # its weight as large as q4vnni's (see probe_rows)
-        planes = _plane_weight(probe_rows(rows, cols), cols)
-        return (lambda: planes(x)), planes.nbytes
-    if kind in ("q4vnni", "q4vnni-f16"):
-        linear = _q4vnni_weight(probe_rows(rows, cols), cols, kind == "q4vnni-f16")
-        return (lambda: linear.kernel(x)), linear.nbytes
-    packed, scale_zeros = _int4_weight(rows, cols)
-
-    def one() -> None:
-        torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, INT4_GROUP, scale_zeros)
-
-    return one, packed.numel() + scale_zeros.numel() * 2
-
-
-# The q4vnni and planes probes' weight is at least PROBE_CACHE_MULTIPLE times the host's
-# last-level cache. The H100 and H200 hosts have a 300 MiB L3: at 16384 x 8192 (96 MiB of
-# records) the H200 host's probe read 149.8 GB/s beside the copies and decode's share 74.5
-# (s28-hybrid-bench-q4vnni-h200-call4.json); at 4x that (402 MB, sessions 29-33) the probes
-# still read 72-150 GB/s where decode's shares, 11 GB a token, ran at 62-84, and on the H100
-# a 95.1 GB/s probe set a 0.598 share that left the copies idle 20 ms of a 189 ms token
-# (s33-hybrid-bench-h100-call1.json). Their records are written directly, so a large one
-# costs little (int4pack's, packed from codes, keeps its size: the default plan is left as
-# measured).
-PROBE_CACHE_MULTIPLE = 3
-PROBE_MAX_BYTES = 2 << 30
-
-
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache this host reports (Linux sysfs), or 64 MiB where it says none."""
-    best = 0
-    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        try:
-            text = size.read_text().strip().upper()
-            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-            best = max(best, int(text.rstrip("KMG")) * scale)
-        except (OSError, ValueError):
-            continue
-    return best or 64 << 20
-
-
-def probe_rows(rows: int, cols: int, bits_per_weight: float = 6.0) -> int:
-    """The probe weight's rows: at least `rows`, and enough that a weight of `cols` columns
-    at q4vnni's bits per weight is PROBE_CACHE_MULTIPLE times the last-level cache (at most
-    PROBE_MAX_BYTES), in 64-row blocks."""
-    want = min(PROBE_CACHE_MULTIPLE * last_level_cache_bytes(), PROBE_MAX_BYTES)
-    need = int(want * 8 / bits_per_weight / cols)
-    return -(-max(rows, need) // 64) * 64
-
-
-@functools.lru_cache(maxsize=2)
-def _q4vnni_weight(rows: int, cols: int, halves: bool = False, k_scales: bool | None = None):
-    """A random weight in the q4vnni layout Q4_K takes (k_scales, the default where
-    cpu_packed.Q4VNNI_KS: Q4_K's own scales, d and dmin 0.01 and scales and mins random; else
-    float32 scales and zeros, or float16 with `halves`, all 0.01; codes random), made in its
-    records directly: packing random Q4_K bytes took 9 s for a quarter of this size on 2
-    cores."""
-    import torch
-    from gguf import GGMLQuantizationType
-
-    from ..weights import cpu_packed as cp
-
-    gen = torch.Generator().manual_seed(0)
-    blocks, groups = -(-rows // cp.Q4V_ROWS), cols // cp.INT4_GROUP
-    if k_scales is None:
-        k_scales = not halves and cp.q4vnni_k_scales((GGMLQuantizationType.Q4_K,), cols)
-    record = cp.Q4V_KS_RECORD_BYTES if k_scales else cp.q4vnni_record_bytes(not halves)
-    packed = torch.randint(0, 256, (blocks, groups, record), dtype=torch.uint8, generator=gen)
-    if k_scales:  # each run's header starts with d and dmin
-        runs = packed.view(blocks, groups // cp.Q4V_KS_RUN, -1)
-        runs[..., :4 * cp.Q4V_ROWS] = torch.full(
-            (blocks, groups // cp.Q4V_KS_RUN, 2 * cp.Q4V_ROWS), 0.01,
-            dtype=torch.float16).view(torch.uint8)
-    else:
-        planes = torch.full((blocks, groups, 2 * cp.Q4V_ROWS), 0.01,
-                            dtype=torch.float16 if halves else torch.float32)
-        packed[..., cp.Q4V_CODE_BYTES:] = planes.view(torch.uint8)
-    return cp.Q4VnniLinear(packed, rows)
-
-
-@functools.lru_cache(maxsize=2)
-def _plane_weight(rows: int, cols: int):
-    """A random Q4_K weight in the GPU kernels' planes (kernels.pack) in host memory, read by
-    hybrid.plane_host.PlaneLinear (codes random; d, dmin 0.01; scales and mins random 6-bit),
-    made directly: packing random Q4_K bytes would take seconds on a small machine."""
-    import torch
-    from gguf import GGMLQuantizationType
-
-    from ..kernels.pack import PackedWeight
-    from .plane_host import PlaneLinear
-
-    gen = torch.Generator().manual_seed(0)
-    lo = torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, cols // 8), dtype=torch.int32,
-                       generator=gen)
-    d = torch.full((rows, cols // 256), 0.01, dtype=torch.float16)
-    sc, mn = (torch.randint(0, 64, (rows, cols // 32), dtype=torch.uint8, generator=gen)
-              for _ in range(2))
-    return PlaneLinear(PackedWeight(GGMLQuantizationType.Q4_K, rows, cols, lo=lo, d=d,
-                                    m=d.clone(), sc=sc, mn=mn))
-
-
-@functools.lru_cache(maxsize=2)
-def _int4_weight(rows: int, cols: int):
-    """A random int4pack weight and its scales (packed once: the probes share it)."""
-    import torch
-
-    from ..weights.cpu_packed import INT4_GROUP, _pack_int4
-
-    gen = torch.Generator().manual_seed(0)
-    u = torch.randint(0, 16, (rows, cols), dtype=torch.uint8, generator=gen)
-    scale_zeros = torch.full((cols // INT4_GROUP, rows, 2), 0.01, dtype=torch.bfloat16)
-    return _pack_int4(u), scale_zeros
-
-
-@functools.lru_cache(maxsize=None)
-def cpu_token_scaling(threads: int, rows: int = 16384, cols: int = 8192, reps: int = 4,
-                      widths: tuple[int, ...] = TOKEN_WIDTHS, kind: str | None = None
-                      ) -> dict[int, float]:
-    """Hybrid's CPU kernel's time (_host_matmul) on m tokens over its time on one, for each m
-    of `widths`, with `threads` threads: one token reads the weight at memory speed, several multiply it
-    more times than the bytes cost (above a few tokens the CPU is FLOP-bound). Measured once
-    per process and setting, each width on the same weight, best of `reps`."""
-    import torch
-
-    saved = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        seconds = {}
-        for m in widths:
-            one, _ = _host_matmul(rows, cols, m, kind)
-            one()
-            best = float("inf")
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                one()
-                best = min(best, time.perf_counter() - t0)
-            seconds[m] = best
-        return {m: seconds[m] / seconds[widths[0]] for m in widths}
-    finally:
-        torch.set_num_threads(saved)
 
 
 def hybrid_max_tokens(image_bytes: list[int], ffn_bytes: list[int], share: float,
@@ -330,39 +142,6 @@ def hybrid_max_tokens(image_bytes: list[int], ffn_bytes: list[int], share: float
             break
         best = m
     return best
-
-
-def _beside_copy(one, weight_bytes: int, copy_bytes: int,
-                 total: int = 3 << 30) -> tuple[float, float]:
-    """Run `one` (a CPU matvec over weight_bytes) back to back while pinned copies of
-    copy_bytes, `total` bytes in all, run on a CUDA stream (about 55 ms at PCIe 5): both
-    rates over that time. The copies cycle through a pinned buffer larger than the last-level
-    cache (probe_rows' multiple, at most 1 GiB), as decode's copies read images never in it:
-    one buffer copied again and again could be served partly from the cache."""
-    import torch
-
-    chunks = max(1, min(PROBE_CACHE_MULTIPLE * last_level_cache_bytes(), 1 << 30)
-                 // copy_bytes)
-    host = torch.empty(chunks, copy_bytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(copy_bytes, dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.Stream()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    dev.copy_(host[0])  # warm the link
-    torch.cuda.synchronize()
-    with torch.cuda.stream(stream):
-        start.record(stream)
-        for k in range(copies := max(1, total // copy_bytes)):
-            dev.copy_(host[k % chunks], non_blocking=True)
-        end.record(stream)
-    n = 0
-    t0 = time.perf_counter()
-    while not end.query() or n < 2:
-        one()
-        n += 1
-    cpu_s = time.perf_counter() - t0
-    end.synchronize()
-    copy_s = start.elapsed_time(end) / 1e3
-    return weight_bytes * n / cpu_s / 1e9, copy_bytes * copies / copy_s / 1e9
 
 
 def balanced_share(image_bytes: int, ffn_bytes: int, cpu_ratio: float, pcie_gbps: float,
@@ -449,12 +228,6 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     (measurements). cpu_gbps, token_scaling (cpu_token_scaling: the
     CPU kernel's cost by pass width, which sets the widest split pass): measured here when
     not given."""
-    from gguf import GGMLQuantizationType
-
-    from .ffn import host_kind, host_nbytes, layer_splittable, split_point
-    from ..weights.loader import TensorSource
-    from ..memory.probes import StealMeter
-
     share_given = None
     if not isinstance(mode, str):
         share_given = float(mode)
@@ -471,13 +244,11 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
     if not layers or not pcie:
         return None
     threads = threads or default_threads()
-    kind = host_kind(GGMLQuantizationType.Q4_K)  # the probes' layout (their results are cached)
+    kind = kind_for(GGMLQuantizationType.Q4_K)  # the probes' layout (their results are cached)
     cores_stolen = None  # measured only around a probe run here
     if cpu_gbps is None:
         # both links as they run together: the share from rates measured alone gave the
         # CPU too much (see cpu_packed_gbps)
-        import torch
-
         # the copy's device buffer within the budget, as measure_bandwidths' probes
         copy_bytes = max(min(128 << 20, (plan.budget or 1 << 33) // 8), 8 << 20)
         with StealMeter() as steal:
@@ -489,18 +260,15 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
         # weights a third its size each, one after another with the GPU's work between them
         cpu_gbps *= DECODE_CPU_EFFICIENCY
     cpu = cpu_gbps
-    ffn, ratio_num, ratio_den, packed_num = [], 0, 0, 0
+    ffn, ratio_num, ratio_den = [], 0, 0
     for i in layers:
         f = 0
         for n in ("ffn_gate", "ffn_up", "ffn_down"):
             info = gf.tensors[f"blk.{i}.{n}.weight"]
             f += info.n_bytes
             q = GGMLQuantizationType(int(info.ggml_type))
-            nbytes = host_nbytes(q, (int(info.shape[0]), int(info.shape[1]))) or 0
-            ratio_num += nbytes
+            ratio_num += packed_nbytes(q, (int(info.shape[0]), int(info.shape[1]))) or 0
             ratio_den += info.n_bytes
-            if host_kind(q) != "planes":  # a packed copy beside the image (not read in place)
-                packed_num += nbytes
         ffn.append(f)
     cpu_ratio = ratio_num / ratio_den  # the CPU layout's bytes per GGUF byte
     image = [plan.file_bytes_per_layer[i] for i in layers]
@@ -523,15 +291,13 @@ def plan_hybrid(gf, cfg, plan, mode: str | float = "auto", threads: int | None =
                                    and amortized)
     if split and token_scaling is None:  # the widths are timed only for a split made
         token_scaling = cpu_token_scaling(threads, kind=kind)
-    _int4_weight.cache_clear()  # the probes' weights (their results stay cached)
-    _q4vnni_weight.cache_clear()
-    _plane_weight.cache_clear()
+    clear_weights()  # the probes' weights (their results stay cached)
     if not split:
         return None
     widest = hybrid_max_tokens(image, ffn, share, cpu_ratio, pcie, cpu, token_scaling,
                                others_s)
     return HybridPlan(share, keep, layers, cpu, pcie, threads, cpu_bytes, pcie_bytes,
                       predicted, plain, max_tokens=min(widest, HYBRID_MAX_TOKENS),
-                      extra_ram_bytes=int(cpu_bytes * packed_num / max(ratio_num, 1)),
+                      extra_ram_bytes=cpu_bytes,
                       gguf_ffn_bytes=dict(zip(layers, ffn)),
                       rebalance=mode == "auto", cores_stolen=cores_stolen)

@@ -5,21 +5,22 @@ its tier's source (sources.py: pinned RAM, the image file through staging buffer
 or the mmap baseline) into a GPU slot of the ring (slots.py), and the layer is rebuilt as views
 into the slot, so no repacking happens on the hot path. With --stats, CUDA events time compute,
 stalls and copies (timeline.py); without, nothing here waits on the GPU per layer.
+
+With hybrid decode, split layers copy only their image's prefix in decode and the CPU computes
+the rest of their FFN. The store knows that split through a SplitPolicy (below, implemented by
+hybrid.policy.HybridSplit): memory/ does not import hybrid/.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Collection
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..model.llama import LayerWeights
-from ..hybrid.ffn import REST_FIELDS
 from ..weights.image import LayerImage, from_image, prefix_bytes, resident_copy
-from ..hybrid.balance import HybridBalance, SplitLayer
-from ..hybrid.plan import HANDOVER_S
 from .image_file import ImageFile
 from .planner import evenly_spaced
 from .protocol import StoreBase, StoreStats
@@ -33,17 +34,44 @@ if TYPE_CHECKING:
     from ..runtime.trace import Tracer
 
 
+class Balance(Protocol):
+    """The running judgement of how many split layers the CPU serves (hybrid.balance)."""
+
+    other_bytes: int  # what the streamed layers that are not split copy per token
+    ring: list[tuple[int, int]] | None  # a pass's layers in order: (layer, whole image bytes)
+
+    def observe(self, cpu_seconds: float, cpu_bytes: int, copy_seconds: float | None = None,
+                copy_bytes: int | None = None) -> set[int] | None: ...
+
+    def forget(self, layers) -> None: ...
+
+
+class SplitPolicy(Protocol):
+    """Hybrid decode's split as the store uses it (hybrid.policy.HybridSplit)."""
+
+    hosts: dict[int, Any]  # split layer -> its CPU share (a layer view's `ffn_host`)
+    rest_fields: tuple[str, ...]  # the image's tail (LayerWeights fields) decode leaves out
+    max_tokens: int  # passes of up to this many tokens split; larger ones copy whole images
+
+    def balance(self, prefix: dict[int, int], image: dict[int, int], other_bytes: int,
+                ring: list[tuple[int, int]], slots: int) -> Balance | None: ...
+
+    def count_into(self, stats: StoreStats) -> None: ...
+
+    def trace(self, tracer: "Tracer | None") -> None: ...
+
+    def close(self) -> None: ...
+
+
 class CudaLayerStore(StoreBase):
     def __init__(self, resident: list[LayerWeights | None], device: torch.device, workspace,
                  images: dict[int, LayerImage] | None = None, disk: ImageFile | None = None,
                  io: str = "direct", n_slots: int = 2, n_staging: int = 3, threads: int = 2,
                  delays: StreamDelays | None = None, seed: int = 0,
-                 drop_cache: bool = True, hosts: dict | None = None,
-                 pcie_gbps: float | None = None):
-        """hosts: hybrid decode's CPU shares (hybrid.ffn.HostFFN) of split pinned layers,
-        whose images end with the same units in GPU format (the part decode leaves out).
-        pcie_gbps: the plan's PCIe rate beside the CPU; with it, decode keeps the split
-        balanced as the CPU's and the copies' measured rates change (hybrid.balance)."""
+                 drop_cache: bool = True, split: SplitPolicy | None = None):
+        """split: hybrid decode's split of pinned layers, whose images end with the CPU's units
+        in GPU format (the part decode leaves out); with a balance from it, decode keeps the
+        split balanced as the CPU's and the copies' measured rates change."""
         self.layers = resident
         self.device = device
         self.workspace = workspace
@@ -76,20 +104,19 @@ class CudaLayerStore(StoreBase):
         self.feed = {i: src if src.own_slot else self.ring
                      for src in self.sources for i in src.layouts}
         self._views: dict[tuple[int, int, bool], LayerWeights] = {}  # (layer, slot, split)
-        self.hosts = dict(hosts or {})
+        self.split = split
+        self.hosts = dict(split.hosts) if split is not None else {}
         # split layers: the bytes of their images before the GPU copy of the CPU's share
-        self.prefix = {i: prefix_bytes(self.layouts[i], REST_FIELDS) for i in self.hosts}
+        self.prefix = {i: prefix_bytes(self.layouts[i], split.rest_fields) for i in self.hosts}
         self.split_mode = False  # the pass running computes the CPU's shares on the CPU
-        for h in self.hosts.values():
-            h.io.stats = self.stats
+        if split is not None:
+            split.count_into(self.stats)
         # the split layers whose shares the CPU computes in decode; the others run whole
         self.active = set(self.hosts)
-        self.balance = HybridBalance(
-            {i: SplitLayer(h.nbytes, self.prefix[i], self.layouts[i].nbytes)
-             for i, h in self.hosts.items()}, self._unsplit_bytes(), pcie_gbps,
-            layer_s=HANDOVER_S, ring=self._ring_layout(),
-            slots=len(self.ring.slots) if self.ring is not None else 2) \
-            if self.hosts and pcie_gbps else None
+        self.balance = split.balance(
+            self.prefix, {i: self.layouts[i].nbytes for i in self.hosts},
+            self._unsplit_bytes(), self._ring_layout(),
+            len(self.ring.slots) if self.ring is not None else 2) if self.hosts else None
         if self.balance is not None and self.ring is not None:
             # the copies' achieved rate, for the balance's judgement of PCIe
             self.ring.meter = CopyMeter()
@@ -102,7 +129,7 @@ class CudaLayerStore(StoreBase):
         settled and the ring restarts (one host wait, at a prefill or a large tree)."""
         if not self.hosts:
             return
-        split = tokens <= next(iter(self.hosts.values())).io.max_tokens
+        split = tokens <= self.split.max_tokens
         if split and self.balance is not None:
             meter = self.ring.meter if self.ring is not None else None
             copied = meter.poll() if meter is not None else (None, None)
@@ -135,9 +162,9 @@ class CudaLayerStore(StoreBase):
                 self._set_split(True)
 
     def _ring_layout(self) -> list[tuple[int, int]]:
-        """A decode pass's layers in order as the balance's ring model takes them (memory.
-        hybrid_balance.pipeline_seconds): (layer, bytes of its whole image; 0 if resident),
-        the skipped ones left out."""
+        """A decode pass's layers in order as the balance's ring model takes them (hybrid.
+        balance.pipeline_seconds): (layer, bytes of its whole image; 0 if resident), the
+        skipped ones left out."""
         return [(i, 0 if self.layers[i] is not None else self.layouts[i].nbytes)
                 for i in range(len(self.layers))
                 if i not in self.skipped and (self.layers[i] is not None or i in self.feed)]
@@ -195,8 +222,8 @@ class CudaLayerStore(StoreBase):
                 if ring is not None and tracer is not None else None
         if self.staging is not None:
             self.staging.trace(tracer)
-        for host in self.hosts.values():  # hybrid decode's CPU worker: its wait and share
-            host.io.tracer = tracer
+        if self.split is not None:  # hybrid decode's CPU worker: its wait and share
+            self.split.trace(tracer)
 
     # --- the engine's side ----------------------------------------------------------------
 
@@ -338,9 +365,9 @@ class CudaLayerStore(StoreBase):
         if not self.sources:
             return
         failure = None
-        for io in {id(h.io): h.io for h in self.hosts.values()}.values():
+        if self.split is not None:
             try:  # hybrid's CPU worker first: the stream may be waiting on it
-                io.close()
+                self.split.close()
             except RuntimeError as e:
                 failure = e
         torch.cuda.synchronize(self.device)  # no copy or kernel may still use what goes

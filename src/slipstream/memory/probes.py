@@ -12,9 +12,19 @@ import os
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
+from ..model.layer_spec import head_tensor_name
+from ..model.llama import block_forward
+from ..model.rope import RopeTable
+from ..model.step import append_step
+from ..weights.cpu import PackedDecodeLinear, kind_for, pack_linear
+from ..weights.cpu_image import cpu_image_of, decode_layer
+from ..weights.linear import GEMV_MAX_ROWS, DenseLinear
+from ..weights.loader import LayerBuilder, TensorSource, layer_span, raw_tensor
 from .disk import AlignedBuffer, DirectReader
+from .store import steady_heap
 
 
 def steal_seconds(stat: str = "/proc/stat") -> float | None:
@@ -126,8 +136,8 @@ def _timed_fn(device: torch.device, fn: Callable[[], object]) -> float:
 PROBE_CTX = 64  # KV slots of the probe's decode step: a short context, as at a run's start
 
 
-def cpu_decode_rates(gf, cfg, precision, layer: int, time_budget_s: float = 0.5,
-                     max_reps: int = 25) -> dict[str, float]:
+def cpu_decode_rates(gf, cfg, precision, layer: int, resident_bytes: int, head_bytes: int,
+                     time_budget_s: float = 0.5, max_reps: int = 25) -> dict[str, float]:
     """GB/s of one CPU decode step's parts, measured on layer `layer` of `gf` the way the disk
     store and the engine treat a streamed layer: made from its bytes in RAM, then run through
     one decode step at once.
@@ -137,34 +147,29 @@ def cpu_decode_rates(gf, cfg, precision, layer: int, time_budget_s: float = 0.5,
       (DiskLayerStore's decode layers), else its GGUF span built into the dense layer
       (DiskLayerStore's rebuild, on the heap it keeps steady: store.steady_heap);
     "compute": the bytes the planner counts a layer's decode by (its image's at precision.
-      cpu_packed_decode, else its resident RAM bytes, setup.layer_resident_bytes: the plan's
-      per-layer sizes, Plan.cpu_token_seconds) through one decoder block's decode step per second
+      cpu_packed_decode, else its resident RAM bytes, `resident_bytes`: setup.
+      layer_resident_bytes, the plan's per-layer sizes, Plan.cpu_token_seconds) through one
+      decoder block's decode step per second
       (block_forward at a short context: the matvecs, norms, RoPE, attention and residuals,
       whatever kernels the layer uses), timed right after the layer is made, as a streamed
       layer runs; a resident layer, out of cache after a whole token of other layers, costs
       about the same;
-    "gemv": the head's decode bytes (setup.head_decode_bytes, as the planner counts them) per
-      second through one matvec: the head itself, packed, at precision.cpu_packed_decode;
-      else the layer's ffn_down at precision.weight_dtype.
+    "gemv": the head's decode bytes (`head_bytes`: setup.head_decode_bytes, as the planner
+      counts them) per second through one matvec: the head itself, packed, at
+      precision.cpu_packed_decode; else the layer's ffn_down at precision.weight_dtype (whose
+      bytes are counted here, not `head_bytes`).
 
     A build and its step run once to warm up (first-call paths), then again while
     `time_budget_s` lasts (at most `max_reps` times); the medians count, so that a burst of
     load from elsewhere on a shared machine moves none of them much. A layer too slow to
     repeat within the budget counts its first run."""
-    from ..weights.loader import LayerBuilder, TensorSource, layer_span
-    from .setup import head_decode_bytes, layer_resident_bytes
-
     if precision.cpu_packed_decode:
-        from ..weights.cpu_image import cpu_image_of, decode_layer
-
         data, layout = cpu_image_of(gf, cfg, precision, layer)
         moved = layout.nbytes
 
         def make():
             return decode_layer(layout, data)
     else:
-        from .store import steady_heap
-
         start, end = layer_span(gf, layer)
         data = _file_bytes(gf.path, start, end)
         moved = end - start
@@ -200,23 +205,17 @@ def cpu_decode_rates(gf, cfg, precision, layer: int, time_budget_s: float = 0.5,
         return (time.perf_counter() - t0,)
 
     (gemvs,) = zip(*_repeat(gemv, time_budget_s, max_reps))
-    head_bytes = head_decode_bytes(gf, precision) if precision.cpu_packed_decode else \
-        cfg.hidden * cfg.ffn * torch.finfo(precision.weight_dtype).bits // 8
-    computed = moved if precision.cpu_packed_decode else \
-        layer_resident_bytes(gf, layer, precision)
+    if not precision.cpu_packed_decode:
+        head_bytes = cfg.hidden * cfg.ffn * torch.finfo(precision.weight_dtype).bits // 8
     return {"rebuild": moved / _median(builds) / 1e9,
-            "compute": computed / _median(steps) / 1e9,
+            "compute": (moved if precision.cpu_packed_decode else resident_bytes)
+            / _median(steps) / 1e9,
             "gemv": head_bytes / _median(gemvs) / 1e9}
 
 
 def _packed_head(gf, cfg):
     """The head's decode linear as a resident model's is (its packed copy; the dense weight
     where no layout reads its format, weights.loader.LayerBuilder._packed_decode)."""
-    from ..model.layer_spec import head_tensor_name
-    from ..weights.cpu_packed import PackedDecodeLinear, kind_for, pack_linear
-    from ..weights.linear import GEMV_MAX_ROWS, DenseLinear
-    from ..weights.loader import TensorSource, raw_tensor
-
     name = head_tensor_name(gf.tensors)
     qtype, shape = gf.tensors[name].ggml_type, (cfg.vocab_size, cfg.hidden)
     if kind_for(qtype) is None:
@@ -229,18 +228,12 @@ def _packed_head(gf, cfg):
 def _file_bytes(path, start: int, end: int) -> torch.Tensor:
     """File bytes [start, end) as a uint8 tensor in RAM (through the page cache: the rebuild
     is timed, not the read)."""
-    import numpy as np
-
     return torch.from_numpy(np.fromfile(path, dtype=np.uint8, count=end - start, offset=start))
 
 
 def _decode_step(cfg, weights) -> Callable[[], object]:
     """One decode token through the layer, as the engine runs it: at position PROBE_CTX - 1,
     with a KV cache of PROBE_CTX slots (the rewrites of the same slot change nothing timed)."""
-    from ..model.llama import block_forward
-    from ..model.rope import RopeTable
-    from ..model.step import append_step
-
     cpu = torch.device("cpu")
     # RoPE frequency factors (Llama 3) change the angles, not the work: left out
     rope = RopeTable(cfg, PROBE_CTX, cpu)

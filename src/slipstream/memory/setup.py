@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Collection
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 
 import torch
 
@@ -13,8 +13,17 @@ from ..errors import BadArgument, BudgetTooSmall
 from ..modelfile.gguf_file import GGUFFile
 from ..model.layer_spec import head_tensor_name, kv_cache_bytes, spec_for
 from ..precision import Precision
+from ..weights.cpu import kind_for, packed_nbytes
+from ..weights.cpu_image import cpu_image_of, image_nbytes
+from ..weights.image import to_image
 from ..weights.loader import LayerBuilder, TensorSource, layer_span, release_transients
 from .budget import mem_available
+from .cuda_store import CudaLayerStore, SplitPolicy
+from .cuda_context import outside_allocator_bytes
+from .devices import pad_stage_plan
+from .image_file import build_cpu_images, build_images
+from .kvikio_io import require_kvikio
+from .probes import cpu_decode_rates, h2d_pinned_gbps, memory_read_gbps, span_read_gbps
 from .planner import Plan, StagePlan, plan_cuda, plan_layers
 from .protocol import LayerStore
 from .store import DiskLayerStore, MmapLayerStore, ResidentLayerStore, StreamDelays
@@ -40,10 +49,9 @@ STREAMED_PREFILL_CHUNK = 512
 # What a streamed plan keeps unallocated beyond its counted parts, in resident layers. On the
 # H200 a 70B planned at 24 GiB with none (45 layers) failed its first 512-token prefill with
 # 23.54 GiB allocated and 0.47-0.57 GiB reserved but free only in holes between the loaded
-# layers' small planes (bench/results/2026-12-01-h200-session10.md); 2.25 layers of slack (42
-# layers) then ran. Resident layers of streamed plans now take one buffer each (weights.image.
-# flattened), which leaves no such holes; half a layer stays for the head's packing and the
-# allocator's rounding.
+# layers' small planes; 2.25 layers of slack (42 layers) then ran. Resident layers of streamed
+# plans now take one buffer each (weights.image.flattened), which leaves no such holes; half a
+# layer stays for the head's packing and the allocator's rounding.
 STREAMED_SLACK_LAYERS = 0.5
 
 
@@ -54,8 +62,6 @@ def check_io(io: str, device: torch.device) -> None:
     if io == "kvikio":
         if device.type != "cuda":
             raise BadArgument("--io kvikio reads into GPU memory and needs --device cuda")
-        from .kvikio_io import require_kvikio
-
         require_kvikio()
 
 
@@ -71,13 +77,11 @@ def layer_resident_bytes(gf: GGUFFile, i: int, precision: Precision) -> int:
 
 
 def _packed_bytes(info, precision: Precision) -> int:
-    """RAM of a tensor's packed decode copy (weights.cpu_packed.PackedDecodeLinear; 0 where
+    """RAM of a tensor's packed decode copy (weights.cpu.PackedDecodeLinear; 0 where
     none is made). Counted per tensor: a fused group packs its parts' rows together, which
     pads less."""
     if len(info.shape) != 2 or not precision.cpu_packed_decode:
         return 0
-    from ..weights.cpu_packed import packed_nbytes
-
     return packed_nbytes(info.ggml_type, (int(info.shape[0]), int(info.shape[1]))) or 0
 
 
@@ -129,8 +133,6 @@ def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Pr
                       gpu_slots, prefill_chunk=prefill_chunk, graph_bucket=graph_bucket,
                       vram_layers=vram_layers, stream_first=stream_first)
     if not whole:
-        from .devices import pad_stage_plan
-
         pad_stage_plan(plan, stage, cfg.n_layers)
     return plan
 
@@ -179,8 +181,6 @@ def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Preci
     fixed = cpu_fixed_bytes(gf, cfg, precision, ctx, stage)
     images = precision.cpu_packed_decode
     if images:
-        from ..weights.cpu_image import image_nbytes
-
         moved = [image_nbytes(gf, cfg, i, precision) for i in layers]
         staging = PREFILL_STAGING * max(span_bytes, default=0)
         on_demand = head_dense_on_demand(gf, precision, stage)
@@ -210,8 +210,6 @@ def head_dense_on_demand(gf: GGUFFile, precision: Precision, stage: StagePlan | 
                          ) -> bool:
     """Whether a CPU plan that streams may hold the head without its dense weight: where it
     has a packed copy for decode (weights.loader.load_weights(head_dense_on_demand=...))."""
-    from ..weights.cpu_packed import kind_for
-
     holds = stage is None or stage.holds_head
     head = gf.tensors[head_tensor_name(gf.tensors)]
     return holds and precision.cpu_packed_decode and kind_for(head.ggml_type) is not None
@@ -333,8 +331,6 @@ def streamed_vram_budget(plan: Plan, resident_layers: int, slack: int = 1) -> in
     its slack); `slack` bytes on top. A small model's streaming reserve costs more than its
     layers, so a budget stepped up from below reaches the all-resident plan first: tests and
     benchmarks that must stream a small model ask for a budget this way."""
-    from .cuda_context import outside_allocator_bytes
-
     staging = plan.staging_buffers * max(plan.file_bytes_per_layer, default=0)
     fixed = plan.fixed_bytes - plan.reserve.get("CUDA graph pools", 0) \
         - plan.reserve.get("embedding", 0) + streamed_slack(plan)
@@ -351,8 +347,6 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str, cfg: ModelConfig | Non
     CPU with cfg and precision, also what a decode step costs per byte (probes.cpu_decode_rates:
     "compute", "gemv", and "rebuild", the CPU disk store dequantizing every streamed layer on
     every token), which the CPU prediction needs (Plan.cpu_token_seconds)."""
-    from .probes import cpu_decode_rates, h2d_pinned_gbps, memory_read_gbps, span_read_gbps
-
     if plan.device == "cuda":
         # probes sized within the budget: they run before the model loads, and the peak VRAM
         # must stay under the budget however small it is
@@ -369,7 +363,9 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str, cfg: ModelConfig | Non
             # (or the first layer)
             first = plan.stages[0].layers.start
             layer = first + (plan.disk_layers[0] if plan.disk_layers else 0)
-            plan.bandwidth_gbps.update(cpu_decode_rates(gf, cfg, precision, layer))
+            plan.bandwidth_gbps.update(cpu_decode_rates(
+                gf, cfg, precision, layer, layer_resident_bytes(gf, layer, precision),
+                head_decode_bytes(gf, precision)))
     if not plan.disk_layers or io == "mmap":
         return
     # the disk's rate on the layers' GGUF spans: a read of the same sizes from the same disk
@@ -380,74 +376,51 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str, cfg: ModelConfig | Non
 
 
 def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
-                        precision: Precision, plan: Plan) -> tuple[dict, dict]:
+                        precision: Precision, plan: Plan, split: SplitPolicy | None = None
+                        ) -> tuple[dict, SplitPolicy | None]:
     """CUDA tier B: build each streamed layer once on the GPU and keep its image in pinned RAM.
-    With plan.hybrid, the split layers are built in two FFN shares (hybrid.ffn), and the
-    CPU's share is also packed for the CPU. Returns (images, host shares by layer).
+    With `split` (hybrid decode's, hybrid.policy.HybridSplit), its layers are built in two FFN
+    shares and the CPU's share is packed for the CPU. Returns (images, split; None where
+    nothing was split). On CPU: the "packed" layers' images (packed_cpu_layers).
 
     Runs before the resident layers load, so the transient GPU copy of the layer being built
     never sits on top of the resident model: the peak VRAM stays the steady-state one."""
     if plan.device == "cpu":
-        return packed_cpu_layers(gf, cfg, precision, plan), {}
+        return packed_cpu_layers(gf, cfg, precision, plan), None
     pinned = [i for i, t in enumerate(plan.tiers) if t == "pinned"]
     if plan.device != "cuda" or not pinned:
-        return {}, {}
+        return {}, None
+    # rich, the terminal UI, is imported where a bar is drawn
     from rich.progress import BarColumn, DownloadColumn, Progress
 
-    from ..hybrid.ffn import (HostFFN, HostIO, ffn_raws, host_linears, in_place_linears,
-                                  split_layer)
-    from ..weights.image import to_image
-
     builder = LayerBuilder(cfg, device, precision, fuse_scales=False)
-    hybrid = plan.hybrid
-    split = set(hybrid.layers) if hybrid is not None else set()
-    io = HostIO(device, cfg.hidden, hybrid.max_tokens, slots=len(split),
-                threads=hybrid.threads) if split else None
-    slot_of = {i: k for k, i in enumerate(sorted(split))}
-    images, hosts = {}, {}
+    splits = split.layers if split is not None else frozenset()
+    images = {}
     total = sum(plan.file_bytes_per_layer[i] for i in pinned)
-    # The CPU's packed copies are made by a pool while the GPU builds the images: packing is
-    # many small torch ops, which release the GIL but use one core each. (What the CPU reads
-    # in place from the images, kind "planes", needs no packing: host_linears leaves it out.)
-    # Each worker on one thread of its own: the pool is the parallelism.
-    threads = torch.get_num_threads()
-    if split:
-        torch.set_num_threads(1)
-    pool = ThreadPoolExecutor(max_workers=hybrid.threads) if split else None
-    packing = {i: pool.submit(host_linears, ffn_raws(TensorSource(gf), cfg, i), hybrid.keep)
-               for i in sorted(split)} if pool is not None else {}
-    try:
+    # the CPU's shares are packed beside the GPU's building (split.packing)
+    with split.packing(gf, cfg) if splits else nullcontext():
         with Progress("[progress.description]{task.description}", BarColumn(),
                       DownloadColumn(), transient=True) as bar:
             task = bar.add_task("pinning streamed layers" + (
-                " and packing the CPU's share" if split else ""), total=total)
+                " and packing the CPU's share" if splits else ""), total=total)
             for i in pinned:
                 src = TensorSource(gf)
-                if i in split:
-                    images[i] = to_image(split_layer(builder, src, i, hybrid.keep))
-                    parts = packing[i].result() | in_place_linears(images[i])
-                    hosts[i] = HostFFN(parts["gate_up"], parts["down"], io, slot_of[i], i)
+                if i in splits:
+                    images[i] = to_image(split.build_layer(builder, src, i))
+                    split.attach(i)
                 else:
                     images[i] = to_image(builder.build(src, i))
                 release_transients(device)
                 bar.advance(task, plan.file_bytes_per_layer[i])
-    finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
-            torch.set_num_threads(threads)
     del builder
     torch.cuda.empty_cache()
-    if hosts:
-        hybrid.extra_ram_bytes = sum(h.extra_ram_bytes for h in hosts.values())
-    return images, hosts
+    return images, split if splits else None
 
 
 def packed_cpu_layers(gf: GGUFFile, cfg: ModelConfig, precision: Precision,
                       plan: Plan) -> dict[int, tuple]:
     """The CPU plan's "packed" layers: each built once and kept as its packed image (weights.
     cpu_image: (uint8 image, layout)) in RAM, which decode passes compute on as views."""
-    from ..weights.cpu_image import cpu_image_of
-
     return {i: cpu_image_of(gf, cfg, precision, i)
             for i, t in enumerate(plan.tiers) if t == "packed"}
 
@@ -461,33 +434,28 @@ def disk_images(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision:
     if plan.device == "cpu":
         if not plan.cpu_images:  # precision "exact": rebuilt from the GGUF file every pass
             return None
-        from .image_file import build_cpu_images
-
         return build_cpu_images(gf, cfg, precision, plan.disk_layers,
                                 plan.file_bytes_per_layer, progress=progress)
-    from .image_file import build_images
-
     return build_images(gf, cfg, device, precision, plan.disk_layers,
                         plan.file_bytes_per_layer, progress=progress)
 
 
 def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Precision,
                weights, plan: Plan, io: str, delay=None, images: dict | None = None,
-               disk=None, hosts: dict | None = None) -> LayerStore:
+               disk=None, split: SplitPolicy | None = None) -> LayerStore:
+    """The plan's layer store: resident, or streaming (CUDA: CudaLayerStore, with hybrid
+    decode's `split` where pin_streamed_layers made one; CPU: the disk or mmap store)."""
     check_io(io, device)
     delays = StreamDelays.of(delay)
     if plan.device == "cuda":
         if not plan.streamed_layers:
             return ResidentLayerStore(weights.layers)
-        from .cuda_store import CudaLayerStore
-
         # the streamed layers share the resident layers' prefill workspace
         return CudaLayerStore(weights.layers, device, weights.output.workspace,
                               images=images or {}, disk=disk, io=io,
                               n_slots=plan.staging_buffers,
                               n_staging=plan.host_staging or N_STAGING, delays=delays,
-                              hosts=hosts, pcie_gbps=plan.hybrid.pcie_gbps
-                              if hosts and plan.hybrid.rebalance else None)
+                              split=split)
     if not plan.streamed_layers:
         return ResidentLayerStore(weights.layers)
     # a streamed layer rebuilt from its GGUF span serves passes its packed image (`disk`, or

@@ -1,10 +1,10 @@
 """Native CPU ops, compiled once per machine with the system's C compiler and called through
-ctypes: decode_ops.c and q4_matvec.c for decode, int4_pack.c for load-time packing (int4pack
-and q4vnni), plane_matvec.c for hybrid decode's CPU share read from the GPU's layer images.
+ctypes: decode_ops.c, decode_layer.c and q4_matvec.c for decode (and hybrid decode's CPU share),
+int4_pack.c for load-time packing (int4pack and q4vnni).
 
 Why C: a CPU decode token of a small model spends as long in ~25 tiny torch calls a layer as in
-its matmuls, each call a few microseconds of dispatch around a few hundred floats of work
-(bench/results/*cpu-speed*). torch has no fused op for a norm into bfloat16, a one-token
+its matmuls, each call a few microseconds of dispatch around a few hundred floats of work.
+torch has no fused op for a norm into bfloat16, a one-token
 attention with RoPE and the cache write, or SwiGLU into bfloat16, and a ctypes call costs what
 one small torch call does. The matmuls stay torch's packed kernels.
 
@@ -31,9 +31,12 @@ import threading
 from importlib import resources
 from pathlib import Path
 
+from .. import envs
+
 # compiled together into one library
-SOURCES = ("decode_ops.c", "q4_matvec.c", "int4_pack.c", "decode_layer.c", "plane_matvec.c")
-HEADERS = ("bf16.h", "half.h", "parallel.h")  # what they include: written beside them, and part of the cache key
+SOURCES = ("decode_ops.c", "q4_matvec.c", "int4_pack.c", "decode_layer.c")
+# what they include: written beside them, and part of the cache key
+HEADERS = ("bf16.h", "half.h", "parallel.h")
 # -ffp-contract=off: no fused multiply-adds, so that every product is rounded as torch rounds
 # it (RoPE as torch's complex multiply) and the bits do not depend on whether the CPU has FMA.
 FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
@@ -56,7 +59,6 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     "ss_decode_attention": (_P, _INT, _P, _P, _I64, _INT, _I64, _P, _P, _I64, _I64, _I64, _I64,
                             _F, _P, _P),
     # q4_matvec.c
-    "ss_q8_quantize_row": (_P, _I64, _P, _P, _P),
     "ss_q16_quantize_row": (_P, _I64, _P, _P, _P, _P),
     "ss_q4_matvec": (_P, _P, _P, _I64, _I64),
     "ss_q4_ffn": (_P, _P, _P, _P, _P, _P, _I64, _I64),
@@ -72,17 +74,15 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     # int4_pack.c
     "ss_int4pack_rows": (_P, _I64, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT),
     "ss_q4vnni_rows": (_P, _I64, _INT, _I64, _I64, _I64, _P, _I64, _P, _P, _INT),
-    # plane_matvec.c (returns 0, or -1 where its scratch could not be allocated)
-    "ss_plane_matvec": (_P, _P, _P, _I64, _I64),
 }
-INT_RESULTS = ("ss_plane_matvec", "ss_q4_ffn_on_signal")  # of SIGNATURES, those returning an int
+INT_RESULTS = ("ss_q4_ffn_on_signal",)  # of SIGNATURES, those returning an int
 # functions that return something (and take nothing)
-RETURNS = {"ss_q4_has_vnni": _INT, "ss_q4_has_simd": _INT, "ss_q4_has_amx": _INT,
-           "ss_plane_has_simd": _INT, "ss_plane_has_vnni": _INT}
+RETURNS = {"ss_q4_has_vnni": _INT, "ss_q4_has_simd": _INT}
 
 
 def enabled() -> bool:
-    return os.environ.get("SLIPSTREAM_NATIVE", "1") != "0"
+    """SLIPSTREAM_NATIVE: 0 turns the library off (read at each call, so tests may set it)."""
+    return envs.get("SLIPSTREAM_NATIVE")
 
 
 _BUILD_LOCK = threading.Lock()  # one build per process, however many threads ask at once
@@ -138,7 +138,7 @@ def _cpu_flags() -> str:
 
 
 def _cache_dir() -> Path:
-    env = os.environ.get("SLIPSTREAM_NATIVE_DIR")
+    env = envs.get("SLIPSTREAM_NATIVE_DIR")
     return Path(env) if env else Path.home() / ".cache" / "slipstream" / "native"
 
 
@@ -170,10 +170,11 @@ def _built() -> Path | None:
 
 def _defines() -> tuple[str, ...]:
     """SLIPSTREAM_NATIVE_DEFINES' -D settings; anything else in it is refused."""
-    words = tuple(os.environ.get(DEFINES_ENV, "").split())
+    value = envs.get(DEFINES_ENV)
+    words = tuple(value.split())
     bad = [w for w in words if not _DEFINE.fullmatch(w)]
     if bad:
-        raise ValueError(f"{DEFINES_ENV}={os.environ[DEFINES_ENV]!r}: {bad[0]!r} is not "
+        raise ValueError(f"{DEFINES_ENV}={value!r}: {bad[0]!r} is not "
                          f"-DNAME or -DNAME=VALUE (letters, digits, underscores)")
     return words
 

@@ -1,6 +1,6 @@
 /* bfloat16 <-> float32 as torch converts them, for the native decode sources. */
-#ifndef SLIPSTREAM_BF16_H
-#define SLIPSTREAM_BF16_H
+#ifndef SS_BF16_H
+#define SS_BF16_H
 
 #include <stdint.h>
 #include <string.h>

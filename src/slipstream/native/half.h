@@ -1,7 +1,7 @@
 /* float16 -> float32 for the native sources, exactly (subnormals, infinities and NaNs
  * included), in plain C: the machines without F16C take the same bits as those with it. */
-#ifndef SLIPSTREAM_HALF_H
-#define SLIPSTREAM_HALF_H
+#ifndef SS_HALF_H
+#define SS_HALF_H
 
 #include <stdint.h>
 #include <string.h>

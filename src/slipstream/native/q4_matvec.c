@@ -1,19 +1,21 @@
-/* 4-bit (and 8-bit) weights times int8-quantized activations: the CPU decode matmul of the
- * q4vnni and q8vnni kinds (weights/cpu_packed.py, Q4VnniLinear, Q8VnniLinear).
+/* 4-bit (and 8-bit) weights times integer-quantized activations: the CPU decode matmul of the
+ * q4vnni and q8vnni kinds (weights/cpu/vnni.py, Q4VnniLinear, Q8VnniLinear).
  *
  * Why: torch's int4 CPU kernel widens every code to bfloat16 and multiplies in floats, and is
- * compute-bound on a small machine. Quantizing the activation row once per call to int8 (blocks
- * of 32, one float scale each) turns each 32-group's dot product into integer multiply-adds, 64
- * at a time with AVX-512 VNNI (vpdpbusd: unsigned bytes x signed bytes, summed four by four into
- * int32 lanes), and the float work into a few operations per group.
+ * compute-bound on a small machine. Quantizing the activation row once per call to 16-bit
+ * integers held as two int8 digits (blocks of 32, one float scale each) turns each 32-group's dot
+ * product into integer multiply-adds, 64 at a time with AVX-512 VNNI (vpdpbusd: unsigned bytes x
+ * signed bytes, summed four by four into int32 lanes), and the float work into a few operations
+ * per group.
  *
  * Math. A weight row's group g (32 columns) is w = s_g * u + z_g with u in [0, 15] (Q4_0:
  * s = d, z = -8 d; Q4_1: s = d, z = m; Q4_K: s = d sc_j, z = -dmin m_j; Q8_0's 8-bit codes:
  * u = q + 128 in [0, 255], s = d, z = -128 d). The activation's block
- * g is x ~ dx_g * q with q = round(x / dx_g) in [-127, 127], dx_g = max|x| / 127. Then
- *     sum_g (s_g * (dx_g * sum(u q)) + z_g * (dx_g * sum(q)))
+ * g is x ~ dx_g * X with X = round(x / dx_g) in [-32512, 32512], dx_g = max|x| / 32512 (see
+ * ss_q4_matvec for the two digits). Then
+ *     sum_g (s_g * (dx_g * sum(u X)) + z_g * (dx_g * sum(X)))
  * where both integer sums are exact. The min term uses the quantized block's sum, not x's own:
- * then the error is w . (x - dx q) with w centred on zero, rather than (s u) . (x - dx q) with
+ * then the error is w . (x - dx X) with w centred on zero, rather than (s u) . (x - dx X) with
  * u's mean of ~7.5 left in, about four times the variance.
  *
  * Layout (made by Q4VnniLinear.from_raws): rows in blocks of 16 (the last one padded with zero
@@ -66,22 +68,6 @@
 #include <omp.h>
 #endif
 
-/* Q4_AMX (build-time, default 0): passes over more than Q4_MAX_M activation rows through AMX's
- * int8 tiles where the CPU has them (q4_block_amx below); 2 runs the same code with the tile
- * operations done in C, so that any AVX-512 VNNI machine can test the layout. */
-#ifndef Q4_AMX
-#define Q4_AMX 0
-#endif
-#if Q4_AMX == 1 && Q4_VNNI && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#define Q4_AMX_TILES 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#elif Q4_AMX == 2 && Q4_VNNI
-#define Q4_AMX_TILES 2
-#else
-#define Q4_AMX_TILES 0
-#endif
-
 #define Q4_ROWS 16     /* rows per block: one 32-bit lane of a 512-bit vector each */
 #define Q4_GROUP 32    /* columns per scale (GGUF's 4-bit formats all use 32) */
 #define Q4_MAX_M 4     /* activation rows multiplied per pass over the weights */
@@ -130,13 +116,15 @@ static inline const uint8_t *q4_ks_scales(const uint8_t *p, int64_t g) {
 }
 #define Q4_KS_MINS (Q4_KS_RUN * Q4_ROWS)
 
-/* One activation row of k floats, per block of 32: dx = max|x| / top, X = round-half-even(x / dx)
- * clamped to [-top, top], sx = dx * sum(X); an all-zero block gets dx = 0 and X = 0. With
- * top = 127 X is the int8 code q (lo unused); with top = 32512 (= 127 * 256) X is split into
- * two int8 digits, X = 256 hi + lo with lo in [-128, 127] and hi in [-127, 127], stored as
- * q = hi and lo. */
-static void q4_quantize_row(const float *x, int64_t k, float top, int8_t *q, int8_t *lo,
-                            float *dx, float *sx) {
+#define Q4_X_TOP 32512.0f  /* 127 * 256: the largest |X| two int8 digits hold */
+
+/* One activation row of k floats, per block of 32: dx = max|x| / Q4_X_TOP,
+ * X = round-half-even(x / dx) clamped to [-Q4_X_TOP, Q4_X_TOP], sx = dx * sum(X); an all-zero
+ * block gets dx = 0 and X = 0. X is split into two int8 digits, X = 256 hi + lo with lo in
+ * [-128, 127] and hi in [-127, 127], stored as q = hi and lo. */
+static void q4_quantize_row(const float *x, int64_t k, int8_t *q, int8_t *lo, float *dx,
+                            float *sx) {
+    const float top = Q4_X_TOP;
     for (int64_t g = 0; g < k / Q4_GROUP; g++) {
         const float *xb = x + g * Q4_GROUP;
         float amax = 0.0f;
@@ -157,28 +145,19 @@ static void q4_quantize_row(const float *x, int64_t k, float top, int8_t *q, int
             sum += X[i];
         }
         for (int i = 0; i < Q4_GROUP; i++) {
-            if (lo == NULL) {
-                q[g * Q4_GROUP + i] = (int8_t)X[i];
-            } else {
-                int32_t l = ((X[i] + 128) & 0xff) - 128;
-                lo[g * Q4_GROUP + i] = (int8_t)l;
-                q[g * Q4_GROUP + i] = (int8_t)((X[i] - l) / 256);
-            }
+            int32_t l = ((X[i] + 128) & 0xff) - 128;
+            lo[g * Q4_GROUP + i] = (int8_t)l;
+            q[g * Q4_GROUP + i] = (int8_t)((X[i] - l) / 256);
         }
         dx[g] = d;
         sx[g] = d * (float)sum;
     }
 }
 
-/* The int8 quantization (one digit): q (k int8), dx, sx (k / 32 floats). For tests. */
-void ss_q8_quantize_row(const float *x, int64_t k, int8_t *q, float *dx, float *sx) {
-    q4_quantize_row(x, k, 127.0f, q, NULL, dx, sx);
-}
-
 /* The 16-bit quantization as two int8 digits: hi, lo (k int8 each), dx, sx. For tests. */
 void ss_q16_quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, float *dx,
                          float *sx) {
-    q4_quantize_row(x, k, 32512.0f, hi, lo, dx, sx);
+    q4_quantize_row(x, k, hi, lo, dx, sx);
 }
 
 /* A record's 16 scales and 16 zeros as floats (g: its group, for Q4_KS's header). */
@@ -214,11 +193,10 @@ static inline int q4_code(const uint8_t *p, const int fmt, int i, int j, int t) 
 }
 
 /* The outputs of one 16-row block for M activation rows: out[r * 16 + i] = row i's dot with x_r.
- * q: M rows of k int8 codes (X16: of 2 k, the high digits then the low ones); dx, sx: M rows of
- * G floats. */
+ * q: M rows of 2 k int8 digits (the high digits then the low ones); dx, sx: M rows of G floats. */
 static inline __attribute__((always_inline)) void q4_block_generic(
         const uint8_t *blk, int64_t G, const int fmt, const int8_t *q, const float *dx,
-        const float *sx, int64_t k, float *out, const int M, const int X16) {
+        const float *sx, int64_t k, float *out, const int M) {
     float accs[Q4_MAX_M][Q4_ROWS], accz[Q4_MAX_M][Q4_ROWS];
     memset(accs, 0, sizeof accs);
     memset(accz, 0, sizeof accz);
@@ -227,7 +205,7 @@ static inline __attribute__((always_inline)) void q4_block_generic(
         float s[Q4_ROWS], z[Q4_ROWS];
         q4_scales(p, g, fmt, s, z);
         for (int r = 0; r < M; r++) {
-            const int8_t *xg = q + r * k * (1 + X16) + g * Q4_GROUP;
+            const int8_t *xg = q + r * 2 * k + g * Q4_GROUP;
             float d = dx[r * G + g], sg = sx[r * G + g];
             for (int i = 0; i < Q4_ROWS; i++) {
                 int32_t isum = 0, lsum = 0;
@@ -235,9 +213,9 @@ static inline __attribute__((always_inline)) void q4_block_generic(
                     for (int t = 0; t < 4; t++) {
                         int c = q4_code(p, fmt, i, j, t);
                         isum += c * xg[4 * j + t];
-                        if (X16) lsum += c * xg[k + 4 * j + t];
+                        lsum += c * xg[k + 4 * j + t];
                     }
-                if (X16) isum = isum * 256 + lsum;  /* the sum of the codes times X, exactly */
+                isum = isum * 256 + lsum;  /* the sum of the codes times X, exactly */
                 float prod = (float)isum * d;
                 accs[r][i] = fmaf(prod, s[i], accs[r][i]);
                 accz[r][i] = fmaf(z[i], sg, accz[r][i]);
@@ -360,7 +338,7 @@ static inline __attribute__((always_inline)) void q4_scales_vnni(
 /* q4_block_generic with VNNI: the same sums and the same float operations, 16 rows a vector. */
 static inline __attribute__((always_inline)) void q4_block_vnni(
         const uint8_t *blk, int64_t G, const int fmt, const int8_t *q, const float *dx,
-        const float *sx, int64_t k, float *out, const int M, const int X16) {
+        const float *sx, int64_t k, float *out, const int M) {
     __m512 accs[Q4_MAX_M], accz[Q4_MAX_M];
     for (int r = 0; r < M; r++) { accs[r] = _mm512_setzero_ps(); accz[r] = _mm512_setzero_ps(); }
     const int64_t rec = q4_record_bytes(fmt);
@@ -373,130 +351,10 @@ static inline __attribute__((always_inline)) void q4_block_vnni(
         __m512 s, z;
         q4_scales_vnni(p, g, fmt, &ks_d, &ks_ndmin, &s, &z);
         for (int r = 0; r < M; r++) {
-            const int8_t *xg = q + r * k * (1 + X16) + g * Q4_GROUP;
+            const int8_t *xg = q + r * 2 * k + g * Q4_GROUP;
             __m512i a = q4_dot_vnni(u, xg, _mm512_setzero_si512());
-            if (X16)  /* 256 (u . hi) + u . lo: the codes times X, exactly */
-                a = q4_dot_vnni(u, xg + k, _mm512_slli_epi32(a, 8));
-            Q4_ACCUMULATE(a, r);
-        }
-    }
-    for (int r = 0; r < M; r++)
-        _mm512_storeu_ps(out + r * Q4_ROWS, _mm512_add_ps(accs[r], accz[r]));
-}
-#endif
-
-#if Q4_AMX_TILES
-/* AMX: one tile multiply gives a group's sums for up to 16 activation rows at once, where VNNI
- * takes 8 vpdpbusd (and 8 broadcasts) per row. The unpacked codes u[0..7] are already the B
- * operand in AMX's layout: B's row j holds, for each of the 16 weight rows i, the 4 codes of
- * columns 4j..4j+3 (u[j]'s lane i). A is the rows' 32 int8 codes of the group, one tile row
- * each (stride k, or 2 k for the high and the low digits). TDPBSUD (signed A, unsigned B) sums
- * their products exactly into int32, as vpdpbusd does, and the float work after it is
- * q4_block_vnni's, in the same order: the same bits. Tiles: 0 the sums (M x 16 int32), 1 A
- * (M x 32 bytes), 2 B (8 x 64 bytes). */
-#define Q4_AMX_M 16  /* tile rows: activation rows a pass (with 16-bit ones, two tile
-                            * multiplies a group, the high digits and the low) */
-
-#if Q4_AMX_TILES == 1
-typedef struct __attribute__((aligned(64))) {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} q4_tile_config;
-
-#define Q4_ARCH_REQ_XCOMP_PERM 0x1023
-#define Q4_XFEATURE_XTILEDATA 18
-
-/* Linux lends a process AMX's tile state only when asked (once; every thread then has it). */
-static int q4_amx_ready(void) {
-    static int state;  /* 0: not asked yet, 1: granted, -1: refused (an older kernel) */
-    int now = __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-    if (now == 0) {
-        now = syscall(SYS_arch_prctl, Q4_ARCH_REQ_XCOMP_PERM, Q4_XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-        __atomic_store_n(&state, now, __ATOMIC_RELEASE);
-    }
-    return now > 0;
-}
-
-/* This thread's tiles for passes of M activation rows. */
-static void q4_amx_configure(int M) {
-    q4_tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette_id = 1;
-    c.rows[0] = (uint8_t)M; c.colsb[0] = 64;
-    c.rows[1] = (uint8_t)M; c.colsb[1] = 32;
-    c.rows[2] = 8;          c.colsb[2] = 64;
-    _tile_loadconfig(&c);
-}
-
-static inline void q4_amx_release(void) { _tile_release(); }
-
-/* B, the group's codes (8 rows of 64 bytes), into tile 2. */
-static inline __attribute__((always_inline)) void q4_amx_load_b(const uint8_t *b) {
-    _tile_loadd(2, b, 64);
-}
-
-/* c (M x 16 int32) = the M rows of a (32 int8 codes each, `stride` bytes apart) times B. */
-static inline __attribute__((always_inline)) void q4_amx_dot(
-        const uint8_t *b, const int8_t *a, int64_t stride, int M, int32_t *c) {
-    (void)b;
-    (void)M;
-    _tile_zero(0);
-    _tile_loadd(1, a, stride);
-    _tile_dpbsud(0, 1, 2);
-    _tile_stored(0, c, 64);
-}
-#else  /* Q4_AMX_TILES == 2: the tile operations in C */
-static int q4_amx_ready(void) { return 1; }
-static void q4_amx_configure(int M) { (void)M; }
-static inline void q4_amx_release(void) {}
-static inline void q4_amx_load_b(const uint8_t *b) { (void)b; }
-
-static inline void q4_amx_dot(const uint8_t *b, const int8_t *a, int64_t stride, int M,
-                              int32_t *c) {
-    for (int r = 0; r < M; r++)
-        for (int i = 0; i < Q4_ROWS; i++) {
-            int32_t sum = 0;
-            for (int j = 0; j < 8; j++)
-                for (int t = 0; t < 4; t++)
-                    sum += (int32_t)a[r * stride + 4 * j + t] * (int32_t)b[64 * j + 4 * i + t];
-            c[r * Q4_ROWS + i] = sum;
-        }
-}
-#endif
-
-/* q4_block_vnni for up to Q4_AMX_M activation rows, the group sums from the tiles (the caller
- * has configured them for M rows). */
-static inline __attribute__((always_inline)) void q4_block_amx(
-        const uint8_t *blk, int64_t G, const int fmt, const int8_t *q, const float *dx,
-        const float *sx, int64_t k, float *out, const int M, const int X16) {
-    __m512 accs[Q4_AMX_M], accz[Q4_AMX_M];
-    for (int r = 0; r < M; r++) { accs[r] = _mm512_setzero_ps(); accz[r] = _mm512_setzero_ps(); }
-    const int64_t rec = q4_record_bytes(fmt), stride = k * (1 + X16);
-    __m512 ks_d = _mm512_setzero_ps(), ks_ndmin = _mm512_setzero_ps();
-    uint8_t bt[8 * 64] __attribute__((aligned(64)));
-    int32_t hi[Q4_AMX_M * Q4_ROWS] __attribute__((aligned(64)));
-    int32_t lo[Q4_AMX_M * Q4_ROWS] __attribute__((aligned(64)));
-    for (int64_t g = 0; g < G; g++) {
-        const uint8_t *p = q4_record(blk, g, fmt);
-        q4_prefetch_vnni(p, g, fmt, rec);
-        const uint8_t *b = p;  /* 8-bit codes: the record's 8 chunks are B as they are */
-        if (fmt != Q8_F16) {
-            __m512i u[8];
-            q4_unpack_vnni(p, fmt, u);
-            for (int j = 0; j < 8; j++) _mm512_store_si512((void *)(bt + 64 * j), u[j]);
-            b = bt;
-        }
-        __m512 s, z;
-        q4_scales_vnni(p, g, fmt, &ks_d, &ks_ndmin, &s, &z);
-        q4_amx_load_b(b);
-        q4_amx_dot(b, q + g * Q4_GROUP, stride, M, hi);
-        if (X16) q4_amx_dot(b, q + k + g * Q4_GROUP, stride, M, lo);
-        for (int r = 0; r < M; r++) {
-            __m512i a = _mm512_load_si512((const void *)(hi + r * Q4_ROWS));
-            if (X16)  /* 256 (u . hi) + u . lo, as q4_block_vnni */
-                a = _mm512_add_epi32(_mm512_slli_epi32(a, 8),
-                                     _mm512_load_si512((const void *)(lo + r * Q4_ROWS)));
+            /* 256 (u . hi) + u . lo: the codes times X, exactly */
+            a = q4_dot_vnni(u, xg + k, _mm512_slli_epi32(a, 8));
             Q4_ACCUMULATE(a, r);
         }
     }
@@ -527,7 +385,7 @@ static inline __m256i q4_quad_avx2(const int8_t *xg, int j) {
  * the float operations follow it one for one (fmadd is fused like fmaf). */
 static inline __attribute__((always_inline)) void q4_block_avx2(
         const uint8_t *blk, int64_t G, const int fmt, const int8_t *q, const float *dx,
-        const float *sx, int64_t k, float *out, const int M, const int X16) {
+        const float *sx, int64_t k, float *out, const int M) {
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
     const int64_t rec = q4_record_bytes(fmt), codes = q4_code_bytes(fmt);
     for (int h = 0; h < 2; h++) {
@@ -551,15 +409,13 @@ static inline __attribute__((always_inline)) void q4_block_avx2(
                     __m256i ul = _mm256_and_si256(v, low);
                     __m256i uh = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
                     for (int r = 0; r < M; r++) {
-                        const int8_t *xg = q + r * k * (1 + X16) + g * Q4_GROUP;
+                        const int8_t *xg = q + r * 2 * k + g * Q4_GROUP;
                         __m256i xb = q4_quad_avx2(xg, j);
                         sl[r] = _mm256_add_epi16(sl[r], _mm256_maddubs_epi16(ul, xb));
                         sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(uh, xb));
-                        if (X16) {
-                            __m256i xl = q4_quad_avx2(xg + k, j);
-                            tl[r] = _mm256_add_epi16(tl[r], _mm256_maddubs_epi16(ul, xl));
-                            th[r] = _mm256_add_epi16(th[r], _mm256_maddubs_epi16(uh, xl));
-                        }
+                        __m256i xl = q4_quad_avx2(xg + k, j);
+                        tl[r] = _mm256_add_epi16(tl[r], _mm256_maddubs_epi16(ul, xl));
+                        th[r] = _mm256_add_epi16(th[r], _mm256_maddubs_epi16(uh, xl));
                     }
                 }
             } else {
@@ -568,14 +424,13 @@ static inline __attribute__((always_inline)) void q4_block_avx2(
                     __m256i u0 = _mm256_and_si256(v, low);                         /* quad c */
                     __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);   /* quad c+4 */
                     for (int r = 0; r < M; r++) {
-                        const int8_t *xg = q + r * k * (1 + X16) + g * Q4_GROUP;
+                        const int8_t *xg = q + r * 2 * k + g * Q4_GROUP;
                         sl[r] = _mm256_add_epi16(sl[r], _mm256_add_epi16(
                             _mm256_maddubs_epi16(u0, q4_quad_avx2(xg, c)),
                             _mm256_maddubs_epi16(u1, q4_quad_avx2(xg, c + 4))));
-                        if (X16)
-                            tl[r] = _mm256_add_epi16(tl[r], _mm256_add_epi16(
-                                _mm256_maddubs_epi16(u0, q4_quad_avx2(xg + k, c)),
-                                _mm256_maddubs_epi16(u1, q4_quad_avx2(xg + k, c + 4))));
+                        tl[r] = _mm256_add_epi16(tl[r], _mm256_add_epi16(
+                            _mm256_maddubs_epi16(u0, q4_quad_avx2(xg + k, c)),
+                            _mm256_maddubs_epi16(u1, q4_quad_avx2(xg + k, c + 4))));
                     }
                 }
             }
@@ -603,13 +458,11 @@ static inline __attribute__((always_inline)) void q4_block_avx2(
                 __m256i a = _mm256_madd_epi16(sl[r], ones);
                 if (fmt == Q8_F16)
                     a = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(sh[r], ones), 4), a);
-                if (X16) {  /* 256 (u . hi) + u . lo, as the generic loop */
-                    __m256i b = _mm256_madd_epi16(tl[r], ones);
-                    if (fmt == Q8_F16)
-                        b = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(th[r], ones), 4),
-                                             b);
-                    a = _mm256_add_epi32(_mm256_slli_epi32(a, 8), b);
-                }
+                /* 256 (u . hi) + u . lo, as the generic loop */
+                __m256i b = _mm256_madd_epi16(tl[r], ones);
+                if (fmt == Q8_F16)
+                    b = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(th[r], ones), 4), b);
+                a = _mm256_add_epi32(_mm256_slli_epi32(a, 8), b);
                 __m256 prod = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(dx[r * G + g]));
                 accs[r] = _mm256_fmadd_ps(prod, s, accs[r]);
                 accz[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(sx[r * G + g]), accz[r]);
@@ -621,35 +474,23 @@ static inline __attribute__((always_inline)) void q4_block_avx2(
 }
 #endif
 
-#if Q4_AMX_TILES
-#define Q4_PASS_M Q4_AMX_M  /* the most activation rows of one pass, whichever loop runs it */
-#else
-#define Q4_PASS_M Q4_MAX_M
-#endif
-
-/* Blocks [b0, b1) for M activation rows, into y (rows of n outputs, float32 or bfloat16);
- * AMX: through q4_block_amx (tiles configured for M rows). */
+/* Blocks [b0, b1) for M activation rows, into y (rows of n outputs, float32 or bfloat16). */
 static inline __attribute__((always_inline)) void q4_blocks(
         const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G, const int fmt,
         const int8_t *q, const float *dx, const float *sx, int64_t k, void *y, int y_f32,
-        int generic, const int M, const int X16, const int AMX) {
+        int generic, const int M) {
     const int64_t block_bytes = G * q4_record_bytes(fmt);
-    float out[Q4_PASS_M * Q4_ROWS];
-    (void)AMX;
+    float out[Q4_MAX_M * Q4_ROWS];
     for (int64_t b = b0; b < b1; b++) {
         const uint8_t *blk = w + b * block_bytes;
-#if Q4_AMX_TILES
-        if (AMX) q4_block_amx(blk, G, fmt, q, dx, sx, k, out, M, X16);
-        else
-#endif
 #if Q4_VNNI
-        if (!generic) q4_block_vnni(blk, G, fmt, q, dx, sx, k, out, M, X16);
+        if (!generic) q4_block_vnni(blk, G, fmt, q, dx, sx, k, out, M);
         else
 #elif Q4_AVX2
-        if (!generic) q4_block_avx2(blk, G, fmt, q, dx, sx, k, out, M, X16);
+        if (!generic) q4_block_avx2(blk, G, fmt, q, dx, sx, k, out, M);
         else
 #endif
-        q4_block_generic(blk, G, fmt, q, dx, sx, k, out, M, X16);
+        q4_block_generic(blk, G, fmt, q, dx, sx, k, out, M);
         int64_t r0 = b * Q4_ROWS, rows = n - r0 < Q4_ROWS ? n - r0 : Q4_ROWS;
         for (int r = 0; r < M; r++) {
             const float *o = out + r * Q4_ROWS;
@@ -663,47 +504,25 @@ static inline __attribute__((always_inline)) void q4_blocks(
     }
 }
 
-/* Blocks [b0, b1) for all m activation rows, in passes of up to Q4_MAX_M rows (each pass reads
- * the blocks once); with Q4_AMX, more than Q4_MAX_M rows go through the tiles, Q4_AMX_M a pass. */
-static void q4_tile(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G,
-                    int fmt, const int8_t *q, const float *dx, const float *sx, int64_t k,
-                    int64_t m, void *y, int y_f32, int generic, int x16) {
-#if Q4_AMX_TILES
-    const int amx = !generic && m > Q4_MAX_M && q4_amx_ready();
-#else
-    const int amx = 0;
-#endif
-    const int64_t pass = amx ? Q4_PASS_M : Q4_MAX_M;
+/* One thread's share: blocks [b0, b1) for all m activation rows, in passes of up to Q4_MAX_M
+ * rows (each pass reads the blocks once). A row's sums are the same whatever the passes: each
+ * output element is one block's, computed in one go. */
+static void q4_share(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G,
+                     int fmt, const int8_t *q, const float *dx, const float *sx, int64_t k,
+                     int64_t m, void *y, int y_f32, int generic) {
     size_t out_elem = y_f32 ? sizeof(float) : sizeof(uint16_t);
-    for (int64_t r0 = 0; r0 < m; r0 += pass) {
-        const int8_t *qr = q + r0 * k * (1 + x16);
+    for (int64_t r0 = 0; r0 < m; r0 += Q4_MAX_M) {
+        const int8_t *qr = q + r0 * 2 * k;
         const float *dr = dx + r0 * G, *sr = sx + r0 * G;
         void *yr = (char *)y + (size_t)(r0 * n) * out_elem;
-        int left = (int)(m - r0 < pass ? m - r0 : pass);
-#if Q4_AMX_TILES
-        if (amx) {  /* each format its own copy; the rows a runtime count */
-            q4_amx_configure(left);
-#define Q4_AMX_CASE(F_) \
-    if (x16) q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, 0, left, 1, 1); \
-    else q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, 0, left, 0, 1)
-            if (fmt == Q4_F16) { Q4_AMX_CASE(Q4_F16); }
-            else if (fmt == Q4_F32) { Q4_AMX_CASE(Q4_F32); }
-            else if (fmt == Q4_KS) { Q4_AMX_CASE(Q4_KS); }
-            else { Q4_AMX_CASE(Q8_F16); }
-#undef Q4_AMX_CASE
-            q4_amx_release();
-            continue;
-        }
-#endif
-#define Q4_CASE(M_, F_) \
-    if (x16) q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, generic, M_, 1, 0); \
-    else q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, generic, M_, 0, 0)
+        int left = (int)(m - r0 < Q4_MAX_M ? m - r0 : Q4_MAX_M);
+#define Q4_CASE(M_, F_) q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, generic, M_)
 #define Q4_FMTS(M_) \
     if (fmt == Q4_F16) { Q4_CASE(M_, Q4_F16); } \
     else if (fmt == Q4_F32) { Q4_CASE(M_, Q4_F32); } \
     else if (fmt == Q4_KS) { Q4_CASE(M_, Q4_KS); } \
     else { Q4_CASE(M_, Q8_F16); }
-        /* each (rows, format, digits) its own copy, so that all three are constants */
+        /* each (rows, format) its own copy, so that both are constants */
         switch (left) {
         case 1: Q4_FMTS(1); break;
         case 2: Q4_FMTS(2); break;
@@ -712,38 +531,6 @@ static void q4_tile(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t
         }
 #undef Q4_FMTS
 #undef Q4_CASE
-    }
-}
-
-/* Bytes of weights that a thread's passes over more than Q4_MAX_M rows take at a time, or 0 (the
- * default) for none. With a tile, every pass runs over one tile of blocks before the next tile,
- * so that the passes after the first read it from the core's own L2 (512 KiB on the CI
- * machine's cores, 2 MiB on the H100 hosts'), and the weights come from memory once whatever m;
- * without, one pass over all of a thread's blocks for each group of Q4_MAX_M rows reads them
- * from memory once per group. Where the rows are cheap (VNNI) those later passes may be bound by
- * memory, and tiling would help; where the loop is bound by its arithmetic it matters little: on
- * the 2-core CI machine (AVX2) a pass of 4 rows costs twice one of 1, and a 192 KiB tile gave
- * 9.93 / 19.14 Gweights/s at 8 rows on 1 / 2 threads against 9.46 / 17.6 untiled, 5.01 / 9.43
- * against 4.86 / 9.08 at 16 (medians of 3 rounds, bench/results/2026-12-06-s38-cpu-tile-cpu.*).
- * Set it through SLIPSTREAM_NATIVE_DEFINES (bench/cpu_prefetch.sh DEFINE=...) until a GPU host
- * has measured it. */
-#ifndef Q4_TILE_BYTES
-#define Q4_TILE_BYTES 0
-#endif
-
-/* One thread's share: every activation row over its blocks [b0, b1), tile by tile. A row's sums
- * are the same whatever the tiling: each output element is one block's, computed in one go. */
-static void q4_share(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G,
-                     int fmt, const int8_t *q, const float *dx, const float *sx, int64_t k,
-                     int64_t m, void *y, int y_f32, int generic, int x16) {
-    int64_t tile = b1 - b0;  /* no tiling, or one pass: nothing to tile */
-    if (Q4_TILE_BYTES > 0 && m > Q4_MAX_M) {
-        tile = (int64_t)Q4_TILE_BYTES / (G * q4_record_bytes(fmt));
-        if (tile < 1) tile = 1;
-    }
-    for (int64_t t0 = b0; t0 < b1; t0 += tile) {
-        int64_t t1 = t0 + tile < b1 ? t0 + tile : b1;
-        q4_tile(w, t0, t1, n, G, fmt, q, dx, sx, k, m, y, y_f32, generic, x16);
     }
 }
 
@@ -761,7 +548,7 @@ static void q4_share(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_
 typedef struct {
     const uint8_t *w;
     int64_t n, k, nb, G, m;
-    int fmt, y_f32, generic, x16;
+    int fmt, y_f32, generic;
     const int8_t *q;
     const float *dx, *sx;
     void *y;
@@ -772,19 +559,7 @@ static void q4_run_part(const void *job, int part, int parts) {
     const q4_job *j = job;
     int64_t b0 = j->nb * part / parts, b1 = j->nb * (part + 1) / parts;
     q4_share(j->w, b0, b1, j->n, j->G, j->fmt, j->q, j->dx, j->sx, j->k, j->m, j->y,
-             j->y_f32, j->generic, j->x16);
-}
-
-/* With Q4_CHUNKS the threads take the row blocks in chunks (parallel.h): hybrid decode's CPU
- * shares ran with about 8.7 of the 15 threads' cores busy on average with one equal share each
- * (bench/results/2026-12-05-s33-hybrid-bench-h100-call1.json, host_load). The default
- * (weights/cpu_packed.py's CPU_CHUNKS) since an H100 host ran a 70B's split layers' shares at
- * 104.4 GB/s chunked against 82.9 in equal shares, and hybrid decode at 5.25 against 4.14 tok/s
- * (bench/results/2026-12-05-s34-hybrid-bench{,-chunks}-h100-call1.json); on the shared 2-core
- * CI machine two runs put them at 1.02x and 1.03x alone, 0.92x and 1.12x beside a busy core
- * (2026-12-05-s33-cpu-chunks{-run1,}.json). */
-static void q4_parallel(const q4_job *j, int parts, int dynamic) {
-    ss_parallel(q4_run_part, j, parts, j->nb, dynamic);
+             j->y_f32, j->generic);
 }
 
 /* An empty parallel region of `threads`: the calling thread's OpenMP team wakes up if it slept,
@@ -815,25 +590,22 @@ typedef struct {
 #define Q4_X_F32 1   /* flags: x is float32 (else bfloat16) */
 #define Q4_Y_F32 2   /* y is float32 (else bfloat16) */
 #define Q4_GENERIC 4 /* the plain-C loop even where a vector loop is compiled in (tests) */
-#define Q4_X16 8     /* 16-bit activations as two int8 digits (see below) */
-#define Q4_CHUNKS 16 /* threads take chunks of the blocks (else one equal share each) */
 #define Q4_THREADS_SHIFT 8  /* flags >> 8: threads sharing the rows (0 or 1: the caller alone) */
 
 /* y (m, n) = x (m, k) @ W^T for W (n, k) packed as above (ceil(n / 16) blocks of k / 32
  * records). x rows contiguous, y likewise, written for the n real rows only.
  *
- * Q4_X16: each block of x is quantized to 16 bits instead of 8 (X = round(x / dx), |X| <= 32512,
- * dx = max|x| / 32512, so |x - dx X| <= dx / 2, ~1/256 of the int8 error and below bfloat16's
- * rounding of x) and X split into two int8 digits, X = 256 hi + lo: the group sum is
+ * Each block of x is quantized to 16 bits (X = round(x / dx), |X| <= 32512, dx = max|x| / 32512,
+ * so |x - dx X| <= dx / 2, ~1/256 of an int8 quantization's error and below bfloat16's rounding
+ * of x) and X split into two int8 digits, X = 256 hi + lo: the group sum is
  * 256 (u . hi) + u . lo, two vpdpbusd chains over the same unpacked codes, with the float work
  * of one. The exact sum stays below 2^24 for 4-bit codes (15 * 32512 * 32), so its conversion to
  * float is exact too; for 8-bit codes it is rounded once. */
 void ss_q4_matvec(const q4_weight *wd, const void *x, void *y, int64_t m, int64_t flags) {
     int64_t n = wd->n, k = wd->k, G = k / Q4_GROUP, nb = (n + Q4_ROWS - 1) / Q4_ROWS;
-    int x16 = (flags & Q4_X16) != 0;
     /* one allocation: the float row (bf16 widened), then the codes, dx and sx of all rows */
     size_t fbytes = (size_t)k * sizeof(float);
-    size_t qbytes = (size_t)(m * k * (1 + x16) + 63) / 64 * 64;
+    size_t qbytes = (size_t)(m * k * 2 + 63) / 64 * 64;
     char *scratch = malloc(fbytes + qbytes + 2 * (size_t)(m * G) * sizeof(float));
     if (scratch == NULL) return;  /* the caller's output stays as it was: see Q4VnniLinear */
     float *xf = (float *)scratch;
@@ -848,16 +620,15 @@ void ss_q4_matvec(const q4_weight *wd, const void *x, void *y, int64_t m, int64_
             for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(xb[i]);
             row = xf;
         }
-        int8_t *qr = q + r * k * (1 + x16);
-        q4_quantize_row(row, k, x16 ? 32512.0f : 127.0f, qr, x16 ? qr + k : NULL, dx + r * G,
-                        sx + r * G);
+        int8_t *qr = q + r * k * 2;
+        q4_quantize_row(row, k, qr, qr + k, dx + r * G, sx + r * G);
     }
     q4_job j = {wd->w, n, k, nb, G, m, (int)wd->fmt, (flags & Q4_Y_F32) != 0,
-                (flags & Q4_GENERIC) != 0, x16, q, dx, sx, y};
+                (flags & Q4_GENERIC) != 0, q, dx, sx, y};
     int64_t threads = flags >> Q4_THREADS_SHIFT;
     /* at least 4 blocks a thread: below that a hand-off costs more than it saves */
     if (threads > nb / 4) threads = nb / 4;
-    q4_parallel(&j, threads < 1 ? 1 : (int)threads, (flags & Q4_CHUNKS) != 0);
+    ss_parallel(q4_run_part, &j, threads < 1 ? 1 : (int)threads, nb);
     free(scratch);
 }
 
@@ -921,14 +692,3 @@ int ss_q4_has_vnni(void) { return Q4_VNNI; }
 
 /* Whether this build has a vector loop, VNNI or AVX2 (else every call takes the plain-C one). */
 int ss_q4_has_simd(void) { return Q4_VNNI || Q4_AVX2; }
-
-/* Whether passes over more than Q4_MAX_M rows go through AMX: 1 the tiles (built with them and
- * granted by the kernel), 2 their C stand-in (Q4_AMX=2), 0 not (Q4_AMX=0, or a compiler or CPU
- * without them, or a kernel refusing them: a Q4_AMX=1 build that runs the VNNI loop says so). */
-int ss_q4_has_amx(void) {
-#if Q4_AMX_TILES == 1
-    return q4_amx_ready() ? 1 : 0;
-#else
-    return Q4_AMX_TILES;
-#endif
-}

@@ -139,7 +139,7 @@ def _drain(tokens: Iterator[torch.Tensor]) -> None:
 def weight_bytes_per_token(engine: Engine) -> int:
     """Bytes of weights one decode token reads: every linear layer once (of the layers not
     skipped), one embedding row."""
-    from ..weights.cpu_packed import PackedDecodeLinear
+    from ..weights.cpu import PackedDecodeLinear
     from ..weights.linear import DenseLinear, QuantLinear
 
     def nbytes(lin) -> int:

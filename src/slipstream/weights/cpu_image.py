@@ -1,17 +1,18 @@
 """CPU layer images: a streamed layer packed for the CPU decode kernels, as one flat buffer.
 
 A resident CPU layer at precision="fast" decodes through packed copies of its weights
-(cpu_packed.PackedDecodeLinear: torch's int4/int8 CPU kernels). A streamed layer computes the
-same way, from an image of those packed copies written once at load (memory.image_file.
-build_cpu_images): per decode pass the disk store reads the image into a staging buffer and
+(weights.cpu.PackedDecodeLinear: q4vnni, q8vnni, or torch's int4/int8 CPU kernels). A streamed
+layer computes the
+same way, from an image of those packed copies written once at
+load (memory.image_file.build_cpu_images): per decode pass the disk store reads the image into a staging buffer and
 `decode_layer` makes the layer as views into it, so no token dequantizes or repacks anything.
 
 The image holds exactly what decode reads, made by the resident path's own code from the same
 GGUF bytes (LayerBuilder.build, then each linear's `.packed`), so a streamed layer gives the
 same bits as a resident one:
 - each linear group (q/k/v fused, gate/up fused, the output and down projections): its packed
-  copy's planes (int4pack, int4pair: codes and bfloat16 scale/zero pairs; int8pack: codes and
-  per-row scales) and float32 bias, or, where no packed layout reads its formats (the resident
+  copy's planes (q4vnni, q8vnni: their records; int4pack, int4pair: codes and bfloat16
+  scale/zero pairs; int8pack: codes and per-row scales) and float32 bias, or, where no packed layout reads its formats (the resident
   layer then decodes dense too), its dense weight at precision.weight_dtype;
 - the norms, float32.
 Prefill (more than GEMV_MAX_ROWS tokens a pass) multiplies the dense weights, which the image
@@ -31,12 +32,14 @@ import torch
 
 from ..model.layer_spec import spec_for
 from ..model.llama import LayerWeights
-from . import cpu_packed
-from .cpu_packed import (INT4_GROUP, Int4PackLinear, Int4PairLinear, Int8PackLinear,
-                         PackedDecodeLinear, Q4VnniLinear, Q8VnniLinear, kind_for,
-                         q4vnni_available, q4vnni_parts_nbytes, q8vnni_nbytes)
+from .cpu.decode import PackedDecodeLinear
+from .cpu.groups import INT4_GROUP
+from .cpu.kinds import kind_for, q4vnni_available
+from .cpu.torch_kernels import Int4PackLinear, Int4PairLinear, Int8PackLinear
+from .cpu.vnni import Q4VnniLinear, Q8VnniLinear, q4vnni_parts_nbytes, q8vnni_nbytes
 from .image import IMAGE_ALIGN, _Entry
 from .linear import GEMV_MAX_ROWS, DenseLinear
+from .loader import LayerBuilder, TensorSource
 
 CPU = torch.device("cpu")
 _PACKED = {"int4pack": Int4PackLinear, "int4pair": Int4PairLinear, "int8pack": Int8PackLinear}
@@ -73,12 +76,12 @@ def layout_fingerprint() -> int:
     u = ((r * 7 + c * 3) % 16).to(torch.int32)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
     crc = zlib.crc32(packed.contiguous().view(torch.uint8).numpy().tobytes())
-    # whether the 4-bit formats pack as q4vnni (native library there) or int4pack, and Q4_K's
-    # q4vnni records with its own scales (since session 35) or float32 ones: an image of one
-    # is no use to a process that would build the other
+    # whether the 4-bit formats pack as q4vnni (native library there) or int4pack: an image
+    # of one is no use to a process that would build the other. "q4vnni-ks": Q4_K's q4vnni
+    # records with its own scales ("q4vnni-1" named the float32 records an older build made)
     if not q4vnni_available():
         return crc
-    return zlib.crc32(b"q4vnni-ks" if cpu_packed.Q4VNNI_KS else b"q4vnni-1", crc)
+    return zlib.crc32(b"q4vnni-ks", crc)
 
 
 def _fields(architecture: str) -> list[str]:
@@ -135,8 +138,6 @@ def to_cpu_image(layer: LayerWeights, architecture: str) -> tuple[torch.Tensor, 
 def cpu_image_of(gf, cfg, precision, i: int) -> tuple[torch.Tensor, CpuLayerLayout]:
     """Layer i of `gf` built as a resident CPU layer is (packed decode copies on), as an
     image."""
-    from .loader import LayerBuilder, TensorSource
-
     if not precision.cpu_packed_decode:
         raise ValueError(f"CPU layer images hold packed decode copies, which precision "
                          f"{precision.name!r} does not use")
@@ -192,7 +193,7 @@ def image_nbytes(gf, cfg, i: int, precision) -> int:
         rows, cols = sum(s[0] for s in part_shapes), part_shapes[0][1]
         kinds = {kind_for(t) for t in types}
         # LayerBuilder._packed_decode packs a group whose parts all take one layout
-        # (cpu_packed.pack_group); any other group decodes dense
+        # (cpu.pack_group); any other group decodes dense
         kind = kinds.pop() if len(kinds) == 1 else None
         padded = -(-rows // 16) * 16
         if kind == "q4vnni":

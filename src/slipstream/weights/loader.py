@@ -205,7 +205,7 @@ class LayerBuilder:
         bytes, already copied (else copied here)."""
         if not self.precision.cpu_packed_decode:
             return dense
-        from .cpu_packed import PackedDecodeLinear, kind_for, pack_group
+        from .cpu import PackedDecodeLinear, kind_for, pack_group
 
         types = [src.type_of(f"{p}.weight") for p in prefixes]
         if any(kind_for(t) is None for t in types):

@@ -1,67 +1,32 @@
-"""Load-time packing of 4-bit GGUF matrices into torch's int4 CPU layout in one native pass
-(native/int4_pack.c), for Int4PackLinear (weights.cpu_packed); and into q4vnni's codes and
-float32 scale and zero planes, for Q4VnniLinear (q4vnni_native).
+"""Load-time packing of 4-bit GGUF rows in one native pass (native/int4_pack.c): into torch's
+int4 CPU layout (`pack_int4_rows`, for Int4PackLinear) and into q4vnni's codes and float32 scale
+and zero planes (`q4vnni_native`, for Q4VnniLinear).
 
 Why: in torch ops the packing is a dozen small calls per 64 rows. On the H200 host, hybrid
-decode's CPU share of a 70B (7.7 GB) took about 100 s that way on a pool of 15 threads,
-against 23 s for the whole load without it (bench/results/2026-12-03-s23-*load-profile*).
+decode's CPU share of a 70B (7.7 GB) took about 100 s that way on a pool of 15 threads, against
+23 s for the whole load without it.
 
-torch's layout depends on the CPU it runs on (blocks of 64 rows with AVX-512, 32 with AVX2),
-so the native packer is used only after it reproduced torch's own packing, bit for bit, on a
-random matrix of each format, once per process. Where it did not, or the library cannot be
-built, or a part's rows are not whole blocks, pack_native returns None and the torch ops pack.
+torch's layout depends on the CPU it runs on (blocks of 64 rows with AVX-512, 32 with AVX2):
+torch_kernels.native_block checks the native packer against torch's own once per process.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from .. import native
-from ..quant import get_format
-from .cpu_packed import INT4_GROUP, Q4V_CODE_BYTES, Q4V_ROWS, int4pack_torch
+from ... import native
+from ...quant import get_format
+from .groups import INT4_GROUP, Q4V_CODE_BYTES, Q4V_ROWS
 
 FORMATS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q4_K: 2}  # int4_pack.c's FMT_* codes
 BLOCKS = (64, 32)  # torch's row blocks: AVX-512, AVX2
 
 
-def pack_native(raws, qtypes, shapes, threads: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """What int4pack_torch returns, made by int4_pack.c; None where it cannot be (see above).
-    threads: OpenMP threads of the call (default torch's count for this thread: 1 inside a
-    pool that set it so)."""
-    if any(Q(int(t)) not in FORMATS for t in qtypes):
-        return None
-    block = native_block()
-    if block is None or any(r % block for r, _ in shapes):
-        return None
-    return _pack(raws, qtypes, shapes, block, threads or torch.get_num_threads())
-
-
-def native_block() -> int | None:
-    """The row block with which int4_pack.c reproduces torch's packing here, or None. Checked
-    once per library: while SLIPSTREAM_NATIVE=0 turns the library off, nothing is cached, so
-    the check runs when it comes back."""
-    lib = native.library()
-    return None if lib is None else _checked_block(lib._handle)
-
-
-@functools.lru_cache(maxsize=None)
-def _checked_block(handle: int) -> int | None:
-    gen = torch.Generator().manual_seed(0)
-    cases = [_random_matrix(q, 128, 512, gen) for q in FORMATS]
-    refs = [int4pack_torch([raw], [q], [(128, 512)]) for q, raw in zip(FORMATS, cases)]
-    for block in BLOCKS:
-        if all(_same(_pack([raw], [q], [(128, 512)], block, 1), ref)
-               for q, raw, ref in zip(FORMATS, cases, refs)):
-            return block
-    return None
-
-
-def _pack(raws, qtypes, shapes, block: int, threads: int
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_int4_rows(raws, qtypes, shapes, block: int, threads: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parts' rows stacked in torch's int4 layout for `block`-row blocks (what
+    torch_kernels.int4pack_torch makes there), by int4_pack.c on `threads` OpenMP threads."""
     lib = native.library()
     rows, cols = sum(r for r, _ in shapes), shapes[0][1]
     packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
@@ -76,12 +41,7 @@ def _pack(raws, qtypes, shapes, block: int, threads: int
     return packed, scale_zeros
 
 
-def _same(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor]) -> bool:
-    return all(x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
-               for x, y in zip(a, b))
-
-
-def _random_matrix(qtype: Q, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+def random_matrix(qtype: Q, rows: int, cols: int, gen: torch.Generator) -> torch.Tensor:
     """Random GGUF bytes of a (rows, cols) matrix whose float16 fields are finite: random
     codes, scales and mins, with some zero and negative scales."""
     fmt = get_format(qtype)
@@ -98,7 +58,7 @@ def q4vnni_native(raws, qtypes, shapes, padded_rows: int, threads: int | None = 
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The stacked parts' q4vnni codes (padded_rows / 16, cols / 32, 256) uint8 and their
     float32 scales and zeros (padded_rows, cols / 32), made by int4_pack.c's ss_q4vnni_rows:
-    the bits of cpu_packed's torch path (_q4vnni_codes of _q4vnni_params), with padding rows
+    the bits of vnni.py's torch path (q4vnni_codes of q4vnni_params), with padding rows
     0. None where the library is not there or a part is not Q4_0, Q4_1 or Q4_K. threads:
     OpenMP threads (default torch's count for this thread: 1 inside a pool that set it so)."""
     lib = native.library()

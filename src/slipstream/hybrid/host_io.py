@@ -1,0 +1,285 @@
+"""The hand-off between the GPU and the CPU's shares of hybrid decode: `HostIO` holds the pinned
+buffers, the events and the worker thread that the split layers' shares (hybrid.share.HostFFN)
+go through, and orders them on the CUDA stream.
+
+On CUDA the host does not wait for a share (run-ahead): the worker computes it while the main
+thread goes on enqueueing the next layers, and a kernel on the stream waits for the worker's
+counter in pinned memory and adds the result (kernels.wait_host_add, the wait kernels of
+kernels/host_wait.py), so the GPU runs the next layers as soon as the CPU's result lands.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import envs, kernels, native
+
+# The worker needs Python's GIL between its native calls while the main thread holds it to
+# enqueue CUDA work (Triton's launches release it rarely); a waiting thread gets it only once
+# the holder lets go or the switch interval passes (5 ms by default), and the worker's OpenMP
+# team idles meanwhile. So the worker lowers the interval, process-wide and never raising it,
+# to SLIPSTREAM_GIL_SWITCH_S (0.1 ms; 0 leaves it alone). On the 2-core CI machine, with a
+# thread beside it that never lets go, an 8B's share took a median 18.8 ms at 5 ms (35 ms as
+# four calls rather than one fused) and 3.2-3.6 ms at 0.1 ms, against 2.4-5.4 with that thread
+# idle.
+
+
+@dataclass
+class HostStats:
+    """What the CPU's shares cost: seconds the CPU spent computing them (from the input's
+    arrival to the result's hand-back) and bytes of packed weights read (a layer store hands
+    HostIO its own StoreStats, which has the same fields)."""
+
+    cpu_s: float = 0.0
+    cpu_bytes: int = 0
+
+
+class Scratch:
+    """Float32 buffers reused from call to call by one thread (hybrid's CPU worker): buffer k
+    as an (m, n) view, grown when a call needs more."""
+
+    def __init__(self) -> None:
+        self._flat: dict[int, torch.Tensor] = {}
+
+    def get(self, k: int, m: int, n: int) -> torch.Tensor:
+        flat = self._flat.get(k)
+        if flat is None or flat.numel() < m * n:
+            flat = self._flat[k] = torch.empty(m * n)
+        return flat[:m * n].view(m, n)
+
+
+@dataclass
+class HostIO:
+    """The buffers, events and worker the CPU's shares of one model's split layers go through.
+
+    On CUDA the host does not wait for the CPU's share (run-ahead): `finish` hands the layer to
+    a worker thread and enqueues, on the stream, a wait for the worker's counter in pinned
+    memory that then reads the result from there and adds it (kernels.wait_host_add; with
+    fused_add False, kernels.wait_host_flag, the result's copy up and the sum); the host goes on
+    enqueueing the next layers, so the GPU runs them as soon as the CPU's result lands instead
+    of after the host has launched them. The worker takes layers in order: it waits for the
+    input's copy down (a CUDA event), computes, writes the result into the layer's pinned
+    output buffer and then bumps the counter (x86 keeps the two stores in that order).
+    Where the wait kernel cannot run, it falls back to waiting on the host (`run_ahead`
+    False). On a CPU device (tests) the share is computed at once."""
+
+    device: torch.device
+    hidden: int
+    max_tokens: int
+    slots: int = 1
+    stats: HostStats = field(default_factory=HostStats)
+    threads: int | None = None  # the worker's torch threads (None: the creating thread's)
+    # run-ahead: one kernel waits for the worker, reads its result from pinned memory and adds
+    # it (kernels.wait_host_add), instead of a wait, a small copy up behind the ring's layer
+    # copies, and an add
+    fused_add: bool = True
+    # the worker keeps its OpenMP team spinning while it waits for the next input
+    # (native ss_omp_touch), rather than letting it sleep and paying for waking it each layer
+    keep_warm: bool = True
+    # --trace (runtime.trace.Tracer): the worker's wait for each input and its share, as spans
+    tracer: object | None = None
+
+    def __post_init__(self) -> None:
+        cuda = self.device.type == "cuda"
+        shape = (self.max_tokens, self.hidden)
+        self._in = [torch.empty(shape, dtype=torch.float32, pin_memory=cuda)
+                    for _ in range(self.slots)]
+        self._out = [torch.empty(shape, dtype=torch.float32, pin_memory=cuda)
+                     for _ in range(self.slots)]
+        self._rows = [0] * self.slots
+        self._sent: list[torch.cuda.Event | None] = [None] * self.slots
+        # the counter value each slot's input raises the arrival flag to (send_to_host), or
+        # None where it went by a copy and an event
+        self._signal_seq: list[int | None] = [None] * self.slots
+        self._h: list[torch.Tensor | None] = [None] * self.slots
+        self.run_ahead = cuda
+        # the fused shares' inputs go by kernels.send_to_host and a flag the worker polls in
+        # native code (SLIPSTREAM_HOST_SIGNAL=1; False once the kernel has failed here)
+        self.signal = cuda and envs.get("SLIPSTREAM_HOST_SIGNAL")
+        if self.threads is None:
+            self.threads = torch.get_num_threads()
+        if cuda:
+            self._flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+            self._arrived = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # signal
+            self._failed = torch.zeros(1, dtype=torch.int32, device=self.device)
+            self._seq = 0
+            self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+            self._scratch = Scratch()  # the worker's alone
+            self._error: BaseException | None = None
+            self._worker: threading.Thread | None = None
+
+    # --- the host's side ----------------------------------------------------------------------
+
+    def send(self, h: torch.Tensor, slot: int = 0, fused: bool = False) -> None:
+        """Queue h's copy to the host on the current stream (no wait here). For a fused share
+        (fused) with `signal` on and run-ahead serving: by kernels.send_to_host, which raises
+        the arrival flag to the next job's counter after it, for a worker waiting in native
+        code."""
+        if h.shape[0] > self.max_tokens:
+            raise ValueError(f"the CPU share takes at most {self.max_tokens} tokens, "
+                             f"not {h.shape[0]}")
+        self._rows[slot] = h.shape[0]
+        if self.device.type != "cuda":
+            self._h[slot] = h.float()
+            return
+        self._signal_seq[slot] = None
+        if fused and self.signal and self.run_ahead:
+            try:
+                kernels.send_to_host(h, self._in[slot][:h.shape[0]], self._arrived,
+                                     self._seq + 1)
+                self._signal_seq[slot] = self._seq + 1
+            except Exception:  # no kernel here: the copy and the event from now on
+                self.signal = False
+        if self._signal_seq[slot] is None:
+            self._in[slot][:h.shape[0]].copy_(h.float(), non_blocking=True)
+        event = torch.cuda.Event()  # also where the input went by the flag: the fallbacks'
+        event.record()
+        self._sent[slot] = event
+
+    def _submit(self, ffn) -> int:
+        """Run-ahead: hand the layer's share (a hybrid.share.HostFFN) to the worker, which
+        waits for its input's copy itself; returns the job's counter value. Jobs go in layer
+        order, as the GPU's waits for their counters do."""
+        slot = ffn.slot
+        self.check()
+        self._seq += 1
+        self._start_worker()
+        signaled = self._signal_seq[slot] == self._seq  # else: the event, as ever
+        self._jobs.put((ffn, self._sent[slot], slot, self._rows[slot], self._seq, signaled))
+        return self._seq
+
+    def finish(self, ffn, partial: torch.Tensor) -> torch.Tensor:
+        """partial + the CPU's share (ffn.compute of the input `send` queued for ffn.slot), in
+        stream order: on CUDA with run-ahead, a kernel on the stream waits for the worker's
+        counter and adds the result from pinned memory (the wait kernels' hand-off)."""
+        slot, rows = ffn.slot, self._rows[ffn.slot]
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            y = ffn.compute(self._h[slot])
+            self._count(ffn, time.perf_counter() - t0)
+            return partial + y.to(partial.dtype)
+        if self.run_ahead:
+            seq = self._submit(ffn)
+            try:
+                if self.fused_add:
+                    try:
+                        return kernels.wait_host_add(self._flag, seq, self._failed,
+                                                     self._out[slot][:rows], partial)
+                    except Exception:  # not built here: the wait, the copy and the add
+                        self.fused_add = False
+                kernels.wait_host_flag(self._flag, seq, self._failed)
+            except Exception:  # no wait kernel here: wait on the host from now on
+                self.run_ahead = False
+                self._wait_seq(seq)
+        else:
+            t0 = time.perf_counter()
+            self._sent[slot].synchronize()
+            self._out[slot][:rows].copy_(ffn.compute(self._in[slot][:rows]))
+            self._count(ffn, time.perf_counter() - t0)
+        up = self._out[slot][:rows].to(partial.device, non_blocking=True)
+        return partial + up.to(partial.dtype)
+
+    def check(self) -> None:
+        """Raise what the worker ran into (the layers after it got a zero share)."""
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the CPU's share of hybrid decode failed: {error}") from error
+
+    def close(self) -> None:
+        """Stop the worker once the layers handed to it are done; raise if a wait on the
+        stream gave up (read here only: it costs a device sync)."""
+        if self.device.type != "cuda" or self._worker is None:
+            return
+        self._jobs.put(None)
+        self._worker.join()
+        self._worker = None
+        self.check()
+        if int(self._failed.item()):
+            raise RuntimeError("a GPU wait for the CPU's share of hybrid decode gave up: the "
+                               "CPU worker stopped answering")
+
+    # --- the worker's side --------------------------------------------------------------------
+
+    def _start_worker(self) -> None:
+        if self._worker is None:
+            switch_s = envs.get("SLIPSTREAM_GIL_SWITCH_S")
+            if switch_s > 0:
+                sys.setswitchinterval(min(sys.getswitchinterval(), switch_s))
+            self._worker = threading.Thread(target=self._work, name="slipstream-hybrid-cpu",
+                                            daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        flag = self._flag.numpy()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            ffn, sent, slot, rows, seq, signaled = job
+            t0 = t1 = None
+            tracer = self.tracer
+            try:
+                if self._error is None:
+                    if torch.get_num_threads() != self.threads:
+                        torch.set_num_threads(self.threads)  # per thread under OpenMP
+                    t0 = time.perf_counter()
+                    if signaled:  # the wait, the share and the counter in one native call
+                        # (traced, the cores counted over both)
+                        c1 = time.process_time() if tracer is not None else 0.0
+                        waited = ffn.compute_on_signal(
+                            self._in[slot][:rows], self._out[slot][:rows], self._scratch,
+                            self._arrived, seq, self._flag, self.threads)
+                        t1 = t0 + waited
+                    else:
+                        self._await(sent)
+                        t1 = time.perf_counter()
+                        # traced: the process's CPU time over the share (every thread's), so
+                        # that the trace says how many cores the share kept busy
+                        c1 = time.process_time() if tracer is not None else 0.0
+                        ffn.compute_into(self._in[slot][:rows], self._out[slot][:rows],
+                                         self._scratch)
+                    self._count(ffn, time.perf_counter() - t1)
+            except BaseException as e:  # the stream must not wait forever: bump anyway
+                self._error = e
+            finally:
+                flag[0] = seq
+            if tracer is not None and t1 is not None:
+                t2, c2 = time.perf_counter(), time.process_time()
+                name = f"L{ffn.layer}"
+                tracer.span("cpu wait", name, t0, t1, layer=ffn.layer)
+                tracer.span("cpu share", name, t1, t2, layer=ffn.layer, bytes=ffn.nbytes,
+                            cores=round((c2 - c1) / (t2 - t1), 2) if t2 > t1 else None)
+
+    def _await(self, sent: torch.cuda.Event) -> None:
+        """Wait for the input's copy down; keep_warm: touching the worker's OpenMP team the
+        while (an empty parallel region, well under a microsecond while the team is awake),
+        so that it is awake when the input lands."""
+        touch = _omp_touch() if self.keep_warm else None
+        if touch is None:
+            sent.synchronize()
+            return
+        while not sent.query():
+            touch(self.threads)
+
+    def _wait_seq(self, seq: int) -> None:
+        """Wait on the host until the worker has finished job `seq`."""
+        flag = self._flag.numpy()
+        while flag[0] < seq and self._worker is not None and self._worker.is_alive():
+            time.sleep(0)
+        self.check()
+
+    def _count(self, ffn, seconds: float) -> None:
+        self.stats.cpu_s += seconds
+        self.stats.cpu_bytes += ffn.nbytes
+
+
+def _omp_touch():
+    """The native library's ss_omp_touch, or None where it did not build."""
+    lib = native.library()
+    return lib.ss_omp_touch if lib is not None else None

@@ -1,0 +1,35 @@
+"""CPU linear layers that compute on quantized weights, packed once at load time.
+
+The CPU engine keeps dense float16/float32 weights for prefill (DenseLinear) and, for decode, a
+packed copy of each matrix in one of these layouts (`kind_for` picks; `pack_linear` and
+`pack_group` build; `packed_nbytes` sizes one before it is built):
+
+    kind       module          formats          bits a weight read   kernel
+    q4vnni     vnni            Q4_0 Q4_1 Q4_K   5 (Q4_K 4.625)        native/q4_matvec.c
+    q8vnni     vnni            Q8_0             8.5                  native/q4_matvec.c
+    int4pack   torch_kernels   Q4_0 Q4_1 Q4_K   5                    torch's int4 CPU kernel
+    int4pair   torch_kernels   Q8_0             10                   torch's int4 CPU kernel
+    int8pack   torch_kernels   Q6_K (any)       8 + 2 bytes a row     torch's int8 CPU kernel
+    dequant    dequant         all five         8 + scales           float32 matmul (reference)
+
+Where the native library builds, the 4-bit formats take q4vnni and Q8_0 q8vnni (exact weights,
+16-bit activations); elsewhere, or with SLIPSTREAM_Q4VNNI=0, torch's kernels (bfloat16 scales
+and activations). Q6_K takes int8pack everywhere. A format no layout reads stays dense.
+
+All of them answer the Linear protocol (x (m, in) -> (m, out), `residual=`, `out_features`) for
+any m; the packed kernels are meant for decode (m <= 8) and small speculation trees.
+PackedDecodeLinear (decode) holds a packed copy beside the dense weight and routes each call.
+None of these layouts is the GGUF byte layout, so a packed copy costs RAM beside any GGUF copy
+of the same rows; `nbytes` (or `packed_nbytes` before building) says how much.
+
+Modules: groups (GGUF blocks as codes and per-group scales, bf16 rounding, shared load-time
+helpers), native_pack (the load-time packers in C), torch_kernels, vnni, dequant (the layouts),
+decode (PackedDecodeLinear), kinds (the choice and the builders).
+"""
+
+from .decode import PackedDecodeLinear, rms_norm_bf16
+from .kinds import AUTO_KINDS, KINDS, kind_for, pack_group, pack_linear, packed_nbytes
+from .vnni import Q4VnniLinear
+
+__all__ = ["AUTO_KINDS", "KINDS", "PackedDecodeLinear", "Q4VnniLinear", "kind_for", "pack_group",
+           "pack_linear", "packed_nbytes", "rms_norm_bf16"]

@@ -1,0 +1,116 @@
+"""Which CPU layout a GGUF matrix takes (`kind_for`), what it costs in RAM (`packed_nbytes`),
+and building it (`pack_linear`, `pack_group`)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from gguf import GGMLQuantizationType
+
+from ... import envs, native
+from ..linear import Linear
+from .dequant import DequantLinear
+from .groups import INT4_FORMATS, INT4_GROUP, PAIR_FORMATS, UNPACKED_FORMATS, Q, concat_bias
+from .torch_kernels import Int4PackLinear, Int4PairLinear, Int8PackLinear
+from .vnni import Q4VnniLinear, Q8VnniLinear, q4vnni_parts_nbytes, q8vnni_nbytes
+
+KINDS = ("q4vnni", "q8vnni", "int4pack", "int4pair", "int8pack", "dequant", "dequant-compiled")
+AUTO_KINDS = ("auto", "torch")  # kind_for's choices among KINDS
+
+
+def q4vnni_available() -> bool:
+    """Whether q4vnni can run here: the native library builds (slipstream.native; a first call
+    compiles it, ~2 s, then it is cached per machine) and is not turned off (SLIPSTREAM_NATIVE=0,
+    or SLIPSTREAM_Q4VNNI=0 for this kind alone: the 4-bit formats then go to int4pack)."""
+    return envs.get("SLIPSTREAM_Q4VNNI") and native.library() is not None
+
+
+def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | None:
+    """The layout a tensor of `qtype` gets: `kind` if it can take it ("q4vnni" and "int4pack"
+    only for 4-bit formats with groups of 32, "q8vnni" and "int4pair" only for Q8_0), or with
+    kind="auto": where the native library is there (q4vnni_available), q4vnni for
+    Q4_0/Q4_1/Q4_K and q8vnni for Q8_0; where not, int4pack and int4pair (int8pack's per-row
+    requantization costs Q8_0 more than a 0.5% perplexity allowance on the default model;
+    int4pair, 0.03%); int8pack for Q6_K (16-wide sub-blocks fit no int4 group); None for
+    formats no layout reads (keep DenseLinear for those). kind="torch": auto's choice among
+    torch's kernels alone (int4pack, int4pair, int8pack)."""
+    qtype = Q(int(qtype))
+    if kind not in AUTO_KINDS and kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(AUTO_KINDS + KINDS)}, not {kind!r}")
+    if qtype not in UNPACKED_FORMATS:
+        return None
+    if kind in AUTO_KINDS:
+        ours = kind != "torch" and q4vnni_available()
+        if qtype in INT4_FORMATS:
+            return "q4vnni" if ours else "int4pack"
+        if qtype in PAIR_FORMATS:
+            return "q8vnni" if ours else "int4pair"
+        return "int8pack"
+    if kind in ("int4pack", "q4vnni") and qtype not in INT4_FORMATS:
+        return None
+    if kind in ("int4pair", "q8vnni") and qtype not in PAIR_FORMATS:
+        return None
+    return kind
+
+
+def _dequant_compiled(raws, qtypes, shapes, bias=None) -> DequantLinear:
+    return DequantLinear.from_raws(raws, qtypes, shapes, bias, compiled=True)
+
+
+_BUILDERS = {"q4vnni": Q4VnniLinear.from_raws, "q8vnni": Q8VnniLinear.from_raws,
+             "int4pack": Int4PackLinear.from_raws, "int4pair": Int4PairLinear.from_raws,
+             "int8pack": Int8PackLinear.from_raws,
+             "dequant": DequantLinear.from_raws, "dequant-compiled": _dequant_compiled}
+
+
+def packed_nbytes(qtype: GGMLQuantizationType | int, shape: tuple[int, int],
+                  kind: str = "auto") -> int | None:
+    """RAM the layout of kind_for(qtype, kind) takes for a (rows, cols) matrix (what `nbytes`
+    of the built linear reports), without building it; None where no layout reads qtype. For
+    memory planners (a resident CPU layer's bytes)."""
+    k = kind_for(qtype, kind)
+    if k is None:
+        return None
+    rows, cols = (int(s) for s in shape)
+    if k == "q4vnni":  # float16 scales and zeros hold Q4_0's and Q4_1's exactly, not Q4_K's
+        return q4vnni_parts_nbytes((qtype,), rows, cols)
+    if k == "q8vnni":
+        return q8vnni_nbytes(rows, cols)
+    if k in ("int4pack", "int4pair"):
+        width = cols if k == "int4pack" else 2 * cols  # int4pair: two nibble planes
+        padded = -(-rows // 16) * 16
+        return padded * width // 2 + width // INT4_GROUP * padded * 2 * 2
+    if k == "int8pack":
+        return rows * cols + rows * 2
+    q = Q(int(qtype))
+    group = 16 if q == Q.Q6_K else 32
+    planes = 2 if q in (Q.Q4_1, Q.Q4_K) else 1  # scale, and offset where the format has one
+    return rows * cols + rows * (cols // group) * 4 * planes
+
+
+def pack_linear(raw: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, int],
+                bias: torch.Tensor | None = None, kind: str = "auto") -> Linear | None:
+    """One GGUF matrix (uint8, rows x row_bytes, on the CPU) as a packed CPU linear, or None
+    where no layout reads its format (see kind_for). The bytes are only read (a view of the
+    file's memory map, or of a staging buffer about to be reused, will do)."""
+    fused, _ = pack_group([raw], [qtype], [shape], [bias], kind)
+    return fused
+
+
+def pack_group(raws: Sequence[torch.Tensor], qtypes: Sequence[GGMLQuantizationType | int],
+               shapes: Sequence[tuple[int, int]], biases: Sequence[torch.Tensor | None],
+               kind: str = "auto") -> tuple[Linear | None, list[Linear | None]]:
+    """The parts of one LinearGroup (q/k/v, gate/up: same input width) as packed CPU linears.
+
+    Where every part gets the same layout (e.g. Q4_K and Q4_0 both go to int4pack), their rows
+    are concatenated into one linear, returned as (fused, []). Otherwise (None, parts), with a
+    None part where its format has no layout. A single part comes back as (it, [])."""
+    kinds = [kind_for(t, kind) for t in qtypes]
+    groups = {16 if Q(int(t)) == Q.Q6_K else 32 for t in qtypes}
+    if kinds[0] is not None and len(set(kinds)) == 1 and (
+            not kinds[0].startswith("dequant") or len(groups) == 1):
+        return _BUILDERS[kinds[0]](raws, qtypes, shapes, concat_bias(biases, shapes)), []
+    parts = [_BUILDERS[k]([r], [t], [s], b) if k is not None else None
+             for r, t, s, k, b in zip(raws, qtypes, shapes, kinds, biases)]
+    return None, parts
