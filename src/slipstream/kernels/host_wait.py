@@ -2,7 +2,7 @@
 spins until a pinned host counter reaches `target`, so that work queued behind it on the stream
 starts once the host says so, without the host waiting to enqueue it.
 
-Hybrid decode needs this (hybrid.ffn.HostIO): the GPU's next layer depends on the CPU's
+Hybrid decode needs this (hybrid.host_io.HostIO): the GPU's next layer depends on the CPU's
 share of the last one. With CUDA events alone, the host would have to wait for the CPU's result
 before enqueueing anything after it (an event recorded later cannot be waited on earlier), and
 the Python launching the next layers would sit on the critical path of every split layer.
@@ -12,7 +12,7 @@ each load is volatile so that it goes to memory every time. A spin that outlasts
 by the GPU's own clock (%globaltimer: a host thread that died) gives up and sets `failed[0]`,
 so a stuck host shows up as an error rather than a GPU that never finishes. The bound is a time,
 not a count of loads: on the H200, work behind a spin of 2^24 loads ran before a host that bumped
-the flag 0.2 s later (session 18), where the spin was meant to last tens of seconds.
+the flag 0.2 s later, where the spin was meant to last tens of seconds.
 
 `send_to_host(src, dst, flag, seq)` is the other direction: the input written into pinned host
 memory and a flag raised after it, in stream order, for a host thread polling in native code.
@@ -21,7 +21,7 @@ memory and a flag raised after it, in stream order, for a host thread polling in
 decode does after it: the kernel reads the host's result straight from pinned memory and adds it
 to the GPU's partial sum. Without it a small host-to-device copy sits between the wait and the
 add, on a link the ring's layer copies keep busy, and every split layer pays for it on the
-critical path (hybrid.ffn.HostIO).
+critical path (hybrid.host_io.HostIO).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def send_to_host(src: torch.Tensor, dst: torch.Tensor, flag: torch.Tensor, seq: 
     """Enqueue on the current stream: dst (float32, pinned host, contiguous) = src as float32,
     then flag[0] (int64, pinned host) = seq, the flag written only once every value is in host
     memory. The host's side polls the flag (native ss_q4_ffn_on_signal) instead of querying a
-    CUDA event behind a copy, which needs Python (hybrid.ffn.HOST_SIGNAL)."""
+    CUDA event behind a copy, which needs Python (SLIPSTREAM_HOST_SIGNAL=1)."""
     if dst.shape != src.shape or dst.dtype != torch.float32 or not dst.is_contiguous():
         raise ValueError(f"the host's buffer must be float32, contiguous and of the input's "
                          f"shape {tuple(src.shape)}, not {dst.dtype} {tuple(dst.shape)}")

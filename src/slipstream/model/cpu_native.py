@@ -7,7 +7,7 @@ four packed matmuls, where the torch ops (model.cpu_decode) make about twenty-fi
 The math is the torch path's (the same roundings to bfloat16 at the same places, the same
 float32 residual adds), but sums run in another order, so the bits are not the same:
 tests/model/test_cpu_native.py compares the two. Serves layers whose four linears decode
-through packed kernels (weights.cpu_packed.PackedDecodeLinear) with no bias past q/k/v, a
+through packed kernels (weights.cpu.PackedDecodeLinear) with no bias past q/k/v, a
 float32 cache, and a context up to NATIVE_MAX_SPAN (past it torch's threaded bmm is faster).
 """
 
@@ -27,11 +27,11 @@ from .rope import RopeTable
 
 # Slots attended to: the C attention is single-threaded, and past about 1000 slots torch's
 # two-threaded bmm caught up with it on the 2-core machine (a CPU decode token of the default
-# model: 8.2 against 11.5 ms at slot 0, 16.8 against 16.0 at slot 1000, session 14).
+# model: 8.2 against 11.5 ms at slot 0, 16.8 against 16.0 at slot 1000).
 NATIVE_MAX_SPAN = 1024
 # Where all four matmuls are q4vnni and q/k/v have no bias, the whole layer is one C call
 # (native/decode_layer.c, the same calls in the same order, so the same bits): the Python
-# between eight calls cost ~30 us of a ~230 us layer on the 2-core machine (session 26).
+# between eight calls cost ~30 us of a ~230 us layer on the 2-core machine.
 # Tests turn it off to compare.
 FUSED_LAYER = True
 Kernel = Callable[[torch.Tensor], torch.Tensor]
@@ -67,7 +67,7 @@ class NativeLayer:
     down: Kernel
     attn_norm: torch.Tensor
     ffn_norm: torch.Tensor
-    # the four packed weights' q4_matvec.c descriptors (weights.cpu_packed.Q4VnniLinear.desc)
+    # the four packed weights' q4_matvec.c descriptors (weights.cpu.vnni.Q4VnniLinear.desc)
     # where all four are q4vnni: decode_layer then calls the C matvec itself, into buffers of
     # its own, rather than the kernels (each a Python call and a tensor allocation)
     descs: tuple[int, int, int, int] | None = None
@@ -87,11 +87,11 @@ def native_layer(w) -> NativeLayer | None:
 
 
 def _make(w) -> NativeLayer | None:
-    """(A split FFN, hybrid.ffn, is turned away by the caller at every token.)"""
+    """(A split FFN, hybrid.split, is turned away by the caller at every token.)"""
     if native.library() is None or w.ffn_gate_up is None:
         return None
     linears = (w.attn_qkv, w.attn_output, w.ffn_gate_up, w.ffn_down)
-    # weights.cpu_packed.PackedDecodeLinear's (looked up by name: the model's math does not
+    # weights.cpu.PackedDecodeLinear's (looked up by name: the model's math does not
     # import the weight formats)
     ask = [getattr(lin, "one_row_kernel", None) for lin in linears]
     if None in ask:

@@ -1,7 +1,7 @@
 /* One CPU decode token's whole layer in one call: model/cpu_native.py's decode_layer made its
  * eight native calls (norm, qkv matvec, attention, o matvec, residual + norm, gate_up matvec,
  * SwiGLU, down matvec) and a torch add from Python, and on the default model on 2 cores the
- * Python between them cost about 30 us of a layer's ~230 (session 26). The same calls in the
+ * Python between them cost about 30 us of a layer's ~230. The same calls in the
  * same order on the same buffers, so the same bits.
  *
  *     norm -> qkv -> RoPE + cache write + attention -> o -> residual + norm

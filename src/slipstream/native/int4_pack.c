@@ -1,11 +1,11 @@
 /* GGUF 4-bit rows (Q4_0, Q4_1, Q4_K) straight into torch's int4 CPU layout and its bfloat16
- * scale/zero plane: the load-time packing of int4pack linears (weights/cpu_packed.py,
+ * scale/zero plane: the load-time packing of int4pack linears (weights/cpu/torch_kernels.py,
  * Int4PackLinear.from_raws), hybrid decode's CPU share above all.
  *
  * Why: the same packing in torch ops takes a dozen small calls per 64 rows (codes, int32
  * widening, float64 scale and zero, the rounding to bfloat16, the packer). On the H200 host a
  * 70B's 7.7 GB of CPU share took about 100 s that way on 15 threads, which made a hybrid load
- * 4x a plain one (bench/results/2026-12-03-s23-*load-profile*). Here each call is one pass over
+ * 4x a plain one. Here each call is one pass over
  * its rows, writes only into the caller's tensors, and holds no lock: the Python pool's threads
  * (ctypes releases the GIL) run side by side.
  *
@@ -15,12 +15,12 @@
  *     Q4_K (d | dmin | sc[12] | qs[128]), sub-block j: w = d sc_j q - dmin m_j
  *                                                          u = q, s = d sc_j, z = 8 s - dmin m_j
  * s and z are exact in double (f16 times 6-bit integers and their sums) and rounded once to
- * bfloat16, to nearest even: the same bits as cpu_packed.bf16_nearest.
+ * bfloat16, to nearest even: the same bits as weights/cpu/groups.py's bf16_nearest.
  *
  * Layout (torch's weight_to_int4pack for CPU, `block` rows at a time: 64 with AVX-512, 32 with
  * AVX2): row n, column k of a block is a nibble of byte k * block / 2 + n % (block / 2), the
  * low one for the first half of the block's rows and the high one for the second. The caller
- * checks the layout against torch's own packer once per process (cpu_packed.native_int4_block)
+ * checks the layout against torch's own packer once per process (torch_kernels.native_block)
  * and passes `block`; rows here are whole blocks.
  */
 
@@ -165,11 +165,10 @@ void ss_int4pack_rows(const uint8_t *raw, int64_t row_bytes, int fmt, int64_t ro
 }
 
 /* ------------------------------------------------------------------------------------------
- * The same GGUF 4-bit rows into q4vnni's records (weights/cpu_packed.py, Q4VnniLinear: the
+ * The same GGUF 4-bit rows into q4vnni's records (weights/cpu/vnni.py, Q4VnniLinear: the
  * layout q4_matvec.c reads), for the same reason: in torch ops the unpacking and the permute
  * are a dozen calls per chunk of rows, and a 70B's hybrid load with q4vnni took 70-85 s
- * against int4pack's 25-34 s (bench/results/2026-12-05-s29-hybrid-bench-*-h100-call4.json,
- * s28's on the H200).
+ * against int4pack's 25-34 s on an H100 host.
  *
  * q4vnni's convention: w = s u + z, u in [0, 15], in float32 as the torch path forms it:
  *     Q4_0: s = d, z = -8 d;  Q4_1: s = d, z = 0 s + m;  Q4_K: s = d sc_j, z = 0 s - dmin m_j

@@ -228,18 +228,16 @@ static inline __attribute__((always_inline)) void q4_block_generic(
 
 /* Records prefetched ahead of the one being read. Weights streamed from RAM (a decode token
  * reads every layer once): on the 2-core AVX2 machine, prefetching took gate_up (3072 x 576
- * Q4_1, one row) from 80.8 to 58.6 us and down (576 x 1536) from 40.7 to 31.3 (session 26).
- * The VNNI loop prefetches the same distance (untimed there when added: session 28). */
+ * Q4_1, one row) from 80.8 to 58.6 us and down (576 x 1536) from 40.7 to 31.3. The VNNI loop
+ * prefetches the same distance. */
 #define Q4_PREFETCH 8
 /* Q4_KS prefetches the codes a run on into L1 (and a run's header at its start) and, this many
  * runs on, into L2 (0: not). On the 2-core CI-class EPYC a 70B layer's 0.6 share decoded at
  * 35-40 Gweights/s on one thread with 4 against 28-29 without, 50-54 against 43-50 on two; 8
- * and 16 about as 4 (bench/cpu_prefetch.sh, three runs: bench/results/2026-12-06-s36-cpu-
- * prefetch-far{,-run3}-cpu.*, and the run before them): the L1 prefetch alone keeps too few
- * lines in flight for one core's stream. Set at build time (SLIPSTREAM_NATIVE_DEFINES,
- * native/__init__.py) so that bench/cpu_prefetch.sh can time the distances on a GPU host,
- * whose hybrid shares read about 7 GB/s a core with a copy beside them or not: the cores'
- * outstanding reads rather than the memory bus. */
+ * and 16 about as 4 (three runs): the L1 prefetch alone keeps too few lines in flight for one
+ * core's stream. A build-time setting (SLIPSTREAM_NATIVE_DEFINES, native/__init__.py), so that
+ * the distances can be timed on a GPU host, whose hybrid shares read about 7 GB/s a core with
+ * a copy beside them or not: the cores' outstanding reads rather than the memory bus. */
 #ifndef Q4_PREFETCH_FAR_RUNS
 #define Q4_PREFETCH_FAR_RUNS 4
 #endif
@@ -372,8 +370,8 @@ static inline __m256i q4_quad_avx2(const int8_t *xg, int j) {
     return _mm256_set1_epi32(v);
 }
 
-/* q4_block_generic with AVX2, for machines without AVX-512 VNNI (session 25's 2-core AMD EPYC
- * decoded the default model at 10.8 tok/s through the plain-C loop). A 256-bit vector holds 8
+/* q4_block_generic with AVX2, for machines without AVX-512 VNNI (a 2-core AMD EPYC decoded the
+ * default model at 10.8 tok/s through the plain-C loop). A 256-bit vector holds 8
  * rows' lanes, so a block is two halves, each over all of the block's groups (the block's records
  * are re-read from cache for the second half).
  *
@@ -542,8 +540,8 @@ static void q4_share(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_
  * microsecond, against ~3.5 us for a libgomp fork and join, but in a decode step its spinning
  * worker fought torch's libgomp workers, which spin after every torch parallel op (the head's
  * matmul), for the same 2 cores: the default model decoded at 86-98 tok/s with it against
- * 150-161 with OpenMP (int4pack: 119-122), same session, alternating runs. Without OpenMP the
- * caller runs every block. */
+ * 150-161 with OpenMP (int4pack: 119-122), alternating runs. Without OpenMP the caller runs
+ * every block. */
 
 typedef struct {
     const uint8_t *w;
@@ -564,10 +562,10 @@ static void q4_run_part(const void *job, int part, int parts) {
 
 /* An empty parallel region of `threads`: the calling thread's OpenMP team wakes up if it slept,
  * and stays spinning for libgomp's spin count after it. Hybrid decode's CPU worker calls it in a
- * loop while it waits for the next split layer's input (weights.hybrid.HostIO): on the H200's
+ * loop while it waits for the next split layer's input (hybrid/host_io.py): on the H200's
  * host the CPU share's chain took 4.14 ms back to back and 4.74 / 4.91 ms after a pause of
- * 0.2 / 1 ms, as long as the GPU's work between two split layers (bench/results/2026-12-04-
- * s24-hybrid-diag-h200-call1.json), the team having gone to sleep. */
+ * 0.2 / 1 ms, as long as the GPU's work between two split layers, the team having gone to
+ * sleep. */
 void ss_omp_touch(int threads) {
 #ifdef _OPENMP
     if (threads > 1) {
@@ -634,12 +632,12 @@ void ss_q4_matvec(const q4_weight *wd, const void *x, void *y, int64_t m, int64_
 
 void ss_silu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out);  /* decode_ops.c */
 
-/* The CPU's share of a split FFN (weights.hybrid.HostFFN) in one call: gu = x gate_up^T (m rows
+/* The CPU's share of a split FFN (hybrid/share.py, HostFFN) in one call: gu = x gate_up^T (m rows
  * of [gate | up]), act = silu(gate) * up, out = act down^T, float32 throughout. One call rather
  * than four is one release of Python's GIL rather than four hand-backs: hybrid decode's worker
  * otherwise waits for the GIL between them while the main thread enqueues CUDA work, and its
- * OpenMP team idles meanwhile (on session 36's H100 host the shares ran 17% slower, with about
- * two cores fewer busy, while the main thread was enqueueing). gu and act: scratch of m * 2 *
+ * OpenMP team idles meanwhile (on an H100 host the four calls ran 17% slower, with about two
+ * cores fewer busy, while the main thread was enqueueing). gu and act: scratch of m * 2 *
  * units and m * units floats (units = down's k). flags as ss_q4_matvec's, less the X/Y types. */
 void ss_q4_ffn(const q4_weight *gate_up, const q4_weight *down, const float *x, float *gu,
                float *act, float *out, int64_t m, int64_t flags) {
@@ -657,12 +655,12 @@ static double ss_now(void) {
 }
 
 /* ss_q4_ffn once the GPU says its input is in host memory, with no Python between the wait and
- * the hand-back (hybrid decode's worker, weights.hybrid.HOST_SIGNAL): spin until *arrived >=
+ * the hand-back (hybrid decode's worker, SLIPSTREAM_HOST_SIGNAL=1): spin until *arrived >=
  * seq (the GPU writes it after the input, kernels.send_to_host), keeping `threads` OpenMP
  * threads awake meanwhile as ss_omp_touch does, compute, then store seq into *done, which the
  * GPU's wait kernel polls (kernels.wait_host_add). The worker otherwise needs Python's GIL to
  * notice the input (a CUDA event's query) and again to bump the counter, and waits for it while
- * the main thread enqueues: on session 37's H100 an 8B's split layer spent 0.32 ms from its GPU
+ * the main thread enqueues: on an H100 host an 8B's split layer spent 0.32 ms from its GPU
  * start to the CPU starting its share. Returns 0, or -1 where the input did not arrive within
  * timeout_s (nothing computed, *done untouched). *waited_s: the seconds spent waiting. */
 int ss_q4_ffn_on_signal(const q4_weight *gate_up, const q4_weight *down, const float *x,

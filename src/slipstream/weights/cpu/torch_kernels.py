@@ -161,7 +161,7 @@ class Int4PackLinear(Linear):
     def from_raws(cls, raws, qtypes, shapes, bias: torch.Tensor | None = None
                   ) -> "Int4PackLinear":
         """Stack the parts' rows (GGUF bytes, all of 4-bit formats) into one packed weight:
-        in one native pass where int4_pack.c can (weights.int4_native), else in torch ops
+        in one native pass where int4_pack.c can (native_pack), else in torch ops
         (the same bits)."""
         rows = sum(r for r, _ in shapes)
         packed = pack_native(raws, qtypes, shapes)
