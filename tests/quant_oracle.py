@@ -1,6 +1,6 @@
-"""The native 4-bit kernels' oracle pieces, shared by their tests (tests/weights/test_q4vnni.py,
-test_plane_host.py): random GGUF bytes of a format, and the activations as the C quantizes them
-(native/q4_matvec.c's ss_q8_quantize_row and ss_q16_quantize_row), in float64."""
+"""The native 4-bit kernel's oracle pieces, shared by its tests (tests/weights/test_q4vnni.py):
+random GGUF bytes of a format, and the activations as the C quantizes them (native/
+q4_matvec.c's ss_q16_quantize_row), in float64."""
 
 from __future__ import annotations
 
@@ -15,20 +15,6 @@ from slipstream.synth import random_tensor
 def make_raw(qtype: Q, rows: int, cols: int, seed: int) -> torch.Tensor:
     rng = np.random.default_rng([int(qtype), rows, cols, seed])
     return torch.from_numpy(random_tensor(qtype, (rows, cols), rng, 0.02)).view(rows, -1)
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The C's 8-bit quantization (q int8 (m, k), dx, sx float32 (m, k / 32)) of float32 rows
-    x."""
-    lib = native.library()
-    m, k = x.shape
-    q = torch.empty(m, k, dtype=torch.int8)
-    dx, sx = torch.empty(m, k // 32), torch.empty(m, k // 32)
-    x = x.contiguous()
-    for r in range(m):
-        lib.ss_q8_quantize_row(x[r].data_ptr(), k, q[r].data_ptr(), dx[r].data_ptr(),
-                               sx[r].data_ptr())
-    return q, dx, sx
 
 
 def quantize16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,14 +32,10 @@ def quantize16_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return X, dx
 
 
-def quantized(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """The activations as the kernel sees them, float64 (m, k): dx q for one int8 digit, dx X
-    for two (X = 256 hi + lo, 16 bits)."""
+def quantized(x: torch.Tensor) -> torch.Tensor:
+    """The activations as the kernel sees them, float64 (m, k): dx X (X = 256 hi + lo)."""
     m, k = x.shape
-    if bits == 8:
-        X, dx, _ = quantize_rows(x)
-    else:
-        X, dx = quantize16_rows(x)
+    X, dx = quantize16_rows(x)
     return (X.double().view(m, -1, 32) * dx.double()[..., None]).view(m, k)
 
 
@@ -67,24 +49,21 @@ def assert_within_bound(y: torch.Tensor, y_ref: torch.Tensor, bound: torch.Tenso
 
 def assert_same_bits_every_way(lin, x: torch.Tensor, rows: int) -> None:
     """lin.matvec gives the same bits at 1 and 2 threads, through the vector loop and the
-    plain-C one, at 8- and 16-bit activations alike, and a row of x the same bits alone as
-    beside the others of its call."""
+    plain-C one, and a row of x the same bits alone as beside the others of its call."""
     m = x.shape[0]
-    for bits in (8, 16):
-        ys = [lin.matvec(x, torch.empty(m, rows), threads=t, generic=gen, act_bits=bits)
-              for t in (1, 2) for gen in (False, True)]
-        for y in ys[1:]:
-            assert torch.equal(y, ys[0])
-        for r in range(m):
-            one = lin.matvec(x[r:r + 1], torch.empty(1, rows), threads=2, act_bits=bits)
-            assert torch.equal(one, ys[0][r:r + 1])
+    ys = [lin.matvec(x, torch.empty(m, rows), threads=t, generic=gen)
+          for t in (1, 2) for gen in (False, True)]
+    for y in ys[1:]:
+        assert torch.equal(y, ys[0])
+    for r in range(m):
+        one = lin.matvec(x[r:r + 1], torch.empty(1, rows), threads=2)
+        assert torch.equal(one, ys[0][r:r + 1])
 
 
 def assert_chunked_threads_give_the_bits(lin, x: torch.Tensor, rows: int, threads: int) -> None:
-    """lin.matvec at `threads` gives the single thread's bits with the threads taking chunks of
-    the rows as they finish and with one equal share each."""
+    """lin.matvec at `threads` (the threads taking chunks of the rows as they finish) gives the
+    single thread's bits."""
     m = x.shape[0]
     one = lin.matvec(x, torch.empty(m, rows), threads=1)
-    for chunks in (True, False):
-        y = lin.matvec(x, torch.empty(m, rows), threads=threads, chunks=chunks)
-        assert torch.equal(y.view(torch.int32), one.view(torch.int32)), f"chunks={chunks}"
+    y = lin.matvec(x, torch.empty(m, rows), threads=threads)
+    assert torch.equal(y.view(torch.int32), one.view(torch.int32))

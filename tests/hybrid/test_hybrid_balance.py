@@ -1,7 +1,6 @@
 """Hybrid decode's running balance (hybrid.balance): how many split layers the CPU keeps
 as its measured rate changes. Figures shaped like the H200's 70B at 24 GiB: 36 split layers,
-each with 0.232 GB of packed CPU weights, a 0.28 GB GPU prefix and a 0.495 GB whole image
-(bench/results/2026-12-03-s22-hybrid-bench-h200-call2.json)."""
+each with 0.232 GB of packed CPU weights, a 0.28 GB GPU prefix and a 0.495 GB whole image."""
 
 from __future__ import annotations
 
@@ -126,8 +125,7 @@ def test_forgotten_layers_leave_the_balance():
     assert len(balance.active) == 31
 
 
-# The H200's 70B at 24 GiB in session 31 (bench/results/2026-12-05-s31-hybrid-bench-h200-call1
-# .json): 36 split layers of 0.495 GB images whose FFN holds 0.396 GB, the CPU's layout 1.33
+# The H200's 70B at 24 GiB: 36 split layers of 0.495 GB images whose FFN holds 0.396 GB, the CPU's layout 1.33
 # bytes per GGUF byte; decode measured the CPU at 67.9 GB/s and the copies at 43.6, where the
 # plan's probe had said 49.4. Here each share is 0.69 and the balance has 29 of the 36 layers
 # split (as after taking some off a CPU that was slow for a while).
@@ -201,12 +199,11 @@ def test_without_copies_measured_the_probe_judges_pcie():
     assert len(balance.active) == best_count(layers, 0, 67.9, 49.4, 0.55e-3)
 
 
-# Session 32's H200 call 1 (bench/results/2026-12-05-s32-hybrid-bench-headroom{1,1.3}-h200-
-# call1.json): the 70B at 24 GiB, 36 of 80 layers streamed and split, run with every split
+# Two runs on an H200 host: the 70B at 24 GiB, 36 of 80 layers streamed and split, run with every split
 # layer's CPU share at 0.54 (198.6 ms a token measured) and with 28 of them at 0.73, the other
 # 8 copied whole (233.2 ms), about the same bytes each way in all. Per split layer: the CPU's
 # packed bytes and the prefix copied, from the runs' per-token figures; images of 0.495 GB.
-def s32_ring(n_split: int, cpu_gb: float, prefix_gb: float):
+def h200_ring(n_split: int, cpu_gb: float, prefix_gb: float):
     streamed = evenly_spaced(list(range(80)), 36)
     ring = [(i, int(0.495 * GB) if i in streamed else 0) for i in range(80)]
     layers = {i: SplitLayer(int(cpu_gb * GB), int(prefix_gb * GB), int(0.495 * GB))
@@ -217,8 +214,8 @@ def s32_ring(n_split: int, cpu_gb: float, prefix_gb: float):
 def test_the_ring_model_tells_heavier_split_layers_apart_where_totals_do_not():
     from slipstream.hybrid.balance import pipeline_seconds
 
-    even = s32_ring(36, 10.362 / 36, 9.823 / 36)
-    heavy = s32_ring(28, 10.834 / 28, 0.205)
+    even = h200_ring(36, 10.362 / 36, 9.823 / 36)
+    heavy = h200_ring(28, 10.834 / 28, 0.205)
     handover = HANDOVER_S
     ring_even = pipeline_seconds(*even, 68.5, 53.1, handover)
     ring_heavy = pipeline_seconds(*heavy, 65.9, 51.1, handover)
@@ -232,14 +229,13 @@ def test_the_ring_model_tells_heavier_split_layers_apart_where_totals_do_not():
 
 
 def test_the_ring_model_gives_the_traced_token():
-    """Session 33's H100 call 1, traced (bench/results/2026-12-05-s33-hybrid-bench-h100-
-    call1.json): the same layout with every split layer at a 0.598 share, the CPU reading
+    """A traced run on an H100 host: the same layout with every split layer at a 0.598 share, the CPU reading
     11.381 GB a token at 68.7 GB/s and the copies 9.037 GB at 53.9: 188.9 ms a token, of
     which the CPU's shares took 168.6 ms and the resident layers' GPU 14.5. Here the chain
     binds, not the copies."""
     from slipstream.hybrid.balance import pipeline_seconds
 
-    ring, layers, active = s32_ring(36, 11.381 / 36, 9.037 / 36)
+    ring, layers, active = h200_ring(36, 11.381 / 36, 9.037 / 36)
     token = pipeline_seconds(ring, layers, active, 68.7, 53.9, HANDOVER_S)
     assert token == pytest.approx(0.1889, rel=0.03)
     copies = sum(s.prefix_bytes for s in layers.values()) / 53.9e9
@@ -261,7 +257,7 @@ def test_the_ring_model_is_the_copies_where_nothing_is_split():
 
 
 def test_with_its_ring_the_balance_judges_by_it():
-    ring, layers, _ = s32_ring(36, 10.362 / 36, 9.823 / 36)
+    ring, layers, _ = h200_ring(36, 10.362 / 36, 9.823 / 36)
     balance = HybridBalance(dict(layers), 0, 53.1, window=2, layer_s=0.55e-3, ring=ring)
     state = [0.0] * 4
     _feed_both(balance, 20.0, 53.1, 5, state)  # a CPU at a third of its rate

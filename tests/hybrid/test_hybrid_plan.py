@@ -11,8 +11,9 @@ import pytest
 from slipstream.modelfile.config import ModelConfig
 from slipstream.errors import BadArgument
 from slipstream.modelfile.gguf_file import GGUFFile
-from slipstream.hybrid.plan import (HYBRID_MAX_TOKENS, TOKEN_WIDTHS, balanced_share,
-                                           decode_seconds, parse_hybrid, plan_hybrid)
+from slipstream.hybrid.plan import (HYBRID_MAX_TOKENS, balanced_share, decode_seconds,
+                                    parse_hybrid, plan_hybrid)
+from slipstream.hybrid.probe import TOKEN_WIDTHS
 from slipstream.memory.planner import plan_cuda
 from slipstream.synth import write_synth
 
@@ -111,7 +112,7 @@ def test_plan_hybrid_splits_the_pinned_layers_and_predicts_faster(synth):
 
 
 def test_plan_table_warns_of_cores_stolen_while_the_cpu_was_probed(synth):
-    """A host whose hypervisor takes cores (session 35's H100: 1.1 stolen, hybrid at 3.9 tok/s
+    """A host whose hypervisor takes cores (an H100 host: 1.1 stolen, hybrid at 3.9 tok/s
     against 5.2 predicted) is named in the plan table; a few stolen ticks are not."""
     import dataclasses
 
@@ -193,7 +194,7 @@ def test_the_widest_split_pass_is_where_the_cpu_stops_paying():
 
 
 def test_the_cpu_kernel_is_timed_at_each_width():
-    from slipstream.hybrid.plan import cpu_token_scaling
+    from slipstream.hybrid.probe import cpu_token_scaling
 
     scaling = cpu_token_scaling(1, rows=512, cols=1024, reps=2, widths=(1, 2, 8))
     assert list(scaling) == [1, 2, 8] and scaling[1] == 1.0
@@ -228,8 +229,7 @@ def test_auto_stays_off_where_fixed_costs_outweigh_each_layers_cpu_work(wide_ffn
     of CPU work is below the fixed costs every split layer pays (the H200's 8B: 0.4 ms of
     work a layer, predicted 45 tok/s, measured 20 against 29 whole): auto declines, "on"
     still splits."""
-    from slipstream.hybrid.plan import (CPU_FIXED_S, GPU_LAYER_S, HANDOVER_S,
-                                               MIN_CPU_LAYER_S)
+    from slipstream.hybrid.plan import CPU_FIXED_S, GPU_LAYER_S, HANDOVER_S, MIN_CPU_LAYER_S
     from slipstream.memory.vram import layer_image_bytes
 
     gf, cfg = wide_ffn
@@ -288,9 +288,9 @@ def test_stats_table_shows_the_cpu_share():
 
 def test_the_cpu_probe_reads_a_weight_larger_than_the_last_level_cache(monkeypatch):
     """The H100/H200 hosts' 300 MiB L3 served part of a 402 MB probe weight: the probe read
-    95 GB/s where decode's shares ran at 69 (session 33). The weight is now three times the
-    cache (capped), in whole 64-row blocks, never smaller than asked."""
-    from slipstream.hybrid import plan as hybrid_plan
+    95 GB/s where decode's shares ran at 69. The weight is three times the cache (capped), in
+    whole 64-row blocks, never smaller than asked."""
+    from slipstream.hybrid import probe as hybrid_plan
 
     monkeypatch.setattr(hybrid_plan, "last_level_cache_bytes", lambda: 300 << 20)
     rows = hybrid_plan.probe_rows(16384, 8192)
@@ -304,6 +304,6 @@ def test_the_cpu_probe_reads_a_weight_larger_than_the_last_level_cache(monkeypat
 
 
 def test_this_hosts_last_level_cache_is_read():
-    from slipstream.hybrid.plan import last_level_cache_bytes
+    from slipstream.hybrid.probe import last_level_cache_bytes
 
     assert (1 << 20) <= last_level_cache_bytes() <= (4 << 30)

@@ -1,4 +1,4 @@
-"""Hybrid decode's split of a layer's FFN (hybrid.ffn) on the CPU: the two shares add up to
+"""Hybrid decode's split of a layer's FFN (hybrid.split, hybrid.share) on the CPU: the two shares add up to
 the whole layer, and the CPU's packed share matches it within the bfloat16 rounding of its
 kernels. The GPU side (images, the store's modes) is tested in tests/gpu/test_hybrid_gpu.py."""
 
@@ -14,8 +14,11 @@ from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.model.llama import _ffn
 from slipstream.precision import Precision
 from slipstream.synth import write_synth
-from slipstream.hybrid.ffn import (HostFFN, HostIO, column_slice, ffn_raws, host_linears,
-                                       layer_splittable, split_layer, split_point)
+from slipstream.hybrid import share
+from slipstream.hybrid.host_io import HostIO, Scratch
+from slipstream.hybrid.share import HostFFN, host_linears
+from slipstream.hybrid.split import (column_slice, ffn_raws, layer_splittable, split_layer,
+                                     split_point)
 from slipstream.weights.loader import LayerBuilder, TensorSource
 
 CPU = torch.device("cpu")
@@ -76,7 +79,7 @@ def test_the_cpu_share_matches_within_bfloat16_rounding(layer_parts):
     x = torch.randn(2, cfg.hidden, generator=torch.Generator().manual_seed(1))
     ref, got = _ffn(cfg, whole, x) - x, _ffn(cfg, hybrid, x) - x  # the FFN's own output
     rel = ((got - ref).norm() / ref.norm()).item()
-    assert rel < 2e-2, rel  # bfloat16 activations and scales (weights.cpu_packed)
+    assert rel < 2e-2, rel  # bfloat16 activations and scales (weights.cpu's torch kernels)
     # the CPU's share is half the units: without it the output is far off
     part = _ffn(cfg, dataclasses.replace(split, ffn_down_rest=None, ffn_gate_up_rest=None),
                 x) - x
@@ -86,25 +89,16 @@ def test_the_cpu_share_matches_within_bfloat16_rounding(layer_parts):
         hybrid.ffn_host.start(torch.zeros(9, cfg.hidden))
 
 
-@pytest.mark.parametrize("kind", ["auto", "torch", "planes"])
-def test_the_workers_path_gives_computes_bits(layer_parts, kind, monkeypatch):
+@pytest.mark.parametrize("q4vnni", ["1", "0"])
+def test_the_workers_path_gives_computes_bits(layer_parts, q4vnni, monkeypatch):
     """HostFFN.compute_into (the CUDA worker's path: its buffers reused, the result written in
     place) gives compute's bits for 1 to 8 rows, whatever the CPU kernels are: the layer's own
-    share packed by auto (q4vnni, q8vnni, int8pack for Q6_K) or torch (int4pack, no output
-    buffer of its own: through compute), and planes read in place (random Q4_K planes, as the
-    pinned image holds them)."""
-    from slipstream.hybrid.plan import _plane_weight
-    from slipstream.hybrid import ffn as hybrid
-    from slipstream.hybrid.ffn import Scratch
-
+    share packed as q4vnni, q8vnni (int8pack for Q6_K), or with SLIPSTREAM_Q4VNNI=0 by torch's
+    kernels (int4pack, no output buffer of its own: through compute)."""
+    monkeypatch.setenv("SLIPSTREAM_Q4VNNI", q4vnni)
     cfg, builder, src = layer_parts
-    if kind == "planes":
-        units = 512
-        gate_up, down = _plane_weight(2 * units, cfg.hidden), _plane_weight(cfg.hidden, units)
-    else:
-        monkeypatch.setattr(hybrid, "HOST_KIND", kind)
-        parts = host_linears(ffn_raws(src, cfg, 0), 256)
-        gate_up, down = parts["gate_up"], parts["down"]
+    parts = host_linears(ffn_raws(src, cfg, 0), 256)
+    gate_up, down = parts["gate_up"], parts["down"]
     ffn = HostFFN(gate_up, down, HostIO(CPU, cfg.hidden, max_tokens=8))
     scratch = Scratch()
     g = torch.Generator().manual_seed(5)
@@ -115,15 +109,12 @@ def test_the_workers_path_gives_computes_bits(layer_parts, kind, monkeypatch):
         assert torch.equal(out, ffn.compute(h).float()), m
 
 
-def test_the_fused_share_is_the_four_calls_in_one(layer_parts, monkeypatch):
+def test_the_fused_share_is_the_four_calls_in_one(layer_parts):
     """Where both CPU linears are q4vnni/q8vnni, the share is one native call (ss_q4_ffn: the
     two matvecs and the SwiGLU between them): it matches the four calls it replaces (the
     matvecs and torch's SiLU and product) to float32 rounding of the SiLU, which the second
-    matvec's 16-bit activations may carry to a last few bits, for 1 to 8 rows; with
-    SLIPSTREAM_HOST_FUSED off the four calls run."""
+    matvec's 16-bit activations may carry to a last few bits, for 1 to 8 rows."""
     from slipstream import native
-    from slipstream.hybrid import ffn as hybrid
-    from slipstream.hybrid.ffn import Scratch
 
     cfg, builder, src = layer_parts
     parts = host_linears(ffn_raws(src, cfg, 0), 256)
@@ -138,26 +129,23 @@ def test_the_fused_share_is_the_four_calls_in_one(layer_parts, monkeypatch):
         h = torch.randn(m, cfg.hidden, generator=g)
         fused = torch.full((m, cfg.hidden), float("nan"))
         ffn.compute_into(h, fused, Scratch())
-        monkeypatch.setattr(hybrid, "HOST_FUSED", False)
-        assert ffn._fused() is None
-        calls = torch.full((m, cfg.hidden), float("nan"))
-        ffn.compute_into(h, calls, Scratch())
-        monkeypatch.setattr(hybrid, "HOST_FUSED", True)
+        units = ffn.down.in_features
+        gate_up = ffn.gate_up.matvec(h, torch.empty(m, 2 * units))
+        act = torch.nn.functional.silu(gate_up[:, :units]) * gate_up[:, units:]
+        calls = ffn.down.matvec(act.contiguous(), torch.full((m, cfg.hidden), float("nan")))
         torch.testing.assert_close(fused, calls, rtol=1e-4, atol=1e-4 * calls.abs().max().item())
         assert not torch.equal(fused, torch.zeros_like(fused))
 
 
 def test_the_share_on_signal_waits_for_the_flag_then_hands_back(layer_parts, monkeypatch):
-    """HOST_SIGNAL's native call (ss_q4_ffn_on_signal): nothing is computed and the counter
-    stays until the arrival flag reaches the job's number; then the share is compute_into's,
+    """SLIPSTREAM_HOST_SIGNAL's native call (ss_q4_ffn_on_signal): nothing is computed and the
+    counter stays until the arrival flag reaches the job's number; then the share is compute_into's,
     bit for bit, and the counter takes the number. An input that never arrives gives up after
     SIGNAL_TIMEOUT_S with an error, the counter untouched."""
     import threading
     import time
 
     from slipstream import native
-    from slipstream.hybrid import ffn as hybrid
-    from slipstream.hybrid.ffn import Scratch
 
     cfg, builder, src = layer_parts
     parts = host_linears(ffn_raws(src, cfg, 0), 256)
@@ -183,23 +171,27 @@ def test_the_share_on_signal_waits_for_the_flag_then_hands_back(layer_parts, mon
     worker.join(timeout=30)
     assert not worker.is_alive() and int(done[0]) == 3
     assert torch.equal(out, want) and waited[0] >= 0.14
-    monkeypatch.setattr(hybrid, "SIGNAL_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(share, "SIGNAL_TIMEOUT_S", 0.05)
     with pytest.raises(RuntimeError, match="did not arrive"):
         ffn.compute_on_signal(h, out, Scratch(), arrived, 4, done, 1)
     assert int(done[0]) == 3
 
 
 @pytest.mark.parametrize("value", ["abc", "-1", "nan"])
-def test_a_bad_gil_switch_interval_is_named(value):
-    """SLIPSTREAM_GIL_SWITCH_S, read at import: a value that is no number of seconds >= 0 is a
-    BadArgument naming it, not a bare ValueError."""
+def test_a_bad_gil_switch_interval_is_named_where_it_is_read(value):
+    """SLIPSTREAM_GIL_SWITCH_S is read when the CPU worker starts, not at import: the modules
+    import whatever it says, and a value that is no number of seconds >= 0 is a BadArgument
+    naming it, not a bare ValueError."""
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, SLIPSTREAM_GIL_SWITCH_S=value)
-    r = subprocess.run([sys.executable, "-c", "import slipstream.hybrid.ffn"], env=env,
-                       capture_output=True, text=True, timeout=120)
+    code = ("import slipstream.hybrid.host_io, slipstream.hybrid.policy\n"
+            "from slipstream import envs\n"
+            "envs.get('SLIPSTREAM_GIL_SWITCH_S')")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=120)
     assert r.returncode != 0
     assert "BadArgument" in r.stderr and f"SLIPSTREAM_GIL_SWITCH_S={value!r}" in r.stderr
 

@@ -1,5 +1,5 @@
-"""The CPU plan's decode prediction (issue 15, acceptance 6): its structure, and the probes
-that feed it. Timings are the benchmark's business (bench/cpu_stream_predict.py); here only
+"""The CPU plan's decode prediction: its structure, and the probes that feed it. Timings are
+the benchmarks' business; here only
 what is summed, from which rates, and that the probes measure what they say."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from slipstream.modelfile.config import ModelConfig
 from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.memory.planner import plan_layers
 from slipstream.memory.probes import cpu_decode_rates
+from slipstream.memory.setup import head_decode_bytes, layer_resident_bytes
 from slipstream.memory.store import steady_heap
 from slipstream.precision import Precision
 from slipstream.synth import write_synth
@@ -81,7 +82,8 @@ def test_cpu_prediction_needs_its_rates():
 def test_cpu_decode_rates_measures_a_real_layer(tiny):
     gf = GGUFFile(tiny)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
-    rates = cpu_decode_rates(gf, cfg, FAST_CPU, 2, time_budget_s=0.05, max_reps=3)
+    rates = cpu_decode_rates(gf, cfg, FAST_CPU, 2, layer_resident_bytes(gf, 2, FAST_CPU),
+                             head_decode_bytes(gf, FAST_CPU), time_budget_s=0.05, max_reps=3)
     assert set(rates) == {"rebuild", "compute", "gemv"}
     assert all(math.isfinite(v) and v > 0 for v in rates.values())
 

@@ -80,7 +80,7 @@ PACKED_REL_TOL = 4e-2
 
 
 def test_packed_decode_matches_transformers(hf_smollm, ours_smollm):
-    from slipstream.weights.cpu_packed import PackedDecodeLinear
+    from slipstream.weights.cpu import PackedDecodeLinear
 
     layer = ours_smollm.weights.layers[0]
     assert isinstance(layer.attn_qkv, PackedDecodeLinear)

@@ -3,7 +3,7 @@ resident layer does (the same bits), holds exactly the packed copies of the GGUF
 the size the planner counts.
 
 References: the resident layer (LayerBuilder at precision "fast", whose packed copies
-tests/weights/test_cpu_packed.py checks against gguf.quants.dequantize), cpu_packed.pack_group
+tests/weights/test_cpu_packed.py checks against gguf.quants.dequantize), weights.cpu.pack_group
 run on the file's bytes directly, and gguf.quants.dequantize itself.
 """
 
@@ -21,8 +21,9 @@ from slipstream.model.rope import RopeTable
 from slipstream.model.step import append_step
 from slipstream.precision import Precision
 from slipstream.synth import write_synth
-from slipstream.weights import cpu_image, cpu_packed
-from slipstream.weights.cpu_packed import PackedDecodeLinear, kind_for, pack_group
+from slipstream.weights import cpu_image
+from slipstream.weights.cpu import PackedDecodeLinear, kind_for, pack_group
+from slipstream.weights.cpu.kinds import q4vnni_available
 from slipstream.weights.linear import DenseLinear
 from slipstream.weights.loader import LayerBuilder, TensorSource, raw_tensor
 
@@ -96,7 +97,7 @@ def test_views_of_the_image_compute_the_resident_layers_bits(model, rows):
 
 
 def test_the_image_is_pack_groups_copy_of_the_files_bytes(model):
-    """Each packed plane in the image equals what cpu_packed.pack_group makes of the layer's
+    """Each packed plane in the image equals what weights.cpu.pack_group makes of the layer's
     GGUF bytes read straight from the file; dense ones equal the GGUF dequantizer's values."""
     case, gf, cfg = model
     host, layout = cpu_image.cpu_image_of(gf, cfg, FAST, 0)
@@ -166,7 +167,8 @@ def test_images_need_packed_decode(model):
 def test_the_layout_fingerprint_is_this_machines_packing(monkeypatch):
     a = cpu_image.layout_fingerprint()
     assert a == cpu_image.layout_fingerprint() and isinstance(a, int)
-    # Q4_K's q4vnni records with its own scales are another layout: an image of one must not
-    # serve a process that packs the other
-    monkeypatch.setattr(cpu_packed, "Q4VNNI_KS", not cpu_packed.Q4VNNI_KS)
-    assert (cpu_image.layout_fingerprint() != a) == cpu_packed.q4vnni_available()
+    # the 4-bit formats as q4vnni or as int4pack (SLIPSTREAM_Q4VNNI=0) are other layouts: an
+    # image of one must not serve a process that packs the other
+    on = q4vnni_available()
+    monkeypatch.setenv("SLIPSTREAM_Q4VNNI", "0")
+    assert (cpu_image.layout_fingerprint() != a) == on

@@ -1,4 +1,4 @@
-"""weights.cpu_packed: packed CPU linears against gguf-py's dequantizer.
+"""weights.cpu: packed CPU linears against gguf-py's dequantizer.
 
 The oracle is `gguf.quants.dequantize` of the same raw bytes, multiplied in float64. Each
 layout's error is held to a bound derived from the rounding it introduces (u = 2^-8, bfloat16's
@@ -41,12 +41,15 @@ from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.model.llama import rms_norm
 from slipstream.quant.encode import quantize
 from slipstream.synth import SHAPES, random_tensor, write_synth
-from slipstream.weights import cpu_packed
-from slipstream.weights.cpu_packed import (BF16_UNIT_ROUNDOFF, DequantLinear, GroupAffine,
-                                           Int4PackLinear, Int4PairLinear, Int8PackLinear,
-                                           Q4VnniLinear, bf16_ceil, q4vnni_available,
-                                           bf16_nearest, group_affine, kind_for, pack_group,
-                                           pack_linear, packed_nbytes)
+from slipstream.weights.cpu import (PackedDecodeLinear, kind_for, pack_group, pack_linear,
+                                    packed_nbytes, rms_norm_bf16)
+from slipstream.weights.cpu.dequant import DequantLinear
+from slipstream.weights.cpu.groups import (BF16_UNIT_ROUNDOFF, GroupAffine, bf16_ceil,
+                                           bf16_nearest, group_affine)
+from slipstream.weights.cpu.kinds import q4vnni_available
+from slipstream.weights.cpu.torch_kernels import (Int4PackLinear, Int4PairLinear,
+                                                  Int8PackLinear, int4_params, pack_int4)
+from slipstream.weights.cpu.vnni import Q4VnniLinear, q4vnni_params
 from slipstream.weights.linear import Linear
 from slipstream.weights.loader import raw_tensor
 
@@ -108,20 +111,19 @@ def weight_error_bound(lin: Linear, ga: GroupAffine, w: torch.Tensor) -> torch.T
 
 def q4vnni_bound(ga: GroupAffine, xd: torch.Tensor) -> torch.Tensor:
     """A priori |y - x w^T| of q4vnni/q8vnni for float64 x (m, K): the quantization of x to
-    cpu_packed.Q4VNNI_ACT_BITS bits and the float32 sums (see the module doc)."""
+    16 bits (two int8 digits) and the float32 sums (see weights/cpu/vnni.py)."""
     rows, cols = ga.shape
     if ga.lo == -128:  # Q8_0 (q8vnni): u = q + 128, z = -128 d
         u, s, z = ga.codes.to(torch.int16) + 128, ga.scale, -128 * ga.scale
     else:
-        u, s, z = cpu_packed._q4vnni_params(ga)
+        u, s, z = q4vnni_params(ga)
     w = ga.exact()
     terms = ((u.double().view(rows, -1, 32) * s.double()[..., None]).abs()
              + z.double().abs()[..., None]).view(rows, cols)
-    bits16 = cpu_packed.Q4VNNI_ACT_BITS == 16
-    top = 32512 if bits16 else 127
+    top = 32512
     dx = xd.abs().view(xd.shape[0], -1, 32).amax(-1) / top
     dxe = (dx / 2 * (1 + 2.0 ** -20))[..., None].expand(-1, -1, 32).reshape(xd.shape)
-    roundings = cols // 32 + 3 + (bits16 and ga.lo == -128)  # Q8_0 x 16 bits: sums past 2^24
+    roundings = cols // 32 + 3 + (ga.lo == -128)  # Q8_0 x 16 bits: sums past 2^24
     return dxe @ w.abs().t() + roundings * F32_U * ((xd.abs() + dxe) @ terms.t())
 
 
@@ -199,7 +201,7 @@ def check(lin: Linear, raw: torch.Tensor, qtype: Q, shape, xs: list[torch.Tensor
             "bound_fraction": float((err / (bound + tiny)).max())}
 
 
-# Every layout each GGUF format maps onto (issue 13): the 4-bit formats onto int4pack, Q8_0 onto
+# Every layout each GGUF format maps onto: the 4-bit formats onto int4pack, Q8_0 onto
 # int4pair, Q8_0 and Q6_K onto int8pack (which also takes the 4-bit ones), and all of them onto
 # the exact DequantLinear.
 MAPPINGS = [(Q.Q4_0, "int4pack"), (Q.Q4_1, "int4pack"), (Q.Q4_K, "int4pack"),
@@ -386,13 +388,13 @@ def test_int4_mapping_is_exact_before_rounding(qtype):
     rng = np.random.default_rng(7)
     rows, cols = 64, 256
     raw = torch.from_numpy(random_tensor(qtype, (rows, cols), rng, 0.02)).view(rows, -1)
-    u, s, z = cpu_packed._int4_params(group_affine(raw, qtype, (rows, cols)))
+    u, s, z = int4_params(group_affine(raw, qtype, (rows, cols)))
     w = ((u.double().view(rows, -1, 32) - 8) * s[..., None] + z[..., None]).view(rows, cols)
     assert torch.equal(w, oracle(raw, qtype))
     assert torch.equal(s.float().double(), s) and torch.equal(z.float().double(), z)
     sz = torch.stack([s.float().t(), z.float().t()], dim=-1).contiguous()
     x = torch.randn(3, cols)
-    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, cpu_packed._pack_int4(u), 32, sz)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, pack_int4(u), 32, sz)
     ref = x.double() @ w.t()
     assert torch.all((y.double() - ref).abs() <= cols * F32_U * (x.double().abs() @ w.abs().t()))
 
@@ -484,7 +486,7 @@ def test_linear_protocol_defaults():
 def test_int4_packing_in_slices_is_packing_whole():
     u = torch.randint(0, 16, (1024 + 320, 4096), dtype=torch.uint8)  # 64-row slices
     whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32), 1)
-    assert torch.equal(cpu_packed._pack_int4(u), whole)
+    assert torch.equal(pack_int4(u), whole)
 
 
 def test_bfloat16_rounding():
@@ -533,15 +535,15 @@ def test_rms_norm_bf16_rows_alone_and_near_the_exact_norm():
     g = torch.Generator().manual_seed(12)
     x = torch.randn(8, 576, generator=g) * torch.logspace(-2, 2, 8)[:, None]
     w = torch.rand(576, generator=g) + 0.5
-    y = cpu_packed.rms_norm_bf16(x, w, 1e-5)
+    y = rms_norm_bf16(x, w, 1e-5)
     assert y.dtype == torch.bfloat16 and y.shape == x.shape
     for i in range(8):
-        assert torch.equal(cpu_packed.rms_norm_bf16(x[i:i + 1], w, 1e-5)[0], y[i])
+        assert torch.equal(rms_norm_bf16(x[i:i + 1], w, 1e-5)[0], y[i])
     xd = x.double()
     ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
     assert torch.all((y.double() - ref).abs() <= 2 * U * ref.abs())
     out = torch.empty(1, 576, dtype=torch.bfloat16)
-    assert cpu_packed.rms_norm_bf16(x[:1], w, 1e-5, out) is out and torch.equal(out, y[:1])
+    assert rms_norm_bf16(x[:1], w, 1e-5, out) is out and torch.equal(out, y[:1])
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
@@ -549,7 +551,6 @@ def test_packed_decode_fused_forms(qtype):
     """norm_matmul and glu_matmul on the packed path: the kernel's bfloat16 product of the
     bfloat16 norm (and of SwiGLU formed in bfloat16), each row as in a call of its own; more
     rows than max_rows go to the dense weight's own forms."""
-    from slipstream.weights.cpu_packed import PackedDecodeLinear
     from slipstream.weights.linear import DenseLinear
 
     rng = np.random.default_rng(13)
@@ -566,7 +567,7 @@ def test_packed_decode_fused_forms(qtype):
     y = lin.norm_matmul(x, norm, 1e-5)
     assert torch.equal(first, y[:1])
     assert y.dtype == torch.bfloat16 and y.shape == (8, rows)
-    assert torch.equal(y, packed.kernel(cpu_packed.rms_norm_bf16(x, norm, 1e-5)))
+    assert torch.equal(y, packed.kernel(rms_norm_bf16(x, norm, 1e-5)))
     for i in range(8):
         assert torch.equal(lin.norm_matmul(x[i:i + 1], norm, 1e-5)[0], y[i])
     assert torch.equal(lin.norm_matmul(x[:1], norm, 1e-5), y[:1])  # the row buffer reused

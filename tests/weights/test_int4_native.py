@@ -1,4 +1,4 @@
-"""The native int4 packer (native/int4_pack.c through weights.int4_native) against torch's own
+"""The native int4 packer (native/int4_pack.c through weights.cpu.native_pack) against torch's own
 packing (aten._convert_weight_to_int4pack_for_cpu fed by the torch-op path, int4pack_torch):
 the same bytes and the same bfloat16 scales and zeros, for every 4-bit format, stacked parts,
 and the rounding cases of the scale and zero. The packed linear's agreement with the GGUF
@@ -13,8 +13,9 @@ from gguf import GGMLQuantizationType as Q
 
 from slipstream import native
 from slipstream.quant.encode import quantize
-from slipstream.weights.cpu_packed import Int4PackLinear, int4pack_torch
-from slipstream.weights.int4_native import FORMATS, native_block, pack_native
+from slipstream.weights.cpu.native_pack import FORMATS
+from slipstream.weights.cpu.torch_kernels import (Int4PackLinear, int4pack_torch, native_block,
+                                                  pack_native)
 
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="no C compiler: the torch ops pack")

@@ -1,4 +1,4 @@
-"""precision="fast" on CPU: decode through packed copies of the weights (weights.cpu_packed.
+"""precision="fast" on CPU: decode through packed copies of the weights (weights.cpu.
 PackedDecodeLinear), resident and streamed layers alike; the accuracy of that path against
 transformers is in tests/model/test_vs_transformers.py."""
 
@@ -12,7 +12,7 @@ from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.memory.setup import layer_resident_bytes
 from slipstream.precision import Precision
 from slipstream.synth import write_synth
-from slipstream.weights.cpu_packed import PackedDecodeLinear, packed_nbytes
+from slipstream.weights.cpu import PackedDecodeLinear, packed_nbytes
 
 CPU = torch.device("cpu")
 

@@ -1,15 +1,14 @@
-"""weights.cpu_packed.Q4VnniLinear, Q8VnniLinear and native/q4_matvec.c: 4-bit (and Q8_0's
-8-bit) weights times int8 activations.
+"""weights.cpu.vnni's Q4VnniLinear, Q8VnniLinear and native/q4_matvec.c: 4-bit (and Q8_0's
+8-bit) weights times 16-bit activations held as two int8 digits.
 
 The oracle: gguf-py's `dequantize` of the same GGUF bytes (float64) times the activations as the
-kernel quantizes them (int8 codes q and per-32 scales dx from `ss_q8_quantize_row`, themselves
-checked against a torch reimplementation; or the 16-bit X = 256 hi + lo of
-`ss_q16_quantize_row`), summed in float64. The kernel's sums of code
-products are exact integers, so what it may differ by is its float32 roundings alone: per group
-one product (isum * dx), one multiply-add into the scale term and one into the zero term (whose
-dx * sum(q) is rounded once too), then one final add. For G groups that is at most
-(G + 3) 2^-24 sum_k (|s_g u_k| + |z_g|) |dx q_k| per output (first-order), which each test holds
-every output to.
+kernel quantizes them (X = 256 hi + lo and per-32 scales dx from `ss_q16_quantize_row`,
+themselves checked against a torch reimplementation), summed in float64. The kernel's sums of
+code products are exact integers (below 2^24 for 4-bit codes), so what it may differ by is its
+float32 roundings alone: per group one product (isum * dx), one multiply-add into the scale term
+and one into the zero term (whose dx * sum(X) is rounded once too), then one final add. For G
+groups that is at most (G + 3) 2^-24 sum_k (|s_g u_k| + |z_g|) |dx X_k| per output
+(first-order), which each test holds every output to.
 """
 
 from __future__ import annotations
@@ -23,11 +22,11 @@ from gguf import GGMLQuantizationType as Q
 import gguf.quants
 
 from slipstream import native
-from slipstream.weights import cpu_packed
-from slipstream.weights.cpu_packed import (Q4VnniLinear, Q8VnniLinear, group_affine, kind_for,
-                                           pack_linear, packed_nbytes)
+from slipstream.weights.cpu import kind_for, pack_group, pack_linear, packed_nbytes
+from slipstream.weights.cpu.groups import group_affine
+from slipstream.weights.cpu.vnni import Q4VnniLinear, Q8VnniLinear, q4vnni_params
 from quant_oracle import (assert_chunked_threads_give_the_bits, assert_same_bits_every_way,
-                          assert_within_bound, make_raw, quantize_rows, quantized)
+                          assert_within_bound, make_raw, quantize16_rows, quantized)
 
 F32_U = 2.0 ** -24
 
@@ -47,56 +46,48 @@ def affine(raw: torch.Tensor, qtype: Q, shape):
     ga = group_affine(raw, qtype, shape)
     if qtype == Q.Q8_0:
         return ga.codes.to(torch.int16) + 128, ga.scale, -128 * ga.scale
-    return cpu_packed._q4vnni_params(ga)
+    return q4vnni_params(ga)
 
 
-def oracle(raw: torch.Tensor, qtype: Q, shape, x: torch.Tensor, bits: int = 8):
+def oracle(raw: torch.Tensor, qtype: Q, shape, x: torch.Tensor):
     """(float64 y of the dequantized weights times the quantized x, the rounding bound per
-    output), x float32 (m, k). Per group: a product, two multiply-adds (and for Q8_0's codes
-    times 16-bit X, whose sums pass 2^24, the sum's conversion to float); then one add."""
+    output), x float32 (m, k). Per group: a product, two multiply-adds (and for Q8_0's codes,
+    whose sums with X pass 2^24, the sum's conversion to float); then one add."""
     rows, cols = shape
     w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype)).double()
-    xq = quantized(x, bits)
+    xq = quantized(x)
     u, s, z = affine(raw, qtype, shape)
     terms = ((u.double().view(rows, -1, 32) * s.double()[..., None]).abs()
              + z.double().abs()[..., None]).view(rows, cols)
-    roundings = cols // 32 + 3 + (qtype == Q.Q8_0 and bits == 16)
+    roundings = cols // 32 + 3 + (qtype == Q.Q8_0)
     return xq @ w.t(), roundings * F32_U * (xq.abs() @ terms.t())
 
 
 def test_quantizer_matches_torch():
-    """dx = max|x| / 127 in float32, q = round-half-even(x / dx) clamped to 127, sx = dx sum(q);
-    an all-zero block gives zeros; halves round to even."""
+    """dx = max|x| / 32512 in float32, X = round-half-even(x / dx) clamped to 32512 (as two
+    int8 digits, X = 256 hi + lo), sx = dx sum(X); an all-zero block gives zeros; halves round
+    to even."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 256, generator=g) * torch.tensor([1e-3, 1.0, 300.0])[:, None]
     x[1, 32:64] = 0.0  # a zero block
-    x[2, 64:96] = torch.arange(32) - 15.5  # halves, and with max |x| = 127 dx = 1 exactly:
-    x[2, 64] = -127.0  # so x / dx hits exact halves
-    q, dx, sx = quantize_rows(x)
+    x[2, 64:96] = torch.arange(32) - 15.5  # halves, and with max |x| = 32512 dx = 1 exactly:
+    x[2, 64] = -32512.0  # so x / dx hits exact halves
+    X, dx = quantize16_rows(x)  # (which checks sx = dx sum(X))
     blocks = x.view(3, -1, 32)
-    d_ref = blocks.abs().amax(-1) / 127.0
+    d_ref = blocks.abs().amax(-1) / 32512.0
     safe = torch.where(d_ref == 0, torch.ones_like(d_ref), d_ref)
-    q_ref = torch.round(blocks / safe[..., None]).clamp(-127, 127)
-    q_ref = torch.where(d_ref[..., None] == 0, torch.zeros_like(q_ref), q_ref).to(torch.int8)
+    X_ref = torch.round(blocks / safe[..., None]).clamp(-32512, 32512)
+    X_ref = torch.where(d_ref[..., None] == 0, torch.zeros_like(X_ref), X_ref).to(torch.int32)
     assert torch.equal(dx, d_ref)
-    assert torch.equal(q.view(3, -1, 32), q_ref)
-    assert torch.equal(sx, d_ref * q_ref.sum(-1).float())
-    assert torch.equal(q[1, 32:64], torch.zeros(32, dtype=torch.int8)) and dx[1, 1] == 0
+    assert torch.equal(X.view(3, -1, 32), X_ref)
+    assert torch.equal(X[1, 32:64], torch.zeros(32, dtype=torch.int32)) and dx[1, 1] == 0
 
 
-# Q4_K packs either way: its own scales (Q4_KS, the default) or the float32 records
-LAYOUTS = [(t, r, c, False) for t, r, c in SHAPES] + [
-    (t, r, c, True) for t, r, c in SHAPES if t == Q.Q4_K]
-LAYOUT_IDS = [f"{t.name}-{r}x{c}" + ("-ks" if ks else "") for t, r, c, ks in LAYOUTS]
-
-
-@pytest.mark.parametrize("bits", [8, 16])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("qtype,rows,cols,k_scales", LAYOUTS, ids=LAYOUT_IDS)
-def test_kernel_against_the_oracle(qtype, rows, cols, k_scales, threads, bits, monkeypatch):
-    """float32 in and out, 1 to 9 activation rows (passes of 4 in the C), both loops, 8- and
-    16-bit activations."""
-    monkeypatch.setattr(cpu_packed, "Q4VNNI_KS", k_scales)  # SLIPSTREAM_Q4VNNI_KS
+@pytest.mark.parametrize("qtype,rows,cols", SHAPES, ids=IDS)
+def test_kernel_against_the_oracle(qtype, rows, cols, threads):
+    """float32 in and out, 1 to 9 activation rows (passes of 4 in the C), both loops."""
+    k_scales = qtype == Q.Q4_K  # Q4_K alone keeps its own scales
     raw = make_raw(qtype, rows, cols, 1)
     lin = pack_linear(raw, qtype, (rows, cols), kind=KIND[qtype])
     assert isinstance(lin, Q4VnniLinear) and lin.out_features == rows
@@ -109,17 +100,16 @@ def test_kernel_against_the_oracle(qtype, rows, cols, k_scales, threads, bits, m
     for m in (1, 3, 9):
         x = torch.randn(m, cols, generator=g)
         x[0, :32] *= 50  # one block far larger than the rest
-        y_ref, bound = oracle(raw, qtype, (rows, cols), x, bits)
+        y_ref, bound = oracle(raw, qtype, (rows, cols), x)
         for generic in (False, True):
-            y = lin.matvec(x, torch.empty(m, rows), threads=threads, generic=generic,
-                           act_bits=bits)
+            y = lin.matvec(x, torch.empty(m, rows), threads=threads, generic=generic)
             assert_within_bound(y, y_ref, bound, f"{qtype.name} m={m} generic={generic}")
 
 
 @pytest.mark.parametrize("qtype,rows,cols", SHAPES, ids=IDS)
 def test_16_bit_activations_lose_less_than_bfloat16(qtype, rows, cols):
-    """Against the exact x (not its quantization): int8 activations err by ~0.5% of the output,
-    more than rounding x to bfloat16 does; 16 bits, far less than that."""
+    """Against the exact x (not its quantization): 16-bit activations err far less than
+    rounding x to bfloat16 does."""
     raw = make_raw(qtype, rows, cols, 10)
     lin = pack_linear(raw, qtype, (rows, cols), kind=KIND[qtype])
     w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype)).double()
@@ -130,9 +120,8 @@ def test_16_bit_activations_lose_less_than_bfloat16(qtype, rows, cols):
         return float((y.double() - y_ref).norm() / y_ref.norm())
 
     bf16 = rel(x.to(torch.bfloat16).double() @ w.t())
-    one = rel(lin.matvec(x, torch.empty(4, rows), act_bits=8))
-    two = rel(lin.matvec(x, torch.empty(4, rows), act_bits=16))
-    assert 1e-3 < one < 2e-2 and two < bf16 / 20, (one, two, bf16)
+    two = rel(lin.matvec(x, torch.empty(4, rows)))
+    assert two < bf16 / 20, (two, bf16)
 
 
 @pytest.mark.parametrize("qtype,rows,cols", SHAPES, ids=IDS)
@@ -178,7 +167,7 @@ def test_linear_call_bias_residual_and_row_slice():
     rows, cols = 48, 96
     raw = make_raw(Q.Q4_0, rows, cols, 5)
     bias = torch.randn(rows)
-    lin = cpu_packed.pack_group([raw], [Q.Q4_0], [(rows, cols)], [bias], kind="q4vnni")[0]
+    lin = pack_group([raw], [Q.Q4_0], [(rows, cols)], [bias], kind="q4vnni")[0]
     x = torch.randn(3, cols, generator=torch.Generator().manual_seed(5))
     r = torch.randn(3, rows)
     y = lin(x)
@@ -211,35 +200,32 @@ def test_packing_layout():
         assert torch.equal(s, ga.scale[:, g]) and torch.equal(z, ga.offset[:, g])
 
 
-@pytest.mark.parametrize("rows,cols", [(23, 256), (80, 768)])
-def test_q4k_own_scales_give_the_float32_records_bits(rows, cols, monkeypatch):
-    """Q4_K packed with its own scales (4.625 bits a weight) gives the bits of the float32
-    records (6 bits), in both loops, for 8- and 16-bit activations: d sc and -dmin mn are the
-    same exact products either way."""
+@pytest.mark.parametrize("rows,cols", [(32, 256), (80, 768)])
+def test_q4k_own_scales_give_the_float32_records_bits(rows, cols):
+    """Q4_K packed with its own scales (4.625 bits a weight, Q4_K alone) gives the bits of the
+    float32 records (6 bits) that Q4_K takes stacked with another 4-bit format, in both loops:
+    d sc and -dmin mn are the same exact products either way."""
     raw = make_raw(Q.Q4_K, rows, cols, 11)
-    monkeypatch.setattr(cpu_packed, "Q4VNNI_KS", False)  # SLIPSTREAM_Q4VNNI_KS=0
-    f32 = pack_linear(raw, Q.Q4_K, (rows, cols), kind="q4vnni")
-    assert f32.nbytes == packed_nbytes(Q.Q4_K, (rows, cols), kind="q4vnni")
-    monkeypatch.setattr(cpu_packed, "Q4VNNI_KS", True)  # SLIPSTREAM_Q4VNNI_KS=1
+    other = make_raw(Q.Q4_0, 16, cols, 12)
     own = pack_linear(raw, Q.Q4_K, (rows, cols), kind="q4vnni")
+    f32 = pack_group([raw, other], [Q.Q4_K, Q.Q4_0], [(rows, cols), (16, cols)], [None, None],
+                     kind="q4vnni")[0]
     assert own.k_scales and f32.scale_f32 and not f32.k_scales
     assert own.nbytes * 8 == -(-rows // 16) * 16 * cols * 4.625
-    assert f32.nbytes * 8 == -(-rows // 16) * 16 * cols * 6
+    assert f32.nbytes * 8 == (-(-rows // 16) * 16 + 16) * cols * 6
     assert own.nbytes == packed_nbytes(Q.Q4_K, (rows, cols), kind="q4vnni")
     x = torch.randn(5, cols, generator=torch.Generator().manual_seed(12))
     x[1, 64:96] *= -40
     for generic in (False, True):
-        for bits in (8, 16):
-            a = own.matvec(x, torch.empty(5, rows), generic=generic, act_bits=bits)
-            b = f32.matvec(x, torch.empty(5, rows), generic=generic, act_bits=bits)
-            assert torch.equal(a, b), (generic, bits)
+        a = own.matvec(x, torch.empty(5, rows), generic=generic)
+        b = f32.matvec(x, torch.empty(5, rows + 16), generic=generic)
+        assert torch.equal(a, b[:, :rows]), generic
 
 
-def test_q4k_own_scales_layout(monkeypatch):
+def test_q4k_own_scales_layout():
     """Q4_KS: each run of 8 groups starts with the 16 rows' d then dmin (the file's float16
     bits), then each group's 16 6-bit scales, then their mins, then the groups' codes (as
     Q4_F32's), each group's on whole 64-byte lines."""
-    monkeypatch.setattr(cpu_packed, "Q4VNNI_KS", True)
     rows, cols = 16, 512
     raw = make_raw(Q.Q4_K, rows, cols, 13)
     own = pack_linear(raw, Q.Q4_K, (rows, cols), kind="q4vnni")
@@ -273,7 +259,7 @@ def test_a_wrong_weight_fails_the_check():
     x = torch.randn(1, cols, generator=torch.Generator().manual_seed(7))
     y_ref, bound = oracle(raw, Q.Q4_1, (rows, cols), x)
     lin.packed[0, 0, 0] ^= 0x08  # row 0, column 0: code +- 8
-    err = (lin.matvec(x, torch.empty(1, rows), act_bits=8).double() - y_ref).abs()
+    err = (lin.matvec(x, torch.empty(1, rows)).double() - y_ref).abs()
     assert bool((err > bound).any())
 
 
@@ -306,20 +292,20 @@ def test_default_model_layer_against_the_oracle(smollm_path):
         infos = [gf.tensors[n] for n in names]
         raws = [raw_tensor(gf, n, i.shape).clone() for n, i in zip(names, infos)]
         shapes = [tuple(i.shape) for i in infos]
-        lin = cpu_packed.pack_group(raws, [i.ggml_type for i in infos], shapes,
-                                    [None] * len(parts), kind="q4vnni")[0]
+        lin = pack_group(raws, [i.ggml_type for i in infos], shapes, [None] * len(parts),
+                         kind="q4vnni")[0]
         raw, rows, cols = torch.cat(raws), sum(s[0] for s in shapes), shapes[0][1]
         x = torch.randn(1, cols, generator=g).to(torch.bfloat16).float()
         y_ref, bound = oracle(raw, infos[0].ggml_type, (rows, cols), x)
-        y = lin.matvec(x, torch.empty(1, rows), threads=2, act_bits=8)
+        y = lin.matvec(x, torch.empty(1, rows), threads=2)
         assert bool(((y.double() - y_ref).abs() <= bound * (1 + 1e-6)).all()), parts
     # the tied Q8_0 head (its first 4096 rows): q8vnni
     info = gf.tensors["token_embd.weight"]
     raw = raw_tensor(gf, info.name, info.shape)[:4096].clone()
     lin = pack_linear(raw, Q.Q8_0, (4096, 576), kind="q8vnni")
     x = torch.randn(1, 576, generator=g).to(torch.bfloat16).float()
-    y_ref, bound = oracle(raw, Q.Q8_0, (4096, 576), x, 16)
-    y = lin.matvec(x, torch.empty(1, 4096), threads=2, act_bits=16)
+    y_ref, bound = oracle(raw, Q.Q8_0, (4096, 576), x)
+    y = lin.matvec(x, torch.empty(1, 4096), threads=2)
     assert bool(((y.double() - y_ref).abs() <= bound * (1 + 1e-6)).all())
     gf.close()
 
@@ -341,8 +327,7 @@ def test_q8_packing_layout():
         assert torch.equal(p[g, 512:544].view(torch.float16).float(), ga.scale[:, g])
 
 
-@pytest.mark.parametrize("bits", [8, 16])
-def test_a_nan_or_infinity_in_x_gives_nan(bits):
+def test_a_nan_or_infinity_in_x_gives_nan():
     """A non-finite activation makes every output NaN, as a float matmul's would be (not the
     garbage of NaN cast to an integer); the other rows of the call are unaffected."""
     raw = make_raw(Q.Q4_1, 32, 96, 12)
@@ -350,60 +335,17 @@ def test_a_nan_or_infinity_in_x_gives_nan(bits):
     x = torch.randn(3, 96, generator=torch.Generator().manual_seed(12))
     x[0, 40] = float("nan")
     x[1, 7] = float("inf")
-    y = lin.matvec(x, torch.empty(3, 32), act_bits=bits)
+    y = lin.matvec(x, torch.empty(3, 32))
     assert bool(y[:2].isnan().all()) and bool(y[2].isfinite().all())
-    assert torch.equal(y[2:], lin.matvec(x[2:], torch.empty(1, 32), act_bits=bits))
-
-
-@pytest.mark.parametrize("qtype,rows,cols", [s for s in SHAPES if s[0] != Q.Q8_0],
-                         ids=[i for s, i in zip(SHAPES, IDS) if s[0] != Q.Q8_0])
-def test_float16_scales_kind_against_the_rounded_oracle(qtype, rows, cols, monkeypatch):
-    """kind "q4vnni-f16" (the hybrid CPU share's auto-f16): every scale and zero rounded to
-    float16, Q4_K's too, so a Q4_K weight takes a sixth fewer bytes; the kernel then computes
-    the oracle of the rounded weights within the same rounding bound, and stays within
-    float16's rounding (2^-11 of each weight's terms) of the exact GGUF weights."""
-    raw = make_raw(qtype, rows, cols, 3)
-    monkeypatch.setattr(cpu_packed, "Q4VNNI_KS", False)  # against the float32 records
-    lin = pack_linear(raw, qtype, (rows, cols), kind="q4vnni-f16")
-    exact = pack_linear(raw, qtype, (rows, cols), kind="q4vnni")
-    assert not lin.scale_f32 and lin.nbytes == packed_nbytes(qtype, (rows, cols), "q4vnni-f16")
-    if qtype == Q.Q4_K:
-        assert lin.nbytes * 6 == exact.nbytes * 5
-    else:  # Q4_0/Q4_1's float16 fields: the same weight
-        assert torch.equal(lin.packed, exact.packed)
-    u, s, z = affine(raw, qtype, (rows, cols))
-    s16, z16 = s.half().double(), z.half().double()
-    w16 = (u.double().view(rows, -1, 32) * s16[..., None] + z16[..., None]).view(rows, cols)
-    w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype)).double()
-    terms = ((u.double().view(rows, -1, 32) * s16[..., None]).abs()
-             + z16.abs()[..., None]).view(rows, cols)
-    g = torch.Generator().manual_seed(rows)
-    for m in (1, 3, 9):
-        x = torch.randn(m, cols, generator=g)
-        xq = quantized(x, 8)
-        bound = (cols // 32 + 3) * F32_U * (xq.abs() @ terms.t())
-        y = lin.matvec(x, torch.empty(m, rows), act_bits=8).double()
-        assert bool(((y - xq @ w16.t()).abs() <= bound * (1 + 1e-6) + 1e-30).all())
-        # against the exact weights: float16's rounding of each scale and zero on top
-        off = (y - xq @ w.t()).abs()
-        assert bool((off <= bound * (1 + 1e-6) + 2.0 ** -11 * (xq.abs() @ terms.t())).all())
-
-
-def test_auto_f16_kind_chooses_q4vnni_f16_where_auto_chooses_q4vnni(monkeypatch):
-    for qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
-        assert kind_for(qtype, "auto-f16") == "q4vnni-f16"
-    assert kind_for(Q.Q8_0, "auto-f16") == kind_for(Q.Q8_0, "auto")
-    assert kind_for(Q.Q6_K, "auto-f16") == kind_for(Q.Q6_K, "auto") == "int8pack"
-    monkeypatch.setattr(cpu_packed, "q4vnni_available", lambda: False)
-    assert kind_for(Q.Q4_K, "auto-f16") == "int4pack"
+    assert torch.equal(y[2:], lin.matvec(x[2:], torch.empty(1, 32)))
 
 
 @pytest.mark.parametrize("threads", [2, 3, 5])
-def test_threads_taking_chunks_give_the_bits_of_equal_shares(threads):
-    """Threads take the row blocks in chunks as they finish (q4_parallel), not one equal share
-    each: every block is still one thread's, computed in one order, so the output is the static
-    split's and the single thread's bit for bit, at thread counts that do not divide the 16-row
-    blocks (a 70-block weight: more chunks than blocks at 5 threads x 8)."""
+def test_threads_taking_chunks_give_the_single_threads_bits(threads):
+    """Threads take the row blocks in chunks as they finish (parallel.h), not one equal share
+    each: every block is still one thread's, computed in one order, so the output is the single
+    thread's bit for bit, at thread counts that do not divide the 16-row blocks (a 70-block
+    weight: more chunks than blocks at 5 threads x 8)."""
     rows, cols = 16 * 70 - 5, 512
     raw = make_raw(Q.Q4_K, rows, cols, 4)
     lin = pack_linear(raw, Q.Q4_K, (rows, cols), kind="q4vnni")
@@ -412,7 +354,7 @@ def test_threads_taking_chunks_give_the_bits_of_equal_shares(threads):
 
 
 def test_build_time_defines_are_checked(monkeypatch):
-    """SLIPSTREAM_NATIVE_DEFINES (bench/cpu_prefetch.sh) takes -DNAME[=VALUE] words only."""
+    """SLIPSTREAM_NATIVE_DEFINES takes -DNAME[=VALUE] words only."""
     monkeypatch.setenv("SLIPSTREAM_NATIVE_DEFINES", "-DQ4_PREFETCH_FAR_RUNS=4; rm -rf /")
     with pytest.raises(ValueError, match="'-DQ4_PREFETCH_FAR_RUNS=4;' is not -DNAME"):
         native._defines()
@@ -425,31 +367,26 @@ def test_build_time_defines_are_checked(monkeypatch):
 _BITS_CODE = """
 import sys, torch
 from gguf import GGMLQuantizationType as Q
-from slipstream.weights import cpu_packed
+from slipstream.weights.cpu import pack_linear
 from quant_oracle import make_raw
-cpu_packed.Q4VNNI_KS = KS
 raw = make_raw(Q.QTYPE, 160, 4096, 21)  # 10 blocks of 16 rows, 38 KiB each (Q4_K)
-lin = cpu_packed.pack_linear(raw, Q.QTYPE, (160, 4096), kind=KIND)
+lin = pack_linear(raw, Q.QTYPE, (160, 4096), kind=KIND)
 x = torch.randn(ROWS, 4096, generator=torch.Generator().manual_seed(22))
-ys = [lin.matvec(x, torch.full((ROWS, 160), float("nan")), threads=t, chunks=c, act_bits=b)
-      for t, c in ((1, False), (2, False), (2, True)) for b in (8, 16)]
+ys = [lin.matvec(x, torch.full((ROWS, 160), float("nan")), threads=t) for t in (1, 2)]
 if __name__ == "__main__":
     torch.save(ys, sys.argv[1])
 """
 
 
 def _bits_under_builds(tmp_path, rows: int, defines: list[str], qtype: str = "Q4_K",
-                       k_scales: bool = True, lib_dir: Path | None = None) -> None:
+                       lib_dir: Path | None = None) -> None:
     """Each build's bits (its own library: the defines are part of the cache key) equal this
-    process's, on 1 thread and on 2 (equal shares of the blocks, and chunks of them), with
-    8-bit and 16-bit activations; Q4_K as its own scales (Q4_KS) unless k_scales is False.
-    lib_dir: where the builds go (default tmp_path/lib; tests of several parameters share one,
-    so that each build is made once)."""
+    process's, on 1 thread and on 2. lib_dir: where the builds go (default tmp_path/lib)."""
     import subprocess
     import sys
 
     code = (_BITS_CODE.replace("ROWS", str(rows)).replace("QTYPE", qtype)
-            .replace("KS", str(k_scales)).replace("KIND", repr(KIND[getattr(Q, qtype)])))
+            .replace("KIND", repr(KIND[getattr(Q, qtype)])))
     scope: dict = {}
     exec(code, scope)  # this process's library: the defaults
     tests = str(Path(__file__).resolve().parents[1])
@@ -468,50 +405,3 @@ def test_q4ks_prefetch_distance_leaves_the_bits(tmp_path):
     """Q4_KS's L2 prefetch (q4_matvec.c's Q4_PREFETCH_FAR_RUNS) only moves bytes into the
     caches: builds without it and far ahead give this process's bits."""
     _bits_under_builds(tmp_path, 3, ["-DQ4_PREFETCH_FAR_RUNS=0", "-DQ4_PREFETCH_FAR_RUNS=16"])
-
-
-def test_row_passes_tiled_leave_the_bits(tmp_path):
-    """q4_matvec.c's Q4_TILE_BYTES (off by default) only reorders the passes over more than
-    Q4_MAX_M rows: 9 rows (three passes) in tiles of one block and of three (128 KiB) give the
-    untiled bits."""
-    _bits_under_builds(tmp_path, 9, ["-DQ4_TILE_BYTES=1", "-DQ4_TILE_BYTES=131072"])
-
-
-def _has_amx() -> bool:
-    try:
-        return "amx_int8" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-
-
-@pytest.fixture(scope="module")
-def amx_builds(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("amx-lib")
-
-
-@pytest.mark.parametrize("qtype,k_scales", [("Q4_K", True), ("Q4_K", False), ("Q4_0", True),
-                                            ("Q8_0", True)], ids=["Q4_KS", "Q4_F32", "Q4_F16",
-                                                                  "Q8_F16"])
-def test_amx_passes_leave_the_bits(tmp_path, amx_builds, qtype, k_scales):
-    """q4_matvec.c's Q4_AMX: passes of more than Q4_MAX_M rows through AMX tiles (19 rows: a
-    pass of 16 and one of 3) give the VNNI loop's bits, every record format, both activation
-    widths. Q4_AMX=2 does the tile operations in C, so that any AVX-512 VNNI machine tests the
-    layout; Q4_AMX=1, the tiles themselves, where the CPU has them (the GPU hosts)."""
-    lib = native.library()
-    if lib is None or lib.ss_q4_has_vnni() != 1:
-        pytest.skip("the AMX loop is built beside the AVX-512 VNNI one only")
-    defines = ["-DQ4_AMX=2"] + (["-DQ4_AMX=1"] if _has_amx() else [])
-    _bits_under_builds(tmp_path, 19, defines, qtype, k_scales, amx_builds)
-    # each build ran the loop it was built for (a Q4_AMX=1 build whose compiler lacked the
-    # tiles, or whose kernel refused them, would run VNNI and pass the above by default)
-    import subprocess
-    import sys
-
-    for define, want in zip(defines, (2, 1)):
-        env = dict(os.environ, SLIPSTREAM_NATIVE_DEFINES=define,
-                   SLIPSTREAM_NATIVE_DIR=str(amx_builds))
-        got = subprocess.run([sys.executable, "-c", "from slipstream import native; "
-                              "print(native.library().ss_q4_has_amx())"], env=env, check=True,
-                             capture_output=True, text=True, timeout=300).stdout.split()[-1]
-        assert int(got) == want, (define, got)
-    assert lib.ss_q4_has_amx() == 0  # the default build: off

@@ -1,6 +1,6 @@
 """The native q4vnni packer (native/int4_pack.c's ss_q4vnni_rows through
-weights.int4_native.q4vnni_native) against cpu_packed's torch-op path (group_affine, then
-_q4vnni_params and _q4vnni_codes): the same code bytes, scales and zeros for every 4-bit format,
+weights.cpu.native_pack.q4vnni_native) against weights.cpu.vnni's torch-op path (group_affine,
+then q4vnni_params and q4vnni_codes): the same code bytes, scales and zeros for every 4-bit format,
 stacked parts whose rows are not whole 16-row records, a mix of formats, any thread count, and
 the same packed linear from Q4VnniLinear.from_raws either way. Whether the packed weight
 computes what the GGUF dequantizer gives is tests/weights/test_cpu_packed.py's."""
@@ -12,10 +12,10 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from slipstream import native
-from slipstream.weights import int4_native
-from slipstream.weights.cpu_packed import (Q4V_ROWS, Q4VnniLinear, _chunks, _q4vnni_codes,
-                                           _q4vnni_params)
-from slipstream.weights.int4_native import FORMATS, _random_matrix, q4vnni_native
+from slipstream.weights.cpu import vnni
+from slipstream.weights.cpu.groups import Q4V_ROWS, row_chunks
+from slipstream.weights.cpu.native_pack import FORMATS, q4vnni_native, random_matrix
+from slipstream.weights.cpu.vnni import Q4VnniLinear, q4vnni_codes, q4vnni_params
 
 from test_int4_native import encoded
 
@@ -24,15 +24,15 @@ pytestmark = pytest.mark.skipif(native.library() is None,
 
 
 def torch_path(raws, qtypes, shapes, padded: int):
-    """cpu_packed's torch-op packing, step by step: codes (blocks, groups, 256), s, z."""
+    """vnni.py's torch-op packing, step by step: codes (blocks, groups, 256), s, z."""
     cols = shapes[0][1]
     u = torch.zeros(padded, cols, dtype=torch.uint8)
     s = torch.zeros(padded, cols // 32)
     z = torch.zeros(padded, cols // 32)
-    for r0, ga in _chunks(raws, qtypes, shapes):
+    for r0, ga in row_chunks(raws, qtypes, shapes):
         r1 = r0 + ga.shape[0]
-        u[r0:r1], s[r0:r1], z[r0:r1] = _q4vnni_params(ga)
-    return _q4vnni_codes(u), s, z
+        u[r0:r1], s[r0:r1], z[r0:r1] = q4vnni_params(ga)
+    return q4vnni_codes(u), s, z
 
 
 def same_bits(a, b) -> bool:
@@ -58,7 +58,7 @@ def test_stacked_parts_equal_the_torch_path(qtype):
 def test_random_fields_and_signed_zeros_equal_the_torch_path(qtype):
     """Random codes, scales and mins (some scales zero, some negative): zeros' signs too."""
     gen = torch.Generator().manual_seed(7)
-    raw = _random_matrix(qtype, 48, 512, gen)
+    raw = random_matrix(qtype, 48, 512, gen)
     shapes = [(48, 512)]
     got = q4vnni_native([raw], [qtype], shapes, 48)
     assert same_bits(got, torch_path([raw], [qtype], shapes, 48))
@@ -77,15 +77,14 @@ def test_other_formats_are_left_to_the_torch_path():
     assert q4vnni_native([encoded(Q.Q8_0, 16, 256, 5)], [Q.Q8_0], [(16, 256)], 16) is None
 
 
-@pytest.mark.parametrize("round_scales", [False, True])
 @pytest.mark.parametrize("qtypes", [(Q.Q4_K, Q.Q4_K), (Q.Q4_1, Q.Q4_0)],
                          ids=lambda qs: "+".join(q.name for q in qs))
-def test_the_packed_linear_is_the_same_either_way(monkeypatch, qtypes, round_scales):
+def test_the_packed_linear_is_the_same_either_way(monkeypatch, qtypes):
     shapes = [(56, 512), (37, 512)]
     parts = [encoded(q, *s, 6 + i) for i, (q, s) in enumerate(zip(qtypes, shapes))]
-    fast = Q4VnniLinear.from_raws(parts, list(qtypes), shapes, round_scales=round_scales)
-    monkeypatch.setattr(int4_native, "q4vnni_native", lambda *a, **k: None)
-    slow = Q4VnniLinear.from_raws(parts, list(qtypes), shapes, round_scales=round_scales)
+    fast = Q4VnniLinear.from_raws(parts, list(qtypes), shapes)
+    monkeypatch.setattr(vnni, "q4vnni_native", lambda *a, **k: None)
+    slow = Q4VnniLinear.from_raws(parts, list(qtypes), shapes)
     assert torch.equal(fast.packed, slow.packed) and fast.out_features == slow.out_features
     x = torch.randn(2, 512)
     assert torch.equal(fast(x), slow(x))
