@@ -51,7 +51,7 @@ case $what in
     echo "$commit" > .before/COMMIT
     du -sh .before ;;
   triton)
-    from=${2:?the folder of the call's files}
+    from=${2:?the folder of the files a call brought back}
     exclude .triton/
     ls "$from"/triton.tgz.part-* >/dev/null
     rm -rf .triton && mkdir .triton && cp "$from"/triton.tgz.part-* .triton/
