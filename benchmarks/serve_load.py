@@ -123,7 +123,7 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = Path(tempfile.mkstemp(prefix="serve-load-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "slipstream.cli", "serve", "--host", "127.0.0.1", "--port",
+    cmd = [sys.executable, "-m", "slipstream", "serve", "--host", "127.0.0.1", "--port",
            str(port), "--device", args.device, "--max-queue", str(max(16, args.concurrency))]
     if args.model:
         cmd += ["-m", args.model]

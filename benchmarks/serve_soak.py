@@ -204,7 +204,7 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = Path(tempfile.mkstemp(prefix="serve-soak-", suffix=".log")[1])
-    cmd = [sys.executable, "-m", "slipstream.cli", "serve", "--host", "127.0.0.1", "--port",
+    cmd = [sys.executable, "-m", "slipstream", "serve", "--host", "127.0.0.1", "--port",
            str(port), "--device", "cpu", "--max-queue", str(args.max_queue)]
     if args.model:
         cmd += ["-m", args.model]

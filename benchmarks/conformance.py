@@ -472,7 +472,7 @@ def teacher_forced(lcdump, model_path, sl_model, ids, ctx, threads, work) -> dic
 
 def slipstream_cli(args: list[str]) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    return subprocess.run([sys.executable, "-m", "slipstream.cli", *args], check=True,
+    return subprocess.run([sys.executable, "-m", "slipstream", *args], check=True,
                           capture_output=True, text=True, env=env)
 
 

@@ -1,29 +1,32 @@
-"""Packed CPU linears (weights.cpu_packed) against the dense ones: speed.
+"""The CPU: decode and prefill against llama.cpp, and the speed of the packed CPU kernels.
 
-matvec (the default): batch-1 matrix-vector products on 70B-sized (8192x8192, 28672x8192,
-8192x28672) and 8B-sized (4096x4096, 1024x4096, 14336x4096, 4096x14336) weights, per layout:
+    python benchmarks/cpu.py speed --llama-build ../llama.cpp/build [--threads 2] [--rounds 3]
+    OMP_NUM_THREADS=2 python benchmarks/cpu.py kernels [--threads 1 2] [--formats q4vnni]
 
-    f32 dense, f16 dense     DenseLinear, what precision "exact" / "fast" use on CPU today
+speed: the default model's decode (tg128) and prefill (pp512) through `slipstream bench --device
+cpu` against llama.cpp's `llama-bench -p 512 -n 128`, back to back on the same machine and
+alternating (llama.cpp, slipstream, llama.cpp, ...) so that a shared machine's load falls on
+both; the medians over --rounds. --baseline-src DIR (another checkout's src/) adds that tree's
+`slipstream bench` to every round, right after this tree's: a before/after ratio under the same
+load. Writes RESULTS/DATE-default-cpu-cpu.json.
+
+kernels: batch-1 matrix-vector products on 70B-sized (8192x8192, 28672x8192, 8192x28672) and
+8B-sized (4096x4096, 1024x4096, 14336x4096, 4096x14336) weights, per layout:
+
+    f32 dense, f16 dense     DenseLinear, what precision "exact" / "fast" use on CPU for prefill
     bf16 dense               DenseLinear on bfloat16 weights (for comparison)
+    q4vnni (Q4_K)            native/q4_matvec.c on the file's 4-bit codes (decode's default)
+    q8vnni (Q8_0)            the same loop on 8-bit codes
     int4pack (Q4_K)          aten._weight_int4pack_mm_for_cpu, group 32, bf16 scales/zeros
-    int4pair (Q8_0)          the int4 kernel on Q8_0's codes split in two nibbles (2x the
-                             columns, x fed twice), bf16 block scales
+    int4pair (Q8_0)          the int4 kernel on Q8_0's codes split in two nibbles
     int8pack (Q8_0)          aten._weight_int8pack_mm, one bf16 scale per row
-    dequant-dot (Q4_K/Q8_0)  float32 dequantize-and-dot on the GGUF codes, eager torch
-    dequant-dot compiled     the same as one torch.compile'd reduction (m = 1; m > 1 eager)
 
-at each thread count of --threads. GB/s counts the bytes a call reads: the layout's weights
-(codes and scales; for dense the matrix). Each layout cycles through copies of its weights
-totalling at least --rotate-gib, so a call reads RAM rather than a cache the previous call warmed
-(the L3 here is large). The machine may be shared: times are per call, and the median (typical)
-and the minimum (what the machine gives when nobody else runs) are both kept, with the load
-average around each row. Weights are packed with one thread (packing is many small ops, which a
-busy second core stalls). An m sweep (1..8 rows) on one 8B matrix follows (--sweep-threads).
-
-The perplexity cost of the layouts is bench/cpu_packed_ppl.py's.
-
-    OMP_NUM_THREADS=2 python bench/cpu_packed_bench.py matvec \\
-        --out bench/results/2026-11-30-s6-cpu-packed-bench
+at each thread count of --threads. GB/s counts the bytes a call reads (the layout's codes and
+scales; for dense the matrix), against the machine's memory read rate measured in the same run.
+Each layout cycles through copies of its weights totalling at least --rotate-gib, so a call reads
+RAM rather than a cache the previous call warmed. The machine may be shared: the median
+(typical) and the minimum are both kept, with the load average around each row. An m sweep
+(1..8 rows) on one 8B matrix follows. Writes RESULTS/DATE-cpu-kernels-cpu.json.
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "src"))  # this checkout's slipstream, whatever is pip-installed
+import common  # noqa: E402,F401  (puts this checkout's src/ first on sys.path)
+from conformance import DEFAULT_MODEL, loadavg, speed  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -48,6 +52,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from slipstream.memory.probes import memory_read_gbps  # noqa: E402
 from slipstream.synth import random_tensor  # noqa: E402
 from slipstream.weights.cpu_packed import GroupAffine, pack_linear  # noqa: E402
 from slipstream.weights.linear import DenseLinear  # noqa: E402
@@ -61,23 +66,12 @@ SHAPES = {
     "8b gate/up 14336x4096": (14336, 4096),
     "8b down 4096x14336": (4096, 14336),
 }
-FORMATS = ("f32 dense", "f16 dense", "bf16 dense", "int4pack (Q4_K)", "int4pair (Q8_0)",
-           "int8pack (Q8_0)",
-           "dequant-dot (Q4_K)", "dequant-dot (Q8_0)", "dequant-dot compiled (Q4_K)",
-           "dequant-dot compiled (Q8_0)")
+FORMATS = ("f32 dense", "f16 dense", "bf16 dense", "q4vnni (Q4_K)", "q8vnni (Q8_0)",
+           "int4pack (Q4_K)", "int4pair (Q8_0)", "int8pack (Q8_0)")
 
 
 def _meta() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                if ln.startswith("model name")), "?")
-    try:
-        rev = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        rev = None
-    return {"device": "cpu", "cpu_model": cpu, "cpu_count": os.cpu_count(),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": rev,
-            "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS")}
 
 
@@ -109,9 +103,7 @@ def build(fmt: str, rows: int, cols: int, rng: np.random.Generator):
         return DenseLinear((0.02 * torch.randn(rows, cols)).to(dtype))
     qtype = Q.Q4_K if "Q4_K" in fmt else Q.Q8_0
     raw = torch.from_numpy(random_tensor(qtype, (rows, cols), rng, 0.02)).view(rows, -1)
-    kind = ("dequant-compiled" if "compiled" in fmt else "dequant") if fmt.startswith(
-        "dequant") else fmt.split()[0]
-    return pack_linear(raw, qtype, (rows, cols), kind=kind)
+    return pack_linear(raw, qtype, (rows, cols), kind=fmt.split()[0])
 
 
 def time_calls(lins: list, m: int, cols: int, min_s: float, min_calls: int) -> list[float]:
@@ -235,11 +227,89 @@ def sweep_table(doc: dict) -> Table | None:
     return t
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
+def baseline_speed(src: Path, model: Path, reps: int, work: Path) -> dict:
+    """`slipstream bench` of the checkout whose package is `src`, as speed() runs this one's."""
+    jf = work / "baseline_bench.json"
+    env = dict(os.environ, PYTHONPATH=str(src))
+    subprocess.run([sys.executable, "-m", "slipstream", "bench", "-m", str(model),
+                    "--device", "cpu", "--reps", str(reps), "--json", str(jf)], check=True,
+                   capture_output=True, text=True, env=env, cwd=src.parent)
+    sj = json.loads(jf.read_text())
+    return {"tests": {r["test"]: {"tok_s": r["tok_s"], "tok_s_std": r["tok_s_std"]}
+                      for r in sj["results"]},
+            "commit": sj.get("commit"), "loadavg_after": loadavg()}
+
+
+def speed_cmd(a: argparse.Namespace) -> None:
+    model = a.model or DEFAULT_MODEL
+    work = Path(tempfile.mkdtemp(prefix="cpu_speed_"))
+    rounds = []
+    for _ in range(a.rounds):
+        r = speed(a.llama_build, model, a.threads, a.reps, work)
+        if a.baseline_src is not None:
+            r["baseline"] = baseline_speed(a.baseline_src.resolve(), model, a.reps, work)
+        rounds.append(r)
+    summary = {}
+    for test in ("pp512", "tg128"):
+        lc = statistics.median(r["llama"][test]["tok_s"] for r in rounds)
+        sl = statistics.median(r["slipstream"][test]["tok_s"] for r in rounds)
+        summary[test] = {"llama_cpp_tok_s": round(lc, 1), "slipstream_tok_s": round(sl, 1),
+                         "ratio": round(sl / lc, 3)}
+        if a.baseline_src is not None:
+            bl = statistics.median(r["baseline"]["tests"][test]["tok_s"] for r in rounds)
+            summary[test].update(baseline_tok_s=round(bl, 1),
+                                 baseline_ratio=round(bl / lc, 3),
+                                 speedup_over_baseline=round(sl / bl, 3))
+    doc = {"name": "cpu-speed-vs-llamacpp", "model": Path(model).name, "threads": a.threads,
+           "summary": summary, "rounds": rounds}
+    if a.baseline_src is not None:
+        doc["baseline_src"] = str(a.baseline_src)
+    doc = {**common.provenance("cpu"), **doc}
+    path = common.write_result("default-cpu", doc, a.results)
+    lines = [f"CPU speed, {Path(model).name}, {a.threads} threads, {a.rounds} rounds x "
+             f"{a.reps} reps, medians over rounds ({doc['date']}, {doc.get('commit', '')[:10]})",
+             "", "| test | llama.cpp tok/s | slipstream tok/s | ratio |", "|---|---:|---:|---:|"]
+    for test, s in summary.items():
+        lines.append(f"| {test} | {s['llama_cpp_tok_s']} | {s['slipstream_tok_s']} | "
+                     f"{s['ratio']} |")
+    if a.baseline_src is not None:
+        base = rounds[0]["baseline"].get("commit") or ""
+        lines += ["", f"baseline (before), {a.baseline_src} at {base[:10]}, in the same rounds:",
+                  "", "| test | llama.cpp tok/s | baseline tok/s | ratio | this tree / baseline |",
+                  "|---|---:|---:|---:|---:|"]
+        for test, s in summary.items():
+            lines.append(f"| {test} | {s['llama_cpp_tok_s']} | {s['baseline_tok_s']} | "
+                         f"{s['baseline_ratio']} | {s['speedup_over_baseline']} |")
+    lines.append("")
+    for test in summary:  # the spread a shared machine's load leaves, round by round
+        who = "llama.cpp / slipstream" + (" / baseline" if a.baseline_src else "")
+        lines.append(f"{test} per round, {who}: " + "; ".join(
+            f"{r['llama'][test]['tok_s']:.1f} / {r['slipstream'][test]['tok_s']:.1f}"
+            + (f" / {r['baseline']['tests'][test]['tok_s']:.1f}" if a.baseline_src else "")
+            for r in rounds))
+    lines.append("load average per round (before / between / after"
+                 + (" / after the baseline" if a.baseline_src else "") + "): " + "; ".join(
+        f"{r['loadavg_before']} / {r['loadavg_between']} / {r['loadavg_after']}"
+        + (f" / {r['baseline']['loadavg_after']}" if a.baseline_src else "") for r in rounds))
+    print("\n".join(lines))
+    print(f"wrote {path}")
+
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="cmd")  # one mode today; "matvec" is accepted as its name
-    mv = sub.add_parser("matvec")
+    ap.add_argument("--results", default=str(common.RESULTS), help="where the JSON goes")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sp = sub.add_parser("speed", help="decode and prefill against llama.cpp's llama-bench")
+    sp.add_argument("--llama-build", type=Path, required=True)
+    sp.add_argument("-m", "--model", type=Path, default=None)
+    sp.add_argument("--threads", type=int, default=2)
+    sp.add_argument("--reps", type=int, default=3)
+    sp.add_argument("--rounds", type=int, default=3)
+    sp.add_argument("--baseline-src", type=Path, default=None,
+                    help="another checkout's src/, timed after this one in every round")
+    mv = sub.add_parser("kernels", help="the packed CPU layouts' matvec speed")
     mv.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     mv.add_argument("--shapes", nargs="*", help="e.g. 8192x8192 4096x4096 (default: all)")
     mv.add_argument("--formats", nargs="*", help="substrings of layout names (default: all)")
@@ -249,24 +319,19 @@ def main() -> None:
     mv.add_argument("--no-m-sweep", dest="m_sweep", action="store_false")
     mv.add_argument("--sweep-threads", type=int, default=1,
                     help="threads of the m sweep (a loaded 2nd core makes t=2 rows waits)")
-    mv.add_argument("--note", help="recorded in the JSON and under the tables as is")
-    mv.add_argument("--out", help="path stem: writes STEM.json and STEM.txt")
-    a = ap.parse_args()
-    if a.cmd is None:
-        a = ap.parse_args(["matvec", *sys.argv[1:]])
+    a = ap.parse_args(argv)
+    if a.cmd == "speed":
+        speed_cmd(a)
+        return
     doc = matvec(a)
-    if a.note:
-        doc["note"] = a.note
-    tables = [matvec_table(doc), sweep_table(doc)]
-    console = Console(width=200, record=True)
-    for t in tables:
-        if t is not None:
-            console.print(t)
-    if a.note:
-        console.print(a.note)
-    if a.out:
-        Path(a.out + ".json").write_text(json.dumps(doc, indent=1) + "\n")
-        Path(a.out + ".txt").write_text(console.export_text())
+    console = Console(width=200)
+    for tab in (matvec_table(doc), sweep_table(doc)):
+        if tab is not None:
+            console.print(tab)
+    doc = {**common.provenance("cpu"), **doc}
+    doc["memory_read_gbps"] = round(memory_read_gbps(torch.device("cpu"), 1 << 30), 1)
+    print(f"memory read {doc['memory_read_gbps']} GB/s; wrote "
+          f"{common.write_result('cpu-kernels', doc, a.results)}")
 
 
 if __name__ == "__main__":
