@@ -25,8 +25,8 @@ if str(SRC) not in sys.path:  # the tools run from a checkout, not an installed 
     sys.path.insert(0, str(SRC))
 
 RESULTS = ROOT / "benchmarks" / "results"
-# the synthetic files: SLIPSTREAM_MODELS (the device scripts put it on /dev/shm where it fits)
-MODELS = Path(os.environ.get("SLIPSTREAM_MODELS") or "/tmp/slipstream-models")
+# the synthetic files: BENCH_MODELS (the device scripts put it on /dev/shm where it fits)
+MODELS = Path(os.environ.get("BENCH_MODELS") or "/tmp/slipstream-models")
 
 
 def host_info() -> dict[str, Any]:

@@ -22,12 +22,12 @@ Usage (llama.cpp built CPU-only under /tmp; nothing of it is committed):
     # llama.cpp source at /tmp/llama.cpp, built with
     #   cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
     #   cmake --build build -j2 --target llama-tokenize llama-perplexity llama-bench llama-quantize
-    python bench/llamacpp_compare.py --llama-src /tmp/llama.cpp \
+    python benchmarks/conformance.py --llama-src /tmp/llama.cpp \
         --make-quants Q8_0,Q6_K,Q5_K_M,Q5_0,Q4_K_M --quant-dir /tmp/quants \
-        --llama-commit 0c1e57098 --out bench/results/2026-11-30-llamacpp-compare-cpu
+        --llama-commit 0c1e57098 --out llamacpp-compare-cpu
 
     # or on explicit files:
-    python bench/llamacpp_compare.py --llama-src /tmp/llama.cpp -m a.gguf -m b.gguf --no-bench
+    python benchmarks/conformance.py --llama-src /tmp/llama.cpp -m a.gguf -m b.gguf --no-bench
 
 --make-quants requantizes the default model (Q4_1) with `llama-quantize --allow-requantize`;
 both engines read the same files, so requantizing from Q4_1 is fine for a conformance check.

@@ -1,6 +1,10 @@
 """Time the Triton kernels on the GPU: fused GEMV (m = 1, 8), prefill matmul (m = 512), HBM copy.
 
-    python bench/kernels_bench.py OUT_DIR [--sweep] [--compile-only --part I/N] [--quick]
+    python benchmarks/kernels.py [OUT_DIR] [--quick] [--sweep] [--compile-only --part I/N]
+        [--results DIR]
+
+Writes RESULTS/DATE-kernels-<device>.json (each row's GB/s against the device-to-device copy
+rate measured in the same run); the sweeps write OUT_DIR/sweep.json.
 
 --quick: Q4_K, Q6_K, Q8_0 and F16 only, on the 8B and 70B shapes, at m = 1, 8 and 512.
 
@@ -25,13 +29,9 @@ import os
 import sys
 import time
 
+import common  # this checkout's src/ first on sys.path
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
-
-from slipstream import kernels
-from slipstream.kernels.gemv import gemv_config
-from slipstream.kernels.gemv_q8 import gemv_q8, gemv_q8_config
-from slipstream.kernels.pack import fuse_scales
 
 FORMATS = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
            T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
@@ -179,7 +179,7 @@ def sweep_configs(qt: T, m: int) -> list[dict]:
     return out
 
 
-# The m = 8 and F16 sweeps of the previous kernels are in bench/results; --sweep-q8 tunes the
+# --sweep-q8 tunes the
 # int8-activation kernel (m < 0 in these tuples means that kernel at |m| rows).
 SWEEP_Q8_CASES = [(T.Q4_K, -1, [SHAPES_8B[2], SHAPES_8B[3], SHAPES_70B[2]]),
                   (T.Q6_K, -1, [VOCAB_8B]), (T.Q8_0, -1, [SHAPES_8B[2]])]
@@ -200,8 +200,11 @@ def cases(quick: bool):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out_dir")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir", nargs="?", default="/tmp/kernels-bench",
+                    help="the sweep's and the compile runs' files")
+    ap.add_argument("--results", default=str(common.RESULTS), help="where the JSON goes")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-q8", action="store_true")
     ap.add_argument("--compile-only", action="store_true")
@@ -209,6 +212,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-main", action="store_true")
     args = ap.parse_args()
+    # Triton's kernels, once the arguments are read: --help runs on a machine without Triton
+    global kernels, gemv_config, gemv_q8, gemv_q8_config, fuse_scales
+    from slipstream import kernels
+    from slipstream.kernels.gemv import gemv_config
+    from slipstream.kernels.gemv_q8 import gemv_q8, gemv_q8_config
+    from slipstream.kernels.pack import fuse_scales
+
     os.makedirs(args.out_dir, exist_ok=True)
     part, nparts = (int(v) for v in args.part.split("/"))
     timed = not args.compile_only
@@ -286,6 +296,9 @@ def main() -> None:
                            "rows": rows}, f, indent=1)
     if not timed:
         return
+    doc = {**common.provenance("cuda"), "hbm_copy_gbps": round(hbm, 1),
+           "triton": __import__("triton").__version__, "quick": args.quick, "rows": rows}
+    print(f"wrote {common.write_result('kernels', doc, args.results)}")
     print(f"\n{torch.cuda.get_device_name()}  HBM copy (read+write): {hbm:.0f} GB/s  "
           f"[{time.time() - t0:.0f}s]")
     print(f"{'format':6s} {'shape':24s} {'m=1 us':>8s} {'GB/s':>6s} {'%HBM':>5s} "

@@ -205,8 +205,6 @@ VARIANTS = [("Q4_1 exact (f32 dense)", "q4_1", "exact", None, None),
             ("Q6_K/Q8_0 auto", "q6_k", "exact", "auto", None),
             ("Q4_K/Q8_0 exact (f32 dense)", "q4_k", "exact", None, None),
             ("Q4_K/Q8_0 auto", "q4_k", "exact", "auto", None),
-            # hybrid's SLIPSTREAM_HYBRID_KIND=auto-f16: q4vnni with Q4_K's scales and zeros
-            # rounded to float16 (5 bits a weight, not 6)
             ("Q4_K/Q8_0 q4vnni", "q4_k", "exact", "q4vnni", None)]
 # How each source is made from the model: (type, fallback for rows that are not whole blocks)
 SOURCES = {"q8_0": ("Q8_0", None),

@@ -1,8 +1,8 @@
 """Loopback load on `slipstream serve`: latency, time to first token, tokens/s, errors.
 
-    python bench/serve_load.py                      # starts a server on the default model (CPU)
-    python bench/serve_load.py --url http://127.0.0.1:8080
-    python bench/serve_load.py --requests 32 --concurrency 4 --max-tokens 32 --out FILE.json
+    python benchmarks/serve_load.py                 # starts a server on the default model (CPU)
+    python benchmarks/serve_load.py --url http://127.0.0.1:8080
+    python benchmarks/serve_load.py --requests 32 --concurrency 4 --max-tokens 32 --out FILE.json
 
 Sends `--requests` streamed requests from `--concurrency` client threads, alternating
 /v1/chat/completions and /v1/completions over a few prompts (temperature 0.7, seeded, so runs
@@ -16,7 +16,7 @@ are comparable). The server runs one generation at a time, so latency includes q
   client sees once its generation runs.
 
 Writes JSON (device, date, commit, config, figures) to `--out` (default
-bench/results/<date>-serve-load-<device>.json) and exits 1 if any request failed.
+benchmarks/results/<date>-serve-load-<device>.json) and exits 1 if any request failed.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def start_server(args) -> tuple[subprocess.Popen, str, Path]:
 
 def wait_healthy(proc: subprocess.Popen, url: str, log: Path, seconds: float) -> None:
     """Return once the server at `url` answers /health 200; exit with its log's tail if it
-    dies or is not healthy within `seconds` (bench/serve_soak.py uses it too)."""
+    dies or is not healthy within `seconds` (serve_soak.py uses it too)."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -199,7 +199,7 @@ def main() -> int:
     p.add_argument("--device", default="cpu", help="device of a server this script starts")
     p.add_argument("-m", "--model", help="GGUF for a server this script starts (default model)")
     p.add_argument("--ctx", type=int, default=None)
-    p.add_argument("--out", help="JSON path (default bench/results/<date>-serve-load-<dev>.json)")
+    p.add_argument("--out", help="JSON path (default benchmarks/results/<date>-serve-load-<dev>.json)")
     args = p.parse_args()
 
     load_at_start = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None

@@ -1,7 +1,7 @@
 """Soak `slipstream serve`: many small requests from clients that honour Retry-After.
 
-    python bench/serve_soak.py                                  # 10k requests, 8 clients
-    python bench/serve_soak.py --requests 500 --time-limit 120  # a short run
+    python benchmarks/serve_soak.py                             # 10k requests, 8 clients
+    python benchmarks/serve_soak.py --requests 500 --time-limit 120  # a short run
 
 Starts a server on the default model (CPU) with a small wait queue (`--max-queue 4`), so that
 8 clients overflow it and get 503 + Retry-After; a client then sleeps what Retry-After says
@@ -14,7 +14,7 @@ chunks ending in `data: [DONE]`) with usage consistent with max_tokens; a 503 mu
 Retry-After; anything else counts as a failure. The server's RSS is sampled throughout; its
 growth is measured from the end of the warm-up to the end.
 
-Figures (JSON and a text table, in bench/results): requests done, 5xx other than the
+Figures (JSON and a text table, in benchmarks/results): requests done, 5xx other than the
 Retry-After 503s, invalid bodies, 503s honoured, RSS at warm-up end / end / max and the growth,
 latency p50/p95 (first send to final answer, Retry-After waits included, and of the answered
 attempt alone). Exits 1 when a check fails (5xx, invalid body, RSS growth >= 50 MB).
@@ -46,7 +46,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-# bench/ on the path whoever loads this file (the tests load its client by path)
+# benchmarks/ on the path whoever loads this file (the tests load its client by path)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import percentile, wait_healthy  # noqa: E402
 

@@ -227,10 +227,10 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
         # rounds of the next generation)
         auto = run("auto-first", trace=True)
         auto2 = run("auto")  # the sizer has learned the costs on the first run (same load)
-        fixed = run("nodes64-depth8", spec_nodes=64, spec_depth=8)
+        fixed = run("tree64x8", spec_nodes=64, spec_depth=8)
         # the draft growing the next tree on its own stream while the target's layers stream
         beside = run("auto-beside", spec_ahead=AHEAD_BESIDE)
-        fixed_beside = run("nodes64-depth8-beside", spec_nodes=64, spec_depth=8,
+        fixed_beside = run("tree64x8-beside", spec_nodes=64, spec_depth=8,
                            spec_ahead=AHEAD_BESIDE)
         base = {"name": "default-spec", "target": target.name, "draft": draft.name,
                 "vram_layers": RESIDENT, "ram_budget": "24MiB",
@@ -241,8 +241,8 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
                 == fixed_beside["ids"],
                 "greedy_equal_by_variant": {
                     k: r["ids"] == plain["ids"] for k, r in (
-                        ("auto", auto2), ("nodes64-depth8", fixed), ("auto-beside", beside),
-                        ("nodes64-depth8-beside", fixed_beside))},
+                        ("auto", auto2), ("tree64x8", fixed), ("auto-beside", beside),
+                        ("tree64x8-beside", fixed_beside))},
                 "draft_levels": levels, "vram_gib": vram_gib()}
     finally:
         m.close()
@@ -250,8 +250,8 @@ def default_spec(model_path: Path, work: Path, tokens: int) -> list[dict]:
     # single-token passes round differently): where, how near, and the same at "exact"
     base["exactness"] = attempt(exactness, target, draft, budgets, tokens, plain["ids"],
                                 auto2["ids"])
-    for label, r in (("auto-first", auto), ("auto", auto2), ("nodes64-depth8", fixed),
-                     ("auto-beside", beside), ("nodes64-depth8-beside", fixed_beside)):
+    for label, r in (("auto-first", auto), ("auto", auto2), ("tree64x8", fixed),
+                     ("auto-beside", beside), ("tree64x8-beside", fixed_beside)):
         rows.append(base | {"variant": label} | {k: v for k, v in r.items() if k != "ids"})
     return rows
 

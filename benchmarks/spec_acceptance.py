@@ -20,8 +20,8 @@ all verify passes (not a mean of per-prompt means). At temperature 0 the tokens 
 compared with the target's plain greedy decode (speculation is lossless, so they should be
 equal but for float near-ties between a tree pass and a decode step).
 
-    python bench/spec_acceptance.py                 # the full table into bench/results
-    python bench/spec_acceptance.py --quick         # a small smoke run into /tmp
+    python benchmarks/spec_acceptance.py            # the full table into benchmarks/results
+    python benchmarks/spec_acceptance.py --quick         # a small smoke run into /tmp
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from rich.table import Table  # noqa: E402
 import slipstream  # noqa: E402
 from slipstream.provenance import cpu_name  # noqa: E402
 
-DEFAULT_OUT = REPO / "bench/results/2026-11-30-spec-acceptance-cpu.json"
+DEFAULT_OUT = REPO / "benchmarks/results/spec-acceptance-cpu.json"
 QUICK_OUT = Path("/tmp/slipstream-spec/2026-11-30-spec-acceptance-cpu-quick.json")
 
 # (name, kind, content): kind "text" is tokenized as is (BOS added), "chat" goes through the
@@ -219,7 +219,7 @@ def load_pair(target: Path, draft: str, files: dict, ctx: int, precision: str):
     loaded by this checkout."""
     if draft.startswith("skip-"):
         k = int(draft.split("-")[1])
-        own_kv = draft.endswith("-ownkv")  # as before session 27: a KV cache of its own
+        own_kv = draft.endswith("-ownkv")  # a KV cache of its own, not the target's
         if not has_draft_skip():
             return None, None
         m = slipstream.load(target, device="cpu", ctx=ctx, precision=precision,
@@ -277,7 +277,7 @@ def provenance() -> dict:
     dirty = [ln[3:] for ln in (status or "").splitlines()]
     files = ["src/slipstream/runtime/speculative.py", "src/slipstream/api.py",
              "src/slipstream/quant/requantize.py", "src/slipstream/runtime/generate.py",
-             "bench/spec_acceptance.py"]
+             "benchmarks/spec_acceptance.py"]
     sha = {f: hashlib.sha256((REPO / f).read_bytes()).hexdigest()[:16]
            for f in files if (REPO / f).exists()}
     return {"commit": commit, "dirty": bool(dirty), "dirty_paths": dirty,
@@ -304,7 +304,7 @@ def table(rows: list[dict]) -> Table:
 
 def _tree_tau(temperature: float) -> float | None:
     """The temperature the draft's candidates were ranked at (speculative.tree.tree_tau;
-    None before session 30, when it was always 1)."""
+    None in a tree that ranked at the draft's own temperature, 1)."""
     try:
         from slipstream.speculative.tree import tree_tau
     except ImportError:
@@ -313,18 +313,16 @@ def _tree_tau(temperature: float) -> float | None:
 
 
 def _tau_fit(model, temperature: float) -> dict:
-    """The ranking temperature's fit after the cell (speculative.calibration, session 31 on;
+    """The ranking temperature's fit after the cell (speculative.calibration;
     it carries over from cell to cell of one draft, as over a model's generations): the score
-    that ranks (walk or loglik; fixed: SLIPSTREAM_TREE_TAU=fixed keeps tree_tau throughout),
-    the temperature it ranks at, the nodes it scored and both scores per temperature of its
+    that ranks, the temperature it ranks at, the nodes it scored and both scores per temperature of its
     grid."""
     fits = [s.tau_fits[float(temperature)] for s in getattr(model, "_sizers", {}).values()
             if float(temperature) in getattr(s, "tau_fits", {})]
     if not fits:
         return {}
     fit = fits[0]
-    mode = "fixed" if os.environ.get("SLIPSTREAM_TREE_TAU") == "fixed" else \
-        getattr(fit, "by", "loglik")
+    mode = getattr(fit, "by", "walk")
     return {"tree_tau_mode": mode,
             "tree_tau_fitted": fit.tau, "tree_tau_observed": fit.observed,
             "tree_tau_loglik": {f"{t:g}": round(v, 2) for t, v in zip(fit.grid, fit.loglik)},

@@ -1,5 +1,5 @@
-"""CPU streaming: the plan's predicted decode rate against the measured one (issue 15,
-acceptance 6: within 25% at --ram-budget 300MiB).
+"""CPU streaming: the plan's predicted decode rate against the measured one (the aim:
+within 25% at --ram-budget 300MiB).
 
 Each repetition runs, in fresh processes and one after the other (so the shared machine's load
 falls on both alike), a run between two predictions, whose mean (seconds per token, part by
@@ -8,7 +8,7 @@ part) is the run's predicted rate; each prediction serves the runs on both sides
     predicted  `slipstream info --plan --ram-budget B --device cpu` (api.plan, which it prints):
                the tok/s of its caption, with the parts it sums (compute, head, rebuild, disk;
                "rebuild" is making the streamed layers: views into their packed images at
-               precision "fast" since session 11, dequantizing them before);
+               precision "fast");
     measured   `slipstream run -m MODEL --ram-budget B --device cpu -n N --stats --temp 0
                --trace FILE`: the decode rate of its summary line (1000 / its ms/tok), the
                run's own prediction (the plan it prints, measured in that process just before
@@ -21,7 +21,7 @@ time; see memory.probes.cpu_decode_rates and memory.store.steady_heap.
 The medians over the repetitions are compared (ratio = predicted / measured; 1.25 and 0.8 are
 the acceptance's bounds), and each repetition's own ratio is listed too.
 
-    python bench/cpu_stream_predict.py --reps 5 --out bench/results/2026-12-01-s8-cpu-stream-predict
+    python benchmarks/stream_predict.py --reps 5 --out stream-predict-cpu
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Time to first token, from a cold process: slipstream's CLI against llama-cpp-python.
 
 Each case is a fresh process, timed from spawn to the first byte on stdout (the first token, for
-`run`) and to its exit. Three cases, as a new user meets them (issue 15):
+`run`) and to its exit. Three cases, as a new user meets them:
 
     help   `slipstream --help`                   | `python -c "import llama_cpp"` (every
                                                  |  llama-cpp-python command pays it; it ships
@@ -17,7 +17,7 @@ alike; one untimed warm-up of each case first puts the model in the page cache f
 median of --reps runs is reported, with the load average around each run, since the machine is
 shared. slipstream's own summary line splits its `run` into imports, load and prompt.
 
-    python bench/ttft_bench.py --reps 5 --profile --out bench/results/2026-11-30-s7-ttft
+    python benchmarks/ttft.py --reps 5 --profile --out ttft-cpu
 """
 
 from __future__ import annotations

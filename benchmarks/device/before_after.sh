@@ -19,7 +19,7 @@
 #   default-spec        the same with its Q4_0 requantization as the draft: speculative tg64
 #
 # The synthetic files are written once, by this tree's `slipstream synth` and `slipstream
-# quantize`, into $SLIPSTREAM_MODELS (setup.sh); an earlier call's files on a warm machine are
+# quantize`, into $BENCH_MODELS (setup.sh); an earlier call's files on a warm machine are
 # reused. The default-spec cases need the default model on the machine: carry .model/a in one
 # call and .model/b in this one (setup.sh joins them); without it they are skipped and said so.
 # REPS (default 3) repetitions per test; SIDE_S (default 240) seconds at most per side and case.
@@ -31,7 +31,7 @@ BEFORE=$(cd "${1:?BEFORE: the earlier tree (a folder with src/)}" && pwd)
 CASES=${2:-8b-resident,70b-vram24-hybrid,70b-vram24-layers,default-spec-plain,default-spec}
 source benchmarks/device/setup.sh
 [ -d "$BEFORE/src/slipstream" ] || { echo "no src/slipstream under $BEFORE"; exit 1; }
-W=$SLIPSTREAM_MODELS
+W=$BENCH_MODELS
 REPS=${REPS:-3}
 RAW=/tmp/before-after
 rm -rf "$RAW"; mkdir -p "$RAW"

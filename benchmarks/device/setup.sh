@@ -10,7 +10,7 @@
 #   .anchors/, .llama.tar.xz   llama.cpp's scripts and source (carry.sh llama); llama_build
 #                       below builds llama-bench into /tmp/lbuild once per machine
 #
-# Exports PYTHONPATH (src/ and the wheels), SLIPSTREAM_MODELS (the synthetic files: /dev/shm
+# Exports PYTHONPATH (src/ and the wheels), BENCH_MODELS (the synthetic files: /dev/shm
 # where it holds them, so ~45 GB are written at memory speed with no writeback under the first
 # timed runs), SLIPSTREAM_CACHE, MODEL (the default model's path, when joined), OUTDIR
 # (default $OUT), and writes OUTDIR/host.txt (lscpu, NUMA nodes, memory) once.
@@ -36,16 +36,16 @@ if ls .triton/triton.tgz.part-* >/dev/null 2>&1 && [ ! -f "$TRITON_CACHE_DIR/.un
   mkdir -p "$TRITON_CACHE_DIR"
   cat .triton/triton.tgz.part-* | tar xzf - -C "$TRITON_CACHE_DIR" && touch "$TRITON_CACHE_DIR/.unpacked"
 fi
-if [ -z "${SLIPSTREAM_MODELS:-}" ]; then
+if [ -z "${BENCH_MODELS:-}" ]; then
   if [ -d /dev/shm/slipstream-models ] || \
      [ "$(df --output=avail -B1G /dev/shm 2>/dev/null | tail -1 | tr -d ' ')" -ge 50 ] 2>/dev/null; then
-    SLIPSTREAM_MODELS=/dev/shm/slipstream-models
+    BENCH_MODELS=/dev/shm/slipstream-models
   else
-    SLIPSTREAM_MODELS=/tmp/slipstream-models
+    BENCH_MODELS=/tmp/slipstream-models
   fi
 fi
-export SLIPSTREAM_MODELS SLIPSTREAM_CACHE=/tmp/slipstream-cache SLIPSTREAM_OFFLINE=1
-mkdir -p "$SLIPSTREAM_MODELS" "$SLIPSTREAM_CACHE"
+export BENCH_MODELS SLIPSTREAM_CACHE=/tmp/slipstream-cache
+mkdir -p "$BENCH_MODELS" "$SLIPSTREAM_CACHE"
 for part in .model/a/part1 .model/b/part2; do
   [ -f "$part" ] && cp "$part" "$SLIPSTREAM_CACHE/"
 done
