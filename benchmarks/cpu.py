@@ -182,7 +182,7 @@ def matvec(a: argparse.Namespace) -> dict:
 def matvec_table(doc: dict) -> Table | None:
     if not doc["results"]:
         return None
-    t = Table(title=f"batch-1 matvec on {doc['cpu_model']} ({doc['cpu_count']} cores), "
+    t = Table(title=f"batch-1 matvec on {doc['host']['cpu']} ({doc['host']['cores']} cores), "
                     f"torch {doc['torch']}: ms per call (median) and GB/s of weights read "
                     f"(median / best)")
     threads = doc["threads"]
@@ -323,12 +323,11 @@ def main(argv: list[str] | None = None) -> None:
     if a.cmd == "speed":
         speed_cmd(a)
         return
-    doc = matvec(a)
+    doc = {**common.provenance("cpu"), **matvec(a)}
     console = Console(width=200)
     for tab in (matvec_table(doc), sweep_table(doc)):
         if tab is not None:
             console.print(tab)
-    doc = {**common.provenance("cpu"), **doc}
     doc["memory_read_gbps"] = round(memory_read_gbps(torch.device("cpu"), 1 << 30), 1)
     print(f"memory read {doc['memory_read_gbps']} GB/s; wrote "
           f"{common.write_result('cpu-kernels', doc, a.results)}")
