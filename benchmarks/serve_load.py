@@ -239,7 +239,7 @@ def main() -> int:
                                        f"{r.error}[/red]", highlight=False)
 
     date = time.strftime("%Y-%m-%d", time.gmtime())
-    out = Path(args.out) if args.out else (ROOT / "bench" / "results" /
+    out = Path(args.out) if args.out else (ROOT / "benchmarks" / "results" /
                                            f"{date}-serve-load-{device.split(':')[0]}.json")
     doc = {"bench": "serve_load", "device": device, "model": health.get("model"),
            "ctx": health.get("ctx"), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
