@@ -12,16 +12,13 @@ For each GGUF file given (several quantizations of the default model) it checks:
    reports the fraction of positions whose argmax agrees and the mean KL(llama.cpp || slipstream).
 3. perplexity: `llama-perplexity -f corpus -c CTX` against `slipstream perplexity -f corpus
    --ctx CTX --device cpu` (same method: chunks of CTX, the second half of each scored).
-4. speed (first model only, or --bench-model): `llama-bench -p 512 -n 128 -t THREADS` against
-   `slipstream bench --device cpu --reps N`, run back to back, with the load average noted.
+4. speed (first model only): cpu.py's speed(), llama-bench against `slipstream bench`.
 
 Thresholds: tokenization exactly equal; top-1 agreement >= 95%; |PPL difference| <= 1%.
 
-Usage (llama.cpp built CPU-only under /tmp; nothing of it is committed):
+Usage (llama.cpp's source at /tmp/llama.cpp, built CPU-only into its build/ with the targets
+llama-tokenize, llama-perplexity, llama-bench and llama-quantize):
 
-    # llama.cpp source at /tmp/llama.cpp, built with
-    #   cmake -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF
-    #   cmake --build build -j2 --target llama-tokenize llama-perplexity llama-bench llama-quantize
     python benchmarks/conformance.py --llama-src /tmp/llama.cpp \
         --make-quants Q8_0,Q6_K,Q5_K_M,Q5_0,Q4_K_M --quant-dir /tmp/quants \
         --llama-commit 0c1e57098 --out llamacpp-compare-cpu
@@ -29,8 +26,7 @@ Usage (llama.cpp built CPU-only under /tmp; nothing of it is committed):
     # or on explicit files:
     python benchmarks/conformance.py --llama-src /tmp/llama.cpp -m a.gguf -m b.gguf --no-bench
 
---make-quants requantizes the default model (Q4_1) with `llama-quantize --allow-requantize`;
-both engines read the same files, so requantizing from Q4_1 is fine for a conformance check.
+--make-quants requantizes the default model with `llama-quantize --allow-requantize`.
 """
 
 from __future__ import annotations
@@ -47,15 +43,15 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "src"))  # this checkout's slipstream, whatever is pip-installed
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
+import common
+from cpu import DEFAULT_MODEL, loadavg, slipstream_cli, speed  # noqa: F401  (shared)
 
-DEFAULT_MODEL = Path.home() / ".cache/slipstream/SmolLM2-135M-Instruct.Q4_1.gguf"
+REPO = common.ROOT
 
 TOP1_MIN = 0.95
 PPL_REL_MAX = 0.01
@@ -366,10 +362,6 @@ def llama_commit(src: Path, given: str | None) -> str:
         return "unknown"
 
 
-def loadavg() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
-
-
 def make_quants(build: Path, base: Path, types: list[str], outdir: Path) -> list[Path]:
     outdir.mkdir(parents=True, exist_ok=True)
     paths = []
@@ -470,12 +462,6 @@ def teacher_forced(lcdump, model_path, sl_model, ids, ctx, threads, work) -> dic
     }
 
 
-def slipstream_cli(args: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
-    return subprocess.run([sys.executable, "-m", "slipstream", *args], check=True,
-                          capture_output=True, text=True, env=env)
-
-
 def perplexity(build, model_path, corpus_file, ctx, threads) -> dict:
     out = subprocess.run([str(build / "bin/llama-perplexity"), "-m", str(model_path), "-f",
                           str(corpus_file), "-c", str(ctx), "-t", str(threads)],
@@ -494,29 +480,6 @@ def perplexity(build, model_path, corpus_file, ctx, threads) -> dict:
     return {"llama": lc, "llama_pm": lc_err, "slipstream": sl,
             "slipstream_scored_tokens": int(m2.group(2)), "slipstream_chunks": int(m2.group(3)),
             "rel_diff": (sl - lc) / lc}
-
-
-def speed(build, model_path, threads, reps, work) -> dict:
-    la0 = loadavg()
-    out = subprocess.run([str(build / "bin/llama-bench"), "-m", str(model_path), "-p", "512",
-                          "-n", "128", "-t", str(threads), "-r", str(reps), "-o", "json"],
-                         check=True, capture_output=True, text=True)
-    lb = json.loads(out.stdout)
-    la1 = loadavg()
-    jf = work / "sl_bench.json"
-    slipstream_cli(["bench", "-m", str(model_path), "--device", "cpu", "--reps", str(reps),
-                    "--json", str(jf)])
-    sj = json.loads(jf.read_text())
-    la2 = loadavg()
-    lc = {}
-    for r in lb:
-        key = f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r['n_gen']}"
-        lc[key] = {"tok_s": r["avg_ts"], "tok_s_std": r["stddev_ts"]}
-    sl = {r["test"]: {"tok_s": r["tok_s"], "tok_s_std": r["tok_s_std"]} for r in sj["results"]}
-    return {"llama": lc, "slipstream": sl, "threads": threads, "reps": reps,
-            "loadavg_before": la0, "loadavg_between": la1, "loadavg_after": la2,
-            "llama_build": {k: lb[0].get(k) for k in ("build_commit", "cpu_info", "backends",
-                                                       "type_k", "flash_attn", "n_batch")}}
 
 
 def main() -> int:

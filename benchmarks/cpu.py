@@ -44,7 +44,6 @@ import time
 from pathlib import Path
 
 import common  # noqa: E402,F401  (puts this checkout's src/ first on sys.path)
-from conformance import DEFAULT_MODEL, loadavg, speed  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -56,6 +55,44 @@ from slipstream.memory.probes import memory_read_gbps  # noqa: E402
 from slipstream.synth import random_tensor  # noqa: E402
 from slipstream.weights.cpu_packed import GroupAffine, pack_linear  # noqa: E402
 from slipstream.weights.linear import DenseLinear  # noqa: E402
+
+DEFAULT_MODEL = Path.home() / ".cache/slipstream/SmolLM2-135M-Instruct.Q4_1.gguf"
+REPO = common.ROOT
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def slipstream_cli(args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(common.SRC))
+    return subprocess.run([sys.executable, "-m", "slipstream", *args], check=True,
+                          capture_output=True, text=True, env=env)
+
+
+def speed(build, model_path, threads, reps, work) -> dict:
+    la0 = loadavg()
+    out = subprocess.run([str(build / "bin/llama-bench"), "-m", str(model_path), "-p", "512",
+                          "-n", "128", "-t", str(threads), "-r", str(reps), "-o", "json"],
+                         check=True, capture_output=True, text=True)
+    lb = json.loads(out.stdout)
+    la1 = loadavg()
+    jf = work / "sl_bench.json"
+    slipstream_cli(["bench", "-m", str(model_path), "--device", "cpu", "--reps", str(reps),
+                    "--json", str(jf)])
+    sj = json.loads(jf.read_text())
+    la2 = loadavg()
+    lc = {}
+    for r in lb:
+        key = f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r['n_gen']}"
+        lc[key] = {"tok_s": r["avg_ts"], "tok_s_std": r["stddev_ts"]}
+    sl = {r["test"]: {"tok_s": r["tok_s"], "tok_s_std": r["tok_s_std"]} for r in sj["results"]}
+    return {"llama": lc, "slipstream": sl, "threads": threads, "reps": reps,
+            "loadavg_before": la0, "loadavg_between": la1, "loadavg_after": la2,
+            "llama_build": {k: lb[0].get(k) for k in ("build_commit", "cpu_info", "backends",
+                                                       "type_k", "flash_attn", "n_batch")}}
+
+
 
 SHAPES = {
     "70b attn 8192x8192": (8192, 8192),
