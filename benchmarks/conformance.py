@@ -1,17 +1,13 @@
-"""Conformance and speed check of slipstream against llama.cpp on the CPU.
+"""Conformance of slipstream against llama.cpp on the CPU, for each GGUF file given (several
+quantizations of the default model):
 
-For each GGUF file given (several quantizations of the default model) it checks:
-
-1. tokenization: slipstream's `Model.tokenize` against llama.cpp's `llama_tokenize` on a varied
-   set of strings (unicode, whitespace runs, code, numbers, emoji, special tokens), with and
-   without special-token parsing; every string must give exactly the same ids. The ids of a
-   small C++ helper are also cross-checked against the `llama-tokenize` tool on the first model.
-2. teacher-forced top-1: the corpus below (English prose, dialogue, code, numbers; ~2.6k
-   tokens) is cut into chunks of --ctx tokens, each run in a fresh context by llama.cpp (all
-   logits, through the C++ helper linked to libllama) and by `slipstream.load(...).logits(ids)`;
-   reports the fraction of positions whose argmax agrees and the mean KL(llama.cpp || slipstream).
-3. perplexity: `llama-perplexity -f corpus -c CTX` against `slipstream perplexity -f corpus
-   --ctx CTX --device cpu` (same method: chunks of CTX, the second half of each scored).
+1. tokenization: `Model.tokenize` against llama.cpp's `llama_tokenize` on varied strings
+   (unicode, whitespace runs, code, numbers, emoji, special tokens), with and without
+   special-token parsing; a small C++ helper's ids are cross-checked with `llama-tokenize`.
+2. teacher-forced top-1: the corpus below (~2.6k tokens) in chunks of --ctx tokens, each in a
+   fresh context, through llama.cpp (all logits, by the C++ helper) and `Model.logits(ids)`:
+   the share of positions whose argmax agrees and the mean KL(llama.cpp || slipstream).
+3. perplexity: `llama-perplexity -f corpus -c CTX` against `slipstream perplexity`.
 4. speed (first model only): cpu.py's speed(), llama-bench against `slipstream bench`.
 
 Thresholds: tokenization exactly equal; top-1 agreement >= 95%; |PPL difference| <= 1%.
