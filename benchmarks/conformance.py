@@ -18,8 +18,6 @@ llama-tokenize, llama-perplexity, llama-bench and llama-quantize):
     python benchmarks/conformance.py --llama-src /tmp/llama.cpp \
         --make-quants Q8_0,Q6_K,Q5_K_M,Q5_0,Q4_K_M --quant-dir /tmp/quants \
         --llama-commit 0c1e57098 --out llamacpp-compare-cpu
-
-    # or on explicit files:
     python benchmarks/conformance.py --llama-src /tmp/llama.cpp -m a.gguf -m b.gguf --no-bench
 
 --make-quants requantizes the default model with `llama-quantize --allow-requantize`.
