@@ -1,4 +1,4 @@
-"""The GGUF mutation fuzzer (bench/fuzz_gguf.py) in CI: a fixed seed and a few thousand mutated
+"""The GGUF mutation fuzzer (tests/fuzz/fuzz_gguf.py) in CI: a fixed seed and a few thousand mutated
 synth files plus a few dozen mutations of the default model, each of which must end in a
 SlipstreamError or load and generate finite logits; no uncaught exception, crash, hang, memory
 blow-up or NaN. The CLI on a sample of them: one line on stderr, never a traceback. Plus the
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fuzz_gguf  # noqa: E402
 
@@ -65,7 +65,7 @@ def test_fuzz_ci(seed_dir):
     bad = [{k: b.get(k) for k in ("case", "outcome", "seed_file", "desc", "error", "message")}
            for b in report["bad_cases"]]
     assert report["bad_total"] == 0, json.dumps(bad[:10], indent=1) + (
-        f"\nrebuild one with: python bench/fuzz_gguf.py --seed {CI_SEED} --repro CASE")
+        f"\nrebuild one with: python tests/fuzz/fuzz_gguf.py --seed {CI_SEED} --repro CASE")
     # the mix stays useful: most files refused, and a good share loaded
     assert counts["clean"] > CI_CASES // 2
     assert counts["ok"] > CI_CASES // 20

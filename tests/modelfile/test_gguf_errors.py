@@ -199,7 +199,7 @@ def test_cli_prints_one_line_and_fails(copy, mutate, needle):
 
 # -- validation of hostile files (see slipstream.modelfile.validate) -----------------------------------
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fuzz"))
 import fuzz_gguf  # noqa: E402
 
 

@@ -228,7 +228,7 @@ def test_still_serving(server):
 
 
 def test_small_soak_honouring_retry_after(server):
-    """bench/serve_soak.py's client in miniature: 8 clients against a wait queue of 2, so some
+    """benchmarks/serve_soak.py's client in miniature: 8 clients against a wait queue of 2, so some
     requests get 503 + Retry-After and retry after it; every answer must be valid and no 5xx
     other than those 503s."""
     import importlib.util
@@ -236,7 +236,7 @@ def test_small_soak_honouring_retry_after(server):
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "serve_soak", Path(__file__).resolve().parents[2] / "bench" / "serve_soak.py")
+        "serve_soak", Path(__file__).resolve().parents[2] / "benchmarks" / "serve_soak.py")
     soak = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = soak  # its dataclasses look their module up there
     spec.loader.exec_module(soak)

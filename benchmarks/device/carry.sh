@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Here, before a device call: make the ignored folders a call carries (name them in `carry`).
+#
+#   bash benchmarks/device/carry.sh wheels          .whl/: the gguf wheel the device image lacks
+#   bash benchmarks/device/carry.sh model a|b       .model/a/part1 or .model/b/part2: the default
+#                                                   model in two parts, one per call (98 MB is
+#                                                   over the 64 MiB a call carries)
+#   bash benchmarks/device/carry.sh llama           .anchors/ (../shared/anchors, which does not
+#                                                   travel) and .llama.tar.xz (llama.cpp's source)
+#   bash benchmarks/device/carry.sh before COMMIT   .before/: COMMIT's src/ and its hash, for
+#                                                   before_after.sh
+#   bash benchmarks/device/carry.sh triton DIR      .triton/: the Triton cache parts a call brought
+#                                                   back (run.sh with TRITON_OUT=1) from DIR
+#
+# Each folder is added to .git/info/exclude so that it travels only when carried.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+exclude() {
+  local f; f="$(git rev-parse --git-path info/exclude)"
+  mkdir -p "$(dirname "$f")"
+  grep -qxF "/$1" "$f" 2>/dev/null || echo "/$1" >> "$f"
+}
+what=${1:?wheels, model a|b, llama, before COMMIT or triton DIR}
+case $what in
+  wheels)
+    exclude .whl/
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+      --implementation cp -d .whl "gguf==${GGUF_VERSION:-0.19.0}"
+    ls -la .whl ;;
+  model)
+    part=${2:?a or b}
+    exclude .model/
+    m=$(PYTHONPATH=src python3 -m slipstream pull 2>/dev/null | tail -1)
+    [ -f "$m" ] || { echo "the default model is not in the cache: slipstream pull"; exit 1; }
+    rm -rf .model && mkdir -p .model/$part
+    half=$(( ($(stat -c %s "$m") + 1) / 2 ))
+    if [ "$part" = a ]; then head -c "$half" "$m" > .model/a/part1
+    else tail -c +$((half + 1)) "$m" > .model/b/part2; fi
+    du -sh .model/$part ;;
+  llama)
+    exclude .anchors/; exclude .llama/; exclude .llama.tar.xz
+    rm -rf .anchors && cp -r ../shared/anchors .anchors
+    [ -d .llama ] || bash .anchors/fetch_llamacpp.sh .llama
+    tar cJf .llama.tar.xz .llama && rm -rf .llama  # compressed: it travels beside a model part
+    du -sh .anchors .llama.tar.xz ;;
+  before)
+    commit=$(git rev-parse "${2:?COMMIT}")
+    exclude .before/
+    rm -rf .before && mkdir .before
+    git archive "$commit" src pyproject.toml | tar -x -C .before
+    echo "$commit" > .before/COMMIT
+    du -sh .before ;;
+  triton)
+    from=${2:?the folder of the files a call brought back}
+    exclude .triton/
+    ls "$from"/triton.tgz.part-* >/dev/null
+    rm -rf .triton && mkdir .triton && cp "$from"/triton.tgz.part-* .triton/
+    du -sh .triton ;;
+  *) echo "unknown: $what"; exit 2 ;;
+esac

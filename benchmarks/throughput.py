@@ -1,0 +1,264 @@
+"""GPU throughput of the headline cases, with llama.cpp on the same file in the same run.
+
+    python benchmarks/throughput.py [--case 70b-q4k-vram24-hybrid,...] [--llamacpp BUILD]
+        [--results DIR] [--workdir DIR] [--repeats 3] [--tokens 16]
+
+Cases (the synthetic anchor-shaped Llama files, `benchmarks/common.py:synth_model`):
+
+    8b-q4k-resident, 70b-q4k-resident   every layer in VRAM (also 8b-q8_0/-q6_k/-f16-resident)
+    70b-q4k-vram24-layers               24 GiB of VRAM, the rest whole layers over PCIe
+    70b-q4k-vram24-hybrid               24 GiB, the CPU computing part of each pinned layer's FFN
+    8b-q4k-vram4-layers / -hybrid       the same at 4 GiB on the 8B
+    70b-q4k-vram24-ram12 / -mmap        24 GiB VRAM + 12 GiB pinned, the rest read from disk
+                                        every token (O_DIRECT), and the naive mmap baseline
+
+Every case: decode tok/s (resident: tg128 through CUDA events, as `slipstream bench`; streamed:
+the median of --repeats runs of --tokens greedy steps after a short prompt and a warm-up, host
+clock around synchronised steps), prefill pp512, and the ratio to a roofline measured in this
+run: the device-to-device copy rate over the bytes a resident token reads, the pinned
+host-to-device rate over the bytes streamed per token, or, hybrid, the larger of the CPU's and
+PCIe's times for their shares at the rates the load measured. Streamed cases add the store's
+CUDA events per token (what `slipstream run --stats` shows). --llamacpp BUILD runs llama-bench
+on the same file in the same run with as many layers on the GPU as the case's VRAM holds
+(-ngl 46 for the 70B at 24 GiB, 16 for the 8B at 4 GiB, 99 resident), 16 threads, tg and pp512.
+
+Each case runs in a process of its own (its VRAM peak is its own; a case that dies takes no
+other with it). Prints a table; writes RESULTS/DATE-<case>-<device>.json per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import common
+
+# name: (shape, quant, VRAM budget (None: resident), RAM budget, io, hybrid, llama.cpp -ngl)
+CASES = {
+    "8b-q4k-resident": ("8b", "Q4_K", None, None, "direct", "off", 99),
+    "8b-q8_0-resident": ("8b", "Q8_0", None, None, "direct", "off", 99),
+    "8b-q6_k-resident": ("8b", "Q6_K", None, None, "direct", "off", 99),
+    "8b-f16-resident": ("8b", "F16", None, None, "direct", "off", 99),
+    "70b-q4k-resident": ("70b", "Q4_K", None, None, "direct", "off", 99),
+    "8b-q4k-vram4-layers": ("8b", "Q4_K", "4GiB", None, "direct", "off", 16),
+    "8b-q4k-vram4-hybrid": ("8b", "Q4_K", "4GiB", None, "direct", "auto", 16),
+    "70b-q4k-vram24-layers": ("70b", "Q4_K", "24GiB", None, "direct", "off", 46),
+    "70b-q4k-vram24-hybrid": ("70b", "Q4_K", "24GiB", None, "direct", "auto", 46),
+    "70b-q4k-vram24-ram12": ("70b", "Q4_K", "24GiB", "12GiB", "direct", "off", 46),
+    "70b-q4k-vram24-mmap": ("70b", "Q4_K", "24GiB", "12GiB", "mmap", "off", 46),
+}
+HEADLINE = "8b-q4k-resident,70b-q4k-vram24-layers,70b-q4k-vram24-hybrid"
+
+
+def load_model(path: Path, budget: str | None, ram_budget: str | None, io: str, hybrid: str,
+               ctx: int):
+    """The one place this tool opens a model (placement through load's keywords)."""
+    import slipstream
+
+    return slipstream.load(path, device="cuda", ctx=ctx, vram_budget=budget,
+                           ram_budget=ram_budget, io=io, hybrid=hybrid)
+
+
+def decode_rate(engine, tokens: int) -> float:
+    """Greedy-shaped decode steps after an 8-token prompt and 3 warm-up steps (the copy ring in
+    its steady state), host clock around synchronised steps: every streamed step ends in a
+    device wait anyway."""
+    import torch
+
+    engine.reset()
+    engine.forward(list(range(5, 13)))
+    ids = torch.arange(tokens + 3, device="cuda") + 100
+    for i in range(3):
+        engine.decode(ids[i:i + 1])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(tokens):
+        engine.decode(ids[3 + i:4 + i])
+    torch.cuda.synchronize()
+    return tokens / (time.perf_counter() - t0)
+
+
+def breakdown(model, tokens: int) -> dict:
+    """The store's CUDA events per decode token, measured apart from the timed runs."""
+    import torch
+
+    engine, store = model.engine, model.engine.layers
+    engine.reset()
+    engine.forward(list(range(5, 13)))
+    ids = torch.arange(tokens, device="cuda") + 100
+    store.stats.reset()
+    store.enable_timing()
+    for i in range(tokens):
+        engine.decode(ids[i:i + 1])
+    torch.cuda.synchronize()
+    store.collect()
+    store.enable_timing(False)
+    s, n = store.stats, tokens
+    return {"compute_ms": round(s.compute_s / n * 1e3, 2),
+            "stall_ms": round(s.stall_s / n * 1e3, 2),
+            "h2d_busy_ms": round(s.h2d_s / n * 1e3, 2),
+            "h2d_gb_per_token": round(s.h2d_bytes / n / 1e9, 3),
+            "pcie_gbps": round(s.h2d_bytes / s.h2d_s / 1e9, 1) if s.h2d_s else None,
+            "cpu_ms": round(s.cpu_s / n * 1e3, 2),
+            "cpu_gb_per_token": round(s.cpu_bytes / n / 1e9, 3),
+            "cpu_gbps": round(s.cpu_bytes / s.cpu_s / 1e9, 1) if s.cpu_s else None,
+            "disk_gb_per_token": round(s.disk_bytes / n / 1e9, 3),
+            "disk_gbps": round(s.disk_bytes / s.disk_read_s / 1e9, 2)
+            if s.disk_read_s else None}
+
+
+def streamed_roofline(plan, h2d_gbps: float, disk_gbps: float | None) -> float | None:
+    """tok/s the links allow: whole layers, the pinned copies (and the disk reads, which overlap
+    them) at the rates measured in this run; hybrid, the slower of the CPU's share and PCIe's."""
+    h = plan.hybrid
+    if h is not None:
+        seconds = max(h.pcie_bytes_per_token / (h.pcie_gbps * 1e9),
+                      h.cpu_bytes_per_token / (h.cpu_gbps * 1e9))
+    else:
+        disk_b = plan.bytes_per_token("disk")
+        seconds = (plan.bytes_per_token("pinned") + disk_b) / (h2d_gbps * 1e9)
+        if disk_b and disk_gbps:
+            seconds = max(seconds, disk_b / (disk_gbps * 1e9))
+    return 1 / seconds if seconds else None
+
+
+def run_case(name: str, workdir: Path, a: argparse.Namespace) -> dict:
+    """One case in this process: load, prefill, decode, roofline, VRAM."""
+    import torch
+
+    from slipstream.memory.probes import disk_read_gbps, h2d_pinned_gbps, memory_read_gbps
+    from slipstream.runtime.bench import bench_decode, bench_prefill, weight_bytes_per_token
+
+    shape, quant, budget, ram_budget, io, hybrid, _ = CASES[name]
+    path = common.synth_model(shape, quant, workdir)
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    model = load_model(path, budget, ram_budget, io, hybrid, a.ctx)
+    torch.cuda.synchronize()
+    row: dict = {"name": name, "model": path.name, "vram_budget": budget,
+                 "ram_budget": ram_budget, "io": io, "hybrid": hybrid,
+                 "load_s": round(time.perf_counter() - t0, 1)}
+    plan, engine = model.plan, model.engine
+    row["tiers"] = {t: plan.tiers.count(t) for t in sorted(set(plan.tiers))}
+    row["predicted_tok_s"] = round(plan.predicted_tok_s, 3) if plan.predicted_tok_s else None
+    slow = bool(plan.disk_layers)
+    pp = bench_prefill(engine, 512, reps=2 if slow else 3)
+    row["prefill512_tok_s"] = round(pp.tok_s, 1)
+    if budget is None:
+        tg = bench_decode(engine, 128, reps=3)
+        row["decode_test"], row["decode_tok_s"] = tg.test, round(tg.tok_s, 2)
+        hbm = memory_read_gbps(torch.device("cuda"), 2 << 30)  # bytes read + written
+        row["hbm_gbps"] = round(hbm, 1)
+        row["roofline_tok_s"] = round(hbm * 1e9 / weight_bytes_per_token(engine), 2)
+    else:
+        tokens = max(4, a.tokens // 2) if slow else a.tokens
+        runs = [round(decode_rate(engine, tokens), 3) for _ in range(max(1, a.repeats))]
+        row["decode_test"] = f"decode{tokens}"
+        row["decode_tok_s"], row["decode_tok_s_runs"] = round(statistics.median(runs), 3), runs
+        h2d = h2d_pinned_gbps(2 << 30)
+        disk = disk_read_gbps(engine.layers.disk.path, 4 << 30)[0] if slow else None
+        row["h2d_gbps"], row["disk_gbps"] = round(h2d, 1), disk and round(disk, 2)
+        roof = streamed_roofline(plan, h2d, disk)
+        row["roofline_tok_s"] = round(roof, 3) if roof else None
+        h = plan.hybrid
+        if h is not None:
+            row.update(cpu_share=round(h.cpu_share, 4), split_layers=len(h.layers),
+                       threads=h.threads, cpu_gbps_probe=round(h.cpu_gbps, 1),
+                       pcie_gbps_beside_cpu=round(h.pcie_gbps, 1))
+        row["breakdown"] = breakdown(model, 2 if slow else max(4, a.tokens // 2))
+    if row.get("roofline_tok_s"):
+        row["ratio_to_roofline"] = round(row["decode_tok_s"] / row["roofline_tok_s"], 3)
+    row["vram_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    free, total = torch.cuda.mem_get_info()
+    row["vram_process_gib"] = round((total - free) / 2**30, 2)  # as the driver counts it
+    row["graph_capture_s"] = round(getattr(engine, "graph_capture_s", 0.0) or 0.0, 2)
+    model.close()
+    return row
+
+
+def run_in_child(name: str, a: argparse.Namespace) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result = Path(f.name)
+    cmd = [sys.executable, __file__, "--one", name, "--case-json", str(result),
+           "--workdir", str(a.workdir), "--tokens", str(a.tokens), "--repeats", str(a.repeats),
+           "--ctx", str(a.ctx)]
+    try:
+        proc = subprocess.run(cmd, timeout=a.case_timeout, stderr=subprocess.PIPE, text=True)
+        if proc.returncode != 0 or not result.stat().st_size:
+            tail = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+            sys.stderr.write(proc.stderr[-3000:])
+            return {"name": name, "error": f"case process failed: {tail[0][:300]}"}
+        return json.loads(result.read_text())
+    except subprocess.TimeoutExpired:
+        return {"name": name, "error": f"case process ran past {a.case_timeout:.0f} s"}
+    finally:
+        result.unlink(missing_ok=True)
+
+
+def with_llamacpp(row: dict, build: str, workdir: Path) -> None:
+    shape, quant, *_, ngl = CASES[row["name"]]
+    tg = "128" if ngl == 99 else "16"
+    res = common.llama_bench(build, common.synth_model(shape, quant, workdir),
+                             ["-ngl", str(ngl), "-p", "512", "-n", tg, "-r", "2", "-fa", "1",
+                              "-t", str(min(16, os.cpu_count() or 16))])
+    row["llamacpp"] = res
+    if res.get("tg_tok_s") and row.get("decode_tok_s"):
+        row["ratio_to_llamacpp"] = round(row["decode_tok_s"] / res["tg_tok_s"], 3)
+    if res.get("pp512_tok_s") and row.get("prefill512_tok_s"):
+        row["prefill_ratio_to_llamacpp"] = round(row["prefill512_tok_s"] / res["pp512_tok_s"], 3)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--case", default=HEADLINE,
+                    help=f"comma-separated, of: {', '.join(CASES)} (default: {HEADLINE})")
+    ap.add_argument("--llamacpp", metavar="BUILD",
+                    help="llama.cpp's build folder (or llama-bench): run it on each case's file")
+    ap.add_argument("--results", default=str(common.RESULTS), help="where the JSON goes")
+    ap.add_argument("--workdir", default=str(common.MODELS), help="the synthetic model files")
+    ap.add_argument("--tokens", type=int, default=16, help="streamed cases: steps a timed run")
+    ap.add_argument("--repeats", type=int, default=3, help="streamed cases: timed runs")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--case-timeout", type=float, default=900)
+    ap.add_argument("--one", help=argparse.SUPPRESS)
+    ap.add_argument("--case-json", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.workdir = Path(a.workdir)
+    if a.one:
+        Path(a.case_json).write_text(json.dumps(run_case(a.one, a.workdir, a)))
+        return 0
+    names = [c for c in a.case.split(",") if c]
+    unknown = [c for c in names if c not in CASES]
+    if unknown:
+        ap.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
+    head = common.provenance("cuda")
+    rows = []
+    for name in names:
+        row = run_in_child(name, a)
+        if a.llamacpp and "error" not in row:
+            with_llamacpp(row, a.llamacpp, a.workdir)
+        rows.append(row)
+        path = common.write_result(name, {**head, **row}, a.results)
+        print(json.dumps({"case": name, "file": str(path)}), flush=True)
+    for r in rows:
+        r["llamacpp_tg"] = (r.get("llamacpp") or {}).get("tg_tok_s")
+        r["llamacpp_pp"] = (r.get("llamacpp") or {}).get("pp512_tok_s")
+    print(common.table(rows, [
+        ("name", "case", ""), ("decode_tok_s", "tok/s", ".3f"), ("roofline_tok_s", "roofline", ".3f"),
+        ("ratio_to_roofline", "of roof", ".3f"), ("prefill512_tok_s", "pp512", ".1f"),
+        ("llamacpp_tg", "llama tg", ".2f"), ("llamacpp_pp", "llama pp", ".1f"),
+        ("cpu_share", "share", ".2f"), ("vram_process_gib", "VRAM GiB", ".2f"),
+        ("error", "error", "")]))
+    return 1 if any("error" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

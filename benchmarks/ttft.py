@@ -1,0 +1,231 @@
+"""Time to first token, from a cold process: slipstream's CLI against llama-cpp-python.
+
+Each case is a fresh process, timed from spawn to the first byte on stdout (the first token, for
+`run`) and to its exit. Three cases, as a new user meets them:
+
+    help   `slipstream --help`                   | `python -c "import llama_cpp"` (every
+                                                 |  llama-cpp-python command pays it; it ships
+                                                 |  no llama-cli)
+    info   `slipstream info -m MODEL`            | `Llama(MODEL, vocab_only=True)`: the
+                                                 |  metadata and vocabulary, no weights
+    run    `slipstream run -m MODEL -p Hello -n 1` | `Llama(MODEL, n_ctx=CTX)` + one streamed
+                                                 |  token of "Hello"
+
+Both sides get the same context (--ctx), threads (--threads) and greedy sampling. Runs alternate
+(slipstream, llama-cpp-python, slipstream, ...) so that the shared machine's load falls on both
+alike; one untimed warm-up of each case first puts the model in the page cache for both. The
+median of --reps runs is reported, with the load average around each run, since the machine is
+shared. slipstream's own summary line splits its `run` into imports, load and prompt.
+
+    python benchmarks/ttft.py --reps 5 --profile --out ttft-cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PY = sys.executable
+PROMPT = "Hello"
+
+LLAMA_INFO = """
+import sys
+from llama_cpp import Llama
+m = Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
+print(f"{len(m.metadata)} metadata keys, vocab {m.n_vocab()}", flush=True)
+"""
+
+LLAMA_RUN = """
+import sys
+from llama_cpp import Llama
+m = Llama(model_path=sys.argv[1], n_ctx=int(sys.argv[2]), n_threads=int(sys.argv[3]),
+          verbose=False)
+for c in m(sys.argv[4], max_tokens=1, temperature=0.0, stream=True):
+    sys.stdout.write(c["choices"][0]["text"])
+    sys.stdout.flush()
+print()
+"""
+
+
+def cases(model: str, ctx: int, threads: int) -> dict[str, dict[str, list[str]]]:
+    s = [PY, "-m", "slipstream"]
+    return {
+        "help": {"slipstream": s + ["--help"],
+                 "llama-cpp-python": [PY, "-c", "import llama_cpp"]},
+        "info": {"slipstream": s + ["info", "-m", model],
+                 "llama-cpp-python": [PY, "-c", LLAMA_INFO, model]},
+        "run": {"slipstream": s + ["run", "-m", model, "-p", PROMPT, "-n", "1", "--temp", "0",
+                                   "--device", "cpu", "--ctx", str(ctx), "-t", str(threads)],
+                "llama-cpp-python": [PY, "-c", LLAMA_RUN, model, str(ctx), str(threads),
+                                     PROMPT]},
+    }
+
+
+def timed(cmd: list[str]) -> dict:
+    """Seconds from spawn to the first stdout byte and to exit; stderr kept for the phases."""
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = p.stdout.read(1)
+    t_first = time.perf_counter() - t0
+    out = first + p.stdout.read()
+    err = p.stderr.read()
+    rc = p.wait()
+    t_exit = time.perf_counter() - t0
+    if rc != 0:
+        raise SystemExit(f"{' '.join(cmd[:4])}... exited {rc}: {err.decode()[-500:]}")
+    return {"first_byte_s": round(t_first if first else t_exit, 4), "exit_s": round(t_exit, 4),
+            "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0],
+            "stdout_head": out[:60].decode(errors="replace"),
+            "stderr_tail": err.decode(errors="replace")[-300:]}
+
+
+def phases(stderr: str) -> dict | None:
+    """slipstream's summary line: `load X s | prompt N tok in Y ms ...`."""
+    m = re.search(r"load ([\d.]+) s \| prompt \d+ tok in ([\d.]+) ms", stderr)
+    return {"load_s": float(m.group(1)), "prompt_s": float(m.group(2)) / 1e3} if m else None
+
+
+PROFILE = """
+import cProfile, io, json, pstats, sys, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+from slipstream import api
+t2 = time.perf_counter()
+torch.set_num_threads(int(sys.argv[3]))
+pr = cProfile.Profile()
+pr.enable()
+t3 = time.perf_counter()
+m = api.load(sys.argv[1], device="cpu", ctx=int(sys.argv[2]))
+t4 = time.perf_counter()
+list(m.generate("Hello", max_tokens=1, temperature=0))
+t5 = time.perf_counter()
+pr.disable()
+st = pstats.Stats(pr, stream=io.StringIO())
+top = sorted(((v[3], f"{k[0].split('/src/')[-1]}:{k[1]}({k[2]})") for k, v in st.stats.items()
+              if "/slipstream/" in k[0]), reverse=True)[:25]
+print(json.dumps({"import_torch_s": t1 - t0, "import_slipstream_api_s": t2 - t1,
+                  "load_s_under_cprofile": t4 - t3, "first_token_s": t5 - t4,
+                  "cumulative_s_by_function": [[round(c, 3), f] for c, f in top]}))
+"""
+
+
+def profile(model: str, ctx: int, threads: int) -> dict:
+    """Where slipstream's `run` spends its time, in-process: the imports, the load, the first
+    token, and cProfile's cumulative seconds of slipstream's own functions in the load."""
+    r = subprocess.run([PY, "-c", PROFILE, model, str(ctx), str(threads)], capture_output=True,
+                       text=True, check=True)
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def machine() -> dict:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
+                if ln.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform()}
+
+
+def versions() -> dict:
+    v = {}
+    for name in ("torch", "llama_cpp", "huggingface_hub"):
+        r = subprocess.run([PY, "-c", f"import {name}; print({name}.__version__)"],
+                           capture_output=True, text=True)
+        v[name] = r.stdout.strip() or None
+    return v
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", default=None, help="GGUF (default: slipstream's default)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--ctx", type=int, default=4096, help="slipstream's default for this model")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None, help="PREFIX: writes PREFIX.json and PREFIX.txt")
+    ap.add_argument("--profile", action="store_true", help="also break slipstream's run down "
+                    "in-process (imports, load, first token; cProfile of the load)")
+    a = ap.parse_args()
+    if a.model is None:
+        from slipstream.hub.pull import pull
+
+        a.model = str(pull(quiet=True))
+    plan = cases(a.model, a.ctx, a.threads)
+    runs: dict[str, dict[str, list[dict]]] = {c: {e: [] for e in v} for c, v in plan.items()}
+    for case, engines in plan.items():
+        for cmd in engines.values():
+            timed(cmd)  # warm-up: page cache, .pyc files
+        for _ in range(a.reps):
+            for engine, cmd in engines.items():
+                runs[case][engine].append(timed(cmd))
+                print(f"{case:5} {engine:17} {runs[case][engine][-1]['first_byte_s']:7.3f} s",
+                      file=sys.stderr)
+    rows = []
+    for case, engines in runs.items():
+        med = {e: statistics.median(r["first_byte_s"] for r in rs) for e, rs in engines.items()}
+        ratio = med["slipstream"] / med["llama-cpp-python"]
+        row = {"case": case, "slipstream_s": round(med["slipstream"], 3),
+               "llama_cpp_python_s": round(med["llama-cpp-python"], 3),
+               "ratio": round(ratio, 2), "meets_1_5x": ratio <= 1.5}
+        ph = [p for p in (phases(r["stderr_tail"]) for r in engines["slipstream"]) if p]
+        if ph:
+            load = statistics.median(p["load_s"] for p in ph)
+            prompt = statistics.median(p["prompt_s"] for p in ph)
+            row["slipstream_phases_s"] = {"load": round(load, 3), "prompt": round(prompt, 3),
+                                          "imports_and_rest": round(med["slipstream"] - load
+                                                                    - prompt, 3)}
+        rows.append(row)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, cwd=Path(__file__).parent).stdout
+    loads = [r[k] for e in runs.values() for rs in e.values() for r in rs
+             for k in ("loadavg_1m_before", "loadavg_1m_after")]
+    result = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "commit": commit, "working_tree_modified": bool(dirty.strip()),
+              "machine": machine(), "versions": versions(), "model": a.model,
+              "ctx": a.ctx, "threads": a.threads, "reps": a.reps, "prompt": PROMPT,
+              "statistic": "median seconds from process spawn to the first byte on stdout",
+              "loadavg_1m": {"min": min(loads), "max": max(loads)},
+              "commands": plan, "rows": rows, "runs": runs}
+    if a.profile:
+        result["profile"] = profile(a.model, a.ctx, a.threads)
+    lines = [f"time to first token, cold process, median of {a.reps} "
+             f"({result['date']}, {commit[:10]}{' +changes' if dirty.strip() else ''}, "
+             f"{result['machine']['cpu']}, {result['machine']['cores']} cores, load average "
+             f"{min(loads):.1f}-{max(loads):.1f}, ctx {a.ctx}, {a.threads} thread(s))",
+             "", "| case | slipstream | llama-cpp-python | ratio (target <= 1.5) |",
+             "|---|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {r['slipstream_s']:.2f} s | "
+                     f"{r['llama_cpp_python_s']:.2f} s | {r['ratio']:.2f} |")
+    for r in rows:
+        if "slipstream_phases_s" in r:
+            p = r["slipstream_phases_s"]
+            lines.append(f"\nslipstream {r['case']}: imports and start-up "
+                         f"{p['imports_and_rest']:.2f} s, load {p['load']:.2f} s, prompt "
+                         f"{p['prompt']:.2f} s (its summary line, medians)")
+    if a.profile:
+        p = result["profile"]
+        lines += ["", f"slipstream run, in-process: import torch {p['import_torch_s']:.2f} s, "
+                  f"import slipstream.api {p['import_slipstream_api_s']:.2f} s, load "
+                  f"{p['load_s_under_cprofile']:.2f} s (under cProfile), first token "
+                  f"{p['first_token_s']:.2f} s; cumulative seconds in the load:"]
+        lines += [f"  {c:6.3f}  {f}" for c, f in p["cumulative_s_by_function"][:16]]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        Path(a.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
+        Path(a.out + ".txt").write_text(text)
+
+
+if __name__ == "__main__":
+    main()
