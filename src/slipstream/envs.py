@@ -100,8 +100,8 @@ _register(
            "0: never build or load the native CPU library; decode takes torch's ops (same "
            "math, slower).", _flag, "0 or 1"),
     EnvVar("SLIPSTREAM_NATIVE_DEFINES", "", "debug",
-           "Extra `-DNAME[=VALUE]` words for the native library's build (prefetch distances, "
-           "tile sizes), part of its cache key. For timing builds; the defaults are measured.",
+           "Extra `-DNAME[=VALUE]` words for the native library's build (the matvec's prefetch "
+           "distances), part of its cache key. For timing builds; the defaults are measured.",
            accepts="whitespace-separated -DNAME or -DNAME=VALUE"),
     EnvVar("SLIPSTREAM_Q4VNNI", "1", "fallback",
            "0: the CPU's 4-bit weights use torch's int4 kernels instead of the native VNNI "
