@@ -22,9 +22,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
 
 from . import quant
-from .modelfile.config import ARCHITECTURES, ModelConfig
 from .errors import BadArgument
-from .model.layer_spec import EMBEDDING, HEAD, TensorSpec, spec_for
+from .model.layer_spec import ARCHITECTURES, EMBEDDING, HEAD, TensorSpec, spec_for
+from .modelfile.config import ModelConfig
 from .modelfile.tokenizer import bytes_to_unicode
 
 Q = GGMLQuantizationType
