@@ -25,6 +25,7 @@ from . import quant
 from .errors import BadArgument
 from .model.layer_spec import ARCHITECTURES, EMBEDDING, HEAD, TensorSpec, spec_for
 from .modelfile.config import ModelConfig
+from .quant.encode import quantize
 from .modelfile.tokenizer import bytes_to_unicode
 
 Q = GGMLQuantizationType
@@ -179,8 +180,6 @@ def float_tensor(qtype: Q, data: np.ndarray) -> np.ndarray:
         return data.astype(np.float32)
     if qtype == Q.F16:
         return data.astype(np.float16)
-    from .quant.encode import quantize
-
     return quantize(data.astype(np.float32), qtype)
 
 
