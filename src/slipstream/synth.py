@@ -25,8 +25,8 @@ from . import quant
 from .errors import BadArgument
 from .model.layer_spec import ARCHITECTURES, EMBEDDING, HEAD, TensorSpec, spec_for
 from .modelfile.config import ModelConfig
+from .modelfile.vocab import bytes_to_unicode
 from .quant.encode import quantize
-from .modelfile.tokenizer import bytes_to_unicode
 
 Q = GGMLQuantizationType
 
