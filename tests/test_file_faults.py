@@ -1,4 +1,4 @@
-"""A model file changed under a running model (issue 14): truncated, overwritten in place (with
+"""A model file changed under a running model: truncated, overwritten in place (with
 and without its modification time restored), or deleted, in the middle of a generation.
 
 Each case runs in a subprocess, so that a SIGBUS shows as a negative return code instead of

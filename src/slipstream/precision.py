@@ -33,7 +33,7 @@ class Precision:
     # CUDA exact: matmuls of more rows than the decode GEMV takes (tree passes, prefill) also
     # multiply float32 values, so that a verification pass rounds like the decode steps it
     # stands for up to summation order (float16 products there parted speculative greedy
-    # from plain at top-2 margins of 2-3e-3 on the H200, session 18)
+    # from plain at top-2 margins of 2-3e-3 on an H200)
     float32_products: bool = False
 
     @classmethod

@@ -10,9 +10,12 @@ anyone can check against the history.
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import tempfile
 from pathlib import Path
+
+from . import envs
 
 _ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +32,7 @@ def _git(root: Path, *args: str, env: dict | None = None) -> str | None:
 def source_revision(root: Path = _ROOT) -> dict[str, str | None]:
     """{"commit": HEAD (or $SLIPSTREAM_COMMIT), "tree": the working tree's git tree hash};
     None where `root` is no git checkout."""
-    commit = os.environ.get("SLIPSTREAM_COMMIT") or _git(root, "rev-parse", "HEAD")
+    commit = envs.get("SLIPSTREAM_COMMIT") or _git(root, "rev-parse", "HEAD")
     tree = None
     if commit is not None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -42,8 +45,6 @@ def source_revision(root: Path = _ROOT) -> dict[str, str | None]:
 
 def cpu_name() -> str:
     """The CPU's model name (/proc/cpuinfo), for results measured on the host's CPU."""
-    import platform
-
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):

@@ -22,10 +22,11 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileType
 
 from . import quant
-from .modelfile.config import ARCHITECTURES, ModelConfig
 from .errors import BadArgument
-from .model.layer_spec import EMBEDDING, HEAD, TensorSpec, spec_for
-from .modelfile.tokenizer import bytes_to_unicode
+from .model.layer_spec import ARCHITECTURES, EMBEDDING, HEAD, TensorSpec, spec_for
+from .modelfile.config import ModelConfig
+from .modelfile.vocab import bytes_to_unicode
+from .quant.encode import quantize
 
 Q = GGMLQuantizationType
 
@@ -179,8 +180,6 @@ def float_tensor(qtype: Q, data: np.ndarray) -> np.ndarray:
         return data.astype(np.float32)
     if qtype == Q.F16:
         return data.astype(np.float16)
-    from .quant.encode import quantize
-
     return quantize(data.astype(np.float32), qtype)
 
 

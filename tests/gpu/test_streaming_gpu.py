@@ -57,8 +57,6 @@ def test_gather_host_rows_reads_pinned_rows_on_the_gpu():
 def test_a_pinned_embedding_gives_the_host_lookups_bits(synth, monkeypatch):
     """SLIPSTREAM_PINNED_EMBED: a streamed model's host embedding pinned at load and read by
     the GPU gives the logits of the host lookup, bit for bit."""
-    from slipstream.weights import loader
-
     resident = slipstream.load(synth, device="cuda", ctx=256)
     budget = vram_budget_for(resident, 2)
     resident.close()
@@ -66,7 +64,7 @@ def test_a_pinned_embedding_gives_the_host_lookups_bits(synth, monkeypatch):
     assert not host.engine.weights.embed.pinned
     want = streamed_logits(host)
     host.close()
-    monkeypatch.setattr(loader, "PINNED_EMBED", True)
+    monkeypatch.setenv("SLIPSTREAM_PINNED_EMBED", "1")
     pinned = slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget)
     embed = pinned.engine.weights.embed
     assert embed.pinned and embed.raw.device.type == "cpu" and embed.raw.is_pinned()

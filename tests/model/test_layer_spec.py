@@ -8,11 +8,11 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from slipstream.modelfile.config import ARCHITECTURES, ModelConfig
 from slipstream.errors import UnsupportedArchitecture
+from slipstream.model.layer_spec import (ARCHITECTURES, EMBEDDING, HEAD, head_tensor_name,
+                                         kv_cache_bytes, spec_for)
+from slipstream.modelfile.config import ModelConfig
 from slipstream.modelfile.gguf_file import GGUFFile
-from slipstream.model.layer_spec import (EMBEDDING, HEAD, head_tensor_name, kv_cache_bytes,
-                                         spec_for)
 from slipstream.precision import Precision
 from slipstream.synth import write_synth
 

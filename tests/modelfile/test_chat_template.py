@@ -199,7 +199,7 @@ def test_a_looping_template_is_stopped(name: str) -> None:
     assert isinstance(error, TokenizerError)  # the server answers it with a 400
     assert error.args[0].startswith("the chat template ")
     # the named bound, or the 5 s one where a loaded machine renders too slowly to reach it
-    # first (CI's 2 cores, session 18: the exponential macro's 250,000 calls took over 5 s)
+    # first (on CI's 2 cores the exponential macro's 250,000 calls took over 5 s)
     assert re.search(f"{names}|ran for more than 5 s", str(error)), str(error)
 
 

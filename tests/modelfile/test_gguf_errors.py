@@ -447,12 +447,12 @@ def test_token_types_shorter_than_tokens(good, tmp_path):
 
 
 def test_tokenizers_library_errors_are_wrapped(good, monkeypatch):
-    from slipstream.modelfile import tokenizer
+    from slipstream.modelfile import vocab
 
     def boom(*a, **k):
         raise Exception("Error while initializing BPE: something")
 
-    monkeypatch.setattr(tokenizer.models, "BPE", boom)
+    monkeypatch.setattr(vocab.models, "BPE", boom)
     with pytest.raises(TokenizerError, match=r"rejected by the tokenizers library: Exception: "
                                              r"Error while initializing BPE"):
         open_model(good)

@@ -28,8 +28,8 @@ from sentencepiece import sentencepiece_model_pb2
 from tokenizers import pre_tokenizers, trainers
 
 from slipstream.errors import TokenizerError
-from slipstream.modelfile.tokenizer import (CONTROL, NORMAL, USER_DEFINED, StreamDecoder, Tokenizer,
-                                  merges_from_scores, read_tokenizer_metadata)
+from slipstream.modelfile.tokenizer import StreamDecoder, Tokenizer, read_tokenizer_metadata
+from slipstream.modelfile.vocab import CONTROL, NORMAL, USER_DEFINED, merges_from_scores
 
 TEXTS = [
     "Hello world",

@@ -29,6 +29,8 @@ def endpoint() -> str:
 
 
 def offline() -> bool:
+    # huggingface_hub loads only when a Hub reference is used: it is heavy, and it reads the
+    # HF_* variables once, at its first import (as in every function of this module)
     from huggingface_hub import constants
 
     return constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUE
@@ -41,6 +43,7 @@ def offline_error(ref: HubRef) -> ModelNotFound:
 
 def download(ref: HubRef, bar: Progress) -> Path:
     """Download (or find up to date in the cache) the Hub file `ref`; returns its path."""
+    # local: huggingface_hub loads only when a Hub reference is used (see offline)
     from huggingface_hub import errors as hfe
     from huggingface_hub import hf_hub_download
 
@@ -52,7 +55,7 @@ def download(ref: HubRef, bar: Progress) -> Path:
         raise offline_error(ref)
     where = endpoint()
     # its retries' log lines would break the one-line error; the bar shows the progress
-    from huggingface_hub.utils import logging as hf_logging
+    from huggingface_hub.utils import logging as hf_logging  # local: see offline
 
     hf_logging.set_verbosity_error()
     try:
@@ -120,7 +123,7 @@ def _resume_killed(ref: HubRef, local_dir: Path, where: str, bar: Progress) -> N
     changed) is deleted. Files the Hub serves through Xet storage are left to hf_xet, whose
     chunk cache keeps what a killed pull fetched. Where huggingface_hub's layout is not the
     one known here, nothing is done and the pull starts over as before."""
-    try:
+    try:  # local: huggingface_hub (and its filelock) load only for the Hub; private names may go
         from filelock import FileLock, Timeout
         from huggingface_hub import get_hf_file_metadata, hf_hub_url
         from huggingface_hub._local_folder import (get_local_download_paths,

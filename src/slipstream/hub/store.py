@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import json
-import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import envs
 from ..errors import ModelNotFound
 from .refs import HubRef, UrlRef
 
@@ -21,7 +22,7 @@ HF_META_DIR = Path(".cache") / "huggingface" / "download"
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SLIPSTREAM_CACHE") or Path.home() / ".cache" / "slipstream")
+    return Path(envs.get("SLIPSTREAM_CACHE") or Path.home() / ".cache" / "slipstream")
 
 
 def hub_dir(ref: HubRef) -> Path:
@@ -137,7 +138,5 @@ def _prune(d: Path, stop: Path) -> None:
         left = [c for c in d.iterdir() if c.name != ".cache"]
         if left:
             return
-        import shutil
-
         shutil.rmtree(d, ignore_errors=True)
         d = d.parent

@@ -15,6 +15,7 @@ imported on first use of a name below. `available()` says whether they can run h
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 _EXPORTS = {
@@ -37,9 +38,7 @@ __all__ = sorted(_EXPORTS) + ["available"]
 
 def available() -> bool:
     """True when Triton imports and a CUDA device is present (or TRITON_INTERPRET=1 is set)."""
-    import os
-
-    try:
+    try:  # local: this package imports without torch or Triton (see above)
         import torch
         import triton  # noqa: F401
     except Exception:

@@ -9,7 +9,7 @@ Kernels: `_gemv_q1_kernel` (m = 1, natural-K-order tiles, x read once per step),
 `_gemv_q_kernel` (m = 2..8, fp32 on CUDA cores; the tensor cores serve more rows, in
 qgemm.py), `_gemv_f_kernel` (F32/F16/BF16).
 
-Measured on an H200 (bench/kernels_bench.py): F32/F16/BF16 weights stream at 60-100% of the
+Measured on an H200 (CUDA-graph timings, L2 defeated): F32/F16/BF16 weights stream at 60-100% of the
 4.2 TB/s copy rate, but the quantized kernels are instruction-bound, not HBM-bound: at m = 1
 Q4_K reaches ~0.8-1.1 TB/s and Q8_0 ~2.2 TB/s on the large 8B matrices. The unpacking is
 designed for ~3 instructions per code (4.8 TB/s of 4-bit codes is ~9.6e12 codes/s against ~17e12
@@ -255,7 +255,7 @@ def _sm_count(device: torch.device) -> int:
 def gemv_config(packed: PackedWeight, m: int) -> dict[str, int]:
     """Tile sizes for one launch.
 
-    From the H200 sweeps of bench/kernels_bench.py --sweep (CUDA-graph timings, L2 defeated):
+    From tile sweeps on an H200 (CUDA-graph timings, L2 defeated):
     m = 1: NG = 128 scale groups per K-step and 4 warps won for every swept format and shape;
     BN = 4 rows for 32-group formats without a hi plane (Q4_0/Q4_K/Q8_0: e.g. Q4_K 14336x4096
     1071 GB/s vs 307 GB/s at BN=8, NG=16), BN = 1 for Q5_K/Q6_K/Q3_K and for N too small to give

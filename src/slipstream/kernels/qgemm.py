@@ -1,23 +1,23 @@
-"""Small-m quantized GEMM on the tensor cores: y[m, N] = x[m, K] @ W[N, K]^T for m up to 128.
+"""Small-m quantized GEMM: y[m, N] = x[m, K] @ W[N, K]^T for m up to 128.
 
 Why: a draft's tree level and a resident target's tree verification multiply 8 to 128 tokens by
 every weight. The fused GEMVs (gemv.py, gemv_q8.py) do work per code that grows with m (one FMA
 or dp4a per row of x), and the prefill path dequantizes the whole weight to a float16 scratch
 and reads it back for cuBLAS: a level of the 8B draft cost ~30 ms at every width from 8 to 128
-on an H200 (bench/results/*session13*), against 4.7 ms at width 1. Here every code is unpacked
-once per program into a float16 weight tile in registers, and the tile is multiplied by all m
-rows of x at once on the tensor cores, so the unpacking is paid once and m only adds MMA work.
+on an H200, against 4.7 ms at width 1. Here every code is unpacked once per program into a
+weight tile in registers, and the tile is multiplied by all m rows of x at once, so the
+unpacking is paid once and m only adds multiply work.
 
-Weights are rounded to float16 before the product, as the prefill path's scratch is (GGUF scales
-are float16, so float16 keeps 3 more mantissa bits than bfloat16); x is rounded to float16 as
-the prefill path rounds it; sums are float32. The results are those of dequantize + cuBLAS up to
-summation order and the ~2^-11 rounding of each weight (the code is expanded with pack.py's
-mantissa trick, w = a*f + b, see gemv.py, instead of (q - OFF)*s - t).
+`exact=False` (precision "fast") multiplies through qgemm_wide.py's tensor-core kernel, one wide
+MMA per K step, with float16 weights and x and float32 sums: on an H200 an 8B draft's tree level
+of 8-128 nodes took 10.8-15.7 ms there against 16.6-24.5 through a float16 variant of this
+module's per-slot kernel.
 
-`exact=True` (precision "exact"): weights and x stay float32 and the tile products are IEEE
-float32 (no TF32), as the exact GEMV's are, so a tree pass rounds like the decode steps it
-verifies up to summation order. On the CUDA cores, not the tensor cores: the reference, not the
-fast path.
+`exact=True` (precision "exact") runs this module's per-slot kernel: weights and x stay float32
+and the tile products are IEEE float32 (no TF32), as the exact GEMV's are, so a tree pass rounds
+like the decode steps it verifies up to summation order. On the CUDA cores, not the tensor
+cores: the reference, not the fast path. The code is expanded with pack.py's mantissa trick,
+w = a*f + b (see gemv.py), instead of (q - OFF)*s - t.
 
 Tiles: a program owns BN rows and walks a range of K in steps of NU units of 32; per step it
 loads the [BN, NU*LO] code words once and, for each of a word's 32/LO slots, expands one
@@ -44,32 +44,20 @@ from .splitk import (finish, format_constants, in_row_blocks, outputs, planes,
 
 MAX_M = 128  # rows of x this kernel takes (M_PAD up to 128 keeps the accumulator in registers)
 # From this many rows the int8-activation GEMV (precision "fast") hands over to this kernel
-# (weights.linear.QuantLinear). H200, gate_up 28672x4096 Q4_K (bench/results/
-# 2026-12-02-s15-qgemm-bench-h200-call5.json): that GEMV took 105 us at 4 rows and 389 at 8
-# (its rows unroll), where this kernel takes ~140 us for anything up to 32 rows. The exact
-# float GEMV keeps its 8 rows (kernels.matmul): 206 us at 8, as fast as this kernel there
+# (weights.linear.QuantLinear). On an H200, gate_up 28672x4096 Q4_K: that GEMV took 105 us at
+# 4 rows and 389 at 8 (its rows unroll), where a tensor-core GEMM took ~140 us for anything up
+# to 32 rows. The exact float GEMV keeps its 8 rows (kernels.matmul): 206 us at 8, as fast as
+# the tensor-core GEMM there
 MIN_M = 5
 # precision "exact" multiplies at most this many rows of x per launch, and more in row blocks
 # that each read the whole weight: its float32 tile products run on the CUDA cores, unrolled
 # for every slot of a code word, and the 128-row variant (M_PAD 128) stalls ptxas: the default
 # model's greedy test in tests/gpu (a 100+-token exact prefill) did not finish in 430 s, and
-# in the next call was still in ptxas for it at 110 s (session 38, H100, Triton 3.6). 32 rows
-# is the smallest variant (m_pad), the one a tree pass of up to 32 nodes compiles anyway, so
-# the exact kernel compiles once per format, its unrolled loop body an eighth of the 128-row one's
+# in a second run was still in ptxas for it at 110 s (H100, Triton 3.6). 32 rows is the
+# smallest variant (m_pad), the one a tree pass of up to 32 nodes compiles anyway, so the exact
+# kernel compiles once per format, its unrolled loop body an eighth of the 128-row one's
 EXACT_MAX_M = 32
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# precision "fast" multiplies through qgemm_wide.py's kernel (one wide MMA per K step: an 8B
-# draft's tree level of 8-128 nodes in 10.8-15.7 ms against 16.6-24.5 through this module's,
-# H200, bench/results/2026-12-04-s25-*) unless SLIPSTREAM_QGEMM=slots asks for this module's
-# per-slot kernel (the exact variant's); config={"KERNEL": ...} picks per call
-_KERNEL = os.environ.get("SLIPSTREAM_QGEMM", "wide")
-
-
-def _use_wide(config: dict | None) -> bool:
-    choice = (config or {}).get("KERNEL", _KERNEL)
-    if choice not in ("wide", "slots"):
-        raise ValueError(f"qgemm kernel must be 'wide' or 'slots', got {choice!r}")
-    return choice == "wide"
 
 
 @triton.jit
@@ -201,7 +189,7 @@ _SMEM_FOR_X = 160 << 10
 
 def qgemm_config(packed: PackedWeight, m: int) -> dict[str, int]:
     """Tile sizes for one launch: BN rows per program, NU units of 32 per K step, SPLIT
-    programs along K. From the H200 sweep (bench/qgemm_bench.py, 2026-12-02 call 5): a slot's
+    programs along K. From a tile sweep on an H200 (float16 products): a slot's
     tile is NU*LO = 32 columns wide up to 32 rows of x and 64 from 64 rows (at 128 rows NU 16
     took gate_up 28672x4096 Q4_K from 410 to 318 us, qkv 6144x4096 from 100 to 83 split 4);
     at 128 rows a weight whose 128-row blocks fill the SMs takes BN 128 with 8 warps (gate_up
@@ -233,7 +221,8 @@ def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None
           out_dtype: torch.dtype | None = None, config: dict[str, int] | None = None,
           scale_buffer: torch.Tensor | None = None, exact: bool = False) -> torch.Tensor:
     """y = x @ W^T for x (m, K), 1 <= m <= MAX_M, W quantized -> (m, N) in out_dtype (default
-    x's dtype). `config` overrides qgemm_config (for tuning). A weight with unfused f16
+    x's dtype). `config` overrides the tiles (qgemm_config's where exact, else
+    qgemm_wide.wide_config's), for tuning and tests. A weight with unfused f16
     scales (a streamed layer at precision="fast") has its fused plane made first, into
     `scale_buffer` if given (see with_fused_scales). exact: float32 weights, x and products
     (see the module's docstring)."""
@@ -255,17 +244,16 @@ def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None
     spec = packed.spec
     if packed.f16_scales and packed.sm is None and sm_width(spec) > 0:
         packed = with_fused_scales(packed, scale_buffer)
-    tiles = {k: v for k, v in (config or {}).items() if k != "KERNEL"}
-    if not exact and _use_wide(config):
-        return qgemm_wide(x, packed, out, out_dtype, tiles or None)
-    cfg = tiles or qgemm_config(packed, m)
-    if exact and not tiles:
+    if not exact:
+        return qgemm_wide(x, packed, out, out_dtype, config)
+    cfg = dict(config) if config else qgemm_config(packed, m)
+    if not config:
         # float32 tiles take twice the registers: the 128-row blocks' 8 warps would spill
         cfg.update(BN=min(cfg["BN"], 64), num_warps=4)
     warps = cfg.pop("num_warps", 4)
     split = cfg.pop("SPLIT", 1)
     nu = cfg["NU"] = max(cfg["NU"], 16 // spec.lo)  # the MMA's K: 16 at least
-    wdt = torch.float32 if _INTERPRET or exact else torch.float16
+    wdt = torch.float32
     stages = cfg.pop("num_stages", None) or _stages(nu, m_pad(m), wdt.itemsize)
     units, split = split_units(nut, nu, split)
     xt = slot_order(x, spec.lo, nu, wdt)
@@ -274,6 +262,5 @@ def qgemm(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None
         xt, *planes(packed), part,
         m, n, nut, units, part.stride(-2), part.stride(0) if split > 1 else 0,
         **format_constants(packed), M_PAD=m_pad(m),
-        WDT=tl.float32 if wdt == torch.float32 else tl.float16,
-        IEEE=exact and not _INTERPRET, num_warps=warps, num_stages=stages, **cfg)
+        WDT=tl.float32, IEEE=not _INTERPRET, num_warps=warps, num_stages=stages, **cfg)
     return finish(part, split, out, out_dtype)

@@ -1,15 +1,16 @@
 """Small-m quantized GEMM, one wide MMA per K step: y[m, N] = x[m, K] @ W[N, K]^T, m <= 128.
+precision "fast" multiplies 5 to 128 rows through this kernel (qgemm.qgemm dispatches).
 
-Why a second kernel beside qgemm.py's: that one multiplies each of a word's 32/LO slots
+Why not qgemm.py's per-slot kernel in float16: it multiplies each of a word's 32/LO slots
 separately, eight [BN, 32] x [32, m] products per step for a 4-bit format, and on an H200 it
 read the 8B's gate_up (28672x4096 Q4_K) at ~0.5 TB/s, a seventh of HBM, so a draft's tree level
-cost 16-25 ms where a captured decode step costs 2.6 (bench/results/*s16-draft-levels*). Here
-a program unpacks all the codes of NU units (NU*32 columns of K) into one [BN, NU*32] float16
-tile and makes one [BN, NU*32] x [NU*32, m] product of it per step, so the tensor cores see
-K = 64..256 at once and the unpacking is a few shifts on a 5-D view of the words. On the H200
-(bench/results/2026-12-04-session25.md): gate_up at 8 rows in 99 us against 144, the Q6_K head
-in 442 against 947, a draft level of 8 / 32 / 128 nodes in 10.7 / 11.0 / 15.7 ms against 17.2
-/ 16.6 / 24.5; still 0.10-0.16 of HBM, the scales' and codes' unpacking being most of a step.
+cost 16-25 ms where a captured decode step costs 2.6. Here a program unpacks all the codes of NU
+units (NU*32 columns of K) into one [BN, NU*32] float16 tile and makes one [BN, NU*32] x
+[NU*32, m] product of it per step, so the tensor cores see K = 64..256 at once and the unpacking
+is a few shifts on a 5-D view of the words. On the H200: gate_up at 8 rows in 99 us against
+144, the Q6_K head in 442 against 947, a draft level of 8 / 32 / 128 nodes in 10.7 / 11.0 /
+15.7 ms against 17.2 / 16.6 / 24.5; still 0.10-0.16 of HBM, the scales' and codes' unpacking
+being most of a step.
 
 The tile's K order is the plane layout's (pack.py): column c of a step = unit c // 32, lane
 w = (c % 32) // NJ, slot j = c % NJ holds element unit*32 + j*LO + w. wide_order() permutes x
@@ -20,9 +21,10 @@ Numbers: by default (F16MATH) a code q goes into the mantissa of 1024.0h, q - OF
 of one exact float16 subtraction, and w = (q - OFF) * scale - min is one float16 FMA: one
 rounding, as when float32 arithmetic is rounded to float16 at the end, and no conversions.
 F16MATH=False expands as gemv.py does (the code in 1.0f's mantissa, a float32 FMA, then a
-conversion): 0-8% slower on the H200. x is rounded to float16, sums are float32: what
-qgemm.py's fast path computes, up to summation order. Its exact variant (float32 products)
-stays in qgemm.py.
+conversion): 0-8% slower on the H200. x is rounded to float16 (GGUF scales are float16, so
+float16 keeps 3 more mantissa bits than bfloat16), sums are float32: dequantize + cuBLAS up to
+summation order and the ~2^-11 rounding of each weight. The exact variant (float32 products)
+is qgemm.py's kernel.
 """
 
 from __future__ import annotations
@@ -34,8 +36,6 @@ import triton.language as tl
 from .gemv import _scale_min, _sm_count
 from .pack import PackedWeight
 from .splitk import finish, format_constants, outputs, planes, split_units
-
-last_launch = None  # the last launch's compiled kernel (n_regs, n_spills), for the benchmarks
 
 
 @triton.jit
@@ -67,10 +67,8 @@ def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_
                        LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
                        KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr,
                        SM: tl.constexpr, M_PAD: tl.constexpr, BN: tl.constexpr,
-                       NU: tl.constexpr, F16MATH: tl.constexpr, LEAVE_OUT: tl.constexpr = 0):
-    """xw: x in wide_order, (K padded to whole steps, M_PAD) with M_PAD contiguous.
-    LEAVE_OUT (bench/qgemm_wide_bench.py --leave-out, wrong results): 1 the scales, 2 the MMA,
-    3 the unpacking, to time a step's stages by difference."""
+                       NU: tl.constexpr, F16MATH: tl.constexpr):
+    """xw: x in wide_order, (K padded to whole steps, M_PAD) with M_PAD contiguous."""
     NJ: tl.constexpr = 32 // LO  # slots per word
     SPU: tl.constexpr = 32 // G  # scale groups per unit of 32
     JPS: tl.constexpr = NJ // SPU  # slots per scale group
@@ -104,15 +102,9 @@ def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_
         if HI > 0:
             hw = tl.load(hi_ptr + woff, mask=wmask, other=0).to(tl.int32)
             q = q | (((hw >> (slot5 * HI)) & ((1 << HI) - 1)) << LO)
-        if LEAVE_OUT == 0 or LEAVE_OUT == 2:
-            scale, tmin = _scales5(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, r2, uu2, umask2, NUT,
-                                   SPU, P, KQUANT, HAS_MIN, PACKED_SCMN, SM)
-        if LEAVE_OUT == 1:  # no scales: the codes as they are
-            w = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        elif LEAVE_OUT == 3:  # no unpacking: each word's low half, the same in all its slots
-            w = ((words & 0x3FF) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) \
-                + tl.zeros([BN, NU, LO, SPU, JPS], dtype=tl.float16)
-        elif F16MATH:
+        scale, tmin = _scales5(d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, r2, uu2, umask2, NUT,
+                               SPU, P, KQUANT, HAS_MIN, PACKED_SCMN, SM)
+        if F16MATH:
             # q in the mantissa of 1024.0h (a B <= 10-bit code is exact there), q - OFF by an
             # exact float16 subtraction, then one float16 FMA: no float32 and no conversions
             qh = (q | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
@@ -125,11 +117,7 @@ def _qgemm_wide_kernel(xw_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_
             w = (a * f + b).to(tl.float16)
         w = tl.reshape(w, [BN, BK])
         xt = tl.load(xw_ptr + u0 * 32 * M_PAD + xtile)  # rows past M are zeros
-        if LEAVE_OUT == 2:  # no MMA: sums that keep the loads and the unpacking alive
-            acc += tl.sum(w.to(tl.float32), axis=1)[:, None] \
-                * tl.sum(xt.to(tl.float32), axis=0)[None, :]
-        else:
-            acc = tl.dot(w, xt, acc)
+        acc = tl.dot(w, xt, acc)
     yp = y_ptr + tl.program_id(1) * stride_ys + offs_m[None, :] * stride_ym + rows[:, None]
     tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ymask)
 
@@ -150,10 +138,9 @@ def wide_order(x: torch.Tensor, lo_bits: int, nu: int, m_pad: int) -> torch.Tens
 def wide_config(packed: PackedWeight, m: int) -> dict[str, int]:
     """Tile sizes for one launch: BN rows, NU units of 32 per step, SPLIT programs along K
     until the programs fill the SMs twice over, M_PAD columns of x (16 up to 16 rows) and the
-    float16 dequantization. From the H200 sweeps (bench/qgemm_wide_bench.py, session 25 calls
-    1-2, bench/results/2026-12-04-s25-*): BN 64 / NU 4 was best or within 5% of the best tile
-    for the 8B's Q4_K matrices and Q6_K head at 8 and 32 rows; M_PAD 16 took 7-9% off at 8
-    rows; float16 dequantization 0-8% at every width."""
+    float16 dequantization. From tile sweeps on an H200: BN 64 / NU 4 was best or within 5% of
+    the best tile for the 8B's Q4_K matrices and Q6_K head at 8 and 32 rows; M_PAD 16 took 7-9%
+    off at 8 rows; float16 dequantization 0-8% at every width."""
     n, nut = packed.rows, packed.cols // 32
     nu = 4
     bn = 64
@@ -180,8 +167,7 @@ def qgemm_wide(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None,
     units, split = split_units(nut, nu, split)
     xw = wide_order(x, packed.spec.lo, nu, m_pad)
     part = outputs(m, n, split, out, out_dtype, x.device)
-    global last_launch
-    last_launch = _qgemm_wide_kernel[(triton.cdiv(n, cfg["BN"]), split)](
+    _qgemm_wide_kernel[(triton.cdiv(n, cfg["BN"]), split)](
         xw, *planes(packed), part,
         m, n, nut, units, part.stride(-2), part.stride(0) if split > 1 else 0,
         **format_constants(packed), M_PAD=m_pad, num_warps=warps, num_stages=stages, **cfg)

@@ -4,12 +4,12 @@ The CUDA context, the modules of the kernels it loads (torch's, cuBLAS's, Triton
 driver's own buffers are counted for the process by the driver (nvidia-smi, and so llama.cpp's
 "max memory used") but not by `torch.cuda.memory_reserved`. A `--vram-budget` is what the
 process holds on the device as the driver counts it, so this comes out of it before anything is
-planned: on an H100 (session 33) a 70B loaded at 24 GiB reserved 23.33 GiB and the driver
+planned: on an H100 host a 70B loaded at 24 GiB reserved 23.33 GiB and the driver
 counted 24.10 GiB, 0.77 GiB of context over the budget.
 
 The context grows after planning, as kernels load on first use, so a measurement before the
-first model loads is a lower bound: CONTEXT_FLOOR is what session 33 saw at the end of a 70B
-decode (0.77 GiB in both of its loads), with a little room.
+first model loads is a lower bound: CONTEXT_FLOOR is what the H100 host held at the end of a
+70B decode (0.77 GiB in each of two loads), with a little room.
 """
 
 from __future__ import annotations

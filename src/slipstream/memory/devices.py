@@ -1,5 +1,5 @@
 """The devices a model's stages run on: the user's list checked, a budget for each, and the
-layers split into contiguous ranges, one range per stage (issue 16).
+layers split into contiguous ranges, one range per stage.
 
 A stage is a device and a range of layers with their own KV cache (runtime.stage); the engine
 chains the stages and moves the hidden state across each boundary. The first stage holds the

@@ -41,9 +41,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from rich.progress import BarColumn, DownloadColumn, Progress
 
 from ..errors import BudgetTooSmall, SlipstreamError
-from ..weights.image import LayerLayout
+from ..hub.store import cache_dir
+from ..weights.cpu_image import CpuLayerLayout, cpu_image_of, layout_fingerprint
+from ..weights.image import LayerLayout, to_image
+from ..weights.loader import LayerBuilder, TensorSource, release_transients
 from .budget import fmt_bytes
 from .disk import ALIGN, fingerprint
 
@@ -73,8 +77,6 @@ def image_paths(model: Path, kind: str = "slipstream") -> tuple[Path, Path]:
     if os.access(model.parent, os.W_OK):
         base = model.parent / f"{model.name}.{kind}"
     else:
-        from ..hub.pull import cache_dir
-
         key = hashlib.sha1(str(model).encode()).hexdigest()[:12]
         d = cache_dir() / "images"
         d.mkdir(parents=True, exist_ok=True)
@@ -141,9 +143,6 @@ def build_images(gf, cfg, device: torch.device, precision, layers: list[int],
     cached = open_images(model, layers, fast)
     if cached is not None:
         return cached
-    from ..weights.image import to_image
-    from ..weights.loader import LayerBuilder, TensorSource, release_transients
-
     if builder is None:
         builder = LayerBuilder(cfg, device, precision, fuse_scales=False)
 
@@ -167,8 +166,6 @@ def build_images(gf, cfg, device: torch.device, precision, layers: list[int],
 def cpu_identity(model: Path) -> dict:
     """What a CPU image file depends on: the model file, the format, torch (its packers), and
     torch's int4 layout on this machine (weights.cpu_image.layout_fingerprint)."""
-    from ..weights.cpu_image import layout_fingerprint
-
     st = model.stat()
     return {"version": CPU_FORMAT_VERSION, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "torch": torch.__version__, "int4_layout": layout_fingerprint()}
@@ -176,8 +173,6 @@ def cpu_identity(model: Path) -> dict:
 
 def open_cpu_images(model: Path, layers: list[int]) -> ImageFile | None:
     """The cached CPU image file when it is current and holds `layers`, else None."""
-    from ..weights.cpu_image import CpuLayerLayout
-
     return _open_index(*image_paths(model, "slipstream-cpu"), cpu_identity(model), layers,
                        CpuLayerLayout.from_json)
 
@@ -187,8 +182,6 @@ def build_cpu_images(gf, cfg, precision, layers: list[int], image_bytes: list[in
     """CPU streaming: reuse the cached CPU image file for `layers`, or pack each layer once
     for the CPU kernels (weights.cpu_image) and write its image. `image_bytes`: the planner's
     per-layer sizes (weights.cpu_image.image_nbytes), for the disk-space check."""
-    from ..weights.cpu_image import cpu_image_of
-
     model = Path(gf.path)
     cached = open_cpu_images(model, layers)
     if cached is not None:
@@ -217,8 +210,6 @@ def write_images(data: Path, index: Path, identity: dict, layers: list[int],
     mid-write leaves no index describing a half-written file."""
     old = data.stat().st_size if data.exists() else 0
     check_space(data.parent, sum(_round_up(image_bytes[i]) for i in layers), old)
-    from rich.progress import BarColumn, DownloadColumn, Progress
-
     index.unlink(missing_ok=True)  # no index may describe a half-written data file
     tmp = data.with_name(data.name + ".tmp")
     entries: dict[str, dict] = {}

@@ -13,7 +13,7 @@ INSTALL_HINT = ("pip install kvikio-cu12 (CUDA 12) or kvikio-cu13 (CUDA 13), or 
 def require_kvikio():
     """The kvikio module, or a MissingDependency error that says how to install it."""
     try:
-        import kvikio
+        import kvikio  # local: optional, not a dependency
     # not only ImportError: the package imports but its libraries fail to load (libcufile not
     # found, say), which the user fixes the same way
     except Exception as e:
@@ -26,7 +26,7 @@ def gds_enabled() -> bool:
     """Whether KvikIO will use GPUDirect Storage (the API moved between releases; the answer
     only goes into the note, so any failure reads as compat mode)."""
     try:
-        import kvikio.defaults as d  # a submodule the package does not import itself
+        import kvikio.defaults as d  # optional; a submodule the package does not import
 
         if hasattr(d, "is_compat_mode_preferred"):
             return not d.is_compat_mode_preferred()
@@ -41,7 +41,7 @@ def bypass_page_cache() -> None:
     the process (the reads run later, on KvikIO's threads); KvikIO releases without the
     setting read as they always did."""
     try:
-        import kvikio.defaults as d
+        import kvikio.defaults as d  # local: optional, not a dependency
 
         d.set("auto_direct_io_read", True)
     except Exception:  # a release without the setting (or without defaults.set)

@@ -29,8 +29,9 @@ import torch
 from ..weights.image import LayerImage, LayerLayout
 from .disk import DirectReader, DiskReadError
 from .image_file import ImageFile
+from .kvikio_io import bypass_page_cache, gds_enabled, require_kvikio
 from .protocol import StoreStats
-from .staging import IO_TIMEOUT_S, StagingBuffer, StagingRing
+from .staging import StagingBuffer, StagingRing, io_timeout_s
 from .store import PageCacheReads
 
 if TYPE_CHECKING:
@@ -149,8 +150,6 @@ class KvikioSource(Source):
 
     def __init__(self, disk: ImageFile, stats: StoreStats, threads: int,
                  delay: Callable[[], None] | None):
-        from .kvikio_io import bypass_page_cache, gds_enabled, require_kvikio
-
         super().__init__(disk.layouts, stats)
         kvikio = require_kvikio()
         bypass_page_cache()
@@ -183,20 +182,22 @@ class KvikioSource(Source):
 
     def arrive(self, ring: SlotRing, i: int, k: int, stream: torch.cuda.Stream) -> None:
         t0 = time.perf_counter()
+        timeout_s = io_timeout_s()
         try:
-            self.reads.pop(i).result(timeout=IO_TIMEOUT_S)
+            self.reads.pop(i).result(timeout=timeout_s)
         except FutureTimeout:
             raise DiskReadError(f"kvikio read of layer {i} did not finish in "
-                                f"{IO_TIMEOUT_S:.0f} s") from None
+                                f"{timeout_s:.0f} s") from None
         except (RuntimeError, OSError) as e:  # kvikio reports I/O errors as RuntimeError
             raise DiskReadError(f"kvikio read of layer {i} from {self.path.name} "
                                 f"failed: {e}") from None
         self.stats.disk_wait_s += time.perf_counter() - t0
 
     def restart(self, ahead: list[int]) -> None:
+        timeout_s = io_timeout_s()
         for fut in self.reads.values():  # a stale read must not land in a reused slot
             try:
-                fut.result(timeout=IO_TIMEOUT_S)
+                fut.result(timeout=timeout_s)
             except BaseException:
                 pass
         self.reads.clear()

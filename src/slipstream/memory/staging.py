@@ -18,7 +18,6 @@ a timeout, and a reader's error surfaces in the main thread as a DiskReadError.
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -26,14 +25,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import envs
 from .disk import ALIGN, DirectReader, DiskReadError
 
 if TYPE_CHECKING:
     from ..runtime.trace import Tracer
 
-# A read that has not finished after this long is reported as an error rather than waited on
-# for ever (a 0.5 GB layer takes 0.2 s at 2.3 GB/s; a stalled disk takes for ever).
-IO_TIMEOUT_S = float(os.environ.get("SLIPSTREAM_IO_TIMEOUT_S", "60"))
+
+def io_timeout_s() -> float:
+    """Seconds after which a read that has not finished is reported as an error rather than
+    waited on for ever (a 0.5 GB layer takes 0.2 s at 2.3 GB/s; a stalled disk takes for
+    ever): SLIPSTREAM_IO_TIMEOUT_S, 60 by default."""
+    return envs.get("SLIPSTREAM_IO_TIMEOUT_S")
 
 
 class StagingBuffer:
@@ -58,14 +61,14 @@ class StagingRing:
     give_back(buffer, event) once the copy out of it is enqueued (event completes with it)."""
 
     def __init__(self, reader: DirectReader, buffers: list[StagingBuffer], order: list[int],
-                 spans: dict[int, tuple[int, int]], timeout_s: float = IO_TIMEOUT_S):
+                 spans: dict[int, tuple[int, int]], timeout_s: float | None = None):
         if not order or not buffers:
             raise ValueError("a staging ring needs at least one layer and one buffer")
         self.reader = reader
         self.free = deque(buffers)
         self.order = order
         self.spans = spans
-        self.timeout_s = timeout_s
+        self.timeout_s = io_timeout_s() if timeout_s is None else timeout_s
         self.reads: deque[tuple[int, StagingBuffer, Future]] = deque()
         self.next = 0  # index into order of the next layer to read
 

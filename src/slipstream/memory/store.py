@@ -40,7 +40,7 @@ from ..weights.loader import LayerBuilder, TensorSource, layer_span
 from .disk import ALIGN, DirectReader, DiskReadError
 from .image_file import ImageFile
 from .protocol import StoreBase, StoreStats
-from .staging import IO_TIMEOUT_S, StagingBuffer, StagingRing
+from .staging import StagingBuffer, StagingRing, io_timeout_s
 
 if TYPE_CHECKING:
     from ..runtime.trace import Tracer
@@ -302,12 +302,13 @@ class PageCacheReads:
 
     def read(self, start: int, end: int) -> torch.Tensor:
         """File bytes [start, end), in the reused buffer (valid until the next read)."""
+        timeout_s = io_timeout_s()
         try:
-            skew = self.reader.read_span(self.buf, start, end).result(timeout=IO_TIMEOUT_S)
+            skew = self.reader.read_span(self.buf, start, end).result(timeout=timeout_s)
         except FutureTimeout:
             raise DiskReadError(
                 f"reading bytes {start}..{end} of {self.reader.path.name} did not finish in "
-                f"{IO_TIMEOUT_S:.0f} s; the disk stalled (SLIPSTREAM_IO_TIMEOUT_S sets the "
+                f"{timeout_s:.0f} s; the disk stalled (SLIPSTREAM_IO_TIMEOUT_S sets the "
                 f"limit)") from None
         return self.buf.tensor[skew:skew + end - start]
 

@@ -105,7 +105,7 @@ class CopyMeter:
     """The copy stream's busy seconds and bytes, kept with stats off: hybrid decode's balance
     (hybrid.balance) judges PCIe by the rate its copies achieve beside the CPU's share,
     which is not the start-up probe's (on the H200: 43.6 GB/s in decode against a probe of
-    49.4 beside the CPU kernel, bench/results/2026-12-05-s31-hybrid-bench-h200-call1.json).
+    49.4 beside the CPU kernel, in a hybrid decode benchmark).
 
     An event pair around each copy; poll() reads back those completed, in the order recorded
     (one stream's events complete in that order), never waiting, and reuses their events.

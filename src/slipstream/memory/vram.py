@@ -15,9 +15,10 @@ from gguf import GGMLQuantizationType as T
 
 from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
-from ..kernels.pack import pack_chunk_rows  # tables only: needs neither CUDA nor Triton
+from ..kernels.pack import QSPECS, pack_chunk_rows, sm_width  # tables: no CUDA nor Triton
 from ..model.layer_spec import EMBEDDING, head_tensor_name, kv_cache_bytes, spec_for
 from ..weights.image import IMAGE_ALIGN  # every tensor of an image starts on this boundary
+from ..weights.loader import prefill_scratch_elements
 
 _FLOAT_BYTES = {T.F32: 4, T.F16: 2, T.BF16: 2}
 # torch's caching allocator: requests round to 512 B; requests of 10 MiB and more get their own
@@ -39,8 +40,6 @@ def packed_planes(qtype: int, rows: int, cols: int, fused: bool = False) -> list
     """Byte sizes of the planes kernels.pack_weight makes for a (rows, cols) weight; `fused`:
     after pack.fuse_scales (precision="fast"), which replaces the scale planes by one f16
     plane of sm_width entries per 32 weights where the format has more than a plain d."""
-    from ..kernels.pack import QSPECS, sm_width  # tables only: need neither CUDA nor Triton
-
     qt = T(int(qtype))
     if qt in _FLOAT_BYTES:
         return [rows * cols * _FLOAT_BYTES[qt]]
@@ -147,8 +146,6 @@ def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: in
 
     `scratch_cap`: elements the prefill scratch is held to (streamed plans: weights larger
     than that are dequantized and multiplied in row chunks, weights.linear.Workspace)."""
-    from ..weights.loader import prefill_scratch_elements
-
     head = gf.tensors[head_tensor_name(gf.tensors)]
     head_weight = (int(head.ggml_type), *head.shape, head.n_bytes)  # (vocab, hidden)
     layer_weights = [(qtype, rows, cols, rows * cols // GGML_QUANT_SIZES[T(qtype)][0]

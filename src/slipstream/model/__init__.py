@@ -5,8 +5,8 @@ linear layers arrive as callables, norms as tensors. A `Step` says which positio
 and attention mask a forward step's tokens have.
 
 The names are imported on first use (PEP 562 module `__getattr__`): `model.layer_spec` is pure
-data that `modelfile/config.py` reads to check a file's tensor names, and importing it must not bring in
-torch (`slipstream info` and `--help` stay torch-free).
+data that `modelfile/config.py` reads to check a file's tensor names, and importing it must not
+bring in torch (`slipstream info` and `--help` stay torch-free).
 """
 
 from __future__ import annotations

@@ -5,22 +5,35 @@ KV cache's size. The loader builds layers by it, memory.vram and memory.setup si
 and synth.py writes files by it, so none of them can disagree with another about a layer.
 
 Keyed by architecture family, as gguf-py's MODEL_TENSORS is keyed by architecture: every
-architecture config.ARCHITECTURES admits (Llama 1/2/3, Mistral, SmolLM, Qwen2) has the Llama
-block, Qwen2's QKV biases being optional tensors of it.
+architecture of ARCHITECTURES (Llama 1/2/3, Mistral, SmolLM, Qwen2) has the Llama block, Qwen2's
+QKV biases being optional tensors of it. modelfile.config reads this table (which architectures
+exist, how they pair RoPE dimensions, which tensors a file must hold) and imports nothing from
+here back: this module only names ModelConfig in its type hints.
 
 Pure data and small functions over a ModelConfig and a file's tensor names or types: nothing
-here reads tensor bytes or touches a device.
+here reads tensor bytes or touches a device, nor imports torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable
 
-from ..modelfile.config import ARCHITECTURES, ModelConfig
 from ..errors import UnsupportedArchitecture
 
+if TYPE_CHECKING:  # type hints only: modelfile.config imports this module
+    from ..modelfile.config import ModelConfig
+
 Shape = tuple[int, ...]
+
+# Architectures with the Llama block shape. The value says how RoPE pairs dimensions:
+# llama.cpp's converter permutes Llama's Q/K rows so that adjacent dims form a rotation pair
+# ("normal" RoPE), while Qwen2 is stored unpermuted and pairs dim i with dim i + d/2 ("neox").
+ARCHITECTURES: dict[str, str] = {
+    "llama": "normal",
+    "mistral": "normal",
+    "qwen2": "neox",
+}
 
 EMBEDDING = "token_embd.weight"  # (vocab, hidden)
 HEAD = "output.weight"  # (vocab, hidden); absent in files with tied embeddings
@@ -118,7 +131,7 @@ LLAMA = LayerSpec(
 )
 
 FAMILIES: dict[str, LayerSpec] = {"llama": LLAMA}
-# config.ARCHITECTURES admits exactly the architectures with the Llama block.
+# every architecture of ARCHITECTURES has the Llama block
 FAMILY_OF: dict[str, str] = {arch: "llama" for arch in ARCHITECTURES}
 
 

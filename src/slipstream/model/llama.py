@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
+from .. import envs, kernels
 from ..modelfile.config import ModelConfig
 from .cpu_decode import decode_attention
 from .cpu_native import decode_layer as native_decode_layer
@@ -33,13 +33,11 @@ def fused_decode_serves(k_cache: torch.Tensor) -> bool:
     attention (tests/gpu/test_engine.py checks them against the CPU engine on the H200).
     SLIPSTREAM_FUSED_DECODE=0 falls back to the torch ops, for comparison."""
     return (k_cache.is_cuda and k_cache.dtype in (torch.float16, torch.bfloat16)
-            and _cuda_kernels() and os.environ.get("SLIPSTREAM_FUSED_DECODE", "1") == "1")
+            and _cuda_kernels() and envs.get("SLIPSTREAM_FUSED_DECODE"))
 
 
 @functools.lru_cache(maxsize=None)
 def _cuda_kernels() -> bool:
-    from .. import kernels
-
     return kernels.available()
 
 class Linear(Protocol):
@@ -101,8 +99,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, as one kernel where possible: per-op overhead dominates
     batch-1 decode, on CPU and inside a CUDA graph alike."""
     if x.is_cuda and _cuda_kernels():
-        from .. import kernels
-
         return kernels.rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and _HAS_RMS_NORM:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
@@ -162,8 +158,6 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     if uses_fused_decode(step, k_cache):
         # RoPE, the cache write and split-K attention in three kernels that read the position
         # from device memory, instead of a dozen small ops (and a graph can replay them).
-        from .. import kernels
-
         if w.attn_qkv is not None:
             qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps)
         else:

@@ -31,7 +31,7 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from ..errors import ChatTemplateLimitExceeded, TokenizerError
-from .tokenizer import special_token_id
+from .vocab import special_token_id
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Collection, Mapping
 
 from ..errors import GGUFError, InvalidMetadata, MissingMetadata, UnsupportedArchitecture
+from ..model.layer_spec import ARCHITECTURES, EMBEDDING, spec_for
 from .validate import FIX, md_float, md_int, md_str
 
 # Ranges of the hyper-parameters: far beyond any real model, but small enough that nothing
@@ -18,15 +19,6 @@ MAX_HEAD_DIM = 1 << 12
 MAX_VOCAB = 1 << 22
 MAX_CONTEXT = 1 << 24
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")
-
-# Architectures with the Llama block shape. The value says how RoPE pairs dimensions:
-# llama.cpp's converter permutes Llama's Q/K rows so that adjacent dims form a rotation pair
-# ("normal" RoPE), while Qwen2 is stored unpermuted and pairs dim i with dim i + d/2 ("neox").
-ARCHITECTURES: dict[str, str] = {
-    "llama": "normal",
-    "mistral": "normal",
-    "qwen2": "neox",
-}
 
 
 @dataclass(frozen=True)
@@ -169,8 +161,6 @@ class ModelConfig:
         """The layer count against the tensors present: every `blk.N.` tensor has N below
         block_count, and every tensor a layer needs (and the embedding and final norm) is
         there. Shapes are checked by weights.check_layer_shapes, before any byte is read."""
-        from ..model.layer_spec import EMBEDDING, spec_for
-
         layers: dict[int, str] = {}
         for name in names:
             m = _LAYER_TENSOR.match(name)

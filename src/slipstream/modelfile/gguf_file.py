@@ -28,7 +28,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderField
 
 from . import validate
-from ..errors import GGUFError, InvalidMetadata, ModelNotFound
+from ..errors import GGUFError, InvalidMetadata, MissingMetadata, ModelNotFound
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -252,8 +252,6 @@ class GGUFFile:
     def architecture(self) -> str:
         arch = self.metadata.get("general.architecture")
         if not isinstance(arch, str):
-            from ..errors import MissingMetadata
-
             raise MissingMetadata(f"{self.path.name}: missing required metadata "
                                   f"'general.architecture'")
         return arch

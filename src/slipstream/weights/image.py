@@ -14,7 +14,9 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType
 
+from ..kernels.pack import PackedWeight  # the plane layout only: needs no Triton
 from ..model.llama import LayerWeights
 from .linear import QuantLinear, Workspace
 
@@ -52,8 +54,6 @@ class LayerLayout:
     def from_json(cls, d: dict) -> "LayerLayout":
         entries = [_Entry(tuple(k), getattr(torch, dt), tuple(shape), off, n)
                    for k, dt, shape, off, n in d["entries"]]
-        from gguf import GGMLQuantizationType
-
         linears = {k: (GGMLQuantizationType(v[0]), *v[1:4], bool(v[4]))
                    for k, v in d["linears"].items()}
         return cls(entries, linears, d["nbytes"])
@@ -167,8 +167,6 @@ def _views(entries: list[_Entry], buf: torch.Tensor, upto: int | None = None
 
 def _packed_weight(linears: dict[str, tuple], views: dict[tuple, torch.Tensor], name: str):
     """Linear `name`'s PackedWeight over its planes' views."""
-    from ..kernels.pack import PackedWeight  # the plane layout only: needs no Triton
-
     qtype, rows, cols, gguf_bytes, f16_scales = linears[name]
     planes = {p: views.get((name, p)) for p in _PLANES}
     return PackedWeight(qtype, rows, cols, gguf_bytes=gguf_bytes, f16_scales=f16_scales,
@@ -209,7 +207,7 @@ def resident_copy(image: LayerImage, device: torch.device, workspace: Workspace)
         buf = torch.empty(image.nbytes, dtype=torch.uint8, device=device)
         buf.copy_(image.host)
         return from_image(image.layout, buf, workspace)
-    from ..kernels.qgemm import with_fused_scales
+    from ..kernels.qgemm import with_fused_scales  # local: a Triton module (CUDA hosts only)
 
     on_host = from_image(image.layout, image.host, workspace)
     dummy = torch.empty(1, dtype=torch.int32, device=device)  # a pointer the kernel never reads

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from abc import ABC, abstractmethod
 
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from .. import quant
+from .. import kernels, quant
+from ..kernels.pack import f16_scales, fuse_scales
 from ..model.llama import rms_norm
 
 # Row counts up to this go through the storage dtype directly (a memory-bound GEMV, where
@@ -116,13 +116,6 @@ class OnDemandDenseLinear(Linear):
         return DenseLinear(weight, self.bias)(x, residual)
 
 
-# A streamed model's host-side embedding pinned at load and read by the GPU (kernels.
-# host_rows), so that a decode step's lookup needs no host sync: the table's bytes (0.4-0.9 GiB
-# for an 8B-70B) in pinned RAM besides the budget's. Off until measured on a GPU:
-# SLIPSTREAM_PINNED_EMBED=1 turns it on.
-PINNED_EMBED = os.environ.get("SLIPSTREAM_PINNED_EMBED", "0") == "1"
-
-
 class QuantEmbedding:
     """Token embedding kept in its GGUF format: a lookup dequantizes only the rows it gathers.
 
@@ -135,7 +128,7 @@ class QuantEmbedding:
     def __init__(self, raw: torch.Tensor, ggml_type: int, hidden: int, out_dtype: torch.dtype,
                  device: torch.device | None = None, pinned: bool = False):
         """pinned: `raw` is a host table in pinned memory, which a CUDA `device` reads itself
-        (kernels.gather_host_rows: no host sync per lookup; PINNED_EMBED)."""
+        (kernels.gather_host_rows: no host sync per lookup; SLIPSTREAM_PINNED_EMBED)."""
         self.raw = raw  # (vocab, row_bytes) uint8
         self.ggml_type = ggml_type
         self.hidden = hidden
@@ -150,8 +143,6 @@ class QuantEmbedding:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.pinned and ids.device.type == "cuda":
-            from .. import kernels
-
             rows = kernels.gather_host_rows(self.raw, ids)  # the GPU reads the host's rows
         else:
             # a host table waits for the ids (one sync per step: streamed models only, which
@@ -220,8 +211,6 @@ class QuantLinear(Linear):
         """fuse (int8 activations only): fold the scales into one f16 plane (fast kernels,
         ~10 % more bytes); False keeps the GGUF layout and lets the kernels round the scales
         the same way (streamed layers, where bytes moved set the speed). Same results."""
-        from .. import kernels
-
         self.packed = packed
         self.bias = bias
         self.workspace = workspace
@@ -230,8 +219,7 @@ class QuantLinear(Linear):
         self._qgemm, self._qgemm_max_m = kernels.qgemm, kernels.QGEMM_MAX_M
         self._q8 = None
         if workspace.int8_activations and int(packed.qtype) not in _FLOAT_TYPES:
-            from ..kernels import gemv_q8
-            from ..kernels.pack import f16_scales, fuse_scales
+            from ..kernels import gemv_q8  # local: a Triton module (absent on CPU-only hosts)
 
             self.packed = packed = fuse_scales(packed) if fuse else f16_scales(packed)
             self._q8 = gemv_q8

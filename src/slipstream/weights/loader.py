@@ -20,16 +20,16 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .. import quant
-from ..modelfile.config import ModelConfig
+from .. import envs, kernels, quant
 from ..errors import GGUFError
-from ..modelfile.gguf_file import GGUFFile
 from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name, spec_for
 from ..model.llama import LayerWeights
+from ..modelfile.config import ModelConfig
+from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
 from .image import flattened
-from .linear import (GEMV_MAX_ROWS, PINNED_EMBED, DenseLinear, Linear, OnDemandDenseLinear,
-                     QuantEmbedding, QuantLinear, Workspace)
+from .linear import (GEMV_MAX_ROWS, DenseLinear, Linear, OnDemandDenseLinear, QuantEmbedding,
+                     QuantLinear, Workspace)
 
 
 @dataclass
@@ -182,8 +182,6 @@ class LayerBuilder:
             return self._packed_decode(src, prefixes, shapes, biases, fused), views
         # GPU: the weights stay quantized, repacked for the kernels. Rows of the same format
         # concatenate into one packed weight, so q/k/v (gate/up) cost one kernel launch.
-        from .. import kernels
-
         types = [src.type_of(f"{p}.weight") for p in prefixes]
         raws = [src.raw(f"{p}.weight", s).to(self.device) for p, s in zip(prefixes, shapes)]
         if group.fuses(types):
@@ -295,7 +293,10 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
         embed_raw = raw_tensor(gf, EMBEDDING, embed_shape)
         if not embed_on_host:
             embed_raw = embed_raw.to(device)  # on CPU still the map's bytes
-        elif PINNED_EMBED and device.type == "cuda":
+        elif device.type == "cuda" and envs.get("SLIPSTREAM_PINNED_EMBED"):
+            # the GPU reads the pinned host table itself (kernels.host_rows), so a decode
+            # step's lookup needs no host sync: 0.4-0.9 GiB (8B-70B) of pinned RAM beside the
+            # budget. Off until measured on a GPU
             embed_raw, pinned = embed_raw.contiguous().pin_memory(), True  # a private copy
         if private and embed_raw.device.type == "cpu" and not pinned:
             embed_raw = embed_raw.clone()
@@ -307,8 +308,6 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     if not holds_head:
         output = None
     elif quantized:
-        from .. import kernels
-
         head_raw = raw_tensor(gf, head_name, embed_shape).to(device)
         packed = kernels.pack_weight(head_raw, gf.tensors[head_name].ggml_type, *embed_shape)
         del head_raw  # before QuantLinear reserves the prefill workspace
