@@ -11,10 +11,16 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import BadArgument
 from .control import follow_rank0
 from .render import print_load_notes
+
+if TYPE_CHECKING:
+    from ..api import Model
+    from ..memory.planner import Plan
+    from ..runtime.generate import GenerationStats
 
 
 def draft_kwargs(a: argparse.Namespace) -> dict:
@@ -39,12 +45,12 @@ def devices_arg(a: argparse.Namespace) -> list[str] | None:
     return [d.strip() for d in devices.split(",")] if devices is not None else None
 
 
-def load_model(a: argparse.Namespace, private_weights: bool | None = None):
+def load_model(a: argparse.Namespace, private_weights: bool | None = None) -> Model:
     """The model the arguments name (check_args has passed them); sets a.load_s, the load's
     seconds (the imports before it not included). private_weights: a server's weights, which
     must outlive their file being truncated or rewritten (SIGBUS), in private memory, on CUDA
     too (a streamed plan's embedding)."""
-    import torch  # the engine's: loaded with the model
+    import torch  # heavy: imported once a command loads a model
 
     from .. import api  # imports torch and the engine
 
@@ -65,7 +71,7 @@ def load_model(a: argparse.Namespace, private_weights: bool | None = None):
     return model
 
 
-def plan(path: Path, a: argparse.Namespace):
+def plan(path: Path, a: argparse.Namespace) -> Plan:
     """The tier plan the arguments' budgets give the model at `path`, without loading it."""
     from ..api import plan as api_plan  # imports torch and the engine
 
@@ -75,6 +81,6 @@ def plan(path: Path, a: argparse.Namespace):
                     vram_layers=a.vram_layers)
 
 
-def last_stats(model):
+def last_stats(model: Model) -> GenerationStats | None:
     """The stats of the model's last generation (GenerationStats), or None before the first."""
     return model.last_stats

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 from rich.markup import escape
 
@@ -35,7 +36,8 @@ class VersionAction(argparse.Action):
                  help="print slipstream's version and exit"):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
         print(f"slipstream {version()}")
         parser.exit()
 
@@ -57,7 +59,7 @@ class Parser(argparse.ArgumentParser):
     """argparse's own errors (a value that is not a number, an unknown option) as one line and
     exit 1, like every other error; the usage is one --help away."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         err.print(f"[red]error:[/red] {escape(self.prog)}: {escape(message)} (see "
                   f"{escape(self.prog)} --help)", highlight=False, soft_wrap=True)
         sys.exit(1)
@@ -110,7 +112,6 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "predict it 5%% faster), on, off, or the CPU's share in (0, 1]")
 
 
-
 def add_draft_args(p: argparse.ArgumentParser) -> None:
     """Speculative decoding: the commands that generate (run, chat, bench, serve)."""
     g = p.add_argument_group("speculative decoding")
@@ -133,7 +134,6 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--spec-depth", type=int, default=None, metavar="D", help="drafted tokens "
                    "below the root, every round (default: chosen from the measured costs and "
                    "acceptance, plain steps included where trees do not pay)")
-
 
 
 def spec_kwargs(a: argparse.Namespace) -> dict:

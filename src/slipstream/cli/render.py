@@ -4,14 +4,21 @@ load (skipped layers, the tier plan). All of it goes to stderr, through `err`.""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+if TYPE_CHECKING:
+    from ..api import Model
+    from ..memory.protocol import StoreStats
+    from ..runtime.generate import GenerationStats
+
 err = Console(stderr=True)
 
 
-def summary(s, load_s: float | None = None, total_s: float | None = None,
+def summary(s: GenerationStats, load_s: float | None = None, total_s: float | None = None,
             interrupted: bool = False) -> str:
     """One generation's timings on one line, like llama.cpp's: load, prompt eval (prefill:
     tokens, time, tok/s), eval (decode: tokens, time, tok/s, ms per token) and total. The first
@@ -30,9 +37,8 @@ def summary(s, load_s: float | None = None, total_s: float | None = None,
     return " | ".join(parts) + f" | finish: {finish}"
 
 
-
-def print_stats(s, load_s: float | None = None, total_s: float | None = None,
-                interrupted: bool = False) -> None:
+def print_stats(s: GenerationStats | None, load_s: float | None = None,
+                total_s: float | None = None, interrupted: bool = False) -> None:
     """The timings line of one generation's stats (None: nothing was generated)."""
     if s is not None:
         err.print(f"[dim]{summary(s, load_s, total_s, interrupted)}[/dim]",
@@ -72,7 +78,7 @@ def spec_table(extra: dict) -> Table | None:
     return t
 
 
-def print_spec(s) -> None:
+def print_spec(s: GenerationStats | None) -> None:
     """Speculative decoding's table of one generation's stats, where it speculated."""
     table = spec_table(s.extra) if s is not None else None
     if table is not None:
@@ -91,8 +97,7 @@ def print_balance(store) -> None:
               soft_wrap=True)
 
 
-
-def breakdown_table(s, store, device: str) -> Table:
+def breakdown_table(s: GenerationStats, store: StoreStats, device: str) -> Table:
     """Where a token's time went (prefill and decode together), as a table.
 
     CPU: compute, waiting for disk reads, dequantizing streamed layers. CUDA: the GPU's busy
@@ -135,7 +140,7 @@ def breakdown_table(s, store, device: str) -> Table:
     return t
 
 
-def print_load_notes(model, stats: bool) -> None:
+def print_load_notes(model: Model, stats: bool) -> None:
     """After a load: the layers left out (--skip-layers), and the tier plan where layers
     stream or --stats asks for it, with the store's note."""
     if model.skipped_layers:
