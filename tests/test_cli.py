@@ -139,13 +139,14 @@ def test_a_cuda_out_of_memory_error_is_one_line(monkeypatch, capsys):
     one line that says what to change, not a traceback."""
     import torch
 
-    from slipstream import cli as cli_mod
+    from slipstream import cli
+    from slipstream.cli import info
 
     def out_of_memory(args):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore")
 
-    monkeypatch.setattr(cli_mod, "cmd_info", out_of_memory)
-    assert cli_mod.main(["info"]) == 1
+    monkeypatch.setattr(info, "run", out_of_memory)
+    assert cli.main(["info"]) == 1
     stderr = capsys.readouterr().err
     assert stderr.count("\n") == 1 and "Tried to allocate 2.00 GiB" in stderr
     assert "raise --vram-budget" in stderr

@@ -1,4 +1,4 @@
-"""What a new user meets first (issue 15), through the real `python -m slipstream` process:
+"""What a new user meets first, through the real `python -m slipstream` process:
 help with every default, --version, arguments refused before anything loads, the prompt from
 a file or stdin, -n -1, the timings line, and Ctrl-C in `run` and `chat` sent through a
 pseudo-terminal, as a terminal sends it."""

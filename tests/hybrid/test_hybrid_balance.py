@@ -285,7 +285,7 @@ def test_the_cli_says_where_the_balance_moved_the_split(capsys):
     both rates it judged by (cli._print_balance)."""
     from types import SimpleNamespace
 
-    from slipstream.cli import _print_balance
+    from slipstream.cli.render import print_balance as _print_balance
 
     balance = HybridBalance(seventy_layers(), 0, PCIE, window=1)
     store = SimpleNamespace(balance=balance, active=set(), hosts=balance.layers)

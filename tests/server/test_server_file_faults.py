@@ -1,6 +1,6 @@
 """The model file of a running `slipstream serve` (CPU) is truncated, then overwritten: the
-server keeps answering with the same output, since its weights live in private memory (issue
-14: this process died by SIGBUS before)."""
+server keeps answering with the same output, since its weights live in private memory (with
+the weights a view of the file's memory map, the process died by SIGBUS)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Hostile requests against a real `slipstream serve` process (issue 14): invalid Unicode, bodies
+"""Hostile requests against a real `slipstream serve` process: invalid Unicode, bodies
 past the size limit (declared or chunked), absurd max_tokens, and clients that leave while their
 long prompt is being prefilled. Each is answered with a 4xx in OpenAI's error shape, or stops
 its work, and the process keeps serving."""

@@ -21,7 +21,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from ..errors import SlipstreamError
+from ..runtime.engine import PREFILL_CHUNK
 from ..runtime.generate import GenerationEvent
 
 log = logging.getLogger("slipstream.server")
@@ -218,11 +221,11 @@ class GenerationWorker:
 @contextmanager
 def prefill_guard(engine, cancelled: Callable[[], bool]) -> Iterator[None]:
     """While the block runs, `engine.forward` feeds a long batch (a prompt) through the real
-    forward one engine.prefill_chunk at a time, and raises Cancelled between chunks once `cancelled()`
-    is true. Each piece is exactly one of the chunks Engine.forward would have run itself
-    (same shapes, same cache positions), so the logits are the same bits (the last row, as
-    forward returns it). Calls with a step, with
-    all_logits, or of one chunk or less (decode steps) go straight through.
+    forward one engine.prefill_chunk at a time, and raises Cancelled between chunks once
+    `cancelled()` is true. Each piece is exactly one of the chunks Engine.forward would have
+    run itself (same shapes, same cache positions), so the logits are the same bits (the last
+    row, as forward returns it). Calls with a step, with all_logits, or of one chunk or less
+    (decode steps) go straight through.
 
     The engine is wrapped through an instance attribute because generation is driven by
     Model.generate, which takes no cancellation hook; the worker thread is the only caller
@@ -231,10 +234,6 @@ def prefill_guard(engine, cancelled: Callable[[], bool]) -> Iterator[None]:
     if engine is None or not hasattr(engine, "forward"):  # a fake model in unit tests
         yield
         return
-    import torch
-
-    from ..runtime.engine import PREFILL_CHUNK
-
     chunk = getattr(engine, "prefill_chunk", PREFILL_CHUNK)
     forward = engine.forward  # the bound method (or an instance attribute already there)
     shadowed = vars(engine).get("forward")

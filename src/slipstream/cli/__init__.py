@@ -1,0 +1,75 @@
+"""The `slipstream` command: a thin shell over the Python API.
+
+Generated text goes to stdout as it is produced; stats, progress and errors go to stderr. Every
+deliberate error prints as one line and exits non-zero, never as a traceback; arguments are
+checked before anything loads (rules). `--help` and `info` do not import torch: the API and the
+model code are imported by the commands that run a model (loading).
+
+One module per command, each owning its parser and its run function; options holds the options
+they share, render what they print besides the text, control Ctrl-C and the ranks of a
+distributed run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rich.markup import escape
+
+from ..errors import SlipstreamError, oom_summary
+from . import bench, cache, chat, info, perplexity, pull, quantize, run, serve, synth
+from .options import HelpFormatter, Parser, VersionAction
+from .render import breakdown_table, err
+from .rules import check_args
+
+__all__ = ["breakdown_table", "build_parser", "check_args", "main"]
+
+# in the order `slipstream --help` lists them (cache: list and rm)
+COMMANDS = (run, chat, pull, cache, info, perplexity, bench, serve, quantize, synth)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="slipstream", description="Run GGUF language models.",
+               formatter_class=HelpFormatter)
+    p.add_argument("--version", action=VersionAction)
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help[:1].upper() + help[1:] + ".",
+                              formatter_class=HelpFormatter)
+
+    for module in COMMANDS:
+        module.add_parser(command)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        check_args(args)
+        return args.func(args)
+    except SlipstreamError as e:
+        err.print("[red]error:[/red] " + escape(str(e)), highlight=False, soft_wrap=True)
+        return 1
+    except RuntimeError as e:
+        # a CUDA allocation the plan did not foresee (a VRAM budget is held by the allocator,
+        # memory.vram_cap); torch is imported by then if it can happen
+        torch = sys.modules.get("torch")
+        if torch is None or not isinstance(e, torch.cuda.OutOfMemoryError):
+            raise
+        err.print("[red]error:[/red] the GPU ran out of memory ("
+                  + escape(oom_summary(e)) + "); lower --ctx or the prompt, or raise --vram-budget",
+                  highlight=False, soft_wrap=True)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # stdout closed early (e.g. piped into `head`): not an error worth a traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0

@@ -1,0 +1,86 @@
+"""The CLI's one door to the Python API: the model a command's arguments name, the tier plan
+`info --plan` shows, and the stats a generation leaves behind. Every call into
+`slipstream.api` and every read of a generation's stats off the model is here.
+
+The API (and torch under it) is imported by the functions that need it, so that `--help`,
+argument errors and `info` start without it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import BadArgument
+from .control import follow_rank0
+from .render import print_load_notes
+
+if TYPE_CHECKING:
+    from ..api import Model
+    from ..memory.planner import Plan
+    from ..runtime.generate import GenerationStats
+
+
+def draft_kwargs(a: argparse.Namespace) -> dict:
+    """load()'s draft arguments; none at all without a draft flag, so commands without them
+    load as before."""
+    if getattr(a, "draft", None) is not None:
+        return {"draft": a.draft}
+    if getattr(a, "draft_skip_layers", 0):
+        return {"draft_skip_layers": a.draft_skip_layers}
+    if getattr(a, "draft_lowbit", None) is not None:
+        return {"draft_lowbit": a.draft_lowbit}
+    return {}
+
+
+def devices_arg(a: argparse.Namespace) -> list[str] | None:
+    """--gpus 0,1 (cuda:0, cuda:1) or --devices cpu,cpu: one stage per entry; None: one."""
+    gpus, devices = getattr(a, "gpus", None), getattr(a, "devices", None)
+    if gpus is not None and devices is not None:
+        raise BadArgument("--gpus and --devices both name the stages' devices: give one")
+    if gpus is not None:
+        return [f"cuda:{g.strip()}" for g in gpus.split(",")]
+    return [d.strip() for d in devices.split(",")] if devices is not None else None
+
+
+def load_model(a: argparse.Namespace, private_weights: bool | None = None) -> Model:
+    """The model the arguments name (check_args has passed them); sets a.load_s, the load's
+    seconds (the imports before it not included). private_weights: a server's weights, which
+    must outlive their file being truncated or rewritten (SIGBUS), in private memory, on CUDA
+    too (a streamed plan's embedding)."""
+    import torch  # heavy: imported once a command loads a model
+
+    from .. import api  # imports torch and the engine
+
+    if a.threads is not None:
+        torch.set_num_threads(a.threads)
+    t0 = time.perf_counter()
+    model = api.load(a.model, device=a.device, ctx=a.ctx, progress=sys.stderr.isatty(),
+                     precision=a.precision, ram_budget=a.ram_budget,
+                     vram_budget=a.vram_budget, io=a.io, gpu_slots=a.gpu_slots,
+                     skip_layers=a.skip_layers, **draft_kwargs(a),
+                     private_weights=private_weights,
+                     hybrid=a.hybrid, threads=a.threads, vram_layers=a.vram_layers,
+                     devices=devices_arg(a), distributed=a.distributed)
+    a.load_s = time.perf_counter() - t0
+    if a.distributed:
+        follow_rank0(model)  # the ranks after the first leave here, when rank 0 is done
+    print_load_notes(model, getattr(a, "stats", False))
+    return model
+
+
+def plan(path: Path, a: argparse.Namespace) -> Plan:
+    """The tier plan the arguments' budgets give the model at `path`, without loading it."""
+    from ..api import plan as api_plan  # imports torch and the engine
+
+    return api_plan(path, device=a.device, ctx=a.ctx, precision=a.precision,
+                    ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io,
+                    gpu_slots=a.gpu_slots, hybrid=a.hybrid, threads=a.threads,
+                    vram_layers=a.vram_layers)
+
+
+def last_stats(model: Model) -> GenerationStats | None:
+    """The stats of the model's last generation (GenerationStats), or None before the first."""
+    return model.last_stats

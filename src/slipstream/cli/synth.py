@@ -1,0 +1,47 @@
+"""`slipstream synth`: write a random-weight Llama-shaped GGUF for testing."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+from .render import err
+
+
+def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    sy = command("synth", "write a random-weight Llama-shaped GGUF for testing")
+    sy.add_argument("--shape", required=True, choices=["tiny", "1b", "8b", "70b"],
+                    help="the model's shape")
+    sy.add_argument("--quant", default="Q4_K",
+                    choices=["Q4_K", "Q4_K_M", "Q6_K", "Q8_0", "F16", "Q4_0", "Q5_K"],
+                    help="the weights' type")
+    sy.add_argument("--layers", type=int, default=None, help="override the layer count "
+                    "(default: the shape's)")
+    sy.add_argument("--arch", default="llama", choices=["llama", "qwen2"],
+                    help="the architecture written in the metadata")
+    sy.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    sy.add_argument("-o", "--output", required=True, help="the GGUF to write")
+    sy.set_defaults(func=run)
+
+
+def run(a: argparse.Namespace) -> int:
+    from ..synth import write_synth  # numpy, gguf and torch
+
+    t0 = time.perf_counter()
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), console=err, transient=True) as bar:
+        task = bar.add_task(f"writing {Path(a.output).name}", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        path = write_synth(a.output, a.shape, a.quant, n_layers=a.layers, seed=a.seed,
+                           arch=a.arch, progress=progress)
+    dt = time.perf_counter() - t0
+    size = path.stat().st_size
+    err.print(f"wrote {path} ({size / 2**30:.2f} GiB in {dt:.1f} s, {size / dt / 1e6:.0f} MB/s)")
+    return 0
