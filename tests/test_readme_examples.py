@@ -1,4 +1,4 @@
-"""Every ```bash and ```python block of README.md, run as written (issue 15: each within a minute
+"""Every ```bash and ```python block of README.md, run as written (each within a minute
 on the 2-core CI machine; the server ones included).
 
 A block runs unless the HTML comment on the line right before its fence says otherwise:
@@ -44,7 +44,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-LIMIT_S = 60.0  # issue 15: every README example finishes within a minute
+LIMIT_S = 60.0  # every README example finishes within a minute
 TAGS = {"after-install", "server", "client", "needs-gpu"}
 FENCE = re.compile(r"^```(\w*)\s*$")
 MARKER = re.compile(r"^<!--\s*example:\s*(.*?)\s*-->\s*$")
