@@ -18,8 +18,6 @@ unit roundoff; K the input width):
             product and two multiply-adds, a final add: (G + 3) 2^-24 sum (|s u| + |z|) |x'|
             for G = K / 32 groups (tests/weights/test_q4vnni.py holds the kernel to that
             alone, against the same quantized x); no output rounding (float32 out).
-  dequant   weights exact; float32 accumulation only (K 2^-24 sum |w x|; the compiled
-            reduction sums scaled group dot products and offsets: 2 K 2^-24 sum (|cs|+|o|)|x|).
 
 so for each output |y - y_ref| <= E = E1 + u (|y_ref| + E1), E1 = sum_k |dw_k| |x_k| +
 u sum_k |w'_k x_k| + K 2^-24 sum_k |w'_k x'_k| (int8/int4).
@@ -43,7 +41,6 @@ from slipstream.quant.encode import quantize
 from slipstream.synth import SHAPES, random_tensor, write_synth
 from slipstream.weights.cpu import (PackedDecodeLinear, kind_for, pack_group, pack_linear,
                                     packed_nbytes, rms_norm_bf16)
-from slipstream.weights.cpu.dequant import DequantLinear
 from slipstream.weights.cpu.groups import (BF16_UNIT_ROUNDOFF, GroupAffine, bf16_ceil,
                                            bf16_nearest, group_affine)
 from slipstream.weights.cpu.kinds import q4vnni_available
@@ -163,14 +160,6 @@ def check(lin: Linear, raw: torch.Tensor, qtype: Q, shape, xs: list[torch.Tensor
     k = shape[1]
     if isinstance(lin, Q4VnniLinear):  # and Q8VnniLinear
         bound = q4vnni_bound(ga, xd)
-    elif isinstance(lin, DequantLinear) and lin.compiled:
-        coded = ga.codes.double().abs().view(shape[0], -1, ga.group) * \
-            ga.scale.double().abs()[..., None]
-        if ga.offset is not None:
-            coded = coded + ga.offset.double().abs()[..., None]
-        bound = 2 * k * F32_U * (xd.abs() @ coded.view(shape).t())
-    elif isinstance(lin, DequantLinear):
-        bound = k * F32_U * (xd.abs() @ w.abs().t())
     else:
         wm, terms = mapped_weights(lin, ga)
         kk = 2 * k if isinstance(lin, Int4PairLinear) else k  # the products the kernel sums
@@ -202,13 +191,10 @@ def check(lin: Linear, raw: torch.Tensor, qtype: Q, shape, xs: list[torch.Tensor
 
 
 # Every layout each GGUF format maps onto: the 4-bit formats onto int4pack, Q8_0 onto
-# int4pair, Q8_0 and Q6_K onto int8pack (which also takes the 4-bit ones), and all of them onto
-# the exact DequantLinear.
+# int4pair, Q8_0 and Q6_K onto int8pack (which also takes the 4-bit ones).
 MAPPINGS = [(Q.Q4_0, "int4pack"), (Q.Q4_1, "int4pack"), (Q.Q4_K, "int4pack"),
             (Q.Q8_0, "int4pair"), (Q.Q8_0, "int8pack"), (Q.Q6_K, "int8pack"),
-            (Q.Q4_1, "int8pack"), (Q.Q4_K, "int8pack"),
-            (Q.Q4_0, "dequant"), (Q.Q4_1, "dequant"), (Q.Q4_K, "dequant"), (Q.Q8_0, "dequant"),
-            (Q.Q6_K, "dequant")]
+            (Q.Q4_1, "int8pack"), (Q.Q4_K, "int8pack")]
 if q4vnni_available():  # the native library: int8 activations times the 4-bit codes
     MAPPINGS += [(Q.Q4_0, "q4vnni"), (Q.Q4_1, "q4vnni"), (Q.Q4_K, "q4vnni"),
                  (Q.Q8_0, "q8vnni")]
@@ -301,7 +287,7 @@ def _print_report():
               f"largest fraction of the bound = {r['bound_fraction']:.3f}", end="")
 
 
-@pytest.mark.parametrize("kind", ["auto", "int8pack", "dequant"])
+@pytest.mark.parametrize("kind", ["auto", "int8pack"])
 @pytest.mark.parametrize("file", ["tiny-Q4_K_M", "tiny-Q4_0", "tiny-Q8_0", "tiny-Q4_K_M-floats",
                                   pytest.param("1b-Q4_K_M", marks=pytest.mark.slow)])
 def test_synth_layers_match_the_oracle(synth_files, file, kind):
@@ -320,9 +306,9 @@ def test_every_batch_size_up_to_8(synth_files, m):
     tensors = {t[2]: t for t in _layer_tensors(synth_files["tiny-Q4_K_M"])}
     q8 = torch.from_numpy(random_tensor(Q.Q8_0, (40, 512), np.random.default_rng(m), 0.02))
     tensors[Q.Q8_0] = (None, q8.view(40, -1), None, (40, 512))
-    for qtype, kinds in ((Q.Q4_K, ("int4pack", INT4, "int8pack", "dequant")),
-                         (Q.Q6_K, ("int8pack", "dequant")),
-                         (Q.Q8_0, ("int4pair", "int8pack", "dequant"))):
+    for qtype, kinds in ((Q.Q4_K, ("int4pack", INT4, "int8pack")),
+                         (Q.Q6_K, ("int8pack",)),
+                         (Q.Q8_0, ("int4pair", "int8pack"))):
         _, raw, _, shape = tensors[qtype]
         x = torch.randn(m, shape[1], generator=g)
         for kind in kinds:
@@ -332,7 +318,7 @@ def test_every_batch_size_up_to_8(synth_files, m):
 @pytest.mark.slow
 def test_default_model(smollm_path):
     """The default model: Q4_1 layers (q4vnni, or int4pack without the native library) and its
-    Q8_0 tied embedding (q8vnni, or int4pair), and both through int8pack and dequant."""
+    Q8_0 tied embedding (q8vnni, or int4pair), and both through int8pack."""
     gf = GGUFFile(smollm_path)
     g = torch.Generator().manual_seed(2)
     cases = [f"blk.{i}.{m}.weight" for i in (0, 15, 29) for m in MATRICES]
@@ -345,25 +331,13 @@ def test_default_model(smollm_path):
         if name == "token_embd.weight":  # 49152 rows: the first 4096 keep the oracle small
             raw, shape = raw[:4096].contiguous(), (4096, shape[1])
         seen.add(info.ggml_type)
-        for kind in ("auto", "int8pack", "dequant"):
+        for kind in ("auto", "int8pack"):
             lin = pack_linear(raw, info.ggml_type, shape, kind=kind)
             xs = [torch.randn(m, shape[1], generator=g) for m in (1, 8)]
             _record(f"smollm {lin.kind} {info.ggml_type.name}",
                     check(lin, raw, info.ggml_type, shape, xs))
     gf.close()
     assert seen == {Q.Q4_1, Q.Q8_0}
-
-
-@pytest.mark.slow
-def test_compiled_dequant_dot(synth_files):
-    """kind="dequant-compiled": one torch.compile'd reduction for single rows (compiles once,
-    for every shape), the eager path for more."""
-    g = torch.Generator().manual_seed(6)
-    for name, raw, qtype, shape in _layer_tensors(synth_files["tiny-Q4_K_M"]):
-        lin = pack_linear(raw, qtype, shape, kind="dequant-compiled")
-        assert lin.kind == "dequant-compiled"
-        xs = [torch.randn(m, shape[1], generator=g) for m in (1, 1, 3)]
-        _record(f"{lin.kind} {qtype.name}", check(lin, raw, qtype, shape, xs))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q6_K])
@@ -436,7 +410,7 @@ def test_residual_bias_padding_and_fusion():
 def test_packed_kernels_are_batch_invariant(qtype, kind):
     """A row's result does not depend on the other rows of the batch (torch's packed kernels
     reduce each row alone, in the same order): decode, verification trees and prefill agree
-    bit for bit. (DequantLinear's float32 matmul makes no such promise.)"""
+    bit for bit."""
     rng = np.random.default_rng(5)
     raw = torch.from_numpy(random_tensor(qtype, (256, 512), rng, 0.02)).view(256, -1)
     lin = pack_linear(raw, qtype, (256, 512), kind=kind)
@@ -502,7 +476,7 @@ def test_bfloat16_rounding():
     assert torch.all(c >= r) and torch.all(c - r <= 2 * U * r)
 
 
-@pytest.mark.parametrize("kind", ["auto", "int8pack", "dequant"])
+@pytest.mark.parametrize("kind", ["auto", "int8pack"])
 @pytest.mark.parametrize("qtype,rows", [(Q.Q4_K, 40), (Q.Q4_1, 64), (Q.Q8_0, 40), (Q.Q6_K, 16)])
 def test_packed_nbytes_is_what_is_built(qtype, rows, kind):
     rng = np.random.default_rng(8)

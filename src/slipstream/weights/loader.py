@@ -27,6 +27,7 @@ from ..model.llama import LayerWeights
 from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
+from .cpu import PackedDecodeLinear, kind_for, pack_group
 from .image import flattened
 from .linear import (GEMV_MAX_ROWS, DenseLinear, Linear, OnDemandDenseLinear, QuantEmbedding,
                      QuantLinear, Workspace)
@@ -203,8 +204,6 @@ class LayerBuilder:
         bytes, already copied (else copied here)."""
         if not self.precision.cpu_packed_decode:
             return dense
-        from .cpu import PackedDecodeLinear, kind_for, pack_group
-
         types = [src.type_of(f"{p}.weight") for p in prefixes]
         if any(kind_for(t) is None for t in types):
             return dense

@@ -10,7 +10,6 @@ packed copy of each matrix in one of these layouts (`kind_for` picks; `pack_line
     int4pack   torch_kernels   Q4_0 Q4_1 Q4_K   5                    torch's int4 CPU kernel
     int4pair   torch_kernels   Q8_0             10                   torch's int4 CPU kernel
     int8pack   torch_kernels   Q6_K (any)       8 + 2 bytes a row     torch's int8 CPU kernel
-    dequant    dequant         all five         8 + scales           float32 matmul (reference)
 
 Where the native library builds, the 4-bit formats take q4vnni and Q8_0 q8vnni (exact weights,
 16-bit activations); elsewhere, or with SLIPSTREAM_Q4VNNI=0, torch's kernels (bfloat16 scales
@@ -23,7 +22,7 @@ None of these layouts is the GGUF byte layout, so a packed copy costs RAM beside
 of the same rows; `nbytes` (or `packed_nbytes` before building) says how much.
 
 Modules: groups (GGUF blocks as codes and per-group scales, bf16 rounding, shared load-time
-helpers), native_pack (the load-time packers in C), torch_kernels, vnni, dequant (the layouts),
+helpers), native_pack (the load-time packers in C), torch_kernels, vnni (the layouts),
 decode (PackedDecodeLinear), kinds (the choice and the builders).
 """
 

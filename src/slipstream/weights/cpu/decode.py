@@ -69,7 +69,7 @@ class PackedDecodeLinear(Linear):
 
     def _decode_kernel(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The bfloat16 product for a call of `rows` rows, or None (a prefill, or a packed
-        copy without one: no layout, or DequantLinear)."""
+        copy without one: no layout)."""
         if rows > self.max_rows:
             return None
         if self._pack is not None:

@@ -10,12 +10,11 @@ from gguf import GGMLQuantizationType
 
 from ... import envs, native
 from ..linear import Linear
-from .dequant import DequantLinear
 from .groups import INT4_FORMATS, INT4_GROUP, PAIR_FORMATS, UNPACKED_FORMATS, Q, concat_bias
 from .torch_kernels import Int4PackLinear, Int4PairLinear, Int8PackLinear
 from .vnni import Q4VnniLinear, Q8VnniLinear, q4vnni_parts_nbytes, q8vnni_nbytes
 
-KINDS = ("q4vnni", "q8vnni", "int4pack", "int4pair", "int8pack", "dequant", "dequant-compiled")
+KINDS = ("q4vnni", "q8vnni", "int4pack", "int4pair", "int8pack")
 AUTO_KINDS = ("auto", "torch")  # kind_for's choices among KINDS
 
 
@@ -54,14 +53,9 @@ def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | Non
     return kind
 
 
-def _dequant_compiled(raws, qtypes, shapes, bias=None) -> DequantLinear:
-    return DequantLinear.from_raws(raws, qtypes, shapes, bias, compiled=True)
-
-
 _BUILDERS = {"q4vnni": Q4VnniLinear.from_raws, "q8vnni": Q8VnniLinear.from_raws,
              "int4pack": Int4PackLinear.from_raws, "int4pair": Int4PairLinear.from_raws,
-             "int8pack": Int8PackLinear.from_raws,
-             "dequant": DequantLinear.from_raws, "dequant-compiled": _dequant_compiled}
+             "int8pack": Int8PackLinear.from_raws}
 
 
 def packed_nbytes(qtype: GGMLQuantizationType | int, shape: tuple[int, int],
@@ -107,9 +101,7 @@ def pack_group(raws: Sequence[torch.Tensor], qtypes: Sequence[GGMLQuantizationTy
     are concatenated into one linear, returned as (fused, []). Otherwise (None, parts), with a
     None part where its format has no layout. A single part comes back as (it, [])."""
     kinds = [kind_for(t, kind) for t in qtypes]
-    groups = {16 if Q(int(t)) == Q.Q6_K else 32 for t in qtypes}
-    if kinds[0] is not None and len(set(kinds)) == 1 and (
-            not kinds[0].startswith("dequant") or len(groups) == 1):
+    if kinds[0] is not None and len(set(kinds)) == 1:
         return _BUILDERS[kinds[0]](raws, qtypes, shapes, concat_bias(biases, shapes)), []
     parts = [_BUILDERS[k]([r], [t], [s], b) if k is not None else None
              for r, t, s, k, b in zip(raws, qtypes, shapes, kinds, biases)]
