@@ -196,7 +196,8 @@ def test_streamed_run_trace_nests_and_matches_stats(smollm_path, tmp_path):
     assert [e["name"] for e in tokens] == ["prefill + token 0", "token 1", "token 2"]
     assert all(end(a) <= b["ts"] for a, b in zip(tokens, tokens[1:]))  # one after another
     n_layers = 30
-    plan = slipstream.plan(smollm_path, device="cpu", ram_budget="300MiB", measure=False)
+    plan = slipstream.plan(smollm_path, device="cpu", measure=False,
+                           placement=slipstream.Placement(ram_budget="300MiB"))
     streamed = plan.disk_layers  # the plan at 300MiB: the first layers in RAM, then these
     assert streamed == list(range(streamed[0], n_layers)) and streamed[0] > 0
     for tok in tokens:
@@ -277,8 +278,9 @@ def test_cuda_streamed_trace_has_copies_under_compute(tmp_path):
     ram = 3 * slot + p.file_bytes_per_layer[2] + 1
     probe.close()
     torch.cuda.empty_cache()
-    with slipstream.load(path, device="cuda", ctx=256, vram_budget=vram,
-                         ram_budget=ram) as model:
+    with slipstream.load(path, device="cuda", ctx=256,
+                         placement=slipstream.Placement(vram_budget=vram,
+                                                        ram_budget=ram)) as model:
         streamed = {i for i, tier in enumerate(model.plan.tiers) if tier != "vram"}
         assert streamed
         t = Tracer()

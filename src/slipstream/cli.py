@@ -194,10 +194,12 @@ def _draft_kwargs(a: argparse.Namespace) -> dict:
     load as before."""
     if getattr(a, "draft", None) is not None:
         return {"draft": a.draft}
+    from .api import SelfDraft
+
     if getattr(a, "draft_skip_layers", 0):
-        return {"draft_skip_layers": a.draft_skip_layers}
+        return {"draft": SelfDraft(skip_layers=a.draft_skip_layers)}
     if getattr(a, "draft_lowbit", None) is not None:
-        return {"draft_lowbit": a.draft_lowbit}
+        return {"draft": SelfDraft(lowbit=a.draft_lowbit)}
     return {}
 
 
@@ -361,15 +363,15 @@ def _load(a: argparse.Namespace):
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
-    model = api.load(a.model, device=a.device, ctx=a.ctx, progress=sys.stderr.isatty(),
-                     precision=a.precision, ram_budget=a.ram_budget,
-                     vram_budget=a.vram_budget, io=a.io, gpu_slots=a.gpu_slots,
-                     skip_layers=a.skip_layers, **_draft_kwargs(a),
-                     # a server must outlive its file being truncated or rewritten (SIGBUS):
-                     # weights in private memory, on CUDA too (a streamed plan's embedding)
-                     private_weights=True if a.func is cmd_serve else None,
-                     hybrid=a.hybrid, threads=a.threads, vram_layers=a.vram_layers,
-                     devices=_devices_arg(a), distributed=a.distributed)
+    placement = api.Placement(
+        ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io, gpu_slots=a.gpu_slots,
+        # a server must outlive its file being truncated or rewritten (SIGBUS): weights in
+        # private memory, on CUDA too (a streamed plan's embedding)
+        private_weights=True if a.func is cmd_serve else None, hybrid=a.hybrid,
+        threads=a.threads, vram_layers=a.vram_layers, distributed=a.distributed)
+    model = api.load(a.model, device=_devices_arg(a) or a.device, ctx=a.ctx,
+                     progress=sys.stderr.isatty(), precision=a.precision,
+                     skip_layers=a.skip_layers, **_draft_kwargs(a), placement=placement)
     a.load_s = time.perf_counter() - t0
     if a.distributed and not model.engine.pipeline.first:
         # the ranks after the first compute their stage of rank 0's passes, then leave
@@ -465,10 +467,10 @@ def summary(s, load_s: float | None = None, total_s: float | None = None,
     return " | ".join(parts) + f" | finish: {finish}"
 
 
-def _print_stats(model, load_s: float | None = None, total_s: float | None = None,
+def _print_stats(stats, load_s: float | None = None, total_s: float | None = None,
                  interrupted: bool = False) -> None:
-    if model.last_stats is not None:
-        err.print(f"[dim]{summary(model.last_stats, load_s, total_s, interrupted)}[/dim]",
+    if stats is not None:
+        err.print(f"[dim]{summary(stats, load_s, total_s, interrupted)}[/dim]",
                   highlight=False, soft_wrap=True)
 
 
@@ -505,8 +507,8 @@ def spec_table(extra: dict) -> Table | None:
     return t
 
 
-def _print_spec(model) -> None:
-    table = spec_table(model.last_stats.extra) if model.last_stats is not None else None
+def _print_spec(stats) -> None:
+    table = spec_table(stats.extra) if stats is not None else None
     if table is not None:
         err.print(table)
 
@@ -537,6 +539,7 @@ def cmd_run(a: argparse.Namespace) -> int:
         tracer = trace.Tracer()
         trace.attach(model, tracer)
     aborted = False  # a second Ctrl-C, which may have cut into the store's work
+    events = None
     try:
         events = model.generate(a.prompt, **_sampling_kwargs(a, model.ctx), **_spec_kwargs(a))
         interrupted = _stream(tracer.tokens(events) if tracer is not None else events)
@@ -544,13 +547,14 @@ def cmd_run(a: argparse.Namespace) -> int:
         interrupted = aborted = True
     sys.stdout.write("\n")
     sys.stdout.flush()
-    _print_stats(model, a.load_s, time.perf_counter() - t0, interrupted)
+    stats = events.stats if events is not None else None
+    _print_stats(stats, a.load_s, time.perf_counter() - t0, interrupted)
     if (a.stats or tracer is not None) and not aborted:
         store.collect()  # CUDA: the last pass's events
     if a.stats and not aborted:
-        err.print(breakdown_table(model.last_stats, store.stats, model.device.type))
+        err.print(breakdown_table(stats, store.stats, model.device.type))
         _print_balance(store)
-        _print_spec(model)
+        _print_spec(stats)
     if tracer is not None:
         tracer.write(a.trace)
         err.print(f"[dim]trace: {escape(a.trace)} ({len(tracer.spans())} spans; open it in "
@@ -640,14 +644,14 @@ def cmd_chat(a: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": text})
         reply: list[str] = []
         # a stopped reply stays in the conversation as far as it went: what the user saw
-        stopped = _stream(model.chat(messages, **_sampling_kwargs(a, model.ctx),
-                                     **_spec_kwargs(a)), reply)
+        gen = model.chat(messages, **_sampling_kwargs(a, model.ctx), **_spec_kwargs(a))
+        stopped = _stream(gen, reply)
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": "".join(reply)})
         if a.verbose:
-            _print_stats(model, interrupted=stopped)
-            _print_spec(model)
+            _print_stats(gen.stats, interrupted=stopped)
+            _print_spec(gen.stats)
     return 0
 
 
@@ -744,12 +748,13 @@ def cmd_info(a: argparse.Namespace) -> int:
         tt.add_row(name, str(n), f"{nbytes[name]:,}")
     out.print(tt)
     if a.plan:
-        from .api import plan
+        from .api import Placement, plan
 
+        placement = Placement(ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io,
+                              gpu_slots=a.gpu_slots, hybrid=a.hybrid, threads=a.threads,
+                              vram_layers=a.vram_layers)
         out.print(plan(path, device=a.device, ctx=a.ctx, precision=a.precision,
-                       ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io,
-                       gpu_slots=a.gpu_slots, hybrid=a.hybrid, threads=a.threads,
-                       vram_layers=a.vram_layers).table())
+                       placement=placement).table())
     return 0
 
 

@@ -134,8 +134,8 @@ def _streamed_with_draft(target, draft, resident: int = 2, **kw):
     """The target loaded with `draft` resident and at most `resident` of its own layers in
     VRAM (load's vram_layers), the rest streamed from pinned RAM or disk as kw's RAM budget
     says."""
-    return slipstream.load(target, device=DEVICE, ctx=512, draft=draft, vram_layers=resident,
-                           **kw)
+    return slipstream.load(target, device=DEVICE, ctx=512, draft=draft, **kw,
+                           placement=slipstream.Placement(vram_layers=resident))
 
 
 def _streamed_by_budget(target, draft, **kw):
@@ -152,9 +152,10 @@ def _streamed_by_budget(target, draft, **kw):
     least = None
     for mib in range(16, 2048, 16):
         try:
-            slipstream.plan(target, device=DEVICE, ctx=512, vram_budget=mib << 20,
-                            measure=False, ram_budget=kw.get("ram_budget"),
-                            precision=kw.get("precision", "fast"))
+            slipstream.plan(target, device=DEVICE, ctx=512, measure=False,
+                            precision=kw.get("precision", "fast"),
+                            placement=slipstream.Placement(vram_budget=mib << 20,
+                                                           ram_budget=kw.get("ram_budget")))
         except BudgetTooSmall:
             continue
         least = mib
@@ -162,8 +163,9 @@ def _streamed_by_budget(target, draft, **kw):
     assert least is not None
     for extra in range(least + 16, least + 1024, 16):
         try:
-            return slipstream.load(target, device=DEVICE, ctx=512, draft=draft,
-                                   vram_budget=draft_vram + (extra << 20), **kw)
+            budget = draft_vram + (extra << 20)
+            return slipstream.load(target, device=DEVICE, ctx=512, draft=draft, **kw,
+                                   placement=slipstream.Placement(vram_budget=budget))
         except BudgetTooSmall:
             continue
     pytest.fail("no budget up to 1 GiB over the least one holds the target with its draft")
@@ -200,7 +202,9 @@ def test_gpu_lowbit_draft_over_a_streamed_target_is_lossless(smollm_path):
     tokens."""
     pytest.importorskip("triton")
     with slipstream.load(smollm_path, device=DEVICE, ctx=512, precision="exact",
-                         vram_layers=2, ram_budget="24MiB", draft_lowbit="Q2_K") as model:
+                         draft=slipstream.SelfDraft(lowbit="Q2_K"),
+                         placement=slipstream.Placement(ram_budget="24MiB",
+                                                        vram_layers=2)) as model:
         streamed = model.plan.streamed_layers
         assert len(streamed) == model.config.n_layers - 2 and "disk" in model.plan.tiers
         assert model.plan.draft[0] == f"self: Q2_K copy, {len(streamed)} layers"
@@ -221,8 +225,10 @@ def test_gpu_lowbit_copy_of_a_synthetic_streamed_target_is_lossless(tmp_path):
     pytest.importorskip("triton")
     kw = dict(n_layers=8, from_floats=True, std=0.05, seed=5)
     target = write_synth(tmp_path / "t.gguf", "tiny", "Q8_0", **kw)
-    with slipstream.load(target, device=DEVICE, ctx=512, precision="exact", vram_layers=2,
-                         ram_budget="3MiB", draft_lowbit="Q4_0") as model:
+    with slipstream.load(target, device=DEVICE, ctx=512, precision="exact",
+                         draft=slipstream.SelfDraft(lowbit="Q4_0"),
+                         placement=slipstream.Placement(ram_budget="3MiB",
+                                                        vram_layers=2)) as model:
         streamed = model.plan.streamed_layers
         assert len(streamed) == 6 and "disk" in model.plan.tiers, model.plan.tiers
         assert model.plan.draft[0] == "self: Q4_0 copy, 6 layers", model.plan.draft
@@ -240,8 +246,10 @@ def test_gpu_layer_skip_draft_of_a_streamed_target_is_lossless(tmp_path):
     pytest.importorskip("triton")
     kw = dict(n_layers=8, from_floats=True, std=0.05, seed=5)
     target = write_synth(tmp_path / "t.gguf", "tiny", "Q8_0", **kw)
-    with slipstream.load(target, device=DEVICE, ctx=512, precision="exact", vram_layers=6,
-                         ram_budget="3MiB", draft_skip_layers=2) as model:
+    with slipstream.load(target, device=DEVICE, ctx=512, precision="exact",
+                         draft=slipstream.SelfDraft(skip_layers=2),
+                         placement=slipstream.Placement(ram_budget="3MiB",
+                                                        vram_layers=6)) as model:
         assert len(model.plan.streamed_layers) == 2 and model.plan.embed_on_host
         draft = model.draft.engine
         assert draft.shares_kv(model.engine) and draft.use_graphs

@@ -20,8 +20,11 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..weights.cpu_packed import PackedDecodeLinear
+from ..weights.linear import DenseLinear, QuantLinear
 from .engine import Engine
 from .generate import GenerationStats, TokenSource
+from .layer_skip import calibration_text
 from .sampler import Sampler, SamplingParams
 
 SPEC_PROMPT_TOKENS = 32  # the speculative tg's prompt: the start of the calibration text
@@ -97,8 +100,6 @@ def bench_decode(engine: Engine, n_tokens: int, reps: int = 3, seed: int = 0) ->
 
 def spec_prompt(tokenize: Callable[[str], list[int]], n: int = SPEC_PROMPT_TOKENS) -> list[int]:
     """The first n tokens of the calibration text shipped with the package (plain prose)."""
-    from .layer_skip import calibration_text
-
     return tokenize(calibration_text())[:n]
 
 
@@ -139,9 +140,6 @@ def _drain(tokens: Iterator[torch.Tensor]) -> None:
 def weight_bytes_per_token(engine: Engine) -> int:
     """Bytes of weights one decode token reads: every linear layer once (of the layers not
     skipped), one embedding row."""
-    from ..weights.cpu_packed import PackedDecodeLinear
-    from ..weights.linear import DenseLinear, QuantLinear
-
     def nbytes(lin) -> int:
         if isinstance(lin, PackedDecodeLinear):  # CPU decode reads the packed copy
             lin = lin.packed

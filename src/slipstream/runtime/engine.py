@@ -16,11 +16,13 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ..modelfile.config import ModelConfig
+from ..memory.store import ResidentLayerStore
 from ..model import Step, append_step, block_forward, fused_decode_serves, rms_norm
 from ..model.llama import LayerWeights, uses_fused_decode
+from ..modelfile.config import ModelConfig
 from ..weights import ModelWeights
 from .graphs import GRAPH_BUCKET, DecodeGraphs, StepGraphs, bucket_span
+from .kv_cache import KVCache
 from .layer_graphs import LayerGraphs, layer_graphs_enabled
 from .stage import Stage
 
@@ -148,9 +150,6 @@ class Engine:
         it reads the target's exact keys and values of the accepted prefix, needs no prefill
         and no catching up (speculative.rounds), and its tree's entries are overwritten by the
         verify pass that follows (SubSpec)."""
-        from ..memory.store import ResidentLayerStore
-        from .kv_cache import KVCache
-
         stages = []
         for st in self.stages:
             store = st.store

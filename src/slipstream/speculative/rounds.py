@@ -322,7 +322,7 @@ class Speculator:
                 keep(draft, start, ran)
                 self.lag = [tree.tokens[i] for i in path[len(ran):]]
             self.sizer.observe_walk(max(tree.depths[i] for i in verify), len(path) - 1)
-            self.fit.observe_walk(tree.draws, path, tree.tokens, int(tokens[-1]))
+            self.fit.observe_walk(tree.draws, path)
             self.fit.observe_tree(tree, verify, path)
             self.tau = self.fit.tau
         verify_s = _since(t, target.device)

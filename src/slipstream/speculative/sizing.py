@@ -97,7 +97,7 @@ class TreeSizer:
     fixed_nodes: int | None = None  # --spec-nodes
     fixed_depth: int | None = None  # --spec-depth: every round speculates this deep
     # how much faster plain decode would run without the draft (its memory given to the
-    # target: api._release_gain); giving the draft up is weighed against that, not against
+    # target: speculative.drafts.release_gain); giving the draft up is weighed against that, not against
     # plain steps with the draft still loaded
     plain_gain: float = 1.0
     # seconds of tree passes (two nodes or more) by width, the last PASS_ROUNDS of each, for
