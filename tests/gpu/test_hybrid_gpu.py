@@ -415,8 +415,7 @@ def test_the_balance_meters_every_copy_of_a_split_decode(synth, pair, monkeypatc
 
 def test_a_trace_takes_each_split_layer_apart(pair):
     """--trace on a split decode: every split layer's CPU share and its worker's wait are
-    spans that lie inside the layer's GPU compute span (the GPU waits for the share), and
-    trace.split_timing's parts add up to those spans."""
+    spans, with the host's launches."""
     from slipstream.runtime import trace
 
     _, split = pair
@@ -439,12 +438,6 @@ def test_a_trace_takes_each_split_layer_apart(pair):
     assert len(shares) == 4 * len(store.active)
     assert len([e for e in spans if e["cat"] == "cpu wait"]) == len(shares)
     assert [e for e in spans if e["cat"] == "launch"]
-    timing = trace.split_timing(spans)
-    assert timing["split_layers_traced"] == len(shares)
-    assert timing["cpu_us"] > 0
-    # the share lies inside its layer's GPU span (clock mapping error well under 0.2 ms)
-    assert timing["gpu_to_cpu_us"] > -200 and timing["cpu_to_gpu_us"] > -200
-    assert 0 < timing["cores_busy_during_shares"] <= 2 * (torch.get_num_threads() + 2)
 
 
 @pytest.mark.parametrize("hybrid", ["off", 0.5])

@@ -1,4 +1,4 @@
-"""One model over two processes (runtime.pipeline, issue 16): torchrun starts two gloo ranks on
+"""One model over two processes (runtime.pipeline): torchrun starts two gloo ranks on
 the CPU, each loading only its own range of layers; greedy and seeded sampled output equal the
 single-process run's, token for token, through the API and the CLI; a rank that dies gives
 rank 0 a clear error rather than a hang."""

@@ -1,4 +1,4 @@
-"""A model as several stages in one process (issue 16): contiguous layer ranges, a KV cache
+"""A model as several stages in one process: contiguous layer ranges, a KV cache
 each, the hidden state handed from stage to stage; the tokens and logits stay one stage's."""
 
 from __future__ import annotations

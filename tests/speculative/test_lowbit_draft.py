@@ -1,6 +1,6 @@
-"""The low-bit copy self-draft (load(draft_lowbit=TYPE), speculative.lowbit): the copy's bytes
-against gguf-py's reference decoder, lossless speculation through it, and the KV cache it
-shares with the target (speculative.rounds's invariant for a shared cache)."""
+"""The low-bit copy self-draft (load(draft=SelfDraft(lowbit=TYPE)), speculative.lowbit): the
+copy's bytes against gguf-py's reference decoder, lossless speculation through it, and the KV
+cache it shares with the target (speculative.rounds's invariant for a shared cache)."""
 
 from __future__ import annotations
 

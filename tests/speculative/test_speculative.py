@@ -435,8 +435,8 @@ def test_a_draft_that_never_pays_is_given_up(tmp_path):
 
 
 def test_warm_up_tree_passes_leave_the_model_as_loaded(tiny):
-    """The tree passes load runs to compile a CUDA target's kernels (speculative.drafts.run_tree_steps)
-    leave an empty cache and change no output: greedy tokens after them equal a fresh load's."""
+    """The tree passes load runs to compile a CUDA target's kernels
+    (speculative.drafts.run_tree_steps) leave an empty cache and change no output: greedy tokens after them equal a fresh load's."""
     from slipstream.speculative.drafts import run_tree_steps
 
     target, _, _ = tiny

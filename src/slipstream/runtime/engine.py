@@ -100,6 +100,13 @@ class Engine:
         return self.stages[0].rope
 
     @property
+    def tree_graphs(self) -> StepGraphs | None:
+        """The CUDA graphs of masked steps (a draft's tree levels), captured on first use;
+        None before. Their `eager` set names the buckets that ran eagerly because their capture
+        ran out of memory, which a benchmark of level costs must tell apart."""
+        return self._tree_graphs
+
+    @property
     def graph_capture_s(self) -> float:
         return (sum(g.capture_s for g in (self._graphs, self._tree_graphs) if g is not None)
                 + sum(g.capture_s for g in self._layer_graphs.values()))

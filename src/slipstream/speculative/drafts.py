@@ -105,8 +105,8 @@ def check_draft(model_path: Path, gf: GGUFFile, draft: Path) -> None:
 
 def place_draft(load: Callable, path: Path, dev: torch.device, ctx: int, precision: str,
                 ram: int | None, vram: int | None, io: str):
-    """Load a draft file first (`load`: the public load), out of the budgets, wholly resident (a draft that streamed would cost a pass of its own per
-    tree level). Returns it and the bytes it holds: VRAM the CUDA allocator reserved for it,
+    """Load a draft file first (`load`: the public load), out of the budgets, wholly
+    resident (a draft that streamed would cost a pass of its own per tree level). Returns it and the bytes it holds: VRAM the CUDA allocator reserved for it,
     or the RAM its plan keeps on CPU."""
     if dev.type == "cuda":
         # blocks cached from earlier work would hide the draft's share (the allocator would
