@@ -314,9 +314,9 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
     vram_budget, stage_devs, pipeline = place.vram_budget, None, None
     if place.distributed:
         if staged or skip_layers or self_draft is not None:
-            raise BadArgument("distributed=True runs one stage per process; a device list, "
-                              "layer skip and the self-drafts do not combine with it yet (a "
-                              "draft file does: rank 0 holds it)")
+            raise BadArgument("Placement(distributed=True) runs one stage per process; a "
+                              "device list, layer skip and the self-drafts do not combine with "
+                              "it yet (a draft file does: rank 0 holds it)")
         from .runtime.pipeline import join  # torch.distributed: only a pipeline needs it
 
         pipeline = join(device)
