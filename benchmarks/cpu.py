@@ -53,7 +53,8 @@ from rich.table import Table  # noqa: E402
 
 from slipstream.memory.probes import memory_read_gbps  # noqa: E402
 from slipstream.synth import random_tensor  # noqa: E402
-from slipstream.weights.cpu_packed import GroupAffine, pack_linear  # noqa: E402
+from slipstream.weights.cpu import pack_linear  # noqa: E402
+from slipstream.weights.cpu.groups import GroupAffine  # noqa: E402
 from slipstream.weights.linear import DenseLinear  # noqa: E402
 
 DEFAULT_MODEL = Path.home() / ".cache/slipstream/SmolLM2-135M-Instruct.Q4_1.gguf"

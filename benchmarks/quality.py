@@ -11,7 +11,7 @@ compares the calibration's choice with a measured one (each layer skipped alone,
 The perplexities are deterministic; the rates are as good as a shared machine allows (the load
 average is recorded around each run). Writes RESULTS/DATE-layer-skip-cpu.json.
 
-packed: what the packed CPU linears (weights.cpu_packed) cost. The default model (Q4_1 matrices,
+packed: what the packed CPU linears (weights.cpu) cost. The default model (Q4_1 matrices,
 a Q8_0 tied head) is loaded with precision "exact" (float32 dense weights, bit-identical to the
 GGUF dequantizer: the reference), and its layers' linears are swapped for ones built from the
 same GGUF bytes: int4pack (torch's int4 kernel, scale and zero in bfloat16), int4pair (Q8_0 on
@@ -228,7 +228,7 @@ def swap_linears(model, kind: str) -> dict:
     (q/k/v, gate/up) stays fused where pack_group fuses it; the head is left as loaded."""
     from slipstream.modelfile.gguf_file import GGUFFile
     from slipstream.model.layer_spec import spec_for
-    from slipstream.weights.cpu_packed import pack_group
+    from slipstream.weights.cpu import pack_group
     from slipstream.weights.loader import TensorSource
 
     engine = model.engine
@@ -269,7 +269,7 @@ def swap_head(model, kind: str) -> dict:
     """The output head (the tied embedding here) as a cpu_packed linear of `kind`."""
     from slipstream.modelfile.gguf_file import GGUFFile
     from slipstream.model.layer_spec import head_tensor_name
-    from slipstream.weights.cpu_packed import pack_linear
+    from slipstream.weights.cpu import pack_linear
     from slipstream.weights.loader import TensorSource
 
     cfg = model.engine.cfg
@@ -375,7 +375,7 @@ def packed_run(a: argparse.Namespace) -> dict:
         b = base.get(r["source"])
         if b is not None:
             r["ppl_change_vs_exact_pct"] = round(100 * (r["perplexity"] / b["perplexity"] - 1), 4)
-    return {**packed__meta(), "what": "perplexity cost of weights.cpu_packed layouts",
+    return {**packed__meta(), "what": "perplexity cost of weights.cpu layouts",
             "model": str(src),
             "sources": {"q4_1": "the model as shipped (Q4_1 matrices, Q8_0 tied head)",
                         "q8_0": "quant.requantize(model, Q8_0): every matrix",

@@ -58,16 +58,17 @@ def decode(model, tokens: int, trace: bool = False, **kw) -> dict:
     ids = model.tokenize(PROMPT)
     out, marks = [], []
     store = model.engine.layers if trace else None
-    for e in model.generate(ids, max_tokens=tokens, temperature=0, **kw):
+    gen = model.generate(ids, max_tokens=tokens, temperature=0, **kw)
+    for e in gen:
         out.append(e.id)
         if trace:
             s = store.stats
             marks.append((time.perf_counter(), s.h2d_bytes, s.cpu_bytes, s.cpu_s,
                           s.layers_streamed, model.draft is None))
-    st = model.last_stats
+    st = gen.stats
     row = {"decode_tok_s": round(st.decode_tok_s, 3), "generated": st.generated_tokens,
            "prefill_s": round(st.prefill_s, 3), "decode_s": round(st.decode_s, 3)}
-    spec = model.last_speculation
+    spec = st.speculation
     if spec:
         passes = max(spec["target_passes"], 1)
         row.update(tokens_per_pass=round(spec["tokens_per_pass"], 3),
@@ -167,7 +168,7 @@ def level_costs(engine, widths, reps: int = 10) -> list[dict]:
                 engine.truncate(PASS_PREFIX)
             engine.use_graphs = saved
             row[f"level_{mode}_s"] = round(statistics.median(times[2:]), 5)
-        graphs = engine._tree_graphs
+        graphs = engine.tree_graphs
         # buckets whose capture ran out of VRAM run eagerly: then "graph" is an eager figure
         row["graph_fell_back_to_eager"] = bool(graphs and any(k[0] >= n for k in graphs.eager))
         rows.append(row)
@@ -299,8 +300,8 @@ def seventy(work: Path, tokens: int, skip_case: bool = True,
     h2d = h2d_pinned_gbps(2 << 30)
     rows = []
     torch.cuda.reset_peak_memory_stats()
-    with slipstream.load(t70, device="cuda", ctx=2048, vram_budget="24GiB",
-                         vram_layers=vram_layers) as m:
+    with slipstream.load(t70, device="cuda", ctx=2048, placement=slipstream.Placement(
+                             vram_budget="24GiB", vram_layers=vram_layers)) as m:
         streamed = len(m.plan.streamed_layers)
         plain_layout = list(m.plan.streamed_layers)
         moved = m.plan.bytes_per_token("pinned")
@@ -322,8 +323,8 @@ def seventy(work: Path, tokens: int, skip_case: bool = True,
                      "passes": passes, "hybrid": hybrid_of(m), "vram_gib": vram_gib()})
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    with slipstream.load(t70, device="cuda", ctx=2048, vram_budget="24GiB",
-                         vram_layers=vram_layers, draft=t8) as m:
+    with slipstream.load(t70, device="cuda", ctx=2048, placement=slipstream.Placement(
+                             vram_budget="24GiB", vram_layers=vram_layers), draft=t8) as m:
         levels = level_costs(m.draft.engine, level_widths)
         same_split = decode(m, 8, draft=False)
         spec_passes = pass_costs(m.engine, (1, 256))
@@ -338,17 +339,17 @@ def seventy(work: Path, tokens: int, skip_case: bool = True,
         forced_beside = attempt(decode, m, forced_tokens, spec_nodes=256, spec_depth=8,
                                 spec_ahead=AHEAD_BESIDE)
         if fresh_sizer:  # the sized run as a first generation: its learning rounds count
-            m._sizers.clear()
+            m.speculation.reset()
         # traced (per-token intervals and store traffic): where a floor under 0.9x loses
         # its time (four learning passes once averaged 0.85 s against a 0.45 s step)
         auto = attempt(decode, m, tokens, trace=fresh_sizer)
-        released = m.draft_released
+        released = m.speculation.released
         after = decode(m, tokens, draft=False)  # plain, with the layers the draft's VRAM took
         store = m.engine.layers
         # what plain decode runs on after the release (once 7% under plain without a draft,
         # with one streamed layer more): resident layers and how long the release took
         after_release = {"resident_layers": sum(x is not None for x in store.layers),
-                         "release_s": round(m.draft_release_s or 0, 3),
+                         "release_s": round(released.seconds, 3),
                          # the plan beside the draft streams plain's layers first and the
                          # release promotes the others: plain's layout again
                          "same_layout_as_plain": m.plan.streamed_layers == plain_layout,
@@ -362,7 +363,7 @@ def seventy(work: Path, tokens: int, skip_case: bool = True,
                "plain_decode_tok_s": rows[0]["decode_tok_s"],
                "plain_same_split_tok_s": same_split["decode_tok_s"],
                "draft_released": released is not None,
-               "layers_made_resident": len(released[1]) if released else 0,
+               "layers_made_resident": len(released.promoted) if released else 0,
                "plain_after_release_tok_s": after["decode_tok_s"] if released else None,
                "after_release": after_release,
                "levels": levels, "passes": spec_passes, "hybrid": split_with_draft,
@@ -381,8 +382,8 @@ def seventy(work: Path, tokens: int, skip_case: bool = True,
         return rows
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    with slipstream.load(t70, device="cuda", ctx=2048, vram_budget="24GiB",
-                         vram_layers=vram_layers,
+    with slipstream.load(t70, device="cuda", ctx=2048, placement=slipstream.Placement(
+                             vram_budget="24GiB", vram_layers=vram_layers),
                          skip_layers=streamed) as m:
         r = decode(m, 16, draft=False)
         rows.append({"name": f"70b-q4k-vram24-skip{streamed}", "skip_layers": streamed,
@@ -406,8 +407,8 @@ def _bracket_load(t70: Path, rows: list[dict], tokens: int, vram_layers: int | N
     row judged against the plain runs on both sides, then the streamed layers skipped."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    with slipstream.load(t70, device="cuda", ctx=2048, vram_budget="24GiB",
-                         vram_layers=vram_layers) as m:
+    with slipstream.load(t70, device="cuda", ctx=2048, placement=slipstream.Placement(
+                             vram_budget="24GiB", vram_layers=vram_layers)) as m:
         decode(m, 4, draft=False)
         after = decode(m, tokens, draft=False)
         streamed = list(m.plan.streamed_layers)

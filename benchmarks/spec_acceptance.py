@@ -3,9 +3,9 @@ size and temperature (the issue's acceptance table).
 
 Target: the default model (SmolLM2-135M-Instruct, pulled as Q4_1) requantized to Q8_0 (and F16
 with --targets Q8_0,F16). Drafts: its Q2_K and Q4_0 requantizations, and the layer-skip
-self-draft (`load(draft_skip_layers=K)`: the target's own weights with K layers left out),
+self-draft (`load(draft=SelfDraft(skip_layers=K))`: the target's own weights with K layers left out),
 where this checkout's `slipstream.load` has that keyword (rows are skipped with a note where it
-does not), and the low-bit copy (`--drafts lowbit-Q2_K`: `load(draft_lowbit="Q2_K")`, the
+does not), and the low-bit copy (`--drafts lowbit-Q2_K`: `load(draft=SelfDraft(lowbit="Q2_K"))`, the
 target's layers requantized at load, sharing its embedding, head, norms and KV cache). Every file is made by `slipstream.quant.requantize` from the Q4_1 file (dequantized,
 then re-encoded by slipstream's own encoders, not llama.cpp's); a Q2_K file keeps the matrices
 whose rows are not whole 256-element blocks (576 columns here: all but ffn_down) in a fallback
@@ -14,7 +14,7 @@ neither format can hold them.
 
 Each (target, draft) pair loads once; every (nodes, temperature) cell then generates
 --max-tokens from each of a fixed set of prompts (prose, code, a list, a factual question, two
-chats through the chat template) with a fixed seed, and sums `model.last_stats.extra`'s
+chats through the chat template) with a fixed seed, and sums the generation's `stats.extra`
 speculative figures over the prompts: tokens_per_pass = all tokens emitted by verify passes /
 all verify passes (not a mean of per-prompt means). At temperature 0 the tokens are also
 compared with the target's plain greedy decode (speculation is lossless, so they should be
@@ -124,7 +124,7 @@ def tensor_types(path: Path) -> dict[str, int]:
 
 
 def has_draft_skip() -> bool:
-    return "draft_skip_layers" in inspect.signature(slipstream.load).parameters
+    return hasattr(slipstream, "SelfDraft")
 
 
 # --- measuring -----------------------------------------------------------------------------------
@@ -146,9 +146,10 @@ def run_one(model, ids: list[int], max_tokens: int, temperature: float, seed: in
         kw = dict(spec_nodes=nodes)
         if "spec_depth" in inspect.signature(model.generate).parameters:
             kw["spec_depth"] = depth
-    toks = [e.id for e in model.generate(ids, max_tokens=max_tokens, temperature=temperature,
-                                         seed=seed, **SAMPLING, **kw)]
-    st = model.last_stats
+    gen = model.generate(ids, max_tokens=max_tokens, temperature=temperature, seed=seed,
+                         **SAMPLING, **kw)
+    toks = [e.id for e in gen]
+    st = gen.stats
     return toks, dict(st.extra), st
 
 
@@ -223,7 +224,7 @@ def load_pair(target: Path, draft: str, files: dict, ctx: int, precision: str):
         if not has_draft_skip():
             return None, None
         m = slipstream.load(target, device="cpu", ctx=ctx, precision=precision,
-                            draft_skip_layers=k)
+                            draft=slipstream.SelfDraft(skip_layers=k))
         skipped = None
         try:  # the new keyword's model shape is not settled: report what it offers
             d = getattr(m, "draft", None)
@@ -242,14 +243,14 @@ def load_pair(target: Path, draft: str, files: dict, ctx: int, precision: str):
         return m, {"kind": "layer-skip self-draft" + (", with a KV cache of its own (built as "
                                                        "model.engine.self_draft(skip))"
                                                        if own_kv else ""),
-                   "load": f"draft_skip_layers={k}", "skipped_layers": skipped}
+                   "load": f"draft=SelfDraft(skip_layers={k})", "skipped_layers": skipped}
     if draft.startswith("lowbit-"):
         qtype = draft.split("-", 1)[1]
         m = slipstream.load(target, device="cpu", ctx=ctx, precision=precision,
-                            draft_lowbit=qtype)
+                            draft=slipstream.SelfDraft(lowbit=qtype))
         return m, {"kind": "low-bit self-draft (speculative.lowbit: the target's layers "
                            "requantized at load, its embedding, head, norms and KV cache "
-                           "shared)", "load": f"draft_lowbit={qtype!r}",
+                           "shared)", "load": f"draft=SelfDraft(lowbit={qtype!r})",
                    "plan_draft": list(m.plan.draft)}
     path = files[draft]
     m = slipstream.load(target, device="cpu", ctx=ctx, precision=precision, draft=path)
@@ -317,7 +318,7 @@ def _tau_fit(model, temperature: float) -> dict:
     it carries over from cell to cell of one draft, as over a model's generations): the score
     that ranks, the temperature it ranks at, the nodes it scored and both scores per temperature of its
     grid."""
-    fits = [s.tau_fits[float(temperature)] for s in getattr(model, "_sizers", {}).values()
+    fits = [s.tau_fits[float(temperature)] for s in model.speculation.sizers.values()
             if float(temperature) in getattr(s, "tau_fits", {})]
     if not fits:
         return {}

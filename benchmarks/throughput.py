@@ -59,11 +59,11 @@ HEADLINE = "8b-q4k-resident,70b-q4k-vram24-layers,70b-q4k-vram24-hybrid"
 
 def load_model(path: Path, budget: str | None, ram_budget: str | None, io: str, hybrid: str,
                ctx: int):
-    """The one place this tool opens a model (placement through load's keywords)."""
+    """The one place this tool opens a model."""
     import slipstream
 
-    return slipstream.load(path, device="cuda", ctx=ctx, vram_budget=budget,
-                           ram_budget=ram_budget, io=io, hybrid=hybrid)
+    return slipstream.load(path, device="cuda", ctx=ctx, placement=slipstream.Placement(
+        vram_budget=budget, ram_budget=ram_budget, io=io, hybrid=hybrid))
 
 
 def decode_rate(engine, tokens: int) -> float:

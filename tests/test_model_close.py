@@ -26,7 +26,8 @@ def test_close_releases_threads_and_descriptors(tmp_path):
     # room for two layers' packed images (precision "fast"): the tail streams from disk
     budget = cpu_budget(path, packed=2)
     before = _held()
-    with slipstream.load(path, device="cpu", ctx=64, ram_budget=budget) as model:
+    with slipstream.load(path, device="cpu", ctx=64,
+                         placement=slipstream.Placement(ram_budget=budget)) as model:
         assert model.plan.tiers == ["packed"] * 2 + ["disk"] * 4
         text = list(model.generate("hello", max_tokens=4, temperature=0))
         assert len(text) >= 1

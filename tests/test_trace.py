@@ -196,7 +196,8 @@ def test_streamed_run_trace_nests_and_matches_stats(smollm_path, tmp_path):
     assert [e["name"] for e in tokens] == ["prefill + token 0", "token 1", "token 2"]
     assert all(end(a) <= b["ts"] for a, b in zip(tokens, tokens[1:]))  # one after another
     n_layers = 30
-    plan = slipstream.plan(smollm_path, device="cpu", ram_budget="300MiB", measure=False)
+    plan = slipstream.plan(smollm_path, device="cpu", measure=False,
+                           placement=slipstream.Placement(ram_budget="300MiB"))
     streamed = plan.disk_layers  # the plan at 300MiB: the first layers in RAM, then these
     assert streamed == list(range(streamed[0], n_layers)) and streamed[0] > 0
     for tok in tokens:
@@ -277,8 +278,9 @@ def test_cuda_streamed_trace_has_copies_under_compute(tmp_path):
     ram = 3 * slot + p.file_bytes_per_layer[2] + 1
     probe.close()
     torch.cuda.empty_cache()
-    with slipstream.load(path, device="cuda", ctx=256, vram_budget=vram,
-                         ram_budget=ram) as model:
+    with slipstream.load(path, device="cuda", ctx=256,
+                         placement=slipstream.Placement(vram_budget=vram,
+                                                        ram_budget=ram)) as model:
         streamed = {i for i, tier in enumerate(model.plan.tiers) if tier != "vram"}
         assert streamed
         t = Tracer()
@@ -299,39 +301,3 @@ def test_cuda_streamed_trace_has_copies_under_compute(tmp_path):
                  and e["ts"] >= c["ts"]]
         if later:
             assert end(c) <= later[0]["ts"] + EPS_US
-
-
-def test_split_timing_takes_a_split_layer_apart_and_finds_host_bound_gaps() -> None:
-    """Two passes of a resident layer 0 and a split layer 1, times in ms: layer 1's GPU span
-    begins at 1.0, its CPU share runs 1.3-5.3 and the GPU ends at 5.5 (gpu_to_cpu 0.3, cpu
-    4.0, cpu_to_gpu 0.2). Between layers 0 and 1 the GPU idles 0.2 ms, of which the host
-    began enqueueing layer 1 0.1 ms late in the first pass and early in the second. The host
-    enqueues layer 0 in 0.1 ms, layer 1 in 0.1 then 0.9 ms."""
-    tr = Tracer()
-    ms = 1e-3
-    for p, base in enumerate((0.0, 10.0)):
-        t = lambda x: tr.t0 + (base + x) * ms  # noqa: E731
-        tr.span("compute", "L0", t(0.0), t(0.8), layer=0)
-        tr.span("compute", "L1", t(1.0), t(5.5), layer=1)
-        tr.span("launch", "L0", t(-0.1), t(0.0), layer=0)
-        tr.span("launch", "L1", t(0.9 if p == 0 else 0.1), t(1.0), layer=1)
-        tr.span("cpu wait", "L1", t(0.2), t(1.3), layer=1)
-        tr.span("cpu share", "L1", t(1.3), t(5.3), layer=1, cores=8.0 + 2 * p)
-    got = trace.split_timing(tr.spans())
-    assert got["cores_busy_during_shares"] == pytest.approx(9.0)
-    assert got["passes"] == 2 and got["split_layers_traced"] == 2
-    assert got["gpu_to_cpu_us"] == pytest.approx(300, abs=1)
-    assert got["cpu_us"] == pytest.approx(4000, abs=1)
-    assert got["cpu_to_gpu_us"] == pytest.approx(200, abs=1)
-    assert got["other_layer_gpu_us"] == pytest.approx(800, abs=1)
-    per = got["per_pass_ms"]
-    assert per["split_cpu"] == pytest.approx(4.0, abs=0.01)
-    assert per["gaps"] == pytest.approx(0.2, abs=0.01)
-    assert per["gaps_host_bound"] == pytest.approx(0.05, abs=0.01)  # 0.1 ms in one of 2 passes
-    assert got["launch_split_us"] == pytest.approx(500, abs=1)
-    assert got["launch_other_us"] == pytest.approx(100, abs=1)
-    assert per["launch"] == pytest.approx(0.6, abs=0.01)  # (0.1 + 0.1 + 0.1 + 0.9) / 2
-
-
-def test_split_timing_of_a_trace_without_compute_is_empty() -> None:
-    assert trace.split_timing([]) == {}

@@ -7,12 +7,12 @@ from typing import TYPE_CHECKING
 from .errors import SlipstreamError
 
 if TYPE_CHECKING:
-    from .api import Model, load, plan
+    from .api import Model, Placement, SelfDraft, load, plan
 
-__all__ = ["Model", "SlipstreamError", "load", "plan"]
+__all__ = ["Model", "Placement", "SelfDraft", "SlipstreamError", "load", "plan"]
 __version__ = "0.1.0"
 
-_API = ("Model", "load", "plan")
+_API = ("Model", "Placement", "SelfDraft", "load", "plan")
 
 
 def __getattr__(name: str):

@@ -28,7 +28,7 @@ class Precision:
     # (kernels.pack.fuse_scales); streamed layers keep the GGUF layout whatever this says
     fuse_scales: bool
     # CPU fast: decode matvecs through packed int4/int8 copies of the weights (weights.
-    # cpu_packed.PackedDecodeLinear: bfloat16 activations), prefill through the dense ones
+    # weights.cpu.PackedDecodeLinear: bfloat16 activations), prefill through the dense ones
     cpu_packed_decode: bool = False
     # CUDA exact: matmuls of more rows than the decode GEMV takes (tree passes, prefill) also
     # multiply float32 values, so that a verification pass rounds like the decode steps it

@@ -66,8 +66,8 @@ def test_gpu_decode_steps_match_cpu(cpu_model, gpu_model, gpu_fast, precision):
     # int8 activations (per block of 32, as llama.cpp's q8_1): SmolLM's outlier channels make
     # the blocks that hold them coarse. One-token steps run the fused RoPE/attention kernels,
     # as captured decode always did: on the H200 the worst step was 8.8 % through them and
-    # 5.5 % through the torch ops, with exact precision at 0.15 % either way
-    # (bench/results/2026-11-30-s5-fast-decode-error-h200.txt); the argmax agreement below
+    # 5.5 % through the torch ops, with exact precision at 0.15 % either way; the argmax
+    # agreement below
     # and the perplexity test after it bound what this costs in generation
     errs = [float((a - b).norm() / a.norm()) for a, b in steps]
     assert max(errs) < 0.12, errs
@@ -96,7 +96,7 @@ def test_greedy_64_tokens_equal_cpu(cpu_model, gpu_model):
     paths' own logit difference (float32 sums in other orders, bounded by
     test_gpu_decode_steps_match_cpu) is larger than a near-tie: there greedy may part, the GPU
     taking the CPU's runner-up, and the test shows it. An H100 parted at token 60 at a top-2
-    gap of 0.003 (bench/results/2026-12-06-s37-pytest-gpu-h100-call4.log); an H200 gave all 64
+    gap of 0.003; an H200 gave all 64
     tokens."""
     prompt = "Once upon a time, in a small village by the sea,"
     a = [e.id for e in cpu_model.generate(prompt, max_tokens=64, temperature=0)]

@@ -33,8 +33,8 @@ def test_gpu_greedy_equals_plain_greedy(smollm_spec_gpu):
     tokens after it are compared too (_greedy_equals_plain)."""
     model = smollm_spec_gpu
     for prompt in GREEDY_PROMPTS:
-        ties, extra = _greedy_equals_plain(model, model.tokenize(prompt), 128,
-                                           spec_nodes=64, spec_depth=8)
+        ties, extra, _ = _greedy_equals_plain(model, model.tokenize(prompt), 128,
+                                              spec_nodes=64, spec_depth=8)
         print(f"{prompt!r}: near-ties (token, top-2 margin) {ties}")
         assert extra["spec_tokens_per_pass"] > 1.5, extra
 
@@ -65,19 +65,18 @@ def test_gpu_seeded_sampling_equals_plain(tmp_path):
 
 # On CUDA even "exact" keeps an fp16 KV cache, and a tree pass (dequantize + cuBLAS) and a
 # decode step (fused GEMV) round apart: the synthetic "never pays" model, at its give-up,
-# parted from plain greedy at token 22 where its top-2 logits lay 1.56e-2 apart
-# (bench/results/2026-11-30-s7-pytest-spec-synth-h200.log), the same token with and without
-# trees grown ahead; the default model's first greedy prompt parted at token 60, where its
-# top-2 logits lay 0 apart on the H200 and 3.37e-3 on an H100
-# (2026-12-06-s39-pytest-speculative-gpu-h100-call3.log). A difference is accepted only at such
-# a near-tie, after MIN_EQUAL tokens; _greedy_equals_plain goes on past it, MAX_TIES times
+# parted from plain greedy at token 22 where its top-2 logits lay 1.56e-2 apart on the H200,
+# the same token with and without trees grown ahead; the default model's first greedy prompt
+# parted at token 60, where its top-2 logits lay 0 apart on the H200 and 3.37e-3 on an H100.
+# A difference is accepted only at such a near-tie, after MIN_EQUAL tokens;
+# _greedy_equals_plain goes on past it, MAX_TIES times
 NEAR_TIE = 0.05
 MIN_EQUAL = 16
 MAX_TIES = 2
 
 
 def _parting(model, ids: list[int], spec: list[int], plain: list[int],
-             equal_before: int = 0) -> tuple[int, float] | None:
+             equal_before: int = 0, report: dict | None = None) -> tuple[int, float] | None:
     """Where speculative greedy `spec` parts from plain greedy `plain` (both continuing `ids`,
     after `equal_before` tokens that agreed): None where they agree, else (index, top-2
     margin) if it is a near-tie of the target's logits (margin below NEAR_TIE, after at least
@@ -95,31 +94,32 @@ def _parting(model, ids: list[int], spec: list[int], plain: list[int],
         return at, margin
     pytest.fail(f"speculative greedy differs from plain greedy at token {equal_before + at} "
                 f"({spec[at:at + 1]} against {plain[at:at + 1]}); the top-2 logit margin "
-                f"there is {margin:.2e}; {model.last_speculation}")
+                f"there is {margin:.2e}; {report}")
 
 
-def _assert_same(model, ids: list[int], spec: list[int], plain: list[int]) -> None:
+def _assert_same(model, ids: list[int], spec: list[int], plain: list[int],
+                 report: dict | None = None) -> None:
     """Speculative greedy equals plain greedy, or parts from it only at a near-tie
     (_parting). For runs whose state cannot be replayed (a draft given up midway); where it
     can, _greedy_equals_plain also checks the tokens after a tie."""
-    _parting(model, ids, spec, plain)
+    _parting(model, ids, spec, plain, report=report)
 
 
 def _greedy_equals_plain(model, ids: list[int], tokens: int,
-                         **spec) -> tuple[list[tuple[int, float]], dict]:
+                         **spec) -> tuple[list[tuple[int, float]], dict, dict | None]:
     """Greedy decoding of `ids` with the model's draft (`spec`: the tree's options) against
     plain greedy, token for token over `tokens` tokens. At a near-tie (_parting) both go on
     from plain's tokens through the tied one, at most MAX_TIES times, so that a fault after
-    a tie still fails. Returns the ties (token index, top-2 margin) and the first speculative
-    run's figures (last_stats.extra)."""
+    a tie still fails. Returns the ties (token index, top-2 margin), the first speculative
+    run's figures (GenerationStats.extra) and the last one's speculation."""
     ids, done, ties, first = list(ids), 0, [], None
     while done < tokens:
         plain = [e.id for e in model.generate(ids, max_tokens=tokens - done, temperature=0,
                                               draft=False)]
-        out = [e.id for e in model.generate(ids, max_tokens=tokens - done, temperature=0,
-                                            **spec)]
-        first = dict(model.last_stats.extra) if first is None else first
-        tie = _parting(model, ids, out, plain, done)
+        gen = model.generate(ids, max_tokens=tokens - done, temperature=0, **spec)
+        out = [e.id for e in gen]
+        first = dict(gen.stats.extra) if first is None else first
+        tie = _parting(model, ids, out, plain, done, gen.speculation)
         if tie is None:
             break
         at, margin = tie
@@ -127,18 +127,18 @@ def _greedy_equals_plain(model, ids: list[int], tokens: int,
         assert len(ties) <= MAX_TIES, f"more than {MAX_TIES} near-ties: {ties}"
         ids += plain[:at + 1]
         done += at + 1
-    return ties, first
+    return ties, first, gen.speculation
 
 
-def _streamed_with_draft(target, draft, resident: int = 2, **kw):
+def _streamed_with_draft(target, draft, resident: int = 2, ram_budget=None, **kw):
     """The target loaded with `draft` resident and at most `resident` of its own layers in
-    VRAM (load's vram_layers), the rest streamed from pinned RAM or disk as kw's RAM budget
+    VRAM (Placement.vram_layers), the rest streamed from pinned RAM or disk as the RAM budget
     says."""
-    return slipstream.load(target, device=DEVICE, ctx=512, draft=draft, vram_layers=resident,
-                           **kw)
+    place = slipstream.Placement(vram_layers=resident, ram_budget=ram_budget)
+    return slipstream.load(target, device=DEVICE, ctx=512, draft=draft, placement=place, **kw)
 
 
-def _streamed_by_budget(target, draft, **kw):
+def _streamed_by_budget(target, draft, ram_budget=None, **kw):
     """As _streamed_with_draft, but by a VRAM budget rather than a cap, so that the VRAM a
     released draft gives back can make layers resident: the draft's own VRAM, plus the least
     budget the target alone plans in, plus steps of 16 MiB (the draft's captured graphs come
@@ -152,9 +152,10 @@ def _streamed_by_budget(target, draft, **kw):
     least = None
     for mib in range(16, 2048, 16):
         try:
-            slipstream.plan(target, device=DEVICE, ctx=512, vram_budget=mib << 20,
-                            measure=False, ram_budget=kw.get("ram_budget"),
-                            precision=kw.get("precision", "fast"))
+            slipstream.plan(target, device=DEVICE, ctx=512, measure=False,
+                            precision=kw.get("precision", "fast"),
+                            placement=slipstream.Placement(vram_budget=mib << 20,
+                                                           ram_budget=ram_budget))
         except BudgetTooSmall:
             continue
         least = mib
@@ -162,8 +163,10 @@ def _streamed_by_budget(target, draft, **kw):
     assert least is not None
     for extra in range(least + 16, least + 1024, 16):
         try:
+            place = slipstream.Placement(vram_budget=draft_vram + (extra << 20),
+                                         ram_budget=ram_budget)
             return slipstream.load(target, device=DEVICE, ctx=512, draft=draft,
-                                   vram_budget=draft_vram + (extra << 20), **kw)
+                                   placement=place, **kw)
         except BudgetTooSmall:
             continue
     pytest.fail("no budget up to 1 GiB over the least one holds the target with its draft")
@@ -182,16 +185,17 @@ def test_gpu_streamed_target_greedy_equals_plain(smollm_path, tmp_path):
             ids = model.tokenize(prompt)
             plain = [e.id for e in model.generate(ids, max_tokens=64, temperature=0,
                                                   draft=False)]
-            spec = [e.id for e in model.generate(ids, max_tokens=64, temperature=0)]
-            _assert_same(model, ids, spec, plain)
-            beside = [e.id for e in model.generate(ids, max_tokens=64, temperature=0,
-                                                   spec_ahead=AHEAD)]
-            _assert_same(model, ids, beside, plain)
+            gen = model.generate(ids, max_tokens=64, temperature=0)
+            spec = [e.id for e in gen]
+            _assert_same(model, ids, spec, plain, gen.speculation)
+            gen = model.generate(ids, max_tokens=64, temperature=0, spec_ahead=AHEAD)
+            beside = [e.id for e in gen]
+            _assert_same(model, ids, beside, plain, gen.speculation)
             # how many levels fit beside a pass is timing (a small model's pass is bound by
             # the host launching it, which leaves the draft little): none ran in series
-            got = model.last_speculation
+            got = gen.speculation
             assert got["ahead_beside"] == got["ahead_forwards"], got
-        assert model.last_speculation["target_passes"] > 0
+        assert got["target_passes"] > 0
 
 
 def test_gpu_lowbit_draft_over_a_streamed_target_is_lossless(smollm_path):
@@ -200,7 +204,9 @@ def test_gpu_lowbit_draft_over_a_streamed_target_is_lossless(smollm_path):
     tokens."""
     pytest.importorskip("triton")
     with slipstream.load(smollm_path, device=DEVICE, ctx=512, precision="exact",
-                         vram_layers=2, ram_budget="24MiB", draft_lowbit="Q2_K") as model:
+                         draft=slipstream.SelfDraft(lowbit="Q2_K"),
+                         placement=slipstream.Placement(ram_budget="24MiB",
+                                                        vram_layers=2)) as model:
         streamed = model.plan.streamed_layers
         assert len(streamed) == model.config.n_layers - 2 and "disk" in model.plan.tiers
         assert model.plan.draft[0] == f"self: Q2_K copy, {len(streamed)} layers"
@@ -209,9 +215,9 @@ def test_gpu_lowbit_draft_over_a_streamed_target_is_lossless(smollm_path):
         assert sorted(draft.stages[0].store.layers[i] is not None
                       for i in range(model.config.n_layers)) == [True] * model.config.n_layers
         for prompt in GREEDY_PROMPTS[:3]:
-            _greedy_equals_plain(model, model.tokenize(prompt), 64, spec_nodes=32,
-                                 spec_depth=8)
-        assert model.last_speculation["tokens_per_pass"] > 1.5, model.last_speculation
+            _, _, got = _greedy_equals_plain(model, model.tokenize(prompt), 64, spec_nodes=32,
+                                             spec_depth=8)
+        assert got["tokens_per_pass"] > 1.5, got
 
 
 def test_gpu_lowbit_copy_of_a_synthetic_streamed_target_is_lossless(tmp_path):
@@ -221,34 +227,39 @@ def test_gpu_lowbit_copy_of_a_synthetic_streamed_target_is_lossless(tmp_path):
     pytest.importorskip("triton")
     kw = dict(n_layers=8, from_floats=True, std=0.05, seed=5)
     target = write_synth(tmp_path / "t.gguf", "tiny", "Q8_0", **kw)
-    with slipstream.load(target, device=DEVICE, ctx=512, precision="exact", vram_layers=2,
-                         ram_budget="3MiB", draft_lowbit="Q4_0") as model:
+    with slipstream.load(target, device=DEVICE, ctx=512, precision="exact",
+                         draft=slipstream.SelfDraft(lowbit="Q4_0"),
+                         placement=slipstream.Placement(ram_budget="3MiB",
+                                                        vram_layers=2)) as model:
         streamed = model.plan.streamed_layers
         assert len(streamed) == 6 and "disk" in model.plan.tiers, model.plan.tiers
         assert model.plan.draft[0] == "self: Q4_0 copy, 6 layers", model.plan.draft
         draft = model.draft.engine
         assert draft.shares_kv(model.engine) and draft.use_graphs
-        _greedy_equals_plain(model, [1, 2, 3, 4], 96, spec_nodes=32, spec_depth=6)
-        assert model.last_speculation["tokens_per_pass"] > 1.5, model.last_speculation
+        _, _, got = _greedy_equals_plain(model, [1, 2, 3, 4], 96, spec_nodes=32, spec_depth=6)
+        assert got["tokens_per_pass"] > 1.5, got
 
 
 def test_gpu_layer_skip_draft_of_a_streamed_target_is_lossless(tmp_path):
     """The layer-skip self-draft of a target that streams 2 of its 8 layers (both skipped) runs
     the resident 6 through captured graphs, writing into the target's KV cache; the target's
     token table stays on the host, so the draft holds a VRAM copy of it (a host lookup cannot
-    be captured: session 28's first run of a self-draft on a streamed target failed there)."""
+    be captured: a self-draft's first run on a streamed target failed there)."""
     pytest.importorskip("triton")
     kw = dict(n_layers=8, from_floats=True, std=0.05, seed=5)
     target = write_synth(tmp_path / "t.gguf", "tiny", "Q8_0", **kw)
-    with slipstream.load(target, device=DEVICE, ctx=512, precision="exact", vram_layers=6,
-                         ram_budget="3MiB", draft_skip_layers=2) as model:
+    with slipstream.load(target, device=DEVICE, ctx=512, precision="exact",
+                         draft=slipstream.SelfDraft(skip_layers=2),
+                         placement=slipstream.Placement(ram_budget="3MiB",
+                                                        vram_layers=6)) as model:
         assert len(model.plan.streamed_layers) == 2 and model.plan.embed_on_host
         draft = model.draft.engine
         assert draft.shares_kv(model.engine) and draft.use_graphs
         assert model.engine.weights.embed.raw.device.type == "cpu"
         assert draft.weights.embed.raw.device.type == "cuda"
-        _greedy_equals_plain(model, [1, 2, 3, 4], 96, spec_nodes=32, spec_depth=6)
-        assert model.last_speculation is not None, model.last_stats.extra
+        _, extra, got = _greedy_equals_plain(model, [1, 2, 3, 4], 96, spec_nodes=32,
+                                             spec_depth=6)
+        assert got is not None, extra
 
 
 AHEAD = 64  # levels a tree may grow past its verified nodes, beside the target's pass
@@ -270,10 +281,11 @@ def test_gpu_growing_beside_a_streamed_pass_is_lossless(tmp_path):
         prompt = [1, 2, 3, 4]
         plain = [e.id for e in model.generate(prompt, max_tokens=96, temperature=0,
                                               draft=False)]
-        spec = [e.id for e in model.generate(prompt, max_tokens=96, temperature=0,
-                                             spec_nodes=32, spec_depth=4, spec_ahead=AHEAD)]
-        _assert_same(model, prompt, spec, plain)
-        got = model.last_speculation
+        gen = model.generate(prompt, max_tokens=96, temperature=0, spec_nodes=32,
+                             spec_depth=4, spec_ahead=AHEAD)
+        spec = [e.id for e in gen]
+        got = gen.speculation
+        _assert_same(model, prompt, spec, plain, got)
         assert got["ahead_beside"] == got["ahead_forwards"], got
         print(f"tiers {sorted(set(model.plan.tiers))}: {got}")
 
@@ -320,15 +332,17 @@ def test_gpu_a_draft_that_never_pays_gives_its_vram_to_the_target(tmp_path):
         prompt = [1, 2, 3, 4]
         plain = [e.id for e in model.generate(prompt, max_tokens=300, temperature=0,
                                               draft=False)]
-        spec = [e.id for e in model.generate(prompt, max_tokens=300, temperature=0)]
-        _assert_same(model, prompt, spec, plain)
-        assert model.last_speculation["draft_given_up_at"] is not None
-        name, promoted = model.draft_released
+        gen = model.generate(prompt, max_tokens=300, temperature=0)
+        spec = [e.id for e in gen]
+        _assert_same(model, prompt, spec, plain, gen.speculation)
+        assert gen.speculation["draft_given_up_at"] is not None
+        name, promoted = model.speculation.released.draft, model.speculation.released.promoted
         assert name == "o.gguf" and promoted and set(promoted) <= set(streamed)
         assert len(model.plan.streamed_layers) == len(streamed) - len(promoted)
         # the layout of the same budget without the draft comes back (load streamed those
         # layers first beside the draft)
-        assert model.plain_streamed is not None and set(model.plain_streamed) <= set(streamed)
-        assert model.plan.streamed_layers == model.plain_streamed
+        plain_streamed = model.speculation.plain_streamed
+        assert plain_streamed is not None and set(plain_streamed) <= set(streamed)
+        assert model.plan.streamed_layers == plain_streamed
         again = [e.id for e in model.generate(prompt, max_tokens=64, temperature=0)]
         _assert_same(model, prompt, again, plain[:64])

@@ -9,6 +9,7 @@ import torch
 import slipstream
 from helpers import streamed_logits, streaming_synth, vram_budget_for
 from slipstream.errors import BudgetTooSmall
+from slipstream.runtime.build import injected_stream_delay
 
 pytestmark = pytest.mark.gpu
 
@@ -25,8 +26,9 @@ def synth(tmp_path_factory):
 def test_pinned_streaming_is_bit_identical(synth, delay):
     resident = slipstream.load(synth, device="cuda", ctx=256)
     budget = vram_budget_for(resident, 2)
-    streamed = slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget,
-                               stream_delay=delay)
+    with injected_stream_delay(delay):
+        streamed = slipstream.load(synth, device="cuda", ctx=256,
+                                   placement=slipstream.Placement(vram_budget=budget))
     # the streamed layers spread between the resident ones (memory.planner._interleave)
     assert streamed.plan.tiers == ["pinned", "vram", "pinned", "pinned", "vram", "pinned"]
     # a streamed plan leaves the embedding table on the host; the logits must not notice
@@ -60,12 +62,14 @@ def test_a_pinned_embedding_gives_the_host_lookups_bits(synth, monkeypatch):
     resident = slipstream.load(synth, device="cuda", ctx=256)
     budget = vram_budget_for(resident, 2)
     resident.close()
-    host = slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget)
+    host = slipstream.load(synth, device="cuda", ctx=256,
+                           placement=slipstream.Placement(vram_budget=budget))
     assert not host.engine.weights.embed.pinned
     want = streamed_logits(host)
     host.close()
     monkeypatch.setenv("SLIPSTREAM_PINNED_EMBED", "1")
-    pinned = slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget)
+    pinned = slipstream.load(synth, device="cuda", ctx=256,
+                             placement=slipstream.Placement(vram_budget=budget))
     embed = pinned.engine.weights.embed
     assert embed.pinned and embed.raw.device.type == "cpu" and embed.raw.is_pinned()
     got = streamed_logits(pinned)
@@ -81,7 +85,8 @@ def test_promoted_layers_take_the_resident_layout_and_bits(synth):
 
     resident = slipstream.load(synth, device="cuda", ctx=256)
     budget = vram_budget_for(resident, 2)
-    streamed = slipstream.load(synth, device="cuda", ctx=256, vram_budget=budget)
+    streamed = slipstream.load(synth, device="cuda", ctx=256,
+                               placement=slipstream.Placement(vram_budget=budget))
     pinned = [i for i, t in enumerate(streamed.plan.tiers) if t == "pinned"]
     torch.cuda.set_per_process_memory_fraction(1.0)  # room for the promoted layers
     assert streamed.engine.layers.promote(None) == pinned
@@ -105,18 +110,21 @@ def test_gpu_budget_too_small(synth):
     from slipstream.memory.cuda_context import outside_allocator_bytes
 
     with pytest.raises(BudgetTooSmall, match="does not cover the CUDA context"):
-        slipstream.load(synth, device="cuda", ctx=256, vram_budget="1MiB")
+        slipstream.load(synth, device="cuda", ctx=256,
+                        placement=slipstream.Placement(vram_budget="1MiB"))
     context = outside_allocator_bytes(torch.device("cuda"))
     with pytest.raises(BudgetTooSmall, match="cannot run this model on cuda"):
-        slipstream.load(synth, device="cuda", ctx=256, vram_budget=context + (1 << 20))
+        slipstream.load(synth, device="cuda", ctx=256,
+                        placement=slipstream.Placement(vram_budget=context + (1 << 20)))
 
 
 def test_skipped_layers_are_never_copied_and_streaming_stays_bit_identical(synth):
     """Layer skip (runtime.layer_skip): the ring's copy order leaves the skipped layers out,
     and what is served still gives the resident model's bits."""
     resident = slipstream.load(synth, device="cuda", ctx=256)
+    budget = vram_budget_for(resident, 2)
     streamed = slipstream.load(synth, device="cuda", ctx=256,
-                               vram_budget=vram_budget_for(resident, 2))
+                               placement=slipstream.Placement(vram_budget=budget))
     assert streamed.plan.tiers == ["pinned", "vram", "pinned", "pinned", "vram", "pinned"]
     ring = streamed.engine.layers.ring
     copied, restarts = [], []

@@ -20,6 +20,7 @@ import slipstream
 from helpers import streamed_logits, streaming_synth, vram_budget_for
 from slipstream.memory import LayerStore, StreamDelays
 from slipstream.memory.disk import DiskReadError
+from slipstream.runtime.build import injected_stream_delay
 
 pytestmark = pytest.mark.gpu
 
@@ -62,8 +63,10 @@ def _load_tiered(synth, io="direct", delays=None, path=None, vram_layers=2, pinn
     del probe
     gc.collect()
     torch.cuda.empty_cache()
-    return slipstream.load(path or synth, device="cuda", ctx=256, vram_budget=vram,
-                           ram_budget=ram, io=io, stream_delay=delays)
+    with injected_stream_delay(delays):
+        return slipstream.load(path or synth, device="cuda", ctx=256,
+                               placement=slipstream.Placement(vram_budget=vram, ram_budget=ram,
+                                                              io=io))
 
 
 def _same(a, b) -> bool:
@@ -225,7 +228,8 @@ def test_streamed_model_stays_under_its_vram_budget(synth):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_reserved()
-    model = slipstream.load(synth, device="cuda", ctx=256, vram_budget=vram, ram_budget=ram)
+    model = slipstream.load(synth, device="cuda", ctx=256,
+                            placement=slipstream.Placement(vram_budget=vram, ram_budget=ram))
     streamed_logits(model, steps=4)
     peak = torch.cuda.max_memory_reserved() - base
     # the budget is what the driver counts: the allocator gets it less the CUDA context
@@ -246,25 +250,26 @@ def test_a_load_that_outgrows_its_plan_stops_at_the_budget(synth, monkeypatch):
     """The VRAM budget is held by the allocator, not only by the planner's arithmetic: a load
     that allocates past its plan (here a budget-sized tensor taken in the middle of loading)
     ends in BudgetTooSmall instead of reserving past the budget, and the cap goes with it."""
-    import slipstream.api as api
     from slipstream.errors import BudgetTooSmall
+    from slipstream.runtime import build
 
     probe = slipstream.load(synth, device="cuda", ctx=256)
     vram, ram = _budgets(probe, 2, 1)
     del probe
     gc.collect()
     torch.cuda.empty_cache()
-    real = api._load_weights_with_progress
+    real = build.load_weights_with_progress
 
     def outgrowing(*args, **kwargs):
         hog = torch.empty(vram, dtype=torch.uint8, device="cuda")
         return real(*args, **kwargs), hog
 
-    monkeypatch.setattr(api, "_load_weights_with_progress", outgrowing)
+    monkeypatch.setattr(build, "load_weights_with_progress", outgrowing)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_reserved()
     with pytest.raises(BudgetTooSmall, match="raise --vram-budget"):
-        slipstream.load(synth, device="cuda", ctx=256, vram_budget=vram, ram_budget=ram)
+        slipstream.load(synth, device="cuda", ctx=256,
+                        placement=slipstream.Placement(vram_budget=vram, ram_budget=ram))
     assert torch.cuda.max_memory_reserved() - base <= vram
     gc.collect()
     extra = torch.empty(base + 2 * vram, dtype=torch.uint8, device="cuda")  # cap released

@@ -3,6 +3,7 @@ together, its prediction, and when auto turns it on."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -97,7 +98,7 @@ def test_plan_hybrid_splits_the_pinned_layers_and_predicts_faster(synth):
     assert hp is not None and hp.layers == pinned
     assert hp.keep == 256 and hp.cpu_share == pytest.approx(0.5)
     assert hp.predicted_tok_s > 1.05 * hp.plain_tok_s
-    plan.hybrid = hp
+    plan = dataclasses.replace(plan, hybrid=hp)
     assert plan.predicted_tok_s == hp.predicted_tok_s
     from rich.console import Console
 
@@ -114,8 +115,6 @@ def test_plan_hybrid_splits_the_pinned_layers_and_predicts_faster(synth):
 def test_plan_table_warns_of_cores_stolen_while_the_cpu_was_probed(synth):
     """A host whose hypervisor takes cores (an H100 host: 1.1 stolen, hybrid at 3.9 tok/s
     against 5.2 predicted) is named in the plan table; a few stolen ticks are not."""
-    import dataclasses
-
     from rich.console import Console
 
     gf, cfg = synth
@@ -123,7 +122,7 @@ def test_plan_table_warns_of_cores_stolen_while_the_cpu_was_probed(synth):
     hp = plan_hybrid(gf, cfg, plan, "auto", threads=4, cpu_gbps=0.05, token_scaling=FLAT)
     texts = []
     for stolen in (1.13, 0.1):
-        plan.hybrid = dataclasses.replace(hp, cores_stolen=stolen)
+        plan = dataclasses.replace(plan, hybrid=dataclasses.replace(hp, cores_stolen=stolen))
         console = Console(record=True, width=240)
         console.print(plan.table())
         texts.append(console.export_text())
@@ -157,12 +156,12 @@ def test_after_promotion_is_the_split_a_new_plan_would_make(synth):
     gf, cfg = synth
     plan = _plan(gf, cfg, pcie=0.05)
     hp = plan_hybrid(gf, cfg, plan, "auto", threads=4, cpu_gbps=0.05, token_scaling=FLAT)
-    plan.hybrid = hp
+    plan = dataclasses.replace(plan, hybrid=hp)
     gone = hp.layers[:1]
     for i in gone:
         plan.tiers[i] = "vram"
     after = after_promotion(plan, gone)
-    plan.hybrid = None
+    plan = dataclasses.replace(plan, hybrid=None)
     fresh = plan_hybrid(gf, cfg, plan, hp.cpu_share, threads=4, cpu_gbps=0.05,
                         token_scaling=FLAT)
     assert after.layers == fresh.layers == hp.layers[1:]
@@ -171,7 +170,7 @@ def test_after_promotion_is_the_split_a_new_plan_would_make(synth):
     assert after.plain_tok_s == pytest.approx(fresh.plain_tok_s)
     assert after.predicted_tok_s == pytest.approx(fresh.predicted_tok_s)
     assert after.predicted_tok_s > hp.predicted_tok_s  # one layer fewer to move
-    plan.hybrid = hp
+    plan = dataclasses.replace(plan, hybrid=hp)
     for i in hp.layers:
         plan.tiers[i] = "vram"
     assert after_promotion(plan, hp.layers) is None
@@ -259,7 +258,7 @@ def test_cli_refuses_a_bad_hybrid_value_before_loading():
 
 
 def test_auto_is_off_at_exact_precision_and_a_given_mode_stays():
-    from slipstream.api import _hybrid_mode
+    from slipstream.runtime.build import hybrid_mode as _hybrid_mode
 
     assert _hybrid_mode("auto", "exact") == "off"
     assert _hybrid_mode("auto", "fast") == "auto"

@@ -4,6 +4,7 @@ what is summed, from which rates, and that the probes measure what they say."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -35,8 +36,7 @@ def tiny(tmp_path_factory):
 def _streamed_plan():
     # 4 layers of 100 dense bytes (40 in the file); 2 resident, 2 streamed
     plan = plan_layers("cpu", [100] * 4, [40] * 4, fixed_bytes=10, budget=10 + 2 * 100 + 80)
-    plan.head_bytes = 60
-    return plan
+    return dataclasses.replace(plan, head_bytes=60)
 
 
 def test_cpu_token_seconds_sums_compute_head_and_rebuild():
@@ -105,8 +105,8 @@ def test_plan_predicts_a_streamed_cpu_model(tiny, precision):
     else:
         budget = cpu_budget(tiny, whole=2, precision=precision) + \
             plain.resident_bytes_per_layer[0] // 2
-    plan = slipstream.plan(tiny, device="cpu", ctx=64, ram_budget=budget,
-                           precision=precision)
+    plan = slipstream.plan(tiny, device="cpu", ctx=64, precision=precision,
+                           placement=slipstream.Placement(ram_budget=budget))
     held = "packed" if precision == "fast" else "ram"
     assert plan.tiers == [held] * 2 + ["disk"] * 4
     assert plan.head_bytes > 0

@@ -22,6 +22,7 @@ from slipstream.memory import image_file
 from slipstream.memory.disk import DiskReadError, FileChanged
 from slipstream.memory.setup import PREFILL_STAGING
 from slipstream.precision import Precision
+from slipstream.runtime.build import injected_stream_delay
 from slipstream.synth import write_synth
 from slipstream.weights.cpu_image import image_nbytes
 from slipstream.weights.linear import OnDemandDenseLinear
@@ -65,8 +66,9 @@ def test_the_plan_streams_packed_images_and_counts_their_buffers(tiny):
                                    (2, 0): ["packed"] * 2 + ["disk"] * 4,
                                    (6, 0): ["packed"] * 6,
                                    (6, 2): ["ram"] * 2 + ["packed"] * 4}.items():
+        budget = budget_for(tiny, packed, whole)
         plan = slipstream.plan(tiny, device="cpu", ctx=64, measure=False,
-                               ram_budget=budget_for(tiny, packed, whole))
+                               placement=slipstream.Placement(ram_budget=budget))
         assert plan.tiers == tiers and plan.cpu_images
         assert plan.file_bytes_per_layer == images
         # a packed layer holds its image; a whole one its dense weights and packed copies
@@ -79,13 +81,13 @@ def test_the_plan_streams_packed_images_and_counts_their_buffers(tiny):
     # the largest packed layer being a little larger than the others, the budget of 2 packed
     # layers less a byte keeps one
     plan = slipstream.plan(tiny, device="cpu", ctx=64, measure=False,
-                           ram_budget=budget_for(tiny, 2) - 2)
+                           placement=slipstream.Placement(ram_budget=budget_for(tiny, 2) - 2))
     assert plan.tiers == ["packed"] + ["disk"] * 5
     spans = [gf.tensors[n] for n in gf.tensors if n.startswith("blk.0.")]
     span = max(t.offset + t.n_bytes for t in spans) - min(t.offset for t in spans)
     assert plan.prefill_staging == PREFILL_STAGING * span
-    exact = slipstream.plan(tiny, device="cpu", ctx=64, ram_budget=budget_for(tiny, 2),
-                            precision="exact", measure=False)
+    exact = slipstream.plan(tiny, device="cpu", ctx=64, precision="exact", measure=False,
+                            placement=slipstream.Placement(ram_budget=budget_for(tiny, 2)))
     assert not exact.cpu_images and exact.prefill_staging == 0
     assert set(exact.tiers) <= {"ram", "disk"}
     gf.close()
@@ -95,8 +97,9 @@ def test_the_plan_streams_packed_images_and_counts_their_buffers(tiny):
 @pytest.mark.parametrize("packed,whole", [(2, 0), (6, 1)])
 def test_streamed_packed_layers_give_the_resident_bits(tiny_copy, io, packed, whole):
     resident = slipstream.load(tiny_copy, device="cpu", ctx=64)
-    streamed = slipstream.load(tiny_copy, device="cpu", ctx=64, io=io,
-                               ram_budget=budget_for(tiny_copy, packed, whole))
+    budget = budget_for(tiny_copy, packed, whole)
+    streamed = slipstream.load(tiny_copy, device="cpu", ctx=64,
+                               placement=slipstream.Placement(ram_budget=budget, io=io))
     assert streamed.plan.tiers.count("packed") == packed - whole
     assert streamed.plan.tiers.count("disk") == 6 - packed
     data, _ = image_file.image_paths(tiny_copy, "slipstream-cpu")
@@ -118,7 +121,7 @@ def test_streamed_packed_layers_give_the_resident_bits(tiny_copy, io, packed, wh
 def test_decode_layers_are_views_into_the_staging_buffers(tiny_copy):
     """A decode pass reads the images, not the GGUF file, and makes no dense weights."""
     model = slipstream.load(tiny_copy, device="cpu", ctx=64,
-                            ram_budget=budget_for(tiny_copy, 2))
+                            placement=slipstream.Placement(ram_budget=budget_for(tiny_copy, 2)))
     store = model.engine.layers
     assert model.plan.tiers == ["packed"] * 2 + ["disk"] * 4
     greedy(model, SHORT, 2)
@@ -144,9 +147,10 @@ def test_decode_layers_are_views_into_the_staging_buffers(tiny_copy):
 def test_streamed_packed_under_random_reader_delays(tiny_copy):
     resident = slipstream.load(tiny_copy, device="cpu", ctx=64)
     rng = random.Random(3)
-    streamed = slipstream.load(tiny_copy, device="cpu", ctx=64,
-                               ram_budget=budget_for(tiny_copy, 0),
-                               stream_delay=lambda: time.sleep(rng.random() / 50))
+    budget = budget_for(tiny_copy, 0)
+    with injected_stream_delay(lambda: time.sleep(rng.random() / 50)):
+        streamed = slipstream.load(tiny_copy, device="cpu", ctx=64,
+                                   placement=slipstream.Placement(ram_budget=budget))
     assert streamed.plan.tiers == ["disk"] * 6
     assert greedy(resident, LONG, 12) == greedy(streamed, LONG, 12)
     assert greedy(resident, SHORT, 12) == greedy(streamed, SHORT, 12)
@@ -154,8 +158,9 @@ def test_streamed_packed_under_random_reader_delays(tiny_copy):
 
 def test_real_model_streamed_packed_equals_resident(smollm_path):
     resident = slipstream.load(smollm_path, device="cpu", ctx=128)
+    budget = cpu_budget(smollm_path, packed=20, ctx=128)
     streamed = slipstream.load(smollm_path, device="cpu", ctx=128,
-                               ram_budget=cpu_budget(smollm_path, packed=20, ctx=128))
+                               placement=slipstream.Placement(ram_budget=budget))
     assert streamed.plan.tiers == ["packed"] * 20 + ["disk"] * 10
     # the head holds its GGUF bytes: an all-logits pass of more than 8 rows dequantizes it
     assert streamed.plan.head_dense_on_demand
@@ -175,7 +180,7 @@ def test_a_skipped_layer_is_read_from_neither_file(tiny_copy, monkeypatch):
 
     resident = slipstream.load(tiny_copy, device="cpu", ctx=64)
     streamed = slipstream.load(tiny_copy, device="cpu", ctx=64,
-                               ram_budget=budget_for(tiny_copy, 1))
+                               placement=slipstream.Placement(ram_budget=budget_for(tiny_copy, 1)))
     assert streamed.plan.tiers == ["packed"] + ["disk"] * 5
     reads = []
     read_span = DirectReader.read_span
@@ -232,7 +237,8 @@ def test_an_image_changed_after_it_was_written_fails_its_first_read(tiny_copy):
     """Rewritten in place with its size and modification time kept: the index's identity
     check cannot see it, the sampled checksums written with it do."""
     budget = budget_for(tiny_copy, 0)
-    slipstream.load(tiny_copy, device="cpu", ctx=64, ram_budget=budget).close()  # writes it
+    slipstream.load(tiny_copy, device="cpu", ctx=64,
+                    placement=slipstream.Placement(ram_budget=budget)).close()  # writes it
     data, _ = image_file.image_paths(tiny_copy, "slipstream-cpu")
     st = data.stat()
     with open(data, "r+b") as f:
@@ -242,7 +248,8 @@ def test_an_image_changed_after_it_was_written_fails_its_first_read(tiny_copy):
         f.seek(0)
         f.write(raw)
     os.utime(data, ns=(st.st_atime_ns, st.st_mtime_ns))
-    model = slipstream.load(tiny_copy, device="cpu", ctx=64, ram_budget=budget)
+    model = slipstream.load(tiny_copy, device="cpu", ctx=64,
+                            placement=slipstream.Placement(ram_budget=budget))
     with pytest.raises(FileChanged, match=f"{data}.* differ from what was written there"):
         greedy(model, SHORT, 2)
     model.close()
@@ -250,8 +257,9 @@ def test_an_image_changed_after_it_was_written_fails_its_first_read(tiny_copy):
 
 @pytest.mark.parametrize("io", ["direct", "mmap"])
 def test_an_image_truncated_mid_run_is_a_clear_error(tiny_copy, io):
-    model = slipstream.load(tiny_copy, device="cpu", ctx=64, io=io,
-                            ram_budget=budget_for(tiny_copy, 0))
+    model = slipstream.load(tiny_copy, device="cpu", ctx=64,
+                            placement=slipstream.Placement(ram_budget=budget_for(tiny_copy, 0),
+                                                           io=io))
     greedy(model, SHORT, 2)
     data, _ = image_file.image_paths(tiny_copy, "slipstream-cpu")
     with open(data, "r+b") as f:

@@ -4,6 +4,8 @@ under the budget) is tests/gpu/test_tier_c_gpu.py's."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -49,7 +51,7 @@ def test_it_is_measured_once_per_process(monkeypatch):
 
 def test_the_plan_table_shows_the_whole_budget_and_the_context_row():
     plan = plan_cuda([GIB] * 4, [GIB] * 4, {"KV cache": GIB}, 3 * GIB, None)
-    plan.outside_allocator = cuda_context.CONTEXT_FLOOR
+    plan = dataclasses.replace(plan, outside_allocator=cuda_context.CONTEXT_FLOOR)
     from rich.console import Console
 
     console = Console(width=200, record=True)
@@ -63,13 +65,13 @@ def test_the_plan_table_shows_the_whole_budget_and_the_context_row():
 
 
 def test_load_gives_the_allocator_the_budget_less_the_context(monkeypatch):
-    from slipstream import api
     from slipstream.errors import BudgetTooSmall
+    from slipstream.runtime import build
 
     dev = _device(monkeypatch, used=GIB + 300 * MIB, reserved=GIB)  # the floor applies
     floor = cuda_context.CONTEXT_FLOOR
-    assert api._allocator_budget(24 * GIB, dev) == (24 * GIB - floor, floor)
-    assert api._allocator_budget(None, dev) == (None, 0)  # no budget: what is free
-    assert api._allocator_budget(GIB, torch.device("cpu")) == (GIB, 0)
+    assert build.allocator_budget(24 * GIB, dev) == (24 * GIB - floor, floor)
+    assert build.allocator_budget(None, dev) == (None, 0)  # no budget: what is free
+    assert build.allocator_budget(GIB, torch.device("cpu")) == (GIB, 0)
     with pytest.raises(BudgetTooSmall, match="does not cover the CUDA context"):
-        api._allocator_budget(floor, dev)
+        build.allocator_budget(floor, dev)

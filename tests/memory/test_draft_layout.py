@@ -66,16 +66,16 @@ def test_a_hint_larger_than_the_streamed_count_is_ignored():
 
 
 def test_the_release_gain_is_the_no_draft_plans_predicted_speedup():
-    """api._release_gain: the no-draft plan's predicted decode rate over the loaded plan's,
-    from the loaded plan's measured bandwidths, kept within [1, 2]."""
-    from slipstream.api import _release_gain
+    """speculative.drafts.release_gain: the no-draft plan's predicted decode rate over the
+    loaded plan's, from the loaded plan's measured bandwidths, kept within [1, 2]."""
+    from slipstream.speculative.drafts import release_gain
 
     plain = _plan(44)
     beside = _plan(31, stream_first=plain.streamed_layers)
     beside.bandwidth_gbps.update(vram=3000.0, pinned=50.0)
-    gain = _release_gain(None, None, beside, plain, "off", None)
+    gain = release_gain(None, None, beside, plain, "off", None)
     want = plain.predicted_tok_s / beside.predicted_tok_s
     assert gain == pytest.approx(want) and 1.0 < gain < 2.0
     assert plain.bandwidth_gbps["pinned"] == 50.0  # measured once, at load, for both
     resident = _plan(N)
-    assert _release_gain(None, None, resident, plain, "off", None) == 1.0
+    assert release_gain(None, None, resident, plain, "off", None) == 1.0

@@ -15,6 +15,7 @@ import slipstream
 from slipstream.errors import BudgetTooSmall
 from slipstream.memory import parse_size
 from slipstream.memory.disk import DiskReadError
+from slipstream.runtime.build import injected_stream_delay
 from slipstream.synth import write_synth
 
 from helpers import cpu_budget
@@ -47,8 +48,8 @@ def test_streamed_equals_resident(tiny, io):
     resident = slipstream.load(tiny, device="cpu", ctx=64, precision=EXACT)
     budget = resident.plan.fixed_bytes + 2 * max(resident.plan.file_bytes_per_layer) + \
         2 * resident.plan.resident_bytes_per_layer[0] + 1
-    streamed = slipstream.load(tiny, device="cpu", ctx=64, ram_budget=budget, io=io,
-                               precision=EXACT)
+    streamed = slipstream.load(tiny, device="cpu", ctx=64, precision=EXACT,
+                               placement=slipstream.Placement(ram_budget=budget, io=io))
     assert streamed.plan.tiers.count("ram") == 2 and streamed.plan.tiers.count("disk") == 4
     assert torch.equal(resident.logits(PROMPT), streamed.logits(PROMPT))
     assert greedy(resident) == greedy(streamed)
@@ -59,16 +60,17 @@ def test_streamed_equals_resident_with_random_reader_delays(tiny):
     resident = slipstream.load(tiny, device="cpu", ctx=64, precision=EXACT)
     rng = random.Random(1)
     budget = resident.plan.fixed_bytes + 2 * max(resident.plan.file_bytes_per_layer) + 1
-    streamed = slipstream.load(tiny, device="cpu", ctx=64, ram_budget=budget, precision=EXACT,
-                               stream_delay=lambda: time.sleep(rng.random() / 50))
+    with injected_stream_delay(lambda: time.sleep(rng.random() / 50)):
+        streamed = slipstream.load(tiny, device="cpu", ctx=64, precision=EXACT,
+                                   placement=slipstream.Placement(ram_budget=budget))
     assert streamed.plan.tiers == ["disk"] * 6
     assert greedy(resident, 16) == greedy(streamed, 16)
 
 
 def test_real_model_streamed_equals_resident(smollm_path):
     resident = slipstream.load(smollm_path, device="cpu", ctx=128, precision=EXACT)
-    streamed = slipstream.load(smollm_path, device="cpu", ctx=128, ram_budget="150MiB",
-                               precision=EXACT)
+    streamed = slipstream.load(smollm_path, device="cpu", ctx=128, precision=EXACT,
+                               placement=slipstream.Placement(ram_budget="150MiB"))
     assert "disk" in streamed.plan.tiers and "ram" in streamed.plan.tiers
     ids = resident.tokenize("Streaming must not change a single bit:")
     assert torch.equal(resident.logits(ids), streamed.logits(ids))
@@ -80,7 +82,8 @@ def test_real_model_streamed_equals_resident(smollm_path):
 def test_budget_too_small_names_the_minimum(tiny):
     with pytest.raises(BudgetTooSmall, match=r"cannot run this model on cpu: it needs at least "
                                              r"[0-9.]+ [KMG]iB"):
-        slipstream.load(tiny, device="cpu", ctx=64, ram_budget="1KiB")
+        slipstream.load(tiny, device="cpu", ctx=64,
+                        placement=slipstream.Placement(ram_budget="1KiB"))
 
 
 def all_streamed(path, precision: str) -> int:
@@ -93,8 +96,9 @@ def test_truncated_file_mid_run_is_a_clear_error(tiny, tmp_path):
     shutil.copy(tiny, path)
     # at "exact" every pass reads the GGUF file (at "fast" decode reads the packed images,
     # whose truncation test_cpu_stream_packed.py checks)
-    model = slipstream.load(path, device="cpu", ctx=64, ram_budget=all_streamed(path, EXACT),
-                            io="buffered", precision=EXACT)
+    model = slipstream.load(path, device="cpu", ctx=64, precision=EXACT,
+                            placement=slipstream.Placement(ram_budget=all_streamed(path, EXACT),
+                                                           io="buffered"))
     assert model.plan.tiers == ["disk"] * 6
     greedy(model, 2)
     with open(path, "r+b") as f:
@@ -108,7 +112,8 @@ def test_deleted_file_keeps_working_through_the_open_descriptor(tiny, tmp_path):
     shutil.copy(tiny, path)
     resident = slipstream.load(tiny, device="cpu", ctx=64, precision=EXACT)
     budget = resident.plan.fixed_bytes + 2 * max(resident.plan.file_bytes_per_layer) + 1
-    model = slipstream.load(path, device="cpu", ctx=64, ram_budget=budget, precision=EXACT)
+    model = slipstream.load(path, device="cpu", ctx=64, precision=EXACT,
+                            placement=slipstream.Placement(ram_budget=budget))
     assert model.plan.disk_layers
     path.unlink()  # POSIX: the open file lives on until closed; no hang, no wrong bytes
     assert greedy(model, 6) == greedy(resident, 6)
@@ -118,7 +123,9 @@ def test_disk_read_error_is_a_clear_error(tiny):
     def fail():
         raise OSError(errno.EIO, "Input/output error")
 
-    model = slipstream.load(tiny, device="cpu", ctx=64, ram_budget=all_streamed(tiny, "fast"),
-                            stream_delay=fail)
+    budget = all_streamed(tiny, "fast")
+    with injected_stream_delay(fail):
+        model = slipstream.load(tiny, device="cpu", ctx=64,
+                                placement=slipstream.Placement(ram_budget=budget))
     with pytest.raises(DiskReadError, match="Input/output error"):
         greedy(model, 2)

@@ -406,7 +406,7 @@ def test_gpu_slots_below_two_is_a_clear_error(tiny, capsys):
     from slipstream.errors import BadArgument
 
     with pytest.raises(BadArgument, match="gpu_slots=1 is invalid"):
-        slipstream.load(tiny, device="cpu", gpu_slots=1)
+        slipstream.load(tiny, device="cpu", placement=slipstream.Placement(gpu_slots=1))
     assert main(["run", "-m", str(tiny), "--device", "cpu", "--gpu-slots", "0", "-n", "1"]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "at least 2 GPU slots" in err and "\n" not in err

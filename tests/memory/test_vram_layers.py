@@ -41,4 +41,5 @@ def test_load_refuses_a_bad_cap(tmp_path):
     path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2)
     for bad in (-1, 1.5, True):
         with pytest.raises(BadArgument, match="vram_layers"):
-            slipstream.plan(path, device="cpu", vram_layers=bad, measure=False)
+            slipstream.plan(path, device="cpu", measure=False,
+                            placement=slipstream.Placement(vram_layers=bad))

@@ -74,7 +74,7 @@ def test_kv_cache_decode_matches_full_recompute(exact_smollm):
 
 
 # precision="fast" decodes through packed int4 copies with bfloat16 activations
-# (weights.cpu_packed): measured 1.9e-2 relative to the float32 prefill on these tokens, and
+# (weights.cpu): measured 1.9e-2 relative to the float32 prefill on these tokens, and
 # +0.004% perplexity with 97.5% top-1 agreement against the float32 weights (SmolLM2-135M Q4_1,
 # 1152 positions of the calibration text)
 PACKED_REL_TOL = 4e-2

@@ -39,7 +39,7 @@ def test_static_decode_body_matches_eager_decode(tmp_path, monkeypatch):
 
 def test_weight_bytes_count_the_packed_cpu_copies(tmp_path):
     """`slipstream bench`'s roofline divides by the bytes a decode token reads: on CPU at
-    precision fast that is the packed copies (weights.cpu_packed), about the GGUF bytes of the
+    precision fast that is the packed copies (weights.cpu), about the GGUF bytes of the
     linears (4-bit codes plus bfloat16 scale and zero per 32 against Q4_0's fp16 scale per 32),
     not the dense copies and not nothing."""
     from slipstream.modelfile.gguf_file import GGUFFile

@@ -29,8 +29,12 @@ def test_max_tokens_and_length_finish(model):
     assert events[-1].finish_reason == "length"
     assert all(e.finish_reason is None for e in events[:-1])
     assert text == model.detokenize([e.id for e in events])
-    assert model.last_stats.generated_tokens == 12 and model.last_stats.prompt_tokens == len(
-        model.tokenize(PROMPT))
+    gen = model.generate(PROMPT, temperature=0, max_tokens=12)
+    assert [e.id for e in gen] == [e.id for e in events]
+    stats = gen.stats
+    assert stats.generated_tokens == 12 and stats.prompt_tokens == len(model.tokenize(PROMPT))
+    assert stats.finish_reason == "length" and stats.speculation is None
+    assert stats.peak_memory is None  # on the CPU: not known
 
 
 def test_greedy_is_deterministic_and_seeded_sampling_reproducible(model):

@@ -119,7 +119,7 @@ def test_one_capture_per_layer_and_span_again_for_a_new_layer_eager_after_two_oo
 class FakeAllocator:
     """torch's rule for graph pools, as CUDACachingAllocator keeps it: a pool lives while a
     graph captured into it does, and a capture into an id whose graphs are all gone fails (an
-    internal assert in torch; session 40's 70B hit it)."""
+    internal assert in torch, which a 70B hit)."""
 
     def __init__(self):
         self.use_count: dict[tuple[int, int], int] = {}

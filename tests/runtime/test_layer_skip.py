@@ -164,7 +164,8 @@ def test_a_streamed_model_never_reads_a_skipped_layer(synth, monkeypatch):
     # tests/memory/test_cpu_stream_packed.py follows the packed images' reads)
     resident = slipstream.load(synth, device="cpu", ctx=64, precision="exact")
     budget = resident.plan.fixed_bytes + 2 * max(resident.plan.file_bytes_per_layer) + 1
-    streamed = slipstream.load(synth, device="cpu", ctx=64, ram_budget=budget, precision="exact")
+    streamed = slipstream.load(synth, device="cpu", ctx=64, precision="exact",
+                               placement=slipstream.Placement(ram_budget=budget))
     assert streamed.plan.tiers == ["disk"] * N_LAYERS
     reads = []
     read_span = DirectReader.read_span

@@ -1,4 +1,4 @@
-"""One model over two processes (runtime.pipeline, issue 16): torchrun starts two gloo ranks on
+"""One model over two processes (runtime.pipeline): torchrun starts two gloo ranks on
 the CPU, each loading only its own range of layers; greedy and seeded sampled output equal the
 single-process run's, token for token, through the API and the CLI; a rank that dies gives
 rank 0 a clear error rather than a hang."""
@@ -47,7 +47,8 @@ RANK_SCRIPT = textwrap.dedent("""
     import slipstream
     from slipstream.errors import PipelineBroken
     path, out, n, temp, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
-    m = slipstream.load(path, device="cpu", distributed=True, ctx=512)
+    m = slipstream.load(path, device="cpu", ctx=512,
+                        placement=slipstream.Placement(distributed=True))
     rank = dist.get_rank()
     info = {"held": [i for i, w in enumerate(m.engine.weights.layers) if w is not None],
             "embed": m.engine.weights.embed is not None,
@@ -157,13 +158,16 @@ def test_distributed_outside_torchrun_says_how_to_start_it(smollm_path, monkeypa
     for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(BadArgument, match="torchrun --nproc-per-node 2"):
-        slipstream.load(smollm_path, device="cpu", distributed=True)
+        slipstream.load(smollm_path, device="cpu",
+                        placement=slipstream.Placement(distributed=True))
 
 
 def test_distributed_refuses_the_self_drafts(smollm_path):
-    for kw in (dict(draft_skip_layers=4), dict(draft_lowbit="Q2_K")):
+    for kw in (dict(draft=slipstream.SelfDraft(skip_layers=4)),
+               dict(draft=slipstream.SelfDraft(lowbit="Q2_K"))):
         with pytest.raises(BadArgument, match="self-drafts do not combine"):
-            slipstream.load(smollm_path, device="cpu", distributed=True, **kw)
+            slipstream.load(smollm_path, device="cpu", **kw,
+                            placement=slipstream.Placement(distributed=True))
 
 
 SPEC_SCRIPT = textwrap.dedent("""
@@ -171,16 +175,17 @@ SPEC_SCRIPT = textwrap.dedent("""
     import torch.distributed as dist
     import slipstream
     path, draft, out = sys.argv[1], sys.argv[2], sys.argv[3]
-    m = slipstream.load(path, device="cpu", distributed=True, ctx=512, precision="exact",
-                        draft=draft)
+    m = slipstream.load(path, device="cpu", ctx=512, precision="exact", draft=draft,
+                        placement=slipstream.Placement(distributed=True))
     rank = dist.get_rank()
     if rank == 0:
         runs = {}
         for name, kw in (("spec", dict(spec_nodes=16, spec_depth=6)), ("plain", dict(draft=False)),
                          ("sampled", dict(spec_nodes=12, spec_depth=4, temperature=0.8, seed=3))):
             kw = {"temperature": 0, **kw}
-            runs[name] = [e.id for e in m.generate(%r, max_tokens=40, **kw)]
-            runs[name + "_spec"] = m.last_speculation
+            gen = m.generate(%r, max_tokens=40, **kw)
+            runs[name] = [e.id for e in gen]
+            runs[name + "_spec"] = gen.speculation
         json.dump(runs | {"has_draft": m.draft is not None}, open(out, "w"))
         m.close()
     else:
@@ -217,7 +222,7 @@ def test_speculative_decoding_across_two_gloo_ranks(smollm_path, tmp_path):
 def test_a_stage_plan_padded_to_layer_indices():
     plan = Plan("cpu", ["ram", "packed", "disk"], [10, 11, 12], [20, 21, 22], 5, None, 1)
     stage = StagePlan("cpu", range(2, 5), holds_embedding=False, holds_head=False)
-    pad_stage_plan(plan, stage, 7)
+    plan = pad_stage_plan(plan, stage, 7)
     assert plan.tiers == [REMOTE, REMOTE, "ram", "packed", "disk", REMOTE, REMOTE]
     assert plan.resident_bytes_per_layer == [0, 0, 10, 11, 12, 0, 0]
     assert plan.file_bytes_per_layer == [0, 0, 20, 21, 22, 0, 0]

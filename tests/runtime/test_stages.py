@@ -1,4 +1,4 @@
-"""A model as several stages in one process (issue 16): contiguous layer ranges, a KV cache
+"""A model as several stages in one process: contiguous layer ranges, a KV cache
 each, the hidden state handed from stage to stage; the tokens and logits stay one stage's."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 @pytest.fixture(scope="module")
 def one_and_two(smollm_path):
     one = slipstream.load(smollm_path, device="cpu", ctx=256)
-    two = slipstream.load(smollm_path, devices=["cpu", "cpu"], ctx=256)
+    two = slipstream.load(smollm_path, device=["cpu", "cpu"], ctx=256)
     yield one, two
     one.close()
     two.close()
@@ -54,13 +54,14 @@ def test_a_budget_list_must_name_one_budget_per_device():
 
 def test_a_budget_list_that_does_not_match_fails_before_the_load(smollm_path):
     with pytest.raises(BadArgument, match="3 VRAM budgets"):
-        slipstream.load(smollm_path, devices=["cpu", "cpu"], vram_budget="1GiB,2GiB,3GiB")
+        slipstream.load(smollm_path, device=["cpu", "cpu"],
+                        placement=slipstream.Placement(vram_budget="1GiB,2GiB,3GiB"))
 
 
 def test_a_gpu_index_that_does_not_exist_is_named(smollm_path):
     missing = torch.cuda.device_count() + 3 if torch.cuda.is_available() else 3
     with pytest.raises(DeviceNotFound, match=f"cuda:{missing} does not exist"):
-        slipstream.load(smollm_path, devices=["cpu", f"cuda:{missing}"])
+        slipstream.load(smollm_path, device=["cpu", f"cuda:{missing}"])
 
 
 def test_stage_ranges_cover_the_layers_evenly():

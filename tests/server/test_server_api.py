@@ -112,7 +112,9 @@ def test_chat_matches_python_api(client, model, model_id):
     assert r.choices[0].message.content == greedy_chat(model, CHAT)
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.prompt_tokens == len(model.chat_ids(CHAT))
-    assert r.usage.completion_tokens == model.last_stats.generated_tokens
+    local = model.chat(CHAT, max_tokens=N, temperature=0)
+    list(local)
+    assert r.usage.completion_tokens == local.stats.generated_tokens
 
 
 def test_chat_stream_chunk_format(client, model):

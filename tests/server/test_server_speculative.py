@@ -22,7 +22,8 @@ from server_process import ServerProcess  # noqa: E402
 
 import slipstream  # noqa: E402
 from slipstream.quant.requantize import requantize  # noqa: E402
-from slipstream.runtime.generate import GenerationEvent, GenerationStats  # noqa: E402
+from slipstream.runtime.generate import (Generation, GenerationEvent,  # noqa: E402
+                                         GenerationStats)
 from slipstream.server import create_app  # noqa: E402
 
 N = 12  # generated tokens per request: the CPU is slow and shared
@@ -104,7 +105,6 @@ class FakeSpecModel:
 
     def __init__(self):
         self.calls: list[dict] = []
-        self.last_stats = None
 
     def tokenize(self, text: str) -> list[int]:
         return [ord(c) % 99 for c in text] or [1]
@@ -115,13 +115,14 @@ class FakeSpecModel:
     def generate(self, ids, **kw):
         self.calls.append(kw)
         max_tokens = kw["max_tokens"]
-        self.last_stats = GenerationStats(prompt_tokens=len(ids))
+        stats = GenerationStats(prompt_tokens=len(ids))
         if ids[0] == 1:
             passes = (max_tokens - 1) // 2
-            self.last_stats.extra.update(spec_target_passes=passes, spec_tokens_per_pass=2.0,
-                                         spec_draft_s=0.25, spec_verify_s=0.5)
-        return (GenerationEvent(i, f"t{i} ", i, "length" if i == max_tokens - 1 else None)
-                for i in range(max_tokens))
+            stats.extra.update(spec_target_passes=passes, spec_tokens_per_pass=2.0,
+                               spec_draft_s=0.25, spec_verify_s=0.5)
+        return Generation((GenerationEvent(i, f"t{i} ", i,
+                                           "length" if i == max_tokens - 1 else None)
+                           for i in range(max_tokens)), stats)
 
 
 def _metrics(client: TestClient) -> dict[str, float]:

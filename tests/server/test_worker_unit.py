@@ -17,7 +17,8 @@ pytest.importorskip("httpx")
 from fastapi.testclient import TestClient  # noqa: E402
 
 from slipstream.errors import SlipstreamError  # noqa: E402
-from slipstream.runtime.generate import GenerationEvent, GenerationStats  # noqa: E402
+from slipstream.runtime.generate import (Generation, GenerationEvent,  # noqa: E402
+                                         GenerationStats)
 from slipstream.server import create_app  # noqa: E402
 from slipstream.server.worker import Done, GenerationWorker, QueueFull  # noqa: E402
 
@@ -40,7 +41,6 @@ class FakeModel:
         self.gate = threading.Event()
         self.gate.set()
         self.produced = 0
-        self.last_stats = None
 
     def tokenize(self, text: str) -> list[int]:
         return [ord(c) % 99 for c in text] or [1]
@@ -49,18 +49,18 @@ class FakeModel:
         return self.tokenize("".join(m["content"] for m in messages))
 
     def generate(self, ids, max_tokens=16, **kw):
-        self.last_stats = GenerationStats(prompt_tokens=len(ids))
+        stats = GenerationStats(prompt_tokens=len(ids))
         self.started.append(list(ids))
-        return self._gen(list(ids), max_tokens)
+        return Generation(self._gen(list(ids), max_tokens, stats), stats)
 
-    def _gen(self, ids, max_tokens):
+    def _gen(self, ids, max_tokens, stats):
         self.gate.wait(10)
         for i in range(max_tokens):
             if 99 in ids and i == 2:
                 raise SlipstreamError("the fake model broke")
             time.sleep(0.005)
             self.produced += 1
-            self.last_stats.generated_tokens = i + 1
+            stats.generated_tokens = i + 1
             yield GenerationEvent(i, f"t{i} ", i, "length" if i == max_tokens - 1 else None)
 
 

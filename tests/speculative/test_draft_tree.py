@@ -111,11 +111,11 @@ def test_growing_ahead_is_lossless(tiny, which):
     ahead_trees = 0
     for seed in range(10):
         plain = [e.id for e in target.generate(PREFIX, seed=seed, **params)]
-        spec = [e.id for e in target.generate(PREFIX, seed=seed, draft=drafts[which],
-                                              spec_nodes=12, spec_depth=4, spec_ahead=3,
-                                              **params)]
+        gen = target.generate(PREFIX, seed=seed, draft=drafts[which], spec_nodes=12,
+                              spec_depth=4, spec_ahead=3, **params)
+        spec = [e.id for e in gen]
         assert spec == plain, seed
-        extra = target.last_stats.extra
+        extra = gen.stats.extra
         ahead_trees += extra["spec_ahead_trees"]
         assert extra["spec_ahead_forwards"] >= 3
     if which == 1:

@@ -1,6 +1,6 @@
-"""The low-bit copy self-draft (load(draft_lowbit=TYPE), speculative.lowbit): the copy's bytes
-against gguf-py's reference decoder, lossless speculation through it, and the KV cache it
-shares with the target (speculative.rounds's invariant for a shared cache)."""
+"""The low-bit copy self-draft (load(draft=SelfDraft(lowbit=TYPE)), speculative.lowbit): the
+copy's bytes against gguf-py's reference decoder, lossless speculation through it, and the KV
+cache it shares with the target (speculative.rounds's invariant for a shared cache)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def tiny_path(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def tiny_lowbit(tiny_path):
     with slipstream.load(tiny_path, device="cpu", ctx=128, precision="exact",
-                         draft_lowbit="Q4_0") as model:
+                         draft=slipstream.SelfDraft(lowbit="Q4_0")) as model:
         yield model
 
 
@@ -79,7 +79,7 @@ def test_lowbit_draft_is_lossless_and_shares_the_model(smollm_path):
     shares the model's weights object and KV cache, runs no prefill of its own, and its
     copy's bytes (every layer on the CPU) came out of the RAM budget."""
     with slipstream.load(smollm_path, device="cpu", ctx=256, precision="exact",
-                         draft_lowbit="Q2_K") as model:
+                         draft=slipstream.SelfDraft(lowbit="Q2_K")) as model:
         draft = model.draft
         assert draft.engine.weights is model.engine.weights
         assert draft.engine.shares_kv(model.engine) and draft.engine.kv is model.engine.kv
@@ -96,10 +96,11 @@ def test_lowbit_draft_is_lossless_and_shares_the_model(smollm_path):
             ids = model.tokenize(prompt)
             plain = [e.id for e in model.generate(ids, max_tokens=40, temperature=0,
                                                   draft=False)]
-            spec = [e.id for e in model.generate(ids, max_tokens=40, temperature=0,
-                                                 spec_nodes=16, spec_depth=8)]
+            gen = model.generate(ids, max_tokens=40, temperature=0, spec_nodes=16,
+                                 spec_depth=8)
+            spec = [e.id for e in gen]
             assert spec == plain, prompt
-            extra = model.last_stats.extra
+            extra = gen.stats.extra
             assert extra["spec_draft_prefill_s"] == 0.0
             passes += extra["spec_target_passes"]
             tokens += round(extra["spec_tokens_per_pass"] * extra["spec_target_passes"])
@@ -154,10 +155,10 @@ def test_seeded_sampling_equals_plain(tiny_lowbit):
     passes = 0
     for seed in range(8):
         plain = [e.id for e in model.generate(PREFIX, seed=seed, draft=False, **params)]
-        spec = [e.id for e in model.generate(PREFIX, seed=seed, spec_nodes=12, spec_depth=6,
-                                             **params)]
+        gen = model.generate(PREFIX, seed=seed, spec_nodes=12, spec_depth=6, **params)
+        spec = [e.id for e in gen]
         assert spec == plain, seed
-        passes += model.last_stats.extra["spec_target_passes"]
+        passes += gen.stats.extra["spec_target_passes"]
     assert passes > 0
 
 
@@ -165,11 +166,13 @@ def test_seeded_sampling_equals_plain(tiny_lowbit):
 
 def test_lowbit_arguments(tiny_path, tiny_lowbit):
     with pytest.raises(BadArgument, match=r"low-bit copy in 'Q9_X'.*Q2_K"):
-        slipstream.load(tiny_path, device="cpu", draft_lowbit="Q9_X")
+        slipstream.load(tiny_path, device="cpu", draft=slipstream.SelfDraft(lowbit="Q9_X"))
     with pytest.raises(BadArgument, match="two drafts"):
-        slipstream.load(tiny_path, device="cpu", draft_lowbit="Q2_K", draft_skip_layers=1)
-    with pytest.raises(BadArgument, match="two drafts"):
-        slipstream.load(tiny_path, device="cpu", draft_lowbit="Q2_K", draft=tiny_path)
+        slipstream.SelfDraft(skip_layers=1, lowbit="Q2_K")
+    with pytest.raises(BadArgument, match="names no draft"):
+        slipstream.SelfDraft()
+    with pytest.raises(BadArgument, match=r"draft=3 is invalid.*SelfDraft"):
+        slipstream.load(tiny_path, device="cpu", draft=3)
     with pytest.raises(BadArgument, match=r"ahead=2 does not combine"):
         Speculator(tiny_lowbit.engine, tiny_lowbit.draft.engine,
                    Sampler(SamplingParams(temperature=0)), ahead=2)
@@ -185,7 +188,8 @@ def test_a_budget_the_copy_fills_is_refused(tiny_path):
     assert held > 0 and plan.budget > held
     with pytest.raises(BudgetTooSmall, match=r"Q2_K copy of 2 layers takes .*--ram-budget"):
         slipstream.load(tiny_path, device="cpu", ctx=128, precision="exact",
-                        ram_budget=held, draft_lowbit="Q2_K")
+                        draft=slipstream.SelfDraft(lowbit="Q2_K"),
+                        placement=slipstream.Placement(ram_budget=held))
 
 
 def test_worker_processes_encode_the_same_bytes(tiny_path):
@@ -214,8 +218,7 @@ def test_cuda_sizing_covers_what_the_smaller_budget_streams(tmp_path, monkeypatc
     budget: planned again until that set is covered; BudgetTooSmall where the copy alone
     fills the budget. A stand-in planner: 1 MiB a layer, 1 MiB of reserve; the copy 0.5 MiB a
     layer."""
-    import slipstream.api as api
-    import slipstream.memory.vram as vram_mod
+    import slipstream.speculative.self_draft as self_draft
     from slipstream.modelfile.config import ModelConfig
     from slipstream.modelfile.gguf_file import GGUFFile
     from slipstream.memory.planner import Plan
@@ -224,7 +227,8 @@ def test_cuda_sizing_covers_what_the_smaller_budget_streams(tmp_path, monkeypatc
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
     mib, n = 1 << 20, 6
-    monkeypatch.setattr(vram_mod, "layer_vram_bytes", lambda view, c, i, fused=False: mib // 2)
+    monkeypatch.setattr(self_draft, "layer_vram_bytes",
+                        lambda view, c, i, fused=False: mib // 2)
     budgets = []
 
     def fake_plan(gf_, cfg_, dev, prec, ctx, ram, vram, *rest, stream_first=None, stage=None):
@@ -233,21 +237,21 @@ def test_cuda_sizing_covers_what_the_smaller_budget_streams(tmp_path, monkeypatc
         return Plan("cuda", ["vram"] * resident + ["pinned"] * (n - resident), [mib] * n,
                     [mib] * n, 0, None, 1)
 
-    monkeypatch.setattr(api, "_plan", fake_plan)
+    monkeypatch.setattr(self_draft, "plan_model", fake_plan)
     # the draft's graphs and its VRAM copy of the token table (Engine.self_draft): 0.25 MiB
-    monkeypatch.setattr(api, "_self_draft_vram", lambda gf_, streamed: mib // 4)
+    monkeypatch.setattr(self_draft, "self_draft_vram", lambda gf_, streamed: mib // 4)
     prec = slipstream.precision.Precision.of("exact", torch.device("cpu"))
     dev = torch.device("cuda")
     # 6 MiB: plain decode streams layer 5; its copy and the table leave 5.25 MiB, which
     # streams 4 and 5; their copy leaves 4.75 MiB, which streams 3 to 5; theirs 4.25 MiB, the
     # same three
-    copied, held = api._size_lowbit(gf, cfg, dev, prec, 128, None, 6 * mib, "direct", 2, None,
-                                    Q.Q2_K, [5])
+    copied, held = self_draft.size_lowbit(gf, cfg, dev, prec, 128, None, 6 * mib, "direct", 2,
+                                          None, Q.Q2_K, [5])
     assert (copied, held) == ([3, 4, 5], 1.75 * mib)
     assert budgets == [5.25 * mib, 4.75 * mib, 4.25 * mib]
     # 2 MiB: every round streams more, until the copy of all six takes 3 MiB of the 2
     with pytest.raises(BudgetTooSmall, match=r"Q2_K copy of the \d layers the model would "
                                              r"stream takes"):
-        api._size_lowbit(gf, cfg, dev, prec, 128, None, 2 * mib, "direct", 2, None, Q.Q2_K,
-                         [1, 2, 3, 4, 5])
+        self_draft.size_lowbit(gf, cfg, dev, prec, 128, None, 2 * mib, "direct", 2, None,
+                               Q.Q2_K, [1, 2, 3, 4, 5])
     gf.close()

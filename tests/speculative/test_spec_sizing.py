@@ -119,7 +119,7 @@ def _trees_until_given_up(pass_s, level_s: float, accept_rate: float):
 
 
 def hybrid_70b(n: int) -> float:
-    """The H200's 70B at 24 GiB beside an 8B draft (session 13): passes of up to 2 tokens
+    """The H200's 70B at 24 GiB beside an 8B draft: passes of up to 2 tokens
     split with the CPU (0.21 s), wider ones copy whole layers (0.34 s at 8, 0.51 s at 512)."""
     return 0.21 if n <= 2 else 0.34 + 0.17 * n / 512
 
@@ -283,7 +283,7 @@ def test_a_first_use_pass_does_not_set_the_line():
 
 
 def test_a_good_draft_keeps_its_trees_after_a_first_pass_that_compiled():
-    """default-spec on the H100 (session 29): plain steps of 35.5 ms, tree passes of 60 ms at
+    """default-spec on the H100: plain steps of 35.5 ms, tree passes of 60 ms at
     any width but the first, which compiled kernels for a second, 4 ms levels, and 75%
     acceptance (its trees gave 4.6 tokens each; there the sizer took plain steps in 17 of 27
     rounds). With that second in a mean over every pass, plain steps took 36 of 40 rounds

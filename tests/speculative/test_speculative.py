@@ -186,11 +186,12 @@ def test_sampling_seed_for_seed_equals_plain(tiny, which):
     passes = 0
     for seed in range(12):
         plain = [e.id for e in target.generate(PREFIX, seed=seed, **params)]
-        spec = [e.id for e in target.generate(PREFIX, seed=seed, draft=drafts[which],
-                                              spec_nodes=12, spec_depth=6, **params)]
+        gen = target.generate(PREFIX, seed=seed, draft=drafts[which], spec_nodes=12,
+                              spec_depth=6, **params)
+        spec = [e.id for e in gen]
         assert spec == plain, seed
-        passes += target.last_stats.extra["spec_target_passes"]
-        assert target.last_stats.generated_tokens == len(plain)
+        passes += gen.stats.extra["spec_target_passes"]
+        assert gen.stats.generated_tokens == len(plain)
     assert passes > 0
 
 
@@ -311,8 +312,9 @@ def test_greedy_equals_plain_greedy(smollm_spec):
         ids = model.tokenize(prompt)
         plain = [e.id for e in model.generate(ids, max_tokens=GREEDY_TOKENS, temperature=0,
                                               draft=False)]
-        spec = [e.id for e in model.generate(ids, max_tokens=GREEDY_TOKENS, temperature=0,
-                                             spec_nodes=8, spec_depth=4)]
+        gen = model.generate(ids, max_tokens=GREEDY_TOKENS, temperature=0, spec_nodes=8,
+                             spec_depth=4)
+        spec = [e.id for e in gen]
         if spec != plain:
             at = next(i for i, (a, b) in enumerate(zip(spec, plain)) if a != b)
             logits = model.logits(ids + plain[:at])[-1]
@@ -320,7 +322,7 @@ def test_greedy_equals_plain_greedy(smollm_spec):
             pytest.fail(f"{prompt!r}: speculative greedy differs from plain greedy at token "
                         f"{at} ({spec[at]} against {plain[at]}); the top-2 logit margin "
                         f"there is {float(top[0] - top[1]):.2e}")
-        extra = model.last_stats.extra
+        extra = gen.stats.extra
         passes += extra["spec_target_passes"]
         tokens += round(extra["spec_tokens_per_pass"] * extra["spec_target_passes"])
         h = extra["spec_accepted_hist"]
@@ -351,41 +353,41 @@ def test_draft_is_placed_first_out_of_the_ram_budget(smollm_path, smollm_spec):
                             measure=False)
     held = sum(alone.resident_bytes_per_layer) + alone.fixed_bytes
     budget = held + 200 * 2**20  # the draft, and 200 MiB for the model
-    with slipstream.load(smollm_path, device="cpu", ctx=512, precision="exact",
-                         ram_budget=budget, draft=draft_path) as model:
+    with slipstream.load(smollm_path, device="cpu", ctx=512, precision="exact", draft=draft_path,
+                         placement=slipstream.Placement(ram_budget=budget)) as model:
         assert model.plan.draft == (draft_path.name, held)
         assert model.plan.budget == budget - held
         assert "disk" in model.plan.tiers  # 200 MiB holds part of the model only
         assert not model.draft.plan.streamed_layers
     with pytest.raises(BudgetTooSmall, match=r"does not fit the budget whole"):
-        slipstream.load(smollm_path, device="cpu", ctx=512, ram_budget=held // 2,
-                        draft=draft_path)
+        slipstream.load(smollm_path, device="cpu", ctx=512, draft=draft_path,
+                        placement=slipstream.Placement(ram_budget=held // 2))
 
 
 def test_layer_skip_self_draft_is_lossless(smollm_path):
     """The self-draft shares the model's weights (no second file), leaves out K layers and
     writes into the model's KV cache; greedy output equals plain greedy output."""
     with slipstream.load(smollm_path, device="cpu", ctx=256, precision="exact",
-                         draft_skip_layers=8) as model:
+                         draft=slipstream.SelfDraft(skip_layers=8)) as model:
         draft = model.draft
         assert len(draft.engine.skip) == 8 and not model.engine.skip
         assert draft.engine.weights is model.engine.weights
         assert draft.engine.shares_kv(model.engine) and model.plan.draft[1] == 0
         ids = model.tokenize("Photosynthesis is the process by which")
         plain = [e.id for e in model.generate(ids, max_tokens=32, temperature=0, draft=False)]
-        spec = [e.id for e in model.generate(ids, max_tokens=32, temperature=0, spec_nodes=16,
-                                             spec_depth=8)]
+        gen = model.generate(ids, max_tokens=32, temperature=0, spec_nodes=16, spec_depth=8)
+        spec = [e.id for e in gen]
         assert spec == plain
-        extra = model.last_stats.extra
+        extra = gen.stats.extra
         assert extra["spec_target_passes"] < 31  # some drafted tokens were accepted
     assert draft.engine is None  # closed with the model
 
 
 def test_self_draft_arguments(smollm_path):
     with pytest.raises(BadArgument, match="two drafts"):
-        slipstream.load(smollm_path, device="cpu", draft=smollm_path, draft_skip_layers=2)
-    with pytest.raises(BadArgument, match=r"draft_skip_layers=40 is invalid"):
-        slipstream.load(smollm_path, device="cpu", draft_skip_layers=40)
+        slipstream.SelfDraft(skip_layers=2, lowbit="Q4_0")
+    with pytest.raises(BadArgument, match=r"SelfDraft skip_layers=40 is invalid"):
+        slipstream.load(smollm_path, device="cpu", draft=slipstream.SelfDraft(skip_layers=40))
 
 
 def test_a_draft_that_never_pays_is_given_up(tmp_path):
@@ -400,9 +402,10 @@ def test_a_draft_that_never_pays_is_given_up(tmp_path):
     other = write_synth(tmp_path / "o.gguf", "tiny", "Q8_0", seed=6, **kw)
     with slipstream.load(target, device="cpu", ctx=512, precision="exact", draft=other) as m:
         plain = [e.id for e in m.generate(PREFIX, max_tokens=300, temperature=0, draft=False)]
-        spec = [e.id for e in m.generate(PREFIX, max_tokens=300, temperature=0)]
+        gen = m.generate(PREFIX, max_tokens=300, temperature=0)
+        spec = [e.id for e in gen]
         assert spec == plain
-        report = m.last_speculation
+        report = gen.speculation
         assert report["draft_given_up_at"] is not None, report
         trees = report["target_passes"] - report["plain_steps"]
         assert trees >= GIVE_UP_MIN_TREES and report["accepted_hist"][1:] == []
@@ -411,26 +414,30 @@ def test_a_draft_that_never_pays_is_given_up(tmp_path):
         assert report["target_passes"] == len(plain) - 1
         given_up = report["draft_given_up_at"]
         assert report["plain_after_give_up"] == report["target_passes"] - given_up - 1 > 200
-        assert m.draft is None and m.draft_released == ("o.gguf", [])
-        assert m.draft_release_s is not None and m.draft_release_s >= 0
-        again = [e.id for e in m.generate(PREFIX, max_tokens=20, temperature=0)]
-        assert again == plain[:20] and m.last_speculation is None
+        released = m.speculation.released
+        assert m.draft is None and (released.draft, released.promoted) == ("o.gguf", [])
+        assert released.seconds >= 0
+        gen = m.generate(PREFIX, max_tokens=20, temperature=0)
+        again = [e.id for e in gen]
+        assert again == plain[:20] and gen.speculation is None
     sampling = dict(SAMPLING, repeat_penalty=1.3, presence_penalty=0.2, max_tokens=120)
     with slipstream.load(target, device="cpu", ctx=512, precision="exact", draft=other) as m:
         # seeded sampling with penalties across the handover: the history it reads carries on
         plain = [e.id for e in m.generate(PREFIX, seed=7, draft=False, **sampling)]
-        spec = [e.id for e in m.generate(PREFIX, seed=7, **sampling)]
-        assert m.last_speculation["plain_after_give_up"] > 0 and spec == plain
+        gen = m.generate(PREFIX, seed=7, **sampling)
+        spec = [e.id for e in gen]
+        assert gen.speculation["plain_after_give_up"] > 0 and spec == plain
     with slipstream.load(target, device="cpu", ctx=512, precision="exact", draft=other) as m:
         # a fixed tree size is the user's choice: never given up
-        list(m.generate(PREFIX, max_tokens=200, temperature=0, spec_nodes=8))
-        assert m.last_speculation["draft_given_up_at"] is None and m.draft is not None
+        gen = m.generate(PREFIX, max_tokens=200, temperature=0, spec_nodes=8)
+        list(gen)
+        assert gen.speculation["draft_given_up_at"] is None and m.draft is not None
 
 
 def test_warm_up_tree_passes_leave_the_model_as_loaded(tiny):
-    """The tree passes load runs to compile a CUDA target's kernels (api._run_tree_steps)
-    leave an empty cache and change no output: greedy tokens after them equal a fresh load's."""
-    from slipstream.api import _run_tree_steps
+    """The tree passes load runs to compile a CUDA target's kernels
+    (speculative.drafts.run_tree_steps) leave an empty cache and change no output: greedy tokens after them equal a fresh load's."""
+    from slipstream.speculative.drafts import run_tree_steps
 
     target, _, _ = tiny
     fresh = slipstream.load(target.path, device="cpu", ctx=128, precision="exact")
@@ -440,7 +447,7 @@ def test_warm_up_tree_passes_leave_the_model_as_loaded(tiny):
     # module's, and another test's tokens could leave too little context for PREFIX)
     target.engine.reset()
     target.engine.forward(PREFIX)
-    _run_tree_steps(target.engine, [4, 16, 32])
+    run_tree_steps(target.engine, [4, 16, 32])
     assert target.engine.length == 0
     got = [e.id for e in target.generate(PREFIX, max_tokens=12, temperature=0)]
     assert got == want
@@ -516,9 +523,10 @@ def test_a_draft_the_prompt_rules_out_never_grows_a_tree(tmp_path):
     prompt = [(7 * i + 3) % 200 + 1 for i in range(48)]
     with slipstream.load(target, device="cpu", ctx=256, precision="exact", draft=other) as m:
         plain = [e.id for e in m.generate(prompt, max_tokens=40, temperature=0, draft=False)]
-        spec = [e.id for e in m.generate(prompt, max_tokens=40, temperature=0)]
+        gen = m.generate(prompt, max_tokens=40, temperature=0)
+        spec = [e.id for e in gen]
         assert spec == plain
-        report = m.last_speculation
+        report = gen.speculation
         assert report["draft_given_up_at"] == 0, report
         assert report["target_passes"] == report["plain_steps"]  # no tree
         assert m.draft is None

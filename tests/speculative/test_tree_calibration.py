@@ -1,6 +1,6 @@
-"""The trees' ranking temperature fitted to the target's draws (speculative.calibration): the
-scores against torch's own softmax, the fit recovering a known temperature from draws, and the
-fit in a speculative generation (which stays lossless: test_speculative)."""
+"""The trees' ranking temperature fitted to the target's walks (speculative.calibration): the
+distributions kept against torch's own softmax, the walk score by hand, and the fit in a
+speculative generation (which stays lossless: test_speculative)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import math
 import pytest
 import torch
 
-from slipstream.errors import BadArgument
 from slipstream.speculative.tree import DraftTree, TreeGrower, tree_tau
 from slipstream.runtime.sampler import Sampler, SamplingParams
 from slipstream.speculative.sizing import TreeSizer
@@ -38,49 +37,14 @@ def test_logsumexps_equal_torchs_at_every_temperature():
         assert torch.allclose(got[:, j].double(), want, rtol=1e-6, atol=1e-4)
 
 
-def test_a_draw_is_scored_at_its_chance_under_the_draft_coarsened_to_its_top_k():
-    """In the top k: the draft's softmax at tau; outside: the chance of anything else."""
+def test_the_walk_counts_the_nodes_kept_at_every_temperature():
+    """A node the walk passed through counts towards MIN_OBSERVED where the draft's
+    distribution there was kept at every tau of the grid; one kept at fewer does not."""
     gen = torch.Generator().manual_seed(1)
     row = torch.randn(500, generator=gen) * 3
-    k = 8
     fit = TauFit(0.5)
-    node = _draws(row, fit.grid, k)
-    inside, outside = node.tokens[3], int(torch.argsort(row)[0])
-    for token in (inside, outside):
-        before = list(fit.loglik)
-        fit.observe(node, token)
-        for g, tau in enumerate(fit.grid):
-            p = torch.softmax(row.double() / tau, -1)
-            want = p[token] if token in node.tokens else 1 - p[list(node.tokens)].sum()
-            assert math.isclose(fit.loglik[g] - before[g], math.log(want), rel_tol=1e-4,
-                                abs_tol=1e-5)
-    assert fit.observed == 2
-
-
-@pytest.mark.parametrize("truth", [0.35, 1.0])
-def test_the_fit_finds_the_temperature_the_draws_come_from(truth):
-    """Draws from softmax(logits / truth): after enough of them the fit ranks at truth, the
-    grid's member; before MIN_OBSERVED it keeps the default it was given."""
-    gen = torch.Generator().manual_seed(2)
-    fit = TauFit(0.7, by="loglik")
-    assert truth in fit.grid
-    for i in range(600):
-        row = torch.randn(2000, generator=gen) * 2.5
-        token = int(torch.multinomial(torch.softmax(row / truth, -1), 1, generator=gen))
-        fit.observe(_draws(row, fit.grid, 8), token)
-        if i + 1 < MIN_OBSERVED:
-            assert fit.tau == 0.7
-    assert fit.tau == truth
-
-
-def test_fixed_keeps_the_default(monkeypatch):
-    monkeypatch.setenv("SLIPSTREAM_TREE_TAU", "fixed")
-    fit = TauFit(0.3)
-    assert fit.grid == (0.3,)
-    node = NodeDraws((1, 2), (5.0, 1.0), (5.0 / 0.3,))
-    for _ in range(2 * MIN_OBSERVED):
-        fit.observe(node, 2)
-    assert fit.tau == 0.3
+    fit.observe_walk({0: _draws(row, fit.grid, 8), 2: _draws(row, (0.5,), 8)}, [0, 1, 2])
+    assert fit.observed == 1
 
 
 def test_the_default_joins_the_grid():
@@ -166,29 +130,30 @@ def test_a_generation_fits_and_ranks_its_trees_at_the_fit(tiny):
     assert fit.observed >= MIN_OBSERVED
     # each round's tree was ranked at the fit's temperature after the round before it
     assert ranked == expected and ranked[0] == tree_tau(0.0)
-    assert any(v != 0.0 for v in fit.loglik)
     again = Speculator(target.engine, draft.engine, sampler, nodes=24, depth=4, sizer=sizer)
     assert again.fit is fit and again.tau == fit.tau
 
 
 def test_a_settled_fit_stops_scoring_and_keeps_its_temperature():
-    """Past `settled_at` scored nodes the fit stops: trees keep no grid (one pass over the
-    vocabulary a level) and further draws change nothing."""
+    """Past `settled_at` counted nodes the fit stops: trees keep no grid (one pass over the
+    vocabulary a level) and further walks change nothing."""
     gen = torch.Generator().manual_seed(3)
-    fit = TauFit(0.3, settled_at=200, by="loglik")
+    fit = TauFit(0.3, settled_at=200)
+    fit.walked[fit.grid.index(1.0)] = 5.0
     assert fit.grid_to_keep == fit.grid
+    row = torch.randn(1000, generator=gen) * 2.5
+    node = _draws(row, fit.grid, 8)
     while not fit.settled:
-        row = torch.randn(1000, generator=gen) * 2.5
-        token = int(torch.multinomial(torch.softmax(row / 1.0, -1), 1, generator=gen))
-        fit.observe(_draws(row, fit.grid, 8), token)
+        fit.observe(node)
     assert fit.observed == 200 and fit.grid_to_keep == () and fit.tau == 1.0
-    frozen = list(fit.loglik)
-    row = torch.randn(1000, generator=gen)
-    fit.observe(_draws(row, fit.grid, 8), int(row.argmax()))
-    assert fit.loglik == frozen and fit.tau == 1.0
-    # a node kept at one temperature only (a tree grown after settling) is never scored
+    fit.observe(node)
+    tree = DraftTree(0)
+    tree.add(5, 0, 0.0)
+    fit.observe_tree(tree, [0, 1], [0, 1])
+    assert fit.observed == 200 and fit.walked[fit.grid.index(1.0)] == 5.0 and fit.tau == 1.0
+    # a node kept at one temperature only (a tree grown after settling) is never counted
     fresh = TauFit(0.3)
-    fresh.observe(_draws(row, (0.3,), 8), int(row.argmax()))
+    fresh.observe(_draws(row, (0.3,), 8))
     assert fresh.observed == 0
 
 
@@ -237,24 +202,9 @@ def test_reranked_acceptance_keeps_the_best_half_at_each_temperature():
     assert reranked_acceptance(tree, verify, path, grid) is None
 
 
-def test_the_walk_score_ranks_by_default_and_loglik_on_request(monkeypatch):
-    monkeypatch.delenv("SLIPSTREAM_TREE_TAU", raising=False)
+def test_the_walk_score_ranks_once_enough_nodes_are_counted():
     fit = TauFit(0.3)
-    assert fit.by == "walk"
-    fit.observed = MIN_OBSERVED
-    fit.walked = [0.0] * len(fit.grid)
     fit.walked[fit.grid.index(1.0)] = 5.0
-    fit.loglik[fit.grid.index(0.5)] = 1.0
+    assert fit.tau == 0.3  # fewer than MIN_OBSERVED nodes: the default
+    fit.observed = MIN_OBSERVED
     assert fit.tau == 1.0
-    monkeypatch.setenv("SLIPSTREAM_TREE_TAU", "loglik")
-    other = TauFit(0.3)
-    other.observed, other.walked, other.loglik = fit.observed, fit.walked, [
-        -1.0] * len(fit.grid)
-    other.loglik[other.grid.index(0.5)] = 1.0
-    assert other.by == "loglik" and other.tau == 0.5
-
-
-def test_an_unknown_mode_is_refused_with_the_ones_there_are(monkeypatch):
-    monkeypatch.setenv("SLIPSTREAM_TREE_TAU", "wlak")
-    with pytest.raises(BadArgument, match="SLIPSTREAM_TREE_TAU='wlak'.*walk, loglik, fixed"):
-        TauFit(0.3)

@@ -43,7 +43,8 @@ def test_the_plan_counts_the_packed_copies_and_streams_packed(tmp_path):
     # and as many of them whole as the rest holds, whose decode is packed too
     held_dense = plan.fixed_bytes + sum(plan.resident_bytes_per_layer) - 4 * copies
     budget = held_dense + 2 * max(plan.file_bytes_per_layer) + plan.prefill_staging + 1
-    with slipstream.load(path, device="cpu", ctx=64, ram_budget=budget) as streamed:
+    with slipstream.load(path, device="cpu", ctx=64,
+                         placement=slipstream.Placement(ram_budget=budget)) as streamed:
         tiers = streamed.plan.tiers
         assert "packed" in tiers and "ram" in tiers and "disk" not in tiers
         assert isinstance(streamed.engine.weights.output, PackedDecodeLinear)

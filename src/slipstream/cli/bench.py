@@ -43,7 +43,7 @@ def run(a: argparse.Namespace) -> int:
     model = load_model(a)
     results = [bench_prefill(model.engine, a.pp, a.reps), bench_tg(model, a)]
     bw = memory_read_gbps(model.device)
-    per_token = weight_bytes_per_token(model.engine)
+    per_token = weight_bytes_per_token(model.engine, model.gguf)
     roofline = bw * 1e9 / per_token
     console = Console(stderr=a.json is not None and a.json == "-")
     console.print(bench_table(model, results))

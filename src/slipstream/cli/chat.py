@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from .loading import last_stats, load_model
+from .loading import load_model
 from .control import stream
 from .options import add_draft_args, add_model_args, add_sampling_args, sampling_kwargs, \
     spec_kwargs
@@ -63,13 +63,13 @@ def run(a: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": text})
         reply: list[str] = []
         # a stopped reply stays in the conversation as far as it went: what the user saw
-        stopped = stream(model.chat(messages, **sampling_kwargs(a, model.ctx),
-                                    **spec_kwargs(a)), reply)
+        gen = model.chat(messages, **sampling_kwargs(a, model.ctx), **spec_kwargs(a))
+        stopped = stream(gen, reply)
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": "".join(reply)})
         if a.verbose:
-            stats = last_stats(model)
+            stats = gen.stats
             print_stats(stats, interrupted=stopped)
             print_spec(stats)
     return 0

@@ -1,6 +1,6 @@
 """The CLI's one door to the Python API: the model a command's arguments name, the tier plan
-`info --plan` shows, and the stats a generation leaves behind. Every call into
-`slipstream.api` and every read of a generation's stats off the model is here.
+`info --plan` shows, and the stats a generation returns. Every call into `slipstream.api` is
+here.
 
 The API (and torch under it) is imported by the functions that need it, so that `--help`,
 argument errors and `info` start without it."""
@@ -20,7 +20,6 @@ from .render import print_load_notes
 if TYPE_CHECKING:
     from ..api import Model
     from ..memory.planner import Plan
-    from ..runtime.generate import GenerationStats
 
 
 def draft_kwargs(a: argparse.Namespace) -> dict:
@@ -28,10 +27,12 @@ def draft_kwargs(a: argparse.Namespace) -> dict:
     load as before."""
     if getattr(a, "draft", None) is not None:
         return {"draft": a.draft}
+    from ..speculative.drafts import SelfDraft  # imports torch: only a self-draft needs it
+
     if getattr(a, "draft_skip_layers", 0):
-        return {"draft_skip_layers": a.draft_skip_layers}
+        return {"draft": SelfDraft(skip_layers=a.draft_skip_layers)}
     if getattr(a, "draft_lowbit", None) is not None:
-        return {"draft_lowbit": a.draft_lowbit}
+        return {"draft": SelfDraft(lowbit=a.draft_lowbit)}
     return {}
 
 
@@ -57,13 +58,13 @@ def load_model(a: argparse.Namespace, private_weights: bool | None = None) -> Mo
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     t0 = time.perf_counter()
-    model = api.load(a.model, device=a.device, ctx=a.ctx, progress=sys.stderr.isatty(),
-                     precision=a.precision, ram_budget=a.ram_budget,
-                     vram_budget=a.vram_budget, io=a.io, gpu_slots=a.gpu_slots,
-                     skip_layers=a.skip_layers, **draft_kwargs(a),
-                     private_weights=private_weights,
-                     hybrid=a.hybrid, threads=a.threads, vram_layers=a.vram_layers,
-                     devices=devices_arg(a), distributed=a.distributed)
+    placement = api.Placement(
+        ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io, gpu_slots=a.gpu_slots,
+        private_weights=private_weights, hybrid=a.hybrid, threads=a.threads,
+        vram_layers=a.vram_layers, distributed=a.distributed)
+    model = api.load(a.model, device=devices_arg(a) or a.device, ctx=a.ctx,
+                     progress=sys.stderr.isatty(), precision=a.precision,
+                     skip_layers=a.skip_layers, **draft_kwargs(a), placement=placement)
     a.load_s = time.perf_counter() - t0
     if a.distributed:
         follow_rank0(model)  # the ranks after the first leave here, when rank 0 is done
@@ -73,14 +74,10 @@ def load_model(a: argparse.Namespace, private_weights: bool | None = None) -> Mo
 
 def plan(path: Path, a: argparse.Namespace) -> Plan:
     """The tier plan the arguments' budgets give the model at `path`, without loading it."""
-    from ..api import plan as api_plan  # imports torch and the engine
+    from .. import api  # imports torch and the engine
 
-    return api_plan(path, device=a.device, ctx=a.ctx, precision=a.precision,
-                    ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io,
-                    gpu_slots=a.gpu_slots, hybrid=a.hybrid, threads=a.threads,
-                    vram_layers=a.vram_layers)
-
-
-def last_stats(model: Model) -> GenerationStats | None:
-    """The stats of the model's last generation (GenerationStats), or None before the first."""
-    return model.last_stats
+    placement = api.Placement(ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io,
+                              gpu_slots=a.gpu_slots, hybrid=a.hybrid, threads=a.threads,
+                              vram_layers=a.vram_layers)
+    return api.plan(path, device=a.device, ctx=a.ctx, precision=a.precision,
+                    placement=placement)

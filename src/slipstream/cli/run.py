@@ -10,7 +10,7 @@ from collections.abc import Callable
 from rich.markup import escape
 
 from ..runtime import trace
-from .loading import last_stats, load_model
+from .loading import load_model
 from .control import stream
 from .options import DEFAULT_PROMPT, add_draft_args, add_model_args, add_sampling_args, \
     sampling_kwargs, spec_kwargs
@@ -48,6 +48,7 @@ def run(a: argparse.Namespace) -> int:
         tracer = trace.Tracer()
         trace.attach(model, tracer)
     aborted = False  # a second Ctrl-C, which may have cut into the store's work
+    events = None
     try:
         events = model.generate(a.prompt, **sampling_kwargs(a, model.ctx), **spec_kwargs(a))
         interrupted = stream(tracer.tokens(events) if tracer is not None else events)
@@ -55,7 +56,7 @@ def run(a: argparse.Namespace) -> int:
         interrupted = aborted = True
     sys.stdout.write("\n")
     sys.stdout.flush()
-    stats = last_stats(model)
+    stats = events.stats if events is not None else None
     print_stats(stats, a.load_s, time.perf_counter() - t0, interrupted)
     if (a.stats or tracer is not None) and not aborted:
         store.collect()  # CUDA: the last pass's events

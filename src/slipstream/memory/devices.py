@@ -9,6 +9,7 @@ token embedding, the last one the head.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -83,7 +84,7 @@ def stage_ranges(n_layers: int, n_stages: int) -> list[range]:
 REMOTE = "remote"  # a pipeline's tier for the layers another process holds
 
 
-def pad_stage_plan(plan, stage, n_layers: int) -> None:
+def pad_stage_plan(plan, stage, n_layers: int):
     """A stage's plan (per-layer lists indexed from its first layer) indexed by layer instead:
     the other stages' layers get the tier REMOTE and no bytes, so that nothing of them is
     loaded, pinned or streamed here, and every tier sum counts this stage's layers only."""
@@ -91,7 +92,9 @@ def pad_stage_plan(plan, stage, n_layers: int) -> None:
     if len(plan.tiers) != len(stage.layers):
         raise ValueError(f"the plan has {len(plan.tiers)} layers, the stage "
                          f"{len(stage.layers)}")
-    plan.tiers = [REMOTE] * before + list(plan.tiers) + [REMOTE] * after
-    for name in ("resident_bytes_per_layer", "file_bytes_per_layer"):
-        setattr(plan, name, [0] * before + list(getattr(plan, name)) + [0] * after)
-    plan.stages = [stage]
+    def pad(values: list, fill) -> list:
+        return [fill] * before + list(values) + [fill] * after
+
+    return replace(plan, tiers=pad(plan.tiers, REMOTE), stages=[stage],
+                   resident_bytes_per_layer=pad(plan.resident_bytes_per_layer, 0),
+                   file_bytes_per_layer=pad(plan.file_bytes_per_layer, 0))

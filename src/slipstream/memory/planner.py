@@ -22,6 +22,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from rich.table import Table
+
 from ..errors import BudgetTooSmall
 from .budget import fmt_bytes
 
@@ -45,10 +47,15 @@ class StagePlan:
     holds_head: bool = True
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     """The tier plan of one stage (per-layer lists are indexed from the stage's first layer;
-    with one stage, by layer index). `stages` lists the stages the engine chains."""
+    with one stage, by layer index). `stages` lists the stages the engine chains.
+
+    Frozen: a plan is made complete by the planner, and code that changes it later (a stage's
+    padding, the hybrid split, a draft's share, layers promoted once a draft is released)
+    makes a new one with dataclasses.replace. Only `bandwidth_gbps` fills in place, as the
+    links are measured."""
 
     device: str
     # per layer: "ram"/"packed"/"disk" on CPU; "vram"/"pinned"/"disk" on CUDA. A CPU "packed"
@@ -103,8 +110,8 @@ class Plan:
     head_dense_on_demand: bool = False
 
     def __post_init__(self) -> None:
-        if not self.stages:
-            self.stages = [StagePlan(self.device, range(len(self.tiers)))]
+        if not self.stages:  # frozen: the default set once, as the plan is made
+            object.__setattr__(self, "stages", [StagePlan(self.device, range(len(self.tiers)))])
 
     @property
     def disk_layers(self) -> list[int]:
@@ -202,8 +209,6 @@ class Plan:
         return parts
 
     def table(self):
-        from rich.table import Table
-
         budget = f"budget {fmt_bytes(self.budget) if self.budget else 'unlimited'}"
         if self.device == "cuda":
             vram = self.budget + self.outside_allocator if self.budget else 0
@@ -434,10 +439,13 @@ def plan_cuda(vram_bytes: list[int], image_bytes: list[int], reserve: dict[str, 
     n = len(vram_bytes)
     fixed = sum(reserve.values())
     slot = max(image_bytes) if n else 0
-    plan = Plan("cuda", ["vram"] * n, vram_bytes, image_bytes, fixed, vram_budget, n_slots,
-                ram_budget=ram_budget, reserve=dict(reserve), io=io, vram_layers=vram_layers)
+    def made(tiers: list[str], host_staging: int = 0) -> Plan:
+        return Plan("cuda", tiers, vram_bytes, image_bytes, fixed, vram_budget, n_slots,
+                    ram_budget=ram_budget, host_staging=host_staging, reserve=dict(reserve),
+                    io=io, vram_layers=vram_layers)
+
     if fixed + sum(vram_bytes) <= vram_budget and (vram_layers is None or vram_layers >= n):
-        return plan
+        return made(["vram"] * n)
     # the mmap baseline copies its layers into one more slot of its own
     slots = n_slots + (1 if io == "mmap" else 0)
     minimum = fixed + slots * slot
@@ -450,6 +458,7 @@ def plan_cuda(vram_bytes: list[int], image_bytes: list[int], reserve: dict[str, 
               f"--ctx")
     tiers = _interleave(vram_bytes, vram_budget - minimum, vram_layers, stream_first)
     streamed = [i for i, t in enumerate(tiers) if t == "pinned"]
+    host_staging = 0
     if ram_budget is not None and sum(image_bytes[i] for i in streamed) > ram_budget:
         # the disk tier's pinned staging buffers come out of the RAM budget (kvikio and mmap
         # bring their own)
@@ -466,6 +475,4 @@ def plan_cuda(vram_bytes: list[int], image_bytes: list[int], reserve: dict[str, 
             else:
                 tiers[i] = "disk"
                 room = -1
-        plan.host_staging = host_staging
-    plan.tiers = tiers
-    return plan
+    return made(tiers, host_staging)

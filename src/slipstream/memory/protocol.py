@@ -28,7 +28,7 @@ class StoreStats:
     stall_s: float = 0.0  # GPU idle between layers: waiting for a copy, or for the host
     h2d_s: float = 0.0  # copy stream busy (overlaps compute)
     disk_read_s: float = 0.0  # wall time with at least one read running (overlaps compute)
-    # Hybrid decode (hybrid.ffn), host clock: the CPU's FFN shares, waits for their inputs
+    # Hybrid decode (hybrid.split), host clock: the CPU's FFN shares, waits for their inputs
     # included, and the packed bytes they read
     cpu_s: float = 0.0
     cpu_bytes: int = 0

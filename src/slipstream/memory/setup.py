@@ -133,7 +133,7 @@ def plan_for(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Pr
                       gpu_slots, prefill_chunk=prefill_chunk, graph_bucket=graph_bucket,
                       vram_layers=vram_layers, stream_first=stream_first)
     if not whole:
-        pad_stage_plan(plan, stage, cfg.n_layers)
+        plan = pad_stage_plan(plan, stage, cfg.n_layers)
     return plan
 
 
@@ -154,8 +154,7 @@ def plan_stage(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
                           gpu_slots, prefill_chunk, graph_bucket, vram_layers, stream_first)
     else:
         plan = _plan_cpu(gf, cfg, stage, precision, ctx, ram_budget, file_bytes)
-    plan.stages = [stage]
-    return plan
+    return dataclasses.replace(plan, stages=[stage])
 
 
 def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Precision,
@@ -196,14 +195,13 @@ def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Preci
             plan = plan_layers("cpu", resident, moved,
                                cpu_fixed_bytes(gf, cfg, precision, ctx, stage, True),
                                ram_budget, prefill_staging=staging)
-            plan.head_dense_on_demand = True
+            plan = dataclasses.replace(plan, head_dense_on_demand=True)
         if plan.disk_layers:
-            _keep_packed(plan, resident, moved)
+            plan = _keep_packed(plan, resident, moved)
     else:
         plan = plan_layers("cpu", resident, span_bytes, fixed, ram_budget)
-    plan.cpu_images = images
-    plan.head_bytes = head_bytes  # one matvec over it per token (the CPU prediction)
-    return plan
+    # head_bytes: one matvec over it per token (the CPU prediction)
+    return dataclasses.replace(plan, cpu_images=images, head_bytes=head_bytes)
 
 
 def head_dense_on_demand(gf: GGUFFile, precision: Precision, stage: StagePlan | None = None
@@ -231,7 +229,7 @@ def cpu_fixed_bytes(gf: GGUFFile, cfg: ModelConfig, precision: Precision, ctx: i
     return held + kv + cfg.hidden * 4
 
 
-def _keep_packed(plan: Plan, whole: list[int], image: list[int]) -> None:
+def _keep_packed(plan: Plan, whole: list[int], image: list[int]) -> Plan:
     """Re-tier a CPU plan that streams (see _plan_cpu): "packed" layers while their images
     fit, then "disk"; once every layer is packed, the first ones "ram" while the room left
     holds the rest of them (whole minus image)."""
@@ -250,9 +248,8 @@ def _keep_packed(plan: Plan, whole: list[int], image: list[int]) -> None:
             break
         tiers[i] = "ram"
         room -= whole[i] - image[i]
-    plan.tiers = tiers
-    plan.resident_bytes_per_layer = [b if t == "ram" else m
-                                     for b, m, t in zip(whole, image, tiers)]
+    return dataclasses.replace(plan, tiers=tiers, resident_bytes_per_layer=[
+        b if t == "ram" else m for b, m, t in zip(whole, image, tiers)])
 
 
 def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.device,
@@ -300,12 +297,10 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
             first = [k for k, i in enumerate(stage.layers) if i in wanted]
         plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io,
                          vram_layers, first)
-        plan.graphs = False
-        plan.embed_on_host = True
-        plan.fuse_scales = False
-        plan.flat_layers = True
-        plan.scratch_elements = STREAMED_SCRATCH_ELEMENTS
-        plan.prefill_chunk = chunk
+        plan = dataclasses.replace(plan, graphs=False, embed_on_host=True,
+                                   fuse_scales=False, flat_layers=True,
+                                   scratch_elements=STREAMED_SCRATCH_ELEMENTS,
+                                   prefill_chunk=chunk)
     return plan
 
 

@@ -74,7 +74,7 @@ class LayerWeights:
     # one call instead of three (or two) matters when each call is a small memory-bound GEMV.
     attn_qkv: Linear | None = None  # hidden -> (n_heads + 2 * n_kv_heads) * head_dim
     ffn_gate_up: Linear | None = None  # hidden -> 2 * ffn
-    # A layer split for hybrid decode (hybrid.ffn): ffn_gate_up / ffn_down then hold the
+    # A layer split for hybrid decode (hybrid.split): ffn_gate_up / ffn_down then hold the
     # GPU's intermediate units only. The other units are either here, in the same format
     # (prefill, large trees), or computed elsewhere by `ffn_host` (decode): never both.
     ffn_gate_up_rest: Linear | None = None  # hidden -> 2 * (the other units)
@@ -220,7 +220,7 @@ def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
 
 
 def _split_ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU over intermediate units split in two (hybrid.ffn): each side's down
+    """SwiGLU over intermediate units split in two (hybrid.split): each side's down
     projection is a partial sum over its own units, and the two add up to the whole. The share
     computed elsewhere gets its input first, so that it runs while this device runs its own."""
     h = rms_norm(x, w.ffn_norm, cfg.norm_eps)

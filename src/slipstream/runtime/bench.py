@@ -20,8 +20,12 @@ from typing import Callable, Iterator
 
 import torch
 
+from ..modelfile.gguf_file import GGUFFile
+from ..weights.cpu import PackedDecodeLinear
+from ..weights.linear import DenseLinear, QuantLinear
 from .engine import Engine
 from .generate import GenerationStats, TokenSource
+from .layer_skip import calibration_text
 from .sampler import Sampler, SamplingParams
 
 SPEC_PROMPT_TOKENS = 32  # the speculative tg's prompt: the start of the calibration text
@@ -97,8 +101,6 @@ def bench_decode(engine: Engine, n_tokens: int, reps: int = 3, seed: int = 0) ->
 
 def spec_prompt(tokenize: Callable[[str], list[int]], n: int = SPEC_PROMPT_TOKENS) -> list[int]:
     """The first n tokens of the calibration text shipped with the package (plain prose)."""
-    from .layer_skip import calibration_text
-
     return tokenize(calibration_text())[:n]
 
 
@@ -136,12 +138,10 @@ def _drain(tokens: Iterator[torch.Tensor]) -> None:
         pass
 
 
-def weight_bytes_per_token(engine: Engine) -> int:
+def weight_bytes_per_token(engine: Engine, gguf: GGUFFile | None = None) -> int:
     """Bytes of weights one decode token reads: every linear layer once (of the layers not
-    skipped), one embedding row."""
-    from ..weights.cpu import PackedDecodeLinear
-    from ..weights.linear import DenseLinear, QuantLinear
-
+    skipped), one embedding row. A streamed layer has no resident weights to measure: its
+    tensors' bytes in `gguf` count (left out without it)."""
     def nbytes(lin) -> int:
         if isinstance(lin, PackedDecodeLinear):  # CPU decode reads the packed copy
             lin = lin.packed
@@ -155,6 +155,11 @@ def weight_bytes_per_token(engine: Engine) -> int:
     total = nbytes(w.output) + w.embed.raw.shape[1]
     for i, layer in enumerate(w.layers):
         if i in engine.skip:
+            continue
+        if layer is None:  # streamed: its layer's GGUF bytes cross the bus every token
+            prefix = f"blk.{i}."
+            total += sum(t.n_bytes for name, t in (gguf.tensors.items() if gguf else ())
+                         if name.startswith(prefix))
             continue
         fused = [layer.attn_qkv, layer.ffn_gate_up]
         parts = [layer.attn_q, layer.attn_k, layer.attn_v] if layer.attn_qkv is None else []

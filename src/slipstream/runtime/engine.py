@@ -16,11 +16,13 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ..modelfile.config import ModelConfig
+from ..memory.store import ResidentLayerStore
 from ..model import Step, append_step, block_forward, fused_decode_serves, rms_norm
 from ..model.llama import LayerWeights, uses_fused_decode
+from ..modelfile.config import ModelConfig
 from ..weights import ModelWeights
 from .graphs import GRAPH_BUCKET, DecodeGraphs, StepGraphs, bucket_span
+from .kv_cache import KVCache
 from .layer_graphs import LayerGraphs, layer_graphs_enabled
 from .stage import Stage
 
@@ -98,6 +100,13 @@ class Engine:
         return self.stages[0].rope
 
     @property
+    def tree_graphs(self) -> StepGraphs | None:
+        """The CUDA graphs of masked steps (a draft's tree levels), captured on first use;
+        None before. Their `eager` set names the buckets that ran eagerly because their capture
+        ran out of memory, which a benchmark of level costs must tell apart."""
+        return self._tree_graphs
+
+    @property
     def graph_capture_s(self) -> float:
         return (sum(g.capture_s for g in (self._graphs, self._tree_graphs) if g is not None)
                 + sum(g.capture_s for g in self._layer_graphs.values()))
@@ -148,9 +157,6 @@ class Engine:
         it reads the target's exact keys and values of the accepted prefix, needs no prefill
         and no catching up (speculative.rounds), and its tree's entries are overwritten by the
         verify pass that follows (SubSpec)."""
-        from ..memory.store import ResidentLayerStore
-        from .kv_cache import KVCache
-
         stages = []
         for st in self.stages:
             store = st.store

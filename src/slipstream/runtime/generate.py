@@ -34,11 +34,17 @@ class GenerationEvent:
 
 @dataclass
 class GenerationStats:
+    """One generation's figures, as mlx-lm's GenerationResponse carries them: tokens, prefill
+    and decode seconds and rates, the finish reason ("stop", "length", or None where the
+    caller stopped it), the peak of CUDA memory allocated (bytes, None on CPU), and in
+    `extra` the token source's own figures (speculative decoding's "spec_*")."""
+
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str | None = None
+    peak_memory: int | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -50,6 +56,44 @@ class GenerationStats:
         # the first generated token comes from the prefill logits, the rest from decode steps
         steps = max(self.generated_tokens - 1, 0)
         return steps / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def speculation(self) -> dict | None:
+        """Speculative decoding's figures (tokens per target pass, target passes,
+        accepted-depth histogram, mean tree nodes, draft and verify seconds), or None where
+        the generation decoded plainly."""
+        spec = {k[len("spec_"):]: v for k, v in self.extra.items() if k.startswith("spec_")}
+        return spec or None
+
+
+class Generation:
+    """What Model.generate returns: the generation's GenerationEvents, as an iterator, and
+    its figures (`stats`), complete once the iterator has ended or been closed (a consumer
+    that stops early closes it, which ends prefill or decode where it stands)."""
+
+    def __init__(self, events: Iterator[GenerationEvent], stats: GenerationStats):
+        self._events = events
+        self._stats = stats
+
+    def __iter__(self) -> "Generation":
+        return self
+
+    def __next__(self) -> GenerationEvent:
+        return next(self._events)
+
+    def close(self) -> None:
+        close = getattr(self._events, "close", None)
+        if close is not None:
+            close()
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self._stats
+
+    @property
+    def speculation(self) -> dict | None:
+        """stats.speculation: the speculative figures, or None for plain decoding."""
+        return self._stats.speculation
 
 
 class _StopMatcher:
@@ -189,3 +233,5 @@ def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], sampler: Samp
         tokens.close()
         if t_decode is not None:
             stats.decode_s = time.perf_counter() - t_decode
+        if engine.device.type == "cuda":  # the allocator's own count: no device sync
+            stats.peak_memory = torch.cuda.max_memory_allocated(engine.device)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..model import device_decode_step
+from ..model import Step, device_decode_step
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -156,8 +156,6 @@ class StepGraphs:
             allowed[n:, 0] = True
 
     def _body(self, b: dict[str, torch.Tensor], span: int) -> torch.Tensor:
-        from ..model import Step
-
         step = Step(b["positions"], b["slots"], span=span, end=span, start=None,
                     causal=False, allowed=b["allowed"])
         return self.engine.run_step(b["tokens"], step)

@@ -3,10 +3,9 @@
 A model that streams some of its layers decodes eagerly: its streamed layers' weights move
 through ring slots, and a hybrid layer hands part of its FFN to the CPU in mid-layer. The host
 then pays for enqueueing each layer's kernels one by one, about 0.5 ms a layer, and twice that
-beside hybrid decode's CPU share. On session 39's 8B at 4 GiB the enqueue took 36.7 ms of a
+beside hybrid decode's CPU share. On an H100 host's 8B at 4 GiB the enqueue took 36.7 ms of a
 37.0 ms token: a split layer's input reached the CPU 825 us after the layer began on the GPU,
-the host still enqueueing the resident layer before it
-(bench/results/2026-12-06-session39.md).
+the host still enqueueing the resident layer before it.
 
 A layer the store hands out as the same weights on every pass (`LayerStore.fixed`: resident,
 not split) computes one decode token with the same kernels and launch shapes each time, the
@@ -20,7 +19,6 @@ Off unless SLIPSTREAM_LAYER_GRAPHS=1, until a GPU run measures it.
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 import weakref
@@ -29,13 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import envs
 from ..model import Step, device_decode_step
 from .graphs import CAPTURE_MODE
 
 
 def layer_graphs_enabled() -> bool:
     """SLIPSTREAM_LAYER_GRAPHS=1, read when an engine is made."""
-    return os.environ.get("SLIPSTREAM_LAYER_GRAPHS", "0") == "1"
+    return envs.get("SLIPSTREAM_LAYER_GRAPHS")
 
 
 LayerForward = Callable[[torch.Tensor, Step], torch.Tensor]
@@ -113,7 +112,7 @@ class LayerGraphs:
         if not self.graphs:
             # a pool lives only while a graph captured into it does: once the last one is
             # dropped (its layer rebuilt, the input remade), torch's allocator refuses the id
-            # for good (an internal assert at capture_begin, session 40's 70B), so the next
+            # for good (an internal assert at capture_begin, seen on a 70B), so the next
             # capture starts a pool of its own
             self.pool = None
         self.x.copy_(x)

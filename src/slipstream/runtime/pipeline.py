@@ -1,4 +1,4 @@
-"""One model over several processes (issue 16): each process holds one stage, a contiguous
+"""One model over several processes: each process holds one stage, a contiguous
 range of layers with its own KV cache, and the hidden states go from stage to stage by
 torch.distributed send/recv (NCCL between GPUs, gloo on CPUs), launched by torchrun:
 
@@ -15,7 +15,7 @@ Speculative decoding runs across processes too: the draft (a file, loaded whole 
 only, out of rank 0's budgets) grows its trees on rank 0, and the target's verify pass is a
 step (positions, slots, the tree's attention mask) that rank 0 sends every rank with the pass's
 header; the walk's KV compaction is one more message. Every send and receive has the process
-group's timeout (TIMEOUT_S by default, SLIPSTREAM_DIST_TIMEOUT), so a rank that dies gives
+group's timeout (SLIPSTREAM_DIST_TIMEOUT, 60 s by default), so a rank that dies gives
 rank 0 a PipelineBroken error naming the peer instead of a hang.
 """
 
@@ -28,12 +28,15 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from rich.table import Table
 
+from .. import envs
 from ..errors import BadArgument, PipelineBroken
+from ..memory.budget import fmt_bytes
+from ..memory.devices import REMOTE
 from ..model import Step
 from .engine import Engine
 
-TIMEOUT_S = 60.0  # a peer silent this long is taken for dead
 OP_FORWARD, OP_LENGTH, OP_TRUNCATE, OP_STOP, OP_STEP, OP_COMPACT = 1, 2, 3, 4, 5, 6
 HEADER = 4  # int64s: op, tokens, rows (the last rows whose logits come back), value
 
@@ -75,7 +78,7 @@ def join(device: str | torch.device = "auto", timeout_s: float | None = None) ->
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", local)
     if not dist.is_initialized():
-        seconds = timeout_s or float(os.environ.get("SLIPSTREAM_DIST_TIMEOUT", TIMEOUT_S))
+        seconds = timeout_s or envs.get("SLIPSTREAM_DIST_TIMEOUT")
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
@@ -90,9 +93,6 @@ def join(device: str | torch.device = "auto", timeout_s: float | None = None) ->
 def stage_rows(pipeline: Pipeline, plan) -> list[dict]:
     """Every rank's stage as rank 0 shows it (a collective: each rank calls it once, after its
     load): device, layer range, layers by tier, bytes held and its predicted ms per token."""
-    from ..memory.devices import REMOTE
-    from ..memory.planner import fmt_bytes
-
     stage = plan.stages[0]
     tiers: dict[str, int] = {}
     for t in plan.tiers:
@@ -120,8 +120,6 @@ def stage_rows(pipeline: Pipeline, plan) -> list[dict]:
 def stage_table(rows: list[dict]):
     """The pipeline's plan, one row per rank; decode's prediction is the stages' times added
     (a token passes through them one after another)."""
-    from rich.table import Table
-
     t = Table(title=f"pipeline plan ({len(rows)} processes)")
     for col in ("rank", "device", "layers", "tiers", "holds", "bytes held", "ms / token"):
         t.add_column(col, justify="left" if col in ("device", "tiers", "holds") else "right")

@@ -207,7 +207,7 @@ class GenerationWorker:
                 in_prefill = True
             finally:
                 gen.close()  # stops the decode loop when we left it early
-        stats = self.model.last_stats
+        stats = gen.stats
         done = Done(len(job.prompt_ids), n, finish, stats.prefill_s if stats else 0.0,
                     stats.decode_s if stats else 0.0, cancelled=job.cancelled and finish is None,
                     cancelled_in_prefill=in_prefill, extra=dict(stats.extra) if stats else {})

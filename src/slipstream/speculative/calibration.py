@@ -4,33 +4,20 @@ A node's worth is the chance that the walk reaches it: the product of the target
 drawing each token on its path. The draft's softmax at some temperature tau estimates those
 chances, and which tau estimates them best depends on the draft: on the default model's Q8_0,
 greedy, 256 nodes 16 deep, its low-bit Q4_0 copy gave 10.92 tokens a pass ranked at 0.3 and
-8.72 at 1, its low-bit Q2_K copy 5.08 at 0.3 and 5.71 at 1
-(bench/results/2026-12-05-s30-spec-tree-tau-sweep-cpu.json, -tree-tau1-q2k-cpu.json).
+8.72 at 1, its low-bit Q2_K copy 5.08 at 0.3 and 5.71 at 1 (CPU).
 
-Two scores are kept for each tau of a grid, from every round:
-
-- walk (what ranks the trees): the drafted tokens the round's walk would have accepted had
-  the verified tree kept only the best half of its nodes ranked at tau (reranked_acceptance).
-  It scores the ranking itself, as the tree uses it.
-- loglik (SLIPSTREAM_TREE_TAU=loglik ranks by it): at every node the walk passed through that
-  ran in the draft, the log-chance of the token the target drew there under the draft's
-  distribution at tau, coarsened to the node's top-k children and "anything else":
-  temperature scaling, the usual way to calibrate a classifier's confidence. It picks a
-  softer tau than the ranking wants, presumably because a right guess makes the next one
-  likelier, which per-node chances do not see.
-
-Measured on the CPU (the default model's Q8_0, 256 nodes 16 deep, greedy; the s31 files
-below): the low-bit Q4_0 copy gave 10.70 tokens a pass by walk (fitted 0.25) and 10.49 by
-loglik (0.35), the low-bit Q2_K copy 5.71 (1.0) and 5.62 (0.7): within 2% of the best fixed
-tau for each, where a fixed 0.3 cost the Q2_K copy 11% and a fixed 1 the Q4_0 copy 20%
-(2026-12-05-s31-spec-acceptance-tau-walk-cpu.json, -s31-spec-acceptance-tau-fit-cpu.json).
+Each tau of a grid is scored, from every round, by the drafted tokens the round's walk would
+have accepted had the verified tree kept only the best half of its nodes ranked at tau
+(reranked_acceptance): it scores the ranking itself, as the tree uses it. On the CPU (the
+default model's Q8_0, 256 nodes 16 deep, greedy) the fit gave the low-bit Q4_0 copy 10.70
+tokens a pass (fitted 0.25) and the low-bit Q2_K copy 5.71 (1.0): within 2% of the best fixed
+tau for each, where a fixed 0.3 cost the Q2_K copy 11% and a fixed 1 the Q4_0 copy 20%.
 
 Until MIN_OBSERVED nodes are scored, trees rank at draft_tree.tree_tau(T). Keeping a node's
 distribution at every temperature of the grid costs a pass over the vocabulary each (a
 32-node level of the default model's 49,152 logits: about 33 ms for the grid on one core of
-this project's CPU machine, against 6 ms for one temperature), so once SETTLED nodes are
-scored the fit stops and trees keep its temperature, at one pass a level.
-SLIPSTREAM_TREE_TAU=fixed keeps tree_tau throughout (to measure what the fit gains).
+a 2-core CPU machine, against 6 ms for one temperature), so once SETTLED nodes are scored the
+fit stops and trees keep its temperature, at one pass a level.
 
 Lossless whatever tau is: the ranking decides which guesses the target verifies, never which
 token it emits.
@@ -39,13 +26,10 @@ token it emits.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import torch
-
-from ..errors import BadArgument
 
 if TYPE_CHECKING:
     from .tree import DraftTree
@@ -58,16 +42,13 @@ GRID = (0.25, 0.35, 0.5, 0.7, 1.0, 1.4)
 MIN_OBSERVED = 32
 # Nodes scored after which the fit stops (see the module's text)
 SETTLED = 256
-# The smallest chance an outcome is scored at (the "anything else" of a draft sure of its
-# top-k children), so that one surprise costs a bounded log-likelihood
-FLOOR = 1e-30
-MODES = ("walk", "loglik", "fixed")  # SLIPSTREAM_TREE_TAU's values
 
 
 @dataclass(frozen=True)
 class NodeDraws:
-    """What scoring a node needs of the draft's logits there: its top-k children's tokens and
-    raw logits, and the logsumexp of logits / tau for each tau of the fit's grid."""
+    """What ranking a node's children at any tau of the fit's grid needs of the draft's logits
+    there: its top-k children's tokens and raw logits, and the logsumexp of logits / tau for
+    each tau of the grid."""
 
     tokens: tuple[int, ...]
     logits: tuple[float, ...]
@@ -86,31 +67,20 @@ def logsumexps(logits: torch.Tensor, taus: Sequence[float]) -> torch.Tensor:
 
 @dataclass
 class TauFit:
-    """The scores of each tau of `grid` (the module's text), summed over the rounds and nodes
-    observed; `tau` is the ranking temperature for the next trees."""
+    """The score of each tau of `grid` (the module's text), summed over the rounds observed;
+    `tau` is the ranking temperature for the next trees."""
 
     default: float
     grid: tuple[float, ...] = ()
     min_observed: float = MIN_OBSERVED
     settled_at: float = SETTLED
-    observed: int = 0
-    loglik: list[float] = field(default_factory=list)
+    observed: int = 0  # nodes the walks passed through with draws at every tau of the grid
     # the tokens each tau's ranking would have accepted from the verified trees, kept to half
     # their nodes (reranked_acceptance)
     walked: list[float] = field(default_factory=list)
-    by: str = ""  # which score ranks: "walk" or "loglik" (default: SLIPSTREAM_TREE_TAU's, walk)
 
     def __post_init__(self) -> None:
-        mode = os.environ.get("SLIPSTREAM_TREE_TAU", "walk")
-        if mode not in MODES:
-            raise BadArgument(f"SLIPSTREAM_TREE_TAU={mode!r} is invalid: set it to one of "
-                              f"{', '.join(MODES)}, or unset it")
-        if mode == "fixed":
-            self.grid, self.min_observed = (self.default,), math.inf
-        self.by = self.by or ("loglik" if mode == "loglik" else "walk")
         self.grid = tuple(sorted(set(self.grid or GRID) | {self.default}))
-        if not self.loglik:
-            self.loglik = [0.0] * len(self.grid)
         if not self.walked:
             self.walked = [0.0] * len(self.grid)
 
@@ -118,8 +88,7 @@ class TauFit:
     def tau(self) -> float:
         if self.observed < self.min_observed:
             return self.default
-        score = self.walked if self.by == "walk" else self.loglik
-        best = max(range(len(self.grid)), key=lambda g: (score[g], -abs(
+        best = max(range(len(self.grid)), key=lambda g: (self.walked[g], -abs(
             math.log(self.grid[g] / self.default))))
         return self.grid[best]
 
@@ -133,30 +102,19 @@ class TauFit:
         fitting, none once settled."""
         return () if self.settled else self.grid
 
-    def observe(self, node: NodeDraws, token: int) -> None:
-        """The target drew `token` at a node whose draft distribution is `node` (kept at
-        every temperature of the grid; a node kept at fewer is not scored)."""
-        if self.settled or len(node.lse) != len(self.grid):
-            return
-        hit = node.tokens.index(token) if token in node.tokens else None
-        for g, tau in enumerate(self.grid):
-            if hit is not None:
-                logp = node.logits[hit] / tau - node.lse[g]
-            else:
-                inside = sum(math.exp(v / tau - node.lse[g]) for v in node.logits)
-                logp = math.log(max(1.0 - inside, FLOOR))
-            self.loglik[g] += max(logp, math.log(FLOOR))
-        self.observed += 1
+    def observe(self, node: NodeDraws) -> None:
+        """The walk passed through a node the draft ran: it counts towards MIN_OBSERVED and
+        SETTLED where its distribution was kept at every temperature of the grid."""
+        if not self.settled and len(node.lse) == len(self.grid):
+            self.observed += 1
 
-    def observe_walk(self, draws: dict[int, NodeDraws], path: Sequence[int],
-                     tokens: Sequence[int], last: int) -> None:
-        """A walk that accepted `path` (tree nodes, root first; `tokens`: each node's token)
-        and drew `last` after it: every node of the path the draft ran is scored on the token
-        the target drew there."""
-        for i, node in enumerate(path):
+    def observe_walk(self, draws: dict[int, NodeDraws], path: Sequence[int]) -> None:
+        """A walk that accepted `path` (tree nodes, root first): every node of it the draft
+        ran is counted."""
+        for node in path:
             seen = draws.get(node)
             if seen is not None:
-                self.observe(seen, tokens[path[i + 1]] if i + 1 < len(path) else last)
+                self.observe(seen)
 
     def observe_tree(self, tree: DraftTree, verify: Sequence[int], path: Sequence[int]
                      ) -> None:

@@ -19,6 +19,7 @@ builds (a 70B's 80 layers are ~23 minutes of one core).
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import replace
@@ -35,8 +36,9 @@ from ..modelfile.gguf_file import GGUFFile, TensorInfo
 from ..model.layer_spec import spec_for
 from ..model.llama import LayerWeights
 from ..precision import Precision
+from ..quant.encode import encodable_types, quantize
 from ..weights.linear import Workspace
-from ..weights.loader import LayerBuilder, TensorSource
+from ..weights.loader import LayerBuilder, TensorSource, release_transients
 
 # Copies this large are encoded by worker processes (spawned: a forked torch is not safe)
 POOL_MIN_ELEMENTS = 1 << 30
@@ -46,8 +48,6 @@ FALLBACK = GGMLQuantizationType.Q4_0
 
 def parse_lowbit_type(name: str | GGMLQuantizationType) -> GGMLQuantizationType:
     """'Q2_K' / 'q3_k' -> the type; BadArgument naming the encodable quantized types."""
-    from ..quant.encode import encodable_types
-
     choices = {t.name: t for t in encodable_types() if get_bits(t) < 16}
     if isinstance(name, GGMLQuantizationType):
         name = name.name
@@ -122,8 +122,6 @@ class RequantizedSource(TensorSource):
 
 
 def _encode(raw: torch.Tensor, src_type, shape: tuple[int, ...], to) -> np.ndarray:
-    from ..quant.encode import quantize
-
     dense = quant.dequantize(raw, src_type, shape).numpy()
     return np.ascontiguousarray(quantize(dense, to))
 
@@ -152,8 +150,6 @@ def build_lowbit_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
     are (the target's `workspace` shared on CUDA). progress(1) after each layer. workers:
     encoding processes (None: one per core for a copy of more than POOL_MIN_ELEMENTS weights,
     else none; 0: none)."""
-    from ..weights.loader import release_transients
-
     order = sorted(layers)
     spec = spec_for(gf.architecture)
     todo = {i: [(n, copy_type(gf.tensors[n], qtype)) for n in spec.names(i, gf.tensors)]
@@ -166,8 +162,6 @@ def build_lowbit_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
     src = RequantizedSource(gf, qtype)
     pool = None
     if workers > 1:
-        import multiprocessing
-
         pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
                                    initializer=_worker_init, initargs=(str(gf.path),))
     ahead = max(2, workers // 4)  # layers whose encoding is under way: bounds their RAM

@@ -19,14 +19,13 @@ than 0.3: draft_tree.tree_tau), grown level by level with one draft forward per 
 new nodes only. With `ahead`, the draft grows it on past what the
 target verified, after the pass; where the walk then ends at a token grown ahead, the subtree
 below it is the next tree, topped up in series to the round's depth. On the default model's
-Q8_0/Q4_0 pair that does not pay yet (bench/results/2026-11-30-s7-spec-ahead-cpu.json and
--topup-cpu.json, 64-node trees, greedy): fresh trees give 5.22 tokens per pass for 7.33 draft
-forwards in series; reused trees without the top-up 3.92 for 2.42 (67% of trees reused), with
-it 4.70 for 6.70 (25%). At the 70B's measured costs (a 0.485 s pass, 10 ms levels) the fresh
+Q8_0/Q4_0 pair that does not pay yet (CPU, 64-node trees, greedy): fresh trees give 5.22
+tokens per pass for 7.33 draft forwards in series; reused trees without the top-up 3.92 for
+2.42 (67% of trees reused), with it 4.70 for 6.70 (25%). At the 70B's measured costs (a 0.485 s pass, 10 ms levels) the fresh
 trees win either way, and hiding the draft entirely would gain at most its ~13% of a round.
 On CUDA, with a draft of its own, the growth runs beside the target's streamed pass on a
 stream of the draft's, launched from the same host thread (`Speculator._verify`: a second
-launching thread starved the target's, passes 0.497 -> 0.938 s on the H200, session 7); on the
+launching thread starved the target's, passes 0.497 -> 0.938 s on the H200); on the
 CPU after the pass. It is off unless asked for: on GPUs it has won and lost on the default
 model streamed from disk (README, `generate(spec_ahead=K)`), and random 70B weights accept
 nothing for it to gain.
@@ -72,19 +71,18 @@ __all__ = ["SpecStats", "Speculator", "check_vocab", "grow_tree", "keep", "specu
 # measured anything (and those that explore or settle a draft) go DEFAULT_DEPTH deep, and the
 # sizer may choose up to MAX_DEPTH where the measured acceptance and costs say deeper pays. A
 # streamed 70B's pass costs the same for 1 node as for 512 and a draft level ~11 ms against
-# its ~0.44 s (bench/results/2026-12-04-session25.md), so a good draft's trees pay deep: the
+# its ~0.44 s (H200), so a good draft's trees pay deep: the
 # published 8-13 tokens a pass need depths past 8 (at most depth + 1 tokens come of a pass),
 # and the CPU table's 135M pair gave 6.66 tokens a pass at depth 16 against 6.15 at 8
-# (256 nodes, greedy, bench/results/2026-12-02-s16-spec-acceptance-depth*-exact-cpu.json)
+# (256 nodes, greedy, precision "exact")
 DEFAULT_DEPTH = 8
 MAX_DEPTH = 16
 DEFAULT_TOP_K = 8  # children considered per expanded node
 # Nodes one draft level runs on CUDA. Measured on the H200 (synthetic 8B Q4_K, captured
-# graphs, bench/results/2026-12-04-s25-draft-levels-wide-h200-call3.json): a level of 1/2/4
-# nodes costs 4.6/7.7/10.0 ms through the fused GEMVs, and 8/16/32/64 nodes 10.7/10.3/11.0/
-# 13.8 ms through kernels.qgemm's wide kernel (16.5 ms at 32 through the per-slot kernel of
-# session 15): 8 times the nodes of a 4-wide level for 1.1 times its cost, so a 256-node
-# tree's levels run 32 nodes each rather than 4
+# graphs): a level of 1/2/4 nodes costs 4.6/7.7/10.0 ms through the fused GEMVs, and
+# 8/16/32/64 nodes 10.7/10.3/11.0/13.8 ms through kernels.qgemm's wide kernel (16.5 ms at 32
+# through a kernel of one program per slot): 8 times the nodes of a 4-wide level for 1.1
+# times its cost, so a 256-node tree's levels run 32 nodes each rather than 4
 CUDA_LEVEL_WIDTH = 32
 # Nodes a level grown ahead runs: CUDA's level width, on the CPU too, so that outcomes compare
 AHEAD_WIDTH = CUDA_LEVEL_WIDTH
@@ -322,7 +320,7 @@ class Speculator:
                 keep(draft, start, ran)
                 self.lag = [tree.tokens[i] for i in path[len(ran):]]
             self.sizer.observe_walk(max(tree.depths[i] for i in verify), len(path) - 1)
-            self.fit.observe_walk(tree.draws, path, tree.tokens, int(tokens[-1]))
+            self.fit.observe_walk(tree.draws, path)
             self.fit.observe_tree(tree, verify, path)
             self.tau = self.fit.tau
         verify_s = _since(t, target.device)
@@ -369,7 +367,7 @@ class Speculator:
         # stream. While a streamed layer's read has not landed, the host grows a level
         # instead of waiting; once every layer is enqueued, it grows levels until the pass
         # is done. No thread: a second Python thread launching the draft's kernels starved
-        # the one launching the target's (passes 0.497 -> 0.938 s on the H200, session 7).
+        # the one launching the target's (passes 0.497 -> 0.938 s on the H200).
         current = torch.cuda.current_stream(self.target.device)
         stream.wait_stream(current)
         logits = self.target.forward(tokens, all_logits=True, step=step,

@@ -33,17 +33,17 @@ START_NODES = 64  # until two pass widths have been timed
 # Rounds whose draft levels the level cost is the median of. A round that first runs a level
 # width, or a position past a graph's span, compiles kernels and captures graphs: on the H200
 # the first run of default-spec spent 23.5 ms a level (its draft seconds over its forwards)
-# where the graphs take 3.0-4.4 ms (session 15), and the next run, whose sizer still held that
+# where the graphs take 3.0-4.4 ms, and the next run, whose sizer still held that
 # mean, took plain steps in 32 of 34 passes (27.1 tok/s, against 34.5 with trees forced).
 LEVEL_ROUNDS = 15
 # Passes the cost of each tree width (and of a plain step) is taken over, the same way: the
 # cheapest while fewer than three, then the median; and no width costs more than a wider one
 # (a pass never gets cheaper for more nodes). A mean over every pass lets one first-use pass
-# set the line for the whole generation: on the H100 (session 29) the 70B's first 16-node
+# set the line for the whole generation: on the H100 the 70B's first 16-node
 # round took 1.73 s against 0.54 s for the 32-node one after it; and default-spec's sizer,
 # whose first generation kept its draft, took plain steps in 17 of 27 rounds of the next
 # (33.15 tok/s against 38.05 with the trees grown beside the pass) where its trees gave 4.6
-# tokens each (bench/results/2026-12-05-s29-spec-bench-h100-call3.json), presumably after
+# tokens each, presumably after
 # such a pass (its passes were not recorded one by one; tests/speculative/test_spec_sizing.py
 # reproduces the effect: 36 plain steps in 40 rounds with the mean, at most 3 now).
 PASS_ROUNDS = 15
@@ -67,8 +67,8 @@ GIVE_UP_TREES = 8
 # plain step, so a tree needs about 65% acceptance per depth; 2 rounds that accept nothing
 # leave a 4.3% chance of that (3 rounds 1.5%), where 8 rounds spent 8 x ~0.5 s learning it.
 # Two, not three: the belief is the guard (one failed round leaves 12% at that rate, and a
-# cheaper tree's lower break-even keeps a draft longer), and in session 18's fresh sizer
-# (call 3) the third settling tree was a 0.38 s pass for one token in a 48-token run at 0.87x
+# cheaper tree's lower break-even keeps a draft longer), and in a fresh sizer on the H200
+# the third settling tree was a 0.38 s pass for one token in a 48-token run at 0.87x
 # the plain decode right after it.
 GIVE_UP_MIN_TREES = 2
 GIVE_UP_BELIEF = 0.05
@@ -78,9 +78,8 @@ GIVE_UP_BELIEF = 0.05
 # drafted token's acceptance. Once PROMPT_MIN_TRIALS have been seen, a draft whose rate reaching
 # PROMPT_FLOOR_RATE has become unlikely (GIVE_UP_BELIEF) is given up before its first tree: the
 # H100's 70B with a random 8B draft spent its first two tree rounds, 2.3 s, learning what the
-# prompt could have said (bench/results/2026-12-05-s29-spec-bench-h100-call3.json: the floor
-# at 0.90x). A real pair agrees far above the floor: the default model's Q4_0 and Q2_K copies
-# accept 3.7-7.2 tokens a pass (s32-spec-acceptance-16-64-cpu.json).
+# prompt could have said (the floor at 0.90x). A real pair agrees far above the floor: the
+# default model's Q4_0 and Q2_K copies accept 3.7-7.2 tokens a pass (CPU, 16-64 nodes).
 PROMPT_POSITIONS = 64
 PROMPT_MIN_TRIALS = 16
 PROMPT_FLOOR_RATE = 0.25
@@ -97,8 +96,8 @@ class TreeSizer:
     fixed_nodes: int | None = None  # --spec-nodes
     fixed_depth: int | None = None  # --spec-depth: every round speculates this deep
     # how much faster plain decode would run without the draft (its memory given to the
-    # target: api._release_gain); giving the draft up is weighed against that, not against
-    # plain steps with the draft still loaded
+    # target: speculative.drafts.release_gain); giving the draft up is weighed against that,
+    # not against plain steps with the draft still loaded
     plain_gain: float = 1.0
     # seconds of tree passes (two nodes or more) by width, the last PASS_ROUNDS of each, for
     # the line through the widths' costs (see PASS_ROUNDS). Plain steps are kept apart: a
@@ -219,8 +218,8 @@ class TreeSizer:
             # the rounds that decide whether the draft stays: the narrowest trees, two widths
             # for the pass line. A draft that accepts nothing is given up on what its first
             # tokens do, which a wide tree shows no better, and on the H200's 70B these
-            # rounds took 256-512-node passes (0.44-0.49 s against 0.32 s at 16; session 16's
-            # fresh sizer: 3 trees of 234 nodes on average)
+            # rounds took 256-512-node passes (0.44-0.49 s against 0.32 s at 16; a fresh
+            # sizer's 3 trees averaged 234 nodes)
             return min(NODE_CHOICES[int(self._n) % 2], self.max_nodes)
         widths_seen = len(self._width_rounds) >= 2
         if not widths_seen:
@@ -272,7 +271,7 @@ class TreeSizer:
         the draft holds memory the target would decode faster with (plain_gain > 1), a plain
         step costs more than it would after the release, so trees one in EXPLORE_EVERY would
         spend their plain steps in between at the slower rate (the H200's 70B beside an 8B
-        draft: 0.28 s against 0.21 s a step; 48 tokens at 0.85x plain decode in session 15,
+        draft: 0.28 s against 0.21 s a step; 48 tokens at 0.85x plain decode,
         where the three trees that settle it came 16 plain steps apart)."""
         trees = self._trees
         return (self.plain_gain > 1.0 and trees < GIVE_UP_MIN_TREES

@@ -8,13 +8,12 @@ drawing each token on its path, which the draft's distribution at that temperatu
 At temperature 0 the walk descends where the draft's token is the target's argmax, a chance
 the draft's own softmax understates when it is unsure between close guesses: a sharper one
 (TAU_GREEDY) ranks its chains higher. Measured on the default model's Q8_0 with its low-bit
-Q4_0 copy, 256 nodes 16 deep (bench/results/2026-12-05-s30-spec-tree-tau-sweep-cpu.json):
-greedy 8.72 tokens a pass at the draft's temperature 1, 10.29 at 0.5, 10.92 at 0.3; at
-temperature 0.8, 6.99 at 1 and 6.97 at 0.8. A weak draft loses by it: the low-bit Q2_K copy
-went from 5.71 to 5.08 greedy (2026-12-05-s30-spec-tree-tau1-q2k-cpu.json). So tree_tau is
+Q4_0 copy, 256 nodes 16 deep (CPU): greedy 8.72 tokens a pass at the draft's temperature 1,
+10.29 at 0.5, 10.92 at 0.3; at temperature 0.8, 6.99 at 1 and 6.97 at 0.8. A weak draft
+loses by it: the low-bit Q2_K copy went from 5.71 to 5.08 greedy. So tree_tau is
 only where the ranking starts: the speculator then ranks at the temperature fitted to the
 target's draws (speculative.calibration), which gave the Q2_K copy 5.71 greedy (fitted 1.0)
-and the Q4_0 copy 10.70 (fitted 0.25; 2026-12-05-s31-spec-acceptance-tau-walk-cpu.json).
+and the Q4_0 copy 10.70 (fitted 0.25).
 
 Node i of a tree sits at slot start + i of the draft's cache (start: the root's slot), written
 only once the node has run (`ran`); a node's parent has always run, since children are known

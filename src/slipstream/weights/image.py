@@ -151,12 +151,6 @@ def prefix_bytes(layout: LayerLayout, leave_out: tuple[str, ...]) -> int:
     return min(offsets) if offsets else layout.nbytes
 
 
-def packed_planes(image: LayerImage, name: str):
-    """Linear `name`'s planes (a kernels.pack.PackedWeight) as views of the image's host bytes,
-    nothing copied: what the CPU reads in place (hybrid.plane_host)."""
-    return _packed_weight(image.linears, _views(image.entries, image.host), name)
-
-
 def _views(entries: list[_Entry], buf: torch.Tensor, upto: int | None = None
            ) -> dict[tuple, torch.Tensor]:
     """Each tensor of a layout as a view into `buf` (with `upto`, those within its first

@@ -1,0 +1,233 @@
+"""What `load()` and `plan()` do under the public API: open a model's file, plan its tiers
+within the budgets, and build its engine (weights, stores, stages) from the plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+from ..errors import BadArgument, BudgetTooSmall
+from ..hub.pull import resolve
+from ..hybrid.plan import parse_hybrid, plan_hybrid
+from ..memory.budget import fmt_bytes, parse_size
+from ..memory.cuda_context import outside_allocator_bytes
+from ..memory.devices import per_device_budgets, resolve_devices, stage_ranges
+from ..memory.planner import Plan, StagePlan
+from ..memory.setup import (check_io, disk_images, make_store, measure_bandwidths,
+                            pin_streamed_layers, plan_for)
+from ..modelfile.config import ModelConfig
+from ..modelfile.gguf_file import GGUFFile
+from ..precision import Precision
+from ..weights import load_weights
+from .engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
+from .stage import Stage
+
+DEFAULT_MAX_CTX = 4096  # the KV cache is preallocated, so the default does not take 128k
+
+_stream_delay = None  # testing only: see injected_stream_delay
+
+
+@contextmanager
+def injected_stream_delay(delay) -> Iterator[None]:
+    """Testing only: every model loaded inside the block streams with `delay` injected, a
+    memory.StreamDelays, a callable run in reader threads before each read, or an int of GPU
+    cycles to stall the copy stream at random before each copy; the streamed output must stay
+    bit-identical to the resident output under it."""
+    global _stream_delay
+    before, _stream_delay = _stream_delay, delay
+    try:
+        yield
+    finally:
+        _stream_delay = before
+
+
+def resolve_path(path: str | os.PathLike[str] | None, progress: bool) -> Path:
+    """A model's file from what `-m` takes (pull.resolve): an existing file as it is; else a
+    cached name, USER/REPO/FILE.gguf or a URL, pulled if the cache lacks it; None: the default
+    model."""
+    if path is not None and Path(path).is_file():
+        return Path(path)
+    return resolve(None if path is None else str(path), quiet=not progress)
+
+
+def open_model(path, progress: bool) -> tuple[Path, GGUFFile, ModelConfig]:
+    model_path = resolve_path(path, progress)
+    gf = GGUFFile(model_path)
+    return model_path, gf, ModelConfig.from_metadata(gf.metadata, set(gf.tensors),
+                                                     source=model_path.name)
+
+
+def context_size(cfg: ModelConfig, ctx: int | None) -> int:
+    n_ctx = min(cfg.context_length, DEFAULT_MAX_CTX) if ctx is None else int(ctx)
+    if n_ctx <= 0:
+        raise BadArgument(f"ctx={n_ctx} is invalid: the context must hold at least one token")
+    return n_ctx
+
+
+def check_skip_layers(cfg: ModelConfig, k, what: str = "skip_layers") -> None:
+    most = max(cfg.n_layers - 2, 0)  # the first and last layers are never skipped
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= most:
+        raise BadArgument(f"{what}={k!r} is invalid: between 0 and {most} for a model of "
+                          f"{cfg.n_layers} layers (never the first or the last)")
+
+
+def allocator_budget(vram: int | None, dev: torch.device) -> tuple[int | None, int]:
+    """A VRAM budget is what the driver counts for the process: what is left of it for torch's
+    allocator once the CUDA context is counted (memory.cuda_context), and that context."""
+    if vram is None or dev.type != "cuda":
+        return vram, 0
+    outside = outside_allocator_bytes(dev)
+    if vram <= outside:
+        raise BudgetTooSmall(f"a {fmt_bytes(vram)} VRAM budget does not cover the CUDA context "
+                             f"({fmt_bytes(outside)} outside torch's allocator); raise "
+                             f"--vram-budget")
+    return vram - outside, outside
+
+
+def plan_model(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Precision,
+               ctx: int, ram_budget, vram_budget: int | None, io: str, gpu_slots: int,
+               vram_layers: int | None = None, stream_first: list[int] | None = None,
+               stage: StagePlan | None = None) -> Plan:
+    """The one planning path of `load` and `plan` (stage: a pipeline process's own)."""
+    check_io(io, dev)
+    if vram_layers is not None and (isinstance(vram_layers, bool)
+                                    or not isinstance(vram_layers, int) or vram_layers < 0):
+        raise BadArgument(f"vram_layers={vram_layers!r} is invalid: must be an integer >= 0 "
+                          f"(the most layers held in VRAM)")
+    return plan_for(gf, cfg, dev, precision, ctx, parse_size(ram_budget), vram_budget, io,
+                    gpu_slots, prefill_chunk=PREFILL_CHUNK, graph_bucket=GRAPH_BUCKET,
+                    vram_layers=vram_layers, stream_first=stream_first, stage=stage)
+
+
+def plain_plan(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Precision,
+               ctx: int, ram_budget, vram_budget: int | None, io: str, gpu_slots: int,
+               vram_layers: int | None) -> Plan | None:
+    """The model's plan at these budgets without a draft (planned before the draft loads, so
+    that an unset budget reads the same free VRAM), or None where that plan fails. The model
+    planned beside the draft streams its streamed layers first (planner.plan_cuda), so
+    that giving the draft up (Model.release_draft) brings back plain decode's own layout. On
+    the H200 (70B at 24 GiB, 8B draft), promoting an even spread of the draft plan's layers
+    instead left plain decode 7% under plain decode at the same budget without a draft, with
+    one streamed layer more and the streamed ones spread otherwise."""
+    try:
+        return plan_model(gf, cfg, dev, precision, ctx, ram_budget, vram_budget, io,
+                          gpu_slots, vram_layers)
+    except BudgetTooSmall:
+        return None
+
+
+def hybrid_mode(hybrid: str | float, precision: str) -> str | float:
+    """Placement.hybrid's value checked, with "auto" off at precision="exact" (see
+    Placement)."""
+    mode = parse_hybrid(hybrid)
+    return "off" if mode == "auto" and precision == "exact" else mode
+
+
+def with_hybrid(gf: GGUFFile, cfg: ModelConfig, plan: Plan, hybrid: str | float,
+                threads: int | None) -> Plan:
+    """The plan with its hybrid split, for a CUDA plan whose bandwidths are measured; the
+    CPU's threads set."""
+    if plan.device != "cuda" or hybrid == "off":
+        return plan
+    split = plan_hybrid(gf, cfg, plan, hybrid, threads)
+    if split is not None:
+        torch.set_num_threads(split.threads)
+    return dataclasses.replace(plan, hybrid=split)
+
+
+def measured(gf: GGUFFile, cfg: ModelConfig, plan: Plan, io: str, precision: Precision,
+             hybrid: str | float, threads: int | None) -> Plan:
+    """A plan that streams, with its links measured now and its hybrid split made."""
+    if not plan.streamed_layers:
+        return plan
+    measure_bandwidths(gf, plan, io, cfg, precision)
+    return with_hybrid(gf, cfg, plan, hybrid, threads)
+
+
+def build_engine(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, plan: Plan, n_ctx: int,
+                 precision: Precision, progress: bool, io: str,
+                 private_weights: bool | None = None, pipeline=None) -> Engine:
+    """Load the planned model (its bandwidths measured and split made: `measured`): streamed
+    tiers first, then the resident weights, the store and the engine."""
+    resident = {i for i, t in enumerate(plan.tiers) if t in ("ram", "vram")}
+    # CUDA tiers B and C are built first, while the GPU holds nothing else, so the transient
+    # GPU copy of the layer being built never sits on top of the resident model (on CPU:
+    # the "packed" layers' images and the disk layers' image file).
+    images, split = pin_streamed_layers(gf, cfg, dev, precision, plan,
+                                        HybridSplit.of(plan, cfg, dev))
+    disk = disk_images(gf, cfg, dev, precision, plan, progress)
+    weights = load_weights_with_progress(gf, cfg, dev, precision, progress, resident,
+                                         plan.embed_on_host, private_weights, plan)
+    if dev.type == "cuda":
+        # Give load-time transients back, so the run's own peak starts from the steady state
+        # (memory.vram reserves the larger of the two, not their sum).
+        torch.cuda.empty_cache()
+    store = make_store(gf, cfg, dev, precision, weights, plan, io, _stream_delay, images,
+                       disk, split)
+    # one stage per planned stage, all served by the store
+    stages = [Stage.build(cfg, torch.device(st.device) if st.device != dev.type else dev,
+                          st.layers, store, n_ctx, precision.kv_dtype, weights.rope_freqs)
+              for st in plan.stages]
+    if pipeline is not None:
+        from .pipeline import PipelineEngine  # torch.distributed: only a pipeline loads it
+
+        return PipelineEngine(cfg, weights, stages, precision.act_dtype,
+                              prefill_chunk=plan.prefill_chunk or PREFILL_CHUNK,
+                              layers=plan.stages[0].layers, pipeline=pipeline)
+    return Engine(cfg, weights, stages, precision.act_dtype,
+                  use_graphs=None if plan.graphs else False,
+                  prefill_chunk=plan.prefill_chunk or PREFILL_CHUNK)
+
+
+def stage_devices(devices: Sequence[str | torch.device], vram_budget):
+    """load(device=[...]): the device the stages run on, its VRAM budget, and the devices one
+    stage each. One process runs its stages on one device today: the hidden state's hand-over
+    from GPU to GPU and a store per GPU are not built, so distinct devices are refused."""
+    devs = resolve_devices(devices)
+    budgets = per_device_budgets(vram_budget, len(devs))
+    distinct = sorted({str(d) for d in devs})
+    if len(distinct) > 1:
+        raise BadArgument(f"stages on {len(distinct)} devices ({', '.join(distinct)}) are not "
+                          f"supported yet: give the same device for each stage, e.g. "
+                          f"--devices cpu,cpu")
+    # one device, a budget per stage: together, the device's
+    sizes = [parse_size(b) for b in budgets]
+    budget = None if any(b is None for b in sizes) else sum(sizes)
+    return devs[0], budget, devs
+
+
+def stage_plans(cfg: ModelConfig, devices: list[torch.device]) -> list[StagePlan]:
+    """One StagePlan per device, over contiguous layer ranges: the embedding on the first, the
+    head on the last."""
+    ranges = stage_ranges(cfg.n_layers, len(devices))
+    last = len(devices) - 1
+    return [StagePlan(dev.type, layers, holds_embedding=k == 0, holds_head=k == last)
+            for k, (dev, layers) in enumerate(zip(devices, ranges))]
+
+
+def load_weights_with_progress(gf, cfg, dev, precision: Precision, show: bool,
+                               resident: set[int] | None = None, embed_on_host: bool = False,
+                               private: bool | None = None, plan: Plan | None = None):
+    total = sum(t.n_bytes for t in gf.tensors.values())
+    # on stderr: stdout carries the generated text, which may be piped
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), disable=not show, transient=True,
+                  console=Console(stderr=True)) as bar:
+        task = bar.add_task(f"loading {gf.path.name}", total=total)
+        return load_weights(gf, cfg, dev, precision,
+                            progress=lambda n: bar.advance(task, n), resident_layers=resident,
+                            embed_on_host=embed_on_host, private=private,
+                            scratch_elements=plan.scratch_elements if plan else None,
+                            fuse_scales=plan.fuse_scales if plan else True,
+                            head_dense_on_demand=plan.head_dense_on_demand if plan else False,
+                            flat_layers=plan.flat_layers if plan else False,
+                            holds_embedding=plan.stages[0].holds_embedding if plan else True,
+                            holds_head=plan.stages[-1].holds_head if plan else True)
