@@ -17,6 +17,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColu
 from ..errors import BadArgument, BudgetTooSmall
 from ..hub.pull import resolve
 from ..hybrid.plan import parse_hybrid, plan_hybrid
+from ..hybrid.policy import HybridSplit
 from ..memory.budget import fmt_bytes, parse_size
 from ..memory.cuda_context import outside_allocator_bytes
 from ..memory.devices import per_device_budgets, resolve_devices, stage_ranges
