@@ -11,6 +11,9 @@ import torch
 from slipstream.errors import ModelNotFound
 from slipstream.hub.pull import pull
 
+# --suite-state, --time-budget, --suite-summary: a selection run across calls (the GPU suite)
+pytest_plugins = ["suite_plugin", "pytester"]
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
