@@ -15,7 +15,11 @@ from slipstream.hub.pull import pull
 pytest_plugins = ["suite_plugin", "pytester"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: `-m "not default_model"` sees the mark
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "smollm_path" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.default_model)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

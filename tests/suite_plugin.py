@@ -10,11 +10,12 @@ carried back, runs the rest. `--suite-summary` prints the merged result.
     pytest --suite-state .gpu-suite/state.json --suite-summary
 
 The state file (JSON) holds:
-  selected  the test ids the latest run call selected (after -m/-k), before its own deselection
+  selected  the test ids the run calls selected (after -m/-k, before their own deselection)
   tests     id -> {"outcome", "duration", "message", "call"}; outcome is passed, failed, error,
             skipped, xfailed, xpassed, or running (started and never finished: the call was
             killed; it is run again first in the next call, and counts as failed after
             MAX_TRIES unfinished starts)
+  collect_errors  id -> message of each module the latest call could not collect
   calls     one record per run call: when it started, how many tests it ran and left, and a
             fingerprint of src/ and tests/ (the summary warns when calls ran different trees)
 
@@ -74,9 +75,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def load_state(path: Path) -> dict:
     if not path.is_file():
-        return {"selected": [], "tests": {}, "calls": []}
+        return {"selected": [], "tests": {}, "calls": [], "collect_errors": {}}
     state = json.loads(path.read_text())
-    for key, empty in (("selected", []), ("tests", {}), ("calls", [])):
+    for key, empty in (("selected", []), ("tests", {}), ("calls", []), ("collect_errors", {})):
         state.setdefault(key, empty)
     return state
 
@@ -111,6 +112,8 @@ def summary(state: dict, path: str | Path) -> tuple[list[str], int]:
     lines = [f"suite state {path}: {len(calls)} call(s), {ran_s:.0f} s of tests"]
     parts = [f"{counts[k]} {k}" for k in DONE if counts.get(k)]
     parts.append(f"{len(left)} not yet run")
+    if state["collect_errors"]:
+        parts.append(f"{len(state['collect_errors'])} module(s) not collected")
     lines.append(", ".join(parts))
     for t in sorted(done):
         e = done[t]
@@ -118,6 +121,8 @@ def summary(state: dict, path: str | Path) -> tuple[list[str], int]:
             why = e.get("message") or ("did not finish within a call" if e["outcome"] == "running"
                                        else "")
             lines.append(f"{outcome_of(e).upper()} {t}" + (f" - {why}" if why else ""))
+    for t, why in sorted(state["collect_errors"].items()):
+        lines.append(f"ERROR collecting {t}" + (f" - {why}" if why else ""))
     for t in left[:20]:
         lines.append(f"NOT RUN {t}")
     if len(left) > 20:
@@ -126,7 +131,7 @@ def summary(state: dict, path: str | Path) -> tuple[list[str], int]:
     if len(prints) > 1:
         lines.append(f"warning: the calls ran {len(prints)} different trees (src/ and tests/ "
                      "changed between calls); start again from an empty state for one result")
-    bad = any(outcome_of(e) in BAD for e in done.values())
+    bad = any(outcome_of(e) in BAD for e in done.values()) or bool(state["collect_errors"])
     if left:
         lines.append("tests are left: run the same command again")
         return lines, 2
@@ -158,6 +163,7 @@ class SuiteRun:
         self.start = time.monotonic()
         self.budget = config.getoption("time_budget")
         self.state = load_state(path)
+        self.state["collect_errors"] = {}  # the latest call's
         self.call = len(self.state["calls"]) + 1
         self.record = {"call": self.call, "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
                        "fingerprint": tree_fingerprint(config.rootpath), "ran": 0, "left": 0}
@@ -170,7 +176,10 @@ class SuiteRun:
     def pytest_collection_modifyitems(self, config: pytest.Config,
                                       items: list[pytest.Item]) -> None:
         tests = self.state["tests"]
-        self.state["selected"] = [item.nodeid for item in items]
+        # the union over calls: a call that leaves some tests out (those of a model not there
+        # yet, say) leaves them not yet run rather than out of the suite
+        known = set(self.state["selected"])
+        self.state["selected"] += [item.nodeid for item in items if item.nodeid not in known]
         keep = [item for item in items
                 if item.nodeid not in tests or not is_done(tests[item.nodeid])]
         gone = [item for item in items if item not in keep]
@@ -196,6 +205,12 @@ class SuiteRun:
                                             "tries": entry.get("tries", 0) + 1}
         save_state(self.path, self.state)
         return None
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        # a module that cannot be imported here hides its tests: the summary names it
+        if report.failed:
+            self.state["collect_errors"][report.nodeid] = _first_line(report)
+            save_state(self.path, self.state)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.reports.setdefault(report.nodeid, []).append(report)
