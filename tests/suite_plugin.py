@@ -48,6 +48,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--time-budget", metavar="SECONDS", type=float, default=None,
                     help="with --suite-state: start no test after SECONDS since pytest "
                          "started (but at least one); the rest is left for the next call")
+    group.addoption("--suite-later", metavar="MARKER", action="append", default=[],
+                    help="with --suite-state: count the selected tests with this marker in "
+                         "the suite but leave them for a later call (those that need a model "
+                         "this call lacks, say)")
     group.addoption("--suite-summary", action="store_true", default=False,
                     help="print the merged summary of --suite-state and exit (0: all ran, "
                          "none failed; 1: failures; 2: tests left to run; 4: no state file)")
@@ -176,12 +180,13 @@ class SuiteRun:
     def pytest_collection_modifyitems(self, config: pytest.Config,
                                       items: list[pytest.Item]) -> None:
         tests = self.state["tests"]
-        # the union over calls: a call that leaves some tests out (those of a model not there
-        # yet, say) leaves them not yet run rather than out of the suite
+        # the union over calls, so that a test one call selects stays in the suite
         known = set(self.state["selected"])
         self.state["selected"] += [item.nodeid for item in items if item.nodeid not in known]
+        later = self.config.getoption("suite_later")
         keep = [item for item in items
-                if item.nodeid not in tests or not is_done(tests[item.nodeid])]
+                if (item.nodeid not in tests or not is_done(tests[item.nodeid]))
+                and not any(item.get_closest_marker(m) for m in later)]
         gone = [item for item in items if item not in keep]
         # a test a killed call left unfinished runs first, with the whole budget before it
         keep.sort(key=lambda item: item.nodeid not in tests)

@@ -111,6 +111,17 @@ def test_a_budget_left_over_runs_the_rest_in_one_call(suite):
     assert _summary(state)[1] == 1
 
 
+def test_tests_left_for_later_count_as_not_yet_run(suite):
+    state = suite.path / "state.json"
+    _run(suite, "-m", "dev", f"--suite-state={state}", "--suite-later=parametrize")
+    assert sorted(_ran(suite)) == ["a", "b", "c"]
+    text, code = _summary(state)
+    assert "1 passed, 1 failed, 1 skipped, 2 not yet run" in text and code == 2
+    _run(suite, "-m", "dev", f"--suite-state={state}")
+    assert sorted(_ran(suite)) == ["a", "b", "c", "d1", "d2"]
+    assert _summary(state)[1] == 1
+
+
 def test_summary_option(suite, monkeypatch):
     # the option returns before pytest collects: a subprocess, where the in-process runner
     # expects a run's records
