@@ -82,6 +82,7 @@ def _block(cfg, layer, rows: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_views_of_the_image_compute_the_resident_layers_bits(model, rows):
     _, gf, cfg = model
@@ -95,6 +96,7 @@ def test_views_of_the_image_compute_the_resident_layers_bits(model, rows):
     assert views.attn_q is None and views.ffn_gate is None  # the fused linears serve
 
 
+@pytest.mark.slow
 def test_the_image_is_pack_groups_copy_of_the_files_bytes(model):
     """Each packed plane in the image equals what cpu_packed.pack_group makes of the layer's
     GGUF bytes read straight from the file; dense ones equal the GGUF dequantizer's values."""
