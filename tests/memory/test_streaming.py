@@ -42,6 +42,7 @@ def test_parse_size():
     assert parse_size(1234) == 1234 and parse_size(None) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("io", ["direct", "buffered", "mmap"])
 def test_streamed_equals_resident(tiny, io):
     resident = slipstream.load(tiny, device="cpu", ctx=64, precision=EXACT)
@@ -55,6 +56,7 @@ def test_streamed_equals_resident(tiny, io):
     assert streamed.engine.layers.stats.layers_streamed > 0
 
 
+@pytest.mark.slow
 def test_streamed_equals_resident_with_random_reader_delays(tiny):
     resident = slipstream.load(tiny, device="cpu", ctx=64, precision=EXACT)
     rng = random.Random(1)
@@ -65,6 +67,7 @@ def test_streamed_equals_resident_with_random_reader_delays(tiny):
     assert greedy(resident, 16) == greedy(streamed, 16)
 
 
+@pytest.mark.slow
 def test_real_model_streamed_equals_resident(smollm_path):
     resident = slipstream.load(smollm_path, device="cpu", ctx=128, precision=EXACT)
     streamed = slipstream.load(smollm_path, device="cpu", ctx=128, ram_budget="150MiB",
@@ -88,6 +91,7 @@ def all_streamed(path, precision: str) -> int:
     return cpu_budget(path, precision=precision)
 
 
+@pytest.mark.slow
 def test_truncated_file_mid_run_is_a_clear_error(tiny, tmp_path):
     path = tmp_path / "m.gguf"
     shutil.copy(tiny, path)
@@ -103,6 +107,7 @@ def test_truncated_file_mid_run_is_a_clear_error(tiny, tmp_path):
         greedy(model, 2)
 
 
+@pytest.mark.slow
 def test_deleted_file_keeps_working_through_the_open_descriptor(tiny, tmp_path):
     path = tmp_path / "m.gguf"
     shutil.copy(tiny, path)
@@ -114,6 +119,7 @@ def test_deleted_file_keeps_working_through_the_open_descriptor(tiny, tmp_path):
     assert greedy(model, 6) == greedy(resident, 6)
 
 
+@pytest.mark.slow
 def test_disk_read_error_is_a_clear_error(tiny):
     def fail():
         raise OSError(errno.EIO, "Input/output error")
