@@ -133,6 +133,7 @@ def test_the_image_is_pack_groups_copy_of_the_files_bytes(model):
             assert torch.equal(packed.bias, ref.bias)
 
 
+@pytest.mark.slow
 def test_a_packed_linear_of_the_image_matches_gguf_dequantize(model):
     """The image's ffn_down against x @ W^T with W from gguf.quants.dequantize (float64): the
     packed layouts round scales and activations to bfloat16 (tests/weights/test_cpu_packed.py
@@ -149,6 +150,7 @@ def test_a_packed_linear_of_the_image_matches_gguf_dequantize(model):
     assert (got - want).abs().max() <= 3e-2 * want.abs().max()
 
 
+@pytest.mark.slow
 def test_a_decode_only_linear_refuses_a_prefill_pass(model):
     _, gf, cfg = model
     host, layout = cpu_image.cpu_image_of(gf, cfg, FAST, 0)
