@@ -11,7 +11,8 @@ import torch
 from slipstream.errors import ModelNotFound
 from slipstream.hub.pull import pull
 
-# --suite-state, --time-budget, --suite-summary: a selection run across calls (the GPU suite)
+# suite_plugin: --suite-state, --time-budget and --suite-summary, which run a selection across
+# time-limited calls (the GPU suite, benchmarks/device/gpu_suite.sh); pytester: its own test
 pytest_plugins = ["suite_plugin", "pytester"]
 
 
