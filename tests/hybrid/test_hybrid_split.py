@@ -189,6 +189,7 @@ def test_the_share_on_signal_waits_for_the_flag_then_hands_back(layer_parts, mon
     assert int(done[0]) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["abc", "-1", "nan"])
 def test_a_bad_gil_switch_interval_is_named(value):
     """SLIPSTREAM_GIL_SWITCH_S, read at import: a value that is no number of seconds >= 0 is a

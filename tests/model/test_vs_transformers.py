@@ -59,6 +59,7 @@ def exact_smollm(smollm_path):
     return cpu_engine(smollm_path, ctx=512, precision="exact")
 
 
+@pytest.mark.slow
 def test_kv_cache_decode_matches_full_recompute(exact_smollm):
     """The cache, not the kernels: at "exact" decode and prefill use the same float32 weights
     (at "fast" decode goes through packed copies, tested below)."""
