@@ -212,6 +212,7 @@ def _images(path, layers):
     return imgs
 
 
+@pytest.mark.slow
 def test_the_image_file_is_reused_while_current_and_rebuilt_when_stale(tiny_copy):
     imgs = _images(tiny_copy, [3, 4, 5])
     assert imgs.path.parent == tiny_copy.parent and imgs.path.stat().st_size % 4096 == 0
