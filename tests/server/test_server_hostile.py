@@ -30,6 +30,10 @@ COMP = "/v1/completions"
 LONG_PROMPT = "hello" + " hello" * int(2.4 * PREFILL_CHUNK)
 
 
+# every test here talks to a server process that loads the real model
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def server():
     s = ServerProcess("--ctx", str(CTX), "--max-queue", "2")
