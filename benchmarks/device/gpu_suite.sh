@@ -2,8 +2,10 @@
 # The GPU suite, run whole across device calls, with one summary at the end.
 #
 # Tests come in two tiers, chosen by markers (pyproject.toml):
-#   python3 -m pytest -m "not slow"   the fast tier: under 5 minutes on a 2-core machine; every
-#                                     feature keeps at least one test in it
+#   python3 -m pytest -m "not slow"   the fast tier: under 5 minutes on a 2-core machine; a test
+#                                     over about 1 s there, or behind a module fixture that is
+#                                     (a real-model load, a server process, transformers), is
+#                                     marked slow, and every feature keeps a fast test
 #   python3 -m pytest                 everything (the README's command and .ci/run)
 # Tests marked `gpu` (all of tests/gpu, and a few beside the CPU tests they mirror) skip
 # without CUDA. `compile_heavy` marks the GPU tests whose Triton compiles take minutes (the
@@ -30,6 +32,8 @@
 # BUDGET_S (default 420) is the time after which no test starts, HARD_S (default 540) the
 # time at which pytest is interrupted (a test cut there runs again first in the next call,
 # and counts as failed if it is cut twice); PYTEST_ARGS adds pytest arguments (-k, say).
+# The plugin works without this script too: `pytest -m gpu --suite-state FILE --time-budget S`
+# in each call, then `pytest --suite-state FILE --suite-summary tests`.
 # Files back in $OUT: gpu-suite.log (this call, verbose, with the passing tests' output),
 # gpu-suite-state.json, gpu-suite-summary.txt.
 set -uo pipefail
