@@ -11,8 +11,16 @@ import torch
 from slipstream.errors import ModelNotFound
 from slipstream.hub.pull import pull
 
+# suite_plugin: --suite-state, --time-budget and --suite-summary, which run a selection across
+# time-limited calls (the GPU suite, benchmarks/device/gpu_suite.sh); pytester: its own test
+pytest_plugins = ["suite_plugin", "pytester"]
 
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: `-m "not default_model"` sees the mark
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "smollm_path" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.default_model)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

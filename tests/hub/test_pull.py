@@ -187,6 +187,7 @@ def test_url_parts_stay_inside_the_cache():
 
 # --- the Hub -----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_hub_pull_prints_only_the_path_then_list_info_rm(env, hub, gguf_bytes, tmp_path):
     ref = f"{REPO}/{FILE}"
     r = slipstream(env, "pull", ref)
@@ -231,6 +232,7 @@ def test_hub_file_in_a_subdirectory(env, hub, gguf_bytes, tmp_path):
     assert f"{REPO}/sub/other.gguf" in " ".join(r.stdout.split())
 
 
+@pytest.mark.slow
 def test_run_m_pulls_a_hub_file_before_loading(env, hub):
     """-m USER/REPO/FILE.gguf pulls first; then the run itself starts (a bad --temp after the
     pull would be refused before the pull: arguments are checked first)."""
@@ -242,6 +244,7 @@ def test_run_m_pulls_a_hub_file_before_loading(env, hub):
     assert [p for p, _ in gets(hub)] == [f"/{REPO}/resolve/main/{FILE}"]
 
 
+@pytest.mark.slow
 def test_hub_resumes_a_dropped_connection(env, hub):
     """huggingface_hub resumes by itself, within one pull: the connection drops at 15 MiB, the
     next GET asks with a Range header for what follows the last whole chunk it wrote (it reads
@@ -256,6 +259,7 @@ def test_hub_resumes_a_dropped_connection(env, hub):
                          (f"/{REPO}/resolve/main/big.gguf", f"bytes={10 << 20}-")]
 
 
+@pytest.mark.slow
 def test_hub_resumes_a_pull_killed_mid_download(env, hub, tmp_path):
     """huggingface_hub 2.x never reuses the temporary file of a pull that was killed; slipstream
     resumes it: the next pull asks with a Range header for the bytes after it, the file ends
@@ -280,6 +284,7 @@ def test_hub_resumes_a_pull_killed_mid_download(env, hub, tmp_path):
     assert gets(hub) == []  # up to date: a HEAD, no download
 
 
+@pytest.mark.slow
 def test_hub_drops_what_a_killed_pull_left_of_a_changed_file(env, hub, tmp_path):
     """The file changed on the Hub since the pull was killed (another ETag): what it left is
     deleted and the new file downloaded whole."""
@@ -337,6 +342,7 @@ def test_unknown_model_name_is_one_line(env):
 
 # --- plain URLs --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_url_pull_list_and_m(env, hub, gguf_bytes, tmp_path):
     url = f"{hub.url}/files/{FILE}"
     r = slipstream(env, "pull", url)
@@ -415,6 +421,7 @@ def _kill_mid_download(env, hub, ref: str, partial_dir: Path, pattern: str) -> P
     return found[0]
 
 
+@pytest.mark.slow
 def test_url_resumes_a_pull_killed_mid_download(env, hub, tmp_path):
     """`slipstream pull URL` killed (SIGKILL) part-way keeps FILE.partial, whatever it had
     written; the next pull asks with a Range header for the bytes after it, and the file ends
@@ -449,6 +456,7 @@ def test_url_starts_over_when_the_file_changed(env, hub, gguf_bytes, tmp_path):
     assert Path(r.stdout.strip()).read_bytes() == gguf_bytes
 
 
+@pytest.mark.slow
 def test_url_errors_are_one_line(env, hub, tmp_path):
     one_line_error(slipstream(env, "pull", f"{hub.url}/files/missing.gguf"),
                    "does not exist (HTTP 404)")
@@ -457,6 +465,7 @@ def test_url_errors_are_one_line(env, hub, tmp_path):
     assert not list((tmp_path / "cache").rglob("page.gguf*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["url", "hub"])
 def test_a_full_disk_is_one_line(env, hub, monkeypatch, capsys, tmp_path, source):
     """In-process, with the free space faked (1000 bytes): refused before the file is
@@ -496,6 +505,7 @@ def test_every_model_command_resolves_m(env, gguf_bytes, monkeypatch):
 
 # --- names -------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_path_wins_and_a_shared_file_name_is_ambiguous(env, hub, gguf_bytes, tmp_path):
     local = tmp_path / FILE
     local.write_bytes(gguf_bytes)

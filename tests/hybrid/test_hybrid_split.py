@@ -177,6 +177,7 @@ def test_the_share_on_signal_waits_for_the_flag_then_hands_back(layer_parts, mon
     assert int(done[0]) == 3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("value", ["abc", "-1", "nan"])
 def test_a_bad_gil_switch_interval_is_named_where_it_is_read(value):
     """SLIPSTREAM_GIL_SWITCH_S is read when the CPU worker starts, not at import: the modules

@@ -79,6 +79,7 @@ def test_cpu_prediction_needs_its_rates():
     assert resident.cpu_token_seconds()["token"] == pytest.approx(460 / 4e9)
 
 
+@pytest.mark.slow
 def test_cpu_decode_rates_measures_a_real_layer(tiny):
     gf = GGUFFile(tiny)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
@@ -93,6 +94,7 @@ def test_steady_heap_is_harmless():
     assert torch.ones(8 << 20, dtype=torch.uint8).sum() == 8 << 20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["exact", "fast"])
 def test_plan_predicts_a_streamed_cpu_model(tiny, precision):
     """api.plan (what `info --plan` prints) measures the rates the prediction needs: at

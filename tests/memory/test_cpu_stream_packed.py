@@ -93,6 +93,7 @@ def test_the_plan_streams_packed_images_and_counts_their_buffers(tiny):
     gf.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("io", ["direct", "buffered", "mmap"])
 @pytest.mark.parametrize("packed,whole", [(2, 0), (6, 1)])
 def test_streamed_packed_layers_give_the_resident_bits(tiny_copy, io, packed, whole):
@@ -118,6 +119,7 @@ def test_streamed_packed_layers_give_the_resident_bits(tiny_copy, io, packed, wh
     streamed.close()
 
 
+@pytest.mark.slow
 def test_decode_layers_are_views_into_the_staging_buffers(tiny_copy):
     """A decode pass reads the images, not the GGUF file, and makes no dense weights."""
     model = slipstream.load(tiny_copy, device="cpu", ctx=64,
@@ -144,6 +146,7 @@ def test_decode_layers_are_views_into_the_staging_buffers(tiny_copy):
     model.close()
 
 
+@pytest.mark.slow
 def test_streamed_packed_under_random_reader_delays(tiny_copy):
     resident = slipstream.load(tiny_copy, device="cpu", ctx=64)
     rng = random.Random(3)
@@ -156,6 +159,7 @@ def test_streamed_packed_under_random_reader_delays(tiny_copy):
     assert greedy(resident, SHORT, 12) == greedy(streamed, SHORT, 12)
 
 
+@pytest.mark.slow
 def test_real_model_streamed_packed_equals_resident(smollm_path):
     resident = slipstream.load(smollm_path, device="cpu", ctx=128)
     budget = cpu_budget(smollm_path, packed=20, ctx=128)
@@ -174,6 +178,7 @@ def test_real_model_streamed_packed_equals_resident(smollm_path):
     assert a == b
 
 
+@pytest.mark.slow
 def test_a_skipped_layer_is_read_from_neither_file(tiny_copy, monkeypatch):
     from slipstream.memory.disk import DirectReader
     from slipstream.weights.loader import layer_span
@@ -212,6 +217,7 @@ def _images(path, layers):
     return imgs
 
 
+@pytest.mark.slow
 def test_the_image_file_is_reused_while_current_and_rebuilt_when_stale(tiny_copy):
     imgs = _images(tiny_copy, [3, 4, 5])
     assert imgs.path.parent == tiny_copy.parent and imgs.path.stat().st_size % 4096 == 0
@@ -233,6 +239,7 @@ def test_the_image_file_is_reused_while_current_and_rebuilt_when_stale(tiny_copy
     assert image_file.open_cpu_images(tiny_copy, [3]) is None
 
 
+@pytest.mark.slow
 def test_an_image_changed_after_it_was_written_fails_its_first_read(tiny_copy):
     """Rewritten in place with its size and modification time kept: the index's identity
     check cannot see it, the sampled checksums written with it do."""
@@ -255,6 +262,7 @@ def test_an_image_changed_after_it_was_written_fails_its_first_read(tiny_copy):
     model.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("io", ["direct", "mmap"])
 def test_an_image_truncated_mid_run_is_a_clear_error(tiny_copy, io):
     model = slipstream.load(tiny_copy, device="cpu", ctx=64,

@@ -88,7 +88,8 @@ def _passes(store, n: int = 2) -> None:
 KINDS = ["resident", "disk", "mmap", "cuda-direct", "cuda-buffered", "cuda-mmap"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow)
+                                  if k in ("disk", "mmap") else k for k in KINDS])
 def test_every_store_is_a_layer_store(fake_cuda, tiny, kind):
     store = _store(kind, tiny)
     assert isinstance(store, LayerStore)
@@ -118,6 +119,7 @@ def _held() -> tuple[set[threading.Thread], int]:
     return threads, len(os.listdir("/proc/self/fd"))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc")
 @pytest.mark.parametrize("kind", ["disk", "cuda-direct", "cuda-mmap"])
 def test_close_gives_back_threads_and_descriptors(fake_cuda, tiny, kind):
@@ -134,6 +136,7 @@ def test_close_gives_back_threads_and_descriptors(fake_cuda, tiny, kind):
     assert _held() == (threads, fds)
 
 
+@pytest.mark.slow
 def test_memory_never_imports_runtime():
     """Every slipstream.memory module imports in a fresh interpreter without pulling in
     slipstream.runtime (the package's own __init__, which loads the API, is skipped)."""

@@ -134,6 +134,7 @@ def test_the_cuda_store_never_moves_a_skipped_layer(fake_cuda, model, io, n_slot
     store.close()
 
 
+@pytest.mark.slow
 def test_the_cpu_disk_store_reads_only_the_layers_served(model):
     gf, cfg, _, _ = model
     cpu = torch.device("cpu")

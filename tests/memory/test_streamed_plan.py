@@ -71,6 +71,7 @@ def test_a_resident_plan_keeps_its_defaults(model, monkeypatch):
     assert not plan.flat_layers
 
 
+@pytest.mark.slow
 def test_the_engine_runs_prompts_in_its_chunks(model):
     path, _, _ = model
     engine = cpu_engine(path, ctx=64, precision="exact")

@@ -43,6 +43,7 @@ def test_parse_size():
     assert parse_size(1234) == 1234 and parse_size(None) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("io", ["direct", "buffered", "mmap"])
 def test_streamed_equals_resident(tiny, io):
     resident = slipstream.load(tiny, device="cpu", ctx=64, precision=EXACT)
@@ -56,6 +57,7 @@ def test_streamed_equals_resident(tiny, io):
     assert streamed.engine.layers.stats.layers_streamed > 0
 
 
+@pytest.mark.slow
 def test_streamed_equals_resident_with_random_reader_delays(tiny):
     resident = slipstream.load(tiny, device="cpu", ctx=64, precision=EXACT)
     rng = random.Random(1)
@@ -67,6 +69,7 @@ def test_streamed_equals_resident_with_random_reader_delays(tiny):
     assert greedy(resident, 16) == greedy(streamed, 16)
 
 
+@pytest.mark.slow
 def test_real_model_streamed_equals_resident(smollm_path):
     resident = slipstream.load(smollm_path, device="cpu", ctx=128, precision=EXACT)
     streamed = slipstream.load(smollm_path, device="cpu", ctx=128, precision=EXACT,
@@ -91,6 +94,7 @@ def all_streamed(path, precision: str) -> int:
     return cpu_budget(path, precision=precision)
 
 
+@pytest.mark.slow
 def test_truncated_file_mid_run_is_a_clear_error(tiny, tmp_path):
     path = tmp_path / "m.gguf"
     shutil.copy(tiny, path)
@@ -107,6 +111,7 @@ def test_truncated_file_mid_run_is_a_clear_error(tiny, tmp_path):
         greedy(model, 2)
 
 
+@pytest.mark.slow
 def test_deleted_file_keeps_working_through_the_open_descriptor(tiny, tmp_path):
     path = tmp_path / "m.gguf"
     shutil.copy(tiny, path)
@@ -119,6 +124,7 @@ def test_deleted_file_keeps_working_through_the_open_descriptor(tiny, tmp_path):
     assert greedy(model, 6) == greedy(resident, 6)
 
 
+@pytest.mark.slow
 def test_disk_read_error_is_a_clear_error(tiny):
     def fail():
         raise OSError(errno.EIO, "Input/output error")

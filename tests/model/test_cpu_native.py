@@ -232,6 +232,7 @@ def test_long_context_goes_to_torch(monkeypatch, tmp_path):
     assert calls == [2, 3]  # slots 2 and 3; 4 and 5 by the torch ops
 
 
+@pytest.mark.slow
 def test_one_build_however_many_threads_ask(monkeypatch, tmp_path):
     """api.load starts the build beside the load (native.build_in_background) while a decode
     may ask for the library too: one compile, one library for all of them."""

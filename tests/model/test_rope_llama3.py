@@ -28,6 +28,7 @@ def hf_llama3_inv_freq(head_dim: int, base: float) -> torch.Tensor:
     return LlamaRotaryEmbedding(cfg).inv_freq.float()
 
 
+@pytest.mark.slow
 def test_rope_freqs_match_hf_llama3(tmp_path):
     head_dim, base = 64, 500000.0
     hf_inv = hf_llama3_inv_freq(head_dim, base)

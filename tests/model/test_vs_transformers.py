@@ -40,6 +40,7 @@ def ours_smollm(smollm_path):
     return cpu_engine(smollm_path, ctx=512)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_real_model_logits_match_transformers(hf_smollm, ours_smollm, prompt):
     tok, model = hf_smollm
@@ -58,6 +59,7 @@ def exact_smollm(smollm_path):
     return cpu_engine(smollm_path, ctx=512, precision="exact")
 
 
+@pytest.mark.slow
 def test_kv_cache_decode_matches_full_recompute(exact_smollm):
     """The cache, not the kernels: at "exact" decode and prefill use the same float32 weights
     (at "fast" decode goes through packed copies, tested below)."""
@@ -80,6 +82,7 @@ def test_kv_cache_decode_matches_full_recompute(exact_smollm):
 PACKED_REL_TOL = 4e-2
 
 
+@pytest.mark.slow
 def test_packed_decode_matches_transformers(hf_smollm, ours_smollm):
     from slipstream.weights.cpu import PackedDecodeLinear
 
@@ -127,6 +130,7 @@ def test_synthetic_architectures_match_transformers(tmp_path, arch, quant, tie):
     assert rel_err(wrong, ref) > 10 * REL_TOL
 
 
+@pytest.mark.slow
 def test_perplexity_matches_transformers(hf_smollm, ours_smollm):
     from slipstream.runtime.perplexity import perplexity
 

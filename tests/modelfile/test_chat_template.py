@@ -70,6 +70,7 @@ def smol_hf(smollm_path: Path):
     return AutoTokenizer.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_model_template_matches_hf(smol_md, smol_hf, name: str, add_generation_prompt: bool) -> None:
@@ -89,6 +90,7 @@ def test_model_template_is_the_files(smol_md) -> None:
     assert "named SmolLM" not in template.render(CONVERSATIONS["system"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CONVERSATIONS)
 def test_rich_template_matches_hf(smol_md, smol_hf, name: str) -> None:
     messages = CONVERSATIONS[name] + [{"role": "skip", "content": "not shown"}]
@@ -191,7 +193,8 @@ EXPLODING = {
 }
 
 
-@pytest.mark.parametrize("name", LOOPING)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  if n == "exponential macro" else n for n in LOOPING])
 def test_a_looping_template_is_stopped(name: str) -> None:
     source, names = LOOPING[name]
     error = _render_within(source)

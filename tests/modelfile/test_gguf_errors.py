@@ -182,6 +182,7 @@ def test_missing_tensor(tmp_path):
         load_all(p)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutate,needle", [
     (lambda p: patch(p, 0, b"XXXX"), "bad magic"),
     (lambda p: p.write_bytes(p.read_bytes()[:-1000]), "truncated"),

@@ -158,6 +158,7 @@ def smol_hf(smollm_path: Path):
     return AutoTokenizer.from_pretrained(str(smollm_path.parent), gguf_file=smollm_path.name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", ALL_TEXTS)
 def test_smollm_encode_matches_hf(smol: Tokenizer, smol_hf, text: str) -> None:
     assert smol.encode(text) == smol_hf.encode(text)
@@ -167,6 +168,7 @@ def test_smollm_encode_matches_hf(smol: Tokenizer, smol_hf, text: str) -> None:
     assert smol.encode(text, add_special=False, parse_special=False) == literal
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", ALL_TEXTS)
 def test_smollm_decode_round_trip(smol: Tokenizer, smol_hf, text: str) -> None:
     ids = smol.encode(text)
@@ -186,6 +188,7 @@ def test_smollm_stream_decoder(smol: Tokenizer, text: str) -> None:
         assert not any("\ufffd" in c for c in chunks), chunks
 
 
+@pytest.mark.slow
 def test_smollm_stream_holds_back_split_emoji(smol: Tokenizer, smol_hf) -> None:
     from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte alphabet
 
@@ -209,6 +212,7 @@ def test_smollm_stream_random_ids_concatenate_to_decode(smol: Tokenizer) -> None
         assert "".join(_stream(smol, ids, skip_special=True)) == smol.decode(ids, skip_special=True)
 
 
+@pytest.mark.slow
 def test_smollm_special_ids(smol: Tokenizer, smol_hf) -> None:
     assert smol.vocab_size == len(smol_hf) == 49152
     assert smol.bos_id == smol_hf.bos_token_id == 1

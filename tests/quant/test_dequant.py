@@ -118,6 +118,7 @@ def test_k_quant_encoded_data(qtype: T) -> None:
     assert_bit_identical(got, reference(raw, qtype))
 
 
+@pytest.mark.slow
 def test_real_model_tensors(smollm_path) -> None:
     reader = gguf.GGUFReader(smollm_path)
     by_type: dict[T, list] = {}

@@ -3,6 +3,7 @@ compute what the eager decode computes. It runs eagerly on CPU here, so CI check
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import cpu_engine
@@ -10,6 +11,7 @@ from slipstream.runtime.graphs import DecodeGraphs
 from slipstream.synth import write_synth
 
 
+@pytest.mark.slow
 def test_static_decode_body_matches_eager_decode(tmp_path, monkeypatch):
     """(The eager CPU decode through the torch ops: the native ones, model.cpu_native, serve
     only CPU decode and round their norms' sums in another order, so the keys they cache
@@ -37,6 +39,7 @@ def test_static_decode_body_matches_eager_decode(tmp_path, monkeypatch):
     assert torch.equal(eager.kv.k[:, :, :9], static.kv.k[:, :, :9])
 
 
+@pytest.mark.slow
 def test_weight_bytes_count_the_packed_cpu_copies(tmp_path):
     """`slipstream bench`'s roofline divides by the bytes a decode token reads: on CPU at
     precision fast that is the packed copies (weights.cpu), about the GGUF bytes of the

@@ -23,6 +23,7 @@ def greedy(model, prompt=PROMPT, **kw):
     return events, "".join(e.text for e in events)
 
 
+@pytest.mark.slow
 def test_max_tokens_and_length_finish(model):
     events, text = greedy(model, max_tokens=12)
     assert len(events) == 12
@@ -37,6 +38,7 @@ def test_max_tokens_and_length_finish(model):
     assert stats.peak_memory is None  # on the CPU: not known
 
 
+@pytest.mark.slow
 def test_greedy_is_deterministic_and_seeded_sampling_reproducible(model):
     assert greedy(model, max_tokens=10)[1] == greedy(model, max_tokens=10)[1]
     a = [e.id for e in model.generate(PROMPT, max_tokens=10, temperature=1.0, seed=3)]
@@ -44,6 +46,7 @@ def test_greedy_is_deterministic_and_seeded_sampling_reproducible(model):
     assert a == b
 
 
+@pytest.mark.slow
 def test_stop_string_cuts_the_text(model):
     _, full = greedy(model, max_tokens=24)
     words = full.split()
@@ -53,6 +56,7 @@ def test_stop_string_cuts_the_text(model):
     assert text == full[: full.index(stop)]
 
 
+@pytest.mark.slow
 def test_eot_token_stops_chat(model):
     events = list(model.chat([{"role": "user", "content": "Say hello."}], temperature=0,
                              max_tokens=64))
@@ -61,6 +65,7 @@ def test_eot_token_stops_chat(model):
     assert "<|im_end|>" not in "".join(e.text for e in events)
 
 
+@pytest.mark.slow
 def test_prompt_longer_than_context(model):
     ids = model.tokenize("word " * 300)
     assert len(ids) > model.ctx
@@ -68,6 +73,7 @@ def test_prompt_longer_than_context(model):
         list(model.generate(ids, max_tokens=4))
 
 
+@pytest.mark.slow
 def test_generation_capped_by_context(model):
     ids = model.tokenize("one two three " * 100)[:250]
     events = list(model.generate(ids, max_tokens=50, temperature=0))
@@ -82,7 +88,7 @@ def test_stop_matcher_holds_back_possible_prefixes():
     assert m.push("yy STOP zz") == ("yy ", True)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("temperature", [0.0, pytest.param(0.8, marks=pytest.mark.slow)])
 def test_nan_logits_end_generation_with_a_clear_error(tmp_path, temperature):
     """A weight gone NaN (what a corrupt file gives) makes every logit NaN: generation stops
     with NonFiniteLogits before any such token is emitted, greedy or sampled."""

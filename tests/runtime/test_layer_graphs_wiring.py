@@ -6,6 +6,7 @@ prefill never asks them. The graphs' own bits are the GPU test's."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import cpu_engine
@@ -28,6 +29,7 @@ class StandIn:
         return forward(x, append_step(self.engine.length, 1, x.device, span))
 
 
+@pytest.mark.slow
 def test_fixed_layers_of_a_decode_step_go_through_the_graphs(tmp_path, monkeypatch):
     path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=4, from_floats=True,
                        std=0.1, seed=5)
@@ -53,6 +55,7 @@ def test_fixed_layers_of_a_decode_step_go_through_the_graphs(tmp_path, monkeypat
     assert stand_in.calls == [(i, len(prompt) + 1 + t) for t in range(3) for i in (0, 2, 3)]
 
 
+@pytest.mark.slow
 def test_graphs_of_stays_off_without_the_setting_and_on_the_cpu(tmp_path, monkeypatch):
     path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", from_floats=True, std=0.1, seed=5)
     monkeypatch.delenv("SLIPSTREAM_LAYER_GRAPHS", raising=False)

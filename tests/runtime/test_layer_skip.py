@@ -61,6 +61,7 @@ def _run(engine, steps: int = 4) -> list[torch.Tensor]:
 # --- calibrate ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_calibration_gives_one_similarity_per_layer_deterministically(synth):
     engine = cpu_engine(synth, ctx=64)
     ids = list(range(3, 200, 2))  # 99 tokens: two passes of 64
@@ -71,6 +72,7 @@ def test_calibration_gives_one_similarity_per_layer_deterministically(synth):
     assert calibrate(engine, ids, chunk=32) != sims  # other passes, other contexts
 
 
+@pytest.mark.slow
 def test_calibration_runs_every_layer_and_restores_skip(synth):
     engine = cpu_engine(synth, ctx=64)
     engine.skip = {2}
@@ -79,6 +81,7 @@ def test_calibration_runs_every_layer_and_restores_skip(synth):
     assert sims == calibrate(cpu_engine(synth, ctx=64), PROMPT)
 
 
+@pytest.mark.slow
 def test_an_identity_layer_has_similarity_one(identity_at_2):
     sims = calibrate(cpu_engine(identity_at_2, ctx=64), PROMPT)
     assert sims[2] == pytest.approx(1.0, abs=1e-6) and max(sims[1], sims[3]) < 0.9999
@@ -125,6 +128,7 @@ def test_prefer_wins_among_near_equals_only():
 # --- the engine -----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_skipping_an_identity_layer_changes_no_bit(identity_at_2):
     full = _run(cpu_engine(identity_at_2, ctx=64))
     engine = cpu_engine(identity_at_2, ctx=64)
@@ -134,6 +138,7 @@ def test_skipping_an_identity_layer_changes_no_bit(identity_at_2):
         assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_skipped_layer_is_never_acquired_and_its_cache_is_untouched(synth):
     engine = cpu_engine(synth, ctx=64)
     store = engine.layers
@@ -147,6 +152,7 @@ def test_a_skipped_layer_is_never_acquired_and_its_cache_is_untouched(synth):
     assert not torch.equal(out[0], _run(cpu_engine(synth, ctx=64))[0])  # it did skip
 
 
+@pytest.mark.slow
 def test_setting_skip_resets_the_context_and_checks_the_layers(synth):
     engine = cpu_engine(synth, ctx=64)
     engine.forward(PROMPT)
@@ -159,6 +165,7 @@ def test_setting_skip_resets_the_context_and_checks_the_layers(synth):
 # --- a streamed CPU model -------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_streamed_model_never_reads_a_skipped_layer(synth, monkeypatch):
     # both at "exact", where every pass reads the GGUF spans this test follows (at "fast",
     # tests/memory/test_cpu_stream_packed.py follows the packed images' reads)
@@ -186,6 +193,7 @@ def test_a_streamed_model_never_reads_a_skipped_layer(synth, monkeypatch):
     streamed.close()
 
 
+@pytest.mark.slow
 def test_load_skip_layers_prefers_streamed_layers_among_near_equals(synth):
     model = slipstream.load(synth, device="cpu", ctx=64, skip_layers=2)
     assert len(model.skipped_layers) == 2 and model.skipped_layers == sorted(model.engine.skip)
@@ -202,6 +210,7 @@ def test_load_skip_layers_prefers_streamed_layers_among_near_equals(synth):
 # --- the CLI --------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_perplexity_with_skipped_layers_through_the_cli(smollm_path):
     prose = Path(__file__).parents[1] / "data" / "prose.txt"
     r = subprocess.run([sys.executable, "-m", "slipstream.cli", "perplexity", "-m",

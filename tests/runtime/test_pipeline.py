@@ -94,6 +94,7 @@ def _single(model: Path, tokens: int, temp: float) -> list[int]:
         return [e.id for e in m.generate(PROMPT, max_tokens=tokens, temperature=temp, seed=7)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temp", [0.0, 0.8])
 def test_two_gloo_ranks_give_the_single_process_tokens(smollm_path, tmp_path, temp):
     first, second = _ranks(tmp_path, smollm_path, 40, temp)
@@ -105,6 +106,7 @@ def test_two_gloo_ranks_give_the_single_process_tokens(smollm_path, tmp_path, te
         (True, False, False, True)
 
 
+@pytest.mark.slow
 def test_the_cli_under_torchrun_prints_what_one_process_prints(smollm_path):
     args = ["-m", str(smollm_path), "-n", "24", "--temp", "0", "-p", PROMPT]
     env = {**os.environ, "PYTHONPATH": SRC}
@@ -116,6 +118,7 @@ def test_the_cli_under_torchrun_prints_what_one_process_prints(smollm_path):
     assert both.stdout == alone.stdout and alone.stdout.strip()
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_gives_rank_0_a_clear_error(smollm_path, tmp_path):
     t0 = time.perf_counter()
     first, _ = _ranks(tmp_path, smollm_path, 8, 0.0, mode="die")
@@ -124,6 +127,7 @@ def test_a_rank_that_dies_gives_rank_0_a_clear_error(smollm_path, tmp_path):
     assert time.perf_counter() - t0 < 200  # an error, not a hang until the test's timeout
 
 
+@pytest.mark.slow
 def test_a_silent_rank_gives_rank_0_an_error_after_the_timeout(smollm_path, tmp_path):
     first, _ = _ranks(tmp_path, smollm_path, 8, 0.0, mode="hang",
                       env={"SLIPSTREAM_DIST_TIMEOUT": "8"})
@@ -132,6 +136,7 @@ def test_a_silent_rank_gives_rank_0_an_error_after_the_timeout(smollm_path, tmp_
     assert 7 < first["error_s"] < 20  # the 8 s timeout, not the peer's 25 s of silence
 
 
+@pytest.mark.slow
 def test_a_rank_whose_load_fails_stops_the_others_with_a_clear_error(smollm_path, tmp_path):
     """Rank 1 gets a RAM budget too small for its layers: it prints its own one-line error,
     and rank 0, waiting for the ranks' plans, gives one too (or torchrun stops it first)
@@ -196,6 +201,7 @@ SPEC_SCRIPT = textwrap.dedent("""
 """ % PROMPT)
 
 
+@pytest.mark.slow
 def test_speculative_decoding_across_two_gloo_ranks(smollm_path, tmp_path):
     """A draft file on rank 0 grows the trees; each verify pass is a tree step sent to both
     ranks and the walk's compaction follows it: greedy output equals one process's plain

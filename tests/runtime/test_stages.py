@@ -22,6 +22,7 @@ def one_and_two(smollm_path):
     two.close()
 
 
+@pytest.mark.slow
 def test_two_stages_split_the_layers_contiguously(one_and_two):
     _, two = one_and_two
     stages = two.engine.stages
@@ -35,6 +36,7 @@ def test_two_stages_split_the_layers_contiguously(one_and_two):
     assert two.plan.stages[1].holds_head and not two.plan.stages[1].holds_embedding
 
 
+@pytest.mark.slow
 def test_two_stages_give_one_stages_greedy_tokens_and_logits(one_and_two):
     one, two = one_and_two
     for prompt in PROMPTS:
@@ -71,6 +73,7 @@ def test_stage_ranges_cover_the_layers_evenly():
         stage_ranges(2, 3)
 
 
+@pytest.mark.slow
 def test_the_cli_names_a_missing_gpu_in_one_line(smollm_path):
     import subprocess
     import sys
@@ -83,6 +86,7 @@ def test_the_cli_names_a_missing_gpu_in_one_line(smollm_path):
     assert len(lines) == 1 and "does not exist" in lines[0], r.stderr
 
 
+@pytest.mark.slow
 def test_the_cli_runs_two_stages_as_one(smollm_path):
     import subprocess
     import sys

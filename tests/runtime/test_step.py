@@ -60,6 +60,7 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return float((a - b).norm() / b.norm()) < 1e-4 and int(a.argmax()) == int(b.argmax())
 
 
+@pytest.mark.slow
 def test_tree_step_matches_token_by_token(model_parts):
     engine = _engine(model_parts)
     engine.forward(PREFIX)

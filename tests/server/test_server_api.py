@@ -29,6 +29,10 @@ CHAT = [{"role": "system", "content": "You are a helpful assistant."},
         {"role": "user", "content": "Name three colors."}]
 
 
+# every test here talks to a server process that loads the real model
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def stack():
     # Start the server first: it loads the model while this process loads its own copy.

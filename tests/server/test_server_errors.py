@@ -23,6 +23,10 @@ DEFAULT_CAP = 6  # --max-tokens-default: what a request without max_tokens gets
 LONG = "hello " * 400  # ~400 tokens: more than CTX
 
 
+# every test here talks to a server process that loads the real model
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def server():
     s = ServerProcess("--ctx", str(CTX), "--max-queue", "1", "--max-tokens-default",

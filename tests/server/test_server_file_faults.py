@@ -20,6 +20,7 @@ from slipstream.modelfile.gguf_file import GGUFFile  # noqa: E402
 BODY = {"prompt": "The three most useful kitchen tools are", "max_tokens": 8, "temperature": 0}
 
 
+@pytest.mark.slow
 def test_server_survives_its_file_truncated_and_overwritten(smollm_path, tmp_path):
     path = tmp_path / smollm_path.name
     shutil.copy(smollm_path, path)
@@ -48,6 +49,7 @@ def test_server_survives_its_file_truncated_and_overwritten(smollm_path, tmp_pat
         server.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["exact", "fast"])
 def test_streamed_server_reports_a_changed_file(tmp_path, precision):
     """A server whose layers stream from disk: after the file its decode reads is rewritten in

@@ -30,6 +30,10 @@ COMP = "/v1/completions"
 LONG_PROMPT = "hello" + " hello" * int(2.4 * PREFILL_CHUNK)
 
 
+# every test here talks to a server process that loads the real model
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def server():
     s = ServerProcess("--ctx", str(CTX), "--max-queue", "2")
@@ -193,6 +197,7 @@ def _wait_idle(server: ServerProcess, timeout: float = 120) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
 def test_disconnect_stops_the_prefill_between_chunks(server, stream):
     """A prompt of 2.4 prefill chunks whose client leaves after a second: the job stops at the
@@ -227,6 +232,7 @@ def test_still_serving(server):
     assert server.alive
 
 
+@pytest.mark.slow
 def test_small_soak_honouring_retry_after(server):
     """benchmarks/serve_soak.py's client in miniature: 8 clients against a wait queue of 2, so some
     requests get 503 + Retry-After and retry after it; every answer must be valid and no 5xx

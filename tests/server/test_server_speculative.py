@@ -56,11 +56,13 @@ def stack(smollm_path, tmp_path_factory):
             model.close()
 
 
+@pytest.mark.slow
 def test_health_names_the_draft(stack):
     server, _, draft = stack
     assert httpx.get(server.url + "/health").json()["draft"] == draft.name
 
 
+@pytest.mark.slow
 def test_greedy_answers_equal_plain_decoding_and_metrics_count_the_passes(stack):
     server, model, _ = stack
     text = httpx.get(server.url + "/metrics").text

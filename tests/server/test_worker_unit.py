@@ -226,6 +226,7 @@ def test_loading_then_ready():
             app.state.attach(FakeModel())
 
 
+@pytest.mark.slow
 def test_prefill_guard_same_bits_and_stops_between_chunks(tmp_path):
     """The guard feeds a long prompt through the real Engine.forward one PREFILL_CHUNK at a
     time: the logits are the unguarded call's bits, and a cancellation stops the prefill at

@@ -83,6 +83,7 @@ def _block(cfg, layer, rows: int) -> torch.Tensor:
     return torch.cat(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_views_of_the_image_compute_the_resident_layers_bits(model, rows):
     _, gf, cfg = model
@@ -96,6 +97,7 @@ def test_views_of_the_image_compute_the_resident_layers_bits(model, rows):
     assert views.attn_q is None and views.ffn_gate is None  # the fused linears serve
 
 
+@pytest.mark.slow
 def test_the_image_is_pack_groups_copy_of_the_files_bytes(model):
     """Each packed plane in the image equals what weights.cpu.pack_group makes of the layer's
     GGUF bytes read straight from the file; dense ones equal the GGUF dequantizer's values."""
@@ -132,6 +134,7 @@ def test_the_image_is_pack_groups_copy_of_the_files_bytes(model):
             assert torch.equal(packed.bias, ref.bias)
 
 
+@pytest.mark.slow
 def test_a_packed_linear_of_the_image_matches_gguf_dequantize(model):
     """The image's ffn_down against x @ W^T with W from gguf.quants.dequantize (float64): the
     packed layouts round scales and activations to bfloat16 (tests/weights/test_cpu_packed.py
@@ -148,6 +151,7 @@ def test_a_packed_linear_of_the_image_matches_gguf_dequantize(model):
     assert (got - want).abs().max() <= 3e-2 * want.abs().max()
 
 
+@pytest.mark.slow
 def test_a_decode_only_linear_refuses_a_prefill_pass(model):
     _, gf, cfg = model
     host, layout = cpu_image.cpu_image_of(gf, cfg, FAST, 0)

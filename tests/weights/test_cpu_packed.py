@@ -287,7 +287,7 @@ def _print_report():
               f"largest fraction of the bound = {r['bound_fraction']:.3f}", end="")
 
 
-@pytest.mark.parametrize("kind", ["auto", "int8pack"])
+@pytest.mark.parametrize("kind", ["auto", pytest.param("int8pack", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("file", ["tiny-Q4_K_M", "tiny-Q4_0", "tiny-Q8_0", "tiny-Q4_K_M-floats",
                                   pytest.param("1b-Q4_K_M", marks=pytest.mark.slow)])
 def test_synth_layers_match_the_oracle(synth_files, file, kind):
@@ -300,7 +300,8 @@ def test_synth_layers_match_the_oracle(synth_files, file, kind):
         _record(f"{lin.kind} {qtype.name}", check(lin, raw, qtype, shape, xs))
 
 
-@pytest.mark.parametrize("m", range(1, 9))
+@pytest.mark.parametrize("m", [m if m in (1, 8) else pytest.param(m, marks=pytest.mark.slow)
+                               for m in range(1, 9)])
 def test_every_batch_size_up_to_8(synth_files, m):
     g = torch.Generator().manual_seed(m)
     tensors = {t[2]: t for t in _layer_tensors(synth_files["tiny-Q4_K_M"])}
@@ -457,6 +458,7 @@ def test_linear_protocol_defaults():
                        lin(F.silu(g) * u, residual=torch.ones(2, 64)))
 
 
+@pytest.mark.slow
 def test_int4_packing_in_slices_is_packing_whole():
     u = torch.randint(0, 16, (1024 + 320, 4096), dtype=torch.uint8)  # 64-row slices
     whole = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u.to(torch.int32), 1)
@@ -559,6 +561,7 @@ def test_packed_decode_fused_forms(qtype):
     assert torch.equal(lin.norm_matmul(big, norm, 1e-5), dense.norm_matmul(big, norm, 1e-5))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # RoPE pairs adjacent / halves; bias
 @pytest.mark.parametrize("precision", ["fast", "exact"])
 def test_cpu_decode_block_is_the_general_path(tmp_path, monkeypatch, precision, arch):

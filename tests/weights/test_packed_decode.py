@@ -17,6 +17,7 @@ from slipstream.weights.cpu import PackedDecodeLinear, packed_nbytes
 CPU = torch.device("cpu")
 
 
+@pytest.mark.slow
 def test_the_plan_counts_the_packed_copies_and_streams_packed(tmp_path):
     """precision="fast" on CPU packs decode copies for every plan: a resident layer's RAM is
     its dense weights plus those copies, so a budget that holds the dense layers but not the

@@ -278,6 +278,7 @@ def test_auto_kind_and_fallback(monkeypatch):
     assert pack_linear(make_raw(Q.Q4_1, 16, 64, 8), Q.Q4_1, (16, 64)).kind == "int4pack"
 
 
+@pytest.mark.slow
 def test_default_model_layer_against_the_oracle(smollm_path):
     """Layer 0's fused matrices of the default model (Q4_1), one bfloat16-valued row each, as
     decode feeds them."""
@@ -401,6 +402,7 @@ def _bits_under_builds(tmp_path, rows: int, defines: list[str], qtype: str = "Q4
     assert len(list((lib_dir or tmp_path / "lib").glob("decode_ops-*.so"))) >= len(defines)
 
 
+@pytest.mark.slow
 def test_q4ks_prefetch_distance_leaves_the_bits(tmp_path):
     """Q4_KS's L2 prefetch (q4_matvec.c's Q4_PREFETCH_FAR_RUNS) only moves bytes into the
     caches: builds without it and far ahead give this process's bits."""

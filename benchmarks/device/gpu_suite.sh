@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The GPU suite, run whole across device calls, with one summary at the end.
+#
+# Tests come in two tiers, chosen by markers (pyproject.toml):
+#   python3 -m pytest -m "not slow"   the fast tier: under 5 minutes on a 2-core machine; a test
+#                                     over about 1 s there, or behind a module fixture that is
+#                                     (a real-model load, a server process, transformers), is
+#                                     marked slow, and every feature keeps a fast test
+#   python3 -m pytest                 everything (the README's command and .ci/run)
+# Tests marked `gpu` (all of tests/gpu, and a few beside the CPU tests they mirror) skip
+# without CUDA. `compile_heavy` marks the GPU tests whose Triton compiles take minutes (the
+# exact qgemm for Q2_K and Q3_K: 265 and 390 s on an H200). `default_model` is set on every
+# test that uses the real default model (the smollm_path fixture).
+#
+# The GPU suite (`-m gpu`) takes longer than one device call (10 minutes at most), so this
+# script runs it in pieces through tests/suite_plugin.py: each call runs the tests the state
+# file does not hold yet, starts none after BUDGET_S seconds, records every outcome in
+# .gpu-suite/state.json as it goes, and ends with the merged summary of all calls so far.
+# Run the same command in every call until the summary says the suite has run whole:
+#
+#   call:   bash benchmarks/device/gpu_suite.sh
+#           carry: .whl (the gguf wheel), .gpu-suite (from the second call on), and the
+#           default model's parts (.model/a in one call, .model/b in a later one on the same
+#           warm machine; until both have come, the default model's tests wait)
+#   after:  mkdir -p .gpu-suite && cp <files_at>/gpu-suite-state.json .gpu-suite/state.json
+#
+# On a machine that stays warm the state also stays in its tree; carrying it back is what
+# lets a fresh machine carry on. Its exit status is --suite-summary's: 0 the suite ran whole
+# and green, 1 some test failed, 2 tests are left (call again), 4 no state.
+#
+# Settings: HEAVY=1 also runs the compile_heavy tests; FRESH=1 starts from an empty state;
+# BUDGET_S (default 420) is the time after which no test starts, HARD_S (default 540) the
+# time at which pytest is interrupted (a test cut there runs again first in the next call,
+# and counts as failed if it is cut twice); PYTEST_ARGS adds pytest arguments (-k, say).
+# The plugin works without this script too: `pytest -m gpu --suite-state FILE --time-budget S`
+# in each call, then `pytest --suite-state FILE --suite-summary tests`.
+# Files back in $OUT: gpu-suite.log (this call, verbose, with the passing tests' output),
+# gpu-suite-state.json, gpu-suite-summary.txt.
+set -uo pipefail
+OUTDIR=${OUT:-/tmp/slipstream-out}
+mkdir -p "$OUTDIR"
+cd "$(dirname "$0")/../.."
+STATE=.gpu-suite/state.json
+[ "${FRESH:-0}" = 1 ] && rm -f "$STATE"
+mkdir -p .gpu-suite
+
+if [ -f benchmarks/device/setup.sh ]; then
+  source benchmarks/device/setup.sh
+else
+  # the carried wheels (gguf), once per machine, and the default model from its parts
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    if [ ! -f /tmp/site/.installed ]; then
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+      touch /tmp/site/.installed
+    fi
+    export PYTHONPATH=/tmp/site
+  fi
+  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=140
+  export TRITON_CACHE_DIR=/tmp/triton-cache
+  export SLIPSTREAM_CACHE=/tmp/slipstream-cache SLIPSTREAM_OFFLINE=1
+  mkdir -p "$SLIPSTREAM_CACHE"
+  for part in .model/a/part1 .model/b/part2; do
+    [ -f "$part" ] && cp "$part" "$SLIPSTREAM_CACHE/$(basename "$part")"
+  done
+  MODEL=$SLIPSTREAM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
+  if [ ! -f "$MODEL" ] && [ -f "$SLIPSTREAM_CACHE/part1" ] && [ -f "$SLIPSTREAM_CACHE/part2" ]
+  then cat "$SLIPSTREAM_CACHE/part1" "$SLIPSTREAM_CACHE/part2" > "$MODEL"
+  fi
+fi
+
+marks="gpu"
+[ "${HEAVY:-0}" = 1 ] || marks="$marks and not compile_heavy"
+later=()
+if ! ls "${SLIPSTREAM_CACHE:-/tmp/slipstream-cache}" 2>/dev/null | grep -q "^SmolLM2.*\.gguf$"; then
+  # in the suite as not yet run, for a call that has the model
+  echo "the default model is not in the cache: its tests wait for a call that has it"
+  later=(--suite-later default_model)
+fi
+log=$OUTDIR/gpu-suite.log
+env | grep '^SLIPSTREAM_' | sort > "$log"  # the settings this call ran under head its log
+# a module that cannot be imported here (a package the device lacks) is named in the summary
+timeout -s INT -k 20 "${HARD_S:-540}" python3 -m pytest -v -p no:cacheprovider -rsP \
+  --durations=10 --continue-on-collection-errors -m "$marks" "${later[@]}" \
+  --suite-state "$STATE" --time-budget "${BUDGET_S:-420}" ${PYTEST_ARGS:-} tests >> "$log" 2>&1
+grep -E "^(FAILED|ERROR)|this call ran" "$log" | head -20
+cp "$STATE" "$OUTDIR/gpu-suite-state.json"
+python3 -m pytest -p no:cacheprovider --suite-state "$STATE" --suite-summary tests \
+  | tee "$OUTDIR/gpu-suite-summary.txt"
+exit "${PIPESTATUS[0]}"
