@@ -243,7 +243,7 @@ def _workdir(tmp_path: Path, block: Block, made_files) -> Path:
 
 
 def _run(block: Block, cmd: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """One command (or python script) in its own session, so that a timeout kills all of it."""
+    """One command (or python script) in its own process group, so that a timeout kills all of it."""
     if block.lang == "python":
         script = cwd / f"example_{block.line}.py"
         script.write_text(cmd)
