@@ -73,8 +73,8 @@ def test_cpu_prediction_needs_its_rates():
     del plan.bandwidth_gbps["rebuild"]
     assert plan.predicted_tok_s is None
     # a resident plan needs the compute rate alone; the head falls back on it without gemv
-    resident = plan_layers("cpu", [100] * 4, [40] * 4, fixed_bytes=10, budget=None)
-    resident.head_bytes = 60
+    resident = dataclasses.replace(
+        plan_layers("cpu", [100] * 4, [40] * 4, fixed_bytes=10, budget=None), head_bytes=60)
     resident.bandwidth_gbps["compute"] = 4.0
     assert resident.cpu_token_seconds()["token"] == pytest.approx(460 / 4e9)
 
