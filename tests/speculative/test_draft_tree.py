@@ -48,6 +48,7 @@ def _grown(draft, levels: int) -> TreeGrower:
     return grower
 
 
+@pytest.mark.slow
 def test_snapshot_is_closed_under_ancestors_and_bounded(tiny):
     grower = _grown(tiny[1], levels=3)
     tree = grower.tree
@@ -101,6 +102,7 @@ def test_reroot_keeps_the_subtree_and_its_cache(tiny):
     assert grower.reroot([0], absent) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", [1, 2])
 def test_growing_ahead_is_lossless(tiny, which):
     """Seed for seed, with penalties, a generation whose trees are grown ahead gives plain

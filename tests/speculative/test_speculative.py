@@ -70,6 +70,7 @@ def _fresh_logits(model, ids: list[int]) -> torch.Tensor:
     return model.engine.forward(ids)[-1]
 
 
+@pytest.mark.slow
 def test_tree_growth_is_deterministic_and_bounded(tiny):
     target, draft, _ = tiny
     trees = []
@@ -176,6 +177,7 @@ def test_sampling_is_lossless_chi_square(tiny):
     assert stat_d > _chi2_threshold(dof_d)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", [1, 2])
 def test_sampling_seed_for_seed_equals_plain(tiny, which):
     """The Sampler's generator is used once per token in plain decoding's order, so a seeded
@@ -224,6 +226,7 @@ def test_caches_hold_the_accepted_prefix(tiny):
         fresh.close()
 
 
+@pytest.mark.slow
 def test_context_end_and_a_draft_with_less_context(tiny):
     """Near the end of the context the tree shrinks and the last steps are plain; a draft with
     a smaller context sits out once it is full. Both give plain decoding's tokens, up to the
@@ -303,6 +306,7 @@ def smollm_spec(smollm_path, tmp_path_factory):
     model.close()
 
 
+@pytest.mark.slow
 def test_greedy_equals_plain_greedy(smollm_spec):
     model = smollm_spec
     hist: list[int] = []
