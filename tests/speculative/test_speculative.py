@@ -347,6 +347,7 @@ def test_load_refuses_a_draft_of_another_vocabulary(smollm_path, tmp_path):
 
 # --- drafts out of the model's budgets, and the layer-skip self-draft ----------------------------
 
+@pytest.mark.slow
 def test_draft_is_placed_first_out_of_the_ram_budget(smollm_path, smollm_spec):
     """A CPU draft's resident bytes come out of --ram-budget before the model is planned, and
     the plan says so; a budget the draft alone fills is refused with both figures."""
@@ -366,6 +367,7 @@ def test_draft_is_placed_first_out_of_the_ram_budget(smollm_path, smollm_spec):
                         draft=draft_path)
 
 
+@pytest.mark.slow
 def test_layer_skip_self_draft_is_lossless(smollm_path):
     """The self-draft shares the model's weights (no second file), leaves out K layers and
     writes into the model's KV cache; greedy output equals plain greedy output."""
