@@ -129,6 +129,7 @@ def test_growing_ahead_is_lossless(tiny, which):
     assert spec == plain
 
 
+@pytest.mark.slow
 def test_caches_hold_the_accepted_prefix_with_trees_grown_ahead(tiny):
     """After every round: the target's cache holds prompt + emitted - 1 tokens; the draft's
     either the same less its lag, or (the pending root's tree grown ahead) the same, then the

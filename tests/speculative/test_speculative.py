@@ -196,6 +196,7 @@ def test_sampling_seed_for_seed_equals_plain(tiny, which):
     assert passes > 0
 
 
+@pytest.mark.slow
 def test_caches_hold_the_accepted_prefix(tiny):
     """After every round the target's cache holds prompt + emitted - 1 tokens (the last one is
     the pending root), the draft's as many less its lag (an accepted leaf it never ran, and
@@ -394,6 +395,7 @@ def test_self_draft_arguments(smollm_path):
         slipstream.load(smollm_path, device="cpu", draft_skip_layers=40)
 
 
+@pytest.mark.slow
 def test_a_draft_that_never_pays_is_given_up(tmp_path):
     """A draft of other weights accepts nothing: after a few tree rounds the sizer
     gives it up mid-generation, the model releases it (on CUDA its memory would make pinned
