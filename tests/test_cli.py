@@ -25,6 +25,7 @@ def model(smollm_path):
     return slipstream.load(smollm_path, device="cpu", ctx=512)
 
 
+@pytest.mark.slow
 def test_run_streams_the_same_text_as_the_api(smollm_path, model):
     prompt = "A short poem about the sea:"
     expected = "".join(e.text for e in model.generate(prompt, max_tokens=16, temperature=0))
@@ -39,6 +40,7 @@ def test_run_streams_the_same_text_as_the_api(smollm_path, model):
         assert part in r.stderr, r.stderr
 
 
+@pytest.mark.slow
 def test_chat_is_multi_turn(smollm_path, model):
     def reply(messages):
         return "".join(e.text for e in model.chat(messages, max_tokens=24, temperature=0))
@@ -61,6 +63,7 @@ def test_info_describes_the_model(smollm_path):
         assert needle in r.stdout
 
 
+@pytest.mark.slow
 def test_bench_writes_json(smollm_path, tmp_path):
     out = tmp_path / "bench.json"
     r = cli("bench", "-m", str(smollm_path), "--pp", "32", "--tg", "4", "--reps", "1",
@@ -74,6 +77,7 @@ def test_bench_writes_json(smollm_path, tmp_path):
     assert "draft" not in doc and "pp32" in r.stdout
 
 
+@pytest.mark.slow
 def test_perplexity_command(smollm_path, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
@@ -84,6 +88,7 @@ def test_perplexity_command(smollm_path, tmp_path):
     assert 1.0 < ppl < 20.0  # repeated text is easy to predict
 
 
+@pytest.mark.slow
 def test_perplexity_through_the_decode_path_matches_the_batched_one(smollm_path):
     """--decode-path feeds one token at a time: on CPU both paths compute the same function."""
     prose = Path(__file__).parent / "data" / "prose.txt"

@@ -177,6 +177,7 @@ def test_info_does_not_import_torch(smollm_path):
 # --- the prompt from a file or stdin, -n -1, the summary line -----------------------------
 
 
+@pytest.mark.slow
 def test_prompt_from_file_and_stdin_until_the_context_is_full(smollm_path, tmp_path, model):
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(PROMPT + "\n")  # the trailing newline an editor adds is dropped
@@ -195,6 +196,7 @@ def test_prompt_from_file_and_stdin_until_the_context_is_full(smollm_path, tmp_p
     assert float(s["total"]) >= float(s["load"]) > 0
 
 
+@pytest.mark.slow
 def test_threads_flag_sets_torchs_threads(smollm_path, tmp_path):
     import json
 
@@ -279,6 +281,7 @@ class Terminal:
         os.close(self.master)
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_run_prints_the_summary(smollm_path, model):
     term = Terminal("run", "-m", str(smollm_path), *T1, "--ctx", "512", "-n", "400",
                     "--temp", "0", "-p", "Once upon a time, in a land far away,")
@@ -302,6 +305,7 @@ def exact_model(smollm_path):
         yield m
 
 
+@pytest.mark.slow
 def test_ctrl_c_in_chat_stops_the_reply_and_keeps_the_conversation(smollm_path, exact_model):
     """At precision exact on both sides: the chat continues its KV cache while the check below
     prefills the whole conversation, and at "fast" decoded and prefilled tokens go through
@@ -344,6 +348,7 @@ def test_ctrl_c_in_chat_stops_the_reply_and_keeps_the_conversation(smollm_path, 
     assert second == "".join(e.text for e in model.chat(messages, max_tokens=n, temperature=0))
 
 
+@pytest.mark.slow
 def test_two_ctrl_c_at_the_prompt_quit(smollm_path):
     term = Terminal("chat", "-m", str(smollm_path), *T1, "--ctx", "64")
     try:

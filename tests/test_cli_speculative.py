@@ -58,6 +58,7 @@ def _row(stderr: str, name: str) -> str:
     return m.group(1)
 
 
+@pytest.mark.slow
 def test_quantize_round_trip(smollm_path, quantized):
     path, r = quantized
     assert r.returncode == 0, r.stderr
@@ -116,6 +117,7 @@ def _spec_figures(stderr: str) -> tuple[int, float, list[int]]:
     return passes, per_pass, hist
 
 
+@pytest.mark.slow
 def test_run_with_a_draft_prints_what_plain_run_prints(smollm_path, draft, plain_run):
     """Trees sized automatically (from costs measured as it runs: on a CPU, with a draft as
     big as the model, mostly plain steps); the text is the plain run's whatever they are."""
@@ -125,6 +127,7 @@ def test_run_with_a_draft_prints_what_plain_run_prints(smollm_path, draft, plain
     _spec_figures(r.stderr)
 
 
+@pytest.mark.slow
 def test_run_with_the_lowbit_self_draft(smollm_path, plain_run):
     """--draft-lowbit: no second file; the text is the plain run's, and the plan table names
     the copy."""
@@ -137,6 +140,7 @@ def test_run_with_the_lowbit_self_draft(smollm_path, plain_run):
     assert per_pass > 1.5, (passes, per_pass)
 
 
+@pytest.mark.slow
 def test_run_spec_nodes_and_depth_fix_the_trees(smollm_path, draft, plain_run):
     r = cli("run", "-m", str(smollm_path), *RUN, "--draft", str(draft), "--spec-nodes", "16",
             "--spec-depth", "4", "--stats")
@@ -151,6 +155,7 @@ def test_run_spec_nodes_and_depth_fix_the_trees(smollm_path, draft, plain_run):
     assert per_pass > 1.5, hist
 
 
+@pytest.mark.slow
 def test_chat_with_a_draft(smollm_path, draft):
     messages = [{"role": "user", "content": "Name three colors."}]
     with slipstream.load(smollm_path, device="cpu", ctx=256, precision="exact") as model:
@@ -163,6 +168,7 @@ def test_chat_with_a_draft(smollm_path, draft):
     assert float(_row(r.stderr, "tokens per target pass")) > 1
 
 
+@pytest.mark.slow
 def test_bench_with_a_draft(smollm_path, draft, tmp_path):
     out = tmp_path / "bench.json"
     r = cli("bench", "-m", str(smollm_path), "--pp", "16", "--tg", "8", "--reps", "1",

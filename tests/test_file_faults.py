@@ -157,6 +157,7 @@ TINY_PROMPT = [5, 77, 300, 12, 901, 44, 7, 8]
 
 # --- resident: private weights, output unchanged ---------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["truncate", "overwrite", "delete"])
 def test_resident_model_is_unaffected(model_copy, fault):
     r = assert_clean(run_child(model_copy, fault, PROMPT))
@@ -165,6 +166,7 @@ def test_resident_model_is_unaffected(model_copy, fault):
     assert r["got"] == r["ref"] and r["after"] == r["ref"]
 
 
+@pytest.mark.slow
 def test_control_mapped_resident_model_dies_by_sigbus_on_truncation(model_copy):
     """Without private weights the embedding reads the file's map: the truncation kills it.
     (This is what the default prevents; it also proves the fault reaches the model's bytes.)"""
@@ -172,6 +174,7 @@ def test_control_mapped_resident_model_dies_by_sigbus_on_truncation(model_copy):
     assert run["returncode"] == -signal.SIGBUS, run
 
 
+@pytest.mark.slow
 def test_control_mapped_resident_model_changes_on_overwrite(model_copy):
     run = run_child(model_copy, "overwrite", PROMPT, private=False)
     r = assert_clean(run)
@@ -214,6 +217,7 @@ def assert_changed(r: dict, changed: Path, expected: str) -> None:
     assert r["got"] == r["ref"][:len(r["got"])]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("io", ["direct", "mmap"])
 @pytest.mark.parametrize("fault", ["truncate", "overwrite", "overwrite_keep_mtime"])
 def test_streamed_model_detects_a_changed_file(tiny_copy, fault, io):
@@ -223,6 +227,7 @@ def test_streamed_model_detects_a_changed_file(tiny_copy, fault, io):
     assert_changed(r, tiny_copy, CHANGED[fault])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("io", ["direct", "mmap"])
 @pytest.mark.parametrize("fault", ["truncate", "overwrite", "overwrite_keep_mtime"])
 def test_streamed_packed_model_detects_a_changed_image_file(tiny_copy, fault, io):
@@ -232,6 +237,7 @@ def test_streamed_packed_model_detects_a_changed_image_file(tiny_copy, fault, io
     assert_changed(r, cpu_images(tiny_copy), CHANGED_IMAGE[fault])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["truncate", "overwrite", "overwrite_keep_mtime"])
 def test_streamed_packed_model_detects_a_changed_model_file_at_its_next_prefill(tiny_copy,
                                                                                 fault):
@@ -240,6 +246,7 @@ def test_streamed_packed_model_detects_a_changed_model_file_at_its_next_prefill(
     assert_changed(r, tiny_copy, CHANGED[fault])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("io", ["direct", "mmap"])
 @pytest.mark.parametrize("precision,images", [("exact", False), ("fast", True)])
 def test_streamed_model_reads_on_after_deletion(tiny_copy, io, precision, images):
@@ -338,6 +345,7 @@ print("RESULT " + json.dumps(out), flush=True)
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["cpu", "cuda-source"])
 def test_mmap_mode_truncated_right_before_a_read_is_file_changed(tiny_copy, tmp_path, store):
     """The file is truncated between the store's last check and its read of a layer's bytes:
@@ -407,6 +415,7 @@ def _same_layer(a, b) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_mmap_store_builds_the_same_bits_as_the_other_io_paths(tiny):
     """Unchanged file: the CPU mmap store's layers are bit-identical to the ones built from the
     file's map (as resident loading builds them) and to the disk store's (O_DIRECT or buffered

@@ -240,6 +240,7 @@ def test_trace_into_a_missing_folder_fails_before_loading(tmp_path):
     assert len(lines) == 1 and "--trace" in lines[0] and "writable folder" in lines[0]
 
 
+@pytest.mark.slow
 def test_resident_run_traces_compute_only(smollm_path):
     """All layers resident on CPU: compute spans per layer, nothing streamed."""
     with slipstream.load(smollm_path, device="cpu", ctx=64) as model:

@@ -54,6 +54,7 @@ def test_cases_are_reproducible(seeds):
         assert a[0].name == b[0].name and a[1] == b[1] and a[3] == b[3]
 
 
+@pytest.mark.slow
 def test_fuzz_ci(seed_dir):
     t0 = time.time()
     report = fuzz_gguf.fuzz(CI_CASES, seed=CI_SEED, jobs=2, full_fraction=0.05,
@@ -71,6 +72,7 @@ def test_fuzz_ci(seed_dir):
     assert counts["ok"] > CI_CASES // 20
 
 
+@pytest.mark.slow
 def test_harness_classifies_faults(seed_dir, monkeypatch):
     monkeypatch.setenv("FUZZ_GGUF_INJECT", "1:hang,2:crash,3:rss,4:uncaught")
     report = fuzz_gguf.fuzz(6, seed=CI_SEED, jobs=1, timeout=10.0, mem_growth_mib=256,
@@ -80,6 +82,7 @@ def test_harness_classifies_faults(seed_dir, monkeypatch):
     assert report["cases"] == 6 and report["bad_total"] == 4
 
 
+@pytest.mark.slow
 def test_fuzz_default_model(smollm_path, seed_dir):
     # the real file: a 49k-token vocabulary, 30 layers, Q4_1 and Q8_0 tensors
     report = fuzz_gguf.fuzz(SMOLLM_CASES, seed=CI_SEED, jobs=1, full_fraction=0.05,
@@ -102,6 +105,7 @@ def _cli_sample(seeds, per_class: int = 1) -> list[tuple[int, str]]:
     return sorted((c, k) for k, c in picked.items())
 
 
+@pytest.mark.slow
 def test_cli_never_prints_a_traceback(seeds, tmp_path):
     """`slipstream run` on one mutated file of each mutation class: it either runs (exit 0) or
     prints exactly one `error:` line and exits 1; no traceback either way."""

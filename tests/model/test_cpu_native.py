@@ -135,6 +135,7 @@ def test_decode_attention_matches_float64(n_q, n_kv, d, rope_dim, style, pos, qk
     assert_bf16_close(out, want)
 
 
+@pytest.mark.slow
 def test_layer_after_layer_matches_the_torch_path(tmp_path, monkeypatch):
     """Whole decode tokens on a synthetic model with native ops on and off: the keys, values
     and logits agree as two float32 orders of summation do (the activations go through

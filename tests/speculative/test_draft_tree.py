@@ -48,6 +48,7 @@ def _grown(draft, levels: int) -> TreeGrower:
     return grower
 
 
+@pytest.mark.slow
 def test_snapshot_is_closed_under_ancestors_and_bounded(tiny):
     grower = _grown(tiny[1], levels=3)
     tree = grower.tree
@@ -101,6 +102,7 @@ def test_reroot_keeps_the_subtree_and_its_cache(tiny):
     assert grower.reroot([0], absent) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", [1, 2])
 def test_growing_ahead_is_lossless(tiny, which):
     """Seed for seed, with penalties, a generation whose trees are grown ahead gives plain
@@ -127,6 +129,7 @@ def test_growing_ahead_is_lossless(tiny, which):
     assert spec == plain
 
 
+@pytest.mark.slow
 def test_caches_hold_the_accepted_prefix_with_trees_grown_ahead(tiny):
     """After every round: the target's cache holds prompt + emitted - 1 tokens; the draft's
     either the same less its lag, or (the pending root's tree grown ahead) the same, then the

@@ -74,6 +74,7 @@ def test_copy_decodes_close_to_the_source_by_the_reference_decoder(smollm_path, 
 
 # --- speculation through the copy --------------------------------------------------------------
 
+@pytest.mark.slow
 def test_lowbit_draft_is_lossless_and_shares_the_model(smollm_path):
     """Greedy speculative output equals plain greedy output (precision "exact"); the draft
     shares the model's weights object and KV cache, runs no prefill of its own, and its
@@ -108,6 +109,7 @@ def test_lowbit_draft_is_lossless_and_shares_the_model(smollm_path):
     assert draft.engine is None  # closed with the model
 
 
+@pytest.mark.slow
 def test_verify_pass_ignores_what_the_draft_wrote(tiny_path, tiny_lowbit):
     """The draft grows its tree into the target's cache; the target's verify pass over that
     tree gives the same logits, bit for bit, as over a cache the draft never touched."""
@@ -126,6 +128,7 @@ def test_verify_pass_ignores_what_the_draft_wrote(tiny_path, tiny_lowbit):
     assert torch.equal(got, want)
 
 
+@pytest.mark.slow
 def test_shared_cache_holds_the_accepted_prefix(tiny_path, tiny_lowbit):
     """After every round the one cache holds prompt + emitted - 1 tokens, with the keys a
     fresh prefill of them writes, and there is never a lag."""
@@ -147,6 +150,7 @@ def test_shared_cache_holds_the_accepted_prefix(tiny_path, tiny_lowbit):
             assert torch.allclose(got[:, :, :n], want[:, :, :n], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_equals_plain(tiny_lowbit):
     """A seeded generation through the low-bit draft draws plain decoding's tokens, penalties
     included."""
@@ -192,6 +196,7 @@ def test_a_budget_the_copy_fills_is_refused(tiny_path):
                         placement=slipstream.Placement(ram_budget=held))
 
 
+@pytest.mark.slow
 def test_worker_processes_encode_the_same_bytes(tiny_path):
     """The copy encoded by worker processes (a 70B's path) equals the one encoded in-process."""
     from slipstream.modelfile.gguf_file import GGUFFile

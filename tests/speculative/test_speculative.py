@@ -70,6 +70,7 @@ def _fresh_logits(model, ids: list[int]) -> torch.Tensor:
     return model.engine.forward(ids)[-1]
 
 
+@pytest.mark.slow
 def test_tree_growth_is_deterministic_and_bounded(tiny):
     target, draft, _ = tiny
     trees = []
@@ -176,6 +177,7 @@ def test_sampling_is_lossless_chi_square(tiny):
     assert stat_d > _chi2_threshold(dof_d)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", [1, 2])
 def test_sampling_seed_for_seed_equals_plain(tiny, which):
     """The Sampler's generator is used once per token in plain decoding's order, so a seeded
@@ -195,6 +197,7 @@ def test_sampling_seed_for_seed_equals_plain(tiny, which):
     assert passes > 0
 
 
+@pytest.mark.slow
 def test_caches_hold_the_accepted_prefix(tiny):
     """After every round the target's cache holds prompt + emitted - 1 tokens (the last one is
     the pending root), the draft's as many less its lag (an accepted leaf it never ran, and
@@ -225,6 +228,7 @@ def test_caches_hold_the_accepted_prefix(tiny):
         fresh.close()
 
 
+@pytest.mark.slow
 def test_context_end_and_a_draft_with_less_context(tiny):
     """Near the end of the context the tree shrinks and the last steps are plain; a draft with
     a smaller context sits out once it is full. Both give plain decoding's tokens, up to the
@@ -304,6 +308,7 @@ def smollm_spec(smollm_path, tmp_path_factory):
     model.close()
 
 
+@pytest.mark.slow
 def test_greedy_equals_plain_greedy(smollm_spec):
     model = smollm_spec
     hist: list[int] = []
@@ -345,6 +350,7 @@ def test_load_refuses_a_draft_of_another_vocabulary(smollm_path, tmp_path):
 
 # --- drafts out of the model's budgets, and the layer-skip self-draft ----------------------------
 
+@pytest.mark.slow
 def test_draft_is_placed_first_out_of_the_ram_budget(smollm_path, smollm_spec):
     """A CPU draft's resident bytes come out of --ram-budget before the model is planned, and
     the plan says so; a budget the draft alone fills is refused with both figures."""
@@ -364,6 +370,7 @@ def test_draft_is_placed_first_out_of_the_ram_budget(smollm_path, smollm_spec):
                         placement=slipstream.Placement(ram_budget=held // 2))
 
 
+@pytest.mark.slow
 def test_layer_skip_self_draft_is_lossless(smollm_path):
     """The self-draft shares the model's weights (no second file), leaves out K layers and
     writes into the model's KV cache; greedy output equals plain greedy output."""
@@ -390,6 +397,7 @@ def test_self_draft_arguments(smollm_path):
         slipstream.load(smollm_path, device="cpu", draft=slipstream.SelfDraft(skip_layers=40))
 
 
+@pytest.mark.slow
 def test_a_draft_that_never_pays_is_given_up(tmp_path):
     """A draft of other weights accepts nothing: after a few tree rounds the sizer
     gives it up mid-generation, the model releases it (on CUDA its memory would make pinned

@@ -100,6 +100,7 @@ def test_grown_trees_keep_each_ran_nodes_draws_and_reroot_carries_them(tiny):
         {j: tree.draws[i] for j, i in enumerate(sub) if i in tree.draws}
 
 
+@pytest.mark.slow
 def test_a_generation_fits_and_ranks_its_trees_at_the_fit(tiny):
     """The walks feed the sizer's fit for the sampling temperature; the fit's temperature ranks
     the trees grown once it has seen enough; another generation goes on from it."""
@@ -134,6 +135,7 @@ def test_a_generation_fits_and_ranks_its_trees_at_the_fit(tiny):
     assert again.fit is fit and again.tau == fit.tau
 
 
+@pytest.mark.slow
 def test_a_settled_fit_stops_scoring_and_keeps_its_temperature():
     """Past `settled_at` counted nodes the fit stops: trees keep no grid (one pass over the
     vocabulary a level) and further walks change nothing."""
