@@ -316,18 +316,14 @@ def _tree_tau(temperature: float) -> float | None:
 def _tau_fit(model, temperature: float) -> dict:
     """The ranking temperature's fit after the cell (speculative.calibration;
     it carries over from cell to cell of one draft, as over a model's generations): the score
-    that ranks, the temperature it ranks at, the nodes it scored and both scores per temperature of its
-    grid."""
+    temperature it ranks at, the nodes it scored and the walk score per temperature of its grid."""
     fits = [s.tau_fits[float(temperature)] for s in model.speculation.sizers.values()
             if float(temperature) in getattr(s, "tau_fits", {})]
     if not fits:
         return {}
     fit = fits[0]
-    mode = getattr(fit, "by", "walk")
-    return {"tree_tau_mode": mode,
-            "tree_tau_fitted": fit.tau, "tree_tau_observed": fit.observed,
-            "tree_tau_loglik": {f"{t:g}": round(v, 2) for t, v in zip(fit.grid, fit.loglik)},
-            "tree_tau_walked": {f"{t:g}": v for t, v in zip(fit.grid, getattr(fit, "walked", []))}}
+    return {"tree_tau_fitted": fit.tau, "tree_tau_observed": fit.observed,
+            "tree_tau_walked": {f"{t:g}": v for t, v in zip(fit.grid, fit.walked)}}
 
 
 def write(doc: dict, out: Path) -> None:
