@@ -49,7 +49,7 @@ PROMPT = "Once upon a time, in a small village by the sea,"  # greedy: 32 tokens
 PREDICT = """
 import json, sys
 from slipstream import api
-p = api.plan(sys.argv[1], device="cpu", ram_budget=sys.argv[2])
+p = api.plan(sys.argv[1], device="cpu", placement=api.Placement(ram_budget=sys.argv[2]))
 parts = p.cpu_token_seconds()
 print(json.dumps({"tok_s": p.predicted_tok_s, "parts_s": parts, "gbps": p.bandwidth_gbps,
                   "tiers": {t: p.tiers.count(t) for t in sorted(set(p.tiers))},

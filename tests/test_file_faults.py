@@ -41,14 +41,15 @@ from slipstream.modelfile.gguf_file import GGUFFile
 
 args = json.loads(sys.argv[1])
 path = args["path"]
-kw = dict(device="cpu", ctx=64, precision=args.get("precision") or "fast")
+place = {}
 if args.get("ram_budget"):
-    kw["ram_budget"] = args["ram_budget"]
+    place["ram_budget"] = args["ram_budget"]
 if args.get("private") is not None:
-    kw["private_weights"] = args["private"]
+    place["private_weights"] = args["private"]
 if args.get("io"):
-    kw["io"] = args["io"]
-model = slipstream.load(path, **kw)
+    place["io"] = args["io"]
+model = slipstream.load(path, device="cpu", ctx=64, precision=args.get("precision") or "fast",
+                        placement=slipstream.Placement(**place))
 prompt = args["prompt"]
 n = args["tokens"]
 
