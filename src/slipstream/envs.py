@@ -48,15 +48,6 @@ def _text(value: str) -> str:
     return value
 
 
-def _choice(*values: str) -> Callable[[str], str]:
-    def parse(value: str) -> str:
-        if value not in values:
-            raise ValueError("one of " + ", ".join(values))
-        return value
-    parse.values = values  # type: ignore[attr-defined]
-    return parse
-
-
 @dataclass(frozen=True)
 class EnvVar:
     name: str
