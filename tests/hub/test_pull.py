@@ -7,160 +7,18 @@ from __future__ import annotations
 
 import hashlib
 import os
-import re
 import shutil
+import signal
 import socket
 import subprocess
-import signal
 import sys
-import threading
 import time
-from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from fakehub import COMMIT, FILE, REPO, gets, one_line_error, slipstream
 
 from slipstream.hub.refs import HubRef, UrlRef, parse_ref
-from slipstream.synth import write_synth
-
-COMMIT = "0123456789abcdef0123456789abcdef01234567"
-REPO = "alice/tiny-GGUF"
-FILE = "tiny-Q8_0.gguf"
-
-
-@dataclass
-class FakeHub:
-    """What the server serves and what it saw. `drops` GETs in a row send the headers of the
-    whole answer but only `drop_at` bytes of the file, then cut the connection. With
-    `stall_at`, GETs send the bytes up to there, set `stalled` and hold the connection open
-    until `release` is set (a download in progress, for a test to kill)."""
-    repos: dict[str, dict[str, bytes]] = field(default_factory=dict)  # repo id -> files
-    plain: dict[str, bytes] = field(default_factory=dict)  # /files/NAME -> bytes
-    drops: int = 0
-    drop_at: int = 0
-    stall_at: int = 0
-    stalled: threading.Event = field(default_factory=threading.Event)
-    release: threading.Event = field(default_factory=threading.Event)
-    log: list[tuple[str, str, str | None]] = field(default_factory=list)  # method, path, Range
-    url: str = ""
-
-
-def _handler(hub: FakeHub):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args):  # keep pytest's output clean
-            pass
-
-        def do_HEAD(self):
-            self._serve(body=False)
-
-        def do_GET(self):
-            self._serve(body=True)
-
-        def _error(self, code: int, headers: dict[str, str]):
-            self.send_response(code)
-            for k, v in headers.items():
-                self.send_header(k, v)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def _serve(self, body: bool):
-            hub.log.append((self.command, self.path, self.headers.get("Range")))
-            headers = {}
-            if m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", self.path):
-                repo, _rev, name = m.groups()
-                # the Hub's answers: X-Error-Code tells huggingface_hub which 404 it is
-                if repo not in hub.repos:
-                    return self._error(404, {"X-Error-Code": "RepoNotFound"})
-                headers["X-Repo-Commit"] = COMMIT
-                if name not in hub.repos[repo]:
-                    return self._error(404, {"X-Error-Code": "EntryNotFound", **headers})
-                data = hub.repos[repo][name]
-            elif self.path.startswith("/files/") and self.path[7:] in hub.plain:
-                data = hub.plain[self.path[7:]]
-            else:
-                return self._error(404, {})
-            etag = '"' + hashlib.sha256(data).hexdigest() + '"'
-            headers |= {"ETag": etag, "Accept-Ranges": "bytes"}
-            start, status = 0, 200
-            rng = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range") or "")
-            if_range = self.headers.get("If-Range")
-            if rng and (if_range is None or if_range == etag):
-                start, status = int(rng.group(1)), 206
-                if start >= len(data):
-                    return self._error(416, {"Content-Range": f"bytes */{len(data)}"})
-                headers["Content-Range"] = f"bytes {start}-{len(data) - 1}/{len(data)}"
-            self.send_response(status)
-            for k, v in headers.items():
-                self.send_header(k, v)
-            self.send_header("Content-Length", str(len(data) - start))
-            self.end_headers()
-            if not body:
-                return
-            if hub.stall_at > start:
-                self.wfile.write(data[start:hub.stall_at])
-                self.wfile.flush()
-                hub.stalled.set()
-                hub.release.wait(60)
-                self.close_connection = True
-                return
-            if hub.drops > 0:
-                hub.drops -= 1
-                self.wfile.write(data[start:max(start, hub.drop_at)])
-                self.wfile.flush()
-                self.close_connection = True
-                self.connection.shutdown(socket.SHUT_RDWR)  # mid-body: the client sees it
-                return
-            self.wfile.write(data[start:])
-
-    return Handler
-
-
-@pytest.fixture(scope="module")
-def gguf_bytes(tmp_path_factory) -> bytes:
-    path = write_synth(tmp_path_factory.mktemp("gguf") / FILE, "tiny", "Q8_0", n_layers=1)
-    return path.read_bytes()
-
-
-@pytest.fixture
-def hub(gguf_bytes):
-    h = FakeHub(repos={REPO: {FILE: gguf_bytes, "sub/other.gguf": gguf_bytes,
-                               "README.md": b"# not a model\n"}},
-                plain={FILE: gguf_bytes, "page.gguf": b"<!DOCTYPE html><html></html>"})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(h))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    h.url = f"http://127.0.0.1:{server.server_port}"
-    yield h
-    server.shutdown()
-    server.server_close()
-
-
-@pytest.fixture
-def env(tmp_path, hub) -> dict[str, str]:
-    """The Hub is the local server; the caches are the test's own; no token; online."""
-    e = {k: v for k, v in os.environ.items()
-         if not k.startswith("HF_") and k != "SLIPSTREAM_CACHE"}
-    return e | {"SLIPSTREAM_CACHE": str(tmp_path / "cache"), "HF_ENDPOINT": hub.url,
-                "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1"}
-
-
-def slipstream(env: dict[str, str], *args: str, timeout: int = 120):
-    return subprocess.run([sys.executable, "-m", "slipstream", *args], capture_output=True,
-                          text=True, env=env, timeout=timeout)
-
-
-def one_line_error(r, *needles: str) -> None:
-    assert r.returncode == 1, r.stderr
-    assert r.stderr.startswith("error:") and r.stderr.count("\n") == 1, r.stderr
-    assert "Traceback" not in r.stderr and r.stdout == ""
-    for n in needles:
-        assert n in r.stderr, r.stderr
-
-
-def gets(hub: FakeHub) -> list[tuple[str, str | None]]:
-    return [(p, rng) for method, p, rng in hub.log if method == "GET"]
 
 
 # --- references --------------------------------------------------------------------------
@@ -179,10 +37,6 @@ def gets(hub: FakeHub) -> list[tuple[str, str | None]]:
 ])
 def test_parse_ref(text, expected):
     assert parse_ref(text) == expected
-
-
-def test_url_parts_stay_inside_the_cache():
-    assert UrlRef("http://h:8/a/../b/%2e%2e/c.gguf?x=1").parts == ("a", "b", "c.gguf")
 
 
 # --- the Hub -----------------------------------------------------------------------------

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import ssl
+import threading
+import urllib.error
+import urllib.request
 import warnings
 from pathlib import Path
 
@@ -18,9 +23,14 @@ from ..errors import ModelNotFound
 from . import DownloadError
 from .progress import hub_tqdm
 from .refs import HubRef
-from .store import CachedModel, hub_dir, is_gguf, remove
+from .store import CachedModel, hub_dir, hub_file, is_gguf, prune, remove
 
 _TRUE = {"1", "ON", "YES", "TRUE"}
+# One try, this long, before a Hub pull says the Hub is out of reach: huggingface_hub itself
+# retries a failed connection 5 times with back-off (24 s in silence before its error), and
+# up to its 10 s timeout per try where packets are dropped. A reachable Hub answers in well
+# under a second, even across an ocean (a TLS handshake is 3 round trips of <= 0.3 s).
+PROBE_TIMEOUT_S = 2.0
 
 
 def endpoint() -> str:
@@ -42,18 +52,65 @@ def offline_error(ref: HubRef) -> ModelNotFound:
 
 
 def download(ref: HubRef, bar: Progress) -> Path:
-    """Download (or find up to date in the cache) the Hub file `ref`; returns its path."""
-    # local: huggingface_hub loads only when a Hub reference is used (see offline)
-    from huggingface_hub import errors as hfe
-    from huggingface_hub import hf_hub_download
-
+    """Download (or find up to date in the cache) the Hub file `ref`; returns its path. A
+    failed pull leaves only what resumes it (huggingface_hub's .incomplete file)."""
     local_dir = hub_dir(ref)
+    path = hub_file(ref)  # before huggingface_hub joins local_dir and the file name itself
     if offline():
-        path = local_dir / ref.filename
         if is_gguf(path):
             return path
         raise offline_error(ref)
     where = endpoint()
+    if (why := unreachable(where)) is not None:
+        if is_gguf(path):
+            return path  # what huggingface_hub does too when the Hub does not answer
+        raise DownloadError(f"cannot reach {where} to fetch {ref} ({why}): offline? It is not "
+                            f"in the cache") from None
+    try:
+        return _download(ref, local_dir, where, bar)
+    except BaseException:
+        _clean_failed(ref, local_dir)
+        raise
+
+
+def unreachable(where: str) -> str | None:
+    """None when `where` answers an HTTP request within PROBE_TIMEOUT_S (any status, or a
+    TLS handshake that fails on a certificate: something is there), else why not. The request
+    runs in a thread, so that a name lookup that hangs (which no socket timeout bounds) is cut
+    off too; the thread is left to end on its own."""
+    result: list[str | None] = []
+
+    def probe() -> None:
+        req = urllib.request.Request(where + "/", method="HEAD",
+                                     headers={"User-Agent": "slipstream"})
+        try:
+            urllib.request.urlopen(req, timeout=PROBE_TIMEOUT_S).close()
+            result.append(None)
+        except urllib.error.HTTPError:
+            result.append(None)  # an HTTP answer: the Hub (or a proxy before it) is there
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, ssl.SSLError):
+                result.append(None)  # a TLS handshake: the host is there
+            elif isinstance(e.reason, BaseException):
+                result.append(_first_line(e.reason))
+            else:
+                result.append(str(e.reason))
+        except (OSError, ValueError) as e:
+            result.append(_first_line(e))
+        except Exception:  # http.client's errors: a connection was made
+            result.append(None)
+
+    t = threading.Thread(target=probe, name="hub-probe", daemon=True)
+    t.start()
+    t.join(PROBE_TIMEOUT_S)
+    return result[0] if result else f"no answer within {PROBE_TIMEOUT_S:g} s"
+
+
+def _download(ref: HubRef, local_dir: Path, where: str, bar: Progress) -> Path:
+    # local: huggingface_hub loads only when a Hub reference is used (see offline)
+    from huggingface_hub import errors as hfe
+    from huggingface_hub import hf_hub_download
+
     # its retries' log lines would break the one-line error; the bar shows the progress
     from huggingface_hub.utils import logging as hf_logging  # local: see offline
 
@@ -107,6 +164,36 @@ def download(ref: HubRef, bar: Progress) -> Path:
         remove(CachedModel(ref.name, path, 0, ""))
         raise DownloadError(f"{ref} is not a GGUF file (no GGUF magic); nothing was kept")
     return path
+
+
+def _clean_failed(ref: HubRef, local_dir: Path) -> None:
+    """After a failed Hub pull, delete what huggingface_hub left that resumes nothing: the
+    file's lock (only when no other pull holds it: a lock file may be deleted only by its
+    holder) and the folders left empty; its .incomplete file, resumable, stays."""
+    try:  # local: see offline; private names may go
+        from filelock import FileLock, Timeout
+        from huggingface_hub._local_folder import get_local_download_paths
+    except ImportError:
+        return
+    if not local_dir.is_dir():
+        return
+    paths = get_local_download_paths(local_dir, ref.filename)
+    lock = FileLock(paths.lock_path, timeout=0)
+    try:
+        lock.acquire()
+    except (Timeout, OSError):
+        return
+    try:
+        paths.lock_path.unlink(missing_ok=True)
+    finally:
+        lock.release()
+    meta_root = local_dir / ".cache" / "huggingface"
+    # huggingface_hub's .cache/huggingface/ holds a .gitignore of its own and download/...;
+    # with no metadata, lock or .incomplete left under it, the whole of it is ours to drop
+    if meta_root.is_dir() and not any(p.is_file() and p.name != ".gitignore"
+                                      for p in meta_root.rglob("*")):
+        shutil.rmtree(local_dir / ".cache", ignore_errors=True)
+    prune(paths.file_path.parent)
 
 
 def _resume_killed(ref: HubRef, local_dir: Path, where: str, bar: Progress) -> None:

@@ -1,27 +1,31 @@
-"""Plain-URL downloads (stdlib urllib): into FILE.partial, resumed with an HTTP Range request
-(guarded by If-Range, so a file that changed on the server starts over), moved to FILE only
-once it is whole and starts with the GGUF magic."""
+"""Plain-URL downloads (stdlib urllib): into FILE.partial beside FILE, resumed with an HTTP
+Range request (guarded by If-Range, so a file that changed on the server starts over), moved to
+FILE only once it is whole (the server's size, or with none, every tensor of the GGUF inside
+the file) and starts with the GGUF magic, and never over a file slipstream did not write."""
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import http.client
 import json
 import os
 import re
 import shutil
 import socket
+import stat
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from rich.progress import Progress
 
 from ..errors import ModelNotFound
 from . import DownloadError
-from .store import GGUF_MAGIC, PARTIAL_SUFFIX, SOURCE_SUFFIX, cache_dir, is_gguf
+from .store import GGUF_MAGIC, LOCK_SUFFIX, PARTIAL_SUFFIX, SOURCE_SUFFIX, is_gguf, prune
+from .whole import missing
 
 CHUNK = 1 << 20
 RETRIES = 3  # connections dropped mid-body and resumed within one pull
@@ -66,30 +70,66 @@ def _check_space(directory: Path, need: int) -> None:
 
 def download(url: str, dest: Path, bar: Progress, label: str) -> Path:
     """Download `url` to `dest` (resuming dest.partial if an earlier pull left one).
-    HF_HUB_OFFLINE, slipstream's one switch for "no network", refuses it."""
+    HF_HUB_OFFLINE, slipstream's one switch for "no network", refuses it. Whatever happens,
+    the cache keeps nothing of a failed pull but the partial file and what resumes it (its
+    .source.json): no lock file, no empty folder."""
     if os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE"):
         raise ModelNotFound(f"{url} is not in the cache and HF_HUB_OFFLINE is set: unset it "
                             f"to download")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    # two pulls of one URL would append to one .partial: the second one waits its turn, then
-    # finds the file whole (or resumes what the first left)
-    locks = cache_dir() / "locks"  # apart, kept: deleting a lock file races its waiters
-    locks.mkdir(parents=True, exist_ok=True)
-    key = hashlib.sha1(str(dest).encode()).hexdigest()[:16]
-    with open(locks / f"{key}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return _download(url, dest, bar, label)
+    try:
+        with _locked(dest.with_name(dest.name + LOCK_SUFFIX)):
+            return _download(url, dest, bar, label)
+    finally:
+        prune(dest.parent)
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created), and delete it on the way out. Two pulls of
+    one URL would append to one .partial: the second waits its turn, then finds the file
+    whole (or resumes what the first left). Deleting a lock file is safe because it is
+    deleted only by its holder, and a waiter that wakes on a deleted one retries on the
+    new one; the folder may be pruned by a pull that just failed, so it is made again."""
+    while True:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            continue  # the folder was pruned between mkdir and open
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = os.fstat(fd)
+            try:
+                now = os.stat(path, follow_symlinks=False)
+            except FileNotFoundError:
+                now = None
+        except BaseException:
+            os.close(fd)
+            raise
+        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            break
+        os.close(fd)  # its holder deleted it while this pull waited: lock the one there now
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
 
 
 def _download(url: str, dest: Path, bar: Progress, label: str) -> Path:
-    if is_gguf(dest) and not dest.with_name(dest.name + PARTIAL_SUFFIX).exists():
-        return dest  # a concurrent pull finished it while this one waited for the lock
     partial = dest.with_name(dest.name + PARTIAL_SUFFIX)
     meta_path = dest.with_name(dest.name + SOURCE_SUFFIX)
+    if is_gguf(dest) and not partial.exists():
+        return dest  # a concurrent pull finished it while this one waited for the lock
     try:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError):
         meta = {}
+    if not isinstance(meta, dict):
+        meta = {}
+    if os.path.lexists(dest) and not _ours(dest, meta):
+        raise DownloadError(f"{dest} exists and slipstream did not download it there; "
+                            f"move it away to pull {url}")
     if meta.get("url") != url:  # a partial of some other URL that mapped to this path
         partial.unlink(missing_ok=True)
         meta = {"url": url}
@@ -130,7 +170,7 @@ def _download(url: str, dest: Path, bar: Progress, label: str) -> Path:
             bar.update(task, total=total, completed=start)
             done = start
             try:
-                with open(partial, "ab" if start else "wb") as f:
+                with _open_partial(partial, append=bool(start)) as f:
                     while True:
                         try:
                             chunk = resp.read(CHUNK)
@@ -160,16 +200,70 @@ def _download(url: str, dest: Path, bar: Progress, label: str) -> Path:
                 raise DownloadError(f"the download of {url} ended at {done:,} of {total:,} "
                                     f"bytes; run the same command again to resume")
             continue
+        if (total is not None or done >= len(GGUF_MAGIC)) and not is_gguf(partial):
+            with open(partial, "rb") as f:
+                head = f.read(16)
+            partial.unlink(missing_ok=True)
+            meta_path.unlink(missing_ok=True)
+            raise DownloadError(f"{url} is not a GGUF file (it starts with {head!r}, not "
+                                f"{GGUF_MAGIC!r}); nothing was kept")
+        # no size from the server: the GGUF's own header says where its last tensor ends
+        why = missing(partial) if total is None else None
+        if why is not None:
+            failures += 1
+            if failures > RETRIES:
+                raise DownloadError(f"the download of {url} ended at {done:,} bytes, with no "
+                                    f"size from the server, and is no whole GGUF ({why}); "
+                                    f"run the same command again to resume")
+            continue
         break
-    if not is_gguf(partial):
-        with open(partial, "rb") as f:
-            head = f.read(16)
-        partial.unlink(missing_ok=True)
-        meta_path.unlink(missing_ok=True)
-        raise DownloadError(f"{url} is not a GGUF file (it starts with {head!r}, not "
-                            f"{GGUF_MAGIC!r}); nothing was kept")
-    os.replace(partial, dest)  # atomic: the final name only ever holds a whole file
+    _publish(partial, dest, meta, meta_path)
     return dest
+
+
+def _open_partial(partial: Path, append: bool):
+    # O_NOFOLLOW: the partial is written where it is, never through a symlink planted there
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags |= os.O_APPEND if append else os.O_TRUNC
+    return os.fdopen(os.open(partial, flags, 0o644), "ab" if append else "wb")
+
+
+def _ours(dest: Path, meta: dict) -> bool:
+    """Whether `dest` is the file slipstream last moved there (its .source.json recorded the
+    file's device, inode, size and mtime as it renamed it), not one it never wrote."""
+    try:
+        st = os.stat(dest, follow_symlinks=False)
+    except FileNotFoundError:
+        return True
+    mine = meta.get("file")
+    return (stat.S_ISREG(st.st_mode) and isinstance(mine, dict)
+            and mine == {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size,
+                         "mtime_ns": st.st_mtime_ns})
+
+
+def _publish(partial: Path, dest: Path, meta: dict, meta_path: Path) -> None:
+    """Move the whole `partial` to `dest`, never over a file slipstream did not write: where
+    `dest` is absent, through a hard link, which fails rather than replace a file that
+    appeared meanwhile; where it is slipstream's own, by an atomic rename over it."""
+    st = partial.stat()  # a rename keeps the inode, size and mtime
+    meta["file"] = {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size,
+                    "mtime_ns": st.st_mtime_ns}
+    meta_path.write_text(json.dumps(meta))
+    if os.path.lexists(dest):
+        os.replace(partial, dest)  # _ours(dest) held under the lock
+        return
+    try:
+        os.link(partial, dest)
+    except FileExistsError:
+        raise DownloadError(f"{dest} appeared while {partial.name} downloaded and slipstream "
+                            f"did not write it; it was left alone (so is the download)"
+                            ) from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+            raise DownloadError(f"cannot move {partial} to {dest}: {e.strerror}") from None
+        os.replace(partial, dest)  # a filesystem without hard links: checked just above
+        return
+    partial.unlink()
 
 
 class _Dropped(Exception):

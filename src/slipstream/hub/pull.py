@@ -63,7 +63,7 @@ def resolve(model: str | None, quiet: bool = False) -> Path:
                             f"inside it")
     parsed = parse_ref(model)
     if parsed is not None:
-        cached = (store.hub_dir(parsed) / parsed.filename if isinstance(parsed, HubRef)
+        cached = (store.hub_file(parsed) if isinstance(parsed, HubRef)
                   else store.url_path(parsed))
         if store.is_gguf(cached):
             return cached

@@ -38,14 +38,14 @@ class UrlRef:
 
     @property
     def host(self) -> str:
-        return urlsplit(self.url).netloc
+        """HOST[:PORT], without any user:password@ (not to be written into a path)."""
+        return urlsplit(self.url).netloc.rpartition("@")[2]
 
     @property
     def parts(self) -> tuple[str, ...]:
-        """The URL's path as safe directory names (no '', '.', '..'): where the cache keeps
-        it, so two files of one name from different places never collide."""
-        return tuple(p for p in (unquote(s) for s in urlsplit(self.url).path.split("/"))
-                     if p not in ("", ".", "..") and "\0" not in p)
+        """The URL's path segments, percent-decoded, empty ones dropped. Not checked here: a
+        decoded segment may be '..' or hold a '/'; store.url_path refuses those."""
+        return tuple(p for p in (unquote(s) for s in urlsplit(self.url).path.split("/")) if p)
 
     @property
     def filename(self) -> str:

