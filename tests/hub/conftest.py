@@ -4,6 +4,7 @@ environment whose cache and Hub endpoint are the test's own."""
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
 from http.server import ThreadingHTTPServer
 
@@ -25,7 +26,9 @@ def hub(gguf_bytes):
                                "README.md": b"# not a model\n"}},
                 plain={FILE: gguf_bytes, "page.gguf": b"<!DOCTYPE html><html></html>"})
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(h))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    # shutdown() waits for serve_forever's next poll: 0.5 s by default, at every test's end
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02},
+                     daemon=True).start()
     h.url = f"http://127.0.0.1:{server.server_port}"
     yield h
     server.shutdown()
@@ -39,3 +42,25 @@ def env(tmp_path, hub) -> dict[str, str]:
          if not k.startswith("HF_") and k != "SLIPSTREAM_CACHE"}
     return e | {"SLIPSTREAM_CACHE": str(tmp_path / "cache"), "HF_ENDPOINT": hub.url,
                 "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+@pytest.fixture
+def cli_in_process(env, monkeypatch, capsys):
+    """`slipstream ARGS` run in this process with `env` (no interpreter start: about 1 s
+    less a call here), returning what a subprocess.run of it would: the exit status, stdout
+    and stderr."""
+    from slipstream import cli
+
+    for k in list(os.environ):
+        if k.startswith("HF_") or k == "SLIPSTREAM_CACHE":
+            monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        rc = cli.main(list(args))
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(list(args), rc, out.out, out.err)
+
+    return run

@@ -170,8 +170,8 @@ def test_hub_file_that_is_not_gguf_is_not_kept(env, hub, tmp_path):
     assert not (tmp_path / "cache" / "hf" / REPO / "fake.gguf").exists()
 
 
-@pytest.mark.slow  # huggingface_hub retries the HEAD 5 times with back-off: ~25 s
 def test_no_network_is_one_line(env, tmp_path):
+    """Through the real process; its timing: test_cache_safety.py's offline Hub tests."""
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
