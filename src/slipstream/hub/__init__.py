@@ -6,11 +6,13 @@
                                            local_dir (its own metadata in .cache/huggingface/)
       url/HOST/PATH/FILE.gguf              `pull https://HOST/PATH/FILE.gguf`
       url/HOST/PATH/FILE.gguf.partial      ... while it downloads (resumed with a Range request)
-      url/HOST/PATH/FILE.gguf.source.json  ... the URL and its validator (ETag, Last-Modified)
-      locks/                               one lock file per URL download (never deleted)
+      url/HOST/PATH/FILE.gguf.source.json  ... the URL, its validator (ETag, Last-Modified),
+                                           and the file slipstream renamed into place
+      url/HOST/PATH/FILE.gguf.lock         ... while a pull of it runs (deleted by it)
 
 A file is under its final name only once it is whole and starts with the GGUF magic, so a
-partial download never poses as a model.
+partial download never poses as a model; every path is built from checked components and
+lies inside the cache (paths.py). docs/cache.md has the rules.
 """
 
 from __future__ import annotations

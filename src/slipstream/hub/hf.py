@@ -31,6 +31,7 @@ _TRUE = {"1", "ON", "YES", "TRUE"}
 # up to its 10 s timeout per try where packets are dropped. A reachable Hub answers in well
 # under a second, even across an ocean (a TLS handshake is 3 round trips of <= 0.3 s).
 PROBE_TIMEOUT_S = 2.0
+_HF_MARKERS = {".gitignore", "CACHEDIR.TAG"}  # what huggingface_hub writes in every local_dir
 
 
 def endpoint() -> str:
@@ -69,7 +70,10 @@ def download(ref: HubRef, bar: Progress) -> Path:
     try:
         return _download(ref, local_dir, where, bar)
     except BaseException:
-        _clean_failed(ref, local_dir)
+        try:
+            _clean_failed(ref, local_dir)
+        except OSError:
+            pass  # tidying up must not hide why the pull failed
         raise
 
 
@@ -188,9 +192,9 @@ def _clean_failed(ref: HubRef, local_dir: Path) -> None:
     finally:
         lock.release()
     meta_root = local_dir / ".cache" / "huggingface"
-    # huggingface_hub's .cache/huggingface/ holds a .gitignore of its own and download/...;
-    # with no metadata, lock or .incomplete left under it, the whole of it is ours to drop
-    if meta_root.is_dir() and not any(p.is_file() and p.name != ".gitignore"
+    # huggingface_hub's .cache/huggingface/ holds markers of its own (.gitignore, CACHEDIR.TAG)
+    # and download/...; with no metadata, lock or .incomplete left, all of it may go
+    if meta_root.is_dir() and not any(p.is_file() and p.name not in _HF_MARKERS
                                       for p in meta_root.rglob("*")):
         shutil.rmtree(local_dir / ".cache", ignore_errors=True)
     prune(paths.file_path.parent)

