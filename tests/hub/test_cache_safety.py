@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -271,3 +272,35 @@ def test_a_failed_hub_pull_leaves_nothing(hub, tmp_path, name, cli_in_process):
     r = cli_in_process("pull", f"{REPO}/{name}")
     one_line_error(r)
     assert tree(tmp_path / "cache") == []
+
+
+def test_the_download_lock_serialises_pulls_and_is_deleted_by_its_holder(tmp_path):
+    """A second pull of one URL waits for the first; the lock file goes with the last one
+    (a failed pull left one per URL in locks/ before), and a waiter that wakes on the file
+    its holder deleted locks the new one instead of sharing a dead lock."""
+    lock = tmp_path / "cache" / "url" / "h" / "m.gguf.lock"
+    order: list[str] = []
+    a_in, b_started = threading.Event(), threading.Event()
+
+    def a():
+        with http._locked(lock):
+            order.append("a in")
+            a_in.set()
+            assert b_started.wait(10)
+            time.sleep(0.2)  # b is blocked on a's lock meanwhile
+            order.append("a out")
+
+    def b():
+        assert a_in.wait(10)
+        b_started.set()
+        with http._locked(lock):
+            order.append("b in")
+            assert lock.exists()  # its own, made after a deleted a's
+
+    threads = [threading.Thread(target=f) for f in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert order == ["a in", "a out", "b in"]
+    assert not lock.exists()

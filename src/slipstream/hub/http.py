@@ -96,6 +96,8 @@ def _locked(path: Path) -> Iterator[None]:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         except FileNotFoundError:
             continue  # the folder was pruned between mkdir and open
+        except OSError as e:  # ELOOP: a symlink under the lock's name
+            raise DownloadError(f"cannot lock {path}: {e.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             held = os.fstat(fd)
@@ -164,7 +166,7 @@ def _download(url: str, dest: Path, bar: Progress, label: str) -> Path:
             if start == 0:
                 meta.update(etag=resp.headers.get("ETag"),
                             last_modified=resp.headers.get("Last-Modified"))
-                meta_path.write_text(json.dumps(meta))
+                _write_meta(meta_path, meta)
             if total is not None:
                 _check_space(dest.parent, total - start)
             bar.update(task, total=total, completed=start)
@@ -228,6 +230,20 @@ def _open_partial(partial: Path, append: bool):
     return os.fdopen(os.open(partial, flags, 0o644), "ab" if append else "wb")
 
 
+def _write_meta(meta_path: Path, meta: dict) -> None:
+    # through a new file renamed over it: a rename replaces a symlink there, never its target
+    tmp = meta_path.with_name(meta_path.name + ".tmp")
+    try:
+        tmp.unlink(missing_ok=True)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                               0o644), "w") as f:
+            f.write(json.dumps(meta))
+        os.replace(tmp, meta_path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DownloadError(f"cannot write {meta_path}: {e.strerror}") from None
+
+
 def _ours(dest: Path, meta: dict) -> bool:
     """Whether `dest` is the file slipstream last moved there (its .source.json recorded the
     file's device, inode, size and mtime as it renamed it), not one it never wrote."""
@@ -248,7 +264,7 @@ def _publish(partial: Path, dest: Path, meta: dict, meta_path: Path) -> None:
     st = partial.stat()  # a rename keeps the inode, size and mtime
     meta["file"] = {"dev": st.st_dev, "ino": st.st_ino, "size": st.st_size,
                     "mtime_ns": st.st_mtime_ns}
-    meta_path.write_text(json.dumps(meta))
+    _write_meta(meta_path, meta)
     if os.path.lexists(dest):
         os.replace(partial, dest)  # _ours(dest) held under the lock
         return

@@ -188,8 +188,13 @@ def prune(d: Path) -> None:
     folder holding only huggingface_hub's .cache/ counts as empty. Stops at a symlink."""
     stop = cache_dir()
     while d != stop and stop in d.parents and not d.is_symlink() and d.is_dir():
-        left = [c for c in d.iterdir() if c.name != ".cache"]
-        if left:
+        entries = list(d.iterdir())
+        if any(c.name != ".cache" for c in entries):
             return
-        shutil.rmtree(d, ignore_errors=True)
+        if entries:
+            shutil.rmtree(d / ".cache", ignore_errors=True)
+        try:
+            d.rmdir()  # fails, rather than delete it, if a pull just put a file there
+        except OSError:
+            return
         d = d.parent
