@@ -257,7 +257,9 @@ def test_a_failed_url_pull_leaves_only_the_resumable_partial(hub, gguf_bytes, tm
     cache = tmp_path / "cache"
     one_line_error(cli_in_process("pull", f"{hub.url}/files/missing.gguf"), "HTTP 404")
     one_line_error(cli_in_process("pull", f"{_closed_port()}/files/{FILE}"), "cannot reach")
-    assert tree(cache) == []  # no lock file, no empty folder
+    hub.drops, hub.drop_at = 100, 0  # the headers, then not one byte: nothing to resume
+    one_line_error(cli_in_process("pull", f"{hub.url}/files/{FILE}"), "resume")
+    assert tree(cache) == []  # no lock file, no empty partial, no empty folder
     hub.drops, hub.drop_at = 100, len(gguf_bytes) // 2
     one_line_error(cli_in_process("pull", f"{hub.url}/files/{FILE}"), "resume")
     host = hub.url.split("//")[1].replace(":", "_")

@@ -78,9 +78,25 @@ def download(url: str, dest: Path, bar: Progress, label: str) -> Path:
                             f"to download")
     try:
         with _locked(dest.with_name(dest.name + LOCK_SUFFIX)):
-            return _download(url, dest, bar, label)
+            try:
+                return _download(url, dest, bar, label)
+            except BaseException:
+                _drop_if_empty(dest)
+                raise
     finally:
         prune(dest.parent)
+
+
+def _drop_if_empty(dest: Path) -> None:
+    """An empty partial resumes nothing: it goes, with its .source.json (under the lock)."""
+    partial = dest.with_name(dest.name + PARTIAL_SUFFIX)
+    try:
+        if partial.stat().st_size == 0:
+            partial.unlink()
+            if not os.path.lexists(dest):  # else it records whose file dest is
+                dest.with_name(dest.name + SOURCE_SUFFIX).unlink(missing_ok=True)
+    except OSError:
+        pass  # none there, or it cannot go: the error that brought us here is the one to tell
 
 
 @contextmanager

@@ -169,7 +169,8 @@ def remove(model: CachedModel) -> None:
     loses the link, not its target."""
     root = cache_dir()
     p = check_inside(root, model.path, f"cached model {model.name}", follow_last=False)
-    companions = [p.with_name(p.name + s) for s in (SOURCE_SUFFIX, PARTIAL_SUFFIX, LOCK_SUFFIX)]
+    # not FILE.lock: a lock file is deleted only by the pull that holds it (hub/http.py)
+    companions = [p.with_name(p.name + s) for s in (SOURCE_SUFFIX, PARTIAL_SUFFIX)]
     companions += written_beside(p)
     hf = root / "hf"
     if hf in p.parents:
