@@ -170,6 +170,7 @@ def test_hub_file_that_is_not_gguf_is_not_kept(env, hub, tmp_path):
     assert not (tmp_path / "cache" / "hf" / REPO / "fake.gguf").exists()
 
 
+@pytest.mark.slow  # two interpreter starts: 2 s; the fast check is in test_cache_safety.py
 def test_no_network_is_one_line(env, tmp_path):
     """Through the real process; its timing: test_cache_safety.py's offline Hub tests."""
     with socket.socket() as s:  # a port nothing listens on
