@@ -28,8 +28,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -277,6 +278,42 @@ def _result(reply: dict[str, Any], memory_limit: int) -> str:
     raise RenderWorkerError(f"the chat-template render worker answered {reply!r:.200}")
 
 
+@dataclass
+class ServedTemplate:
+    """The pool rendering a served model's chat template, and what the check at start found:
+    `problem` says why the file's template cannot render a typical conversation (None: it
+    can, or --template-fallback replaced it, `fallback` True)."""
+
+    pool: RenderPool
+    model_file: str
+    problem: str | None = None
+    fallback: bool = False
+
+    @classmethod
+    def start(cls, template: ChatTemplate, model_file: str, fallback: bool = False,
+              report: Callable[[str], None] | None = None, **pool_kwargs: Any
+              ) -> ServedTemplate:
+        """Start the pool and check the template; a broken one is reported in one line."""
+        report = report or (lambda line: print(line, file=sys.stderr, flush=True))
+        pool = RenderPool(template, **pool_kwargs)
+        problem = pool.check()
+        if problem is None:
+            return cls(pool, model_file)
+        what = (f"the chat template of {model_file} cannot render a typical conversation "
+                f"(system, user, assistant, user): {problem}")
+        if not fallback:
+            report(f"warning: {what}; its chat requests will get a 500 (--template-fallback "
+                   f"serves ChatML instead)")
+            return cls(pool, model_file, problem)
+        pool.close()
+        report(f"warning: {what}; serving ChatML instead (--template-fallback)")
+        return cls(RenderPool(fallback_template(template), **pool_kwargs), model_file,
+                   fallback=True)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
 def fallback_template(template: ChatTemplate) -> ChatTemplate:
     """Plain ChatML with the model's special tokens: what --template-fallback serves instead
     of a template that cannot render a typical conversation."""
@@ -284,4 +321,4 @@ def fallback_template(template: ChatTemplate) -> ChatTemplate:
 
 
 __all__ = ["MEMORY_LIMIT", "TIME_LIMIT_S", "TYPICAL_CONVERSATION", "WORKERS", "RenderPool",
-           "RenderWorkerError", "fallback_template"]
+           "RenderWorkerError", "ServedTemplate", "fallback_template"]
