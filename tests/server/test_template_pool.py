@@ -15,25 +15,11 @@ from slipstream.errors import ChatTemplateLimitExceeded, TokenizerError
 from slipstream.modelfile.chat_template import ChatTemplate
 from slipstream.server.templates import TYPICAL_CONVERSATION, RenderPool, RenderWorkerError
 
-# plain ChatML, unless the last message asks for trouble
-HOSTILE = """{% set last = messages[-1]['content'] %}
-{% if last == 'center' %}{{ ' '.center(10**9) }}
-{% elif last == 'width' %}{{ '{:>1000000000}'.format('x') }}
-{% elif last == 'namespace' %}{% set ns = namespace(items=[]) %}
-{% for i in range(100000) %}{% set ns.items = ns.items + ['x' * 16000000] %}{% endfor %}
-{% elif last == 'slow' %}{% for i in range(100000) %}{{ ('x' * 4000000) | replace('x', 'yy') | length }}{% endfor %}
-{% elif last == 'refused' %}{{ raise_exception('roles must alternate user/assistant') }}
-{% else %}{% for m in messages %}<|im_start|>{{ m['role'] }}
-{{ m['content'] }}<|im_end|>
-{% endfor %}{% endif %}"""
+from hostile_templates import HOSTILE, MEMORY_WORDS, ask  # tests/server, beside this file
 
 MEMORY = 128 << 20  # a worker maps 37 MB at start; 6 of the namespace's strings pass this
 TIME_S = 1.0  # the pool's; the time-limit tests lower it to SHORT_S
 SHORT_S = 0.3
-
-
-def ask(word: str) -> list[dict[str, str]]:
-    return [{"role": "user", "content": word}]
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +43,7 @@ def short(pool):
     pool.time_limit = TIME_S
 
 
-@pytest.mark.parametrize("word", ["center", "width", "namespace"])
+@pytest.mark.parametrize("word", MEMORY_WORDS)
 def test_a_worker_past_its_memory_limit_is_replaced(pool, word):
     before, replaced = pool.pids, pool.replaced
     # the message says memory: the allocation failed before the time limit was reached
