@@ -101,7 +101,10 @@ def limit_memory(limit: int) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard != resource.RLIM_INFINITY:
         limit = min(limit, hard)
-    resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    except (ValueError, OSError) as e:  # macOS refuses RLIMIT_AS: only the time limit holds
+        print(f"slipstream template worker: no memory limit ({e})", file=sys.stderr)
 
 
 def main(argv: list[str]) -> int:

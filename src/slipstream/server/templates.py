@@ -179,6 +179,9 @@ class RenderPool:
 
     def _give_back(self, w: _Worker, keep: bool) -> None:
         """Back to the idle queue; else killed and replaced (started at once, to be warm)."""
+        if self._closed:  # close() killed it meanwhile, or will: start none anew
+            w.kill()
+            return
         if not keep:
             w.kill()
             with self._lock:
