@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -147,3 +148,34 @@ def test_workers_start_warm_and_quickly(started):
     t0 = time.monotonic()
     pool.render(ask("hi"))
     assert time.monotonic() - t0 < 0.1
+
+
+def test_close_ends_renders_in_flight_and_waiting():
+    """Three slow renders on two workers, from three threads: close() fails the two running
+    and the one waiting for a worker at once (a thread left waiting would hold the
+    interpreter's exit), and leaves no worker process."""
+    one = RenderPool(ChatTemplate(HOSTILE), workers=2, time_limit=30)
+    one.wait_ready()
+    pids = one.pids
+    outcomes: list[BaseException] = []
+
+    def slow() -> None:
+        try:
+            one.render(ask("slow"))
+        except BaseException as e:  # noqa: BLE001  (what it was is the point)
+            outcomes.append(e)
+
+    threads = [threading.Thread(target=slow) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    one.close()
+    for t in threads:
+        t.join(5)
+    assert time.monotonic() - t0 < 3 and not any(t.is_alive() for t in threads)
+    assert len(outcomes) == 3 and all(isinstance(o, RenderWorkerError) for o in outcomes)
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert one.pids == []

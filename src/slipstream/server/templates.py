@@ -168,6 +168,9 @@ class RenderPool:
 
     def _take(self) -> _Worker:
         w = self._idle.get()
+        if self._closed:  # woken by close(): wake the next waiter too
+            self._idle.put(None)
+            raise RenderWorkerError("the chat-template render pool is closed")
         if w is None:
             try:
                 w = self._spawn()
@@ -229,6 +232,9 @@ class RenderPool:
                 f"the chat template ran for more than {self.time_limit:g} s in one render "
                 f"(its worker process was killed)") from None
         except (EOFError, OSError, ValueError) as e:  # ValueError: a frame that is not JSON
+            if self._closed:
+                raise RenderWorkerError("the chat-template render pool was closed (the "
+                                        "server is stopping)") from None
             raise RenderWorkerError(f"the chat-template render worker died (exit status "
                                     f"{w.proc.poll()}) or answered garbage "
                                     f"({type(e).__name__})") from None
@@ -258,7 +264,10 @@ class RenderPool:
             return first
 
     def close(self) -> None:
+        """Kill every worker; renders in flight or waiting fail with RenderWorkerError (a
+        waiting thread left blocked would hold the interpreter's exit, which joins it)."""
         self._closed = True
+        self._idle.put(None)
         self._threads.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             workers, self._all = list(self._all), set()
