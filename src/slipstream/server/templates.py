@@ -93,6 +93,9 @@ class _Worker:
         """The next frame, or TimeoutError past `deadline`, EOFError if the worker is gone."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
+        # poll, not select: a busy server's descriptors pass select()'s limit of 1024
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
         while True:
             payload = take_frame(self._buffer)
             if payload is not None:
@@ -100,8 +103,7 @@ class _Worker:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError
-            ready, _, _ = select.select([fd], [], [], remaining)
-            if ready:
+            if poller.poll(remaining * 1000):
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
                     raise EOFError
