@@ -215,7 +215,10 @@ class Model:
 
     def chat_ids(self, messages: Sequence[dict]) -> list[int]:
         """Token ids of the conversation rendered through the model's chat template."""
-        text = self.template.render(list(messages), add_generation_prompt=True)
+        return self.prompt_ids(self.template.render(list(messages), add_generation_prompt=True))
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """Token ids of a prompt the chat template rendered (the server renders elsewhere)."""
         ids = self.tokenize(text, add_special=True, parse_special=True)
         bos = self.tokenizer.bos_id
         # Templates that write the BOS text themselves would otherwise get it twice.

@@ -243,7 +243,8 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
                 n_layers: int | None = None, seed: int = 0, arch: str = "llama",
                 from_floats: bool = False, tie_embeddings: bool = False,
                 rope_freqs: bool = False, std: float = 0.02,
-                progress: Callable[[int, int], None] | None = None) -> Path:
+                progress: Callable[[int, int], None] | None = None,
+                chat_template: str = LLAMA3_TEMPLATE) -> Path:
     """Write a random Llama-shaped (or Qwen2-shaped, arch="qwen2") GGUF file; returns its path.
 
     progress(bytes_done, bytes_total) is called after each tensor.
@@ -305,7 +306,7 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     w.add_bos_token_id(special["<|begin_of_text|>"])
     w.add_eos_token_id(special["<|eot_id|>"])
     w.add_add_bos_token(True)
-    w.add_chat_template(LLAMA3_TEMPLATE)
+    w.add_chat_template(chat_template)
 
     def nbytes(q: Q, s: tuple[int, ...]) -> int:
         block, type_size = GGML_QUANT_SIZES[q]

@@ -23,6 +23,9 @@ def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
                    "is fewer); a max_tokens above the context is refused with a 400")
     s.add_argument("--max-body", default="4MiB", metavar="SIZE", help="the largest request "
                    "body accepted; a larger one gets a 413 before it is read")
+    s.add_argument("--template-fallback", action="store_true", help="serve plain ChatML "
+                   "where the model's chat template cannot render a typical conversation "
+                   "(checked at start); without it, such a model's chat requests get a 500")
     add_draft_args(s)
     s.set_defaults(func=run)
 
@@ -39,5 +42,6 @@ def run(a: argparse.Namespace) -> int:
     # private weights: a server must outlive its file being truncated or rewritten (SIGBUS)
     run_server(load=lambda: load_model(a, private_weights=True), host=a.host, port=a.port,
                max_queue=a.max_queue, max_tokens_default=a.max_tokens_default,
-               max_body=parse_size(a.max_body), **spec_kwargs(a))
+               max_body=parse_size(a.max_body), template_fallback=a.template_fallback,
+               **spec_kwargs(a))
     return 0

@@ -4,7 +4,10 @@
 
 Requests are validated and tokenized on the event loop's side (tokenizing runs on a one-thread
 executor so a long prompt does not stall other clients), then queued for the single generation
-thread (see worker.py). The handlers only await what that thread produces.
+thread (see worker.py). The handlers only await what that thread produces. Chat templates
+render in worker processes under memory and time limits (templates.py), beside generation and
+beside each other; a template that cannot render a typical conversation is the model's fault,
+so its failures are 500s (`chat_template_error`), not 400s.
 
 An app can also start before its model: create_app(None) answers /health with 503
 `{"status": "loading"}` and the other endpoints with 503 (code "model_loading") until
@@ -31,7 +34,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import SimpleNamespace
 
 import jinja2
@@ -41,13 +44,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import SlipstreamError
+from ..modelfile.chat_template import ChatTemplate
 from ..runtime.generate import GenerationEvent
-from .errors import APIError, bad_request, from_slipstream, from_validation
+from .errors import APIError, bad_request, from_slipstream, from_template_failure, \
+    from_validation
 from .limits import DEFAULT_MAX_BODY, BodyLimitMiddleware, BodyTooLarge
 from .metrics import Metrics, MetricsMiddleware
 from .openai_format import DONE_LINE, Formatter, sse
 from .page import router as chat_page
 from .schemas import ChatRequest, CompletionRequest
+from .templates import ServedTemplate
 from .worker import Done, GenerationWorker, Job, QueueFull
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -66,11 +72,13 @@ def default_max_tokens(max_tokens_default: int, ctx: int) -> tuple[int, int]:
 def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
                spec_nodes: int | None = None, spec_depth: int | None = None,
                max_tokens_default: int = DEFAULT_MAX_TOKENS,
-               max_body: int = DEFAULT_MAX_BODY) -> FastAPI:
+               max_body: int = DEFAULT_MAX_BODY, template_fallback: bool = False) -> FastAPI:
     """A model loaded with a draft (load(draft=...)) decodes every request speculatively;
     spec_nodes and spec_depth fix its trees' size (None: Model.generate sizes them).
     model None: the app answers "loading" until app.state.attach(model). max_body: request
-    bodies over this many bytes get a 413 before they are read (limits.py)."""
+    bodies over this many bytes get a 413 before they are read (limits.py). The model's chat
+    template renders in worker processes (templates.py), checked once when it is attached;
+    template_fallback: serve ChatML where that check fails, instead of answering 500."""
     if max_tokens_default != -1 and max_tokens_default < 1:
         raise ValueError(f"max_tokens_default={max_tokens_default} is invalid: must be >= 1, "
                          f"or -1 (until the context is full)")
@@ -80,7 +88,8 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
     prep = ThreadPoolExecutor(1, thread_name_prefix="slipstream-tokenize")
     # what is served; `model` is set last, once the rest is in place (handlers test it)
     served = SimpleNamespace(model=None, id=None, names=set(), created=0, worker=None,
-                             draft_name=None, chat_default=0, completion_default=0)
+                             draft_name=None, chat_default=0, completion_default=0,
+                             template=None)
     lock = threading.Lock()  # attach (any thread) against the lifespan (the event loop)
     running = [False]
     t_created = time.monotonic()
@@ -92,6 +101,9 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
                                   generate_kwargs={"spec_nodes": spec_nodes,
                                                    "spec_depth": spec_depth})
         metrics.watch(worker)
+        # a test double without a ChatTemplate renders in its own chat_ids
+        template = ServedTemplate.start(m.template, Path(m.path).name, template_fallback) \
+            if isinstance(getattr(m, "template", None), ChatTemplate) else None
         with lock:
             if served.model is not None:
                 raise RuntimeError("this app already serves a model")
@@ -102,8 +114,8 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
             served.draft_name = Path(draft.path).name if draft is not None else None
             served.chat_default, served.completion_default = default_max_tokens(
                 max_tokens_default, m.ctx)
-            served.worker = worker
-            app.state.model, app.state.worker = m, worker
+            served.worker, served.template = worker, template
+            app.state.model, app.state.worker, app.state.template = m, worker, template
             served.model = m
             if running[0]:
                 worker.start()
@@ -117,14 +129,17 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
         yield
         with lock:
             running[0] = False
-            worker = served.worker
+            worker, template = served.worker, served.template
         if worker is not None:
             worker.stop()
+        if template is not None:
+            template.close()
         prep.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="slipstream", summary="OpenAI-compatible server for GGUF models",
                   lifespan=lifespan, strict_content_type=False)
     app.state.model, app.state.worker, app.state.metrics = None, None, metrics
+    app.state.template = None
     app.state.attach = attach
     # the body limit inside the metrics middleware, so that its 413s are counted too
     app.add_middleware(BodyLimitMiddleware, max_body=max_body,
@@ -217,18 +232,31 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
                                   param="prompt")
             return list(req.prompt)
 
-        return await serve(request, req, Formatter(False, s.id, req.include_usage), prepare,
-                           s.completion_default, "prompt")
+        return await serve(request, req, Formatter(False, s.id, req.include_usage),
+                           lambda: tokenize(prepare), s.completion_default, "prompt")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         s = ready()
         messages = [m.for_template() for m in req.messages]
-        return await serve(request, req, Formatter(True, s.id, req.include_usage),
-                           lambda: s.model.chat_ids(messages), s.chat_default, "messages")
 
-    async def serve(request: Request, req, fmt: Formatter, prepare: Callable[[], list[int]],
-                    default_max_tokens: int, prompt_param: str):
+        async def prepare() -> list[int]:
+            if s.template is None:
+                return await tokenize(lambda: s.model.chat_ids(messages))
+            # in a worker process, beside other renders and generation (templates.py)
+            try:
+                text = await s.template.pool.arender(messages)
+            except SlipstreamError as e:
+                raise from_template_failure(e, s.template.model_file,
+                                            s.template.problem) from None
+            return await tokenize(lambda: s.model.prompt_ids(text))
+
+        return await serve(request, req, Formatter(True, s.id, req.include_usage), prepare,
+                           s.chat_default, "messages")
+
+    async def serve(request: Request, req, fmt: Formatter,
+                    prepare: Callable[[], Awaitable[list[int]]], default_max_tokens: int,
+                    prompt_param: str):
         t0 = time.perf_counter()
         check_model(req.model)
         model, worker = served.model, served.worker
@@ -238,7 +266,7 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
             raise bad_request(f"{param}={req.max_tokens} is more than this model's context "
                               f"holds: {model.ctx} tokens, the prompt included. Ask for "
                               f"fewer, or start the server with a larger --ctx.", param=param)
-        ids = await tokenize(prepare)
+        ids = await prepare()
         if not ids:
             raise bad_request("the prompt is empty (it has no tokens)", param=prompt_param)
         if len(ids) >= model.ctx:

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from ..errors import BadArgument, ContextOverflow, SlipstreamError
 from ..memory.disk import FileChanged
+from .templates import RenderWorkerError
 
 INVALID = "invalid_request_error"
 
@@ -62,6 +63,32 @@ def from_slipstream(e: SlipstreamError) -> APIError:
     if isinstance(e, FileChanged):  # every later request fails too, until a restart
         return APIError(500, str(e), type="server_error", code="model_file_changed")
     return APIError(500, str(e), type="server_error", code="internal_error")
+
+
+class TemplateFault(APIError):
+    """The served model's chat template failed on a request, and it cannot render a typical
+    conversation either (checked at start): the model file is at fault, not the client."""
+
+    def __init__(self, model_file: str, reason: str, problem: str):
+        there = "" if problem in reason else f" ({problem})"
+        super().__init__(
+            500, f"the served model's chat template (tokenizer.chat_template in {model_file}) "
+            f"failed: {reason}. It fails on a typical conversation too{there}, checked at "
+            f"start: the model's template is at fault, not the request. Start the server with "
+            f"--template-fallback to serve ChatML instead.",
+            type="server_error", code="chat_template_error")
+
+
+def from_template_failure(e: SlipstreamError, model_file: str, problem: str | None
+                          ) -> APIError:
+    """Map a failed chat-template render: the server's fault when no worker could render or
+    the template fails a typical conversation too (`problem`, from the check at start), else
+    the conversation's (a role the template refuses with raise_exception, ...)."""
+    if isinstance(e, RenderWorkerError):
+        return APIError(500, str(e), type="server_error", code="template_worker_failed")
+    if problem is not None:
+        return TemplateFault(model_file, str(e), problem)
+    return bad_request(f"the prompt could not be prepared: {e}", param="messages")
 
 
 def from_validation(exc: RequestValidationError) -> APIError:

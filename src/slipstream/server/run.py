@@ -34,18 +34,20 @@ def run_server(model=None, host: str = "127.0.0.1", port: int = 8080, max_queue:
                log_level: str = "info", spec_nodes: int | None = None,
                spec_depth: int | None = None, *, load: Callable[[], object] | None = None,
                max_tokens_default: int = DEFAULT_MAX_TOKENS,
-               max_body: int = DEFAULT_MAX_BODY, console: Console | None = None) -> None:
+               max_body: int = DEFAULT_MAX_BODY, console: Console | None = None,
+               template_fallback: bool = False) -> None:
     """Serve `model`, or the model `load()` returns (loaded while the server already answers
     /health), until interrupted. Blocks; KeyboardInterrupt (Ctrl-C) and SystemExit (SIGTERM,
     exit status 143) propagate after the server has stopped. spec_nodes, spec_depth,
-    max_tokens_default, max_body: see create_app."""
+    max_tokens_default, max_body, template_fallback: see create_app."""
     if (model is None) == (load is None):
         raise TypeError("run_server needs a model or a load function, not both")
     console = console or Console(stderr=True)
     sock = bind(host, port)
     url = http_url(host, sock.getsockname()[1])
     app = create_app(model, max_queue=max_queue, spec_nodes=spec_nodes, spec_depth=spec_depth,
-                     max_tokens_default=max_tokens_default, max_body=max_body)
+                     max_tokens_default=max_tokens_default, max_body=max_body,
+                     template_fallback=template_fallback)
     # Open streams would hold a graceful shutdown forever; cut them after a few seconds.
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=3)
