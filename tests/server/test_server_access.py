@@ -115,7 +115,7 @@ NAMES = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?(\.[a-z0-9]{1,10}){0,3
                       fullmatch=True)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(name=NAMES, port=st.one_of(st.none(), st.integers(0, 65535)), upper=st.booleans())
 def test_host_name_strips_port_and_case(name, port, upper):
     header = (name.upper() if upper else name) + ("" if port is None else f":{port}")
@@ -176,3 +176,40 @@ def test_end_requests_ends_streams_with_an_error_event_and_done():
         assert error_of(c.post("/v1/chat/completions", json=CHAT), 503)["code"] == \
             "server_shutting_down"
         assert c.get("/health").status_code == 200  # the probe still answers meanwhile
+
+
+# --- the command line -------------------------------------------------------------------------
+
+@pytest.fixture()
+def served(monkeypatch):
+    """`slipstream serve`'s arguments to run_server, without serving."""
+    import slipstream.server
+
+    calls: list[dict] = []
+    monkeypatch.setattr(slipstream.server, "run_server", lambda **kw: calls.append(kw))
+    monkeypatch.delenv("SLIPSTREAM_API_KEY", raising=False)
+    return calls
+
+
+def test_cli_key_from_flag_or_environment(served, monkeypatch, capsys):
+    from slipstream.cli import main
+
+    assert main(["serve"]) == 0
+    assert served[-1]["api_key"] is None and served[-1]["allowed_host"] == []
+    assert served[-1]["shutdown_timeout"] == 10.0
+    monkeypatch.setenv("SLIPSTREAM_API_KEY", "from-env")
+    assert main(["serve", "--allowed-host", "a.example", "--allowed-host", "*",
+                 "--shutdown-timeout", "2.5"]) == 0
+    assert served[-1]["api_key"] == "from-env"
+    assert served[-1]["allowed_host"] == ["a.example", "*"]
+    assert served[-1]["shutdown_timeout"] == 2.5
+    assert main(["serve", "--api-key", "from-flag"]) == 0
+    assert served[-1]["api_key"] == "from-flag"  # the flag wins
+    n = len(served)
+    capsys.readouterr()
+    for argv, message in ((["serve", "--api-key", " "], "--api-key is empty"),
+                          (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout -1.0")):
+        assert main(argv) == 1
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], lines
+    assert len(served) == n  # refused before serving
