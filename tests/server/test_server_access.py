@@ -120,7 +120,7 @@ NAMES = st.from_regex(r"[a-z0-9]([a-z0-9-]{0,20}[a-z0-9])?(\.[a-z0-9]{1,10}){0,3
 def test_host_name_strips_port_and_case(name, port, upper):
     header = (name.upper() if upper else name) + ("" if port is None else f":{port}")
     assert host_name(header) == name
-    assert host_name(f"[::1]" + ("" if port is None else f":{port}")) == "::1"
+    assert host_name("[::1]" + ("" if port is None else f":{port}")) == "::1"
 
 
 class SlowModel(FakeModel):

@@ -165,9 +165,12 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
             job.cancel()
 
     app.state.end_requests = end_requests
+
+    def refused(code: str) -> None:  # an early refusal by a middleware, counted as an error
+        metrics.errors.labels(code).inc()
+
     # outermost last: metrics (counts every answer), Host, key, body limit (no body is read
     # for a client that may not talk here)
-    refused = lambda code: metrics.errors.labels(code).inc()  # noqa: E731
     app.add_middleware(BodyLimitMiddleware, max_body=max_body, on_refused=refused)
     if api_key is not None:
         app.add_middleware(ApiKeyMiddleware, key=api_key, on_refused=refused)
@@ -350,10 +353,13 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
                     yield fmt.chunk(None if fmt.chat else "", item.finish_reason)
             yield DONE_LINE
         except Exception as e:  # the status line is gone already: report in the stream
-            err = e if isinstance(e, APIError) else from_slipstream(e) if isinstance(
-                e, SlipstreamError) else APIError(500, f"internal error: {type(e).__name__}: "
-                                                       f"{e}", type="server_error",
-                                                  code="internal_error")
+            if isinstance(e, APIError):  # end_requests: the server is shutting down
+                err = e
+            elif isinstance(e, SlipstreamError):
+                err = from_slipstream(e)
+            else:
+                err = APIError(500, f"internal error: {type(e).__name__}: {e}",
+                               type="server_error", code="internal_error")
             metrics.errors.labels(err.code or err.type).inc()
             yield sse(err.body())
             yield DONE_LINE
