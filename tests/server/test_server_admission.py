@@ -155,7 +155,7 @@ def test_sigterm_lets_a_stream_finish_within_the_grace_period(tiny):
                 refused.append(_refused(server.port))
 
         term, sent = _term_after(server, 20)
-        lines = _stream_lines(server, dict(LONG, max_tokens=1500), on_line)
+        lines = _stream_lines(server, dict(LONG, max_tokens=3000), on_line)
         assert lines[-1] == "[DONE]"
         assert json.loads(lines[-2])["choices"][0]["finish_reason"] == "length"
         assert not any("error" in json.loads(x) for x in lines[:-1])
