@@ -208,7 +208,8 @@ def test_cli_key_from_flag_or_environment(served, monkeypatch, capsys):
     n = len(served)
     capsys.readouterr()
     for argv, message in ((["serve", "--api-key", " "], "--api-key is empty"),
-                          (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout -1.0")):
+                          (["serve", "--shutdown-timeout", "-1"], "--shutdown-timeout -1.0"),
+                          (["serve", "--shutdown-timeout", "inf"], "--shutdown-timeout inf")):
         assert main(argv) == 1
         lines = capsys.readouterr().err.strip().splitlines()
         assert len(lines) == 1 and message in lines[0], lines

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 from .. import envs
@@ -49,7 +50,7 @@ def run(a: argparse.Namespace) -> int:
     if api_key is not None and not api_key.strip():
         raise BadArgument("--api-key is empty: give a key, or leave the option out to serve "
                           "without one")
-    if not a.shutdown_timeout >= 0:  # also NaN
+    if not (math.isfinite(a.shutdown_timeout) and a.shutdown_timeout >= 0):
         raise BadArgument(f"--shutdown-timeout {a.shutdown_timeout} is invalid: give a number "
                           f"of seconds >= 0")
     # the server listens first and answers /health ("loading") while the model loads

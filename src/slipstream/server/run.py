@@ -17,6 +17,7 @@ SIGTERM during the model's load stops the load (the exit status is 0 too).
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import socket
 import sys
@@ -65,8 +66,8 @@ def run_server(model=None, host: str = "127.0.0.1", port: int = 8080, max_queue:
     allowed_host: Host names answered beside `host` and the loopback names ("*": any)."""
     if (model is None) == (load is None):
         raise TypeError("run_server needs a model or a load function, not both")
-    if not shutdown_timeout >= 0:  # also NaN
-        raise ValueError(f"shutdown_timeout={shutdown_timeout} is invalid: must be >= 0")
+    if not (math.isfinite(shutdown_timeout) and shutdown_timeout >= 0):
+        raise ValueError(f"shutdown_timeout={shutdown_timeout} is invalid: must be a finite number >= 0")
     console = console or Console(stderr=True)
     sock = bind(host, port)
     url = http_url(host, sock.getsockname()[1])
