@@ -67,7 +67,8 @@ def run_server(model=None, host: str = "127.0.0.1", port: int = 8080, max_queue:
     if (model is None) == (load is None):
         raise TypeError("run_server needs a model or a load function, not both")
     if not (math.isfinite(shutdown_timeout) and shutdown_timeout >= 0):
-        raise ValueError(f"shutdown_timeout={shutdown_timeout} is invalid: must be a finite number >= 0")
+        raise ValueError(f"shutdown_timeout={shutdown_timeout} is invalid: must be a finite "
+                         f"number >= 0")
     console = console or Console(stderr=True)
     sock = bind(host, port)
     url = http_url(host, sock.getsockname()[1])
