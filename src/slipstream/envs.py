@@ -84,6 +84,10 @@ _register(
            "Python's GIL switch interval while hybrid decode's CPU worker runs (0 leaves it "
            "alone). The worker needs the GIL between native calls while the main thread "
            "enqueues CUDA work.", _seconds, "seconds >= 0"),
+    EnvVar("SLIPSTREAM_API_KEY", None, "setting",
+           "The key `slipstream serve` requires as `Authorization: Bearer KEY` (`--api-key` "
+           "overrides it); unset: no key. Safer than the flag, which `ps` shows.",
+           accepts="a key (any text)"),
     EnvVar("SLIPSTREAM_COMMIT", None, "debug",
            "Commit recorded in benchmark results where the tree is no git checkout (the GPU "
            "machine's copy).", accepts="a commit hash"),

@@ -118,7 +118,7 @@ def _raw_http(server: ServerProcess, head: bytes, body: bytes = b"", timeout: fl
 
 def test_declared_oversized_body_is_refused_before_it_is_sent(server):
     """48 MB announced and never sent: the 413 comes at once (the body is not waited for)."""
-    head = (f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (f"POST {CHAT} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             f"Content-Length: {48_000_000}\r\n\r\n").encode()
     status, headers, body, seconds = _raw_http(server, head)
     assert status == 413, body
@@ -134,7 +134,7 @@ def test_chunked_body_past_the_limit_is_refused(server):
     limit. The chunks are sent whole, then the answer is read."""
     piece = b"x" * (1 << 20)
     n = DEFAULT_MAX_BODY // len(piece) + 1
-    head = (f"POST {COMP} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (f"POST {COMP} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             f"Transfer-Encoding: chunked\r\n\r\n").encode()
     body = b"".join(f"{len(piece):x}\r\n".encode() + piece + b"\r\n" for _ in range(n))
     status, _, answer, _ = _raw_http(server, head, body + b"0\r\n\r\n", timeout=60)
@@ -151,14 +151,14 @@ def test_body_under_the_limit_is_served(server):
 
 
 def test_bad_content_length_is_a_400(server):
-    head = (f"POST {COMP} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (f"POST {COMP} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             f"Content-Length: -5\r\n\r\n").encode()
     status, _, _, _ = _raw_http(server, head)
     assert status == 400  # uvicorn's parser or our middleware; never a 5xx or a hang
 
 
 def test_too_large_is_counted_in_metrics(server):
-    head = (f"POST {COMP} HTTP/1.1\r\nHost: x\r\nContent-Length: {DEFAULT_MAX_BODY + 1}"
+    head = (f"POST {COMP} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {DEFAULT_MAX_BODY + 1}"
             f"\r\n\r\n").encode()
     before = server.metric("slipstream_errors_total", 'code="request_too_large"')
     assert _raw_http(server, head)[0] == 413

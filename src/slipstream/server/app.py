@@ -24,6 +24,15 @@ Hostile input gets a 4xx, never a 5xx: a body over `max_body` bytes a 413 before
 (limits.py), text that is not valid Unicode (a lone surrogate spelled as a JSON escape) a 400
 naming the field (schemas.py). A client that goes away cancels its job, between two prefill
 chunks of a long prompt too (worker.py).
+
+Admission (access.py): with `allowed_hosts`, a request whose Host header names none of them gets
+a 400 (DNS rebinding); with `api_key`, every endpoint but /health and the chat page wants
+`Authorization: Bearer <key>` (401 otherwise).
+
+Shutdown: `app.state.end_requests()` (safe from any thread; run.py calls it when the grace
+period after SIGTERM is over) ends every open request at once: a stream with an error event
+(code "server_shutting_down") and `data: [DONE]`, a non-streamed request with a 503, and so
+does any request that arrives after it.
 """
 
 from __future__ import annotations
@@ -31,10 +40,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import SimpleNamespace
 
 import jinja2
@@ -46,6 +56,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..errors import SlipstreamError
 from ..modelfile.chat_template import ChatTemplate
 from ..runtime.generate import GenerationEvent
+from .access import ApiKeyMiddleware, HostCheckMiddleware
 from .errors import APIError, bad_request, from_slipstream, from_template_failure, \
     from_validation
 from .limits import DEFAULT_MAX_BODY, BodyLimitMiddleware, BodyTooLarge
@@ -72,18 +83,24 @@ def default_max_tokens(max_tokens_default: int, ctx: int) -> tuple[int, int]:
 def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
                spec_nodes: int | None = None, spec_depth: int | None = None,
                max_tokens_default: int = DEFAULT_MAX_TOKENS,
-               max_body: int = DEFAULT_MAX_BODY, template_fallback: bool = False) -> FastAPI:
+               max_body: int = DEFAULT_MAX_BODY, template_fallback: bool = False,
+               api_key: str | None = None,
+               allowed_hosts: Sequence[str] | None = None) -> FastAPI:
     """A model loaded with a draft (load(draft=...)) decodes every request speculatively;
     spec_nodes and spec_depth fix its trees' size (None: Model.generate sizes them).
     model None: the app answers "loading" until app.state.attach(model). max_body: request
     bodies over this many bytes get a 413 before they are read (limits.py). The model's chat
     template renders in worker processes (templates.py), checked once when it is attached;
-    template_fallback: serve ChatML where that check fails, instead of answering 500."""
+    template_fallback: serve ChatML where that check fails, instead of answering 500.
+    api_key: requests without it as a Bearer token get a 401; allowed_hosts: requests whose
+    Host names none of these get a 400 (None: any Host; access.allowed_hosts builds the list)."""
     if max_tokens_default != -1 and max_tokens_default < 1:
         raise ValueError(f"max_tokens_default={max_tokens_default} is invalid: must be >= 1, "
                          f"or -1 (until the context is full)")
     if max_body < 1:
         raise ValueError(f"max_body={max_body} is invalid: must be >= 1")
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key is empty: give a key, or None to serve without one")
     metrics = Metrics()
     prep = ThreadPoolExecutor(1, thread_name_prefix="slipstream-tokenize")
     # what is served; `model` is set last, once the rest is in place (handlers test it)
@@ -93,6 +110,9 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
     lock = threading.Lock()  # attach (any thread) against the lifespan (the event loop)
     running = [False]
     t_created = time.monotonic()
+    # the jobs of open requests, for end_requests; weak, so a finished request leaves by itself
+    open_jobs: weakref.WeakSet[Job] = weakref.WeakSet()
+    closing = SimpleNamespace(loop=None, now=False)  # the server's event loop; ending yet?
 
     def attach(m) -> None:
         """Serve `m` from now on (once; safe from any thread)."""
@@ -122,6 +142,7 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        closing.loop = asyncio.get_running_loop()
         with lock:
             running[0] = True
             if served.worker is not None:
@@ -141,9 +162,36 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
     app.state.model, app.state.worker, app.state.metrics = None, None, metrics
     app.state.template = None
     app.state.attach = attach
-    # the body limit inside the metrics middleware, so that its 413s are counted too
-    app.add_middleware(BodyLimitMiddleware, max_body=max_body,
-                       on_refused=lambda code: metrics.errors.labels(code).inc())
+
+    def end_requests() -> None:
+        """End every open request now, and refuse new ones (safe from any thread)."""
+        loop = closing.loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(end_all)
+        except RuntimeError:  # the loop closed meanwhile: nothing is open
+            pass
+
+    def end_all() -> None:
+        closing.now = True
+        for job in list(open_jobs):
+            # behind the tokens already queued: the client gets those, then the error
+            job.items.put_nowait(shutting_down())
+            job.cancel()
+
+    app.state.end_requests = end_requests
+
+    def refused(code: str) -> None:  # an early refusal by a middleware, counted as an error
+        metrics.errors.labels(code).inc()
+
+    # outermost last: metrics (counts every answer), Host, key, body limit (no body is read
+    # for a client that may not talk here)
+    app.add_middleware(BodyLimitMiddleware, max_body=max_body, on_refused=refused)
+    if api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, key=api_key, on_refused=refused)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheckMiddleware, hosts=allowed_hosts, on_refused=refused)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     app.include_router(chat_page)  # GET /: the chat page
 
@@ -267,6 +315,8 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
                               f"holds: {model.ctx} tokens, the prompt included. Ask for "
                               f"fewer, or start the server with a larger --ctx.", param=param)
         ids = await prepare()
+        if closing.now:
+            raise shutting_down()
         if not ids:
             raise bad_request("the prompt is empty (it has no tokens)", param=prompt_param)
         if len(ids) >= model.ctx:
@@ -280,6 +330,7 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
             raise APIError(503, f"The server is busy: {e}. Retry after {e.retry_after_s} s.",
                            type="server_error", code="queue_full",
                            headers={"Retry-After": str(e.retry_after_s)}) from None
+        open_jobs.add(job)
         if req.stream:
             return StreamingResponse(stream(job, fmt, t0), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
@@ -331,9 +382,13 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
                     yield fmt.chunk(None if fmt.chat else "", item.finish_reason)
             yield DONE_LINE
         except Exception as e:  # the status line is gone already: report in the stream
-            err = from_slipstream(e) if isinstance(e, SlipstreamError) else APIError(
-                500, f"internal error: {type(e).__name__}: {e}", type="server_error",
-                code="internal_error")
+            if isinstance(e, APIError):  # end_requests: the server is shutting down
+                err = e
+            elif isinstance(e, SlipstreamError):
+                err = from_slipstream(e)
+            else:
+                err = APIError(500, f"internal error: {type(e).__name__}: {e}",
+                               type="server_error", code="internal_error")
             metrics.errors.labels(err.code or err.type).inc()
             yield sse(err.body())
             yield DONE_LINE
@@ -343,6 +398,12 @@ def create_app(model=None, max_queue: int = 16, model_id: str | None = None,
     if model is not None:
         attach(model)
     return app
+
+
+def shutting_down() -> APIError:
+    return APIError(503, "The server is shutting down; this request was ended before it "
+                    "finished. Retry it once the server is back.", type="server_error",
+                    code="server_shutting_down")
 
 
 async def cancel_on_disconnect(request: Request, job: Job, poll_s: float = 0.25) -> None:

@@ -3,18 +3,27 @@
 The socket is bound first (a port in use fails at once, in one line), uvicorn serves from a
 thread of its own, and the model loads in the main thread meanwhile: /health answers 503
 `{"status": "loading"}` until the model is attached, then 200. A banner on stderr says what is
-served where. Ctrl-C (or SIGTERM) during the load or after it stops the server cleanly.
+served where.
+
+Stopping: SIGTERM (what `docker stop`, systemd and Kubernetes send) stops accepting connections
+at once, gives open requests `shutdown_timeout` seconds to finish, then ends those still open
+cleanly: a stream gets an error event (code "server_shutting_down") and `data: [DONE]`, a
+non-streamed request a 503; the process then exits with status 0. Before this, uvicorn cut open
+streams 3 s after SIGTERM with no `[DONE]` and no chunked terminator, and the process exited
+143. Ctrl-C does the same with no grace period: open requests end at once, just as cleanly.
+SIGTERM during the model's load stops the load (the exit status is 0 too).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import signal
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import uvicorn
@@ -23,11 +32,24 @@ from rich.panel import Panel
 from rich.table import Table
 
 from ..errors import SlipstreamError
+from .access import allowed_hosts
 from .app import COMPLETION_DEFAULT_MAX_TOKENS, DEFAULT_MAX_TOKENS, create_app, \
     default_max_tokens
 from .limits import DEFAULT_MAX_BODY
 
-STOP_TIMEOUT_S = 10  # uvicorn's graceful shutdown cuts open streams after 3 s
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0  # docker stop and Kubernetes wait 10 and 30 s before SIGKILL
+# after end_requests: the ended streams write their last two events and close (milliseconds on
+# loopback); uvicorn cancels whatever is still open past this, and the worker thread stops
+END_MARGIN_S = 3.0
+WORKER_STOP_S = 5.0  # worker.stop's join: one token (or prefill chunk) of the running job
+
+
+class Terminated(SystemExit):
+    """Raised in the main thread by SIGTERM: leaves the wait (or the model's load) for the
+    graceful stop. A SystemExit, so no `except Exception` in the load swallows it."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
 
 
 def run_server(model=None, host: str = "127.0.0.1", port: int = 8080, max_queue: int = 16,
@@ -35,22 +57,30 @@ def run_server(model=None, host: str = "127.0.0.1", port: int = 8080, max_queue:
                spec_depth: int | None = None, *, load: Callable[[], object] | None = None,
                max_tokens_default: int = DEFAULT_MAX_TOKENS,
                max_body: int = DEFAULT_MAX_BODY, console: Console | None = None,
-               template_fallback: bool = False) -> None:
+               template_fallback: bool = False, api_key: str | None = None,
+               allowed_host: Sequence[str] = (),
+               shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
     """Serve `model`, or the model `load()` returns (loaded while the server already answers
-    /health), until interrupted. Blocks; KeyboardInterrupt (Ctrl-C) and SystemExit (SIGTERM,
-    exit status 143) propagate after the server has stopped. spec_nodes, spec_depth,
-    max_tokens_default, max_body, template_fallback: see create_app."""
+    /health), until interrupted. Blocks; returns after SIGTERM once the server has stopped
+    (see the module's docstring); KeyboardInterrupt (Ctrl-C) propagates after it has stopped.
+    spec_nodes, spec_depth, max_tokens_default, max_body, template_fallback, api_key: see
+    create_app. allowed_host: Host names answered beside `host` and the loopback names ("*":
+    any)."""
     if (model is None) == (load is None):
         raise TypeError("run_server needs a model or a load function, not both")
+    if not (math.isfinite(shutdown_timeout) and shutdown_timeout >= 0):
+        raise ValueError(f"shutdown_timeout={shutdown_timeout} is invalid: must be a finite "
+                         f"number >= 0")
     console = console or Console(stderr=True)
     sock = bind(host, port)
     url = http_url(host, sock.getsockname()[1])
     app = create_app(model, max_queue=max_queue, spec_nodes=spec_nodes, spec_depth=spec_depth,
                      max_tokens_default=max_tokens_default, max_body=max_body,
-                     template_fallback=template_fallback)
-    # Open streams would hold a graceful shutdown forever; cut them after a few seconds.
+                     template_fallback=template_fallback, api_key=api_key,
+                     allowed_hosts=allowed_hosts(host, allowed_host))
+    # uvicorn's own cut is only the backstop: end_requests ends open requests cleanly first
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=3)
+                            timeout_graceful_shutdown=shutdown_timeout + END_MARGIN_S)
     if log_level == "info":
         # the banner says what uvicorn's start and stop lines would; access logs stay
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
@@ -67,10 +97,11 @@ def run_server(model=None, host: str = "127.0.0.1", port: int = 8080, max_queue:
 
     thread = threading.Thread(target=serve, name="slipstream-http", daemon=True)
     main = threading.current_thread() is threading.main_thread()
-    # uvicorn handles signals only in the main thread, which is busy loading: SIGTERM ends
-    # the process as a SystemExit there, which stops the server below
+    # uvicorn handles signals only in the main thread, which is busy loading or waiting here:
+    # SIGTERM raises Terminated there, which stops the server below
     previous = signal.signal(signal.SIGTERM, _terminate) if main else None
     loaded = None
+    grace = 0.0  # Ctrl-C or an error: open requests end at once
     try:
         thread.start()
         while not server.started:
@@ -86,14 +117,18 @@ def run_server(model=None, host: str = "127.0.0.1", port: int = 8080, max_queue:
             load_s = time.perf_counter() - t0
         else:
             load_s = None
-        console.print(banner(model, url, max_queue, max_tokens_default, load_s, max_body))
+        console.print(banner(model, url, max_queue, max_tokens_default, load_s, max_body,
+                             api_key is not None))
         if load is not None:
             app.state.attach(model)
         while not stopped.wait(0.5):
             pass
+    except Terminated:
+        grace = shutdown_timeout
     finally:
-        server.should_exit = True
-        stopped.wait(STOP_TIMEOUT_S)
+        if previous is not None:  # a SIGTERM now must not break the stop itself
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop(server, app, stopped, grace, console)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         if stopped.is_set():
@@ -102,8 +137,24 @@ def run_server(model=None, host: str = "127.0.0.1", port: int = 8080, max_queue:
                 loaded.close()
 
 
+def stop(server: uvicorn.Server, app, stopped: threading.Event, grace: float,
+         console: Console) -> None:
+    """Stop accepting, give open requests `grace` seconds, end those left, wait for uvicorn."""
+    if grace > 0 and not stopped.is_set():
+        console.print(f"[dim]stopping: open requests have {grace:g} s to finish[/dim]",
+                      highlight=False)
+    server.should_exit = True  # uvicorn closes the listening socket at its next tick (0.1 s)
+    stopped.wait(grace)  # sooner when every connection has closed
+    if not stopped.is_set():
+        app.state.end_requests()
+    stopped.wait(END_MARGIN_S + WORKER_STOP_S + 1.0)
+
+
 def _terminate(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+    # once only: a second SIGTERM while stopping must not break the stop itself (the finally
+    # clause above); the first one's grace period still bounds the exit
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated()
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -137,7 +188,8 @@ def http_url(host: str, port: int) -> str:
 
 
 def banner(model, url: str, max_queue: int, max_tokens_default: int = DEFAULT_MAX_TOKENS,
-           load_s: float | None = None, max_body: int = DEFAULT_MAX_BODY) -> Panel:
+           load_s: float | None = None, max_body: int = DEFAULT_MAX_BODY,
+           api_key: bool = False) -> Panel:
     """What is served where: the model, device, context, request defaults and URLs."""
     chat, completions = default_max_tokens(max_tokens_default, model.ctx)
     device = str(model.device)
@@ -156,7 +208,9 @@ def banner(model, url: str, max_queue: int, max_tokens_default: int = DEFAULT_MA
                            + (f" ({completions} on /v1/completions)" if completions != chat
                               else "")),
             ("queue", f"{max_queue} waiting requests, then 503"),
-            ("max body", f"{_size(max_body)} per request, then 413")]
+            ("max body", f"{_size(max_body)} per request, then 413"),
+            ("API key", "required (Bearer), except /health and the chat page" if api_key
+             else "none (--api-key sets one)")]
     if draft is not None:
         rows.append(("draft", Path(draft.path).name))
     if load_s is not None:
