@@ -47,7 +47,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `run MODEL -n 8 "prompt"`: argparse takes the positionals that come before the first
+    # option only, so the words after it come back here and fill run's empty slots
+    args, extra = parser.parse_known_args(argv)
+    for slot in ("pos_model", "pos_prompt"):
+        if extra and not extra[0].startswith("-") and getattr(args, slot, 0) is None:
+            setattr(args, slot, extra.pop(0))
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
