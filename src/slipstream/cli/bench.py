@@ -121,7 +121,8 @@ def bench_tg(model, a: argparse.Namespace):
 
 
 def bench_table(model, results, load_s: float | None = None, ttft=None) -> Table:
-    """The runs' rates, then load time and time to first token (llama.cpp's timings)."""
+    """The runs' rates, then the time to first token (ttftN: for an N-token prompt) and the
+    load's (llama.cpp's timings)."""
     t = Table(title=f"slipstream bench: {model.path.name} on {model.device}")
     spec = any(r.speculative for r in results)
     cols = ["test", "tok/s", "±", "ms / run", "runs"]
@@ -137,7 +138,7 @@ def bench_table(model, results, load_s: float | None = None, ttft=None) -> Table
                      f"{r.verify_s:.3f}"] if r.speculative else blank)
         t.add_row(*row)
     if ttft is not None:
-        t.add_row(f"first token ({ttft.test})", "", "", f"{ttft.mean_s * 1e3:.1f}",
+        t.add_row(ttft.test, "", "", f"{ttft.mean_s * 1e3:.1f}",
                   str(len(ttft.seconds)), *blank)
     if load_s is not None:
         t.add_row("load", "", "", f"{load_s * 1e3:.1f}", "1", *blank)
