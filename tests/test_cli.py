@@ -30,7 +30,7 @@ def test_run_streams_the_same_text_as_the_api(smollm_path, model):
     prompt = "A short poem about the sea:"
     expected = "".join(e.text for e in model.generate(prompt, max_tokens=16, temperature=0))
     r = cli("run", "-m", str(smollm_path), "-p", prompt, "-n", "16", "--temp", "0",
-            "--device", "cpu")
+            "--device", "cpu", "--raw")  # raw completion: the API's generate()
     assert r.returncode == 0, r.stderr
     assert r.stdout == expected + "\n"
     assert "tok/s" in r.stderr and "finish: length" in r.stderr
@@ -75,6 +75,9 @@ def test_bench_writes_json(smollm_path, tmp_path):
     # without a draft the records keep their plain keys (speculative ones: test_cli_speculative)
     assert set(tests["tg4"]) == {"test", "tokens", "tok_s", "tok_s_std", "seconds"}
     assert "draft" not in doc and "pp32" in r.stdout
+    # llama.cpp's timings, and a roofline from the bytes a token reads (all resident here)
+    assert doc["load_s"] > 0 and doc["ttft_s"] > 0 and "ttft32" in r.stdout
+    assert set(doc["decode_traffic"]["bytes_per_token"]) == {"memory"}
 
 
 @pytest.mark.slow

@@ -114,8 +114,8 @@ def test_version():
     (["run", "--top-k", "-1"], "--top-k -1 is invalid"),
     (["run", "--repeat-penalty", "0"], "--repeat-penalty 0.0 is invalid: must be > 0"),
     (["run", "--seed", str(2**64)], f"--seed {2**64} is invalid"),
-    (["run", "-n", "0"], "-n 0 is invalid: must be >= 1, or -1"),
-    (["run", "-n", "-5"], "-n -5 is invalid"),
+    (["chat", "-n", "0"], "-n 0 is invalid: must be >= 1, or -1"),
+    (["run", "-n", "-5"], "-n -5 is invalid: must be >= 0 (0: prefill only), or -1"),
     (["chat", "-n", "0"], "-n 0 is invalid"),
     (["run", "--ctx", "0"], "--ctx 0 is invalid"),
     (["run", "-t", "0"], "--threads 0 is invalid: must be >= 1"),
@@ -181,7 +181,10 @@ def test_info_does_not_import_torch(smollm_path):
 def test_prompt_from_file_and_stdin_until_the_context_is_full(smollm_path, tmp_path, model):
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(PROMPT + "\n")  # the trailing newline an editor adds is dropped
-    common = ("run", "-m", str(smollm_path), *T1, "--ctx", "24", "-n", "-1", "--temp", "0")
+    # --raw: the prompt as text, not through the model's chat template (which alone would
+    # take more than the 24 tokens of context)
+    common = ("run", "-m", str(smollm_path), *T1, "--ctx", "24", "-n", "-1", "--temp", "0",
+              "--raw")
     from_file = slipstream_cmd(*common, "-f", str(prompt_file))
     from_stdin = slipstream_cmd(*common, "-p", "-", stdin=PROMPT + "\n")
     for r in (from_file, from_stdin):
@@ -284,7 +287,7 @@ class Terminal:
 @pytest.mark.slow
 def test_ctrl_c_in_run_prints_the_summary(smollm_path, model):
     term = Terminal("run", "-m", str(smollm_path), *T1, "--ctx", "512", "-n", "400",
-                    "--temp", "0", "-p", "Once upon a time, in a land far away,")
+                    "--temp", "0", "--raw", "-p", "Once upon a time, in a land far away,")
     try:
         term.wait_for("generated text", lambda: len(term.stdout.strip()) >= 12)
         term.type(b"\x03")

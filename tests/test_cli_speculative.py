@@ -22,7 +22,9 @@ from slipstream.synth import SHAPES, write_synth
 
 # "exact": with "fast" CPU weights a tree pass and a decode step round differently, enough to
 # flip a near-tie between the top two tokens (tests/speculative/test_speculative.py)
-RUN = ("--device", "cpu", "--ctx", "256", "--precision", "exact", "--temp", "0", "-n", "24")
+# --raw: 24 tokens of completion whatever the text (a chat reply may end sooner)
+RUN = ("--device", "cpu", "--ctx", "256", "--precision", "exact", "--temp", "0", "-n", "24",
+       "--raw")
 PROSE = ("The quick brown fox jumps over the lazy dog. The capital of France is Paris, and "
          "the capital of Italy is Rome.")
 SPEC_ROWS = ("tokens per target pass", "target passes", "mean tree nodes",

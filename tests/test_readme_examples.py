@@ -19,7 +19,9 @@ A block runs unless the HTML comment on the line right before its fence says oth
 Every bash line (continuations joined) is one command with its own 60 s limit, run by
 `bash -eo pipefail -c` in a fresh directory; a python block is one script (`python3 FILE`) with
 the same limit. Nothing downloads: HOME is a temp directory and SLIPSTREAM_CACHE a temp cache
-holding a symlink to the default model (pulled once by the `smollm_path` fixture).
+holding a symlink to the default model (pulled once by the `smollm_path` fixture), so an
+example naming any other model needs a `files` marker: tests/test_readme_files.py checks that,
+in the fast tier, without running anything.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from .options import HelpFormatter, Parser, VersionAction
 from .render import breakdown_table, err
 from .rules import check_args
 
-__all__ = ["breakdown_table", "build_parser", "check_args", "main"]
+__all__ = ["breakdown_table", "build_parser", "check_args", "main", "parse_args"]
 
 # in the order `slipstream --help` lists them (cache: list and rm)
 COMMANDS = (run, chat, pull, cache, info, perplexity, bench, serve, quantize, synth)
@@ -45,9 +45,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The command line's namespace. `run MODEL -n 8 "prompt"`: argparse gives positionals
+    only the words before the first option, so the words after it come back unrecognized and
+    fill run's empty MODEL/PROMPT slots in order; anything else unrecognized is refused."""
+    args, extra = parser.parse_known_args(argv)
+    for slot in ("pos_model", "pos_prompt"):
+        if extra and not extra[0].startswith("-") and getattr(args, slot, 0) is None:
+            setattr(args, slot, extra.pop(0))
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

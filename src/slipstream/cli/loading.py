@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import BadArgument
+from ..hub.pull import resolve
 from .control import follow_rank0
+from .notices import warn_before_load
 from .render import print_load_notes
 
 if TYPE_CHECKING:
@@ -57,6 +59,8 @@ def load_model(a: argparse.Namespace, private_weights: bool | None = None) -> Mo
 
     if a.threads is not None:
         torch.set_num_threads(a.threads)
+    a.model = str(resolve(a.model, quiet=not sys.stderr.isatty()))  # None: the default model
+    warn_before_load(a, Path(a.model))
     t0 = time.perf_counter()
     placement = api.Placement(
         ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io, gpu_slots=a.gpu_slots,
@@ -76,6 +80,7 @@ def plan(path: Path, a: argparse.Namespace) -> Plan:
     """The tier plan the arguments' budgets give the model at `path`, without loading it."""
     from .. import api  # imports torch and the engine
 
+    warn_before_load(a, path)
     placement = api.Placement(ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io,
                               gpu_slots=a.gpu_slots, hybrid=a.hybrid, threads=a.threads,
                               vram_layers=a.vram_layers)

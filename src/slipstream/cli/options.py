@@ -70,8 +70,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "on the Hugging Face Hub, an http(s) URL, or a cached model's name (slipstream "
                    "list); pulled if the cache lacks it (default: the default model)")
     p.add_argument("--device", default="auto", metavar="DEV", help="auto, cpu or cuda[:N]")
-    p.add_argument("--ctx", type=int, default=None, metavar="N", help="context size in tokens "
-                   "(default: the model's, at most 4096)")
+    p.add_argument("-c", "--ctx", type=int, default=None, metavar="N", help="context size in "
+                   "tokens, as llama.cpp's -c (default: the model's, at most 4096)")
     p.add_argument("--ram-budget", default=None, metavar="SIZE", help="RAM for layers, e.g. "
                    "12GiB: resident layers on CPU, pinned layers on CUDA (default: "
                    "MemAvailable less a margin); the rest streams from disk every token")
@@ -143,11 +143,13 @@ def spec_kwargs(a: argparse.Namespace) -> dict:
             "spec_depth": getattr(a, "spec_depth", None)}
 
 
-def add_sampling_args(p: argparse.ArgumentParser, n_default: int) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, n_default: int, n_zero: bool = False) -> None:
+    """n_zero: -n 0 means a prefill alone (run); elsewhere it is refused."""
     g = p.add_argument_group("sampling")
     g.add_argument("-n", "--max-tokens", type=int, default=n_default, metavar="N",
                    help="tokens to generate at most; -1: until the end of text or until the "
-                   "context is full")
+                   "context is full" + ("; 0: prefill the prompt only and print its timing, as "
+                                        "llama.cpp's -n 0" if n_zero else ""))
     g.add_argument("--temp", type=float, default=0.8, metavar="T",
                    help="temperature; 0 is greedy")
     g.add_argument("--top-k", type=int, default=40, metavar="K",

@@ -11,13 +11,15 @@ from pathlib import Path
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
 from ..errors import BadArgument, SlipstreamError
+from ..hub.pull import resolve
 from .render import err
 
 
 def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
     q = command("quantize", "re-encode a GGUF's weights in another type (e.g. a speculative "
                 "draft)")
-    q.add_argument("src", metavar="SRC", help="the GGUF to read")
+    q.add_argument("src", metavar="SRC", help="the GGUF to read: anything -m takes (a path, "
+                   "a cached model's name, USER/REPO/FILE.gguf, a URL)")
     q.add_argument("dst", metavar="DST", help="the GGUF to write (metadata copied whole)")
     q.add_argument("type", metavar="TYPE", help="the weights' new type: Q4_0, Q8_0, Q4_K, "
                    "Q2_K, F16, ...")
@@ -34,6 +36,8 @@ def run(a: argparse.Namespace) -> int:
     from ..quant.requantize import parse_type, requantize
 
     qtype = parse_type(a.type)  # a bad name fails here, before the source is read
+    # the resolver -m uses, so that every command that reads a model takes the same names
+    a.src = str(resolve(a.src))
     only = [source_type(GGMLQuantizationType, name) for name in a.only] or None
     t0 = time.perf_counter()
     with Progress("[progress.description]{task.description}", BarColumn(),

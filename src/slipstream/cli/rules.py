@@ -11,12 +11,15 @@ import re
 import sys
 from pathlib import Path
 
-from ..errors import BadArgument
+from ..errors import BadArgument, ModelNotFound
+from ..hub import store
 from ..hub.pull import resolve
+from ..hub.refs import parse_ref
 from .options import DEFAULT_PROMPT
 
 SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed accepts
 N_RULE = ">= 1, or -1 (until the end of text or the context)"
+N_RULE_RUN = ">= 0 (0: prefill only), or -1 (until the end of text or the context)"
 # (attribute, flag, check, rule); an attribute a command does not have is skipped
 RULES = [
     ("max_tokens", "-n", lambda v: v == -1 or v >= 1, N_RULE),
@@ -50,11 +53,14 @@ DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 def check_args(a: argparse.Namespace) -> None:
     """Every argument's own errors, before anything loads (a load may take minutes): raises
     BadArgument naming the flag, the value and what it must be."""
+    place_positionals(a)
     check_draft_args(a)
     for attr, flag, ok, rule in RULES:
         value = getattr(a, attr, None)
         if value is None:
             continue
+        if attr == "max_tokens" and getattr(a, "command", None) == "run":
+            ok, rule = (lambda v: v >= -1), N_RULE_RUN  # run's -n 0: the prefill alone
         if isinstance(value, float) and not math.isfinite(value):
             raise BadArgument(f"{flag} {value} is invalid: must be a finite number")
         if not ok(value):
@@ -98,6 +104,49 @@ def check_args(a: argparse.Namespace) -> None:
         # a path, a cached name, a Hub file or a URL, pulled if need be: last, since a pull
         # may take minutes; a missing file is refused here, before the seconds of imports
         a.model = str(resolve(model))
+
+
+def names_a_model(word: str) -> bool:
+    """Whether `run`'s lone positional names a model rather than being the prompt: an existing
+    file, a name ending in .gguf (a missing one is then refused as a missing model, not sent to
+    the model as a prompt), a URL or USER/REPO/FILE.gguf, or a cached model's name. Nothing
+    here touches the network."""
+    if word.lower().endswith(".gguf") or parse_ref(word) is not None:
+        return True
+    try:
+        if Path(word).expanduser().is_file():
+            return True
+    except OSError:  # a prompt too long to be a path (ENAMETOOLONG)
+        return False
+    try:
+        return store.find(word) is not None
+    except ModelNotFound:  # several cached models match: it names a model, ambiguously
+        return True
+
+
+def place_positionals(a: argparse.Namespace) -> None:
+    """`run [MODEL] [PROMPT]`, as `ollama run MODEL PROMPT` and llama.cpp users type it: two
+    positionals are the model and the prompt; one is the model if it names one
+    (names_a_model), else the prompt, so `run "hello"` prompts the default model. A model or
+    prompt given twice (a positional and -m, or -p/-f) is refused."""
+    if not hasattr(a, "pos_model"):
+        return
+    words = [w for w in (a.pos_model, a.pos_prompt) if w is not None]
+    model = prompt = None
+    if len(words) == 2:
+        model, prompt = words
+    elif words:
+        model, prompt = (words[0], None) if names_a_model(words[0]) else (None, words[0])
+    if model is not None:
+        if a.model is not None:
+            raise BadArgument(f"the model is given twice: -m {a.model!r} and {model!r}; give "
+                              f"one")
+        a.model = model
+    if prompt is not None:
+        given = "-p" if a.prompt is not None else "-f" if a.prompt_file is not None else None
+        if given is not None:
+            raise BadArgument(f"the prompt is given twice: {given} and {prompt!r}; give one")
+        a.prompt = prompt
 
 
 def check_draft_args(a: argparse.Namespace) -> None:
