@@ -17,9 +17,12 @@ compute their stage of rank 0's passes until it stops.
 from __future__ import annotations
 
 import atexit
+import logging
+import os
 import signal
 import sys
 import threading
+from typing import NoReturn
 
 from .render import err
 
@@ -88,6 +91,22 @@ def stream(events, reply: list[str] | None = None, engine=None) -> bool:
         finally:
             events.close()  # ends prefill/decode where the loop left it early
     return ctrl_c.pressed
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """End the process now, skipping the interpreter's teardown: after a Ctrl-C the user is
+    waiting, and unloading torch alone takes 0.3-1.5 s (1.3 s measured on a busy 2-core
+    machine, against 0.05 s without the teardown). By the time a command returns, nothing
+    else is pending: image files are fsynced as they are written, downloads resume from their
+    partial file, a trace is written before the command returns; stdout, stderr and logging
+    are flushed here."""
+    logging.shutdown()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):  # closed (a pipe's reader gone): nothing to keep
+            pass
+    os._exit(code)
 
 
 def follow_rank0(model) -> None:
