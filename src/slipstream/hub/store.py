@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import shutil
 from dataclasses import dataclass
@@ -119,8 +120,9 @@ def remove(model: CachedModel) -> None:
     """Delete a cached model and what slipstream and huggingface_hub keep beside it; prune
     the directories it leaves empty."""
     p = model.path
-    companions = [p.with_name(p.name + s) for s in
-                  (SOURCE_SUFFIX, PARTIAL_SUFFIX, ".slipstream.img", ".slipstream.json")]
+    companions = [p.with_name(p.name + s) for s in (SOURCE_SUFFIX, PARTIAL_SUFFIX)]
+    # the layer image files of every plan (memory.image_file: MODEL.slipstream[-cpu].KEY.*)
+    companions += p.parent.glob(glob.escape(p.name) + ".slipstream*")
     hf = cache_dir() / "hf"
     if hf in p.parents:
         user, repo, *rest = p.relative_to(hf).parts
