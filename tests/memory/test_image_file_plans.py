@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -164,9 +163,9 @@ def _done(p: subprocess.Popen) -> tuple[int, str, str]:
 @pytest.mark.slow
 def test_two_processes_with_different_budgets_stream_one_model_at_once(tmp_path):
     """Started together, both write their plan's image file beside the model at the same time
-    (32 layers: packing them takes seconds, longer than the two loads differ by; before, they
-    raced on one file and one failed, with a FileNotFoundError traceback or a changed file);
-    both give the resident run's text."""
+    (32 layers: packing them takes seconds, longer than the two loads differ by; were the two
+    plans to share one file, one run would fail, with a FileNotFoundError traceback or a
+    changed file); both give the resident run's text."""
     from helpers import cpu_budget
 
     model = write_synth(tmp_path / "m.gguf", "tiny", "Q4_K", n_layers=32, from_floats=True,
