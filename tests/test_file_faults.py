@@ -196,9 +196,10 @@ def all_streamed(path: Path, precision: str) -> int:
 
 
 def cpu_images(path: Path) -> Path:
+    """The packed image file of a plan that streams all 6 layers (the tiny model's)."""
     from slipstream.memory.image_file import image_paths
 
-    return image_paths(path, "slipstream-cpu")[0]
+    return image_paths(path, "slipstream-cpu", layers=range(6))[0]
 
 
 CHANGED = {"truncate": "truncated or replaced while running",

@@ -89,3 +89,7 @@ class ChatTemplateLimitExceeded(TokenizerError):
     """A chat template ran past a bound on one render (a range's size, loop iterations and
     calls, time, the size of a string, list or number it builds, or of its output): it loops
     without end or explodes, so the file's template is unusable as it is."""
+
+
+class ImageFileError(SlipstreamError):
+    """A layer image file could not be written (read-only folder, full disk, bad cache path)."""

@@ -70,8 +70,11 @@ def test_hub_pull_prints_only_the_path_then_list_info_rm(env, hub, gguf_bytes, t
         assert r.returncode == 0, r.stderr
         assert "llama" in r.stdout and FILE in r.stdout
 
+    for plan in (".slipstream-cpu.L0-1.img", ".slipstream-cpu.L0-1.lock", ".slipstream.H1.json"):
+        path.with_name(path.name + plan).write_bytes(b"a plan's layer images")
     r = slipstream(env, "rm", ref)
     assert r.returncode == 0 and "removed" in r.stderr, r.stderr
+    # the images went with it: the folder is pruned
     assert not path.exists() and not (tmp_path / "cache" / "hf" / REPO).exists()
     one_line_error(slipstream(env, "rm", ref), "no cached model named")
     r = slipstream(env, "list")

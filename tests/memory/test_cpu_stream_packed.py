@@ -103,8 +103,11 @@ def test_streamed_packed_layers_give_the_resident_bits(tiny_copy, io, packed, wh
                                placement=slipstream.Placement(ram_budget=budget, io=io))
     assert streamed.plan.tiers.count("packed") == packed - whole
     assert streamed.plan.tiers.count("disk") == 6 - packed
-    data, _ = image_file.image_paths(tiny_copy, "slipstream-cpu")
-    assert data.exists() == (packed < 6)  # written only for layers that stream from disk
+    written = sorted(tiny_copy.parent.glob(f"{tiny_copy.name}.slipstream-cpu.*.img"))
+    # written only for layers that stream from disk, named by them
+    assert written == ([image_file.image_paths(tiny_copy, "slipstream-cpu",
+                                               layers=streamed.plan.disk_layers)[0]]
+                       if packed < 6 else [])
     for prompt in (SHORT, LONG):  # the packed pass and the dense one
         assert torch.equal(resident.logits(prompt), streamed.logits(prompt))
         assert greedy(resident, prompt) == greedy(streamed, prompt)
@@ -223,20 +226,20 @@ def test_the_image_file_is_reused_while_current_and_rebuilt_when_stale(tiny_copy
     assert imgs.path.parent == tiny_copy.parent and imgs.path.stat().st_size % 4096 == 0
     assert all(s % 4096 == 0 for s, _ in imgs.spans.values())
     assert set(imgs.fingerprints) == {3, 4, 5}
-    assert image_file.open_cpu_images(tiny_copy, [4, 5]) is not None
-    assert image_file.open_cpu_images(tiny_copy, [2, 3]) is None  # layer 2 is not in it
+    assert image_file.open_cpu_images(tiny_copy, [3, 4, 5]) is not None
+    assert image_file.open_cpu_images(tiny_copy, [4, 5]) is None  # another plan's file
     # the image file changed after it was written (truncated; rewritten): not reused
     st = imgs.path.stat()
     with open(imgs.path, "r+b") as f:
         f.truncate(st.st_size - 4096)
-    assert image_file.open_cpu_images(tiny_copy, [3]) is None
+    assert image_file.open_cpu_images(tiny_copy, [3, 4, 5]) is None
     imgs = _images(tiny_copy, [3, 4, 5])  # rebuilt
     os.utime(imgs.path, ns=(time.time_ns(), imgs.path.stat().st_mtime_ns + 10**9))
-    assert image_file.open_cpu_images(tiny_copy, [3]) is None
+    assert image_file.open_cpu_images(tiny_copy, [3, 4, 5]) is None
     imgs = _images(tiny_copy, [3, 4, 5])
     # the model changed: rebuild
     os.utime(tiny_copy, ns=(time.time_ns(), time.time_ns() + 10**9))
-    assert image_file.open_cpu_images(tiny_copy, [3]) is None
+    assert image_file.open_cpu_images(tiny_copy, [3, 4, 5]) is None
 
 
 @pytest.mark.slow
@@ -246,7 +249,7 @@ def test_an_image_changed_after_it_was_written_fails_its_first_read(tiny_copy):
     budget = budget_for(tiny_copy, 0)
     slipstream.load(tiny_copy, device="cpu", ctx=64,
                     placement=slipstream.Placement(ram_budget=budget)).close()  # writes it
-    data, _ = image_file.image_paths(tiny_copy, "slipstream-cpu")
+    data, _ = image_file.image_paths(tiny_copy, "slipstream-cpu", layers=range(6))
     st = data.stat()
     with open(data, "r+b") as f:
         raw = bytearray(f.read())
@@ -269,7 +272,7 @@ def test_an_image_truncated_mid_run_is_a_clear_error(tiny_copy, io):
                             placement=slipstream.Placement(ram_budget=budget_for(tiny_copy, 0),
                                                            io=io))
     greedy(model, SHORT, 2)
-    data, _ = image_file.image_paths(tiny_copy, "slipstream-cpu")
+    data, _ = image_file.image_paths(tiny_copy, "slipstream-cpu", layers=range(6))
     with open(data, "r+b") as f:
         f.truncate(data.stat().st_size // 2)
     with pytest.raises(DiskReadError, match=f"{data.name}.*truncated or replaced while running"):

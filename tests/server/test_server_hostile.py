@@ -199,9 +199,9 @@ def _wait_idle(server: ServerProcess, timeout: float = 120) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stream", [False, True])
-def test_disconnect_stops_the_prefill_between_chunks(server, stream):
-    """A prompt of 2.4 prefill chunks whose client leaves after a second: the job stops at the
-    next chunk boundary (counted as stage="prefill"), never reaching its first token."""
+def test_disconnect_stops_the_prefill(server, stream):
+    """A prompt of 2.4 prefill chunks whose client leaves after a second: the job stops after
+    the layer it is at (counted as stage="prefill"), never reaching its first token."""
     _wait_idle(server)
     before = server.metric("slipstream_cancelled_total", 'stage="prefill"')
     prompt_tokens = server.metric("slipstream_prompt_tokens_total")

@@ -20,6 +20,7 @@ from rich.markup import escape
 
 from ..errors import SlipstreamError, oom_summary
 from . import bench, cache, chat, info, perplexity, pull, quantize, run, serve, synth
+from .control import exit_at_once
 from .options import HelpFormatter, Parser, VersionAction
 from .render import breakdown_table, err
 from .rules import check_args
@@ -59,6 +60,15 @@ def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argpa
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command of `argv` (default: this process's arguments) and return its exit
+    status. A command line of this process (argv None) that Ctrl-C stopped exits at once."""
+    code = _main(argv)
+    if code == 130 and argv is None:
+        exit_at_once(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parse_args(parser, argv)
     if not getattr(args, "func", None):

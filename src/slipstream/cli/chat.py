@@ -64,7 +64,7 @@ def run(a: argparse.Namespace) -> int:
         reply: list[str] = []
         # a stopped reply stays in the conversation as far as it went: what the user saw
         gen = model.chat(messages, **sampling_kwargs(a, model.ctx), **spec_kwargs(a))
-        stopped = stream(gen, reply)
+        stopped = stream(gen, reply, model.engine)
         sys.stdout.write("\n")
         sys.stdout.flush()
         messages.append({"role": "assistant", "content": "".join(reply)})

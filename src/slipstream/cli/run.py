@@ -68,7 +68,8 @@ def run(a: argparse.Namespace) -> int:
             stats, interrupted = prefill_only(model, ids), False
         else:
             events = model.generate(ids, **sampling_kwargs(a, model.ctx), **spec_kwargs(a))
-            interrupted = stream(tracer.tokens(events) if tracer is not None else events)
+            interrupted = stream(tracer.tokens(events) if tracer is not None else events,
+                                 engine=model.engine)
     except KeyboardInterrupt:
         interrupted = aborted = True
     sys.stdout.write("\n")
@@ -78,7 +79,7 @@ def run(a: argparse.Namespace) -> int:
     print_stats(stats, a.load_s, time.perf_counter() - t0, interrupted)
     if (a.stats or tracer is not None) and not aborted:
         store.collect()  # CUDA: the last pass's events
-    if a.stats and not aborted:
+    if a.stats and not aborted and stats is not None and stats.generated_tokens:
         err.print(breakdown_table(stats, store.stats, model.device.type))
         print_balance(store)
         print_spec(stats)

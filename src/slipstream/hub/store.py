@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import shutil
@@ -58,17 +59,14 @@ def url_path(ref: UrlRef) -> Path:
 
 def written_beside(model: Path) -> list[Path]:
     """Every file slipstream may have written for `model` besides the model: memory/
-    image_file.py's layer images and their indexes (and their .tmp while being written),
-    beside the model, or in cache/images/ under MODEL.KEY.KIND where the model's folder was
-    not writable (KEY: the first 12 hex digits of the sha1 of its resolved path)."""
+    image_file.py's layer images of every plan, their indexes, locks and temporary files
+    (MODEL.slipstream[-cpu].KEY.*), beside the model, or in cache/images/ under
+    MODEL.HASH.slipstream[-cpu].KEY.* where the model's folder was not writable (HASH: the
+    first 12 hex digits of the sha1 of its resolved path)."""
     key = hashlib.sha1(str(model.resolve()).encode()).hexdigest()[:12]
     images = cache_dir() / "images"
-    out = []
-    for suffix in IMAGE_SUFFIXES:
-        kind_ext = suffix[1:]  # "slipstream-cpu.img"
-        for f in (model.with_name(model.name + suffix), images / f"{model.name}.{key}.{kind_ext}"):
-            out += [f, f.with_name(f.name + ".tmp")]
-    return out
+    return sorted({*model.parent.glob(glob.escape(model.name) + ".slipstream*"),
+                   *images.glob(glob.escape(f"{model.name}.{key}") + ".slipstream*")})
 
 
 def is_gguf(path: Path) -> bool:

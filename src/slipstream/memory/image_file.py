@@ -17,9 +17,18 @@ GGUF bytes per layer, 0.86 G weights; disk 2.3 GB/s, pinned H2D 55 GB/s, HBM ~4 
   the bytes on disk are exactly a slot's bytes: one O_DIRECT read into pinned staging, one
   host-to-device copy, views. The hot path, the code and the bits are tier B's.
 
-The file is reused while the model file (size, mtime) and the image format are unchanged and it
-holds every layer asked for; otherwise it is rebuilt. It lives next to the model, or in the
-slipstream cache directory where the model's directory is not writable.
+The file is reused while the model file (size, mtime) and the image format are unchanged;
+otherwise it is rebuilt. It lives next to the model, or in the slipstream cache directory where
+the model's directory is not writable.
+
+One file per plan: its name carries the layers it holds (`MODEL.slipstream.L40-79.img`, a hash
+where they are not one run), so two processes whose budgets stream different layers of one model
+never read or replace each other's file. A file is written under an exclusive flock on its
+`.lock` file (a second process with the same plan waits, then reuses it), to a temporary name in
+the same folder, fsynced, and renamed into place: no reader sees a partial file. A filesystem
+failure on the way (a read-only folder, a full disk, a cache path under a file) is an
+ImageFileError naming the path and what to do; the images are not optional for a plan that
+counted on them (the packed CPU decode computes on their bytes), so nothing falls back silently.
 
 CPU streaming keeps images too (`build_cpu_images`, weights.cpu_image: a layer packed for
 torch's int4/int8 CPU kernels), in a file of their own (`MODEL.slipstream-cpu.img`) written by
@@ -31,19 +40,23 @@ fails its first read with FileChanged instead of computing with other weights.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-
 from typing import Any, Callable
 
 import torch
 from rich.progress import BarColumn, DownloadColumn, Progress
 
-from ..errors import BudgetTooSmall, SlipstreamError
+from ..errors import BudgetTooSmall, ImageFileError, SlipstreamError
 from ..hub.store import cache_dir
 from ..weights.cpu_image import CpuLayerLayout, cpu_image_of, layout_fingerprint
 from ..weights.image import LayerLayout, to_image
@@ -70,18 +83,68 @@ def _round_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
-def image_paths(model: Path, kind: str = "slipstream") -> tuple[Path, Path]:
-    """(data file, index file): next to the model when that directory is writable. `kind`
-    names the file: "slipstream" (CUDA's images) or "slipstream-cpu"."""
+def plan_key(layers: Sequence[int]) -> str:
+    """The part of an image file's name that says which layers it holds: "L3-29" for a run
+    of layers (what a budget streams: the layers past those it keeps), else a hash of the
+    list ("Hxxxxxxxxxxxx")."""
+    ls = sorted({int(i) for i in layers})
+    if not ls:
+        raise ValueError("an image file holds at least one layer")
+    if ls == list(range(ls[0], ls[-1] + 1)):
+        return f"L{ls[0]}-{ls[-1]}"
+    return "H" + hashlib.sha1(",".join(map(str, ls)).encode()).hexdigest()[:12]
+
+
+def image_dir(model: Path) -> Path:
+    """Where a model's image files go: next to it when its folder is writable (access(2)
+    also says no on a read-only mount), else under the slipstream cache."""
     model = model.resolve()
     if os.access(model.parent, os.W_OK):
-        base = model.parent / f"{model.name}.{kind}"
-    else:
-        key = hashlib.sha1(str(model).encode()).hexdigest()[:12]
-        d = cache_dir() / "images"
-        d.mkdir(parents=True, exist_ok=True)
-        base = d / f"{model.name}.{key}.{kind}"
+        return model.parent
+    return cache_dir() / "images"
+
+
+def image_paths(model: Path, kind: str = "slipstream", *,
+                layers: Sequence[int]) -> tuple[Path, Path]:
+    """(data file, index file) of the images of `layers`. `kind` names the file:
+    "slipstream" (CUDA's images) or "slipstream-cpu"."""
+    model = model.resolve()
+    d = image_dir(model)
+    name = model.name
+    if d != model.parent:  # one cache folder for models of every folder: keyed by the path
+        name += "." + hashlib.sha1(str(model).encode()).hexdigest()[:12]
+    base = d / f"{name}.{kind}.{plan_key(layers)}"
     return base.with_name(base.name + ".img"), base.with_name(base.name + ".json")
+
+
+def _fs_error(path: Path, e: OSError) -> ImageFileError:
+    """One line for a filesystem failure while writing images at `path`, with what to do."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        todo = f"free space in {path.parent} or raise --ram-budget"
+    else:
+        todo = ("make the model's folder writable, or set SLIPSTREAM_CACHE to a writable "
+                "folder (the images go there when the model's folder is not writable)")
+    return ImageFileError(f"cannot write the layer images at {path}: "
+                          f"{e.strerror or e}; {todo}")
+
+
+@contextmanager
+def _locked(data: Path) -> Iterator[None]:
+    """An exclusive flock on `data`'s lock file while the block runs: one writer per plan's
+    file at a time; a process with the same plan waits for the file, then reuses it. The lock
+    file stays (removing it would let a third process lock a new inode while one waits on
+    the old)."""
+    lock = data.with_name(data.name.removesuffix(".img") + ".lock")
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise _fs_error(lock, e) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock
 
 
 def _identity(model: Path, f16_scales: bool) -> dict:
@@ -95,8 +158,8 @@ def _identity(model: Path, f16_scales: bool) -> dict:
 
 def open_images(model: Path, layers: list[int], f16_scales: bool = True) -> ImageFile | None:
     """The cached image file when it is current and holds `layers`, else None."""
-    return _open_index(*image_paths(model), _identity(model, f16_scales), layers,
-                       LayerLayout.from_json)
+    return _open_index(*image_paths(model, layers=layers), _identity(model, f16_scales),
+                       layers, LayerLayout.from_json)
 
 
 def _open_index(data: Path, index: Path, identity: dict, layers: list[int],
@@ -143,20 +206,22 @@ def build_images(gf, cfg, device: torch.device, precision, layers: list[int],
     cached = open_images(model, layers, fast)
     if cached is not None:
         return cached
-    if builder is None:
-        builder = LayerBuilder(cfg, device, precision, fuse_scales=False)
+    data, index = image_paths(model, layers=layers)
+    with _locked(data):
+        if open_images(model, layers, fast) is None:  # not written while this one waited
+            if builder is None:
+                builder = LayerBuilder(cfg, device, precision, fuse_scales=False)
 
-    def make(i: int) -> tuple[torch.Tensor, dict]:
-        image = to_image(builder.build(TensorSource(gf), i), pin=False)
-        release_transients(device)
-        return image.host, image.layout.to_json()
+            def make(i: int) -> tuple[torch.Tensor, dict]:
+                image = to_image(builder.build(TensorSource(gf), i), pin=False)
+                release_transients(device)
+                return image.host, image.layout.to_json()
 
-    data, index = image_paths(model)
-    write_images(data, index, _identity(model, fast), layers, image_bytes, make,
-                 "writing repacked disk layers", progress)
-    builder = make = None  # the builder and its workspace go before the next allocations
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+            write_images(data, index, _identity(model, fast), layers, image_bytes, make,
+                         "writing repacked disk layers", progress)
+            builder = make = None  # the builder and its workspace go before what comes next
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     result = open_images(model, layers, fast)
     if result is None:
         raise SlipstreamError(f"the repacked layer images in {data} could not be read back")
@@ -173,8 +238,8 @@ def cpu_identity(model: Path) -> dict:
 
 def open_cpu_images(model: Path, layers: list[int]) -> ImageFile | None:
     """The cached CPU image file when it is current and holds `layers`, else None."""
-    return _open_index(*image_paths(model, "slipstream-cpu"), cpu_identity(model), layers,
-                       CpuLayerLayout.from_json)
+    return _open_index(*image_paths(model, "slipstream-cpu", layers=layers),
+                       cpu_identity(model), layers, CpuLayerLayout.from_json)
 
 
 def build_cpu_images(gf, cfg, precision, layers: list[int], image_bytes: list[int],
@@ -191,13 +256,26 @@ def build_cpu_images(gf, cfg, precision, layers: list[int], image_bytes: list[in
         host, layout = cpu_image_of(gf, cfg, precision, i)
         return host, layout.to_json()
 
-    data, index = image_paths(model, "slipstream-cpu")
-    write_images(data, index, cpu_identity(model), layers, image_bytes, make,
-                 "packing streamed layers for the CPU", progress, checksums=True)
+    data, index = image_paths(model, "slipstream-cpu", layers=layers)
+    with _locked(data):
+        if open_cpu_images(model, layers) is None:  # not written while this one waited
+            write_images(data, index, cpu_identity(model), layers, image_bytes, make,
+                         "packing streamed layers for the CPU", progress, checksums=True)
     result = open_cpu_images(model, layers)
     if result is None:
         raise SlipstreamError(f"the packed layer images in {data} could not be read back")
     return result
+
+
+def _replace_durably(tmp: Path, dest: Path) -> None:
+    """Rename `tmp` (written and fsynced) over `dest`, then fsync the folder so the rename
+    itself survives a crash."""
+    os.replace(tmp, dest)
+    dfd = os.open(dest.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
 
 
 def write_images(data: Path, index: Path, identity: dict, layers: list[int],
@@ -206,15 +284,51 @@ def write_images(data: Path, index: Path, identity: dict, layers: list[int],
     """Write make(i)'s image bytes for each of `layers` (each at an ALIGN boundary, the file
     padded to whole blocks so every O_DIRECT read is full), then the index: `identity`, each
     layer's span and layout, with `checksums` its sampled CRC (disk.fingerprint), and the data
-    file's size and mtime as written. The index goes last, through a rename, so that a crash
-    mid-write leaves no index describing a half-written file."""
-    old = data.stat().st_size if data.exists() else 0
-    check_space(data.parent, sum(_round_up(image_bytes[i]) for i in layers), old)
-    index.unlink(missing_ok=True)  # no index may describe a half-written data file
-    tmp = data.with_name(data.name + ".tmp")
-    entries: dict[str, dict] = {}
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    file's size and mtime as written. The caller holds the file's lock (_locked). Both files
+    are written to temporary names in their folder, fsynced and renamed into place, the index
+    last: a reader, or a crash, never meets a half-written file or an index describing one.
+    Every filesystem failure is an ImageFileError naming the path."""
+    tmp: Path | None = None
     try:
+        data.parent.mkdir(parents=True, exist_ok=True)
+        old = data.stat().st_size if data.exists() else 0
+        check_space(data.parent, sum(_round_up(image_bytes[i]) for i in layers), old)
+        index.unlink(missing_ok=True)  # no index may describe the data file being replaced
+        for stale in data.parent.glob(f"{data.name}.*.tmp"):  # a killed writer's (we hold
+            stale.unlink(missing_ok=True)                      # the lock: none is running)
+        fd, name = tempfile.mkstemp(prefix=data.name + ".", suffix=".tmp", dir=data.parent)
+        tmp = Path(name)
+        entries = _write_data(fd, layers, image_bytes, make, what, progress, checksums)
+        _replace_durably(tmp, data)
+        tmp = None
+        st = data.stat()
+        doc = {"model": identity, "layers": entries}
+        if checksums:
+            doc["file"] = [st.st_size, st.st_mtime_ns]
+        fd, name = tempfile.mkstemp(prefix=index.name + ".", suffix=".tmp", dir=index.parent)
+        tmp = Path(name)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o644)
+            f.write(json.dumps(doc))
+            f.flush()
+            os.fsync(f.fileno())
+        _replace_durably(tmp, index)
+        tmp = None
+    except OSError as e:
+        raise _fs_error(tmp if tmp is not None else data, e) from None
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+
+
+def _write_data(fd: int, layers: list[int], image_bytes: list[int],
+                make: Callable[[int], tuple[torch.Tensor, dict]], what: str, progress: bool,
+                checksums: bool) -> dict[str, dict]:
+    """The images of `layers` into the open file `fd` (closed here), fsynced; their index
+    entries."""
+    entries: dict[str, dict] = {}
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the images from other users
         offset = 0
         with Progress("[progress.description]{task.description}", BarColumn(),
                       DownloadColumn(), transient=True, disable=not progress) as bar:
@@ -237,17 +351,6 @@ def write_images(data: Path, index: Path, identity: dict, layers: list[int],
         # disk (O_DIRECT reads bypass the cache anyway; this frees the RAM).
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except OSError as e:
+    finally:
         os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise SlipstreamError(f"writing the layer images to {tmp} failed: "
-                              f"{e.strerror}") from None
-    os.close(fd)
-    os.replace(tmp, data)
-    st = data.stat()
-    doc = {"model": identity, "layers": entries}
-    if checksums:
-        doc["file"] = [st.st_size, st.st_mtime_ns]
-    index_tmp = index.with_name(index.name + ".tmp")
-    index_tmp.write_text(json.dumps(doc))
-    os.replace(index_tmp, index)  # the index last: a crash mid-write leaves no stale index
+    return entries

@@ -74,6 +74,12 @@ class Engine:
         # Called as layer_hook(i, x_in, x_out) after each computed layer (runtime.layer_skip's
         # calibration records hidden states through it); None on every ordinary pass.
         self.layer_hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        # Called before each chunk and after each layer of an appended batch of more than one
+        # token (a prompt's prefill); it raises to stop the pass there (runtime.interrupt:
+        # Ctrl-C). A layer of a long prompt takes well under a second where a whole prefill
+        # takes half a minute, so a stop there answers at once. The cache keeps the chunks
+        # finished before (its length is set after each whole chunk).
+        self.between_layers: Callable[[], None] | None = None
 
     # --- what the engine holds ----------------------------------------------------------------
 
@@ -262,11 +268,14 @@ class Engine:
             self.set_length(step.end)
             return logits
         self._check_room(T)
+        check = self.between_layers if T > 1 else None
         outs = []
         for start in range(0, T, self.prefill_chunk):
+            if check is not None:
+                check()
             chunk = ids[start: start + self.prefill_chunk].to(self.device)
             n = int(chunk.shape[0])
-            h = self._hidden(chunk, self._append_step(n), idle)
+            h = self._hidden(chunk, self._append_step(n), idle, check)
             self.set_length(self.length + n)
             outs.append(h if all_logits else h[-last:])
         h = torch.cat(outs) if len(outs) > 1 else outs[0]
@@ -330,15 +339,16 @@ class Engine:
         h = rms_norm(h, self.weights.output_norm, self.cfg.norm_eps)
         return self.weights.output(h).float()
 
-    def _hidden(self, ids: torch.Tensor, step: Step,
-                idle: Callable[[], bool] | None = None) -> torch.Tensor:
+    def _hidden(self, ids: torch.Tensor, step: Step, idle: Callable[[], bool] | None = None,
+                check: Callable[[], None] | None = None) -> torch.Tensor:
         x = self.weights.embed(ids).to(self.act_dtype)  # (T, hidden), on the first device
         for stage in self.stages:
-            x = self._run_stage(stage, x, step, idle)
+            x = self._run_stage(stage, x, step, idle, check)
         return x
 
     def _run_stage(self, stage: Stage, x: torch.Tensor, step: Step,
-                   idle: Callable[[], bool] | None = None) -> torch.Tensor:
+                   idle: Callable[[], bool] | None = None,
+                   check: Callable[[], None] | None = None) -> torch.Tensor:
         """The hidden states x through one stage's layers (moved to its device first)."""
         s = step.to(stage.device)
         if s.tokens > 1:
@@ -366,4 +376,6 @@ class Engine:
             if self.layer_hook is not None:
                 self.layer_hook(i, x, y)
             x = y
+            if check is not None:  # the layer is released: the store is between layers
+                check()
         return x

@@ -142,9 +142,11 @@ def autoregressive(engine: Engine, prompt: list[int], sampler: Sampler, budget: 
     history = torch.tensor(prompt, dtype=torch.long, device=engine.device)
     engine.reset()
     t0 = time.perf_counter()
-    logits = engine.forward(prompt)[-1]
-    token = sampler(logits, history)  # 0-d, on the device
-    stats.prefill_s = time.perf_counter() - t0
+    try:
+        logits = engine.forward(prompt)[-1]
+        token = sampler(logits, history)  # 0-d, on the device
+    finally:  # a prefill stopped part way (Engine.between_layers) reports its time too
+        stats.prefill_s = time.perf_counter() - t0
     history = torch.cat((history, token.view(1)))
     more = budget - 1
     # queued before the first token is read back, as decode_steps does for the others

@@ -4,7 +4,7 @@ A Model holds one KV cache, so requests take turns. The event loop never runs th
 submits a `Job` and awaits what the worker thread pushes into the job's asyncio queue with
 `loop.call_soon_threadsafe`. A job cancelled while waiting leaves the queue at once; a job
 cancelled while running stops at the next token (the generator is closed, which ends the
-decode loop), or, while its prompt is prefilled, at the end of the current prefill chunk
+decode loop), or, while its prompt is prefilled, after the layer it is computing
 (`prefill_guard`): a long prompt whose client has gone no longer holds the model until its
 whole prompt has been read.
 """
@@ -21,10 +21,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from ..errors import SlipstreamError
-from ..runtime.engine import PREFILL_CHUNK
 from ..runtime.generate import GenerationEvent
 
 log = logging.getLogger("slipstream.server")
@@ -220,44 +217,21 @@ class GenerationWorker:
 
 @contextmanager
 def prefill_guard(engine, cancelled: Callable[[], bool]) -> Iterator[None]:
-    """While the block runs, `engine.forward` feeds a long batch (a prompt) through the real
-    forward one engine.prefill_chunk at a time, and raises Cancelled between chunks once
-    `cancelled()` is true. Each piece is exactly one of the chunks Engine.forward would have
-    run itself (same shapes, same cache positions), so the logits are the same bits (the last
-    row, as forward returns it). Calls with a step, with all_logits, or of one chunk or less
-    (decode steps) go straight through.
-
-    The engine is wrapped through an instance attribute because generation is driven by
-    Model.generate, which takes no cancellation hook; the worker thread is the only caller
-    of the model while the block runs. (A `between_chunks` hook in Engine.forward would make
-    this unnecessary.)"""
-    if engine is None or not hasattr(engine, "forward"):  # a fake model in unit tests
+    """While the block runs, a prompt's prefill raises Cancelled after the layer (or before
+    the chunk) it is at once `cancelled()` is true: the engine's between_layers hook, which
+    the CLI's Ctrl-C uses too. Decode steps and passes with a step never call it. The worker
+    thread is the only caller of the model while the block runs."""
+    if engine is None or not hasattr(engine, "between_layers"):  # a fake model in unit tests
         yield
         return
-    chunk = getattr(engine, "prefill_chunk", PREFILL_CHUNK)
-    forward = engine.forward  # the bound method (or an instance attribute already there)
-    shadowed = vars(engine).get("forward")
 
-    def guarded(tokens, all_logits: bool = False, step=None, last: int = 1, **kw):
-        n = len(tokens)
-        if step is not None or all_logits or n <= chunk:
-            return forward(tokens, all_logits=all_logits, step=step, last=last, **kw)
-        outs = []
-        for start in range(0, n, chunk):
-            if cancelled():
-                raise Cancelled()
-            piece = tokens[start:start + chunk]
-            outs.append(forward(piece, last=min(last, len(piece)), **kw))
-        # forward's own answer: the batch's last `last` rows (with last=1, the head over the
-        # final chunk's last row, as forward computes it; more rows than the final chunk
-        # holds come from the chunks before, their head applied chunk by chunk)
-        return torch.cat(outs)[-last:]
+    def check() -> None:
+        if cancelled():
+            raise Cancelled()
 
-    engine.forward = guarded
+    previous = engine.between_layers
+    engine.between_layers = check
     try:
         yield
     finally:
-        if shadowed is not None:
-            engine.forward = shadowed
-        else:
-            del engine.forward  # the class's method again
+        engine.between_layers = previous
