@@ -140,9 +140,9 @@ def test_rm_of_a_symlinked_model_removes_the_link_not_its_target(tmp_path, gguf_
 
 def test_rm_removes_the_layer_images_written_for_the_model(env, gguf_bytes, monkeypatch,
                                                            capsys):
-    """memory/image_file.py writes MODEL.slipstream[-cpu].img/.json beside the model (or in
-    cache/images/ where the model's folder is not writable); rm deletes them all, by the
-    names that module itself gives."""
+    """memory/image_file.py writes MODEL.slipstream[-cpu].KEY.img/.json (KEY: the plan's
+    streamed layers) beside the model, or in cache/images/ where the model's folder is not
+    writable; rm deletes those of every plan, by the names that module itself gives."""
     from slipstream import cli
     from slipstream.memory import image_file
 
@@ -152,13 +152,15 @@ def test_rm_removes_the_layer_images_written_for_the_model(env, gguf_bytes, monk
     path.write_bytes(gguf_bytes)
     written = []
     for kind in ("slipstream", "slipstream-cpu"):
-        written += image_file.image_paths(path, kind)
-        with monkeypatch.context() as mp:  # its folder read-only: cache/images/ instead
-            mp.setattr(os, "access", lambda p, mode: False)
-            written += image_file.image_paths(path, kind)
+        for layers in ([3, 4, 5], [1, 7]):  # two plans
+            written += image_file.image_paths(path, kind, layers=layers)
+            with monkeypatch.context() as mp:  # its folder read-only: cache/images/ instead
+                mp.setattr(os, "access", lambda p, mode: False)
+                written += image_file.image_paths(path, kind, layers=layers)
     written += [w.with_name(w.name + ".tmp") for w in written[:2]]  # a write cut short
-    assert len(set(written)) == 10 and any("images" in w.parts for w in written)
+    assert len(set(written)) == 18 and any("images" in w.parts for w in written)
     for w in written:
+        w.parent.mkdir(parents=True, exist_ok=True)
         w.write_bytes(b"image")
     assert cli.main(["rm", FILE]) == 0, capsys.readouterr().err
     assert [w for w in written if w.exists()] == []
