@@ -23,7 +23,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileTy
 
 from . import quant
 from .errors import BadArgument
-from .model.layer_spec import ARCHITECTURES, EMBEDDING, HEAD, TensorSpec, spec_for
+from .model.families import ARCHITECTURES, family_for, spec_for
+from .model.layer_spec import EMBEDDING, HEAD, TensorSpec
 from .modelfile.config import ModelConfig
 from .modelfile.vocab import bytes_to_unicode
 from .quant.encode import quantize
@@ -229,7 +230,7 @@ def _config(shape: SynthShape, arch: str) -> ModelConfig:
         n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, head_dim=head_dim,
         rope_dim=head_dim, vocab_size=shape.vocab, context_length=shape.context,
         norm_eps=1e-5, rope_base=shape.rope_base, rope_style=ARCHITECTURES[arch],
-        attn_bias=arch == "qwen2")
+        attn_bias=arch == "qwen2", qk_norm=family_for(arch).traits.qk_norm)
 
 
 def _file_rank(t: TensorSpec) -> int:
@@ -244,7 +245,8 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
                 from_floats: bool = False, tie_embeddings: bool = False,
                 rope_freqs: bool = False, std: float = 0.02,
                 progress: Callable[[int, int], None] | None = None) -> Path:
-    """Write a random Llama-shaped (or Qwen2-shaped, arch="qwen2") GGUF file; returns its path.
+    """Write a random-weight GGUF file of architecture `arch` (its family's layer, as
+    model.families states it); returns its path.
 
     progress(bytes_done, bytes_total) is called after each tensor.
     """
@@ -294,6 +296,11 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     w.add_rope_freq_base(shape.rope_base)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
+    if family_for(arch).name != "llama":
+        # readers default other families' head size to their real models' (transformers: 128
+        # for Qwen3) rather than hidden / heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_vocab_size(shape.vocab)
     w.add_file_type(int(FILE_TYPES[quant_mix]))
     tokens, types, merges, special = build_vocab(shape.vocab)

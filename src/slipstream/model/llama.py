@@ -1,4 +1,6 @@
-"""The Llama-shaped decoder block (Llama 1/2/3, Mistral, SmolLM, Qwen2 with QKV bias)."""
+"""The decoder block every family shares (model.families): the Llama block (Llama 1/2/3,
+Mistral, SmolLM, Qwen2 with QKV bias), with each family's variations as named pieces that its
+ModelConfig turns on (Qwen3's per-head query and key norms)."""
 
 from __future__ import annotations
 
@@ -74,6 +76,9 @@ class LayerWeights:
     # one call instead of three (or two) matters when each call is a small memory-bound GEMV.
     attn_qkv: Linear | None = None  # hidden -> (n_heads + 2 * n_kv_heads) * head_dim
     ffn_gate_up: Linear | None = None  # hidden -> 2 * ffn
+    # per-head RMSNorm weights of the queries and keys (cfg.qk_norm), (head_dim,) each
+    attn_q_norm: torch.Tensor | None = None
+    attn_k_norm: torch.Tensor | None = None
     # A layer split for hybrid decode (hybrid.split): ffn_gate_up / ffn_down then hold the
     # GPU's intermediate units only. The other units are either here, in the same format
     # (prefill, large trees), or computed elsewhere by `ffn_host` (decode): never both.
@@ -105,6 +110,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight * xf).to(x.dtype)
+
+
+def qk_normed(cfg: ModelConfig, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:
+    """qkv (T, (n_heads + n_kv_heads [+ n_kv_heads]) * head_dim), as the projections return it,
+    with each query head and each key head RMS-normed by its own weight (cfg.qk_norm: Qwen3),
+    the values passed through. The norm runs over one head's dimensions, before RoPE."""
+    T, d = qkv.shape[0], cfg.head_dim
+    q_end, k_end = cfg.n_heads * d, (cfg.n_heads + cfg.n_kv_heads) * d
+    q = rms_norm(qkv[:, :q_end].reshape(-1, d), w.attn_q_norm, cfg.norm_eps)
+    k = rms_norm(qkv[:, q_end:k_end].reshape(-1, d), w.attn_k_norm, cfg.norm_eps)
+    return torch.cat((q.view(T, -1), k.view(T, -1), qkv[:, k_end:]), dim=1)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
@@ -163,6 +179,8 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         else:
             h = rms_norm(x, w.attn_norm, cfg.norm_eps)
             qkv = torch.cat((w.attn_q(h), w.attn_k(h), w.attn_v(h)), dim=-1)
+        if cfg.qk_norm:
+            qkv = qk_normed(cfg, w, qkv)
         q = kernels.rope_and_cache(qkv, rope.cos, rope.sin, k_cache, v_cache, step.positions,
                                    cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, rope.style,
                                    rope_dim=rope.rope_dim)
@@ -171,12 +189,17 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
                                         span=step.span)
         return _ffn(cfg, w, w.attn_output(attn.reshape(1, -1), residual=x))
     if w.attn_qkv is not None:
-        qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps).view(
-            T, n_qk + cfg.n_kv_heads, cfg.head_dim)
+        qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps)
+        if cfg.qk_norm:
+            qkv = qk_normed(cfg, w, qkv)
+        qkv = qkv.view(T, n_qk + cfg.n_kv_heads, cfg.head_dim)
         qk, v = qkv[:, :n_qk], qkv[:, n_qk:]
     else:
         h = rms_norm(x, w.attn_norm, cfg.norm_eps)
-        qk = torch.cat((w.attn_q(h), w.attn_k(h)), dim=-1).view(T, n_qk, cfg.head_dim)
+        qk = torch.cat((w.attn_q(h), w.attn_k(h)), dim=-1)
+        if cfg.qk_norm:
+            qk = qk_normed(cfg, w, qk)
+        qk = qk.view(T, n_qk, cfg.head_dim)
         v = w.attn_v(h).view(T, cfg.n_kv_heads, cfg.head_dim)
     qk = rope.apply(qk, cos_sin)  # q and k heads rotate together: one pass, same angles
     q, k = qk[:, :cfg.n_heads], qk[:, cfg.n_heads:]
@@ -199,11 +222,14 @@ def _cpu_decode(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     same values (so the same bits), with fewer calls around them (model.cpu_decode), since
     per-call overhead bounds CPU decode as much as the matmuls do. Where the native ops serve
     the layer (model.cpu_native), the same math in four calls instead, to float32 rounding."""
-    if CPU_NATIVE and w.ffn_host is None and w.ffn_down_rest is None:
+    # the native ops hold the Llama block only (no per-head query and key norms)
+    if CPU_NATIVE and w.ffn_host is None and w.ffn_down_rest is None and not cfg.qk_norm:
         nl = native_layer(w)
         if nl is not None and native_serves(x, pos, k_cache, v_cache):
             return native_decode_layer(cfg, nl, x, cos_sin, pos, k_cache, v_cache, rope)
     qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps)
+    if cfg.qk_norm:
+        qkv = qk_normed(cfg, w, qkv)
     attn = decode_attention(cfg, qkv, cos_sin, pos, k_cache, v_cache, rope)
     return _ffn(cfg, w, w.attn_output(attn, residual=x))
 

@@ -7,7 +7,8 @@ from dataclasses import dataclass, fields
 from typing import Any, Collection, Mapping
 
 from ..errors import GGUFError, InvalidMetadata, MissingMetadata, UnsupportedArchitecture
-from ..model.layer_spec import ARCHITECTURES, EMBEDDING, spec_for
+from ..model.families import ARCHITECTURES, family_for, spec_for
+from ..model.layer_spec import EMBEDDING
 from .validate import FIX, md_float, md_int, md_str
 
 # Ranges of the hyper-parameters: far beyond any real model, but small enough that nothing
@@ -39,6 +40,7 @@ class ModelConfig:
     rope_scaling: str = "none"  # "none" or "linear"
     rope_scale: float = 1.0  # linear scaling factor (positions divided by it)
     attn_bias: bool = False  # QKV bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3)
     name: str = ""
 
     @property
@@ -61,6 +63,7 @@ class ModelConfig:
             raise UnsupportedArchitecture(
                 f"{source}: architecture {arch!r} is not supported; supported: "
                 f"{', '.join(sorted(ARCHITECTURES))}")
+        traits = family_for(arch).traits
 
         def key(k: str) -> str:
             return f"{arch}.{k}"
@@ -151,6 +154,7 @@ class ModelConfig:
             rope_scaling="linear" if scaling == "linear" else "none",
             rope_scale=scale if scaling == "linear" else 1.0,
             attn_bias="blk.0.attn_q.bias" in names,
+            qk_norm=traits.qk_norm,
             name=str(md.get("general.name", "")),
         )
         if tensor_names is not None:
