@@ -286,7 +286,7 @@ def _split_ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tens
     projection is a partial sum over its own units, and the two add up to the whole. The share
     computed elsewhere gets its input first, so that it runs while this device runs its own.
     Both sides compute SwiGLU with the residual folded in: a family with another activation
-    or a post-FFN norm is never split (hybrid.policy)."""
+    or a post-FFN norm is never split (hybrid.split.layer_splittable)."""
     h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
     if w.ffn_host is not None:
         w.ffn_host.start(h)
