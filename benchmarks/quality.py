@@ -227,7 +227,7 @@ def swap_linears(model, kind: str) -> dict:
     hands to the forward pass, so changing their fields changes what it multiplies by. A group
     (q/k/v, gate/up) stays fused where pack_group fuses it; the head is left as loaded."""
     from slipstream.modelfile.gguf_file import GGUFFile
-    from slipstream.model.layer_spec import spec_for
+    from slipstream.model.families import spec_for
     from slipstream.weights.cpu import pack_group
     from slipstream.weights.loader import TensorSource
 

@@ -12,6 +12,7 @@ special tokens), so the files load in slipstream, in llama.cpp and in transforme
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,7 +24,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileTy
 
 from . import quant
 from .errors import BadArgument
-from .model.layer_spec import ARCHITECTURES, EMBEDDING, HEAD, TensorSpec, spec_for
+from .model.families import ARCHITECTURES, family_for, spec_for
+from .model.layer_spec import EMBEDDING, HEAD, TensorSpec
 from .modelfile.config import ModelConfig
 from .modelfile.vocab import bytes_to_unicode
 from .quant.encode import quantize
@@ -219,17 +221,28 @@ LLAMA3_TEMPLATE = (
     "{% endif %}")
 
 
+def synth_window(shape: SynthShape) -> int:
+    """The sliding window written for families that have one: short enough in the tiny shape
+    that a test's few dozen tokens cross it, Gemma 3's 1024 in the others."""
+    return 16 if shape.hidden <= 256 else 1024
+
+
 def _config(shape: SynthShape, arch: str) -> ModelConfig:
-    """The ModelConfig the file write_synth makes will read back as (Qwen2 with QKV biases)."""
+    """The ModelConfig the file write_synth makes will read back as."""
     if arch not in ARCHITECTURES:
         raise BadArgument(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURES)}")
+    family = family_for(arch)
     head_dim = shape.hidden // shape.n_heads
-    return ModelConfig(
+    fields = dict(
         architecture=arch, n_layers=shape.n_layers, hidden=shape.hidden, ffn=shape.ffn,
         n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, head_dim=head_dim,
         rope_dim=head_dim, vocab_size=shape.vocab, context_length=shape.context,
         norm_eps=1e-5, rope_base=shape.rope_base, rope_style=ARCHITECTURES[arch],
-        attn_bias=arch == "qwen2")
+        attn_bias=arch == "qwen2", **dataclasses.asdict(family.traits))
+    if family.configure is not None:
+        md = {f"{arch}.attention.sliding_window": synth_window(shape)}
+        fields.update(family.configure(md, arch, "synth", fields))
+    return ModelConfig(**fields)
 
 
 def _file_rank(t: TensorSpec) -> int:
@@ -245,7 +258,8 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
                 rope_freqs: bool = False, std: float = 0.02,
                 progress: Callable[[int, int], None] | None = None,
                 chat_template: str = LLAMA3_TEMPLATE) -> Path:
-    """Write a random Llama-shaped (or Qwen2-shaped, arch="qwen2") GGUF file; returns its path.
+    """Write a random-weight GGUF file of architecture `arch` (its family's layer, as
+    model.families states it); returns its path.
 
     progress(bytes_done, bytes_total) is called after each tensor.
     """
@@ -295,6 +309,13 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     w.add_rope_freq_base(shape.rope_base)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(head_dim)
+    if family_for(arch).name != "llama":
+        # readers default other families' head size to their real models' (transformers: 128
+        # for Qwen3) rather than hidden / heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if cfg.sliding_window:
+        w.add_sliding_window(cfg.sliding_window)
     w.add_vocab_size(shape.vocab)
     w.add_file_type(int(FILE_TYPES[quant_mix]))
     tokens, types, merges, special = build_vocab(shape.vocab)

@@ -9,8 +9,8 @@ import torch
 from gguf import GGUFReader
 
 from slipstream.errors import UnsupportedArchitecture
-from slipstream.model.layer_spec import (ARCHITECTURES, EMBEDDING, HEAD, head_tensor_name,
-                                         kv_cache_bytes, spec_for)
+from slipstream.model.families import ARCHITECTURES, spec_for
+from slipstream.model.layer_spec import EMBEDDING, HEAD, head_tensor_name, kv_cache_bytes
 from slipstream.modelfile.config import ModelConfig
 from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.precision import Precision

@@ -16,7 +16,7 @@ import torch
 from slipstream.modelfile.config import ModelConfig
 from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.model.llama import block_forward
-from slipstream.model.layer_spec import spec_for
+from slipstream.model.families import spec_for
 from slipstream.model.rope import RopeTable
 from slipstream.model.step import append_step
 from slipstream.precision import Precision

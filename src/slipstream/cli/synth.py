@@ -1,4 +1,4 @@
-"""`slipstream synth`: write a random-weight Llama-shaped GGUF for testing."""
+"""`slipstream synth`: write a random-weight GGUF of any supported family for testing."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from pathlib import Path
 
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
+from ..model.families import ARCHITECTURES
 from .render import err
 
 
 def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
-    sy = command("synth", "write a random-weight Llama-shaped GGUF for testing")
+    sy = command("synth", "write a random-weight GGUF of a supported family for testing")
     sy.add_argument("--shape", required=True, choices=["tiny", "1b", "8b", "70b"],
                     help="the model's shape")
     sy.add_argument("--quant", default="Q4_K",
@@ -21,8 +22,8 @@ def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
                     help="the weights' type")
     sy.add_argument("--layers", type=int, default=None, help="override the layer count "
                     "(default: the shape's)")
-    sy.add_argument("--arch", default="llama", choices=["llama", "qwen2"],
-                    help="the architecture written in the metadata")
+    sy.add_argument("--arch", default="llama", choices=sorted(ARCHITECTURES),
+                    help="the architecture (its family's layer and metadata)")
     sy.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     sy.add_argument("-o", "--output", required=True, help="the GGUF to write")
     sy.set_defaults(func=run)

@@ -95,7 +95,12 @@ def ffn_raws(src, cfg, i: int) -> FFNRaws:
 
 
 def layer_splittable(src, cfg, i: int) -> bool:
-    """Whether layer i's FFN can be split (splittable(), and no FFN biases to share out)."""
+    """Whether layer i's FFN can be split (splittable(), and no FFN biases to share out).
+    Both shares compute SwiGLU with the residual folded into the down projection (the host
+    kernels and model.llama._split_ffn): a family with another activation or a norm after the
+    FFN (Gemma's GeGLU and post_ffw_norm) keeps its layers whole."""
+    if cfg.ffn_act != "silu" or cfg.post_norms:
+        return False
     p = f"blk.{i}"
     if any(src.has(f"{p}.{n}.bias") for n in ("ffn_gate", "ffn_up", "ffn_down")):
         return False

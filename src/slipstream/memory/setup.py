@@ -11,7 +11,8 @@ import torch
 from ..modelfile.config import ModelConfig
 from ..errors import BadArgument, BudgetTooSmall
 from ..modelfile.gguf_file import GGUFFile
-from ..model.layer_spec import head_tensor_name, kv_cache_bytes, spec_for
+from ..model.families import spec_for
+from ..model.layer_spec import head_tensor_name, kv_cache_bytes
 from ..precision import Precision
 from ..weights.cpu import kind_for, packed_nbytes
 from ..weights.cpu_image import cpu_image_of, image_nbytes

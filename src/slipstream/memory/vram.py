@@ -16,7 +16,8 @@ from gguf import GGMLQuantizationType as T
 from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..kernels.pack import QSPECS, pack_chunk_rows, sm_width  # tables: no CUDA nor Triton
-from ..model.layer_spec import EMBEDDING, head_tensor_name, kv_cache_bytes, spec_for
+from ..model.families import spec_for
+from ..model.layer_spec import EMBEDDING, head_tensor_name, kv_cache_bytes
 from ..weights.image import IMAGE_ALIGN  # every tensor of an image starts on this boundary
 from ..weights.loader import prefill_scratch_elements
 

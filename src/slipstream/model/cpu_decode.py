@@ -13,7 +13,6 @@ order, so the bits are the same (tests/weights/test_cpu_packed.py compares the t
 
 from __future__ import annotations
 
-import math
 import threading
 
 import torch
@@ -58,8 +57,9 @@ def thread_buffers(make, *key):
 
 def decode_attention(cfg: ModelConfig, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...],
                      pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     rope: RopeTable) -> torch.Tensor:
-    """Attention of one causal token at slot `pos` (which it writes) over slots 0..pos.
+                     rope: RopeTable, window: int = 0) -> torch.Tensor:
+    """Attention of one causal token at slot `pos` (which it writes) over slots 0..pos (the
+    last `window` of them for a sliding-window layer).
 
     qkv: (1, (n_q + 2 n_kv) d), as the fused q/k/v projection returns it. Returns (1, n_q d)
     in the cache dtype: a view of a thread-local buffer, valid until the thread's next call
@@ -79,7 +79,8 @@ def decode_attention(cfg: ModelConfig, qkv: torch.Tensor, cos_sin: tuple[torch.T
     v_cache[:, pos] = v
     if q.dtype != k_cache.dtype:
         q = q.to(k_cache.dtype)
-    scores = torch.baddbmm(_ZERO, q, k_cache[:, :pos + 1].transpose(1, 2), beta=0,
-                           alpha=1.0 / math.sqrt(d))
-    torch.bmm(torch.softmax(scores, dim=-1), v_cache[:, :pos + 1], out=s.attn)
+    lo = max(0, pos + 1 - window) if window else 0
+    scores = torch.baddbmm(_ZERO, q, k_cache[:, lo:pos + 1].transpose(1, 2), beta=0,
+                           alpha=cfg.attention_scale)
+    torch.bmm(torch.softmax(scores, dim=-1), v_cache[:, lo:pos + 1], out=s.attn)
     return s.attn_row

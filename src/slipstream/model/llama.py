@@ -1,4 +1,6 @@
-"""The Llama-shaped decoder block (Llama 1/2/3, Mistral, SmolLM, Qwen2 with QKV bias)."""
+"""The decoder block every family shares (model.families): the Llama block (Llama 1/2/3,
+Mistral, SmolLM, Qwen2 with QKV bias), with each family's variations as named pieces that its
+ModelConfig turns on (Qwen3's per-head query and key norms)."""
 
 from __future__ import annotations
 
@@ -74,6 +76,12 @@ class LayerWeights:
     # one call instead of three (or two) matters when each call is a small memory-bound GEMV.
     attn_qkv: Linear | None = None  # hidden -> (n_heads + 2 * n_kv_heads) * head_dim
     ffn_gate_up: Linear | None = None  # hidden -> 2 * ffn
+    # per-head RMSNorm weights of the queries and keys (cfg.qk_norm), (head_dim,) each
+    attn_q_norm: torch.Tensor | None = None
+    attn_k_norm: torch.Tensor | None = None
+    # RMSNorm weights of the attention and FFN outputs (cfg.post_norms), (hidden,) each
+    post_attention_norm: torch.Tensor | None = None
+    post_ffw_norm: torch.Tensor | None = None
     # A layer split for hybrid decode (hybrid.split): ffn_gate_up / ffn_down then hold the
     # GPU's intermediate units only. The other units are either here, in the same format
     # (prefill, large trees), or computed elsewhere by `ffn_host` (decode): never both.
@@ -107,8 +115,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * xf).to(x.dtype)
 
 
+def qk_normed(cfg: ModelConfig, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:
+    """qkv (T, (n_heads + n_kv_heads [+ n_kv_heads]) * head_dim), as the projections return it,
+    with each query head and each key head RMS-normed by its own weight (cfg.qk_norm: Qwen3),
+    the values passed through. The norm runs over one head's dimensions, before RoPE."""
+    T, d = qkv.shape[0], cfg.head_dim
+    q_end, k_end = cfg.n_heads * d, (cfg.n_heads + cfg.n_kv_heads) * d
+    q = rms_norm(qkv[:, :q_end].reshape(-1, d), w.attn_q_norm, cfg.norm_eps)
+    k = rms_norm(qkv[:, q_end:k_end].reshape(-1, d), w.attn_k_norm, cfg.norm_eps)
+    return torch.cat((q.view(T, -1), k.view(T, -1), qkv[:, k_end:]), dim=1)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
-              group: int) -> torch.Tensor:
+              group: int, scale: float | None = None) -> torch.Tensor:
     """GQA attention of T new queries over the first `step.span` cached keys, masked as the
     step says (`Step.with_mask`).
 
@@ -118,20 +137,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step,
     """
     T, n_heads, d = q.shape
     n_kv = k.shape[0]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
     if not step.needs_mask:  # one token over exactly its slots: no mask, no permutes
         qg = q.view(n_kv, group, d)
         if q.device.type == "cpu":
             # Two bmm and a softmax: CPU SDPA costs ~2.5x more at these tiny shapes, and
             # decode on CPU is bound by per-op overhead (so the scale rides on the first bmm).
-            scores = torch.baddbmm(_ZERO, qg, k.transpose(1, 2), beta=0,
-                                   alpha=1.0 / math.sqrt(d))
+            scores = torch.baddbmm(_ZERO, qg, k.transpose(1, 2), beta=0, alpha=scale)
             out = torch.bmm(torch.softmax(scores, dim=-1), v)
         else:
-            out = F.scaled_dot_product_attention(qg, k, v, scale=1.0 / math.sqrt(d))
+            out = F.scaled_dot_product_attention(qg, k, v, scale=scale)
         return out.reshape(1, n_heads * d)
     qg = q.permute(1, 0, 2).reshape(n_kv, group * T, d)  # rows ordered (group, T)
     mask = step.mask if step.mask is not None else step.with_mask(group).mask
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=1.0 / math.sqrt(d))
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
     return out.reshape(n_heads, T, d).permute(1, 0, 2).reshape(T, n_heads * d)
 
 
@@ -143,19 +162,24 @@ def uses_fused_decode(step: Step, k_cache: torch.Tensor) -> bool:
 
 def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
                   cos_sin: tuple[torch.Tensor, torch.Tensor], step: Step,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, rope: RopeTable,
+                  window: int = 0) -> torch.Tensor:
     """One decoder block on x (T, hidden) for the tokens `step` describes.
 
-    cos_sin: `rope.angles(step.positions)`, computed once per forward and shared by all layers.
+    cos_sin: `rope.angles(step.positions)`, computed once per forward and shared by all layers
+    of one RoPE table.
     k_cache, v_cache: this layer's (n_kv_heads, max_ctx, head_dim) slices; the new keys and
     values are written in place, at `step.slots`.
+    window: a sliding-window layer's width (cfg.window_of), 0 for a global one; a step that
+    needs a mask then carries the window in it (Step.with_window).
     """
     T = x.shape[0]
     if (T == 1 and CPU_DECODE and x.device.type == "cpu" and w.attn_qkv is not None
             and not step.needs_mask):
-        return _cpu_decode(cfg, w, x, cos_sin, step.start, k_cache, v_cache, rope)
+        return _cpu_decode(cfg, w, x, cos_sin, step.start, k_cache, v_cache, rope, window)
     n_qk = cfg.n_heads + cfg.n_kv_heads
-    if uses_fused_decode(step, k_cache):
+    # the fused decode kernels read every slot up to the position (no window yet)
+    if uses_fused_decode(step, k_cache) and not window:
         # RoPE, the cache write and split-K attention in three kernels that read the position
         # from device memory, instead of a dozen small ops (and a graph can replay them).
         if w.attn_qkv is not None:
@@ -163,20 +187,26 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         else:
             h = rms_norm(x, w.attn_norm, cfg.norm_eps)
             qkv = torch.cat((w.attn_q(h), w.attn_k(h), w.attn_v(h)), dim=-1)
+        if cfg.qk_norm:
+            qkv = qk_normed(cfg, w, qkv)
         q = kernels.rope_and_cache(qkv, rope.cos, rope.sin, k_cache, v_cache, step.positions,
                                    cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, rope.style,
                                    rope_dim=rope.rope_dim)
         attn = kernels.decode_attention(q, k_cache, v_cache, step.positions,
-                                        1.0 / math.sqrt(cfg.head_dim), cfg.gqa_group,
-                                        span=step.span)
-        return _ffn(cfg, w, w.attn_output(attn.reshape(1, -1), residual=x))
+                                        cfg.attention_scale, cfg.gqa_group, span=step.span)
+        return _ffn(cfg, w, _attention_residual(cfg, w, attn.reshape(1, -1), x))
     if w.attn_qkv is not None:
-        qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps).view(
-            T, n_qk + cfg.n_kv_heads, cfg.head_dim)
+        qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps)
+        if cfg.qk_norm:
+            qkv = qk_normed(cfg, w, qkv)
+        qkv = qkv.view(T, n_qk + cfg.n_kv_heads, cfg.head_dim)
         qk, v = qkv[:, :n_qk], qkv[:, n_qk:]
     else:
         h = rms_norm(x, w.attn_norm, cfg.norm_eps)
-        qk = torch.cat((w.attn_q(h), w.attn_k(h)), dim=-1).view(T, n_qk, cfg.head_dim)
+        qk = torch.cat((w.attn_q(h), w.attn_k(h)), dim=-1)
+        if cfg.qk_norm:
+            qk = qk_normed(cfg, w, qk)
+        qk = qk.view(T, n_qk, cfg.head_dim)
         v = w.attn_v(h).view(T, cfg.n_kv_heads, cfg.head_dim)
     qk = rope.apply(qk, cos_sin)  # q and k heads rotate together: one pass, same angles
     q, k = qk[:, :cfg.n_heads], qk[:, cfg.n_heads:]
@@ -187,31 +217,63 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     else:
         k_cache.index_copy_(1, step.slots, k_new.to(k_cache.dtype))
         v_cache.index_copy_(1, step.slots, v_new.to(v_cache.dtype))
-    attn = attention(q.to(k_cache.dtype), k_cache[:, :step.span], v_cache[:, :step.span], step,
-                     cfg.gqa_group)
-    return _ffn(cfg, w, w.attn_output(attn, residual=x))
+    # one token over its own slots (no mask) reads only its window's; a masked step's mask
+    # holds the window (Step.with_window)
+    lo = max(0, step.span - window) if window and not step.needs_mask else 0
+    attn = attention(q.to(k_cache.dtype), k_cache[:, lo:step.span], v_cache[:, lo:step.span],
+                     step, cfg.gqa_group, cfg.attention_scale)
+    return _ffn(cfg, w, _attention_residual(cfg, w, attn, x))
+
+
+def _attention_residual(cfg: ModelConfig, w: LayerWeights, attn: torch.Tensor,
+                        x: torch.Tensor) -> torch.Tensor:
+    """x plus the attention's output projection, normed first where the family norms it."""
+    if cfg.post_norms:
+        return x + rms_norm(w.attn_output(attn), w.post_attention_norm, cfg.norm_eps)
+    return w.attn_output(attn, residual=x)
 
 
 def _cpu_decode(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
                 cos_sin: tuple[torch.Tensor, torch.Tensor], pos: int, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, rope: RopeTable) -> torch.Tensor:
+                v_cache: torch.Tensor, rope: RopeTable, window: int = 0) -> torch.Tensor:
     """block_forward of one causal token at slot `pos` on CPU: the general path's ops on the
     same values (so the same bits), with fewer calls around them (model.cpu_decode), since
     per-call overhead bounds CPU decode as much as the matmuls do. Where the native ops serve
     the layer (model.cpu_native), the same math in four calls instead, to float32 rounding."""
-    if CPU_NATIVE and w.ffn_host is None and w.ffn_down_rest is None:
+    # the native ops hold the Llama block only
+    if (CPU_NATIVE and w.ffn_host is None and w.ffn_down_rest is None
+            and llama_block(cfg) and not window):
         nl = native_layer(w)
         if nl is not None and native_serves(x, pos, k_cache, v_cache):
             return native_decode_layer(cfg, nl, x, cos_sin, pos, k_cache, v_cache, rope)
     qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps)
-    attn = decode_attention(cfg, qkv, cos_sin, pos, k_cache, v_cache, rope)
-    return _ffn(cfg, w, w.attn_output(attn, residual=x))
+    if cfg.qk_norm:
+        qkv = qk_normed(cfg, w, qkv)
+    attn = decode_attention(cfg, qkv, cos_sin, pos, k_cache, v_cache, rope, window)
+    return _ffn(cfg, w, _attention_residual(cfg, w, attn, x))
+
+
+def llama_block(cfg: ModelConfig) -> bool:
+    """Whether cfg's block is the plain Llama block (none of the families' variations)."""
+    return not (cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.attn_scale)
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-    """The SwiGLU half of the block, with its residual."""
+    """The gated FFN half of the block, with its residual."""
     if w.ffn_host is not None or w.ffn_down_rest is not None:
         return _split_ffn(cfg, w, x)
+    if cfg.ffn_act != "silu" or cfg.post_norms:
+        # the general form: the fused SwiGLU epilogues hold SiLU and the residual add only
+        if w.ffn_gate_up is not None:
+            gate, up = w.ffn_gate_up.norm_matmul(x, w.ffn_norm, cfg.norm_eps).chunk(2, dim=-1)
+        else:
+            h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
+            gate, up = w.ffn_gate(h), w.ffn_up(h)
+        y = w.ffn_down(_ACTIVATIONS[cfg.ffn_act](gate) * up)
+        return x + (rms_norm(y, w.post_ffw_norm, cfg.norm_eps) if cfg.post_norms else y)
     if w.ffn_gate_up is not None:
         gate_up = w.ffn_gate_up.norm_matmul(x, w.ffn_norm, cfg.norm_eps)
         return w.ffn_down.glu_matmul(gate_up, residual=x)
@@ -222,7 +284,9 @@ def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
 def _split_ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """SwiGLU over intermediate units split in two (hybrid.split): each side's down
     projection is a partial sum over its own units, and the two add up to the whole. The share
-    computed elsewhere gets its input first, so that it runs while this device runs its own."""
+    computed elsewhere gets its input first, so that it runs while this device runs its own.
+    Both sides compute SwiGLU with the residual folded in: a family with another activation
+    or a post-FFN norm is never split (hybrid.split.layer_splittable)."""
     h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
     if w.ffn_host is not None:
         w.ffn_host.start(h)

@@ -56,6 +56,20 @@ class Step:
         allowed = causal_allowed(self.slots, self.span) if self.causal else self.allowed
         return replace(self, mask=fold_rows(allowed, group))
 
+    def with_window(self, window: int, group: int) -> "Step":
+        """This step for a sliding-window layer: each token also reads only the slots of the
+        last `window` positions, i.e. slot j only where j > position - window. Slots equal
+        positions before a tree's first slot; a tree's own tokens sit at slots past its root's
+        position and never further from a token than the tree is deep, so they pass for any
+        window deeper than the tree. A step that needs no mask (one token over its slots)
+        is returned as it is: its layer slices the window out of the cache instead."""
+        if not self.needs_mask:
+            return self
+        allowed = causal_allowed(self.slots, self.span) if self.causal else self.allowed
+        keys = torch.arange(self.span, device=self.positions.device)
+        allowed = allowed & (keys[None, :] > self.positions[:, None] - window)
+        return replace(self, mask=fold_rows(allowed, group))
+
     def to(self, device: torch.device) -> "Step":
         """The same step with its tensors on `device` (a stage on another device)."""
         if self.positions.device == device:

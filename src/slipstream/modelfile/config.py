@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from dataclasses import dataclass, fields
 from typing import Any, Collection, Mapping
 
 from ..errors import GGUFError, InvalidMetadata, MissingMetadata, UnsupportedArchitecture
-from ..model.layer_spec import ARCHITECTURES, EMBEDDING, spec_for
+from ..model.families import ARCHITECTURES, family_for, spec_for
+from ..model.layer_spec import EMBEDDING
 from .validate import FIX, md_float, md_int, md_str
 
 # Ranges of the hyper-parameters: far beyond any real model, but small enough that nothing
@@ -39,6 +42,15 @@ class ModelConfig:
     rope_scaling: str = "none"  # "none" or "linear"
     rope_scale: float = 1.0  # linear scaling factor (positions divided by it)
     attn_bias: bool = False  # QKV bias (Qwen2)
+    # The family's variations of the Llama block (model.families; each off for Llama)
+    qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False  # RMSNorm on the attention and FFN outputs before each residual
+    ffn_act: str = "silu"  # the gated FFN's activation: "silu" or "gelu_tanh" (GeGLU)
+    embed_scale: float = 1.0  # token embeddings are multiplied by it (Gemma: sqrt(hidden))
+    sliding_window: int = 0  # a sliding-window layer attends to this many last positions
+    swa_pattern: int = 0  # every swa_pattern-th layer is global (0: all sliding if a window)
+    rope_base_local: float = 0.0  # RoPE base of the sliding-window layers (0: rope_base)
+    attn_scale: float = 0.0  # the query scale (0: 1 / sqrt(head_dim))
     name: str = ""
 
     @property
@@ -48,6 +60,16 @@ class ModelConfig:
     @property
     def kv_dim(self) -> int:
         return self.n_kv_heads * self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
+
+    def window_of(self, layer: int) -> int:
+        """How many last positions layer `layer` attends to: 0 for all of them."""
+        if not self.sliding_window or (self.swa_pattern and (layer + 1) % self.swa_pattern == 0):
+            return 0
+        return self.sliding_window
 
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any], tensor_names: set[str] | None = None,
@@ -61,6 +83,7 @@ class ModelConfig:
             raise UnsupportedArchitecture(
                 f"{source}: architecture {arch!r} is not supported; supported: "
                 f"{', '.join(sorted(ARCHITECTURES))}")
+        family = family_for(arch)
 
         def key(k: str) -> str:
             return f"{arch}.{k}"
@@ -134,7 +157,7 @@ class ModelConfig:
             raise UnsupportedArchitecture(f"{source}: RoPE scaling type {scaling!r} is not "
                                           f"supported; supported: none, linear, llama3 (rope_freqs)")
         names = tensor_names or set()
-        cfg = cls(
+        fields = dict(
             architecture=arch,
             n_layers=n_layers,
             hidden=hidden,
@@ -152,7 +175,11 @@ class ModelConfig:
             rope_scale=scale if scaling == "linear" else 1.0,
             attn_bias="blk.0.attn_q.bias" in names,
             name=str(md.get("general.name", "")),
+            **dataclasses.asdict(family.traits),
         )
+        if family.configure is not None:
+            fields.update(family.configure(md, arch, source, fields))
+        cfg = cls(**fields)
         if tensor_names is not None:
             cfg.check_tensor_names(tensor_names, source)
         return cfg

@@ -17,7 +17,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..memory.store import ResidentLayerStore
-from ..model import Step, append_step, block_forward, fused_decode_serves, rms_norm
+from ..model import RopeTable, Step, append_step, block_forward, fused_decode_serves, rms_norm
 from ..model.llama import LayerWeights, uses_fused_decode
 from ..modelfile.config import ModelConfig
 from ..weights import ModelWeights
@@ -180,7 +180,7 @@ class Engine:
                 store = ResidentLayerStore(layers)
             kv = st.kv if share_kv else KVCache(self.cfg, st.kv.max_ctx, st.device,
                                                 st.kv.k.dtype, len(st.layers))
-            stages.append(Stage(st.device, st.layers, store, kv, st.rope))
+            stages.append(Stage(st.device, st.layers, store, kv, st.rope, st.rope_local))
         graphs = len(stages) == 1 and all(st.device.type == "cuda" for st in stages)
         draft = Engine(self.cfg, captured_weights(self.weights) if graphs else self.weights,
                        stages, self.act_dtype, use_graphs=graphs,
@@ -304,10 +304,11 @@ class Engine:
         """Logits (T, vocab) of ids at `step`, leaving the cache length alone (graph bodies)."""
         return self._logits(self._hidden(ids, step))
 
-    def _block(self, stage: Stage, layer: LayerWeights, cos_sin, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """One layer of the stage on x at `step`, as a layer graph captures it."""
-        return block_forward(self.cfg, layer, x, cos_sin, step, k_cache, v_cache, stage.rope)
+    def _block(self, rope: RopeTable, window: int, layer: LayerWeights, cos_sin,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, x: torch.Tensor,
+               step: Step) -> torch.Tensor:
+        """One layer on x at `step`, as a layer graph captures it."""
+        return block_forward(self.cfg, layer, x, cos_sin, step, k_cache, v_cache, rope, window)
 
     def _graphs_of(self, stage: Stage, step: Step) -> LayerGraphs | None:
         """The stage's graphs of single layers, where this step may use them: an eager decode
@@ -342,6 +343,8 @@ class Engine:
     def _hidden(self, ids: torch.Tensor, step: Step, idle: Callable[[], bool] | None = None,
                 check: Callable[[], None] | None = None) -> torch.Tensor:
         x = self.weights.embed(ids).to(self.act_dtype)  # (T, hidden), on the first device
+        if self.cfg.embed_scale != 1.0:
+            x = x * self.cfg.embed_scale
         for stage in self.stages:
             x = self._run_stage(stage, x, step, idle, check)
         return x
@@ -355,6 +358,11 @@ class Engine:
             s = s.with_mask(self.cfg.gqa_group)  # built once per stage, shared by its layers
         x = x.to(stage.device)
         cos_sin = stage.rope.angles(s.positions)
+        # the sliding-window layers' step (its mask holds the window) and RoPE angles
+        window = self.cfg.sliding_window
+        s_local = s.with_window(window, self.cfg.gqa_group) if window else s
+        cos_sin_local = (stage.rope_local.angles(s.positions) if stage.rope_local is not None
+                         else cos_sin)
         stage.store.begin_pass(s.tokens)
         first = stage.layers.start
         graphs = self._graphs_of(stage, s)
@@ -366,12 +374,15 @@ class Engine:
                     idle = None  # nothing left to do: block on the reads from here on
             layer = stage.store.acquire(i)
             k_cache, v_cache = stage.kv.layer(i - first)
+            w = self.cfg.window_of(i)
+            rope, cs, si = ((stage.rope_of(self.cfg, i), cos_sin_local, s_local) if w
+                            else (stage.rope, cos_sin, s))
             y = None
             if graphs is not None and stage.store.fixed(i):
                 y = graphs.run(i, layer, x, functools.partial(
-                    self._block, stage, layer, cos_sin, k_cache, v_cache), s.span)
+                    self._block, rope, w, layer, cs, k_cache, v_cache), si.span)
             if y is None:  # eager: no graphs here, or this one's capture ran out of memory
-                y = block_forward(self.cfg, layer, x, cos_sin, s, k_cache, v_cache, stage.rope)
+                y = block_forward(self.cfg, layer, x, cs, si, k_cache, v_cache, rope, w)
             stage.store.release(i)
             if self.layer_hook is not None:
                 self.layer_hook(i, x, y)

@@ -8,7 +8,7 @@ another stage rather than a fork of the engine.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,13 +28,24 @@ class Stage:
     store: "LayerStore"  # acquire(i) / release(i) with the global index
     kv: KVCache  # keys and values of `layers` only
     rope: RopeTable  # on `device`
+    # the sliding-window layers' table where their RoPE differs (cfg.rope_base_local), or None
+    rope_local: RopeTable | None = None
+
+    def rope_of(self, cfg: ModelConfig, layer: int) -> RopeTable:
+        return self.rope_local if self.rope_local is not None and cfg.window_of(layer) \
+            else self.rope
 
     @classmethod
     def build(cls, cfg: ModelConfig, device: torch.device, layers: range, store: "LayerStore",
               ctx: int, kv_dtype: torch.dtype,
               rope_freqs: torch.Tensor | None = None) -> "Stage":
+        local = None
+        if cfg.sliding_window and cfg.rope_base_local:
+            # the sliding-window layers rotate with their own base and no scaling
+            local = RopeTable(replace(cfg, rope_base=cfg.rope_base_local, rope_scaling="none",
+                                      rope_scale=1.0), ctx, device)
         return cls(device, layers, store, KVCache(cfg, ctx, device, kv_dtype, len(layers)),
-                   RopeTable(cfg, ctx, device, rope_freqs))
+                   RopeTable(cfg, ctx, device, rope_freqs), local)
 
     @property
     def graph_capturable(self) -> bool:

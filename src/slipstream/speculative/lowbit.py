@@ -33,7 +33,7 @@ from .. import quant
 from ..modelfile.config import ModelConfig
 from ..errors import BadArgument
 from ..modelfile.gguf_file import GGUFFile, TensorInfo
-from ..model.layer_spec import spec_for
+from ..model.families import spec_for
 from ..model.llama import LayerWeights
 from ..precision import Precision
 from ..quant.encode import encodable_types, quantize

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..model.layer_spec import spec_for
+from ..model.families import spec_for
 from ..model.llama import LayerWeights
 from .cpu.decode import PackedDecodeLinear
 from .cpu.groups import INT4_GROUP

@@ -22,7 +22,8 @@ import torch
 
 from .. import envs, kernels, quant
 from ..errors import GGUFError
-from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name, spec_for
+from ..model.families import spec_for
+from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name
 from ..model.llama import LayerWeights
 from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile

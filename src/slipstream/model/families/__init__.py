@@ -1,0 +1,47 @@
+"""The model families slipstream runs, one module each, and the lookup from a file's
+`general.architecture` to its family.
+
+A family says what its decoder layer holds (a LayerSpec: tensors, fusion rules, norms), which
+architecture names it covers and how each pairs RoPE dimensions, and which of the block's
+named variations it uses (`BlockTraits`). The block math itself is shared (model.llama); the
+memory tiers, streaming, hybrid decode and speculation read only the layer spec, so a family
+gets all of them by being listed here.
+
+Pure data, like model.layer_spec: nothing here imports torch, so that `slipstream info` and
+modelfile.config stay light.
+"""
+
+from __future__ import annotations
+
+from ...errors import UnsupportedArchitecture
+from ..layer_spec import LayerSpec
+from .base import BlockTraits, Family
+from .gemma3 import GEMMA3
+from .llama import LLAMA
+from .qwen3 import QWEN3
+
+__all__ = ["ARCHITECTURES", "BlockTraits", "FAMILIES", "Family", "family_for", "spec_for"]
+
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, GEMMA3)
+
+# general.architecture -> its family
+_BY_ARCHITECTURE: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.architectures}
+
+# general.architecture -> how it pairs RoPE dimensions ("normal" or "neox")
+ARCHITECTURES: dict[str, str] = {arch: style for f in FAMILIES
+                                 for arch, style in f.architectures.items()}
+
+
+def family_for(architecture: str) -> Family:
+    """The family of `architecture` (general.architecture, as in ModelConfig.architecture)."""
+    family = _BY_ARCHITECTURE.get(architecture)
+    if family is None:
+        raise UnsupportedArchitecture(
+            f"architecture {architecture!r} is not supported; supported: "
+            f"{', '.join(sorted(ARCHITECTURES))}")
+    return family
+
+
+def spec_for(architecture: str) -> LayerSpec:
+    """The decoder layer of `architecture`."""
+    return family_for(architecture).layer

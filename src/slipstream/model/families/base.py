@@ -1,0 +1,45 @@
+"""What a family module states: its architecture names, its layer, and the block's variations
+it uses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from ..layer_spec import LayerSpec
+
+
+@dataclass(frozen=True)
+class BlockTraits:
+    """The named ways a family's block differs from the Llama block (model.llama). Each is
+    off in the Llama block; a family turns on the ones its graph has, and ModelConfig carries
+    them to the block math."""
+
+    # RMSNorm over each query and key head (weights attn_q_norm / attn_k_norm, (head_dim,)),
+    # after the projection and before RoPE: Qwen3, OLMo 2, Gemma 3
+    qk_norm: bool = False
+    # RMSNorm on the attention output and on the FFN output before each residual add
+    # (post_attention_norm / post_ffw_norm): Gemma 2 and 3
+    post_norms: bool = False
+    # the gated FFN's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    ffn_act: str = "silu"
+
+
+# A family's reading of the metadata its block needs beyond the Llama keys: given the file's
+# metadata, the architecture, a name for errors and the ModelConfig fields read so far, the
+# fields to add (a sliding window, an embedding scale, ...)
+Configure = Callable[[Mapping[str, Any], str, str, Mapping[str, Any]], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    # general.architecture -> how it pairs RoPE dimensions: "normal" where llama.cpp's
+    # converter permuted Q/K rows so adjacent dimensions pair, "neox" where they are stored as
+    # trained and dimension i pairs with i + rope_dim / 2
+    architectures: Mapping[str, str]
+    layer: LayerSpec
+    traits: BlockTraits = field(default_factory=BlockTraits)
+    configure: Configure | None = None
+    # what sets the family apart, in a few words (the README's model table, `slipstream info`)
+    quirks: str = ""
