@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from rich.markup import escape
 
-from ..errors import SlipstreamError, oom_summary
+from ..errors import SlipstreamError, SlipstreamWarning, oom_summary
 from . import bench, cache, chat, info, perplexity, pull, quantize, run, serve, synth
 from .options import HelpFormatter, Parser, VersionAction
 from .render import breakdown_table, err
@@ -45,7 +46,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None,
+                  _plain=warnings.showwarning) -> None:
+    """slipstream's own warnings as one `warning:` line, like its errors (no source line)."""
+    if not issubclass(category, SlipstreamWarning):
+        return _plain(message, category, filename, lineno, file, line)
+    err.print("[yellow]warning:[/yellow] " + escape(str(message)), highlight=False,
+              soft_wrap=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    warnings.showwarning = _show_warning
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
