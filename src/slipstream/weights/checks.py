@@ -11,9 +11,11 @@ Values. Every f16 block scale of the quantized weights a load reads, and every e
 norms and biases, must be finite and within a bound (CorruptTensorValues names the tensor, the
 block or element and the value). The scales are read as a strided view of the file's bytes: 2
 bytes of every 18-210, but every cache line, so the check costs about a pass over the resident
-weights' bytes, which the load reads anyway. A streamed layer's weights are read per token,
-not at load: only its norms and biases are checked (a few KiB a layer), not its scales, which
-would read the whole file.
+weights' bytes, which the load reads anyway: on one core of a shared 2-core machine, 25-40 ms
+for the default model's 98 MB (Q4_1: two scales per 20 bytes) and 0.07-0.2 s per GB of a
+synthetic Q4_K_M file (522 MB). A streamed layer's weights are read per token, not at load:
+only its norms and biases are checked (a few KiB a layer), not its scales, which would read
+the whole file (2 ms for the default model's 30 layers).
 
 SLIPSTREAM_CHECK_WEIGHTS=0 turns both errors into TensorWarning and loads the file anyway.
 """
@@ -140,38 +142,44 @@ def strict() -> bool:
     return bool(envs.get("SLIPSTREAM_CHECK_WEIGHTS"))
 
 
-def value_findings(gf: GGUFFile, names: Iterable[str], kinds: dict[str, str],
+def tensor_finding(gf: GGUFFile, name: str, kind: str) -> str | None:
+    """What is wrong with tensor `name`'s values, or None: a "weight"'s block scales, a
+    "norm"'s or "bias"'s elements."""
+    info = gf.tensors[name]
+    desc = f"{gf.path.name}: tensor {name!r} ({info.ggml_type.name}, shape {list(info.shape)})"
+    if kind != "weight":
+        limit = NORM_LIMIT if kind == "norm" else BIAS_LIMIT
+        hit = vector_outlier(_vector(gf, name), limit)
+        if hit is None:
+            return None
+        i, value = hit
+        why = "is not finite" if not np.isfinite(value) else f"is beyond ±{limit:g}"
+        return f"{desc} has {kind} value {value:.6g} at element {i}, which {why}"
+    found = scale_outlier(np.asarray(gf.tensor_bytes(name)), info.ggml_type)
+    if found is None:
+        return None
+    field, block, value, limit = found
+    size = GGML_QUANT_SIZES[info.ggml_type][0]
+    per_row = info.shape[-1] // size
+    col = block % per_row * size
+    why = ("is not finite" if not np.isfinite(value) else
+           f"is beyond ±{limit:g}, where no trained model's {info.ggml_type.name} scales reach")
+    return (f"{desc} has block scale {field} = {value:.6g} in block {block} (row "
+            f"{block // per_row}, columns {col}..{col + size - 1}), which {why}")
+
+
+def value_findings(gf: GGUFFile, names: list[str], kinds: dict[str, str],
                    first_only: bool) -> list[str]:
-    """Messages for the tensors of `names` whose values are non-finite or absurd; `kinds`
-    says which are norms and biases (the others' block scales are read)."""
+    """Messages for the tensors of `names` whose values are non-finite or absurd, in their
+    order (the first alone with `first_only`); `kinds` says which are norms and biases (the
+    others' block scales are read)."""
     out: list[str] = []
     for name in names:
-        info = gf.tensors[name]
-        desc = f"{gf.path.name}: tensor {name!r} ({info.ggml_type.name}, shape {list(info.shape)})"
-        kind = kinds.get(name, "weight")
-        if kind == "weight":
-            hit = scale_outlier(np.asarray(gf.tensor_bytes(name)), info.ggml_type)
-            if hit is None:
-                continue
-            field, block, value, limit = hit
-            per_row = info.shape[-1] // GGML_QUANT_SIZES[info.ggml_type][0]
-            col = block % per_row * GGML_QUANT_SIZES[info.ggml_type][0]
-            why = ("is not finite" if not np.isfinite(value) else
-                   f"is beyond ±{limit:g}, where no trained model's {info.ggml_type.name} "
-                   f"scales reach")
-            out.append(f"{desc} has block scale {field} = {value:.6g} in block {block} (row "
-                       f"{block // per_row}, columns {col}..{col + GGML_QUANT_SIZES[info.ggml_type][0] - 1}), "
-                       f"which {why}")
-        else:
-            limit = NORM_LIMIT if kind == "norm" else BIAS_LIMIT
-            hit = vector_outlier(_vector(gf, name), limit)
-            if hit is None:
-                continue
-            i, value = hit
-            why = "is not finite" if not np.isfinite(value) else f"is beyond ±{limit:g}"
-            out.append(f"{desc} has {kind} value {value:.6g} at element {i}, which {why}")
-        if first_only:
-            break
+        found = tensor_finding(gf, name, kinds.get(name, "weight"))
+        if found is not None:
+            out.append(found)
+            if first_only:
+                break
     return out
 
 
