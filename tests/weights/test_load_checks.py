@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from slipstream import quant
 from slipstream.errors import CorruptTensorValues, MisnamedTensor, TensorWarning
@@ -122,6 +124,37 @@ def test_scale_limit_keeps_elements_in_float16(qtype):
     out = quant.get_format(qtype).dequantize_blocks(torch.from_numpy(blocks))
     n_fields = len(checks.SCALE_FIELDS[qtype])
     assert out.abs().max() <= checks.F16_MAX * n_fields  # d*q and an offset each within it
+
+
+@settings(max_examples=40, deadline=None)
+@given(qtype=st.sampled_from(list(checks.SCALE_FIELDS)), data=st.data())
+def test_scale_outlier_is_the_first_bad_scale(qtype, data):
+    # random bytes, any float16 scales (NaN and inf included): the scan answers what a plain
+    # loop over fields, then blocks, finds first
+    n = data.draw(st.integers(1, 40), label="blocks")
+    size = GGML_QUANT_SIZES[qtype][1]
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="bytes seed"))
+    blocks = rng.integers(0, 256, (n, size), dtype=np.uint8)
+    f16 = st.floats(width=16, allow_nan=True, allow_infinity=True)
+    for offset, _, _ in checks.SCALE_FIELDS[qtype]:  # None: the random bytes' own scale
+        scales = data.draw(st.lists(st.none() | f16, min_size=n, max_size=n))
+        for b, value in enumerate(scales):
+            if value is not None:
+                blocks[b, offset:offset + 2] = np.frombuffer(np.float16(value).tobytes(),
+                                                             np.uint8)
+    want = None
+    for offset, factor, field in checks.SCALE_FIELDS[qtype]:
+        values = blocks[:, offset:offset + 2].copy().view(np.float16)[:, 0].astype(np.float64)
+        bad = [b for b in range(n) if not abs(values[b]) <= checks.scale_limit(factor)]
+        if bad:
+            want = (field, bad[0], values[bad[0]], checks.scale_limit(factor))
+            break
+    got = checks.scale_outlier(blocks.reshape(-1), qtype)
+    if want is None:
+        assert got is None
+    else:
+        assert got is not None and got[:2] == want[:2] and got[3] == want[3]
+        assert got[2] == want[2] or (math.isnan(got[2]) and math.isnan(want[2]))
 
 
 # -- files: values -----------------------------------------------------------------------------
