@@ -223,6 +223,7 @@ def check_values(gf: GGUFFile, cfg: ModelConfig, resident_layers: Collection[int
 
 NEAR = 0.85  # difflib ratio of a near name: 'output.weigh' 0.96, 'output.bias' 0.67 (no)
 SHOWN = 5  # unused tensors named in the warning line
+_COMPARED = 64  # unused tensors compared with the missing ones' names
 
 
 def used_tensors(gf: GGUFFile, cfg: ModelConfig) -> set[str]:
@@ -256,7 +257,7 @@ def _misnamed(gf: GGUFFile, cfg: ModelConfig, unused: list[str]) -> str | None:
             return (f"{file}: tensor {missing!r} is missing while {len(have)} of the "
                     f"{len(names)} {'/'.join(group)} tensors are present{hint}: the layers "
                     f"without it would run without that bias")
-    candidates: list[tuple[str, str, str]] = []  # (missing, consequence, expected names)
+    missing: dict[str, str] = {}  # a tensor read where present -> what its absence does
     if HEAD not in gf.tensors:
         shape = (cfg.vocab_size, cfg.hidden)
         same = [u for u in unused if tuple(gf.tensors[u].shape) == shape]
@@ -264,22 +265,20 @@ def _misnamed(gf: GGUFFile, cfg: ModelConfig, unused: list[str]) -> str | None:
             return (f"{file}: the file has no {HEAD!r} but holds the unused tensor {same[0]!r} "
                     f"of its shape {list(shape)}: a renamed head, and the model would run the "
                     f"tied token embedding as its head instead")
-        candidates.append((HEAD, "run the tied token embedding as its head", HEAD))
+        missing[HEAD] = "run the tied token embedding as its head"
     if ROPE_FREQS not in gf.tensors:
-        candidates.append((ROPE_FREQS, "rotate without Llama 3's RoPE frequency divisors",
-                           ROPE_FREQS))
-    for flag in sorted({t.flag for t in spec.tensors if t.flag}):
-        if not getattr(cfg, flag):
-            group = [t.suffix for t in spec.tensors if t.flag == flag]
-            for i in range(cfg.n_layers):
-                candidates += [(f"blk.{i}.{s}", "run without its attention biases",
-                                f"blk.{i}.{s}") for s in group]
-    for u in unused:
-        match = _near(u, [c[2] for c in candidates])
+        missing[ROPE_FREQS] = "rotate without Llama 3's RoPE frequency divisors"
+    for t in spec.tensors:
+        if t.flag and not getattr(cfg, t.flag):
+            missing.update({f"blk.{i}.{t.suffix}": "run without its attention biases"
+                            for i in range(cfg.n_layers)})
+    # (a file of another architecture may hold thousands of unused tensors: a few hundred
+    # comparisons each would take seconds, and the first names tell already)
+    for u in unused[:_COMPARED]:
+        match = _near(u, missing)
         if match is not None:
-            consequence = next(c[1] for c in candidates if c[2] == match)
             return (f"{file}: the file has no {match!r} but holds the unused tensor {u!r}, a "
-                    f"near name: a renamed tensor, and the model would {consequence}")
+                    f"near name: a renamed tensor, and the model would {missing[match]}")
     return None
 
 
