@@ -7,6 +7,7 @@ the fuzzer's GGUF document (tests/fuzz/gguf_doc.py)."""
 from __future__ import annotations
 
 import math
+import os
 import random
 import struct
 import subprocess
@@ -321,10 +322,12 @@ def test_cli_one_line(files, tmp_path):
     `warning:` line and a normal run."""
     bad = edited(files["q8"], tmp_path / "bad.gguf",
                  lambda d: poke(d, "blk.0.attn_v.weight", 0, "<e", -65504.0))
-    extra = edited(files["q8"], tmp_path / "extra.gguf", lambda d: (
-        d.tensors.append(TI(b"extra.weight", [64], 0, 0, (0, 256))), True)[1])
+    def add_extra(doc):
+        doc.tensors.append(TI(b"extra.weight", [64], 0, 0, (0, 256)))
+        return True  # laid out again
+    extra = edited(files["q8"], tmp_path / "extra.gguf", add_extra)
     src = Path(__file__).resolve().parents[2] / "src"
-    env = {**__import__("os").environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
     outs = {}
     for name, path in (("bad", bad), ("extra", extra)):
         outs[name] = subprocess.run(

@@ -48,16 +48,18 @@ F16_MAX = 65504.0
 # 0.02 weights) are below 1e-3.
 SCALE_LIMIT = 1024.0
 # RMSNorm weights: a normed element reaches sqrt(hidden) (64 at hidden 4096), so a weight past
-# 1e4 takes it beyond float16's 65504, the activations' range at precision "fast". The default
-# model's largest is 3.34 (output_norm), the synthetic files' 1.2.
+# 1e4 can take it beyond float16's 65504, where the CPU's float16 GEMMs at precision "fast"
+# make it inf. The default model's largest is 3.34 (output_norm), the synthetic files' 1.2.
 NORM_LIMIT = 1e4
-# A bias is added to the activations as it is: past float16's range it is inf at "fast".
+# A bias is added to q, k and v as it is, and k and v go to CUDA's float16 KV cache: past
+# 65504 they are inf there.
 BIAS_LIMIT = F16_MAX
 
 # Where each quantized format keeps its f16 scales in a block (ggml-common.h's block_* structs,
 # as quant.legacy and quant.kquants read them) and the largest factor a scale is multiplied by
 # in one dequantized element: Q4_0 d*q with q in -8..7; Q4_K d*sc*q with sc 0..63, q 0..15;
-# Q6_K d*sc*q with sc -128..127, q -32..31; an offset (m, dmin*m) by m's largest.
+# Q6_K d*sc*q with sc -128..127, q -32..31; an offset (m, dmin*m) by m's largest. A scale whose
+# product can pass 65504 makes float16 weights inf (the CPU's dense weights at "fast").
 # (type: ((byte offset, factor, field name), ...))
 SCALE_FIELDS: dict[GGMLQuantizationType, tuple[tuple[int, int, str], ...]] = {
     GGMLQuantizationType.Q4_0: ((0, 8, "d"),),
