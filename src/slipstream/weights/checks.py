@@ -11,9 +11,9 @@ Values. Every f16 block scale of the quantized weights a load reads, and every e
 norms and biases, must be finite and within a bound (CorruptTensorValues names the tensor, the
 block or element and the value). The scales are read as a strided view of the file's bytes: 2
 bytes of every 18-210, but every cache line, so the check costs about a pass over the resident
-weights' bytes, which the load reads anyway: on one core of a shared 2-core machine, 25-40 ms
-for the default model's 98 MB (Q4_1: two scales per 20 bytes) and 0.07-0.2 s per GB of a
-synthetic Q4_K_M file (522 MB). A streamed layer's weights are read per token, not at load:
+weights' bytes, which the load reads anyway: on one core of an idle 2-core machine, 11 ms for
+the default model's 98 MB (Q4_1: two scales per 20 bytes; its whole load takes 0.4 s) and
+0.07 s per GB of a synthetic Q4_K_M file (522 MB); 2-4 times that on a busy one. A streamed layer's weights are read per token, not at load:
 only its norms and biases are checked (a few KiB a layer), not its scales, which would read
 the whole file (2 ms for the default model's 30 layers).
 
