@@ -80,6 +80,10 @@ _register(
     EnvVar("SLIPSTREAM_DIST_TIMEOUT", "60", "setting",
            "Seconds a `--distributed` rank waits on a peer before it reports it broken.",
            _positive_seconds, "seconds > 0"),
+    EnvVar("SLIPSTREAM_CHECK_WEIGHTS", "1", "setting",
+           "0: load a file whose tensors fail the load-time checks (a non-finite or absurd "
+           "block scale, norm or bias; a renamed head or bias) with a warning instead of "
+           "refusing it.", _flag, "0 or 1"),
     EnvVar("SLIPSTREAM_GIL_SWITCH_S", "0.0001", "setting",
            "Python's GIL switch interval while hybrid decode's CPU worker runs (0 leaves it "
            "alone). The worker needs the GIL between native calls while the main thread "

@@ -93,3 +93,25 @@ class ChatTemplateLimitExceeded(TokenizerError):
 
 class ImageFileError(SlipstreamError):
     """A layer image file could not be written (read-only folder, full disk, bad cache path)."""
+
+
+class CorruptTensorValues(GGUFError):
+    """A tensor holds values no trained model has: a non-finite or absurd block scale, norm
+    weight or bias (weights.checks). SLIPSTREAM_CHECK_WEIGHTS=0 loads such a file anyway."""
+
+
+class MisnamedTensor(TensorInfoError):
+    """A tensor the model reads where the file has it (a head apart from the embedding, QKV
+    biases, Llama 3's RoPE divisors) is missing while an unused tensor of its shape or a near
+    name is present, or some layers have a bias the others lack: a renamed tensor, which would
+    otherwise make the model run without it (weights.checks)."""
+
+
+class SlipstreamWarning(UserWarning):
+    """Base class of the warnings slipstream issues on purpose (the CLI prints each as one
+    `warning:` line)."""
+
+
+class TensorWarning(SlipstreamWarning):
+    """A load went on past something wrong with the file's tensors: tensors it does not use,
+    or (SLIPSTREAM_CHECK_WEIGHTS=0) values or names that would otherwise refuse it."""

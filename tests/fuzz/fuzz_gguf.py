@@ -6,7 +6,9 @@ SmolLM2 model) are parsed into a document (metadata entries, tensor infos, data)
 written back: metadata values, types, lengths and keys (the hyper-parameters and tokenizer keys
 above all), tensor infos (type, shape, offset, name, count), the header counts, raw length and
 type fields, truncation, byte flips and splices. Structured mutations can lay the data section
-out again so that the file stays consistent and the deeper checks are reached.
+out again so that the file stays consistent and the deeper checks are reached. Loud mutations
+damage one tensor the model reads (an absurd block scale, norm or bias; a rename to a near
+name): such a file must be refused, or load with a warning that names the tensor.
 
 Each case runs in a worker process under an address-space limit (RLIMIT_AS) and a timeout kept
 by the parent: first what `load()` does before it allocates (GGUFFile, ModelConfig, Tokenizer,
@@ -21,6 +23,8 @@ generates 2 tokens and has its logits checked. Outcomes:
     hang      the case ran past the timeout
     memory    MemoryError / allocation failure, or the worker's peak RSS grew past the limit
     nan       loaded and generated, but the logits are not finite
+    silent    a loud mutation (an absurd scale, norm or bias; a near rename) loaded with no
+              error or warning naming the tensor it damaged
 
     python tests/fuzz/fuzz_gguf.py --cases 2000 --jobs 2                      # a quick run
     python tests/fuzz/fuzz_gguf.py --cases 100000 --out fuzz-100k.json   # the long run
@@ -66,12 +70,12 @@ from slipstream.modelfile import validate  # noqa: E402
 
 # the document and the mutations, beside this file; re-exported for the tests that use them
 from gguf_doc import KV, TI, Doc, parse, relayout, serialize  # noqa: E402,F401
-from gguf_mutations import (Seed, _seed_objs, load_seed, make_case,  # noqa: E402,F401
-                            make_seeds)
+from gguf_mutations import (LOUD, Seed, _seed_objs, load_seed, loud_names,  # noqa: E402,F401
+                            make_case, make_seeds)
 from gguf_check import (_current_rss, _mem_error, _peak_rss,  # noqa: E402,F401
                         _reset_peak_rss, check_file)
 
-BAD = ("uncaught", "crash", "hang", "memory", "nan")
+BAD = ("uncaught", "crash", "hang", "memory", "nan", "silent")
 OUTCOMES = ("clean", "ok") + BAD + ("harness",)  # harness: the fuzzer's own failure
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -131,7 +135,8 @@ def worker_main(args: argparse.Namespace) -> None:
                 blob = bytearray(args.mem_growth_mib * 2**20 + 2**28)
                 blob[::4096] = b"x" * len(blob[::4096])
                 del blob
-            res = check_file(path, full) if fault != "uncaught" else {
+            res = check_file(path, full, expect=loud_names(cls, desc)) \
+                if fault != "uncaught" else {
                 "outcome": "uncaught", "stage": "validate", "error": "ValueError",
                 "message": "injected"}
             res.update(case=case, seed_file=s.name, cls=cls, desc=desc[:300], full=full,
@@ -253,7 +258,8 @@ def fuzz(cases: int, seed: int = 0, jobs: int = 1, full_fraction: float = 0.05,
             raise SystemExit("--resume: the report is of another run (seed or first case)")
         counts.update(resume["counts"])
         extra.update({k: resume[k] for k in ("full_loads", "accepted_by_validation",
-                                             "clean_nonfinite_logits") if k in resume})
+                                             "clean_nonfinite_logits", "loaded_with_warning")
+                      if k in resume})
         stages.update(resume["by_outcome_stage"])
         errors.update(resume["clean_error_classes"])
         for k, v in resume["by_mutation"].items():
@@ -289,6 +295,8 @@ def fuzz(cases: int, seed: int = 0, jobs: int = 1, full_fraction: float = 0.05,
                 extra["accepted_by_validation"] += 1
             if res.get("nonfinite"):
                 extra["clean_nonfinite_logits"] += 1
+            if res.get("warnings") and o in ("ok", "nan"):
+                extra["loaded_with_warning"] += 1
             if o in BAD or o == "harness":
                 bad.append(res)
                 if progress:
@@ -417,7 +425,8 @@ def format_table(report: dict) -> str:
              f"{report['cases']} cases in {report['elapsed_s']:.0f} s ({rate:.1f} cases/s, "
              f"{report['jobs']} worker(s)); sources {src.get('commit', '?')[:10]} "
              f"+ tree {src.get('src_sha256', '?')}",
-             f"bad (uncaught, crash, hang, memory, nan): {report['bad_total']}; cases put "
+             f"bad (uncaught, crash, hang, memory, nan, silent): {report['bad_total']}; "
+             f"loaded with a warning: {report.get('loaded_with_warning', 0)}; cases put "
              f"through load() whatever the checks said (sampled): "
              f"{report.get('full_loads', 0)}; refused at generation by NonFiniteLogits (counted "
              f"clean): {report.get('clean_nonfinite_logits', 0)}", ""]
@@ -504,7 +513,7 @@ def main() -> None:
         out = Path(args.write or f"fuzz-case-{args.seed}-{args.repro}.gguf")
         out.write_bytes(data)
         print(f"case {args.repro}: seed file {s.name}, {cls}: {desc}\nwritten to {out}")
-        res = check_file(out, full=True)
+        res = check_file(out, full=True, expect=loud_names(cls, desc))
         print(json.dumps(res, indent=1, default=str))
         return
     report = fuzz(args.cases, args.seed, args.jobs, args.full_fraction, smollm,

@@ -9,6 +9,7 @@ import math
 import os
 import resource
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,32 @@ def _mem_error(e: BaseException) -> bool:
         "DefaultCPUAllocator" in text or "not enough memory" in text
 
 
-def check_file(path: Path, full: bool, prompt: str = "Hello world, the") -> dict:
+def check_file(path: Path, full: bool, prompt: str = "Hello world, the",
+               expect: list[str] | None = None) -> dict:
     """What load() does before allocating; then, for a file that passes (or `full`), a real
-    load, 2 generated tokens and the logits. Returns {'outcome', 'stage', 'error', ...}."""
+    load, 2 generated tokens and the logits. Returns {'outcome', 'stage', 'error', ...}, and
+    'warnings': the slipstream warnings it issued.
+
+    `expect`: the tensors a loud mutation damaged (gguf_mutations.loud_names). Such a file
+    must be refused (a SlipstreamError) or loaded with a warning naming one of them; a load
+    without that is the outcome 'silent', whatever the generation does after it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = _check_file(path, full, prompt)
+    from slipstream.errors import SlipstreamWarning
+
+    said = [" ".join(str(w.message).split())[:300] for w in caught
+            if issubclass(w.category, SlipstreamWarning)]
+    if said:
+        res["warnings"] = said[:4]
+    loaded = res.get("stage") == "generate" or res.get("outcome") in ("ok", "nan")
+    if expect and loaded and not any(n in w for w in said for n in expect):
+        res.update(outcome="silent", clean_outcome=res.get("outcome"),
+                   message=f"loaded with no warning naming {expect}: {said[:2]}")
+    return res
+
+
+def _check_file(path: Path, full: bool, prompt: str) -> dict:
     import torch
 
     import slipstream

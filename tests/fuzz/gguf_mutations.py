@@ -1,6 +1,7 @@
 """The fuzzer's mutations of a GGUF document (gguf_doc) and its seed files: metadata values,
 types, lengths and keys, tensor infos, the header counts, raw length and type fields,
-truncation, byte flips and splices. A case is a pure function of (seed, case number, seed
+truncation, byte flips and splices; and the loud ones, which a load must refuse or warn about:
+absurd block scales, norms and biases, and tensors renamed to a near name. A case is a pure function of (seed, case number, seed
 files)."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from slipstream.modelfile import validate
 
 from gguf_doc import (ARRAY, BOOL, KV, STRING, TI, TYPE_IDS, Doc, parse, relayout, serialize,
                       tensor_size)
+from gguf_loud import LOUD, loud_names  # noqa: F401  (re-exported for the worker)
 
 # -- mutations --------------------------------------------------------------------------------
 
@@ -321,7 +323,7 @@ def m_tensor(doc: Doc, rng: random.Random) -> str:
 
 STRUCTURED: dict[str, Callable[[Doc, random.Random], str]] = {
     "kv-value": m_kv_value, "kv-type": m_kv_type, "kv-structure": m_kv_structure,
-    "tensor": m_tensor,
+    "tensor": m_tensor, **LOUD,
 }
 
 
@@ -468,12 +470,16 @@ def make_case(seeds: list[Seed], seed: int, case: int) -> tuple[Seed, bytes, str
             if raw_data is not None:
                 break  # structured mutations come first
             doc = doc or copy.deepcopy(s.doc)
-            cls = rng.choice(list(STRUCTURED))
+            # a loud mutation comes alone, on the seed's own layout, so that what it damaged
+            # is what the load reads
+            cls = rng.choice([c for c in STRUCTURED if k == 0 or c not in LOUD])
             try:
                 descs.append(STRUCTURED[cls](doc, rng))
             except (IndexError, ValueError):
                 descs.append(f"{cls}: no-op")
             classes.append(cls)
+            if cls in LOUD:
+                break
         else:
             if raw_data is None:
                 raw_data = serialize(doc) if doc is not None else s.data

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from rich.markup import escape
 
-from ..errors import SlipstreamError, oom_summary
+from ..errors import SlipstreamError, SlipstreamWarning, oom_summary
 from . import bench, cache, chat, info, perplexity, pull, quantize, run, serve, synth
 from .control import exit_at_once
 from .options import HelpFormatter, Parser, VersionAction
@@ -46,6 +47,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None,
+                  _plain=warnings.showwarning) -> None:
+    """slipstream's own warnings as one `warning:` line, like its errors (no source line)."""
+    if not issubclass(category, SlipstreamWarning):
+        return _plain(message, category, filename, lineno, file, line)
+    err.print("[yellow]warning:[/yellow] " + escape(str(message)), highlight=False,
+              soft_wrap=True)
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """The command line's namespace. `run MODEL -n 8 "prompt"`: argparse gives positionals
     only the words before the first option, so the words after it come back unrecognized and
@@ -69,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    warnings.showwarning = _show_warning
     parser = build_parser()
     args = parse_args(parser, argv)
     if not getattr(args, "func", None):

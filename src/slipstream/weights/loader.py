@@ -28,6 +28,7 @@ from ..model.llama import LayerWeights
 from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
+from .checks import check_tensor_names, check_values
 from .cpu import PackedDecodeLinear, kind_for, pack_group
 from .image import flattened
 from .linear import (GEMV_MAX_ROWS, DenseLinear, Linear, OnDemandDenseLinear, QuantEmbedding,
@@ -236,6 +237,7 @@ def check_layer_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
             if tuple(info.shape) != tuple(shape):
                 raise GGUFError(f"{gf.path.name}: tensor {name!r} has shape {list(info.shape)}, "
                                 f"expected {list(shape)} from the model metadata")
+    check_tensor_names(gf, cfg)  # renamed tensors, then the unused ones in one warning
 
 
 def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: Precision,
@@ -275,6 +277,9 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     for name, info in gf.tensors.items():
         quant.get_format(info.ggml_type)  # unsupported types fail here, naming the type
     check_layer_shapes(gf, cfg)
+    # before a byte is built: only what this load reads (a streamed layer's norms and biases,
+    # not its weights, which are read per token); 11 ms of the default model's 0.4 s
+    check_values(gf, cfg, resident_layers, holds_embedding, holds_head)
     builder = LayerBuilder(cfg, device, precision, fuse_scales=fuse_scales,
                            scratch_elements=scratch_elements)
     workspace = builder.workspace
