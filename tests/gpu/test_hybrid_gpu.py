@@ -336,16 +336,16 @@ def test_the_balance_meters_every_copy_of_a_split_decode(synth, pair, monkeypatc
     copies are not counted. Logits stay those of whole layers."""
     import dataclasses
 
-    from slipstream.hybrid import plan as hybrid_plan
+    from slipstream.runtime import build
 
     whole, split = pair
-    planned = hybrid_plan.plan_hybrid
+    planned = build.plan_hybrid
 
     def balanced(*args, **kwargs):  # the split of `pair`, kept balanced as auto's is
         hp = planned(*args, **kwargs)
         return dataclasses.replace(hp, rebalance=True) if hp else hp
 
-    monkeypatch.setattr(hybrid_plan, "plan_hybrid", balanced)
+    monkeypatch.setattr(build, "plan_hybrid", balanced)  # where load() calls it
     budget = whole.plan.budget + whole.plan.outside_allocator  # as the user gave it
     with slipstream.load(synth, device="cuda", ctx=256, precision="exact",
                          placement=slipstream.Placement(vram_budget=budget, hybrid=0.5)) as m:
