@@ -129,3 +129,32 @@ def test_a_family_model_is_a_speculative_target(family_file, tmp_path):
         spec = [e.id for e in gen]
         assert spec == plain
         assert gen.speculation["draft_forwards"] > 0
+
+
+def test_info_lists_every_family(capsys):
+    from slipstream import cli
+
+    assert cli.main(["info", "--families"]) == 0
+    out = capsys.readouterr().out
+    for f in FAMILIES:
+        assert f.name in out
+        for arch in f.architectures:
+            assert arch in out
+
+
+def test_an_unsupported_architecture_is_one_line_naming_it(tmp_path, capsys):
+    from gguf import GGUFWriter
+
+    from slipstream import cli
+
+    path = tmp_path / "other.gguf"
+    w = GGUFWriter(path, "phi2")  # an architecture llama.cpp knows and slipstream does not
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    w.close()
+    assert cli.main(["info", "-m", str(path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert "'phi2'" in err[0] and all(arch in err[0] for arch in ARCHITECTURES)

@@ -20,7 +20,21 @@ def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
     i = command("info", "describe a GGUF model")
     add_model_args(i)
     i.add_argument("--plan", action="store_true", help="also show the tier plan for the budgets")
+    i.add_argument("--families", action="store_true",
+                   help="list the model families slipstream runs, and exit")
     i.set_defaults(func=run)
+
+
+def families_table() -> Table:
+    from ..model.families import FAMILIES  # pure data: no torch
+
+    t = Table(title="model families")
+    t.add_column("family", style="bold")
+    t.add_column("general.architecture")
+    t.add_column("what sets it apart")
+    for f in FAMILIES:
+        t.add_row(f.name, ", ".join(sorted(f.architectures)), f.quirks)
+    return t
 
 
 def run(a: argparse.Namespace) -> int:
@@ -28,6 +42,9 @@ def run(a: argparse.Namespace) -> int:
     from ..modelfile.config import ModelConfig
     from ..modelfile.gguf_file import GGUFFile
 
+    if a.families:
+        Console().print(families_table())
+        return 0
     path = Path(a.model) if a.model else pull(quiet=True)
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
@@ -35,7 +52,11 @@ def run(a: argparse.Namespace) -> int:
     t = Table(title=f"{path.name}", show_header=False)
     t.add_column("key", style="bold")
     t.add_column("value")
+    from ..model.families import family_for
+
     rows = [("name", cfg.name), ("architecture", cfg.architecture),
+            ("family", f"{family_for(cfg.architecture).name}: "
+                       f"{family_for(cfg.architecture).quirks}"),
             ("file size", f"{gf.file_size:,} bytes ({gf.file_size / 2**20:.1f} MiB)"),
             ("layers", cfg.n_layers), ("hidden", cfg.hidden), ("ffn", cfg.ffn),
             ("heads (q / kv)", f"{cfg.n_heads} / {cfg.n_kv_heads}"),

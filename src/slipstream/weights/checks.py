@@ -32,7 +32,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .. import envs, quant
 from ..errors import CorruptTensorValues, MisnamedTensor, TensorWarning
-from ..model.layer_spec import EMBEDDING, HEAD, spec_for
+from ..model.families import spec_for
+from ..model.layer_spec import EMBEDDING, HEAD
 from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..modelfile.validate import FIX
