@@ -95,9 +95,11 @@ def test_read_cases_pairs_inputs_with_lines(tmp_path: Path) -> None:
 def _tiny_gemma4(path: Path, add_bos: bool) -> Path:
     specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-    words = ["a", "b", "c", "▁", "ab", "▁ab", "\n", "\n\n", "é", "<|channel>"]
-    tokens = specials + byte_tokens + words
-    types = [CONTROL] * 4 + [BYTE] * 256 + [NORMAL] * (len(words) - 1) + [USER_DEFINED]
+    words = ["a", "b", "c", "▁", "ab", "▁ab", "\n", "\n\n", "é"]
+    turns = ["<|channel>", "<|tool_response>", "<turn|>"]
+    tokens = specials + byte_tokens + words + turns
+    types = ([CONTROL] * 4 + [BYTE] * 256 + [NORMAL] * len(words)
+             + [USER_DEFINED, USER_DEFINED, CONTROL])
     w = gguf.GGUFWriter(str(path), "gemma4")
     w.add_tokenizer_model("gemma4")
     w.add_token_list(tokens)
@@ -119,7 +121,9 @@ def _tiny_gemma4(path: Path, add_bos: bool) -> Path:
 
 
 def test_gemma4_spells_spaces_without_prefix_and_falls_back_to_bytes(tmp_path: Path) -> None:
-    tok = Tokenizer.from_metadata(GGUFFile(_tiny_gemma4(tmp_path / "g4.gguf", True)).metadata)
+    path = _tiny_gemma4(tmp_path / "g4.gguf", True)
+    tokens = GGUFFile(path).metadata["tokenizer.ggml.tokens"]
+    tok = Tokenizer.from_metadata(GGUFFile(path).metadata)
     pieces = lambda ids: [tok.token_to_piece(i) for i in ids]  # noqa: E731
     # No "▁" before the first word; each space is "▁"; "z" and "ü" are not in the vocabulary, so
     # they are their UTF-8 bytes as <0xXX> tokens; "é" is a token.
@@ -131,6 +135,8 @@ def test_gemma4_spells_spaces_without_prefix_and_falls_back_to_bytes(tmp_path: P
     # A user-defined token is matched whole even when special tokens are not parsed.
     assert pieces(tok.encode("a<|channel>b", add_special=False, parse_special=False)) == [
         "a", "<|channel>", "b"]
+    # Generation stops at the end of a turn, at the EOS, and where the model awaits a tool.
+    assert {tokens[i] for i in tok.eot_ids} == {"<eos>", "<turn|>", "<|tool_response>"}
 
 
 def test_gemma4_adds_bos_whatever_the_file_says(tmp_path: Path) -> None:

@@ -24,6 +24,8 @@ from .vocab import (CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, add_special_
 _END_OF_TURN_TEXTS = frozenset({
     "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
     "<|end_of_text|>", "<EOT>", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
+    # Gemma 4: a turn ends with <turn|>; the model stops for a tool's answer at <|tool_response>.
+    "<eos>", "<turn|>", "<|tool_response>",
 })
 
 
