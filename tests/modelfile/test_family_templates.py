@@ -128,3 +128,35 @@ def test_qwen3_thinking_tags() -> None:
     text = _render("qwen3", messages)
     assert "The user greets" not in text
     assert "<|im_start|>assistant\nHello! How can I help?<|im_end|>" in text
+
+
+def _llama_cpp_builtin(source: str, messages: list[dict[str, Any]]) -> str:
+    """llama.cpp's rendering of `messages` in the built-in format it detects from `source`
+    (`llama_chat_apply_template`; it adds no BOS, which its tokenizer adds)."""
+    import ctypes
+
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    chat = (llama_cpp.llama_chat_message * len(messages))()
+    encoded = [(m["role"].encode(), m["content"].encode()) for m in messages]
+    for slot, (role, content) in zip(chat, encoded):
+        slot.role, slot.content = role, content
+    buf = ctypes.create_string_buffer(1 << 16)
+    n = llama_cpp.llama_chat_apply_template(source.encode(), chat, len(messages), True, buf,
+                                            len(buf))
+    assert 0 < n <= len(buf), "llama.cpp does not recognise the template"
+    return buf.raw[:n].decode()
+
+
+@pytest.mark.parametrize("conversation", ["user", "system", "history"])
+@pytest.mark.parametrize("family", ["gemma3", "phi4"])
+def test_renders_as_llama_cpp_builtin(family: str, conversation: str) -> None:
+    # llama.cpp has these two formats built in (Gemma's with the system text folded into the
+    # first user turn, whitespace trimmed); its renders must be ours less the BOS text. Its
+    # built-in Qwen, Mistral, GLM, Cohere and OLMo formats are approximations that drop
+    # features of the real templates (thinking blocks, default system prompts), so only
+    # transformers is the reference for those.
+    messages, _ = CONVERSATIONS[conversation]
+    source = (TEMPLATES / f"{family}.jinja").read_text(encoding="utf-8")
+    ours = _render(family, messages, add_generation_prompt=True)
+    bos = SPECIALS[family]["bos_token"] or ""
+    assert ours.removeprefix(bos) == _llama_cpp_builtin(source, messages)
