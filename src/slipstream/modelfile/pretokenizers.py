@@ -91,7 +91,7 @@ SPLITS: dict[str, tuple[str, ...]] = {
 
 # llama.cpp looks a whole pre-tokenized word up in the vocabulary before merging for these
 # (Llama 3's tokenizer.json says `ignore_merges: true`); the result can differ from plain BPE.
-IGNORE_MERGES = _LLAMA3_FAMILY | _GLM4 - {"chatglm-bpe"} | {"tekken"}
+IGNORE_MERGES = _LLAMA3_FAMILY | (_GLM4 - {"chatglm-bpe"}) | {"tekken"}
 # llama.cpp adds BOS for these unless `tokenizer.ggml.add_bos_token` says otherwise.
 ADD_BOS_BY_DEFAULT = _LLAMA3_FAMILY | {"tekken"}
 
