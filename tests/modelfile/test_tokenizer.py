@@ -460,18 +460,22 @@ def test_byte_level_matches_hf(byte_level_case, text: str) -> None:
 
 
 def test_pre_tokenizers_split_digits_as_their_regexes_do(tmp_path: Path) -> None:
-    # The regexes really are in use: llama-bpe cuts digit runs into threes, qwen2 and smollm into
-    # single digits, GPT-2 keeps the run whole (so here "3 4" merges before "12 3" can).
+    # The regexes really are in use: llama-bpe and glm4 cut digit runs into threes, qwen2,
+    # smollm and deepseek-coder into single digits, falcon into threes after GPT-2's regex,
+    # GPT-2 and deepseek-llm keep the run whole (so here "3 4" merges before "12 3" can).
     tokens = ["<|endoftext|>"] + list("0123456789") + ["12", "34", "123"]
     types = [CONTROL] + [NORMAL] * (len(tokens) - 1)
     got = {}
-    for pre in ("llama-bpe", "qwen2", "smollm", "gpt2"):
+    for pre in ("llama-bpe", "glm4", "qwen2", "smollm", "deepseek-coder", "falcon", "gpt2",
+                "deepseek-llm"):
         path = _write_gguf(tmp_path / f"{pre}.gguf", model="gpt2", tokens=tokens, types=types,
                            merges=["1 2", "3 4", "12 3"], pre=pre, extra={"add_bos_token": False})
         ours = Tokenizer.from_gguf_reader(gguf.GGUFReader(str(path)))
         got[pre] = [ours.token_to_piece(i) for i in ours.encode("1234")]
-    assert got == {"llama-bpe": ["123", "4"], "qwen2": ["1", "2", "3", "4"],
-                   "smollm": ["1", "2", "3", "4"], "gpt2": ["12", "34"]}
+    singles = ["1", "2", "3", "4"]
+    assert got == {"llama-bpe": ["123", "4"], "glm4": ["123", "4"], "qwen2": singles,
+                   "smollm": singles, "deepseek-coder": singles, "falcon": ["123", "4"],
+                   "gpt2": ["12", "34"], "deepseek-llm": ["12", "34"]}
 
 
 def _ignore_merges_vocab(tmp_path: Path, pre: str) -> Path:
@@ -486,7 +490,7 @@ def _ignore_merges_vocab(tmp_path: Path, pre: str) -> Path:
 def test_llama_bpe_ignores_merges_for_whole_words(tmp_path: Path) -> None:
     # llama.cpp (and Llama 3's tokenizer.json, `ignore_merges: true`) take a whole pre-tokenized
     # word from the vocabulary before merging; GPT-2 style vocabularies do not.
-    for pre, want in (("llama-bpe", ["abc"]), ("gpt2", ["a", "bc"])):
+    for pre, want in (("llama-bpe", ["abc"]), ("glm4", ["abc"]), ("gpt2", ["a", "bc"])):
         ours = Tokenizer.from_gguf_reader(gguf.GGUFReader(str(_ignore_merges_vocab(tmp_path, pre))))
         assert [ours.token_to_piece(i) for i in ours.encode("abc")] == want, pre
 

@@ -15,14 +15,17 @@ from typing import Any
 import tokenizers
 
 from ..errors import TokenizerError
-from .vocab import (ADD_BOS_BY_DEFAULT, CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED,
-                    add_special_tokens, byte_level_backend, check_metadata, sentencepiece_backend,
+from .pretokenizers import ADD_BOS_BY_DEFAULT
+from .vocab import (CONTROL, NORMAL, UNKNOWN, UNUSED, USER_DEFINED, add_special_tokens,
+                    byte_level_backend, check_metadata, gemma4_backend, sentencepiece_backend,
                     special_token_id)
 
 # Token texts that end a turn in the chat formats we know (llama.cpp's EOG list, abridged).
 _END_OF_TURN_TEXTS = frozenset({
     "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
     "<|end_of_text|>", "<EOT>", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
+    # Gemma 4: a turn ends with <turn|>; the model stops for a tool's answer at <|tool_response>.
+    "<eos>", "<turn|>", "<|tool_response>",
 })
 
 
@@ -96,9 +99,12 @@ class Tokenizer:
             backend, pieces = sentencepiece_backend(md, tokens, types, add_prefix)
             # Decoding drops the one space the prefix added, as HF's decoder does.
             add_bos_default, strip = True, add_prefix
+        elif model == "gemma4":
+            backend, pieces = gemma4_backend(md, tokens, types)
+            add_bos_default, strip = True, False
         else:
             raise TokenizerError(f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); "
-                                 f"slipstream supports 'gpt2' and 'llama'")
+                                 f"slipstream supports 'gpt2', 'llama' and 'gemma4'")
         add_special_tokens(backend, tokens, types)
         built = backend.get_vocab_size(with_added_tokens=True)
         if built != len(tokens):
@@ -107,6 +113,10 @@ class Tokenizer:
 
         bos_id, eos_id = special_token_id(md, "bos"), special_token_id(md, "eos")
         add_bos = _add_flag(md, "bos", add_bos_default, bos_id)
+        if model == "gemma4":
+            # llama.cpp adds BOS to Gemma 4 whatever the file says: its converter wrote
+            # add_bos_token = false into early files, and the model needs the BOS.
+            add_bos = bos_id is not None
         add_eos = _add_flag(md, "eos", False, eos_id)
         # Only tokens the file marks special count: a normal token spelled "<|im_end|>" is text.
         eot = {i for i, tok in enumerate(tokens)

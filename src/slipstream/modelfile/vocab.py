@@ -1,7 +1,8 @@
-"""A GGUF vocabulary as a Hugging Face `tokenizers` backend: llama.cpp's token types, the
-pre-tokenizer tables keyed by `tokenizer.ggml.pre`, GPT-2's byte alphabet, the checks of the
-`tokenizer.ggml.*` values, and the two builders (byte-level BPE for `gpt2`, SentencePiece BPE
-with byte fallback for `llama`). tokenizer.py makes the Tokenizer from them.
+"""A GGUF vocabulary as a Hugging Face `tokenizers` backend: llama.cpp's token types, GPT-2's
+byte alphabet, the checks of the `tokenizer.ggml.*` values, and the three builders (byte-level BPE
+for `gpt2`, its words cut as pretokenizers.py says; SentencePiece BPE with byte fallback for
+`llama`; BPE over raw UTF-8 with ranked merges for `gemma4`). tokenizer.py makes the Tokenizer
+from them.
 
 Where llama.cpp and the Hugging Face GGUF converter disagree we follow llama.cpp, since GGUF
 models are tuned and run there:
@@ -23,56 +24,13 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, models, normalizers
 
 from ..errors import TokenizerError
+from .pretokenizers import IGNORE_MERGES, byte_level_pre_tokenizer, newline_runs_pre_tokenizer
 
 # tokenizer.ggml.token_type values (llama.cpp's LLAMA_TOKEN_TYPE_*, which are SentencePiece's).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-# Regexes of the pre-tokenizers, from the models' own tokenizer.json (as llama.cpp and HF's GGUF
-# converter use them).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-_LLAMA3_FAMILY = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
-                            "midm-2.0", "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"})
-_SPLIT_REGEX = {
-    **{name: _LLAMA3_SPLIT for name in _LLAMA3_FAMILY},
-    **{name: _QWEN2_SPLIT for name in ("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez",
-                                       "stablelm2", "hunyuan")},
-    "qwen35": _QWEN35_SPLIT,
-    **{name: _GPT4O_SPLIT for name in ("gpt-4o", "llama4", "kanana2", "minimax-m2")},
-    "tekken": _TEKKEN_SPLIT,
-}
-# llama.cpp splits every digit off, then applies the GPT-2 regex, for these.
-_DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone",
-                               "minerva-7b"})
-# llama.cpp looks a whole pre-tokenized word up in the vocabulary before merging for these
-# (Llama 3's tokenizer.json says `ignore_merges: true`); the result can differ from plain BPE.
-_IGNORE_MERGES = _LLAMA3_FAMILY - {"dbrx", "smaug-bpe"} | {"tekken"}
-# llama.cpp adds BOS for these unless `tokenizer.ggml.add_bos_token` says otherwise.
-ADD_BOS_BY_DEFAULT = _LLAMA3_FAMILY - {"dbrx", "smaug-bpe"} | {"tekken"}
 
 _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -232,21 +190,9 @@ def byte_level_backend(md: Mapping[str, Any], tokens: list[str], types: list[int
     _check_merges(merges, vocab)
     bpe = models.BPE(vocab=vocab, merges=merges, dropout=None,
                      continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False,
-                     ignore_merges=pre in _IGNORE_MERGES)
+                     ignore_merges=pre in IGNORE_MERGES)
     backend = tokenizers.Tokenizer(bpe)
-    if pre in _SPLIT_REGEX:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLIT_REGEX[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    elif pre in _DIGITS_THEN_GPT2:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-    else:
-        # "gpt2", "gpt-2", "default", and anything we do not know: GPT-2's own regex.
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.pre_tokenizer = byte_level_pre_tokenizer(pre)
     return backend, pieces
 
 
@@ -272,6 +218,11 @@ def sentencepiece_backend(md: Mapping[str, Any], tokens: list[str], types: list[
     backend.normalizer = normalizers.Sequence(steps + [normalizers.Replace(" ", "▁")])
     backend.pre_tokenizer = None
 
+    return backend, spm_pieces(tokens, types)
+
+
+def spm_pieces(tokens: list[str], types: list[int]) -> list[bytes]:
+    """The bytes each token of a vocabulary spelled with `▁` and `<0xXX>` stands for."""
     pieces = []
     for tok, kind in zip(tokens, types):
         if kind == BYTE and (m := _BYTE_TOKEN.fullmatch(tok)):
@@ -280,7 +231,35 @@ def sentencepiece_backend(md: Mapping[str, Any], tokens: list[str], types: list[
             pieces.append(tok.replace("▁", " ").encode("utf-8"))
         else:
             pieces.append(tok.encode("utf-8"))
-    return backend, pieces
+    return pieces
+
+
+
+def gemma4_backend(md: Mapping[str, Any], tokens: list[str],
+                   types: list[int]) -> tuple[tokenizers.Tokenizer, list[bytes]]:
+    """Gemma 4's tokenizer (`tokenizer.ggml.model = gemma4`): BPE with ranked merges over raw
+    UTF-8, spaces spelled `▁` but no `▁` prefix, `<0xXX>` byte tokens for what the vocabulary
+    lacks, and no split but lines and newline runs (llama.cpp's LLAMA_VOCAB_PRE_TYPE_GEMMA4).
+
+    llama.cpp also takes a run of newlines whole when the vocabulary has it (Gemma 4 has runs of
+    1 to 31). Plain BPE builds the same: the merges rank the longer runs first, so a run of up to
+    31 newlines merges into one token and a longer one into 31s and the rest, as llama.cpp's own
+    BPE does for it. `ignore_merges` (look every word up whole) would not do: 6302 of the
+    vocabulary's tokens (`<table>`, `<unused0>`, ...) are not what BPE builds from their text,
+    and llama.cpp, like plain BPE, spells a line `<table>` as `<`, `table`, `>`.
+    """
+    if "tokenizer.ggml.merges" not in md:
+        raise TokenizerError("gemma4 tokenizer has no tokenizer.ggml.merges")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    merges = _parse_merges(md["tokenizer.ggml.merges"])
+    _check_merges(merges, vocab)
+    unk_id = special_token_id(md, "unknown")
+    bpe = models.BPE(vocab=vocab, merges=merges, dropout=None, fuse_unk=False, byte_fallback=True,
+                     unk_token=tokens[unk_id] if unk_id is not None else None)
+    backend = tokenizers.Tokenizer(bpe)
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = newline_runs_pre_tokenizer()
+    return backend, spm_pieces(tokens, types)
 
 
 def merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
