@@ -25,7 +25,7 @@ from helpers import cpu_engine
 from llamacpp_ref import decisive, llamacpp_logits, llamacpp_tokens, rel_err
 from slipstream.model.families import ARCHITECTURES
 from slipstream.quant.requantize import requantize
-from slipstream.synth import write_synth
+from slipstream.synth import SHAPES, synth_window, write_synth
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (it is in the "
                     "`test` extra: pip install -e '.[test]')")
@@ -41,25 +41,37 @@ CANNOT_LOAD = {
                "knows mistral3 and mistral4)",
 }
 
+# Architectures whose sliding window llama.cpp ignores, with why: compared on the first
+# window's worth of tokens only, where a window changes nothing
+NO_WINDOW = {
+    "phi3": "llama.cpp turns Phi-3's sliding window off (it warns 'Phi SWA is currently "
+            "disabled') and attends to every position",
+}
+
 # Float32 copies, relative error (norm of the difference / norm of llama.cpp's logits),
 # measured with llama-cpp-python 0.3.36: llama 4.6e-6, qwen2 3.7e-6, qwen3 1.8e-6, gemma3
-# 2.1e-4 (ggml's CPU GELU looks its input up in a float16 table), SmolLM2 2e-6 and 3e-6.
+# 2.1e-4 (ggml's CPU GELU looks its input up in a float16 table), SmolLM2 2e-6 and 3e-6;
+# mistral3 8.4e-6, glm4 5.4e-6, olmo2 1.0e-6, cohere2 1.6e-6, phi3 3.1e-6 (16 tokens).
 F32_REL_TOL = 1e-3
 # A top-1 token can flip only where the top-2 gap is below the sum of two logits' differences:
-# measured at most 9e-4 logit standard deviations per logit (gemma3; 8.5e-5 for the others),
+# measured at most 9e-4 logit standard deviations per logit (gemma3; 1.1e-4 for the others),
 # so a gap over 5e-3 standard deviations is decided
 F32_DECISIVE_GAP = 5e-3
 
-# The quantized files as llama.cpp runs them: measured 1.3e-2 (gemma3), 4.1e-2 (qwen3), 7.6e-2
-# (qwen2), 9.0e-2 (llama), with top-1 agreement at 89% to 100% of the 27 positions; its
-# per-logit differences reach 0.75 logit standard deviations, so no gap threshold separates
-# decided positions from noise, and the test holds the agreement rate instead
-Q8_REL_TOL = 0.15
-Q8_MIN_TOP1 = 0.8
+# The quantized files as llama.cpp runs them: measured 1.3e-2 (gemma3) to 9.0e-2 (llama) and
+# 1.0e-1 (glm4, mistral3; phi3 9.7e-2). Random weights this large make the 6 layers chaotic:
+# llama.cpp's 8-bit activations move single logits by up to 0.96 standard deviations and flip
+# top-1 at up to 30% of the 27 positions, so top-1 is held on the float32 copies only. A wrong
+# block or format is far outside: a window mismatch measured 0.58
+Q8_REL_TOL = 0.2
 # SmolLM2's Q4_1 weights (activations quantized to Q8_1): measured 2.9e-2 and 4.2e-2, top-1
 # agreement 100% and 94% (two flips, at top-2 gaps of 5e-3 and 1.5e-2 standard deviations)
 Q4_1_REL_TOL = 8e-2
 Q4_1_MIN_TOP1 = 0.85
+
+
+def _ids(arch: str) -> list[int]:
+    return IDS[:synth_window(SHAPES["tiny"])] if arch in NO_WINDOW else IDS
 
 
 def _architecture(arch: str):
@@ -81,10 +93,22 @@ def family_files(tmp_path_factory):
             d = tmp_path_factory.mktemp(arch)
             q8 = write_synth(d / f"{arch}.gguf", "tiny", "Q8_0", arch=arch, from_floats=True,
                              std=0.15, seed=3, n_layers=N_LAYERS)
+            _unname(q8, arch)
             made[arch] = (q8, requantize(q8, d / f"{arch}-f32.gguf", "F32"))
         return made[arch]
 
     return files
+
+
+def _unname(path: Path, arch: str) -> None:
+    """Take the architecture out of the file's general.name, in place: llama.cpp sets some
+    token attributes by model name, and for a name with "phi3" in it looks up "</s>", "<unk>",
+    "<s>" and "<|endoftext|>", which the synthetic Llama-3-style vocabulary lacks (the load
+    fails with unordered_map::at). Same length, so the header keeps its layout."""
+    data = path.read_bytes()
+    name = f"slipstream-synth-{arch}-".encode()
+    assert data.count(name) == 1, "general.name is not where this expects it"
+    path.write_bytes(data.replace(name, f"slipstream-synth-{'x' * len(arch)}-".encode()))
 
 
 ARCHS = [_architecture(a) for a in sorted(ARCHITECTURES)]
@@ -93,8 +117,8 @@ ARCHS = [_architecture(a) for a in sorted(ARCHITECTURES)]
 @pytest.mark.parametrize("arch", ARCHS)
 def test_family_matches_llamacpp(family_files, arch):
     q8, f32 = family_files(arch)
-    ref = llamacpp_logits(f32, IDS)
-    ours = cpu_engine(q8, precision="exact").forward(IDS, all_logits=True)
+    ref = llamacpp_logits(f32, _ids(arch))
+    ours = cpu_engine(q8, precision="exact").forward(_ids(arch), all_logits=True)
     _assert_close(ours, ref, F32_REL_TOL)
     keep = decisive(ref, F32_DECISIVE_GAP)
     assert keep.float().mean() > 0.5, "too few decided positions for top-1 to mean anything"
@@ -105,10 +129,9 @@ def test_family_matches_llamacpp(family_files, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_family_quantized_matches_llamacpp(family_files, arch):
     q8, _ = family_files(arch)
-    ref = llamacpp_logits(q8, IDS)
-    ours = cpu_engine(q8, precision="exact").forward(IDS, all_logits=True)
+    ref = llamacpp_logits(q8, _ids(arch))
+    ours = cpu_engine(q8, precision="exact").forward(_ids(arch), all_logits=True)
     _assert_close(ours, ref, Q8_REL_TOL)
-    _assert_top1_rate(ours, ref, Q8_MIN_TOP1)
 
 
 def _assert_close(ours: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
