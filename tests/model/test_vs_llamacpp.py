@@ -74,13 +74,17 @@ def _ids(arch: str) -> list[int]:
     return IDS[:synth_window(SHAPES["tiny"])] if arch in NO_WINDOW else IDS
 
 
-def _architecture(arch: str):
-    if arch in CANNOT_LOAD:
-        return pytest.param(arch, marks=pytest.mark.xfail(reason=CANNOT_LOAD[arch],
-                                                          raises=ValueError, strict=True))
-    if arch == "llama":  # the cheapest file: the fast tier's check (under a second here)
-        return arch
-    return pytest.param(arch, marks=pytest.mark.slow)
+def _architectures(fast: str | None = None) -> list:
+    """Every architecture as a parameter: `fast` in the fast tier, the rest slow (2 to 8 s
+    each on 2 busy cores), those llama.cpp cannot load as strict expected failures."""
+    params = []
+    for arch in sorted(ARCHITECTURES):
+        if arch in CANNOT_LOAD:
+            params.append(pytest.param(arch, marks=pytest.mark.xfail(
+                reason=CANNOT_LOAD[arch], raises=ValueError, strict=True)))
+        else:
+            params.append(pytest.param(arch, marks=() if arch == fast else pytest.mark.slow))
+    return params
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +115,8 @@ def _unname(path: Path, arch: str) -> None:
     path.write_bytes(data.replace(name, f"slipstream-synth-{'x' * len(arch)}-".encode()))
 
 
-ARCHS = [_architecture(a) for a in sorted(ARCHITECTURES)]
-
-
-@pytest.mark.parametrize("arch", ARCHS)
+# llama's file is the cheapest (0.5 s on 2 busy cores): the fast tier's check
+@pytest.mark.parametrize("arch", _architectures(fast="llama"))
 def test_family_matches_llamacpp(family_files, arch):
     q8, f32 = family_files(arch)
     ref = llamacpp_logits(f32, _ids(arch))
@@ -126,7 +128,18 @@ def test_family_matches_llamacpp(family_files, arch):
     assert not differ.any(), f"top-1 differs at decided positions {differ.nonzero().flatten()}"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+def test_llamacpp_tells_a_wrong_block_apart(family_files):
+    """Negative control: the other RoPE pairing, a one-attribute slip, must be far outside the
+    tolerance, or agreeing with llama.cpp would prove little."""
+    q8, f32 = family_files("llama")
+    ref = llamacpp_logits(f32, IDS)
+    engine = cpu_engine(q8, precision="exact")
+    object.__setattr__(engine.cfg, "rope_style", "neox")
+    engine.rope.style = "neox"
+    assert rel_err(engine.forward(IDS, all_logits=True), ref) > 100 * F32_REL_TOL
+
+
+@pytest.mark.parametrize("arch", _architectures())
 def test_family_quantized_matches_llamacpp(family_files, arch):
     q8, _ = family_files(arch)
     ref = llamacpp_logits(q8, _ids(arch))
