@@ -75,8 +75,9 @@ def _ids(arch: str) -> list[int]:
 
 
 def _architectures(fast: str | None = None) -> list:
-    """Every architecture as a parameter: `fast` in the fast tier, the rest slow (2 to 8 s
-    each on 2 busy cores), those llama.cpp cannot load as strict expected failures."""
+    """Every architecture as a parameter: `fast` in the fast tier, the rest slow (0.4 to 8 s
+    each, measured on 2 cores shared with other work), those llama.cpp cannot load as strict
+    expected failures."""
     params = []
     for arch in sorted(ARCHITECTURES):
         if arch in CANNOT_LOAD:
@@ -115,7 +116,7 @@ def _unname(path: Path, arch: str) -> None:
     path.write_bytes(data.replace(name, f"slipstream-synth-{'x' * len(arch)}-".encode()))
 
 
-# llama's file is the cheapest (0.5 s on 2 busy cores): the fast tier's check
+# llama's file is the cheapest (0.2 to 0.5 s on 2 shared cores): the fast tier's check
 @pytest.mark.parametrize("arch", _architectures(fast="llama"))
 def test_family_matches_llamacpp(family_files, arch):
     q8, f32 = family_files(arch)
