@@ -33,8 +33,8 @@ def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
                    "$SLIPSTREAM_API_KEY, which, unlike this flag, other users' `ps` cannot see")
     s.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                    help="a Host name the server answers besides the bound address, localhost, "
-                   "127.0.0.1 and ::1 (repeatable; '*': any); other Hosts get a 400, which "
-                   "stops DNS-rebinding pages")
+                   "127.0.0.1 and ::1 (repeatable; '*': any; default: those alone); other "
+                   "Hosts get a 400, which stops DNS-rebinding pages")
     s.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
                    help="after SIGTERM, seconds open requests get to finish; those still open "
                    "then end with an error event and [DONE] (a 503 if not streamed), and the "
