@@ -392,7 +392,7 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
     try:
         plan = measured(gf, cfg, plan, io, prec, hybrid, place.threads)
         engine = build_engine(gf, cfg, dev, plan, n_ctx, prec, progress, io,
-                              place.private_weights, pipeline)
+                              place.private_weights, pipeline, place.threads is None)
     except BaseException as e:
         if draft_model is not None:
             draft_model.close()

@@ -13,8 +13,8 @@ from slipstream.modelfile.tokenizer import Tokenizer
 from slipstream.modelfile.tokenizer_cache import cache_key, load_tokenizer
 from slipstream.synth import write_synth
 
-TEXTS = ["Hello world", " leading space", "héllo wörld ✓ 日本語", "<|im_start|>user\nhi<|im_end|>",
-         "tabs\tand\nnewlines  ", "1234567890 + 3.14", ""]
+TEXTS = ["Hello world", " leading space", "héllo wörld ✓ 日本語",
+         "<|im_start|>user\nhi<|im_end|>", "tabs\tand\nnewlines  ", "1234567890 + 3.14", ""]
 
 
 def _same(a: Tokenizer, b: Tokenizer) -> None:
@@ -63,7 +63,8 @@ def test_damaged_entry_is_rebuilt_and_replaced(synth_model, tmp_path):
     load_tokenizer(gf, tmp_path)
     entry = tmp_path / f"{cache_key(synth_model)}.json"
     good = entry.read_text()
-    for damage in ("{not json", '{"_backend": {"t": "tokenizer", "v": "{}"}}', good[:len(good) // 2]):
+    damages = ("{not json", '{"_backend": {"t": "tokenizer", "v": "{}"}}', good[:len(good) // 2])
+    for damage in damages:
         entry.write_text(damage)
         _same(built, load_tokenizer(GGUFFile(synth_model), tmp_path))
         assert entry.read_text() == good

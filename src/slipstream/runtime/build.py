@@ -30,6 +30,7 @@ from ..precision import Precision
 from ..weights import load_weights
 from .engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
 from .stage import Stage
+from ..threads import CpuSample, free_threads
 
 DEFAULT_MAX_CTX = 4096  # the KV cache is preallocated, so the default does not take 128k
 
@@ -155,9 +156,15 @@ def measured(gf: GGUFFile, cfg: ModelConfig, plan: Plan, io: str, precision: Pre
 
 def build_engine(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, plan: Plan, n_ctx: int,
                  precision: Precision, progress: bool, io: str,
-                 private_weights: bool | None = None, pipeline=None) -> Engine:
+                 private_weights: bool | None = None, pipeline=None,
+                 auto_threads: bool = False) -> Engine:
     """Load the planned model (its bandwidths measured and split made: `measured`): streamed
-    tiers first, then the resident weights, the store and the engine."""
+    tiers first, then the resident weights, the store and the engine. `auto_threads` (no
+    thread count given) on CPU: torch's threads are set to the physical cores that other
+    processes left free while the model loaded (runtime.threads)."""
+    # OMP_NUM_THREADS is a thread count given too (torch's own default follows it)
+    sample = CpuSample.start() if auto_threads and dev.type == "cpu" \
+        and not os.environ.get("OMP_NUM_THREADS") else None
     resident = {i for i, t in enumerate(plan.tiers) if t in ("ram", "vram")}
     # CUDA tiers B and C are built first, while the GPU holds nothing else, so the transient
     # GPU copy of the layer being built never sits on top of the resident model (on CPU:
@@ -177,6 +184,8 @@ def build_engine(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, plan: Plan, 
     stages = [Stage.build(cfg, torch.device(st.device) if st.device != dev.type else dev,
                           st.layers, store, n_ctx, precision.kv_dtype, weights.rope_freqs)
               for st in plan.stages]
+    if sample is not None:
+        torch.set_num_threads(free_threads(sample.busy_cores()))
     if pipeline is not None:
         from .pipeline import PipelineEngine  # torch.distributed: only a pipeline loads it
 
