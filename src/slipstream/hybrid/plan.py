@@ -18,7 +18,7 @@ whole on the GPU: the CPU would have to read them from disk too.
 
 from __future__ import annotations
 
-import time
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -27,7 +27,6 @@ from gguf import GGMLQuantizationType
 from ..errors import BadArgument
 from ..memory.probes import StealMeter
 from ..weights.cpu import kind_for, packed_nbytes
-from ..threads import CpuSample, affinity
 from ..weights.loader import TensorSource
 from .probe import clear_weights, cpu_packed_gbps, cpu_token_scaling
 from .split import layer_splittable, split_point
@@ -115,9 +114,6 @@ def parse_hybrid(value: str | float | None) -> str | float:
     return share
 
 
-SAMPLE_S = 0.1  # default_threads' look at the other processes: 10 ticks of /proc/stat a CPU
-
-
 def default_threads() -> int:
     """All cores but one (15 of a 16-core GPU host's): the one left drives the GPU and the
     copy engine's submissions. Measured on the 70B at 24 GiB with hybrid on, each count's
@@ -125,15 +121,9 @@ def default_threads() -> int:
     15 / 16 threads, 4.42 / 4.45 / 4.86 / 4.95 / 4.94 / 5.12 / 4.75 tok/s; all 16 starve the
     pinned copy (the CPU's kernel beside it fell to 39.5 GB/s, from 49.9 at 12). With q4vnni
     on another H200 host: 14 / 15 / 16 threads 4.444 / 4.440 / 3.991, 14 and 15 level within
-    their runs, 16 a tenth behind again. Less the cores other processes are using, sampled
-    for SAMPLE_S (threads.CpuSample): a thread on a core another process holds stalls the
-    whole split at each layer's barrier. Not capped at physical cores as the CPU's default is
-    (threads.free_threads): the counts above are vCPUs."""
-    cpus = affinity()
-    sample = CpuSample.start(cpus)
-    time.sleep(SAMPLE_S)
-    busy = sample.busy_cores() or 0.0
-    return max(1, min(len(cpus) - 1, int(len(cpus) - busy + 0.5)))
+    their runs, 16 a tenth behind again."""
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (n or 4) - 1)
 
 
 def hybrid_max_tokens(image_bytes: list[int], ffn_bytes: list[int], share: float,

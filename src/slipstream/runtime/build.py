@@ -30,7 +30,7 @@ from ..precision import Precision
 from ..weights import load_weights
 from .engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
 from .stage import Stage
-from ..threads import CpuSample, free_threads
+from ..threads import default_threads, threads_given
 
 DEFAULT_MAX_CTX = 4096  # the KV cache is preallocated, so the default does not take 128k
 
@@ -160,11 +160,10 @@ def build_engine(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, plan: Plan, 
                  auto_threads: bool = False) -> Engine:
     """Load the planned model (its bandwidths measured and split made: `measured`): streamed
     tiers first, then the resident weights, the store and the engine. `auto_threads` (no
-    thread count given) on CPU: torch's threads are set to the physical cores that other
-    processes left free while the model loaded (runtime.threads)."""
-    # OMP_NUM_THREADS is a thread count given too (torch's own default follows it)
-    sample = CpuSample.start() if auto_threads and dev.type == "cpu" \
-        and not os.environ.get("OMP_NUM_THREADS") else None
+    thread count given) on CPU: torch's threads are set to the physical cores
+    (threads.default_threads), before anything is built."""
+    if auto_threads and dev.type == "cpu" and not threads_given():
+        torch.set_num_threads(default_threads())
     resident = {i for i, t in enumerate(plan.tiers) if t in ("ram", "vram")}
     # CUDA tiers B and C are built first, while the GPU holds nothing else, so the transient
     # GPU copy of the layer being built never sits on top of the resident model (on CPU:
@@ -184,8 +183,6 @@ def build_engine(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, plan: Plan, 
     stages = [Stage.build(cfg, torch.device(st.device) if st.device != dev.type else dev,
                           st.layers, store, n_ctx, precision.kv_dtype, weights.rope_freqs)
               for st in plan.stages]
-    if sample is not None:
-        torch.set_num_threads(free_threads(sample.busy_cores()))
     if pipeline is not None:
         from .pipeline import PipelineEngine  # torch.distributed: only a pipeline loads it
 
