@@ -72,14 +72,20 @@ def cases(model: str, ctx: int, threads: int) -> dict[str, dict[str, list[str]]]
 
 def timed(cmd: list[str], env: dict[str, str] | None = None) -> dict:
     """Seconds from spawn to the first stdout byte and to exit; stderr kept for the phases."""
+    import tempfile
+
     load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    first = p.stdout.read(1)
-    t_first = time.perf_counter() - t0
-    out = first + p.stdout.read()
-    err = p.stderr.read()
-    rc = p.wait()
+    # stderr to a file, not a pipe: -X importtime writes more than a pipe holds, and a child
+    # blocked on a full stderr pipe would never write the stdout byte waited for here
+    with tempfile.TemporaryFile() as errf:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, env=env)
+        first = p.stdout.read(1)
+        t_first = time.perf_counter() - t0
+        out = first + p.stdout.read()
+        rc = p.wait()
+        errf.seek(0)
+        err = errf.read()
     t_exit = time.perf_counter() - t0
     if rc != 0:
         raise SystemExit(f"{' '.join(cmd[:4])}... exited {rc}: {err.decode()[-500:]}")
