@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from typing import Callable
 
@@ -109,6 +110,7 @@ class LazyDenseLinear(DenseLinear):
                  dtype: torch.dtype, bias: torch.Tensor | None = None):
         self._make: Callable[[], torch.Tensor] | None = make
         self._weight: torch.Tensor | None = None
+        self._lock = threading.Lock()  # the load's prefetch thread and a pass may both ask
         self.shape = (int(shape[0]), int(shape[1]))
         self.dtype = dtype
         self.bias = bias
@@ -116,9 +118,11 @@ class LazyDenseLinear(DenseLinear):
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
         if self._weight is None:
-            make, self._make = self._make, None  # the GGUF bytes go with the thunk
-            assert make is not None
-            self._weight = make()
+            with self._lock:
+                if self._weight is None:
+                    make, self._make = self._make, None  # the GGUF bytes go with the thunk
+                    assert make is not None
+                    self._weight = make()
         return self._weight
 
     @weight.setter
