@@ -130,10 +130,10 @@ class TensorSource:
         # narrowed chunk by chunk as it is decoded (the same bits as a whole float32 tensor
         # narrowed after): no float32 copy of the whole weight to fault in and walk again
         t = quant.dequantize_as(raw, self.type_of(name), shape, dtype).to(device=device)
-        if ((self.buffer is not None and not self.held) or (self.private and self.buffer is None)) \
-                and _shares_memory(t, raw):
+        if (self.buffer is not None or self.private) and _shares_memory(t, raw):
             # F32 (and F16 at float16) tensors decode to views: a staging buffer gets reused,
-            # and a private model must not read its file after the load
+            # a private model must not read its file after the load, and a held buffer is
+            # freed once the layers' weights are made from it (a view would keep it whole)
             t = t.clone()
         return t
 
@@ -360,7 +360,7 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     embed_raw, embed = None, None
     pinned = False
     if holds_embedding or (head_dense_on_demand and holds_head):
-        embed_raw = src.raw(EMBEDDING, embed_shape)  # a held buffer's view, or the map's
+        embed_raw = src.raw(EMBEDDING, embed_shape)  # the map's view, or a held buffer's
         if not embed_on_host:
             embed_raw = embed_raw.to(device)  # on CPU still the map's bytes
         elif device.type == "cuda" and envs.get("SLIPSTREAM_PINNED_EMBED"):
@@ -368,7 +368,9 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
             # step's lookup needs no host sync: 0.4-0.9 GiB (8B-70B) of pinned RAM beside the
             # budget. Off until measured on a GPU
             embed_raw, pinned = embed_raw.contiguous().pin_memory(), True  # a private copy
-        if private and embed_raw.device.type == "cpu" and not pinned and not src.held:
+        if (private or src.held) and embed_raw.device.type == "cpu" and not pinned:
+            # copied out of a held buffer too: the model keeps the table, and a view would keep
+            # the whole buffer (every layer's GGUF bytes) after the layers are made from it
             embed_raw = embed_raw.clone()
     if holds_embedding:
         embed = QuantEmbedding(embed_raw, embed_info.ggml_type, cfg.hidden,
@@ -397,6 +399,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
         # dense weight is made at the first call of more than GEMV_MAX_ROWS rows, as a layer's
         raw = embed_raw if head_name == EMBEDDING and embed_raw is not None else \
             src.raw_held(head_name, embed_shape)
+        if src.held and raw is not embed_raw:
+            raw = raw.clone()  # held until its first use, maybe never: not a view (as above)
         dense = lazy_dense(raw, gf.tensors[head_name].ggml_type, embed_shape,
                            precision.weight_dtype)
         output = builder._packed_decode(src, [head_name.removesuffix(".weight")],
