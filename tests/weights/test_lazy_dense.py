@@ -83,3 +83,16 @@ def test_cpu_load_leaves_dense_weights_to_a_thread_and_the_head_to_its_first_use
         assert head.materialized
     finally:
         m.close()
+
+
+@pytest.mark.slow
+def test_exit_right_after_a_load_waits_for_no_prefetch_and_does_not_abort(smollm_path):
+    # the prefetch thread is still dequantizing the default model's layers at exit
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import sys, slipstream; "
+                           "slipstream.load(sys.argv[1], device='cpu')", str(smollm_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr

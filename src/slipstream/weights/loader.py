@@ -12,6 +12,7 @@ resident model never touches its file again.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import mmap
 import threading
@@ -455,14 +456,35 @@ def prefetch_dense(layers: list[LayerWeights | None]) -> threading.Thread | None
                 lazies.append(dense)
     if not lazies:
         return None
+    stop = threading.Event()
 
     def run() -> None:
-        for lin in lazies:
-            lin.weight  # noqa: B018 (made now)
+        try:
+            for lin in lazies:
+                if stop.is_set():
+                    return
+                lin.weight  # noqa: B018 (made now)
+        finally:
+            _PREFETCHES.pop(t, None)
 
     t = threading.Thread(target=run, name="slipstream-dense-prefetch", daemon=True)
+    _PREFETCHES[t] = stop
     t.start()
     return t
+
+
+# running prefetch threads and their stop flags. A daemon thread still inside a torch op when
+# the interpreter finalizes aborts the process ("terminate called without an active
+# exception", SIGABRT), so at exit each is stopped between two weights and joined: the wait is
+# one weight's dequantization at most, not the rest of the model's
+_PREFETCHES: dict[threading.Thread, threading.Event] = {}
+
+
+@atexit.register
+def _stop_prefetches() -> None:
+    for t, stop in list(_PREFETCHES.items()):
+        stop.set()
+        t.join()
 
 
 def release_mapped_pages(gf: GGUFFile) -> None:
