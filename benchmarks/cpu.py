@@ -2,6 +2,7 @@
 
     python benchmarks/cpu.py speed --llama-build ../llama.cpp/build [--threads 2] [--rounds 3]
     OMP_NUM_THREADS=2 python benchmarks/cpu.py kernels [--threads 1 2] [--formats q4vnni]
+    python benchmarks/cpu.py threads [--compete 1] [--rounds 3]
 
 speed: the default model's decode (tg128) and prefill (pp512) through `slipstream bench --device
 cpu` against llama.cpp's `llama-bench -p 512 -n 128`, back to back on the same machine and
@@ -9,6 +10,12 @@ alternating (llama.cpp, slipstream, llama.cpp, ...) so that a shared machine's l
 both; the medians over --rounds. --baseline-src DIR (another checkout's src/) adds that tree's
 `slipstream bench` to every round, right after this tree's: a before/after ratio under the same
 load. Writes RESULTS/DATE-default-cpu-cpu.json.
+
+threads: decode (tg64 after a 16-token prompt) at the default thread count, which load() picks
+from the cores other processes leave free, against each explicit -t, back to back and
+alternating, with --compete CPU-bound processes running beside it; the default should reach 0.9
+of the best explicit count. Writes RESULTS/DATE-threads-under-load-cpu.json with the load
+average around each run.
 
 kernels: batch-1 matrix-vector products on 70B-sized (8192x8192, 28672x8192, 8192x28672) and
 8B-sized (4096x4096, 1024x4096, 14336x4096, 4096x14336) weights, per layout:
@@ -334,6 +341,82 @@ def speed_cmd(a: argparse.Namespace) -> None:
 
 
 
+# --- threads under load -----------------------------------------------------------------------
+
+SPIN = "while True: pass"  # the competing CPU-bound process
+
+
+def decode_tok_s(model: Path, threads: int | None, tokens: int, reps: int, work: Path,
+                 src: Path = common.SRC) -> dict:
+    """`slipstream bench` decode (a 16-token prompt, then `tokens`) at `threads` (None: the
+    default, chosen at load), in a fresh process running the tree at `src`."""
+    jf = work / "threads_bench.json"
+    args = ["bench", "-m", str(model), "--device", "cpu", "--pp", "16", "--tg", str(tokens),
+            "--reps", str(reps), "--json", str(jf)]
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}  # the default's own
+    la0 = loadavg()
+    subprocess.run([sys.executable, "-m", "slipstream", *args]
+                   + ([] if threads is None else ["-t", str(threads)]), check=True,
+                   capture_output=True, text=True, env={**env, "PYTHONPATH": str(src)})
+    doc = json.loads(jf.read_text())
+    tg = next(r for r in doc["results"] if r["test"] == f"tg{tokens}")
+    return {"threads_given": threads, "threads_used": doc.get("threads"),
+            "tok_s": tg["tok_s"], "tok_s_std": tg["tok_s_std"], "loadavg_before": la0,
+            "loadavg_after": loadavg()}
+
+
+def threads_cmd(a: argparse.Namespace) -> None:
+    """Decode at the default thread count against each explicit -t, back to back and
+    alternating, beside --compete CPU-bound processes: the default should reach 0.9 of the
+    best explicit count."""
+    model = a.model or DEFAULT_MODEL
+    work = Path(tempfile.mkdtemp(prefix="cpu_threads_"))
+    counts = a.counts or list(range(1, len(os.sched_getaffinity(0)) + 1))
+    spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(a.compete)]
+    rounds: list[dict] = []
+    try:
+        time.sleep(1.0)  # the competitors are running before the first load samples the CPUs
+        for r in range(a.rounds):
+            order = [None, *counts] if r % 2 == 0 else [*counts, None]
+            rd = {str(t if t is not None else "default"):
+                  decode_tok_s(model, t, a.tokens, a.reps, work) for t in order}
+            if a.baseline_src is not None:  # the other tree's default, in the same round
+                rd["baseline default"] = decode_tok_s(model, None, a.tokens, a.reps, work,
+                                                      a.baseline_src.resolve())
+            rounds.append(rd)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    keys = ["default", *map(str, counts)] + (["baseline default"] if a.baseline_src else [])
+    med = {k: statistics.median(rd[k]["tok_s"] for rd in rounds) for k in keys}
+    best = max(counts, key=lambda t: med[str(t)])
+    ratio = med["default"] / med[str(best)]
+    summary = {"decode_tok_s_median": {k: round(v, 1) for k, v in med.items()},
+               "default_threads_used": sorted({rd["default"]["threads_used"] for rd in rounds}),
+               "best_explicit": best, "default_over_best": round(ratio, 3),
+               "meets_0_9": ratio >= 0.9}
+    loads = [x for rd in rounds for v in rd.values()
+             for x in (v["loadavg_before"][0], v["loadavg_after"][0])]
+    doc = {**common.provenance("cpu"), "name": "threads-under-load", "model": Path(model).name,
+           "competing_processes": a.compete, "decode_tokens": a.tokens, "reps": a.reps,
+           "rounds_n": a.rounds, "loadavg_1m": {"min": min(loads), "max": max(loads)},
+           "omp_wait_policy_env": os.environ.get("OMP_WAIT_POLICY"),
+           "baseline_src": str(a.baseline_src) if a.baseline_src else None,
+           "summary": summary, "rounds": rounds}
+    path = common.write_result("threads-under-load", doc, a.results)
+    print(f"decode tok/s beside {a.compete} CPU-bound process(es), medians of {a.rounds} "
+          f"rounds ({doc['date']}, {str(doc.get('commit', ''))[:10]}, "
+          f"{doc['host']['cpu']}, load average {min(loads):.1f}-{max(loads):.1f})\n")
+    print("| threads | decode tok/s |\n|---|---:|")
+    for k in keys:
+        used = f" (chose {summary['default_threads_used']})" if k == "default" else (
+            f" ({a.baseline_src}: torch's threads, OpenMP's own wait policy)"
+            if k == "baseline default" else "")
+        print(f"| {k}{used} | {med[k]:.1f} |")
+    print(f"\ndefault / best explicit (-t {best}): {ratio:.2f} (target >= 0.9)\nwrote {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -357,9 +440,22 @@ def main(argv: list[str] | None = None) -> None:
     mv.add_argument("--no-m-sweep", dest="m_sweep", action="store_false")
     mv.add_argument("--sweep-threads", type=int, default=1,
                     help="threads of the m sweep (a loaded 2nd core makes t=2 rows waits)")
+    th = sub.add_parser("threads", help="decode at the default threads against each -t, "
+                        "beside competing CPU-bound processes")
+    th.add_argument("-m", "--model", type=Path, default=None)
+    th.add_argument("--compete", type=int, default=1, help="CPU-bound processes beside it")
+    th.add_argument("--counts", type=int, nargs="*", help="explicit -t values (default 1..CPUs)")
+    th.add_argument("--tokens", type=int, default=64, help="decode tokens a run")
+    th.add_argument("--reps", type=int, default=2)
+    th.add_argument("--rounds", type=int, default=3)
+    th.add_argument("--baseline-src", type=Path, default=None,
+                    help="another checkout's src/: its default, in every round")
     a = ap.parse_args(argv)
     if a.cmd == "speed":
         speed_cmd(a)
+        return
+    if a.cmd == "threads":
+        threads_cmd(a)
         return
     doc = {**common.provenance("cpu"), **matvec(a)}
     console = Console(width=200)

@@ -70,23 +70,121 @@ def cases(model: str, ctx: int, threads: int) -> dict[str, dict[str, list[str]]]
     }
 
 
-def timed(cmd: list[str]) -> dict:
+def timed(cmd: list[str], env: dict[str, str] | None = None) -> dict:
     """Seconds from spawn to the first stdout byte and to exit; stderr kept for the phases."""
+    import tempfile
+
     load_before = os.getloadavg()[0]
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    first = p.stdout.read(1)
-    t_first = time.perf_counter() - t0
-    out = first + p.stdout.read()
-    err = p.stderr.read()
-    rc = p.wait()
+    # stderr to a file, not a pipe: -X importtime writes more than a pipe holds, and a child
+    # blocked on a full stderr pipe would never write the stdout byte waited for here
+    with tempfile.TemporaryFile() as errf:
+        t0 = time.perf_counter()
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errf, env=env)
+        first = p.stdout.read(1)
+        t_first = time.perf_counter() - t0
+        out = first + p.stdout.read()
+        rc = p.wait()
+        errf.seek(0)
+        err = errf.read()
     t_exit = time.perf_counter() - t0
     if rc != 0:
         raise SystemExit(f"{' '.join(cmd[:4])}... exited {rc}: {err.decode()[-500:]}")
     return {"first_byte_s": round(t_first if first else t_exit, 4), "exit_s": round(t_exit, 4),
             "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0],
             "stdout_head": out[:60].decode(errors="replace"),
-            "stderr_tail": err.decode(errors="replace")[-300:]}
+            "stderr_tail": err.decode(errors="replace")[-300:],
+            "import_s": import_seconds(err.decode(errors="replace"))}
+
+
+def import_seconds(stderr: str) -> dict[str, float]:
+    """Cumulative import seconds of torch and llama_cpp from `python -X importtime`'s lines
+    (`import time: self | cumulative | name`), where the run printed them."""
+    out = {}
+    for m in re.finditer(r"import time:\s+\d+ \|\s+(\d+) \| (torch|llama_cpp)$", stderr,
+                         re.MULTILINE):
+        out[m.group(2)] = int(m.group(1)) / 1e6
+    return out
+
+
+def evict(path: str) -> None:
+    """Drop the file's pages from the page cache (POSIX_FADV_DONTNEED: clean pages, no root
+    needed), so the next run reads it from disk as a first run after a reboot would."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def cache_runs(model: str, ctx: int, threads: int, reps: int, engines: list[str]) -> dict:
+    """`run -n 1` with a cold cache, then a warm one, alternating the engines, `reps` times.
+    Cold: the model file out of the page cache and, for slipstream, an empty cache folder
+    (SLIPSTREAM_CACHE; what it derives from a model, the tokenizer, is built again) holding
+    only the native library built for this machine (built once per machine, not per model).
+    Warm: the same command again. Each under -X importtime, so torch's import is measured in
+    the run it is part of."""
+    import shutil
+    import tempfile
+
+    from slipstream.hub.store import cache_dir
+
+    plan = cases(model, ctx, threads)["run"]
+    runs: dict[str, dict[str, list[dict]]] = {e: {"cold": [], "warm": []} for e in engines}
+    for _ in range(reps):
+        for engine in engines:
+            cmd = [PY, "-X", "importtime", *plan[engine][1:]]
+            env = dict(os.environ)
+            tmp = None
+            if engine == "slipstream":
+                tmp = Path(tempfile.mkdtemp(prefix="ttft-cache-"))
+                if (cache_dir() / "native").is_dir():
+                    (tmp / "native").symlink_to(cache_dir() / "native")
+                env["SLIPSTREAM_CACHE"] = str(tmp)
+            try:
+                evict(model)
+                runs[engine]["cold"].append(timed(cmd, env))
+                runs[engine]["warm"].append(timed(cmd, env))
+            finally:
+                if tmp is not None:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            for state in ("cold", "warm"):
+                r = runs[engine][state][-1]
+                print(f"run/{state:4} {engine:17} {r['first_byte_s']:7.3f} s "
+                      f"(torch import {r['import_s'].get('torch', 0):.2f} s)", file=sys.stderr)
+    rows = []
+    for state in ("cold", "warm"):
+        row: dict = {"cache": state}
+        for engine in engines:
+            rs = runs[engine][state]
+            first = statistics.median(r["first_byte_s"] for r in rs)
+            row[engine] = {"first_token_s": round(first, 3)}
+            torch_s = [r["import_s"]["torch"] for r in rs if "torch" in r["import_s"]]
+            if torch_s:
+                t = statistics.median(torch_s)
+                row[engine]["torch_import_s"] = round(t, 3)
+                row[engine]["first_token_less_torch_import_s"] = round(
+                    statistics.median(r["first_byte_s"] - r["import_s"].get("torch", 0.0)
+                                      for r in rs), 3)
+        rows.append(row)
+    return {"rows": rows, "runs": runs}
+
+
+def cache_table(c: dict, engines: list[str]) -> list[str]:
+    head = "| cache | " + " | ".join(
+        f"{e} first token | {e} torch import | {e} less torch import" if e == "slipstream"
+        else f"{e} first token" for e in engines) + " |"
+    lines = [head, "|---|" + "|".join("---:|---:|---:" if e == "slipstream" else "---:"
+                                      for e in engines) + "|"]
+    for r in c["rows"]:
+        cells = []
+        for e in engines:
+            v = r[e]
+            cells.append(f"{v['first_token_s']:.2f} s")
+            if e == "slipstream":
+                cells += [f"{v.get('torch_import_s', float('nan')):.2f} s",
+                          f"{v.get('first_token_less_torch_import_s', float('nan')):.2f} s"]
+        lines.append(f"| {r['cache']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def phases(stderr: str) -> dict | None:
@@ -153,11 +251,18 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="PREFIX: writes PREFIX.json and PREFIX.txt")
     ap.add_argument("--profile", action="store_true", help="also break slipstream's run down "
                     "in-process (imports, load, first token; cProfile of the load)")
+    ap.add_argument("--cache-only", action="store_true", help="only the cold/warm cache "
+                    "table of `run -n 1` (and torch's import in it)")
     a = ap.parse_args()
     if a.model is None:
         from slipstream.hub.pull import pull
 
         a.model = str(pull(quiet=True))
+    have_llama = subprocess.run([PY, "-c", "import llama_cpp"], capture_output=True).returncode == 0
+    engines = ["slipstream"] + (["llama-cpp-python"] if have_llama else [])
+    cache = cache_runs(a.model, a.ctx, a.threads, a.reps, engines)
+    if a.cache_only or not have_llama:
+        return write_cache_only(a, cache, engines, have_llama)
     plan = cases(a.model, a.ctx, a.threads)
     runs: dict[str, dict[str, list[dict]]] = {c: {e: [] for e in v} for c, v in plan.items()}
     for case, engines in plan.items():
@@ -195,7 +300,7 @@ def main() -> None:
               "ctx": a.ctx, "threads": a.threads, "reps": a.reps, "prompt": PROMPT,
               "statistic": "median seconds from process spawn to the first byte on stdout",
               "loadavg_1m": {"min": min(loads), "max": max(loads)},
-              "commands": plan, "rows": rows, "runs": runs}
+              "commands": plan, "rows": rows, "runs": runs, "run_by_cache": cache}
     if a.profile:
         result["profile"] = profile(a.model, a.ctx, a.threads)
     lines = [f"time to first token, cold process, median of {a.reps} "
@@ -207,6 +312,8 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['case']} | {r['slipstream_s']:.2f} s | "
                      f"{r['llama_cpp_python_s']:.2f} s | {r['ratio']:.2f} |")
+    lines += ["", "run -n 1 by cache state (cold: the model out of the page cache, "
+              "slipstream's derived caches empty), medians:", ""] + cache_table(cache, engines)
     for r in rows:
         if "slipstream_phases_s" in r:
             p = r["slipstream_phases_s"]
@@ -221,6 +328,28 @@ def main() -> None:
                   f"{p['first_token_s']:.2f} s; cumulative seconds in the load:"]
         lines += [f"  {c:6.3f}  {f}" for c, f in p["cumulative_s_by_function"][:16]]
     text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        Path(a.out + ".json").write_text(json.dumps(result, indent=1) + "\n")
+        Path(a.out + ".txt").write_text(text)
+
+
+def write_cache_only(a, cache: dict, engines: list[str], have_llama: bool) -> None:
+    """The cold/warm table alone (--cache-only, or llama-cpp-python not importable)."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).parent).stdout.strip()
+    loads = [r[k] for e in cache["runs"].values() for rs in e.values() for r in rs
+             for k in ("loadavg_1m_before", "loadavg_1m_after")]
+    result = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+              "commit": commit, "machine": machine(), "versions": versions(),
+              "model": a.model, "ctx": a.ctx, "threads": a.threads, "reps": a.reps,
+              "llama_cpp_python": "compared" if have_llama else "not importable: slipstream alone",
+              "loadavg_1m": {"min": min(loads), "max": max(loads)}, "run_by_cache": cache}
+    lines = [f"run -n 1, time to first token by cache state, median of {a.reps} "
+             f"({result['date']}, {commit[:10]}, {result['machine']['cpu']}, load average "
+             f"{min(loads):.1f}-{max(loads):.1f}, {a.threads} thread(s))"
+             + ("" if have_llama else "; llama-cpp-python not importable"), ""]
+    text = "\n".join(lines + cache_table(cache, engines)) + "\n"
     print(text)
     if a.out:
         Path(a.out + ".json").write_text(json.dumps(result, indent=1) + "\n")

@@ -19,6 +19,7 @@ import torch
 
 from . import native
 from .errors import BadArgument, BudgetTooSmall, oom_summary
+from .hub.store import cache_dir
 from .memory.budget import fmt_bytes, parse_size
 from .memory.devices import resolve_device, stage_ranges
 from .memory.planner import Plan, StagePlan
@@ -28,6 +29,7 @@ from .modelfile.chat_template import ChatTemplate
 from .modelfile.config import ModelConfig
 from .modelfile.gguf_file import GGUFFile
 from .modelfile.tokenizer import Tokenizer
+from .modelfile.tokenizer_cache import load_tokenizer
 from .precision import Precision
 from .runtime import layer_skip
 from .runtime.build import (allocator_budget, build_engine, check_skip_layers, context_size,
@@ -330,7 +332,7 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
         device, vram_budget, stage_devs = stage_devices(device, vram_budget)
     model_path, gf, cfg = open_model(path, progress)
     dev = resolve_device(device)
-    tokenizer = Tokenizer.from_metadata(gf.metadata)
+    tokenizer = load_tokenizer(gf, cache_dir() / "tokenizers")  # built once per file
     template = ChatTemplate.from_metadata(gf.metadata)
     n_ctx = context_size(cfg, ctx)
     check_skip_layers(cfg, skip_layers)  # before the load, which may take minutes
@@ -390,7 +392,7 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
     try:
         plan = measured(gf, cfg, plan, io, prec, hybrid, place.threads)
         engine = build_engine(gf, cfg, dev, plan, n_ctx, prec, progress, io,
-                              place.private_weights, pipeline)
+                              place.private_weights, pipeline, place.threads is None)
     except BaseException as e:
         if draft_model is not None:
             draft_model.close()

@@ -30,6 +30,7 @@ from ..precision import Precision
 from ..weights import load_weights
 from .engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
 from .stage import Stage
+from ..threads import default_threads, threads_given
 
 DEFAULT_MAX_CTX = 4096  # the KV cache is preallocated, so the default does not take 128k
 
@@ -155,9 +156,14 @@ def measured(gf: GGUFFile, cfg: ModelConfig, plan: Plan, io: str, precision: Pre
 
 def build_engine(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, plan: Plan, n_ctx: int,
                  precision: Precision, progress: bool, io: str,
-                 private_weights: bool | None = None, pipeline=None) -> Engine:
+                 private_weights: bool | None = None, pipeline=None,
+                 auto_threads: bool = False) -> Engine:
     """Load the planned model (its bandwidths measured and split made: `measured`): streamed
-    tiers first, then the resident weights, the store and the engine."""
+    tiers first, then the resident weights, the store and the engine. `auto_threads` (no
+    thread count given) on CPU: torch's threads are set to the physical cores
+    (threads.default_threads), before anything is built."""
+    if auto_threads and dev.type == "cpu" and not threads_given():
+        torch.set_num_threads(default_threads())
     resident = {i for i, t in enumerate(plan.tiers) if t in ("ram", "vram")}
     # CUDA tiers B and C are built first, while the GPU holds nothing else, so the transient
     # GPU copy of the layer being built never sits on top of the resident model (on CPU:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +92,82 @@ class DenseLinear(Linear):
         if residual is not None:
             y = residual + y
         return y
+
+
+class LazyDenseLinear(DenseLinear):
+    """DenseLinear whose weight is made at its first use, from a thunk over GGUF bytes it
+    holds (quant.dequantize_as, as the loader made it eagerly before: the same bits), and
+    kept. A CPU model's dense weights serve only passes of more than GEMV_MAX_ROWS rows
+    (prefill; decode reads the packed copies), so making them at load cost the load most of
+    its time: on the default model (135M, Q4_1) dequantizing every layer to float16 took
+    0.18 of a 0.68 s load on an idle 2-core machine, and 9.4 of 12.3 s on a busy one, for a
+    `run` whose prompt might never need them: they are made after the load, by a thread
+    (loader.prefetch_dense), or by the first pass that needs one first.
+
+    `weight` reads like DenseLinear's attribute everywhere (the thunk runs on the first
+    read); `materialized` says whether it has run, without running it."""
+
+    def __init__(self, make: Callable[[], torch.Tensor], shape: tuple[int, int],
+                 dtype: torch.dtype, bias: torch.Tensor | None = None):
+        self._make: Callable[[], torch.Tensor] | None = make
+        self._weight: torch.Tensor | None = None
+        self._lock = threading.Lock()  # the load's prefetch thread and a pass may both ask
+        self.shape = (int(shape[0]), int(shape[1]))
+        self.dtype = dtype
+        self.bias = bias
+
+    @property
+    def weight(self) -> torch.Tensor:  # type: ignore[override]
+        if self._weight is None:
+            with self._lock:
+                if self._weight is None:
+                    make, self._make = self._make, None  # the GGUF bytes go with the thunk
+                    assert make is not None
+                    self._weight = make()
+        return self._weight
+
+    @weight.setter
+    def weight(self, value: torch.Tensor) -> None:
+        self._weight, self._make = value, None
+
+    @property
+    def materialized(self) -> bool:
+        return self._weight is not None
+
+    @property
+    def out_features(self) -> int:
+        return self.shape[0]
+
+    @staticmethod
+    def fuse(parts: list["DenseLinear"]) -> tuple["DenseLinear", list["DenseLinear"]]:
+        """DenseLinear.fuse without making any weight now: the fused weight is the parts'
+        weights concatenated at its first use (the same bytes), and the parts become lazy
+        views into it."""
+        has_bias = any(p.bias is not None for p in parts)
+        bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features)
+                          for p in parts]) if has_bias else None
+        rows = sum(p.out_features for p in parts)
+        cols = parts[0].shape[1] if isinstance(parts[0], LazyDenseLinear) else \
+            parts[0].weight.shape[1]
+        dtype = parts[0].dtype if isinstance(parts[0], LazyDenseLinear) else \
+            parts[0].weight.dtype
+        fused = LazyDenseLinear(lambda: torch.cat([p.weight for p in parts]), (rows, cols),
+                                dtype, bias)
+        views, row = [], 0
+        for p in parts:
+            n = p.out_features
+            views.append(LazyDenseLinear(lambda r=row, n=n: fused.weight[r:r + n], (n, cols),
+                                         dtype, bias[row:row + n] if bias is not None else None))
+            row += n
+        return fused, views
+
+
+def lazy_dense(raw: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, int],
+               dtype: torch.dtype, bias: torch.Tensor | None = None) -> LazyDenseLinear:
+    """A LazyDenseLinear over `raw` (GGUF bytes, uint8 (rows, row_bytes)): the weight made
+    as the loader's TensorSource.dense makes it, at its first use."""
+    return LazyDenseLinear(lambda: quant.dequantize_as(raw, qtype, shape, dtype), shape, dtype,
+                           bias)
 
 
 class OnDemandDenseLinear(Linear):

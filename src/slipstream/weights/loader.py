@@ -12,7 +12,10 @@ resident model never touches its file again.
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import mmap
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -31,8 +34,8 @@ from ..precision import Precision
 from .checks import check_tensor_names, check_values
 from .cpu import PackedDecodeLinear, kind_for, pack_group
 from .image import flattened
-from .linear import (GEMV_MAX_ROWS, DenseLinear, Linear, OnDemandDenseLinear, QuantEmbedding,
-                     QuantLinear, Workspace)
+from .linear import (GEMV_MAX_ROWS, DenseLinear, LazyDenseLinear, Linear, OnDemandDenseLinear,
+                     QuantEmbedding, QuantLinear, Workspace, lazy_dense)
 
 
 @dataclass
@@ -42,6 +45,8 @@ class ModelWeights:
     output_norm: torch.Tensor  # (hidden,)
     output: Callable[[torch.Tensor], torch.Tensor] | None  # hidden -> vocab (None: not last)
     rope_freqs: torch.Tensor | None  # (rope_dim/2,) llama3 frequency divisors, or None
+    # the thread making the layers' dense weights after the load (prefetch_dense), or None
+    dense_prefetch: threading.Thread | None = None
 
 
 def release_transients(device: torch.device) -> None:
@@ -82,11 +87,28 @@ class TensorSource:
     buffer holding the bytes of a span of the file (streaming from disk)."""
 
     def __init__(self, gf: GGUFFile, buffer: torch.Tensor | None = None, base: int = 0,
-                 private: bool = False):
+                 private: bool = False, held: bool = False):
+        """held: `buffer` belongs to the model (private_file_bytes), not a staging buffer
+        that is reused, so weights may stay views of it and be made after the build."""
         self.gf = gf
         self.buffer = buffer  # uint8, file bytes [base, base + len)
         self.base = base
         self.private = private  # copy what would view the memory map (see the module doc)
+        self.held = held and buffer is not None
+
+    @property
+    def lazy(self) -> bool:
+        """Whether a weight may be made after the build returns: from the memory-mapped file
+        or a held buffer, not from a staging buffer that is reused."""
+        return self.buffer is None or self.held
+
+    def raw_held(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """raw(), as bytes that stay valid after the build: a held buffer's view, a private
+        copy where the model must not read its file after the load (see the module doc),
+        else the map's view."""
+        raw = self.raw(name, shape)
+        return raw.clone() if (self.private and self.buffer is None) or \
+            (self.buffer is not None and not self.held) else raw
 
     def has(self, name: str) -> bool:
         return name in self.gf.tensors
@@ -97,7 +119,9 @@ class TensorSource:
     def raw(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if self.buffer is None:
             return raw_tensor(self.gf, name, shape)
-        info = self.gf.tensors[name]
+        info = self.gf.tensors.get(name)
+        if info is None or tuple(info.shape) != tuple(shape):
+            return raw_tensor(self.gf, name, shape)  # raises, naming the tensor
         start = info.offset - self.base
         rows = shape[0] if len(shape) == 2 else 1
         return self.buffer[start:start + info.n_bytes].view(rows, -1)
@@ -110,9 +134,32 @@ class TensorSource:
         t = quant.dequantize_as(raw, self.type_of(name), shape, dtype).to(device=device)
         if (self.buffer is not None or self.private) and _shares_memory(t, raw):
             # F32 (and F16 at float16) tensors decode to views: a staging buffer gets reused,
-            # and a private model must not read its file after the load
+            # a private model must not read its file after the load, and a held buffer is
+            # freed once the layers' weights are made from it (a view would keep it whole)
             t = t.clone()
         return t
+
+
+def private_file_bytes(gf: GGUFFile) -> tuple[torch.Tensor, int]:
+    """(bytes, base): the file's tensor data, [base, end of the last tensor), read into
+    private memory in one pass. A private CPU model holds its weights' GGUF bytes anyway
+    (decode packs from them, prefill dequantizes them at first use); one read of 98 MB took
+    0.1 s on a 2-core machine, where copying the same bytes tensor by tensor out of the
+    memory map faulted its pages in one by one and took 0.3-2.1 s under load."""
+    infos = list(gf.tensors.values())
+    base = min((t.offset for t in infos), default=0)
+    end = max((t.offset + t.n_bytes for t in infos), default=base)
+    buf = torch.empty(end - base, dtype=torch.uint8)
+    view, done = memoryview(buf.numpy()), 0
+    with open(gf.path, "rb", buffering=0) as f:
+        f.seek(base)
+        while done < len(view):
+            got = f.readinto(view[done:])
+            if not got:
+                raise GGUFError(f"{gf.path.name}: the file ends at byte {base + done}, inside "
+                                f"its tensor data (ending at {end}): truncated while loading")
+            done += got
+    return buf, base
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -175,6 +222,8 @@ class LayerBuilder:
         biases = [src.dense(f"{p}.bias", (s[0],), torch.float32, self.device)
                   if src.has(f"{p}.bias") else None for p, s in zip(prefixes, shapes)]
         if not self.quantized:
+            if src.lazy:
+                return self._lazy_linears(src, prefixes, shapes, biases, group)
             dtype = self.precision.weight_dtype
             parts = [DenseLinear(src.dense(f"{p}.weight", s, dtype, self.device), b)
                      for p, s, b in zip(prefixes, shapes, biases)]
@@ -198,6 +247,22 @@ class LayerBuilder:
                  for r, t, s, b in zip(raws, types, shapes, biases)]
         return None, parts
 
+
+    def _lazy_linears(self, src: TensorSource, prefixes: list[str], shapes, biases,
+                      group: LinearGroup) -> tuple[Callable | None, list[Callable]]:
+        """The CPU linears of a group from the memory-mapped file, with dense weights made at
+        their first use (linear.LazyDenseLinear) from the GGUF bytes read once here, which the
+        packed decode copy is made from too."""
+        dtype = self.precision.weight_dtype
+        raws = [src.raw_held(f"{p}.weight", s) for p, s in zip(prefixes, shapes)]
+        types = [src.type_of(f"{p}.weight") for p in prefixes]
+        parts = [lazy_dense(r, t, s, dtype, b)
+                 for r, t, s, b in zip(raws, types, shapes, biases)]
+        if not group.fuses((), dense=True):
+            return None, [self._packed_decode(src, [p], [s], [b], d, raws=[r])
+                          for p, s, b, d, r in zip(prefixes, shapes, biases, parts, raws)]
+        fused, views = LazyDenseLinear.fuse(parts)
+        return self._packed_decode(src, prefixes, shapes, biases, fused, raws=raws), views
 
     def _packed_decode(self, src: TensorSource, prefixes: list[str], shapes, biases,
                        dense: Linear, raws: list[torch.Tensor] | None = None):
@@ -284,7 +349,13 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
                            scratch_elements=scratch_elements)
     workspace = builder.workspace
     quantized = builder.quantized
-    src = TensorSource(gf, private=private)
+    whole = (resident_layers is None or len(resident_layers) == cfg.n_layers) \
+        and holds_embedding and holds_head
+    if private and device.type == "cpu" and whole:
+        # every weight's bytes are kept, so read them in one pass (private_file_bytes)
+        src = TensorSource(gf, *private_file_bytes(gf), private=private, held=True)
+    else:
+        src = TensorSource(gf, private=private)
 
     def tick(name: str) -> None:
         if progress is not None and name in gf.tensors:
@@ -295,7 +366,7 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     embed_raw, embed = None, None
     pinned = False
     if holds_embedding or (head_dense_on_demand and holds_head):
-        embed_raw = raw_tensor(gf, EMBEDDING, embed_shape)
+        embed_raw = src.raw(EMBEDDING, embed_shape)  # the map's view, or a held buffer's
         if not embed_on_host:
             embed_raw = embed_raw.to(device)  # on CPU still the map's bytes
         elif device.type == "cuda" and envs.get("SLIPSTREAM_PINNED_EMBED"):
@@ -303,7 +374,9 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
             # step's lookup needs no host sync: 0.4-0.9 GiB (8B-70B) of pinned RAM beside the
             # budget. Off until measured on a GPU
             embed_raw, pinned = embed_raw.contiguous().pin_memory(), True  # a private copy
-        if private and embed_raw.device.type == "cpu" and not pinned:
+        if (private or src.held) and embed_raw.device.type == "cpu" and not pinned:
+            # copied out of a held buffer too: the model keeps the table, and a view would keep
+            # the whole buffer (every layer's GGUF bytes) after the layers are made from it
             embed_raw = embed_raw.clone()
     if holds_embedding:
         embed = QuantEmbedding(embed_raw, embed_info.ggml_type, cfg.hidden,
@@ -328,9 +401,16 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
         output = builder._packed_decode(src, [head_name.removesuffix(".weight")],
                                         [embed_shape], [None], dense, raws=[raw])
     else:
-        output = builder._packed_decode(
-            src, [head_name.removesuffix(".weight")], [embed_shape], [None],
-            DenseLinear(src.dense(head_name, embed_shape, precision.weight_dtype, device)))
+        # a head tied to the embedding shares its bytes (already copied where private); its
+        # dense weight is made at the first call of more than GEMV_MAX_ROWS rows, as a layer's
+        raw = embed_raw if head_name == EMBEDDING and embed_raw is not None else \
+            src.raw_held(head_name, embed_shape)
+        if src.held and raw is not embed_raw:
+            raw = raw.clone()  # held until its first use, maybe never: not a view (as above)
+        dense = lazy_dense(raw, gf.tensors[head_name].ggml_type, embed_shape,
+                           precision.weight_dtype)
+        output = builder._packed_decode(src, [head_name.removesuffix(".weight")],
+                                        [embed_shape], [None], dense, raws=[raw])
     if head_name == HEAD:
         tick(head_name)
     rope_freqs = None
@@ -359,7 +439,57 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     if private:
         release_mapped_pages(gf)
     return ModelWeights(embed=embed, layers=layers, output_norm=output_norm, output=output,
-                        rope_freqs=rope_freqs)
+                        rope_freqs=rope_freqs,
+                        dense_prefetch=prefetch_dense(layers) if src.lazy and not quantized
+                        else None)
+
+
+def prefetch_dense(layers: list[LayerWeights | None]) -> threading.Thread | None:
+    """Make the layers' lazy dense weights (linear.LazyDenseLinear) in a daemon thread, layer
+    by layer in the order a prefill reads them, while the caller goes on (the engine's build,
+    the chat template, tokenizing, the first layers' matmuls): a `run` prompt is longer than
+    GEMV_MAX_ROWS tokens, and its prefill otherwise waited for the dequantization, 0.5 s of a
+    31-token prompt on a busy 2-core machine. A pass that reaches a weight first makes it
+    itself (the lock in LazyDenseLinear: made once, the same bits). The head stays lazy: only
+    passes that score every token use its dense weight. None where nothing is lazy."""
+    lazies = []
+    for layer in layers:
+        for f in dataclasses.fields(LayerWeights) if layer is not None else ():
+            lin = getattr(layer, f.name)
+            dense = getattr(lin, "dense", lin)
+            if isinstance(dense, LazyDenseLinear) and not dense.materialized:
+                lazies.append(dense)
+    if not lazies:
+        return None
+    stop = threading.Event()
+
+    def run() -> None:
+        try:
+            for lin in lazies:
+                if stop.is_set():
+                    return
+                lin.weight  # noqa: B018 (made now)
+        finally:
+            _PREFETCHES.pop(t, None)
+
+    t = threading.Thread(target=run, name="slipstream-dense-prefetch", daemon=True)
+    _PREFETCHES[t] = stop
+    t.start()
+    return t
+
+
+# running prefetch threads and their stop flags. A daemon thread still inside a torch op when
+# the interpreter finalizes aborts the process ("terminate called without an active
+# exception", SIGABRT), so at exit each is stopped between two weights and joined: the wait is
+# one weight's dequantization at most, not the rest of the model's
+_PREFETCHES: dict[threading.Thread, threading.Event] = {}
+
+
+@atexit.register
+def _stop_prefetches() -> None:
+    for t, stop in list(_PREFETCHES.items()):
+        stop.set()
+        t.join()
 
 
 def release_mapped_pages(gf: GGUFFile) -> None:
