@@ -62,11 +62,15 @@ def test_load_sets_the_default_unless_a_count_is_given(tiny_model, monkeypatch, 
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("env, expected", [({}, "PASSIVE"), ({"OMP_WAIT_POLICY": "ACTIVE"},
-                                                              "ACTIVE")])
+# a machine with an NVIDIA GPU keeps libgomp's default (hybrid decode was measured with it)
+GPU_HOST = os.path.exists("/dev/nvidiactl")
+
+
+@pytest.mark.parametrize("env, expected", [({}, None if GPU_HOST else "PASSIVE"),
+                                           ({"OMP_WAIT_POLICY": "ACTIVE"}, "ACTIVE")])
 def test_openmp_threads_wait_passively_unless_told(env, expected):
     base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     out = subprocess.run([sys.executable, "-c", "import slipstream, os; "
-                          "print(os.environ['OMP_WAIT_POLICY'])"], env={**base, **env},
+                          "print(os.environ.get('OMP_WAIT_POLICY'))"], env={**base, **env},
                          capture_output=True, text=True, check=True).stdout.strip()
-    assert out == expected
+    assert out == str(expected)

@@ -10,8 +10,12 @@ from typing import TYPE_CHECKING
 # machine with other work running, the spinning thread takes the core the working one needs:
 # the default model decoded at 2.5-7.4 tok/s with 2 threads spinning, 50-63 passive, 70-80
 # with one thread. Set before torch is imported (a process that imported torch first keeps
-# its own policy); OMP_WAIT_POLICY=ACTIVE in the environment keeps spinning.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# its own policy); OMP_WAIT_POLICY=ACTIVE in the environment keeps spinning. Not on a machine
+# with an NVIDIA GPU: hybrid decode hands each layer's FFN share to threads kept awake between
+# layers (native/q4_matvec.c, ss_omp_touch), whose speed was measured with libgomp's default,
+# and passive waiting there is not measured yet.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .errors import SlipstreamError  # noqa: E402 (after the policy, though torch-free)
 
