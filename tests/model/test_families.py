@@ -9,27 +9,53 @@ or misplaced piece of the block shows in the logits (each family has a negative 
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 
 import pytest
 import torch
 
 import slipstream
-from helpers import cpu_budget, cpu_engine
+from helpers import cpu_budget, cpu_engine, cpu_stages
+from hf_reference import reference_model
 from slipstream.model.families import ARCHITECTURES, FAMILIES, BlockTraits, family_for
-from slipstream.synth import write_synth
+from slipstream.modelfile.config import ModelConfig
+from slipstream.modelfile.gguf_file import GGUFFile
+from slipstream.precision import Precision
+from slipstream.runtime.engine import Engine
+from slipstream.synth import SHAPES, synth_config, write_synth
+from slipstream.weights.loader import load_weights
 
 transformers = pytest.importorskip("transformers")
 
 IDS = list(range(7, 300, 11))  # 27 tokens of the synthetic vocabulary: past the tiny shape's
 # 16-position sliding window
-# float32 weights on both sides (precision="exact"): measured below 2e-6 on these files
+CTX = 256  # the engines' context: within the synthesized LongRoPE files' original 512
+# float32 weights on both sides (precision="exact"): measured below 6e-6 on these files
 EXACT_REL_TOL = 1e-5
-# The families beyond Llama's, with what transformers needs told beside the GGUF: its GGUF
-# reader takes Qwen3's head size from the model class's default (128), not from
-# qwen3.attention.key_length, and Gemma 3's query scale from query_pre_attn_scalar (default
-# 256), which GGUF files do not hold
-NEW_FAMILIES = {"qwen3": {"head_dim": 64}, "gemma3": {"head_dim": 64, "query_pre_attn_scalar": 64}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """How transformers builds a family's reference, and the pieces beyond the family's
+    BlockTraits whose negative control must break the logits."""
+
+    # what transformers' GGUF reader needs told beside the file (None: it cannot read the
+    # family as slipstream does, and hf_reference builds the model from a config)
+    gguf_kwargs: dict | None = None
+    controls: tuple[str, ...] = ()
+
+
+# The families beyond Llama's. transformers' GGUF reader takes Qwen3's head size from the model
+# class's default (128), not from qwen3.attention.key_length, and Gemma 3's query scale from
+# query_pre_attn_scalar (default 256), which GGUF files do not hold. It reads neither Phi-3's
+# LongRoPE factors nor its partial rotary.
+NEW_FAMILIES = {
+    "qwen3": Reference({"head_dim": 64}),
+    "gemma3": Reference({"head_dim": 64, "query_pre_attn_scalar": 64},
+                        ("embed_scale", "sliding_window")),
+    "phi3": Reference(None, ("sliding_window", "rope_attn_factor", "rope_dim", "rope_factors")),
+}
 # six layers: Gemma 3's five sliding-window layers and one global one
 N_LAYERS = 6
 
@@ -50,10 +76,15 @@ def family_file(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference_logits(family_file):
     arch, path = family_file
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, **NEW_FAMILIES[arch])
+    kwargs = NEW_FAMILIES[arch].gguf_kwargs
+    if kwargs is None:
+        gf = GGUFFile(path)
+        hf = reference_model(path, ModelConfig.from_metadata(gf.metadata, set(gf.tensors)))
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, **kwargs).eval()
     with torch.no_grad():
-        return hf.eval()(torch.tensor([IDS])).logits[0]
+        return hf(torch.tensor([IDS])).logits[0]
 
 
 def test_every_family_is_listed_once():
@@ -64,10 +95,26 @@ def test_every_family_is_listed_once():
     assert set(NEW_FAMILIES) <= set(ARCHITECTURES)
 
 
+def without(engine: Engine, piece: str) -> Engine:
+    """`engine`'s model with one of its family's pieces back to the Llama block's: a
+    BlockTraits field or a ModelConfig field to its default, the RoPE over the whole head
+    ("rope_dim"), or no frequency divisors ("rope_factors"). Same weights, fresh caches."""
+    cfg, weights = engine.cfg, engine.weights
+    if piece == "rope_dim":  # (the divisors, one per rotated pair, go with it)
+        cfg = dataclasses.replace(cfg, rope_dim=cfg.head_dim)
+        weights = dataclasses.replace(weights, rope_freqs=None, rope_freqs_long=None)
+    elif piece == "rope_factors":
+        weights = dataclasses.replace(weights, rope_freqs=None, rope_freqs_long=None)
+    else:
+        default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}[piece]
+        cfg = dataclasses.replace(cfg, **{piece: default})
+    return Engine(cfg, weights, cpu_stages(cfg, weights, CTX))
+
+
 @pytest.mark.slow
 def test_logits_match_transformers(family_file, reference_logits):
     arch, path = family_file
-    engine = cpu_engine(path, precision="exact")
+    engine = cpu_engine(path, ctx=CTX, precision="exact")
     ours = engine.forward(IDS, all_logits=True)
     assert rel_err(ours, reference_logits) < EXACT_REL_TOL
     assert torch.equal(ours.argmax(-1), reference_logits.argmax(-1))
@@ -76,21 +123,17 @@ def test_logits_match_transformers(family_file, reference_logits):
     stepped = torch.cat([engine.forward(IDS[:5], all_logits=True)]
                         + [engine.forward(IDS[i:i + 1]) for i in range(5, len(IDS))])
     assert rel_err(stepped, reference_logits) < EXACT_REL_TOL
-    # Negative control: the same engine without the family's trait must be clearly wrong, or
-    # the comparison above could not tell the family's block from Llama's
-    # (each trait in turn back to the Llama block's)
+    # Negative control: the same weights without one of the family's pieces must be clearly
+    # wrong, or the comparison above could not tell the family's block from Llama's
     llama = BlockTraits()
     traits = family_for(arch).traits
     changed = [f.name for f in dataclasses.fields(traits)
                if getattr(traits, f.name) != getattr(llama, f.name)]
-    assert changed, f"{arch}: a family beyond Llama's has at least one trait"
-    cfg = engine.cfg
-    for name in changed + (["sliding_window"] if cfg.sliding_window else []):
-        engine.cfg = dataclasses.replace(cfg, **{name: getattr(llama, name, 0)})
-        engine.reset()
-        wrong = engine.forward(IDS, all_logits=True)
-        assert rel_err(wrong, reference_logits) > 100 * EXACT_REL_TOL, name
-    engine.cfg = cfg
+    pieces = changed + list(NEW_FAMILIES[arch].controls)
+    assert pieces, f"{arch}: a family beyond Llama's differs from it in at least one piece"
+    for piece in pieces:
+        wrong = without(engine, piece).forward(IDS, all_logits=True)
+        assert rel_err(wrong, reference_logits) > 100 * EXACT_REL_TOL, piece
 
 
 @pytest.mark.slow
@@ -129,3 +172,63 @@ def test_a_family_model_is_a_speculative_target(family_file, tmp_path):
         spec = [e.id for e in gen]
         assert spec == plain
         assert gen.speculation["draft_forwards"] > 0
+
+
+@pytest.mark.parametrize("arch", sorted(NEW_FAMILIES))
+def test_a_synthesized_file_holds_the_family_layer(arch, tmp_path):
+    """The fast check of every family: `slipstream synth --arch` writes the tensors its
+    LayerSpec names, with its shapes, and ModelConfig reads the family's metadata back."""
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=1, arch=arch)
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    assert cfg.architecture == arch
+    spec = family_for(arch).layer
+    layer = {n.removeprefix("blk.0."): tuple(t.shape) for n, t in gf.tensors.items()
+             if n.startswith("blk.0.")}
+    assert layer == spec.shapes(cfg)
+    traits = family_for(arch).traits
+    for f in dataclasses.fields(traits):
+        assert getattr(cfg, f.name) == getattr(traits, f.name)
+
+
+def test_phi3_metadata_and_longrope_divisors(tmp_path):
+    """Phi-3's fused tensors, partial rotary, LongRoPE keys and the choice of divisors by
+    context, as llama.cpp makes it: the long set only past the original context."""
+    path = write_synth(tmp_path / "phi3.gguf", "tiny", "Q8_0", n_layers=1, arch="phi3")
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    assert (cfg.head_dim, cfg.rope_dim, cfg.sliding_window, cfg.rope_ctx_orig) == (64, 48, 16, 512)
+    assert cfg.rope_attn_factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(512)))
+    assert tuple(gf.tensors["blk.0.attn_qkv.weight"].shape) == (256 + 2 * 128, 256)
+    assert tuple(gf.tensors["blk.0.ffn_up.weight"].shape) == (2 * 512, 256)
+    weights = load_weights(gf, cfg, torch.device("cpu"), Precision.of("exact", torch.device("cpu")))
+    layer = weights.layers[0]
+    assert layer.attn_q is None and layer.ffn_gate is None
+    assert layer.attn_qkv.out_features == 512 and layer.ffn_gate_up.out_features == 1024
+    short, long = weights.rope_freqs_for(512), weights.rope_freqs_for(513)
+    assert short.shape == long.shape == (24,)
+    assert float(short.max()) == pytest.approx(3.0) and float(long.max()) == pytest.approx(16.0)
+
+
+@pytest.mark.parametrize("shape,arch,head,scale", [
+    ("27b", "gemma3", 128, 1 / math.sqrt(5376 / 32)),  # query_pre_attn_scalar 168
+    ("32b", "qwen3", 128, 1 / math.sqrt(128)),
+])
+def test_large_shapes_keep_their_head_size(shape, arch, head, scale):
+    """Gemma-3-27B and Qwen3-32B heads are 128 wide, not hidden / heads (168, 80): the
+    shapes' configs (what their files read back as; writing them is for a big machine)."""
+    cfg = synth_config(SHAPES[shape], arch)
+    assert (cfg.head_dim, cfg.rope_dim) == (head, head)
+    assert cfg.attention_scale == pytest.approx(scale)
+    q = family_for(arch).layer.shapes(cfg)["attn_q.weight"]
+    assert q == (cfg.n_heads * head, cfg.hidden)
+
+
+def test_synth_writes_a_separate_head_size(tmp_path):
+    """A shape whose head size is not hidden / heads writes it as key_length, which
+    ModelConfig reads back (the tiny shape with 32-wide heads)."""
+    shape = dataclasses.replace(SHAPES["tiny"], head_dim=32)
+    path = write_synth(tmp_path / "m.gguf", shape, "Q8_0", n_layers=1, arch="qwen3")
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    assert cfg.head_dim == 32 and tuple(gf.tensors["blk.0.attn_q.weight"].shape) == (128, 256)

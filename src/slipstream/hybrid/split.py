@@ -102,6 +102,8 @@ def layer_splittable(src, cfg, i: int) -> bool:
     if cfg.ffn_act != "silu" or cfg.post_norms:
         return False
     p = f"blk.{i}"
+    if not src.has(f"{p}.ffn_gate.weight"):  # gate and up stored as one tensor (Phi-3)
+        return False
     if any(src.has(f"{p}.{n}.bias") for n in ("ffn_gate", "ffn_up", "ffn_down")):
         return False
     qtypes = {n: GGMLQuantizationType(int(src.type_of(f"{p}.{n}.weight")))

@@ -28,8 +28,13 @@ class RopeTable:
             inv_freq = inv_freq / freq_factors.float().cpu()
         positions = torch.arange(max_pos, dtype=torch.float32) / cfg.rope_scale
         angles = positions[:, None] * inv_freq[None, :]  # (max_pos, rope_dim/2)
-        self.cos = angles.cos().to(device)
-        self.sin = angles.sin().to(device)
+        cos, sin = angles.cos(), angles.sin()
+        if cfg.rope_attn_factor != 1.0:
+            # LongRoPE's attention factor scales the rotated dimensions of queries and keys
+            # (so their dot products by its square), as llama.cpp's mscale does
+            cos, sin = cos * cfg.rope_attn_factor, sin * cfg.rope_attn_factor
+        self.cos = cos.to(device)
+        self.sin = sin.to(device)
 
     def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What `apply` needs for positions (T,), computed once per forward for all layers.

@@ -51,6 +51,11 @@ class ModelConfig:
     swa_pattern: int = 0  # every swa_pattern-th layer is global (0: all sliding if a window)
     rope_base_local: float = 0.0  # RoPE base of the sliding-window layers (0: rope_base)
     attn_scale: float = 0.0  # the query scale (0: 1 / sqrt(head_dim))
+    # LongRoPE (Phi-3): RoPE's cos and sin are multiplied by this (llama.cpp's
+    # rope.scaling.attn_factor), and contexts beyond rope_ctx_orig positions take the
+    # rope_factors_long divisors instead of rope_factors_short (0: no such split)
+    rope_attn_factor: float = 1.0
+    rope_ctx_orig: int = 0
     name: str = ""
 
     @property

@@ -12,6 +12,7 @@ resident model never touches its file again.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import warnings
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from .. import envs, kernels, quant
-from ..errors import GGUFError
+from ..errors import GGUFError, InvalidMetadata
 from ..model.families import spec_for
 from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name
 from ..model.llama import LayerWeights
@@ -40,7 +41,18 @@ class ModelWeights:
     layers: list[LayerWeights]
     output_norm: torch.Tensor  # (hidden,)
     output: Callable[[torch.Tensor], torch.Tensor] | None  # hidden -> vocab (None: not last)
-    rope_freqs: torch.Tensor | None  # (rope_dim/2,) llama3 frequency divisors, or None
+    rope_freqs: torch.Tensor | None  # (rope_dim/2,) frequency divisors (llama3, LongRoPE short)
+    # LongRoPE (Phi-3): the divisors of contexts beyond `long_after` positions
+    rope_freqs_long: torch.Tensor | None = None
+    long_after: int = 0
+
+    def rope_freqs_for(self, ctx: int) -> torch.Tensor | None:
+        """The divisors a context of `ctx` positions rotates with: LongRoPE's long set past
+        the original context, as llama.cpp chooses (by the context allocated, not by how many
+        tokens a pass holds), else the file's one set or none."""
+        if self.rope_freqs_long is not None and ctx > self.long_after:
+            return self.rope_freqs_long
+        return self.rope_freqs
 
 
 def release_transients(device: torch.device) -> None:
@@ -160,10 +172,14 @@ class LayerBuilder:
             fused, parts = self._linears(src, [f"{p}.{n}" for n in group.parts], group)
             if len(group.parts) > 1:
                 fields[group.field] = fused
-            fields.update(zip(group.parts, parts or [None] * len(group.parts)))
+                fields.update(zip(group.parts, parts or [None] * len(group.parts)))
+            else:  # one stored tensor: its own field, or the fused field it already is (Phi-3)
+                fields[group.field] = parts[0]
         for norm in self.spec.norms:
             fields[norm] = src.dense(f"{p}.{norm}.weight", self.shapes[f"{norm}.weight"],
                                      torch.float32, self.device)
+        for f in dataclasses.fields(LayerWeights):  # the parts a fused-only layout lacks
+            fields.setdefault(f.name, None)
         return LayerWeights(**fields)
 
     def _linears(self, src: TensorSource, prefixes: list[str], group: LinearGroup
@@ -328,10 +344,11 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
             DenseLinear(src.dense(head_name, embed_shape, precision.weight_dtype, device)))
     if head_name == HEAD:
         tick(head_name)
-    rope_freqs = None
-    if "rope_freqs.weight" in gf.tensors:
-        rope_freqs = src.dense("rope_freqs.weight", (cfg.rope_dim // 2,), torch.float32,
-                               torch.device("cpu"))
+    rope_freqs = _rope_divisors(src, "rope_freqs.weight", cfg)
+    rope_long = None
+    if "rope_factors_short.weight" in gf.tensors or "rope_factors_long.weight" in gf.tensors:
+        rope_freqs = _rope_divisors(src, "rope_factors_short.weight", cfg, required=True)
+        rope_long = _rope_divisors(src, "rope_factors_long.weight", cfg, required=True)
     output_norm = src.dense("output_norm.weight", (cfg.hidden,), torch.float32, device)
     tick("output_norm.weight")
     # The layers come after the head: packing the head (the largest weight) while no layer is
@@ -354,7 +371,29 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     if private:
         release_mapped_pages(gf)
     return ModelWeights(embed=embed, layers=layers, output_norm=output_norm, output=output,
-                        rope_freqs=rope_freqs)
+                        rope_freqs=rope_freqs, rope_freqs_long=rope_long,
+                        long_after=cfg.rope_ctx_orig)
+
+
+def _rope_divisors(src: TensorSource, name: str, cfg: ModelConfig,
+                   required: bool = False) -> torch.Tensor | None:
+    """A (rope_dim / 2,) tensor of RoPE frequency divisors (llama3's rope_freqs, LongRoPE's
+    rope_factors_short/long), checked: a zero, negative or non-finite divisor would make every
+    logit NaN. None where the file lacks it and it is not `required` (LongRoPE's two come
+    together)."""
+    if not src.has(name):
+        if required:
+            raise GGUFError(f"{src.gf.path.name}: missing tensor {name!r} (LongRoPE files "
+                            f"hold rope_factors_short.weight and rope_factors_long.weight)")
+        return None
+    t = src.dense(name, (cfg.rope_dim // 2,), torch.float32, torch.device("cpu"))
+    bad = ~(torch.isfinite(t) & (t > 0))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise InvalidMetadata(f"{src.gf.path.name}: tensor {name!r} has value {float(t[i])!r} "
+                              f"at index {i}; RoPE frequency divisors must be finite and "
+                              f"positive")
+    return t
 
 
 def release_mapped_pages(gf: GGUFFile) -> None:

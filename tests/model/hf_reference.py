@@ -1,0 +1,78 @@
+"""transformers models of the families its GGUF reader does not load as slipstream reads them
+(Phi-3's LongRoPE factors and partial rotary, OLMo 2, Cohere 2): the model class built from a
+config written out of the file's ModelConfig, and the file's tensors dequantized to float32
+and loaded under transformers' names. Nothing of slipstream's block math is used."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from slipstream.modelfile.config import ModelConfig
+
+
+def gguf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the file, dequantized by gguf-py (float32, torch order)."""
+    out = {}
+    for t in GGUFReader(path).tensors:
+        a = dequantize(t.data, t.tensor_type).astype(np.float32)
+        out[t.name] = torch.from_numpy(a.reshape([int(d) for d in reversed(t.shape)]).copy())
+    return out
+
+
+def _layer_names(cfg: ModelConfig, per_layer: dict[str, str], top: dict[str, str]
+                 ) -> dict[str, str]:
+    names = dict(top)
+    for i in range(cfg.n_layers):
+        names.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in per_layer.items()})
+    return names
+
+
+def _phi3(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_base,
+            "partial_rotary_factor": cfg.rope_dim / cfg.head_dim}
+    if cfg.rope_ctx_orig:
+        rope.update(rope_type="longrope", attention_factor=cfg.rope_attn_factor,
+                    original_max_position_embeddings=cfg.rope_ctx_orig,
+                    short_factor=tensors["rope_factors_short.weight"].tolist(),
+                    long_factor=tensors["rope_factors_long.weight"].tolist())
+    config = Phi3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.context_length,
+        original_max_position_embeddings=cfg.rope_ctx_orig or cfg.context_length,
+        rms_norm_eps=cfg.norm_eps, rope_parameters=rope,
+        sliding_window=cfg.sliding_window or None, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    names = _layer_names(cfg, {
+        "attn_norm.weight": "input_layernorm.weight",
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    }, {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"})
+    return Phi3ForCausalLM(config), names
+
+
+BUILDERS: dict[str, Callable] = {"phi3": _phi3}
+
+
+def reference_model(path: Path, cfg: ModelConfig) -> torch.nn.Module:
+    """The transformers model of `path` (a family in BUILDERS), float32, in eval mode."""
+    tensors = gguf_tensors(path)
+    model, names = BUILDERS[cfg.architecture](cfg, tensors)
+    state = {names[n]: t for n, t in tensors.items() if n in names}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # rotary buffers are the model's own; every weight must come from the file
+    assert not [m for m in missing if "rotary" not in m], missing
+    assert not unexpected, unexpected
+    return model.float().eval()
