@@ -266,6 +266,11 @@ def synth_metadata(shape: SynthShape, arch: str) -> dict[str, int | float]:
         # LongRoPE's attention factor, as llama.cpp's converter computes it
         md[f"{arch}.rope.scaling.attn_factor"] = math.sqrt(
             1 + math.log(LONGROPE_ORIGINAL) / math.log(orig))
+    if family == "mistral3":  # Ministral 3's temperature, past a short original context in
+        # the tiny shape so that a test's few dozen tokens cross it (Ministral 3: 16384)
+        md[f"{arch}.attention.temperature_scale"] = 0.1
+        md[f"{arch}.rope.scaling.original_context_length"] = (
+            4 if shape.hidden <= 256 else 16384)
     return md
 
 

@@ -58,12 +58,55 @@ def _phi3(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
         "ffn_norm.weight": "post_attention_layernorm.weight",
         "ffn_up.weight": "mlp.gate_up_proj.weight",
         "ffn_down.weight": "mlp.down_proj.weight",
-    }, {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-        "output.weight": "lm_head.weight"})
+    }, TOP_NAMES)
     return Phi3ForCausalLM(config), names
 
 
-BUILDERS: dict[str, Callable] = {"phi3": _phi3}
+LLAMA_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+             "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Q or K rows back from llama.cpp's converter order (each head's rotation pairs adjacent,
+    for NORMAL RoPE) to the checkpoint's (pairs half a head apart, for rotate_half)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, -1).transpose(1, 2).reshape(rows, -1)
+
+
+def unpermute_qk(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    for i in range(cfg.n_layers):
+        for name, heads in (("attn_q.weight", cfg.n_heads), ("attn_k.weight", cfg.n_kv_heads)):
+            tensors[f"blk.{i}.{name}"] = unpermute(tensors[f"blk.{i}.{name}"], heads)
+
+
+def _mistral3(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+
+    unpermute_qk(cfg, tensors)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_base,
+            "llama_4_scaling_beta": cfg.attn_temp_scale,
+            "original_max_position_embeddings": cfg.attn_temp_floor or cfg.context_length}
+    config = Ministral3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
+        rope_parameters=rope, tie_word_embeddings=False, pad_token_id=0)
+    return Ministral3ForCausalLM(config), _layer_names(cfg, LLAMA_NAMES, TOP_NAMES)
+
+
+BUILDERS: dict[str, Callable] = {"phi3": _phi3, "mistral3": _mistral3}
 
 
 def reference_model(path: Path, cfg: ModelConfig) -> torch.nn.Module:

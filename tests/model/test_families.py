@@ -55,6 +55,7 @@ NEW_FAMILIES = {
     "gemma3": Reference({"head_dim": 64, "query_pre_attn_scalar": 64},
                         ("embed_scale", "sliding_window")),
     "phi3": Reference(None, ("sliding_window", "rope_attn_factor", "rope_dim", "rope_factors")),
+    "mistral3": Reference(None, ("attn_temp_scale",)),
 }
 # six layers: Gemma 3's five sliding-window layers and one global one
 N_LAYERS = 6

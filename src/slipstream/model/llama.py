@@ -175,11 +175,11 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     """
     T = x.shape[0]
     if (T == 1 and CPU_DECODE and x.device.type == "cpu" and w.attn_qkv is not None
-            and not step.needs_mask):
+            and not step.needs_mask and not cfg.attn_temp_scale):
         return _cpu_decode(cfg, w, x, cos_sin, step.start, k_cache, v_cache, rope, window)
     n_qk = cfg.n_heads + cfg.n_kv_heads
     # the fused decode kernels read every slot up to the position (no window yet)
-    if uses_fused_decode(step, k_cache) and not window:
+    if uses_fused_decode(step, k_cache) and not window and not cfg.attn_temp_scale:
         # RoPE, the cache write and split-K attention in three kernels that read the position
         # from device memory, instead of a dozen small ops (and a graph can replay them).
         if w.attn_qkv is not None:
@@ -210,6 +210,8 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         v = w.attn_v(h).view(T, cfg.n_kv_heads, cfg.head_dim)
     qk = rope.apply(qk, cos_sin)  # q and k heads rotate together: one pass, same angles
     q, k = qk[:, :cfg.n_heads], qk[:, cfg.n_heads:]
+    if cfg.attn_temp_scale:
+        q = q * attention_temperature(cfg, step.positions)[:, None, None]
     k_new, v_new = k.transpose(0, 1), v.transpose(0, 1)  # (n_kv, T, d); copy_ casts
     if step.start is not None:  # a contiguous run of slots the host knows: a slice write
         k_cache[:, step.start:step.start + T] = k_new
@@ -223,6 +225,14 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     attn = attention(q.to(k_cache.dtype), k_cache[:, lo:step.span], v_cache[:, lo:step.span],
                      step, cfg.gqa_group, cfg.attention_scale)
     return _ffn(cfg, w, _attention_residual(cfg, w, attn, x))
+
+
+def attention_temperature(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor:
+    """Llama 4's per-position query factor (cfg.attn_temp_scale: Ministral 3), float32 (T,):
+    1 below the original context, growing with the log of how many times past it a query
+    stands, so that attention stays sharp over contexts the model was stretched to."""
+    times = torch.floor(positions.float() / cfg.attn_temp_floor)
+    return 1.0 + cfg.attn_temp_scale * torch.log1p(times)
 
 
 def _attention_residual(cfg: ModelConfig, w: LayerWeights, attn: torch.Tensor,
@@ -255,7 +265,8 @@ def _cpu_decode(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
 
 def llama_block(cfg: ModelConfig) -> bool:
     """Whether cfg's block is the plain Llama block (none of the families' variations)."""
-    return not (cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.attn_scale)
+    return not (cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.attn_scale
+                or cfg.attn_temp_scale)
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}

@@ -56,6 +56,10 @@ class ModelConfig:
     # rope_factors_long divisors instead of rope_factors_short (0: no such split)
     rope_attn_factor: float = 1.0
     rope_ctx_orig: int = 0
+    # Llama 4's attention temperature (Ministral 3): queries at position p are multiplied by
+    # 1 + attn_temp_scale * ln(1 + floor(p / attn_temp_floor)) (0: none)
+    attn_temp_scale: float = 0.0
+    attn_temp_floor: int = 0
     name: str = ""
 
     @property

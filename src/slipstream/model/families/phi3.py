@@ -57,8 +57,9 @@ def configure(md: Mapping[str, Any], arch: str, source: str,
               base: Mapping[str, Any]) -> dict[str, Any]:
     context = base["context_length"]
     window = md_int(md, f"{arch}.attention.sliding_window", source, 0, 1 << 24, default=0)
-    orig = md_int(md, f"{arch}.rope.scaling.original_context_length", source, 0, context,
-                  default=0, hint=f" (at most the context length {context})")
+    # llama.cpp's n_ctx_orig_yarn: the trained context where the file does not say
+    orig = md_int(md, f"{arch}.rope.scaling.original_context_length", source, 1, context,
+                  default=context, hint=f" (at most the context length {context})")
     factor = md_float(md, f"{arch}.rope.scaling.attn_factor", source, 1.0, 0.0, 16.0,
                       lo_open=True, hint=" (LongRoPE's is about 1.2)")
     # a window as long as the context never narrows attention (Phi-3.5: 262144 > 131072)
