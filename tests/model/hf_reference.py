@@ -102,11 +102,32 @@ def _mistral3(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
         max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
-        rope_parameters=rope, tie_word_embeddings=False, pad_token_id=0)
+        rope_parameters=rope, tie_word_embeddings=False, pad_token_id=0, bos_token_id=None,
+        eos_token_id=None)
     return Ministral3ForCausalLM(config), _layer_names(cfg, LLAMA_NAMES, TOP_NAMES)
 
 
-BUILDERS: dict[str, Callable] = {"phi3": _phi3, "mistral3": _mistral3}
+def _olmo2(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    config = Olmo2Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.context_length,
+        rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default",
+                                                    "rope_theta": cfg.rope_base},
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=None,
+        eos_token_id=None)
+    names = {k: v for k, v in LLAMA_NAMES.items() if k not in ("attn_norm.weight",
+                                                               "ffn_norm.weight")}
+    names.update({"attn_q_norm.weight": "self_attn.q_norm.weight",
+                  "attn_k_norm.weight": "self_attn.k_norm.weight",
+                  "post_attention_norm.weight": "post_attention_layernorm.weight",
+                  "post_ffw_norm.weight": "post_feedforward_layernorm.weight"})
+    return Olmo2ForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
+
+
+BUILDERS: dict[str, Callable] = {"phi3": _phi3, "mistral3": _mistral3, "olmo2": _olmo2}
 
 
 def reference_model(path: Path, cfg: ModelConfig) -> torch.nn.Module:

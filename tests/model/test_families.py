@@ -56,7 +56,12 @@ NEW_FAMILIES = {
                         ("embed_scale", "sliding_window")),
     "phi3": Reference(None, ("sliding_window", "rope_attn_factor", "rope_dim", "rope_factors")),
     "mistral3": Reference(None, ("attn_temp_scale",)),
+    "olmo2": Reference(None),
 }
+# Traits whose Llama value needs weights the family's files lack or shape otherwise (OLMo 2
+# has no pre-norm weights; its whole-projection q/k norms cannot norm one head): no engine
+# runs them, and their family's other traits' controls stand for them
+NO_CONTROL = {"pre_norms", "qk_norm_whole"}
 # six layers: Gemma 3's five sliding-window layers and one global one
 N_LAYERS = 6
 
@@ -130,11 +135,12 @@ def test_logits_match_transformers(family_file, reference_logits):
     traits = family_for(arch).traits
     changed = [f.name for f in dataclasses.fields(traits)
                if getattr(traits, f.name) != getattr(llama, f.name)]
-    pieces = changed + list(NEW_FAMILIES[arch].controls)
+    pieces = [p for p in changed if p not in NO_CONTROL] + list(NEW_FAMILIES[arch].controls)
     assert pieces, f"{arch}: a family beyond Llama's differs from it in at least one piece"
     for piece in pieces:
-        wrong = without(engine, piece).forward(IDS, all_logits=True)
-        assert rel_err(wrong, reference_logits) > 100 * EXACT_REL_TOL, piece
+        err = rel_err(without(engine, piece).forward(IDS, all_logits=True), reference_logits)
+        # (OLMo 2 without its post-norms overflows: NaN is as wrong as it gets)
+        assert math.isnan(err) or err > 100 * EXACT_REL_TOL, piece
 
 
 @pytest.mark.slow

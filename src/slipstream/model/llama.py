@@ -63,12 +63,12 @@ class Linear(Protocol):
 
 @dataclass
 class LayerWeights:
-    attn_norm: torch.Tensor  # (hidden,)
+    attn_norm: torch.Tensor | None  # (hidden,); None without pre-norms (cfg.pre_norms)
     attn_q: Linear | None  # hidden -> n_heads * head_dim (None when only attn_qkv exists)
     attn_k: Linear | None  # hidden -> n_kv_heads * head_dim
     attn_v: Linear | None  # hidden -> n_kv_heads * head_dim
     attn_output: Linear  # n_heads * head_dim -> hidden
-    ffn_norm: torch.Tensor  # (hidden,)
+    ffn_norm: torch.Tensor | None  # (hidden,)
     ffn_gate: Linear | None  # hidden -> ffn (None when only ffn_gate_up exists)
     ffn_up: Linear | None  # hidden -> ffn
     ffn_down: Linear  # ffn -> hidden
@@ -91,6 +91,13 @@ class LayerWeights:
     # The layer's CPU decode form through the native ops (model.cpu_native), made at its first
     # CPU decode token: a NativeLayer, or False where the layer cannot take one.
     cpu_native: object = None
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether the layer's tensors live on a CUDA device, told by its norm weights (every
+        family has some: pre-norms, or OLMo 2's post-norms)."""
+        return any(t is not None and t.is_cuda for t in (
+            self.attn_norm, self.ffn_norm, self.post_attention_norm, self.post_ffw_norm))
 
 
 class FFNShare(Protocol):
@@ -118,9 +125,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def qk_normed(cfg: ModelConfig, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:
     """qkv (T, (n_heads + n_kv_heads [+ n_kv_heads]) * head_dim), as the projections return it,
     with each query head and each key head RMS-normed by its own weight (cfg.qk_norm: Qwen3),
-    the values passed through. The norm runs over one head's dimensions, before RoPE."""
+    the values passed through. The norm runs over one head's dimensions, before RoPE; with
+    cfg.qk_norm_whole (OLMo 2) over all of a token's queries, and all its keys, at once."""
     T, d = qkv.shape[0], cfg.head_dim
     q_end, k_end = cfg.n_heads * d, (cfg.n_heads + cfg.n_kv_heads) * d
+    if cfg.qk_norm_whole:
+        q = rms_norm(qkv[:, :q_end], w.attn_q_norm, cfg.norm_eps)
+        k = rms_norm(qkv[:, q_end:k_end], w.attn_k_norm, cfg.norm_eps)
+        return torch.cat((q, k, qkv[:, k_end:]), dim=1)
     q = rms_norm(qkv[:, :q_end].reshape(-1, d), w.attn_q_norm, cfg.norm_eps)
     k = rms_norm(qkv[:, q_end:k_end].reshape(-1, d), w.attn_k_norm, cfg.norm_eps)
     return torch.cat((q.view(T, -1), k.view(T, -1), qkv[:, k_end:]), dim=1)
@@ -183,9 +195,9 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         # RoPE, the cache write and split-K attention in three kernels that read the position
         # from device memory, instead of a dozen small ops (and a graph can replay them).
         if w.attn_qkv is not None:
-            qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps)
+            qkv = pre_normed(cfg, w.attn_qkv, x, w.attn_norm)
         else:
-            h = rms_norm(x, w.attn_norm, cfg.norm_eps)
+            h = rms_norm(x, w.attn_norm, cfg.norm_eps) if cfg.pre_norms else x
             qkv = torch.cat((w.attn_q(h), w.attn_k(h), w.attn_v(h)), dim=-1)
         if cfg.qk_norm:
             qkv = qk_normed(cfg, w, qkv)
@@ -196,13 +208,13 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
                                         cfg.attention_scale, cfg.gqa_group, span=step.span)
         return _ffn(cfg, w, _attention_residual(cfg, w, attn.reshape(1, -1), x))
     if w.attn_qkv is not None:
-        qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps)
+        qkv = pre_normed(cfg, w.attn_qkv, x, w.attn_norm)
         if cfg.qk_norm:
             qkv = qk_normed(cfg, w, qkv)
         qkv = qkv.view(T, n_qk + cfg.n_kv_heads, cfg.head_dim)
         qk, v = qkv[:, :n_qk], qkv[:, n_qk:]
     else:
-        h = rms_norm(x, w.attn_norm, cfg.norm_eps)
+        h = rms_norm(x, w.attn_norm, cfg.norm_eps) if cfg.pre_norms else x
         qk = torch.cat((w.attn_q(h), w.attn_k(h)), dim=-1)
         if cfg.qk_norm:
             qk = qk_normed(cfg, w, qk)
@@ -235,6 +247,13 @@ def attention_temperature(cfg: ModelConfig, positions: torch.Tensor) -> torch.Te
     return 1.0 + cfg.attn_temp_scale * torch.log1p(times)
 
 
+def pre_normed(cfg: ModelConfig, lin: Linear, x: torch.Tensor, norm: torch.Tensor | None
+               ) -> torch.Tensor:
+    """lin(rms_norm(x, norm)), the norm fused into the matmul where the linear can; lin(x)
+    in a block without pre-norms (cfg.pre_norms False: OLMo 2)."""
+    return lin.norm_matmul(x, norm, cfg.norm_eps) if cfg.pre_norms else lin(x)
+
+
 def _attention_residual(cfg: ModelConfig, w: LayerWeights, attn: torch.Tensor,
                         x: torch.Tensor) -> torch.Tensor:
     """x plus the attention's output projection, normed first where the family norms it."""
@@ -256,7 +275,7 @@ def _cpu_decode(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         nl = native_layer(w)
         if nl is not None and native_serves(x, pos, k_cache, v_cache):
             return native_decode_layer(cfg, nl, x, cos_sin, pos, k_cache, v_cache, rope)
-    qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps)
+    qkv = pre_normed(cfg, w.attn_qkv, x, w.attn_norm)
     if cfg.qk_norm:
         qkv = qk_normed(cfg, w, qkv)
     attn = decode_attention(cfg, qkv, cos_sin, pos, k_cache, v_cache, rope, window)
@@ -266,7 +285,7 @@ def _cpu_decode(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
 def llama_block(cfg: ModelConfig) -> bool:
     """Whether cfg's block is the plain Llama block (none of the families' variations)."""
     return not (cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.attn_scale
-                or cfg.attn_temp_scale)
+                or cfg.attn_temp_scale or not cfg.pre_norms)
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
@@ -276,12 +295,12 @@ def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """The gated FFN half of the block, with its residual."""
     if w.ffn_host is not None or w.ffn_down_rest is not None:
         return _split_ffn(cfg, w, x)
-    if cfg.ffn_act != "silu" or cfg.post_norms:
+    if cfg.ffn_act != "silu" or cfg.post_norms or not cfg.pre_norms:
         # the general form: the fused SwiGLU epilogues hold SiLU and the residual add only
         if w.ffn_gate_up is not None:
-            gate, up = w.ffn_gate_up.norm_matmul(x, w.ffn_norm, cfg.norm_eps).chunk(2, dim=-1)
+            gate, up = pre_normed(cfg, w.ffn_gate_up, x, w.ffn_norm).chunk(2, dim=-1)
         else:
-            h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
+            h = rms_norm(x, w.ffn_norm, cfg.norm_eps) if cfg.pre_norms else x
             gate, up = w.ffn_gate(h), w.ffn_up(h)
         y = w.ffn_down(_ACTIVATIONS[cfg.ffn_act](gate) * up)
         return x + (rms_norm(y, w.post_ffw_norm, cfg.norm_eps) if cfg.post_norms else y)

@@ -43,7 +43,9 @@ class ModelConfig:
     rope_scale: float = 1.0  # linear scaling factor (positions divided by it)
     attn_bias: bool = False  # QKV bias (Qwen2)
     # The family's variations of the Llama block (model.families; each off for Llama)
+    pre_norms: bool = True  # RMSNorm before attention and the FFN (all but OLMo 2)
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # ... over the whole q and k projections instead (OLMo 2)
     post_norms: bool = False  # RMSNorm on the attention and FFN outputs before each residual
     ffn_act: str = "silu"  # the gated FFN's activation: "silu" or "gelu_tanh" (GeGLU)
     embed_scale: float = 1.0  # token embeddings are multiplied by it (Gemma: sqrt(hidden))
