@@ -242,9 +242,12 @@ def synth_window(shape: SynthShape) -> int:
     return 16 if shape.hidden <= 256 else 1024
 
 
-# The families whose synthesized files rotate part of each head (Phi-4-mini's 0.75): what
+# The families whose synthesized files rotate part of each head (Phi-4-mini's 0.75, GLM-4's
+# 0.5): what
 # partial rotary looks like in a real file, so that the tests exercise it
-ROPE_FRACTION = {"phi3": 0.75}
+ROPE_FRACTION = {"phi3": 0.75, "glm4": 0.5}
+# the architectures whose files have query, key and value biases
+QKV_BIAS = ("qwen2", "glm4")
 # LongRoPE files (Phi-3): their original context, this fraction of the context written
 LONGROPE_ORIGINAL = 4
 
@@ -285,7 +288,7 @@ def synth_config(shape: SynthShape, arch: str) -> ModelConfig:
         n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, head_dim=head_dim,
         rope_dim=synth_rope_dim(shape, arch), vocab_size=shape.vocab,
         context_length=shape.context, norm_eps=1e-5, rope_base=shape.rope_base,
-        rope_style=ARCHITECTURES[arch], attn_bias=arch == "qwen2",
+        rope_style=ARCHITECTURES[arch], attn_bias=arch in QKV_BIAS,
         **dataclasses.asdict(family.traits))
     if family.configure is not None:
         fields.update(family.configure(synth_metadata(shape, arch), arch, "synth", fields))

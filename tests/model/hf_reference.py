@@ -127,7 +127,29 @@ def _olmo2(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
     return Olmo2ForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
 
 
-BUILDERS: dict[str, Callable] = {"phi3": _phi3, "mistral3": _mistral3, "olmo2": _olmo2}
+def _glm4(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    from transformers import Glm4Config, Glm4ForCausalLM
+
+    config = Glm4Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base,
+                         "partial_rotary_factor": cfg.rope_dim / cfg.head_dim},
+        attention_bias=True, tie_word_embeddings=False, pad_token_id=0, bos_token_id=None,
+        eos_token_id=0)
+    names = {k: v for k, v in LLAMA_NAMES.items() if k != "ffn_gate.weight"}
+    names.update({"ffn_up.weight": "mlp.gate_up_proj.weight",
+                  "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+                  "attn_v.bias": "self_attn.v_proj.bias",
+                  "post_attention_norm.weight": "post_self_attn_layernorm.weight",
+                  "post_ffw_norm.weight": "post_mlp_layernorm.weight"})
+    return Glm4ForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
+
+
+BUILDERS: dict[str, Callable] = {"phi3": _phi3, "mistral3": _mistral3, "olmo2": _olmo2,
+                                 "glm4": _glm4}
 
 
 def reference_model(path: Path, cfg: ModelConfig) -> torch.nn.Module:

@@ -57,6 +57,7 @@ NEW_FAMILIES = {
     "phi3": Reference(None, ("sliding_window", "rope_attn_factor", "rope_dim", "rope_factors")),
     "mistral3": Reference(None, ("attn_temp_scale",)),
     "olmo2": Reference(None),
+    "glm4": Reference(None, ("rope_dim",)),
 }
 # Traits whose Llama value needs weights the family's files lack or shape otherwise (OLMo 2
 # has no pre-norm weights; its whole-projection q/k norms cannot norm one head): no engine
