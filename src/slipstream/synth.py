@@ -246,6 +246,9 @@ def synth_window(shape: SynthShape) -> int:
 # 0.5): what
 # partial rotary looks like in a real file, so that the tests exercise it
 ROPE_FRACTION = {"phi3": 0.75, "glm4": 0.5}
+# the families whose files never hold a head apart from the embedding (llama.cpp's loader
+# reads Cohere 2's head from token_embd.weight)
+TIED = ("cohere2",)
 # the architectures whose files have query, key and value biases
 QKV_BIAS = ("qwen2", "glm4")
 # LongRoPE files (Phi-3): their original context, this fraction of the context written
@@ -261,8 +264,11 @@ def synth_metadata(shape: SynthShape, arch: str) -> dict[str, int | float]:
     family's `configure` reads."""
     family = family_for(arch).name
     md: dict[str, int | float] = {}
-    if family in ("gemma3", "phi3"):
+    if family in ("gemma3", "phi3", "cohere2"):
         md[f"{arch}.attention.sliding_window"] = synth_window(shape)
+    if family == "cohere2":
+        md[f"{arch}.logit_scale"] = 0.25  # Command R7B's
+        md[f"{arch}.attention.layer_norm_epsilon"] = 1e-5
     if family == "phi3":
         orig = shape.context // LONGROPE_ORIGINAL
         md[f"{arch}.rope.scaling.original_context_length"] = orig
@@ -332,6 +338,7 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
         return layer_type
 
     cfg = synth_config(shape, arch)
+    tie_embeddings = tie_embeddings or family_for(arch).name in TIED
     layer = sorted((t for t in spec_for(arch).tensors if t.expected(cfg)), key=_file_rank)
     # name -> (ggml type, torch-order shape, weight std)
     plan: list[tuple[str, Q, tuple[int, ...], float]] = []

@@ -148,8 +148,26 @@ def _glm4(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
     return Glm4ForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
 
 
+def _cohere2(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    from transformers import Cohere2Config, Cohere2ForCausalLM
+
+    config = Cohere2Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.context_length, layer_norm_eps=cfg.norm_eps,
+        logit_scale=cfg.logit_scale, sliding_window=cfg.sliding_window,
+        sliding_window_pattern=cfg.swa_pattern,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    names = {k: v for k, v in LLAMA_NAMES.items()
+             if k not in ("ffn_norm.weight", "output.weight")}
+    top = {k: v for k, v in TOP_NAMES.items() if k != "output.weight"}
+    return Cohere2ForCausalLM(config), _layer_names(cfg, names, top)
+
+
 BUILDERS: dict[str, Callable] = {"phi3": _phi3, "mistral3": _mistral3, "olmo2": _olmo2,
-                                 "glm4": _glm4}
+                                 "glm4": _glm4, "cohere2": _cohere2}
 
 
 def reference_model(path: Path, cfg: ModelConfig) -> torch.nn.Module:
@@ -158,6 +176,9 @@ def reference_model(path: Path, cfg: ModelConfig) -> torch.nn.Module:
     model, names = BUILDERS[cfg.architecture](cfg, tensors)
     state = {names[n]: t for n, t in tensors.items() if n in names}
     missing, unexpected = model.load_state_dict(state, strict=False)
+    if model.config.tie_word_embeddings and "lm_head.weight" in missing:
+        model.lm_head.weight = model.model.embed_tokens.weight  # the head is the embedding
+        missing.remove("lm_head.weight")
     # rotary buffers are the model's own; every weight must come from the file
     assert not [m for m in missing if "rotary" not in m], missing
     assert not unexpected, unexpected

@@ -58,11 +58,13 @@ NEW_FAMILIES = {
     "mistral3": Reference(None, ("attn_temp_scale",)),
     "olmo2": Reference(None),
     "glm4": Reference(None, ("rope_dim",)),
+    "cohere2": Reference(None, ("sliding_window", "logit_scale")),
 }
 # Traits whose Llama value needs weights the family's files lack or shape otherwise (OLMo 2
-# has no pre-norm weights; its whole-projection q/k norms cannot norm one head): no engine
-# runs them, and their family's other traits' controls stand for them
-NO_CONTROL = {"pre_norms", "qk_norm_whole"}
+# has no pre-norm weights, and its whole-projection q/k norms cannot norm one head; Cohere 2
+# has no FFN norm to run its FFN after attention): no engine runs them, and their family's
+# other traits' controls stand for them
+NO_CONTROL = {"pre_norms", "qk_norm_whole", "parallel"}
 # six layers: Gemma 3's five sliding-window layers and one global one
 N_LAYERS = 6
 

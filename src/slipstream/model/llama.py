@@ -122,6 +122,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * xf).to(x.dtype)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm without a bias (Cohere 2), computed in float32 as rms_norm is."""
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None, eps).to(x.dtype)
+
+
+def block_norm(cfg: ModelConfig, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The family's norm (cfg.norm): RMSNorm, or LayerNorm for Cohere 2. The final norm
+    before the head is the same kind."""
+    if cfg.norm == "layer":
+        return layer_norm(x, weight, cfg.norm_eps)
+    return rms_norm(x, weight, cfg.norm_eps)
+
+
+def pre_norm(cfg: ModelConfig, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """x normed before a sublayer; x itself in a block without pre-norms (OLMo 2)."""
+    return block_norm(cfg, x, weight) if cfg.pre_norms else x
+
+
+def pre_normed(cfg: ModelConfig, lin: Linear, x: torch.Tensor, norm: torch.Tensor | None
+               ) -> torch.Tensor:
+    """lin(pre_norm(x)): the RMSNorm fused into the matmul where the linear can (its
+    norm_matmul); the other norms, or none, before a plain call."""
+    if cfg.pre_norms and cfg.norm == "rms":
+        return lin.norm_matmul(x, norm, cfg.norm_eps)
+    return lin(pre_norm(cfg, x, norm))
+
+
 def qk_normed(cfg: ModelConfig, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:
     """qkv (T, (n_heads + n_kv_heads [+ n_kv_heads]) * head_dim), as the projections return it,
     with each query head and each key head RMS-normed by its own weight (cfg.qk_norm: Qwen3),
@@ -191,13 +218,15 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         return _cpu_decode(cfg, w, x, cos_sin, step.start, k_cache, v_cache, rope, window)
     n_qk = cfg.n_heads + cfg.n_kv_heads
     # the fused decode kernels read every slot up to the position (no window yet)
-    if uses_fused_decode(step, k_cache) and not window and not cfg.attn_temp_scale:
+    # (nor any temperature, nor a layer without RoPE)
+    if (uses_fused_decode(step, k_cache) and not window and not cfg.attn_temp_scale
+            and cfg.global_rope):
         # RoPE, the cache write and split-K attention in three kernels that read the position
         # from device memory, instead of a dozen small ops (and a graph can replay them).
         if w.attn_qkv is not None:
             qkv = pre_normed(cfg, w.attn_qkv, x, w.attn_norm)
         else:
-            h = rms_norm(x, w.attn_norm, cfg.norm_eps) if cfg.pre_norms else x
+            h = pre_norm(cfg, x, w.attn_norm)
             qkv = torch.cat((w.attn_q(h), w.attn_k(h), w.attn_v(h)), dim=-1)
         if cfg.qk_norm:
             qkv = qk_normed(cfg, w, qkv)
@@ -206,7 +235,7 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
                                    rope_dim=rope.rope_dim)
         attn = kernels.decode_attention(q, k_cache, v_cache, step.positions,
                                         cfg.attention_scale, cfg.gqa_group, span=step.span)
-        return _ffn(cfg, w, _attention_residual(cfg, w, attn.reshape(1, -1), x))
+        return _after_attention(cfg, w, attn.reshape(1, -1), x)
     if w.attn_qkv is not None:
         qkv = pre_normed(cfg, w.attn_qkv, x, w.attn_norm)
         if cfg.qk_norm:
@@ -214,13 +243,14 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         qkv = qkv.view(T, n_qk + cfg.n_kv_heads, cfg.head_dim)
         qk, v = qkv[:, :n_qk], qkv[:, n_qk:]
     else:
-        h = rms_norm(x, w.attn_norm, cfg.norm_eps) if cfg.pre_norms else x
+        h = pre_norm(cfg, x, w.attn_norm)
         qk = torch.cat((w.attn_q(h), w.attn_k(h)), dim=-1)
         if cfg.qk_norm:
             qk = qk_normed(cfg, w, qk)
         qk = qk.view(T, n_qk, cfg.head_dim)
         v = w.attn_v(h).view(T, cfg.n_kv_heads, cfg.head_dim)
-    qk = rope.apply(qk, cos_sin)  # q and k heads rotate together: one pass, same angles
+    if window or cfg.global_rope:  # (Cohere 2's global layers take no RoPE)
+        qk = rope.apply(qk, cos_sin)  # q and k heads rotate together: one pass, same angles
     q, k = qk[:, :cfg.n_heads], qk[:, cfg.n_heads:]
     if cfg.attn_temp_scale:
         q = q * attention_temperature(cfg, step.positions)[:, None, None]
@@ -236,7 +266,7 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     lo = max(0, step.span - window) if window and not step.needs_mask else 0
     attn = attention(q.to(k_cache.dtype), k_cache[:, lo:step.span], v_cache[:, lo:step.span],
                      step, cfg.gqa_group, cfg.attention_scale)
-    return _ffn(cfg, w, _attention_residual(cfg, w, attn, x))
+    return _after_attention(cfg, w, attn, x)
 
 
 def attention_temperature(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor:
@@ -247,11 +277,19 @@ def attention_temperature(cfg: ModelConfig, positions: torch.Tensor) -> torch.Te
     return 1.0 + cfg.attn_temp_scale * torch.log1p(times)
 
 
-def pre_normed(cfg: ModelConfig, lin: Linear, x: torch.Tensor, norm: torch.Tensor | None
-               ) -> torch.Tensor:
-    """lin(rms_norm(x, norm)), the norm fused into the matmul where the linear can; lin(x)
-    in a block without pre-norms (cfg.pre_norms False: OLMo 2)."""
-    return lin.norm_matmul(x, norm, cfg.norm_eps) if cfg.pre_norms else lin(x)
+def _after_attention(cfg: ModelConfig, w: LayerWeights, attn: torch.Tensor,
+                     x: torch.Tensor) -> torch.Tensor:
+    """The block's output from its attention's: the residual add and the FFN after it, or
+    (cfg.parallel: Cohere 2) the FFN on the input attention read, both added to x."""
+    if not cfg.parallel:
+        return _ffn(cfg, w, _attention_residual(cfg, w, attn, x))
+    h = pre_norm(cfg, x, w.attn_norm)  # the normed input attention read
+    if w.ffn_gate_up is not None:
+        gate, up = w.ffn_gate_up(h).chunk(2, dim=-1)
+    else:
+        gate, up = w.ffn_gate(h), w.ffn_up(h)
+    return w.ffn_down(_ACTIVATIONS[cfg.ffn_act](gate) * up,
+                      residual=w.attn_output(attn, residual=x))
 
 
 def _attention_residual(cfg: ModelConfig, w: LayerWeights, attn: torch.Tensor,
@@ -278,14 +316,16 @@ def _cpu_decode(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     qkv = pre_normed(cfg, w.attn_qkv, x, w.attn_norm)
     if cfg.qk_norm:
         qkv = qk_normed(cfg, w, qkv)
-    attn = decode_attention(cfg, qkv, cos_sin, pos, k_cache, v_cache, rope, window)
-    return _ffn(cfg, w, _attention_residual(cfg, w, attn, x))
+    attn = decode_attention(cfg, qkv, cos_sin, pos, k_cache, v_cache, rope, window,
+                            rotate=bool(window) or cfg.global_rope)
+    return _after_attention(cfg, w, attn, x)
 
 
 def llama_block(cfg: ModelConfig) -> bool:
     """Whether cfg's block is the plain Llama block (none of the families' variations)."""
     return not (cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.attn_scale
-                or cfg.attn_temp_scale or not cfg.pre_norms)
+                or cfg.attn_temp_scale or not cfg.pre_norms or cfg.norm != "rms"
+                or cfg.parallel or not cfg.global_rope)
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
@@ -295,12 +335,12 @@ def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """The gated FFN half of the block, with its residual."""
     if w.ffn_host is not None or w.ffn_down_rest is not None:
         return _split_ffn(cfg, w, x)
-    if cfg.ffn_act != "silu" or cfg.post_norms or not cfg.pre_norms:
+    if cfg.ffn_act != "silu" or cfg.post_norms or not cfg.pre_norms or cfg.norm != "rms":
         # the general form: the fused SwiGLU epilogues hold SiLU and the residual add only
         if w.ffn_gate_up is not None:
             gate, up = pre_normed(cfg, w.ffn_gate_up, x, w.ffn_norm).chunk(2, dim=-1)
         else:
-            h = rms_norm(x, w.ffn_norm, cfg.norm_eps) if cfg.pre_norms else x
+            h = pre_norm(cfg, x, w.ffn_norm)
             gate, up = w.ffn_gate(h), w.ffn_up(h)
         y = w.ffn_down(_ACTIVATIONS[cfg.ffn_act](gate) * up)
         return x + (rms_norm(y, w.post_ffw_norm, cfg.norm_eps) if cfg.post_norms else y)

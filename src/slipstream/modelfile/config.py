@@ -48,6 +48,10 @@ class ModelConfig:
     qk_norm_whole: bool = False  # ... over the whole q and k projections instead (OLMo 2)
     post_norms: bool = False  # RMSNorm on the attention and FFN outputs before each residual
     ffn_act: str = "silu"  # the gated FFN's activation: "silu" or "gelu_tanh" (GeGLU)
+    norm: str = "rms"  # the block's and final norm: "rms" or "layer" (LayerNorm: Cohere 2)
+    parallel: bool = False  # attention and FFN from one normed input, added together
+    global_rope: bool = True  # whether the global layers rotate (Cohere 2's do not)
+    logit_scale: float = 1.0  # the logits are multiplied by it (Cohere 2)
     embed_scale: float = 1.0  # token embeddings are multiplied by it (Gemma: sqrt(hidden))
     sliding_window: int = 0  # a sliding-window layer attends to this many last positions
     swa_pattern: int = 0  # every swa_pattern-th layer is global (0: all sliding if a window)

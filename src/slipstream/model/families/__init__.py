@@ -16,6 +16,7 @@ from __future__ import annotations
 from ...errors import UnsupportedArchitecture
 from ..layer_spec import LayerSpec
 from .base import BlockTraits, Family
+from .cohere2 import COHERE2
 from .gemma3 import GEMMA3
 from .glm4 import GLM4
 from .llama import LLAMA
@@ -26,7 +27,8 @@ from .qwen3 import QWEN3
 
 __all__ = ["ARCHITECTURES", "BlockTraits", "FAMILIES", "Family", "family_for", "spec_for"]
 
-FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, GEMMA3, PHI3, MISTRAL3, OLMO2, GLM4)
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, GEMMA3, PHI3, MISTRAL3, OLMO2, GLM4,
+                                 COHERE2)
 
 # general.architecture -> its family
 _BY_ARCHITECTURE: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.architectures}

@@ -28,6 +28,15 @@ class BlockTraits:
     post_norms: bool = False
     # the gated FFN's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
     ffn_act: str = "silu"
+    # the block's and the final norm: "rms" (RMSNorm) or "layer" (LayerNorm without bias,
+    # Cohere 2)
+    norm: str = "rms"
+    # attention and the FFN both read the one normed input and add to the residual together
+    # (x + attn(h) + ffn(h)): Cohere 2
+    parallel: bool = False
+    # whether the global (not sliding-window) layers rotate queries and keys; Cohere 2's
+    # take no RoPE
+    global_rope: bool = True
 
 
 # A family's reading of the metadata its block needs beyond the Llama keys: given the file's
