@@ -242,3 +242,31 @@ def test_synth_writes_a_separate_head_size(tmp_path):
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
     assert cfg.head_dim == 32 and tuple(gf.tensors["blk.0.attn_q.weight"].shape) == (128, 256)
+
+
+@pytest.mark.slow
+def test_phi4_decodes_through_the_native_layer(tmp_path, monkeypatch):
+    """Phi-3's fused tensors are the linears the CPU's native decode layer takes: without a
+    sliding window (Phi-4), its decode tokens go through it, LongRoPE's scaled table and
+    partial rotary included, and agree with the torch ops as two float32 summation orders
+    do (the test of the Llama block's native layer, tests/model/test_cpu_native.py)."""
+    from slipstream.model import cpu_native, llama
+
+    path = write_synth(tmp_path / "phi3.gguf", "tiny", "Q4_K", n_layers=3, arch="phi3",
+                       from_floats=True, std=0.1, seed=5)
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(llama, "CPU_NATIVE", on)
+        base = cpu_engine(path, ctx=64, precision="fast")
+        cfg = dataclasses.replace(base.cfg, sliding_window=0)
+        engine = Engine(cfg, base.weights, cpu_stages(cfg, base.weights, 64))
+        engine.forward([3, 17, 99])
+        logits = torch.cat([engine.forward([t]) for t in (11, 42, 500, 8, 1, 2, 3)])
+        served = [isinstance(w.cpu_native, cpu_native.NativeLayer)
+                  for w in engine.weights.layers]
+        runs.append((logits, served))
+    (a, served_on), (b, served_off) = runs
+    if cpu_native.native.library() is None:
+        pytest.skip("no C compiler: the native layer cannot build")
+    assert all(served_on) and not any(served_off)
+    assert float((a - b).abs().max()) < 0.02 * float(b.abs().max())
