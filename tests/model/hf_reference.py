@@ -1,7 +1,11 @@
 """transformers models of the families its GGUF reader does not load as slipstream reads them
-(Phi-3's LongRoPE factors and partial rotary, OLMo 2, Cohere 2): the model class built from a
-config written out of the file's ModelConfig, and the file's tensors dequantized to float32
-and loaded under transformers' names. Nothing of slipstream's block math is used."""
+(Phi-3's LongRoPE factors and partial rotary; Ministral 3, OLMo 2, GLM-4 and Cohere 2, which
+it does not read at all): the model class built from a config written out of the file's
+ModelConfig, and the file's tensors dequantized to float32 by gguf-py and loaded under
+transformers' names. Nothing of slipstream's block math is used.
+
+Each builder imports its transformers classes itself: the test modules skip without
+transformers (pytest.importorskip) before calling one."""
 
 from __future__ import annotations
 
@@ -25,6 +29,21 @@ def gguf_tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+LLAMA_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+             "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
 def _layer_names(cfg: ModelConfig, per_layer: dict[str, str], top: dict[str, str]
                  ) -> dict[str, str]:
     names = dict(top)
@@ -39,8 +58,8 @@ def _phi3(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
     rope = {"rope_type": "default", "rope_theta": cfg.rope_base,
             "partial_rotary_factor": cfg.rope_dim / cfg.head_dim}
     if cfg.rope_ctx_orig:
-        rope.update(rope_type="longrope", attention_factor=cfg.rope_attn_factor,
-                    original_max_position_embeddings=cfg.rope_ctx_orig,
+        # (transformers derives the attention factor from the two contexts itself)
+        rope.update(rope_type="longrope", original_max_position_embeddings=cfg.rope_ctx_orig,
                     short_factor=tensors["rope_factors_short.weight"].tolist(),
                     long_factor=tensors["rope_factors_long.weight"].tolist())
     config = Phi3Config(
@@ -60,21 +79,6 @@ def _phi3(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
         "ffn_down.weight": "mlp.down_proj.weight",
     }, TOP_NAMES)
     return Phi3ForCausalLM(config), names
-
-
-LLAMA_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
-             "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
 
 
 def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
