@@ -270,3 +270,24 @@ def test_phi4_decodes_through_the_native_layer(tmp_path, monkeypatch):
         pytest.skip("no C compiler: the native layer cannot build")
     assert all(served_on) and not any(served_off)
     assert float((a - b).abs().max()) < 0.02 * float(b.abs().max())
+
+
+@pytest.mark.slow
+def test_phi3_long_context_takes_the_long_divisors(tmp_path):
+    """Past the original context (512 positions in the tiny shape), transformers rotates with
+    LongRoPE's long divisors; so does slipstream in a context allocated past it, as llama.cpp
+    chooses. A 530-token prompt through both, compared at its last positions."""
+    path = write_synth(tmp_path / "phi3.gguf", "tiny", "Q8_0", n_layers=2, arch="phi3",
+                       from_floats=True, seed=3, std=0.15)
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    ids = [(7 + 11 * i) % 1000 for i in range(530)]
+    with torch.no_grad():
+        ref = reference_model(path, cfg)(torch.tensor([ids])).logits[0, -8:]
+    engine = cpu_engine(path, ctx=600, precision="exact")
+    ours = engine.forward(ids, all_logits=True)[-8:]
+    assert rel_err(ours, ref) < EXACT_REL_TOL
+    # the same context with the short divisors: clearly off
+    weights = dataclasses.replace(engine.weights, rope_freqs_long=None)
+    short = Engine(engine.cfg, weights, cpu_stages(engine.cfg, weights, 600))
+    assert rel_err(short.forward(ids, all_logits=True)[-8:], ref) > 100 * EXACT_REL_TOL
