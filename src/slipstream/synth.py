@@ -26,7 +26,7 @@ from . import quant
 from .errors import BadArgument
 from .model.families import ARCHITECTURES, family_for, spec_for
 from .model.layer_spec import EMBEDDING, HEAD, TensorSpec
-from .modelfile.config import ModelConfig
+from .modelfile.config import ModelConfig, yarn_fields
 from .modelfile.vocab import bytes_to_unicode
 from .quant.encode import quantize
 
@@ -259,27 +259,32 @@ def synth_rope_dim(shape: SynthShape, arch: str) -> int:
     return int(shape.head * ROPE_FRACTION.get(family_for(arch).name, 1.0)) // 2 * 2
 
 
-def synth_metadata(shape: SynthShape, arch: str) -> dict[str, int | float]:
+def synth_metadata(shape: SynthShape, arch: str) -> dict[str, int | float | str]:
     """The metadata beyond the Llama keys a synthesized file of `arch` holds, which its
     family's `configure` reads."""
     family = family_for(arch).name
-    md: dict[str, int | float] = {}
+    md: dict[str, int | float | str] = {}
     if family in ("gemma3", "phi3", "cohere2"):
         md[f"{arch}.attention.sliding_window"] = synth_window(shape)
     if family == "cohere2":
         md[f"{arch}.logit_scale"] = 0.25  # Command R7B's
         md[f"{arch}.attention.layer_norm_epsilon"] = 1e-5
-    if family == "phi3":
+    if family == "phi3":  # as llama.cpp's converter writes Phi-3-mini-128k
+        md[f"{arch}.rope.scaling.type"] = "longrope"
         orig = shape.context // LONGROPE_ORIGINAL
         md[f"{arch}.rope.scaling.original_context_length"] = orig
         # LongRoPE's attention factor, as llama.cpp's converter computes it
         md[f"{arch}.rope.scaling.attn_factor"] = math.sqrt(
             1 + math.log(LONGROPE_ORIGINAL) / math.log(orig))
-    if family == "mistral3":  # Ministral 3's temperature, past a short original context in
-        # the tiny shape so that a test's few dozen tokens cross it (Ministral 3: 16384)
-        md[f"{arch}.attention.temperature_scale"] = 0.1
+    if family == "mistral3":  # Ministral 3's YaRN and temperature, over a short original
+        # context in the tiny shape so that a test's few dozen tokens cross it (Ministral 3:
+        # 16384)
+        md[f"{arch}.rope.scaling.type"] = "yarn"
+        md[f"{arch}.rope.scaling.factor"] = 16.0
         md[f"{arch}.rope.scaling.original_context_length"] = (
-            4 if shape.hidden <= 256 else 16384)
+            16 if shape.hidden <= 256 else 16384)
+        md[f"{arch}.rope.scaling.yarn_log_multiplier"] = 1.0
+        md[f"{arch}.attention.temperature_scale"] = 0.1
     return md
 
 
@@ -296,8 +301,12 @@ def synth_config(shape: SynthShape, arch: str) -> ModelConfig:
         context_length=shape.context, norm_eps=1e-5, rope_base=shape.rope_base,
         rope_style=ARCHITECTURES[arch], attn_bias=arch in QKV_BIAS,
         **dataclasses.asdict(family.traits))
+    md = synth_metadata(shape, arch)
+    if md.get(f"{arch}.rope.scaling.type") == "yarn":
+        fields.update(rope_scaling="yarn", rope_scale=md[f"{arch}.rope.scaling.factor"],
+                      **yarn_fields(md, arch, "synth", shape.context))
     if family.configure is not None:
-        fields.update(family.configure(synth_metadata(shape, arch), arch, "synth", fields))
+        fields.update(family.configure(md, arch, "synth", fields))
     return ModelConfig(**fields)
 
 
@@ -354,7 +363,7 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
         plan.append((HEAD, out_type, (shape.vocab, shape.hidden), std))
     if rope_freqs:
         plan.append(("rope_freqs.weight", Q.F32, (head_dim // 2,), -1.0))
-    if cfg.rope_ctx_orig:  # LongRoPE's two sets of divisors
+    if family_for(arch).name == "phi3":  # LongRoPE's two sets of divisors
         for name in LONGROPE_DIVISORS:
             plan.append((name, Q.F32, (cfg.rope_dim // 2,), -1.0))
 
@@ -375,7 +384,9 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     for key, value in synth_metadata(shape, arch).items():
-        if isinstance(value, float):
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
             w.add_float32(key, value)
         else:
             w.add_uint32(key, value)

@@ -101,6 +101,10 @@ def _mistral3(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
     rope = {"rope_type": "default", "rope_theta": cfg.rope_base,
             "llama_4_scaling_beta": cfg.attn_temp_scale,
             "original_max_position_embeddings": cfg.attn_temp_floor or cfg.context_length}
+    if cfg.rope_scaling == "yarn":  # Ministral 3's: mscale and mscale_all_dim 1
+        rope.update(rope_type="yarn", factor=cfg.rope_scale, beta_fast=cfg.yarn_beta_fast,
+                    beta_slow=cfg.yarn_beta_slow, mscale=1.0, mscale_all_dim=1.0,
+                    original_max_position_embeddings=cfg.rope_ctx_orig)
     config = Ministral3Config(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
         num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,

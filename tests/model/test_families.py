@@ -55,7 +55,7 @@ NEW_FAMILIES = {
     "gemma3": Reference({"head_dim": 64, "query_pre_attn_scalar": 64},
                         ("embed_scale", "sliding_window")),
     "phi3": Reference(None, ("sliding_window", "rope_attn_factor", "rope_dim", "rope_factors")),
-    "mistral3": Reference(None, ("attn_temp_scale",)),
+    "mistral3": Reference(None, ("attn_temp_scale", "rope_scaling")),
     "olmo2": Reference(None),
     "glm4": Reference(None, ("rope_dim",)),
     "cohere2": Reference(None, ("sliding_window", "logit_scale")),
@@ -107,11 +107,14 @@ def test_every_family_is_listed_once():
 def without(engine: Engine, piece: str) -> Engine:
     """`engine`'s model with one of its family's pieces back to the Llama block's: a
     BlockTraits field or a ModelConfig field to its default, the RoPE over the whole head
-    ("rope_dim"), or no frequency divisors ("rope_factors"). Same weights, fresh caches."""
+    ("rope_dim"), no frequency divisors ("rope_factors") or no YaRN ("rope_scaling"). Same
+    weights, fresh caches."""
     cfg, weights = engine.cfg, engine.weights
     if piece == "rope_dim":  # (the divisors, one per rotated pair, go with it)
         cfg = dataclasses.replace(cfg, rope_dim=cfg.head_dim)
         weights = dataclasses.replace(weights, rope_freqs=None, rope_freqs_long=None)
+    elif piece == "rope_scaling":  # plain RoPE: no YaRN
+        cfg = dataclasses.replace(cfg, rope_scaling="none", rope_scale=1.0)
     elif piece == "rope_factors":
         weights = dataclasses.replace(weights, rope_freqs=None, rope_freqs_long=None)
     else:

@@ -4,6 +4,7 @@ docs' table of families against the families the code has."""
 
 from __future__ import annotations
 
+import math
 import struct
 from pathlib import Path
 
@@ -69,10 +70,26 @@ def test_mistral3_temperature_only_where_the_file_has_one(tmp_path):
     md, names = metadata(tmp_path, "mistral3")
     cfg = ModelConfig.from_metadata(md, names)
     assert cfg.attn_temp_scale == pytest.approx(0.1)  # (a float32 in the file)
-    assert (cfg.attn_temp_floor, cfg.rope_style) == (4, "normal")
+    assert (cfg.attn_temp_floor, cfg.rope_style) == (16, "normal")
     del md["mistral3.attention.temperature_scale"]  # Mistral Small 3.x
     cfg = ModelConfig.from_metadata(md, names)
     assert cfg.attn_temp_scale == 0.0
+
+
+def test_yarn_reads_as_llama_cpp_does(tmp_path):
+    """Ministral 3's YaRN: factor 16 over the original context, ramp bounds 32 and 1, and
+    the factor on cos and sin, which its yarn_log_multiplier of 1 cancels; without the
+    multiplier, 1 + 0.1 ln(16) (llama.cpp's get_mscale)."""
+    md, names = metadata(tmp_path, "mistral3")
+    cfg = ModelConfig.from_metadata(md, names)
+    assert (cfg.rope_scaling, cfg.rope_scale, cfg.rope_ctx_orig) == ("yarn", 16.0, 16)
+    assert (cfg.yarn_beta_fast, cfg.yarn_beta_slow, cfg.rope_attn_factor) == (32.0, 1.0, 1.0)
+    del md["mistral3.rope.scaling.yarn_log_multiplier"]
+    assert ModelConfig.from_metadata(md, names).rope_attn_factor == pytest.approx(
+        1 + 0.1 * math.log(16))
+    md["mistral3.rope.scaling.type"] = "dynamic"
+    with pytest.raises(UnsupportedArchitecture, match="'dynamic'"):
+        ModelConfig.from_metadata(md, names)
 
 
 def test_phi3_divisors_must_be_positive(tmp_path):

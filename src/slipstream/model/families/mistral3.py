@@ -12,8 +12,8 @@ temperature at all. A query's factor depends on its position, so such a model ta
 block's general path on every device (the fused decode kernels and the CPU's native layer
 take one scale for all queries).
 
-Ministral 3 also stretches RoPE with YaRN (factor 16 over 16384): ModelConfig turns that
-away by name (a YaRN factor other than 1 is not supported), as for every family.
+Ministral 3 also stretches RoPE with YaRN (factor 16 over 16384, `rope.scaling.yarn_*`),
+which ModelConfig reads for every family and model.rope applies.
 """
 
 from __future__ import annotations
@@ -44,5 +44,6 @@ MISTRAL3 = Family(
     layer=LayerSpec(tensors=LLAMA_TENSORS, norms=("attn_norm", "ffn_norm"),
                     linears=LLAMA_LINEARS),
     configure=configure,
-    quirks="the Llama block; Llama 4's position-dependent query temperature (Ministral 3)",
+    quirks="the Llama block; Llama 4's position-dependent query temperature and YaRN "
+           "(Ministral 3)",
 )
