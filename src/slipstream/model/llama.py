@@ -1,6 +1,11 @@
 """The decoder block every family shares (model.families): the Llama block (Llama 1/2/3,
 Mistral, SmolLM, Qwen2 with QKV bias), with each family's variations as named pieces that its
-ModelConfig turns on (Qwen3's per-head query and key norms)."""
+ModelConfig turns on: query/key norms per head (Qwen3, Gemma 3) or over the whole projection
+(OLMo 2), post-norms (Gemma 3, OLMo 2, GLM-4), no pre-norms (OLMo 2), GeGLU (Gemma 3),
+LayerNorm and a parallel FFN (Cohere 2), global layers without RoPE (Cohere 2), a
+per-position query temperature (Ministral 3). The fast paths (the CPU's native layer, the
+fused CUDA decode kernels) hold the Llama block; a family takes the torch ops where they
+lack its piece."""
 
 from __future__ import annotations
 
@@ -284,12 +289,14 @@ def _after_attention(cfg: ModelConfig, w: LayerWeights, attn: torch.Tensor,
     if not cfg.parallel:
         return _ffn(cfg, w, _attention_residual(cfg, w, attn, x))
     h = pre_norm(cfg, x, w.attn_norm)  # the normed input attention read
+    y = w.attn_output(attn, residual=x)
+    if w.ffn_gate_up is not None and cfg.ffn_act == "silu":  # SwiGLU fused into the matmul
+        return w.ffn_down.glu_matmul(w.ffn_gate_up(h), residual=y)
     if w.ffn_gate_up is not None:
         gate, up = w.ffn_gate_up(h).chunk(2, dim=-1)
     else:
         gate, up = w.ffn_gate(h), w.ffn_up(h)
-    return w.ffn_down(_ACTIVATIONS[cfg.ffn_act](gate) * up,
-                      residual=w.attn_output(attn, residual=x))
+    return w.ffn_down(_ACTIVATIONS[cfg.ffn_act](gate) * up, residual=y)
 
 
 def _attention_residual(cfg: ModelConfig, w: LayerWeights, attn: torch.Tensor,
