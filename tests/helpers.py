@@ -29,7 +29,7 @@ def cpu_stages(cfg: ModelConfig, weights, ctx: int, cuts: tuple[int, ...] = ()) 
     bounds = [0, *cuts, cfg.n_layers]
     store = ResidentLayerStore(weights.layers)
     return [Stage.build(cfg, torch.device("cpu"), range(a, b), store, ctx, torch.float32,
-                        weights.rope_freqs) for a, b in zip(bounds, bounds[1:])]
+                        weights.rope_freqs_for(ctx)) for a, b in zip(bounds, bounds[1:])]
 
 
 class NormsOnly:

@@ -26,7 +26,7 @@ from . import quant
 from .errors import BadArgument
 from .model.families import ARCHITECTURES, family_for, spec_for
 from .model.layer_spec import EMBEDDING, HEAD, TensorSpec
-from .modelfile.config import ModelConfig
+from .modelfile.config import ModelConfig, yarn_fields
 from .modelfile.vocab import bytes_to_unicode
 from .quant.encode import quantize
 
@@ -43,6 +43,11 @@ class SynthShape:
     vocab: int
     context: int = 8192
     rope_base: float = 500000.0
+    head_dim: int = 0  # 0: hidden / n_heads (Gemma 3 27B and Qwen3 32B set theirs apart)
+
+    @property
+    def head(self) -> int:
+        return self.head_dim or self.hidden // self.n_heads
 
 
 SHAPES: dict[str, SynthShape] = {
@@ -54,6 +59,12 @@ SHAPES: dict[str, SynthShape] = {
                      vocab=128256),
     "70b": SynthShape(hidden=8192, ffn=28672, n_layers=80, n_heads=64, n_kv_heads=8,
                       vocab=128256),
+    # Gemma-3-27B's shape (write it with --arch gemma3: 62 layers is how its query scale is
+    # told) and Qwen3-32B's (--arch qwen3): heads of 128 beside hidden / heads of 168 and 80
+    "27b": SynthShape(hidden=5376, ffn=21504, n_layers=62, n_heads=32, n_kv_heads=16,
+                      vocab=262144, context=131072, rope_base=1000000.0, head_dim=128),
+    "32b": SynthShape(hidden=5120, ffn=25600, n_layers=64, n_heads=64, n_kv_heads=8,
+                      vocab=151936, context=40960, rope_base=1000000.0, head_dim=128),
 }
 
 # --quant names: the type of the 2-D layer weights and of output.weight. Q4_K_M mirrors
@@ -221,26 +232,80 @@ LLAMA3_TEMPLATE = (
     "{% endif %}")
 
 
+# LongRoPE's divisor tensors and the largest divisor written in each (rising from 1.0)
+LONGROPE_DIVISORS = {"rope_factors_short.weight": 3.0, "rope_factors_long.weight": 16.0}
+
+
 def synth_window(shape: SynthShape) -> int:
     """The sliding window written for families that have one: short enough in the tiny shape
     that a test's few dozen tokens cross it, Gemma 3's 1024 in the others."""
     return 16 if shape.hidden <= 256 else 1024
 
 
-def _config(shape: SynthShape, arch: str) -> ModelConfig:
+# The families whose synthesized files rotate part of each head (Phi-4-mini's 0.75, GLM-4's
+# 0.5): what
+# partial rotary looks like in a real file, so that the tests exercise it
+ROPE_FRACTION = {"phi3": 0.75, "glm4": 0.5}
+# the families whose files never hold a head apart from the embedding (llama.cpp's loader
+# reads Cohere 2's head from token_embd.weight)
+TIED = ("cohere2",)
+# the architectures whose files have query, key and value biases
+QKV_BIAS = ("qwen2", "glm4")
+# LongRoPE files (Phi-3): their original context, this fraction of the context written
+LONGROPE_ORIGINAL = 4
+
+
+def synth_rope_dim(shape: SynthShape, arch: str) -> int:
+    return int(shape.head * ROPE_FRACTION.get(family_for(arch).name, 1.0)) // 2 * 2
+
+
+def synth_metadata(shape: SynthShape, arch: str) -> dict[str, int | float | str]:
+    """The metadata beyond the Llama keys a synthesized file of `arch` holds, which its
+    family's `configure` reads."""
+    family = family_for(arch).name
+    md: dict[str, int | float | str] = {}
+    if family in ("gemma3", "phi3", "cohere2"):
+        md[f"{arch}.attention.sliding_window"] = synth_window(shape)
+    if family == "cohere2":
+        md[f"{arch}.logit_scale"] = 0.25  # Command R7B's
+        md[f"{arch}.attention.layer_norm_epsilon"] = 1e-5
+    if family == "phi3":  # as llama.cpp's converter writes Phi-3-mini-128k
+        md[f"{arch}.rope.scaling.type"] = "longrope"
+        orig = shape.context // LONGROPE_ORIGINAL
+        md[f"{arch}.rope.scaling.original_context_length"] = orig
+        # LongRoPE's attention factor, as llama.cpp's converter computes it
+        md[f"{arch}.rope.scaling.attn_factor"] = math.sqrt(
+            1 + math.log(LONGROPE_ORIGINAL) / math.log(orig))
+    if family == "mistral3":  # Ministral 3's YaRN and temperature, over a short original
+        # context in the tiny shape so that a test's few dozen tokens cross it (Ministral 3:
+        # 16384)
+        md[f"{arch}.rope.scaling.type"] = "yarn"
+        md[f"{arch}.rope.scaling.factor"] = 16.0
+        md[f"{arch}.rope.scaling.original_context_length"] = (
+            16 if shape.hidden <= 256 else 16384)
+        md[f"{arch}.rope.scaling.yarn_log_multiplier"] = 1.0
+        md[f"{arch}.attention.temperature_scale"] = 0.1
+    return md
+
+
+def synth_config(shape: SynthShape, arch: str) -> ModelConfig:
     """The ModelConfig the file write_synth makes will read back as."""
     if arch not in ARCHITECTURES:
         raise BadArgument(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURES)}")
     family = family_for(arch)
-    head_dim = shape.hidden // shape.n_heads
+    head_dim = shape.head
     fields = dict(
         architecture=arch, n_layers=shape.n_layers, hidden=shape.hidden, ffn=shape.ffn,
         n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, head_dim=head_dim,
-        rope_dim=head_dim, vocab_size=shape.vocab, context_length=shape.context,
-        norm_eps=1e-5, rope_base=shape.rope_base, rope_style=ARCHITECTURES[arch],
-        attn_bias=arch == "qwen2", **dataclasses.asdict(family.traits))
+        rope_dim=synth_rope_dim(shape, arch), vocab_size=shape.vocab,
+        context_length=shape.context, norm_eps=1e-5, rope_base=shape.rope_base,
+        rope_style=ARCHITECTURES[arch], attn_bias=arch in QKV_BIAS,
+        **dataclasses.asdict(family.traits))
+    md = synth_metadata(shape, arch)
+    if md.get(f"{arch}.rope.scaling.type") == "yarn":
+        fields.update(rope_scaling="yarn", rope_scale=md[f"{arch}.rope.scaling.factor"],
+                      **yarn_fields(md, arch, "synth", shape.context))
     if family.configure is not None:
-        md = {f"{arch}.attention.sliding_window": synth_window(shape)}
         fields.update(family.configure(md, arch, "synth", fields))
     return ModelConfig(**fields)
 
@@ -272,7 +337,7 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     if quant_mix not in QUANT_MIXES:
         raise BadArgument(f"unknown --quant {quant_mix!r}; choose from {', '.join(QUANT_MIXES)}")
     layer_type, out_type = QUANT_MIXES[quant_mix]
-    head_dim = shape.hidden // shape.n_heads
+    head_dim = shape.head
     rng = np.random.default_rng(seed)
     path = Path(path)
 
@@ -281,7 +346,8 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
             return Q.Q6_K
         return layer_type
 
-    cfg = _config(shape, arch)
+    cfg = synth_config(shape, arch)
+    tie_embeddings = tie_embeddings or family_for(arch).name in TIED
     layer = sorted((t for t in spec_for(arch).tensors if t.expected(cfg)), key=_file_rank)
     # name -> (ggml type, torch-order shape, weight std)
     plan: list[tuple[str, Q, tuple[int, ...], float]] = []
@@ -297,6 +363,9 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
         plan.append((HEAD, out_type, (shape.vocab, shape.hidden), std))
     if rope_freqs:
         plan.append(("rope_freqs.weight", Q.F32, (head_dim // 2,), -1.0))
+    if family_for(arch).name == "phi3":  # LongRoPE's two sets of divisors
+        for name in LONGROPE_DIVISORS:
+            plan.append((name, Q.F32, (cfg.rope_dim // 2,), -1.0))
 
     w = GGUFWriter(path, arch)
     w.add_name(f"slipstream-synth-{arch}-{shape.n_layers}l-{shape.hidden}h-{quant_mix}")
@@ -308,14 +377,19 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     w.add_head_count_kv(shape.n_kv_heads)
     w.add_rope_freq_base(shape.rope_base)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_dimension_count(head_dim)
-    if family_for(arch).name != "llama":
+    w.add_rope_dimension_count(cfg.rope_dim)
+    if family_for(arch).name != "llama" or head_dim != shape.hidden // shape.n_heads:
         # readers default other families' head size to their real models' (transformers: 128
         # for Qwen3) rather than hidden / heads
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if cfg.sliding_window:
-        w.add_sliding_window(cfg.sliding_window)
+    for key, value in synth_metadata(shape, arch).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        else:
+            w.add_uint32(key, value)
     w.add_vocab_size(shape.vocab)
     w.add_file_type(int(FILE_TYPES[quant_mix]))
     tokens, types, merges, special = build_vocab(shape.vocab)
@@ -348,6 +422,8 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
             data = (1.0 + 0.05 * rng.standard_normal(s)).astype(np.float32)
         elif name == "rope_freqs.weight":
             data = np.linspace(1.0, 8.0, s[0], dtype=np.float32)  # llama3-like divisors
+        elif name in LONGROPE_DIVISORS:  # Phi-3-like: the long set stretches far more
+            data = np.linspace(1.0, LONGROPE_DIVISORS[name], s[0], dtype=np.float32)
         elif len(s) == 1:
             data = (sd * rng.standard_normal(s)).astype(np.float32)
         elif from_floats:

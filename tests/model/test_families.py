@@ -9,27 +9,62 @@ or misplaced piece of the block shows in the logits (each family has a negative 
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 
 import pytest
 import torch
 
 import slipstream
-from helpers import cpu_budget, cpu_engine
+from helpers import cpu_budget, cpu_engine, cpu_stages
+from hf_reference import reference_model
 from slipstream.model.families import ARCHITECTURES, FAMILIES, BlockTraits, family_for
-from slipstream.synth import write_synth
+from slipstream.modelfile.config import ModelConfig
+from slipstream.modelfile.gguf_file import GGUFFile
+from slipstream.precision import Precision
+from slipstream.runtime.engine import Engine
+from slipstream.synth import SHAPES, synth_config, write_synth
+from slipstream.weights.loader import load_weights
 
 transformers = pytest.importorskip("transformers")
 
 IDS = list(range(7, 300, 11))  # 27 tokens of the synthetic vocabulary: past the tiny shape's
 # 16-position sliding window
-# float32 weights on both sides (precision="exact"): measured below 2e-6 on these files
+CTX = 256  # the engines' context: within the synthesized LongRoPE files' original 512
+# float32 weights on both sides (precision="exact"): measured below 6e-6 on these files
 EXACT_REL_TOL = 1e-5
-# The families beyond Llama's, with what transformers needs told beside the GGUF: its GGUF
-# reader takes Qwen3's head size from the model class's default (128), not from
-# qwen3.attention.key_length, and Gemma 3's query scale from query_pre_attn_scalar (default
-# 256), which GGUF files do not hold
-NEW_FAMILIES = {"qwen3": {"head_dim": 64}, "gemma3": {"head_dim": 64, "query_pre_attn_scalar": 64}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Reference:
+    """How transformers builds a family's reference, and the pieces beyond the family's
+    BlockTraits whose negative control must break the logits."""
+
+    # what transformers' GGUF reader needs told beside the file (None: it cannot read the
+    # family as slipstream does, and hf_reference builds the model from a config)
+    gguf_kwargs: dict | None = None
+    controls: tuple[str, ...] = ()
+
+
+# The families beyond Llama's. transformers' GGUF reader takes Qwen3's head size from the model
+# class's default (128), not from qwen3.attention.key_length, and Gemma 3's query scale from
+# query_pre_attn_scalar (default 256), which GGUF files do not hold. It reads neither Phi-3's
+# LongRoPE factors nor its partial rotary.
+NEW_FAMILIES = {
+    "qwen3": Reference({"head_dim": 64}),
+    "gemma3": Reference({"head_dim": 64, "query_pre_attn_scalar": 64},
+                        ("embed_scale", "sliding_window")),
+    "phi3": Reference(None, ("sliding_window", "rope_attn_factor", "rope_dim", "rope_factors")),
+    "mistral3": Reference(None, ("attn_temp_scale", "rope_scaling")),
+    "olmo2": Reference(None),
+    "glm4": Reference(None, ("rope_dim",)),
+    "cohere2": Reference(None, ("sliding_window", "logit_scale")),
+}
+# Traits whose Llama value needs weights the family's files lack or shape otherwise (OLMo 2
+# has no pre-norm weights, and its whole-projection q/k norms cannot norm one head; Cohere 2
+# has no FFN norm to run its FFN after attention): no engine runs them, and their family's
+# other traits' controls stand for them
+NO_CONTROL = {"pre_norms", "qk_norm_whole", "parallel"}
 # six layers: Gemma 3's five sliding-window layers and one global one
 N_LAYERS = 6
 
@@ -50,10 +85,15 @@ def family_file(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference_logits(family_file):
     arch, path = family_file
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32, **NEW_FAMILIES[arch])
+    kwargs = NEW_FAMILIES[arch].gguf_kwargs
+    if kwargs is None:
+        gf = GGUFFile(path)
+        hf = reference_model(path, ModelConfig.from_metadata(gf.metadata, set(gf.tensors)))
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, **kwargs).eval()
     with torch.no_grad():
-        return hf.eval()(torch.tensor([IDS])).logits[0]
+        return hf(torch.tensor([IDS])).logits[0]
 
 
 def test_every_family_is_listed_once():
@@ -64,10 +104,29 @@ def test_every_family_is_listed_once():
     assert set(NEW_FAMILIES) <= set(ARCHITECTURES)
 
 
+def without(engine: Engine, piece: str) -> Engine:
+    """`engine`'s model with one of its family's pieces back to the Llama block's: a
+    BlockTraits field or a ModelConfig field to its default, the RoPE over the whole head
+    ("rope_dim"), no frequency divisors ("rope_factors") or no YaRN ("rope_scaling"). Same
+    weights, fresh caches."""
+    cfg, weights = engine.cfg, engine.weights
+    if piece == "rope_dim":  # (the divisors, one per rotated pair, go with it)
+        cfg = dataclasses.replace(cfg, rope_dim=cfg.head_dim)
+        weights = dataclasses.replace(weights, rope_freqs=None, rope_freqs_long=None)
+    elif piece == "rope_scaling":  # plain RoPE: no YaRN
+        cfg = dataclasses.replace(cfg, rope_scaling="none", rope_scale=1.0)
+    elif piece == "rope_factors":
+        weights = dataclasses.replace(weights, rope_freqs=None, rope_freqs_long=None)
+    else:
+        default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}[piece]
+        cfg = dataclasses.replace(cfg, **{piece: default})
+    return Engine(cfg, weights, cpu_stages(cfg, weights, CTX))
+
+
 @pytest.mark.slow
 def test_logits_match_transformers(family_file, reference_logits):
     arch, path = family_file
-    engine = cpu_engine(path, precision="exact")
+    engine = cpu_engine(path, ctx=CTX, precision="exact")
     ours = engine.forward(IDS, all_logits=True)
     assert rel_err(ours, reference_logits) < EXACT_REL_TOL
     assert torch.equal(ours.argmax(-1), reference_logits.argmax(-1))
@@ -76,21 +135,18 @@ def test_logits_match_transformers(family_file, reference_logits):
     stepped = torch.cat([engine.forward(IDS[:5], all_logits=True)]
                         + [engine.forward(IDS[i:i + 1]) for i in range(5, len(IDS))])
     assert rel_err(stepped, reference_logits) < EXACT_REL_TOL
-    # Negative control: the same engine without the family's trait must be clearly wrong, or
-    # the comparison above could not tell the family's block from Llama's
-    # (each trait in turn back to the Llama block's)
+    # Negative control: the same weights without one of the family's pieces must be clearly
+    # wrong, or the comparison above could not tell the family's block from Llama's
     llama = BlockTraits()
     traits = family_for(arch).traits
     changed = [f.name for f in dataclasses.fields(traits)
                if getattr(traits, f.name) != getattr(llama, f.name)]
-    assert changed, f"{arch}: a family beyond Llama's has at least one trait"
-    cfg = engine.cfg
-    for name in changed + (["sliding_window"] if cfg.sliding_window else []):
-        engine.cfg = dataclasses.replace(cfg, **{name: getattr(llama, name, 0)})
-        engine.reset()
-        wrong = engine.forward(IDS, all_logits=True)
-        assert rel_err(wrong, reference_logits) > 100 * EXACT_REL_TOL, name
-    engine.cfg = cfg
+    pieces = [p for p in changed if p not in NO_CONTROL] + list(NEW_FAMILIES[arch].controls)
+    assert pieces, f"{arch}: a family beyond Llama's differs from it in at least one piece"
+    for piece in pieces:
+        err = rel_err(without(engine, piece).forward(IDS, all_logits=True), reference_logits)
+        # (OLMo 2 without its post-norms overflows: NaN is as wrong as it gets)
+        assert math.isnan(err) or err > 100 * EXACT_REL_TOL, piece
 
 
 @pytest.mark.slow
@@ -158,3 +214,112 @@ def test_an_unsupported_architecture_is_one_line_naming_it(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert "'phi2'" in err[0] and all(arch in err[0] for arch in ARCHITECTURES)
+
+
+@pytest.mark.parametrize("arch", sorted(NEW_FAMILIES))
+def test_a_synthesized_file_holds_the_family_layer(arch, tmp_path):
+    """The fast check of every family: `slipstream synth --arch` writes the tensors its
+    LayerSpec names, with its shapes, and ModelConfig reads the family's metadata back."""
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=1, arch=arch)
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    assert cfg.architecture == arch
+    spec = family_for(arch).layer
+    layer = {n.removeprefix("blk.0."): tuple(t.shape) for n, t in gf.tensors.items()
+             if n.startswith("blk.0.")}
+    assert layer == spec.shapes(cfg)
+    traits = family_for(arch).traits
+    for f in dataclasses.fields(traits):
+        assert getattr(cfg, f.name) == getattr(traits, f.name)
+
+
+def test_phi3_metadata_and_longrope_divisors(tmp_path):
+    """Phi-3's fused tensors, partial rotary, LongRoPE keys and the choice of divisors by
+    context, as llama.cpp makes it: the long set only past the original context."""
+    path = write_synth(tmp_path / "phi3.gguf", "tiny", "Q8_0", n_layers=1, arch="phi3")
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    assert (cfg.head_dim, cfg.rope_dim, cfg.sliding_window, cfg.rope_ctx_orig) == (64, 48, 16, 512)
+    assert cfg.rope_attn_factor == pytest.approx(math.sqrt(1 + math.log(4) / math.log(512)))
+    assert tuple(gf.tensors["blk.0.attn_qkv.weight"].shape) == (256 + 2 * 128, 256)
+    assert tuple(gf.tensors["blk.0.ffn_up.weight"].shape) == (2 * 512, 256)
+    weights = load_weights(gf, cfg, torch.device("cpu"), Precision.of("exact", torch.device("cpu")))
+    layer = weights.layers[0]
+    assert layer.attn_q is None and layer.ffn_gate is None
+    assert layer.attn_qkv.out_features == 512 and layer.ffn_gate_up.out_features == 1024
+    short, long = weights.rope_freqs_for(512), weights.rope_freqs_for(513)
+    assert short.shape == long.shape == (24,)
+    assert float(short.max()) == pytest.approx(3.0) and float(long.max()) == pytest.approx(16.0)
+
+
+@pytest.mark.parametrize("shape,arch,head,scale", [
+    ("27b", "gemma3", 128, 1 / math.sqrt(5376 / 32)),  # query_pre_attn_scalar 168
+    ("32b", "qwen3", 128, 1 / math.sqrt(128)),
+])
+def test_large_shapes_keep_their_head_size(shape, arch, head, scale):
+    """Gemma-3-27B and Qwen3-32B heads are 128 wide, not hidden / heads (168, 80): the
+    shapes' configs (what their files read back as; writing them is for a big machine)."""
+    cfg = synth_config(SHAPES[shape], arch)
+    assert (cfg.head_dim, cfg.rope_dim) == (head, head)
+    assert cfg.attention_scale == pytest.approx(scale)
+    q = family_for(arch).layer.shapes(cfg)["attn_q.weight"]
+    assert q == (cfg.n_heads * head, cfg.hidden)
+
+
+def test_synth_writes_a_separate_head_size(tmp_path):
+    """A shape whose head size is not hidden / heads writes it as key_length, which
+    ModelConfig reads back (the tiny shape with 32-wide heads)."""
+    shape = dataclasses.replace(SHAPES["tiny"], head_dim=32)
+    path = write_synth(tmp_path / "m.gguf", shape, "Q8_0", n_layers=1, arch="qwen3")
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    assert cfg.head_dim == 32 and tuple(gf.tensors["blk.0.attn_q.weight"].shape) == (128, 256)
+
+
+@pytest.mark.slow
+def test_phi4_decodes_through_the_native_layer(tmp_path, monkeypatch):
+    """Phi-3's fused tensors are the linears the CPU's native decode layer takes: without a
+    sliding window (Phi-4), its decode tokens go through it, LongRoPE's scaled table and
+    partial rotary included, and agree with the torch ops as two float32 summation orders
+    do (the test of the Llama block's native layer, tests/model/test_cpu_native.py)."""
+    from slipstream.model import cpu_native, llama
+
+    path = write_synth(tmp_path / "phi3.gguf", "tiny", "Q4_K", n_layers=3, arch="phi3",
+                       from_floats=True, std=0.1, seed=5)
+    runs = []
+    for on in (True, False):
+        monkeypatch.setattr(llama, "CPU_NATIVE", on)
+        base = cpu_engine(path, ctx=64, precision="fast")
+        cfg = dataclasses.replace(base.cfg, sliding_window=0)
+        engine = Engine(cfg, base.weights, cpu_stages(cfg, base.weights, 64))
+        engine.forward([3, 17, 99])
+        logits = torch.cat([engine.forward([t]) for t in (11, 42, 500, 8, 1, 2, 3)])
+        served = [isinstance(w.cpu_native, cpu_native.NativeLayer)
+                  for w in engine.weights.layers]
+        runs.append((logits, served))
+    (a, served_on), (b, served_off) = runs
+    if cpu_native.native.library() is None:
+        pytest.skip("no C compiler: the native layer cannot build")
+    assert all(served_on) and not any(served_off)
+    assert float((a - b).abs().max()) < 0.02 * float(b.abs().max())
+
+
+@pytest.mark.slow
+def test_phi3_long_context_takes_the_long_divisors(tmp_path):
+    """Past the original context (512 positions in the tiny shape), transformers rotates with
+    LongRoPE's long divisors; so does slipstream in a context allocated past it, as llama.cpp
+    chooses. A 530-token prompt through both, compared at its last positions."""
+    path = write_synth(tmp_path / "phi3.gguf", "tiny", "Q8_0", n_layers=2, arch="phi3",
+                       from_floats=True, seed=3, std=0.15)
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    ids = [(7 + 11 * i) % 1000 for i in range(530)]
+    with torch.no_grad():
+        ref = reference_model(path, cfg)(torch.tensor([ids])).logits[0, -8:]
+    engine = cpu_engine(path, ctx=600, precision="exact")
+    ours = engine.forward(ids, all_logits=True)[-8:]
+    assert rel_err(ours, ref) < EXACT_REL_TOL
+    # the same context with the short divisors: clearly off
+    weights = dataclasses.replace(engine.weights, rope_freqs_long=None)
+    short = Engine(engine.cfg, weights, cpu_stages(engine.cfg, weights, 600))
+    assert rel_err(short.forward(ids, all_logits=True)[-8:], ref) > 100 * EXACT_REL_TOL

@@ -15,8 +15,8 @@ from .render import err
 
 def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
     sy = command("synth", "write a random-weight GGUF of a supported family for testing")
-    sy.add_argument("--shape", required=True, choices=["tiny", "1b", "8b", "70b"],
-                    help="the model's shape")
+    sy.add_argument("--shape", required=True, choices=["tiny", "1b", "8b", "27b", "32b", "70b"],
+                    help="the model's shape (27b: Gemma-3-27B's, 32b: Qwen3-32B's)")
     sy.add_argument("--quant", default="Q4_K",
                     choices=["Q4_K", "Q4_K_M", "Q6_K", "Q8_0", "F16", "Q4_0", "Q5_K"],
                     help="the weights' type")

@@ -99,9 +99,12 @@ def layer_splittable(src, cfg, i: int) -> bool:
     Both shares compute SwiGLU with the residual folded into the down projection (the host
     kernels and model.llama._split_ffn): a family with another activation or a norm after the
     FFN (Gemma's GeGLU and post_ffw_norm) keeps its layers whole."""
-    if cfg.ffn_act != "silu" or cfg.post_norms:
+    if (cfg.ffn_act != "silu" or cfg.post_norms or cfg.parallel or cfg.norm != "rms"
+            or not cfg.pre_norms):  # (and OLMo 2's, Cohere 2's norms and parallel FFN)
         return False
     p = f"blk.{i}"
+    if not src.has(f"{p}.ffn_gate.weight"):  # gate and up stored as one tensor (Phi-3)
+        return False
     if any(src.has(f"{p}.{n}.bias") for n in ("ffn_gate", "ffn_up", "ffn_down")):
         return False
     qtypes = {n: GGMLQuantizationType(int(src.type_of(f"{p}.{n}.weight")))

@@ -127,7 +127,7 @@ class ResidentLayerStore(HostTraced, StoreBase):
     def trace(self, tracer: "Tracer | None") -> None:
         # On CUDA a resident layer's host time is its kernels' launch, not their run, and
         # decode replays CUDA graphs that never come here: trace only token spans there.
-        on_cuda = bool(self.layers) and self.layers[0].attn_norm.is_cuda
+        on_cuda = bool(self.layers) and self.layers[0].is_cuda
         self.tracer = None if on_cuda else tracer
 
     def acquire(self, i: int) -> LayerWeights:

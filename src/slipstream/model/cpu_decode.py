@@ -57,9 +57,10 @@ def thread_buffers(make, *key):
 
 def decode_attention(cfg: ModelConfig, qkv: torch.Tensor, cos_sin: tuple[torch.Tensor, ...],
                      pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     rope: RopeTable, window: int = 0) -> torch.Tensor:
+                     rope: RopeTable, window: int = 0, rotate: bool = True) -> torch.Tensor:
     """Attention of one causal token at slot `pos` (which it writes) over slots 0..pos (the
-    last `window` of them for a sliding-window layer).
+    last `window` of them for a sliding-window layer). rotate=False: no RoPE (Cohere 2's
+    global layers).
 
     qkv: (1, (n_q + 2 n_kv) d), as the fused q/k/v projection returns it. Returns (1, n_q d)
     in the cache dtype: a view of a thread-local buffer, valid until the thread's next call
@@ -67,7 +68,10 @@ def decode_attention(cfg: ModelConfig, qkv: torch.Tensor, cos_sin: tuple[torch.T
     n_q, n_kv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     n = n_q + n_kv
     s = thread_buffers(_Scratch, n_q, n_kv, d, k_cache.dtype)
-    if rope.style == "normal" and rope.rope_dim == d:  # RopeTable.apply's ops, into s.out
+    if not rotate:
+        qkv = qkv.view(1, n + n_kv, d)
+        q, k, v = qkv[0, :n_q].view(n_kv, n_q // n_kv, d), qkv[0, n_q:n], qkv[0, n:]
+    elif rope.style == "normal" and rope.rope_dim == d:  # RopeTable.apply's ops, into s.out
         s.qkv.copy_(qkv)
         torch.mul(s.rot_c, cos_sin[0], out=s.out_c)
         q, k, v = s.q, s.k, s.v

@@ -1,6 +1,11 @@
 """The decoder block every family shares (model.families): the Llama block (Llama 1/2/3,
 Mistral, SmolLM, Qwen2 with QKV bias), with each family's variations as named pieces that its
-ModelConfig turns on (Qwen3's per-head query and key norms)."""
+ModelConfig turns on: query/key norms per head (Qwen3, Gemma 3) or over the whole projection
+(OLMo 2), post-norms (Gemma 3, OLMo 2, GLM-4), no pre-norms (OLMo 2), GeGLU (Gemma 3),
+LayerNorm and a parallel FFN (Cohere 2), global layers without RoPE (Cohere 2), a
+per-position query temperature (Ministral 3). The fast paths (the CPU's native layer, the
+fused CUDA decode kernels) hold the Llama block; a family takes the torch ops where they
+lack its piece."""
 
 from __future__ import annotations
 
@@ -63,12 +68,12 @@ class Linear(Protocol):
 
 @dataclass
 class LayerWeights:
-    attn_norm: torch.Tensor  # (hidden,)
+    attn_norm: torch.Tensor | None  # (hidden,); None without pre-norms (cfg.pre_norms)
     attn_q: Linear | None  # hidden -> n_heads * head_dim (None when only attn_qkv exists)
     attn_k: Linear | None  # hidden -> n_kv_heads * head_dim
     attn_v: Linear | None  # hidden -> n_kv_heads * head_dim
     attn_output: Linear  # n_heads * head_dim -> hidden
-    ffn_norm: torch.Tensor  # (hidden,)
+    ffn_norm: torch.Tensor | None  # (hidden,)
     ffn_gate: Linear | None  # hidden -> ffn (None when only ffn_gate_up exists)
     ffn_up: Linear | None  # hidden -> ffn
     ffn_down: Linear  # ffn -> hidden
@@ -91,6 +96,13 @@ class LayerWeights:
     # The layer's CPU decode form through the native ops (model.cpu_native), made at its first
     # CPU decode token: a NativeLayer, or False where the layer cannot take one.
     cpu_native: object = None
+
+    @property
+    def is_cuda(self) -> bool:
+        """Whether the layer's tensors live on a CUDA device, told by its norm weights (every
+        family has some: pre-norms, or OLMo 2's post-norms)."""
+        return any(t is not None and t.is_cuda for t in (
+            self.attn_norm, self.ffn_norm, self.post_attention_norm, self.post_ffw_norm))
 
 
 class FFNShare(Protocol):
@@ -115,12 +127,44 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * xf).to(x.dtype)
 
 
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm without a bias (Cohere 2), computed in float32 as rms_norm is."""
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None, eps).to(x.dtype)
+
+
+def block_norm(cfg: ModelConfig, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The family's norm (cfg.norm): RMSNorm, or LayerNorm for Cohere 2. The final norm
+    before the head is the same kind."""
+    if cfg.norm == "layer":
+        return layer_norm(x, weight, cfg.norm_eps)
+    return rms_norm(x, weight, cfg.norm_eps)
+
+
+def pre_norm(cfg: ModelConfig, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """x normed before a sublayer; x itself in a block without pre-norms (OLMo 2)."""
+    return block_norm(cfg, x, weight) if cfg.pre_norms else x
+
+
+def pre_normed(cfg: ModelConfig, lin: Linear, x: torch.Tensor, norm: torch.Tensor | None
+               ) -> torch.Tensor:
+    """lin(pre_norm(x)): the RMSNorm fused into the matmul where the linear can (its
+    norm_matmul); the other norms, or none, before a plain call."""
+    if cfg.pre_norms and cfg.norm == "rms":
+        return lin.norm_matmul(x, norm, cfg.norm_eps)
+    return lin(pre_norm(cfg, x, norm))
+
+
 def qk_normed(cfg: ModelConfig, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:
     """qkv (T, (n_heads + n_kv_heads [+ n_kv_heads]) * head_dim), as the projections return it,
     with each query head and each key head RMS-normed by its own weight (cfg.qk_norm: Qwen3),
-    the values passed through. The norm runs over one head's dimensions, before RoPE."""
+    the values passed through. The norm runs over one head's dimensions, before RoPE; with
+    cfg.qk_norm_whole (OLMo 2) over all of a token's queries, and all its keys, at once."""
     T, d = qkv.shape[0], cfg.head_dim
     q_end, k_end = cfg.n_heads * d, (cfg.n_heads + cfg.n_kv_heads) * d
+    if cfg.qk_norm_whole:
+        q = rms_norm(qkv[:, :q_end], w.attn_q_norm, cfg.norm_eps)
+        k = rms_norm(qkv[:, q_end:k_end], w.attn_k_norm, cfg.norm_eps)
+        return torch.cat((q, k, qkv[:, k_end:]), dim=1)
     q = rms_norm(qkv[:, :q_end].reshape(-1, d), w.attn_q_norm, cfg.norm_eps)
     k = rms_norm(qkv[:, q_end:k_end].reshape(-1, d), w.attn_k_norm, cfg.norm_eps)
     return torch.cat((q.view(T, -1), k.view(T, -1), qkv[:, k_end:]), dim=1)
@@ -175,17 +219,19 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     """
     T = x.shape[0]
     if (T == 1 and CPU_DECODE and x.device.type == "cpu" and w.attn_qkv is not None
-            and not step.needs_mask):
+            and not step.needs_mask and not cfg.attn_temp_scale):
         return _cpu_decode(cfg, w, x, cos_sin, step.start, k_cache, v_cache, rope, window)
     n_qk = cfg.n_heads + cfg.n_kv_heads
     # the fused decode kernels read every slot up to the position (no window yet)
-    if uses_fused_decode(step, k_cache) and not window:
+    # (nor any temperature, nor a layer without RoPE)
+    if (uses_fused_decode(step, k_cache) and not window and not cfg.attn_temp_scale
+            and cfg.global_rope):
         # RoPE, the cache write and split-K attention in three kernels that read the position
         # from device memory, instead of a dozen small ops (and a graph can replay them).
         if w.attn_qkv is not None:
-            qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps)
+            qkv = pre_normed(cfg, w.attn_qkv, x, w.attn_norm)
         else:
-            h = rms_norm(x, w.attn_norm, cfg.norm_eps)
+            h = pre_norm(cfg, x, w.attn_norm)
             qkv = torch.cat((w.attn_q(h), w.attn_k(h), w.attn_v(h)), dim=-1)
         if cfg.qk_norm:
             qkv = qk_normed(cfg, w, qkv)
@@ -194,22 +240,25 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
                                    rope_dim=rope.rope_dim)
         attn = kernels.decode_attention(q, k_cache, v_cache, step.positions,
                                         cfg.attention_scale, cfg.gqa_group, span=step.span)
-        return _ffn(cfg, w, _attention_residual(cfg, w, attn.reshape(1, -1), x))
+        return _after_attention(cfg, w, attn.reshape(1, -1), x)
     if w.attn_qkv is not None:
-        qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps)
+        qkv = pre_normed(cfg, w.attn_qkv, x, w.attn_norm)
         if cfg.qk_norm:
             qkv = qk_normed(cfg, w, qkv)
         qkv = qkv.view(T, n_qk + cfg.n_kv_heads, cfg.head_dim)
         qk, v = qkv[:, :n_qk], qkv[:, n_qk:]
     else:
-        h = rms_norm(x, w.attn_norm, cfg.norm_eps)
+        h = pre_norm(cfg, x, w.attn_norm)
         qk = torch.cat((w.attn_q(h), w.attn_k(h)), dim=-1)
         if cfg.qk_norm:
             qk = qk_normed(cfg, w, qk)
         qk = qk.view(T, n_qk, cfg.head_dim)
         v = w.attn_v(h).view(T, cfg.n_kv_heads, cfg.head_dim)
-    qk = rope.apply(qk, cos_sin)  # q and k heads rotate together: one pass, same angles
+    if window or cfg.global_rope:  # (Cohere 2's global layers take no RoPE)
+        qk = rope.apply(qk, cos_sin)  # q and k heads rotate together: one pass, same angles
     q, k = qk[:, :cfg.n_heads], qk[:, cfg.n_heads:]
+    if cfg.attn_temp_scale:
+        q = q * attention_temperature(cfg, step.positions)[:, None, None]
     k_new, v_new = k.transpose(0, 1), v.transpose(0, 1)  # (n_kv, T, d); copy_ casts
     if step.start is not None:  # a contiguous run of slots the host knows: a slice write
         k_cache[:, step.start:step.start + T] = k_new
@@ -222,7 +271,32 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     lo = max(0, step.span - window) if window and not step.needs_mask else 0
     attn = attention(q.to(k_cache.dtype), k_cache[:, lo:step.span], v_cache[:, lo:step.span],
                      step, cfg.gqa_group, cfg.attention_scale)
-    return _ffn(cfg, w, _attention_residual(cfg, w, attn, x))
+    return _after_attention(cfg, w, attn, x)
+
+
+def attention_temperature(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor:
+    """Llama 4's per-position query factor (cfg.attn_temp_scale: Ministral 3), float32 (T,):
+    1 below the original context, growing with the log of how many times past it a query
+    stands, so that attention stays sharp over contexts the model was stretched to."""
+    times = torch.floor(positions.float() / cfg.attn_temp_floor)
+    return 1.0 + cfg.attn_temp_scale * torch.log1p(times)
+
+
+def _after_attention(cfg: ModelConfig, w: LayerWeights, attn: torch.Tensor,
+                     x: torch.Tensor) -> torch.Tensor:
+    """The block's output from its attention's: the residual add and the FFN after it, or
+    (cfg.parallel: Cohere 2) the FFN on the input attention read, both added to x."""
+    if not cfg.parallel:
+        return _ffn(cfg, w, _attention_residual(cfg, w, attn, x))
+    h = pre_norm(cfg, x, w.attn_norm)  # the normed input attention read
+    y = w.attn_output(attn, residual=x)
+    if w.ffn_gate_up is not None and cfg.ffn_act == "silu":  # SwiGLU fused into the matmul
+        return w.ffn_down.glu_matmul(w.ffn_gate_up(h), residual=y)
+    if w.ffn_gate_up is not None:
+        gate, up = w.ffn_gate_up(h).chunk(2, dim=-1)
+    else:
+        gate, up = w.ffn_gate(h), w.ffn_up(h)
+    return w.ffn_down(_ACTIVATIONS[cfg.ffn_act](gate) * up, residual=y)
 
 
 def _attention_residual(cfg: ModelConfig, w: LayerWeights, attn: torch.Tensor,
@@ -246,16 +320,19 @@ def _cpu_decode(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         nl = native_layer(w)
         if nl is not None and native_serves(x, pos, k_cache, v_cache):
             return native_decode_layer(cfg, nl, x, cos_sin, pos, k_cache, v_cache, rope)
-    qkv = w.attn_qkv.norm_matmul(x, w.attn_norm, cfg.norm_eps)
+    qkv = pre_normed(cfg, w.attn_qkv, x, w.attn_norm)
     if cfg.qk_norm:
         qkv = qk_normed(cfg, w, qkv)
-    attn = decode_attention(cfg, qkv, cos_sin, pos, k_cache, v_cache, rope, window)
-    return _ffn(cfg, w, _attention_residual(cfg, w, attn, x))
+    attn = decode_attention(cfg, qkv, cos_sin, pos, k_cache, v_cache, rope, window,
+                            rotate=bool(window) or cfg.global_rope)
+    return _after_attention(cfg, w, attn, x)
 
 
 def llama_block(cfg: ModelConfig) -> bool:
     """Whether cfg's block is the plain Llama block (none of the families' variations)."""
-    return not (cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.attn_scale)
+    return not (cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.attn_scale
+                or cfg.attn_temp_scale or not cfg.pre_norms or cfg.norm != "rms"
+                or cfg.parallel or not cfg.global_rope)
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
@@ -265,12 +342,12 @@ def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """The gated FFN half of the block, with its residual."""
     if w.ffn_host is not None or w.ffn_down_rest is not None:
         return _split_ffn(cfg, w, x)
-    if cfg.ffn_act != "silu" or cfg.post_norms:
+    if cfg.ffn_act != "silu" or cfg.post_norms or not cfg.pre_norms or cfg.norm != "rms":
         # the general form: the fused SwiGLU epilogues hold SiLU and the residual add only
         if w.ffn_gate_up is not None:
-            gate, up = w.ffn_gate_up.norm_matmul(x, w.ffn_norm, cfg.norm_eps).chunk(2, dim=-1)
+            gate, up = pre_normed(cfg, w.ffn_gate_up, x, w.ffn_norm).chunk(2, dim=-1)
         else:
-            h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
+            h = pre_norm(cfg, x, w.ffn_norm)
             gate, up = w.ffn_gate(h), w.ffn_up(h)
         y = w.ffn_down(_ACTIVATIONS[cfg.ffn_act](gate) * up)
         return x + (rms_norm(y, w.post_ffw_norm, cfg.norm_eps) if cfg.post_norms else y)

@@ -8,9 +8,29 @@ which is why the pairing is tested against Hugging Face transformers, not guesse
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..modelfile.config import ModelConfig
+
+
+def yarn(inv_freq: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """YaRN's frequencies (cfg.rope_scaling "yarn"), as llama.cpp's rope_yarn and
+    transformers compute them: a frequency that turns fewer than cfg.yarn_beta_slow times
+    over the original context is divided by the factor (interpolated), one that turns more
+    than cfg.yarn_beta_fast times is kept, and the pairs between mix the two along a
+    linear ramp over their index."""
+    dim, base = cfg.rope_dim, cfg.rope_base
+
+    def pair_of(turns: float) -> float:  # the pair index that turns `turns` times
+        return dim * math.log(cfg.rope_ctx_orig / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    lo = max(math.floor(pair_of(cfg.yarn_beta_fast)), 0)
+    hi = min(math.ceil(pair_of(cfg.yarn_beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / max(hi - lo, 1e-3)).clamp(0, 1)
+    kept = 1.0 - ramp  # 1: the trained frequency, 0: divided by the factor
+    return inv_freq / cfg.rope_scale * (1.0 - kept) + inv_freq * kept
 
 
 class RopeTable:
@@ -26,10 +46,19 @@ class RopeTable:
             # Llama 3.x stores its long-context frequency correction as a `rope_freqs` tensor
             # of per-frequency divisors; llama.cpp divides theta by it, and so do we.
             inv_freq = inv_freq / freq_factors.float().cpu()
-        positions = torch.arange(max_pos, dtype=torch.float32) / cfg.rope_scale
+        if cfg.rope_scaling == "yarn":
+            inv_freq = yarn(inv_freq, cfg)
+            positions = torch.arange(max_pos, dtype=torch.float32)
+        else:
+            positions = torch.arange(max_pos, dtype=torch.float32) / cfg.rope_scale
         angles = positions[:, None] * inv_freq[None, :]  # (max_pos, rope_dim/2)
-        self.cos = angles.cos().to(device)
-        self.sin = angles.sin().to(device)
+        cos, sin = angles.cos(), angles.sin()
+        if cfg.rope_attn_factor != 1.0:
+            # LongRoPE's attention factor scales the rotated dimensions of queries and keys
+            # (so their dot products by its square), as llama.cpp's mscale does
+            cos, sin = cos * cfg.rope_attn_factor, sin * cfg.rope_attn_factor
+        self.cos = cos.to(device)
+        self.sin = sin.to(device)
 
     def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What `apply` needs for positions (T,), computed once per forward for all layers.

@@ -39,18 +39,38 @@ class ModelConfig:
     norm_eps: float
     rope_base: float
     rope_style: str  # "normal" (adjacent pairs) or "neox" (halves)
-    rope_scaling: str = "none"  # "none" or "linear"
-    rope_scale: float = 1.0  # linear scaling factor (positions divided by it)
+    rope_scaling: str = "none"  # "none", "linear" or "yarn"
+    rope_scale: float = 1.0  # the scaling factor (linear: positions divided by it)
     attn_bias: bool = False  # QKV bias (Qwen2)
     # The family's variations of the Llama block (model.families; each off for Llama)
+    pre_norms: bool = True  # RMSNorm before attention and the FFN (all but OLMo 2)
     qk_norm: bool = False  # RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # ... over the whole q and k projections instead (OLMo 2)
     post_norms: bool = False  # RMSNorm on the attention and FFN outputs before each residual
     ffn_act: str = "silu"  # the gated FFN's activation: "silu" or "gelu_tanh" (GeGLU)
+    norm: str = "rms"  # the block's and final norm: "rms" or "layer" (LayerNorm: Cohere 2)
+    parallel: bool = False  # attention and FFN from one normed input, added together
+    global_rope: bool = True  # whether the global layers rotate (Cohere 2's do not)
+    logit_scale: float = 1.0  # the logits are multiplied by it (Cohere 2)
     embed_scale: float = 1.0  # token embeddings are multiplied by it (Gemma: sqrt(hidden))
     sliding_window: int = 0  # a sliding-window layer attends to this many last positions
     swa_pattern: int = 0  # every swa_pattern-th layer is global (0: all sliding if a window)
     rope_base_local: float = 0.0  # RoPE base of the sliding-window layers (0: rope_base)
     attn_scale: float = 0.0  # the query scale (0: 1 / sqrt(head_dim))
+    # LongRoPE (Phi-3): RoPE's cos and sin are multiplied by this (llama.cpp's
+    # rope.scaling.attn_factor), and contexts beyond rope_ctx_orig positions take the
+    # rope_factors_long divisors instead of rope_factors_short (0: no such split)
+    rope_attn_factor: float = 1.0
+    rope_ctx_orig: int = 0
+    # YaRN (rope_scaling "yarn", rope_scale its factor over rope_ctx_orig): the frequencies
+    # of fewer than yarn_beta_slow turns over the original context are interpolated, those
+    # of more than yarn_beta_fast kept, a linear ramp between
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    # Llama 4's attention temperature (Ministral 3): queries at position p are multiplied by
+    # 1 + attn_temp_scale * ln(1 + floor(p / attn_temp_floor)) (0: none)
+    attn_temp_scale: float = 0.0
+    attn_temp_floor: int = 0
     name: str = ""
 
     @property
@@ -153,9 +173,13 @@ class ModelConfig:
             raise InvalidMetadata(f"{source}: metadata {key('rope.scaling.factor')!r} is "
                                   f"{scale!r}; a RoPE scaling factor is at least 0.001 (0 means "
                                   f"none); {FIX}")
-        if scaling not in ("none", "linear") and not (scaling == "yarn" and scale == 1.0):
+        # "longrope" (Phi-3's 128k files) is carried by its divisor tensors, which the loader
+        # reads (weights.loader), and its attention factor (the family's configure)
+        if scaling not in ("none", "linear", "yarn", "longrope"):
             raise UnsupportedArchitecture(f"{source}: RoPE scaling type {scaling!r} is not "
-                                          f"supported; supported: none, linear, llama3 (rope_freqs)")
+                                          f"supported; supported: none, linear, yarn, "
+                                          f"longrope, llama3 (rope_freqs)")
+        yarn = yarn_fields(md, arch, source, context) if scaling == "yarn" and scale != 1.0 else {}
         names = tensor_names or set()
         fields = dict(
             architecture=arch,
@@ -171,11 +195,12 @@ class ModelConfig:
             norm_eps=eps,
             rope_base=rope_base,
             rope_style=ARCHITECTURES[arch],
-            rope_scaling="linear" if scaling == "linear" else "none",
-            rope_scale=scale if scaling == "linear" else 1.0,
+            rope_scaling=scaling if scaling == "linear" or yarn else "none",
+            rope_scale=scale if scaling == "linear" or yarn else 1.0,
             attn_bias="blk.0.attn_q.bias" in names,
             name=str(md.get("general.name", "")),
             **dataclasses.asdict(family.traits),
+            **yarn,
         )
         if family.configure is not None:
             fields.update(family.configure(md, arch, source, fields))
@@ -215,3 +240,24 @@ class ModelConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def yarn_fields(md: Mapping[str, Any], arch: str, source: str, context: int) -> dict[str, Any]:
+    """The ModelConfig fields of YaRN RoPE scaling (rope.scaling.type "yarn" with a factor),
+    as llama.cpp reads them: the original context (the trained one where absent), the ramp's
+    rotation bounds (32 and 1), and the factor on cos and sin, 1 + 0.1 ln(factor) divided by
+    the same with yarn_log_multiplier (transformers' mscale / mscale_all_dim) in its place:
+    1 for Ministral 3, whose multiplier is 1."""
+    factor = md_float(md, f"{arch}.rope.scaling.factor", source, 1.0, 1.0, 1e6)
+    orig = md_int(md, f"{arch}.rope.scaling.original_context_length", source, 1, MAX_CONTEXT,
+                  default=context)
+    fast = md_float(md, f"{arch}.rope.scaling.yarn_beta_fast", source, 32.0, 0.0, 1e4,
+                    lo_open=True)
+    slow = md_float(md, f"{arch}.rope.scaling.yarn_beta_slow", source, 1.0, 0.0, 1e4,
+                    lo_open=True)
+    log_mul = md_float(md, f"{arch}.rope.scaling.yarn_log_multiplier", source, 0.0, 0.0, 100.0)
+    mscale = 1.0 + 0.1 * math.log(factor)
+    if log_mul:
+        mscale /= 1.0 + 0.1 * log_mul * math.log(factor)
+    return dict(rope_ctx_orig=orig, yarn_beta_fast=fast, yarn_beta_slow=slow,
+                rope_attn_factor=mscale)

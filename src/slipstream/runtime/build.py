@@ -181,7 +181,8 @@ def build_engine(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, plan: Plan, 
                        disk, split)
     # one stage per planned stage, all served by the store
     stages = [Stage.build(cfg, torch.device(st.device) if st.device != dev.type else dev,
-                          st.layers, store, n_ctx, precision.kv_dtype, weights.rope_freqs)
+                          st.layers, store, n_ctx, precision.kv_dtype,
+                          weights.rope_freqs_for(n_ctx))
               for st in plan.stages]
     if pipeline is not None:
         from .pipeline import PipelineEngine  # torch.distributed: only a pipeline loads it

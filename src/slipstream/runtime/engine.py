@@ -17,8 +17,8 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..memory.store import ResidentLayerStore
-from ..model import RopeTable, Step, append_step, block_forward, fused_decode_serves, rms_norm
-from ..model.llama import LayerWeights, uses_fused_decode
+from ..model import RopeTable, Step, append_step, block_forward, fused_decode_serves
+from ..model.llama import LayerWeights, block_norm, uses_fused_decode
 from ..modelfile.config import ModelConfig
 from ..weights import ModelWeights
 from .graphs import GRAPH_BUCKET, DecodeGraphs, StepGraphs, bucket_span
@@ -337,8 +337,9 @@ class Engine:
         return append_step(self.length, n, first.device, span)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(h, self.weights.output_norm, self.cfg.norm_eps)
-        return self.weights.output(h).float()
+        h = block_norm(self.cfg, h, self.weights.output_norm)
+        logits = self.weights.output(h).float()
+        return logits * self.cfg.logit_scale if self.cfg.logit_scale != 1.0 else logits
 
     def _hidden(self, ids: torch.Tensor, step: Step, idle: Callable[[], bool] | None = None,
                 check: Callable[[], None] | None = None) -> torch.Tensor:

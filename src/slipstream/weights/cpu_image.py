@@ -88,7 +88,7 @@ def _fields(architecture: str) -> list[str]:
     """The LayerWeights fields a decode layer holds: one linear per group (the fused field of
     a multi-part group: block_forward uses it whenever it is set)."""
     spec = spec_for(architecture)
-    return [g.field if len(g.parts) > 1 else g.parts[0] for g in spec.linears]
+    return [g.field for g in spec.linears]
 
 
 def _linear_tensors(lin) -> tuple[str, int, list[tuple[str, torch.Tensor]]]:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .. import envs, kernels, quant
-from ..errors import GGUFError
+from ..errors import GGUFError, InvalidMetadata
 from ..model.families import spec_for
 from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name
 from ..model.llama import LayerWeights
@@ -44,9 +44,20 @@ class ModelWeights:
     layers: list[LayerWeights]
     output_norm: torch.Tensor  # (hidden,)
     output: Callable[[torch.Tensor], torch.Tensor] | None  # hidden -> vocab (None: not last)
-    rope_freqs: torch.Tensor | None  # (rope_dim/2,) llama3 frequency divisors, or None
+    rope_freqs: torch.Tensor | None  # (rope_dim/2,) frequency divisors (llama3, LongRoPE short)
+    # LongRoPE (Phi-3): the divisors of contexts beyond `long_after` positions
+    rope_freqs_long: torch.Tensor | None = None
+    long_after: int = 0
     # the thread making the layers' dense weights after the load (prefetch_dense), or None
     dense_prefetch: threading.Thread | None = None
+
+    def rope_freqs_for(self, ctx: int) -> torch.Tensor | None:
+        """The divisors a context of `ctx` positions rotates with: LongRoPE's long set past
+        the original context, as llama.cpp chooses (by the context allocated, not by how many
+        tokens a pass holds), else the file's one set or none."""
+        if self.rope_freqs_long is not None and ctx > self.long_after:
+            return self.rope_freqs_long
+        return self.rope_freqs
 
 
 def release_transients(device: torch.device) -> None:
@@ -208,10 +219,14 @@ class LayerBuilder:
             fused, parts = self._linears(src, [f"{p}.{n}" for n in group.parts], group)
             if len(group.parts) > 1:
                 fields[group.field] = fused
-            fields.update(zip(group.parts, parts or [None] * len(group.parts)))
+                fields.update(zip(group.parts, parts or [None] * len(group.parts)))
+            else:  # one stored tensor: its own field, or the fused field it already is (Phi-3)
+                fields[group.field] = parts[0]
         for norm in self.spec.norms:
             fields[norm] = src.dense(f"{p}.{norm}.weight", self.shapes[f"{norm}.weight"],
                                      torch.float32, self.device)
+        for f in dataclasses.fields(LayerWeights):  # the parts a fused-only layout lacks
+            fields.setdefault(f.name, None)
         return LayerWeights(**fields)
 
     def _linears(self, src: TensorSource, prefixes: list[str], group: LinearGroup
@@ -413,10 +428,11 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
                                         [embed_shape], [None], dense, raws=[raw])
     if head_name == HEAD:
         tick(head_name)
-    rope_freqs = None
-    if "rope_freqs.weight" in gf.tensors:
-        rope_freqs = src.dense("rope_freqs.weight", (cfg.rope_dim // 2,), torch.float32,
-                               torch.device("cpu"))
+    rope_freqs = _rope_divisors(src, "rope_freqs.weight", cfg)
+    rope_long = None
+    if "rope_factors_short.weight" in gf.tensors or "rope_factors_long.weight" in gf.tensors:
+        rope_freqs = _rope_divisors(src, "rope_factors_short.weight", cfg, required=True)
+        rope_long = _rope_divisors(src, "rope_factors_long.weight", cfg, required=True)
     output_norm = src.dense("output_norm.weight", (cfg.hidden,), torch.float32, device)
     tick("output_norm.weight")
     # The layers come after the head: packing the head (the largest weight) while no layer is
@@ -439,7 +455,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     if private:
         release_mapped_pages(gf)
     return ModelWeights(embed=embed, layers=layers, output_norm=output_norm, output=output,
-                        rope_freqs=rope_freqs,
+                        rope_freqs=rope_freqs, rope_freqs_long=rope_long,
+                        long_after=cfg.rope_ctx_orig,
                         dense_prefetch=prefetch_dense(layers) if src.lazy and not quantized
                         else None)
 
@@ -490,6 +507,27 @@ def _stop_prefetches() -> None:
     for t, stop in list(_PREFETCHES.items()):
         stop.set()
         t.join()
+
+
+def _rope_divisors(src: TensorSource, name: str, cfg: ModelConfig,
+                   required: bool = False) -> torch.Tensor | None:
+    """A (rope_dim / 2,) tensor of RoPE frequency divisors (llama3's rope_freqs, LongRoPE's
+    rope_factors_short/long), checked: a zero, negative or non-finite divisor would make every
+    logit NaN. None where the file lacks it and it is not `required` (LongRoPE's two come
+    together)."""
+    if not src.has(name):
+        if required:
+            raise GGUFError(f"{src.gf.path.name}: missing tensor {name!r} (LongRoPE files "
+                            f"hold rope_factors_short.weight and rope_factors_long.weight)")
+        return None
+    t = src.dense(name, (cfg.rope_dim // 2,), torch.float32, torch.device("cpu"))
+    bad = ~(torch.isfinite(t) & (t > 0))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        raise InvalidMetadata(f"{src.gf.path.name}: tensor {name!r} has value {float(t[i])!r} "
+                              f"at index {i}; RoPE frequency divisors must be finite and "
+                              f"positive")
+    return t
 
 
 def release_mapped_pages(gf: GGUFFile) -> None:

@@ -16,13 +16,19 @@ from __future__ import annotations
 from ...errors import UnsupportedArchitecture
 from ..layer_spec import LayerSpec
 from .base import BlockTraits, Family
+from .cohere2 import COHERE2
 from .gemma3 import GEMMA3
+from .glm4 import GLM4
 from .llama import LLAMA
+from .mistral3 import MISTRAL3
+from .olmo2 import OLMO2
+from .phi3 import PHI3
 from .qwen3 import QWEN3
 
 __all__ = ["ARCHITECTURES", "BlockTraits", "FAMILIES", "Family", "family_for", "spec_for"]
 
-FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, GEMMA3)
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, GEMMA3, PHI3, MISTRAL3, OLMO2, GLM4,
+                                 COHERE2)
 
 # general.architecture -> its family
 _BY_ARCHITECTURE: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.architectures}

@@ -11,18 +11,32 @@ from ..layer_spec import LayerSpec
 
 @dataclass(frozen=True)
 class BlockTraits:
-    """The named ways a family's block differs from the Llama block (model.llama). Each is
-    off in the Llama block; a family turns on the ones its graph has, and ModelConfig carries
-    them to the block math."""
+    """The named ways a family's block differs from the Llama block (model.llama). Each
+    default is the Llama block's; a family sets the ones its graph has, and ModelConfig
+    carries them to the block math."""
 
+    # RMSNorm before attention and before the FFN (attn_norm, ffn_norm); OLMo 2 has neither
+    pre_norms: bool = True
     # RMSNorm over each query and key head (weights attn_q_norm / attn_k_norm, (head_dim,)),
-    # after the projection and before RoPE: Qwen3, OLMo 2, Gemma 3
+    # after the projection and before RoPE: Qwen3, Gemma 3
     qk_norm: bool = False
+    # ... over the whole query and key projections instead (weights (n_heads * head_dim,)
+    # and (n_kv_heads * head_dim,)): OLMo 2
+    qk_norm_whole: bool = False
     # RMSNorm on the attention output and on the FFN output before each residual add
     # (post_attention_norm / post_ffw_norm): Gemma 2 and 3
     post_norms: bool = False
     # the gated FFN's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
     ffn_act: str = "silu"
+    # the block's and the final norm: "rms" (RMSNorm) or "layer" (LayerNorm without bias,
+    # Cohere 2)
+    norm: str = "rms"
+    # attention and the FFN both read the one normed input and add to the residual together
+    # (x + attn(h) + ffn(h)): Cohere 2
+    parallel: bool = False
+    # whether the global (not sliding-window) layers rotate queries and keys; Cohere 2's
+    # take no RoPE
+    global_rope: bool = True
 
 
 # A family's reading of the metadata its block needs beyond the Llama keys: given the file's

@@ -1,0 +1,193 @@
+"""transformers models of the families its GGUF reader does not load as slipstream reads them
+(Phi-3's LongRoPE factors and partial rotary; Ministral 3, OLMo 2, GLM-4 and Cohere 2, which
+it does not read at all): the model class built from a config written out of the file's
+ModelConfig, and the file's tensors dequantized to float32 by gguf-py and loaded under
+transformers' names. Nothing of slipstream's block math is used.
+
+Each builder imports its transformers classes itself: the test modules skip without
+transformers (pytest.importorskip) before calling one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from slipstream.modelfile.config import ModelConfig
+
+
+def gguf_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the file, dequantized by gguf-py (float32, torch order)."""
+    out = {}
+    for t in GGUFReader(path).tensors:
+        a = dequantize(t.data, t.tensor_type).astype(np.float32)
+        out[t.name] = torch.from_numpy(a.reshape([int(d) for d in reversed(t.shape)]).copy())
+    return out
+
+
+LLAMA_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+             "output_norm.weight": "model.norm.weight", "output.weight": "lm_head.weight"}
+
+
+def _layer_names(cfg: ModelConfig, per_layer: dict[str, str], top: dict[str, str]
+                 ) -> dict[str, str]:
+    names = dict(top)
+    for i in range(cfg.n_layers):
+        names.update({f"blk.{i}.{g}": f"model.layers.{i}.{h}" for g, h in per_layer.items()})
+    return names
+
+
+def _phi3(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_base,
+            "partial_rotary_factor": cfg.rope_dim / cfg.head_dim}
+    if cfg.rope_ctx_orig:
+        # (transformers derives the attention factor from the two contexts itself)
+        rope.update(rope_type="longrope", original_max_position_embeddings=cfg.rope_ctx_orig,
+                    short_factor=tensors["rope_factors_short.weight"].tolist(),
+                    long_factor=tensors["rope_factors_long.weight"].tolist())
+    config = Phi3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.context_length,
+        original_max_position_embeddings=cfg.rope_ctx_orig or cfg.context_length,
+        rms_norm_eps=cfg.norm_eps, rope_parameters=rope,
+        sliding_window=cfg.sliding_window or None, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    names = _layer_names(cfg, {
+        "attn_norm.weight": "input_layernorm.weight",
+        "attn_qkv.weight": "self_attn.qkv_proj.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "ffn_norm.weight": "post_attention_layernorm.weight",
+        "ffn_up.weight": "mlp.gate_up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    }, TOP_NAMES)
+    return Phi3ForCausalLM(config), names
+
+
+def unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Q or K rows back from llama.cpp's converter order (each head's rotation pairs adjacent,
+    for NORMAL RoPE) to the checkpoint's (pairs half a head apart, for rotate_half)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, -1).transpose(1, 2).reshape(rows, -1)
+
+
+def unpermute_qk(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    for i in range(cfg.n_layers):
+        for name, heads in (("attn_q.weight", cfg.n_heads), ("attn_k.weight", cfg.n_kv_heads)):
+            tensors[f"blk.{i}.{name}"] = unpermute(tensors[f"blk.{i}.{name}"], heads)
+
+
+def _mistral3(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    from transformers import Ministral3Config, Ministral3ForCausalLM
+
+    unpermute_qk(cfg, tensors)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_base,
+            "llama_4_scaling_beta": cfg.attn_temp_scale,
+            "original_max_position_embeddings": cfg.attn_temp_floor or cfg.context_length}
+    if cfg.rope_scaling == "yarn":  # Ministral 3's: mscale and mscale_all_dim 1
+        rope.update(rope_type="yarn", factor=cfg.rope_scale, beta_fast=cfg.yarn_beta_fast,
+                    beta_slow=cfg.yarn_beta_slow, mscale=1.0, mscale_all_dim=1.0,
+                    original_max_position_embeddings=cfg.rope_ctx_orig)
+    config = Ministral3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
+        rope_parameters=rope, tie_word_embeddings=False, pad_token_id=0, bos_token_id=None,
+        eos_token_id=None)
+    return Ministral3ForCausalLM(config), _layer_names(cfg, LLAMA_NAMES, TOP_NAMES)
+
+
+def _olmo2(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    config = Olmo2Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.context_length,
+        rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default",
+                                                    "rope_theta": cfg.rope_base},
+        tie_word_embeddings=False, pad_token_id=0, bos_token_id=None,
+        eos_token_id=None)
+    names = {k: v for k, v in LLAMA_NAMES.items() if k not in ("attn_norm.weight",
+                                                               "ffn_norm.weight")}
+    names.update({"attn_q_norm.weight": "self_attn.q_norm.weight",
+                  "attn_k_norm.weight": "self_attn.k_norm.weight",
+                  "post_attention_norm.weight": "post_attention_layernorm.weight",
+                  "post_ffw_norm.weight": "post_feedforward_layernorm.weight"})
+    return Olmo2ForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
+
+
+def _glm4(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    from transformers import Glm4Config, Glm4ForCausalLM
+
+    config = Glm4Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base,
+                         "partial_rotary_factor": cfg.rope_dim / cfg.head_dim},
+        attention_bias=True, tie_word_embeddings=False, pad_token_id=0, bos_token_id=None,
+        eos_token_id=0)
+    names = {k: v for k, v in LLAMA_NAMES.items() if k != "ffn_gate.weight"}
+    names.update({"ffn_up.weight": "mlp.gate_up_proj.weight",
+                  "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+                  "attn_v.bias": "self_attn.v_proj.bias",
+                  "post_attention_norm.weight": "post_self_attn_layernorm.weight",
+                  "post_ffw_norm.weight": "post_mlp_layernorm.weight"})
+    return Glm4ForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
+
+
+def _cohere2(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    from transformers import Cohere2Config, Cohere2ForCausalLM
+
+    config = Cohere2Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.context_length, layer_norm_eps=cfg.norm_eps,
+        logit_scale=cfg.logit_scale, sliding_window=cfg.sliding_window,
+        sliding_window_pattern=cfg.swa_pattern,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    names = {k: v for k, v in LLAMA_NAMES.items()
+             if k not in ("ffn_norm.weight", "output.weight")}
+    top = {k: v for k, v in TOP_NAMES.items() if k != "output.weight"}
+    return Cohere2ForCausalLM(config), _layer_names(cfg, names, top)
+
+
+BUILDERS: dict[str, Callable] = {"phi3": _phi3, "mistral3": _mistral3, "olmo2": _olmo2,
+                                 "glm4": _glm4, "cohere2": _cohere2}
+
+
+def reference_model(path: Path, cfg: ModelConfig) -> torch.nn.Module:
+    """The transformers model of `path` (a family in BUILDERS), float32, in eval mode."""
+    tensors = gguf_tensors(path)
+    model, names = BUILDERS[cfg.architecture](cfg, tensors)
+    state = {names[n]: t for n, t in tensors.items() if n in names}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if model.config.tie_word_embeddings and "lm_head.weight" in missing:
+        model.lm_head.weight = model.model.embed_tokens.weight  # the head is the embedding
+        missing.remove("lm_head.weight")
+    # rotary buffers are the model's own; every weight must come from the file
+    assert not [m for m in missing if "rotary" not in m], missing
+    assert not unexpected, unexpected
+    return model.float().eval()
