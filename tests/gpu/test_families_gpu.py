@@ -14,7 +14,11 @@ import torch
 
 import slipstream
 from helpers import STREAM_PROMPT, streamed_logits, vram_budget_for
+from slipstream.hybrid.split import layer_splittable
 from slipstream.model.families import FAMILIES
+from slipstream.modelfile.config import ModelConfig
+from slipstream.modelfile.gguf_file import GGUFFile
+from slipstream.weights.loader import TensorSource
 from slipstream.synth import write_synth
 
 pytestmark = pytest.mark.gpu
@@ -101,13 +105,16 @@ def test_hybrid_where_the_ffn_splits(family_file):
     budget = vram_budget_for(probe, 2)
     probe.close()
     ids = list(range(5, 1000, 7))[:128]
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    # the family's own rule (SwiGLU with separate gate and up, pre-norms, no post-FFN norm)
+    splits = layer_splittable(TensorSource(gf), cfg, 0)
+    gf.close()
     ppl = {}
     for mode in ("off", 0.5):
         with slipstream.load(path, device="cuda", ctx=256, precision="exact",
                              placement=slipstream.Placement(vram_budget=budget,
                                                             hybrid=mode)) as m:
-            cfg = m.engine.cfg
-            splits = cfg.ffn_act == "silu" and not cfg.post_norms
             if mode != "off":
                 assert (m.plan.hybrid is not None) == splits, (arch, m.plan.hybrid)
             ppl[mode] = perplexity(lambda c, m=m: m.logits(c, one_at_a_time=True), ids, 64,
