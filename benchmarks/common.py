@@ -96,18 +96,20 @@ def table(rows: Iterable[dict[str, Any]], columns: list[tuple[str, str, str]]) -
                                for i, (c, w) in enumerate(zip(line, widths))) for line in cells)
 
 
-def synth_model(shape: str, quant: str = "Q4_K", workdir: Path | None = None) -> Path:
-    """The anchor-shaped synthetic model (all 2-D weights `quant`, the head Q6_K, vocab 128256),
-    written once: the 8B is hidden 4096, ffn 14336, 32 layers; the 70B hidden 8192, ffn 28672,
-    80 layers."""
+def synth_model(shape: str, quant: str = "Q4_K", workdir: Path | None = None,
+                arch: str = "llama") -> Path:
+    """The anchor-shaped synthetic model (all 2-D weights `quant`, the head Q6_K), written once:
+    the 8B is hidden 4096, ffn 14336, 32 layers; the 70B hidden 8192, ffn 28672, 80 layers;
+    27b and 32b are Gemma-3-27B's and Qwen3-32B's shapes (slipstream.synth.SHAPES), of the
+    family `arch`."""
     from slipstream.synth import write_synth
 
     work = Path(workdir or MODELS)
     work.mkdir(parents=True, exist_ok=True)
-    path = work / f"{shape}-{quant}.gguf"
+    path = work / (f"{shape}-{quant}.gguf" if arch == "llama" else f"{arch}-{shape}-{quant}.gguf")
     if not path.exists():
         tmp = path.with_suffix(".part")
-        write_synth(tmp, shape, quant)
+        write_synth(tmp, shape, quant, arch=arch)
         tmp.rename(path)
         # flush the new file now: writeback of GiBs of dirty pages during timed runs slowed
         # eager prefill by a third on an H200's host (graph-replayed decode, not)

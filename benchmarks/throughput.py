@@ -11,6 +11,10 @@ Cases (the synthetic anchor-shaped Llama files, `benchmarks/common.py:synth_mode
     8b-q4k-vram4-layers / -hybrid       the same at 4 GiB on the 8B
     70b-q4k-vram24-ram12 / -mmap        24 GiB VRAM + 12 GiB pinned, the rest read from disk
                                         every token (O_DIRECT), and the naive mmap baseline
+    qwen3-32b-q4k, gemma3-27b-q4k       Qwen3-32B- and Gemma-3-27B-shaped files, every layer in VRAM
+    qwen3-32b-q4k-vram12, gemma3-27b-q4k-vram12   the same at 12 GiB (hybrid auto); llama.cpp
+                                        at the most layers whose weights, KV cache and compute
+                                        buffer fit 12 GiB (`llamacpp_layers_within`)
 
 Every case: decode tok/s (resident: tg128 through CUDA events, as `slipstream bench`; streamed:
 the median of --repeats runs of --tokens greedy steps after a short prompt and a warm-up, host
@@ -40,7 +44,8 @@ from pathlib import Path
 
 import common
 
-# name: (shape, quant, VRAM budget (None: resident), RAM budget, io, hybrid, llama.cpp -ngl)
+# name: (shape, quant, VRAM budget (None: resident), RAM budget, io, hybrid, llama.cpp -ngl
+# (None: as many layers as the budget holds), architecture)
 CASES = {
     "8b-q4k-resident": ("8b", "Q4_K", None, None, "direct", "off", 99),
     "8b-q8_0-resident": ("8b", "Q8_0", None, None, "direct", "off", 99),
@@ -53,7 +58,37 @@ CASES = {
     "70b-q4k-vram24-hybrid": ("70b", "Q4_K", "24GiB", None, "direct", "auto", 46),
     "70b-q4k-vram24-ram12": ("70b", "Q4_K", "24GiB", "12GiB", "direct", "off", 46),
     "70b-q4k-vram24-mmap": ("70b", "Q4_K", "24GiB", "12GiB", "mmap", "off", 46),
+    "qwen3-32b-q4k": ("32b", "Q4_K", None, None, "direct", "off", 99, "qwen3"),
+    "gemma3-27b-q4k": ("27b", "Q4_K", None, None, "direct", "off", 99, "gemma3"),
+    "qwen3-32b-q4k-vram12": ("32b", "Q4_K", "12GiB", None, "direct", "auto", None, "qwen3"),
+    "gemma3-27b-q4k-vram12": ("27b", "Q4_K", "12GiB", None, "direct", "auto", None, "gemma3"),
 }
+# llama.cpp's compute buffers and CUDA context beside the weights and KV cache of -ngl layers:
+# what its log reported for a 70B at 24 GiB was about 1.2 GiB; kept with a margin
+LLAMACPP_OVERHEAD = 1.5 * 2**30
+
+
+def case(name: str) -> tuple:
+    """CASES[name], its architecture filled in (llama where it names none)."""
+    c = CASES[name]
+    return c if len(c) == 8 else (*c, "llama")
+
+
+def llamacpp_layers_within(path: Path, budget: str, ctx: int = 2048) -> int:
+    """The most layers llama.cpp's -ngl can put on the GPU within `budget` (bytes of VRAM as
+    "12GiB"): each layer's tensors and its KV cache at `ctx` (f16), less LLAMACPP_OVERHEAD; the
+    head and embedding stay on the host below -ngl = layers + 1."""
+    from slipstream.model.layer_spec import kv_cache_bytes
+    from slipstream.modelfile.config import ModelConfig
+    from slipstream.modelfile.gguf_file import GGUFFile
+    from slipstream.memory.budget import parse_size
+
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    per_layer = max(sum(t.n_bytes for n, t in gf.tensors.items() if n.startswith(f"blk.{i}."))
+                    for i in range(cfg.n_layers)) + kv_cache_bytes(cfg, 1, ctx, 2)
+    gf.close()
+    return max(0, int((parse_size(budget) - LLAMACPP_OVERHEAD) // per_layer))
 HEADLINE = "8b-q4k-resident,70b-q4k-vram24-layers,70b-q4k-vram24-hybrid"
 
 
@@ -136,8 +171,8 @@ def run_case(name: str, workdir: Path, a: argparse.Namespace) -> dict:
     from slipstream.memory.probes import disk_read_gbps, h2d_pinned_gbps, memory_read_gbps
     from slipstream.runtime.bench import bench_decode, bench_prefill, weight_bytes_per_token
 
-    shape, quant, budget, ram_budget, io, hybrid, _ = CASES[name]
-    path = common.synth_model(shape, quant, workdir)
+    shape, quant, budget, ram_budget, io, hybrid, _, arch = case(name)
+    path = common.synth_model(shape, quant, workdir, arch)
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     model = load_model(path, budget, ram_budget, io, hybrid, a.ctx)
@@ -203,12 +238,17 @@ def run_in_child(name: str, a: argparse.Namespace) -> dict:
 
 
 def with_llamacpp(row: dict, build: str, workdir: Path) -> None:
-    shape, quant, *_, ngl = CASES[row["name"]]
+    shape, quant, budget, *_, ngl, arch = case(row["name"])
+    path = common.synth_model(shape, quant, workdir, arch)
+    if ngl is None:
+        ngl = llamacpp_layers_within(path, budget)
     tg = "128" if ngl == 99 else "16"
-    res = common.llama_bench(build, common.synth_model(shape, quant, workdir),
+    row["llamacpp_ngl"] = ngl
+    res = common.llama_bench(build, path,
                              ["-ngl", str(ngl), "-p", "512", "-n", tg, "-r", "2", "-fa", "1",
                               "-t", str(min(16, os.cpu_count() or 16))])
     row["llamacpp"] = res
+    row["llamacpp_decode_tok_s"] = res.get("tg_tok_s")
     if res.get("tg_tok_s") and row.get("decode_tok_s"):
         row["ratio_to_llamacpp"] = round(row["decode_tok_s"] / res["tg_tok_s"], 3)
     if res.get("pp512_tok_s") and row.get("prefill512_tok_s"):
