@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..hub.pull import pull
+from ..model.families import FAMILIES, family_for  # pure data: no torch
 from .loading import plan
 from .options import add_model_args
 
@@ -26,8 +27,6 @@ def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
 
 
 def families_table() -> Table:
-    from ..model.families import FAMILIES  # pure data: no torch
-
     t = Table(title="model families")
     t.add_column("family", style="bold")
     t.add_column("general.architecture")
@@ -52,8 +51,6 @@ def run(a: argparse.Namespace) -> int:
     t = Table(title=f"{path.name}", show_header=False)
     t.add_column("key", style="bold")
     t.add_column("value")
-    from ..model.families import family_for
-
     rows = [("name", cfg.name), ("architecture", cfg.architecture),
             ("family", f"{family_for(cfg.architecture).name}: "
                        f"{family_for(cfg.architecture).quirks}"),

@@ -54,7 +54,7 @@ def gpu_flags_warning(a: argparse.Namespace) -> str | None:
     given = gpu_flags_given(a)
     if not given or not on_cpu_only(a):
         return None
-    import torch
+    import torch  # callers have loaded it: they are about to load a model
 
     why = ("--device cpu" if torch.cuda.is_available() else "no CUDA GPU is available here")
     return (f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect: the model "
