@@ -308,3 +308,16 @@ def test_the_download_lock_serialises_pulls_and_is_deleted_by_its_holder(tmp_pat
         t.join(20)
     assert order == ["a in", "a out", "b in"]
     assert not lock.exists()
+
+
+def test_an_unusable_cache_folder_is_one_line(tmp_path, monkeypatch, capsys):
+    """A cache path that cannot be a folder (it lies under a file) fails the command in one
+    line naming it, as every filesystem failure the commands meet."""
+    from slipstream import cli
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(blocker / "cache"))
+    assert cli.main(["pull"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a-file" in err[0] and err[0].startswith("error:"), err

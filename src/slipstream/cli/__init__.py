@@ -107,3 +107,12 @@ def _main(argv: list[str] | None) -> int:
         # stdout closed early (e.g. piped into `head`): not an error worth a traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as e:
+        # a filesystem failure the command did not turn into an error of its own (a cache
+        # folder under a file, a read-only or full disk): one line naming the path
+        where = f" ({e.filename})" if e.filename else ""
+        err.print("[red]error:[/red] " + escape(f"{e.strerror or e}{where}; check that the "
+                                              f"path exists and is writable, or set "
+                                              f"SLIPSTREAM_CACHE to another folder"),
+                  highlight=False, soft_wrap=True)
+        return 1
