@@ -178,12 +178,13 @@ def test_streamed_run_trace_nests_and_matches_stats(smollm_path, tmp_path):
     buffers; the first layers' images are held in RAM): every layer's
     compute, and every streamed layer's disk wait and rebuild, lies inside its token's span,
     in layer order, one after another on the engine's thread; the reader threads' reads run
-    under them; and each track's total is what --stats reports."""
+    under them; and each track's total is what --stats reports. `--raw`: the bare prompt, one
+    short pass through the packed path (the chat template would make it a prefill)."""
     out = tmp_path / "run.trace.json"
     n = 3
     r = subprocess.run([sys.executable, "-m", "slipstream.cli", "run", "-m", str(smollm_path),
                         "--device", "cpu", "--ram-budget", "300MiB", "--stats", "--temp", "0",
-                        "-n", str(n), "-p", "Hello", "--trace", str(out)],
+                        "-n", str(n), "-p", "Hello", "--raw", "--trace", str(out)],
                        capture_output=True, text=True, timeout=300,
                        env={**os.environ, "COLUMNS": "100"})
     assert r.returncode == 0, r.stderr

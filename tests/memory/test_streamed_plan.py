@@ -80,8 +80,8 @@ def test_the_engine_runs_prompts_in_its_chunks(model):
     engine.prefill_chunk = 6
     seen = []
     hidden = engine._hidden
-    engine._hidden = lambda ids, step, idle=None: (seen.append(int(ids.shape[0])),
-                                                   hidden(ids, step, idle))[1]
+    engine._hidden = lambda ids, step, *rest: (seen.append(int(ids.shape[0])),
+                                                hidden(ids, step, *rest))[1]
     got = engine.forward(list(range(3, 23)), all_logits=True)
     assert seen == [6, 6, 6, 2] and engine.length == 20
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
