@@ -362,7 +362,8 @@ class Engine:
         # the sliding-window layers' step (its mask holds the window) and RoPE angles
         window = self.cfg.sliding_window
         s_local = s.with_window(window, self.cfg.gqa_group) if window else s
-        cos_sin_local = (stage.rope_local.angles(s.positions) if stage.rope_local is not None
+        rope_local = stage.rope_local or stage.rope
+        cos_sin_local = (rope_local.angles(s.positions) if stage.rope_local is not None
                          else cos_sin)
         stage.store.begin_pass(s.tokens)
         first = stage.layers.start
@@ -376,7 +377,7 @@ class Engine:
             layer = stage.store.acquire(i)
             k_cache, v_cache = stage.kv.layer(i - first)
             w = self.cfg.window_of(i)
-            rope, cs, si = ((stage.rope_of(self.cfg, i), cos_sin_local, s_local) if w
+            rope, cs, si = ((rope_local, cos_sin_local, s_local) if w
                             else (stage.rope, cos_sin, s))
             y = None
             if graphs is not None and stage.store.fixed(i):

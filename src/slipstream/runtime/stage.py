@@ -31,10 +31,6 @@ class Stage:
     # the sliding-window layers' table where their RoPE differs (cfg.rope_base_local), or None
     rope_local: RopeTable | None = None
 
-    def rope_of(self, cfg: ModelConfig, layer: int) -> RopeTable:
-        return self.rope_local if self.rope_local is not None and cfg.window_of(layer) \
-            else self.rope
-
     @classmethod
     def build(cls, cfg: ModelConfig, device: torch.device, layers: range, store: "LayerStore",
               ctx: int, kv_dtype: torch.dtype,
