@@ -30,6 +30,7 @@ from slipstream.kernels.rope import rope_and_cache
 from slipstream.model.rope import RopeTable
 
 pytestmark = pytest.mark.gpu
+INTERPRETABLE = True  # runs in Triton's interpreter too (tests/conftest.py)
 
 DEVICE = os.environ.get("SLIPSTREAM_TEST_DEVICE", "cuda")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -69,6 +70,31 @@ def test_decode_attention(dtype, d, group, pos, span):
     assert _rel(out, ref) < ATTN_TOL[dtype], plan(span, n_kv, group, d)
 
 
+@pytest.mark.parametrize("window", [1, 16, 100, 512, 5000])
+@pytest.mark.parametrize("pos,span", [(0, 256), (99, 256), (255, 256), (700, 768),
+                                      (4000, 4096)])
+def test_windowed_decode_attention_reads_only_the_window(window, pos, span):
+    """A sliding-window layer's query reads slots max(0, pos + 1 - window)..pos: the slots
+    before the window hold NaN as those past pos do, so any read of them shows, and the
+    result is the oracle's over the window (a window wider than the position is global)."""
+    n_kv, group, d, dtype = 2, 4, 128, torch.float16
+    k, v = _caches(n_kv, span, d, pos, dtype)
+    lo = max(0, pos + 1 - window)
+    k_ref, v_ref = k.cpu().clone(), v.cpu().clone()
+    k[:, :lo] = float("nan")
+    v[:, :lo] = float("nan")
+    q = torch.randn(n_kv * group, d).to(dtype).to(DEVICE)
+    scale = 1 / math.sqrt(d)
+    out = decode_attention(q, k, v, torch.tensor([pos], device=DEVICE), scale, group,
+                           span=span, window=window)
+    ref = reference_decode_attention(q.cpu(), k_ref, v_ref, pos, scale, group, window=window)
+    assert not out.isnan().any()
+    assert _rel(out, ref) < ATTN_TOL[dtype]
+    if lo > 0:  # the window matters: global attention over the same slots differs
+        glob = reference_decode_attention(q.cpu(), k_ref, v_ref, pos, scale, group)
+        assert _rel(glob, ref) > 10 * ATTN_TOL[dtype]
+
+
 def test_decode_attention_fp32_q_and_llama8b_shape():
     # Llama-3-8B: 32 query heads over 8 KV heads; q in fp32 as RoPE leaves it.
     n_kv, group, d, pos, span = 8, 4, 128, 1000, 1024
@@ -89,6 +115,8 @@ def test_decode_attention_rejects_bad_input():
         decode_attention(torch.zeros(3, 64, device=DEVICE), k, k, pos, 1.0, 1)
     with pytest.raises(ValueError, match="caches"):
         decode_attention(torch.zeros(2, 64, device=DEVICE), k.float(), k.float(), pos, 1.0, 1)
+    with pytest.raises(ValueError, match="window"):
+        decode_attention(torch.zeros(2, 64, device=DEVICE), k, k, pos, 1.0, 1, window=-1)
 
 
 def _cfg(style: str, n_heads: int, n_kv: int, head_dim: int, rope_dim: int) -> ModelConfig:
@@ -139,6 +167,50 @@ def test_rope_and_cache(style, n_heads, n_kv, head_dim, rope_dim, qkv_dtype, cac
     assert q2.dtype == cache_dtype
     # (one ulp: Triton's interpreter truncates fp32 -> bf16 where the GPU rounds)
     torch.testing.assert_close(q2.float(), q.to(cache_dtype).float(), rtol=ulp, atol=1e-6)
+
+
+@pytest.mark.parametrize("style", ["normal", "neox"])
+@pytest.mark.parametrize("n_heads,n_kv,head_dim,rope_dim", [(8, 4, 128, 128), (6, 2, 128, 64),
+                                                           (4, 1, 256, 256)])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float32])
+def test_rope_and_cache_with_head_norms(style, n_heads, n_kv, head_dim, rope_dim, cache_dtype):
+    """Qwen3's and Gemma 3's per-head RMSNorm of queries and keys, fused before the rotation:
+    the model's unfused path (model.llama.qk_normed's norms, in fp32, then RoPE) within fp32
+    rounding; values pass unnormed; without the weights the result is far off."""
+    max_ctx, pos, eps = 64, 41, 1e-6
+    cfg = _cfg(style, n_heads, n_kv, head_dim, rope_dim)
+    rope = RopeTable(cfg, max_ctx, DEVICE)
+    rows = n_heads + 2 * n_kv
+    qkv = (torch.randn(1, rows * head_dim) * 4).to(DEVICE)
+    q_norm = (torch.rand(head_dim) + 0.5).to(DEVICE)
+    k_norm = (torch.rand(head_dim) + 0.5).to(DEVICE)
+    k_cache = torch.zeros(n_kv, max_ctx, head_dim, dtype=cache_dtype, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    p = torch.tensor([pos], device=DEVICE)
+    q = rope_and_cache(qkv, rope.cos, rope.sin, k_cache, v_cache, p, n_heads, n_kv, head_dim,
+                       style, rope_dim=rope_dim, q_dtype=torch.float32, q_norm=q_norm,
+                       k_norm=k_norm, eps=eps)
+
+    def rms(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    x = qkv.view(1, rows, head_dim)
+    normed = torch.cat((rms(x[:, :n_heads], q_norm), rms(x[:, n_heads:n_heads + n_kv], k_norm)),
+                       dim=1)
+    qk = rope.apply(normed, rope.angles(p))
+    torch.testing.assert_close(q, qk[0, :n_heads], rtol=1e-5, atol=1e-5)
+    tol = 2 ** -10 if cache_dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(k_cache[:, pos].float(), qk[0, n_heads:].to(cache_dtype).float(),
+                               rtol=tol, atol=1e-5)
+    torch.testing.assert_close(v_cache[:, pos], x[0, n_heads + n_kv:].to(cache_dtype),
+                               rtol=0, atol=0)
+    plain = rope_and_cache(qkv, rope.cos, rope.sin, k_cache.clone(), v_cache.clone(), p,
+                           n_heads, n_kv, head_dim, style, rope_dim=rope_dim,
+                           q_dtype=torch.float32)
+    assert (plain - qk[0, :n_heads]).abs().max() > 0.5
+    with pytest.raises(ValueError, match="both or neither"):
+        rope_and_cache(qkv, rope.cos, rope.sin, k_cache, v_cache, p, n_heads, n_kv, head_dim,
+                       style, rope_dim=rope_dim, q_norm=q_norm)
 
 
 def test_rope_and_cache_rejects_bad_input():

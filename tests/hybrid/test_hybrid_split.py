@@ -1,6 +1,8 @@
 """Hybrid decode's split of a layer's FFN (hybrid.split, hybrid.share) on the CPU: the two shares add up to
 the whole layer, and the CPU's packed share matches it within the bfloat16 rounding of its
-kernels. The GPU side (images, the store's modes) is tested in tests/gpu/test_hybrid_gpu.py."""
+kernels, for Llama's SwiGLU and for Gemma 3's GeGLU with its post-FFN norm (the partial sums
+meet before the norm). The GPU side (images, the store's modes) is tested in
+tests/gpu/test_hybrid_gpu.py."""
 
 from __future__ import annotations
 
@@ -24,10 +26,12 @@ from slipstream.weights.loader import LayerBuilder, TensorSource
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", params=["Q4_K", "Q4_K_M", "Q8_0", "Q4_0"])
+@pytest.fixture(scope="module", params=["Q4_K", "Q4_K_M", "Q8_0", "Q4_0", "gemma3:Q4_K",
+                                        "gemma3:Q4_0"])
 def layer_parts(request, tmp_path_factory):
-    path = write_synth(tmp_path_factory.mktemp("hy") / "t.gguf", "tiny", request.param,
-                       from_floats=True, std=0.05, seed=3)
+    arch, _, qtype = request.param.rpartition(":")
+    path = write_synth(tmp_path_factory.mktemp("hy") / "t.gguf", "tiny", qtype,
+                       from_floats=True, std=0.05, seed=3, arch=arch or "llama")
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
     builder = LayerBuilder(cfg, CPU, Precision.of("exact", CPU))
@@ -75,7 +79,7 @@ def test_the_cpu_share_matches_within_bfloat16_rounding(layer_parts):
     gate_up, down = parts["gate_up"], parts["down"]
     io = HostIO(CPU, cfg.hidden, max_tokens=8)
     hybrid = dataclasses.replace(split, ffn_gate_up_rest=None, ffn_down_rest=None,
-                                 ffn_host=HostFFN(gate_up, down, io))
+                                 ffn_host=HostFFN(gate_up, down, io, act=cfg.ffn_act))
     x = torch.randn(2, cfg.hidden, generator=torch.Generator().manual_seed(1))
     ref, got = _ffn(cfg, whole, x) - x, _ffn(cfg, hybrid, x) - x  # the FFN's own output
     rel = ((got - ref).norm() / ref.norm()).item()
@@ -99,7 +103,7 @@ def test_the_workers_path_gives_computes_bits(layer_parts, q4vnni, monkeypatch):
     cfg, builder, src = layer_parts
     parts = host_linears(ffn_raws(src, cfg, 0), 256)
     gate_up, down = parts["gate_up"], parts["down"]
-    ffn = HostFFN(gate_up, down, HostIO(CPU, cfg.hidden, max_tokens=8))
+    ffn = HostFFN(gate_up, down, HostIO(CPU, cfg.hidden, max_tokens=8), act=cfg.ffn_act)
     scratch = Scratch()
     g = torch.Generator().manual_seed(5)
     for m in (1, 8, 3):  # the scratch grows, then serves a smaller call
@@ -111,14 +115,17 @@ def test_the_workers_path_gives_computes_bits(layer_parts, q4vnni, monkeypatch):
 
 def test_the_fused_share_is_the_four_calls_in_one(layer_parts):
     """Where both CPU linears are q4vnni/q8vnni, the share is one native call (ss_q4_ffn: the
-    two matvecs and the SwiGLU between them): it matches the four calls it replaces (the
-    matvecs and torch's SiLU and product) to float32 rounding of the SiLU, which the second
-    matvec's 16-bit activations may carry to a last few bits, for 1 to 8 rows."""
+    two matvecs and the SwiGLU or GeGLU between them): it matches the four calls it replaces
+    (the matvecs and torch's activation and product) to float32 rounding of the activation,
+    which the second matvec's 16-bit activations may carry to a last few bits, for 1 to 8
+    rows; the other activation is far off (the native call heeds the family's)."""
     from slipstream import native
+    from slipstream.model.llama import gated
 
     cfg, builder, src = layer_parts
     parts = host_linears(ffn_raws(src, cfg, 0), 256)
-    ffn = HostFFN(parts["gate_up"], parts["down"], HostIO(CPU, cfg.hidden, max_tokens=8))
+    ffn = HostFFN(parts["gate_up"], parts["down"], HostIO(CPU, cfg.hidden, max_tokens=8),
+                  act=cfg.ffn_act)
     kinds = {getattr(p, "kind", None) for p in parts.values()}
     if native.library() is None or not kinds <= {"q4vnni", "q8vnni"}:
         assert ffn._fused() is None  # Q4_K_M's Q6_K down takes int8pack: four calls
@@ -131,10 +138,13 @@ def test_the_fused_share_is_the_four_calls_in_one(layer_parts):
         ffn.compute_into(h, fused, Scratch())
         units = ffn.down.in_features
         gate_up = ffn.gate_up.matvec(h, torch.empty(m, 2 * units))
-        act = torch.nn.functional.silu(gate_up[:, :units]) * gate_up[:, units:]
-        calls = ffn.down.matvec(act.contiguous(), torch.full((m, cfg.hidden), float("nan")))
+        assert gate_up.shape[1] == 2 * units
+        calls, other = (ffn.down.matvec(gated(a, gate_up).contiguous(),
+                                        torch.full((m, cfg.hidden), float("nan")))
+                        for a in (cfg.ffn_act, "gelu_tanh" if cfg.ffn_act == "silu" else "silu"))
         torch.testing.assert_close(fused, calls, rtol=1e-4, atol=1e-4 * calls.abs().max().item())
         assert not torch.equal(fused, torch.zeros_like(fused))
+        assert (fused - other).abs().max() > 100 * (fused - calls).abs().max()
 
 
 def test_the_share_on_signal_waits_for_the_flag_then_hands_back(layer_parts, monkeypatch):
@@ -149,7 +159,8 @@ def test_the_share_on_signal_waits_for_the_flag_then_hands_back(layer_parts, mon
 
     cfg, builder, src = layer_parts
     parts = host_linears(ffn_raws(src, cfg, 0), 256)
-    ffn = HostFFN(parts["gate_up"], parts["down"], HostIO(CPU, cfg.hidden, max_tokens=8))
+    ffn = HostFFN(parts["gate_up"], parts["down"], HostIO(CPU, cfg.hidden, max_tokens=8),
+                  act=cfg.ffn_act)
     if native.library() is None or ffn._fused() is None:
         pytest.skip("no fused share for these formats here (Q4_K_M's Q6_K down, or no "
                     "native library)")

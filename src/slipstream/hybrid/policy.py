@@ -29,6 +29,7 @@ class HybridSplit:
     io: HostIO
     hosts: dict[int, HostFFN] = field(default_factory=dict)  # split layer -> its CPU share
     rest_fields: tuple[str, ...] = REST_FIELDS  # the image's tail a split decode leaves out
+    act: str = "silu"  # the FFN's gated activation (ModelConfig.ffn_act), for the CPU shares
     _packing: dict[int, Future] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -39,7 +40,7 @@ class HybridSplit:
             return None
         io = HostIO(device, cfg.hidden, hybrid.max_tokens, slots=len(hybrid.layers),
                     threads=hybrid.threads)
-        return cls(hybrid, io)
+        return cls(hybrid, io, act=cfg.ffn_act)
 
     @property
     def layers(self) -> frozenset[int]:
@@ -80,7 +81,8 @@ class HybridSplit:
         """Layer i's CPU share, once its packing (started by `packing`) is done."""
         parts = self._packing[i].result()
         slot = sorted(self.plan.layers).index(i)
-        self.hosts[i] = HostFFN(parts["gate_up"], parts["down"], self.io, slot, i)
+        self.hosts[i] = HostFFN(parts["gate_up"], parts["down"], self.io, slot, i,
+                                act=self.act)
 
     # --- the store's SplitPolicy ------------------------------------------------------------
 

@@ -9,9 +9,9 @@ import ctypes
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from .. import native
+from ..model.llama import gated
 from ..weights.cpu import kind_for, pack_group, pack_linear
 from ..weights.cpu.vnni import Q4VnniLinear, q4vnni_flags
 from .host_io import HostIO, Scratch
@@ -47,6 +47,7 @@ class HostFFN:
     io: HostIO
     slot: int = 0
     layer: int = -1  # the model's layer index (names its spans in a trace)
+    act: str = "silu"  # the gated activation between the matvecs (ModelConfig.ffn_act)
     # _fused's lookup, made once: it runs twice per split layer and token (start and
     # compute_into), on decode's chain, and the library's lookup takes a lock
     _native_ffn: object = field(default=None, init=False, repr=False, compare=False)
@@ -68,8 +69,7 @@ class HostFFN:
             out = torch.empty(h.shape[0], self.down.out_features)
             self.compute_into(h.float().contiguous(), out, Scratch())
             return out
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return self.down(F.silu(gate.float()) * up.float())
+        return self.down(gated(self.act, self.gate_up(h).float()))
 
     def _fused(self):
         """native ss_q4_ffn where it computes this share (both linears q4vnni/q8vnni, no bias),
@@ -105,7 +105,8 @@ class HostFFN:
         m, units = h.shape[0], self.down.in_features
         gate_up, act = scratch.get(0, m, 2 * units), scratch.get(1, m, units)
         return (self.gate_up.desc, self.down.desc, h.data_ptr(), gate_up.data_ptr(),
-                act.data_ptr(), out.data_ptr(), m, q4vnni_flags(True, True, threads))
+                act.data_ptr(), out.data_ptr(), m,
+                q4vnni_flags(True, True, threads, gelu=self.act == "gelu_tanh"))
 
     def compute_on_signal(self, h: torch.Tensor, out: torch.Tensor, scratch: Scratch,
                           arrived: torch.Tensor, seq: int, done: torch.Tensor,

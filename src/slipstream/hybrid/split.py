@@ -96,11 +96,11 @@ def ffn_raws(src, cfg, i: int) -> FFNRaws:
 
 def layer_splittable(src, cfg, i: int) -> bool:
     """Whether layer i's FFN can be split (splittable(), and no FFN biases to share out).
-    Both shares compute SwiGLU with the residual folded into the down projection (the host
-    kernels and model.llama._split_ffn): a family with another activation or a norm after the
-    FFN (Gemma's GeGLU and post_ffw_norm) keeps its layers whole."""
-    if (cfg.ffn_act != "silu" or cfg.post_norms or cfg.parallel or cfg.norm != "rms"
-            or not cfg.pre_norms):  # (and OLMo 2's, Cohere 2's norms and parallel FFN)
+    Both shares compute the gated product (SwiGLU or GeGLU) of one RMS-normed input, and
+    their down projections' partial sums meet before any post-FFN norm (model.llama.
+    _split_ffn): a family whose FFN reads another norm (Cohere 2's LayerNorm, OLMo 2's raw
+    input) or runs beside attention (Cohere 2) keeps its layers whole."""
+    if cfg.parallel or cfg.norm != "rms" or not cfg.pre_norms:
         return False
     p = f"blk.{i}"
     if not src.has(f"{p}.ffn_gate.weight"):  # gate and up stored as one tensor (Phi-3)

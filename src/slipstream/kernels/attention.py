@@ -10,6 +10,11 @@ The position is read from device memory, and the grid depends only on `span` (a 
 one captured CUDA graph serves every position below span: splits that start past the position do
 no work and are left out of the combine. Slots past the position are masked and never loaded.
 
+A sliding-window layer (`window` > 0: Gemma 3's local layers, Cohere 2's) reads only the slots
+of the last `window` positions: the splits cut [lo, lo + min(span, window)) with lo = pos + 1 -
+window (or 0) computed on the device, so the launch still depends only on host bounds and a
+1024-slot window over a 32k context reads 1024 slots, not 32k.
+
 Numerics: q and the probabilities go through tensor cores in the cache dtype (fp16/bf16); scores,
 softmax statistics and accumulators are fp32.
 
@@ -31,7 +36,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, plse_ptr, qk_scale, group, span, split,
-                  stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
+                  window, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
                   stride_ph, stride_ps, stride_lh,
                   HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr,
                   BLOCK_N: tl.constexpr):
@@ -39,7 +44,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, plse_ptr, qk_scale, grou
     hb = tl.program_id(1)
     sp = tl.program_id(2)
     pos = tl.load(pos_ptr).to(tl.int32)
-    start = sp * split
+    lo = tl.maximum(pos + 1 - window, 0)  # the window's first slot (global: window >= span)
+    start = lo + sp * split
     end = tl.minimum(tl.minimum(start + split, pos + 1), span)  # <= start: nothing to do
 
     g = hb * G_BLOCK + tl.arange(0, G_BLOCK)
@@ -80,13 +86,14 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, plse_ptr, qk_scale, grou
 
 
 @triton.jit
-def _combine_kernel(po_ptr, plse_ptr, pos_ptr, out_ptr, n_splits, span, split,
+def _combine_kernel(po_ptr, plse_ptr, pos_ptr, out_ptr, n_splits, span, split, window,
                     stride_ph, stride_ps, stride_lh, stride_oh,
                     HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr):
     h = tl.program_id(0)
     pos = tl.load(pos_ptr).to(tl.int32)
     last = tl.minimum(pos, span - 1)
-    n_valid = tl.minimum(last // split + 1, n_splits)  # splits that saw at least one slot
+    lo = tl.maximum(pos + 1 - window, 0)
+    n_valid = tl.minimum((last - lo) // split + 1, n_splits)  # splits that saw a slot
     s = tl.arange(0, S_BLOCK)
     sm = s < n_valid
     lse = tl.load(plse_ptr + h * stride_lh + s, mask=sm, other=float("-inf"))
@@ -129,8 +136,9 @@ def plan(span: int, n_kv: int, group: int, head_dim: int, n_sms: int = 132
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      pos: torch.Tensor, scale: float, group: int, span: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale) v for one query position over cache slots 0..pos.
+                     out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+    """softmax(q k^T * scale) v for one query position over cache slots 0..pos (with a
+    window, over the slots of the last `window` positions only: max(0, pos + 1 - window)..pos).
 
     q: (n_heads, head_dim) or (1, n_heads * head_dim), n_heads = n_kv * group; any float dtype
         (it is rounded to the cache dtype for the dot products).
@@ -138,6 +146,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     pos: (1,) int64 on the device, the position of the query (its key is already at slot pos).
     span: host bound on pos + 1 (default max_ctx); the launch shape depends only on it, so a
         captured graph serves every pos < span. Slots at or past span are never read.
+    window: a sliding-window layer's width (0: global attention).
     Returns (n_heads, head_dim) in q's dtype (or writes `out`, same shape).
     """
     if k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
@@ -163,6 +172,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"span must be in [1, {max_ctx}], got {span}")
     if pos.numel() != 1 or pos.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"pos must be a (1,) int64 tensor, got {tuple(pos.shape)} {pos.dtype}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0: global attention), got {window}")
     if out is None:
         out = torch.empty(n_heads, head_dim, device=q.device, dtype=q.dtype)
     elif out.shape != (n_heads, head_dim) or out.stride(1) != 1:
@@ -170,18 +181,21 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                          f"got {tuple(out.shape)}")
 
     n_sms = _num_sms(q.device)
-    block_n, g_block, split, n_splits, warps = plan(span, n_kv, group, head_dim, n_sms)
+    # the splits cover the slots one query can read: its window, or the whole span
+    reach = min(span, window) if window else span
+    window = window or span  # a global layer's "window" holds every slot it may read
+    block_n, g_block, split, n_splits, warps = plan(reach, n_kv, group, head_dim, n_sms)
     d_block = max(16, triton.next_power_of_2(head_dim))
     # Partial outputs, normalised per split, and their log2-sum-exp; fp32.
     part_o = torch.empty(n_heads, n_splits, head_dim, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(n_heads, n_splits, device=q.device, dtype=torch.float32)
     _split_kernel[(n_kv, triton.cdiv(group, g_block), n_splits)](
         q, k_cache, v_cache, pos, part_o, part_lse, scale * _LOG2E, group, span, split,
-        q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        part_o.stride(0), part_o.stride(1), part_lse.stride(0),
+        window, q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        v_cache.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         HEAD_DIM=head_dim, D_BLOCK=d_block, G_BLOCK=g_block, BLOCK_N=block_n, num_warps=warps)
     _combine_kernel[(n_heads,)](
-        part_o, part_lse, pos, out, n_splits, span, split,
+        part_o, part_lse, pos, out, n_splits, span, split, window,
         part_o.stride(0), part_o.stride(1), part_lse.stride(0), out.stride(0),
         HEAD_DIM=head_dim, D_BLOCK=d_block,
         S_BLOCK=max(2, triton.next_power_of_2(n_splits)), num_warps=4)
@@ -189,12 +203,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               pos: int, scale: float, group: int) -> torch.Tensor:
-    """The oracle: plain fp64 softmax attention over slots 0..pos (host int), (n_heads, d)."""
+                               pos: int, scale: float, group: int, window: int = 0
+                               ) -> torch.Tensor:
+    """The oracle: plain fp64 softmax attention over slots 0..pos (host int), or the window's
+    last slots, (n_heads, d)."""
     n_kv, _, d = k_cache.shape
+    lo = max(0, pos + 1 - window) if window else 0
     qg = q.reshape(n_kv, group, d).double()
-    k = k_cache[:, : pos + 1].double()
-    v = v_cache[:, : pos + 1].double()
+    k = k_cache[:, lo: pos + 1].double()
+    v = v_cache[:, lo: pos + 1].double()
     p = torch.softmax(qg @ k.transpose(1, 2) * scale, dim=-1)
     return (p @ v).reshape(n_kv * group, d)
 

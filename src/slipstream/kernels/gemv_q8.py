@@ -38,6 +38,7 @@ from .gemv import MAX_M, _group_scale_min, _m_pad
 from .pack import FLOAT_DTYPES, PackedWeight, sm_width
 
 QK = 32  # activation elements per int8 block (one scale), and elements per unit of pack.py
+GLU_ACTS = ("silu", "gelu_tanh")  # the gated FFN activations quantize_x forms: SwiGLU, GeGLU
 
 
 # Triton's CPU interpreter (CI) cannot run inline PTX: there dp4a is emulated
@@ -86,9 +87,10 @@ def _quantize_store(x, row, uu, umask, xq_ptr, xm_ptr, NUT):
 
 @triton.jit
 def _quantize_x_kernel(x_ptr, xq_ptr, xm_ptr, NUT, stride_xm, F, GLU: tl.constexpr,
-                       BU: tl.constexpr):
+                       GELU: tl.constexpr, BU: tl.constexpr):
     """BU blocks of one row of x; with GLU, of silu(x[:, :F]) * x[:, F:] (SwiGLU's product,
-    so the FFN's down projection needs no separate elementwise kernels)."""
+    so the FFN's down projection needs no separate elementwise kernels), or with GELU too of
+    gelu_tanh(x[:, :F]) * x[:, F:] (GeGLU: Gemma)."""
     row = tl.program_id(0)
     uu = tl.program_id(1) * BU + tl.arange(0, BU)
     umask = uu < NUT
@@ -97,7 +99,11 @@ def _quantize_x_kernel(x_ptr, xq_ptr, xm_ptr, NUT, stride_xm, F, GLU: tl.constex
     x = tl.load(x_ptr + offs, mask=umask[:, None, None], other=0.0).to(tl.float32)
     if GLU:
         up = tl.load(x_ptr + F + offs, mask=umask[:, None, None], other=0.0).to(tl.float32)
-        x = x / (1.0 + tl.exp(-x)) * up
+        if GELU:  # 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2 / pi) (x + 0.044715 x^3)
+            u2 = 1.5957691216057308 * (x + 0.044715 * x * x * x)
+            x = x / (1.0 + tl.exp(-u2)) * up
+        else:
+            x = x / (1.0 + tl.exp(-x)) * up
     _quantize_store(x, row, uu, umask, xq_ptr, xm_ptr, NUT)
 
 
@@ -270,10 +276,13 @@ def _q8_buffers(m: int, nut: int, device) -> tuple[torch.Tensor, torch.Tensor]:
             torch.empty(m, nut, 4, device=device, dtype=torch.int32))
 
 
-def quantize_x(x: torch.Tensor, glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_x(x: torch.Tensor, glu: bool = False, act: str = "silu"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """x (m, K), K a multiple of 32 -> (xq int32 (m, K/32*8), meta int32 (m, K/32, 4)) in the
     layout `_gemv_q8_kernel` reads (see `_quantize_store`). glu: x is (m, 2K) [gate | up] and
-    silu(gate) * up is quantized."""
+    act(gate) * up is quantized, act "silu" (SwiGLU) or "gelu_tanh" (GeGLU)."""
+    if act not in GLU_ACTS:
+        raise ValueError(f"unknown gated activation {act!r}; expected one of {GLU_ACTS}")
     m, k = x.shape
     if glu:
         k //= 2
@@ -285,7 +294,7 @@ def quantize_x(x: torch.Tensor, glu: bool = False) -> tuple[torch.Tensor, torch.
     xq, xm = _q8_buffers(m, nut, x.device)
     bu = min(64, triton.next_power_of_2(nut))
     _quantize_x_kernel[(m, triton.cdiv(nut, bu))](x, xq, xm, nut, x.stride(0), k, GLU=glu,
-                                                  BU=bu, num_warps=4)
+                                                  GELU=act == "gelu_tanh", BU=bu, num_warps=4)
     return xq, xm
 
 

@@ -11,6 +11,10 @@ context on the host; this only keeps a bad value from scribbling over memory.
 
 Pairings match `slipstream.model.rope.RopeTable`: "normal" rotates (2i, 2i+1), "neox" rotates
 (i, i + rope_dim/2); dims past rope_dim pass through unrotated. Math is fp32.
+
+Families that RMS-norm each query and key head before RoPE (Qwen3, Gemma 3: `q_norm` and
+`k_norm`, (head_dim,) weights) have the norm done here too, on the head this program already
+holds in registers: the unfused form is two norm kernels and a concatenation per layer and token.
 """
 
 from __future__ import annotations
@@ -24,13 +28,13 @@ CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _rope_cache_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, pos_ptr,
-                       n_heads, n_kv, max_ctx, max_pos,
+def _rope_cache_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qn_ptr, kn_ptr,
+                       eps, n_heads, n_kv, max_ctx, max_pos,
                        stride_cos, stride_q, stride_kh, stride_ks, stride_vh, stride_vs,
                        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
                        NEOX: tl.constexpr, PASS_START: tl.constexpr,
                        PASS_BLOCK: tl.constexpr, HAS_PASS: tl.constexpr,
-                       DIM_BLOCK: tl.constexpr):
+                       DIM_BLOCK: tl.constexpr, QK_NORM: tl.constexpr):
     # One program per head of the qkv row: [0, n_heads) q, then n_kv k heads, then n_kv v heads.
     h = tl.program_id(0)
     pos = tl.load(pos_ptr)
@@ -46,6 +50,20 @@ def _rope_cache_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, pos_ptr,
             o2 = 2 * i + 1
         x1 = tl.load(row + o1, mask=im, other=0.0).to(tl.float32)
         x2 = tl.load(row + o2, mask=im, other=0.0).to(tl.float32)
+        if HAS_PASS or QK_NORM:
+            j = PASS_START + tl.arange(0, PASS_BLOCK)
+            jm = j < HEAD_DIM
+            t = tl.load(row + j, mask=jm, other=0.0).to(tl.float32)  # none without a tail
+        if QK_NORM:  # the head's RMSNorm over all its dims, rotated and passed alike
+            ss = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0) + tl.sum(t * t, axis=0)
+            inv = 1.0 / tl.sqrt(ss / HEAD_DIM + eps)
+            if h < n_heads:
+                nw = qn_ptr
+            else:
+                nw = kn_ptr
+            x1 = x1 * inv * tl.load(nw + o1, mask=im, other=0.0).to(tl.float32)
+            x2 = x2 * inv * tl.load(nw + o2, mask=im, other=0.0).to(tl.float32)
+            t = t * inv * tl.load(nw + j, mask=jm, other=0.0).to(tl.float32)
         # A position past the table reads row 0 (angle 0) instead of out-of-bounds memory.
         p_tab = tl.where(pos < max_pos, pos, 0)
         c = tl.load(cos_ptr + p_tab * stride_cos + i, mask=im, other=1.0)
@@ -58,18 +76,12 @@ def _rope_cache_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, pos_ptr,
             tl.store(qd + o1, y1.to(qd.dtype.element_ty), mask=im)
             tl.store(qd + o2, y2.to(qd.dtype.element_ty), mask=im)
             if HAS_PASS:  # partial rotary: the tail past rope_dim is copied as is
-                j = PASS_START + tl.arange(0, PASS_BLOCK)
-                jm = j < HEAD_DIM
-                t = tl.load(row + j, mask=jm, other=0.0)
                 tl.store(qd + j, t.to(qd.dtype.element_ty), mask=jm)
         elif pos < max_ctx:
             kd = k_ptr + (h - n_heads) * stride_kh + pos * stride_ks
             tl.store(kd + o1, y1.to(kd.dtype.element_ty), mask=im)
             tl.store(kd + o2, y2.to(kd.dtype.element_ty), mask=im)
             if HAS_PASS:
-                j = PASS_START + tl.arange(0, PASS_BLOCK)
-                jm = j < HEAD_DIM
-                t = tl.load(row + j, mask=jm, other=0.0)
                 tl.store(kd + j, t.to(kd.dtype.element_ty), mask=jm)
     elif pos < max_ctx:
         d = tl.arange(0, DIM_BLOCK)
@@ -83,7 +95,8 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    k_cache: torch.Tensor, v_cache: torch.Tensor, pos: torch.Tensor,
                    n_heads: int, n_kv_heads: int, head_dim: int, style: str,
                    rope_dim: int | None = None, q_dtype: torch.dtype | None = None,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+                   out: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
+                   k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
     """Rotate q and k of one token, write k and v into the caches at slot `pos`, return q.
 
     qkv: (1, (n_heads + 2 * n_kv_heads) * head_dim) or (n_heads + 2 * n_kv_heads, head_dim),
@@ -92,6 +105,8 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     k_cache, v_cache: (n_kv_heads, max_ctx, head_dim), last dim contiguous; written in place.
     pos: (1,) int64 on the device; read by the kernel, never on the host.
     rope_dim: rotated dims per head (default head_dim); the rest pass through.
+    q_norm, k_norm: (head_dim,) RMSNorm weights applied to each query / key head (over all its
+        dims, in fp32, with `eps`) before the rotation; both or neither.
     Returns q rotated, (n_heads, head_dim), in q_dtype (default: the cache dtype), or in `out`.
     """
     if style not in STYLES:
@@ -124,6 +139,12 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          f"{tuple(v_cache.shape)} differ")
     if pos.numel() != 1 or pos.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"pos must be a (1,) int64 tensor, got {tuple(pos.shape)} {pos.dtype}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together: both or neither")
+    for name, t in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if t is not None and (t.shape != (head_dim,) or t.device != qkv.device):
+            raise ValueError(f"{name} must be ({head_dim},) on {qkv.device}, got "
+                             f"{tuple(t.shape)} on {t.device}")
     if out is None:
         out = torch.empty(n_heads, head_dim, device=qkv.device,
                           dtype=k_cache.dtype if q_dtype is None else q_dtype)
@@ -131,13 +152,14 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         raise ValueError(f"out must be ({n_heads}, {head_dim}) with a contiguous last dim, "
                          f"got {tuple(out.shape)}")
     pass_block = triton.next_power_of_2(max(head_dim - rope_dim, 1))
+    norm = q_norm is not None
     _rope_cache_kernel[(rows,)](
-        qkv, cos, sin, out, k_cache, v_cache, pos,
-        n_heads, n_kv_heads, k_cache.shape[1], cos.shape[0],
+        qkv, cos, sin, out, k_cache, v_cache, pos, q_norm if norm else qkv,
+        k_norm if norm else qkv, eps, n_heads, n_kv_heads, k_cache.shape[1], cos.shape[0],
         cos.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
         HEAD_DIM=head_dim, HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         NEOX=style == "neox", PASS_START=rope_dim, PASS_BLOCK=pass_block,
         HAS_PASS=rope_dim < head_dim, DIM_BLOCK=triton.next_power_of_2(head_dim),
-        num_warps=1)
+        QK_NORM=norm, num_warps=1)
     return out

@@ -60,9 +60,9 @@ class Linear(Protocol):
         """self(rms_norm(x, norm_weight, eps))."""
         ...
 
-    def glu_matmul(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None
-                   ) -> torch.Tensor:
-        """self(silu(gate) * up) (+ residual) for gate_up = [gate | up]."""
+    def glu_matmul(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None,
+                   act: str = "silu") -> torch.Tensor:
+        """self(act(gate) * up) (+ residual) for gate_up = [gate | up]."""
         ...
 
 
@@ -222,24 +222,30 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
             and not step.needs_mask and not cfg.attn_temp_scale):
         return _cpu_decode(cfg, w, x, cos_sin, step.start, k_cache, v_cache, rope, window)
     n_qk = cfg.n_heads + cfg.n_kv_heads
-    # the fused decode kernels read every slot up to the position (no window yet)
-    # (nor any temperature, nor a layer without RoPE)
-    if (uses_fused_decode(step, k_cache) and not window and not cfg.attn_temp_scale
-            and cfg.global_rope):
-        # RoPE, the cache write and split-K attention in three kernels that read the position
-        # from device memory, instead of a dozen small ops (and a graph can replay them).
+    # the fused decode kernels hold windows and per-head q/k norms, not a query temperature
+    # nor a global layer without RoPE
+    if (uses_fused_decode(step, k_cache) and not cfg.attn_temp_scale
+            and (window or cfg.global_rope)):
+        # RoPE (after the per-head q/k norms), the cache write and split-K attention over the
+        # window in three kernels that read the position from device memory, instead of a dozen
+        # small ops (and a graph can replay them).
         if w.attn_qkv is not None:
             qkv = pre_normed(cfg, w.attn_qkv, x, w.attn_norm)
         else:
             h = pre_norm(cfg, x, w.attn_norm)
             qkv = torch.cat((w.attn_q(h), w.attn_k(h), w.attn_v(h)), dim=-1)
-        if cfg.qk_norm:
+        head_norms = cfg.qk_norm and not cfg.qk_norm_whole
+        if cfg.qk_norm_whole:
             qkv = qk_normed(cfg, w, qkv)
         q = kernels.rope_and_cache(qkv, rope.cos, rope.sin, k_cache, v_cache, step.positions,
                                    cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, rope.style,
-                                   rope_dim=rope.rope_dim)
+                                   rope_dim=rope.rope_dim,
+                                   q_norm=w.attn_q_norm if head_norms else None,
+                                   k_norm=w.attn_k_norm if head_norms else None,
+                                   eps=cfg.norm_eps)
         attn = kernels.decode_attention(q, k_cache, v_cache, step.positions,
-                                        cfg.attention_scale, cfg.gqa_group, span=step.span)
+                                        cfg.attention_scale, cfg.gqa_group, span=step.span,
+                                        window=window)
         return _after_attention(cfg, w, attn.reshape(1, -1), x)
     if w.attn_qkv is not None:
         qkv = pre_normed(cfg, w.attn_qkv, x, w.attn_norm)
@@ -290,13 +296,9 @@ def _after_attention(cfg: ModelConfig, w: LayerWeights, attn: torch.Tensor,
         return _ffn(cfg, w, _attention_residual(cfg, w, attn, x))
     h = pre_norm(cfg, x, w.attn_norm)  # the normed input attention read
     y = w.attn_output(attn, residual=x)
-    if w.ffn_gate_up is not None and cfg.ffn_act == "silu":  # SwiGLU fused into the matmul
-        return w.ffn_down.glu_matmul(w.ffn_gate_up(h), residual=y)
-    if w.ffn_gate_up is not None:
-        gate, up = w.ffn_gate_up(h).chunk(2, dim=-1)
-    else:
-        gate, up = w.ffn_gate(h), w.ffn_up(h)
-    return w.ffn_down(_ACTIVATIONS[cfg.ffn_act](gate) * up, residual=y)
+    if w.ffn_gate_up is not None:  # the gated product fused into the matmul where it can be
+        return w.ffn_down.glu_matmul(w.ffn_gate_up(h), residual=y, act=cfg.ffn_act)
+    return w.ffn_down(_ACTIVATIONS[cfg.ffn_act](w.ffn_gate(h)) * w.ffn_up(h), residual=y)
 
 
 def _attention_residual(cfg: ModelConfig, w: LayerWeights, attn: torch.Tensor,
@@ -338,36 +340,49 @@ def llama_block(cfg: ModelConfig) -> bool:
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
+def gated(act: str, gate_up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up for gate_up = [gate | up] (T, 2 * ffn): the gated FFN's product, act
+    "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return _ACTIVATIONS[act](gate) * up
+
+
+def _ffn_output(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor, y: torch.Tensor
+                ) -> torch.Tensor:
+    """x plus the FFN's output y, normed first where the family norms it (post_ffw_norm)."""
+    return (x + rms_norm(y, w.post_ffw_norm, cfg.norm_eps)) if cfg.post_norms else y
+
+
 def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-    """The gated FFN half of the block, with its residual."""
+    """The gated FFN half of the block, with its residual: folded into the down projection's
+    epilogue, unless a norm comes between them (post_norms)."""
     if w.ffn_host is not None or w.ffn_down_rest is not None:
         return _split_ffn(cfg, w, x)
-    if cfg.ffn_act != "silu" or cfg.post_norms or not cfg.pre_norms or cfg.norm != "rms":
-        # the general form: the fused SwiGLU epilogues hold SiLU and the residual add only
-        if w.ffn_gate_up is not None:
-            gate, up = pre_normed(cfg, w.ffn_gate_up, x, w.ffn_norm).chunk(2, dim=-1)
-        else:
-            h = pre_norm(cfg, x, w.ffn_norm)
-            gate, up = w.ffn_gate(h), w.ffn_up(h)
-        y = w.ffn_down(_ACTIVATIONS[cfg.ffn_act](gate) * up)
-        return x + (rms_norm(y, w.post_ffw_norm, cfg.norm_eps) if cfg.post_norms else y)
+    residual = None if cfg.post_norms else x
     if w.ffn_gate_up is not None:
-        gate_up = w.ffn_gate_up.norm_matmul(x, w.ffn_norm, cfg.norm_eps)
-        return w.ffn_down.glu_matmul(gate_up, residual=x)
-    h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
-    return w.ffn_down(F.silu(w.ffn_gate(h)) * w.ffn_up(h), residual=x)
+        gate_up = pre_normed(cfg, w.ffn_gate_up, x, w.ffn_norm)
+        y = w.ffn_down.glu_matmul(gate_up, residual=residual, act=cfg.ffn_act)
+    else:
+        h = pre_norm(cfg, x, w.ffn_norm)
+        y = w.ffn_down(_ACTIVATIONS[cfg.ffn_act](w.ffn_gate(h)) * w.ffn_up(h),
+                       residual=residual)
+    return _ffn_output(cfg, w, x, y)
 
 
 def _split_ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU over intermediate units split in two (hybrid.split): each side's down
+    """The gated FFN over intermediate units split in two (hybrid.split): each side's down
     projection is a partial sum over its own units, and the two add up to the whole. The share
     computed elsewhere gets its input first, so that it runs while this device runs its own.
-    Both sides compute SwiGLU with the residual folded in: a family with another activation
-    or a post-FFN norm is never split (hybrid.split.layer_splittable)."""
+    The residual rides in the first partial sum, unless a post-FFN norm (Gemma) must see the
+    whole sum first. Families with LayerNorm, no pre-norms or a parallel FFN are never split
+    (hybrid.split.layer_splittable)."""
     h = rms_norm(x, w.ffn_norm, cfg.norm_eps)
     if w.ffn_host is not None:
         w.ffn_host.start(h)
-    y = w.ffn_down.glu_matmul(w.ffn_gate_up(h), residual=x)
+    residual = None if cfg.post_norms else x
+    y = w.ffn_down.glu_matmul(w.ffn_gate_up(h), residual=residual, act=cfg.ffn_act)
     if w.ffn_host is not None:
-        return w.ffn_host.finish(y)
-    return w.ffn_down_rest.glu_matmul(w.ffn_gate_up_rest(h), residual=y)
+        y = w.ffn_host.finish(y)
+    else:
+        y = w.ffn_down_rest.glu_matmul(w.ffn_gate_up_rest(h), residual=y, act=cfg.ffn_act)
+    return _ffn_output(cfg, w, x, y)

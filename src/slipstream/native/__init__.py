@@ -63,6 +63,7 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     "ss_q4_matvec": (_P, _P, _P, _I64, _I64),
     "ss_q4_ffn": (_P, _P, _P, _P, _P, _P, _I64, _I64),
     "ss_silu_mul_f32": (_P, _I64, _I64, _P),
+    "ss_gelu_mul_f32": (_P, _I64, _I64, _P),
     # (gate_up, down, x, gu, act, out, m, flags, arrived, seq, done, threads, timeout_s,
     # waited_s): returns 0, or -1 on a timeout
     "ss_q4_ffn_on_signal": (_P, _P, _P, _P, _P, _P, _I64, _I64, _P, _I64, _P, _I64,

@@ -160,6 +160,27 @@ void ss_silu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out) {
     }
 }
 
+/* out = gelu_tanh(gate) * up in float32, as ss_silu_mul_f32 (GeGLU: Gemma's FFN). GELU's tanh
+ * form 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), is x / (1 + e^(-2u)): one
+ * exponential, saturating to x and to -0 as expv does at its ends. */
+void ss_gelu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out) {
+    const float c = 1.5957691216057308f;  /* 2 sqrt(2 / pi) */
+    for (int64_t r = 0; r < m; r++) {
+        const float *g = gate_up + r * 2 * n, *u = g + n;
+        float *o = out + r * n;
+        int64_t i = 0;
+        for (; i + LANES <= n; i += LANES) {
+            vf x = loadv(g + i);
+            vf y = x / (1.0f + expv(-c * (x + 0.044715f * x * x * x))) * loadv(u + i);
+            memcpy(o + i, &y, sizeof y);
+        }
+        for (; i < n; i++) {
+            float x = g[i];
+            o[i] = x / (1.0f + expv(splat(-c * (x + 0.044715f * x * x * x)))[0]) * u[i];
+        }
+    }
+}
+
 /* Rotate one head's first rope_dim dims in place, by the angles RopeTable.angles gives.
  * style 0 ("normal"): pairs (2i, 2i+1), angles interleaved as (cos_i, sin_i) in `ang` (the
  * complex table's bytes; `ang_sin` unused); style 1 ("neox"): pairs (i, i + rope_dim/2), cos_i

@@ -588,6 +588,7 @@ typedef struct {
 #define Q4_X_F32 1   /* flags: x is float32 (else bfloat16) */
 #define Q4_Y_F32 2   /* y is float32 (else bfloat16) */
 #define Q4_GENERIC 4 /* the plain-C loop even where a vector loop is compiled in (tests) */
+#define Q4_GELU 8    /* ss_q4_ffn: GeGLU (GELU, tanh form) between the matvecs, not SwiGLU */
 #define Q4_THREADS_SHIFT 8  /* flags >> 8: threads sharing the rows (0 or 1: the caller alone) */
 
 /* y (m, n) = x (m, k) @ W^T for W (n, k) packed as above (ceil(n / 16) blocks of k / 32
@@ -631,10 +632,11 @@ void ss_q4_matvec(const q4_weight *wd, const void *x, void *y, int64_t m, int64_
 }
 
 void ss_silu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out);  /* decode_ops.c */
+void ss_gelu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out);  /* decode_ops.c */
 
 /* The CPU's share of a split FFN (hybrid/share.py, HostFFN) in one call: gu = x gate_up^T (m rows
- * of [gate | up]), act = silu(gate) * up, out = act down^T, float32 throughout. One call rather
- * than four is one release of Python's GIL rather than four hand-backs: hybrid decode's worker
+ * of [gate | up]), act = silu(gate) * up (gelu_tanh(gate) * up with Q4_GELU), out = act down^T,
+ * float32 throughout. One call rather than four is one release of Python's GIL rather than four hand-backs: hybrid decode's worker
  * otherwise waits for the GIL between them while the main thread enqueues CUDA work, and its
  * OpenMP team idles meanwhile (on an H100 host the four calls ran 17% slower, with about two
  * cores fewer busy, while the main thread was enqueueing). gu and act: scratch of m * 2 *
@@ -643,7 +645,8 @@ void ss_q4_ffn(const q4_weight *gate_up, const q4_weight *down, const float *x, 
                float *act, float *out, int64_t m, int64_t flags) {
     int64_t f32 = Q4_X_F32 | Q4_Y_F32;
     ss_q4_matvec(gate_up, x, gu, m, flags | f32);
-    ss_silu_mul_f32(gu, m, down->k, act);
+    if (flags & Q4_GELU) ss_gelu_mul_f32(gu, m, down->k, act);
+    else ss_silu_mul_f32(gu, m, down->k, act);
     ss_q4_matvec(down, act, out, m, flags | f32);
 }
 

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType
 
 from .. import kernels, quant
 from ..kernels.pack import f16_scales, fuse_scales
-from ..model.llama import rms_norm
+from ..model.llama import gated, rms_norm
 
 # Row counts up to this go through the storage dtype directly (a memory-bound GEMV, where
 # fewer bytes win); larger batches upcast the weight to the activation dtype once per call,
@@ -36,12 +36,11 @@ class Linear(ABC):
         """self(rms_norm(x, norm_weight, eps))."""
         return self(rms_norm(x, norm_weight, eps))
 
-    def glu_matmul(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None
-                   ) -> torch.Tensor:
-        """self(silu(gate) * up) (+ residual) for gate_up = [gate | up]: SwiGLU's down
-        projection."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self(F.silu(gate) * up, residual)
+    def glu_matmul(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None,
+                   act: str = "silu") -> torch.Tensor:
+        """self(act(gate) * up) (+ residual) for gate_up = [gate | up]: the gated FFN's down
+        projection (act "silu": SwiGLU; "gelu_tanh": GeGLU)."""
+        return self(gated(act, gate_up), residual)
 
 
 class DenseLinear(Linear):
@@ -395,11 +394,11 @@ class QuantLinear(Linear):
             return self._q8_matmul(self._q8.rms_norm_q8(x, norm_weight, eps), x.dtype, None)
         return self(self._rms_norm(x, norm_weight, eps))
 
-    def glu_matmul(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None
-                   ) -> torch.Tensor:
-        """self(silu(gate) * up) (+ residual) for gate_up = [gate | up]; for decode with int8
-        activations SwiGLU's product is formed inside the quantizing kernel."""
+    def glu_matmul(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None,
+                   act: str = "silu") -> torch.Tensor:
+        """self(act(gate) * up) (+ residual) for gate_up = [gate | up]; for decode with int8
+        activations the gated product is formed inside the quantizing kernel."""
         if self._q8 is not None and gate_up.shape[0] <= self._max_m:
-            return self._q8_matmul(self._q8.quantize_x(gate_up, glu=True), gate_up.dtype,
-                                   residual)
-        return super().glu_matmul(gate_up, residual)
+            return self._q8_matmul(self._q8.quantize_x(gate_up, glu=True, act=act),
+                                   gate_up.dtype, residual)
+        return super().glu_matmul(gate_up, residual, act)

@@ -8,8 +8,8 @@ import math
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
+from ...model.llama import gated
 from ..linear import Linear
 from .groups import finish
 
@@ -107,15 +107,14 @@ class PackedDecodeLinear(Linear):
             y = kernel(rms_norm_bf16(x, norm_weight, eps))
         return y if self._bias is None else torch.add(self._bias, y)
 
-    def glu_matmul(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None
-                   ) -> torch.Tensor:
-        """self(silu(gate) * up) (+ residual); on the packed path the product is formed in
+    def glu_matmul(self, gate_up: torch.Tensor, residual: torch.Tensor | None = None,
+                   act: str = "silu") -> torch.Tensor:
+        """self(act(gate) * up) (+ residual); on the packed path the product is formed in
         gate_up's dtype (bfloat16 from `norm_matmul`), which the kernel reads anyway."""
         kernel = self._decode_kernel(gate_up.shape[0])
         if kernel is None:
-            return super().glu_matmul(gate_up, residual)
-        gate, up = gate_up.chunk(2, dim=-1)
-        h = torch.mul(F.silu(gate), up)
+            return super().glu_matmul(gate_up, residual, act)
+        h = gated(act, gate_up)
         if h.dtype != torch.bfloat16:
             h = h.to(torch.bfloat16)
         return finish(kernel(h), gate_up.dtype if residual is None else residual.dtype,

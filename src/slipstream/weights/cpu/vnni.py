@@ -147,10 +147,12 @@ class _Q4Weight(ctypes.Structure):
                 ("fmt", ctypes.c_int64)]
 
 
-def q4vnni_flags(x_f32: bool, y_f32: bool, threads: int, generic: bool = False) -> int:
+def q4vnni_flags(x_f32: bool, y_f32: bool, threads: int, generic: bool = False,
+                 gelu: bool = False) -> int:
     """ss_q4_matvec's flags argument (see q4_matvec.c): the input's and output's types, the
-    plain-C loop (tests), and the threads sharing the rows."""
-    return int(x_f32) | int(y_f32) << 1 | int(generic) << 2 | int(threads) << 8
+    plain-C loop (tests), the threads sharing the rows, and (ss_q4_ffn) GeGLU for SwiGLU."""
+    return (int(x_f32) | int(y_f32) << 1 | int(generic) << 2 | int(gelu) << 3
+            | int(threads) << 8)
 
 
 class Q4VnniLinear(Linear):
