@@ -340,17 +340,21 @@ def _codes(xq: torch.Tensor) -> np.ndarray:
 
 @pytest.mark.parametrize("k", [32 * 7, 4096, 32 * 300])  # 300 blocks: a partial last program
 def test_fused_quantizers_match_separate_ops(k: int) -> None:
-    """rms_norm_q8 = quantize_x(rms_norm(x)) and quantize_x(glu=True) =
-    quantize_x(silu(gate) * up), up to ties decided differently (codes off by at most one)."""
+    """rms_norm_q8 = quantize_x(rms_norm(x)), quantize_x(glu=True) =
+    quantize_x(silu(gate) * up) and with act="gelu_tanh" = quantize_x(gelu_tanh(gate) * up)
+    (Gemma's GeGLU), up to ties decided differently (codes off by at most one)."""
     from slipstream.kernels.gemv_q8 import quantize_x, rms_norm_q8
 
     x = torch.randn(3, k, device="cuda") * 3
     w = torch.rand(k, device="cuda") + 0.5
     eps = 1e-5
     normed = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) * w
+    gelu = torch.nn.functional.gelu(x, approximate="tanh")
     for (xq, xm), (rq, rm) in [(rms_norm_q8(x, w, eps), quantize_x(normed)),
                                (quantize_x(torch.cat([x, normed], 1), glu=True),
-                                quantize_x(torch.nn.functional.silu(x) * normed))]:
+                                quantize_x(torch.nn.functional.silu(x) * normed)),
+                               (quantize_x(torch.cat([x, normed], 1), glu=True,
+                                           act="gelu_tanh"), quantize_x(gelu * normed))]:
         diff = np.abs(_codes(xq) - _codes(rq))
         assert diff.max() <= 1 and (diff > 0).mean() < 1e-3
         np.testing.assert_allclose(xm[..., 0].cpu().numpy().view(np.float32),
