@@ -206,6 +206,13 @@ def test_rms_norm(dtype: torch.dtype, hidden: int) -> None:
     y2, h = kernels.rms_norm(x, w, eps, residual=r)
     assert torch.equal(h, x + r)
     assert (y2.float() - ref(x + r)).norm() / ref(x + r).norm() < tol
+    # the post-norm form (Gemma): r + norm(x), one rounding of the sum
+    y3 = kernels.rms_norm(x, w, eps, add_to=r)
+    want = r.float() + ref(x)
+    assert y3.dtype == dtype and (y3.float() - want).norm() / want.norm() < tol
+    assert (y3.float() - ref(x)).norm() / want.norm() > 10 * tol  # the residual is in it
+    with pytest.raises(ValueError, match="give one"):
+        kernels.rms_norm(x, w, eps, residual=r, add_to=r)
 
 
 def _quantize_x_reference(x: torch.Tensor) -> np.ndarray:

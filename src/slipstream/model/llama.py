@@ -127,6 +127,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight * xf).to(x.dtype)
 
 
+def post_normed(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float
+                ) -> torch.Tensor:
+    """x + rms_norm(y, weight, eps): a sublayer's output normed before the residual add (the
+    post-norms), as one kernel on CUDA (where per-launch overhead is a decode step's cost) and
+    the two ops elsewhere."""
+    if y.is_cuda and x.dtype == y.dtype and x.stride(-1) == 1 and _cuda_kernels():
+        return kernels.rms_norm(y, weight, eps, add_to=x)
+    return x + rms_norm(y, weight, eps)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LayerNorm without a bias (Cohere 2), computed in float32 as rms_norm is."""
     return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), None, eps).to(x.dtype)
@@ -305,7 +315,7 @@ def _attention_residual(cfg: ModelConfig, w: LayerWeights, attn: torch.Tensor,
                         x: torch.Tensor) -> torch.Tensor:
     """x plus the attention's output projection, normed first where the family norms it."""
     if cfg.post_norms:
-        return x + rms_norm(w.attn_output(attn), w.post_attention_norm, cfg.norm_eps)
+        return post_normed(x, w.attn_output(attn), w.post_attention_norm, cfg.norm_eps)
     return w.attn_output(attn, residual=x)
 
 
@@ -350,7 +360,7 @@ def gated(act: str, gate_up: torch.Tensor) -> torch.Tensor:
 def _ffn_output(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor, y: torch.Tensor
                 ) -> torch.Tensor:
     """x plus the FFN's output y, normed first where the family norms it (post_ffw_norm)."""
-    return (x + rms_norm(y, w.post_ffw_norm, cfg.norm_eps)) if cfg.post_norms else y
+    return post_normed(x, y, w.post_ffw_norm, cfg.norm_eps) if cfg.post_norms else y
 
 
 def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
