@@ -131,8 +131,10 @@ def post_normed(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: flo
                 ) -> torch.Tensor:
     """x + rms_norm(y, weight, eps): a sublayer's output normed before the residual add (the
     post-norms), as one kernel on CUDA (where per-launch overhead is a decode step's cost) and
-    the two ops elsewhere."""
-    if y.is_cuda and x.dtype == y.dtype and x.stride(-1) == 1 and _cuda_kernels():
+    the two ops elsewhere. The kernel gives x's dtype, so it takes the sums whose type is x's
+    (a float16 output added to a float32 residual, as attention's is), computed in float32."""
+    if (y.is_cuda and torch.promote_types(x.dtype, y.dtype) == x.dtype
+            and x.stride(-1) == 1 and _cuda_kernels()):
         return kernels.rms_norm(y, weight, eps, add_to=x)
     return x + rms_norm(y, weight, eps)
 
