@@ -59,6 +59,10 @@ NEW_FAMILIES = {
     "olmo2": Reference(None),
     "glm4": Reference(None, ("rope_dim",)),
     "cohere2": Reference(None, ("sliding_window", "logit_scale")),
+    # (its reusing layers have no key/value weights, and its sliding layers' heads and RoPE
+    # are their own: neither can be turned back into the Llama block's)
+    "gemma4": Reference(None, ("embed_scale", "sliding_window", "final_softcap",
+                               "per_layer_dim", "layer_scale", "rope_factors")),
 }
 # Traits whose Llama value needs weights the family's files lack or shape otherwise (OLMo 2
 # has no pre-norm weights, and its whole-projection q/k norms cannot norm one head; Cohere 2

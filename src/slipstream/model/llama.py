@@ -230,7 +230,7 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     the branch after the FFN reads (model.per_layer).
     """
     y = _block(cfg, w, x, cos_sin, step, k_cache, v_cache, rope, window)
-    if per_layer is not None or w.layer_output_scale is not None:
+    if per_layer is not None or cfg.layer_scale:
         from .per_layer import layer_tail  # Gemma 4 only
         y = layer_tail(cfg, w, y, per_layer)
     return y

@@ -56,6 +56,6 @@ def layer_tail(cfg: ModelConfig, w: LayerWeights, y: torch.Tensor,
     if per_layer is not None:
         g = F.gelu(w.inp_gate(y).float(), approximate="tanh") * per_layer.to(y.device)
         y = y + rms_norm(w.proj(g.to(y.dtype)), w.post_norm, cfg.norm_eps)
-    if w.layer_output_scale is not None:
+    if cfg.layer_scale and w.layer_output_scale is not None:
         y = y * w.layer_output_scale
     return y

@@ -104,11 +104,15 @@ class ModelConfig:
 
     def window_of(self, layer: int) -> int:
         """How many last positions layer `layer` attends to: 0 for all of them."""
+        return self.sliding_window if self.sliding(layer) else 0
+
+    def sliding(self, layer: int) -> bool:
+        """Whether layer `layer` is a sliding-window layer, which takes the sliding layers'
+        RoPE table (and, in Gemma 4, head size) even where the window is set to 0."""
         if self.swa_layers:
-            return self.sliding_window if self.swa_layers[layer] else 0
-        if not self.sliding_window or (self.swa_pattern and (layer + 1) % self.swa_pattern == 0):
-            return 0
-        return self.sliding_window
+            return self.swa_layers[layer]
+        return bool(self.sliding_window) and not (
+            self.swa_pattern and (layer + 1) % self.swa_pattern == 0)
 
     @property
     def uniform(self) -> bool:
@@ -151,8 +155,7 @@ class ModelConfig:
         every Gemma 4 file; ModelConfig.from_metadata checks the two agree)."""
         if not self.kv_layers or i < self.kv_layers:
             return i
-        swa = self.window_of(i) > 0
-        return max(j for j in range(self.kv_layers) if (self.window_of(j) > 0) == swa)
+        return max(j for j in range(self.kv_layers) if self.sliding(j) == self.sliding(i))
 
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any], tensor_names: set[str] | None = None,

@@ -353,7 +353,7 @@ class Engine:
             x = x * self.cfg.embed_scale
         # Gemma 4's per-layer embedding inputs (T, n_layers, dim), made once per pass
         ple = (self.weights.per_layer.inputs(self.cfg, ids, x)
-               if self.weights.per_layer is not None else None)
+               if self.weights.per_layer is not None and self.cfg.per_layer_dim else None)
         for stage in self.stages:
             x = self._run_stage(stage, x, step, idle, check, ple)
         return x
@@ -392,7 +392,8 @@ class Engine:
             k_cache, v_cache = stage.kv.layer(i - first)
             w = self.cfg.window_of(i)
             cfg = self.cfg.layer(i)
-            rope, cs = (rope_local, cos_sin_local) if w else (stage.rope, cos_sin)
+            rope, cs = ((rope_local, cos_sin_local) if self.cfg.sliding(i)
+                        else (stage.rope, cos_sin))
             si = steps.get((w, cfg.gqa_group))
             if si is None:
                 si = steps[w, cfg.gqa_group] = (

@@ -36,7 +36,7 @@ class Stage:
               ctx: int, kv_dtype: torch.dtype,
               rope_freqs: torch.Tensor | None = None) -> "Stage":
         local = None
-        if cfg.sliding_window and cfg.rope_base_local:
+        if cfg.rope_base_local and (cfg.sliding_window or cfg.swa_layers):
             # the sliding-window layers rotate with their own base and no scaling (and, in
             # Gemma 4, over their own head size)
             local = RopeTable(replace(cfg, rope_base=cfg.rope_base_local, rope_scaling="none",
