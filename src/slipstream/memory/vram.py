@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as T
 from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..kernels.pack import QSPECS, pack_chunk_rows, sm_width  # tables: no CUDA nor Triton
-from ..model.families import spec_for
+from ..model.families import family_for, spec_for
 from ..model.layer_spec import EMBEDDING, head_tensor_name, kv_cache_bytes
 from ..weights.image import IMAGE_ALIGN  # every tensor of an image starts on this boundary
 from ..weights.loader import prefill_scratch_elements
@@ -114,6 +114,18 @@ def _pack_transient(qtype: int, rows: int, cols: int, raw: int) -> int:
     return 2 * raw + 2 * packed + PACK_TEMP_BYTES * pack_chunk_rows(rows, cols) * cols
 
 
+def extra_tensor_bytes(gf: GGUFFile, cfg: ModelConfig, table_on_host: bool) -> int:
+    """Bytes of the non-layer tensors a family reads beyond the embedding, head and final
+    norm (model.families.Family.top_tensors: Gemma 4's per-layer embedding tables, as held:
+    in their GGUF format, the token table left out where it stays on the host like the
+    embedding)."""
+    from ..model.families.gemma4 import PER_LAYER_TOKEN_EMBD
+
+    return sum(alloc_bytes(gf.tensors[n].n_bytes)
+               for n in family_for(cfg.architecture).top_tensors(cfg)
+               if n in gf.tensors and not (table_on_host and n == PER_LAYER_TOKEN_EMBD))
+
+
 def activation_bytes(cfg: ModelConfig, chunk: int, ctx: int) -> int:
     """Peak activations of one prefill chunk through one block (weights excluded), with the
     attention scores counted as SDPA's math path would materialise them (an upper bound)."""
@@ -164,6 +176,8 @@ def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: in
                       if holds_embedding and not embed_on_host else 0),
         "head": (sum(alloc_bytes(n) for n in packed_planes(*head_weight[:3], fused))
                  if holds_head else 0),
+        "per-layer embeddings": (extra_tensor_bytes(gf, cfg, embed_on_host)
+                                 if holds_embedding else 0),
         "prefill workspace": alloc_bytes(2 * scratch),
         "norms, rope, allocator": SHARED_SEGMENTS + 2 * ctx * cfg.rope_dim * 4,
     }
