@@ -273,7 +273,7 @@ def gemma4_layout(shape: SynthShape) -> tuple[list[bool], int]:
 def gemma4_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
     """Gemma 4's keys, in E2B's proportions: global heads twice the sliding ones, a quarter of
     the global heads' frequencies turning, the reusing layers' FFN twice as wide, per-layer
-    embeddings an eighth of the hidden size (E2B: 256 of 1536), soft-capped logits."""
+    embeddings E2B's 256 wide (a whole K-quant block per row), soft-capped logits."""
     swa, kv_layers = gemma4_layout(shape)
     md: dict[str, object] = {
         f"{arch}.attention.sliding_window": synth_window(shape),
@@ -283,7 +283,7 @@ def gemma4_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
         f"{arch}.attention.value_length_swa": shape.head,
         f"{arch}.rope.dimension_count_swa": shape.head,
         f"{arch}.rope.freq_base_swa": 10000.0,
-        f"{arch}.embedding_length_per_layer_input": shape.hidden // 8,
+        f"{arch}.embedding_length_per_layer_input": GEMMA4_PER_LAYER_DIM,
         f"{arch}.final_logit_softcapping": 30.0,
         f"{arch}.feed_forward_length": [shape.ffn * (1 if i < kv_layers else 2)
                                         for i in range(shape.n_layers)],
@@ -295,6 +295,7 @@ def gemma4_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
 # base 1e6 (its sliding layers: 1e4)
 GEMMA4_ROPE_FRACTION = 0.25
 GEMMA4_ROPE_BASE = 1e6
+GEMMA4_PER_LAYER_DIM = 256
 
 
 def synth_metadata(shape: SynthShape, arch: str) -> dict[str, object]:

@@ -345,7 +345,7 @@ def test_gemma4_layers_differ_as_the_file_says(tmp_path):
     assert [cfg.layer(i).head_dim for i in range(6)] == [64, 64, 128, 64, 64, 128]
     assert [cfg.layer(i).ffn for i in range(6)] == [512, 512, 512, 1024, 1024, 1024]
     assert [cfg.kv_source(i) for i in range(6)] == [0, 1, 2, 1, 1, 2]
-    assert (cfg.per_layer_dim, cfg.final_softcap, cfg.attention_scale) == (32, 30.0, 1.0)
+    assert (cfg.per_layer_dim, cfg.final_softcap, cfg.attention_scale) == (256, 30.0, 1.0)
     assert "blk.3.attn_k.weight" not in names and "blk.2.attn_k.weight" in names
     assert tuple(GGUFFile(tmp_path / "g4.gguf").tensors["blk.2.attn_q.weight"].shape) == \
         (4 * 128, 256)
@@ -401,3 +401,13 @@ def test_gemma4_sources_llamacpp_would_read_otherwise_are_refused(tmp_path):
     md["gemma4.attention.shared_kv_layers"] = 2  # sources 2 (global) and 3 (sliding)
     with pytest.raises(UnsupportedArchitecture, match="layers from 4 on"):
         ModelConfig.from_metadata(md, names)
+
+
+def test_gemma4_values_from_the_key_projection_are_refused(tmp_path):
+    """The 31B's global layers have no attn_v (values are the key projection): refused at
+    load, naming the layer, rather than reported as a missing tensor."""
+    from slipstream.errors import UnsupportedArchitecture
+
+    md, names = _gemma4_md(tmp_path)
+    with pytest.raises(UnsupportedArchitecture, match="layer 2 has attn_k but no attn_v"):
+        ModelConfig.from_metadata(md, names - {"blk.2.attn_v.weight"})

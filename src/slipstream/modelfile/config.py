@@ -298,6 +298,9 @@ class ModelConfig:
                 f"{len(beyond)} layer(s) beyond it; the layer count or the tensor names are "
                 f"wrong; {FIX}")
         spec = spec_for(self.architecture)
+        family = family_for(self.architecture)
+        if family.check_names is not None:
+            family.check_names(self, names, source)
         for name in (EMBEDDING, "output_norm.weight", 
                      *family_for(self.architecture).top_tensors(self)):
             if name not in names:

@@ -66,6 +66,10 @@ class Family:
     # final norm, given its config (Gemma 4's per-layer embedding tables)
     extra_tensors: Callable[[Any], tuple[str, ...]] | None = None
 
+    # a check of a file's tensor names beyond the layer spec's (given the config, the names
+    # and a name for errors), raising on a layout the family cannot run yet
+    check_names: Callable[[Any, Any, str], None] | None = None
+
     def top_tensors(self, cfg: Any) -> tuple[str, ...]:
         """The non-layer tensors beyond the embedding, head and final norm a model of `cfg`
         requires."""

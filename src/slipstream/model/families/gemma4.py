@@ -1,4 +1,5 @@
-"""Gemma 4, the dense models (E2B, E4B, 31B): Gemma 3's block (query/key norms per head,
+"""Gemma 4, the dense models (E2B, E4B; the 31B's shared key/value projection is refused):
+Gemma 3's block (query/key norms per head,
 post-attention and post-FFN norms, GeGLU, embeddings times sqrt(hidden)) with
 - sliding-window and global layers in a per-layer pattern (`attention.sliding_window_pattern`,
   an array of bools, the last layer global) whose heads differ: the sliding layers' head size
@@ -11,7 +12,7 @@ post-attention and post-FFN norms, GeGLU, embeddings times sqrt(hidden)) with
 - an RMSNorm without weight over each value head, and a query scale of 1 (the norms keep
   q.k in range instead);
 - the 31B's global layers have no attn_v: their values are the key projection (before its
-  norm), as transformers' attention_k_eq_v;
+  norm), as transformers' attention_k_eq_v. Not run yet: such files are refused at load;
 - E2B and E4B: the last `attention.shared_kv_layers` layers compute no keys or values of
   their own and attend to those of the last earlier layer of their kind (ModelConfig.kv_source);
   FFN sizes per layer (`feed_forward_length` array: the shared layers' doubled);
@@ -156,6 +157,18 @@ def _check_kv_sources(swa: tuple[bool, ...], kv_layers: int, source: str) -> Non
             f"sliding and a global layer; slipstream runs Gemma 4's layouts where they are")
 
 
+def check_names(cfg: Any, names: Any, source: str) -> None:
+    """The 31B's global layers take their values from the key projection (no attn_v;
+    transformers' attention_k_eq_v), with their own key/value head count: not run yet."""
+    for i in range(cfg.n_layers):
+        if (cfg.layer(i).computes_kv and f"blk.{i}.attn_k.weight" in names
+                and f"blk.{i}.attn_v.weight" not in names):
+            raise UnsupportedArchitecture(
+                f"{source}: layer {i} has attn_k but no attn_v: its values are its keys' "
+                f"projection (Gemma 4 31B's attention_k_eq_v), which slipstream does not run "
+                f"yet; E2B and E4B files run")
+
+
 GEMMA4 = Family(
     name="gemma4",
     architectures={"gemma4": "neox"},
@@ -171,4 +184,5 @@ GEMMA4 = Family(
            "per-layer embeddings, layers sharing keys and values, soft-capped logits",
     varied_layers=True,
     extra_tensors=extra_tensors,
+    check_names=check_names,
 )
