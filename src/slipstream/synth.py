@@ -248,7 +248,7 @@ def synth_window(shape: SynthShape) -> int:
 ROPE_FRACTION = {"phi3": 0.75, "glm4": 0.5}
 # the families whose files never hold a head apart from the embedding (llama.cpp's loader
 # reads Cohere 2's head from token_embd.weight)
-TIED = ("cohere2",)
+TIED = ("cohere2", "gemma4")
 # the architectures whose files have query, key and value biases
 QKV_BIAS = ("qwen2", "glm4")
 # LongRoPE files (Phi-3): their original context, this fraction of the context written
@@ -259,11 +259,52 @@ def synth_rope_dim(shape: SynthShape, arch: str) -> int:
     return int(shape.head * ROPE_FRACTION.get(family_for(arch).name, 1.0)) // 2 * 2
 
 
-def synth_metadata(shape: SynthShape, arch: str) -> dict[str, int | float | str]:
+def gemma4_layout(shape: SynthShape) -> tuple[list[bool], int]:
+    """A synthesized Gemma 4's sliding-window pattern and the layers that compute keys and
+    values: every third layer global and the last one too (E2B: every fifth), and the last
+    half of the layers, rounded to a whole pattern, reusing the keys and values of the two
+    before them (E2B: 20 of 35)."""
+    n = shape.n_layers
+    swa = [(i + 1) % 3 != 0 and i != n - 1 for i in range(n)]
+    kv_layers = n // 2 // 3 * 3
+    return swa, kv_layers if kv_layers >= 3 else n
+
+
+def gemma4_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
+    """Gemma 4's keys, in E2B's proportions: global heads twice the sliding ones, a quarter of
+    the global heads' frequencies turning, the reusing layers' FFN twice as wide, per-layer
+    embeddings E2B's 256 wide (a whole K-quant block per row), soft-capped logits."""
+    swa, kv_layers = gemma4_layout(shape)
+    md: dict[str, object] = {
+        f"{arch}.attention.sliding_window": synth_window(shape),
+        f"{arch}.attention.sliding_window_pattern": swa,
+        f"{arch}.attention.shared_kv_layers": shape.n_layers - kv_layers,
+        f"{arch}.attention.key_length_swa": shape.head,
+        f"{arch}.attention.value_length_swa": shape.head,
+        f"{arch}.rope.dimension_count_swa": shape.head,
+        f"{arch}.rope.freq_base_swa": 10000.0,
+        f"{arch}.embedding_length_per_layer_input": GEMMA4_PER_LAYER_DIM,
+        f"{arch}.final_logit_softcapping": 30.0,
+        f"{arch}.feed_forward_length": [shape.ffn * (1 if i < kv_layers else 2)
+                                        for i in range(shape.n_layers)],
+    }
+    return md
+
+
+# Gemma 4's global layers turn a quarter of their frequencies ("proportional" RoPE), with
+# base 1e6 (its sliding layers: 1e4)
+GEMMA4_ROPE_FRACTION = 0.25
+GEMMA4_ROPE_BASE = 1e6
+GEMMA4_PER_LAYER_DIM = 256
+
+
+def synth_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
     """The metadata beyond the Llama keys a synthesized file of `arch` holds, which its
     family's `configure` reads."""
     family = family_for(arch).name
-    md: dict[str, int | float | str] = {}
+    md: dict[str, object] = {}
+    if family == "gemma4":
+        return gemma4_metadata(shape, arch)
     if family in ("gemma3", "phi3", "cohere2"):
         md[f"{arch}.attention.sliding_window"] = synth_window(shape)
     if family == "cohere2":
@@ -302,6 +343,9 @@ def synth_config(shape: SynthShape, arch: str) -> ModelConfig:
         rope_style=ARCHITECTURES[arch], attn_bias=arch in QKV_BIAS,
         **dataclasses.asdict(family.traits))
     md = synth_metadata(shape, arch)
+    if family.name == "gemma4":  # the global layers' heads, twice the sliding ones
+        fields.update(head_dim=2 * head_dim, rope_dim=2 * head_dim, layer_scale=True,
+                      rope_base=GEMMA4_ROPE_BASE)
     if md.get(f"{arch}.rope.scaling.type") == "yarn":
         fields.update(rope_scaling="yarn", rope_scale=md[f"{arch}.rope.scaling.factor"],
                       **yarn_fields(md, arch, "synth", shape.context))
@@ -348,21 +392,27 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
 
     cfg = synth_config(shape, arch)
     tie_embeddings = tie_embeddings or family_for(arch).name in TIED
-    layer = sorted((t for t in spec_for(arch).tensors if t.expected(cfg)), key=_file_rank)
     # name -> (ggml type, torch-order shape, weight std)
     plan: list[tuple[str, Q, tuple[int, ...], float]] = []
     plan.append((EMBEDDING, out_type if quant_mix != "Q4_K_M" else Q.Q4_K,
                  (shape.vocab, shape.hidden), std))
     for i in range(shape.n_layers):
-        for t in layer:
+        lc = cfg.layer(i)  # layer i's shapes and tensors (Gemma 4's layers differ)
+        for t in sorted((t for t in spec_for(arch).at(lc).tensors if t.expected(cfg)),
+                        key=_file_rank):
             q, sd = ((layer_q(t.suffix), std) if t.kind == "weight" else
                      (Q.F32, 0.1 if t.kind == "bias" else 0.0))
-            plan.append((f"blk.{i}.{t.suffix}", q, t.shape(cfg), sd))
+            plan.append((f"blk.{i}.{t.suffix}", q, t.shape(lc), sd))
     plan.append(("output_norm.weight", Q.F32, (shape.hidden,), 0.0))
     if not tie_embeddings:
         plan.append((HEAD, out_type, (shape.vocab, shape.hidden), std))
-    if rope_freqs:
-        plan.append(("rope_freqs.weight", Q.F32, (head_dim // 2,), -1.0))
+    if rope_freqs or family_for(arch).name == "gemma4":
+        plan.append(("rope_freqs.weight", Q.F32, (cfg.rope_dim // 2,), -1.0))
+    if cfg.per_layer_dim:  # Gemma 4's per-layer embedding tables
+        width = cfg.n_layers * cfg.per_layer_dim
+        plan += [("per_layer_token_embd.weight", layer_type, (shape.vocab, width), std),
+                 ("per_layer_model_proj.weight", layer_type, (width, shape.hidden), std),
+                 ("per_layer_proj_norm.weight", Q.F32, (cfg.per_layer_dim,), 0.0)]
     if family_for(arch).name == "phi3":  # LongRoPE's two sets of divisors
         for name in LONGROPE_DIVISORS:
             plan.append((name, Q.F32, (cfg.rope_dim // 2,), -1.0))
@@ -372,19 +422,22 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     w.add_block_count(shape.n_layers)
     w.add_context_length(shape.context)
     w.add_embedding_length(shape.hidden)
-    w.add_feed_forward_length(shape.ffn)
+    md = synth_metadata(shape, arch)
+    w.add_feed_forward_length(md.pop(f"{arch}.feed_forward_length", shape.ffn))
     w.add_head_count(shape.n_heads)
     w.add_head_count_kv(shape.n_kv_heads)
-    w.add_rope_freq_base(shape.rope_base)
+    w.add_rope_freq_base(cfg.rope_base)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(cfg.rope_dim)
     if family_for(arch).name != "llama" or head_dim != shape.hidden // shape.n_heads:
         # readers default other families' head size to their real models' (transformers: 128
         # for Qwen3) rather than hidden / heads
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    for key, value in synth_metadata(shape, arch).items():
-        if isinstance(value, str):
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    for key, value in md.items():
+        if isinstance(value, list):
+            w.add_array(key, value)
+        elif isinstance(value, str):
             w.add_string(key, value)
         elif isinstance(value, float):
             w.add_float32(key, value)
@@ -420,8 +473,15 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     for name, q, s, sd in plan:
         if name.endswith("norm.weight"):
             data = (1.0 + 0.05 * rng.standard_normal(s)).astype(np.float32)
+        elif name == "rope_freqs.weight" and family_for(arch).name == "gemma4":
+            # as llama.cpp's converter writes "proportional" RoPE: the pairs past the
+            # turning quarter divided by 1e30, i.e. still
+            turning = int(s[0] * 2 * GEMMA4_ROPE_FRACTION) // 2
+            data = np.array([1.0] * turning + [1e30] * (s[0] - turning), dtype=np.float32)
         elif name == "rope_freqs.weight":
             data = np.linspace(1.0, 8.0, s[0], dtype=np.float32)  # llama3-like divisors
+        elif name.endswith("layer_output_scale.weight"):  # Gemma 4: well away from 1
+            data = (0.5 + 0.5 * rng.random(s)).astype(np.float32)
         elif name in LONGROPE_DIVISORS:  # Phi-3-like: the long set stretches far more
             data = np.linspace(1.0, LONGROPE_DIVISORS[name], s[0], dtype=np.float32)
         elif len(s) == 1:

@@ -191,3 +191,59 @@ def reference_model(path: Path, cfg: ModelConfig) -> torch.nn.Module:
     assert not [m for m in missing if "rotary" not in m], missing
     assert not unexpected, unexpected
     return model.float().eval()
+
+
+def _gemma4(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    # the global layers' turning pairs: the rope_freqs divisors of 1 (llama.cpp's converter
+    # writes 1e30 for the pairs "proportional" RoPE holds still)
+    turning = int((tensors["rope_freqs.weight"] < 2).sum())
+    kv_layers = cfg.kv_layers or cfg.n_layers
+    config = Gemma4TextConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden,
+        intermediate_size=cfg.ffn_per_layer[0] if cfg.ffn_per_layer else cfg.ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim_swa,
+        global_head_dim=cfg.head_dim, hidden_activation="gelu_pytorch_tanh",
+        max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_base_local},
+            "full_attention": {"rope_type": "proportional", "rope_theta": cfg.rope_base,
+                               "partial_rotary_factor": 2 * turning / cfg.head_dim}},
+        sliding_window=cfg.sliding_window,
+        layer_types=["sliding_attention" if s else "full_attention" for s in cfg.swa_layers],
+        final_logit_softcapping=cfg.final_softcap or None,
+        vocab_size_per_layer_input=cfg.vocab_size,
+        hidden_size_per_layer_input=cfg.per_layer_dim,
+        num_kv_shared_layers=cfg.n_layers - kv_layers,
+        use_double_wide_mlp=bool(cfg.ffn_per_layer), attention_k_eq_v=False,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    per_layer = {
+        "attn_norm.weight": "input_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight",
+        "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight",
+        "attn_output.weight": "self_attn.o_proj.weight",
+        "attn_q_norm.weight": "self_attn.q_norm.weight",
+        "attn_k_norm.weight": "self_attn.k_norm.weight",
+        "post_attention_norm.weight": "post_attention_layernorm.weight",
+        "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+        "ffn_gate.weight": "mlp.gate_proj.weight",
+        "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+        "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+        "inp_gate.weight": "per_layer_input_gate.weight",
+        "proj.weight": "per_layer_projection.weight",
+        "post_norm.weight": "post_per_layer_input_norm.weight",
+        "layer_output_scale.weight": "layer_scalar",
+    }
+    top = {"token_embd.weight": "model.embed_tokens.weight",
+           "output_norm.weight": "model.norm.weight",
+           "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+           "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+           "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight"}
+    return Gemma4ForCausalLM(config), _layer_names(cfg, per_layer, top)
+
+
+BUILDERS["gemma4"] = _gemma4

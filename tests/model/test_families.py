@@ -59,6 +59,10 @@ NEW_FAMILIES = {
     "olmo2": Reference(None),
     "glm4": Reference(None, ("rope_dim",)),
     "cohere2": Reference(None, ("sliding_window", "logit_scale")),
+    # (its reusing layers have no key/value weights, and its sliding layers' heads and RoPE
+    # are their own: neither can be turned back into the Llama block's)
+    "gemma4": Reference(None, ("embed_scale", "sliding_window", "final_softcap",
+                               "per_layer_dim", "layer_scale", "rope_factors")),
 }
 # Traits whose Llama value needs weights the family's files lack or shape otherwise (OLMo 2
 # has no pre-norm weights, and its whole-projection q/k norms cannot norm one head; Cohere 2
@@ -323,3 +327,87 @@ def test_phi3_long_context_takes_the_long_divisors(tmp_path):
     weights = dataclasses.replace(engine.weights, rope_freqs_long=None)
     short = Engine(engine.cfg, weights, cpu_stages(engine.cfg, weights, 600))
     assert rel_err(short.forward(ids, all_logits=True)[-8:], ref) > 100 * EXACT_REL_TOL
+
+
+def _gemma4_md(tmp_path, n_layers: int = 6) -> tuple[dict, set]:
+    gf = GGUFFile(write_synth(tmp_path / "g4.gguf", "tiny", "Q8_0", n_layers=n_layers,
+                              arch="gemma4"))
+    return dict(gf.metadata), set(gf.tensors)
+
+
+def test_gemma4_layers_differ_as_the_file_says(tmp_path):
+    """A synthesized Gemma 4 (E2B's layout in small) reads back with its two layer shapes,
+    its reusing layers and their sources (transformers' rule, llama.cpp's kv_layers - 2 /
+    - 1), and each layer's tensors: the reusing layers hold no key or value projections."""
+    md, names = _gemma4_md(tmp_path)
+    cfg = ModelConfig.from_metadata(md, names)
+    assert cfg.swa_layers == (True, True, False, True, True, False)
+    assert [cfg.layer(i).head_dim for i in range(6)] == [64, 64, 128, 64, 64, 128]
+    assert [cfg.layer(i).ffn for i in range(6)] == [512, 512, 512, 1024, 1024, 1024]
+    assert [cfg.kv_source(i) for i in range(6)] == [0, 1, 2, 1, 1, 2]
+    assert (cfg.per_layer_dim, cfg.final_softcap, cfg.attention_scale) == (256, 30.0, 1.0)
+    assert "blk.3.attn_k.weight" not in names and "blk.2.attn_k.weight" in names
+    assert tuple(GGUFFile(tmp_path / "g4.gguf").tensors["blk.2.attn_q.weight"].shape) == \
+        (4 * 128, 256)
+    spec = family_for("gemma4").layer.at(cfg.layer(4))
+    assert [g.field for g in spec.linears][:2] == ["attn_q", "ffn_gate_up"]
+    assert "attn_k_norm" not in spec.norms
+
+
+def test_gemma4_reusing_layers_read_their_source_cache(tmp_path):
+    """The KV cache gives a reusing layer its source's tensors (one allocation each), with
+    the source's head shape; a stage boundary between the two is refused."""
+    from slipstream.runtime.kv_cache import KVCache
+
+    md, names = _gemma4_md(tmp_path)
+    cfg = ModelConfig.from_metadata(md, names)
+    kv = KVCache(cfg, 32, torch.device("cpu"), torch.float32)
+    assert kv.layer(3)[0] is kv.layer(1)[0] and kv.layer(5)[1] is kv.layer(2)[1]
+    assert kv.layer(0)[0].shape == (2, 32, 64) and kv.layer(2)[0].shape == (2, 32, 128)
+    assert kv.nbytes == 2 * 2 * 32 * 4 * (64 + 64 + 128)  # k and v of the three sources
+    with pytest.raises(ValueError, match="layer 1"):
+        KVCache(cfg, 32, torch.device("cpu"), torch.float32, n_layers=3, first=3)
+
+
+def test_gemma4_mixture_of_experts_is_refused_naming_it(tmp_path):
+    from slipstream.errors import UnsupportedArchitecture
+
+    md, names = _gemma4_md(tmp_path, n_layers=1)
+    md["gemma4.expert_count"] = 128  # the 26B-A4B's
+    with pytest.raises(UnsupportedArchitecture, match="mixture-of-experts.*expert_count"):
+        ModelConfig.from_metadata(md, names)
+
+
+@pytest.mark.parametrize("pattern,match", [
+    ([True] * 6, "marks it sliding"),
+    ([True, False], "one bool per layer"),
+    (6, "one bool per layer"),
+])
+def test_gemma4_bad_sliding_pattern_names_the_key(tmp_path, pattern, match):
+    from slipstream.errors import InvalidMetadata
+
+    md, names = _gemma4_md(tmp_path)
+    md["gemma4.attention.sliding_window_pattern"] = pattern
+    with pytest.raises(InvalidMetadata, match=match):
+        ModelConfig.from_metadata(md, names)
+
+
+def test_gemma4_sources_llamacpp_would_read_otherwise_are_refused(tmp_path):
+    """Where the layer before the reusing ones is not global (or the one before it not
+    sliding), llama.cpp's fixed sources and transformers' would differ: refused."""
+    from slipstream.errors import UnsupportedArchitecture
+
+    md, names = _gemma4_md(tmp_path)
+    md["gemma4.attention.shared_kv_layers"] = 2  # sources 2 (global) and 3 (sliding)
+    with pytest.raises(UnsupportedArchitecture, match="layers from 4 on"):
+        ModelConfig.from_metadata(md, names)
+
+
+def test_gemma4_values_from_the_key_projection_are_refused(tmp_path):
+    """The 31B's global layers have no attn_v (values are the key projection): refused at
+    load, naming the layer, rather than reported as a missing tensor."""
+    from slipstream.errors import UnsupportedArchitecture
+
+    md, names = _gemma4_md(tmp_path)
+    with pytest.raises(UnsupportedArchitecture, match="layer 2 has attn_k but no attn_v"):
+        ModelConfig.from_metadata(md, names - {"blk.2.attn_v.weight"})

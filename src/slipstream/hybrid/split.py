@@ -99,8 +99,9 @@ def layer_splittable(src, cfg, i: int) -> bool:
     Both shares compute the gated product (SwiGLU or GeGLU) of one RMS-normed input, and
     their down projections' partial sums meet before any post-FFN norm (model.llama.
     _split_ffn): a family whose FFN reads another norm (Cohere 2's LayerNorm, OLMo 2's raw
-    input) or runs beside attention (Cohere 2) keeps its layers whole."""
-    if cfg.parallel or cfg.norm != "rms" or not cfg.pre_norms:
+    input) or runs beside attention (Cohere 2) keeps its layers whole, as does one whose
+    layers differ in shape (Gemma 4: the split's buffers and balance are sized for one FFN)."""
+    if cfg.parallel or cfg.norm != "rms" or not cfg.pre_norms or not cfg.uniform:
         return False
     p = f"blk.{i}"
     if not src.has(f"{p}.ffn_gate.weight"):  # gate and up stored as one tensor (Phi-3)

@@ -185,7 +185,7 @@ def cpu_decode_rates(gf, cfg, precision, layer: int, resident_bytes: int, head_b
         t0 = time.perf_counter()
         weights = make()
         t1 = time.perf_counter()
-        step = _decode_step(cfg, weights)
+        step = _decode_step(cfg.layer(layer), weights)  # (its own shapes: Gemma 4)
         t2 = time.perf_counter()
         step()
         t3 = time.perf_counter()
@@ -197,7 +197,7 @@ def cpu_decode_rates(gf, cfg, precision, layer: int, resident_bytes: int, head_b
     if precision.cpu_packed_decode:
         head, x = _packed_head(gf, cfg), torch.randn(1, cfg.hidden)
     else:
-        head, x = held[0].ffn_down, torch.randn(1, cfg.ffn)
+        head, x = held[0].ffn_down, torch.randn(1, cfg.layer(layer).ffn)
 
     def gemv() -> tuple[float]:
         t0 = time.perf_counter()
@@ -206,7 +206,8 @@ def cpu_decode_rates(gf, cfg, precision, layer: int, resident_bytes: int, head_b
 
     (gemvs,) = zip(*_repeat(gemv, time_budget_s, max_reps))
     if not precision.cpu_packed_decode:
-        head_bytes = cfg.hidden * cfg.ffn * torch.finfo(precision.weight_dtype).bits // 8
+        head_bytes = (cfg.hidden * cfg.layer(layer).ffn
+                      * torch.finfo(precision.weight_dtype).bits // 8)
     return {"rebuild": moved / _median(builds) / 1e9,
             "compute": (moved if precision.cpu_packed_decode else resident_bytes)
             / _median(steps) / 1e9,

@@ -28,8 +28,8 @@ from .probes import cpu_decode_rates, h2d_pinned_gbps, memory_read_gbps, span_re
 from .planner import Plan, StagePlan, plan_cuda, plan_layers
 from .protocol import LayerStore
 from .store import DiskLayerStore, MmapLayerStore, ResidentLayerStore, StreamDelays
-from .vram import (alloc_bytes, layer_flat_bytes, layer_image_bytes, layer_vram_bytes,
-                   vram_reserve)
+from .vram import (alloc_bytes, extra_tensor_bytes, layer_flat_bytes, layer_image_bytes,
+                   layer_vram_bytes, vram_reserve)
 
 IO_MODES = ("direct", "buffered", "mmap", "kvikio")
 N_SLOTS = 2  # GPU slots (default): one being computed on while the next one's copy lands
@@ -227,6 +227,8 @@ def cpu_fixed_bytes(gf: GGUFFile, cfg: ModelConfig, precision: Precision, ctx: i
         dense = head.n_bytes if head_on_demand else \
             head.n_elements * torch.finfo(precision.weight_dtype).bits // 8
         held = dense + _packed_bytes(head, precision)
+    if stage is None or stage.holds_embedding:  # Gemma 4's per-layer embedding tables
+        held += extra_tensor_bytes(gf, cfg, table_on_host=False)
     return held + kv + cfg.hidden * 4
 
 

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as T
 from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..kernels.pack import QSPECS, pack_chunk_rows, sm_width  # tables: no CUDA nor Triton
-from ..model.families import spec_for
+from ..model.families import family_for, spec_for
 from ..model.layer_spec import EMBEDDING, head_tensor_name, kv_cache_bytes
 from ..weights.image import IMAGE_ALIGN  # every tensor of an image starts on this boundary
 from ..weights.loader import prefill_scratch_elements
@@ -62,8 +62,8 @@ def packed_planes(qtype: int, rows: int, cols: int, fused: bool = False) -> list
 def _linears(gf: GGUFFile, cfg: ModelConfig, i: int) -> list[tuple[int, int, int, int]]:
     """(qtype, rows, cols, bias rows) of each linear LayerBuilder makes for layer i: q/k/v and
     gate/up fuse when their formats agree (model.layer_spec)."""
-    spec = spec_for(cfg.architecture)
-    shapes = spec.shapes(cfg)
+    spec = spec_for(cfg.architecture).at(cfg.layer(i))  # layer i's (Gemma 4's layers differ)
+    shapes = spec.shapes(cfg.layer(i))
     out = []
     for group in spec.linears:
         names = [f"blk.{i}.{p}.weight" for p in group.parts]
@@ -79,9 +79,10 @@ def _linears(gf: GGUFFile, cfg: ModelConfig, i: int) -> list[tuple[int, int, int
 
 
 def _layer_tensors(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool) -> list[int]:
-    spec = spec_for(cfg.architecture)
-    shapes = spec.shapes(cfg)
-    sizes = [math.prod(shapes[f"{n}.weight"]) * 4 for n in spec.norms]  # float32
+    spec = spec_for(cfg.architecture).at(cfg.layer(i))  # layer i's (Gemma 4's layers differ)
+    shapes = spec.shapes(cfg.layer(i))
+    sizes = [math.prod(shapes[f"{n}.weight"]) * 4 for n in spec.norms  # float32
+             if f"{n}.weight" in shapes]
     for qtype, rows, cols, bias in _linears(gf, cfg, i):
         sizes += packed_planes(qtype, rows, cols, fused)
         if bias:
@@ -111,6 +112,18 @@ def _pack_transient(qtype: int, rows: int, cols: int, raw: int) -> int:
     one chunk (fuse_scales' f32 temporaries are far smaller than these)."""
     packed = sum(packed_planes(qtype, rows, cols))
     return 2 * raw + 2 * packed + PACK_TEMP_BYTES * pack_chunk_rows(rows, cols) * cols
+
+
+def extra_tensor_bytes(gf: GGUFFile, cfg: ModelConfig, table_on_host: bool) -> int:
+    """Bytes of the non-layer tensors a family reads beyond the embedding, head and final
+    norm (model.families.Family.top_tensors: Gemma 4's per-layer embedding tables, as held:
+    in their GGUF format, the token table left out where it stays on the host like the
+    embedding)."""
+    from ..model.families.gemma4 import PER_LAYER_TOKEN_EMBD
+
+    return sum(alloc_bytes(gf.tensors[n].n_bytes)
+               for n in family_for(cfg.architecture).top_tensors(cfg)
+               if n in gf.tensors and not (table_on_host and n == PER_LAYER_TOKEN_EMBD))
 
 
 def activation_bytes(cfg: ModelConfig, chunk: int, ctx: int) -> int:
@@ -163,6 +176,8 @@ def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: in
                       if holds_embedding and not embed_on_host else 0),
         "head": (sum(alloc_bytes(n) for n in packed_planes(*head_weight[:3], fused))
                  if holds_head else 0),
+        "per-layer embeddings": (extra_tensor_bytes(gf, cfg, embed_on_host)
+                                 if holds_embedding else 0),
         "prefill workspace": alloc_bytes(2 * scratch),
         "norms, rope, allocator": SHARED_SEGMENTS + 2 * ctx * cfg.rope_dim * 4,
     }

@@ -33,6 +33,11 @@ class TensorSpec:
     # The ModelConfig flag of the files that have it ("attn_bias"). Such tensors are optional:
     # checked and read where the file has them, never required.
     flag: str | None = None
+    # The attribute of a layer's config (ModelConfig.layer(i)) that says whether that layer
+    # holds the tensor at all: Gemma 4's layers that reuse an earlier layer's keys and values
+    # have no key or value projections. Where it is false the tensor is neither required nor
+    # read, even if the file has it.
+    when: str | None = None
 
     @property
     def optional(self) -> bool:
@@ -41,6 +46,10 @@ class TensorSpec:
     def expected(self, cfg: ModelConfig) -> bool:
         """Whether a layer of `cfg` is expected to have this tensor."""
         return self.flag is None or bool(getattr(cfg, self.flag))
+
+    def held(self, cfg: ModelConfig) -> bool:
+        """Whether a layer whose config is `cfg` (ModelConfig.layer(i)) holds this tensor."""
+        return self.when is None or bool(getattr(cfg, self.when))
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,24 @@ class LayerSpec:
     norms: tuple[str, ...]  # LayerWeights fields of the norm weights (tensors f"{norm}.weight")
     linears: tuple[LinearGroup, ...]  # in the order LayerBuilder builds them
 
+    def at(self, cfg: ModelConfig) -> "LayerSpec":
+        """This layer as a layer whose config is `cfg` (ModelConfig.layer(i)) holds it: the
+        tensors it lacks (TensorSpec.when) left out, with their norms and linears. The spec
+        itself where every tensor is held, as in every family but Gemma 4."""
+        kept = tuple(t for t in self.tensors if t.held(cfg))
+        if len(kept) == len(self.tensors):
+            return self
+        names = {t.suffix for t in kept}
+        linears = []
+        for g in self.linears:
+            parts = tuple(p for p in g.parts if f"{p}.weight" in names)
+            if parts == g.parts:
+                linears.append(g)
+            elif parts:  # what is left of a fused group is built part by part
+                linears.extend(LinearGroup(p, (p,)) for p in parts)
+        return LayerSpec(kept, tuple(n for n in self.norms if f"{n}.weight" in names),
+                         tuple(linears))
+
     def shapes(self, cfg: ModelConfig) -> dict[str, Shape]:
         """Torch-order shape of each tensor a layer of `cfg` is expected to have, by suffix."""
         return {t.suffix: t.shape(cfg) for t in self.tensors if t.expected(cfg)}
@@ -91,5 +118,11 @@ def head_tensor_name(names: Collection[str]) -> str:
 
 def kv_cache_bytes(cfg: ModelConfig, n_layers: int, ctx: int, bytes_per_elem: int) -> int:
     """Bytes of the keys and values of `n_layers` layers for `ctx` positions (runtime.kv_cache
-    allocates (n_layers, n_kv_heads, ctx, head_dim) of each)."""
-    return 2 * n_layers * cfg.n_kv_heads * ctx * cfg.head_dim * bytes_per_elem
+    allocates (n_layers, n_kv_heads, ctx, head_dim) of each). Where layers differ (Gemma 4:
+    wider global heads, layers that reuse another's cache) the model's own caches are counted
+    and scaled to `n_layers` of its layers."""
+    if cfg.uniform:
+        return 2 * n_layers * cfg.n_kv_heads * ctx * cfg.head_dim * bytes_per_elem
+    per_model = sum(2 * c.n_kv_heads * ctx * c.head_dim * bytes_per_elem
+                    for c in (cfg.layer(i) for i in range(cfg.n_layers)) if not c.kv_reuse)
+    return -(-per_model * n_layers // cfg.n_layers)

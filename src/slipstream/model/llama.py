@@ -87,6 +87,13 @@ class LayerWeights:
     # RMSNorm weights of the attention and FFN outputs (cfg.post_norms), (hidden,) each
     post_attention_norm: torch.Tensor | None = None
     post_ffw_norm: torch.Tensor | None = None
+    # Gemma 4: the per-layer embedding's branch (model.per_layer): hidden -> per_layer_dim,
+    # per_layer_dim -> hidden, and the RMSNorm after it, (hidden,); and the layer's output
+    # scale, (1,)
+    inp_gate: Linear | None = None
+    proj: Linear | None = None
+    post_norm: torch.Tensor | None = None
+    layer_output_scale: torch.Tensor | None = None
     # A layer split for hybrid decode (hybrid.split): ffn_gate_up / ffn_down then hold the
     # GPU's intermediate units only. The other units are either here, in the same format
     # (prefill, large trees), or computed elsewhere by `ffn_host` (decode): never both.
@@ -219,25 +226,44 @@ def uses_fused_decode(step: Step, k_cache: torch.Tensor) -> bool:
 def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
                   cos_sin: tuple[torch.Tensor, torch.Tensor], step: Step,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, rope: RopeTable,
-                  window: int = 0) -> torch.Tensor:
+                  window: int = 0, per_layer: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder block on x (T, hidden) for the tokens `step` describes.
 
+    cfg: the layer's config (ModelConfig.layer(i): where layers differ, its own head size,
+    heads, FFN size, and whether it reuses another layer's keys and values).
     cos_sin: `rope.angles(step.positions)`, computed once per forward and shared by all layers
     of one RoPE table.
     k_cache, v_cache: this layer's (n_kv_heads, max_ctx, head_dim) slices; the new keys and
-    values are written in place, at `step.slots`.
+    values are written in place, at `step.slots` (a layer with cfg.kv_reuse reads the slices
+    of the layer it reuses, which that layer wrote earlier in the same pass).
     window: a sliding-window layer's width (cfg.window_of), 0 for a global one; a step that
     needs a mask then carries the window in it (Step.with_window).
+    per_layer: Gemma 4's per-layer embedding input of this layer (T, per_layer_dim), which
+    the branch after the FFN reads (model.per_layer).
     """
+    y = _block(cfg, w, x, cos_sin, step, k_cache, v_cache, rope, window)
+    if per_layer is not None or cfg.layer_scale:
+        from .per_layer import layer_tail  # Gemma 4 only
+        y = layer_tail(cfg, w, y, per_layer)
+    return y
+
+
+def _block(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
+           cos_sin: tuple[torch.Tensor, torch.Tensor], step: Step,
+           k_cache: torch.Tensor, v_cache: torch.Tensor, rope: RopeTable,
+           window: int = 0) -> torch.Tensor:
     T = x.shape[0]
+    if cfg.kv_reuse:
+        return _after_attention(cfg, w, _reused_kv_attention(
+            cfg, w, x, cos_sin, step, k_cache, v_cache, rope, window), x)
     if (T == 1 and CPU_DECODE and x.device.type == "cpu" and w.attn_qkv is not None
-            and not step.needs_mask and not cfg.attn_temp_scale):
+            and not step.needs_mask and not cfg.attn_temp_scale and not cfg.v_norm):
         return _cpu_decode(cfg, w, x, cos_sin, step.start, k_cache, v_cache, rope, window)
     n_qk = cfg.n_heads + cfg.n_kv_heads
-    # the fused decode kernels hold windows and per-head q/k norms, not a query temperature
-    # nor a global layer without RoPE
+    # the fused decode kernels hold windows and per-head q/k norms, not a query temperature,
+    # a global layer without RoPE nor value norms (Gemma 4)
     if (uses_fused_decode(step, k_cache) and not cfg.attn_temp_scale
-            and (window or cfg.global_rope)):
+            and (window or cfg.global_rope) and not cfg.v_norm):
         # RoPE (after the per-head q/k norms), the cache write and split-K attention over the
         # window in three kernels that read the position from device memory, instead of a dozen
         # small ops (and a graph can replay them).
@@ -272,6 +298,8 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
             qk = qk_normed(cfg, w, qk)
         qk = qk.view(T, n_qk, cfg.head_dim)
         v = w.attn_v(h).view(T, cfg.n_kv_heads, cfg.head_dim)
+    if cfg.v_norm:  # Gemma 4: each value head RMS-normed, without a weight
+        v = unit_rms_norm(v, cfg.norm_eps)
     if window or cfg.global_rope:  # (Cohere 2's global layers take no RoPE)
         qk = rope.apply(qk, cos_sin)  # q and k heads rotate together: one pass, same angles
     q, k = qk[:, :cfg.n_heads], qk[:, cfg.n_heads:]
@@ -290,6 +318,29 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     attn = attention(q.to(k_cache.dtype), k_cache[:, lo:step.span], v_cache[:, lo:step.span],
                      step, cfg.gqa_group, cfg.attention_scale)
     return _after_attention(cfg, w, attn, x)
+
+
+def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension without a weight, in float32 (Gemma 4's values)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _reused_kv_attention(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
+                         cos_sin: tuple[torch.Tensor, torch.Tensor], step: Step,
+                         k_cache: torch.Tensor, v_cache: torch.Tensor, rope: RopeTable,
+                         window: int) -> torch.Tensor:
+    """The attention of a layer that projects queries only (cfg.kv_reuse: Gemma 4's last
+    layers), over the keys and values another layer wrote into k_cache and v_cache for the
+    same slots earlier in this pass."""
+    T, d = x.shape[0], cfg.head_dim
+    q = w.attn_q(pre_norm(cfg, x, w.attn_norm))
+    if cfg.qk_norm:
+        q = rms_norm(q.reshape(-1, d), w.attn_q_norm, cfg.norm_eps)
+    q = rope.apply(q.view(T, cfg.n_heads, d), cos_sin)
+    lo = max(0, step.span - window) if window and not step.needs_mask else 0
+    return attention(q.to(k_cache.dtype), k_cache[:, lo:step.span], v_cache[:, lo:step.span],
+                     step, cfg.gqa_group, cfg.attention_scale)
 
 
 def attention_temperature(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor:
@@ -346,7 +397,7 @@ def llama_block(cfg: ModelConfig) -> bool:
     """Whether cfg's block is the plain Llama block (none of the families' variations)."""
     return not (cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.attn_scale
                 or cfg.attn_temp_scale or not cfg.pre_norms or cfg.norm != "rms"
-                or cfg.parallel or not cfg.global_rope)
+                or cfg.parallel or not cfg.global_rope or not cfg.uniform)
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}

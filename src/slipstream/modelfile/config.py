@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass, fields
@@ -11,7 +12,7 @@ from typing import Any, Collection, Mapping
 from ..errors import GGUFError, InvalidMetadata, MissingMetadata, UnsupportedArchitecture
 from ..model.families import ARCHITECTURES, family_for, spec_for
 from ..model.layer_spec import EMBEDDING
-from .validate import FIX, md_float, md_int, md_str
+from .validate import FIX, md_float, md_int, md_ints, md_str
 
 # Ranges of the hyper-parameters: far beyond any real model, but small enough that nothing
 # sized from them (RoPE tables, KV caches, plans) can run away before a tensor shape disagrees.
@@ -71,6 +72,22 @@ class ModelConfig:
     # 1 + attn_temp_scale * ln(1 + floor(p / attn_temp_floor)) (0: none)
     attn_temp_scale: float = 0.0
     attn_temp_floor: int = 0
+    # Layers of more than one shape (Gemma 4); empty or 0 in every other family. The fields
+    # above then describe the global (full-attention) layers, and ModelConfig.layer(i) each
+    # layer as its block math and tensors see it.
+    v_norm: bool = False  # an RMSNorm without weight over each value head (Gemma 4)
+    swa_layers: tuple[bool, ...] = ()  # which layers attend to a sliding window (per layer)
+    head_dim_swa: int = 0  # the sliding-window layers' head size
+    rope_dim_swa: int = 0  # ... and rotated dimensions
+    kv_heads_per_layer: tuple[int, ...] = ()  # key/value heads, where they differ by layer
+    ffn_per_layer: tuple[int, ...] = ()  # FFN sizes, where they differ (ffn is the largest)
+    # layers [0, kv_layers) compute keys and values; each later one reads those of the last
+    # layer before kv_layers of its own kind (sliding or global); 0: every layer computes
+    kv_layers: int = 0
+    kv_reuse: bool = False  # (a layer's view) this layer reads another's keys and values
+    per_layer_dim: int = 0  # per-layer embeddings' width (Gemma 4 E2B / E4B: 256)
+    layer_scale: bool = False  # each layer's output times its layer_output_scale (Gemma 4)
+    final_softcap: float = 0.0  # logits -> c * tanh(logits / c) (0: none)
     name: str = ""
 
     @property
@@ -87,9 +104,58 @@ class ModelConfig:
 
     def window_of(self, layer: int) -> int:
         """How many last positions layer `layer` attends to: 0 for all of them."""
-        if not self.sliding_window or (self.swa_pattern and (layer + 1) % self.swa_pattern == 0):
-            return 0
-        return self.sliding_window
+        return self.sliding_window if self.sliding(layer) else 0
+
+    def sliding(self, layer: int) -> bool:
+        """Whether layer `layer` is a sliding-window layer, which takes the sliding layers'
+        RoPE table (and, in Gemma 4, head size) even where the window is set to 0."""
+        if self.swa_layers:
+            return self.swa_layers[layer]
+        return bool(self.sliding_window) and not (
+            self.swa_pattern and (layer + 1) % self.swa_pattern == 0)
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every layer has this config's shapes and computes its own keys and values
+        (every family but Gemma 4)."""
+        return not (self.swa_layers or self.kv_heads_per_layer or self.ffn_per_layer
+                    or self.kv_layers or self.v_norm or self.per_layer_dim)
+
+    def layer(self, i: int) -> "ModelConfig":
+        """Layer i's config as its block math and its tensors see it: its head size, rotated
+        dimensions, key/value heads and FFN size, and whether it reuses an earlier layer's
+        keys and values (`kv_reuse`). This config itself where layers are uniform."""
+        if self.uniform:
+            return self
+        return self._layers[i]
+
+    @functools.cached_property
+    def _layers(self) -> tuple["ModelConfig", ...]:
+        out = []
+        for i in range(self.n_layers):
+            swa = bool(self.swa_layers) and self.swa_layers[i]
+            out.append(dataclasses.replace(
+                self, head_dim=self.head_dim_swa if swa else self.head_dim,
+                rope_dim=self.rope_dim_swa if swa else self.rope_dim,
+                n_kv_heads=(self.kv_heads_per_layer[i] if self.kv_heads_per_layer
+                            else self.n_kv_heads),
+                ffn=self.ffn_per_layer[i] if self.ffn_per_layer else self.ffn,
+                kv_reuse=bool(self.kv_layers) and i >= self.kv_layers))
+        return tuple(out)
+
+    @property
+    def computes_kv(self) -> bool:
+        """(a layer's view) Whether the layer projects keys and values of its own."""
+        return not self.kv_reuse
+
+    def kv_source(self, i: int) -> int:
+        """The layer whose keys and values layer i attends to: itself, or for a layer past
+        `kv_layers` the last layer before them of its own kind (transformers' rule, which is
+        llama.cpp's kv_layers - 2 for a sliding and kv_layers - 1 for a global layer in
+        every Gemma 4 file; ModelConfig.from_metadata checks the two agree)."""
+        if not self.kv_layers or i < self.kv_layers:
+            return i
+        return max(j for j in range(self.kv_layers) if self.sliding(j) == self.sliding(i))
 
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any], tensor_names: set[str] | None = None,
@@ -110,10 +176,15 @@ class ModelConfig:
 
         n_layers = md_int(md, key("block_count"), source, 1, MAX_LAYERS)
         hidden = md_int(md, key("embedding_length"), source, 1, MAX_DIM)
-        ffn = md_int(md, key("feed_forward_length"), source, 1, MAX_DIM, per_layer=True)
         n_heads = md_int(md, key("attention.head_count"), source, 1, MAX_HEADS, per_layer=True)
-        n_kv_heads = md_int(md, key("attention.head_count_kv"), source, 1, MAX_HEADS,
-                            default=n_heads, per_layer=True)
+        if family.varied_layers:  # per-layer arrays: the family's configure reads them
+            ffn = max(md_ints(md, key("feed_forward_length"), source, 1, MAX_DIM, n_layers))
+            n_kv_heads = max(md_ints(md, key("attention.head_count_kv"), source, 1, MAX_HEADS,
+                                     n_layers, default=n_heads))
+        else:
+            ffn = md_int(md, key("feed_forward_length"), source, 1, MAX_DIM, per_layer=True)
+            n_kv_heads = md_int(md, key("attention.head_count_kv"), source, 1, MAX_HEADS,
+                                default=n_heads, per_layer=True)
         if n_heads % n_kv_heads:
             raise GGUFError(f"{source}: head counts {n_heads} (query) and {n_kv_heads} (key/value) "
                             f"are invalid; the query count must be a positive multiple "
@@ -198,6 +269,7 @@ class ModelConfig:
             rope_scaling=scaling if scaling == "linear" or yarn else "none",
             rope_scale=scale if scaling == "linear" or yarn else 1.0,
             attn_bias="blk.0.attn_q.bias" in names,
+            layer_scale="blk.0.layer_output_scale.weight" in names,
             name=str(md.get("general.name", "")),
             **dataclasses.asdict(family.traits),
             **yarn,
@@ -225,11 +297,16 @@ class ModelConfig:
                 f"the file has tensors of layer {beyond[-1]} (e.g. {layers[beyond[-1]]!r}), "
                 f"{len(beyond)} layer(s) beyond it; the layer count or the tensor names are "
                 f"wrong; {FIX}")
-        required = [t.suffix for t in spec_for(self.architecture).tensors if not t.optional]
-        for name in (EMBEDDING, "output_norm.weight"):
+        spec = spec_for(self.architecture)
+        family = family_for(self.architecture)
+        if family.check_names is not None:
+            family.check_names(self, names, source)
+        for name in (EMBEDDING, "output_norm.weight", 
+                     *family_for(self.architecture).top_tensors(self)):
             if name not in names:
                 raise GGUFError(f"{source}: missing tensor {name!r}")
         for i in range(self.n_layers):
+            required = [t.suffix for t in spec.at(self.layer(i)).tensors if not t.optional]
             for suffix in required:
                 name = f"blk.{i}.{suffix}"
                 if name not in names:

@@ -466,6 +466,21 @@ def md_int(md: Mapping[str, Any], key: str, source: str, lo: int, hi: int,
     return v
 
 
+def md_ints(md: Mapping[str, Any], key: str, source: str, lo: int, hi: int, n_layers: int,
+            default: Any = _MISSING) -> tuple[int, ...]:
+    """A per-layer integer hyper-parameter, one value per layer: an array of `n_layers`
+    integers in [lo, hi], or one integer for every layer (families whose layers differ)."""
+    v = md.get(key, default)
+    if v is _MISSING:
+        raise MissingMetadata(f"{source}: missing required metadata {key!r}")
+    if not isinstance(v, list):
+        return (md_int({key: v}, key, source, lo, hi),) * n_layers
+    if len(v) != n_layers:
+        raise InvalidMetadata(f"{source}: metadata {key!r} has {len(v)} entries for "
+                              f"{n_layers} layers; {FIX}")
+    return tuple(md_int({key: x}, key, source, lo, hi) for x in v)
+
+
 def md_float(md: Mapping[str, Any], key: str, source: str, default: float, lo: float, hi: float,
              lo_open: bool = False, hint: str = "") -> float:
     """A finite float hyper-parameter in [lo, hi] ((lo, hi] with lo_open)."""

@@ -179,7 +179,7 @@ class Engine:
                     layers[i] = layer
                 store = ResidentLayerStore(layers)
             kv = st.kv if share_kv else KVCache(self.cfg, st.kv.max_ctx, st.device,
-                                                st.kv.k.dtype, len(st.layers))
+                                                st.kv.dtype, len(st.layers), st.layers.start)
             stages.append(Stage(st.device, st.layers, store, kv, st.rope, st.rope_local))
         graphs = len(stages) == 1 and all(st.device.type == "cuda" for st in stages)
         draft = Engine(self.cfg, captured_weights(self.weights) if graphs else self.weights,
@@ -304,11 +304,13 @@ class Engine:
         """Logits (T, vocab) of ids at `step`, leaving the cache length alone (graph bodies)."""
         return self._logits(self._hidden(ids, step))
 
-    def _block(self, rope: RopeTable, window: int, layer: LayerWeights, cos_sin,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, x: torch.Tensor,
-               step: Step) -> torch.Tensor:
-        """One layer on x at `step`, as a layer graph captures it."""
-        return block_forward(self.cfg, layer, x, cos_sin, step, k_cache, v_cache, rope, window)
+    def _block(self, cfg: ModelConfig, rope: RopeTable, window: int, layer: LayerWeights,
+               cos_sin, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               per_layer: torch.Tensor | None, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """One layer (its config `cfg`: ModelConfig.layer) on x at `step`, as a layer graph
+        captures it."""
+        return block_forward(cfg, layer, x, cos_sin, step, k_cache, v_cache, rope, window,
+                             per_layer)
 
     def _graphs_of(self, stage: Stage, step: Step) -> LayerGraphs | None:
         """The stage's graphs of single layers, where this step may use them: an eager decode
@@ -318,7 +320,7 @@ class Engine:
         goes into their static copy."""
         if (not self.layer_graphs or self.use_graphs or self.layer_hook is not None
                 or len(self.stages) != 1 or stage.device.type != "cuda"
-                or not uses_fused_decode(step, stage.kv.k)):
+                or not uses_fused_decode(step, stage.kv.layer(0)[0])):
             return None
         graphs = self._layer_graphs.get(id(stage))
         if graphs is None:
@@ -332,13 +334,16 @@ class Engine:
         the launch shape a captured graph uses, and gives the same bits."""
         first = self.stages[0]
         span = None
-        if n == 1 and fused_decode_serves(first.kv.k):
+        if n == 1 and fused_decode_serves(first.kv.layer(0)[0]):
             span = bucket_span(self.length, self.ctx)
         return append_step(self.length, n, first.device, span)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         h = block_norm(self.cfg, h, self.weights.output_norm)
         logits = self.weights.output(h).float()
+        if self.cfg.final_softcap:  # Gemma 4: c * tanh(logits / c)
+            c = self.cfg.final_softcap
+            logits = torch.tanh(logits / c) * c
         return logits * self.cfg.logit_scale if self.cfg.logit_scale != 1.0 else logits
 
     def _hidden(self, ids: torch.Tensor, step: Step, idle: Callable[[], bool] | None = None,
@@ -346,14 +351,19 @@ class Engine:
         x = self.weights.embed(ids).to(self.act_dtype)  # (T, hidden), on the first device
         if self.cfg.embed_scale != 1.0:
             x = x * self.cfg.embed_scale
+        # Gemma 4's per-layer embedding inputs (T, n_layers, dim), made once per pass
+        ple = (self.weights.per_layer.inputs(self.cfg, ids, x)
+               if self.weights.per_layer is not None and self.cfg.per_layer_dim else None)
         for stage in self.stages:
-            x = self._run_stage(stage, x, step, idle, check)
+            x = self._run_stage(stage, x, step, idle, check, ple)
         return x
 
     def _run_stage(self, stage: Stage, x: torch.Tensor, step: Step,
                    idle: Callable[[], bool] | None = None,
-                   check: Callable[[], None] | None = None) -> torch.Tensor:
-        """The hidden states x through one stage's layers (moved to its device first)."""
+                   check: Callable[[], None] | None = None,
+                   ple: torch.Tensor | None = None) -> torch.Tensor:
+        """The hidden states x through one stage's layers (moved to its device first). ple:
+        Gemma 4's per-layer embedding inputs (T, n_layers, dim), or None."""
         s = step.to(stage.device)
         if s.tokens > 1:
             s = s.with_mask(self.cfg.gqa_group)  # built once per stage, shared by its layers
@@ -365,6 +375,10 @@ class Engine:
         rope_local = stage.rope_local or stage.rope
         cos_sin_local = (rope_local.angles(s.positions) if stage.rope_local is not None
                          else cos_sin)
+        # layers whose key/value heads differ from the model's (Gemma 4) fold their query
+        # heads by their own group: their steps' masks, made once per group
+        steps: dict[tuple[int, int], Step] = {(0, self.cfg.gqa_group): s,
+                                              (window, self.cfg.gqa_group): s_local}
         stage.store.begin_pass(s.tokens)
         first = stage.layers.start
         graphs = self._graphs_of(stage, s)
@@ -377,14 +391,21 @@ class Engine:
             layer = stage.store.acquire(i)
             k_cache, v_cache = stage.kv.layer(i - first)
             w = self.cfg.window_of(i)
-            rope, cs, si = ((rope_local, cos_sin_local, s_local) if w
-                            else (stage.rope, cos_sin, s))
+            cfg = self.cfg.layer(i)
+            rope, cs = ((rope_local, cos_sin_local) if self.cfg.sliding(i)
+                        else (stage.rope, cos_sin))
+            si = steps.get((w, cfg.gqa_group))
+            if si is None:
+                si = steps[w, cfg.gqa_group] = (
+                    s.with_window(w, cfg.gqa_group) if w else
+                    dataclasses.replace(s, mask=None).with_mask(cfg.gqa_group))
+            pl = ple[:, i] if ple is not None else None
             y = None
             if graphs is not None and stage.store.fixed(i):
                 y = graphs.run(i, layer, x, functools.partial(
-                    self._block, rope, w, layer, cs, k_cache, v_cache), si.span)
+                    self._block, cfg, rope, w, layer, cs, k_cache, v_cache, pl), si.span)
             if y is None:  # eager: no graphs here, or this one's capture ran out of memory
-                y = block_forward(self.cfg, layer, x, cs, si, k_cache, v_cache, rope, w)
+                y = block_forward(cfg, layer, x, cs, si, k_cache, v_cache, rope, w, pl)
             stage.store.release(i)
             if self.layer_hook is not None:
                 self.layer_hook(i, x, y)

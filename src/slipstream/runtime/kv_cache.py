@@ -17,26 +17,50 @@ from ..errors import ContextOverflow
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, max_ctx: int, device: torch.device, dtype: torch.dtype,
-                 n_layers: int | None = None):
-        """n_layers: the layers whose keys and values this cache holds (a stage's, default all);
-        `layer(j)` takes the index within them."""
+                 n_layers: int | None = None, first: int = 0):
+        """n_layers: the layers whose keys and values this cache holds (a stage's, default all),
+        from layer `first` on; `layer(j)` takes the index within them."""
         self.max_ctx = max_ctx
         self.length = 0  # slots 0 .. length - 1 hold the context
+        self.dtype = dtype
         n = cfg.n_layers if n_layers is None else n_layers
-        # (n_layers, n_kv_heads, max_ctx, head_dim) for keys and for values
-        shape = (n, cfg.n_kv_heads, max_ctx, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        # each layer's (k, v) views made once: a decode step asks for every layer's, and two
-        # index ops a layer are a measurable share of a CPU token
-        self._layers = [(self.k[j], self.v[j]) for j in range(n)]
+        if cfg.uniform:
+            # (n_layers, n_kv_heads, max_ctx, head_dim) for keys and for values
+            shape = (n, cfg.n_kv_heads, max_ctx, cfg.head_dim)
+            self.k = torch.zeros(shape, device=device, dtype=dtype)
+            self.v = torch.zeros(shape, device=device, dtype=dtype)
+            self._own = [self.k, self.v]  # what compact moves: slots along dim 2
+            # each layer's (k, v) views made once: a decode step asks for every layer's, and
+            # two index ops a layer are a measurable share of a CPU token
+            self._layers = [(self.k[j], self.v[j]) for j in range(n)]
+            return
+        # Layers of different head shapes (Gemma 4): a (n_kv_heads, max_ctx, head_dim) pair
+        # per layer that computes its own; a layer that reuses another's gets that layer's
+        # pair (the source writes it earlier in each pass, the reuser reads the same slots)
+        self._layers = []
+        self._own = []
+        for i in range(first, first + n):
+            src = cfg.kv_source(i)
+            if src != i:
+                if not first <= src < first + n:
+                    raise ValueError(f"layer {i} attends to the keys and values of layer "
+                                     f"{src}, which another stage holds: a stage boundary "
+                                     f"cannot fall between them")
+                self._layers.append(self._layers[src - first])
+                continue
+            c = cfg.layer(i)
+            shape = (c.n_kv_heads, max_ctx, c.head_dim)
+            k = torch.zeros(shape, device=device, dtype=dtype)
+            v = torch.zeros(shape, device=device, dtype=dtype)
+            self._own += [k[None], v[None]]
+            self._layers.append((k, v))
 
     def layer(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._layers[j]
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(t.numel() * t.element_size() for t in self._own)
 
     def check_room(self, end: int) -> None:
         if end > self.max_ctx:
@@ -53,12 +77,12 @@ class KVCache:
         """Move the entries of `src_slots` (in that order) to dst_start, dst_start + 1, ...
         and make the length dst_start + len(src_slots): keep an accepted branch of a tree,
         drop the rest. Every layer moves in one gather and one write per tensor."""
-        src = torch.as_tensor(src_slots, dtype=torch.long).to(self.k.device)
+        src = torch.as_tensor(src_slots, dtype=torch.long).to(self._own[0].device)
         n = int(src.numel())
         end = dst_start + n
         self.check_room(end)
         if n:
-            for t in (self.k, self.v):
+            for t in self._own:
                 # index_select copies first, so overlapping source and destination are safe
                 t[:, :, dst_start:end] = t.index_select(2, src)
         self.length = end

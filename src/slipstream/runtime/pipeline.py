@@ -151,6 +151,11 @@ class PipelineEngine(Engine):
 
     def __init__(self, *args, pipeline: Pipeline, **kw):
         super().__init__(*args, use_graphs=False, **kw)
+        if self.cfg.per_layer_dim or self.cfg.kv_layers:
+            # each rank would need every token's per-layer inputs, or another rank's cache
+            raise BadArgument(f"{self.cfg.architecture}: per-layer embeddings and layers that "
+                              f"reuse other layers' keys and values (Gemma 4 E2B/E4B) run in "
+                              f"one process; load the model without --distributed")
         self.pipeline = pipeline
         self.stage = self.stages[0]
         self._stopped = False

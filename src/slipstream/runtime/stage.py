@@ -36,12 +36,14 @@ class Stage:
               ctx: int, kv_dtype: torch.dtype,
               rope_freqs: torch.Tensor | None = None) -> "Stage":
         local = None
-        if cfg.sliding_window and cfg.rope_base_local:
-            # the sliding-window layers rotate with their own base and no scaling
+        if cfg.rope_base_local and (cfg.sliding_window or cfg.swa_layers):
+            # the sliding-window layers rotate with their own base and no scaling (and, in
+            # Gemma 4, over their own head size)
             local = RopeTable(replace(cfg, rope_base=cfg.rope_base_local, rope_scaling="none",
-                                      rope_scale=1.0), ctx, device)
-        return cls(device, layers, store, KVCache(cfg, ctx, device, kv_dtype, len(layers)),
-                   RopeTable(cfg, ctx, device, rope_freqs), local)
+                                      rope_scale=1.0, rope_dim=cfg.rope_dim_swa or cfg.rope_dim),
+                              ctx, device)
+        kv = KVCache(cfg, ctx, device, kv_dtype, len(layers), layers.start)
+        return cls(device, layers, store, kv, RopeTable(cfg, ctx, device, rope_freqs), local)
 
     @property
     def graph_capturable(self) -> bool:

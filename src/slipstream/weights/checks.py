@@ -32,7 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .. import envs, quant
 from ..errors import CorruptTensorValues, MisnamedTensor, TensorWarning
-from ..model.families import spec_for
+from ..model.families import family_for, spec_for
 from ..model.layer_spec import EMBEDDING, HEAD
 from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
@@ -231,7 +231,8 @@ _COMPARED = 64  # unused tensors compared with the missing ones' names
 
 def used_tensors(gf: GGUFFile, cfg: ModelConfig) -> set[str]:
     """The file's tensors a load reads."""
-    used = {EMBEDDING, OUTPUT_NORM, HEAD, ROPE_FREQS}
+    used = {EMBEDDING, OUTPUT_NORM, HEAD, ROPE_FREQS,
+            *family_for(cfg.architecture).top_tensors(cfg)}
     for suffix in spec_for(cfg.architecture).shapes(cfg):
         used.update(f"blk.{i}.{suffix}" for i in range(cfg.n_layers))
     return used & gf.tensors.keys()

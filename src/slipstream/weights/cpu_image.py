@@ -84,11 +84,17 @@ def layout_fingerprint() -> int:
     return zlib.crc32(b"q4vnni-ks", crc)
 
 
-def _fields(architecture: str) -> list[str]:
+def _fields(architecture: str, layer: LayerWeights) -> list[str]:
     """The LayerWeights fields a decode layer holds: one linear per group (the fused field of
-    a multi-part group: block_forward uses it whenever it is set)."""
-    spec = spec_for(architecture)
-    return [g.field for g in spec.linears]
+    a multi-part group: block_forward uses it whenever it is set), or the parts the layer
+    has where it holds no fused one (a Gemma 4 layer that projects queries only)."""
+    out = []
+    for g in spec_for(architecture).linears:
+        if getattr(layer, g.field) is not None:
+            out.append(g.field)
+        else:
+            out += [p for p in g.parts if getattr(layer, p) is not None]
+    return out
 
 
 def _linear_tensors(lin) -> tuple[str, int, list[tuple[str, torch.Tensor]]]:
@@ -116,7 +122,7 @@ def to_cpu_image(layer: LayerWeights, architecture: str) -> tuple[torch.Tensor, 
     layout): the packed copies its decode uses (made now), and its norms."""
     items: list[tuple[tuple, torch.Tensor]] = []
     linears: dict[str, tuple[str, int]] = {}
-    for name in _fields(architecture):
+    for name in _fields(architecture, layer):
         kind, rows, planes = _linear_tensors(getattr(layer, name))
         linears[name] = (kind, rows)
         items += [((name, plane), t) for plane, t in planes]
@@ -182,8 +188,8 @@ def _aligned(n: int) -> int:
 def image_nbytes(gf, cfg, i: int, precision) -> int:
     """Bytes of layer i's CPU image (what to_cpu_image makes), from the tensors' types and
     shapes alone: the planner sizes the disk tier with it before anything is built."""
-    spec = spec_for(cfg.architecture)
-    shapes = spec.shapes(cfg)
+    spec = spec_for(cfg.architecture).at(cfg.layer(i))  # layer i's (Gemma 4's layers differ)
+    shapes = spec.shapes(cfg.layer(i))
     dense_bytes = torch.finfo(precision.weight_dtype).bits // 8
     total = 0
     for group in spec.linears:
@@ -211,5 +217,6 @@ def image_nbytes(gf, cfg, i: int, precision) -> int:
         if any(f"{n}.bias" in gf.tensors for n in names):
             total += _aligned(rows * 4)
     for norm in spec.norms:
-        total += _aligned(int(torch.Size(shapes[f"{norm}.weight"]).numel()) * 4)
+        if f"{norm}.weight" in shapes:  # (an optional vector the file lacks is not made)
+            total += _aligned(int(torch.Size(shapes[f"{norm}.weight"]).numel()) * 4)
     return max(total, IMAGE_ALIGN)

@@ -28,6 +28,7 @@ from ..errors import GGUFError, InvalidMetadata
 from ..model.families import spec_for
 from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name
 from ..model.llama import LayerWeights
+from ..model.per_layer import PerLayerEmbedding
 from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
@@ -50,6 +51,8 @@ class ModelWeights:
     long_after: int = 0
     # the thread making the layers' dense weights after the load (prefetch_dense), or None
     dense_prefetch: threading.Thread | None = None
+    # Gemma 4's per-layer embedding tables (model.per_layer), or None
+    per_layer: PerLayerEmbedding | None = None
 
     def rope_freqs_for(self, ctx: int) -> torch.Tensor | None:
         """The divisors a context of `ctx` positions rotates with: LongRoPE's long set past
@@ -73,7 +76,9 @@ def prefill_scratch_elements(cfg: ModelConfig) -> int:
     """Elements of the prefill scratch (Workspace.max_elements): the largest weight of a layer,
     with q/k/v and gate/up counted fused as LayerBuilder fuses them where it can. The head is
     multiplied in row chunks of this size."""
-    return max(spec_for(cfg.architecture).fused_elements(cfg))
+    spec = spec_for(cfg.architecture)
+    return max(max(spec.at(c).fused_elements(c))
+               for c in {cfg.layer(i) for i in range(cfg.n_layers)})
 
 
 def raw_tensor(gf: GGUFFile, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -181,7 +186,7 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def layer_span(gf: GGUFFile, i: int) -> tuple[int, int]:
     """[start, end) of the file bytes holding layer i's tensors."""
-    names = spec_for(gf.architecture).names(i, gf.tensors)
+    names = spec_for(gf.architecture).names(i, gf.tensors)  # (all a layer may hold)
     infos = [gf.tensors[n] for n in names]
     return min(t.offset for t in infos), max(t.offset + t.n_bytes for t in infos)
 
@@ -209,11 +214,16 @@ class LayerBuilder:
                       max_elements=min(prefill_scratch_elements(cfg),
                                        scratch_elements or float("inf")))
             if self.quantized else None)
-        self.spec = spec_for(cfg.architecture)
+        self.family_spec = spec_for(cfg.architecture)
+        self.spec = self.family_spec
         self.shapes = self.spec.shapes(cfg)
 
     def build(self, src: TensorSource, i: int) -> LayerWeights:
         p = f"blk.{i}"
+        # layer i's tensors and shapes (ModelConfig.layer: Gemma 4's layers differ)
+        layer_cfg = self.cfg.layer(i)
+        self.spec = self.family_spec.at(layer_cfg)
+        self.shapes = self.spec.shapes(layer_cfg)
         fields: dict[str, object] = {}
         for group in self.spec.linears:
             fused, parts = self._linears(src, [f"{p}.{n}" for n in group.parts], group)
@@ -223,8 +233,10 @@ class LayerBuilder:
             else:  # one stored tensor: its own field, or the fused field it already is (Phi-3)
                 fields[group.field] = parts[0]
         for norm in self.spec.norms:
-            fields[norm] = src.dense(f"{p}.{norm}.weight", self.shapes[f"{norm}.weight"],
-                                     torch.float32, self.device)
+            shape = self.shapes.get(f"{norm}.weight")
+            if shape is None:  # an optional vector the file lacks (Gemma 4's output scale)
+                continue
+            fields[norm] = src.dense(f"{p}.{norm}.weight", shape, torch.float32, self.device)
         for f in dataclasses.fields(LayerWeights):  # the parts a fused-only layout lacks
             fields.setdefault(f.name, None)
         return LayerWeights(**fields)
@@ -303,10 +315,11 @@ class LayerBuilder:
 def check_layer_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
     """Every per-layer tensor exists with the shape the metadata implies (before any byte of
     it is read, so a streamed layer cannot fail half-way through a generation)."""
-    spec = spec_for(cfg.architecture)
-    shapes = spec.shapes(cfg)
-    optional = {t.suffix for t in spec.tensors if t.optional}
+    family_spec = spec_for(cfg.architecture)
     for i in range(cfg.n_layers):
+        spec = family_spec.at(cfg.layer(i))
+        shapes = spec.shapes(cfg.layer(i))
+        optional = {t.suffix for t in spec.tensors if t.optional}
         for suffix, shape in shapes.items():
             name = f"blk.{i}.{suffix}"
             info = gf.tensors.get(name)
@@ -435,6 +448,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
         rope_long = _rope_divisors(src, "rope_factors_long.weight", cfg, required=True)
     output_norm = src.dense("output_norm.weight", (cfg.hidden,), torch.float32, device)
     tick("output_norm.weight")
+    per_layer = (load_per_layer(src, cfg, device, precision, embed_on_host)
+                 if cfg.per_layer_dim and holds_embedding else None)
     # The layers come after the head: packing the head (the largest weight) while no layer is
     # loaded yet keeps its transients off the VRAM peak (memory.vram counts them).
     layers: list[LayerWeights | None] = []
@@ -456,9 +471,36 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
         release_mapped_pages(gf)
     return ModelWeights(embed=embed, layers=layers, output_norm=output_norm, output=output,
                         rope_freqs=rope_freqs, rope_freqs_long=rope_long,
-                        long_after=cfg.rope_ctx_orig,
+                        long_after=cfg.rope_ctx_orig, per_layer=per_layer,
                         dense_prefetch=prefetch_dense(layers) if src.lazy and not quantized
                         else None)
+
+
+def load_per_layer(src: TensorSource, cfg: ModelConfig, device: torch.device,
+                   precision: Precision, on_host: bool) -> PerLayerEmbedding:
+    """Gemma 4's per-layer embedding tables (model.per_layer). The token table (vocab x
+    n_layers x 256: 2.3 G values in E2B, more than its layers) stays in its GGUF format,
+    where the token embedding stays (`on_host`: in host memory), and a pass dequantizes only
+    its tokens' rows; the projection is a linear of the layers' kind."""
+    from ..model.families.gemma4 import (PER_LAYER_MODEL_PROJ, PER_LAYER_PROJ_NORM,
+                                         PER_LAYER_TOKEN_EMBD)
+    width = cfg.n_layers * cfg.per_layer_dim
+    raw = src.raw_held(PER_LAYER_TOKEN_EMBD, (cfg.vocab_size, width))
+    if not on_host:
+        raw = raw.to(device)
+    table = QuantEmbedding(raw, src.type_of(PER_LAYER_TOKEN_EMBD), width, torch.float32,
+                           device)
+    shape = (width, cfg.hidden)
+    if device.type == "cuda":
+        packed = kernels.pack_weight(src.raw(PER_LAYER_MODEL_PROJ, shape).to(device),
+                                     src.type_of(PER_LAYER_MODEL_PROJ), *shape)
+        proj: Callable = QuantLinear(packed, None, Workspace(
+            device, max_elements=width * cfg.hidden))
+    else:
+        proj = DenseLinear(src.dense(PER_LAYER_MODEL_PROJ, shape, precision.weight_dtype,
+                                     device))
+    norm = src.dense(PER_LAYER_PROJ_NORM, (cfg.per_layer_dim,), torch.float32, device)
+    return PerLayerEmbedding(table, proj, norm)
 
 
 def prefetch_dense(layers: list[LayerWeights | None]) -> threading.Thread | None:

@@ -18,6 +18,7 @@ from ..layer_spec import LayerSpec
 from .base import BlockTraits, Family
 from .cohere2 import COHERE2
 from .gemma3 import GEMMA3
+from .gemma4 import GEMMA4
 from .glm4 import GLM4
 from .llama import LLAMA
 from .mistral3 import MISTRAL3
@@ -27,7 +28,7 @@ from .qwen3 import QWEN3
 
 __all__ = ["ARCHITECTURES", "BlockTraits", "FAMILIES", "Family", "family_for", "spec_for"]
 
-FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, GEMMA3, PHI3, MISTRAL3, OLMO2, GLM4,
+FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, GEMMA3, GEMMA4, PHI3, MISTRAL3, OLMO2, GLM4,
                                  COHERE2)
 
 # general.architecture -> its family

@@ -37,6 +37,8 @@ class BlockTraits:
     # whether the global (not sliding-window) layers rotate queries and keys; Cohere 2's
     # take no RoPE
     global_rope: bool = True
+    # an RMSNorm without weight over each value head before the cache write: Gemma 4
+    v_norm: bool = False
 
 
 # A family's reading of the metadata its block needs beyond the Llama keys: given the file's
@@ -57,3 +59,18 @@ class Family:
     configure: Configure | None = None
     # what sets the family apart, in a few words (the README's model table, `slipstream info`)
     quirks: str = ""
+    # whether its layers may differ in shape (per-layer arrays of feed_forward_length and
+    # head_count_kv; ModelConfig.layer): Gemma 4
+    varied_layers: bool = False
+    # the tensors outside the layers its model reads beyond the embedding, the head and the
+    # final norm, given its config (Gemma 4's per-layer embedding tables)
+    extra_tensors: Callable[[Any], tuple[str, ...]] | None = None
+
+    # a check of a file's tensor names beyond the layer spec's (given the config, the names
+    # and a name for errors), raising on a layout the family cannot run yet
+    check_names: Callable[[Any, Any, str], None] | None = None
+
+    def top_tensors(self, cfg: Any) -> tuple[str, ...]:
+        """The non-layer tensors beyond the embedding, head and final norm a model of `cfg`
+        requires."""
+        return self.extra_tensors(cfg) if self.extra_tensors is not None else ()
