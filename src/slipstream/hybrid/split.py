@@ -102,6 +102,8 @@ def layer_splittable(src, cfg, i: int) -> bool:
     if (cfg.ffn_act != "silu" or cfg.post_norms or cfg.parallel or cfg.norm != "rms"
             or not cfg.pre_norms):  # (and OLMo 2's, Cohere 2's norms and parallel FFN)
         return False
+    if cfg.n_experts:  # a mixture of experts has no one FFN to split (model.moe)
+        return False
     p = f"blk.{i}"
     if not src.has(f"{p}.ffn_gate.weight"):  # gate and up stored as one tensor (Phi-3)
         return False

@@ -62,7 +62,7 @@ def packed_planes(qtype: int, rows: int, cols: int, fused: bool = False) -> list
 def _linears(gf: GGUFFile, cfg: ModelConfig, i: int) -> list[tuple[int, int, int, int]]:
     """(qtype, rows, cols, bias rows) of each linear LayerBuilder makes for layer i: q/k/v and
     gate/up fuse when their formats agree (model.layer_spec)."""
-    spec = spec_for(cfg.architecture)
+    spec = spec_for(cfg.architecture, cfg.n_experts)
     shapes = spec.shapes(cfg)
     out = []
     for group in spec.linears:
@@ -79,7 +79,7 @@ def _linears(gf: GGUFFile, cfg: ModelConfig, i: int) -> list[tuple[int, int, int
 
 
 def _layer_tensors(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool) -> list[int]:
-    spec = spec_for(cfg.architecture)
+    spec = spec_for(cfg.architecture, cfg.n_experts)
     shapes = spec.shapes(cfg)
     sizes = [math.prod(shapes[f"{n}.weight"]) * 4 for n in spec.norms]  # float32
     for qtype, rows, cols, bias in _linears(gf, cfg, i):

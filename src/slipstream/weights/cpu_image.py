@@ -182,7 +182,7 @@ def _aligned(n: int) -> int:
 def image_nbytes(gf, cfg, i: int, precision) -> int:
     """Bytes of layer i's CPU image (what to_cpu_image makes), from the tensors' types and
     shapes alone: the planner sizes the disk tier with it before anything is built."""
-    spec = spec_for(cfg.architecture)
+    spec = spec_for(cfg.architecture, cfg.n_experts)
     shapes = spec.shapes(cfg)
     dense_bytes = torch.finfo(precision.weight_dtype).bits // 8
     total = 0
