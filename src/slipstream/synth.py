@@ -82,11 +82,12 @@ SHAPES: dict[str, SynthShape] = {
                        n_experts_used=2),
 }
 
-# the mixture-of-experts archs: experts, used per token and width (0: the shape's ffn, which
-# a `llama` file's experts take) where the shape sets none. The tiny shape's are small
-# enough for the reference tests and keep the real models' traits: Qwen3-MoE's many narrow
-# experts (128 of 768 there, 8 used; 16 of 128 here, 4 used) beside a wider unused dense
-# width, Mixtral's 8 experts of the full width, 2 used
+# the mixture-of-experts archs: experts, used per token and width (0: the arch's default)
+# where the shape sets none. The tiny shape's are small enough for the reference tests and
+# keep the real models' traits: Qwen3-MoE's many experts narrower than the file's unused dense
+# width (128 of 768 beside 6144 there, 8 used; 16 of half the dense width here, 4 used: the
+# narrowest a K-quant's 256-element rows allow in the tiny shape), Mixtral's 8 experts of the
+# full width, 2 used
 MOE_DEFAULTS: dict[str, tuple[int, int, int]] = {"qwen3moe": (16, 4, 0), "mixtral": (8, 2, 0)}
 
 
@@ -97,14 +98,14 @@ def file_arch(arch: str) -> str:
 
 def synth_experts(shape: SynthShape, arch: str) -> tuple[int, int, int]:
     """(experts, used per token, expert width) of a file of `arch` in `shape`: (0, 0, 0) for
-    a dense arch; the shape's where it sets them, else MOE_DEFAULTS (Qwen3-MoE's width a
-    quarter of the dense width)."""
+    a dense arch; the shape's where it sets them, else MOE_DEFAULTS (Qwen3-MoE's width half
+    the dense width)."""
     if arch not in MOE_DEFAULTS:
         return 0, 0, 0
     n, used, width = ((shape.n_experts, shape.n_experts_used, shape.expert_ffn)
                       if shape.n_experts else MOE_DEFAULTS[arch])
     if not width:
-        width = shape.ffn // 4 if arch == "qwen3moe" else shape.ffn
+        width = shape.ffn // 2 if arch == "qwen3moe" else shape.ffn
     return n, used, width
 
 # --quant names: the type of the 2-D layer weights and of output.weight. Q4_K_M mirrors
