@@ -229,12 +229,15 @@ def test_moe_runs_resident_on_cpu_only(tmp_path):
                         placement=slipstream.Placement(ram_budget=budget))
 
 
-def test_info_lists_the_moe_families(capsys):
+def test_info_lists_the_moe_families(capsys, tmp_path):
     from slipstream import cli
 
     assert cli.main(["info", "--families"]) == 0
     out = capsys.readouterr().out
     assert "qwen3moe" in out and "Mixtral" in out
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=1, arch="qwen3moe")
+    assert cli.main(["info", "-m", str(path)]) == 0
+    assert "16, 4 per token, 256 wide" in capsys.readouterr().out
 
 
 def test_synth_cli_writes_mixtral(tmp_path):
