@@ -339,7 +339,8 @@ def synth_metadata(shape: SynthShape, arch: str) -> dict[str, int | float | str]
 def synth_config(shape: SynthShape, arch: str) -> ModelConfig:
     """The ModelConfig the file write_synth makes will read back as."""
     if arch not in ARCHITECTURES and arch not in VARIANTS:
-        raise BadArgument(f"unknown arch {arch!r}; choose from {', '.join(sorted({*ARCHITECTURES, *VARIANTS}))}")
+        names = ", ".join(sorted({*ARCHITECTURES, *VARIANTS}))
+        raise BadArgument(f"unknown arch {arch!r}; choose from {names}")
     name, arch = arch, file_arch(arch)
     family = family_for(arch)
     head_dim = shape.head
