@@ -93,10 +93,10 @@ def test_moe_ffn_matches_a_dense_reference(T):
     assert rel_err(moe_ffn(h, shifted), ref) > 0.1
 
 
-def test_a_row_gets_the_same_bits_alone_or_in_a_batch():
+def test_a_row_alone_agrees_with_the_row_in_a_batch():
     """A decode token (its own short path) and the same row inside a prefill batch add their
-    experts in one order; with float32 dense experts the rows agree to float32 rounding of the
-    matmul shapes (matrix-vector against matrix-matrix)."""
+    experts in one order; with float32 dense experts the rows agree to the float32 rounding of
+    the two matmul shapes (matrix-vector against matrix-matrix)."""
     moe, _ = _random_moe(seed=1)
     h = torch.randn(9, 32, generator=torch.Generator().manual_seed(5))
     batch = moe_ffn(h, moe)
@@ -128,8 +128,10 @@ def test_a_synthesized_file_holds_the_expert_layer(arch, tmp_path):
 def test_each_expert_dequantizes_to_its_slice(qtype, tmp_path):
     """Expert e's weights, as the engine multiplies them at "exact", are gguf-py's dequantize
     of the 3-D tensor's slice e, bit for bit (gate and up fused: gate rows first)."""
-    # random blocks (no float weights to encode): any bytes of the format will do here
-    path = write_synth(tmp_path / "m.gguf", "tiny", qtype, n_layers=1, arch="qwen3moe", seed=2)
+    # random blocks (no float weights to encode: any bytes of the format will do here), few
+    # experts (each tensor under the 1 MiB past which synth cuts them from a 64 MiB pool)
+    shape = dataclasses.replace(SHAPES["tiny"], n_experts=4, n_experts_used=2, expert_ffn=256)
+    path = write_synth(tmp_path / "m.gguf", shape, qtype, n_layers=1, arch="qwen3moe", seed=2)
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
     cpu = torch.device("cpu")
