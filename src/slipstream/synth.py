@@ -24,9 +24,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, LlamaFileTy
 
 from . import quant
 from .errors import BadArgument
-from .model.families import ARCHITECTURES, family_for, spec_for
+from .model.families import ARCHITECTURES, VARIANTS, family_for, spec_for
 from .model.layer_spec import EMBEDDING, HEAD, TensorSpec
-from .modelfile.config import ModelConfig, yarn_fields
+from .modelfile.config import ModelConfig, expert_fields, yarn_fields
 from .modelfile.vocab import bytes_to_unicode
 from .quant.encode import quantize
 
@@ -44,6 +44,10 @@ class SynthShape:
     context: int = 8192
     rope_base: float = 500000.0
     head_dim: int = 0  # 0: hidden / n_heads (Gemma 3 27B and Qwen3 32B set theirs apart)
+    # a mixture of experts' shape (0: the arch's defaults, synth_experts)
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn: int = 0
 
     @property
     def head(self) -> int:
@@ -65,7 +69,44 @@ SHAPES: dict[str, SynthShape] = {
                       vocab=262144, context=131072, rope_base=1000000.0, head_dim=128),
     "32b": SynthShape(hidden=5120, ffn=25600, n_layers=64, n_heads=64, n_kv_heads=8,
                       vocab=151936, context=40960, rope_base=1000000.0, head_dim=128),
+    # mixtures of experts: Qwen3-30B-A3B's and Qwen3-235B-A22B's (--arch qwen3moe; ffn is
+    # their files' unused dense width), Mixtral-8x7B's (--arch mixtral)
+    "30b-a3b": SynthShape(hidden=2048, ffn=6144, n_layers=48, n_heads=32, n_kv_heads=4,
+                          vocab=151936, context=40960, rope_base=1000000.0, head_dim=128,
+                          n_experts=128, n_experts_used=8, expert_ffn=768),
+    "235b-a22b": SynthShape(hidden=4096, ffn=12288, n_layers=94, n_heads=64, n_kv_heads=4,
+                            vocab=151936, context=40960, rope_base=1000000.0, head_dim=128,
+                            n_experts=128, n_experts_used=8, expert_ffn=1536),
+    "8x7b": SynthShape(hidden=4096, ffn=14336, n_layers=32, n_heads=32, n_kv_heads=8,
+                       vocab=32000, context=32768, rope_base=1000000.0, n_experts=8,
+                       n_experts_used=2),
 }
+
+# the mixture-of-experts archs: experts, used per token and width (0: the arch's default)
+# where the shape sets none. The tiny shape's are small enough for the reference tests and
+# keep the real models' traits: Qwen3-MoE's many experts narrower than the file's unused dense
+# width (128 of 768 beside 6144 there, 8 used; 16 of half the dense width here, 4 used: the
+# narrowest a K-quant's 256-element rows allow in the tiny shape), Mixtral's 8 experts of the
+# full width, 2 used
+MOE_DEFAULTS: dict[str, tuple[int, int, int]] = {"qwen3moe": (16, 4, 0), "mixtral": (8, 2, 0)}
+
+
+def file_arch(arch: str) -> str:
+    """The general.architecture a synthesized file of --arch `arch` carries."""
+    return VARIANTS.get(arch, arch)
+
+
+def synth_experts(shape: SynthShape, arch: str) -> tuple[int, int, int]:
+    """(experts, used per token, expert width) of a file of `arch` in `shape`: (0, 0, 0) for
+    a dense arch; the shape's where it sets them, else MOE_DEFAULTS (Qwen3-MoE's width half
+    the dense width)."""
+    if arch not in MOE_DEFAULTS:
+        return 0, 0, 0
+    n, used, width = ((shape.n_experts, shape.n_experts_used, shape.expert_ffn)
+                      if shape.n_experts else MOE_DEFAULTS[arch])
+    if not width:
+        width = shape.ffn // 2 if arch == "qwen3moe" else shape.ffn
+    return n, used, width
 
 # --quant names: the type of the 2-D layer weights and of output.weight. Q4_K_M mirrors
 # llama.cpp's mix: attn_v and ffn_down in Q6_K, the rest Q4_K, output Q6_K.
@@ -256,7 +297,7 @@ LONGROPE_ORIGINAL = 4
 
 
 def synth_rope_dim(shape: SynthShape, arch: str) -> int:
-    return int(shape.head * ROPE_FRACTION.get(family_for(arch).name, 1.0)) // 2 * 2
+    return int(shape.head * ROPE_FRACTION.get(family_for(file_arch(arch)).name, 1.0)) // 2 * 2
 
 
 def gemma4_layout(shape: SynthShape) -> tuple[list[bool], int]:
@@ -301,10 +342,17 @@ GEMMA4_PER_LAYER_DIM = 256
 def synth_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
     """The metadata beyond the Llama keys a synthesized file of `arch` holds, which its
     family's `configure` reads."""
-    family = family_for(arch).name
+    family = family_for(file_arch(arch)).name
     md: dict[str, object] = {}
     if family == "gemma4":
         return gemma4_metadata(shape, arch)
+    n_experts, used, width = synth_experts(shape, arch)
+    if n_experts:
+        key = file_arch(arch)
+        md[f"{key}.expert_count"] = n_experts
+        md[f"{key}.expert_used_count"] = used
+        if family == "qwen3moe":  # (a `llama` file's experts are feed_forward_length wide)
+            md[f"{key}.expert_feed_forward_length"] = width
     if family in ("gemma3", "phi3", "cohere2"):
         md[f"{arch}.attention.sliding_window"] = synth_window(shape)
     if family == "cohere2":
@@ -331,18 +379,21 @@ def synth_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
 
 def synth_config(shape: SynthShape, arch: str) -> ModelConfig:
     """The ModelConfig the file write_synth makes will read back as."""
-    if arch not in ARCHITECTURES:
-        raise BadArgument(f"unknown arch {arch!r}; choose from {', '.join(ARCHITECTURES)}")
+    if arch not in ARCHITECTURES and arch not in VARIANTS:
+        names = ", ".join(sorted({*ARCHITECTURES, *VARIANTS}))
+        raise BadArgument(f"unknown arch {arch!r}; choose from {names}")
+    name, arch = arch, file_arch(arch)
     family = family_for(arch)
     head_dim = shape.head
     fields = dict(
         architecture=arch, n_layers=shape.n_layers, hidden=shape.hidden, ffn=shape.ffn,
         n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, head_dim=head_dim,
-        rope_dim=synth_rope_dim(shape, arch), vocab_size=shape.vocab,
+        rope_dim=synth_rope_dim(shape, name), vocab_size=shape.vocab,
         context_length=shape.context, norm_eps=1e-5, rope_base=shape.rope_base,
         rope_style=ARCHITECTURES[arch], attn_bias=arch in QKV_BIAS,
         **dataclasses.asdict(family.traits))
-    md = synth_metadata(shape, arch)
+    md = synth_metadata(shape, name)
+    fields.update(expert_fields(md, arch, "synth", shape.ffn))
     if family.name == "gemma4":  # the global layers' heads, twice the sliding ones
         fields.update(head_dim=2 * head_dim, rope_dim=2 * head_dim, layer_scale=True,
                       rope_base=GEMMA4_ROPE_BASE)
@@ -386,11 +437,15 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     path = Path(path)
 
     def layer_q(name: str) -> Q:
-        if quant_mix == "Q4_K_M" and name in ("attn_v.weight", "ffn_down.weight"):
+        if name == "ffn_gate_inp.weight":  # a router stays F32, as llama.cpp's quantizer
+            return Q.F32  # keeps it
+        if quant_mix == "Q4_K_M" and name in ("attn_v.weight", "ffn_down.weight",
+                                              "ffn_down_exps.weight"):
             return Q.Q6_K
         return layer_type
 
     cfg = synth_config(shape, arch)
+    variant, arch = arch, file_arch(arch)
     tie_embeddings = tie_embeddings or family_for(arch).name in TIED
     # name -> (ggml type, torch-order shape, weight std)
     plan: list[tuple[str, Q, tuple[int, ...], float]] = []
@@ -398,7 +453,8 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
                  (shape.vocab, shape.hidden), std))
     for i in range(shape.n_layers):
         lc = cfg.layer(i)  # layer i's shapes and tensors (Gemma 4's layers differ)
-        for t in sorted((t for t in spec_for(arch).at(lc).tensors if t.expected(cfg)),
+        for t in sorted((t for t in spec_for(arch, cfg.n_experts).at(lc).tensors
+                         if t.expected(cfg)),
                         key=_file_rank):
             q, sd = ((layer_q(t.suffix), std) if t.kind == "weight" else
                      (Q.F32, 0.1 if t.kind == "bias" else 0.0))
@@ -418,11 +474,11 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
             plan.append((name, Q.F32, (cfg.rope_dim // 2,), -1.0))
 
     w = GGUFWriter(path, arch)
-    w.add_name(f"slipstream-synth-{arch}-{shape.n_layers}l-{shape.hidden}h-{quant_mix}")
+    w.add_name(f"slipstream-synth-{variant}-{shape.n_layers}l-{shape.hidden}h-{quant_mix}")
     w.add_block_count(shape.n_layers)
     w.add_context_length(shape.context)
     w.add_embedding_length(shape.hidden)
-    md = synth_metadata(shape, arch)
+    md = synth_metadata(shape, variant)
     w.add_feed_forward_length(md.pop(f"{arch}.feed_forward_length", shape.ffn))
     w.add_head_count(shape.n_heads)
     w.add_head_count_kv(shape.n_kv_heads)
@@ -488,8 +544,9 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
             data = (sd * rng.standard_normal(s)).astype(np.float32)
         elif from_floats:
             data = float_tensor(q, (sd * rng.standard_normal(s)).astype(np.float32))
-        else:
-            data = random_tensor(q, s, rng, sd)
+        else:  # (a 3-D expert tensor as its experts' rows stacked)
+            data = random_tensor(q, (math.prod(s[:-1]), s[-1]), rng, sd)
+            data = data.reshape(*s[:-1], data.shape[-1])
         w.write_tensor_data(np.ascontiguousarray(data))
         done += nbytes(q, s)
         if progress is not None:

@@ -23,7 +23,9 @@ from slipstream.synth import write_synth
 
 pytestmark = pytest.mark.gpu
 
-ARCHS = sorted(arch for f in FAMILIES if f.name != "llama" for arch in f.architectures)
+# (mixtures of experts run on the CPU only: test_moe_is_refused_on_cuda)
+ARCHS = sorted(arch for f in FAMILIES if f.name != "llama" and f.layer.experts is None
+               for arch in f.architectures)
 # fp32 GEMVs against the CPU's float32 weights: the Llama engine's bound (tests/gpu/test_engine)
 EXACT_REL_TOL = 1e-2
 
@@ -120,3 +122,12 @@ def test_hybrid_where_the_ffn_splits(family_file):
             ppl[mode] = perplexity(lambda c, m=m: m.logits(c, one_at_a_time=True), ids, 64,
                                    max_chunks=2).ppl
     assert abs(ppl[0.5] / ppl["off"] - 1) < 5e-3, (arch, ppl)
+
+
+def test_moe_is_refused_on_cuda(tmp_path):
+    """A mixture-of-experts model on CUDA is an error naming it, not a half-placed model."""
+    from slipstream.errors import UnsupportedArchitecture
+
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2, arch="qwen3moe")
+    with pytest.raises(UnsupportedArchitecture, match="CPU only"):
+        slipstream.load(path, device="cuda", ctx=64)

@@ -1,8 +1,8 @@
 """transformers models of the families its GGUF reader does not load as slipstream reads them
-(Phi-3's LongRoPE factors and partial rotary; Ministral 3, OLMo 2, GLM-4 and Cohere 2, which
-it does not read at all): the model class built from a config written out of the file's
-ModelConfig, and the file's tensors dequantized to float32 by gguf-py and loaded under
-transformers' names. Nothing of slipstream's block math is used.
+(Phi-3's LongRoPE factors and partial rotary; Ministral 3, OLMo 2, GLM-4, Cohere 2 and
+Mixtral, a `llama` file with experts, which it does not read at all): the model class built
+from a config written out of the file's ModelConfig, and the file's tensors dequantized to
+float32 by gguf-py and loaded under transformers' names. Nothing of slipstream's block math is used.
 
 Each builder imports its transformers classes itself: the test modules skip without
 transformers (pytest.importorskip) before calling one."""
@@ -174,14 +174,43 @@ def _cohere2(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
     return Cohere2ForCausalLM(config), _layer_names(cfg, names, top)
 
 
+def _mixtral(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    """Mixtral: the experts' gate and up stacked as transformers holds them (gate_up_proj,
+    (n_experts, 2 * ffn, hidden), gate rows first), the router as mlp.gate."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    unpermute_qk(cfg, tensors)
+    for i in range(cfg.n_layers):
+        tensors[f"blk.{i}.ffn_gate_up_exps.weight"] = torch.cat(
+            (tensors[f"blk.{i}.ffn_gate_exps.weight"], tensors[f"blk.{i}.ffn_up_exps.weight"]),
+            dim=1)
+    config = MixtralConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.expert_ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
+        num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_used,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
+        sliding_window=None, tie_word_embeddings=False, pad_token_id=0, bos_token_id=None,
+        eos_token_id=None)
+    names = {k: v for k, v in LLAMA_NAMES.items() if not k.startswith("ffn_")
+             or k == "ffn_norm.weight"}
+    names.update({"ffn_gate_inp.weight": "mlp.gate.weight",
+                  "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
+                  "ffn_down_exps.weight": "mlp.experts.down_proj"})
+    return MixtralForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
+
+
 BUILDERS: dict[str, Callable] = {"phi3": _phi3, "mistral3": _mistral3, "olmo2": _olmo2,
-                                 "glm4": _glm4, "cohere2": _cohere2}
+                                 "glm4": _glm4, "cohere2": _cohere2, "mixtral": _mixtral}
 
 
 def reference_model(path: Path, cfg: ModelConfig) -> torch.nn.Module:
-    """The transformers model of `path` (a family in BUILDERS), float32, in eval mode."""
+    """The transformers model of `path` (a family in BUILDERS, or a `llama` file with experts:
+    Mixtral), float32, in eval mode."""
     tensors = gguf_tensors(path)
-    model, names = BUILDERS[cfg.architecture](cfg, tensors)
+    key = "mixtral" if cfg.architecture == "llama" and cfg.n_experts else cfg.architecture
+    model, names = BUILDERS[key](cfg, tensors)
     state = {names[n]: t for n, t in tensors.items() if n in names}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if model.config.tie_word_embeddings and "lm_head.weight" in missing:

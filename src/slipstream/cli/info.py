@@ -67,6 +67,10 @@ def run(a: argparse.Namespace) -> int:
             ("tokenizer", f"{gf.metadata.get('tokenizer.ggml.model')} "
                           f"(pre: {gf.metadata.get('tokenizer.ggml.pre', '-')})"),
             ("chat template", "yes" if gf.metadata.get("tokenizer.chat_template") else "no")]
+    if cfg.n_experts:
+        rows.insert(rows.index(("ffn", cfg.ffn)) + 1,
+                    ("experts", f"{cfg.n_experts}, {cfg.n_experts_used} per token, "
+                                f"{cfg.expert_ffn} wide"))
     n_params = sum(ti.n_elements for ti in gf.tensors.values())
     rows.append(("parameters", f"{n_params:,}"))
     for k, v in rows:

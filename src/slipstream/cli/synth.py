@@ -9,21 +9,26 @@ from pathlib import Path
 
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-from ..model.families import ARCHITECTURES
+from ..model.families import ARCHITECTURES, VARIANTS
 from .render import err
 
 
 def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
     sy = command("synth", "write a random-weight GGUF of a supported family for testing")
-    sy.add_argument("--shape", required=True, choices=["tiny", "1b", "8b", "27b", "32b", "70b"],
-                    help="the model's shape (27b: Gemma-3-27B's, 32b: Qwen3-32B's)")
+    sy.add_argument("--shape", required=True,
+                    choices=["tiny", "1b", "8b", "27b", "32b", "70b", "30b-a3b", "235b-a22b",
+                             "8x7b"],
+                    help="the model's shape (27b: Gemma-3-27B's, 32b: Qwen3-32B's; the "
+                         "mixtures of experts 30b-a3b and 235b-a22b: Qwen3-MoE's, 8x7b: "
+                         "Mixtral's)")
     sy.add_argument("--quant", default="Q4_K",
                     choices=["Q4_K", "Q4_K_M", "Q6_K", "Q8_0", "F16", "Q4_0", "Q5_K"],
                     help="the weights' type")
     sy.add_argument("--layers", type=int, default=None, help="override the layer count "
                     "(default: the shape's)")
-    sy.add_argument("--arch", default="llama", choices=sorted(ARCHITECTURES),
-                    help="the architecture (its family's layer and metadata)")
+    sy.add_argument("--arch", default="llama", choices=sorted({*ARCHITECTURES, *VARIANTS}),
+                    help="the architecture (its family's layer and metadata); mixtral: a "
+                         "llama file with experts")
     sy.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     sy.add_argument("-o", "--output", required=True, help="the GGUF to write")
     sy.set_defaults(func=run)

@@ -103,6 +103,8 @@ def layer_splittable(src, cfg, i: int) -> bool:
     layers differ in shape (Gemma 4: the split's buffers and balance are sized for one FFN)."""
     if cfg.parallel or cfg.norm != "rms" or not cfg.pre_norms or not cfg.uniform:
         return False
+    if cfg.n_experts:  # a mixture of experts has no one FFN to split (model.moe)
+        return False
     p = f"blk.{i}"
     if not src.has(f"{p}.ffn_gate.weight"):  # gate and up stored as one tensor (Phi-3)
         return False

@@ -11,7 +11,7 @@ import torch
 from ..modelfile.config import ModelConfig
 from ..errors import BadArgument, BudgetTooSmall
 from ..modelfile.gguf_file import GGUFFile
-from ..model.families import spec_for
+from ..model.families import file_spec
 from ..model.layer_spec import head_tensor_name, kv_cache_bytes
 from ..precision import Precision
 from ..weights.cpu import kind_for, packed_nbytes
@@ -70,7 +70,7 @@ def layer_resident_bytes(gf: GGUFFile, i: int, precision: Precision) -> int:
     """RAM a resident layer takes on CPU: dense weights (norms and biases in float32), plus
     the packed decode copies of its matrices where precision.cpu_packed_decode makes them."""
     total = 0
-    for name in spec_for(gf.architecture).names(i, gf.tensors):
+    for name in file_spec(gf).names(i, gf.tensors):
         info = gf.tensors[name]
         bits = 32 if len(info.shape) == 1 else torch.finfo(precision.weight_dtype).bits
         total += info.n_elements * bits // 8 + _packed_bytes(info, precision)
@@ -81,9 +81,12 @@ def _packed_bytes(info, precision: Precision) -> int:
     """RAM of a tensor's packed decode copy (weights.cpu.PackedDecodeLinear; 0 where
     none is made). Counted per tensor: a fused group packs its parts' rows together, which
     pads less."""
-    if len(info.shape) != 2 or not precision.cpu_packed_decode:
+    if len(info.shape) not in (2, 3) or not precision.cpu_packed_decode:
         return 0
-    return packed_nbytes(info.ggml_type, (int(info.shape[0]), int(info.shape[1]))) or 0
+    # a 3-D expert tensor (n_experts, rows, cols) packs expert by expert (weights.experts)
+    experts = int(info.shape[0]) if len(info.shape) == 3 else 1
+    rows, cols = (int(n) for n in info.shape[-2:])
+    return experts * (packed_nbytes(info.ggml_type, (rows, cols)) or 0)
 
 
 def head_decode_bytes(gf: GGUFFile, precision: Precision) -> int:

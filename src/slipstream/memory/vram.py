@@ -62,8 +62,9 @@ def packed_planes(qtype: int, rows: int, cols: int, fused: bool = False) -> list
 def _linears(gf: GGUFFile, cfg: ModelConfig, i: int) -> list[tuple[int, int, int, int]]:
     """(qtype, rows, cols, bias rows) of each linear LayerBuilder makes for layer i: q/k/v and
     gate/up fuse when their formats agree (model.layer_spec)."""
-    spec = spec_for(cfg.architecture).at(cfg.layer(i))  # layer i's (Gemma 4's layers differ)
-    shapes = spec.shapes(cfg.layer(i))
+    lc = cfg.layer(i)  # layer i's (Gemma 4's layers differ)
+    spec = spec_for(cfg.architecture, cfg.n_experts).at(lc)
+    shapes = spec.shapes(lc)
     out = []
     for group in spec.linears:
         names = [f"blk.{i}.{p}.weight" for p in group.parts]
@@ -79,8 +80,9 @@ def _linears(gf: GGUFFile, cfg: ModelConfig, i: int) -> list[tuple[int, int, int
 
 
 def _layer_tensors(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool) -> list[int]:
-    spec = spec_for(cfg.architecture).at(cfg.layer(i))  # layer i's (Gemma 4's layers differ)
-    shapes = spec.shapes(cfg.layer(i))
+    lc = cfg.layer(i)  # layer i's (Gemma 4's layers differ)
+    spec = spec_for(cfg.architecture, cfg.n_experts).at(lc)
+    shapes = spec.shapes(lc)
     sizes = [math.prod(shapes[f"{n}.weight"]) * 4 for n in spec.norms  # float32
              if f"{n}.weight" in shapes]
     for qtype, rows, cols, bias in _linears(gf, cfg, i):

@@ -69,12 +69,27 @@ class LinearGroup:
 
 
 @dataclass(frozen=True)
+class ExpertSpec:
+    """A mixture-of-experts FFN's tensors (names without `blk.N.` and `.weight`): the router,
+    a matrix (n_experts, hidden), and the experts' SwiGLU weights, each stored as one 3-D
+    tensor over the experts, torch order (n_experts, out, in) (GGUF's ne (in, out, n_experts),
+    as llama.cpp's converter writes them)."""
+
+    router: str = "ffn_gate_inp"
+    gate: str = "ffn_gate_exps"
+    up: str = "ffn_up_exps"
+    down: str = "ffn_down_exps"
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     """One architecture family's decoder layer."""
 
     tensors: tuple[TensorSpec, ...]
     norms: tuple[str, ...]  # LayerWeights fields of the norm weights (tensors f"{norm}.weight")
     linears: tuple[LinearGroup, ...]  # in the order LayerBuilder builds them
+    # the layer's FFN is a mixture of experts (LayerWeights.moe) instead of the linears'
+    experts: ExpertSpec | None = None
 
     def at(self, cfg: ModelConfig) -> "LayerSpec":
         """This layer as a layer whose config is `cfg` (ModelConfig.layer(i)) holds it: the

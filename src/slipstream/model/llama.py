@@ -23,6 +23,7 @@ from .cpu_decode import decode_attention
 from .cpu_native import decode_layer as native_decode_layer
 from .cpu_native import native_layer
 from .cpu_native import serves as native_serves
+from .moe import MoeWeights, moe_ffn
 from .rope import RopeTable
 from .step import Step
 
@@ -76,7 +77,7 @@ class LayerWeights:
     ffn_norm: torch.Tensor | None  # (hidden,)
     ffn_gate: Linear | None  # hidden -> ffn (None when only ffn_gate_up exists)
     ffn_up: Linear | None  # hidden -> ffn
-    ffn_down: Linear  # ffn -> hidden
+    ffn_down: Linear | None  # ffn -> hidden (None in a mixture-of-experts layer)
     # Optional fused projections, set by loaders whose format allows concatenating rows:
     # one call instead of three (or two) matters when each call is a small memory-bound GEMV.
     attn_qkv: Linear | None = None  # hidden -> (n_heads + 2 * n_kv_heads) * head_dim
@@ -100,6 +101,8 @@ class LayerWeights:
     ffn_gate_up_rest: Linear | None = None  # hidden -> 2 * (the other units)
     ffn_down_rest: Linear | None = None  # (the other units) -> hidden
     ffn_host: "FFNShare | None" = None
+    # A mixture-of-experts layer's FFN (model.moe), in place of the dense FFN's linears
+    moe: MoeWeights | None = None
     # The layer's CPU decode form through the native ops (model.cpu_native), made at its first
     # CPU decode token: a NativeLayer, or False where the layer cannot take one.
     cpu_native: object = None
@@ -419,6 +422,8 @@ def _ffn_output(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor, y: torch.Ten
 def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """The gated FFN half of the block, with its residual: folded into the down projection's
     epilogue, unless a norm comes between them (post_norms)."""
+    if w.moe is not None:  # a mixture of experts: the routed experts' SwiGLU FFNs
+        return x + moe_ffn(pre_norm(cfg, x, w.ffn_norm), w.moe).to(x.dtype)
     if w.ffn_host is not None or w.ffn_down_rest is not None:
         return _split_ffn(cfg, w, x)
     residual = None if cfg.post_norms else x

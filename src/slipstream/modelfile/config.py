@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Collection, Mapping
 
 from ..errors import GGUFError, InvalidMetadata, MissingMetadata, UnsupportedArchitecture
-from ..model.families import ARCHITECTURES, family_for, spec_for
+from ..model.families import ARCHITECTURES, FAMILIES, family_for, spec_for
 from ..model.layer_spec import EMBEDDING
 from .validate import FIX, md_float, md_int, md_ints, md_str
 
@@ -22,6 +22,7 @@ MAX_HEADS = 1 << 12
 MAX_HEAD_DIM = 1 << 12
 MAX_VOCAB = 1 << 22
 MAX_CONTEXT = 1 << 24
+MAX_EXPERTS = 1 << 12  # llama.cpp's LLAMA_MAX_EXPERTS is 512
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.")
 
 
@@ -88,6 +89,11 @@ class ModelConfig:
     per_layer_dim: int = 0  # per-layer embeddings' width (Gemma 4 E2B / E4B: 256)
     layer_scale: bool = False  # each layer's output times its layer_output_scale (Gemma 4)
     final_softcap: float = 0.0  # logits -> c * tanh(logits / c) (0: none)
+    # Mixture of experts (model.moe): each layer's FFN is n_experts SwiGLU FFNs expert_ffn
+    # wide, of which a router picks n_experts_used per token (0: a dense FFN, cfg.ffn wide)
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn: int = 0
     name: str = ""
 
     @property
@@ -251,6 +257,7 @@ class ModelConfig:
                                           f"supported; supported: none, linear, yarn, "
                                           f"longrope, llama3 (rope_freqs)")
         yarn = yarn_fields(md, arch, source, context) if scaling == "yarn" and scale != 1.0 else {}
+        experts = expert_fields(md, arch, source, ffn)
         names = tensor_names or set()
         fields = dict(
             architecture=arch,
@@ -273,6 +280,7 @@ class ModelConfig:
             name=str(md.get("general.name", "")),
             **dataclasses.asdict(family.traits),
             **yarn,
+            **experts,
         )
         if family.configure is not None:
             fields.update(family.configure(md, arch, source, fields))
@@ -297,12 +305,13 @@ class ModelConfig:
                 f"the file has tensors of layer {beyond[-1]} (e.g. {layers[beyond[-1]]!r}), "
                 f"{len(beyond)} layer(s) beyond it; the layer count or the tensor names are "
                 f"wrong; {FIX}")
-        spec = spec_for(self.architecture)
+        if self.n_experts:
+            check_expert_layout(self, names, source)
+        spec = spec_for(self.architecture, self.n_experts)
         family = family_for(self.architecture)
         if family.check_names is not None:
             family.check_names(self, names, source)
-        for name in (EMBEDDING, "output_norm.weight", 
-                     *family_for(self.architecture).top_tensors(self)):
+        for name in (EMBEDDING, "output_norm.weight", *family.top_tensors(self)):
             if name not in names:
                 raise GGUFError(f"{source}: missing tensor {name!r}")
         for i in range(self.n_layers):
@@ -317,6 +326,38 @@ class ModelConfig:
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def expert_fields(md: Mapping[str, Any], arch: str, source: str, ffn: int) -> dict[str, Any]:
+    """The ModelConfig fields of a mixture of experts: `{arch}.expert_count` (absent or 0: a
+    dense model), `{arch}.expert_used_count` of them per token, each expert `ffn` wide (the
+    family's configure may read its own width: Qwen3-MoE's expert_feed_forward_length). A
+    family without expert layers refuses a file that has experts."""
+    n = md_int(md, f"{arch}.expert_count", source, 0, MAX_EXPERTS, default=0)
+    if not n:
+        return {}
+    if family_for(arch).moe_layer is None:
+        raise UnsupportedArchitecture(
+            f"{source}: {arch!r} with experts ('{arch}.expert_count' {n}) is not supported; "
+            f"slipstream runs mixtures of experts in "
+            f"{', '.join(sorted(a for f in FAMILIES if f.moe_layer for a in f.architectures))}")
+    used = md_int(md, f"{arch}.expert_used_count", source, 1, n,
+                  hint=f" (at least one of the {n} experts)")
+    return dict(n_experts=n, n_experts_used=used, expert_ffn=ffn)
+
+
+def check_expert_layout(cfg: ModelConfig, names: Collection[str], source: str) -> None:
+    """Expert weights stored one 2-D tensor per expert (`blk.N.ffn_gate.E.weight`, early
+    Mixtral conversions; llama.cpp's converter has merged them into 3-D `ffn_*_exps` tensors
+    since 2024) are refused by name rather than reported as missing tensors."""
+    for part in ("ffn_gate", "ffn_up", "ffn_down"):
+        old = f"blk.0.{part}.0.weight"
+        if old in names:
+            raise UnsupportedArchitecture(
+                f"{source}: the experts are stored one tensor per expert ({old!r}, an early "
+                f"conversion); slipstream reads the experts of a layer as one 3-D tensor "
+                f"('blk.0.{part}_exps.weight'), as current llama.cpp conversions write them: "
+                f"convert the model again")
 
 
 def yarn_fields(md: Mapping[str, Any], arch: str, source: str, context: int) -> dict[str, Any]:

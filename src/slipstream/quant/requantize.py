@@ -80,7 +80,8 @@ def requantize(src: str | os.PathLike[str], dst: str | os.PathLike[str],
             elif info.ggml_type == GGMLQuantizationType.F32:
                 w.add_tensor(name, raw.view(np.float32).reshape(info.shape))
             else:
-                w.add_tensor(name, raw.reshape(info.shape[0], -1), raw_dtype=info.ggml_type)
+                # rows of bytes, whatever the rank (a 3-D expert tensor keeps its experts)
+                w.add_tensor(name, raw.reshape(*info.shape[:-1], -1), raw_dtype=info.ggml_type)
             if progress is not None:
                 progress(n + 1, len(items))
         w.write_header_to_file()

@@ -14,7 +14,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-from ..errors import BadArgument, BudgetTooSmall
+from ..errors import BadArgument, BudgetTooSmall, UnsupportedArchitecture
 from ..hub.pull import resolve
 from ..hybrid.plan import parse_hybrid, plan_hybrid
 from ..hybrid.policy import HybridSplit
@@ -104,9 +104,26 @@ def plan_model(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Pre
                                     or not isinstance(vram_layers, int) or vram_layers < 0):
         raise BadArgument(f"vram_layers={vram_layers!r} is invalid: must be an integer >= 0 "
                           f"(the most layers held in VRAM)")
-    return plan_for(gf, cfg, dev, precision, ctx, parse_size(ram_budget), vram_budget, io,
+    check_experts_device(cfg, dev)
+    plan = plan_for(gf, cfg, dev, precision, ctx, parse_size(ram_budget), vram_budget, io,
                     gpu_slots, prefill_chunk=PREFILL_CHUNK, graph_bucket=GRAPH_BUCKET,
                     vram_layers=vram_layers, stream_first=stream_first, stage=stage)
+    if cfg.n_experts and plan.streamed_layers:
+        raise UnsupportedArchitecture(
+            f"{gf.path.name}: the plan streams {len(plan.streamed_layers)} of its "
+            f"{cfg.n_layers} layers, and a mixture-of-experts model runs resident only: "
+            f"placing its experts across RAM and disk is not built yet; give a RAM budget "
+            f"that holds the whole model")
+    return plan
+
+
+def check_experts_device(cfg: ModelConfig, dev: torch.device) -> None:
+    """A mixture-of-experts model runs on the CPU only, for now: its experts' placement on a
+    GPU (all of them in VRAM, or some in RAM) is not built."""
+    if cfg.n_experts and dev.type != "cpu":
+        raise UnsupportedArchitecture(
+            f"{cfg.architecture} with {cfg.n_experts} experts runs on the CPU only for now "
+            f"(placing mixture-of-experts layers on {dev} is not built); use --device cpu")
 
 
 def plain_plan(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Precision,

@@ -33,7 +33,7 @@ from .. import quant
 from ..modelfile.config import ModelConfig
 from ..errors import BadArgument
 from ..modelfile.gguf_file import GGUFFile, TensorInfo
-from ..model.families import spec_for
+from ..model.families import file_spec
 from ..model.llama import LayerWeights
 from ..precision import Precision
 from ..quant.encode import encodable_types, quantize
@@ -85,7 +85,8 @@ class RetypedFile:
     def __init__(self, gf: GGUFFile, qtype: GGMLQuantizationType, layers: Collection[int]):
         self.architecture = gf.architecture
         self.path = gf.path
-        spec = spec_for(gf.architecture)
+        self.metadata = gf.metadata
+        spec = file_spec(gf)
         self.tensors: dict[str, TensorInfo] = dict(gf.tensors)
         for i in layers:
             for name in spec.names(i, gf.tensors):
@@ -151,7 +152,7 @@ def build_lowbit_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
     encoding processes (None: one per core for a copy of more than POOL_MIN_ELEMENTS weights,
     else none; 0: none)."""
     order = sorted(layers)
-    spec = spec_for(gf.architecture)
+    spec = file_spec(gf)
     todo = {i: [(n, copy_type(gf.tensors[n], qtype)) for n in spec.names(i, gf.tensors)]
             for i in order}
     todo = {i: [(n, t) for n, t in names if t is not None] for i, names in todo.items()}

@@ -192,7 +192,7 @@ def check_values(gf: GGUFFile, cfg: ModelConfig, resident_layers: Collection[int
     final norm, each layer's norms and biases, and the resident layers' weight scales
     (`resident_layers` None: every layer). CorruptTensorValues at the first bad tensor, or
     one TensorWarning for all of them when SLIPSTREAM_CHECK_WEIGHTS=0."""
-    spec = spec_for(cfg.architecture)
+    spec = spec_for(cfg.architecture, cfg.n_experts)
     names: list[str] = []
     kinds: dict[str, str] = {OUTPUT_NORM: "norm"}
     if embedding:
@@ -233,7 +233,7 @@ def used_tensors(gf: GGUFFile, cfg: ModelConfig) -> set[str]:
     """The file's tensors a load reads."""
     used = {EMBEDDING, OUTPUT_NORM, HEAD, ROPE_FREQS,
             *family_for(cfg.architecture).top_tensors(cfg)}
-    for suffix in spec_for(cfg.architecture).shapes(cfg):
+    for suffix in spec_for(cfg.architecture, cfg.n_experts).shapes(cfg):
         used.update(f"blk.{i}.{suffix}" for i in range(cfg.n_layers))
     return used & gf.tensors.keys()
 
@@ -248,7 +248,7 @@ def _misnamed(gf: GGUFFile, cfg: ModelConfig, unused: list[str]) -> str | None:
     None: a bias some layers have and others lack; no `output.weight` beside an unused tensor
     of its shape or a near name; no biases (or no `rope_freqs.weight`) beside an unused tensor
     of a near name."""
-    spec = spec_for(cfg.architecture)
+    spec = spec_for(cfg.architecture, cfg.n_experts)
     file = gf.path.name
     for flag in sorted({t.flag for t in spec.tensors if t.flag}):
         group = [t.suffix for t in spec.tensors if t.flag == flag]

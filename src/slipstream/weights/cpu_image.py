@@ -188,8 +188,9 @@ def _aligned(n: int) -> int:
 def image_nbytes(gf, cfg, i: int, precision) -> int:
     """Bytes of layer i's CPU image (what to_cpu_image makes), from the tensors' types and
     shapes alone: the planner sizes the disk tier with it before anything is built."""
-    spec = spec_for(cfg.architecture).at(cfg.layer(i))  # layer i's (Gemma 4's layers differ)
-    shapes = spec.shapes(cfg.layer(i))
+    lc = cfg.layer(i)  # layer i's (Gemma 4's layers differ)
+    spec = spec_for(cfg.architecture, cfg.n_experts).at(lc)
+    shapes = spec.shapes(lc)
     dense_bytes = torch.finfo(precision.weight_dtype).bits // 8
     total = 0
     for group in spec.linears:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import math
 import mmap
 import threading
 import warnings
@@ -24,8 +25,8 @@ import numpy as np
 import torch
 
 from .. import envs, kernels, quant
-from ..errors import GGUFError, InvalidMetadata
-from ..model.families import spec_for
+from ..errors import GGUFError, InvalidMetadata, UnsupportedArchitecture
+from ..model.families import file_spec, spec_for
 from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name
 from ..model.llama import LayerWeights
 from ..model.per_layer import PerLayerEmbedding
@@ -33,6 +34,7 @@ from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
 from .checks import check_tensor_names, check_values
+from .experts import build_experts
 from .cpu import PackedDecodeLinear, kind_for, pack_group
 from .image import flattened
 from .linear import (GEMV_MAX_ROWS, DenseLinear, LazyDenseLinear, Linear, OnDemandDenseLinear,
@@ -76,7 +78,7 @@ def prefill_scratch_elements(cfg: ModelConfig) -> int:
     """Elements of the prefill scratch (Workspace.max_elements): the largest weight of a layer,
     with q/k/v and gate/up counted fused as LayerBuilder fuses them where it can. The head is
     multiplied in row chunks of this size."""
-    spec = spec_for(cfg.architecture)
+    spec = spec_for(cfg.architecture, cfg.n_experts)
     return max(max(spec.at(c).fused_elements(c))
                for c in {cfg.layer(i) for i in range(cfg.n_layers)})
 
@@ -94,8 +96,13 @@ def raw_tensor(gf: GGUFFile, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         # The memory map is read-only and torch warns about that; we never write through it.
         warnings.simplefilter("ignore", UserWarning)
         t = torch.from_numpy(np.asarray(data))
-    rows = shape[0] if len(shape) == 2 else 1
-    return t.view(rows, -1)
+    return t.view(_rows(shape), -1)
+
+
+def _rows(shape: tuple[int, ...]) -> int:
+    """Rows of a tensor's bytes viewed (rows, row_bytes): a matrix's rows, a 3-D expert
+    tensor's experts * rows (each expert's rows then a contiguous slice), one for a vector."""
+    return math.prod(shape[:-1]) if len(shape) >= 2 else 1
 
 
 class TensorSource:
@@ -139,8 +146,7 @@ class TensorSource:
         if info is None or tuple(info.shape) != tuple(shape):
             return raw_tensor(self.gf, name, shape)  # raises, naming the tensor
         start = info.offset - self.base
-        rows = shape[0] if len(shape) == 2 else 1
-        return self.buffer[start:start + info.n_bytes].view(rows, -1)
+        return self.buffer[start:start + info.n_bytes].view(_rows(shape), -1)
 
     def dense(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
@@ -186,7 +192,7 @@ def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def layer_span(gf: GGUFFile, i: int) -> tuple[int, int]:
     """[start, end) of the file bytes holding layer i's tensors."""
-    names = spec_for(gf.architecture).names(i, gf.tensors)  # (all a layer may hold)
+    names = file_spec(gf).names(i, gf.tensors)  # (all a layer may hold)
     infos = [gf.tensors[n] for n in names]
     return min(t.offset for t in infos), max(t.offset + t.n_bytes for t in infos)
 
@@ -214,9 +220,13 @@ class LayerBuilder:
                       max_elements=min(prefill_scratch_elements(cfg),
                                        scratch_elements or float("inf")))
             if self.quantized else None)
-        self.family_spec = spec_for(cfg.architecture)
+        self.family_spec = spec_for(cfg.architecture, cfg.n_experts)
         self.spec = self.family_spec
         self.shapes = self.spec.shapes(cfg)
+        if self.spec.experts is not None and self.quantized:
+            raise UnsupportedArchitecture(
+                f"{cfg.architecture}: mixture-of-experts layers run on the CPU only for now "
+                f"(their experts' placement on {device} is not built); load with device='cpu'")
 
     def build(self, src: TensorSource, i: int) -> LayerWeights:
         p = f"blk.{i}"
@@ -237,6 +247,8 @@ class LayerBuilder:
             if shape is None:  # an optional vector the file lacks (Gemma 4's output scale)
                 continue
             fields[norm] = src.dense(f"{p}.{norm}.weight", shape, torch.float32, self.device)
+        if self.spec.experts is not None:
+            fields["moe"] = build_experts(self, src, p)
         for f in dataclasses.fields(LayerWeights):  # the parts a fused-only layout lacks
             fields.setdefault(f.name, None)
         return LayerWeights(**fields)
@@ -305,6 +317,12 @@ class LayerBuilder:
         # must not be read after the load (private weights, see the module doc)
         if raws is None:
             raws = [src.raw(f"{p}.weight", s).clone() for p, s in zip(prefixes, shapes)]
+        return self._packed(types, shapes, biases, dense, raws)
+
+    def _packed(self, types, shapes, biases, dense: Linear, raws: list[torch.Tensor]):
+        """_packed_decode over GGUF bytes already held (`raws`, with their `types`)."""
+        if not self.precision.cpu_packed_decode or any(kind_for(t) is None for t in types):
+            return dense
         # up to GEMV_MAX_ROWS tokens, as DenseLinear's own matvec path: a row's bits then do
         # not depend on how many rows share its call (the server's chunked prefill relies on
         # it); a prompt that short pays the packing, a longer one leaves it to the first step
@@ -315,7 +333,7 @@ class LayerBuilder:
 def check_layer_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:
     """Every per-layer tensor exists with the shape the metadata implies (before any byte of
     it is read, so a streamed layer cannot fail half-way through a generation)."""
-    family_spec = spec_for(cfg.architecture)
+    family_spec = spec_for(cfg.architecture, cfg.n_experts)
     for i in range(cfg.n_layers):
         spec = family_spec.at(cfg.layer(i))
         shapes = spec.shapes(cfg.layer(i))
@@ -367,6 +385,12 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     """
     if private is None:
         private = device.type == "cpu"
+    if cfg.n_experts and resident_layers is not None and \
+            len(resident_layers) < cfg.n_layers and holds_embedding and holds_head:
+        raise UnsupportedArchitecture(
+            f"{gf.path.name}: a mixture-of-experts model is loaded whole (every layer "
+            f"resident); streaming its layers, and placing its experts across VRAM, RAM and "
+            f"disk, is not built yet: give a budget that holds the model")
     for name, info in gf.tensors.items():
         quant.get_format(info.ggml_type)  # unsupported types fail here, naming the type
     check_layer_shapes(gf, cfg)

@@ -13,6 +13,8 @@ modelfile.config stay light.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...errors import UnsupportedArchitecture
 from ..layer_spec import LayerSpec
 from .base import BlockTraits, Family
@@ -25,11 +27,13 @@ from .mistral3 import MISTRAL3
 from .olmo2 import OLMO2
 from .phi3 import PHI3
 from .qwen3 import QWEN3
+from .qwen3moe import QWEN3MOE
 
-__all__ = ["ARCHITECTURES", "BlockTraits", "FAMILIES", "Family", "family_for", "spec_for"]
+__all__ = ["ARCHITECTURES", "BlockTraits", "FAMILIES", "Family", "VARIANTS", "family_for",
+           "file_spec", "spec_for"]
 
 FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, GEMMA3, GEMMA4, PHI3, MISTRAL3, OLMO2, GLM4,
-                                 COHERE2)
+                                 COHERE2, QWEN3MOE)
 
 # general.architecture -> its family
 _BY_ARCHITECTURE: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.architectures}
@@ -37,6 +41,11 @@ _BY_ARCHITECTURE: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.a
 # general.architecture -> how it pairs RoPE dimensions ("normal" or "neox")
 ARCHITECTURES: dict[str, str] = {arch: style for f in FAMILIES
                                  for arch, style in f.architectures.items()}
+
+# Names of a family's variants that no file carries as its general.architecture (what
+# `slipstream synth --arch` takes beside the architectures) -> the architecture their files
+# carry: Mixtral is a `llama` file with experts
+VARIANTS: dict[str, str] = {"mixtral": "llama"}
 
 
 def family_for(architecture: str) -> Family:
@@ -49,6 +58,25 @@ def family_for(architecture: str) -> Family:
     return family
 
 
-def spec_for(architecture: str) -> LayerSpec:
-    """The decoder layer of `architecture`."""
-    return family_for(architecture).layer
+def spec_for(architecture: str, n_experts: int = 0) -> LayerSpec:
+    """The decoder layer of `architecture`, in its files with `n_experts` experts
+    (ModelConfig.n_experts; 0: none)."""
+    family = family_for(architecture)
+    if n_experts and family.moe_layer is not None:
+        return family.moe_layer
+    return family.layer
+
+
+def file_experts(gf: Any) -> int:
+    """The expert count a GGUF file's metadata gives (`{arch}.expert_count`), for what reads a
+    file's layers without its ModelConfig (the file's values checked by ModelConfig); 0 where
+    absent or unreadable."""
+    md = getattr(gf, "metadata", None) or {}
+    n = md.get(f"{gf.architecture}.expert_count", 0)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 0
+
+
+def file_spec(gf: Any) -> LayerSpec:
+    """The decoder layer of a GGUF file (GGUFFile, or what carries its architecture and
+    metadata)."""
+    return spec_for(gf.architecture, file_experts(gf))

@@ -57,6 +57,9 @@ class Family:
     layer: LayerSpec
     traits: BlockTraits = field(default_factory=BlockTraits)
     configure: Configure | None = None
+    # the layer of the family's files with experts (`{arch}.expert_count` > 0): its FFN a
+    # mixture of experts (families.experts); None where the family has no such files
+    moe_layer: LayerSpec | None = None
     # what sets the family apart, in a few words (the README's model table, `slipstream info`)
     quirks: str = ""
     # whether its layers may differ in shape (per-layer arrays of feed_forward_length and

@@ -1,6 +1,11 @@
 """Llama 1/2/3, Mistral (and Mistral Small's `llama` conversions), SmolLM, Qwen2: the Llama
 block. RMSNorm, attention with grouped KV heads, RMSNorm, SwiGLU; Qwen2's QKV biases are
-optional tensors of the same layer."""
+optional tensors of the same layer.
+
+Mixtral (8x7B, 8x22B) is a `llama` file with `llama.expert_count` > 0: the same block with a
+mixture-of-experts FFN (families.experts), softmax over the experts, the top
+`llama.expert_used_count`, their weights renormalised, each expert `llama.feed_forward_length`
+wide (llama.cpp's llama graph; transformers' MixtralSparseMoeBlock)."""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..layer_spec import LayerSpec, LinearGroup, TensorSpec
 from .base import Family
+from .experts import with_experts
 
 if TYPE_CHECKING:  # type hints only: modelfile.config imports the families
     from ...modelfile.config import ModelConfig
@@ -41,10 +47,13 @@ LLAMA_LINEARS: tuple[LinearGroup, ...] = (
     LinearGroup("ffn_down", ("ffn_down",)),
 )
 
+LLAMA_LAYER = LayerSpec(tensors=LLAMA_TENSORS, norms=("attn_norm", "ffn_norm"),
+                        linears=LLAMA_LINEARS)
+
 LLAMA = Family(
     name="llama",
     architectures={"llama": "normal", "mistral": "normal", "qwen2": "neox"},
-    layer=LayerSpec(tensors=LLAMA_TENSORS, norms=("attn_norm", "ffn_norm"),
-                    linears=LLAMA_LINEARS),
-    quirks="the reference block; Qwen2's QKV biases",
+    layer=LLAMA_LAYER,
+    moe_layer=with_experts(LLAMA_LAYER),
+    quirks="the reference block; Qwen2's QKV biases; Mixtral's experts (llama.expert_count)",
 )
