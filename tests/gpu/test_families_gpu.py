@@ -23,9 +23,10 @@ from slipstream.synth import write_synth
 
 pytestmark = pytest.mark.gpu
 
-# (mixtures of experts run on the CPU only: test_moe_is_refused_on_cuda)
+# (mixtures of experts and families whose CUDA path is refused run on the CPU only:
+# test_cpu_only_models_are_refused_on_cuda)
 ARCHS = sorted(arch for f in FAMILIES if f.name != "llama" and f.layer.experts is None
-               for arch in f.architectures)
+               and not f.cuda_refused for arch in f.architectures)
 # fp32 GEMVs against the CPU's float32 weights: the Llama engine's bound (tests/gpu/test_engine)
 EXACT_REL_TOL = 1e-2
 
@@ -153,10 +154,12 @@ def test_hybrid_where_the_ffn_splits(family_file):
     assert abs(ppl[0.5] / ppl["off"] - 1) < 5e-3, (arch, ppl)
 
 
-def test_moe_is_refused_on_cuda(tmp_path):
-    """A mixture-of-experts model on CUDA is an error naming it, not a half-placed model."""
+@pytest.mark.parametrize("arch", ["qwen3moe", "gemma4"])
+def test_cpu_only_models_are_refused_on_cuda(tmp_path, arch):
+    """A mixture-of-experts model, or a family whose CUDA path is refused, on CUDA is an
+    error naming it, not a half-placed model."""
     from slipstream.errors import UnsupportedArchitecture
 
-    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2, arch="qwen3moe")
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=6, arch=arch)
     with pytest.raises(UnsupportedArchitecture, match="CPU only"):
         slipstream.load(path, device="cuda", ctx=64)

@@ -62,6 +62,8 @@ class Family:
     moe_layer: LayerSpec | None = None
     # what sets the family apart, in a few words (the README's model table, `slipstream info`)
     quirks: str = ""
+    # why the family's CUDA path is refused, where it is (it runs on the CPU meanwhile)
+    cuda_refused: str = ""
     # whether its layers may differ in shape (per-layer arrays of feed_forward_length and
     # head_count_kv; ModelConfig.layer): Gemma 4
     varied_layers: bool = False

@@ -180,6 +180,8 @@ GEMMA4 = Family(
                                  LinearGroup("proj", ("proj",)))),
     traits=BlockTraits(qk_norm=True, post_norms=True, ffn_act="gelu_tanh", v_norm=True),
     configure=configure,
+    # its CUDA tests (tests/gpu/test_families_gpu.py) failed on an H100: refused until they pass
+    cuda_refused="its CUDA path does not yet match the CPU engine's logits",
     quirks="Gemma 3's block with wider global heads, proportional RoPE, value norms, "
            "per-layer embeddings, layers sharing keys and values, soft-capped logits",
     varied_layers=True,
