@@ -16,7 +16,8 @@
 #   70b-vram24-layers   the same with --hybrid off (whole layers over PCIe)
 #   default-spec-plain  the default model as Q8_0, 4 layers in VRAM (-ngl 4), --ram-budget 24MiB
 #                       (the rest read from disk every pass): plain tg64
-#   default-spec        the same with its Q4_0 requantization as the draft: speculative tg64
+#   default-spec        the same with its Q4_0 requantization as the draft: speculative tg64,
+#                       trees of SPEC_TREE (default --spec-nodes 8 --spec-depth 4)
 #
 # The synthetic files are written once, by this tree's `slipstream synth` and `slipstream
 # quantize`, into $BENCH_MODELS (setup.sh); an earlier call's files on a warm machine are
@@ -33,6 +34,9 @@ source benchmarks/device/setup.sh
 [ -d "$BEFORE/src/slipstream" ] || { echo "no src/slipstream under $BEFORE"; exit 1; }
 W=$BENCH_MODELS
 REPS=${REPS:-3}
+# default-spec's tree, fixed: sized from measured timings (the default) it differs between
+# calls and sides (5.33 then 4.72 tokens per pass on one tree), which no 3% bound survives
+SPEC_TREE=${SPEC_TREE:---spec-nodes 8 --spec-depth 4}
 RAW=/tmp/before-after
 rm -rf "$RAW"; mkdir -p "$RAW"
 has() { [[ ",$CASES," == *",$1,"* ]]; }
@@ -65,7 +69,7 @@ args_of() {
     70b-vram24-hybrid) echo "-m $W/70b-Q4_K.gguf $G --ctx 2048 --vram-budget 24GiB --hybrid auto --pp 512 --tg 16" ;;
     70b-vram24-layers) echo "-m $W/70b-Q4_K.gguf $G --ctx 2048 --vram-budget 24GiB --hybrid off --pp 512 --tg 16" ;;
     default-spec-plain) echo "-m $W/smollm-q8_0.gguf $G --ctx 1024 -ngl 4 --ram-budget 24MiB --pp 512 --tg 64" ;;
-    default-spec) echo "-m $W/smollm-q8_0.gguf $G --ctx 1024 -ngl 4 --ram-budget 24MiB --pp 512 --tg 64 --draft $W/smollm-q4_0.gguf" ;;
+    default-spec) echo "-m $W/smollm-q8_0.gguf $G --ctx 1024 -ngl 4 --ram-budget 24MiB --pp 512 --tg 64 --draft $W/smollm-q4_0.gguf $SPEC_TREE" ;;
     *) return 1 ;;
   esac
 }
