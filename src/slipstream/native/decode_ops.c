@@ -144,41 +144,38 @@ void ss_silu_mul_bf16(const uint16_t *gate_up, int64_t n, uint16_t *out) {
     }
 }
 
-/* out = silu(gate) * up in float32 for m rows of gate_up = [gate | up] (2n floats a row), out
- * m rows of n: the SwiGLU between hybrid decode's two CPU matvecs (ss_q4_ffn), unrounded. */
-void ss_silu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out) {
+/* out = act(gate) * up in float32 for m rows of gate_up = [gate | up] (2n floats a row), out m
+ * rows of n: the gated product between hybrid decode's two CPU matvecs (ss_q4_ffn), unrounded.
+ * act is SiLU, x / (1 + e^-x), or with `gelu` GELU's tanh form: 0.5 x (1 + tanh(u)), u =
+ * sqrt(2 / pi) (x + 0.044715 x^3), is x / (1 + e^(-2u)), one exponential that saturates to x
+ * and to -0 as expv does at its ends. */
+static void glu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out, int gelu) {
+    const float c = 1.5957691216057308f, k = 0.044715f;  /* 2 sqrt(2 / pi), GELU's cubic */
     for (int64_t r = 0; r < m; r++) {
         const float *g = gate_up + r * 2 * n, *u = g + n;
         float *o = out + r * n;
         int64_t i = 0;
         for (; i + LANES <= n; i += LANES) {
             vf x = loadv(g + i);
-            vf y = x / (1.0f + expv(-x)) * loadv(u + i);
-            memcpy(o + i, &y, sizeof y);
-        }
-        for (; i < n; i++) o[i] = g[i] / (1.0f + expv(splat(-g[i]))[0]) * u[i];
-    }
-}
-
-/* out = gelu_tanh(gate) * up in float32, as ss_silu_mul_f32 (GeGLU: Gemma's FFN). GELU's tanh
- * form 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), is x / (1 + e^(-2u)): one
- * exponential, saturating to x and to -0 as expv does at its ends. */
-void ss_gelu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out) {
-    const float c = 1.5957691216057308f;  /* 2 sqrt(2 / pi) */
-    for (int64_t r = 0; r < m; r++) {
-        const float *g = gate_up + r * 2 * n, *u = g + n;
-        float *o = out + r * n;
-        int64_t i = 0;
-        for (; i + LANES <= n; i += LANES) {
-            vf x = loadv(g + i);
-            vf y = x / (1.0f + expv(-c * (x + 0.044715f * x * x * x))) * loadv(u + i);
+            vf z = gelu ? c * (x + k * x * x * x) : x;
+            vf y = x / (1.0f + expv(-z)) * loadv(u + i);
             memcpy(o + i, &y, sizeof y);
         }
         for (; i < n; i++) {
-            float x = g[i];
-            o[i] = x / (1.0f + expv(splat(-c * (x + 0.044715f * x * x * x)))[0]) * u[i];
+            float x = g[i], z = gelu ? c * (x + k * x * x * x) : x;
+            o[i] = x / (1.0f + expv(splat(-z))[0]) * u[i];
         }
     }
+}
+
+/* SwiGLU's product (Llama and most families). */
+void ss_silu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out) {
+    glu_mul_f32(gate_up, m, n, out, 0);
+}
+
+/* GeGLU's product (Gemma). */
+void ss_gelu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out) {
+    glu_mul_f32(gate_up, m, n, out, 1);
 }
 
 /* Rotate one head's first rope_dim dims in place, by the angles RopeTable.angles gives.
