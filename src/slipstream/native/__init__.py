@@ -1,6 +1,6 @@
 """Native CPU ops, compiled once per machine with the system's C compiler and called through
 ctypes: decode_ops.c, decode_layer.c and q4_matvec.c for decode (and hybrid decode's CPU share),
-int4_pack.c for load-time packing (int4pack and q4vnni).
+int4_pack.c for load-time packing (int4pack, q4vnni and q8vnni).
 
 Why C: a CPU decode token of a small model spends as long in ~25 tiny torch calls a layer as in
 its matmuls, each call a few microseconds of dispatch around a few hundred floats of work.
@@ -74,6 +74,7 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     # int4_pack.c
     "ss_int4pack_rows": (_P, _I64, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT),
     "ss_q4vnni_rows": (_P, _I64, _INT, _I64, _I64, _I64, _P, _I64, _P, _P, _INT),
+    "ss_q8vnni_rows": (_P, _I64, _I64, _I64, _I64, _P, _INT),
 }
 INT_RESULTS = ("ss_q4_ffn_on_signal",)  # of SIGNATURES, those returning an int
 # functions that return something (and take nothing)
