@@ -457,18 +457,22 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     return ModelWeights(embed=embed, layers=layers, output_norm=output_norm, output=output,
                         rope_freqs=rope_freqs, rope_freqs_long=rope_long,
                         long_after=cfg.rope_ctx_orig,
-                        dense_prefetch=prefetch_dense(layers) if src.lazy and not quantized
-                        else None)
+                        dense_prefetch=prefetch_dense(layers, output)
+                        if src.lazy and not quantized else None)
 
 
-def prefetch_dense(layers: list[LayerWeights | None]) -> threading.Thread | None:
+def prefetch_dense(layers: list[LayerWeights | None], head=None) -> threading.Thread | None:
     """Make the layers' lazy dense weights (linear.LazyDenseLinear) in a daemon thread, layer
     by layer in the order a prefill reads them, while the caller goes on (the engine's build,
     the chat template, tokenizing, the first layers' matmuls): a `run` prompt is longer than
     GEMV_MAX_ROWS tokens, and its prefill otherwise waited for the dequantization, 0.5 s of a
     31-token prompt on a busy 2-core machine. A pass that reaches a weight first makes it
-    itself (the lock in LazyDenseLinear: made once, the same bits). The head stays lazy: only
-    passes that score every token use its dense weight. None where nothing is lazy."""
+    itself (the lock in LazyDenseLinear: made once, the same bits). Then the head's packed
+    decode copy (`head`, a PackedDecodeLinear), which the prompt's last row is scored with
+    once its layers are through: packing the default model's tied 49152 x 576 head took
+    30-90 ms, which the first token otherwise waited for (PackedDecodeLinear's lock: packed
+    once). The head's dense weight stays lazy: only passes that score every token use it.
+    None where nothing is lazy."""
     lazies = []
     for layer in layers:
         for f in dataclasses.fields(LayerWeights) if layer is not None else ():
@@ -486,6 +490,8 @@ def prefetch_dense(layers: list[LayerWeights | None]) -> threading.Thread | None
                 if stop.is_set():
                     return
                 lin.weight  # noqa: B018 (made now)
+            if isinstance(head, PackedDecodeLinear) and not stop.is_set():
+                head.packed  # noqa: B018 (made now)
         finally:
             _PREFETCHES.pop(t, None)
 
