@@ -29,7 +29,7 @@ from .modelfile.chat_template import ChatTemplate
 from .modelfile.config import ModelConfig
 from .modelfile.gguf_file import GGUFFile
 from .modelfile.tokenizer import Tokenizer
-from .modelfile.tokenizer_cache import TokenizerJob
+from .modelfile.tokenizer_cache import load_tokenizer
 from .precision import Precision
 from .runtime import layer_skip
 from .runtime.build import (allocator_budget, build_engine, check_skip_layers, context_size,
@@ -332,113 +332,104 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
         device, vram_budget, stage_devs = stage_devices(device, vram_budget)
     model_path, gf, cfg = open_model(path, progress)
     dev = resolve_device(device)
-    # built once per file, in a thread beside the load: its errors still come first (below)
-    tokenizer_job = TokenizerJob(gf, cache_dir() / "tokenizers")
+    tokenizer = load_tokenizer(gf, cache_dir() / "tokenizers")  # built once per file
+    template = ChatTemplate.from_metadata(gf.metadata)
+    n_ctx = context_size(cfg, ctx)
+    check_skip_layers(cfg, skip_layers)  # before the load, which may take minutes
+    lowbit_type = None
+    if self_draft is not None and self_draft.lowbit is not None:
+        lowbit_type = parse_lowbit_type(self_draft.lowbit)
+    elif self_draft is not None:
+        check_skip_layers(cfg, self_draft.skip_layers, what="SelfDraft skip_layers")
+    if draft_file is not None:
+        draft_file = resolve_path(draft_file, progress)
+        drafts.check_draft(model_path, gf, draft_file)
+    prec = Precision.of(precision, dev)
+    if prec.cpu_packed_decode:
+        native.build_in_background()  # a first build (~2 s) runs beside the load, not at decode
+    io, slots, most = place.io, place.gpu_slots, place.vram_layers
+    vram, ram = parse_size(vram_budget), parse_size(place.ram_budget)
+    vram, outside = allocator_budget(vram, dev)
+    if self_draft is not None and dev.type == "cuda" and vram is None:
+        vram = torch.cuda.mem_get_info(dev)[0]  # the draft's share comes out of a known budget
+    plain = None
+    if (draft_file is not None or self_draft is not None) and dev.type == "cuda" \
+            and pipeline is None:
+        plain = plain_plan(gf, cfg, dev, prec, n_ctx, ram, vram, io, slots, most)
+    plain_streamed = plain.streamed_layers if plain is not None else None
+    draft_model, held, named, copied = None, 0, None, []
+    if draft_file is not None:  # placed first: the model gets what the draft leaves
+        draft_model, held = drafts.place_draft(load, draft_file, dev, n_ctx, precision, ram,
+                                               vram, io)
+        vram, ram = drafts.remaining(vram, ram, held, dev, f"the draft {draft_file.name}",
+                                     draft_model)
+        named = draft_file.name
+    elif lowbit_type is not None:
+        copied, held = size_lowbit(gf, cfg, dev, prec, n_ctx, ram, vram, io, slots, most,
+                                   lowbit_type, plain_streamed)
+        vram, ram = drafts.remaining(vram, ram, held, dev,
+                                     f"the {lowbit_type.name} copy of {len(copied)} layers")
+        named = self_draft.describe(len(copied))
+    elif self_draft is not None:  # on CUDA: its graphs, and a VRAM token table if it streams
+        held = self_draft_vram(gf, bool(plain_streamed)) if dev.type == "cuda" else 0
+        vram, ram = drafts.remaining(vram, ram, held, dev, "the layer-skip self-draft")
+        named = self_draft.describe()
+    stage = None
+    if pipeline is not None:
+        stage = StagePlan(dev.type, stage_ranges(cfg.n_layers, pipeline.world)[pipeline.rank],
+                          holds_embedding=pipeline.first, holds_head=pipeline.last)
     try:
-        template = ChatTemplate.from_metadata(gf.metadata)
-        n_ctx = context_size(cfg, ctx)
-        check_skip_layers(cfg, skip_layers)  # before the load, which may take minutes
-        lowbit_type = None
-        if self_draft is not None and self_draft.lowbit is not None:
-            lowbit_type = parse_lowbit_type(self_draft.lowbit)
-        elif self_draft is not None:
-            check_skip_layers(cfg, self_draft.skip_layers, what="SelfDraft skip_layers")
-        if draft_file is not None:
-            draft_file = resolve_path(draft_file, progress)
-            drafts.check_draft(model_path, gf, draft_file)
-        prec = Precision.of(precision, dev)
-        if prec.cpu_packed_decode:
-            native.build_in_background()  # a first build (~2 s) runs beside the load, not at decode
-        io, slots, most = place.io, place.gpu_slots, place.vram_layers
-        vram, ram = parse_size(vram_budget), parse_size(place.ram_budget)
-        vram, outside = allocator_budget(vram, dev)
-        if self_draft is not None and dev.type == "cuda" and vram is None:
-            vram = torch.cuda.mem_get_info(dev)[0]  # the draft's share comes out of a known budget
-        plain = None
-        if (draft_file is not None or self_draft is not None) and dev.type == "cuda" \
-                and pipeline is None:
-            plain = plain_plan(gf, cfg, dev, prec, n_ctx, ram, vram, io, slots, most)
-        plain_streamed = plain.streamed_layers if plain is not None else None
-        draft_model, held, named, copied = None, 0, None, []
-        if draft_file is not None:  # placed first: the model gets what the draft leaves
-            draft_model, held = drafts.place_draft(load, draft_file, dev, n_ctx, precision, ram,
-                                                   vram, io)
-            vram, ram = drafts.remaining(vram, ram, held, dev, f"the draft {draft_file.name}",
-                                         draft_model)
-            named = draft_file.name
-        elif lowbit_type is not None:
-            copied, held = size_lowbit(gf, cfg, dev, prec, n_ctx, ram, vram, io, slots, most,
-                                       lowbit_type, plain_streamed)
-            vram, ram = drafts.remaining(vram, ram, held, dev,
-                                         f"the {lowbit_type.name} copy of {len(copied)} layers")
-            named = self_draft.describe(len(copied))
-        elif self_draft is not None:  # on CUDA: its graphs, and a VRAM token table if it streams
-            held = self_draft_vram(gf, bool(plain_streamed)) if dev.type == "cuda" else 0
-            vram, ram = drafts.remaining(vram, ram, held, dev, "the layer-skip self-draft")
-            named = self_draft.describe()
-        stage = None
-        if pipeline is not None:
-            stage = StagePlan(dev.type, stage_ranges(cfg.n_layers, pipeline.world)[pipeline.rank],
-                              holds_embedding=pipeline.first, holds_head=pipeline.last)
-        try:
-            plan = plan_model(gf, cfg, dev, prec, n_ctx, ram, vram, io, slots, most,
-                              stream_first=plain_streamed, stage=stage)
-        except BaseException:
-            if draft_model is not None:
-                draft_model.close()
-            raise
-        plan = dataclasses.replace(
-            plan, outside_allocator=outside, draft=None if named is None else (named, held),
-            stages=stage_plans(cfg, stage_devs) if stage_devs is not None else plan.stages)
-        cap = VramCap(dev, vram) if dev.type == "cuda" else None
-        try:
-            plan = measured(gf, cfg, plan, io, prec, hybrid, place.threads)
-            engine = build_engine(gf, cfg, dev, plan, n_ctx, prec, progress, io,
-                                  place.private_weights, pipeline, place.threads is None)
-        except BaseException as e:
-            if draft_model is not None:
-                draft_model.close()
-            if cap is not None:
-                cap.release()
-                if isinstance(e, torch.cuda.OutOfMemoryError):
-                    raise BudgetTooSmall(
-                        f"loading {model_path.name} took more VRAM than the {fmt_bytes(cap.limit)} "
-                        f"the budget allows this process ({oom_summary(e)}); raise --vram-budget "
-                        f"or lower --ctx") from None
-            raise
-        # the tokenizer is set below, where a failure of its thread closes the model
-        model = Model(model_path, gf, cfg, engine, None, template, plan)  # type: ignore[arg-type]
-        if pipeline is not None:
-            from .runtime.pipeline import stage_rows  # torch.distributed, as join above
-
-            model.pipeline_stages = stage_rows(pipeline, plan)  # every rank's, for rank 0's table
-        if cap is not None:
-            cap.attach(model)
-            model._vram_cap = cap
-        model.draft = draft_model
-        model.speculation.plain_streamed = plain_streamed
-        if plain is not None:
-            model.speculation.release_gain = drafts.release_gain(gf, cfg, plan, plain, hybrid,
-                                                                 place.threads)
-        try:
-            model.tokenizer = tokenizer_job.result()
-            if skip_layers:
-                model._skip_layers(skip_layers)
-            if self_draft is not None:
-                if cap is not None:
-                    cap.grow(held)  # the draft's share, taken out of the model's budget above
-                model.draft = model._self_draft(self_draft, prec, lowbit_type, copied, progress)
-            if model.draft is not None:
-                drafts.warm_up(model.engine, model.draft.engine, self_draft is not None)
-        except BaseException:
-            model.close()
-            raise
-        return model
+        plan = plan_model(gf, cfg, dev, prec, n_ctx, ram, vram, io, slots, most,
+                          stream_first=plain_streamed, stage=stage)
     except BaseException:
-        error = tokenizer_job.failure()
-        if error is not None:  # a bad tokenizer is reported before anything the load met
-            raise error from None
+        if draft_model is not None:
+            draft_model.close()
         raise
+    plan = dataclasses.replace(
+        plan, outside_allocator=outside, draft=None if named is None else (named, held),
+        stages=stage_plans(cfg, stage_devs) if stage_devs is not None else plan.stages)
+    cap = VramCap(dev, vram) if dev.type == "cuda" else None
+    try:
+        plan = measured(gf, cfg, plan, io, prec, hybrid, place.threads)
+        engine = build_engine(gf, cfg, dev, plan, n_ctx, prec, progress, io,
+                              place.private_weights, pipeline, place.threads is None)
+    except BaseException as e:
+        if draft_model is not None:
+            draft_model.close()
+        if cap is not None:
+            cap.release()
+            if isinstance(e, torch.cuda.OutOfMemoryError):
+                raise BudgetTooSmall(
+                    f"loading {model_path.name} took more VRAM than the {fmt_bytes(cap.limit)} "
+                    f"the budget allows this process ({oom_summary(e)}); raise --vram-budget "
+                    f"or lower --ctx") from None
+        raise
+    model = Model(model_path, gf, cfg, engine, tokenizer, template, plan)
+    if pipeline is not None:
+        from .runtime.pipeline import stage_rows  # torch.distributed, as join above
+
+        model.pipeline_stages = stage_rows(pipeline, plan)  # every rank's, for rank 0's table
+    if cap is not None:
+        cap.attach(model)
+        model._vram_cap = cap
+    model.draft = draft_model
+    model.speculation.plain_streamed = plain_streamed
+    if plain is not None:
+        model.speculation.release_gain = drafts.release_gain(gf, cfg, plan, plain, hybrid,
+                                                             place.threads)
+    try:
+        if skip_layers:
+            model._skip_layers(skip_layers)
+        if self_draft is not None:
+            if cap is not None:
+                cap.grow(held)  # the draft's share, taken out of the model's budget above
+            model.draft = model._self_draft(self_draft, prec, lowbit_type, copied, progress)
+        if model.draft is not None:
+            drafts.warm_up(model.engine, model.draft.engine, self_draft is not None)
+    except BaseException:
+        model.close()
+        raise
+    return model
 
 
 def plan(path: str | os.PathLike[str] | None = None, *, device: str | torch.device = "auto",

@@ -433,28 +433,6 @@ def test_damaged_merges(good, tmp_path, edit, needle):
         open_model(p)
 
 
-def test_load_reports_a_damaged_tokenizer_before_what_the_weights_meet(good, tmp_path,
-                                                                       monkeypatch):
-    """load() builds the tokenizer in a thread beside the weights (TokenizerJob): its error
-    is the one raised, as when it was built first, even where the load failed as well."""
-    import slipstream
-    from slipstream.runtime import build
-
-    bad = rewrite(good, tmp_path / "m.gguf",
-                  lambda doc: doc.kv("tokenizer.ggml.merges").value.__setitem__(7, b"a"))
-    with pytest.raises(TokenizerError, match=r"malformed merge 'a'"):
-        slipstream.load(bad, device="cpu", ctx=32)
-
-    def broken_weights(*a, **k):
-        raise GGUFError("the weights' own failure")
-
-    monkeypatch.setattr(build, "load_weights_with_progress", broken_weights)
-    with pytest.raises(TokenizerError, match=r"malformed merge 'a'"):
-        slipstream.load(bad, device="cpu", ctx=32)
-    with pytest.raises(GGUFError, match="the weights' own failure"):  # control: good tokenizer
-        slipstream.load(good, device="cpu", ctx=32)
-
-
 def test_token_type_out_of_range(good, tmp_path):
     def edit(doc):
         doc.kv("tokenizer.ggml.token_type").value[9] = 12

@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -111,39 +110,6 @@ def load_tokenizer(gf: GGUFFile, folder: Path | None) -> Tokenizer:
     except (OSError, _Uncachable):  # a cache: the next load builds it again
         pass
     return tok
-
-
-class TokenizerJob:
-    """load_tokenizer(gf, folder) in a thread of its own, started now, for a caller with other
-    work meanwhile (api.load: the weights). Its heavy steps, the tokenizers library's build
-    from the cached JSON (0.09 s of the default model's) and the file reads, release the GIL,
-    so on a machine of two cores or more the tokenizer comes at no cost to the load.
-    `result()` waits and returns it, or raises what the build raised; `failure()` is that
-    exception (waiting for it), or None."""
-
-    def __init__(self, gf: GGUFFile, folder: Path | None):
-        self._tok: Tokenizer | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(gf, folder),
-                                        name="slipstream-tokenizer", daemon=True)
-        self._thread.start()
-
-    def _run(self, gf: GGUFFile, folder: Path | None) -> None:
-        try:
-            self._tok = load_tokenizer(gf, folder)
-        except BaseException as e:  # noqa: BLE001 (raised in the caller's thread by result())
-            self._error = e
-
-    def failure(self) -> BaseException | None:
-        self._thread.join()
-        return self._error
-
-    def result(self) -> Tokenizer:
-        error = self.failure()
-        if error is not None:
-            raise error
-        assert self._tok is not None
-        return self._tok
 
 
 def _write(entry: Path, text: str) -> None:
