@@ -16,10 +16,12 @@ DTYPES = {torch.float16: 1, torch.float32: 0}  # its out_f16 flag
 
 
 def dequantize_native(blocks: torch.Tensor, qtype: Q, shape: tuple[int, ...],
-                      dtype: torch.dtype) -> torch.Tensor | None:
+                      dtype: torch.dtype, out: torch.Tensor | None = None
+                      ) -> torch.Tensor | None:
     """`blocks` ((n, type_size) uint8 of `qtype`, on the CPU) as a `dtype` tensor of `shape`
-    (n * 32 elements), or None where this path does not serve (another format or dtype, a
-    CUDA tensor, no native library, SLIPSTREAM_NATIVE=0): the caller's torch path then does."""
+    (n * 32 elements), written into `out` where given (contiguous, of that shape and dtype),
+    or None where this path does not serve (another format or dtype, a CUDA tensor, no
+    native library, SLIPSTREAM_NATIVE=0): the caller's torch path then does."""
     code, f16 = FORMATS.get(qtype), DTYPES.get(dtype)
     if code is None or f16 is None or blocks.device.type != "cpu":
         return None
@@ -27,7 +29,8 @@ def dequantize_native(blocks: torch.Tensor, qtype: Q, shape: tuple[int, ...],
     if lib is None:
         return None
     blocks = blocks.contiguous()
-    out = torch.empty(shape, dtype=dtype)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype)
     lib.ss_dequant_blocks(blocks.data_ptr(), code, blocks.shape[0], out.data_ptr(), f16,
                           torch.get_num_threads())
     return out

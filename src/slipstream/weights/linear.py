@@ -128,11 +128,14 @@ class LazyDenseLinear(DenseLinear):
     (loader.prefetch_dense), or by the first pass that needs one first.
 
     `weight` reads like DenseLinear's attribute everywhere (the thunk runs on the first
-    read); `materialized` says whether it has run, without running it."""
+    read); `materialized` says whether it has run, without running it. `fill`, where given,
+    writes the same weight into a tensor the caller holds (`fuse` makes a fused weight so)."""
 
     def __init__(self, make: Callable[[], torch.Tensor], shape: tuple[int, int],
-                 dtype: torch.dtype, bias: torch.Tensor | None = None):
+                 dtype: torch.dtype, bias: torch.Tensor | None = None,
+                 fill: Callable[[torch.Tensor], object] | None = None):
         self._make: Callable[[], torch.Tensor] | None = make
+        self._fill = fill
         self._weight: torch.Tensor | None = None
         self._lock = threading.Lock()  # the load's prefetch thread and a pass may both ask
         self.shape = (int(shape[0]), int(shape[1]))
@@ -144,14 +147,15 @@ class LazyDenseLinear(DenseLinear):
         if self._weight is None:
             with self._lock:
                 if self._weight is None:
-                    make, self._make = self._make, None  # the GGUF bytes go with the thunk
+                    # the GGUF bytes go with the thunks
+                    make, self._make, self._fill = self._make, None, None
                     assert make is not None
                     self._weight = make()
         return self._weight
 
     @weight.setter
     def weight(self, value: torch.Tensor) -> None:
-        self._weight, self._make = value, None
+        self._weight, self._make, self._fill = value, None, None
 
     @property
     def materialized(self) -> bool:
@@ -165,7 +169,9 @@ class LazyDenseLinear(DenseLinear):
     def fuse(parts: list["DenseLinear"]) -> tuple["DenseLinear", list["DenseLinear"]]:
         """DenseLinear.fuse without making any weight now: the fused weight is the parts'
         weights concatenated at its first use (the same bytes), and the parts become lazy
-        views into it."""
+        views into it. Parts that can fill a tensor (lazy_dense's) are dequantized straight
+        into their rows of it: making each part and then concatenating them wrote q/k/v's and
+        gate/up's weights twice, into fresh pages both times."""
         has_bias = any(p.bias is not None for p in parts)
         bias = torch.cat([p.bias if p.bias is not None else torch.zeros(p.out_features)
                           for p in parts]) if has_bias else None
@@ -174,8 +180,19 @@ class LazyDenseLinear(DenseLinear):
             parts[0].weight.shape[1]
         dtype = parts[0].dtype if isinstance(parts[0], LazyDenseLinear) else \
             parts[0].weight.dtype
-        fused = LazyDenseLinear(lambda: torch.cat([p.weight for p in parts]), (rows, cols),
-                                dtype, bias)
+        fillers = [p._fill if isinstance(p, LazyDenseLinear) and not p.materialized else None
+                   for p in parts]
+        if all(f is not None for f in fillers):
+            def make() -> torch.Tensor:
+                out, row = torch.empty(rows, cols, dtype=dtype), 0
+                for p, fill in zip(parts, fillers):
+                    fill(out[row:row + p.out_features])
+                    row += p.out_features
+                return out
+        else:
+            def make() -> torch.Tensor:
+                return torch.cat([p.weight for p in parts])
+        fused = LazyDenseLinear(make, (rows, cols), dtype, bias)
         views, row = [], 0
         for p in parts:
             n = p.out_features
@@ -190,7 +207,8 @@ def lazy_dense(raw: torch.Tensor, qtype: GGMLQuantizationType | int, shape: tupl
     """A LazyDenseLinear over `raw` (GGUF bytes, uint8 (rows, row_bytes)): the weight made
     as the loader's TensorSource.dense makes it, at its first use."""
     return LazyDenseLinear(lambda: quant.dequantize_as(raw, qtype, shape, dtype), shape, dtype,
-                           bias)
+                           bias, fill=lambda out: quant.dequantize_as(raw, qtype, shape, dtype,
+                                                                      out=out))
 
 
 class OnDemandDenseLinear(Linear):
