@@ -263,8 +263,10 @@ class GGUFFile:
 
     def close(self) -> None:
         """Drop the reader and its memory map: the map and its file descriptor go as soon as
-        no tensor viewing it is left (Model.close drops the weights first)."""
+        no tensor viewing it is left (Model.close drops the weights first). A read of the
+        tensor data started for a load (weights.loader.read_ahead) goes too."""
         self.reader = None
+        self.__dict__.pop("_read_ahead", None)
 
 
 def _field_value(field: Any) -> Any:
