@@ -63,7 +63,7 @@ def resolve_path(path: str | os.PathLike[str] | None, progress: bool) -> Path:
 
 def open_model(path, progress: bool) -> tuple[Path, GGUFFile, ModelConfig]:
     model_path = resolve_path(path, progress)
-    gf = GGUFFile(model_path)
+    gf = GGUFFile.open(model_path)  # a parse the CLI made of it already, where there is one
     return model_path, gf, ModelConfig.from_metadata(gf.metadata, set(gf.tensors),
                                                      source=model_path.name)
 
