@@ -177,6 +177,9 @@ def cache_runs(model: str, ctx: int, threads: int, reps: int, engines: list[str]
             rs = runs[engine][state]
             first = statistics.median(r["first_byte_s"] for r in rs)
             row[engine] = {"first_token_s": round(first, 3)}
+            loads = [p["load_s"] for p in (phases(r["stderr_tail"]) for r in rs) if p]
+            if loads:  # slipstream's own summary line: the load alone
+                row[engine]["load_s"] = round(statistics.median(loads), 3)
             torch_s = [r["import_s"]["torch"] for r in rs if "torch" in r["import_s"]]
             if torch_s:
                 t = statistics.median(torch_s)
@@ -190,9 +193,9 @@ def cache_runs(model: str, ctx: int, threads: int, reps: int, engines: list[str]
 
 def cache_table(c: dict, engines: list[str]) -> list[str]:
     head = "| cache | " + " | ".join(
-        f"{e} first token | {e} torch import | {e} less torch import" if e == "slipstream"
-        else f"{e} first token" for e in engines) + " |"
-    lines = [head, "|---|" + "|".join("---:|---:|---:" if e == "slipstream" else "---:"
+        f"{e} first token | {e} torch import | {e} less torch import | {e} load"
+        if e == "slipstream" else f"{e} first token" for e in engines) + " |"
+    lines = [head, "|---|" + "|".join("---:|---:|---:|---:" if e == "slipstream" else "---:"
                                       for e in engines) + "|"]
     for r in c["rows"]:
         cells = []
@@ -201,7 +204,8 @@ def cache_table(c: dict, engines: list[str]) -> list[str]:
             cells.append(f"{v['first_token_s']:.2f} s")
             if e == "slipstream":
                 cells += [f"{v.get('torch_import_s', float('nan')):.2f} s",
-                          f"{v.get('first_token_less_torch_import_s', float('nan')):.2f} s"]
+                          f"{v.get('first_token_less_torch_import_s', float('nan')):.2f} s",
+                          f"{v.get('load_s', float('nan')):.2f} s"]
         lines.append(f"| {r['cache']} | " + " | ".join(cells) + " |")
     return lines
 
