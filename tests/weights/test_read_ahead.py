@@ -1,4 +1,4 @@
-"""Reading a CPU model's tensor data ahead (weights.loader.read_ahead, started by api.load
+"""Reading a CPU model's tensor data ahead (weights.file_bytes.read_ahead, started by api.load
 through runtime.build.start_reading beside the tokenizer's build): the bytes the load then
 takes are the file's, a file cut short is the same GGUFError in the loader's thread, a load
 that keeps no private bytes drops the read, and only a CPU model far within RAM starts one."""
@@ -16,7 +16,7 @@ from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.runtime import build
 from slipstream.synth import write_synth
 from slipstream.weights import loader
-from slipstream.weights.loader import private_file_bytes, read_ahead
+from slipstream.weights.file_bytes import private_file_bytes, read_ahead
 
 CPU = torch.device("cpu")
 
@@ -85,7 +85,7 @@ def test_a_cpu_load_reads_ahead_and_gives_the_same_logits(model_path, monkeypatc
     finally:
         plain.close()
     calls = []
-    real = loader.read_ahead
+    real = read_ahead
     monkeypatch.setattr(build, "read_ahead", lambda gf: calls.append(gf) or real(gf))
     monkeypatch.setattr(build, "mem_available", lambda: 1 << 40)
     m = slipstream.load(model_path, device="cpu", ctx=32)

@@ -28,7 +28,7 @@ from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
 from ..weights import load_weights
-from ..weights.loader import read_ahead
+from ..weights.file_bytes import read_ahead
 from .engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
 from .stage import Stage
 from ..threads import default_threads, threads_given
@@ -69,7 +69,7 @@ def open_model(path, progress: bool) -> tuple[Path, GGUFFile, ModelConfig]:
 
 
 def start_reading(gf: GGUFFile, dev: torch.device, ram_budget, private: bool | None) -> None:
-    """Start reading a CPU model's tensor data into private memory (weights.read_ahead) where
+    """Start reading a CPU model's tensor data into private memory (weights.file_bytes.read_ahead) where
     its load will read it whole: on the CPU, with private weights (None: the CPU's default),
     and far within RAM (a quarter of MemAvailable, half of a RAM budget), where the plan keeps
     every layer resident. The read then goes on beside the tokenizer's build. Anything else,
