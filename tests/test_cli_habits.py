@@ -229,3 +229,19 @@ def test_run_on_an_instruct_model_chats_and_raw_completes(smollm_path):
     r = cli("run", str(smollm_path), "Hello", "--raw", *common)
     assert r.returncode == 0, r.stderr
     assert r.stdout == raw + "\n"
+
+
+def test_the_engine_import_leaves_the_collector_on_and_the_imports_frozen():
+    """cli.loading.import_engine: torch and the engine imported with the cyclic collector
+    paused, then everything made so far frozen out of its full passes, and the collector back
+    on (a command that forgot it would leak every cycle it makes)."""
+    import gc
+
+    from slipstream.cli import loading
+
+    gc.unfreeze()
+    try:
+        api = loading.import_engine()
+        assert gc.isenabled() and gc.get_freeze_count() > 0 and callable(api.load)
+    finally:
+        gc.unfreeze()  # the rest of the test session collects as before
