@@ -15,9 +15,20 @@ Both sides get the same context (--ctx), threads (--threads) and greedy sampling
 (slipstream, llama-cpp-python, slipstream, ...) so that the shared machine's load falls on both
 alike; one untimed warm-up of each case first puts the model in the page cache for both. The
 median of --reps runs is reported, with the load average around each run, since the machine is
-shared. slipstream's own summary line splits its `run` into imports, load and prompt.
+shared. slipstream's own summary line splits its `run` into imports, load and prompt. The
+children write their bytecode (PYTHONDONTWRITEBYTECODE is dropped for them): an installed
+package has its .pyc files, and a source tree compiled again at every start would time the
+compiler.
+
+--serve: the servers instead, `slipstream serve` against `python -m llama_cpp.server` (its
+[server] extra: sse-starlette, starlette-context) on the same file, threads and context, each
+warmed by two requests: the time from a streamed /v1/completions request of a 64-token prompt
+to the first chunk carrying text, alternating the servers, median of --reps. Each request's
+prompt starts with a word of its own, so neither server reuses a cached prefix of an earlier
+one. Written by common.write_result (RESULTS/<date>-ttft-serve-cpu.json).
 
     python benchmarks/ttft.py --reps 5 --profile --out ttft-cpu
+    python benchmarks/ttft.py --serve --reps 10
 """
 
 from __future__ import annotations
@@ -70,10 +81,18 @@ def cases(model: str, ctx: int, threads: int) -> dict[str, dict[str, list[str]]]
     }
 
 
+def child_env(env: dict[str, str] | None = None) -> dict[str, str]:
+    """The children's environment: this one's, bytecode written (see the module doc)."""
+    env = dict(os.environ if env is None else env)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
 def timed(cmd: list[str], env: dict[str, str] | None = None) -> dict:
     """Seconds from spawn to the first stdout byte and to exit; stderr kept for the phases."""
     import tempfile
 
+    env = child_env(env)
     load_before = os.getloadavg()[0]
     # stderr to a file, not a pipe: -X importtime writes more than a pipe holds, and a child
     # blocked on a full stderr pipe would never write the stdout byte waited for here
@@ -158,6 +177,9 @@ def cache_runs(model: str, ctx: int, threads: int, reps: int, engines: list[str]
             rs = runs[engine][state]
             first = statistics.median(r["first_byte_s"] for r in rs)
             row[engine] = {"first_token_s": round(first, 3)}
+            loads = [p["load_s"] for p in (phases(r["stderr_tail"]) for r in rs) if p]
+            if loads:  # slipstream's own summary line: the load alone
+                row[engine]["load_s"] = round(statistics.median(loads), 3)
             torch_s = [r["import_s"]["torch"] for r in rs if "torch" in r["import_s"]]
             if torch_s:
                 t = statistics.median(torch_s)
@@ -171,9 +193,9 @@ def cache_runs(model: str, ctx: int, threads: int, reps: int, engines: list[str]
 
 def cache_table(c: dict, engines: list[str]) -> list[str]:
     head = "| cache | " + " | ".join(
-        f"{e} first token | {e} torch import | {e} less torch import" if e == "slipstream"
-        else f"{e} first token" for e in engines) + " |"
-    lines = [head, "|---|" + "|".join("---:|---:|---:" if e == "slipstream" else "---:"
+        f"{e} first token | {e} torch import | {e} less torch import | {e} load"
+        if e == "slipstream" else f"{e} first token" for e in engines) + " |"
+    lines = [head, "|---|" + "|".join("---:|---:|---:|---:" if e == "slipstream" else "---:"
                                       for e in engines) + "|"]
     for r in c["rows"]:
         cells = []
@@ -182,7 +204,8 @@ def cache_table(c: dict, engines: list[str]) -> list[str]:
             cells.append(f"{v['first_token_s']:.2f} s")
             if e == "slipstream":
                 cells += [f"{v.get('torch_import_s', float('nan')):.2f} s",
-                          f"{v.get('first_token_less_torch_import_s', float('nan')):.2f} s"]
+                          f"{v.get('first_token_less_torch_import_s', float('nan')):.2f} s",
+                          f"{v.get('load_s', float('nan')):.2f} s"]
         lines.append(f"| {r['cache']} | " + " | ".join(cells) + " |")
     return lines
 
@@ -241,6 +264,160 @@ def versions() -> dict:
         v[name] = r.stdout.strip() or None
     return v
 
+# --serve: the servers' time to first token --------------------------------------------------
+
+SERVE_PROMPT_TOKENS = 64
+LEADS = ("Amber", "Birch", "Cedar", "Delta", "Ember", "Falcon", "Garnet", "Harbor", "Indigo",
+         "Juniper", "Kestrel", "Lantern", "Meadow", "Nimbus", "Orchid", "Pebble", "Quartz",
+         "Raven", "Saffron", "Thistle", "Umber", "Violet", "Willow", "Yarrow", "Zephyr")
+PASSAGE = ("tells the story of a small harbor town where the fishing boats come home at dusk, "
+           "the lighthouse keeper writes down the weather in a worn notebook, and the children "
+           "race along the sea wall to count the gulls before the lamps are lit along the "
+           "quay, while the old ferry waits at the pier for the morning tide and the baker")
+
+
+def serve_prompts(model: str, n: int) -> list[str]:
+    """n prompts of SERVE_PROMPT_TOKENS tokens (slipstream's tokenizer; the servers' usage
+    counts are checked against it), each starting with a word of its own."""
+    from slipstream.modelfile.gguf_file import GGUFFile
+    from slipstream.modelfile.tokenizer_cache import load_tokenizer
+
+    tok = load_tokenizer(GGUFFile(model), None)
+    out = []
+    for i in range(n):
+        ids = tok.encode(f"{LEADS[i % len(LEADS)]} {i} {PASSAGE}")[:SERVE_PROMPT_TOKENS]
+        text = tok.decode(ids)
+        if len(tok.encode(text)) != SERVE_PROMPT_TOKENS:
+            raise SystemExit(f"prompt {i} does not come back as {SERVE_PROMPT_TOKENS} tokens")
+        out.append(text)
+    return out
+
+
+def start_servers(model: str, ctx: int, threads: int, logs: Path) -> dict:
+    """Both servers on free loopback ports: {name: (process, url)}, once each answers."""
+    import socket
+
+    import httpx
+
+    def port() -> int:
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            return sk.getsockname()[1]
+
+    ports = {"slipstream": port(), "llama-cpp-python": port()}
+    cmds = {"slipstream": [PY, "-m", "slipstream", "serve", "-m", model, "--device", "cpu",
+                           "--ctx", str(ctx), "-t", str(threads), "--host", "127.0.0.1",
+                           "--port", str(ports["slipstream"])],
+            "llama-cpp-python": [PY, "-m", "llama_cpp.server", "--model", model, "--n_ctx",
+                                 str(ctx), "--n_threads", str(threads), "--n_threads_batch",
+                                 str(threads), "--host", "127.0.0.1", "--port",
+                                 str(ports["llama-cpp-python"]), "--verbose", "False"]}
+    procs = {}
+    for name, cmd in cmds.items():
+        log = (logs / f"{name}.log").open("w")
+        procs[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                        env=child_env()), f"http://127.0.0.1:{ports[name]}")
+    deadline = time.monotonic() + 300
+    for name, (proc, url) in procs.items():
+        while True:
+            if proc.poll() is not None:
+                stop_servers(procs)
+                raise SystemExit(f"{name}'s server exited {proc.returncode}: "
+                                 f"{(logs / f'{name}.log').read_text()[-1500:]}")
+            try:
+                if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                stop_servers(procs)
+                raise SystemExit(f"{name}'s server did not answer within 300 s")
+            time.sleep(0.3)
+    return procs
+
+
+def stop_servers(procs: dict) -> None:
+    for proc, _ in procs.values():
+        proc.terminate()
+    for proc, _ in procs.values():
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def first_text_s(url: str, prompt: str) -> tuple[float, str]:
+    """Seconds from sending a streamed completion of `prompt` to the first chunk with text."""
+    import httpx
+
+    body = {"model": "default", "prompt": prompt, "max_tokens": 4, "temperature": 0.0,
+            "stream": True}
+    t0 = time.perf_counter()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                text = "".join(c.get("text") or "" for c in json.loads(line[6:])["choices"])
+                if text:
+                    return time.perf_counter() - t0, text
+    raise SystemExit(f"{url}: no text in the stream")
+
+
+def prompt_tokens(url: str, prompt: str) -> int:
+    """The server's own count of the prompt's tokens (a plain request's usage)."""
+    import httpx
+
+    r = httpx.post(url + "/v1/completions", json={"model": "default", "prompt": prompt,
+                                                   "max_tokens": 1, "temperature": 0.0},
+                   timeout=120)
+    r.raise_for_status()
+    return int(r.json()["usage"]["prompt_tokens"])
+
+
+def serve_case(model: str, ctx: int, threads: int, reps: int) -> dict:
+    """The figures of --serve (see the module doc)."""
+    import tempfile
+
+    prompts = serve_prompts(model, reps + 2)
+    with tempfile.TemporaryDirectory(prefix="ttft-serve-") as logs:
+        procs = start_servers(model, ctx, threads, Path(logs))
+        try:
+            counts = {n: prompt_tokens(url, prompts[0]) for n, (_, url) in procs.items()}
+            for n, (_, url) in procs.items():  # warm: the first requests' one-time costs
+                first_text_s(url, prompts[1])
+            runs: dict[str, list[dict]] = {n: [] for n in procs}
+            for i in range(reps):
+                for n, (_, url) in procs.items():
+                    load = os.getloadavg()[0]
+                    s, text = first_text_s(url, prompts[i + 2])
+                    runs[n].append({"ttft_s": round(s, 4), "first_text": text,
+                                    "loadavg_1m_before": load})
+                    print(f"serve {n:17} {s:7.3f} s", file=sys.stderr)
+        finally:
+            stop_servers(procs)
+    med = {n: statistics.median(r["ttft_s"] for r in rs) for n, rs in runs.items()}
+    ratio = med["slipstream"] / med["llama-cpp-python"]
+    return {"prompt_tokens": SERVE_PROMPT_TOKENS, "prompt_tokens_by_server": counts,
+            "threads": threads, "ctx": ctx, "reps": reps, "model": model,
+            "statistic": "median seconds from sending a streamed /v1/completions request to "
+                         "the first chunk with text, warm servers, alternating",
+            "ttft_s": {n: round(v, 4) for n, v in med.items()}, "ratio": round(ratio, 3),
+            "meets_1_2x": ratio <= 1.2, "runs": runs,
+            "loadavg_1m": [r["loadavg_1m_before"] for rs in runs.values() for r in rs],
+            "versions": versions()}
+
+
+def write_serve(a, doc: dict) -> None:
+    import common
+
+    path = common.write_result("ttft-serve", {**common.provenance("cpu"), **doc})
+    t = doc["ttft_s"]
+    print(f"server time to first token, {SERVE_PROMPT_TOKENS}-token prompt, median of "
+          f"{a.reps}: slipstream {t['slipstream']:.3f} s, llama-cpp-python "
+          f"{t['llama-cpp-python']:.3f} s, ratio {doc['ratio']:.2f} (target <= 1.2); "
+          f"prompt tokens counted by the servers {doc['prompt_tokens_by_server']}; {path}")
+
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -253,11 +430,15 @@ def main() -> None:
                     "in-process (imports, load, first token; cProfile of the load)")
     ap.add_argument("--cache-only", action="store_true", help="only the cold/warm cache "
                     "table of `run -n 1` (and torch's import in it)")
+    ap.add_argument("--serve", action="store_true", help="only the servers' time to first "
+                    "token (see the module doc)")
     a = ap.parse_args()
     if a.model is None:
         from slipstream.hub.pull import pull
 
         a.model = str(pull(quiet=True))
+    if a.serve:
+        return write_serve(a, serve_case(a.model, a.ctx, a.threads, a.reps))
     have_llama = subprocess.run([PY, "-c", "import llama_cpp"], capture_output=True).returncode == 0
     engines = ["slipstream"] + (["llama-cpp-python"] if have_llama else [])
     cache = cache_runs(a.model, a.ctx, a.threads, a.reps, engines)

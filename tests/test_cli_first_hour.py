@@ -168,6 +168,14 @@ def test_help_does_not_import_torch():
         assert "torch" not in imported_modules(*args)[0], args
 
 
+def test_help_imports_neither_gguf_nor_the_downloaders():
+    """The parser alone: the GGUF reader (and numpy under it) and the network stack wait for
+    a command that reads a file or downloads one."""
+    modules = imported_modules("--help")[0]
+    assert not modules & {"gguf", "numpy", "ssl", "urllib.request", "http.client",
+                          "slipstream.hub.hf", "slipstream.hub.http"}, modules
+
+
 def test_info_does_not_import_torch(smollm_path):
     modules, r = imported_modules("info", "-m", str(smollm_path))
     assert "torch" not in modules

@@ -120,6 +120,31 @@ def test_n_zero_prints_the_prefill_timing(tiny, capfd):
     assert int(m[1]) >= 3 and float(m[2]) > 0
 
 
+def test_run_with_ctx_parses_the_model_once(tiny, capfd, monkeypatch):
+    """--ctx has the CLI read the training context before the load (ctx_warning): the load
+    takes that parse (GGUFFile.keep / open) instead of parsing the header again."""
+    made = []
+    real = GGUFFile.__init__
+    monkeypatch.setattr(GGUFFile, "__init__", lambda self, p: made.append(p) or real(self, p))
+    code = main(["run", "-m", str(tiny), "--device", "cpu", "-c", "64", "-n", "0", "-p", "a"])
+    assert code == 0, capfd.readouterr().err
+    assert len(made) == 1, made
+
+
+def test_a_kept_parse_serves_one_open_of_the_unchanged_file(tiny, tmp_path):
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(tiny.read_bytes())
+    gf = GGUFFile(copy)
+    gf.keep()
+    assert GGUFFile.open(copy) is gf
+    assert GGUFFile.open(copy) is not gf  # taken once
+    gf.keep()
+    st = copy.stat()
+    os.utime(copy, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # a changed file
+    fresh = GGUFFile.open(copy)
+    assert fresh is not gf and fresh.metadata == gf.metadata
+
+
 # --- quantize takes what -m takes ------------------------------------------------------------
 
 
@@ -204,3 +229,19 @@ def test_run_on_an_instruct_model_chats_and_raw_completes(smollm_path):
     r = cli("run", str(smollm_path), "Hello", "--raw", *common)
     assert r.returncode == 0, r.stderr
     assert r.stdout == raw + "\n"
+
+
+def test_the_engine_import_leaves_the_collector_on_and_the_imports_frozen():
+    """cli.loading.import_engine: torch and the engine imported with the cyclic collector
+    paused, then everything made so far frozen out of its full passes, and the collector back
+    on (a command that forgot it would leak every cycle it makes)."""
+    import gc
+
+    from slipstream.cli import loading
+
+    gc.unfreeze()
+    try:
+        api = loading.import_engine()
+        assert gc.isenabled() and gc.get_freeze_count() > 0 and callable(api.load)
+    finally:
+        gc.unfreeze()  # the rest of the test session collects as before

@@ -34,7 +34,8 @@ from .precision import Precision
 from .runtime import layer_skip
 from .runtime.build import (allocator_budget, build_engine, check_skip_layers, context_size,
                             hybrid_mode, measured, open_model, plain_plan, plan_model,
-                            resolve_path, stage_devices, stage_plans, with_hybrid)
+                            resolve_path, stage_devices, stage_plans, start_reading,
+                            with_hybrid)
 from .runtime.engine import Engine
 from .runtime.generate import Generation, GenerationStats, autoregressive, generate
 from .runtime.placement import Placement
@@ -332,6 +333,8 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
         device, vram_budget, stage_devs = stage_devices(device, vram_budget)
     model_path, gf, cfg = open_model(path, progress)
     dev = resolve_device(device)
+    if not staged and pipeline is None:
+        start_reading(gf, dev, place.ram_budget, place.private_weights)  # beside the tokenizer
     tokenizer = load_tokenizer(gf, cache_dir() / "tokenizers")  # built once per file
     template = ChatTemplate.from_metadata(gf.metadata)
     n_ctx = context_size(cfg, ctx)

@@ -535,3 +535,18 @@ def test_unreadable_file_is_a_clean_error(copy, monkeypatch):
     monkeypatch.setattr(mmap, "mmap", fail)
     with pytest.raises(GGUFError, match=r"bad\.gguf: cannot read the file \(Input/output error\)"):
         GGUFFile(copy)
+
+
+def test_the_scans_string_array_ends_give_the_readers_own_parse(good):
+    """GGUFFile hands the reader the ends validate.scan_layout walked (not walked again): the
+    same metadata as the reader's own walk; an end past the file is walked as before."""
+    from slipstream.modelfile.gguf_file import _CheckedReader, _field_value
+
+    gf = GGUFFile(good)
+    own = _CheckedReader(good, "r")
+    assert {k: _field_value(f) for k, f in own.fields.items() if not k.startswith("GGUF.")} \
+        == gf.metadata
+    bogus = {kv.value_offset: 1 << 40 for kv in gf.layout.kvs}
+    again = _CheckedReader(good, "r", bogus)
+    assert again.fields["tokenizer.ggml.tokens"].contents() == \
+        gf.metadata["tokenizer.ggml.tokens"]

@@ -207,3 +207,24 @@ def test_dequantize_as_is_dequantize_then_to(qtype: T, dtype: torch.dtype, monke
     assert torch.equal(got.view(bits), want.view(bits))  # NaN payloads and -0.0 included
     with pytest.raises(GGUFError, match="needs"):
         quant.dequantize_as(buf[1:-1], qtype, shape, dtype)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32],
+                         ids=lambda d: str(d).removeprefix("torch."))
+def test_dequantize_as_writes_into_a_given_tensor(qtype: T, dtype: torch.dtype) -> None:
+    """out=: the same bits, in the caller's tensor (a fused weight's rows: a view of a larger
+    one), and returned; a tensor of another shape or dtype is refused."""
+    rng = np.random.default_rng([int(qtype), 12])
+    block_size = GGML_QUANT_SIZES[qtype][0]
+    raw = torch.from_numpy(random_blocks(qtype, 3 * 4, rng).reshape(3, -1))
+    shape = (3, 4 * block_size)
+    want = quant.dequantize_as(raw, qtype, shape, dtype)
+    whole = torch.full((5, shape[1]), 7.0, dtype=dtype)
+    got = quant.dequantize_as(raw, qtype, shape, dtype, out=whole[1:4])
+    assert got.data_ptr() == whole[1].data_ptr()
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(whole[1:4].view(bits), want.view(bits))
+    assert whole[0].eq(7).all() and whole[4].eq(7).all()  # only its rows were written
+    with pytest.raises(ValueError, match="out must be"):
+        quant.dequantize_as(raw, qtype, shape, dtype, out=torch.empty(shape, dtype=torch.bfloat16))

@@ -148,6 +148,36 @@ def test_kv_compact_overlapping_moves():
     assert kv.length == 3
 
 
+def test_a_large_cpu_cache_is_zeros_until_written():
+    """A CPU cache past _MAPPED_MIN_BYTES is an anonymous map (no memset at load): it reads
+    as zeros everywhere, takes writes, outlives the map object it was made from, and compacts
+    as a torch.zeros one does."""
+    import gc
+
+    from slipstream.runtime import kv_cache
+    from slipstream.runtime.kv_cache import KVCache
+
+    cfg = ModelConfig("llama", n_layers=3, hidden=64, ffn=16, n_heads=2, n_kv_heads=2,
+                      head_dim=32, rope_dim=32, vocab_size=10, context_length=4096,
+                      norm_eps=1e-5, rope_base=1e4, rope_style="normal")
+    kv = KVCache(cfg, 4096, torch.device("cpu"), torch.float32)
+    assert kv.k.nbytes >= kv_cache._MAPPED_MIN_BYTES  # the mapped case, not the memset one
+    gc.collect()
+    assert kv.k.shape == kv.v.shape == (3, 2, 4096, 32) and kv.k.dtype == torch.float32
+    assert not kv.k.any() and not kv.v.any()
+    k, v = kv.layer(2)
+    k[:, 10] = 1.5
+    v[1, 4095] = -2.0
+    gc.collect()
+    assert kv.k[2, :, 10].eq(1.5).all() and kv.v[2, 1, 4095].eq(-2.0).all()
+    assert kv.k.count_nonzero() == 2 * 32 and kv.v.count_nonzero() == 32
+    kv.length = 11
+    kv.compact([10], 0)
+    assert kv.k[2, :, 0].eq(1.5).all() and kv.length == 1
+    small = KVCache(cfg, 16, torch.device("cpu"), torch.float32)  # below the bound: zeros
+    assert not small.k.any() and small.k.nbytes < kv_cache._MAPPED_MIN_BYTES
+
+
 def test_tree_step_rejects_bad_parents():
     with pytest.raises(ValueError, match="parent"):
         tree_step([-1, 2, 0], 0, 0, torch.device("cpu"))

@@ -79,6 +79,8 @@ def test_cpu_load_leaves_dense_weights_to_a_thread_and_the_head_to_its_first_use
         w.dense_prefetch.join(timeout=60)
         assert all(d.materialized for d in lazies)
         assert not head.materialized  # only passes scoring every row need it
+        # the head's decode copy, which scores a prompt's last row, is made by the thread too
+        assert isinstance(w.output, PackedDecodeLinear) and w.output.is_packed
         assert torch.equal(m.logits(ids), raced)
         assert head.materialized
     finally:

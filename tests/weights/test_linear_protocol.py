@@ -33,3 +33,28 @@ def test_every_linear_is_a_linear():
     assert issubclass(DenseLinear, Linear) and issubclass(QuantLinear, Linear)
     with pytest.raises(TypeError):
         Linear()  # __call__ is abstract
+
+
+def test_a_prefill_widens_into_a_kept_buffer_with_the_same_bits():
+    """More than GEMV_MAX_ROWS rows of a float16 weight: the product of weight.to(float32),
+    bit for bit, though the widened copy lives in a buffer the thread keeps (linear.upcast);
+    weights of other shapes in turn, in and out of inference mode, never see each other's
+    values, and a weight past UPCAST_KEPT_MAX is widened into a tensor of its own."""
+    from slipstream.weights import linear
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(20, 64, generator=g)
+    big, small = (torch.randn(r, 64, generator=g).half() for r in (96, 40))
+    for w in (big, small, big):
+        for mode in (torch.inference_mode(), torch.no_grad()):
+            with mode:
+                got = DenseLinear(w)(x)
+            assert torch.equal(got, F.linear(x, w.float()))
+    kept = linear.upcast(small, torch.float32)
+    assert kept.data_ptr() == linear.upcast(big, torch.float32).data_ptr()  # one buffer
+    old = linear.UPCAST_KEPT_MAX
+    try:
+        linear.UPCAST_KEPT_MAX = small.numel() - 1
+        assert linear.upcast(small, torch.float32).data_ptr() != kept.data_ptr()
+    finally:
+        linear.UPCAST_KEPT_MAX = old

@@ -8,6 +8,7 @@ argument errors and `info` start without it."""
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 from pathlib import Path
@@ -48,14 +49,31 @@ def devices_arg(a: argparse.Namespace) -> list[str] | None:
     return [d.strip() for d in devices.split(",")] if devices is not None else None
 
 
+def import_engine():
+    """slipstream.api, imported (with torch under it) without the cyclic garbage collector's
+    full passes, and what the imports made exempted from later ones (gc.freeze): torch and
+    the engine make ~170k objects kept for the process's life, and each full pass walks every
+    tracked object to find nothing among them. On a 2-core machine one such pass fell inside
+    the engine's import (40-120 ms, 0.2 s under load) and two more inside torch's."""
+    gc.disable()
+    try:
+        import torch  # noqa: F401 (heavy: imported once a command loads a model; first, so
+        # that `python -X importtime` shows its import apart from the engine's)
+
+        from .. import api  # the engine
+    finally:
+        gc.freeze()
+        gc.enable()
+    return api
+
+
 def load_model(a: argparse.Namespace, private_weights: bool | None = None) -> Model:
     """The model the arguments name (check_args has passed them); sets a.load_s, the load's
     seconds (the imports before it not included). private_weights: a server's weights, which
     must outlive their file being truncated or rewritten (SIGBUS), in private memory, on CUDA
     too (a streamed plan's embedding)."""
-    import torch  # heavy: imported once a command loads a model
-
-    from .. import api  # imports torch and the engine
+    api = import_engine()
+    import torch  # imported by now
 
     if a.threads is not None:
         torch.set_num_threads(a.threads)
@@ -78,7 +96,7 @@ def load_model(a: argparse.Namespace, private_weights: bool | None = None) -> Mo
 
 def plan(path: Path, a: argparse.Namespace) -> Plan:
     """The tier plan the arguments' budgets give the model at `path`, without loading it."""
-    from .. import api  # imports torch and the engine
+    api = import_engine()
 
     warn_before_load(a, path)
     placement = api.Placement(ram_budget=a.ram_budget, vram_budget=a.vram_budget, io=a.io,

@@ -78,11 +78,13 @@ def ctx_warning(path: Path, ctx: int | None, bytes_per_elem: int) -> str | None:
     from ..modelfile.config import ModelConfig
     from ..modelfile.gguf_file import GGUFFile
 
-    gf = GGUFFile(path)
+    gf = GGUFFile.open(path)
     try:
         cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
-    finally:
+    except BaseException:
         gf.close()
+        raise
+    gf.keep()  # for the load that follows (runtime.build.open_model): not parsed twice
     if ctx <= cfg.context_length:
         return None
     kv = kv_cache_bytes(cfg, cfg.n_layers, ctx, bytes_per_elem)

@@ -7,7 +7,8 @@ shape is known to fit. `check_tensor_layout` checks each tensor's type, shape an
 the layout of the data section, as llama.cpp does: every tensor starts exactly where the one
 before it ends (padded to the alignment), so there are no gaps, no overlaps, and the data ends
 where the file ends. `check_metadata_types` checks the types of the metadata keys slipstream
-reads, and the `md_*` helpers read hyper-parameters with ranges (ModelConfig.from_metadata).
+reads; the `md_*` helpers that read hyper-parameters with ranges (ModelConfig.from_metadata)
+are modelfile.hparams', re-exported here.
 
 Every failure is a GGUFError subclass (UnsupportedTensorType for an unknown type) whose message
 names the field and the offending value, and says what to do.
@@ -18,14 +19,14 @@ from __future__ import annotations
 import math
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from ..errors import (GGUFLayoutError, InvalidMetadata, MissingMetadata, TensorInfoError,
-                     UnsupportedTensorType)
+from ..errors import GGUFLayoutError, InvalidMetadata, TensorInfoError, UnsupportedTensorType
+# the md_* readers live in hparams (no gguf import), for the modules that need only them
+from .hparams import FIX, md_float, md_int, md_ints, md_str  # noqa: F401 (re-exported)
 
-FIX = "the file is corrupt or truncated: download it again or re-convert it"
 HEADER_BYTES = 24  # magic, version, tensor count, kv count
 DEFAULT_ALIGNMENT = 32
 
@@ -429,79 +430,3 @@ def check_metadata_types(lay: Layout, name: str) -> None:
                 want = f"{a} {kind} or an array of {kind}s"
             raise InvalidMetadata(f"{name}: metadata {kv.key!r} has type {got}, expected {want}; "
                                   f"{FIX}")
-
-
-# -- hyper-parameters -------------------------------------------------------------------------
-
-_MISSING = object()
-
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def md_int(md: Mapping[str, Any], key: str, source: str, lo: int, hi: int,
-           default: Any = _MISSING, per_layer: bool = False, hint: str = "") -> int:
-    """An integer hyper-parameter in [lo, hi]. per_layer: a per-layer array is accepted when
-    all its entries agree (slipstream runs uniform layers)."""
-    if key not in md:
-        if default is _MISSING:
-            raise MissingMetadata(f"{source}: missing required metadata {key!r}")
-        return default
-    v = md[key]
-    if per_layer and isinstance(v, list):
-        vals = set(v)
-        if len(vals) != 1:
-            shown = v if len(v) <= 8 else [*v[:8], "..."]
-            raise InvalidMetadata(
-                f"{source}: metadata {key!r} is a per-layer array {shown} whose entries differ; "
-                f"slipstream supports only models whose layers all have the same shape")
-        v = v[0]
-    if not _is_int(v):
-        raise InvalidMetadata(f"{source}: metadata {key!r} is {v!r} ({type(v).__name__}), "
-                              f"expected an integer; {FIX}")
-    if not lo <= v <= hi:
-        raise InvalidMetadata(f"{source}: metadata {key!r} is {v}, outside the valid range "
-                              f"{lo}..{hi}{hint}; {FIX}")
-    return v
-
-
-def md_ints(md: Mapping[str, Any], key: str, source: str, lo: int, hi: int, n_layers: int,
-            default: Any = _MISSING) -> tuple[int, ...]:
-    """A per-layer integer hyper-parameter, one value per layer: an array of `n_layers`
-    integers in [lo, hi], or one integer for every layer (families whose layers differ)."""
-    v = md.get(key, default)
-    if v is _MISSING:
-        raise MissingMetadata(f"{source}: missing required metadata {key!r}")
-    if not isinstance(v, list):
-        return (md_int({key: v}, key, source, lo, hi),) * n_layers
-    if len(v) != n_layers:
-        raise InvalidMetadata(f"{source}: metadata {key!r} has {len(v)} entries for "
-                              f"{n_layers} layers; {FIX}")
-    return tuple(md_int({key: x}, key, source, lo, hi) for x in v)
-
-
-def md_float(md: Mapping[str, Any], key: str, source: str, default: float, lo: float, hi: float,
-             lo_open: bool = False, hint: str = "") -> float:
-    """A finite float hyper-parameter in [lo, hi] ((lo, hi] with lo_open)."""
-    if key not in md:
-        return default
-    v = md[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise InvalidMetadata(f"{source}: metadata {key!r} is {v!r} ({type(v).__name__}), "
-                              f"expected a number; {FIX}")
-    v = float(v)
-    ok = math.isfinite(v) and (lo < v if lo_open else lo <= v) and v <= hi
-    if not ok:
-        bound = f"({lo:g}, {hi:g}]" if lo_open else f"[{lo:g}, {hi:g}]"
-        raise InvalidMetadata(f"{source}: metadata {key!r} is {v!r}; it must be a finite number "
-                              f"in {bound}{hint}; {FIX}")
-    return v
-
-
-def md_str(md: Mapping[str, Any], key: str, source: str, default: str) -> str:
-    v = md.get(key, default)
-    if not isinstance(v, str):
-        raise InvalidMetadata(f"{source}: metadata {key!r} is {v!r} ({type(v).__name__}), "
-                              f"expected a string; {FIX}")
-    return v

@@ -1,6 +1,7 @@
 """Native CPU ops, compiled once per machine with the system's C compiler and called through
 ctypes: decode_ops.c, decode_layer.c and q4_matvec.c for decode (and hybrid decode's CPU share),
-int4_pack.c for load-time packing (int4pack and q4vnni).
+int4_pack.c for load-time packing (int4pack, q4vnni and q8vnni), dequant.c for the dense
+weights a CPU prefill multiplies.
 
 Why C: a CPU decode token of a small model spends as long in ~25 tiny torch calls a layer as in
 its matmuls, each call a few microseconds of dispatch around a few hundred floats of work.
@@ -34,7 +35,7 @@ from pathlib import Path
 from .. import envs
 
 # compiled together into one library
-SOURCES = ("decode_ops.c", "q4_matvec.c", "int4_pack.c", "decode_layer.c")
+SOURCES = ("decode_ops.c", "q4_matvec.c", "int4_pack.c", "decode_layer.c", "dequant.c")
 # what they include: written beside them, and part of the cache key
 HEADERS = ("bf16.h", "half.h", "parallel.h")
 # -ffp-contract=off: no fused multiply-adds, so that every product is rounded as torch rounds
@@ -75,6 +76,9 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     # int4_pack.c
     "ss_int4pack_rows": (_P, _I64, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT),
     "ss_q4vnni_rows": (_P, _I64, _INT, _I64, _I64, _I64, _P, _I64, _P, _P, _INT),
+    "ss_q8vnni_rows": (_P, _I64, _I64, _I64, _I64, _P, _INT),
+    # dequant.c: (raw, fmt, blocks, out, out_f16, threads)
+    "ss_dequant_blocks": (_P, _INT, _I64, _P, _INT, _INT),
 }
 INT_RESULTS = ("ss_q4_ffn_on_signal",)  # of SIGNATURES, those returning an int
 # functions that return something (and take nothing)

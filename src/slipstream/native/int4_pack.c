@@ -216,3 +216,34 @@ void ss_q4vnni_rows(const uint8_t *raw, int64_t row_bytes, int fmt, int64_t rows
         }
     }
 }
+
+/* ------------------------------------------------------------------------------------------
+ * Q8_0 rows (d | qs[32] per 32 columns: w = d q) into q8vnni's records (weights/cpu/vnni.py,
+ * Q8VnniLinear; q4_matvec.c's Q8_F16), for the same reason: in torch ops the widening, the
+ * +128 and the permute of the default model's tied 49152 x 576 head took 0.24 s, paid by the
+ * first generated token (the head is packed at its first one-row call).
+ *
+ * A record holds 16 rows x 32 columns: 512 bytes of codes, row r's columns 4j..4j+3 at bytes
+ * 64 j + 4 r .. + 3 as u = q + 128 (unsigned, for vpdpbusd), then the 16 rows' d as the file's
+ * float16 bits (w = d u - 128 d: Q8_0's weights exactly). Rows [0, rows) of the part go to
+ * rows row0.. of the stacked weight; padding rows are the caller's (zeros). Rows are shared
+ * out over `threads` OpenMP threads, each writing only its own bytes. */
+void ss_q8vnni_rows(const uint8_t *raw, int64_t row_bytes, int64_t rows, int64_t cols,
+                    int64_t row0, uint8_t *packed, int threads) {
+    const int64_t groups = cols / 32, record_bytes = 512 + 2 * 16;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = raw + r * row_bytes;
+        const int64_t n = row0 + r, rr = n % 16;
+        uint8_t *rec = packed + (n / 16) * groups * record_bytes;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *b = row + g * 34;  /* d (2 bytes) | qs[32] (int8) */
+            uint8_t *p = rec + g * record_bytes;
+            for (int j = 0; j < 8; j++)
+                for (int t = 0; t < 4; t++)
+                    p[64 * j + 4 * rr + t] = (uint8_t)(b[2 + 4 * j + t] ^ 0x80);  /* q + 128 */
+            p[512 + 2 * rr] = b[0];
+            p[512 + 2 * rr + 1] = b[1];
+        }
+    }
+}

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType
 from ..errors import GGUFError, UnsupportedTensorType
 from . import floats, kquants, legacy  # noqa: F401  (importing them registers the formats)
 from .base import QuantFormat, registry
+from .native import dequantize_native
 
 __all__ = ["QuantFormat", "dequantize", "dequantize_as", "get_format", "row_bytes",
            "supported_types"]
@@ -72,21 +73,37 @@ def dequantize(raw: torch.Tensor, qtype: GGMLQuantizationType | int,
 
 
 def dequantize_as(raw: torch.Tensor, qtype: GGMLQuantizationType | int,
-                  shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+                  shape: tuple[int, ...], dtype: torch.dtype,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """dequantize(raw, qtype, shape).to(dtype), bit for bit, in chunks of blocks written
     straight into the result: a load (and a streamed CPU layer, on every token) no longer
-    makes the whole float32 tensor and then a second pass to narrow it. Unquantized types
-    (one element per block) and float32 results take the plain path, which makes no extra
-    pass."""
+    makes the whole float32 tensor and then a second pass to narrow it. Q4_0, Q4_1 and Q8_0
+    on the CPU go through one native pass where the library is there (quant.native: the same
+    bits). Unquantized types (one element per block) and float32 results otherwise take the
+    plain path, which makes no extra pass.
+
+    out: a contiguous tensor of `shape` and `dtype` on raw's device to write the result into
+    (and return), instead of a new one."""
     fmt = get_format(qtype)
-    if fmt.block_size == 1 or dtype == torch.float32:
-        return dequantize(raw, qtype, shape).to(dtype)
     shape = tuple(int(s) for s in shape)
-    if raw.dtype != torch.uint8 or not shape or any(s < 0 for s in shape) \
+    if out is not None and (tuple(out.shape) != shape or out.dtype != dtype
+                            or out.device != raw.device or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous {dtype} tensor of shape {shape} on "
+                         f"{raw.device}, not {out.dtype} {tuple(out.shape)} on {out.device}")
+    if fmt.block_size == 1 or raw.dtype != torch.uint8 or not shape or any(s < 0 for s in shape) \
             or raw.numel() != math.prod(shape[:-1]) * fmt.row_bytes(shape[-1]):
-        return dequantize(raw, qtype, shape)  # raises, with dequantize's own message
+        # raises, with dequantize's own message, where the bytes are wrong
+        whole = dequantize(raw, qtype, shape).to(dtype)
+        return whole if out is None else out.copy_(whole)
     blocks = raw.reshape(-1, fmt.type_size)
-    out = torch.empty(shape, dtype=dtype, device=raw.device)
+    fast = dequantize_native(blocks, fmt.qtype, shape, dtype, out)
+    if fast is not None:
+        return fast
+    if dtype == torch.float32:
+        whole = dequantize(raw, qtype, shape)
+        return whole if out is None else out.copy_(whole)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=raw.device)
     flat = out.view(-1, fmt.block_size)
     step = max(1, CHUNK_ELEMENTS // fmt.block_size)
     for at in range(0, blocks.shape[0], step):

@@ -14,11 +14,11 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-from ..errors import BadArgument, BudgetTooSmall, UnsupportedArchitecture
+from ..errors import BadArgument, BudgetTooSmall, SlipstreamError, UnsupportedArchitecture
 from ..hub.pull import resolve
 from ..hybrid.plan import parse_hybrid, plan_hybrid
 from ..hybrid.policy import HybridSplit
-from ..memory.budget import fmt_bytes, parse_size
+from ..memory.budget import fmt_bytes, mem_available, parse_size
 from ..memory.cuda_context import outside_allocator_bytes
 from ..memory.devices import per_device_budgets, resolve_devices, stage_ranges
 from ..memory.planner import Plan, StagePlan
@@ -28,6 +28,7 @@ from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
 from ..weights import load_weights
+from ..weights.file_bytes import read_ahead
 from .engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
 from .stage import Stage
 from ..threads import default_threads, threads_given
@@ -62,9 +63,27 @@ def resolve_path(path: str | os.PathLike[str] | None, progress: bool) -> Path:
 
 def open_model(path, progress: bool) -> tuple[Path, GGUFFile, ModelConfig]:
     model_path = resolve_path(path, progress)
-    gf = GGUFFile(model_path)
+    gf = GGUFFile.open(model_path)  # a parse the CLI made of it already, where there is one
     return model_path, gf, ModelConfig.from_metadata(gf.metadata, set(gf.tensors),
                                                      source=model_path.name)
+
+
+def start_reading(gf: GGUFFile, dev: torch.device, ram_budget, private: bool | None) -> None:
+    """Start reading a CPU model's tensor data into private memory (weights.file_bytes.read_ahead) where
+    its load will read it whole: on the CPU, with private weights (None: the CPU's default),
+    and far within RAM (a quarter of MemAvailable, half of a RAM budget), where the plan keeps
+    every layer resident. The read then goes on beside the tokenizer's build. Anything else,
+    or a budget that does not parse (reported by the plan, in its turn), reads nothing now."""
+    if dev.type != "cpu" or private is False:
+        return
+    size = sum(t.n_bytes for t in gf.tensors.values())
+    try:
+        budget = parse_size(ram_budget)
+    except SlipstreamError:
+        return
+    if 4 * size > mem_available() or (budget is not None and 2 * size > budget):
+        return
+    read_ahead(gf)
 
 
 def context_size(cfg: ModelConfig, ctx: int | None) -> int:

@@ -35,6 +35,7 @@ from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
 from .checks import check_tensor_names, check_values
 from .experts import build_experts
+from .file_bytes import private_file_bytes
 from .cpu import PackedDecodeLinear, kind_for, pack_group
 from .image import flattened
 from .linear import (GEMV_MAX_ROWS, DenseLinear, LazyDenseLinear, Linear, OnDemandDenseLinear,
@@ -160,28 +161,6 @@ class TensorSource:
             # freed once the layers' weights are made from it (a view would keep it whole)
             t = t.clone()
         return t
-
-
-def private_file_bytes(gf: GGUFFile) -> tuple[torch.Tensor, int]:
-    """(bytes, base): the file's tensor data, [base, end of the last tensor), read into
-    private memory in one pass. A private CPU model holds its weights' GGUF bytes anyway
-    (decode packs from them, prefill dequantizes them at first use); one read of 98 MB took
-    0.1 s on a 2-core machine, where copying the same bytes tensor by tensor out of the
-    memory map faulted its pages in one by one and took 0.3-2.1 s under load."""
-    infos = list(gf.tensors.values())
-    base = min((t.offset for t in infos), default=0)
-    end = max((t.offset + t.n_bytes for t in infos), default=base)
-    buf = torch.empty(end - base, dtype=torch.uint8)
-    view, done = memoryview(buf.numpy()), 0
-    with open(gf.path, "rb", buffering=0) as f:
-        f.seek(base)
-        while done < len(view):
-            got = f.readinto(view[done:])
-            if not got:
-                raise GGUFError(f"{gf.path.name}: the file ends at byte {base + done}, inside "
-                                f"its tensor data (ending at {end}): truncated while loading")
-            done += got
-    return buf, base
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -399,6 +378,16 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     for name, info in gf.tensors.items():
         quant.get_format(info.ggml_type)  # unsupported types fail here, naming the type
     check_layer_shapes(gf, cfg)
+    whole = (resident_layers is None or len(resident_layers) == cfg.n_layers) \
+        and holds_embedding and holds_head
+    held = None
+    if private and device.type == "cpu" and whole:
+        # every weight's bytes are kept, so read them in one pass (private_file_bytes), and
+        # first: the checks below then read those pages from the page cache, where on a cold
+        # cache their strided reads of the map pulled the file in page by page
+        held = private_file_bytes(gf)
+    else:
+        gf.__dict__.pop("_read_ahead", None)  # a read started for nothing: dropped
     # before a byte is built: only what this load reads (a streamed layer's norms and biases,
     # not its weights, which are read per token); 11 ms of the default model's 0.4 s
     check_values(gf, cfg, resident_layers, holds_embedding, holds_head)
@@ -406,11 +395,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
                            scratch_elements=scratch_elements)
     workspace = builder.workspace
     quantized = builder.quantized
-    whole = (resident_layers is None or len(resident_layers) == cfg.n_layers) \
-        and holds_embedding and holds_head
-    if private and device.type == "cpu" and whole:
-        # every weight's bytes are kept, so read them in one pass (private_file_bytes)
-        src = TensorSource(gf, *private_file_bytes(gf), private=private, held=True)
+    if held is not None:
+        src = TensorSource(gf, *held, private=private, held=True)
     else:
         src = TensorSource(gf, private=private)
 
@@ -501,8 +487,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     return ModelWeights(embed=embed, layers=layers, output_norm=output_norm, output=output,
                         rope_freqs=rope_freqs, rope_freqs_long=rope_long,
                         long_after=cfg.rope_ctx_orig, per_layer=per_layer,
-                        dense_prefetch=prefetch_dense(layers) if src.lazy and not quantized
-                        else None)
+                        dense_prefetch=prefetch_dense(layers, output)
+                        if src.lazy and not quantized else None)
 
 
 def load_per_layer(src: TensorSource, cfg: ModelConfig, device: torch.device,
@@ -532,14 +518,18 @@ def load_per_layer(src: TensorSource, cfg: ModelConfig, device: torch.device,
     return PerLayerEmbedding(table, proj, norm)
 
 
-def prefetch_dense(layers: list[LayerWeights | None]) -> threading.Thread | None:
+def prefetch_dense(layers: list[LayerWeights | None], head=None) -> threading.Thread | None:
     """Make the layers' lazy dense weights (linear.LazyDenseLinear) in a daemon thread, layer
     by layer in the order a prefill reads them, while the caller goes on (the engine's build,
     the chat template, tokenizing, the first layers' matmuls): a `run` prompt is longer than
     GEMV_MAX_ROWS tokens, and its prefill otherwise waited for the dequantization, 0.5 s of a
     31-token prompt on a busy 2-core machine. A pass that reaches a weight first makes it
-    itself (the lock in LazyDenseLinear: made once, the same bits). The head stays lazy: only
-    passes that score every token use its dense weight. None where nothing is lazy."""
+    itself (the lock in LazyDenseLinear: made once, the same bits). Then the head's packed
+    decode copy (`head`, a PackedDecodeLinear), which the prompt's last row is scored with
+    once its layers are through: packing the default model's tied 49152 x 576 head took
+    30-90 ms, which the first token otherwise waited for (PackedDecodeLinear's lock: packed
+    once). The head's dense weight stays lazy: only passes that score every token use it.
+    None where nothing is lazy."""
     lazies = []
     for layer in layers:
         for f in dataclasses.fields(LayerWeights) if layer is not None else ():
@@ -557,6 +547,8 @@ def prefetch_dense(layers: list[LayerWeights | None]) -> threading.Thread | None
                 if stop.is_set():
                     return
                 lin.weight  # noqa: B018 (made now)
+            if isinstance(head, PackedDecodeLinear) and not stop.is_set():
+                head.packed  # noqa: B018 (made now)
         finally:
             _PREFETCHES.pop(t, None)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from ...modelfile.validate import md_int
+from ...modelfile.hparams import md_int
 from ..layer_spec import LayerSpec, TensorSpec
 from .base import BlockTraits, Family
 from .llama import LLAMA_LINEARS, LLAMA_TENSORS

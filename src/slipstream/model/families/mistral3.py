@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from ...modelfile.validate import md_float, md_int
+from ...modelfile.hparams import md_float, md_int
 from ..layer_spec import LayerSpec
 from .base import Family
 from .llama import LLAMA_LINEARS, LLAMA_TENSORS

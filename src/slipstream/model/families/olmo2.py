@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ...errors import UnsupportedArchitecture
-from ...modelfile.validate import md_int
+from ...modelfile.hparams import md_int
 from ..layer_spec import LayerSpec, TensorSpec
 from .base import BlockTraits, Family
 from .gemma3 import POST_NORMS

@@ -5,6 +5,7 @@ the fused forms a CPU decode step calls (norm then matmul, SwiGLU then matmul)."
 from __future__ import annotations
 
 import math
+import threading
 from typing import Callable
 
 import torch
@@ -37,6 +38,9 @@ class PackedDecodeLinear(Linear):
         self.dense = dense
         self._pack: Callable[[], Linear | None] | None = pack
         self._packed: Linear | None = None
+        # the load's prefetch thread (loader.prefetch_dense) may pack the head while a pass
+        # asks for it: made once
+        self._lock = threading.Lock()
         self.max_rows = max_rows
         # the packed copy's bare bfloat16 product (Int4PackLinear.kernel...) and its bias,
         # looked up once: each attribute lookup is a measurable share of a decode step
@@ -59,12 +63,21 @@ class PackedDecodeLinear(Linear):
         return self.dense.out_features
 
     @property
+    def is_packed(self) -> bool:
+        """Whether the decode copy is made (or known not to exist), without making it."""
+        return self._pack is None
+
+    @property
     def packed(self) -> Linear:
         """The decode copy (made now if not yet; the dense weight where none can be)."""
         if self._pack is not None:
-            self._packed, self._pack = self._pack(), None  # the GGUF bytes go with the thunk
-            self._kernel = getattr(self._packed, "kernel", None)
-            self._bias = getattr(self._packed, "bias", None)
+            with self._lock:
+                if self._pack is not None:
+                    packed = self._pack()
+                    self._kernel = getattr(packed, "kernel", None)
+                    self._bias = getattr(packed, "bias", None)
+                    # the GGUF bytes go with the thunk
+                    self._packed, self._pack = packed, None
         return self._packed if self._packed is not None else self.dense
 
     def _decode_kernel(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -1,6 +1,7 @@
-"""Load-time packing of 4-bit GGUF rows in one native pass (native/int4_pack.c): into torch's
-int4 CPU layout (`pack_int4_rows`, for Int4PackLinear) and into q4vnni's codes and float32 scale
-and zero planes (`q4vnni_native`, for Q4VnniLinear).
+"""Load-time packing of GGUF rows in one native pass (native/int4_pack.c): 4-bit rows into
+torch's int4 CPU layout (`pack_int4_rows`, for Int4PackLinear) and into q4vnni's codes and
+float32 scale and zero planes (`q4vnni_native`, for Q4VnniLinear); Q8_0 rows into q8vnni's
+whole records (`q8vnni_native`, for Q8VnniLinear).
 
 Why: in torch ops the packing is a dozen small calls per 64 rows. On the H200 host, hybrid
 decode's CPU share of a 70B (7.7 GB) took about 100 s that way on a pool of 15 threads, against
@@ -20,6 +21,8 @@ from ...quant import get_format
 from .groups import INT4_GROUP, Q4V_CODE_BYTES, Q4V_ROWS
 
 FORMATS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q4_K: 2}  # int4_pack.c's FMT_* codes
+# a q8vnni record: 16 rows' 32 one-byte codes, then their 16 float16 scales
+Q8V_RECORD_BYTES = 2 * Q4V_CODE_BYTES + 2 * Q4V_ROWS
 BLOCKS = (64, 32)  # torch's row blocks: AVX-512, AVX2
 
 
@@ -89,3 +92,28 @@ def _rows_of(raw: torch.Tensor, qtype, rows: int, c: int, cols: int) -> torch.Te
                          f"{get_format(Q(int(qtype))).row_bytes(c)} uint8 bytes, not "
                          f"{tuple(raw.shape)} {raw.dtype}")
     return raw
+
+
+def q8vnni_native(raws, shapes, padded_rows: int, threads: int | None = None
+                  ) -> torch.Tensor | None:
+    """The stacked Q8_0 parts as q8vnni records, (padded_rows / 16, cols / 32, 544) uint8,
+    made by int4_pack.c's ss_q8vnni_rows: the bytes of vnni.py's torch path (q8vnni_codes of
+    q + 128, then the float16 scales), padding rows 0. None where the library is not there.
+    threads: OpenMP threads (default torch's count for this thread)."""
+    lib = native.library()
+    if lib is None:
+        return None
+    cols = shapes[0][1]
+    # every byte of a real row is written below; only a last block's padding rows need zeros
+    # (the head's 28 MiB memset is a fifth of its packing)
+    packed = torch.empty(padded_rows // Q4V_ROWS, cols // INT4_GROUP, Q8V_RECORD_BYTES,
+                         dtype=torch.uint8)
+    if sum(r for r, _ in shapes) != padded_rows:
+        packed[-1].zero_()
+    row0 = 0
+    for raw, (r, c) in zip(raws, shapes):
+        raw = _rows_of(raw, Q.Q8_0, r, c, cols)
+        lib.ss_q8vnni_rows(raw.data_ptr(), raw.shape[1], r, cols, row0, packed.data_ptr(),
+                           threads or torch.get_num_threads())
+        row0 += r
+    return packed
