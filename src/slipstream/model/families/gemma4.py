@@ -32,7 +32,7 @@ import math
 from typing import Any, Mapping
 
 from ...errors import InvalidMetadata, UnsupportedArchitecture
-from ...modelfile.validate import FIX, md_float, md_int, md_ints
+from ...modelfile.hparams import FIX, md_float, md_int, md_ints
 from ..layer_spec import LayerSpec, LinearGroup, TensorSpec
 from .base import BlockTraits, Family
 from .gemma3 import POST_NORMS

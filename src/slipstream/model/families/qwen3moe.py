@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ...errors import MissingMetadata
-from ...modelfile.validate import md_int
+from ...modelfile.hparams import md_int
 from .base import BlockTraits, Family
 from .experts import with_experts
 from .qwen3 import QWEN3
