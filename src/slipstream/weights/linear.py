@@ -124,7 +124,7 @@ class LazyDenseLinear(DenseLinear):
     its time: on the default model (135M, Q4_1) dequantizing every layer to float16 took
     0.18 of a 0.68 s load on an idle 2-core machine, and 9.4 of 12.3 s on a busy one, for a
     `run` whose prompt might never need them: they are made after the load, by a thread
-    (loader.prefetch_dense), or by the first pass that needs one first.
+    (prefetch.prefetch_dense), or by the first pass that needs one first.
 
     `weight` reads like DenseLinear's attribute everywhere (the thunk runs on the first
     read); `materialized` says whether it has run, without running it. `fill`, where given,

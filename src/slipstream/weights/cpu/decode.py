@@ -38,7 +38,7 @@ class PackedDecodeLinear(Linear):
         self.dense = dense
         self._pack: Callable[[], Linear | None] | None = pack
         self._packed: Linear | None = None
-        # the load's prefetch thread (loader.prefetch_dense) may pack the head while a pass
+        # the load's prefetch thread (prefetch.prefetch_dense) may pack the head while a pass
         # asks for it: made once
         self._lock = threading.Lock()
         self.max_rows = max_rows
