@@ -412,16 +412,39 @@ def _file_rank(t: TensorSpec) -> int:
                                                            2 if t.kind == "bias" else 1)
 
 
+# Skewed routing (write_synth's expert_skew). A router without a bias can only prefer experts
+# consistently if the hidden states share a direction: the token embedding's column
+# SKEW_COLUMN is set to SKEW_LEVEL times the weights' std for every token, a constant the
+# residual stream carries and each layer's RMSNorm turns into about SKEW_LEVEL; the routers'
+# weights on that column then add each expert's fixed logit offset.
+SKEW_COLUMN = 0
+SKEW_LEVEL = 4.0
+
+
+def skewed_router(router: np.ndarray, exponent: float, rng: np.random.Generator) -> np.ndarray:
+    """router (n_experts, hidden) float32 with expert e's logit raised by -exponent * ln(rank_e)
+    on a token's hidden state (rank_e: e's place, from 1, in a random order of the layer's
+    experts), through the embedding's constant column: softmax probabilities then fall as
+    1 / rank^exponent, on top of the random part's noise."""
+    ranks = rng.permutation(router.shape[0]) + 1
+    out = router.copy()
+    out[:, SKEW_COLUMN] += (-exponent * np.log(ranks) / SKEW_LEVEL).astype(np.float32)
+    return out
+
+
 def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_K",
                 n_layers: int | None = None, seed: int = 0, arch: str = "llama",
                 from_floats: bool = False, tie_embeddings: bool = False,
                 rope_freqs: bool = False, std: float = 0.02,
                 progress: Callable[[int, int], None] | None = None,
-                chat_template: str = LLAMA3_TEMPLATE) -> Path:
+                chat_template: str = LLAMA3_TEMPLATE, expert_skew: float = 0.0) -> Path:
     """Write a random-weight GGUF file of architecture `arch` (its family's layer, as
     model.families states it); returns its path.
 
     progress(bytes_done, bytes_total) is called after each tensor.
+    expert_skew: for a mixture of experts, the exponent s of a Zipf-like expert popularity
+    (each layer's expert of rank r chosen about in proportion to 1 / r^s; 0: random weights'
+    near-uniform routing). See `skewed_router`.
     """
     if isinstance(shape, str):
         if shape not in SHAPES:
@@ -431,6 +454,8 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
         shape = replace(shape, n_layers=n_layers)
     if quant_mix not in QUANT_MIXES:
         raise BadArgument(f"unknown --quant {quant_mix!r}; choose from {', '.join(QUANT_MIXES)}")
+    if expert_skew < 0 or not math.isfinite(expert_skew):
+        raise BadArgument(f"--expert-skew must be a finite exponent >= 0, got {expert_skew}")
     layer_type, out_type = QUANT_MIXES[quant_mix]
     head_dim = shape.head
     rng = np.random.default_rng(seed)
@@ -445,6 +470,8 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
         return layer_type
 
     cfg = synth_config(shape, arch)
+    if expert_skew and not cfg.n_experts:
+        raise BadArgument(f"--expert-skew biases experts' routers; {arch!r} has no experts")
     variant, arch = arch, file_arch(arch)
     tie_embeddings = tie_embeddings or family_for(arch).name in TIED
     # name -> (ggml type, torch-order shape, weight std)
@@ -527,7 +554,14 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     total = sum(nbytes(q, s) for _, q, s, _ in plan)
     done = 0
     for name, q, s, sd in plan:
-        if name.endswith("norm.weight"):
+        if expert_skew and name == EMBEDDING:  # the constant column the routers read
+            floats = (sd * rng.standard_normal(s)).astype(np.float32)
+            floats[:, SKEW_COLUMN] = SKEW_LEVEL * sd
+            data = float_tensor(q, floats)
+        elif expert_skew and name.endswith("ffn_gate_inp.weight"):
+            data = skewed_router((sd * rng.standard_normal(s)).astype(np.float32),
+                                 expert_skew, rng)
+        elif name.endswith("norm.weight"):
             data = (1.0 + 0.05 * rng.standard_normal(s)).astype(np.float32)
         elif name == "rope_freqs.weight" and family_for(arch).name == "gemma4":
             # as llama.cpp's converter writes "proportional" RoPE: the pairs past the

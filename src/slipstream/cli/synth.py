@@ -30,6 +30,10 @@ def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
                     help="the architecture (its family's layer and metadata); mixtral: a "
                          "llama file with experts")
     sy.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    sy.add_argument("--expert-skew", type=float, default=0.0, metavar="S",
+                    help="a mixture of experts' routing skewed so that the expert of rank r "
+                         "in each layer is chosen about in proportion to 1 / r^S, as real "
+                         "routing is (default 0: random weights' near-uniform routing)")
     sy.add_argument("-o", "--output", required=True, help="the GGUF to write")
     sy.set_defaults(func=run)
 
@@ -46,7 +50,7 @@ def run(a: argparse.Namespace) -> int:
             bar.update(task, completed=done, total=total)
 
         path = write_synth(a.output, a.shape, a.quant, n_layers=a.layers, seed=a.seed,
-                           arch=a.arch, progress=progress)
+                           arch=a.arch, progress=progress, expert_skew=a.expert_skew)
     dt = time.perf_counter() - t0
     size = path.stat().st_size
     err.print(f"wrote {path} ({size / 2**30:.2f} GiB in {dt:.1f} s, {size / dt / 1e6:.0f} MB/s)")
