@@ -412,24 +412,17 @@ def _file_rank(t: TensorSpec) -> int:
                                                            2 if t.kind == "bias" else 1)
 
 
-# Skewed routing (write_synth's expert_skew). A router without a bias can only prefer experts
-# consistently if the hidden states share a direction: the token embedding's column
-# SKEW_COLUMN is set to SKEW_LEVEL times the weights' std for every token, a constant the
-# residual stream carries and each layer's RMSNorm turns into about SKEW_LEVEL; the routers'
-# weights on that column then add each expert's fixed logit offset.
-SKEW_COLUMN = 0
-SKEW_LEVEL = 4.0
-
-
+# Skewed routing (write_synth's expert_skew). A router without a bias has no constant offset
+# to prefer an expert by (random hidden states share no direction, and a constant one would
+# fade through the layers' residual adds); its rows' lengths set how far each expert's logit
+# spreads, and the experts with the longest rows win the top-k most often, in every layer.
 def skewed_router(router: np.ndarray, exponent: float, rng: np.random.Generator) -> np.ndarray:
-    """router (n_experts, hidden) float32 with expert e's logit raised by -exponent * ln(rank_e)
-    on a token's hidden state (rank_e: e's place, from 1, in a random order of the layer's
-    experts), through the embedding's constant column: softmax probabilities then fall as
-    1 / rank^exponent, on top of the random part's noise."""
+    """router (n_experts, hidden) float32 with expert e's row scaled by rank_e^-exponent (rank_e:
+    e's place, from 1, in a random order of the layer's experts), the scales' mean kept at 1:
+    the longer a row, the more often its expert is among a token's top k."""
     ranks = rng.permutation(router.shape[0]) + 1
-    out = router.copy()
-    out[:, SKEW_COLUMN] += (-exponent * np.log(ranks) / SKEW_LEVEL).astype(np.float32)
-    return out
+    scale = ranks.astype(np.float64) ** -exponent
+    return (router * (scale / scale.mean())[:, None]).astype(np.float32)
 
 
 def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_K",
@@ -442,9 +435,9 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     model.families states it); returns its path.
 
     progress(bytes_done, bytes_total) is called after each tensor.
-    expert_skew: for a mixture of experts, the exponent s of a Zipf-like expert popularity
-    (each layer's expert of rank r chosen about in proportion to 1 / r^s; 0: random weights'
-    near-uniform routing). See `skewed_router`.
+    expert_skew: for a mixture of experts, how skewed expert popularity is, as real routing
+    is: each layer's router rows scaled by rank^-expert_skew (`skewed_router`), so that a few
+    experts take most tokens (0: random weights' near-uniform routing).
     """
     if isinstance(shape, str):
         if shape not in SHAPES:
@@ -554,11 +547,7 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     total = sum(nbytes(q, s) for _, q, s, _ in plan)
     done = 0
     for name, q, s, sd in plan:
-        if expert_skew and name == EMBEDDING:  # the constant column the routers read
-            floats = (sd * rng.standard_normal(s)).astype(np.float32)
-            floats[:, SKEW_COLUMN] = SKEW_LEVEL * sd
-            data = float_tensor(q, floats)
-        elif expert_skew and name.endswith("ffn_gate_inp.weight"):
+        if expert_skew and name.endswith("ffn_gate_inp.weight"):
             data = skewed_router((sd * rng.standard_normal(s)).astype(np.float32),
                                  expert_skew, rng)
         elif name.endswith("norm.weight"):

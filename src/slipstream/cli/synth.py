@@ -31,9 +31,9 @@ def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
                          "llama file with experts")
     sy.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     sy.add_argument("--expert-skew", type=float, default=0.0, metavar="S",
-                    help="a mixture of experts' routing skewed so that the expert of rank r "
-                         "in each layer is chosen about in proportion to 1 / r^S, as real "
-                         "routing is (default 0: random weights' near-uniform routing)")
+                    help="a mixture of experts' routing skewed as real routing is: each "
+                         "layer's router rows scaled by rank^-S, so a few experts take most "
+                         "tokens (default 0: random weights' near-uniform routing)")
     sy.add_argument("-o", "--output", required=True, help="the GGUF to write")
     sy.set_defaults(func=run)
 
