@@ -9,7 +9,7 @@ cpu` against llama.cpp's `llama-bench -p 512 -n 128`, back to back on the same m
 alternating (llama.cpp, slipstream, llama.cpp, ...) so that a shared machine's load falls on
 both; the medians over --rounds. --baseline-src DIR (another checkout's src/) adds that tree's
 `slipstream bench` to every round, right after this tree's: a before/after ratio under the same
-load. Writes RESULTS/DATE-default-cpu-cpu.json.
+load. Writes RESULTS/DATE-CASE-cpu.json (--case; default: default-cpu).
 
 threads: decode (tg64 after a 16-token prompt) at the default thread count, which load() picks
 from the cores other processes leave free, against each explicit -t, back to back and
@@ -310,7 +310,7 @@ def speed_cmd(a: argparse.Namespace) -> None:
     if a.baseline_src is not None:
         doc["baseline_src"] = str(a.baseline_src)
     doc = {**common.provenance("cpu"), **doc}
-    path = common.write_result("default-cpu", doc, a.results)
+    path = common.write_result(a.case, doc, a.results)
     lines = [f"CPU speed, {Path(model).name}, {a.threads} threads, {a.rounds} rounds x "
              f"{a.reps} reps, medians over rounds ({doc['date']}, {doc.get('commit', '')[:10]})",
              "", "| test | llama.cpp tok/s | slipstream tok/s | ratio |", "|---|---:|---:|---:|"]
@@ -425,6 +425,8 @@ def main(argv: list[str] | None = None) -> None:
     sp = sub.add_parser("speed", help="decode and prefill against llama.cpp's llama-bench")
     sp.add_argument("--llama-build", type=Path, required=True)
     sp.add_argument("-m", "--model", type=Path, default=None)
+    sp.add_argument("--case", default="default-cpu",
+                    help="the result's case name (default-cpu: the default model)")
     sp.add_argument("--threads", type=int, default=2)
     sp.add_argument("--reps", type=int, default=3)
     sp.add_argument("--rounds", type=int, default=3)
