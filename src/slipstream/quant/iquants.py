@@ -1,16 +1,17 @@
-"""The i-quant grid formats: 256-element super-blocks whose weights are looked up, 4 or 8 at a
-time, in a fixed grid of points (the "lattice"), with a sign pattern and a small scale per sub-block.
+"""The i-quant grid formats: 256-element super-blocks whose weights are looked up, 4 or 8 at
+a time, in a fixed grid of points, with a sign pattern and a small scale per sub-block.
 
 Block layouts (bytes, little-endian; QK_K = 256; ggml-common.h):
-    IQ2_XXS d:f16 | 8 x (grid idx[4] u8 | word:u32)             word: 4 x 7-bit sign idx | 4-bit scale
-    IQ2_XS  d:f16 | qs[32]:u16 | scales[8]                      qs: 9-bit grid idx | 7-bit sign idx
-    IQ2_S   d:f16 | qs[32] | signs[32] | qh[8] | scales[8]      grid idx: qs | 2 bits of qh
-    IQ3_XXS d:f16 | qs[64] | 8 x word:u32                       word: 4 x 7-bit sign idx | 4-bit scale
-    IQ3_S   d:f16 | qs[64] | qh[8] | signs[32] | scales[4]      grid idx: qs | 1 bit of qh
-    IQ1_S   d:f16 | qs[32] | qh[8]:u16                          qh: 4 x 3 idx bits | 3-bit scale | sign
-    IQ1_M   qs[32] | qh[16] | scales[8]:4 x u16                 d: the top nibbles of the scales
-The IQ2 grids hold 8 weights a point (values 8, 25, 43), the IQ3 grids 4 (odd values up to 62
-or 15) and the IQ1 grid 8 (-1, 0, 1, shifted by +-1/8 per group of 8). A 7-bit sign index picks
+    IQ2_XXS d:f16 | 8 x (grid idx[4] | w:u32)              w: 4 x 7-bit sign idx | 4-bit scale
+    IQ2_XS  d:f16 | qs[32]:u16 | scales[8]                 qs: 9-bit grid idx | 7-bit sign idx
+    IQ2_S   d:f16 | qs[32] | signs[32] | qh[8] | scales[8] grid idx: qs | 2 bits of qh
+    IQ3_XXS d:f16 | qs[64] | 8 x w:u32                     w: 4 x 7-bit sign idx | 4-bit scale
+    IQ3_S   d:f16 | qs[64] | qh[8] | signs[32] | scales[4] grid idx: qs | 1 bit of qh
+    IQ1_S   d:f16 | qs[32] | qh[8]:u16                     qh: 4 x 3 idx bits | scale | sign
+    IQ1_M   qs[32] | qh[16] | scales[8]:4 x u16            d: the scales' top nibbles
+The IQ2 grids hold 8 weights a point (values 8, 25, 43), the IQ3 grids 4 (IQ3_XXS: 4 to 62,
+IQ3_S: odd, 1 to 15) and the IQ1 grid 8 (-1, 0, 1, shifted by +-1/8: one shift per 32 weights
+in IQ1_S, per 8 in IQ1_M). A 7-bit sign index picks
 an 8-bit pattern of even parity (ksigns: the 8th bit makes the count of minus signs even).
 
 The grids and ksigns are not copied here: they are read from gguf-py (gguf.quants), which
