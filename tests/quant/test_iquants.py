@@ -1,13 +1,17 @@
-"""The i-quant grid dequantizers against gguf-py's numpy ones, bit for bit.
+"""The i-quant grid dequantizers against gguf-py's numpy ones and llama.cpp's C ones.
 
-Bit for bit, not to a tolerance: both sides take the same float32 steps in the same order
-(widen the f16 scale, scale it by the sub-block's small integer, multiply by the grid value,
-then by the sign or add the shift), each rounded once, and grid values, signs and shifts are
-exact in float32. Every block's bytes are random: every grid index, sign index and scale field
-of these formats is valid, so random codes exercise the whole tables.
+Bit for bit, not to a tolerance: gguf-py, ggml's dequantize_row_* and slipstream take the
+same float32 steps in the same order (widen the f16 scale, scale it by the sub-block's small
+integer, multiply by the grid value, then by the sign; IQ1: add the shift, then scale), each
+rounded once, and grid values, signs and shifts are exact in float32. Every block's bytes are
+random: every grid index, sign index and scale field of these formats is valid, so random
+codes exercise the whole tables.
 """
 
 from __future__ import annotations
+
+import ctypes
+from pathlib import Path
 
 import gguf.quants
 import numpy as np
@@ -55,6 +59,32 @@ def ours(raw: np.ndarray, qtype: T) -> np.ndarray:
     return quant.get_format(qtype).dequantize_blocks(torch.from_numpy(raw)).numpy()
 
 
+def _ggml_base() -> ctypes.CDLL | None:
+    """The libggml-base that llama-cpp-python ships, or None without it."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    libs = sorted((Path(llama_cpp.__file__).parent / "lib").glob("libggml-base.*"))
+    return ctypes.CDLL(str(libs[0])) if libs else None
+
+
+GGML = _ggml_base()
+
+
+def ggml_dequantize(raw: np.ndarray, qtype: T) -> np.ndarray:
+    """llama.cpp's own C dequantizer (ggml's dequantize_row_*) of (n_blocks, type_size)
+    bytes: a second reference, sharing no code with gguf-py's numpy."""
+    if GGML is None:
+        pytest.skip("llama-cpp-python (and its libggml-base) is not installed")
+    fn = getattr(GGML, f"dequantize_row_{qtype.name.lower()}")
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64], None
+    raw = np.ascontiguousarray(raw)
+    out = np.empty((raw.shape[0], 256), dtype=np.float32)
+    fn(raw.ctypes.data, out.ctypes.data, out.size)
+    return out
+
+
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     """Equal as float32 bit patterns (so -0.0 is told from 0.0)."""
     return a.shape == b.shape and np.array_equal(a.view(np.int32), b.view(np.int32))
@@ -70,6 +100,15 @@ def test_random_blocks_match_gguf(qtype: T, n_blocks: int) -> None:
     if n_blocks > 1:  # (one block may draw a zero scale)
         assert np.count_nonzero(ref) > ref.size // 2
     assert same_bits(ours(raw, qtype), ref)
+
+
+@pytest.mark.parametrize("qtype", GRID_TYPES, ids=lambda t: t.name)
+def test_random_blocks_match_ggml(qtype: T) -> None:
+    """The same bits as llama.cpp's C code: it multiplies in the same order (d by the small
+    scale, by the grid value, by the sign; IQ1: the shifted grid value by the scale)."""
+    rng = np.random.default_rng([int(qtype), 2])
+    raw = random_blocks(qtype, 65, rng)
+    assert same_bits(ours(raw, qtype), ggml_dequantize(raw, qtype))
 
 
 @pytest.mark.parametrize("qtype", GRID_TYPES, ids=lambda t: t.name)
@@ -126,6 +165,8 @@ def test_a_flipped_bit_moves_exactly_the_weights_it_should(qtype: T) -> None:
     before, after = ours(raw, qtype), ours(flipped, qtype)
     assert not same_bits(after, reference(raw, qtype))
     assert same_bits(after, reference(flipped, qtype))
+    if GGML is not None:
+        assert same_bits(after, ggml_dequantize(flipped, qtype))
     moved = np.flatnonzero(before[0] != after[0]).tolist()
     assert moved == where
     assert np.array_equal(before[1:], after[1:])
