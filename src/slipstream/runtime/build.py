@@ -14,7 +14,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-from ..errors import BadArgument, BudgetTooSmall, SlipstreamError, UnsupportedArchitecture
+from ..errors import (BadArgument, BudgetTooSmall, SlipstreamError, UnsupportedArchitecture,
+                      UnsupportedTensorType)
 from ..hub.pull import resolve
 from ..hybrid.plan import parse_hybrid, plan_hybrid
 from ..hybrid.policy import HybridSplit
@@ -124,6 +125,7 @@ def plan_model(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Pre
         raise BadArgument(f"vram_layers={vram_layers!r} is invalid: must be an integer >= 0 "
                           f"(the most layers held in VRAM)")
     check_experts_device(cfg, dev)
+    check_types_device(gf, dev)
     plan = plan_for(gf, cfg, dev, precision, ctx, parse_size(ram_budget), vram_budget, io,
                     gpu_slots, prefill_chunk=PREFILL_CHUNK, graph_bucket=GRAPH_BUCKET,
                     vram_layers=vram_layers, stream_first=stream_first, stage=stage)
@@ -143,6 +145,29 @@ def check_experts_device(cfg: ModelConfig, dev: torch.device) -> None:
         raise UnsupportedArchitecture(
             f"{cfg.architecture} with {cfg.n_experts} experts runs on the CPU only for now "
             f"(placing mixture-of-experts layers on {dev} is not built); use --device cpu")
+
+
+def check_types_device(gf: GGUFFile, dev: torch.device) -> None:
+    """On CUDA the layers' weights and the head stay quantized, repacked for the GPU kernels
+    (kernels.pack), which cover fewer formats than the CPU reads (the i-quant grids have no
+    kernel yet). Name the formats that have none before the plan, whose VRAM sizes are those
+    of the packed planes. The embedding is looked up row by row by the torch dequantizers,
+    which run on any device, so its own format counts only where it is also the head."""
+    if dev.type != "cuda":
+        return
+    from ..kernels.pack import SUPPORTED  # format tables only: no Triton, no CUDA
+    from ..model.layer_spec import EMBEDDING, head_tensor_name
+
+    head = head_tensor_name(gf.tensors)
+    missing = sorted({t.ggml_type for name, t in gf.tensors.items()
+                      if t.ggml_type not in SUPPORTED and (name != EMBEDDING or name == head)},
+                     key=int)
+    if missing:
+        names = ", ".join(t.name for t in missing)
+        what = "tensor type" if len(missing) == 1 else "tensor types"
+        raise UnsupportedTensorType(
+            f"{gf.path.name}: {what} {names} has no GPU kernel yet (the CPU engine reads "
+            f"it); load with device='cpu' (--device cpu)")
 
 
 def plain_plan(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Precision,
