@@ -118,6 +118,20 @@ def test_cuda_refuses_the_grid_formats_by_name(grid_file) -> None:
     check_types_device(gf, torch.device("cpu"))  # the CPU takes it
 
 
+def test_cuda_check_passes_the_formats_it_has_kernels_for(tmp_path) -> None:
+    path = write_synth(tmp_path / "q4k.gguf", "tiny", "Q4_K_M", n_layers=1)
+    check_types_device(GGUFFile(path), torch.device("cuda"))
+
+
+def test_fast_precision_on_the_cpu(grid_file) -> None:
+    """precision="fast" on the CPU: the grid formats have no packed CPU layout, so their
+    weights are dequantized to float16 (weights.cpu.kinds); measured 3.8e-4 from "exact"."""
+    path = grid_file("IQ3_S")
+    exact = cpu_engine(path, precision="exact").forward(IDS, all_logits=True)
+    fast = cpu_engine(path, precision="fast").forward(IDS, all_logits=True)
+    assert rel_err(fast, exact) < 5e-3
+
+
 @pytest.mark.gpu
 def test_cuda_load_fails_and_the_cpu_runs_it(grid_file) -> None:
     import slipstream
