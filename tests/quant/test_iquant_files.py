@@ -123,6 +123,20 @@ def test_cuda_check_passes_the_formats_it_has_kernels_for(tmp_path) -> None:
     check_types_device(GGUFFile(path), torch.device("cuda"))
 
 
+def test_cuda_check_does_not_send_to_the_cpu_what_it_cannot_read(tmp_path) -> None:
+    import numpy as np
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(tmp_path / "i32.gguf", "llama")
+    w.add_tensor("blk.0.ids.weight", np.arange(8, dtype=np.int32))  # I32: no format at all
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedTensorType, match=r"tensor type I32 is not supported$"):
+        check_types_device(GGUFFile(tmp_path / "i32.gguf"), torch.device("cuda"))
+
+
 def test_fast_precision_on_the_cpu(grid_file) -> None:
     """precision="fast" on the CPU: the grid formats have no packed CPU layout, so their
     weights are dequantized to float16 (weights.cpu.kinds); measured 3.8e-4 from "exact"."""

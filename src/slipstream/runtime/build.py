@@ -151,23 +151,22 @@ def check_types_device(gf: GGUFFile, dev: torch.device) -> None:
     """On CUDA the layers' weights and the head stay quantized, repacked for the GPU kernels
     (kernels.pack), which cover fewer formats than the CPU reads (the i-quant grids have no
     kernel yet). Name the formats that have none before the plan, whose VRAM sizes are those
-    of the packed planes. The embedding is looked up row by row by the torch dequantizers,
-    which run on any device, so its own format counts only where it is also the head."""
+    of the packed planes. Every tensor counts, the embedding too: its rows would be
+    dequantized on the GPU by code no GPU test has run for these formats."""
     if dev.type != "cuda":
         return
     from ..kernels.pack import SUPPORTED  # format tables only: no Triton, no CUDA
-    from ..model.layer_spec import EMBEDDING, head_tensor_name
+    from ..quant import supported_types
 
-    head = head_tensor_name(gf.tensors)
-    missing = sorted({t.ggml_type for name, t in gf.tensors.items()
-                      if t.ggml_type not in SUPPORTED and (name != EMBEDDING or name == head)},
-                     key=int)
+    missing = sorted({t.ggml_type for t in gf.tensors.values()} - set(SUPPORTED), key=int)
     if missing:
         names = ", ".join(t.name for t in missing)
         what = "tensor type" if len(missing) == 1 else "tensor types"
-        raise UnsupportedTensorType(
-            f"{gf.path.name}: {what} {names} has no GPU kernel yet (the CPU engine reads "
-            f"it); load with device='cpu' (--device cpu)")
+        if set(missing) <= set(supported_types()):
+            raise UnsupportedTensorType(
+                f"{gf.path.name}: {what} {names} has no GPU kernel yet (the CPU engine reads "
+                f"it); load with device='cpu' (--device cpu)")
+        raise UnsupportedTensorType(f"{gf.path.name}: {what} {names} is not supported")
 
 
 def plain_plan(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Precision,
