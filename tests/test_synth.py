@@ -85,3 +85,19 @@ def test_expert_skew_makes_long_rowed_experts_popular(tmp_path):
                       for norms, c in seen]
     mean = {k: sum(v) / len(v) for k, v in corr.items()}
     assert mean[1.0] > 0.4 and mean[1.0] > mean[0.0] + 0.3, corr
+
+
+def test_cli_offers_every_mix(tmp_path):
+    """`slipstream synth --quant` lists its choices without importing synth (a fast --help):
+    they must be QUANT_MIXES' names, and a grid i-quant one writes its file."""
+    from slipstream.cli import build_parser, main
+
+    synth = next(a for a in build_parser()._actions if a.dest == "command").choices["synth"]
+    quant = next(a for a in synth._actions if a.dest == "quant")
+    assert sorted(quant.choices) == sorted(QUANT_MIXES)
+    out = tmp_path / "iq3s.gguf"
+    assert main(["synth", "--shape", "tiny", "--quant", "IQ3_S", "--layers", "1",
+                 "-o", str(out)]) == 0
+    types = {gguf.GGMLQuantizationType(t.tensor_type).name
+             for t in gguf.GGUFReader(out).tensors if t.name == "blk.0.ffn_down.weight"}
+    assert types == {"IQ3_S"}

@@ -118,6 +118,9 @@ QUANT_MIXES: dict[str, tuple[Q, Q]] = {
     "F16": (Q.F16, Q.F16),
     "Q4_0": (Q.Q4_0, Q.Q6_K),
     "Q5_K": (Q.Q5_K, Q.Q6_K),
+    # the i-quant grid formats: random codes only (nothing here encodes float weights to them)
+    **{t.name: (t, Q.Q6_K) for t in (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S,
+                                      Q.IQ1_S, Q.IQ1_M)},
 }
 
 # general.file_type of each mix: llama.cpp's own enum (LlamaFileType), which is not the
@@ -130,6 +133,8 @@ FILE_TYPES: dict[str, LlamaFileType] = {
     "F16": LlamaFileType.MOSTLY_F16,
     "Q4_0": LlamaFileType.MOSTLY_Q4_0,
     "Q5_K": LlamaFileType.MOSTLY_Q5_K_S,
+    **{name: LlamaFileType[f"MOSTLY_{name}"] for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S",
+                                                           "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")},
 }
 
 # (byte offset, multiplier) of the float16 scale fields inside one block, per format: the only
@@ -141,7 +146,19 @@ _F16_FIELDS: dict[Q, tuple[tuple[int, float], ...]] = {
     Q.Q5_1: ((0, 1.0), (2, -15.5)), Q.Q8_0: ((0, 1.0),),
     Q.Q2_K: ((80, 1.0), (82, 1.5)), Q.Q3_K: ((108, 1.0),), Q.Q4_K: ((0, 1.0), (2, 7.5)),
     Q.Q5_K: ((0, 1.0), (2, 15.5)), Q.Q6_K: ((208, 1.0),),
+    Q.IQ2_XXS: ((0, 1.0),), Q.IQ2_XS: ((0, 1.0),), Q.IQ2_S: ((0, 1.0),), Q.IQ3_XXS: ((0, 1.0),),
+    Q.IQ3_S: ((0, 1.0),), Q.IQ1_S: ((0, 1.0),),
+    Q.IQ1_M: (),  # no f16 field of its own: see _set_iq1_m_scale
 }
+# IQ1_M's f16 d is spread over the top nibbles of its four 16-bit scale words (bytes 48-55):
+# nibble k of d is the top nibble of word k, i.e. of byte 48 + 2k + 1
+_IQ1_M_SCALE_BYTES = (49, 51, 53, 55)
+
+
+def _set_iq1_m_scale(blocks: np.ndarray, value: float) -> None:
+    d = int(np.float16(value).view(np.uint16))
+    for k, at in enumerate(_IQ1_M_SCALE_BYTES):
+        blocks[:, at] = (blocks[:, at] & 0x0F) | (((d >> (4 * k)) & 0x0F) << 4)
 
 
 def _scale_for_std(qtype: Q, std: float) -> float:
@@ -202,6 +219,8 @@ def _random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator,
     for off, mult in _F16_FIELDS[qtype]:
         f16 = np.frombuffer(np.float16(field_value * mult).tobytes(), dtype=np.uint8)
         blocks[:, off:off + 2] = f16
+    if qtype == Q.IQ1_M:
+        _set_iq1_m_scale(blocks, field_value)
     return blocks
 
 

@@ -138,7 +138,8 @@ def test_real_model_tensors(smollm_path) -> None:
 
 
 def test_registry_and_row_bytes() -> None:
-    assert quant.supported_types() == sorted(ALL_TYPES, key=int)
+    grid_types = [T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS, T.IQ3_S, T.IQ1_S, T.IQ1_M]
+    assert quant.supported_types() == sorted(ALL_TYPES + grid_types, key=int)
     for qtype in ALL_TYPES:
         fmt = quant.get_format(qtype)
         assert fmt is quant.get_format(int(qtype))
@@ -152,8 +153,8 @@ def test_registry_and_row_bytes() -> None:
 
 
 def test_unsupported_type_is_named() -> None:
-    with pytest.raises(UnsupportedTensorType, match=r"IQ2_XXS is not supported; supported: F32, F16"):
-        quant.get_format(T.IQ2_XXS)
+    with pytest.raises(UnsupportedTensorType, match=r"TQ1_0 is not supported; supported: F32, F16"):
+        quant.get_format(T.TQ1_0)
     with pytest.raises(UnsupportedTensorType, match="IQ4_NL"):
         quant.dequantize(torch.zeros(18, dtype=torch.uint8), int(T.IQ4_NL), (32,))
     with pytest.raises(UnsupportedTensorType, match="9999"):

@@ -14,7 +14,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
-from ..errors import BadArgument, BudgetTooSmall, SlipstreamError, UnsupportedArchitecture
+from ..errors import (BadArgument, BudgetTooSmall, SlipstreamError, UnsupportedArchitecture,
+                      UnsupportedTensorType)
 from ..hub.pull import resolve
 from ..hybrid.plan import parse_hybrid, plan_hybrid
 from ..hybrid.policy import HybridSplit
@@ -124,6 +125,7 @@ def plan_model(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Pre
         raise BadArgument(f"vram_layers={vram_layers!r} is invalid: must be an integer >= 0 "
                           f"(the most layers held in VRAM)")
     check_experts_device(cfg, dev)
+    check_types_device(gf, dev)
     plan = plan_for(gf, cfg, dev, precision, ctx, parse_size(ram_budget), vram_budget, io,
                     gpu_slots, prefill_chunk=PREFILL_CHUNK, graph_bucket=GRAPH_BUCKET,
                     vram_layers=vram_layers, stream_first=stream_first, stage=stage)
@@ -143,6 +145,28 @@ def check_experts_device(cfg: ModelConfig, dev: torch.device) -> None:
         raise UnsupportedArchitecture(
             f"{cfg.architecture} with {cfg.n_experts} experts runs on the CPU only for now "
             f"(placing mixture-of-experts layers on {dev} is not built); use --device cpu")
+
+
+def check_types_device(gf: GGUFFile, dev: torch.device) -> None:
+    """On CUDA the layers' weights and the head stay quantized, repacked for the GPU kernels
+    (kernels.pack), which cover fewer formats than the CPU reads (the i-quant grids have no
+    kernel yet). Name the formats that have none before the plan, whose VRAM sizes are those
+    of the packed planes. Every tensor counts, the embedding too: its rows would be
+    dequantized on the GPU by code no GPU test has run for these formats."""
+    if dev.type != "cuda":
+        return
+    from ..kernels.pack import SUPPORTED  # format tables only: no Triton, no CUDA
+    from ..quant import supported_types
+
+    missing = sorted({t.ggml_type for t in gf.tensors.values()} - set(SUPPORTED), key=int)
+    if missing:
+        names = ", ".join(t.name for t in missing)
+        what = "tensor type" if len(missing) == 1 else "tensor types"
+        if set(missing) <= set(supported_types()):
+            raise UnsupportedTensorType(
+                f"{gf.path.name}: {what} {names} has no GPU kernel yet (the CPU engine reads "
+                f"it); load with device='cpu' (--device cpu)")
+        raise UnsupportedTensorType(f"{gf.path.name}: {what} {names} is not supported")
 
 
 def plain_plan(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Precision,

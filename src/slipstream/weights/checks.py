@@ -73,6 +73,16 @@ SCALE_FIELDS: dict[GGMLQuantizationType, tuple[tuple[int, int, str], ...]] = {
     GGMLQuantizationType.Q4_K: ((0, 63 * 15, "d"), (2, 63, "dmin")),
     GGMLQuantizationType.Q5_K: ((0, 63 * 31, "d"), (2, 63, "dmin")),
     GGMLQuantizationType.Q6_K: ((208, 128 * 32, "d"),),
+    # the i-quant grids (quant.iquants): d * (0.5 + 15) / 4 by a grid value up to 43 (IQ2),
+    # d * (0.5 + 15) / 2 by up to 62 (IQ3_XXS), d * (1 + 2 * 15) by up to 15 (IQ3_S),
+    # d * (1 + 2 * 7) by 1 + 1/8 (IQ1_S). IQ1_M spreads its d over four bytes' top nibbles:
+    # no field to read here.
+    GGMLQuantizationType.IQ2_XXS: ((0, 167, "d"),),
+    GGMLQuantizationType.IQ2_XS: ((0, 167, "d"),),
+    GGMLQuantizationType.IQ2_S: ((0, 167, "d"),),
+    GGMLQuantizationType.IQ3_XXS: ((0, 481, "d"),),
+    GGMLQuantizationType.IQ3_S: ((0, 465, "d"),),
+    GGMLQuantizationType.IQ1_S: ((0, 17, "d"),),
 }
 _CHUNK_BLOCKS = 1 << 20  # blocks per pass: bounds the temporaries at 2 MiB whatever the tensor
 
