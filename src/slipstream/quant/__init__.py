@@ -14,7 +14,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ..errors import GGUFError, UnsupportedTensorType
-from . import floats, kquants, legacy  # noqa: F401  (importing them registers the formats)
+from . import codebook, floats, kquants, legacy  # noqa: F401  (importing them registers the formats)
 from .base import QuantFormat, registry
 from .native import dequantize_native
 
