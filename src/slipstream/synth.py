@@ -118,6 +118,9 @@ QUANT_MIXES: dict[str, tuple[Q, Q]] = {
     "F16": (Q.F16, Q.F16),
     "Q4_0": (Q.Q4_0, Q.Q6_K),
     "Q5_K": (Q.Q5_K, Q.Q6_K),
+    "IQ4_NL": (Q.IQ4_NL, Q.Q6_K),
+    "IQ4_XS": (Q.IQ4_XS, Q.Q6_K),
+    "MXFP4": (Q.MXFP4, Q.Q8_0),  # as gpt-oss ships: MXFP4 matrices, the rest 8-bit
 }
 
 # general.file_type of each mix: llama.cpp's own enum (LlamaFileType), which is not the
@@ -130,6 +133,9 @@ FILE_TYPES: dict[str, LlamaFileType] = {
     "F16": LlamaFileType.MOSTLY_F16,
     "Q4_0": LlamaFileType.MOSTLY_Q4_0,
     "Q5_K": LlamaFileType.MOSTLY_Q5_K_S,
+    "IQ4_NL": LlamaFileType.MOSTLY_IQ4_NL,
+    "IQ4_XS": LlamaFileType.MOSTLY_IQ4_XS,
+    "MXFP4": LlamaFileType.MOSTLY_MXFP4_MOE,
 }
 
 # (byte offset, multiplier) of the float16 scale fields inside one block, per format: the only
@@ -141,7 +147,13 @@ _F16_FIELDS: dict[Q, tuple[tuple[int, float], ...]] = {
     Q.Q5_1: ((0, 1.0), (2, -15.5)), Q.Q8_0: ((0, 1.0),),
     Q.Q2_K: ((80, 1.0), (82, 1.5)), Q.Q3_K: ((108, 1.0),), Q.Q4_K: ((0, 1.0), (2, 7.5)),
     Q.Q5_K: ((0, 1.0), (2, 15.5)), Q.Q6_K: ((208, 1.0),),
+    Q.IQ4_NL: ((0, 1.0),), Q.IQ4_XS: ((0, 1.0),),  # IQ4_XS's 6-bit sub-scales stay random
+    Q.MXFP4: (),
 }
+# Byte offsets of one-byte e8m0 (power of two) scales: 2^(e - 128) is the weights' unit, so a
+# field value v is written as e = 128 + round(log2 v); the weights' spread is then within a
+# factor of sqrt(2) of the asked one.
+_E8M0_FIELDS: dict[Q, tuple[int, ...]] = {Q.MXFP4: (0,)}
 
 
 def _scale_for_std(qtype: Q, std: float) -> float:
@@ -202,6 +214,8 @@ def _random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator,
     for off, mult in _F16_FIELDS[qtype]:
         f16 = np.frombuffer(np.float16(field_value * mult).tobytes(), dtype=np.uint8)
         blocks[:, off:off + 2] = f16
+    for off in _E8M0_FIELDS.get(qtype, ()):
+        blocks[:, off] = min(max(128 + round(math.log2(field_value)), 0), 252)
     return blocks
 
 

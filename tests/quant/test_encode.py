@@ -9,20 +9,23 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from slipstream import quant
-from slipstream.errors import GGUFError, UnsupportedTensorType
+from slipstream.errors import BadArgument, GGUFError, UnsupportedTensorType
 from slipstream.quant import encode
+from slipstream.quant.requantize import parse_type
 
 K_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
-DELEGATED = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+DELEGATED = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4]
 
 # Relative RMS error of dequantize(quantize(x)) on standard gaussian data, upper bounds.
 # Measured at the time of writing (seed 0, 64 x 4096): Q8_0 0.54%, Q6_K 1.84%, Q5_1 3.79%,
-# Q5_K 3.75%, Q5_0 4.27%, Q4_K 7.56%, Q4_1 7.82%, Q4_0 8.59%, Q3_K 14.9%, Q2_K 28.7%.
+# Q5_K 3.75%, Q5_0 4.27%, Q4_K 7.56%, Q4_1 7.82%, Q4_0 8.59%, Q3_K 14.9%, Q2_K 28.7%,
+# MXFP4 11.5% (gguf-py's: a power-of-two scale and the E2M1 grid).
 # The bounds leave ~10% headroom, so a regression in the fit shows up here.
 MAX_REL_RMS = {
     T.F32: 0.0, T.F16: 5e-4, T.BF16: 3e-3,
     T.Q8_0: 0.006, T.Q6_K: 0.020, T.Q5_K: 0.041, T.Q5_1: 0.042, T.Q5_0: 0.047,
     T.Q4_K: 0.083, T.Q4_1: 0.086, T.Q4_0: 0.095, T.Q3_K: 0.165, T.Q2_K: 0.315,
+    T.MXFP4: 0.127,
 }
 SUB_BLOCK = {T.Q2_K: 16, T.Q3_K: 16, T.Q4_K: 32, T.Q5_K: 32, T.Q6_K: 16}
 
@@ -121,6 +124,12 @@ def test_shapes() -> None:
 def test_unsupported_types() -> None:
     with pytest.raises(UnsupportedTensorType, match="IQ2_XXS"):
         encode.quantize(np.zeros((1, 256), np.float32), T.IQ2_XXS)
+    # formats slipstream reads but cannot write: refused by name, before anything is read
+    for qtype in (T.IQ4_NL, T.IQ4_XS):
+        with pytest.raises(UnsupportedTensorType, match=f"quantizing to {qtype.name}"):
+            encode.quantize(np.zeros((1, 256), np.float32), qtype)
+        with pytest.raises(BadArgument, match=f"cannot quantize to '{qtype.name}'.*MXFP4"):
+            parse_type(qtype.name)
     assert GGML_QUANT_SIZES[T.Q4_K] == (256, 144)
 
 

@@ -1,7 +1,7 @@
 """Numpy quantizers, used to synthesize GGUF test models.
 
-The float and legacy types delegate to gguf-py. gguf-py has no K-quant quantizer, so those are
-our own: a per-sub-block min/max (or max-magnitude) fit, one least-squares refinement of each
+The float and legacy types and MXFP4 delegate to gguf-py. IQ4_NL and IQ4_XS have no encoder
+in gguf-py nor here, so they are refused. gguf-py has no K-quant quantizer, so those are our own: a per-sub-block min/max (or max-magnitude) fit, one least-squares refinement of each
 sub-block's scale and offset given its codes, and the sub-block parameters quantized into the
 packed 4/6/8-bit scale fields against f16 super-block scales. They are not llama.cpp's
 search-based quantizers and do not match them bit for bit, but `dequantize(quantize(x))` tracks
@@ -288,7 +288,7 @@ def _encode_q6_k(blocks: np.ndarray) -> np.ndarray:
 _T = GGMLQuantizationType
 _ENCODERS: dict[GGMLQuantizationType, BlockEncoder] = {
     **{t: _gguf_encoder(t) for t in (_T.F32, _T.F16, _T.BF16, _T.Q4_0, _T.Q4_1, _T.Q5_0,
-                                      _T.Q5_1, _T.Q8_0)},
+                                      _T.Q5_1, _T.Q8_0, _T.MXFP4)},
     _T.Q2_K: _encode_q2_k,
     _T.Q3_K: _encode_q3_k,
     _T.Q4_K: _encode_q4_k,
