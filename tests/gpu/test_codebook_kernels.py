@@ -158,3 +158,23 @@ def test_a_wrong_grid_fails(monkeypatch) -> None:
 def test_unsupported_formats_are_named() -> None:
     with pytest.raises(UnsupportedTensorType, match="TQ2_0 has no GPU kernel"):
         kernels.pack_weight(torch.zeros(66, dtype=torch.uint8), T.TQ2_0, 1, 256)
+
+
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+def test_quant_linear_routes_codebook_weights(precision: str) -> None:
+    """A layer's QuantLinear: precision "fast" keeps the float32 GEMV for these formats (no
+    int8 activations), and above the GEMV's rows "exact" multiplies float32 dequantized rows
+    (float32 products) where "fast" dequantizes to float16 for cuBLAS."""
+    from slipstream.weights.linear import QuantLinear, Workspace
+
+    qt, k, n = T.IQ4_XS, 512, 40
+    packed, ref = _setup(qt, n, k, seed=4)
+    ws = Workspace(torch.device(DEVICE), int8_activations=precision == "fast",
+                   float32_products=precision == "exact", max_elements=16 * k)
+    lin = QuantLinear(packed, None, ws)
+    assert lin._q8 is None and lin._max_m == kernels.MAX_M
+    for m, tol in ((2, FP32_TOL), (12, FP32_TOL if precision == "exact" else BF16_W_TOL)):
+        x = torch.randn(m, k).to(DEVICE)
+        y = lin(x)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert _rel(y, x.double().cpu().numpy() @ ref.T) <= tol, (precision, m)
