@@ -53,7 +53,8 @@ def random_blocks(qtype: T, n_blocks: int, rng: np.random.Generator) -> np.ndarr
         scale[rng.random(n_blocks) < 0.1] = 0.0
         raw[:, offset:offset + 2] = scale.astype(np.float16).reshape(-1, 1).view(np.uint8)
     for offset in E8M0_FIELDS.get(qtype, ()):
-        # the subnormal scales 0 and 1, the unit scale 127 and the largest safe one among random ones
+        # the subnormal scales 0 and 1, the unit scale 127 and the largest safe one, among
+        # random ones
         e = rng.integers(0, 253, n_blocks)
         e[:4] = (0, 1, 127, 252)[:n_blocks]
         raw[:, offset] = e

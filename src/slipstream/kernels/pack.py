@@ -26,8 +26,10 @@ kernels are exact in fp32 up to summation order. The codebook formats (IQ4_NL, I
 instead look their 4-bit code up in a 16-entry grid: ``w = s_g * grid[q]`` (QSpec.grid; the
 kernels read the grid as a float32 table, `grid_table`). IQ4_NL keeps ``d`` f16 per 32, IQ4_XS
 ``d`` per 256 and signed ``sc`` per 32 (as Q6_K), MXFP4 ``d`` as float32 per 32: its e8m0 scale
-2^(e - 128) spans 2^-128..2^127, beyond f16 (1 byte per 32 in GGUF, 4 here: +18%). Sizes against GGUF: equal for legacy formats,
-Q2_K and Q6_K; +2.8% for Q4_K, +2.3% for Q5_K and +3.6% for Q3_K (6-bit scales kept as bytes).
+2^(e - 128) spans 2^-128..2^127, beyond f16 (1 byte per 32 in GGUF, 4 here: +18%).
+
+Sizes against GGUF: equal for legacy formats, Q2_K and Q6_K; +2.8% for Q4_K, +2.3% for Q5_K
+and +3.6% for Q3_K (6-bit scales kept as bytes).
 """
 
 from __future__ import annotations

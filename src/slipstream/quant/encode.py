@@ -1,7 +1,8 @@
 """Numpy quantizers, used to synthesize GGUF test models.
 
 The float and legacy types and MXFP4 delegate to gguf-py. IQ4_NL and IQ4_XS have no encoder
-in gguf-py nor here, so they are refused. gguf-py has no K-quant quantizer, so those are our own: a per-sub-block min/max (or max-magnitude) fit, one least-squares refinement of each
+in gguf-py nor here, so they are refused. gguf-py has no K-quant quantizer, so those are our
+own: a per-sub-block min/max (or max-magnitude) fit, one least-squares refinement of each
 sub-block's scale and offset given its codes, and the sub-block parameters quantized into the
 packed 4/6/8-bit scale fields against f16 super-block scales. They are not llama.cpp's
 search-based quantizers and do not match them bit for bit, but `dequantize(quantize(x))` tracks
