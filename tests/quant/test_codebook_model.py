@@ -98,6 +98,23 @@ def test_experts_match_llamacpp(files, qtype):
     assert err < QUANT_REL_TOL, f"relative error {err:.2e} against llama.cpp on the {qtype} file"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", TYPES)
+def test_slipstream_quantize_writes_what_llamacpp_reads(qtype, tmp_path):
+    """`slipstream quantize`'s encoders (gguf-py's for MXFP4, quant.encode_codebook's for the
+    IQ4 types) on a float16 model: llama.cpp reads the file as we do."""
+    src = write_synth(tmp_path / "f16.gguf", "tiny", "F16", std=0.15, seed=4,
+                      n_layers=N_LAYERS)
+    q = requantize_module.requantize(src, tmp_path / f"{qtype}.gguf", qtype)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(requantize_module, "dequantize", _gguf_dequantize)
+        f32 = requantize_module.requantize(q, tmp_path / f"{qtype}-f32.gguf", "F32")
+    ours = cpu_engine(q, precision="exact").forward(IDS, all_logits=True)
+    _tight(ours, llamacpp_logits(f32, IDS))
+    err = rel_err(ours, llamacpp_logits(q, IDS))
+    assert err < QUANT_REL_TOL, f"relative error {err:.2e} against llama.cpp on the {qtype} file"
+
+
 # Deliberately wrong decoders: Q4_0's uniform grid in place of IQ4_NL's fitted one (close:
 # it differs by at most 17 of 127), and MXFP4 with its sign bit ignored. Measured 0.85
 # (IQ4_NL), 0.62 (IQ4_XS), 1.41 (MXFP4) on the float32 copy: 600 times its tolerance or more
