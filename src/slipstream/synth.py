@@ -118,6 +118,9 @@ QUANT_MIXES: dict[str, tuple[Q, Q]] = {
     "F16": (Q.F16, Q.F16),
     "Q4_0": (Q.Q4_0, Q.Q6_K),
     "Q5_K": (Q.Q5_K, Q.Q6_K),
+    "IQ4_NL": (Q.IQ4_NL, Q.Q6_K),
+    "IQ4_XS": (Q.IQ4_XS, Q.Q6_K),
+    "MXFP4": (Q.MXFP4, Q.Q8_0),  # as gpt-oss ships: MXFP4 matrices, the rest 8-bit
     # the i-quant grid formats: random codes only (nothing here encodes float weights to them)
     **{t.name: (t, Q.Q6_K) for t in (Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S,
                                       Q.IQ1_S, Q.IQ1_M)},
@@ -133,6 +136,9 @@ FILE_TYPES: dict[str, LlamaFileType] = {
     "F16": LlamaFileType.MOSTLY_F16,
     "Q4_0": LlamaFileType.MOSTLY_Q4_0,
     "Q5_K": LlamaFileType.MOSTLY_Q5_K_S,
+    "IQ4_NL": LlamaFileType.MOSTLY_IQ4_NL,
+    "IQ4_XS": LlamaFileType.MOSTLY_IQ4_XS,
+    "MXFP4": LlamaFileType.MOSTLY_MXFP4_MOE,
     **{name: LlamaFileType[f"MOSTLY_{name}"] for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S",
                                                            "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")},
 }
@@ -146,10 +152,16 @@ _F16_FIELDS: dict[Q, tuple[tuple[int, float], ...]] = {
     Q.Q5_1: ((0, 1.0), (2, -15.5)), Q.Q8_0: ((0, 1.0),),
     Q.Q2_K: ((80, 1.0), (82, 1.5)), Q.Q3_K: ((108, 1.0),), Q.Q4_K: ((0, 1.0), (2, 7.5)),
     Q.Q5_K: ((0, 1.0), (2, 15.5)), Q.Q6_K: ((208, 1.0),),
+    Q.IQ4_NL: ((0, 1.0),), Q.IQ4_XS: ((0, 1.0),),  # IQ4_XS's 6-bit sub-scales stay random
+    Q.MXFP4: (),
     Q.IQ2_XXS: ((0, 1.0),), Q.IQ2_XS: ((0, 1.0),), Q.IQ2_S: ((0, 1.0),), Q.IQ3_XXS: ((0, 1.0),),
     Q.IQ3_S: ((0, 1.0),), Q.IQ1_S: ((0, 1.0),),
     Q.IQ1_M: (),  # no f16 field of its own: see _set_iq1_m_scale
 }
+# Byte offsets of one-byte e8m0 (power of two) scales: 2^(e - 128) is the weights' unit, so a
+# field value v is written as e = 128 + round(log2 v); the weights' spread is then within a
+# factor of sqrt(2) of the asked one.
+_E8M0_FIELDS: dict[Q, tuple[int, ...]] = {Q.MXFP4: (0,)}
 # IQ1_M's f16 d is spread over the top nibbles of its four 16-bit scale words (bytes 48-55):
 # nibble k of d is the top nibble of word k, i.e. of byte 48 + 2k + 1
 _IQ1_M_SCALE_BYTES = (49, 51, 53, 55)
@@ -221,6 +233,8 @@ def _random_blocks(qtype: Q, n_blocks: int, rng: np.random.Generator,
         blocks[:, off:off + 2] = f16
     if qtype == Q.IQ1_M:
         _set_iq1_m_scale(blocks, field_value)
+    for off in _E8M0_FIELDS.get(qtype, ()):
+        blocks[:, off] = min(max(128 + round(math.log2(field_value)), 0), 252)
     return blocks
 
 

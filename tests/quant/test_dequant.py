@@ -14,7 +14,7 @@ from slipstream.errors import GGUFError, UnsupportedTensorType
 from slipstream.quant import encode
 
 ALL_TYPES = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0,
-             T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
+             T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4]
 FLOAT_TYPES = {T.F32, T.F16, T.BF16}
 K_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 
@@ -23,7 +23,10 @@ K_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
 F16_FIELDS = {
     T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
     T.Q2_K: (80, 82), T.Q3_K: (108,), T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
+    T.IQ4_NL: (0,), T.IQ4_XS: (0,),
 }
+# MXFP4's one-byte e8m0 scale: 2^(e - 128) times codes up to 12, so e above 252 overflows
+E8M0_FIELDS = {T.MXFP4: (0,)}
 
 
 def assert_bit_identical(got: torch.Tensor | np.ndarray, ref: np.ndarray) -> None:
@@ -49,6 +52,12 @@ def random_blocks(qtype: T, n_blocks: int, rng: np.random.Generator) -> np.ndarr
         scale = rng.standard_normal(n_blocks) * 10.0 ** rng.integers(-7, 3, n_blocks)
         scale[rng.random(n_blocks) < 0.1] = 0.0
         raw[:, offset:offset + 2] = scale.astype(np.float16).reshape(-1, 1).view(np.uint8)
+    for offset in E8M0_FIELDS.get(qtype, ()):
+        # the subnormal scales 0 and 1, the unit scale 127 and the largest safe one, among
+        # random ones
+        e = rng.integers(0, 253, n_blocks)
+        e[:4] = (0, 1, 127, 252)[:n_blocks]
+        raw[:, offset] = e
     return raw
 
 
@@ -155,8 +164,8 @@ def test_registry_and_row_bytes() -> None:
 def test_unsupported_type_is_named() -> None:
     with pytest.raises(UnsupportedTensorType, match=r"TQ1_0 is not supported; supported: F32, F16"):
         quant.get_format(T.TQ1_0)
-    with pytest.raises(UnsupportedTensorType, match="IQ4_NL"):
-        quant.dequantize(torch.zeros(18, dtype=torch.uint8), int(T.IQ4_NL), (32,))
+    with pytest.raises(UnsupportedTensorType, match="TQ2_0"):
+        quant.dequantize(torch.zeros(66, dtype=torch.uint8), int(T.TQ2_0), (256,))
     with pytest.raises(UnsupportedTensorType, match="9999"):
         quant.get_format(9999)
 

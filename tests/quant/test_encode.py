@@ -9,21 +9,26 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from slipstream import quant
-from slipstream.errors import GGUFError, UnsupportedTensorType
+from slipstream.errors import BadArgument, GGUFError, UnsupportedTensorType
 from slipstream.quant import encode
+from slipstream.quant.requantize import parse_type
 
 K_TYPES = [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K]
-DELEGATED = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0]
+DELEGATED = [T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4]
 
 # Relative RMS error of dequantize(quantize(x)) on standard gaussian data, upper bounds.
 # Measured at the time of writing (seed 0, 64 x 4096): Q8_0 0.54%, Q6_K 1.84%, Q5_1 3.79%,
-# Q5_K 3.75%, Q5_0 4.27%, Q4_K 7.56%, Q4_1 7.82%, Q4_0 8.59%, Q3_K 14.9%, Q2_K 28.7%.
+# Q5_K 3.75%, Q5_0 4.27%, Q4_K 7.56%, Q4_1 7.82%, Q4_0 8.59%, Q3_K 14.9%, Q2_K 28.7%,
+# MXFP4 11.5% (gguf-py's: a power-of-two scale and the E2M1 grid), IQ4_NL 7.73%, IQ4_XS 7.77%
+# (a non-uniform grid: below Q4_0 at the same bits).
 # The bounds leave ~10% headroom, so a regression in the fit shows up here.
 MAX_REL_RMS = {
     T.F32: 0.0, T.F16: 5e-4, T.BF16: 3e-3,
     T.Q8_0: 0.006, T.Q6_K: 0.020, T.Q5_K: 0.041, T.Q5_1: 0.042, T.Q5_0: 0.047,
     T.Q4_K: 0.083, T.Q4_1: 0.086, T.Q4_0: 0.095, T.Q3_K: 0.165, T.Q2_K: 0.315,
+    T.MXFP4: 0.127, T.IQ4_NL: 0.085, T.IQ4_XS: 0.086,
 }
+CODEBOOK = [T.IQ4_NL, T.IQ4_XS]  # slipstream's own encoders (quant.encode_codebook)
 SUB_BLOCK = {T.Q2_K: 16, T.Q3_K: 16, T.Q4_K: 32, T.Q5_K: 32, T.Q6_K: 16}
 
 
@@ -37,10 +42,10 @@ def rel_rms(y: np.ndarray, x: np.ndarray) -> float:
 
 
 def test_encodable_types() -> None:
-    assert encode.encodable_types() == sorted(DELEGATED + K_TYPES, key=int)
+    assert encode.encodable_types() == sorted(DELEGATED + K_TYPES + CODEBOOK, key=int)
 
 
-@pytest.mark.parametrize("qtype", DELEGATED + K_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", DELEGATED + K_TYPES + CODEBOOK, ids=lambda t: t.name)
 def test_round_trip_error(qtype: T) -> None:
     x = np.random.default_rng(0).standard_normal((64, 4096), dtype=np.float32)
     raw = encode.quantize(x, qtype)
@@ -85,7 +90,25 @@ def test_chunking_does_not_change_bytes(qtype: T, monkeypatch: pytest.MonkeyPatc
     assert np.array_equal(one_by_one, whole)
 
 
-@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda t: t.name)
+def test_codebook_beats_the_uniform_grid_and_fits_each_group() -> None:
+    """IQ4_NL's grid is fitted to bell-shaped weights: at Q4_0's 4.5 bits per weight it must
+    do better on Gaussian data; and IQ4_XS's 6-bit group scales must follow groups whose
+    magnitudes differ 10x within one 256-element block, as IQ4_NL's separate scales do."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 1024), dtype=np.float32)
+    err = {t: rel_rms(oracle(encode.quantize(x, t), t, x.shape), x) for t in (T.Q4_0, T.IQ4_NL)}
+    assert err[T.IQ4_NL] < 0.95 * err[T.Q4_0]
+    x = x.reshape(-1, 32) * (10.0 ** rng.uniform(-1, 0, size=(512, 1))).astype(np.float32)
+    x = x.reshape(16, 1024)
+    per_group = {}
+    for t in CODEBOOK:
+        y = oracle(encode.quantize(x, t), t, x.shape).reshape(-1, 32)
+        per_group[t] = np.sqrt(np.mean((y - x.reshape(-1, 32)) ** 2, axis=1)
+                               / np.mean(x.reshape(-1, 32) ** 2, axis=1))
+    assert np.quantile(per_group[T.IQ4_XS], 0.9) <= 1.2 * np.quantile(per_group[T.IQ4_NL], 0.9)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES + CODEBOOK, ids=lambda t: t.name)
 def test_degenerate_blocks(qtype: T) -> None:
     rng = np.random.default_rng(4)
     rows = [
@@ -121,6 +144,10 @@ def test_shapes() -> None:
 def test_unsupported_types() -> None:
     with pytest.raises(UnsupportedTensorType, match="IQ2_XXS"):
         encode.quantize(np.zeros((1, 256), np.float32), T.IQ2_XXS)
+    # `slipstream quantize`'s type: refused by name, with the encodable ones, before anything
+    # is read
+    with pytest.raises(BadArgument, match="cannot quantize to 'IQ2_XXS'.*IQ4_NL.*MXFP4"):
+        parse_type("IQ2_XXS")
     assert GGML_QUANT_SIZES[T.Q4_K] == (256, 144)
 
 

@@ -14,13 +14,14 @@ from slipstream.precision import Precision
 from slipstream.synth import write_synth
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
+# the codebook formats: MXFP4's float32 scale plane, IQ4_XS's K-quant-like scales
+@pytest.fixture(scope="module", params=["Q4_K_M", "MXFP4", "IQ4_XS"])
+def built(tmp_path_factory, request):
     pytest.importorskip("triton")  # QuantLinear looks the kernels up (never runs them here)
     from slipstream.weights.linear import Workspace
     from slipstream.weights.loader import LayerBuilder, TensorSource
 
-    path = write_synth(tmp_path_factory.mktemp("flat") / "m.gguf", "tiny", "Q4_K_M",
+    path = write_synth(tmp_path_factory.mktemp("flat") / "m.gguf", "tiny", request.param,
                        n_layers=2, seed=3)
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)

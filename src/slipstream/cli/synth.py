@@ -22,8 +22,9 @@ def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
                          "mixtures of experts 30b-a3b and 235b-a22b: Qwen3-MoE's, 8x7b: "
                          "Mixtral's)")
     sy.add_argument("--quant", default="Q4_K",
-                    choices=["Q4_K", "Q4_K_M", "Q6_K", "Q8_0", "F16", "Q4_0", "Q5_K", "IQ2_XXS",
-                             "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"],
+                    choices=["Q4_K", "Q4_K_M", "Q6_K", "Q8_0", "F16", "Q4_0", "Q5_K", "IQ4_NL",
+                             "IQ4_XS", "MXFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
+                             "IQ1_S", "IQ1_M"],
                     help="the weights' type")
     sy.add_argument("--layers", type=int, default=None, help="override the layer count "
                     "(default: the shape's)")

@@ -15,21 +15,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import MAX_M, _scale_min, gemv
+from .gemv import MAX_M, _scale_min, _table, gemv
 from .pack import FLOAT_DTYPES, PackedWeight
 from .qgemm import MAX_M as QGEMM_MAX_M, qgemm, supports as qgemm_supports
 from .qgemm import MIN_M as QGEMM_MIN_M  # noqa: F401 (kernels.QGEMM_MIN_M)
 
 
 @triton.jit
-def _dequant_q_kernel(lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, out_ptr, N, NUT,
-                      stride_on, LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr,
+def _dequant_q_kernel(lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, cb_ptr, out_ptr, N,
+                      NUT, stride_on, LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr,
                       OFF: tl.constexpr, KQUANT: tl.constexpr, HAS_MIN: tl.constexpr,
                       PACKED_SCMN: tl.constexpr, SM: tl.constexpr, F16_SCALES: tl.constexpr,
-                      BN: tl.constexpr, NU: tl.constexpr):
+                      CB: tl.constexpr, BN: tl.constexpr, NU: tl.constexpr):
     """out[n, k] = s_g * (q - OFF) - t_g in fp32, rounded once to out's dtype. SM: s_g and t_g
     from the fused f16 plane (pack.fuse_scales); F16_SCALES: from the GGUF planes, rounded to
-    f16 the same way (PackedWeight.f16_scales), so both give the same bits."""
+    f16 the same way (PackedWeight.f16_scales), so both give the same bits. CB (codebook
+    formats): s_g * grid[q], the grid gathered from the 16-entry float32 table at cb_ptr."""
     NJ: tl.constexpr = 32 // LO
     SPU: tl.constexpr = 32 // G
     JPS: tl.constexpr = NJ // SPU
@@ -60,7 +61,10 @@ def _dequant_q_kernel(lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr, out_
             q = (words >> (j * LO)) & ((1 << LO) - 1)
             if HI > 0:
                 q = q | (((hw >> (j * HI)) & ((1 << HI) - 1)) << LO)
-            w = (q - OFF).to(tl.float32) * scale3
+            if CB:
+                w = tl.load(cb_ptr + q) * scale3
+            else:
+                w = (q - OFF).to(tl.float32) * scale3
             if HAS_MIN:
                 w = w - tmin3
             tl.store(obase + j * LO, w.to(out_ptr.dtype.element_ty), mask=qmask)
@@ -90,10 +94,11 @@ def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.bfloat16,
         packed.m if packed.m is not None else dummy,
         packed.sc if packed.sc is not None else dummy,
         packed.mn if packed.mn is not None else dummy,
-        packed.sm if packed.sm is not None else dummy, out, n, nut, out.stride(0),
-        LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
+        packed.sm if packed.sm is not None else dummy, _table(packed), out, n, nut,
+        out.stride(0), LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
         HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, SM=packed.sm is not None,
-        F16_SCALES=packed.f16_scales and packed.sm is None, BN=bn, NU=nu, num_warps=4)
+        F16_SCALES=packed.f16_scales and packed.sm is None, CB=spec.grid is not None, BN=bn,
+        NU=nu, num_warps=4)
     return out
 
 

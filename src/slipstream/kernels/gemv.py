@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pack import FLOAT_DTYPES, PackedWeight
+from .pack import FLOAT_DTYPES, PackedWeight, grid_table
 
 MAX_M = 8  # rows of x the fused GEMV takes; matmul() dequantizes + cuBLAS above this
 
@@ -115,11 +115,13 @@ def _group_affine(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu, umask2, NUT,
 
 
 @triton.jit
-def _gemv_q_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, y_ptr,
+def _gemv_q_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, cb_ptr, y_ptr,
                    M, N, NUT, stride_xm, stride_ym,
                    LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
                    KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr,
-                   M_PAD: tl.constexpr, BN: tl.constexpr, NU: tl.constexpr):
+                   CB: tl.constexpr, M_PAD: tl.constexpr, BN: tl.constexpr, NU: tl.constexpr):
+    """CB (codebook formats, no hi plane nor min): f = grid[q] from the float32 table at
+    cb_ptr instead of the mantissa trick, and each group adds scale * sum(f * x)."""
     NJ: tl.constexpr = 32 // LO  # slots per word
     SPU: tl.constexpr = 32 // G  # scale groups per 32-unit
     JPS: tl.constexpr = NJ // SPU  # slots per scale group
@@ -154,18 +156,26 @@ def _gemv_q_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, y_ptr,
             X = tl.zeros([M_PAD, NU, LO], dtype=tl.float32)
             for jj in tl.static_range(JPS):
                 j = s * JPS + jj
-                bits = _bits_to(words, j * LO, LO, MANT) | 0x3F800000
-                if HI > 0:
-                    bits = bits | _bits_to(hw, j * HI, HI, MANT + LO)
-                f = bits.to(tl.float32, bitcast=True)  # 1 + q / 2^B, exact
+                if CB:
+                    f = tl.load(cb_ptr + ((words >> (j * LO)) & ((1 << LO) - 1)))
+                else:
+                    bits = _bits_to(words, j * LO, LO, MANT) | 0x3F800000
+                    if HI > 0:
+                        bits = bits | _bits_to(hw, j * HI, HI, MANT + LO)
+                    f = bits.to(tl.float32, bitcast=True)  # 1 + q / 2^B, exact
                 xj = tl.load(xbase + j * LO, mask=xmask, other=0.0).to(tl.float32)
                 F += f[None, :, :, :] * xj[:, None, :, :]
                 X += xj
-            a, b = _group_affine(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu2, umask2, NUT,
-                                 s, SPU, B, OFF, KQUANT, HAS_MIN, PACKED_SCMN)
             Fs = tl.sum(F, axis=3)  # [M_PAD, BN, NU]
-            Xs = tl.sum(X, axis=2)  # [M_PAD, NU]
-            acc += a[None, :, :] * Fs + b[None, :, :] * Xs[:, None, :]
+            if CB:
+                scale, _ = _group_scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu2, umask2, NUT,
+                                            s, SPU, KQUANT, False, False)
+                acc += scale[None, :, :] * Fs
+            else:
+                a, b = _group_affine(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu2, umask2, NUT,
+                                     s, SPU, B, OFF, KQUANT, HAS_MIN, PACKED_SCMN)
+                Xs = tl.sum(X, axis=2)  # [M_PAD, NU]
+                acc += a[None, :, :] * Fs + b[None, :, :] * Xs[:, None, :]
     y = tl.sum(acc, axis=2)  # [M_PAD, BN]
     ymask = (offs_m < M)[:, None] & rmask[None, :]
     tl.store(y_ptr + offs_m[:, None] * stride_ym + rows[None, :],
@@ -173,10 +183,11 @@ def _gemv_q_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, y_ptr,
 
 
 @triton.jit
-def _gemv_q1_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, y_ptr,
+def _gemv_q1_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, cb_ptr, y_ptr,
                     N, NUT, LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr,
                     OFF: tl.constexpr, KQUANT: tl.constexpr, HAS_MIN: tl.constexpr,
-                    PACKED_SCMN: tl.constexpr, BN: tl.constexpr, NG: tl.constexpr):
+                    PACKED_SCMN: tl.constexpr, CB: tl.constexpr, BN: tl.constexpr,
+                    NG: tl.constexpr):
     """m = 1 variant: tiles are [BN, NG scale groups, JPS slots, LO lanes] in natural K order, so
     x is read once per step as contiguous 16-byte vectors and all slots unpack in one broadcast
     shift (a G = 16 format loads each code word twice, from L1)."""
@@ -201,20 +212,28 @@ def _gemv_q1_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, y_ptr,
         woff = r4 * (NUT * LO) + (g4 // SPU) * LO + w4  # [BN, NG, 1, LO]
         words = tl.load(lo_ptr + woff, mask=qmask, other=0)
         slot = (g4 % SPU) * JPS + jj4  # [1, NG, JPS, 1]
-        bits = (((words >> (slot * LO)) & ((1 << LO) - 1)) << MANT) | 0x3F800000
-        if HI > 0:
-            hw = tl.load(hi_ptr + woff, mask=qmask, other=0).to(tl.int32)
-            bits = bits | (((hw >> (slot * HI)) & ((1 << HI) - 1)) << (MANT + LO))
-        f = bits.to(tl.float32, bitcast=True)  # [BN, NG, JPS, LO], 1 + q / 2^B
+        if CB:  # the grid value of each code (see _gemv_q_kernel)
+            f = tl.load(cb_ptr + ((words >> (slot * LO)) & ((1 << LO) - 1)))
+        else:
+            bits = (((words >> (slot * LO)) & ((1 << LO) - 1)) << MANT) | 0x3F800000
+            if HI > 0:
+                hw = tl.load(hi_ptr + woff, mask=qmask, other=0).to(tl.int32)
+                bits = bits | (((hw >> (slot * HI)) & ((1 << HI) - 1)) << (MANT + LO))
+            f = bits.to(tl.float32, bitcast=True)  # [BN, NG, JPS, LO], 1 + q / 2^B
         x = tl.load(x_ptr + g4 * G + jj4 * LO + w4, mask=gmask4, other=0.0).to(tl.float32)
         F = tl.sum(tl.sum(f * x, axis=3), axis=2)  # [BN, NG]
         X = tl.sum(tl.sum(x, axis=3), axis=2)  # [1, NG]
         g2 = gg[None, :]
         gmask2 = rmask[:, None] & (g2 < NGT)
         # a group g is sub-group g % SPU of unit g // SPU
-        a, b = _group_affine(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, g2 // SPU, gmask2, NUT,
-                             g2 % SPU, SPU, B, OFF, KQUANT, HAS_MIN, PACKED_SCMN)
-        acc += a * F + b * X
+        if CB:
+            scale, _ = _group_scale_min(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, g2 // SPU, gmask2,
+                                        NUT, g2 % SPU, SPU, KQUANT, False, False)
+            acc += scale * F
+        else:
+            a, b = _group_affine(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, g2 // SPU, gmask2, NUT,
+                                 g2 % SPU, SPU, B, OFF, KQUANT, HAS_MIN, PACKED_SCMN)
+            acc += a * F + b * X
     y = tl.sum(acc, axis=1)
     tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rmask)
 
@@ -240,6 +259,13 @@ def _gemv_f_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
     y = tl.sum(acc, axis=2)
     tl.store(y_ptr + offs_m[:, None] * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty),
              mask=(offs_m < M)[:, None] & rmask[None, :])
+
+
+def _table(packed: PackedWeight) -> torch.Tensor:
+    """The cb_ptr argument: the format's grid table, or any tensor for formats without one
+    (the kernels read it only under CB)."""
+    table = grid_table(packed.spec, packed.device)
+    return packed.lo if table is None else table
 
 
 def _m_pad(m: int) -> int:
@@ -321,17 +347,18 @@ def gemv(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None,
             x, packed.lo, packed.hi if packed.hi is not None else dummy, packed.d,
             packed.m if packed.m is not None else dummy,
             packed.sc if packed.sc is not None else dummy,
-            packed.mn if packed.mn is not None else dummy, out, n, packed.cols // 32,
-            LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
-            HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, num_warps=warps, **cfg)
+            packed.mn if packed.mn is not None else dummy, _table(packed), out, n,
+            packed.cols // 32, LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off,
+            KQUANT=spec.kquant, HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn,
+            CB=spec.grid is not None, num_warps=warps, **cfg)
         return out
     _gemv_q_kernel[grid](
         x, packed.lo, packed.hi if packed.hi is not None else dummy, packed.d,
         packed.m if packed.m is not None else dummy,
         packed.sc if packed.sc is not None else dummy,
-        packed.mn if packed.mn is not None else dummy, out,
+        packed.mn if packed.mn is not None else dummy, _table(packed), out,
         m, n, packed.cols // 32, x.stride(0), out.stride(0),
         LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
-        HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, M_PAD=_m_pad(m),
-        num_warps=warps, **cfg)
+        HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, CB=spec.grid is not None,
+        M_PAD=_m_pad(m), num_warps=warps, **cfg)
     return out

@@ -22,8 +22,14 @@ The layout (all planes row-major, one row of the weight per row of the plane):
   as GGUF does, to stay at GGUF's size.
 
 Every format then dequantizes as ``w = s_g * (q - OFF) - t_g`` with fp32-exact ``s_g``, so the
-kernels are exact in fp32 up to summation order. Sizes against GGUF: equal for legacy formats,
-Q2_K and Q6_K; +2.8% for Q4_K, +2.3% for Q5_K and +3.6% for Q3_K (6-bit scales kept as bytes).
+kernels are exact in fp32 up to summation order. The codebook formats (IQ4_NL, IQ4_XS, MXFP4)
+instead look their 4-bit code up in a 16-entry grid: ``w = s_g * grid[q]`` (QSpec.grid; the
+kernels read the grid as a float32 table, `grid_table`). IQ4_NL keeps ``d`` f16 per 32, IQ4_XS
+``d`` per 256 and signed ``sc`` per 32 (as Q6_K), MXFP4 ``d`` as float32 per 32: its e8m0 scale
+2^(e - 128) spans 2^-128..2^127, beyond f16 (1 byte per 32 in GGUF, 4 here: +18%).
+
+Sizes against GGUF: equal for legacy formats, Q2_K and Q6_K; +2.8% for Q4_K, +2.3% for Q5_K
+and +3.6% for Q3_K (6-bit scales kept as bytes).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from ..errors import GGUFError, UnsupportedTensorType
+from ..quant.codebook import IQ4NL_VALUES, MXFP4_VALUES, e8m0_half, iq4_xs_scales
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,8 @@ class QSpec:
     kquant: bool  # scales are d[super-block] * sc[group] (else one f16 d per 32)
     has_min: bool  # a subtracted min term exists (m for legacy, dmin*mn for K-quants)
     packed_scmn: bool = False  # Q2_K: sc = byte & 15, mn = byte >> 4
+    grid: tuple[int, ...] | None = None  # codebook formats: w = scale * grid[q] (off = 0)
+    f32_scale: bool = False  # d is a float32 plane (MXFP4), not f16
 
 
 QSPECS: dict[T, QSpec] = {
@@ -60,6 +69,9 @@ QSPECS: dict[T, QSpec] = {
     T.Q4_K: QSpec(4, 0, 32, 0, True, True),
     T.Q5_K: QSpec(4, 1, 32, 0, True, True),
     T.Q6_K: QSpec(4, 2, 16, 32, True, False),
+    T.IQ4_NL: QSpec(4, 0, 32, 0, False, False, grid=IQ4NL_VALUES),
+    T.IQ4_XS: QSpec(4, 0, 32, 0, True, False, grid=IQ4NL_VALUES),
+    T.MXFP4: QSpec(4, 0, 32, 0, False, False, grid=MXFP4_VALUES, f32_scale=True),
 }
 FLOAT_DTYPES: dict[T, torch.dtype] = {T.F32: torch.float32, T.F16: torch.float16,
                                       T.BF16: torch.bfloat16}
@@ -171,6 +183,20 @@ def pack_weight(raw: torch.Tensor, qtype: T | int | str, rows: int, cols: int) -
     cat = {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k]
            for k in parts[0]}
     return PackedWeight(qt, rows, cols, gguf_bytes=nbytes, **cat)
+
+
+_grid_tables: dict[tuple[tuple[int, ...], torch.device], torch.Tensor] = {}
+
+
+def grid_table(spec: QSpec, device: torch.device) -> torch.Tensor | None:
+    """A codebook format's 16 grid values as float32 on `device` (made once per device), the
+    table its kernels gather from; None for the other formats."""
+    if spec.grid is None:
+        return None
+    key = (spec.grid, device)
+    if key not in _grid_tables:
+        _grid_tables[key] = torch.tensor(spec.grid, dtype=torch.float32, device=device)
+    return _grid_tables[key]
 
 
 def sm_width(spec: QSpec) -> int:
@@ -349,5 +375,20 @@ def _q6_k(b):  # ql[128] | qh[64] | scales int8[16] | d f16
     return codes, {"sc": b[:, 192:208].view(torch.int8), "d": _f16(b, 208)}
 
 
+def _iq4_nl(b):  # d f16 | qs[16]; codes index the grid
+    return _nibbles32(b[:, 2:18]), {"d": _f16(b, 0)}
+
+
+def _iq4_xs(b):  # d f16 | scales_h u16 | scales_l[4] | qs[128]: 8 runs of 16 bytes as IQ4_NL
+    nb = b.shape[0]
+    codes = _nibbles32(b[:, 8:136].reshape(nb * 8, 16)).reshape(nb, 256)
+    return codes, {"sc": iq4_xs_scales(b), "d": _f16(b, 0)}
+
+
+def _mxfp4(b):  # e8m0 e | qs[16]; d = 2^(e - 128) as float32, the grid doubled E2M1
+    return _nibbles32(b[:, 1:17]), {"d": e8m0_half(b[:, 0:1])}
+
+
 _DECODE = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
-           T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+           T.Q2_K: _q2_k, T.Q3_K: _q3_k, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+           T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs, T.MXFP4: _mxfp4}

@@ -159,8 +159,10 @@ def with_fused_scales(packed: PackedWeight, buffer: torch.Tensor | None = None) 
 
 
 def supports(packed: PackedWeight) -> bool:
-    """Quantized formats only (float weights go to cuBLAS as they are)."""
-    return packed.qtype not in FLOAT_DTYPES and packed.spec is not None
+    """Quantized formats with integer codes (float weights go to cuBLAS as they are; the
+    codebook formats, whose codes index a grid, are dequantized for it too)."""
+    return (packed.qtype not in FLOAT_DTYPES and packed.spec is not None
+            and packed.spec.grid is None)
 
 
 def m_pad(m: int) -> int:

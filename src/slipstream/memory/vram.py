@@ -50,7 +50,8 @@ def packed_planes(qtype: int, rows: int, cols: int, fused: bool = False) -> list
         planes.append(rows * cols * s.hi // 8)
     if fused and sm_width(s):
         return planes + [rows * cols // 32 * sm_width(s) * 2]
-    scales = rows * (cols // 256 if s.kquant else cols // 32) * 2  # f16 d (and m)
+    # f16 d (and m); MXFP4's d is float32
+    scales = rows * (cols // 256 if s.kquant else cols // 32) * (4 if s.f32_scale else 2)
     planes += [scales] * (2 if s.has_min else 1)
     if s.kquant:
         planes.append(rows * cols // s.group)  # sc

@@ -1,6 +1,6 @@
 """GGML tensor formats: block geometry and a reference dequantizer in plain torch.
 
-Each family module (floats, legacy, kquants, iquants) registers its formats at import. The
+Each family module (floats, legacy, kquants, codebook, iquants) registers its formats at import. The
 dequantizers here are the oracle the fused kernels are tested against: vectorized over all
 blocks, no numpy, so the same code runs on CPU and CUDA tensors. `slipstream.quant.encode` is
 the numpy inverse, used to synthesize test models.
@@ -14,7 +14,8 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ..errors import GGUFError, UnsupportedTensorType
-from . import floats, iquants, kquants, legacy  # noqa: F401  (importing them registers the formats)
+# importing them registers the formats
+from . import codebook, floats, iquants, kquants, legacy  # noqa: F401
 from .base import QuantFormat, registry
 from .native import dequantize_native
 

@@ -1,7 +1,8 @@
 """Numpy quantizers, used to synthesize GGUF test models.
 
-The float and legacy types delegate to gguf-py. gguf-py has no K-quant quantizer, so those are
-our own: a per-sub-block min/max (or max-magnitude) fit, one least-squares refinement of each
+The float and legacy types and MXFP4 delegate to gguf-py; IQ4_NL and IQ4_XS, which gguf-py
+cannot encode, are quant.encode_codebook's. gguf-py has no K-quant quantizer, so those are our
+own: a per-sub-block min/max (or max-magnitude) fit, one least-squares refinement of each
 sub-block's scale and offset given its codes, and the sub-block parameters quantized into the
 packed 4/6/8-bit scale fields against f16 super-block scales. They are not llama.cpp's
 search-based quantizers and do not match them bit for bit, but `dequantize(quantize(x))` tracks
@@ -21,6 +22,7 @@ from gguf import GGMLQuantizationType
 
 from ..errors import GGUFError, UnsupportedTensorType
 from . import get_format, row_bytes
+from .encode_codebook import encode_iq4_nl, encode_iq4_xs
 
 _CHUNK_ELEMENTS = 1 << 16  # 256 KiB of float32 per step: fits L2, amortizes numpy call overhead
 # Least-squares refits after the min/max fit. One costs ~1.5-2x the time and cuts the error by
@@ -288,10 +290,12 @@ def _encode_q6_k(blocks: np.ndarray) -> np.ndarray:
 _T = GGMLQuantizationType
 _ENCODERS: dict[GGMLQuantizationType, BlockEncoder] = {
     **{t: _gguf_encoder(t) for t in (_T.F32, _T.F16, _T.BF16, _T.Q4_0, _T.Q4_1, _T.Q5_0,
-                                      _T.Q5_1, _T.Q8_0)},
+                                      _T.Q5_1, _T.Q8_0, _T.MXFP4)},
     _T.Q2_K: _encode_q2_k,
     _T.Q3_K: _encode_q3_k,
     _T.Q4_K: _encode_q4_k,
     _T.Q5_K: _encode_q5_k,
     _T.Q6_K: _encode_q6_k,
+    _T.IQ4_NL: encode_iq4_nl,
+    _T.IQ4_XS: encode_iq4_xs,
 }

@@ -336,7 +336,11 @@ class QuantLinear(Linear):
         self._rms_norm = kernels.rms_norm
         self._qgemm, self._qgemm_max_m = kernels.qgemm, kernels.QGEMM_MAX_M
         self._q8 = None
-        if workspace.int8_activations and int(packed.qtype) not in _FLOAT_TYPES:
+        # codebook formats (IQ4_NL, IQ4_XS, MXFP4): their codes index a grid, which the int8
+        # GEMV and qgemm do not read; they take the float32 GEMV and dequantize + cuBLAS
+        self._grid = int(packed.qtype) not in _FLOAT_TYPES and packed.spec.grid is not None
+        if workspace.int8_activations and int(packed.qtype) not in _FLOAT_TYPES \
+                and not self._grid:
             from ..kernels import gemv_q8  # local: a Triton module (absent on CPU-only hosts)
 
             self.packed = packed = fuse_scales(packed) if fuse else f16_scales(packed)
@@ -349,7 +353,7 @@ class QuantLinear(Linear):
         self._max_m = kernels.QGEMM_MIN_M - 1 if self._q8 is not None else kernels.MAX_M
         # precision "exact": no float16 rounding above the GEMV's rows either
         self._float32 = workspace.float32_products and (
-            not self._scratch or kernels.qgemm_supports(packed))
+            not self._scratch or self._grid or kernels.qgemm_supports(packed))
         if self._scratch:
             workspace.reserve(packed.rows * packed.cols)
 
@@ -365,7 +369,7 @@ class QuantLinear(Linear):
             # small batches (tree levels, verification): the fused quantized GEMM (the
             # scratch holds a streamed layer's fused scales for the call); prefill-sized
             # ones: dequantize into the scratch + cuBLAS
-            if self._scratch and m <= self._qgemm_max_m:
+            if self._scratch and m <= self._qgemm_max_m and not self._grid:
                 y = self._qgemm(x, self.packed, out_dtype=x.dtype,
                                 scale_buffer=self.workspace.buffer)
             else:
@@ -386,6 +390,14 @@ class QuantLinear(Linear):
         precision "exact" is the reference, not the fast path); float weights through cuBLAS in
         float32, a row chunk of the weight at a time (the float32 copy stays small)."""
         x32 = x.float()
+        if self._grid:  # no qgemm for these: float32 row chunks of the weight, then cuBLAS
+            rows, cols = self.packed.rows, self.packed.cols
+            chunk = max(1, _FLOAT32_CHUNK_BYTES // (4 * cols))
+            y = torch.empty(x.shape[0], rows, device=x.device, dtype=x.dtype)
+            for r0 in range(0, rows, chunk):
+                part = self.packed.row_slice(r0, min(rows, r0 + chunk))
+                y[:, r0:r0 + chunk] = x32 @ kernels.dequantize(part, torch.float32).t()
+            return y
         if self._scratch:
             step = self._qgemm_max_m
             parts = [self._qgemm(x32[r:r + step], self.packed, out_dtype=x.dtype, exact=True)
