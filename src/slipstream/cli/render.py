@@ -137,6 +137,10 @@ def breakdown_table(s: GenerationStats, store: StoreStats, device: str) -> Table
     t.caption = (f"{store.layers_streamed} streamed layer loads; {store.disk_bytes / 1e6:.1f} MB "
                  f"read from disk, {store.h2d_bytes / 1e6:.1f} MB copied to the GPU; links "
                  f"overlap compute, so their shares are not added")
+    rate = store.expert_hit_rate
+    if rate is not None:
+        t.caption += (f"\nexperts: {store.expert_hits} calls from RAM, {store.expert_misses} read "
+                      f"from disk ({store.expert_bytes_read / 1e6:.1f} MB): hit rate {rate:.1%}")
     return t
 
 
