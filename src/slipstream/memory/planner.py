@@ -185,7 +185,8 @@ class Plan:
           staging_buffers buffers, a streamed layer's read starts once the layer that many
           streamed layers before it is released), so neither simply the CPU's sum nor the
           reads' where the two are close."""
-        if self.device != "cpu":
+        if self.device != "cpu" or self.expert_slots is not None:
+            # experts read per use: how many depends on the routing, which no probe predicts
             return None
         bw = self.bandwidth_gbps
         streamed = self.bytes_per_token("disk")
