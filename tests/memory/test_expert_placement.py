@@ -18,10 +18,11 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import slipstream
-from slipstream.errors import BadArgument, BudgetTooSmall
+from slipstream.errors import BadArgument, BudgetTooSmall, GGUFError
 from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.synth import write_synth
-from slipstream.weights.expert_tiers import ExpertCounts, ExpertSlice, TieredExperts
+from slipstream.weights.expert_tiers import (ExpertCounts, ExpertFile, ExpertSlice,
+                                             TieredExperts)
 
 IDS = list(range(7, 300, 11))  # 27 tokens of the synthetic vocabulary
 CTX = 64
@@ -116,8 +117,10 @@ def _compare(path, precision, decode: bool, ids=IDS):
     a = ref.logits(ids, one_at_a_time=decode)
     b = placed.logits(ids, one_at_a_time=decode)
     stats = placed.engine.layers.stats
+    experts = placed.engine.weights.experts
     ref.close()
     placed.close()
+    assert experts.closed  # the model's close gives its descriptor back
     return a, b, stats
 
 
@@ -132,6 +135,7 @@ def test_placed_experts_give_the_resident_logits(qwen_file):
     assert stats.expert_bytes_read == stats.expert_misses * per // 16
 
 
+@pytest.mark.slow
 def test_negative_control_a_shifted_read_changes_the_logits(qwen_file, monkeypatch):
     """Cold experts read from the next expert's bytes: the comparison above must fail."""
     real = ExpertSlice.of
@@ -153,6 +157,21 @@ def test_placed_experts_bit_identical(tmp_path_factory, arch, precision, decode)
     a, b, stats = _compare(path, precision, decode)
     assert torch.equal(a, b), (a - b).abs().max()
     assert stats.expert_misses > 0
+
+
+def test_a_file_cut_short_fails_naming_the_expert(tmp_path):
+    path = tmp_path / "short.bin"
+    path.write_bytes(bytes(range(100)))
+    f = ExpertFile(path)
+    sl = ExpertSlice(offset=20, expert_bytes=30, rows=3, row_bytes=10)
+    assert f.read(sl, 1).flatten().tolist() == list(range(50, 80))  # expert 1: bytes 50-79
+    assert f.stats.expert_bytes_read == 30
+    with pytest.raises(GGUFError, match="expert 2's bytes end past the file: read 20 of 30"):
+        f.read(sl, 2)
+    with pytest.raises(GGUFError, match="expert 3's bytes end past the file: read 0 of 30"):
+        f.read(sl, 3)
+    f.close()
+    assert f.closed
 
 
 # -- the cache's policy and the hit rate ----------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import BadArgument
+from ..errors import BadArgument, GGUFError
 
 # gate/up and down linears of one expert
 ExpertPair = tuple[object, object]
@@ -63,8 +63,9 @@ class ExpertFile:
         view, done = memoryview(buf), 0
         while done < n:  # pread may return short
             got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise OSError(f"{self.path}: read {done} of {n} bytes at offset {offset}")
+            if got <= 0:  # the file shrank since it was loaded
+                raise GGUFError(f"{self.path}: expert {e}'s bytes end past the file: read "
+                                f"{done} of {n} bytes at offset {offset}")
             done += got
         self.count(bytes_read=n)
         return torch.frombuffer(buf, dtype=torch.uint8).view(sl.rows, sl.row_bytes)
@@ -75,6 +76,10 @@ class ExpertFile:
             s.expert_hits += hits
             s.expert_misses += misses
             s.expert_bytes_read += bytes_read
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
 
     def close(self) -> None:
         if self._fd >= 0:
