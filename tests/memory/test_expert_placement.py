@@ -79,6 +79,10 @@ def test_plan_holds_the_dense_part_then_whole_experts(qwen_file):
     # the dense part counts at least the non-expert tensors' file bytes, and is less than the
     # whole model's plan
     assert dense_tensors < need < sum(whole.resident_bytes_per_layer) + whole.fixed_bytes
+    # a budget of exactly the whole model's bytes, short of the plain plan's staging buffers:
+    # experts placed, never a layer streamed (which a mixture of experts cannot)
+    edge = _plan(qwen_file, sum(whole.resident_bytes_per_layer) + whole.fixed_bytes)
+    assert not edge.streamed_layers and edge.expert_slots is not None
     plan = _plan(qwen_file, need)
     assert plan.expert_slots == [0, 0] and plan.tiers == ["ram", "ram"]
     assert not plan.streamed_layers
@@ -292,3 +296,24 @@ def test_info_plan_and_run_stats(qwen_file, capsys, monkeypatch):
                      "-p", "hello"]) == 0
     err = capsys.readouterr().err
     assert re.search(r"hit\s+rate\s+\d+\.\d%", err), err
+
+
+@pytest.mark.slow
+def test_the_cpu_probe_runs_a_moe_layer(qwen_file):
+    """`info --plan` and `load` probe a layer's decode rate: a mixture of experts has no packed
+    layer image, so its layer is built as a resident one and runs its experts."""
+    import math
+
+    from slipstream.memory.probes import cpu_decode_rates
+    from slipstream.memory.setup import head_decode_bytes, layer_resident_bytes
+    from slipstream.modelfile.config import ModelConfig
+    from slipstream.precision import Precision
+
+    gf = GGUFFile(qwen_file)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    fast = Precision.of("fast", torch.device("cpu"))
+    rates = cpu_decode_rates(gf, cfg, fast, 1, layer_resident_bytes(gf, 1, fast),
+                             head_decode_bytes(gf, fast), time_budget_s=0.05, max_reps=2)
+    gf.close()
+    assert set(rates) == {"rebuild", "compute", "gemv"}
+    assert all(math.isfinite(v) and v > 0 for v in rates.values())

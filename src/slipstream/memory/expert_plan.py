@@ -16,6 +16,7 @@ import torch
 
 from ..errors import BudgetTooSmall
 from ..model.families import spec_for
+from ..model.layer_spec import EMBEDDING
 from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
@@ -61,7 +62,7 @@ def plan_experts(gf: GGUFFile, cfg: ModelConfig, precision: Precision, resident:
     per_expert = [expert_ram_bytes(gf, cfg, i, precision) for i in range(n)]
     dense_layers = [r - cfg.n_experts * expert_ram_bytes(gf, cfg, i, precision, gguf=False)
                     for i, r in enumerate(resident)]
-    embed = gf.tensors["token_embd.weight"].n_bytes  # a private copy of its GGUF bytes
+    embed = gf.tensors[EMBEDDING].n_bytes  # a private copy of its GGUF bytes
     # one cold expert read and built at a time, beside those held
     staging = max(per_expert) + max(expert_file_bytes(gf, cfg, i) for i in range(n))
     dense = fixed + embed + sum(dense_layers) + staging

@@ -183,8 +183,8 @@ def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Preci
     resident = [layer_resident_bytes(gf, i, precision) for i in layers]
     head_bytes = head_decode_bytes(gf, precision) if stage.holds_head else 0
     fixed = cpu_fixed_bytes(gf, cfg, precision, ctx, stage)
-    if cfg.n_experts and ram_budget is not None and fixed + sum(resident) > ram_budget \
-            and len(layers) == cfg.n_layers:
+    if cfg.n_experts and ram_budget is not None and len(layers) == cfg.n_layers and \
+            not _holds_whole(resident, span_bytes, fixed, ram_budget):
         # a mixture of experts too large for the budget: experts in RAM or read from the
         # file, the rest resident (memory.expert_plan)
         plan = plan_experts(gf, cfg, precision, resident, span_bytes, fixed, ram_budget)
@@ -213,6 +213,15 @@ def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Preci
         plan = plan_layers("cpu", resident, span_bytes, fixed, ram_budget)
     # head_bytes: one matvec over it per token (the CPU prediction)
     return dataclasses.replace(plan, cpu_images=images, head_bytes=head_bytes)
+
+
+def _holds_whole(resident: list[int], span_bytes: list[int], fixed: int, budget: int) -> bool:
+    """Whether a plain CPU plan keeps every layer resident at `budget` (plan_layers counts
+    its staging buffers even then)."""
+    try:
+        return not plan_layers("cpu", resident, span_bytes, fixed, budget).streamed_layers
+    except BudgetTooSmall:
+        return False
 
 
 def head_dense_on_demand(gf: GGUFFile, precision: Precision, stage: StagePlan | None = None
