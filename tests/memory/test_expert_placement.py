@@ -208,7 +208,7 @@ class _Const:
         return torch.full_like(x, float(self.e))
 
 
-def _bank(n, slots):
+def _bank(n, slots, decay_rows=1 << 30):
     made = []
 
     def make(e, raws):
@@ -218,7 +218,7 @@ def _bank(n, slots):
     held = {e: make(e, []) for e in range(slots)}
     made.clear()
     sl = [ExpertSlice(0, 10, 2, 5)]
-    return TieredExperts(n, slots, _FakeFile(), sl, make, held), made
+    return TieredExperts(n, slots, _FakeFile(), sl, make, held, decay_rows), made
 
 
 @settings(max_examples=60, deadline=None)
@@ -227,7 +227,8 @@ def test_held_experts_are_always_a_most_used_set(n, data):
     slots = data.draw(st.integers(0, n))
     calls = data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(1, 3)),
                                max_size=80))
-    bank, made = _bank(n, slots)
+    # counts halved now and then, or never: the order they keep is what the slots follow
+    bank, made = _bank(n, slots, data.draw(st.sampled_from([7, 20, 1 << 30])))
     h = torch.ones(1, 4)
     for e, rows in calls:
         out = bank.ffn(e, h.expand(rows, 4))
@@ -252,6 +253,16 @@ def test_a_cold_expert_takes_the_least_used_slot():
     assert set(bank.held) == {0, 2}
     bank.ffn(3, h)  # now more: takes a slot
     assert 3 in bank.held and len(bank.held) == 2
+    # popularity moves: with counts halved every 8 rows, a newly popular expert takes the slot
+    # within 12 calls (the old favourite's count stays about 7), where never halved counts
+    # keep the favourite of the first 40 calls
+    for decay, expect in ((8, True), (1 << 30, False)):
+        bank, _ = _bank(4, 1, decay)
+        for _ in range(40):
+            bank.ffn(0, h)
+        for _ in range(12):
+            bank.ffn(3, h)
+        assert (3 in bank.held) is expect
     with pytest.raises(BadArgument, match="slots=5"):
         TieredExperts(4, 5, bank.file, bank.slices, bank.make, {})
 

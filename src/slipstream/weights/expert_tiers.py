@@ -12,7 +12,10 @@ call to an expert not held (a miss) reads and builds it; it then takes a RAM slo
 free, or the slot of the least used held expert if it has now been used more than that one
 (ties keep the held one, so two equally used experts do not evict each other in turn);
 otherwise it is dropped after the call. The most used experts so end up in RAM, whatever the
-first guess, and an expert used once in a long while does not push a popular one out."""
+first guess, and an expert used once in a long while does not push a popular one out. Every
+DECAY_ROWS rows the layer's counts are halved, so that they follow a change of popularity (a
+server's next conversation) within a few thousand tokens rather than never; halving keeps
+their order, so it evicts nothing by itself."""
 
 from __future__ import annotations
 
@@ -25,6 +28,10 @@ from typing import Callable
 import torch
 
 from ..errors import BadArgument, GGUFError
+
+# Rows routed to a layer's experts between two halvings of its counts: 8192 rows are 1024
+# tokens of Qwen3-MoE (8 experts a token), 4096 of Mixtral (2)
+DECAY_ROWS = 8192
 
 # gate/up and down linears of one expert
 ExpertPair = tuple[object, object]
@@ -110,7 +117,7 @@ class TieredExperts:
 
     def __init__(self, n_experts: int, slots: int, file: ExpertFile,
                  slices: list[ExpertSlice], make: Callable[[int, list[torch.Tensor]], ExpertPair],
-                 held: dict[int, ExpertPair]):
+                 held: dict[int, ExpertPair], decay_rows: int = DECAY_ROWS):
         if not 0 <= slots <= n_experts:
             raise BadArgument(f"slots={slots} is invalid: between 0 and the layer's "
                               f"{n_experts} experts")
@@ -122,7 +129,9 @@ class TieredExperts:
         self.slices = slices
         self.make = make
         self.held = dict(held)
-        self.uses = [0] * n_experts  # rows routed to each expert so far
+        self.uses = [0] * n_experts  # rows routed to each expert, halved every decay_rows
+        self.decay_rows = decay_rows
+        self._rows = 0
 
     @property
     def n_experts(self) -> int:
@@ -130,6 +139,10 @@ class TieredExperts:
 
     def ffn(self, e: int, h: torch.Tensor) -> torch.Tensor:
         self.uses[e] += h.shape[0]
+        self._rows += h.shape[0]
+        if self._rows >= self.decay_rows:
+            self.uses = [u // 2 for u in self.uses]
+            self._rows = 0
         pair = self.held.get(e)
         if pair is not None:
             self.file.count(hits=1)
