@@ -132,7 +132,7 @@ def test_placed_experts_give_the_resident_logits(qwen_file):
     a, b, stats = _compare(qwen_file, "exact", decode=False, ids=IDS[:8])
     assert torch.equal(a, b)
     # experts came from disk, and the counters say so
-    assert stats.expert_misses > 0 and stats.expert_hits > 0
+    assert stats.expert_misses > 0 and stats.expert_hits > 0 and stats.expert_read_s > 0
     gf = GGUFFile(qwen_file)
     per = sum(gf.tensors[f"blk.0.ffn_{p}_exps.weight"].n_bytes for p in ("gate", "up", "down"))
     gf.close()

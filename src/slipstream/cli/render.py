@@ -117,6 +117,8 @@ def breakdown_table(s: GenerationStats, store: StoreStats, device: str) -> Table
 
     if device == "cpu" or not store.layers_streamed:
         parts = [("disk wait", store.disk_wait_s), ("build streamed layers", store.build_s)]
+        if store.expert_misses:  # cold experts, read on the main thread as they are routed to
+            parts.append(("read cold experts", store.expert_read_s))
         row("compute", max(total - sum(p[1] for p in parts), 0.0))
         for name, sec in parts:
             row(name, sec)

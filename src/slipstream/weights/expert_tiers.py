@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -54,8 +55,8 @@ class ExpertSlice:
 
 class ExpertFile:
     """The model's file, opened once for every layer's cold experts, and the counters of
-    their use (`stats`: any object with expert_hits, expert_misses and expert_bytes_read;
-    the runtime points it at its store's StoreStats)."""
+    their use (`stats`: any object with expert_hits, expert_misses, expert_bytes_read and
+    expert_read_s; the runtime points it at its store's StoreStats)."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
@@ -66,6 +67,7 @@ class ExpertFile:
     def read(self, sl: ExpertSlice, e: int) -> torch.Tensor:
         """Expert e's bytes of one tensor, (rows, row_bytes) uint8, in memory of its own."""
         offset, n = sl.of(e)
+        t0 = time.perf_counter()
         buf = bytearray(n)
         view, done = memoryview(buf), 0
         while done < n:  # pread may return short
@@ -74,15 +76,17 @@ class ExpertFile:
                 raise GGUFError(f"{self.path}: expert {e}'s bytes end past the file: read "
                                 f"{done} of {n} bytes at offset {offset}")
             done += got
-        self.count(bytes_read=n)
+        self.count(bytes_read=n, seconds=time.perf_counter() - t0)
         return torch.frombuffer(buf, dtype=torch.uint8).view(sl.rows, sl.row_bytes)
 
-    def count(self, hits: int = 0, misses: int = 0, bytes_read: int = 0) -> None:
+    def count(self, hits: int = 0, misses: int = 0, bytes_read: int = 0,
+              seconds: float = 0.0) -> None:
         with self._lock:
             s = self.stats
             s.expert_hits += hits
             s.expert_misses += misses
             s.expert_bytes_read += bytes_read
+            s.expert_read_s += seconds
 
     @property
     def closed(self) -> bool:
@@ -107,6 +111,7 @@ class ExpertCounts:
     expert_hits: int = 0
     expert_misses: int = 0
     expert_bytes_read: int = 0
+    expert_read_s: float = 0.0
 
 
 class TieredExperts:
