@@ -328,3 +328,24 @@ def test_the_cpu_probe_runs_a_moe_layer(qwen_file):
     gf.close()
     assert set(rates) == {"rebuild", "compute", "gemv"}
     assert all(math.isfinite(v) and v > 0 for v in rates.values())
+
+
+def test_the_load_checks_leave_placed_experts_in_the_file(qwen_file, monkeypatch):
+    """A placed load does not read every expert to check its scales (the whole model, at
+    every load); a resident one does."""
+    from slipstream.modelfile.config import ModelConfig
+    from slipstream.weights import checks
+
+    seen: list[list[str]] = []
+    monkeypatch.setattr(checks, "value_findings",
+                        lambda gf, names, kinds, first_only: seen.append(names) or [])
+    gf = GGUFFile(qwen_file)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    checks.check_values(gf, cfg, None, True, True)
+    checks.check_values(gf, cfg, None, True, True, experts=False)
+    gf.close()
+    resident, placed = seen
+    assert {n for n in resident if "_exps" in n} == {
+        f"blk.{i}.ffn_{p}_exps.weight" for i in range(2) for p in ("gate", "up", "down")}
+    assert not any("_exps" in n for n in placed)
+    assert set(placed) == {n for n in resident if "_exps" not in n}

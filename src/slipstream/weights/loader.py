@@ -405,7 +405,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
         gf.__dict__.pop("_read_ahead", None)  # a read started for nothing: dropped
     # before a byte is built: only what this load reads (a streamed layer's norms and biases,
     # not its weights, which are read per token); 11 ms of the default model's 0.4 s
-    check_values(gf, cfg, resident_layers, holds_embedding, holds_head)
+    check_values(gf, cfg, resident_layers, holds_embedding, holds_head,
+                 experts=expert_slots is None)
     if expert_slots is not None and (device.type != "cpu" or len(expert_slots) != cfg.n_layers):
         raise BadArgument(f"expert_slots={expert_slots!r}: one count per layer "
                           f"({cfg.n_layers}), on the CPU only")
