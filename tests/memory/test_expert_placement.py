@@ -117,9 +117,14 @@ def _compare(path, precision, decode: bool, ids=IDS):
     ref = _load(path, precision=precision)
     placed = _load(path, budget, precision)
     assert ref.plan.expert_slots is None
-    assert placed.plan.expert_slots and max(placed.plan.expert_slots) < placed.plan.n_experts
+    slots = placed.plan.expert_slots
+    assert slots and max(slots) < placed.plan.n_experts
+    banks = [layer.moe.experts for layer in placed.engine.weights.layers]
+    # the load builds only the planned experts of each layer
+    assert [len(b.held) for b in banks] == [b.slots for b in banks] == slots
     a = ref.logits(ids, one_at_a_time=decode)
     b = placed.logits(ids, one_at_a_time=decode)
+    assert [len(b.held) for b in banks] == slots  # bounded by the plan as it runs
     stats = placed.engine.layers.stats
     experts = placed.engine.weights.experts
     ref.close()
