@@ -103,6 +103,9 @@ class Model:
         stores = {id(st.store): st.store for st in self.engine.stages}  # stages may share one
         for store in stores.values():
             store.close()
+        experts = getattr(self.engine.weights, "experts", None)  # cold experts' file
+        if experts is not None:
+            experts.close()
         self.engine.release()
         if self._vram_cap is not None:
             self._vram_cap.release()

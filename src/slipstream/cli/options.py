@@ -74,7 +74,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "tokens, as llama.cpp's -c (default: the model's, at most 4096)")
     p.add_argument("--ram-budget", default=None, metavar="SIZE", help="RAM for layers, e.g. "
                    "12GiB: resident layers on CPU, pinned layers on CUDA (default: "
-                   "MemAvailable less a margin); the rest streams from disk every token")
+                   "MemAvailable less a margin); the rest streams from disk every token (a "
+                   "mixture of experts: experts beyond it are read when routed to)")
     p.add_argument("--vram-budget", default=None, metavar="SIZE", help="VRAM the model may "
                    "hold, e.g. 24GiB (default: what is free)")
     p.add_argument("--gpus", default=None, metavar="LIST", help="one stage per GPU, e.g. 0,1; "

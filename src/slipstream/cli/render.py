@@ -117,6 +117,8 @@ def breakdown_table(s: GenerationStats, store: StoreStats, device: str) -> Table
 
     if device == "cpu" or not store.layers_streamed:
         parts = [("disk wait", store.disk_wait_s), ("build streamed layers", store.build_s)]
+        if store.expert_misses:  # cold experts, read on the main thread as they are routed to
+            parts.append(("read cold experts", store.expert_read_s))
         row("compute", max(total - sum(p[1] for p in parts), 0.0))
         for name, sec in parts:
             row(name, sec)
@@ -137,6 +139,10 @@ def breakdown_table(s: GenerationStats, store: StoreStats, device: str) -> Table
     t.caption = (f"{store.layers_streamed} streamed layer loads; {store.disk_bytes / 1e6:.1f} MB "
                  f"read from disk, {store.h2d_bytes / 1e6:.1f} MB copied to the GPU; links "
                  f"overlap compute, so their shares are not added")
+    rate = store.expert_hit_rate
+    if rate is not None:
+        t.caption += (f"\nexperts: {store.expert_hits} calls from RAM, {store.expert_misses} read "
+                      f"from disk ({store.expert_bytes_read / 1e6:.1f} MB): hit rate {rate:.1%}")
     return t
 
 

@@ -108,6 +108,13 @@ class Plan:
     prefill_staging: int = 0
     # CPU: the head holds its GGUF bytes, not its dense weight (memory.setup._plan_cpu)
     head_dense_on_demand: bool = False
+    # CPU, a mixture of experts placed expert by expert (memory.expert_plan): per layer, how
+    # many of its n_experts stay in RAM (None: all of them), the RAM one expert takes built,
+    # and the file bytes one cold expert reads
+    expert_slots: list[int] | None = None
+    n_experts: int = 0
+    expert_bytes: int = 0
+    expert_read_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.stages:  # frozen: the default set once, as the plan is made
@@ -178,7 +185,8 @@ class Plan:
           staging_buffers buffers, a streamed layer's read starts once the layer that many
           streamed layers before it is released), so neither simply the CPU's sum nor the
           reads' where the two are close."""
-        if self.device != "cpu":
+        if self.device != "cpu" or self.expert_slots is not None:
+            # experts read per use: how many depends on the routing, which no probe predicts
             return None
         bw = self.bandwidth_gbps
         streamed = self.bytes_per_token("disk")
@@ -247,7 +255,11 @@ class Plan:
             if self.embed_on_host:
                 t.add_row("host", "token embedding", "memory map", "1 row / token", "-")
         else:
-            t.add_row("fixed", "head, norms, KV", fmt_bytes(self.fixed_bytes), "-", "-")
+            what = ("head, norms, KV, embedding, one cold expert" if self.expert_slots is not None
+                    else "head, norms, KV")
+            t.add_row("fixed", what, fmt_bytes(self.fixed_bytes), "-", "-")
+        if self.expert_slots is not None:
+            self._expert_rows(t)
         if self.draft is not None:
             t.add_row("draft", self.draft[0], fmt_bytes(self.draft[1]), "-", "-")
         if self.hybrid is not None:
@@ -276,6 +288,16 @@ class Plan:
         t.caption = (f"predicted decode from {what}: "
                      f"{tok_s:.{1 if tok_s >= 10 else 2}f} tok/s" if tok_s else None)
         return t
+
+    def _expert_rows(self, t) -> None:
+        """One row per run of layers with the same experts in RAM (a 48-layer model's even
+        spread gives at most two rows)."""
+        assert self.expert_slots is not None
+        for k in sorted(set(self.expert_slots), reverse=True):
+            idx = [i for i, s in enumerate(self.expert_slots) if s == k]
+            t.add_row("experts", f"{_ranges(idx)}: {k} of {self.n_experts} in RAM, "
+                      f"{self.n_experts - k} on disk", fmt_bytes(len(idx) * k * self.expert_bytes),
+                      f"{fmt_bytes(self.expert_read_bytes)} / cold use", "-")
 
     def _cpu_rows(self, t) -> str | None:
         """The CPU table's compute and rebuild rows; returns its caption (the prediction)."""

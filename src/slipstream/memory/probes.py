@@ -163,7 +163,9 @@ def cpu_decode_rates(gf, cfg, precision, layer: int, resident_bytes: int, head_b
     `time_budget_s` lasts (at most `max_reps` times); the medians count, so that a burst of
     load from elsewhere on a shared machine moves none of them much. A layer too slow to
     repeat within the budget counts its first run."""
-    if precision.cpu_packed_decode:
+    # a mixture of experts has no packed layer image (weights.cpu_image holds the dense FFN):
+    # its layer is built as a resident one is
+    if precision.cpu_packed_decode and not cfg.n_experts:
         data, layout = cpu_image_of(gf, cfg, precision, layer)
         moved = layout.nbytes
 

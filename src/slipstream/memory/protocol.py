@@ -32,6 +32,17 @@ class StoreStats:
     # included, and the packed bytes they read
     cpu_s: float = 0.0
     cpu_bytes: int = 0
+    # A mixture of experts placed expert by expert (weights.expert_tiers): expert calls served
+    # from RAM (hits) and from the file (misses), and the bytes those misses read and how long
+    expert_hits: int = 0
+    expert_misses: int = 0
+    expert_bytes_read: int = 0
+    expert_read_s: float = 0.0  # host clock: the main thread reading cold experts' bytes
+
+    @property
+    def expert_hit_rate(self) -> float | None:
+        calls = self.expert_hits + self.expert_misses
+        return self.expert_hits / calls if calls else None
 
     def reset(self) -> None:
         for f in fields(self):

@@ -25,6 +25,7 @@ from .devices import pad_stage_plan
 from .image_file import build_cpu_images, build_images
 from .kvikio_io import require_kvikio
 from .probes import cpu_decode_rates, h2d_pinned_gbps, memory_read_gbps, span_read_gbps
+from .expert_plan import plan_experts
 from .planner import Plan, StagePlan, plan_cuda, plan_layers
 from .protocol import LayerStore
 from .store import DiskLayerStore, MmapLayerStore, ResidentLayerStore, StreamDelays
@@ -182,6 +183,12 @@ def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Preci
     resident = [layer_resident_bytes(gf, i, precision) for i in layers]
     head_bytes = head_decode_bytes(gf, precision) if stage.holds_head else 0
     fixed = cpu_fixed_bytes(gf, cfg, precision, ctx, stage)
+    if cfg.n_experts and ram_budget is not None and len(layers) == cfg.n_layers and \
+            not _holds_whole(resident, span_bytes, fixed, ram_budget):
+        # a mixture of experts too large for the budget: experts in RAM or read from the
+        # file, the rest resident (memory.expert_plan)
+        plan = plan_experts(gf, cfg, precision, resident, span_bytes, fixed, ram_budget)
+        return dataclasses.replace(plan, head_bytes=head_bytes)
     images = precision.cpu_packed_decode
     if images:
         moved = [image_nbytes(gf, cfg, i, precision) for i in layers]
@@ -206,6 +213,15 @@ def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Preci
         plan = plan_layers("cpu", resident, span_bytes, fixed, ram_budget)
     # head_bytes: one matvec over it per token (the CPU prediction)
     return dataclasses.replace(plan, cpu_images=images, head_bytes=head_bytes)
+
+
+def _holds_whole(resident: list[int], span_bytes: list[int], fixed: int, budget: int) -> bool:
+    """Whether a plain CPU plan keeps every layer resident at `budget` (plan_layers counts
+    its staging buffers even then)."""
+    try:
+        return not plan_layers("cpu", resident, span_bytes, fixed, budget).streamed_layers
+    except BudgetTooSmall:
+        return False
 
 
 def head_dense_on_demand(gf: GGUFFile, precision: Precision, stage: StagePlan | None = None

@@ -239,6 +239,8 @@ def build_engine(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, plan: Plan, 
         torch.cuda.empty_cache()
     store = make_store(gf, cfg, dev, precision, weights, plan, io, _stream_delay, images,
                        disk, split)
+    if weights.experts is not None:  # cold experts count their hits and reads in the store's
+        weights.experts.stats = store.stats
     # one stage per planned stage, all served by the store
     stages = [Stage.build(cfg, torch.device(st.device) if st.device != dev.type else dev,
                           st.layers, store, n_ctx, precision.kv_dtype,
@@ -298,4 +300,5 @@ def load_weights_with_progress(gf, cfg, dev, precision: Precision, show: bool,
                             head_dense_on_demand=plan.head_dense_on_demand if plan else False,
                             flat_layers=plan.flat_layers if plan else False,
                             holds_embedding=plan.stages[0].holds_embedding if plan else True,
-                            holds_head=plan.stages[-1].holds_head if plan else True)
+                            holds_head=plan.stages[-1].holds_head if plan else True,
+                            expert_slots=plan.expert_slots if plan else None)

@@ -26,7 +26,9 @@ class Placement:
 
     ram_budget: bytes of RAM for layers (default MemAvailable less a margin): dequantized
     resident layers on CPU, pinned layer images on CUDA (tier B). The layers that fit neither
-    are read from disk on every token (tier C).
+    are read from disk on every token (tier C). A mixture of experts on the CPU places experts,
+    not layers: its dense part resident, as many experts per layer as the rest holds, the
+    others read from the file when routed to (memory.expert_plan).
 
     vram_layers (CUDA): hold at most this many layers in VRAM, whatever the budget allows
     (llama.cpp's -ngl); the rest stream from pinned RAM or disk as the budgets say.

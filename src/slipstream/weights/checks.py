@@ -197,12 +197,19 @@ def value_findings(gf: GGUFFile, names: list[str], kinds: dict[str, str],
 
 
 def check_values(gf: GGUFFile, cfg: ModelConfig, resident_layers: Collection[int] | None,
-                 embedding: bool, head: bool) -> None:
+                 embedding: bool, head: bool, experts: bool = True) -> None:
     """The values of what a load reads: the embedding's and head's scales where held, the
     final norm, each layer's norms and biases, and the resident layers' weight scales
     (`resident_layers` None: every layer). CorruptTensorValues at the first bad tensor, or
-    one TensorWarning for all of them when SLIPSTREAM_CHECK_WEIGHTS=0."""
+    one TensorWarning for all of them when SLIPSTREAM_CHECK_WEIGHTS=0.
+
+    experts=False: a mixture of experts' 3-D expert tensors are left out, as a streamed
+    layer's weights are (placed expert by expert, most of them stay in the file, and reading
+    all of them here would read the whole model at every load)."""
     spec = spec_for(cfg.architecture, cfg.n_experts)
+    skipped = set()
+    if not experts and spec.experts is not None:
+        skipped = {f"{p}.weight" for p in (spec.experts.gate, spec.experts.up, spec.experts.down)}
     names: list[str] = []
     kinds: dict[str, str] = {OUTPUT_NORM: "norm"}
     if embedding:
@@ -216,7 +223,8 @@ def check_values(gf: GGUFFile, cfg: ModelConfig, resident_layers: Collection[int
         resident = resident_layers is None or i in resident_layers
         for t in spec.tensors:
             name = f"blk.{i}.{t.suffix}"
-            if name not in gf.tensors or (t.kind == "weight" and not resident):
+            if name not in gf.tensors or (t.kind == "weight" and not resident) or \
+                    t.suffix in skipped:
                 continue
             names.append(name)
             if t.kind != "weight":

@@ -6,7 +6,12 @@ blocks of its format (a row is cols / block_size blocks), so expert e's bytes ar
 contiguous slice, rows [e * rows, (e + 1) * rows) of the tensor viewed (n_experts * rows,
 row_bytes). Each slice becomes a linear exactly as a 2-D weight of the same format does in
 weights.loader (dense made at its first use, a packed decode copy at "fast"), so an expert
-dequantizes to the bits gguf-py's dequantize gives that slice of the whole tensor."""
+dequantizes to the bits gguf-py's dequantize gives that slice of the whole tensor.
+
+With `expert_slots` (a plan that holds only some experts in RAM, memory.expert_plan), the
+layer's experts go into a TieredExperts bank (weights.expert_tiers): its first slots experts
+built now from private copies of their slices, the others read from the file when used and
+built by the same `expert_linears`."""
 
 from __future__ import annotations
 
@@ -16,42 +21,79 @@ import torch
 
 from .. import quant
 from ..model.moe import MoeWeights, ResidentExperts
+from .expert_tiers import ExpertFile, ExpertSlice, TieredExperts
 from .linear import DenseLinear, LazyDenseLinear, Linear, lazy_dense
 
 if TYPE_CHECKING:  # the loader imports this module
     from .loader import LayerBuilder, TensorSource
 
 
-def build_experts(builder: LayerBuilder, src: TensorSource, p: str) -> MoeWeights:
-    """Layer `p`'s (the `blk.N` prefix) mixture of experts: the router as a float32 matrix,
-    each expert's gate and up fused into one linear (gate rows, then up rows: the dense
-    FFN's ffn_gate_up), and its down linear."""
+def expert_linears(builder: LayerBuilder, raws: list[torch.Tensor], types: list,
+                   shapes: list[tuple[int, int]], lazy: bool) -> tuple[Linear, Linear]:
+    """One expert's (gate_up, down) linears from its bytes of the gate, up and down tensors
+    (each (rows, row_bytes) uint8, in that order), their GGML types and (rows, cols): gate
+    and up fused into one linear (gate rows, then up rows: the dense FFN's ffn_gate_up).
+    `lazy`: dense weights made at first use from `raws` (which must stay valid), else now."""
+    dtype = builder.precision.weight_dtype
+
+    def linear(k: int) -> Linear:
+        if lazy:
+            return lazy_dense(raws[k], types[k], shapes[k], dtype)
+        return DenseLinear(quant.dequantize_as(raws[k], types[k], shapes[k], dtype)
+                           .to(builder.device))
+
+    fuse = LazyDenseLinear.fuse if lazy else DenseLinear.fuse
+    fused, _ = fuse([linear(0), linear(1)])
+    gate_up = builder._packed(types[:2], shapes[:2], [None, None], fused, raws[:2])
+    down = builder._packed(types[2:], shapes[2:], [None], linear(2), raws[2:])
+    return gate_up, down
+
+
+def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
+                  slots: int | None = None, file: ExpertFile | None = None) -> MoeWeights:
+    """Layer `p`'s (the `blk.N` prefix) mixture of experts: the router as a float32 matrix
+    and every expert's linears (expert_linears); with `slots` (and the model's `file`), only
+    that many experts in RAM, in a TieredExperts bank."""
     spec, cfg = builder.spec.experts, builder.cfg
     assert spec is not None
     router = src.dense(f"{p}.{spec.router}.weight", builder.shapes[f"{spec.router}.weight"],
                        torch.float32, builder.device)
-    dtype = builder.precision.weight_dtype
-    # part -> (bytes viewed (n_experts, rows, row_bytes), GGML type, one expert's (rows, cols))
-    parts = {}
-    for part in (spec.gate, spec.up, spec.down):
-        name, shape = f"{p}.{part}.weight", builder.shapes[f"{part}.weight"]
-        raw = src.raw_held(name, shape) if src.lazy else src.raw(name, shape)
-        parts[part] = (raw.view(shape[0], shape[1], -1), src.type_of(name),
-                       (shape[1], shape[2]))
-
-    def linear(part: str, e: int) -> Linear:
-        raw, qtype, shape = parts[part]
-        if src.lazy:
-            return lazy_dense(raw[e], qtype, shape, dtype)
-        return DenseLinear(quant.dequantize_as(raw[e], qtype, shape, dtype).to(builder.device))
-
-    fuse = LazyDenseLinear.fuse if src.lazy else DenseLinear.fuse
+    names = [f"{p}.{part}.weight" for part in (spec.gate, spec.up, spec.down)]
+    full = [builder.shapes[f"{part}.weight"] for part in (spec.gate, spec.up, spec.down)]
+    types = [src.type_of(n) for n in names]
+    shapes = [(s[1], s[2]) for s in full]
+    if slots is not None:
+        assert file is not None
+        return MoeWeights(router, _tiered(builder, src, names, full, types, shapes, slots,
+                                          file), cfg.n_experts_used)
+    # bytes viewed (n_experts, rows, row_bytes)
+    raws = [(src.raw_held(n, s) if src.lazy else src.raw(n, s)).view(s[0], s[1], -1)
+            for n, s in zip(names, full)]
     gate_up, down = [], []
     for e in range(cfg.n_experts):
-        fused, _ = fuse([linear(spec.gate, e), linear(spec.up, e)])
-        pair = (parts[spec.gate], parts[spec.up])
-        gate_up.append(builder._packed([t for _, t, _ in pair], [s for _, _, s in pair],
-                                       [None, None], fused, [r[e] for r, _, _ in pair]))
-        raw, qtype, shape = parts[spec.down]
-        down.append(builder._packed([qtype], [shape], [None], linear(spec.down, e), [raw[e]]))
+        gu, d = expert_linears(builder, [r[e] for r in raws], types, shapes, src.lazy)
+        gate_up.append(gu)
+        down.append(d)
     return MoeWeights(router, ResidentExperts(gate_up, down), cfg.n_experts_used)
+
+
+def _tiered(builder: LayerBuilder, src: TensorSource, names: list[str], full: list,
+            types: list, shapes: list, slots: int, file: ExpertFile) -> TieredExperts:
+    n_experts = full[0][0]
+    slices = []
+    for n, s in zip(names, full):
+        info = src.gf.tensors[n]
+        per = info.n_bytes // n_experts
+        slices.append(ExpertSlice(info.offset, per, s[1], per // s[1]))
+
+    def make(e: int, raws: list[torch.Tensor]):
+        # the bytes are the expert's own (read, or copied below): lazy dense weights may
+        # keep them
+        return expert_linears(builder, raws, types, shapes, lazy=True)
+
+    held = {}
+    for e in range(slots):
+        # copies of the map's slices: the model does not read its map after the load
+        raws = [src.raw(n, s).view(s[0], s[1], -1)[e].clone() for n, s in zip(names, full)]
+        held[e] = make(e, raws)
+    return TieredExperts(n_experts, slots, file, slices, make, held)

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from .. import envs, kernels, quant
-from ..errors import GGUFError, InvalidMetadata, UnsupportedArchitecture
+from ..errors import BadArgument, GGUFError, InvalidMetadata, UnsupportedArchitecture
 from ..model.families import family_for, file_spec, spec_for
 from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name
 from ..model.llama import LayerWeights
@@ -34,6 +34,7 @@ from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
 from .checks import check_tensor_names, check_values
 from .experts import build_experts
+from .expert_tiers import ExpertFile
 from .file_bytes import private_file_bytes
 from .prefetch import prefetch_dense
 from .cpu import PackedDecodeLinear, kind_for, pack_group
@@ -56,6 +57,8 @@ class ModelWeights:
     dense_prefetch: threading.Thread | None = None
     # Gemma 4's per-layer embedding tables (model.per_layer), or None
     per_layer: PerLayerEmbedding | None = None
+    # the file cold experts are read from, with their counters (weights.expert_tiers), or None
+    experts: ExpertFile | None = None
 
     def rope_freqs_for(self, ctx: int) -> torch.Tensor | None:
         """The divisors a context of `ctx` positions rotates with: LongRoPE's long set past
@@ -183,12 +186,17 @@ class LayerBuilder:
 
     def __init__(self, cfg: ModelConfig, device: torch.device, precision: Precision,
                  workspace: Workspace | None = None, fuse_scales: bool = True,
-                 scratch_elements: int | None = None):
+                 scratch_elements: int | None = None,
+                 expert_slots: list[int] | None = None, expert_file: ExpertFile | None = None):
         """fuse_scales=False (streamed layers): keep the smaller GGUF scale layout even where
         precision.fuse_scales folds the scales of resident layers into one plane for the
         decode kernels; both give the same results (see QuantLinear). scratch_elements: a
-        cap on the prefill scratch below the largest layer weight (streamed plans)."""
+        cap on the prefill scratch below the largest layer weight (streamed plans).
+        expert_slots (a mixture of experts, CPU): per layer, how many experts stay in RAM, the
+        others read from `expert_file` when used (weights.expert_tiers); None: all in RAM."""
         self.cfg = cfg
+        self.expert_slots = expert_slots
+        self.expert_file = expert_file
         self.device = device
         self.precision = precision
         self.fuse_scales = precision.fuse_scales and fuse_scales
@@ -232,7 +240,8 @@ class LayerBuilder:
                 continue
             fields[norm] = src.dense(f"{p}.{norm}.weight", shape, torch.float32, self.device)
         if self.spec.experts is not None:
-            fields["moe"] = build_experts(self, src, p)
+            slots = self.expert_slots[i] if self.expert_slots is not None else None
+            fields["moe"] = build_experts(self, src, p, slots, self.expert_file)
         for f in dataclasses.fields(LayerWeights):  # the parts a fused-only layout lacks
             fields.setdefault(f.name, None)
         return LayerWeights(**fields)
@@ -342,7 +351,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
                  scratch_elements: int | None = None,
                  fuse_scales: bool = True, head_dense_on_demand: bool = False,
                  flat_layers: bool = False, holds_embedding: bool = True,
-                 holds_head: bool = True) -> ModelWeights:
+                 holds_head: bool = True,
+                 expert_slots: list[int] | None = None) -> ModelWeights:
     """Build the model's weights on `device`: every layer, or only `resident_layers` (the
     others are left as None for a streaming store to fill). Norms stay float32.
     `embed_on_host`: the token embedding stays in host memory (see QuantEmbedding).
@@ -365,6 +375,10 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     `holds_embedding`, `holds_head`: False for a pipeline stage that is not the first / the
     last (runtime.pipeline): that weight is not loaded (None).
 
+    `expert_slots` (a mixture of experts on the CPU): per layer, how many of its experts stay
+    in RAM; the others are read from the file when a token routes to them
+    (weights.expert_tiers). None: every expert in RAM.
+
     `progress(n_bytes)` is called after each layer so callers can drive a progress bar.
     """
     if private is None:
@@ -378,8 +392,9 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     for name, info in gf.tensors.items():
         quant.get_format(info.ggml_type)  # unsupported types fail here, naming the type
     check_layer_shapes(gf, cfg)
+    # with experts left in the file, not every weight's bytes are kept: none read whole
     whole = (resident_layers is None or len(resident_layers) == cfg.n_layers) \
-        and holds_embedding and holds_head
+        and holds_embedding and holds_head and expert_slots is None
     held = None
     if private and device.type == "cpu" and whole:
         # every weight's bytes are kept, so read them in one pass (private_file_bytes), and
@@ -390,9 +405,15 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
         gf.__dict__.pop("_read_ahead", None)  # a read started for nothing: dropped
     # before a byte is built: only what this load reads (a streamed layer's norms and biases,
     # not its weights, which are read per token); 11 ms of the default model's 0.4 s
-    check_values(gf, cfg, resident_layers, holds_embedding, holds_head)
+    check_values(gf, cfg, resident_layers, holds_embedding, holds_head,
+                 experts=expert_slots is None)
+    if expert_slots is not None and (device.type != "cpu" or len(expert_slots) != cfg.n_layers):
+        raise BadArgument(f"expert_slots={expert_slots!r}: one count per layer "
+                          f"({cfg.n_layers}), on the CPU only")
+    expert_file = ExpertFile(gf.path) if expert_slots is not None else None
     builder = LayerBuilder(cfg, device, precision, fuse_scales=fuse_scales,
-                           scratch_elements=scratch_elements)
+                           scratch_elements=scratch_elements, expert_slots=expert_slots,
+                           expert_file=expert_file)
     workspace = builder.workspace
     quantized = builder.quantized
     if held is not None:
@@ -487,6 +508,7 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     return ModelWeights(embed=embed, layers=layers, output_norm=output_norm, output=output,
                         rope_freqs=rope_freqs, rope_freqs_long=rope_long,
                         long_after=cfg.rope_ctx_orig, per_layer=per_layer,
+                        experts=expert_file,
                         dense_prefetch=prefetch_dense(layers, output)
                         if src.lazy and not quantized else None)
 

@@ -1,0 +1,82 @@
+"""The CPU plan of a mixture of experts whose budget does not hold every expert: the unit of
+placement is an expert, not a layer.
+
+The dense part stays resident whatever the budget: every layer's attention, norms and router,
+the embedding, the head and the KV cache (the plan's fixed part), and room to read and build
+one cold expert. A budget below that fails with BudgetTooSmall, giving both numbers. What is
+left holds whole experts, spread evenly over the layers (a token passes every layer, and an
+even spread gives each layer the same share of its most used experts; the first layers take
+the remainder, one each). The other experts stay in the GGUF file and are read when a token
+routes to them (weights.expert_tiers, which also decides which experts fill a layer's slots).
+Every layer keeps the tier "ram": no layer streams whole."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import BudgetTooSmall
+from ..model.families import spec_for
+from ..model.layer_spec import EMBEDDING
+from ..modelfile.config import ModelConfig
+from ..modelfile.gguf_file import GGUFFile
+from ..precision import Precision
+from ..weights.cpu import packed_nbytes
+from .budget import fmt_bytes
+from .planner import Plan
+
+
+def expert_tensor_names(cfg: ModelConfig, i: int) -> list[str]:
+    """Layer i's 3-D expert tensors: gate, up, down."""
+    spec = spec_for(cfg.architecture, cfg.n_experts).experts
+    assert spec is not None
+    return [f"blk.{i}.{part}.weight" for part in (spec.gate, spec.up, spec.down)]
+
+
+def expert_ram_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, precision: Precision,
+                     gguf: bool = True) -> int:
+    """RAM one expert of layer i takes once built (as memory.setup.layer_resident_bytes counts
+    a layer): its dense weights, plus its packed decode copies at precision.cpu_packed_decode,
+    plus (`gguf`) its GGUF bytes, which its linears keep (their dense weights are made from
+    them at first use; layer_resident_bytes leaves those out)."""
+    bits = torch.finfo(precision.weight_dtype).bits
+    total = 0
+    for name in expert_tensor_names(cfg, i):
+        info = gf.tensors[name]
+        rows, cols = (int(n) for n in info.shape[-2:])
+        total += rows * cols * bits // 8 + (info.n_bytes // cfg.n_experts if gguf else 0)
+        if precision.cpu_packed_decode:
+            total += packed_nbytes(info.ggml_type, (rows, cols)) or 0
+    return total
+
+
+def expert_file_bytes(gf: GGUFFile, cfg: ModelConfig, i: int) -> int:
+    """Bytes one cold expert of layer i reads from the file."""
+    return sum(gf.tensors[n].n_bytes // cfg.n_experts for n in expert_tensor_names(cfg, i))
+
+
+def plan_experts(gf: GGUFFile, cfg: ModelConfig, precision: Precision, resident: list[int],
+                 span_bytes: list[int], fixed: int, budget: int) -> Plan:
+    """The plan at `budget` of a model whose layers, whole, take `resident` bytes each (memory.
+    setup.layer_resident_bytes) beside `fixed` (head, KV cache: setup.cpu_fixed_bytes)."""
+    n = cfg.n_layers
+    per_expert = [expert_ram_bytes(gf, cfg, i, precision) for i in range(n)]
+    dense_layers = [r - cfg.n_experts * expert_ram_bytes(gf, cfg, i, precision, gguf=False)
+                    for i, r in enumerate(resident)]
+    embed = gf.tensors[EMBEDDING].n_bytes  # a private copy of its GGUF bytes
+    # one cold expert read and built at a time, beside those held
+    staging = max(per_expert) + max(expert_file_bytes(gf, cfg, i) for i in range(n))
+    dense = fixed + embed + sum(dense_layers) + staging
+    if budget < dense:
+        raise BudgetTooSmall(
+            f"a {fmt_bytes(budget)} RAM budget cannot hold this mixture of experts' dense part: "
+            f"it needs at least {fmt_bytes(dense)} ({budget} < {dense} bytes: attention, norms "
+            f"and routers of {n} layers {fmt_bytes(sum(dense_layers))}, embedding "
+            f"{fmt_bytes(embed)}, head and KV cache {fmt_bytes(fixed)}, one cold expert's read "
+            f"and build {fmt_bytes(staging)}) before any expert is held; raise --ram-budget or "
+            f"lower --ctx")
+    total = (budget - dense) // max(per_expert)
+    slots = [min(cfg.n_experts, total // n + (1 if i < total % n else 0)) for i in range(n)]
+    held = [d + s * e for d, s, e in zip(dense_layers, slots, per_expert)]
+    return Plan("cpu", ["ram"] * n, held, span_bytes, fixed + embed + staging, budget, 0,
+                expert_slots=slots, n_experts=cfg.n_experts, expert_bytes=max(per_expert),
+                expert_read_bytes=max(expert_file_bytes(gf, cfg, i) for i in range(n)))

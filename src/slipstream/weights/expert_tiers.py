@@ -1,0 +1,170 @@
+"""A mixture of experts placed expert by expert on the CPU: some experts of a layer held in
+RAM, the others read from the GGUF file when a token routes to them (model.moe.ExpertBank).
+
+An expert's bytes in each of the layer's three 3-D tensors (gate, up, down) are one
+contiguous slice (weights.experts), so a cold expert costs three reads. Its linears are then
+built by the same function as a resident expert's (weights.experts.expert_linears) from the
+same bytes, so its outputs are bit for bit the resident load's.
+
+Policy, per layer (the plan gives each layer `slots` experts' worth of RAM): the first
+`slots` experts are built at the load. Every call counts the rows routed to its expert. A
+call to an expert not held (a miss) reads and builds it; it then takes a RAM slot if one is
+free, or the slot of the least used held expert if it has now been used more than that one
+(ties keep the held one, so two equally used experts do not evict each other in turn);
+otherwise it is dropped after the call. The most used experts so end up in RAM, whatever the
+first guess, and an expert used once in a long while does not push a popular one out. Every
+DECAY_ROWS rows the layer's counts are halved, so that they follow a change of popularity (a
+server's next conversation) within a few thousand tokens rather than never; halving keeps
+their order, so it evicts nothing by itself."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..errors import BadArgument, GGUFError
+
+# Rows routed to a layer's experts between two halvings of its counts: 8192 rows are 1024
+# tokens of Qwen3-MoE (8 experts a token), 4096 of Mixtral (2)
+DECAY_ROWS = 8192
+
+# gate/up and down linears of one expert
+ExpertPair = tuple[object, object]
+
+
+@dataclass(frozen=True)
+class ExpertSlice:
+    """Where one 3-D expert tensor of a layer lies in the file: its first byte, the bytes of
+    one expert, and one expert's byte rows (rows, row_bytes)."""
+
+    offset: int
+    expert_bytes: int
+    rows: int
+    row_bytes: int
+
+    def of(self, e: int) -> tuple[int, int]:
+        """(file offset, length) of expert e's bytes."""
+        return self.offset + e * self.expert_bytes, self.expert_bytes
+
+
+class ExpertFile:
+    """The model's file, opened once for every layer's cold experts, and the counters of
+    their use (`stats`: any object with expert_hits, expert_misses, expert_bytes_read and
+    expert_read_s; the runtime points it at its store's StoreStats)."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_RDONLY)
+        self.stats: object = ExpertCounts()
+        self._lock = threading.Lock()  # counters: a server's worker and a bench may share it
+
+    def read(self, sl: ExpertSlice, e: int) -> torch.Tensor:
+        """Expert e's bytes of one tensor, (rows, row_bytes) uint8, in memory of its own."""
+        offset, n = sl.of(e)
+        t0 = time.perf_counter()
+        buf = bytearray(n)
+        view, done = memoryview(buf), 0
+        while done < n:  # pread may return short
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got <= 0:  # the file shrank since it was loaded
+                raise GGUFError(f"{self.path}: expert {e}'s bytes end past the file: read "
+                                f"{done} of {n} bytes at offset {offset}")
+            done += got
+        self.count(bytes_read=n, seconds=time.perf_counter() - t0)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(sl.rows, sl.row_bytes)
+
+    def count(self, hits: int = 0, misses: int = 0, bytes_read: int = 0,
+              seconds: float = 0.0) -> None:
+        with self._lock:
+            s = self.stats
+            s.expert_hits += hits
+            s.expert_misses += misses
+            s.expert_bytes_read += bytes_read
+            s.expert_read_s += seconds
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except OSError:
+            pass
+
+
+@dataclass
+class ExpertCounts:
+    """The counters an ExpertFile keeps where no store's stats are given."""
+
+    expert_hits: int = 0
+    expert_misses: int = 0
+    expert_bytes_read: int = 0
+    expert_read_s: float = 0.0
+
+
+class TieredExperts:
+    """A layer's experts, at most `slots` of them held in RAM, the others read from `file`
+    per use (see the module doc for the policy). `make(e, raws)` builds expert e's linears
+    from its bytes, one (rows, row_bytes) tensor per entry of `slices`; `held` are the
+    experts built at the load."""
+
+    def __init__(self, n_experts: int, slots: int, file: ExpertFile,
+                 slices: list[ExpertSlice], make: Callable[[int, list[torch.Tensor]], ExpertPair],
+                 held: dict[int, ExpertPair], decay_rows: int = DECAY_ROWS):
+        if not 0 <= slots <= n_experts:
+            raise BadArgument(f"slots={slots} is invalid: between 0 and the layer's "
+                              f"{n_experts} experts")
+        if len(held) > slots:
+            raise BadArgument(f"{len(held)} experts held for {slots} RAM slots")
+        self._n = n_experts
+        self.slots = slots
+        self.file = file
+        self.slices = slices
+        self.make = make
+        self.held = dict(held)
+        self.uses = [0] * n_experts  # rows routed to each expert, halved every decay_rows
+        self.decay_rows = decay_rows
+        self._rows = 0
+
+    @property
+    def n_experts(self) -> int:
+        return self._n
+
+    def ffn(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        self.uses[e] += h.shape[0]
+        self._rows += h.shape[0]
+        if self._rows >= self.decay_rows:
+            self.uses = [u // 2 for u in self.uses]
+            self._rows = 0
+        pair = self.held.get(e)
+        if pair is not None:
+            self.file.count(hits=1)
+        else:
+            self.file.count(misses=1)
+            pair = self.make(e, [self.file.read(sl, e) for sl in self.slices])
+            self._admit(e, pair)
+        gate_up, down = pair
+        return down.glu_matmul(gate_up(h))
+
+    def _admit(self, e: int, pair: ExpertPair) -> None:
+        if len(self.held) < self.slots:
+            self.held[e] = pair
+            return
+        if not self.held:
+            return  # no RAM slot at all: every use reads
+        victim = min(self.held, key=lambda x: (self.uses[x], -x))
+        if self.uses[e] > self.uses[victim]:
+            del self.held[victim]
+            self.held[e] = pair
