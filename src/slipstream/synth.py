@@ -88,7 +88,8 @@ SHAPES: dict[str, SynthShape] = {
 # width (128 of 768 beside 6144 there, 8 used; 16 of half the dense width here, 4 used: the
 # narrowest a K-quant's 256-element rows allow in the tiny shape), Mixtral's 8 experts of the
 # full width, 2 used
-MOE_DEFAULTS: dict[str, tuple[int, int, int]] = {"qwen3moe": (16, 4, 0), "mixtral": (8, 2, 0)}
+MOE_DEFAULTS: dict[str, tuple[int, int, int]] = {"qwen3moe": (16, 4, 0), "mixtral": (8, 2, 0),
+                                                 "gpt-oss": (8, 2, 0)}
 
 
 def file_arch(arch: str) -> str:
@@ -104,8 +105,8 @@ def synth_experts(shape: SynthShape, arch: str) -> tuple[int, int, int]:
         return 0, 0, 0
     n, used, width = ((shape.n_experts, shape.n_experts_used, shape.expert_ffn)
                       if shape.n_experts else MOE_DEFAULTS[arch])
-    if not width:
-        width = shape.ffn // 2 if arch == "qwen3moe" else shape.ffn
+    if not width:  # (gpt-oss's experts are as wide as its hidden state: 2880 in both models)
+        width = {"qwen3moe": shape.ffn // 2, "gpt-oss": shape.hidden}.get(arch, shape.ffn)
     return n, used, width
 
 # --quant names: the type of the 2-D layer weights and of output.weight. Q4_K_M mirrors
@@ -384,8 +385,15 @@ def synth_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
         key = file_arch(arch)
         md[f"{key}.expert_count"] = n_experts
         md[f"{key}.expert_used_count"] = used
-        if family == "qwen3moe":  # (a `llama` file's experts are feed_forward_length wide)
-            md[f"{key}.expert_feed_forward_length"] = width
+        if family in ("qwen3moe", "gpt-oss"):  # (a `llama` file's experts are
+            md[f"{key}.expert_feed_forward_length"] = width  # feed_forward_length wide)
+    if family == "gpt-oss":  # gpt-oss's window and YaRN (factor 32 over 4096 positions);
+        # the tiny shape's original context short enough that a test's tokens cross it
+        md[f"{arch}.attention.sliding_window"] = synth_window(shape)
+        md[f"{arch}.rope.scaling.type"] = "yarn"
+        md[f"{arch}.rope.scaling.factor"] = 32.0
+        md[f"{arch}.rope.scaling.original_context_length"] = (
+            16 if shape.hidden <= 256 else 4096)
     if family in ("gemma3", "phi3", "cohere2"):
         md[f"{arch}.attention.sliding_window"] = synth_window(shape)
     if family == "cohere2":
@@ -490,11 +498,14 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     def layer_q(name: str) -> Q:
         if name == "ffn_gate_inp.weight":  # a router stays F32, as llama.cpp's quantizer
             return Q.F32  # keeps it
+        if quant_mix == "MXFP4" and gptoss and not name.endswith("_exps.weight"):
+            return Q.Q8_0  # gpt-oss ships its experts only in MXFP4
         if quant_mix == "Q4_K_M" and name in ("attn_v.weight", "ffn_down.weight",
                                               "ffn_down_exps.weight"):
             return Q.Q6_K
         return layer_type
 
+    gptoss = family_for(file_arch(arch)).name == "gpt-oss"
     cfg = synth_config(shape, arch)
     if expert_skew and not cfg.n_experts:
         raise BadArgument(f"--expert-skew biases experts' routers; {arch!r} has no experts")
@@ -596,7 +607,10 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
             data = (0.5 + 0.5 * rng.random(s)).astype(np.float32)
         elif name in LONGROPE_DIVISORS:  # Phi-3-like: the long set stretches far more
             data = np.linspace(1.0, LONGROPE_DIVISORS[name], s[0], dtype=np.float32)
-        elif len(s) == 1:
+        elif name.endswith("attn_sinks.weight"):  # gpt-oss: logits of the order of the
+            # scores they compete with in each softmax
+            data = rng.standard_normal(s).astype(np.float32)
+        elif len(s) == 1 or name.endswith(".bias"):  # (gpt-oss's experts' biases are 2-D)
             data = (sd * rng.standard_normal(s)).astype(np.float32)
         elif from_floats:
             data = float_tensor(q, (sd * rng.standard_normal(s)).astype(np.float32))

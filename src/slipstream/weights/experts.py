@@ -30,6 +30,11 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str) -> MoeWeight
     assert spec is not None
     router = src.dense(f"{p}.{spec.router}.weight", builder.shapes[f"{spec.router}.weight"],
                        torch.float32, builder.device)
+    # gpt-oss's router and experts have biases: (n_experts,) and (n_experts, rows), float32
+    biases = {part: src.dense(f"{p}.{part}.bias", builder.shapes[f"{part}.bias"],
+                              torch.float32, builder.device)
+              for part in (spec.router, spec.gate, spec.up, spec.down)
+              if f"{part}.bias" in builder.shapes and src.has(f"{p}.{part}.bias")}
     dtype = builder.precision.weight_dtype
     # part -> (bytes viewed (n_experts, rows, row_bytes), GGML type, one expert's (rows, cols))
     parts = {}
@@ -39,11 +44,15 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str) -> MoeWeight
         parts[part] = (raw.view(shape[0], shape[1], -1), src.type_of(name),
                        (shape[1], shape[2]))
 
+    def bias(part: str, e: int) -> torch.Tensor | None:
+        return biases[part][e] if part in biases else None
+
     def linear(part: str, e: int) -> Linear:
         raw, qtype, shape = parts[part]
         if src.lazy:
-            return lazy_dense(raw[e], qtype, shape, dtype)
-        return DenseLinear(quant.dequantize_as(raw[e], qtype, shape, dtype).to(builder.device))
+            return lazy_dense(raw[e], qtype, shape, dtype, bias(part, e))
+        return DenseLinear(quant.dequantize_as(raw[e], qtype, shape, dtype).to(builder.device),
+                           bias(part, e))
 
     fuse = LazyDenseLinear.fuse if src.lazy else DenseLinear.fuse
     gate_up, down = [], []
@@ -51,7 +60,11 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str) -> MoeWeight
         fused, _ = fuse([linear(spec.gate, e), linear(spec.up, e)])
         pair = (parts[spec.gate], parts[spec.up])
         gate_up.append(builder._packed([t for _, t, _ in pair], [s for _, _, s in pair],
-                                       [None, None], fused, [r[e] for r, _, _ in pair]))
+                                       [bias(spec.gate, e), bias(spec.up, e)], fused,
+                                       [r[e] for r, _, _ in pair]))
         raw, qtype, shape = parts[spec.down]
-        down.append(builder._packed([qtype], [shape], [None], linear(spec.down, e), [raw[e]]))
-    return MoeWeights(router, ResidentExperts(gate_up, down), cfg.n_experts_used)
+        down.append(builder._packed([qtype], [shape], [bias(spec.down, e)],
+                                    linear(spec.down, e), [raw[e]]))
+    act = "swiglu_oai" if cfg.ffn_act == "swiglu_oai" else "silu"
+    return MoeWeights(router, ResidentExperts(gate_up, down, act), cfg.n_experts_used,
+                      router_bias=biases.get(spec.router), gating=cfg.moe_gating)
