@@ -92,6 +92,33 @@ def test_missing_gptoss_metadata_is_named(tmp_path, key):
         ModelConfig.from_metadata(md, set(gf.tensors))
 
 
+def test_a_sink_scales_plain_attention_down():
+    """With sinks s_h, each head's output is plain attention's (torch's SDPA) times
+    Z / (Z + e^s) = sigmoid(logsumexp(scores) - s); sinks at -inf leave it as it is."""
+    g = torch.Generator().manual_seed(2)
+    T, n_heads, n_kv, d = 7, 4, 2, 16
+    group = n_heads // n_kv
+    q = torch.randn(T, n_heads, d, generator=g)
+    k = torch.randn(n_kv, T, d, generator=g)
+    v = torch.randn(n_kv, T, d, generator=g)
+    sinks = 2 * torch.randn(n_heads, generator=g)
+    step = append_step(0, T, torch.device("cpu")).with_mask(group)
+    kh, vh = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # per query head
+    qh = q.transpose(0, 1)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    plain = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal)
+    scores = (qh @ kh.transpose(1, 2) * d ** -0.5).masked_fill(~causal, float("-inf"))
+    keep = torch.sigmoid(torch.logsumexp(scores, -1) - sinks[:, None])  # (n_heads, T)
+    ref = (plain * keep[..., None]).transpose(0, 1).reshape(T, -1)
+    torch.testing.assert_close(sink_attention(q, k, v, step, group, None, sinks), ref,
+                               rtol=1e-5, atol=1e-6)
+    none = sink_attention(q, k, v, step, group, None, torch.full((n_heads,), float("-inf")))
+    torch.testing.assert_close(none, plain.transpose(0, 1).reshape(T, -1), rtol=1e-5,
+                               atol=1e-6)
+    assert rel_err(none, ref) > 1e-2
+
+
+@pytest.mark.slow  # (importing transformers' gpt-oss modules takes seconds)
 def test_sink_attention_matches_transformers():
     """sink_attention against transformers' gpt-oss eager attention (its sinks concatenated
     as a logit column), causal and over a sliding window, 2 query heads per KV head."""
@@ -123,6 +150,7 @@ def test_sink_attention_matches_transformers():
         assert rel_err(plain, ref[0].reshape(T, -1)) > 1e-2
 
 
+@pytest.mark.slow
 def test_routing_and_swiglu_match_transformers():
     """The router (top-k logits, then a softmax over them) and the clamped SwiGLU against
     transformers' GptOssTopKRouter and GptOssExperts._apply_gate."""
