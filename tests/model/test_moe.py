@@ -208,14 +208,15 @@ def test_per_expert_2d_tensors_are_refused_by_name(tmp_path):
         ModelConfig.from_metadata(gf.metadata, names)
 
 
-def test_moe_runs_resident_on_cpu_only(tmp_path):
+@pytest.mark.parametrize("arch", ["mixtral", "gpt-oss"])
+def test_moe_runs_resident_on_cpu_only(tmp_path, arch):
     """A plan that would stream a mixture-of-experts model, or place it on a GPU, is refused
     with a clear error naming MoE, never run with wrong or partial experts."""
     from slipstream.hybrid.split import layer_splittable
     from slipstream.runtime.build import check_experts_device
     from slipstream.weights.loader import TensorSource
 
-    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=3, arch="mixtral")
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=3, arch=arch)
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
     with pytest.raises(UnsupportedArchitecture, match="CPU only"):
