@@ -28,6 +28,7 @@ from .model.families import ARCHITECTURES, VARIANTS, family_for, spec_for
 from .model.layer_spec import EMBEDDING, HEAD, TensorSpec
 from .modelfile.config import ModelConfig, expert_fields, yarn_fields
 from .modelfile.vocab import bytes_to_unicode
+from .synth_experts import skewed_router, synth_experts
 from .quant.encode import quantize
 
 Q = GGMLQuantizationType
@@ -82,32 +83,10 @@ SHAPES: dict[str, SynthShape] = {
                        n_experts_used=2),
 }
 
-# the mixture-of-experts archs: experts, used per token and width (0: the arch's default)
-# where the shape sets none. The tiny shape's are small enough for the reference tests and
-# keep the real models' traits: Qwen3-MoE's many experts narrower than the file's unused dense
-# width (128 of 768 beside 6144 there, 8 used; 16 of half the dense width here, 4 used: the
-# narrowest a K-quant's 256-element rows allow in the tiny shape), Mixtral's 8 experts of the
-# full width, 2 used
-MOE_DEFAULTS: dict[str, tuple[int, int, int]] = {"qwen3moe": (16, 4, 0), "mixtral": (8, 2, 0),
-                                                 "gpt-oss": (8, 2, 0)}
-
-
 def file_arch(arch: str) -> str:
     """The general.architecture a synthesized file of --arch `arch` carries."""
     return VARIANTS.get(arch, arch)
 
-
-def synth_experts(shape: SynthShape, arch: str) -> tuple[int, int, int]:
-    """(experts, used per token, expert width) of a file of `arch` in `shape`: (0, 0, 0) for
-    a dense arch; the shape's where it sets them, else MOE_DEFAULTS (Qwen3-MoE's width half
-    the dense width)."""
-    if arch not in MOE_DEFAULTS:
-        return 0, 0, 0
-    n, used, width = ((shape.n_experts, shape.n_experts_used, shape.expert_ffn)
-                      if shape.n_experts else MOE_DEFAULTS[arch])
-    if not width:  # (gpt-oss's experts are as wide as its hidden state: 2880 in both models)
-        width = {"qwen3moe": shape.ffn // 2, "gpt-oss": shape.hidden}.get(arch, shape.ffn)
-    return n, used, width
 
 # --quant names: the type of the 2-D layer weights and of output.weight. Q4_K_M mirrors
 # llama.cpp's mix: attn_v and ffn_down in Q6_K, the rest Q4_K, output Q6_K.
@@ -451,19 +430,6 @@ def _file_rank(t: TensorSpec) -> int:
     ffn_norm. It fixes which random numbers each tensor gets, so it must never change."""
     return {"attn_norm.weight": 0, "ffn_norm.weight": 3}.get(t.suffix,
                                                            2 if t.kind == "bias" else 1)
-
-
-# Skewed routing (write_synth's expert_skew). A router without a bias has no constant offset
-# to prefer an expert by (random hidden states share no direction, and a constant one would
-# fade through the layers' residual adds); its rows' lengths set how far each expert's logit
-# spreads, and the experts with the longest rows win the top-k most often, in every layer.
-def skewed_router(router: np.ndarray, exponent: float, rng: np.random.Generator) -> np.ndarray:
-    """router (n_experts, hidden) float32 with expert e's row scaled by rank_e^-exponent (rank_e:
-    e's place, from 1, in a random order of the layer's experts), the scales' mean kept at 1:
-    the longer a row, the more often its expert is among a token's top k."""
-    ranks = rng.permutation(router.shape[0]) + 1
-    scale = ranks.astype(np.float64) ** -exponent
-    return (router * (scale / scale.mean())[:, None]).astype(np.float32)
 
 
 def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_K",
