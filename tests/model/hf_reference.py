@@ -209,7 +209,11 @@ def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _gptoss(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
-    """gpt-oss: the experts as transformers holds them, (n_experts, in, out), gate and up
+    """gpt-oss, built here because transformers' GGUF reader fails on the file: it reads the
+    first part of each `gpt-oss.rope.scaling.*` field (the key's length) as its value, and it
+    looks for experts named `ffn_*_projs`, not llama.cpp's `ffn_*_exps`.
+
+    The experts as transformers holds them, (n_experts, in, out), gate and up
     interleaved; the router with its bias; the sinks; eager attention (the implementation
     that takes the sinks). YaRN with truncate=True: llama.cpp floors and ceils the ramp's
     ends (ggml_rope_yarn_corr_dims), as transformers does unless told otherwise; the released

@@ -81,6 +81,13 @@ def test_a_synthesized_file_holds_the_gptoss_layer(tmp_path):
     assert kinds["blk.1.ffn_gate_inp.bias"] == Q.F32
 
 
+def test_info_lists_gptoss(capsys):
+    from slipstream import cli
+
+    assert cli.main(["info", "--families"]) == 0
+    assert "gpt-oss" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("key", ["gpt-oss.expert_count", "gpt-oss.attention.sliding_window",
                                  "gpt-oss.expert_feed_forward_length"])
 def test_missing_gptoss_metadata_is_named(tmp_path, key):
