@@ -28,6 +28,7 @@ from .model.families import ARCHITECTURES, VARIANTS, family_for, spec_for
 from .model.layer_spec import EMBEDDING, HEAD, TensorSpec
 from .modelfile.config import ModelConfig, expert_fields, yarn_fields
 from .modelfile.vocab import bytes_to_unicode
+from .synth_experts import skewed_router, synth_experts
 from .quant.encode import quantize
 
 Q = GGMLQuantizationType
@@ -82,31 +83,10 @@ SHAPES: dict[str, SynthShape] = {
                        n_experts_used=2),
 }
 
-# the mixture-of-experts archs: experts, used per token and width (0: the arch's default)
-# where the shape sets none. The tiny shape's are small enough for the reference tests and
-# keep the real models' traits: Qwen3-MoE's many experts narrower than the file's unused dense
-# width (128 of 768 beside 6144 there, 8 used; 16 of half the dense width here, 4 used: the
-# narrowest a K-quant's 256-element rows allow in the tiny shape), Mixtral's 8 experts of the
-# full width, 2 used
-MOE_DEFAULTS: dict[str, tuple[int, int, int]] = {"qwen3moe": (16, 4, 0), "mixtral": (8, 2, 0)}
-
-
 def file_arch(arch: str) -> str:
     """The general.architecture a synthesized file of --arch `arch` carries."""
     return VARIANTS.get(arch, arch)
 
-
-def synth_experts(shape: SynthShape, arch: str) -> tuple[int, int, int]:
-    """(experts, used per token, expert width) of a file of `arch` in `shape`: (0, 0, 0) for
-    a dense arch; the shape's where it sets them, else MOE_DEFAULTS (Qwen3-MoE's width half
-    the dense width)."""
-    if arch not in MOE_DEFAULTS:
-        return 0, 0, 0
-    n, used, width = ((shape.n_experts, shape.n_experts_used, shape.expert_ffn)
-                      if shape.n_experts else MOE_DEFAULTS[arch])
-    if not width:
-        width = shape.ffn // 2 if arch == "qwen3moe" else shape.ffn
-    return n, used, width
 
 # --quant names: the type of the 2-D layer weights and of output.weight. Q4_K_M mirrors
 # llama.cpp's mix: attn_v and ffn_down in Q6_K, the rest Q4_K, output Q6_K.
@@ -384,8 +364,15 @@ def synth_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
         key = file_arch(arch)
         md[f"{key}.expert_count"] = n_experts
         md[f"{key}.expert_used_count"] = used
-        if family == "qwen3moe":  # (a `llama` file's experts are feed_forward_length wide)
-            md[f"{key}.expert_feed_forward_length"] = width
+        if family in ("qwen3moe", "gpt-oss"):  # (a `llama` file's experts are
+            md[f"{key}.expert_feed_forward_length"] = width  # feed_forward_length wide)
+    if family == "gpt-oss":  # gpt-oss's window and YaRN (factor 32 over 4096 positions);
+        # the tiny shape's original context short enough that a test's tokens cross it
+        md[f"{arch}.attention.sliding_window"] = synth_window(shape)
+        md[f"{arch}.rope.scaling.type"] = "yarn"
+        md[f"{arch}.rope.scaling.factor"] = 32.0
+        md[f"{arch}.rope.scaling.original_context_length"] = (
+            16 if shape.hidden <= 256 else 4096)
     if family in ("gemma3", "phi3", "cohere2"):
         md[f"{arch}.attention.sliding_window"] = synth_window(shape)
     if family == "cohere2":
@@ -445,19 +432,6 @@ def _file_rank(t: TensorSpec) -> int:
                                                            2 if t.kind == "bias" else 1)
 
 
-# Skewed routing (write_synth's expert_skew). A router without a bias has no constant offset
-# to prefer an expert by (random hidden states share no direction, and a constant one would
-# fade through the layers' residual adds); its rows' lengths set how far each expert's logit
-# spreads, and the experts with the longest rows win the top-k most often, in every layer.
-def skewed_router(router: np.ndarray, exponent: float, rng: np.random.Generator) -> np.ndarray:
-    """router (n_experts, hidden) float32 with expert e's row scaled by rank_e^-exponent (rank_e:
-    e's place, from 1, in a random order of the layer's experts), the scales' mean kept at 1:
-    the longer a row, the more often its expert is among a token's top k."""
-    ranks = rng.permutation(router.shape[0]) + 1
-    scale = ranks.astype(np.float64) ** -exponent
-    return (router * (scale / scale.mean())[:, None]).astype(np.float32)
-
-
 def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_K",
                 n_layers: int | None = None, seed: int = 0, arch: str = "llama",
                 from_floats: bool = False, tie_embeddings: bool = False,
@@ -490,11 +464,14 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     def layer_q(name: str) -> Q:
         if name == "ffn_gate_inp.weight":  # a router stays F32, as llama.cpp's quantizer
             return Q.F32  # keeps it
+        if quant_mix == "MXFP4" and gptoss and not name.endswith("_exps.weight"):
+            return Q.Q8_0  # gpt-oss ships its experts only in MXFP4
         if quant_mix == "Q4_K_M" and name in ("attn_v.weight", "ffn_down.weight",
                                               "ffn_down_exps.weight"):
             return Q.Q6_K
         return layer_type
 
+    gptoss = family_for(file_arch(arch)).name == "gpt-oss"
     cfg = synth_config(shape, arch)
     if expert_skew and not cfg.n_experts:
         raise BadArgument(f"--expert-skew biases experts' routers; {arch!r} has no experts")
@@ -596,7 +573,10 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
             data = (0.5 + 0.5 * rng.random(s)).astype(np.float32)
         elif name in LONGROPE_DIVISORS:  # Phi-3-like: the long set stretches far more
             data = np.linspace(1.0, LONGROPE_DIVISORS[name], s[0], dtype=np.float32)
-        elif len(s) == 1:
+        elif name.endswith("attn_sinks.weight"):  # gpt-oss: logits of the order of the
+            # scores they compete with in each softmax
+            data = rng.standard_normal(s).astype(np.float32)
+        elif len(s) == 1 or name.endswith(".bias"):  # (gpt-oss's experts' biases are 2-D)
             data = (sd * rng.standard_normal(s)).astype(np.float32)
         elif from_floats:
             data = float_tensor(q, (sd * rng.standard_normal(s)).astype(np.float32))

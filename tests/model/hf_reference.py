@@ -1,6 +1,6 @@
 """transformers models of the families its GGUF reader does not load as slipstream reads them
-(Phi-3's LongRoPE factors and partial rotary; Ministral 3, OLMo 2, GLM-4, Cohere 2 and
-Mixtral, a `llama` file with experts, which it does not read at all): the model class built
+(Phi-3's LongRoPE factors and partial rotary; Ministral 3, OLMo 2, GLM-4, Cohere 2, gpt-oss
+and Mixtral, a `llama` file with experts, which it does not read at all): the model class built
 from a config written out of the file's ModelConfig, and the file's tensors dequantized to
 float32 by gguf-py and loaded under transformers' names. Nothing of slipstream's block math is used.
 
@@ -201,8 +201,63 @@ def _mixtral(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
     return MixtralForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
 
 
+def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """(..., ffn) gate and up -> (..., 2 * ffn) with gate at the even columns and up at the
+    odd ones, as transformers' GptOssExperts holds gate_up_proj (llama.cpp's converter splits
+    the two apart)."""
+    return torch.stack((gate, up), dim=-1).flatten(-2)
+
+
+def _gptoss(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    """gpt-oss, built here because transformers' GGUF reader fails on the file: it reads the
+    first part of each `gpt-oss.rope.scaling.*` field (the key's length) as its value, and it
+    looks for experts named `ffn_*_projs`, not llama.cpp's `ffn_*_exps`.
+
+    The experts as transformers holds them, (n_experts, in, out), gate and up
+    interleaved; the router with its bias; the sinks; eager attention (the implementation
+    that takes the sinks). YaRN with truncate=True: llama.cpp floors and ceils the ramp's
+    ends (ggml_rope_yarn_corr_dims), as transformers does unless told otherwise; the released
+    gpt-oss config says truncate=False, where llama.cpp and transformers differ."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}"
+        gate, up = tensors[f"{p}.ffn_gate_exps.weight"], tensors[f"{p}.ffn_up_exps.weight"]
+        tensors[f"{p}.gate_up_proj"] = _interleave(gate.transpose(1, 2), up.transpose(1, 2))
+        tensors[f"{p}.gate_up_proj_bias"] = _interleave(tensors[f"{p}.ffn_gate_exps.bias"],
+                                                        tensors[f"{p}.ffn_up_exps.bias"])
+        tensors[f"{p}.down_proj"] = tensors[f"{p}.ffn_down_exps.weight"].transpose(1, 2)
+    rope = {"rope_type": "yarn", "rope_theta": cfg.rope_base, "factor": cfg.rope_scale,
+            "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow,
+            "truncate": True, "original_max_position_embeddings": cfg.rope_ctx_orig}
+    config = GptOssConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.expert_ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        # (the YaRN context, so that transformers finds the factor it is given)
+        max_position_embeddings=int(cfg.rope_ctx_orig * cfg.rope_scale),
+        rms_norm_eps=cfg.norm_eps,
+        num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_used,
+        sliding_window=cfg.sliding_window, rope_parameters=rope, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    config._attn_implementation = "eager"
+    names = {k: v for k, v in LLAMA_NAMES.items() if not k.startswith("ffn_")}
+    names.update({f"attn_{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"})
+    names.update({"attn_output.bias": "self_attn.o_proj.bias",
+                  "attn_sinks.weight": "self_attn.sinks",
+                  "post_attention_norm.weight": "post_attention_layernorm.weight",
+                  "ffn_gate_inp.weight": "mlp.router.weight",
+                  "ffn_gate_inp.bias": "mlp.router.bias",
+                  "gate_up_proj": "mlp.experts.gate_up_proj",
+                  "gate_up_proj_bias": "mlp.experts.gate_up_proj_bias",
+                  "down_proj": "mlp.experts.down_proj",
+                  "ffn_down_exps.bias": "mlp.experts.down_proj_bias"})
+    return GptOssForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
+
+
 BUILDERS: dict[str, Callable] = {"phi3": _phi3, "mistral3": _mistral3, "olmo2": _olmo2,
-                                 "glm4": _glm4, "cohere2": _cohere2, "mixtral": _mixtral}
+                                 "glm4": _glm4, "cohere2": _cohere2, "mixtral": _mixtral,
+                                 "gpt-oss": _gptoss}
 
 
 def reference_model(path: Path, cfg: ModelConfig) -> torch.nn.Module:

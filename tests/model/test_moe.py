@@ -208,7 +208,8 @@ def test_per_expert_2d_tensors_are_refused_by_name(tmp_path):
         ModelConfig.from_metadata(gf.metadata, names)
 
 
-def test_moe_runs_resident_on_cpu_only(tmp_path):
+@pytest.mark.parametrize("arch", ["mixtral", "gpt-oss"])
+def test_moe_runs_resident_on_cpu_only(tmp_path, arch):
     """A mixture-of-experts model on a GPU, or with some layers loaded, is refused with a clear
     error naming MoE, never run with wrong or partial experts; a RAM budget too small for the
     whole model places experts, not layers (tests/memory/test_expert_placement.py): no layer
@@ -217,7 +218,7 @@ def test_moe_runs_resident_on_cpu_only(tmp_path):
     from slipstream.runtime.build import check_experts_device
     from slipstream.weights.loader import TensorSource
 
-    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=3, arch="mixtral")
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=3, arch=arch)
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
     with pytest.raises(UnsupportedArchitecture, match="CPU only"):

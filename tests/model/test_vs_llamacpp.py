@@ -73,6 +73,11 @@ F32_DECISIVE_GAP = 5e-3
 # top-1 at up to 30% of the 27 positions, so top-1 is held on the float32 copies only. A wrong
 # block or format is far outside: a window mismatch measured 0.58
 Q8_REL_TOL = 0.2
+# gpt-oss measured 0.31, as far as llama.cpp's own run of the file is from its run of the
+# float32 copy (0.31, top-1 at 70% of positions): top-k routing over these random weights
+# sends many tokens elsewhere for 8-bit differences (its float32 copy agrees to 2.5e-5, and
+# its MXFP4 file at the synth default std agrees to 7e-3: tests/model/test_gptoss.py)
+Q8_REL_TOL_OF = {"gpt-oss": 0.4}
 # SmolLM2's Q4_1 weights (activations quantized to Q8_1): measured 2.9e-2 and 4.2e-2, top-1
 # agreement 100% and 94% (two flips, at top-2 gaps of 5e-3 and 1.5e-2 standard deviations)
 Q4_1_REL_TOL = 8e-2
@@ -177,7 +182,7 @@ def test_family_quantized_matches_llamacpp(family_files, arch):
     q8, _ = family_files(arch)
     ref = llamacpp_logits(q8, _ids(arch))
     ours = cpu_engine(q8, precision="exact").forward(_ids(arch), all_logits=True)
-    _assert_close(ours, ref, Q8_REL_TOL)
+    _assert_close(ours, ref, Q8_REL_TOL_OF.get(arch, Q8_REL_TOL))
 
 
 def _assert_close(ours: torch.Tensor, ref: torch.Tensor, tol: float) -> None:

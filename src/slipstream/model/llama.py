@@ -23,6 +23,7 @@ from .cpu_decode import decode_attention
 from .cpu_native import decode_layer as native_decode_layer
 from .cpu_native import native_layer
 from .cpu_native import serves as native_serves
+from .attention_sinks import sink_attention
 from .moe import MoeWeights, moe_ffn
 from .rope import RopeTable
 from .step import Step
@@ -103,6 +104,8 @@ class LayerWeights:
     ffn_host: "FFNShare | None" = None
     # A mixture-of-experts layer's FFN (model.moe), in place of the dense FFN's linears
     moe: MoeWeights | None = None
+    # each query head's sink logit (cfg.attn_sinks: gpt-oss), (n_heads,) float32
+    attn_sinks: torch.Tensor | None = None
     # The layer's CPU decode form through the native ops (model.cpu_native), made at its first
     # CPU decode token: a NativeLayer, or False where the layer cannot take one.
     cpu_native: object = None
@@ -260,13 +263,14 @@ def _block(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         return _after_attention(cfg, w, _reused_kv_attention(
             cfg, w, x, cos_sin, step, k_cache, v_cache, rope, window), x)
     if (T == 1 and CPU_DECODE and x.device.type == "cpu" and w.attn_qkv is not None
-            and not step.needs_mask and not cfg.attn_temp_scale and not cfg.v_norm):
+            and not step.needs_mask and not cfg.attn_temp_scale and not cfg.v_norm
+            and not cfg.attn_sinks):
         return _cpu_decode(cfg, w, x, cos_sin, step.start, k_cache, v_cache, rope, window)
     n_qk = cfg.n_heads + cfg.n_kv_heads
     # the fused decode kernels hold windows and per-head q/k norms, not a query temperature,
     # a global layer without RoPE nor value norms (Gemma 4)
     if (uses_fused_decode(step, k_cache) and not cfg.attn_temp_scale
-            and (window or cfg.global_rope) and not cfg.v_norm):
+            and (window or cfg.global_rope) and not cfg.v_norm and not cfg.attn_sinks):
         # RoPE (after the per-head q/k norms), the cache write and split-K attention over the
         # window in three kernels that read the position from device memory, instead of a dozen
         # small ops (and a graph can replay them).
@@ -318,6 +322,11 @@ def _block(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     # one token over its own slots (no mask) reads only its window's; a masked step's mask
     # holds the window (Step.with_window)
     lo = max(0, step.span - window) if window and not step.needs_mask else 0
+    if cfg.attn_sinks:  # gpt-oss: a sink logit per head in each softmax
+        attn = sink_attention(q.to(k_cache.dtype), k_cache[:, lo:step.span],
+                              v_cache[:, lo:step.span], step, cfg.gqa_group,
+                              cfg.attention_scale, w.attn_sinks)
+        return _after_attention(cfg, w, attn, x)
     attn = attention(q.to(k_cache.dtype), k_cache[:, lo:step.span], v_cache[:, lo:step.span],
                      step, cfg.gqa_group, cfg.attention_scale)
     return _after_attention(cfg, w, attn, x)
@@ -399,6 +408,7 @@ def _cpu_decode(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
 def llama_block(cfg: ModelConfig) -> bool:
     """Whether cfg's block is the plain Llama block (none of the families' variations)."""
     return not (cfg.qk_norm or cfg.post_norms or cfg.ffn_act != "silu" or cfg.attn_scale
+                or cfg.attn_sinks
                 or cfg.attn_temp_scale or not cfg.pre_norms or cfg.norm != "rms"
                 or cfg.parallel or not cfg.global_rope or not cfg.uniform)
 
@@ -423,7 +433,9 @@ def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """The gated FFN half of the block, with its residual: folded into the down projection's
     epilogue, unless a norm comes between them (post_norms)."""
     if w.moe is not None:  # a mixture of experts: the routed experts' SwiGLU FFNs
-        return x + moe_ffn(pre_norm(cfg, x, w.ffn_norm), w.moe).to(x.dtype)
+        # (gpt-oss's FFN norm is the tensor named post_attention_norm: see families.gptoss)
+        norm = w.ffn_norm if w.ffn_norm is not None else w.post_attention_norm
+        return x + moe_ffn(pre_norm(cfg, x, norm), w.moe).to(x.dtype)
     if w.ffn_host is not None or w.ffn_down_rest is not None:
         return _split_ffn(cfg, w, x)
     residual = None if cfg.post_norms else x

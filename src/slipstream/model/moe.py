@@ -14,6 +14,11 @@ routed to it. ResidentExperts holds every expert's linears on the engine's devic
 places experts elsewhere (VRAM, RAM, disk) gives the same interface, and this module does not
 change.
 
+gpt-oss routes otherwise (llama.cpp's SOFTMAX_WEIGHT gating, transformers' GptOssTopKRouter):
+the router has a bias, the top k are chosen among the logits and the softmax is taken over
+those k only (MoeWeights.gating "topk_softmax"); its experts have biases and a clamped SwiGLU
+(`swiglu_oai`).
+
 The router stays float32 at every precision: its top-k is a discrete choice, and a float16
 router would pick another expert wherever two probabilities are within its rounding."""
 
@@ -40,23 +45,51 @@ class ExpertBank(Protocol):
         ...
 
 
+# gpt-oss's SwiGLU: the gate clamped from above and the up projection on both sides at 7,
+# the gate's sigmoid sharpened by 1.702 (the GELU approximation's constant), and 1 added to up
+# (llama.cpp's ggml_swiglu_oai, transformers' GptOssExperts)
+OAI_ALPHA = 1.702
+OAI_LIMIT = 7.0
+
+
+def swiglu_oai(gate_up: torch.Tensor) -> torch.Tensor:
+    """(up + 1) * g * sigmoid(1.702 g), g = min(gate, 7), up clamped to [-7, 7], for
+    gate_up = [gate | up] (T, 2 * ffn), computed in float32."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    gate = gate.clamp(max=OAI_LIMIT)
+    up = up.clamp(-OAI_LIMIT, OAI_LIMIT)
+    return (up + 1.0) * (gate * torch.sigmoid(OAI_ALPHA * gate))
+
+
 class ResidentExperts:
     """Every expert's linears held on the engine's device: `gate_up[e]` hidden ->
     2 * expert_ffn (gate rows, then up rows) and `down[e]` expert_ffn -> hidden, in any
     format model.llama.Linear covers (the loader builds them as it builds the dense FFN's)."""
 
-    def __init__(self, gate_up: Sequence[Linear], down: Sequence[Linear]):
+    def __init__(self, gate_up: Sequence[Linear], down: Sequence[Linear], act: str = "silu"):
+        """act: the experts' gated product, "silu" (SwiGLU) or "swiglu_oai" (gpt-oss)."""
         if len(gate_up) != len(down):
             raise ValueError(f"{len(gate_up)} gate/up linears but {len(down)} down linears")
+        if act not in ("silu", "swiglu_oai"):
+            raise ValueError(f"unknown expert activation {act!r}; expected silu or swiglu_oai")
         self.gate_up = list(gate_up)
         self.down = list(down)
+        self.act = act
 
     @property
     def n_experts(self) -> int:
         return len(self.down)
 
     def ffn(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        return self.down[e].glu_matmul(self.gate_up[e](h))
+        return expert_ffn(self.gate_up[e], self.down[e], h, self.act)
+
+
+def expert_ffn(gate_up: Linear, down: Linear, h: torch.Tensor, act: str = "silu"
+               ) -> torch.Tensor:
+    """One expert's FFN on the rows h routed to it: SwiGLU, or gpt-oss's clamped variant."""
+    if act == "swiglu_oai":
+        return down(swiglu_oai(gate_up(h)).to(h.dtype))
+    return down.glu_matmul(gate_up(h))
 
 
 @dataclass
@@ -70,13 +103,24 @@ class MoeWeights:
     # renormalise the top-k weights to sum to 1 (llama.cpp's norm_w; on for every family
     # slipstream runs: the negative controls turn it off)
     normalize: bool = True
+    # the router's bias, float32 (n_experts,): gpt-oss
+    router_bias: torch.Tensor | None = None
+    # "softmax" (over all experts, then the top k) or "topk_softmax" (the top k logits, then
+    # a softmax over them: gpt-oss)
+    gating: str = "softmax"
 
 
-def route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool = True
+def route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool = True,
+          bias: torch.Tensor | None = None, gating: str = "softmax"
           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, ids), each (T, top_k): the experts each row of h (T, hidden) goes to, by
     descending router probability, and their weights (float32)."""
-    logits = F.linear(h.to(router.dtype), router)
+    logits = F.linear(h.to(router.dtype), router, bias)
+    if gating == "topk_softmax":
+        top, ids = torch.topk(logits.float(), top_k, dim=-1)
+        return torch.softmax(top, dim=-1), ids
+    if gating != "softmax":
+        raise ValueError(f"unknown gating {gating!r}; expected softmax or topk_softmax")
     probs = torch.softmax(logits.float(), dim=-1)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if normalize:
@@ -86,7 +130,7 @@ def route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool = T
 
 def moe_ffn(h: torch.Tensor, moe: MoeWeights) -> torch.Tensor:
     """The FFN output (T, hidden), float32, of the normed hidden states h (T, hidden)."""
-    weights, ids = route(h, moe.router, moe.top_k, moe.normalize)
+    weights, ids = route(h, moe.router, moe.top_k, moe.normalize, moe.router_bias, moe.gating)
     return experts_ffn(h, ids, weights, moe.experts)
 
 

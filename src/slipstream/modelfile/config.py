@@ -94,6 +94,8 @@ class ModelConfig:
     n_experts: int = 0
     n_experts_used: int = 0
     expert_ffn: int = 0
+    attn_sinks: bool = False  # a learned per-head logit in each attention softmax (gpt-oss)
+    moe_gating: str = "softmax"  # "softmax" or "topk_softmax" (gpt-oss; model.moe.route)
     name: str = ""
 
     @property

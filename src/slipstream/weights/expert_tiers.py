@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from ..errors import BadArgument, GGUFError
+from ..model.moe import expert_ffn
 
 # Rows routed to a layer's experts between two halvings of its counts: 8192 rows are 1024
 # tokens of Qwen3-MoE (8 experts a token), 4096 of Mixtral (2)
@@ -122,7 +123,8 @@ class TieredExperts:
 
     def __init__(self, n_experts: int, slots: int, file: ExpertFile,
                  slices: list[ExpertSlice], make: Callable[[int, list[torch.Tensor]], ExpertPair],
-                 held: dict[int, ExpertPair], decay_rows: int = DECAY_ROWS):
+                 held: dict[int, ExpertPair], decay_rows: int = DECAY_ROWS,
+                 act: str = "silu"):
         if not 0 <= slots <= n_experts:
             raise BadArgument(f"slots={slots} is invalid: between 0 and the layer's "
                               f"{n_experts} experts")
@@ -136,6 +138,7 @@ class TieredExperts:
         self.held = dict(held)
         self.uses = [0] * n_experts  # rows routed to each expert, halved every decay_rows
         self.decay_rows = decay_rows
+        self.act = act  # the experts' gated product (model.moe.expert_ffn)
         self._rows = 0
 
     @property
@@ -156,7 +159,7 @@ class TieredExperts:
             pair = self.make(e, [self.file.read(sl, e) for sl in self.slices])
             self._admit(e, pair)
         gate_up, down = pair
-        return down.glu_matmul(gate_up(h))
+        return expert_ffn(gate_up, down, h, self.act)
 
     def _admit(self, e: int, pair: ExpertPair) -> None:
         if len(self.held) < self.slots:

@@ -15,7 +15,7 @@ built by the same `expert_linears`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -29,23 +29,26 @@ if TYPE_CHECKING:  # the loader imports this module
 
 
 def expert_linears(builder: LayerBuilder, raws: list[torch.Tensor], types: list,
-                   shapes: list[tuple[int, int]], lazy: bool) -> tuple[Linear, Linear]:
+                   shapes: list[tuple[int, int]], lazy: bool,
+                   biases: list[torch.Tensor | None] | None = None) -> tuple[Linear, Linear]:
     """One expert's (gate_up, down) linears from its bytes of the gate, up and down tensors
     (each (rows, row_bytes) uint8, in that order), their GGML types and (rows, cols): gate
     and up fused into one linear (gate rows, then up rows: the dense FFN's ffn_gate_up).
-    `lazy`: dense weights made at first use from `raws` (which must stay valid), else now."""
+    `lazy`: dense weights made at first use from `raws` (which must stay valid), else now.
+    `biases`: the expert's gate, up and down biases (gpt-oss), float32, or None."""
     dtype = builder.precision.weight_dtype
+    biases = biases or [None, None, None]
 
     def linear(k: int) -> Linear:
         if lazy:
-            return lazy_dense(raws[k], types[k], shapes[k], dtype)
+            return lazy_dense(raws[k], types[k], shapes[k], dtype, biases[k])
         return DenseLinear(quant.dequantize_as(raws[k], types[k], shapes[k], dtype)
-                           .to(builder.device))
+                           .to(builder.device), biases[k])
 
     fuse = LazyDenseLinear.fuse if lazy else DenseLinear.fuse
     fused, _ = fuse([linear(0), linear(1)])
-    gate_up = builder._packed(types[:2], shapes[:2], [None, None], fused, raws[:2])
-    down = builder._packed(types[2:], shapes[2:], [None], linear(2), raws[2:])
+    gate_up = builder._packed(types[:2], shapes[:2], biases[:2], fused, raws[:2])
+    down = builder._packed(types[2:], shapes[2:], biases[2:], linear(2), raws[2:])
     return gate_up, down
 
 
@@ -62,23 +65,39 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
     full = [builder.shapes[f"{part}.weight"] for part in (spec.gate, spec.up, spec.down)]
     types = [src.type_of(n) for n in names]
     shapes = [(s[1], s[2]) for s in full]
+    # gpt-oss's router and experts have biases: (n_experts,) and (n_experts, rows), float32
+    biases = {part: src.dense(f"{p}.{part}.bias", builder.shapes[f"{part}.bias"],
+                              torch.float32, builder.device)
+              for part in (spec.router, spec.gate, spec.up, spec.down)
+              if f"{part}.bias" in builder.shapes and src.has(f"{p}.{part}.bias")}
+
+    def expert_biases(e: int) -> list[torch.Tensor | None]:
+        return [biases[part][e] if part in biases else None
+                for part in (spec.gate, spec.up, spec.down)]
+
+    act = "swiglu_oai" if cfg.ffn_act == "swiglu_oai" else "silu"
     if slots is not None:
         assert file is not None
-        return MoeWeights(router, _tiered(builder, src, names, full, types, shapes, slots,
-                                          file), cfg.n_experts_used)
-    # bytes viewed (n_experts, rows, row_bytes)
-    raws = [(src.raw_held(n, s) if src.lazy else src.raw(n, s)).view(s[0], s[1], -1)
-            for n, s in zip(names, full)]
-    gate_up, down = [], []
-    for e in range(cfg.n_experts):
-        gu, d = expert_linears(builder, [r[e] for r in raws], types, shapes, src.lazy)
-        gate_up.append(gu)
-        down.append(d)
-    return MoeWeights(router, ResidentExperts(gate_up, down), cfg.n_experts_used)
+        bank = _tiered(builder, src, names, full, types, shapes, slots, file, expert_biases,
+                       act)
+    else:
+        # bytes viewed (n_experts, rows, row_bytes)
+        raws = [(src.raw_held(n, s) if src.lazy else src.raw(n, s)).view(s[0], s[1], -1)
+                for n, s in zip(names, full)]
+        gate_up, down = [], []
+        for e in range(cfg.n_experts):
+            gu, d = expert_linears(builder, [r[e] for r in raws], types, shapes, src.lazy,
+                                   expert_biases(e))
+            gate_up.append(gu)
+            down.append(d)
+        bank = ResidentExperts(gate_up, down, act)
+    return MoeWeights(router, bank, cfg.n_experts_used, router_bias=biases.get(spec.router),
+                      gating=cfg.moe_gating)
 
 
 def _tiered(builder: LayerBuilder, src: TensorSource, names: list[str], full: list,
-            types: list, shapes: list, slots: int, file: ExpertFile) -> TieredExperts:
+            types: list, shapes: list, slots: int, file: ExpertFile,
+            expert_biases: Callable[[int], list], act: str) -> TieredExperts:
     n_experts = full[0][0]
     slices = []
     for n, s in zip(names, full):
@@ -89,11 +108,12 @@ def _tiered(builder: LayerBuilder, src: TensorSource, names: list[str], full: li
     def make(e: int, raws: list[torch.Tensor]):
         # the bytes are the expert's own (read, or copied below): lazy dense weights may
         # keep them
-        return expert_linears(builder, raws, types, shapes, lazy=True)
+        return expert_linears(builder, raws, types, shapes, lazy=True,
+                              biases=expert_biases(e))
 
     held = {}
     for e in range(slots):
         # copies of the map's slices: the model does not read its map after the load
         raws = [src.raw(n, s).view(s[0], s[1], -1)[e].clone() for n, s in zip(names, full)]
         held[e] = make(e, raws)
-    return TieredExperts(n_experts, slots, file, slices, make, held)
+    return TieredExperts(n_experts, slots, file, slices, make, held, act=act)

@@ -26,7 +26,8 @@ class BlockTraits:
     # RMSNorm on the attention output and on the FFN output before each residual add
     # (post_attention_norm / post_ffw_norm): Gemma 2 and 3
     post_norms: bool = False
-    # the gated FFN's activation: "silu" (SwiGLU) or "gelu_tanh" (GeGLU, Gemma)
+    # the gated FFN's activation: "silu" (SwiGLU), "gelu_tanh" (GeGLU, Gemma) or
+    # "swiglu_oai" (gpt-oss's clamped SwiGLU, its experts only: model.moe)
     ffn_act: str = "silu"
     # the block's and the final norm: "rms" (RMSNorm) or "layer" (LayerNorm without bias,
     # Cohere 2)
@@ -39,6 +40,13 @@ class BlockTraits:
     global_rope: bool = True
     # an RMSNorm without weight over each value head before the cache write: Gemma 4
     v_norm: bool = False
+    # a learned logit per query head (attn_sinks, (n_heads,)) in each attention softmax's
+    # denominator, with no value: gpt-oss
+    attn_sinks: bool = False
+    # a mixture of experts' routing (model.moe.route): "softmax" (over all experts, then the
+    # top k, renormalised: Qwen3-MoE, Mixtral) or "topk_softmax" (the top k logits, then a
+    # softmax over those: gpt-oss)
+    moe_gating: str = "softmax"
 
 
 # A family's reading of the metadata its block needs beyond the Llama keys: given the file's
