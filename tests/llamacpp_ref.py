@@ -55,3 +55,12 @@ def decisive(ref: torch.Tensor, margin: float) -> torch.Tensor:
     differently may legitimately pick different tokens."""
     top2 = ref.topk(2, dim=-1).values
     return (top2[:, 0] - top2[:, 1]) > margin * ref.std(dim=-1)
+
+
+def assert_matches(ours: torch.Tensor, ref: torch.Tensor, tol: float, gap: float) -> None:
+    """ours within `tol` relative of llama.cpp's `ref`, and the same top-1 token wherever the
+    reference decides it (`decisive(ref, gap)`, at least half the positions)."""
+    assert rel_err(ours, ref) < tol, rel_err(ours, ref)
+    keep = decisive(ref, gap)
+    assert keep.float().mean() > 0.5
+    assert not ((ours.argmax(-1) != ref.argmax(-1)) & keep).any()
