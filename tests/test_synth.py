@@ -70,8 +70,8 @@ def test_expert_skew_makes_long_rowed_experts_popular(tmp_path):
                            arch="qwen3moe", seed=1, expert_skew=skew)
         seen, real = [], moe.route
 
-        def record(h, router, top_k, normalize=True):
-            weights, chosen = real(h, router, top_k, normalize)
+        def record(h, router, *args, **kwargs):
+            weights, chosen = real(h, router, *args, **kwargs)
             seen.append((router.norm(dim=1), chosen))
             return weights, chosen
 
