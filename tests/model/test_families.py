@@ -411,3 +411,22 @@ def test_gemma4_values_from_the_key_projection_are_refused(tmp_path):
     md, names = _gemma4_md(tmp_path)
     with pytest.raises(UnsupportedArchitecture, match="layer 2 has attn_k but no attn_v"):
         ModelConfig.from_metadata(md, names - {"blk.2.attn_v.weight"})
+
+
+def test_a_family_whose_cuda_path_is_refused_names_the_cpu(tmp_path):
+    """Gemma 4's CUDA path is refused before planning (runtime.build.check_experts_device,
+    which needs only the device's type), naming the family and the CPU; Gemma 3 is not."""
+    from slipstream.errors import UnsupportedArchitecture
+    from slipstream.runtime.build import check_experts_device
+
+    for arch, refused in (("gemma4", True), ("gemma3", False)):
+        path = write_synth(tmp_path / f"{arch}.gguf", "tiny", "Q8_0", n_layers=6, arch=arch)
+        gf = GGUFFile(path)
+        cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+        gf.close()
+        if refused:
+            with pytest.raises(UnsupportedArchitecture, match="gemma4 runs on the CPU only"):
+                check_experts_device(cfg, torch.device("cuda"))
+        else:
+            check_experts_device(cfg, torch.device("cuda"))
+        check_experts_device(cfg, torch.device("cpu"))

@@ -25,6 +25,7 @@ from ..memory.devices import per_device_budgets, resolve_devices, stage_ranges
 from ..memory.planner import Plan, StagePlan
 from ..memory.setup import (check_io, disk_images, make_store, measure_bandwidths,
                             pin_streamed_layers, plan_for)
+from ..model.families import family_for
 from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
@@ -140,11 +141,18 @@ def plan_model(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Pre
 
 def check_experts_device(cfg: ModelConfig, dev: torch.device) -> None:
     """A mixture-of-experts model runs on the CPU only, for now: its experts' placement on a
-    GPU (all of them in VRAM, or some in RAM) is not built."""
-    if cfg.n_experts and dev.type != "cpu":
+    GPU (all of them in VRAM, or some in RAM) is not built. So does a family whose CUDA path
+    is refused (Family.cuda_refused)."""
+    if dev.type == "cpu":
+        return
+    if cfg.n_experts:
         raise UnsupportedArchitecture(
             f"{cfg.architecture} with {cfg.n_experts} experts runs on the CPU only for now "
             f"(placing mixture-of-experts layers on {dev} is not built); use --device cpu")
+    refused = family_for(cfg.architecture).cuda_refused
+    if refused:
+        raise UnsupportedArchitecture(
+            f"{cfg.architecture} runs on the CPU only for now ({refused}); use --device cpu")
 
 
 def check_types_device(gf: GGUFFile, dev: torch.device) -> None:

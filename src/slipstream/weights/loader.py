@@ -25,7 +25,7 @@ import torch
 
 from .. import envs, kernels, quant
 from ..errors import BadArgument, GGUFError, InvalidMetadata, UnsupportedArchitecture
-from ..model.families import family_for, file_spec, spec_for
+from ..model.families import file_spec, spec_for
 from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name
 from ..model.llama import LayerWeights
 from ..model.per_layer import PerLayerEmbedding
@@ -210,11 +210,6 @@ class LayerBuilder:
         self.family_spec = spec_for(cfg.architecture, cfg.n_experts)
         self.spec = self.family_spec
         self.shapes = self.spec.shapes(cfg)
-        refused = family_for(cfg.architecture).cuda_refused
-        if refused and self.quantized:
-            raise UnsupportedArchitecture(
-                f"{cfg.architecture} runs on the CPU only for now ({refused}); load with "
-                f"device='cpu'")
         if self.spec.experts is not None and self.quantized:
             raise UnsupportedArchitecture(
                 f"{cfg.architecture}: mixture-of-experts layers run on the CPU only for now "

@@ -25,18 +25,14 @@ from ...modelfile.hparams import md_int
 from ..layer_spec import LayerSpec, TensorSpec
 from .base import BlockTraits, Family
 from .experts import EXPERT_TENSORS, EXPERTS
-from .llama import LLAMA_LINEARS, q_dim
+from .llama import LLAMA_ATTENTION, LLAMA_LINEARS, q_dim
 
 # llama.cpp's set_swa_pattern(2) and transformers' layer_types: layer i slides when i is even
 SWA_PATTERN = 2
 MAX_EXPERT_FFN = 1 << 20
 
 GPTOSS_TENSORS: tuple[TensorSpec, ...] = (
-    TensorSpec("attn_norm.weight", "norm", lambda c: (c.hidden,)),
-    TensorSpec("attn_q.weight", "weight", lambda c: (q_dim(c), c.hidden)),
-    TensorSpec("attn_k.weight", "weight", lambda c: (c.kv_dim, c.hidden)),
-    TensorSpec("attn_v.weight", "weight", lambda c: (c.kv_dim, c.hidden)),
-    TensorSpec("attn_output.weight", "weight", lambda c: (c.hidden, q_dim(c))),
+    *LLAMA_ATTENTION,
     TensorSpec("attn_sinks.weight", "norm", lambda c: (c.n_heads,)),
     TensorSpec("post_attention_norm.weight", "norm", lambda c: (c.hidden,)),
     *EXPERT_TENSORS,

@@ -25,12 +25,16 @@ def q_dim(cfg: ModelConfig) -> int:
 
 # The tensors are listed norm, attention, norm, FFN, then the optional biases: the order
 # check_layer_shapes reports problems in.
-LLAMA_TENSORS: tuple[TensorSpec, ...] = (
+# the pre-norm and the attention's projections, which most families share as they are
+LLAMA_ATTENTION: tuple[TensorSpec, ...] = (
     TensorSpec("attn_norm.weight", "norm", lambda c: (c.hidden,)),
     TensorSpec("attn_q.weight", "weight", lambda c: (q_dim(c), c.hidden)),
     TensorSpec("attn_k.weight", "weight", lambda c: (c.kv_dim, c.hidden)),
     TensorSpec("attn_v.weight", "weight", lambda c: (c.kv_dim, c.hidden)),
     TensorSpec("attn_output.weight", "weight", lambda c: (c.hidden, q_dim(c))),
+)
+LLAMA_TENSORS: tuple[TensorSpec, ...] = (
+    *LLAMA_ATTENTION,
     TensorSpec("ffn_norm.weight", "norm", lambda c: (c.hidden,)),
     TensorSpec("ffn_gate.weight", "weight", lambda c: (c.ffn, c.hidden)),
     TensorSpec("ffn_up.weight", "weight", lambda c: (c.ffn, c.hidden)),
