@@ -9,6 +9,12 @@ carried back, runs the rest. `--suite-summary` prints the merged result.
     pytest -m gpu --suite-state .gpu-suite/state.json --time-budget 420
     pytest --suite-state .gpu-suite/state.json --suite-summary
 
+Several processes can share one GPU and one call: `--suite-shard I/N` keeps the I-th of N
+groups of test modules (whole modules, so a module's fixtures load once; the groups are
+balanced by test count), each shard writes its own state file, and `--suite-merge FILE...`
+folds the shards' files into the main one. Triton compiles on the CPU, so shards cut a cold
+call's wall time on a 16-core host.
+
 The state file (JSON) holds:
   selected  the test ids the run calls selected (after -m/-k, before their own deselection)
   tests     id -> {"outcome", "duration", "message", "call"}; outcome is passed, failed, error,
@@ -52,12 +58,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="with --suite-state: count the selected tests with this marker in "
                          "the suite but leave them for a later call (those that need a model "
                          "this call lacks, say)")
+    group.addoption("--suite-shard", metavar="I/N", default=None,
+                    help="with --suite-state: run only the I-th (1-based) of N groups of "
+                         "test modules, balanced by their number of tests")
+    group.addoption("--suite-merge", metavar="FILE", nargs="+", default=None,
+                    help="with --suite-state: fold these shards' state files into it and "
+                         "exit")
     group.addoption("--suite-summary", action="store_true", default=False,
                     help="print the merged summary of --suite-state and exit (0: all ran, "
                          "none failed; 1: failures; 2: tests left to run; 4: no state file)")
 
 
 def pytest_cmdline_main(config: pytest.Config) -> int | None:
+    shards = config.getoption("suite_merge")
+    if shards:
+        if not config.getoption("suite_state"):
+            raise pytest.UsageError("--suite-merge needs --suite-state FILE")
+        main = Path(config.getoption("suite_state"))
+        save_state(main, merge_states(load_state(main), [load_state(Path(f)) for f in shards]))
+        return 0
     if not config.getoption("suite_summary"):
         return None
     path = config.getoption("suite_state")
@@ -73,7 +92,7 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
 
 def pytest_configure(config: pytest.Config) -> None:
     path = config.getoption("suite_state")
-    if path and not config.getoption("suite_summary"):
+    if path and not config.getoption("suite_summary") and not config.getoption("suite_merge"):
         config.pluginmanager.register(SuiteRun(config, Path(path)), "suite-run")
 
 
@@ -92,6 +111,46 @@ def save_state(path: Path, state: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
     os.replace(tmp, path)
+
+
+def merge_states(main: dict, shards: list[dict]) -> dict:
+    """The main state with the shards' calls folded in: each shard started from a copy of the
+    main state, so a test's newest entry (the highest call number) is the one a shard ran."""
+    out = {k: (list(v) if isinstance(v, list) else dict(v)) for k, v in main.items()}
+    base_calls = len(main["calls"])
+    merged_call: dict = {}
+    for shard in shards:
+        known = set(out["selected"])
+        out["selected"] += [t for t in shard["selected"] if t not in known]
+        for t, e in shard["tests"].items():
+            if t not in out["tests"] or e.get("call", 0) > out["tests"][t].get("call", 0):
+                out["tests"][t] = e
+        out["collect_errors"].update(shard["collect_errors"])
+        for rec in shard["calls"][base_calls:]:
+            if not merged_call:
+                merged_call = dict(rec, shards=0)
+            else:
+                merged_call["ran"] += rec["ran"]
+                merged_call["left"] += rec["left"]
+            merged_call["shards"] += 1
+    if merged_call:
+        out["calls"].append(merged_call)
+    return out
+
+
+def shard_of(items: list[pytest.Item], index: int, count: int) -> set[str]:
+    """The module paths of the index-th (1-based) of count groups: whole modules, the largest
+    first onto the group with the fewest tests so far."""
+    sizes: dict[str, int] = {}
+    for item in items:
+        sizes[str(item.path)] = sizes.get(str(item.path), 0) + 1
+    groups: list[list[str]] = [[] for _ in range(count)]
+    load = [0] * count
+    for module in sorted(sizes, key=lambda m: (-sizes[m], m)):
+        g = load.index(min(load))
+        groups[g].append(module)
+        load[g] += sizes[module]
+    return set(groups[index - 1])
 
 
 def is_done(entry: dict) -> bool:
@@ -166,6 +225,7 @@ class SuiteRun:
         self.path = path
         self.start = time.monotonic()
         self.budget = config.getoption("time_budget")
+        self.shard = _shard(config.getoption("suite_shard"))
         self.state = load_state(path)
         self.state["collect_errors"] = {}  # the latest call's
         self.call = len(self.state["calls"]) + 1
@@ -187,6 +247,11 @@ class SuiteRun:
         keep = [item for item in items
                 if (item.nodeid not in tests or not is_done(tests[item.nodeid]))
                 and not any(item.get_closest_marker(m) for m in later)]
+        if self.shard:
+            index, count = self.shard
+            # grouped over what is left, so that the shards of a later call share its rest
+            mine = shard_of(keep, index, count)
+            keep = [item for item in keep if str(item.path) in mine]
         gone = [item for item in items if item not in keep]
         # a test a killed call left unfinished runs first, with the whole budget before it
         keep.sort(key=lambda item: item.nodeid not in tests)
@@ -241,6 +306,18 @@ class SuiteRun:
             f"next call" + (" (the time budget is spent)" if self.stopped else ""))
         lines, _ = summary(self.state, self.path)
         terminalreporter.write_line(lines[1])
+
+
+def _shard(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    try:
+        index, count = (int(x) for x in text.split("/"))
+    except ValueError:
+        index = count = 0
+    if not 1 <= index <= count:
+        raise pytest.UsageError(f"--suite-shard {text}: I must lie in 1..N, as in 2/3")
+    return index, count
 
 
 def _outcome(reports: list[pytest.TestReport]) -> str:

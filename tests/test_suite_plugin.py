@@ -155,3 +155,37 @@ def test_a_test_its_call_was_killed_in_runs_first_then_counts_as_failed(suite):
     text, code = _summary(state)
     assert "FAILED test_fake.py::test_a - did not finish within a call" in text.splitlines()
     assert code == 1
+
+
+def test_shards_split_whole_modules_and_merge_into_one_state(suite):
+    """Two shards run side by side from copies of the main state, each whole modules only;
+    the merge gives the same summary as one process would, as one call."""
+    suite.makepyfile(test_other=TESTS.replace("_ran(\"", "_ran(\"o").replace("_ran(f\"", "_ran(f\"o"))
+    main = suite.path / "state.json"
+    shards = [suite.path / f"shard-{i}.json" for i in (1, 2)]
+    for i, shard in enumerate(shards, 1):
+        _run(suite, "-m", "dev", f"--suite-state={shard}", f"--suite-shard={i}/2")
+    ran = _ran(suite)
+    assert sorted(ran) == sorted(["a", "b", "c", "d1", "d2", "oa", "ob", "oc", "od1", "od2"])
+    for shard in shards:  # each shard ran one whole module
+        tests = load_state(shard)["tests"]
+        assert len({t.split("::")[0] for t in tests}) == 1 and len(tests) == 5
+    result = _run(suite, f"--suite-state={main}", "--suite-merge", *map(str, shards))
+    assert result.ret == 0
+    text, code = _summary(main)
+    assert code == 1
+    assert "6 passed, 2 failed, 2 skipped, 0 not yet run" in text
+    assert "1 call(s)" in text and len(load_state(main)["calls"][0]) and \
+        load_state(main)["calls"][0]["shards"] == 2
+    # a later call's shards start from the merged state and find nothing left
+    for i, shard in enumerate(shards, 1):
+        shard.write_text(main.read_text())
+        _run(suite, "-m", "dev", f"--suite-state={shard}", f"--suite-shard={i}/2")
+    assert len(_ran(suite)) == 10
+
+
+def test_a_shard_outside_its_count_is_refused(suite):
+    result = _run(suite, "-m", "dev", f"--suite-state={suite.path / 's.json'}",
+                  "--suite-shard=3/2")
+    assert result.ret != 0
+    result.stderr.fnmatch_lines(["*--suite-shard 3/2: I must lie in 1..N*"])

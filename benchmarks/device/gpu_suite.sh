@@ -34,7 +34,8 @@
 # and counts as failed if it is cut twice); PYTEST_ARGS adds pytest arguments (-k, say).
 # The plugin works without this script too: `pytest -m gpu --suite-state FILE --time-budget S`
 # in each call, then `pytest --suite-state FILE --suite-summary tests`.
-# Files back in $OUT: gpu-suite.log (this call, verbose, with the passing tests' output),
+# Files back in $OUT: gpu-suite-I.log (shard I of this call, verbose, with the passing
+# tests' output),
 # gpu-suite-state.json, gpu-suite-summary.txt.
 set -uo pipefail
 OUTDIR=${OUT:-/tmp/slipstream-out}
@@ -77,13 +78,27 @@ if ! ls "${SLIPSTREAM_CACHE:-/tmp/slipstream-cache}" 2>/dev/null | grep -q "^Smo
   echo "the default model is not in the cache: its tests wait for a call that has it"
   later=(--suite-later default_model)
 fi
-log=$OUTDIR/gpu-suite.log
-env | grep '^SLIPSTREAM_' | sort > "$log"  # the settings this call ran under head its log
-# a module that cannot be imported here (a package the device lacks) is named in the summary
-timeout -s INT -k 20 "${HARD_S:-540}" python3 -m pytest -v -p no:cacheprovider -rsP \
-  --durations=10 --continue-on-collection-errors -m "$marks" "${later[@]}" \
-  --suite-state "$STATE" --time-budget "${BUDGET_S:-420}" ${PYTEST_ARGS:-} tests >> "$log" 2>&1
-grep -E "^(FAILED|ERROR)|this call ran" "$log" | head -20
+# SHARDS processes share the GPU (default 3): Triton compiles on the CPU, and a cold machine
+# spends most of a call compiling. Each shard runs whole test modules from a copy of the state
+# and logs to gpu-suite-I.log; their states are merged into the main one after.
+shards=${SHARDS:-3}
+settings=$(env | grep '^SLIPSTREAM_' | sort)  # the settings this call ran under head each log
+pids=()
+for i in $(seq 1 "$shards"); do
+  log=$OUTDIR/gpu-suite-$i.log
+  echo "$settings" > "$log"
+  if [ -f "$STATE" ]; then cp "$STATE" ".gpu-suite/shard-$i.json"; else rm -f ".gpu-suite/shard-$i.json"; fi
+  # a module that cannot be imported here (a package the device lacks) is named in the summary
+  timeout -s INT -k 20 "${HARD_S:-540}" python3 -m pytest -v -p no:cacheprovider -rsP \
+    --durations=10 --continue-on-collection-errors -m "$marks" "${later[@]}" \
+    --suite-state ".gpu-suite/shard-$i.json" --suite-shard "$i/$shards" \
+    --time-budget "${BUDGET_S:-420}" ${PYTEST_ARGS:-} tests >> "$log" 2>&1 &
+  pids+=($!)
+done
+wait "${pids[@]}"
+python3 -m pytest -p no:cacheprovider --suite-state "$STATE" \
+  --suite-merge $(seq -f ".gpu-suite/shard-%g.json" 1 "$shards") tests
+grep -hE "^(FAILED|ERROR)|this call ran" "$OUTDIR"/gpu-suite-*.log | head -20
 cp "$STATE" "$OUTDIR/gpu-suite-state.json"
 python3 -m pytest -p no:cacheprovider --suite-state "$STATE" --suite-summary tests \
   | tee "$OUTDIR/gpu-suite-summary.txt"
