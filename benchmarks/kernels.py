@@ -16,7 +16,8 @@ measured in the same run (bytes read + written). Weights are random bytes: throu
 depend on the values (NaN scales included), only on sizes.
 
 --sweep times a grid of tile configs on the large 8B shapes (written to sweep.json) to choose
-gemv_config's table. --compile-only/--part run every launch once without timing, in parallel
+gemv_config's table; --sweep-q8 the int8-activation kernel's (gemv_q8_config), and with
+--families on the Qwen3-32B and Gemma-3-27B shapes. --compile-only/--part run every launch once without timing, in parallel
 processes, so Triton's disk cache is warm before the timed (single-process) run.
 """
 
@@ -41,6 +42,12 @@ SHAPES_8B = [("8B.q/o 4096x4096", 4096, 4096), ("8B.kv 1024x4096", 1024, 4096),
 VOCAB_8B = ("8B.vocab 128256x4096", 128256, 4096)
 SHAPES_70B = [("70B.q/o 8192x8192", 8192, 8192), ("70B.kv 1024x8192", 1024, 8192),
               ("70B.gate/up 28672x8192", 28672, 8192), ("70B.down 8192x28672", 8192, 28672)]
+# the dense families' widest files, fused as the engine packs them (q|k|v, gate|up)
+SHAPES_QWEN3_32B = [("32B.qkv 10240x5120", 10240, 5120), ("32B.o 5120x8192", 5120, 8192),
+                    ("32B.gate/up 51200x5120", 51200, 5120), ("32B.down 5120x25600", 5120, 25600)]
+SHAPES_GEMMA3_27B = [("27B.qkv 8192x5376", 8192, 5376), ("27B.o 5376x4096", 5376, 4096),
+                     ("27B.gate/up 43008x5376", 43008, 5376),
+                     ("27B.down 5376x21504", 5376, 21504)]
 L2_BYTES = 60 << 20
 
 
@@ -169,8 +176,8 @@ def sweep_configs(qt: T, m: int) -> list[dict]:
         return [{"BN": bn, "BK": bk, "num_warps": nw} for bn in (1, 2, 4, 8, 16)
                 for bk in (256, 512, 1024, 2048) for nw in (4, 8) if m * bn * bk <= 16384]
     if m < 0:  # the int8-activation kernel at |m| rows
-        return [{"BN": bn, "NU": nu, "num_warps": nw} for bn in (2, 4, 8)
-                for nu in (32, 64, 128) for nw in (4, 8)]
+        return [{"BN": bn, "NU": nu, "num_warps": nw} for bn in (1, 2, 4, 8)
+                for nu in (16, 32, 64, 128) for nw in (2, 4, 8)]
     if m == 1:  # the m = 1 kernel (_gemv_q1_kernel): BN rows x NG scale groups per step
         return [{"BN": bn, "NG": ng, "num_warps": nw} for bn in (1, 2, 4, 8)
                 for ng in (16, 32, 64, 128, 256) for nw in (4, 8) if bn * ng * 32 <= 16384]
@@ -183,6 +190,8 @@ def sweep_configs(qt: T, m: int) -> list[dict]:
 # int8-activation kernel (m < 0 in these tuples means that kernel at |m| rows).
 SWEEP_Q8_CASES = [(T.Q4_K, -1, [SHAPES_8B[2], SHAPES_8B[3], SHAPES_70B[2]]),
                   (T.Q6_K, -1, [VOCAB_8B]), (T.Q8_0, -1, [SHAPES_8B[2]])]
+# --sweep-q8 --families: the Qwen3-32B and Gemma-3-27B shapes, Q4_K
+SWEEP_Q8_FAMILY_CASES = [(T.Q4_K, -1, SHAPES_QWEN3_32B + SHAPES_GEMMA3_27B)]
 SWEEP_CASES = [(T.Q4_K, 1, SHAPES_8B), (T.Q6_K, 1, [VOCAB_8B, SHAPES_8B[2]]),
                (T.Q8_0, 1, SHAPES_8B[2:3]), (T.Q4_0, 1, SHAPES_8B[2:3]),
                (T.Q5_K, 1, SHAPES_8B[3:4]), (T.Q3_K, 1, SHAPES_8B[3:4])]
@@ -207,6 +216,8 @@ def main() -> None:
     ap.add_argument("--results", default=str(common.RESULTS), help="where the JSON goes")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-q8", action="store_true")
+    ap.add_argument("--families", action="store_true",
+                    help="with --sweep-q8: the Qwen3-32B and Gemma-3-27B shapes instead")
     ap.add_argument("--compile-only", action="store_true")
     ap.add_argument("--part", default="0/1")
     ap.add_argument("--quick", action="store_true")
@@ -227,7 +238,8 @@ def main() -> None:
     if args.sweep or args.sweep_q8:
         sweep = []
         jobs = [(qt, m, name, n, k, cfg) for qt, m, shapes in
-                (SWEEP_Q8_CASES if args.sweep_q8 else SWEEP_CASES)
+                (SWEEP_Q8_FAMILY_CASES if args.sweep_q8 and args.families else
+                 SWEEP_Q8_CASES if args.sweep_q8 else SWEEP_CASES)
                 for name, n, k in shapes for cfg in sweep_configs(qt, m)]
         if not timed:  # compile: one launch per (format, m, config) is enough
             seen, uniq = set(), []
