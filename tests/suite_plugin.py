@@ -10,8 +10,8 @@ carried back, runs the rest. `--suite-summary` prints the merged result.
     pytest --suite-state .gpu-suite/state.json --suite-summary
 
 Several processes can share one GPU and one call: `--suite-shard I/N` keeps the I-th of N
-groups of test modules (whole modules, so a module's fixtures load once; the groups are
-balanced by test count), each shard writes its own state file, and `--suite-merge FILE...`
+groups of test modules (whole modules, so a module's fixtures load once, but a very large one
+cut into runs of tests; the groups are balanced by test count), each shard writes its own state file, and `--suite-merge FILE...`
 folds the shards' files into the main one. Triton compiles on the CPU, so shards cut a cold
 call's wall time on a 16-core host.
 
@@ -139,17 +139,22 @@ def merge_states(main: dict, shards: list[dict]) -> dict:
 
 
 def shard_of(items: list[pytest.Item], index: int, count: int) -> set[str]:
-    """The module paths of the index-th (1-based) of count groups: whole modules, the largest
+    """The node ids of the index-th (1-based) of count groups. The units are whole modules,
+    so that a module's fixtures load once, except that a module of more than a 2*count-th of
+    the tests is cut into runs of consecutive tests of that size (the kernel sweeps: 239 of
+    the GPU suite's 600 tests, two thirds of its time, in one module); the largest unit goes
     first onto the group with the fewest tests so far."""
-    sizes: dict[str, int] = {}
+    limit = max(1, -(-len(items) // (2 * count)))
+    modules: dict[str, list[str]] = {}
     for item in items:
-        sizes[str(item.path)] = sizes.get(str(item.path), 0) + 1
+        modules.setdefault(str(item.path), []).append(item.nodeid)
+    units = [ids[i:i + limit] for ids in modules.values() for i in range(0, len(ids), limit)]
     groups: list[list[str]] = [[] for _ in range(count)]
     load = [0] * count
-    for module in sorted(sizes, key=lambda m: (-sizes[m], m)):
+    for unit in sorted(units, key=lambda u: (-len(u), u[0])):
         g = load.index(min(load))
-        groups[g].append(module)
-        load[g] += sizes[module]
+        groups[g] += unit
+        load[g] += len(unit)
     return set(groups[index - 1])
 
 
@@ -251,7 +256,7 @@ class SuiteRun:
             index, count = self.shard
             # grouped over what is left, so that the shards of a later call share its rest
             mine = shard_of(keep, index, count)
-            keep = [item for item in keep if str(item.path) in mine]
+            keep = [item for item in keep if item.nodeid in mine]
         gone = [item for item in items if item not in keep]
         # a test a killed call left unfinished runs first, with the whole budget before it
         keep.sort(key=lambda item: item.nodeid not in tests)

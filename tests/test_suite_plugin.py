@@ -167,7 +167,7 @@ def test_shards_split_whole_modules_and_merge_into_one_state(suite):
         _run(suite, "-m", "dev", f"--suite-state={shard}", f"--suite-shard={i}/2")
     ran = _ran(suite)
     assert sorted(ran) == sorted(["a", "b", "c", "d1", "d2", "oa", "ob", "oc", "od1", "od2"])
-    for shard in shards:  # each shard ran one whole module
+    for shard in shards:  # each shard ran one whole module (5 tests: none is cut)
         tests = load_state(shard)["tests"]
         assert len({t.split("::")[0] for t in tests}) == 1 and len(tests) == 5
     result = _run(suite, f"--suite-state={main}", "--suite-merge", *map(str, shards))
@@ -189,3 +189,13 @@ def test_a_shard_outside_its_count_is_refused(suite):
                   "--suite-shard=3/2")
     assert result.ret != 0
     result.stderr.fnmatch_lines(["*--suite-shard 3/2: I must lie in 1..N*"])
+
+
+def test_a_module_of_most_of_the_tests_is_cut_between_shards(suite):
+    """One module of 5 tests beside none: with 2 shards a unit holds at most 2 tests (a
+    2*N-th of the whole), so both shards get some of it and together run it once."""
+    states = [suite.path / f"s{i}.json" for i in (1, 2)]
+    for i, state in enumerate(states, 1):
+        _run(suite, "-m", "dev", f"--suite-state={state}", f"--suite-shard={i}/2")
+    counts = [len(load_state(s)["tests"]) for s in states]
+    assert sorted(_ran(suite)) == ["a", "b", "c", "d1", "d2"] and sorted(counts) == [2, 3]

@@ -260,6 +260,7 @@ def test_resident_run_traces_compute_only(smollm_path):
 # --- CUDA --------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone
 def test_cuda_streamed_trace_has_copies_under_compute(tmp_path):
     """A streamed model on CUDA: compute spans (GPU time) for every layer of each token, inside
     the token's span, and a host-to-device span per streamed layer that ends before that

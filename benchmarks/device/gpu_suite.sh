@@ -29,13 +29,15 @@
 # and green, 1 some test failed, 2 tests are left (call again), 4 no state.
 #
 # Settings: HEAVY=1 also runs the compile_heavy tests; FRESH=1 starts from an empty state;
+# SHARDS (default 3) pytest processes side by side, ALONE_S (default 120) kept for the tests
+# marked gpu_alone, run after them in one process;
 # BUDGET_S (default 420) is the time after which no test starts, HARD_S (default 540) the
 # time at which pytest is interrupted (a test cut there runs again first in the next call,
 # and counts as failed if it is cut twice); PYTEST_ARGS adds pytest arguments (-k, say).
 # The plugin works without this script too: `pytest -m gpu --suite-state FILE --time-budget S`
 # in each call, then `pytest --suite-state FILE --suite-summary tests`.
-# Files back in $OUT: gpu-suite-I.log (shard I of this call, verbose, with the passing
-# tests' output),
+# Files back in $OUT: gpu-suite-I.log (shard I of this call, 0 the tests run alone; verbose,
+# with the passing tests' output),
 # gpu-suite-state.json, gpu-suite-summary.txt.
 set -uo pipefail
 OUTDIR=${OUT:-/tmp/slipstream-out}
@@ -79,25 +81,36 @@ if ! ls "${SLIPSTREAM_CACHE:-/tmp/slipstream-cache}" 2>/dev/null | grep -q "^Smo
   later=(--suite-later default_model)
 fi
 # SHARDS processes share the GPU (default 3): Triton compiles on the CPU, and a cold machine
-# spends most of a call compiling. Each shard runs whole test modules from a copy of the state
-# and logs to gpu-suite-I.log; their states are merged into the main one after.
+# spends most of a call compiling. Each shard runs its group of tests (suite_plugin's
+# --suite-shard) from a copy of the state and logs to gpu-suite-I.log; their states are merged
+# into the main one after. Then the tests marked gpu_alone (they read the device's memory use
+# as their own, or time work) run in one process, alone on the GPU, logged to gpu-suite-0.log;
+# the shards stop starting tests ALONE_S (default 120) seconds before the call's budget for it.
 shards=${SHARDS:-3}
+budget=${BUDGET_S:-420}; hard=${HARD_S:-540}; alone=${ALONE_S:-120}
 settings=$(env | grep '^SLIPSTREAM_' | sort)  # the settings this call ran under head each log
+run_pytest() {  # LOG STATE TIME_BUDGET HARD_LIMIT MARKS [ARGS...]: one pytest process
+  local log=$1 state=$2 tb=$3 hl=$4 m=$5; shift 5
+  echo "$settings" > "$log"
+  # a module that cannot be imported here (a package the device lacks) is named in the summary
+  timeout -s INT -k 20 "$hl" python3 -m pytest -v -p no:cacheprovider -rsP \
+    --durations=10 --continue-on-collection-errors -m "$m" "${later[@]}" \
+    --suite-state "$state" --time-budget "$tb" "$@" ${PYTEST_ARGS:-} tests >> "$log" 2>&1
+}
+start=$SECONDS
 pids=()
 for i in $(seq 1 "$shards"); do
-  log=$OUTDIR/gpu-suite-$i.log
-  echo "$settings" > "$log"
   if [ -f "$STATE" ]; then cp "$STATE" ".gpu-suite/shard-$i.json"; else rm -f ".gpu-suite/shard-$i.json"; fi
-  # a module that cannot be imported here (a package the device lacks) is named in the summary
-  timeout -s INT -k 20 "${HARD_S:-540}" python3 -m pytest -v -p no:cacheprovider -rsP \
-    --durations=10 --continue-on-collection-errors -m "$marks" "${later[@]}" \
-    --suite-state ".gpu-suite/shard-$i.json" --suite-shard "$i/$shards" \
-    --time-budget "${BUDGET_S:-420}" ${PYTEST_ARGS:-} tests >> "$log" 2>&1 &
+  run_pytest "$OUTDIR/gpu-suite-$i.log" ".gpu-suite/shard-$i.json" $((budget - alone)) \
+    $((hard - alone)) "$marks and not gpu_alone" --suite-shard "$i/$shards" &
   pids+=($!)
 done
 wait "${pids[@]}"
 python3 -m pytest -p no:cacheprovider --suite-state "$STATE" \
   --suite-merge $(seq -f ".gpu-suite/shard-%g.json" 1 "$shards") tests
+spent=$((SECONDS - start))
+run_pytest "$OUTDIR/gpu-suite-0.log" "$STATE" $((budget > spent ? budget - spent : 0)) \
+  $((hard > spent + 30 ? hard - spent : 30)) "$marks and gpu_alone"
 grep -hE "^(FAILED|ERROR)|this call ran" "$OUTDIR"/gpu-suite-*.log | head -20
 cp "$STATE" "$OUTDIR/gpu-suite-state.json"
 python3 -m pytest -p no:cacheprovider --suite-state "$STATE" --suite-summary tests \

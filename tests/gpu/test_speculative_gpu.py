@@ -316,6 +316,7 @@ def test_tree_level_graphs_match_eager(smollm_path):
         assert engine._tree_graphs is not None and engine._tree_graphs.graphs
 
 
+@pytest.mark.gpu_alone
 def test_gpu_a_draft_that_never_pays_gives_its_vram_to_the_target(tmp_path):
     """A draft of other weights (a second seed) inside the budget: the sizer gives it up, the
     VRAM it held makes pinned layers resident, and the output stays plain greedy's."""

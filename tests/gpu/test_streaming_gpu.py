@@ -106,6 +106,7 @@ def _storages(layer) -> set[int]:
     return {t.untyped_storage().data_ptr() for _, t in _tensors(layer)}
 
 
+@pytest.mark.gpu_alone
 def test_gpu_budget_too_small(synth):
     from slipstream.memory.cuda_context import outside_allocator_bytes
 

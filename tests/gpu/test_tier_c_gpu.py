@@ -221,6 +221,7 @@ def test_planned_sizes_match_what_loading_builds(synth):
     store.close()
 
 
+@pytest.mark.gpu_alone
 def test_streamed_model_stays_under_its_vram_budget(synth):
     probe = slipstream.load(synth, device="cuda", ctx=256)
     vram, ram = _budgets(probe, 2, 1)
@@ -247,6 +248,7 @@ def test_streamed_model_stays_under_its_vram_budget(synth):
     torch.cuda.empty_cache()
 
 
+@pytest.mark.gpu_alone
 def test_a_load_that_outgrows_its_plan_stops_at_the_budget(synth, monkeypatch):
     """The VRAM budget is held by the allocator, not only by the planner's arithmetic: a load
     that allocates past its plan (here a budget-sized tensor taken in the middle of loading)
