@@ -19,6 +19,7 @@ import torch
 from ..memory.store import ResidentLayerStore
 from ..model import RopeTable, Step, append_step, block_forward, fused_decode_serves
 from ..model.llama import LayerWeights, block_norm, uses_fused_decode
+from ..model.ring import ring_step, wraps
 from ..modelfile.config import ModelConfig
 from ..weights import ModelWeights
 from .graphs import GRAPH_BUCKET, DecodeGraphs, StepGraphs, bucket_span
@@ -377,7 +378,7 @@ class Engine:
                          else cos_sin)
         # layers whose key/value heads differ from the model's (Gemma 4) fold their query
         # heads by their own group: their steps' masks, made once per group
-        steps: dict[tuple[int, int], Step] = {(0, self.cfg.gqa_group): s,
+        steps: dict[tuple[int, ...], Step] = {(0, self.cfg.gqa_group): s,
                                               (window, self.cfg.gqa_group): s_local}
         stage.store.begin_pass(s.tokens)
         first = stage.layers.start
@@ -394,7 +395,15 @@ class Engine:
             cfg = self.cfg.layer(i)
             rope, cs = ((rope_local, cos_sin_local) if self.cfg.sliding(i)
                         else (stage.rope, cos_sin))
-            si = steps.get((w, cfg.gqa_group))
+            if s.needs_mask and wraps(s, w, k_cache):
+                # a ring the step reaches past: its keys are the ring, then the step's own
+                # (model.ring), under a mask made once per ring length and group
+                ring = k_cache.shape[1]
+                si = steps.get((w, cfg.gqa_group, ring))
+                if si is None:
+                    si = steps[w, cfg.gqa_group, ring] = ring_step(s, w, cfg.gqa_group, ring)
+            else:
+                si = steps.get((w, cfg.gqa_group))
             if si is None:
                 si = steps[w, cfg.gqa_group] = (
                     s.with_window(w, cfg.gqa_group) if w else
