@@ -19,7 +19,7 @@ import torch
 import slipstream
 from helpers import cpu_budget, cpu_stages
 from slipstream import synth
-from slipstream.model import append_step, ring_size, tree_step
+from slipstream.model import Step, append_step, device_decode_step, ring_size, tree_step
 from slipstream.model.layer_spec import kv_cache_bytes
 from slipstream.model.ring import ring_step, window_kv
 from slipstream.modelfile.config import ModelConfig
@@ -232,3 +232,37 @@ def test_speculative_decoding_on_rings_gives_the_plain_tokens(gemma3, tmp_path):
     assert rejected > 1  # rounds rolled drafted tokens back
     target.close()
     draft.close()
+
+
+@pytest.mark.slow
+def test_steps_with_device_positions_read_rings_as_host_steps_do(gemma3):
+    """The steps CUDA graphs replay, whose slots only the device knows (runtime.graphs: a
+    decode step, a tree level padded with rows that write past its end), on the CPU: the
+    logits of the host-known steps, and the padding costs no key a later token reads."""
+    _, cfg, weights = gemma3
+    host, dev = (engine(cfg, weights, ring=True) for _ in range(2))
+    for e in (host, dev):
+        e.forward(IDS[:30])
+    span = 64  # a graph bucket past the ring
+    want = host.forward(IDS[30:31])
+    got = dev.run_step(torch.tensor(IDS[30:31]), device_decode_step(torch.tensor([30]), span))
+    dev.set_length(31)
+    assert rel_err(got, want) < REL_TOL
+    # a tree of 3 below slot 30, padded to 4 rows as StepGraphs pads it
+    parents, tokens = [-1, 0, 0], IDS[31:34]
+    tree = tree_step(parents, 31, 31, CPU)
+    want = host.forward(tokens, all_logits=True, step=tree)
+    allowed = torch.zeros(4, span, dtype=torch.bool)
+    allowed[:3, :tree.span] = tree.allowed
+    allowed[3, 0] = True
+    padded = Step(torch.cat((tree.positions, torch.zeros(1, dtype=torch.long))),
+                  torch.arange(31, 35), span=span, end=span, causal=False, allowed=allowed)
+    got = dev.run_step(torch.tensor(tokens + [0]), padded)[:3]
+    dev.set_length(tree.end)
+    assert rel_err(got, want) < REL_TOL
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for e in (host, dev):
+        e.truncate(32)  # the first drafted token accepted
+    rest = [torch.cat([e.forward(IDS[i:i + 1]) for i in range(32, 50)]) for e in (host, dev)]
+    assert rel_err(rest[1], rest[0]) < REL_TOL
+    assert torch.equal(rest[1].argmax(-1), rest[0].argmax(-1))
