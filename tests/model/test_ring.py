@@ -19,6 +19,7 @@ import torch
 import slipstream
 from helpers import cpu_budget, cpu_stages
 from slipstream import synth
+from slipstream.errors import BadArgument
 from slipstream.model import Step, append_step, device_decode_step, ring_size, tree_step
 from slipstream.model.layer_spec import kv_cache_bytes
 from slipstream.model.ring import ring_step, window_kv
@@ -230,6 +231,8 @@ def test_speculative_decoding_on_rings_gives_the_plain_tokens(gemma3, tmp_path):
         rejected += stats["spec_target_passes"] * (stats["spec_tree_nodes_mean"]
                                                    - stats["spec_tokens_per_pass"])
     assert rejected > 1  # rounds rolled drafted tokens back
+    with pytest.raises(BadArgument, match=f"nodes={TREE + 1} is more than"):
+        list(target.generate(IDS[:8], max_tokens=4, draft=draft, spec_nodes=TREE + 1))
     target.close()
     draft.close()
 

@@ -64,8 +64,8 @@ class KVCache:
                 k, v = zeroed(shape, device, dtype), zeroed(shape, device, dtype)
                 self._own += [k, v]
                 views.update({j: (k[r], v[r]) for r, j in enumerate(idx)})
-                if count == max_ctx:
-                    self.k, self.v = k, v  # the full-context layers' (tests read them)
+            # the pair of the most slots: the full-context layers' where there are any
+            self.k, self.v = self._own[0], self._own[1]
             # each layer's (k, v) views made once: a decode step asks for every layer's, and
             # two index ops a layer are a measurable share of a CPU token
             self._layers = [views[j] for j in range(n)]
