@@ -370,16 +370,15 @@ class Engine:
             s = s.with_mask(self.cfg.gqa_group)  # built once per stage, shared by its layers
         x = x.to(stage.device)
         cos_sin = stage.rope.angles(s.positions)
-        # the sliding-window layers' step (its mask holds the window) and RoPE angles
-        window = self.cfg.sliding_window
-        s_local = s.with_window(window, self.cfg.gqa_group) if window else s
+        # the sliding-window layers' RoPE angles
         rope_local = stage.rope_local or stage.rope
         cos_sin_local = (rope_local.angles(s.positions) if stage.rope_local is not None
                          else cos_sin)
-        # layers whose key/value heads differ from the model's (Gemma 4) fold their query
-        # heads by their own group: their steps' masks, made once per group
-        steps: dict[tuple[int, ...], Step] = {(0, self.cfg.gqa_group): s,
-                                              (window, self.cfg.gqa_group): s_local}
+        # each kind of layer's step, made on first use: a sliding-window layer's mask holds
+        # its window (over its ring where the step reaches past it), and layers whose
+        # key/value heads differ from the model's (Gemma 4) fold their query heads by their
+        # own group
+        steps: dict[tuple[int, ...], Step] = {(0, self.cfg.gqa_group): s}
         stage.store.begin_pass(s.tokens)
         first = stage.layers.start
         graphs = self._graphs_of(stage, s)
