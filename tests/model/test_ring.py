@@ -22,7 +22,7 @@ from slipstream import synth
 from slipstream.errors import BadArgument
 from slipstream.model import Step, append_step, device_decode_step, ring_size, tree_step
 from slipstream.model.layer_spec import kv_cache_bytes
-from slipstream.model.ring import ring_step, window_kv
+from slipstream.model.ring import ring_step, window_attention, window_kv
 from slipstream.modelfile.config import ModelConfig
 from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.precision import Precision
@@ -95,6 +95,23 @@ def test_window_kv_reads_the_window_in_linear_order():
         k[0, pos % R, 0] = pos
         got, _ = window_kv(k, k, pos, window)
         assert got[0, :, 0].tolist() == list(range(max(0, pos + 1 - window), pos + 1)), pos
+
+
+def test_window_attention_over_a_wrapped_ring():
+    """The CPU decode's attention over a ring's window (two slices where it wraps) against
+    float64 softmax attention over the same linear slots of a full cache."""
+    n_kv, group, d, window, R = 2, 3, 16, 6, 9
+    full_k, full_v = torch.randn(n_kv, 40, d), torch.randn(n_kv, 40, d)
+    k, v = torch.zeros(n_kv, R, d), torch.zeros(n_kv, R, d)
+    q = torch.randn(n_kv, group, d)
+    for pos in range(40):
+        k[:, pos % R], v[:, pos % R] = full_k[:, pos], full_v[:, pos]
+        lo = max(0, pos + 1 - window)
+        p = torch.softmax(q.double() @ full_k[:, lo:pos + 1].double().transpose(1, 2) * 0.3,
+                          dim=-1)
+        want = p @ full_v[:, lo:pos + 1].double()
+        got = window_attention(q, k, v, pos, window, 0.3)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["chunk", "tree"])
@@ -269,3 +286,16 @@ def test_steps_with_device_positions_read_rings_as_host_steps_do(gemma3):
     rest = [torch.cat([e.forward(IDS[i:i + 1]) for i in range(32, 50)]) for e in (host, dev)]
     assert rel_err(rest[1], rest[0]) < REL_TOL
     assert torch.equal(rest[1].argmax(-1), rest[0].argmax(-1))
+
+
+@pytest.mark.slow
+def test_cpu_decode_gives_the_general_paths_bits_on_rings(gemma3, monkeypatch):
+    """model.cpu_decode runs the general path's ops on a wrapped ring too: the same bits."""
+    from slipstream.model import llama
+
+    _, cfg, weights = gemma3
+    runs = []
+    for fast in (True, False):
+        monkeypatch.setattr(llama, "CPU_DECODE", fast)
+        runs.append(prefill_then_decode(engine(cfg, weights, ring=True), 20))
+    assert torch.equal(runs[0], runs[1])

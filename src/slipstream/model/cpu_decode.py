@@ -18,7 +18,7 @@ import threading
 import torch
 
 from ..modelfile.config import ModelConfig
-from .ring import window_kv
+from .ring import window_attention
 from .rope import RopeTable
 
 
@@ -41,7 +41,6 @@ class _Scratch:
         self.attn_row = self.attn.view(1, n_q * d)
 
 
-_ZERO = torch.zeros(())  # baddbmm's ignored input (beta=0)
 _LOCAL = threading.local()  # per thread: two models decoding at once never share buffers
 
 
@@ -85,7 +84,5 @@ def decode_attention(cfg: ModelConfig, qkv: torch.Tensor, cos_sin: tuple[torch.T
     v_cache[:, slot] = v
     if q.dtype != k_cache.dtype:
         q = q.to(k_cache.dtype)
-    keys, values = window_kv(k_cache, v_cache, pos, window)
-    scores = torch.baddbmm(_ZERO, q, keys.transpose(1, 2), beta=0, alpha=cfg.attention_scale)
-    torch.bmm(torch.softmax(scores, dim=-1), values, out=s.attn)
+    window_attention(q, k_cache, v_cache, pos, window, cfg.attention_scale, out=s.attn)
     return s.attn_row

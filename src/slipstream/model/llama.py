@@ -25,7 +25,7 @@ from .cpu_native import native_layer
 from .cpu_native import serves as native_serves
 from .attention_sinks import sink_attention
 from .moe import MoeWeights, moe_ffn
-from .ring import ring_keys, ring_step, ring_write, window_kv, wraps
+from .ring import ring_keys, ring_step, ring_write, window_attention, window_kv, wraps
 from .rope import RopeTable
 from .step import Step
 
@@ -347,6 +347,10 @@ def _ring_attention(cfg: ModelConfig, w: LayerWeights, q: torch.Tensor, k_new: t
     if not step.needs_mask:  # one causal token at a host-known slot
         k_cache[:, step.start % ring] = k_new[:, 0]
         v_cache[:, step.start % ring] = v_new[:, 0]
+        if q.device.type == "cpu" and not cfg.attn_sinks:  # model.cpu_decode's ops and bits
+            qg = q.view(cfg.n_kv_heads, cfg.gqa_group, cfg.head_dim)
+            return window_attention(qg, k_cache, v_cache, step.start, window,
+                                    cfg.attention_scale).reshape(1, -1)
         k, v = window_kv(k_cache, v_cache, step.start, window)
     else:
         if step.ring != ring:  # the engine builds it once per pass; a direct caller here

@@ -14,7 +14,7 @@ hybrid runs all use these rings and these reads, so they agree bit for bit among
 
 How a step reads the ring:
 - one causal token with its slots known on the host (CPU decode): written at pos mod R, then
-  the window read as one slice, or two slices joined where it wraps (`window_kv`);
+  the window read as one slice, or as two where it wraps (`window_attention`);
 - the fused CUDA decode kernels: the same write, and a read of linear slots lo..pos taken
   mod R (kernels.attention), in linear order;
 - any masked step (a prefill chunk, a tree of drafted tokens, a graph-captured step): the ring
@@ -42,6 +42,8 @@ import torch
 
 from .ring_size import RING_RESERVE, RING_TREE, ring_slots  # noqa: F401 (re-exported)
 from .step import Step, fold_rows
+
+_ZERO = torch.zeros(())  # baddbmm's ignored input (beta=0)
 
 def wraps(step: Step, window: int, k_cache: torch.Tensor) -> bool:
     """Whether a windowed layer's step must read its cache as a ring: the step reaches past
@@ -108,13 +110,41 @@ def window_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, window: in
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values of linear slots max(0, pos + 1 - window) .. pos of a ring (or of a
     full cache), (n_kv, n, d) each, in linear order: one slice, or where the window wraps
-    around the ring, two slices joined (a copy of the window: 2 x 4 MiB a layer for
-    Gemma-3-27B's 16 f16 key heads of 128 over 1024 slots, against 0.3 GiB of its Q4_K
-    weights; the window straddles the ring's end at 1024 of every 1664 positions)."""
-    ring = k_cache.shape[1]
-    lo = max(0, pos + 1 - window) if window else 0
-    a, b = lo % ring, pos % ring + 1
+    around the ring, two slices joined (a copy of the window; `window_attention` spares it
+    on the CPU)."""
+    a, b = _window_bounds(k_cache.shape[1], pos, window)
     if a < b:
         return k_cache[:, a:b], v_cache[:, a:b]
     return (torch.cat((k_cache[:, a:], k_cache[:, :b]), dim=1),
             torch.cat((v_cache[:, a:], v_cache[:, :b]), dim=1))
+
+
+def window_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int,
+                     window: int, scale: float, out: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """softmax(q k^T * scale) v of one token over the window of linear slot `pos` (every slot
+    up to it where window is 0), on the CPU: q (n_kv, group, d) in the cache dtype; returns
+    (n_kv, group, d), in `out` where given. Two bmm and a softmax, as model.llama.attention
+    runs them (CPU SDPA costs ~2.5x more at these shapes); where the window wraps around the
+    ring, each slice's scores are joined (n_kv x group x window floats) instead of the keys
+    and values (2 x 8 MiB a layer for Gemma-3-27B's window at f32: at its shapes on the
+    shared 2-core machine, under load 4-6, joining them took 1.8-2.3x the time of an
+    unwrapped window, the scores 1.4-1.5x; minimum and median of 15 runs)."""
+    a, b = _window_bounds(k_cache.shape[1], pos, window)
+    if a < b:
+        scores = torch.baddbmm(_ZERO, q, k_cache[:, a:b].transpose(1, 2), beta=0, alpha=scale)
+        return torch.bmm(torch.softmax(scores, dim=-1), v_cache[:, a:b], out=out)
+    scores = torch.cat((
+        torch.baddbmm(_ZERO, q, k_cache[:, a:].transpose(1, 2), beta=0, alpha=scale),
+        torch.baddbmm(_ZERO, q, k_cache[:, :b].transpose(1, 2), beta=0, alpha=scale)), dim=-1)
+    p = torch.softmax(scores, dim=-1)
+    n = k_cache.shape[1] - a
+    o = torch.bmm(p[..., :n], v_cache[:, a:], out=out)
+    return o.add_(torch.bmm(p[..., n:], v_cache[:, :b]))
+
+
+def _window_bounds(ring: int, pos: int, window: int) -> tuple[int, int]:
+    """(a, b): the window of linear slot pos is ring slots a .. b - 1, or where a >= b,
+    a .. ring - 1 and then 0 .. b - 1."""
+    lo = max(0, pos + 1 - window) if window else 0
+    return lo % ring, pos % ring + 1
