@@ -11,6 +11,7 @@ these files), and the top-1 tokens are the same.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -201,6 +202,33 @@ def test_ring_logits_match_transformers(gemma3):
     got = prefill_then_decode(engine(cfg, weights, ring=True, chunk=13), 30)
     assert rel_err(got, ref) < REL_TOL
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.slow
+def test_ring_logits_match_llamacpp(gemma3, tmp_path):
+    """llama.cpp (its own sliding-window cache) on a float32 copy of the file, the whole
+    sequence in one batch, against the ring engine's chunked prefill and decode: within the
+    float32 tolerance of tests/model/test_vs_llamacpp.py, the same top-1 where llama.cpp
+    decides it."""
+    pytest.importorskip("llama_cpp")
+    from llamacpp_ref import decisive, llamacpp_logits
+    from slipstream.quant.requantize import requantize
+    from test_vs_llamacpp import F32_DECISIVE_GAP, F32_REL_TOL, _unname
+
+    path, cfg, weights = gemma3
+    copy = tmp_path / path.name
+    shutil.copy(path, copy)
+    _unname(copy, "gemma3")
+    ref = llamacpp_logits(requantize(copy, tmp_path / "f32.gguf", "F32"), IDS)
+    got = prefill_then_decode(engine(cfg, weights, ring=True, chunk=13), 30)
+    assert rel_err(got, ref) < F32_REL_TOL
+    keep = decisive(ref, F32_DECISIVE_GAP)
+    assert keep.float().mean() > 0.5
+    assert not ((got.argmax(-1) != ref.argmax(-1)) & keep).any()
+    # negative control: a window one position wider is far outside
+    wider = dataclasses.replace(cfg, sliding_window=WINDOW + 1)
+    assert rel_err(prefill_then_decode(engine(wider, weights, ring=True), 30), ref) \
+        > 10 * F32_REL_TOL
 
 
 @pytest.mark.slow
