@@ -3,8 +3,9 @@
 The files here are Gemma 3 synth files (five windowed layers to one global) written with a
 window of 8, and the reserve is cut to 13 slots (RING_TREE 12 + RING_PAD 1), so a ring is 21
 slots and prompts of a few dozen tokens wrap it twice. The references: transformers' Gemma 3
-on the same file (which reads the window from it), and this engine with full-context caches
-(model.ring_size.RING = False). Ring and full cache add the same terms in another order once
+on the same file (which reads the window from it), llama.cpp on a float32 copy (its own
+sliding-window cache), and this engine with full-context caches (model.ring_size.RING =
+False). Ring and full cache add the same terms in another order once
 the ring wraps: float32 ("exact") logits agree to 1e-5 relative (measured: below 1e-6 on
 these files), and the top-1 tokens are the same.
 """
