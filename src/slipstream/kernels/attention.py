@@ -13,7 +13,9 @@ no work and are left out of the combine. Slots past the position are masked and 
 A sliding-window layer (`window` > 0: Gemma 3's local layers, Cohere 2's) reads only the slots
 of the last `window` positions: the splits cut [lo, lo + min(span, window)) with lo = pos + 1 -
 window (or 0) computed on the device, so the launch still depends only on host bounds and a
-1024-slot window over a 32k context reads 1024 slots, not 32k.
+1024-slot window over a 32k context reads 1024 slots, not 32k. Such a layer's cache may be a
+ring shorter than the context (model.ring): linear slot n is read at n mod the cache's slot
+count, in linear order, so a ring gives the bits a full cache gives.
 
 Numerics: q and the probabilities go through tensor cores in the cache dtype (fp16/bf16); scores,
 softmax statistics and accumulators are fp32.
@@ -36,7 +38,7 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, plse_ptr, qk_scale, group, span, split,
-                  window, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
+                  window, ring, stride_qh, stride_kh, stride_ks, stride_vh, stride_vs,
                   stride_ph, stride_ps, stride_lh,
                   HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, G_BLOCK: tl.constexpr,
                   BLOCK_N: tl.constexpr):
@@ -66,14 +68,15 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, po_ptr, plse_ptr, qk_scale, grou
         n = n0 + tl.arange(0, BLOCK_N)
         nm = n < end
         kv_mask = nm[:, None] & dm[None, :]
-        k = tl.load(k_base + n[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0)
+        slot = n % ring  # linear slot n sits at n mod the ring (a full cache: at n)
+        k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k)) * qk_scale  # (G_BLOCK, BLOCK_N), log2 units
         s = tl.where(nm[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: every tile has a valid slot
         alpha = tl.math.exp2(m_i - m_new)
         p = tl.math.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + n[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -142,10 +145,13 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
     q: (n_heads, head_dim) or (1, n_heads * head_dim), n_heads = n_kv * group; any float dtype
         (it is rounded to the cache dtype for the dot products).
-    k_cache, v_cache: (n_kv, max_ctx, head_dim) fp16/bf16, last dim contiguous.
-    pos: (1,) int64 on the device, the position of the query (its key is already at slot pos).
-    span: host bound on pos + 1 (default max_ctx); the launch shape depends only on it, so a
-        captured graph serves every pos < span. Slots at or past span are never read.
+    k_cache, v_cache: (n_kv, slots, head_dim) fp16/bf16, last dim contiguous: the whole
+        context, or with a window, a ring of at least `window` slots holding linear slot n at
+        n mod slots (model.ring).
+    pos: (1,) int64 on the device, the position of the query (its key is already at slot pos,
+        mod the ring).
+    span: host bound on pos + 1 (default: the slots); the launch shape depends only on it, so
+        a captured graph serves every pos < span. Linear slots at or past span are never read.
     window: a sliding-window layer's width (0: global attention).
     Returns (n_heads, head_dim) in q's dtype (or writes `out`, same shape).
     """
@@ -168,8 +174,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.stride(1) != 1:
         q = q.contiguous()
     span = max_ctx if span is None else span
-    if not 1 <= span <= max_ctx:
+    if span < 1 or (not window and span > max_ctx):
         raise ValueError(f"span must be in [1, {max_ctx}], got {span}")
+    if window > max_ctx and span > max_ctx:
+        raise ValueError(f"a ring of {max_ctx} slots cannot hold a window of {window}")
     if pos.numel() != 1 or pos.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"pos must be a (1,) int64 tensor, got {tuple(pos.shape)} {pos.dtype}")
     if window < 0:
@@ -191,7 +199,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_lse = torch.empty(n_heads, n_splits, device=q.device, dtype=torch.float32)
     _split_kernel[(n_kv, triton.cdiv(group, g_block), n_splits)](
         q, k_cache, v_cache, pos, part_o, part_lse, scale * _LOG2E, group, span, split,
-        window, q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
+        window, max_ctx, q.stride(0), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), part_o.stride(0), part_o.stride(1), part_lse.stride(0),
         HEAD_DIM=head_dim, D_BLOCK=d_block, G_BLOCK=g_block, BLOCK_N=block_n, num_warps=warps)
     _combine_kernel[(n_heads,)](
@@ -206,12 +214,13 @@ def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                pos: int, scale: float, group: int, window: int = 0
                                ) -> torch.Tensor:
     """The oracle: plain fp64 softmax attention over slots 0..pos (host int), or the window's
-    last slots, (n_heads, d)."""
-    n_kv, _, d = k_cache.shape
+    last slots (of a ring: linear slot n at n mod its slots), (n_heads, d)."""
+    n_kv, slots, d = k_cache.shape
     lo = max(0, pos + 1 - window) if window else 0
     qg = q.reshape(n_kv, group, d).double()
-    k = k_cache[:, lo: pos + 1].double()
-    v = v_cache[:, lo: pos + 1].double()
+    held = torch.arange(lo, pos + 1, device=k_cache.device) % slots  # a ring's slots
+    k = k_cache[:, held].double()
+    v = v_cache[:, held].double()
     p = torch.softmax(qg @ k.transpose(1, 2) * scale, dim=-1)
     return (p @ v).reshape(n_kv * group, d)
 

@@ -34,10 +34,15 @@ def _rope_cache_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qn
                        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
                        NEOX: tl.constexpr, PASS_START: tl.constexpr,
                        PASS_BLOCK: tl.constexpr, HAS_PASS: tl.constexpr,
-                       DIM_BLOCK: tl.constexpr, QK_NORM: tl.constexpr):
+                       DIM_BLOCK: tl.constexpr, QK_NORM: tl.constexpr, RING: tl.constexpr):
     # One program per head of the qkv row: [0, n_heads) q, then n_kv k heads, then n_kv v heads.
     h = tl.program_id(0)
     pos = tl.load(pos_ptr)
+    # a ring (model.ring) holds position pos at pos mod its slots; a full cache at pos
+    if RING:
+        slot = pos % max_ctx
+    else:
+        slot = pos
     row = x_ptr + h * HEAD_DIM
     if h < n_heads + n_kv:
         i = tl.arange(0, HALF_BLOCK)
@@ -77,17 +82,17 @@ def _rope_cache_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qn
             tl.store(qd + o2, y2.to(qd.dtype.element_ty), mask=im)
             if HAS_PASS:  # partial rotary: the tail past rope_dim is copied as is
                 tl.store(qd + j, t.to(qd.dtype.element_ty), mask=jm)
-        elif pos < max_ctx:
-            kd = k_ptr + (h - n_heads) * stride_kh + pos * stride_ks
+        elif slot < max_ctx:
+            kd = k_ptr + (h - n_heads) * stride_kh + slot * stride_ks
             tl.store(kd + o1, y1.to(kd.dtype.element_ty), mask=im)
             tl.store(kd + o2, y2.to(kd.dtype.element_ty), mask=im)
             if HAS_PASS:
                 tl.store(kd + j, t.to(kd.dtype.element_ty), mask=jm)
-    elif pos < max_ctx:
+    elif slot < max_ctx:
         d = tl.arange(0, DIM_BLOCK)
         dm = d < HEAD_DIM
         t = tl.load(row + d, mask=dm, other=0.0)
-        dst = v_ptr + (h - n_heads - n_kv) * stride_vh + pos * stride_vs
+        dst = v_ptr + (h - n_heads - n_kv) * stride_vh + slot * stride_vs
         tl.store(dst + d, t.to(dst.dtype.element_ty), mask=dm)
 
 
@@ -96,7 +101,8 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    n_heads: int, n_kv_heads: int, head_dim: int, style: str,
                    rope_dim: int | None = None, q_dtype: torch.dtype | None = None,
                    out: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
-                   k_norm: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+                   k_norm: torch.Tensor | None = None, eps: float = 1e-6,
+                   ring: bool = False) -> torch.Tensor:
     """Rotate q and k of one token, write k and v into the caches at slot `pos`, return q.
 
     qkv: (1, (n_heads + 2 * n_kv_heads) * head_dim) or (n_heads + 2 * n_kv_heads, head_dim),
@@ -107,6 +113,8 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     rope_dim: rotated dims per head (default head_dim); the rest pass through.
     q_norm, k_norm: (head_dim,) RMSNorm weights applied to each query / key head (over all its
         dims, in fp32, with `eps`) before the rotation; both or neither.
+    ring: the caches are a sliding-window layer's ring (model.ring): the token's key and value
+        go to slot pos mod max_ctx.
     Returns q rotated, (n_heads, head_dim), in q_dtype (default: the cache dtype), or in `out`.
     """
     if style not in STYLES:
@@ -161,5 +169,5 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         HEAD_DIM=head_dim, HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         NEOX=style == "neox", PASS_START=rope_dim, PASS_BLOCK=pass_block,
         HAS_PASS=rope_dim < head_dim, DIM_BLOCK=triton.next_power_of_2(head_dim),
-        QK_NORM=norm, num_warps=1)
+        QK_NORM=norm, RING=ring, num_warps=1)
     return out

@@ -239,7 +239,7 @@ def cpu_fixed_bytes(gf: GGUFFile, cfg: ModelConfig, precision: Precision, ctx: i
     head where the stage holds it (dense weight and packed copy, or with `head_on_demand`
     its GGUF bytes and packed copy), and a row of activations."""
     layers = stage.layers if stage is not None else range(cfg.n_layers)
-    kv = kv_cache_bytes(cfg, len(layers), ctx, torch.finfo(precision.kv_dtype).bits // 8)
+    kv = kv_cache_bytes(cfg, layers, ctx, torch.finfo(precision.kv_dtype).bits // 8)
     held = 0
     if stage is None or stage.holds_head:
         head = gf.tensors[head_tensor_name(gf.tensors)]
@@ -290,7 +290,7 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
     # streamed layers keep the GGUF layout whatever the precision (pack.f16_scales)
     image = [layer_image_bytes(gf, cfg, i) for i in stage.layers]
     kv_elem = torch.finfo(precision.kv_dtype).bits // 8
-    per_stage = dict(graph_bucket=graph_bucket, kv_layers=len(stage.layers),
+    per_stage = dict(graph_bucket=graph_bucket, kv_layers=stage.layers,
                      holds_embedding=stage.holds_embedding, holds_head=stage.holds_head)
     # CUDA graphs (and their pools) only serve a fully resident model: plan with their pools
     # first; if layers stream anyway (or only fit without the pools), plan without them.

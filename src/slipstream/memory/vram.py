@@ -146,7 +146,7 @@ def activation_bytes(cfg: ModelConfig, chunk: int, ctx: int) -> int:
 def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: int,
                  chunk: int, graphs: bool, fused: bool = False,
                  embed_on_host: bool = False, *, graph_bucket: int,
-                 kv_layers: int | None = None, holds_embedding: bool = True,
+                 kv_layers: int | range | None = None, holds_embedding: bool = True,
                  holds_head: bool = True, scratch_cap: int | None = None) -> dict[str, int]:
     """VRAM the engine needs besides the layers and the streaming slots, by part.
     `embed_on_host`: the token embedding stays in host memory (streamed plans).
@@ -184,7 +184,7 @@ def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: in
         "prefill workspace": alloc_bytes(2 * scratch),
         "norms, rope, allocator": SHARED_SEGMENTS + 2 * ctx * cfg.rope_dim * 4,
     }
-    kv = kv_cache_bytes(cfg, cfg.n_layers if kv_layers is None else kv_layers, ctx,
+    kv = kv_cache_bytes(cfg, range(cfg.n_layers) if kv_layers is None else kv_layers, ctx,
                         kv_bytes_per_elem)
     act = activation_bytes(cfg, min(chunk, ctx), ctx)
     n_graphs = math.ceil(ctx / graph_bucket) if graphs else 0

@@ -18,6 +18,7 @@ import threading
 import torch
 
 from ..modelfile.config import ModelConfig
+from .ring import window_attention
 from .rope import RopeTable
 
 
@@ -40,7 +41,6 @@ class _Scratch:
         self.attn_row = self.attn.view(1, n_q * d)
 
 
-_ZERO = torch.zeros(())  # baddbmm's ignored input (beta=0)
 _LOCAL = threading.local()  # per thread: two models decoding at once never share buffers
 
 
@@ -59,8 +59,8 @@ def decode_attention(cfg: ModelConfig, qkv: torch.Tensor, cos_sin: tuple[torch.T
                      pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      rope: RopeTable, window: int = 0, rotate: bool = True) -> torch.Tensor:
     """Attention of one causal token at slot `pos` (which it writes) over slots 0..pos (the
-    last `window` of them for a sliding-window layer). rotate=False: no RoPE (Cohere 2's
-    global layers).
+    last `window` of them for a sliding-window layer, whose cache may be a ring: model.ring).
+    rotate=False: no RoPE (Cohere 2's global layers).
 
     qkv: (1, (n_q + 2 n_kv) d), as the fused q/k/v projection returns it. Returns (1, n_q d)
     in the cache dtype: a view of a thread-local buffer, valid until the thread's next call
@@ -79,12 +79,10 @@ def decode_attention(cfg: ModelConfig, qkv: torch.Tensor, cos_sin: tuple[torch.T
         qkv = qkv.view(1, n + n_kv, d)
         qk = rope.apply(qkv[:, :n], cos_sin)[0]
         q, k, v = qk[:n_q].view(n_kv, n_q // n_kv, d), qk[n_q:], qkv[0, n:]
-    k_cache[:, pos] = k
-    v_cache[:, pos] = v
+    slot = pos % k_cache.shape[1]  # a sliding-window layer's ring (model.ring); else pos
+    k_cache[:, slot] = k
+    v_cache[:, slot] = v
     if q.dtype != k_cache.dtype:
         q = q.to(k_cache.dtype)
-    lo = max(0, pos + 1 - window) if window else 0
-    scores = torch.baddbmm(_ZERO, q, k_cache[:, lo:pos + 1].transpose(1, 2), beta=0,
-                           alpha=cfg.attention_scale)
-    torch.bmm(torch.softmax(scores, dim=-1), v_cache[:, lo:pos + 1], out=s.attn)
+    window_attention(q, k_cache, v_cache, pos, window, cfg.attention_scale, out=s.attn)
     return s.attn_row

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Collection, Iterable
 
+from .ring_size import ring_slots
+
 if TYPE_CHECKING:  # type hints only: modelfile.config imports the families
     from ..modelfile.config import ModelConfig
 
@@ -131,13 +133,20 @@ def head_tensor_name(names: Collection[str]) -> str:
     return HEAD if HEAD in names else EMBEDDING
 
 
-def kv_cache_bytes(cfg: ModelConfig, n_layers: int, ctx: int, bytes_per_elem: int) -> int:
-    """Bytes of the keys and values of `n_layers` layers for `ctx` positions (runtime.kv_cache
-    allocates (n_layers, n_kv_heads, ctx, head_dim) of each). Where layers differ (Gemma 4:
-    wider global heads, layers that reuse another's cache) the model's own caches are counted
-    and scaled to `n_layers` of its layers."""
-    if cfg.uniform:
-        return 2 * n_layers * cfg.n_kv_heads * ctx * cfg.head_dim * bytes_per_elem
-    per_model = sum(2 * c.n_kv_heads * ctx * c.head_dim * bytes_per_elem
-                    for c in (cfg.layer(i) for i in range(cfg.n_layers)) if not c.kv_reuse)
-    return -(-per_model * n_layers // cfg.n_layers)
+def kv_cache_bytes(cfg: ModelConfig, layers: int | range, ctx: int,
+                   bytes_per_elem: int) -> int:
+    """Bytes of the keys and values of `layers` (a range of layer indices, or a count of the
+    model's layers) for `ctx` positions: what runtime.kv_cache allocates, (n_kv_heads, slots,
+    head_dim) of each per layer that computes its own, where slots is the context or a
+    sliding-window layer's ring (model.ring_size). Given a count short of the model's, the
+    model's own caches are scaled to it."""
+    def layer_bytes(i: int) -> int:
+        c = cfg.layer(i)
+        if c.kv_reuse:
+            return 0
+        return 2 * c.n_kv_heads * ring_slots(cfg, i, ctx) * c.head_dim * bytes_per_elem
+
+    if isinstance(layers, range):
+        return sum(layer_bytes(i) for i in layers)
+    per_model = sum(layer_bytes(i) for i in range(cfg.n_layers))
+    return -(-per_model * layers // cfg.n_layers)

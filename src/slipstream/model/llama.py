@@ -25,6 +25,7 @@ from .cpu_native import native_layer
 from .cpu_native import serves as native_serves
 from .attention_sinks import sink_attention
 from .moe import MoeWeights, moe_ffn
+from .ring import ring_keys, ring_step, ring_write, window_attention, window_kv, wraps
 from .rope import RopeTable
 from .step import Step
 
@@ -287,7 +288,7 @@ def _block(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
                                    rope_dim=rope.rope_dim,
                                    q_norm=w.attn_q_norm if head_norms else None,
                                    k_norm=w.attn_k_norm if head_norms else None,
-                                   eps=cfg.norm_eps)
+                                   eps=cfg.norm_eps, ring=bool(window))
         attn = kernels.decode_attention(q, k_cache, v_cache, step.positions,
                                         cfg.attention_scale, cfg.gqa_group, span=step.span,
                                         window=window)
@@ -313,6 +314,10 @@ def _block(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     if cfg.attn_temp_scale:
         q = q * attention_temperature(cfg, step.positions)[:, None, None]
     k_new, v_new = k.transpose(0, 1), v.transpose(0, 1)  # (n_kv, T, d); copy_ casts
+    if wraps(step, window, k_cache):  # a sliding-window layer's ring (model.ring)
+        attn = _ring_attention(cfg, w, q.to(k_cache.dtype), k_new, v_new, step, k_cache,
+                               v_cache, window)
+        return _after_attention(cfg, w, attn, x)
     if step.start is not None:  # a contiguous run of slots the host knows: a slice write
         k_cache[:, step.start:step.start + T] = k_new
         v_cache[:, step.start:step.start + T] = v_new
@@ -330,6 +335,34 @@ def _block(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     attn = attention(q.to(k_cache.dtype), k_cache[:, lo:step.span], v_cache[:, lo:step.span],
                      step, cfg.gqa_group, cfg.attention_scale)
     return _after_attention(cfg, w, attn, x)
+
+
+def _ring_attention(cfg: ModelConfig, w: LayerWeights, q: torch.Tensor, k_new: torch.Tensor,
+                    v_new: torch.Tensor, step: Step, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, window: int) -> torch.Tensor:
+    """Attention of a step over a ring that it reaches past (model.ring): one causal token
+    is written, then reads its window's slices; a masked step reads the ring as it was
+    and its own keys, then writes them."""
+    ring = k_cache.shape[1]
+    if not step.needs_mask:  # one causal token at a host-known slot
+        k_cache[:, step.start % ring] = k_new[:, 0]
+        v_cache[:, step.start % ring] = v_new[:, 0]
+        if q.device.type == "cpu" and not cfg.attn_sinks:  # model.cpu_decode's ops and bits
+            qg = q.view(cfg.n_kv_heads, cfg.gqa_group, cfg.head_dim)
+            return window_attention(qg, k_cache, v_cache, step.start, window,
+                                    cfg.attention_scale).reshape(1, -1)
+        k, v = window_kv(k_cache, v_cache, step.start, window)
+    else:
+        if step.ring != ring:  # the engine builds it once per pass; a direct caller here
+            step = ring_step(step, window, cfg.gqa_group, ring)
+        k, v = ring_keys(k_cache, v_cache, k_new, v_new)
+    if cfg.attn_sinks:  # gpt-oss: a sink logit per head in each softmax
+        attn = sink_attention(q, k, v, step, cfg.gqa_group, cfg.attention_scale, w.attn_sinks)
+    else:
+        attn = attention(q, k, v, step, cfg.gqa_group, cfg.attention_scale)
+    if step.needs_mask:
+        ring_write(k_cache, v_cache, k_new, v_new, step)
+    return attn
 
 
 def unit_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:

@@ -38,6 +38,9 @@ class Step:
     # the attention mask in (group, T) row folding, built once per step by `with_mask` and
     # shared by every layer; None where attention needs none
     mask: torch.Tensor | None = None
+    # the ring length the mask was built for (model.ring.ring_step: keys are a sliding-window
+    # layer's ring, then the step's own); 0: the mask is over linear slots [0, span)
+    ring: int = 0
 
     @property
     def tokens(self) -> int:

@@ -19,6 +19,7 @@ import torch
 from ..memory.store import ResidentLayerStore
 from ..model import RopeTable, Step, append_step, block_forward, fused_decode_serves
 from ..model.llama import LayerWeights, block_norm, uses_fused_decode
+from ..model.ring import ring_step, wraps
 from ..modelfile.config import ModelConfig
 from ..weights import ModelWeights
 from .graphs import GRAPH_BUCKET, DecodeGraphs, StepGraphs, bucket_span
@@ -369,16 +370,15 @@ class Engine:
             s = s.with_mask(self.cfg.gqa_group)  # built once per stage, shared by its layers
         x = x.to(stage.device)
         cos_sin = stage.rope.angles(s.positions)
-        # the sliding-window layers' step (its mask holds the window) and RoPE angles
-        window = self.cfg.sliding_window
-        s_local = s.with_window(window, self.cfg.gqa_group) if window else s
+        # the sliding-window layers' RoPE angles
         rope_local = stage.rope_local or stage.rope
         cos_sin_local = (rope_local.angles(s.positions) if stage.rope_local is not None
                          else cos_sin)
-        # layers whose key/value heads differ from the model's (Gemma 4) fold their query
-        # heads by their own group: their steps' masks, made once per group
-        steps: dict[tuple[int, int], Step] = {(0, self.cfg.gqa_group): s,
-                                              (window, self.cfg.gqa_group): s_local}
+        # each kind of layer's step, made on first use: a sliding-window layer's mask holds
+        # its window (over its ring where the step reaches past it), and layers whose
+        # key/value heads differ from the model's (Gemma 4) fold their query heads by their
+        # own group
+        steps: dict[tuple[int, ...], Step] = {(0, self.cfg.gqa_group): s}
         stage.store.begin_pass(s.tokens)
         first = stage.layers.start
         graphs = self._graphs_of(stage, s)
@@ -394,7 +394,15 @@ class Engine:
             cfg = self.cfg.layer(i)
             rope, cs = ((rope_local, cos_sin_local) if self.cfg.sliding(i)
                         else (stage.rope, cos_sin))
-            si = steps.get((w, cfg.gqa_group))
+            if s.needs_mask and wraps(s, w, k_cache):
+                # a ring the step reaches past: its keys are the ring, then the step's own
+                # (model.ring), under a mask made once per ring length and group
+                ring = k_cache.shape[1]
+                si = steps.get((w, cfg.gqa_group, ring))
+                if si is None:
+                    si = steps[w, cfg.gqa_group, ring] = ring_step(s, w, cfg.gqa_group, ring)
+            else:
+                si = steps.get((w, cfg.gqa_group))
             if si is None:
                 si = steps[w, cfg.gqa_group] = (
                     s.with_window(w, cfg.gqa_group) if w else

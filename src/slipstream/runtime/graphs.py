@@ -60,8 +60,10 @@ class DecodeGraphs:
     def _capture(self, span: int) -> None:
         t0 = time.perf_counter()
         # Warm up on a side stream (compiles Triton kernels, allocates workspaces), writing to
-        # a cache slot no real step has reached yet; then capture.
-        self.pos.fill_(self.engine.ctx - 1)
+        # the slot the step about to replay writes (so nothing it clobbers was still needed:
+        # a sliding-window layer's ring holds the slot ctx - 1 at (ctx - 1) mod its length,
+        # which may be a key of the window, model.ring); then capture.
+        self.pos.fill_(self.engine.length)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):

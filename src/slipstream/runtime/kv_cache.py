@@ -2,7 +2,8 @@
 
 The cache owns its length (how many leading slots hold the context). Plain steps append;
 speculative decoding writes a tree of drafted tokens past the length, then keeps the accepted
-branch (`compact`) and drops the rest (`truncate`).
+branch (`compact`) and drops the rest (`truncate`). A sliding-window layer's slots form a ring
+of its window plus a reserve (model.ring), which bounds how far the cache may roll back.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from typing import Sequence
 
 import torch
 
-from ..modelfile.config import ModelConfig
 from ..errors import ContextOverflow
+from ..model import ring_size
+from ..model.ring_size import ring_slots
+from ..modelfile.config import ModelConfig
 
 
 # below this a CPU cache is zeroed as usual (a map per cache costs more than the memset)
@@ -38,22 +41,36 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, max_ctx: int, device: torch.device, dtype: torch.dtype,
                  n_layers: int | None = None, first: int = 0):
         """n_layers: the layers whose keys and values this cache holds (a stage's, default all),
-        from layer `first` on; `layer(j)` takes the index within them."""
+        from layer `first` on; `layer(j)` takes the index within them. A sliding-window layer
+        holds a ring of its window plus a reserve instead of the whole context
+        (model.ring.ring_slots), so layers may differ in slot count."""
         self.max_ctx = max_ctx
-        self.length = 0  # slots 0 .. length - 1 hold the context
+        self._length = 0  # slots 0 .. length - 1 hold the context
+        # one past the furthest slot written since the last reset: what a ring's rollback
+        # is checked against (slots past the length still hold a dropped tree's entries)
+        self._high = 0
         self.dtype = dtype
         n = cfg.n_layers if n_layers is None else n_layers
+        slots = [ring_slots(cfg, i, max_ctx) for i in range(first, first + n)]
+        self.rings = any(s < max_ctx for s in slots)  # whether any layer wraps around
         if cfg.uniform:
-            # (n_layers, n_kv_heads, max_ctx, head_dim) for keys and for values
-            shape = (n, cfg.n_kv_heads, max_ctx, cfg.head_dim)
-            self.k = zeroed(shape, device, dtype)
-            self.v = zeroed(shape, device, dtype)
-            self._own = [self.k, self.v]  # what compact moves: slots along dim 2
+            # (n_layers, n_kv_heads, slots, head_dim) for keys and for values, one pair per
+            # slot count: the global layers' (max_ctx) and the windowed layers' rings
+            self._own = []  # what compact moves: slots along dim 2, mod each one's count
+            views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for count in sorted(set(slots), reverse=True):
+                idx = [j for j, s in enumerate(slots) if s == count]
+                shape = (len(idx), cfg.n_kv_heads, count, cfg.head_dim)
+                k, v = zeroed(shape, device, dtype), zeroed(shape, device, dtype)
+                self._own += [k, v]
+                views.update({j: (k[r], v[r]) for r, j in enumerate(idx)})
+            # the pair of the most slots: the full-context layers' where there are any
+            self.k, self.v = self._own[0], self._own[1]
             # each layer's (k, v) views made once: a decode step asks for every layer's, and
             # two index ops a layer are a measurable share of a CPU token
-            self._layers = [(self.k[j], self.v[j]) for j in range(n)]
+            self._layers = [views[j] for j in range(n)]
             return
-        # Layers of different head shapes (Gemma 4): a (n_kv_heads, max_ctx, head_dim) pair
+        # Layers of different head shapes (Gemma 4): a (n_kv_heads, slots, head_dim) pair
         # per layer that computes its own; a layer that reuses another's gets that layer's
         # pair (the source writes it earlier in each pass, the reuser reads the same slots)
         self._layers = []
@@ -68,7 +85,7 @@ class KVCache:
                 self._layers.append(self._layers[src - first])
                 continue
             c = cfg.layer(i)
-            shape = (c.n_kv_heads, max_ctx, c.head_dim)
+            shape = (c.n_kv_heads, slots[i - first], c.head_dim)
             k = zeroed(shape, device, dtype)
             v = zeroed(shape, device, dtype)
             self._own += [k[None], v[None]]
@@ -80,6 +97,27 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._own)
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        if 0 < n < self._length:
+            self._check_rollback(n)
+        self._length = n
+        self._high = 0 if n == 0 else max(self._high, n)
+
+    def _check_rollback(self, n: int) -> None:
+        """A ring keeps RING_TREE slots past the window (model.ring): dropping more than
+        that from the furthest slot written would leave keys of the window overwritten."""
+        most = ring_size.RING_TREE
+        if self.rings and self._high - n > most:
+            raise ValueError(f"cannot roll a cache with sliding-window rings back from slot "
+                             f"{self._high} to {n}: a ring keeps {most} slots past its window "
+                             f"(model.ring_size.RING_TREE); use trees of at most that many "
+                             f"tokens")
 
     def check_room(self, end: int) -> None:
         if end > self.max_ctx:
@@ -95,13 +133,19 @@ class KVCache:
     def compact(self, src_slots: Sequence[int] | torch.Tensor, dst_start: int) -> None:
         """Move the entries of `src_slots` (in that order) to dst_start, dst_start + 1, ...
         and make the length dst_start + len(src_slots): keep an accepted branch of a tree,
-        drop the rest. Every layer moves in one gather and one write per tensor."""
+        drop the rest. Every layer moves in one gather and one write per tensor; a ring's
+        slots are taken mod its length (model.ring)."""
         src = torch.as_tensor(src_slots, dtype=torch.long).to(self._own[0].device)
         n = int(src.numel())
         end = dst_start + n
         self.check_room(end)
+        self._check_rollback(end)  # the dropped tree's entries past `end` stay in the ring
         if n:
+            dst = torch.arange(dst_start, end, device=src.device)
             for t in self._own:
+                count = t.shape[2]
                 # index_select copies first, so overlapping source and destination are safe
-                t[:, :, dst_start:end] = t.index_select(2, src)
-        self.length = end
+                t.index_copy_(2, torch.remainder(dst, count),
+                              t.index_select(2, torch.remainder(src, count)))
+        self._length = end
+        self._high = max(self._high, end)

@@ -56,7 +56,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from ..errors import BadArgument, DraftMismatch
-from ..model import tree_step
+from ..model import ring_size, tree_step
 from .tree import DraftTree, TreeGrower, grow_tree, tree_tau
 from ..runtime.engine import Engine
 from ..runtime.generate import GenerationStats, TokenSource, decode_steps
@@ -412,6 +412,12 @@ def speculative_source(draft: Engine, nodes: int | None = None, depth: int | Non
 
     def source(engine: Engine, prompt: list[int], sampler: Sampler, budget: int,
                stats: GenerationStats) -> Iterator[torch.Tensor]:
+        most = ring_size.RING_TREE
+        if nodes is not None and nodes > most and any(
+                st.kv.rings for e in (engine, draft) for st in e.stages):
+            raise BadArgument(f"speculative nodes={nodes} is more than a sliding-window "
+                              f"layer's KV ring can roll back ({most}, model.ring); use at "
+                              f"most {most}")
         spec = Speculator(engine, draft, sampler, nodes, depth, top_k, sizer=sizer,
                           give_up=give_up, ahead=ahead)
         try:
