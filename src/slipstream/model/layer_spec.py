@@ -79,6 +79,11 @@ class ExpertSpec:
     gate: str = "ffn_gate_exps"
     up: str = "ffn_up_exps"
     down: str = "ffn_down_exps"
+    # the selection bias (model.moe), a (n_experts,) vector `{name}.bias` (GLM-4.5, DeepSeek-V3)
+    selection_bias: str = "exp_probs_b"
+    # the shared expert's linears (model.moe.SharedExpert; LayerWeights fields)
+    shared_gate_up: str = "ffn_gate_up_shexp"
+    shared_down: str = "ffn_down_shexp"
 
 
 @dataclass(frozen=True)
@@ -93,8 +98,9 @@ class LayerSpec:
 
     def at(self, cfg: ModelConfig) -> "LayerSpec":
         """This layer as a layer whose config is `cfg` (ModelConfig.layer(i)) holds it: the
-        tensors it lacks (TensorSpec.when) left out, with their norms and linears. The spec
-        itself where every tensor is held, as in every family but Gemma 4."""
+        tensors it lacks (TensorSpec.when) left out, with their norms and linears, and its
+        experts where it holds no router (a dense layer of GLM-4.5 or DeepSeek). The spec
+        itself where every tensor is held."""
         kept = tuple(t for t in self.tensors if t.held(cfg))
         if len(kept) == len(self.tensors):
             return self
@@ -106,8 +112,11 @@ class LayerSpec:
                 linears.append(g)
             elif parts:  # what is left of a fused group is built part by part
                 linears.extend(LinearGroup(p, (p,)) for p in parts)
+        experts = self.experts
+        if experts is not None and f"{experts.router}.weight" not in names:
+            experts = None
         return LayerSpec(kept, tuple(n for n in self.norms if f"{n}.weight" in names),
-                         tuple(linears))
+                         tuple(linears), experts)
 
     def shapes(self, cfg: ModelConfig) -> dict[str, Shape]:
         """Torch-order shape of each tensor a layer of `cfg` is expected to have, by suffix."""

@@ -248,11 +248,15 @@ _COMPARED = 64  # unused tensors compared with the missing ones' names
 
 
 def used_tensors(gf: GGUFFile, cfg: ModelConfig) -> set[str]:
-    """The file's tensors a load reads."""
+    """The file's tensors a load reads, and those of the multi-token-prediction layers it
+    skips by design (cfg.nextn_layers: no warning for them)."""
     used = {EMBEDDING, OUTPUT_NORM, HEAD, ROPE_FREQS,
             *family_for(cfg.architecture).top_tensors(cfg)}
     for suffix in spec_for(cfg.architecture, cfg.n_experts).shapes(cfg):
         used.update(f"blk.{i}.{suffix}" for i in range(cfg.n_layers))
+    skipped = tuple(f"blk.{i}." for i in range(cfg.n_layers, cfg.n_layers + cfg.nextn_layers))
+    if skipped:
+        used.update(n for n in gf.tensors if n.startswith(skipped))
     return used & gf.tensors.keys()
 
 

@@ -22,6 +22,7 @@ from .cohere2 import COHERE2
 from .gemma3 import GEMMA3
 from .gemma4 import GEMMA4
 from .glm4 import GLM4
+from .glm4moe import GLM4MOE
 from .gptoss import GPTOSS
 from .llama import LLAMA
 from .mistral3 import MISTRAL3
@@ -34,7 +35,7 @@ __all__ = ["ARCHITECTURES", "BlockTraits", "FAMILIES", "Family", "VARIANTS", "fa
            "file_spec", "spec_for"]
 
 FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, GEMMA3, GEMMA4, PHI3, MISTRAL3, OLMO2, GLM4,
-                                 COHERE2, QWEN3MOE, GPTOSS)
+                                 COHERE2, QWEN3MOE, GPTOSS, GLM4MOE)
 
 # general.architecture -> its family
 _BY_ARCHITECTURE: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.architectures}
