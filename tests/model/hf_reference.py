@@ -331,3 +331,48 @@ def _gemma4(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
 
 
 BUILDERS["gemma4"] = _gemma4
+
+
+def _glm4moe(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    """GLM-4.5 (Glm4MoeForCausalLM): the experts' gate and up stacked as transformers holds
+    them (gate_up_proj, (n_experts, 2 * width, hidden), gate rows first), the router as
+    mlp.gate with the selection bias as its e_score_correction_bias, the shared expert as
+    mlp.shared_experts, the first layer's dense FFN as mlp; the file's multi-token-prediction
+    layer left out (transformers' model does not run it either). The rows are the
+    checkpoint's: llama.cpp's converter does not permute GLM-4.5's queries and keys."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    for i in range(cfg.dense_lead, cfg.n_layers):
+        tensors[f"blk.{i}.ffn_gate_up_exps.weight"] = torch.cat(
+            (tensors[f"blk.{i}.ffn_gate_exps.weight"], tensors[f"blk.{i}.ffn_up_exps.weight"]),
+            dim=1)
+    config = Glm4MoeConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base,
+                         "partial_rotary_factor": cfg.rope_dim / cfg.head_dim},
+        attention_bias=cfg.attn_bias, use_qk_norm=cfg.qk_norm,
+        moe_intermediate_size=cfg.expert_ffn, num_experts_per_tok=cfg.n_experts_used,
+        n_routed_experts=cfg.n_experts, n_shared_experts=cfg.n_shared_experts,
+        routed_scaling_factor=cfg.moe_scale, n_group=max(cfg.expert_groups, 1),
+        topk_group=max(cfg.expert_groups_used, 1), first_k_dense_replace=cfg.dense_lead,
+        norm_topk_prob=cfg.moe_norm, tie_word_embeddings=False, pad_token_id=0,
+        bos_token_id=None, eos_token_id=None)
+    names = {k: v for k, v in LLAMA_NAMES.items() if k != "ffn_norm.weight"}
+    names.update({f"attn_{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"})
+    names.update({"attn_q_norm.weight": "self_attn.q_norm.weight",
+                  "attn_k_norm.weight": "self_attn.k_norm.weight",
+                  "post_attention_norm.weight": "post_attention_layernorm.weight",
+                  "ffn_gate_inp.weight": "mlp.gate.weight",
+                  "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+                  "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
+                  "ffn_down_exps.weight": "mlp.experts.down_proj",
+                  "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+                  "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+                  "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"})
+    return Glm4MoeForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
+
+
+BUILDERS["glm4moe"] = _glm4moe
