@@ -27,8 +27,9 @@ from .errors import BadArgument
 from .model.families import ARCHITECTURES, VARIANTS, family_for, spec_for
 from .model.layer_spec import EMBEDDING, HEAD, TensorSpec
 from .modelfile.config import ModelConfig, expert_fields, yarn_fields
-from .modelfile.vocab import bytes_to_unicode
 from .synth_experts import experts_metadata, nextn_tensors, skewed_router
+from .synth_mla import F16_TENSORS, mla_metadata, mla_shape
+from .synth_vocab import LLAMA3_TEMPLATE, build_vocab
 from .quant.encode import quantize
 
 Q = GGMLQuantizationType
@@ -250,42 +251,6 @@ def float_tensor(qtype: Q, data: np.ndarray) -> np.ndarray:
     return quantize(data.astype(np.float32), qtype)
 
 
-def build_vocab(vocab: int) -> tuple[list[str], list[int], list[str], dict[str, int]]:
-    """tokens, token types, merges and special ids of a byte-level BPE with `vocab` tokens."""
-    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>",
-                "<|end_header_id|>"]
-    alphabet = [bytes_to_unicode()[b] for b in range(256)]  # GPT-2's byte alphabet
-    letters = [c for c in "etaoinshrdlucmfwypvbgkjqxz"]
-    space = alphabet[ord(" ")]
-    merges, pieces = [], []
-    for a in [space] + letters:
-        for b in letters:
-            merges.append(f"{a} {b}")
-            pieces.append(a + b)
-    n_regular = vocab - len(specials)
-    tokens = (alphabet + pieces)[:n_regular]
-    merges = merges[: max(0, len(tokens) - 256)]
-    while len(tokens) < n_regular:
-        tokens.append(f"<|reserved_{len(tokens)}|>")
-    types = [1] * len(tokens)
-    for i, t in enumerate(tokens):
-        if t.startswith("<|reserved_"):
-            types[i] = 3
-    ids = {}
-    for s in specials:
-        ids[s] = len(tokens)
-        tokens.append(s)
-        types.append(3)
-    return tokens, types, merges, ids
-
-
-LLAMA3_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
-    "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
-    "{% endif %}")
-
-
 # LongRoPE's divisor tensors and the largest divisor written in each (rising from 1.0)
 LONGROPE_DIVISORS = {"rope_factors_short.weight": 3.0, "rope_factors_long.weight": 16.0}
 
@@ -359,7 +324,7 @@ def synth_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
     md: dict[str, object] = {}
     if family == "gemma4":
         return gemma4_metadata(shape, arch)
-    md.update(experts_metadata(shape, arch, file_arch(arch)))
+    md.update(experts_metadata(shape, arch, file_arch(arch)), **mla_metadata(shape, arch))
     if family == "gpt-oss":  # gpt-oss's window and YaRN (factor 32 over 4096 positions);
         # the tiny shape's original context short enough that a test's tokens cross it
         md[f"{arch}.attention.sliding_window"] = synth_window(shape)
@@ -411,6 +376,7 @@ def synth_config(shape: SynthShape, arch: str) -> ModelConfig:
         **dataclasses.asdict(family.traits))
     if family.optional_qk_norm:  # written, as GLM-4.5's 355B has them
         fields["qk_norm"] = True
+    fields.update(mla_shape(shape, name))
     fields.update(expert_fields(md, arch, "synth", shape.ffn))
     if family.name == "gemma4":  # the global layers' heads, twice the sliding ones
         fields.update(head_dim=2 * head_dim, rope_dim=2 * head_dim, layer_scale=True,
@@ -462,6 +428,8 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     def layer_q(name: str) -> Q:
         if name == "ffn_gate_inp.weight":  # a router stays F32, as llama.cpp's quantizer
             return Q.F32  # keeps it
+        if name in F16_TENSORS and layer_type != Q.F32:
+            return Q.F16
         if quant_mix == "MXFP4" and gptoss and not name.endswith("_exps.weight"):
             return Q.Q8_0  # gpt-oss ships its experts only in MXFP4
         if quant_mix == "Q4_K_M" and name in ("attn_v.weight", "ffn_down.weight",
@@ -517,7 +485,7 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     md = synth_metadata(shape, variant)
     w.add_feed_forward_length(md.pop(f"{arch}.feed_forward_length", shape.ffn))
     w.add_head_count(shape.n_heads)
-    w.add_head_count_kv(shape.n_kv_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
     w.add_rope_freq_base(cfg.rope_base)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(cfg.rope_dim)
@@ -525,7 +493,7 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
         # readers default other families' head size to their real models' (transformers: 128
         # for Qwen3) rather than hidden / heads
         w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
+        w.add_value_length(md.pop(f"{arch}.attention.value_length", cfg.head_dim))
     for key, value in md.items():
         if isinstance(value, bool):
             w.add_bool(key, value)

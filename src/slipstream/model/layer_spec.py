@@ -145,8 +145,10 @@ def kv_cache_bytes(cfg: ModelConfig, n_layers: int, ctx: int, bytes_per_elem: in
     allocates (n_layers, n_kv_heads, ctx, head_dim) of each). Where layers differ (Gemma 4:
     wider global heads, layers that reuse another's cache) the model's own caches are counted
     and scaled to `n_layers` of its layers."""
+    # (multi-head latent attention reads its values out of the keys' latent: one tensor)
+    kv = 1 if cfg.mla else 2
     if cfg.uniform:
-        return 2 * n_layers * cfg.n_kv_heads * ctx * cfg.head_dim * bytes_per_elem
-    per_model = sum(2 * c.n_kv_heads * ctx * c.head_dim * bytes_per_elem
+        return kv * n_layers * cfg.n_kv_heads * ctx * cfg.head_dim * bytes_per_elem
+    per_model = sum(kv * c.n_kv_heads * ctx * c.head_dim * bytes_per_elem
                     for c in (cfg.layer(i) for i in range(cfg.n_layers)) if not c.kv_reuse)
     return -(-per_model * n_layers // cfg.n_layers)

@@ -24,6 +24,7 @@ from .cpu_native import decode_layer as native_decode_layer
 from .cpu_native import native_layer
 from .cpu_native import serves as native_serves
 from .attention_sinks import sink_attention
+from .mla import mla_attention
 from .moe import MoeWeights, moe_ffn
 from .rope import RopeTable
 from .step import Step
@@ -112,6 +113,18 @@ class LayerWeights:
     ffn_down_shexp: Linear | None = None
     # each query head's sink logit (cfg.attn_sinks: gpt-oss), (n_heads,) float32
     attn_sinks: torch.Tensor | None = None
+    # multi-head latent attention (cfg.mla: DeepSeek; model.mla): the query latent's linears
+    # (hidden -> q_lora, q_lora -> n_heads * mla_k_head) and norm (q_lora,), the key/value
+    # latent's linear (hidden -> kv_lora + rope) and norm (kv_lora,), and the per-head key
+    # and value projections of the latent, float32 (n_heads, kv_lora, nope) and
+    # (n_heads, mla_v_head, kv_lora)
+    attn_q_a: Linear | None = None
+    attn_q_b: Linear | None = None
+    attn_q_a_norm: torch.Tensor | None = None
+    attn_kv_a_mqa: Linear | None = None
+    attn_kv_a_norm: torch.Tensor | None = None
+    attn_k_b: torch.Tensor | None = None
+    attn_v_b: torch.Tensor | None = None
     # The layer's CPU decode form through the native ops (model.cpu_native), made at its first
     # CPU decode token: a NativeLayer, or False where the layer cannot take one.
     cpu_native: object = None
@@ -265,6 +278,10 @@ def _block(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
            k_cache: torch.Tensor, v_cache: torch.Tensor, rope: RopeTable,
            window: int = 0) -> torch.Tensor:
     T = x.shape[0]
+    if cfg.mla:  # DeepSeek: the latent attention (its own cache layout: model.mla)
+        attn = mla_attention(cfg, w, rms_norm(x, w.attn_norm, cfg.norm_eps), cos_sin, step,
+                             k_cache, rope, rms_norm)
+        return _after_attention(cfg, w, attn, x)
     if cfg.kv_reuse:
         return _after_attention(cfg, w, _reused_kv_attention(
             cfg, w, x, cos_sin, step, k_cache, v_cache, rope, window), x)

@@ -111,6 +111,15 @@ class ModelConfig:
     # multi-token-prediction layers the file holds after the n_layers the model runs
     # (`nextn_predict_layers`: GLM-4.5's one), skipped as llama.cpp skips them
     nextn_layers: int = 0
+    # multi-head latent attention (DeepSeek; model.mla): keys and values made from a latent
+    # kv_lora_rank wide, queries through a q_lora_rank-wide one (0: a plain projection).
+    # The cache then holds the latent and the rotated key part, one "head" head_dim
+    # (kv_lora_rank + rope_dim) wide, and the heads' own widths are mla_k_head (their
+    # unrotated part and rope_dim) and mla_v_head (values)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    mla_k_head: int = 0
+    mla_v_head: int = 0
     name: str = ""
 
     @property
@@ -143,6 +152,16 @@ class ModelConfig:
         (every family but Gemma 4)."""
         return not (self.swa_layers or self.kv_heads_per_layer or self.ffn_per_layer
                     or self.kv_layers or self.v_norm or self.per_layer_dim or self.dense_lead)
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (DeepSeek)."""
+        return bool(self.kv_lora_rank)
+
+    @property
+    def q_full(self) -> bool:
+        """(MLA) Whether the queries come from one projection, without a latent (V2-Lite)."""
+        return not self.q_lora_rank
 
     @property
     def dense_ffn(self) -> bool:
@@ -236,7 +255,7 @@ class ModelConfig:
                                       f"{head_dim} is larger than {MAX_HEAD_DIM}; {FIX}")
         value_dim = md_int(md, key("attention.value_length"), source, 1, MAX_HEAD_DIM,
                            default=head_dim)
-        if value_dim != head_dim:
+        if value_dim != head_dim and not family.latent_kv:  # (MLA: the family checks)
             raise UnsupportedArchitecture(
                 f"{source}: {key('attention.value_length')} {value_dim} differs from the key "
                 f"head size {head_dim}; slipstream supports equal key and value head sizes")

@@ -47,8 +47,11 @@ class KVCache:
             # (n_layers, n_kv_heads, max_ctx, head_dim) for keys and for values
             shape = (n, cfg.n_kv_heads, max_ctx, cfg.head_dim)
             self.k = zeroed(shape, device, dtype)
-            self.v = zeroed(shape, device, dtype)
-            self._own = [self.k, self.v]  # what compact moves: slots along dim 2
+            # multi-head latent attention reads its values out of the keys' latent
+            # (model.mla): one tensor, which the values' view is
+            self.v = self.k if cfg.mla else zeroed(shape, device, dtype)
+            # what compact moves: slots along dim 2, each tensor once
+            self._own = [self.k] if cfg.mla else [self.k, self.v]
             # each layer's (k, v) views made once: a decode step asks for every layer's, and
             # two index ops a layer are a measurable share of a CPU token
             self._layers = [(self.k[j], self.v[j]) for j in range(n)]
@@ -70,8 +73,8 @@ class KVCache:
             c = cfg.layer(i)
             shape = (c.n_kv_heads, max_ctx, c.head_dim)
             k = zeroed(shape, device, dtype)
-            v = zeroed(shape, device, dtype)
-            self._own += [k[None], v[None]]
+            v = k if c.mla else zeroed(shape, device, dtype)  # (as above)
+            self._own += [k[None]] if c.mla else [k[None], v[None]]
             self._layers.append((k, v))
 
     def layer(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,6 +19,7 @@ from ...errors import UnsupportedArchitecture
 from ..layer_spec import LayerSpec
 from .base import BlockTraits, Family
 from .cohere2 import COHERE2
+from .deepseek2 import DEEPSEEK2
 from .gemma3 import GEMMA3
 from .gemma4 import GEMMA4
 from .glm4 import GLM4
@@ -35,7 +36,7 @@ __all__ = ["ARCHITECTURES", "BlockTraits", "FAMILIES", "Family", "VARIANTS", "fa
            "file_spec", "spec_for"]
 
 FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, GEMMA3, GEMMA4, PHI3, MISTRAL3, OLMO2, GLM4,
-                                 COHERE2, QWEN3MOE, GPTOSS, GLM4MOE)
+                                 COHERE2, QWEN3MOE, GPTOSS, GLM4MOE, DEEPSEEK2)
 
 # general.architecture -> its family
 _BY_ARCHITECTURE: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.architectures}

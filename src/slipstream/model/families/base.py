@@ -79,6 +79,10 @@ class Family:
     # final norm, given its config (Gemma 4's per-layer embedding tables)
     extra_tensors: Callable[[Any], tuple[str, ...]] | None = None
 
+    # whether the file's key_length and value_length describe a latent cache (multi-head
+    # latent attention: DeepSeek's 576 and 512), read by the family's configure, not the
+    # equal head sizes every other family has
+    latent_kv: bool = False
     # whether the per-head query/key norms are optional tensors, read where the file has them
     # (ModelConfig.qk_norm then says whether it does: GLM-4.5's 355B has them, Air not)
     optional_qk_norm: bool = False
