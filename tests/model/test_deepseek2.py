@@ -80,6 +80,19 @@ def test_a_synthesized_file_holds_the_deepseek2_layers(tmp_path):
     assert "blk.1.ffn_gate_exps.weight" in kinds and "blk.0.ffn_gate_exps.weight" not in kinds
 
 
+def test_info_shows_the_latent_and_the_experts(tmp_path, capsys, monkeypatch):
+    from slipstream import cli
+
+    monkeypatch.setenv("COLUMNS", "200")  # (rows unwrapped)
+    assert cli.main(["info", "--families"]) == 0
+    assert "deepseek2" in capsys.readouterr().out
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2, arch="deepseek2")
+    assert cli.main(["info", "-m", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "q latent 256, kv latent 256; heads 96 key / 64 value" in out
+    assert "1 shared; the first 1 layer(s) dense" in out
+
+
 def test_the_cache_holds_the_latent_once(tmp_path):
     """The keys' tensor is the values' (model.mla reads the values out of the latent): one
     (1, ctx, kv_lora + rope) per layer, 288 numbers a token instead of the expanded
