@@ -324,7 +324,8 @@ def synth_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
     md: dict[str, object] = {}
     if family == "gemma4":
         return gemma4_metadata(shape, arch)
-    md.update(experts_metadata(shape, arch, file_arch(arch)), **mla_metadata(shape, arch))
+    md.update(experts_metadata(shape, arch, file_arch(arch)),
+              **mla_metadata(shape, arch, file_arch(arch)))
     if family == "gpt-oss":  # gpt-oss's window and YaRN (factor 32 over 4096 positions);
         # the tiny shape's original context short enough that a test's tokens cross it
         md[f"{arch}.attention.sliding_window"] = synth_window(shape)
@@ -376,7 +377,8 @@ def synth_config(shape: SynthShape, arch: str) -> ModelConfig:
         **dataclasses.asdict(family.traits))
     if family.optional_qk_norm:  # written, as GLM-4.5's 355B has them
         fields["qk_norm"] = True
-    fields.update(mla_shape(shape, name))
+    fields.update(mla_shape(shape, name),  # (sigmoid routing's files have the bias)
+                  selection_bias=md.get(f"{arch}.expert_gating_func") == 2)
     fields.update(expert_fields(md, arch, "synth", shape.ffn))
     if family.name == "gemma4":  # the global layers' heads, twice the sliding ones
         fields.update(head_dim=2 * head_dim, rope_dim=2 * head_dim, layer_scale=True,

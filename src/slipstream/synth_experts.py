@@ -20,9 +20,10 @@ if TYPE_CHECKING:  # type hints only: synth imports this module
 # 1408 beside a dense 10944, 8 used)
 MOE_DEFAULTS: dict[str, tuple[int, int, int]] = {"qwen3moe": (16, 4, 0), "mixtral": (8, 2, 0),
                                                  "gpt-oss": (8, 2, 0), "glm4moe": (16, 4, 0),
-                                                 "deepseek2": (16, 4, 0)}
+                                                 "deepseek2": (16, 4, 0),
+                                                 "deepseek2-lite": (16, 4, 0)}
 # the archs whose file states the experts' width apart from feed_forward_length
-OWN_WIDTH = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2")
+OWN_WIDTH = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "deepseek2-lite")
 
 
 def synth_experts(shape: SynthShape, arch: str) -> tuple[int, int, int]:
@@ -35,7 +36,8 @@ def synth_experts(shape: SynthShape, arch: str) -> tuple[int, int, int]:
                       if shape.n_experts else MOE_DEFAULTS[arch])
     if not width:
         width = {"qwen3moe": shape.ffn // 2, "gpt-oss": shape.hidden,
-                 "glm4moe": shape.ffn // 2, "deepseek2": shape.ffn // 2}.get(arch, shape.ffn)
+                 "glm4moe": shape.ffn // 2, "deepseek2": shape.ffn // 2,
+                 "deepseek2-lite": shape.ffn // 2}.get(arch, shape.ffn)
     return n, used, width
 
 
@@ -44,7 +46,8 @@ def experts_metadata(shape: SynthShape, arch: str, key: str) -> dict[str, object
     `key`): none for a dense arch. GLM-4.5's and DeepSeek-V3's as their released files have
     them (one shared expert, the first layer dense, sigmoid routing scaled by 2.5 and
     renormalised; GLM-4.5's one multi-token-prediction layer), with 4 groups of 4 experts, 2
-    open (GLM-4.5's files leave groups at 1) so that the piece is exercised."""
+    open (GLM-4.5's files leave groups at 1) so that the piece is exercised; DeepSeek-V2-Lite's
+    (softmax routing, no groups, no scale) for --arch deepseek2-lite."""
     n_experts, used, width = synth_experts(shape, arch)
     if not n_experts:
         return {}
@@ -59,6 +62,9 @@ def experts_metadata(shape: SynthShape, arch: str, key: str) -> dict[str, object
                    f"{key}.expert_group_used_count": 2})
     if arch == "glm4moe":
         md[f"{key}.nextn_predict_layers"] = 1
+    if arch == "deepseek2-lite":  # V2-Lite's: 2 shared experts, the first layer dense, and
+        # llama.cpp's defaults for the rest (softmax, no groups, not renormalised, factor 1)
+        md.update({f"{key}.expert_shared_count": 2, f"{key}.leading_dense_block_count": 1})
     return md
 
 

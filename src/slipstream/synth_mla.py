@@ -20,28 +20,31 @@ MLA_FULL = dict(q_lora=1536, kv_lora=512, nope=128, rope=64, v_head=128)
 F16_TENSORS = ("attn_k_b.weight", "attn_v_b.weight")
 
 
-def mla_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
+def mla_metadata(shape: SynthShape, variant: str, arch: str) -> dict[str, object]:
     """The keys of a synthesized `deepseek2` file beyond the experts' (synth_experts): the
     latents and head widths, the cache's key and value lengths, and DeepSeek-V3's YaRN
     (factor 40, mscale_all_dim 1) over an original context short enough in the tiny shape
-    that a test's tokens cross it."""
+    that a test's tokens cross it. --arch deepseek2-lite: V2-Lite's, no query latent (a
+    q_lora_rank of 0 written, which llama.cpp reads where it cannot tell a Lite model by its
+    layer count) and mscale_all_dim 0.707."""
     if arch != "deepseek2":
         return {}
     d = MLA_TINY if shape.hidden <= 256 else MLA_FULL
-    return {f"{arch}.attention.q_lora_rank": d["q_lora"],
+    lite = variant == "deepseek2-lite"
+    return {f"{arch}.attention.q_lora_rank": 0 if lite else d["q_lora"],
             f"{arch}.attention.kv_lora_rank": d["kv_lora"],
             f"{arch}.attention.key_length_mla": d["nope"] + d["rope"],
             f"{arch}.attention.value_length_mla": d["v_head"],
             f"{arch}.attention.value_length": d["kv_lora"],
             f"{arch}.rope.scaling.type": "yarn", f"{arch}.rope.scaling.factor": 40.0,
             f"{arch}.rope.scaling.original_context_length": 16 if shape.hidden <= 256 else 4096,
-            f"{arch}.rope.scaling.yarn_log_multiplier": 0.1}
+            f"{arch}.rope.scaling.yarn_log_multiplier": 0.0707 if lite else 0.1}
 
 
 def mla_shape(shape: SynthShape, arch: str) -> dict[str, int]:
     """The ModelConfig fields a synthesized `deepseek2` file sets apart from the shape's: one
     cache head of the key/value latent and the rotated part, and the rotated width."""
-    if arch != "deepseek2":
+    if arch not in ("deepseek2", "deepseek2-lite"):
         return {}
     d = MLA_TINY if shape.hidden <= 256 else MLA_FULL
     return dict(n_kv_heads=1, rope_dim=d["rope"], head_dim=d["kv_lora"] + d["rope"])

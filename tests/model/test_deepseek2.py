@@ -187,6 +187,56 @@ def test_float32_copy_matches_llamacpp(ds_file, tmp_path):
         assert err > 10 * F32_REL_TOL, piece
 
 
+def test_a_lite_file_has_no_query_latent_nor_selection_bias(tmp_path):
+    """DeepSeek-V2-Lite's layout (--arch deepseek2-lite): queries from one projection,
+    softmax routing (no expert_gating_func: llama.cpp's default for V2 files) without a
+    selection bias, groups or scale, weights not renormalised, mscale_all_dim 0.707."""
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2, arch="deepseek2-lite")
+    cfg = _config(path)
+    assert cfg.q_full and (cfg.moe_gating, cfg.selection_bias, cfg.moe_norm) == \
+        ("softmax", False, False)
+    assert (cfg.expert_groups, cfg.moe_scale, cfg.n_shared_experts) == (0, 1.0, 2)
+    mscale = 1 + 0.1 * 0.707 * math.log(40.0)
+    assert cfg.attention_scale == pytest.approx(mscale ** 2 / math.sqrt(96), rel=1e-6)
+    names = set(GGUFFile(path).tensors)
+    assert "blk.1.attn_q.weight" in names and "blk.1.attn_q_a.weight" not in names
+    assert "blk.1.exp_probs_b.bias" not in names
+
+
+@pytest.mark.slow
+def test_lite_file_matches_llamacpp(tmp_path):
+    """The V2-Lite layout against llama.cpp on a float32 copy (measured 4.3e-6 prefill,
+    4.4e-6 decode); routed by sigmoid (measured 0.81), renormalised (0.11), or scored with
+    mscale_all_dim 1 (0.15), it must not match."""
+    pytest.importorskip("llama_cpp")
+    from llamacpp_ref import assert_matches, llamacpp_logits
+    from slipstream.quant.requantize import requantize
+
+    path = write_synth(tmp_path / "lite.gguf", "tiny", "Q8_0", n_layers=N_LAYERS,
+                       arch="deepseek2-lite", from_floats=True, seed=3, std=0.15)
+    path.write_bytes(path.read_bytes().replace(b"slipstream-synth-deepseek2-lite-",
+                                               b"slipstream-synth-xxxxxxxxxxxxxx-"))
+    f32 = requantize(path, tmp_path / "lite-f32.gguf", "F32")
+    ref = llamacpp_logits(f32, IDS)
+    engine = cpu_engine(f32, precision="exact")
+    assert_matches(engine.forward(IDS, all_logits=True), ref, F32_REL_TOL, F32_DECISIVE_GAP)
+    engine.reset()
+    stepped = torch.cat([engine.forward(IDS[:5], all_logits=True)]
+                        + [engine.forward(IDS[i:i + 1]) for i in range(5, len(IDS))])
+    assert_matches(stepped, ref, F32_REL_TOL, F32_DECISIVE_GAP)
+    cfg, weights = engine.cfg, engine.weights
+    v3_scale = (1 + 0.1 * math.log(40.0)) ** 2 / math.sqrt(cfg.mla_k_head)
+    for change in ({"gating": "sigmoid"}, {"normalize": True}, "mscale"):
+        if change == "mscale":
+            c, w = dataclasses.replace(cfg, attn_scale=v3_scale), weights
+        else:
+            c, w = cfg, dataclasses.replace(weights, layers=[
+                dataclasses.replace(x, moe=dataclasses.replace(x.moe, **change))
+                if x.moe is not None else x for x in weights.layers])
+        wrong = Engine(c, w, cpu_stages(c, w, 256)).forward(IDS, all_logits=True)
+        assert rel_err(wrong, ref) > 10 * F32_REL_TOL, change
+
+
 @pytest.mark.slow
 def test_default_precision_decodes_as_exact_does(tmp_path):
     """At the default precision (float16 weights, packed decode copies) a Q4_K file's logits,

@@ -6,8 +6,9 @@ the embedding, the head and the KV cache (the plan's fixed part), and room to re
 one cold expert. A budget below that fails with BudgetTooSmall, giving both numbers. What is
 left holds whole experts, spread evenly over the layers (a token passes every layer, and an
 even spread gives each layer the same share of its most used experts; the first layers take
-the remainder, one each; a leading dense layer holds none). The other experts stay in the GGUF file and are read when a token
-routes to them (weights.expert_tiers, which also decides which experts fill a layer's slots).
+the remainder, one each; a leading dense layer holds none). The other experts stay in the
+GGUF file and are read when a token routes to them (weights.expert_tiers, which also decides
+which experts fill a layer's slots).
 Every layer keeps the tier "ram": no layer streams whole."""
 
 from __future__ import annotations

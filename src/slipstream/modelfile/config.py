@@ -103,6 +103,8 @@ class ModelConfig:
     # expert_groups_used kept (0: none)
     expert_groups: int = 0
     expert_groups_used: int = 0
+    # the file has the routers' selection bias (exp_probs_b: DeepSeek-V3, not V2)
+    selection_bias: bool = False
     # shared experts (model.moe.SharedExpert): n_shared_experts * expert_ffn wide, 0: none
     n_shared_experts: int = 0
     # the first dense_lead layers have a dense FFN, cfg.ffn wide, the rest experts (GLM-4.5,
@@ -321,6 +323,7 @@ class ModelConfig:
             rope_scaling=scaling if scaling == "linear" or yarn else "none",
             rope_scale=scale if scaling == "linear" or yarn else 1.0,
             attn_bias="blk.0.attn_q.bias" in names,
+            selection_bias=any(n.endswith(".exp_probs_b.bias") for n in names),
             layer_scale="blk.0.layer_output_scale.weight" in names,
             name=str(md.get("general.name", "")),
             **dataclasses.asdict(family.traits),

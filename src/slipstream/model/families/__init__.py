@@ -47,8 +47,9 @@ ARCHITECTURES: dict[str, str] = {arch: style for f in FAMILIES
 
 # Names of a family's variants that no file carries as its general.architecture (what
 # `slipstream synth --arch` takes beside the architectures) -> the architecture their files
-# carry: Mixtral is a `llama` file with experts
-VARIANTS: dict[str, str] = {"mixtral": "llama"}
+# carry: Mixtral is a `llama` file with experts; DeepSeek-V2-Lite a `deepseek2` file without
+# a query latent, routed by softmax without a selection bias
+VARIANTS: dict[str, str] = {"mixtral": "llama", "deepseek2-lite": "deepseek2"}
 
 
 def family_for(architecture: str) -> Family:

@@ -29,7 +29,8 @@ from ...modelfile.hparams import FIX, md_float, md_int
 from ..layer_spec import LayerSpec, LinearGroup, TensorSpec
 from .base import BlockTraits, Family
 from .experts import EXPERTS
-from .routed import DENSE_FFN, FFN_LINEARS, ROUTED, routed_fields
+from .routed import (DENSE_FFN, FFN_LINEARS, OPTIONAL_SELECTION_BIAS, ROUTED,
+                     routed_fields)
 
 MAX_RANK = 1 << 16
 
@@ -57,6 +58,7 @@ DEEPSEEK2_TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("ffn_norm.weight", "norm", lambda c: (c.hidden,)),
     *DENSE_FFN,
     *ROUTED,
+    OPTIONAL_SELECTION_BIAS,
 )
 
 DEEPSEEK2_LAYER = LayerSpec(

@@ -24,7 +24,7 @@ from .base import BlockTraits, Family
 from .experts import EXPERTS
 from .glm4 import configure as glm4_configure
 from .llama import LLAMA_ATTENTION, LLAMA_LINEARS, q_dim
-from .routed import DENSE_FFN, FFN_LINEARS, ROUTED, routed_fields
+from .routed import DENSE_FFN, FFN_LINEARS, ROUTED, SELECTION_BIAS, routed_fields
 
 GLM4MOE_TENSORS: tuple[TensorSpec, ...] = (
     *LLAMA_ATTENTION,
@@ -33,6 +33,7 @@ GLM4MOE_TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("post_attention_norm.weight", "norm", lambda c: (c.hidden,)),
     *DENSE_FFN,
     *ROUTED,
+    SELECTION_BIAS,
     TensorSpec("attn_q.bias", "bias", lambda c: (q_dim(c),), flag="attn_bias"),
     TensorSpec("attn_k.bias", "bias", lambda c: (c.kv_dim,), flag="attn_bias"),
     TensorSpec("attn_v.bias", "bias", lambda c: (c.kv_dim,), flag="attn_bias"),

@@ -15,7 +15,7 @@ glm4-moe and deepseek2 graphs read them:
 Shapes, torch order:
 - ffn_gate_shexp.weight, ffn_up_shexp.weight (shared_ffn, hidden); ffn_down_shexp.weight
   (hidden, shared_ffn);
-- exp_probs_b.bias (n_experts,)."""
+- exp_probs_b.bias (n_experts,) (the selection bias: SELECTION_BIAS)."""
 
 from __future__ import annotations
 
@@ -42,11 +42,15 @@ DENSE_FFN: tuple[TensorSpec, ...] = (
     TensorSpec("ffn_down.weight", "weight", lambda c: (c.hidden, c.ffn), when="dense_ffn"),
 )
 
-# the experts, their selection bias and the shared expert (held by the other layers)
+# the selection bias, required (GLM-4.5) or read where the file has it (DeepSeek: V3's files
+# have it, V2's not), as llama.cpp reads each
+SELECTION_BIAS = TensorSpec(f"{EXPERTS.selection_bias}.bias", "bias", lambda c: (c.n_experts,),
+                            when="n_experts")
+OPTIONAL_SELECTION_BIAS = TensorSpec(SELECTION_BIAS.suffix, "bias", SELECTION_BIAS.shape,
+                                     flag="selection_bias", when="n_experts")
+# the experts and the shared expert (held by the layers past the dense ones)
 ROUTED: tuple[TensorSpec, ...] = (
     *(TensorSpec(t.suffix, t.kind, t.shape, when="n_experts") for t in EXPERT_TENSORS),
-    TensorSpec(f"{EXPERTS.selection_bias}.bias", "bias", lambda c: (c.n_experts,),
-               when="n_experts"),
     TensorSpec("ffn_gate_shexp.weight", "weight", lambda c: (shared_ffn(c), c.hidden),
                when="n_shared_experts"),
     TensorSpec("ffn_up_shexp.weight", "weight", lambda c: (shared_ffn(c), c.hidden),
@@ -67,8 +71,8 @@ def routed_fields(md: Mapping[str, Any], arch: str, source: str, base: Mapping[s
                   gating: str) -> dict[str, Any]:
     """The ModelConfig fields of the pieces above, as llama.cpp reads them: the expert count
     and width and the shared experts' count required, the rest optional with llama.cpp's
-    defaults (no dense layer, no groups, weights not renormalised, factor 1, `gating` where the file names
-    none). The layer count less the multi-token-prediction layers."""
+    defaults (no dense layer, no groups, weights not renormalised, factor 1, `gating` where
+    the file names none). The layer count less the multi-token-prediction layers."""
     key = f"{arch}.expert_count"
     if not base.get("n_experts"):
         raise MissingMetadata(f"{source}: missing required metadata '{key}' (a {arch} model's "
