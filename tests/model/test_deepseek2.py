@@ -93,6 +93,17 @@ def test_info_shows_the_latent_and_the_experts(tmp_path, capsys, monkeypatch):
     assert "1 shared; the first 1 layer(s) dense" in out
 
 
+@pytest.mark.parametrize("arch", ["deepseek2", "deepseek2-lite"])
+def test_load_checks_pass_a_file_whose_dense_layer_has_no_selection_bias(tmp_path, arch):
+    """slipstream.load's tensor-name checks count the optional selection bias only in the
+    layers with experts (a dense first layer has none, and V2's files none at all)."""
+    import slipstream
+
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2, arch=arch)
+    with slipstream.load(path, device="cpu", ctx=64) as m:
+        assert m.logits(IDS[:4]).shape[-1] == 1024
+
+
 def test_the_cache_holds_the_latent_once(tmp_path):
     """The keys' tensor is the values' (model.mla reads the values out of the latent): one
     (1, ctx, kv_lora + rope) per layer, 288 numbers a token instead of the expanded
