@@ -1,6 +1,6 @@
 """transformers models of the families its GGUF reader does not load as slipstream reads them
-(Phi-3's LongRoPE factors and partial rotary; Ministral 3, OLMo 2, GLM-4, Cohere 2, gpt-oss
-and Mixtral, a `llama` file with experts, which it does not read at all): the model class built
+(Phi-3's LongRoPE factors and partial rotary; Ministral 3, OLMo 2, GLM-4, Cohere 2, gpt-oss,
+GLM-4.5, DeepSeek-V3 and Mixtral, a `llama` file with experts, which it does not read at all): the model class built
 from a config written out of the file's ModelConfig, and the file's tensors dequantized to
 float32 by gguf-py and loaded under transformers' names. Nothing of slipstream's block math is used.
 
