@@ -93,7 +93,8 @@ def test_info_shows_the_latent_and_the_experts(tmp_path, capsys, monkeypatch):
     assert "1 shared; the first 1 layer(s) dense" in out
 
 
-@pytest.mark.parametrize("arch", ["deepseek2", "deepseek2-lite"])
+@pytest.mark.parametrize("arch", ["deepseek2",
+                                  pytest.param("deepseek2-lite", marks=pytest.mark.slow)])
 def test_load_checks_pass_a_file_whose_dense_layer_has_no_selection_bias(tmp_path, arch):
     """slipstream.load's tensor-name checks count the optional selection bias only in the
     layers with experts (a dense first layer has none, and V2's files none at all)."""
