@@ -117,6 +117,19 @@ def test_the_cache_holds_the_latent_once(tmp_path):
     assert kv.nbytes == cfg.n_layers * 64 * 288 * 4
 
 
+def test_a_file_without_a_gating_function_routes_as_llamacpp_guesses(tmp_path):
+    """No expert_gating_func: softmax (DeepSeek-V2's files), but sigmoid for 47 layers and a
+    154880-token vocabulary (GLM-4.7-Flash's early files), as llama.cpp's loader decides."""
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2, arch="deepseek2")
+    md = {k: v for k, v in GGUFFile(path).metadata.items()
+          if k not in ("deepseek2.expert_gating_func", "tokenizer.ggml.tokens")}
+    assert ModelConfig.from_metadata(md).moe_gating == "softmax"
+    glm = {**md, "deepseek2.block_count": 47, "deepseek2.vocab_size": 154880}
+    assert ModelConfig.from_metadata(glm).moe_gating == "sigmoid"
+    assert ModelConfig.from_metadata({**glm, "deepseek2.block_count": 46}).moe_gating == \
+        "softmax"
+
+
 def test_older_unsplit_files_are_refused(tmp_path):
     path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2, arch="deepseek2")
     gf = GGUFFile(path)

@@ -14,7 +14,8 @@ computes them and transformers' DeepseekV3 (V2: DeepseekV2) model does:
   0.1 * mscale_all_dim, as llama.cpp's converter writes it);
 - the first `leading_dense_block_count` layers dense (V3: 3), the others a mixture of experts
   with shared experts (families.routed): softmax routing (V2, llama.cpp's default where the
-  file names none) or sigmoid with the selection bias (V3, R1, K2), groups, renormalised
+  file names none; sigmoid for GLM-4.7-Flash's early files, as llama.cpp guesses) or sigmoid
+  with the selection bias (V3, R1, K2), groups, renormalised
   weights scaled by `expert_weights_scale`. Groups are scored as llama.cpp scores them (the
   sum of the two best), which V3's noaux_tc does and V2's group_limited_greedy (the best
   one) does not."""
@@ -94,7 +95,7 @@ def configure(md: Mapping[str, Any], arch: str, source: str,
                               f"{base['n_kv_heads']}; a latent cache is one head; {FIX}")
     fields = dict(q_lora_rank=q_lora, kv_lora_rank=lora, mla_k_head=k_head, mla_v_head=v_head,
                   attn_scale=1.0 / math.sqrt(k_head),
-                  **routed_fields(md, arch, source, base, gating="softmax"))
+                  **routed_fields(md, arch, source, base, gating=_default_gating(md, arch, base)))
     if base["rope_scaling"] == "yarn":
         # llama.cpp's deepseek2 graph: RoPE unscaled where the file gives mscale_all_dim
         # (yarn_log_multiplier / 0.1), and the scores scaled by mscale^2
@@ -105,6 +106,15 @@ def configure(md: Mapping[str, Any], arch: str, source: str,
         fields.update(rope_attn_factor=1.0 if log_mul else mscale,
                       attn_scale=mscale * mscale / math.sqrt(k_head))
     return fields
+
+
+def _default_gating(md: Mapping[str, Any], arch: str, base: Mapping[str, Any]) -> str:
+    """The routing of a file that names none (`expert_gating_func`), as llama.cpp guesses
+    it: sigmoid for GLM-4.7-Flash's early files (47 or 48 layers run, a 154880-token
+    vocabulary), softmax for DeepSeek-V2 and V2.5's."""
+    nextn = md.get(f"{arch}.nextn_predict_layers", 0)
+    layers = base["n_layers"] - (nextn if isinstance(nextn, int) else 0)
+    return "sigmoid" if layers in (47, 48) and base["vocab_size"] == 154880 else "softmax"
 
 
 def check_names(cfg: Any, names: Any, source: str) -> None:
