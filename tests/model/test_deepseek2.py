@@ -130,11 +130,14 @@ def test_a_file_without_a_gating_function_routes_as_llamacpp_guesses(tmp_path):
         "softmax"
 
 
-def test_older_unsplit_files_are_refused(tmp_path):
+def test_older_unsplit_files_and_query_temperatures_are_refused(tmp_path):
     path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2, arch="deepseek2")
     gf = GGUFFile(path)
     with pytest.raises(UnsupportedArchitecture, match="attn_kv_b"):
         ModelConfig.from_metadata(gf.metadata, {*gf.tensors, "blk.0.attn_kv_b.weight"})
+    md = {**gf.metadata, "deepseek2.attention.temperature_scale": 0.1}
+    with pytest.raises(UnsupportedArchitecture, match="temperature_scale' is 0.1"):
+        ModelConfig.from_metadata(md, set(gf.tensors))
 
 
 @pytest.mark.parametrize("key,value,match", [

@@ -90,6 +90,11 @@ def configure(md: Mapping[str, Any], arch: str, source: str,
             f"{source}: '{arch}.attention.key_length' {base['head_dim']} and "
             f"'{arch}.attention.value_length' {value} are not the latent cache's "
             f"kv_lora_rank + rope dimensions {lora + rope} and kv_lora_rank {lora}; {FIX}")
+    temp = md.get(f"{arch}.attention.temperature_scale")
+    if temp:  # (llama.cpp multiplies the latent queries by Llama 4's temperature)
+        raise UnsupportedArchitecture(
+            f"{source}: '{arch}.attention.temperature_scale' is {temp} (Mistral Large 3's "
+            f"query temperature over latent attention), which slipstream does not run yet")
     if base["n_kv_heads"] != 1:
         raise InvalidMetadata(f"{source}: '{arch}.attention.head_count_kv' is "
                               f"{base['n_kv_heads']}; a latent cache is one head; {FIX}")
