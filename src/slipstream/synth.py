@@ -27,8 +27,9 @@ from .errors import BadArgument
 from .model.families import ARCHITECTURES, VARIANTS, family_for, spec_for
 from .model.layer_spec import EMBEDDING, HEAD, TensorSpec
 from .modelfile.config import ModelConfig, expert_fields, yarn_fields
-from .modelfile.vocab import bytes_to_unicode
-from .synth_experts import skewed_router, synth_experts
+from .synth_experts import experts_metadata, nextn_tensors, skewed_router
+from .synth_mla import F16_TENSORS, mla_metadata, mla_shape
+from .synth_vocab import LLAMA3_TEMPLATE, build_vocab
 from .quant.encode import quantize
 
 Q = GGMLQuantizationType
@@ -250,42 +251,6 @@ def float_tensor(qtype: Q, data: np.ndarray) -> np.ndarray:
     return quantize(data.astype(np.float32), qtype)
 
 
-def build_vocab(vocab: int) -> tuple[list[str], list[int], list[str], dict[str, int]]:
-    """tokens, token types, merges and special ids of a byte-level BPE with `vocab` tokens."""
-    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|start_header_id|>",
-                "<|end_header_id|>"]
-    alphabet = [bytes_to_unicode()[b] for b in range(256)]  # GPT-2's byte alphabet
-    letters = [c for c in "etaoinshrdlucmfwypvbgkjqxz"]
-    space = alphabet[ord(" ")]
-    merges, pieces = [], []
-    for a in [space] + letters:
-        for b in letters:
-            merges.append(f"{a} {b}")
-            pieces.append(a + b)
-    n_regular = vocab - len(specials)
-    tokens = (alphabet + pieces)[:n_regular]
-    merges = merges[: max(0, len(tokens) - 256)]
-    while len(tokens) < n_regular:
-        tokens.append(f"<|reserved_{len(tokens)}|>")
-    types = [1] * len(tokens)
-    for i, t in enumerate(tokens):
-        if t.startswith("<|reserved_"):
-            types[i] = 3
-    ids = {}
-    for s in specials:
-        ids[s] = len(tokens)
-        tokens.append(s)
-        types.append(3)
-    return tokens, types, merges, ids
-
-
-LLAMA3_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + "
-    "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
-    "{% endif %}")
-
-
 # LongRoPE's divisor tensors and the largest divisor written in each (rising from 1.0)
 LONGROPE_DIVISORS = {"rope_factors_short.weight": 3.0, "rope_factors_long.weight": 16.0}
 
@@ -299,12 +264,12 @@ def synth_window(shape: SynthShape) -> int:
 # The families whose synthesized files rotate part of each head (Phi-4-mini's 0.75, GLM-4's
 # 0.5): what
 # partial rotary looks like in a real file, so that the tests exercise it
-ROPE_FRACTION = {"phi3": 0.75, "glm4": 0.5}
+ROPE_FRACTION = {"phi3": 0.75, "glm4": 0.5, "glm4moe": 0.5}
 # the families whose files never hold a head apart from the embedding (llama.cpp's loader
 # reads Cohere 2's head from token_embd.weight)
 TIED = ("cohere2", "gemma4")
 # the architectures whose files have query, key and value biases
-QKV_BIAS = ("qwen2", "glm4")
+QKV_BIAS = ("qwen2", "glm4", "glm4moe")
 # LongRoPE files (Phi-3): their original context, this fraction of the context written
 LONGROPE_ORIGINAL = 4
 
@@ -359,13 +324,8 @@ def synth_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
     md: dict[str, object] = {}
     if family == "gemma4":
         return gemma4_metadata(shape, arch)
-    n_experts, used, width = synth_experts(shape, arch)
-    if n_experts:
-        key = file_arch(arch)
-        md[f"{key}.expert_count"] = n_experts
-        md[f"{key}.expert_used_count"] = used
-        if family in ("qwen3moe", "gpt-oss"):  # (a `llama` file's experts are
-            md[f"{key}.expert_feed_forward_length"] = width  # feed_forward_length wide)
+    md.update(experts_metadata(shape, arch, file_arch(arch)),
+              **mla_metadata(shape, arch, file_arch(arch)))
     if family == "gpt-oss":  # gpt-oss's window and YaRN (factor 32 over 4096 positions);
         # the tiny shape's original context short enough that a test's tokens cross it
         md[f"{arch}.attention.sliding_window"] = synth_window(shape)
@@ -405,14 +365,20 @@ def synth_config(shape: SynthShape, arch: str) -> ModelConfig:
     name, arch = arch, file_arch(arch)
     family = family_for(arch)
     head_dim = shape.head
+    md = synth_metadata(shape, name)
     fields = dict(
-        architecture=arch, n_layers=shape.n_layers, hidden=shape.hidden, ffn=shape.ffn,
+        architecture=arch, hidden=shape.hidden, ffn=shape.ffn,
+        # (block_count: the layers run and the multi-token-prediction ones after them)
+        n_layers=shape.n_layers + md.get(f"{arch}.nextn_predict_layers", 0),
         n_heads=shape.n_heads, n_kv_heads=shape.n_kv_heads, head_dim=head_dim,
         rope_dim=synth_rope_dim(shape, name), vocab_size=shape.vocab,
         context_length=shape.context, norm_eps=1e-5, rope_base=shape.rope_base,
         rope_style=ARCHITECTURES[arch], attn_bias=arch in QKV_BIAS,
         **dataclasses.asdict(family.traits))
-    md = synth_metadata(shape, name)
+    if family.optional_qk_norm:  # written, as GLM-4.5's 355B has them
+        fields["qk_norm"] = True
+    fields.update(mla_shape(shape, name),  # (sigmoid routing's files have the bias)
+                  selection_bias=md.get(f"{arch}.expert_gating_func") == 2)
     fields.update(expert_fields(md, arch, "synth", shape.ffn))
     if family.name == "gemma4":  # the global layers' heads, twice the sliding ones
         fields.update(head_dim=2 * head_dim, rope_dim=2 * head_dim, layer_scale=True,
@@ -464,6 +430,8 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     def layer_q(name: str) -> Q:
         if name == "ffn_gate_inp.weight":  # a router stays F32, as llama.cpp's quantizer
             return Q.F32  # keeps it
+        if name in F16_TENSORS and layer_type != Q.F32:
+            return Q.F16
         if quant_mix == "MXFP4" and gptoss and not name.endswith("_exps.weight"):
             return Q.Q8_0  # gpt-oss ships its experts only in MXFP4
         if quant_mix == "Q4_K_M" and name in ("attn_v.weight", "ffn_down.weight",
@@ -489,6 +457,14 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
             q, sd = ((layer_q(t.suffix), std) if t.kind == "weight" else
                      (Q.F32, 0.1 if t.kind == "bias" else 0.0))
             plan.append((f"blk.{i}.{t.suffix}", q, t.shape(lc), sd))
+    for i in range(cfg.n_layers, cfg.n_layers + cfg.nextn_layers):  # GLM-4.5's MTP layer:
+        lc = cfg.layer(cfg.n_layers - 1)  # a decoder layer and its own tensors
+        for t in sorted((t for t in spec_for(arch, cfg.n_experts).at(lc).tensors
+                         if t.expected(cfg)), key=_file_rank):
+            plan.append((f"blk.{i}.{t.suffix}", layer_q(t.suffix) if t.kind == "weight"
+                         else Q.F32, t.shape(lc), std if t.kind == "weight" else 0.1))
+        plan += [(f"blk.{i}.{n}", layer_type if k == "weight" else Q.F32, s, std)
+                 for n, s, k in nextn_tensors(shape.hidden)]
     plan.append(("output_norm.weight", Q.F32, (shape.hidden,), 0.0))
     if not tie_embeddings:
         plan.append((HEAD, out_type, (shape.vocab, shape.hidden), std))
@@ -505,13 +481,13 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
 
     w = GGUFWriter(path, arch)
     w.add_name(f"slipstream-synth-{variant}-{shape.n_layers}l-{shape.hidden}h-{quant_mix}")
-    w.add_block_count(shape.n_layers)
+    w.add_block_count(cfg.n_layers + cfg.nextn_layers)
     w.add_context_length(shape.context)
     w.add_embedding_length(shape.hidden)
     md = synth_metadata(shape, variant)
     w.add_feed_forward_length(md.pop(f"{arch}.feed_forward_length", shape.ffn))
     w.add_head_count(shape.n_heads)
-    w.add_head_count_kv(shape.n_kv_heads)
+    w.add_head_count_kv(cfg.n_kv_heads)
     w.add_rope_freq_base(cfg.rope_base)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_rope_dimension_count(cfg.rope_dim)
@@ -519,9 +495,11 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
         # readers default other families' head size to their real models' (transformers: 128
         # for Qwen3) rather than hidden / heads
         w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
+        w.add_value_length(md.pop(f"{arch}.attention.value_length", cfg.head_dim))
     for key, value in md.items():
-        if isinstance(value, list):
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, list):
             w.add_array(key, value)
         elif isinstance(value, str):
             w.add_string(key, value)

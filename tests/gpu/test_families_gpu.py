@@ -154,7 +154,7 @@ def test_hybrid_where_the_ffn_splits(family_file):
     assert abs(ppl[0.5] / ppl["off"] - 1) < 5e-3, (arch, ppl)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "gemma4"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "gemma4", "glm4moe", "deepseek2"])
 def test_cpu_only_models_are_refused_on_cuda(tmp_path, arch):
     """A mixture-of-experts model, or a family whose CUDA path is refused, on CUDA is an
     error naming it, not a half-placed model."""

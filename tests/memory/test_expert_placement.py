@@ -110,6 +110,22 @@ def test_plan_table_shows_experts_per_layer(tmp_path):
     assert "2-4: 2 of 8 in RAM, 6 on disk" in text
 
 
+def test_plan_leaves_a_dense_layer_out(tmp_path):
+    """GLM-4.5's first layer has a dense FFN: no expert slots there, the others share the
+    budget's experts, and the table lists only the layers with experts."""
+    path = _write(tmp_path, "glm4moe", n_layers=3)
+    need = dense_need(path)
+    plan = _plan(path, need + 5 * _plan(path, need).expert_bytes)
+    assert plan.expert_slots == [0, 3, 2] and plan.expert_layers == (1, 2)
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(plan.table())
+    text = console.export_text()
+    assert "1: 3 of 16 in RAM" in text and "2: 2 of 16 in RAM" in text
+    assert "0: 0 of 16" not in text
+
+
 # -- the same logits as the resident load --------------------------------------------------------
 
 def _compare(path, precision, decode: bool, ids=IDS):
@@ -117,9 +133,12 @@ def _compare(path, precision, decode: bool, ids=IDS):
     ref = _load(path, precision=precision)
     placed = _load(path, budget, precision)
     assert ref.plan.expert_slots is None
-    slots = placed.plan.expert_slots
+    layers = placed.engine.weights.layers
+    # (the layers with experts: GLM-4.5's first layer is dense, and plans none)
+    slots = [s for s, w in zip(placed.plan.expert_slots, layers) if w.moe is not None]
     assert slots and max(slots) < placed.plan.n_experts
-    banks = [layer.moe.experts for layer in placed.engine.weights.layers]
+    assert all(s == 0 for s, w in zip(placed.plan.expert_slots, layers) if w.moe is None)
+    banks = [layer.moe.experts for layer in layers if layer.moe is not None]
     # the load builds only the planned experts of each layer
     assert [len(b.held) for b in banks] == [b.slots for b in banks] == slots
     a = ref.logits(ids, one_at_a_time=decode)
@@ -158,7 +177,7 @@ def test_negative_control_a_shifted_read_changes_the_logits(qwen_file, monkeypat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral", "gpt-oss", "glm4moe", "deepseek2"])
 @pytest.mark.parametrize("precision", ["exact", "fast"])
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 def test_placed_experts_bit_identical(tmp_path_factory, arch, precision, decode):

@@ -1,6 +1,6 @@
 """transformers models of the families its GGUF reader does not load as slipstream reads them
-(Phi-3's LongRoPE factors and partial rotary; Ministral 3, OLMo 2, GLM-4, Cohere 2, gpt-oss
-and Mixtral, a `llama` file with experts, which it does not read at all): the model class built
+(Phi-3's LongRoPE factors and partial rotary; Ministral 3, OLMo 2, GLM-4, Cohere 2, gpt-oss,
+GLM-4.5, DeepSeek-V3 and Mixtral, a `llama` file with experts, which it does not read at all): the model class built
 from a config written out of the file's ModelConfig, and the file's tensors dequantized to
 float32 by gguf-py and loaded under transformers' names. Nothing of slipstream's block math is used.
 
@@ -331,3 +331,112 @@ def _gemma4(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
 
 
 BUILDERS["gemma4"] = _gemma4
+
+
+def _glm4moe(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    """GLM-4.5 (Glm4MoeForCausalLM): the experts' gate and up stacked as transformers holds
+    them (gate_up_proj, (n_experts, 2 * width, hidden), gate rows first), the router as
+    mlp.gate with the selection bias as its e_score_correction_bias, the shared expert as
+    mlp.shared_experts, the first layer's dense FFN as mlp; the file's multi-token-prediction
+    layer left out (transformers' model does not run it either). The rows are the
+    checkpoint's: llama.cpp's converter does not permute GLM-4.5's queries and keys."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    for i in range(cfg.dense_lead, cfg.n_layers):
+        tensors[f"blk.{i}.ffn_gate_up_exps.weight"] = torch.cat(
+            (tensors[f"blk.{i}.ffn_gate_exps.weight"], tensors[f"blk.{i}.ffn_up_exps.weight"]),
+            dim=1)
+    config = Glm4MoeConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+        max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base,
+                         "partial_rotary_factor": cfg.rope_dim / cfg.head_dim},
+        attention_bias=cfg.attn_bias, use_qk_norm=cfg.qk_norm,
+        moe_intermediate_size=cfg.expert_ffn, num_experts_per_tok=cfg.n_experts_used,
+        n_routed_experts=cfg.n_experts, n_shared_experts=cfg.n_shared_experts,
+        routed_scaling_factor=cfg.moe_scale, n_group=max(cfg.expert_groups, 1),
+        topk_group=max(cfg.expert_groups_used, 1), first_k_dense_replace=cfg.dense_lead,
+        norm_topk_prob=cfg.moe_norm, tie_word_embeddings=False, pad_token_id=0,
+        bos_token_id=None, eos_token_id=None)
+    names = {k: v for k, v in LLAMA_NAMES.items() if k != "ffn_norm.weight"}
+    names.update({f"attn_{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"})
+    names.update({"attn_q_norm.weight": "self_attn.q_norm.weight",
+                  "attn_k_norm.weight": "self_attn.k_norm.weight",
+                  "post_attention_norm.weight": "post_attention_layernorm.weight",
+                  "ffn_gate_inp.weight": "mlp.gate.weight",
+                  "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+                  "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
+                  "ffn_down_exps.weight": "mlp.experts.down_proj",
+                  "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+                  "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+                  "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"})
+    return Glm4MoeForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
+
+
+BUILDERS["glm4moe"] = _glm4moe
+
+
+def _deepseek2(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    """DeepSeek-V3 (DeepseekV3ForCausalLM), from a file llama.cpp's converter wrote: the
+    latent's key and value projections joined back into kv_b_proj (per head, the key rows
+    (the transposed attn_k_b) then the value rows (attn_v_b)); the rotated rows as the
+    checkpoint interleaves them (rope_interleave, llama.cpp's NORM pairing); YaRN with
+    mscale = mscale_all_dim = 1 (DeepSeek-V3's, and what the file's yarn_log_multiplier 0.1
+    says) and truncate, as llama.cpp floors and ceils the ramp's ends; the routing and the
+    shared expert as GLM-4.5's (_glm4moe)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    nope = cfg.mla_k_head - cfg.rope_dim
+    for i in range(cfg.n_layers):
+        k_b, v_b = tensors[f"blk.{i}.attn_k_b.weight"], tensors[f"blk.{i}.attn_v_b.weight"]
+        tensors[f"blk.{i}.kv_b"] = torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(
+            -1, cfg.kv_lora_rank)
+        if i >= cfg.dense_lead:
+            tensors[f"blk.{i}.ffn_gate_up_exps.weight"] = torch.cat(
+                (tensors[f"blk.{i}.ffn_gate_exps.weight"],
+                 tensors[f"blk.{i}.ffn_up_exps.weight"]), dim=1)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_base}
+    if cfg.rope_scaling == "yarn":
+        rope.update(rope_type="yarn", factor=cfg.rope_scale, beta_fast=cfg.yarn_beta_fast,
+                    beta_slow=cfg.yarn_beta_slow, mscale=1.0, mscale_all_dim=1.0,
+                    truncate=True, original_max_position_embeddings=cfg.rope_ctx_orig)
+    config = DeepseekV3Config(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
+        moe_intermediate_size=cfg.expert_ffn, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
+        n_shared_experts=cfg.n_shared_experts, n_routed_experts=cfg.n_experts,
+        routed_scaling_factor=cfg.moe_scale, kv_lora_rank=cfg.kv_lora_rank,
+        q_lora_rank=cfg.q_lora_rank or None, qk_rope_head_dim=cfg.rope_dim,
+        v_head_dim=cfg.mla_v_head, qk_nope_head_dim=nope,
+        n_group=max(cfg.expert_groups, 1), topk_group=max(cfg.expert_groups_used, 1),
+        num_experts_per_tok=cfg.n_experts_used, first_k_dense_replace=cfg.dense_lead,
+        norm_topk_prob=cfg.moe_norm, rms_norm_eps=cfg.norm_eps,
+        max_position_embeddings=int((cfg.rope_ctx_orig or cfg.context_length)
+                                    * cfg.rope_scale),
+        rope_parameters=rope, rope_interleave=True, tie_word_embeddings=False,
+        pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    names = {"attn_norm.weight": "input_layernorm.weight",
+             "attn_q_a.weight": "self_attn.q_a_proj.weight",
+             "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+             "attn_q_b.weight": "self_attn.q_b_proj.weight",
+             "attn_q.weight": "self_attn.q_proj.weight",
+             "attn_kv_a_mqa.weight": "self_attn.kv_a_proj_with_mqa.weight",
+             "attn_kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+             "kv_b": "self_attn.kv_b_proj.weight",
+             "attn_output.weight": "self_attn.o_proj.weight",
+             "ffn_norm.weight": "post_attention_layernorm.weight",
+             "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+             "ffn_down.weight": "mlp.down_proj.weight",
+             "ffn_gate_inp.weight": "mlp.gate.weight",
+             "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+             "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
+             "ffn_down_exps.weight": "mlp.experts.down_proj",
+             "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+             "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+             "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"}
+    return DeepseekV3ForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
+
+
+BUILDERS["deepseek2"] = _deepseek2

@@ -208,7 +208,7 @@ def test_per_expert_2d_tensors_are_refused_by_name(tmp_path):
         ModelConfig.from_metadata(gf.metadata, names)
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["mixtral", "gpt-oss", "glm4moe", "deepseek2"])
 def test_moe_runs_resident_on_cpu_only(tmp_path, arch):
     """A mixture-of-experts model on a GPU, or with some layers loaded, is refused with a clear
     error naming MoE, never run with wrong or partial experts; a RAM budget too small for the

@@ -68,9 +68,18 @@ def run(a: argparse.Namespace) -> int:
                           f"(pre: {gf.metadata.get('tokenizer.ggml.pre', '-')})"),
             ("chat template", "yes" if gf.metadata.get("tokenizer.chat_template") else "no")]
     if cfg.n_experts:
+        extra = (f", {cfg.n_shared_experts} shared" if cfg.n_shared_experts else "") + (
+            f"; the first {cfg.dense_lead} layer(s) dense" if cfg.dense_lead else "") + (
+            f"; {cfg.nextn_layers} MTP layer(s) skipped" if cfg.nextn_layers else "")
         rows.insert(rows.index(("ffn", cfg.ffn)) + 1,
                     ("experts", f"{cfg.n_experts}, {cfg.n_experts_used} per token, "
-                                f"{cfg.expert_ffn} wide"))
+                                f"{cfg.expert_ffn} wide{extra}"))
+    if cfg.mla:  # the cache's head is the latent's; the heads' own widths beside it
+        rows.insert(rows.index(("head dim", cfg.head_dim)) + 1,
+                    ("latent attention", f"q latent {cfg.q_lora_rank or '-'}, kv latent "
+                                         f"{cfg.kv_lora_rank}; heads {cfg.mla_k_head} key / "
+                                         f"{cfg.mla_v_head} value; cached {cfg.head_dim} a "
+                                         f"token a layer"))
     n_params = sum(ti.n_elements for ti in gf.tensors.values())
     rows.append(("parameters", f"{n_params:,}"))
     for k, v in rows:

@@ -6,8 +6,9 @@ the embedding, the head and the KV cache (the plan's fixed part), and room to re
 one cold expert. A budget below that fails with BudgetTooSmall, giving both numbers. What is
 left holds whole experts, spread evenly over the layers (a token passes every layer, and an
 even spread gives each layer the same share of its most used experts; the first layers take
-the remainder, one each). The other experts stay in the GGUF file and are read when a token
-routes to them (weights.expert_tiers, which also decides which experts fill a layer's slots).
+the remainder, one each; a leading dense layer holds none). The other experts stay in the
+GGUF file and are read when a token routes to them (weights.expert_tiers, which also decides
+which experts fill a layer's slots).
 Every layer keeps the tier "ram": no layer streams whole."""
 
 from __future__ import annotations
@@ -59,12 +60,14 @@ def plan_experts(gf: GGUFFile, cfg: ModelConfig, precision: Precision, resident:
     """The plan at `budget` of a model whose layers, whole, take `resident` bytes each (memory.
     setup.layer_resident_bytes) beside `fixed` (head, KV cache: setup.cpu_fixed_bytes)."""
     n = cfg.n_layers
-    per_expert = [expert_ram_bytes(gf, cfg, i, precision) for i in range(n)]
-    dense_layers = [r - cfg.n_experts * expert_ram_bytes(gf, cfg, i, precision, gguf=False)
-                    for i, r in enumerate(resident)]
+    # the layers with experts (a leading dense layer holds none: GLM-4.5, DeepSeek)
+    moe = [i for i in range(n) if cfg.layer(i).n_experts]
+    per_expert = [expert_ram_bytes(gf, cfg, i, precision) if i in moe else 0 for i in range(n)]
+    dense_layers = [r - (cfg.n_experts * expert_ram_bytes(gf, cfg, i, precision, gguf=False)
+                         if i in moe else 0) for i, r in enumerate(resident)]
     embed = gf.tensors[EMBEDDING].n_bytes  # a private copy of its GGUF bytes
     # one cold expert read and built at a time, beside those held
-    staging = max(per_expert) + max(expert_file_bytes(gf, cfg, i) for i in range(n))
+    staging = max(per_expert) + max(expert_file_bytes(gf, cfg, i) for i in moe)
     dense = fixed + embed + sum(dense_layers) + staging
     if budget < dense:
         raise BudgetTooSmall(
@@ -75,8 +78,12 @@ def plan_experts(gf: GGUFFile, cfg: ModelConfig, precision: Precision, resident:
             f"and build {fmt_bytes(staging)}) before any expert is held; raise --ram-budget or "
             f"lower --ctx")
     total = (budget - dense) // max(per_expert)
-    slots = [min(cfg.n_experts, total // n + (1 if i < total % n else 0)) for i in range(n)]
+    m = len(moe)
+    slots = [0] * n
+    for j, i in enumerate(moe):
+        slots[i] = min(cfg.n_experts, total // m + (1 if j < total % m else 0))
     held = [d + s * e for d, s, e in zip(dense_layers, slots, per_expert)]
     return Plan("cpu", ["ram"] * n, held, span_bytes, fixed + embed + staging, budget, 0,
                 expert_slots=slots, n_experts=cfg.n_experts, expert_bytes=max(per_expert),
-                expert_read_bytes=max(expert_file_bytes(gf, cfg, i) for i in range(n)))
+                expert_read_bytes=max(expert_file_bytes(gf, cfg, i) for i in moe),
+                expert_layers=tuple(moe) if m < n else ())

@@ -115,6 +115,9 @@ class Plan:
     n_experts: int = 0
     expert_bytes: int = 0
     expert_read_bytes: int = 0
+    # the layers with experts, where some have a dense FFN instead (GLM-4.5's first; their
+    # slots are 0); empty: every layer
+    expert_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.stages:  # frozen: the default set once, as the plan is made
@@ -293,8 +296,9 @@ class Plan:
         """One row per run of layers with the same experts in RAM (a 48-layer model's even
         spread gives at most two rows)."""
         assert self.expert_slots is not None
-        for k in sorted(set(self.expert_slots), reverse=True):
-            idx = [i for i, s in enumerate(self.expert_slots) if s == k]
+        layers = self.expert_layers or range(len(self.expert_slots))
+        for k in sorted({self.expert_slots[i] for i in layers}, reverse=True):
+            idx = [i for i in layers if self.expert_slots[i] == k]
             t.add_row("experts", f"{_ranges(idx)}: {k} of {self.n_experts} in RAM, "
                       f"{self.n_experts - k} on disk", fmt_bytes(len(idx) * k * self.expert_bytes),
                       f"{fmt_bytes(self.expert_read_bytes)} / cold use", "-")

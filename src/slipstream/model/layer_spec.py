@@ -81,6 +81,11 @@ class ExpertSpec:
     gate: str = "ffn_gate_exps"
     up: str = "ffn_up_exps"
     down: str = "ffn_down_exps"
+    # the selection bias (model.moe), a (n_experts,) vector `{name}.bias` (GLM-4.5, DeepSeek-V3)
+    selection_bias: str = "exp_probs_b"
+    # the shared expert's linears (model.moe.SharedExpert; LayerWeights fields)
+    shared_gate_up: str = "ffn_gate_up_shexp"
+    shared_down: str = "ffn_down_shexp"
 
 
 @dataclass(frozen=True)
@@ -95,8 +100,9 @@ class LayerSpec:
 
     def at(self, cfg: ModelConfig) -> "LayerSpec":
         """This layer as a layer whose config is `cfg` (ModelConfig.layer(i)) holds it: the
-        tensors it lacks (TensorSpec.when) left out, with their norms and linears. The spec
-        itself where every tensor is held, as in every family but Gemma 4."""
+        tensors it lacks (TensorSpec.when) left out, with their norms and linears, and its
+        experts where it holds no router (a dense layer of GLM-4.5 or DeepSeek). The spec
+        itself where every tensor is held."""
         kept = tuple(t for t in self.tensors if t.held(cfg))
         if len(kept) == len(self.tensors):
             return self
@@ -108,8 +114,11 @@ class LayerSpec:
                 linears.append(g)
             elif parts:  # what is left of a fused group is built part by part
                 linears.extend(LinearGroup(p, (p,)) for p in parts)
+        experts = self.experts
+        if experts is not None and f"{experts.router}.weight" not in names:
+            experts = None
         return LayerSpec(kept, tuple(n for n in self.norms if f"{n}.weight" in names),
-                         tuple(linears))
+                         tuple(linears), experts)
 
     def shapes(self, cfg: ModelConfig) -> dict[str, Shape]:
         """Torch-order shape of each tensor a layer of `cfg` is expected to have, by suffix."""
@@ -139,12 +148,15 @@ def kv_cache_bytes(cfg: ModelConfig, layers: int | range, ctx: int,
     model's layers) for `ctx` positions: what runtime.kv_cache allocates, (n_kv_heads, slots,
     head_dim) of each per layer that computes its own, where slots is the context or a
     sliding-window layer's ring (model.ring_size). Given a count short of the model's, the
-    model's own caches are scaled to it."""
+    model's own caches are scaled to it. Multi-head latent attention keeps one tensor, the
+    keys' latent, out of which it reads its values too."""
+    kv = 1 if cfg.mla else 2
+
     def layer_bytes(i: int) -> int:
         c = cfg.layer(i)
         if c.kv_reuse:
             return 0
-        return 2 * c.n_kv_heads * ring_slots(cfg, i, ctx) * c.head_dim * bytes_per_elem
+        return kv * c.n_kv_heads * ring_slots(cfg, i, ctx) * c.head_dim * bytes_per_elem
 
     if isinstance(layers, range):
         return sum(layer_bytes(i) for i in layers)

@@ -24,6 +24,7 @@ from .cpu_native import decode_layer as native_decode_layer
 from .cpu_native import native_layer
 from .cpu_native import serves as native_serves
 from .attention_sinks import sink_attention
+from .mla import mla_attention
 from .moe import MoeWeights, moe_ffn
 from .ring import ring_keys, ring_step, ring_write, window_attention, window_kv, wraps
 from .rope import RopeTable
@@ -105,8 +106,26 @@ class LayerWeights:
     ffn_host: "FFNShare | None" = None
     # A mixture-of-experts layer's FFN (model.moe), in place of the dense FFN's linears
     moe: MoeWeights | None = None
+    # its shared expert's linears (moe.shared holds them too): hidden -> 2 * shared width,
+    # its parts, and shared width -> hidden
+    ffn_gate_up_shexp: Linear | None = None
+    ffn_gate_shexp: Linear | None = None
+    ffn_up_shexp: Linear | None = None
+    ffn_down_shexp: Linear | None = None
     # each query head's sink logit (cfg.attn_sinks: gpt-oss), (n_heads,) float32
     attn_sinks: torch.Tensor | None = None
+    # multi-head latent attention (cfg.mla: DeepSeek; model.mla): the query latent's linears
+    # (hidden -> q_lora, q_lora -> n_heads * mla_k_head) and norm (q_lora,), the key/value
+    # latent's linear (hidden -> kv_lora + rope) and norm (kv_lora,), and the per-head key
+    # and value projections of the latent, float32 (n_heads, kv_lora, nope) and
+    # (n_heads, mla_v_head, kv_lora)
+    attn_q_a: Linear | None = None
+    attn_q_b: Linear | None = None
+    attn_q_a_norm: torch.Tensor | None = None
+    attn_kv_a_mqa: Linear | None = None
+    attn_kv_a_norm: torch.Tensor | None = None
+    attn_k_b: torch.Tensor | None = None
+    attn_v_b: torch.Tensor | None = None
     # The layer's CPU decode form through the native ops (model.cpu_native), made at its first
     # CPU decode token: a NativeLayer, or False where the layer cannot take one.
     cpu_native: object = None
@@ -260,6 +279,10 @@ def _block(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
            k_cache: torch.Tensor, v_cache: torch.Tensor, rope: RopeTable,
            window: int = 0) -> torch.Tensor:
     T = x.shape[0]
+    if cfg.mla:  # DeepSeek: the latent attention (its own cache layout: model.mla)
+        attn = mla_attention(cfg, w, rms_norm(x, w.attn_norm, cfg.norm_eps), cos_sin, step,
+                             k_cache, rope, rms_norm)
+        return _after_attention(cfg, w, attn, x)
     if cfg.kv_reuse:
         return _after_attention(cfg, w, _reused_kv_attention(
             cfg, w, x, cos_sin, step, k_cache, v_cache, rope, window), x)
@@ -462,21 +485,26 @@ def _ffn_output(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor, y: torch.Ten
     return post_normed(x, y, w.post_ffw_norm, cfg.norm_eps) if cfg.post_norms else y
 
 
+def _ffn_norm(w: LayerWeights) -> torch.Tensor | None:
+    """The FFN's pre-norm: ffn_norm, or in gpt-oss and GLM-4.5 (which have none) the tensor
+    llama.cpp names post_attention_norm and applies before the FFN (families.gptoss). A
+    family with both (Gemma) applies post_attention_norm as a post-norm instead."""
+    return w.ffn_norm if w.ffn_norm is not None else w.post_attention_norm
+
+
 def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """The gated FFN half of the block, with its residual: folded into the down projection's
     epilogue, unless a norm comes between them (post_norms)."""
     if w.moe is not None:  # a mixture of experts: the routed experts' SwiGLU FFNs
-        # (gpt-oss's FFN norm is the tensor named post_attention_norm: see families.gptoss)
-        norm = w.ffn_norm if w.ffn_norm is not None else w.post_attention_norm
-        return x + moe_ffn(pre_norm(cfg, x, norm), w.moe).to(x.dtype)
+        return x + moe_ffn(pre_norm(cfg, x, _ffn_norm(w)), w.moe).to(x.dtype)
     if w.ffn_host is not None or w.ffn_down_rest is not None:
         return _split_ffn(cfg, w, x)
     residual = None if cfg.post_norms else x
     if w.ffn_gate_up is not None:
-        gate_up = pre_normed(cfg, w.ffn_gate_up, x, w.ffn_norm)
+        gate_up = pre_normed(cfg, w.ffn_gate_up, x, _ffn_norm(w))
         y = w.ffn_down.glu_matmul(gate_up, residual=residual, act=cfg.ffn_act)
     else:
-        h = pre_norm(cfg, x, w.ffn_norm)
+        h = pre_norm(cfg, x, _ffn_norm(w))
         y = w.ffn_down(_ACTIVATIONS[cfg.ffn_act](w.ffn_gate(h)) * w.ffn_up(h),
                        residual=residual)
     return _ffn_output(cfg, w, x, y)

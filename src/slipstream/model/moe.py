@@ -19,6 +19,17 @@ the router has a bias, the top k are chosen among the logits and the softmax is 
 those k only (MoeWeights.gating "topk_softmax"); its experts have biases and a clamped SwiGLU
 (`swiglu_oai`).
 
+GLM-4.5 and DeepSeek-V3 route otherwise again (llama.cpp's SIGMOID gating with exp_probs_b,
+transformers' Glm4MoeTopkRouter / DeepseekV3TopkRouter), in named pieces a MoeWeights turns on:
+    p = sigmoid(h @ router^T)                                        gating "sigmoid"
+    s = p + selection_bias                 the choice only; the weights stay p (select_experts)
+    groups: the experts in `groups` equal groups, each scored by the sum of its two best s,
+            the `groups_used` best groups kept and the others' s set to -inf  (select_groups)
+    top-k of s; w = p[top], renormalised (normalize), then times `scale`
+    out += down_s(silu(gate_s h) * up_s h)                 the shared expert, every token
+llama.cpp's build_moe_ffn applies groups to any family whose file sets
+`expert_group_count` > 1, so they are a piece of their own, not DeepSeek's.
+
 The router stays float32 at every precision: its top-k is a discrete choice, and a float16
 router would pick another expert wherever two probabilities are within its rounding."""
 
@@ -93,6 +104,19 @@ def expert_ffn(gate_up: Linear, down: Linear, h: torch.Tensor, act: str = "silu"
 
 
 @dataclass
+class SharedExpert:
+    """An FFN every token takes beside the routed experts (GLM-4.5, DeepSeek): SwiGLU,
+    `gate_up` hidden -> 2 * width (gate rows, then up rows), `down` width -> hidden, its
+    output added unweighted (llama.cpp's ffn_*_shexp; transformers' shared_experts)."""
+
+    gate_up: Linear
+    down: Linear
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        return expert_ffn(self.gate_up, self.down, h)
+
+
+@dataclass
 class MoeWeights:
     """A layer's mixture-of-experts FFN: the router, float32 (n_experts, hidden), the experts,
     and how many of them each token uses."""
@@ -100,38 +124,85 @@ class MoeWeights:
     router: torch.Tensor
     experts: ExpertBank
     top_k: int
-    # renormalise the top-k weights to sum to 1 (llama.cpp's norm_w; on for every family
-    # slipstream runs: the negative controls turn it off)
+    # renormalise the top-k weights to sum to 1 (llama.cpp's norm_w: off only where a file's
+    # expert_weights_norm says so, and in the negative controls)
     normalize: bool = True
     # the router's bias, float32 (n_experts,): gpt-oss
     router_bias: torch.Tensor | None = None
-    # "softmax" (over all experts, then the top k) or "topk_softmax" (the top k logits, then
-    # a softmax over them: gpt-oss)
+    # "softmax" (over all experts, then the top k), "topk_softmax" (the top k logits, then
+    # a softmax over them: gpt-oss) or "sigmoid" (each expert's own: GLM-4.5, DeepSeek-V3)
     gating: str = "softmax"
+    # added to the gated probabilities to choose the top k, not to weigh them, float32
+    # (n_experts,): llama.cpp's exp_probs_b, transformers' e_score_correction_bias
+    selection_bias: torch.Tensor | None = None
+    # grouped choice (select_groups): the experts in `groups` groups, the best `groups_used`
+    # of them kept (0 or 1 group: none)
+    groups: int = 0
+    groups_used: int = 0
+    # the routed weights' factor, after renormalising (routed_scaling_factor: GLM-4.5 2.5)
+    scale: float = 1.0
+    # the expert every token takes (GLM-4.5, DeepSeek)
+    shared: SharedExpert | None = None
+
+
+def gate(logits: torch.Tensor, gating: str) -> torch.Tensor:
+    """The router's probabilities (T, n_experts), float32, of its logits: a softmax over the
+    experts or each expert's sigmoid."""
+    if gating == "softmax":
+        return torch.softmax(logits.float(), dim=-1)
+    if gating == "sigmoid":
+        return torch.sigmoid(logits.float())
+    raise ValueError(f"unknown gating {gating!r}; expected softmax, sigmoid or topk_softmax")
+
+
+def select_groups(scores: torch.Tensor, groups: int, groups_used: int) -> torch.Tensor:
+    """scores (T, n_experts) with the experts outside each row's `groups_used` best groups set
+    to -inf: the experts split into `groups` equal groups in order, a group scored by the sum
+    of its two highest scores (llama.cpp's build_moe_ffn; DeepSeek-V3's noaux_tc)."""
+    T, n = scores.shape
+    if groups <= 1:
+        return scores
+    if n % groups or not 0 < groups_used <= groups:
+        raise ValueError(f"{n} experts in {groups} groups, {groups_used} of them used: the "
+                         f"experts must split evenly and at least one group be used")
+    grouped = scores.view(T, groups, n // groups)
+    group_scores = grouped.topk(min(2, n // groups), dim=-1).values.sum(dim=-1)  # (T, groups)
+    keep = group_scores.topk(groups_used, dim=-1).indices
+    mask = torch.zeros(T, groups, dtype=torch.bool, device=scores.device)
+    mask.scatter_(1, keep, True)
+    return grouped.masked_fill(~mask[..., None], float("-inf")).view(T, n)
 
 
 def route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool = True,
-          bias: torch.Tensor | None = None, gating: str = "softmax"
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+          bias: torch.Tensor | None = None, gating: str = "softmax",
+          selection_bias: torch.Tensor | None = None, groups: int = 0, groups_used: int = 0,
+          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, ids), each (T, top_k): the experts each row of h (T, hidden) goes to, by
-    descending router probability, and their weights (float32)."""
+    descending choice score, and their weights (float32)."""
     logits = F.linear(h.to(router.dtype), router, bias)
     if gating == "topk_softmax":
         top, ids = torch.topk(logits.float(), top_k, dim=-1)
         return torch.softmax(top, dim=-1), ids
-    if gating != "softmax":
-        raise ValueError(f"unknown gating {gating!r}; expected softmax or topk_softmax")
-    probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
+    probs = gate(logits, gating)
+    choice = probs if selection_bias is None else probs + selection_bias
+    choice = select_groups(choice, groups, groups_used)
+    ids = torch.topk(choice, top_k, dim=-1).indices
+    weights = probs.gather(1, ids)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scale != 1.0:
+        weights = weights * scale
     return weights, ids
 
 
 def moe_ffn(h: torch.Tensor, moe: MoeWeights) -> torch.Tensor:
     """The FFN output (T, hidden), float32, of the normed hidden states h (T, hidden)."""
-    weights, ids = route(h, moe.router, moe.top_k, moe.normalize, moe.router_bias, moe.gating)
-    return experts_ffn(h, ids, weights, moe.experts)
+    weights, ids = route(h, moe.router, moe.top_k, moe.normalize, moe.router_bias, moe.gating,
+                         moe.selection_bias, moe.groups, moe.groups_used, moe.scale)
+    out = experts_ffn(h, ids, weights, moe.experts)
+    if moe.shared is not None:
+        out += moe.shared(h).float()
+    return out
 
 
 def experts_ffn(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,

@@ -95,7 +95,33 @@ class ModelConfig:
     n_experts_used: int = 0
     expert_ffn: int = 0
     attn_sinks: bool = False  # a learned per-head logit in each attention softmax (gpt-oss)
-    moe_gating: str = "softmax"  # "softmax" or "topk_softmax" (gpt-oss; model.moe.route)
+    # "softmax", "topk_softmax" (gpt-oss) or "sigmoid" (GLM-4.5, DeepSeek-V3; model.moe.route)
+    moe_gating: str = "softmax"
+    moe_norm: bool = True  # the top-k weights renormalised to sum to 1
+    moe_scale: float = 1.0  # ... then multiplied by it (expert_weights_scale)
+    # grouped choice (model.moe.select_groups): experts in expert_groups groups, the best
+    # expert_groups_used kept (0: none)
+    expert_groups: int = 0
+    expert_groups_used: int = 0
+    # the file has the routers' selection bias (exp_probs_b: DeepSeek-V3, not V2)
+    selection_bias: bool = False
+    # shared experts (model.moe.SharedExpert): n_shared_experts * expert_ffn wide, 0: none
+    n_shared_experts: int = 0
+    # the first dense_lead layers have a dense FFN, cfg.ffn wide, the rest experts (GLM-4.5,
+    # DeepSeek); layer(i) of such a layer has n_experts 0
+    dense_lead: int = 0
+    # multi-token-prediction layers the file holds after the n_layers the model runs
+    # (`nextn_predict_layers`: GLM-4.5's one), skipped as llama.cpp skips them
+    nextn_layers: int = 0
+    # multi-head latent attention (DeepSeek; model.mla): keys and values made from a latent
+    # kv_lora_rank wide, queries through a q_lora_rank-wide one (0: a plain projection).
+    # The cache then holds the latent and the rotated key part, one "head" head_dim
+    # (kv_lora_rank + rope_dim) wide, and the heads' own widths are mla_k_head (their
+    # unrotated part and rope_dim) and mla_v_head (values)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    mla_k_head: int = 0
+    mla_v_head: int = 0
     name: str = ""
 
     @property
@@ -127,7 +153,22 @@ class ModelConfig:
         """Whether every layer has this config's shapes and computes its own keys and values
         (every family but Gemma 4)."""
         return not (self.swa_layers or self.kv_heads_per_layer or self.ffn_per_layer
-                    or self.kv_layers or self.v_norm or self.per_layer_dim)
+                    or self.kv_layers or self.v_norm or self.per_layer_dim or self.dense_lead)
+
+    @property
+    def mla(self) -> bool:
+        """Whether attention is multi-head latent attention (DeepSeek)."""
+        return bool(self.kv_lora_rank)
+
+    @property
+    def q_full(self) -> bool:
+        """(MLA) Whether the queries come from one projection, without a latent (V2-Lite)."""
+        return not self.q_lora_rank
+
+    @property
+    def dense_ffn(self) -> bool:
+        """(a layer's view) Whether the layer's FFN is dense, not a mixture of experts."""
+        return not self.n_experts
 
     def layer(self, i: int) -> "ModelConfig":
         """Layer i's config as its block math and its tensors see it: its head size, rotated
@@ -141,6 +182,10 @@ class ModelConfig:
     def _layers(self) -> tuple["ModelConfig", ...]:
         out = []
         for i in range(self.n_layers):
+            if i < self.dense_lead:  # a leading dense layer in a mixture of experts
+                out.append(dataclasses.replace(self, n_experts=0, n_experts_used=0,
+                                               n_shared_experts=0))
+                continue
             swa = bool(self.swa_layers) and self.swa_layers[i]
             out.append(dataclasses.replace(
                 self, head_dim=self.head_dim_swa if swa else self.head_dim,
@@ -212,7 +257,7 @@ class ModelConfig:
                                       f"{head_dim} is larger than {MAX_HEAD_DIM}; {FIX}")
         value_dim = md_int(md, key("attention.value_length"), source, 1, MAX_HEAD_DIM,
                            default=head_dim)
-        if value_dim != head_dim:
+        if value_dim != head_dim and not family.latent_kv:  # (MLA: the family checks)
             raise UnsupportedArchitecture(
                 f"{source}: {key('attention.value_length')} {value_dim} differs from the key "
                 f"head size {head_dim}; slipstream supports equal key and value head sizes")
@@ -278,12 +323,15 @@ class ModelConfig:
             rope_scaling=scaling if scaling == "linear" or yarn else "none",
             rope_scale=scale if scaling == "linear" or yarn else 1.0,
             attn_bias="blk.0.attn_q.bias" in names,
+            selection_bias=any(n.endswith(".exp_probs_b.bias") for n in names),
             layer_scale="blk.0.layer_output_scale.weight" in names,
             name=str(md.get("general.name", "")),
             **dataclasses.asdict(family.traits),
             **yarn,
             **experts,
         )
+        if family.optional_qk_norm:  # query/key norms where the file has them (GLM-4.5)
+            fields["qk_norm"] = "blk.0.attn_q_norm.weight" in names
         if family.configure is not None:
             fields.update(family.configure(md, arch, source, fields))
         cfg = cls(**fields)
@@ -300,10 +348,11 @@ class ModelConfig:
             m = _LAYER_TENSOR.match(name)
             if m:
                 layers.setdefault(int(m.group(1)), name)
-        beyond = sorted(i for i in layers if i >= self.n_layers)
+        beyond = sorted(i for i in layers if i >= self.n_layers + self.nextn_layers)
         if beyond:
             raise InvalidMetadata(
-                f"{source}: metadata '{self.architecture}.block_count' is {self.n_layers} but "
+                f"{source}: metadata '{self.architecture}.block_count' is "
+                f"{self.n_layers + self.nextn_layers} but "
                 f"the file has tensors of layer {beyond[-1]} (e.g. {layers[beyond[-1]]!r}), "
                 f"{len(beyond)} layer(s) beyond it; the layer count or the tensor names are "
                 f"wrong; {FIX}")

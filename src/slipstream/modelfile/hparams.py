@@ -87,3 +87,12 @@ def md_str(md: Mapping[str, Any], key: str, source: str, default: str) -> str:
         raise InvalidMetadata(f"{source}: metadata {key!r} is {v!r} ({type(v).__name__}), "
                               f"expected a string; {FIX}")
     return v
+
+
+def md_bool(md: Mapping[str, Any], key: str, source: str, default: bool) -> bool:
+    """A boolean hyper-parameter (GGUF's BOOL type)."""
+    v = md.get(key, default)
+    if not isinstance(v, bool):
+        raise InvalidMetadata(f"{source}: metadata {key!r} is {v!r} ({type(v).__name__}), "
+                              f"expected a boolean; {FIX}")
+    return v

@@ -55,17 +55,21 @@ class KVCache:
         self.rings = any(s < max_ctx for s in slots)  # whether any layer wraps around
         if cfg.uniform:
             # (n_layers, n_kv_heads, slots, head_dim) for keys and for values, one pair per
-            # slot count: the global layers' (max_ctx) and the windowed layers' rings
+            # slot count: the global layers' (max_ctx) and the windowed layers' rings.
+            # Multi-head latent attention reads its values out of the keys' latent (model.mla):
+            # one tensor, which the values' view is
             self._own = []  # what compact moves: slots along dim 2, mod each one's count
             views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             for count in sorted(set(slots), reverse=True):
                 idx = [j for j, s in enumerate(slots) if s == count]
                 shape = (len(idx), cfg.n_kv_heads, count, cfg.head_dim)
-                k, v = zeroed(shape, device, dtype), zeroed(shape, device, dtype)
-                self._own += [k, v]
+                k = zeroed(shape, device, dtype)
+                v = k if cfg.mla else zeroed(shape, device, dtype)
+                self._own += [k] if cfg.mla else [k, v]
                 views.update({j: (k[r], v[r]) for r, j in enumerate(idx)})
             # the pair of the most slots: the full-context layers' where there are any
-            self.k, self.v = self._own[0], self._own[1]
+            self.k = self._own[0]
+            self.v = self.k if cfg.mla else self._own[1]
             # each layer's (k, v) views made once: a decode step asks for every layer's, and
             # two index ops a layer are a measurable share of a CPU token
             self._layers = [views[j] for j in range(n)]
@@ -87,8 +91,8 @@ class KVCache:
             c = cfg.layer(i)
             shape = (c.n_kv_heads, slots[i - first], c.head_dim)
             k = zeroed(shape, device, dtype)
-            v = zeroed(shape, device, dtype)
-            self._own += [k[None], v[None]]
+            v = k if c.mla else zeroed(shape, device, dtype)  # (as above)
+            self._own += [k[None]] if c.mla else [k[None], v[None]]
             self._layers.append((k, v))
 
     def layer(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -248,17 +248,27 @@ _COMPARED = 64  # unused tensors compared with the missing ones' names
 
 
 def used_tensors(gf: GGUFFile, cfg: ModelConfig) -> set[str]:
-    """The file's tensors a load reads."""
+    """The file's tensors a load reads, and those of the multi-token-prediction layers it
+    skips by design (cfg.nextn_layers: no warning for them)."""
     used = {EMBEDDING, OUTPUT_NORM, HEAD, ROPE_FREQS,
             *family_for(cfg.architecture).top_tensors(cfg)}
     for suffix in spec_for(cfg.architecture, cfg.n_experts).shapes(cfg):
         used.update(f"blk.{i}.{suffix}" for i in range(cfg.n_layers))
+    skipped = tuple(f"blk.{i}." for i in range(cfg.n_layers, cfg.n_layers + cfg.nextn_layers))
+    if skipped:
+        used.update(n for n in gf.tensors if n.startswith(skipped))
     return used & gf.tensors.keys()
 
 
 def _near(name: str, candidates: Iterable[str]) -> str | None:
     found = difflib.get_close_matches(name, list(candidates), n=1, cutoff=NEAR)
     return found[0] if found else None
+
+
+# what a model runs without where the optional tensors of a ModelConfig flag are absent
+_WITHOUT = {"attn_bias": "run without its attention biases",
+            "qk_norm": "run without its query/key norms",
+            "selection_bias": "choose its experts without the selection bias"}
 
 
 def _misnamed(gf: GGUFFile, cfg: ModelConfig, unused: list[str]) -> str | None:
@@ -269,15 +279,18 @@ def _misnamed(gf: GGUFFile, cfg: ModelConfig, unused: list[str]) -> str | None:
     spec = spec_for(cfg.architecture, cfg.n_experts)
     file = gf.path.name
     for flag in sorted({t.flag for t in spec.tensors if t.flag}):
-        group = [t.suffix for t in spec.tensors if t.flag == flag]
-        names = [f"blk.{i}.{s}" for i in range(cfg.n_layers) for s in group]
+        group = [t for t in spec.tensors if t.flag == flag]
+        # (in the layers that hold them: a dense layer has no experts' selection bias)
+        names = [f"blk.{i}.{t.suffix}" for i in range(cfg.n_layers) for t in group
+                 if t.held(cfg.layer(i))]
         have = [n for n in names if n in gf.tensors]
         if have and len(have) < len(names):
             missing = next(n for n in names if n not in gf.tensors)
             near = _near(missing, unused)
             hint = f"; the unused tensor {near!r} looks like it, renamed" if near else ""
             return (f"{file}: tensor {missing!r} is missing while {len(have)} of the "
-                    f"{len(names)} {'/'.join(group)} tensors are present{hint}: the layers "
+                    f"{len(names)} {'/'.join(t.suffix for t in group)} tensors are "
+                    f"present{hint}: the layers "
                     f"without it would run without that bias")
     missing: dict[str, str] = {}  # a tensor read where present -> what its absence does
     if HEAD not in gf.tensors:
@@ -292,8 +305,8 @@ def _misnamed(gf: GGUFFile, cfg: ModelConfig, unused: list[str]) -> str | None:
         missing[ROPE_FREQS] = "rotate without Llama 3's RoPE frequency divisors"
     for t in spec.tensors:
         if t.flag and not getattr(cfg, t.flag):
-            missing.update({f"blk.{i}.{t.suffix}": "run without its attention biases"
-                            for i in range(cfg.n_layers)})
+            missing.update({f"blk.{i}.{t.suffix}": _WITHOUT.get(t.flag, f"run without {t.flag}")
+                            for i in range(cfg.n_layers) if t.held(cfg.layer(i))})
     # (a file of another architecture may hold thousands of unused tensors: a few hundred
     # comparisons each would take seconds, and the first names tell already)
     for u in unused[:_COMPARED]:

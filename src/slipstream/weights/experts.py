@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .. import quant
-from ..model.moe import MoeWeights, ResidentExperts
+from ..model.layer_spec import ExpertSpec
+from ..model.moe import MoeWeights, ResidentExperts, SharedExpert
 from .expert_tiers import ExpertFile, ExpertSlice, TieredExperts
 from .linear import DenseLinear, LazyDenseLinear, Linear, lazy_dense
 
@@ -52,11 +53,20 @@ def expert_linears(builder: LayerBuilder, raws: list[torch.Tensor], types: list,
     return gate_up, down
 
 
+def shared_expert(spec: ExpertSpec, fields: dict) -> SharedExpert | None:
+    """The shared expert of a layer whose linears are built into `fields` (LayerWeights
+    fields by name), or None where the layer has none."""
+    gate_up, down = fields.get(spec.shared_gate_up), fields.get(spec.shared_down)
+    return SharedExpert(gate_up, down) if gate_up is not None and down is not None else None
+
+
 def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
-                  slots: int | None = None, file: ExpertFile | None = None) -> MoeWeights:
+                  slots: int | None = None, file: ExpertFile | None = None,
+                  shared: SharedExpert | None = None) -> MoeWeights:
     """Layer `p`'s (the `blk.N` prefix) mixture of experts: the router as a float32 matrix
     and every expert's linears (expert_linears); with `slots` (and the model's `file`), only
-    that many experts in RAM, in a TieredExperts bank."""
+    that many experts in RAM, in a TieredExperts bank. `shared`: the layer's shared expert
+    (built with its other linears), which stays in RAM whatever `slots` says."""
     spec, cfg = builder.spec.experts, builder.cfg
     assert spec is not None
     router = src.dense(f"{p}.{spec.router}.weight", builder.shapes[f"{spec.router}.weight"],
@@ -91,8 +101,13 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
             gate_up.append(gu)
             down.append(d)
         bank = ResidentExperts(gate_up, down, act)
-    return MoeWeights(router, bank, cfg.n_experts_used, router_bias=biases.get(spec.router),
-                      gating=cfg.moe_gating)
+    sel = f"{spec.selection_bias}.bias"
+    selection_bias = (src.dense(f"{p}.{sel}", builder.shapes[sel], torch.float32, builder.device)
+                      if sel in builder.shapes and src.has(f"{p}.{sel}") else None)
+    return MoeWeights(router, bank, cfg.n_experts_used, normalize=cfg.moe_norm,
+                      router_bias=biases.get(spec.router), gating=cfg.moe_gating,
+                      selection_bias=selection_bias, groups=cfg.expert_groups,
+                      groups_used=cfg.expert_groups_used, scale=cfg.moe_scale, shared=shared)
 
 
 def _tiered(builder: LayerBuilder, src: TensorSource, names: list[str], full: list,

@@ -19,9 +19,11 @@ from ...errors import UnsupportedArchitecture
 from ..layer_spec import LayerSpec
 from .base import BlockTraits, Family
 from .cohere2 import COHERE2
+from .deepseek2 import DEEPSEEK2
 from .gemma3 import GEMMA3
 from .gemma4 import GEMMA4
 from .glm4 import GLM4
+from .glm4moe import GLM4MOE
 from .gptoss import GPTOSS
 from .llama import LLAMA
 from .mistral3 import MISTRAL3
@@ -34,7 +36,7 @@ __all__ = ["ARCHITECTURES", "BlockTraits", "FAMILIES", "Family", "VARIANTS", "fa
            "file_spec", "spec_for"]
 
 FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, GEMMA3, GEMMA4, PHI3, MISTRAL3, OLMO2, GLM4,
-                                 COHERE2, QWEN3MOE, GPTOSS)
+                                 COHERE2, QWEN3MOE, GPTOSS, GLM4MOE, DEEPSEEK2)
 
 # general.architecture -> its family
 _BY_ARCHITECTURE: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.architectures}
@@ -45,8 +47,9 @@ ARCHITECTURES: dict[str, str] = {arch: style for f in FAMILIES
 
 # Names of a family's variants that no file carries as its general.architecture (what
 # `slipstream synth --arch` takes beside the architectures) -> the architecture their files
-# carry: Mixtral is a `llama` file with experts
-VARIANTS: dict[str, str] = {"mixtral": "llama"}
+# carry: Mixtral is a `llama` file with experts; DeepSeek-V2-Lite a `deepseek2` file without
+# a query latent, routed by softmax without a selection bias
+VARIANTS: dict[str, str] = {"mixtral": "llama", "deepseek2-lite": "deepseek2"}
 
 
 def family_for(architecture: str) -> Family:

@@ -44,8 +44,8 @@ class BlockTraits:
     # denominator, with no value: gpt-oss
     attn_sinks: bool = False
     # a mixture of experts' routing (model.moe.route): "softmax" (over all experts, then the
-    # top k, renormalised: Qwen3-MoE, Mixtral) or "topk_softmax" (the top k logits, then a
-    # softmax over those: gpt-oss)
+    # top k, renormalised: Qwen3-MoE, Mixtral), "topk_softmax" (the top k logits, then a
+    # softmax over those: gpt-oss) or "sigmoid" (each expert's sigmoid: GLM-4.5)
     moe_gating: str = "softmax"
 
 
@@ -78,6 +78,14 @@ class Family:
     # the tensors outside the layers its model reads beyond the embedding, the head and the
     # final norm, given its config (Gemma 4's per-layer embedding tables)
     extra_tensors: Callable[[Any], tuple[str, ...]] | None = None
+
+    # whether the file's key_length and value_length describe a latent cache (multi-head
+    # latent attention: DeepSeek's 576 and 512), read by the family's configure, not the
+    # equal head sizes every other family has
+    latent_kv: bool = False
+    # whether the per-head query/key norms are optional tensors, read where the file has them
+    # (ModelConfig.qk_norm then says whether it does: GLM-4.5's 355B has them, Air not)
+    optional_qk_norm: bool = False
 
     # a check of a file's tensor names beyond the layer spec's (given the config, the names
     # and a name for errors), raising on a layout the family cannot run yet
