@@ -343,3 +343,18 @@ def test_cli_one_line(files, tmp_path):
     assert r.returncode == 0, r.stderr
     assert warned == ["warning: extra.gguf: 1 tensor(s) the model does not use, ignored: "
                       "'extra.weight'; a renamed tensor would show here"]
+
+
+def test_longrope_factors_are_read_not_reported_unused(tmp_path):
+    """Phi-3's rope_factors_short/long are read by the load wherever a file holds them, so
+    the unused-tensor warning must not name them (it once did, on every Phi-3 file)."""
+    from slipstream.synth import write_synth
+    from slipstream.weights.checks import check_tensor_names, used_tensors
+
+    path = write_synth(tmp_path / "phi3.gguf", "tiny", "Q8_0", n_layers=2, arch="phi3")
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    assert {"rope_factors_short.weight", "rope_factors_long.weight"} <= used_tensors(gf, cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", TensorWarning)
+        check_tensor_names(gf, cfg)

@@ -39,6 +39,8 @@ from ..modelfile.gguf_file import GGUFFile
 from ..modelfile.validate import FIX
 
 ROPE_FREQS = "rope_freqs.weight"
+# LongRoPE's divisor pairs (Phi-3), read wherever a file holds them (weights.loader)
+LONGROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")
 OUTPUT_NORM = "output_norm.weight"
 ANYWAY = "SLIPSTREAM_CHECK_WEIGHTS=0 loads it anyway"
 
@@ -250,7 +252,7 @@ _COMPARED = 64  # unused tensors compared with the missing ones' names
 def used_tensors(gf: GGUFFile, cfg: ModelConfig) -> set[str]:
     """The file's tensors a load reads, and those of the multi-token-prediction layers it
     skips by design (cfg.nextn_layers: no warning for them)."""
-    used = {EMBEDDING, OUTPUT_NORM, HEAD, ROPE_FREQS,
+    used = {EMBEDDING, OUTPUT_NORM, HEAD, ROPE_FREQS, *LONGROPE_FACTORS,
             *family_for(cfg.architecture).top_tensors(cfg)}
     for suffix in spec_for(cfg.architecture, cfg.n_experts).shapes(cfg):
         used.update(f"blk.{i}.{suffix}" for i in range(cfg.n_layers))
