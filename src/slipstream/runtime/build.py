@@ -140,14 +140,15 @@ def plan_model(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Pre
 
 
 def check_experts_device(cfg: ModelConfig, dev: torch.device) -> None:
-    """A mixture-of-experts model runs on the CPU only, for now: its experts' placement on a
-    GPU (all of them in VRAM, or some in RAM) is not built. So does a family whose CUDA path
-    is refused (Family.cuda_refused)."""
+    """A mixture-of-experts model runs on the CPU, or on CUDA with every expert in VRAM
+    (weights.routed_experts; a budget that cannot hold them is refused by the plan,
+    memory.setup): experts placed in RAM or on disk are built for the CPU only. A family whose
+    CUDA path is refused (Family.cuda_refused) runs on the CPU only."""
     if dev.type == "cpu":
         return
-    if cfg.n_experts:
+    if cfg.n_experts and dev.type != "cuda":
         raise UnsupportedArchitecture(
-            f"{cfg.architecture} with {cfg.n_experts} experts runs on the CPU only for now "
+            f"{cfg.architecture} with {cfg.n_experts} experts runs on the CPU or CUDA only "
             f"(placing mixture-of-experts layers on {dev} is not built); use --device cpu")
     refused = family_for(cfg.architecture).cuda_refused
     if refused:
