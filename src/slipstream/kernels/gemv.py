@@ -183,22 +183,6 @@ def _gemv_q_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, cb_ptr, 
 
 
 @triton.jit
-def _routed(ids_ptr, x_ptr, y_ptr, N, X_DIV, stride_xp, stride_yp, ROUTED: tl.constexpr):
-    """The expert-index indirection of the routed GEMVs (kernels.moe): program_id(1) is a
-    (token, slot) pair p whose expert e = ids[p] is read from device memory (no host sync, so
-    a CUDA graph holds it). The weight is every expert's (N, K) stacked into one (E * N, K)
-    packed weight, so expert e's rows start at plane row e * N; the pair reads x row
-    p // X_DIV (X_DIV = top_k: every slot of a token shares its input; 1: each pair its own)
-    and writes y row p. Returns (first weight row, x_ptr, y_ptr); dense launches: (0, as given)."""
-    if ROUTED:
-        p = tl.program_id(1)
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        return e * N, x_ptr + (p // X_DIV) * stride_xp, y_ptr + p * stride_yp
-    else:
-        return 0, x_ptr, y_ptr
-
-
-@triton.jit
 def _gemv_q1_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, cb_ptr, y_ptr,
                     N, NUT, ids_ptr, X_DIV, stride_xp, stride_yp,
                     LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr,
@@ -208,13 +192,18 @@ def _gemv_q1_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, cb_ptr,
     """m = 1 variant: tiles are [BN, NG scale groups, JPS slots, LO lanes] in natural K order, so
     x is read once per step as contiguous 16-byte vectors and all slots unpack in one broadcast
     shift (a G = 16 format loads each code word twice, from L1). ROUTED: one routed expert per
-    program_id(1) (_routed)."""
+    program_id(1) (gemv_routed)."""
     SPU: tl.constexpr = 32 // G
     JPS: tl.constexpr = 32 // LO // SPU
     B: tl.constexpr = LO + HI
     MANT: tl.constexpr = 23 - B
     NGT = NUT * SPU  # scale groups per row
-    row0, x_ptr, y_ptr = _routed(ids_ptr, x_ptr, y_ptr, N, X_DIV, stride_xp, stride_yp, ROUTED)
+    row0 = 0  # the weight's first plane row (a constant unless routed)
+    if ROUTED:  # see gemv_routed
+        p = tl.program_id(1)
+        row0 = tl.load(ids_ptr + p).to(tl.int64) * N
+        x_ptr += (p // X_DIV) * stride_xp
+        y_ptr += p * stride_yp
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rmask = rows < N
     wrows = row0 + rows  # the rows' planes (an expert's, in a routed launch)
@@ -264,9 +253,14 @@ def _gemv_f_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
                    M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    ROUTED: tl.constexpr = False):
     """Plain GEMV for F32/F16/BF16 weights (fp32 accumulation, one reduction at the end).
-    ROUTED: one routed expert per program_id(1) (_routed), M = 1."""
+    ROUTED: one routed expert per program_id(1) (gemv_routed), M = 1."""
     pid = tl.program_id(0)
-    row0, x_ptr, y_ptr = _routed(ids_ptr, x_ptr, y_ptr, N, X_DIV, stride_xp, stride_yp, ROUTED)
+    row0 = 0
+    if ROUTED:  # see gemv_routed
+        p = tl.program_id(1)
+        row0 = tl.load(ids_ptr + p).to(tl.int64) * N
+        x_ptr += (p // X_DIV) * stride_xp
+        y_ptr += p * stride_yp
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
     wrows = row0 + rows
@@ -412,9 +406,11 @@ def gemv_routed(x: torch.Tensor, packed: PackedWeight, ids: torch.Tensor, n_expe
                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y[p] = x[p // x_div] @ W_{ids[p]}^T for each routed pair p: `packed` stacks n_experts
     experts' (N, K) weights as one (n_experts * N, K) weight, and ids (P,) are read by the
-    kernel on the device. One launch over (output blocks, P); fp32 accumulation as gemv's
-    m = 1 kernels (the same code, each expert's rows found by the ids: _routed). x (P /
-    x_div, K); returns (P, N) in out_dtype (default x's dtype)."""
+    kernel on the device (no host sync, so a CUDA graph holds it). One launch over (output
+    blocks, P): program (b, p) reads expert e = ids[p], whose rows start at plane row e * N,
+    and x row p // x_div (x_div = top_k: a token's slots share its input; 1: each pair its
+    own), and writes y row p; otherwise gemv's m = 1 kernels as they are (fp32 accumulation).
+    x (P / x_div, K); returns (P, N) in out_dtype (default x's dtype)."""
     n = expert_rows(packed, n_experts)
     if x.dim() != 2 or x.shape[1] != packed.cols:
         raise ValueError(f"x must be (m, {packed.cols}), got {tuple(x.shape)}")

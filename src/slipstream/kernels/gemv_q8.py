@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import MAX_M, _group_scale_min, _m_pad, _routed, check_routed, expert_rows
+from .gemv import MAX_M, _group_scale_min, _m_pad, check_routed, expert_rows
 from .pack import FLOAT_DTYPES, PackedWeight, sm_width
 
 QK = 32  # activation elements per int8 block (one scale), and elements per unit of pack.py
@@ -158,18 +158,20 @@ def _gemv_q8_kernel(xq_ptr, xm_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr
     """SM: per-unit scales come from the fused f16 plane (pack.fuse_scales), P = SPU * (1 +
     HAS_MIN) entries per unit. Otherwise from the GGUF planes: the plain f16 d per unit (Q4_0,
     Q5_0, Q8_0), or d/dmin/sc/mn rounded as fusing rounds them (_f16_scales).
-    ROUTED: one routed expert per program_id(1), M = 1 (gemv._routed: the quantized x's rows
-    are NUT * 8 words and NUT * 4 words of metadata)."""
+    ROUTED: one routed expert per program_id(1), M = 1 (gemv.gemv_routed)."""
     NE: tl.constexpr = 8 // LO  # extractions per word, four codes (one per byte) each
     SPU: tl.constexpr = 32 // G  # scale groups per unit of 32
     C: tl.constexpr = NE * HI  # high bits that belong to one byte of a lo word
     LOMASK: tl.constexpr = ((1 << LO) - 1) * 0x01010101
     HIMASK: tl.constexpr = (((1 << HI) - 1) << LO) * 0x01010101
     P: tl.constexpr = SPU * (2 if HAS_MIN else 1)
-    row0, xq_ptr, y_ptr = _routed(ids_ptr, xq_ptr, y_ptr, N, X_DIV, NUT * 8, stride_ym,
-                                  ROUTED)
-    if ROUTED:
-        xm_ptr += (tl.program_id(1) // X_DIV) * (NUT * 4)
+    row0 = 0  # the weight's first plane row (a constant unless routed)
+    if ROUTED:  # see gemv.gemv_routed; a quantized x row is NUT * 8 words and NUT * 4 of meta
+        p = tl.program_id(1)
+        row0 = tl.load(ids_ptr + p).to(tl.int64) * N
+        xq_ptr += (p // X_DIV) * (NUT * 8)
+        xm_ptr += (p // X_DIV) * (NUT * 4)
+        y_ptr += p * stride_ym
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rmask = rows < N
     wrows = row0 + rows  # the rows' planes (an expert's, in a routed launch)
