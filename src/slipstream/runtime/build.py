@@ -126,6 +126,10 @@ def plan_model(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Pre
         raise BadArgument(f"vram_layers={vram_layers!r} is invalid: must be an integer >= 0 "
                           f"(the most layers held in VRAM)")
     check_experts_device(cfg, dev)
+    if cfg.n_experts and dev.type == "cuda" and stage is not None:
+        raise UnsupportedArchitecture(
+            f"{gf.path.name}: a mixture-of-experts model runs on CUDA in one process (every "
+            f"expert in its VRAM); pipeline stages of one are not built yet")
     check_types_device(gf, dev)
     plan = plan_for(gf, cfg, dev, precision, ctx, parse_size(ram_budget), vram_budget, io,
                     gpu_slots, prefill_chunk=PREFILL_CHUNK, graph_bucket=GRAPH_BUCKET,
