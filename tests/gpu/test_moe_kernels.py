@@ -117,6 +117,22 @@ def test_gemv_routed_matches_reference(qt: T) -> None:
                 assert torch.equal(y[p:p + 1].cpu(), dense.cpu()), (qt.name, k, x_div, p)
 
 
+@pytest.mark.parametrize("k", range(1, 9))
+def test_every_top_k(k: int) -> None:
+    """k = 1..8 slots of one token (Mixtral's 2, gpt-oss's 4, Qwen3-MoE's 8), ids drawn with
+    repeats, in both GEMVs (Q4_K: the float32 one at "exact", the int8 one at "fast")."""
+    packed, refs, kk = _experts(T.Q4_K, seed=50 + k)
+    ids = _ids(k, 1, seed=20 + k).to(DEVICE)
+    x = torch.randn(1, kk).to(DEVICE)
+    xs = x.double().cpu().numpy()
+    ref = np.stack([xs[0] @ refs[int(e)].T for e in ids.tolist()])
+    y = gemv_routed(x, packed, ids, N_EXPERTS, x_div=k, out_dtype=torch.float32)
+    assert _rel(y, ref) <= FP32_TOL, k
+    yq = gemv_q8.gemv_q8_routed(*gemv_q8.quantize_x(x), pack.fuse_scales(packed), ids,
+                                N_EXPERTS, x_div=k)
+    assert _rel(yq, ref) <= Q8_VS_FLOAT_X_TOL, k
+
+
 INT_CODES = LEGACY + KQUANTS
 
 
