@@ -19,7 +19,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from slipstream.model.moe import route  # noqa: E402
+from slipstream.model.moe import moe_ffn, route  # noqa: E402
 from slipstream.modelfile.config import ModelConfig  # noqa: E402
 from slipstream.modelfile.gguf_file import GGUFFile  # noqa: E402
 from slipstream.precision import Precision  # noqa: E402
@@ -106,6 +106,9 @@ def test_routed_bank_matches_cpu_bank(tmp_path, arch: str, quant: str, precision
         out = gpu.experts.mix(h.to(DEVICE), gids, gw)
         assert out.shape == ref.shape and out.dtype == torch.float32
         assert _rel(out, ref) <= TOL[precision], (arch, precision, rows)
+        if rows == 1:  # the layer's whole FFN as the block calls it: routing, then the bank
+            whole = moe_ffn(h.to(DEVICE), gpu)
+            assert _rel(whole, moe_ffn(h, cpu)) <= TOL[precision], (arch, precision)
 
 
 def test_routed_bank_ids_are_read_on_the_device(tmp_path) -> None:

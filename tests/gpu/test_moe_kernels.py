@@ -11,6 +11,7 @@ SLIPSTREAM_TEST_DEVICE=cpu with TRITON_INTERPRET=1 runs the same checks in Trito
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -110,10 +111,12 @@ def test_gemv_routed_matches_reference(qt: T) -> None:
             out = torch.full((ids.shape[0], ROWS), float("nan"), device=DEVICE)
             y = gemv_routed(x.to(DEVICE), packed, ids.to(DEVICE), N_EXPERTS, x_div, out=out)
             assert _rel(y, ref) <= FP32_TOL, (qt.name, k, x_div)
+            # the routed launch's tiles (gemv_routed sizes them for every pair's rows)
+            tiles = kernels.gemv_config(replace(packed, rows=ROWS * ids.shape[0]), 1)
             for p, e in enumerate(ids.tolist()):
                 one = packed.row_slice(e * ROWS, (e + 1) * ROWS)
                 dense = kernels.gemv(x[p // x_div:p // x_div + 1].to(DEVICE), one,
-                                     out_dtype=torch.float32)
+                                     out_dtype=torch.float32, config=tiles)
                 assert torch.equal(y[p:p + 1].cpu(), dense.cpu()), (qt.name, k, x_div, p)
 
 

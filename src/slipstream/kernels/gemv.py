@@ -29,6 +29,8 @@ the end. Results are deterministic (no atomics, fixed reduction order).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -420,8 +422,9 @@ def gemv_routed(x: torch.Tensor, packed: PackedWeight, ids: torch.Tensor, n_expe
     p = ids.shape[0]
     if out is None:
         out = torch.empty(p, n, device=x.device, dtype=out_dtype or x.dtype)
-    one = packed.row_slice(0, n)  # the tiles of one expert's weight
-    cfg = dict(gemv_config(one, 1))
+    # tiles as for one weight of every pair's rows (n * P): the grid holds P experts' blocks,
+    # so BN need not shrink to give each SM enough programs (gemv_config)
+    cfg = dict(gemv_config(replace(packed, rows=n * p), 1))
     warps = cfg.pop("num_warps", 4)
     grid = (triton.cdiv(n, cfg["BN"]), p)
     if packed.qtype in FLOAT_DTYPES:
