@@ -110,6 +110,7 @@ def test_plan_counts_the_experts(moe_file):
     """The plan's bytes of a resident layer (memory.vram, experts included) against what
     building it on the GPU allocates: never under, at most 10% and 4 MiB over (the
     allocator's rounding of each plane)."""
+    from slipstream.kernels.pack import QSPECS, grid_table
     from slipstream.memory.vram import layer_vram_bytes
     from slipstream.modelfile.config import ModelConfig
     from slipstream.modelfile.gguf_file import GGUFFile
@@ -123,8 +124,11 @@ def test_plan_counts_the_experts(moe_file):
     for precision in ("exact", "fast"):
         p = Precision.of(precision, dev)
         builder = LayerBuilder(cfg, dev, p)
-        # the prefill scratch is the engine's reserve, not the layer's: taken before
+        # the prefill scratch is the engine's reserve, not the layer's, and the codebook
+        # formats' grid tables are made once per device: taken before
         builder.workspace.reserve(builder.workspace.max_elements)
+        for spec in QSPECS.values():
+            grid_table(spec, dev)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         before = torch.cuda.memory_allocated()

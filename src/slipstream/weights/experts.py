@@ -84,6 +84,7 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
     if builder.quantized:  # CUDA: every expert in VRAM, each projection's stacked
         bank = _routed(builder, src, names, full, types,
                        [biases.get(part) for part in (spec.gate, spec.up, spec.down)], act)
+        bank.warm(cfg.hidden, cfg.n_experts_used)
     elif slots is not None:
         assert file is not None
         bank = _tiered(builder, src, names, full, types, shapes, slots, file, expert_biases,

@@ -110,6 +110,16 @@ class RoutedExperts:
     def ffn(self, e: int, h: torch.Tensor) -> torch.Tensor:
         return expert_ffn(self._gate_up(e), self.down.experts[e], h, self.act)
 
+    def warm(self, hidden: int, top_k: int) -> None:
+        """Run the routed path once on zeros, so that its Triton kernels are compiled and
+        loaded at the load: a speculative tree's step graph wider than MAX_M rows warms up
+        through the grouped path and would otherwise first launch them inside its capture
+        (the launch specializations do not depend on the number of rows)."""
+        dev = self.down.packed.device
+        ids = torch.zeros(1, top_k, dtype=torch.long, device=dev)
+        self.mix(torch.zeros(1, hidden, device=dev), ids,
+                 torch.full((1, top_k), 1.0 / top_k, device=dev))
+
     def mix(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         T, k = ids.shape
         if T > kernels.MAX_M and not (h.is_cuda and torch.cuda.is_current_stream_capturing()):
