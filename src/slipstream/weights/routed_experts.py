@@ -60,7 +60,7 @@ class RoutedLinear:
         if self.q8:
             return self.quantized(*kernels.gemv_q8.quantize_x(x), ids, x_div)
         y = kernels.gemv_routed(x, self.packed, ids, self.n_experts, x_div,
-                                     out_dtype=torch.float32)
+                                out_dtype=torch.float32)
         return self._biased(y, ids)
 
     def quantized(self, xq: torch.Tensor, xm: torch.Tensor, ids: torch.Tensor, x_div: int
@@ -80,8 +80,8 @@ class _Concat(Linear):
         self.parts = list(parts)
 
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        assert residual is None  # expert_ffn passes none to gate_up
-        return torch.cat([p(x) for p in self.parts], dim=-1)
+        y = torch.cat([p(x) for p in self.parts], dim=-1)
+        return y if residual is None else residual + y
 
 
 class RoutedExperts:
