@@ -127,7 +127,7 @@ def test_routed_bank_ids_are_read_on_the_device(tmp_path) -> None:
     assert _rel(other, ref) > 1e-2
 
 
-def test_gate_and_up_of_different_formats(tmp_path) -> None:
+def test_gate_and_up_of_different_formats() -> None:
     """Gate and up in two formats take two stacks (two routed launches, and a two-part linear
     per expert in prefill); checked against gguf-py's dequantize of each expert's bytes, the
     expert FFN and the weighted sum computed in float64."""
