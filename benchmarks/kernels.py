@@ -1,7 +1,7 @@
 """Time the Triton kernels on the GPU: fused GEMV (m = 1, 8), prefill matmul (m = 512), HBM copy.
 
     python benchmarks/kernels.py [OUT_DIR] [--quick] [--sweep] [--compile-only --part I/N]
-        [--results DIR]
+        [--results DIR] [--moe]
 
 Writes RESULTS/DATE-kernels-<device>.json (each row's GB/s against the device-to-device copy
 rate measured in the same run); the sweeps write OUT_DIR/sweep.json.
@@ -14,6 +14,10 @@ decode step captured in a graph would see the same. "GB/s" is the GGUF size of t
 time (what a resident decode has to stream); "of HBM" divides by the device-to-device copy rate
 measured in the same run (bytes read + written). Weights are random bytes: throughput does not
 depend on the values (NaN scales included), only on sizes.
+
+--moe times a mixture of experts' routed GEMVs instead (Qwen3-30B-A3B's and Mixtral 8x7B's
+projections, one decode token's top_k experts per launch, ids read on the device), into
+RESULTS/DATE-kernels-moe-<device>.json.
 
 --sweep times a grid of tile configs on the large 8B shapes (written to sweep.json) to choose
 gemv_config's table; --sweep-q8 the int8-activation kernel's (gemv_q8_config), and with
@@ -200,6 +204,59 @@ SWEEP_CASES = [(T.Q4_K, 1, SHAPES_8B), (T.Q6_K, 1, [VOCAB_8B, SHAPES_8B[2]]),
 QUICK_FORMATS = [T.Q4_K, T.Q6_K, T.Q8_0, T.F16]
 
 
+# A mixture of experts' routed projections (kernels.gemv_routed, gemv_q8.gemv_q8_routed), as a
+# decode token runs them: (name, experts, top_k, rows of one expert, K, x_div); gate/up's slots
+# share the token's input (x_div = top_k), down's each have their own (x_div = 1)
+MOE_SHAPES = [("Qwen3-30B-A3B gate/up", 128, 8, 1536, 2048, 8),
+              ("Qwen3-30B-A3B down", 128, 8, 2048, 768, 1),
+              ("Mixtral-8x7B gate/up", 8, 2, 28672, 4096, 2),
+              ("Mixtral-8x7B down", 8, 2, 4096, 14336, 1)]
+MOE_FORMATS = [T.Q4_K, T.Q6_K, T.Q8_0, T.MXFP4]
+
+
+def bench_routed(qt: T, e: int, k: int, n: int, kk: int, x_div: int, q8: bool,
+                 timed: bool) -> dict:
+    """One routed launch over k experts of a stacked (e * n, kk) weight; "GBps" is the k
+    experts' GGUF bytes over its time. Launches with different random ids follow each other
+    in the graph until they read 3 L2s, so the experts come from HBM, as in decode."""
+    w = _random_packed(qt, e * n, kk)[0]
+    if q8:
+        w = fuse_scales(w)
+    expert_bytes = w.gguf_bytes // e
+    calls = max(1, min(64, math.ceil(3 * L2_BYTES / (k * expert_bytes))))
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, e, (k,), generator=g).cuda() for _ in range(calls)]
+    x = torch.randn(k // x_div, kk, device="cuda")
+    if q8:
+        xq, xm = quantize_x(x)
+        fns = [lambda i=i: gemv_q8_routed(xq, xm, w, i, e, x_div) for i in ids]
+    else:
+        fns = [lambda i=i: kernels.gemv_routed(x, w, i, e, x_div, out_dtype=torch.float32)
+               for i in ids]
+    if not timed:
+        fns[0]()
+        return {}
+    t = _graph_time(fns)
+    return {"us": t * 1e6, "GBps": k * expert_bytes / t / 1e9}
+
+
+def moe_rows(timed: bool) -> list[dict]:
+    rows = []
+    for qt in MOE_FORMATS:
+        for name, e, k, n, kk, x_div in MOE_SHAPES:
+            row = {"format": qt.name, "shape": name, "experts": e, "top_k": k, "N": n, "K": kk}
+            for mode in ("f32", "q8"):
+                if mode == "q8" and qt == T.MXFP4:  # codebook codes: no int8 GEMV
+                    continue
+                try:
+                    row[mode] = bench_routed(qt, e, k, n, kk, x_div, mode == "q8", timed)
+                except Exception as err:
+                    row[mode] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+            rows.append(row)
+            torch.cuda.empty_cache()
+    return rows
+
+
 def cases(quick: bool):
     """--quick: the anchor formats (Q4_K, Q6_K, Q8_0) and F16 on the 8B and 70B shapes."""
     for qt in (QUICK_FORMATS if quick else FORMATS):
@@ -222,13 +279,32 @@ def main() -> None:
     ap.add_argument("--part", default="0/1")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-main", action="store_true")
+    ap.add_argument("--moe", action="store_true",
+                    help="time the routed GEMVs of a mixture of experts instead")
     args = ap.parse_args()
     # Triton's kernels, once the arguments are read: --help runs on a machine without Triton
-    global kernels, gemv_config, gemv_q8, gemv_q8_config, fuse_scales
+    global kernels, gemv_config, gemv_q8, gemv_q8_config, fuse_scales, gemv_q8_routed
+    global quantize_x
     from slipstream import kernels
     from slipstream.kernels.gemv import gemv_config
-    from slipstream.kernels.gemv_q8 import gemv_q8, gemv_q8_config
+    from slipstream.kernels.gemv_q8 import gemv_q8, gemv_q8_config, gemv_q8_routed, quantize_x
     from slipstream.kernels.pack import fuse_scales
+
+    if args.moe:
+        torch.manual_seed(0)
+        hbm = hbm_copy_gbps() if not args.compile_only else 0.0
+        rows = moe_rows(not args.compile_only)
+        if args.compile_only:
+            return
+        doc = {**common.provenance("cuda"), "hbm_copy_gbps": round(hbm, 1),
+               "triton": __import__("triton").__version__, "rows": rows}
+        print(f"wrote {common.write_result('kernels-moe', doc, args.results)}")
+        for r in rows:
+            cells = [f"{m} {r[m]['us']:7.1f} us {r[m]['GBps']:6.0f} GB/s "
+                     f"{100 * r[m]['GBps'] / hbm:5.1f}% HBM" if "us" in r.get(m, {}) else
+                     f"{m} {r[m]['error'] if m in r else '-'}" for m in ("f32", "q8")]
+            print(f"{r['format']:6s} {r['shape']:24s} " + " | ".join(cells))
+        return
 
     os.makedirs(args.out_dir, exist_ok=True)
     part, nparts = (int(v) for v in args.part.split("/"))

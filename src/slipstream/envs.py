@@ -9,8 +9,9 @@ naming the variable and the values it takes. `docs/env-vars.md` is generated fro
 Kinds:
 - setting: a knob a user may turn in normal use;
 - fallback: turns a fast path off where it misbehaves on some machine (same results, slower);
-- opt-in: a faster path that is off by default until a GPU host has measured it against the
-  default (same results either way; the GPU tests check its bits);
+- opt-in: a path that is off by default until a GPU host has run it: a faster one until it is
+  measured against the default (same results either way; the GPU tests check its bits), or a
+  device for models that otherwise run on the CPU, until its GPU tests have passed;
 - debug: for developers comparing paths or timing builds; not for normal use.
 """
 
@@ -115,6 +116,10 @@ _register(
            "1: hybrid decode's CPU share starts on a flag a GPU kernel raises in pinned "
            "memory, with no Python between the input landing and the share's result.",
            _flag, "0 or 1"),
+    EnvVar("SLIPSTREAM_CUDA_MOE", "0", "opt-in",
+           "1: a mixture of experts (Qwen3-MoE, Mixtral, gpt-oss) may run on CUDA, every "
+           "expert in VRAM; off until that path has run on a GPU (its kernels are tested in "
+           "Triton's interpreter), so such a model needs --device cpu.", _flag, "0 or 1"),
     EnvVar("SLIPSTREAM_PINNED_EMBED", "0", "opt-in",
            "1: a streamed model's embedding table is pinned and read by the GPU, so a decode "
            "step's lookup needs no host sync (0.4-0.9 GiB of pinned RAM beside the budget).",
@@ -149,7 +154,7 @@ def markdown() -> str:
              "Generated from `src/slipstream/envs.py` by `python -m slipstream.envs`; edit the "
              "registry, not this file.", ""]
     titles = {"setting": "Settings", "fallback": "Fallbacks (same results, slower)",
-              "opt-in": "Opt-in paths (same results; off until measured faster)",
+              "opt-in": "Opt-in paths (off until a GPU host has measured or run them)",
               "debug": "Debug and benchmarking (not for normal use)"}
     for kind, title in titles.items():
         rows = [v for v in REGISTRY.values() if v.kind == kind]

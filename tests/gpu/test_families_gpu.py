@@ -23,8 +23,8 @@ from slipstream.synth import write_synth
 
 pytestmark = pytest.mark.gpu
 
-# (mixtures of experts and families whose CUDA path is refused run on the CPU only:
-# test_cpu_only_models_are_refused_on_cuda)
+# (mixtures of experts: tests/gpu/test_moe_gpu.py; families whose CUDA path is refused run on
+# the CPU only: test_cpu_only_models_are_refused_on_cuda)
 ARCHS = sorted(arch for f in FAMILIES if f.name != "llama" and f.layer.experts is None
                and not f.cuda_refused for arch in f.architectures)
 # fp32 GEMVs against the CPU's float32 weights: the Llama engine's bound (tests/gpu/test_engine)
@@ -155,11 +155,12 @@ def test_hybrid_where_the_ffn_splits(family_file):
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "gemma4", "glm4moe", "deepseek2"])
-def test_cpu_only_models_are_refused_on_cuda(tmp_path, arch):
-    """A mixture-of-experts model, or a family whose CUDA path is refused, on CUDA is an
-    error naming it, not a half-placed model."""
+def test_cpu_only_models_are_refused_on_cuda(tmp_path, arch, monkeypatch):
+    """A family whose CUDA path is refused, or a mixture of experts without the
+    SLIPSTREAM_CUDA_MOE=1 opt-in, on CUDA is an error naming it, not a half-placed model."""
     from slipstream.errors import UnsupportedArchitecture
 
+    monkeypatch.delenv("SLIPSTREAM_CUDA_MOE", raising=False)
     path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=6, arch=arch)
-    with pytest.raises(UnsupportedArchitecture, match="CPU only"):
+    with pytest.raises(UnsupportedArchitecture, match="CPU only|SLIPSTREAM_CUDA_MOE=1"):
         slipstream.load(path, device="cuda", ctx=64)

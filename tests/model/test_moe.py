@@ -209,9 +209,11 @@ def test_per_expert_2d_tensors_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "gpt-oss", "glm4moe", "deepseek2"])
-def test_moe_runs_resident_on_cpu_only(tmp_path, arch):
-    """A mixture-of-experts model on a GPU, or with some layers loaded, is refused with a clear
-    error naming MoE, never run with wrong or partial experts; a RAM budget too small for the
+def test_moe_runs_resident_only(tmp_path, arch, monkeypatch):
+    """A mixture-of-experts model on a device other than the CPU and CUDA, on CUDA without
+    SLIPSTREAM_CUDA_MOE=1 (or ever, for the families whose CUDA path is refused), or with some
+    layers loaded, is refused with a clear error naming MoE, never run with wrong or partial
+    experts; a RAM budget too small for the
     whole model places experts, not layers (tests/memory/test_expert_placement.py): no layer
     streams."""
     from slipstream.hybrid.split import layer_splittable
@@ -221,9 +223,18 @@ def test_moe_runs_resident_on_cpu_only(tmp_path, arch):
     path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=3, arch=arch)
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
-    with pytest.raises(UnsupportedArchitecture, match="CPU only"):
-        check_experts_device(cfg, torch.device("cuda"))
+    with pytest.raises(UnsupportedArchitecture, match="CPU or CUDA only"):
+        check_experts_device(cfg, torch.device("meta"))
     check_experts_device(cfg, torch.device("cpu"))
+    monkeypatch.delenv("SLIPSTREAM_CUDA_MOE", raising=False)
+    with pytest.raises(UnsupportedArchitecture, match="CPU only|SLIPSTREAM_CUDA_MOE=1"):
+        check_experts_device(cfg, torch.device("cuda"))
+    monkeypatch.setenv("SLIPSTREAM_CUDA_MOE", "1")
+    if arch in ("glm4moe", "deepseek2"):  # refused on CUDA whatever the switch
+        with pytest.raises(UnsupportedArchitecture, match="CPU only"):
+            check_experts_device(cfg, torch.device("cuda"))
+    else:
+        check_experts_device(cfg, torch.device("cuda"))  # every expert in VRAM (tests/gpu)
     cpu = torch.device("cpu")
     with pytest.raises(UnsupportedArchitecture, match="mixture-of-experts"):
         load_weights(gf, cfg, cpu, Precision.of("exact", cpu), resident_layers={0})

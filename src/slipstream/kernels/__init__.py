@@ -6,6 +6,7 @@ imported on first use of a name below. `available()` says whether they can run h
     packed = pack_weight(raw_uint8_cuda, qtype, rows, cols)   # once, at load time
     y = matmul(x, packed)        # m <= 8: fused GEMV; m <= 128: qgemm; larger: dequant + cuBLAS
     y = gemv(x, packed)          # x (m <= 8, K)
+    y = gemv_routed(x, stacked, ids, n_experts, x_div)  # each (token, slot)'s expert, by ids
     y = qgemm(x, packed)         # x (m <= 128, K), quantized W, on the tensor cores
     y = qgemm(x, packed, exact=True)  # the same in float32 values and sums (precision "exact")
     w = dequantize(packed)       # (N, K) bf16
@@ -20,7 +21,7 @@ from typing import Any
 
 _EXPORTS = {
     "PackedWeight": "pack", "pack_weight": "pack", "QSPECS": "pack", "SUPPORTED": "pack",
-    "gemv": "gemv", "gemv_config": "gemv", "MAX_M": "gemv",
+    "gemv": "gemv", "gemv_config": "gemv", "MAX_M": "gemv", "gemv_routed": "gemv",
     "dequantize": "dequant", "matmul": "dequant", "QGEMM_MAX_M": "dequant",
     "QGEMM_MIN_M": "dequant", "qgemm_supports": "dequant",
     "qgemm": "qgemm",

@@ -29,6 +29,8 @@ the end. Results are deterministic (no atomics, fixed reduction order).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -184,31 +186,40 @@ def _gemv_q_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, cb_ptr, 
 
 @triton.jit
 def _gemv_q1_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, cb_ptr, y_ptr,
-                    N, NUT, LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr,
+                    N, NUT, ids_ptr, X_DIV, stride_xp, stride_yp,
+                    LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr,
                     OFF: tl.constexpr, KQUANT: tl.constexpr, HAS_MIN: tl.constexpr,
                     PACKED_SCMN: tl.constexpr, CB: tl.constexpr, BN: tl.constexpr,
-                    NG: tl.constexpr):
+                    NG: tl.constexpr, ROUTED: tl.constexpr = False):
     """m = 1 variant: tiles are [BN, NG scale groups, JPS slots, LO lanes] in natural K order, so
     x is read once per step as contiguous 16-byte vectors and all slots unpack in one broadcast
-    shift (a G = 16 format loads each code word twice, from L1)."""
+    shift (a G = 16 format loads each code word twice, from L1). ROUTED: one routed expert per
+    program_id(1) (gemv_routed)."""
     SPU: tl.constexpr = 32 // G
     JPS: tl.constexpr = 32 // LO // SPU
     B: tl.constexpr = LO + HI
     MANT: tl.constexpr = 23 - B
     NGT = NUT * SPU  # scale groups per row
+    row0 = 0  # the weight's first plane row (a constant unless routed)
+    if ROUTED:  # see gemv_routed
+        p = tl.program_id(1)
+        row0 = tl.load(ids_ptr + p).to(tl.int64) * N
+        x_ptr += (p // X_DIV) * stride_xp
+        y_ptr += p * stride_yp
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rmask = rows < N
+    wrows = row0 + rows  # the rows' planes (an expert's, in a routed launch)
     offs_g = tl.arange(0, NG)
     jj4 = tl.arange(0, JPS)[None, None, :, None]
     w4 = tl.arange(0, LO)[None, None, None, :]
-    r4 = rows[:, None, None, None]
-    r2 = rows[:, None]
+    r4 = wrows[:, None, None, None]
+    r2 = wrows[:, None]
     acc = tl.zeros([BN, NG], dtype=tl.float32)
     for g0 in range(0, NGT, NG):
         gg = g0 + offs_g
         g4 = gg[None, :, None, None]
         gmask4 = g4 < NGT
-        qmask = (r4 < N) & gmask4
+        qmask = rmask[:, None, None, None] & gmask4
         woff = r4 * (NUT * LO) + (g4 // SPU) * LO + w4  # [BN, NG, 1, LO]
         words = tl.load(lo_ptr + woff, mask=qmask, other=0)
         slot = (g4 % SPU) * JPS + jj4  # [1, NG, JPS, 1]
@@ -240,18 +251,28 @@ def _gemv_q1_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, cb_ptr,
 
 @triton.jit
 def _gemv_f_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                   M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Plain GEMV for F32/F16/BF16 weights (fp32 accumulation, one reduction at the end)."""
+                   ids_ptr, X_DIV, stride_xp, stride_yp,
+                   M_PAD: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   ROUTED: tl.constexpr = False):
+    """Plain GEMV for F32/F16/BF16 weights (fp32 accumulation, one reduction at the end).
+    ROUTED: one routed expert per program_id(1) (gemv_routed), M = 1."""
     pid = tl.program_id(0)
+    row0 = 0
+    if ROUTED:  # see gemv_routed
+        p = tl.program_id(1)
+        row0 = tl.load(ids_ptr + p).to(tl.int64) * N
+        x_ptr += (p // X_DIV) * stride_xp
+        y_ptr += p * stride_yp
     rows = pid * BN + tl.arange(0, BN)
     rmask = rows < N
+    wrows = row0 + rows
     offs_m = tl.arange(0, M_PAD)
     offs_k = tl.arange(0, BK)
     acc = tl.zeros([M_PAD, BN, BK], dtype=tl.float32)
     for k0 in range(0, K, BK):
         kk = k0 + offs_k
         kmask = kk < K
-        w = tl.load(w_ptr + rows[:, None] * stride_wn + kk[None, :],
+        w = tl.load(w_ptr + wrows[:, None] * stride_wn + kk[None, :],
                     mask=rmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
                     mask=(offs_m < M)[:, None] & kmask[None, :], other=0.0).to(tl.float32)
@@ -338,7 +359,8 @@ def gemv(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None,
     if packed.qtype in FLOAT_DTYPES:
         w = packed.lo
         _gemv_f_kernel[grid](x, w, out, m, n, packed.cols, x.stride(0), w.stride(0),
-                             out.stride(0), M_PAD=_m_pad(m), num_warps=warps, **cfg)
+                             out.stride(0), w, 1, 0, 0, M_PAD=_m_pad(m), num_warps=warps,
+                             **cfg)
         return out
     spec = packed.spec
     dummy = packed.lo
@@ -348,7 +370,7 @@ def gemv(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None,
             packed.m if packed.m is not None else dummy,
             packed.sc if packed.sc is not None else dummy,
             packed.mn if packed.mn is not None else dummy, _table(packed), out, n,
-            packed.cols // 32, LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off,
+            packed.cols // 32, dummy, 1, 0, 0, LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off,
             KQUANT=spec.kquant, HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn,
             CB=spec.grid is not None, num_warps=warps, **cfg)
         return out
@@ -361,4 +383,65 @@ def gemv(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None,
         LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
         HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn, CB=spec.grid is not None,
         M_PAD=_m_pad(m), num_warps=warps, **cfg)
+    return out
+
+
+def expert_rows(packed: PackedWeight, n_experts: int) -> int:
+    """Rows of one expert in a weight stacking `n_experts` experts' (rows, K) weights."""
+    if n_experts <= 0 or packed.rows % n_experts:
+        raise ValueError(f"a weight of {packed.rows} rows does not stack {n_experts} experts")
+    return packed.rows // n_experts
+
+
+def check_routed(x_rows: int, ids: torch.Tensor, x_div: int) -> None:
+    """The arguments of a routed GEMV: ids (P,) int32/int64 and P / x_div rows of x."""
+    if ids.dim() != 1 or ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"expert ids must be a 1-D integer tensor, got {tuple(ids.shape)} "
+                         f"{ids.dtype}")
+    if x_div < 1 or ids.shape[0] % x_div or x_rows != ids.shape[0] // x_div:
+        raise ValueError(f"{ids.shape[0]} routed pairs over x_div={x_div} need "
+                         f"{ids.shape[0] // max(x_div, 1)} rows of x, got {x_rows}")
+
+
+def gemv_routed(x: torch.Tensor, packed: PackedWeight, ids: torch.Tensor, n_experts: int,
+                x_div: int = 1, out: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y[p] = x[p // x_div] @ W_{ids[p]}^T for each routed pair p: `packed` stacks n_experts
+    experts' (N, K) weights as one (n_experts * N, K) weight, and ids (P,) are read by the
+    kernel on the device (no host sync, so a CUDA graph holds it). One launch over (output
+    blocks, P): program (b, p) reads expert e = ids[p], whose rows start at plane row e * N,
+    and x row p // x_div (x_div = top_k: a token's slots share its input; 1: each pair its
+    own), and writes y row p; otherwise gemv's m = 1 kernels as they are (fp32 accumulation).
+    x (P / x_div, K); returns (P, N) in out_dtype (default x's dtype)."""
+    n = expert_rows(packed, n_experts)
+    if x.dim() != 2 or x.shape[1] != packed.cols:
+        raise ValueError(f"x must be (m, {packed.cols}), got {tuple(x.shape)}")
+    check_routed(x.shape[0], ids, x_div)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    p = ids.shape[0]
+    if out is None:
+        out = torch.empty(p, n, device=x.device, dtype=out_dtype or x.dtype)
+    # tiles as for one weight of every pair's rows (n * P): the grid holds P experts' blocks,
+    # so BN need not shrink to give each SM enough programs (gemv_config)
+    cfg = dict(gemv_config(replace(packed, rows=n * p), 1))
+    warps = cfg.pop("num_warps", 4)
+    grid = (triton.cdiv(n, cfg["BN"]), p)
+    if packed.qtype in FLOAT_DTYPES:
+        w = packed.lo
+        _gemv_f_kernel[grid](x, w, out, 1, n, packed.cols, x.stride(0), w.stride(0),
+                             out.stride(0), ids, x_div, x.stride(0), out.stride(0), M_PAD=1,
+                             ROUTED=True, num_warps=warps, **cfg)
+        return out
+    spec = packed.spec
+    dummy = packed.lo
+    _gemv_q1_kernel[grid](
+        x, packed.lo, packed.hi if packed.hi is not None else dummy, packed.d,
+        packed.m if packed.m is not None else dummy,
+        packed.sc if packed.sc is not None else dummy,
+        packed.mn if packed.mn is not None else dummy, _table(packed), out, n,
+        packed.cols // 32, ids, x_div, x.stride(0), out.stride(0), LO=spec.lo, HI=spec.hi,
+        G=spec.group, OFF=spec.off, KQUANT=spec.kquant, HAS_MIN=spec.has_min,
+        PACKED_SCMN=spec.packed_scmn, CB=spec.grid is not None, ROUTED=True,
+        num_warps=warps, **cfg)
     return out

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemv import MAX_M, _group_scale_min, _m_pad
+from .gemv import MAX_M, _group_scale_min, _m_pad, check_routed, expert_rows
 from .pack import FLOAT_DTYPES, PackedWeight, sm_width
 
 QK = 32  # activation elements per int8 block (one scale), and elements per unit of pack.py
@@ -149,28 +149,37 @@ def _f16_scales(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, uu, umask2, NUT, s, SPU: tl.co
 
 @triton.jit
 def _gemv_q8_kernel(xq_ptr, xm_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr, sm_ptr,
-                    r_ptr, y_ptr, M, N, NUT, stride_rm, stride_ym,
+                    r_ptr, y_ptr, M, N, NUT, stride_rm, stride_ym, ids_ptr, X_DIV,
                     LO: tl.constexpr, HI: tl.constexpr, G: tl.constexpr, OFF: tl.constexpr,
                     KQUANT: tl.constexpr, HAS_MIN: tl.constexpr, PACKED_SCMN: tl.constexpr,
                     SM: tl.constexpr, HAS_RES: tl.constexpr,
                     M_PAD: tl.constexpr, BN: tl.constexpr, NU: tl.constexpr,
-                    USE_ASM: tl.constexpr):
+                    USE_ASM: tl.constexpr, ROUTED: tl.constexpr = False):
     """SM: per-unit scales come from the fused f16 plane (pack.fuse_scales), P = SPU * (1 +
     HAS_MIN) entries per unit. Otherwise from the GGUF planes: the plain f16 d per unit (Q4_0,
-    Q5_0, Q8_0), or d/dmin/sc/mn rounded as fusing rounds them (_f16_scales)."""
+    Q5_0, Q8_0), or d/dmin/sc/mn rounded as fusing rounds them (_f16_scales).
+    ROUTED: one routed expert per program_id(1), M = 1 (gemv.gemv_routed)."""
     NE: tl.constexpr = 8 // LO  # extractions per word, four codes (one per byte) each
     SPU: tl.constexpr = 32 // G  # scale groups per unit of 32
     C: tl.constexpr = NE * HI  # high bits that belong to one byte of a lo word
     LOMASK: tl.constexpr = ((1 << LO) - 1) * 0x01010101
     HIMASK: tl.constexpr = (((1 << HI) - 1) << LO) * 0x01010101
     P: tl.constexpr = SPU * (2 if HAS_MIN else 1)
+    row0 = 0  # the weight's first plane row (a constant unless routed)
+    if ROUTED:  # see gemv.gemv_routed; a quantized x row is NUT * 8 words and NUT * 4 of meta
+        p = tl.program_id(1)
+        row0 = tl.load(ids_ptr + p).to(tl.int64) * N
+        xq_ptr += (p // X_DIV) * (NUT * 8)
+        xm_ptr += (p // X_DIV) * (NUT * 4)
+        y_ptr += p * stride_ym
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rmask = rows < N
+    wrows = row0 + rows  # the rows' planes (an expert's, in a routed launch)
     offs_u = tl.arange(0, NU)
     offs_w = tl.arange(0, LO)
     offs_m = tl.arange(0, M_PAD)
     mmask = offs_m < M
-    r3 = rows[:, None, None]
+    r3 = wrows[:, None, None]
     w3 = offs_w[None, None, :]
     acc = tl.zeros([M_PAD, BN, NU], dtype=tl.float32)
     for u0 in range(0, NUT, NU):
@@ -201,7 +210,7 @@ def _gemv_q8_kernel(xq_ptr, xm_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr
                 s0, t0 = tl.split(pa)
                 s1, t1 = tl.split(pb)
         elif KQUANT or HAS_MIN:
-            r2 = rows[:, None]
+            r2 = wrows[:, None]
             u2 = uu[None, :]
             s0, t0 = _f16_scales(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, u2, umask2, NUT, 0, SPU,
                                  KQUANT, HAS_MIN, PACKED_SCMN)
@@ -209,7 +218,7 @@ def _gemv_q8_kernel(xq_ptr, xm_ptr, lo_ptr, hi_ptr, d_ptr, m_ptr, sc_ptr, mn_ptr
                 s1, t1 = _f16_scales(d_ptr, m_ptr, sc_ptr, mn_ptr, r2, u2, umask2, NUT, 1, SPU,
                                      KQUANT, HAS_MIN, PACKED_SCMN)
         else:
-            s0 = tl.load(d_ptr + rows[:, None] * NUT + uu[None, :], mask=umask2,
+            s0 = tl.load(d_ptr + wrows[:, None] * NUT + uu[None, :], mask=umask2,
                          other=0.0).to(tl.float32)
         # One row of x at a time: dp4a's operands are then [BN, NU, LO] tensors with x
         # broadcast over rows only. (Broadcasting the codes over x's rows as well, in one 4-D
@@ -384,9 +393,44 @@ def gemv_q8_quantized(xq: torch.Tensor, xm: torch.Tensor, packed: PackedWeight,
         packed.mn if packed.mn is not None else dummy,
         packed.sm if packed.sm is not None else dummy,
         residual if residual is not None else out, out, m, n, packed.cols // QK,
-        residual.stride(0) if residual is not None else 0, out.stride(0),
+        residual.stride(0) if residual is not None else 0, out.stride(0), dummy, 1,
         LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
         HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn,
         SM=packed.sm is not None, HAS_RES=residual is not None, M_PAD=_m_pad(m),
         USE_ASM=_USE_ASM, num_warps=warps, **cfg)
+    return out
+
+
+def gemv_q8_routed(xq: torch.Tensor, xm: torch.Tensor, packed: PackedWeight,
+                   ids: torch.Tensor, n_experts: int, x_div: int = 1,
+                   out: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32
+                   ) -> torch.Tensor:
+    """gemv_q8_quantized for each routed pair p: y[p] = x[p // x_div] @ W_{ids[p]}^T, with
+    `packed` stacking n_experts experts' (N, K) weights (see gemv.gemv_routed) and x
+    quantized (quantize_x, rms_norm_q8). Returns (P, N)."""
+    n = expert_rows(packed, n_experts)
+    nut = packed.cols // QK
+    if xq.dim() != 2 or xq.shape[1] != nut * 8 or xm.shape != (xq.shape[0], nut, 4):
+        raise ValueError(f"quantized x of shape {tuple(xq.shape)} does not fit K={packed.cols}")
+    check_routed(xq.shape[0], ids, x_div)
+    _check(packed, 1)
+    p = ids.shape[0]
+    if out is None:
+        out = torch.empty(p, n, device=xq.device, dtype=out_dtype)
+    spec = packed.spec
+    cfg = dict(gemv_q8_config(packed, 1))
+    warps = cfg.pop("num_warps", 4)
+    dummy = packed.lo
+    _gemv_q8_kernel[(triton.cdiv(n, cfg["BN"]), p)](
+        xq, xm, packed.lo, packed.hi if packed.hi is not None else dummy,
+        packed.d if packed.d is not None else dummy,
+        packed.m if packed.m is not None else dummy,
+        packed.sc if packed.sc is not None else dummy,
+        packed.mn if packed.mn is not None else dummy,
+        packed.sm if packed.sm is not None else dummy,
+        out, out, 1, n, nut, 0, out.stride(0), ids, x_div,
+        LO=spec.lo, HI=spec.hi, G=spec.group, OFF=spec.off, KQUANT=spec.kquant,
+        HAS_MIN=spec.has_min, PACKED_SCMN=spec.packed_scmn,
+        SM=packed.sm is not None, HAS_RES=False, M_PAD=1,
+        USE_ASM=_USE_ASM, ROUTED=True, num_warps=warps, **cfg)
     return out

@@ -18,7 +18,7 @@ from ..weights.cpu import kind_for, packed_nbytes
 from ..weights.cpu_image import cpu_image_of, image_nbytes
 from ..weights.image import to_image
 from ..weights.loader import LayerBuilder, TensorSource, layer_span, release_transients
-from .budget import mem_available
+from .budget import fmt_bytes, mem_available
 from .cuda_store import CudaLayerStore, SplitPolicy
 from .cuda_context import outside_allocator_bytes
 from .devices import pad_stage_plan
@@ -301,6 +301,9 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
         plan = plan_cuda(vram, image, reserve, budget, ram_budget, gpu_slots, N_STAGING, io)
     except BudgetTooSmall:
         plan = None
+    if cfg.n_experts and (plan is None or plan.streamed_layers):
+        _refuse_experts_outside_vram(gf, cfg, vram, budget, vram_layers, ctx, kv_elem,
+                                     prefill_chunk, fused, per_stage)
     # Streamed plans give what they can to layers, since each resident layer is one less to
     # copy every token: the token embedding stays on the host (one row per token), resident
     # layers keep the GGUF scale layout as streamed ones do (the same results: QuantLinear),
@@ -324,6 +327,27 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
                                    scratch_elements=STREAMED_SCRATCH_ELEMENTS,
                                    prefill_chunk=chunk)
     return plan
+
+
+def _refuse_experts_outside_vram(gf: GGUFFile, cfg: ModelConfig, vram: list[int], budget: int,
+                                 vram_layers: int | None, ctx: int, kv_elem: int,
+                                 prefill_chunk: int, fused: bool, per_stage: dict) -> None:
+    """A mixture of experts runs on CUDA with every layer, experts included, in VRAM: placing
+    experts in RAM or on disk is not built for the GPU. Name what the model needs."""
+    if vram_layers is not None and vram_layers < len(vram):
+        raise BudgetTooSmall(
+            f"vram_layers={vram_layers}: a mixture-of-experts model runs on CUDA with all "
+            f"{len(vram)} of its layers (every expert) in VRAM; streaming layers or placing "
+            f"experts in RAM is not built for the GPU yet (use --device cpu for that)")
+    reserve = vram_reserve(gf, cfg, ctx, kv_elem, prefill_chunk, True, fused, **per_stage)
+    layers, rest = sum(vram), sum(reserve.values())
+    raise BudgetTooSmall(
+        f"{gf.path.name}: a mixture-of-experts model runs on CUDA with every expert in VRAM: "
+        f"its {len(vram)} layers take {fmt_bytes(layers)} (experts included) and the engine "
+        f"{fmt_bytes(rest)} more (KV cache, activations, head, workspaces), "
+        f"{fmt_bytes(layers + rest)} in all, against {fmt_bytes(budget)} of VRAM; placing "
+        f"experts in RAM is not built for the GPU yet: give --vram-budget "
+        f"{fmt_bytes(layers + rest)} or more on a GPU that has it, or use --device cpu")
 
 
 def streamed_slack(plan: Plan) -> int:

@@ -80,13 +80,37 @@ def _linears(gf: GGUFFile, cfg: ModelConfig, i: int) -> list[tuple[int, int, int
     return out
 
 
+def _expert_linears(gf: GGUFFile, cfg: ModelConfig, i: int) -> list[tuple[int, int, int, int]]:
+    """(qtype, rows, cols, bias rows) of the stacked expert weights weights.experts makes on
+    CUDA for layer i (every expert's rows in one weight: gate and up together where their
+    formats agree), none for a dense layer."""
+    spec = spec_for(cfg.architecture, cfg.n_experts).at(cfg.layer(i)).experts
+    if spec is None:
+        return []
+    infos = [gf.tensors[f"blk.{i}.{p}.weight"] for p in (spec.gate, spec.up, spec.down)]
+    biased = [f"blk.{i}.{p}.bias" in gf.tensors for p in (spec.gate, spec.up, spec.down)]
+    # torch order (n_experts, rows, cols), as the loader sees the 3-D tensors
+    shapes = [tuple(int(d) for d in info.shape) for info in infos]
+    stacked = [(int(info.ggml_type), s[0] * s[1], s[2], s[0] * s[1] if b else 0)
+               for info, s, b in zip(infos, shapes, biased)]
+    if stacked[0][0] == stacked[1][0]:
+        gate, up = stacked[:2]
+        both = gate[3] + up[3] if gate[3] or up[3] else 0
+        stacked = [(gate[0], gate[1] + up[1], gate[2], both), stacked[2]]
+    return stacked
+
+
 def _layer_tensors(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool) -> list[int]:
     lc = cfg.layer(i)  # layer i's (Gemma 4's layers differ)
     spec = spec_for(cfg.architecture, cfg.n_experts).at(lc)
     shapes = spec.shapes(lc)
     sizes = [math.prod(shapes[f"{n}.weight"]) * 4 for n in spec.norms  # float32
              if f"{n}.weight" in shapes]
-    for qtype, rows, cols, bias in _linears(gf, cfg, i):
+    if spec.experts is not None:  # the router, float32, and its bias (gpt-oss)
+        sizes += [math.prod(shapes[f"{spec.experts.router}.weight"]) * 4]
+        if f"blk.{i}.{spec.experts.router}.bias" in gf.tensors:
+            sizes.append(cfg.n_experts * 4)
+    for qtype, rows, cols, bias in _linears(gf, cfg, i) + _expert_linears(gf, cfg, i):
         sizes += packed_planes(qtype, rows, cols, fused)
         if bias:
             sizes.append(bias * 4)
@@ -167,7 +191,8 @@ def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: in
     head_weight = (int(head.ggml_type), *head.shape, head.n_bytes)  # (vocab, hidden)
     layer_weights = [(qtype, rows, cols, rows * cols // GGML_QUANT_SIZES[T(qtype)][0]
                       * GGML_QUANT_SIZES[T(qtype)][1])
-                     for qtype, rows, cols, _ in _linears(gf, cfg, 0)]
+                     for qtype, rows, cols, _ in _linears(gf, cfg, 0)
+                     + _expert_linears(gf, cfg, 0)]
     weights = [head_weight] + layer_weights if holds_head else layer_weights
     # prefill dequantizes one weight at a time into one fp16 scratch, at most the largest
     # layer weight (the head goes in row chunks; weights.linear.Workspace)

@@ -10,9 +10,11 @@ and transformers' Qwen3MoeTopKRouter / MixtralSparseMoeBlock do:
     out = sum_j w_j * down_j(silu(gate_j h) * up_j h)
 
 The experts are reached through an ExpertBank: `ffn(e, rows)` is expert e's FFN on the rows
-routed to it. ResidentExperts holds every expert's linears on the engine's device; a bank that
-places experts elsewhere (VRAM, RAM, disk) gives the same interface, and this module does not
-change.
+routed to it, `mix` the routed sum over a pass's rows. ResidentExperts holds every expert's
+linears on the engine's device; a bank that places experts elsewhere (VRAM, RAM, disk) gives
+the same interface, and this module does not change. On CUDA the bank stacks each
+projection's experts in one packed weight (weights.routed_experts), whose `mix` reads the
+routed ids on the device, so a decode step has no host sync and a CUDA graph holds it.
 
 gpt-oss routes otherwise (llama.cpp's SOFTMAX_WEIGHT gating, transformers' GptOssTopKRouter):
 the router has a bias, the top k are chosen among the logits and the softmax is taken over
@@ -55,6 +57,12 @@ class ExpertBank(Protocol):
         """Expert e's FFN on the rows h (n, hidden) routed to it: (n, hidden)."""
         ...
 
+    def mix(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The rows' routed experts' outputs weighted and summed, float32 (T, hidden), for
+        ids and weights (T, top_k) from `route`: experts_ffn over `ffn`, or a bank's own
+        device path (weights.routed_experts: one launch per projection for every slot)."""
+        ...
+
 
 # gpt-oss's SwiGLU: the gate clamped from above and the up projection on both sides at 7,
 # the gate's sigmoid sharpened by 1.702 (the GELU approximation's constant), and 1 added to up
@@ -93,6 +101,9 @@ class ResidentExperts:
 
     def ffn(self, e: int, h: torch.Tensor) -> torch.Tensor:
         return expert_ffn(self.gate_up[e], self.down[e], h, self.act)
+
+    def mix(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return experts_ffn(h, ids, weights, self)
 
 
 def expert_ffn(gate_up: Linear, down: Linear, h: torch.Tensor, act: str = "silu"
@@ -199,7 +210,7 @@ def moe_ffn(h: torch.Tensor, moe: MoeWeights) -> torch.Tensor:
     """The FFN output (T, hidden), float32, of the normed hidden states h (T, hidden)."""
     weights, ids = route(h, moe.router, moe.top_k, moe.normalize, moe.router_bias, moe.gating,
                          moe.selection_bias, moe.groups, moe.groups_used, moe.scale)
-    out = experts_ffn(h, ids, weights, moe.experts)
+    out = moe.experts.mix(h, ids, weights)
     if moe.shared is not None:
         out += moe.shared(h).float()
     return out

@@ -14,6 +14,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
+from .. import envs
 from ..errors import (BadArgument, BudgetTooSmall, SlipstreamError, UnsupportedArchitecture,
                       UnsupportedTensorType)
 from ..hub.pull import resolve
@@ -126,6 +127,10 @@ def plan_model(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Pre
         raise BadArgument(f"vram_layers={vram_layers!r} is invalid: must be an integer >= 0 "
                           f"(the most layers held in VRAM)")
     check_experts_device(cfg, dev)
+    if cfg.n_experts and dev.type == "cuda" and stage is not None:
+        raise UnsupportedArchitecture(
+            f"{gf.path.name}: a mixture-of-experts model runs on CUDA in one process (every "
+            f"expert in its VRAM); pipeline stages of one are not built yet")
     check_types_device(gf, dev)
     plan = plan_for(gf, cfg, dev, precision, ctx, parse_size(ram_budget), vram_budget, io,
                     gpu_slots, prefill_chunk=PREFILL_CHUNK, graph_bucket=GRAPH_BUCKET,
@@ -140,19 +145,27 @@ def plan_model(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Pre
 
 
 def check_experts_device(cfg: ModelConfig, dev: torch.device) -> None:
-    """A mixture-of-experts model runs on the CPU only, for now: its experts' placement on a
-    GPU (all of them in VRAM, or some in RAM) is not built. So does a family whose CUDA path
-    is refused (Family.cuda_refused)."""
+    """A mixture-of-experts model runs on the CPU, or on CUDA with every expert in VRAM
+    (weights.routed_experts; a budget that cannot hold them is refused by the plan,
+    memory.setup) where SLIPSTREAM_CUDA_MOE=1: that path's kernels are tested in Triton's
+    interpreter against gguf-py's dequantization, and it stays opt-in until it has run on a
+    GPU. Experts placed in RAM or on disk are built for the CPU only. A family whose CUDA path
+    is refused (Family.cuda_refused) runs on the CPU only."""
     if dev.type == "cpu":
         return
-    if cfg.n_experts:
+    if cfg.n_experts and dev.type != "cuda":
         raise UnsupportedArchitecture(
-            f"{cfg.architecture} with {cfg.n_experts} experts runs on the CPU only for now "
+            f"{cfg.architecture} with {cfg.n_experts} experts runs on the CPU or CUDA only "
             f"(placing mixture-of-experts layers on {dev} is not built); use --device cpu")
     refused = family_for(cfg.architecture).cuda_refused
     if refused:
         raise UnsupportedArchitecture(
             f"{cfg.architecture} runs on the CPU only for now ({refused}); use --device cpu")
+    if cfg.n_experts and not envs.get("SLIPSTREAM_CUDA_MOE"):
+        raise UnsupportedArchitecture(
+            f"{cfg.architecture} with {cfg.n_experts} experts runs on the CPU by default: its "
+            f"CUDA path (every expert in VRAM) has not yet run on a GPU; use --device cpu, or "
+            f"set SLIPSTREAM_CUDA_MOE=1 to try it")
 
 
 def check_types_device(gf: GGUFFile, dev: torch.device) -> None:

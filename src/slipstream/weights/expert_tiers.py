@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..errors import BadArgument, GGUFError
-from ..model.moe import expert_ffn
+from ..model.moe import expert_ffn, experts_ffn
 
 # Rows routed to a layer's experts between two halvings of its counts: 8192 rows are 1024
 # tokens of Qwen3-MoE (8 experts a token), 4096 of Mixtral (2)
@@ -144,6 +144,9 @@ class TieredExperts:
     @property
     def n_experts(self) -> int:
         return self._n
+
+    def mix(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return experts_ffn(h, ids, weights, self)
 
     def ffn(self, e: int, h: torch.Tensor) -> torch.Tensor:
         self.uses[e] += h.shape[0]

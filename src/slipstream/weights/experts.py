@@ -11,7 +11,11 @@ dequantizes to the bits gguf-py's dequantize gives that slice of the whole tenso
 With `expert_slots` (a plan that holds only some experts in RAM, memory.expert_plan), the
 layer's experts go into a TieredExperts bank (weights.expert_tiers): its first slots experts
 built now from private copies of their slices, the others read from the file when used and
-built by the same `expert_linears`."""
+built by the same `expert_linears`.
+
+On CUDA every expert goes to VRAM, each projection's experts packed as one stacked weight
+(weights.routed_experts), read by routed GEMVs in decode and cut into per-expert views for
+prefill."""
 
 from __future__ import annotations
 
@@ -19,11 +23,12 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .. import quant
+from .. import kernels, quant
 from ..model.layer_spec import ExpertSpec
 from ..model.moe import MoeWeights, ResidentExperts, SharedExpert
 from .expert_tiers import ExpertFile, ExpertSlice, TieredExperts
 from .linear import DenseLinear, LazyDenseLinear, Linear, lazy_dense
+from .routed_experts import RoutedExperts, RoutedLinear
 
 if TYPE_CHECKING:  # the loader imports this module
     from .loader import LayerBuilder, TensorSource
@@ -86,7 +91,11 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
                 for part in (spec.gate, spec.up, spec.down)]
 
     act = "swiglu_oai" if cfg.ffn_act == "swiglu_oai" else "silu"
-    if slots is not None:
+    if builder.quantized:  # CUDA: every expert in VRAM, each projection's stacked
+        bank = _routed(builder, src, names, full, types,
+                       [biases.get(part) for part in (spec.gate, spec.up, spec.down)], act)
+        bank.warm(cfg.hidden, cfg.n_experts_used)
+    elif slots is not None:
         assert file is not None
         bank = _tiered(builder, src, names, full, types, shapes, slots, file, expert_biases,
                        act)
@@ -132,3 +141,31 @@ def _tiered(builder: LayerBuilder, src: TensorSource, names: list[str], full: li
         raws = [src.raw(n, s).view(s[0], s[1], -1)[e].clone() for n, s in zip(names, full)]
         held[e] = make(e, raws)
     return TieredExperts(n_experts, slots, file, slices, make, held, act=act)
+
+
+def _routed(builder: LayerBuilder, src: TensorSource, names: list[str], full: list,
+            types: list, biases: list[torch.Tensor | None], act: str) -> RoutedExperts:
+    """The layer's experts on the GPU (weights.routed_experts): the gate, up and down tensors
+    packed whole, gate and up interleaved expert by expert into one [gate_e | up_e] stack
+    where their formats agree (one launch for both, as the dense FFN's ffn_gate_up)."""
+    n, dev = full[0][0], builder.device
+    ws, fuse = builder.workspace, builder.fuse_scales
+    # (n_experts, rows, row_bytes) views of the map, each copied to the GPU when packed: one
+    # tensor's bytes at a time on the GPU beside its planes (memory.vram's load transient)
+    raws = [src.raw(name, s).view(n, s[1], -1) for name, s in zip(names, full)]
+    (_, ffn, hidden), (_, out, width) = full[0], full[2]
+
+    def stack(raw: torch.Tensor, qtype, rows: int, cols: int, bias) -> RoutedLinear:
+        packed = kernels.pack_weight(raw.reshape(n * rows, -1).to(dev), qtype, n * rows, cols)
+        return RoutedLinear(packed, n, bias, ws, fuse)
+
+    if types[0] == types[1]:
+        bias = None
+        if biases[0] is not None or biases[1] is not None:
+            bias = torch.cat([b if b is not None else torch.zeros(n, ffn, device=dev)
+                              for b in biases[:2]], dim=1)
+        gate_up = [stack(torch.cat(raws[:2], dim=1), types[0], 2 * ffn, hidden, bias)]
+    else:
+        gate_up = [stack(raws[k], types[k], ffn, hidden, biases[k]) for k in (0, 1)]
+    down = stack(raws[2], types[2], out, width, biases[2])
+    return RoutedExperts(gate_up, down, act)

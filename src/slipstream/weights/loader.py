@@ -83,8 +83,18 @@ def prefill_scratch_elements(cfg: ModelConfig) -> int:
     with q/k/v and gate/up counted fused as LayerBuilder fuses them where it can. The head is
     multiplied in row chunks of this size."""
     spec = spec_for(cfg.architecture, cfg.n_experts)
-    return max(max(spec.at(c).fused_elements(c))
+    return max(max(spec.at(c).fused_elements(c) + _expert_elements(spec.at(c), c))
                for c in {cfg.layer(i) for i in range(cfg.n_layers)})
+
+
+def _expert_elements(spec, cfg: ModelConfig) -> list[int]:
+    """Elements of one expert's gate/up (fused) and down weights, which prefill dequantizes
+    one at a time (weights.routed_experts); none for a dense layer."""
+    if spec.experts is None:
+        return []
+    shapes = spec.shapes(cfg)
+    _, ffn, hidden = shapes[f"{spec.experts.gate}.weight"]
+    return [2 * ffn * hidden]
 
 
 def raw_tensor(gf: GGUFFile, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -210,10 +220,10 @@ class LayerBuilder:
         self.family_spec = spec_for(cfg.architecture, cfg.n_experts)
         self.spec = self.family_spec
         self.shapes = self.spec.shapes(cfg)
-        if self.spec.experts is not None and self.quantized:
+        if self.spec.experts is not None and self.quantized and expert_slots is not None:
             raise UnsupportedArchitecture(
-                f"{cfg.architecture}: mixture-of-experts layers run on the CPU only for now "
-                f"(their experts' placement on {device} is not built); load with device='cpu'")
+                f"{cfg.architecture}: experts outside VRAM are not built on {device} (every "
+                f"expert stays in VRAM, or the model runs with device='cpu')")
 
     def build(self, src: TensorSource, i: int) -> LayerWeights:
         p = f"blk.{i}"

@@ -142,4 +142,5 @@ DEEPSEEK2 = Family(
     quirks="multi-head latent attention (the latent cached), YaRN's mscale on the scores, "
            "dense first layers, softmax (V2) or sigmoid-with-bias (V3) routing, groups, a "
            "scale, shared experts",
+    cuda_refused="built and tested on the CPU; its CUDA path has not run",
 )

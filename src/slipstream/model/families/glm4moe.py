@@ -66,4 +66,5 @@ GLM4MOE = Family(
     quirks="QKV biases, optional q/k norms, RoPE on half of each head, a dense first layer, "
            "sigmoid routing with a selection bias, groups and a scale, a shared expert; "
            "its MTP layer skipped",
+    cuda_refused="built and tested on the CPU; its CUDA path has not run",
 )
