@@ -33,9 +33,9 @@ from .modelfile.tokenizer_cache import load_tokenizer
 from .precision import Precision
 from .runtime import layer_skip
 from .runtime.build import (allocator_budget, build_engine, check_skip_layers, context_size,
-                            hybrid_mode, measured, open_model, plain_plan, plan_model,
-                            resolve_path, stage_devices, stage_plans, start_reading,
-                            with_hybrid)
+                            device_for_auto, hybrid_mode, measured, open_model, plain_plan,
+                            plan_model, resolve_path, stage_devices, stage_plans,
+                            start_reading, with_hybrid)
 from .runtime.engine import Engine
 from .runtime.generate import Generation, GenerationStats, autoregressive, generate
 from .runtime.placement import Placement
@@ -277,7 +277,9 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
     cached model's name (`slipstream list`), USER/REPO/FILE.gguf or a URL, pulled if the cache
     lacks it; None is the default model, pulled if missing.
 
-    device: "auto" (the GPU if there is one), "cpu", "cuda" or "cuda:N"; a list, e.g.
+    device: "auto" (the GPU if there is one, unless the model runs on the CPU only there: a
+    family or mixture of experts whose CUDA path is not built, a format without a GPU kernel;
+    then the CPU, with a SlipstreamWarning saying why), "cpu", "cuda" or "cuda:N"; a list, e.g.
     ["cpu", "cpu"], runs the model as one stage per entry, each a contiguous range of layers
     with its own KV cache (the embedding on the first, the head on the last). Stages on
     distinct devices (GPU to GPU) are not built yet and are refused; a CUDA index the machine
@@ -336,6 +338,8 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
         device, vram_budget, stage_devs = stage_devices(device, vram_budget)
     model_path, gf, cfg = open_model(path, progress)
     dev = resolve_device(device)
+    if str(device) == "auto":
+        dev = device_for_auto(gf, cfg, dev)
     if not staged and pipeline is None:
         start_reading(gf, dev, place.ram_budget, place.private_weights)  # beside the tokenizer
     tokenizer = load_tokenizer(gf, cache_dir() / "tokenizers")  # built once per file
@@ -449,6 +453,8 @@ def plan(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
     place = placement if placement is not None else Placement()
     _, gf, cfg = open_model(path, progress=False)
     dev = resolve_device(device)
+    if str(device) == "auto":
+        dev = device_for_auto(gf, cfg, dev)
     prec = Precision.of(precision, dev)
     vram, outside = allocator_budget(parse_size(place.vram_budget), dev)
     p = plan_model(gf, cfg, dev, prec, context_size(cfg, ctx), place.ram_budget, vram,

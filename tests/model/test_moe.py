@@ -370,3 +370,25 @@ def test_logits_match_llamacpp(moe_file, tmp_path):
     assert_matches(ours, ref, F32_REL_TOL, F32_DECISIVE_GAP)
     flat = _with_moe(engine, lambda m: dataclasses.replace(m, normalize=False))
     assert rel_err(flat.forward(IDS, all_logits=True), ref) > 100 * F32_REL_TOL
+
+
+def test_auto_device_falls_back_to_the_cpu_for_a_cpu_only_model(tmp_path, monkeypatch):
+    """device="auto" on a GPU machine runs a model whose CUDA path is refused (here a mixture of
+    experts without SLIPSTREAM_CUDA_MOE=1) on the CPU, with a warning saying why, where
+    device="cuda" refuses it: --device cpu runs it, so the default must not fail."""
+    import slipstream.api as api
+    from slipstream.errors import SlipstreamWarning
+
+    monkeypatch.delenv("SLIPSTREAM_CUDA_MOE", raising=False)
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2, arch="qwen3moe")
+    # the machine's "auto" as a GPU machine resolves it; nothing here touches CUDA before the
+    # fallback decides
+    monkeypatch.setattr(api, "resolve_device", lambda name: torch.device(
+        "cuda" if str(name) == "auto" else name))
+    with pytest.warns(SlipstreamWarning, match="running on the CPU: .*SLIPSTREAM_CUDA_MOE=1"):
+        plan = slipstream.plan(path, device="auto", ctx=64, measure=False)
+    assert plan.device == "cpu"
+    with pytest.warns(SlipstreamWarning, match="running on the CPU"):
+        with slipstream.load(path, device="auto", ctx=64, precision="exact") as model:
+            assert model.engine.device.type == "cpu"
+            assert torch.isfinite(model.logits([1, 2, 3])).all()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,8 +16,8 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
 from .. import envs
-from ..errors import (BadArgument, BudgetTooSmall, SlipstreamError, UnsupportedArchitecture,
-                      UnsupportedTensorType)
+from ..errors import (BadArgument, BudgetTooSmall, SlipstreamError, SlipstreamWarning,
+                      UnsupportedArchitecture, UnsupportedTensorType)
 from ..hub.pull import resolve
 from ..hybrid.plan import parse_hybrid, plan_hybrid
 from ..hybrid.policy import HybridSplit
@@ -166,6 +167,22 @@ def check_experts_device(cfg: ModelConfig, dev: torch.device) -> None:
             f"{cfg.architecture} with {cfg.n_experts} experts runs on the CPU by default: its "
             f"CUDA path (every expert in VRAM) has not yet run on a GPU; use --device cpu, or "
             f"set SLIPSTREAM_CUDA_MOE=1 to try it")
+
+
+def device_for_auto(gf: GGUFFile, cfg: ModelConfig, dev: torch.device) -> torch.device:
+    """What device="auto" computes on: the GPU it found, unless the model runs on the CPU only
+    there (a family or a mixture of experts whose CUDA path is refused, a format without a GPU
+    kernel), then the CPU, with a warning that says why; `--device cpu` runs such a model, so
+    "auto" must not refuse it."""
+    if dev.type != "cuda":
+        return dev
+    try:
+        check_experts_device(cfg, dev)
+        check_types_device(gf, dev)
+    except (UnsupportedArchitecture, UnsupportedTensorType) as e:
+        warnings.warn(f"running on the CPU: {e}", SlipstreamWarning, stacklevel=3)
+        return torch.device("cpu")
+    return dev
 
 
 def check_types_device(gf: GGUFFile, dev: torch.device) -> None:
