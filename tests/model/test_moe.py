@@ -392,3 +392,22 @@ def test_auto_device_falls_back_to_the_cpu_for_a_cpu_only_model(tmp_path, monkey
         with slipstream.load(path, device="auto", ctx=64, precision="exact") as model:
             assert model.engine.device.type == "cpu"
             assert torch.isfinite(model.logits([1, 2, 3])).all()
+
+
+@pytest.mark.slow
+def test_a_mixture_of_experts_is_a_lossless_speculative_target_sized_by_its_experts(tmp_path):
+    """Speculation over a mixture-of-experts target gives the plain greedy tokens, and its tree
+    sizer models a pass by the experts its nodes read (8 of 16 per token here)."""
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2, arch="qwen3moe",
+                       from_floats=True, seed=3, std=0.15)
+    with slipstream.load(path, device="cpu", ctx=128, precision="exact",
+                         draft=slipstream.SelfDraft(lowbit="Q4_0")) as model:
+        ids = [5, 9, 13, 2, 7, 11]
+        plain = [e.id for e in model.generate(ids, max_tokens=12, temperature=0, draft=False)]
+        gen = model.generate(ids, max_tokens=12, temperature=0)
+        assert [e.id for e in gen] == plain
+        assert gen.speculation["draft_forwards"] > 0
+        (sizer,) = model.speculation.sizers.values()
+        cfg = model.engine.cfg
+        assert (sizer.experts.experts, sizer.experts.used) == (cfg.n_experts,
+                                                               cfg.n_experts_used)

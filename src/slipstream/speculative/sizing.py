@@ -5,7 +5,11 @@ grown), and yields 1 + (drafted tokens accepted) tokens. The sizer keeps three f
 date from the rounds themselves:
 
   * the target pass's cost against N: a line a + b*N fitted by least squares over the passes
-    seen (a streamed pass costs nearly the same for 1 node as for 512; a resident one grows);
+    seen (a streamed pass costs nearly the same for 1 node as for 512; a resident one grows).
+    A mixture of experts' pass reads the union of its tokens' experts, which grows with N
+    and then saturates (ExpertTouch): its cost is fitted as a + b*N + c*U(N), U(N) the
+    experts N tokens touch per layer, so an untried width's cost follows the bytes it reads,
+    not a line through the widths tried;
   * the draft's cost per level (a mean over the levels run);
   * acceptance by depth: r_d, the chance that the walk descends to depth d given that it
     reached depth d - 1 and the tree went that deep, with a weak prior.
@@ -85,6 +89,25 @@ PROMPT_MIN_TRIALS = 16
 PROMPT_FLOOR_RATE = 0.25
 
 
+@dataclass(frozen=True)
+class ExpertTouch:
+    """How many of a mixture-of-experts layer's experts a pass of n tokens reads: each token
+    routes to `used` of `experts`, so n tokens touch experts * (1 - (1 - used/experts)^n) in
+    expectation where routing is uniform (Qwen3-30B-A3B, 8 of 128: 82 experts for 16
+    tokens, 126 for 64, all 128 for 512). Skewed routing touches fewer; the fit's coefficient
+    absorbs a constant share of that."""
+
+    experts: int
+    used: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.used <= self.experts:
+            raise ValueError(f"a router picking {self.used} of {self.experts} experts")
+
+    def distinct(self, tokens: float) -> float:
+        return self.experts * (1.0 - (1.0 - self.used / self.experts) ** max(tokens, 0.0))
+
+
 @dataclass
 class TreeSizer:
     max_nodes: int = NODE_CHOICES[-1]
@@ -118,6 +141,9 @@ class TreeSizer:
     # the draft's candidates, of those compared
     prompt_hits: int = 0
     prompt_trials: int = 0
+    # the target's experts, for a mixture of experts: a pass's cost then follows the union of
+    # experts its nodes read (see the module's docstring)
+    experts: ExpertTouch | None = None
 
     # --- what the rounds report ---------------------------------------------------------------
 
@@ -186,12 +212,38 @@ class TreeSizer:
         if not self._width_rounds or (nodes <= 1 and self._plain_rounds):
             return _robust(self._plain_rounds) if self._plain_rounds else None
         points = self._width_costs()
+        if self.experts is not None:
+            # a plain step is a point of the same curve here: one token's experts (no hybrid
+            # split makes it cheaper, as it can a dense model's: experts are not split)
+            plain = [(1.0, _robust(self._plain_rounds))] if self._plain_rounds else []
+            return max(self._expert_fit(plain + points)(nodes), 1e-9)
         mean_x = sum(x for x, _ in points) / len(points)
         mean_y = sum(y for _, y in points) / len(points)
         var = sum((x - mean_x) ** 2 for x, _ in points) / len(points)
         cov = sum((x - mean_x) * (y - mean_y) for x, y in points) / len(points)
         slope = max(cov / var, 0.0) if var > 1e-9 else 0.0
         return max(mean_y + slope * (nodes - mean_x), 1e-9)
+
+    def _expert_fit(self, points: list[tuple[float, float]]):
+        """cost(N) = a + b*N + c*U(N) by least squares over the widths seen (three at least),
+        else a + c*U(N) (a few-token pass of a mixture of experts is bound by the experts it
+        reads), else a + b*N: the first whose coefficients all come out >= 0 (two widths whose
+        cost rises faster than their experts' union, compute-bound ones, give U a negative
+        intercept, and the line in N takes over)."""
+        touch = self.experts
+        assert touch is not None
+        rows = [(1.0, x, touch.distinct(x)) for x, _ in points]
+        ys = [y for _, y in points]
+        for keep in ((0, 1, 2), (0, 2), (0, 1), (0,)):
+            if len(keep) > len(points) or (len(points) < 3 and keep == (0, 1, 2)):
+                continue
+            coef = _least_squares([[r[k] for k in keep] for r in rows], ys)
+            if coef is not None and all(c >= 0 for c in coef):
+                full = dict(zip(keep, coef))
+                return lambda n: (full.get(0, 0.0) + full.get(1, 0.0) * n
+                                  + full.get(2, 0.0) * touch.distinct(n))
+        mean = sum(ys) / len(ys)
+        return lambda n: mean
 
     def _width_costs(self) -> list[tuple[float, float]]:
         """(width, cost) of each tree width seen, no width dearer than a wider one."""
@@ -337,6 +389,26 @@ class TreeSizer:
         if pass_n is None:
             return None
         return self.expected_tokens(depth) / (pass_n + depth * (level or 0.0))
+
+
+def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """The coefficients minimising the squared error of rows @ coef against ys (the normal
+    equations, solved by Gaussian elimination; a handful of widths and three unknowns at
+    most), or None where they are singular."""
+    k = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * y for r, y in
+                                                                  zip(rows, ys))]
+         for i in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-12 * max(1.0, max(abs(v) for v in a[pivot][:k])):
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [vr - f * vc for vr, vc in zip(a[r], a[col])]
+    return [a[i][k] / a[i][i] for i in range(k)]
 
 
 def _robust(samples: list[float]) -> float:

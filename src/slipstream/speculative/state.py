@@ -11,13 +11,19 @@ from typing import Callable, Mapping
 from ..runtime.engine import Engine
 from ..runtime.generate import TokenSource
 from .rounds import speculative_source
-from .sizing import TreeSizer
+from .sizing import ExpertTouch, TreeSizer
 
 # The widest tree the sizer may grow for a CPU target (NODE_CHOICES' two narrowest): a CPU
 # pass costs in proportion to its rows (FLOP-bound), and the sizer's first tree of
 # START_NODES (64) nodes cost the default model's Q8_0 ~250 ms, against ~11 ms for a plain
 # step
 CPU_MAX_TREE_NODES = 32
+
+
+def expert_touch(target: Engine) -> ExpertTouch | None:
+    """The target's routing, where it is a mixture of experts (the tree sizer's cost model)."""
+    cfg = target.cfg
+    return ExpertTouch(cfg.n_experts, cfg.n_experts_used) if cfg.n_experts else None
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,7 @@ class Speculation:
         load() attached, which `give_up` releases; a draft passed in for one generation
         belongs to the caller, and is weighed against plain decode as it is)."""
         # one sizer per draft, kept: costs and acceptance carry over between generations
-        sizer = self._sizers.setdefault(id(draft), TreeSizer())
+        sizer = self._sizers.setdefault(id(draft), TreeSizer(experts=expert_touch(target)))
         if target.device.type == "cpu":
             sizer.max_nodes = min(sizer.max_nodes, CPU_MAX_TREE_NODES)
         sizer.plain_gain = self.release_gain if loaded else 1.0
