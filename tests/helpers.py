@@ -130,3 +130,12 @@ def cpu_budget(path: str | Path, packed: int = 0, whole: int = 0, precision: str
     return fixed + staging + sum(files[:packed]) + \
         sum(f - m for f, m in zip(full[:whole], files[:whole])) + 1
 
+
+
+def file_config(path) -> "ModelConfig":
+    """The ModelConfig of a GGUF file, its tensor names checked against the layer count."""
+    from slipstream.modelfile.config import ModelConfig
+    from slipstream.modelfile.gguf_file import GGUFFile
+
+    gf = GGUFFile(path)
+    return ModelConfig.from_metadata(gf.metadata, set(gf.tensors))

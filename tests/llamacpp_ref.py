@@ -43,6 +43,18 @@ def llamacpp_tokens(path: str | Path, text: str) -> list[int]:
         llm.close()
 
 
+def unname(path: Path, arch: str) -> Path:
+    """Take the architecture out of the file's general.name, in place: llama.cpp sets some
+    token attributes by model name, and for a name with "phi3" in it looks up "</s>", "<unk>",
+    "<s>" and "<|endoftext|>", which the synthetic Llama-3-style vocabulary lacks (the load
+    fails with unordered_map::at). Same length, so the header keeps its layout."""
+    data = path.read_bytes()
+    name = f"slipstream-synth-{arch}-".encode()
+    assert data.count(name) == 1, "general.name is not where this expects it"
+    path.write_bytes(data.replace(name, f"slipstream-synth-{'x' * len(arch)}-".encode()))
+    return path
+
+
 def rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     """Norm of the difference over the norm of the reference."""
     return float((ours - ref).norm() / ref.norm())

@@ -21,7 +21,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from helpers import cpu_engine, cpu_stages
+from helpers import cpu_engine, cpu_stages, file_config
+from llamacpp_ref import rel_err, unname
 from slipstream.errors import InvalidMetadata, UnsupportedArchitecture
 from slipstream.modelfile.config import ModelConfig
 from slipstream.modelfile.gguf_file import GGUFFile
@@ -39,33 +40,20 @@ F32_REL_TOL = 1e-3
 F32_DECISIVE_GAP = 5e-3
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
-def _unname(path: Path) -> Path:
-    """general.name without the architecture (test_vs_llamacpp.py's _unname says why)."""
-    data = path.read_bytes()
-    path.write_bytes(data.replace(b"slipstream-synth-deepseek2-",
-                                  b"slipstream-synth-xxxxxxxxx-"))
-    return path
 
 
 @pytest.fixture(scope="module")
 def ds_file(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("deepseek2")
-    return _unname(write_synth(d / "deepseek2.gguf", "tiny", "Q8_0", n_layers=N_LAYERS,
-                               arch="deepseek2", from_floats=True, seed=3, std=0.15))
+    return unname(write_synth(d / "deepseek2.gguf", "tiny", "Q8_0", n_layers=N_LAYERS,
+                              arch="deepseek2", from_floats=True, seed=3, std=0.15),
+                  "deepseek2")
 
-
-def _config(path: Path) -> ModelConfig:
-    gf = GGUFFile(path)
-    return ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
 
 
 def test_a_synthesized_file_holds_the_deepseek2_layers(tmp_path):
     path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2, arch="deepseek2")
-    cfg = _config(path)
+    cfg = file_config(path)
     assert (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.mla_k_head, cfg.mla_v_head) == \
         (256, 256, 96, 64)
     # the cache: one head of the latent and the rotated part
@@ -110,7 +98,7 @@ def test_the_cache_holds_the_latent_once(tmp_path):
     (1, ctx, kv_lora + rope) per layer, 288 numbers a token instead of the expanded
     4 * (96 + 64)."""
     path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2, arch="deepseek2")
-    cfg = _config(path)
+    cfg = file_config(path)
     kv = KVCache(cfg, 64, torch.device("cpu"), torch.float32)
     k, v = kv.layer(1)
     assert k is v and tuple(k.shape) == (1, 64, 288)
@@ -177,7 +165,7 @@ def test_logits_match_transformers(ds_file):
     pytest.importorskip("transformers")
     from hf_reference import reference_model
 
-    hf = reference_model(ds_file, _config(ds_file))
+    hf = reference_model(ds_file, file_config(ds_file))
     with torch.no_grad():
         ref = hf(torch.tensor([IDS])).logits[0]
     engine = cpu_engine(ds_file, precision="exact")
@@ -220,7 +208,7 @@ def test_a_lite_file_has_no_query_latent_nor_selection_bias(tmp_path):
     softmax routing (no expert_gating_func: llama.cpp's default for V2 files) without a
     selection bias, groups or scale, weights not renormalised, mscale_all_dim 0.707."""
     path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2, arch="deepseek2-lite")
-    cfg = _config(path)
+    cfg = file_config(path)
     assert cfg.q_full and (cfg.moe_gating, cfg.selection_bias, cfg.moe_norm) == \
         ("softmax", False, False)
     assert (cfg.expert_groups, cfg.moe_scale, cfg.n_shared_experts) == (0, 1.0, 2)

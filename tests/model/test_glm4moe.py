@@ -19,7 +19,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from helpers import cpu_engine, cpu_stages
+from helpers import cpu_engine, cpu_stages, file_config
+from llamacpp_ref import rel_err, unname
 from slipstream.errors import InvalidMetadata, MissingMetadata
 from slipstream.model.moe import route, select_groups
 from slipstream.modelfile.config import ModelConfig
@@ -41,32 +42,19 @@ PIECES = {"selection_bias": {"selection_bias": None}, "scale": {"scale": 1.0},
           "shared": {"shared": None}, "gating": {"gating": "softmax"}}
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
-def _unname(path: Path) -> Path:
-    """general.name without the architecture (test_vs_llamacpp.py's _unname says why)."""
-    data = path.read_bytes()
-    path.write_bytes(data.replace(b"slipstream-synth-glm4moe-", b"slipstream-synth-xxxxxxx-"))
-    return path
 
 
 @pytest.fixture(scope="module")
 def glm_file(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("glm4moe")
-    return _unname(write_synth(d / "glm4moe.gguf", "tiny", "Q8_0", n_layers=N_LAYERS,
-                               arch="glm4moe", from_floats=True, seed=3, std=0.15))
+    return unname(write_synth(d / "glm4moe.gguf", "tiny", "Q8_0", n_layers=N_LAYERS,
+                              arch="glm4moe", from_floats=True, seed=3, std=0.15), "glm4moe")
 
-
-def _config(path: Path) -> ModelConfig:
-    gf = GGUFFile(path)
-    return ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
 
 
 def test_a_synthesized_file_holds_the_glm4moe_layers(tmp_path):
     path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=3, arch="glm4moe")
-    cfg = _config(path)
+    cfg = file_config(path)
     assert (cfg.n_layers, cfg.nextn_layers, cfg.dense_lead) == (3, 1, 1)
     assert (cfg.n_experts, cfg.n_experts_used, cfg.expert_ffn, cfg.n_shared_experts) == \
         (16, 4, 256, 1)
@@ -197,7 +185,7 @@ def test_logits_match_transformers(glm_file):
     pytest.importorskip("transformers")
     from hf_reference import reference_model
 
-    hf = reference_model(glm_file, _config(glm_file))
+    hf = reference_model(glm_file, file_config(glm_file))
     with torch.no_grad():
         ref = hf(torch.tensor([IDS])).logits[0]
     engine = cpu_engine(glm_file, precision="exact")

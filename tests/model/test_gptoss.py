@@ -21,7 +21,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from helpers import cpu_engine, cpu_stages
+from helpers import cpu_engine, cpu_stages, file_config
+from llamacpp_ref import rel_err, unname
 from slipstream.errors import MissingMetadata
 from slipstream.model.attention_sinks import sink_attention
 from slipstream.model.moe import ResidentExperts, route, swiglu_oai
@@ -40,32 +41,19 @@ F32_REL_TOL = 1e-3
 F32_DECISIVE_GAP = 5e-3
 
 
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
-def _unname(path: Path) -> Path:
-    """general.name without the architecture (test_vs_llamacpp.py's _unname says why)."""
-    data = path.read_bytes()
-    path.write_bytes(data.replace(b"slipstream-synth-gpt-oss-", b"slipstream-synth-xxxxxxx-"))
-    return path
 
 
 @pytest.fixture(scope="module")
 def gptoss_file(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("gptoss")
-    return _unname(write_synth(d / "gpt-oss.gguf", "tiny", "Q8_0", n_layers=N_LAYERS,
-                               arch="gpt-oss", from_floats=True, seed=3, std=0.15))
+    return unname(write_synth(d / "gpt-oss.gguf", "tiny", "Q8_0", n_layers=N_LAYERS,
+                              arch="gpt-oss", from_floats=True, seed=3, std=0.15), "gpt-oss")
 
-
-def _config(path: Path) -> ModelConfig:
-    gf = GGUFFile(path)
-    return ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
 
 
 def test_a_synthesized_file_holds_the_gptoss_layer(tmp_path):
     path = write_synth(tmp_path / "m.gguf", "tiny", "MXFP4", n_layers=2, arch="gpt-oss")
-    cfg = _config(path)
+    cfg = file_config(path)
     assert (cfg.n_experts, cfg.n_experts_used, cfg.expert_ffn) == (8, 2, 256)
     assert cfg.attn_sinks and cfg.moe_gating == "topk_softmax" and cfg.ffn_act == "swiglu_oai"
     assert [cfg.window_of(i) for i in range(2)] == [16, 0]  # even layers slide
@@ -222,7 +210,7 @@ def test_logits_match_transformers(gptoss_file):
     pytest.importorskip("transformers")
     from hf_reference import reference_model
 
-    hf = reference_model(gptoss_file, _config(gptoss_file))
+    hf = reference_model(gptoss_file, file_config(gptoss_file))
     with torch.no_grad():
         ref = hf(torch.tensor([IDS])).logits[0]
     engine = cpu_engine(gptoss_file, precision="exact")
@@ -250,8 +238,8 @@ def test_mxfp4_file_matches_llamacpp(tmp_path):
     from llamacpp_ref import assert_matches, llamacpp_logits
     from slipstream.quant.requantize import requantize
 
-    path = _unname(write_synth(tmp_path / "mx.gguf", "tiny", "MXFP4", n_layers=N_LAYERS,
-                               arch="gpt-oss", seed=3, std=0.02))
+    path = unname(write_synth(tmp_path / "mx.gguf", "tiny", "MXFP4", n_layers=N_LAYERS,
+                              arch="gpt-oss", seed=3, std=0.02), "gpt-oss")
     f32 = requantize(path, tmp_path / "mx-f32.gguf", "F32")
     ref = llamacpp_logits(f32, IDS)
     engine = cpu_engine(path, precision="exact")

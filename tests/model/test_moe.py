@@ -22,6 +22,7 @@ from gguf.quants import dequantize
 
 import slipstream
 from helpers import cpu_budget, cpu_engine
+from llamacpp_ref import rel_err
 from slipstream.errors import MissingMetadata, UnsupportedArchitecture
 from slipstream.model.families import family_for
 from slipstream.model.moe import MoeWeights, ResidentExperts, moe_ffn, route
@@ -39,9 +40,6 @@ N_LAYERS = 6
 EXACT_REL_TOL = 1e-5
 ARCHES = ["qwen3moe", "mixtral"]
 
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 # -- routing ----------------------------------------------------------------------------------

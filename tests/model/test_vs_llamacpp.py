@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from helpers import cpu_engine, cpu_stages
-from llamacpp_ref import decisive, llamacpp_logits, llamacpp_tokens, rel_err
+from llamacpp_ref import decisive, llamacpp_logits, llamacpp_tokens, rel_err, unname
 from slipstream.model.families import ARCHITECTURES
 from slipstream.quant.requantize import requantize
 from slipstream.runtime.engine import Engine
@@ -117,22 +117,12 @@ def family_files(tmp_path_factory):
             d = tmp_path_factory.mktemp(arch)
             q8 = write_synth(d / f"{arch}.gguf", "tiny", "Q8_0", arch=arch, from_floats=True,
                              std=0.15, seed=3, n_layers=N_LAYERS)
-            _unname(q8, arch)
+            unname(q8, arch)
             made[arch] = (q8, requantize(q8, d / f"{arch}-f32.gguf", "F32"))
         return made[arch]
 
     return files
 
-
-def _unname(path: Path, arch: str) -> None:
-    """Take the architecture out of the file's general.name, in place: llama.cpp sets some
-    token attributes by model name, and for a name with "phi3" in it looks up "</s>", "<unk>",
-    "<s>" and "<|endoftext|>", which the synthetic Llama-3-style vocabulary lacks (the load
-    fails with unordered_map::at). Same length, so the header keeps its layout."""
-    data = path.read_bytes()
-    name = f"slipstream-synth-{arch}-".encode()
-    assert data.count(name) == 1, "general.name is not where this expects it"
-    path.write_bytes(data.replace(name, f"slipstream-synth-{'x' * len(arch)}-".encode()))
 
 
 # llama's file is the cheapest (0.2 to 0.5 s on 2 shared cores): the fast tier's check
