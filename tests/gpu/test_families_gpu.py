@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import slipstream
-from helpers import STREAM_PROMPT, streamed_logits, vram_budget_for
+from helpers import assert_decisive_top1, rel64, STREAM_PROMPT, streamed_logits, vram_budget_for
 from slipstream.hybrid.split import layer_splittable
 from slipstream.model.families import FAMILIES
 from slipstream.modelfile.config import ModelConfig
@@ -31,9 +31,6 @@ ARCHS = sorted(arch for f in FAMILIES if f.name != "llama" and f.layer.experts i
 EXACT_REL_TOL = 1e-2
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
 
 @pytest.fixture(scope="module", params=ARCHS)
 def family_file(request, tmp_path_factory):
@@ -43,13 +40,6 @@ def family_file(request, tmp_path_factory):
                              n_layers=6, arch=arch, from_floats=True, std=0.08, seed=4)
 
 
-def _decisive_top1_agree(ref: torch.Tensor, got: torch.Tensor, margin: float) -> None:
-    """Top-1 equal wherever the reference's top-2 gap exceeds `margin` (a near tie may go
-    either way between two correct paths)."""
-    top = ref.topk(2, dim=-1).values
-    decisive = (top[..., 0] - top[..., 1]) > margin
-    assert torch.equal(ref.argmax(-1)[decisive], got.argmax(-1)[decisive])
-
 
 def test_cuda_exact_matches_cpu(family_file):
     arch, path = family_file
@@ -57,8 +47,8 @@ def test_cuda_exact_matches_cpu(family_file):
     gpu = slipstream.load(path, device="cuda", ctx=256, precision="exact")
     a, b = streamed_logits(cpu), streamed_logits(gpu)
     for x, y in zip(a, b):
-        assert rel(y, x) < EXACT_REL_TOL, arch
-        _decisive_top1_agree(x, y, 2 * float((x - y).abs().max()))
+        assert rel64(y, x) < EXACT_REL_TOL, arch
+        assert_decisive_top1(x, y, 2 * float((x - y).abs().max()))
     cpu.close()
     gpu.close()
 
@@ -86,7 +76,7 @@ def _fast_cost(path) -> tuple[float, float]:
             ppl[precision] = perplexity(lambda c, m=m: m.logits(c, one_at_a_time=True), ids,
                                         64, max_chunks=2).ppl
             logits[precision] = m.logits(ids[:100], one_at_a_time=True).double()
-    return abs(ppl["fast"] / ppl["exact"] - 1), rel(logits["fast"], logits["exact"])
+    return abs(ppl["fast"] / ppl["exact"] - 1), rel64(logits["fast"], logits["exact"])
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +103,7 @@ def test_fast_keeps_top1_and_perplexity(family_file, llama_fast_cost):
         exact = m.logits(list(range(5, 705, 7)), one_at_a_time=True)
     with slipstream.load(path, device="cuda", ctx=256, precision="fast") as m:
         fast = m.logits(list(range(5, 705, 7)), one_at_a_time=True)
-    _decisive_top1_agree(exact.double(), fast.double(), 4 * float((exact - fast).abs().max()))
+    assert_decisive_top1(exact.double(), fast.double(), 4 * float((exact - fast).abs().max()))
 
 
 def test_streamed_is_bit_identical_to_resident(family_file):

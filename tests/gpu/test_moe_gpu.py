@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import slipstream
-from helpers import STREAM_PROMPT, streamed_logits
+from helpers import assert_decisive_top1, rel64, STREAM_PROMPT, streamed_logits
 from slipstream.errors import BudgetTooSmall
 from slipstream.synth import write_synth
 
@@ -31,9 +31,6 @@ def _cuda_moe_on(monkeypatch):
     monkeypatch.setenv("SLIPSTREAM_CUDA_MOE", "1")
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
 
 @pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
 def moe_file(request, tmp_path_factory):
@@ -43,12 +40,6 @@ def moe_file(request, tmp_path_factory):
                              n_layers=4, arch=arch, from_floats=True, std=0.08, seed=4)
 
 
-def _decisive_top1_agree(ref: torch.Tensor, got: torch.Tensor, margin: float) -> None:
-    """Top-1 equal wherever the reference's top-2 gap exceeds `margin`."""
-    top = ref.topk(2, dim=-1).values
-    decisive = (top[..., 0] - top[..., 1]) > margin
-    assert torch.equal(ref.argmax(-1)[decisive], got.argmax(-1)[decisive])
-
 
 def test_cuda_exact_matches_cpu(moe_file):
     arch, path = moe_file
@@ -57,8 +48,8 @@ def test_cuda_exact_matches_cpu(moe_file):
     assert not gpu.plan.streamed_layers
     a, b = streamed_logits(cpu), streamed_logits(gpu)
     for x, y in zip(a, b):
-        assert rel(y, x) < EXACT_REL_TOL, arch
-        _decisive_top1_agree(x, y, 2 * float((x - y).abs().max()))
+        assert rel64(y, x) < EXACT_REL_TOL, arch
+        assert_decisive_top1(x, y, 2 * float((x - y).abs().max()))
     cpu.close()
     gpu.close()
 
@@ -109,7 +100,7 @@ def test_fast_keeps_top1_and_perplexity(moe_file):
             logits[precision] = m.logits(ids[:100], one_at_a_time=True).double()
     assert abs(ppl["fast"] / ppl["exact"] - 1) < 2e-2, (arch, ppl)
     exact, fast = logits["exact"], logits["fast"]
-    _decisive_top1_agree(exact, fast, 4 * float((exact - fast).abs().max()))
+    assert_decisive_top1(exact, fast, 4 * float((exact - fast).abs().max()))
 
 
 def test_plan_counts_the_experts(moe_file):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import slipstream
-from helpers import STREAM_PROMPT, streamed_logits, vram_budget_for
+from helpers import rel64, STREAM_PROMPT, streamed_logits, vram_budget_for
 from slipstream import synth
 from slipstream.model import ring_size
 
@@ -45,9 +45,6 @@ def files(tmp_path_factory):
     return _write(d / "t.gguf", "Q4_K_M"), _write(d / "d.gguf", "Q4_0")
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm())
-
 
 def test_cuda_rings_match_the_cpu(files):
     path, _ = files
@@ -57,7 +54,7 @@ def test_cuda_rings_match_the_cpu(files):
     for model in (cpu, gpu):
         model.engine.prefill_chunk = 13  # chunks longer than the window
     for x, y in zip(streamed_logits(cpu, steps=40), streamed_logits(gpu, steps=40)):
-        assert rel(y, x) < EXACT_REL_TOL
+        assert rel64(y, x) < EXACT_REL_TOL
     cpu.close()
     gpu.close()
 
