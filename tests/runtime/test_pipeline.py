@@ -237,3 +237,15 @@ def test_a_stage_plan_padded_to_layer_indices():
     with pytest.raises(ValueError, match="3 layers"):
         pad_stage_plan(Plan("cpu", ["ram"] * 3, [1] * 3, [1] * 3, 0, None, 1),
                        StagePlan("cpu", range(0, 2)), 4)
+
+
+@pytest.mark.slow
+def test_a_scaled_embedding_family_over_two_ranks_gives_the_single_process_tokens(tmp_path):
+    """Gemma 3 multiplies its embeddings by sqrt(hidden): rank 0's pipeline applies it too
+    (it once took the raw rows, and every token differed from one process's)."""
+    from slipstream.synth import write_synth
+
+    path = write_synth(tmp_path / "gemma3.gguf", "tiny", "Q8_0", n_layers=4, arch="gemma3",
+                       from_floats=True, seed=3, std=0.15)
+    first, _ = _ranks(tmp_path, path, 12, 0.0)
+    assert first["ids"] == _single(path, 12, 0.0)

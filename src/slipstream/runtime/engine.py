@@ -347,11 +347,15 @@ class Engine:
             logits = torch.tanh(logits / c) * c
         return logits * self.cfg.logit_scale if self.cfg.logit_scale != 1.0 else logits
 
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings (T, hidden) in the activations' dtype, times the family's
+        embedding scale (Gemma: sqrt(hidden))."""
+        x = self.weights.embed(ids).to(self.act_dtype)
+        return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
+
     def _hidden(self, ids: torch.Tensor, step: Step, idle: Callable[[], bool] | None = None,
                 check: Callable[[], None] | None = None) -> torch.Tensor:
-        x = self.weights.embed(ids).to(self.act_dtype)  # (T, hidden), on the first device
-        if self.cfg.embed_scale != 1.0:
-            x = x * self.cfg.embed_scale
+        x = self._embed(ids)  # (T, hidden), on the first device
         # Gemma 4's per-layer embedding inputs (T, n_layers, dim), made once per pass
         ple = (self.weights.per_layer.inputs(self.cfg, ids, x)
                if self.weights.per_layer is not None and self.cfg.per_layer_dim else None)

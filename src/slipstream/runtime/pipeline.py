@@ -179,7 +179,7 @@ class PipelineEngine(Engine):
             n = int(chunk.shape[0])
             rows = n if all_logits else min(last, n)  # a chunk's last rows come back
             self._tell(OP_FORWARD, n, rows)
-            x = self.weights.embed(chunk).to(self.act_dtype)
+            x = self._embed(chunk)
             x = self._run_stage(self.stage, x, self._append_step(n))
             self._send(x, 1)
             self.stage.kv.length += n
@@ -224,7 +224,7 @@ class PipelineEngine(Engine):
         for r in range(1, self.pipeline.world):
             for t in wire:
                 self._send(t, r)
-        x = self.weights.embed(ids.to(self.device)).to(self.act_dtype)
+        x = self._embed(ids.to(self.device))
         x = self._run_stage(self.stage, x, step)
         self._send(x, 1)
         Engine.set_length(self, step.end)
