@@ -251,7 +251,8 @@ class Model:
         sims = layer_skip.calibrate(self.engine,
                                     self.tokenize(layer_skip.calibration_text()))
         prefer = set(self.plan.streamed_layers) if self.plan is not None else set()
-        self.engine.skip = layer_skip.choose(sims, k=k, prefer=prefer)
+        self.engine.skip = layer_skip.choose(sims, k=k, prefer=prefer,
+                                             keep=self.engine.cfg.kv_sources())
         self.layer_similarities = sims
 
     def _self_draft(self, spec: SelfDraft, prec: Precision, qtype, copied: list[int],

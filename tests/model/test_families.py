@@ -430,3 +430,30 @@ def test_a_family_whose_cuda_path_is_refused_names_the_cpu(tmp_path):
         else:
             check_experts_device(cfg, torch.device("cuda"))
         check_experts_device(cfg, torch.device("cpu"))
+
+
+def test_gemma4_layer_skip_keeps_the_layers_whose_cache_others_read(tmp_path):
+    """Layers 1 and 2 of this Gemma 4 write the keys and values layers 3-5 read: a layer skip
+    never chooses them, and setting them by hand is refused, where skipping them would leave
+    their readers attending to a cache nothing writes."""
+    from slipstream.runtime import layer_skip
+
+    md, names = _gemma4_md(tmp_path)
+    cfg = ModelConfig.from_metadata(md, names)
+    assert cfg.kv_sources() == {1, 2}
+    # layers 1 and 2 the most redundant by similarity: still kept
+    sims = [0.1, 0.99, 0.98, 0.5, 0.6, 0.2]
+    assert layer_skip.choose(sims, k=2, keep=cfg.kv_sources()) == {3, 4}
+    with pytest.raises(ValueError, match="nor 2 whose keys and values later layers read"):
+        layer_skip.choose(sims, k=3, keep=cfg.kv_sources())
+
+
+@pytest.mark.slow
+def test_gemma4_engine_refuses_to_skip_a_layer_whose_cache_others_read(tmp_path):
+    _gemma4_md(tmp_path)
+    with slipstream.load(tmp_path / "g4.gguf", device="cpu", ctx=64) as model:
+        with pytest.raises(ValueError, match=r"cannot skip layers \[2\]: later layers read"):
+            model.engine.skip = {2, 4}
+        with pytest.raises(ValueError, match=r"cannot skip layers \[1\]"):
+            model.engine.self_draft(frozenset({1}))
+        model.engine.skip = {3, 4}  # readers themselves may go

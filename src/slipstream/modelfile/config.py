@@ -210,6 +210,12 @@ class ModelConfig:
             return i
         return max(j for j in range(self.kv_layers) if self.sliding(j) == self.sliding(i))
 
+    def kv_sources(self) -> frozenset[int]:
+        """The layers whose keys and values later layers read (kv_source): a layer skip must
+        keep them, or their readers would attend to a cache nothing writes."""
+        return frozenset(self.kv_source(i) for i in range(self.kv_layers, self.n_layers)) \
+            if self.kv_layers else frozenset()
+
     @classmethod
     def from_metadata(cls, md: Mapping[str, Any], tensor_names: set[str] | None = None,
                       source: str = "model") -> "ModelConfig":

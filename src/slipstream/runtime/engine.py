@@ -138,6 +138,7 @@ class Engine:
         if bad:
             raise ValueError(f"cannot skip layers {bad}: the model has layers "
                              f"0..{self.cfg.n_layers - 1}")
+        self._check_skip(new)
         self.reset()
         if new == self._skip:
             return
@@ -147,6 +148,12 @@ class Engine:
         stores = {id(st.store): st.store for st in self.stages}
         for store in stores.values():
             store.skip(new)
+
+    def _check_skip(self, layers: frozenset[int]) -> None:
+        read = sorted(layers & self.cfg.kv_sources())
+        if read:
+            raise ValueError(f"cannot skip layers {read}: later layers read their keys and "
+                             f"values (a shared KV cache)")
 
     def self_draft(self, skip: frozenset[int] = frozenset(),
                    replace: Mapping[int, LayerWeights] | None = None,
@@ -164,6 +171,7 @@ class Engine:
         it reads the target's exact keys and values of the accepted prefix, needs no prefill
         and no catching up (speculative.rounds), and its tree's entries are overwritten by the
         verify pass that follows (SubSpec)."""
+        self._check_skip(frozenset(skip))
         stages = []
         for st in self.stages:
             store = st.store

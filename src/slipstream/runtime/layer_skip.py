@@ -70,7 +70,8 @@ def calibrate(engine: "Engine", token_ids: Sequence[int], chunk: int | None = No
 
 def choose(similarities: Sequence[float], k: int | None = None,
            threshold: float | None = None, prefer: set[int] | frozenset[int] | None = None,
-           margin: float = PREFER_MARGIN) -> frozenset[int]:
+           margin: float = PREFER_MARGIN, keep: frozenset[int] = frozenset()
+           ) -> frozenset[int]:
     """The layers to skip: the k most redundant (highest similarity), or every one at or above
     `threshold`, or with both, at most k of those at or above it.
 
@@ -85,15 +86,22 @@ def choose(similarities: Sequence[float], k: int | None = None,
     than `margin` of the preferred one's (with margin 0.25, a streamed layer at 0.960 beats a
     resident one at 0.965, but not one at 0.970). Ties fall to the higher similarity, then the
     lower index. prefer changes which k are taken, never what a threshold admits.
+
+    keep: layers never chosen either, such as those whose keys and values later layers read
+    (ModelConfig.kv_sources: Gemma 4's shared caches).
     """
     n = len(similarities)
     if k is None and threshold is None:
         raise ValueError("choose() needs k, threshold or both")
     if k is not None and k < 0:
         raise ValueError(f"k={k} is invalid: the number of layers to skip must be >= 0")
-    candidates = list(range(1, n - 1))  # never the first or the last layer (see above)
+    # never the first or the last layer (see above), nor one to keep
+    candidates = [i for i in range(1, n - 1) if i not in keep]
     if k is not None and k > len(candidates):
         raise ValueError(f"cannot skip {k} layers of {n}: the first and last are never skipped, "
+                         f"nor {len(keep)} whose keys and values later layers read, which "
+                         f"leaves {len(candidates)}" if keep else
+                         f"cannot skip {k} layers of {n}: the first and last are never skipped, "
                          f"which leaves {len(candidates)}")
     if threshold is not None:
         candidates = [i for i in candidates if similarities[i] >= threshold]

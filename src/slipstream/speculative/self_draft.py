@@ -38,7 +38,8 @@ def skip_draft_engine(engine: Engine, streamed: set[int], k: int,
                           f"{len(streamed)}, raise the budget, or give a draft file")
     # the streamed layers are taken whatever their similarity; the rest by calibration
     masked = [-1.0 if i in streamed else s for i, s in enumerate(similarities())]
-    rest = layer_skip.choose(masked, k=k - len(streamed)) if k > len(streamed) else frozenset()
+    rest = (layer_skip.choose(masked, k=k - len(streamed), keep=engine.cfg.kv_sources())
+            if k > len(streamed) else frozenset())
     return engine.self_draft(frozenset(streamed) | rest | engine.skip, share_kv=True)
 
 
