@@ -355,7 +355,7 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
     if draft_file is not None:
         draft_file = resolve_path(draft_file, progress)
         drafts.check_draft(model_path, gf, draft_file)
-    prec = Precision.of(precision, dev)
+    prec = Precision.of(precision, dev, unscaled_attention=cfg.attention_scale >= 1.0)
     if prec.cpu_packed_decode:
         native.build_in_background()  # a first build (~2 s) runs beside the load, not at decode
     io, slots, most = place.io, place.gpu_slots, place.vram_layers
@@ -456,7 +456,7 @@ def plan(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
     dev = resolve_device(device)
     if str(device) == "auto":
         dev = device_for_auto(gf, cfg, dev)
-    prec = Precision.of(precision, dev)
+    prec = Precision.of(precision, dev, unscaled_attention=cfg.attention_scale >= 1.0)
     vram, outside = allocator_budget(parse_size(place.vram_budget), dev)
     p = plan_model(gf, cfg, dev, prec, context_size(cfg, ctx), place.ram_budget, vram,
                    place.io, place.gpu_slots, place.vram_layers)

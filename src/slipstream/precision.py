@@ -37,14 +37,23 @@ class Precision:
     float32_products: bool = False
 
     @classmethod
-    def of(cls, name: str, device: torch.device) -> "Precision":
-        """Precision `name` on `device` (cpu or cuda); BadArgument for any other name."""
+    def of(cls, name: str, device: torch.device, unscaled_attention: bool = False
+           ) -> "Precision":
+        """Precision `name` on `device` (cpu or cuda); BadArgument for any other name.
+
+        unscaled_attention: the model's attention scale is 1 (Gemma 4: its query and key
+        norms keep q.k in range). "exact" on CUDA then keeps the KV cache in float32: a
+        float16 key's rounding moves a score by |q||k| times 5e-4, where 1/sqrt(head_dim)
+        would have divided it by 8 to 16. On a tiny Gemma 4 file, a float16 cache alone moved
+        the CPU engine's logits by up to 5.8e-2 (Gemma 3's: 1e-3), about what CUDA differed
+        by; "fast" keeps float16, as llama.cpp does."""
         if name not in NAMES:
             raise BadArgument(f"precision={name!r} is invalid: use 'fast' or 'exact'")
         fast = name == "fast"
         cuda_fast = fast and device.type == "cuda"
+        kv32 = device.type == "cpu" or (unscaled_attention and not fast)
         return cls(name=name, weight_dtype=torch.float16 if fast else torch.float32,
-                   kv_dtype=torch.float32 if device.type == "cpu" else torch.float16,
+                   kv_dtype=torch.float32 if kv32 else torch.float16,
                    act_dtype=torch.float32, int8_activations=cuda_fast, fuse_scales=cuda_fast,
                    cpu_packed_decode=fast and device.type == "cpu",
                    float32_products=not fast and device.type == "cuda")

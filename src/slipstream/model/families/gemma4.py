@@ -181,7 +181,10 @@ GEMMA4 = Family(
     traits=BlockTraits(qk_norm=True, post_norms=True, ffn_act="gelu_tanh", v_norm=True),
     configure=configure,
     # its CUDA tests (tests/gpu/test_families_gpu.py) failed on an H100: refused until they pass
-    cuda_refused="its CUDA path does not yet match the CPU engine's logits",
+    # its CUDA logits differed from the CPU's by up to 7e-2 at "exact" on an H100, about what
+    # a float16 KV cache alone does on the CPU (5.8e-2; Precision.of now keeps it float32
+    # there); the streamed and "fast" tests' failures are not yet read
+    cuda_refused="its CUDA path has not yet matched the CPU engine's logits on a GPU",
     quirks="Gemma 3's block with wider global heads, proportional RoPE, value norms, "
            "per-layer embeddings, layers sharing keys and values, soft-capped logits",
     varied_layers=True,
