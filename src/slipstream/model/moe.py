@@ -25,7 +25,7 @@ router would pick another expert wherever two probabilities are within its round
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,11 @@ class ExpertBank(Protocol):
 
     def ffn(self, e: int, h: torch.Tensor) -> torch.Tensor:
         """Expert e's FFN on the rows h (n, hidden) routed to it: (n, hidden)."""
+        ...
+
+    def ffn_one(self, ids: list[int], weights: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """One token's sum_j weights[j] * ffn(ids[j], h), float32 (1, hidden), for h
+        (1, hidden) and its experts in ascending order."""
         ...
 
 
@@ -61,13 +66,32 @@ def swiglu_oai(gate_up: torch.Tensor) -> torch.Tensor:
     return (up + 1.0) * (gate * torch.sigmoid(OAI_ALPHA * gate))
 
 
+def expert_sum(pairs: Sequence[tuple[Linear, Linear]], weights: torch.Tensor,
+               h: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """sum_j weights[j] * expert_ffn(*pairs[j], h, act) for one row h, float32 (1, hidden),
+    added in the order given: a bank's one-token sum where no fused form serves it."""
+    out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    for (gate_up, down), w in zip(pairs, weights):
+        out += expert_ffn(gate_up, down, h, act).float() * w
+    return out
+
+
+# A one-token sum of a bank's experts, (gate_up, down) pairs, weights, h, act -> float32
+# (1, hidden): expert_sum, or a fused form of it that the loader passes in (weights.cpu's
+# native one for packed CPU experts)
+OneTokenSum = Callable[[Sequence[tuple["Linear", "Linear"]], torch.Tensor, torch.Tensor, str],
+                       torch.Tensor]
+
+
 class ResidentExperts:
     """Every expert's linears held on the engine's device: `gate_up[e]` hidden ->
     2 * expert_ffn (gate rows, then up rows) and `down[e]` expert_ffn -> hidden, in any
     format model.llama.Linear covers (the loader builds them as it builds the dense FFN's)."""
 
-    def __init__(self, gate_up: Sequence[Linear], down: Sequence[Linear], act: str = "silu"):
-        """act: the experts' gated product, "silu" (SwiGLU) or "swiglu_oai" (gpt-oss)."""
+    def __init__(self, gate_up: Sequence[Linear], down: Sequence[Linear], act: str = "silu",
+                 one_token: OneTokenSum = expert_sum):
+        """act: the experts' gated product, "silu" (SwiGLU) or "swiglu_oai" (gpt-oss);
+        one_token: how a token's experts are summed (ffn_one)."""
         if len(gate_up) != len(down):
             raise ValueError(f"{len(gate_up)} gate/up linears but {len(down)} down linears")
         if act not in ("silu", "swiglu_oai"):
@@ -75,6 +99,7 @@ class ResidentExperts:
         self.gate_up = list(gate_up)
         self.down = list(down)
         self.act = act
+        self.one_token = one_token
 
     @property
     def n_experts(self) -> int:
@@ -82,6 +107,10 @@ class ResidentExperts:
 
     def ffn(self, e: int, h: torch.Tensor) -> torch.Tensor:
         return expert_ffn(self.gate_up[e], self.down[e], h, self.act)
+
+    def ffn_one(self, ids: list[int], weights: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.one_token([(self.gate_up[e], self.down[e]) for e in ids], weights, h,
+                              self.act)
 
 
 def expert_ffn(gate_up: Linear, down: Linear, h: torch.Tensor, act: str = "silu"
@@ -140,14 +169,12 @@ def experts_ffn(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
     Each expert runs once, on all the rows routed to it, experts in ascending order; a row's
     terms are added in that order whatever the batch (one decode token takes the same order
-    through its own short path: per-op overhead bounds CPU decode)."""
+    through the bank's own one-token sum, `ffn_one`: per-op overhead bounds CPU decode)."""
     T, hidden = h.shape
-    out = torch.zeros(T, hidden, dtype=torch.float32, device=h.device)
     if T == 1:
         order = torch.argsort(ids[0])
-        for e, w in zip(ids[0][order].tolist(), weights[0][order]):
-            out += bank.ffn(e, h).float() * w
-        return out
+        return bank.ffn_one(ids[0][order].tolist(), weights[0][order].contiguous(), h)
+    out = torch.zeros(T, hidden, dtype=torch.float32, device=h.device)
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert

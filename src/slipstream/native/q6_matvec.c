@@ -174,10 +174,18 @@ static inline __attribute__((always_inline)) void q6_block_generic(
     for (int r = 0; r < M; r++) memcpy(out + r * Q6_ROWS, acc[r], sizeof acc[r]);
 }
 
-/* How far ahead the loop prefetches, in runs: into L1 one run on, into L2 Q6_PREFETCH_FAR_RUNS
- * on (0: not). A build-time setting (SLIPSTREAM_NATIVE_DEFINES), as q4_matvec.c's. */
+/* Software prefetches, in runs ahead of the one being read: into L1 (Q6_PREFETCH_NEAR_RUNS)
+ * and L2 (Q6_PREFETCH_FAR_RUNS); 0: none. On the 2-core AVX-512 EPYC, half a Qwen3-MoE head
+ * (75968 x 2048, 128 MB) on one thread, the variants interleaved in one process under a load
+ * average of 6-7: no prefetch 9.0-10.1 ms at best (p25 15-18), one run into L1 13.8-19.9, two
+ * 11.4-17.2, one into L1 and 4 into L2 (q4_matvec.c's Q4_KS distances) 42.5: the hardware's
+ * prefetcher alone follows the sequential stream best. Build-time settings
+ * (SLIPSTREAM_NATIVE_DEFINES), as q4_matvec.c's, for hosts where it may differ. */
+#ifndef Q6_PREFETCH_NEAR_RUNS
+#define Q6_PREFETCH_NEAR_RUNS 0
+#endif
 #ifndef Q6_PREFETCH_FAR_RUNS
-#define Q6_PREFETCH_FAR_RUNS 4
+#define Q6_PREFETCH_FAR_RUNS 0
 #endif
 
 #if Q6_VNNI
@@ -196,12 +204,14 @@ static inline __attribute__((always_inline)) void q6_block_vnni(
         const uint8_t *p = run + Q6_HEADER + gr * Q6_GROUP_BYTES;
         if (gr == 0) {
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)run));
-            const char *near = (const char *)run + Q6_RUN_BYTES;
-            for (int o = 0; o < Q6_HEADER; o += 64) _mm_prefetch(near + o, _MM_HINT_T0);
+            const char *near = (const char *)run + Q6_PREFETCH_NEAR_RUNS * Q6_RUN_BYTES;
+            if (Q6_PREFETCH_NEAR_RUNS > 0)
+                for (int o = 0; o < Q6_HEADER; o += 64) _mm_prefetch(near + o, _MM_HINT_T0);
         }
-        {   /* this group's bytes one run on (L1), and Q6_PREFETCH_FAR_RUNS on (L2) */
-            const char *near = (const char *)p + Q6_RUN_BYTES;
-            for (int o = 0; o < Q6_GROUP_BYTES; o += 64) _mm_prefetch(near + o, _MM_HINT_T0);
+        {   /* this group's bytes Q6_PREFETCH_NEAR_RUNS on (L1), Q6_PREFETCH_FAR_RUNS on (L2) */
+            const char *near = (const char *)p + Q6_PREFETCH_NEAR_RUNS * Q6_RUN_BYTES;
+            if (Q6_PREFETCH_NEAR_RUNS > 0)
+                for (int o = 0; o < Q6_GROUP_BYTES; o += 64) _mm_prefetch(near + o, _MM_HINT_T0);
             if (Q6_PREFETCH_FAR_RUNS > 0) {
                 const char *far = (const char *)p + Q6_PREFETCH_FAR_RUNS * Q6_RUN_BYTES;
                 for (int o = 0; o < Q6_GROUP_BYTES; o += 64) _mm_prefetch(far + o, _MM_HINT_T1);

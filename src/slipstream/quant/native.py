@@ -1,5 +1,6 @@
-"""dequantize_as's fast path: Q4_0, Q4_1 and Q8_0 bytes to float16 or float32 in one native pass
-(native/dequant.c), with the bits of the torch path (quant.legacy, then the cast): a CPU
+"""dequantize_as's fast path: Q4_0, Q4_1, Q8_0, Q4_K and Q6_K bytes to float16 or float32 in one
+native pass (native/dequant.c), with the bits of the torch path (quant.legacy and
+quant.kquants, then the cast): a CPU
 prefill's dense weights are made this way. In torch ops the default model's 106M layer weights
 took about 0.7 s of a core, which the first token of a `run` waited for on a 2-core machine;
 in one native pass, about a tenth of that."""
@@ -11,7 +12,7 @@ from gguf import GGMLQuantizationType as Q
 
 from .. import native
 
-FORMATS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2}  # dequant.c's DQ_* codes
+FORMATS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q6_K: 4}  # dequant.c's DQ_* codes
 DTYPES = {torch.float16: 1, torch.float32: 0}  # its out_f16 flag
 
 

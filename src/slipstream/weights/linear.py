@@ -215,23 +215,52 @@ class OnDemandDenseLinear(Linear):
     at each call (quant.dequantize_as, as the loader makes the dense weight), then multiplied
     as DenseLinear does, so each call gives DenseLinear's bits. For a weight that is seldom
     multiplied dense: a streamed CPU plan's head, which decodes through its packed copy and
-    needs the dense weight only for all-logits passes of more than GEMV_MAX_ROWS rows."""
+    needs the dense weight only for all-logits passes of more than GEMV_MAX_ROWS rows; a
+    mixture of experts' experts, whose dense copies would take 4 times their GGUF bytes at
+    float16 (about 60 GB for Qwen3-30B-A3B) where only a pass's routed experts need one.
+
+    `stacked` makes one over several parts' bytes (gate and up), their rows one after
+    another, each dequantized into its rows of the weight (LazyDenseLinear.fuse's bits)."""
 
     def __init__(self, raw: torch.Tensor, qtype: GGMLQuantizationType | int,
                  shape: tuple[int, int], dtype: torch.dtype, bias: torch.Tensor | None = None):
-        self.raw = raw  # (rows, row_bytes) uint8, private memory
-        self.qtype = qtype
-        self.shape = tuple(shape)
+        self.parts = [(raw, qtype, (int(shape[0]), int(shape[1])))]  # private memory
+        self.shape = (int(shape[0]), int(shape[1]))
         self.dtype = dtype
         self.bias = bias
+
+    @classmethod
+    def stacked(cls, raws: list[torch.Tensor], qtypes: list, shapes: list[tuple[int, int]],
+                dtype: torch.dtype, biases: list[torch.Tensor | None] | None = None
+                ) -> "OnDemandDenseLinear":
+        """The parts' rows as one linear (biases: one per part or None; zeros where a part
+        has none, as DenseLinear.fuse)."""
+        lin = cls(raws[0], qtypes[0], shapes[0], dtype)
+        lin.parts = [(r, t, (int(s[0]), int(s[1]))) for r, t, s in zip(raws, qtypes, shapes)]
+        lin.shape = (sum(int(s[0]) for s in shapes), int(shapes[0][1]))
+        if biases is not None and any(b is not None for b in biases):
+            lin.bias = torch.cat([b if b is not None else torch.zeros(s[0])
+                                  for b, s in zip(biases, shapes)])
+        return lin
 
     @property
     def out_features(self) -> int:
         return self.shape[0]
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense weight, made now and not kept (the caller's to drop)."""
+        if len(self.parts) == 1:
+            raw, qtype, shape = self.parts[0]
+            return quant.dequantize_as(raw, qtype, shape, self.dtype)
+        weight, row = torch.empty(self.shape, dtype=self.dtype), 0
+        for raw, qtype, shape in self.parts:
+            quant.dequantize_as(raw, qtype, shape, self.dtype, out=weight[row:row + shape[0]])
+            row += shape[0]
+        return weight
+
     def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        weight = quant.dequantize_as(self.raw, self.qtype, self.shape, self.dtype)
-        return DenseLinear(weight, self.bias)(x, residual)
+        return DenseLinear(self.weight, self.bias)(x, residual)
 
 
 class QuantEmbedding:
