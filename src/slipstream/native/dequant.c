@@ -23,6 +23,13 @@
 
 #include "half.h"
 
+#if defined(__AVX512F__)
+#define DQ_AVX512 1
+#include <immintrin.h>
+#else
+#define DQ_AVX512 0
+#endif
+
 #if defined(__F16C__) && defined(__AVX__)
 #include <immintrin.h>
 #define DQ_F16C 1  /* 8 floats to float16 in one instruction, rounded as f32_to_f16 rounds */
@@ -58,10 +65,23 @@ static inline void dq_q4_k(const uint8_t *b, float *w) {
         const float dl = d * (float)sc, ml = dmin * (float)m;
         const uint8_t *q = qs + 32 * (j / 2);
         const int shift = 4 * (j % 2);
+#if DQ_AVX512
+        /* the same two roundings, 16 weights a vector: a scalar loop took 1.35 ns a weight
+         * (4.2 ms for a Qwen3-30B-A3B expert's gate/up), which a prefill pays per routed
+         * expert */
+        const __m512 vdl = _mm512_set1_ps(dl), vml = _mm512_set1_ps(ml);
+        for (int h = 0; h < 2; h++) {
+            __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * h)));
+            c = _mm512_and_si512(_mm512_srli_epi32(c, shift), _mm512_set1_epi32(0x0f));
+            __m512 t = _mm512_mul_ps(vdl, _mm512_cvtepi32_ps(c));
+            _mm512_storeu_ps(w + 32 * j + 16 * h, _mm512_sub_ps(t, vml));
+        }
+#else
         for (int l = 0; l < 32; l++) {
             const float t = dl * (float)((q[l] >> shift) & 0x0f);
             w[32 * j + l] = t - ml;
         }
+#endif
     }
 }
 
