@@ -164,3 +164,26 @@ def test_experts_are_packed_at_the_load_and_hold_no_dense_copy_after_a_prefill(m
     stepped = torch.cat([engine.forward(IDS[:9], all_logits=True)]
                         + [engine.forward(IDS[i:i + 1]) for i in range(9, len(IDS))])
     assert _rel(stepped, logits.double()) < 2e-2
+
+
+def test_per_call_dense_weights_give_the_kept_weights_bits(moe_file):
+    """An expert's prefill product (more than 8 rows: its dense weights, made for the call,
+    widened in one native pass) is DenseLinear's over gguf-py's dequantization of its slices
+    at float16, gate rows then up rows, bit for bit; with fewer rows as well (the weight made
+    at float16)."""
+    from slipstream.weights.linear import DenseLinear
+
+    engine = cpu_engine(moe_file, ctx=64)
+    bank = engine.weights.layers[0].moe.experts
+    w = _expert_weights(moe_file)
+    g = torch.Generator().manual_seed(3)
+    for e in (0, bank.n_experts - 1):
+        gate_up = torch.from_numpy(np.concatenate([w["gate"][e], w["up"][e]])).float().half()
+        down = torch.from_numpy(w["down"][e]).float().half()
+        for lin, weight in ((bank.gate_up[e].dense, gate_up), (bank.down[e].dense, down)):
+            assert torch.equal(lin.weight, weight)
+            for rows in (12, 3):
+                x = torch.randn(rows, weight.shape[1], generator=g)
+                r = torch.randn(rows, weight.shape[0], generator=g)
+                assert torch.equal(lin(x), DenseLinear(weight)(x))
+                assert torch.equal(lin(x, residual=r), DenseLinear(weight)(x, residual=r))

@@ -140,17 +140,19 @@ static inline void dq_block(const uint8_t *b, int fmt, float *w) {
 }
 
 /* Blocks [0, n) of `fmt` (block_bytes each, end to end at raw) into out: n * 32 (Q4_K, Q6_K:
- * n * 256) float16 (out_f16) or float32 values, in order. Blocks are shared out over `threads` OpenMP
- * threads; each value is made by one thread from its own block, so any count gives the same
+ * n * 256) values, in order: float16 (out_f16 = 1), float32 (0), or float32 rounded through
+ * float16 (2: float(half(w)), what a float16 weight widened for a float32 GEMM holds, in one
+ * pass instead of two). Blocks are shared out over `threads` OpenMP threads (one: no
+ * region); each value is made by one thread from its own block, so any count gives the same
  * bits. */
 void ss_dequant_blocks(const uint8_t *raw, int fmt, int64_t n, void *out, int out_f16,
                        int threads) {
     const int64_t bytes = dq_block_bytes(fmt), elems = dq_block_elems(fmt);
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t k = 0; k < n; k++) {
         float w[256];
         dq_block(raw + k * bytes, fmt, w);
-        if (out_f16) {
+        if (out_f16 == 1) {
             uint16_t *o = (uint16_t *)out + k * elems;
 #if DQ_F16C
             /* IEEE round to nearest even, NaNs kept quiet with their sign: f32_to_f16's bits
@@ -160,6 +162,15 @@ void ss_dequant_blocks(const uint8_t *raw, int fmt, int64_t n, void *out, int ou
                                  _mm256_cvtps_ph(_mm256_loadu_ps(w + i), _MM_FROUND_TO_NEAREST_INT));
 #else
             for (int i = 0; i < elems; i++) o[i] = f32_to_f16(w[i]);
+#endif
+        } else if (out_f16 == 2) {
+            float *o = (float *)out + k * elems;
+#if DQ_F16C
+            for (int i = 0; i < elems; i += 8)
+                _mm256_storeu_ps(o + i, _mm256_cvtph_ps(_mm256_cvtps_ph(
+                    _mm256_loadu_ps(w + i), _MM_FROUND_TO_NEAREST_INT)));
+#else
+            for (int i = 0; i < elems; i++) o[i] = f16_to_f32(f32_to_f16(w[i]));
 #endif
         } else {
             memcpy((float *)out + k * elems, w, (size_t)elems * sizeof(float));
