@@ -142,10 +142,13 @@ def _tensors(obj, seen: set[int]) -> list[torch.Tensor]:
     return out
 
 
-def test_experts_are_packed_at_the_load_and_hold_no_dense_copy_after_a_prefill(moe_file):
-    """Each expert's decode copies exist when the load returns; a prefill (rows past the
-    packed path's 8) multiplies dense weights made for the call, and afterwards no expert
-    holds a float tensor of its weights' size: the GGUF bytes and the packed copies only."""
+def test_experts_are_packed_at_the_load_and_hold_no_dense_copy_after_a_prefill(moe_file,
+                                                                              monkeypatch):
+    """Each expert's decode copies exist when the load returns; a prefill whose experts'
+    rows pass the packed path's limit (set to 0 here) multiplies dense weights made for the
+    call, and afterwards no expert holds a float tensor of its weights' size: the GGUF bytes
+    and the packed copies only."""
+    monkeypatch.setattr("slipstream.weights.cpu.expert_decode.EXPERT_PACKED_ROWS", 0)
     engine = cpu_engine(moe_file, ctx=64)
     bank = engine.weights.layers[0].moe.experts
     lins = bank.gate_up + bank.down
@@ -187,3 +190,20 @@ def test_per_call_dense_weights_give_the_kept_weights_bits(moe_file):
                 r = torch.randn(rows, weight.shape[0], generator=g)
                 assert torch.equal(lin(x), DenseLinear(weight)(x))
                 assert torch.equal(lin(x, residual=r), DenseLinear(weight)(x, residual=r))
+
+
+def test_prefill_rows_get_a_decode_tokens_bits(moe_file):
+    """Up to EXPERT_PACKED_ROWS rows an expert's prefill rows take its packed copies with
+    float32 between them, row by row: for the same routing (a batch's router matmul may round
+    otherwise than a row's), a batch's experts' sum is each row's alone through the decode
+    token's one-call sum, bit for bit."""
+    from slipstream.model.moe import experts_ffn, route
+
+    engine = cpu_engine(moe_file, ctx=64)
+    moe = engine.weights.layers[0].moe
+    h = torch.randn(19, engine.cfg.hidden, generator=torch.Generator().manual_seed(8))
+    weights, ids = route(h, moe.router, moe.top_k)
+    batch = experts_ffn(h, ids, weights, moe.experts)
+    for t in range(19):
+        one = experts_ffn(h[t:t + 1], ids[t:t + 1], weights[t:t + 1], moe.experts)
+        assert torch.equal(one, batch[t:t + 1]), t

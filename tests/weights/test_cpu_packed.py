@@ -18,9 +18,7 @@ unit roundoff; K the input width):
             product and two multiply-adds, a final add: (G + 3) 2^-24 sum (|s u| + |z|) |x'|
             for G = K / 32 groups (tests/weights/test_q4vnni.py holds the kernel to that
             alone, against the same quantized x); no output rounding (float32 out).
-  q6vnni    Q6_K's weights exact; x quantized as q4vnni's; per 16-column sub-block an exact
-            integer sum, a product and a multiply-add: (K / 16 + 1) 2^-24 sum |w| |x'|
-            (tests/weights/test_q6vnni.py holds the kernel to that alone).
+  q6vnni    Q6_K's weights exact, x as q4vnni's, per 16 columns (quant_oracle.q6vnni_bound).
 
 so for each output |y - y_ref| <= E = E1 + u (|y_ref| + E1), E1 = sum_k |dw_k| |x_k| +
 u sum_k |w'_k x_k| + K 2^-24 sum_k |w'_k x'_k| (int8/int4).
@@ -48,6 +46,7 @@ from slipstream.weights.cpu.groups import (BF16_UNIT_ROUNDOFF, GroupAffine, bf16
                                            bf16_nearest, group_affine)
 from slipstream.weights.cpu.kinds import q4vnni_available
 from slipstream.weights.cpu.q6vnni import Q6VnniLinear, q6vnni_available
+from quant_oracle import q6vnni_bound
 from slipstream.weights.cpu.torch_kernels import (Int4PackLinear, Int4PairLinear,
                                                   Int8PackLinear, int4_params, pack_int4)
 from slipstream.weights.cpu.vnni import Q4VnniLinear, q4vnni_params
@@ -126,16 +125,6 @@ def q4vnni_bound(ga: GroupAffine, xd: torch.Tensor) -> torch.Tensor:
     dxe = (dx / 2 * (1 + 2.0 ** -20))[..., None].expand(-1, -1, 32).reshape(xd.shape)
     roundings = cols // 32 + 3 + (ga.lo == -128)  # Q8_0 x 16 bits: sums past 2^24
     return dxe @ w.abs().t() + roundings * F32_U * ((xd.abs() + dxe) @ terms.t())
-
-
-def q6vnni_bound(ga: GroupAffine, xd: torch.Tensor) -> torch.Tensor:
-    """A priori |y - x w^T| of q6vnni for float64 x (m, K): the quantization of x to 16 bits
-    and a product and a multiply-add per 16-column sub-block (see weights/cpu/q6vnni.py)."""
-    w = ga.exact()
-    top = 32512
-    dx = xd.abs().view(xd.shape[0], -1, 32).amax(-1) / top
-    dxe = (dx / 2 * (1 + 2.0 ** -20))[..., None].expand(-1, -1, 32).reshape(xd.shape)
-    return dxe @ w.abs().t() + (ga.shape[1] // 16 + 1) * F32_U * ((xd.abs() + dxe) @ w.abs().t())
 
 
 def check(lin: Linear, raw: torch.Tensor, qtype: Q, shape, xs: list[torch.Tensor],

@@ -81,6 +81,9 @@ def expert_sum(pairs: Sequence[tuple[Linear, Linear]], weights: torch.Tensor,
 # native one for packed CPU experts)
 OneTokenSum = Callable[[Sequence[tuple["Linear", "Linear"]], torch.Tensor, torch.Tensor, str],
                        torch.Tensor]
+# One expert on the rows routed to it, gate_up, down, h, act -> (n, hidden): expert_ffn, or
+# the loader's form of it (weights.cpu's native one for packed CPU experts)
+ExpertRows = Callable[["Linear", "Linear", torch.Tensor, str], torch.Tensor]
 
 
 class ResidentExperts:
@@ -89,9 +92,10 @@ class ResidentExperts:
     format model.llama.Linear covers (the loader builds them as it builds the dense FFN's)."""
 
     def __init__(self, gate_up: Sequence[Linear], down: Sequence[Linear], act: str = "silu",
-                 one_token: OneTokenSum = expert_sum):
+                 one_token: OneTokenSum = expert_sum, rows: ExpertRows | None = None):
         """act: the experts' gated product, "silu" (SwiGLU) or "swiglu_oai" (gpt-oss);
-        one_token: how a token's experts are summed (ffn_one)."""
+        one_token: how a token's experts are summed (ffn_one); rows: how an expert runs on
+        its rows (ffn; default expert_ffn)."""
         if len(gate_up) != len(down):
             raise ValueError(f"{len(gate_up)} gate/up linears but {len(down)} down linears")
         if act not in ("silu", "swiglu_oai"):
@@ -100,13 +104,14 @@ class ResidentExperts:
         self.down = list(down)
         self.act = act
         self.one_token = one_token
+        self.rows = rows or expert_ffn
 
     @property
     def n_experts(self) -> int:
         return len(self.down)
 
     def ffn(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        return expert_ffn(self.gate_up[e], self.down[e], h, self.act)
+        return self.rows(self.gate_up[e], self.down[e], h, self.act)
 
     def ffn_one(self, ids: list[int], weights: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         return self.one_token([(self.gate_up[e], self.down[e]) for e in ids], weights, h,

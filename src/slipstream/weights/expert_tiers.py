@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..errors import BadArgument, GGUFError
-from ..model.moe import OneTokenSum, expert_ffn, expert_sum
+from ..model.moe import ExpertRows, OneTokenSum, expert_ffn, expert_sum
 
 # Rows routed to a layer's experts between two halvings of its counts: 8192 rows are 1024
 # tokens of Qwen3-MoE (8 experts a token), 4096 of Mixtral (2)
@@ -124,7 +124,8 @@ class TieredExperts:
     def __init__(self, n_experts: int, slots: int, file: ExpertFile,
                  slices: list[ExpertSlice], make: Callable[[int, list[torch.Tensor]], ExpertPair],
                  held: dict[int, ExpertPair], decay_rows: int = DECAY_ROWS,
-                 act: str = "silu", one_token: OneTokenSum = expert_sum):
+                 act: str = "silu", one_token: OneTokenSum = expert_sum,
+                 rows: ExpertRows = expert_ffn):
         if not 0 <= slots <= n_experts:
             raise BadArgument(f"slots={slots} is invalid: between 0 and the layer's "
                               f"{n_experts} experts")
@@ -140,6 +141,7 @@ class TieredExperts:
         self.decay_rows = decay_rows
         self.act = act  # the experts' gated product (model.moe.expert_ffn)
         self.one_token = one_token  # a token's sum of its experts (ffn_one), as resident
+        self.rows = rows  # an expert on its rows (ffn), as resident
         self._rows = 0
 
     @property
@@ -148,7 +150,7 @@ class TieredExperts:
 
     def ffn(self, e: int, h: torch.Tensor) -> torch.Tensor:
         gate_up, down = self._pair(e, h.shape[0])
-        return expert_ffn(gate_up, down, h, self.act)
+        return self.rows(gate_up, down, h, self.act)
 
     def ffn_one(self, ids: list[int], weights: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """One token's experts, each counted and found (or read) as ffn's, then summed as a

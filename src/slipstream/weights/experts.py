@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .. import quant
-from ..model.moe import MoeWeights, OneTokenSum, ResidentExperts, expert_sum
+from ..model.moe import (ExpertRows, MoeWeights, OneTokenSum, ResidentExperts, expert_ffn,
+                         expert_sum)
 from .cpu import PackedDecodeLinear
-from .cpu.expert_decode import native_expert_sum
+from .cpu.expert_decode import native_expert_ffn, native_expert_sum
 from .expert_tiers import ExpertFile, ExpertSlice, TieredExperts
 from .linear import DenseLinear, Linear, OnDemandDenseLinear
 
@@ -71,10 +72,13 @@ def expert_linears(builder: LayerBuilder, raws: list[torch.Tensor], types: list,
     return gate_up, down
 
 
-def one_token_sum(builder: LayerBuilder) -> OneTokenSum:
-    """How a bank of this build sums a decode token's experts: in one native call where the
-    experts decode packed on the CPU (weights.cpu.expert_decode), else op by op."""
-    return native_expert_sum if builder.precision.cpu_packed_decode else expert_sum
+def expert_ops(builder: LayerBuilder) -> tuple[OneTokenSum, ExpertRows]:
+    """How a bank of this build sums a decode token's experts and runs an expert on its rows:
+    natively where the experts are packed on the CPU (weights.cpu.expert_decode), else op by
+    op (model.moe)."""
+    if builder.precision.cpu_packed_decode:
+        return native_expert_sum, native_expert_ffn
+    return expert_sum, expert_ffn
 
 
 def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
@@ -115,7 +119,7 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
                                    expert_biases(e))
             gate_up.append(gu)
             down.append(d)
-        bank = ResidentExperts(gate_up, down, act, one_token_sum(builder))
+        bank = ResidentExperts(gate_up, down, act, *expert_ops(builder))
     return MoeWeights(router, bank, cfg.n_experts_used, router_bias=biases.get(spec.router),
                       gating=cfg.moe_gating)
 
@@ -141,5 +145,6 @@ def _tiered(builder: LayerBuilder, src: TensorSource, names: list[str], full: li
         # copies of the map's slices: the model does not read its map after the load
         raws = [src.raw(n, s).view(s[0], s[1], -1)[e].clone() for n, s in zip(names, full)]
         held[e] = make(e, raws)
+    one_token, rows = expert_ops(builder)
     return TieredExperts(n_experts, slots, file, slices, make, held, act=act,
-                         one_token=one_token_sum(builder))
+                         one_token=one_token, rows=rows)
