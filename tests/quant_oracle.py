@@ -67,3 +67,15 @@ def assert_chunked_threads_give_the_bits(lin, x: torch.Tensor, rows: int, thread
     one = lin.matvec(x, torch.empty(m, rows), threads=1)
     y = lin.matvec(x, torch.empty(m, rows), threads=threads)
     assert torch.equal(y.view(torch.int32), one.view(torch.int32))
+
+
+def q6vnni_bound(ga, xd: torch.Tensor) -> torch.Tensor:
+    """A priori |y - x w^T| of q6vnni (weights.cpu.q6vnni) for float64 x (m, K) and Q6_K's
+    GroupAffine `ga`: x quantized to 16 bits per block of 32 (|dx X - x| <= dx / 2, plus
+    float32's rounding of dx and x / dx: the factor 1 + 2^-20), then per 16-column sub-block
+    an exact integer sum, a product and a multiply-add: (K / 16 + 1) 2^-24 sum |w| |x'|."""
+    w = ga.exact()
+    dx = xd.abs().view(xd.shape[0], -1, 32).amax(-1) / 32512
+    dxe = (dx / 2 * (1 + 2.0 ** -20))[..., None].expand(-1, -1, 32).reshape(xd.shape)
+    return dxe @ w.abs().t() + (ga.shape[1] // 16 + 1) * 2.0 ** -24 * (
+        (xd.abs() + dxe) @ w.abs().t())

@@ -104,8 +104,8 @@ _register(
            "distances), part of its cache key. For timing builds; the defaults are measured.",
            accepts="whitespace-separated -DNAME or -DNAME=VALUE"),
     EnvVar("SLIPSTREAM_Q4VNNI", "1", "fallback",
-           "0: the CPU's 4-bit weights use torch's int4 kernels instead of the native VNNI "
-           "layout.", _flag, "0 or 1"),
+           "0: the CPU's quantized weights use torch's kernels (int4 for the 4-bit formats and "
+           "Q8_0, int8 for Q6_K) instead of the native VNNI layouts.", _flag, "0 or 1"),
     EnvVar("SLIPSTREAM_FUSED_DECODE", "1", "debug",
            "0: CUDA decode uses torch's ops for RoPE, the cache write and attention instead of "
            "the fused Triton kernels, to compare the two.", _flag, "0 or 1"),

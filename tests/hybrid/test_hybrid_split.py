@@ -97,8 +97,8 @@ def test_the_cpu_share_matches_within_bfloat16_rounding(layer_parts):
 def test_the_workers_path_gives_computes_bits(layer_parts, q4vnni, monkeypatch):
     """HostFFN.compute_into (the CUDA worker's path: its buffers reused, the result written in
     place) gives compute's bits for 1 to 8 rows, whatever the CPU kernels are: the layer's own
-    share packed as q4vnni, q8vnni (int8pack for Q6_K), or with SLIPSTREAM_Q4VNNI=0 by torch's
-    kernels (int4pack, no output buffer of its own: through compute)."""
+    share packed as q4vnni, q8vnni (q6vnni or int8pack for Q6_K), or with SLIPSTREAM_Q4VNNI=0
+    by torch's kernels (int4pack, no output buffer of its own: through compute)."""
     monkeypatch.setenv("SLIPSTREAM_Q4VNNI", q4vnni)
     cfg, builder, src = layer_parts
     parts = host_linears(ffn_raws(src, cfg, 0), 256)
@@ -128,7 +128,7 @@ def test_the_fused_share_is_the_four_calls_in_one(layer_parts):
                   act=cfg.ffn_act)
     kinds = {getattr(p, "kind", None) for p in parts.values()}
     if native.library() is None or not kinds <= {"q4vnni", "q8vnni"}:
-        assert ffn._fused() is None  # Q4_K_M's Q6_K down takes int8pack: four calls
+        assert ffn._fused() is None  # Q4_K_M's Q6_K down is no q4vnni: four calls
         return
     assert ffn._fused() is not None
     g = torch.Generator().manual_seed(9)

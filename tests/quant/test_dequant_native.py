@@ -1,6 +1,6 @@
 """quant.dequantize_as's native pass (native/dequant.c through quant.native) against the torch
 reference (quant.dequantize, which test_dequant.py holds to gguf-py's bits) then torch's own
-cast: the same float16 and float32 bits for Q4_0, Q4_1 and Q8_0, with scales that make float16
+cast: the same float16 and float32 bits for Q4_0, Q4_1, Q8_0, Q4_K and Q6_K, with scales that make float16
 overflow to infinity, land in its subnormals and fall exactly halfway between two float16s,
 for any thread count; and that the native pass is the one taken."""
 
@@ -17,7 +17,9 @@ from slipstream.quant import native as quant_native
 pytestmark = pytest.mark.skipif(native.library() is None,
                                 reason="no C compiler: the torch ops dequantize")
 
-FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0]
+FORMATS = [T.Q4_0, T.Q4_1, T.Q8_0, T.Q4_K, T.Q6_K]
+# where each format's float16 fields sit in its block: d (and m, dmin)
+FIELDS = {T.Q4_1: (0, 2), T.Q4_K: (0, 2), T.Q6_K: (208,)}
 
 
 def hard_blocks(qtype: T, n: int, seed: int) -> torch.Tensor:
@@ -25,7 +27,7 @@ def hard_blocks(qtype: T, n: int, seed: int) -> torch.Tensor:
     (subnormal products), huge (products past 65504), ordinary, zero and negative."""
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
-    fields = (0, 2) if qtype == T.Q4_1 else (0,)
+    fields = FIELDS.get(qtype, (0,))
     for off in fields:
         exp = rng.integers(-24, 16, n).astype(np.float64)
         v = np.clip(rng.choice([-1.0, 1.0], n) * rng.uniform(1.0, 2.0, n) * 2.0 ** exp,
@@ -47,7 +49,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
 def test_the_native_pass_gives_the_torch_paths_bits(qtype, dtype, monkeypatch):
     blocks = hard_blocks(qtype, 4096, int(qtype))
-    shape = (64, 64 * 32)
+    shape = (64, 64 * GGML_QUANT_SIZES[qtype][0])
     want = torch_path(blocks, qtype, shape, dtype)
     taken = []
     real = quant_native.dequantize_native

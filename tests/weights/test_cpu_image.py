@@ -34,10 +34,11 @@ FAST = Precision.of("fast", CPU)
 # fuses only parts of one layout); Q5_K has no packed layout at all.
 INT8 = kind_for(8)  # Q8_0's: q8vnni or int4pair
 INT4 = kind_for(12)  # Q4_K (12)'s decode layout here: q4vnni with the native library, else int4pack
+Q6 = kind_for(14)  # Q6_K (14)'s: q6vnni with the native library's VNNI loop, else int8pack
 CASES = {
     ("llama", "Q4_K"): dict(attn_qkv=INT4, attn_output=INT4, ffn_gate_up=INT4, ffn_down=INT4),
     ("llama", "Q4_K_M"): dict(attn_qkv="dense", attn_output=INT4, ffn_gate_up=INT4,
-                              ffn_down="int8pack"),
+                              ffn_down=Q6),
     ("llama", "Q8_0"): dict(attn_qkv=INT8, attn_output=INT8, ffn_gate_up=INT8, ffn_down=INT8),
     ("llama", "Q4_0"): dict(attn_qkv=INT4, attn_output=INT4, ffn_gate_up=INT4, ffn_down=INT4),
     ("llama", "Q5_K"): dict(attn_qkv="dense", attn_output="dense", ffn_gate_up="dense",
@@ -125,7 +126,7 @@ def test_the_image_is_pack_groups_copy_of_the_files_bytes(model):
         assert ref.kind == CASES[case][field] == kind_for(types[0])
         packed = got.packed
         planes = {"int8pack": ("codes", "scales"), "q4vnni": ("packed",),
-                  "q8vnni": ("packed",)}.get(
+                  "q8vnni": ("packed",), "q6vnni": ("packed",)}.get(
             ref.kind, ("packed", "scale_zeros"))
         for plane in planes:
             assert torch.equal(getattr(packed, plane), getattr(ref, plane)), (field, plane)

@@ -18,6 +18,7 @@ unit roundoff; K the input width):
             product and two multiply-adds, a final add: (G + 3) 2^-24 sum (|s u| + |z|) |x'|
             for G = K / 32 groups (tests/weights/test_q4vnni.py holds the kernel to that
             alone, against the same quantized x); no output rounding (float32 out).
+  q6vnni    Q6_K's weights exact, x as q4vnni's, per 16 columns (quant_oracle.q6vnni_bound).
 
 so for each output |y - y_ref| <= E = E1 + u (|y_ref| + E1), E1 = sum_k |dw_k| |x_k| +
 u sum_k |w'_k x_k| + K 2^-24 sum_k |w'_k x'_k| (int8/int4).
@@ -44,6 +45,8 @@ from slipstream.weights.cpu import (PackedDecodeLinear, kind_for, pack_group, pa
 from slipstream.weights.cpu.groups import (BF16_UNIT_ROUNDOFF, GroupAffine, bf16_ceil,
                                            bf16_nearest, group_affine)
 from slipstream.weights.cpu.kinds import q4vnni_available
+from slipstream.weights.cpu.q6vnni import Q6VnniLinear, q6vnni_available
+from quant_oracle import q6vnni_bound
 from slipstream.weights.cpu.torch_kernels import (Int4PackLinear, Int4PairLinear,
                                                   Int8PackLinear, int4_params, pack_int4)
 from slipstream.weights.cpu.vnni import Q4VnniLinear, q4vnni_params
@@ -160,6 +163,8 @@ def check(lin: Linear, raw: torch.Tensor, qtype: Q, shape, xs: list[torch.Tensor
     k = shape[1]
     if isinstance(lin, Q4VnniLinear):  # and Q8VnniLinear
         bound = q4vnni_bound(ga, xd)
+    elif isinstance(lin, Q6VnniLinear):
+        bound = q6vnni_bound(ga, xd)
     else:
         wm, terms = mapped_weights(lin, ga)
         kk = 2 * k if isinstance(lin, Int4PairLinear) else k  # the products the kernel sums
@@ -198,6 +203,8 @@ MAPPINGS = [(Q.Q4_0, "int4pack"), (Q.Q4_1, "int4pack"), (Q.Q4_K, "int4pack"),
 if q4vnni_available():  # the native library: int8 activations times the 4-bit codes
     MAPPINGS += [(Q.Q4_0, "q4vnni"), (Q.Q4_1, "q4vnni"), (Q.Q4_K, "q4vnni"),
                  (Q.Q8_0, "q8vnni")]
+if q6vnni_available():  # and its VNNI loop: Q6_K's own codes
+    MAPPINGS += [(Q.Q6_K, "q6vnni")]
 INT4 = kind_for(Q.Q4_K)  # what "auto" packs the 4-bit formats as here: q4vnni or int4pack
 
 
@@ -308,7 +315,7 @@ def test_every_batch_size_up_to_8(synth_files, m):
     q8 = torch.from_numpy(random_tensor(Q.Q8_0, (40, 512), np.random.default_rng(m), 0.02))
     tensors[Q.Q8_0] = (None, q8.view(40, -1), None, (40, 512))
     for qtype, kinds in ((Q.Q4_K, ("int4pack", INT4, "int8pack")),
-                         (Q.Q6_K, ("int8pack",)),
+                         (Q.Q6_K, tuple({"int8pack", kind_for(Q.Q6_K)})),
                          (Q.Q8_0, ("int4pair", "int8pack"))):
         _, raw, _, shape = tensors[qtype]
         x = torch.randn(m, shape[1], generator=g)
@@ -399,7 +406,7 @@ def test_residual_bias_padding_and_fusion():
     q6 = torch.from_numpy(random_tensor(Q.Q6_K, (16, cols), rng, 0.02)).view(16, -1)
     fused, parts = pack_group([raws[0], q6], [Q.Q4_K, Q.Q6_K], [shapes[0], (16, cols)],
                               [None, None])
-    assert fused is None and [p.kind for p in parts] == [INT4, "int8pack"]
+    assert fused is None and [p.kind for p in parts] == [INT4, kind_for(Q.Q6_K)]
     # int8 takes both: one linear
     fused, _ = pack_group([raws[0], q6], [Q.Q4_K, Q.Q6_K], [shapes[0], (16, cols)],
                           [None, None], kind="int8pack")
@@ -427,7 +434,7 @@ def test_row_slices_give_the_rows():
     rng = np.random.default_rng(9)
     rows, cols = 200, 256  # 200: a partial last block, padded to 208 for int4
     for qtype, kind in ((Q.Q4_K, "int4pack"), (Q.Q4_K, INT4), (Q.Q8_0, "int4pair"),
-                        (Q.Q6_K, "int8pack")):
+                        (Q.Q6_K, "int8pack"), (Q.Q6_K, kind_for(Q.Q6_K))):
         raw = torch.from_numpy(random_tensor(qtype, (rows, cols), rng, 0.02)).view(rows, -1)
         lin = pack_linear(raw, qtype, (rows, cols), torch.randn(rows), kind=kind)
         assert lin.kind == kind
@@ -492,7 +499,8 @@ def test_kinds():
     assert kind_for(Q.Q4_K) == four and kind_for(Q.Q4_1) == four and kind_for(Q.Q4_0) == four
     assert kind_for(Q.Q4_K, "int4pack") == "int4pack"
     assert kind_for(Q.Q8_0) == ("q8vnni" if q4vnni_available() else "int4pair")
-    assert kind_for(Q.Q8_0, "int4pair") == "int4pair" and kind_for(Q.Q6_K) == "int8pack"
+    assert kind_for(Q.Q8_0, "int4pair") == "int4pair"
+    assert kind_for(Q.Q6_K) == ("q6vnni" if q6vnni_available() else "int8pack")
     assert kind_for(Q.Q8_0, "int8pack") == "int8pack"
     assert kind_for(Q.Q6_K, "int4pack") is None and kind_for(Q.Q5_K) is None
     assert kind_for(Q.Q4_K, "int4pair") is None and kind_for(Q.Q8_0, "int4pack") is None

@@ -270,11 +270,12 @@ def test_auto_kind_and_fallback(monkeypatch):
     for q in (Q.Q4_0, Q.Q4_1, Q.Q4_K):
         assert kind_for(q) == "q4vnni" and kind_for(q, "q4vnni") == "q4vnni"
         assert kind_for(q, "q8vnni") is None
-    assert kind_for(Q.Q8_0) == "q8vnni" and kind_for(Q.Q6_K) == "int8pack"
+    assert kind_for(Q.Q8_0) == "q8vnni" and kind_for(Q.Q6_K) in ("q6vnni", "int8pack")
     assert kind_for(Q.Q8_0, "q4vnni") is None and kind_for(Q.Q6_K, "q4vnni") is None
     assert kind_for(Q.Q6_K, "q8vnni") is None
     monkeypatch.setenv("SLIPSTREAM_Q4VNNI", "0")
     assert kind_for(Q.Q4_1) == "int4pack" and kind_for(Q.Q8_0) == "int4pair"
+    assert kind_for(Q.Q6_K) == "int8pack"
     assert pack_linear(make_raw(Q.Q4_1, 16, 64, 8), Q.Q4_1, (16, 64)).kind == "int4pack"
 
 

@@ -33,21 +33,27 @@ def expert_tensor_names(cfg: ModelConfig, i: int) -> list[str]:
     return [f"blk.{i}.{part}.weight" for part in (spec.gate, spec.up, spec.down)]
 
 
-def expert_ram_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, precision: Precision,
-                     gguf: bool = True) -> int:
+def expert_ram_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, precision: Precision) -> int:
     """RAM one expert of layer i takes once built (as memory.setup.layer_resident_bytes counts
-    a layer): its dense weights, plus its packed decode copies at precision.cpu_packed_decode,
-    plus (`gguf`) its GGUF bytes, which its linears keep (their dense weights are made from
-    them at first use; layer_resident_bytes leaves those out)."""
-    bits = torch.finfo(precision.weight_dtype).bits
+    a layer's): its GGUF bytes, which its linears keep (a dense weight is made from them per
+    call that needs one, and dropped), plus its packed decode copies at
+    precision.cpu_packed_decode."""
     total = 0
     for name in expert_tensor_names(cfg, i):
         info = gf.tensors[name]
         rows, cols = (int(n) for n in info.shape[-2:])
-        total += rows * cols * bits // 8 + (info.n_bytes // cfg.n_experts if gguf else 0)
+        total += info.n_bytes // cfg.n_experts
         if precision.cpu_packed_decode:
             total += packed_nbytes(info.ggml_type, (rows, cols)) or 0
     return total
+
+
+def expert_dense_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, precision: Precision) -> int:
+    """The dense weights one expert of layer i makes for a call (gate and up, then down, at
+    precision.weight_dtype): a transient, one at a time."""
+    bits = torch.finfo(precision.weight_dtype).bits
+    return sum(int(gf.tensors[n].shape[-2]) * int(gf.tensors[n].shape[-1]) * bits // 8
+               for n in expert_tensor_names(cfg, i)[:2])
 
 
 def expert_file_bytes(gf: GGUFFile, cfg: ModelConfig, i: int) -> int:
@@ -63,11 +69,13 @@ def plan_experts(gf: GGUFFile, cfg: ModelConfig, precision: Precision, resident:
     # the layers with experts (a leading dense layer holds none: GLM-4.5, DeepSeek)
     moe = [i for i in range(n) if cfg.layer(i).n_experts]
     per_expert = [expert_ram_bytes(gf, cfg, i, precision) if i in moe else 0 for i in range(n)]
-    dense_layers = [r - (cfg.n_experts * expert_ram_bytes(gf, cfg, i, precision, gguf=False)
-                         if i in moe else 0) for i, r in enumerate(resident)]
+    dense_layers = [r - (cfg.n_experts * per_expert[i] if i in moe else 0)
+                    for i, r in enumerate(resident)]
     embed = gf.tensors[EMBEDDING].n_bytes  # a private copy of its GGUF bytes
-    # one cold expert read and built at a time, beside those held
-    staging = max(per_expert) + max(expert_file_bytes(gf, cfg, i) for i in moe)
+    # one cold expert read and built at a time, beside those held, and one dense weight
+    # made for a call
+    staging = max(per_expert) + max(expert_file_bytes(gf, cfg, i) for i in moe) + \
+        max(expert_dense_bytes(gf, cfg, i, precision) for i in moe)
     dense = fixed + embed + sum(dense_layers) + staging
     if budget < dense:
         raise BudgetTooSmall(

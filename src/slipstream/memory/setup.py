@@ -69,12 +69,16 @@ def check_io(io: str, device: torch.device) -> None:
 
 def layer_resident_bytes(gf: GGUFFile, i: int, precision: Precision) -> int:
     """RAM a resident layer takes on CPU: dense weights (norms and biases in float32), plus
-    the packed decode copies of its matrices where precision.cpu_packed_decode makes them."""
+    the packed decode copies of its matrices where precision.cpu_packed_decode makes them. A
+    mixture of experts' 3-D expert tensors count their GGUF bytes instead of dense weights:
+    an expert keeps its bytes and makes a dense weight only for a call that needs one
+    (weights.experts)."""
     total = 0
     for name in file_spec(gf).names(i, gf.tensors):
         info = gf.tensors[name]
         bits = 32 if len(info.shape) == 1 else torch.finfo(precision.weight_dtype).bits
-        total += info.n_elements * bits // 8 + _packed_bytes(info, precision)
+        held = info.n_bytes if len(info.shape) == 3 else info.n_elements * bits // 8
+        total += held + _packed_bytes(info, precision)
     return total
 
 

@@ -38,7 +38,7 @@ router would pick another expert wherever two probabilities are within its round
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,11 @@ class ExpertBank(Protocol):
         device path (weights.routed_experts: one launch per projection for every slot)."""
         ...
 
+    def ffn_one(self, ids: list[int], weights: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """One token's sum_j weights[j] * ffn(ids[j], h), float32 (1, hidden), for h
+        (1, hidden) and its experts in ascending order."""
+        ...
+
 
 # gpt-oss's SwiGLU: the gate clamped from above and the up projection on both sides at 7,
 # the gate's sigmoid sharpened by 1.702 (the GELU approximation's constant), and 1 added to up
@@ -80,13 +85,36 @@ def swiglu_oai(gate_up: torch.Tensor) -> torch.Tensor:
     return (up + 1.0) * (gate * torch.sigmoid(OAI_ALPHA * gate))
 
 
+def expert_sum(pairs: Sequence[tuple[Linear, Linear]], weights: torch.Tensor,
+               h: torch.Tensor, act: str = "silu") -> torch.Tensor:
+    """sum_j weights[j] * expert_ffn(*pairs[j], h, act) for one row h, float32 (1, hidden),
+    added in the order given: a bank's one-token sum where no fused form serves it."""
+    out = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    for (gate_up, down), w in zip(pairs, weights):
+        out += expert_ffn(gate_up, down, h, act).float() * w
+    return out
+
+
+# A one-token sum of a bank's experts, (gate_up, down) pairs, weights, h, act -> float32
+# (1, hidden): expert_sum, or a fused form of it that the loader passes in (weights.cpu's
+# native one for packed CPU experts)
+OneTokenSum = Callable[[Sequence[tuple["Linear", "Linear"]], torch.Tensor, torch.Tensor, str],
+                       torch.Tensor]
+# One expert on the rows routed to it, gate_up, down, h, act -> (n, hidden): expert_ffn, or
+# the loader's form of it (weights.cpu's native one for packed CPU experts)
+ExpertRows = Callable[["Linear", "Linear", torch.Tensor, str], torch.Tensor]
+
+
 class ResidentExperts:
     """Every expert's linears held on the engine's device: `gate_up[e]` hidden ->
     2 * expert_ffn (gate rows, then up rows) and `down[e]` expert_ffn -> hidden, in any
     format model.llama.Linear covers (the loader builds them as it builds the dense FFN's)."""
 
-    def __init__(self, gate_up: Sequence[Linear], down: Sequence[Linear], act: str = "silu"):
-        """act: the experts' gated product, "silu" (SwiGLU) or "swiglu_oai" (gpt-oss)."""
+    def __init__(self, gate_up: Sequence[Linear], down: Sequence[Linear], act: str = "silu",
+                 one_token: OneTokenSum = expert_sum, rows: ExpertRows | None = None):
+        """act: the experts' gated product, "silu" (SwiGLU) or "swiglu_oai" (gpt-oss);
+        one_token: how a token's experts are summed (ffn_one); rows: how an expert runs on
+        its rows (ffn; default expert_ffn)."""
         if len(gate_up) != len(down):
             raise ValueError(f"{len(gate_up)} gate/up linears but {len(down)} down linears")
         if act not in ("silu", "swiglu_oai"):
@@ -94,13 +122,19 @@ class ResidentExperts:
         self.gate_up = list(gate_up)
         self.down = list(down)
         self.act = act
+        self.one_token = one_token
+        self.rows = rows or expert_ffn
 
     @property
     def n_experts(self) -> int:
         return len(self.down)
 
     def ffn(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        return expert_ffn(self.gate_up[e], self.down[e], h, self.act)
+        return self.rows(self.gate_up[e], self.down[e], h, self.act)
+
+    def ffn_one(self, ids: list[int], weights: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        return self.one_token([(self.gate_up[e], self.down[e]) for e in ids], weights, h,
+                              self.act)
 
     def mix(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return experts_ffn(h, ids, weights, self)
@@ -222,14 +256,12 @@ def experts_ffn(h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
     Each expert runs once, on all the rows routed to it, experts in ascending order; a row's
     terms are added in that order whatever the batch (one decode token takes the same order
-    through its own short path: per-op overhead bounds CPU decode)."""
+    through the bank's own one-token sum, `ffn_one`: per-op overhead bounds CPU decode)."""
     T, hidden = h.shape
-    out = torch.zeros(T, hidden, dtype=torch.float32, device=h.device)
     if T == 1:
         order = torch.argsort(ids[0])
-        for e, w in zip(ids[0][order].tolist(), weights[0][order]):
-            out += bank.ffn(e, h).float() * w
-        return out
+        return bank.ffn_one(ids[0][order].tolist(), weights[0][order].contiguous(), h)
+    out = torch.zeros(T, hidden, dtype=torch.float32, device=h.device)
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert

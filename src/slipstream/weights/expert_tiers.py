@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from ..errors import BadArgument, GGUFError
-from ..model.moe import expert_ffn, experts_ffn
+from ..model.moe import ExpertRows, OneTokenSum, expert_ffn, expert_sum, experts_ffn
 
 # Rows routed to a layer's experts between two halvings of its counts: 8192 rows are 1024
 # tokens of Qwen3-MoE (8 experts a token), 4096 of Mixtral (2)
@@ -124,7 +124,8 @@ class TieredExperts:
     def __init__(self, n_experts: int, slots: int, file: ExpertFile,
                  slices: list[ExpertSlice], make: Callable[[int, list[torch.Tensor]], ExpertPair],
                  held: dict[int, ExpertPair], decay_rows: int = DECAY_ROWS,
-                 act: str = "silu"):
+                 act: str = "silu", one_token: OneTokenSum = expert_sum,
+                 rows: ExpertRows = expert_ffn):
         if not 0 <= slots <= n_experts:
             raise BadArgument(f"slots={slots} is invalid: between 0 and the layer's "
                               f"{n_experts} experts")
@@ -139,6 +140,8 @@ class TieredExperts:
         self.uses = [0] * n_experts  # rows routed to each expert, halved every decay_rows
         self.decay_rows = decay_rows
         self.act = act  # the experts' gated product (model.moe.expert_ffn)
+        self.one_token = one_token  # a token's sum of its experts (ffn_one), as resident
+        self.rows = rows  # an expert on its rows (ffn), as resident
         self._rows = 0
 
     @property
@@ -149,8 +152,18 @@ class TieredExperts:
         return experts_ffn(h, ids, weights, self)
 
     def ffn(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        self.uses[e] += h.shape[0]
-        self._rows += h.shape[0]
+        gate_up, down = self._pair(e, h.shape[0])
+        return self.rows(gate_up, down, h, self.act)
+
+    def ffn_one(self, ids: list[int], weights: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """One token's experts, each counted and found (or read) as ffn's, then summed as a
+        resident bank sums them (the same `one_token`, so the same bits)."""
+        return self.one_token([self._pair(e, 1) for e in ids], weights, h, self.act)
+
+    def _pair(self, e: int, rows: int) -> ExpertPair:
+        """Expert e's linears for a call of `rows` rows: counted, then held or read."""
+        self.uses[e] += rows
+        self._rows += rows
         if self._rows >= self.decay_rows:
             self.uses = [u // 2 for u in self.uses]
             self._rows = 0
@@ -161,8 +174,7 @@ class TieredExperts:
             self.file.count(misses=1)
             pair = self.make(e, [self.file.read(sl, e) for sl in self.slices])
             self._admit(e, pair)
-        gate_up, down = pair
-        return expert_ffn(gate_up, down, h, self.act)
+        return pair
 
     def _admit(self, e: int, pair: ExpertPair) -> None:
         if len(self.held) < self.slots:

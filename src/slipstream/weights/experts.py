@@ -4,9 +4,11 @@ each expert's linears cut from the layer's 3-D expert tensors.
 An expert tensor (n_experts, rows, cols) stores expert after expert, each expert's rows whole
 blocks of its format (a row is cols / block_size blocks), so expert e's bytes are one
 contiguous slice, rows [e * rows, (e + 1) * rows) of the tensor viewed (n_experts * rows,
-row_bytes). Each slice becomes a linear exactly as a 2-D weight of the same format does in
-weights.loader (dense made at its first use, a packed decode copy at "fast"), so an expert
-dequantizes to the bits gguf-py's dequantize gives that slice of the whole tensor.
+row_bytes). Each slice becomes a linear as a 2-D weight of the same format does in
+weights.loader (a packed decode copy at "fast", made at the load), except that its dense
+weight is made from the slice's bytes at each call that needs it (prefill) and dropped after,
+so an expert dequantizes to the bits gguf-py's dequantize gives that slice of the whole
+tensor, and RAM holds the GGUF bytes and the packed copies only.
 
 With `expert_slots` (a plan that holds only some experts in RAM, memory.expert_plan), the
 layer's experts go into a TieredExperts bank (weights.expert_tiers): its first slots experts
@@ -25,9 +27,12 @@ import torch
 
 from .. import kernels, quant
 from ..model.layer_spec import ExpertSpec
-from ..model.moe import MoeWeights, ResidentExperts, SharedExpert
+from ..model.moe import (ExpertRows, MoeWeights, OneTokenSum, ResidentExperts, SharedExpert,
+                         expert_ffn, expert_sum)
+from .cpu import PackedDecodeLinear
+from .cpu.expert_decode import native_expert_ffn, native_expert_sum
 from .expert_tiers import ExpertFile, ExpertSlice, TieredExperts
-from .linear import DenseLinear, LazyDenseLinear, Linear, lazy_dense
+from .linear import DenseLinear, Linear, OnDemandDenseLinear
 from .routed_experts import RoutedExperts, RoutedLinear
 
 if TYPE_CHECKING:  # the loader imports this module
@@ -40,21 +45,36 @@ def expert_linears(builder: LayerBuilder, raws: list[torch.Tensor], types: list,
     """One expert's (gate_up, down) linears from its bytes of the gate, up and down tensors
     (each (rows, row_bytes) uint8, in that order), their GGML types and (rows, cols): gate
     and up fused into one linear (gate rows, then up rows: the dense FFN's ffn_gate_up).
-    `lazy`: dense weights made at first use from `raws` (which must stay valid), else now.
+    `lazy`: `raws` stay valid, and the dense weights are made from them at each call that
+    needs them and dropped after (OnDemandDenseLinear: a pass's routed experts only, never
+    every expert's float16 copy at once); else made now. At precision "fast" the packed decode
+    copies are made now, once: a token never waits for an expert's packing.
     `biases`: the expert's gate, up and down biases (gpt-oss), float32, or None."""
     dtype = builder.precision.weight_dtype
     biases = biases or [None, None, None]
-
-    def linear(k: int) -> Linear:
-        if lazy:
-            return lazy_dense(raws[k], types[k], shapes[k], dtype, biases[k])
-        return DenseLinear(quant.dequantize_as(raws[k], types[k], shapes[k], dtype)
-                           .to(builder.device), biases[k])
-
-    fuse = LazyDenseLinear.fuse if lazy else DenseLinear.fuse
-    fused, _ = fuse([linear(0), linear(1)])
+    if lazy:
+        fused: Linear = OnDemandDenseLinear.stacked(raws[:2], types[:2], shapes[:2], dtype,
+                                                    biases[:2])
+        down: Linear = OnDemandDenseLinear(raws[2], types[2], shapes[2], dtype, biases[2])
+    else:
+        parts = [DenseLinear(quant.dequantize_as(raws[k], types[k], shapes[k], dtype)
+                             .to(builder.device), biases[k]) for k in range(3)]
+        fused, _ = DenseLinear.fuse(parts[:2])
+        down = parts[2]
     gate_up = builder._packed(types[:2], shapes[:2], biases[:2], fused, raws[:2])
-    down = builder._packed(types[2:], shapes[2:], biases[2:], linear(2), raws[2:])
+    down = builder._packed(types[2:], shapes[2:], biases[2:], down, raws[2:])
+    packs = [lin for lin in (gate_up, down) if isinstance(lin, PackedDecodeLinear)]
+    if packs:
+        # on one thread: an expert's packing is a few small ops (1.8 MB of Qwen3-30B-A3B's
+        # gate/up), and on the 2-core machine with a load average of 5 it took 5.6 ms on one
+        # thread against 79 ms on two, each op waiting for a descheduled second thread
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            for lin in packs:
+                lin.packed  # noqa: B018 (packed now)
+        finally:
+            torch.set_num_threads(threads)
     return gate_up, down
 
 
@@ -63,6 +83,15 @@ def shared_expert(spec: ExpertSpec, fields: dict) -> SharedExpert | None:
     fields by name), or None where the layer has none."""
     gate_up, down = fields.get(spec.shared_gate_up), fields.get(spec.shared_down)
     return SharedExpert(gate_up, down) if gate_up is not None and down is not None else None
+
+
+def expert_ops(builder: LayerBuilder) -> tuple[OneTokenSum, ExpertRows]:
+    """How a bank of this build sums a decode token's experts and runs an expert on its rows:
+    natively where the experts are packed on the CPU (weights.cpu.expert_decode), else op by
+    op (model.moe)."""
+    if builder.precision.cpu_packed_decode:
+        return native_expert_sum, native_expert_ffn
+    return expert_sum, expert_ffn
 
 
 def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
@@ -109,7 +138,7 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
                                    expert_biases(e))
             gate_up.append(gu)
             down.append(d)
-        bank = ResidentExperts(gate_up, down, act)
+        bank = ResidentExperts(gate_up, down, act, *expert_ops(builder))
     sel = f"{spec.selection_bias}.bias"
     selection_bias = (src.dense(f"{p}.{sel}", builder.shapes[sel], torch.float32, builder.device)
                       if sel in builder.shapes and src.has(f"{p}.{sel}") else None)
@@ -140,7 +169,9 @@ def _tiered(builder: LayerBuilder, src: TensorSource, names: list[str], full: li
         # copies of the map's slices: the model does not read its map after the load
         raws = [src.raw(n, s).view(s[0], s[1], -1)[e].clone() for n, s in zip(names, full)]
         held[e] = make(e, raws)
-    return TieredExperts(n_experts, slots, file, slices, make, held, act=act)
+    one_token, rows = expert_ops(builder)
+    return TieredExperts(n_experts, slots, file, slices, make, held, act=act,
+                         one_token=one_token, rows=rows)
 
 
 def _routed(builder: LayerBuilder, src: TensorSource, names: list[str], full: list,

@@ -120,6 +120,10 @@ class RoutedExperts:
         self.mix(torch.zeros(1, hidden, device=dev), ids,
                  torch.full((1, top_k), 1.0 / top_k, device=dev))
 
+    def ffn_one(self, ids: list[int], weights: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """One token's experts, weighted and summed through the routed launches (`mix`)."""
+        return self.mix(h, torch.tensor([ids], device=h.device), weights.view(1, -1))
+
     def mix(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         T, k = ids.shape
         if T > kernels.MAX_M and not (h.is_cuda and torch.cuda.is_current_stream_capturing()):

@@ -11,10 +11,11 @@ from gguf import GGMLQuantizationType
 from ... import envs, native
 from ..linear import Linear
 from .groups import INT4_FORMATS, INT4_GROUP, PAIR_FORMATS, UNPACKED_FORMATS, Q, concat_bias
+from .q6vnni import Q6VnniLinear, q6vnni_available, q6vnni_nbytes
 from .torch_kernels import Int4PackLinear, Int4PairLinear, Int8PackLinear
 from .vnni import Q4VnniLinear, Q8VnniLinear, q4vnni_parts_nbytes, q8vnni_nbytes
 
-KINDS = ("q4vnni", "q8vnni", "int4pack", "int4pair", "int8pack")
+KINDS = ("q4vnni", "q8vnni", "q6vnni", "int4pack", "int4pair", "int8pack")
 AUTO_KINDS = ("auto", "torch")  # kind_for's choices among KINDS
 
 
@@ -31,9 +32,10 @@ def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | Non
     kind="auto": where the native library is there (q4vnni_available), q4vnni for
     Q4_0/Q4_1/Q4_K and q8vnni for Q8_0; where not, int4pack and int4pair (int8pack's per-row
     requantization costs Q8_0 more than a 0.5% perplexity allowance on the default model;
-    int4pair, 0.03%); int8pack for Q6_K (16-wide sub-blocks fit no int4 group); None for
+    int4pair, 0.03%); for Q6_K, q6vnni where the native library has its VNNI loop
+    (q6vnni_available), else int8pack (16-wide sub-blocks fit no int4 group); None for
     formats no layout reads (keep DenseLinear for those). kind="torch": auto's choice among
-    torch's kernels alone (int4pack, int4pair, int8pack)."""
+    torch's kernels alone (int4pack, int4pair, int8pack). "q6vnni" only for Q6_K."""
     qtype = Q(int(qtype))
     if kind not in AUTO_KINDS and kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(AUTO_KINDS + KINDS)}, not {kind!r}")
@@ -45,15 +47,20 @@ def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | Non
             return "q4vnni" if ours else "int4pack"
         if qtype in PAIR_FORMATS:
             return "q8vnni" if ours else "int4pair"
+        if qtype == Q.Q6_K and ours and q6vnni_available():
+            return "q6vnni"
         return "int8pack"
     if kind in ("int4pack", "q4vnni") and qtype not in INT4_FORMATS:
         return None
     if kind in ("int4pair", "q8vnni") and qtype not in PAIR_FORMATS:
         return None
+    if kind == "q6vnni" and qtype != Q.Q6_K:
+        return None
     return kind
 
 
 _BUILDERS = {"q4vnni": Q4VnniLinear.from_raws, "q8vnni": Q8VnniLinear.from_raws,
+             "q6vnni": Q6VnniLinear.from_raws,
              "int4pack": Int4PackLinear.from_raws, "int4pair": Int4PairLinear.from_raws,
              "int8pack": Int8PackLinear.from_raws}
 
@@ -71,6 +78,8 @@ def packed_nbytes(qtype: GGMLQuantizationType | int, shape: tuple[int, int],
         return q4vnni_parts_nbytes((qtype,), rows, cols)
     if k == "q8vnni":
         return q8vnni_nbytes(rows, cols)
+    if k == "q6vnni":
+        return q6vnni_nbytes(rows, cols)
     if k in ("int4pack", "int4pair"):
         width = cols if k == "int4pack" else 2 * cols  # int4pair: two nibble planes
         padded = -(-rows // 16) * 16

@@ -1,0 +1,82 @@
+/* One decode token's routed experts in one call: the CPU's mixture-of-experts FFN
+ * (weights/cpu/expert_decode.py), sum_j w_j down_j(silu(gate_j x) * up_j x).
+ *
+ * Why: through torch, each of a token's k experts is a dozen small ops and two kernel calls,
+ * each kernel an OpenMP region of its own: a Qwen3-MoE layer (k = 8) was 16 fork-joins and ~100
+ * dispatches a token. On a shared 2-core machine a region waits for its slowest thread, and a
+ * thread descheduled by another process holds it for a time slice. Here the k experts are the
+ * tasks of one region, taken by the threads as they come free (dynamic), each expert computed
+ * whole by one thread: gate/up (q4vnni or q8vnni records, native/q4_matvec.c), SwiGLU in
+ * float32, down (q4vnni, q8vnni or q6vnni, native/q6_matvec.c), into its own buffer; then the
+ * calling thread adds them up in the order given (the caller's: ascending expert ids), each
+ * term w_j y_j rounded once and added once, as `out += y * w` in torch. So a token's bits do not
+ * depend on the thread count or on which thread took which expert.
+ */
+
+#include <stdint.h>
+#include <stdlib.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+/* q4_matvec.c's and q6_matvec.c's weights both start with these fields */
+typedef struct {
+    const uint8_t *w;
+    int64_t n, k;
+} moe_weight_head;
+
+/* One expert: its gate/up (q4_matvec.c's q4_weight: gate rows, then up rows) and its down
+ * (a q4_weight, or with down_q6 a q6_matvec.c q6_weight). */
+typedef struct {
+    const void *gate_up;
+    const void *down;
+    int64_t down_q6;
+} moe_expert;
+
+void ss_q4_matvec(const void *wd, const void *x, void *y, int64_t m, int64_t flags);
+void ss_q6_matvec(const void *wd, const void *x, void *y, int64_t m, int64_t flags);
+void ss_silu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out);
+
+#define MOE_F32 3              /* x and y float32 (the matvecs' flags) */
+#define MOE_ONE_THREAD (1 << 8)  /* each matvec on the thread that runs its expert */
+
+/* out (hidden) = sum_j w[j] * expert_j(x) for x (hidden) float32, the experts in the order
+ * given; `threads` share the experts. Returns 0, or -1 where scratch could not be allocated
+ * (out untouched). */
+int ss_moe_ffn(const moe_expert *const *experts, int64_t k, const float *x, const float *w,
+               float *out, int64_t threads) {
+    int64_t hidden = ((const moe_weight_head *)experts[0]->down)->n, units = 0;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t u = ((const moe_weight_head *)experts[j]->down)->k;
+        units = u > units ? u : units;
+    }
+    /* per expert: gate/up (2 units), the SwiGLU product (units), its output (hidden) */
+    const int64_t per = 3 * units + hidden;
+    float *scratch = malloc((size_t)(k * per) * sizeof(float));
+    if (scratch == NULL) return -1;
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(threads > 1 ? (int)threads : 1) schedule(dynamic, 1) \
+        if (threads > 1)
+#endif
+    for (int64_t j = 0; j < k; j++) {
+        const moe_expert *e = experts[j];
+        const int64_t n = ((const moe_weight_head *)e->down)->k;
+        float *gu = scratch + j * per, *act = gu + 2 * units, *y = act + units;
+        ss_q4_matvec(e->gate_up, x, gu, 1, MOE_F32 | MOE_ONE_THREAD);
+        ss_silu_mul_f32(gu, 1, n, act);
+        if (e->down_q6) ss_q6_matvec(e->down, act, y, 1, MOE_F32 | MOE_ONE_THREAD);
+        else ss_q4_matvec(e->down, act, y, 1, MOE_F32 | MOE_ONE_THREAD);
+    }
+    for (int64_t i = 0; i < hidden; i++) out[i] = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        const float *y = scratch + j * per + 3 * units, wj = w[j];
+        for (int64_t i = 0; i < hidden; i++) {
+            float t = y[i] * wj;
+            out[i] = out[i] + t;
+        }
+    }
+    free(scratch);
+    return 0;
+}
