@@ -35,6 +35,36 @@ Q4V_ROWS = 16
 Q4V_CODE_BYTES = Q4V_ROWS * INT4_GROUP // 2
 
 
+class RowBlocks:
+    """What the native layouts of output rows in blocks of ROWS share (q4vnni, q8vnni,
+    q6vnni: `packed` (blocks, ...) bytes, `_out` rows, an optional bias): the output width,
+    the bytes held, and row slices that share the packed bytes."""
+
+    ROWS = Q4V_ROWS
+    kind: str  # the layout's name
+    packed: torch.Tensor
+    bias: torch.Tensor | None
+    _out: int
+
+    @property
+    def out_features(self) -> int:
+        return self._out
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    def row_slice(self, r0: int, r1: int):
+        """Output rows [r0, r1) as their own linear, sharing the packed bytes; r0 a multiple of
+        ROWS, and r1 too unless it is out_features."""
+        rows = self.ROWS
+        if r0 % rows or not (r1 % rows == 0 or r1 == self._out) or not 0 <= r0 < r1 <= self._out:
+            raise ValueError(f"{self.kind} rows [{r0}, {r1}) do not start and end on "
+                             f"{rows}-row blocks of {self._out}")
+        bias = None if self.bias is None else self.bias[r0:r1]
+        return type(self)(self.packed[r0 // rows:-(-r1 // rows)], r1 - r0, bias)
+
+
 @dataclass
 class GroupAffine:
     """A quantized matrix as w[n, k] = codes[n, k] * scale[n, k // group] (+ offset[...]).

@@ -23,7 +23,7 @@ import torch
 from ... import native
 from ...quant import get_format
 from ..linear import Linear
-from .groups import Q, finish
+from .groups import Q, RowBlocks, finish
 from .vnni import q4vnni_flags
 
 Q6V_ROWS = 16
@@ -48,11 +48,12 @@ class _Q6Weight(ctypes.Structure):
     _fields_ = [("w", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
 
 
-class Q6VnniLinear(Linear):
+class Q6VnniLinear(RowBlocks, Linear):
     """y = x @ W^T (+ b) (+ residual) for Q6_K through native/q6_matvec.c (see the module doc).
     `packed` is (ceil(rows / 16), in / 256, 3392) uint8."""
 
     kind = "q6vnni"
+    ROWS = Q6V_ROWS
 
     def __init__(self, packed: torch.Tensor, out_features: int,
                  bias: torch.Tensor | None = None):
@@ -107,24 +108,6 @@ class Q6VnniLinear(Linear):
                                torch.get_num_threads())
             row0 += r
         return cls(packed, rows, bias)
-
-    @property
-    def out_features(self) -> int:
-        return self._out
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel()
-
-    def row_slice(self, r0: int, r1: int) -> "Q6VnniLinear":
-        """Output rows [r0, r1) as their own linear, sharing the packed bytes; r0 a multiple of
-        16, and r1 too unless it is out_features."""
-        if r0 % Q6V_ROWS or not (r1 % Q6V_ROWS == 0 or r1 == self._out) or \
-                not 0 <= r0 < r1 <= self._out:
-            raise ValueError(f"q6vnni rows [{r0}, {r1}) do not start and end on "
-                             f"{Q6V_ROWS}-row blocks of {self._out}")
-        bias = None if self.bias is None else self.bias[r0:r1]
-        return type(self)(self.packed[r0 // Q6V_ROWS:-(-r1 // Q6V_ROWS)], r1 - r0, bias)
 
     def matvec(self, x: torch.Tensor, out: torch.Tensor, threads: int | None = None,
                generic: bool = False) -> torch.Tensor:

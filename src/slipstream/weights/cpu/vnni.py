@@ -24,8 +24,8 @@ from gguf import GGMLQuantizationType
 
 from ... import native
 from ..linear import Linear
-from .groups import (INT4_GROUP, Q4V_CODE_BYTES, Q4V_ROWS, GroupAffine, Q, check_pair_formats,
-                     finish, gguf_blocks, k_scale_min, row_chunks)
+from .groups import (INT4_GROUP, Q4V_CODE_BYTES, Q4V_ROWS, GroupAffine, Q, RowBlocks,
+                     check_pair_formats, finish, gguf_blocks, k_scale_min, row_chunks)
 from .native_pack import Q8V_RECORD_BYTES, q4vnni_native, q8vnni_native
 
 
@@ -153,7 +153,7 @@ def q4vnni_flags(x_f32: bool, y_f32: bool, threads: int, generic: bool = False,
             | int(threads) << 8)
 
 
-class Q4VnniLinear(Linear):
+class Q4VnniLinear(RowBlocks, Linear):
     """y = x @ W^T (+ b) (+ residual) for Q4_0, Q4_1 and Q4_K through native/q4_matvec.c: each
     activation row quantized to 16 bits per block of 32 (a float scale each) and the
     integers multiplied by the 4-bit codes (AVX-512 VNNI where the CPU has it, else AVX2, else
@@ -220,24 +220,6 @@ class Q4VnniLinear(Linear):
         dtype = torch.float16 if halves else torch.float32
         packed = torch.cat([codes, _q4vnni_plane(s, dtype), _q4vnni_plane(z, dtype)], dim=2)
         return cls(packed, rows, bias)
-
-    @property
-    def out_features(self) -> int:
-        return self._out
-
-    @property
-    def nbytes(self) -> int:
-        return self.packed.numel()
-
-    def row_slice(self, r0: int, r1: int) -> "Q4VnniLinear":
-        """Output rows [r0, r1) as their own linear, sharing the packed bytes; r0 a multiple of
-        16, and r1 too unless it is out_features."""
-        if r0 % Q4V_ROWS or not (r1 % Q4V_ROWS == 0 or r1 == self._out) or \
-                not 0 <= r0 < r1 <= self._out:
-            raise ValueError(f"q4vnni rows [{r0}, {r1}) do not start and end on "
-                             f"{Q4V_ROWS}-row blocks of {self._out}")
-        bias = None if self.bias is None else self.bias[r0:r1]
-        return type(self)(self.packed[r0 // Q4V_ROWS:-(-r1 // Q4V_ROWS)], r1 - r0, bias)
 
     def matvec(self, x: torch.Tensor, out: torch.Tensor, threads: int | None = None,
                generic: bool = False) -> torch.Tensor:
