@@ -108,8 +108,8 @@ _register(
            "layout.", _flag, "0 or 1"),
     EnvVar("SLIPSTREAM_CPU_IMAGE", "1", "fallback",
            "0: a resident CPU model packs its decode copies at every load instead of reading "
-           "them from the image file cached beside the model (`MODEL.slipstream-cpu.resident-"
-           "*.img`), and writes none.", _flag, "0 or 1"),
+           "them from the image file cached beside the model (`MODEL.slipstream-cpu-"
+           "resident.*.img`), and writes none.", _flag, "0 or 1"),
     EnvVar("SLIPSTREAM_FUSED_DECODE", "1", "debug",
            "0: CUDA decode uses torch's ops for RoPE, the cache write and attention instead of "
            "the fused Triton kernels, to compare the two.", _flag, "0 or 1"),

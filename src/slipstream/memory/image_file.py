@@ -105,16 +105,16 @@ def image_dir(model: Path) -> Path:
 
 
 def image_paths(model: Path, kind: str = "slipstream", *,
-                layers: Sequence[int], prefix: str = "") -> tuple[Path, Path]:
+                layers: Sequence[int]) -> tuple[Path, Path]:
     """(data file, index file) of the images of `layers`. `kind` names the file:
-    "slipstream" (CUDA's images) or "slipstream-cpu"; `prefix` goes before the layers' key
-    (memory.resident_image's "resident-")."""
+    "slipstream" (CUDA's images), "slipstream-cpu" (streamed CPU layers) or
+    "slipstream-cpu-resident" (memory.resident_image)."""
     model = model.resolve()
     d = image_dir(model)
     name = model.name
     if d != model.parent:  # one cache folder for models of every folder: keyed by the path
         name += "." + hashlib.sha1(str(model).encode()).hexdigest()[:12]
-    base = d / f"{name}.{kind}.{prefix}{plan_key(layers)}"
+    base = d / f"{name}.{kind}.{plan_key(layers)}"
     return base.with_name(base.name + ".img"), base.with_name(base.name + ".json")
 
 

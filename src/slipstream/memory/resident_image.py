@@ -5,7 +5,7 @@ A resident CPU layer at precision="fast" decodes through packed copies of its we
 most of what a load costs: on a synthetic 1B (16 layers, 2048 wide, 128256-token head) on a
 busy 2-core machine, load() took 3.3 s, then packing the layers 6.0 s and the Q6_K head 7.7 s
 (Q4_K; Q8_0: 3.4 s and 4.1 s), every time the model was loaded. So the first load packs them and
-writes them to `MODEL.slipstream-cpu.resident-KEY.img` (image_file.write_images: under the
+writes them to `MODEL.slipstream-cpu-resident.KEY.img` (image_file.write_images: under the
 file's flock, to a temporary name, fsynced, renamed, the index last), and every later load
 maps that file (read-only, shared: two processes of one model share its page-cache pages) and
 makes each linear's packed copy as views into it, packing nothing. The bytes are those the
@@ -46,7 +46,7 @@ from .disk import fingerprint
 from .image_file import _locked, _open_index, cpu_identity, image_paths, write_images
 
 RESIDENT_FORMAT_VERSION = 1  # bump when packed_image's entries or this file's keys change
-PREFIX = "resident-"
+KIND = "slipstream-cpu-resident"  # MODEL.KIND.KEY.img (hub.store.written_beside: rm)
 
 
 @dataclass
@@ -92,7 +92,7 @@ def open_resident(model: Path, groups: dict[int, dict[str, PackedDecodeLinear]],
     """The cached image of `groups`, mapped and checked, with each layer's layout and span
     in the file; None where it is missing, stale or damaged."""
     ids = sorted(groups)
-    data, index = image_paths(model, "slipstream-cpu", layers=ids, prefix=PREFIX)
+    data, index = image_paths(model, KIND, layers=ids)
     try:
         fd = os.open(data, os.O_RDONLY)
     except OSError:
@@ -141,7 +141,7 @@ def attach_resident_image(gf, layers: list[LayerWeights | None], head, n_layers:
     opened = open_resident(model, groups, ident)
     if opened is None:
         ids = sorted(groups)
-        data, index = image_paths(model, "slipstream-cpu", layers=ids, prefix=PREFIX)
+        data, index = image_paths(model, KIND, layers=ids)
         try:
             with _locked(data):
                 opened = open_resident(model, groups, ident)  # written while this one waited?
