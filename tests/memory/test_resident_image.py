@@ -142,14 +142,18 @@ def test_a_stale_identity_rebuilds_and_an_unwritable_image_warns(model, monkeypa
 
 
 LOAD_ONE = """
-import hashlib, os, sys
+import hashlib, os, sys, time
 import slipstream
 from slipstream.memory import resident_image
 real = resident_image.write_images
 def counted(*a, **k):
     print("wrote", flush=True)
+    time.sleep(1)  # holding the lock: the other load gets there meanwhile
     return real(*a, **k)
 resident_image.write_images = counted
+print("ready", flush=True)
+while not os.path.exists(sys.argv[2]):  # both start loading at once
+    time.sleep(0.01)
 m = slipstream.load(sys.argv[1], device="cpu", ctx=64)
 img = m.engine.weights.packed_image
 print("inode", os.stat(img.path).st_ino)
@@ -160,9 +164,13 @@ print("logits", hashlib.sha1(m.logits([5, 77, 300, 12]).numpy().tobytes()).hexdi
 @pytest.mark.slow
 def test_two_loads_at_once_write_one_image(model):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    procs = [subprocess.Popen([sys.executable, "-c", LOAD_ONE, str(model)], env=env,
+    go = model.parent / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", LOAD_ONE, str(model), str(go)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
+    for p in procs:
+        assert p.stdout.readline() == "ready\n"
+    go.touch()
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
@@ -173,6 +181,7 @@ def test_two_loads_at_once_write_one_image(model):
     beside = sorted(p.name for p in model.parent.iterdir())
     assert [n for n in beside if n.endswith(".tmp")] == []
     assert [n for n in beside if n.endswith(".img")] == [data_file(model).name]
+    go.unlink()
 
 
 def test_rm_removes_the_resident_image(synth, tmp_path, monkeypatch, capsys):

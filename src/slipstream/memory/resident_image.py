@@ -87,10 +87,10 @@ def _fits(layout: CpuLayerLayout, lins: dict[str, PackedDecodeLinear]) -> bool:
 
 
 def open_resident(model: Path, groups: dict[int, dict[str, PackedDecodeLinear]],
-                  ident: dict) -> tuple[ResidentImage, dict[int, CpuLayerLayout],
-                                        dict[int, tuple[int, int]]] | None:
-    """The cached image of `groups`, mapped and checked, with each layer's layout and span
-    in the file; None where it is missing, stale or damaged."""
+                  ident: dict) -> tuple[ResidentImage, dict[int, dict[str, object]]] | None:
+    """The cached image of `groups`, mapped and checked, with each layer's packed linears as
+    views into it (None for one without a packed copy); None where the image is missing,
+    stale or damaged."""
     ids = sorted(groups)
     data, index = image_paths(model, KIND, layers=ids)
     try:
@@ -124,7 +124,12 @@ def open_resident(model: Path, groups: dict[int, dict[str, PackedDecodeLinear]],
         # a read-only map, as the GGUF file's (weights.loader.raw_tensor): nothing writes it
         warnings.simplefilter("ignore", UserWarning)
         buf = torch.frombuffer(mm, dtype=torch.uint8)
-    return ResidentImage(data, ids, buf), img.layouts, img.spans
+    try:
+        made = {i: packed_views(img.layouts[i], buf[img.spans[i][0]:img.spans[i][1]])
+                for i in ids}
+    except (ValueError, KeyError, RuntimeError):  # a kind or plane this build does not read
+        return None
+    return ResidentImage(data, ids, buf), made
 
 
 def attach_resident_image(gf, layers: list[LayerWeights | None], head, n_layers: int,
@@ -158,7 +163,8 @@ def attach_resident_image(gf, layers: list[LayerWeights | None], head, n_layers:
                                  "writing packed layers for the CPU", progress,
                                  checksums=True, keep_cached=True)
                     opened = open_resident(model, groups, ident)
-        except (ImageFileError, BudgetTooSmall) as e:
+        except (ImageFileError, BudgetTooSmall, TypeError) as e:
+            # TypeError: a packed layout weights.cpu_image cannot lay out (a new kind)
             warnings.warn(f"the packed decode copies of {model.name} stay unsaved, so the next "
                           f"load packs them again: {e}", SlipstreamWarning, stacklevel=2)
             return None
@@ -167,10 +173,8 @@ def attach_resident_image(gf, layers: list[LayerWeights | None], head, n_layers:
                           f"was written; the copies made now are used", SlipstreamWarning,
                           stacklevel=2)
             return None
-    image, layouts, spans = opened
+    image, made = opened
     for i, lins in groups.items():
-        start, end = spans[i]
-        made = packed_views(layouts[i], image.buffer[start:end])
         for name, lin in lins.items():
-            lin.adopt(made[name])
+            lin.adopt(made[i][name])
     return image
