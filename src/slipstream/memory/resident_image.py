@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress
 
 from ..errors import BudgetTooSmall, ImageFileError, SlipstreamWarning
 from ..model.llama import LayerWeights
@@ -152,8 +153,14 @@ def attach_resident_image(gf, layers: list[LayerWeights | None], head, n_layers:
                 opened = open_resident(model, groups, ident)  # written while this one waited?
                 if opened is None:
                     sizes = [0] * (max(ids) + 1)
-                    for i in ids:  # packs each linear now (kept: the model needs it anyway)
-                        sizes[i] = packed_image_nbytes(groups[i])
+                    with Progress("[progress.description]{task.description}", BarColumn(),
+                                  MofNCompleteColumn(), transient=True,
+                                  disable=not progress) as bar:
+                        task = bar.add_task("packing layers for the CPU (once: kept beside "
+                                            "the model)", total=len(ids))
+                        for i in ids:  # packs each linear now (kept: the model needs it)
+                            sizes[i] = packed_image_nbytes(groups[i])
+                            bar.advance(task)
 
                     def make(i: int) -> tuple[torch.Tensor, dict]:
                         host, layout = packed_image(groups[i])
