@@ -115,12 +115,12 @@ def open_resident(model: Path, groups: dict[int, dict[str, PackedDecodeLinear]],
         return None
     finally:
         os.close(fd)
-    view = memoryview(mm)
-    for i in ids:
-        start, end = img.spans[i]
-        if img.fingerprints.get(i) != fingerprint(view, start, end - start):
-            return None  # damaged after it was written: rebuilt by the caller
-    view.release()
+    with memoryview(mm) as view:
+        damaged = any(img.fingerprints.get(i) != fingerprint(view, s, e - s)
+                      for i, (s, e) in img.spans.items())
+    if damaged:  # changed after it was written: rebuilt by the caller
+        mm.close()
+        return None
     with warnings.catch_warnings():
         # a read-only map, as the GGUF file's (weights.loader.raw_tensor): nothing writes it
         warnings.simplefilter("ignore", UserWarning)
