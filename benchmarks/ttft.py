@@ -127,12 +127,17 @@ def import_seconds(stderr: str) -> dict[str, float]:
 
 def evict(path: str) -> None:
     """Drop the file's pages from the page cache (POSIX_FADV_DONTNEED: clean pages, no root
-    needed), so the next run reads it from disk as a first run after a reboot would."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    needed), and those of the images slipstream keeps beside it (a resident CPU model's
+    packed copies, which the next load maps), so the next run reads them from disk as a first
+    run after a reboot would."""
+    from slipstream.hub.store import written_beside
+
+    for p in [Path(path), *written_beside(Path(path))]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def cache_runs(model: str, ctx: int, threads: int, reps: int, engines: list[str]) -> dict:
@@ -524,6 +529,7 @@ def write_cache_only(a, cache: dict, engines: list[str], have_llama: bool) -> No
     result = {"date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
               "commit": commit, "machine": machine(), "versions": versions(),
               "model": a.model, "ctx": a.ctx, "threads": a.threads, "reps": a.reps,
+              "env": {k: v for k, v in os.environ.items() if k.startswith("SLIPSTREAM_")},
               "llama_cpp_python": "compared" if have_llama else "not importable: slipstream alone",
               "loadavg_1m": {"min": min(loads), "max": max(loads)}, "run_by_cache": cache}
     lines = [f"run -n 1, time to first token by cache state, median of {a.reps} "

@@ -106,6 +106,10 @@ _register(
     EnvVar("SLIPSTREAM_Q4VNNI", "1", "fallback",
            "0: the CPU's quantized weights use torch's kernels (int4 for the 4-bit formats and "
            "Q8_0, int8 for Q6_K) instead of the native VNNI layouts.", _flag, "0 or 1"),
+    EnvVar("SLIPSTREAM_CPU_IMAGE", "1", "fallback",
+           "0: a resident CPU model packs its decode copies at every load instead of reading "
+           "them from the image file cached beside the model (`MODEL.slipstream-cpu-"
+           "resident.*.img`), and writes none.", _flag, "0 or 1"),
     EnvVar("SLIPSTREAM_FUSED_DECODE", "1", "debug",
            "0: CUDA decode uses torch's ops for RoPE, the cache write and attention instead of "
            "the fused Triton kernels, to compare the two.", _flag, "0 or 1"),

@@ -22,8 +22,9 @@ SOURCE_SUFFIX = ".source.json"  # next to a URL download: {"url", "etag", "last_
 PARTIAL_SUFFIX = ".partial"
 LOCK_SUFFIX = ".lock"  # next to a URL download while it runs (hub/http.py)
 # memory/image_file.py's image_paths names a model's layer images MODEL.KIND.img and its index
-# MODEL.KIND.json, for these kinds (CUDA's, the CPU's), each first written as NAME.tmp
-IMAGE_KINDS = ("slipstream", "slipstream-cpu")
+# MODEL.KIND.json, for these kinds (CUDA's, the CPU's streamed and resident layers'), each
+# first written as NAME.tmp
+IMAGE_KINDS = ("slipstream", "slipstream-cpu", "slipstream-cpu-resident")
 IMAGE_SUFFIXES = tuple(f".{k}{e}" for k in IMAGE_KINDS for e in (".img", ".json"))
 # a URL whose file name ends so would be written over one of the cache's own files
 RESERVED_SUFFIXES = (PARTIAL_SUFFIX, SOURCE_SUFFIX, LOCK_SUFFIX, ".tmp", *IMAGE_SUFFIXES)

@@ -107,7 +107,8 @@ def image_dir(model: Path) -> Path:
 def image_paths(model: Path, kind: str = "slipstream", *,
                 layers: Sequence[int]) -> tuple[Path, Path]:
     """(data file, index file) of the images of `layers`. `kind` names the file:
-    "slipstream" (CUDA's images) or "slipstream-cpu"."""
+    "slipstream" (CUDA's images), "slipstream-cpu" (streamed CPU layers) or
+    "slipstream-cpu-resident" (memory.resident_image)."""
     model = model.resolve()
     d = image_dir(model)
     name = model.name
@@ -280,14 +281,16 @@ def _replace_durably(tmp: Path, dest: Path) -> None:
 
 def write_images(data: Path, index: Path, identity: dict, layers: list[int],
                  image_bytes: list[int], make: Callable[[int], tuple[torch.Tensor, dict]],
-                 what: str, progress: bool, checksums: bool = False) -> None:
+                 what: str, progress: bool, checksums: bool = False,
+                 keep_cached: bool = False) -> None:
     """Write make(i)'s image bytes for each of `layers` (each at an ALIGN boundary, the file
     padded to whole blocks so every O_DIRECT read is full), then the index: `identity`, each
     layer's span and layout, with `checksums` its sampled CRC (disk.fingerprint), and the data
     file's size and mtime as written. The caller holds the file's lock (_locked). Both files
     are written to temporary names in their folder, fsynced and renamed into place, the index
     last: a reader, or a crash, never meets a half-written file or an index describing one.
-    Every filesystem failure is an ImageFileError naming the path."""
+    Every filesystem failure is an ImageFileError naming the path. `keep_cached`: leave the
+    written pages in the page cache (a resident image is mapped right after)."""
     tmp: Path | None = None
     try:
         data.parent.mkdir(parents=True, exist_ok=True)
@@ -298,7 +301,8 @@ def write_images(data: Path, index: Path, identity: dict, layers: list[int],
             stale.unlink(missing_ok=True)                      # the lock: none is running)
         fd, name = tempfile.mkstemp(prefix=data.name + ".", suffix=".tmp", dir=data.parent)
         tmp = Path(name)
-        entries = _write_data(fd, layers, image_bytes, make, what, progress, checksums)
+        entries = _write_data(fd, layers, image_bytes, make, what, progress, checksums,
+                              keep_cached)
         _replace_durably(tmp, data)
         tmp = None
         st = data.stat()
@@ -323,7 +327,7 @@ def write_images(data: Path, index: Path, identity: dict, layers: list[int],
 
 def _write_data(fd: int, layers: list[int], image_bytes: list[int],
                 make: Callable[[int], tuple[torch.Tensor, dict]], what: str, progress: bool,
-                checksums: bool) -> dict[str, dict]:
+                checksums: bool, keep_cached: bool = False) -> dict[str, dict]:
     """The images of `layers` into the open file `fd` (closed here), fsynced; their index
     entries."""
     entries: dict[str, dict] = {}
@@ -349,7 +353,7 @@ def _write_data(fd: int, layers: list[int], image_bytes: list[int],
         os.fsync(fd)
         # The writes went through the page cache; drop them so the streamed tier measures the
         # disk (O_DIRECT reads bypass the cache anyway; this frees the RAM).
-        if hasattr(os, "posix_fadvise"):
+        if hasattr(os, "posix_fadvise") and not keep_cached:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)

@@ -131,6 +131,39 @@ def to_cpu_image(layer: LayerWeights, architecture: str) -> tuple[torch.Tensor, 
         v = getattr(layer, f.name)
         if isinstance(v, torch.Tensor):
             items.append(((f.name,), v))
+    return _laid_out(items, linears)
+
+
+def packed_image(linears: dict[str, PackedDecodeLinear]) -> tuple[torch.Tensor, CpuLayerLayout]:
+    """The packed decode copies of resident linears (made now where not yet) as (uint8 image,
+    layout), by name. A linear with no packed copy (its formats take no one layout: it decodes
+    dense) is recorded as kind "none" with no bytes, so a load from the image knows not to
+    try packing it either."""
+    items: list[tuple[tuple, torch.Tensor]] = []
+    layout: dict[str, tuple[str, int]] = {}
+    for name, lin in linears.items():
+        if lin.packed is lin.dense:
+            layout[name] = ("none", lin.out_features)
+            continue
+        kind, rows, planes = _linear_tensors(lin.packed)
+        layout[name] = (kind, rows)
+        items += [((name, plane), t) for plane, t in planes]
+    return _laid_out(items, layout)
+
+
+def packed_image_nbytes(linears: dict[str, PackedDecodeLinear]) -> int:
+    """Bytes of packed_image(linears), without copying anything (the copies are made now)."""
+    total = 0
+    for lin in linears.values():
+        if lin.packed is not lin.dense:
+            total += sum(_aligned(t.numel() * t.element_size())
+                         for _, t in _linear_tensors(lin.packed)[2])
+    return max(total, IMAGE_ALIGN)
+
+
+def _laid_out(items: list[tuple[tuple, torch.Tensor]], linears: dict[str, tuple[str, int]]
+              ) -> tuple[torch.Tensor, CpuLayerLayout]:
+    """`items` copied into one uint8 buffer, each at an IMAGE_ALIGN boundary."""
     entries, offset = [], 0
     for key, t in items:
         n = t.numel() * t.element_size()
@@ -152,28 +185,45 @@ def cpu_image_of(gf, cfg, precision, i: int) -> tuple[torch.Tensor, CpuLayerLayo
     return to_cpu_image(layer, cfg.architecture)
 
 
+def _views(layout: CpuLayerLayout, buf: torch.Tensor) -> dict[tuple, torch.Tensor]:
+    return {e.key: buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
+            for e in layout.entries}
+
+
+def _packed_linear(name: str, kind: str, rows: int, views: dict[tuple, torch.Tensor]):
+    """The packed linear `name` of an image, as views (`views`: the image's, by key)."""
+    bias = views.get((name, "bias"))
+    if kind == "int8pack":
+        return Int8PackLinear(views[(name, "codes")], views[(name, "scales")], bias)
+    if kind in ("q4vnni", "q8vnni", "q6vnni"):
+        cls = {"q4vnni": Q4VnniLinear, "q8vnni": Q8VnniLinear, "q6vnni": Q6VnniLinear}[kind]
+        return cls(views[(name, "packed")], rows, bias)
+    if kind in _PACKED:
+        return _PACKED[kind](views[(name, "packed")], views[(name, "scale_zeros")], rows, bias)
+    raise ValueError(f"an image's linear {name!r} has kind {kind!r}, which no CPU layout is")
+
+
+def packed_views(layout: CpuLayerLayout, buf: torch.Tensor) -> dict[str, object]:
+    """packed_image's linears as views into `buf` (uint8, holding the image's bytes): name ->
+    the packed linear, or None where the image says it has none (kind "none")."""
+    views = _views(layout, buf)
+    return {name: None if kind == "none" else _packed_linear(name, kind, rows, views)
+            for name, (kind, rows) in layout.linears.items()}
+
+
 def decode_layer(layout: CpuLayerLayout, buf: torch.Tensor) -> LayerWeights:
     """The layer as views into `buf` (uint8, holding the image's bytes), for passes of up to
     GEMV_MAX_ROWS tokens: each linear computes as a resident layer's decode does
     (PackedDecodeLinear over the packed copy, or DenseLinear where the image holds the dense
     weight). The views are valid while `buf` is not overwritten."""
-    views = {e.key: buf[e.offset:e.offset + e.nbytes].view(e.dtype).view(e.shape)
-             for e in layout.entries}
+    views = _views(layout, buf)
     fields: dict[str, object] = {}
     for name, (kind, rows) in layout.linears.items():
-        bias = views.get((name, "bias"))
         if kind == "dense":
-            fields[name] = DenseLinear(views[(name, "weight")], bias)
+            fields[name] = DenseLinear(views[(name, "weight")], views.get((name, "bias")))
             continue
-        if kind == "int8pack":
-            lin = Int8PackLinear(views[(name, "codes")], views[(name, "scales")], bias)
-        elif kind in ("q4vnni", "q8vnni", "q6vnni"):
-            cls = {"q4vnni": Q4VnniLinear, "q8vnni": Q8VnniLinear, "q6vnni": Q6VnniLinear}[kind]
-            lin = cls(views[(name, "packed")], rows, bias)
-        else:
-            lin = _PACKED[kind](views[(name, "packed")], views[(name, "scale_zeros")], rows,
-                                bias)
-        fields[name] = PackedDecodeLinear.decode_only(lin, GEMV_MAX_ROWS)
+        fields[name] = PackedDecodeLinear.decode_only(_packed_linear(name, kind, rows, views),
+                                                      GEMV_MAX_ROWS)
     for key, v in views.items():
         if len(key) == 1:
             fields[key[0]] = v

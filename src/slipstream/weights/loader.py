@@ -59,6 +59,8 @@ class ModelWeights:
     per_layer: PerLayerEmbedding | None = None
     # the file cold experts are read from, with their counters (weights.expert_tiers), or None
     experts: ExpertFile | None = None
+    # the mapped image the packed decode copies are views of (memory.resident_image), or None
+    packed_image: object | None = None
 
     def rope_freqs_for(self, ctx: int) -> torch.Tensor | None:
         """The divisors a context of `ctx` positions rotates with: LongRoPE's long set past

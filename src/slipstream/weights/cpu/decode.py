@@ -80,6 +80,15 @@ class PackedDecodeLinear(Linear):
                     self._packed, self._pack = packed, None
         return self._packed if self._packed is not None else self.dense
 
+    def adopt(self, packed: Linear | None) -> None:
+        """Take `packed` as the decode copy instead of packing one (or over one made):
+        the same layout read from a cached image (memory.resident_image). None: there is
+        no packed copy (decode stays dense), as a thunk returning None says."""
+        with self._lock:
+            self._kernel = getattr(packed, "kernel", None)
+            self._bias = getattr(packed, "bias", None)
+            self._packed, self._pack = packed, None
+
     def _decode_kernel(self, rows: int) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The bfloat16 product for a call of `rows` rows, or None (a prefill, or a packed
         copy without one: no layout)."""
