@@ -31,6 +31,12 @@ def _flag(value: str) -> bool:
     raise ValueError("0 or 1")
 
 
+def _image_mode(value: str) -> str | bool:
+    if value == "auto":
+        return value
+    return _flag(value)
+
+
 def _seconds(value: str) -> float:
     seconds = float(value)
     if not seconds >= 0:  # also NaN
@@ -106,10 +112,12 @@ _register(
     EnvVar("SLIPSTREAM_Q4VNNI", "1", "fallback",
            "0: the CPU's quantized weights use torch's kernels (int4 for the 4-bit formats and "
            "Q8_0, int8 for Q6_K) instead of the native VNNI layouts.", _flag, "0 or 1"),
-    EnvVar("SLIPSTREAM_CPU_IMAGE", "1", "fallback",
-           "0: a resident CPU model packs its decode copies at every load instead of reading "
-           "them from the image file cached beside the model (`MODEL.slipstream-cpu-"
-           "resident.*.img`), and writes none.", _flag, "0 or 1"),
+    EnvVar("SLIPSTREAM_CPU_IMAGE", "auto", "setting",
+           "Whether a resident CPU model reads its packed decode copies from an image file "
+           "cached beside the model (`MODEL.slipstream-cpu-resident.*.img`, written at the "
+           "first load) instead of packing them at every load: auto for files of 256 MiB and "
+           "more (a smaller one packs faster than its image is written), 1 always, 0 never.",
+           _image_mode, "auto, 0 or 1"),
     EnvVar("SLIPSTREAM_FUSED_DECODE", "1", "debug",
            "0: CUDA decode uses torch's ops for RoPE, the cache write and attention instead of "
            "the fused Triton kernels, to compare the two.", _flag, "0 or 1"),

@@ -29,6 +29,12 @@ SHORT = [5, 77, 300, 12, 901, 44, 7, 8]  # 8 tokens: one pass through the packed
 LONG = SHORT + [3, 1000, 64, 2, 17]  # 13: a prefill pass, dense
 
 
+@pytest.fixture(autouse=True)
+def _images_for_tiny_files(monkeypatch):
+    """These files are far below the size "auto" writes images for: force them."""
+    monkeypatch.setenv("SLIPSTREAM_CPU_IMAGE", "1")
+
+
 @pytest.fixture(scope="module", params=["Q4_K_M", pytest.param("Q8_0", marks=pytest.mark.slow),
                                         pytest.param("Q4_0", marks=pytest.mark.slow)])
 def synth(request, tmp_path_factory):
@@ -196,3 +202,21 @@ def test_rm_removes_the_resident_image(synth, tmp_path, monkeypatch, capsys):
     assert data_file(path) in written and data_file(path).with_suffix(".json") in written
     assert cli.main(["rm", "m.gguf"]) == 0, capsys.readouterr().err
     assert [p.name for p in path.parent.iterdir() if p.name.startswith("m.gguf")] == []
+
+
+def test_auto_writes_images_only_for_files_worth_it(tmp_path, monkeypatch):
+    """SLIPSTREAM_CPU_IMAGE=auto (the default) leaves a small file's packing in memory, where
+    writing the image costs more than packing (the default model: 1.01 s against 0.34 s), and
+    gives one from AUTO_MIN_MODEL_BYTES on; 0 and 1 decide alone."""
+    from slipstream.memory import resident_image
+
+    small = tmp_path / "small.gguf"
+    small.write_bytes(b"\0" * 1024)
+    assert not resident_image.image_wanted(small, "auto")
+    assert resident_image.image_wanted(small, True)
+    monkeypatch.setattr(resident_image, "AUTO_MIN_MODEL_BYTES", 1024)
+    assert resident_image.image_wanted(small, "auto")
+    assert not resident_image.image_wanted(small, False)
+    monkeypatch.delenv("SLIPSTREAM_CPU_IMAGE")
+    from slipstream import envs
+    assert envs.get("SLIPSTREAM_CPU_IMAGE") == "auto"

@@ -25,7 +25,7 @@ from ..memory.budget import fmt_bytes, mem_available, parse_size
 from ..memory.cuda_context import outside_allocator_bytes
 from ..memory.devices import per_device_budgets, resolve_devices, stage_ranges
 from ..memory.planner import Plan, StagePlan
-from ..memory.resident_image import attach_resident_image
+from ..memory.resident_image import attach_resident_image, image_wanted
 from ..memory.setup import (check_io, disk_images, make_store, measure_bandwidths,
                             pin_streamed_layers, plan_for)
 from ..model.families import family_for
@@ -272,7 +272,8 @@ def build_engine(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, plan: Plan, 
     disk = disk_images(gf, cfg, dev, precision, plan, progress)
     weights = load_weights_with_progress(gf, cfg, dev, precision, progress, resident,
                                          plan.embed_on_host, private_weights, plan)
-    if dev.type == "cpu" and precision.cpu_packed_decode and envs.get("SLIPSTREAM_CPU_IMAGE"):
+    if dev.type == "cpu" and precision.cpu_packed_decode and \
+            image_wanted(Path(gf.path), envs.get("SLIPSTREAM_CPU_IMAGE")):
         # the packed decode copies from the image cached beside the model (written now where
         # missing), instead of packed again at the first decode step
         weights.packed_image = attach_resident_image(gf, weights.layers, weights.output,
