@@ -154,3 +154,21 @@ def assert_decisive_top1(ref, got, margin: float) -> None:
     top = ref.topk(2, dim=-1).values
     decisive = (top[..., 0] - top[..., 1]) > margin
     assert torch.equal(ref.argmax(-1)[decisive], got.argmax(-1)[decisive])
+
+
+def assert_prefill_and_decode_match(engine, ids, ref, tol: float) -> None:
+    """An engine's all-position logits for `ids` within `tol` (relative) of `ref` with the same
+    top-1 everywhere: prefill in one pass, then again after a reset with the first 5 tokens as a
+    prefill and the rest one at a time through the cache."""
+    import torch
+
+    from llamacpp_ref import rel_err
+
+    ours = engine.forward(ids, all_logits=True)
+    assert rel_err(ours, ref) < tol
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    engine.reset()
+    stepped = torch.cat([engine.forward(ids[:5], all_logits=True)]
+                        + [engine.forward(ids[i:i + 1]) for i in range(5, len(ids))])
+    assert rel_err(stepped, ref) < tol
+    assert torch.equal(stepped.argmax(-1), ref.argmax(-1))

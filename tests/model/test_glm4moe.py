@@ -19,7 +19,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from helpers import cpu_engine, cpu_stages, file_config
+from helpers import assert_prefill_and_decode_match, cpu_engine, cpu_stages, file_config
 from llamacpp_ref import rel_err, unname
 from slipstream.errors import InvalidMetadata, MissingMetadata
 from slipstream.model.moe import route, select_groups
@@ -189,14 +189,8 @@ def test_logits_match_transformers(glm_file):
     with torch.no_grad():
         ref = hf(torch.tensor([IDS])).logits[0]
     engine = cpu_engine(glm_file, precision="exact")
-    ours = engine.forward(IDS, all_logits=True)  # prefill
-    assert rel_err(ours, ref) < EXACT_REL_TOL
-    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-    engine.reset()  # decode: one token at a time through the KV cache
-    stepped = torch.cat([engine.forward(IDS[:5], all_logits=True)]
-                        + [engine.forward(IDS[i:i + 1]) for i in range(5, len(IDS))])
-    assert rel_err(stepped, ref) < EXACT_REL_TOL
-    assert torch.equal(stepped.argmax(-1), ref.argmax(-1))
+    # prefill, then decode one token at a time through the KV cache
+    assert_prefill_and_decode_match(engine, IDS, ref, EXACT_REL_TOL)
     for piece in PIECES:
         err = rel_err(_variant(engine, piece).forward(IDS, all_logits=True), ref)
         assert err > 100 * EXACT_REL_TOL, piece
