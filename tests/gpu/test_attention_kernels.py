@@ -213,6 +213,55 @@ def test_rope_and_cache_with_head_norms(style, n_heads, n_kv, head_dim, rope_dim
                        style, rope_dim=rope_dim, q_norm=q_norm)
 
 
+@pytest.mark.parametrize("style", ["normal", "neox"])
+@pytest.mark.parametrize("n_heads,n_kv,head_dim,rope_dim", [(8, 4, 128, 128), (6, 2, 128, 64)])
+@pytest.mark.parametrize("pos", [3, 700])
+def test_rope_and_cache_family_pieces(style, n_heads, n_kv, head_dim, rope_dim, pos):
+    """The families' other per-head pieces, fused: no rotation (Cohere 2's global layers), the
+    query temperature (Ministral 3: model.llama.attention_temperature, floor 256 here so that
+    700 lies past it) and value heads RMS-normed without a weight (Gemma 4:
+    model.llama.unit_rms_norm), each against the model's own torch ops; with them off the
+    results are far off."""
+    from slipstream.model.llama import unit_rms_norm
+
+    max_ctx, eps, temp, floor = 800, 1e-6, 0.3, 256.0
+    cfg = _cfg(style, n_heads, n_kv, head_dim, rope_dim)
+    rope = RopeTable(cfg, max_ctx, DEVICE)
+    rows = n_heads + 2 * n_kv
+    qkv = (torch.randn(1, rows * head_dim) * 3).to(DEVICE)
+    p = torch.tensor([pos], device=DEVICE)
+    x = qkv.view(1, rows, head_dim)
+
+    def run(**kw):
+        k_cache = torch.zeros(n_kv, max_ctx, head_dim, device=DEVICE)
+        v_cache = torch.zeros_like(k_cache)
+        q = rope_and_cache(qkv, rope.cos, rope.sin, k_cache, v_cache, p, n_heads, n_kv,
+                           head_dim, style, rope_dim=rope_dim, q_dtype=torch.float32, eps=eps,
+                           **kw)
+        return q, k_cache[:, pos], v_cache[:, pos]
+
+    # no rotation: q and k as they came
+    q, k, v = run(rotate=False)
+    torch.testing.assert_close(q, x[0, :n_heads], rtol=0, atol=0)
+    torch.testing.assert_close(k, x[0, n_heads:n_heads + n_kv], rtol=0, atol=0)
+    rotated = rope.apply(x[:, :n_heads + n_kv], rope.angles(p))[0]
+    assert (run()[0] - x[0, :n_heads]).abs().max() > 0.1  # (pos > 0 rotates)
+    # the query temperature, after the rotation, on every dim of q (k untouched)
+    factor = 1.0 + temp * torch.log1p(torch.floor(torch.tensor(float(pos)) / floor))
+    q, k, v = run(q_temp=(temp, floor))
+    torch.testing.assert_close(q, rotated[:n_heads] * factor.to(DEVICE), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, rotated[n_heads:], rtol=1e-5, atol=1e-5)
+    if pos > floor:
+        assert (q - rotated[:n_heads]).abs().max() > 0.1
+    # value heads normed without a weight
+    q, k, v = run(v_norm=True)
+    torch.testing.assert_close(v, unit_rms_norm(x[0, n_heads + n_kv:], eps), rtol=1e-5,
+                               atol=1e-5)
+    assert (v - x[0, n_heads + n_kv:]).abs().max() > 0.1
+    with pytest.raises(ValueError, match="floor"):
+        run(q_temp=(temp, 0.0))
+
+
 def test_rope_and_cache_rejects_bad_input():
     cfg = _cfg("normal", 4, 1, 64, 64)
     rope = RopeTable(cfg, 16, DEVICE)

@@ -15,6 +15,11 @@ Pairings match `slipstream.model.rope.RopeTable`: "normal" rotates (2i, 2i+1), "
 Families that RMS-norm each query and key head before RoPE (Qwen3, Gemma 3: `q_norm` and
 `k_norm`, (head_dim,) weights) have the norm done here too, on the head this program already
 holds in registers: the unfused form is two norm kernels and a concatenation per layer and token.
+The other per-head pieces of the families ride along the same way: a layer without RoPE
+(Cohere 2's global layers: `rotate=False`), Llama 4's query temperature (Ministral 3:
+`q_temp=(scale, floor)`, q times 1 + scale * log1p(floor(pos / floor)), read from the device's
+position like the angles), and an RMSNorm without weight over each value head (Gemma 4:
+`v_norm=True`).
 """
 
 from __future__ import annotations
@@ -31,10 +36,12 @@ CACHE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _rope_cache_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qn_ptr, kn_ptr,
                        eps, n_heads, n_kv, max_ctx, max_pos,
                        stride_cos, stride_q, stride_kh, stride_ks, stride_vh, stride_vs,
+                       temp_scale, temp_floor,
                        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
                        NEOX: tl.constexpr, PASS_START: tl.constexpr,
                        PASS_BLOCK: tl.constexpr, HAS_PASS: tl.constexpr,
-                       DIM_BLOCK: tl.constexpr, QK_NORM: tl.constexpr, RING: tl.constexpr):
+                       DIM_BLOCK: tl.constexpr, QK_NORM: tl.constexpr, RING: tl.constexpr,
+                       ROTATE: tl.constexpr, Q_TEMP: tl.constexpr, V_NORM: tl.constexpr):
     # One program per head of the qkv row: [0, n_heads) q, then n_kv k heads, then n_kv v heads.
     h = tl.program_id(0)
     pos = tl.load(pos_ptr)
@@ -69,14 +76,25 @@ def _rope_cache_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qn
             x1 = x1 * inv * tl.load(nw + o1, mask=im, other=0.0).to(tl.float32)
             x2 = x2 * inv * tl.load(nw + o2, mask=im, other=0.0).to(tl.float32)
             t = t * inv * tl.load(nw + j, mask=jm, other=0.0).to(tl.float32)
-        # A position past the table reads row 0 (angle 0) instead of out-of-bounds memory.
-        p_tab = tl.where(pos < max_pos, pos, 0)
-        c = tl.load(cos_ptr + p_tab * stride_cos + i, mask=im, other=1.0)
-        s = tl.load(sin_ptr + p_tab * stride_cos + i, mask=im, other=0.0)
-        y1 = x1 * c - x2 * s
-        y2 = x2 * c + x1 * s
+        if ROTATE:
+            # A position past the table reads row 0 (angle 0) instead of out-of-bounds memory.
+            p_tab = tl.where(pos < max_pos, pos, 0)
+            c = tl.load(cos_ptr + p_tab * stride_cos + i, mask=im, other=1.0)
+            s = tl.load(sin_ptr + p_tab * stride_cos + i, mask=im, other=0.0)
+            y1 = x1 * c - x2 * s
+            y2 = x2 * c + x1 * s
+        else:
+            y1 = x1
+            y2 = x2
         # q and k may differ in dtype (fp32 q, fp16 cache), so each branch stores its own.
         if h < n_heads:
+            if Q_TEMP:  # model.llama.attention_temperature, after the rotation as there
+                times = tl.floor(pos.to(tl.float32) / temp_floor)
+                f = 1.0 + temp_scale * tl.log(1.0 + times)
+                y1 = y1 * f
+                y2 = y2 * f
+                if HAS_PASS:
+                    t = t * f
             qd = q_ptr + h * stride_q
             tl.store(qd + o1, y1.to(qd.dtype.element_ty), mask=im)
             tl.store(qd + o2, y2.to(qd.dtype.element_ty), mask=im)
@@ -92,6 +110,9 @@ def _rope_cache_kernel(x_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, pos_ptr, qn
         d = tl.arange(0, DIM_BLOCK)
         dm = d < HEAD_DIM
         t = tl.load(row + d, mask=dm, other=0.0)
+        if V_NORM:  # model.llama.unit_rms_norm, in fp32
+            tf = t.to(tl.float32)
+            t = tf * (1.0 / tl.sqrt(tl.sum(tf * tf, axis=0) / HEAD_DIM + eps))
         dst = v_ptr + (h - n_heads - n_kv) * stride_vh + slot * stride_vs
         tl.store(dst + d, t.to(dst.dtype.element_ty), mask=dm)
 
@@ -102,7 +123,9 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    rope_dim: int | None = None, q_dtype: torch.dtype | None = None,
                    out: torch.Tensor | None = None, q_norm: torch.Tensor | None = None,
                    k_norm: torch.Tensor | None = None, eps: float = 1e-6,
-                   ring: bool = False) -> torch.Tensor:
+                   ring: bool = False, rotate: bool = True,
+                   q_temp: tuple[float, float] | None = None,
+                   v_norm: bool = False) -> torch.Tensor:
     """Rotate q and k of one token, write k and v into the caches at slot `pos`, return q.
 
     qkv: (1, (n_heads + 2 * n_kv_heads) * head_dim) or (n_heads + 2 * n_kv_heads, head_dim),
@@ -115,6 +138,9 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         dims, in fp32, with `eps`) before the rotation; both or neither.
     ring: the caches are a sliding-window layer's ring (model.ring): the token's key and value
         go to slot pos mod max_ctx.
+    rotate: False for a layer without RoPE (q and k pass unrotated, normed where asked).
+    q_temp: (scale, floor) of Llama 4's query temperature, or None.
+    v_norm: each value head RMS-normed without a weight (with `eps`) before its cache write.
     Returns q rotated, (n_heads, head_dim), in q_dtype (default: the cache dtype), or in `out`.
     """
     if style not in STYLES:
@@ -159,6 +185,8 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     elif out.shape != (n_heads, head_dim) or out.stride(1) != 1:
         raise ValueError(f"out must be ({n_heads}, {head_dim}) with a contiguous last dim, "
                          f"got {tuple(out.shape)}")
+    if q_temp is not None and not q_temp[1] > 0:
+        raise ValueError(f"q_temp's floor must be > 0, got {q_temp[1]}")
     pass_block = triton.next_power_of_2(max(head_dim - rope_dim, 1))
     norm = q_norm is not None
     _rope_cache_kernel[(rows,)](
@@ -166,8 +194,10 @@ def rope_and_cache(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         k_norm if norm else qkv, eps, n_heads, n_kv_heads, k_cache.shape[1], cos.shape[0],
         cos.stride(0), out.stride(0), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1),
+        float(q_temp[0]) if q_temp else 0.0, float(q_temp[1]) if q_temp else 1.0,
         HEAD_DIM=head_dim, HALF=half, HALF_BLOCK=triton.next_power_of_2(half),
         NEOX=style == "neox", PASS_START=rope_dim, PASS_BLOCK=pass_block,
         HAS_PASS=rope_dim < head_dim, DIM_BLOCK=triton.next_power_of_2(head_dim),
-        QK_NORM=norm, RING=ring, num_warps=1)
+        QK_NORM=norm, RING=ring, ROTATE=rotate, Q_TEMP=q_temp is not None, V_NORM=v_norm,
+        num_warps=1)
     return out

@@ -291,10 +291,9 @@ def _block(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
             and not cfg.attn_sinks):
         return _cpu_decode(cfg, w, x, cos_sin, step.start, k_cache, v_cache, rope, window)
     n_qk = cfg.n_heads + cfg.n_kv_heads
-    # the fused decode kernels hold windows and per-head q/k norms, not a query temperature,
-    # a global layer without RoPE nor value norms (Gemma 4)
-    if (uses_fused_decode(step, k_cache) and not cfg.attn_temp_scale
-            and (window or cfg.global_rope) and not cfg.v_norm and not cfg.attn_sinks):
+    # the fused decode kernels hold windows, per-head q/k norms, a query temperature (Ministral
+    # 3), a global layer without RoPE (Cohere 2) and value norms (Gemma 4); not attention sinks
+    if uses_fused_decode(step, k_cache) and not cfg.attn_sinks:
         # RoPE (after the per-head q/k norms), the cache write and split-K attention over the
         # window in three kernels that read the position from device memory, instead of a dozen
         # small ops (and a graph can replay them).
@@ -311,7 +310,11 @@ def _block(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
                                    rope_dim=rope.rope_dim,
                                    q_norm=w.attn_q_norm if head_norms else None,
                                    k_norm=w.attn_k_norm if head_norms else None,
-                                   eps=cfg.norm_eps, ring=bool(window))
+                                   eps=cfg.norm_eps, ring=bool(window),
+                                   rotate=bool(window or cfg.global_rope),
+                                   q_temp=((cfg.attn_temp_scale, cfg.attn_temp_floor)
+                                           if cfg.attn_temp_scale else None),
+                                   v_norm=cfg.v_norm)
         attn = kernels.decode_attention(q, k_cache, v_cache, step.positions,
                                         cfg.attention_scale, cfg.gqa_group, span=step.span,
                                         window=window)
