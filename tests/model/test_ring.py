@@ -212,14 +212,14 @@ def test_ring_logits_match_llamacpp(gemma3, tmp_path):
     float32 tolerance of tests/model/test_vs_llamacpp.py, the same top-1 where llama.cpp
     decides it."""
     pytest.importorskip("llama_cpp")
-    from llamacpp_ref import decisive, llamacpp_logits
+    from llamacpp_ref import decisive, llamacpp_logits, unname
     from slipstream.quant.requantize import requantize
-    from test_vs_llamacpp import F32_DECISIVE_GAP, F32_REL_TOL, _unname
+    from test_vs_llamacpp import F32_DECISIVE_GAP, F32_REL_TOL
 
     path, cfg, weights = gemma3
     copy = tmp_path / path.name
     shutil.copy(path, copy)
-    _unname(copy, "gemma3")
+    unname(copy, "gemma3")
     ref = llamacpp_logits(requantize(copy, tmp_path / "f32.gguf", "F32"), IDS)
     got = prefill_then_decode(engine(cfg, weights, ring=True, chunk=13), 30)
     assert rel_err(got, ref) < F32_REL_TOL
