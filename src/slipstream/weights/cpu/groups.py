@@ -38,7 +38,8 @@ Q4V_CODE_BYTES = Q4V_ROWS * INT4_GROUP // 2
 class RowBlocks:
     """What the native layouts of output rows in blocks of ROWS share (q4vnni, q8vnni,
     q6vnni: `packed` (blocks, ...) bytes, `_out` rows, an optional bias): the output width,
-    the bytes held, and row slices that share the packed bytes."""
+    the bytes held, row slices that share the packed bytes, and the call around the layout's
+    native `matvec`."""
 
     ROWS = Q4V_ROWS
     kind: str  # the layout's name
@@ -53,6 +54,14 @@ class RowBlocks:
     @property
     def nbytes(self) -> int:
         return self.packed.numel()
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        x = x.contiguous()
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        y = torch.empty(x.shape[0], self._out)  # float32: one rounding fewer than the kernel
+        self.matvec(x, y)
+        return finish(y, x.dtype, self.bias, residual)
 
     def row_slice(self, r0: int, r1: int):
         """Output rows [r0, r1) as their own linear, sharing the packed bytes; r0 a multiple of

@@ -23,7 +23,7 @@ import torch
 from ... import native
 from ...quant import get_format
 from ..linear import Linear
-from .groups import Q, RowBlocks, finish
+from .groups import Q, RowBlocks
 from .vnni import q4vnni_flags
 
 Q6V_ROWS = 16
@@ -136,11 +136,3 @@ class Q6VnniLinear(RowBlocks, Linear):
         self._matvec(self.desc, xb.data_ptr(), y.data_ptr(), xb.shape[0],
                      int(xb.dtype == torch.float32) | torch.get_num_threads() << 8)
         return y
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        x = x.contiguous()
-        if x.dtype not in (torch.float32, torch.bfloat16):
-            x = x.float()
-        y = torch.empty(x.shape[0], self._out)  # float32: one rounding fewer than the kernel
-        self.matvec(x, y)
-        return finish(y, x.dtype, self.bias, residual)

@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType
 from ... import native
 from ..linear import Linear
 from .groups import (INT4_GROUP, Q4V_CODE_BYTES, Q4V_ROWS, GroupAffine, Q, RowBlocks,
-                     check_pair_formats, finish, gguf_blocks, k_scale_min, row_chunks)
+                     check_pair_formats, gguf_blocks, k_scale_min, row_chunks)
 from .native_pack import Q8V_RECORD_BYTES, q4vnni_native, q8vnni_native
 
 
@@ -245,14 +245,6 @@ class Q4VnniLinear(RowBlocks, Linear):
         self._matvec(self.desc, xb.data_ptr(), y.data_ptr(), xb.shape[0],
                      self.flags | (xb.dtype == torch.float32) | torch.get_num_threads() << 8)
         return y
-
-    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        x = x.contiguous()
-        if x.dtype not in (torch.float32, torch.bfloat16):
-            x = x.float()
-        y = torch.empty(x.shape[0], self._out)  # float32: one rounding fewer than the kernel
-        self.matvec(x, y)
-        return finish(y, x.dtype, self.bias, residual)
 
 
 class Q8VnniLinear(Q4VnniLinear):
