@@ -64,6 +64,10 @@ RANK_SCRIPT = textwrap.dedent("""
             info["error"], info["error_s"] = str(e), time.perf_counter() - t0
         json.dump(info, open(f"{out}.0", "w"))
         m.close()
+        if "error" in info:
+            # a group whose peer vanished cannot be torn down: gloo may abort (SIGABRT) in
+            # destroy_process_group or at the interpreter's exit, as the CLI avoids too
+            os._exit(0)
     else:
         json.dump(info, open(f"{out}.{rank}", "w"))
         if mode == "die":

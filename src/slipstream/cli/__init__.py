@@ -19,7 +19,7 @@ import warnings
 
 from rich.markup import escape
 
-from ..errors import SlipstreamError, SlipstreamWarning, oom_summary
+from ..errors import PipelineBroken, SlipstreamError, SlipstreamWarning, oom_summary
 from . import bench, cache, chat, info, perplexity, pull, quantize, run, serve, synth
 from .control import exit_at_once
 from .options import HelpFormatter, Parser, VersionAction
@@ -90,6 +90,10 @@ def _main(argv: list[str] | None) -> int:
         return args.func(args)
     except SlipstreamError as e:
         err.print("[red]error:[/red] " + escape(str(e)), highlight=False, soft_wrap=True)
+        if isinstance(e, PipelineBroken) and argv is None:
+            # a process group whose peer vanished cannot be torn down: gloo's destructor may
+            # abort the process at exit (SIGABRT), which would turn this error into a crash
+            exit_at_once(1)
         return 1
     except RuntimeError as e:
         # a CUDA allocation the plan did not foresee (a VRAM budget is held by the allocator,
