@@ -100,6 +100,7 @@ def token_source(model, a: argparse.Namespace):
     """What generate() decodes with: plain steps, or the loaded draft's trees of
     --spec-nodes/--spec-depth or sized by one sizer, which learns the costs over the warm-up as
     generate()'s does over a model's generations."""
+    # torch, which the commands that load no model never import
     from ..runtime.generate import autoregressive
     from ..speculative.rounds import speculative_source
     from ..speculative.sizing import TreeSizer

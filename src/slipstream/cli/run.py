@@ -104,7 +104,7 @@ def prefill_only(model, ids: list[int]):
     prompt and prints its timing."""
     import torch  # loaded with the model, as the stats' module is
 
-    from ..runtime.generate import GenerationStats
+    from ..runtime.generate import GenerationStats  # torch's, as above
 
     engine = model.engine
     if len(ids) >= engine.ctx:

@@ -17,6 +17,7 @@ from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..kernels.pack import QSPECS, pack_chunk_rows, sm_width  # tables: no CUDA nor Triton
 from ..model.families import family_for, spec_for
+from ..model.families.gemma4 import PER_LAYER_TOKEN_EMBD
 from ..model.layer_spec import EMBEDDING, head_tensor_name, kv_cache_bytes
 from ..weights.image import IMAGE_ALIGN  # every tensor of an image starts on this boundary
 from ..weights.loader import prefill_scratch_elements
@@ -146,8 +147,6 @@ def extra_tensor_bytes(gf: GGUFFile, cfg: ModelConfig, table_on_host: bool) -> i
     norm (model.families.Family.top_tensors: Gemma 4's per-layer embedding tables, as held:
     in their GGUF format, the token table left out where it stays on the host like the
     embedding)."""
-    from ..model.families.gemma4 import PER_LAYER_TOKEN_EMBD
-
     return sum(alloc_bytes(gf.tensors[n].n_bytes)
                for n in family_for(cfg.architecture).top_tensors(cfg)
                if n in gf.tensors and not (table_on_host and n == PER_LAYER_TOKEN_EMBD))

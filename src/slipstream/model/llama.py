@@ -269,7 +269,7 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     """
     y = _block(cfg, w, x, cos_sin, step, k_cache, v_cache, rope, window)
     if per_layer is not None or cfg.layer_scale:
-        from .per_layer import layer_tail  # Gemma 4 only
+        from .per_layer import layer_tail  # Gemma 4 only; per_layer imports this module
         y = layer_tail(cfg, w, y, per_layer)
     return y
 

@@ -26,6 +26,7 @@ import torch
 from .. import envs, kernels, quant
 from ..errors import BadArgument, GGUFError, InvalidMetadata, UnsupportedArchitecture
 from ..model.families import file_spec, spec_for
+from ..model.families.gemma4 import PER_LAYER_MODEL_PROJ, PER_LAYER_PROJ_NORM, PER_LAYER_TOKEN_EMBD
 from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name
 from ..model.llama import LayerWeights
 from ..model.per_layer import PerLayerEmbedding
@@ -527,8 +528,6 @@ def load_per_layer(src: TensorSource, cfg: ModelConfig, device: torch.device,
     n_layers x 256: 2.3 G values in E2B, more than its layers) stays in its GGUF format,
     where the token embedding stays (`on_host`: in host memory), and a pass dequantizes only
     its tokens' rows; the projection is a linear of the layers' kind."""
-    from ..model.families.gemma4 import (PER_LAYER_MODEL_PROJ, PER_LAYER_PROJ_NORM,
-                                         PER_LAYER_TOKEN_EMBD)
     width = cfg.n_layers * cfg.per_layer_dim
     raw = src.raw_held(PER_LAYER_TOKEN_EMBD, (cfg.vocab_size, width))
     if not on_host:
