@@ -52,6 +52,38 @@ def _layer_names(cfg: ModelConfig, per_layer: dict[str, str], top: dict[str, str
     return names
 
 
+def _sizes(cfg: ModelConfig, **fields) -> dict:
+    """The config fields every builder takes from the file alike (its sizes, untied head, no
+    special tokens), with `fields` added or overriding."""
+    return {"vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden,
+            "intermediate_size": cfg.ffn, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+            "max_position_embeddings": cfg.context_length, "rms_norm_eps": cfg.norm_eps,
+            "tie_word_embeddings": False, "pad_token_id": 0, "bos_token_id": None,
+            "eos_token_id": None, **fields}
+
+
+def _stack_gate_up(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+    """Each expert layer's gate and up as transformers holds them: one gate_up_proj,
+    (n_experts, 2 * width, hidden), gate rows first."""
+    for i in range(cfg.dense_lead, cfg.n_layers):
+        tensors[f"blk.{i}.ffn_gate_up_exps.weight"] = torch.cat(
+            (tensors[f"blk.{i}.ffn_gate_exps.weight"], tensors[f"blk.{i}.ffn_up_exps.weight"]),
+            dim=1)
+
+
+# the sigmoid-routed experts with their selection bias and shared expert (GLM-4.5, DeepSeek-V3)
+SHARED_EXPERT_NAMES = {
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
+    "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight",
+}
+
+
 def _phi3(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
     from transformers import Phi3Config, Phi3ForCausalLM
 
@@ -62,14 +94,9 @@ def _phi3(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
         rope.update(rope_type="longrope", original_max_position_embeddings=cfg.rope_ctx_orig,
                     short_factor=tensors["rope_factors_short.weight"].tolist(),
                     long_factor=tensors["rope_factors_long.weight"].tolist())
-    config = Phi3Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.context_length,
-        original_max_position_embeddings=cfg.rope_ctx_orig or cfg.context_length,
-        rms_norm_eps=cfg.norm_eps, rope_parameters=rope,
-        sliding_window=cfg.sliding_window or None, tie_word_embeddings=False,
-        pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    config = Phi3Config(**_sizes(
+        cfg, original_max_position_embeddings=cfg.rope_ctx_orig or cfg.context_length,
+        rope_parameters=rope, sliding_window=cfg.sliding_window or None))
     names = _layer_names(cfg, {
         "attn_norm.weight": "input_layernorm.weight",
         "attn_qkv.weight": "self_attn.qkv_proj.weight",
@@ -105,27 +132,15 @@ def _mistral3(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
         rope.update(rope_type="yarn", factor=cfg.rope_scale, beta_fast=cfg.yarn_beta_fast,
                     beta_slow=cfg.yarn_beta_slow, mscale=1.0, mscale_all_dim=1.0,
                     original_max_position_embeddings=cfg.rope_ctx_orig)
-    config = Ministral3Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
-        rope_parameters=rope, tie_word_embeddings=False, pad_token_id=0, bos_token_id=None,
-        eos_token_id=None)
+    config = Ministral3Config(**_sizes(cfg, head_dim=cfg.head_dim, rope_parameters=rope))
     return Ministral3ForCausalLM(config), _layer_names(cfg, LLAMA_NAMES, TOP_NAMES)
 
 
 def _olmo2(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
     from transformers import Olmo2Config, Olmo2ForCausalLM
 
-    config = Olmo2Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads, max_position_embeddings=cfg.context_length,
-        rms_norm_eps=cfg.norm_eps, rope_parameters={"rope_type": "default",
-                                                    "rope_theta": cfg.rope_base},
-        tie_word_embeddings=False, pad_token_id=0, bos_token_id=None,
-        eos_token_id=None)
+    config = Olmo2Config(**_sizes(cfg, rope_parameters={"rope_type": "default",
+                                                        "rope_theta": cfg.rope_base}))
     names = {k: v for k, v in LLAMA_NAMES.items() if k not in ("attn_norm.weight",
                                                                "ffn_norm.weight")}
     names.update({"attn_q_norm.weight": "self_attn.q_norm.weight",
@@ -138,15 +153,10 @@ def _olmo2(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
 def _glm4(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
     from transformers import Glm4Config, Glm4ForCausalLM
 
-    config = Glm4Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
+    config = Glm4Config(**_sizes(
+        cfg, head_dim=cfg.head_dim, attention_bias=True, eos_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base,
-                         "partial_rotary_factor": cfg.rope_dim / cfg.head_dim},
-        attention_bias=True, tie_word_embeddings=False, pad_token_id=0, bos_token_id=None,
-        eos_token_id=0)
+                         "partial_rotary_factor": cfg.rope_dim / cfg.head_dim}))
     names = {k: v for k, v in LLAMA_NAMES.items() if k != "ffn_gate.weight"}
     names.update({"ffn_up.weight": "mlp.gate_up_proj.weight",
                   "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
@@ -159,15 +169,12 @@ def _glm4(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
 def _cohere2(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
     from transformers import Cohere2Config, Cohere2ForCausalLM
 
-    config = Cohere2Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.context_length, layer_norm_eps=cfg.norm_eps,
-        logit_scale=cfg.logit_scale, sliding_window=cfg.sliding_window,
-        sliding_window_pattern=cfg.swa_pattern,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
-        tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+    sizes = _sizes(cfg, head_dim=cfg.head_dim, layer_norm_eps=cfg.norm_eps,
+                   logit_scale=cfg.logit_scale, sliding_window=cfg.sliding_window,
+                   sliding_window_pattern=cfg.swa_pattern, tie_word_embeddings=True,
+                   rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base})
+    del sizes["rms_norm_eps"]  # a LayerNorm model
+    config = Cohere2Config(**sizes)
     names = {k: v for k, v in LLAMA_NAMES.items()
              if k not in ("ffn_norm.weight", "output.weight")}
     top = {k: v for k, v in TOP_NAMES.items() if k != "output.weight"}
@@ -180,19 +187,12 @@ def _mixtral(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     unpermute_qk(cfg, tensors)
-    for i in range(cfg.n_layers):
-        tensors[f"blk.{i}.ffn_gate_up_exps.weight"] = torch.cat(
-            (tensors[f"blk.{i}.ffn_gate_exps.weight"], tensors[f"blk.{i}.ffn_up_exps.weight"]),
-            dim=1)
-    config = MixtralConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.expert_ffn,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
+    _stack_gate_up(cfg, tensors)
+    config = MixtralConfig(**_sizes(
+        cfg, intermediate_size=cfg.expert_ffn, head_dim=cfg.head_dim,
         num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_used,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base},
-        sliding_window=None, tie_word_embeddings=False, pad_token_id=0, bos_token_id=None,
-        eos_token_id=None)
+        sliding_window=None))
     names = {k: v for k, v in LLAMA_NAMES.items() if not k.startswith("ffn_")
              or k == "ffn_norm.weight"}
     names.update({"ffn_gate_inp.weight": "mlp.gate.weight",
@@ -230,16 +230,12 @@ def _gptoss(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
     rope = {"rope_type": "yarn", "rope_theta": cfg.rope_base, "factor": cfg.rope_scale,
             "beta_fast": cfg.yarn_beta_fast, "beta_slow": cfg.yarn_beta_slow,
             "truncate": True, "original_max_position_embeddings": cfg.rope_ctx_orig}
-    config = GptOssConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.expert_ffn,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+    config = GptOssConfig(**_sizes(
+        cfg, intermediate_size=cfg.expert_ffn, head_dim=cfg.head_dim,
         # (the YaRN context, so that transformers finds the factor it is given)
         max_position_embeddings=int(cfg.rope_ctx_orig * cfg.rope_scale),
-        rms_norm_eps=cfg.norm_eps,
         num_local_experts=cfg.n_experts, num_experts_per_tok=cfg.n_experts_used,
-        sliding_window=cfg.sliding_window, rope_parameters=rope, tie_word_embeddings=False,
-        pad_token_id=0, bos_token_id=None, eos_token_id=None)
+        sliding_window=cfg.sliding_window, rope_parameters=rope))
     config._attn_implementation = "eager"
     names = {k: v for k, v in LLAMA_NAMES.items() if not k.startswith("ffn_")}
     names.update({f"attn_{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"})
@@ -284,13 +280,10 @@ def _gemma4(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
     # writes 1e30 for the pairs "proportional" RoPE holds still)
     turning = int((tensors["rope_freqs.weight"] < 2).sum())
     kv_layers = cfg.kv_layers or cfg.n_layers
-    config = Gemma4TextConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden,
-        intermediate_size=cfg.ffn_per_layer[0] if cfg.ffn_per_layer else cfg.ffn,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim_swa,
+    config = Gemma4TextConfig(**_sizes(
+        cfg, intermediate_size=cfg.ffn_per_layer[0] if cfg.ffn_per_layer else cfg.ffn,
+        head_dim=cfg.head_dim_swa,
         global_head_dim=cfg.head_dim, hidden_activation="gelu_pytorch_tanh",
-        max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_base_local},
             "full_attention": {"rope_type": "proportional", "rope_theta": cfg.rope_base,
@@ -302,7 +295,7 @@ def _gemma4(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
         hidden_size_per_layer_input=cfg.per_layer_dim,
         num_kv_shared_layers=cfg.n_layers - kv_layers,
         use_double_wide_mlp=bool(cfg.ffn_per_layer), attention_k_eq_v=False,
-        tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None)
+        tie_word_embeddings=True))
     per_layer = {
         "attn_norm.weight": "input_layernorm.weight",
         "attn_q.weight": "self_attn.q_proj.weight",
@@ -342,15 +335,9 @@ def _glm4moe(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
     checkpoint's: llama.cpp's converter does not permute GLM-4.5's queries and keys."""
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
-    for i in range(cfg.dense_lead, cfg.n_layers):
-        tensors[f"blk.{i}.ffn_gate_up_exps.weight"] = torch.cat(
-            (tensors[f"blk.{i}.ffn_gate_exps.weight"], tensors[f"blk.{i}.ffn_up_exps.weight"]),
-            dim=1)
-    config = Glm4MoeConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
-        num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
+    _stack_gate_up(cfg, tensors)
+    config = Glm4MoeConfig(**_sizes(
+        cfg, head_dim=cfg.head_dim,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base,
                          "partial_rotary_factor": cfg.rope_dim / cfg.head_dim},
         attention_bias=cfg.attn_bias, use_qk_norm=cfg.qk_norm,
@@ -358,20 +345,13 @@ def _glm4moe(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
         n_routed_experts=cfg.n_experts, n_shared_experts=cfg.n_shared_experts,
         routed_scaling_factor=cfg.moe_scale, n_group=max(cfg.expert_groups, 1),
         topk_group=max(cfg.expert_groups_used, 1), first_k_dense_replace=cfg.dense_lead,
-        norm_topk_prob=cfg.moe_norm, tie_word_embeddings=False, pad_token_id=0,
-        bos_token_id=None, eos_token_id=None)
+        norm_topk_prob=cfg.moe_norm))
     names = {k: v for k, v in LLAMA_NAMES.items() if k != "ffn_norm.weight"}
     names.update({f"attn_{x}.bias": f"self_attn.{x}_proj.bias" for x in "qkv"})
     names.update({"attn_q_norm.weight": "self_attn.q_norm.weight",
                   "attn_k_norm.weight": "self_attn.k_norm.weight",
                   "post_attention_norm.weight": "post_attention_layernorm.weight",
-                  "ffn_gate_inp.weight": "mlp.gate.weight",
-                  "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
-                  "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
-                  "ffn_down_exps.weight": "mlp.experts.down_proj",
-                  "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
-                  "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
-                  "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"})
+                  **SHARED_EXPERT_NAMES})
     return Glm4MoeForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
 
 
@@ -393,30 +373,24 @@ def _deepseek2(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
         k_b, v_b = tensors[f"blk.{i}.attn_k_b.weight"], tensors[f"blk.{i}.attn_v_b.weight"]
         tensors[f"blk.{i}.kv_b"] = torch.cat((k_b.transpose(1, 2), v_b), dim=1).reshape(
             -1, cfg.kv_lora_rank)
-        if i >= cfg.dense_lead:
-            tensors[f"blk.{i}.ffn_gate_up_exps.weight"] = torch.cat(
-                (tensors[f"blk.{i}.ffn_gate_exps.weight"],
-                 tensors[f"blk.{i}.ffn_up_exps.weight"]), dim=1)
+    _stack_gate_up(cfg, tensors)
     rope = {"rope_type": "default", "rope_theta": cfg.rope_base}
     if cfg.rope_scaling == "yarn":
         rope.update(rope_type="yarn", factor=cfg.rope_scale, beta_fast=cfg.yarn_beta_fast,
                     beta_slow=cfg.yarn_beta_slow, mscale=1.0, mscale_all_dim=1.0,
                     truncate=True, original_max_position_embeddings=cfg.rope_ctx_orig)
-    config = DeepseekV3Config(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden, intermediate_size=cfg.ffn,
-        moe_intermediate_size=cfg.expert_ffn, num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_heads,
+    config = DeepseekV3Config(**_sizes(
+        cfg, moe_intermediate_size=cfg.expert_ffn, num_key_value_heads=cfg.n_heads,
         n_shared_experts=cfg.n_shared_experts, n_routed_experts=cfg.n_experts,
         routed_scaling_factor=cfg.moe_scale, kv_lora_rank=cfg.kv_lora_rank,
         q_lora_rank=cfg.q_lora_rank or None, qk_rope_head_dim=cfg.rope_dim,
         v_head_dim=cfg.mla_v_head, qk_nope_head_dim=nope,
         n_group=max(cfg.expert_groups, 1), topk_group=max(cfg.expert_groups_used, 1),
         num_experts_per_tok=cfg.n_experts_used, first_k_dense_replace=cfg.dense_lead,
-        norm_topk_prob=cfg.moe_norm, rms_norm_eps=cfg.norm_eps,
+        norm_topk_prob=cfg.moe_norm,
         max_position_embeddings=int((cfg.rope_ctx_orig or cfg.context_length)
                                     * cfg.rope_scale),
-        rope_parameters=rope, rope_interleave=True, tie_word_embeddings=False,
-        pad_token_id=0, bos_token_id=None, eos_token_id=None)
+        rope_parameters=rope, rope_interleave=True))
     names = {"attn_norm.weight": "input_layernorm.weight",
              "attn_q_a.weight": "self_attn.q_a_proj.weight",
              "attn_q_a_norm.weight": "self_attn.q_a_layernorm.weight",
@@ -428,14 +402,7 @@ def _deepseek2(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
              "attn_output.weight": "self_attn.o_proj.weight",
              "ffn_norm.weight": "post_attention_layernorm.weight",
              "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-             "ffn_down.weight": "mlp.down_proj.weight",
-             "ffn_gate_inp.weight": "mlp.gate.weight",
-             "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
-             "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
-             "ffn_down_exps.weight": "mlp.experts.down_proj",
-             "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
-             "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
-             "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"}
+             "ffn_down.weight": "mlp.down_proj.weight", **SHARED_EXPERT_NAMES}
     return DeepseekV3ForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
 
 
