@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as Q
 
 from helpers import assert_prefill_and_decode_match, cpu_engine, cpu_stages, file_config
 from llamacpp_ref import rel_err, unname
-from slipstream.errors import InvalidMetadata, MissingMetadata
+from slipstream.errors import InvalidMetadata
 from slipstream.model.moe import route, select_groups
 from slipstream.modelfile.config import ModelConfig
 from slipstream.modelfile.gguf_file import GGUFFile
@@ -71,24 +71,6 @@ def test_a_synthesized_file_holds_the_glm4moe_layers(tmp_path):
     assert "blk.3.nextn.eh_proj.weight" in names  # the MTP layer, after the model's own
     kinds = {n: t.ggml_type for n, t in GGUFFile(path).tensors.items()}
     assert kinds["blk.1.ffn_gate_inp.weight"] == Q.F32 and kinds["blk.1.exp_probs_b.bias"] == Q.F32
-
-
-def test_info_lists_glm4moe(capsys):
-    from slipstream import cli
-
-    assert cli.main(["info", "--families"]) == 0
-    assert "glm4moe" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("key", ["glm4moe.expert_count", "glm4moe.expert_feed_forward_length",
-                                 "glm4moe.expert_shared_count"])
-def test_missing_glm4moe_metadata_is_named(tmp_path, key):
-    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2, arch="glm4moe")
-    gf = GGUFFile(path)
-    md = dict(gf.metadata)
-    del md[key]
-    with pytest.raises(MissingMetadata, match=key):
-        ModelConfig.from_metadata(md, set(gf.tensors))
 
 
 @pytest.mark.parametrize("change,match", [

@@ -23,11 +23,9 @@ from gguf import GGMLQuantizationType as Q
 
 from helpers import cpu_engine, cpu_stages, file_config
 from llamacpp_ref import rel_err, unname
-from slipstream.errors import MissingMetadata
 from slipstream.model.attention_sinks import sink_attention
 from slipstream.model.moe import ResidentExperts, route, swiglu_oai
 from slipstream.model.step import append_step
-from slipstream.modelfile.config import ModelConfig
 from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.runtime.engine import Engine
 from slipstream.synth import write_synth
@@ -67,24 +65,6 @@ def test_a_synthesized_file_holds_the_gptoss_layer(tmp_path):
     assert kinds["blk.0.attn_q.weight"] == Q.Q8_0
     assert kinds["blk.0.attn_sinks.weight"] == Q.F32
     assert kinds["blk.1.ffn_gate_inp.bias"] == Q.F32
-
-
-def test_info_lists_gptoss(capsys):
-    from slipstream import cli
-
-    assert cli.main(["info", "--families"]) == 0
-    assert "gpt-oss" in capsys.readouterr().out
-
-
-@pytest.mark.parametrize("key", ["gpt-oss.expert_count", "gpt-oss.attention.sliding_window",
-                                 "gpt-oss.expert_feed_forward_length"])
-def test_missing_gptoss_metadata_is_named(tmp_path, key):
-    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=1, arch="gpt-oss")
-    gf = GGUFFile(path)
-    md = dict(gf.metadata)
-    del md[key]
-    with pytest.raises(MissingMetadata, match=key):
-        ModelConfig.from_metadata(md, set(gf.tensors))
 
 
 def test_a_sink_scales_plain_attention_down():

@@ -172,12 +172,19 @@ def test_packed_decode_experts_match_their_dense_weights(tmp_path):
         assert rel_err(packed, other) > 0.5
 
 
-def test_a_qwen3moe_file_without_experts_is_refused(tmp_path):
-    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=1, arch="qwen3moe")
-    md = dict(GGUFFile(path).metadata)
-    del md["qwen3moe.expert_count"]
-    with pytest.raises(MissingMetadata, match="qwen3moe.expert_count"):
-        ModelConfig.from_metadata(md)
+@pytest.mark.parametrize("arch,key", [
+    ("qwen3moe", "expert_count"),
+    ("gpt-oss", "expert_count"), ("gpt-oss", "attention.sliding_window"),
+    ("gpt-oss", "expert_feed_forward_length"),
+    ("glm4moe", "expert_count"), ("glm4moe", "expert_feed_forward_length"),
+    ("glm4moe", "expert_shared_count")])
+def test_missing_expert_metadata_is_named(tmp_path, arch, key):
+    path = write_synth(tmp_path / "m.gguf", "tiny", "Q8_0", n_layers=2, arch=arch)
+    gf = GGUFFile(path)
+    md = dict(gf.metadata)
+    del md[f"{arch}.{key}"]
+    with pytest.raises(MissingMetadata, match=f"{arch}.{key}"):
+        ModelConfig.from_metadata(md, set(gf.tensors))
 
 
 def test_experts_in_a_family_without_them_are_refused(tmp_path):
