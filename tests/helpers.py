@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from pathlib import Path
 
 import torch
 
+from llamacpp_ref import rel_err
 from slipstream.modelfile.config import ModelConfig
 from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.memory import ResidentLayerStore
@@ -172,3 +174,27 @@ def assert_prefill_and_decode_match(engine, ids, ref, tol: float) -> None:
                         + [engine.forward(ids[i:i + 1]) for i in range(5, len(ids))])
     assert rel_err(stepped, ref) < tol
     assert torch.equal(stepped.argmax(-1), ref.argmax(-1))
+
+
+def variant(engine: Engine, cfg_change: dict | None = None, moe_change=None) -> Engine:
+    """The engine's model with its config fields (`cfg_change`) or every mixture-of-experts
+    layer's MoeWeights (`moe_change`: a dict of fields, or a function of the MoeWeights)
+    replaced: same weights otherwise, fresh CPU caches. Negative controls build on it."""
+    cfg, weights = engine.cfg, engine.weights
+    if cfg_change:
+        cfg = dataclasses.replace(cfg, **cfg_change)
+    if moe_change is not None:
+        change = moe_change if callable(moe_change) else \
+            (lambda m: dataclasses.replace(m, **moe_change))
+        weights = dataclasses.replace(weights, layers=[
+            dataclasses.replace(w, moe=change(w.moe)) if w.moe is not None else w
+            for w in weights.layers])
+    return Engine(cfg, weights, cpu_stages(cfg, weights, engine.ctx))
+
+
+def assert_controls_miss(variants, ids, ref, floor: float) -> None:
+    """Each negative control (name -> engine) lands farther than `floor` (relative) from the
+    reference logits, so that the comparison that passed could have failed."""
+    for name, engine in variants.items():
+        err = rel_err(engine.forward(ids, all_logits=True), ref)
+        assert err > floor, (name, err)

@@ -13,7 +13,6 @@ with the selection bias, scaled by 2.5, one shared expert."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 
@@ -21,7 +20,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from helpers import assert_prefill_and_decode_match, cpu_engine, cpu_stages, file_config
+from helpers import (assert_controls_miss, assert_prefill_and_decode_match, cpu_engine,
+                     file_config, variant)
 from llamacpp_ref import rel_err, unname
 from slipstream.errors import InvalidMetadata, UnsupportedArchitecture
 from slipstream.modelfile.config import ModelConfig
@@ -139,25 +139,15 @@ def test_bad_mla_metadata_is_named(tmp_path, key, value, match):
         ModelConfig.from_metadata({**gf.metadata, key: value}, set(gf.tensors))
 
 
-def _variant(engine: Engine, piece: str) -> Engine:
-    """The engine's model with one piece changed: the scores without YaRN's mscale, NEOX
-    pairing, no YaRN, no selection bias, no shared expert. Same weights, fresh caches."""
-    cfg, weights = engine.cfg, engine.weights
-    if piece == "mscale":
-        cfg = dataclasses.replace(cfg, attn_scale=1 / math.sqrt(cfg.mla_k_head))
-    elif piece == "pairing":
-        cfg = dataclasses.replace(cfg, rope_style="neox")
-    elif piece == "yarn":
-        cfg = dataclasses.replace(cfg, rope_scaling="none", rope_scale=1.0)
-    else:
-        change = {"selection_bias": None} if piece == "bias" else {"shared": None}
-        layers = [dataclasses.replace(w, moe=dataclasses.replace(w.moe, **change))
-                  if w.moe is not None else w for w in weights.layers]
-        weights = dataclasses.replace(weights, layers=layers)
-    return Engine(cfg, weights, cpu_stages(cfg, weights, 256))
-
-
-PIECES = ("mscale", "pairing", "yarn", "bias", "shared")
+def _controls(engine: Engine) -> dict[str, Engine]:
+    """The engine's model with each piece changed: the scores without YaRN's mscale, NEOX
+    pairing, no YaRN, no selection bias, no shared expert."""
+    cfg = engine.cfg
+    return {"mscale": variant(engine, cfg_change={"attn_scale": 1 / math.sqrt(cfg.mla_k_head)}),
+            "pairing": variant(engine, cfg_change={"rope_style": "neox"}),
+            "yarn": variant(engine, cfg_change={"rope_scaling": "none", "rope_scale": 1.0}),
+            "bias": variant(engine, moe_change={"selection_bias": None}),
+            "shared": variant(engine, moe_change={"shared": None})}
 
 
 @pytest.mark.slow
@@ -171,9 +161,7 @@ def test_logits_match_transformers(ds_file):
     engine = cpu_engine(ds_file, precision="exact")
     # prefill, then decode one token at a time through the latent cache
     assert_prefill_and_decode_match(engine, IDS, ref, EXACT_REL_TOL)
-    for piece in PIECES:
-        err = rel_err(_variant(engine, piece).forward(IDS, all_logits=True), ref)
-        assert err > 100 * EXACT_REL_TOL, piece
+    assert_controls_miss(_controls(engine), IDS, ref, 100 * EXACT_REL_TOL)
 
 
 @pytest.mark.slow
@@ -192,9 +180,7 @@ def test_float32_copy_matches_llamacpp(ds_file, tmp_path):
     stepped = torch.cat([engine.forward(IDS[:5], all_logits=True)]
                         + [engine.forward(IDS[i:i + 1]) for i in range(5, len(IDS))])
     assert_matches(stepped, ref, F32_REL_TOL, F32_DECISIVE_GAP)
-    for piece in PIECES:
-        err = rel_err(_variant(engine, piece).forward(IDS, all_logits=True), ref)
-        assert err > 10 * F32_REL_TOL, piece
+    assert_controls_miss(_controls(engine), IDS, ref, 10 * F32_REL_TOL)
 
 
 def test_a_lite_file_has_no_query_latent_nor_selection_bias(tmp_path):
@@ -234,17 +220,11 @@ def test_lite_file_matches_llamacpp(tmp_path):
     stepped = torch.cat([engine.forward(IDS[:5], all_logits=True)]
                         + [engine.forward(IDS[i:i + 1]) for i in range(5, len(IDS))])
     assert_matches(stepped, ref, F32_REL_TOL, F32_DECISIVE_GAP)
-    cfg, weights = engine.cfg, engine.weights
-    v3_scale = (1 + 0.1 * math.log(40.0)) ** 2 / math.sqrt(cfg.mla_k_head)
-    for change in ({"gating": "sigmoid"}, {"normalize": True}, "mscale"):
-        if change == "mscale":
-            c, w = dataclasses.replace(cfg, attn_scale=v3_scale), weights
-        else:
-            c, w = cfg, dataclasses.replace(weights, layers=[
-                dataclasses.replace(x, moe=dataclasses.replace(x.moe, **change))
-                if x.moe is not None else x for x in weights.layers])
-        wrong = Engine(c, w, cpu_stages(c, w, 256)).forward(IDS, all_logits=True)
-        assert rel_err(wrong, ref) > 10 * F32_REL_TOL, change
+    v3_scale = (1 + 0.1 * math.log(40.0)) ** 2 / math.sqrt(engine.cfg.mla_k_head)
+    assert_controls_miss({"sigmoid": variant(engine, moe_change={"gating": "sigmoid"}),
+                          "normalize": variant(engine, moe_change={"normalize": True}),
+                          "mscale": variant(engine, cfg_change={"attn_scale": v3_scale})},
+                         IDS, ref, 10 * F32_REL_TOL)
 
 
 @pytest.mark.slow

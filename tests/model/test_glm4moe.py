@@ -12,14 +12,14 @@ the model's own, which both references skip as slipstream must."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from helpers import assert_prefill_and_decode_match, cpu_engine, cpu_stages, file_config
+from helpers import (assert_controls_miss, assert_prefill_and_decode_match, cpu_engine,
+                     file_config, variant)
 from llamacpp_ref import rel_err, unname
 from slipstream.errors import InvalidMetadata
 from slipstream.model.moe import route, select_groups
@@ -153,13 +153,9 @@ def test_routing_matches_transformers():
         assert rel_err(ours(**change)[0], ref_w) > 0.1, change
 
 
-def _variant(engine: Engine, piece: str) -> Engine:
-    """The engine's model with one routing piece turned off (PIECES): same weights, fresh
-    caches."""
-    layers = [dataclasses.replace(w, moe=dataclasses.replace(w.moe, **PIECES[piece]))
-              if w.moe is not None else w for w in engine.weights.layers]
-    weights = dataclasses.replace(engine.weights, layers=layers)
-    return Engine(engine.cfg, weights, cpu_stages(engine.cfg, weights, 256))
+def _controls(engine: Engine) -> dict[str, Engine]:
+    """The engine's model with each routing piece turned off (PIECES)."""
+    return {piece: variant(engine, moe_change=change) for piece, change in PIECES.items()}
 
 
 @pytest.mark.slow
@@ -173,9 +169,7 @@ def test_logits_match_transformers(glm_file):
     engine = cpu_engine(glm_file, precision="exact")
     # prefill, then decode one token at a time through the KV cache
     assert_prefill_and_decode_match(engine, IDS, ref, EXACT_REL_TOL)
-    for piece in PIECES:
-        err = rel_err(_variant(engine, piece).forward(IDS, all_logits=True), ref)
-        assert err > 100 * EXACT_REL_TOL, piece
+    assert_controls_miss(_controls(engine), IDS, ref, 100 * EXACT_REL_TOL)
 
 
 @pytest.mark.slow
@@ -191,9 +185,7 @@ def test_float32_copy_matches_llamacpp(glm_file, tmp_path):
     ref = llamacpp_logits(f32, IDS)
     engine = cpu_engine(f32, precision="exact")
     assert_matches(engine.forward(IDS, all_logits=True), ref, F32_REL_TOL, F32_DECISIVE_GAP)
-    for piece in PIECES:
-        err = rel_err(_variant(engine, piece).forward(IDS, all_logits=True), ref)
-        assert err > 10 * F32_REL_TOL, piece
+    assert_controls_miss(_controls(engine), IDS, ref, 10 * F32_REL_TOL)
 
 
 @pytest.mark.slow

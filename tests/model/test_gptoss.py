@@ -21,7 +21,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from helpers import cpu_engine, cpu_stages, file_config
+from helpers import assert_controls_miss, cpu_engine, file_config, variant
 from llamacpp_ref import rel_err, unname
 from slipstream.model.attention_sinks import sink_attention
 from slipstream.model.moe import ResidentExperts, route, swiglu_oai
@@ -166,23 +166,15 @@ def test_routing_and_swiglu_match_transformers():
     assert rel_err(plain, ref) > 0.1
 
 
-def _variant(engine: Engine, piece: str) -> Engine:
-    """The engine's model with one of gpt-oss's pieces swapped for the common one: no sinks,
-    the plain SwiGLU in the experts, or softmax-then-top-k routing. Same weights, fresh
-    caches."""
-    cfg, weights = engine.cfg, engine.weights
-    if piece == "sinks":
-        cfg = dataclasses.replace(cfg, attn_sinks=False)
-    else:
-        def change(m):
-            if piece == "swiglu":
-                return dataclasses.replace(m, experts=ResidentExperts(
-                    m.experts.gate_up, m.experts.down, "silu"))
-            return dataclasses.replace(m, gating="softmax", normalize=False)
-
-        layers = [dataclasses.replace(w, moe=change(w.moe)) for w in weights.layers]
-        weights = dataclasses.replace(weights, layers=layers)
-    return Engine(cfg, weights, cpu_stages(cfg, weights, 256))
+def _controls(engine: Engine) -> dict[str, Engine]:
+    """The engine's model with each of gpt-oss's pieces swapped for the common one: no sinks,
+    the plain SwiGLU in the experts, or softmax-then-top-k routing."""
+    def plain_swiglu(m):
+        return dataclasses.replace(m, experts=ResidentExperts(m.experts.gate_up, m.experts.down,
+                                                              "silu"))
+    return {"sinks": variant(engine, cfg_change={"attn_sinks": False}),
+            "swiglu": variant(engine, moe_change=plain_swiglu),
+            "gating": variant(engine, moe_change={"gating": "softmax", "normalize": False})}
 
 
 @pytest.mark.slow
@@ -202,9 +194,7 @@ def test_logits_match_transformers(gptoss_file):
                         + [engine.forward(IDS[i:i + 1]) for i in range(5, len(IDS))])
     assert rel_err(stepped, ref) < EXACT_REL_TOL
     assert torch.equal(stepped.argmax(-1), ref.argmax(-1))
-    for piece in ("sinks", "swiglu", "gating"):
-        err = rel_err(_variant(engine, piece).forward(IDS, all_logits=True), ref)
-        assert err > 100 * EXACT_REL_TOL, piece
+    assert_controls_miss(_controls(engine), IDS, ref, 100 * EXACT_REL_TOL)
 
 
 @pytest.mark.slow
@@ -225,9 +215,7 @@ def test_mxfp4_file_matches_llamacpp(tmp_path):
     engine = cpu_engine(path, precision="exact")
     ours = engine.forward(IDS, all_logits=True)
     assert_matches(ours, ref, F32_REL_TOL, F32_DECISIVE_GAP)
-    for piece in ("sinks", "swiglu", "gating"):
-        err = rel_err(_variant(engine, piece).forward(IDS, all_logits=True), ref)
-        assert err > 10 * F32_REL_TOL, piece
+    assert_controls_miss(_controls(engine), IDS, ref, 10 * F32_REL_TOL)
     quantized = llamacpp_logits(path, IDS)
     assert rel_err(ours, quantized) < MXFP4_REL_TOL
     assert (ours.argmax(-1) == quantized.argmax(-1)).float().mean() >= MXFP4_MIN_TOP1
