@@ -69,6 +69,17 @@ def assert_chunked_threads_give_the_bits(lin, x: torch.Tensor, rows: int, thread
     assert torch.equal(y.view(torch.int32), one.view(torch.int32))
 
 
+def assert_bfloat16_in_and_out(lin, rows: int, cols: int) -> None:
+    """kernel(): bfloat16 rows in (widened exactly), bfloat16 out = the float32 result rounded
+    to nearest even, as torch rounds."""
+    xb = torch.randn(2, cols, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    y32 = lin.matvec(xb.float(), torch.empty(2, rows))
+    assert torch.equal(lin.matvec(xb, torch.empty(2, rows)), y32)
+    yb = lin.kernel(xb)
+    assert yb.dtype == torch.bfloat16 and yb.shape == (2, rows)
+    assert torch.equal(yb, y32.to(torch.bfloat16))
+
+
 def q6vnni_bound(ga, xd: torch.Tensor) -> torch.Tensor:
     """A priori |y - x w^T| of q6vnni (weights.cpu.q6vnni) for float64 x (m, K) and Q6_K's
     GroupAffine `ga`: x quantized to 16 bits per block of 32 (|dx X - x| <= dx / 2, plus

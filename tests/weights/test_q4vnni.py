@@ -25,8 +25,9 @@ from slipstream import native
 from slipstream.weights.cpu import kind_for, pack_group, pack_linear, packed_nbytes
 from slipstream.weights.cpu.groups import group_affine
 from slipstream.weights.cpu.vnni import Q4VnniLinear, Q8VnniLinear, q4vnni_params
-from quant_oracle import (assert_chunked_threads_give_the_bits, assert_same_bits_every_way,
-                          assert_within_bound, make_raw, quantize16_rows, quantized)
+from quant_oracle import (assert_bfloat16_in_and_out, assert_chunked_threads_give_the_bits,
+                          assert_same_bits_every_way, assert_within_bound, make_raw,
+                          quantize16_rows, quantized)
 
 F32_U = 2.0 ** -24
 
@@ -150,16 +151,8 @@ def test_has_vnni_where_the_cpu_does():
 
 
 def test_bfloat16_input_and_output():
-    """kernel(): bfloat16 rows in (widened exactly), bfloat16 out = the float32 result rounded
-    to nearest even, as torch rounds."""
-    raw = make_raw(Q.Q4_1, 45, 160, 4)
-    lin = pack_linear(raw, Q.Q4_1, (45, 160), kind="q4vnni")
-    xb = torch.randn(2, 160, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    y32 = lin.matvec(xb.float(), torch.empty(2, 45))
-    assert torch.equal(lin.matvec(xb, torch.empty(2, 45)), y32)
-    yb = lin.kernel(xb)
-    assert yb.dtype == torch.bfloat16 and yb.shape == (2, 45)
-    assert torch.equal(yb, y32.to(torch.bfloat16))
+    lin = pack_linear(make_raw(Q.Q4_1, 45, 160, 4), Q.Q4_1, (45, 160), kind="q4vnni")
+    assert_bfloat16_in_and_out(lin, 45, 160)
 
 
 def test_linear_call_bias_residual_and_row_slice():

@@ -24,8 +24,8 @@ from slipstream.weights.cpu import kind_for, pack_group, pack_linear, packed_nby
 from slipstream.weights.cpu.groups import group_affine
 from slipstream.weights.cpu.q6vnni import Q6V_RUN_BYTES, Q6VnniLinear, q6vnni_available
 from slipstream.weights.cpu.torch_kernels import Int8PackLinear
-from quant_oracle import (assert_chunked_threads_give_the_bits, assert_same_bits_every_way,
-                          assert_within_bound, make_raw, quantized)
+from quant_oracle import (assert_bfloat16_in_and_out, assert_chunked_threads_give_the_bits,
+                          assert_same_bits_every_way, assert_within_bound, make_raw, quantized)
 
 F32_U = 2.0 ** -24
 
@@ -96,16 +96,8 @@ def test_vnni_and_plain_c_agree_bit_for_bit(rows, cols):
 
 
 def test_bfloat16_input_and_output():
-    """kernel(): bfloat16 rows in (widened exactly), bfloat16 out = the float32 result rounded
-    to nearest even, as torch rounds."""
-    raw = make_raw(Q.Q6_K, 37, 512, 4)
-    lin = pack_linear(raw, Q.Q6_K, (37, 512), kind="q6vnni")
-    xb = torch.randn(2, 512, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    y32 = lin.matvec(xb.float(), torch.empty(2, 37))
-    assert torch.equal(lin.matvec(xb, torch.empty(2, 37)), y32)
-    yb = lin.kernel(xb)
-    assert yb.dtype == torch.bfloat16 and yb.shape == (2, 37)
-    assert torch.equal(yb, y32.to(torch.bfloat16))
+    lin = pack_linear(make_raw(Q.Q6_K, 37, 512, 4), Q.Q6_K, (37, 512), kind="q6vnni")
+    assert_bfloat16_in_and_out(lin, 37, 512)
 
 
 def test_linear_call_bias_residual_row_slice_and_parts():
