@@ -81,18 +81,19 @@ def md_float(md: Mapping[str, Any], key: str, source: str, default: float, lo: f
     return v
 
 
-def md_str(md: Mapping[str, Any], key: str, source: str, default: str) -> str:
+def _typed(md: Mapping[str, Any], key: str, source: str, default: Any, kind: type,
+           expected: str) -> Any:
     v = md.get(key, default)
-    if not isinstance(v, str):
+    if not isinstance(v, kind):
         raise InvalidMetadata(f"{source}: metadata {key!r} is {v!r} ({type(v).__name__}), "
-                              f"expected a string; {FIX}")
+                              f"expected {expected}; {FIX}")
     return v
+
+
+def md_str(md: Mapping[str, Any], key: str, source: str, default: str) -> str:
+    return _typed(md, key, source, default, str, "a string")
 
 
 def md_bool(md: Mapping[str, Any], key: str, source: str, default: bool) -> bool:
     """A boolean hyper-parameter (GGUF's BOOL type)."""
-    v = md.get(key, default)
-    if not isinstance(v, bool):
-        raise InvalidMetadata(f"{source}: metadata {key!r} is {v!r} ({type(v).__name__}), "
-                              f"expected a boolean; {FIX}")
-    return v
+    return _typed(md, key, source, default, bool, "a boolean")
