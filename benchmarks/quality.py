@@ -2,6 +2,7 @@
 
     python benchmarks/quality.py skip [--ks 0,2,4,8] [--no-bench]
     OMP_NUM_THREADS=1 python benchmarks/quality.py packed [--variants ...]
+    python benchmarks/quality.py int8 [--archs llama,mistral3,phi3] [--seeds 4,5]
 
 skip: perplexity and speed with K layers skipped. For each K it runs `slipstream perplexity -m
 MODEL -f TEXT --ctx CTX --skip-layers K --device cpu` (and, unless --no-bench, `slipstream bench
@@ -23,6 +24,14 @@ perplexity` scores (chunks of --ctx tokens, the second half of each scored) on
 tests/data/prose.txt and the shipped calibration text, with the mean KL divergence from the
 reference's next-token distribution and the top-1 agreement over every position. Writes
 RESULTS/DATE-packed-layouts-cpu.json.
+
+int8: what CUDA "fast"'s int8 activations (per block of 32 with one scale, as llama.cpp's q8_1)
+cost, emulated on the CPU: every dense linear's input rounded so, the rest at "exact". On the
+default model over prose (perplexity as `slipstream perplexity` scores it), and on each
+family's tiny random-weight file as the GPU tests write it (6 layers, Q4_K_M, std 0.08) for
+several seeds: the perplexity of fixed token ids over 128 decode steps (the second half of
+each 64-id window scored, in one context where the GPU test restarts it per window) against
+exp(mean KL(exact || int8)) - 1, the perplexity ratio expected on the model's own text. Writes RESULTS/DATE-int8-activations-cpu.json.
 """
 
 from __future__ import annotations
@@ -31,7 +40,6 @@ import argparse
 import json
 import math
 import os
-import platform
 import re
 import subprocess
 import sys
@@ -409,6 +417,98 @@ def packed_table(doc: dict) -> Table:
                   f"{r['layer_linear_bytes'] / 1e6:.1f}" if "layer_linear_bytes" in r else "")
     return t
 
+def _int8_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the int8 GEMV quantizes it: per block of 32, scale max|x| / 127."""
+    blocks = x.float().reshape(-1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(blocks / scale.clamp_min(1e-30)), 0)
+    return (q * scale).reshape(x.shape).to(x.dtype)
+
+
+def int8_run(a: argparse.Namespace) -> dict:
+    import slipstream
+    from slipstream.hub.pull import pull
+    from slipstream.runtime.perplexity import perplexity
+    from slipstream.synth import write_synth
+    from slipstream.weights import linear
+
+    plain = linear.DenseLinear.__call__
+
+    def rounded(self, x, residual=None):
+        return plain(self, _int8_rounded(x) if x.shape[-1] % 32 == 0 else x, residual)
+
+    def logits_both(path, ids, one_at_a_time):
+        out = []
+        for fn in (plain, rounded):
+            linear.DenseLinear.__call__ = fn
+            try:
+                with slipstream.load(path, device="cpu", ctx=max(256, len(ids) + 1),
+                                     precision="exact") as m:
+                    out.append(m.logits(ids, one_at_a_time=one_at_a_time).double())
+            finally:
+                linear.DenseLinear.__call__ = plain
+        return out
+
+    def costs(exact, rounded_, ids, ctx):
+        lp, lq = exact.log_softmax(-1), rounded_.log_softmax(-1)
+        kl = float((lp.exp() * (lp - lq)).sum(-1).mean())
+        # the GPU test's perplexity: chunks of ctx ids, the second half of each scored
+        nll = []
+        for lg in (lp, lq):
+            total, n = 0.0, 0
+            for c in range(len(ids) // ctx):
+                for t in range(c * ctx + ctx // 2, (c + 1) * ctx - 1):
+                    total -= float(lg[t, ids[t + 1]])
+                    n += 1
+            nll.append(total / n)
+        return {"ppl_of_ids_change_pct": 100 * math.expm1(nll[1] - nll[0]),
+                "expected_ppl_change_pct": 100 * math.expm1(kl), "mean_kl": kl}
+
+    rows = []
+    model = Path(a.model) if a.model else pull(quiet=True)
+    with slipstream.load(model, device="cpu", precision="exact") as m:
+        text_ids = m.tokenize(Path(a.text).read_text(encoding="utf-8"), add_special=True)
+    chunk, ids = 256, text_ids[:1024]
+    for name, fn in (("exact", plain), ("int8", rounded)):
+        linear.DenseLinear.__call__ = fn
+        try:
+            with slipstream.load(model, device="cpu", ctx=chunk, precision="exact") as m:
+                rows.append({"file": model.name, "text": Path(a.text).name, "variant": name,
+                             "perplexity": perplexity(m.logits, ids, chunk, max_chunks=4).ppl})
+        finally:
+            linear.DenseLinear.__call__ = plain
+    real = {"file": model.name, "text": Path(a.text).name,
+            "ppl_change_pct": 100 * (rows[1]["perplexity"] / rows[0]["perplexity"] - 1),
+            "perplexity_exact": rows[0]["perplexity"], "perplexity_int8": rows[1]["perplexity"]}
+    ids = list(range(5, 1000, 7))[:128]
+    synthetic = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in a.archs.split(","):
+            for seed in (int(s) for s in a.seeds.split(",")):
+                path = write_synth(Path(tmp) / f"{arch}-{seed}.gguf", "tiny", "Q4_K_M",
+                                   n_layers=6, arch=arch, from_floats=True, std=0.08, seed=seed)
+                exact, rounded_ = logits_both(path, ids, True)
+                synthetic.append({"arch": arch, "seed": seed, **costs(exact, rounded_, ids, 64)})
+    return {"what": "int8 activations (per block of 32, CUDA fast's and llama.cpp's q8_1) "
+            "emulated on the CPU at precision exact: the default model's perplexity of prose "
+            "(1024 tokens, 4 chunks of 256), and on tiny random-weight family files the "
+            "perplexity of fixed ids (128 decode steps in one context, the second half of each "
+            "64-id window scored) "
+            "against exp(mean KL) - 1", "real_model": real, "synthetic": synthetic}
+
+
+def int8_table(doc: dict) -> Table:
+    t = Table(title="int8 activations emulated on the CPU (perplexity change, %)")
+    for col in ("file", "seed", "ppl of fixed ids", "expected (exp KL - 1)"):
+        t.add_column(col, justify="left" if col == "file" else "right")
+    r = doc["real_model"]
+    t.add_row(f"{r['file']} on {r['text']}", "-", f"{r['ppl_change_pct']:+.3f}", "-")
+    for s in doc["synthetic"]:
+        t.add_row(f"{s['arch']} tiny", str(s["seed"]), f"{s['ppl_of_ids_change_pct']:+.3f}",
+                  f"{s['expected_ppl_change_pct']:+.3f}")
+    return t
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -429,8 +529,18 @@ def main(argv: list[str] | None = None) -> None:
                    help="files, or 'calibration' for the text shipped with the package")
     q.add_argument("--ctx", type=int, default=128)
     q.add_argument("--variants", nargs="*", help="labels from VARIANTS (default: all)")
+    i8 = sub.add_parser("int8", help="CUDA fast's int8 activations, emulated on the CPU")
+    i8.add_argument("-m", "--model", help="GGUF (default: the default model)")
+    i8.add_argument("--text", default=str(REPO / "tests/data/prose.txt"))
+    i8.add_argument("--archs", default="llama,mistral3,phi3,qwen3")
+    i8.add_argument("--seeds", default="4,5")
     a = ap.parse_args(argv)
     head = common.provenance("cpu")
+    if a.cmd == "int8":
+        doc = int8_run(a)
+        Console(width=160).print(int8_table(doc))
+        print(f"wrote {common.write_result('int8-activations', {**head, **doc}, a.results)}")
+        return
     if a.cmd == "packed":
         doc = packed_run(a)
         Console(width=200).print(packed_table(doc))

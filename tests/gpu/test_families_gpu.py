@@ -9,6 +9,8 @@ sliding-window layers and a global one; a 16-position window, which the prompt c
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -66,17 +68,23 @@ def test_graph_decode_matches_eager(family_file):
 
 def _fast_cost(path) -> tuple[float, float]:
     """What "fast" (int8 activations, float16 caches) costs on one file, in generation's
-    kernels: (|perplexity ratio - 1|, relative error of all decode logits) against "exact"."""
-    from slipstream.runtime.perplexity import perplexity
+    kernels, against "exact": (the perplexity ratio - 1 it gives in expectation on the exact
+    model's own text, exp(mean KL(exact || fast)) - 1 over 128 decode steps; the relative
+    error of those logits).
 
+    Why not the perplexity of fixed token ids: on a random-weight file the distribution is
+    near uniform and that perplexity measures noise. On an H100 "fast" scored lower than
+    "exact" for 5 of 7 families; with int8 activations alone, emulated on the CPU, the same
+    ids' perplexity moved by -2.0% to +0.5% over four families and two seeds, while
+    exp(mean KL) - 1 stayed between 0.09% and 0.25% (benchmarks/quality.py int8)."""
     ids = list(range(5, 1000, 7))[:128]
-    ppl, logits = {}, {}
+    logits = {}
     for precision in ("exact", "fast"):
         with slipstream.load(path, device="cuda", ctx=256, precision=precision) as m:
-            ppl[precision] = perplexity(lambda c, m=m: m.logits(c, one_at_a_time=True), ids,
-                                        64, max_chunks=2).ppl
-            logits[precision] = m.logits(ids[:100], one_at_a_time=True).double()
-    return abs(ppl["fast"] / ppl["exact"] - 1), rel64(logits["fast"], logits["exact"])
+            logits[precision] = m.logits(ids, one_at_a_time=True).double().cpu()
+    exact, fast = logits["exact"].log_softmax(-1), logits["fast"].log_softmax(-1)
+    kl = float((exact.exp() * (exact - fast)).sum(-1).mean())
+    return math.expm1(kl), rel64(logits["fast"], logits["exact"])
 
 
 @pytest.fixture(scope="module")
@@ -89,15 +97,13 @@ def llama_fast_cost(tmp_path_factory) -> tuple[float, float]:
 
 
 def test_fast_keeps_top1_and_perplexity(family_file, llama_fast_cost):
-    """"fast" keeps the top token at decisive positions, and costs a family no more than it
-    costs the Llama block on the same kind of file: perplexity within 0.5%, or within 1.5
-    times the Llama block's change where that is larger. (On these random-weight files the
-    int8 activations move perplexity by 0.1 to 1.1% whatever the block, where the logits are
-    close to uniform and every small change counts.)"""
+    """"fast" keeps the top token at decisive positions and perplexity (in expectation,
+    _fast_cost) within 0.5%, and moves a family's logits no more than 1.5 times as far as
+    the Llama block's on the same kind of file."""
     arch, path = family_file
     d_ppl, d_logits = _fast_cost(path)
     llama_ppl, llama_logits = llama_fast_cost
-    assert d_ppl < max(5e-3, 1.5 * llama_ppl), (arch, d_ppl, llama_ppl)
+    assert d_ppl < 5e-3, (arch, d_ppl, llama_ppl)
     assert d_logits < 1.5 * llama_logits, (arch, d_logits, llama_logits)
     with slipstream.load(path, device="cuda", ctx=256, precision="exact") as m:
         exact = m.logits(list(range(5, 705, 7)), one_at_a_time=True)
