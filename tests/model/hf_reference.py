@@ -18,6 +18,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from slipstream.modelfile.config import ModelConfig
+from slipstream.modelfile.gguf_file import GGUFFile
 
 
 def gguf_tensors(path: Path) -> dict[str, torch.Tensor]:
@@ -407,3 +408,12 @@ def _deepseek2(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
 
 
 BUILDERS["deepseek2"] = _deepseek2
+
+
+def reference_logits(path: Path, ids: list[int]) -> torch.Tensor:
+    """transformers' all-position logits of `ids` through the file's model (reference_model,
+    its config read from the file)."""
+    gf = GGUFFile(path)
+    model = reference_model(path, ModelConfig.from_metadata(gf.metadata, set(gf.tensors)))
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]

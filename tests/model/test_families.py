@@ -17,7 +17,7 @@ import torch
 
 import slipstream
 from helpers import cpu_budget, cpu_engine, cpu_stages
-from hf_reference import reference_model
+from hf_reference import reference_logits as file_model_logits, reference_model
 from slipstream.model.families import ARCHITECTURES, FAMILIES, BlockTraits, family_for
 from slipstream.modelfile.config import ModelConfig
 from slipstream.modelfile.gguf_file import GGUFFile
@@ -91,11 +91,9 @@ def reference_logits(family_file):
     arch, path = family_file
     kwargs = NEW_FAMILIES[arch].gguf_kwargs
     if kwargs is None:
-        gf = GGUFFile(path)
-        hf = reference_model(path, ModelConfig.from_metadata(gf.metadata, set(gf.tensors)))
-    else:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=torch.float32, **kwargs).eval()
+        return file_model_logits(path, IDS)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32, **kwargs).eval()
     with torch.no_grad():
         return hf(torch.tensor([IDS])).logits[0]
 
