@@ -29,6 +29,7 @@ from .model.layer_spec import EMBEDDING, HEAD, TensorSpec
 from .modelfile.config import ModelConfig, expert_fields, yarn_fields
 from .synth_experts import experts_metadata, nextn_tensors, skewed_router
 from .synth_mla import F16_TENSORS, mla_metadata, mla_shape
+from .synth_ssm import ssm_data, ssm_metadata
 from .synth_vocab import LLAMA3_TEMPLATE, build_vocab
 from .quant.encode import quantize
 
@@ -264,7 +265,7 @@ def synth_window(shape: SynthShape) -> int:
 # The families whose synthesized files rotate part of each head (Phi-4-mini's 0.75, GLM-4's
 # 0.5): what
 # partial rotary looks like in a real file, so that the tests exercise it
-ROPE_FRACTION = {"phi3": 0.75, "glm4": 0.5, "glm4moe": 0.5}
+ROPE_FRACTION = {"phi3": 0.75, "glm4": 0.5, "glm4moe": 0.5, "qwen35": 0.25, "qwen35moe": 0.25}
 # the families whose files never hold a head apart from the embedding (llama.cpp's loader
 # reads Cohere 2's head from token_embd.weight)
 TIED = ("cohere2", "gemma4")
@@ -325,7 +326,8 @@ def synth_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
     if family == "gemma4":
         return gemma4_metadata(shape, arch)
     md.update(experts_metadata(shape, arch, file_arch(arch)),
-              **mla_metadata(shape, arch, file_arch(arch)))
+              **mla_metadata(shape, arch, file_arch(arch)),
+              **ssm_metadata(shape, arch, synth_rope_dim(shape, arch)))
     if family == "gpt-oss":  # gpt-oss's window and YaRN (factor 32 over 4096 positions);
         # the tiny shape's original context short enough that a test's tokens cross it
         md[f"{arch}.attention.sliding_window"] = synth_window(shape)
@@ -535,7 +537,10 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     total = sum(nbytes(q, s) for _, q, s, _ in plan)
     done = 0
     for name, q, s, sd in plan:
-        if expert_skew and name.endswith("ffn_gate_inp.weight"):
+        special = ssm_data(name, s, rng)
+        if special is not None:  # Qwen3.5's decay, conv taps and shared-expert gate
+            data = special
+        elif expert_skew and name.endswith("ffn_gate_inp.weight"):
             data = skewed_router((sd * rng.standard_normal(s)).astype(np.float32),
                                  expert_skew, rng)
         elif name.endswith("norm.weight"):

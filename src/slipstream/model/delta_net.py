@@ -1,0 +1,104 @@
+"""Gated DeltaNet linear attention (Qwen3.5's linear-attention layers), as llama.cpp's
+qwen35 graph (build_layer_attn_linear, delta-net-base.cpp) and transformers'
+Qwen3_5GatedDeltaNet compute it. For the normed hidden states h (T, hidden):
+
+    mixed    = attn_qkv(h)                         (T, conv_dim): queries, keys, values
+    mixed    = silu(causal depthwise conv(mixed))  kernel taps per channel, over the last
+                                                   kernel - 1 inputs kept in the conv state
+    q, k     = l2norm per head (groups heads, state wide); v (heads heads, state wide)
+    beta     = sigmoid(ssm_beta(h)), g = softplus(ssm_alpha(h) + dt_bias) * ssm_a   (T, heads)
+    per token, per value head (its key head: h mod groups, the converter's tiled order):
+        S = exp(g) S                       decay (ssm_a = -exp(A_log) < 0)
+        S = S + beta (v - S k) k^T         the delta rule's write
+        o = S q / sqrt(state)
+    out      = ssm_out(rms_norm(o, ssm_norm) * silu(z)),  z = attn_gate(h)
+
+S is (value width, key width) per head, float32, carried across passes in the layer's
+recurrent state; the conv state holds the last kernel - 1 inputs (channels, kernel - 1), as
+llama.cpp's r state does. The recurrence runs token by token (a chunked form would be faster
+for long prompts; the per-token one is the definition both references reduce to)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import RecurrentState
+
+if TYPE_CHECKING:  # type hints only: model.llama imports this module
+    from ..modelfile.config import ModelConfig
+    from .llama import LayerWeights
+    from .step import Step
+
+# A switch for the negative controls of the tests only: the decay's sign flipped (1 as the
+# model has it), and the conv left out (True as the model has it)
+DECAY_SIGN = 1.0
+CONV = True
+
+
+def delta_net(cfg: ModelConfig, w: LayerWeights, h: torch.Tensor, step: Step,
+              conv_state: torch.Tensor, state: torch.Tensor,
+              rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+              ) -> torch.Tensor:
+    """The linear-attention output (T, hidden) of the normed hidden states h (T, hidden) of
+    tokens appended right after the context the states hold. conv_state (conv_dim,
+    kernel - 1) and state (heads, state, state), float32, are updated in place. `rms_norm`:
+    the block's (model.llama, which imports this module)."""
+    if not step.causal or step.start is None:
+        raise RecurrentState(
+            f"a {cfg.architecture} linear-attention layer folds the context into one state, "
+            f"so it runs only tokens appended in order, not a step at chosen positions (a "
+            f"speculative tree)")
+    T, H, S, G = h.shape[0], cfg.ssm_heads, cfg.ssm_state, cfg.ssm_groups
+    mixed = w.attn_qkv(h).float()  # (T, conv_dim)
+    z = w.attn_gate(h).float().view(T, H, S)
+    beta = torch.sigmoid(w.ssm_beta(h).float())  # (T, H)
+    g = F.softplus(w.ssm_alpha(h).float() + w.ssm_dt) * w.ssm_a * DECAY_SIGN  # (T, H)
+    qkv = F.silu(causal_conv(mixed, conv_state, w.ssm_conv1d) if CONV else mixed)
+    key = G * S
+    q = l2_normed(qkv[:, :key].reshape(T, G, S), cfg.norm_eps)
+    k = l2_normed(qkv[:, key:2 * key].reshape(T, G, S), cfg.norm_eps)
+    v = qkv[:, 2 * key:].reshape(T, H, S)
+    tiles = torch.arange(H, device=h.device) % G  # value head -> its key head
+    q, k = q[:, tiles] / math.sqrt(S), k[:, tiles]
+    o = delta_rule(q, k, v, g, beta, state)  # (T, H, S)
+    o = rms_norm(o, w.ssm_norm, cfg.norm_eps) * F.silu(z)
+    return w.ssm_out(o.reshape(T, H * S).to(h.dtype))
+
+
+def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor
+                ) -> torch.Tensor:
+    """The depthwise causal conv of x (T, C) over the kept inputs conv_state (C, K - 1) and
+    x: out[t, c] = sum_j weight[c, j] * in[c, t + j], in = [conv_state | x^T] (as
+    ggml_ssm_conv); conv_state then holds the last K - 1 inputs. Returns (T, C) float32."""
+    T, K = x.shape[0], weight.shape[1]
+    window = torch.cat((conv_state, x.t()), dim=1)  # (C, K - 1 + T)
+    out = (window.unfold(1, K, 1) * weight[:, None, :]).sum(-1)  # (C, T)
+    conv_state.copy_(window[:, T:])
+    return out.t()
+
+
+def l2_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x over its last dimension's L2 norm, x / sqrt(sum x^2 + eps): llama.cpp's
+    build_gdn_l2_norm (rms_norm with eps / n, times 1 / sqrt(n)); transformers' l2norm."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+               beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule token by token: q, k, v (T, H, S) (q already scaled), g and beta
+    (T, H); state (H, S_v, S_k) float32, updated in place. Returns o (T, H, S_v) float32."""
+    s = state.clone()
+    out = torch.empty_like(v)
+    decay = torch.exp(g)
+    for t in range(q.shape[0]):
+        s.mul_(decay[t, :, None, None])
+        sk = torch.einsum("hji,hi->hj", s, k[t])
+        d = (v[t] - sk) * beta[t, :, None]
+        s.add_(d[:, :, None] * k[t][:, None, :])
+        out[t] = torch.einsum("hji,hi->hj", s, q[t])
+    state.copy_(s)
+    return out
