@@ -62,11 +62,18 @@ def delta_net(cfg: ModelConfig, w: LayerWeights, h: torch.Tensor, step: Step,
     q = l2_normed(qkv[:, :key].reshape(T, G, S), cfg.norm_eps)
     k = l2_normed(qkv[:, key:2 * key].reshape(T, G, S), cfg.norm_eps)
     v = qkv[:, 2 * key:].reshape(T, H, S)
-    tiles = torch.arange(H, device=h.device) % G  # value head -> its key head
+    tiles = key_heads(H, G, h.device)
     q, k = q[:, tiles] / math.sqrt(S), k[:, tiles]
     o = delta_rule(q, k, v, g, beta, state)  # (T, H, S)
     o = rms_norm(o, w.ssm_norm, cfg.norm_eps) * F.silu(z)
     return w.ssm_out(o.reshape(T, H * S).to(h.dtype))
+
+
+def key_heads(heads: int, groups: int, device: torch.device) -> torch.Tensor:
+    """Each value head's key head, (heads,): h mod groups, the tiled order llama.cpp's
+    converter writes the value heads in (ggml's broadcast repeats the key heads whole;
+    transformers' checkpoint order, grouped, would be h // (heads / groups))."""
+    return torch.arange(heads, device=device) % groups
 
 
 def causal_conv(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor

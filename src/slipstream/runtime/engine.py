@@ -26,7 +26,7 @@ from ..weights import ModelWeights
 from .graphs import GRAPH_BUCKET, DecodeGraphs, StepGraphs, bucket_span
 from .kv_cache import KVCache
 from .layer_graphs import LayerGraphs, layer_graphs_enabled
-from .recurrent import RecurrentHistory
+from .recurrent import RecurrentHistory, speculation_refused
 from .stage import Stage
 
 # Prompts longer than this are prefilled in chunks of it, which bounds the attention scores'
@@ -179,10 +179,7 @@ class Engine:
         verify pass that follows (SubSpec)."""
         self._check_skip(frozenset(skip))
         if self._history is not None:
-            raise RecurrentState(
-                f"speculative decoding is not available for {self.cfg.architecture}: its "
-                f"linear-attention layers keep a recurrent state that a draft's tree cannot "
-                f"be verified through, nor rolled back per rejected token")
+            raise RecurrentState(speculation_refused(self.cfg))
         stages = []
         for st in self.stages:
             store = st.store

@@ -11,6 +11,8 @@ generated after it; the latest KEEP are held (Qwen3.5-35B-A3B: 63 MiB each, 30 l
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 KEEP = 2
@@ -45,3 +47,11 @@ class RecurrentHistory:
         for k in [k for k in self.snapshots if k > m]:
             del self.snapshots[k]
         return m, states
+
+
+def speculation_refused(cfg: Any) -> str:
+    """Why speculative decoding is refused for a model with linear-attention layers."""
+    return (f"speculative decoding is not available for {cfg.architecture}: its "
+            f"linear-attention layers keep a recurrent state, which a draft's tree cannot be "
+            f"verified through (a tree's tokens are not one sequence) nor rolled back per "
+            f"rejected token")
