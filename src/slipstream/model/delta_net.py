@@ -15,8 +15,9 @@ Qwen3_5GatedDeltaNet compute it. For the normed hidden states h (T, hidden):
 
 S is (value width, key width) per head, float32, carried across passes in the layer's
 recurrent state; the conv state holds the last kernel - 1 inputs (channels, kernel - 1), as
-llama.cpp's r state does. The recurrence runs token by token (a chunked form would be faster
-for long prompts; the per-token one is the definition both references reduce to)."""
+llama.cpp's r state does. A decode token steps the recurrence (the definition); a pass of
+more tokens runs it by chunks as matmuls (delta_rule_chunked), the same sums reassociated:
+a 512-token prompt over 32 heads of 128 took 0.37 s against 1.67 s stepped (one thread)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,10 @@ if TYPE_CHECKING:  # type hints only: model.llama imports this module
 # model has it), and the conv left out (True as the model has it)
 DECAY_SIGN = 1.0
 CONV = True
+# Passes of more than one token run the recurrence by chunks of CHUNK tokens
+# (delta_rule_chunked; False: token by token, the definition the tests compare it with)
+CHUNKED = True
+CHUNK = 64
 
 
 def delta_net(cfg: ModelConfig, w: LayerWeights, h: torch.Tensor, step: Step,
@@ -96,8 +101,17 @@ def l2_normed(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """The gated delta rule token by token: q, k, v (T, H, S) (q already scaled), g and beta
-    (T, H); state (H, S_v, S_k) float32, updated in place. Returns o (T, H, S_v) float32."""
+    """The gated delta rule over T tokens: q, k, v (T, H, S) (q already scaled), g and beta
+    (T, H); state (H, S_v, S_k) float32, updated in place. Returns o (T, H, S_v) float32.
+    One token (decode) steps; more go by chunks (delta_rule_chunked) where CHUNKED says."""
+    if CHUNKED and q.shape[0] > 1:
+        return delta_rule_chunked(q, k, v, g, beta, state)
+    return delta_rule_steps(q, k, v, g, beta, state)
+
+
+def delta_rule_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """delta_rule token by token: the definition, and one decode token's path."""
     s = state.clone()
     out = torch.empty_like(v)
     decay = torch.exp(g)
@@ -109,3 +123,51 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
         out[t] = torch.einsum("hji,hi->hj", s, q[t])
     state.copy_(s)
     return out
+
+
+def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor, state: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    """delta_rule by chunks of `chunk` tokens (default CHUNK, or T where fewer), the same sums
+    as matmuls (the WY form llama.cpp's build_delta_net_chunking and transformers'
+    torch_chunk_gated_delta_rule use). Within a chunk, with G the decays' running sum and
+    D[i, j] = exp(G_i - G_j) for j <= i:
+        A = (I + strictly_lower(diag(beta) K K^T * D))^-1       a triangular solve
+        U = A (beta V),  W = A (beta exp(G) K)                  the writes, state-free
+        V' = U - W S^T                                          what the state leaves
+        O = exp(G) Q S^T + lower(Q K^T * D) V'
+        S = exp(G_last) S + V'^T (exp(G_last - G) K)
+    A 2048-token prompt takes 32 chunks of a few matmuls per head instead of 2048 steps over
+    the whole state (2 MiB a layer in Qwen3.5-35B-A3B)."""
+    T, H, Sk = k.shape
+    C = chunk or min(CHUNK, T)
+    pad = -T % C
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = F.pad(g, (0, 0, 0, pad)), F.pad(beta, (0, 0, 0, pad))
+    n = (T + pad) // C
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # (T', H, ...) -> (H, n, C, ...)
+        return x.reshape(n, C, H, *x.shape[2:]).transpose(0, 2).transpose(1, 2)
+
+    q, k, v = chunks(q), chunks(k), chunks(v)  # (H, n, C, S)
+    g, beta = chunks(g), chunks(beta)  # (H, n, C)
+    G = g.cumsum(-1)
+    lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    D = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, 0.0).exp() * lower
+    kb = k * beta[..., None]
+    L = (kb @ k.transpose(-1, -2) * D).tril(-1)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device)
+    A = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False)
+    U = A @ (v * beta[..., None])
+    W = A @ (kb * G.exp()[..., None])
+    intra = (q @ k.transpose(-1, -2) * D)  # (D is zero above the diagonal)
+    s = state.transpose(1, 2).clone()  # (H, S_k, S_v)
+    out = torch.empty_like(v)
+    for c in range(n):
+        vn = U[:, c] - W[:, c] @ s
+        out[:, c] = (q[:, c] * G[:, c, :, None].exp()) @ s + intra[:, c] @ vn
+        last = G[:, c, -1]
+        s = s * last.exp()[:, None, None] + \
+            (k[:, c] * (last[:, None] - G[:, c]).exp()[..., None]).transpose(-1, -2) @ vn
+    state.copy_(s.transpose(1, 2))
+    return out.transpose(1, 2).transpose(0, 2).reshape(n * C, H, -1)[:T]
