@@ -273,6 +273,30 @@ def test_truncate_restarts_the_states(qwen_file):
         engine.stages[0].kv.truncate(3)
 
 
+def test_a_prefill_stopped_between_layers_leaves_the_states_as_they_were(qwen_file):
+    """Ctrl-C between layers (Engine.between_layers raising) keeps the context of the passes
+    before: the linear-attention states are put back, so the next tokens' logits are a
+    fresh run's."""
+    _, path = qwen_file
+    engine = cpu_engine(path, precision="exact")
+    fresh = engine.forward(IDS, all_logits=True)
+    engine.reset()
+    engine.forward(IDS[:6], all_logits=True)
+    calls = []
+
+    def stop() -> None:
+        calls.append(1)
+        if len(calls) == 3:  # after the first two layers of the next pass
+            raise KeyboardInterrupt
+
+    engine.between_layers = stop
+    with pytest.raises(KeyboardInterrupt):
+        engine.forward([9, 10, 11])
+    engine.between_layers = None
+    assert engine.length == 6
+    assert rel_err(engine.forward(IDS[6:], all_logits=True), fresh[6:]) < 1e-5
+
+
 def test_speculation_is_refused_naming_the_reason(qwen_file):
     _, path = qwen_file
     engine = cpu_engine(path, precision="exact")

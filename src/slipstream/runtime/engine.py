@@ -314,7 +314,7 @@ class Engine:
                 check()
             chunk = ids[start: start + self.prefill_chunk].to(self.device)
             n = int(chunk.shape[0])
-            h = self._hidden(chunk, self._append_step(n), idle, check)
+            h = self._hidden_kept(chunk, self._append_step(n), idle, check)
             self.set_length(self.length + n)
             if self._history is not None:
                 self._history.append(chunk)
@@ -394,6 +394,21 @@ class Engine:
         embedding scale (Gemma: sqrt(hidden))."""
         x = self.weights.embed(ids).to(self.act_dtype)
         return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
+
+    def _hidden_kept(self, ids: torch.Tensor, step: Step, idle: Callable[[], bool] | None,
+                     check: Callable[[], None] | None) -> torch.Tensor:
+        """_hidden of an appended chunk. A pass stopped between layers (Ctrl-C) leaves the
+        cache at the chunks finished before, keys and values past the length unread; a
+        linear-attention layer's state has no length, so it is put back as it was."""
+        if self._history is None or check is None:
+            return self._hidden(ids, step, idle, check)
+        before = [st.kv.states() for st in self.stages]
+        try:
+            return self._hidden(ids, step, idle, check)
+        except BaseException:
+            for st, states in zip(self.stages, before):
+                st.kv.restore(states, st.kv.length)
+            raise
 
     def _hidden(self, ids: torch.Tensor, step: Step, idle: Callable[[], bool] | None = None,
                 check: Callable[[], None] | None = None) -> torch.Tensor:
