@@ -80,6 +80,11 @@ SHAPES: dict[str, SynthShape] = {
     "235b-a22b": SynthShape(hidden=4096, ffn=12288, n_layers=94, n_heads=64, n_kv_heads=4,
                             vocab=151936, context=40960, rope_base=1000000.0, head_dim=128,
                             n_experts=128, n_experts_used=8, expert_ffn=1536),
+    # Qwen3.5-35B-A3B's (--arch qwen35moe): 30 linear-attention layers of 16 key and 32
+    # value heads of 128 (synth_ssm), 10 full-attention ones of 16 query heads of 256
+    "35b-a3b": SynthShape(hidden=2048, ffn=512, n_layers=40, n_heads=16, n_kv_heads=2,
+                          vocab=248320, context=262144, rope_base=10000000.0, head_dim=256,
+                          n_experts=256, n_experts_used=8, expert_ffn=512),
     "8x7b": SynthShape(hidden=4096, ffn=14336, n_layers=32, n_heads=32, n_kv_heads=8,
                        vocab=32000, context=32768, rope_base=1000000.0, n_experts=8,
                        n_experts_used=2),

@@ -35,7 +35,7 @@ from slipstream.model.step import tree_step
 from slipstream.modelfile.config import ModelConfig
 from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.runtime.engine import Engine
-from slipstream.synth import write_synth
+from slipstream.synth import SHAPES, write_synth
 
 ARCHS = ("qwen35", "qwen35moe")
 IDS = list(range(7, 300, 11))  # 27 tokens
@@ -129,6 +129,22 @@ def test_a_synthesized_file_holds_the_qwen35_layers(tmp_path):
                 (16, 4, 256, 256)
             assert cfg.shexp_gate and "blk.1.ffn_gate_inp_shexp.weight" in names
         gf.close()
+
+
+def test_the_35b_a3b_shape_is_qwen35_35b_a3b():
+    """`synth --arch qwen35moe --shape 35b-a3b` reads back as Qwen3.5-35B-A3B's config.json
+    says: 40 layers, every fourth full attention, 16 + 32 linear heads of 128, 16 query heads
+    of 256 over 2 key/value heads, RoPE on 64 of them, 256 experts of 512 (8 used)."""
+    from slipstream.synth import synth_config
+
+    cfg = synth_config(SHAPES["35b-a3b"], "qwen35moe")
+    assert cfg.n_layers == 40 and sum(cfg.recurrent_layers) == 30
+    assert not cfg.layer(3).recurrent and cfg.layer(4).recurrent
+    assert (cfg.ssm_groups, cfg.ssm_heads, cfg.ssm_state, cfg.ssm_conv_kernel) == \
+        (16, 32, 128, 4)
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.rope_dim) == (16, 2, 256, 64)
+    assert (cfg.n_experts, cfg.n_experts_used, cfg.expert_ffn, cfg.shexp_ffn) == \
+        (256, 8, 512, 512)
 
 
 def test_info_lists_qwen35(capsys):
