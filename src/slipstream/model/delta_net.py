@@ -111,17 +111,17 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
 def delta_rule_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """delta_rule token by token: the definition, and one decode token's path."""
-    s = state.clone()
+    """delta_rule token by token: the definition, and one decode token's path (in place: a
+    copy of Qwen3.5-35B-A3B's 2 MiB state per layer would be 120 MB moved per token)."""
+    s = state
     out = torch.empty_like(v)
     decay = torch.exp(g)
     for t in range(q.shape[0]):
         s.mul_(decay[t, :, None, None])
         sk = torch.einsum("hji,hi->hj", s, k[t])
         d = (v[t] - sk) * beta[t, :, None]
-        s.add_(d[:, :, None] * k[t][:, None, :])
+        s.baddbmm_(d[:, :, None], k[t][:, None, :])  # S += d k^T, no (H, S, S) temporary
         out[t] = torch.einsum("hji,hi->hj", s, q[t])
-    state.copy_(s)
     return out
 
 
