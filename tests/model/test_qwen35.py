@@ -16,7 +16,6 @@ linear layers (value head h reads key head h mod 4), a 4-tap conv, RoPE on a qua
 from __future__ import annotations
 
 import dataclasses
-import shutil
 from pathlib import Path
 
 import pytest
