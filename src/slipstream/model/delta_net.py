@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # type hints only: model.llama imports this module
     from .llama import LayerWeights
     from .step import Step
 
-# A switch for the negative controls of the tests only: the decay's sign flipped (1 as the
+# Switches for the negative controls of the tests only: the decay's sign flipped (1 as the
 # model has it), and the conv left out (True as the model has it)
 DECAY_SIGN = 1.0
 CONV = True
