@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from . import native
-from .errors import BadArgument, BudgetTooSmall, oom_summary
+from .errors import BadArgument, BudgetTooSmall, RecurrentState, oom_summary
 from .hub.store import cache_dir
 from .memory.budget import fmt_bytes, parse_size
 from .memory.devices import resolve_device, stage_ranges
@@ -39,6 +39,7 @@ from .runtime.build import (allocator_budget, build_engine, check_skip_layers, c
 from .runtime.engine import Engine
 from .runtime.generate import Generation, GenerationStats, autoregressive, generate
 from .runtime.placement import Placement
+from .runtime.recurrent import speculation_refused
 from .runtime.sampler import Sampler, SamplingParams
 from .speculative import drafts
 from .speculative.drafts import Draft, SelfDraft
@@ -194,6 +195,8 @@ class Model:
             draft = self.draft
         if draft is None or draft is False:
             return autoregressive
+        if self.engine.cfg.recurrent_layers:
+            raise RecurrentState(speculation_refused(self.engine.cfg))
         loaded = draft is self.draft
         if not loaded:  # load(draft=...) checked its own
             check_vocab(drafts.tokens_of(self.gguf), drafts.tokens_of(draft.gguf),
@@ -338,6 +341,11 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
     if staged:  # checked before the file is opened: a wrong index fails at once
         device, vram_budget, stage_devs = stage_devices(device, vram_budget)
     model_path, gf, cfg = open_model(path, progress)
+    if cfg.recurrent_layers and (draft is not None or place.distributed):
+        raise RecurrentState(speculation_refused(cfg) if draft is not None else
+                             f"Placement(distributed=True) is not available for "
+                             f"{cfg.architecture}: its linear-attention layers' states are "
+                             f"not carried between the pipeline's processes yet")
     dev = resolve_device(device)
     if str(device) == "auto":
         dev = device_for_auto(gf, cfg, dev)

@@ -115,3 +115,9 @@ class SlipstreamWarning(UserWarning):
 class TensorWarning(SlipstreamWarning):
     """A load went on past something wrong with the file's tensors: tensors it does not use,
     or (SLIPSTREAM_CHECK_WEIGHTS=0) values or names that would otherwise refuse it."""
+
+
+class RecurrentState(SlipstreamError, ValueError):
+    """A step a model with recurrent layers (Qwen3.5's linear attention) cannot take: a state
+    summed over the context cannot be rolled back or read at chosen positions, as a KV cache
+    can (speculative trees, compaction, a rollback with no snapshot to restart from)."""

@@ -29,6 +29,7 @@ from .model.layer_spec import EMBEDDING, HEAD, TensorSpec
 from .modelfile.config import ModelConfig, expert_fields, yarn_fields
 from .synth_experts import experts_metadata, nextn_tensors, skewed_router
 from .synth_mla import F16_TENSORS, mla_metadata, mla_shape
+from .synth_ssm import ssm_data, ssm_metadata
 from .synth_vocab import LLAMA3_TEMPLATE, build_vocab
 from .quant.encode import quantize
 
@@ -79,6 +80,11 @@ SHAPES: dict[str, SynthShape] = {
     "235b-a22b": SynthShape(hidden=4096, ffn=12288, n_layers=94, n_heads=64, n_kv_heads=4,
                             vocab=151936, context=40960, rope_base=1000000.0, head_dim=128,
                             n_experts=128, n_experts_used=8, expert_ffn=1536),
+    # Qwen3.5-35B-A3B's (--arch qwen35moe): 30 linear-attention layers of 16 key and 32
+    # value heads of 128 (synth_ssm), 10 full-attention ones of 16 query heads of 256
+    "35b-a3b": SynthShape(hidden=2048, ffn=512, n_layers=40, n_heads=16, n_kv_heads=2,
+                          vocab=248320, context=262144, rope_base=10000000.0, head_dim=256,
+                          n_experts=256, n_experts_used=8, expert_ffn=512),
     "8x7b": SynthShape(hidden=4096, ffn=14336, n_layers=32, n_heads=32, n_kv_heads=8,
                        vocab=32000, context=32768, rope_base=1000000.0, n_experts=8,
                        n_experts_used=2),
@@ -264,7 +270,7 @@ def synth_window(shape: SynthShape) -> int:
 # The families whose synthesized files rotate part of each head (Phi-4-mini's 0.75, GLM-4's
 # 0.5): what
 # partial rotary looks like in a real file, so that the tests exercise it
-ROPE_FRACTION = {"phi3": 0.75, "glm4": 0.5, "glm4moe": 0.5}
+ROPE_FRACTION = {"phi3": 0.75, "glm4": 0.5, "glm4moe": 0.5, "qwen35": 0.25, "qwen35moe": 0.25}
 # the families whose files never hold a head apart from the embedding (llama.cpp's loader
 # reads Cohere 2's head from token_embd.weight)
 TIED = ("cohere2", "gemma4")
@@ -325,7 +331,8 @@ def synth_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
     if family == "gemma4":
         return gemma4_metadata(shape, arch)
     md.update(experts_metadata(shape, arch, file_arch(arch)),
-              **mla_metadata(shape, arch, file_arch(arch)))
+              **mla_metadata(shape, arch, file_arch(arch)),
+              **ssm_metadata(shape, arch, synth_rope_dim(shape, arch)))
     if family == "gpt-oss":  # gpt-oss's window and YaRN (factor 32 over 4096 positions);
         # the tiny shape's original context short enough that a test's tokens cross it
         md[f"{arch}.attention.sliding_window"] = synth_window(shape)
@@ -535,7 +542,10 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     total = sum(nbytes(q, s) for _, q, s, _ in plan)
     done = 0
     for name, q, s, sd in plan:
-        if expert_skew and name.endswith("ffn_gate_inp.weight"):
+        special = ssm_data(name, s, rng)
+        if special is not None:  # Qwen3.5's decay, conv taps and shared-expert gate
+            data = special
+        elif expert_skew and name.endswith("ffn_gate_inp.weight"):
             data = skewed_router((sd * rng.standard_normal(s)).astype(np.float32),
                                  expert_skew, rng)
         elif name.endswith("norm.weight"):

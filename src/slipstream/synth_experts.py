@@ -21,9 +21,10 @@ if TYPE_CHECKING:  # type hints only: synth imports this module
 MOE_DEFAULTS: dict[str, tuple[int, int, int]] = {"qwen3moe": (16, 4, 0), "mixtral": (8, 2, 0),
                                                  "gpt-oss": (8, 2, 0), "glm4moe": (16, 4, 0),
                                                  "deepseek2": (16, 4, 0),
-                                                 "deepseek2-lite": (16, 4, 0)}
+                                                 "deepseek2-lite": (16, 4, 0),
+                                                 "qwen35moe": (16, 4, 0)}
 # the archs whose file states the experts' width apart from feed_forward_length
-OWN_WIDTH = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "deepseek2-lite")
+OWN_WIDTH = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "deepseek2-lite", "qwen35moe")
 
 
 def synth_experts(shape: SynthShape, arch: str) -> tuple[int, int, int]:
@@ -37,7 +38,7 @@ def synth_experts(shape: SynthShape, arch: str) -> tuple[int, int, int]:
     if not width:
         width = {"qwen3moe": shape.ffn // 2, "gpt-oss": shape.hidden,
                  "glm4moe": shape.ffn // 2, "deepseek2": shape.ffn // 2,
-                 "deepseek2-lite": shape.ffn // 2}.get(arch, shape.ffn)
+                 "deepseek2-lite": shape.ffn // 2, "qwen35moe": shape.ffn // 2}.get(arch, shape.ffn)
     return n, used, width
 
 
@@ -62,6 +63,8 @@ def experts_metadata(shape: SynthShape, arch: str, key: str) -> dict[str, object
                    f"{key}.expert_group_used_count": 2})
     if arch == "glm4moe":
         md[f"{key}.nextn_predict_layers"] = 1
+    if arch == "qwen35moe":  # one shared expert as wide as a routed one (35B-A3B: 512)
+        md[f"{key}.expert_shared_feed_forward_length"] = width
     if arch == "deepseek2-lite":  # V2-Lite's: 2 shared experts, the first layer dense, and
         # llama.cpp's defaults for the rest (softmax, no groups, not renormalised, factor 1)
         md.update({f"{key}.expert_shared_count": 2, f"{key}.leading_dense_block_count": 1})

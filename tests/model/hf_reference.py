@@ -410,6 +410,104 @@ def _deepseek2(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
 BUILDERS["deepseek2"] = _deepseek2
 
 
+def _v_heads_grouped(t: torch.Tensor, dim: int, groups: int, width: int) -> torch.Tensor:
+    """Qwen3.5's value heads back from the tiled order llama.cpp's converter writes (value
+    head h reads key head h mod groups: [r][group][width]) to the checkpoint's grouped one
+    ([group][r][width]) along `dim`: the inverse of its _reorder_v_heads."""
+    shape = list(t.shape)
+    per = shape[dim] // (groups * width)
+    t = t.reshape(*shape[:dim], per, groups, width, *shape[dim + 1:])
+    return t.transpose(dim, dim + 1).reshape(shape)
+
+
+def _qwen35(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
+    """Qwen3.5 (Qwen3_5ForCausalLM) and Qwen3.5-MoE (Qwen3_5MoeForCausalLM) from the file's
+    tensors, undoing what llama.cpp's converter did: 1 added to every RMSNorm weight but the
+    linear attention's gated one (transformers' Qwen3_5RMSNorm multiplies by 1 + weight),
+    ssm_a = -exp(A_log), the conv's taps squeezed, the value heads tiled (_v_heads_grouped).
+    M-RoPE with the file's sections, which text positions make plain RoPE."""
+    G, S = cfg.ssm_groups, cfg.ssm_state
+    key = 2 * G * S
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        for n in ("attn_norm", "post_attention_norm", "attn_q_norm", "attn_k_norm"):
+            if f"{p}{n}.weight" in tensors:
+                tensors[f"{p}{n}.weight"] = tensors[f"{p}{n}.weight"] - 1.0
+        if not cfg.layer(i).recurrent:
+            continue
+        qkv = tensors[f"{p}attn_qkv.weight"]
+        tensors[f"{p}attn_qkv.weight"] = torch.cat(
+            (qkv[:key], _v_heads_grouped(qkv[key:], 0, G, S)))
+        conv = tensors[f"{p}ssm_conv1d.weight"]
+        tensors[f"{p}ssm_conv1d.weight"] = torch.cat(
+            (conv[:key], _v_heads_grouped(conv[key:], 0, G, S)))[:, None, :]
+        for n, width in (("attn_gate.weight", S), ("ssm_beta.weight", 1),
+                         ("ssm_alpha.weight", 1), ("ssm_dt.bias", 1), ("ssm_a", 1)):
+            tensors[p + n] = _v_heads_grouped(tensors[p + n], 0, G, width)
+        tensors[f"{p}ssm_a"] = torch.log(-tensors[f"{p}ssm_a"])
+        tensors[f"{p}ssm_out.weight"] = _v_heads_grouped(tensors[f"{p}ssm_out.weight"], 1, G, S)
+    if cfg.n_experts:
+        _stack_gate_up(cfg, tensors)
+        for i in range(cfg.n_layers):
+            tensors[f"blk.{i}.ffn_gate_inp_shexp.weight"] = \
+                tensors[f"blk.{i}.ffn_gate_inp_shexp.weight"][None]
+    tensors["output_norm.weight"] = tensors["output_norm.weight"] - 1.0
+    common = _sizes(
+        cfg, head_dim=cfg.head_dim, linear_conv_kernel_dim=cfg.ssm_conv_kernel,
+        linear_key_head_dim=S, linear_value_head_dim=S, linear_num_key_heads=G,
+        linear_num_value_heads=cfg.ssm_heads,
+        layer_types=["linear_attention" if r else "full_attention"
+                     for r in cfg.recurrent_layers],
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_base,
+                         "partial_rotary_factor": cfg.rope_dim / cfg.head_dim,
+                         "mrope_section": QWEN35_SECTIONS[:3], "mrope_interleaved": True})
+    names = {"attn_norm.weight": "input_layernorm.weight",
+             "post_attention_norm.weight": "post_attention_layernorm.weight",
+             "attn_q.weight": "self_attn.q_proj.weight",
+             "attn_k.weight": "self_attn.k_proj.weight",
+             "attn_v.weight": "self_attn.v_proj.weight",
+             "attn_output.weight": "self_attn.o_proj.weight",
+             "attn_q_norm.weight": "self_attn.q_norm.weight",
+             "attn_k_norm.weight": "self_attn.k_norm.weight",
+             "attn_qkv.weight": "linear_attn.in_proj_qkv.weight",
+             "attn_gate.weight": "linear_attn.in_proj_z.weight",
+             "ssm_beta.weight": "linear_attn.in_proj_b.weight",
+             "ssm_alpha.weight": "linear_attn.in_proj_a.weight",
+             "ssm_conv1d.weight": "linear_attn.conv1d.weight",
+             "ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log",
+             "ssm_norm.weight": "linear_attn.norm.weight",
+             "ssm_out.weight": "linear_attn.out_proj.weight"}
+    if cfg.n_experts:
+        from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+        del common["intermediate_size"]  # the file may not say it; no layer is dense
+        config = Qwen3_5MoeTextConfig(
+            **common, moe_intermediate_size=cfg.expert_ffn,
+            shared_expert_intermediate_size=cfg.shexp_ffn,
+            num_experts_per_tok=cfg.n_experts_used, num_experts=cfg.n_experts)
+        names.update({"ffn_gate_inp.weight": "mlp.gate.weight",
+                      "ffn_gate_up_exps.weight": "mlp.experts.gate_up_proj",
+                      "ffn_down_exps.weight": "mlp.experts.down_proj",
+                      "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+                      "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+                      "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+                      "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight"})
+        return Qwen3_5MoeForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(**common)
+    names.update({"ffn_gate.weight": "mlp.gate_proj.weight",
+                  "ffn_up.weight": "mlp.up_proj.weight",
+                  "ffn_down.weight": "mlp.down_proj.weight"})
+    return Qwen3_5ForCausalLM(config), _layer_names(cfg, names, TOP_NAMES)
+
+
+# the M-RoPE sections transformers is given (any that cover the rotated pairs: text
+# positions make them plain RoPE, which the comparison checks)
+QWEN35_SECTIONS = [3, 3, 2, 0]
+BUILDERS["qwen35"] = BUILDERS["qwen35moe"] = _qwen35
+
+
 def reference_logits(path: Path, ids: list[int]) -> torch.Tensor:
     """transformers' all-position logits of `ids` through the file's model (reference_model,
     its config read from the file)."""

@@ -107,6 +107,7 @@ def _layer_tensors(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool) -> list[
     shapes = spec.shapes(lc)
     sizes = [math.prod(shapes[f"{n}.weight"]) * 4 for n in spec.norms  # float32
              if f"{n}.weight" in shapes]
+    sizes += [math.prod(shapes[v]) * 4 for v in spec.vectors]
     if spec.experts is not None:  # the router, float32, and its bias (gpt-oss)
         sizes += [math.prod(shapes[f"{spec.experts.router}.weight"]) * 4]
         if f"blk.{i}.{spec.experts.router}.bias" in gf.tensors:

@@ -86,6 +86,8 @@ class ExpertSpec:
     # the shared expert's linears (model.moe.SharedExpert; LayerWeights fields)
     shared_gate_up: str = "ffn_gate_up_shexp"
     shared_down: str = "ffn_down_shexp"
+    # the shared expert's gate, a (hidden,) row whose sigmoid scales its output (Qwen3.5-MoE)
+    shared_gate: str = "ffn_gate_inp_shexp"
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,10 @@ class LayerSpec:
     linears: tuple[LinearGroup, ...]  # in the order LayerBuilder builds them
     # the layer's FFN is a mixture of experts (LayerWeights.moe) instead of the linears'
     experts: ExpertSpec | None = None
+    # float32 tensors read whole whose names do not end in `.weight` (Qwen3.5's `ssm_a`,
+    # `ssm_dt.bias`): full suffixes, each read into the LayerWeights field named by its part
+    # before the first dot (vector_field)
+    vectors: tuple[str, ...] = ()
 
     def at(self, cfg: ModelConfig) -> "LayerSpec":
         """This layer as a layer whose config is `cfg` (ModelConfig.layer(i)) holds it: the
@@ -118,7 +124,8 @@ class LayerSpec:
         if experts is not None and f"{experts.router}.weight" not in names:
             experts = None
         return LayerSpec(kept, tuple(n for n in self.norms if f"{n}.weight" in names),
-                         tuple(linears), experts)
+                         tuple(linears), experts,
+                         tuple(v for v in self.vectors if v in names))
 
     def shapes(self, cfg: ModelConfig) -> dict[str, Shape]:
         """Torch-order shape of each tensor a layer of `cfg` is expected to have, by suffix."""
@@ -136,6 +143,17 @@ class LayerSpec:
                 * shapes[f"{g.parts[0]}.weight"][1] for g in self.linears]
 
 
+def recurrent_state_elements(cfg: ModelConfig) -> int:
+    """Elements of a linear-attention layer's conv state (conv channels x (kernel - 1)) and
+    recurrent state (value heads x head width x head width), summed."""
+    return cfg.ssm_conv_dim * (cfg.ssm_conv_kernel - 1) + cfg.ssm_heads * cfg.ssm_state ** 2
+
+
+def vector_field(suffix: str) -> str:
+    """The LayerWeights field of a LayerSpec.vectors entry: "ssm_dt.bias" -> "ssm_dt"."""
+    return suffix.split(".")[0]
+
+
 def head_tensor_name(names: Collection[str]) -> str:
     """The head's tensor in a file with tensors `names`: models without output.weight (tied
     embeddings) reuse the embedding matrix as the head."""
@@ -149,13 +167,16 @@ def kv_cache_bytes(cfg: ModelConfig, layers: int | range, ctx: int,
     head_dim) of each per layer that computes its own, where slots is the context or a
     sliding-window layer's ring (model.ring_size). Given a count short of the model's, the
     model's own caches are scaled to it. Multi-head latent attention keeps one tensor, the
-    keys' latent, out of which it reads its values too."""
+    keys' latent, out of which it reads its values too. A linear-attention layer (Qwen3.5)
+    keeps its conv and recurrent states instead, float32 whatever the context."""
     kv = 1 if cfg.mla else 2
 
     def layer_bytes(i: int) -> int:
         c = cfg.layer(i)
         if c.kv_reuse:
             return 0
+        if c.recurrent:
+            return recurrent_state_elements(c) * 4
         return kv * c.n_kv_heads * ring_slots(cfg, i, ctx) * c.head_dim * bytes_per_elem
 
     if isinstance(layers, range):

@@ -24,6 +24,8 @@ from .cpu_native import decode_layer as native_decode_layer
 from .cpu_native import native_layer
 from .cpu_native import serves as native_serves
 from .attention_sinks import sink_attention
+from .delta_net import delta_net
+from .gated_attention import gated_attention
 from .mla import mla_attention
 from .moe import MoeWeights, moe_ffn
 from .ring import ring_keys, ring_step, ring_write, window_attention, window_kv, wraps
@@ -126,6 +128,21 @@ class LayerWeights:
     attn_kv_a_norm: torch.Tensor | None = None
     attn_k_b: torch.Tensor | None = None
     attn_v_b: torch.Tensor | None = None
+    # Qwen3.5's linear attention (cfg.recurrent; model.delta_net): the projections to
+    # queries/keys/values (attn_qkv: hidden -> conv_dim), to the output gate z (attn_gate:
+    # hidden -> heads * state), to each value head's write strength and decay (ssm_beta,
+    # ssm_alpha: hidden -> heads) and back (ssm_out: heads * state -> hidden); float32 the
+    # conv's taps (conv_dim, kernel), -exp(A_log) and dt_bias (heads,), the gated norm (state,)
+    attn_gate: Linear | None = None
+    ssm_beta: Linear | None = None
+    ssm_alpha: Linear | None = None
+    ssm_out: Linear | None = None
+    ssm_conv1d: torch.Tensor | None = None
+    ssm_a: torch.Tensor | None = None
+    ssm_dt: torch.Tensor | None = None
+    ssm_norm: torch.Tensor | None = None
+    # Qwen3.5-MoE's shared-expert gate (model.moe.SharedExpert.gate), (hidden,) float32
+    ffn_gate_inp_shexp: torch.Tensor | None = None
     # The layer's CPU decode form through the native ops (model.cpu_native), made at its first
     # CPU decode token: a NativeLayer, or False where the layer cannot take one.
     cpu_native: object = None
@@ -261,7 +278,9 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     of one RoPE table.
     k_cache, v_cache: this layer's (n_kv_heads, max_ctx, head_dim) slices; the new keys and
     values are written in place, at `step.slots` (a layer with cfg.kv_reuse reads the slices
-    of the layer it reuses, which that layer wrote earlier in the same pass).
+    of the layer it reuses, which that layer wrote earlier in the same pass). A
+    linear-attention layer (cfg.recurrent: Qwen3.5) gets its conv and recurrent states
+    instead, updated in place (model.delta_net).
     window: a sliding-window layer's width (cfg.window_of), 0 for a global one; a step that
     needs a mask then carries the window in it (Step.with_window).
     per_layer: Gemma 4's per-layer embedding input of this layer (T, per_layer_dim), which
@@ -282,6 +301,15 @@ def _block(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     if cfg.mla:  # DeepSeek: the latent attention (its own cache layout: model.mla)
         attn = mla_attention(cfg, w, rms_norm(x, w.attn_norm, cfg.norm_eps), cos_sin, step,
                              k_cache, rope, rms_norm)
+        return _after_attention(cfg, w, attn, x)
+    if cfg.recurrent:  # Qwen3.5's linear attention: the cache pair holds its conv and
+        # recurrent states (runtime.kv_cache), not keys and values (model.delta_net)
+        y = delta_net(cfg, w, rms_norm(x, w.attn_norm, cfg.norm_eps), step, k_cache, v_cache,
+                      rms_norm)
+        return _ffn(cfg, w, x + y.to(x.dtype))
+    if cfg.attn_gate:  # Qwen3.5's full attention, its output gated (model.gated_attention)
+        attn = gated_attention(cfg, w, rms_norm(x, w.attn_norm, cfg.norm_eps), cos_sin, step,
+                               k_cache, v_cache, rope, rms_norm, attention)
         return _after_attention(cfg, w, attn, x)
     if cfg.kv_reuse:
         return _after_attention(cfg, w, _reused_kv_attention(

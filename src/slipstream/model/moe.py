@@ -156,9 +156,15 @@ class SharedExpert:
 
     gate_up: Linear
     down: Linear
+    # Qwen3.5-MoE: the output times sigmoid(h . gate) per token, float32 (hidden,)
+    # (llama.cpp's ffn_gate_inp_shexp; transformers' shared_expert_gate)
+    gate: torch.Tensor | None = None
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        return expert_ffn(self.gate_up, self.down, h)
+        y = expert_ffn(self.gate_up, self.down, h)
+        if self.gate is None:
+            return y
+        return y.float() * torch.sigmoid(h.float() @ self.gate)[:, None]
 
 
 @dataclass

@@ -122,6 +122,24 @@ class ModelConfig:
     kv_lora_rank: int = 0
     mla_k_head: int = 0
     mla_v_head: int = 0
+    # Gated DeltaNet linear attention (Qwen3.5; model.delta_net): the layers marked in
+    # recurrent_layers keep a conv state and a recurrent state instead of keys and values;
+    # ssm_groups key heads and ssm_heads value heads, each ssm_state wide, a causal conv
+    # ssm_conv_kernel taps long over the queries, keys and values (empty / 0: none)
+    recurrent_layers: tuple[bool, ...] = ()
+    recurrent: bool = False  # (a layer's view) this layer is a linear-attention one
+    ssm_conv_kernel: int = 0
+    ssm_state: int = 0
+    ssm_groups: int = 0
+    ssm_heads: int = 0
+    # the full-attention layers' query projection carries a gate per head (each head's
+    # queries, then its gate), and their output is multiplied by its sigmoid (Qwen3.5)
+    attn_gate: bool = False
+    # the shared expert's width where the file sets it apart (expert_shared_feed_forward_
+    # length; 0: n_shared_experts * expert_ffn), and whether a sigmoid of one learned row
+    # (ffn_gate_inp_shexp) scales its output per token (Qwen3.5-MoE)
+    shexp_ffn: int = 0
+    shexp_gate: bool = False
     name: str = ""
 
     @property
@@ -153,7 +171,8 @@ class ModelConfig:
         """Whether every layer has this config's shapes and computes its own keys and values
         (every family but Gemma 4)."""
         return not (self.swa_layers or self.kv_heads_per_layer or self.ffn_per_layer
-                    or self.kv_layers or self.v_norm or self.per_layer_dim or self.dense_lead)
+                    or self.kv_layers or self.v_norm or self.per_layer_dim or self.dense_lead
+                    or self.recurrent_layers)
 
     @property
     def mla(self) -> bool:
@@ -164,6 +183,17 @@ class ModelConfig:
     def q_full(self) -> bool:
         """(MLA) Whether the queries come from one projection, without a latent (V2-Lite)."""
         return not self.q_lora_rank
+
+    @property
+    def full_attn(self) -> bool:
+        """(a layer's view) Whether the layer attends over a KV cache (not linear attention)."""
+        return not self.recurrent
+
+    @property
+    def ssm_conv_dim(self) -> int:
+        """(linear attention) The conv's channels: queries and keys (ssm_groups heads each)
+        and values (ssm_heads heads), ssm_state wide each."""
+        return (2 * self.ssm_groups + self.ssm_heads) * self.ssm_state
 
     @property
     def dense_ffn(self) -> bool:
@@ -193,7 +223,8 @@ class ModelConfig:
                 n_kv_heads=(self.kv_heads_per_layer[i] if self.kv_heads_per_layer
                             else self.n_kv_heads),
                 ffn=self.ffn_per_layer[i] if self.ffn_per_layer else self.ffn,
-                kv_reuse=bool(self.kv_layers) and i >= self.kv_layers))
+                kv_reuse=bool(self.kv_layers) and i >= self.kv_layers,
+                recurrent=bool(self.recurrent_layers) and self.recurrent_layers[i]))
         return tuple(out)
 
     @property
@@ -241,7 +272,11 @@ class ModelConfig:
             n_kv_heads = max(md_ints(md, key("attention.head_count_kv"), source, 1, MAX_HEADS,
                                      n_layers, default=n_heads))
         else:
-            ffn = md_int(md, key("feed_forward_length"), source, 1, MAX_DIM, per_layer=True)
+            # (a family without dense FFNs may leave it out: its experts' width stands in)
+            dense = ({"default": md.get(key("expert_feed_forward_length"), 1)}
+                     if family.ffn_optional else {})
+            ffn = md_int(md, key("feed_forward_length"), source, 1, MAX_DIM, per_layer=True,
+                         **dense)
             n_kv_heads = md_int(md, key("attention.head_count_kv"), source, 1, MAX_HEADS,
                                 default=n_heads, per_layer=True)
         if n_heads % n_kv_heads:

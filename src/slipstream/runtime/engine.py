@@ -16,6 +16,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from ..errors import RecurrentState
 from ..memory.store import ResidentLayerStore
 from ..model import RopeTable, Step, append_step, block_forward, fused_decode_serves
 from ..model.llama import LayerWeights, block_norm, uses_fused_decode
@@ -25,6 +26,7 @@ from ..weights import ModelWeights
 from .graphs import GRAPH_BUCKET, DecodeGraphs, StepGraphs, bucket_span
 from .kv_cache import KVCache
 from .layer_graphs import LayerGraphs, layer_graphs_enabled
+from .recurrent import RecurrentHistory, speculation_refused
 from .stage import Stage
 
 # Prompts longer than this are prefilled in chunks of it, which bounds the attention scores'
@@ -81,6 +83,10 @@ class Engine:
         # takes half a minute, so a stop there answers at once. The cache keeps the chunks
         # finished before (its length is set after each whole chunk).
         self.between_layers: Callable[[], None] | None = None
+        # a model with linear-attention layers (Qwen3.5): the context's tokens and snapshots
+        # of the states, which truncate restarts from (runtime.recurrent)
+        self._history = (RecurrentHistory() if any(st.kv.recurrent for st in self.stages)
+                         else None)
 
     # --- what the engine holds ----------------------------------------------------------------
 
@@ -172,6 +178,8 @@ class Engine:
         and no catching up (speculative.rounds), and its tree's entries are overwritten by the
         verify pass that follows (SubSpec)."""
         self._check_skip(frozenset(skip))
+        if self._history is not None:
+            raise RecurrentState(speculation_refused(self.cfg))
         stages = []
         for st in self.stages:
             store = st.store
@@ -223,12 +231,30 @@ class Engine:
     def set_length(self, n: int) -> None:
         for st in self.stages:
             st.kv.length = n
+        if n == 0 and self._history is not None:
+            self._history.clear()
 
     def reset(self) -> None:
         self.set_length(0)
 
     def truncate(self, n: int) -> None:
-        """Keep the first n cached tokens (a rejected draft's entries are dropped)."""
+        """Keep the first n cached tokens (a rejected draft's entries are dropped). A model
+        with linear-attention layers restarts their states from the latest snapshot at or
+        before n and runs the tokens from there to n again (runtime.recurrent)."""
+        if self._history is not None and n < self.length:
+            if n < 0:
+                raise ValueError(f"cannot truncate a cache of {self.length} slots to {n}")
+            tokens = self._history.tokens[:n]
+            m, states = self._history.restart(n)
+            for j, st in enumerate(self.stages):
+                if states is None:
+                    st.kv.length = 0
+                else:
+                    st.kv.restore(states[j], m)
+            del self._history.tokens[m:]
+            if n > m:
+                self.forward(tokens[m:])
+            return
         for st in self.stages:
             st.kv.truncate(n)
 
@@ -266,6 +292,10 @@ class Engine:
         if last < 1:
             raise ValueError(f"forward(last={last}): the rows of logits asked for must be >= 1")
         if step is not None:
+            if self._history is not None:
+                raise RecurrentState(
+                    f"{self.cfg.architecture}'s linear-attention layers run only tokens "
+                    f"appended in order, not a step at chosen positions (speculative trees)")
             if step.tokens != T:
                 raise ValueError(f"the step describes {step.tokens} tokens, not {T}")
             self.stages[0].kv.check_room(step.end)
@@ -284,9 +314,13 @@ class Engine:
                 check()
             chunk = ids[start: start + self.prefill_chunk].to(self.device)
             n = int(chunk.shape[0])
-            h = self._hidden(chunk, self._append_step(n), idle, check)
+            h = self._hidden_kept(chunk, self._append_step(n), idle, check)
             self.set_length(self.length + n)
+            if self._history is not None:
+                self._history.append(chunk)
             outs.append(h if all_logits else h[-last:])
+        if self._history is not None and T > 1:  # a prefill: a point truncate restarts from
+            self._history.snapshot(self.length, [st.kv.states() for st in self.stages])
         h = torch.cat(outs) if len(outs) > 1 else outs[0]
         return self._logits(h if all_logits else h[-last:])
 
@@ -360,6 +394,21 @@ class Engine:
         embedding scale (Gemma: sqrt(hidden))."""
         x = self.weights.embed(ids).to(self.act_dtype)
         return x * self.cfg.embed_scale if self.cfg.embed_scale != 1.0 else x
+
+    def _hidden_kept(self, ids: torch.Tensor, step: Step, idle: Callable[[], bool] | None,
+                     check: Callable[[], None] | None) -> torch.Tensor:
+        """_hidden of an appended chunk. A pass stopped between layers (Ctrl-C) leaves the
+        cache at the chunks finished before, keys and values past the length unread; a
+        linear-attention layer's state has no length, so it is put back as it was."""
+        if self._history is None or check is None:
+            return self._hidden(ids, step, idle, check)
+        before = [st.kv.states() for st in self.stages]
+        try:
+            return self._hidden(ids, step, idle, check)
+        except BaseException:
+            for st, states in zip(self.stages, before):
+                st.kv.restore(states, st.kv.length)
+            raise
 
     def _hidden(self, ids: torch.Tensor, step: Step, idle: Callable[[], bool] | None = None,
                 check: Callable[[], None] | None = None) -> torch.Tensor:

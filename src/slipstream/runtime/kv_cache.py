@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from ..errors import ContextOverflow
+from ..errors import ContextOverflow, RecurrentState
 from ..model import ring_size
 from ..model.ring_size import ring_slots
 from ..modelfile.config import ModelConfig
@@ -50,6 +50,9 @@ class KVCache:
         # is checked against (slots past the length still hold a dropped tree's entries)
         self._high = 0
         self.dtype = dtype
+        # the linear-attention layers' states (the non-uniform layout below), which cannot
+        # be rolled back: `states` and `restore` carry them to and from a snapshot
+        self._states: list[torch.Tensor] = []
         n = cfg.n_layers if n_layers is None else n_layers
         slots = [ring_slots(cfg, i, max_ctx) for i in range(first, first + n)]
         self.rings = any(s < max_ctx for s in slots)  # whether any layer wraps around
@@ -76,10 +79,20 @@ class KVCache:
             return
         # Layers of different head shapes (Gemma 4): a (n_kv_heads, slots, head_dim) pair
         # per layer that computes its own; a layer that reuses another's gets that layer's
-        # pair (the source writes it earlier in each pass, the reuser reads the same slots)
+        # pair (the source writes it earlier in each pass, the reuser reads the same slots).
+        # A linear-attention layer (Qwen3.5) gets its conv state (conv channels, kernel - 1)
+        # and recurrent state (heads, state, state) in the pair's place, float32 whatever
+        # the cache's dtype (llama.cpp keeps them float32 too): model.delta_net
         self._layers = []
         self._own = []
         for i in range(first, first + n):
+            c = cfg.layer(i)
+            if c.recurrent:
+                conv = torch.zeros(c.ssm_conv_dim, c.ssm_conv_kernel - 1, device=device)
+                rec = torch.zeros(c.ssm_heads, c.ssm_state, c.ssm_state, device=device)
+                self._states += [conv, rec]
+                self._layers.append((conv, rec))
+                continue
             src = cfg.kv_source(i)
             if src != i:
                 if not first <= src < first + n:
@@ -100,7 +113,26 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._own)
+        return sum(t.numel() * t.element_size() for t in self._own + self._states)
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether the cache holds linear-attention states (which cannot be rolled back)."""
+        return bool(self._states)
+
+    def states(self) -> list[torch.Tensor]:
+        """A copy of the linear-attention layers' states as they are now (a snapshot)."""
+        return [t.clone() for t in self._states]
+
+    def restore(self, states: list[torch.Tensor], length: int) -> None:
+        """Put back the states of a snapshot taken when the cache held `length` slots, and
+        make that the length (the keys and values of the slots before it are unchanged)."""
+        if not 0 <= length <= self._length:
+            raise ValueError(f"cannot restore a snapshot of {length} slots into a cache of "
+                             f"{self._length}")
+        for t, saved in zip(self._states, states, strict=True):
+            t.copy_(saved)
+        self._length = length
 
     @property
     def length(self) -> int:
@@ -110,12 +142,20 @@ class KVCache:
     def length(self, n: int) -> None:
         if 0 < n < self._length:
             self._check_rollback(n)
+        if n == 0:  # an empty context: the states start again from zero
+            for t in self._states:
+                t.zero_()
         self._length = n
         self._high = 0 if n == 0 else max(self._high, n)
 
     def _check_rollback(self, n: int) -> None:
         """A ring keeps RING_TREE slots past the window (model.ring): dropping more than
         that from the furthest slot written would leave keys of the window overwritten."""
+        if self._states:
+            raise RecurrentState(
+                f"cannot roll the cache back from {self._length} to {n} tokens: the "
+                f"linear-attention layers' recurrent states hold the whole context and cannot "
+                f"be rolled back (Engine.truncate restarts them from a snapshot)")
         most = ring_size.RING_TREE
         if self.rings and self._high - n > most:
             raise ValueError(f"cannot roll a cache with sliding-window rings back from slot "
@@ -139,6 +179,9 @@ class KVCache:
         and make the length dst_start + len(src_slots): keep an accepted branch of a tree,
         drop the rest. Every layer moves in one gather and one write per tensor; a ring's
         slots are taken mod its length (model.ring)."""
+        if self._states:
+            raise RecurrentState("cannot compact a cache with linear-attention states: they "
+                                 "fold in every token, kept or dropped")
         src = torch.as_tensor(src_slots, dtype=torch.long).to(self._own[0].device)
         n = int(src.numel())
         end = dst_start + n

@@ -273,4 +273,6 @@ def image_nbytes(gf, cfg, i: int, precision) -> int:
     for norm in spec.norms:
         if f"{norm}.weight" in shapes:  # (an optional vector the file lacks is not made)
             total += _aligned(int(torch.Size(shapes[f"{norm}.weight"]).numel()) * 4)
+    for vector in spec.vectors:  # (float32 tensors named otherwise: Qwen3.5's ssm_a)
+        total += _aligned(int(torch.Size(shapes[vector]).numel()) * 4)
     return max(total, IMAGE_ALIGN)

@@ -82,7 +82,10 @@ def shared_expert(spec: ExpertSpec, fields: dict) -> SharedExpert | None:
     """The shared expert of a layer whose linears are built into `fields` (LayerWeights
     fields by name), or None where the layer has none."""
     gate_up, down = fields.get(spec.shared_gate_up), fields.get(spec.shared_down)
-    return SharedExpert(gate_up, down) if gate_up is not None and down is not None else None
+    if gate_up is None or down is None:
+        return None
+    # Qwen3.5-MoE's per-token sigmoid gate over the shared expert's output, (hidden,)
+    return SharedExpert(gate_up, down, fields.get(spec.shared_gate))
 
 
 def expert_ops(builder: LayerBuilder) -> tuple[OneTokenSum, ExpertRows]:

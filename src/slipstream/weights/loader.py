@@ -27,7 +27,7 @@ from .. import envs, kernels, quant
 from ..errors import BadArgument, GGUFError, InvalidMetadata, UnsupportedArchitecture
 from ..model.families import file_spec, spec_for
 from ..model.families.gemma4 import PER_LAYER_MODEL_PROJ, PER_LAYER_PROJ_NORM, PER_LAYER_TOKEN_EMBD
-from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name
+from ..model.layer_spec import EMBEDDING, HEAD, LinearGroup, head_tensor_name, vector_field
 from ..model.llama import LayerWeights
 from ..model.per_layer import PerLayerEmbedding
 from ..modelfile.config import ModelConfig
@@ -247,6 +247,9 @@ class LayerBuilder:
             if shape is None:  # an optional vector the file lacks (Gemma 4's output scale)
                 continue
             fields[norm] = src.dense(f"{p}.{norm}.weight", shape, torch.float32, self.device)
+        for vector in self.spec.vectors:  # (float32 tensors named otherwise: Qwen3.5's ssm_a)
+            fields[vector_field(vector)] = src.dense(f"{p}.{vector}", self.shapes[vector],
+                                                     torch.float32, self.device)
         if self.spec.experts is not None:
             slots = self.expert_slots[i] if self.expert_slots is not None else None
             fields["moe"] = build_experts(self, src, p, slots, self.expert_file,

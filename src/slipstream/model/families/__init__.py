@@ -30,13 +30,15 @@ from .mistral3 import MISTRAL3
 from .olmo2 import OLMO2
 from .phi3 import PHI3
 from .qwen3 import QWEN3
+from .qwen35 import QWEN35, QWEN35MOE
 from .qwen3moe import QWEN3MOE
 
 __all__ = ["ARCHITECTURES", "BlockTraits", "FAMILIES", "Family", "VARIANTS", "family_for",
            "file_spec", "spec_for"]
 
 FAMILIES: tuple[Family, ...] = (LLAMA, QWEN3, GEMMA3, GEMMA4, PHI3, MISTRAL3, OLMO2, GLM4,
-                                 COHERE2, QWEN3MOE, GPTOSS, GLM4MOE, DEEPSEEK2)
+                                 COHERE2, QWEN3MOE, GPTOSS, GLM4MOE, DEEPSEEK2, QWEN35,
+                                 QWEN35MOE)
 
 # general.architecture -> its family
 _BY_ARCHITECTURE: dict[str, Family] = {arch: f for f in FAMILIES for arch in f.architectures}

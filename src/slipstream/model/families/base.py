@@ -87,6 +87,10 @@ class Family:
     # (ModelConfig.qk_norm then says whether it does: GLM-4.5's 355B has them, Air not)
     optional_qk_norm: bool = False
 
+    # whether a file may leave `feed_forward_length` out: no layer of it has a dense FFN
+    # (Qwen3.5-MoE's converter writes only the experts' widths); the experts' width stands in
+    ffn_optional: bool = False
+
     # a check of a file's tensor names beyond the layer spec's (given the config, the names
     # and a name for errors), raising on a layout the family cannot run yet
     check_names: Callable[[Any, Any, str], None] | None = None

@@ -32,7 +32,7 @@ GATING = {1: "softmax", 2: "sigmoid"}
 
 
 def shared_ffn(c: Any) -> int:
-    return c.n_shared_experts * c.expert_ffn
+    return c.shexp_ffn or c.n_shared_experts * c.expert_ffn
 
 
 # the dense FFN of the leading layers (held where the layer's config has no experts)
