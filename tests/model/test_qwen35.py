@@ -85,11 +85,15 @@ def _negative_controls(engine: Engine, ref: torch.Tensor, monkeypatch) -> dict[s
     conv left out, the value heads grouped (h // 2) instead of tiled (h mod 4), the shared
     expert's gate left out (qwen35moe)."""
     errs = {}
-    for name, value in (("DECAY_SIGN", -1.0), ("CONV", False)):
-        with monkeypatch.context() as m:
-            m.setattr(delta_net, name, value)
-            engine.reset()
-            errs[name] = rel_err(engine.forward(IDS, all_logits=True), ref)
+    flipped = dataclasses.replace(engine.weights, layers=[
+        dataclasses.replace(w, ssm_a=-w.ssm_a) if w.ssm_a is not None else w
+        for w in engine.weights.layers])
+    errs["decay_sign"] = rel_err(Engine(engine.cfg, flipped, cpu_stages(
+        engine.cfg, flipped, 256)).forward(IDS, all_logits=True), ref)
+    with monkeypatch.context() as m:  # the conv left out: its input passes through
+        m.setattr(delta_net, "causal_conv", lambda mixed, conv_state, taps: mixed)
+        engine.reset()
+        errs["conv"] = rel_err(engine.forward(IDS, all_logits=True), ref)
     with monkeypatch.context() as m:  # value head h reading key head h // (heads / groups)
         m.setattr(delta_net, "key_heads",
                   lambda heads, groups, device: torch.arange(heads) // (heads // groups))

@@ -34,13 +34,8 @@ if TYPE_CHECKING:  # type hints only: model.llama imports this module
     from .llama import LayerWeights
     from .step import Step
 
-# Switches for the negative controls of the tests only: the decay's sign flipped (1 as the
-# model has it), and the conv left out (True as the model has it)
-DECAY_SIGN = 1.0
-CONV = True
 # Passes of more than one token run the recurrence by chunks of CHUNK tokens
-# (delta_rule_chunked; False: token by token, the definition the tests compare it with)
-CHUNKED = True
+# (delta_rule_chunked; delta_rule_steps is the definition the tests compare it with)
 CHUNK = 64
 
 
@@ -61,8 +56,8 @@ def delta_net(cfg: ModelConfig, w: LayerWeights, h: torch.Tensor, step: Step,
     mixed = w.attn_qkv(h).float()  # (T, conv_dim)
     z = w.attn_gate(h).float().view(T, H, S)
     beta = torch.sigmoid(w.ssm_beta(h).float())  # (T, H)
-    g = F.softplus(w.ssm_alpha(h).float() + w.ssm_dt) * w.ssm_a * DECAY_SIGN  # (T, H)
-    qkv = F.silu(causal_conv(mixed, conv_state, w.ssm_conv1d) if CONV else mixed)
+    g = F.softplus(w.ssm_alpha(h).float() + w.ssm_dt) * w.ssm_a  # (T, H)
+    qkv = F.silu(causal_conv(mixed, conv_state, w.ssm_conv1d))
     key = G * S
     q = l2_normed(qkv[:, :key].reshape(T, G, S), cfg.norm_eps)
     k = l2_normed(qkv[:, key:2 * key].reshape(T, G, S), cfg.norm_eps)
@@ -103,8 +98,8 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """The gated delta rule over T tokens: q, k, v (T, H, S) (q already scaled), g and beta
     (T, H); state (H, S_v, S_k) float32, updated in place. Returns o (T, H, S_v) float32.
-    One token (decode) steps; more go by chunks (delta_rule_chunked) where CHUNKED says."""
-    if CHUNKED and q.shape[0] > 1:
+    One token (decode) steps; more go by chunks (delta_rule_chunked)."""
+    if q.shape[0] > 1:
         return delta_rule_chunked(q, k, v, g, beta, state)
     return delta_rule_steps(q, k, v, g, beta, state)
 
