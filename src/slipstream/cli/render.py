@@ -139,6 +139,13 @@ def breakdown_table(s: GenerationStats, store: StoreStats, device: str) -> Table
     t.caption = (f"{store.layers_streamed} streamed layer loads; {store.disk_bytes / 1e6:.1f} MB "
                  f"read from disk, {store.h2d_bytes / 1e6:.1f} MB copied to the GPU; links "
                  f"overlap compute, so their shares are not added")
+    vram = store.expert_vram_rate
+    if vram is not None:
+        t.caption += (f"\nexperts split with the CPU: VRAM hit rate {vram:.1%} "
+                      f"({store.expert_vram_pairs} routed pairs on the GPU, "
+                      f"{store.expert_cpu_pairs} on the CPU); {store.expert_syncs} host syncs "
+                      f"for routing; {store.expert_swaps} swaps into VRAM "
+                      f"({store.expert_swap_bytes / 1e6:.1f} MB)")
     rate = store.expert_hit_rate
     if rate is not None:
         t.caption += (f"\nexperts: {store.expert_hits} calls from RAM, {store.expert_misses} read "
