@@ -339,6 +339,23 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
     return plan
 
 
+def expert_split_vram_budget(gf: GGUFFile, cfg: ModelConfig, precision: Precision, ctx: int,
+                             experts_per_layer: int, *, prefill_chunk: int,
+                             graph_bucket: int) -> int:
+    """A VRAM budget (as the driver counts it: the CUDA context included) whose CUDA plan
+    splits this mixture of experts with `experts_per_layer` experts in each layer's VRAM
+    slots (memory.expert_split_plan), for tests and benchmarks that must split a small
+    model: its all-VRAM plan's graph pools may cost more than half its experts."""
+    fused = precision.fuse_scales
+    kv_elem = torch.finfo(precision.kv_dtype).bits // 8
+    reserve = vram_reserve(gf, cfg, ctx, kv_elem, prefill_chunk, False, fused,
+                           stacked_experts=False, graph_bucket=graph_bucket)
+    sizes = expert_sizes(gf, cfg, Precision.of(precision.name, torch.device("cpu")), fused)
+    slots = [experts_per_layer if p else 0 for p in sizes.expert_planes]
+    return (sum(sizes.dense_vram) + sum(reserve.values()) + sizes.slots_vram(slots, cfg.n_experts)
+            + outside_allocator_bytes(torch.device("cuda")))
+
+
 def _refuse_streamed_experts(vram_layers: int, n_layers: int) -> None:
     """A mixture of experts runs on CUDA with every layer's dense part in VRAM (its experts
     split with the CPU where the budget is short: memory.expert_split_plan): streaming whole
