@@ -55,13 +55,15 @@ CASES = ([("qwen3moe", "Q8_0"), ("gpt-oss", "MXFP4")] if INTERPRET
          else [("qwen3moe", "Q4_K"), ("gpt-oss", "MXFP4")])
 
 
-def _builder(cfg: ModelConfig, precision: str, split: SplitPlacement | None) -> LayerBuilder:
+def _builder(cfg: ModelConfig, precision: str, split: SplitPlacement | None = None,
+             path=None) -> LayerBuilder:
     """The loader's GPU builder (on the interpreter's CPU device, its quantized build forced,
-    as tests/gpu/test_moe_bank.py does), with the split's spec where given."""
+    as tests/gpu/test_moe_bank.py does), with the split's spec (over the file at `path`)
+    where given, as load_weights makes it."""
     spec = None
     if split is not None:
         cpu_builder = LayerBuilder(cfg, CPU, Precision.of(precision, CPU))
-        spec = split.spec(_builder.path, DEVICE, cfg.hidden, cpu_builder, cfg.n_layers)
+        spec = split.spec(path, DEVICE, cfg.hidden, cpu_builder, cfg.n_layers)
     if DEVICE.type == "cuda":
         return LayerBuilder(cfg, DEVICE, Precision.of(precision, DEVICE), expert_split=spec)
     fast = precision == "fast"
@@ -82,12 +84,11 @@ def _layers(tmp_path, arch: str, quant: str, precision: str, vram: int | None, r
                        n_layers=1, arch=arch)
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
-    _builder.path = path
     src = TensorSource(gf)
     whole = build_experts(_builder(cfg, precision, None), src, "blk.0")
     vram = cfg.n_experts if vram is None else vram
     placement = SplitPlacement([vram], [ram], lambda dev, hidden: HostIO(dev, hidden, 1))
-    split = build_experts(_builder(cfg, precision, placement), src, "blk.0")
+    split = build_experts(_builder(cfg, precision, placement, path), src, "blk.0")
     assert isinstance(split.experts, SplitExperts)
     return cfg, whole, split
 

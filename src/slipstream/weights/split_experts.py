@@ -177,12 +177,13 @@ class SlotStacks:
         shapes; every slot is written by `write` before use."""
         self.layout, self.device, self.ws, self.fuse = layout, device, ws, fuse
         ones = self._pack(first)
-        self.planes = [empty_stack(p, slots) for p in ones]
         self.bias = [torch.zeros(slots, b.shape[0], device=device) if b is not None else None
                      for b in layout.bias_rows(0)]
-        linears = [RoutedLinear(p, slots, b, ws, fuse) for p, b in zip(self.planes, self.bias)]
-        # RoutedLinear keeps the stack as it is (its layout is final already)
-        assert all(lin.packed is p for lin, p in zip(linears, self.planes))
+        linears = [RoutedLinear(empty_stack(p, slots), slots, b, ws, fuse)
+                   for p, b in zip(ones, self.bias)]
+        # the stacks as the linears hold them (their scale layout is final already: the
+        # same planes), which `write` fills
+        self.planes = [lin.packed for lin in linears]
         self.bank = RoutedExperts(linears[:-1], linears[-1], act)
 
     def _pack(self, raws: list[torch.Tensor]) -> list[PackedWeight]:
