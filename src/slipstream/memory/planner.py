@@ -306,12 +306,14 @@ class Plan:
         counts = {(vram[i], self.expert_slots[i]) for i in layers}
         for v, k in sorted(counts, reverse=True):
             idx = [i for i in layers if (vram[i], self.expert_slots[i]) == (v, k)]
-            where = f"{v} in VRAM, " if self.vram_expert_slots is not None else ""
-            held = fmt_bytes(len(idx) * k * self.expert_bytes) + " RAM"
-            if v:
-                held = f"{fmt_bytes(len(idx) * v * self.expert_vram_bytes)} VRAM, {held}"
-            t.add_row("experts", f"{_ranges(idx)}: {where}{k} in RAM, "
-                      f"{self.n_experts - v - k} on disk (of {self.n_experts})", held,
+            held = fmt_bytes(len(idx) * k * self.expert_bytes)
+            if self.vram_expert_slots is None:
+                where = f"{k} of {self.n_experts} in RAM, {self.n_experts - k} on disk"
+            else:
+                where = (f"{v} in VRAM, {k} in RAM, {self.n_experts - v - k} on disk (of "
+                         f"{self.n_experts})")
+                held = f"{fmt_bytes(len(idx) * v * self.expert_vram_bytes)} VRAM, {held} RAM"
+            t.add_row("experts", f"{_ranges(idx)}: {where}", held,
                       f"{fmt_bytes(self.expert_read_bytes)} / cold use", "-")
 
     def _cpu_rows(self, t) -> str | None:
