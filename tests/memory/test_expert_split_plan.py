@@ -164,3 +164,24 @@ def test_setup_splits_a_cuda_budget_short_of_the_experts(tmp_path, monkeypatch):
     with pytest.raises(BudgetTooSmall, match="vram_layers=1"):
         setup.plan_for(gf, cfg, dev, p, 256, None, split.budget, prefill_chunk=512,
                        graph_bucket=256, vram_layers=1)
+
+
+def test_stats_show_the_vram_hit_rate_and_the_cpu_share():
+    """`run --stats` of a split model (a resident store): the CPU's experts as a row, the
+    share of routed pairs served from VRAM, the syncs and the swaps in the caption."""
+    from slipstream.cli import breakdown_table
+    from slipstream.memory.protocol import StoreStats
+    from slipstream.runtime.generate import GenerationStats
+
+    gen = GenerationStats(prompt_tokens=8, generated_tokens=8, prefill_s=0.5, decode_s=2.0)
+    store = StoreStats(cpu_s=1.2, cpu_bytes=6 * 10**9, expert_vram_pairs=300,
+                       expert_cpu_pairs=100, expert_syncs=768, expert_swaps=5,
+                       expert_swap_bytes=21 * 10**6)
+    assert store.expert_vram_rate == 0.75
+    console = Console(record=True, width=200)
+    console.print(breakdown_table(gen, store, "cuda"))
+    text = " ".join(console.export_text().split())  # the caption wraps at the table's width
+    assert "experts on the CPU" in text and "5.0" in text  # 6 GB in 1.2 s
+    assert "VRAM hit rate 75.0% (300 routed pairs on the GPU, 100 on the CPU)" in text
+    assert "768 host syncs" in text and "5 swaps into VRAM (21.0 MB)" in text
+    assert StoreStats().expert_vram_rate is None

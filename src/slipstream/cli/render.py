@@ -124,6 +124,9 @@ def breakdown_table(s: GenerationStats, store: StoreStats, device: str) -> Table
             row(name, sec)
         t.add_row("host-to-device, stall", "n/a on CPU" if device == "cpu" else
                   "none: every layer is resident", "", "")
+        if store.cpu_s:  # a mixture of experts split with the CPU: the CPU's experts
+            row("experts on the CPU (host, waits included)", store.cpu_s, False,
+                f"{store.cpu_bytes / store.cpu_s / 1e9:.1f}")
     else:
         row("compute (GPU busy on layers)", store.compute_s)
         row("stall (GPU idle between layers)", store.stall_s)

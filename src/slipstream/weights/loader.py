@@ -35,8 +35,7 @@ from ..precision import Precision
 from .checks import check_tensor_names, check_values
 from .experts import build_experts, shared_expert
 from .expert_tiers import ExpertFile
-from .split_build import SplitPlacement, SplitSpec
-from .split_experts import SplitRuntime
+from .split_build import SplitPlacement, SplitRuntime, SplitSpec
 from .file_bytes import private_file_bytes
 from .prefetch import prefetch_dense
 from .cpu import PackedDecodeLinear, kind_for, pack_group
@@ -434,10 +433,9 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
         cpu = torch.device("cpu")
         split = expert_split.spec(gf.path, device, cfg.hidden, LayerBuilder(
             cfg, cpu, Precision.of(precision.name, cpu)), cfg.n_layers)
-        expert_file = split.runtime
     builder = LayerBuilder(cfg, device, precision, fuse_scales=fuse_scales,
                            scratch_elements=scratch_elements, expert_slots=expert_slots,
-                           expert_file=expert_file if split is None else None,
+                           expert_file=expert_file,
                            expert_split=split)
     workspace = builder.workspace
     quantized = builder.quantized
@@ -533,7 +531,7 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     return ModelWeights(embed=embed, layers=layers, output_norm=output_norm, output=output,
                         rope_freqs=rope_freqs, rope_freqs_long=rope_long,
                         long_after=cfg.rope_ctx_orig, per_layer=per_layer,
-                        experts=expert_file,
+                        experts=expert_file if split is None else split.runtime,
                         dense_prefetch=prefetch_dense(layers, output)
                         if src.lazy and not quantized else None)
 

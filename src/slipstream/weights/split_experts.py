@@ -255,9 +255,11 @@ class SplitExperts:
                 f"syncs once a layer for the routing: no CUDA graph holds it (speculative "
                 f"step graphs and layer graphs are not built for a split mixture of experts)")
         T, k = ids.shape
-        host_ids = ids.cpu()  # the layer's one host sync
+        # the layer's one host sync, ids and weights together, before any of the GPU's work
+        # is enqueued (float64 holds both exactly)
+        host = torch.stack([ids.double(), weights.double()]).cpu()
         self.runtime.stats.expert_syncs += 1
-        flat = host_ids.view(-1).tolist()
+        flat = host[0].long().view(-1).tolist()
         self.map.record(flat, T)
         if T == 1 and self.map.due():
             self.swap_round()
@@ -266,10 +268,10 @@ class SplitExperts:
         self.runtime.stats.expert_cpu_pairs += len(flat) - vram
         if T > 1:
             return experts_ffn(h, ids, weights, self)
-        return self._decode(h, ids, weights, flat, vram)
+        return self._decode(h, ids, weights, flat, host[1][0].float(), vram)
 
     def _decode(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                flat: list[int], vram: int) -> torch.Tensor:
+                flat: list[int], host_w: torch.Tensor, vram: int) -> torch.Tensor:
         io = self.runtime.io
         cpu = sorted((e, j) for j, e in enumerate(flat) if not self.map.in_vram(e))
         if cpu:  # the input's copy down first: the CPU starts while the GPU computes
@@ -282,7 +284,6 @@ class SplitExperts:
             out = torch.zeros(1, h.shape[-1], dtype=torch.float32, device=h.device)
         if not cpu:
             return out
-        host_w = weights.float().cpu()[0]
         share = _CpuShare(self.cpu, self.layer, [e for e, _ in cpu],
                           host_w[[j for _, j in cpu]].contiguous(), self.cpu_act_dtype,
                           len(cpu) * self.expert_cpu_bytes)
