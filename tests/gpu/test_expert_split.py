@@ -55,6 +55,16 @@ CASES = ([("qwen3moe", "Q8_0"), ("gpt-oss", "MXFP4")] if INTERPRET
          else [("qwen3moe", "Q4_K"), ("gpt-oss", "MXFP4")])
 
 
+@pytest.fixture(autouse=True)
+def _slot_writes_in_parts(monkeypatch):
+    """Slots written 48 rows at a time (the load and every swap), so that the small model's
+    projections (64 and 128 rows) are written in parts, the last one short: the planes must be
+    the whole expert's all the same."""
+    import slipstream.weights.split_experts as split_experts
+
+    monkeypatch.setattr(split_experts, "SLOT_WRITE_ROWS", 48)
+
+
 def _builder(cfg: ModelConfig, precision: str, split: SplitPlacement | None = None,
              path=None) -> LayerBuilder:
     """The loader's GPU builder (on the interpreter's CPU device, its quantized build forced,

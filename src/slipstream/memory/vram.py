@@ -20,6 +20,7 @@ from ..model.families import family_for, spec_for
 from ..model.layer_spec import EMBEDDING, head_tensor_name, kv_cache_bytes
 from ..weights.image import IMAGE_ALIGN  # every tensor of an image starts on this boundary
 from ..weights.loader import prefill_scratch_elements
+from ..weights.split_experts import SLOT_WRITE_ROWS
 
 _FLOAT_BYTES = {T.F32: 4, T.F16: 2, T.BF16: 2}
 # torch's caching allocator: requests round to 512 B; requests of 10 MiB and more get their own
@@ -259,7 +260,22 @@ def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: in
     parts.update(run)
     # load_weights packs the head before any layer, when little else is held; the layers'
     # transients come on top of the layers already loaded
-    load = max(_pack_transient(*w) for w in layer_weights)
+    packed_at_once = layer_weights
+    if not stacked_experts:
+        # a split plan's slots are written SLOT_WRITE_ROWS rows at a time, at the load and in
+        # every swap (weights.split_experts): a gpt-oss-120b expert's gate/up whole would
+        # take 416 MiB of int64 temporaries, 256 rows of it 18 MiB
+        packed_at_once = [(q, r, c, raw) for q, r, c, _ in _linears(gf, cfg, 0)
+                          for raw in [r * c // GGML_QUANT_SIZES[T(q)][0]
+                                      * GGML_QUANT_SIZES[T(q)][1]]]
+        slot_writes = [(q, min(r, SLOT_WRITE_ROWS), c,
+                        min(r, SLOT_WRITE_ROWS) * c // GGML_QUANT_SIZES[T(q)][0]
+                        * GGML_QUANT_SIZES[T(q)][1])
+                       for q, r, c, _ in _expert_linears(gf, cfg, 0, stacked=False)]
+        packed_at_once = packed_at_once + slot_writes
+        # a swap's write runs beside the decode's own work, not in the load's place
+        parts["expert slot writes"] = max(_pack_transient(*w) for w in slot_writes)
+    load = max(_pack_transient(*w) for w in packed_at_once)
     if load > sum(run.values()):
         parts["load transients (beyond the above)"] = load - sum(run.values())
     return parts

@@ -47,6 +47,11 @@ if TYPE_CHECKING:
     from ..hybrid.host_io import HostIO
 
 PLANES = ("lo", "hi", "d", "m", "sc", "mn", "sm")
+# Rows of an expert's projection packed at once into its slot (at the load and in a swap):
+# packing takes ~24 bytes of int64 temporaries per weight (memory.vram.PACK_TEMP_BYTES), 416
+# MiB for a gpt-oss-120b expert's gate/up (5760 x 2880) whole, 18 MiB for 256 of its rows.
+# Rows pack independently, so the planes are those of the whole expert.
+SLOT_WRITE_ROWS = 256
 
 
 @dataclass
@@ -115,16 +120,15 @@ def empty_stack(one: PackedWeight, n: int) -> PackedWeight:
     return replace(one, rows=n * one.rows, gguf_bytes=n * one.gguf_bytes, **planes)
 
 
-def write_rows(stack: PackedWeight, s: int, one: PackedWeight) -> None:
-    """Weight s of the stack (rows [s * one.rows, (s + 1) * one.rows)) := one, plane by
-    plane, on the current stream."""
-    r = one.rows
+def write_rows(stack: PackedWeight, start: int, part: PackedWeight) -> None:
+    """The stack's rows [start, start + part.rows) := part, plane by plane, on the current
+    stream."""
     for f in PLANES:
-        src, dst = getattr(one, f), getattr(stack, f)
+        src, dst = getattr(part, f), getattr(stack, f)
         if (src is None) != (dst is None):
             raise ValueError(f"plane {f} is in one of the stack and the weight only")
         if src is not None:
-            dst[s * r:(s + 1) * r].copy_(src)
+            dst[start:start + part.rows].copy_(src)
 
 
 @dataclass
@@ -176,29 +180,33 @@ class SlotStacks:
         """first: expert 0's bytes per projection (gate, up, down), which set the planes'
         shapes; every slot is written by `write` before use."""
         self.layout, self.device, self.ws, self.fuse = layout, device, ws, fuse
-        ones = self._pack(first)
+        ones = [self._pack_rows(r[:1], q, 1, cols)
+                for r, (q, _, cols) in zip(layout.split(first), layout.stacks())]
         self.bias = [torch.zeros(slots, b.shape[0], device=device) if b is not None else None
                      for b in layout.bias_rows(0)]
-        linears = [RoutedLinear(empty_stack(p, slots), slots, b, ws, fuse)
-                   for p, b in zip(ones, self.bias)]
+        rows = [rows for _, rows, _ in layout.stacks()]
+        linears = [RoutedLinear(empty_stack(p, slots * r), slots, b, ws, fuse)
+                   for p, r, b in zip(ones, rows, self.bias)]
         # the stacks as the linears hold them (their scale layout is final already: the
         # same planes), which `write` fills
         self.planes = [lin.packed for lin in linears]
         self.bank = RoutedExperts(linears[:-1], linears[-1], act)
 
-    def _pack(self, raws: list[torch.Tensor]) -> list[PackedWeight]:
-        parts = self.layout.split(raws)
-        return [_transform(kernels.pack_weight(r.to(self.device, non_blocking=True), q, rows,
-                                               cols), self.ws, self.fuse)
-                for r, (q, rows, cols) in zip(parts, self.layout.stacks())]
+    def _pack_rows(self, raw: torch.Tensor, qtype, rows: int, cols: int) -> PackedWeight:
+        packed = kernels.pack_weight(raw.to(self.device, non_blocking=True), qtype, rows, cols)
+        return _transform(packed, self.ws, self.fuse)
 
     def write(self, s: int, e: int, raws: list[torch.Tensor]) -> int:
-        """Slot s := expert e (its gate, up and down bytes), on the current stream; returns
-        the bytes copied."""
+        """Slot s := expert e (its gate, up and down bytes, (rows, row_bytes) each), on the
+        current stream, SLOT_WRITE_ROWS rows at a time; returns the bytes copied."""
         moved = 0
-        for stack, one in zip(self.planes, self._pack(raws)):
-            write_rows(stack, s, one)
-            moved += one.nbytes
+        for stack, raw, (q, rows, cols) in zip(self.planes, self.layout.split(raws),
+                                               self.layout.stacks()):
+            for r0 in range(0, rows, SLOT_WRITE_ROWS):
+                r1 = min(r0 + SLOT_WRITE_ROWS, rows)
+                part = self._pack_rows(raw[r0:r1], q, r1 - r0, cols)
+                write_rows(stack, s * rows + r0, part)
+                moved += part.nbytes
         for dst, b in zip(self.bias, self.layout.bias_rows(e)):
             if dst is not None:
                 dst[s].copy_(b if b is not None else torch.zeros(dst.shape[1]))
