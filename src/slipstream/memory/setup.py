@@ -18,7 +18,7 @@ from ..weights.cpu import kind_for, packed_nbytes
 from ..weights.cpu_image import cpu_image_of, image_nbytes
 from ..weights.image import to_image
 from ..weights.loader import LayerBuilder, TensorSource, layer_span, release_transients
-from .budget import fmt_bytes, mem_available
+from .budget import mem_available
 from .cuda_store import CudaLayerStore, SplitPolicy
 from .cuda_context import outside_allocator_bytes
 from .devices import pad_stage_plan
