@@ -130,8 +130,10 @@ _register(
            _flag, "0 or 1"),
     EnvVar("SLIPSTREAM_CUDA_MOE", "0", "opt-in",
            "1: a mixture of experts (Qwen3-MoE, Mixtral, gpt-oss) may run on CUDA, every "
-           "expert in VRAM; off until that path has run on a GPU (its kernels are tested in "
-           "Triton's interpreter), so such a model needs --device cpu.", _flag, "0 or 1"),
+           "expert in VRAM, or split with the CPU where the VRAM budget holds the dense part "
+           "but not every expert; off until that path has run on a GPU (its kernels are "
+           "tested in Triton's interpreter), so such a model needs --device cpu.", _flag,
+           "0 or 1"),
     EnvVar("SLIPSTREAM_PINNED_EMBED", "0", "opt-in",
            "1: a streamed model's embedding table is pinned and read by the GPU, so a decode "
            "step's lookup needs no host sync (0.4-0.9 GiB of pinned RAM beside the budget).",

@@ -124,6 +124,9 @@ def breakdown_table(s: GenerationStats, store: StoreStats, device: str) -> Table
             row(name, sec)
         t.add_row("host-to-device, stall", "n/a on CPU" if device == "cpu" else
                   "none: every layer is resident", "", "")
+        if store.cpu_s:  # a mixture of experts split with the CPU: the CPU's experts
+            row("experts on the CPU (host, waits included)", store.cpu_s, False,
+                f"{store.cpu_bytes / store.cpu_s / 1e9:.1f}")
     else:
         row("compute (GPU busy on layers)", store.compute_s)
         row("stall (GPU idle between layers)", store.stall_s)
@@ -139,6 +142,13 @@ def breakdown_table(s: GenerationStats, store: StoreStats, device: str) -> Table
     t.caption = (f"{store.layers_streamed} streamed layer loads; {store.disk_bytes / 1e6:.1f} MB "
                  f"read from disk, {store.h2d_bytes / 1e6:.1f} MB copied to the GPU; links "
                  f"overlap compute, so their shares are not added")
+    vram = store.expert_vram_rate
+    if vram is not None:
+        t.caption += (f"\nexperts split with the CPU: VRAM hit rate {vram:.1%} "
+                      f"({store.expert_vram_pairs} routed pairs on the GPU, "
+                      f"{store.expert_cpu_pairs} on the CPU); {store.expert_syncs} host syncs "
+                      f"for routing; {store.expert_swaps} swaps into VRAM "
+                      f"({store.expert_swap_bytes / 1e6:.1f} MB)")
     rate = store.expert_hit_rate
     if rate is not None:
         t.caption += (f"\nexperts: {store.expert_hits} calls from RAM, {store.expert_misses} read "

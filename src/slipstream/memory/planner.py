@@ -118,6 +118,11 @@ class Plan:
     # the layers with experts, where some have a dense FFN instead (GLM-4.5's first; their
     # slots are 0); empty: every layer
     expert_layers: tuple[int, ...] = ()
+    # CUDA, a mixture of experts split with the CPU (memory.expert_split_plan): per layer,
+    # how many experts VRAM slots hold (the CPU computes the others: expert_slots of them
+    # held in RAM, the rest read from the file), and the VRAM one expert takes
+    vram_expert_slots: list[int] | None = None
+    expert_vram_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not self.stages:  # frozen: the default set once, as the plan is made
@@ -293,14 +298,22 @@ class Plan:
         return t
 
     def _expert_rows(self, t) -> None:
-        """One row per run of layers with the same experts in RAM (a 48-layer model's even
-        spread gives at most two rows)."""
+        """One row per run of layers with the same experts in VRAM, RAM and on disk (a
+        48-layer model's even spread gives a few rows)."""
         assert self.expert_slots is not None
         layers = self.expert_layers or range(len(self.expert_slots))
-        for k in sorted({self.expert_slots[i] for i in layers}, reverse=True):
-            idx = [i for i in layers if self.expert_slots[i] == k]
-            t.add_row("experts", f"{_ranges(idx)}: {k} of {self.n_experts} in RAM, "
-                      f"{self.n_experts - k} on disk", fmt_bytes(len(idx) * k * self.expert_bytes),
+        vram = self.vram_expert_slots or [0] * len(self.expert_slots)
+        counts = {(vram[i], self.expert_slots[i]) for i in layers}
+        for v, k in sorted(counts, reverse=True):
+            idx = [i for i in layers if (vram[i], self.expert_slots[i]) == (v, k)]
+            held = fmt_bytes(len(idx) * k * self.expert_bytes)
+            if self.vram_expert_slots is None:
+                where = f"{k} of {self.n_experts} in RAM, {self.n_experts - k} on disk"
+            else:
+                where = (f"{v} in VRAM, {k} in RAM, {self.n_experts - v - k} on disk (of "
+                         f"{self.n_experts})")
+                held = f"{fmt_bytes(len(idx) * v * self.expert_vram_bytes)} VRAM, {held} RAM"
+            t.add_row("experts", f"{_ranges(idx)}: {where}", held,
                       f"{fmt_bytes(self.expert_read_bytes)} / cold use", "-")
 
     def _cpu_rows(self, t) -> str | None:

@@ -38,11 +38,26 @@ class StoreStats:
     expert_misses: int = 0
     expert_bytes_read: int = 0
     expert_read_s: float = 0.0  # host clock: the main thread reading cold experts' bytes
+    # A mixture of experts split between VRAM and the CPU (weights.split_experts): routed
+    # (token, expert) pairs computed from VRAM slots and by the CPU, the host syncs for the
+    # routing ids (one per split layer and pass), and the swaps into VRAM with their bytes
+    expert_vram_pairs: int = 0
+    expert_cpu_pairs: int = 0
+    expert_syncs: int = 0
+    expert_swaps: int = 0
+    expert_swap_bytes: int = 0
 
     @property
     def expert_hit_rate(self) -> float | None:
         calls = self.expert_hits + self.expert_misses
         return self.expert_hits / calls if calls else None
+
+    @property
+    def expert_vram_rate(self) -> float | None:
+        """The share of routed (token, expert) pairs served from VRAM (a split mixture of
+        experts), or None where none was counted."""
+        pairs = self.expert_vram_pairs + self.expert_cpu_pairs
+        return self.expert_vram_pairs / pairs if pairs else None
 
     def reset(self) -> None:
         for f in fields(self):

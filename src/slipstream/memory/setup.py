@@ -18,7 +18,7 @@ from ..weights.cpu import kind_for, packed_nbytes
 from ..weights.cpu_image import cpu_image_of, image_nbytes
 from ..weights.image import to_image
 from ..weights.loader import LayerBuilder, TensorSource, layer_span, release_transients
-from .budget import fmt_bytes, mem_available
+from .budget import mem_available
 from .cuda_store import CudaLayerStore, SplitPolicy
 from .cuda_context import outside_allocator_bytes
 from .devices import pad_stage_plan
@@ -26,6 +26,7 @@ from .image_file import build_cpu_images, build_images
 from .kvikio_io import require_kvikio
 from .probes import cpu_decode_rates, h2d_pinned_gbps, memory_read_gbps, span_read_gbps
 from .expert_plan import plan_experts
+from .expert_split_plan import expert_sizes, plan_expert_split
 from .planner import Plan, StagePlan, plan_cuda, plan_layers
 from .protocol import LayerStore
 from .store import DiskLayerStore, MmapLayerStore, ResidentLayerStore, StreamDelays
@@ -306,8 +307,13 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
     except BudgetTooSmall:
         plan = None
     if cfg.n_experts and (plan is None or plan.streamed_layers):
-        _refuse_experts_outside_vram(gf, cfg, vram, budget, vram_layers, ctx, kv_elem,
-                                     prefill_chunk, fused, per_stage)
+        if vram_layers is not None and vram_layers < len(vram):
+            _refuse_streamed_experts(vram_layers, len(vram))
+        # the dense part in VRAM, the experts split between VRAM slots and the CPU
+        reserve = vram_reserve(gf, cfg, ctx, kv_elem, prefill_chunk, False, fused,
+                               stacked_experts=False, **per_stage)
+        sizes = expert_sizes(gf, cfg, Precision.of(precision.name, torch.device("cpu")), fused)
+        return plan_expert_split(sizes, cfg, reserve, budget, ram_budget, image, gf.path.name)
     # Streamed plans give what they can to layers, since each resident layer is one less to
     # copy every token: the token embedding stays on the host (one row per token), resident
     # layers keep the GGUF scale layout as streamed ones do (the same results: QuantLinear),
@@ -333,25 +339,32 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
     return plan
 
 
-def _refuse_experts_outside_vram(gf: GGUFFile, cfg: ModelConfig, vram: list[int], budget: int,
-                                 vram_layers: int | None, ctx: int, kv_elem: int,
-                                 prefill_chunk: int, fused: bool, per_stage: dict) -> None:
-    """A mixture of experts runs on CUDA with every layer, experts included, in VRAM: placing
-    experts in RAM or on disk is not built for the GPU. Name what the model needs."""
-    if vram_layers is not None and vram_layers < len(vram):
-        raise BudgetTooSmall(
-            f"vram_layers={vram_layers}: a mixture-of-experts model runs on CUDA with all "
-            f"{len(vram)} of its layers (every expert) in VRAM; streaming layers or placing "
-            f"experts in RAM is not built for the GPU yet (use --device cpu for that)")
-    reserve = vram_reserve(gf, cfg, ctx, kv_elem, prefill_chunk, True, fused, **per_stage)
-    layers, rest = sum(vram), sum(reserve.values())
+def expert_split_vram_budget(gf: GGUFFile, cfg: ModelConfig, precision: Precision, ctx: int,
+                             experts_per_layer: int, *, prefill_chunk: int,
+                             graph_bucket: int) -> int:
+    """A VRAM budget (as the driver counts it: the CUDA context included) whose CUDA plan
+    splits this mixture of experts with `experts_per_layer` experts in each layer's VRAM
+    slots (memory.expert_split_plan), for tests and benchmarks that must split a small
+    model: its all-VRAM plan's graph pools may cost more than half its experts."""
+    fused = precision.fuse_scales
+    kv_elem = torch.finfo(precision.kv_dtype).bits // 8
+    reserve = vram_reserve(gf, cfg, ctx, kv_elem, prefill_chunk, False, fused,
+                           stacked_experts=False, graph_bucket=graph_bucket)
+    sizes = expert_sizes(gf, cfg, Precision.of(precision.name, torch.device("cpu")), fused)
+    slots = [experts_per_layer if p else 0 for p in sizes.expert_planes]
+    return (sum(sizes.dense_vram) + sum(reserve.values()) + sizes.slots_vram(slots, cfg.n_experts)
+            + outside_allocator_bytes(torch.device("cuda")))
+
+
+def _refuse_streamed_experts(vram_layers: int, n_layers: int) -> None:
+    """A mixture of experts runs on CUDA with every layer's dense part in VRAM (its experts
+    split with the CPU where the budget is short: memory.expert_split_plan): streaming whole
+    layers is not built for it."""
     raise BudgetTooSmall(
-        f"{gf.path.name}: a mixture-of-experts model runs on CUDA with every expert in VRAM: "
-        f"its {len(vram)} layers take {fmt_bytes(layers)} (experts included) and the engine "
-        f"{fmt_bytes(rest)} more (KV cache, activations, head, workspaces), "
-        f"{fmt_bytes(layers + rest)} in all, against {fmt_bytes(budget)} of VRAM; placing "
-        f"experts in RAM is not built for the GPU yet: give --vram-budget "
-        f"{fmt_bytes(layers + rest)} or more on a GPU that has it, or use --device cpu")
+        f"vram_layers={vram_layers}: a mixture-of-experts model runs on CUDA with all "
+        f"{n_layers} of its layers in VRAM (the experts that do not fit computed by the CPU); "
+        f"streaming whole layers is not built for it (leave vram_layers unset, or use "
+        f"--device cpu)")
 
 
 def streamed_slack(plan: Plan) -> int:

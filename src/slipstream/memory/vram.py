@@ -21,6 +21,7 @@ from ..model.families.gemma4 import PER_LAYER_TOKEN_EMBD
 from ..model.layer_spec import EMBEDDING, head_tensor_name, kv_cache_bytes
 from ..weights.image import IMAGE_ALIGN  # every tensor of an image starts on this boundary
 from ..weights.loader import prefill_scratch_elements
+from ..weights.split_experts import SLOT_WRITE_ROWS
 
 _FLOAT_BYTES = {T.F32: 4, T.F16: 2, T.BF16: 2}
 # torch's caching allocator: requests round to 512 B; requests of 10 MiB and more get their own
@@ -81,10 +82,12 @@ def _linears(gf: GGUFFile, cfg: ModelConfig, i: int) -> list[tuple[int, int, int
     return out
 
 
-def _expert_linears(gf: GGUFFile, cfg: ModelConfig, i: int) -> list[tuple[int, int, int, int]]:
+def _expert_linears(gf: GGUFFile, cfg: ModelConfig, i: int, stacked: bool = True
+                    ) -> list[tuple[int, int, int, int]]:
     """(qtype, rows, cols, bias rows) of the stacked expert weights weights.experts makes on
     CUDA for layer i (every expert's rows in one weight: gate and up together where their
-    formats agree), none for a dense layer."""
+    formats agree), none for a dense layer; `stacked` False: one expert's (the unit of a
+    split plan's VRAM slots, memory.expert_split_plan)."""
     spec = spec_for(cfg.architecture, cfg.n_experts).at(cfg.layer(i)).experts
     if spec is None:
         return []
@@ -92,7 +95,8 @@ def _expert_linears(gf: GGUFFile, cfg: ModelConfig, i: int) -> list[tuple[int, i
     biased = [f"blk.{i}.{p}.bias" in gf.tensors for p in (spec.gate, spec.up, spec.down)]
     # torch order (n_experts, rows, cols), as the loader sees the 3-D tensors
     shapes = [tuple(int(d) for d in info.shape) for info in infos]
-    stacked = [(int(info.ggml_type), s[0] * s[1], s[2], s[0] * s[1] if b else 0)
+    n = (lambda s: s[0]) if stacked else (lambda s: 1)
+    stacked = [(int(info.ggml_type), n(s) * s[1], s[2], n(s) * s[1] if b else 0)
                for info, s, b in zip(infos, shapes, biased)]
     if stacked[0][0] == stacked[1][0]:
         gate, up = stacked[:2]
@@ -101,7 +105,10 @@ def _expert_linears(gf: GGUFFile, cfg: ModelConfig, i: int) -> list[tuple[int, i
     return stacked
 
 
-def _layer_tensors(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool) -> list[int]:
+def _layer_tensors(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool,
+                   experts: bool = True) -> list[int]:
+    """Byte sizes of layer i's tensors as held on CUDA; `experts` False: without its routed
+    experts (a split plan's dense part)."""
     lc = cfg.layer(i)  # layer i's (Gemma 4's layers differ)
     spec = spec_for(cfg.architecture, cfg.n_experts).at(lc)
     shapes = spec.shapes(lc)
@@ -112,7 +119,8 @@ def _layer_tensors(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool) -> list[
         sizes += [math.prod(shapes[f"{spec.experts.router}.weight"]) * 4]
         if f"blk.{i}.{spec.experts.router}.bias" in gf.tensors:
             sizes.append(cfg.n_experts * 4)
-    for qtype, rows, cols, bias in _linears(gf, cfg, i) + _expert_linears(gf, cfg, i):
+    routed = _expert_linears(gf, cfg, i) if experts else []
+    for qtype, rows, cols, bias in _linears(gf, cfg, i) + routed:
         sizes += packed_planes(qtype, rows, cols, fused)
         if bias:
             sizes.append(bias * 4)
@@ -127,6 +135,35 @@ def layer_image_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool = Fals
 def layer_vram_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool = False) -> int:
     """VRAM layer i takes when resident (each plane its own allocation)."""
     return sum(alloc_bytes(n) for n in _layer_tensors(gf, cfg, i, fused))
+
+
+def layer_dense_vram_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool = False) -> int:
+    """VRAM layer i takes resident without its routed experts (attention, norms, router, a
+    shared expert): the part of a mixture of experts a split plan always holds."""
+    return sum(alloc_bytes(n) for n in _layer_tensors(gf, cfg, i, fused, experts=False))
+
+
+def expert_planes(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool = False) -> list[int]:
+    """Byte sizes of one routed expert's planes and biases in layer i's VRAM slot stacks (the
+    slots of a projection share one allocation per plane: slot_stack_bytes)."""
+    sizes = []
+    for qtype, rows, cols, bias in _expert_linears(gf, cfg, i, stacked=False):
+        sizes += packed_planes(qtype, rows, cols, fused) + ([bias * 4] if bias else [])
+    return sizes
+
+
+def expert_vram_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool = False) -> int:
+    """VRAM one routed expert of layer i takes in a VRAM slot, before the allocator's
+    rounding of the stacks."""
+    return sum(expert_planes(gf, cfg, i, fused))
+
+
+def slot_stack_bytes(planes: list[int], slots: int, n_experts: int) -> int:
+    """VRAM of a layer's `slots` VRAM slots, one allocation per plane (expert_planes), and of
+    its expert-id -> slot map on the device (int64)."""
+    if not slots:
+        return 0
+    return sum(alloc_bytes(slots * p) for p in planes) + alloc_bytes(n_experts * 8)
 
 
 def layer_flat_bytes(gf: GGUFFile, cfg: ModelConfig, i: int) -> int:
@@ -171,7 +208,8 @@ def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: in
                  chunk: int, graphs: bool, fused: bool = False,
                  embed_on_host: bool = False, *, graph_bucket: int,
                  kv_layers: int | range | None = None, holds_embedding: bool = True,
-                 holds_head: bool = True, scratch_cap: int | None = None) -> dict[str, int]:
+                 holds_head: bool = True, scratch_cap: int | None = None,
+                 stacked_experts: bool = True) -> dict[str, int]:
     """VRAM the engine needs besides the layers and the streaming slots, by part.
     `embed_on_host`: the token embedding stays in host memory (streamed plans).
     `chunk`, `graph_bucket`: the engine's prefill chunk and CUDA graph bucket (one graph per
@@ -186,13 +224,16 @@ def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: in
     extras (KV cache, activations, graph pools, cuBLAS workspaces).
 
     `scratch_cap`: elements the prefill scratch is held to (streamed plans: weights larger
-    than that are dequantized and multiplied in row chunks, weights.linear.Workspace)."""
+    than that are dequantized and multiplied in row chunks, weights.linear.Workspace).
+
+    `stacked_experts` False (a split plan's VRAM slots): the experts are packed one at a
+    time, so the load transients are one expert's, not a whole stacked projection's."""
     head = gf.tensors[head_tensor_name(gf.tensors)]
     head_weight = (int(head.ggml_type), *head.shape, head.n_bytes)  # (vocab, hidden)
     layer_weights = [(qtype, rows, cols, rows * cols // GGML_QUANT_SIZES[T(qtype)][0]
                       * GGML_QUANT_SIZES[T(qtype)][1])
                      for qtype, rows, cols, _ in _linears(gf, cfg, 0)
-                     + _expert_linears(gf, cfg, 0)]
+                     + _expert_linears(gf, cfg, 0, stacked_experts)]
     weights = [head_weight] + layer_weights if holds_head else layer_weights
     # prefill dequantizes one weight at a time into one fp16 scratch, at most the largest
     # layer weight (the head goes in row chunks; weights.linear.Workspace)
@@ -219,7 +260,22 @@ def vram_reserve(gf: GGUFFile, cfg: ModelConfig, ctx: int, kv_bytes_per_elem: in
     parts.update(run)
     # load_weights packs the head before any layer, when little else is held; the layers'
     # transients come on top of the layers already loaded
-    load = max(_pack_transient(*w) for w in layer_weights)
+    packed_at_once = layer_weights
+    if not stacked_experts:
+        # a split plan's slots are written SLOT_WRITE_ROWS rows at a time, at the load and in
+        # every swap (weights.split_experts): a gpt-oss-120b expert's gate/up whole would
+        # take 416 MiB of int64 temporaries, 256 rows of it 18 MiB
+        packed_at_once = [(q, r, c, raw) for q, r, c, _ in _linears(gf, cfg, 0)
+                          for raw in [r * c // GGML_QUANT_SIZES[T(q)][0]
+                                      * GGML_QUANT_SIZES[T(q)][1]]]
+        slot_writes = [(q, min(r, SLOT_WRITE_ROWS), c,
+                        min(r, SLOT_WRITE_ROWS) * c // GGML_QUANT_SIZES[T(q)][0]
+                        * GGML_QUANT_SIZES[T(q)][1])
+                       for q, r, c, _ in _expert_linears(gf, cfg, 0, stacked=False)]
+        packed_at_once = packed_at_once + slot_writes
+        # a swap's write runs beside the decode's own work, not in the load's place
+        parts["expert slot writes"] = max(_pack_transient(*w) for w in slot_writes)
+    load = max(_pack_transient(*w) for w in packed_at_once)
     if load > sum(run.values()):
         parts["load transients (beyond the above)"] = load - sum(run.values())
     return parts

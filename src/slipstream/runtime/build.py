@@ -19,6 +19,7 @@ from .. import envs
 from ..errors import (BadArgument, BudgetTooSmall, SlipstreamError, SlipstreamWarning,
                       UnsupportedArchitecture, UnsupportedTensorType)
 from ..hub.pull import resolve
+from ..hybrid.host_io import HostIO
 from ..hybrid.plan import parse_hybrid, plan_hybrid
 from ..hybrid.policy import HybridSplit
 from ..memory.budget import fmt_bytes, mem_available, parse_size
@@ -34,6 +35,7 @@ from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
 from ..weights import load_weights
 from ..weights.file_bytes import read_ahead
+from ..weights.split_build import SplitPlacement
 from .engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
 from .stage import Stage
 from ..threads import default_threads, threads_given
@@ -147,12 +149,16 @@ def plan_model(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, precision: Pre
 
 
 def check_experts_device(cfg: ModelConfig, dev: torch.device) -> None:
-    """A mixture-of-experts model runs on the CPU, or on CUDA with every expert in VRAM
-    (weights.routed_experts; a budget that cannot hold them is refused by the plan,
-    memory.setup) where SLIPSTREAM_CUDA_MOE=1: that path's kernels are tested in Triton's
-    interpreter against gguf-py's dequantization, and it stays opt-in until it has run on a
-    GPU. Experts placed in RAM or on disk are built for the CPU only. A family whose CUDA path
-    is refused (Family.cuda_refused) runs on the CPU only."""
+    """A mixture-of-experts model runs on the CPU, or on CUDA where SLIPSTREAM_CUDA_MOE=1:
+    every expert in VRAM (weights.routed_experts), or, where the VRAM budget holds the dense
+    part but not every expert, the experts split between VRAM slots and the CPU
+    (memory.expert_split_plan, weights.split_experts; a budget short of the dense part is
+    refused with both numbers). That path's kernels are tested in Triton's interpreter
+    against gguf-py's dequantization, and it stays opt-in until it has run on a GPU. Not
+    covered on CUDA, each with its own error: whole layers streamed (vram_layers, memory.
+    setup), pipeline stages (plan_model), CUDA graphs of a split layer (weights.
+    split_experts). A family whose CUDA path is refused (Family.cuda_refused) runs on the CPU
+    only."""
     if dev.type == "cpu":
         return
     if cfg.n_experts and dev.type != "cuda":
@@ -346,4 +352,16 @@ def load_weights_with_progress(gf, cfg, dev, precision: Precision, show: bool,
                             flat_layers=plan.flat_layers if plan else False,
                             holds_embedding=plan.stages[0].holds_embedding if plan else True,
                             holds_head=plan.stages[-1].holds_head if plan else True,
-                            expert_slots=plan.expert_slots if plan else None)
+                            expert_slots=plan.expert_slots
+                            if plan and plan.vram_expert_slots is None else None,
+                            expert_split=split_placement(plan))
+
+
+def split_placement(plan: Plan | None) -> SplitPlacement | None:
+    """A CUDA plan's experts split between VRAM slots and the CPU (memory.expert_split_plan),
+    as the loader takes it, with the dense hybrid's hand-off to the CPU's worker; None where
+    the plan splits none."""
+    if plan is None or plan.vram_expert_slots is None:
+        return None
+    return SplitPlacement(plan.vram_expert_slots, plan.expert_slots,
+                          lambda dev, hidden: HostIO(dev, hidden, max_tokens=1))

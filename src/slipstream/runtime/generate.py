@@ -193,6 +193,7 @@ def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], sampler: Samp
                               f"{engine.ctx}; shorten the prompt or raise --ctx")
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
+    split_before = _split_counts(engine)
     stop_ids = set(stop_ids) if stop_ids is not None else set(tokenizer.eot_ids)
     decoder = tokenizer.stream_decoder()
     matcher = _StopMatcher(stop)
@@ -237,3 +238,20 @@ def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], sampler: Samp
             stats.decode_s = time.perf_counter() - t_decode
         if engine.device.type == "cuda":  # the allocator's own count: no device sync
             stats.peak_memory = torch.cuda.max_memory_allocated(engine.device)
+        split = [b - a for a, b in zip(split_before, _split_counts(engine))]
+        if split[0] + split[1]:  # a mixture of experts split with the CPU
+            stats.extra.update(zip(SPLIT_KEYS, split))
+            stats.extra["experts_vram_rate"] = split[0] / (split[0] + split[1])
+
+
+# GenerationStats.extra's keys of a mixture of experts split between VRAM and the CPU
+# (weights.split_experts): routed (token, expert) pairs computed from VRAM and by the CPU, the
+# host syncs for the routing, and the swaps into VRAM; "experts_vram_rate" is the share of
+# pairs served from VRAM
+SPLIT_KEYS = ("experts_vram_pairs", "experts_cpu_pairs", "experts_syncs", "experts_swaps")
+
+
+def _split_counts(engine) -> list[int]:
+    """The layer store's counters behind SPLIT_KEYS (memory.protocol.StoreStats)."""
+    s = engine.layers.stats
+    return [s.expert_vram_pairs, s.expert_cpu_pairs, s.expert_syncs, s.expert_swaps]

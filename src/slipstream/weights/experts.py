@@ -17,7 +17,8 @@ built by the same `expert_linears`.
 
 On CUDA every expert goes to VRAM, each projection's experts packed as one stacked weight
 (weights.routed_experts), read by routed GEMVs in decode and cut into per-expert views for
-prefill."""
+prefill; or, where the plan holds only some of them in VRAM, the layer's experts are split
+between VRAM slots and the CPU (weights.split_build, weights.split_experts)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from .cpu.expert_decode import native_expert_ffn, native_expert_sum
 from .expert_tiers import ExpertFile, ExpertSlice, TieredExperts
 from .linear import DenseLinear, Linear, OnDemandDenseLinear
 from .routed_experts import RoutedExperts, RoutedLinear
+from .split_build import build_split
 
 if TYPE_CHECKING:  # the loader imports this module
     from .loader import LayerBuilder, TensorSource
@@ -113,17 +115,25 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
     types = [src.type_of(n) for n in names]
     shapes = [(s[1], s[2]) for s in full]
     # gpt-oss's router and experts have biases: (n_experts,) and (n_experts, rows), float32
+    split = builder.quantized and builder.expert_split is not None
+    biased = [part for part in (spec.router, spec.gate, spec.up, spec.down)
+              if f"{part}.bias" in builder.shapes and src.has(f"{p}.{part}.bias")]
+    # a split layer's expert biases stay on the host, its slots' rows copied up
+    # (weights.split_build)
     biases = {part: src.dense(f"{p}.{part}.bias", builder.shapes[f"{part}.bias"],
                               torch.float32, builder.device)
-              for part in (spec.router, spec.gate, spec.up, spec.down)
-              if f"{part}.bias" in builder.shapes and src.has(f"{p}.{part}.bias")}
+              for part in biased if not split or part == spec.router}
 
     def expert_biases(e: int) -> list[torch.Tensor | None]:
         return [biases[part][e] if part in biases else None
                 for part in (spec.gate, spec.up, spec.down)]
 
     act = "swiglu_oai" if cfg.ffn_act == "swiglu_oai" else "silu"
-    if builder.quantized:  # CUDA: every expert in VRAM, each projection's stacked
+    if split:  # CUDA, experts split between VRAM slots and the CPU
+        bank = build_split(builder, src, int(p.rsplit(".", 1)[1]), names, full, types, act,
+                           [f"{p}.{part}.bias" if part in biased else None
+                            for part in (spec.gate, spec.up, spec.down)])
+    elif builder.quantized:  # CUDA: every expert in VRAM, each projection's stacked
         bank = _routed(builder, src, names, full, types,
                        [biases.get(part) for part in (spec.gate, spec.up, spec.down)], act)
         bank.warm(cfg.hidden, cfg.n_experts_used)

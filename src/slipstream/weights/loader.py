@@ -36,6 +36,7 @@ from ..precision import Precision
 from .checks import check_tensor_names, check_values
 from .experts import build_experts, shared_expert
 from .expert_tiers import ExpertFile
+from .split_build import SplitPlacement, SplitRuntime, SplitSpec
 from .file_bytes import private_file_bytes
 from .prefetch import prefetch_dense
 from .cpu import PackedDecodeLinear, kind_for, pack_group
@@ -59,7 +60,7 @@ class ModelWeights:
     # Gemma 4's per-layer embedding tables (model.per_layer), or None
     per_layer: PerLayerEmbedding | None = None
     # the file cold experts are read from, with their counters (weights.expert_tiers), or None
-    experts: ExpertFile | None = None
+    experts: ExpertFile | SplitRuntime | None = None
     # the mapped image the packed decode copies are views of (memory.resident_image), or None
     packed_image: object | None = None
 
@@ -200,14 +201,18 @@ class LayerBuilder:
     def __init__(self, cfg: ModelConfig, device: torch.device, precision: Precision,
                  workspace: Workspace | None = None, fuse_scales: bool = True,
                  scratch_elements: int | None = None,
-                 expert_slots: list[int] | None = None, expert_file: ExpertFile | None = None):
+                 expert_slots: list[int] | None = None, expert_file: ExpertFile | None = None,
+                 expert_split: SplitSpec | None = None):
         """fuse_scales=False (streamed layers): keep the smaller GGUF scale layout even where
         precision.fuse_scales folds the scales of resident layers into one plane for the
         decode kernels; both give the same results (see QuantLinear). scratch_elements: a
         cap on the prefill scratch below the largest layer weight (streamed plans).
         expert_slots (a mixture of experts, CPU): per layer, how many experts stay in RAM, the
-        others read from `expert_file` when used (weights.expert_tiers); None: all in RAM."""
+        others read from `expert_file` when used (weights.expert_tiers); None: all in RAM.
+        expert_split (a mixture of experts, CUDA): experts split between VRAM slots and the
+        CPU (weights.split_build); None: every expert in VRAM."""
         self.cfg = cfg
+        self.expert_split = expert_split
         self.expert_slots = expert_slots
         self.expert_file = expert_file
         self.device = device
@@ -364,7 +369,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
                  fuse_scales: bool = True, head_dense_on_demand: bool = False,
                  flat_layers: bool = False, holds_embedding: bool = True,
                  holds_head: bool = True,
-                 expert_slots: list[int] | None = None) -> ModelWeights:
+                 expert_slots: list[int] | None = None,
+                 expert_split: SplitPlacement | None = None) -> ModelWeights:
     """Build the model's weights on `device`: every layer, or only `resident_layers` (the
     others are left as None for a streaming store to fill). Norms stay float32.
     `embed_on_host`: the token embedding stays in host memory (see QuantEmbedding).
@@ -390,6 +396,9 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     `expert_slots` (a mixture of experts on the CPU): per layer, how many of its experts stay
     in RAM; the others are read from the file when a token routes to them
     (weights.expert_tiers). None: every expert in RAM.
+
+    `expert_split` (a mixture of experts on CUDA): per layer, the experts in VRAM slots and
+    those the CPU holds in RAM (weights.split_build); None: every expert in VRAM.
 
     `progress(n_bytes)` is called after each layer so callers can drive a progress bar.
     """
@@ -418,14 +427,20 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     # before a byte is built: only what this load reads (a streamed layer's norms and biases,
     # not its weights, which are read per token); 11 ms of the default model's 0.4 s
     check_values(gf, cfg, resident_layers, holds_embedding, holds_head,
-                 experts=expert_slots is None)
+                 experts=expert_slots is None and expert_split is None)
     if expert_slots is not None and (device.type != "cpu" or len(expert_slots) != cfg.n_layers):
         raise BadArgument(f"expert_slots={expert_slots!r}: one count per layer "
                           f"({cfg.n_layers}), on the CPU only")
     expert_file = ExpertFile(gf.path) if expert_slots is not None else None
+    split = None
+    if expert_split is not None:
+        cpu = torch.device("cpu")
+        split = expert_split.spec(gf.path, device, cfg.hidden, LayerBuilder(
+            cfg, cpu, Precision.of(precision.name, cpu)), cfg.n_layers)
     builder = LayerBuilder(cfg, device, precision, fuse_scales=fuse_scales,
                            scratch_elements=scratch_elements, expert_slots=expert_slots,
-                           expert_file=expert_file)
+                           expert_file=expert_file,
+                           expert_split=split)
     workspace = builder.workspace
     quantized = builder.quantized
     if held is not None:
@@ -520,7 +535,7 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     return ModelWeights(embed=embed, layers=layers, output_norm=output_norm, output=output,
                         rope_freqs=rope_freqs, rope_freqs_long=rope_long,
                         long_after=cfg.rope_ctx_orig, per_layer=per_layer,
-                        experts=expert_file,
+                        experts=expert_file if split is None else split.runtime,
                         dense_prefetch=prefetch_dense(layers, output)
                         if src.lazy and not quantized else None)
 

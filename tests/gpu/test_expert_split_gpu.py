@@ -1,0 +1,128 @@
+"""A mixture of experts on CUDA at a VRAM budget that holds its dense part but not every
+expert (memory.expert_split_plan, weights.split_experts): Qwen3-MoE and gpt-oss synth files
+through the whole engine, split, against the same file with every expert in VRAM
+(tests/gpu/test_moe_gpu.py checks that one against the CPU engine).
+
+At "exact" both sides compute an expert in float32 (the GPU's float32 GEMVs, the CPU's dense
+float32 weights), so the logits agree to 1e-3 relative; at "fast" the CPU's packed kernels
+round the activations to int8 by blocks of their own, as the GPU's do by theirs, so the bound
+is "fast"'s own against "exact" (tests/gpu/test_moe_bank.py's 4e-2) and the top token is kept
+at decisive positions. The peak of allocated VRAM stays within the budget the plan had."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import slipstream
+from helpers import assert_decisive_top1, rel64, streamed_logits
+from slipstream.errors import BudgetTooSmall
+from slipstream.synth import write_synth
+
+pytestmark = pytest.mark.gpu
+
+CASES = [("qwen3moe", "Q4_K_M"), ("gpt-oss", "MXFP4")]
+TOL = {"exact": 1e-3, "fast": 4e-2}
+
+
+@pytest.fixture(autouse=True)
+def _cuda_moe_on(monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_CUDA_MOE", "1")
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
+def moe_file(request, tmp_path_factory):
+    pytest.importorskip("triton")
+    arch, quant = request.param
+    # skewed routing (a few experts take most tokens, as real routers do): swaps have
+    # something to find
+    return arch, write_synth(tmp_path_factory.mktemp(arch) / f"{arch}.gguf", "tiny", quant,
+                             n_layers=4, arch=arch, from_floats=True, std=0.08, seed=4,
+                             expert_skew=1.0)
+
+
+def _split_budget(path, precision: str, per_layer: int | None = None) -> int:
+    """A driver-counted VRAM budget whose plan holds `per_layer` experts a layer in VRAM
+    (default: a quarter of them)."""
+    from slipstream.memory.setup import expert_split_vram_budget
+    from slipstream.modelfile.config import ModelConfig
+    from slipstream.modelfile.gguf_file import GGUFFile
+    from slipstream.precision import Precision
+    from slipstream.runtime.engine import GRAPH_BUCKET, PREFILL_CHUNK
+
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    k = max(cfg.n_experts // 4, 1) if per_layer is None else per_layer
+    return expert_split_vram_budget(gf, cfg, Precision.of(precision, torch.device("cuda")),
+                                    256, k, prefill_chunk=PREFILL_CHUNK,
+                                    graph_bucket=GRAPH_BUCKET)
+
+
+def _load_split(path, precision: str):
+    budget = _split_budget(path, precision)
+    m = slipstream.load(path, device="cuda", ctx=256, precision=precision,
+                        placement=slipstream.Placement(vram_budget=budget))
+    slots = m.plan.vram_expert_slots
+    n = m.plan.n_experts
+    assert slots is not None and all(0 < v < n for v in slots), (slots, n)
+    assert not m.engine.use_graphs
+    return m
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_split_matches_all_vram_within_the_budget(moe_file, precision):
+    arch, path = moe_file
+    with slipstream.load(path, device="cuda", ctx=256, precision=precision) as whole:
+        assert whole.plan.vram_expert_slots is None
+        ref = streamed_logits(whole)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    with _load_split(path, precision) as split:
+        store = split.engine.layers
+        store.stats.reset()
+        got = streamed_logits(split)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        assert peak <= split.plan.budget, (arch, peak, split.plan.budget)
+        assert store.stats.expert_cpu_pairs > 0 and store.stats.expert_vram_pairs > 0
+        # one host sync per split layer and pass: the prefill, then each decode step
+        assert store.stats.expert_syncs == len(got) * split.engine.cfg.n_layers
+    for x, y in zip(ref, got):
+        assert rel64(y, x) < TOL[precision], (arch, precision, rel64(y, x))
+        assert_decisive_top1(x, y, 2 * float((x - y).abs().max()))
+
+
+def test_swaps_keep_the_results_and_serve_more_from_vram(moe_file):
+    """96 decode steps at "exact", placement rounds every 32 tokens (the prefill's 45 tokens
+    make the first due at the first step): the logits within the bound of every expert in
+    VRAM at every step (the swaps' copies land before their slots are read), and at least
+    the share of routed pairs served from VRAM that the load's first placement, kept, gives."""
+    arch, path = moe_file
+    steps = 96
+    with slipstream.load(path, device="cuda", ctx=256, precision="exact") as whole:
+        ref = streamed_logits(whole, steps)
+    rates, swaps = {}, {}
+    for adaptive in (False, True):
+        with _load_split(path, "exact") as split:
+            if not adaptive:
+                for layer in split.engine.weights.layers:
+                    layer.moe.experts.map.most = 0
+            stats = split.engine.layers.stats
+            stats.reset()
+            got = streamed_logits(split, steps)
+            rates[adaptive], swaps[adaptive] = stats.expert_vram_rate, stats.expert_swaps
+        for x, y in zip(ref, got):
+            assert rel64(y, x) < TOL["exact"], (arch, adaptive, rel64(y, x))
+            assert_decisive_top1(x, y, 2 * float((x - y).abs().max()))
+    assert swaps[False] == 0 and swaps[True] > 0, (arch, swaps)
+    assert rates[True] >= rates[False], (arch, rates)
+
+
+def test_budget_short_of_the_dense_part_is_refused(moe_file):
+    from slipstream.memory.cuda_context import outside_allocator_bytes
+
+    arch, path = moe_file
+    budget = outside_allocator_bytes(torch.device("cuda")) + (16 << 20)
+    with pytest.raises(BudgetTooSmall, match="dense part: it needs at least"):
+        slipstream.load(path, device="cuda", ctx=256,
+                        placement=slipstream.Placement(vram_budget=budget))
