@@ -20,7 +20,7 @@ from ..precision import Precision
 from ..runtime import layer_skip
 from ..runtime.build import plan_model
 from ..runtime.engine import Engine
-from ..weights.loader import release_mapped_pages
+from ..weights.file_bytes import release_mapped_pages
 from .drafts import DRAFT_GRAPH_HEADROOM
 from .lowbit import RetypedFile, build_lowbit_layers
 

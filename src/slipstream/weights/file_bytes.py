@@ -1,9 +1,11 @@
-"""A CPU model's tensor data read into private memory in one pass (private_file_bytes), and that
-read started ahead, in a thread, for a load that will ask for it (read_ahead): see
+"""A CPU model's tensor data read into private memory in one pass (private_file_bytes), that
+read started ahead, in a thread, for a load that will ask for it (read_ahead), and the map's
+pages dropped from the process once it holds them (release_mapped_pages): see
 weights.loader's module doc for why a CPU model's weights are private."""
 
 from __future__ import annotations
 
+import mmap
 import threading
 
 import torch
@@ -72,3 +74,18 @@ def read_ahead(gf: GGUFFile) -> None:
     fit: api.load, for a CPU model far smaller than the free RAM."""
     if "_read_ahead" not in gf.__dict__:
         gf.__dict__["_read_ahead"] = _ReadAhead(gf)
+
+
+def release_mapped_pages(gf: GGUFFile) -> None:
+    """Unmap the file pages the load touched from this process (MADV_DONTNEED on a read-only
+    shared map drops them from our RSS; they stay in the page cache, clean). A private model
+    reads nothing through the map any more, so they would only inflate RSS; a streamed layer
+    or a later map reader faults them in again, unchanged."""
+    data = getattr(getattr(gf, "reader", None), "data", None)
+    mm = getattr(data, "_mmap", None)  # numpy.memmap keeps its mmap.mmap here
+    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    try:
+        mm.madvise(mmap.MADV_DONTNEED)
+    except (OSError, ValueError):  # a closed map, or an OS without it: only RSS is at stake
+        pass

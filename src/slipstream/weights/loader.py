@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import mmap
 import threading
 import warnings
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from .checks import check_tensor_names, check_values
 from .experts import build_experts, shared_expert
 from .expert_tiers import ExpertFile
 from .split_build import SplitPlacement, SplitRuntime, SplitSpec
-from .file_bytes import private_file_bytes
+from .file_bytes import private_file_bytes, release_mapped_pages
 from .prefetch import prefetch_dense
 from .cpu import PackedDecodeLinear, kind_for, pack_group
 from .image import flattened
@@ -584,18 +583,3 @@ def _rope_divisors(src: TensorSource, name: str, cfg: ModelConfig,
                               f"at index {i}; RoPE frequency divisors must be finite and "
                               f"positive")
     return t
-
-
-def release_mapped_pages(gf: GGUFFile) -> None:
-    """Unmap the file pages the load touched from this process (MADV_DONTNEED on a read-only
-    shared map drops them from our RSS; they stay in the page cache, clean). A private model
-    reads nothing through the map any more, so they would only inflate RSS; a streamed layer
-    or a later map reader faults them in again, unchanged."""
-    data = getattr(getattr(gf, "reader", None), "data", None)
-    mm = getattr(data, "_mmap", None)  # numpy.memmap keeps its mmap.mmap here
-    if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    try:
-        mm.madvise(mmap.MADV_DONTNEED)
-    except (OSError, ValueError):  # a closed map, or an OS without it: only RSS is at stake
-        pass
