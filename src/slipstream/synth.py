@@ -27,6 +27,7 @@ from .errors import BadArgument
 from .model.families import ARCHITECTURES, VARIANTS, family_for, spec_for
 from .model.layer_spec import EMBEDDING, HEAD, TensorSpec
 from .modelfile.config import ModelConfig, expert_fields, yarn_fields
+from .model.families.experts import EXPERTS
 from .synth_experts import experts_metadata, nextn_tensors, skewed_router
 from .synth_mla import F16_TENSORS, mla_metadata, mla_shape
 from .synth_vocab import LLAMA3_TEMPLATE, build_vocab
@@ -357,8 +358,9 @@ def synth_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
     return md
 
 
-def synth_config(shape: SynthShape, arch: str) -> ModelConfig:
-    """The ModelConfig the file write_synth makes will read back as."""
+def synth_config(shape: SynthShape, arch: str, fused_experts: bool = False) -> ModelConfig:
+    """The ModelConfig the file write_synth makes will read back as (`fused_experts`: its
+    experts' gate and up written as one tensor)."""
     if arch not in ARCHITECTURES and arch not in VARIANTS:
         names = ", ".join(sorted({*ARCHITECTURES, *VARIANTS}))
         raise BadArgument(f"unknown arch {arch!r}; choose from {names}")
@@ -380,6 +382,7 @@ def synth_config(shape: SynthShape, arch: str) -> ModelConfig:
     fields.update(mla_shape(shape, name),  # (sigmoid routing's files have the bias)
                   selection_bias=md.get(f"{arch}.expert_gating_func") == 2)
     fields.update(expert_fields(md, arch, "synth", shape.ffn))
+    fields["fused_experts"] = fused_experts and bool(fields.get("n_experts"))
     if family.name == "gemma4":  # the global layers' heads, twice the sliding ones
         fields.update(head_dim=2 * head_dim, rope_dim=2 * head_dim, layer_scale=True,
                       rope_base=GEMMA4_ROPE_BASE)
@@ -398,12 +401,53 @@ def _file_rank(t: TensorSpec) -> int:
                                                            2 if t.kind == "bias" else 1)
 
 
+def tensor_data(name: str, q: Q, s: tuple[int, ...], sd: float, rng: np.random.Generator,
+                gemma4: bool = False, from_floats: bool = False,
+                expert_skew: float = 0.0) -> np.ndarray:
+    """A synthesized tensor's data (float32, float16, or a quantized type's blocks as bytes),
+    drawn from `rng` in the order write_synth writes the tensors."""
+    if name.endswith(f"{EXPERTS.gate_up}.weight"):
+        # the gate's experts, then the up's, drawn as a file with them apart draws them,
+        # each expert's gate rows then its up rows: the same weights either way
+        half = (s[0], s[1] // 2, s[2])
+        return np.concatenate([tensor_data(name.replace(EXPERTS.gate_up, part), q, half, sd,
+                                           rng, gemma4, from_floats, expert_skew)
+                               for part in (EXPERTS.gate, EXPERTS.up)], axis=1)
+    if expert_skew and name.endswith("ffn_gate_inp.weight"):
+        return skewed_router((sd * rng.standard_normal(s)).astype(np.float32),
+                             expert_skew, rng)
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.05 * rng.standard_normal(s)).astype(np.float32)
+    if name == "rope_freqs.weight" and gemma4:
+        # as llama.cpp's converter writes "proportional" RoPE: the pairs past the
+        # turning quarter divided by 1e30, i.e. still
+        turning = int(s[0] * 2 * GEMMA4_ROPE_FRACTION) // 2
+        return np.array([1.0] * turning + [1e30] * (s[0] - turning), dtype=np.float32)
+    if name == "rope_freqs.weight":
+        return np.linspace(1.0, 8.0, s[0], dtype=np.float32)  # llama3-like divisors
+    if name.endswith("layer_output_scale.weight"):  # Gemma 4: well away from 1
+        return (0.5 + 0.5 * rng.random(s)).astype(np.float32)
+    if name in LONGROPE_DIVISORS:  # Phi-3-like: the long set stretches far more
+        return np.linspace(1.0, LONGROPE_DIVISORS[name], s[0], dtype=np.float32)
+    if name.endswith("attn_sinks.weight"):  # gpt-oss: logits of the order of the
+        # scores they compete with in each softmax
+        return rng.standard_normal(s).astype(np.float32)
+    if len(s) == 1 or name.endswith(".bias"):  # (gpt-oss's experts' biases are 2-D)
+        return (sd * rng.standard_normal(s)).astype(np.float32)
+    if from_floats:
+        return float_tensor(q, (sd * rng.standard_normal(s)).astype(np.float32))
+    # (a 3-D expert tensor as its experts' rows stacked)
+    data = random_tensor(q, (math.prod(s[:-1]), s[-1]), rng, sd)
+    return data.reshape(*s[:-1], data.shape[-1])
+
+
 def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_K",
                 n_layers: int | None = None, seed: int = 0, arch: str = "llama",
                 from_floats: bool = False, tie_embeddings: bool = False,
                 rope_freqs: bool = False, std: float = 0.02,
                 progress: Callable[[int, int], None] | None = None,
-                chat_template: str = LLAMA3_TEMPLATE, expert_skew: float = 0.0) -> Path:
+                chat_template: str = LLAMA3_TEMPLATE, expert_skew: float = 0.0,
+                fused_experts: bool = False) -> Path:
     """Write a random-weight GGUF file of architecture `arch` (its family's layer, as
     model.families states it); returns its path.
 
@@ -411,6 +455,9 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     expert_skew: for a mixture of experts, how skewed expert popularity is, as real routing
     is: each layer's router rows scaled by rank^-expert_skew (`skewed_router`), so that a few
     experts take most tokens (0: random weights' near-uniform routing).
+    fused_experts: the experts' gate and up as one tensor, ffn_gate_up_exps (each expert's
+    gate rows, then its up rows), as newer llama.cpp conversions write them; the weights are
+    those of the same file written with them apart.
     """
     if isinstance(shape, str):
         if shape not in SHAPES:
@@ -440,9 +487,11 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
         return layer_type
 
     gptoss = family_for(file_arch(arch)).name == "gpt-oss"
-    cfg = synth_config(shape, arch)
-    if expert_skew and not cfg.n_experts:
-        raise BadArgument(f"--expert-skew biases experts' routers; {arch!r} has no experts")
+    cfg = synth_config(shape, arch, fused_experts)
+    if (expert_skew or fused_experts) and not cfg.n_experts:
+        flag = "--expert-skew biases experts' routers" if expert_skew else \
+            "--fused-experts writes experts' gate and up as one tensor"
+        raise BadArgument(f"{flag}; {arch!r} has no experts")
     variant, arch = arch, file_arch(arch)
     tie_embeddings = tie_embeddings or family_for(arch).name in TIED
     # name -> (ggml type, torch-order shape, weight std)
@@ -535,32 +584,8 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     total = sum(nbytes(q, s) for _, q, s, _ in plan)
     done = 0
     for name, q, s, sd in plan:
-        if expert_skew and name.endswith("ffn_gate_inp.weight"):
-            data = skewed_router((sd * rng.standard_normal(s)).astype(np.float32),
-                                 expert_skew, rng)
-        elif name.endswith("norm.weight"):
-            data = (1.0 + 0.05 * rng.standard_normal(s)).astype(np.float32)
-        elif name == "rope_freqs.weight" and family_for(arch).name == "gemma4":
-            # as llama.cpp's converter writes "proportional" RoPE: the pairs past the
-            # turning quarter divided by 1e30, i.e. still
-            turning = int(s[0] * 2 * GEMMA4_ROPE_FRACTION) // 2
-            data = np.array([1.0] * turning + [1e30] * (s[0] - turning), dtype=np.float32)
-        elif name == "rope_freqs.weight":
-            data = np.linspace(1.0, 8.0, s[0], dtype=np.float32)  # llama3-like divisors
-        elif name.endswith("layer_output_scale.weight"):  # Gemma 4: well away from 1
-            data = (0.5 + 0.5 * rng.random(s)).astype(np.float32)
-        elif name in LONGROPE_DIVISORS:  # Phi-3-like: the long set stretches far more
-            data = np.linspace(1.0, LONGROPE_DIVISORS[name], s[0], dtype=np.float32)
-        elif name.endswith("attn_sinks.weight"):  # gpt-oss: logits of the order of the
-            # scores they compete with in each softmax
-            data = rng.standard_normal(s).astype(np.float32)
-        elif len(s) == 1 or name.endswith(".bias"):  # (gpt-oss's experts' biases are 2-D)
-            data = (sd * rng.standard_normal(s)).astype(np.float32)
-        elif from_floats:
-            data = float_tensor(q, (sd * rng.standard_normal(s)).astype(np.float32))
-        else:  # (a 3-D expert tensor as its experts' rows stacked)
-            data = random_tensor(q, (math.prod(s[:-1]), s[-1]), rng, sd)
-            data = data.reshape(*s[:-1], data.shape[-1])
+        data = tensor_data(name, q, s, sd, rng, gemma4=family_for(arch).name == "gemma4",
+                           from_floats=from_floats, expert_skew=expert_skew)
         w.write_tensor_data(np.ascontiguousarray(data))
         done += nbytes(q, s)
         if progress is not None:

@@ -81,11 +81,43 @@ class ExpertSpec:
     gate: str = "ffn_gate_exps"
     up: str = "ffn_up_exps"
     down: str = "ffn_down_exps"
+    # gate and up in one tensor (n_experts, 2 * expert_ffn, hidden), each expert's gate rows
+    # then its up rows, as newer llama.cpp conversions may write them (llama.cpp's
+    # create_tensor_gate_up_exps; build_moe_ffn takes the first half as the gate)
+    gate_up: str = "ffn_gate_up_exps"
     # the selection bias (model.moe), a (n_experts,) vector `{name}.bias` (GLM-4.5, DeepSeek-V3)
     selection_bias: str = "exp_probs_b"
     # the shared expert's linears (model.moe.SharedExpert; LayerWeights fields)
     shared_gate_up: str = "ffn_gate_up_shexp"
     shared_down: str = "ffn_down_shexp"
+
+    def parts(self, fused: bool) -> tuple[ExpertPart, ExpertPart, ExpertPart]:
+        """Where the experts' gate, up and down projections are stored: in three tensors, or
+        (`fused`: ModelConfig.fused_experts) gate and up as the halves of gate_up's."""
+        if fused:
+            return (ExpertPart(self.gate_up, 0, 2), ExpertPart(self.gate_up, 1, 2),
+                    ExpertPart(self.down))
+        return ExpertPart(self.gate), ExpertPart(self.up), ExpertPart(self.down)
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """One projection of a layer's experts as stored: the 3-D tensor `blk.N.{tensor}.weight`
+    (n_experts, rows, cols), each expert's rows in `halves` equal blocks, the projection the
+    `half`-th (0 of 1 where it has the tensor to itself). Each expert's block is one
+    contiguous run of whole rows, so it is a slice of the file either way."""
+
+    tensor: str
+    half: int = 0
+    halves: int = 1
+
+    def rows(self, stored_rows: int) -> int:
+        """The projection's rows per expert, of a tensor of `stored_rows` per expert."""
+        return stored_rows // self.halves
+
+    def first(self, stored_rows: int) -> int:
+        """The projection's first row within each expert's `stored_rows`."""
+        return self.half * self.rows(stored_rows)
 
 
 @dataclass(frozen=True)

@@ -105,6 +105,9 @@ class ModelConfig:
     expert_groups_used: int = 0
     # the file has the routers' selection bias (exp_probs_b: DeepSeek-V3, not V2)
     selection_bias: bool = False
+    # the experts' gate and up projections are stored as one tensor, ffn_gate_up_exps
+    # (model.layer_spec.ExpertSpec.parts), not as ffn_gate_exps and ffn_up_exps
+    fused_experts: bool = False
     # shared experts (model.moe.SharedExpert): n_shared_experts * expert_ffn wide, 0: none
     n_shared_experts: int = 0
     # the first dense_lead layers have a dense FFN, cfg.ffn wide, the rest experts (GLM-4.5,
@@ -169,6 +172,16 @@ class ModelConfig:
     def dense_ffn(self) -> bool:
         """(a layer's view) Whether the layer's FFN is dense, not a mixture of experts."""
         return not self.n_experts
+
+    @property
+    def experts_split(self) -> bool:
+        """(a layer's view) Whether the layer has experts stored with gate and up apart."""
+        return bool(self.n_experts) and not self.fused_experts
+
+    @property
+    def experts_fused(self) -> bool:
+        """(a layer's view) Whether the layer has experts stored with gate and up as one."""
+        return bool(self.n_experts) and self.fused_experts
 
     def layer(self, i: int) -> "ModelConfig":
         """Layer i's config as its block math and its tensors see it: its head size, rotated
@@ -330,6 +343,7 @@ class ModelConfig:
             rope_scale=scale if scaling == "linear" or yarn else 1.0,
             attn_bias="blk.0.attn_q.bias" in names,
             selection_bias=any(n.endswith(".exp_probs_b.bias") for n in names),
+            fused_experts=any(n.endswith(".ffn_gate_up_exps.weight") for n in names),
             layer_scale="blk.0.layer_output_scale.weight" in names,
             name=str(md.get("general.name", "")),
             **dataclasses.asdict(family.traits),

@@ -211,7 +211,8 @@ def check_values(gf: GGUFFile, cfg: ModelConfig, resident_layers: Collection[int
     spec = spec_for(cfg.architecture, cfg.n_experts)
     skipped = set()
     if not experts and spec.experts is not None:
-        skipped = {f"{p}.weight" for p in (spec.experts.gate, spec.experts.up, spec.experts.down)}
+        e = spec.experts
+        skipped = {f"{p}.weight" for p in (e.gate, e.up, e.gate_up, e.down)}
     names: list[str] = []
     kinds: dict[str, str] = {OUTPUT_NORM: "norm"}
     if embedding:

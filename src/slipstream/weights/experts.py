@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .. import kernels, quant
-from ..model.layer_spec import ExpertSpec
+from ..model.layer_spec import ExpertPart, ExpertSpec
 from ..model.moe import (ExpertRows, MoeWeights, OneTokenSum, ResidentExperts, SharedExpert,
                          expert_ffn, expert_sum)
 from .cpu import PackedDecodeLinear
@@ -105,10 +105,18 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
     assert spec is not None
     router = src.dense(f"{p}.{spec.router}.weight", builder.shapes[f"{spec.router}.weight"],
                        torch.float32, builder.device)
-    names = [f"{p}.{part}.weight" for part in (spec.gate, spec.up, spec.down)]
-    full = [builder.shapes[f"{part}.weight"] for part in (spec.gate, spec.up, spec.down)]
+    # gate, up and down: each a tensor of its own, or gate and up the halves of one
+    parts = spec.parts(cfg.fused_experts)
+    names = [f"{p}.{part.tensor}.weight" for part in parts]
+    stored = [builder.shapes[f"{part.tensor}.weight"] for part in parts]
+    full = [(s[0], part.rows(s[1]), s[2]) for part, s in zip(parts, stored)]
     types = [src.type_of(n) for n in names]
     shapes = [(s[1], s[2]) for s in full]
+
+    def bytes_of(raw: torch.Tensor, k: int) -> torch.Tensor:
+        """Projection k's bytes (n_experts, rows, row_bytes) of its stored tensor's `raw`."""
+        first = parts[k].first(stored[k][1])
+        return raw.view(stored[k][0], stored[k][1], -1)[:, first:first + full[k][1]]
     # gpt-oss's router and experts have biases: (n_experts,) and (n_experts, rows), float32
     biases = {part: src.dense(f"{p}.{part}.bias", builder.shapes[f"{part}.bias"],
                               torch.float32, builder.device)
@@ -121,17 +129,21 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
 
     act = "swiglu_oai" if cfg.ffn_act == "swiglu_oai" else "silu"
     if builder.quantized:  # CUDA: every expert in VRAM, each projection's stacked
-        bank = _routed(builder, src, names, full, types,
+        raws = [bytes_of(src.raw(n, s), k) for k, (n, s) in enumerate(zip(names, stored))]
+        bank = _routed(builder, raws, full, types,
                        [biases.get(part) for part in (spec.gate, spec.up, spec.down)], act)
         bank.warm(cfg.hidden, cfg.n_experts_used)
     elif slots is not None:
         assert file is not None
-        bank = _tiered(builder, src, names, full, types, shapes, slots, file, expert_biases,
+        slices = [expert_slice(src.gf.tensors[n], part, s)
+                  for n, part, s in zip(names, parts, stored)]
+        held_raws = [bytes_of(src.raw(n, s), k) for k, (n, s) in enumerate(zip(names, stored))]
+        bank = _tiered(builder, held_raws, slices, types, shapes, slots, file, expert_biases,
                        act)
     else:
-        # bytes viewed (n_experts, rows, row_bytes)
-        raws = [(src.raw_held(n, s) if src.lazy else src.raw(n, s)).view(s[0], s[1], -1)
-                for n, s in zip(names, full)]
+        # bytes viewed (n_experts, rows, row_bytes); each expert's a contiguous slice
+        raws = [bytes_of(src.raw_held(n, s) if src.lazy else src.raw(n, s), k)
+                for k, (n, s) in enumerate(zip(names, stored))]
         gate_up, down = [], []
         for e in range(cfg.n_experts):
             gu, d = expert_linears(builder, [r[e] for r in raws], types, shapes, src.lazy,
@@ -148,15 +160,20 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
                       groups_used=cfg.expert_groups_used, scale=cfg.moe_scale, shared=shared)
 
 
-def _tiered(builder: LayerBuilder, src: TensorSource, names: list[str], full: list,
+def expert_slice(info, part: ExpertPart, stored: tuple[int, int, int]) -> ExpertSlice:
+    """Where projection `part`'s bytes of each expert lie in the file, for its stored 3-D
+    tensor (`info`: gguf_file's TensorInfo) of torch shape `stored`."""
+    n_experts, rows = stored[0], stored[1]
+    per = info.n_bytes // n_experts
+    row_bytes = per // rows
+    return ExpertSlice(info.offset + part.first(rows) * row_bytes, per, part.rows(rows),
+                       row_bytes)
+
+
+def _tiered(builder: LayerBuilder, raws_all: list[torch.Tensor], slices: list[ExpertSlice],
             types: list, shapes: list, slots: int, file: ExpertFile,
             expert_biases: Callable[[int], list], act: str) -> TieredExperts:
-    n_experts = full[0][0]
-    slices = []
-    for n, s in zip(names, full):
-        info = src.gf.tensors[n]
-        per = info.n_bytes // n_experts
-        slices.append(ExpertSlice(info.offset, per, s[1], per // s[1]))
+    n_experts = raws_all[0].shape[0]
 
     def make(e: int, raws: list[torch.Tensor]):
         # the bytes are the expert's own (read, or copied below): lazy dense weights may
@@ -167,23 +184,22 @@ def _tiered(builder: LayerBuilder, src: TensorSource, names: list[str], full: li
     held = {}
     for e in range(slots):
         # copies of the map's slices: the model does not read its map after the load
-        raws = [src.raw(n, s).view(s[0], s[1], -1)[e].clone() for n, s in zip(names, full)]
-        held[e] = make(e, raws)
+        held[e] = make(e, [r[e].clone() for r in raws_all])
     one_token, rows = expert_ops(builder)
     return TieredExperts(n_experts, slots, file, slices, make, held, act=act,
                          one_token=one_token, rows=rows)
 
 
-def _routed(builder: LayerBuilder, src: TensorSource, names: list[str], full: list,
+def _routed(builder: LayerBuilder, raws: list[torch.Tensor], full: list,
             types: list, biases: list[torch.Tensor | None], act: str) -> RoutedExperts:
     """The layer's experts on the GPU (weights.routed_experts): the gate, up and down tensors
     packed whole, gate and up interleaved expert by expert into one [gate_e | up_e] stack
-    where their formats agree (one launch for both, as the dense FFN's ffn_gate_up)."""
+    where their formats agree (one launch for both, as the dense FFN's ffn_gate_up).
+    `raws`: the projections' (n_experts, rows, row_bytes) views of the map, each copied to the
+    GPU when packed: one tensor's bytes at a time on the GPU beside its planes (memory.vram's
+    load transient)."""
     n, dev = full[0][0], builder.device
     ws, fuse = builder.workspace, builder.fuse_scales
-    # (n_experts, rows, row_bytes) views of the map, each copied to the GPU when packed: one
-    # tensor's bytes at a time on the GPU beside its planes (memory.vram's load transient)
-    raws = [src.raw(name, s).view(n, s[1], -1) for name, s in zip(names, full)]
     (_, ffn, hidden), (_, out, width) = full[0], full[2]
 
     def stack(raw: torch.Tensor, qtype, rows: int, cols: int, bias) -> RoutedLinear:

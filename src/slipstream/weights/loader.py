@@ -94,9 +94,7 @@ def _expert_elements(spec, cfg: ModelConfig) -> list[int]:
     one at a time (weights.routed_experts); none for a dense layer."""
     if spec.experts is None:
         return []
-    shapes = spec.shapes(cfg)
-    _, ffn, hidden = shapes[f"{spec.experts.gate}.weight"]
-    return [2 * ffn * hidden]
+    return [2 * cfg.expert_ffn * cfg.hidden]
 
 
 def raw_tensor(gf: GGUFFile, name: str, shape: tuple[int, ...]) -> torch.Tensor:
