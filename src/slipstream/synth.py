@@ -279,22 +279,26 @@ def synth_rope_dim(shape: SynthShape, arch: str) -> int:
     return int(shape.head * ROPE_FRACTION.get(family_for(file_arch(arch)).name, 1.0)) // 2 * 2
 
 
-def gemma4_layout(shape: SynthShape) -> tuple[list[bool], int]:
+def gemma4_layout(shape: SynthShape, moe: bool = False) -> tuple[list[bool], int]:
     """A synthesized Gemma 4's sliding-window pattern and the layers that compute keys and
     values: every third layer global and the last one too (E2B: every fifth), and the last
     half of the layers, rounded to a whole pattern, reusing the keys and values of the two
-    before them (E2B: 20 of 35)."""
+    before them (E2B: 20 of 35); with experts (`moe`: the 26B-A4B) every layer its own."""
     n = shape.n_layers
     swa = [(i + 1) % 3 != 0 and i != n - 1 for i in range(n)]
     kv_layers = n // 2 // 3 * 3
-    return swa, kv_layers if kv_layers >= 3 else n
+    return swa, kv_layers if kv_layers >= 3 and not moe else n
 
 
-def gemma4_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
+def gemma4_metadata(shape: SynthShape, variant: str) -> dict[str, object]:
     """Gemma 4's keys, in E2B's proportions: global heads twice the sliding ones, a quarter of
     the global heads' frequencies turning, the reusing layers' FFN twice as wide, per-layer
-    embeddings E2B's 256 wide (a whole K-quant block per row), soft-capped logits."""
-    swa, kv_layers = gemma4_layout(shape)
+    embeddings E2B's 256 wide (a whole K-quant block per row), soft-capped logits. The
+    26B-A4B's (--arch gemma4-moe): experts (synth_experts), each expert's scale, no per-layer
+    embeddings and no layers reusing keys and values."""
+    arch = file_arch(variant)
+    moe = variant != arch
+    swa, kv_layers = gemma4_layout(shape, moe)
     md: dict[str, object] = {
         f"{arch}.attention.sliding_window": synth_window(shape),
         f"{arch}.attention.sliding_window_pattern": swa,
@@ -303,11 +307,12 @@ def gemma4_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
         f"{arch}.attention.value_length_swa": shape.head,
         f"{arch}.rope.dimension_count_swa": shape.head,
         f"{arch}.rope.freq_base_swa": 10000.0,
-        f"{arch}.embedding_length_per_layer_input": GEMMA4_PER_LAYER_DIM,
+        f"{arch}.embedding_length_per_layer_input": 0 if moe else GEMMA4_PER_LAYER_DIM,
         f"{arch}.final_logit_softcapping": 30.0,
         f"{arch}.feed_forward_length": [shape.ffn * (1 if i < kv_layers else 2)
                                         for i in range(shape.n_layers)],
     }
+    md.update(experts_metadata(shape, variant, arch))
     return md
 
 
@@ -383,6 +388,8 @@ def synth_config(shape: SynthShape, arch: str, fused_experts: bool = False) -> M
                   selection_bias=md.get(f"{arch}.expert_gating_func") == 2)
     fields.update(expert_fields(md, arch, "synth", shape.ffn))
     fields["fused_experts"] = fused_experts and bool(fields.get("n_experts"))
+    # (Gemma 4's files hold each expert's scale)
+    fields["expert_scale"] = family.name == "gemma4" and bool(fields.get("n_experts"))
     if family.name == "gemma4":  # the global layers' heads, twice the sliding ones
         fields.update(head_dim=2 * head_dim, rope_dim=2 * head_dim, layer_scale=True,
                       rope_base=GEMMA4_ROPE_BASE)
@@ -427,6 +434,8 @@ def tensor_data(name: str, q: Q, s: tuple[int, ...], sd: float, rng: np.random.G
         return np.linspace(1.0, 8.0, s[0], dtype=np.float32)  # llama3-like divisors
     if name.endswith("layer_output_scale.weight"):  # Gemma 4: well away from 1
         return (0.5 + 0.5 * rng.random(s)).astype(np.float32)
+    if name.endswith(".scale"):  # Gemma 4's router input and expert scales: away from 1
+        return (0.5 + rng.random(s)).astype(np.float32)
     if name in LONGROPE_DIVISORS:  # Phi-3-like: the long set stretches far more
         return np.linspace(1.0, LONGROPE_DIVISORS[name], s[0], dtype=np.float32)
     if name.endswith("attn_sinks.weight"):  # gpt-oss: logits of the order of the

@@ -177,7 +177,8 @@ def test_negative_control_a_shifted_read_changes_the_logits(qwen_file, monkeypat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral", "gpt-oss", "glm4moe", "deepseek2"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral", "gpt-oss", "glm4moe", "deepseek2",
+                                  "gemma4-moe"])
 @pytest.mark.parametrize("precision", ["exact", "fast"])
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 def test_placed_experts_bit_identical(tmp_path_factory, arch, precision, decode):
@@ -228,7 +229,7 @@ class _Const:
     def __call__(self, h):
         return h
 
-    def glu_matmul(self, x):
+    def glu_matmul(self, x, act="silu"):
         return torch.full_like(x, float(self.e))
 
 

@@ -90,6 +90,22 @@ class ExpertSpec:
     # the shared expert's linears (model.moe.SharedExpert; LayerWeights fields)
     shared_gate_up: str = "ffn_gate_up_shexp"
     shared_down: str = "ffn_down_shexp"
+    # Gemma 4's pieces (model.moe.MoeWeights), read where the layer's tensors list them: the
+    # router's input scale `{router}.scale` and each expert's factor `{down}.scale` (vectors),
+    # the experts' input and output norms and the shared expert's (Gemma 4's dense MLP's)
+    # output norm (`{name}.weight`, llama.cpp's ffn_pre_norm_2, ffn_post_norm_2 and
+    # ffn_post_norm_1)
+    expert_norm: str = "pre_ffw_norm_2"
+    expert_post_norm: str = "post_ffw_norm_2"
+    shared_post_norm: str = "post_ffw_norm_1"
+
+    @property
+    def router_scale(self) -> str:
+        return f"{self.router}.scale"
+
+    @property
+    def expert_scale(self) -> str:
+        return f"{self.down}.scale"
 
     def parts(self, fused: bool) -> tuple[ExpertPart, ExpertPart, ExpertPart]:
         """Where the experts' gate, up and down projections are stored: in three tensors, or

@@ -108,6 +108,9 @@ class ModelConfig:
     # the experts' gate and up projections are stored as one tensor, ffn_gate_up_exps
     # (model.layer_spec.ExpertSpec.parts), not as ffn_gate_exps and ffn_up_exps
     fused_experts: bool = False
+    # the file has each expert's output scale (ffn_down_exps.scale: Gemma 4's
+    # per_expert_scale)
+    expert_scale: bool = False
     # shared experts (model.moe.SharedExpert): n_shared_experts * expert_ffn wide, 0: none
     n_shared_experts: int = 0
     # the first dense_lead layers have a dense FFN, cfg.ffn wide, the rest experts (GLM-4.5,
@@ -344,6 +347,7 @@ class ModelConfig:
             attn_bias="blk.0.attn_q.bias" in names,
             selection_bias=any(n.endswith(".exp_probs_b.bias") for n in names),
             fused_experts=any(n.endswith(".ffn_gate_up_exps.weight") for n in names),
+            expert_scale=any(n.endswith(".ffn_down_exps.scale") for n in names),
             layer_scale="blk.0.layer_output_scale.weight" in names,
             name=str(md.get("general.name", "")),
             **dataclasses.asdict(family.traits),

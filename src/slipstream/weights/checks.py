@@ -271,7 +271,8 @@ def _near(name: str, candidates: Iterable[str]) -> str | None:
 # what a model runs without where the optional tensors of a ModelConfig flag are absent
 _WITHOUT = {"attn_bias": "run without its attention biases",
             "qk_norm": "run without its query/key norms",
-            "selection_bias": "choose its experts without the selection bias"}
+            "selection_bias": "choose its experts without the selection bias",
+            "expert_scale": "weigh its experts without their scales"}
 
 
 def _misnamed(gf: GGUFFile, cfg: ModelConfig, unused: list[str]) -> str | None:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .. import kernels, quant
+from ..errors import UnsupportedArchitecture
 from ..model.layer_spec import ExpertPart, ExpertSpec
 from ..model.moe import (ExpertRows, MoeWeights, OneTokenSum, ResidentExperts, SharedExpert,
                          expert_ffn, expert_sum)
@@ -78,11 +79,19 @@ def expert_linears(builder: LayerBuilder, raws: list[torch.Tensor], types: list,
     return gate_up, down
 
 
-def shared_expert(spec: ExpertSpec, fields: dict) -> SharedExpert | None:
+def shared_expert(spec: ExpertSpec, fields: dict, act: str = "silu",
+                  post_norm: torch.Tensor | None = None) -> SharedExpert | None:
     """The shared expert of a layer whose linears are built into `fields` (LayerWeights
-    fields by name), or None where the layer has none."""
+    fields by name), or None where the layer has none; `act` its gated product and
+    `post_norm` its output's norm (Gemma 4's dense MLP: GeGLU, post_ffw_norm_1)."""
     gate_up, down = fields.get(spec.shared_gate_up), fields.get(spec.shared_down)
-    return SharedExpert(gate_up, down) if gate_up is not None and down is not None else None
+    if gate_up is None or down is None:
+        if fields.get(spec.shared_down) is not None:  # (its gate and up not fused: CUDA)
+            raise UnsupportedArchitecture(
+                f"the shared FFN's gate and up ({spec.shared_gate_up}) could not be built as "
+                f"one linear; their formats differ")
+        return None
+    return SharedExpert(gate_up, down, "silu" if act == "swiglu_oai" else act, post_norm)
 
 
 def expert_ops(builder: LayerBuilder) -> tuple[OneTokenSum, ExpertRows]:
@@ -96,13 +105,24 @@ def expert_ops(builder: LayerBuilder) -> tuple[OneTokenSum, ExpertRows]:
 
 def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
                   slots: int | None = None, file: ExpertFile | None = None,
-                  shared: SharedExpert | None = None) -> MoeWeights:
+                  fields: dict | None = None) -> MoeWeights:
     """Layer `p`'s (the `blk.N` prefix) mixture of experts: the router as a float32 matrix
     and every expert's linears (expert_linears); with `slots` (and the model's `file`), only
-    that many experts in RAM, in a TieredExperts bank. `shared`: the layer's shared expert
-    (built with its other linears), which stays in RAM whatever `slots` says."""
+    that many experts in RAM, in a TieredExperts bank. `fields`: the layer's other linears,
+    built already (LayerWeights fields by name), of which the shared expert, which stays in
+    RAM whatever `slots` says."""
     spec, cfg = builder.spec.experts, builder.cfg
     assert spec is not None
+
+    def vector(name: str) -> torch.Tensor | None:
+        """Layer p's float32 vector `name` (a norm, a scale, a bias) where its layer lists it
+        and the file has it, else None."""
+        if name not in builder.shapes or not src.has(f"{p}.{name}"):
+            return None
+        return src.dense(f"{p}.{name}", builder.shapes[name], torch.float32, builder.device)
+
+    act = cfg.ffn_act
+    shared = shared_expert(spec, fields or {}, act, vector(f"{spec.shared_post_norm}.weight"))
     router = src.dense(f"{p}.{spec.router}.weight", builder.shapes[f"{spec.router}.weight"],
                        torch.float32, builder.device)
     # gate, up and down: each a tensor of its own, or gate and up the halves of one
@@ -127,7 +147,6 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
         return [biases[part][e] if part in biases else None
                 for part in (spec.gate, spec.up, spec.down)]
 
-    act = "swiglu_oai" if cfg.ffn_act == "swiglu_oai" else "silu"
     if builder.quantized:  # CUDA: every expert in VRAM, each projection's stacked
         raws = [bytes_of(src.raw(n, s), k) for k, (n, s) in enumerate(zip(names, stored))]
         bank = _routed(builder, raws, full, types,
@@ -151,13 +170,15 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
             gate_up.append(gu)
             down.append(d)
         bank = ResidentExperts(gate_up, down, act, *expert_ops(builder))
-    sel = f"{spec.selection_bias}.bias"
-    selection_bias = (src.dense(f"{p}.{sel}", builder.shapes[sel], torch.float32, builder.device)
-                      if sel in builder.shapes and src.has(f"{p}.{sel}") else None)
     return MoeWeights(router, bank, cfg.n_experts_used, normalize=cfg.moe_norm,
                       router_bias=biases.get(spec.router), gating=cfg.moe_gating,
-                      selection_bias=selection_bias, groups=cfg.expert_groups,
-                      groups_used=cfg.expert_groups_used, scale=cfg.moe_scale, shared=shared)
+                      selection_bias=vector(f"{spec.selection_bias}.bias"),
+                      groups=cfg.expert_groups, groups_used=cfg.expert_groups_used,
+                      scale=cfg.moe_scale, shared=shared,
+                      router_scale=vector(spec.router_scale),
+                      expert_scale=vector(spec.expert_scale),
+                      expert_norm=vector(f"{spec.expert_norm}.weight"),
+                      expert_post_norm=vector(f"{spec.expert_post_norm}.weight"))
 
 
 def expert_slice(info, part: ExpertPart, stored: tuple[int, int, int]) -> ExpertSlice:

@@ -33,7 +33,7 @@ from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
 from .checks import check_tensor_names, check_values
-from .experts import build_experts, shared_expert
+from .experts import build_experts
 from .expert_tiers import ExpertFile
 from .file_bytes import private_file_bytes
 from .prefetch import prefetch_dense
@@ -246,8 +246,7 @@ class LayerBuilder:
             fields[norm] = src.dense(f"{p}.{norm}.weight", shape, torch.float32, self.device)
         if self.spec.experts is not None:
             slots = self.expert_slots[i] if self.expert_slots is not None else None
-            fields["moe"] = build_experts(self, src, p, slots, self.expert_file,
-                                          shared_expert(self.spec.experts, fields))
+            fields["moe"] = build_experts(self, src, p, slots, self.expert_file, fields)
         for f in dataclasses.fields(LayerWeights):  # the parts a fused-only layout lacks
             fields.setdefault(f.name, None)
         return LayerWeights(**fields)
