@@ -423,7 +423,8 @@ def tensor_data(name: str, q: Q, s: tuple[int, ...], sd: float, rng: np.random.G
     if expert_skew and name.endswith("ffn_gate_inp.weight"):
         return skewed_router((sd * rng.standard_normal(s)).astype(np.float32),
                              expert_skew, rng)
-    if name.endswith("norm.weight"):
+    # (Gemma 4's experts' pre_ffw_norm_2 and post_ffw_norm_1 and _2 too)
+    if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight")):
         return (1.0 + 0.05 * rng.standard_normal(s)).astype(np.float32)
     if name == "rope_freqs.weight" and gemma4:
         # as llama.cpp's converter writes "proportional" RoPE: the pairs past the

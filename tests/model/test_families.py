@@ -18,6 +18,7 @@ import torch
 import slipstream
 from helpers import cpu_budget, cpu_engine, cpu_stages
 from hf_reference import reference_model
+from slipstream.errors import GGUFError
 from slipstream.model.families import ARCHITECTURES, FAMILIES, BlockTraits, family_for
 from slipstream.modelfile.config import ModelConfig
 from slipstream.modelfile.gguf_file import GGUFFile
@@ -369,12 +370,13 @@ def test_gemma4_reusing_layers_read_their_source_cache(tmp_path):
         KVCache(cfg, 32, torch.device("cpu"), torch.float32, n_layers=3, first=3)
 
 
-def test_gemma4_mixture_of_experts_is_refused_naming_it(tmp_path):
-    from slipstream.errors import UnsupportedArchitecture
-
+def test_gemma4_mixture_of_experts_needs_its_tensors(tmp_path):
+    """A gemma4 file with experts (the 26B-A4B's keys) is a mixture of experts
+    (tests/model/test_gemma4_moe.py): one without the router is refused naming it."""
     md, names = _gemma4_md(tmp_path, n_layers=1)
-    md["gemma4.expert_count"] = 128  # the 26B-A4B's
-    with pytest.raises(UnsupportedArchitecture, match="experts.*expert_count.*not supported"):
+    md.update({"gemma4.expert_count": 128, "gemma4.expert_used_count": 8,
+               "gemma4.expert_feed_forward_length": 704})
+    with pytest.raises(GGUFError, match="missing tensor 'blk.0.ffn_gate_inp.weight'"):
         ModelConfig.from_metadata(md, names)
 
 
