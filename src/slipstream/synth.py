@@ -388,8 +388,12 @@ def synth_config(shape: SynthShape, arch: str, fused_experts: bool = False) -> M
                   selection_bias=md.get(f"{arch}.expert_gating_func") == 2)
     fields.update(expert_fields(md, arch, "synth", shape.ffn))
     fields["fused_experts"] = fused_experts and bool(fields.get("n_experts"))
-    # (Gemma 4's files hold each expert's scale)
-    fields["expert_scale"] = family.name == "gemma4" and bool(fields.get("n_experts"))
+    if family.name == "gemma4" and fields.get("n_experts"):
+        # as the 26B-A4B's files: each expert's scale, and global layers whose values are
+        # their key projection (no attn_v)
+        swa = md[f"{arch}.attention.sliding_window_pattern"]
+        fields.update(expert_scale=True,
+                      v_from_k_layers=tuple(i for i, s in enumerate(swa) if not s))
     if family.name == "gemma4":  # the global layers' heads, twice the sliding ones
         fields.update(head_dim=2 * head_dim, rope_dim=2 * head_dim, layer_scale=True,
                       rope_base=GEMMA4_ROPE_BASE)

@@ -301,7 +301,9 @@ def _gemma4(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
         vocab_size_per_layer_input=cfg.vocab_size,
         hidden_size_per_layer_input=cfg.per_layer_dim,
         num_kv_shared_layers=cfg.n_layers - kv_layers,
-        use_double_wide_mlp=bool(cfg.ffn_per_layer), attention_k_eq_v=False,
+        use_double_wide_mlp=bool(cfg.ffn_per_layer),
+        # (transformers takes every global layer's values from its keys where this is on)
+        attention_k_eq_v=bool(cfg.v_from_k_layers),
         tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None,
         **_gemma4_experts(cfg, tensors))
     per_layer = {

@@ -405,14 +405,23 @@ def test_gemma4_sources_llamacpp_would_read_otherwise_are_refused(tmp_path):
         ModelConfig.from_metadata(md, names)
 
 
-def test_gemma4_values_from_the_key_projection_are_refused(tmp_path):
-    """The 31B's global layers have no attn_v (values are the key projection): refused at
-    load, naming the layer, rather than reported as a missing tensor."""
-    from slipstream.errors import UnsupportedArchitecture
-
+def test_gemma4_values_from_the_key_projection(tmp_path):
+    """A layer with attn_k but no attn_v (the 31B's and 26B-A4B's global layers, transformers'
+    attention_k_eq_v) takes its values from the key projection: its q/k/v linear reads attn_k
+    again for the value rows (checked against transformers and llama.cpp in
+    test_gemma4_moe.py, whose files have such layers). A layer without attn_k is still
+    missing a tensor."""
     md, names = _gemma4_md(tmp_path)
-    with pytest.raises(UnsupportedArchitecture, match="layer 2 has attn_k but no attn_v"):
-        ModelConfig.from_metadata(md, names - {"blk.2.attn_v.weight"})
+    cfg = ModelConfig.from_metadata(md, names - {"blk.2.attn_v.weight"})
+    assert cfg.v_from_k_layers == (2,) and cfg.layer(2).v_from_k and not cfg.layer(1).v_from_k
+    spec = family_for("gemma4").layer.at(cfg.layer(2))
+    assert "attn_v.weight" not in {t.suffix for t in spec.tensors}
+    assert next(g for g in spec.linears if g.field == "attn_qkv").parts == \
+        ("attn_q", "attn_k", "attn_k")
+    assert family_for("gemma4").layer.at(cfg.layer(1)).linears[0].parts == \
+        ("attn_q", "attn_k", "attn_v")
+    with pytest.raises(GGUFError, match="missing tensor 'blk.2.attn_k.weight'"):
+        ModelConfig.from_metadata(md, names - {"blk.2.attn_k.weight"})
 
 
 def test_a_family_whose_cuda_path_is_refused_names_the_cpu(tmp_path):

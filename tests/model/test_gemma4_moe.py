@@ -5,7 +5,8 @@ a negative control for each of its FFN's pieces: each must leave the tolerance b
 
 The synthetic files are written by `slipstream synth --arch gemma4-moe`: Gemma 4's tiny shape
 (sliding and global layers, wider global heads, proportional RoPE, soft-capped logits), no
-per-layer embeddings and no layers reusing keys and values (as the 26B has none), 16 experts
+per-layer embeddings and no layers reusing keys and values (as the 26B has none), global
+layers without attn_v whose values are their key projection (as the 26B's), 16 experts
 of 256 beside the 512-wide dense MLP, 4 used, each expert's scale and the router's input scale
 drawn in [0.5, 1.5). (Renormalising the top-k weights has no control here: one factor per
 token, which post_ffw_norm_2's RMSNorm of the experts' sum takes out again; measured 5.7e-6
@@ -55,7 +56,9 @@ def test_a_synthesized_file_holds_the_26b_layers(tmp_path):
     assert (cfg.ffn_act, cfg.moe_gating, cfg.moe_norm, cfg.expert_scale) == \
         ("gelu_tanh", "softmax", True, True)
     assert (cfg.per_layer_dim, cfg.kv_layers) == (0, 0)
+    assert cfg.swa_layers == (True, True, False) and cfg.v_from_k_layers == (2,)
     names = set(GGUFFile(path).tensors)
+    assert "blk.2.attn_v.weight" not in names and "blk.1.attn_v.weight" in names
     for i in range(3):  # every layer: the dense MLP and the experts beside it
         for t in ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_inp", "pre_ffw_norm_2",
                   "post_ffw_norm_1", "post_ffw_norm_2", "ffn_gate_exps", "ffn_up_exps",

@@ -145,18 +145,28 @@ class LayerSpec:
     linears: tuple[LinearGroup, ...]  # in the order LayerBuilder builds them
     # the layer's FFN is a mixture of experts (LayerWeights.moe) instead of the linears'
     experts: ExpertSpec | None = None
+    # (the attribute of a layer's config, a linear's part, the part read in its place): where
+    # the attribute is true the layer has no tensor of its own for that part, and its linear
+    # reads the other part's weight again (Gemma 4's values from the key projection, "v_from_k":
+    # attn_v read as attn_k, transformers' attention_k_eq_v)
+    reads_as: tuple[tuple[str, str, str], ...] = ()
 
     def at(self, cfg: ModelConfig) -> "LayerSpec":
         """This layer as a layer whose config is `cfg` (ModelConfig.layer(i)) holds it: the
-        tensors it lacks (TensorSpec.when) left out, with their norms and linears, and its
-        experts where it holds no router (a dense layer of GLM-4.5 or DeepSeek). The spec
+        tensors it lacks (TensorSpec.when) left out, with their norms and linears, its
+        experts where it holds no router (a dense layer of GLM-4.5 or DeepSeek), and the parts
+        another part's weight stands in for (`reads_as`) renamed in their linears. The spec
         itself where every tensor is held."""
         kept = tuple(t for t in self.tensors if t.held(cfg))
-        if len(kept) == len(self.tensors):
+        stand_ins = {part: other for when, part, other in self.reads_as
+                     if getattr(cfg, when) and any(t.suffix == f"{other}.weight" for t in kept)}
+        if len(kept) == len(self.tensors) and not stand_ins:
             return self
+        kept = tuple(t for t in kept if t.suffix.split(".")[0] not in stand_ins)
         names = {t.suffix for t in kept}
         linears = []
         for g in self.linears:
+            g = LinearGroup(g.field, tuple(stand_ins.get(p, p) for p in g.parts))
             parts = tuple(p for p in g.parts if f"{p}.weight" in names)
             if parts == g.parts:
                 linears.append(g)
@@ -166,7 +176,7 @@ class LayerSpec:
         if experts is not None and f"{experts.router}.weight" not in names:
             experts = None
         return LayerSpec(kept, tuple(n for n in self.norms if f"{n}.weight" in names),
-                         tuple(linears), experts)
+                         tuple(linears), experts, self.reads_as)
 
     def shapes(self, cfg: ModelConfig) -> dict[str, Shape]:
         """Torch-order shape of each tensor a layer of `cfg` is expected to have, by suffix."""

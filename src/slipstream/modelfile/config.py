@@ -86,6 +86,10 @@ class ModelConfig:
     # layer before kv_layers of its own kind (sliding or global); 0: every layer computes
     kv_layers: int = 0
     kv_reuse: bool = False  # (a layer's view) this layer reads another's keys and values
+    # the layers whose values are their key projection (no attn_v: Gemma 4's 31B and
+    # 26B-A4B global layers), and (a layer's view) whether this layer's are
+    v_from_k_layers: tuple[int, ...] = ()
+    v_from_k: bool = False
     per_layer_dim: int = 0  # per-layer embeddings' width (Gemma 4 E2B / E4B: 256)
     layer_scale: bool = False  # each layer's output times its layer_output_scale (Gemma 4)
     final_softcap: float = 0.0  # logits -> c * tanh(logits / c) (0: none)
@@ -159,7 +163,8 @@ class ModelConfig:
         """Whether every layer has this config's shapes and computes its own keys and values
         (every family but Gemma 4)."""
         return not (self.swa_layers or self.kv_heads_per_layer or self.ffn_per_layer
-                    or self.kv_layers or self.v_norm or self.per_layer_dim or self.dense_lead)
+                    or self.kv_layers or self.v_norm or self.per_layer_dim or self.dense_lead
+                    or self.v_from_k_layers)
 
     @property
     def mla(self) -> bool:
@@ -209,7 +214,8 @@ class ModelConfig:
                 n_kv_heads=(self.kv_heads_per_layer[i] if self.kv_heads_per_layer
                             else self.n_kv_heads),
                 ffn=self.ffn_per_layer[i] if self.ffn_per_layer else self.ffn,
-                kv_reuse=bool(self.kv_layers) and i >= self.kv_layers))
+                kv_reuse=bool(self.kv_layers) and i >= self.kv_layers,
+                v_from_k=i in self.v_from_k_layers))
         return tuple(out)
 
     @property
@@ -356,6 +362,10 @@ class ModelConfig:
         )
         if family.optional_qk_norm:  # query/key norms where the file has them (GLM-4.5)
             fields["qk_norm"] = "blk.0.attn_q_norm.weight" in names
+        if family.values_from_keys:  # a layer with keys but no attn_v: values are its keys
+            fields["v_from_k_layers"] = tuple(
+                i for i in range(n_layers)
+                if f"blk.{i}.attn_k.weight" in names and f"blk.{i}.attn_v.weight" not in names)
         if family.configure is not None:
             fields.update(family.configure(md, arch, source, fields))
         cfg = cls(**fields)

@@ -1,4 +1,4 @@
-"""Gemma 4, the dense models (E2B, E4B; the 31B's shared key/value projection is refused):
+"""Gemma 4, the dense models (E2B, E4B, 31B) and the 26B-A4B mixture of experts:
 Gemma 3's block (query/key norms per head,
 post-attention and post-FFN norms, GeGLU, embeddings times sqrt(hidden)) with
 - sliding-window and global layers in a per-layer pattern (`attention.sliding_window_pattern`,
@@ -11,8 +11,10 @@ post-attention and post-FFN norms, GeGLU, embeddings times sqrt(hidden)) with
   (transformers' "proportional" RoPE with partial_rotary_factor 0.25: those pairs turn by 0);
 - an RMSNorm without weight over each value head, and a query scale of 1 (the norms keep
   q.k in range instead);
-- the 31B's global layers have no attn_v: their values are the key projection (before its
-  norm), as transformers' attention_k_eq_v. Not run yet: such files are refused at load;
+- the 31B's (and the 26B-A4B's) global layers have no attn_v: their values are the key
+  projection (before its norm, then the value norm), as transformers' attention_k_eq_v and
+  llama.cpp's gemma4 graph (Vcur = Kcur where wv is absent) compute them: such a layer's
+  fused q/k/v linear reads attn_k's weight again for its value rows (LayerSpec.reads_as);
 - E2B and E4B: the last `attention.shared_kv_layers` layers compute no keys or values of
   their own and attend to those of the last earlier layer of their kind (ModelConfig.kv_source);
   FFN sizes per layer (`feed_forward_length` array: the shared layers' doubled);
@@ -32,8 +34,6 @@ softmax, the top `expert_used_count` renormalised and times each expert's
 ffn_down_exps.scale (transformers' per_expert_scale); the experts (GeGLU,
 `expert_feed_forward_length` wide) on pre_ffw_norm_2(x), their sum normed by
 post_ffw_norm_2; the two added, then post_ffw_norm and the residual as the dense layer's.
-The 26B's global layers may take their values from the key projection (attention_k_eq_v):
-such files are refused as the 31B's are (check_names).
 """
 
 from __future__ import annotations
@@ -199,24 +199,13 @@ def _check_kv_sources(swa: tuple[bool, ...], kv_layers: int, source: str) -> Non
             f"sliding and a global layer; slipstream runs Gemma 4's layouts where they are")
 
 
-def check_names(cfg: Any, names: Any, source: str) -> None:
-    """The 31B's global layers take their values from the key projection (no attn_v;
-    transformers' attention_k_eq_v), with their own key/value head count: not run yet."""
-    for i in range(cfg.n_layers):
-        if (cfg.layer(i).computes_kv and f"blk.{i}.attn_k.weight" in names
-                and f"blk.{i}.attn_v.weight" not in names):
-            raise UnsupportedArchitecture(
-                f"{source}: layer {i} has attn_k but no attn_v: its values are its keys' "
-                f"projection (Gemma 4 31B's attention_k_eq_v), which slipstream does not run "
-                f"yet; E2B and E4B files run")
-
-
 GEMMA4_LAYER = LayerSpec(
     tensors=GEMMA4_TENSORS,
     norms=("attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm",
            "post_ffw_norm", "post_norm", "layer_output_scale"),
     linears=LLAMA_LINEARS + (LinearGroup("inp_gate", ("inp_gate",)),
-                             LinearGroup("proj", ("proj",))))
+                             LinearGroup("proj", ("proj",))),
+    reads_as=(("v_from_k", "attn_v", "attn_k"),))
 
 GEMMA4 = Family(
     name="gemma4",
@@ -236,5 +225,5 @@ GEMMA4 = Family(
            "26B-A4B: experts beside the dense MLP, each branch normed on its own",
     varied_layers=True,
     extra_tensors=extra_tensors,
-    check_names=check_names,
+    values_from_keys=True,
 )
