@@ -29,6 +29,7 @@ from .model.layer_spec import EMBEDDING, HEAD, TensorSpec
 from .modelfile.config import ModelConfig, expert_fields, yarn_fields
 from .model.families.experts import EXPERTS
 from .synth_experts import experts_metadata, nextn_tensors, skewed_router
+from .synth_gemma4 import GEMMA4_ROPE_BASE, GEMMA4_ROPE_FRACTION, gemma4_metadata
 from .synth_mla import F16_TENSORS, mla_metadata, mla_shape
 from .synth_vocab import LLAMA3_TEMPLATE, build_vocab
 from .quant.encode import quantize
@@ -279,57 +280,13 @@ def synth_rope_dim(shape: SynthShape, arch: str) -> int:
     return int(shape.head * ROPE_FRACTION.get(family_for(file_arch(arch)).name, 1.0)) // 2 * 2
 
 
-def gemma4_layout(shape: SynthShape, moe: bool = False) -> tuple[list[bool], int]:
-    """A synthesized Gemma 4's sliding-window pattern and the layers that compute keys and
-    values: every third layer global and the last one too (E2B: every fifth), and the last
-    half of the layers, rounded to a whole pattern, reusing the keys and values of the two
-    before them (E2B: 20 of 35); with experts (`moe`: the 26B-A4B) every layer its own."""
-    n = shape.n_layers
-    swa = [(i + 1) % 3 != 0 and i != n - 1 for i in range(n)]
-    kv_layers = n // 2 // 3 * 3
-    return swa, kv_layers if kv_layers >= 3 and not moe else n
-
-
-def gemma4_metadata(shape: SynthShape, variant: str) -> dict[str, object]:
-    """Gemma 4's keys, in E2B's proportions: global heads twice the sliding ones, a quarter of
-    the global heads' frequencies turning, the reusing layers' FFN twice as wide, per-layer
-    embeddings E2B's 256 wide (a whole K-quant block per row), soft-capped logits. The
-    26B-A4B's (--arch gemma4-moe): experts (synth_experts), each expert's scale, no per-layer
-    embeddings and no layers reusing keys and values."""
-    arch = file_arch(variant)
-    moe = variant != arch
-    swa, kv_layers = gemma4_layout(shape, moe)
-    md: dict[str, object] = {
-        f"{arch}.attention.sliding_window": synth_window(shape),
-        f"{arch}.attention.sliding_window_pattern": swa,
-        f"{arch}.attention.shared_kv_layers": shape.n_layers - kv_layers,
-        f"{arch}.attention.key_length_swa": shape.head,
-        f"{arch}.attention.value_length_swa": shape.head,
-        f"{arch}.rope.dimension_count_swa": shape.head,
-        f"{arch}.rope.freq_base_swa": 10000.0,
-        f"{arch}.embedding_length_per_layer_input": 0 if moe else GEMMA4_PER_LAYER_DIM,
-        f"{arch}.final_logit_softcapping": 30.0,
-        f"{arch}.feed_forward_length": [shape.ffn * (1 if i < kv_layers else 2)
-                                        for i in range(shape.n_layers)],
-    }
-    md.update(experts_metadata(shape, variant, arch))
-    return md
-
-
-# Gemma 4's global layers turn a quarter of their frequencies ("proportional" RoPE), with
-# base 1e6 (its sliding layers: 1e4)
-GEMMA4_ROPE_FRACTION = 0.25
-GEMMA4_ROPE_BASE = 1e6
-GEMMA4_PER_LAYER_DIM = 256
-
-
 def synth_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
     """The metadata beyond the Llama keys a synthesized file of `arch` holds, which its
     family's `configure` reads."""
     family = family_for(file_arch(arch)).name
     md: dict[str, object] = {}
     if family == "gemma4":
-        return gemma4_metadata(shape, arch)
+        return gemma4_metadata(shape, arch, synth_window(shape))
     md.update(experts_metadata(shape, arch, file_arch(arch)),
               **mla_metadata(shape, arch, file_arch(arch)))
     if family == "gpt-oss":  # gpt-oss's window and YaRN (factor 32 over 4096 positions);
