@@ -133,10 +133,15 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
     types = [src.type_of(n) for n in names]
     shapes = [(s[1], s[2]) for s in full]
 
-    def bytes_of(raw: torch.Tensor, k: int) -> torch.Tensor:
-        """Projection k's bytes (n_experts, rows, row_bytes) of its stored tensor's `raw`."""
-        first = parts[k].first(stored[k][1])
-        return raw.view(stored[k][0], stored[k][1], -1)[:, first:first + full[k][1]]
+    def projections(read: Callable[[str, tuple], torch.Tensor]) -> list[torch.Tensor]:
+        """Each projection's bytes (n_experts, rows, row_bytes), views of its stored tensor's
+        bytes as `read` gives them, each tensor read once (gate_up's halves share it)."""
+        whole = {n: read(n, s) for n, s in zip(names, stored)}
+        out = []
+        for n, part, s, f in zip(names, parts, stored, full):
+            first = part.first(s[1])
+            out.append(whole[n].view(s[0], s[1], -1)[:, first:first + f[1]])
+        return out
     # gpt-oss's router and experts have biases: (n_experts,) and (n_experts, rows), float32
     biases = {part: src.dense(f"{p}.{part}.bias", builder.shapes[f"{part}.bias"],
                               torch.float32, builder.device)
@@ -148,21 +153,18 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
                 for part in (spec.gate, spec.up, spec.down)]
 
     if builder.quantized:  # CUDA: every expert in VRAM, each projection's stacked
-        raws = [bytes_of(src.raw(n, s), k) for k, (n, s) in enumerate(zip(names, stored))]
-        bank = _routed(builder, raws, full, types,
+        bank = _routed(builder, projections(src.raw), full, types,
                        [biases.get(part) for part in (spec.gate, spec.up, spec.down)], act)
         bank.warm(cfg.hidden, cfg.n_experts_used)
     elif slots is not None:
         assert file is not None
         slices = [expert_slice(src.gf.tensors[n], part, s)
                   for n, part, s in zip(names, parts, stored)]
-        held_raws = [bytes_of(src.raw(n, s), k) for k, (n, s) in enumerate(zip(names, stored))]
-        bank = _tiered(builder, held_raws, slices, types, shapes, slots, file, expert_biases,
-                       act)
+        bank = _tiered(builder, projections(src.raw), slices, types, shapes, slots, file,
+                       expert_biases, act)
     else:
         # bytes viewed (n_experts, rows, row_bytes); each expert's a contiguous slice
-        raws = [bytes_of(src.raw_held(n, s) if src.lazy else src.raw(n, s), k)
-                for k, (n, s) in enumerate(zip(names, stored))]
+        raws = projections(src.raw_held if src.lazy else src.raw)
         gate_up, down = [], []
         for e in range(cfg.n_experts):
             gu, d = expert_linears(builder, [r[e] for r in raws], types, shapes, src.lazy,
