@@ -27,7 +27,9 @@ from .errors import BadArgument
 from .model.families import ARCHITECTURES, VARIANTS, family_for, spec_for
 from .model.layer_spec import EMBEDDING, HEAD, TensorSpec
 from .modelfile.config import ModelConfig, expert_fields, yarn_fields
+from .model.families.experts import EXPERTS
 from .synth_experts import experts_metadata, nextn_tensors, skewed_router
+from .synth_gemma4 import GEMMA4_ROPE_BASE, GEMMA4_ROPE_FRACTION, gemma4_metadata
 from .synth_mla import F16_TENSORS, mla_metadata, mla_shape
 from .synth_ssm import ssm_data, ssm_metadata
 from .synth_vocab import LLAMA3_TEMPLATE, build_vocab
@@ -284,52 +286,13 @@ def synth_rope_dim(shape: SynthShape, arch: str) -> int:
     return int(shape.head * ROPE_FRACTION.get(family_for(file_arch(arch)).name, 1.0)) // 2 * 2
 
 
-def gemma4_layout(shape: SynthShape) -> tuple[list[bool], int]:
-    """A synthesized Gemma 4's sliding-window pattern and the layers that compute keys and
-    values: every third layer global and the last one too (E2B: every fifth), and the last
-    half of the layers, rounded to a whole pattern, reusing the keys and values of the two
-    before them (E2B: 20 of 35)."""
-    n = shape.n_layers
-    swa = [(i + 1) % 3 != 0 and i != n - 1 for i in range(n)]
-    kv_layers = n // 2 // 3 * 3
-    return swa, kv_layers if kv_layers >= 3 else n
-
-
-def gemma4_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
-    """Gemma 4's keys, in E2B's proportions: global heads twice the sliding ones, a quarter of
-    the global heads' frequencies turning, the reusing layers' FFN twice as wide, per-layer
-    embeddings E2B's 256 wide (a whole K-quant block per row), soft-capped logits."""
-    swa, kv_layers = gemma4_layout(shape)
-    md: dict[str, object] = {
-        f"{arch}.attention.sliding_window": synth_window(shape),
-        f"{arch}.attention.sliding_window_pattern": swa,
-        f"{arch}.attention.shared_kv_layers": shape.n_layers - kv_layers,
-        f"{arch}.attention.key_length_swa": shape.head,
-        f"{arch}.attention.value_length_swa": shape.head,
-        f"{arch}.rope.dimension_count_swa": shape.head,
-        f"{arch}.rope.freq_base_swa": 10000.0,
-        f"{arch}.embedding_length_per_layer_input": GEMMA4_PER_LAYER_DIM,
-        f"{arch}.final_logit_softcapping": 30.0,
-        f"{arch}.feed_forward_length": [shape.ffn * (1 if i < kv_layers else 2)
-                                        for i in range(shape.n_layers)],
-    }
-    return md
-
-
-# Gemma 4's global layers turn a quarter of their frequencies ("proportional" RoPE), with
-# base 1e6 (its sliding layers: 1e4)
-GEMMA4_ROPE_FRACTION = 0.25
-GEMMA4_ROPE_BASE = 1e6
-GEMMA4_PER_LAYER_DIM = 256
-
-
 def synth_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
     """The metadata beyond the Llama keys a synthesized file of `arch` holds, which its
     family's `configure` reads."""
     family = family_for(file_arch(arch)).name
     md: dict[str, object] = {}
     if family == "gemma4":
-        return gemma4_metadata(shape, arch)
+        return gemma4_metadata(shape, arch, synth_window(shape))
     md.update(experts_metadata(shape, arch, file_arch(arch)),
               **mla_metadata(shape, arch, file_arch(arch)),
               **ssm_metadata(shape, arch, synth_rope_dim(shape, arch)))
@@ -364,8 +327,9 @@ def synth_metadata(shape: SynthShape, arch: str) -> dict[str, object]:
     return md
 
 
-def synth_config(shape: SynthShape, arch: str) -> ModelConfig:
-    """The ModelConfig the file write_synth makes will read back as."""
+def synth_config(shape: SynthShape, arch: str, fused_experts: bool = False) -> ModelConfig:
+    """The ModelConfig the file write_synth makes will read back as (`fused_experts`: its
+    experts' gate and up written as one tensor)."""
     if arch not in ARCHITECTURES and arch not in VARIANTS:
         names = ", ".join(sorted({*ARCHITECTURES, *VARIANTS}))
         raise BadArgument(f"unknown arch {arch!r}; choose from {names}")
@@ -387,6 +351,13 @@ def synth_config(shape: SynthShape, arch: str) -> ModelConfig:
     fields.update(mla_shape(shape, name),  # (sigmoid routing's files have the bias)
                   selection_bias=md.get(f"{arch}.expert_gating_func") == 2)
     fields.update(expert_fields(md, arch, "synth", shape.ffn))
+    fields["fused_experts"] = fused_experts and bool(fields.get("n_experts"))
+    if family.name == "gemma4" and fields.get("n_experts"):
+        # as the 26B-A4B's files: each expert's scale, and global layers whose values are
+        # their key projection (no attn_v)
+        swa = md[f"{arch}.attention.sliding_window_pattern"]
+        fields.update(expert_scale=True,
+                      v_from_k_layers=tuple(i for i, s in enumerate(swa) if not s))
     if family.name == "gemma4":  # the global layers' heads, twice the sliding ones
         fields.update(head_dim=2 * head_dim, rope_dim=2 * head_dim, layer_scale=True,
                       rope_base=GEMMA4_ROPE_BASE)
@@ -405,12 +376,59 @@ def _file_rank(t: TensorSpec) -> int:
                                                            2 if t.kind == "bias" else 1)
 
 
+def tensor_data(name: str, q: Q, s: tuple[int, ...], sd: float, rng: np.random.Generator,
+                gemma4: bool = False, from_floats: bool = False,
+                expert_skew: float = 0.0) -> np.ndarray:
+    """A synthesized tensor's data (float32, float16, or a quantized type's blocks as bytes),
+    drawn from `rng` in the order write_synth writes the tensors."""
+    if name.endswith(f"{EXPERTS.gate_up}.weight"):
+        # the gate's experts, then the up's, drawn as a file with them apart draws them,
+        # each expert's gate rows then its up rows: the same weights either way
+        half = (s[0], s[1] // 2, s[2])
+        return np.concatenate([tensor_data(name.replace(EXPERTS.gate_up, part), q, half, sd,
+                                           rng, gemma4, from_floats, expert_skew)
+                               for part in (EXPERTS.gate, EXPERTS.up)], axis=1)
+    special = ssm_data(name, s, rng)
+    if special is not None:  # Qwen3.5's decay, conv taps and shared-expert gate
+        return special
+    if expert_skew and name.endswith("ffn_gate_inp.weight"):
+        return skewed_router((sd * rng.standard_normal(s)).astype(np.float32),
+                             expert_skew, rng)
+    # (Gemma 4's experts' pre_ffw_norm_2 and post_ffw_norm_1 and _2 too)
+    if name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight")):
+        return (1.0 + 0.05 * rng.standard_normal(s)).astype(np.float32)
+    if name == "rope_freqs.weight" and gemma4:
+        # as llama.cpp's converter writes "proportional" RoPE: the pairs past the
+        # turning quarter divided by 1e30, i.e. still
+        turning = int(s[0] * 2 * GEMMA4_ROPE_FRACTION) // 2
+        return np.array([1.0] * turning + [1e30] * (s[0] - turning), dtype=np.float32)
+    if name == "rope_freqs.weight":
+        return np.linspace(1.0, 8.0, s[0], dtype=np.float32)  # llama3-like divisors
+    if name.endswith("layer_output_scale.weight"):  # Gemma 4: well away from 1
+        return (0.5 + 0.5 * rng.random(s)).astype(np.float32)
+    if name.endswith(".scale"):  # Gemma 4's router input and expert scales: away from 1
+        return (0.5 + rng.random(s)).astype(np.float32)
+    if name in LONGROPE_DIVISORS:  # Phi-3-like: the long set stretches far more
+        return np.linspace(1.0, LONGROPE_DIVISORS[name], s[0], dtype=np.float32)
+    if name.endswith("attn_sinks.weight"):  # gpt-oss: logits of the order of the
+        # scores they compete with in each softmax
+        return rng.standard_normal(s).astype(np.float32)
+    if len(s) == 1 or name.endswith(".bias"):  # (gpt-oss's experts' biases are 2-D)
+        return (sd * rng.standard_normal(s)).astype(np.float32)
+    if from_floats:
+        return float_tensor(q, (sd * rng.standard_normal(s)).astype(np.float32))
+    # (a 3-D expert tensor as its experts' rows stacked)
+    data = random_tensor(q, (math.prod(s[:-1]), s[-1]), rng, sd)
+    return data.reshape(*s[:-1], data.shape[-1])
+
+
 def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_K",
                 n_layers: int | None = None, seed: int = 0, arch: str = "llama",
                 from_floats: bool = False, tie_embeddings: bool = False,
                 rope_freqs: bool = False, std: float = 0.02,
                 progress: Callable[[int, int], None] | None = None,
-                chat_template: str = LLAMA3_TEMPLATE, expert_skew: float = 0.0) -> Path:
+                chat_template: str = LLAMA3_TEMPLATE, expert_skew: float = 0.0,
+                fused_experts: bool = False) -> Path:
     """Write a random-weight GGUF file of architecture `arch` (its family's layer, as
     model.families states it); returns its path.
 
@@ -418,6 +436,9 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     expert_skew: for a mixture of experts, how skewed expert popularity is, as real routing
     is: each layer's router rows scaled by rank^-expert_skew (`skewed_router`), so that a few
     experts take most tokens (0: random weights' near-uniform routing).
+    fused_experts: the experts' gate and up as one tensor, ffn_gate_up_exps (each expert's
+    gate rows, then its up rows), as newer llama.cpp conversions write them; the weights are
+    those of the same file written with them apart.
     """
     if isinstance(shape, str):
         if shape not in SHAPES:
@@ -447,9 +468,11 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
         return layer_type
 
     gptoss = family_for(file_arch(arch)).name == "gpt-oss"
-    cfg = synth_config(shape, arch)
-    if expert_skew and not cfg.n_experts:
-        raise BadArgument(f"--expert-skew biases experts' routers; {arch!r} has no experts")
+    cfg = synth_config(shape, arch, fused_experts)
+    if (expert_skew or fused_experts) and not cfg.n_experts:
+        flag = "--expert-skew biases experts' routers" if expert_skew else \
+            "--fused-experts writes experts' gate and up as one tensor"
+        raise BadArgument(f"{flag}; {arch!r} has no experts")
     variant, arch = arch, file_arch(arch)
     tie_embeddings = tie_embeddings or family_for(arch).name in TIED
     # name -> (ggml type, torch-order shape, weight std)
@@ -542,35 +565,8 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
     total = sum(nbytes(q, s) for _, q, s, _ in plan)
     done = 0
     for name, q, s, sd in plan:
-        special = ssm_data(name, s, rng)
-        if special is not None:  # Qwen3.5's decay, conv taps and shared-expert gate
-            data = special
-        elif expert_skew and name.endswith("ffn_gate_inp.weight"):
-            data = skewed_router((sd * rng.standard_normal(s)).astype(np.float32),
-                                 expert_skew, rng)
-        elif name.endswith("norm.weight"):
-            data = (1.0 + 0.05 * rng.standard_normal(s)).astype(np.float32)
-        elif name == "rope_freqs.weight" and family_for(arch).name == "gemma4":
-            # as llama.cpp's converter writes "proportional" RoPE: the pairs past the
-            # turning quarter divided by 1e30, i.e. still
-            turning = int(s[0] * 2 * GEMMA4_ROPE_FRACTION) // 2
-            data = np.array([1.0] * turning + [1e30] * (s[0] - turning), dtype=np.float32)
-        elif name == "rope_freqs.weight":
-            data = np.linspace(1.0, 8.0, s[0], dtype=np.float32)  # llama3-like divisors
-        elif name.endswith("layer_output_scale.weight"):  # Gemma 4: well away from 1
-            data = (0.5 + 0.5 * rng.random(s)).astype(np.float32)
-        elif name in LONGROPE_DIVISORS:  # Phi-3-like: the long set stretches far more
-            data = np.linspace(1.0, LONGROPE_DIVISORS[name], s[0], dtype=np.float32)
-        elif name.endswith("attn_sinks.weight"):  # gpt-oss: logits of the order of the
-            # scores they compete with in each softmax
-            data = rng.standard_normal(s).astype(np.float32)
-        elif len(s) == 1 or name.endswith(".bias"):  # (gpt-oss's experts' biases are 2-D)
-            data = (sd * rng.standard_normal(s)).astype(np.float32)
-        elif from_floats:
-            data = float_tensor(q, (sd * rng.standard_normal(s)).astype(np.float32))
-        else:  # (a 3-D expert tensor as its experts' rows stacked)
-            data = random_tensor(q, (math.prod(s[:-1]), s[-1]), rng, sd)
-            data = data.reshape(*s[:-1], data.shape[-1])
+        data = tensor_data(name, q, s, sd, rng, gemma4=family_for(arch).name == "gemma4",
+                           from_floats=from_floats, expert_skew=expert_skew)
         w.write_tensor_data(np.ascontiguousarray(data))
         done += nbytes(q, s)
         if progress is not None:

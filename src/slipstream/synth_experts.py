@@ -22,9 +22,11 @@ MOE_DEFAULTS: dict[str, tuple[int, int, int]] = {"qwen3moe": (16, 4, 0), "mixtra
                                                  "gpt-oss": (8, 2, 0), "glm4moe": (16, 4, 0),
                                                  "deepseek2": (16, 4, 0),
                                                  "deepseek2-lite": (16, 4, 0),
-                                                 "qwen35moe": (16, 4, 0)}
+                                                 "qwen35moe": (16, 4, 0),
+                                                 "gemma4-moe": (16, 4, 0)}
 # the archs whose file states the experts' width apart from feed_forward_length
-OWN_WIDTH = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "deepseek2-lite", "qwen35moe")
+OWN_WIDTH = ("qwen3moe", "gpt-oss", "glm4moe", "deepseek2", "deepseek2-lite", "qwen35moe",
+             "gemma4-moe")
 
 
 def synth_experts(shape: SynthShape, arch: str) -> tuple[int, int, int]:
@@ -38,7 +40,9 @@ def synth_experts(shape: SynthShape, arch: str) -> tuple[int, int, int]:
     if not width:
         width = {"qwen3moe": shape.ffn // 2, "gpt-oss": shape.hidden,
                  "glm4moe": shape.ffn // 2, "deepseek2": shape.ffn // 2,
-                 "deepseek2-lite": shape.ffn // 2, "qwen35moe": shape.ffn // 2}.get(arch, shape.ffn)
+                 "deepseek2-lite": shape.ffn // 2, "qwen35moe": shape.ffn // 2,
+                 # (Gemma-4-26B-A4B: 128 of 704 beside a dense 2112, 8 used)
+                 "gemma4-moe": shape.ffn // 2}.get(arch, shape.ffn)
     return n, used, width
 
 

@@ -65,9 +65,9 @@ def _gpu_builder(cfg: ModelConfig, precision: str) -> LayerBuilder:
     return builder
 
 
-def _banks(tmp_path, arch: str, quant: str, precision: str):
-    path = write_synth(tmp_path / f"{arch}.gguf", MICRO if INTERPRET else "tiny", quant,
-                       n_layers=1, arch=arch)
+def _banks(tmp_path, arch: str, quant: str, precision: str, fused: bool = False):
+    path = write_synth(tmp_path / f"{arch}-{fused}.gguf", MICRO if INTERPRET else "tiny", quant,
+                       n_layers=1, arch=arch, fused_experts=fused)
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
     src = TensorSource(gf)
@@ -82,6 +82,19 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().cpu(), b.double().cpu()
     assert torch.isfinite(a).all()
     return float((a - b).norm() / b.norm())
+
+
+def test_a_fused_files_routed_bank_is_its_split_twins(tmp_path) -> None:
+    """Gate and up stored as one ffn_gate_up_exps tensor stack into the same [gate_e | up_e]
+    planes as the split file's two tensors: the same outputs, bit for bit."""
+    quant = CASES[0][1]
+    _, _, split = _banks(tmp_path, "qwen3moe", quant, "exact")
+    cfg, _, fused = _banks(tmp_path, "qwen3moe", quant, "exact", fused=True)
+    g = torch.Generator().manual_seed(2)
+    for rows in ROWS:
+        h = torch.randn(rows, cfg.hidden, generator=g).to(DEVICE)
+        weights, ids = route(h, split.router, split.top_k)
+        assert torch.equal(split.experts.mix(h, ids, weights), fused.experts.mix(h, ids, weights))
 
 
 @pytest.mark.parametrize("arch,quant", CASES, ids=[c[0] for c in CASES])

@@ -29,9 +29,10 @@ CTX = 64
 
 
 def _write(d, arch: str, n_layers: int = 2, skew: float = 0.0, seed: int = 3,
-           std: float = 0.15):
-    return write_synth(d / f"{arch}-{skew}.gguf", "tiny", "Q8_0", n_layers=n_layers, arch=arch,
-                       from_floats=True, seed=seed, std=std, expert_skew=skew)
+           std: float = 0.15, fused: bool = False):
+    return write_synth(d / f"{arch}-{skew}-{fused}.gguf", "tiny", "Q8_0", n_layers=n_layers,
+                       arch=arch, from_floats=True, seed=seed, std=std, expert_skew=skew,
+                       fused_experts=fused)
 
 
 def _plan(path, budget, precision="exact"):
@@ -178,12 +179,35 @@ def test_negative_control_a_shifted_read_changes_the_logits(qwen_file, monkeypat
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen3moe", "mixtral", "gpt-oss", "glm4moe", "deepseek2",
-                                  "qwen35moe"])
+                                  "qwen35moe", "gemma4-moe"])
 @pytest.mark.parametrize("precision", ["exact", "fast"])
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 def test_placed_experts_bit_identical(tmp_path_factory, arch, precision, decode):
     path = _write(tmp_path_factory.mktemp(arch), arch, n_layers=3)
     a, b, stats = _compare(path, precision, decode)
+    assert torch.equal(a, b), (a - b).abs().max()
+    assert stats.expert_misses > 0
+
+
+def test_placed_fused_experts_give_the_resident_logits(tmp_path):
+    """Gate and up stored as one tensor (ffn_gate_up_exps): a cold expert's gate and up are
+    read as the two halves of its block, as many bytes as the split file's."""
+    path = _write(tmp_path, "qwen3moe", fused=True)
+    a, b, stats = _compare(path, "exact", decode=False, ids=IDS[:8])
+    assert torch.equal(a, b)
+    assert stats.expert_misses > 0
+    gf = GGUFFile(path)
+    per = sum(gf.tensors[f"blk.0.ffn_{p}_exps.weight"].n_bytes for p in ("gate_up", "down"))
+    gf.close()
+    assert stats.expert_bytes_read == stats.expert_misses * per // 16
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["deepseek2", "gemma4-moe"])
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+def test_placed_fused_experts_bit_identical(tmp_path_factory, arch, decode):
+    path = _write(tmp_path_factory.mktemp(arch), arch, n_layers=3, fused=True)
+    a, b, stats = _compare(path, "fast", decode)
     assert torch.equal(a, b), (a - b).abs().max()
     assert stats.expert_misses > 0
 
@@ -229,7 +253,7 @@ class _Const:
     def __call__(self, h):
         return h
 
-    def glu_matmul(self, x):
+    def glu_matmul(self, x, act="silu"):
         return torch.full_like(x, float(self.e))
 
 

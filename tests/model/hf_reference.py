@@ -295,8 +295,10 @@ def _gemma4(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
         vocab_size_per_layer_input=cfg.vocab_size,
         hidden_size_per_layer_input=cfg.per_layer_dim,
         num_kv_shared_layers=cfg.n_layers - kv_layers,
-        use_double_wide_mlp=bool(cfg.ffn_per_layer), attention_k_eq_v=False,
-        tie_word_embeddings=True))
+        use_double_wide_mlp=bool(cfg.ffn_per_layer),
+        # (transformers takes every global layer's values from its keys where this is on)
+        attention_k_eq_v=bool(cfg.v_from_k_layers),
+        tie_word_embeddings=True, **_gemma4_experts(cfg, tensors)))
     per_layer = {
         "attn_norm.weight": "input_layernorm.weight",
         "attn_q.weight": "self_attn.q_proj.weight",
@@ -316,6 +318,16 @@ def _gemma4(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
         "post_norm.weight": "post_per_layer_input_norm.weight",
         "layer_output_scale.weight": "layer_scalar",
     }
+    if cfg.n_experts:  # the 26B-A4B's router, experts and their norms
+        per_layer.update({
+            "ffn_gate_inp.weight": "router.proj.weight",
+            "ffn_gate_inp.scale": "router.scale",
+            "ffn_down_exps.scale": "router.per_expert_scale",
+            "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+            "ffn_down_exps.weight": "experts.down_proj",
+            "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+            "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+            "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight"})
     top = {"token_embd.weight": "model.embed_tokens.weight",
            "output_norm.weight": "model.norm.weight",
            "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
@@ -325,6 +337,21 @@ def _gemma4(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):
 
 
 BUILDERS["gemma4"] = _gemma4
+
+
+def _gemma4_experts(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict:
+    """Gemma4TextConfig's mixture-of-experts fields of the file (none for a dense one), and
+    the experts' gate and up joined into transformers' gate_up_proj where the file keeps them
+    apart (each expert's gate rows, then its up rows, as its forward chunks them)."""
+    if not cfg.n_experts:
+        return {}
+    for i in range(cfg.n_layers):
+        gate = tensors.pop(f"blk.{i}.ffn_gate_exps.weight", None)
+        if gate is not None:
+            up = tensors.pop(f"blk.{i}.ffn_up_exps.weight")
+            tensors[f"blk.{i}.ffn_gate_up_exps.weight"] = torch.cat([gate, up], dim=1)
+    return dict(enable_moe_block=True, num_experts=cfg.n_experts,
+                top_k_experts=cfg.n_experts_used, moe_intermediate_size=cfg.expert_ffn)
 
 
 def _glm4moe(cfg: ModelConfig, tensors: dict[str, torch.Tensor]):

@@ -18,6 +18,7 @@ import torch
 import slipstream
 from helpers import cpu_budget, cpu_engine, cpu_stages
 from hf_reference import reference_logits as file_model_logits, reference_model
+from slipstream.errors import GGUFError
 from slipstream.model.families import ARCHITECTURES, FAMILIES, BlockTraits, family_for
 from slipstream.modelfile.config import ModelConfig
 from slipstream.modelfile.gguf_file import GGUFFile
@@ -367,12 +368,13 @@ def test_gemma4_reusing_layers_read_their_source_cache(tmp_path):
         KVCache(cfg, 32, torch.device("cpu"), torch.float32, n_layers=3, first=3)
 
 
-def test_gemma4_mixture_of_experts_is_refused_naming_it(tmp_path):
-    from slipstream.errors import UnsupportedArchitecture
-
+def test_gemma4_mixture_of_experts_needs_its_tensors(tmp_path):
+    """A gemma4 file with experts (the 26B-A4B's keys) is a mixture of experts
+    (tests/model/test_gemma4_moe.py): one without the router is refused naming it."""
     md, names = _gemma4_md(tmp_path, n_layers=1)
-    md["gemma4.expert_count"] = 128  # the 26B-A4B's
-    with pytest.raises(UnsupportedArchitecture, match="experts.*expert_count.*not supported"):
+    md.update({"gemma4.expert_count": 128, "gemma4.expert_used_count": 8,
+               "gemma4.expert_feed_forward_length": 704})
+    with pytest.raises(GGUFError, match="missing tensor 'blk.0.ffn_gate_inp.weight'"):
         ModelConfig.from_metadata(md, names)
 
 
@@ -401,14 +403,23 @@ def test_gemma4_sources_llamacpp_would_read_otherwise_are_refused(tmp_path):
         ModelConfig.from_metadata(md, names)
 
 
-def test_gemma4_values_from_the_key_projection_are_refused(tmp_path):
-    """The 31B's global layers have no attn_v (values are the key projection): refused at
-    load, naming the layer, rather than reported as a missing tensor."""
-    from slipstream.errors import UnsupportedArchitecture
-
+def test_gemma4_values_from_the_key_projection(tmp_path):
+    """A layer with attn_k but no attn_v (the 31B's and 26B-A4B's global layers, transformers'
+    attention_k_eq_v) takes its values from the key projection: its q/k/v linear reads attn_k
+    again for the value rows (checked against transformers and llama.cpp in
+    test_gemma4_moe.py, whose files have such layers). A layer without attn_k is still
+    missing a tensor."""
     md, names = _gemma4_md(tmp_path)
-    with pytest.raises(UnsupportedArchitecture, match="layer 2 has attn_k but no attn_v"):
-        ModelConfig.from_metadata(md, names - {"blk.2.attn_v.weight"})
+    cfg = ModelConfig.from_metadata(md, names - {"blk.2.attn_v.weight"})
+    assert cfg.v_from_k_layers == (2,) and cfg.layer(2).v_from_k and not cfg.layer(1).v_from_k
+    spec = family_for("gemma4").layer.at(cfg.layer(2))
+    assert "attn_v.weight" not in {t.suffix for t in spec.tensors}
+    assert next(g for g in spec.linears if g.field == "attn_qkv").parts == \
+        ("attn_q", "attn_k", "attn_k")
+    assert family_for("gemma4").layer.at(cfg.layer(1)).linears[0].parts == \
+        ("attn_q", "attn_k", "attn_v")
+    with pytest.raises(GGUFError, match="missing tensor 'blk.2.attn_k.weight'"):
+        ModelConfig.from_metadata(md, names - {"blk.2.attn_k.weight"})
 
 
 def test_a_family_whose_cuda_path_is_refused_names_the_cpu(tmp_path):

@@ -114,7 +114,7 @@ def test_a_synthesized_file_holds_the_expert_layer(arch, tmp_path):
     assert (cfg.n_experts, cfg.n_experts_used, cfg.expert_ffn, cfg.ffn) == (n, used, width, 512)
     layer = {k.removeprefix("blk.0."): tuple(t.shape) for k, t in gf.tensors.items()
              if k.startswith("blk.0.")}
-    assert layer == family_for(cfg.architecture).moe_layer.shapes(cfg)
+    assert layer == family_for(cfg.architecture).moe_layer.at(cfg).shapes(cfg)
     assert layer["ffn_gate_exps.weight"] == (n, width, 256)
     assert layer["ffn_down_exps.weight"] == (n, 256, width)
     assert layer["ffn_gate_inp.weight"] == (n, 256)

@@ -36,6 +36,10 @@ def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
                     help="a mixture of experts' routing skewed as real routing is: each "
                          "layer's router rows scaled by rank^-S, so a few experts take most "
                          "tokens (default 0: random weights' near-uniform routing)")
+    sy.add_argument("--fused-experts", action="store_true",
+                    help="a mixture of experts' gate and up projections as one tensor, "
+                         "ffn_gate_up_exps, as newer llama.cpp conversions write them (the "
+                         "same weights as without it)")
     sy.add_argument("-o", "--output", required=True, help="the GGUF to write")
     sy.set_defaults(func=run)
 
@@ -52,7 +56,8 @@ def run(a: argparse.Namespace) -> int:
             bar.update(task, completed=done, total=total)
 
         path = write_synth(a.output, a.shape, a.quant, n_layers=a.layers, seed=a.seed,
-                           arch=a.arch, progress=progress, expert_skew=a.expert_skew)
+                           arch=a.arch, progress=progress, expert_skew=a.expert_skew,
+                           fused_experts=a.fused_experts)
     dt = time.perf_counter() - t0
     size = path.stat().st_size
     err.print(f"wrote {path} ({size / 2**30:.2f} GiB in {dt:.1f} s, {size / dt / 1e6:.0f} MB/s)")

@@ -13,6 +13,8 @@ Every layer keeps the tier "ram": no layer streams whole."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..errors import BudgetTooSmall
@@ -26,11 +28,31 @@ from .budget import fmt_bytes
 from .planner import Plan
 
 
-def expert_tensor_names(cfg: ModelConfig, i: int) -> list[str]:
-    """Layer i's 3-D expert tensors: gate, up, down."""
+@dataclass(frozen=True)
+class ExpertProjection:
+    """One projection (gate, up or down) of layer i's experts as stored: its tensor, GGML
+    type, rows and columns per expert, and the file bytes it takes per expert."""
+
+    tensor: str
+    ggml_type: object
+    rows: int
+    cols: int
+    nbytes: int
+
+
+def expert_projections(gf: GGUFFile, cfg: ModelConfig, i: int) -> list[ExpertProjection]:
+    """Layer i's experts' gate, up and down projections, from three 3-D tensors or from
+    gate_up's halves and down (model.layer_spec.ExpertSpec.parts)."""
     spec = spec_for(cfg.architecture, cfg.n_experts).experts
     assert spec is not None
-    return [f"blk.{i}.{part}.weight" for part in (spec.gate, spec.up, spec.down)]
+    out = []
+    for part in spec.parts(cfg.fused_experts):
+        info = gf.tensors[f"blk.{i}.{part.tensor}.weight"]
+        rows, cols = (int(n) for n in info.shape[-2:])
+        out.append(ExpertProjection(f"blk.{i}.{part.tensor}.weight", info.ggml_type,
+                                    part.rows(rows), cols,
+                                    info.n_bytes // cfg.n_experts // part.halves))
+    return out
 
 
 def expert_ram_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, precision: Precision) -> int:
@@ -39,12 +61,10 @@ def expert_ram_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, precision: Precisio
     call that needs one, and dropped), plus its packed decode copies at
     precision.cpu_packed_decode."""
     total = 0
-    for name in expert_tensor_names(cfg, i):
-        info = gf.tensors[name]
-        rows, cols = (int(n) for n in info.shape[-2:])
-        total += info.n_bytes // cfg.n_experts
+    for proj in expert_projections(gf, cfg, i):
+        total += proj.nbytes
         if precision.cpu_packed_decode:
-            total += packed_nbytes(info.ggml_type, (rows, cols)) or 0
+            total += packed_nbytes(proj.ggml_type, (proj.rows, proj.cols)) or 0
     return total
 
 
@@ -52,13 +72,12 @@ def expert_dense_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, precision: Precis
     """The dense weights one expert of layer i makes for a call (gate and up, then down, at
     precision.weight_dtype): a transient, one at a time."""
     bits = torch.finfo(precision.weight_dtype).bits
-    return sum(int(gf.tensors[n].shape[-2]) * int(gf.tensors[n].shape[-1]) * bits // 8
-               for n in expert_tensor_names(cfg, i)[:2])
+    return sum(p.rows * p.cols * bits // 8 for p in expert_projections(gf, cfg, i)[:2])
 
 
 def expert_file_bytes(gf: GGUFFile, cfg: ModelConfig, i: int) -> int:
     """Bytes one cold expert of layer i reads from the file."""
-    return sum(gf.tensors[n].n_bytes // cfg.n_experts for n in expert_tensor_names(cfg, i))
+    return sum(p.nbytes for p in expert_projections(gf, cfg, i))
 
 
 def plan_experts(gf: GGUFFile, cfg: ModelConfig, precision: Precision, resident: list[int],

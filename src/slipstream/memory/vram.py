@@ -22,6 +22,7 @@ from ..model.layer_spec import EMBEDDING, head_tensor_name, kv_cache_bytes
 from ..weights.image import IMAGE_ALIGN  # every tensor of an image starts on this boundary
 from ..weights.loader import prefill_scratch_elements
 from ..weights.split_experts import SLOT_WRITE_ROWS
+from .expert_plan import expert_projections
 
 _FLOAT_BYTES = {T.F32: 4, T.F16: 2, T.BF16: 2}
 # torch's caching allocator: requests round to 512 B; requests of 10 MiB and more get their own
@@ -91,13 +92,11 @@ def _expert_linears(gf: GGUFFile, cfg: ModelConfig, i: int, stacked: bool = True
     spec = spec_for(cfg.architecture, cfg.n_experts).at(cfg.layer(i)).experts
     if spec is None:
         return []
-    infos = [gf.tensors[f"blk.{i}.{p}.weight"] for p in (spec.gate, spec.up, spec.down)]
     biased = [f"blk.{i}.{p}.bias" in gf.tensors for p in (spec.gate, spec.up, spec.down)]
-    # torch order (n_experts, rows, cols), as the loader sees the 3-D tensors
-    shapes = [tuple(int(d) for d in info.shape) for info in infos]
-    n = (lambda s: s[0]) if stacked else (lambda s: 1)
-    stacked = [(int(info.ggml_type), n(s) * s[1], s[2], n(s) * s[1] if b else 0)
-               for info, s, b in zip(infos, shapes, biased)]
+    # gate, up and down (gate and up perhaps the halves of one tensor: expert_projections)
+    n = cfg.n_experts if stacked else 1
+    stacked = [(int(p.ggml_type), n * p.rows, p.cols, n * p.rows if b else 0)
+               for p, b in zip(expert_projections(gf, cfg, i), biased)]
     if stacked[0][0] == stacked[1][0]:
         gate, up = stacked[:2]
         both = gate[3] + up[3] if gate[3] or up[3] else 0

@@ -81,6 +81,10 @@ class ExpertSpec:
     gate: str = "ffn_gate_exps"
     up: str = "ffn_up_exps"
     down: str = "ffn_down_exps"
+    # gate and up in one tensor (n_experts, 2 * expert_ffn, hidden), each expert's gate rows
+    # then its up rows, as newer llama.cpp conversions may write them (llama.cpp's
+    # create_tensor_gate_up_exps; build_moe_ffn takes the first half as the gate)
+    gate_up: str = "ffn_gate_up_exps"
     # the selection bias (model.moe), a (n_experts,) vector `{name}.bias` (GLM-4.5, DeepSeek-V3)
     selection_bias: str = "exp_probs_b"
     # the shared expert's linears (model.moe.SharedExpert; LayerWeights fields)
@@ -88,6 +92,50 @@ class ExpertSpec:
     shared_down: str = "ffn_down_shexp"
     # the shared expert's gate, a (hidden,) row whose sigmoid scales its output (Qwen3.5-MoE)
     shared_gate: str = "ffn_gate_inp_shexp"
+    # Gemma 4's pieces (model.moe.MoeWeights), read where the layer's tensors list them: the
+    # router's input scale `{router}.scale` and each expert's factor `{down}.scale` (vectors),
+    # the experts' input and output norms and the shared expert's (Gemma 4's dense MLP's)
+    # output norm (`{name}.weight`, llama.cpp's ffn_pre_norm_2, ffn_post_norm_2 and
+    # ffn_post_norm_1)
+    expert_norm: str = "pre_ffw_norm_2"
+    expert_post_norm: str = "post_ffw_norm_2"
+    shared_post_norm: str = "post_ffw_norm_1"
+
+    @property
+    def router_scale(self) -> str:
+        return f"{self.router}.scale"
+
+    @property
+    def expert_scale(self) -> str:
+        return f"{self.down}.scale"
+
+    def parts(self, fused: bool) -> tuple[ExpertPart, ExpertPart, ExpertPart]:
+        """Where the experts' gate, up and down projections are stored: in three tensors, or
+        (`fused`: ModelConfig.fused_experts) gate and up as the halves of gate_up's."""
+        if fused:
+            return (ExpertPart(self.gate_up, 0, 2), ExpertPart(self.gate_up, 1, 2),
+                    ExpertPart(self.down))
+        return ExpertPart(self.gate), ExpertPart(self.up), ExpertPart(self.down)
+
+
+@dataclass(frozen=True)
+class ExpertPart:
+    """One projection of a layer's experts as stored: the 3-D tensor `blk.N.{tensor}.weight`
+    (n_experts, rows, cols), each expert's rows in `halves` equal blocks, the projection the
+    `half`-th (0 of 1 where it has the tensor to itself). Each expert's block is one
+    contiguous run of whole rows, so it is a slice of the file either way."""
+
+    tensor: str
+    half: int = 0
+    halves: int = 1
+
+    def rows(self, stored_rows: int) -> int:
+        """The projection's rows per expert, of a tensor of `stored_rows` per expert."""
+        return stored_rows // self.halves
+
+    def first(self, stored_rows: int) -> int:
+        """The projection's first row within each expert's `stored_rows`."""
+        return self.half * self.rows(stored_rows)
 
 
 @dataclass(frozen=True)
@@ -103,18 +151,28 @@ class LayerSpec:
     # `ssm_dt.bias`): full suffixes, each read into the LayerWeights field named by its part
     # before the first dot (vector_field)
     vectors: tuple[str, ...] = ()
+    # (the attribute of a layer's config, a linear's part, the part read in its place): where
+    # the attribute is true the layer has no tensor of its own for that part, and its linear
+    # reads the other part's weight again (Gemma 4's values from the key projection, "v_from_k":
+    # attn_v read as attn_k, transformers' attention_k_eq_v)
+    reads_as: tuple[tuple[str, str, str], ...] = ()
 
     def at(self, cfg: ModelConfig) -> "LayerSpec":
         """This layer as a layer whose config is `cfg` (ModelConfig.layer(i)) holds it: the
-        tensors it lacks (TensorSpec.when) left out, with their norms and linears, and its
-        experts where it holds no router (a dense layer of GLM-4.5 or DeepSeek). The spec
+        tensors it lacks (TensorSpec.when) left out, with their norms and linears, its
+        experts where it holds no router (a dense layer of GLM-4.5 or DeepSeek), and the parts
+        another part's weight stands in for (`reads_as`) renamed in their linears. The spec
         itself where every tensor is held."""
         kept = tuple(t for t in self.tensors if t.held(cfg))
-        if len(kept) == len(self.tensors):
+        stand_ins = {part: other for when, part, other in self.reads_as
+                     if getattr(cfg, when) and any(t.suffix == f"{other}.weight" for t in kept)}
+        if len(kept) == len(self.tensors) and not stand_ins:
             return self
+        kept = tuple(t for t in kept if t.suffix.split(".")[0] not in stand_ins)
         names = {t.suffix for t in kept}
         linears = []
         for g in self.linears:
+            g = LinearGroup(g.field, tuple(stand_ins.get(p, p) for p in g.parts))
             parts = tuple(p for p in g.parts if f"{p}.weight" in names)
             if parts == g.parts:
                 linears.append(g)
@@ -125,7 +183,8 @@ class LayerSpec:
             experts = None
         return LayerSpec(kept, tuple(n for n in self.norms if f"{n}.weight" in names),
                          tuple(linears), experts,
-                         tuple(v for v in self.vectors if v in names))
+                         vectors=tuple(v for v in self.vectors if v in names),
+                         reads_as=self.reads_as)
 
     def shapes(self, cfg: ModelConfig) -> dict[str, Shape]:
         """Torch-order shape of each tensor a layer of `cfg` is expected to have, by suffix."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -526,8 +526,9 @@ def _ffn_norm(w: LayerWeights) -> torch.Tensor | None:
 def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """The gated FFN half of the block, with its residual: folded into the down projection's
     epilogue, unless a norm comes between them (post_norms)."""
-    if w.moe is not None:  # a mixture of experts: the routed experts' SwiGLU FFNs
-        return x + moe_ffn(pre_norm(cfg, x, _ffn_norm(w)), w.moe).to(x.dtype)
+    if w.moe is not None:  # a mixture of experts: the routed experts' gated FFNs
+        y = moe_ffn(pre_norm(cfg, x, _ffn_norm(w)), w.moe, x, _moe_norm(cfg)).to(x.dtype)
+        return _ffn_output(cfg, w, x, y) if cfg.post_norms else x + y
     if w.ffn_host is not None or w.ffn_down_rest is not None:
         return _split_ffn(cfg, w, x)
     residual = None if cfg.post_norms else x
@@ -539,6 +540,15 @@ def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         y = w.ffn_down(_ACTIVATIONS[cfg.ffn_act](w.ffn_gate(h)) * w.ffn_up(h),
                        residual=residual)
     return _ffn_output(cfg, w, x, y)
+
+
+def _moe_norm(cfg: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """The RMSNorm a mixture of experts' own norms take (model.moe.Norm): the block's, or
+    without weight (Gemma 4's router input)."""
+    def norm(t: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        return rms_norm(t, weight, cfg.norm_eps) if weight is not None else \
+            unit_rms_norm(t, cfg.norm_eps)
+    return norm
 
 
 def _split_ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,17 @@ transformers' Glm4MoeTopkRouter / DeepseekV3TopkRouter), in named pieces a MoeWe
 llama.cpp's build_moe_ffn applies groups to any family whose file sets
 `expert_group_count` > 1, so they are a piece of their own, not DeepSeek's.
 
+Gemma 4's 26B-A4B (llama.cpp's gemma4 graph, transformers' Gemma4TextDecoderLayer) runs a
+dense GeGLU MLP beside the experts, each branch normed on its own, from the residual stream x
+rather than from one normed input:
+    r = rms(x) / sqrt(hidden) * router_scale       the router's input (router_input)
+    top-k of softmax(r @ router^T), renormalised, times expert_scale[top]  (per-expert scale)
+    moe = post_norm_2(sum_j w_j * down_j(gelu(gate_j e) * up_j e)),  e = pre_norm_2(x)
+    mlp = post_norm_1(mlp(ffn_norm(x)))            the dense MLP as the shared expert
+    out = mlp + moe                                 (the block's post_ffw_norm comes after)
+The named pieces: MoeWeights.router_scale, expert_scale, expert_norm, expert_post_norm, and a
+SharedExpert with an activation and a post-norm of its own.
+
 The router stays float32 at every precision: its top-k is a discrete choice, and a float16
 router would pick another expert wherever two probabilities are within its rounding."""
 
@@ -112,13 +123,15 @@ class ResidentExperts:
 
     def __init__(self, gate_up: Sequence[Linear], down: Sequence[Linear], act: str = "silu",
                  one_token: OneTokenSum = expert_sum, rows: ExpertRows | None = None):
-        """act: the experts' gated product, "silu" (SwiGLU) or "swiglu_oai" (gpt-oss);
+        """act: the experts' gated product, "silu" (SwiGLU), "swiglu_oai" (gpt-oss) or
+        "gelu_tanh" (GeGLU: Gemma 4);
         one_token: how a token's experts are summed (ffn_one); rows: how an expert runs on
         its rows (ffn; default expert_ffn)."""
         if len(gate_up) != len(down):
             raise ValueError(f"{len(gate_up)} gate/up linears but {len(down)} down linears")
-        if act not in ("silu", "swiglu_oai"):
-            raise ValueError(f"unknown expert activation {act!r}; expected silu or swiglu_oai")
+        if act not in EXPERT_ACTS:
+            raise ValueError(f"unknown expert activation {act!r}; expected one of "
+                             f"{', '.join(EXPERT_ACTS)}")
         self.gate_up = list(gate_up)
         self.down = list(down)
         self.act = act
@@ -140,31 +153,48 @@ class ResidentExperts:
         return experts_ffn(h, ids, weights, self)
 
 
+# the experts' gated products: SwiGLU, gpt-oss's clamped SwiGLU, GeGLU (Gemma 4)
+EXPERT_ACTS = ("silu", "swiglu_oai", "gelu_tanh")
+
+
 def expert_ffn(gate_up: Linear, down: Linear, h: torch.Tensor, act: str = "silu"
                ) -> torch.Tensor:
-    """One expert's FFN on the rows h routed to it: SwiGLU, or gpt-oss's clamped variant."""
+    """One expert's FFN on the rows h routed to it: SwiGLU, gpt-oss's clamped variant, or
+    GeGLU (the tanh approximation of GELU, as Gemma's dense FFN)."""
     if act == "swiglu_oai":
         return down(swiglu_oai(gate_up(h)).to(h.dtype))
-    return down.glu_matmul(gate_up(h))
+    return down.glu_matmul(gate_up(h), act=act)
+
+
+# An RMSNorm, (rows, weight or None for none) -> rows normed: the block's (model.llama), passed
+# in so that the norms here round as the block's own do
+Norm = Callable[[torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
 @dataclass
 class SharedExpert:
-    """An FFN every token takes beside the routed experts (GLM-4.5, DeepSeek): SwiGLU,
-    `gate_up` hidden -> 2 * width (gate rows, then up rows), `down` width -> hidden, its
-    output added unweighted (llama.cpp's ffn_*_shexp; transformers' shared_experts)."""
+    """An FFN every token takes beside the routed experts, its output added unweighted:
+    `gate_up` hidden -> 2 * width (gate rows, then up rows), `down` width -> hidden. GLM-4.5's
+    and DeepSeek's shared experts (SwiGLU; llama.cpp's ffn_*_shexp, transformers'
+    shared_experts), or Gemma 4's dense MLP (GeGLU, its output normed by `post_norm`,
+    post_ffw_norm_1, before the add)."""
 
     gate_up: Linear
     down: Linear
+    act: str = "silu"
+    post_norm: torch.Tensor | None = None  # (hidden,)
     # Qwen3.5-MoE: the output times sigmoid(h . gate) per token, float32 (hidden,)
     # (llama.cpp's ffn_gate_inp_shexp; transformers' shared_expert_gate)
     gate: torch.Tensor | None = None
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        y = expert_ffn(self.gate_up, self.down, h)
-        if self.gate is None:
+    def __call__(self, h: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
+        y = expert_ffn(self.gate_up, self.down, h, self.act)
+        if self.gate is not None:
+            y = y.float() * torch.sigmoid(h.float() @ self.gate)[:, None]
+        if self.post_norm is None:
             return y
-        return y.float() * torch.sigmoid(h.float() @ self.gate)[:, None]
+        assert norm is not None, "a shared expert with a post-norm needs the block's norm"
+        return norm(y, self.post_norm)
 
 
 @dataclass
@@ -192,8 +222,17 @@ class MoeWeights:
     groups_used: int = 0
     # the routed weights' factor, after renormalising (routed_scaling_factor: GLM-4.5 2.5)
     scale: float = 1.0
-    # the expert every token takes (GLM-4.5, DeepSeek)
+    # the expert every token takes (GLM-4.5, DeepSeek; Gemma 4's dense MLP)
     shared: SharedExpert | None = None
+    # Gemma 4's pieces (module doc): the router's input the residual stream's unit RMSNorm
+    # over sqrt(hidden) times this, float32 (hidden,) (ffn_gate_inp.scale); each expert's
+    # factor on its weight, float32 (n_experts,) (ffn_down_exps.scale, transformers'
+    # per_expert_scale); the experts' own input norm from the residual stream (pre_ffw_norm_2)
+    # and the norm of their sum (post_ffw_norm_2), (hidden,) each
+    router_scale: torch.Tensor | None = None
+    expert_scale: torch.Tensor | None = None
+    expert_norm: torch.Tensor | None = None
+    expert_post_norm: torch.Tensor | None = None
 
 
 def gate(logits: torch.Tensor, gating: str) -> torch.Tensor:
@@ -227,9 +266,21 @@ def select_groups(scores: torch.Tensor, groups: int, groups_used: int) -> torch.
 def route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool = True,
           bias: torch.Tensor | None = None, gating: str = "softmax",
           selection_bias: torch.Tensor | None = None, groups: int = 0, groups_used: int = 0,
-          scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+          scale: float = 1.0, expert_scale: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, ids), each (T, top_k): the experts each row of h (T, hidden) goes to, by
-    descending choice score, and their weights (float32)."""
+    descending choice score, and their weights (float32), each times its expert's
+    `expert_scale` where given (Gemma 4)."""
+    weights, ids = _route(h, router, top_k, normalize, bias, gating, selection_bias, groups,
+                          groups_used, scale)
+    if expert_scale is not None:
+        weights = weights * expert_scale[ids]
+    return weights, ids
+
+
+def _route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool,
+           bias: torch.Tensor | None, gating: str, selection_bias: torch.Tensor | None,
+           groups: int, groups_used: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     logits = F.linear(h.to(router.dtype), router, bias)
     if gating == "topk_softmax":
         top, ids = torch.topk(logits.float(), top_k, dim=-1)
@@ -246,13 +297,33 @@ def route(h: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool = T
     return weights, ids
 
 
-def moe_ffn(h: torch.Tensor, moe: MoeWeights) -> torch.Tensor:
-    """The FFN output (T, hidden), float32, of the normed hidden states h (T, hidden)."""
-    weights, ids = route(h, moe.router, moe.top_k, moe.normalize, moe.router_bias, moe.gating,
-                         moe.selection_bias, moe.groups, moe.groups_used, moe.scale)
-    out = moe.experts.mix(h, ids, weights)
+def router_input(x: torch.Tensor, scale: torch.Tensor, norm: Norm) -> torch.Tensor:
+    """Gemma 4's router input: x's RMSNorm without weight, over sqrt(hidden), times `scale`
+    (llama.cpp's gemma4 graph; transformers' Gemma4TextRouter), float32."""
+    return norm(x.float(), None) * (x.shape[-1] ** -0.5) * scale
+
+
+def moe_ffn(h: torch.Tensor, moe: MoeWeights, x: torch.Tensor | None = None,
+            norm: Norm | None = None) -> torch.Tensor:
+    """The FFN output (T, hidden), float32, of the normed hidden states h (T, hidden). `x`:
+    the un-normed residual stream and `norm` the block's RMSNorm, which Gemma 4's pieces read
+    (router_scale, expert_norm, expert_post_norm, the shared expert's post-norm)."""
+    if (moe.router_scale is not None or moe.expert_norm is not None) and x is None:
+        raise ValueError("this mixture of experts routes from the residual stream: pass x")
+    needs_norm = (moe.router_scale, moe.expert_norm, moe.expert_post_norm,
+                  moe.shared.post_norm if moe.shared is not None else None)
+    if norm is None and any(t is not None for t in needs_norm):
+        raise ValueError("this mixture of experts has norms of its own: pass the block's norm")
+    r = h if moe.router_scale is None else router_input(x, moe.router_scale, norm)
+    weights, ids = route(r, moe.router, moe.top_k, moe.normalize, moe.router_bias, moe.gating,
+                         moe.selection_bias, moe.groups, moe.groups_used, moe.scale,
+                         moe.expert_scale)
+    e = h if moe.expert_norm is None else norm(x, moe.expert_norm)
+    out = moe.experts.mix(e, ids, weights)
+    if moe.expert_post_norm is not None:
+        out = norm(out, moe.expert_post_norm).float()
     if moe.shared is not None:
-        out += moe.shared(h).float()
+        out += moe.shared(h, norm).float()
     return out
 
 

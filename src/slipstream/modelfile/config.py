@@ -86,6 +86,10 @@ class ModelConfig:
     # layer before kv_layers of its own kind (sliding or global); 0: every layer computes
     kv_layers: int = 0
     kv_reuse: bool = False  # (a layer's view) this layer reads another's keys and values
+    # the layers whose values are their key projection (no attn_v: Gemma 4's 31B and
+    # 26B-A4B global layers), and (a layer's view) whether this layer's are
+    v_from_k_layers: tuple[int, ...] = ()
+    v_from_k: bool = False
     per_layer_dim: int = 0  # per-layer embeddings' width (Gemma 4 E2B / E4B: 256)
     layer_scale: bool = False  # each layer's output times its layer_output_scale (Gemma 4)
     final_softcap: float = 0.0  # logits -> c * tanh(logits / c) (0: none)
@@ -105,6 +109,12 @@ class ModelConfig:
     expert_groups_used: int = 0
     # the file has the routers' selection bias (exp_probs_b: DeepSeek-V3, not V2)
     selection_bias: bool = False
+    # the experts' gate and up projections are stored as one tensor, ffn_gate_up_exps
+    # (model.layer_spec.ExpertSpec.parts), not as ffn_gate_exps and ffn_up_exps
+    fused_experts: bool = False
+    # the file has each expert's output scale (ffn_down_exps.scale: Gemma 4's
+    # per_expert_scale)
+    expert_scale: bool = False
     # shared experts (model.moe.SharedExpert): n_shared_experts * expert_ffn wide, 0: none
     n_shared_experts: int = 0
     # the first dense_lead layers have a dense FFN, cfg.ffn wide, the rest experts (GLM-4.5,
@@ -172,7 +182,7 @@ class ModelConfig:
         (every family but Gemma 4)."""
         return not (self.swa_layers or self.kv_heads_per_layer or self.ffn_per_layer
                     or self.kv_layers or self.v_norm or self.per_layer_dim or self.dense_lead
-                    or self.recurrent_layers)
+                    or self.recurrent_layers or self.v_from_k_layers)
 
     @property
     def mla(self) -> bool:
@@ -200,6 +210,16 @@ class ModelConfig:
         """(a layer's view) Whether the layer's FFN is dense, not a mixture of experts."""
         return not self.n_experts
 
+    @property
+    def experts_split(self) -> bool:
+        """(a layer's view) Whether the layer has experts stored with gate and up apart."""
+        return bool(self.n_experts) and not self.fused_experts
+
+    @property
+    def experts_fused(self) -> bool:
+        """(a layer's view) Whether the layer has experts stored with gate and up as one."""
+        return bool(self.n_experts) and self.fused_experts
+
     def layer(self, i: int) -> "ModelConfig":
         """Layer i's config as its block math and its tensors see it: its head size, rotated
         dimensions, key/value heads and FFN size, and whether it reuses an earlier layer's
@@ -224,7 +244,8 @@ class ModelConfig:
                             else self.n_kv_heads),
                 ffn=self.ffn_per_layer[i] if self.ffn_per_layer else self.ffn,
                 kv_reuse=bool(self.kv_layers) and i >= self.kv_layers,
-                recurrent=bool(self.recurrent_layers) and self.recurrent_layers[i]))
+                recurrent=bool(self.recurrent_layers) and self.recurrent_layers[i],
+                v_from_k=i in self.v_from_k_layers))
         return tuple(out)
 
     @property
@@ -365,6 +386,8 @@ class ModelConfig:
             rope_scale=scale if scaling == "linear" or yarn else 1.0,
             attn_bias="blk.0.attn_q.bias" in names,
             selection_bias=any(n.endswith(".exp_probs_b.bias") for n in names),
+            fused_experts=any(n.endswith(".ffn_gate_up_exps.weight") for n in names),
+            expert_scale=any(n.endswith(".ffn_down_exps.scale") for n in names),
             layer_scale="blk.0.layer_output_scale.weight" in names,
             name=str(md.get("general.name", "")),
             **dataclasses.asdict(family.traits),
@@ -373,6 +396,10 @@ class ModelConfig:
         )
         if family.optional_qk_norm:  # query/key norms where the file has them (GLM-4.5)
             fields["qk_norm"] = "blk.0.attn_q_norm.weight" in names
+        if family.values_from_keys:  # a layer with keys but no attn_v: values are its keys
+            fields["v_from_k_layers"] = tuple(
+                i for i in range(n_layers)
+                if f"blk.{i}.attn_k.weight" in names and f"blk.{i}.attn_v.weight" not in names)
         if family.configure is not None:
             fields.update(family.configure(md, arch, source, fields))
         cfg = cls(**fields)

@@ -211,7 +211,8 @@ def check_values(gf: GGUFFile, cfg: ModelConfig, resident_layers: Collection[int
     spec = spec_for(cfg.architecture, cfg.n_experts)
     skipped = set()
     if not experts and spec.experts is not None:
-        skipped = {f"{p}.weight" for p in (spec.experts.gate, spec.experts.up, spec.experts.down)}
+        e = spec.experts
+        skipped = {f"{p}.weight" for p in (e.gate, e.up, e.gate_up, e.down)}
     names: list[str] = []
     kinds: dict[str, str] = {OUTPUT_NORM: "norm"}
     if embedding:
@@ -270,7 +271,8 @@ def _near(name: str, candidates: Iterable[str]) -> str | None:
 # what a model runs without where the optional tensors of a ModelConfig flag are absent
 _WITHOUT = {"attn_bias": "run without its attention biases",
             "qk_norm": "run without its query/key norms",
-            "selection_bias": "choose its experts without the selection bias"}
+            "selection_bias": "choose its experts without the selection bias",
+            "expert_scale": "weigh its experts without their scales"}
 
 
 def _misnamed(gf: GGUFFile, cfg: ModelConfig, unused: list[str]) -> str | None:

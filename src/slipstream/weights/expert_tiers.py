@@ -1,8 +1,9 @@
 """A mixture of experts placed expert by expert on the CPU: some experts of a layer held in
 RAM, the others read from the GGUF file when a token routes to them (model.moe.ExpertBank).
 
-An expert's bytes in each of the layer's three 3-D tensors (gate, up, down) are one
-contiguous slice (weights.experts), so a cold expert costs three reads. Its linears are then
+An expert's bytes of each projection (gate, up, down) are one contiguous slice of the
+layer's 3-D tensors (weights.experts; gate and up may be the halves of one tensor's), so a
+cold expert costs three reads. Its linears are then
 built by the same function as a resident expert's (weights.experts.expert_linears) from the
 same bytes, so its outputs are bit for bit the resident load's.
 
@@ -41,8 +42,10 @@ ExpertPair = tuple[object, object]
 
 @dataclass(frozen=True)
 class ExpertSlice:
-    """Where one 3-D expert tensor of a layer lies in the file: its first byte, the bytes of
-    one expert, and one expert's byte rows (rows, row_bytes)."""
+    """Where one projection of a layer's experts lies in the file: expert 0's first byte of
+    it, the bytes from one expert to the next in its 3-D tensor, and one expert's byte rows of
+    it (rows, row_bytes): the whole of each expert's block, or half of it where gate and up
+    share a tensor (model.layer_spec.ExpertPart)."""
 
     offset: int
     expert_bytes: int
@@ -51,7 +54,7 @@ class ExpertSlice:
 
     def of(self, e: int) -> tuple[int, int]:
         """(file offset, length) of expert e's bytes."""
-        return self.offset + e * self.expert_bytes, self.expert_bytes
+        return self.offset + e * self.expert_bytes, self.rows * self.row_bytes
 
 
 class ExpertFile:

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .. import kernels, quant
-from ..model.layer_spec import ExpertSpec
+from ..errors import UnsupportedArchitecture
+from ..model.layer_spec import ExpertPart, ExpertSpec
 from ..model.moe import (ExpertRows, MoeWeights, OneTokenSum, ResidentExperts, SharedExpert,
                          expert_ffn, expert_sum)
 from .cpu import PackedDecodeLinear
@@ -80,14 +81,21 @@ def expert_linears(builder: LayerBuilder, raws: list[torch.Tensor], types: list,
     return gate_up, down
 
 
-def shared_expert(spec: ExpertSpec, fields: dict) -> SharedExpert | None:
+def shared_expert(spec: ExpertSpec, fields: dict, act: str = "silu",
+                  post_norm: torch.Tensor | None = None) -> SharedExpert | None:
     """The shared expert of a layer whose linears are built into `fields` (LayerWeights
-    fields by name), or None where the layer has none."""
+    fields by name), or None where the layer has none; `act` its gated product and
+    `post_norm` its output's norm (Gemma 4's dense MLP: GeGLU, post_ffw_norm_1)."""
     gate_up, down = fields.get(spec.shared_gate_up), fields.get(spec.shared_down)
     if gate_up is None or down is None:
+        if fields.get(spec.shared_down) is not None:  # (its gate and up not fused: CUDA)
+            raise UnsupportedArchitecture(
+                f"the shared FFN's gate and up ({spec.shared_gate_up}) could not be built as "
+                f"one linear; their formats differ")
         return None
     # Qwen3.5-MoE's per-token sigmoid gate over the shared expert's output, (hidden,)
-    return SharedExpert(gate_up, down, fields.get(spec.shared_gate))
+    return SharedExpert(gate_up, down, "silu" if act == "swiglu_oai" else act, post_norm,
+                        fields.get(spec.shared_gate))
 
 
 def expert_ops(builder: LayerBuilder) -> tuple[OneTokenSum, ExpertRows]:
@@ -101,19 +109,43 @@ def expert_ops(builder: LayerBuilder) -> tuple[OneTokenSum, ExpertRows]:
 
 def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
                   slots: int | None = None, file: ExpertFile | None = None,
-                  shared: SharedExpert | None = None) -> MoeWeights:
+                  fields: dict | None = None) -> MoeWeights:
     """Layer `p`'s (the `blk.N` prefix) mixture of experts: the router as a float32 matrix
     and every expert's linears (expert_linears); with `slots` (and the model's `file`), only
-    that many experts in RAM, in a TieredExperts bank. `shared`: the layer's shared expert
-    (built with its other linears), which stays in RAM whatever `slots` says."""
+    that many experts in RAM, in a TieredExperts bank. `fields`: the layer's other linears,
+    built already (LayerWeights fields by name), of which the shared expert, which stays in
+    RAM whatever `slots` says."""
     spec, cfg = builder.spec.experts, builder.cfg
     assert spec is not None
+
+    def vector(name: str) -> torch.Tensor | None:
+        """Layer p's float32 vector `name` (a norm, a scale, a bias) where its layer lists it
+        and the file has it, else None."""
+        if name not in builder.shapes or not src.has(f"{p}.{name}"):
+            return None
+        return src.dense(f"{p}.{name}", builder.shapes[name], torch.float32, builder.device)
+
+    act = cfg.ffn_act
+    shared = shared_expert(spec, fields or {}, act, vector(f"{spec.shared_post_norm}.weight"))
     router = src.dense(f"{p}.{spec.router}.weight", builder.shapes[f"{spec.router}.weight"],
                        torch.float32, builder.device)
-    names = [f"{p}.{part}.weight" for part in (spec.gate, spec.up, spec.down)]
-    full = [builder.shapes[f"{part}.weight"] for part in (spec.gate, spec.up, spec.down)]
+    # gate, up and down: each a tensor of its own, or gate and up the halves of one
+    parts = spec.parts(cfg.fused_experts)
+    names = [f"{p}.{part.tensor}.weight" for part in parts]
+    stored = [builder.shapes[f"{part.tensor}.weight"] for part in parts]
+    full = [(s[0], part.rows(s[1]), s[2]) for part, s in zip(parts, stored)]
     types = [src.type_of(n) for n in names]
     shapes = [(s[1], s[2]) for s in full]
+
+    def projections(read: Callable[[str, tuple], torch.Tensor]) -> list[torch.Tensor]:
+        """Each projection's bytes (n_experts, rows, row_bytes), views of its stored tensor's
+        bytes as `read` gives them, each tensor read once (gate_up's halves share it)."""
+        whole = {n: read(n, s) for n, s in zip(names, stored)}
+        out = []
+        for n, part, s, f in zip(names, parts, stored, full):
+            first = part.first(s[1])
+            out.append(whole[n].view(s[0], s[1], -1)[:, first:first + f[1]])
+        return out
     # gpt-oss's router and experts have biases: (n_experts,) and (n_experts, rows), float32
     split = builder.quantized and builder.expert_split is not None
     biased = [part for part in (spec.router, spec.gate, spec.up, spec.down)
@@ -128,23 +160,26 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
         return [biases[part][e] if part in biases else None
                 for part in (spec.gate, spec.up, spec.down)]
 
-    act = "swiglu_oai" if cfg.ffn_act == "swiglu_oai" else "silu"
     if split:  # CUDA, experts split between VRAM slots and the CPU
-        bank = build_split(builder, src, int(p.rsplit(".", 1)[1]), names, full, types, act,
+        slices = [expert_slice(src.gf.tensors[n], part, s)
+                  for n, part, s in zip(names, parts, stored)]
+        bank = build_split(builder, src, int(p.rsplit(".", 1)[1]), projections(src.raw),
+                           slices, full, types, act,
                            [f"{p}.{part}.bias" if part in biased else None
                             for part in (spec.gate, spec.up, spec.down)])
     elif builder.quantized:  # CUDA: every expert in VRAM, each projection's stacked
-        bank = _routed(builder, src, names, full, types,
+        bank = _routed(builder, projections(src.raw), full, types,
                        [biases.get(part) for part in (spec.gate, spec.up, spec.down)], act)
         bank.warm(cfg.hidden, cfg.n_experts_used)
     elif slots is not None:
         assert file is not None
-        bank = _tiered(builder, src, names, full, types, shapes, slots, file, expert_biases,
-                       act)
+        slices = [expert_slice(src.gf.tensors[n], part, s)
+                  for n, part, s in zip(names, parts, stored)]
+        bank = _tiered(builder, projections(src.raw), slices, types, shapes, slots, file,
+                       expert_biases, act)
     else:
-        # bytes viewed (n_experts, rows, row_bytes)
-        raws = [(src.raw_held(n, s) if src.lazy else src.raw(n, s)).view(s[0], s[1], -1)
-                for n, s in zip(names, full)]
+        # bytes viewed (n_experts, rows, row_bytes); each expert's a contiguous slice
+        raws = projections(src.raw_held if src.lazy else src.raw)
         gate_up, down = [], []
         for e in range(cfg.n_experts):
             gu, d = expert_linears(builder, [r[e] for r in raws], types, shapes, src.lazy,
@@ -152,24 +187,31 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
             gate_up.append(gu)
             down.append(d)
         bank = ResidentExperts(gate_up, down, act, *expert_ops(builder))
-    sel = f"{spec.selection_bias}.bias"
-    selection_bias = (src.dense(f"{p}.{sel}", builder.shapes[sel], torch.float32, builder.device)
-                      if sel in builder.shapes and src.has(f"{p}.{sel}") else None)
     return MoeWeights(router, bank, cfg.n_experts_used, normalize=cfg.moe_norm,
                       router_bias=biases.get(spec.router), gating=cfg.moe_gating,
-                      selection_bias=selection_bias, groups=cfg.expert_groups,
-                      groups_used=cfg.expert_groups_used, scale=cfg.moe_scale, shared=shared)
+                      selection_bias=vector(f"{spec.selection_bias}.bias"),
+                      groups=cfg.expert_groups, groups_used=cfg.expert_groups_used,
+                      scale=cfg.moe_scale, shared=shared,
+                      router_scale=vector(spec.router_scale),
+                      expert_scale=vector(spec.expert_scale),
+                      expert_norm=vector(f"{spec.expert_norm}.weight"),
+                      expert_post_norm=vector(f"{spec.expert_post_norm}.weight"))
 
 
-def _tiered(builder: LayerBuilder, src: TensorSource, names: list[str], full: list,
+def expert_slice(info, part: ExpertPart, stored: tuple[int, int, int]) -> ExpertSlice:
+    """Where projection `part`'s bytes of each expert lie in the file, for its stored 3-D
+    tensor (`info`: gguf_file's TensorInfo) of torch shape `stored`."""
+    n_experts, rows = stored[0], stored[1]
+    per = info.n_bytes // n_experts
+    row_bytes = per // rows
+    return ExpertSlice(info.offset + part.first(rows) * row_bytes, per, part.rows(rows),
+                       row_bytes)
+
+
+def _tiered(builder: LayerBuilder, raws_all: list[torch.Tensor], slices: list[ExpertSlice],
             types: list, shapes: list, slots: int, file: ExpertFile,
             expert_biases: Callable[[int], list], act: str) -> TieredExperts:
-    n_experts = full[0][0]
-    slices = []
-    for n, s in zip(names, full):
-        info = src.gf.tensors[n]
-        per = info.n_bytes // n_experts
-        slices.append(ExpertSlice(info.offset, per, s[1], per // s[1]))
+    n_experts = raws_all[0].shape[0]
 
     def make(e: int, raws: list[torch.Tensor]):
         # the bytes are the expert's own (read, or copied below): lazy dense weights may
@@ -180,23 +222,22 @@ def _tiered(builder: LayerBuilder, src: TensorSource, names: list[str], full: li
     held = {}
     for e in range(slots):
         # copies of the map's slices: the model does not read its map after the load
-        raws = [src.raw(n, s).view(s[0], s[1], -1)[e].clone() for n, s in zip(names, full)]
-        held[e] = make(e, raws)
+        held[e] = make(e, [r[e].clone() for r in raws_all])
     one_token, rows = expert_ops(builder)
     return TieredExperts(n_experts, slots, file, slices, make, held, act=act,
                          one_token=one_token, rows=rows)
 
 
-def _routed(builder: LayerBuilder, src: TensorSource, names: list[str], full: list,
+def _routed(builder: LayerBuilder, raws: list[torch.Tensor], full: list,
             types: list, biases: list[torch.Tensor | None], act: str) -> RoutedExperts:
     """The layer's experts on the GPU (weights.routed_experts): the gate, up and down tensors
     packed whole, gate and up interleaved expert by expert into one [gate_e | up_e] stack
-    where their formats agree (one launch for both, as the dense FFN's ffn_gate_up)."""
+    where their formats agree (one launch for both, as the dense FFN's ffn_gate_up).
+    `raws`: the projections' (n_experts, rows, row_bytes) views of the map, each copied to the
+    GPU when packed: one tensor's bytes at a time on the GPU beside its planes (memory.vram's
+    load transient)."""
     n, dev = full[0][0], builder.device
     ws, fuse = builder.workspace, builder.fuse_scales
-    # (n_experts, rows, row_bytes) views of the map, each copied to the GPU when packed: one
-    # tensor's bytes at a time on the GPU beside its planes (memory.vram's load transient)
-    raws = [src.raw(name, s).view(n, s[1], -1) for name, s in zip(names, full)]
     (_, ffn, hidden), (_, out, width) = full[0], full[2]
 
     def stack(raw: torch.Tensor, qtype, rows: int, cols: int, bias) -> RoutedLinear:

@@ -33,7 +33,7 @@ from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
 from .checks import check_tensor_names, check_values
-from .experts import build_experts, shared_expert
+from .experts import build_experts
 from .expert_tiers import ExpertFile
 from .split_build import SplitPlacement, SplitRuntime, SplitSpec
 from .file_bytes import private_file_bytes, release_mapped_pages
@@ -95,9 +95,7 @@ def _expert_elements(spec, cfg: ModelConfig) -> list[int]:
     one at a time (weights.routed_experts); none for a dense layer."""
     if spec.experts is None:
         return []
-    shapes = spec.shapes(cfg)
-    _, ffn, hidden = shapes[f"{spec.experts.gate}.weight"]
-    return [2 * ffn * hidden]
+    return [2 * cfg.expert_ffn * cfg.hidden]
 
 
 def raw_tensor(gf: GGUFFile, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -256,8 +254,7 @@ class LayerBuilder:
                                                      torch.float32, self.device)
         if self.spec.experts is not None:
             slots = self.expert_slots[i] if self.expert_slots is not None else None
-            fields["moe"] = build_experts(self, src, p, slots, self.expert_file,
-                                          shared_expert(self.spec.experts, fields))
+            fields["moe"] = build_experts(self, src, p, slots, self.expert_file, fields)
         for f in dataclasses.fields(LayerWeights):  # the parts a fused-only layout lacks
             fields.setdefault(f.name, None)
         return LayerWeights(**fields)

@@ -53,27 +53,23 @@ class SplitPlacement:
         return SplitSpec(self.vram_slots, self.ram_slots, cpu_builder, runtime)
 
 
-def build_split(builder: LayerBuilder, src: TensorSource, layer: int, names: list[str],
+def build_split(builder: LayerBuilder, src: TensorSource, layer: int,
+                raws: list[torch.Tensor], slices: list[ExpertSlice],
                 full: list[tuple[int, int, int]], types: list, act: str,
                 bias_names: list[str | None]) -> SplitExperts:
-    """Layer `layer`'s split bank: names, full (n_experts, rows, cols) shapes and types of its
-    gate, up and down tensors; bias_names: each one's bias tensor, or None."""
+    """Layer `layer`'s split bank from its gate, up and down projections: their bytes
+    (n_experts, rows, row_bytes) as mapped, where each expert's lies in the file, their full
+    (n_experts, rows, cols) shapes and types; bias_names: each one's bias tensor, or None."""
     from .experts import expert_linears, expert_ops  # experts.py dispatches here
 
     spec: SplitSpec = builder.expert_split
     n = full[0][0]
     v, r = spec.vram_slots[layer], spec.ram_slots[layer]
     cpu = torch.device("cpu")
-    slices, shapes = [], []
-    for name, s in zip(names, full):
-        info = src.gf.tensors[name]
-        per = info.n_bytes // n
-        slices.append(ExpertSlice(info.offset, per, s[1], per // s[1]))
-        shapes.append((s[1], s[2]))
+    shapes = [(s[1], s[2]) for s in full]
     biases = [src.dense(b, (n, s[1]), torch.float32, cpu) if b is not None else None
               for b, s in zip(bias_names, full)]
     layout = ExpertBytes(types, shapes, slices, biases)
-    raws = [src.raw(name, s).view(n, s[1], -1) for name, s in zip(names, full)]
     stacks = None
     if v:
         stacks = SlotStacks(layout, [x[0] for x in raws], v, builder.device,

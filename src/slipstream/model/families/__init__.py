@@ -50,8 +50,10 @@ ARCHITECTURES: dict[str, str] = {arch: style for f in FAMILIES
 # Names of a family's variants that no file carries as its general.architecture (what
 # `slipstream synth --arch` takes beside the architectures) -> the architecture their files
 # carry: Mixtral is a `llama` file with experts; DeepSeek-V2-Lite a `deepseek2` file without
-# a query latent, routed by softmax without a selection bias
-VARIANTS: dict[str, str] = {"mixtral": "llama", "deepseek2-lite": "deepseek2"}
+# a query latent, routed by softmax without a selection bias; Gemma 4's 26B-A4B a `gemma4`
+# file with experts
+VARIANTS: dict[str, str] = {"mixtral": "llama", "deepseek2-lite": "deepseek2",
+                            "gemma4-moe": "gemma4"}
 
 
 def family_for(architecture: str) -> Family:

@@ -91,6 +91,11 @@ class Family:
     # (Qwen3.5-MoE's converter writes only the experts' widths); the experts' width stands in
     ffn_optional: bool = False
 
+    # whether a layer of its files may lack attn_v, its values being its key projection
+    # (ModelConfig.v_from_k_layers: Gemma 4's 31B and 26B-A4B, transformers'
+    # attention_k_eq_v), as its layer spec's `reads_as` says
+    values_from_keys: bool = False
+
     # a check of a file's tensor names beyond the layer spec's (given the config, the names
     # and a name for errors), raising on a layout the family cannot run yet
     check_names: Callable[[Any, Any, str], None] | None = None

@@ -4,7 +4,9 @@ layer is Qwen3's so changed; Mixtral's is Llama's (a `llama` file with `llama.ex
 
 Shapes, torch order, as llama.cpp creates the tensors (GGUF ne reversed):
 - ffn_gate_inp.weight  (n_experts, hidden): the router, one row of logits per expert;
-- ffn_gate_exps.weight (n_experts, expert_ffn, hidden) and ffn_up_exps.weight the same;
+- ffn_gate_exps.weight (n_experts, expert_ffn, hidden) and ffn_up_exps.weight the same, or
+  (newer conversions) both in ffn_gate_up_exps.weight (n_experts, 2 * expert_ffn, hidden),
+  each expert's gate rows then its up rows;
 - ffn_down_exps.weight (n_experts, hidden, expert_ffn).
 """
 
@@ -18,10 +20,14 @@ EXPERTS = ExpertSpec()
 
 EXPERT_TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec(f"{EXPERTS.router}.weight", "weight", lambda c: (c.n_experts, c.hidden)),
+    # gate and up apart, or in one tensor where the file stores them so
+    # (ModelConfig.fused_experts): the layer holds one form or the other
     TensorSpec(f"{EXPERTS.gate}.weight", "weight",
-               lambda c: (c.n_experts, c.expert_ffn, c.hidden)),
+               lambda c: (c.n_experts, c.expert_ffn, c.hidden), when="experts_split"),
     TensorSpec(f"{EXPERTS.up}.weight", "weight",
-               lambda c: (c.n_experts, c.expert_ffn, c.hidden)),
+               lambda c: (c.n_experts, c.expert_ffn, c.hidden), when="experts_split"),
+    TensorSpec(f"{EXPERTS.gate_up}.weight", "weight",
+               lambda c: (c.n_experts, 2 * c.expert_ffn, c.hidden), when="experts_fused"),
     TensorSpec(f"{EXPERTS.down}.weight", "weight",
                lambda c: (c.n_experts, c.hidden, c.expert_ffn)),
 )

@@ -1,4 +1,4 @@
-"""Gemma 4, the dense models (E2B, E4B; the 31B's shared key/value projection is refused):
+"""Gemma 4, the dense models (E2B, E4B, 31B) and the 26B-A4B mixture of experts:
 Gemma 3's block (query/key norms per head,
 post-attention and post-FFN norms, GeGLU, embeddings times sqrt(hidden)) with
 - sliding-window and global layers in a per-layer pattern (`attention.sliding_window_pattern`,
@@ -11,8 +11,10 @@ post-attention and post-FFN norms, GeGLU, embeddings times sqrt(hidden)) with
   (transformers' "proportional" RoPE with partial_rotary_factor 0.25: those pairs turn by 0);
 - an RMSNorm without weight over each value head, and a query scale of 1 (the norms keep
   q.k in range instead);
-- the 31B's global layers have no attn_v: their values are the key projection (before its
-  norm), as transformers' attention_k_eq_v. Not run yet: such files are refused at load;
+- the 31B's (and the 26B-A4B's) global layers have no attn_v: their values are the key
+  projection (before its norm, then the value norm), as transformers' attention_k_eq_v and
+  llama.cpp's gemma4 graph (Vcur = Kcur where wv is absent) compute them: such a layer's
+  fused q/k/v linear reads attn_k's weight again for its value rows (LayerSpec.reads_as);
 - E2B and E4B: the last `attention.shared_kv_layers` layers compute no keys or values of
   their own and attend to those of the last earlier layer of their kind (ModelConfig.kv_source);
   FFN sizes per layer (`feed_forward_length` array: the shared layers' doubled);
@@ -22,19 +24,29 @@ post-attention and post-FFN norms, GeGLU, embeddings times sqrt(hidden)) with
 - each layer's output times its `layer_output_scale` (one number per layer);
 - the logits soft-capped: c * tanh(logits / c), c = `final_logit_softcapping` (30).
 The norms are plain RMSNorms (Gemma 4's weights are stored as they multiply, not as w - 1).
-NEOX RoPE pairing; the head is the token embedding (tied). The 26B-A4B adds a mixture of
-experts to every layer, which slipstream does not run: such files are refused at load.
+NEOX RoPE pairing; the head is the token embedding (tied).
+
+The 26B-A4B (`expert_count` > 0) adds a mixture of experts to every layer beside the dense
+GeGLU MLP, as llama.cpp's gemma4 graph and transformers' Gemma4TextDecoderLayer compute it
+(model.moe's module doc has the formulas): the MLP on ffn_norm(x), normed by
+post_ffw_norm_1; the router on x's unit RMSNorm over sqrt(hidden) times ffn_gate_inp.scale,
+softmax, the top `expert_used_count` renormalised and times each expert's
+ffn_down_exps.scale (transformers' per_expert_scale); the experts (GeGLU,
+`expert_feed_forward_length` wide) on pre_ffw_norm_2(x), their sum normed by
+post_ffw_norm_2; the two added, then post_ffw_norm and the residual as the dense layer's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Mapping
 
 from ...errors import InvalidMetadata, UnsupportedArchitecture
 from ...modelfile.hparams import FIX, md_float, md_int, md_ints
-from ..layer_spec import LayerSpec, LinearGroup, TensorSpec
+from ..layer_spec import ExpertSpec, LayerSpec, LinearGroup, TensorSpec
 from .base import BlockTraits, Family
+from .experts import EXPERT_TENSORS
 from .gemma3 import POST_NORMS
 from .llama import LLAMA_LINEARS, q_dim
 
@@ -42,8 +54,8 @@ PER_LAYER_TOKEN_EMBD = "per_layer_token_embd.weight"  # (vocab, n_layers * per_l
 PER_LAYER_MODEL_PROJ = "per_layer_model_proj.weight"  # (n_layers * per_layer_dim, hidden)
 PER_LAYER_PROJ_NORM = "per_layer_proj_norm.weight"  # (per_layer_dim,)
 ROPE_FREQS = "rope_freqs.weight"  # the global layers' divisors ("proportional" RoPE)
-# metadata of the mixture-of-experts variant, and the tensors of its expert FFN
-MOE_KEYS = ("expert_count", "expert_feed_forward_length")
+# the mixture of experts' pieces (model.moe): the dense MLP is its shared expert
+GEMMA4_EXPERTS = ExpertSpec(shared_gate_up="ffn_gate_up", shared_down="ffn_down")
 
 GEMMA4_TENSORS: tuple[TensorSpec, ...] = (
     TensorSpec("attn_norm.weight", "norm", lambda c: (c.hidden,)),
@@ -69,6 +81,27 @@ GEMMA4_TENSORS: tuple[TensorSpec, ...] = (
 )
 
 
+def _moe_tensors() -> tuple[TensorSpec, ...]:
+    """The 26B-A4B's tensors beside the dense layer's, after ffn_down: the router and its
+    input scale, the experts' norms and the MLP's output norm, the experts (gate and up apart
+    or as one tensor), and each expert's scale (llama.cpp reads it where present)."""
+    e = GEMMA4_EXPERTS
+    return (
+        EXPERT_TENSORS[0],  # the router, (n_experts, hidden)
+        TensorSpec(e.router_scale, "norm", lambda c: (c.hidden,)),
+        TensorSpec(f"{e.expert_norm}.weight", "norm", lambda c: (c.hidden,)),
+        TensorSpec(f"{e.shared_post_norm}.weight", "norm", lambda c: (c.hidden,)),
+        TensorSpec(f"{e.expert_post_norm}.weight", "norm", lambda c: (c.hidden,)),
+        *EXPERT_TENSORS[1:],
+        TensorSpec(e.expert_scale, "norm", lambda c: (c.n_experts,), flag="expert_scale"),
+    )
+
+
+def _with_moe(tensors: tuple[TensorSpec, ...]) -> tuple[TensorSpec, ...]:
+    cut = [t.suffix for t in tensors].index("ffn_down.weight") + 1
+    return tensors[:cut] + _moe_tensors() + tensors[cut:]
+
+
 def extra_tensors(cfg: Any) -> tuple[str, ...]:
     ple = (PER_LAYER_TOKEN_EMBD, PER_LAYER_MODEL_PROJ, PER_LAYER_PROJ_NORM)
     return (ROPE_FREQS, *ple) if cfg.per_layer_dim else (ROPE_FREQS,)
@@ -92,13 +125,6 @@ def configure(md: Mapping[str, Any], arch: str, source: str,
     def key(k: str) -> str:
         return f"{arch}.{k}"
 
-    moe = [k for k in MOE_KEYS if md.get(key(k))]
-    if moe:
-        raise UnsupportedArchitecture(
-            f"{source}: this Gemma 4 file is a mixture-of-experts model ({key(moe[0])} = "
-            f"{md[key(moe[0])]!r}; blk.N.ffn_gate_inp, ffn_gate_up_exps and ffn_down_exps "
-            f"tensors); slipstream runs the dense Gemma 4 models (E2B, E4B, 31B) and has no "
-            f"expert routing yet")
     n, hidden, ctx = base["n_layers"], base["hidden"], base["context_length"]
     swa = _swa_layers(md, arch, source, n)
     if swa[-1]:
@@ -143,7 +169,23 @@ def configure(md: Mapping[str, Any], arch: str, source: str,
         per_layer_dim=md_int(md, key("embedding_length_per_layer_input"), source, 0, 1 << 16,
                              default=0),
         final_softcap=md_float(md, key("final_logit_softcapping"), source, 0.0, 0.0, 1e6),
-        attn_scale=1.0)
+        attn_scale=1.0, **_moe_fields(md, arch, source, base))
+
+
+def _moe_fields(md: Mapping[str, Any], arch: str, source: str,
+                base: Mapping[str, Any]) -> dict[str, Any]:
+    """The 26B-A4B's expert width (`expert_feed_forward_length`, one number or one per layer,
+    equal: slipstream's experts are one width per model), softmax routing renormalised, as
+    llama.cpp's gemma4 graph routes; nothing for a dense file."""
+    if not base.get("n_experts"):
+        return {}
+    widths = set(md_ints(md, f"{arch}.expert_feed_forward_length", source, 1, 1 << 20,
+                         base["n_layers"]))
+    if len(widths) != 1:
+        raise UnsupportedArchitecture(
+            f"{source}: '{arch}.expert_feed_forward_length' holds {sorted(widths)}; "
+            f"slipstream runs experts of one width in every layer")
+    return dict(expert_ffn=widths.pop(), moe_gating="softmax", moe_norm=True)
 
 
 def _check_kv_sources(swa: tuple[bool, ...], kv_layers: int, source: str) -> None:
@@ -157,27 +199,20 @@ def _check_kv_sources(swa: tuple[bool, ...], kv_layers: int, source: str) -> Non
             f"sliding and a global layer; slipstream runs Gemma 4's layouts where they are")
 
 
-def check_names(cfg: Any, names: Any, source: str) -> None:
-    """The 31B's global layers take their values from the key projection (no attn_v;
-    transformers' attention_k_eq_v), with their own key/value head count: not run yet."""
-    for i in range(cfg.n_layers):
-        if (cfg.layer(i).computes_kv and f"blk.{i}.attn_k.weight" in names
-                and f"blk.{i}.attn_v.weight" not in names):
-            raise UnsupportedArchitecture(
-                f"{source}: layer {i} has attn_k but no attn_v: its values are its keys' "
-                f"projection (Gemma 4 31B's attention_k_eq_v), which slipstream does not run "
-                f"yet; E2B and E4B files run")
-
+GEMMA4_LAYER = LayerSpec(
+    tensors=GEMMA4_TENSORS,
+    norms=("attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm",
+           "post_ffw_norm", "post_norm", "layer_output_scale"),
+    linears=LLAMA_LINEARS + (LinearGroup("inp_gate", ("inp_gate",)),
+                             LinearGroup("proj", ("proj",))),
+    reads_as=(("v_from_k", "attn_v", "attn_k"),))
 
 GEMMA4 = Family(
     name="gemma4",
     architectures={"gemma4": "neox"},
-    layer=LayerSpec(
-        tensors=GEMMA4_TENSORS,
-        norms=("attn_norm", "ffn_norm", "attn_q_norm", "attn_k_norm", "post_attention_norm",
-               "post_ffw_norm", "post_norm", "layer_output_scale"),
-        linears=LLAMA_LINEARS + (LinearGroup("inp_gate", ("inp_gate",)),
-                                 LinearGroup("proj", ("proj",)))),
+    layer=GEMMA4_LAYER,
+    moe_layer=dataclasses.replace(GEMMA4_LAYER, tensors=_with_moe(GEMMA4_TENSORS),
+                                  experts=GEMMA4_EXPERTS),
     traits=BlockTraits(qk_norm=True, post_norms=True, ffn_act="gelu_tanh", v_norm=True),
     configure=configure,
     # its CUDA tests (tests/gpu/test_families_gpu.py) failed on an H100: refused until they pass
@@ -186,8 +221,9 @@ GEMMA4 = Family(
     # there); the streamed and "fast" tests' failures are not yet read
     cuda_refused="its CUDA path has not yet matched the CPU engine's logits on a GPU",
     quirks="Gemma 3's block with wider global heads, proportional RoPE, value norms, "
-           "per-layer embeddings, layers sharing keys and values, soft-capped logits",
+           "per-layer embeddings, layers sharing keys and values, soft-capped logits; "
+           "26B-A4B: experts beside the dense MLP, each branch normed on its own",
     varied_layers=True,
     extra_tensors=extra_tensors,
-    check_names=check_names,
+    values_from_keys=True,
 )

@@ -50,7 +50,8 @@ OPTIONAL_SELECTION_BIAS = TensorSpec(SELECTION_BIAS.suffix, "bias", SELECTION_BI
                                      flag="selection_bias", when="n_experts")
 # the experts and the shared expert (held by the layers past the dense ones)
 ROUTED: tuple[TensorSpec, ...] = (
-    *(TensorSpec(t.suffix, t.kind, t.shape, when="n_experts") for t in EXPERT_TENSORS),
+    *(TensorSpec(t.suffix, t.kind, t.shape, when=t.when or "n_experts")
+      for t in EXPERT_TENSORS),
     TensorSpec("ffn_gate_shexp.weight", "weight", lambda c: (shared_ffn(c), c.hidden),
                when="n_shared_experts"),
     TensorSpec("ffn_up_shexp.weight", "weight", lambda c: (shared_ffn(c), c.hidden),
