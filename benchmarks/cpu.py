@@ -30,6 +30,7 @@ kernels: batch-1 matrix-vector products on 70B-sized (8192x8192, 28672x8192, 819
     int4pack (Q4_K)          aten._weight_int4pack_mm_for_cpu, group 32, bf16 scales/zeros
     int4pair (Q8_0)          the int4 kernel on Q8_0's codes split in two nibbles
     int8pack (Q8_0)          aten._weight_int8pack_mm, one bf16 scale per row
+    cb4 (MXFP4, IQ4_XS)      native/cb4_matvec.c on the codebook formats' 4-bit codes
 
 at each thread count of --threads. GB/s counts the bytes a call reads (the layout's codes and
 scales; for dense the matrix), against the machine's memory read rate measured in the same run.
@@ -123,7 +124,8 @@ SHAPES = {
     "8b down 4096x14336": (4096, 14336),
 }
 FORMATS = ("f32 dense", "f16 dense", "bf16 dense", "q4vnni (Q4_K)", "q8vnni (Q8_0)",
-           "int4pack (Q4_K)", "int4pair (Q8_0)", "int8pack (Q8_0)")
+           "int4pack (Q4_K)", "int4pair (Q8_0)", "int8pack (Q8_0)", "cb4 (MXFP4)",
+           "cb4 (IQ4_XS)")
 
 
 def _meta() -> dict:
@@ -157,7 +159,7 @@ def build(fmt: str, rows: int, cols: int, rng: np.random.Generator):
         dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[
             fmt.split()[0]]
         return DenseLinear((0.02 * torch.randn(rows, cols)).to(dtype))
-    qtype = Q.Q4_K if "Q4_K" in fmt else Q.Q8_0
+    qtype = Q[fmt.split("(")[1].rstrip(")")]  # "q4vnni (Q4_K)" -> Q4_K
     raw = torch.from_numpy(random_tensor(qtype, (rows, cols), rng, 0.02)).view(rows, -1)
     return pack_linear(raw, qtype, (rows, cols), kind=fmt.split()[0])
 

@@ -116,3 +116,19 @@ def test_decode_matches_llamacpp_on_the_file(gptoss_mxfp4, qwen3moe_iq4xs):
         assert _expert_kinds(engine) == {"Cb4Linear"}
         err = rel_err(_stepped(engine), llamacpp_logits(path, IDS))
         assert err < tol, f"{path.name}: relative error {err:.2e} against llama.cpp"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", ["IQ4_NL", "IQ4_XS"])
+def test_dense_layers_decode_through_cb4_as_exact_does(quant, tmp_path):
+    """A llama file whose matrices are IQ4_NL or IQ4_XS (IQ4_NL where rows are not whole
+    256-column blocks): every layer's linears decode through cb4, near "exact"."""
+    path = write_synth(tmp_path / "m.gguf", "tiny", quant, n_layers=2, seed=2, std=0.15)
+    exact = cpu_engine(path, precision="exact").forward(IDS, all_logits=True)
+    engine = cpu_engine(path)
+    layer = engine.weights.layers[0]
+    packed = [v.packed for v in vars(layer).values() if isinstance(v, PackedDecodeLinear)]
+    assert packed and all(isinstance(p, Cb4Linear) for p in packed)
+    stepped = _stepped(engine)
+    assert rel_err(stepped, exact) < DEFAULT_REL_TOL
+    assert torch.equal(stepped.argmax(-1), exact.argmax(-1))

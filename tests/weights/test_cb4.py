@@ -203,6 +203,8 @@ def test_kind_choice_stacking_and_refusals(monkeypatch):
         lin.matvec(torch.zeros(1, cols, dtype=torch.float16), torch.empty(1, 32))
     with pytest.raises(ValueError, match="grid must be"):
         Cb4Linear(lin.packed, 32, grid=2)
+    monkeypatch.setenv("SLIPSTREAM_Q4VNNI", "0")  # torch's kernels for the others: none here
+    assert kind_for(Q.IQ4_XS) == "cb4" and kind_for(Q.Q4_K) == "int4pack"
     monkeypatch.setattr("slipstream.weights.cpu.kinds.cb4_available", lambda: False)
     assert kind_for(Q.IQ4_XS) is None  # no native library: dense, as before
 
