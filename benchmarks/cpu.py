@@ -1,6 +1,7 @@
 """The CPU: decode and prefill against llama.cpp, and the speed of the packed CPU kernels.
 
     python benchmarks/cpu.py speed --llama-build ../llama.cpp/build [--threads 2] [--rounds 3]
+        [-m FILE --case CASE --pp 512 --tg 128 --pin-threads --baseline-src ../main/src]
     OMP_NUM_THREADS=2 python benchmarks/cpu.py kernels [--threads 1 2] [--formats q4vnni]
     python benchmarks/cpu.py threads [--compete 1] [--rounds 3]
 
@@ -9,7 +10,9 @@ cpu` against llama.cpp's `llama-bench -p 512 -n 128`, back to back on the same m
 alternating (llama.cpp, slipstream, llama.cpp, ...) so that a shared machine's load falls on
 both; the medians over --rounds. --baseline-src DIR (another checkout's src/) adds that tree's
 `slipstream bench` to every round, right after this tree's: a before/after ratio under the same
-load. Writes RESULTS/DATE-CASE-cpu.json (--case; default: default-cpu).
+load. --pp and --tg set the tests' sizes (default 512 and 128) on both sides; --pin-threads runs
+slipstream on --threads too, as llama-bench's -t (else load() picks the count). Writes
+RESULTS/DATE-CASE-cpu.json (--case; default: default-cpu).
 
 threads: decode (tg64 after a 16-token prompt) at the default thread count, which load() picks
 from the cores other processes leave free, against each explicit -t, back to back and
@@ -27,6 +30,7 @@ kernels: batch-1 matrix-vector products on 70B-sized (8192x8192, 28672x8192, 819
     int4pack (Q4_K)          aten._weight_int4pack_mm_for_cpu, group 32, bf16 scales/zeros
     int4pair (Q8_0)          the int4 kernel on Q8_0's codes split in two nibbles
     int8pack (Q8_0)          aten._weight_int8pack_mm, one bf16 scale per row
+    cb4 (MXFP4, IQ4_XS)      native/cb4_matvec.c on the codebook formats' 4-bit codes
 
 at each thread count of --threads. GB/s counts the bytes a call reads (the layout's codes and
 scales; for dense the matrix), against the machine's memory read rate measured in the same run.
@@ -78,16 +82,24 @@ def slipstream_cli(args: list[str]) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, env=env)
 
 
-def speed(build, model_path, threads, reps, work) -> dict:
+def bench_args(pp: int, tg: int, pin_threads: int | None) -> list[str]:
+    """`slipstream bench`'s test sizes, and -t where the threads are pinned (else load()
+    picks them from the cores other processes leave free)."""
+    return ["--pp", str(pp), "--tg", str(tg)] + (
+        [] if pin_threads is None else ["-t", str(pin_threads)])
+
+
+def speed(build, model_path, threads, reps, work, pp: int = 512, tg: int = 128,
+          pin_threads: int | None = None) -> dict:
     la0 = loadavg()
-    out = subprocess.run([str(build / "bin/llama-bench"), "-m", str(model_path), "-p", "512",
-                          "-n", "128", "-t", str(threads), "-r", str(reps), "-o", "json"],
+    out = subprocess.run([str(build / "bin/llama-bench"), "-m", str(model_path), "-p", str(pp),
+                          "-n", str(tg), "-t", str(threads), "-r", str(reps), "-o", "json"],
                          check=True, capture_output=True, text=True)
     lb = json.loads(out.stdout)
     la1 = loadavg()
     jf = work / "sl_bench.json"
     slipstream_cli(["bench", "-m", str(model_path), "--device", "cpu", "--reps", str(reps),
-                    "--json", str(jf)])
+                    *bench_args(pp, tg, pin_threads), "--json", str(jf)])
     sj = json.loads(jf.read_text())
     la2 = loadavg()
     lc = {}
@@ -112,7 +124,8 @@ SHAPES = {
     "8b down 4096x14336": (4096, 14336),
 }
 FORMATS = ("f32 dense", "f16 dense", "bf16 dense", "q4vnni (Q4_K)", "q8vnni (Q8_0)",
-           "int4pack (Q4_K)", "int4pair (Q8_0)", "int8pack (Q8_0)")
+           "int4pack (Q4_K)", "int4pair (Q8_0)", "int8pack (Q8_0)", "cb4 (MXFP4)",
+           "cb4 (IQ4_XS)")
 
 
 def _meta() -> dict:
@@ -146,7 +159,7 @@ def build(fmt: str, rows: int, cols: int, rng: np.random.Generator):
         dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[
             fmt.split()[0]]
         return DenseLinear((0.02 * torch.randn(rows, cols)).to(dtype))
-    qtype = Q.Q4_K if "Q4_K" in fmt else Q.Q8_0
+    qtype = Q[fmt.split("(")[1].rstrip(")")]  # "q4vnni (Q4_K)" -> Q4_K
     raw = torch.from_numpy(random_tensor(qtype, (rows, cols), rng, 0.02)).view(rows, -1)
     return pack_linear(raw, qtype, (rows, cols), kind=fmt.split()[0])
 
@@ -272,12 +285,14 @@ def sweep_table(doc: dict) -> Table | None:
     return t
 
 
-def baseline_speed(src: Path, model: Path, reps: int, work: Path) -> dict:
+def baseline_speed(src: Path, model: Path, reps: int, work: Path, pp: int = 512,
+                   tg: int = 128, pin_threads: int | None = None) -> dict:
     """`slipstream bench` of the checkout whose package is `src`, as speed() runs this one's."""
     jf = work / "baseline_bench.json"
     env = dict(os.environ, PYTHONPATH=str(src))
     subprocess.run([sys.executable, "-m", "slipstream", "bench", "-m", str(model),
-                    "--device", "cpu", "--reps", str(reps), "--json", str(jf)], check=True,
+                    "--device", "cpu", "--reps", str(reps), *bench_args(pp, tg, pin_threads),
+                    "--json", str(jf)], check=True,
                    capture_output=True, text=True, env=env, cwd=src.parent)
     sj = json.loads(jf.read_text())
     return {"tests": {r["test"]: {"tok_s": r["tok_s"], "tok_s_std": r["tok_s_std"]}
@@ -289,13 +304,15 @@ def speed_cmd(a: argparse.Namespace) -> None:
     model = a.model or DEFAULT_MODEL
     work = Path(tempfile.mkdtemp(prefix="cpu_speed_"))
     rounds = []
+    pin = a.threads if a.pin_threads else None
     for _ in range(a.rounds):
-        r = speed(a.llama_build, model, a.threads, a.reps, work)
+        r = speed(a.llama_build, model, a.threads, a.reps, work, a.pp, a.tg, pin)
         if a.baseline_src is not None:
-            r["baseline"] = baseline_speed(a.baseline_src.resolve(), model, a.reps, work)
+            r["baseline"] = baseline_speed(a.baseline_src.resolve(), model, a.reps, work,
+                                           a.pp, a.tg, pin)
         rounds.append(r)
     summary = {}
-    for test in ("pp512", "tg128"):
+    for test in (f"pp{a.pp}", f"tg{a.tg}"):
         lc = statistics.median(r["llama"][test]["tok_s"] for r in rounds)
         sl = statistics.median(r["slipstream"][test]["tok_s"] for r in rounds)
         summary[test] = {"llama_cpp_tok_s": round(lc, 1), "slipstream_tok_s": round(sl, 1),
@@ -306,6 +323,7 @@ def speed_cmd(a: argparse.Namespace) -> None:
                                  baseline_ratio=round(bl / lc, 3),
                                  speedup_over_baseline=round(sl / bl, 3))
     doc = {"name": "cpu-speed-vs-llamacpp", "model": Path(model).name, "threads": a.threads,
+           "slipstream_threads": "pinned" if a.pin_threads else "default",
            "summary": summary, "rounds": rounds}
     if a.baseline_src is not None:
         doc["baseline_src"] = str(a.baseline_src)
@@ -432,6 +450,10 @@ def main(argv: list[str] | None = None) -> None:
     sp.add_argument("--rounds", type=int, default=3)
     sp.add_argument("--baseline-src", type=Path, default=None,
                     help="another checkout's src/, timed after this one in every round")
+    sp.add_argument("--pp", type=int, default=512, help="prompt tokens of the prefill test")
+    sp.add_argument("--tg", type=int, default=128, help="tokens of the decode test")
+    sp.add_argument("--pin-threads", action="store_true",
+                    help="slipstream on --threads too (default: the count load() picks)")
     mv = sub.add_parser("kernels", help="the packed CPU layouts' matvec speed")
     mv.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     mv.add_argument("--shapes", nargs="*", help="e.g. 8192x8192 4096x4096 (default: all)")

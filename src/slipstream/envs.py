@@ -111,7 +111,8 @@ _register(
            accepts="whitespace-separated -DNAME or -DNAME=VALUE"),
     EnvVar("SLIPSTREAM_Q4VNNI", "1", "fallback",
            "0: the CPU's quantized weights use torch's kernels (int4 for the 4-bit formats and "
-           "Q8_0, int8 for Q6_K) instead of the native VNNI layouts.", _flag, "0 or 1"),
+           "Q8_0, int8 for Q6_K) instead of the native VNNI layouts (MXFP4, IQ4_NL and IQ4_XS, "
+           "which no torch kernel reads, keep cb4).", _flag, "0 or 1"),
     EnvVar("SLIPSTREAM_CPU_IMAGE", "auto", "setting",
            "Whether a resident CPU model reads its packed decode copies from an image file "
            "cached beside the model (`MODEL.slipstream-cpu-resident.*.img`, written at the "

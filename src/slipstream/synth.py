@@ -90,6 +90,11 @@ SHAPES: dict[str, SynthShape] = {
     "8x7b": SynthShape(hidden=4096, ffn=14336, n_layers=32, n_heads=32, n_kv_heads=8,
                        vocab=32000, context=32768, rope_base=1000000.0, n_experts=8,
                        n_experts_used=2),
+    # gpt-oss-20b's (--arch gpt-oss; ship --quant MXFP4): 32 experts as wide as the hidden
+    # state, 4 used, heads of 64
+    "20b-a4b": SynthShape(hidden=2880, ffn=2880, n_layers=24, n_heads=64, n_kv_heads=8,
+                          vocab=201088, context=131072, rope_base=150000.0, head_dim=64,
+                          n_experts=32, n_experts_used=4, expert_ffn=2880),
 }
 
 def file_arch(arch: str) -> str:

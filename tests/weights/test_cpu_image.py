@@ -46,6 +46,12 @@ CASES = {
     ("qwen2", "Q4_K"): dict(attn_qkv=INT4, attn_output=INT4, ffn_gate_up=INT4,
                             ffn_down=INT4),  # q/k/v biases
 }
+CB4 = kind_for(23)  # IQ4_XS (23)'s: cb4 with the native library, else dense
+if CB4 is not None:  # the codebook formats: cb4 (MXFP4's grid named in the kind)
+    CASES[("llama", "IQ4_XS")] = dict(attn_qkv=CB4, attn_output=CB4, ffn_gate_up=CB4,
+                                      ffn_down=CB4)
+    CASES[("llama", "MXFP4")] = dict(attn_qkv="cb4-mx", attn_output="cb4-mx",
+                                     ffn_gate_up="cb4-mx", ffn_down="cb4-mx")
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=lambda c: f"{c[0]}-{c[1]}")
@@ -123,10 +129,13 @@ def test_the_image_is_pack_groups_copy_of_the_files_bytes(model):
         biases = [TensorSource(gf).dense(f"{n}.bias", (s[0],), torch.float32, CPU)
                   if f"{n}.bias" in gf.tensors else None for n, s in zip(names, part_shapes)]
         ref, _ = pack_group(raws, types, part_shapes, biases)
-        assert ref.kind == CASES[case][field] == kind_for(types[0])
+        # (an image names cb4's MXFP4 grid "cb4-mx")
+        assert ref.kind == CASES[case][field].removesuffix("-mx") == kind_for(types[0])
         packed = got.packed
+        if ref.kind == "cb4":
+            assert packed.grid == ref.grid
         planes = {"int8pack": ("codes", "scales"), "q4vnni": ("packed",),
-                  "q8vnni": ("packed",), "q6vnni": ("packed",)}.get(
+                  "q8vnni": ("packed",), "q6vnni": ("packed",), "cb4": ("packed",)}.get(
             ref.kind, ("packed", "scale_zeros"))
         for plane in planes:
             assert torch.equal(getattr(packed, plane), getattr(ref, plane)), (field, plane)

@@ -102,7 +102,9 @@ def _make(w) -> NativeLayer | None:
     (qkv, qkv_bias), (out, _), (gate_up, _), (down, _) = decode
     norms = [n.float().contiguous() for n in (w.attn_norm, w.ffn_norm)]
     packed = [getattr(lin, "packed", None) for lin in linears]
-    descs = tuple(getattr(p, "desc", None) for p in packed)
+    # q4_matvec.c's descriptors only: q6vnni's and cb4's have one too, for other kernels
+    descs = tuple(getattr(p, "desc", None) if getattr(p, "kind", None) in ("q4vnni", "q8vnni")
+                  else None for p in packed)
     if None in descs:
         descs = None
     else:  # the buffers decode_layer writes them into are sized from the config

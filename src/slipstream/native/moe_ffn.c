@@ -6,8 +6,9 @@
  * dispatches a token. On a shared 2-core machine a region waits for its slowest thread, and a
  * thread descheduled by another process holds it for a time slice. Here the k experts are the
  * tasks of one region, taken by the threads as they come free (dynamic), each expert computed
- * whole by one thread: gate/up (q4vnni or q8vnni records, native/q4_matvec.c), SwiGLU in
- * float32, down (q4vnni, q8vnni or q6vnni, native/q6_matvec.c), into its own buffer; then the
+ * whole by one thread: gate/up (q4vnni or q8vnni records, native/q4_matvec.c, or cb4,
+ * native/cb4_matvec.c), SwiGLU in float32, down (q4vnni, q8vnni, q6vnni (native/q6_matvec.c)
+ * or cb4), into its own buffer; then the
  * calling thread adds them up in the order given (the caller's: ascending expert ids), each
  * term w_j y_j rounded once and added once, as `out += y * w` in torch. So a token's bits do not
  * depend on the thread count or on which thread took which expert.
@@ -20,22 +21,27 @@
 #include <omp.h>
 #endif
 
-/* q4_matvec.c's and q6_matvec.c's weights both start with these fields */
+/* q4_matvec.c's, q6_matvec.c's and cb4_matvec.c's weights all start with these fields */
 typedef struct {
     const uint8_t *w;
     int64_t n, k;
 } moe_weight_head;
 
-/* One expert: its gate/up (q4_matvec.c's q4_weight: gate rows, then up rows) and its down
- * (a q4_weight, or with down_q6 a q6_matvec.c q6_weight). */
+/* One expert: its gate/up (gate rows, then up rows) and its down, each a q4_matvec.c
+ * q4_weight unless `layouts` says otherwise (MOE_* bits below). */
 typedef struct {
     const void *gate_up;
     const void *down;
-    int64_t down_q6;
+    int64_t layouts;
 } moe_expert;
+
+#define MOE_DOWN_Q6 1      /* down is a q6_matvec.c q6_weight */
+#define MOE_GATE_UP_CB4 2  /* gate/up is a cb4_matvec.c cb4_weight */
+#define MOE_DOWN_CB4 4     /* down is a cb4_weight */
 
 void ss_q4_matvec(const void *wd, const void *x, void *y, int64_t m, int64_t flags);
 void ss_q6_matvec(const void *wd, const void *x, void *y, int64_t m, int64_t flags);
+void ss_cb4_matvec(const void *wd, const void *x, void *y, int64_t m, int64_t flags);
 void ss_silu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out);
 
 #define MOE_F32 3              /* x and y float32 (the matvecs' flags) */
@@ -64,10 +70,13 @@ int ss_moe_ffn(const moe_expert *const *experts, int64_t k, const float *x, cons
         const moe_expert *e = experts[j];
         const int64_t n = ((const moe_weight_head *)e->down)->k;
         float *gu = scratch + j * per, *act = gu + 2 * units, *y = act + units;
-        ss_q4_matvec(e->gate_up, x, gu, 1, MOE_F32 | MOE_ONE_THREAD);
+        const int64_t f = MOE_F32 | MOE_ONE_THREAD;
+        if (e->layouts & MOE_GATE_UP_CB4) ss_cb4_matvec(e->gate_up, x, gu, 1, f);
+        else ss_q4_matvec(e->gate_up, x, gu, 1, f);
         ss_silu_mul_f32(gu, 1, n, act);
-        if (e->down_q6) ss_q6_matvec(e->down, act, y, 1, MOE_F32 | MOE_ONE_THREAD);
-        else ss_q4_matvec(e->down, act, y, 1, MOE_F32 | MOE_ONE_THREAD);
+        if (e->layouts & MOE_DOWN_Q6) ss_q6_matvec(e->down, act, y, 1, f);
+        else if (e->layouts & MOE_DOWN_CB4) ss_cb4_matvec(e->down, act, y, 1, f);
+        else ss_q4_matvec(e->down, act, y, 1, f);
     }
     for (int64_t i = 0; i < hidden; i++) out[i] = 0.0f;
     for (int64_t j = 0; j < k; j++) {

@@ -1,7 +1,7 @@
 """CPU layer images: a streamed layer packed for the CPU decode kernels, as one flat buffer.
 
 A resident CPU layer at precision="fast" decodes through packed copies of its weights
-(weights.cpu.PackedDecodeLinear: q4vnni, q8vnni, q6vnni, or torch's int4/int8 CPU kernels). A streamed
+(weights.cpu.PackedDecodeLinear: q4vnni, q8vnni, q6vnni, cb4, or torch's int4/int8 CPU kernels). A streamed
 layer computes the
 same way, from an image of those packed copies written once at
 load (memory.image_file.build_cpu_images): per decode pass the disk store reads the image into a staging buffer and
@@ -11,7 +11,7 @@ The image holds exactly what decode reads, made by the resident path's own code 
 GGUF bytes (LayerBuilder.build, then each linear's `.packed`), so a streamed layer gives the
 same bits as a resident one:
 - each linear group (q/k/v fused, gate/up fused, the output and down projections): its packed
-  copy's planes (q4vnni, q8vnni, q6vnni: their records; int4pack, int4pair: codes and bfloat16
+  copy's planes (q4vnni, q8vnni, q6vnni, cb4: their records; int4pack, int4pair: codes and bfloat16
   scale/zero pairs; int8pack: codes and per-row scales) and float32 bias, or, where no packed layout reads its formats (the resident
   layer then decodes dense too), its dense weight at precision.weight_dtype;
 - the norms, float32.
@@ -35,6 +35,7 @@ from ..model.llama import LayerWeights
 from .cpu.decode import PackedDecodeLinear
 from .cpu.groups import INT4_GROUP
 from .cpu.kinds import kind_for, q4vnni_available
+from .cpu.codebook import Cb4Linear, cb4_nbytes
 from .cpu.q6vnni import Q6VnniLinear, q6vnni_nbytes
 from .cpu.torch_kernels import Int4PackLinear, Int4PairLinear, Int8PackLinear
 from .cpu.vnni import Q4VnniLinear, Q8VnniLinear, q4vnni_parts_nbytes, q8vnni_nbytes
@@ -104,6 +105,8 @@ def _linear_tensors(lin) -> tuple[str, int, list[tuple[str, torch.Tensor]]]:
         lin = lin.packed  # packs now (its dense weight where pack_group made no copy)
     if isinstance(lin, (Q4VnniLinear, Q6VnniLinear)):
         planes, kind = [("packed", lin.packed)], lin.kind
+    elif isinstance(lin, Cb4Linear):  # the grid in the kind's name: MXFP4's is "cb4-mx"
+        planes, kind = [("packed", lin.packed)], ("cb4", "cb4-mx")[lin.grid]
     elif isinstance(lin, Int4PackLinear):  # and Int4PairLinear
         planes = [("packed", lin.packed), ("scale_zeros", lin.scale_zeros)]
         kind = lin.kind
@@ -198,6 +201,8 @@ def _packed_linear(name: str, kind: str, rows: int, views: dict[tuple, torch.Ten
     if kind in ("q4vnni", "q8vnni", "q6vnni"):
         cls = {"q4vnni": Q4VnniLinear, "q8vnni": Q8VnniLinear, "q6vnni": Q6VnniLinear}[kind]
         return cls(views[(name, "packed")], rows, bias)
+    if kind in ("cb4", "cb4-mx"):
+        return Cb4Linear(views[(name, "packed")], rows, bias, grid=int(kind == "cb4-mx"))
     if kind in _PACKED:
         return _PACKED[kind](views[(name, "packed")], views[(name, "scale_zeros")], rows, bias)
     raise ValueError(f"an image's linear {name!r} has kind {kind!r}, which no CPU layout is")
@@ -260,6 +265,8 @@ def image_nbytes(gf, cfg, i: int, precision) -> int:
             total += _aligned(q8vnni_nbytes(rows, cols))
         elif kind == "q6vnni":
             total += _aligned(q6vnni_nbytes(rows, cols))
+        elif kind == "cb4":
+            total += _aligned(cb4_nbytes(rows, cols))
         elif kind == "int4pack":
             total += _aligned(padded * cols // 2) + _aligned(cols // INT4_GROUP * padded * 4)
         elif kind == "int4pair":

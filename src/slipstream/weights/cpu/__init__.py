@@ -8,6 +8,8 @@ packed copy of each matrix in one of these layouts (`kind_for` picks; `pack_line
     q4vnni     vnni            Q4_0 Q4_1 Q4_K   5 (Q4_K 4.625)        native/q4_matvec.c
     q8vnni     vnni            Q8_0             8.5                  native/q4_matvec.c
     q6vnni     q6vnni          Q6_K             6.625                native/q6_matvec.c
+    cb4        codebook        MXFP4 IQ4_NL     5                    native/cb4_matvec.c
+                               IQ4_XS
     int4pack   torch_kernels   Q4_0 Q4_1 Q4_K   5                    torch's int4 CPU kernel
     int4pair   torch_kernels   Q8_0             10                   torch's int4 CPU kernel
     int8pack   torch_kernels   Q6_K (any)       8 + 2 bytes a row     torch's int8 CPU kernel
@@ -15,7 +17,8 @@ packed copy of each matrix in one of these layouts (`kind_for` picks; `pack_line
 Where the native library builds, the 4-bit formats take q4vnni and Q8_0 q8vnni (exact weights,
 16-bit activations); elsewhere, or with SLIPSTREAM_Q4VNNI=0, torch's kernels (bfloat16 scales
 and activations). Q6_K takes q6vnni where the library has its AVX-512 VNNI loop (exact weights,
-16-bit activations), else int8pack. A format no layout reads stays dense.
+16-bit activations), else int8pack. The codebook formats (MXFP4, IQ4_NL, IQ4_XS) take cb4
+wherever the native library builds. A format no layout reads stays dense.
 
 All of them answer the Linear protocol (x (m, in) -> (m, out), `residual=`, `out_features`) for
 any m; the packed kernels are meant for decode (m <= 8) and small speculation trees.
@@ -24,8 +27,8 @@ None of these layouts is the GGUF byte layout, so a packed copy costs RAM beside
 of the same rows; `nbytes` (or `packed_nbytes` before building) says how much.
 
 Modules: groups (GGUF blocks as codes and per-group scales, bf16 rounding, shared load-time
-helpers), native_pack (the load-time packers in C), torch_kernels, vnni and q6vnni (the layouts),
-decode (PackedDecodeLinear), kinds (the choice and the builders).
+helpers), native_pack (the load-time packers in C), torch_kernels, vnni, q6vnni and codebook
+(the layouts), decode (PackedDecodeLinear), kinds (the choice and the builders).
 """
 
 from .decode import PackedDecodeLinear, rms_norm_bf16

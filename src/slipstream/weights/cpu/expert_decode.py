@@ -2,8 +2,9 @@
 (model.moe.OneTokenSum) the loader gives a CPU mixture of experts at precision "fast".
 
 Where every expert of the token has its packed decode copies in the native layouts (gate/up
-q4vnni or q8vnni, down q4vnni, q8vnni or q6vnni), no bias, and SwiGLU, the k experts are one
-call: one OpenMP region whose threads take whole experts, float32 between the matvecs. Else
+q4vnni, q8vnni or cb4, down q4vnni, q8vnni, q6vnni or cb4), no bias, and SwiGLU, the k experts
+are one call: one OpenMP region whose threads take whole experts, float32 between the matvecs.
+Else
 (torch's layouts, gpt-oss's clamped SwiGLU and biases, dense weights) model.moe.expert_sum's
 loop, op by op.
 
@@ -22,6 +23,7 @@ import torch
 from ... import native
 from ...model.moe import expert_ffn, expert_sum
 from .decode import PackedDecodeLinear
+from .codebook import Cb4Linear
 from .q6vnni import Q6VnniLinear
 from .vnni import Q4VnniLinear
 
@@ -29,7 +31,13 @@ from .vnni import Q4VnniLinear
 class _Expert(ctypes.Structure):
     """moe_ffn.c's moe_expert."""
     _fields_ = [("gate_up", ctypes.c_void_p), ("down", ctypes.c_void_p),
-                ("down_q6", ctypes.c_int64)]
+                ("layouts", ctypes.c_int64)]
+
+
+# moe_ffn.c's layout bits: a gate/up or down that is not a q4_matvec.c weight
+_DOWN_Q6, _GATE_UP_CB4, _DOWN_CB4 = 1, 2, 4
+_GATE_UP = (Q4VnniLinear, Cb4Linear)
+_DOWN = (Q4VnniLinear, Q6VnniLinear, Cb4Linear)
 
 
 # an expert's descriptor, made once per gate/up linear (None: no native form), kept while the
@@ -44,10 +52,13 @@ def _descriptor(gate_up, down) -> _Expert | None:
     desc = None
     if isinstance(gate_up, PackedDecodeLinear) and isinstance(down, PackedDecodeLinear):
         gu, dn = gate_up.packed, down.packed
-        if (isinstance(gu, Q4VnniLinear) and isinstance(dn, (Q4VnniLinear, Q6VnniLinear))
+        if (isinstance(gu, _GATE_UP) and isinstance(dn, _DOWN)
                 and gu.bias is None and dn.bias is None
                 and gu.out_features == 2 * dn.in_features):
-            desc = _Expert(gu.desc, dn.desc, int(isinstance(dn, Q6VnniLinear)))
+            layouts = (_DOWN_Q6 * isinstance(dn, Q6VnniLinear)
+                       | _GATE_UP_CB4 * isinstance(gu, Cb4Linear)
+                       | _DOWN_CB4 * isinstance(dn, Cb4Linear))
+            desc = _Expert(gu.desc, dn.desc, layouts)
             desc._keep = (gu, dn)  # the descriptors' memory lives as long as this
     _DESCRIPTORS[gate_up] = desc
     return desc
