@@ -198,3 +198,27 @@ def assert_controls_miss(variants, ids, ref, floor: float) -> None:
     for name, engine in variants.items():
         err = rel_err(engine.forward(ids, all_logits=True), ref)
         assert err > floor, (name, err)
+
+
+def assert_disk_streaming_gives_resident_bits(path, precision: str, ids: list[int]) -> None:
+    """A CPU load of `path` whose RAM budget holds one layer (the others read from the file per
+    pass) gives the resident load's logits bit for bit, for decode- and prefill-sized passes,
+    and its greedy tokens."""
+    import slipstream
+
+    resident = slipstream.load(path, device="cpu", ctx=64, precision=precision)
+    n = resident.engine.cfg.n_layers
+    budget = (cpu_budget(path, whole=1, precision="exact") if precision == "exact"
+              else cpu_budget(path, packed=1))
+    streamed = slipstream.load(path, device="cpu", ctx=64, precision=precision,
+                               placement=slipstream.Placement(ram_budget=budget))
+    try:
+        assert streamed.plan.tiers.count("disk") == n - 1, streamed.plan.tiers
+        for prompt in (ids[:8], ids):
+            assert torch.equal(resident.logits(prompt), streamed.logits(prompt))
+        greedy = dict(max_tokens=8, temperature=0)
+        assert [e.id for e in resident.generate(ids[:6], **greedy)] == \
+            [e.id for e in streamed.generate(ids[:6], **greedy)]
+    finally:
+        resident.close()
+        streamed.close()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import slipstream
-from helpers import cpu_budget, cpu_engine, cpu_stages
+from helpers import assert_disk_streaming_gives_resident_bits, cpu_engine, cpu_stages
 from hf_reference import reference_logits as file_model_logits, reference_model
 from slipstream.errors import GGUFError
 from slipstream.model.families import ARCHITECTURES, FAMILIES, BlockTraits, family_for
@@ -158,20 +158,7 @@ def test_streamed_from_disk_gives_the_resident_bits(family_file, tmp_path, preci
     arch, path = family_file
     copy = tmp_path / path.name
     shutil.copy(path, copy)
-    resident = slipstream.load(copy, device="cpu", ctx=64, precision=precision)
-    n = resident.engine.cfg.n_layers
-    budget = (cpu_budget(copy, whole=1, precision="exact") if precision == "exact"
-              else cpu_budget(copy, packed=1))
-    streamed = slipstream.load(copy, device="cpu", ctx=64, precision=precision,
-                               placement=slipstream.Placement(ram_budget=budget))
-    assert streamed.plan.tiers.count("disk") == n - 1, streamed.plan.tiers
-    for prompt in (IDS[:8], IDS):  # decode-sized and prefill-sized passes
-        assert torch.equal(resident.logits(prompt), streamed.logits(prompt))
-    greedy = dict(max_tokens=8, temperature=0)
-    assert [e.id for e in resident.generate(IDS[:6], **greedy)] == \
-        [e.id for e in streamed.generate(IDS[:6], **greedy)]
-    resident.close()
-    streamed.close()
+    assert_disk_streaming_gives_resident_bits(copy, precision, IDS)
 
 
 @pytest.mark.slow

@@ -23,8 +23,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 import slipstream
-from helpers import (assert_decisive_top1, cpu_budget, cpu_engine, cpu_stages, file_config,
-                     rel64)
+from helpers import (assert_decisive_top1, assert_disk_streaming_gives_resident_bits,
+                     cpu_engine, cpu_stages, file_config, rel64)
 from llamacpp_ref import rel_err
 from slipstream.errors import InvalidMetadata, MissingMetadata, RecurrentState, \
     UnsupportedArchitecture
@@ -347,19 +347,7 @@ def test_streamed_from_disk_gives_the_resident_bits(tmp_path, precision):
     streamed weights) give the resident load's logits bit for bit, and its greedy tokens."""
     path = write_synth(tmp_path / "q.gguf", "tiny", "Q8_0", n_layers=N_LAYERS, arch="qwen35",
                        seed=3, std=0.15)
-    resident = slipstream.load(path, device="cpu", ctx=64, precision=precision)
-    budget = (cpu_budget(path, whole=1, precision="exact") if precision == "exact"
-              else cpu_budget(path, packed=1))
-    streamed = slipstream.load(path, device="cpu", ctx=64, precision=precision,
-                               placement=slipstream.Placement(ram_budget=budget))
-    assert streamed.plan.tiers.count("disk") == N_LAYERS - 1, streamed.plan.tiers
-    for prompt in (IDS[:8], IDS):
-        assert torch.equal(resident.logits(prompt), streamed.logits(prompt))
-    greedy = dict(max_tokens=8, temperature=0)
-    assert [e.id for e in resident.generate(IDS[:6], **greedy)] == \
-        [e.id for e in streamed.generate(IDS[:6], **greedy)]
-    resident.close()
-    streamed.close()
+    assert_disk_streaming_gives_resident_bits(path, precision, IDS)
 
 
 @pytest.mark.slow
