@@ -9,15 +9,17 @@ float32 (d has 11 significant bits, s at most 5, a grid value at most 6 (IQ3_XXS
 IQ1's grid + shift 4 (9/8)), so the dequantized weights equal gguf-py's bit for bit and the
 GEMV differs from it only by float32 summation order.
 
-The grid (up to 2048 points x 8 float32, 64 KiB for IQ1) is gathered per weight from a table
-made once per device (quant.iquants.grid); the fields of a group of 4..256 weights are read
-once per weight too, the same address across the group, served from L1. Sign patterns of the
-XXS/XS formats are 7-bit indices into ggml's even-parity table: bit 7 is the parity of bits
-0..6, computed here with three xor-shifts instead of a table.
+Tiles are [BN rows, NG groups of 8 weights, 8 lanes]: 8 weights share one sign pattern
+(and, for IQ2/IQ1, one grid point), so every field of a group (grid index, signs, scale, d)
+is loaded and decoded once per group on [BN, NG, 1] and broadcast over the lanes; per
+weight remain the grid gather (float32 table, up to 2048 points x 8 = 64 KiB for IQ1, made
+once per device by quant.iquants.grid), the sign bit and one multiply. Sign patterns of
+the XXS/XS formats are 7-bit indices into ggml's even-parity table: bit 7 is the parity of
+bits 0..6, computed with three xor-shifts instead of a table.
 
-Tiles: [BN rows, BK weights] per step along K, x (M_PAD, BK) loaded once per step; partial
-sums [M_PAD, BN, BK] reduced once at the end (deterministic, no atomics). Not yet tuned on a
-GPU: the tile sizes below are first guesses sized like gemv.py's float kernel.
+x (M_PAD, NG, 8) is loaded once per step; partial sums [M_PAD, BN, NG] are reduced once at
+the end (deterministic, no atomics). Not yet run nor tuned on a GPU: the tile sizes are first
+guesses sized like gemv.py's float kernel.
 """
 
 from __future__ import annotations
@@ -62,61 +64,64 @@ def _u16(ptr, off, mask):
 
 
 @triton.jit
-def _iq_weights(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, r, e, mask, K,
+def _iq_weights(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, r, g, lane, mask, K,
                 FMT: tl.constexpr):
-    """float32 weights [BN, BK] of plane rows r [BN, 1] at columns e [1, BK] (see the top)."""
-    g8 = e // 8  # the weight's group of 8: one sign pattern; the point of IQ2/IQ1
-    lane = e % 8
-    e32 = e // 32
-    d = tl.load(d_ptr + r * (K // 256) + e // 256, mask=mask, other=0.0).to(tl.float32)
+    """float32 weights [BN, NG, 8] of plane rows r [BN, 1, 1], groups of 8 weights g
+    [1, NG, 1] (column g * 8 + lane), lanes [1, 1, 8]; mask [BN, NG, 1]. Every field shared
+    by a group (grid index, sign pattern, scale, d) is read and decoded once per group, on
+    [BN, NG, 1]; only the grid gather and the sign bit are per weight."""
+    e32 = g // 4  # the group's 32-weight sub-block
+    d = tl.load(d_ptr + r * (K // 256) + g // 32, mask=mask, other=0.0).to(tl.float32)
     neg = lane * 0
     if FMT == _IQ2_XXS or FMT == _IQ3_XXS:
         word = tl.load(hi_ptr + r * (K // 32) + e32, mask=mask, other=0)
-        s7 = (word >> (7 * (g8 % 4))) & 127
-        neg = _ksign_neg(s7, lane)
+        neg = _ksign_neg((word >> (7 * (g % 4))) & 127, lane)
         s4 = ((word >> 28) & 15).to(tl.float32)
         if FMT == _IQ2_XXS:
-            idx = _u8(lo_ptr, r * (K // 8) + g8, mask)
-            g = tl.load(cb_ptr + idx * 8 + lane)
+            idx = _u8(lo_ptr, r * (K // 8) + g, mask)
             scale = d * (0.5 + s4) * 0.25
-        else:
-            idx = _u8(lo_ptr, r * (K // 4) + e // 4, mask)
-            g = tl.load(cb_ptr + idx * 4 + e % 4)
+            w = scale * tl.load(cb_ptr + idx * 8 + lane)
+        else:  # two points of 4 weights per group
+            pts = lo_ptr + r * (K // 4) + 2 * g
+            idx = tl.where(lane < 4, _u8(pts, 0, mask), _u8(pts, 1, mask))
             scale = d * (0.5 + s4) * 0.5
-        w = scale * g
+            w = scale * tl.load(cb_ptr + idx * 4 + lane % 4)
     elif FMT == _IQ2_XS or FMT == _IQ2_S:
         sb = _u8(sc_ptr, r * (K // 32) + e32, mask)
-        s4 = ((sb >> (4 * ((e // 16) % 2))) & 15).to(tl.float32)
+        s4 = ((sb >> (4 * ((g // 2) % 2))) & 15).to(tl.float32)
         if FMT == _IQ2_XS:
-            q = _u16(lo_ptr, r * (K // 8) + g8, mask)
+            q = _u16(lo_ptr, r * (K // 8) + g, mask)
             idx = q & 511
             neg = _ksign_neg(q >> 9, lane)
         else:
             qh = _u8(mn_ptr, r * (K // 32) + e32, mask)
-            idx = _u8(lo_ptr, r * (K // 8) + g8, mask) | (((qh >> (2 * (g8 % 4))) & 3) << 8)
-            neg = (_u8(hi_ptr, r * (K // 8) + g8, mask) >> lane) & 1
-        g = tl.load(cb_ptr + idx * 8 + lane)
-        w = d * (0.5 + s4) * 0.25 * g
+            idx = _u8(lo_ptr, r * (K // 8) + g, mask) | (((qh >> (2 * (g % 4))) & 3) << 8)
+            neg = (_u8(hi_ptr, r * (K // 8) + g, mask) >> lane) & 1
+        scale = d * (0.5 + s4) * 0.25
+        w = scale * tl.load(cb_ptr + idx * 8 + lane)
     elif FMT == _IQ3_S:
-        p4 = e // 4
         qh = _u8(mn_ptr, r * (K // 32) + e32, mask)
-        idx = _u8(lo_ptr, r * (K // 4) + p4, mask) | (((qh >> (p4 % 8)) & 1) << 8)
-        neg = (_u8(hi_ptr, r * (K // 8) + g8, mask) >> lane) & 1
-        sb = _u8(sc_ptr, r * (K // 64) + e // 64, mask)
+        pts = lo_ptr + r * (K // 4) + 2 * g
+        p0 = 2 * (g % 4)  # the group's first point in the sub-block: qh bit p0, then p0 + 1
+        idx0 = _u8(pts, 0, mask) | (((qh >> p0) & 1) << 8)
+        idx1 = _u8(pts, 1, mask) | (((qh >> (p0 + 1)) & 1) << 8)
+        idx = tl.where(lane < 4, idx0, idx1)
+        neg = (_u8(hi_ptr, r * (K // 8) + g, mask) >> lane) & 1
+        sb = _u8(sc_ptr, r * (K // 64) + g // 8, mask)
         s4 = ((sb >> (4 * (e32 % 2))) & 15).to(tl.float32)
-        g = tl.load(cb_ptr + idx * 4 + e % 4)
-        w = d * (1.0 + 2.0 * s4) * g
+        scale = d * (1.0 + 2.0 * s4)
+        w = scale * tl.load(cb_ptr + idx * 4 + lane % 4)
     elif FMT == _IQ1_S:
         qh = _u16(sc_ptr, r * (K // 32) + e32, mask)
-        idx = _u8(lo_ptr, r * (K // 8) + g8, mask) | (((qh >> (3 * (g8 % 4))) & 7) << 8)
+        idx = _u8(lo_ptr, r * (K // 8) + g, mask) | (((qh >> (3 * (g % 4))) & 7) << 8)
         dl = d * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
         delta = tl.where((qh & 0x8000) != 0, -0.125, 0.125)
         w = dl * (tl.load(cb_ptr + idx * 8 + lane) + delta)
     else:  # IQ1_M
-        nib = (_u8(mn_ptr, r * (K // 16) + e // 16, mask) >> (4 * (g8 % 2))) & 15
-        idx = _u8(lo_ptr, r * (K // 8) + g8, mask) | ((nib & 7) << 8)
-        sw = _u16(sc_ptr, r * (K // 64) + e // 64, mask)
-        dl = d * (2 * ((sw >> (3 * ((e // 16) % 4))) & 7) + 1).to(tl.float32)
+        nib = (_u8(mn_ptr, r * (K // 16) + g // 2, mask) >> (4 * (g % 2))) & 15
+        idx = _u8(lo_ptr, r * (K // 8) + g, mask) | ((nib & 7) << 8)
+        sw = _u16(sc_ptr, r * (K // 64) + g // 8, mask)
+        dl = d * (2 * ((sw >> (3 * ((g // 2) % 4))) & 7) + 1).to(tl.float32)
         delta = tl.where((nib & 8) != 0, -0.125, 0.125)
         w = dl * (tl.load(cb_ptr + idx * 8 + lane) + delta)
     return tl.where(neg != 0, -w, w)
@@ -129,6 +134,7 @@ def _gemv_iq_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, y_ptr,
                     BK: tl.constexpr, ROUTED: tl.constexpr = False):
     """y[m, n] = sum_k x[m, k] w[n, k], fp32. ROUTED (M = 1): pair p = program_id(1) reads
     expert ids[p]'s rows (plane rows ids[p] * N ..) and x row p // X_DIV, writes y row p."""
+    NG: tl.constexpr = BK // 8  # groups of 8 weights per step
     row0 = 0
     if ROUTED:  # see gemv.gemv_routed
         p = tl.program_id(1)
@@ -137,33 +143,37 @@ def _gemv_iq_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, y_ptr,
         y_ptr += p * stride_yp
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     rmask = rows < N
-    r2 = (row0 + rows)[:, None]
-    offs_m = tl.arange(0, M_PAD)
-    offs_k = tl.arange(0, BK)
-    acc = tl.zeros([M_PAD, BN, BK], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        kk = k0 + offs_k
-        kmask = kk < K
-        w = _iq_weights(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, r2, kk[None, :],
-                        rmask[:, None] & kmask[None, :], K, FMT)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
-                    mask=(offs_m < M)[:, None] & kmask[None, :], other=0.0).to(tl.float32)
-        acc += w[None, :, :] * x[:, None, :]
-    y = tl.sum(acc, axis=2)
-    tl.store(y_ptr + offs_m[:, None] * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=(offs_m < M)[:, None] & rmask[None, :])
+    r3 = (row0 + rows)[:, None, None]
+    offs_g = tl.arange(0, NG)[None, :, None]
+    lane = tl.arange(0, 8)[None, None, :]
+    offs_m = tl.arange(0, M_PAD)[:, None, None]
+    acc = tl.zeros([M_PAD, BN, NG], dtype=tl.float32)
+    for g0 in range(0, K // 8, NG):
+        g = g0 + offs_g  # [1, NG, 1]
+        gmask = g < K // 8
+        w = _iq_weights(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, r3, g, lane,
+                        rmask[:, None, None] & gmask, K, FMT)  # [BN, NG, 8]
+        x = tl.load(x_ptr + offs_m * stride_xm + g * 8 + lane,
+                    mask=(offs_m < M) & gmask, other=0.0).to(tl.float32)  # [M_PAD, NG, 8]
+        acc += tl.sum(w[None, :, :, :] * x[:, None, :, :], axis=3)
+    y = tl.sum(acc, axis=2)  # [M_PAD, BN]
+    om = tl.arange(0, M_PAD)
+    tl.store(y_ptr + om[:, None] * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty),
+             mask=(om < M)[:, None] & rmask[None, :])
 
 
 @triton.jit
 def _dequant_iq_kernel(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, out_ptr, N, K, stride_on,
                        FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    NG: tl.constexpr = BK // 8
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    kk = tl.program_id(1) * BK + tl.arange(0, BK)
-    mask = (rows < N)[:, None] & (kk < K)[None, :]
-    w = _iq_weights(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, rows[:, None], kk[None, :],
-                    mask, K, FMT)
-    tl.store(out_ptr + rows[:, None] * stride_on + kk[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=mask)
+    r3 = rows[:, None, None]
+    g = tl.program_id(1) * NG + tl.arange(0, NG)[None, :, None]
+    lane = tl.arange(0, 8)[None, None, :]
+    mask = (r3 < N) & (g < K // 8)
+    w = _iq_weights(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, r3, g, lane, mask, K, FMT)
+    tl.store(out_ptr + r3 * stride_on + g * 8 + lane, w.to(out_ptr.dtype.element_ty),
+             mask=mask & (lane < 8))
 
 
 def _planes(packed: PackedWeight) -> tuple[torch.Tensor, ...]:
@@ -180,9 +190,9 @@ def _m_pad(m: int) -> int:
 
 
 def gemv_iq_config(packed: PackedWeight, m: int) -> dict[str, int]:
-    """BK = 256 (one super-block per step: every field of it read by one tile), BN rows so the
-    [M_PAD, BN, BK] partial sums stay at 8192 floats (64 a thread at 4 warps), fewer where N
-    is too small to give ~4 programs per SM (132 on an H100/H200)."""
+    """BK = 256 weights per step (one super-block: its d read by one tile), BN rows so the
+    [M_PAD, BN, BK] products stay at 8192 floats (64 a thread at 4 warps), fewer where N is
+    too small to give ~4 programs per SM (132 on an H100/H200). BK: a multiple of 8."""
     mp = _m_pad(m)
     bn = max(1, 8192 // (mp * 256))
     while bn > 1 and -(-packed.rows // bn) < 4 * 132:
