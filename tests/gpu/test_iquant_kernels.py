@@ -202,6 +202,42 @@ def test_quant_linear_routes_grid_weights(precision: str) -> None:
         assert _rel(y, x.double().cpu().numpy() @ ref.T) <= tol, (precision, m)
 
 
+def test_layer_of_a_grid_file(tmp_path) -> None:
+    """A layer of a tiny IQ3_XXS llama file built for the kernels as a load builds it: its size
+    is what the VRAM planner predicts, and its fused q/k/v and gate/up projections (the
+    formats' planes concatenated by rows) dequantize to gguf-py's tensors stacked."""
+    from slipstream.memory.vram import layer_image_bytes
+    from slipstream.modelfile.config import ModelConfig
+    from slipstream.modelfile.gguf_file import GGUFFile
+    from slipstream.precision import Precision
+    from slipstream.synth import write_synth
+    from slipstream.weights.image import to_image
+    from slipstream.weights.linear import Workspace
+    from slipstream.weights.loader import LayerBuilder, TensorSource
+
+    path = write_synth(tmp_path / "iq3.gguf", "tiny", "IQ3_XXS", seed=3, n_layers=1)
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors), source=path.name)
+    dev = torch.device(DEVICE)
+    builder = LayerBuilder(cfg, dev, Precision.of("exact", dev), workspace=Workspace(dev))
+    builder.quantized = True
+    layer = builder.build(TensorSource(gf), 0)
+    assert to_image(layer, pin=False).nbytes == layer_image_bytes(gf, cfg, 0)
+
+    def weight(part: str) -> np.ndarray:
+        t = gf.tensors[f"blk.0.{part}.weight"]
+        assert t.ggml_type == T.IQ3_XXS
+        w = gguf.quants.dequantize(np.asarray(gf.tensor_bytes(t.name)), T.IQ3_XXS)
+        return np.asarray(w, dtype=np.float64).reshape(t.shape)  # (rows, cols)
+
+    for lin, parts in ((layer.attn_qkv, ("attn_q", "attn_k", "attn_v")),
+                       (layer.ffn_gate_up, ("ffn_gate", "ffn_up"))):
+        ref = np.concatenate([weight(p) for p in parts])
+        assert lin.packed.qtype == T.IQ3_XXS and lin.packed.rows == ref.shape[0]
+        w = kernels.dequantize(lin.packed, torch.float32).double().cpu().numpy()
+        assert np.array_equal(w, ref), parts
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="loads a model on CUDA")
 @pytest.mark.parametrize("mix", ["IQ3_XXS", "IQ2_XXS", "IQ1_M"])
 def test_grid_file_on_cuda_matches_cpu(tmp_path, mix: str) -> None:
