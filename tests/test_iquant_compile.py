@@ -19,7 +19,7 @@ FORMATS = [pytest.param(t, marks=() if t == T.IQ3_XXS else pytest.mark.slow)
            for t in (T.IQ3_XXS, T.IQ2_XXS, T.IQ3_S, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M)]
 # the planes' element types (kernels/pack_iq.py); x bfloat16, y float32
 _PTRS = {"x_ptr": "*bf16", "lo_ptr": "*u8", "hi_ptr": "*i32", "d_ptr": "*fp16",
-         "sc_ptr": "*u8", "mn_ptr": "*u8", "cb_ptr": "*fp32", "y_ptr": "*fp32",
+         "sc_ptr": "*u8", "mn_ptr": "*u8", "cb_ptr": "*i64", "y_ptr": "*fp32",
          "ids_ptr": "*i32", "out_ptr": "*bf16"}
 
 

@@ -170,11 +170,11 @@ def test_wrong_grid_or_lost_plane_fails(monkeypatch) -> None:
     packed, ref = _setup(qt, 3, k, seed=1)
     x = torch.randn(1, k).to(DEVICE)
     yref = x.double().cpu().numpy() @ ref.T
-    right = gemv_iq.iq_grid(qt, packed.device)
+    right = gemv_iq.grid_words(qt, packed.device)
     shuffled = right[torch.randperm(right.shape[0], generator=torch.Generator().manual_seed(0))
                      .to(right.device)].contiguous()
     with monkeypatch.context() as mp:
-        mp.setattr(gemv_iq, "iq_grid", lambda qtype, device: shuffled)
+        mp.setattr(gemv_iq, "grid_words", lambda qtype, device: shuffled)
         assert _rel(kernels.gemv(x, packed, out_dtype=torch.float32), yref) > 0.1
         w = kernels.dequantize(packed, torch.float32).double().cpu().numpy()
         assert not np.array_equal(w, ref)

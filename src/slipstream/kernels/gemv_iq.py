@@ -11,10 +11,10 @@ GEMV differs from it only by float32 summation order.
 
 Tiles are [BN rows, NG groups of 8 weights, 8 lanes]: 8 weights share one sign pattern
 (and, for IQ2/IQ1, one grid point), so every field of a group (grid index, signs, scale, d)
-is loaded and decoded once per group on [BN, NG, 1] and broadcast over the lanes; per
-weight remain the grid gather (float32 table, up to 2048 points x 8 = 64 KiB for IQ1, made
-once per device by quant.iquants.grid), the sign bit and one multiply. Sign patterns of
-the XXS/XS formats are 7-bit indices into ggml's even-parity table: bit 7 is the parity of
+is loaded and decoded once per group on [BN, NG, 1] and broadcast over the lanes, the grid
+points too: a point's 4 or 8 values are bytes of one int64 (grid_words: 16 KiB for IQ1's
+2048 points, made once per device), so per weight remain a byte extract, a conversion, the
+sign bit and the multiplies. Sign patterns of the XXS/XS formats are 7-bit indices into ggml's even-parity table: bit 7 is the parity of
 bits 0..6, computed with three xor-shifts instead of a table.
 
 x (M_PAD, NG, 8) is loaded once per step; partial sums [M_PAD, BN, NG] are reduced once at
@@ -64,6 +64,21 @@ def _u16(ptr, off, mask):
 
 
 @triton.jit
+def _grid8(cb_ptr, idx, lane, OFF: tl.constexpr):
+    """Grid value `lane` of 8-wide points idx [BN, NG, 1] -> float32 [BN, NG, 8]: one 8-byte
+    load per point (grid_words), a byte per lane."""
+    v = tl.load(cb_ptr + idx)
+    return (((v >> (8 * lane)) & 0xFF) - OFF).to(tl.float32)
+
+
+@triton.jit
+def _grid4x2(cb_ptr, idx0, idx1, lane):
+    """The 8 weights of two 4-wide points idx0, idx1 [BN, NG, 1] -> float32 [BN, NG, 8]."""
+    v = tl.where(lane < 4, tl.load(cb_ptr + idx0), tl.load(cb_ptr + idx1))
+    return ((v >> (8 * (lane % 4))) & 0xFF).to(tl.float32)
+
+
+@triton.jit
 def _iq_weights(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, r, g, lane, mask, K,
                 FMT: tl.constexpr):
     """float32 weights [BN, NG, 8] of plane rows r [BN, 1, 1], groups of 8 weights g
@@ -80,12 +95,11 @@ def _iq_weights(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, r, g, lane, mask,
         if FMT == _IQ2_XXS:
             idx = _u8(lo_ptr, r * (K // 8) + g, mask)
             scale = d * (0.5 + s4) * 0.25
-            w = scale * tl.load(cb_ptr + idx * 8 + lane)
+            w = scale * _grid8(cb_ptr, idx, lane, 0)
         else:  # two points of 4 weights per group
             pts = lo_ptr + r * (K // 4) + 2 * g
-            idx = tl.where(lane < 4, _u8(pts, 0, mask), _u8(pts, 1, mask))
             scale = d * (0.5 + s4) * 0.5
-            w = scale * tl.load(cb_ptr + idx * 4 + lane % 4)
+            w = scale * _grid4x2(cb_ptr, _u8(pts, 0, mask), _u8(pts, 1, mask), lane)
     elif FMT == _IQ2_XS or FMT == _IQ2_S:
         sb = _u8(sc_ptr, r * (K // 32) + e32, mask)
         s4 = ((sb >> (4 * ((g // 2) % 2))) & 15).to(tl.float32)
@@ -98,32 +112,31 @@ def _iq_weights(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, r, g, lane, mask,
             idx = _u8(lo_ptr, r * (K // 8) + g, mask) | (((qh >> (2 * (g % 4))) & 3) << 8)
             neg = (_u8(hi_ptr, r * (K // 8) + g, mask) >> lane) & 1
         scale = d * (0.5 + s4) * 0.25
-        w = scale * tl.load(cb_ptr + idx * 8 + lane)
+        w = scale * _grid8(cb_ptr, idx, lane, 0)
     elif FMT == _IQ3_S:
         qh = _u8(mn_ptr, r * (K // 32) + e32, mask)
         pts = lo_ptr + r * (K // 4) + 2 * g
         p0 = 2 * (g % 4)  # the group's first point in the sub-block: qh bit p0, then p0 + 1
         idx0 = _u8(pts, 0, mask) | (((qh >> p0) & 1) << 8)
         idx1 = _u8(pts, 1, mask) | (((qh >> (p0 + 1)) & 1) << 8)
-        idx = tl.where(lane < 4, idx0, idx1)
         neg = (_u8(hi_ptr, r * (K // 8) + g, mask) >> lane) & 1
         sb = _u8(sc_ptr, r * (K // 64) + g // 8, mask)
         s4 = ((sb >> (4 * (e32 % 2))) & 15).to(tl.float32)
         scale = d * (1.0 + 2.0 * s4)
-        w = scale * tl.load(cb_ptr + idx * 4 + lane % 4)
+        w = scale * _grid4x2(cb_ptr, idx0, idx1, lane)
     elif FMT == _IQ1_S:
         qh = _u16(sc_ptr, r * (K // 32) + e32, mask)
         idx = _u8(lo_ptr, r * (K // 8) + g, mask) | (((qh >> (3 * (g % 4))) & 7) << 8)
         dl = d * (2 * ((qh >> 12) & 7) + 1).to(tl.float32)
         delta = tl.where((qh & 0x8000) != 0, -0.125, 0.125)
-        w = dl * (tl.load(cb_ptr + idx * 8 + lane) + delta)
+        w = dl * (_grid8(cb_ptr, idx, lane, 1) + delta)
     else:  # IQ1_M
         nib = (_u8(mn_ptr, r * (K // 16) + g // 2, mask) >> (4 * (g % 2))) & 15
         idx = _u8(lo_ptr, r * (K // 8) + g, mask) | ((nib & 7) << 8)
         sw = _u16(sc_ptr, r * (K // 64) + g // 8, mask)
         dl = d * (2 * ((sw >> (3 * ((g // 2) % 4))) & 7) + 1).to(tl.float32)
         delta = tl.where((nib & 8) != 0, -0.125, 0.125)
-        w = dl * (tl.load(cb_ptr + idx * 8 + lane) + delta)
+        w = dl * (_grid8(cb_ptr, idx, lane, 1) + delta)
     return tl.where(neg != 0, -w, w)
 
 
@@ -176,13 +189,32 @@ def _dequant_iq_kernel(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, out_ptr, N
              mask=mask & (lane < 8))
 
 
+_grid_words: dict[tuple[T, torch.device], torch.Tensor] = {}
+
+
+def grid_words(qt: T, device: torch.device) -> torch.Tensor:
+    """Format qt's grid as int64 (points,), made once per device: value j of a point in byte j,
+    as an unsigned integer (IQ1's -1, 0, 1 stored + 1; IQ2's 8..43 and IQ3's 1..62 as they
+    are), so a kernel reads a point with one load instead of 4 or 8 float32 gathers."""
+    key = (qt, device)
+    if key not in _grid_words:
+        values = iq_grid(qt, torch.device("cpu")).to(torch.int64)  # (points, 4 or 8), exact
+        values = values + (1 if qt in (T.IQ1_S, T.IQ1_M) else 0)
+        if values.min() < 0 or values.max() > 127:
+            raise ValueError(f"{qt.name} grid values {values.min()}..{values.max()} do not fit "
+                             f"a byte each")
+        shifts = 8 * torch.arange(values.shape[1], dtype=torch.int64)
+        _grid_words[key] = (values << shifts).sum(1).to(device)
+    return _grid_words[key]
+
+
 def _planes(packed: PackedWeight) -> tuple[torch.Tensor, ...]:
     """lo, hi, d, sc, mn and the grid table; a plane the format lacks is passed as lo (its
     kernel branch never reads it)."""
     dummy = packed.lo
     return (packed.lo, *(p if p is not None else dummy for p in (packed.hi, packed.d,
                                                                    packed.sc, packed.mn)),
-            iq_grid(packed.qtype, packed.device))
+            grid_words(packed.qtype, packed.device))
 
 
 def _m_pad(m: int) -> int:
