@@ -159,20 +159,33 @@ def _gemv_iq_kernel(x_ptr, lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, y_ptr,
     r3 = (row0 + rows)[:, None, None]
     offs_g = tl.arange(0, NG)[None, :, None]
     lane = tl.arange(0, 8)[None, None, :]
-    offs_m = tl.arange(0, M_PAD)[:, None, None]
-    acc = tl.zeros([M_PAD, BN, NG], dtype=tl.float32)
-    for g0 in range(0, K // 8, NG):
-        g = g0 + offs_g  # [1, NG, 1]
-        gmask = g < K // 8
-        w = _iq_weights(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, r3, g, lane,
-                        rmask[:, None, None] & gmask, K, FMT)  # [BN, NG, 8]
-        x = tl.load(x_ptr + offs_m * stride_xm + g * 8 + lane,
-                    mask=(offs_m < M) & gmask, other=0.0).to(tl.float32)  # [M_PAD, NG, 8]
-        acc += tl.sum(w[None, :, :, :] * x[:, None, :, :], axis=3)
-    y = tl.sum(acc, axis=2)  # [M_PAD, BN]
     om = tl.arange(0, M_PAD)
-    tl.store(y_ptr + om[:, None] * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty),
-             mask=(om < M)[:, None] & rmask[None, :])
+    if M_PAD == 1:  # decode: products summed in place, one reduction at the end (a sum per
+        # step costs shuffles and a shared-memory layout change per step in the SASS)
+        acc1 = tl.zeros([BN, NG, 8], dtype=tl.float32)
+        for g0 in range(0, K // 8, NG):
+            g = g0 + offs_g  # [1, NG, 1]
+            gmask = g < K // 8
+            w = _iq_weights(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, r3, g, lane,
+                            rmask[:, None, None] & gmask, K, FMT)  # [BN, NG, 8]
+            x = tl.load(x_ptr + g * 8 + lane, mask=gmask, other=0.0).to(tl.float32)
+            acc1 += w * x
+        y1 = tl.sum(tl.sum(acc1, axis=2), axis=1)  # [BN]
+        tl.store(y_ptr + rows, y1.to(y_ptr.dtype.element_ty), mask=rmask)
+    else:
+        offs_m = om[:, None, None]
+        acc = tl.zeros([M_PAD, BN, NG], dtype=tl.float32)
+        for g0 in range(0, K // 8, NG):
+            g = g0 + offs_g  # [1, NG, 1]
+            gmask = g < K // 8
+            w = _iq_weights(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, r3, g, lane,
+                            rmask[:, None, None] & gmask, K, FMT)  # [BN, NG, 8]
+            x = tl.load(x_ptr + offs_m * stride_xm + g * 8 + lane,
+                        mask=(offs_m < M) & gmask, other=0.0).to(tl.float32)  # [M_PAD, NG, 8]
+            acc += tl.sum(w[None, :, :, :] * x[:, None, :, :], axis=3)
+        y = tl.sum(acc, axis=2)  # [M_PAD, BN]
+        tl.store(y_ptr + om[:, None] * stride_ym + rows[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=(om < M)[:, None] & rmask[None, :])
 
 
 @triton.jit
@@ -223,10 +236,12 @@ def _m_pad(m: int) -> int:
 
 def gemv_iq_config(packed: PackedWeight, m: int) -> dict[str, int]:
     """BK = 256 weights per step (one super-block: its d read by one tile), BN rows so the
-    [M_PAD, BN, BK] products stay at 8192 floats (64 a thread at 4 warps), fewer where N is
-    too small to give ~4 programs per SM (132 on an H100/H200). BK: a multiple of 8."""
+    [M_PAD, BN, BK] products stay at 8192 floats (64 a thread at 4 warps; m = 1: BN = 16, as
+    the per-group decoding is spread over more rows: the SASS of the IQ2_XXS loop for sm_90
+    counts 16.3 thread instructions a weight at BN = 4, 12.5 at 16), fewer where N is too
+    small to give ~4 programs per SM (132 on an H100/H200). BK: a multiple of 8."""
     mp = _m_pad(m)
-    bn = max(1, 8192 // (mp * 256))
+    bn = 16 if mp == 1 else max(1, 8192 // (mp * 256))
     while bn > 1 and -(-packed.rows // bn) < 4 * 132:
         bn //= 2
     return {"BN": bn, "BK": 256, "num_warps": 4}
