@@ -31,8 +31,8 @@ import triton
 import triton.language as tl
 from gguf import GGMLQuantizationType as T
 
-from ..quant.iquants import grid as iq_grid
 from .pack import PackedWeight
+from .pack_iq import grid_words
 
 _IQ2_XXS = tl.constexpr(int(T.IQ2_XXS))
 _IQ2_XS = tl.constexpr(int(T.IQ2_XS))
@@ -200,25 +200,6 @@ def _dequant_iq_kernel(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, out_ptr, N
     w = _iq_weights(lo_ptr, hi_ptr, d_ptr, sc_ptr, mn_ptr, cb_ptr, r3, g, lane, mask, K, FMT)
     tl.store(out_ptr + r3 * stride_on + g * 8 + lane, w.to(out_ptr.dtype.element_ty),
              mask=mask & (lane < 8))
-
-
-_grid_words: dict[tuple[T, torch.device], torch.Tensor] = {}
-
-
-def grid_words(qt: T, device: torch.device) -> torch.Tensor:
-    """Format qt's grid as int64 (points,), made once per device: value j of a point in byte j,
-    as an unsigned integer (IQ1's -1, 0, 1 stored + 1; IQ2's 8..43 and IQ3's 1..62 as they
-    are), so a kernel reads a point with one load instead of 4 or 8 float32 gathers."""
-    key = (qt, device)
-    if key not in _grid_words:
-        values = iq_grid(qt, torch.device("cpu")).to(torch.int64)  # (points, 4 or 8), exact
-        values = values + (1 if qt in (T.IQ1_S, T.IQ1_M) else 0)
-        if values.min() < 0 or values.max() > 127:
-            raise ValueError(f"{qt.name} grid values {values.min()}..{values.max()} do not fit "
-                             f"a byte each")
-        shifts = 8 * torch.arange(values.shape[1], dtype=torch.int64)
-        _grid_words[key] = (values << shifts).sum(1).to(device)
-    return _grid_words[key]
 
 
 def _planes(packed: PackedWeight) -> tuple[torch.Tensor, ...]:

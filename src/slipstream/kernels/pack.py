@@ -45,7 +45,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from ..errors import GGUFError, UnsupportedTensorType
 from ..quant.codebook import IQ4NL_VALUES, MXFP4_VALUES, e8m0_half, iq4_xs_scales
-from .pack_iq import IQ_PLANES, pack_iq_blocks
+from .pack_iq import IQ_PLANES, grid_words, pack_iq_blocks
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,8 @@ def pack_weight(raw: torch.Tensor, qtype: T | int | str, rows: int, cols: int) -
         return PackedWeight(qt, rows, cols, lo=w, gguf_bytes=nbytes)
 
     spec = QSPECS[qt]
+    if spec.iq:
+        grid_words(qt, raw.device)  # the kernels' grid table, made now (see grid_words)
     parts: list[dict[str, torch.Tensor]] = []
     step = pack_chunk_rows(rows, cols)
     for r0 in range(0, rows, step):

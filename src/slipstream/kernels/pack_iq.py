@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType as T
 
+from ..quant.iquants import grid as iq_grid
+
 # plane -> bytes per 256 weights, in the order pack_iq_blocks makes them (memory/vram.py sums
 # these for the VRAM planner)
 IQ_PLANES: dict[T, dict[str, int]] = {
@@ -80,3 +82,23 @@ def pack_iq_blocks(qt: T, b: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"lo": b[:, 0:32], "mn": b[:, 32:48], "sc": _as(b[:, 48:56], torch.int16),
                 "d": _iq1_m_d(b[:, 48:56])}
     raise ValueError(f"{qt.name} is not an i-quant grid format")
+
+
+_grid_words: dict[tuple[T, torch.device], torch.Tensor] = {}
+
+
+def grid_words(qt: T, device: torch.device) -> torch.Tensor:
+    """Format qt's grid as int64 (points,) on `device`, made once per device (pack_weight
+    makes it with the first weight, so no launch inside a CUDA graph capture copies it):
+    value j of a point in byte j, unsigned (IQ1's -1, 0, 1 stored + 1; IQ2's 8..43 and IQ3's
+    1..62 as they are), so a kernel reads a point with one load, not 4 or 8 gathers."""
+    key = (qt, device)
+    if key not in _grid_words:
+        values = iq_grid(qt, torch.device("cpu")).to(torch.int64)  # (points, 4 or 8), exact
+        values = values + (1 if qt in (T.IQ1_S, T.IQ1_M) else 0)
+        if values.min() < 0 or values.max() > 255:
+            raise ValueError(f"{qt.name} grid values {values.min()}..{values.max()} do not fit "
+                             f"a byte each")
+        shifts = 8 * torch.arange(values.shape[1], dtype=torch.int64)
+        _grid_words[key] = (values << shifts).sum(1).to(device)
+    return _grid_words[key]
