@@ -242,18 +242,23 @@ def test_layer_of_a_grid_file(tmp_path) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="loads a model on CUDA")
-@pytest.mark.parametrize("mix", ["IQ3_XXS", "IQ2_XXS", "IQ1_M"])
-def test_grid_file_on_cuda_matches_cpu(tmp_path, mix: str) -> None:
-    """A tiny llama file with its layer matrices in the format: the CUDA engine at "exact"
-    against the CPU engine's logits (the bound of tests/gpu/test_families_gpu.py)."""
+@pytest.mark.parametrize("arch, mix", [("llama", "IQ3_XXS"), ("llama", "IQ2_XXS"),
+                                       ("llama", "IQ1_M"), ("qwen3moe", "IQ3_S"),
+                                       ("mixtral", "IQ2_XS")])
+def test_grid_file_on_cuda_matches_cpu(tmp_path, monkeypatch, arch: str, mix: str) -> None:
+    """A tiny file with its layer matrices (experts too: the routed GEMV) in the format: the
+    CUDA engine at "exact" against the CPU engine's logits (the bound of
+    tests/gpu/test_families_gpu.py)."""
     import slipstream
     from helpers import rel64, streamed_logits
     from slipstream.synth import write_synth
 
-    path = write_synth(tmp_path / f"{mix}.gguf", "tiny", mix, seed=3, std=0.02, n_layers=2)
+    monkeypatch.setenv("SLIPSTREAM_CUDA_MOE", "1")  # the experts' CUDA path is opt-in
+    path = write_synth(tmp_path / f"{arch}-{mix}.gguf", "tiny", mix, arch=arch, seed=3,
+                       std=0.02, n_layers=2)
     cpu = slipstream.load(path, device="cpu", ctx=256, precision="exact")
     gpu = slipstream.load(path, device="cuda", ctx=256, precision="exact")
     for a, b in zip(streamed_logits(cpu), streamed_logits(gpu)):
-        assert rel64(b, a) < 1e-2, mix
+        assert rel64(b, a) < 1e-2, (arch, mix)
     cpu.close()
     gpu.close()
