@@ -5,8 +5,8 @@ Every weight is rebuilt in float32 from its fields (pack_iq.py's planes) as gguf
 w = (d * s) * grid[idx][j] * sign, or for IQ1 (d * s) * (grid[idx][j] + shift), where d is the
 f16 super-block scale, s the sub-block's odd integer factor ((0.5 + s4) / 4 is (2 s4 + 1) / 8
 for IQ2, / 4 for IQ3_XXS; 1 + 2 s4 for IQ3_S; 2 s3 + 1 for IQ1). Each such weight is exact in
-float32 (d has 11 significant bits, s at most 5, a grid value at most 6 (IQ3_XXS: up to 62),
-IQ1's grid + shift 4 (9/8)), so the dequantized weights equal gguf-py's bit for bit and the
+float32 (d has 11 significant bits, s at most 5, a grid value at most 6 (43 = 101011b),
+IQ1's grid + shift at most 4 (9/8 = 1.001b): 22 of float32's 24), so the dequantized weights equal gguf-py's bit for bit and the
 GEMV differs from it only by float32 summation order.
 
 Tiles are [BN rows, NG groups of 8 weights, 8 lanes]: 8 weights share one sign pattern
@@ -14,11 +14,12 @@ Tiles are [BN rows, NG groups of 8 weights, 8 lanes]: 8 weights share one sign p
 is loaded and decoded once per group on [BN, NG, 1] and broadcast over the lanes, the grid
 points too: a point's 4 or 8 values are bytes of one int64 (grid_words: 16 KiB for IQ1's
 2048 points, made once per device), so per weight remain a byte extract, a conversion, the
-sign bit and the multiplies. Sign patterns of the XXS/XS formats are 7-bit indices into ggml's even-parity table: bit 7 is the parity of
-bits 0..6, computed with three xor-shifts instead of a table.
+sign bit and the multiplies. Sign patterns of the XXS/XS formats are 7-bit indices into
+ggml's even-parity table: bit 7 is the parity of bits 0..6, computed with three xor-shifts
+instead of a table.
 
-x (M_PAD, NG, 8) is loaded once per step; partial sums [M_PAD, BN, NG] are reduced once at
-the end (deterministic, no atomics). Not yet run nor tuned on a GPU: the tile sizes are first
+x (M_PAD, NG, 8) is loaded once per step; products are summed in place ([BN, NG, 8] at
+m = 1, [M_PAD, BN, NG] above) and reduced once at the end (deterministic, no atomics). Not yet run nor tuned on a GPU: the tile sizes are first
 guesses sized like gemv.py's float kernel.
 """
 
