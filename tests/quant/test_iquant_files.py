@@ -1,6 +1,7 @@
 """Whole models in the i-quant grid formats: `slipstream synth` writes them (random codes, sane
 scales), the CPU engine runs them at precision="exact" as llama.cpp (llama-cpp-python, CPU)
-runs the same file, and a CUDA load says which formats it cannot take.
+runs the same file, and the CUDA check before a load takes them (their GPU kernels:
+tests/gpu/test_iquant_kernels.py).
 
 llama.cpp's CPU matmuls on these formats quantize the activations to 8 bits (Q8_K blocks of
 256), which is all that separates the two here: on 2-layer tiny llama files at weight std 0.02
@@ -108,10 +109,20 @@ def test_llamacpp_tells_a_wrong_format_apart(grid_file, monkeypatch) -> None:
     assert rel_err(wrong, ref) > 10 * REL_TOL
 
 
-def test_cuda_refuses_the_grid_formats_by_name(grid_file) -> None:
+def test_cuda_takes_the_grid_formats(grid_file) -> None:
     """Checked before the plan, so this runs without a GPU: a torch.device names CUDA
     without touching it."""
+    for mix in ("IQ2_XXS", "IQ1_M"):
+        check_types_device(GGUFFile(grid_file(mix)), torch.device("cuda"))
+
+
+def test_cuda_names_a_format_the_cpu_reads_but_no_kernel_does(grid_file, monkeypatch) -> None:
+    """A format the CPU reads without a GPU kernel (IQ2_XXS taken out of the kernels' list)
+    is named, with the way to run it."""
+    from slipstream.kernels import pack
+
     gf = GGUFFile(grid_file("IQ2_XXS"))
+    monkeypatch.setattr(pack, "SUPPORTED", tuple(t for t in pack.SUPPORTED if t != T.IQ2_XXS))
     with pytest.raises(UnsupportedTensorType, match=r"tensor type IQ2_XXS has no GPU kernel.*"
                                                     r"device='cpu'"):
         check_types_device(gf, torch.device("cuda"))

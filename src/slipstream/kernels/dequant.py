@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .gemv import MAX_M, _scale_min, _table, gemv
+from .gemv_iq import dequantize_iq
 from .pack import FLOAT_DTYPES, PackedWeight
 from .qgemm import MAX_M as QGEMM_MAX_M, qgemm, supports as qgemm_supports
 from .qgemm import MIN_M as QGEMM_MIN_M  # noqa: F401 (kernels.QGEMM_MIN_M)
@@ -84,6 +85,8 @@ def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.bfloat16,
         out.copy_(packed.lo)
         return out
     spec = packed.spec
+    if spec.iq:
+        return dequantize_iq(packed, out)
     nut = k // 32
     bn, nu = 8, 16
     dummy = packed.lo

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemv_iq import gemv_iq, gemv_iq_routed
 from .pack import FLOAT_DTYPES, PackedWeight, grid_table
 
 MAX_M = 8  # rows of x the fused GEMV takes; matmul() dequantizes + cuBLAS above this
@@ -353,6 +354,8 @@ def gemv(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None,
     n = packed.rows
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
+    if packed.spec is not None and packed.spec.iq:  # the grid formats' own kernel and tiles
+        return gemv_iq(x, packed, out, config)
     cfg = dict(config or gemv_config(packed, m))
     warps = cfg.pop("num_warps", 4)
     grid = (triton.cdiv(n, cfg["BN"]),)
@@ -422,6 +425,8 @@ def gemv_routed(x: torch.Tensor, packed: PackedWeight, ids: torch.Tensor, n_expe
     p = ids.shape[0]
     if out is None:
         out = torch.empty(p, n, device=x.device, dtype=out_dtype or x.dtype)
+    if packed.spec is not None and packed.spec.iq:
+        return gemv_iq_routed(x, packed, ids, n, x_div, out)
     # tiles as for one weight of every pair's rows (n * P): the grid holds P experts' blocks,
     # so BN need not shrink to give each SM enough programs (gemv_config)
     cfg = dict(gemv_config(replace(packed, rows=n * p), 1))

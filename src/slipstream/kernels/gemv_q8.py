@@ -327,8 +327,9 @@ def rms_norm_q8(x: torch.Tensor, weight: torch.Tensor, eps: float
 
 def supports(packed: PackedWeight) -> bool:
     """Quantized formats with integer codes only: float weights have none to feed dp4a, and
-    the codebook formats' codes index a grid (they take gemv.py's float32 GEMV instead)."""
-    return packed.qtype not in FLOAT_DTYPES and packed.spec.grid is None
+    the codebook and i-quant grid formats' codes index a grid (they take gemv.py's float32
+    GEMV instead)."""
+    return packed.qtype not in FLOAT_DTYPES and packed.spec.int_codes
 
 
 def gemv_q8_config(packed: PackedWeight, m: int) -> dict[str, int]:

@@ -28,6 +28,10 @@ kernels read the grid as a float32 table, `grid_table`). IQ4_NL keeps ``d`` f16 
 ``d`` per 256 and signed ``sc`` per 32 (as Q6_K), MXFP4 ``d`` as float32 per 32: its e8m0 scale
 2^(e - 128) spans 2^-128..2^127, beyond f16 (1 byte per 32 in GGUF, 4 here: +18%).
 
+The i-quant grid formats (IQ2_*, IQ3_*, IQ1_*: QSpec.iq) look 4 or 8 weights up at once in a
+grid of hundreds of points; they keep GGUF's bit fields in planes of their own (pack_iq.py)
+and have their own kernels (gemv_iq.py).
+
 Sizes against GGUF: equal for legacy formats, Q2_K and Q6_K; +2.8% for Q4_K, +2.3% for Q5_K
 and +3.6% for Q3_K (6-bit scales kept as bytes).
 """
@@ -41,6 +45,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from ..errors import GGUFError, UnsupportedTensorType
 from ..quant.codebook import IQ4NL_VALUES, MXFP4_VALUES, e8m0_half, iq4_xs_scales
+from .pack_iq import IQ_PLANES, grid_words, pack_iq_blocks
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,13 @@ class QSpec:
     packed_scmn: bool = False  # Q2_K: sc = byte & 15, mn = byte >> 4
     grid: tuple[int, ...] | None = None  # codebook formats: w = scale * grid[q] (off = 0)
     f32_scale: bool = False  # d is a float32 plane (MXFP4), not f16
+    iq: bool = False  # an i-quant grid format: planes of pack_iq.py, kernels of gemv_iq.py
+
+    @property
+    def int_codes(self) -> bool:
+        """Integer codes in the lo/hi planes, which the int8-activation GEMV and qgemm read
+        (the codebook and grid formats index tables instead)."""
+        return self.grid is None and not self.iq
 
 
 QSPECS: dict[T, QSpec] = {
@@ -72,6 +84,8 @@ QSPECS: dict[T, QSpec] = {
     T.IQ4_NL: QSpec(4, 0, 32, 0, False, False, grid=IQ4NL_VALUES),
     T.IQ4_XS: QSpec(4, 0, 32, 0, True, False, grid=IQ4NL_VALUES),
     T.MXFP4: QSpec(4, 0, 32, 0, False, False, grid=MXFP4_VALUES, f32_scale=True),
+    # lo/hi/group are not read for these: pack_iq.IQ_PLANES gives their planes
+    **{qt: QSpec(0, 0, 256, 0, False, False, iq=True) for qt in IQ_PLANES},
 }
 FLOAT_DTYPES: dict[T, torch.dtype] = {T.F32: torch.float32, T.F16: torch.float16,
                                       T.BF16: torch.bfloat16}
@@ -168,13 +182,19 @@ def pack_weight(raw: torch.Tensor, qtype: T | int | str, rows: int, cols: int) -
         return PackedWeight(qt, rows, cols, lo=w, gguf_bytes=nbytes)
 
     spec = QSPECS[qt]
+    if spec.iq:
+        grid_words(qt, raw.device)  # the kernels' grid table, made now (see grid_words)
     parts: list[dict[str, torch.Tensor]] = []
     step = pack_chunk_rows(rows, cols)
     for r0 in range(0, rows, step):
         chunk = raw[r0:r0 + step]
         blocks = chunk.reshape(-1, tsize)  # (n_blocks, type_size)
-        codes, meta = _DECODE[qt](blocks)  # codes: (n_blocks, block) uint8/int32, unsigned
         n = chunk.shape[0]
+        if spec.iq:  # the block's fields cut into planes as they are (pack_iq.py)
+            parts.append({k: v.reshape(n, -1).contiguous()
+                          for k, v in pack_iq_blocks(qt, blocks).items()})
+            continue
+        codes, meta = _DECODE[qt](blocks)  # codes: (n_blocks, block) uint8/int32, unsigned
         planes = _bitplanes(codes.reshape(n, cols), spec)
         # contiguous: with one block per row a plane sliced out of the blocks stays a strided
         # view (row stride = block size), and the kernels assume dense rows

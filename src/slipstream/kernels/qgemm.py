@@ -162,7 +162,7 @@ def supports(packed: PackedWeight) -> bool:
     """Quantized formats with integer codes (float weights go to cuBLAS as they are; the
     codebook formats, whose codes index a grid, are dequantized for it too)."""
     return (packed.qtype not in FLOAT_DTYPES and packed.spec is not None
-            and packed.spec.grid is None)
+            and packed.spec.int_codes)
 
 
 def m_pad(m: int) -> int:

@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as T
 from ..modelfile.config import ModelConfig
 from ..modelfile.gguf_file import GGUFFile
 from ..kernels.pack import QSPECS, pack_chunk_rows, sm_width  # tables: no CUDA nor Triton
+from ..kernels.pack_iq import IQ_PLANES
 from ..model.families import family_for, spec_for
 from ..model.families.gemma4 import PER_LAYER_TOKEN_EMBD
 from ..model.layer_spec import EMBEDDING, head_tensor_name, kv_cache_bytes
@@ -48,6 +49,8 @@ def packed_planes(qtype: int, rows: int, cols: int, fused: bool = False) -> list
     if qt in _FLOAT_BYTES:
         return [rows * cols * _FLOAT_BYTES[qt]]
     s = QSPECS[qt]
+    if s.iq:  # GGUF's fields, a plane each; fuse_scales leaves them as they are
+        return [rows * cols // 256 * size for size in IQ_PLANES[qt].values()]
     planes = [rows * cols * s.lo // 8]
     if s.hi:
         planes.append(rows * cols * s.hi // 8)

@@ -59,6 +59,12 @@ def _table(name: str, device: torch.device) -> torch.Tensor:
     return table
 
 
+def grid(qtype: T, device: torch.device) -> torch.Tensor:
+    """Format qtype's grid, float32 (points, width) on `device`, made once per device (the
+    GPU kernels gather point p's value j at p * width + j)."""
+    return _table(qtype.name, device)
+
+
 def _rows(name: str, idx: torch.Tensor) -> torch.Tensor:
     """Rows `idx` (int64, any shape) of table `name`: (*idx.shape, width)."""
     table = _table(name, idx.device)

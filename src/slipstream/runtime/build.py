@@ -194,10 +194,11 @@ def device_for_auto(gf: GGUFFile, cfg: ModelConfig, dev: torch.device) -> torch.
 
 def check_types_device(gf: GGUFFile, dev: torch.device) -> None:
     """On CUDA the layers' weights and the head stay quantized, repacked for the GPU kernels
-    (kernels.pack), which cover fewer formats than the CPU reads (the i-quant grids have no
-    kernel yet). Name the formats that have none before the plan, whose VRAM sizes are those
-    of the packed planes. Every tensor counts, the embedding too: its rows would be
-    dequantized on the GPU by code no GPU test has run for these formats."""
+    (kernels.pack). They cover every format the CPU reads today; one the CPU reads and the
+    kernels do not (a format added to quant/ first) is named here before the plan, whose VRAM
+    sizes are those of the packed planes, with a pointer to the CPU. Every tensor counts, the
+    embedding too: its rows would be dequantized on the GPU by code no GPU test has run for
+    such a format."""
     if dev.type != "cuda":
         return
     from ..kernels.pack import SUPPORTED  # format tables only: no Triton, no CUDA

@@ -398,9 +398,10 @@ class QuantLinear(Linear):
         self._rms_norm = kernels.rms_norm
         self._qgemm, self._qgemm_max_m = kernels.qgemm, kernels.QGEMM_MAX_M
         self._q8 = None
-        # codebook formats (IQ4_NL, IQ4_XS, MXFP4): their codes index a grid, which the int8
-        # GEMV and qgemm do not read; they take the float32 GEMV and dequantize + cuBLAS
-        self._grid = int(packed.qtype) not in _FLOAT_TYPES and packed.spec.grid is not None
+        # codebook (IQ4_NL, IQ4_XS, MXFP4) and i-quant grid formats: their codes index a
+        # grid, which the int8 GEMV and qgemm do not read; they take the float32 GEMV and
+        # dequantize + cuBLAS
+        self._grid = int(packed.qtype) not in _FLOAT_TYPES and not packed.spec.int_codes
         if workspace.int8_activations and int(packed.qtype) not in _FLOAT_TYPES \
                 and not self._grid:
             from ..kernels import gemv_q8  # local: a Triton module (absent on CPU-only hosts)

@@ -45,7 +45,7 @@ class RoutedLinear:
         self.n_experts = n_experts
         self.rows = packed.rows // n_experts
         self.cols = packed.cols
-        int_codes = packed.qtype not in FLOAT_DTYPES and packed.spec.grid is None
+        int_codes = packed.qtype not in FLOAT_DTYPES and packed.spec.int_codes
         self.q8 = workspace.int8_activations and int_codes
         if self.q8:
             packed = fuse_scales(packed) if fuse else f16_scales(packed)
