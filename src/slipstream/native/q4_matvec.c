@@ -631,6 +631,41 @@ void ss_q4_matvec(const q4_weight *wd, const void *x, void *y, int64_t m, int64_
     free(scratch);
 }
 
+/* y (m, n) float32 = m rows already quantized (q: m rows of 2 k digits, dx and sx: m rows of
+ * k / 32, as ss_q16_quantize_row writes them) times W^T, on the calling thread, W's blocks outer
+ * and the rows in passes of Q4_MAX_M inner: each 16-row block (19 KB of a 2048-wide Q4_KS row
+ * block) is read from RAM once and from L1 for the other passes, where ss_q4_matvec streams the
+ * whole weight once a pass (a prefill's expert of 32 rows read its 1.8 MB gate/up 8 times).
+ * For a worker that splits its own work (native/moe_rows.c: the routed experts of a prefill).
+ * Each output is the same block's for the same pass of rows: ss_q4_matvec's bits. */
+void ss_q4_rows(const q4_weight *wd, const int8_t *q, const float *dx, const float *sx,
+                int64_t m, float *y) {
+    const int64_t n = wd->n, k = wd->k, G = k / Q4_GROUP, nb = (n + Q4_ROWS - 1) / Q4_ROWS;
+    const int fmt = (int)wd->fmt;
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t r0 = 0; r0 < m; r0 += Q4_MAX_M) {
+            const int8_t *qr = q + r0 * 2 * k;
+            const float *dr = dx + r0 * G, *sr = sx + r0 * G;
+            float *yr = y + r0 * n;
+            int left = (int)(m - r0 < Q4_MAX_M ? m - r0 : Q4_MAX_M);
+#define Q4_CASE(M_, F_) q4_blocks(wd->w, b, b + 1, n, G, F_, qr, dr, sr, k, yr, 1, 0, M_)
+#define Q4_FMTS(M_) \
+    if (fmt == Q4_F16) { Q4_CASE(M_, Q4_F16); } \
+    else if (fmt == Q4_F32) { Q4_CASE(M_, Q4_F32); } \
+    else if (fmt == Q4_KS) { Q4_CASE(M_, Q4_KS); } \
+    else { Q4_CASE(M_, Q8_F16); }
+            switch (left) {
+            case 1: Q4_FMTS(1); break;
+            case 2: Q4_FMTS(2); break;
+            case 3: Q4_FMTS(3); break;
+            default: Q4_FMTS(4); break;
+            }
+#undef Q4_FMTS
+#undef Q4_CASE
+        }
+    }
+}
+
 void ss_silu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out);  /* decode_ops.c */
 void ss_gelu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out);  /* decode_ops.c */
 

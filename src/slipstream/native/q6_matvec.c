@@ -312,6 +312,27 @@ static void q6_run_part(const void *job, int part, int parts) {
     }
 }
 
+/* One activation row of k floats quantized for the product: q (2 k digits), dx and sx (k / 32
+ * each, ss_q16_quantize_row's) and sxi (k / 16 integer sums of X, one a sub-block, exactly). */
+static void q6_quantize_row(const float *row, int64_t k, int8_t *qr, float *dx, float *sx,
+                            int32_t *sxi) {
+    ss_q16_quantize_row(row, k, qr, qr + k, dx, sx);
+    for (int64_t s = 0; s < k / Q6_SUB; s++) {
+        int32_t t = 0;
+        for (int i = 0; i < Q6_SUB; i++) t += 256 * qr[s * Q6_SUB + i] + qr[k + s * Q6_SUB + i];
+        sxi[s] = t;
+    }
+}
+
+/* q6_quantize_row for m float32 rows of k (q: m rows of 2 k, dx and sx: m rows of k / 32,
+ * sxi: m rows of k / 16), for ss_q6_rows. */
+void ss_q6_quantize_rows(const float *x, int64_t m, int64_t k, int8_t *q, float *dx, float *sx,
+                         int32_t *sxi) {
+    for (int64_t r = 0; r < m; r++)
+        q6_quantize_row(x + r * k, k, q + r * 2 * k, dx + r * (k / Q6_GROUP),
+                        sx + r * (k / Q6_GROUP), sxi + r * (k / Q6_SUB));
+}
+
 /* A packed weight (what Q6VnniLinear holds), passed as one pointer. */
 typedef struct {
     const uint8_t *w;
@@ -345,13 +366,7 @@ void ss_q6_matvec(const q6_weight *wd, const void *x, void *y, int64_t m, int64_
             for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(xb[i]);
             row = xf;
         }
-        int8_t *qr = q + r * k * 2;
-        ss_q16_quantize_row(row, k, qr, qr + k, dx + r * G, sx + r * G);
-        for (int64_t s = 0; s < S; s++) {  /* sum(X) per sub-block, exactly */
-            int32_t t = 0;
-            for (int i = 0; i < Q6_SUB; i++) t += 256 * qr[s * Q6_SUB + i] + qr[k + s * Q6_SUB + i];
-            sxi[r * S + s] = t;
-        }
+        q6_quantize_row(row, k, q + r * k * 2, dx + r * G, sx + r * G, sxi + r * S);
     }
     q6_job j = {wd->w, n, k, nb, m, (flags & Q6_Y_F32) != 0, (flags & Q6_GENERIC) != 0,
                 q, dx, sxi, y};
@@ -359,6 +374,25 @@ void ss_q6_matvec(const q6_weight *wd, const void *x, void *y, int64_t m, int64_
     if (threads > nb / 4) threads = nb / 4;  /* at least 4 blocks a thread */
     ss_parallel(q6_run_part, &j, threads < 1 ? 1 : (int)threads, nb);
     free(scratch);
+}
+
+/* y (m, n) float32 = m rows quantized by ss_q6_quantize_rows times W^T on the calling thread,
+ * W's blocks outer and the rows in passes of Q6_MAX_M inner (q4_matvec.c's ss_q4_rows: each
+ * block read from RAM once for all m rows); ss_q6_matvec's bits. */
+void ss_q6_rows(const q6_weight *wd, const int8_t *q, const float *dx, const int32_t *sxi,
+                int64_t m, float *y) {
+    const int64_t n = wd->n, k = wd->k, nb = (n + Q6_ROWS - 1) / Q6_ROWS;
+    q6_job j = {wd->w, n, k, nb, m, 1, 0, q, dx, sxi, y};
+    for (int64_t b = 0; b < nb; b++) {
+        for (int64_t r0 = 0; r0 < m; r0 += Q6_MAX_M) {
+            switch (m - r0 < Q6_MAX_M ? m - r0 : Q6_MAX_M) {
+            case 1: q6_blocks(&j, b, b + 1, r0, 1); break;
+            case 2: q6_blocks(&j, b, b + 1, r0, 2); break;
+            case 3: q6_blocks(&j, b, b + 1, r0, 3); break;
+            default: q6_blocks(&j, b, b + 1, r0, 4); break;
+            }
+        }
+    }
 }
 
 /* Whether this build has the VNNI loop (else every call takes the plain-C one). */

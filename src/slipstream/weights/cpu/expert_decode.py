@@ -37,7 +37,9 @@ class _Expert(ctypes.Structure):
 _DESCRIPTORS: "weakref.WeakKeyDictionary[object, _Expert | None]" = weakref.WeakKeyDictionary()
 
 
-def _descriptor(gate_up, down) -> _Expert | None:
+def expert_descriptor(gate_up, down) -> _Expert | None:
+    """moe_ffn.c's descriptor of the expert (gate_up, down), made once and kept as long as
+    gate_up; None where the expert has no native form (see the module doc)."""
     desc = _DESCRIPTORS.get(gate_up, False)
     if desc is not False:
         return desc
@@ -60,7 +62,7 @@ def native_expert_sum(pairs: Sequence[tuple[object, object]], weights: torch.Ten
     lib = native.library()
     if act != "silu" or lib is None or h.shape[0] != 1 or h.device.type != "cpu":
         return expert_sum(pairs, weights, h, act)
-    descs = [_descriptor(g, d) for g, d in pairs]
+    descs = [expert_descriptor(g, d) for g, d in pairs]
     if any(d is None for d in descs):
         return expert_sum(pairs, weights, h, act)
     k = len(descs)
@@ -92,7 +94,7 @@ def native_expert_ffn(gate_up, down, h: torch.Tensor, act: str = "silu") -> torc
     rows = h.shape[0]
     if act != "silu" or lib is None or rows > EXPERT_PACKED_ROWS or h.device.type != "cpu":
         return expert_ffn(gate_up, down, h, act)
-    if _descriptor(gate_up, down) is None:
+    if expert_descriptor(gate_up, down) is None:
         return expert_ffn(gate_up, down, h, act)
     gu, dn = gate_up.packed, down.packed
     x = h.float().contiguous()
