@@ -58,6 +58,7 @@ _DEFINE = re.compile(r"-D[A-Z][A-Z0-9_]*(=[A-Za-z0-9_]+)?")
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     "ss_rms_norm_bf16": (_P, _P, _I64, _F, _P),
+    "ss_rms_norm_rows_f32": (_P, _P, _I64, _I64, _F, _P),
     "ss_add_rms_norm_bf16": (_P, _P, _P, _I64, _F, _P, _P),
     "ss_silu_mul_bf16": (_P, _I64, _P),
     "ss_decode_attention": (_P, _INT, _P, _P, _I64, _INT, _I64, _P, _P, _I64, _I64, _I64, _I64,

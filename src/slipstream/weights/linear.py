@@ -147,6 +147,7 @@ class LazyDenseLinear(DenseLinear):
         self.shape = (int(shape[0]), int(shape[1]))
         self.dtype = dtype
         self.bias = bias
+        self.of: LazyDenseLinear | None = None  # the fused weight a view (`fuse`) is rows of
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
@@ -202,8 +203,10 @@ class LazyDenseLinear(DenseLinear):
         views, row = [], 0
         for p in parts:
             n = p.out_features
-            views.append(LazyDenseLinear(lambda r=row, n=n: fused.weight[r:r + n], (n, cols),
-                                         dtype, bias[row:row + n] if bias is not None else None))
+            view = LazyDenseLinear(lambda r=row, n=n: fused.weight[r:r + n], (n, cols), dtype,
+                                   bias[row:row + n] if bias is not None else None)
+            view.of = fused
+            views.append(view)
             row += n
         return fused, views
 
