@@ -562,15 +562,17 @@ static void q4_share(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_
                      int fmt, const int8_t *q, const float *dx, const float *sx, int64_t k,
                      int64_t m, void *y, int y_f32, int generic) {
     size_t out_elem = y_f32 ? sizeof(float) : sizeof(uint16_t);
+    /* one pass (decode: up to Q4_MAX_M rows): the share's blocks in one loop, as before tiles */
+    const int64_t per = m <= Q4_MAX_M ? b1 - b0 : 1;
     for (int64_t t0 = 0; t0 < m; t0 += Q4_TILE_ROWS) {
         const int64_t t1 = m - t0 < Q4_TILE_ROWS ? m : t0 + Q4_TILE_ROWS;
-        for (int64_t b = b0; b < b1; b++) {
+        for (int64_t b = b0; b < b1; b += per) {
             for (int64_t r0 = t0; r0 < t1; r0 += Q4_MAX_M) {
                 const int8_t *qr = q + r0 * 2 * k;
                 const float *dr = dx + r0 * G, *sr = sx + r0 * G;
                 void *yr = (char *)y + (size_t)(r0 * n) * out_elem;
                 int left = (int)(t1 - r0 < Q4_MAX_M ? t1 - r0 : Q4_MAX_M);
-#define Q4_CASE(M_, F_) q4_blocks(w, b, b + 1, n, G, F_, qr, dr, sr, k, yr, y_f32, generic, M_)
+#define Q4_CASE(M_, F_) q4_blocks(w, b, b + per, n, G, F_, qr, dr, sr, k, yr, y_f32, generic, M_)
 #define Q4_FMTS(M_) \
     if (fmt == Q4_F16) { Q4_CASE(M_, Q4_F16); } \
     else if (fmt == Q4_F32) { Q4_CASE(M_, Q4_F32); } \

@@ -305,15 +305,17 @@ static inline __attribute__((always_inline)) void q6_blocks(const q6_job *j, int
  * q4_share: a block read from RAM once a tile). Each output is one block's for one pass: the
  * same bits whatever the tiles. */
 static void q6_share(const q6_job *j, int64_t b0, int64_t b1) {
+    /* one pass (decode: up to Q6_MAX_M rows): the share's blocks in one loop */
+    const int64_t per = j->m <= Q6_MAX_M ? b1 - b0 : 1;
     for (int64_t t0 = 0; t0 < j->m; t0 += Q6_TILE_ROWS) {
         const int64_t t1 = j->m - t0 < Q6_TILE_ROWS ? j->m : t0 + Q6_TILE_ROWS;
-        for (int64_t b = b0; b < b1; b++) {
+        for (int64_t b = b0; b < b1; b += per) {
             for (int64_t r0 = t0; r0 < t1; r0 += Q6_MAX_M) {
                 switch (t1 - r0 < Q6_MAX_M ? t1 - r0 : Q6_MAX_M) {
-                case 1: q6_blocks(j, b, b + 1, r0, 1); break;
-                case 2: q6_blocks(j, b, b + 1, r0, 2); break;
-                case 3: q6_blocks(j, b, b + 1, r0, 3); break;
-                default: q6_blocks(j, b, b + 1, r0, 4); break;
+                case 1: q6_blocks(j, b, b + per, r0, 1); break;
+                case 2: q6_blocks(j, b, b + per, r0, 2); break;
+                case 3: q6_blocks(j, b, b + per, r0, 3); break;
+                default: q6_blocks(j, b, b + per, r0, 4); break;
                 }
             }
         }
