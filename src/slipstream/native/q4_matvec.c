@@ -671,24 +671,29 @@ void ss_q4_matvec(const q4_weight *wd, const void *x, void *y, int64_t m, int64_
     int8_t *q = (int8_t *)(scratch + fbytes);
     float *dx = (float *)(scratch + fbytes + qbytes), *sx = dx + m * G;
     int64_t threads = flags >> Q4_THREADS_SHIFT;
-    (void)threads;
+    if ((flags & Q4_X_F32) && m >= 64 && threads > 1) {
+        /* a prefill's float32 rows quantized by the threads too (512 rows of 2048 were ~2 ms
+         * on one core). Entered only then: an OpenMP construct with a false `if` before each
+         * decode matvec took a 5120 x 2048 one from 1.3 to 4.7 ms on 2 threads */
 #ifdef _OPENMP
-    /* a prefill's float32 rows quantized by the threads too (512 rows of 2048 were ~2 ms on
-     * one core); bfloat16 rows share the one widened row, so stay on this thread */
-#pragma omp parallel for num_threads((int)threads) schedule(dynamic, 16) \
-        if ((flags & Q4_X_F32) && m >= 64 && threads > 1)
+#pragma omp parallel for num_threads((int)threads) schedule(dynamic, 16)
 #endif
-    for (int64_t r = 0; r < m; r++) {
-        const float *row;
-        if (flags & Q4_X_F32) {
-            row = (const float *)x + r * k;
-        } else {
-            const uint16_t *xb = (const uint16_t *)x + r * k;
-            for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(xb[i]);
-            row = xf;
+        for (int64_t r = 0; r < m; r++)
+            q4_quantize_row((const float *)x + r * k, k, q + r * k * 2, q + r * k * 2 + k,
+                            dx + r * G, sx + r * G);
+    } else {
+        for (int64_t r = 0; r < m; r++) {
+            const float *row;
+            if (flags & Q4_X_F32) {
+                row = (const float *)x + r * k;
+            } else {  /* bfloat16 rows share the one widened row */
+                const uint16_t *xb = (const uint16_t *)x + r * k;
+                for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(xb[i]);
+                row = xf;
+            }
+            int8_t *qr = q + r * k * 2;
+            q4_quantize_row(row, k, qr, qr + k, dx + r * G, sx + r * G);
         }
-        int8_t *qr = q + r * k * 2;
-        q4_quantize_row(row, k, qr, qr + k, dx + r * G, sx + r * G);
     }
     q4_job j = {wd->w, n, k, nb, G, m, (int)wd->fmt, (flags & Q4_Y_F32) != 0,
                 (flags & Q4_GENERIC) != 0, q, dx, sx, y};

@@ -374,22 +374,27 @@ void ss_q6_matvec(const q6_weight *wd, const void *x, void *y, int64_t m, int64_
     float *dx = (float *)(scratch + fbytes + qbytes), *sx = dx + m * G;
     int32_t *sxi = (int32_t *)(scratch + fbytes + qbytes + dbytes);
     int64_t threads = flags >> Q6_THREADS_SHIFT;
-    (void)threads;
+    if ((flags & Q6_X_F32) && m >= 64 && threads > 1) {
+        /* a prefill's float32 rows quantized by the threads; entered only then (q4_matvec.c:
+         * a construct with a false `if` slowed every decode matvec) */
 #ifdef _OPENMP
-    /* a prefill's float32 rows quantized by the threads (bfloat16 ones share one widened row) */
-#pragma omp parallel for num_threads((int)threads) schedule(dynamic, 16) \
-        if ((flags & Q6_X_F32) && m >= 64 && threads > 1)
+#pragma omp parallel for num_threads((int)threads) schedule(dynamic, 16)
 #endif
-    for (int64_t r = 0; r < m; r++) {
-        const float *row;
-        if (flags & Q6_X_F32) {
-            row = (const float *)x + r * k;
-        } else {
-            const uint16_t *xb = (const uint16_t *)x + r * k;
-            for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(xb[i]);
-            row = xf;
+        for (int64_t r = 0; r < m; r++)
+            q6_quantize_row((const float *)x + r * k, k, q + r * k * 2, dx + r * G, sx + r * G,
+                            sxi + r * S);
+    } else {
+        for (int64_t r = 0; r < m; r++) {
+            const float *row;
+            if (flags & Q6_X_F32) {
+                row = (const float *)x + r * k;
+            } else {  /* bfloat16 rows share the one widened row */
+                const uint16_t *xb = (const uint16_t *)x + r * k;
+                for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(xb[i]);
+                row = xf;
+            }
+            q6_quantize_row(row, k, q + r * k * 2, dx + r * G, sx + r * G, sxi + r * S);
         }
-        q6_quantize_row(row, k, q + r * k * 2, dx + r * G, sx + r * G, sxi + r * S);
     }
     q6_job j = {wd->w, n, k, nb, m, (flags & Q6_Y_F32) != 0, (flags & Q6_GENERIC) != 0,
                 q, dx, sxi, y};
