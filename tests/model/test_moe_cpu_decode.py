@@ -145,11 +145,14 @@ def _tensors(obj, seen: set[int]) -> list[torch.Tensor]:
 def test_experts_are_packed_at_the_load_and_hold_no_dense_copy_after_a_prefill(moe_file,
                                                                               monkeypatch):
     """Each expert's decode copies exist when the load returns; a prefill whose experts'
-    rows pass the packed path's limit (set to 0 here) multiplies dense weights made for the
-    call, and afterwards no expert holds a float tensor of its weights' size: the GGUF bytes
-    and the packed copies only."""
+    rows pass the packed path's limit (set to 0 here, and the one-call mix of
+    weights.cpu.expert_rows taken away) multiplies dense weights made for the call, and
+    afterwards no expert holds a float tensor of its weights' size: the GGUF bytes and the
+    packed copies only."""
     monkeypatch.setattr("slipstream.weights.cpu.expert_decode.EXPERT_PACKED_ROWS", 0)
     engine = cpu_engine(moe_file, ctx=64)
+    for layer in engine.weights.layers:
+        layer.moe.experts.many = None
     bank = engine.weights.layers[0].moe.experts
     lins = bank.gate_up + bank.down
     assert all(isinstance(lin, PackedDecodeLinear) and lin.is_packed for lin in lins)

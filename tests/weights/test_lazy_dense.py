@@ -57,7 +57,7 @@ def test_lazy_layer_is_the_eager_layer_bit_for_bit(model_path, precision):
         assert torch.equal(ld.weight, ed.weight) and ld.weight.dtype == ed.weight.dtype
         assert ld.materialized
         if ed.weight.shape[1] == cfg.hidden:
-            assert torch.equal(lz(x), e(x))  # 16 rows: the dense path
+            assert torch.equal(lz(x), e(x))  # 16 rows: prefill's path
         checked += 1
     assert checked >= 5
 
@@ -73,16 +73,28 @@ def test_cpu_load_leaves_dense_weights_to_a_thread_and_the_head_to_its_first_use
     try:
         w = m.engine.weights
         head = _dense(w.output)
-        lazies = [_dense(getattr(layer, f)) for layer in w.layers
-                  for f in FIELDS if getattr(layer, f) is not None]
+        lins = [getattr(layer, f) for layer in w.layers for f in FIELDS
+                if getattr(layer, f) is not None]
+        lazies = [_dense(lin) for lin in lins]
         assert all(isinstance(d, LazyDenseLinear) for d in [head, *lazies])
         w.dense_prefetch.join(timeout=60)
-        assert all(d.materialized for d in lazies)
+        packed_prefill = {id(lin.dense) for lin in lins
+                          if isinstance(lin, PackedDecodeLinear) and lin.packed_prefill}
+        assert packed_prefill  # Q4_K and Q6_K: the native layouts
+        for lin, d in zip(lins, lazies):
+            if id(d) in packed_prefill or id(d.of) in packed_prefill:
+                # a prefill multiplies the packed copy: the thread packs it, and the dense
+                # weight (and its parts' views) wait for a path that asks for them
+                assert not d.materialized
+                assert not isinstance(lin, PackedDecodeLinear) or lin.is_packed
+            else:
+                assert d.materialized
         assert not head.materialized  # only passes scoring every row need it
         # the head's decode copy, which scores a prompt's last row, is made by the thread too
         assert isinstance(w.output, PackedDecodeLinear) and w.output.is_packed
         assert torch.equal(m.logits(ids), raced)
-        assert head.materialized
+        # every row's logits: the head's packed copy where it serves prefill, else its dense
+        assert head.materialized != w.output.packed_prefill
     finally:
         m.close()
 

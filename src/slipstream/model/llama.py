@@ -17,7 +17,7 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from .. import envs, kernels
+from .. import envs, kernels, native
 from ..modelfile.config import ModelConfig
 from .cpu_decode import decode_attention
 from .cpu_native import decode_layer as native_decode_layer
@@ -165,11 +165,25 @@ class FFNShare(Protocol):
     def finish(self, partial: torch.Tensor) -> torch.Tensor: ...
 
 
+# float32 CPU norms of at least this many elements (a prefill's) take one native pass
+# (ss_rms_norm_rows_f32) on the calling thread; smaller ones (decode's) keep F.rms_norm
+NATIVE_NORM_MIN = 1 << 16
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, as one kernel where possible: per-op overhead dominates
     batch-1 decode, on CPU and inside a CUDA graph alike."""
     if x.is_cuda and _cuda_kernels():
         return kernels.rms_norm(x, weight, eps)
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.numel() >= NATIVE_NORM_MIN and weight.numel() == x.shape[-1]):
+        lib = native.library()
+        if lib is not None:
+            xc, wc = x.contiguous(), weight.contiguous()
+            out = torch.empty_like(xc)
+            lib.ss_rms_norm_rows_f32(xc.data_ptr(), wc.data_ptr(), xc.numel() // x.shape[-1],
+                                     x.shape[-1], eps, out.data_ptr())
+            return out
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and _HAS_RMS_NORM:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     xf = x.float()

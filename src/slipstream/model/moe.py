@@ -114,6 +114,11 @@ OneTokenSum = Callable[[Sequence[tuple["Linear", "Linear"]], torch.Tensor, torch
 # One expert on the rows routed to it, gate_up, down, h, act -> (n, hidden): expert_ffn, or
 # the loader's form of it (weights.cpu's native one for packed CPU experts)
 ExpertRows = Callable[["Linear", "Linear", torch.Tensor, str], torch.Tensor]
+# A bank's whole mix of many rows at once, gate_up and down (every expert's), h, ids,
+# weights, act -> float32 (T, hidden), or None where it does not serve them (then
+# experts_ffn): the loader's fused form (weights.cpu's native one for packed CPU experts)
+ExpertMix = Callable[[Sequence["Linear"], Sequence["Linear"], torch.Tensor, torch.Tensor,
+                      torch.Tensor, str], "torch.Tensor | None"]
 
 
 class ResidentExperts:
@@ -122,11 +127,13 @@ class ResidentExperts:
     format model.llama.Linear covers (the loader builds them as it builds the dense FFN's)."""
 
     def __init__(self, gate_up: Sequence[Linear], down: Sequence[Linear], act: str = "silu",
-                 one_token: OneTokenSum = expert_sum, rows: ExpertRows | None = None):
+                 one_token: OneTokenSum = expert_sum, rows: ExpertRows | None = None,
+                 many: ExpertMix | None = None):
         """act: the experts' gated product, "silu" (SwiGLU), "swiglu_oai" (gpt-oss) or
         "gelu_tanh" (GeGLU: Gemma 4);
         one_token: how a token's experts are summed (ffn_one); rows: how an expert runs on
-        its rows (ffn; default expert_ffn)."""
+        its rows (ffn; default expert_ffn); many: how a pass of several rows is mixed where
+        it can be in one go (mix; default experts_ffn over ffn)."""
         if len(gate_up) != len(down):
             raise ValueError(f"{len(gate_up)} gate/up linears but {len(down)} down linears")
         if act not in EXPERT_ACTS:
@@ -137,6 +144,7 @@ class ResidentExperts:
         self.act = act
         self.one_token = one_token
         self.rows = rows or expert_ffn
+        self.many = many
 
     @property
     def n_experts(self) -> int:
@@ -150,6 +158,10 @@ class ResidentExperts:
                               self.act)
 
     def mix(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.many is not None and h.shape[0] > 1:
+            out = self.many(self.gate_up, self.down, h, ids, weights, self.act)
+            if out is not None:
+                return out
         return experts_ffn(h, ids, weights, self)
 
 

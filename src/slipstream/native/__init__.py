@@ -1,8 +1,9 @@
 """Native CPU ops, compiled once per machine with the system's C compiler and called through
 ctypes: decode_ops.c, decode_layer.c, q4_matvec.c, q6_matvec.c, cb4_matvec.c and moe_ffn.c (a
-token's routed experts) for decode (and hybrid decode's CPU share), int4_pack.c for load-time
-packing (int4pack, q4vnni and q8vnni; q6vnni's and cb4's packers are in their kernels' files),
-dequant.c for the dense weights a CPU prefill multiplies.
+token's routed experts) for decode (and hybrid decode's CPU share), moe_rows.c for a prefill's
+routed experts, int4_pack.c for load-time packing (int4pack, q4vnni and q8vnni; q6vnni's and
+cb4's packers are in their kernels' files), dequant.c for the dense weights a CPU prefill
+multiplies.
 
 Why C: a CPU decode token of a small model spends as long in ~25 tiny torch calls a layer as in
 its matmuls, each call a few microseconds of dispatch around a few hundred floats of work.
@@ -37,6 +38,7 @@ from .. import envs
 
 # compiled together into one library
 SOURCES = ("decode_ops.c", "q4_matvec.c", "q6_matvec.c", "cb4_matvec.c", "moe_ffn.c",
+           "moe_rows.c",
            "int4_pack.c", "decode_layer.c", "dequant.c")
 # what they include: written beside them, and part of the cache key
 HEADERS = ("bf16.h", "half.h", "parallel.h")
@@ -57,6 +59,7 @@ _DEFINE = re.compile(r"-D[A-Z][A-Z0-9_]*(=[A-Za-z0-9_]+)?")
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     "ss_rms_norm_bf16": (_P, _P, _I64, _F, _P),
+    "ss_rms_norm_rows_f32": (_P, _P, _I64, _I64, _F, _P),
     "ss_add_rms_norm_bf16": (_P, _P, _P, _I64, _F, _P, _P),
     "ss_silu_mul_bf16": (_P, _I64, _P),
     "ss_decode_attention": (_P, _INT, _P, _P, _I64, _INT, _I64, _P, _P, _I64, _I64, _I64, _I64,
@@ -81,6 +84,10 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     "ss_cb4_rows": (_P, _I64, _INT, _I64, _I64, _I64, _P, _INT),
     # moe_ffn.c: (experts, k, x, w, out, threads): returns 0, or -1 (no scratch)
     "ss_moe_ffn": (_P, _I64, _P, _P, _P, _I64),
+    # moe_rows.c: (experts, n_experts, T, k, threads): bytes, or -1 (shapes); (experts,
+    # n_experts, x, T, ids, w, k, out, workspace, threads): 0, -1 (shapes) or -2 - i (ids[i])
+    "ss_moe_rows_workspace": (_P, _I64, _I64, _I64, _I64),
+    "ss_moe_rows": (_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64),
     # decode_layer.c: (layer, scratch, x, x_out, ang, ang_sin, pos, k_cache, v_cache, max_ctx,
     # threads)
     "ss_decode_layer": (_P, _P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64),
@@ -91,7 +98,8 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     # dequant.c: (raw, fmt, blocks, out, out_f16, threads)
     "ss_dequant_blocks": (_P, _INT, _I64, _P, _INT, _INT),
 }
-INT_RESULTS = ("ss_q4_ffn_on_signal", "ss_moe_ffn")  # of SIGNATURES, those returning an int
+INT_RESULTS = ("ss_q4_ffn_on_signal", "ss_moe_ffn", "ss_moe_rows")  # returning an int
+I64_RESULTS = ("ss_moe_rows_workspace",)  # of SIGNATURES, those returning an int64
 # functions that return something (and take nothing)
 RETURNS = {"ss_q4_has_vnni": _INT, "ss_q4_has_simd": _INT, "ss_q6_has_vnni": _INT,
            "ss_cb4_loops": _INT}
@@ -132,7 +140,8 @@ def _load() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(str(path))
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = list(args), _INT if name in INT_RESULTS else None
+        fn.argtypes = list(args)
+        fn.restype = _INT if name in INT_RESULTS else _I64 if name in I64_RESULTS else None
     for name, ret in RETURNS.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = [], ret

@@ -118,6 +118,35 @@ static inline const uint8_t *q4_ks_scales(const uint8_t *p, int64_t g) {
 
 #define Q4_X_TOP 32512.0f  /* 127 * 256: the largest |X| two int8 digits hold */
 
+#if Q4_VNNI
+/* q4_quantize_row's block for a finite nonzero scale d: X = round-half-even(x / d) clamped to
+ * +-Q4_X_TOP, its two digits and sx = d sum(X), with the scalar loop's operations (an IEEE
+ * division, nearbyint's rounding, exact integer sums), so the same bits. The scalar loop took
+ * 15-23 ns an element on the 2-core EPYC: a prefill's expert products (4096 rows of 768 a
+ * Qwen3-30B-A3B layer at pp512) spent ~70 ms a layer quantizing. */
+static inline void q4_quantize_block_avx512(const float *xb, float d, int8_t *q, int8_t *lo,
+                                            float *sx) {
+    const __m512 vd = _mm512_set1_ps(d), top = _mm512_set1_ps(Q4_X_TOP);
+    const __m512 ntop = _mm512_set1_ps(-Q4_X_TOP);
+    __m512i sum = _mm512_setzero_si512();
+    for (int h = 0; h < Q4_GROUP; h += 16) {
+        __m512 v = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(xb + h), vd),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, ntop, _CMP_LT_OQ), v, ntop);
+        v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, top, _CMP_GT_OQ), v, top);
+        __m512i X = _mm512_cvttps_epi32(v);
+        sum = _mm512_add_epi32(sum, X);
+        __m512i l = _mm512_sub_epi32(
+            _mm512_and_si512(_mm512_add_epi32(X, _mm512_set1_epi32(128)), _mm512_set1_epi32(0xff)),
+            _mm512_set1_epi32(128));
+        __m512i hi = _mm512_srai_epi32(_mm512_sub_epi32(X, l), 8);  /* exact: a multiple of 256 */
+        _mm_storeu_si128((__m128i *)(lo + h), _mm512_cvtepi32_epi8(l));
+        _mm_storeu_si128((__m128i *)(q + h), _mm512_cvtepi32_epi8(hi));
+    }
+    *sx = d * (float)_mm512_reduce_add_epi32(sum);
+}
+#endif
+
 /* One activation row of k floats, per block of 32: dx = max|x| / Q4_X_TOP,
  * X = round-half-even(x / dx) clamped to [-Q4_X_TOP, Q4_X_TOP], sx = dx * sum(X); an all-zero
  * block gets dx = 0 and X = 0. X is split into two int8 digits, X = 256 hi + lo with lo in
@@ -128,15 +157,32 @@ static void q4_quantize_row(const float *x, int64_t k, int8_t *q, int8_t *lo, fl
     for (int64_t g = 0; g < k / Q4_GROUP; g++) {
         const float *xb = x + g * Q4_GROUP;
         float amax = 0.0f;
+#if Q4_VNNI
+        {  /* the largest |x|, or NaN where the block holds one (as the loop below) */
+            __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(xb));
+            __m512 a1 = _mm512_abs_ps(_mm512_loadu_ps(xb + 16));
+            amax = (_mm512_cmp_ps_mask(a0, a0, _CMP_UNORD_Q)
+                    | _mm512_cmp_ps_mask(a1, a1, _CMP_UNORD_Q))
+                   ? NAN : _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+        }
+#else
         for (int i = 0; i < Q4_GROUP; i++) {  /* not fmaxf: a libm call per element */
             float a = fabsf(xb[i]);
             amax = a > amax || a != a ? a : amax;  /* a NaN sticks */
         }
+#endif
         float d = amax / top;
         /* a NaN or an infinity in the block: codes 0 and dx NaN, so that the outputs are NaN
          * (as a float matmul's would be) rather than what casting NaN to an integer gives */
         float ok = d != 0.0f && isfinite(d) ? 1.0f : 0.0f, dd = ok != 0.0f ? d : 1.0f;
         if (!isfinite(d)) d = NAN;
+#if Q4_VNNI
+        if (ok != 0.0f) {  /* the same operations 16 lanes at a time (a finite block) */
+            q4_quantize_block_avx512(xb, d, q + g * Q4_GROUP, lo + g * Q4_GROUP, &sx[g]);
+            dx[g] = d;
+            continue;
+        }
+#endif
         int32_t X[Q4_GROUP], sum = 0;
         for (int i = 0; i < Q4_GROUP; i++) {
             float v = nearbyintf(xb[i] / dd) * ok;
@@ -502,33 +548,47 @@ static inline __attribute__((always_inline)) void q4_blocks(
     }
 }
 
-/* One thread's share: blocks [b0, b1) for all m activation rows, in passes of up to Q4_MAX_M
- * rows (each pass reads the blocks once). A row's sums are the same whatever the passes: each
- * output element is one block's, computed in one go. */
+/* Rows a tile of q4_share: the tile's digits (128 rows of a 2048-wide x: 512 KB) stay in L2
+ * while each of the share's blocks is read once for them. */
+#define Q4_TILE_ROWS 128
+
+/* One thread's share: blocks [b0, b1) for all m activation rows, in tiles of Q4_TILE_ROWS
+ * rows, and within a tile block after block, each block for the tile's rows in passes of up
+ * to Q4_MAX_M (the block read from RAM once, from L1 for the other passes: streaming the
+ * share once a pass, a prefill of 512 rows read its weights 128 times). A row's sums are the
+ * same whatever the passes or the tiles: each output element is one block's, computed in one
+ * go. */
 static void q4_share(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_t G,
                      int fmt, const int8_t *q, const float *dx, const float *sx, int64_t k,
                      int64_t m, void *y, int y_f32, int generic) {
     size_t out_elem = y_f32 ? sizeof(float) : sizeof(uint16_t);
-    for (int64_t r0 = 0; r0 < m; r0 += Q4_MAX_M) {
-        const int8_t *qr = q + r0 * 2 * k;
-        const float *dr = dx + r0 * G, *sr = sx + r0 * G;
-        void *yr = (char *)y + (size_t)(r0 * n) * out_elem;
-        int left = (int)(m - r0 < Q4_MAX_M ? m - r0 : Q4_MAX_M);
-#define Q4_CASE(M_, F_) q4_blocks(w, b0, b1, n, G, F_, qr, dr, sr, k, yr, y_f32, generic, M_)
+    /* one pass (decode: up to Q4_MAX_M rows): the share's blocks in one loop, as before tiles */
+    const int64_t per = m <= Q4_MAX_M ? b1 - b0 : 1;
+    for (int64_t t0 = 0; t0 < m; t0 += Q4_TILE_ROWS) {
+        const int64_t t1 = m - t0 < Q4_TILE_ROWS ? m : t0 + Q4_TILE_ROWS;
+        for (int64_t b = b0; b < b1; b += per) {
+            for (int64_t r0 = t0; r0 < t1; r0 += Q4_MAX_M) {
+                const int8_t *qr = q + r0 * 2 * k;
+                const float *dr = dx + r0 * G, *sr = sx + r0 * G;
+                void *yr = (char *)y + (size_t)(r0 * n) * out_elem;
+                int left = (int)(t1 - r0 < Q4_MAX_M ? t1 - r0 : Q4_MAX_M);
+#define Q4_CASE(M_, F_) q4_blocks(w, b, b + per, n, G, F_, qr, dr, sr, k, yr, y_f32, generic, M_)
 #define Q4_FMTS(M_) \
     if (fmt == Q4_F16) { Q4_CASE(M_, Q4_F16); } \
     else if (fmt == Q4_F32) { Q4_CASE(M_, Q4_F32); } \
     else if (fmt == Q4_KS) { Q4_CASE(M_, Q4_KS); } \
     else { Q4_CASE(M_, Q8_F16); }
-        /* each (rows, format) its own copy, so that both are constants */
-        switch (left) {
-        case 1: Q4_FMTS(1); break;
-        case 2: Q4_FMTS(2); break;
-        case 3: Q4_FMTS(3); break;
-        default: Q4_FMTS(4); break;
-        }
+                /* each (rows, format) its own copy, so that both are constants */
+                switch (left) {
+                case 1: Q4_FMTS(1); break;
+                case 2: Q4_FMTS(2); break;
+                case 3: Q4_FMTS(3); break;
+                default: Q4_FMTS(4); break;
+                }
 #undef Q4_FMTS
 #undef Q4_CASE
+            }
+        }
     }
 }
 
@@ -610,25 +670,48 @@ void ss_q4_matvec(const q4_weight *wd, const void *x, void *y, int64_t m, int64_
     float *xf = (float *)scratch;
     int8_t *q = (int8_t *)(scratch + fbytes);
     float *dx = (float *)(scratch + fbytes + qbytes), *sx = dx + m * G;
-    for (int64_t r = 0; r < m; r++) {
-        const float *row;
-        if (flags & Q4_X_F32) {
-            row = (const float *)x + r * k;
-        } else {
-            const uint16_t *xb = (const uint16_t *)x + r * k;
-            for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(xb[i]);
-            row = xf;
+    int64_t threads = flags >> Q4_THREADS_SHIFT;
+    if ((flags & Q4_X_F32) && m >= 64 && threads > 1) {
+        /* a prefill's float32 rows quantized by the threads too (512 rows of 2048 were ~2 ms
+         * on one core). Entered only then: an OpenMP construct with a false `if` before each
+         * decode matvec took a 5120 x 2048 one from 1.3 to 4.7 ms on 2 threads */
+#ifdef _OPENMP
+#pragma omp parallel for num_threads((int)threads) schedule(dynamic, 16)
+#endif
+        for (int64_t r = 0; r < m; r++)
+            q4_quantize_row((const float *)x + r * k, k, q + r * k * 2, q + r * k * 2 + k,
+                            dx + r * G, sx + r * G);
+    } else {
+        for (int64_t r = 0; r < m; r++) {
+            const float *row;
+            if (flags & Q4_X_F32) {
+                row = (const float *)x + r * k;
+            } else {  /* bfloat16 rows share the one widened row */
+                const uint16_t *xb = (const uint16_t *)x + r * k;
+                for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(xb[i]);
+                row = xf;
+            }
+            int8_t *qr = q + r * k * 2;
+            q4_quantize_row(row, k, qr, qr + k, dx + r * G, sx + r * G);
         }
-        int8_t *qr = q + r * k * 2;
-        q4_quantize_row(row, k, qr, qr + k, dx + r * G, sx + r * G);
     }
     q4_job j = {wd->w, n, k, nb, G, m, (int)wd->fmt, (flags & Q4_Y_F32) != 0,
                 (flags & Q4_GENERIC) != 0, q, dx, sx, y};
-    int64_t threads = flags >> Q4_THREADS_SHIFT;
     /* at least 4 blocks a thread: below that a hand-off costs more than it saves */
     if (threads > nb / 4) threads = nb / 4;
     ss_parallel(q4_run_part, &j, threads < 1 ? 1 : (int)threads, nb);
     free(scratch);
+}
+
+/* y (m, n) float32 = m rows already quantized (q: m rows of 2 k digits, dx and sx: m rows of
+ * k / 32, as ss_q16_quantize_row writes them) times W^T, every block on the calling thread (as
+ * q4_share: a 16-row block, 19 KB of a 2048-wide Q4_KS one, read from RAM once for a tile's
+ * rows). For a worker that splits its own work (native/moe_rows.c: the routed experts of a
+ * prefill). ss_q4_matvec's bits. */
+void ss_q4_rows(const q4_weight *wd, const int8_t *q, const float *dx, const float *sx,
+                int64_t m, float *y) {
+    const int64_t nb = (wd->n + Q4_ROWS - 1) / Q4_ROWS;
+    q4_share(wd->w, 0, nb, wd->n, wd->k / Q4_GROUP, (int)wd->fmt, q, dx, sx, wd->k, m, y, 1, 0);
 }
 
 void ss_silu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out);  /* decode_ops.c */

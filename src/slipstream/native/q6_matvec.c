@@ -297,19 +297,56 @@ static inline __attribute__((always_inline)) void q6_blocks(const q6_job *j, int
     }
 }
 
-/* part `part` of `parts` equal ranges of the row blocks, all activation rows, in passes of up
- * to Q6_MAX_M rows (each pass reads the blocks once) */
-static void q6_run_part(const void *job, int part, int parts) {
-    const q6_job *j = job;
-    int64_t b0 = j->nb * part / parts, b1 = j->nb * (part + 1) / parts;
-    for (int64_t r0 = 0; r0 < j->m; r0 += Q6_MAX_M) {
-        switch (j->m - r0 < Q6_MAX_M ? j->m - r0 : Q6_MAX_M) {
-        case 1: q6_blocks(j, b0, b1, r0, 1); break;
-        case 2: q6_blocks(j, b0, b1, r0, 2); break;
-        case 3: q6_blocks(j, b0, b1, r0, 3); break;
-        default: q6_blocks(j, b0, b1, r0, 4); break;
+/* Rows a tile of q6_share (q4_matvec.c's Q4_TILE_ROWS). */
+#define Q6_TILE_ROWS 128
+
+/* Blocks [b0, b1) for all activation rows, in tiles of Q6_TILE_ROWS rows, and within a tile
+ * block after block, each for the tile's rows in passes of up to Q6_MAX_M (q4_matvec.c's
+ * q4_share: a block read from RAM once a tile). Each output is one block's for one pass: the
+ * same bits whatever the tiles. */
+static void q6_share(const q6_job *j, int64_t b0, int64_t b1) {
+    /* one pass (decode: up to Q6_MAX_M rows): the share's blocks in one loop */
+    const int64_t per = j->m <= Q6_MAX_M ? b1 - b0 : 1;
+    for (int64_t t0 = 0; t0 < j->m; t0 += Q6_TILE_ROWS) {
+        const int64_t t1 = j->m - t0 < Q6_TILE_ROWS ? j->m : t0 + Q6_TILE_ROWS;
+        for (int64_t b = b0; b < b1; b += per) {
+            for (int64_t r0 = t0; r0 < t1; r0 += Q6_MAX_M) {
+                switch (t1 - r0 < Q6_MAX_M ? t1 - r0 : Q6_MAX_M) {
+                case 1: q6_blocks(j, b, b + per, r0, 1); break;
+                case 2: q6_blocks(j, b, b + per, r0, 2); break;
+                case 3: q6_blocks(j, b, b + per, r0, 3); break;
+                default: q6_blocks(j, b, b + per, r0, 4); break;
+                }
+            }
         }
     }
+}
+
+/* part `part` of `parts` equal ranges of the row blocks, all activation rows (q6_share) */
+static void q6_run_part(const void *job, int part, int parts) {
+    const q6_job *j = job;
+    q6_share(j, j->nb * part / parts, j->nb * (part + 1) / parts);
+}
+
+/* One activation row of k floats quantized for the product: q (2 k digits), dx and sx (k / 32
+ * each, ss_q16_quantize_row's) and sxi (k / 16 integer sums of X, one a sub-block, exactly). */
+static void q6_quantize_row(const float *row, int64_t k, int8_t *qr, float *dx, float *sx,
+                            int32_t *sxi) {
+    ss_q16_quantize_row(row, k, qr, qr + k, dx, sx);
+    for (int64_t s = 0; s < k / Q6_SUB; s++) {
+        int32_t t = 0;
+        for (int i = 0; i < Q6_SUB; i++) t += 256 * qr[s * Q6_SUB + i] + qr[k + s * Q6_SUB + i];
+        sxi[s] = t;
+    }
+}
+
+/* q6_quantize_row for m float32 rows of k (q: m rows of 2 k, dx and sx: m rows of k / 32,
+ * sxi: m rows of k / 16), for ss_q6_rows. */
+void ss_q6_quantize_rows(const float *x, int64_t m, int64_t k, int8_t *q, float *dx, float *sx,
+                         int32_t *sxi) {
+    for (int64_t r = 0; r < m; r++)
+        q6_quantize_row(x + r * k, k, q + r * 2 * k, dx + r * (k / Q6_GROUP),
+                        sx + r * (k / Q6_GROUP), sxi + r * (k / Q6_SUB));
 }
 
 /* A packed weight (what Q6VnniLinear holds), passed as one pointer. */
@@ -336,29 +373,43 @@ void ss_q6_matvec(const q6_weight *wd, const void *x, void *y, int64_t m, int64_
     int8_t *q = (int8_t *)(scratch + fbytes);
     float *dx = (float *)(scratch + fbytes + qbytes), *sx = dx + m * G;
     int32_t *sxi = (int32_t *)(scratch + fbytes + qbytes + dbytes);
-    for (int64_t r = 0; r < m; r++) {
-        const float *row;
-        if (flags & Q6_X_F32) {
-            row = (const float *)x + r * k;
-        } else {
-            const uint16_t *xb = (const uint16_t *)x + r * k;
-            for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(xb[i]);
-            row = xf;
-        }
-        int8_t *qr = q + r * k * 2;
-        ss_q16_quantize_row(row, k, qr, qr + k, dx + r * G, sx + r * G);
-        for (int64_t s = 0; s < S; s++) {  /* sum(X) per sub-block, exactly */
-            int32_t t = 0;
-            for (int i = 0; i < Q6_SUB; i++) t += 256 * qr[s * Q6_SUB + i] + qr[k + s * Q6_SUB + i];
-            sxi[r * S + s] = t;
+    int64_t threads = flags >> Q6_THREADS_SHIFT;
+    if ((flags & Q6_X_F32) && m >= 64 && threads > 1) {
+        /* a prefill's float32 rows quantized by the threads; entered only then (q4_matvec.c:
+         * a construct with a false `if` slowed every decode matvec) */
+#ifdef _OPENMP
+#pragma omp parallel for num_threads((int)threads) schedule(dynamic, 16)
+#endif
+        for (int64_t r = 0; r < m; r++)
+            q6_quantize_row((const float *)x + r * k, k, q + r * k * 2, dx + r * G, sx + r * G,
+                            sxi + r * S);
+    } else {
+        for (int64_t r = 0; r < m; r++) {
+            const float *row;
+            if (flags & Q6_X_F32) {
+                row = (const float *)x + r * k;
+            } else {  /* bfloat16 rows share the one widened row */
+                const uint16_t *xb = (const uint16_t *)x + r * k;
+                for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(xb[i]);
+                row = xf;
+            }
+            q6_quantize_row(row, k, q + r * k * 2, dx + r * G, sx + r * G, sxi + r * S);
         }
     }
     q6_job j = {wd->w, n, k, nb, m, (flags & Q6_Y_F32) != 0, (flags & Q6_GENERIC) != 0,
                 q, dx, sxi, y};
-    int64_t threads = flags >> Q6_THREADS_SHIFT;
     if (threads > nb / 4) threads = nb / 4;  /* at least 4 blocks a thread */
     ss_parallel(q6_run_part, &j, threads < 1 ? 1 : (int)threads, nb);
     free(scratch);
+}
+
+/* y (m, n) float32 = m rows quantized by ss_q6_quantize_rows times W^T, every block on the
+ * calling thread (q6_share; q4_matvec.c's ss_q4_rows); ss_q6_matvec's bits. */
+void ss_q6_rows(const q6_weight *wd, const int8_t *q, const float *dx, const int32_t *sxi,
+                int64_t m, float *y) {
+    const int64_t n = wd->n, k = wd->k, nb = (n + Q6_ROWS - 1) / Q6_ROWS;
+    q6_job j = {wd->w, n, k, nb, m, 1, 0, q, dx, sxi, y};
+    q6_share(&j, 0, nb);
 }
 
 /* Whether this build has the VNNI loop (else every call takes the plain-C one). */

@@ -29,10 +29,11 @@ import torch
 from .. import kernels, quant
 from ..errors import UnsupportedArchitecture
 from ..model.layer_spec import ExpertPart, ExpertSpec
-from ..model.moe import (ExpertRows, MoeWeights, OneTokenSum, ResidentExperts, SharedExpert,
-                         expert_ffn, expert_sum)
+from ..model.moe import (ExpertMix, ExpertRows, MoeWeights, OneTokenSum, ResidentExperts,
+                         SharedExpert, expert_ffn, expert_sum)
 from .cpu import PackedDecodeLinear
 from .cpu.expert_decode import native_expert_ffn, native_expert_sum
+from .cpu.expert_rows import NativeExpertRows
 from .expert_tiers import ExpertFile, ExpertSlice, TieredExperts
 from .linear import DenseLinear, Linear, OnDemandDenseLinear
 from .routed_experts import RoutedExperts, RoutedLinear
@@ -105,6 +106,13 @@ def expert_ops(builder: LayerBuilder) -> tuple[OneTokenSum, ExpertRows]:
     if builder.precision.cpu_packed_decode:
         return native_expert_sum, native_expert_ffn
     return expert_sum, expert_ffn
+
+
+def expert_mix(builder: LayerBuilder) -> ExpertMix | None:
+    """How a bank of resident experts of this build mixes a pass of several rows in one go:
+    natively where the experts are packed on the CPU (weights.cpu.expert_rows; one per bank,
+    which keeps its experts' table), else None (model.moe.experts_ffn, expert by expert)."""
+    return NativeExpertRows() if builder.precision.cpu_packed_decode else None
 
 
 def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
@@ -186,7 +194,8 @@ def build_experts(builder: LayerBuilder, src: TensorSource, p: str,
                                    expert_biases(e))
             gate_up.append(gu)
             down.append(d)
-        bank = ResidentExperts(gate_up, down, act, *expert_ops(builder))
+        bank = ResidentExperts(gate_up, down, act, *expert_ops(builder),
+                               many=expert_mix(builder))
     return MoeWeights(router, bank, cfg.n_experts_used, normalize=cfg.moe_norm,
                       router_bias=biases.get(spec.router), gating=cfg.moe_gating,
                       selection_bias=vector(f"{spec.selection_bias}.bias"),

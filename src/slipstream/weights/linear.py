@@ -147,6 +147,7 @@ class LazyDenseLinear(DenseLinear):
         self.shape = (int(shape[0]), int(shape[1]))
         self.dtype = dtype
         self.bias = bias
+        self.of: LazyDenseLinear | None = None  # the fused weight a view (`fuse`) is rows of
 
     @property
     def weight(self) -> torch.Tensor:  # type: ignore[override]
@@ -202,8 +203,10 @@ class LazyDenseLinear(DenseLinear):
         views, row = [], 0
         for p in parts:
             n = p.out_features
-            views.append(LazyDenseLinear(lambda r=row, n=n: fused.weight[r:r + n], (n, cols),
-                                         dtype, bias[row:row + n] if bias is not None else None))
+            view = LazyDenseLinear(lambda r=row, n=n: fused.weight[r:r + n], (n, cols), dtype,
+                                   bias[row:row + n] if bias is not None else None)
+            view.of = fused
+            views.append(view)
             row += n
         return fused, views
 
@@ -328,6 +331,10 @@ class QuantEmbedding:
             # a host table waits for the ids (one sync per step: streamed models only, which
             # run without CUDA graphs and spend milliseconds per layer on copies anyway)
             rows = self.raw[ids.to(self.raw.device)].to(self.device)
+        if rows.device.type == "cpu":  # one native pass where the format has one: a CPU
+            # prefill's 512 Q6_K rows took ~0.1 s of torch ops (quant.dequantize's bits)
+            return quant.dequantize_as(rows, self.ggml_type, (ids.shape[0], self.hidden),
+                                       self.out_dtype)
         return quant.dequantize(rows, self.ggml_type, (ids.shape[0], self.hidden)).to(
             self.out_dtype)
 

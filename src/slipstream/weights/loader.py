@@ -38,7 +38,7 @@ from .expert_tiers import ExpertFile
 from .split_build import SplitPlacement, SplitRuntime, SplitSpec
 from .file_bytes import private_file_bytes, release_mapped_pages
 from .prefetch import prefetch_dense
-from .cpu import PackedDecodeLinear, kind_for, pack_group
+from .cpu import PackedDecodeLinear, kind_for, pack_group, prefills_packed
 from .image import flattened
 from .linear import (GEMV_MAX_ROWS, DenseLinear, LazyDenseLinear, Linear, OnDemandDenseLinear,
                      QuantEmbedding, QuantLinear, Workspace, lazy_dense)
@@ -333,7 +333,7 @@ class LayerBuilder:
         # not depend on how many rows share its call (the server's chunked prefill relies on
         # it); a prompt that short pays the packing, a longer one leaves it to the first step
         return PackedDecodeLinear(dense, lambda: pack_group(raws, types, shapes, biases)[0],
-                                  GEMV_MAX_ROWS)
+                                  GEMV_MAX_ROWS, packed_prefill=prefills_packed(types))
 
 
 def check_layer_shapes(gf: GGUFFile, cfg: ModelConfig) -> None:

@@ -13,7 +13,8 @@ from .linear import LazyDenseLinear
 
 
 def prefetch_dense(layers: list[LayerWeights | None], head=None) -> threading.Thread | None:
-    """Make the layers' lazy dense weights (linear.LazyDenseLinear) in a daemon thread, layer
+    """Make the layers' lazy dense weights (linear.LazyDenseLinear), or the packed copies of
+    those whose prefill takes them (PackedDecodeLinear.packed_prefill), in a daemon thread, layer
     by layer in the order a prefill reads them, while the caller goes on (the engine's build,
     the chat template, tokenizing, the first layers' matmuls): a `run` prompt is longer than
     GEMV_MAX_ROWS tokens, and its prefill otherwise waited for the dequantization, 0.5 s of a
@@ -24,12 +25,22 @@ def prefetch_dense(layers: list[LayerWeights | None], head=None) -> threading.Th
     30-90 ms, which the first token otherwise waited for (PackedDecodeLinear's lock: packed
     once). The head's dense weight stays lazy: only passes that score every token use it.
     None where nothing is lazy."""
-    lazies = []
+    lazies: list = []  # LazyDenseLinear (its weight made), or PackedDecodeLinear (packed)
     for layer in layers:
-        for f in dataclasses.fields(LayerWeights) if layer is not None else ():
-            lin = getattr(layer, f.name)
+        fields = [getattr(layer, f.name) for f in dataclasses.fields(LayerWeights)
+                  ] if layer is not None else []
+        # a prefill multiplies these linears' packed copies, never their dense weights (nor
+        # the part views of those, q/k/v's and gate/up's, which few paths read)
+        skip = {id(lin.dense) for lin in fields
+                if isinstance(lin, PackedDecodeLinear) and lin.packed_prefill}
+        for lin in fields:
+            if isinstance(lin, PackedDecodeLinear) and lin.packed_prefill:
+                if not lin.is_packed:
+                    lazies.append(lin)
+                continue
             dense = getattr(lin, "dense", lin)
-            if isinstance(dense, LazyDenseLinear) and not dense.materialized:
+            if (isinstance(dense, LazyDenseLinear) and not dense.materialized
+                    and id(dense.of) not in skip):
                 lazies.append(dense)
     if not lazies:
         return None
@@ -40,7 +51,10 @@ def prefetch_dense(layers: list[LayerWeights | None], head=None) -> threading.Th
             for lin in lazies:
                 if stop.is_set():
                     return
-                lin.weight  # noqa: B018 (made now)
+                if isinstance(lin, PackedDecodeLinear):
+                    lin.packed  # noqa: B018 (packed now)
+                else:
+                    lin.weight  # noqa: B018 (made now)
             if isinstance(head, PackedDecodeLinear) and not stop.is_set():
                 head.packed  # noqa: B018 (made now)
         finally:

@@ -21,8 +21,9 @@ and activations). Q6_K takes q6vnni where the library has its AVX-512 VNNI loop 
 wherever the native library builds. A format no layout reads stays dense.
 
 All of them answer the Linear protocol (x (m, in) -> (m, out), `residual=`, `out_features`) for
-any m; the packed kernels are meant for decode (m <= 8) and small speculation trees.
-PackedDecodeLinear (decode) holds a packed copy beside the dense weight and routes each call.
+any m; torch's packed kernels are meant for decode (m <= 8) and small speculation trees, the
+native ones (PREFILL_KINDS) serve a prefill too. PackedDecodeLinear (decode) holds a packed
+copy beside the dense weight and routes each call.
 None of these layouts is the GGUF byte layout, so a packed copy costs RAM beside any GGUF copy
 of the same rows; `nbytes` (or `packed_nbytes` before building) says how much.
 
@@ -32,8 +33,10 @@ helpers), native_pack (the load-time packers in C), torch_kernels, vnni, q6vnni 
 """
 
 from .decode import PackedDecodeLinear, rms_norm_bf16
-from .kinds import AUTO_KINDS, KINDS, kind_for, pack_group, pack_linear, packed_nbytes
+from .kinds import (AUTO_KINDS, KINDS, PREFILL_KINDS, kind_for, pack_group, pack_linear,
+                    packed_nbytes, prefills_packed)
 from .vnni import Q4VnniLinear
 
-__all__ = ["AUTO_KINDS", "KINDS", "PackedDecodeLinear", "Q4VnniLinear", "kind_for", "pack_group",
-           "pack_linear", "packed_nbytes", "rms_norm_bf16"]
+__all__ = ["AUTO_KINDS", "KINDS", "PREFILL_KINDS", "PackedDecodeLinear", "Q4VnniLinear",
+           "kind_for", "pack_group", "pack_linear", "packed_nbytes", "prefills_packed",
+           "rms_norm_bf16"]

@@ -35,7 +35,7 @@ class _Expert(ctypes.Structure):
 
 
 # moe_ffn.c's layout bits: a gate/up or down that is not a q4_matvec.c weight
-_DOWN_Q6, _GATE_UP_CB4, _DOWN_CB4 = 1, 2, 4
+DOWN_Q6, GATE_UP_CB4, DOWN_CB4 = 1, 2, 4
 _GATE_UP = (Q4VnniLinear, Cb4Linear)
 _DOWN = (Q4VnniLinear, Q6VnniLinear, Cb4Linear)
 
@@ -45,7 +45,9 @@ _DOWN = (Q4VnniLinear, Q6VnniLinear, Cb4Linear)
 _DESCRIPTORS: "weakref.WeakKeyDictionary[object, _Expert | None]" = weakref.WeakKeyDictionary()
 
 
-def _descriptor(gate_up, down) -> _Expert | None:
+def expert_descriptor(gate_up, down) -> _Expert | None:
+    """moe_ffn.c's descriptor of the expert (gate_up, down), made once and kept as long as
+    gate_up; None where the expert has no native form (see the module doc)."""
     desc = _DESCRIPTORS.get(gate_up, False)
     if desc is not False:
         return desc
@@ -55,9 +57,9 @@ def _descriptor(gate_up, down) -> _Expert | None:
         if (isinstance(gu, _GATE_UP) and isinstance(dn, _DOWN)
                 and gu.bias is None and dn.bias is None
                 and gu.out_features == 2 * dn.in_features):
-            layouts = (_DOWN_Q6 * isinstance(dn, Q6VnniLinear)
-                       | _GATE_UP_CB4 * isinstance(gu, Cb4Linear)
-                       | _DOWN_CB4 * isinstance(dn, Cb4Linear))
+            layouts = (DOWN_Q6 * isinstance(dn, Q6VnniLinear)
+                       | GATE_UP_CB4 * isinstance(gu, Cb4Linear)
+                       | DOWN_CB4 * isinstance(dn, Cb4Linear))
             desc = _Expert(gu.desc, dn.desc, layouts)
             desc._keep = (gu, dn)  # the descriptors' memory lives as long as this
     _DESCRIPTORS[gate_up] = desc
@@ -71,7 +73,7 @@ def native_expert_sum(pairs: Sequence[tuple[object, object]], weights: torch.Ten
     lib = native.library()
     if act != "silu" or lib is None or h.shape[0] != 1 or h.device.type != "cpu":
         return expert_sum(pairs, weights, h, act)
-    descs = [_descriptor(g, d) for g, d in pairs]
+    descs = [expert_descriptor(g, d) for g, d in pairs]
     if any(d is None for d in descs):
         return expert_sum(pairs, weights, h, act)
     k = len(descs)
@@ -103,7 +105,7 @@ def native_expert_ffn(gate_up, down, h: torch.Tensor, act: str = "silu") -> torc
     rows = h.shape[0]
     if act != "silu" or lib is None or rows > EXPERT_PACKED_ROWS or h.device.type != "cpu":
         return expert_ffn(gate_up, down, h, act)
-    if _descriptor(gate_up, down) is None:
+    if expert_descriptor(gate_up, down) is None:
         return expert_ffn(gate_up, down, h, act)
     gu, dn = gate_up.packed, down.packed
     x = h.float().contiguous()

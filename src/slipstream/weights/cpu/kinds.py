@@ -18,6 +18,17 @@ from .vnni import Q4VnniLinear, Q8VnniLinear, q4vnni_parts_nbytes, q8vnni_nbytes
 
 KINDS = ("q4vnni", "q8vnni", "q6vnni", "cb4", "int4pack", "int4pair", "int8pack")
 AUTO_KINDS = ("auto", "torch")  # kind_for's choices among KINDS
+# the layouts whose native kernels serve a prefill's many rows as well (PackedDecodeLinear's
+# packed_prefill: faster than the dense float32 GEMM on the CPUs measured); torch's own
+# kernels widen every code to bfloat16 and lose to the GEMM there
+PREFILL_KINDS = ("q4vnni", "q8vnni", "q6vnni")
+
+
+def prefills_packed(qtypes) -> bool:
+    """Whether a linear of these formats (its parts') takes prefill through its packed copy:
+    every part's layout in PREFILL_KINDS, unless SLIPSTREAM_PACKED_PREFILL=0."""
+    return envs.get("SLIPSTREAM_PACKED_PREFILL") and all(
+        kind_for(t) in PREFILL_KINDS for t in qtypes)
 
 
 def q4vnni_available() -> bool:
