@@ -46,6 +46,7 @@ class RowBlocks:
     packed: torch.Tensor
     bias: torch.Tensor | None
     _out: int
+    in_features: int
 
     @property
     def out_features(self) -> int:
@@ -62,6 +63,19 @@ class RowBlocks:
         y = torch.empty(x.shape[0], self._out)  # float32: one rounding fewer than the kernel
         self.matvec(x, y)
         return finish(y, x.dtype, self.bias, residual)
+
+    def check_call(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """What the native matvec takes: contiguous x (m, in) and out (m, out), each float32
+        or bfloat16 (the kernels read any other 16-bit type as bfloat16)."""
+        m = x.shape[0]
+        if x.dim() != 2 or x.shape[-1] != self.in_features or \
+                tuple(out.shape) != (m, self._out) or \
+                not (x.is_contiguous() and out.is_contiguous()):
+            raise ValueError(f"{self.kind} matvec of {tuple(x.shape)} into {tuple(out.shape)}: "
+                             f"needs contiguous (m, {self.in_features}) and (m, {self._out})")
+        for t in (x, out):
+            if t.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"{self.kind} matvec takes float32 or bfloat16, not {t.dtype}")
 
     def row_slice(self, r0: int, r1: int):
         """Output rows [r0, r1) as their own linear, sharing the packed bytes; r0 a multiple of

@@ -226,11 +226,8 @@ class Q4VnniLinear(RowBlocks, Linear):
         """out (m, out) = x (m, in) @ W^T: x and out contiguous, float32 or bfloat16 each.
         threads: torch's intra-op count unless given; generic: the plain-C loop even where
         a vector loop (VNNI or AVX2) is compiled in (tests compare the two)."""
+        self.check_call(x, out)
         m = x.shape[0]
-        if x.shape[-1] != self.in_features or tuple(out.shape) != (m, self._out) or \
-                not (x.is_contiguous() and out.is_contiguous()):
-            raise ValueError(f"q4vnni matvec of {tuple(x.shape)} into {tuple(out.shape)}: "
-                             f"needs contiguous (m, {self.in_features}) and (m, {self._out})")
         flags = q4vnni_flags(x.dtype == torch.float32, out.dtype == torch.float32,
                              torch.get_num_threads() if threads is None else threads, generic)
         self._matvec(self.desc, x.data_ptr(), out.data_ptr(), m, flags)
