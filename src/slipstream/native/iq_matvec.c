@@ -1,0 +1,304 @@
+/* The i-quant grid formats IQ3_XXS and IQ2_XXS times 16-bit-quantized activations: the CPU
+ * decode matmul of the iq kind (weights/cpu/iquant.py, IqLinear), for the experts that community
+ * quants of DeepSeek-V3/R1, Kimi K2, GLM-4.5 and Qwen3-235B store in these formats.
+ *
+ * Why: no other layout reads them, so without this they decode through dense float weights made
+ * at every call (32 bits a weight written and read again where the file holds 3.06 or 2.06).
+ * Here the file's blocks are read as they are (no repack: the weight is the file's rows, bytes
+ * for bytes), their grid points looked up per 4 (IQ3_XXS) or 8 (IQ2_XXS) weights and their sign
+ * patterns per 8, as llama.cpp's CPU backend does (ggml_vec_dot_iq3_xxs_q8_K,
+ * ggml_vec_dot_iq2_xxs_q8_K: gather the points into a vector, apply the signs, integer dots).
+ * The tables (grid points, ksigns patterns as +-1 bytes) are gguf-py's, handed in by the caller
+ * through the weight's descriptor: none are copied here.
+ *
+ * Math. A row's 32-column sub-block g of a 256-column block is w = s_g v with v = +-grid point
+ * values (integers: IQ3_XXS 4..62, IQ2_XXS 8, 25, 43) and s_g = d (0.5 + l) / 2 for IQ3_XXS,
+ * d (0.5 + l) / 4 for IQ2_XXS (d the block's float16, l the 4-bit scale): 11 + 5 bits, exact
+ * in float32, so the weights are the file's exactly. The activations are q4_matvec.c's
+ * (ss_q16_quantize_row: per 32 columns dx = max|x| / 32512, X = 256 hi + lo, two int8 digits):
+ * the 16-bit quantization every native kernel uses, so a model's bits err as the others' do
+ * and the tests' tolerances hold; its 32-column groups are the i-quants' sub-blocks. Per
+ * sub-block the integer sum S_g = sum v X = 256 (v . hi) + v . lo is exact in int32
+ * (|S| <= 62 * 32512 * 32 < 2^26; rounded once to float above 2^24), and a row's output is
+ *     acc[g % 8] = fma((float)S_g * dx_g, s_g, acc[g % 8])    in block order,
+ *     y = ((acc0 + acc4) + (acc2 + acc6)) + ((acc1 + acc5) + (acc3 + acc7)),
+ * the AVX2 loop's 8 lanes and its reduction, which the plain-C loop does in the same order: the
+ * same bits from both, whatever the thread count.
+ *
+ * The integer dots (AVX2): vpmaddubsw multiplies unsigned by signed bytes, so as in cb4 it
+ * takes |X digit| (unsigned: -128 gives 128) times v carrying the digit's sign; pairs at most
+ * 2 * 128 * 62 = 15872, no saturation; then vpmaddwd into int32 lanes, and the 8 sub-blocks'
+ * lanes summed by a transposing hadd tree (exact integers: order free).
+ *
+ * Threads: rows split over OpenMP threads (parallel.h); each output is computed by one thread
+ * in one order, so its bits do not depend on the thread count or the other rows.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "half.h"
+#include "parallel.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define IQ_AVX2 1
+#include <immintrin.h>
+#else
+#define IQ_AVX2 0
+#endif
+
+#define IQ_BLOCK 256
+#define IQ_SUB 32
+#define IQ_MAX_M 4          /* activation rows per pass over the weights */
+#define IQ_FMT_IQ3_XXS 0    /* iq_weight.fmt */
+#define IQ_FMT_IQ2_XXS 1
+
+void ss_q16_quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, float *dx,
+                         float *sx);
+
+/* A weight as IqLinear holds it; its first fields are the other kernels' (moe_ffn.c reads n
+ * and k through them). */
+typedef struct {
+    const uint8_t *w;     /* n rows of k / 256 file blocks */
+    int64_t n, k;
+    int64_t fmt;          /* IQ_FMT_* */
+    const uint8_t *grid;  /* gguf-py's grid: 256 points of 4 (IQ3_XXS) or 8 (IQ2_XXS) bytes */
+    const int8_t *signs;  /* gguf-py's 128 ksigns patterns as 8 bytes of +-1 each */
+} iq_weight;
+
+static int64_t iq_block_bytes(int64_t fmt) { return fmt == IQ_FMT_IQ3_XXS ? 98 : 66; }
+
+static uint32_t iq_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Sub-block ib's 32 signed grid values and its scale, of the block at b. */
+static inline void iq_sub(const iq_weight *wd, const uint8_t *b, int ib, int8_t *v, float *s) {
+    uint16_t dh;
+    memcpy(&dh, b, 2);
+    const float d = f16_to_f32(dh);
+    if (wd->fmt == IQ_FMT_IQ3_XXS) {
+        const uint8_t *qs = b + 2 + 8 * ib;
+        const uint32_t aux = iq_u32(b + 66 + 4 * ib);
+        *s = d * (0.5f + (float)(aux >> 28)) * 0.5f;
+        for (int l = 0; l < 4; l++) {
+            const int8_t *sg = wd->signs + 8 * ((aux >> (7 * l)) & 127);
+            const uint8_t *g0 = wd->grid + 4 * qs[2 * l], *g1 = wd->grid + 4 * qs[2 * l + 1];
+            for (int j = 0; j < 4; j++) {
+                v[8 * l + j] = (int8_t)(g0[j] * sg[j]);
+                v[8 * l + 4 + j] = (int8_t)(g1[j] * sg[4 + j]);
+            }
+        }
+    } else {
+        const uint8_t *q2 = b + 2 + 8 * ib;
+        const uint32_t aux = iq_u32(q2 + 4);
+        *s = d * (0.5f + (float)(aux >> 28)) * 0.25f;
+        for (int l = 0; l < 4; l++) {
+            const int8_t *sg = wd->signs + 8 * ((aux >> (7 * l)) & 127);
+            const uint8_t *g = wd->grid + 8 * q2[l];
+            for (int j = 0; j < 8; j++) v[8 * l + j] = (int8_t)(g[j] * sg[j]);
+        }
+    }
+}
+
+/* The 8 lanes' fixed reduction (the AVX2 loop's: high half onto low, then movehl, then 1). */
+static inline float iq_reduce8(const float *a) {
+    const float t0 = a[0] + a[4], t1 = a[1] + a[5], t2 = a[2] + a[6], t3 = a[3] + a[7];
+    return (t0 + t2) + (t1 + t3);
+}
+
+/* Row `row`'s outputs for M activation rows (q: 2k digits a row, high then low; dx: G a row). */
+static inline __attribute__((always_inline)) void iq_row_generic(
+        const iq_weight *wd, int64_t row, const int8_t *q, const float *dx, float *out,
+        const int M) {
+    const int64_t k = wd->k, nb = k / IQ_BLOCK, G = k / IQ_SUB, bb = iq_block_bytes(wd->fmt);
+    const uint8_t *r = wd->w + row * nb * bb;
+    float acc[IQ_MAX_M][8];
+    memset(acc, 0, sizeof acc);
+    for (int64_t b = 0; b < nb; b++) {
+        for (int ib = 0; ib < 8; ib++) {
+            int8_t v[IQ_SUB];
+            float s;
+            iq_sub(wd, r + b * bb, ib, v, &s);
+            const int64_t g = 8 * b + ib;
+            for (int m = 0; m < M; m++) {
+                const int8_t *xh = q + m * 2 * k + g * IQ_SUB, *xl = xh + k;
+                int32_t hs = 0, ls = 0;
+                for (int i = 0; i < IQ_SUB; i++) {
+                    hs += v[i] * xh[i];
+                    ls += v[i] * xl[i];
+                }
+                acc[m][ib] = fmaf((float)(hs * 256 + ls) * dx[m * G + g], s, acc[m][ib]);
+            }
+        }
+    }
+    for (int m = 0; m < M; m++) out[m] = iq_reduce8(acc[m]);
+}
+
+#if IQ_AVX2
+/* v (32 signed values) . x (32 digits) into 8 int32 lanes (see the header). */
+static inline __m256i iq_dot32(__m256i v, const int8_t *x) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)x);
+    const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(xv), _mm256_sign_epi8(v, xv));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+/* 8 vectors' lane sums as one vector: [sum S0, ..., sum S7] */
+static inline __m256i iq_hsum8(const __m256i *S) {
+    const __m256i a = _mm256_hadd_epi32(S[0], S[1]), b = _mm256_hadd_epi32(S[2], S[3]);
+    const __m256i c = _mm256_hadd_epi32(S[4], S[5]), d = _mm256_hadd_epi32(S[6], S[7]);
+    const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20),
+                            _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+
+/* Sub-block ib's 32 signed values as a vector: the points gathered, the signs applied. */
+static inline __m256i iq_sub_avx2(const iq_weight *wd, const uint8_t *b, int ib) {
+    const int8_t *S = wd->signs;
+    int64_t s0, s1, s2, s3;
+    __m256i g;
+    uint32_t aux;
+    if (wd->fmt == IQ_FMT_IQ3_XXS) {
+        const uint8_t *qs = b + 2 + 8 * ib;
+        const uint32_t *G = (const uint32_t *)wd->grid;
+        aux = iq_u32(b + 66 + 4 * ib);
+        g = _mm256_set_epi32((int)G[qs[7]], (int)G[qs[6]], (int)G[qs[5]], (int)G[qs[4]],
+                             (int)G[qs[3]], (int)G[qs[2]], (int)G[qs[1]], (int)G[qs[0]]);
+    } else {
+        const uint8_t *q2 = b + 2 + 8 * ib;
+        const uint64_t *G = (const uint64_t *)wd->grid;
+        aux = iq_u32(q2 + 4);
+        g = _mm256_set_epi64x((int64_t)G[q2[3]], (int64_t)G[q2[2]], (int64_t)G[q2[1]],
+                              (int64_t)G[q2[0]]);
+    }
+    memcpy(&s0, S + 8 * (aux & 127), 8);
+    memcpy(&s1, S + 8 * ((aux >> 7) & 127), 8);
+    memcpy(&s2, S + 8 * ((aux >> 14) & 127), 8);
+    memcpy(&s3, S + 8 * ((aux >> 21) & 127), 8);
+    return _mm256_sign_epi8(g, _mm256_set_epi64x(s3, s2, s1, s0));
+}
+
+static inline __attribute__((always_inline)) void iq_row_avx2(
+        const iq_weight *wd, int64_t row, const int8_t *q, const float *dx, float *out,
+        const int M) {
+    const int64_t k = wd->k, nb = k / IQ_BLOCK, G = k / IQ_SUB, bb = iq_block_bytes(wd->fmt);
+    const float mult = wd->fmt == IQ_FMT_IQ3_XXS ? 0.5f : 0.25f;
+    const uint8_t *r = wd->w + row * nb * bb;
+    __m256 acc[IQ_MAX_M];
+    for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = r + b * bb;
+        __m256i v[8];
+        float sc[8];
+        uint16_t dh;
+        memcpy(&dh, blk, 2);
+        const float d = f16_to_f32(dh);
+        for (int ib = 0; ib < 8; ib++) {
+            v[ib] = iq_sub_avx2(wd, blk, ib);
+            const uint32_t aux = iq_u32(blk + (wd->fmt == IQ_FMT_IQ3_XXS ? 66 + 4 * ib
+                                                                       : 6 + 8 * ib));
+            sc[ib] = d * (0.5f + (float)(aux >> 28)) * mult;  /* iq_sub's, exact */
+        }
+        const __m256 s = _mm256_loadu_ps(sc);
+        for (int m = 0; m < M; m++) {
+            const int8_t *xh = q + m * 2 * k + b * IQ_BLOCK, *xl = xh + k;
+            __m256i S[8];
+            for (int ib = 0; ib < 8; ib++)
+                S[ib] = _mm256_add_epi32(_mm256_slli_epi32(iq_dot32(v[ib], xh + IQ_SUB * ib), 8),
+                                         iq_dot32(v[ib], xl + IQ_SUB * ib));
+            const __m256 prod = _mm256_mul_ps(_mm256_cvtepi32_ps(iq_hsum8(S)),
+                                              _mm256_loadu_ps(dx + m * G + 8 * b));
+            acc[m] = _mm256_fmadd_ps(prod, s, acc[m]);
+        }
+    }
+    for (int m = 0; m < M; m++) {
+        float a[8];
+        _mm256_storeu_ps(a, acc[m]);
+        out[m] = iq_reduce8(a);
+    }
+}
+#endif
+
+#define IQ_X_F32 1    /* flags: x is float32 (else bfloat16); as q4_matvec.c's */
+#define IQ_Y_F32 2    /* y is float32 (else bfloat16) */
+#define IQ_GENERIC 4  /* the plain-C loop even where the AVX2 one is compiled in (tests) */
+#define IQ_THREADS_SHIFT 8
+
+typedef struct {
+    const iq_weight *wd;
+    int64_t m;
+    int y_f32, generic;
+    const int8_t *q;
+    const float *dx;
+    void *y;
+} iq_job;
+
+static inline __attribute__((always_inline)) void iq_rows(const iq_job *j, int64_t r0,
+                                                         int64_t r1, int64_t m0, const int M) {
+    const int64_t k = j->wd->k, n = j->wd->n, G = k / IQ_SUB;
+    const int8_t *q = j->q + m0 * 2 * k;
+    const float *dx = j->dx + m0 * G;
+    for (int64_t row = r0; row < r1; row++) {
+        float out[IQ_MAX_M];
+#if IQ_AVX2
+        if (!j->generic) iq_row_avx2(j->wd, row, q, dx, out, M);
+        else
+#endif
+        iq_row_generic(j->wd, row, q, dx, out, M);
+        for (int m = 0; m < M; m++) {
+            if (j->y_f32) ((float *)j->y)[(m0 + m) * n + row] = out[m];
+            else ((uint16_t *)j->y)[(m0 + m) * n + row] = f32_to_bf16(out[m]);
+        }
+    }
+}
+
+static void iq_run_part(const void *job, int part, int parts) {
+    const iq_job *j = job;
+    const int64_t n = j->wd->n, r0 = n * part / parts, r1 = n * (part + 1) / parts;
+    for (int64_t m0 = 0; m0 < j->m; m0 += IQ_MAX_M) {
+        switch (j->m - m0 < IQ_MAX_M ? j->m - m0 : IQ_MAX_M) {
+        case 1: iq_rows(j, r0, r1, m0, 1); break;
+        case 2: iq_rows(j, r0, r1, m0, 2); break;
+        case 3: iq_rows(j, r0, r1, m0, 3); break;
+        default: iq_rows(j, r0, r1, m0, 4); break;
+        }
+    }
+}
+
+/* y (m, n) = x (m, k) @ W^T for W (n, k) in IQ3_XXS or IQ2_XXS file rows; x and y rows
+ * contiguous; k a multiple of 256. */
+void ss_iq_matvec(const iq_weight *wd, const void *x, void *y, int64_t m, int64_t flags) {
+    const int64_t n = wd->n, k = wd->k, G = k / IQ_SUB;
+    size_t fbytes = (size_t)k * sizeof(float);
+    size_t qbytes = (size_t)(m * k * 2 + 63) / 64 * 64;
+    char *scratch = malloc(fbytes + qbytes + 2 * (size_t)(m * G) * sizeof(float));
+    if (scratch == NULL) return;  /* the caller's output stays as it was */
+    float *xf = (float *)scratch;
+    int8_t *q = (int8_t *)(scratch + fbytes);
+    float *dx = (float *)(scratch + fbytes + qbytes), *sx = dx + m * G;
+    for (int64_t r = 0; r < m; r++) {
+        const float *row;
+        if (flags & IQ_X_F32) {
+            row = (const float *)x + r * k;
+        } else {
+            const uint16_t *xb = (const uint16_t *)x + r * k;
+            for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(xb[i]);
+            row = xf;
+        }
+        int8_t *qr = q + r * k * 2;
+        ss_q16_quantize_row(row, k, qr, qr + k, dx + r * G, sx + r * G);
+    }
+    iq_job j = {wd, m, (flags & IQ_Y_F32) != 0, (flags & IQ_GENERIC) != 0, q, dx, y};
+    int64_t threads = flags >> IQ_THREADS_SHIFT;
+    if (threads > n / 16) threads = n / 16;  /* at least 16 rows a thread */
+    ss_parallel(iq_run_part, &j, threads < 1 ? 1 : (int)threads, n);
+    free(scratch);
+}
+
+/* Which loops this build has: 2 AVX2 (0: plain C alone). */
+int ss_iq_loops(void) { return IQ_AVX2 << 1; }
