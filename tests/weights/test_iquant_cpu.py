@@ -43,15 +43,23 @@ def oracle(raw: torch.Tensor, qtype: Q, shape, x: torch.Tensor):
     return xq @ w.t(), (shape[1] // 32 + 6) * F32_U * (xq.abs() @ w.abs().t())
 
 
-def both_loops(lin, x, rows, threads):
-    return {"best": lin.matvec(x, torch.empty(x.shape[0], rows), threads=threads),
-            "c": lin.matvec(x, torch.empty(x.shape[0], rows), threads=threads, generic=True)}
+def loops() -> int:
+    return native.library().ss_iq_loops()
+
+
+def every_loop(lin, x, rows, threads):
+    """The outputs of the best loop, the plain-C one and (where built) the AVX2 one."""
+    out = {"best": lin.matvec(x, torch.empty(x.shape[0], rows), threads=threads),
+           "c": lin.matvec(x, torch.empty(x.shape[0], rows), threads=threads, generic=True)}
+    if loops() & 2:
+        out["avx2"] = lin.matvec(x, torch.empty(x.shape[0], rows), threads=threads, avx2=True)
+    return out
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("qtype,rows,cols", SHAPES, ids=IDS)
 def test_kernel_against_the_oracle(qtype, rows, cols, threads):
-    """float32 in and out, 1 to 9 activation rows (passes of 4 in the C), both loops."""
+    """float32 in and out, 1 to 9 activation rows (passes of 4 in the C), every loop."""
     raw = make_raw(qtype, rows, cols, 1)
     lin = pack_linear(raw, qtype, (rows, cols))
     assert isinstance(lin, IqLinear) and lin.kind == "iq" and lin.out_features == rows
@@ -65,33 +73,37 @@ def test_kernel_against_the_oracle(qtype, rows, cols, threads):
         x = torch.randn(m, cols, generator=g)
         x[0, :32] *= 50  # one block far larger than the rest
         y_ref, bound = oracle(raw, qtype, (rows, cols), x)
-        for name, y in both_loops(lin, x, rows, threads).items():
+        for name, y in every_loop(lin, x, rows, threads).items():
             assert_within_bound(y, y_ref, bound, f"{qtype.name} m={m} loop={name}")
 
 
 @pytest.mark.parametrize("qtype,rows,cols", SHAPES, ids=IDS)
 def test_every_loop_and_thread_count_give_the_same_bits(qtype, rows, cols):
-    """AVX2 and plain C: the same float operations in the same order on the same exact
-    integers; any thread count; a row's bits whatever else shares its call."""
+    """VNNI, AVX2 (forced where VNNI is built) and plain C: the same float operations in the
+    same order on the same exact integers; any thread count; a row's bits whatever else
+    shares its call."""
     raw = make_raw(qtype, rows, cols, 2)
     lin = pack_linear(raw, qtype, (rows, cols))
     x = torch.randn(6, cols, generator=torch.Generator().manual_seed(3))
     assert_same_bits_every_way(lin, x, rows)
     assert_chunked_threads_give_the_bits(lin, x, rows, 2)
-    ys = [both_loops(lin, x, rows, t) for t in (1, 2, 3)]
+    ys = [every_loop(lin, x, rows, t) for t in (1, 2, 3)]
     first = ys[0]["best"].view(torch.int32)
     assert all(torch.equal(y.view(torch.int32), first) for d in ys for y in d.values())
 
 
-def test_avx2_loop_built_where_the_cpu_has_it():
-    """-march=native builds the AVX2 loop wherever the CPU has AVX2 and FMA (else the
-    bit-for-bit tests above compared the plain-C loop with itself)."""
+def test_loops_built_where_the_cpu_has_them():
+    """-march=native builds the VNNI loop wherever the CPU has AVX-512 VNNI, BW, VL and BMI2,
+    and the AVX2 loop wherever it has AVX2 and FMA (else the bit-for-bit tests above compared
+    fewer loops)."""
     try:
         flags = open("/proc/cpuinfo").read()
     except OSError:
         pytest.skip("no /proc/cpuinfo")
+    if all(f" {f}" in flags for f in ("avx512_vnni", "avx512bw", "avx512vl", "bmi2")):
+        assert loops() & 1
     if " avx2" in flags and " fma" in flags:
-        assert native.library().ss_iq_loops() & 2
+        assert loops() & 2
 
 
 @pytest.mark.parametrize("qtype", [Q.IQ3_XXS, Q.IQ2_XXS])
@@ -113,9 +125,8 @@ def test_a_wrong_weight_fails_the_check(qtype, byte):
     y_ref, bound = oracle(raw, qtype, (rows, cols), x)
     assert_within_bound(lin.matvec(x, torch.empty(1, rows)), y_ref, bound, "as read")
     lin.packed[0, byte] ^= 0x05
-    for generic in (False, True):
-        y = lin.matvec(x, torch.empty(1, rows), generic=generic)
-        assert bool(((y.double() - y_ref).abs() > bound).any())
+    for name, y in every_loop(lin, x, rows, 1).items():
+        assert bool(((y.double() - y_ref).abs() > bound).any()), name
 
 
 def test_kind_choice_stacking_and_refusals(monkeypatch):

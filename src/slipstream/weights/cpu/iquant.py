@@ -26,13 +26,14 @@ from .vnni import q4vnni_flags
 # the formats iq reads -> iq_matvec.c's IQ_FMT_*
 IQ_FORMATS = {Q.IQ3_XXS: 0, Q.IQ2_XXS: 1}
 IQ_BLOCK = 256
+IQ_USE_AVX2 = 16  # ss_iq_matvec's flag: the AVX2 loop where the VNNI one is built (tests)
 
 _TABLES: dict[Q, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def iq_available() -> bool:
-    """Whether iq runs here: the native library builds (an AVX2 and a plain-C loop, with the
-    same bits)."""
+    """Whether iq runs here: the native library builds (any CPU: an AVX-512 VNNI, an AVX2 and
+    a plain-C loop, all with the same bits)."""
     return native.library() is not None
 
 
@@ -122,9 +123,10 @@ class IqLinear(RowBlocks, Linear):
         return cls(packed, packed.shape[0], bias, qtype)
 
     def matvec(self, x: torch.Tensor, out: torch.Tensor, threads: int | None = None,
-               generic: bool = False) -> torch.Tensor:
+               generic: bool = False, avx2: bool = False) -> torch.Tensor:
         """out (m, out) = x (m, in) @ W^T: x and out contiguous, float32 or bfloat16 each.
-        threads: torch's intra-op count unless given; generic: the plain-C loop (tests)."""
+        threads: torch's intra-op count unless given; generic: the plain-C loop; avx2: the
+        AVX2 loop where the VNNI one is built (tests compare the three)."""
         m = x.shape[0]
         if x.dim() != 2 or x.shape[-1] != self.in_features or \
                 tuple(out.shape) != (m, self._out) or \
@@ -136,7 +138,8 @@ class IqLinear(RowBlocks, Linear):
                 raise ValueError(f"iq matvec takes float32 or bfloat16, not {t.dtype}")
         flags = q4vnni_flags(x.dtype == torch.float32, out.dtype == torch.float32,
                              torch.get_num_threads() if threads is None else threads, generic)
-        self._matvec(self.desc, x.data_ptr(), out.data_ptr(), m, flags)
+        self._matvec(self.desc, x.data_ptr(), out.data_ptr(), m,
+                     flags | (IQ_USE_AVX2 if avx2 else 0))
         return out
 
     def kernel(self, xb: torch.Tensor) -> torch.Tensor:
