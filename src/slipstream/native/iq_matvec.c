@@ -28,8 +28,9 @@
  * Why 16-bit activations rather than int8 per block (half the integer work): they are what
  * every other native kernel, and so every model test's tolerance, assumes; and the integer dots
  * are not what bounds this kernel. One thread on the 2-core AVX-512 EPYC, 1024 x 4096 IQ3_XXS
- * from cache, the AVX2 loop: 0.74 ms a call, of which 0.50 ms went to building the weight vectors (8 grid
- * loads and 4 sign-pattern loads per 32 weights) and 0.08 ms to each activation digit's dots.
+ * from cache, the AVX2 loop: 0.74 ms a call, of which 0.50 ms went to building the weight
+ * vectors (8 grid loads and 4 sign-pattern loads per 32 weights) and 0.08 ms to each
+ * activation digit's dots.
  *
  * The integer dots. AVX2: vpmaddubsw multiplies unsigned by signed bytes, so as in cb4 it takes
  * |X digit| (unsigned: -128 gives 128) times v carrying the digit's sign; pairs at most
