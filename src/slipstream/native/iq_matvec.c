@@ -1,20 +1,22 @@
-/* The i-quant grid formats IQ3_XXS and IQ2_XXS times 16-bit-quantized activations: the CPU
- * decode matmul of the iq kind (weights/cpu/iquant.py, IqLinear), for the experts that community
- * quants of DeepSeek-V3/R1, Kimi K2, GLM-4.5 and Qwen3-235B store in these formats.
+/* The i-quant grid formats IQ3_XXS, IQ2_XXS and IQ3_S times 16-bit-quantized activations:
+ * the CPU decode matmul of the iq kind (weights/cpu/iquant.py, IqLinear), for the experts that
+ * community quants of DeepSeek-V3/R1, Kimi K2, GLM-4.5 and Qwen3-235B store in these formats.
  *
  * Why: no other layout reads them, so without this they decode through dense float weights made
- * at every call (32 bits a weight written and read again where the file holds 3.06 or 2.06).
+ * at every call (32 bits a weight written and read again where the file holds 2.06 to 3.44).
  * Here the file's blocks are read as they are (no repack: the weight is the file's rows, bytes
- * for bytes), their grid points looked up per 4 (IQ3_XXS) or 8 (IQ2_XXS) weights and their sign
- * patterns per 8, as llama.cpp's CPU backend does (ggml_vec_dot_iq3_xxs_q8_K,
- * ggml_vec_dot_iq2_xxs_q8_K: gather the points into a vector, apply the signs, integer dots).
+ * for bytes), their grid points looked up per 4 (IQ3_XXS, IQ3_S) or 8 (IQ2_XXS) weights and
+ * their sign patterns per 8 (IQ3_S: plain sign bits), as llama.cpp's CPU backend does
+ * (ggml_vec_dot_iq3_xxs_q8_K, ggml_vec_dot_iq2_xxs_q8_K, ggml_vec_dot_iq3_s_q8_K: gather the
+ * points into a vector, apply the signs, integer dots).
  * The tables (grid points, ksigns patterns as +-1 bytes) are gguf-py's, handed in by the caller
  * through the weight's descriptor: none are copied here.
  *
  * Math. A row's 32-column sub-block g of a 256-column block is w = s_g v with v = +-grid point
  * values (integers: IQ3_XXS 4..62, IQ2_XXS 8, 25, 43) and s_g = d (0.5 + l) / 2 for IQ3_XXS,
- * d (0.5 + l) / 4 for IQ2_XXS (d the block's float16, l the 4-bit scale): 11 + 5 bits, exact
- * in float32, so the weights are the file's exactly. The activations are q4_matvec.c's
+ * d (0.5 + l) / 4 for IQ2_XXS, d (1 + 2 l) for IQ3_S (d the block's float16, l the 4-bit
+ * scale; IQ3_S's grid values odd, 1..15): 11 + 5 bits, exact in float32, so the weights are
+ * the file's exactly. The activations are q4_matvec.c's
  * (ss_q16_quantize_row: per 32 columns dx = max|x| / 32512, X = 256 hi + lo, two int8 digits):
  * the 16-bit quantization every native kernel uses, so a model's bits err as the others' do
  * and the tests' tolerances hold; its 32-column groups are the i-quants' sub-blocks. Per
@@ -74,6 +76,7 @@
 #define IQ_MAX_M 4          /* activation rows per pass over the weights */
 #define IQ_FMT_IQ3_XXS 0    /* iq_weight.fmt */
 #define IQ_FMT_IQ2_XXS 1
+#define IQ_FMT_IQ3_S 2      /* d | qs[64] | qh[8] | signs[32] | scales[4] */
 
 void ss_q16_quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, float *dx,
                          float *sx);
@@ -84,16 +87,31 @@ typedef struct {
     const uint8_t *w;     /* n rows of k / 256 file blocks */
     int64_t n, k;
     int64_t fmt;          /* IQ_FMT_* */
-    const uint8_t *grid;  /* gguf-py's grid: 256 points of 4 (IQ3_XXS) or 8 (IQ2_XXS) bytes */
+    const uint8_t *grid;  /* gguf-py's grid: 256 points of 4 (IQ3_XXS) or 8 (IQ2_XXS) bytes,
+                           * 512 of 4 (IQ3_S) */
     const int8_t *signs;  /* gguf-py's 128 ksigns patterns as 8 bytes of +-1 each */
 } iq_weight;
 
-static int64_t iq_block_bytes(int64_t fmt) { return fmt == IQ_FMT_IQ3_XXS ? 98 : 66; }
+static int64_t iq_block_bytes(int64_t fmt) {
+    return fmt == IQ_FMT_IQ3_XXS ? 98 : fmt == IQ_FMT_IQ2_XXS ? 66 : 110;
+}
 
 static uint32_t iq_u32(const uint8_t *p) {
     uint32_t v;
     memcpy(&v, p, 4);
     return v;
+}
+
+/* Sub-block ib's scale (d the block's float16 as float): exact, as ggml forms it. */
+static inline float iq_scale(int64_t fmt, const uint8_t *b, int ib, float d) {
+    if (fmt == IQ_FMT_IQ3_XXS) return d * (0.5f + (float)(iq_u32(b + 66 + 4 * ib) >> 28)) * 0.5f;
+    if (fmt == IQ_FMT_IQ2_XXS) return d * (0.5f + (float)(iq_u32(b + 6 + 8 * ib) >> 28)) * 0.25f;
+    return d * (float)(1 + 2 * ((b[106 + ib / 2] >> (4 * (ib & 1))) & 15));
+}
+
+/* IQ3_S sub-block ib's grid index of point p (0..7): a qs byte and a ninth bit from qh. */
+static inline int iq3s_index(const uint8_t *b, int ib, int p) {
+    return b[2 + 8 * ib + p] | ((b[66 + ib] >> p) & 1) << 8;
 }
 
 /* Sub-block ib's 32 signed grid values and its scale, of the block at b. */
@@ -112,6 +130,14 @@ static inline void iq_sub(const iq_weight *wd, const uint8_t *b, int ib, int8_t 
                 v[8 * l + j] = (int8_t)(g0[j] * sg[j]);
                 v[8 * l + 4 + j] = (int8_t)(g1[j] * sg[4 + j]);
             }
+        }
+    } else if (wd->fmt == IQ_FMT_IQ3_S) {  /* plain sign bits: bit i for weight i */
+        const uint32_t neg = iq_u32(b + 74 + 4 * ib);
+        *s = iq_scale(IQ_FMT_IQ3_S, b, ib, d);
+        for (int p = 0; p < 8; p++) {
+            const uint8_t *g = wd->grid + 4 * iq3s_index(b, ib, p);
+            for (int j = 0; j < 4; j++)
+                v[4 * p + j] = (int8_t)((neg >> (4 * p + j) & 1) ? -g[j] : g[j]);
         }
     } else {
         const uint8_t *q2 = b + 2 + 8 * ib;
@@ -182,6 +208,21 @@ static inline __m256i iq_sub_avx2(const iq_weight *wd, const uint8_t *b, int ib)
     int64_t s0, s1, s2, s3;
     __m256i g;
     uint32_t aux;
+    if (wd->fmt == IQ_FMT_IQ3_S) {
+        const uint32_t *G = (const uint32_t *)wd->grid;
+        g = _mm256_set_epi32((int)G[iq3s_index(b, ib, 7)], (int)G[iq3s_index(b, ib, 6)],
+                             (int)G[iq3s_index(b, ib, 5)], (int)G[iq3s_index(b, ib, 4)],
+                             (int)G[iq3s_index(b, ib, 3)], (int)G[iq3s_index(b, ib, 2)],
+                             (int)G[iq3s_index(b, ib, 1)], (int)G[iq3s_index(b, ib, 0)]);
+        /* byte i of the sign word's bit i % 8 of byte i / 8, as +-1 (llama.cpp's way) */
+        const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull);
+        const __m256i spread = _mm256_shuffle_epi8(
+            _mm256_set1_epi32((int)iq_u32(b + 74 + 4 * ib)),
+            _mm256_setr_epi64x(0, 0x0101010101010101ll, 0x0202020202020202ll,
+                               0x0303030303030303ll));
+        const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+        return _mm256_sign_epi8(g, _mm256_or_si256(neg, _mm256_set1_epi8(1)));
+    }
     if (wd->fmt == IQ_FMT_IQ3_XXS) {
         const uint8_t *qs = b + 2 + 8 * ib;
         const uint32_t *G = (const uint32_t *)wd->grid;
@@ -206,7 +247,6 @@ static inline __attribute__((always_inline)) void iq_row_avx2(
         const iq_weight *wd, int64_t row, const int8_t *q, const float *dx, float *out,
         const int M) {
     const int64_t k = wd->k, nb = k / IQ_BLOCK, G = k / IQ_SUB, bb = iq_block_bytes(wd->fmt);
-    const float mult = wd->fmt == IQ_FMT_IQ3_XXS ? 0.5f : 0.25f;
     const uint8_t *r = wd->w + row * nb * bb;
     __m256 acc[IQ_MAX_M];
     for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
@@ -219,9 +259,7 @@ static inline __attribute__((always_inline)) void iq_row_avx2(
         const float d = f16_to_f32(dh);
         for (int ib = 0; ib < 8; ib++) {
             v[ib] = iq_sub_avx2(wd, blk, ib);
-            const uint32_t aux = iq_u32(blk + (wd->fmt == IQ_FMT_IQ3_XXS ? 66 + 4 * ib
-                                                                       : 6 + 8 * ib));
-            sc[ib] = d * (0.5f + (float)(aux >> 28)) * mult;  /* iq_sub's, exact */
+            sc[ib] = iq_scale(wd->fmt, blk, ib, d);
         }
         const __m256 s = _mm256_loadu_ps(sc);
         for (int m = 0; m < M; m++) {
@@ -261,8 +299,7 @@ static inline __attribute__((always_inline)) void iq_row_vnni(
         const iq_weight *wd, int64_t row, const int8_t *q, const float *dx, float *out,
         const int M) {
     const int64_t k = wd->k, nb = k / IQ_BLOCK, G = k / IQ_SUB, bb = iq_block_bytes(wd->fmt);
-    const int iq3 = wd->fmt == IQ_FMT_IQ3_XXS;
-    const float mult = iq3 ? 0.5f : 0.25f;
+    const int fmt = (int)wd->fmt;
     const uint8_t *r = wd->w + row * nb * bb;
     const __m256i zero = _mm256_setzero_si256();
     __m256 acc[IQ_MAX_M];
@@ -277,7 +314,18 @@ static inline __attribute__((always_inline)) void iq_row_vnni(
         const float d = f16_to_f32(dh);
         for (int ib = 0; ib < 8; ib++) {
             uint32_t aux;
-            if (iq3) {
+            if (fmt == IQ_FMT_IQ3_S) {
+                const uint32_t *P = (const uint32_t *)wd->grid;
+                g[ib] = _mm256_set_epi32(
+                    (int)P[iq3s_index(blk, ib, 7)], (int)P[iq3s_index(blk, ib, 6)],
+                    (int)P[iq3s_index(blk, ib, 5)], (int)P[iq3s_index(blk, ib, 4)],
+                    (int)P[iq3s_index(blk, ib, 3)], (int)P[iq3s_index(blk, ib, 2)],
+                    (int)P[iq3s_index(blk, ib, 1)], (int)P[iq3s_index(blk, ib, 0)]);
+                neg[ib] = _cvtu32_mask32(iq_u32(blk + 74 + 4 * ib));
+                sc[ib] = iq_scale(fmt, blk, ib, d);
+                continue;
+            }
+            if (fmt == IQ_FMT_IQ3_XXS) {
                 const uint8_t *qs = blk + 2 + 8 * ib;
                 const uint32_t *P = (const uint32_t *)wd->grid;
                 aux = iq_u32(blk + 66 + 4 * ib);
@@ -292,7 +340,7 @@ static inline __attribute__((always_inline)) void iq_row_vnni(
                                           (int64_t)P[q2[1]], (int64_t)P[q2[0]]);
             }
             neg[ib] = iq_sign_mask(aux);
-            sc[ib] = d * (0.5f + (float)(aux >> 28)) * mult;  /* iq_sub's, exact */
+            sc[ib] = iq_scale(fmt, blk, ib, d);
         }
         const __m256 s = _mm256_loadu_ps(sc);
         for (int m = 0; m < M; m++) {
