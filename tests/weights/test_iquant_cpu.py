@@ -1,11 +1,13 @@
-"""weights.cpu.iquant's IqLinear and native/iq_matvec.c: IQ3_XXS, IQ2_XXS and IQ3_S grid points and
-sign patterns looked up from the file's own blocks, times 16-bit activations as two int8 digits.
+"""weights.cpu.iquant's IqLinear and native/iq_matvec.c: IQ3_XXS, IQ2_XXS, IQ3_S and IQ1_S grid
+points and sign patterns looked up from the file's own blocks, times 16-bit activations as two
+int8 digits.
 
 The oracle: gguf-py's `dequantize` of the same GGUF bytes (float64) times the activations as the
 kernel quantizes them (q4_matvec.c's ss_q16_quantize_row, checked in test_q4vnni.py), summed in
 float64. gguf-py's float32 weights are exact (a float16 times (0.5 + a 4-bit scale) / 2 or / 4,
-or times 1 + 2 x a 4-bit scale, times a grid value of at most 6 bits: at most 23 bits), and so
-are the kernel's scales. Per
+or times 1 + 2 x a 4-bit scale, times a grid value of at most 6 bits; IQ1_S: a float16 times
+1 + 2 x a 3-bit scale times -1, 0 or 1 shifted by +-1/8: at most 23 bits), and so are the
+kernel's scales (IQ1_S's: d (1 + 2 l) / 8, times the integers 8 g +- 1). Per
 32-column sub-block the integer sum S is exact; the kernel rounds it to float once (it can pass
 2^24), rounds S dx once, the multiply-add into one of 8 lanes once per sub-block, and the 8
 lanes' sum 3 times. For G sub-blocks that is at most (G / 8 + 6) 2^-24 sum_k |w_k| |dx X_k| per
@@ -32,9 +34,10 @@ pytestmark = pytest.mark.skipif(native.library() is None,
 
 # odd row counts; whole 256-column blocks
 SHAPES = [(Q.IQ3_XXS, 37, 256), (Q.IQ3_XXS, 5, 768), (Q.IQ2_XXS, 23, 512),
-          (Q.IQ2_XXS, 64, 256), (Q.IQ3_S, 19, 512), (Q.IQ3_S, 48, 256)]
+          (Q.IQ2_XXS, 64, 256), (Q.IQ3_S, 19, 512), (Q.IQ3_S, 48, 256), (Q.IQ1_S, 29, 512),
+          (Q.IQ1_S, 3, 256)]
 IDS = [f"{t.name}-{r}x{c}" for t, r, c in SHAPES]
-BYTES_PER_BLOCK = {Q.IQ3_XXS: 98, Q.IQ2_XXS: 66, Q.IQ3_S: 110}
+BYTES_PER_BLOCK = {Q.IQ3_XXS: 98, Q.IQ2_XXS: 66, Q.IQ3_S: 110, Q.IQ1_S: 50}
 
 
 def oracle(raw: torch.Tensor, qtype: Q, shape, x: torch.Tensor):
@@ -107,7 +110,7 @@ def test_loops_built_where_the_cpu_has_them():
         assert loops() & 2
 
 
-@pytest.mark.parametrize("qtype", [Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ3_S])
+@pytest.mark.parametrize("qtype", [Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ3_S, Q.IQ1_S])
 def test_bfloat16_input_and_output(qtype):
     cols = 512
     lin = pack_linear(make_raw(qtype, 37, cols, 4), qtype, (37, cols))
@@ -116,11 +119,12 @@ def test_bfloat16_input_and_output(qtype):
 
 @pytest.mark.parametrize("qtype,byte", [(Q.IQ3_XXS, 2), (Q.IQ3_XXS, 66), (Q.IQ2_XXS, 2),
                                         (Q.IQ2_XXS, 6), (Q.IQ3_S, 2), (Q.IQ3_S, 66),
-                                        (Q.IQ3_S, 74), (Q.IQ3_S, 106)])
+                                        (Q.IQ3_S, 74), (Q.IQ3_S, 106), (Q.IQ1_S, 2),
+                                        (Q.IQ1_S, 35)])
 def test_a_wrong_weight_fails_the_check(qtype, byte):
     """The oracle check can fail: one grid index (byte 2), one sign pattern (byte 66 of
-    IQ3_XXS, 6 of IQ2_XXS, 74 of IQ3_S), IQ3_S's ninth index bits (66) or its scales (106)
-    changed in the weight's bytes moves an output past the bound."""
+    IQ3_XXS, 6 of IQ2_XXS, 74 of IQ3_S), IQ3_S's ninth index bits (66) or its scales (106),
+    IQ1_S's high index bits (35) changed in the weight's bytes moves an output past the bound."""
     rows, cols = 16, 256
     raw = make_raw(qtype, rows, cols, 7)
     lin = pack_linear(raw, qtype, (rows, cols))
@@ -133,13 +137,13 @@ def test_a_wrong_weight_fails_the_check(qtype, byte):
 
 
 def test_kind_choice_stacking_and_refusals(monkeypatch):
-    """IQ3_XXS, IQ2_XXS and IQ3_S take iq (no torch kernel reads them); iq reads nothing else;
+    """IQ3_XXS, IQ2_XXS, IQ3_S, IQ1_S take iq (no torch kernel reads them); iq reads nothing else;
     parts of one format stack into one weight, of two formats stay apart; bias, residual and
     row slices keep the format; bad shapes and types are named."""
-    for q in (Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ3_S):
+    for q in (Q.IQ3_XXS, Q.IQ2_XXS, Q.IQ3_S, Q.IQ1_S):
         assert kind_for(q) == "iq" and kind_for(q, "iq") == "iq"
         assert kind_for(q, "torch") is None and kind_for(q, "cb4") is None
-    for q in (Q.Q4_K, Q.Q8_0, Q.IQ4_XS, Q.IQ2_XS, Q.IQ1_S):
+    for q in (Q.Q4_K, Q.Q8_0, Q.IQ4_XS, Q.IQ2_XS, Q.IQ1_M):
         assert kind_for(q, "iq") is None
     cols = 256
     a, b = make_raw(Q.IQ3_XXS, 21, cols, 5), make_raw(Q.IQ2_XXS, 11, cols, 5)
@@ -172,8 +176,8 @@ def test_kind_choice_stacking_and_refusals(monkeypatch):
         lin.matvec(torch.zeros(1, 128), torch.empty(1, 42))
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         lin.matvec(torch.zeros(1, cols, dtype=torch.float16), torch.empty(1, 42))
-    with pytest.raises(ValueError, match="not IQ1_S"):
-        IqLinear(lin.packed, 42, qtype=Q.IQ1_S)
+    with pytest.raises(ValueError, match="not IQ1_M"):
+        IqLinear(lin.packed, 42, qtype=Q.IQ1_M)
     monkeypatch.setattr("slipstream.weights.cpu.kinds.iq_available", lambda: False)
     assert kind_for(Q.IQ3_XXS) is None  # no native library: dense, as before
 

@@ -1,11 +1,11 @@
-/* The i-quant grid formats IQ3_XXS, IQ2_XXS and IQ3_S times 16-bit-quantized activations:
+/* The i-quant grid formats IQ3_XXS, IQ2_XXS, IQ3_S and IQ1_S times 16-bit-quantized activations:
  * the CPU decode matmul of the iq kind (weights/cpu/iquant.py, IqLinear), for the experts that
  * community quants of DeepSeek-V3/R1, Kimi K2, GLM-4.5 and Qwen3-235B store in these formats.
  *
  * Why: no other layout reads them, so without this they decode through dense float weights made
- * at every call (32 bits a weight written and read again where the file holds 2.06 to 3.44).
+ * at every call (32 bits a weight written and read again where the file holds 1.56 to 3.44).
  * Here the file's blocks are read as they are (no repack: the weight is the file's rows, bytes
- * for bytes), their grid points looked up per 4 (IQ3_XXS, IQ3_S) or 8 (IQ2_XXS) weights and
+ * for bytes), their grid points looked up per 4 (IQ3_XXS, IQ3_S) or 8 (IQ2_XXS, IQ1_S) weights and
  * their sign patterns per 8 (IQ3_S: plain sign bits), as llama.cpp's CPU backend does
  * (ggml_vec_dot_iq3_xxs_q8_K, ggml_vec_dot_iq2_xxs_q8_K, ggml_vec_dot_iq3_s_q8_K: gather the
  * points into a vector, apply the signs, integer dots).
@@ -16,7 +16,9 @@
  * values (integers: IQ3_XXS 4..62, IQ2_XXS 8, 25, 43) and s_g = d (0.5 + l) / 2 for IQ3_XXS,
  * d (0.5 + l) / 4 for IQ2_XXS, d (1 + 2 l) for IQ3_S (d the block's float16, l the 4-bit
  * scale; IQ3_S's grid values odd, 1..15): 11 + 5 bits, exact in float32, so the weights are
- * the file's exactly. The activations are q4_matvec.c's
+ * the file's exactly. IQ1_S: w = d (1 + 2 l) / 8 (8 g +- 1), g in {-1, 0, 1} from its grid, the
+ * shift's sign one bit a sub-block: v = 8 g +- 1, signed, which the VNNI loop's unsigned grid
+ * cannot take (IQ1_S runs the AVX2 loop there). The activations are q4_matvec.c's
  * (ss_q16_quantize_row: per 32 columns dx = max|x| / 32512, X = 256 hi + lo, two int8 digits):
  * the 16-bit quantization every native kernel uses, so a model's bits err as the others' do
  * and the tests' tolerances hold; its 32-column groups are the i-quants' sub-blocks. Per
@@ -77,6 +79,7 @@
 #define IQ_FMT_IQ3_XXS 0    /* iq_weight.fmt */
 #define IQ_FMT_IQ2_XXS 1
 #define IQ_FMT_IQ3_S 2      /* d | qs[64] | qh[8] | signs[32] | scales[4] */
+#define IQ_FMT_IQ1_S 3      /* d | qs[32] | qh[8] (u16: 4 x 3 index bits | scale << 12 | sign) */
 
 void ss_q16_quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, float *dx,
                          float *sx);
@@ -88,12 +91,18 @@ typedef struct {
     int64_t n, k;
     int64_t fmt;          /* IQ_FMT_* */
     const uint8_t *grid;  /* gguf-py's grid: 256 points of 4 (IQ3_XXS) or 8 (IQ2_XXS) bytes,
-                           * 512 of 4 (IQ3_S) */
+                           * 512 of 4 (IQ3_S); IQ1_S: 2048 of 8 int8, 8 x its -1, 0, 1 */
     const int8_t *signs;  /* gguf-py's 128 ksigns patterns as 8 bytes of +-1 each */
 } iq_weight;
 
 static int64_t iq_block_bytes(int64_t fmt) {
-    return fmt == IQ_FMT_IQ3_XXS ? 98 : fmt == IQ_FMT_IQ2_XXS ? 66 : 110;
+    return fmt == IQ_FMT_IQ3_XXS ? 98 : fmt == IQ_FMT_IQ2_XXS ? 66 : fmt == IQ_FMT_IQ3_S ? 110 : 50;
+}
+
+static inline uint32_t iq_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
 }
 
 static uint32_t iq_u32(const uint8_t *p) {
@@ -106,7 +115,13 @@ static uint32_t iq_u32(const uint8_t *p) {
 static inline float iq_scale(int64_t fmt, const uint8_t *b, int ib, float d) {
     if (fmt == IQ_FMT_IQ3_XXS) return d * (0.5f + (float)(iq_u32(b + 66 + 4 * ib) >> 28)) * 0.5f;
     if (fmt == IQ_FMT_IQ2_XXS) return d * (0.5f + (float)(iq_u32(b + 6 + 8 * ib) >> 28)) * 0.25f;
-    return d * (float)(1 + 2 * ((b[106 + ib / 2] >> (4 * (ib & 1))) & 15));
+    if (fmt == IQ_FMT_IQ3_S) return d * (float)(1 + 2 * ((b[106 + ib / 2] >> (4 * (ib & 1))) & 15));
+    return d * (float)(2 * ((iq_u16(b + 34 + 2 * ib) >> 12) & 7) + 1) * 0.125f;  /* IQ1_S */
+}
+
+/* IQ1_S sub-block ib's grid index of point l (0..3, 8 weights each): a qs byte, 3 qh bits. */
+static inline int iq1s_index(const uint8_t *b, int ib, int l) {
+    return b[2 + 4 * ib + l] | ((iq_u16(b + 34 + 2 * ib) >> (3 * l)) & 7) << 8;
 }
 
 /* IQ3_S sub-block ib's grid index of point p (0..7): a qs byte and a ninth bit from qh. */
@@ -130,6 +145,13 @@ static inline void iq_sub(const iq_weight *wd, const uint8_t *b, int ib, int8_t 
                 v[8 * l + j] = (int8_t)(g0[j] * sg[j]);
                 v[8 * l + 4 + j] = (int8_t)(g1[j] * sg[4 + j]);
             }
+        }
+    } else if (wd->fmt == IQ_FMT_IQ1_S) {  /* w = s (8 g +- 1): the shift's sign in bit 15 */
+        const int delta = (iq_u16(b + 34 + 2 * ib) & 0x8000) ? -1 : 1;
+        *s = iq_scale(IQ_FMT_IQ1_S, b, ib, d);
+        for (int l = 0; l < 4; l++) {
+            const int8_t *g = (const int8_t *)wd->grid + 8 * iq1s_index(b, ib, l);
+            for (int j = 0; j < 8; j++) v[8 * l + j] = (int8_t)(g[j] + delta);
         }
     } else if (wd->fmt == IQ_FMT_IQ3_S) {  /* plain sign bits: bit i for weight i */
         const uint32_t neg = iq_u32(b + 74 + 4 * ib);
@@ -208,6 +230,13 @@ static inline __m256i iq_sub_avx2(const iq_weight *wd, const uint8_t *b, int ib)
     int64_t s0, s1, s2, s3;
     __m256i g;
     uint32_t aux;
+    if (wd->fmt == IQ_FMT_IQ1_S) {
+        const uint64_t *G = (const uint64_t *)wd->grid;
+        g = _mm256_set_epi64x((int64_t)G[iq1s_index(b, ib, 3)], (int64_t)G[iq1s_index(b, ib, 2)],
+                              (int64_t)G[iq1s_index(b, ib, 1)], (int64_t)G[iq1s_index(b, ib, 0)]);
+        return _mm256_add_epi8(g, _mm256_set1_epi8(
+            (iq_u16(b + 34 + 2 * ib) & 0x8000) ? (char)-1 : (char)1));
+    }
     if (wd->fmt == IQ_FMT_IQ3_S) {
         const uint32_t *G = (const uint32_t *)wd->grid;
         g = _mm256_set_epi32((int)G[iq3s_index(b, ib, 7)], (int)G[iq3s_index(b, ib, 6)],
@@ -442,7 +471,8 @@ void ss_iq_matvec(const iq_weight *wd, const void *x, void *y, int64_t m, int64_
         int8_t *qr = q + r * k * 2;
         ss_q16_quantize_row(row, k, qr, qr + k, dx + r * G, sx + r * G);
     }
-    const int path = (flags & IQ_GENERIC) ? 1 : (flags & IQ_USE_AVX2) && IQ_AVX2 ? 2 : 0;
+    int path = (flags & IQ_GENERIC) ? 1 : (flags & IQ_USE_AVX2) && IQ_AVX2 ? 2 : 0;
+    if (path == 0 && wd->fmt == IQ_FMT_IQ1_S && IQ_AVX2) path = 2;  /* signed grid: no VNNI loop */
     int8_t *qv = q;
 #if IQ_VNNI
     if (path == 0) {  /* the VNNI loop's digits: X = 255 h + l, |h|, |l| <= 127 */

@@ -1,12 +1,12 @@
-"""iq: the i-quant grid formats' CPU linear (IQ3_XXS, IQ2_XXS, IQ3_S) on slipstream's own kernel
+"""iq: the i-quant grid formats' CPU linear (IQ3_XXS, IQ2_XXS, IQ3_S, IQ1_S) on slipstream's kernel
 (native/iq_matvec.c), wherever the native library builds.
 
 The weights are the file's rows, bytes for bytes (98 bytes per 256 weights for IQ3_XXS, 3.06
-bits a weight; 66 for IQ2_XXS, 2.06; 110 for IQ3_S, 3.44): no repack into rows of 16, whose
-float scales would add bytes. The kernel is compute-bound (about 2.5 GB/s on one core of the
-2-core EPYC, q4vnni 30: building 32 weights from 8 grid points takes longer than reading
-them), yet 46 times the dense path it replaces (1024 x 4096 IQ3_XXS: 0.60 ms a call against
-27.6 ms for torch's dequantization and a matmul). The kernel looks the grid points and sign
+bits a weight; 66 for IQ2_XXS, 2.06; 110 for IQ3_S, 3.44; 50 for IQ1_S, 1.56): no repack into
+rows of 16, whose float scales would add bytes. The kernel is compute-bound (about 2.5 GB/s on
+one core of the 2-core EPYC, q4vnni 30: building 32 weights from their grid points takes
+longer than reading them), yet 46 times the dense path it replaces (1024 x 4096 IQ3_XXS:
+0.60 ms a call against 27.6 ms for torch's dequantization and a matmul). The kernel looks the grid points and sign
 patterns up per block as llama.cpp's CPU backend does, from gguf-py's tables (handed to the C
 through the weight's descriptor), and multiplies them with the activations quantized as every
 native kernel's (16 bits per block of 32, two int8 digits: see iq_matvec.c). Without it these
@@ -27,7 +27,7 @@ from .groups import Q, RowBlocks
 from .vnni import q4vnni_flags
 
 # the formats iq reads -> iq_matvec.c's IQ_FMT_*
-IQ_FORMATS = {Q.IQ3_XXS: 0, Q.IQ2_XXS: 1, Q.IQ3_S: 2}
+IQ_FORMATS = {Q.IQ3_XXS: 0, Q.IQ2_XXS: 1, Q.IQ3_S: 2, Q.IQ1_S: 3}
 IQ_BLOCK = 256
 IQ_USE_AVX2 = 16  # ss_iq_matvec's flag: the AVX2 loop where the VNNI one is built (tests)
 
@@ -46,13 +46,16 @@ def iq_nbytes(qtype, rows: int, cols: int) -> int:
 
 
 def _tables(qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
-    """gguf-py's grid of qtype as uint8 (points, width) and its ksigns patterns as int8 (128, 8)
-    of +-1, contiguous, made once and kept for the process (the C reads them by address)."""
+    """gguf-py's grid of qtype as uint8 (points, width) (IQ1_S's -1, 0, 1 as int8 8 g, the
+    integer weight without its +-1 shift) and its ksigns patterns as int8 (128, 8) of +-1,
+    contiguous, made once and kept for the process (the C reads them by address)."""
     got = _TABLES.get(qtype)
     if got is None:
         from ...quant.iquants import _table  # the signs table the torch dequantizer uses
 
-        g = iq_grid(qtype, torch.device("cpu")).to(torch.uint8).contiguous()
+        g = iq_grid(qtype, torch.device("cpu"))
+        g = (8 * g).to(torch.int8) if qtype == Q.IQ1_S else g.to(torch.uint8)
+        g = g.contiguous()
         signs = _table("ksign_rows", torch.device("cpu")).to(torch.int8).contiguous()
         got = _TABLES[qtype] = (g, signs)
     return got
