@@ -6,11 +6,11 @@ bits a weight; 66 for IQ2_XXS, 2.06; 110 for IQ3_S, 3.44; 50 for IQ1_S, 1.56): n
 rows of 16, whose float scales would add bytes. The kernel is compute-bound (about 2.5 GB/s on
 one core of the 2-core EPYC, q4vnni 30: building 32 weights from their grid points takes
 longer than reading them), yet 46 times the dense path it replaces (1024 x 4096 IQ3_XXS:
-0.60 ms a call against 27.6 ms for torch's dequantization and a matmul). The kernel looks the grid points and sign
-patterns up per block as llama.cpp's CPU backend does, from gguf-py's tables (handed to the C
-through the weight's descriptor), and multiplies them with the activations quantized as every
-native kernel's (16 bits per block of 32, two int8 digits: see iq_matvec.c). Without it these
-formats decode through dense float weights made at every call.
+0.60 ms a call against 27.6 ms for torch's dequantization and a matmul). It looks the grid
+points and sign patterns up per block as llama.cpp's CPU backend does, from gguf-py's tables
+(handed to the C through the weight's descriptor), and multiplies them with the activations
+quantized as every native kernel's (16 bits per block of 32, two int8 digits: see
+iq_matvec.c). Without it these formats decode through dense float weights made at every call.
 """
 
 from __future__ import annotations
