@@ -224,3 +224,14 @@ def test_the_native_expert_sum_takes_iq_experts(monkeypatch):
         torch.set_num_threads(threads)
     swapped = native_expert_sum(experts[1:] + experts[:1], weights, h)
     assert float((swapped[0].double() - ref).norm() / ref.norm()) > 0.1
+
+
+def test_hybrid_decode_leaves_iq_layers_whole():
+    """A GPU's hybrid split sizes the CPU's share from Q4_K's measured speed, which iq's kernel
+    does not reach: a layer of iq formats is not split (a Q4_K one is: the control)."""
+    from slipstream.hybrid.split import splittable
+
+    names = ("ffn_gate", "ffn_up", "ffn_down")
+    assert splittable(dict.fromkeys(names, Q.Q4_K), 1024)
+    for q in (Q.IQ3_XXS, Q.IQ1_S):
+        assert not splittable(dict.fromkeys(names, q), 1024)
