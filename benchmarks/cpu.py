@@ -31,13 +31,15 @@ kernels: batch-1 matrix-vector products on 70B-sized (8192x8192, 28672x8192, 819
     int4pair (Q8_0)          the int4 kernel on Q8_0's codes split in two nibbles
     int8pack (Q8_0)          aten._weight_int8pack_mm, one bf16 scale per row
     cb4 (MXFP4, IQ4_XS)      native/cb4_matvec.c on the codebook formats' 4-bit codes
+    iq (IQ3_XXS .. IQ1_S)    native/iq_matvec.c on the i-quant grid formats' own blocks
 
 at each thread count of --threads. GB/s counts the bytes a call reads (the layout's codes and
 scales; for dense the matrix), against the machine's memory read rate measured in the same run.
 Each layout cycles through copies of its weights totalling at least --rotate-gib, so a call reads
 RAM rather than a cache the previous call warmed. The machine may be shared: the median
 (typical) and the minimum are both kept, with the load average around each row. An m sweep
-(1..8 rows) on one 8B matrix follows. Writes RESULTS/DATE-cpu-kernels-cpu.json.
+(1..8 rows) on one 8B matrix follows. Writes RESULTS/DATE-CASE-cpu.json (--case; default
+cpu-kernels). --rotate-gib 0 (two copies) on a small shape times the kernels from cache.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ SHAPES = {
 }
 FORMATS = ("f32 dense", "f16 dense", "bf16 dense", "q4vnni (Q4_K)", "q8vnni (Q8_0)",
            "int4pack (Q4_K)", "int4pair (Q8_0)", "int8pack (Q8_0)", "cb4 (MXFP4)",
-           "cb4 (IQ4_XS)")
+           "cb4 (IQ4_XS)", "iq (IQ3_XXS)", "iq (IQ2_XXS)", "iq (IQ3_S)", "iq (IQ1_S)")
 
 
 def _meta() -> dict:
@@ -461,6 +463,7 @@ def main(argv: list[str] | None = None) -> None:
     mv.add_argument("--seconds", type=float, default=1.5, help="timing per row")
     mv.add_argument("--min-calls", type=int, default=5)
     mv.add_argument("--rotate-gib", type=float, default=1.0)
+    mv.add_argument("--case", default="cpu-kernels", help="the result file's case name")
     mv.add_argument("--no-m-sweep", dest="m_sweep", action="store_false")
     mv.add_argument("--sweep-threads", type=int, default=1,
                     help="threads of the m sweep (a loaded 2nd core makes t=2 rows waits)")
@@ -488,7 +491,7 @@ def main(argv: list[str] | None = None) -> None:
             console.print(tab)
     doc["memory_read_gbps"] = round(memory_read_gbps(torch.device("cpu"), 1 << 30), 1)
     print(f"memory read {doc['memory_read_gbps']} GB/s; wrote "
-          f"{common.write_result('cpu-kernels', doc, a.results)}")
+          f"{common.write_result(a.case, doc, a.results)}")
 
 
 if __name__ == "__main__":

@@ -149,8 +149,9 @@ def test_cuda_check_does_not_send_to_the_cpu_what_it_cannot_read(tmp_path) -> No
 
 
 def test_fast_precision_on_the_cpu(grid_file) -> None:
-    """precision="fast" on the CPU: the grid formats have no packed CPU layout, so their
-    weights are dequantized to float16 (weights.cpu.kinds); measured 3.8e-4 from "exact"."""
+    """precision="fast" on the CPU: a 27-token pass is a prefill (more than GEMV_MAX_ROWS
+    rows), whose weights are dequantized to float16 (IQ3_S decodes through iq:
+    tests/weights/test_iquant_cpu.py); measured 3.8e-4 from "exact"."""
     path = grid_file("IQ3_S")
     exact = cpu_engine(path, precision="exact").forward(IDS, all_logits=True)
     fast = cpu_engine(path, precision="fast").forward(IDS, all_logits=True)

@@ -52,13 +52,20 @@ if CB4 is not None:  # the codebook formats: cb4 (MXFP4's grid named in the kind
                                       ffn_down=CB4)
     CASES[("llama", "MXFP4")] = dict(attn_qkv="cb4-mx", attn_output="cb4-mx",
                                      ffn_gate_up="cb4-mx", ffn_down="cb4-mx")
+# the i-quant grid formats iq reads (the format named in the kind); no encoder writes them from
+# floats, so their files hold random codes
+IQ_MIXES = ("IQ3_XXS", "IQ3_S")
+if kind_for(18) is not None:  # IQ3_XXS (18)'s: iq with the native library, else dense
+    for mix in IQ_MIXES:
+        CASES[("llama", mix)] = dict.fromkeys(
+            ("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down"), f"iq-{mix}")
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=lambda c: f"{c[0]}-{c[1]}")
 def model(request, tmp_path_factory):
     arch, mix = request.param
     path = write_synth(tmp_path_factory.mktemp("cpuimg") / f"{arch}-{mix}.gguf", "tiny", mix,
-                       n_layers=2, arch=arch, from_floats=True, std=0.08, seed=5)
+                       n_layers=2, arch=arch, from_floats=mix not in IQ_MIXES, std=0.08, seed=5)
     gf = GGUFFile(path)
     cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
     yield request.param, gf, cfg
@@ -129,13 +136,14 @@ def test_the_image_is_pack_groups_copy_of_the_files_bytes(model):
         biases = [TensorSource(gf).dense(f"{n}.bias", (s[0],), torch.float32, CPU)
                   if f"{n}.bias" in gf.tensors else None for n, s in zip(names, part_shapes)]
         ref, _ = pack_group(raws, types, part_shapes, biases)
-        # (an image names cb4's MXFP4 grid "cb4-mx")
-        assert ref.kind == CASES[case][field].removesuffix("-mx") == kind_for(types[0])
+        # (an image names cb4's MXFP4 grid "cb4-mx", iq's format "iq-IQ3_XXS")
+        assert ref.kind == CASES[case][field].split("-")[0] == kind_for(types[0])
         packed = got.packed
         if ref.kind == "cb4":
             assert packed.grid == ref.grid
         planes = {"int8pack": ("codes", "scales"), "q4vnni": ("packed",),
-                  "q8vnni": ("packed",), "q6vnni": ("packed",), "cb4": ("packed",)}.get(
+                  "q8vnni": ("packed",), "q6vnni": ("packed",), "cb4": ("packed",),
+                  "iq": ("packed",)}.get(
             ref.kind, ("packed", "scale_zeros"))
         for plane in planes:
             assert torch.equal(getattr(packed, plane), getattr(ref, plane)), (field, plane)

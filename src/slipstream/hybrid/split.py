@@ -48,7 +48,9 @@ def splittable(qtypes: dict[str, GGMLQuantizationType], ffn: int) -> bool:
     if gate != up or ffn % SPLIT_ALIGN:
         return False
     for q in (gate, down):
-        if kind_for(q) is None or SPLIT_ALIGN % GGML_QUANT_SIZES[q][0]:
+        # not iq: the plan sizes the CPU's share from Q4_K's measured GB/s, and iq's
+        # compute-bound kernel reads about a tenth of that (benchmarks/cpu.py kernels)
+        if kind_for(q) in (None, "iq") or SPLIT_ALIGN % GGML_QUANT_SIZES[q][0]:
             return False
     return True
 

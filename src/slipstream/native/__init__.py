@@ -1,9 +1,9 @@
 """Native CPU ops, compiled once per machine with the system's C compiler and called through
-ctypes: decode_ops.c, decode_layer.c, q4_matvec.c, q6_matvec.c, cb4_matvec.c and moe_ffn.c (a
-token's routed experts) for decode (and hybrid decode's CPU share), moe_rows.c for a prefill's
-routed experts, int4_pack.c for load-time packing (int4pack, q4vnni and q8vnni; q6vnni's and
-cb4's packers are in their kernels' files), dequant.c for the dense weights a CPU prefill
-multiplies.
+ctypes: decode_ops.c, decode_layer.c, q4_matvec.c, q6_matvec.c, cb4_matvec.c, iq_matvec.c and
+moe_ffn.c (a token's routed experts) for decode (and hybrid decode's CPU share), moe_rows.c for
+a prefill's routed experts, int4_pack.c for load-time packing (int4pack, q4vnni and q8vnni;
+q6vnni's and cb4's packers are in their kernels' files), dequant.c for the dense weights a CPU
+prefill multiplies.
 
 Why C: a CPU decode token of a small model spends as long in ~25 tiny torch calls a layer as in
 its matmuls, each call a few microseconds of dispatch around a few hundred floats of work.
@@ -37,9 +37,8 @@ from pathlib import Path
 from .. import envs
 
 # compiled together into one library
-SOURCES = ("decode_ops.c", "q4_matvec.c", "q6_matvec.c", "cb4_matvec.c", "moe_ffn.c",
-           "moe_rows.c",
-           "int4_pack.c", "decode_layer.c", "dequant.c")
+SOURCES = ("decode_ops.c", "q4_matvec.c", "q6_matvec.c", "cb4_matvec.c", "iq_matvec.c",
+           "moe_ffn.c", "moe_rows.c", "int4_pack.c", "decode_layer.c", "dequant.c")
 # what they include: written beside them, and part of the cache key
 HEADERS = ("bf16.h", "half.h", "parallel.h")
 # -ffp-contract=off: no fused multiply-adds, so that every product is rounded as torch rounds
@@ -82,6 +81,8 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     # threads)
     "ss_cb4_matvec": (_P, _P, _P, _I64, _I64),
     "ss_cb4_rows": (_P, _I64, _INT, _I64, _I64, _I64, _P, _INT),
+    # iq_matvec.c: (weight, x, y, m, flags)
+    "ss_iq_matvec": (_P, _P, _P, _I64, _I64),
     # moe_ffn.c: (experts, k, x, w, out, threads): returns 0, or -1 (no scratch)
     "ss_moe_ffn": (_P, _I64, _P, _P, _P, _I64),
     # moe_rows.c: (experts, n_experts, T, k, threads): bytes, or -1 (shapes); (experts,
@@ -102,7 +103,7 @@ INT_RESULTS = ("ss_q4_ffn_on_signal", "ss_moe_ffn", "ss_moe_rows")  # returning 
 I64_RESULTS = ("ss_moe_rows_workspace",)  # of SIGNATURES, those returning an int64
 # functions that return something (and take nothing)
 RETURNS = {"ss_q4_has_vnni": _INT, "ss_q4_has_simd": _INT, "ss_q6_has_vnni": _INT,
-           "ss_cb4_loops": _INT}
+           "ss_cb4_loops": _INT, "ss_iq_loops": _INT}
 
 
 def enabled() -> bool:

@@ -38,10 +38,13 @@ typedef struct {
 #define MOE_DOWN_Q6 1      /* down is a q6_matvec.c q6_weight */
 #define MOE_GATE_UP_CB4 2  /* gate/up is a cb4_matvec.c cb4_weight */
 #define MOE_DOWN_CB4 4     /* down is a cb4_weight */
+#define MOE_GATE_UP_IQ 8   /* gate/up is an iq_matvec.c iq_weight */
+#define MOE_DOWN_IQ 16     /* down is an iq_weight */
 
 void ss_q4_matvec(const void *wd, const void *x, void *y, int64_t m, int64_t flags);
 void ss_q6_matvec(const void *wd, const void *x, void *y, int64_t m, int64_t flags);
 void ss_cb4_matvec(const void *wd, const void *x, void *y, int64_t m, int64_t flags);
+void ss_iq_matvec(const void *wd, const void *x, void *y, int64_t m, int64_t flags);
 void ss_silu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out);
 
 #define MOE_F32 3              /* x and y float32 (the matvecs' flags) */
@@ -72,10 +75,12 @@ int ss_moe_ffn(const moe_expert *const *experts, int64_t k, const float *x, cons
         float *gu = scratch + j * per, *act = gu + 2 * units, *y = act + units;
         const int64_t f = MOE_F32 | MOE_ONE_THREAD;
         if (e->layouts & MOE_GATE_UP_CB4) ss_cb4_matvec(e->gate_up, x, gu, 1, f);
+        else if (e->layouts & MOE_GATE_UP_IQ) ss_iq_matvec(e->gate_up, x, gu, 1, f);
         else ss_q4_matvec(e->gate_up, x, gu, 1, f);
         ss_silu_mul_f32(gu, 1, n, act);
         if (e->layouts & MOE_DOWN_Q6) ss_q6_matvec(e->down, act, y, 1, f);
         else if (e->layouts & MOE_DOWN_CB4) ss_cb4_matvec(e->down, act, y, 1, f);
+        else if (e->layouts & MOE_DOWN_IQ) ss_iq_matvec(e->down, act, y, 1, f);
         else ss_q4_matvec(e->down, act, y, 1, f);
     }
     for (int64_t i = 0; i < hidden; i++) out[i] = 0.0f;

@@ -33,9 +33,10 @@ import torch
 from ..model.families import spec_for
 from ..model.llama import LayerWeights
 from .cpu.decode import PackedDecodeLinear
-from .cpu.groups import INT4_GROUP
+from .cpu.groups import INT4_GROUP, Q
 from .cpu.kinds import kind_for, q4vnni_available
 from .cpu.codebook import Cb4Linear, cb4_nbytes
+from .cpu.iquant import IqLinear, iq_nbytes
 from .cpu.q6vnni import Q6VnniLinear, q6vnni_nbytes
 from .cpu.torch_kernels import Int4PackLinear, Int4PairLinear, Int8PackLinear
 from .cpu.vnni import Q4VnniLinear, Q8VnniLinear, q4vnni_parts_nbytes, q8vnni_nbytes
@@ -107,6 +108,8 @@ def _linear_tensors(lin) -> tuple[str, int, list[tuple[str, torch.Tensor]]]:
         planes, kind = [("packed", lin.packed)], lin.kind
     elif isinstance(lin, Cb4Linear):  # the grid in the kind's name: MXFP4's is "cb4-mx"
         planes, kind = [("packed", lin.packed)], ("cb4", "cb4-mx")[lin.grid]
+    elif isinstance(lin, IqLinear):  # the format in the kind's name: "iq-IQ3_XXS"
+        planes, kind = [("packed", lin.packed)], f"iq-{lin.qtype.name}"
     elif isinstance(lin, Int4PackLinear):  # and Int4PairLinear
         planes = [("packed", lin.packed), ("scale_zeros", lin.scale_zeros)]
         kind = lin.kind
@@ -203,6 +206,8 @@ def _packed_linear(name: str, kind: str, rows: int, views: dict[tuple, torch.Ten
         return cls(views[(name, "packed")], rows, bias)
     if kind in ("cb4", "cb4-mx"):
         return Cb4Linear(views[(name, "packed")], rows, bias, grid=int(kind == "cb4-mx"))
+    if kind.startswith("iq-"):
+        return IqLinear(views[(name, "packed")], rows, bias, Q[kind[3:]])
     if kind in _PACKED:
         return _PACKED[kind](views[(name, "packed")], views[(name, "scale_zeros")], rows, bias)
     raise ValueError(f"an image's linear {name!r} has kind {kind!r}, which no CPU layout is")
@@ -267,6 +272,8 @@ def image_nbytes(gf, cfg, i: int, precision) -> int:
             total += _aligned(q6vnni_nbytes(rows, cols))
         elif kind == "cb4":
             total += _aligned(cb4_nbytes(rows, cols))
+        elif kind == "iq" and len(set(types)) == 1:  # iq fuses parts of one format only
+            total += _aligned(iq_nbytes(types[0], rows, cols))
         elif kind == "int4pack":
             total += _aligned(padded * cols // 2) + _aligned(cols // INT4_GROUP * padded * 4)
         elif kind == "int4pair":

@@ -10,6 +10,8 @@ packed copy of each matrix in one of these layouts (`kind_for` picks; `pack_line
     q6vnni     q6vnni          Q6_K             6.625                native/q6_matvec.c
     cb4        codebook        MXFP4 IQ4_NL     5                    native/cb4_matvec.c
                                IQ4_XS
+    iq         iquant          IQ3_XXS IQ2_XXS  the file's, 1.56     native/iq_matvec.c
+                               IQ3_S IQ1_S      to 3.44
     int4pack   torch_kernels   Q4_0 Q4_1 Q4_K   5                    torch's int4 CPU kernel
     int4pair   torch_kernels   Q8_0             10                   torch's int4 CPU kernel
     int8pack   torch_kernels   Q6_K (any)       8 + 2 bytes a row     torch's int8 CPU kernel
@@ -18,18 +20,19 @@ Where the native library builds, the 4-bit formats take q4vnni and Q8_0 q8vnni (
 16-bit activations); elsewhere, or with SLIPSTREAM_Q4VNNI=0, torch's kernels (bfloat16 scales
 and activations). Q6_K takes q6vnni where the library has its AVX-512 VNNI loop (exact weights,
 16-bit activations), else int8pack. The codebook formats (MXFP4, IQ4_NL, IQ4_XS) take cb4
-wherever the native library builds. A format no layout reads stays dense.
+wherever the native library builds, and so do the i-quant grid formats iq reads. A format no
+layout reads stays dense.
 
 All of them answer the Linear protocol (x (m, in) -> (m, out), `residual=`, `out_features`) for
 any m; torch's packed kernels are meant for decode (m <= 8) and small speculation trees, the
 native ones (PREFILL_KINDS) serve a prefill too. PackedDecodeLinear (decode) holds a packed
 copy beside the dense weight and routes each call.
-None of these layouts is the GGUF byte layout, so a packed copy costs RAM beside any GGUF copy
-of the same rows; `nbytes` (or `packed_nbytes` before building) says how much.
+Each packed copy (iq's too, though it keeps the GGUF bytes as they are) costs RAM beside any
+GGUF copy of the same rows; `nbytes` (or `packed_nbytes` before building) says how much.
 
 Modules: groups (GGUF blocks as codes and per-group scales, bf16 rounding, shared load-time
-helpers), native_pack (the load-time packers in C), torch_kernels, vnni, q6vnni and codebook
-(the layouts), decode (PackedDecodeLinear), kinds (the choice and the builders).
+helpers), native_pack (the load-time packers in C), torch_kernels, vnni, q6vnni, codebook and
+iquant (the layouts), decode (PackedDecodeLinear), kinds (the choice and the builders).
 """
 
 from .decode import PackedDecodeLinear, rms_norm_bf16

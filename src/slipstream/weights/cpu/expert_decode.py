@@ -2,8 +2,8 @@
 (model.moe.OneTokenSum) the loader gives a CPU mixture of experts at precision "fast".
 
 Where every expert of the token has its packed decode copies in the native layouts (gate/up
-q4vnni, q8vnni or cb4, down q4vnni, q8vnni, q6vnni or cb4), no bias, and SwiGLU, the k experts
-are one call: one OpenMP region whose threads take whole experts, float32 between the matvecs.
+q4vnni, q8vnni, cb4 or iq, down q4vnni, q8vnni, q6vnni, cb4 or iq), no bias, and SwiGLU, the
+k experts are one call: one OpenMP region whose threads take whole experts, float32 between the matvecs.
 Else
 (torch's layouts, gpt-oss's clamped SwiGLU and biases, dense weights) model.moe.expert_sum's
 loop, op by op.
@@ -24,6 +24,7 @@ from ... import native
 from ...model.moe import expert_ffn, expert_sum
 from .decode import PackedDecodeLinear
 from .codebook import Cb4Linear
+from .iquant import IqLinear
 from .q6vnni import Q6VnniLinear
 from .vnni import Q4VnniLinear
 
@@ -35,9 +36,9 @@ class _Expert(ctypes.Structure):
 
 
 # moe_ffn.c's layout bits: a gate/up or down that is not a q4_matvec.c weight
-DOWN_Q6, GATE_UP_CB4, DOWN_CB4 = 1, 2, 4
-_GATE_UP = (Q4VnniLinear, Cb4Linear)
-_DOWN = (Q4VnniLinear, Q6VnniLinear, Cb4Linear)
+DOWN_Q6, GATE_UP_CB4, DOWN_CB4, GATE_UP_IQ, DOWN_IQ = 1, 2, 4, 8, 16
+_GATE_UP = (Q4VnniLinear, Cb4Linear, IqLinear)
+_DOWN = (Q4VnniLinear, Q6VnniLinear, Cb4Linear, IqLinear)
 
 
 # an expert's descriptor, made once per gate/up linear (None: no native form), kept while the
@@ -59,7 +60,9 @@ def expert_descriptor(gate_up, down) -> _Expert | None:
                 and gu.out_features == 2 * dn.in_features):
             layouts = (DOWN_Q6 * isinstance(dn, Q6VnniLinear)
                        | GATE_UP_CB4 * isinstance(gu, Cb4Linear)
-                       | DOWN_CB4 * isinstance(dn, Cb4Linear))
+                       | DOWN_CB4 * isinstance(dn, Cb4Linear)
+                       | GATE_UP_IQ * isinstance(gu, IqLinear)
+                       | DOWN_IQ * isinstance(dn, IqLinear))
             desc = _Expert(gu.desc, dn.desc, layouts)
             desc._keep = (gu, dn)  # the descriptors' memory lives as long as this
     _DESCRIPTORS[gate_up] = desc

@@ -11,12 +11,13 @@ from gguf import GGMLQuantizationType
 from ... import envs, native
 from ..linear import Linear
 from .codebook import CB4_FORMATS, Cb4Linear, cb4_available, cb4_grid, cb4_nbytes
+from .iquant import IQ_FORMATS, IqLinear, iq_available, iq_nbytes
 from .groups import INT4_FORMATS, INT4_GROUP, PAIR_FORMATS, UNPACKED_FORMATS, Q, concat_bias
 from .q6vnni import Q6VnniLinear, q6vnni_available, q6vnni_nbytes
 from .torch_kernels import Int4PackLinear, Int4PairLinear, Int8PackLinear
 from .vnni import Q4VnniLinear, Q8VnniLinear, q4vnni_parts_nbytes, q8vnni_nbytes
 
-KINDS = ("q4vnni", "q8vnni", "q6vnni", "cb4", "int4pack", "int4pair", "int8pack")
+KINDS = ("q4vnni", "q8vnni", "q6vnni", "cb4", "iq", "int4pack", "int4pair", "int8pack")
 AUTO_KINDS = ("auto", "torch")  # kind_for's choices among KINDS
 # the layouts whose native kernels serve a prefill's many rows as well (PackedDecodeLinear's
 # packed_prefill: faster than the dense float32 GEMM on the CPUs measured); torch's own
@@ -49,13 +50,16 @@ def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | Non
     formats no layout reads (keep DenseLinear for those). kind="torch": auto's choice among
     torch's kernels alone (int4pack, int4pair, int8pack). "q6vnni" only for Q6_K. The codebook
     formats (MXFP4, IQ4_NL, IQ4_XS) take cb4 wherever the native library builds (auto; no
-    torch kernel reads them: kind="torch" and the others give None), else stay dense."""
+    torch kernel reads them: kind="torch" and the others give None), else stay dense; so do
+    the i-quant grid formats IQ3_XXS, IQ2_XXS, IQ3_S and IQ1_S with iq (auto or "iq")."""
     qtype = Q(int(qtype))
     if kind not in AUTO_KINDS and kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(AUTO_KINDS + KINDS)}, not {kind!r}")
     if qtype in CB4_FORMATS:
         return "cb4" if kind in ("auto", "cb4") and cb4_available() else None
-    if kind == "cb4":
+    if qtype in IQ_FORMATS:
+        return "iq" if kind in ("auto", "iq") and iq_available() else None
+    if kind in ("cb4", "iq"):
         return None
     if qtype not in UNPACKED_FORMATS:
         return None
@@ -79,6 +83,7 @@ def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | Non
 
 _BUILDERS = {"q4vnni": Q4VnniLinear.from_raws, "q8vnni": Q8VnniLinear.from_raws,
              "q6vnni": Q6VnniLinear.from_raws, "cb4": Cb4Linear.from_raws,
+             "iq": IqLinear.from_raws,
              "int4pack": Int4PackLinear.from_raws, "int4pair": Int4PairLinear.from_raws,
              "int8pack": Int8PackLinear.from_raws}
 
@@ -100,6 +105,8 @@ def packed_nbytes(qtype: GGMLQuantizationType | int, shape: tuple[int, int],
         return q6vnni_nbytes(rows, cols)
     if k == "cb4":
         return cb4_nbytes(rows, cols)
+    if k == "iq":
+        return iq_nbytes(qtype, rows, cols)
     if k in ("int4pack", "int4pair"):
         width = cols if k == "int4pack" else 2 * cols  # int4pair: two nibble planes
         padded = -(-rows // 16) * 16
@@ -130,8 +137,9 @@ def pack_group(raws: Sequence[torch.Tensor], qtypes: Sequence[GGMLQuantizationTy
     are concatenated into one linear, returned as (fused, []). Otherwise (None, parts), with a
     None part where its format has no layout. A single part comes back as (it, [])."""
     kinds = [kind_for(t, kind) for t in qtypes]
-    # cb4 stacks parts of one grid only (MXFP4's, or IQ4_NL's and IQ4_XS's)
-    one_grid = kinds[0] != "cb4" or len({cb4_grid(t) for t in qtypes}) == 1
+    # cb4 stacks parts of one grid only (MXFP4's, or IQ4_NL's and IQ4_XS's), iq of one format
+    one_grid = (kinds[0] != "cb4" or len({cb4_grid(t) for t in qtypes}) == 1) and \
+        (kinds[0] != "iq" or len({int(t) for t in qtypes}) == 1)
     if kinds[0] is not None and len(set(kinds)) == 1 and one_grid:
         return _BUILDERS[kinds[0]](raws, qtypes, shapes, concat_bias(biases, shapes)), []
     parts = [_BUILDERS[k]([r], [t], [s], b) if k is not None else None

@@ -1,0 +1,158 @@
+"""iq: the i-quant grid formats' CPU linear (IQ3_XXS, IQ2_XXS, IQ3_S, IQ1_S) on slipstream's kernel
+(native/iq_matvec.c), wherever the native library builds.
+
+The weights are the file's rows, bytes for bytes (98 bytes per 256 weights for IQ3_XXS, 3.06
+bits a weight; 66 for IQ2_XXS, 2.06; 110 for IQ3_S, 3.44; 50 for IQ1_S, 1.56): no repack into
+rows of 16, whose float scales would add bytes. The kernel is compute-bound (about 2.5 GB/s on
+one core of the 2-core EPYC, q4vnni 30: building 32 weights from their grid points takes
+longer than reading them), yet 46 times the dense path it replaces (1024 x 4096 IQ3_XXS:
+0.60 ms a call against 27.6 ms for torch's dequantization and a matmul). It looks the grid
+points and sign patterns up per block as llama.cpp's CPU backend does, from gguf-py's tables
+(handed to the C through the weight's descriptor), and multiplies them with the activations
+quantized as every native kernel's (16 bits per block of 32, two int8 digits: see
+iq_matvec.c). Without it these formats decode through dense float weights made at every call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ... import native
+from ...quant import get_format
+from ...quant.iquants import grid as iq_grid
+from ..linear import Linear
+from .groups import Q, RowBlocks
+from .vnni import q4vnni_flags
+
+# the formats iq reads -> iq_matvec.c's IQ_FMT_*
+IQ_FORMATS = {Q.IQ3_XXS: 0, Q.IQ2_XXS: 1, Q.IQ3_S: 2, Q.IQ1_S: 3}
+IQ_BLOCK = 256
+IQ_USE_AVX2 = 16  # ss_iq_matvec's flag: the AVX2 loop where the VNNI one is built (tests)
+
+_TABLES: dict[Q, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def iq_available() -> bool:
+    """Whether iq runs here: the native library builds (any CPU: an AVX-512 VNNI, an AVX2 and
+    a plain-C loop, all with the same bits)."""
+    return native.library() is not None
+
+
+def iq_nbytes(qtype, rows: int, cols: int) -> int:
+    """Bytes of a (rows, cols) iq weight: the file's."""
+    return rows * get_format(Q(int(qtype))).row_bytes(cols)
+
+
+def _tables(qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
+    """gguf-py's grid of qtype as uint8 (points, width) (IQ1_S's -1, 0, 1 as int8 8 g, the
+    integer weight without its +-1 shift) and its ksigns patterns as int8 (128, 8) of +-1,
+    contiguous, made once and kept for the process (the C reads them by address)."""
+    got = _TABLES.get(qtype)
+    if got is None:
+        from ...quant.iquants import _table  # the signs table the torch dequantizer uses
+
+        g = iq_grid(qtype, torch.device("cpu"))
+        g = (8 * g).to(torch.int8) if qtype == Q.IQ1_S else g.to(torch.uint8)
+        g = g.contiguous()
+        signs = _table("ksign_rows", torch.device("cpu")).to(torch.int8).contiguous()
+        got = _TABLES[qtype] = (g, signs)
+    return got
+
+
+class _IqWeight(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("fmt", ctypes.c_int64), ("grid", ctypes.c_void_p), ("signs", ctypes.c_void_p)]
+
+
+class IqLinear(RowBlocks, Linear):
+    """y = x @ W^T (+ b) (+ residual) for IQ_FORMATS through native/iq_matvec.c (see
+    the module doc). `packed` is the file's (rows, row_bytes) uint8 rows; `qtype` its format."""
+
+    kind = "iq"
+    ROWS = 1
+
+    def __init__(self, packed: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None, qtype: Q = Q.IQ3_XXS):
+        qtype = Q(int(qtype))
+        if qtype not in IQ_FORMATS:
+            raise ValueError(f"iq reads {', '.join(t.name for t in IQ_FORMATS)}, "
+                             f"not {qtype.name}")
+        fmt = get_format(qtype)
+        if packed.dim() != 2 or packed.dtype != torch.uint8 or packed.shape[0] != out_features \
+                or packed.shape[1] % fmt.type_size or not packed.is_contiguous():
+            raise ValueError(f"iq {qtype.name} weight of {out_features} rows needs contiguous "
+                             f"uint8 (rows, blocks * {fmt.type_size}), not "
+                             f"{tuple(packed.shape)} {packed.dtype}")
+        lib = native.library()
+        if lib is None:
+            raise RuntimeError("iq needs the native library (slipstream.native), which this "
+                               "process does not have (no C compiler, or SLIPSTREAM_NATIVE=0)")
+        self.packed = packed
+        self._out = out_features
+        self.bias = bias
+        self.qtype = qtype
+        self.in_features = packed.shape[1] // fmt.type_size * IQ_BLOCK
+        self._matvec = lib.ss_iq_matvec
+        g, signs = _tables(qtype)
+        self._desc = _IqWeight(packed.data_ptr(), out_features, self.in_features,
+                               IQ_FORMATS[qtype], g.data_ptr(), signs.data_ptr())
+        self.desc = ctypes.addressof(self._desc)
+
+    def row_slice(self, r0: int, r1: int) -> "IqLinear":
+        sliced = super().row_slice(r0, r1)
+        return IqLinear(sliced.packed, sliced.out_features, sliced.bias, self.qtype)
+
+    @classmethod
+    def from_raws(cls, raws, qtypes, shapes, bias: torch.Tensor | None = None) -> "IqLinear":
+        """Stack the parts' rows (GGUF bytes of one of IQ_FORMATS) into one weight."""
+        kinds = {Q(int(t)) for t in qtypes}
+        if len(kinds) != 1 or not kinds <= IQ_FORMATS.keys():
+            raise ValueError(f"iq stacks parts of one of {', '.join(t.name for t in IQ_FORMATS)}"
+                             f", not {', '.join(Q(int(t)).name for t in qtypes)}")
+        qtype = kinds.pop()
+        fmt = get_format(qtype)
+        cols = shapes[0][1]
+        parts = []
+        for raw, (r, c) in zip(raws, shapes):
+            if c != cols or c % IQ_BLOCK:
+                raise ValueError(f"{qtype.name} parts of one linear need one width in whole "
+                                 f"{IQ_BLOCK}-column blocks, not {c} and {cols}")
+            raw = raw.reshape(r, -1)
+            if raw.dtype != torch.uint8 or raw.shape[1] != fmt.row_bytes(c):
+                raise ValueError(f"{qtype.name} rows of {c} columns are {fmt.row_bytes(c)} "
+                                 f"uint8 bytes, not {tuple(raw.shape)} {raw.dtype}")
+            parts.append(raw)
+        packed = torch.cat(parts) if len(parts) > 1 else parts[0].clone(
+            memory_format=torch.contiguous_format)  # the caller's bytes may be reused
+        return cls(packed, packed.shape[0], bias, qtype)
+
+    def matvec(self, x: torch.Tensor, out: torch.Tensor, threads: int | None = None,
+               generic: bool = False, avx2: bool = False) -> torch.Tensor:
+        """out (m, out) = x (m, in) @ W^T: x and out contiguous, float32 or bfloat16 each.
+        threads: torch's intra-op count unless given; generic: the plain-C loop; avx2: the
+        AVX2 loop where the VNNI one is built (tests compare the three)."""
+        m = x.shape[0]
+        if x.dim() != 2 or x.shape[-1] != self.in_features or \
+                tuple(out.shape) != (m, self._out) or \
+                not (x.is_contiguous() and out.is_contiguous()):
+            raise ValueError(f"iq matvec of {tuple(x.shape)} into {tuple(out.shape)}: "
+                             f"needs contiguous (m, {self.in_features}) and (m, {self._out})")
+        for t in (x, out):
+            if t.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"iq matvec takes float32 or bfloat16, not {t.dtype}")
+        flags = q4vnni_flags(x.dtype == torch.float32, out.dtype == torch.float32,
+                             torch.get_num_threads() if threads is None else threads, generic)
+        self._matvec(self.desc, x.data_ptr(), out.data_ptr(), m,
+                     flags | (IQ_USE_AVX2 if avx2 else 0))
+        return out
+
+    def kernel(self, xb: torch.Tensor) -> torch.Tensor:
+        """The bare product of bfloat16 (or float32) x (m, in): bfloat16 (m, out), no bias."""
+        if not xb.is_contiguous():
+            xb = xb.contiguous()
+        y = torch.empty(xb.shape[0], self._out, dtype=torch.bfloat16)
+        self._matvec(self.desc, xb.data_ptr(), y.data_ptr(), xb.shape[0],
+                     int(xb.dtype == torch.float32) | torch.get_num_threads() << 8)
+        return y

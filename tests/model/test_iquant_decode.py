@@ -1,0 +1,91 @@
+"""Qwen3-MoE files whose matrices (the experts' too) are IQ3_XXS or IQ1_S, decoding on the CPU at
+the default precision through iq (weights.cpu.iquant, native/iq_matvec.c): every decode token's
+experts in the one native expert sum (native/moe_ffn.c).
+
+References: precision="exact" (float32 weights as gguf-py-checked dequantizers make them, no
+activation quantization), held to test_codebook_decode.py's tolerance for the default precision
+(measured 2.0e-3 for both, top-1 everywhere); and llama.cpp (llama-cpp-python) on the same file,
+whose matmuls quantize the activations to 8 bits (Q8_K), held to test_iquant_files.py's bound for
+i-quant mixtures of experts (0.1; measured 3.46e-2 for IQ3_XXS and 1.87e-2 for IQ1_S, within
+1e-4 of what "exact" measures).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from helpers import cpu_engine
+from llamacpp_ref import rel_err
+from slipstream import native
+from slipstream.modelfile.gguf_file import GGUFFile
+from slipstream.quant import get_format
+from slipstream.synth import write_synth
+from slipstream.weights.cpu import PackedDecodeLinear
+
+pytestmark = pytest.mark.skipif(native.library() is None,
+                                reason="no native library (no C compiler, or SLIPSTREAM_NATIVE=0)")
+
+IDS = list(range(7, 300, 11))  # 27 tokens: past the tiny shape's 16-position window
+PREFILL = 20
+DEFAULT_REL_TOL = 1e-2
+MOE_LLAMACPP_TOL = 0.1
+
+
+@pytest.fixture(scope="module", params=["IQ3_XXS", "IQ1_S"])
+def qwen3moe_iq(request, tmp_path_factory):
+    mix = request.param
+    d = tmp_path_factory.mktemp(f"qwen3moe-{mix}")
+    path = write_synth(d / "m.gguf", "tiny", mix, arch="qwen3moe", seed=3, std=0.02,
+                       n_layers=2)
+    experts = {t.ggml_type for n, t in GGUFFile(path).tensors.items() if "_exps." in n}
+    assert experts == {Q[mix]}
+    return path, Q[mix]
+
+
+def _stepped(engine) -> torch.Tensor:
+    """A prefill of PREFILL tokens, then decode one token at a time past the window."""
+    return torch.cat([engine.forward(IDS[:PREFILL], all_logits=True)]
+                     + [engine.forward(IDS[i:i + 1]) for i in range(PREFILL, len(IDS))])
+
+
+@pytest.mark.slow
+def test_iq_experts_decode_natively_as_exact_does(qwen3moe_iq, monkeypatch):
+    """Near "exact" with the op-by-op expert loop made to fail; and a negative control: layer
+    0's gate/up block scales doubled miss it."""
+    path, qtype = qwen3moe_iq
+    exact = cpu_engine(path, precision="exact").forward(IDS, all_logits=True)
+    engine = cpu_engine(path)
+    bank = engine.weights.layers[0].moe.experts
+    lins = list(bank.gate_up) + list(bank.down)
+    assert all(isinstance(lin, PackedDecodeLinear) for lin in lins)
+    assert {type(lin.packed).__name__ for lin in lins} == {"IqLinear"}
+    engine.forward(IDS[:PREFILL], all_logits=True)  # the prefill may take the loop
+    engine.reset()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the op-by-op loop ran")
+
+    monkeypatch.setattr("slipstream.weights.cpu.expert_decode.expert_sum", refuse)
+    stepped = _stepped(engine)
+    assert rel_err(stepped, exact) < DEFAULT_REL_TOL
+    assert torch.equal(stepped.argmax(-1), exact.argmax(-1))
+    block = get_format(qtype).type_size
+    for lin in bank.gate_up:  # each block's float16 d (its first 2 bytes) times 2: exponent + 1
+        p = lin.packed.packed.view(lin.packed.out_features, -1, block)
+        d = p[..., :2].contiguous().view(torch.int16) + 0x0400
+        p[..., :2] = d.view(torch.uint8).view(p[..., :2].shape)
+    engine.reset()
+    assert rel_err(_stepped(engine), exact) > 10 * DEFAULT_REL_TOL
+
+
+@pytest.mark.slow
+def test_iq_decode_matches_llamacpp_on_the_file(qwen3moe_iq):
+    pytest.importorskip("llama_cpp")
+    from llamacpp_ref import llamacpp_logits
+
+    path, _ = qwen3moe_iq
+    engine = cpu_engine(path)
+    err = rel_err(_stepped(engine), llamacpp_logits(path, IDS))
+    assert err < MOE_LLAMACPP_TOL, f"relative error {err:.2e} against llama.cpp"
