@@ -105,12 +105,14 @@ _register(
            "The key `slipstream serve` requires as `Authorization: Bearer KEY` (`--api-key` "
            "overrides it); unset: no key. Safer than the flag, which `ps` shows.",
            accepts="a key (any text)"),
-    EnvVar("SLIPSTREAM_EXPERT_AHEAD", "attention", "setting",
+    EnvVar("SLIPSTREAM_EXPERT_AHEAD", "off", "setting",
            "Where a mixture of experts with experts on disk (a CPU RAM budget below the "
            "model) guesses the next layer's experts, to read the cold ones ahead on a "
            "background thread: attention (after each layer's attention), input (at each "
-           "layer's input: earlier, guesses worse) or off (read on the critical path). Same "
-           "results either way.", _ahead_stage, "off, input or attention"),
+           "layer's input) or off (cold experts read on the critical path). Same results "
+           "either way; off by default: on random-weight files the guess found 17-47% of the "
+           "cold experts and decode ran slower (docs/benchmarks.md, expert-ahead).",
+           _ahead_stage, "off, input or attention"),
     EnvVar("SLIPSTREAM_COMMIT", None, "debug",
            "Commit recorded in benchmark results where the tree is no git checkout (the GPU "
            "machine's copy).", accepts="a commit hash"),

@@ -238,13 +238,13 @@ class TieredExperts:
         if pair is not None:
             self.file.count(hits=1)
         else:
+            self.file.count(misses=1)
             ahead = self.pending.pop(e, None)
             if ahead is not None:  # read ahead: wait for it, if it still runs
                 t0 = time.perf_counter()
-                raws = ahead.result()
-                self.file.count(misses=1, ahead_hits=1, seconds=time.perf_counter() - t0)
+                raws = ahead.result()  # (the thread's error, if it failed)
+                self.file.count(ahead_hits=1, seconds=time.perf_counter() - t0)
             else:
-                self.file.count(misses=1)
                 raws = [self.file.read(sl, e) for sl in self.slices]
             pair = self.make(e, raws)
             self._admit(e, pair)
