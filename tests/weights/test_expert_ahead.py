@@ -186,3 +186,21 @@ def test_generation_stats_carry_the_read_ahead(qwen_file, monkeypatch):
     s = m.engine.layers.stats
     assert s.expert_ahead_rate == s.expert_ahead_hits / s.expert_misses
     m.close()
+
+
+def test_stats_table_shows_the_guess():
+    """--stats' table (cli.render): the read-ahead's line only where something was read
+    ahead, its figures the counters'."""
+    from slipstream.cli.render import breakdown_table
+    from slipstream.memory.protocol import StoreStats
+    from slipstream.runtime.generate import GenerationStats
+
+    gen = GenerationStats(prompt_tokens=4, generated_tokens=8, prefill_s=0.1, decode_s=0.5)
+    s = StoreStats(expert_hits=30, expert_misses=10, expert_bytes_read=4_000_000)
+    assert s.expert_ahead_rate is None
+    assert "read ahead" not in breakdown_table(gen, s, "cpu").caption
+    s.expert_ahead_reads, s.expert_ahead_hits, s.expert_ahead_bytes = 9, 4, 9_000_000
+    assert s.expert_ahead_rate == 0.4
+    caption = breakdown_table(gen, s, "cpu").caption
+    assert "read ahead: 4 of 10 cold experts guessed (40.0%), 9 read (9.0 MB), 5 wasted" \
+        in caption, caption

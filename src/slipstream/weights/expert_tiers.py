@@ -68,8 +68,10 @@ class ExpertSlice:
 
 class ExpertFile:
     """The model's file, opened once for every layer's cold experts, and the counters of
-    their use (`stats`: any object with expert_hits, expert_misses, expert_bytes_read and
-    expert_read_s; the runtime points it at its store's StoreStats)."""
+    their use (`stats`: any object with expert_hits, expert_misses, expert_bytes_read,
+    expert_read_s and the read-ahead's expert_ahead_reads, expert_ahead_bytes and
+    expert_ahead_hits; the runtime points it at its store's StoreStats). Cold experts read
+    ahead (read_ahead) are read on a thread of its own, which close() stops."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
