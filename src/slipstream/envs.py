@@ -110,8 +110,9 @@ _register(
            "model) guesses the next layer's experts, to read the cold ones ahead on a "
            "background thread: attention (after each layer's attention), input (at each "
            "layer's input) or off (cold experts read on the critical path). Same results "
-           "either way; off by default: on random-weight files the guess found 17-47% of the "
-           "cold experts and decode ran slower (docs/benchmarks.md, expert-ahead).",
+           "either way; off by default: on random-weight files the guess found 18-46% of the "
+           "cold experts, decode gained up to 1.14x with the file's pages dropped and lost "
+           "to 0.86x with them cached (docs/benchmarks.md, expert-ahead).",
            _ahead_stage, "off, input or attention"),
     EnvVar("SLIPSTREAM_COMMIT", None, "debug",
            "Commit recorded in benchmark results where the tree is no git checkout (the GPU "
