@@ -51,6 +51,12 @@ def _positive_seconds(value: str) -> float:
     return seconds
 
 
+def _ahead_stage(value: str) -> str:
+    if value in ("off", "input", "attention"):
+        return value
+    raise ValueError("off, input or attention")
+
+
 def _text(value: str) -> str:
     return value
 
@@ -99,6 +105,15 @@ _register(
            "The key `slipstream serve` requires as `Authorization: Bearer KEY` (`--api-key` "
            "overrides it); unset: no key. Safer than the flag, which `ps` shows.",
            accepts="a key (any text)"),
+    EnvVar("SLIPSTREAM_EXPERT_AHEAD", "off", "setting",
+           "Where a mixture of experts with experts on disk (a CPU RAM budget below the "
+           "model) guesses the next layer's experts, to read the cold ones ahead on a "
+           "background thread: attention (after each layer's attention), input (at each "
+           "layer's input) or off (cold experts read on the critical path). Same results "
+           "either way; off by default: on random-weight files the guess found 18-46% of the "
+           "cold experts, decode gained up to 1.14x with the file's pages dropped and lost "
+           "to 0.86x with them cached (docs/benchmarks.md, expert-ahead).",
+           _ahead_stage, "off, input or attention"),
     EnvVar("SLIPSTREAM_COMMIT", None, "debug",
            "Commit recorded in benchmark results where the tree is no git checkout (the GPU "
            "machine's copy).", accepts="a commit hash"),

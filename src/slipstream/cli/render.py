@@ -153,6 +153,12 @@ def breakdown_table(s: GenerationStats, store: StoreStats, device: str) -> Table
     if rate is not None:
         t.caption += (f"\nexperts: {store.expert_hits} calls from RAM, {store.expert_misses} read "
                       f"from disk ({store.expert_bytes_read / 1e6:.1f} MB): hit rate {rate:.1%}")
+    ahead = store.expert_ahead_rate
+    if ahead is not None:
+        t.caption += (f"\nread ahead: {store.expert_ahead_hits} of {store.expert_misses} cold "
+                      f"experts guessed ({ahead:.1%}), {store.expert_ahead_reads} read "
+                      f"({store.expert_ahead_bytes / 1e6:.1f} MB), "
+                      f"{store.expert_ahead_reads - store.expert_ahead_hits} wasted")
     return t
 
 

@@ -38,6 +38,12 @@ class StoreStats:
     expert_misses: int = 0
     expert_bytes_read: int = 0
     expert_read_s: float = 0.0  # host clock: the main thread reading cold experts' bytes
+    # (or waiting for a read ahead to finish)
+    # Pre-gating read-ahead (weights.expert_ahead): experts read ahead on the background
+    # thread, their bytes, and the misses whose bytes were so read (the guess's hits)
+    expert_ahead_reads: int = 0
+    expert_ahead_bytes: int = 0
+    expert_ahead_hits: int = 0
     # A mixture of experts split between VRAM and the CPU (weights.split_experts): routed
     # (token, expert) pairs computed from VRAM slots and by the CPU, the host syncs for the
     # routing ids (one per split layer and pass), and the swaps into VRAM with their bytes
@@ -51,6 +57,14 @@ class StoreStats:
     def expert_hit_rate(self) -> float | None:
         calls = self.expert_hits + self.expert_misses
         return self.expert_hits / calls if calls else None
+
+    @property
+    def expert_ahead_rate(self) -> float | None:
+        """The share of cold routed experts (misses) whose bytes were read ahead, or None
+        where nothing was read ahead."""
+        if not self.expert_ahead_reads or not self.expert_misses:
+            return None
+        return self.expert_ahead_hits / self.expert_misses
 
     @property
     def expert_vram_rate(self) -> float | None:

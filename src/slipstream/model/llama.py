@@ -27,7 +27,7 @@ from .attention_sinks import sink_attention
 from .delta_net import delta_net
 from .gated_attention import gated_attention
 from .mla import mla_attention
-from .moe import MoeWeights, moe_ffn
+from .moe import MoeWeights, moe_ffn, router_input
 from .ring import ring_keys, ring_step, ring_write, window_attention, window_kv, wraps
 from .rope import RopeTable
 from .step import Step
@@ -300,6 +300,8 @@ def block_forward(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     per_layer: Gemma 4's per-layer embedding input of this layer (T, per_layer_dim), which
     the branch after the FFN reads (model.per_layer).
     """
+    if w.moe is not None and w.moe.ahead is not None:  # guess the next layer's experts
+        w.moe.ahead(x, "input")
     y = _block(cfg, w, x, cos_sin, step, k_cache, v_cache, rope, window)
     if per_layer is not None or cfg.layer_scale:
         from .per_layer import layer_tail  # Gemma 4 only; per_layer imports this module
@@ -541,6 +543,8 @@ def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     """The gated FFN half of the block, with its residual: folded into the down projection's
     epilogue, unless a norm comes between them (post_norms)."""
     if w.moe is not None:  # a mixture of experts: the routed experts' gated FFNs
+        if w.moe.ahead is not None:  # guess the next layer's experts
+            w.moe.ahead(x, "attention")
         y = moe_ffn(pre_norm(cfg, x, _ffn_norm(w)), w.moe, x, _moe_norm(cfg)).to(x.dtype)
         return _ffn_output(cfg, w, x, y) if cfg.post_norms else x + y
     if w.ffn_host is not None or w.ffn_down_rest is not None:
@@ -554,6 +558,15 @@ def _ffn(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
         y = w.ffn_down(_ACTIVATIONS[cfg.ffn_act](w.ffn_gate(h)) * w.ffn_up(h),
                        residual=residual)
     return _ffn_output(cfg, w, x, y)
+
+
+def moe_router_input(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    """What layer w's router reads (model.moe.moe_ffn's `r`) where its FFN's residual stream
+    is x: the FFN's pre-norm of x, or Gemma 4's router input."""
+    assert w.moe is not None
+    if w.moe.router_scale is not None:
+        return router_input(x, w.moe.router_scale, _moe_norm(cfg))
+    return pre_norm(cfg, x, _ffn_norm(w))
 
 
 def _moe_norm(cfg: ModelConfig) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:

@@ -245,6 +245,10 @@ class MoeWeights:
     expert_scale: torch.Tensor | None = None
     expert_norm: torch.Tensor | None = None
     expert_post_norm: torch.Tensor | None = None
+    # called with the block's residual stream at "input" (the block's input) and at
+    # "attention" (after the attention's residual add): a guess of the next layer's experts
+    # from it, whose cold ones it reads ahead (weights.expert_ahead); None: no guess
+    ahead: Callable[[torch.Tensor, str], None] | None = None
 
 
 def gate(logits: torch.Tensor, gating: str) -> torch.Tensor:

@@ -194,6 +194,7 @@ def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], sampler: Samp
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = len(prompt)
     split_before = _split_counts(engine)
+    tier_before = _tier_counts(engine)
     stop_ids = set(stop_ids) if stop_ids is not None else set(tokenizer.eot_ids)
     decoder = tokenizer.stream_decoder()
     matcher = _StopMatcher(stop)
@@ -242,6 +243,11 @@ def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], sampler: Samp
         if split[0] + split[1]:  # a mixture of experts split with the CPU
             stats.extra.update(zip(SPLIT_KEYS, split))
             stats.extra["experts_vram_rate"] = split[0] / (split[0] + split[1])
+        tier = [b - a for a, b in zip(tier_before, _tier_counts(engine))]
+        if tier[1]:  # a mixture of experts with cold experts read from the file
+            stats.extra.update(zip(TIER_KEYS, tier))
+            if tier[2]:  # read ahead (weights.expert_ahead)
+                stats.extra["experts_ahead_rate"] = tier[3] / tier[1]
 
 
 # GenerationStats.extra's keys of a mixture of experts split between VRAM and the CPU
@@ -255,3 +261,16 @@ def _split_counts(engine) -> list[int]:
     """The layer store's counters behind SPLIT_KEYS (memory.protocol.StoreStats)."""
     s = engine.layers.stats
     return [s.expert_vram_pairs, s.expert_cpu_pairs, s.expert_syncs, s.expert_swaps]
+
+
+# GenerationStats.extra's keys of a mixture of experts with experts on disk
+# (weights.expert_tiers): expert calls served from RAM and read from the file (misses), the
+# experts read ahead and the misses so served; "experts_ahead_rate" is the share of misses
+# read ahead (weights.expert_ahead)
+TIER_KEYS = ("experts_ram_calls", "experts_misses", "experts_ahead_reads", "experts_ahead_hits")
+
+
+def _tier_counts(engine) -> list[int]:
+    """The layer store's counters behind TIER_KEYS (memory.protocol.StoreStats)."""
+    s = engine.layers.stats
+    return [s.expert_hits, s.expert_misses, s.expert_ahead_reads, s.expert_ahead_hits]

@@ -16,16 +16,22 @@ otherwise it is dropped after the call. The most used experts so end up in RAM, 
 first guess, and an expert used once in a long while does not push a popular one out. Every
 DECAY_ROWS rows the layer's counts are halved, so that they follow a change of popularity (a
 server's next conversation) within a few thousand tokens rather than never; halving keeps
-their order, so it evicts nothing by itself."""
+their order, so it evicts nothing by itself.
+
+Read-ahead (weights.expert_ahead): a layer's cold experts may be read before the layer asks
+for them, on the file's background thread (`read_ahead`); a miss then takes those bytes (the
+same bytes, so the same bits) instead of reading on the critical path. A guessed expert the
+layer does not route to is a wasted read, dropped when the layer's call ends."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -35,6 +41,9 @@ from ..model.moe import ExpertRows, OneTokenSum, expert_ffn, expert_sum, experts
 # Rows routed to a layer's experts between two halvings of its counts: 8192 rows are 1024
 # tokens of Qwen3-MoE (8 experts a token), 4096 of Mixtral (2)
 DECAY_ROWS = 8192
+
+# the name of the read-ahead thread (ExpertFile.read_ahead), its number appended
+AHEAD_THREAD = "slipstream-expert-ahead"
 
 # gate/up and down linears of one expert
 ExpertPair = tuple[object, object]
@@ -59,19 +68,49 @@ class ExpertSlice:
 
 class ExpertFile:
     """The model's file, opened once for every layer's cold experts, and the counters of
-    their use (`stats`: any object with expert_hits, expert_misses, expert_bytes_read and
-    expert_read_s; the runtime points it at its store's StoreStats)."""
+    their use (`stats`: any object with expert_hits, expert_misses, expert_bytes_read,
+    expert_read_s and the read-ahead's expert_ahead_reads, expert_ahead_bytes and
+    expert_ahead_hits; the runtime points it at its store's StoreStats). Cold experts read
+    ahead (read_ahead) are read on a thread of its own, which close() stops."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_RDONLY)
         self.stats: object = ExpertCounts()
         self._lock = threading.Lock()  # counters: a server's worker and a bench may share it
+        self._ahead: ThreadPoolExecutor | None = None  # the read-ahead thread, once started
 
     def read(self, sl: ExpertSlice, e: int) -> torch.Tensor:
         """Expert e's bytes of one tensor, (rows, row_bytes) uint8, in memory of its own."""
-        offset, n = sl.of(e)
         t0 = time.perf_counter()
+        t, n = self._pread(sl, e)
+        self.count(bytes_read=n, seconds=time.perf_counter() - t0)
+        return t
+
+    def read_ahead(self, slices: list[ExpertSlice], e: int) -> Future:
+        """Expert e's bytes of each of `slices`, as `read` gives them, read on the file's
+        background thread (started at the first call): a Future of the list. Its error, if
+        any (a file cut short), is raised by the Future's result()."""
+        with self._lock:
+            if self._fd < 0:
+                raise GGUFError(f"{self.path}: read ahead after the file was closed")
+            if self._ahead is None:
+                # one thread: reads of one file on one disk gain little from more, and a
+                # second would contend for the cores the layers compute on
+                self._ahead = ThreadPoolExecutor(1, thread_name_prefix=AHEAD_THREAD)
+            return self._ahead.submit(self._read_all, slices, e)
+
+    def _read_all(self, slices: list[ExpertSlice], e: int) -> list[torch.Tensor]:
+        """(the read-ahead thread) counted once read whole: a read cancelled before it
+        started, or failed, counts nothing"""
+        out = [self._pread(sl, e) for sl in slices]
+        with self._lock:
+            self.stats.expert_ahead_reads += 1
+            self.stats.expert_ahead_bytes += sum(n for _, n in out)
+        return [t for t, _ in out]
+
+    def _pread(self, sl: ExpertSlice, e: int) -> tuple[torch.Tensor, int]:
+        offset, n = sl.of(e)
         buf = bytearray(n)
         view, done = memoryview(buf), 0
         while done < n:  # pread may return short
@@ -80,15 +119,15 @@ class ExpertFile:
                 raise GGUFError(f"{self.path}: expert {e}'s bytes end past the file: read "
                                 f"{done} of {n} bytes at offset {offset}")
             done += got
-        self.count(bytes_read=n, seconds=time.perf_counter() - t0)
-        return torch.frombuffer(buf, dtype=torch.uint8).view(sl.rows, sl.row_bytes)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(sl.rows, sl.row_bytes), n
 
     def count(self, hits: int = 0, misses: int = 0, bytes_read: int = 0,
-              seconds: float = 0.0) -> None:
+              seconds: float = 0.0, ahead_hits: int = 0) -> None:
         with self._lock:
             s = self.stats
             s.expert_hits += hits
             s.expert_misses += misses
+            s.expert_ahead_hits += ahead_hits
             s.expert_bytes_read += bytes_read
             s.expert_read_s += seconds
 
@@ -97,6 +136,11 @@ class ExpertFile:
         return self._fd < 0
 
     def close(self) -> None:
+        """Stops the read-ahead thread (reads not started are cancelled, a running one
+        finishes), then gives the descriptor back."""
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=True, cancel_futures=True)
+            self._ahead = None
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -116,6 +160,9 @@ class ExpertCounts:
     expert_misses: int = 0
     expert_bytes_read: int = 0
     expert_read_s: float = 0.0
+    expert_ahead_reads: int = 0
+    expert_ahead_bytes: int = 0
+    expert_ahead_hits: int = 0
 
 
 class TieredExperts:
@@ -146,13 +193,32 @@ class TieredExperts:
         self.one_token = one_token  # a token's sum of its experts (ffn_one), as resident
         self.rows = rows  # an expert on its rows (ffn), as resident
         self._rows = 0
+        self.pending: dict[int, Future] = {}  # experts being read ahead (read_ahead)
 
     @property
     def n_experts(self) -> int:
         return self._n
 
     def mix(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return experts_ffn(h, ids, weights, self)
+        try:
+            return experts_ffn(h, ids, weights, self)
+        finally:
+            self.drop_pending()
+
+    def read_ahead(self, experts: Iterable[int]) -> None:
+        """Starts reading those of `experts` that are neither held nor being read: a guess
+        of the next call's routing (weights.expert_ahead)."""
+        for e in experts:
+            if e not in self.held and e not in self.pending:
+                self.pending[e] = self.file.read_ahead(self.slices, e)
+
+    def drop_pending(self) -> None:
+        """Forgets the reads ahead no call took (wrong guesses): those not started are
+        cancelled, a running one finishes unread (its error, if any, unseen: a real miss
+        reads again, and raises it)."""
+        for f in self.pending.values():
+            f.cancel()
+        self.pending.clear()
 
     def ffn(self, e: int, h: torch.Tensor) -> torch.Tensor:
         gate_up, down = self._pair(e, h.shape[0])
@@ -175,7 +241,14 @@ class TieredExperts:
             self.file.count(hits=1)
         else:
             self.file.count(misses=1)
-            pair = self.make(e, [self.file.read(sl, e) for sl in self.slices])
+            ahead = self.pending.pop(e, None)
+            if ahead is not None:  # read ahead: wait for it, if it still runs
+                t0 = time.perf_counter()
+                raws = ahead.result()  # (the thread's error, if it failed)
+                self.file.count(ahead_hits=1, seconds=time.perf_counter() - t0)
+            else:
+                raws = [self.file.read(sl, e) for sl in self.slices]
+            pair = self.make(e, raws)
             self._admit(e, pair)
         return pair
 

@@ -34,6 +34,7 @@ from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
 from .checks import check_tensor_names, check_values
 from .experts import build_experts
+from .expert_ahead import wire as wire_read_ahead
 from .expert_tiers import ExpertFile
 from .split_build import SplitPlacement, SplitRuntime, SplitSpec
 from .file_bytes import private_file_bytes, release_mapped_pages
@@ -526,6 +527,8 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
             start, end = layer_span(gf, i)
             progress(end - start)
 
+    if expert_file is not None:  # layer i guesses layer i+1's cold experts, read ahead
+        wire_read_ahead(cfg, layers)
     if private:
         release_mapped_pages(gf)
     return ModelWeights(embed=embed, layers=layers, output_norm=output_norm, output=output,

@@ -72,6 +72,9 @@ class SplitCounts:
     expert_misses: int = 0
     expert_bytes_read: int = 0
     expert_read_s: float = 0.0
+    expert_ahead_reads: int = 0
+    expert_ahead_bytes: int = 0
+    expert_ahead_hits: int = 0
 
 
 class SplitRuntime:
