@@ -67,6 +67,8 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     "ss_q4_ffn": (_P, _P, _P, _P, _P, _P, _I64, _I64),
     "ss_silu_mul_f32": (_P, _I64, _I64, _P),
     "ss_gelu_mul_f32": (_P, _I64, _I64, _P),
+    # decode_ops.c: (gate_up, bias or NULL, m, n, act, out)
+    "ss_glu_f32": (_P, _P, _I64, _I64, _I64, _P),
     # (gate_up, down, x, gu, act, out, m, flags, arrived, seq, done, threads, timeout_s,
     # waited_s): returns 0, or -1 on a timeout
     "ss_q4_ffn_on_signal": (_P, _P, _P, _P, _P, _P, _I64, _I64, _P, _I64, _P, _I64,
@@ -79,8 +81,8 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     # threads)
     "ss_cb4_matvec": (_P, _P, _P, _I64, _I64),
     "ss_cb4_rows": (_P, _I64, _INT, _I64, _I64, _I64, _P, _INT),
-    # moe_ffn.c: (experts, k, x, w, out, threads): returns 0, or -1 (no scratch)
-    "ss_moe_ffn": (_P, _I64, _P, _P, _P, _I64),
+    # moe_ffn.c: (experts, k, x, w, out, threads, act): returns 0, or -1 (no scratch)
+    "ss_moe_ffn": (_P, _I64, _P, _P, _P, _I64, _I64),
     # decode_layer.c: (layer, scratch, x, x_out, ang, ang_sin, pos, k_cache, v_cache, max_ctx,
     # threads)
     "ss_decode_layer": (_P, _P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64),
