@@ -193,10 +193,11 @@ def _refusing_loop(monkeypatch) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("arch,quant", CASES, ids=["-".join(c) for c in CASES])
 def test_decode_through_the_one_call_stays_near_exact(arch, quant, tmp_path, monkeypatch):
-    """Every decode token's experts in the one call (the loop made to fail), near "exact" as
-    the loop was held: test_codebook_decode.py's 1e-2 and every top-1 for gpt-oss,
-    test_gemma4_moe.py's 0.15 and 70% of top-1 for Gemma 4 (float16 weights send a few of its
-    tokens to other experts). Negative control: the experts' activation SiLU."""
+    """Every decode token's experts in the one call (the loop made to fail), near "exact":
+    test_codebook_decode.py's 1e-2 and every top-1. Measured on two layers: 1.4e-3 (gpt-oss
+    MXFP4 and Q8_0; the loop 1.5e-3) and 3.4e-3 (Gemma 4 Q8_0; the loop 3.9e-3). Negative
+    control: the experts' activation SiLU, measured 0.46, 0.32 and 0.076 (Gemma 4's experts'
+    sum is normed, post_ffw_norm_2, and its dense MLP runs beside them)."""
     path = _decode_file(tmp_path, arch, quant)
     exact = cpu_engine(path, precision="exact").forward(IDS, all_logits=True).clone()
     engine = cpu_engine(path)
@@ -204,10 +205,9 @@ def test_decode_through_the_one_call_stays_near_exact(arch, quant, tmp_path, mon
     engine.reset()
     _refusing_loop(monkeypatch)
     stepped = _stepped(engine)
-    tol = 1e-2 if arch == "gpt-oss" else 0.15
+    tol = 1e-2
     assert rel_err(stepped, exact) < tol, rel_err(stepped, exact)
-    agree = (stepped.argmax(-1) == exact.argmax(-1)).float().mean()
-    assert agree == 1 if arch == "gpt-oss" else agree > 0.7
+    assert torch.equal(stepped.argmax(-1), exact.argmax(-1))
     for layer in engine.weights.layers:
         layer.moe.experts.act = "silu"
     engine.reset()
@@ -215,18 +215,27 @@ def test_decode_through_the_one_call_stays_near_exact(arch, quant, tmp_path, mon
 
 
 @pytest.mark.slow
-def test_decode_through_the_one_call_matches_llamacpp(tmp_path, monkeypatch):
-    """gpt-oss's MXFP4 file as it ships against llama.cpp's run of it (8-bit activations):
-    test_gptoss.py's MXFP4 bound, 2e-2, and top-1 at 90% of positions."""
+@pytest.mark.parametrize("arch,quant", CASES, ids=["-".join(c) for c in CASES])
+def test_decode_through_the_one_call_matches_llamacpp(arch, quant, tmp_path, monkeypatch):
+    """The files against llama.cpp's run of them (its matmuls quantize the activations to 8
+    bits): gpt-oss's MXFP4 file as it ships within test_gptoss.py's bound, 2e-2 (measured
+    7.4e-3); each file no farther from llama.cpp than precision="exact" is, plus 1e-2
+    (measured: gpt-oss Q8_0 6.11e-2 against exact's 6.10e-2, Gemma 4 Q8_0 0.103 against
+    0.103: the distance is llama.cpp's rounding, not the one call's); top-1 at 90% of
+    positions (measured every one)."""
     pytest.importorskip("llama_cpp")
     from llamacpp_ref import llamacpp_logits
 
-    path = _decode_file(tmp_path, "gpt-oss", "MXFP4")
+    path = _decode_file(tmp_path, arch, quant)
     ref = llamacpp_logits(path, IDS)
+    exact = cpu_engine(path, precision="exact").forward(IDS, all_logits=True).clone()
     engine = cpu_engine(path)
     engine.forward(IDS[:PREFILL], all_logits=True)
     engine.reset()
     _refusing_loop(monkeypatch)
     stepped = _stepped(engine)
-    assert rel_err(stepped, ref) < 2e-2, rel_err(stepped, ref)
+    err = rel_err(stepped, ref)
+    if (arch, quant) == ("gpt-oss", "MXFP4"):
+        assert err < 2e-2, err
+    assert err < rel_err(exact, ref) + 1e-2, (err, rel_err(exact, ref))
     assert (stepped.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
