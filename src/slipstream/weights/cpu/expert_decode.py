@@ -17,10 +17,14 @@ calls) rounds the gate/up output, the gated product and the expert's output to b
 kernels, and model.moe.swiglu_oai and torch's gelu take their exponential from torch rather
 than from ss_glu_f32's (about 2 float32 ulps, Cephes' expf), so against the loop the one call
 is bounded, not equal: closer to the float64 sum of gguf-py's dequantized weights
-(tests/model/test_moe_cpu_decode.py, tests/model/test_oai_experts_decode.py).
+(tests/model/test_moe_cpu_decode.py, tests/model/test_glu_expert_sum.py).
 
 On the 2-core AVX-512 EPYC a Qwen3-30B-A3B-shaped layer's 8 experts took ~100 torch ops and
 16 OpenMP regions a token through the loop.
+A gpt-oss-20b-shaped MXFP4 file cut to 8 layers decoded
+(tg16, 2 threads, load average 7 to 9, medians of 3 alternating rounds) at 6.3 tok/s in one
+call against 5.5 through the loop (llama.cpp 5.6), and prefilled 16 tokens at 6.4 against 3.4
+(the rows path, float32 between the packed kernels).
 """
 
 from __future__ import annotations
