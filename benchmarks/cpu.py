@@ -124,6 +124,8 @@ SHAPES = {
     "8b kv 1024x4096": (1024, 4096),
     "8b gate/up 14336x4096": (14336, 4096),
     "8b down 4096x14336": (4096, 14336),
+    # gpt-oss's head (Q8_0 in the files it ships): most of a short gpt-oss file's token bytes
+    "gpt-oss head 201088x2880": (201088, 2880),
 }
 FORMATS = ("f32 dense", "f16 dense", "bf16 dense", "q4vnni (Q4_K)", "q8vnni (Q8_0)",
            "int4pack (Q4_K)", "int4pair (Q8_0)", "int8pack (Q8_0)", "cb4 (MXFP4)",

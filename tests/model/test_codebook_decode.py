@@ -1,6 +1,7 @@
 """Whole models whose experts are in the codebook formats decoding on the CPU at the default
 precision, through cb4 (weights.cpu.codebook, native/cb4_matvec.c): gpt-oss with MXFP4 experts
-(as it ships; its clamped SwiGLU and biases take model.moe's loop over the packed linears) and
+(as it ships; its clamped SwiGLU and biases inside the one native expert sum, native/moe_ffn.c:
+test_glu_expert_sum.py) and
 a Qwen3-MoE file requantized to IQ4_XS (SwiGLU, no biases: the one native expert sum,
 native/moe_ffn.c).
 

@@ -40,7 +40,7 @@ from .. import envs
 SOURCES = ("decode_ops.c", "q4_matvec.c", "q6_matvec.c", "cb4_matvec.c", "iq_matvec.c",
            "moe_ffn.c", "moe_rows.c", "int4_pack.c", "decode_layer.c", "dequant.c")
 # what they include: written beside them, and part of the cache key
-HEADERS = ("bf16.h", "half.h", "parallel.h")
+HEADERS = ("bf16.h", "half.h", "parallel.h", "moe_expert.h")
 # -ffp-contract=off: no fused multiply-adds, so that every product is rounded as torch rounds
 # it (RoPE as torch's complex multiply) and the bits do not depend on whether the CPU has FMA.
 FLAGS = ("-O3", "-std=gnu11", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=off")
@@ -69,6 +69,8 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     "ss_q4_ffn": (_P, _P, _P, _P, _P, _P, _I64, _I64),
     "ss_silu_mul_f32": (_P, _I64, _I64, _P),
     "ss_gelu_mul_f32": (_P, _I64, _I64, _P),
+    # decode_ops.c: (gate_up, bias or NULL, m, n, act, out)
+    "ss_glu_f32": (_P, _P, _I64, _I64, _I64, _P),
     # (gate_up, down, x, gu, act, out, m, flags, arrived, seq, done, threads, timeout_s,
     # waited_s): returns 0, or -1 on a timeout
     "ss_q4_ffn_on_signal": (_P, _P, _P, _P, _P, _P, _I64, _I64, _P, _I64, _P, _I64,
@@ -83,8 +85,8 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     "ss_cb4_rows": (_P, _I64, _INT, _I64, _I64, _I64, _P, _INT),
     # iq_matvec.c: (weight, x, y, m, flags)
     "ss_iq_matvec": (_P, _P, _P, _I64, _I64),
-    # moe_ffn.c: (experts, k, x, w, out, threads): returns 0, or -1 (no scratch)
-    "ss_moe_ffn": (_P, _I64, _P, _P, _P, _I64),
+    # moe_ffn.c: (experts, k, x, w, out, threads, act): returns 0, or -1 (no scratch)
+    "ss_moe_ffn": (_P, _I64, _P, _P, _P, _I64, _I64),
     # moe_rows.c: (experts, n_experts, T, k, threads): bytes, or -1 (shapes); (experts,
     # n_experts, x, T, ids, w, k, out, workspace, threads): 0, -1 (shapes) or -2 - i (ids[i])
     "ss_moe_rows_workspace": (_P, _I64, _I64, _I64, _I64),

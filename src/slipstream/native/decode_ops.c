@@ -160,38 +160,58 @@ void ss_silu_mul_bf16(const uint16_t *gate_up, int64_t n, uint16_t *out) {
     }
 }
 
-/* out = act(gate) * up in float32 for m rows of gate_up = [gate | up] (2n floats a row), out m
- * rows of n: the gated product between hybrid decode's two CPU matvecs (ss_q4_ffn), unrounded.
- * act is SiLU, x / (1 + e^-x), or with `gelu` GELU's tanh form: 0.5 x (1 + tanh(u)), u =
- * sqrt(2 / pi) (x + 0.044715 x^3), is x / (1 + e^(-2u)), one exponential that saturates to x
- * and to -0 as expv does at its ends. */
-static void glu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out, int gelu) {
+/* The gated products ss_glu_f32 forms (its `act`). */
+#define GLU_SILU 0   /* silu(gate) * up: SwiGLU */
+#define GLU_GELU 1   /* gelu_tanh(gate) * up: GeGLU (Gemma) */
+#define GLU_OAI 2    /* gpt-oss's clamped SwiGLU (model/moe.py swiglu_oai) */
+
+/* One vector of act(gate) * up. SiLU is x / (1 + e^-x); GELU's tanh form, 0.5 x (1 + tanh(u)),
+ * u = sqrt(2 / pi) (x + 0.044715 x^3), is x / (1 + e^(-2u)), one exponential that saturates to
+ * x and to -0 as expv does at its ends. gpt-oss's: g = min(gate, 7), up clamped to [-7, 7],
+ * (up + 1) * g / (1 + e^(-1.702 g)), in torch's order of operations (the clamps as selects, so
+ * that a NaN passes through as torch's clamp passes it). */
+static inline vf glu_v(vf x, vf u, int act) {
     const float c = 1.5957691216057308f, k = 0.044715f;  /* 2 sqrt(2 / pi), GELU's cubic */
+    const float alpha = 1.702f, limit = 7.0f;
+    if (act == GLU_OAI) {
+        x = selectv(x > splat(limit), splat(limit), x);
+        u = selectv(u > splat(limit), splat(limit), u);
+        u = selectv(u < splat(-limit), splat(-limit), u);
+        return (u + 1.0f) * (x / (1.0f + expv(-(alpha * x))));
+    }
+    vf z = act == GLU_GELU ? c * (x + k * x * x * x) : x;
+    return x / (1.0f + expv(-z)) * u;
+}
+
+/* out = act(gate) * up in float32 for m rows of gate_up = [gate | up] (2n floats a row), out m
+ * rows of n, act one of GLU_* above. `bias` (2n floats, or NULL): added to each row of gate_up
+ * first, in place, as torch.add(bias, y) adds a linear's float32 bias (the same bits: one
+ * rounded add). The product between two CPU matvecs: hybrid decode's (ss_q4_ffn) and a mixture
+ * of experts' (moe_ffn.c, weights/cpu/expert_decode.py), unrounded. */
+void ss_glu_f32(float *gate_up, const float *bias, int64_t m, int64_t n, int64_t act,
+                float *out) {
     for (int64_t r = 0; r < m; r++) {
-        const float *g = gate_up + r * 2 * n, *u = g + n;
+        float *g = gate_up + r * 2 * n, *u = g + n;
         float *o = out + r * n;
+        if (bias != NULL)
+            for (int64_t i = 0; i < 2 * n; i++) g[i] = bias[i] + g[i];
         int64_t i = 0;
         for (; i + LANES <= n; i += LANES) {
-            vf x = loadv(g + i);
-            vf z = gelu ? c * (x + k * x * x * x) : x;
-            vf y = x / (1.0f + expv(-z)) * loadv(u + i);
+            vf y = glu_v(loadv(g + i), loadv(u + i), (int)act);
             memcpy(o + i, &y, sizeof y);
         }
-        for (; i < n; i++) {
-            float x = g[i], z = gelu ? c * (x + k * x * x * x) : x;
-            o[i] = x / (1.0f + expv(splat(-z))[0]) * u[i];
-        }
+        for (; i < n; i++) o[i] = glu_v(splat(g[i]), splat(u[i]), (int)act)[0];
     }
 }
 
 /* SwiGLU's product (Llama and most families). */
 void ss_silu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out) {
-    glu_mul_f32(gate_up, m, n, out, 0);
+    ss_glu_f32((float *)gate_up, NULL, m, n, GLU_SILU, out);
 }
 
 /* GeGLU's product (Gemma). */
 void ss_gelu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out) {
-    glu_mul_f32(gate_up, m, n, out, 1);
+    ss_glu_f32((float *)gate_up, NULL, m, n, GLU_GELU, out);
 }
 
 /* Rotate one head's first rope_dim dims in place, by the angles RopeTable.angles gives.

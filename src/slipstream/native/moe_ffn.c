@@ -1,5 +1,8 @@
 /* One decode token's routed experts in one call: the CPU's mixture-of-experts FFN
- * (weights/cpu/expert_decode.py), sum_j w_j down_j(silu(gate_j x) * up_j x).
+ * (weights/cpu/expert_decode.py),
+ *     sum_j w_j (down_j(act(gate_j x + bg_j) * (up_j x + bu_j)) + bd_j),
+ * act SiLU (SwiGLU), GELU's tanh form (GeGLU: Gemma 4) or gpt-oss's clamped SwiGLU, the biases
+ * gpt-oss's (absent elsewhere).
  *
  * Why: through torch, each of a token's k experts is a dozen small ops and two kernel calls,
  * each kernel an OpenMP region of its own: a Qwen3-MoE layer (k = 8) was 16 fork-joins and ~100
@@ -7,8 +10,9 @@
  * thread descheduled by another process holds it for a time slice. Here the k experts are the
  * tasks of one region, taken by the threads as they come free (dynamic), each expert computed
  * whole by one thread: gate/up (q4vnni or q8vnni records, native/q4_matvec.c, or cb4,
- * native/cb4_matvec.c), SwiGLU in float32, down (q4vnni, q8vnni, q6vnni (native/q6_matvec.c)
- * or cb4), into its own buffer; then the
+ * native/cb4_matvec.c), its bias and the gated product in float32 (decode_ops.c's ss_glu_f32),
+ * down (q4vnni, q8vnni, q6vnni (native/q6_matvec.c)
+ * or cb4) and its bias, into its own buffer; then the
  * calling thread adds them up in the order given (the caller's: ascending expert ids), each
  * term w_j y_j rounded once and added once, as `out += y * w` in torch. So a token's bits do not
  * depend on the thread count or on which thread took which expert.
@@ -21,46 +25,29 @@
 #include <omp.h>
 #endif
 
-/* q4_matvec.c's, q6_matvec.c's and cb4_matvec.c's weights all start with these fields */
-typedef struct {
-    const uint8_t *w;
-    int64_t n, k;
-} moe_weight_head;
-
-/* One expert: its gate/up (gate rows, then up rows) and its down, each a q4_matvec.c
- * q4_weight unless `layouts` says otherwise (MOE_* bits below). */
-typedef struct {
-    const void *gate_up;
-    const void *down;
-    int64_t layouts;
-} moe_expert;
-
-#define MOE_DOWN_Q6 1      /* down is a q6_matvec.c q6_weight */
-#define MOE_GATE_UP_CB4 2  /* gate/up is a cb4_matvec.c cb4_weight */
-#define MOE_DOWN_CB4 4     /* down is a cb4_weight */
-#define MOE_GATE_UP_IQ 8   /* gate/up is an iq_matvec.c iq_weight */
-#define MOE_DOWN_IQ 16     /* down is an iq_weight */
+#include "moe_expert.h"
 
 void ss_q4_matvec(const void *wd, const void *x, void *y, int64_t m, int64_t flags);
 void ss_q6_matvec(const void *wd, const void *x, void *y, int64_t m, int64_t flags);
 void ss_cb4_matvec(const void *wd, const void *x, void *y, int64_t m, int64_t flags);
 void ss_iq_matvec(const void *wd, const void *x, void *y, int64_t m, int64_t flags);
-void ss_silu_mul_f32(const float *gate_up, int64_t m, int64_t n, float *out);
+void ss_glu_f32(float *gate_up, const float *bias, int64_t m, int64_t n, int64_t act,
+                float *out);
 
 #define MOE_F32 3              /* x and y float32 (the matvecs' flags) */
 #define MOE_ONE_THREAD (1 << 8)  /* each matvec on the thread that runs its expert */
 
 /* out (hidden) = sum_j w[j] * expert_j(x) for x (hidden) float32, the experts in the order
- * given; `threads` share the experts. Returns 0, or -1 where scratch could not be allocated
- * (out untouched). */
+ * given, `act` ss_glu_f32's (0 SiLU, 1 GELU tanh, 2 gpt-oss's); `threads` share the experts.
+ * Returns 0, or -1 where scratch could not be allocated (out untouched). */
 int ss_moe_ffn(const moe_expert *const *experts, int64_t k, const float *x, const float *w,
-               float *out, int64_t threads) {
+               float *out, int64_t threads, int64_t act) {
     int64_t hidden = ((const moe_weight_head *)experts[0]->down)->n, units = 0;
     for (int64_t j = 0; j < k; j++) {
         int64_t u = ((const moe_weight_head *)experts[j]->down)->k;
         units = u > units ? u : units;
     }
-    /* per expert: gate/up (2 units), the SwiGLU product (units), its output (hidden) */
+    /* per expert: gate/up (2 units), the gated product (units), its output (hidden) */
     const int64_t per = 3 * units + hidden;
     float *scratch = malloc((size_t)(k * per) * sizeof(float));
     if (scratch == NULL) return -1;
@@ -72,16 +59,19 @@ int ss_moe_ffn(const moe_expert *const *experts, int64_t k, const float *x, cons
     for (int64_t j = 0; j < k; j++) {
         const moe_expert *e = experts[j];
         const int64_t n = ((const moe_weight_head *)e->down)->k;
-        float *gu = scratch + j * per, *act = gu + 2 * units, *y = act + units;
+        float *gu = scratch + j * per, *prod = gu + 2 * units, *y = prod + units;
         const int64_t f = MOE_F32 | MOE_ONE_THREAD;
         if (e->layouts & MOE_GATE_UP_CB4) ss_cb4_matvec(e->gate_up, x, gu, 1, f);
         else if (e->layouts & MOE_GATE_UP_IQ) ss_iq_matvec(e->gate_up, x, gu, 1, f);
         else ss_q4_matvec(e->gate_up, x, gu, 1, f);
-        ss_silu_mul_f32(gu, 1, n, act);
-        if (e->layouts & MOE_DOWN_Q6) ss_q6_matvec(e->down, act, y, 1, f);
-        else if (e->layouts & MOE_DOWN_CB4) ss_cb4_matvec(e->down, act, y, 1, f);
-        else if (e->layouts & MOE_DOWN_IQ) ss_iq_matvec(e->down, act, y, 1, f);
-        else ss_q4_matvec(e->down, act, y, 1, f);
+        ss_glu_f32(gu, e->gate_up_bias, 1, n, act, prod);
+        if (e->layouts & MOE_DOWN_Q6) ss_q6_matvec(e->down, prod, y, 1, f);
+        else if (e->layouts & MOE_DOWN_CB4) ss_cb4_matvec(e->down, prod, y, 1, f);
+        else if (e->layouts & MOE_DOWN_IQ) ss_iq_matvec(e->down, prod, y, 1, f);
+        else ss_q4_matvec(e->down, prod, y, 1, f);
+        /* bias + y, as torch.add(bias, y) (weights/cpu/groups.py finish) */
+        if (e->down_bias != NULL)
+            for (int64_t i = 0; i < hidden; i++) y[i] = e->down_bias[i] + y[i];
     }
     for (int64_t i = 0; i < hidden; i++) out[i] = 0.0f;
     for (int64_t j = 0; j < k; j++) {

@@ -35,20 +35,9 @@
 #include <omp.h>
 #endif
 
-/* q4_matvec.c's and q6_matvec.c's weights both start with these fields */
-typedef struct {
-    const uint8_t *w;
-    int64_t n, k;
-} moe_weight_head;
-
-/* moe_ffn.c's expert, and its layout bits: here gate/up q4_weight, down q4_weight or (the
- * one bit this file takes) q6_weight; cb4 experts go through the per-expert path */
-typedef struct {
-    const void *gate_up;
-    const void *down;
-    int64_t layouts;
-} moe_expert;
-#define MOE_DOWN_Q6 1
+/* moe_expert.h's experts; here gate/up a q4_weight and down a q4_weight or (the one layout bit
+ * this file takes) a q6_weight, no biases: the others go through the per-expert path */
+#include "moe_expert.h"
 
 void ss_q16_quantize_row(const float *x, int64_t k, int8_t *hi, int8_t *lo, float *dx,
                          float *sx);
@@ -119,7 +108,8 @@ static int moe_widths(const moe_expert *const *experts, int64_t n_experts, int64
         gu = experts[e]->gate_up;
         dn = experts[e]->down;
         if (gu->k != *hidden || gu->n != 2 * *units || dn->k != *units || dn->n != *hidden
-            || (experts[e]->layouts & ~(int64_t)MOE_DOWN_Q6))
+            || (experts[e]->layouts & ~(int64_t)MOE_DOWN_Q6) || experts[e]->gate_up_bias
+            || experts[e]->down_bias)
             return -1;
     }
     if (*hidden % MOE_GROUP || *units % MOE_GROUP) return -1;

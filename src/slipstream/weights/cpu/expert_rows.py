@@ -58,9 +58,10 @@ class NativeExpertRows:
         key = (id(gate_up), id(down))
         if self._key != key:
             descs = [expert_descriptor(g, d) for g, d in zip(gate_up, down)]
-            # (moe_rows.c takes q4vnni/q8vnni gate/up and those or q6vnni down, not cb4)
+            # (moe_rows.c takes q4vnni/q8vnni gate/up and those or q6vnni down, no cb4, iq or biases)
             self._usable = bool(descs) and all(
-                d is not None and not d.layouts & ~DOWN_Q6 for d in descs)
+                d is not None and not d.layouts & ~DOWN_Q6 and not d.gate_up_bias
+                and not d.down_bias for d in descs)
             self._table = (ctypes.c_void_p * len(descs))(
                 *(ctypes.addressof(d) for d in descs)) if self._usable else None
             self._descs = descs  # the table's entries live as long as it
