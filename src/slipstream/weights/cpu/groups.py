@@ -77,6 +77,15 @@ class RowBlocks:
             if t.dtype not in (torch.float32, torch.bfloat16):
                 raise ValueError(f"{self.kind} matvec takes float32 or bfloat16, not {t.dtype}")
 
+    def kernel(self, xb: torch.Tensor) -> torch.Tensor:
+        """The bare product of bfloat16 (or float32) x (m, in): bfloat16 (m, out), no bias."""
+        if not xb.is_contiguous():
+            xb = xb.contiguous()
+        y = torch.empty(xb.shape[0], self._out, dtype=torch.bfloat16)
+        self._matvec(self.desc, xb.data_ptr(), y.data_ptr(), xb.shape[0],
+                     int(xb.dtype == torch.float32) | torch.get_num_threads() << 8)
+        return y
+
     def row_slice(self, r0: int, r1: int):
         """Output rows [r0, r1) as their own linear, sharing the packed bytes; r0 a multiple of
         ROWS, and r1 too unless it is out_features."""

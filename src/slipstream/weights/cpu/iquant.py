@@ -133,26 +133,10 @@ class IqLinear(RowBlocks, Linear):
         """out (m, out) = x (m, in) @ W^T: x and out contiguous, float32 or bfloat16 each.
         threads: torch's intra-op count unless given; generic: the plain-C loop; avx2: the
         AVX2 loop where the VNNI one is built (tests compare the three)."""
+        self.check_call(x, out)
         m = x.shape[0]
-        if x.dim() != 2 or x.shape[-1] != self.in_features or \
-                tuple(out.shape) != (m, self._out) or \
-                not (x.is_contiguous() and out.is_contiguous()):
-            raise ValueError(f"iq matvec of {tuple(x.shape)} into {tuple(out.shape)}: "
-                             f"needs contiguous (m, {self.in_features}) and (m, {self._out})")
-        for t in (x, out):
-            if t.dtype not in (torch.float32, torch.bfloat16):
-                raise ValueError(f"iq matvec takes float32 or bfloat16, not {t.dtype}")
         flags = q4vnni_flags(x.dtype == torch.float32, out.dtype == torch.float32,
                              torch.get_num_threads() if threads is None else threads, generic)
         self._matvec(self.desc, x.data_ptr(), out.data_ptr(), m,
                      flags | (IQ_USE_AVX2 if avx2 else 0))
         return out
-
-    def kernel(self, xb: torch.Tensor) -> torch.Tensor:
-        """The bare product of bfloat16 (or float32) x (m, in): bfloat16 (m, out), no bias."""
-        if not xb.is_contiguous():
-            xb = xb.contiguous()
-        y = torch.empty(xb.shape[0], self._out, dtype=torch.bfloat16)
-        self._matvec(self.desc, xb.data_ptr(), y.data_ptr(), xb.shape[0],
-                     int(xb.dtype == torch.float32) | torch.get_num_threads() << 8)
-        return y

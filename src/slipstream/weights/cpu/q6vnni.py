@@ -120,12 +120,3 @@ class Q6VnniLinear(RowBlocks, Linear):
                              torch.get_num_threads() if threads is None else threads, generic)
         self._matvec(self.desc, x.data_ptr(), out.data_ptr(), m, flags)
         return out
-
-    def kernel(self, xb: torch.Tensor) -> torch.Tensor:
-        """The bare product of bfloat16 (or float32) x (m, in): bfloat16 (m, out), no bias."""
-        if not xb.is_contiguous():
-            xb = xb.contiguous()
-        y = torch.empty(xb.shape[0], self._out, dtype=torch.bfloat16)
-        self._matvec(self.desc, xb.data_ptr(), y.data_ptr(), xb.shape[0],
-                     int(xb.dtype == torch.float32) | torch.get_num_threads() << 8)
-        return y
