@@ -26,6 +26,12 @@ pytestmark = pytest.mark.skipif(native.library() is None,
 FORMATS = [Q.Q4_K, Q.Q8_0, Q.Q6_K]
 
 
+
+@pytest.fixture(autouse=True)
+def _packed_prefill_on(monkeypatch):
+    """These tests are of the opt-in path (SLIPSTREAM_PACKED_PREFILL=1)."""
+    monkeypatch.setenv("SLIPSTREAM_PACKED_PREFILL", "1")
+
 def _linear(qtype, rows: int, cols: int, packed_prefill: bool, bias=None):
     if qtype == Q.Q6_K and not q6vnni_available():
         pytest.skip("no q6vnni here (its VNNI loop)")
@@ -83,5 +89,5 @@ def test_the_choice(monkeypatch):
     monkeypatch.setenv("SLIPSTREAM_PACKED_PREFILL", "0")
     assert not prefills_packed([Q.Q4_K])
     monkeypatch.setenv("SLIPSTREAM_Q4VNNI", "0")  # torch's int4 layout: dense prefill
-    monkeypatch.delenv("SLIPSTREAM_PACKED_PREFILL")
+    monkeypatch.setenv("SLIPSTREAM_PACKED_PREFILL", "1")
     assert not prefills_packed([Q.Q4_K])

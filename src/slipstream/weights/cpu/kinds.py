@@ -27,7 +27,7 @@ PREFILL_KINDS = ("q4vnni", "q8vnni", "q6vnni")
 
 def prefills_packed(qtypes) -> bool:
     """Whether a linear of these formats (its parts') takes prefill through its packed copy:
-    every part's layout in PREFILL_KINDS, unless SLIPSTREAM_PACKED_PREFILL=0."""
+    every part's layout in PREFILL_KINDS, where SLIPSTREAM_PACKED_PREFILL=1."""
     return envs.get("SLIPSTREAM_PACKED_PREFILL") and all(
         kind_for(t) in PREFILL_KINDS for t in qtypes)
 
