@@ -28,7 +28,6 @@ from ... import native
 from ...quant import get_format
 from ..linear import Linear
 from .groups import Q, RowBlocks
-from .vnni import q4vnni_flags
 
 CB4_ROWS = 16
 CB4_GROUP = 32
@@ -66,6 +65,7 @@ class Cb4Linear(RowBlocks, Linear):
     IQ4 formats' values, 1 for MXFP4's."""
 
     kind = "cb4"
+    AVX2_FLAG = CB4_USE_AVX2
     ROWS = CB4_ROWS
 
     def __init__(self, packed: torch.Tensor, out_features: int,
@@ -127,15 +127,3 @@ class Cb4Linear(RowBlocks, Linear):
             row0 += r
         return cls(packed, rows, bias, grids.pop())
 
-    def matvec(self, x: torch.Tensor, out: torch.Tensor, threads: int | None = None,
-               generic: bool = False, avx2: bool = False) -> torch.Tensor:
-        """out (m, out) = x (m, in) @ W^T: x and out contiguous, float32 or bfloat16 each.
-        threads: torch's intra-op count unless given; generic: the plain-C loop; avx2: the
-        AVX2 loop where the VNNI one is built (tests compare the three)."""
-        self.check_call(x, out)
-        m = x.shape[0]
-        flags = q4vnni_flags(x.dtype == torch.float32, out.dtype == torch.float32,
-                             torch.get_num_threads() if threads is None else threads, generic)
-        self._matvec(self.desc, x.data_ptr(), out.data_ptr(), m,
-                     flags | (CB4_USE_AVX2 if avx2 else 0))
-        return out

@@ -35,6 +35,14 @@ Q4V_ROWS = 16
 Q4V_CODE_BYTES = Q4V_ROWS * INT4_GROUP // 2
 
 
+def q4vnni_flags(x_f32: bool, y_f32: bool, threads: int, generic: bool = False,
+                 gelu: bool = False) -> int:
+    """ss_q4_matvec's flags argument (see q4_matvec.c): the input's and output's types, the
+    plain-C loop (tests), the threads sharing the rows, and (ss_q4_ffn) GeGLU for SwiGLU."""
+    return (int(x_f32) | int(y_f32) << 1 | int(generic) << 2 | int(gelu) << 3
+            | int(threads) << 8)
+
+
 class RowBlocks:
     """What the native layouts of output rows in blocks of ROWS share (q4vnni, q8vnni,
     q6vnni: `packed` (blocks, ...) bytes, `_out` rows, an optional bias): the output width,
@@ -47,6 +55,8 @@ class RowBlocks:
     bias: torch.Tensor | None
     _out: int
     in_features: int
+    # the matvec flag that forces the AVX2 loop where the VNNI one is built (0: no such flag)
+    AVX2_FLAG = 0
 
     @property
     def out_features(self) -> int:
@@ -76,6 +86,21 @@ class RowBlocks:
         for t in (x, out):
             if t.dtype not in (torch.float32, torch.bfloat16):
                 raise ValueError(f"{self.kind} matvec takes float32 or bfloat16, not {t.dtype}")
+
+    def matvec(self, x: torch.Tensor, out: torch.Tensor, threads: int | None = None,
+               generic: bool = False, avx2: bool = False) -> torch.Tensor:
+        """out (m, out) = x (m, in) @ W^T: x and out contiguous, float32 or bfloat16 each.
+        threads: torch's intra-op count unless given; generic: the plain-C loop even where a
+        vector loop is compiled in; avx2: the AVX2 loop where the VNNI one is built, for a
+        layout with an AVX2_FLAG (tests compare the loops)."""
+        self.check_call(x, out)
+        if avx2 and not self.AVX2_FLAG:
+            raise ValueError(f"{self.kind} has no AVX2 loop to force beside its VNNI one")
+        flags = q4vnni_flags(x.dtype == torch.float32, out.dtype == torch.float32,
+                             torch.get_num_threads() if threads is None else threads, generic)
+        self._matvec(self.desc, x.data_ptr(), out.data_ptr(), x.shape[0],
+                     flags | (self.AVX2_FLAG if avx2 else 0))
+        return out
 
     def kernel(self, xb: torch.Tensor) -> torch.Tensor:
         """The bare product of bfloat16 (or float32) x (m, in): bfloat16 (m, out), no bias."""

@@ -24,7 +24,6 @@ from ...quant import get_format
 from ...quant.iquants import grid as iq_grid
 from ..linear import Linear
 from .groups import Q, RowBlocks
-from .vnni import q4vnni_flags
 
 # the formats iq reads -> iq_matvec.c's IQ_FMT_*
 IQ_FORMATS = {Q.IQ3_XXS: 0, Q.IQ2_XXS: 1, Q.IQ3_S: 2, Q.IQ1_S: 3}
@@ -71,6 +70,7 @@ class IqLinear(RowBlocks, Linear):
     the module doc). `packed` is the file's (rows, row_bytes) uint8 rows; `qtype` its format."""
 
     kind = "iq"
+    AVX2_FLAG = IQ_USE_AVX2
     ROWS = 1
 
     def __init__(self, packed: torch.Tensor, out_features: int,
@@ -128,15 +128,3 @@ class IqLinear(RowBlocks, Linear):
             memory_format=torch.contiguous_format)  # the caller's bytes may be reused
         return cls(packed, packed.shape[0], bias, qtype)
 
-    def matvec(self, x: torch.Tensor, out: torch.Tensor, threads: int | None = None,
-               generic: bool = False, avx2: bool = False) -> torch.Tensor:
-        """out (m, out) = x (m, in) @ W^T: x and out contiguous, float32 or bfloat16 each.
-        threads: torch's intra-op count unless given; generic: the plain-C loop; avx2: the
-        AVX2 loop where the VNNI one is built (tests compare the three)."""
-        self.check_call(x, out)
-        m = x.shape[0]
-        flags = q4vnni_flags(x.dtype == torch.float32, out.dtype == torch.float32,
-                             torch.get_num_threads() if threads is None else threads, generic)
-        self._matvec(self.desc, x.data_ptr(), out.data_ptr(), m,
-                     flags | (IQ_USE_AVX2 if avx2 else 0))
-        return out

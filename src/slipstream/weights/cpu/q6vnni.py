@@ -24,7 +24,6 @@ from ... import native
 from ...quant import get_format
 from ..linear import Linear
 from .groups import Q, RowBlocks
-from .vnni import q4vnni_flags
 
 Q6V_ROWS = 16
 Q6V_RUN = 256  # columns per run: one Q6_K super-block
@@ -109,14 +108,3 @@ class Q6VnniLinear(RowBlocks, Linear):
             row0 += r
         return cls(packed, rows, bias)
 
-    def matvec(self, x: torch.Tensor, out: torch.Tensor, threads: int | None = None,
-               generic: bool = False) -> torch.Tensor:
-        """out (m, out) = x (m, in) @ W^T: x and out contiguous, float32 or bfloat16 each.
-        threads: torch's intra-op count unless given; generic: the plain-C loop (tests compare
-        the two)."""
-        self.check_call(x, out)
-        m = x.shape[0]
-        flags = q4vnni_flags(x.dtype == torch.float32, out.dtype == torch.float32,
-                             torch.get_num_threads() if threads is None else threads, generic)
-        self._matvec(self.desc, x.data_ptr(), out.data_ptr(), m, flags)
-        return out

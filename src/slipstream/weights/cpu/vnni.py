@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType
 from ... import native
 from ..linear import Linear
 from .groups import (INT4_GROUP, Q4V_CODE_BYTES, Q4V_ROWS, GroupAffine, Q, RowBlocks,
-                     check_pair_formats, gguf_blocks, k_scale_min, row_chunks)
+                     check_pair_formats, gguf_blocks, k_scale_min, q4vnni_flags, row_chunks)
 from .native_pack import Q8V_RECORD_BYTES, q4vnni_native, q8vnni_native
 
 
@@ -145,14 +145,6 @@ class _Q4Weight(ctypes.Structure):
                 ("fmt", ctypes.c_int64)]
 
 
-def q4vnni_flags(x_f32: bool, y_f32: bool, threads: int, generic: bool = False,
-                 gelu: bool = False) -> int:
-    """ss_q4_matvec's flags argument (see q4_matvec.c): the input's and output's types, the
-    plain-C loop (tests), the threads sharing the rows, and (ss_q4_ffn) GeGLU for SwiGLU."""
-    return (int(x_f32) | int(y_f32) << 1 | int(generic) << 2 | int(gelu) << 3
-            | int(threads) << 8)
-
-
 class Q4VnniLinear(RowBlocks, Linear):
     """y = x @ W^T (+ b) (+ residual) for Q4_0, Q4_1 and Q4_K through native/q4_matvec.c: each
     activation row quantized to 16 bits per block of 32 (a float scale each) and the
@@ -220,18 +212,6 @@ class Q4VnniLinear(RowBlocks, Linear):
         dtype = torch.float16 if halves else torch.float32
         packed = torch.cat([codes, _q4vnni_plane(s, dtype), _q4vnni_plane(z, dtype)], dim=2)
         return cls(packed, rows, bias)
-
-    def matvec(self, x: torch.Tensor, out: torch.Tensor, threads: int | None = None,
-               generic: bool = False) -> torch.Tensor:
-        """out (m, out) = x (m, in) @ W^T: x and out contiguous, float32 or bfloat16 each.
-        threads: torch's intra-op count unless given; generic: the plain-C loop even where
-        a vector loop (VNNI or AVX2) is compiled in (tests compare the two)."""
-        self.check_call(x, out)
-        m = x.shape[0]
-        flags = q4vnni_flags(x.dtype == torch.float32, out.dtype == torch.float32,
-                             torch.get_num_threads() if threads is None else threads, generic)
-        self._matvec(self.desc, x.data_ptr(), out.data_ptr(), m, flags)
-        return out
 
     def kernel(self, xb: torch.Tensor) -> torch.Tensor:
         """The bare product of bfloat16 x (m, in): bfloat16 (m, out), no bias (what
