@@ -20,8 +20,8 @@
 #
 #   call:   bash benchmarks/device/gpu_suite.sh
 #           carry: .whl (the gguf wheel), .gpu-suite (from the second call on), and the
-#           default model's parts (.model/a in one call, .model/b in a later one on the same
-#           warm machine; until both have come, the default model's tests wait)
+#           default model's parts (.model/a, .model/b and .model/c, one per call on the same
+#           warm machine; until all three have come, the default model's tests wait)
 #   after:  mkdir -p .gpu-suite && cp <files_at>/gpu-suite-state.json .gpu-suite/state.json
 #
 # On a machine that stays warm the state also stays in its tree; carrying it back is what
@@ -47,30 +47,7 @@ STATE=.gpu-suite/state.json
 [ "${FRESH:-0}" = 1 ] && rm -f "$STATE"
 mkdir -p .gpu-suite
 
-if [ -f benchmarks/device/setup.sh ]; then
-  source benchmarks/device/setup.sh
-else
-  # the carried wheels (gguf), once per machine, and the default model from its parts
-  if ls .whl/*.whl >/dev/null 2>&1; then
-    if [ ! -f /tmp/site/.installed ]; then
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || exit 1
-      touch /tmp/site/.installed
-    fi
-    export PYTHONPATH=/tmp/site
-  fi
-  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 COLUMNS=140
-  export TRITON_CACHE_DIR=/tmp/triton-cache
-  export SLIPSTREAM_CACHE=/tmp/slipstream-cache SLIPSTREAM_OFFLINE=1
-  mkdir -p "$SLIPSTREAM_CACHE"
-  for part in .model/a/part1 .model/b/part2; do
-    [ -f "$part" ] && cp "$part" "$SLIPSTREAM_CACHE/$(basename "$part")"
-  done
-  MODEL=$SLIPSTREAM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
-  if [ ! -f "$MODEL" ] && [ -f "$SLIPSTREAM_CACHE/part1" ] && [ -f "$SLIPSTREAM_CACHE/part2" ]
-  then cat "$SLIPSTREAM_CACHE/part1" "$SLIPSTREAM_CACHE/part2" > "$MODEL"
-  fi
-fi
+source benchmarks/device/setup.sh
 
 marks="gpu"
 [ "${HEAVY:-0}" = 1 ] || marks="$marks and not compile_heavy"
