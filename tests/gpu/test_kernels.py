@@ -185,7 +185,7 @@ def test_pack_rejects_bad_input() -> None:
     with pytest.raises(GGUFError):
         kernels.pack_weight(raw[:100], T.Q4_K, 1, 256)
     with pytest.raises(UnsupportedTensorType):
-        kernels.pack_weight(raw, T.IQ2_XXS, 1, 256)
+        kernels.pack_weight(raw, T.TQ2_0, 1, 256)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

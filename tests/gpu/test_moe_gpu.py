@@ -13,6 +13,7 @@ import torch
 
 import slipstream
 from helpers import assert_decisive_top1, rel64, STREAM_PROMPT, streamed_logits
+from routing_replay import assert_same_decisive_choices, recorded_routing, replayed_routing
 from slipstream.errors import BudgetTooSmall
 from slipstream.synth import write_synth
 
@@ -42,16 +43,21 @@ def moe_file(request, tmp_path_factory):
 
 
 def test_cuda_exact_matches_cpu(moe_file):
+    """On the CPU's routing (tests/routing_replay.py: a near tie that rounding flips moves a
+    row by percents), the logits within the dense engine's bound; the GPU's own router picks
+    the CPU's experts wherever the CPU's choice was decisive."""
     arch, path = moe_file
-    cpu = slipstream.load(path, device="cpu", ctx=256, precision="exact")
-    gpu = slipstream.load(path, device="cuda", ctx=256, precision="exact")
-    assert not gpu.plan.streamed_layers
-    a, b = streamed_logits(cpu), streamed_logits(gpu)
+    with slipstream.load(path, device="cpu", ctx=256, precision="exact") as cpu, \
+            recorded_routing() as calls:
+        a = streamed_logits(cpu)
+    with slipstream.load(path, device="cuda", ctx=256, precision="exact") as gpu, \
+            replayed_routing(calls) as own:
+        assert not gpu.plan.streamed_layers
+        b = streamed_logits(gpu)
     for x, y in zip(a, b):
         assert rel64(y, x) < EXACT_REL_TOL, arch
         assert_decisive_top1(x, y, 2 * float((x - y).abs().max()))
-    cpu.close()
-    gpu.close()
+    assert_same_decisive_choices(calls, own)
 
 
 @pytest.mark.parametrize("precision", ["exact", "fast"])
@@ -86,21 +92,26 @@ def test_graph_logits_equal_eager_logits(moe_file):
 
 
 def test_fast_keeps_top1_and_perplexity(moe_file):
-    """"fast" (int8 activations into the routed GEMVs, float16 caches): perplexity within 2%
-    of "exact", the top token kept at decisive positions."""
+    """"fast" (int8 activations into the routed GEMVs, float16 caches) on "exact"'s routing
+    (tests/routing_replay.py): perplexity within 2% of "exact", the top token kept at decisive
+    positions; its own router picks "exact"'s experts wherever their choice was decisive."""
     from slipstream.runtime.perplexity import perplexity
 
     arch, path = moe_file
     ids = list(range(5, 1000, 7))[:128]
-    ppl, logits = {}, {}
-    for precision in ("exact", "fast"):
+    ppl, logits, routing = {}, {}, {}
+    for precision, routed in (("exact", recorded_routing), ("fast", replayed_routing)):
         with slipstream.load(path, device="cuda", ctx=256, precision=precision) as m:
-            ppl[precision] = perplexity(lambda c, m=m: m.logits(c, one_at_a_time=True), ids,
-                                        64, max_chunks=2).ppl
-            logits[precision] = m.logits(ids[:100], one_at_a_time=True).double()
+            m.engine.use_graphs = False  # a captured step would route once, at its capture
+            args = (routing["exact"],) if precision == "fast" else ()
+            with routed(*args) as routing[precision]:
+                ppl[precision] = perplexity(lambda c: m.logits(c, one_at_a_time=True), ids,
+                                            64, max_chunks=2).ppl
+                logits[precision] = m.logits(ids[:100], one_at_a_time=True).double()
     assert abs(ppl["fast"] / ppl["exact"] - 1) < 2e-2, (arch, ppl)
     exact, fast = logits["exact"], logits["fast"]
     assert_decisive_top1(exact, fast, 4 * float((exact - fast).abs().max()))
+    assert_same_decisive_choices(routing["exact"], routing["fast"])
 
 
 def test_plan_counts_the_experts(moe_file):

@@ -159,12 +159,17 @@ def test_fast_precision_on_the_cpu(grid_file) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_load_fails_and_the_cpu_runs_it(grid_file) -> None:
+@pytest.mark.parametrize("mix", [m.values[0] for m in MIXES])
+def test_cuda_runs_it_as_the_cpu_does(grid_file, mix: str) -> None:
+    """The whole model on CUDA at "exact" (the i-quant GEMVs and the prefill's dequantized
+    weights) within the dense engine's bound of the CPU engine (tests/gpu/test_engine.py)."""
     import slipstream
 
-    path = grid_file("IQ3_S")
-    with pytest.raises(UnsupportedTensorType, match="IQ3_S"):
-        slipstream.load(path, device="cuda", ctx=64, precision="exact")
-    model = slipstream.load(path, device="cpu", ctx=64, precision="exact")
-    logits = model.engine.forward(IDS[:4], all_logits=True)
-    assert torch.isfinite(logits).all()
+    path = grid_file(mix)
+    with slipstream.load(path, device="cuda", ctx=64, precision="exact") as gpu:
+        got = gpu.engine.forward(IDS, all_logits=True).cpu()
+        step = gpu.engine.decode(torch.tensor([7], device="cuda")).cpu()
+    cpu = cpu_engine(path, precision="exact")
+    want = cpu.forward(IDS, all_logits=True)
+    assert rel_err(got, want) < 1e-2, mix
+    assert rel_err(step, cpu.decode(torch.tensor([7]))) < 1e-2, mix
