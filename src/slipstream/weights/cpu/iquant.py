@@ -26,7 +26,9 @@ from ..linear import Linear
 from .groups import Q, RowBlocks
 
 # the formats iq reads -> iq_matvec.c's IQ_FMT_*
-IQ_FORMATS = {Q.IQ3_XXS: 0, Q.IQ2_XXS: 1, Q.IQ3_S: 2, Q.IQ1_S: 3}
+IQ_FORMATS = {Q.IQ3_XXS: 0, Q.IQ2_XXS: 1, Q.IQ3_S: 2, Q.IQ1_S: 3, Q.IQ2_XS: 4, Q.IQ2_S: 5,
+              Q.IQ1_M: 6}
+_SIGNED_GRIDS = (Q.IQ1_S, Q.IQ1_M)  # -1, 0, 1 points: handed to the C as int8 8 g
 IQ_BLOCK = 256
 IQ_USE_AVX2 = 16  # ss_iq_matvec's flag: the AVX2 loop where the VNNI one is built (tests)
 
@@ -45,7 +47,7 @@ def iq_nbytes(qtype, rows: int, cols: int) -> int:
 
 
 def _tables(qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
-    """gguf-py's grid of qtype as uint8 (points, width) (IQ1_S's -1, 0, 1 as int8 8 g, the
+    """gguf-py's grid of qtype as uint8 (points, width) (IQ1_S's and IQ1_M's -1, 0, 1 as int8 8 g, the
     integer weight without its +-1 shift) and its ksigns patterns as int8 (128, 8) of +-1,
     contiguous, made once and kept for the process (the C reads them by address)."""
     got = _TABLES.get(qtype)
@@ -53,7 +55,7 @@ def _tables(qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
         from ...quant.iquants import _table  # the signs table the torch dequantizer uses
 
         g = iq_grid(qtype, torch.device("cpu"))
-        g = (8 * g).to(torch.int8) if qtype == Q.IQ1_S else g.to(torch.uint8)
+        g = (8 * g).to(torch.int8) if qtype in _SIGNED_GRIDS else g.to(torch.uint8)
         g = g.contiguous()
         signs = _table("ksign_rows", torch.device("cpu")).to(torch.int8).contiguous()
         got = _TABLES[qtype] = (g, signs)
