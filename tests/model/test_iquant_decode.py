@@ -1,11 +1,11 @@
 """Qwen3-MoE files whose matrices (the experts' too) are IQ3_XXS, IQ1_S, IQ2_XS, IQ2_S or IQ1_M,
-decoding on the CPU at
-the default precision through iq (weights.cpu.iquant, native/iq_matvec.c): every decode token's
-experts in the one native expert sum (native/moe_ffn.c).
+decoding on the CPU at the default precision through iq (weights.cpu.iquant,
+native/iq_matvec.c): every decode token's experts in the one native expert sum
+(native/moe_ffn.c).
 
 References: precision="exact" (float32 weights as gguf-py-checked dequantizers make them, no
 activation quantization), held to test_codebook_decode.py's tolerance for the default precision
-(measured 2.0e-3 for both, 2.0e-3 for IQ2_XS and IQ2_S, 1.8e-3 for IQ1_M, top-1 everywhere);
+(measured 2.0e-3 for IQ3_XXS, IQ1_S, IQ2_XS and IQ2_S, 1.8e-3 for IQ1_M, top-1 everywhere);
 and llama.cpp (llama-cpp-python) on the same file, whose matmuls quantize the activations to 8
 bits (Q8_K), held to test_iquant_files.py's bound for i-quant mixtures of experts (0.1; measured
 3.46e-2 for IQ3_XXS, 1.87e-2 for IQ1_S and IQ1_M, 2.61e-2 for IQ2_XS, 2.19e-2 for IQ2_S, within
