@@ -1,12 +1,13 @@
-/* The i-quant grid formats IQ3_XXS, IQ2_XXS, IQ3_S and IQ1_S times 16-bit-quantized activations:
+/* The i-quant grid formats IQ3_XXS, IQ2_XXS, IQ3_S, IQ1_S, IQ2_XS, IQ2_S and IQ1_M times
+ * 16-bit-quantized activations:
  * the CPU decode matmul of the iq kind (weights/cpu/iquant.py, IqLinear), for the experts that
  * community quants of DeepSeek-V3/R1, Kimi K2, GLM-4.5 and Qwen3-235B store in these formats.
  *
  * Why: no other layout reads them, so without this they decode through dense float weights made
  * at every call (32 bits a weight written and read again where the file holds 1.56 to 3.44).
  * Here the file's blocks are read as they are (no repack: the weight is the file's rows, bytes
- * for bytes), their grid points looked up per 4 (IQ3_XXS, IQ3_S) or 8 (IQ2_XXS, IQ1_S) weights and
- * their sign patterns per 8 (IQ3_S: plain sign bits), as llama.cpp's CPU backend does
+ * for bytes), their grid points looked up per 4 (IQ3_XXS, IQ3_S) or 8 (the others) weights and
+ * their sign patterns per 8 (IQ3_S, IQ2_S: plain sign bits), as llama.cpp's CPU backend does
  * (ggml_vec_dot_iq3_xxs_q8_K, ggml_vec_dot_iq2_xxs_q8_K, ggml_vec_dot_iq3_s_q8_K: gather the
  * points into a vector, apply the signs, integer dots).
  * The tables (grid points, ksigns patterns as +-1 bytes) are gguf-py's, handed in by the caller
@@ -18,7 +19,14 @@
  * scale; IQ3_S's grid values odd, 1..15): 11 + 5 bits, exact in float32, so the weights are
  * the file's exactly. IQ1_S: w = d (1 + 2 l) / 8 (8 g +- 1), g in {-1, 0, 1} from its grid, the
  * shift's sign one bit a sub-block: v = 8 g +- 1, signed, which the VNNI loop's unsigned grid
- * cannot take (IQ1_S runs the AVX2 loop there). The activations are q4_matvec.c's
+ * cannot take (IQ1_S runs the AVX2 loop there).
+ * IQ2_XS, IQ2_S and IQ1_M scale each 16 weights: ggml's d (0.5 + l) / 4 (IQ2_XS, IQ2_S: grid
+ * values 8, 25, 43) is s_g = d / 8 times c = 1 + 2 l, and IQ1_M's d (1 + 2 l) (g +- 1/8) is
+ * d / 8 times c times v = 8 g +- 1 (its shift's sign one bit a point, its d the top nibbles
+ * of its 4 scale words). The integer c multiplies each 16-weight half's integer sum, so
+ * S_g = c_0 S_first + c_1 S_second stays exact (|S| <= 31 * 43 * 32512 * 32 < 2^31) and the
+ * float steps below are the same; IQ1_M, signed like IQ1_S, runs the AVX2 loop. The
+ * activations are q4_matvec.c's
  * (ss_q16_quantize_row: per 32 columns dx = max|x| / 32512, X = 256 hi + lo, two int8 digits):
  * the 16-bit quantization every native kernel uses, so a model's bits err as the others' do
  * and the tests' tolerances hold; its 32-column groups are the i-quants' sub-blocks. Per
@@ -39,12 +47,14 @@
  * The integer dots. AVX2: vpmaddubsw multiplies unsigned by signed bytes, so as in cb4 it takes
  * |X digit| (unsigned: -128 gives 128) times v carrying the digit's sign; pairs at most
  * 2 * 128 * 62 = 15872, no saturation; then vpmaddwd into int32 lanes, and the 8 sub-blocks'
- * lanes summed by a transposing hadd tree (exact integers: order free). VNNI (AVX-512 BW/VL
+ * lanes summed by a transposing hadd tree (exact integers: order free; the tree's second level
+ * holds the 16-weight halves apart, where the 16-weight scales multiply them). VNNI (AVX-512 BW/VL
  * masks on 256-bit vectors): the sign pattern as a 32-bit mask made from the scale word by pdep
  * and a parity fold (no table load), the digits negated under it and vpdpbusd'd with the
  * unsigned grid points; so that negating never overflows, the digits are rewritten per call in
  * base 255 (X = 255 h + l, |h|, |l| <= 127) and S = 255 A_h + A_l: the same S. 10-15% faster
- * than the AVX2 loop here (0.60 against 0.66 ms for the call above).
+ * than the AVX2 loop here (0.60 against 0.66 ms for the call above). IQ2_XS's sign indices
+ * come out of its 4 index words by one pext, IQ2_S's plain sign bits are the mask as they are.
  *
  * Threads: rows split over OpenMP threads (parallel.h); each output is computed by one thread
  * in one order, so its bits do not depend on the thread count or the other rows.
@@ -362,7 +372,8 @@ static inline __m256i iq_sub_avx2(const iq_weight *wd, const uint8_t *b, int ib)
         /* point l's shift sign: bit 4 l + 3 of the sub-block's 2 qh bytes, tested in 64-bit
          * lane l of the 16-bit word broadcast */
         const __m256i bit = _mm256_setr_epi64x(0x0008000800080008ll, 0x0080008000800080ll,
-                                               0x0800080008000800ll, (int64_t)0x8000800080008000ull);
+                                               0x0800080008000800ll,
+                                               (int64_t)0x8000800080008000ull);
         const __m256i neg = _mm256_cmpeq_epi16(
             _mm256_and_si256(_mm256_set1_epi16((short)iq_u16(b + 32 + 2 * ib)), bit), bit);
         g = _mm256_set_epi64x((int64_t)G[iq1m_index(b, ib, 3)], (int64_t)G[iq1m_index(b, ib, 2)],
