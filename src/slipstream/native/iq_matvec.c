@@ -445,7 +445,7 @@ static inline __attribute__((always_inline)) void iq_row_avx2(
     for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = r + b * bb;
-        __m256i v[8], c[2];
+        __m256i v[8], c[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         float sc[8];
         const float d = iq_block_d(wd->fmt, blk);
         const int halves = iq_halves(wd->fmt);
@@ -499,7 +499,7 @@ static inline __attribute__((always_inline)) void iq_row_vnni(
     for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = r + b * bb;
-        __m256i g[8], c[2];
+        __m256i g[8], c[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         __mmask32 neg[8];
         float sc[8];
         const float d = iq_block_d(fmt, blk);
