@@ -31,7 +31,7 @@ kernels: batch-1 matrix-vector products on 70B-sized (8192x8192, 28672x8192, 819
     int4pair (Q8_0)          the int4 kernel on Q8_0's codes split in two nibbles
     int8pack (Q8_0)          aten._weight_int8pack_mm, one bf16 scale per row
     cb4 (MXFP4, IQ4_XS)      native/cb4_matvec.c on the codebook formats' 4-bit codes
-    iq (IQ3_XXS .. IQ1_S)    native/iq_matvec.c on the i-quant grid formats' own blocks
+    iq (IQ3_XXS .. IQ1_M)    native/iq_matvec.c on the i-quant grid formats' own blocks
 
 at each thread count of --threads. GB/s counts the bytes a call reads (the layout's codes and
 scales; for dense the matrix), against the machine's memory read rate measured in the same run.
@@ -129,7 +129,8 @@ SHAPES = {
 }
 FORMATS = ("f32 dense", "f16 dense", "bf16 dense", "q4vnni (Q4_K)", "q8vnni (Q8_0)",
            "int4pack (Q4_K)", "int4pair (Q8_0)", "int8pack (Q8_0)", "cb4 (MXFP4)",
-           "cb4 (IQ4_XS)", "iq (IQ3_XXS)", "iq (IQ2_XXS)", "iq (IQ3_S)", "iq (IQ1_S)")
+           "cb4 (IQ4_XS)", "iq (IQ3_XXS)", "iq (IQ2_XXS)", "iq (IQ3_S)", "iq (IQ1_S)",
+           "iq (IQ2_XS)", "iq (IQ2_S)", "iq (IQ1_M)")
 
 
 def _meta() -> dict:

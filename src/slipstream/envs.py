@@ -127,7 +127,8 @@ _register(
     EnvVar("SLIPSTREAM_Q4VNNI", "1", "fallback",
            "0: the CPU's quantized weights use torch's kernels (int4 for the 4-bit formats and "
            "Q8_0, int8 for Q6_K) instead of the native VNNI layouts (MXFP4, IQ4_NL and IQ4_XS, "
-           "which no torch kernel reads, keep cb4; IQ3_XXS, IQ2_XXS, IQ3_S and IQ1_S keep iq).",
+           "which no torch kernel reads, keep cb4; the i-quant grid formats IQ1_S to IQ3_S keep "
+           "iq).",
            _flag, "0 or 1"),
     EnvVar("SLIPSTREAM_PACKED_PREFILL", "0", "opt-in",
            "1: a resident CPU layer's prefill (more than 8 rows) multiplies its packed native "

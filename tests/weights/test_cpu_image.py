@@ -54,7 +54,7 @@ if CB4 is not None:  # the codebook formats: cb4 (MXFP4's grid named in the kind
                                      ffn_gate_up="cb4-mx", ffn_down="cb4-mx")
 # the i-quant grid formats iq reads (the format named in the kind); no encoder writes them from
 # floats, so their files hold random codes
-IQ_MIXES = ("IQ3_XXS", "IQ3_S")
+IQ_MIXES = ("IQ3_XXS", "IQ3_S", "IQ1_M")
 if kind_for(18) is not None:  # IQ3_XXS (18)'s: iq with the native library, else dense
     for mix in IQ_MIXES:
         CASES[("llama", mix)] = dict.fromkeys(

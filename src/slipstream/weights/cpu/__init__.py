@@ -12,6 +12,8 @@ packed copy of each matrix in one of these layouts (`kind_for` picks; `pack_line
                                IQ4_XS
     iq         iquant          IQ3_XXS IQ2_XXS  the file's, 1.56     native/iq_matvec.c
                                IQ3_S IQ1_S      to 3.44
+                               IQ2_XS IQ2_S
+                               IQ1_M
     int4pack   torch_kernels   Q4_0 Q4_1 Q4_K   5                    torch's int4 CPU kernel
     int4pair   torch_kernels   Q8_0             10                   torch's int4 CPU kernel
     int8pack   torch_kernels   Q6_K (any)       8 + 2 bytes a row     torch's int8 CPU kernel

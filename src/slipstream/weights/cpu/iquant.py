@@ -1,12 +1,14 @@
-"""iq: the i-quant grid formats' CPU linear (IQ3_XXS, IQ2_XXS, IQ3_S, IQ1_S) on slipstream's kernel
-(native/iq_matvec.c), wherever the native library builds.
+"""iq: the i-quant grid formats' CPU linear (IQ3_XXS, IQ2_XXS, IQ3_S, IQ1_S, IQ2_XS, IQ2_S,
+IQ1_M) on slipstream's kernel (native/iq_matvec.c), wherever the native library builds.
 
 The weights are the file's rows, bytes for bytes (98 bytes per 256 weights for IQ3_XXS, 3.06
-bits a weight; 66 for IQ2_XXS, 2.06; 110 for IQ3_S, 3.44; 50 for IQ1_S, 1.56): no repack into
-rows of 16, whose float scales would add bytes. The kernel is compute-bound (about 2.5 GB/s on
+bits a weight; 66 for IQ2_XXS, 2.06; 110 for IQ3_S, 3.44; 50 for IQ1_S, 1.56; 74 for IQ2_XS,
+2.31; 82 for IQ2_S, 2.56; 56 for IQ1_M, 1.75): no repack into rows of 16, whose float scales
+would add bytes. The kernel is compute-bound (about 2.5 GB/s on
 one core of the 2-core EPYC, q4vnni 30: building 32 weights from their grid points takes
 longer than reading them), yet 46 times the dense path it replaces (1024 x 4096 IQ3_XXS:
-0.60 ms a call against 27.6 ms for torch's dequantization and a matmul). It looks the grid
+0.60 ms a call against 27.6 ms for torch's dequantization and a matmul; IQ2_XS 0.55 ms,
+IQ2_S 0.56, IQ1_M 0.68, from cache). It looks the grid
 points and sign patterns up per block as llama.cpp's CPU backend does, from gguf-py's tables
 (handed to the C through the weight's descriptor), and multiplies them with the activations
 quantized as every native kernel's (16 bits per block of 32, two int8 digits: see
@@ -26,7 +28,9 @@ from ..linear import Linear
 from .groups import Q, RowBlocks
 
 # the formats iq reads -> iq_matvec.c's IQ_FMT_*
-IQ_FORMATS = {Q.IQ3_XXS: 0, Q.IQ2_XXS: 1, Q.IQ3_S: 2, Q.IQ1_S: 3}
+IQ_FORMATS = {Q.IQ3_XXS: 0, Q.IQ2_XXS: 1, Q.IQ3_S: 2, Q.IQ1_S: 3, Q.IQ2_XS: 4, Q.IQ2_S: 5,
+              Q.IQ1_M: 6}
+_SIGNED_GRIDS = (Q.IQ1_S, Q.IQ1_M)  # -1, 0, 1 points: handed to the C as int8 8 g
 IQ_BLOCK = 256
 IQ_USE_AVX2 = 16  # ss_iq_matvec's flag: the AVX2 loop where the VNNI one is built (tests)
 
@@ -45,15 +49,15 @@ def iq_nbytes(qtype, rows: int, cols: int) -> int:
 
 
 def _tables(qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
-    """gguf-py's grid of qtype as uint8 (points, width) (IQ1_S's -1, 0, 1 as int8 8 g, the
-    integer weight without its +-1 shift) and its ksigns patterns as int8 (128, 8) of +-1,
+    """gguf-py's grid of qtype as uint8 (points, width) (IQ1_S's and IQ1_M's -1, 0, 1 as int8
+    8 g, the integer weight without its +-1 shift) and its ksigns patterns as int8 (128, 8) of +-1,
     contiguous, made once and kept for the process (the C reads them by address)."""
     got = _TABLES.get(qtype)
     if got is None:
         from ...quant.iquants import _table  # the signs table the torch dequantizer uses
 
         g = iq_grid(qtype, torch.device("cpu"))
-        g = (8 * g).to(torch.int8) if qtype == Q.IQ1_S else g.to(torch.uint8)
+        g = (8 * g).to(torch.int8) if qtype in _SIGNED_GRIDS else g.to(torch.uint8)
         g = g.contiguous()
         signs = _table("ksign_rows", torch.device("cpu")).to(torch.int8).contiguous()
         got = _TABLES[qtype] = (g, signs)

@@ -51,7 +51,8 @@ def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | Non
     torch's kernels alone (int4pack, int4pair, int8pack). "q6vnni" only for Q6_K. The codebook
     formats (MXFP4, IQ4_NL, IQ4_XS) take cb4 wherever the native library builds (auto; no
     torch kernel reads them: kind="torch" and the others give None), else stay dense; so do
-    the i-quant grid formats IQ3_XXS, IQ2_XXS, IQ3_S and IQ1_S with iq (auto or "iq")."""
+    the i-quant grid formats IQ3_XXS, IQ2_XXS, IQ3_S, IQ1_S, IQ2_XS, IQ2_S and IQ1_M with iq
+    (auto or "iq")."""
     qtype = Q(int(qtype))
     if kind not in AUTO_KINDS and kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(AUTO_KINDS + KINDS)}, not {kind!r}")
