@@ -21,9 +21,8 @@
 #
 # The synthetic files are written once, by this tree's `slipstream synth` and `slipstream
 # quantize`, into $BENCH_MODELS (setup.sh); an earlier call's files on a warm machine are
-# reused. The default-spec cases need the default model on the machine: carry .model/a, .model/b
-# and .model/c in three calls, this one last (setup.sh joins them); without it they are skipped
-# and said so.
+# reused. The default-spec cases need the default model on the machine: carry .model/a in one
+# call and .model/b in this one (setup.sh joins them); without it they are skipped and said so.
 # REPS (default 3) repetitions per test; SIDE_S (default 240) seconds at most per side and case.
 # Writes $OUT/before-after.json (each side's `bench --json` per case, and the ratios) and prints
 # a table: after/before per figure, marked where it moved by more than 3%.
@@ -56,7 +55,7 @@ if has default-spec || has default-spec-plain; then
       [ -f "$f" ] || python3 -m slipstream quantize "$MODEL" "$f" "$q" >/dev/null
     done
   else
-    echo "default model not on the machine (carry .model/a, .model/b, then .model/c): default-spec skipped"
+    echo "default model not on the machine (carry .model/a, then .model/b): default-spec skipped"
     CASES=$(echo ",$CASES," | sed 's/,default-spec-plain,/,/; s/,default-spec,/,/; s/^,//; s/,$//')
   fi
 fi

@@ -2,10 +2,11 @@
 # Here, before a device call: make the ignored folders a call carries (name them in `carry`).
 #
 #   bash benchmarks/device/carry.sh wheels          .whl/: the gguf wheel the device image lacks
-#   bash benchmarks/device/carry.sh model a|b|c     .model/a/part1, .model/b/part2 or .model/c/part3:
-#                                                   the default model in three parts, one per call
-#                                                   (98 MB, and a half of it beside the 17 MB of
-#                                                   tracked files, is over the 64 MiB a call carries)
+#   bash benchmarks/device/carry.sh model a|b       .model/a/part1 or .model/b/part2: the default
+#                                                   model, xz-compressed (98 MB to 90; a call
+#                                                   carries 64 MiB, 17 of them tracked files), in
+#                                                   two halves, one per call; the compressed file
+#                                                   is made once (two minutes) into .model/full.xz
 #   bash benchmarks/device/carry.sh llama           .anchors/ (../shared/anchors, which does not
 #                                                   travel) and .llama.tar.xz (llama.cpp's source)
 #   bash benchmarks/device/carry.sh before COMMIT   .before/: COMMIT's src/ and its hash, for
@@ -21,7 +22,7 @@ exclude() {
   mkdir -p "$(dirname "$f")"
   grep -qxF "/$1" "$f" 2>/dev/null || echo "/$1" >> "$f"
 }
-what=${1:?wheels, model a|b|c, llama, before COMMIT or triton DIR}
+what=${1:?wheels, model a|b, llama, before COMMIT or triton DIR}
 case $what in
   wheels)
     exclude .whl/
@@ -29,15 +30,19 @@ case $what in
       --implementation cp -d .whl "gguf==${GGUF_VERSION:-0.19.0}"
     ls -la .whl ;;
   model)
-    part=${2:?a, b or c}
+    part=${2:?a or b}
     exclude .model/
     m=$(PYTHONPATH=src python3 -m slipstream pull 2>/dev/null | tail -1)
     [ -f "$m" ] || { echo "the default model is not in the cache: slipstream pull"; exit 1; }
-    i=$(( $(printf %d "'$part") - 96 ))  # a, b, c: parts 1, 2, 3
-    [ "$i" -ge 1 ] && [ "$i" -le 3 ] || { echo "part must be a, b or c, not $part"; exit 2; }
-    third=$(( ($(stat -c %s "$m") + 2) / 3 ))
+    mkdir -p .model
+    [ -f .model/full.xz ] || { xz -9e -T2 -c "$m" > .model/full.xz.tmp && mv .model/full.xz.tmp .model/full.xz; }
+    half=$(( ($(stat -c %s .model/full.xz) + 1) / 2 ))
     rm -rf ".model/$part" && mkdir -p ".model/$part"
-    tail -c +$(( (i - 1) * third + 1 )) "$m" | head -c "$third" > ".model/$part/part$i"
+    case $part in
+      a) head -c "$half" .model/full.xz > .model/a/part1 ;;
+      b) tail -c +$((half + 1)) .model/full.xz > .model/b/part2 ;;
+      *) echo "part must be a or b, not $part"; exit 2 ;;
+    esac
     du -sh ".model/$part" ;;
   llama)
     exclude .anchors/; exclude .llama/; exclude .llama.tar.xz

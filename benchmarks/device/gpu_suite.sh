@@ -20,8 +20,8 @@
 #
 #   call:   bash benchmarks/device/gpu_suite.sh
 #           carry: .whl (the gguf wheel), .gpu-suite (from the second call on), and the
-#           default model's parts (.model/a, .model/b and .model/c, one per call on the same
-#           warm machine; until all three have come, the default model's tests wait)
+#           default model's two parts (.model/a in one call, .model/b in a later one on the
+#           same warm machine; until both have come, the default model's tests wait)
 #   after:  mkdir -p .gpu-suite && cp <files_at>/gpu-suite-state.json .gpu-suite/state.json
 #
 # On a machine that stays warm the state also stays in its tree; carrying it back is what

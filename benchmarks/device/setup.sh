@@ -4,9 +4,9 @@
 #   .whl/*.whl          wheels the image lacks (gguf), installed once into /tmp/site
 #   .whl/kvikio/*.whl   KvikIO for --io kvikio, installed once into /tmp/site-kvikio
 #   .triton/            Triton's kernel cache brought back by an earlier call (carry.sh triton)
-#   .model/a, .model/b, .model/c  the default model in three parts (98 MB, over the 64 MiB a
-#                       call carries): each part is parked in /tmp/slipstream-cache, and the file
-#                       is joined once all three have come (three calls while the machine stays warm)
+#   .model/a, .model/b  the default model, xz-compressed, in two halves (a call carries 64 MiB):
+#                       each half is parked in /tmp/slipstream-cache, and the file is joined
+#                       and unpacked once both have come (two calls while the machine stays warm)
 #   .anchors/, .llama.tar.xz   llama.cpp's scripts and source (carry.sh llama); llama_build
 #                       below builds llama-bench into /tmp/lbuild once per machine
 #
@@ -46,12 +46,14 @@ if [ -z "${BENCH_MODELS:-}" ]; then
 fi
 export BENCH_MODELS SLIPSTREAM_CACHE=/tmp/slipstream-cache
 mkdir -p "$BENCH_MODELS" "$SLIPSTREAM_CACHE"
-for part in .model/a/part1 .model/b/part2 .model/c/part3; do
+for part in .model/a/part1 .model/b/part2; do
   [ -f "$part" ] && cp "$part" "$SLIPSTREAM_CACHE/"
 done
 MODEL=$SLIPSTREAM_CACHE/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f "$MODEL" ] && ls "$SLIPSTREAM_CACHE"/part{1,2,3} >/dev/null 2>&1; then
-  cat "$SLIPSTREAM_CACHE"/part{1,2,3} > "$MODEL.tmp" && mv "$MODEL.tmp" "$MODEL"
+if [ ! -f "$MODEL" ] && ls "$SLIPSTREAM_CACHE"/part{1,2} >/dev/null 2>&1; then
+  cat "$SLIPSTREAM_CACHE"/part{1,2} | python3 -c \
+    "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
+    > "$MODEL.tmp" && mv "$MODEL.tmp" "$MODEL"
 fi
 export MODEL
 if [ ! -f "$OUTDIR/host.txt" ]; then
