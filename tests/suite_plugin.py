@@ -11,8 +11,9 @@ carried back, runs the rest. `--suite-summary` prints the merged result.
 
 Several processes can share one GPU and one call: `--suite-shard I/N` keeps the I-th of N
 groups of test modules (whole modules, so a module's fixtures load once, but a very large one
-cut into runs of tests; the groups are balanced by test count), each shard writes its own state file, and `--suite-merge FILE...`
-folds the shards' files into the main one. Triton compiles on the CPU, so shards cut a cold
+cut into runs of tests; the groups are balanced by the tests' durations in an earlier run's
+state file, `--suite-durations FILE`, or by their count without one), each shard writes its
+own state file, and `--suite-merge FILE...` folds the shards' files into the main one. Triton compiles on the CPU, so shards cut a cold
 call's wall time on a 16-core host.
 
 The state file (JSON) holds:
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -60,7 +62,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "this call lacks, say)")
     group.addoption("--suite-shard", metavar="I/N", default=None,
                     help="with --suite-state: run only the I-th (1-based) of N groups of "
-                         "test modules, balanced by their number of tests")
+                         "test modules, balanced by their tests' durations (--suite-durations) "
+                         "or number")
+    group.addoption("--suite-durations", metavar="FILE", default=None,
+                    help="with --suite-shard: an earlier run's state file, whose recorded "
+                         "durations weigh the tests when the shards are balanced (a test it "
+                         "lacks weighs the median); a missing file weighs every test alike")
     group.addoption("--suite-merge", metavar="FILE", nargs="+", default=None,
                     help="with --suite-state: fold these shards' state files into it and "
                          "exit")
@@ -138,24 +145,50 @@ def merge_states(main: dict, shards: list[dict]) -> dict:
     return out
 
 
-def shard_of(items: list[pytest.Item], index: int, count: int) -> set[str]:
+def shard_of(items: list[pytest.Item], index: int, count: int,
+             durations: dict[str, float] | None = None) -> set[str]:
     """The node ids of the index-th (1-based) of count groups. The units are whole modules,
     so that a module's fixtures load once, except that a module of more than a 2*count-th of
-    the tests is cut into runs of consecutive tests of that size (the kernel sweeps: 239 of
-    the GPU suite's 600 tests, two thirds of its time, in one module); the largest unit goes
-    first onto the group with the fewest tests so far."""
-    limit = max(1, -(-len(items) // (2 * count)))
+    the whole is cut into runs of consecutive tests of at most that much (the kernel sweeps:
+    a third of the GPU suite's time in one module); the heaviest unit goes first onto the
+    lightest group so far. A test weighs its duration in `durations` (seconds; the median of
+    those known where it has none), or 1 without durations: the suite's tests run from 0.01 to
+    140 s, so groups of equal counts can differ by minutes."""
+    durations = durations or {}
+    known = sorted(durations[i.nodeid] for i in items if i.nodeid in durations)
+    default = known[len(known) // 2] if known else 1.0
+    weight = {i.nodeid: durations.get(i.nodeid, default) for i in items}
+    # a whole number of median tests, so that equal weights cut as counts do
+    limit = max(1, math.ceil(sum(weight.values()) / (2 * count * default))) * default
     modules: dict[str, list[str]] = {}
     for item in items:
         modules.setdefault(str(item.path), []).append(item.nodeid)
-    units = [ids[i:i + limit] for ids in modules.values() for i in range(0, len(ids), limit)]
+    units: list[list[str]] = []
+    for ids in modules.values():
+        run, held = [], 0.0
+        for nodeid in ids:
+            if run and held + weight[nodeid] > limit:
+                units.append(run)
+                run, held = [], 0.0
+            run.append(nodeid)
+            held += weight[nodeid]
+        units.append(run)
     groups: list[list[str]] = [[] for _ in range(count)]
-    load = [0] * count
-    for unit in sorted(units, key=lambda u: (-len(u), u[0])):
+    load = [0.0] * count
+    for unit in sorted(units, key=lambda u: (-sum(weight[i] for i in u), u[0])):
         g = load.index(min(load))
         groups[g] += unit
-        load[g] += len(unit)
+        load[g] += sum(weight[i] for i in unit)
     return set(groups[index - 1])
+
+
+def load_durations(path: str | None) -> dict[str, float]:
+    """test id -> seconds from a state file's recorded outcomes; {} without a readable file."""
+    if not path or not Path(path).is_file():
+        return {}
+    tests = load_state(Path(path))["tests"]
+    return {t: float(e["duration"]) for t, e in tests.items()
+            if is_done(e) and e.get("duration") is not None}
 
 
 def is_done(entry: dict) -> bool:
@@ -255,7 +288,8 @@ class SuiteRun:
         if self.shard:
             index, count = self.shard
             # grouped over what is left, so that the shards of a later call share its rest
-            mine = shard_of(keep, index, count)
+            durations = load_durations(config.getoption("suite_durations"))
+            mine = shard_of(keep, index, count, durations)
             keep = [item for item in keep if item.nodeid in mine]
         gone = [item for item in items if item not in keep]
         # a test a killed call left unfinished runs first, with the whole budget before it

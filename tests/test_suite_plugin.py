@@ -199,3 +199,26 @@ def test_a_module_of_most_of_the_tests_is_cut_between_shards(suite):
         _run(suite, "-m", "dev", f"--suite-state={state}", f"--suite-shard={i}/2")
     counts = [len(load_state(s)["tests"]) for s in states]
     assert sorted(_ran(suite)) == ["a", "b", "c", "d1", "d2"] and sorted(counts) == [2, 3]
+
+
+def test_shards_balance_the_durations_of_an_earlier_run(suite):
+    """With an earlier run's durations, one slow test outweighs four quick ones: 2 shards put
+    it alone in one group and the rest in the other (by count they would split 3 and 2); a
+    missing durations file falls back to counts."""
+    earlier = suite.path / "earlier.json"
+    _run(suite, "-m", "dev", f"--suite-state={earlier}")
+    state = load_state(earlier)
+    for t, e in state["tests"].items():
+        e["duration"] = 60.0 if t.endswith("test_d[2]") else 0.5
+    earlier.write_text(json.dumps(state))
+    for durations, want in ((earlier, [[4], [1]]), (suite.path / "none.json", [[2], [3]])):
+        groups = []
+        for i in (1, 2):
+            s = suite.path / f"w{i}.json"
+            s.unlink(missing_ok=True)
+            _run(suite, "-m", "dev", f"--suite-state={s}", f"--suite-shard={i}/2",
+                 f"--suite-durations={durations}")
+            groups.append(sorted(load_state(s)["tests"]))
+        assert sorted([len(g)] for g in groups) == sorted(want), groups
+        if durations == earlier:
+            assert ["test_fake.py::test_d[2]"] in groups
