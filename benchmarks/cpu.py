@@ -109,7 +109,11 @@ def speed(build, model_path, threads, reps, work, pp: int = 512, tg: int = 128,
         key = f"pp{r['n_prompt']}" if r.get("n_prompt") else f"tg{r['n_gen']}"
         lc[key] = {"tok_s": r["avg_ts"], "tok_s_std": r["stddev_ts"]}
     sl = {r["test"]: {"tok_s": r["tok_s"], "tok_s_std": r["tok_s_std"]} for r in sj["results"]}
-    return {"llama": lc, "slipstream": sl, "threads": threads, "reps": reps,
+    # the decode roofline of this round: the bytes a token reads over the memory read rate
+    # `slipstream bench` measured beside its runs (both engines read the same file's weights)
+    roof = {k: sj.get(k) for k in ("memory_read_gbps", "weight_bytes_per_token",
+                                   "roofline_decode_tok_s")}
+    return {"llama": lc, "slipstream": sl, "roofline": roof, "threads": threads, "reps": reps,
             "loadavg_before": la0, "loadavg_between": la1, "loadavg_after": la2,
             "llama_build": {k: lb[0].get(k) for k in ("build_commit", "cpu_info", "backends",
                                                        "type_k", "flash_attn", "n_batch")}}
@@ -322,6 +326,13 @@ def speed_cmd(a: argparse.Namespace) -> None:
         sl = statistics.median(r["slipstream"][test]["tok_s"] for r in rounds)
         summary[test] = {"llama_cpp_tok_s": round(lc, 1), "slipstream_tok_s": round(sl, 1),
                          "ratio": round(sl / lc, 3)}
+        roofs = [r["roofline"]["roofline_decode_tok_s"] for r in rounds
+                 if (r.get("roofline") or {}).get("roofline_decode_tok_s")]
+        if test.startswith("tg") and roofs:
+            roof = statistics.median(roofs)
+            summary[test].update(roofline_tok_s=round(roof, 1),
+                                 llama_cpp_of_roofline=round(lc / roof, 3),
+                                 slipstream_of_roofline=round(sl / roof, 3))
         if a.baseline_src is not None:
             bl = statistics.median(r["baseline"]["tests"][test]["tok_s"] for r in rounds)
             summary[test].update(baseline_tok_s=round(bl, 1),
@@ -336,10 +347,12 @@ def speed_cmd(a: argparse.Namespace) -> None:
     path = common.write_result(a.case, doc, a.results)
     lines = [f"CPU speed, {Path(model).name}, {a.threads} threads, {a.rounds} rounds x "
              f"{a.reps} reps, medians over rounds ({doc['date']}, {doc.get('commit', '')[:10]})",
-             "", "| test | llama.cpp tok/s | slipstream tok/s | ratio |", "|---|---:|---:|---:|"]
+             "", "| test | llama.cpp tok/s | slipstream tok/s | ratio | roofline tok/s | "
+             "llama.cpp / roofline | slipstream / roofline |", "|---|---:|---:|---:|---:|---:|---:|"]
     for test, s in summary.items():
         lines.append(f"| {test} | {s['llama_cpp_tok_s']} | {s['slipstream_tok_s']} | "
-                     f"{s['ratio']} |")
+                     f"{s['ratio']} | {s.get('roofline_tok_s', '-')} | "
+                     f"{s.get('llama_cpp_of_roofline', '-')} | {s.get('slipstream_of_roofline', '-')} |")
     if a.baseline_src is not None:
         base = rounds[0]["baseline"].get("commit") or ""
         lines += ["", f"baseline (before), {a.baseline_src} at {base[:10]}, in the same rounds:",

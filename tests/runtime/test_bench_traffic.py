@@ -102,3 +102,25 @@ def test_a_cpu_plan_reads_its_disk_layers_from_the_file(engine):
     assert t.pcie == 0 and t.disk == 14000
     assert t.memory == weight_bytes_per_token(eng) + 14000
     assert t.memory > _layer_bytes(engine.weights.layers[0]) * 2
+
+
+def test_a_mixture_of_experts_counts_the_experts_a_token_reads(tmp_path):
+    """A Qwen3-MoE file (16 experts, 4 used): each layer adds its router whole and 4/16 of
+    its routed experts' bytes to the attention the built layer holds; without the file only
+    the built linears count (the experts live in banks of their own layouts)."""
+    from slipstream.modelfile.gguf_file import GGUFFile
+
+    path = write_synth(tmp_path / "moe.gguf", "tiny", "Q8_0", n_layers=2, arch="qwen3moe")
+    eng, gf = cpu_engine(path, ctx=32), GGUFFile(path)
+    n, k = eng.cfg.n_experts, eng.cfg.n_experts_used
+    assert (n, k) == (16, 4)
+    per_layer = []
+    for i in range(2):
+        exps = [t.n_bytes for name, t in gf.tensors.items()
+                if name.startswith(f"blk.{i}.ffn_") and name.endswith("_exps.weight")]
+        router = gf.tensors[f"blk.{i}.ffn_gate_inp.weight"].n_bytes
+        assert len(exps) == 3
+        per_layer.append(sum(exps) * k // n + router)
+    assert weight_bytes_per_token(eng, gf) - weight_bytes_per_token(eng) == sum(per_layer)
+    t = decode_traffic(eng, None, memory_gbps=10.0, gguf=gf)
+    assert t.memory == weight_bytes_per_token(eng, gf)

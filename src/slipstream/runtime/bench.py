@@ -178,12 +178,35 @@ def _linear_bytes(lin) -> int:
     return int(getattr(lin, "nbytes", 0) or 0)  # the CPU's packed layouts
 
 
-def _layer_bytes(layer) -> int:
-    """Bytes one decode step reads of a built layer's linears."""
+def _layer_bytes(layer, routed: int = 0) -> int:
+    """Bytes one decode step reads of a built layer's linears, and `routed`: its mixture of
+    experts' share (_routed_bytes), whose banks hold their experts in layouts of their own."""
     fused = [layer.attn_qkv, layer.ffn_gate_up]
     parts = [layer.attn_q, layer.attn_k, layer.attn_v] if layer.attn_qkv is None else []
     parts += [layer.ffn_gate, layer.ffn_up] if layer.ffn_gate_up is None else []
-    return sum(_linear_bytes(x) for x in fused + parts + [layer.attn_output, layer.ffn_down])
+    return sum(_linear_bytes(x) for x in fused + parts + [layer.attn_output, layer.ffn_down]) \
+        + routed
+
+
+def _routed_bytes(engine: Engine, gguf: GGUFFile | None, i: int) -> int:
+    """The bytes a decode token reads of layer i's mixture of experts, from the file: the
+    router and any shared expert whole, and n_experts_used of the n_experts routed experts
+    (a token reads exactly that many, however skewed the routing); 0 for a dense layer or
+    without the file."""
+    if gguf is None:
+        return 0
+    cfg = engine.cfg.layer(i)
+    if not cfg.n_experts:
+        return 0
+    total = 0
+    for name, t in gguf.tensors.items():
+        if not name.startswith(f"blk.{i}.ffn_") or "norm" in name:
+            continue
+        if "_exps." in name:
+            total += t.n_bytes * cfg.n_experts_used // cfg.n_experts
+        elif "shexp" in name or name.startswith(f"blk.{i}.ffn_gate_inp."):
+            total += t.n_bytes  # the dense FFN beside (Gemma 4) is a built linear, counted
+    return total
 
 
 def _fixed_bytes(engine: Engine) -> int:
@@ -195,9 +218,10 @@ def _fixed_bytes(engine: Engine) -> int:
 
 def weight_bytes_per_token(engine: Engine, gguf: GGUFFile | None = None) -> int:
     """Bytes of weights one decode token reads: every linear layer once (of the layers not
-    skipped), one embedding row. A streamed layer has no resident weights to measure: its
-    tensors' bytes in `gguf` count (left out without it). decode_traffic says which link
-    carries them."""
+    skipped), one embedding row, and a mixture of experts' router, shared expert and routed
+    experts (_routed_bytes: counted from `gguf`). A streamed layer has no resident weights to
+    measure: its tensors' bytes in `gguf` count (left out without it). decode_traffic says
+    which link carries them."""
     total = _fixed_bytes(engine)
     for i, layer in enumerate(engine.weights.layers):
         if i in engine.skip:
@@ -207,7 +231,7 @@ def weight_bytes_per_token(engine: Engine, gguf: GGUFFile | None = None) -> int:
             total += sum(t.n_bytes for name, t in (gguf.tensors.items() if gguf else ())
                          if name.startswith(prefix))
             continue
-        total += _layer_bytes(layer)
+        total += _layer_bytes(layer, _routed_bytes(engine, gguf, i))
     return total
 
 
@@ -287,8 +311,8 @@ def decode_traffic(engine: Engine, plan, memory_gbps: float,
         if i in engine.skip:
             continue
         if tier in RESIDENT_TIERS:
-            t.memory += _layer_bytes(layer) if layer is not None else \
-                plan.resident_bytes_per_layer[i]
+            t.memory += _layer_bytes(layer, _routed_bytes(engine, gguf, i)) \
+                if layer is not None else plan.resident_bytes_per_layer[i]
             continue
         moved = span(i)
         if i not in split:  # a split layer's copy: the hybrid plan's total, below
