@@ -14,6 +14,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +29,35 @@ from .. import envs, kernels, native
 # thread beside it that never lets go, an 8B's share took a median 18.8 ms at 5 ms (35 ms as
 # four calls rather than one fused) and 3.2-3.6 ms at 0.1 ms, against 2.4-5.4 with that thread
 # idle.
+
+
+class CpuShareError(RuntimeError):
+    """The CPU's share of hybrid decode went wrong on the worker thread: its own exception
+    (chained, its traceback in the message), or a GPU wait that gave up on it."""
+
+
+@dataclass(frozen=True)
+class JobTimes:
+    """Where one CPU share's time went on the worker (run-ahead), for the message of a GPU
+    wait that gave up: from its hand-off to the worker's start on it (queued behind earlier
+    shares), then waiting for its input's copy down (a CUDA event on the stream), computing."""
+
+    layer: int
+    seq: int
+    queued_s: float
+    input_s: float
+    compute_s: float
+
+    @property
+    def own_s(self) -> float:
+        """The worker's time on the share alone: what the GPU's wait for it lasts at most
+        beyond the wait for the share before it (queued time is that share's)."""
+        return self.input_s + self.compute_s
+
+    def describe(self) -> str:
+        return (f"layer {self.layer}'s share (job {self.seq}) took {self.own_s:.3g} s: "
+                f"{self.input_s:.3g} s waiting for its input's copy down, "
+                f"{self.compute_s:.3g} s computing (after {self.queued_s:.3g} s queued)")
 
 
 @dataclass
@@ -109,10 +139,18 @@ class HostIO:
             self._arrived = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # signal
             self._failed = torch.zeros(1, dtype=torch.int32, device=self.device)
             self._seq = 0
-            self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-            self._scratch = Scratch()  # the worker's alone
-            self._error: BaseException | None = None
-            self._worker: threading.Thread | None = None
+            self._init_worker()
+
+    def _init_worker(self) -> None:
+        """The run-ahead worker's state (no thread yet: the first share starts it)."""
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._scratch = Scratch()  # the worker's alone
+        self._error: BaseException | None = None
+        self._error_job = ""  # which share raised it
+        self._worker: threading.Thread | None = None
+        # the share the worker spent longest on: what a GPU wait that gave up waited for (a
+        # wait starts once the one before it ended, at or after its share's hand-off)
+        self.slowest: JobTimes | None = None
 
     # --- the host's side ----------------------------------------------------------------------
 
@@ -151,7 +189,8 @@ class HostIO:
         self._seq += 1
         self._start_worker()
         signaled = self._signal_seq[slot] == self._seq  # else: the event, as ever
-        self._jobs.put((ffn, self._sent[slot], slot, self._rows[slot], self._seq, signaled))
+        self._jobs.put((ffn, self._sent[slot], slot, self._rows[slot], self._seq, signaled,
+                        time.perf_counter()))
         return self._seq
 
     def finish(self, ffn, partial: torch.Tensor) -> torch.Tensor:
@@ -186,23 +225,42 @@ class HostIO:
         return partial + up.to(partial.dtype)
 
     def check(self) -> None:
-        """Raise what the worker ran into (the layers after it got a zero share)."""
+        """Raise what the worker ran into (the layers after it got a zero share): its own
+        exception chained, its type, share and traceback in the message."""
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"the CPU's share of hybrid decode failed: {error}") from error
+            trace = "".join(traceback.format_exception(error)).rstrip()
+            raise CpuShareError(f"the CPU's share of hybrid decode failed on the worker thread "
+                                f"({self._error_job}): {type(error).__name__}: {error}\n"
+                                f"{trace}") from error
 
     def close(self) -> None:
         """Stop the worker once the layers handed to it are done; raise if a wait on the
         stream gave up (read here only: it costs a device sync)."""
         if self.device.type != "cuda" or self._worker is None:
             return
+        self._stop_worker()
+        self.check()
+        if int(self._failed.item()):
+            raise CpuShareError(self.gave_up_message())
+
+    def _stop_worker(self) -> None:
         self._jobs.put(None)
         self._worker.join()
         self._worker = None
-        self.check()
-        if int(self._failed.item()):
-            raise RuntimeError("a GPU wait for the CPU's share of hybrid decode gave up: the "
-                               "CPU worker stopped answering")
+
+    def gave_up_message(self) -> str:
+        """What to say when a GPU wait for a share gave up (its timeout, kernels.host_wait):
+        the worker's slowest share and where its time went. A share waiting for its input
+        as long as the timeout means the input's copy sat behind the GPU's wait for the worker
+        itself (a cycle the timeout broke); one computing that long, a stalled worker; one
+        shorter than the timeout, a wait that started before its share was handed over."""
+        slow = self.slowest
+        what = (f"the worker's slowest: {slow.describe()}" if slow is not None
+                else "the worker finished no share")
+        return (f"a GPU wait for the CPU's share of hybrid decode gave up (its timeout, "
+                f"kernels.host_wait), so a layer added a stale result instead of the CPU's; "
+                f"{what}")
 
     # --- the worker's side --------------------------------------------------------------------
 
@@ -221,7 +279,7 @@ class HostIO:
             job = self._jobs.get()
             if job is None:
                 return
-            ffn, sent, slot, rows, seq, signaled = job
+            ffn, sent, slot, rows, seq, signaled, handed = job
             t0 = t1 = None
             tracer = self.tracer
             try:
@@ -247,14 +305,25 @@ class HostIO:
                     self._count(ffn, time.perf_counter() - t1)
             except BaseException as e:  # the stream must not wait forever: bump anyway
                 self._error = e
+                self._error_job = f"layer {getattr(ffn, 'layer', '?')}'s share, job {seq}"
             finally:
                 flag[0] = seq
+            if t0 is not None:
+                self._time(ffn, seq, handed, t0, t1)
             if tracer is not None and t1 is not None:
                 t2, c2 = time.perf_counter(), time.process_time()
                 name = f"L{ffn.layer}"
                 tracer.span("cpu wait", name, t0, t1, layer=ffn.layer)
                 tracer.span("cpu share", name, t1, t2, layer=ffn.layer, bytes=ffn.nbytes,
                             cores=round((c2 - c1) / (t2 - t1), 2) if t2 > t1 else None)
+
+    def _time(self, ffn, seq: int, handed: float, t0: float, t1: float | None) -> None:
+        """Keep the share's times if it is the slowest yet (a share that raised: up to now)."""
+        now = time.perf_counter()
+        t1 = now if t1 is None else t1
+        job = JobTimes(getattr(ffn, "layer", -1), seq, t0 - handed, t1 - t0, now - t1)
+        if self.slowest is None or job.own_s > self.slowest.own_s:
+            self.slowest = job
 
     def _await(self, sent: torch.cuda.Event) -> None:
         """Wait for the input's copy down; keep_warm: touching the worker's OpenMP team the

@@ -1,0 +1,104 @@
+"""hybrid.host_io.HostIO's run-ahead worker thread, as CUDA runs it, on the CPU: its CUDA parts
+(the pinned counter the GPU's wait reads, the input's copy-down event) stood in for by a CPU
+counter and an event object, the thread, its job queue and its error handling HostIO's own.
+
+A share that raises surfaces as its own exception (chained, its type, layer and traceback in
+the message); a share slow to get its input is named, with where its time went, in the
+message of a GPU wait that gave up on it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from slipstream.hybrid.host_io import CpuShareError, HostIO
+
+HIDDEN = 8
+
+
+class _Event:
+    """A CUDA event's synchronize() that returns after `delay_s` (the input's copy down)."""
+
+    def __init__(self, delay_s: float = 0.0):
+        self.delay_s = delay_s
+
+    def synchronize(self) -> None:
+        time.sleep(self.delay_s)
+
+
+class _Share:
+    """A layer's CPU share: out := 2 h, or the exception it is given."""
+
+    def __init__(self, layer: int, error: BaseException | None = None):
+        self.layer, self.error, self.slot, self.nbytes = layer, error, 0, 64
+
+    def compute_into(self, h: torch.Tensor, out: torch.Tensor, scratch) -> None:
+        if self.error is not None:
+            raise self.error
+        out.copy_(2 * h)
+
+
+def _run_ahead(io: HostIO) -> HostIO:
+    """io's worker state as on CUDA: a counter in (unpinned) host memory, no shares yet."""
+    io._flag = torch.zeros(1, dtype=torch.int64)
+    io._failed = torch.zeros(1, dtype=torch.int32)
+    io._seq = 0
+    io._init_worker()
+    return io
+
+
+def _hand(io: HostIO, share: _Share, delay_s: float = 0.0) -> int:
+    """send + finish's hand-off: the input in the pinned buffer, the job to the worker."""
+    io._in[0][:1].copy_(torch.full((1, HIDDEN), float(share.layer)))
+    io._rows[0] = 1
+    io._sent[0] = _Event(delay_s)
+    return io._submit(share)
+
+
+def _drain(io: HostIO) -> None:
+    io._stop_worker()
+
+
+def test_a_failing_share_raises_its_own_exception_with_its_traceback():
+    io = _run_ahead(HostIO(torch.device("cpu"), HIDDEN, 1, keep_warm=False))
+    seq = [_hand(io, _Share(2)), _hand(io, _Share(3, KeyError("expert 7 not held"))),
+           _hand(io, _Share(4))]
+    _drain(io)
+    # every job bumped the counter (the GPU's waits end), the failing one and those after too
+    assert int(io._flag[0]) == seq[-1]
+    with pytest.raises(CpuShareError) as info:
+        io.check()
+    err = info.value
+    assert isinstance(err.__cause__, KeyError)
+    text = str(err)
+    assert "KeyError" in text and "expert 7 not held" in text
+    assert "layer 3's share, job 2" in text
+    assert "in compute_into" in text  # the worker's traceback, down to the raising frame
+    io.check()  # raised once
+
+
+def test_a_share_slow_to_get_its_input_is_named_when_a_wait_gives_up():
+    io = _run_ahead(HostIO(torch.device("cpu"), HIDDEN, 1, keep_warm=False))
+    _hand(io, _Share(0))
+    _hand(io, _Share(1), delay_s=0.2)
+    _hand(io, _Share(2))
+    _drain(io)
+    io.check()  # nothing raised
+    slow = io.slowest
+    assert slow is not None and slow.layer == 1 and slow.seq == 2
+    assert slow.input_s >= 0.2 > slow.compute_s
+    assert torch.equal(io._out[0][:1], torch.full((1, HIDDEN), 4.0))  # the last share's 2 h
+    msg = io.gave_up_message()
+    assert "layer 1's share (job 2)" in msg and "waiting for its input's copy down" in msg
+
+
+def test_the_worker_thread_is_stopped_by_its_drain():
+    io = _run_ahead(HostIO(torch.device("cpu"), HIDDEN, 1, keep_warm=False))
+    _hand(io, _Share(0))
+    worker = io._worker
+    assert isinstance(worker, threading.Thread)
+    _drain(io)
+    assert not worker.is_alive() and io._worker is None
