@@ -8,25 +8,32 @@ message of a GPU wait that gave up on it."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 import torch
 
-from slipstream.hybrid.host_io import CpuShareError, HostIO
+from slipstream.hybrid.host_io import CpuShareError, EventPool, HostIO
 
 HIDDEN = 8
 
 
 class _Event:
-    """A CUDA event's synchronize() that returns after `delay_s` (the input's copy down)."""
+    """A CUDA event whose query() is True `delay_s` after it was recorded (the input's copy
+    down)."""
 
     def __init__(self, delay_s: float = 0.0):
         self.delay_s = delay_s
+        self.record()
 
-    def synchronize(self) -> None:
-        time.sleep(self.delay_s)
+    def record(self) -> None:
+        self.ready_at = time.perf_counter() + self.delay_s
+
+    def query(self) -> bool:
+        return time.perf_counter() >= self.ready_at
 
 
 class _Share:
@@ -89,7 +96,7 @@ def test_a_share_slow_to_get_its_input_is_named_when_a_wait_gives_up():
     io.check()  # nothing raised
     slow = io.slowest
     assert slow is not None and slow.layer == 1 and slow.seq == 2
-    assert slow.input_s >= 0.2 > slow.compute_s
+    assert slow.input_s >= 0.15 and slow.compute_s < 0.1  # the event made 0.2 s before
     assert torch.equal(io._out[0][:1], torch.full((1, HIDDEN), 4.0))  # the last share's 2 h
     msg = io.gave_up_message()
     assert "layer 1's share (job 2)" in msg and "waiting for its input's copy down" in msg
@@ -102,3 +109,51 @@ def test_the_worker_thread_is_stopped_by_its_drain():
     assert isinstance(worker, threading.Thread)
     _drain(io)
     assert not worker.is_alive() and io._worker is None
+
+
+def test_a_stalled_share_dumps_every_threads_stack(monkeypatch, capfd):
+    """SLIPSTREAM_STALL_DUMP_S: a share still waiting for its input after that long has the
+    stacks of every thread written to stderr, the worker's wait among them."""
+    monkeypatch.setenv("SLIPSTREAM_STALL_DUMP_S", "0.1")
+    io = _run_ahead(HostIO(torch.device("cpu"), HIDDEN, 1, keep_warm=False))
+    _hand(io, _Share(0), delay_s=0.5)
+    _drain(io)
+    err = capfd.readouterr().err
+    assert "Thread" in err and "_await" in err and "_work" in err
+    _hand(io, _Share(1))  # a quick share: nothing more is dumped
+    _drain(io)
+    assert "_await" not in capfd.readouterr().err
+
+
+class _TrackedEvent(_Event):
+    """An event that records the thread that releases it (cudaEventDestroy's, on CUDA)."""
+
+    released: list[str] = []
+
+    def __init__(self):
+        super().__init__()
+        weakref.finalize(self, lambda: _TrackedEvent.released.append(
+            threading.current_thread().name))
+
+
+
+def test_no_input_event_is_released_on_the_worker_thread():
+    """send's events come from the HostIO's pool and go back to it after their share: none
+    is dropped (destroyed) by the worker, which the GPU may be waiting on, and one serves
+    every share when each is done before the next is sent."""
+    _TrackedEvent.released.clear()
+    io = _run_ahead(HostIO(torch.device("cpu"), HIDDEN, 1, keep_warm=False))
+    io._events = EventPool(_TrackedEvent)
+    io._rows[0] = 1
+    for layer in range(6):
+        io._send_down(torch.full((1, HIDDEN), float(layer)), 0, fused=False)
+        io._submit(_Share(layer))
+        deadline = time.perf_counter() + 5.0
+        while int(io._flag[0]) < io._seq and time.perf_counter() < deadline:
+            time.sleep(0.001)  # the stream's wait for the share, which lets the host go on
+    _drain(io)
+    io.check()
+    assert torch.equal(io._out[0][:1], torch.full((1, HIDDEN), 10.0))  # the last share's 2 h
+    assert io._events.made == 1
+    gc.collect()
+    assert "slipstream-hybrid-cpu" not in _TrackedEvent.released

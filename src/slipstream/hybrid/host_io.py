@@ -10,12 +10,15 @@ kernels/host_wait.py), so the GPU runs the next layers as soon as the CPU's resu
 
 from __future__ import annotations
 
+import collections
+import faulthandler
 import queue
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -58,6 +61,35 @@ class JobTimes:
         return (f"layer {self.layer}'s share (job {self.seq}) took {self.own_s:.3g} s: "
                 f"{self.input_s:.3g} s waiting for its input's copy down, "
                 f"{self.compute_s:.3g} s computing (after {self.queued_s:.3g} s queued)")
+
+
+class EventPool:
+    """The CUDA events that mark each share's input copied down, reused rather than made and
+    dropped per share: a share's event goes back to the pool once the worker is done with
+    it, so that no event is ever destroyed on the worker thread. The GPU may be spinning on
+    the worker (the wait for its next share) at any time, and a thread the GPU waits on must
+    make no CUDA call that can wait for the GPU: cudaEventDestroy can (PyTorch's NCCL
+    watchdog got stuck in it behind hung kernels, and torch releases the GIL around it for
+    that reason); cudaEventQuery, the one call the worker makes, does not. With an event
+    made per share, the worker held the last reference to every share's event but the last
+    and destroyed it as it unpacked the next share, the GPU already waiting for that one."""
+
+    def __init__(self, make: Callable[[], object] = torch.cuda.Event):
+        self._make = make
+        self._free: collections.deque = collections.deque()  # append/pop: atomic in CPython
+        self.made = 0
+
+    def take(self) -> object:
+        """An event no share in flight uses (made on the calling thread if none is free)."""
+        try:
+            return self._free.pop()
+        except IndexError:
+            self.made += 1
+            return self._make()
+
+    def give(self, event: object) -> None:
+        """`event`'s share is done with it (the worker, or the host's own wait)."""
+        self._free.append(event)
 
 
 @dataclass
@@ -144,6 +176,7 @@ class HostIO:
     def _init_worker(self) -> None:
         """The run-ahead worker's state (no thread yet: the first share starts it)."""
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._events = EventPool()
         self._scratch = Scratch()  # the worker's alone
         self._error: BaseException | None = None
         self._error_job = ""  # which share raised it
@@ -166,6 +199,9 @@ class HostIO:
         if self.device.type != "cuda":
             self._h[slot] = h.float()
             return
+        self._send_down(h, slot, fused)
+
+    def _send_down(self, h: torch.Tensor, slot: int, fused: bool) -> None:
         self._signal_seq[slot] = None
         if fused and self.signal and self.run_ahead:
             try:
@@ -176,7 +212,7 @@ class HostIO:
                 self.signal = False
         if self._signal_seq[slot] is None:
             self._in[slot][:h.shape[0]].copy_(h.float(), non_blocking=True)
-        event = torch.cuda.Event()  # also where the input went by the flag: the fallbacks'
+        event = self._events.take()  # also where the input went by the flag: the fallbacks'
         event.record()
         self._sent[slot] = event
 
@@ -219,6 +255,7 @@ class HostIO:
         else:
             t0 = time.perf_counter()
             self._sent[slot].synchronize()
+            self._events.give(self._sent[slot])
             self._out[slot][:rows].copy_(ffn.compute(self._in[slot][:rows]))
             self._count(ffn, time.perf_counter() - t0)
         up = self._out[slot][:rows].to(partial.device, non_blocking=True)
@@ -241,7 +278,12 @@ class HostIO:
             return
         self._stop_worker()
         self.check()
-        if int(self._failed.item()):
+        self.check_waits()
+
+    def check_waits(self) -> None:
+        """Raise CpuShareError if a GPU wait for a share has given up so far (a device sync:
+        close reads it, a test may at any point)."""
+        if self.device.type == "cuda" and int(self._failed.item()):
             raise CpuShareError(self.gave_up_message())
 
     def _stop_worker(self) -> None:
@@ -275,6 +317,9 @@ class HostIO:
 
     def _work(self) -> None:
         flag = self._flag.numpy()
+        # a share still running after this many seconds dumps every thread's stack (debug):
+        # the GPU's wait gives up at 60 s (kernels.host_wait), a share takes milliseconds
+        dump_s = envs.get("SLIPSTREAM_STALL_DUMP_S")
         while True:
             job = self._jobs.get()
             if job is None:
@@ -282,6 +327,8 @@ class HostIO:
             ffn, sent, slot, rows, seq, signaled, handed = job
             t0 = t1 = None
             tracer = self.tracer
+            if dump_s > 0 and not _arm_dump(dump_s):
+                dump_s = 0.0
             try:
                 if self._error is None:
                     if torch.get_num_threads() != self.threads:
@@ -308,6 +355,11 @@ class HostIO:
                 self._error_job = f"layer {getattr(ffn, 'layer', '?')}'s share, job {seq}"
             finally:
                 flag[0] = seq
+                if dump_s > 0:
+                    faulthandler.cancel_dump_traceback_later()
+            if sent is not None:
+                self._events.give(sent)  # the pool keeps it: never destroyed on this thread
+            job = sent = None
             if t0 is not None:
                 self._time(ffn, seq, handed, t0, t1)
             if tracer is not None and t1 is not None:
@@ -326,15 +378,16 @@ class HostIO:
             self.slowest = job
 
     def _await(self, sent: torch.cuda.Event) -> None:
-        """Wait for the input's copy down; keep_warm: touching the worker's OpenMP team the
-        while (an empty parallel region, well under a microsecond while the team is awake),
-        so that it is awake when the input lands."""
+        """Wait for the input's copy down by querying its event (cudaEventQuery, which does
+        not wait for the GPU); keep_warm: touching the worker's OpenMP team the while (an
+        empty parallel region, well under a microsecond while the team is awake), so that it
+        is awake when the input lands."""
         touch = _omp_touch() if self.keep_warm else None
-        if touch is None:
-            sent.synchronize()
-            return
-        while not sent.query():
-            touch(self.threads)
+        while not sent.query():  # a query, never a synchronize (see EventPool)
+            if touch is not None:
+                touch(self.threads)
+            else:
+                time.sleep(0)
 
     def _wait_seq(self, seq: int) -> None:
         """Wait on the host until the worker has finished job `seq`."""
@@ -346,6 +399,16 @@ class HostIO:
     def _count(self, ffn, seconds: float) -> None:
         self.stats.cpu_s += seconds
         self.stats.cpu_bytes += ffn.nbytes
+
+
+def _arm_dump(seconds: float) -> bool:
+    """faulthandler's dump of every thread's stack in `seconds` to the process's stderr (fd
+    2), unless cancelled first; False where it cannot be armed (no such stream)."""
+    try:
+        faulthandler.dump_traceback_later(seconds, exit=False, file=sys.__stderr__)
+    except (AttributeError, OSError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def _omp_touch():
