@@ -117,6 +117,10 @@ _register(
     EnvVar("SLIPSTREAM_COMMIT", None, "debug",
            "Commit recorded in benchmark results where the tree is no git checkout (the GPU "
            "machine's copy).", accepts="a commit hash"),
+    EnvVar("SLIPSTREAM_STALL_DUMP_S", "0", "debug",
+           "Seconds after which a CPU share of hybrid decode still running has every thread's "
+           "Python stack dumped to stderr (faulthandler's own thread, which needs no GIL: it "
+           "shows a stall's cycle); 0: off.", _seconds, "seconds >= 0"),
     EnvVar("SLIPSTREAM_NATIVE", "1", "fallback",
            "0: never build or load the native CPU library; decode takes torch's ops (same "
            "math, slower).", _flag, "0 or 1"),

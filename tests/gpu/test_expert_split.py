@@ -65,6 +65,13 @@ def _slot_writes_in_parts(monkeypatch):
     monkeypatch.setattr(split_experts, "SLOT_WRITE_ROWS", 48)
 
 
+@pytest.fixture(autouse=True)
+def _stall_dumps(monkeypatch):
+    """A CPU share still running after 10 s on the worker (it takes milliseconds; the GPU's
+    wait gives up at 60) has every thread's stack in the test's captured stderr."""
+    monkeypatch.setenv("SLIPSTREAM_STALL_DUMP_S", "10")
+
+
 def _builder(cfg: ModelConfig, precision: str, split: SplitPlacement | None = None,
              path=None) -> LayerBuilder:
     """The loader's GPU builder (on the interpreter's CPU device, its quantized build forced,
@@ -107,6 +114,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().cpu(), b.double().cpu()
     assert torch.isfinite(a).all()
     return float((a - b).norm() / b.norm())
+
+
+def _share_landed(bank: SplitExperts) -> None:
+    """On CUDA: wait until the token's CPU share has been added (the stream's wait for the
+    worker), and raise if that wait gave up (its timeout: a stale share added, which no
+    comparison should be left to find). Then the composition below runs the CPU bank on this
+    thread with the worker idle, never beside it on the same experts, and launches nothing
+    while a wait for the worker is in flight."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
+        bank.runtime.io.check_waits()
 
 
 def _composed(whole, split, h, ids, w) -> torch.Tensor:
@@ -154,6 +172,7 @@ def test_split_decode_and_prefill(tmp_path, arch, quant, precision):
                        whole.gating)
         ref = _composed(whole, split, h, ids, w)
         out = bank.mix(h, ids, w)
+        _share_landed(bank)
         assert torch.equal(out, ref), (arch, precision)
         assert _rel(out, whole.experts.mix(h, ids, w)) <= TOL[precision]
         if t == 0:  # the layer's whole FFN as the block calls it: routing, then the bank
@@ -186,6 +205,7 @@ def test_swaps_move_the_hot_experts_into_vram_without_changing_a_slot(tmp_path, 
         ids = torch.tensor([hot if t % 4 else [0, hot[0]]], device=DEVICE)
         before = list(bank.map.expert_in)
         out = bank.mix(h, ids, w)
+        _share_landed(bank)
         # the round (if any) ran inside mix, before the token's experts: compare with the
         # map it left
         assert torch.equal(out, _composed(whole, split, h, ids, w)), (t, before,
@@ -195,3 +215,4 @@ def test_swaps_move_the_hot_experts_into_vram_without_changing_a_slot(tmp_path, 
     assert bank.runtime.stats.expert_swaps == 2
     assert bank.runtime.stats.expert_swap_bytes > 0
     assert bank.slot_of.tolist() == bank.map.slot_of
+    bank.runtime.close()  # the worker stopped; raises what it or a GPU wait ran into

@@ -10,11 +10,15 @@ kernels/host_wait.py), so the GPU runs the next layers as soon as the CPU's resu
 
 from __future__ import annotations
 
+import collections
+import faulthandler
 import queue
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -28,6 +32,64 @@ from .. import envs, kernels, native
 # thread beside it that never lets go, an 8B's share took a median 18.8 ms at 5 ms (35 ms as
 # four calls rather than one fused) and 3.2-3.6 ms at 0.1 ms, against 2.4-5.4 with that thread
 # idle.
+
+
+class CpuShareError(RuntimeError):
+    """The CPU's share of hybrid decode went wrong on the worker thread: its own exception
+    (chained, its traceback in the message), or a GPU wait that gave up on it."""
+
+
+@dataclass(frozen=True)
+class JobTimes:
+    """Where one CPU share's time went on the worker (run-ahead), for the message of a GPU
+    wait that gave up: from its hand-off to the worker's start on it (queued behind earlier
+    shares), then waiting for its input's copy down (a CUDA event on the stream), computing."""
+
+    layer: int
+    seq: int
+    queued_s: float
+    input_s: float
+    compute_s: float
+
+    @property
+    def own_s(self) -> float:
+        """The worker's time on the share alone: what the GPU's wait for it lasts at most
+        beyond the wait for the share before it (queued time is that share's)."""
+        return self.input_s + self.compute_s
+
+    def describe(self) -> str:
+        return (f"layer {self.layer}'s share (job {self.seq}) took {self.own_s:.3g} s: "
+                f"{self.input_s:.3g} s waiting for its input's copy down, "
+                f"{self.compute_s:.3g} s computing (after {self.queued_s:.3g} s queued)")
+
+
+class EventPool:
+    """The CUDA events that mark each share's input copied down, reused rather than made and
+    dropped per share: a share's event goes back to the pool once the worker is done with
+    it, so that no event is ever destroyed on the worker thread. The GPU may be spinning on
+    the worker (the wait for its next share) at any time, and a thread the GPU waits on must
+    make no CUDA call that can wait for the GPU: cudaEventDestroy can (PyTorch's NCCL
+    watchdog got stuck in it behind hung kernels, and torch releases the GIL around it for
+    that reason); cudaEventQuery, the one call the worker makes, does not. With an event
+    made per share, the worker held the last reference to every share's event but the last
+    and destroyed it as it unpacked the next share, the GPU already waiting for that one."""
+
+    def __init__(self, make: Callable[[], object] = torch.cuda.Event):
+        self._make = make
+        self._free: collections.deque = collections.deque()  # append/pop: atomic in CPython
+        self.made = 0
+
+    def take(self) -> object:
+        """An event no share in flight uses (made on the calling thread if none is free)."""
+        try:
+            return self._free.pop()
+        except IndexError:
+            self.made += 1
+            return self._make()
+
+    def give(self, event: object) -> None:
+        """`event`'s share is done with it (the worker, or the host's own wait)."""
+        self._free.append(event)
 
 
 @dataclass
@@ -109,10 +171,19 @@ class HostIO:
             self._arrived = torch.zeros(1, dtype=torch.int64, pin_memory=True)  # signal
             self._failed = torch.zeros(1, dtype=torch.int32, device=self.device)
             self._seq = 0
-            self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-            self._scratch = Scratch()  # the worker's alone
-            self._error: BaseException | None = None
-            self._worker: threading.Thread | None = None
+            self._init_worker()
+
+    def _init_worker(self) -> None:
+        """The run-ahead worker's state (no thread yet: the first share starts it)."""
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._events = EventPool()
+        self._scratch = Scratch()  # the worker's alone
+        self._error: BaseException | None = None
+        self._error_job = ""  # which share raised it
+        self._worker: threading.Thread | None = None
+        # the share the worker spent longest on: what a GPU wait that gave up waited for (a
+        # wait starts once the one before it ended, at or after its share's hand-off)
+        self.slowest: JobTimes | None = None
 
     # --- the host's side ----------------------------------------------------------------------
 
@@ -128,6 +199,9 @@ class HostIO:
         if self.device.type != "cuda":
             self._h[slot] = h.float()
             return
+        self._send_down(h, slot, fused)
+
+    def _send_down(self, h: torch.Tensor, slot: int, fused: bool) -> None:
         self._signal_seq[slot] = None
         if fused and self.signal and self.run_ahead:
             try:
@@ -138,7 +212,7 @@ class HostIO:
                 self.signal = False
         if self._signal_seq[slot] is None:
             self._in[slot][:h.shape[0]].copy_(h.float(), non_blocking=True)
-        event = torch.cuda.Event()  # also where the input went by the flag: the fallbacks'
+        event = self._events.take()  # also where the input went by the flag: the fallbacks'
         event.record()
         self._sent[slot] = event
 
@@ -151,7 +225,8 @@ class HostIO:
         self._seq += 1
         self._start_worker()
         signaled = self._signal_seq[slot] == self._seq  # else: the event, as ever
-        self._jobs.put((ffn, self._sent[slot], slot, self._rows[slot], self._seq, signaled))
+        self._jobs.put((ffn, self._sent[slot], slot, self._rows[slot], self._seq, signaled,
+                        time.perf_counter()))
         return self._seq
 
     def finish(self, ffn, partial: torch.Tensor) -> torch.Tensor:
@@ -180,29 +255,54 @@ class HostIO:
         else:
             t0 = time.perf_counter()
             self._sent[slot].synchronize()
+            self._events.give(self._sent[slot])
             self._out[slot][:rows].copy_(ffn.compute(self._in[slot][:rows]))
             self._count(ffn, time.perf_counter() - t0)
         up = self._out[slot][:rows].to(partial.device, non_blocking=True)
         return partial + up.to(partial.dtype)
 
     def check(self) -> None:
-        """Raise what the worker ran into (the layers after it got a zero share)."""
+        """Raise what the worker ran into (the layers after it got a zero share): its own
+        exception chained, its type, share and traceback in the message."""
         if self._error is not None:
             error, self._error = self._error, None
-            raise RuntimeError(f"the CPU's share of hybrid decode failed: {error}") from error
+            trace = "".join(traceback.format_exception(error)).rstrip()
+            raise CpuShareError(f"the CPU's share of hybrid decode failed on the worker thread "
+                                f"({self._error_job}): {type(error).__name__}: {error}\n"
+                                f"{trace}") from error
 
     def close(self) -> None:
         """Stop the worker once the layers handed to it are done; raise if a wait on the
         stream gave up (read here only: it costs a device sync)."""
         if self.device.type != "cuda" or self._worker is None:
             return
+        self._stop_worker()
+        self.check()
+        self.check_waits()
+
+    def check_waits(self) -> None:
+        """Raise CpuShareError if a GPU wait for a share has given up so far (a device sync:
+        close reads it, a test may at any point)."""
+        if self.device.type == "cuda" and int(self._failed.item()):
+            raise CpuShareError(self.gave_up_message())
+
+    def _stop_worker(self) -> None:
         self._jobs.put(None)
         self._worker.join()
         self._worker = None
-        self.check()
-        if int(self._failed.item()):
-            raise RuntimeError("a GPU wait for the CPU's share of hybrid decode gave up: the "
-                               "CPU worker stopped answering")
+
+    def gave_up_message(self) -> str:
+        """What to say when a GPU wait for a share gave up (its timeout, kernels.host_wait):
+        the worker's slowest share and where its time went. A share waiting for its input
+        as long as the timeout means the input's copy sat behind the GPU's wait for the worker
+        itself (a cycle the timeout broke); one computing that long, a stalled worker; one
+        shorter than the timeout, a wait that started before its share was handed over."""
+        slow = self.slowest
+        what = (f"the worker's slowest: {slow.describe()}" if slow is not None
+                else "the worker finished no share")
+        return (f"a GPU wait for the CPU's share of hybrid decode gave up (its timeout, "
+                f"kernels.host_wait), so a layer added a stale result instead of the CPU's; "
+                f"{what}")
 
     # --- the worker's side --------------------------------------------------------------------
 
@@ -217,13 +317,18 @@ class HostIO:
 
     def _work(self) -> None:
         flag = self._flag.numpy()
+        # a share still running after this many seconds dumps every thread's stack (debug):
+        # the GPU's wait gives up at 60 s (kernels.host_wait), a share takes milliseconds
+        dump_s = envs.get("SLIPSTREAM_STALL_DUMP_S")
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            ffn, sent, slot, rows, seq, signaled = job
+            ffn, sent, slot, rows, seq, signaled, handed = job
             t0 = t1 = None
             tracer = self.tracer
+            if dump_s > 0 and not _arm_dump(dump_s):
+                dump_s = 0.0
             try:
                 if self._error is None:
                     if torch.get_num_threads() != self.threads:
@@ -247,8 +352,16 @@ class HostIO:
                     self._count(ffn, time.perf_counter() - t1)
             except BaseException as e:  # the stream must not wait forever: bump anyway
                 self._error = e
+                self._error_job = f"layer {getattr(ffn, 'layer', '?')}'s share, job {seq}"
             finally:
                 flag[0] = seq
+                if dump_s > 0:
+                    faulthandler.cancel_dump_traceback_later()
+            if sent is not None:
+                self._events.give(sent)  # the pool keeps it: never destroyed on this thread
+            job = sent = None
+            if t0 is not None:
+                self._time(ffn, seq, handed, t0, t1)
             if tracer is not None and t1 is not None:
                 t2, c2 = time.perf_counter(), time.process_time()
                 name = f"L{ffn.layer}"
@@ -256,16 +369,25 @@ class HostIO:
                 tracer.span("cpu share", name, t1, t2, layer=ffn.layer, bytes=ffn.nbytes,
                             cores=round((c2 - c1) / (t2 - t1), 2) if t2 > t1 else None)
 
+    def _time(self, ffn, seq: int, handed: float, t0: float, t1: float | None) -> None:
+        """Keep the share's times if it is the slowest yet (a share that raised: up to now)."""
+        now = time.perf_counter()
+        t1 = now if t1 is None else t1
+        job = JobTimes(getattr(ffn, "layer", -1), seq, t0 - handed, t1 - t0, now - t1)
+        if self.slowest is None or job.own_s > self.slowest.own_s:
+            self.slowest = job
+
     def _await(self, sent: torch.cuda.Event) -> None:
-        """Wait for the input's copy down; keep_warm: touching the worker's OpenMP team the
-        while (an empty parallel region, well under a microsecond while the team is awake),
-        so that it is awake when the input lands."""
+        """Wait for the input's copy down by querying its event (cudaEventQuery, which does
+        not wait for the GPU); keep_warm: touching the worker's OpenMP team the while (an
+        empty parallel region, well under a microsecond while the team is awake), so that it
+        is awake when the input lands."""
         touch = _omp_touch() if self.keep_warm else None
-        if touch is None:
-            sent.synchronize()
-            return
-        while not sent.query():
-            touch(self.threads)
+        while not sent.query():  # a query, never a synchronize (see EventPool)
+            if touch is not None:
+                touch(self.threads)
+            else:
+                time.sleep(0)
 
     def _wait_seq(self, seq: int) -> None:
         """Wait on the host until the worker has finished job `seq`."""
@@ -277,6 +399,16 @@ class HostIO:
     def _count(self, ffn, seconds: float) -> None:
         self.stats.cpu_s += seconds
         self.stats.cpu_bytes += ffn.nbytes
+
+
+def _arm_dump(seconds: float) -> bool:
+    """faulthandler's dump of every thread's stack in `seconds` to the process's stderr (fd
+    2), unless cancelled first; False where it cannot be armed (no such stream)."""
+    try:
+        faulthandler.dump_traceback_later(seconds, exit=False, file=sys.__stderr__)
+    except (AttributeError, OSError, ValueError, RuntimeError):
+        return False
+    return True
 
 
 def _omp_touch():
