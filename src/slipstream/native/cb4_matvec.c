@@ -401,13 +401,25 @@ void ss_cb4_matvec(const cb4_weight *wd, const void *x, void *y, int64_t m, int6
 /* y (m, n) float32 = x @ W^T for m rows already quantized (q, dx as ss_q16_quantize_row makes
  * them, 2 k digits and k / 32 scales a row; sxi ss_cb4_group_sums'), on the calling thread, by
  * the best compiled loop: the bits ss_cb4_matvec gives the same rows (its rows are quantized
- * the same way and each output is summed in the same order). moe_rows.c's expert products. */
+ * the same way and each output is summed in the same order). moe_rows.c's expert products.
+ * The blocks outer, the passes of CB_MAX_M rows inner: a block (16 rows of gpt-oss's 2880
+ * columns: 28.8 kB) is read from RAM once for all m rows and re-read from L1/L2 by the next
+ * pass, where ss_cb4_matvec's passes each stream the whole weight (a gpt-oss gate/up, 10.4
+ * MB, 8 times for 32 rows). */
 void ss_cb4_qrows(const cb4_weight *wd, const int8_t *q, const float *dx, const int32_t *sxi,
                   int64_t m, float *y) {
     const int64_t nb = (wd->n + CB_ROWS - 1) / CB_ROWS;
     cb_job j = {wd->w, wd->n, wd->k, nb, m, 1, 0, cb_grids[wd->grid == CB_GRID_MX], q, dx, sxi,
                 y};
-    cb_run_part(&j, 0, 1);
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t r0 = 0; r0 < m; r0 += CB_MAX_M) {
+            switch (m - r0 < CB_MAX_M ? m - r0 : CB_MAX_M) {
+            case 1: cb_blocks(&j, b, b + 1, r0, 1); break;
+            case 2: cb_blocks(&j, b, b + 1, r0, 2); break;
+            case 3: cb_blocks(&j, b, b + 1, r0, 3); break;
+            default: cb_blocks(&j, b, b + 1, r0, 4); break;
+            }
+        }
 }
 
 /* Which loops this build has: 1 VNNI, 2 AVX2 (bits; 0: plain C alone). */
