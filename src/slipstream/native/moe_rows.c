@@ -26,8 +26,10 @@
  *
  * Bits: every step is the per-expert path's own (native_expert_ffn: the same quantization of
  * each row, the same block sums, ss_glu_f32 with the bias added first, the down bias added
- * as torch.add(bias, y), the product y * w, then the sum in expert order), so the output equals experts_ffn's over native_expert_ffn bit for bit, whatever the
- * thread count or the chunking: each output is computed by one thread in one order. And a
+ * as torch.add(bias, y), the product y * w, then the sum in expert order), so the output
+ * equals experts_ffn's over native_expert_ffn bit for bit (where that path keeps an expert's
+ * rows packed: up to 256), whatever the thread count or the chunking: each output is computed
+ * by one thread in one order. And a
  * row's output equals a decode token's through moe_ffn.c, which adds the same terms in the
  * same order.
  */
