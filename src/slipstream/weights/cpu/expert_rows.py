@@ -17,7 +17,8 @@ for a descheduled thread. A gpt-oss-20b-shaped MXFP4 file cut to 8 layers spent 
 pp512 in its experts expert by expert (load 1.1); on its real routing, alternating in one
 process at load 3, the 8 layers' experts took 0.27-0.44 s for pp16 in the one call against
 0.64-9.7 s expert by expert, and 2.7-5.2 s against 3.2-20 s for pp512 (the per-expert path's
-64 OpenMP regions a layer, each stalled by a descheduled thread).
+64 OpenMP regions a layer, each stalled by a descheduled thread; three of its layers had an
+expert past 256 rows, which that path multiplies dense).
 """
 
 from __future__ import annotations
