@@ -88,9 +88,10 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     # moe_ffn.c: (experts, k, x, w, out, threads, act): returns 0, or -1 (no scratch)
     "ss_moe_ffn": (_P, _I64, _P, _P, _P, _I64, _I64),
     # moe_rows.c: (experts, n_experts, T, k, threads): bytes, or -1 (shapes); (experts,
-    # n_experts, x, T, ids, w, k, out, workspace, threads): 0, -1 (shapes) or -2 - i (ids[i])
+    # n_experts, x, T, ids, w, k, out, workspace, threads, act): 0, -1 (shapes) or -2 - i
+    # (ids[i])
     "ss_moe_rows_workspace": (_P, _I64, _I64, _I64, _I64),
-    "ss_moe_rows": (_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64),
+    "ss_moe_rows": (_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I64),
     # decode_layer.c: (layer, scratch, x, x_out, ang, ang_sin, pos, k_cache, v_cache, max_ctx,
     # threads)
     "ss_decode_layer": (_P, _P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64),

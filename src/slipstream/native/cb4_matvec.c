@@ -340,6 +340,21 @@ static void cb_run_part(const void *job, int part, int parts) {
     }
 }
 
+/* sxi (m, k / 32) = sum(X) per 32-column group of m rows of quantized activations q (2 k
+ * digits a row, high then low: ss_q16_quantize_row's), exactly: what the VNNI loop subtracts. */
+void ss_cb4_group_sums(const int8_t *q, int64_t m, int64_t k, int32_t *sxi) {
+    const int64_t G = k / CB_GROUP;
+    for (int64_t r = 0; r < m; r++) {
+        const int8_t *qr = q + r * k * 2;
+        for (int64_t g = 0; g < G; g++) {
+            int32_t t = 0;
+            for (int i = 0; i < CB_GROUP; i++)
+                t += 256 * qr[g * CB_GROUP + i] + qr[k + g * CB_GROUP + i];
+            sxi[r * G + g] = t;
+        }
+    }
+}
+
 /* A packed weight (what Cb4Linear holds), passed as one pointer; its first fields are
  * q4_matvec.c's and q6_matvec.c's (moe_ffn.c reads n and k through them). */
 typedef struct {
@@ -372,12 +387,8 @@ void ss_cb4_matvec(const cb4_weight *wd, const void *x, void *y, int64_t m, int6
         }
         int8_t *qr = q + r * k * 2;
         ss_q16_quantize_row(row, k, qr, qr + k, dx + r * G, sx + r * G);
-        for (int64_t g = 0; g < G; g++) {  /* sum(X) per group, exactly (the VNNI loop's) */
-            int32_t t = 0;
-            for (int i = 0; i < CB_GROUP; i++) t += 256 * qr[g * CB_GROUP + i] + qr[k + g * CB_GROUP + i];
-            sxi[r * G + g] = t;
-        }
     }
+    ss_cb4_group_sums(q, m, k, sxi);
     int path = (flags & CB_GENERIC) ? 1 : (flags & CB_USE_AVX2) && CB_AVX2 ? 2 : 0;
     cb_job j = {wd->w, n, k, nb, m, (flags & CB_Y_F32) != 0, path,
                 cb_grids[wd->grid == CB_GRID_MX], q, dx, sxi, y};
@@ -385,6 +396,30 @@ void ss_cb4_matvec(const cb4_weight *wd, const void *x, void *y, int64_t m, int6
     if (threads > nb / 4) threads = nb / 4;  /* at least 4 blocks a thread */
     ss_parallel(cb_run_part, &j, threads < 1 ? 1 : (int)threads, nb);
     free(scratch);
+}
+
+/* y (m, n) float32 = x @ W^T for m rows already quantized (q, dx as ss_q16_quantize_row makes
+ * them, 2 k digits and k / 32 scales a row; sxi ss_cb4_group_sums'), on the calling thread, by
+ * the best compiled loop: the bits ss_cb4_matvec gives the same rows (its rows are quantized
+ * the same way and each output is summed in the same order). moe_rows.c's expert products.
+ * The blocks outer, the passes of CB_MAX_M rows inner: a block (16 rows of gpt-oss's 2880
+ * columns: 28.8 kB) is read from RAM once for all m rows and re-read from L1/L2 by the next
+ * pass, where ss_cb4_matvec's passes each stream the whole weight (a gpt-oss gate/up, 10.4
+ * MB, 8 times for 32 rows). */
+void ss_cb4_qrows(const cb4_weight *wd, const int8_t *q, const float *dx, const int32_t *sxi,
+                  int64_t m, float *y) {
+    const int64_t nb = (wd->n + CB_ROWS - 1) / CB_ROWS;
+    cb_job j = {wd->w, wd->n, wd->k, nb, m, 1, 0, cb_grids[wd->grid == CB_GRID_MX], q, dx, sxi,
+                y};
+    for (int64_t b = 0; b < nb; b++)
+        for (int64_t r0 = 0; r0 < m; r0 += CB_MAX_M) {
+            switch (m - r0 < CB_MAX_M ? m - r0 : CB_MAX_M) {
+            case 1: cb_blocks(&j, b, b + 1, r0, 1); break;
+            case 2: cb_blocks(&j, b, b + 1, r0, 2); break;
+            case 3: cb_blocks(&j, b, b + 1, r0, 3); break;
+            default: cb_blocks(&j, b, b + 1, r0, 4); break;
+            }
+        }
 }
 
 /* Which loops this build has: 1 VNNI, 2 AVX2 (bits; 0: plain C alone). */

@@ -2,17 +2,23 @@
 (model.moe.ExpertMix) the loader gives a CPU bank of resident experts at precision "fast".
 
 Where every expert of the bank has the native packed form that a decode token's sum takes
-(weights.cpu.expert_decode: gate/up q4vnni or q8vnni, down q4vnni, q8vnni or q6vnni, no bias)
-and the experts are SwiGLU, a layer's T > 1 rows are one call: each row quantized once, the
-experts' rows shared out over the threads in chunks, each row's terms added in ascending
-expert order. The bits are those of model.moe.experts_ffn over native_expert_ffn, and each
-row's those of a decode token (moe_rows.c says why). Else (torch's layouts, gpt-oss, dense
-weights) None, and the bank takes experts_ffn.
+(weights.cpu.expert_decode: gate/up q4vnni, q8vnni or cb4, down those or q6vnni; gpt-oss's
+biases) and the experts' gated product is one ss_glu_f32 forms (SwiGLU, GeGLU, gpt-oss's
+clamped SwiGLU), a layer's T > 1 rows are one call: each row quantized once, the experts'
+rows shared out over the threads in chunks, each row's terms added in ascending expert order.
+The bits are those of model.moe.experts_ffn over native_expert_ffn, and each row's those of a
+decode token (moe_rows.c says why). Else (torch's layouts, iq experts, dense weights) None, and
+the bank takes experts_ffn.
 
 On the 2-core AVX-512 EPYC, a 4-layer Qwen3-30B-A3B-shaped Q4_K model's pp512 spent 0.7 of
 2.75 s in experts_ffn's index_add_ alone through the per-expert path, and with another
 process on one core 5.4 of 11.5 s: each of the ~5,000 small OpenMP regions of a pass waited
-for a descheduled thread.
+for a descheduled thread. A gpt-oss-20b-shaped MXFP4 file cut to 8 layers spent 3.0 of a 5.6 s
+pp512 in its experts expert by expert (load 1.1); on its real routing, alternating in one
+process at load 3, the 8 layers' experts took 0.27-0.44 s for pp16 in the one call against
+0.64-9.7 s expert by expert, and 2.7-5.2 s against 3.2-20 s for pp512 (the per-expert path's
+64 OpenMP regions a layer, each stalled by a descheduled thread; three of its layers had an
+expert past 256 rows, which that path multiplies dense).
 """
 
 from __future__ import annotations
@@ -24,7 +30,10 @@ from typing import Sequence
 import torch
 
 from ... import native
-from .expert_decode import DOWN_Q6, expert_descriptor
+from .expert_decode import DOWN_CB4, DOWN_Q6, GATE_UP_CB4, GLU_ACTS, expert_descriptor
+
+# moe_rows.c's layouts (MOE_ROWS_LAYOUTS): gate/up q4vnni, q8vnni or cb4, down those or q6vnni
+ROWS_LAYOUTS = DOWN_Q6 | GATE_UP_CB4 | DOWN_CB4
 
 # Rows of one native call: a longer pass goes in slices of this many. The call's terms buffer
 # holds each row's k outputs (512 x 8 x 2048 float32 = 32 MiB for Qwen3-30B-A3B), and a
@@ -58,10 +67,8 @@ class NativeExpertRows:
         key = (id(gate_up), id(down))
         if self._key != key:
             descs = [expert_descriptor(g, d) for g, d in zip(gate_up, down)]
-            # (moe_rows.c takes q4vnni/q8vnni gate/up and those or q6vnni down, no cb4, iq or biases)
             self._usable = bool(descs) and all(
-                d is not None and not d.layouts & ~DOWN_Q6 and not d.gate_up_bias
-                and not d.down_bias for d in descs)
+                d is not None and not d.layouts & ~ROWS_LAYOUTS for d in descs)
             self._table = (ctypes.c_void_p * len(descs))(
                 *(ctypes.addressof(d) for d in descs)) if self._usable else None
             self._descs = descs  # the table's entries live as long as it
@@ -74,7 +81,7 @@ class NativeExpertRows:
         """sum_j weights[t, j] * expert_{ids[t, j]}(h[t]) for each row t, float32
         (T, hidden), in native calls; None where this bank or call has no native form."""
         lib = native.library()
-        if act != "silu" or lib is None or h.device.type != "cpu" or h.dim() != 2:
+        if act not in GLU_ACTS or lib is None or h.device.type != "cpu" or h.dim() != 2:
             return None
         table = self._table_for(gate_up, down)
         if table is None:
@@ -98,7 +105,7 @@ class NativeExpertRows:
             ws = _workspace_bytes(size)
             rc = lib.ss_moe_rows(table, n, x[t0].data_ptr(), rows, ids[t0].data_ptr(),
                                  w[t0].data_ptr(), k, out[t0].data_ptr(), ws.data_ptr(),
-                                 threads)
+                                 threads, GLU_ACTS[act])
             if rc <= -2:
                 i = t0 * k + (-2 - rc)
                 raise ValueError(f"expert id {int(ids.view(-1)[i])} (row {i // k}, slot "
