@@ -14,7 +14,7 @@ from ..modelfile.gguf_file import GGUFFile
 from ..model.families import file_spec
 from ..model.layer_spec import head_tensor_name, kv_cache_bytes
 from ..precision import Precision
-from ..weights.cpu import kind_for, packed_nbytes
+from ..weights.cpu import kind_for, packed_nbytes, packed_prefill_on
 from ..weights.cpu_image import cpu_image_of, image_nbytes
 from ..weights.image import to_image
 from ..weights.loader import LayerBuilder, TensorSource, layer_span, release_transients
@@ -516,9 +516,13 @@ def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: 
                               split=split)
     if not plan.streamed_layers:
         return ResidentLayerStore(weights.layers)
-    # a streamed layer rebuilt from its GGUF span serves passes its packed image (`disk`, or
-    # `images` for the "packed" layers, where there is one) does not: dense only
-    builder = LayerBuilder(cfg, device, dataclasses.replace(precision, cpu_packed_decode=False))
+    # a streamed layer rebuilt from its GGUF span serves prefill passes its packed image
+    # (`disk`, or `images` for the "packed" layers, where there is one) does not: built as a
+    # resident layer is, its packed copies made where its prefill takes them (packed prefill:
+    # a layer mixing those with cb4's, iq's or torch's layouts, which prefill dense), else
+    # dense only
+    builder = LayerBuilder(cfg, device, dataclasses.replace(
+        precision, cpu_packed_decode=precision.cpu_packed_decode and packed_prefill_on()))
     if io == "mmap":
         return MmapLayerStore(gf, builder, weights.layers, images=disk, packed=images)
     return DiskLayerStore(gf, builder, weights.layers, n_buffers=plan.staging_buffers, io=io,
