@@ -134,7 +134,8 @@ _register(
            "instead of the packed native decode copies (q4vnni, q8vnni, q6vnni: exact weights, "
            "16-bit activations, about twice the speed on 2 AVX-512 cores), in resident and "
            "streamed layers alike (streamed layers then rebuild dense weights from the GGUF "
-           "file per prefill pass instead of computing on their packed images).",
+           "file per prefill pass instead of computing on their packed images). A mixture of "
+           "experts' routed experts take their packed kernels either way.",
            _flag, "0 or 1"),
     EnvVar("SLIPSTREAM_CPU_IMAGE", "auto", "setting",
            "Whether a resident CPU model reads its packed decode copies from an image file "
