@@ -172,12 +172,14 @@ def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Preci
     """Resident layers hold their dense weights, and their packed decode copies at
     precision.cpu_packed_decode; so does the head. Where copies are made, a streamed layer
     moves its packed image per decode token (weights.cpu_image: the bytes its decode reads,
-    nothing rebuilt) and its GGUF span per prefill pass, through a ring of one buffer
-    (memory.store.DiskLayerStore), which the plan holds too.
+    nothing rebuilt), and per prefill pass that image too where it serves prefill
+    (weights.cpu_image.prefills_from_image), else its GGUF span, through a ring of one buffer
+    (memory.store.DiskLayerStore), which the plan holds either way.
 
     And where not every layer fits whole, layers are kept "packed": only their image in RAM
     (a quarter of the dense weights and copies of a Q4 layer), which is all a decode pass
-    reads, prefill rebuilding them from the file as a streamed layer. As many layers as fit
+    reads (and prefill, where the image serves it; else prefill rebuilds them from the file as
+    a streamed layer). As many layers as fit
     are kept so, in order, since each is one less image read per token; the rest stream. Room
     left once every layer is packed makes the first ones whole again ("ram"), which saves
     their rebuilds in prefill. Such a plan also holds the head without its dense weight
