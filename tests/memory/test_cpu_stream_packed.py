@@ -242,12 +242,19 @@ def test_streamed_packed_under_random_reader_delays(tiny_copy):
 
 
 @pytest.mark.slow
-def test_real_model_streamed_packed_equals_resident(smollm_path):
+@pytest.mark.parametrize("packed_prefill", ["1", "0"])
+def test_real_model_streamed_packed_equals_resident(smollm_path, monkeypatch, packed_prefill):
+    """The default model (Q4_1: q4vnni, its head Q6_K) with packed prefill, whose streamed
+    layers prefill from their images, and without it (SLIPSTREAM_PACKED_PREFILL=0: rebuilt
+    dense from the GGUF file, as resident layers then prefill dense)."""
+    monkeypatch.setenv("SLIPSTREAM_PACKED_PREFILL", packed_prefill)
     resident = slipstream.load(smollm_path, device="cpu", ctx=128)
     budget = cpu_budget(smollm_path, packed=20, ctx=128)
     streamed = slipstream.load(smollm_path, device="cpu", ctx=128,
                                placement=slipstream.Placement(ram_budget=budget))
     assert streamed.plan.tiers == ["packed"] * 20 + ["disk"] * 10
+    assert streamed.engine.layers.image_prefill == \
+        (frozenset(range(30)) if packed_prefill == "1" else frozenset())
     # the head holds its GGUF bytes: an all-logits pass of more than 8 rows dequantizes it
     assert streamed.plan.head_dense_on_demand
     assert isinstance(streamed.engine.weights.output.dense, OnDemandDenseLinear)
