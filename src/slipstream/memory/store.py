@@ -371,7 +371,8 @@ class MmapLayerStore(HostTraced, StoreBase):
                        (packed or {}).items()}  # as DiskLayerStore's
         disk = [i for i in self.spans if i not in self.packed]
         self.images = images if disk else None
-        self.image_prefill = image_prefill_layers(self.images, disk, packed)  # as DiskLayerStore's
+        # as DiskLayerStore's
+        self.image_prefill = image_prefill_layers(self.images, disk, packed)
         self.image_reads = None
         if self.images is not None:
             spans = [self.images.spans[i] for i in disk]

@@ -42,5 +42,4 @@ from .vnni import Q4VnniLinear
 
 __all__ = ["AUTO_KINDS", "KINDS", "PREFILL_KINDS", "PackedDecodeLinear", "Q4VnniLinear",
            "kind_for", "pack_group", "pack_linear", "packed_nbytes", "packed_prefill_on",
-           "prefills_packed",
-           "rms_norm_bf16"]
+           "prefills_packed", "rms_norm_bf16"]

@@ -137,9 +137,9 @@ def native_expert_ffn(gate_up, down, h: torch.Tensor, act: str = "silu") -> torc
     rows it did, and past that a dense weight made for the call: a tiny Qwen3-MoE test
     layer's output, 300 rows all routed to one expert, then differed from the resident
     bank's by up to 1.5e-2, or by 7.6e-6 through packed prefill, which rounds to bfloat16
-    between gate/up and down.) The packed kernels are the
-    faster ones there too: a Qwen3-30B-A3B gate/up (1536 x 2048, Q4_K) on one thread of the
-    2-core EPYC took 1.3 ms for 32 rows packed against 3.3 dense, 12.8 against 16.6 at 256."""
+    between gate/up and down.) The packed kernels are the faster ones there too: a
+    Qwen3-30B-A3B gate/up (1536 x 2048, Q4_K) on one thread of the 2-core EPYC took 1.3 ms
+    for 32 rows packed against 3.3 dense, 12.8 against 16.6 at 256."""
     lib = native.library()
     rows = h.shape[0]
     if act not in GLU_ACTS or lib is None or h.device.type != "cpu":
