@@ -17,9 +17,11 @@ import pytest
 from slipstream.synth import write_synth
 
 LOAD_TIMEOUT = 300  # a model load takes seconds on a free core, much longer on a busy one
-# A prefill here: 96 layers over ~400 tokens, about 5 s on a free core at -t 1 (31 s on a busy
-# 2-core machine) and 0.05-0.3 s a layer, so a stop at the next layer comes well within 1 s.
-PROMPT = "the quick brown fox jumps over the lazy dog " * 16
+# A prefill here: 96 layers over ~1250 tokens. Through the packed prefill kernels ~400 tokens
+# took 0.97 s streamed at -t 1 (load average 3), within the second the test waits before its
+# Ctrl-C, so the prompt is three times that: ~3 s and 0.03 s a layer on a free core, 0.1-0.3 s
+# a layer on a busy one, so a stop at the next layer comes well within 1 s.
+PROMPT = "the quick brown fox jumps over the lazy dog " * 48
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +43,10 @@ def _reader(f, buf: bytearray) -> None:
 def test_ctrl_c_stops_a_long_prefill_within_a_second(deep, streamed):
     from helpers import cpu_budget
 
-    args = ["run", "-m", str(deep), "--device", "cpu", "-t", "1", "--ctx", "1024", "-n", "4",
+    args = ["run", "-m", str(deep), "--device", "cpu", "-t", "1", "--ctx", "2048", "-n", "4",
             "--temp", "0", "--stats", "-f", str(deep.with_name("prompt.txt"))]
     if streamed:  # every layer read from disk during the prefill
-        args += ["--ram-budget", str(cpu_budget(deep, ctx=1024))]
+        args += ["--ram-budget", str(cpu_budget(deep, ctx=2048))]
     master, slave = os.openpty()
     attrs = termios.tcgetattr(slave)
     attrs[3] |= termios.ICANON | termios.ISIG  # ^C written to the terminal is a SIGINT

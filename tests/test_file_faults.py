@@ -185,7 +185,7 @@ def test_control_mapped_resident_model_changes_on_overwrite(model_copy):
 
 # --- streamed: a change is detected; a deletion is not a change ------------------------------
 
-TINY_LONG_PROMPT = TINY_PROMPT + [3, 1000, 64, 2]  # over 8 tokens: a prefill reads the model file
+TINY_LONG_PROMPT = TINY_PROMPT + [3, 1000, 64, 2]  # over 8 tokens: a prefill pass
 
 
 def all_streamed(path: Path, precision: str) -> int:
@@ -242,10 +242,27 @@ def test_streamed_packed_model_detects_a_changed_image_file(tiny_copy, fault, io
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["truncate", "overwrite", "overwrite_keep_mtime"])
 def test_streamed_packed_model_detects_a_changed_model_file_at_its_next_prefill(tiny_copy,
-                                                                                fault):
+                                                                                fault,
+                                                                                monkeypatch):
+    """Without packed prefill (SLIPSTREAM_PACKED_PREFILL=0) a prefill pass rebuilds the
+    streamed layers from the model file."""
+    monkeypatch.setenv("SLIPSTREAM_PACKED_PREFILL", "0")  # (the child inherits it)
     r = assert_clean(run_child(tiny_copy, fault, TINY_LONG_PROMPT,
                                ram_budget=all_streamed(tiny_copy, "fast")))
     assert_changed(r, tiny_copy, CHANGED[fault])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["truncate", "overwrite"])
+def test_streamed_packed_model_prefills_without_its_model_file(tiny_copy, fault):
+    """With packed prefill (the default) Q4_K layers prefill from their images, as they
+    decode: the model file is not read after the load, so a change to it goes unnoticed and
+    changes nothing, as for a resident model."""
+    r = assert_clean(run_child(tiny_copy, fault, TINY_LONG_PROMPT,
+                               ram_budget=all_streamed(tiny_copy, "fast")))
+    assert set(r["plan"]) == {"disk"}
+    assert r["error"] is None, r["error"]
+    assert r["got"] == r["ref"] and r["after"] == r["ref"]
 
 
 @pytest.mark.slow

@@ -134,12 +134,14 @@ _register(
            "which no torch kernel reads, keep cb4; the i-quant grid formats IQ1_S to IQ3_S keep "
            "iq).",
            _flag, "0 or 1"),
-    EnvVar("SLIPSTREAM_PACKED_PREFILL", "0", "opt-in",
-           "1: a resident CPU layer's prefill (more than 8 rows) multiplies its packed native "
-           "decode copies (q4vnni, q8vnni, q6vnni: exact weights, 16-bit activations, about "
-           "twice the speed on 2 AVX-512 cores) instead of dense float32 copies of the weights. "
-           "Off by default: layers streamed from disk still prefill through the dense copies, "
-           "so a streamed load would not give the resident bits.", _flag, "0 or 1"),
+    EnvVar("SLIPSTREAM_PACKED_PREFILL", "1", "fallback",
+           "0: a CPU prefill (more than 8 rows) multiplies dense float32 copies of the weights "
+           "instead of the packed native decode copies (q4vnni, q8vnni, q6vnni: exact weights, "
+           "16-bit activations, about twice the speed on 2 AVX-512 cores), in resident and "
+           "streamed layers alike (streamed layers then rebuild dense weights from the GGUF "
+           "file per prefill pass instead of computing on their packed images). A mixture of "
+           "experts' routed experts take their packed kernels either way.",
+           _flag, "0 or 1"),
     EnvVar("SLIPSTREAM_CPU_IMAGE", "auto", "setting",
            "Whether a resident CPU model reads its packed decode copies from an image file "
            "cached beside the model (`MODEL.slipstream-cpu-resident.*.img`, written at the "

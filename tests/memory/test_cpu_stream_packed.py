@@ -1,9 +1,10 @@
 """CPU streaming at precision "fast": streamed layers decode from packed images written once at
 load (memory.image_file.build_cpu_images, weights.cpu_image), as views into the staging buffer
-they were read into, and prefill passes rebuild them dense from the GGUF file. Either way the
-bits are the all-resident model's, which decodes through its packed copies; and the image file
-is checked: a stale one is rebuilt, one changed after it was written or while running fails
-with FileChanged, naming it."""
+they were read into, and prefill passes compute on the same views where the resident layer
+prefills through its packed copies (packed prefill, the default), else rebuild the layer from
+the GGUF file (a linear that prefills dense, or SLIPSTREAM_PACKED_PREFILL=0). Either way the
+bits are the all-resident model's; and the image file is checked: a stale one is rebuilt, one
+changed after it was written or while running fails with FileChanged, naming it."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from helpers import cpu_budget
 
 FAST = Precision.of("fast", torch.device("cpu"))
 SHORT = [5, 77, 300, 12, 901, 44, 7, 8]  # 8 tokens: one pass through the packed decode path
-LONG = SHORT + [3, 1000, 64, 2, 17]  # 13: a prefill pass, dense
+LONG = SHORT + [3, 1000, 64, 2, 17]  # 13: a prefill pass
 
 
 @pytest.fixture(scope="module")
@@ -108,44 +109,122 @@ def test_streamed_packed_layers_give_the_resident_bits(tiny_copy, io, packed, wh
     assert written == ([image_file.image_paths(tiny_copy, "slipstream-cpu",
                                                layers=streamed.plan.disk_layers)[0]]
                        if packed < 6 else [])
-    for prompt in (SHORT, LONG):  # the packed pass and the dense one
+    for prompt in (SHORT, LONG):  # the decode pass and the prefill one
         assert torch.equal(resident.logits(prompt), streamed.logits(prompt))
         assert greedy(resident, prompt) == greedy(streamed, prompt)
-    # passes of both kinds alternating, on one context (both rings, neither drained)
+    # passes of both kinds alternating, on one context
     for model in (resident, streamed):
         model.engine.reset()
     for n in (11, 1, 9, 1, 1, 12, 2):
         ids = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n))
         assert torch.equal(resident.engine.forward(ids), streamed.engine.forward(ids)), n
-    assert streamed.engine.layers.stats.layers_streamed > 0
+    # Q4_K layers prefill from their images: "packed" layers (in RAM) read nothing at all
+    assert (streamed.engine.layers.stats.layers_streamed > 0) == (packed < 6)
     resident.close()
     streamed.close()
 
 
-@pytest.mark.slow
-def test_decode_layers_are_views_into_the_staging_buffers(tiny_copy):
-    """A decode pass reads the images, not the GGUF file, and makes no dense weights."""
-    model = slipstream.load(tiny_copy, device="cpu", ctx=64,
-                            placement=slipstream.Placement(ram_budget=budget_for(tiny_copy, 2)))
-    store = model.engine.layers
-    assert model.plan.tiers == ["packed"] * 2 + ["disk"] * 4
-    greedy(model, SHORT, 2)
-    gguf_reads = store.staging.reader.bytes_read
-    image_reads = store.decode_staging.reader.bytes_read
-    store.begin_pass(1)
-    layer = store.acquire(3)
-    buf = store._held[3]
+def _assert_views(store, i: int) -> None:
+    """Layer i, acquired, is views into the staging buffer its image was read into."""
+    layer = store.acquire(i)
+    buf = store._held[i]
     base = buf.tensor.data_ptr()
     gate_up = layer.ffn_gate_up.packed  # q4vnni: one plane; int4pack: codes and scale_zeros
     for w in (layer.ffn_down.packed.packed, getattr(gate_up, "scale_zeros", gate_up.packed),
               layer.attn_norm):
         assert base <= w.data_ptr() < base + buf.nbytes  # a view, not a copy
-    store.release(3)
+    store.release(i)
+
+
+# (quant mix, SLIPSTREAM_PACKED_PREFILL, Q6_K's q6vnni off) -> whether the streamed layers
+# prefill from their images: Q4_K_M's q/k/v are held dense in the image (Q4_K and Q6_K take
+# two layouts) beside q4vnni and q6vnni; without q6vnni (a CPU without its VNNI loop) Q6_K
+# takes torch's int8pack, which prefills through a dense weight the image lacks, as cb4
+# (IQ4_XS) does: those layers are rebuilt from the GGUF file with their packed copies made for
+# the linears that prefill packed
+SOURCES = {("Q4_K", "1", False): True, ("Q4_K", "0", False): False,
+           ("Q4_K_M", "1", False): True, ("Q4_K_M", "1", True): False,
+           ("IQ4_XS", "1", False): False}
+
+
+@pytest.mark.parametrize("mix,packed_prefill,no_q6vnni", [
+    pytest.param(*case, marks=() if case == ("Q4_K_M", "1", True) else pytest.mark.slow)
+    for case in SOURCES])
+def test_streamed_prefill_gives_the_resident_bits_from_either_source(
+        tmp_path, monkeypatch, mix, packed_prefill, no_q6vnni):
+    from slipstream.weights.cpu import PackedDecodeLinear, kinds
+
+    if mix == "Q4_K_M" and kinds.kind_for(14) != "q6vnni":
+        pytest.skip("no q6vnni here: Q4_K_M's layers mix layouts whatever the test says")
+    if mix == "IQ4_XS" and kinds.kind_for(23) != "cb4":
+        pytest.skip("no cb4 here (native library)")
+    monkeypatch.setenv("SLIPSTREAM_PACKED_PREFILL", packed_prefill)
+    if no_q6vnni:
+        monkeypatch.setattr(kinds, "q6vnni_available", lambda: False)
+    path = write_synth(tmp_path / "m.gguf", "tiny", mix, n_layers=3, from_floats=True,
+                       std=0.08, seed=11)
+    resident = slipstream.load(path, device="cpu", ctx=64)
+    streamed = slipstream.load(path, device="cpu", ctx=64,
+                               placement=slipstream.Placement(ram_budget=budget_for(path, 1)))
+    store = streamed.engine.layers
+    assert streamed.plan.tiers == ["packed"] + ["disk"] * 2
+    assert store.image_prefill == (frozenset(range(3)) if SOURCES[mix, packed_prefill,
+                                                                    no_q6vnni] else frozenset())
+    for prompt in (LONG, SHORT):
+        assert torch.equal(resident.logits(prompt), streamed.logits(prompt)), prompt
+    if not store.image_prefill and packed_prefill == "1":
+        # rebuilt from the GGUF file as the resident layer is built
+        store.begin_pass(len(LONG))
+        layer, ref = store.acquire(2), resident.engine.weights.layers[2]
+        for name in ("attn_output", "ffn_gate_up", "ffn_down"):
+            lin, want = getattr(layer, name), getattr(ref, name)
+            assert isinstance(lin, PackedDecodeLinear) == isinstance(want, PackedDecodeLinear)
+            assert getattr(lin, "packed_prefill", False) == \
+                getattr(want, "packed_prefill", False), name
+        store.release(2)
+    resident.close()
+    streamed.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed_prefill", ["1", "0"])
+def test_decode_layers_are_views_into_the_staging_buffers(tiny_copy, monkeypatch,
+                                                          packed_prefill):
+    """A decode pass reads the images, not the GGUF file, and makes no dense weights. So
+    does a prefill pass with packed prefill (the GGUF file is then never read, and the store
+    keeps no ring for it); without it, a prefill pass reads the GGUF file alone."""
+    monkeypatch.setenv("SLIPSTREAM_PACKED_PREFILL", packed_prefill)
+    on = packed_prefill == "1"
+    model = slipstream.load(tiny_copy, device="cpu", ctx=64,
+                            placement=slipstream.Placement(ram_budget=budget_for(tiny_copy, 2)))
+    store = model.engine.layers
+    assert model.plan.tiers == ["packed"] * 2 + ["disk"] * 4
+    assert store.image_prefill == (frozenset(range(6)) if on else frozenset())
+    assert (store.staging is None) == on
+    greedy(model, SHORT, 2)
+    image_reads = store.decode_staging.reader.bytes_read
+    store.begin_pass(1)
+    _assert_views(store, 3)
     assert store.acquire(1) is store.acquire(1)  # a packed layer: made once, in RAM
     store.release(1)
     greedy(model, SHORT, 4)
-    assert store.staging.reader.bytes_read == gguf_reads  # the GGUF: prefill passes only
     assert store.decode_staging.reader.bytes_read > image_reads
+    image_reads = store.decode_staging.reader.bytes_read
+    gguf_reads = store.staging.reader.bytes_read if not on else 0
+    store.begin_pass(len(LONG))  # a prefill pass
+    if on:
+        _assert_views(store, 3)
+        assert store.acquire(1) is store.packed[1]
+    else:
+        assert store.acquire(3).ffn_down.weight.dtype == torch.float16  # rebuilt dense
+        assert store.acquire(1) is not store.packed[1]
+    store.release(1)
+    store.release(3)
+    model.logits(LONG)  # one prefill pass
+    if on:
+        assert store.decode_staging.reader.bytes_read > image_reads
+    else:  # (the image ring may read ahead meanwhile: no check of it)
+        assert store.staging.reader.bytes_read > gguf_reads
     model.close()
 
 
@@ -163,12 +242,19 @@ def test_streamed_packed_under_random_reader_delays(tiny_copy):
 
 
 @pytest.mark.slow
-def test_real_model_streamed_packed_equals_resident(smollm_path):
+@pytest.mark.parametrize("packed_prefill", ["1", "0"])
+def test_real_model_streamed_packed_equals_resident(smollm_path, monkeypatch, packed_prefill):
+    """The default model (Q4_1: q4vnni, its head Q6_K) with packed prefill, whose streamed
+    layers prefill from their images, and without it (SLIPSTREAM_PACKED_PREFILL=0: rebuilt
+    dense from the GGUF file, as resident layers then prefill dense)."""
+    monkeypatch.setenv("SLIPSTREAM_PACKED_PREFILL", packed_prefill)
     resident = slipstream.load(smollm_path, device="cpu", ctx=128)
     budget = cpu_budget(smollm_path, packed=20, ctx=128)
     streamed = slipstream.load(smollm_path, device="cpu", ctx=128,
                                placement=slipstream.Placement(ram_budget=budget))
     assert streamed.plan.tiers == ["packed"] * 20 + ["disk"] * 10
+    assert streamed.engine.layers.image_prefill == \
+        (frozenset(range(30)) if packed_prefill == "1" else frozenset())
     # the head holds its GGUF bytes: an all-logits pass of more than 8 rows dequantizes it
     assert streamed.plan.head_dense_on_demand
     assert isinstance(streamed.engine.weights.output.dense, OnDemandDenseLinear)
@@ -203,7 +289,8 @@ def test_a_skipped_layer_is_read_from_neither_file(tiny_copy, monkeypatch):
     images = streamed.engine.layers.images
     skipped = {(images.path, *images.spans[i]) for i in (2, 3)}
     skipped |= {(tiny_copy, *layer_span(streamed.gguf, i)) for i in (2, 3)}
-    assert {p for p, _, _ in reads} == {images.path, tiny_copy}  # both sources read
+    # packed prefill: the images serve prefill passes too, the GGUF file is not read
+    assert {p for p, _, _ in reads} == {images.path}
     assert not skipped & set(reads)
     resident.close()
     streamed.close()

@@ -189,6 +189,32 @@ def test_placed_experts_bit_identical(tmp_path_factory, arch, precision, decode)
     assert stats.expert_misses > 0
 
 
+@pytest.mark.parametrize("packed_prefill", ["1", "0"])
+def test_experts_read_from_the_file_mix_many_rows_as_resident_ones(qwen_file, monkeypatch,
+                                                                   packed_prefill):
+    """A prefill that routes 300 rows to one expert: the bank whose experts are read from the
+    file (expert by expert, weights.cpu.expert_decode.native_expert_ffn) gives the resident
+    bank's one native call's bits (weights.cpu.expert_rows), with packed prefill on or off:
+    an expert's rows take its packed kernels at any count in both."""
+    monkeypatch.setenv("SLIPSTREAM_PACKED_PREFILL", packed_prefill)
+    ref = _load(qwen_file, precision="fast")
+    placed = _load(qwen_file, half_budget(qwen_file, "fast"), "fast")
+    resident = ref.engine.weights.layers[0].moe.experts
+    tiered = placed.engine.weights.layers[0].moe.experts
+    assert isinstance(tiered, TieredExperts) and tiered.slots < tiered.n_experts
+    g = torch.Generator().manual_seed(4)
+    rows = 300
+    h = torch.randn(rows, ref.engine.cfg.hidden, generator=g)
+    cold = tiered.n_experts - 1  # not held at the load: read from the file
+    assert cold not in tiered.held
+    ids = torch.stack([torch.full((rows,), cold),
+                       torch.randint(0, cold, (rows,), generator=g)], dim=1)
+    weights = torch.rand(rows, 2, generator=g)
+    assert torch.equal(resident.mix(h, ids, weights), tiered.mix(h, ids, weights))
+    ref.close()
+    placed.close()
+
+
 def test_placed_fused_experts_give_the_resident_logits(tmp_path):
     """Gate and up stored as one tensor (ffn_gate_up_exps): a cold expert's gate and up are
     read as the two halves of its block, as many bytes as the split file's."""

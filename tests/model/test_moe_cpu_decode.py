@@ -144,12 +144,14 @@ def _tensors(obj, seen: set[int]) -> list[torch.Tensor]:
 
 def test_experts_are_packed_at_the_load_and_hold_no_dense_copy_after_a_prefill(moe_file,
                                                                               monkeypatch):
-    """Each expert's decode copies exist when the load returns; a prefill whose experts'
-    rows pass the packed path's limit (set to 0 here, and the one-call mix of
-    weights.cpu.expert_rows taken away) multiplies dense weights made for the call, and
-    afterwards no expert holds a float tensor of its weights' size: the GGUF bytes and the
-    packed copies only."""
-    monkeypatch.setattr("slipstream.weights.cpu.expert_decode.EXPERT_PACKED_ROWS", 0)
+    """Each expert's decode copies exist when the load returns; a prefill that takes the
+    experts' dense path (here the packed one taken away: no native form for the rows path,
+    no packed prefill, and no one-call mix of weights.cpu.expert_rows) multiplies dense
+    weights made for the call, and afterwards no expert holds a float tensor of its weights'
+    size: the GGUF bytes and the packed copies only."""
+    monkeypatch.setattr("slipstream.weights.cpu.expert_decode.expert_descriptor",
+                        lambda gate_up, down: None)
+    monkeypatch.setenv("SLIPSTREAM_PACKED_PREFILL", "0")
     engine = cpu_engine(moe_file, ctx=64)
     for layer in engine.weights.layers:
         layer.moe.experts.many = None
@@ -196,10 +198,10 @@ def test_per_call_dense_weights_give_the_kept_weights_bits(moe_file):
 
 
 def test_prefill_rows_get_a_decode_tokens_bits(moe_file):
-    """Up to EXPERT_PACKED_ROWS rows an expert's prefill rows take its packed copies with
-    float32 between them, row by row: for the same routing (a batch's router matmul may round
-    otherwise than a row's), a batch's experts' sum is each row's alone through the decode
-    token's one-call sum, bit for bit."""
+    """An expert's prefill rows take its packed copies with float32 between them, row by
+    row: for the same routing (a batch's router matmul may round otherwise than a row's), a
+    batch's experts' sum is each row's alone through the decode token's one-call sum, bit
+    for bit."""
     from slipstream.model.moe import experts_ffn, route
 
     engine = cpu_engine(moe_file, ctx=64)

@@ -22,7 +22,7 @@ from slipstream.model.step import append_step
 from slipstream.precision import Precision
 from slipstream.synth import write_synth
 from slipstream.weights import cpu_image
-from slipstream.weights.cpu import PackedDecodeLinear, kind_for, pack_group
+from slipstream.weights.cpu import PREFILL_KINDS, PackedDecodeLinear, kind_for, pack_group
 from slipstream.weights.cpu.kinds import q4vnni_available
 from slipstream.weights.linear import DenseLinear
 from slipstream.weights.loader import LayerBuilder, TensorSource, raw_tensor
@@ -98,10 +98,18 @@ def _block(cfg, layer, rows: int) -> torch.Tensor:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
 def test_views_of_the_image_compute_the_resident_layers_bits(model, rows):
-    _, gf, cfg = model
+    """Decode passes, and prefill passes (13 rows) where the layer prefills from its image
+    (packed prefill: every linear q4vnni, q8vnni, q6vnni or held dense)."""
+    case, gf, cfg = model
     host, layout = cpu_image.cpu_image_of(gf, cfg, FAST, 1)
+    prefill_kinds = all(k in PREFILL_KINDS or k == "dense" for k in CASES[case].values()) and \
+        any(k in PREFILL_KINDS for k in CASES[case].values())
+    assert cpu_image.prefills_from_image(layout) == prefill_kinds
+    if rows > 8 and not prefill_kinds:
+        pytest.skip("this layer's prefill is rebuilt from the GGUF file (tested in "
+                    "tests/memory/test_cpu_stream_packed.py)")
     # at an odd page offset of a larger buffer, as a staging buffer holds it
     buf = torch.zeros(host.numel() + 3 * 4096, dtype=torch.uint8)
     buf[4096:4096 + host.numel()] = host
@@ -170,7 +178,10 @@ def test_a_packed_linear_of_the_image_matches_gguf_dequantize(model):
 
 
 @pytest.mark.slow
-def test_a_decode_only_linear_refuses_a_prefill_pass(model):
+def test_a_decode_only_linear_refuses_a_prefill_pass(model, monkeypatch):
+    """Without packed prefill (SLIPSTREAM_PACKED_PREFILL=0) an image's packed linear serves
+    decode passes only: the store rebuilds prefill layers from the GGUF file."""
+    monkeypatch.setenv("SLIPSTREAM_PACKED_PREFILL", "0")
     _, gf, cfg = model
     host, layout = cpu_image.cpu_image_of(gf, cfg, FAST, 0)
     down = cpu_image.decode_layer(layout, host).ffn_down

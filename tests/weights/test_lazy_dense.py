@@ -64,7 +64,7 @@ def test_lazy_layer_is_the_eager_layer_bit_for_bit(model_path, precision):
 
 def test_cpu_load_leaves_dense_weights_to_a_thread_and_the_head_to_its_first_use(model_path,
                                                                               monkeypatch):
-    # with the opt-in packed prefill, so that both kinds of linear are here
+    # with packed prefill (the default), so that both kinds of linear are here
     monkeypatch.setenv("SLIPSTREAM_PACKED_PREFILL", "1")
     ids = list(range(1, 21))  # 20 rows: prefill, the dense weights
     racing = slipstream.load(model_path, device="cpu", ctx=64)

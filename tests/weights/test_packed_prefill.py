@@ -26,11 +26,11 @@ pytestmark = pytest.mark.skipif(native.library() is None,
 FORMATS = [Q.Q4_K, Q.Q8_0, Q.Q6_K]
 
 
-
 @pytest.fixture(autouse=True)
 def _packed_prefill_on(monkeypatch):
-    """These tests are of the opt-in path (SLIPSTREAM_PACKED_PREFILL=1)."""
+    """These tests are of packed prefill (the default) whatever the environment says."""
     monkeypatch.setenv("SLIPSTREAM_PACKED_PREFILL", "1")
+
 
 def _linear(qtype, rows: int, cols: int, packed_prefill: bool, bias=None):
     if qtype == Q.Q6_K and not q6vnni_available():
@@ -84,6 +84,7 @@ def test_without_packed_prefill_the_dense_weight_serves():
 
 
 def test_the_choice(monkeypatch):
+    monkeypatch.delenv("SLIPSTREAM_PACKED_PREFILL")  # the default: on
     assert prefills_packed([Q.Q4_K, Q.Q4_K]) and prefills_packed([Q.Q8_0])
     assert not prefills_packed([Q.F16])  # no layout reads it
     monkeypatch.setenv("SLIPSTREAM_PACKED_PREFILL", "0")

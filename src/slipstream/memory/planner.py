@@ -59,8 +59,9 @@ class Plan:
 
     device: str
     # per layer: "ram"/"packed"/"disk" on CPU; "vram"/"pinned"/"disk" on CUDA. A CPU "packed"
-    # layer holds only its packed decode image in RAM: decode reads nothing, prefill rebuilds
-    # it from the file as a "disk" layer's
+    # layer holds only its packed decode image in RAM: decode reads nothing, nor does prefill
+    # where the image serves it too (weights.cpu_image.prefills_from_image), else prefill
+    # rebuilds it from the file as a "disk" layer's
     tiers: list[str]
     # memory a resident layer takes (RAM, or VRAM); a CPU "packed" layer's: its image
     resident_bytes_per_layer: list[int]
@@ -103,7 +104,9 @@ class Plan:
     hybrid: "HybridPlan | None" = None
     # CPU: every layer decodes through packed copies, the bytes of its image, which are its
     # file_bytes_per_layer (the disk layers' images are read per token); prefill reads the
-    # packed and disk layers' GGUF spans through prefill_staging bytes of buffers
+    # images too where they serve it (weights.cpu_image.prefills_from_image), else the packed
+    # and disk layers' GGUF spans, through prefill_staging bytes of buffers (held by the plan
+    # either way: the store makes them only where some layer reads its span)
     cpu_images: bool = False
     prefill_staging: int = 0
     # CPU: the head holds its GGUF bytes, not its dense weight (memory.setup._plan_cpu)

@@ -14,7 +14,7 @@ from ..modelfile.gguf_file import GGUFFile
 from ..model.families import file_spec
 from ..model.layer_spec import head_tensor_name, kv_cache_bytes
 from ..precision import Precision
-from ..weights.cpu import kind_for, packed_nbytes
+from ..weights.cpu import kind_for, packed_nbytes, packed_prefill_on
 from ..weights.cpu_image import cpu_image_of, image_nbytes
 from ..weights.image import to_image
 from ..weights.loader import LayerBuilder, TensorSource, layer_span, release_transients
@@ -172,12 +172,14 @@ def _plan_cpu(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, precision: Preci
     """Resident layers hold their dense weights, and their packed decode copies at
     precision.cpu_packed_decode; so does the head. Where copies are made, a streamed layer
     moves its packed image per decode token (weights.cpu_image: the bytes its decode reads,
-    nothing rebuilt) and its GGUF span per prefill pass, through a ring of one buffer
-    (memory.store.DiskLayerStore), which the plan holds too.
+    nothing rebuilt), and per prefill pass that image too where it serves prefill
+    (weights.cpu_image.prefills_from_image), else its GGUF span, through a ring of one buffer
+    (memory.store.DiskLayerStore), which the plan holds either way.
 
     And where not every layer fits whole, layers are kept "packed": only their image in RAM
     (a quarter of the dense weights and copies of a Q4 layer), which is all a decode pass
-    reads, prefill rebuilding them from the file as a streamed layer. As many layers as fit
+    reads (and prefill, where the image serves it; else prefill rebuilds them from the file as
+    a streamed layer). As many layers as fit
     are kept so, in order, since each is one less image read per token; the rest stream. Room
     left once every layer is packed makes the first ones whole again ("ram"), which saves
     their rebuilds in prefill. Such a plan also holds the head without its dense weight
@@ -516,9 +518,13 @@ def make_store(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision: 
                               split=split)
     if not plan.streamed_layers:
         return ResidentLayerStore(weights.layers)
-    # a streamed layer rebuilt from its GGUF span serves passes its packed image (`disk`, or
-    # `images` for the "packed" layers, where there is one) does not: dense only
-    builder = LayerBuilder(cfg, device, dataclasses.replace(precision, cpu_packed_decode=False))
+    # a streamed layer rebuilt from its GGUF span serves prefill passes its packed image
+    # (`disk`, or `images` for the "packed" layers, where there is one) does not: built as a
+    # resident layer is, its packed copies made where its prefill takes them (packed prefill:
+    # a layer mixing those with cb4's, iq's or torch's layouts, which prefill dense), else
+    # dense only
+    builder = LayerBuilder(cfg, device, dataclasses.replace(
+        precision, cpu_packed_decode=precision.cpu_packed_decode and packed_prefill_on()))
     if io == "mmap":
         return MmapLayerStore(gf, builder, weights.layers, images=disk, packed=images)
     return DiskLayerStore(gf, builder, weights.layers, n_buffers=plan.staging_buffers, io=io,

@@ -11,12 +11,19 @@ sources, chosen per forward pass (begin_pass), as PackedDecodeLinear chooses per
 - passes of up to GEMV_MAX_ROWS tokens (decode, short prompts, small speculation trees) read
   the layer's packed image (weights.cpu_image; image_file.build_cpu_images writes them at
   load) and compute on views into the staging buffer: nothing is dequantized or repacked, and
-  the buffer goes back to the ring when the engine releases the layer;
-- longer passes read the layer's GGUF span and rebuild its dense weights, which dequantizing
-  copies out of the buffer (given back right after the build), as every pass does at "exact".
-Each source has its own ring, so passes of both kinds can alternate without draining reads.
-A "packed" layer (memory.setup._plan_cpu) keeps its image in RAM: decode passes compute on
-views of it, made once, and read nothing; prefill passes rebuild it from the GGUF file.
+  the buffer goes back to the ring when the engine releases the layer. Longer passes
+  (prefill) do the same where the resident layer's prefill multiplies those packed copies
+  too (weights.cpu_image.prefills_from_image: packed prefill, SLIPSTREAM_PACKED_PREFILL);
+- other longer passes read the layer's GGUF span and rebuild the layer as a resident one is
+  built (a private copy of the span, from which the linears make their dense weights, or
+  the packed copies of those that prefill packed, at their first call), or with its dense
+  weights alone at "exact" and with packed prefill off (copied out of the buffer by
+  dequantizing, the buffer given back right after the build).
+Each source has its own ring, so passes of both kinds can alternate without draining reads;
+the GGUF ring holds only the layers that prefill from the GGUF file.
+A "packed" layer (memory.setup._plan_cpu) keeps its image in RAM: decode passes, and prefill
+passes where the image serves them, compute on views of it, made once, and read nothing;
+other prefill passes rebuild it from the GGUF file.
 The --io mmap store reads each layer when it is asked for, nothing ahead (PageCacheReads),
 from the same sources. The CUDA store is in cuda_store.
 """
@@ -34,7 +41,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..model.llama import LayerWeights
-from ..weights.cpu_image import decode_layer
+from ..weights.cpu_image import decode_layer, prefills_from_image
 from ..weights.linear import GEMV_MAX_ROWS
 from ..weights.loader import LayerBuilder, TensorSource, layer_span
 from .disk import ALIGN, DirectReader, DiskReadError
@@ -97,6 +104,28 @@ def steady_heap(span_bytes: int) -> bool:
                                                                    MMAP_THRESHOLD_MAX))
 
 
+def gguf_source(gf, builder: LayerBuilder, data: torch.Tensor, start: int) -> TensorSource:
+    """The source a streamed layer is rebuilt from: file bytes [start, start + len(data))
+    in a buffer about to be reused. Where the builder makes packed CPU copies (packed
+    prefill), a private copy of the bytes, held by the layer: its linears make their dense
+    weights or packed copies at their first call (a copy of a span costs a memcpy; building
+    the dense weights of linears that prefill packed would cost a dequantization), as a
+    resident layer's do from the same bytes."""
+    if builder.precision.cpu_packed_decode:
+        return TensorSource(gf, buffer=data.clone(), base=start, held=True)
+    return TensorSource(gf, buffer=data, base=start)
+
+
+def image_prefill_layers(images: ImageFile | None, disk: list[int],
+                         packed: dict[int, tuple] | None) -> frozenset[int]:
+    """The streamed layers whose prefill passes compute on their packed images (disk layers
+    from `images`, "packed" layers from theirs in RAM): weights.cpu_image.prefills_from_image."""
+    layouts = {i: layout for i, (_, layout) in (packed or {}).items()}
+    if images is not None:
+        layouts.update({i: images.layouts[i] for i in disk})
+    return frozenset(i for i, layout in layouts.items() if prefills_from_image(layout))
+
+
 class HostTraced:
     """--trace on the CPU stores: a layer's compute is host time from acquire's return to its
     release (the engine computes in between). Stores check `tracer` only; off, nothing runs."""
@@ -142,8 +171,8 @@ class ResidentLayerStore(HostTraced, StoreBase):
 
 class DiskLayerStore(HostTraced, StoreBase):
     """Resident layers from `resident`, the rest streamed from disk each time: from `images`
-    (packed CPU images) in passes of up to GEMV_MAX_ROWS tokens where given, else from the
-    GGUF file (rebuilt dense).
+    (packed CPU images) in passes of up to GEMV_MAX_ROWS tokens where given, and in longer
+    ones for the layers in `image_prefill`, else from the GGUF file (rebuilt).
 
     On the CPU the staging buffer is the "slot": a layer is built (dequantized) straight from
     it, or made as views into it, so there is no copy to order and no GPU slot ring, only the
@@ -170,12 +199,16 @@ class DiskLayerStore(HostTraced, StoreBase):
                        (packed or {}).items()}
         disk = [i for i in order if i not in self.packed]
         self.images = images if disk else None
+        # layers whose prefill passes read their images too: the GGUF ring reads the others
+        self.image_prefill = image_prefill_layers(self.images, disk, packed)
         self._tokens = 1  # the pass's (begin_pass)
-        self._held: dict[int, StagingBuffer] = {}  # decode layers' buffers, until release
-        if order:
-            self.staging = self._ring(gf.path, self.spans, order,
+        self._held: dict[int, StagingBuffer] = {}  # image layers' buffers, until release
+        rebuilt = [i for i in order if i not in self.image_prefill]
+        if rebuilt:
+            spans = {i: self.spans[i] for i in rebuilt}
+            self.staging = self._ring(gf.path, spans, rebuilt,
                                       gguf_buffers or n_buffers, threads, io, delay)
-            steady_heap(max(e - s for s, e in self.spans.values()))
+            steady_heap(max(e - s for s, e in spans.values()))
         if self.images is not None:
             spans = {i: self.images.spans[i] for i in disk}
             self.decode_staging = self._ring(self.images.path, spans, disk, n_buffers,
@@ -230,12 +263,12 @@ class DiskLayerStore(HostTraced, StoreBase):
             return layer
         if i in self.skipped:
             raise ValueError(f"layer {i} is skipped: the store no longer reads it")
-        decode = self._tokens <= GEMV_MAX_ROWS
-        if decode and i in self.packed:
+        image = self._tokens <= GEMV_MAX_ROWS or i in self.image_prefill
+        if image and i in self.packed:
             if self.tracer is not None:
                 self._compute_starts()
             return self.packed[i]
-        packed = self.decode_staging is not None and decode
+        packed = self.decode_staging is not None and image
         ring = self.decode_staging if packed else self.staging
         t0 = time.perf_counter()
         buf, skew = ring.take(i)  # restarts the read-ahead at i when out of order
@@ -251,7 +284,7 @@ class DiskLayerStore(HostTraced, StoreBase):
             self._held[i] = buf  # the layer is views into it: back to the ring at release
         else:
             try:
-                layer = self.builder.build(TensorSource(self.gf, buffer=data, base=start), i)
+                layer = self.builder.build(gguf_source(self.gf, self.builder, data, start), i)
             finally:
                 ring.give_back(buf, None)  # the build copied everything out of the buffer
         t2 = time.perf_counter()
@@ -338,6 +371,8 @@ class MmapLayerStore(HostTraced, StoreBase):
                        (packed or {}).items()}  # as DiskLayerStore's
         disk = [i for i in self.spans if i not in self.packed]
         self.images = images if disk else None
+        # as DiskLayerStore's
+        self.image_prefill = image_prefill_layers(self.images, disk, packed)
         self.image_reads = None
         if self.images is not None:
             spans = [self.images.spans[i] for i in disk]
@@ -356,10 +391,11 @@ class MmapLayerStore(HostTraced, StoreBase):
 
     def acquire(self, i: int) -> LayerWeights:
         layer = self.layers[i]
-        if layer is None and self._tokens <= GEMV_MAX_ROWS:
+        image = self._tokens <= GEMV_MAX_ROWS or i in self.image_prefill
+        if layer is None and image:
             layer = self.packed.get(i)
         if layer is None:
-            packed = self.image_reads is not None and self._tokens <= GEMV_MAX_ROWS
+            packed = self.image_reads is not None and image
             start, end = self.images.spans[i] if packed else self.spans[i]
             t0 = time.perf_counter()
             # FileChanged if the file changed under us
@@ -368,7 +404,7 @@ class MmapLayerStore(HostTraced, StoreBase):
             if packed:  # views into the reused buffer: valid until the next layer's read
                 layer = decode_layer(self.images.layouts[i], data)
             else:  # the build copies everything out of the buffer, which the next read reuses
-                layer = self.builder.build(TensorSource(self.gf, buffer=data, base=start), i)
+                layer = self.builder.build(gguf_source(self.gf, self.builder, data, start), i)
             t2 = time.perf_counter()
             self.stats.disk_wait_s += t1 - t0
             self.stats.build_s += t2 - t1

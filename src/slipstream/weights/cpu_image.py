@@ -15,8 +15,11 @@ same bits as a resident one:
   scale/zero pairs; int8pack: codes and per-row scales) and float32 bias, or, where no packed layout reads its formats (the resident
   layer then decodes dense too), its dense weight at precision.weight_dtype;
 - the norms, float32.
-Prefill (more than GEMV_MAX_ROWS tokens a pass) multiplies the dense weights, which the image
-does not hold: the store rebuilds those from the GGUF file as before (memory.store).
+Prefill (more than GEMV_MAX_ROWS tokens a pass) goes through the same views where the
+resident layer's prefill would read nothing else (`prefills_from_image`: every linear either
+of a packed-prefill layout, weights.cpu.kinds.PREFILL_KINDS, or held dense in the image); a
+layer with a linear that prefills through a dense weight the image lacks (cb4, iq, torch's
+layouts) is rebuilt from the GGUF file instead (memory.store).
 
 torch's int4 layout depends on the CPU's vector width, so an image is only valid on a machine
 that packs alike: `layout_fingerprint` goes into the image file's identity.
@@ -34,7 +37,7 @@ from ..model.families import spec_for
 from ..model.llama import LayerWeights
 from .cpu.decode import PackedDecodeLinear
 from .cpu.groups import INT4_GROUP, Q
-from .cpu.kinds import kind_for, q4vnni_available
+from .cpu.kinds import PREFILL_KINDS, kind_for, packed_prefill_on, q4vnni_available
 from .cpu.codebook import Cb4Linear, cb4_nbytes
 from .cpu.iquant import IqLinear, iq_nbytes
 from .cpu.q6vnni import Q6VnniLinear, q6vnni_nbytes
@@ -221,19 +224,33 @@ def packed_views(layout: CpuLayerLayout, buf: torch.Tensor) -> dict[str, object]
             for name, (kind, rows) in layout.linears.items()}
 
 
+def prefills_from_image(layout: CpuLayerLayout) -> bool:
+    """Whether the layer's prefill passes (more than GEMV_MAX_ROWS tokens) may compute on
+    its image's views and give the resident layer's bits: packed prefill is on
+    (SLIPSTREAM_PACKED_PREFILL), at least one linear takes it (a layer of dense linears
+    alone reads its smaller GGUF span, as before), and every other linear is held dense in
+    the image (the float16 weight a resident layer's prefill widens too)."""
+    kinds = [kind for kind, _ in layout.linears.values()]
+    return packed_prefill_on() and any(k in PREFILL_KINDS for k in kinds) and \
+        all(k in PREFILL_KINDS or k == "dense" for k in kinds)
+
+
 def decode_layer(layout: CpuLayerLayout, buf: torch.Tensor) -> LayerWeights:
     """The layer as views into `buf` (uint8, holding the image's bytes), for passes of up to
-    GEMV_MAX_ROWS tokens: each linear computes as a resident layer's decode does
-    (PackedDecodeLinear over the packed copy, or DenseLinear where the image holds the dense
-    weight). The views are valid while `buf` is not overwritten."""
+    GEMV_MAX_ROWS tokens, and of more where `prefills_from_image(layout)`: each linear
+    computes as a resident layer's does (PackedDecodeLinear over the packed copy, whose
+    prefill takes it too for the PREFILL_KINDS layouts, or DenseLinear where the image holds
+    the dense weight). The views are valid while `buf` is not overwritten."""
     views = _views(layout, buf)
     fields: dict[str, object] = {}
+    prefill = packed_prefill_on()
     for name, (kind, rows) in layout.linears.items():
         if kind == "dense":
             fields[name] = DenseLinear(views[(name, "weight")], views.get((name, "bias")))
             continue
-        fields[name] = PackedDecodeLinear.decode_only(_packed_linear(name, kind, rows, views),
-                                                      GEMV_MAX_ROWS)
+        fields[name] = PackedDecodeLinear.decode_only(
+            _packed_linear(name, kind, rows, views), GEMV_MAX_ROWS,
+            packed_prefill=prefill and kind in PREFILL_KINDS)
     for key, v in views.items():
         if len(key) == 1:
             fields[key[0]] = v

@@ -39,9 +39,9 @@ iquant (the layouts), decode (PackedDecodeLinear), kinds (the choice and the bui
 
 from .decode import PackedDecodeLinear, rms_norm_bf16
 from .kinds import (AUTO_KINDS, KINDS, PREFILL_KINDS, kind_for, pack_group, pack_linear,
-                    packed_nbytes, prefills_packed)
+                    packed_nbytes, packed_prefill_on, prefills_packed)
 from .vnni import Q4VnniLinear
 
 __all__ = ["AUTO_KINDS", "KINDS", "PREFILL_KINDS", "PackedDecodeLinear", "Q4VnniLinear",
-           "kind_for", "pack_group", "pack_linear", "packed_nbytes", "prefills_packed",
-           "rms_norm_bf16"]
+           "kind_for", "pack_group", "pack_linear", "packed_nbytes", "packed_prefill_on",
+           "prefills_packed", "rms_norm_bf16"]

@@ -54,12 +54,16 @@ class PackedDecodeLinear(Linear):
         self._row: torch.Tensor | None = None  # norm_matmul's one-row bfloat16 input
 
     @classmethod
-    def decode_only(cls, packed: Linear, max_rows: int) -> "PackedDecodeLinear":
-        """A packed copy alone, with no dense weight behind it: a streamed layer's decode
-        linear (weights.cpu_image), which serves calls of up to `max_rows` tokens exactly as
-        a resident layer's PackedDecodeLinear does; a larger call is an error (the store
-        builds prefill layers dense)."""
-        lin = cls(_NoDense(packed.out_features, max_rows), lambda: packed, max_rows)
+    def decode_only(cls, packed: Linear, max_rows: int, packed_prefill: bool = False
+                    ) -> "PackedDecodeLinear":
+        """A packed copy alone, with no dense weight behind it: a streamed layer's linear
+        (weights.cpu_image), which serves calls of up to `max_rows` tokens exactly as a
+        resident layer's PackedDecodeLinear does, and with `packed_prefill` larger calls as
+        well (as a resident one with packed_prefill: the same kernel on the same bytes); a
+        larger call without it is an error (the store builds such a layer's prefill copy
+        from the GGUF file)."""
+        lin = cls(_NoDense(packed.out_features, max_rows), lambda: packed, max_rows,
+                  packed_prefill=packed_prefill)
         lin.packed  # noqa: B018 (the kernel and bias looked up now, not at the first call)
         return lin
 

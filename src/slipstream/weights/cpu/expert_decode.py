@@ -124,23 +124,25 @@ def native_expert_sum(pairs: Sequence[tuple[object, object]], weights: torch.Ten
     return out
 
 
-# Rows up to which an expert's prefill rows take its packed copies (the decode kernels, float32
-# between them: each row's bits those of a decode token's) rather than a dense weight made for
-# the call. A Qwen3-30B-A3B gate/up (1536 x 2048, Q4_K) on one thread of the 2-core EPYC: 1.3
-# ms for 32 rows packed against 3.3 dense (0.5 of it widening the weight), 2.7 against 5.3 at
-# 64, 5.6 against 9.1 at 128, 12.8 against 16.6 at 256.
-EXPERT_PACKED_ROWS = 256
-
-
 def native_expert_ffn(gate_up, down, h: torch.Tensor, act: str = "silu") -> torch.Tensor:
-    """model.moe.expert_ffn for the rows h routed to one expert: up to EXPERT_PACKED_ROWS rows
-    through its packed copies as native_expert_sum computes a token's (gate/up, its bias, the
-    gated product and down, and its bias, in float32, the kernels row by row: each row's bits
-    a decode token's), where it has the native form; else expert_ffn. Float32 (n, hidden)."""
+    """model.moe.expert_ffn for the rows h routed to one expert, however many: through its
+    packed copies as native_expert_sum computes a token's (gate/up, its bias, the gated product
+    and down, and its bias, in float32, the kernels row by row: each row's bits a decode
+    token's), where it has the native form; else expert_ffn. Float32 (n, hidden).
+
+    No row limit: a bank of resident experts mixes a prefill's rows in one native call
+    (weights.cpu.expert_rows: each row's bits a decode token's, whatever the count), and a
+    bank whose experts are read from the file (weights.expert_tiers) runs expert by expert
+    here, so it must take the same kernels at any count to give the same bits. (Up to 256
+    rows it did, and past that a dense weight made for the call: a tiny Qwen3-MoE test
+    layer's output, 300 rows all routed to one expert, then differed from the resident
+    bank's by up to 1.5e-2, or by 7.6e-6 through packed prefill, which rounds to bfloat16
+    between gate/up and down.) The packed kernels are the faster ones there too: a
+    Qwen3-30B-A3B gate/up (1536 x 2048, Q4_K) on one thread of the 2-core EPYC took 1.3 ms
+    for 32 rows packed against 3.3 dense, 12.8 against 16.6 at 256."""
     lib = native.library()
     rows = h.shape[0]
-    if act not in GLU_ACTS or lib is None or rows > EXPERT_PACKED_ROWS or \
-            h.device.type != "cpu":
+    if act not in GLU_ACTS or lib is None or h.device.type != "cpu":
         return expert_ffn(gate_up, down, h, act)
     if expert_descriptor(gate_up, down) is None:
         return expert_ffn(gate_up, down, h, act)

@@ -25,11 +25,15 @@ AUTO_KINDS = ("auto", "torch")  # kind_for's choices among KINDS
 PREFILL_KINDS = ("q4vnni", "q8vnni", "q6vnni")
 
 
+def packed_prefill_on() -> bool:
+    """SLIPSTREAM_PACKED_PREFILL (default on; 0 is the fallback to dense float32 prefill)."""
+    return bool(envs.get("SLIPSTREAM_PACKED_PREFILL"))
+
+
 def prefills_packed(qtypes) -> bool:
     """Whether a linear of these formats (its parts') takes prefill through its packed copy:
-    every part's layout in PREFILL_KINDS, where SLIPSTREAM_PACKED_PREFILL=1."""
-    return envs.get("SLIPSTREAM_PACKED_PREFILL") and all(
-        kind_for(t) in PREFILL_KINDS for t in qtypes)
+    every part's layout in PREFILL_KINDS, unless SLIPSTREAM_PACKED_PREFILL=0."""
+    return packed_prefill_on() and all(kind_for(t) in PREFILL_KINDS for t in qtypes)
 
 
 def q4vnni_available() -> bool:
