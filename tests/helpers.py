@@ -222,3 +222,12 @@ def assert_disk_streaming_gives_resident_bits(path, precision: str, ids: list[in
     finally:
         resident.close()
         streamed.close()
+
+
+def refuse_expert_loop(monkeypatch) -> None:
+    """Make the CPU's op-by-op expert loop (weights.cpu.expert_decode.expert_sum) fail, so a
+    test shows that a token's experts took the one native call."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the op-by-op loop ran")
+
+    monkeypatch.setattr("slipstream.weights.cpu.expert_decode.expert_sum", refuse)

@@ -90,3 +90,47 @@ def q6vnni_bound(ga, xd: torch.Tensor) -> torch.Tensor:
     dxe = (dx / 2 * (1 + 2.0 ** -20))[..., None].expand(-1, -1, 32).reshape(xd.shape)
     return dxe @ w.abs().t() + (ga.shape[1] // 16 + 1) * 2.0 ** -24 * (
         (xd.abs() + dxe) @ w.abs().t())
+
+
+def assert_native_expert_sum(gu_q: Q, dn_q: Q, hidden: int, units: int, k: int,
+                             monkeypatch) -> None:
+    """A token's k experts (gate/up in gu_q, down in dn_q) in moe_ffn.c's one call, the
+    op-by-op loop made to fail: within 1e-3 of the float64 sum of gguf-py's weights (the 16-bit
+    activations' error, twice, and float32 sums), the same bits on one thread as on the
+    caller's; the experts' order swapped misses it."""
+    import gguf.quants
+
+    from slipstream.weights.cpu import PackedDecodeLinear, pack_linear
+    from helpers import refuse_expert_loop
+    from slipstream.weights.cpu.expert_decode import native_expert_sum
+
+    experts, ws = [], []
+    for e in range(k):
+        gu_raw = make_raw(gu_q, 2 * units, hidden, 20 + e)
+        dn_raw = make_raw(dn_q, hidden, units, 30 + e)
+        experts.append((PackedDecodeLinear.decode_only(
+                            pack_linear(gu_raw, gu_q, (2 * units, hidden)), 8),
+                        PackedDecodeLinear.decode_only(
+                            pack_linear(dn_raw, dn_q, (hidden, units)), 8)))
+        ws.append([torch.from_numpy(gguf.quants.dequantize(r.numpy(), t)).double()
+                   for r, t in ((gu_raw, gu_q), (dn_raw, dn_q))])
+    g = torch.Generator().manual_seed(11)
+    h = torch.randn(1, hidden, generator=g) * 20
+    weights = torch.softmax(torch.randn(k, generator=g), 0)
+    ref = torch.zeros(hidden, dtype=torch.float64)
+    for (gu, dn), wt in zip(ws, weights.double()):
+        a = gu @ h.double()[0]
+        ref += wt * (dn @ (torch.nn.functional.silu(a[:units]) * a[units:]))
+
+    refuse_expert_loop(monkeypatch)
+    ours = native_expert_sum(experts, weights, h)
+    rel = float((ours[0].double() - ref).norm() / ref.norm())
+    assert rel < 1e-3, rel
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native_expert_sum(experts, weights, h), ours)
+    finally:
+        torch.set_num_threads(threads)
+    swapped = native_expert_sum(experts[1:] + experts[:1], weights, h)
+    assert float((swapped[0].double() - ref).norm() / ref.norm()) > 0.1

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import cpu_engine
+from helpers import cpu_engine, refuse_expert_loop
 from llamacpp_ref import rel_err, unname
 from slipstream import native
 from slipstream.model.moe import expert_sum
@@ -90,10 +90,7 @@ def test_qwen3moe_iq4xs_experts_decode_natively_as_exact_does(qwen3moe_iq4xs, mo
     engine.forward(IDS[:PREFILL], all_logits=True)  # the prefill may take the loop
     engine.reset()
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the op-by-op loop ran")
-
-    monkeypatch.setattr("slipstream.weights.cpu.expert_decode.expert_sum", refuse)
+    refuse_expert_loop(monkeypatch)
     stepped = _stepped(engine)
     assert rel_err(stepped, exact) < DEFAULT_REL_TOL
     assert torch.equal(stepped.argmax(-1), exact.argmax(-1))

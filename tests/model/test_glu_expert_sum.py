@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGUFReader
 
-from helpers import cpu_engine
+from helpers import cpu_engine, refuse_expert_loop
 from llamacpp_ref import rel_err, unname
 from slipstream import native
 from slipstream.model.moe import OAI_ALPHA, OAI_LIMIT, expert_sum, swiglu_oai
@@ -184,10 +184,7 @@ def _decode_file(tmp_path, arch: str, quant: str):
 
 
 def _refusing_loop(monkeypatch) -> None:
-    def refuse(*args, **kwargs):
-        raise AssertionError("the op-by-op loop ran")
-
-    monkeypatch.setattr("slipstream.weights.cpu.expert_decode.expert_sum", refuse)
+    refuse_expert_loop(monkeypatch)
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from helpers import cpu_engine
+from helpers import cpu_engine, refuse_expert_loop
 from llamacpp_ref import rel_err
 from slipstream import native
 from slipstream.modelfile.gguf_file import GGUFFile
@@ -88,10 +88,7 @@ def test_iq_experts_decode_natively_as_exact_does(qwen3moe_iq, monkeypatch):
     engine.forward(IDS[:PREFILL], all_logits=True)  # the prefill may take the loop
     engine.reset()
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the op-by-op loop ran")
-
-    monkeypatch.setattr("slipstream.weights.cpu.expert_decode.expert_sum", refuse)
+    refuse_expert_loop(monkeypatch)
     stepped = _stepped(engine)
     assert rel_err(stepped, exact) < DEFAULT_REL_TOL
     assert torch.equal(stepped.argmax(-1), exact.argmax(-1))

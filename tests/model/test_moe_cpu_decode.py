@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGUFReader
 
-from helpers import cpu_engine
+from helpers import cpu_engine, refuse_expert_loop
 from slipstream import native
 from slipstream.model.moe import expert_sum
 from slipstream.synth import write_synth
@@ -111,10 +111,7 @@ def test_decode_takes_the_native_sum(moe_file, monkeypatch):
     ref = torch.cat([engine.forward(IDS[i:i + 1]) for i in range(6)])
     engine.reset()
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the op-by-op loop ran")
-
-    monkeypatch.setattr("slipstream.weights.cpu.expert_decode.expert_sum", refuse)
+    refuse_expert_loop(monkeypatch)
     again = torch.cat([engine.forward(IDS[i:i + 1]) for i in range(6)])
     assert torch.equal(again, ref)
     for layer in engine.weights.layers:  # the loop, layer by layer, for comparison

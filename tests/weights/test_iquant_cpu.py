@@ -28,7 +28,8 @@ from slipstream import native
 from slipstream.weights.cpu import kind_for, pack_group, pack_linear, packed_nbytes
 from slipstream.weights.cpu.iquant import IqLinear
 from quant_oracle import (assert_bfloat16_in_and_out, assert_chunked_threads_give_the_bits,
-                          assert_same_bits_every_way, assert_within_bound, make_raw, quantized)
+                          assert_native_expert_sum, assert_same_bits_every_way,
+                          assert_within_bound, make_raw, quantized)
 
 F32_U = 2.0 ** -24
 
@@ -311,43 +312,8 @@ def test_the_native_expert_sum_takes_iq_experts(monkeypatch, gu_q, dn_q):
     loop made to fail: within 1e-3 of the float64 sum of gguf-py's weights (the 16-bit
     activations' error, twice, and float32 sums), on one thread or two; the experts' order
     swapped misses it."""
-    from slipstream.weights.cpu import PackedDecodeLinear
-    from slipstream.weights.cpu.expert_decode import native_expert_sum
-
     hidden, units, k = 256, 256, 3
-    experts, ws = [], []
-    for e in range(k):
-        gu_raw = make_raw(gu_q, 2 * units, hidden, 20 + e)
-        dn_raw = make_raw(dn_q, hidden, units, 30 + e)
-        experts.append((PackedDecodeLinear.decode_only(
-                            pack_linear(gu_raw, gu_q, (2 * units, hidden)), 8),
-                        PackedDecodeLinear.decode_only(
-                            pack_linear(dn_raw, dn_q, (hidden, units)), 8)))
-        ws.append([torch.from_numpy(gguf.quants.dequantize(r.numpy(), t)).double()
-                   for r, t in ((gu_raw, gu_q), (dn_raw, dn_q))])
-    g = torch.Generator().manual_seed(11)
-    h = torch.randn(1, hidden, generator=g) * 20
-    weights = torch.softmax(torch.randn(k, generator=g), 0)
-    ref = torch.zeros(hidden, dtype=torch.float64)
-    for (gu, dn), wt in zip(ws, weights.double()):
-        a = gu @ h.double()[0]
-        ref += wt * (dn @ (torch.nn.functional.silu(a[:units]) * a[units:]))
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the op-by-op loop ran")
-
-    monkeypatch.setattr("slipstream.weights.cpu.expert_decode.expert_sum", refuse)
-    ours = native_expert_sum(experts, weights, h)
-    rel = float((ours[0].double() - ref).norm() / ref.norm())
-    assert rel < 1e-3, rel
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert torch.equal(native_expert_sum(experts, weights, h), ours)
-    finally:
-        torch.set_num_threads(threads)
-    swapped = native_expert_sum(experts[1:] + experts[:1], weights, h)
-    assert float((swapped[0].double() - ref).norm() / ref.norm()) > 0.1
+    assert_native_expert_sum(gu_q, dn_q, hidden, units, k, monkeypatch)
 
 
 def test_hybrid_decode_leaves_iq_layers_whole():

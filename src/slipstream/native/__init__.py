@@ -125,6 +125,16 @@ def library() -> ctypes.CDLL | None:
         return _load()
 
 
+def required(what: str) -> ctypes.CDLL:
+    """library(), for a layout that cannot run without it: RuntimeError naming `what` where
+    this process has none."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"{what} needs the native library (slipstream.native), which this "
+                           f"process does not have (no C compiler, or SLIPSTREAM_NATIVE=0)")
+    return lib
+
+
 def build_in_background() -> None:
     """Have `library()` ready by the first decode token: api.load starts it beside the load
     (a first build takes about 2 s on 2 busy cores; afterwards a cached library loads in ms)."""

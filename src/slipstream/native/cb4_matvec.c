@@ -377,14 +377,7 @@ void ss_cb4_matvec(const cb4_weight *wd, const void *x, void *y, int64_t m, int6
     float *dx = (float *)(scratch + fbytes + qbytes), *sx = dx + m * G;
     int32_t *sxi = (int32_t *)(scratch + fbytes + qbytes + dbytes);
     for (int64_t r = 0; r < m; r++) {
-        const float *row;
-        if (flags & CB_X_F32) {
-            row = (const float *)x + r * k;
-        } else {
-            const uint16_t *xb = (const uint16_t *)x + r * k;
-            for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(xb[i]);
-            row = xf;
-        }
+        const float *row = row_as_f32(x, r, k, (flags & CB_X_F32) != 0, xf);
         int8_t *qr = q + r * k * 2;
         ss_q16_quantize_row(row, k, qr, qr + k, dx + r * G, sx + r * G);
     }

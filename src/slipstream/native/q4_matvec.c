@@ -683,14 +683,7 @@ void ss_q4_matvec(const q4_weight *wd, const void *x, void *y, int64_t m, int64_
                             dx + r * G, sx + r * G);
     } else {
         for (int64_t r = 0; r < m; r++) {
-            const float *row;
-            if (flags & Q4_X_F32) {
-                row = (const float *)x + r * k;
-            } else {  /* bfloat16 rows share the one widened row */
-                const uint16_t *xb = (const uint16_t *)x + r * k;
-                for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(xb[i]);
-                row = xf;
-            }
+            const float *row = row_as_f32(x, r, k, (flags & Q4_X_F32) != 0, xf);
             int8_t *qr = q + r * k * 2;
             q4_quantize_row(row, k, qr, qr + k, dx + r * G, sx + r * G);
         }

@@ -385,14 +385,7 @@ void ss_q6_matvec(const q6_weight *wd, const void *x, void *y, int64_t m, int64_
                             sxi + r * S);
     } else {
         for (int64_t r = 0; r < m; r++) {
-            const float *row;
-            if (flags & Q6_X_F32) {
-                row = (const float *)x + r * k;
-            } else {  /* bfloat16 rows share the one widened row */
-                const uint16_t *xb = (const uint16_t *)x + r * k;
-                for (int64_t i = 0; i < k; i++) xf[i] = bf16_to_f32(xb[i]);
-                row = xf;
-            }
+            const float *row = row_as_f32(x, r, k, (flags & Q6_X_F32) != 0, xf);
             q6_quantize_row(row, k, q + r * k * 2, dx + r * G, sx + r * G, sxi + r * S);
         }
     }

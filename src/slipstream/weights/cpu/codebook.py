@@ -77,10 +77,7 @@ class Cb4Linear(RowBlocks, Linear):
                              f"bytes, not {tuple(packed.shape)}")
         if grid not in (0, 1):
             raise ValueError(f"cb4 grid must be 0 (IQ4_NL's) or 1 (MXFP4's), not {grid!r}")
-        lib = native.library()
-        if lib is None:
-            raise RuntimeError("cb4 needs the native library (slipstream.native), which this "
-                               "process does not have (no C compiler, or SLIPSTREAM_NATIVE=0)")
+        lib = native.required("cb4")
         self.packed = packed
         self._out = out_features
         self.bias = bias
@@ -103,9 +100,7 @@ class Cb4Linear(RowBlocks, Linear):
             raise ValueError(f"cb4 stacks MXFP4, or IQ4_NL and IQ4_XS (one grid), not "
                              f"{', '.join(Q(int(t)).name for t in qtypes)}")
         rows, cols = sum(r for r, _ in shapes), shapes[0][1]
-        lib = native.library()
-        if lib is None:
-            raise RuntimeError("cb4 needs the native library (slipstream.native)")
+        lib = native.required("cb4")
         blocks = -(-rows // CB4_ROWS)
         packed = torch.empty(blocks, cols // CB4_GROUP, CB4_RECORD_BYTES, dtype=torch.uint8)
         if rows % CB4_ROWS:

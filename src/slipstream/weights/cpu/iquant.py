@@ -89,10 +89,7 @@ class IqLinear(RowBlocks, Linear):
             raise ValueError(f"iq {qtype.name} weight of {out_features} rows needs contiguous "
                              f"uint8 (rows, blocks * {fmt.type_size}), not "
                              f"{tuple(packed.shape)} {packed.dtype}")
-        lib = native.library()
-        if lib is None:
-            raise RuntimeError("iq needs the native library (slipstream.native), which this "
-                               "process does not have (no C compiler, or SLIPSTREAM_NATIVE=0)")
+        lib = native.required("iq")
         self.packed = packed
         self._out = out_features
         self.bias = bias

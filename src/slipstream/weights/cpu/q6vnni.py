@@ -61,11 +61,7 @@ class Q6VnniLinear(RowBlocks, Linear):
             raise ValueError(f"q6vnni weight of {out_features} rows needs "
                              f"({-(-out_features // Q6V_ROWS)}, runs, {Q6V_RUN_BYTES}) bytes, "
                              f"not {tuple(packed.shape)}")
-        lib = native.library()
-        if lib is None:
-            raise RuntimeError("q6vnni needs the native library (slipstream.native), which "
-                               "this process does not have (no C compiler, or "
-                               "SLIPSTREAM_NATIVE=0)")
+        lib = native.required("q6vnni")
         self.packed = packed
         self._out = out_features
         self.bias = bias
@@ -84,9 +80,7 @@ class Q6VnniLinear(RowBlocks, Linear):
         rows, cols = sum(r for r, _ in shapes), shapes[0][1]
         if cols % Q6V_RUN:
             raise ValueError(f"Q6_K rows of {cols} columns: not whole {Q6V_RUN}-column blocks")
-        lib = native.library()
-        if lib is None:
-            raise RuntimeError("q6vnni needs the native library (slipstream.native)")
+        lib = native.required("q6vnni")
         blocks = -(-rows // Q6V_ROWS)
         # every byte of a real row is written by the packer; a last block's padding rows
         # need zeros (d = 0)

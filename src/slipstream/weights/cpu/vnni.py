@@ -170,11 +170,7 @@ class Q4VnniLinear(RowBlocks, Linear):
             raise ValueError(f"{self.kind} records are not {packed.shape[2]} bytes")
         self.scale_f32 = fmt == 1
         self.k_scales = fmt == 3  # Q4_K's own scales (Q4_KS)
-        lib = native.library()
-        if lib is None:
-            raise RuntimeError("q4vnni needs the native library (slipstream.native), which "
-                               "this process does not have (no C compiler, or "
-                               "SLIPSTREAM_NATIVE=0)")
+        lib = native.required("q4vnni")
         self._matvec = lib.ss_q4_matvec
         # q4_matvec.c's q4_weight, made once: the call then passes one pointer for it
         self._desc = _Q4Weight(packed.data_ptr(), out_features, self.in_features, fmt)
