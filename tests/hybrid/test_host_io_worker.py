@@ -72,8 +72,10 @@ def _drain(io: HostIO) -> None:
 
 def test_a_failing_share_raises_its_own_exception_with_its_traceback():
     io = _run_ahead(HostIO(torch.device("cpu"), HIDDEN, 1, keep_warm=False))
-    seq = [_hand(io, _Share(2)), _hand(io, _Share(3, KeyError("expert 7 not held"))),
-           _hand(io, _Share(4))]
+    # the first share's input lands 0.3 s late, so the worker is still waiting for it when
+    # the others are handed over (a failure it had already met would raise at the hand-off)
+    seq = [_hand(io, _Share(2), delay_s=0.3),
+           _hand(io, _Share(3, KeyError("expert 7 not held"))), _hand(io, _Share(4))]
     _drain(io)
     # every job bumped the counter (the GPU's waits end), the failing one and those after too
     assert int(io._flag[0]) == seq[-1]
