@@ -46,6 +46,12 @@ def check_timings(doc: dict, table: str) -> None:
     assert doc["ttft"]["test"] == "ttft16" and doc["ttft"]["seconds"][0] == \
         pytest.approx(doc["ttft_s"], abs=1e-4)
     assert re.search(r"│\s*ttft16\s*│", table) and re.search(r"│\s*load\s*│", table), table
+    # where the load's time went: the phases of slipstream.load, within the load's wall time
+    phases = doc["load_phases"]
+    assert {"open", "tokenizer", "plan", "resident weights", "store and stages"} <= set(phases)
+    assert all(v >= 0 for v in phases.values())
+    assert sum(phases.values()) <= doc["load_s"] + 0.01, (phases, doc["load_s"])
+    assert re.search(r"│\s*load: resident weights\s*│", table), table
 
 
 def test_bench_on_a_resident_plan(model_file, tmp_path):

@@ -38,6 +38,7 @@ from .runtime.build import (allocator_budget, build_engine, check_skip_layers, c
                             start_reading, with_hybrid)
 from .runtime.engine import Engine
 from .runtime.generate import Generation, GenerationStats, autoregressive, generate
+from .runtime.load_clock import LoadClock
 from .runtime.placement import Placement
 from .runtime.recurrent import speculation_refused
 from .runtime.sampler import Sampler, SamplingParams
@@ -73,6 +74,8 @@ class Model:
         # speculative decoding across generations: tree sizers, the draft's release
         self.speculation = Speculation()
         self.pipeline_stages: list[dict] | None = None  # distributed: every rank's stage
+        # load(): seconds per phase of the load (runtime.load_clock), in the order they ran
+        self.load_phases: dict[str, float] = {}
         self.owns_resources = owns_resources  # False for a self-draft, which borrows the target's
         self._vram_cap = None  # memory.vram_cap.VramCap while the model holds a VRAM budget
         self.closed = False
@@ -340,7 +343,9 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
             draft_file = None  # rank 0 holds the draft and grows the trees; the others verify
     if staged:  # checked before the file is opened: a wrong index fails at once
         device, vram_budget, stage_devs = stage_devices(device, vram_budget)
-    model_path, gf, cfg = open_model(path, progress)
+    clock = LoadClock()
+    with clock.phase("open"):
+        model_path, gf, cfg = open_model(path, progress)
     if cfg.recurrent_layers and (draft is not None or place.distributed):
         raise RecurrentState(speculation_refused(cfg) if draft is not None else
                              f"Placement(distributed=True) is not available for "
@@ -349,10 +354,12 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
     dev = resolve_device(device)
     if str(device) == "auto":
         dev = device_for_auto(gf, cfg, dev)
-    if not staged and pipeline is None:
-        start_reading(gf, dev, place.ram_budget, place.private_weights)  # beside the tokenizer
-    tokenizer = load_tokenizer(gf, cache_dir() / "tokenizers")  # built once per file
-    template = ChatTemplate.from_metadata(gf.metadata)
+    clock.device = dev
+    with clock.phase("tokenizer"):
+        if not staged and pipeline is None:
+            start_reading(gf, dev, place.ram_budget, place.private_weights)  # beside it
+        tokenizer = load_tokenizer(gf, cache_dir() / "tokenizers")  # built once per file
+        template = ChatTemplate.from_metadata(gf.metadata)
     n_ctx = context_size(cfg, ctx)
     check_skip_layers(cfg, skip_layers)  # before the load, which may take minutes
     lowbit_type = None
@@ -398,8 +405,9 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
         stage = StagePlan(dev.type, stage_ranges(cfg.n_layers, pipeline.world)[pipeline.rank],
                           holds_embedding=pipeline.first, holds_head=pipeline.last)
     try:
-        plan = plan_model(gf, cfg, dev, prec, n_ctx, ram, vram, io, slots, most,
-                          stream_first=plain_streamed, stage=stage)
+        with clock.phase("plan"):
+            plan = plan_model(gf, cfg, dev, prec, n_ctx, ram, vram, io, slots, most,
+                              stream_first=plain_streamed, stage=stage)
     except BaseException:
         if draft_model is not None:
             draft_model.close()
@@ -409,9 +417,10 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
         stages=stage_plans(cfg, stage_devs) if stage_devs is not None else plan.stages)
     cap = VramCap(dev, vram) if dev.type == "cuda" else None
     try:
-        plan = measured(gf, cfg, plan, io, prec, hybrid, place.threads)
+        with clock.phase("link probes and split"):
+            plan = measured(gf, cfg, plan, io, prec, hybrid, place.threads)
         engine = build_engine(gf, cfg, dev, plan, n_ctx, prec, progress, io,
-                              place.private_weights, pipeline, place.threads is None)
+                              place.private_weights, pipeline, place.threads is None, clock)
     except BaseException as e:
         if draft_model is not None:
             draft_model.close()
@@ -437,17 +446,20 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
         model.speculation.release_gain = drafts.release_gain(gf, cfg, plan, plain, hybrid,
                                                              place.threads)
     try:
-        if skip_layers:
-            model._skip_layers(skip_layers)
-        if self_draft is not None:
-            if cap is not None:
-                cap.grow(held)  # the draft's share, taken out of the model's budget above
-            model.draft = model._self_draft(self_draft, prec, lowbit_type, copied, progress)
-        if model.draft is not None:
-            drafts.warm_up(model.engine, model.draft.engine, self_draft is not None)
+        with clock.phase("draft and layer skip"):
+            if skip_layers:
+                model._skip_layers(skip_layers)
+            if self_draft is not None:
+                if cap is not None:
+                    cap.grow(held)  # the draft's share, taken out of the model's budget above
+                model.draft = model._self_draft(self_draft, prec, lowbit_type, copied,
+                                                progress)
+            if model.draft is not None:
+                drafts.warm_up(model.engine, model.draft.engine, self_draft is not None)
     except BaseException:
         model.close()
         raise
+    model.load_phases = clock.rounded()
     return model
 
 

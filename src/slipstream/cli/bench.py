@@ -58,7 +58,8 @@ def run(a: argparse.Namespace) -> int:
         doc = {"model": str(model.path), "device": str(model.device),
                "threads": torch.get_num_threads(), "commit": rev["commit"], "tree": rev["tree"],
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-               "load_s": round(a.load_s, 3), "ttft_s": round(ttft.mean_s, 4),
+               "load_s": round(a.load_s, 3), "load_phases": model.load_phases,
+               "ttft_s": round(ttft.mean_s, 4),
                "ttft": ttft.as_dict(),
                "memory_read_gbps": round(traffic.gbps["memory"], 2),
                "weight_bytes_per_token": traffic.memory,
@@ -143,4 +144,7 @@ def bench_table(model, results, load_s: float | None = None, ttft=None) -> Table
                   str(len(ttft.seconds)), *blank)
     if load_s is not None:
         t.add_row("load", "", "", f"{load_s * 1e3:.1f}", "1", *blank)
+        for phase, s in getattr(model, "load_phases", {}).items():
+            if s >= 0.001:  # where the load's time went (runtime.load_clock)
+                t.add_row(f"load: {phase}", "", "", f"{s * 1e3:.1f}", "1", *blank)
     return t

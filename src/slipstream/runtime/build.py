@@ -37,6 +37,7 @@ from ..weights import load_weights
 from ..weights.file_bytes import read_ahead
 from ..weights.split_build import SplitPlacement
 from .engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
+from .load_clock import LoadClock, maybe
 from .stage import Stage
 from ..threads import default_threads, threads_given
 
@@ -263,41 +264,46 @@ def measured(gf: GGUFFile, cfg: ModelConfig, plan: Plan, io: str, precision: Pre
 def build_engine(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, plan: Plan, n_ctx: int,
                  precision: Precision, progress: bool, io: str,
                  private_weights: bool | None = None, pipeline=None,
-                 auto_threads: bool = False) -> Engine:
+                 auto_threads: bool = False, clock: LoadClock | None = None) -> Engine:
     """Load the planned model (its bandwidths measured and split made: `measured`): streamed
     tiers first, then the resident weights, the store and the engine. `auto_threads` (no
     thread count given) on CPU: torch's threads are set to the physical cores
-    (threads.default_threads), before anything is built."""
+    (threads.default_threads), before anything is built. `clock` times the phases."""
     if auto_threads and dev.type == "cpu" and not threads_given():
         torch.set_num_threads(default_threads())
     resident = {i for i, t in enumerate(plan.tiers) if t in ("ram", "vram")}
     # CUDA tiers B and C are built first, while the GPU holds nothing else, so the transient
     # GPU copy of the layer being built never sits on top of the resident model (on CPU:
     # the "packed" layers' images and the disk layers' image file).
-    images, split = pin_streamed_layers(gf, cfg, dev, precision, plan,
-                                        HybridSplit.of(plan, cfg, dev))
-    disk = disk_images(gf, cfg, dev, precision, plan, progress)
-    weights = load_weights_with_progress(gf, cfg, dev, precision, progress, resident,
-                                         plan.embed_on_host, private_weights, plan)
+    with maybe(clock, "streamed layers pinned"):
+        images, split = pin_streamed_layers(gf, cfg, dev, precision, plan,
+                                            HybridSplit.of(plan, cfg, dev))
+    with maybe(clock, "disk images"):
+        disk = disk_images(gf, cfg, dev, precision, plan, progress)
+    with maybe(clock, "resident weights"):
+        weights = load_weights_with_progress(gf, cfg, dev, precision, progress, resident,
+                                             plan.embed_on_host, private_weights, plan)
     if dev.type == "cpu" and precision.cpu_packed_decode and \
             image_wanted(Path(gf.path), envs.get("SLIPSTREAM_CPU_IMAGE")):
         # the packed decode copies from the image cached beside the model (written now where
         # missing), instead of packed again at the first decode step
-        weights.packed_image = attach_resident_image(gf, weights.layers, weights.output,
-                                                     cfg.n_layers, precision, progress)
-    if dev.type == "cuda":
-        # Give load-time transients back, so the run's own peak starts from the steady state
-        # (memory.vram reserves the larger of the two, not their sum).
-        torch.cuda.empty_cache()
-    store = make_store(gf, cfg, dev, precision, weights, plan, io, _stream_delay, images,
-                       disk, split)
-    if weights.experts is not None:  # cold experts count their hits and reads in the store's
-        weights.experts.stats = store.stats
-    # one stage per planned stage, all served by the store
-    stages = [Stage.build(cfg, torch.device(st.device) if st.device != dev.type else dev,
-                          st.layers, store, n_ctx, precision.kv_dtype,
-                          weights.rope_freqs_for(n_ctx))
-              for st in plan.stages]
+        with maybe(clock, "packed CPU image"):
+            weights.packed_image = attach_resident_image(gf, weights.layers, weights.output,
+                                                         cfg.n_layers, precision, progress)
+    with maybe(clock, "store and stages"):
+        if dev.type == "cuda":
+            # Give load-time transients back, so the run's own peak starts from the steady
+            # state (memory.vram reserves the larger of the two, not their sum).
+            torch.cuda.empty_cache()
+        store = make_store(gf, cfg, dev, precision, weights, plan, io, _stream_delay, images,
+                           disk, split)
+        if weights.experts is not None:  # cold experts count hits and reads in the store's
+            weights.experts.stats = store.stats
+        # one stage per planned stage, all served by the store
+        stages = [Stage.build(cfg, torch.device(st.device) if st.device != dev.type else dev,
+                              st.layers, store, n_ctx, precision.kv_dtype,
+                              weights.rope_freqs_for(n_ctx))
+                  for st in plan.stages]
     if pipeline is not None:
         from .pipeline import PipelineEngine  # torch.distributed: only a pipeline loads it
 
