@@ -38,7 +38,7 @@ from .runtime.build import (allocator_budget, build_engine, check_skip_layers, c
                             start_reading, with_hybrid)
 from .runtime.engine import Engine
 from .runtime.generate import Generation, GenerationStats, autoregressive, generate
-from .runtime.load_clock import LoadClock
+from .load_clock import LoadClock
 from .runtime.placement import Placement
 from .runtime.recurrent import speculation_refused
 from .runtime.sampler import Sampler, SamplingParams
@@ -74,7 +74,7 @@ class Model:
         # speculative decoding across generations: tree sizers, the draft's release
         self.speculation = Speculation()
         self.pipeline_stages: list[dict] | None = None  # distributed: every rank's stage
-        # load(): seconds per phase of the load (runtime.load_clock), in the order they ran
+        # load(): seconds per phase of the load (slipstream.load_clock), in the order they ran
         self.load_phases: dict[str, float] = {}
         self.owns_resources = owns_resources  # False for a self-draft, which borrows the target's
         self._vram_cap = None  # memory.vram_cap.VramCap while the model holds a VRAM budget

@@ -145,6 +145,6 @@ def bench_table(model, results, load_s: float | None = None, ttft=None) -> Table
     if load_s is not None:
         t.add_row("load", "", "", f"{load_s * 1e3:.1f}", "1", *blank)
         for phase, s in getattr(model, "load_phases", {}).items():
-            if s >= 0.001:  # where the load's time went (runtime.load_clock)
+            if s >= 0.001:  # where the load's time went (slipstream.load_clock)
                 t.add_row(f"load: {phase}", "", "", f"{s * 1e3:.1f}", "1", *blank)
     return t

@@ -10,6 +10,7 @@ import torch
 
 from ..modelfile.config import ModelConfig
 from ..errors import BadArgument, BudgetTooSmall
+from ..load_clock import LoadClock, maybe
 from ..modelfile.gguf_file import GGUFFile
 from ..model.families import file_spec
 from ..model.layer_spec import head_tensor_name, kv_cache_bytes
@@ -436,15 +437,16 @@ def measure_bandwidths(gf: GGUFFile, plan: Plan, io: str, cfg: ModelConfig | Non
 
 
 def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
-                        precision: Precision, plan: Plan, split: SplitPolicy | None = None
-                        ) -> tuple[dict, SplitPolicy | None]:
+                        precision: Precision, plan: Plan, split: SplitPolicy | None = None,
+                        clock: LoadClock | None = None) -> tuple[dict, SplitPolicy | None]:
     """CUDA tier B: build each streamed layer once on the GPU and keep its image in pinned RAM.
     With `split` (hybrid decode's, hybrid.policy.HybridSplit), its layers are built in two FFN
     shares and the CPU's share is packed for the CPU. Returns (images, split; None where
     nothing was split). On CPU: the "packed" layers' images (packed_cpu_layers).
 
     Runs before the resident layers load, so the transient GPU copy of the layer being built
-    never sits on top of the resident model: the peak VRAM stays the steady-state one."""
+    never sits on top of the resident model: the peak VRAM stays the steady-state one.
+    `clock` times the GPU builds, the pinned copies and the waits for the CPU's packing."""
     if plan.device == "cpu":
         return packed_cpu_layers(gf, cfg, precision, plan), None
     pinned = [i for i, t in enumerate(plan.tiers) if t == "pinned"]
@@ -465,11 +467,15 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
                 " and packing the CPU's share" if splits else ""), total=total)
             for i in pinned:
                 src = TensorSource(gf)
+                with maybe(clock, "streamed layers: read and built on the GPU"):
+                    built = (split.build_layer(builder, src, i) if i in splits
+                             else builder.build(src, i))
+                with maybe(clock, "streamed layers: copied to pinned RAM"):
+                    images[i] = to_image(built)
+                del built
                 if i in splits:
-                    images[i] = to_image(split.build_layer(builder, src, i))
-                    split.attach(i)
-                else:
-                    images[i] = to_image(builder.build(src, i))
+                    with maybe(clock, "streamed layers: waiting for the CPU's packing"):
+                        split.attach(i)
                 release_transients(device)
                 bar.advance(task, plan.file_bytes_per_layer[i])
     del builder

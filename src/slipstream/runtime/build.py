@@ -37,7 +37,7 @@ from ..weights import load_weights
 from ..weights.file_bytes import read_ahead
 from ..weights.split_build import SplitPlacement
 from .engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
-from .load_clock import LoadClock, maybe
+from ..load_clock import LoadClock, maybe
 from .stage import Stage
 from ..threads import default_threads, threads_given
 
@@ -275,9 +275,8 @@ def build_engine(gf: GGUFFile, cfg: ModelConfig, dev: torch.device, plan: Plan, 
     # CUDA tiers B and C are built first, while the GPU holds nothing else, so the transient
     # GPU copy of the layer being built never sits on top of the resident model (on CPU:
     # the "packed" layers' images and the disk layers' image file).
-    with maybe(clock, "streamed layers pinned"):
-        images, split = pin_streamed_layers(gf, cfg, dev, precision, plan,
-                                            HybridSplit.of(plan, cfg, dev))
+    images, split = pin_streamed_layers(gf, cfg, dev, precision, plan,
+                                        HybridSplit.of(plan, cfg, dev), clock)
     with maybe(clock, "disk images"):
         disk = disk_images(gf, cfg, dev, precision, plan, progress)
     with maybe(clock, "resident weights"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import slipstream
-from slipstream.runtime.load_clock import LoadClock, maybe
+from slipstream.load_clock import LoadClock, maybe
 from slipstream.synth import write_synth
 
 
