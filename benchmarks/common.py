@@ -96,20 +96,28 @@ def table(rows: Iterable[dict[str, Any]], columns: list[tuple[str, str, str]]) -
                                for i, (c, w) in enumerate(zip(line, widths))) for line in cells)
 
 
+def synth_path(shape: str, quant: str = "Q4_K", workdir: Path | None = None,
+               arch: str = "llama", layers: int | None = None, skew: float = 0.0) -> Path:
+    """Where synth_model keeps the file of these arguments."""
+    stem = f"{shape}-{quant}" if arch == "llama" else f"{arch}-{shape}-{quant}"
+    stem += (f"-{layers}l" if layers else "") + (f"-skew{skew:g}" if skew else "")
+    return Path(workdir or MODELS) / f"{stem}.gguf"
+
+
 def synth_model(shape: str, quant: str = "Q4_K", workdir: Path | None = None,
-                arch: str = "llama") -> Path:
+                arch: str = "llama", layers: int | None = None, skew: float = 0.0) -> Path:
     """The anchor-shaped synthetic model (all 2-D weights `quant`, the head Q6_K), written once:
     the 8B is hidden 4096, ffn 14336, 32 layers; the 70B hidden 8192, ffn 28672, 80 layers;
     27b and 32b are Gemma-3-27B's and Qwen3-32B's shapes (slipstream.synth.SHAPES), of the
-    family `arch`."""
+    family `arch`; `layers` fewer layers than the shape's, `skew` a mixture of experts'
+    routing skewed (synth --expert-skew)."""
     from slipstream.synth import write_synth
 
-    work = Path(workdir or MODELS)
-    work.mkdir(parents=True, exist_ok=True)
-    path = work / (f"{shape}-{quant}.gguf" if arch == "llama" else f"{arch}-{shape}-{quant}.gguf")
+    path = synth_path(shape, quant, workdir, arch, layers, skew)
+    path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         tmp = path.with_suffix(".part")
-        write_synth(tmp, shape, quant, arch=arch)
+        write_synth(tmp, shape, quant, arch=arch, n_layers=layers, expert_skew=skew)
         tmp.rename(path)
         # flush the new file now: writeback of GiBs of dirty pages during timed runs slowed
         # eager prefill by a third on an H200's host (graph-replayed decode, not)

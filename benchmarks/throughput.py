@@ -16,6 +16,14 @@ Cases (the synthetic anchor-shaped Llama files, `benchmarks/common.py:synth_mode
                                         at the most layers whose weights, KV cache and compute
                                         buffer fit 12 GiB (`llamacpp_layers_within`)
 
+Mixtures of experts at a VRAM budget (MOE_CASES; SLIPSTREAM_CUDA_MOE=1), each with uniform and
+with skewed routing (--routing; the job CASE-uniform, CASE-skewed), its experts split between
+VRAM slots and the CPU: gptoss-120b-24l-vram8, gptoss-120b-24l-vram24, qwen3moe-30b-q4k-vram4,
+glm45air-28l-q4k-vram24, mixtral-8x7b-q4k-vram12. llama.cpp runs its best configuration at
+the same VRAM: -ngl 99 with --n-cpu-moe N (the fewest layers' experts on the CPU that fit the
+budget, `llamacpp_moe_configs`) and with -ot exps=CPU, threads swept (--moe-threads); its best
+decode and its best pp512 are reported with their configurations.
+
 Every case: decode tok/s (resident: tg128 through CUDA events, as `slipstream bench`; streamed:
 the median of --repeats runs of --tokens greedy steps after a short prompt and a warm-up, host
 clock around synchronised steps), prefill pp512, and the ratio to a roofline measured in this
@@ -63,6 +71,21 @@ CASES = {
     "qwen3-32b-q4k-vram12": ("32b", "Q4_K", "12GiB", None, "direct", "auto", None, "qwen3"),
     "gemma3-27b-q4k-vram12": ("27b", "Q4_K", "12GiB", None, "direct", "auto", None, "gemma3"),
 }
+# Mixtures of experts: name -> (shape, quant, architecture, layers (None: the shape's), VRAM
+# budget). The device host has 128 GiB of RAM, and the file (in /dev/shm) and slipstream's RAM
+# copy of the experts outside VRAM must fit it together: gpt-oss-120b's 36 layers are 61 GB in
+# MXFP4 and GLM-4.5-Air's 46 are 59 GB in Q4_K, so both engines run the same shape with 24
+# (41 GB) and 28 (36 GB) layers, which the case names say.
+MOE_CASES = {
+    "gptoss-120b-24l-vram8": ("120b-a5b", "MXFP4", "gpt-oss", 24, "8GiB"),
+    "gptoss-120b-24l-vram24": ("120b-a5b", "MXFP4", "gpt-oss", 24, "24GiB"),
+    "qwen3moe-30b-q4k-vram4": ("30b-a3b", "Q4_K", "qwen3moe", None, "4GiB"),
+    "glm45air-28l-q4k-vram24": ("106b-a12b", "Q4_K", "glm4moe", 28, "24GiB"),
+    "mixtral-8x7b-q4k-vram12": ("8x7b", "Q4_K", "mixtral", None, "12GiB"),
+}
+# --expert-skew of each routing: random weights route almost uniformly; at 1 each layer's
+# expert popularity falls off as a Zipf-like law (slipstream.synth_experts.skewed_router)
+ROUTINGS = {"uniform": 0.0, "skewed": 1.0}
 # llama.cpp's compute buffers and CUDA context beside the weights and KV cache of -ngl layers:
 # what its log reported for a 70B at 24 GiB was about 1.2 GiB; kept with a margin
 LLAMACPP_OVERHEAD = 1.5 * 2**30
@@ -90,6 +113,46 @@ def llamacpp_layers_within(path: Path, budget: str, ctx: int = 2048) -> int:
     gf.close()
     return max(0, int((parse_size(budget) - LLAMACPP_OVERHEAD) // per_layer))
 HEADLINE = "8b-q4k-resident,70b-q4k-vram24-layers,70b-q4k-vram24-hybrid"
+
+
+def moe_job(name: str) -> tuple[str, str] | None:
+    """(case, routing) of a mixture-of-experts job CASE-ROUTING; None for another name."""
+    case, _, routing = name.rpartition("-")
+    return (case, routing) if case in MOE_CASES and routing in ROUTINGS else None
+
+
+def moe_path(case: str, routing: str, workdir: Path, write: bool = True) -> Path:
+    """The job's synthetic file, written first where missing (`write`)."""
+    shape, quant, arch, layers, _ = MOE_CASES[case]
+    make = common.synth_model if write else common.synth_path
+    return make(shape, quant, workdir, arch, layers, ROUTINGS[routing])
+
+
+def llamacpp_moe_configs(path: Path, budget: str, ctx: int = 2048) -> list[tuple[str, list[str]]]:
+    """llama.cpp's offloading configurations of a mixture of experts within `budget`: every
+    layer on the GPU (-ngl 99) with the experts of the first N layers on the CPU (--n-cpu-moe,
+    N the fewest whose VRAM fits: the file's weights less the token embedding, which stays on
+    the host, less those experts, plus the KV cache at `ctx` and LLAMACPP_OVERHEAD), and with
+    every layer's experts on the CPU (-ot exps=CPU, the same as N = all layers)."""
+    from slipstream.memory.budget import parse_size
+    from slipstream.model.layer_spec import kv_cache_bytes
+    from slipstream.modelfile.config import ModelConfig
+    from slipstream.modelfile.gguf_file import GGUFFile
+
+    gf = GGUFFile(path)
+    cfg = ModelConfig.from_metadata(gf.metadata, set(gf.tensors))
+    experts = [sum(t.n_bytes for n, t in gf.tensors.items()
+                   if n.startswith(f"blk.{i}.") and "_exps." in n) for i in range(cfg.n_layers)]
+    rest = sum(t.n_bytes for n, t in gf.tensors.items()
+               if n != "token_embd.weight" and "_exps." not in n)
+    fixed = rest + kv_cache_bytes(cfg, cfg.n_layers, ctx, 2) + LLAMACPP_OVERHEAD
+    gf.close()
+    configs = [("-ot exps=CPU", ["-ngl", "99", "-ot", "exps=CPU"])]
+    cap = parse_size(budget)
+    n = next((n for n in range(cfg.n_layers + 1) if fixed + sum(experts[n:]) <= cap), None)
+    if n is not None and n < cfg.n_layers:
+        configs.insert(0, (f"--n-cpu-moe {n}", ["-ngl", "99", "--n-cpu-moe", str(n)]))
+    return configs
 
 
 def load_model(path: Path, budget: str | None, ram_budget: str | None, io: str, hybrid: str,
@@ -162,6 +225,62 @@ def streamed_roofline(plan, h2d_gbps: float, disk_gbps: float | None) -> float |
         if disk_b and disk_gbps:
             seconds = max(seconds, disk_b / (disk_gbps * 1e9))
     return 1 / seconds if seconds else None
+
+
+def run_moe_case(name: str, case: str, routing: str, a: argparse.Namespace) -> dict:
+    """One mixture-of-experts job in this process: load at the budget (the experts split
+    between VRAM slots and the CPU), pp512, decode, the share of routed pairs served from VRAM
+    during the timed decode, the VRAM as the driver counts it, and a roofline: the GPU reading
+    the dense part and its share of the routed experts at the device's copy rate beside the
+    CPU reading the rest at its memory rate, the slower of the two per token."""
+    os.environ["SLIPSTREAM_CUDA_MOE"] = "1"  # the opt-in of CUDA mixtures of experts
+    import torch
+
+    from slipstream.memory.probes import memory_read_gbps
+    from slipstream.runtime.bench import bench_prefill, weight_bytes_per_token
+
+    budget = MOE_CASES[case][4]
+    path = moe_path(case, routing, a.workdir)
+    torch.cuda.empty_cache()
+    t0 = time.perf_counter()
+    model = load_model(path, budget, None, "direct", "auto", a.ctx)
+    torch.cuda.synchronize()
+    cfg, plan, engine = model.config, model.plan, model.engine
+    row: dict = {"name": name, "case": case, "routing": routing,
+                 "expert_skew": ROUTINGS[routing], "model": path.name, "layers": cfg.n_layers,
+                 "vram_budget": budget, "load_s": round(time.perf_counter() - t0, 1),
+                 "load_phases": model.load_phases,
+                 "vram_expert_slots": plan.vram_expert_slots}
+    row["prefill512_tok_s"] = round(bench_prefill(engine, 512, reps=2).tok_s, 1)
+    stats = engine.layers.stats
+    stats.reset()
+    runs = [round(decode_rate(engine, a.tokens), 3) for _ in range(max(1, a.repeats))]
+    row["decode_test"] = f"decode{a.tokens}"
+    row["decode_tok_s"], row["decode_tok_s_runs"] = round(statistics.median(runs), 3), runs
+    hit = stats.expert_vram_rate
+    # no pair counted: no layer split, every expert in VRAM
+    row["expert_vram_hit_rate"] = round(hit, 4) if hit is not None else 1.0
+    row["expert_syncs_per_token"] = round(stats.expert_syncs / (a.tokens * len(runs)), 1)
+    row["expert_swaps"] = stats.expert_swaps
+    hbm = memory_read_gbps(torch.device("cuda"), 2 << 30)
+    cpu = memory_read_gbps(torch.device("cpu"), 1 << 30)
+    # a token's bytes: its routed experts' (in the file's formats; not GLM-4.5's prediction
+    # layer past n_layers, which is not run) and the rest's
+    routed = sum(t.n_bytes * cfg.n_experts_used // cfg.n_experts
+                 for n, t in model.gguf.tensors.items()
+                 if "_exps." in n and int(n.split(".")[1]) < cfg.n_layers)
+    dense = weight_bytes_per_token(engine, model.gguf) - routed
+    gpu_s = (dense + routed * row["expert_vram_hit_rate"]) / (hbm * 1e9)
+    cpu_s = routed * (1 - row["expert_vram_hit_rate"]) / (cpu * 1e9)
+    row.update(hbm_gbps=round(hbm, 1), cpu_gbps=round(cpu, 1),
+               routed_gb_per_token=round(routed / 1e9, 3),
+               roofline_tok_s=round(1 / max(gpu_s, cpu_s), 2))
+    row["ratio_to_roofline"] = round(row["decode_tok_s"] / row["roofline_tok_s"], 3)
+    free, total = torch.cuda.mem_get_info()
+    row["vram_gib"] = round((total - free) / 2**30, 2)  # as the driver counts it
+    row["vram_allocator_peak_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    model.close()
+    return row
 
 
 def run_case(name: str, workdir: Path, a: argparse.Namespace) -> dict:
@@ -240,6 +359,34 @@ def run_in_child(name: str, a: argparse.Namespace) -> dict:
         result.unlink(missing_ok=True)
 
 
+def with_llamacpp_moe(row: dict, build: str, a: argparse.Namespace) -> None:
+    """llama.cpp's best decode and best pp512 over its configurations at the case's VRAM
+    (llamacpp_moe_configs) and thread counts (--moe-threads), on the same file."""
+    path = moe_path(row["case"], row["routing"], a.workdir)
+    runs = []
+    for label, args in llamacpp_moe_configs(path, MOE_CASES[row["case"]][4], a.ctx):
+        res = common.llama_bench(build, path, [*args, "-p", "512", "-n", str(a.tokens * 2),
+                                               "-r", "2", "-fa", "1", "-t", a.moe_threads],
+                                 timeout=600)
+        runs.append({"config": label, **res})
+    row["llamacpp_runs"] = runs
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        row["error"] = f"llama.cpp: {runs[-1].get('error', 'no run')[:300]}"
+        return
+    tg = max(ok, key=lambda r: r.get("tg_tok_s") or 0)
+    pp = max(ok, key=lambda r: r.get("pp512_tok_s") or 0)
+    row["llamacpp_config"] = f"{tg['config']} -t {tg.get('tg_threads')}"
+    row["llamacpp_decode_tok_s"] = tg.get("tg_tok_s")
+    row["llamacpp_prefill512_tok_s"] = pp.get("pp512_tok_s")
+    row["llamacpp_prefill_config"] = pp["config"]
+    if row["llamacpp_decode_tok_s"] and row.get("decode_tok_s"):
+        row["ratio_to_llamacpp"] = round(row["decode_tok_s"] / row["llamacpp_decode_tok_s"], 3)
+    if row["llamacpp_prefill512_tok_s"] and row.get("prefill512_tok_s"):
+        row["prefill_ratio_to_llamacpp"] = round(
+            row["prefill512_tok_s"] / row["llamacpp_prefill512_tok_s"], 3)
+
+
 def with_llamacpp(row: dict, build: str, workdir: Path) -> None:
     shape, quant, budget, *_, ngl, arch = case(row["name"])
     path = common.synth_model(shape, quant, workdir, arch)
@@ -262,7 +409,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", default=HEADLINE,
-                    help=f"comma-separated, of: {', '.join(CASES)} (default: {HEADLINE})")
+                    help=f"comma-separated, of: {', '.join([*CASES, *MOE_CASES])} (default: "
+                         f"{HEADLINE})")
+    ap.add_argument("--routing", default="uniform,skewed",
+                    help="mixtures of experts: the routings to run each case with (default: both)")
+    ap.add_argument("--moe-threads", default="8,16",
+                    help="mixtures of experts: llama.cpp's thread counts swept (-t)")
+    ap.add_argument("--keep-files", action="store_true",
+                    help="keep each mixture of experts' file after its job (by default removed: "
+                         "two routings of a 40 GB file do not fit /dev/shm together)")
     ap.add_argument("--llamacpp", metavar="BUILD",
                     help="llama.cpp's build folder (or llama-bench): run it on each case's file")
     ap.add_argument("--results", default=str(common.RESULTS), help="where the JSON goes")
@@ -276,30 +431,46 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     a.workdir = Path(a.workdir)
     if a.one:
-        Path(a.case_json).write_text(json.dumps(run_case(a.one, a.workdir, a)))
+        job = moe_job(a.one)
+        row = run_moe_case(a.one, *job, a) if job else run_case(a.one, a.workdir, a)
+        Path(a.case_json).write_text(json.dumps(row))
         return 0
     names = [c for c in a.case.split(",") if c]
-    unknown = [c for c in names if c not in CASES]
+    unknown = [c for c in names if c not in CASES and c not in MOE_CASES]
     if unknown:
-        ap.error(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(CASES)}")
+        ap.error(f"unknown case(s) {', '.join(unknown)}; known: "
+                 f"{', '.join([*CASES, *MOE_CASES])}")
+    routings = [r for r in a.routing.split(",") if r]
+    if not set(routings) <= set(ROUTINGS):
+        ap.error(f"--routing takes {', '.join(ROUTINGS)}, not {a.routing}")
+    jobs = [job for n in names
+            for job in ([f"{n}-{r}" for r in routings] if n in MOE_CASES else [n])]
     head = common.provenance("cuda")
     rows = []
-    for name in names:
+    for name in jobs:
         row = run_in_child(name, a)
+        moe = moe_job(name)
         if a.llamacpp and "error" not in row:
-            with_llamacpp(row, a.llamacpp, a.workdir)
+            if moe:
+                with_llamacpp_moe(row, a.llamacpp, a)
+            else:
+                with_llamacpp(row, a.llamacpp, a.workdir)
+        if moe and not a.keep_files:
+            moe_path(*moe, a.workdir, write=False).unlink(missing_ok=True)
         rows.append(row)
         path = common.write_result(name, {**head, **row}, a.results)
         print(json.dumps({"case": name, "file": str(path)}), flush=True)
     for r in rows:
-        r["llamacpp_tg"] = (r.get("llamacpp") or {}).get("tg_tok_s")
-        r["llamacpp_pp"] = (r.get("llamacpp") or {}).get("pp512_tok_s")
+        r["llamacpp_tg"] = (r.get("llamacpp") or {}).get("tg_tok_s", r.get("llamacpp_decode_tok_s"))
+        r["llamacpp_pp"] = (r.get("llamacpp") or {}).get("pp512_tok_s",
+                                                         r.get("llamacpp_prefill512_tok_s"))
+        r.setdefault("vram_process_gib", r.get("vram_gib") if moe_job(r["name"]) else None)
     print(common.table(rows, [
         ("name", "case", ""), ("decode_tok_s", "tok/s", ".3f"), ("roofline_tok_s", "roofline", ".3f"),
         ("ratio_to_roofline", "of roof", ".3f"), ("prefill512_tok_s", "pp512", ".1f"),
         ("llamacpp_tg", "llama tg", ".2f"), ("llamacpp_pp", "llama pp", ".1f"),
-        ("cpu_share", "share", ".2f"), ("vram_process_gib", "VRAM GiB", ".2f"),
-        ("error", "error", "")]))
+        ("cpu_share", "share", ".2f"), ("expert_vram_hit_rate", "VRAM hits", ".2f"),
+        ("vram_process_gib", "VRAM GiB", ".2f"), ("error", "error", "")]))
     return 1 if any("error" in r for r in rows) else 0
 
 

@@ -7,7 +7,7 @@ from collections import Counter
 import gguf
 import pytest
 
-from slipstream.synth import QUANT_MIXES, write_synth
+from slipstream.synth import QUANT_MIXES, SHAPES, write_synth
 
 
 @pytest.mark.parametrize("mix", sorted(QUANT_MIXES))
@@ -95,6 +95,8 @@ def test_cli_offers_every_mix(tmp_path):
     synth = next(a for a in build_parser()._actions if a.dest == "command").choices["synth"]
     quant = next(a for a in synth._actions if a.dest == "quant")
     assert sorted(quant.choices) == sorted(QUANT_MIXES)
+    shape = next(a for a in synth._actions if a.dest == "shape")
+    assert sorted(shape.choices) == sorted(SHAPES)
     out = tmp_path / "iq3s.gguf"
     assert main(["synth", "--shape", "tiny", "--quant", "IQ3_S", "--layers", "1",
                  "-o", str(out)]) == 0

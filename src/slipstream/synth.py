@@ -34,6 +34,7 @@ from .synth_mla import F16_TENSORS, mla_metadata, mla_shape
 from .synth_ssm import ssm_data, ssm_metadata
 from .synth_vocab import LLAMA3_TEMPLATE, build_vocab
 from .quant.encode import quantize
+from .quant.fallback import fitting_type
 
 Q = GGMLQuantizationType
 
@@ -95,6 +96,15 @@ SHAPES: dict[str, SynthShape] = {
     "20b-a4b": SynthShape(hidden=2880, ffn=2880, n_layers=24, n_heads=64, n_kv_heads=8,
                           vocab=201088, context=131072, rope_base=150000.0, head_dim=64,
                           n_experts=32, n_experts_used=4, expert_ffn=2880),
+    # gpt-oss-120b's: gpt-oss-20b's layer with 128 experts, 36 layers
+    "120b-a5b": SynthShape(hidden=2880, ffn=2880, n_layers=36, n_heads=64, n_kv_heads=8,
+                           vocab=201088, context=131072, rope_base=150000.0, head_dim=64,
+                           n_experts=128, n_experts_used=4, expert_ffn=2880),
+    # GLM-4.5-Air's (--arch glm4moe): 96 query heads of 128 beside hidden 4096, the first
+    # layer's dense FFN 10944 wide, then 128 experts of 1408, 8 used, and a shared one
+    "106b-a12b": SynthShape(hidden=4096, ffn=10944, n_layers=46, n_heads=96, n_kv_heads=8,
+                            vocab=151552, context=131072, rope_base=1000000.0, head_dim=128,
+                            n_experts=128, n_experts_used=8, expert_ffn=1408),
 }
 
 def file_arch(arch: str) -> str:
@@ -489,14 +499,15 @@ def write_synth(path: str | Path, shape: SynthShape | str, quant_mix: str = "Q4_
         for t in sorted((t for t in spec_for(arch, cfg.n_experts).at(lc).tensors
                          if t.expected(cfg)),
                         key=_file_rank):
-            q, sd = ((layer_q(t.suffix), std) if t.kind == "weight" else
-                     (Q.F32, 0.1 if t.kind == "bias" else 0.0))
+            q, sd = ((fitting_type(layer_q(t.suffix), t.shape(lc)[-1]), std)
+                     if t.kind == "weight" else (Q.F32, 0.1 if t.kind == "bias" else 0.0))
             plan.append((f"blk.{i}.{t.suffix}", q, t.shape(lc), sd))
     for i in range(cfg.n_layers, cfg.n_layers + cfg.nextn_layers):  # GLM-4.5's MTP layer:
         lc = cfg.layer(cfg.n_layers - 1)  # a decoder layer and its own tensors
         for t in sorted((t for t in spec_for(arch, cfg.n_experts).at(lc).tensors
                          if t.expected(cfg)), key=_file_rank):
-            plan.append((f"blk.{i}.{t.suffix}", layer_q(t.suffix) if t.kind == "weight"
+            plan.append((f"blk.{i}.{t.suffix}",
+                         fitting_type(layer_q(t.suffix), t.shape(lc)[-1]) if t.kind == "weight"
                          else Q.F32, t.shape(lc), std if t.kind == "weight" else 0.1))
         plan += [(f"blk.{i}.{n}", layer_type if k == "weight" else Q.F32, s, std)
                  for n, s, k in nextn_tensors(shape.hidden)]

@@ -17,10 +17,11 @@ def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
     sy = command("synth", "write a random-weight GGUF of a supported family for testing")
     sy.add_argument("--shape", required=True,
                     choices=["tiny", "1b", "8b", "27b", "32b", "70b", "30b-a3b", "235b-a22b",
-                             "35b-a3b", "8x7b", "20b-a4b"],
+                             "35b-a3b", "8x7b", "20b-a4b", "120b-a5b", "106b-a12b"],
                     help="the model's shape (27b: Gemma-3-27B's, 32b: Qwen3-32B's; the "
                          "mixtures of experts 30b-a3b and 235b-a22b: Qwen3-MoE's, 35b-a3b: "
-                         "Qwen3.5-35B-A3B's, 8x7b: Mixtral's, 20b-a4b: gpt-oss-20b's)")
+                         "Qwen3.5-35B-A3B's, 8x7b: Mixtral's, 20b-a4b and 120b-a5b: "
+                         "gpt-oss-20b's and -120b's, 106b-a12b: GLM-4.5-Air's)")
     sy.add_argument("--quant", default="Q4_K",
                     choices=["Q4_K", "Q4_K_M", "Q6_K", "Q8_0", "F16", "Q4_0", "Q5_K", "IQ4_NL",
                              "IQ4_XS", "MXFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
