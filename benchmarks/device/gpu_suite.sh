@@ -29,7 +29,7 @@
 # and green, 1 some test failed, 2 tests are left (call again), 4 no state.
 #
 # Settings: HEAVY=1 also runs the compile_heavy tests; FRESH=1 starts from an empty state;
-# SHARDS (default 4) pytest processes side by side, balanced by the test durations of
+# SHARDS (default 8) pytest processes side by side, balanced by the test durations of
 # DURATIONS (default: the newest benchmarks/results/*-gpu-suite-*.json, an earlier whole run's
 # state), ALONE_S (default 120) kept for the tests
 # marked gpu_alone, run after them in one process;
@@ -59,13 +59,15 @@ if ! ls "${SLIPSTREAM_CACHE:-/tmp/slipstream-cache}" 2>/dev/null | grep -q "^Smo
   echo "the default model is not in the cache: its tests wait for a call that has it"
   later=(--suite-later default_model)
 fi
-# SHARDS processes share the GPU (default 4): Triton compiles on the CPU, and a cold machine
+# SHARDS processes share the GPU (default 8): Triton compiles on the CPU, and a cold machine
 # spends most of a call compiling. Each shard runs its group of tests (suite_plugin's
 # --suite-shard) from a copy of the state and logs to gpu-suite-I.log; their states are merged
 # into the main one after. Then the tests marked gpu_alone (they read the device's memory use
 # as their own, or time work) run in one process, alone on the GPU, logged to gpu-suite-0.log;
 # the shards stop starting tests ALONE_S (default 120) seconds before the call's budget for it.
-shards=${SHARDS:-4}
+# 8 on the 16-core hosts: by the durations of a whole run on an H100 (2073 s of tests, 4
+# shards then), 4 shards come to 513-524 s each, past one call's budget, and 8 to 252-266 s
+shards=${SHARDS:-8}
 durations=${DURATIONS:-$(ls benchmarks/results/*-gpu-suite-*.json 2>/dev/null | tail -1)}
 budget=${BUDGET_S:-420}; hard=${HARD_S:-540}; alone=${ALONE_S:-120}
 settings=$(env | grep '^SLIPSTREAM_' | sort)  # the settings this call ran under head each log
