@@ -25,6 +25,7 @@ from .cuda_context import outside_allocator_bytes
 from .devices import pad_stage_plan
 from .image_file import build_cpu_images, build_images
 from .kvikio_io import require_kvikio
+from .pinned import pinned_empty
 from .probes import cpu_decode_rates, h2d_pinned_gbps, memory_read_gbps, span_read_gbps
 from .expert_plan import plan_experts
 from .expert_split_plan import expert_sizes, plan_expert_split
@@ -471,7 +472,7 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
                     built = (split.build_layer(builder, src, i) if i in splits
                              else builder.build(src, i))
                 with maybe(clock, "streamed layers: copied to pinned RAM"):
-                    images[i] = to_image(built)
+                    images[i] = to_image(built, alloc=pinned_empty)
                 del built
                 if i in splits:
                     with maybe(clock, "streamed layers: waiting for the CPU's packing"):

@@ -27,6 +27,7 @@ import torch
 
 from .. import envs
 from .disk import ALIGN, DirectReader, DiskReadError
+from .pinned import pinned_empty
 
 if TYPE_CHECKING:
     from ..runtime.trace import Tracer
@@ -44,7 +45,8 @@ class StagingBuffer:
 
     def __init__(self, nbytes: int, pinned: bool = True):
         self.nbytes = (max(nbytes, ALIGN) + ALIGN - 1) // ALIGN * ALIGN
-        raw = torch.empty(self.nbytes + ALIGN, dtype=torch.uint8, pin_memory=pinned)
+        raw = (pinned_empty(self.nbytes + ALIGN) if pinned
+               else torch.empty(self.nbytes + ALIGN, dtype=torch.uint8))
         skew = (-raw.data_ptr()) % ALIGN  # O_DIRECT wants the address aligned too
         self.tensor = raw[skew:skew + self.nbytes]
         self.view = memoryview(self.tensor.numpy())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from gguf import GGMLQuantizationType
@@ -115,13 +116,18 @@ def _fill(buf: torch.Tensor, layer: LayerWeights, layout: LayerLayout) -> None:
         buf[e.offset:e.offset + e.nbytes].copy_(src)
 
 
-def to_image(layer: LayerWeights, pin: bool = True) -> LayerImage:
+def to_image(layer: LayerWeights, pin: bool = True,
+             alloc: Callable[[int], torch.Tensor] | None = None) -> LayerImage:
     """Copy a GPU-built layer into one host buffer (the GPU copy can then be freed); pinned for
-    tier B, pageable when the image is only on its way to a file."""
+    tier B, pageable when the image is only on its way to a file. `alloc(nbytes)`: the pinned
+    buffer's maker (memory.pinned.pinned_empty: exactly sized), instead of torch's."""
     layout = layout_of(layer)
     # a file image is zeroed so its padding is deterministic; pinned memory skips the memset
-    host = (torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True) if pin
-            else torch.zeros(layout.nbytes, dtype=torch.uint8))
+    if alloc is not None:
+        host = alloc(layout.nbytes)
+    else:
+        host = (torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True) if pin
+                else torch.zeros(layout.nbytes, dtype=torch.uint8))
     _fill(host, layer, layout)
     return LayerImage(layout, host)
 

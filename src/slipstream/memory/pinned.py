@@ -1,0 +1,76 @@
+"""Page-locked host buffers of exactly the size asked.
+
+torch's pinned allocations (`pin_memory=True`) go through its caching host allocator, which
+rounds every request up to the next power of two before cudaHostAlloc
+(ATen/core/CachingHostAllocator.h: `PowerOf2Ceil(size)`): a 70B layer's 495 MB image pins
+512 MiB, a hybrid layer's ~204 MB GPU share 256 MiB (+31%), so the pinned tier held more RAM
+than the plan counted, and pinning it took as much longer. cudaHostAlloc also faults in and
+zeroes every page on one thread inside the driver.
+
+A large buffer here is anonymous memory of its exact size (mmap), its pages first touched by
+torch's threads (a parallel fill), then locked with cudaHostRegister; the GPU copies from it
+asynchronously and reads it in place as from any pinned buffer (torch counts it as pinned:
+cudaPointerGetAttributes says host memory). It is unlocked when the last tensor over it is
+freed: the tensor holds the mapping through the buffer protocol, and the mapping unregisters
+itself before it is unmapped. Small buffers keep torch's allocator, whose rounding costs little
+there and which recycles them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import torch
+
+# Below this the caching allocator's rounding wastes at most this much per buffer, and its
+# reuse of freed blocks (the per-call pinned copies of the hand-offs) is worth keeping.
+EXACT_FROM = 16 << 20
+
+
+def _cudart():
+    """torch's CUDA runtime bindings (a function, so that tests can stand in for them)."""
+    return torch.cuda.cudart()
+
+
+class _LockedMapping(mmap.mmap):
+    """Anonymous memory page-locked by cudaHostRegister while `locked_at` is set."""
+
+    locked_at: int | None = None
+
+    def __del__(self) -> None:
+        # runs when the last tensor over the mapping is gone, before the mapping is unmapped
+        if self.locked_at is not None:
+            try:
+                _cudart().cudaHostUnregister(self.locked_at)
+            except Exception:  # the CUDA runtime may be unloading at interpreter exit
+                pass
+            self.locked_at = None
+
+
+def _clear_last_error() -> None:
+    """Reset the CUDA runtime's last error after a failed registration: torch checks it after
+    each kernel launch (cudaGetLastError), and would raise the stale error there. torch binds
+    no cudaGetLastError, so it is called in the runtime library this process has loaded."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lib = next(line.split()[-1] for line in maps if "libcudart.so" in line)
+        ctypes.CDLL(lib).cudaGetLastError()
+    except (OSError, StopIteration):
+        pass
+
+
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 host tensor of `nbytes` bytes, page-locked for CUDA copies (see the module
+    doc); torch's pinned allocator where registering fails (a locked-memory limit, say)."""
+    if nbytes < EXACT_FROM:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    mapping = _LockedMapping(-1, nbytes)
+    host = torch.frombuffer(mapping, dtype=torch.uint8)
+    host.zero_()  # the page faults on torch's threads, not in the driver's one
+    if int(_cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)) != 0:
+        _clear_last_error()
+        del host
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    mapping.locked_at = host.data_ptr()
+    return host
