@@ -2,9 +2,9 @@
 
 torch's pinned allocations (`pin_memory=True`) go through its caching host allocator, which
 rounds every request up to the next power of two before cudaHostAlloc
-(ATen/core/CachingHostAllocator.h: `PowerOf2Ceil(size)`): a 70B layer's 495 MB image pins
-512 MiB, a hybrid layer's ~204 MB GPU share 256 MiB (+31%), so the pinned tier held more RAM
-than the plan counted, and pinning it took as much longer. cudaHostAlloc also faults in and
+(ATen/core/CachingHostAllocator.h: `PowerOf2Ceil(size)`): a 70B layer's 472 MiB image pins
+512 MiB, and a buffer just past a power of two nearly twice its size, so the pinned tier held
+more RAM than the plan counted, and pinning it took as much longer. cudaHostAlloc also faults in and
 zeroes every page on one thread inside the driver.
 
 A large buffer here is anonymous memory of its exact size (mmap), its pages first touched by
