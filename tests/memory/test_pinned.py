@@ -71,3 +71,26 @@ def test_a_failed_registration_falls_back_to_torchs_allocator(monkeypatch):
     assert cleared == [True]  # the runtime's last error reset, or torch would raise it later
     gc.collect()
     assert not any(c[0] == "unregister" for c in fake.calls)  # nothing was registered
+
+
+def test_pin_ahead_locks_the_next_buffer_of_a_kind_at_its_last_size(runtime):
+    n_whole, n_split = pinned.EXACT_FROM + 4096, pinned.EXACT_FROM + 8192
+    with pinned.PinAhead(torch.device("cpu")) as ahead:
+        first = ahead.alloc("whole")(n_whole)  # no size known yet: made on the spot
+        ahead.expect("whole")
+        ahead.expect("split")  # no split image made yet: nothing to guess
+        assert set(ahead.pending) == {"whole"}
+        second = ahead.alloc("whole")(n_whole)  # the one locked ahead
+        assert second.numel() == n_whole and second.data_ptr() != first.data_ptr()
+        made = [c for c in runtime.calls if c[0] == "register"]
+        assert len(made) == 2 and made[1][1] == second.data_ptr()
+        ahead.expect("whole")
+        odd = ahead.alloc("whole")(n_split)  # a guess of the wrong size is not used
+        assert odd.numel() == n_split
+        ahead.expect("whole")
+    assert not ahead.pending  # left pending at the end: dropped
+    gc.collect()
+    registered = {c[1] for c in runtime.calls if c[0] == "register"}
+    unregistered = {c[1] for c in runtime.calls if c[0] == "unregister"}
+    live = {first.data_ptr(), second.data_ptr(), odd.data_ptr()}
+    assert registered - unregistered == live  # the dropped guesses were unlocked

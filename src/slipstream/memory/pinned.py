@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 
@@ -74,3 +76,50 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     mapping.locked_at = host.data_ptr()
     return host
+
+
+class PinAhead:
+    """Locks the next buffer while the caller builds what goes into it: one thread of its own
+    runs pinned_empty (touching pages and registering them: host work, which the GPU's build of
+    the next layer and the file reads it waits on do not need), for a buffer of `kind` sized as
+    the last one of that kind (a model's streamed layers come in one or two sizes: whole, and
+    split with the CPU). A guess of the wrong size is dropped and the buffer made on the spot."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-pin")
+        self.sizes: dict[object, int] = {}
+        self.pending: dict[object, tuple[int, Future]] = {}
+
+    def _lock(self, nbytes: int) -> torch.Tensor:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # a new thread's current device is the first
+        return pinned_empty(nbytes)
+
+    def expect(self, kind: object) -> None:
+        """Start locking a buffer for the next image of `kind`, where one has been made."""
+        n = self.sizes.get(kind)
+        if n is not None and kind not in self.pending:
+            self.pending[kind] = (n, self.pool.submit(self._lock, n))
+
+    def alloc(self, kind: object) -> Callable[[int], torch.Tensor]:
+        """The buffer maker for an image of `kind` (weights.image.to_image's `alloc`)."""
+        def make(nbytes: int) -> torch.Tensor:
+            self.sizes[kind] = nbytes
+            ahead = self.pending.pop(kind, None)
+            if ahead is not None:
+                size, done = ahead
+                host = done.result()
+                if size == nbytes:
+                    return host
+            return pinned_empty(nbytes)
+        return make
+
+    def __enter__(self) -> "PinAhead":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for _, done in self.pending.values():
+            done.cancel()
+        self.pending.clear()
+        self.pool.shutdown(wait=True)

@@ -25,7 +25,7 @@ from .cuda_context import outside_allocator_bytes
 from .devices import pad_stage_plan
 from .image_file import build_cpu_images, build_images
 from .kvikio_io import require_kvikio
-from .pinned import pinned_empty
+from .pinned import PinAhead
 from .probes import cpu_decode_rates, h2d_pinned_gbps, memory_read_gbps, span_read_gbps
 from .expert_plan import plan_experts
 from .expert_split_plan import expert_sizes, plan_expert_split
@@ -461,19 +461,21 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
     images = {}
     total = sum(plan.file_bytes_per_layer[i] for i in pinned)
     # the CPU's shares are packed beside the GPU's building (split.packing)
-    with split.packing(gf, cfg) if splits else nullcontext():
+    with split.packing(gf, cfg) if splits else nullcontext(), PinAhead(device) as ahead:
         with Progress("[progress.description]{task.description}", BarColumn(),
                       DownloadColumn(), transient=True) as bar:
             task = bar.add_task("pinning streamed layers" + (
                 " and packing the CPU's share" if splits else ""), total=total)
-            for i in pinned:
+            for k, i in enumerate(pinned):
                 src = TensorSource(gf)
                 with maybe(clock, "streamed layers: read and built on the GPU"):
                     built = (split.build_layer(builder, src, i) if i in splits
                              else builder.build(src, i))
                 with maybe(clock, "streamed layers: copied to pinned RAM"):
-                    images[i] = to_image(built, alloc=pinned_empty)
+                    images[i] = to_image(built, alloc=ahead.alloc(i in splits))
                 del built
+                if k + 1 < len(pinned):  # the next one's buffer locked beside its build
+                    ahead.expect(pinned[k + 1] in splits)
                 if i in splits:
                     with maybe(clock, "streamed layers: waiting for the CPU's packing"):
                         split.attach(i)
