@@ -96,16 +96,14 @@ SHAPES: dict[str, SynthShape] = {
     "20b-a4b": SynthShape(hidden=2880, ffn=2880, n_layers=24, n_heads=64, n_kv_heads=8,
                           vocab=201088, context=131072, rope_base=150000.0, head_dim=64,
                           n_experts=32, n_experts_used=4, expert_ffn=2880),
-    # gpt-oss-120b's: gpt-oss-20b's layer with 128 experts, 36 layers
-    "120b-a5b": SynthShape(hidden=2880, ffn=2880, n_layers=36, n_heads=64, n_kv_heads=8,
-                           vocab=201088, context=131072, rope_base=150000.0, head_dim=64,
-                           n_experts=128, n_experts_used=4, expert_ffn=2880),
     # GLM-4.5-Air's (--arch glm4moe): 96 query heads of 128 beside hidden 4096, the first
     # layer's dense FFN 10944 wide, then 128 experts of 1408, 8 used, and a shared one
     "106b-a12b": SynthShape(hidden=4096, ffn=10944, n_layers=46, n_heads=96, n_kv_heads=8,
                             vocab=151552, context=131072, rope_base=1000000.0, head_dim=128,
                             n_experts=128, n_experts_used=8, expert_ffn=1408),
 }
+# gpt-oss-120b's: gpt-oss-20b's layer with 128 experts, 36 layers
+SHAPES["120b-a5b"] = replace(SHAPES["20b-a4b"], n_layers=36, n_experts=128)
 
 def file_arch(arch: str) -> str:
     """The general.architecture a synthesized file of --arch `arch` carries."""
