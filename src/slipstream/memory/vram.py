@@ -154,6 +154,13 @@ def expert_planes(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool = False) -
     return sizes
 
 
+def expert_layout(gf: GGUFFile, cfg: ModelConfig, i: int) -> tuple:
+    """What makes layer i's experts' slot stacks alike or not: (qtype, rows, cols, bias rows)
+    of one expert's stacked projections (a split prefill's staging slots are shared by the
+    layers of one layout, weights.expert_stream)."""
+    return tuple(_expert_linears(gf, cfg, i, stacked=False))
+
+
 def expert_vram_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool = False) -> int:
     """VRAM one routed expert of layer i takes in a VRAM slot, before the allocator's
     rounding of the stacks."""
