@@ -185,3 +185,70 @@ def test_stats_show_the_vram_hit_rate_and_the_cpu_share():
     assert "VRAM hit rate 75.0% (300 routed pairs on the GPU, 100 on the CPU)" in text
     assert "768 host syncs" in text and "5 swaps into VRAM (21.0 MB)" in text
     assert StoreStats().expert_vram_rate is None
+
+
+def test_staging_counts_each_layout_once_and_the_pairs_buffer():
+    """A split prefill's staging (weights.expert_stream): STAGING_SLOTS slots per layout of
+    expert, shared by the layers of that layout, and the pass's (row, expert) outputs."""
+    from slipstream.memory.expert_split_plan import staging_vram_bytes
+    from slipstream.weights.expert_stream import STAGING_SLOTS
+
+    class Cfg:
+        n_experts_used, hidden = 8, 2048
+
+    a, b = [2 * MiB, 4 * MiB], [6 * MiB]  # whole 2 MiB blocks: no allocator rounding
+    sizes = ExpertSizes(dense_vram=[0] * 4, expert_planes=[[], a, a, b],
+                        expert_ram=[0, 1, 1, 1], cold_staging=0, read_bytes=0,
+                        layouts=[(), ("a",), ("a",), ("b",)])
+    pairs = 512 * 8 * 2048 * 4  # 32 MiB
+    assert staging_vram_bytes(sizes, Cfg(), 512) == STAGING_SLOTS * 12 * MiB + pairs
+    assert staging_vram_bytes(sizes, Cfg(), 512, slots=2) == 2 * 12 * MiB + pairs
+    # no layouts given: layers alike where their planes are
+    plain = ExpertSizes(dense_vram=[0] * 3, expert_planes=[a, a, b], expert_ram=[1] * 3,
+                        cold_staging=0, read_bytes=0)
+    assert staging_vram_bytes(plain, Cfg(), 512) == STAGING_SLOTS * 12 * MiB + pairs
+    empty = ExpertSizes(dense_vram=[0], expert_planes=[[]], expert_ram=[0], cold_staging=0,
+                        read_bytes=0)
+    assert staging_vram_bytes(empty, Cfg(), 512) == 0
+
+
+def test_split_plan_reserves_the_staging(tmp_path, monkeypatch):
+    """memory.setup's split plan holds the staging in its reserve, counted from the file's
+    expert planes (memory.vram.expert_planes) and the prefill chunk (at most the context)."""
+    from slipstream.memory.vram import alloc_bytes, expert_planes
+    from slipstream.weights.expert_stream import STAGING_SLOTS
+
+    gf, cfg = _open(tmp_path, "qwen3moe", "Q4_K_M")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 << 30, 80 << 30))
+    dev = torch.device("cuda")
+    p = Precision.of("fast", dev)
+    whole = setup.plan_for(gf, cfg, dev, p, 256, None, None, prefill_chunk=512,
+                           graph_bucket=256)
+    need = sum(whole.resident_bytes_per_layer) + whole.fixed_bytes
+    split = setup.plan_for(gf, cfg, dev, p, 256, None,
+                           need - cfg.n_layers * layer_vram_bytes(gf, cfg, 0, True) // 2,
+                           prefill_chunk=512, graph_bucket=256)
+    assert split.vram_expert_slots is not None
+    layouts = {tuple(expert_planes(gf, cfg, i, True)) for i in range(cfg.n_layers)}
+    want = sum(alloc_bytes(STAGING_SLOTS * q) for planes in layouts for q in planes) \
+        + alloc_bytes(256 * cfg.n_experts_used * cfg.hidden * 4)
+    assert split.reserve["expert staging"] == want
+    assert sum(split.resident_bytes_per_layer) + split.fixed_bytes <= split.budget
+
+
+def test_stats_show_the_streamed_prefill():
+    """`run --stats`: a prefill's streamed experts, their bytes and pairs in the caption; the
+    VRAM hit rate over every routed pair, streamed ones included."""
+    from slipstream.cli import breakdown_table
+    from slipstream.memory.protocol import StoreStats
+    from slipstream.runtime.generate import GenerationStats
+
+    gen = GenerationStats(prompt_tokens=8, generated_tokens=8, prefill_s=0.5, decode_s=2.0)
+    store = StoreStats(expert_vram_pairs=100, expert_cpu_pairs=100, expert_syncs=8,
+                       expert_streamed=42, expert_stream_bytes=110 * 10**6,
+                       expert_stream_pairs=200)
+    assert store.expert_vram_rate == 0.25
+    console = Console(record=True, width=200)
+    console.print(breakdown_table(gen, store, "cuda"))
+    text = " ".join(console.export_text().split())
+    assert "prefill streamed 42 experts to the GPU (110.0 MB, 200 routed pairs)" in text
