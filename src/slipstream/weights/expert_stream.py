@@ -136,19 +136,19 @@ class ExpertStreamer:
 
     # --- the pass ---------------------------------------------------------------------------
 
-    def mix(self, bank: "SplitExperts", h: torch.Tensor, weights: torch.Tensor,
-            flat: list[int]) -> torch.Tensor:
-        """The routed sum of a pass, float32 (T, hidden): `flat` its (row, expert) pairs' ids
-        on the host, row-major, `weights` (T, k) their router weights on the device."""
+    def mix(self, bank: "SplitExperts", h: torch.Tensor, ids: torch.Tensor,
+            weights: torch.Tensor, flat: list[int]) -> torch.Tensor:
+        """The routed sum of a pass, float32 (T, hidden), for its ids and router weights
+        (T, k) on the device and the ids on the host (`flat`, row-major)."""
         T, hidden = h.shape
-        k = len(flat) // T
+        k = ids.shape[1]
         dev = h.device
         counts = torch.bincount(torch.tensor(flat), minlength=bank.n_experts).tolist()
         starts = [0] * bank.n_experts
         for e in range(1, bank.n_experts):
             starts[e] = starts[e - 1] + counts[e - 1]
         # experts_ffn's grouping: (row, expert) pairs by expert, rows ascending in each
-        order = torch.argsort(torch.tensor(flat, device=dev), stable=True)
+        order = torch.argsort(ids.reshape(-1), stable=True)
         rows = order // k
         scale = weights.reshape(-1)[order]
         pairs = torch.empty(T * k, hidden, dtype=torch.float32, device=dev)

@@ -307,7 +307,7 @@ class SplitExperts:
         if T > 1 and streamer is not None and self.stacks is not None \
                 and streamer.streams(self, flat, len(flat) - vram):
             stats.expert_stream_pairs += len(flat) - vram
-            return streamer.mix(self, h, weights, flat)
+            return streamer.mix(self, h, ids, weights, flat)
         stats.expert_cpu_pairs += len(flat) - vram
         if T > 1:
             return experts_ffn(h, ids, weights, self)
