@@ -57,12 +57,15 @@ CASES = ([("qwen3moe", "Q8_0"), ("gpt-oss", "MXFP4")] if INTERPRET
 
 @pytest.fixture(autouse=True)
 def _slot_writes_in_parts(monkeypatch):
-    """Slots written 48 rows at a time (the load and every swap), so that the small model's
-    projections (64 and 128 rows) are written in parts, the last one short: the planes must be
-    the whole expert's all the same."""
+    """Slots written 48 rows at a time (the load, every swap, a prefill's staging), so that
+    the small model's projections (64 and 128 rows) are written in parts, the last one short:
+    the planes must be the whole expert's all the same."""
+    import slipstream.weights.expert_stream as expert_stream
     import slipstream.weights.split_experts as split_experts
 
     monkeypatch.setattr(split_experts, "SLOT_WRITE_ROWS", 48)
+    # a prefill's staging slots too (weights.expert_stream: by weights; 64 columns here)
+    monkeypatch.setattr(expert_stream, "STAGING_WRITE_ELEMENTS", 48 * 64)
 
 
 @pytest.fixture(autouse=True)

@@ -40,7 +40,7 @@ def test_held_bytes_are_the_files_bytes_of_the_expert(tmp_path, precision):
     """A CPU load holding 2 experts a layer in RAM (weights.expert_tiers): each held expert's
     bytes, through its lazy linears (inside the packed decode copies at "fast"), are its
     gate, up and down bytes in the file; an expert not held, or held without its bytes,
-    gives None."""
+    gives None; a cold expert read into a buffer is `read`'s bytes."""
     path = write_synth(tmp_path / "q.gguf", "tiny", "Q8_0", n_layers=1, arch="qwen3moe")
     with pytest.raises(BudgetTooSmall) as e:
         slipstream.plan(path, device="cpu", ctx=CTX, precision=precision, measure=False,
@@ -55,6 +55,14 @@ def test_held_bytes_are_the_files_bytes_of_the_expert(tmp_path, precision):
             want = [bank.file.read(sl, e) for sl in bank.slices]
             assert got is not None and len(got) == 3
             assert all(torch.equal(g, w) for g, w in zip(got, want)), e
+        # an expert not held, read straight into a buffer as `read` gives it
+        cold = next(e for e in range(bank.n_experts) if e not in bank.held)
+        for sl in bank.slices:
+            out = torch.empty(sl.rows * sl.row_bytes, dtype=torch.uint8)
+            bank.file.read_into(sl, cold, out)
+            assert torch.equal(out.view(sl.rows, sl.row_bytes), bank.file.read(sl, cold))
+        with pytest.raises(BadArgument, match=f"{sl.rows * sl.row_bytes - 1} torch.uint8"):
+            bank.file.read_into(sl, cold, out[1:])
         assert held_bytes(None) is None
         dense = DenseLinear(torch.zeros(4, 4))
         assert held_bytes((dense, dense)) is None

@@ -30,8 +30,8 @@ from .budget import fmt_bytes
 from .expert_plan import expert_dense_bytes, expert_file_bytes, expert_ram_bytes
 from .planner import Plan
 from .vram import (alloc_bytes, expert_layout, expert_planes, layer_dense_vram_bytes,
-                   slot_stack_bytes)
-from ..weights.expert_stream import STAGING_SLOTS
+                   slot_stack_bytes, write_transient)
+from ..weights.expert_stream import STAGING_SLOTS, STAGING_WRITE_ELEMENTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +78,14 @@ def expert_sizes(gf: GGUFFile, cfg: ModelConfig, cpu_precision: Precision,
 
 
 def staging_vram_bytes(sizes: ExpertSizes, cfg: ModelConfig, chunk: int,
-                       slots: int = STAGING_SLOTS) -> int:
+                       slots: int = STAGING_SLOTS, slot_writes: int = 0) -> int:
     """VRAM of a split prefill's streaming (weights.expert_stream), held from the first
     prefill on: `slots` staging slots for each layout of expert among the layers (the
-    runtime makes one staging per layout), and a pass's (row, expert) pairs' outputs, float32,
-    for a prefill chunk of `chunk` rows (Qwen3-30B-A3B at 512: 32 MiB)."""
+    runtime makes one staging per layout), a pass's (row, expert) pairs' outputs, float32,
+    for a prefill chunk of `chunk` rows (Qwen3-30B-A3B at 512: 32 MiB), and the packing of
+    STAGING_WRITE_ELEMENTS weights at a time into a slot, less the swaps' `slot_writes`
+    reserved already (memory.vram's "expert slot writes": swaps run in decode, never beside a
+    prefill's writes, so the larger of the two is reserved)."""
     keys = sizes.layouts or [tuple(p) for p in sizes.expert_planes]
     first: dict[tuple, list[int]] = {}
     for key, planes in zip(keys, sizes.expert_planes):
@@ -91,7 +94,10 @@ def staging_vram_bytes(sizes: ExpertSizes, cfg: ModelConfig, chunk: int,
     if not first:
         return 0
     stacks = sum(alloc_bytes(slots * p) for planes in first.values() for p in planes)
-    return stacks + alloc_bytes(chunk * cfg.n_experts_used * cfg.hidden * 4)
+    writes = max((write_transient(q, min(rows, max(1, STAGING_WRITE_ELEMENTS // cols)), cols)
+                  for layout in sizes.layouts for q, rows, cols, _ in layout), default=0)
+    return stacks + alloc_bytes(chunk * cfg.n_experts_used * cfg.hidden * 4) \
+        + max(writes - slot_writes, 0)
 
 
 def spread(total: int, layers: list[int], n_layers: int, most: int) -> list[int]:

@@ -316,7 +316,8 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
                                stacked_experts=False, **per_stage)
         sizes = expert_sizes(gf, cfg, Precision.of(precision.name, torch.device("cpu")), fused)
         # a prefill's experts streamed to staging slots (weights.expert_stream)
-        reserve["expert staging"] = staging_vram_bytes(sizes, cfg, min(prefill_chunk, ctx))
+        reserve["expert staging"] = staging_vram_bytes(
+            sizes, cfg, min(prefill_chunk, ctx), slot_writes=reserve["expert slot writes"])
         return plan_expert_split(sizes, cfg, reserve, budget, ram_budget, image, gf.path.name)
     # Streamed plans give what they can to layers, since each resident layer is one less to
     # copy every token: the token embedding stays on the host (one row per token), resident
@@ -355,7 +356,8 @@ def expert_split_vram_budget(gf: GGUFFile, cfg: ModelConfig, precision: Precisio
     reserve = vram_reserve(gf, cfg, ctx, kv_elem, prefill_chunk, False, fused,
                            stacked_experts=False, graph_bucket=graph_bucket)
     sizes = expert_sizes(gf, cfg, Precision.of(precision.name, torch.device("cpu")), fused)
-    reserve["expert staging"] = staging_vram_bytes(sizes, cfg, min(prefill_chunk, ctx))
+    reserve["expert staging"] = staging_vram_bytes(
+        sizes, cfg, min(prefill_chunk, ctx), slot_writes=reserve["expert slot writes"])
     slots = [experts_per_layer if p else 0 for p in sizes.expert_planes]
     return (sum(sizes.dense_vram) + sum(reserve.values()) + sizes.slots_vram(slots, cfg.n_experts)
             + outside_allocator_bytes(torch.device("cuda")))

@@ -181,6 +181,13 @@ def layer_flat_bytes(gf: GGUFFile, cfg: ModelConfig, i: int) -> int:
     return alloc_bytes(layer_image_bytes(gf, cfg, i))
 
 
+def write_transient(qtype: int, rows: int, cols: int) -> int:
+    """Extra VRAM while `rows` rows of a (rows, cols) weight of GGML type `qtype` are packed
+    from their GGUF bytes (a slot's write: weights.split_experts.SlotStacks.write_parts)."""
+    block, tsize = GGML_QUANT_SIZES[T(qtype)]
+    return _pack_transient(qtype, rows, cols, rows * cols // block * tsize)
+
+
 def _pack_transient(qtype: int, rows: int, cols: int, raw: int) -> int:
     """Extra VRAM while one weight is packed at load: its raw bytes (twice when fused parts are
     concatenated), the per-chunk parts and their concatenation, and the int64 temporaries of

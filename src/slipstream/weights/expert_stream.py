@@ -39,6 +39,12 @@ if TYPE_CHECKING:
 # tens of microseconds for its 32 rows of pp512 on an H100, so a pass is bound by the copies
 # and more slots would only absorb their jitter (each one more is an expert's planes of VRAM)
 STAGING_SLOTS = 3
+# Weights packed at a time into a staging slot: a pack is ~50 small launches on the host
+# whatever its rows, and a swap's 256 rows at a time (split_experts.SLOT_WRITE_ROWS) would make
+# a Qwen3-30B-A3B expert 14 packs, several ms of launches against its 0.1 ms copy; 4M weights
+# are one pack per projection of it (gate/up 1536 x 2048, down 2048 x 768; gpt-oss-120b's gate/up
+# five), for ~96 MiB of temporaries (memory.vram.PACK_TEMP_BYTES), which the plan reserves
+STAGING_WRITE_ELEMENTS = 4 << 20
 # Pinned host buffers per layout (each one expert's GGUF bytes and biases): twice the slots,
 # so that the host fills the next experts' while the copy stream waits for a slot to free
 PINNED_RING = 2 * STAGING_SLOTS
@@ -201,13 +207,13 @@ class ExpertStreamer:
         parts, bias, nbytes = self._fill(bank, st.ring[b], e)
         stream = rt.copy_stream
         if stream is None:
-            st.stacks.write_parts(s, parts, bias)
+            st.stacks.write_parts(s, parts, bias, STAGING_WRITE_ELEMENTS)
             ev = None
         else:
             with torch.cuda.stream(stream):
                 if st.slot_free[s] is not None:
                     stream.wait_event(st.slot_free[s])
-                st.stacks.write_parts(s, parts, bias)
+                st.stacks.write_parts(s, parts, bias, STAGING_WRITE_ELEMENTS)
                 ev = stream.record_event()
             st.ring_free[b] = ev
         rt.stats.expert_streamed += 1
@@ -220,17 +226,19 @@ class ExpertStreamer:
         them (views of the buffer), and their bytes."""
         layout = bank.layout
         raws = held_bytes(bank.cpu.held.get(e))
-        if raws is None:
-            ahead = bank.cpu.pending.pop(e, None)  # a read ahead of the guess, if any
-            raws = ahead.result() if ahead is not None else \
-                [self.runtime.file.read(sl, e) for sl in bank.cpu.slices]
+        ahead = bank.cpu.pending.pop(e, None)  # a read ahead of the guess, if any
+        if raws is None and ahead is not None:
+            raws = ahead.result()
         data, fbuf = buf
         views, off = [], 0
-        for raw in raws:
-            v = data[off:off + raw.numel()].view(raw.shape)
-            v.copy_(raw)
+        for k, sl in enumerate(bank.cpu.slices):
+            v = data[off:off + sl.rows * sl.row_bytes].view(sl.rows, sl.row_bytes)
+            if raws is not None:  # held in RAM (or read ahead): copied in
+                v.copy_(raws[k])
+            else:  # read from the file straight into the buffer
+                self.runtime.file.read_into(sl, e, v)
             views.append(v)
-            off += raw.numel()
+            off += v.numel()
         if layout.fused:  # gate then up, one after the other: ExpertBytes.split's [gate | up]
             g, u = views[0], views[1]
             views = [data[:g.numel() + u.numel()].view(g.shape[0] + u.shape[0], g.shape[1]),

@@ -218,15 +218,17 @@ class SlotStacks:
         return self.write_parts(s, self.layout.split(raws), bias)
 
     def write_parts(self, s: int, parts: list[torch.Tensor],
-                    bias: list[torch.Tensor | None]) -> int:
+                    bias: list[torch.Tensor | None], elements: int | None = None) -> int:
         """Slot s := an expert given as each stack's bytes (ExpertBytes.split's) and bias row
         (ExpertBytes.bias_rows', a row wherever the stack has a bias), on the current stream;
-        from pinned memory the copies are asynchronous (weights.expert_stream). Returns the
-        packed bytes written."""
+        from pinned memory the copies are asynchronous (weights.expert_stream). Packed
+        SLOT_WRITE_ROWS rows at a time, or `elements` weights at a time where given. Returns
+        the packed bytes written."""
         moved = 0
         for stack, raw, (q, rows, cols) in zip(self.planes, parts, self.layout.stacks()):
-            for r0 in range(0, rows, SLOT_WRITE_ROWS):
-                r1 = min(r0 + SLOT_WRITE_ROWS, rows)
+            step = SLOT_WRITE_ROWS if elements is None else max(1, elements // cols)
+            for r0 in range(0, rows, step):
+                r1 = min(r0 + step, rows)
                 part = self._pack_rows(raw[r0:r1], q, r1 - r0, cols)
                 write_rows(stack, s * rows + r0, part)
                 moved += part.nbytes
