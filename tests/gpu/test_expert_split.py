@@ -57,12 +57,15 @@ CASES = ([("qwen3moe", "Q8_0"), ("gpt-oss", "MXFP4")] if INTERPRET
 
 @pytest.fixture(autouse=True)
 def _slot_writes_in_parts(monkeypatch):
-    """Slots written 48 rows at a time (the load and every swap), so that the small model's
-    projections (64 and 128 rows) are written in parts, the last one short: the planes must be
-    the whole expert's all the same."""
+    """Slots written 48 rows at a time (the load, every swap, a prefill's staging), so that
+    the small model's projections (64 and 128 rows) are written in parts, the last one short:
+    the planes must be the whole expert's all the same."""
+    import slipstream.weights.expert_stream as expert_stream
     import slipstream.weights.split_experts as split_experts
 
     monkeypatch.setattr(split_experts, "SLOT_WRITE_ROWS", 48)
+    # a prefill's staging slots too (weights.expert_stream: by weights; 64 columns here)
+    monkeypatch.setattr(expert_stream, "STAGING_WRITE_ELEMENTS", 48 * 64)
 
 
 @pytest.fixture(autouse=True)
@@ -216,3 +219,96 @@ def test_swaps_move_the_hot_experts_into_vram_without_changing_a_slot(tmp_path, 
     assert bank.runtime.stats.expert_swap_bytes > 0
     assert bank.slot_of.tolist() == bank.map.slot_of
     bank.runtime.close()  # the worker stopped; raises what it or a GPU wait ran into
+
+
+# --- a prefill's experts outside VRAM streamed to staging slots (weights.expert_stream) -------
+
+PREFILL_ROWS = 12  # above kernels.MAX_M: the all-VRAM bank groups such a pass by expert too
+
+
+def _streaming(split, **rates):
+    """The split layer's runtime with a streamer (default rates: every pass of several rows
+    streams) and its counters zeroed."""
+    from slipstream.weights.expert_stream import ExpertStreamer, StreamRates
+    from slipstream.weights.split_experts import SplitCounts
+
+    rt = split.experts.runtime
+    rt.streamer = ExpertStreamer(rt, StreamRates(**(rates or dict(h2d_gbps=1e6,
+                                                                  cpu_gbps=1.0))))
+    rt.stats = SplitCounts()
+    return rt.streamer
+
+
+def _prefill(cfg, whole, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(PREFILL_ROWS, cfg.hidden, generator=g).to(DEVICE)
+    w, ids = route(h, whole.router, whole.top_k, whole.normalize, whole.router_bias,
+                   whole.gating)
+    return h, w, ids
+
+
+@pytest.mark.parametrize("arch,quant", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_streamed_prefill_gives_the_all_vram_bits(tmp_path, arch, quant, precision):
+    """1 expert in VRAM, 2 in RAM, 3 in the file: a prefill pass streams the 5 others through
+    3 staging slots (a slot reused), from RAM and from the file, and its sum is the all-VRAM
+    bank's bit for bit; the counters name each streamed expert once."""
+    cfg, whole, split = _layers(tmp_path, arch, quant, precision, 1, 2)
+    bank: SplitExperts = split.experts
+    _streaming(split)
+    h, w, ids = _prefill(cfg, whole)
+    out = bank.mix(h, ids, w)
+    assert torch.equal(out, whole.experts.mix(h, ids, w)), (arch, precision)
+    flat = ids.reshape(-1).tolist()
+    outside = [e for e in flat if not bank.map.in_vram(e)]
+    stats = bank.runtime.stats
+    assert len(set(outside)) > 3  # more than the staging slots: one is reused
+    assert stats.expert_streamed == len(set(outside))
+    assert stats.expert_stream_pairs == len(outside) and stats.expert_cpu_pairs == 0
+    assert stats.expert_vram_pairs == len(flat) - len(outside)
+    per_expert = sum(sl.rows * sl.row_bytes for sl in bank.cpu.slices)
+    bias = sum(r.numel() * 4 for r in bank.layout.bias_rows(0) if r is not None)
+    assert stats.expert_stream_bytes == len(set(outside)) * (per_expert + bias)
+    # the layer's whole FFN as the block calls it
+    assert torch.equal(moe_ffn(h, split), moe_ffn(h, whole))
+
+
+def test_stream_or_cpu_by_the_measured_rates(tmp_path):
+    """Rates that make the CPU faster keep the pass on the CPU (the composition's bound, no
+    expert streamed); a decode token never streams (tests/weights/test_expert_stream.py: the
+    rule itself)."""
+    cfg, whole, split = _layers(tmp_path, "qwen3moe", CASES[0][1], "fast", 1, 2)
+    bank: SplitExperts = split.experts
+    _streaming(split, h2d_gbps=1.0, cpu_gbps=1e6)
+    h, w, ids = _prefill(cfg, whole)
+    assert _rel(bank.mix(h, ids, w), whole.experts.mix(h, ids, w)) <= TOL["fast"]
+    assert bank.runtime.stats.expert_streamed == 0 and bank.runtime.stats.expert_cpu_pairs > 0
+    _streaming(split)
+    out = bank.mix(h[:1], ids[:1], w[:1])
+    _share_landed(bank)
+    assert torch.equal(out, _composed(whole, split, h[:1], ids[:1], w[:1]))
+    assert bank.runtime.stats.expert_streamed == 0
+
+
+@pytest.mark.parametrize("fault", ["slot reused early", "wrong expert"])
+def test_streaming_faults_are_caught(tmp_path, monkeypatch, fault):
+    """Negative controls: a copy into a staging slot issued before the last read of the
+    expert it held (one copy more in flight than slots), or a staged expert written with its
+    neighbour's bytes, change the prefill's sum."""
+    import slipstream.weights.expert_stream as expert_stream
+
+    cfg, whole, split = _layers(tmp_path, "qwen3moe", CASES[0][1], "fast", 1, 2)
+    bank: SplitExperts = split.experts
+    streamer = _streaming(split)
+    if fault == "slot reused early":
+        streamer.ahead = streamer.slots + 1
+    else:
+        fill = expert_stream.ExpertStreamer._fill
+        n = bank.n_experts
+
+        def neighbour(self, bank, buf, e):
+            return fill(self, bank, buf, 1 + e % (n - 1))  # never 0: the VRAM slot's
+
+        monkeypatch.setattr(expert_stream.ExpertStreamer, "_fill", neighbour)
+    h, w, ids = _prefill(cfg, whole)
+    assert not torch.equal(bank.mix(h, ids, w), whole.experts.mix(h, ids, w))

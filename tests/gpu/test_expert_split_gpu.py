@@ -150,3 +150,48 @@ def test_budget_short_of_the_dense_part_is_refused(moe_file):
     with pytest.raises(BudgetTooSmall, match="dense part: it needs at least"):
         slipstream.load(path, device="cuda", ctx=256,
                         placement=slipstream.Placement(vram_budget=budget))
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_streamed_prefill_gives_the_all_vram_logits_within_the_budget(moe_file, precision):
+    """Every prefill pass streams the experts outside VRAM into the staging slots (rates
+    forced: the load measured its own): the prefill's logits are the all-VRAM model's bit for
+    bit (eager both, the same kernels and order of addition), no pair goes to the CPU, each
+    layer streams each of its routed experts outside VRAM once, and the peak of allocated
+    VRAM, staging included, stays within the plan's budget."""
+    from helpers import STREAM_PROMPT
+    from slipstream.weights.expert_stream import StreamRates
+
+    arch, path = moe_file
+    with slipstream.load(path, device="cuda", ctx=256, precision=precision) as whole:
+        whole.engine.use_graphs = False
+        whole.engine.reset()
+        ref = whole.engine.forward(STREAM_PROMPT, all_logits=True).cpu()
+    del whole
+    base = _held_before_load()
+    with _load_split(path, precision) as split:
+        banks = [layer.moe.experts for layer in split.engine.weights.layers]
+        streamer = banks[0].runtime.streamer
+        assert streamer is not None  # the load measured its rates
+        streamer.rates = StreamRates(h2d_gbps=1e6, cpu_gbps=1.0)
+        routed = []
+        for bank in banks:  # each layer's routed experts outside VRAM, as the pass sees them
+            mix = bank.mix
+
+            def spy(h, ids, w, bank=bank, mix=mix):
+                routed.append(len({e for e in ids.reshape(-1).tolist()
+                                   if not bank.map.in_vram(e)}))
+                return mix(h, ids, w)
+
+            bank.mix = spy
+        stats = split.engine.layers.stats
+        stats.reset()
+        split.engine.use_graphs = False
+        split.engine.reset()
+        got = split.engine.forward(STREAM_PROMPT, all_logits=True).cpu()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        assert peak <= split.plan.budget, (arch, peak, split.plan.budget, split.plan.reserve)
+        assert stats.expert_cpu_pairs == 0 and stats.expert_stream_pairs > 0
+        assert stats.expert_streamed == sum(routed) > 0
+    assert torch.equal(got, ref), (arch, precision, rel64(got, ref))

@@ -152,7 +152,7 @@ def test_setup_splits_a_cuda_budget_short_of_the_experts(tmp_path, monkeypatch):
     whole = plan(None)
     assert whole.vram_expert_slots is None and not whole.streamed_layers
     need = sum(whole.resident_bytes_per_layer) + whole.fixed_bytes
-    split = plan(need - cfg.n_layers * layer_vram_bytes(gf, cfg, 0, True) // 2)
+    split = plan(need - cfg.n_layers * layer_vram_bytes(gf, cfg, 0, True) // 4)
     assert split.vram_expert_slots is not None and not split.graphs
     assert all(0 < v < cfg.n_experts for v in split.vram_expert_slots)
     assert [v + r for v, r in zip(split.vram_expert_slots, split.expert_slots)] == \
@@ -185,3 +185,90 @@ def test_stats_show_the_vram_hit_rate_and_the_cpu_share():
     assert "VRAM hit rate 75.0% (300 routed pairs on the GPU, 100 on the CPU)" in text
     assert "768 host syncs" in text and "5 swaps into VRAM (21.0 MB)" in text
     assert StoreStats().expert_vram_rate is None
+
+
+def test_staging_counts_each_layout_once_and_the_pairs_buffer():
+    """A split prefill's staging (weights.expert_stream): STAGING_SLOTS slots per layout of
+    expert, shared by the layers of that layout, the pass's (row, expert) outputs, and its
+    slot writes beyond the swaps' (which never run beside them)."""
+    from slipstream.memory.expert_split_plan import staging_vram_bytes
+    from slipstream.memory.vram import write_transient
+    from slipstream.weights.expert_stream import STAGING_SLOTS, STAGING_WRITE_ELEMENTS
+
+    class Cfg:
+        n_experts_used, hidden = 8, 2048
+
+    a, b = [2 * MiB, 4 * MiB], [6 * MiB]  # whole 2 MiB blocks: no allocator rounding
+    # (qtype, rows, cols, bias rows) per stack: Q8_0 (8), a gate/up wider than one write
+    la = ((8, 4096, 2048, 0), (8, 2048, 2048, 0))
+    lb = ((8, 1536, 2048, 0), (8, 2048, 768, 0))
+    sizes = ExpertSizes(dense_vram=[0] * 4, expert_planes=[[], a, a, b],
+                        expert_ram=[0, 1, 1, 1], cold_staging=0, read_bytes=0,
+                        layouts=[(), la, la, lb])
+    pairs = 512 * 8 * 2048 * 4  # 32 MiB
+    covered = 1 << 40  # slot writes reserved already beyond any staging write
+    assert staging_vram_bytes(sizes, Cfg(), 512, slot_writes=covered) == \
+        STAGING_SLOTS * 12 * MiB + pairs
+    assert staging_vram_bytes(sizes, Cfg(), 512, slots=2, slot_writes=covered) == \
+        2 * 12 * MiB + pairs
+    # the largest write: la's gate/up, STAGING_WRITE_ELEMENTS // 2048 of its 4096 rows
+    rows = STAGING_WRITE_ELEMENTS // 2048
+    assert rows < 4096
+    write = write_transient(8, rows, 2048)
+    assert write == max(write_transient(q, min(r, STAGING_WRITE_ELEMENTS // c), c)
+                        for q, r, c, _ in la + lb)
+    base = STAGING_SLOTS * 12 * MiB + pairs
+    assert staging_vram_bytes(sizes, Cfg(), 512) == base + write
+    assert staging_vram_bytes(sizes, Cfg(), 512, slot_writes=write // 2) == \
+        base + write - write // 2
+    # no layouts given: layers alike where their planes are (and no write counted)
+    plain = ExpertSizes(dense_vram=[0] * 3, expert_planes=[a, a, b], expert_ram=[1] * 3,
+                        cold_staging=0, read_bytes=0)
+    assert staging_vram_bytes(plain, Cfg(), 512) == base
+    empty = ExpertSizes(dense_vram=[0], expert_planes=[[]], expert_ram=[0], cold_staging=0,
+                        read_bytes=0)
+    assert staging_vram_bytes(empty, Cfg(), 512) == 0
+
+
+def test_split_plan_reserves_the_staging(tmp_path, monkeypatch):
+    """memory.setup's split plan holds the staging in its reserve, counted from the file's
+    expert planes (memory.vram.expert_planes) and the prefill chunk (at most the context)."""
+    from slipstream.memory.vram import alloc_bytes, expert_planes, write_transient
+    from slipstream.weights.expert_stream import STAGING_SLOTS
+
+    gf, cfg = _open(tmp_path, "qwen3moe", "Q4_K_M")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 << 30, 80 << 30))
+    dev = torch.device("cuda")
+    p = Precision.of("fast", dev)
+    whole = setup.plan_for(gf, cfg, dev, p, 256, None, None, prefill_chunk=512,
+                           graph_bucket=256)
+    need = sum(whole.resident_bytes_per_layer) + whole.fixed_bytes
+    split = setup.plan_for(gf, cfg, dev, p, 256, None,
+                           need - cfg.n_layers * layer_vram_bytes(gf, cfg, 0, True) // 4,
+                           prefill_chunk=512, graph_bucket=256)
+    assert split.vram_expert_slots is not None
+    layouts = {tuple(expert_planes(gf, cfg, i, True)) for i in range(cfg.n_layers)}
+    want = sum(alloc_bytes(STAGING_SLOTS * q) for planes in layouts for q in planes) \
+        + alloc_bytes(256 * cfg.n_experts_used * cfg.hidden * 4)
+    # plus the staging's slot writes beyond the swaps' ("expert slot writes")
+    assert want <= split.reserve["expert staging"] <= \
+        want + max(write_transient(*w[:3]) for w in _expert_linears(gf, cfg, 0, False))
+    assert sum(split.resident_bytes_per_layer) + split.fixed_bytes <= split.budget
+
+
+def test_stats_show_the_streamed_prefill():
+    """`run --stats`: a prefill's streamed experts, their bytes and pairs in the caption; the
+    VRAM hit rate over every routed pair, streamed ones included."""
+    from slipstream.cli import breakdown_table
+    from slipstream.memory.protocol import StoreStats
+    from slipstream.runtime.generate import GenerationStats
+
+    gen = GenerationStats(prompt_tokens=8, generated_tokens=8, prefill_s=0.5, decode_s=2.0)
+    store = StoreStats(expert_vram_pairs=100, expert_cpu_pairs=100, expert_syncs=8,
+                       expert_streamed=42, expert_stream_bytes=110 * 10**6,
+                       expert_stream_pairs=200)
+    assert store.expert_vram_rate == 0.25
+    console = Console(record=True, width=200)
+    console.print(breakdown_table(gen, store, "cuda"))
+    text = " ".join(console.export_text().split())
+    assert "prefill streamed 42 experts to the GPU (110.0 MB, 200 routed pairs)" in text

@@ -149,6 +149,10 @@ def breakdown_table(s: GenerationStats, store: StoreStats, device: str) -> Table
                       f"{store.expert_cpu_pairs} on the CPU); {store.expert_syncs} host syncs "
                       f"for routing; {store.expert_swaps} swaps into VRAM "
                       f"({store.expert_swap_bytes / 1e6:.1f} MB)")
+        if store.expert_streamed:
+            t.caption += (f"; prefill streamed {store.expert_streamed} experts to the GPU "
+                          f"({store.expert_stream_bytes / 1e6:.1f} MB, "
+                          f"{store.expert_stream_pairs} routed pairs)")
     rate = store.expert_hit_rate
     if rate is not None:
         t.caption += (f"\nexperts: {store.expert_hits} calls from RAM, {store.expert_misses} read "

@@ -29,7 +29,9 @@ from ..precision import Precision
 from .budget import fmt_bytes
 from .expert_plan import expert_dense_bytes, expert_file_bytes, expert_ram_bytes
 from .planner import Plan
-from .vram import expert_planes, layer_dense_vram_bytes, slot_stack_bytes
+from .vram import (alloc_bytes, expert_layout, expert_planes, layer_dense_vram_bytes,
+                   slot_stack_bytes, write_transient)
+from ..weights.expert_stream import STAGING_SLOTS, STAGING_WRITE_ELEMENTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,9 @@ class ExpertSizes:
     expert_ram: list[int]
     cold_staging: int
     read_bytes: int
+    # per layer, what makes its experts' stacks alike (memory.vram.expert_layout; () for a
+    # layer without experts); empty: layers alike where their planes are
+    layouts: list[tuple] = dataclasses.field(default_factory=list)
 
     @property
     def expert_vram(self) -> list[int]:
@@ -68,7 +73,31 @@ def expert_sizes(gf: GGUFFile, cfg: ModelConfig, cpu_precision: Precision,
         cold_staging=max(expert_ram_bytes(gf, cfg, i, cpu_precision)
                          + expert_file_bytes(gf, cfg, i)
                          + expert_dense_bytes(gf, cfg, i, cpu_precision) for i in moe),
-        read_bytes=max(expert_file_bytes(gf, cfg, i) for i in moe))
+        read_bytes=max(expert_file_bytes(gf, cfg, i) for i in moe),
+        layouts=[expert_layout(gf, cfg, i) if i in has else () for i in range(cfg.n_layers)])
+
+
+def staging_vram_bytes(sizes: ExpertSizes, cfg: ModelConfig, chunk: int,
+                       slots: int = STAGING_SLOTS, slot_writes: int = 0) -> int:
+    """VRAM of a split prefill's streaming (weights.expert_stream), held from the first
+    prefill on: `slots` staging slots for each layout of expert among the layers (the
+    runtime makes one staging per layout), a pass's (row, expert) pairs' outputs, float32,
+    for a prefill chunk of `chunk` rows (Qwen3-30B-A3B at 512: 32 MiB), and the packing of
+    STAGING_WRITE_ELEMENTS weights at a time into a slot, less the swaps' `slot_writes`
+    reserved already (memory.vram's "expert slot writes": swaps run in decode, never beside a
+    prefill's writes, so the larger of the two is reserved)."""
+    keys = sizes.layouts or [tuple(p) for p in sizes.expert_planes]
+    first: dict[tuple, list[int]] = {}
+    for key, planes in zip(keys, sizes.expert_planes):
+        if planes:
+            first.setdefault(key, planes)
+    if not first:
+        return 0
+    stacks = sum(alloc_bytes(slots * p) for planes in first.values() for p in planes)
+    writes = max((write_transient(q, min(rows, max(1, STAGING_WRITE_ELEMENTS // cols)), cols)
+                  for layout in sizes.layouts for q, rows, cols, _ in layout), default=0)
+    return stacks + alloc_bytes(chunk * cfg.n_experts_used * cfg.hidden * 4) \
+        + max(writes - slot_writes, 0)
 
 
 def spread(total: int, layers: list[int], n_layers: int, most: int) -> list[int]:

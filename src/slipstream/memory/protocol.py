@@ -52,6 +52,11 @@ class StoreStats:
     expert_syncs: int = 0
     expert_swaps: int = 0
     expert_swap_bytes: int = 0
+    # ... and a prefill's experts streamed to the GPU's staging slots (weights.expert_stream):
+    # the experts, the bytes copied up for them, and the routed pairs they computed
+    expert_streamed: int = 0
+    expert_stream_bytes: int = 0
+    expert_stream_pairs: int = 0
 
     @property
     def expert_hit_rate(self) -> float | None:
@@ -70,7 +75,7 @@ class StoreStats:
     def expert_vram_rate(self) -> float | None:
         """The share of routed (token, expert) pairs served from VRAM (a split mixture of
         experts), or None where none was counted."""
-        pairs = self.expert_vram_pairs + self.expert_cpu_pairs
+        pairs = self.expert_vram_pairs + self.expert_cpu_pairs + self.expert_stream_pairs
         return self.expert_vram_pairs / pairs if pairs else None
 
     def reset(self) -> None:

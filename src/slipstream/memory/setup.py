@@ -28,7 +28,7 @@ from .kvikio_io import require_kvikio
 from .pinned import PinAhead
 from .probes import cpu_decode_rates, h2d_pinned_gbps, memory_read_gbps, span_read_gbps
 from .expert_plan import plan_experts
-from .expert_split_plan import expert_sizes, plan_expert_split
+from .expert_split_plan import expert_sizes, plan_expert_split, staging_vram_bytes
 from .planner import Plan, StagePlan, plan_cuda, plan_layers
 from .protocol import LayerStore
 from .store import DiskLayerStore, MmapLayerStore, ResidentLayerStore, StreamDelays
@@ -317,6 +317,9 @@ def _plan_cuda(gf: GGUFFile, cfg: ModelConfig, stage: StagePlan, device: torch.d
         reserve = vram_reserve(gf, cfg, ctx, kv_elem, prefill_chunk, False, fused,
                                stacked_experts=False, **per_stage)
         sizes = expert_sizes(gf, cfg, Precision.of(precision.name, torch.device("cpu")), fused)
+        # a prefill's experts streamed to staging slots (weights.expert_stream)
+        reserve["expert staging"] = staging_vram_bytes(
+            sizes, cfg, min(prefill_chunk, ctx), slot_writes=reserve["expert slot writes"])
         return plan_expert_split(sizes, cfg, reserve, budget, ram_budget, image, gf.path.name)
     # Streamed plans give what they can to layers, since each resident layer is one less to
     # copy every token: the token embedding stays on the host (one row per token), resident
@@ -355,6 +358,8 @@ def expert_split_vram_budget(gf: GGUFFile, cfg: ModelConfig, precision: Precisio
     reserve = vram_reserve(gf, cfg, ctx, kv_elem, prefill_chunk, False, fused,
                            stacked_experts=False, graph_bucket=graph_bucket)
     sizes = expert_sizes(gf, cfg, Precision.of(precision.name, torch.device("cpu")), fused)
+    reserve["expert staging"] = staging_vram_bytes(
+        sizes, cfg, min(prefill_chunk, ctx), slot_writes=reserve["expert slot writes"])
     slots = [experts_per_layer if p else 0 for p in sizes.expert_planes]
     return (sum(sizes.dense_vram) + sum(reserve.values()) + sizes.slots_vram(slots, cfg.n_experts)
             + outside_allocator_bytes(torch.device("cuda")))

@@ -154,6 +154,13 @@ def expert_planes(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool = False) -
     return sizes
 
 
+def expert_layout(gf: GGUFFile, cfg: ModelConfig, i: int) -> tuple:
+    """What makes layer i's experts' slot stacks alike or not: (qtype, rows, cols, bias rows)
+    of one expert's stacked projections (a split prefill's staging slots are shared by the
+    layers of one layout, weights.expert_stream)."""
+    return tuple(_expert_linears(gf, cfg, i, stacked=False))
+
+
 def expert_vram_bytes(gf: GGUFFile, cfg: ModelConfig, i: int, fused: bool = False) -> int:
     """VRAM one routed expert of layer i takes in a VRAM slot, before the allocator's
     rounding of the stacks."""
@@ -172,6 +179,13 @@ def layer_flat_bytes(gf: GGUFFile, cfg: ModelConfig, i: int) -> int:
     """VRAM layer i takes resident in one buffer laid out as its image (weights.image.flattened,
     streamed plans): one allocation."""
     return alloc_bytes(layer_image_bytes(gf, cfg, i))
+
+
+def write_transient(qtype: int, rows: int, cols: int) -> int:
+    """Extra VRAM while `rows` rows of a (rows, cols) weight of GGML type `qtype` are packed
+    from their GGUF bytes (a slot's write: weights.split_experts.SlotStacks.write_parts)."""
+    block, tsize = GGML_QUANT_SIZES[T(qtype)]
+    return _pack_transient(qtype, rows, cols, rows * cols // block * tsize)
 
 
 def _pack_transient(qtype: int, rows: int, cols: int, raw: int) -> int:

@@ -22,10 +22,12 @@ from ..hub.pull import resolve
 from ..hybrid.host_io import HostIO
 from ..hybrid.plan import parse_hybrid, plan_hybrid
 from ..hybrid.policy import HybridSplit
+from ..hybrid.probe import clear_weights, cpu_packed_gbps
 from ..memory.budget import fmt_bytes, mem_available, parse_size
 from ..memory.cuda_context import outside_allocator_bytes
 from ..memory.devices import per_device_budgets, resolve_devices, stage_ranges
 from ..memory.planner import Plan, StagePlan
+from ..memory.probes import h2d_pinned_gbps
 from ..memory.resident_image import attach_resident_image, image_wanted
 from ..memory.setup import (check_io, disk_images, make_store, measure_bandwidths,
                             pin_streamed_layers, plan_for)
@@ -35,6 +37,7 @@ from ..modelfile.gguf_file import GGUFFile
 from ..precision import Precision
 from ..weights import load_weights
 from ..weights.file_bytes import read_ahead
+from ..weights.expert_stream import StreamRates
 from ..weights.split_build import SplitPlacement
 from .engine import GRAPH_BUCKET, PREFILL_CHUNK, Engine
 from ..load_clock import LoadClock, maybe
@@ -254,7 +257,22 @@ def with_hybrid(gf: GGUFFile, cfg: ModelConfig, plan: Plan, hybrid: str | float,
 
 def measured(gf: GGUFFile, cfg: ModelConfig, plan: Plan, io: str, precision: Precision,
              hybrid: str | float, threads: int | None) -> Plan:
-    """A plan that streams, with its links measured now and its hybrid split made."""
+    """A plan that streams, with its links measured now and its hybrid split made; a plan
+    that splits a mixture of experts with the CPU, with the links its prefill chooses by
+    (weights.expert_stream.StreamRates): pinned copies up, and the CPU's expert kernel
+    ("cpu experts": hybrid's probe of its Q4_K kernel on one row, the packed layout the
+    CPU's experts take at "fast"; at "exact" they are float32 and slower, so a pass streams
+    somewhat later than it could)."""
+    if plan.vram_expert_slots is not None:
+        # the copies' probe within the budget, as measure_bandwidths sizes it (the device
+        # holds nothing else yet); no "vram" rate: a split plan's decode is the CPU's and the
+        # GPU's together, which whole_layers_tok_s does not predict
+        probe = max(min(256 << 20, (plan.budget or 1 << 33) // 8), 8 << 20)
+        plan.bandwidth_gbps["pinned"] = h2d_pinned_gbps(probe)
+        plan.bandwidth_gbps["cpu experts"], _ = cpu_packed_gbps(
+            threads or torch.get_num_threads())
+        clear_weights()  # the probe's weight (three last-level caches) not kept
+        return plan
     if not plan.streamed_layers:
         return plan
     measure_bandwidths(gf, plan, io, cfg, precision)
@@ -369,5 +387,9 @@ def split_placement(plan: Plan | None) -> SplitPlacement | None:
     the plan splits none."""
     if plan is None or plan.vram_expert_slots is None:
         return None
+    gbps = plan.bandwidth_gbps
+    # unmeasured (a plan not through `measured`): prefill's experts stay the CPU's
+    rates = StreamRates(gbps["pinned"], gbps["cpu experts"]) \
+        if "pinned" in gbps and "cpu experts" in gbps else None
     return SplitPlacement(plan.vram_expert_slots, plan.expert_slots,
-                          lambda dev, hidden: HostIO(dev, hidden, max_tokens=1))
+                          lambda dev, hidden: HostIO(dev, hidden, max_tokens=1), rates)

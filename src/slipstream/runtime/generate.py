@@ -240,9 +240,10 @@ def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], sampler: Samp
         if engine.device.type == "cuda":  # the allocator's own count: no device sync
             stats.peak_memory = torch.cuda.max_memory_allocated(engine.device)
         split = [b - a for a, b in zip(split_before, _split_counts(engine))]
-        if split[0] + split[1]:  # a mixture of experts split with the CPU
+        pairs = split[0] + split[1] + split[6]
+        if pairs:  # a mixture of experts split with the CPU
             stats.extra.update(zip(SPLIT_KEYS, split))
-            stats.extra["experts_vram_rate"] = split[0] / (split[0] + split[1])
+            stats.extra["experts_vram_rate"] = split[0] / pairs
         tier = [b - a for a, b in zip(tier_before, _tier_counts(engine))]
         if tier[1]:  # a mixture of experts with cold experts read from the file
             stats.extra.update(zip(TIER_KEYS, tier))
@@ -252,15 +253,18 @@ def generate(engine: Engine, tokenizer, prompt_ids: Sequence[int], sampler: Samp
 
 # GenerationStats.extra's keys of a mixture of experts split between VRAM and the CPU
 # (weights.split_experts): routed (token, expert) pairs computed from VRAM and by the CPU, the
-# host syncs for the routing, and the swaps into VRAM; "experts_vram_rate" is the share of
-# pairs served from VRAM
-SPLIT_KEYS = ("experts_vram_pairs", "experts_cpu_pairs", "experts_syncs", "experts_swaps")
+# host syncs for the routing, the swaps into VRAM, and a prefill's experts streamed to the GPU
+# (weights.expert_stream) with their bytes and routed pairs; "experts_vram_rate" is the share
+# of pairs served from VRAM slots
+SPLIT_KEYS = ("experts_vram_pairs", "experts_cpu_pairs", "experts_syncs", "experts_swaps",
+              "experts_streamed", "experts_stream_bytes", "experts_stream_pairs")
 
 
 def _split_counts(engine) -> list[int]:
     """The layer store's counters behind SPLIT_KEYS (memory.protocol.StoreStats)."""
     s = engine.layers.stats
-    return [s.expert_vram_pairs, s.expert_cpu_pairs, s.expert_syncs, s.expert_swaps]
+    return [s.expert_vram_pairs, s.expert_cpu_pairs, s.expert_syncs, s.expert_swaps,
+            s.expert_streamed, s.expert_stream_bytes, s.expert_stream_pairs]
 
 
 # GenerationStats.extra's keys of a mixture of experts with experts on disk

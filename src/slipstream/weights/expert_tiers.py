@@ -87,6 +87,17 @@ class ExpertFile:
         self.count(bytes_read=n, seconds=time.perf_counter() - t0)
         return t
 
+    def read_into(self, sl: ExpertSlice, e: int, out: torch.Tensor) -> None:
+        """`read`, into `out` (contiguous uint8 of the bytes' size: a pinned staging buffer's
+        view, weights.expert_stream), with no buffer of its own."""
+        offset, n = sl.of(e)
+        if out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() != n:
+            raise BadArgument(f"a buffer of {out.numel()} {out.dtype} elements for expert "
+                              f"{e}'s {n} bytes: needs a contiguous uint8 one of that size")
+        t0 = time.perf_counter()
+        self._pread_into(memoryview(out.view(-1).numpy()), offset, n, e)
+        self.count(bytes_read=n, seconds=time.perf_counter() - t0)
+
     def read_ahead(self, slices: list[ExpertSlice], e: int) -> Future:
         """Expert e's bytes of each of `slices`, as `read` gives them, read on the file's
         background thread (started at the first call): a Future of the list. Its error, if
@@ -112,14 +123,17 @@ class ExpertFile:
     def _pread(self, sl: ExpertSlice, e: int) -> tuple[torch.Tensor, int]:
         offset, n = sl.of(e)
         buf = bytearray(n)
-        view, done = memoryview(buf), 0
+        self._pread_into(memoryview(buf), offset, n, e)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(sl.rows, sl.row_bytes), n
+
+    def _pread_into(self, view: memoryview, offset: int, n: int, e: int) -> None:
+        done = 0
         while done < n:  # pread may return short
             got = os.preadv(self._fd, [view[done:]], offset + done)
             if got <= 0:  # the file shrank since it was loaded
                 raise GGUFError(f"{self.path}: expert {e}'s bytes end past the file: read "
                                 f"{done} of {n} bytes at offset {offset}")
             done += got
-        return torch.frombuffer(buf, dtype=torch.uint8).view(sl.rows, sl.row_bytes), n
 
     def count(self, hits: int = 0, misses: int = 0, bytes_read: int = 0,
               seconds: float = 0.0, ahead_hits: int = 0) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .expert_slots import SlotMap
+from .expert_stream import ExpertStreamer, StreamRates
 from .expert_tiers import ExpertFile, ExpertSlice, TieredExperts
 from .split_experts import ExpertBytes, SlotStacks, SplitExperts, SplitRuntime
 
@@ -37,11 +38,14 @@ class SplitSpec:
 class SplitPlacement:
     """What load_weights takes for a split: the plan's per-layer experts in VRAM slots and in
     RAM, and how to make the hand-off to the CPU's worker (hybrid.host_io.HostIO, handed in:
-    weights/ does not import hybrid/), called with (device, hidden)."""
+    weights/ does not import hybrid/), called with (device, hidden); `rates`: what decides a
+    prefill between streaming the experts outside VRAM to the GPU and the CPU (weights.
+    expert_stream; None: the CPU's, as decode's)."""
 
     vram_slots: list[int]
     ram_slots: list[int]
     host_io: Callable[[torch.device, int], object]
+    rates: StreamRates | None = None
 
     def spec(self, path: str | os.PathLike[str], device: torch.device, hidden: int,
              cpu_builder: "LayerBuilder", n_layers: int) -> SplitSpec:
@@ -50,6 +54,8 @@ class SplitPlacement:
                              f"{len(self.ram_slots)} layers for a model of {n_layers}")
         runtime = SplitRuntime(ExpertFile(path), device, hidden,
                                lambda: self.host_io(device, hidden))
+        if self.rates is not None:
+            runtime.streamer = ExpertStreamer(runtime, self.rates)
         return SplitSpec(self.vram_slots, self.ram_slots, cpu_builder, runtime)
 
 
@@ -92,5 +98,10 @@ def build_split(builder: LayerBuilder, src: TensorSource, layer: int,
     tiered = TieredExperts(n, r, spec.runtime.file, slices, make, held, act=act,
                            one_token=one_token, rows=rows)
     per_expert = sum(sl.expert_bytes for sl in slices)
+
+    def staging(first: list[torch.Tensor], slots: int) -> SlotStacks:
+        return SlotStacks(layout, first, slots, builder.device, builder.workspace,
+                          builder.fuse_scales, act)
+
     return SplitExperts(layer, stacks, SlotMap(n, v), tiered, spec.runtime,
-                        cpu_b.precision.act_dtype, per_expert)
+                        cpu_b.precision.act_dtype, per_expert, layout, staging)

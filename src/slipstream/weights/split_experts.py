@@ -18,8 +18,11 @@ A decode token of a split layer:
    (adding an exact zero changes no bit of the sum);
 4. a kernel on the stream waits for the worker's counter and adds the CPU's sum from pinned
    memory (kernels.wait_host_add): the host does not wait for the CPU.
-A pass of more rows (prefill) groups its rows by expert (model.moe.experts_ffn): a slot's
-expert as a QuantLinear over its rows of the stack, the CPU's on the host.
+A pass of more rows (prefill) groups its rows by expert: where the runtime's streamer finds
+streaming faster than the CPU for the pass (weights.expert_stream), the experts outside VRAM
+are copied into a few VRAM staging slots while the GPU computes the others; else
+model.moe.experts_ffn runs a slot's expert as a QuantLinear over its rows of the stack and
+the CPU's on the host.
 
 Every SWAP_EVERY decode tokens the layer swaps its hottest experts outside VRAM into its
 coldest slots: the expert's bytes read from the file, copied and packed on a copy stream
@@ -45,6 +48,7 @@ from .routed_experts import RoutedExperts, RoutedLinear
 
 if TYPE_CHECKING:
     from ..hybrid.host_io import HostIO
+    from .expert_stream import ExpertStreamer
 
 PLANES = ("lo", "hi", "d", "m", "sc", "mn", "sm")
 # Rows of an expert's projection packed at once into its slot (at the load and in a swap):
@@ -59,7 +63,8 @@ class SplitCounts:
     """The counters a split model keeps where no store's stats are given (a store's
     StoreStats has the same fields): routed (token, expert) pairs computed from VRAM slots
     and by the CPU, swaps and the bytes they copied, the CPU's seconds and bytes, and the
-    CPU side's cold-expert reads."""
+    CPU side's cold-expert reads, and the experts a prefill streamed to the GPU
+    (weights.expert_stream), the bytes copied up for them and their routed pairs."""
 
     expert_vram_pairs: int = 0
     expert_cpu_pairs: int = 0
@@ -75,16 +80,22 @@ class SplitCounts:
     expert_ahead_reads: int = 0
     expert_ahead_bytes: int = 0
     expert_ahead_hits: int = 0
+    expert_streamed: int = 0
+    expert_stream_bytes: int = 0
+    expert_stream_pairs: int = 0
 
 
 class SplitRuntime:
     """What a split model's layers share: the GGUF file the CPU's cold experts and swaps read,
     the hand-off to the CPU's worker (one HostIO, its jobs in layer order), the copy stream
-    of the swaps, and the counters (`stats`: the runtime points it at its store's)."""
+    of the swaps and of a prefill's streamed experts, the counters (`stats`: the runtime points
+    it at its store's), and the prefill's streamer (weights.expert_stream.ExpertStreamer, set
+    by weights.split_build; None: a prefill's experts outside VRAM are the CPU's)."""
 
     def __init__(self, file: ExpertFile, device: torch.device, hidden: int,
                  io_factory: Callable[[], "HostIO"]):
         self.file = file
+        self.streamer: "ExpertStreamer | None" = None
         self.device = device
         self.hidden = hidden
         self.io = io_factory()
@@ -202,17 +213,28 @@ class SlotStacks:
     def write(self, s: int, e: int, raws: list[torch.Tensor]) -> int:
         """Slot s := expert e (its gate, up and down bytes, (rows, row_bytes) each), on the
         current stream, SLOT_WRITE_ROWS rows at a time; returns the bytes copied."""
+        bias = [b if b is not None or dst is None else torch.zeros(dst.shape[1])
+                for dst, b in zip(self.bias, self.layout.bias_rows(e))]
+        return self.write_parts(s, self.layout.split(raws), bias)
+
+    def write_parts(self, s: int, parts: list[torch.Tensor],
+                    bias: list[torch.Tensor | None], elements: int | None = None) -> int:
+        """Slot s := an expert given as each stack's bytes (ExpertBytes.split's) and bias row
+        (ExpertBytes.bias_rows', a row wherever the stack has a bias), on the current stream;
+        from pinned memory the copies are asynchronous (weights.expert_stream). Packed
+        SLOT_WRITE_ROWS rows at a time, or `elements` weights at a time where given. Returns
+        the packed bytes written."""
         moved = 0
-        for stack, raw, (q, rows, cols) in zip(self.planes, self.layout.split(raws),
-                                               self.layout.stacks()):
-            for r0 in range(0, rows, SLOT_WRITE_ROWS):
-                r1 = min(r0 + SLOT_WRITE_ROWS, rows)
+        for stack, raw, (q, rows, cols) in zip(self.planes, parts, self.layout.stacks()):
+            step = SLOT_WRITE_ROWS if elements is None else max(1, elements // cols)
+            for r0 in range(0, rows, step):
+                r1 = min(r0 + step, rows)
                 part = self._pack_rows(raw[r0:r1], q, r1 - r0, cols)
                 write_rows(stack, s * rows + r0, part)
                 moved += part.nbytes
-        for dst, b in zip(self.bias, self.layout.bias_rows(e)):
+        for dst, b in zip(self.bias, bias):
             if dst is not None:
-                dst[s].copy_(b if b is not None else torch.zeros(dst.shape[1]))
+                dst[s].copy_(b, non_blocking=True)
         return moved
 
 
@@ -242,8 +264,14 @@ class SplitExperts:
 
     def __init__(self, layer: int, slots: SlotStacks | None, slot_map: SlotMap,
                  cpu: TieredExperts, runtime: SplitRuntime, cpu_act_dtype: torch.dtype,
-                 expert_cpu_bytes: int):
+                 expert_cpu_bytes: int, layout: ExpertBytes | None = None,
+                 stacks: Callable[[list[torch.Tensor], int], SlotStacks] | None = None):
+        """layout: how the layer's experts lie in the file; stacks: makes SlotStacks of that
+        layout over `n` slots from an expert's bytes (gate, up, down), as the VRAM slots were
+        made: the streamer's staging slots (both None: a prefill never streams)."""
         self.layer = layer
+        self.layout = layout
+        self.stacks = stacks
         self.slots = slots
         self.map = slot_map
         self.cpu = cpu
@@ -275,8 +303,14 @@ class SplitExperts:
         if T == 1 and self.map.due():
             self.swap_round()
         vram = sum(1 for e in flat if self.map.in_vram(e))
-        self.runtime.stats.expert_vram_pairs += vram
-        self.runtime.stats.expert_cpu_pairs += len(flat) - vram
+        stats = self.runtime.stats
+        stats.expert_vram_pairs += vram
+        streamer = self.runtime.streamer
+        if T > 1 and streamer is not None and self.stacks is not None \
+                and streamer.streams(self, flat, len(flat) - vram):
+            stats.expert_stream_pairs += len(flat) - vram
+            return streamer.mix(self, h, ids, weights, flat)
+        stats.expert_cpu_pairs += len(flat) - vram
         if T > 1:
             return experts_ffn(h, ids, weights, self)
         return self._decode(h, ids, weights, flat, host[1][0].float(), vram)
