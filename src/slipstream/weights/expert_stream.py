@@ -35,13 +35,13 @@ if TYPE_CHECKING:
     from .split_experts import ExpertBytes, SlotStacks, SplitExperts, SplitRuntime
 
 # VRAM staging slots per expert layout: triple buffered, one being written, one computed and
-# one landed ahead of it. A Qwen3-30B-A3B Q4_K expert is ~2.6 MB: 0.1 ms at 25 GB/s against
+# one landed ahead of it. A Qwen3-30B-A3B Q4_K expert is ~2.6 MB: 0.05 ms at 55 GB/s against
 # tens of microseconds for its 32 rows of pp512 on an H100, so a pass is bound by the copies
 # and more slots would only absorb their jitter (each one more is an expert's planes of VRAM)
 STAGING_SLOTS = 3
 # Weights packed at a time into a staging slot: a pack is ~50 small launches on the host
 # whatever its rows, and a swap's 256 rows at a time (split_experts.SLOT_WRITE_ROWS) would make
-# a Qwen3-30B-A3B expert 14 packs, several ms of launches against its 0.1 ms copy; 4M weights
+# a Qwen3-30B-A3B expert 14 packs, several ms of launches against its 0.05 ms copy; 4M weights
 # are one pack per projection of it (gate/up 1536 x 2048, down 2048 x 768; gpt-oss-120b's gate/up
 # five), for ~96 MiB of temporaries (memory.vram.PACK_TEMP_BYTES), which the plan reserves
 STAGING_WRITE_ELEMENTS = 4 << 20
@@ -62,8 +62,9 @@ class StreamRates:
     get more from each byte, so this overstates the CPU's time, and streams a little early).
     The GPU's compute overlaps the copies, and the bytes of an expert are about the same in
     either form (GGUF and the CPU's packed layout), so a pass streams where its pairs outside
-    VRAM are more than `rows_per_expert` a streamed expert: cpu_gbps / h2d_gbps (76 over 25
-    GB/s on the H100 host: 3 rows; decode, 1 row of k experts, never streams)."""
+    VRAM are more than `rows_per_expert` a streamed expert: cpu_gbps / h2d_gbps (107.1 over
+    55.5 GB/s, the two probes on an H100 host in a 12 GiB hybrid run: 2 rows; decode, 1 row of
+    k experts, never streams)."""
 
     h2d_gbps: float
     cpu_gbps: float
