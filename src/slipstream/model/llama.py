@@ -23,6 +23,8 @@ from .cpu_decode import decode_attention
 from .cpu_native import decode_layer as native_decode_layer
 from .cpu_native import native_layer
 from .cpu_native import serves as native_serves
+from .cpu_native_moe import decode_moe_layer, moe_native_layer
+from .cpu_native_moe import serves as moe_native_serves
 from .attention_sinks import sink_attention
 from .delta_net import delta_net
 from .gated_attention import gated_attention
@@ -146,6 +148,8 @@ class LayerWeights:
     # The layer's CPU decode form through the native ops (model.cpu_native), made at its first
     # CPU decode token: a NativeLayer, or False where the layer cannot take one.
     cpu_native: object = None
+    # ... and a mixture of experts' (model.cpu_native_moe): a MoeNativeLayer, or False
+    cpu_native_moe: object = None
 
     @property
     def is_cuda(self) -> bool:
@@ -500,6 +504,10 @@ def _cpu_decode(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
         nl = native_layer(w)
         if nl is not None and native_serves(x, pos, k_cache, v_cache):
             return native_decode_layer(cfg, nl, x, cos_sin, pos, k_cache, v_cache, rope)
+    if CPU_NATIVE and w.moe is not None and not window:  # a mixture of experts' whole layer
+        mnl = moe_native_layer(cfg, w, rope)
+        if mnl is not None and moe_native_serves(x, pos, k_cache, v_cache):
+            return decode_moe_layer(mnl, w, x, cos_sin, pos, k_cache, v_cache)
     qkv = pre_normed(cfg, w.attn_qkv, x, w.attn_norm)
     if cfg.qk_norm:
         qkv = qk_normed(cfg, w, qkv)
