@@ -52,13 +52,15 @@ class MoeNativeLayer:
     addr: int
     keep: tuple
     summed: bool  # the experts are summed in the call (their table is in desc)
+    one_token: object = None  # the bank's one-token sum it was made for
 
 
 def moe_native_layer(cfg: ModelConfig, w, rope: RopeTable) -> MoeNativeLayer | None:
     """The native form of LayerWeights w, made at its first decode token and kept on it; None
     where the layer cannot take it (see the module doc)."""
     nl = w.cpu_native_moe
-    if nl is None:
+    # remade where the bank's one-token sum was swapped since (tests compare the sums)
+    if nl is None or (nl and nl.one_token is not getattr(w.moe.experts, "one_token", None)):
         nl = w.cpu_native_moe = _make(cfg, w, rope) or False
     return nl or None
 
@@ -137,8 +139,8 @@ def _make(cfg: ModelConfig, w, rope: RopeTable) -> MoeNativeLayer | None:
                          int(rope.style != "normal"), qkv[1], moe.experts.n_experts,
                          moe.top_k, int(moe.normalize), _GLU_ACTS[moe.experts.act],
                          cfg.norm_eps, cfg.attention_scale)
-    return MoeNativeLayer(desc, ctypes.addressof(desc), (f32, router, table, w),
-                          table is not None)
+    return MoeNativeLayer(desc, ctypes.addressof(desc), (f32, router, table),
+                          table is not None, getattr(moe.experts, "one_token", None))
 
 
 # decode_ops.c's ss_glu_f32 `act` of each expert activation (weights.cpu.expert_decode's)
