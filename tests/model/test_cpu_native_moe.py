@@ -21,12 +21,14 @@ pytestmark = pytest.mark.skipif(native.library() is None,
 IDS = list(range(5, 200, 13))  # 15 tokens of the synthetic vocabulary
 
 
-@pytest.fixture(scope="module", params=["qwen3moe", "mixtral"])
+@pytest.fixture(scope="module", params=[("qwen3moe", "Q4_K"), ("mixtral", "Q4_K"),
+                                        ("qwen3moe", "Q4_K_M")], ids="-".join)
 def moe_file(request, tmp_path_factory):
-    """A 2-layer Q4_K file: Qwen3-MoE's block (per-head q/k norms, 16 experts, top 4) or
-    Mixtral's (none, 8 experts, top 2)."""
-    d = tmp_path_factory.mktemp(request.param)
-    return write_synth(d / "m.gguf", "tiny", "Q4_K", n_layers=2, arch=request.param,
+    """A 2-layer file: Qwen3-MoE's block (per-head q/k norms, 16 experts, top 4) or Mixtral's
+    (none, 8 experts, top 2); Q4_K, or Q4_K_M (q/k/v of two layouts: Q6_K v)."""
+    arch, mix = request.param
+    d = tmp_path_factory.mktemp(arch)
+    return write_synth(d / "m.gguf", "tiny", mix, n_layers=2, arch=arch,
                        from_floats=True, seed=9, std=0.15)
 
 
@@ -56,6 +58,9 @@ def test_one_call_layer_matches_the_torch_path(moe_file, monkeypatch):
     for layer in engine.weights.layers:
         assert isinstance(layer.cpu_native_moe, cpu_native_moe.MoeNativeLayer)
         assert layer.cpu_native_moe.summed  # the resident experts summed in the call
+        # one q/k/v matvec, or one per part where they mix layouts
+        parts = getattr(layer.attn_qkv.packed, "parts", [None])
+        assert layer.cpu_native_moe.desc.n_qkv == len(parts)
     assert _rel(ours, ref) < 2e-2, _rel(ours, ref)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     # one thread or two: the same bits (the experts' sum is ordered by id, not by thread)

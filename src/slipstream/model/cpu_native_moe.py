@@ -5,8 +5,9 @@ calls around the matvecs (a third of a Qwen3-30B-A3B-shaped 12-layer file's deco
 2-core EPYC, the head aside).
 
 Serves Qwen3-MoE- and Mixtral-shaped layers: the plain pre-norm block (per-head q/k norms
-allowed), q/k/v fused and o packed for q4_matvec.c with no bias, softmax routing with no bias,
-groups, scale or shared expert. The experts: a bank whose one-token sum is the native one
+allowed), q/k/v and o packed for q4_matvec.c or q6_matvec.c with no bias (q/k/v one linear,
+or up to three parts of different layouts: Q4_K_M's), softmax routing with no bias, groups,
+scale or shared expert. The experts: a bank whose one-token sum is the native one
 (weights.cpu.expert_decode) is summed inside the call where it holds every expert resident
 with a native descriptor; any other bank (experts read from the file: weights.expert_tiers)
 gets the routing back and sums through its own ffn_one, which gives the resident call's bits,
@@ -29,14 +30,25 @@ from .cpu_native import NATIVE_MAX_SPAN
 from .rope import RopeTable
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-# the kinds whose records q4_matvec.c reads (weights.cpu.vnni)
+# the kinds whose records q4_matvec.c reads (weights.cpu.vnni), and q6_matvec.c's
 _Q4_KINDS = ("q4vnni", "q8vnni")
+_Q6_KIND = "q6vnni"
+
+
+class _Matvec(ctypes.Structure):
+    """native/decode_moe_layer.c's moe_matvec."""
+
+    _fields_ = [("w", _P), ("rows", _I64), ("q6", _I64)]
+
+
+_QKV_PARTS = 3  # decode_moe_layer.c's MAX_QKV_PARTS
 
 
 class _MoeLayerDesc(ctypes.Structure):
     """native/decode_moe_layer.c's ss_moe_layer."""
 
-    _fields_ = [("qkv", _P), ("o", _P), ("attn_norm", _P), ("ffn_norm", _P),
+    _fields_ = [("qkv", _Matvec * _QKV_PARTS), ("n_qkv", _I64), ("o", _Matvec),
+                ("attn_norm", _P), ("ffn_norm", _P),
                 ("q_norm", _P), ("k_norm", _P), ("router", _P), ("experts", _P),
                 ("hidden", _I64), ("n_q", _I64), ("n_kv", _I64), ("d", _I64),
                 ("rope_dim", _I64), ("rope_style", _I64), ("q4_flags", _I64),
@@ -82,16 +94,23 @@ def _routing_serves(moe) -> bool:
             and moe.router.dtype == torch.float32 and moe.router.device.type == "cpu")
 
 
-def _q4_desc(lin) -> tuple[int, int] | None:
-    """(descriptor, flags) of a linear's packed q4_matvec.c weight with no bias, else None."""
+def _matvecs(lin) -> list[_Matvec] | None:
+    """A linear's packed weights as decode_moe_layer.c's matvecs (one, or one per part of a
+    weights.cpu PartsLinear), where each is q4_matvec.c's or q6_matvec.c's with no bias and
+    the flags decode_moe_layer.c passes (bfloat16 in and out); else None."""
     ask = getattr(lin, "one_row_kernel", None)
-    if ask is None:
+    decode = ask() if ask is not None else None
+    if decode is None or decode[1] is not None:
         return None
-    decode = ask()
-    packed = getattr(lin, "packed", None)
-    if decode is None or decode[1] is not None or getattr(packed, "kind", None) not in _Q4_KINDS:
-        return None
-    return packed.desc, packed.flags
+    packed = lin.packed
+    out = []
+    for p in getattr(packed, "parts", [packed]):
+        kind = getattr(p, "kind", None)
+        if kind not in (*_Q4_KINDS, _Q6_KIND) or getattr(p, "bias", None) is not None \
+                or getattr(p, "flags", 0) != 0:
+            return None
+        out.append(_Matvec(p.desc, p.out_features, int(kind == _Q6_KIND)))
+    return out
 
 
 def _expert_table(bank) -> tuple[ctypes.Array, tuple] | None:
@@ -115,8 +134,9 @@ def _make(cfg: ModelConfig, w, rope: RopeTable) -> MoeNativeLayer | None:
             or not _routing_serves(moe) or moe.top_k > 64
             or getattr(moe.experts, "act", None) not in _GLU_ACTS):
         return None
-    qkv, out = _q4_desc(w.attn_qkv), _q4_desc(w.attn_output)
-    if qkv is None or out is None or qkv[1] != out[1]:
+    qkv, out = _matvecs(w.attn_qkv), _matvecs(w.attn_output)
+    if qkv is None or out is None or len(qkv) > _QKV_PARTS or len(out) != 1 or \
+            sum(m.rows for m in qkv) != (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim:
         return None
     if cfg.qk_norm and (w.attn_q_norm is None or w.attn_k_norm is None):
         return None
@@ -133,10 +153,11 @@ def _make(cfg: ModelConfig, w, rope: RopeTable) -> MoeNativeLayer | None:
     def addr(t):
         return None if t is None else t.data_ptr()
 
-    desc = _MoeLayerDesc(qkv[0], out[0], *map(addr, f32), router.data_ptr(),
+    parts = (_Matvec * _QKV_PARTS)(*qkv)
+    desc = _MoeLayerDesc(parts, len(qkv), out[0], *map(addr, f32), router.data_ptr(),
                          None if table is None else ctypes.addressof(table[0]),
                          cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, rope.rope_dim,
-                         int(rope.style != "normal"), qkv[1], moe.experts.n_experts,
+                         int(rope.style != "normal"), 0, moe.experts.n_experts,
                          moe.top_k, int(moe.normalize), _GLU_ACTS[moe.experts.act],
                          cfg.norm_eps, cfg.attention_scale)
     return MoeNativeLayer(desc, ctypes.addressof(desc), (f32, router, table),

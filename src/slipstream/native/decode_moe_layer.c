@@ -32,14 +32,27 @@ void ss_decode_attention(const void *qkv, int qkv_f32, const float *ang, const f
                          float *v_cache, int64_t max_ctx, int64_t n_q, int64_t n_kv, int64_t d,
                          float scale, float *scratch, uint16_t *out);
 void ss_q4_matvec(const void *wd, const void *x, void *y, int64_t m, int64_t flags);
+void ss_q6_matvec(const void *wd, const void *x, void *y, int64_t m, int64_t flags);
 int ss_moe_ffn(const moe_expert *const *experts, int64_t k, const float *x, const float *w,
                float *out, int64_t threads, int64_t act);
 
 #define MAX_TOP_K 64
+#define MAX_QKV_PARTS 3
 
-/* A layer, made once (cpu_native_moe.MoeNativeLayer). */
+/* A matvec's weight: a q4_matvec.c one (q4vnni or q8vnni records) or, with `q6` set, a
+ * q6_matvec.c one; `rows` its output rows. */
 typedef struct {
-    const void *qkv, *o;           /* q4_matvec.c weights (q4vnni or q8vnni records) */
+    const void *w;
+    int64_t rows, q6;
+} moe_matvec;
+
+/* A layer, made once (cpu_native_moe.MoeNativeLayer). q/k/v are one matvec where their
+ * formats share a layout, else one per part (Q4_K_M's Q6_K v beside Q4_K q and k:
+ * weights/cpu/parts.py), their outputs side by side. */
+typedef struct {
+    moe_matvec qkv[MAX_QKV_PARTS];
+    int64_t n_qkv;
+    moe_matvec o;
     const float *attn_norm, *ffn_norm;
     const float *q_norm, *k_norm;  /* per-head (d,) weights, or NULL: no q/k norms */
     const float *router;           /* (n_experts, hidden) float32 */
@@ -98,6 +111,13 @@ static void route(const ss_moe_layer *L, const float *hf, float *logits, int64_t
         for (int64_t j = 0; j < k; j++) w[j] /= top;
 }
 
+/* y = W x for one bfloat16 row x, into bfloat16 y (flags: q4_matvec.c's, which q6_matvec.c
+ * reads alike) */
+static void matvec(const moe_matvec *m, const uint16_t *x, uint16_t *y, int64_t flags) {
+    if (m->q6) ss_q6_matvec(m->w, x, y, 1, flags);
+    else ss_q4_matvec(m->w, x, y, 1, flags);
+}
+
 /* The layer on x (hidden floats) at slot pos, writing the token's key and value at slot pos of
  * the (n_kv, max_ctx, d) float32 caches. threads: the matvecs' and the experts' OpenMP team.
  * Returns 1 with x_out written; 0 (L->experts NULL) with mid (the residual after attention),
@@ -123,7 +143,8 @@ int ss_decode_moe_layer(const ss_moe_layer *L, const float *x, float *x_out, con
     const int64_t flags = L->q4_flags | threads << 8;  /* q4_matvec.c's Q4_THREADS_SHIFT */
 
     ss_rms_norm_bf16(x, L->attn_norm, hidden, L->eps, h);
-    ss_q4_matvec(L->qkv, h, qkv_b, 1, flags);
+    for (int64_t p = 0, r0 = 0; p < L->n_qkv; r0 += L->qkv[p].rows, p++)
+        matvec(&L->qkv[p], h, qkv_b + r0, flags);
     /* widened exactly, as the torch path's float32 q/k/v (PackedDecodeLinear's finish) */
     for (int64_t i = 0; i < rows; i++) qkv[i] = bf16_to_f32(qkv_b[i]);
     if (L->q_norm != NULL) {  /* model/llama.py qk_normed: one RMSNorm per head, in place */
@@ -132,7 +153,7 @@ int ss_decode_moe_layer(const ss_moe_layer *L, const float *x, float *x_out, con
     }
     ss_decode_attention(qkv, 1, ang, ang_sin, L->rope_dim, (int)L->rope_style, pos, k_cache,
                         v_cache, max_ctx, n_q, n_kv, d, L->scale, work, attn);
-    ss_q4_matvec(L->o, attn, o, 1, flags);
+    matvec(&L->o, attn, o, flags);
     /* x + o (o's bfloat16 widened exactly, one float32 add, as torch.add), then the FFN's
      * RMSNorm in float32 (model/llama.py rms_norm's native call, the same function) */
     for (int64_t i = 0; i < hidden; i++) mid[i] = x[i] + bf16_to_f32(o[i]);
