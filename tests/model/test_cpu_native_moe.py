@@ -56,11 +56,11 @@ def test_one_call_layer_matches_the_torch_path(moe_file, monkeypatch):
         m.setattr(llama, "decode_attention", None)
         ours = _decode(engine)
     for layer in engine.weights.layers:
-        assert isinstance(layer.cpu_native_moe, cpu_native_moe.MoeNativeLayer)
-        assert layer.cpu_native_moe.summed  # the resident experts summed in the call
+        assert isinstance(layer.moe.cpu_native, cpu_native_moe.MoeNativeLayer)
+        assert layer.moe.cpu_native.summed  # the resident experts summed in the call
         # one q/k/v matvec, or one per part where they mix layouts
         parts = getattr(layer.attn_qkv.packed, "parts", [None])
-        assert layer.cpu_native_moe.desc.n_qkv == len(parts)
+        assert layer.moe.cpu_native.desc.n_qkv == len(parts)
     assert _rel(ours, ref) < 2e-2, _rel(ours, ref)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     # one thread or two: the same bits (the experts' sum is ordered by id, not by thread)
@@ -79,7 +79,7 @@ def test_weights_not_renormalised_miss_the_torch_path(moe_file, monkeypatch):
     ref = _torch_path(engine, monkeypatch)
     _decode(engine, 1)  # the layers' native forms made
     for layer in engine.weights.layers:
-        layer.cpu_native_moe.desc.normalize = 0
+        layer.moe.cpu_native.desc.normalize = 0
     assert _rel(_decode(engine), ref) > 5e-2
 
 
@@ -91,7 +91,7 @@ def test_routing_handed_back_gives_the_same_bits(moe_file, monkeypatch):
     inside = _decode(engine)
     monkeypatch.setattr(cpu_native_moe, "_expert_table", lambda bank: None)
     for layer in engine.weights.layers:
-        layer.cpu_native_moe = None
+        layer.moe.cpu_native = None
     handed_back = _decode(engine)
-    assert all(not layer.cpu_native_moe.summed for layer in engine.weights.layers)
+    assert all(not layer.moe.cpu_native.summed for layer in engine.weights.layers)
     assert torch.equal(handed_back, inside)

@@ -64,17 +64,24 @@ class MoeNativeLayer:
     addr: int
     keep: tuple
     summed: bool  # the experts are summed in the call (their table is in desc)
-    one_token: object = None  # the bank's one-token sum it was made for
+    # what it was made from: remade where any of them is no longer the layer's (a bank's
+    # one-token sum swapped, as tests do; a layer's linears replaced by a store)
+    sources: tuple = ()
 
 
 def moe_native_layer(cfg: ModelConfig, w, rope: RopeTable) -> MoeNativeLayer | None:
     """The native form of LayerWeights w, made at its first decode token and kept on it; None
     where the layer cannot take it (see the module doc)."""
-    nl = w.cpu_native_moe
-    # remade where the bank's one-token sum was swapped since (tests compare the sums)
-    if nl is None or (nl and nl.one_token is not getattr(w.moe.experts, "one_token", None)):
-        nl = w.cpu_native_moe = _make(cfg, w, rope) or False
+    nl = w.moe.cpu_native
+    if nl is None or (nl and not all(a is b for a, b in zip(nl.sources, _sources(w)))):
+        nl = w.moe.cpu_native = _make(cfg, w, rope) or False
     return nl or None
+
+
+def _sources(w) -> tuple:
+    """The objects a layer's native form is made from, compared by identity at each token."""
+    return (w.attn_qkv, w.attn_output, w.attn_norm, w.ffn_norm, w.attn_q_norm, w.attn_k_norm,
+            w.moe.router, w.moe.experts, getattr(w.moe.experts, "one_token", None))
 
 
 def block_serves(cfg: ModelConfig) -> bool:
@@ -161,7 +168,7 @@ def _make(cfg: ModelConfig, w, rope: RopeTable) -> MoeNativeLayer | None:
                          moe.top_k, int(moe.normalize), _GLU_ACTS[moe.experts.act],
                          cfg.norm_eps, cfg.attention_scale)
     return MoeNativeLayer(desc, ctypes.addressof(desc), (f32, router, table),
-                          table is not None, getattr(moe.experts, "one_token", None))
+                          table is not None, _sources(w))
 
 
 # decode_ops.c's ss_glu_f32 `act` of each expert activation (weights.cpu.expert_decode's)
@@ -175,6 +182,16 @@ def serves(x: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tens
             and x.shape[0] == 1 and k_cache.dtype == torch.float32
             and v_cache.dtype == torch.float32 and k_cache.is_contiguous()
             and v_cache.is_contiguous())
+
+
+def decode(cfg: ModelConfig, w, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+           pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor, rope: RopeTable
+           ) -> torch.Tensor | None:
+    """decode_moe_layer where the layer and this token take it, else None (the torch ops)."""
+    nl = moe_native_layer(cfg, w, rope)
+    if nl is None or not serves(x, pos, k_cache, v_cache):
+        return None
+    return decode_moe_layer(nl, w, x, cos_sin, pos, k_cache, v_cache)
 
 
 def decode_moe_layer(nl: MoeNativeLayer, w, x: torch.Tensor,

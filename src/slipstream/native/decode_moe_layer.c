@@ -66,8 +66,8 @@ typedef struct {
  * the top_k largest p (the lower id first on a tie), w = p[top] (renormalised to sum 1 where
  * `normalize`), both written in ascending id order, as model/moe.py's experts_ffn orders a
  * token's experts. */
-static void route(const ss_moe_layer *L, const float *hf, float *logits, int64_t *ids,
-                  float *w) {
+static void route(const ss_moe_layer *L, const float *hf, float *logits, unsigned char *tk,
+                  int64_t *ids, float *w) {
     const int64_t n = L->n_experts, k = L->top_k, hidden = L->hidden;
     float mx = -INFINITY;
     for (int64_t e = 0; e < n; e++) {
@@ -88,9 +88,9 @@ static void route(const ss_moe_layer *L, const float *hf, float *logits, int64_t
         sum += logits[e];
     }
     for (int64_t e = 0; e < n; e++) logits[e] /= sum;
-    /* the k largest, by repeated selection (n * k compares: 1024 for Qwen3-30B-A3B) */
-    unsigned char taken[1024] = {0};
-    unsigned char *tk = n <= 1024 ? taken : calloc((size_t)n, 1);
+    /* the k largest, by repeated selection (n * k compares: 1024 for Qwen3-30B-A3B); tk
+     * marks those taken */
+    memset(tk, 0, (size_t)n);
     for (int64_t j = 0; j < k; j++) {
         int64_t best = -1;
         for (int64_t e = 0; e < n; e++)
@@ -106,7 +106,6 @@ static void route(const ss_moe_layer *L, const float *hf, float *logits, int64_t
             top += logits[e];
             m++;
         }
-    if (tk != taken) free(tk);
     if (L->normalize)
         for (int64_t j = 0; j < k; j++) w[j] /= top;
 }
@@ -133,13 +132,14 @@ int ss_decode_moe_layer(const ss_moe_layer *L, const float *x, float *x_out, con
     /* floats: qkv, attention's work (queries, scores), router logits, experts' sum;
      * bfloat16 (as uint16, counted in floats): the normed input, qkv, attention, o */
     const int64_t floats = rows + n_q * d + group * (pos + 1) + L->n_experts + hidden +
-                           (hidden + rows + n_q * d + hidden + 1) / 2 + 8;
+                           (hidden + rows + n_q * d + hidden + 1) / 2 + L->n_experts / 4 + 8;
     float *buf = malloc((size_t)floats * sizeof(float));
     if (buf == NULL) return -1;
     float *qkv = buf, *work = qkv + rows, *logits = work + n_q * d + group * (pos + 1);
     float *sum = logits + L->n_experts;
     uint16_t *h = (uint16_t *)(sum + hidden), *qkv_b = h + hidden, *attn = qkv_b + rows;
     uint16_t *o = attn + n_q * d;
+    unsigned char *taken = (unsigned char *)(o + hidden);
     const int64_t flags = L->q4_flags | threads << 8;  /* q4_matvec.c's Q4_THREADS_SHIFT */
 
     ss_rms_norm_bf16(x, L->attn_norm, hidden, L->eps, h);
@@ -158,7 +158,7 @@ int ss_decode_moe_layer(const ss_moe_layer *L, const float *x, float *x_out, con
      * RMSNorm in float32 (model/llama.py rms_norm's native call, the same function) */
     for (int64_t i = 0; i < hidden; i++) mid[i] = x[i] + bf16_to_f32(o[i]);
     ss_rms_norm_rows_f32(mid, L->ffn_norm, 1, hidden, L->eps, hf);
-    route(L, hf, logits, ids, w);
+    route(L, hf, logits, taken, ids, w);
     if (L->experts == NULL) {
         free(buf);
         return 0;
