@@ -38,8 +38,8 @@ def _images_for_tiny_files(monkeypatch):
 @pytest.fixture(scope="module", params=["Q4_K_M", pytest.param("Q8_0", marks=pytest.mark.slow),
                                         pytest.param("Q4_0", marks=pytest.mark.slow)])
 def synth(request, tmp_path_factory):
-    # Q4_K_M: q/k/v mix Q4_K and Q6_K (no packed copy: kind "none"), Q4_K gate/up (q4vnni or
-    # int4pack), Q6_K down (int8pack), a Q6_K head
+    # Q4_K_M: q/k/v mix Q4_K and Q6_K (a packed copy per part: weights.cpu.parts), Q4_K
+    # gate/up (q4vnni or int4pack), Q6_K down (q6vnni or int8pack), a Q6_K head
     d = tmp_path_factory.mktemp("resident-image")
     return write_synth(d / "tiny.gguf", "tiny", request.param, n_layers=3, from_floats=True,
                        std=0.08, seed=7)
@@ -89,7 +89,7 @@ def test_an_image_load_gives_the_bits_of_copies_packed_in_memory(model, monkeypa
     def no_packing(*a, **k):
         raise AssertionError("a load from the image packed a weight")
 
-    monkeypatch.setattr(loader, "pack_group", no_packing)
+    monkeypatch.setattr(loader, "pack_joined", no_packing)
     again = slipstream.load(model, device="cpu", ctx=64)
     image = again.engine.weights.packed_image
     lo = image.buffer.data_ptr()
@@ -99,7 +99,8 @@ def test_an_image_load_gives_the_bits_of_copies_packed_in_memory(model, monkeypa
         assert kind(lin) == kind(ref)
         if lin.packed is lin.dense:
             continue
-        planes = [t for t in vars(lin.packed).values() if isinstance(t, torch.Tensor)]
+        planes = [t for p in getattr(lin.packed, "parts", [lin.packed])
+                  for t in vars(p).values() if isinstance(t, torch.Tensor)]
         assert planes and all(lo <= t.data_ptr() < hi for t in planes)  # views of the map
     assert same(outputs(again), fresh)
 

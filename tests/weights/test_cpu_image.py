@@ -30,14 +30,15 @@ from slipstream.weights.loader import LayerBuilder, TensorSource, raw_tensor
 CPU = torch.device("cpu")
 FAST = Precision.of("fast", CPU)
 # (architecture, quant mix) -> the kind each decode linear takes. Q4_K_M's q/k/v mix Q4_K and
-# Q6_K, whose layouts differ, so the resident layer decodes that group dense (pack_group
-# fuses only parts of one layout); Q5_K has no packed layout at all.
+# Q6_K, whose layouts differ, so the resident layer decodes that group through its parts
+# (pack_group fuses only parts of one layout; "parts": a PartsLinear, its kind naming each
+# part's layout and rows); Q5_K has no packed layout at all.
 INT8 = kind_for(8)  # Q8_0's: q8vnni or int4pair
 INT4 = kind_for(12)  # Q4_K (12)'s decode layout here: q4vnni with the native library, else int4pack
 Q6 = kind_for(14)  # Q6_K (14)'s: q6vnni with the native library's VNNI loop, else int8pack
 CASES = {
     ("llama", "Q4_K"): dict(attn_qkv=INT4, attn_output=INT4, ffn_gate_up=INT4, ffn_down=INT4),
-    ("llama", "Q4_K_M"): dict(attn_qkv="dense", attn_output=INT4, ffn_gate_up=INT4,
+    ("llama", "Q4_K_M"): dict(attn_qkv="parts", attn_output=INT4, ffn_gate_up=INT4,
                               ffn_down=Q6),
     ("llama", "Q8_0"): dict(attn_qkv=INT8, attn_output=INT8, ffn_gate_up=INT8, ffn_down=INT8),
     ("llama", "Q4_0"): dict(attn_qkv=INT4, attn_output=INT4, ffn_gate_up=INT4, ffn_down=INT4),
@@ -75,7 +76,7 @@ def model(request, tmp_path_factory):
 def test_the_image_holds_each_linear_as_the_resident_decode_does(model):
     case, gf, cfg = model
     host, layout = cpu_image.cpu_image_of(gf, cfg, FAST, 1)
-    assert {k: v[0] for k, v in layout.linears.items()} == CASES[case]
+    assert {k: v[0].split(":")[0] for k, v in layout.linears.items()} == CASES[case]
     assert host.numel() == layout.nbytes == cpu_image.image_nbytes(gf, cfg, 1, FAST)
     # every tensor on an IMAGE_ALIGN boundary, inside the image, in order
     ends = [0] + [e.offset + e.nbytes for e in layout.entries]
@@ -143,21 +144,30 @@ def test_the_image_is_pack_groups_copy_of_the_files_bytes(model):
         assert isinstance(got, PackedDecodeLinear)
         biases = [TensorSource(gf).dense(f"{n}.bias", (s[0],), torch.float32, CPU)
                   if f"{n}.bias" in gf.tensors else None for n, s in zip(names, part_shapes)]
-        ref, _ = pack_group(raws, types, part_shapes, biases)
+        ref, refs = pack_group(raws, types, part_shapes, biases)
+        if CASES[case][field] == "parts":  # each part as pack_group makes it alone
+            assert ref is None and len(got.packed.parts) == len(refs)
+            for packed, ref in zip(got.packed.parts, refs):
+                _same_planes(packed, ref, field)
+            continue
         # (an image names cb4's MXFP4 grid "cb4-mx", iq's format "iq-IQ3_XXS")
         assert ref.kind == CASES[case][field].split("-")[0] == kind_for(types[0])
-        packed = got.packed
-        if ref.kind == "cb4":
-            assert packed.grid == ref.grid
-        planes = {"int8pack": ("codes", "scales"), "q4vnni": ("packed",),
-                  "q8vnni": ("packed",), "q6vnni": ("packed",), "cb4": ("packed",),
-                  "iq": ("packed",)}.get(
-            ref.kind, ("packed", "scale_zeros"))
-        for plane in planes:
-            assert torch.equal(getattr(packed, plane), getattr(ref, plane)), (field, plane)
-        assert (packed.bias is None) == (ref.bias is None)
-        if ref.bias is not None:
-            assert torch.equal(packed.bias, ref.bias)
+        _same_planes(got.packed, ref, field)
+
+
+def _same_planes(packed, ref, field: str) -> None:
+    """packed's planes and bias are ref's (pack_group's of the file's bytes)."""
+    if ref.kind == "cb4":
+        assert packed.grid == ref.grid
+    planes = {"int8pack": ("codes", "scales"), "q4vnni": ("packed",),
+              "q8vnni": ("packed",), "q6vnni": ("packed",), "cb4": ("packed",),
+              "iq": ("packed",)}.get(
+        ref.kind, ("packed", "scale_zeros"))
+    for plane in planes:
+        assert torch.equal(getattr(packed, plane), getattr(ref, plane)), (field, plane)
+    assert (packed.bias is None) == (ref.bias is None)
+    if ref.bias is not None:
+        assert torch.equal(packed.bias, ref.bias)
 
 
 @pytest.mark.slow

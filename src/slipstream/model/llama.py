@@ -23,6 +23,7 @@ from .cpu_decode import decode_attention
 from .cpu_native import decode_layer as native_decode_layer
 from .cpu_native import native_layer
 from .cpu_native import serves as native_serves
+from .cpu_native_moe import decode as moe_native_decode
 from .attention_sinks import sink_attention
 from .delta_net import delta_net
 from .gated_attention import gated_attention
@@ -494,12 +495,14 @@ def _cpu_decode(cfg: ModelConfig, w: LayerWeights, x: torch.Tensor,
     same values (so the same bits), with fewer calls around them (model.cpu_decode), since
     per-call overhead bounds CPU decode as much as the matmuls do. Where the native ops serve
     the layer (model.cpu_native), the same math in four calls instead, to float32 rounding."""
-    # the native ops hold the Llama block only
-    if (CPU_NATIVE and w.ffn_host is None and w.ffn_down_rest is None
+    if (CPU_NATIVE and w.ffn_host is None and w.ffn_down_rest is None  # Llama blocks only
             and llama_block(cfg) and not window):
         nl = native_layer(w)
         if nl is not None and native_serves(x, pos, k_cache, v_cache):
             return native_decode_layer(cfg, nl, x, cos_sin, pos, k_cache, v_cache, rope)
+    if CPU_NATIVE and w.moe is not None and not window:  # a mixture of experts (one call)
+        if (y := moe_native_decode(cfg, w, x, cos_sin, pos, k_cache, v_cache, rope)) is not None:
+            return y
     qkv = pre_normed(cfg, w.attn_qkv, x, w.attn_norm)
     if cfg.qk_norm:
         qkv = qk_normed(cfg, w, qkv)

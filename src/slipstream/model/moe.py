@@ -249,6 +249,9 @@ class MoeWeights:
     # "attention" (after the attention's residual add): a guess of the next layer's experts
     # from it, whose cold ones it reads ahead (weights.expert_ahead); None: no guess
     ahead: Callable[[torch.Tensor, str], None] | None = None
+    # the layer's one-call CPU decode form (model.cpu_native_moe), made at its first CPU
+    # decode token: a MoeNativeLayer, or False where the layer cannot take one
+    cpu_native: object = None
 
 
 def gate(logits: torch.Tensor, gating: str) -> torch.Tensor:

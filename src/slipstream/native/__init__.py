@@ -1,5 +1,5 @@
 """Native CPU ops, compiled once per machine with the system's C compiler and called through
-ctypes: decode_ops.c, decode_layer.c, q4_matvec.c, q6_matvec.c, cb4_matvec.c, iq_matvec.c and
+ctypes: decode_ops.c, decode_layer.c, decode_moe_layer.c, q4_matvec.c, q6_matvec.c, cb4_matvec.c, iq_matvec.c and
 moe_ffn.c (a token's routed experts) for decode (and hybrid decode's CPU share), moe_rows.c for
 a prefill's routed experts, int4_pack.c for load-time packing (int4pack, q4vnni and q8vnni;
 q6vnni's and cb4's packers are in their kernels' files), dequant.c for the dense weights a CPU
@@ -38,7 +38,8 @@ from .. import envs
 
 # compiled together into one library
 SOURCES = ("decode_ops.c", "q4_matvec.c", "q6_matvec.c", "cb4_matvec.c", "iq_matvec.c",
-           "moe_ffn.c", "moe_rows.c", "int4_pack.c", "decode_layer.c", "dequant.c")
+           "moe_ffn.c", "moe_rows.c", "int4_pack.c", "decode_layer.c", "decode_moe_layer.c",
+           "dequant.c")
 # what they include: written beside them, and part of the cache key
 HEADERS = ("bf16.h", "half.h", "parallel.h", "moe_expert.h")
 # -ffp-contract=off: no fused multiply-adds, so that every product is rounded as torch rounds
@@ -95,6 +96,9 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     # decode_layer.c: (layer, scratch, x, x_out, ang, ang_sin, pos, k_cache, v_cache, max_ctx,
     # threads)
     "ss_decode_layer": (_P, _P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64),
+    # decode_moe_layer.c: (layer, x, x_out, ang, ang_sin, pos, k_cache, v_cache, max_ctx,
+    # threads, mid, hf, ids, w): 1 (x_out written), 0 (routed only) or -1 (no scratch)
+    "ss_decode_moe_layer": (_P, _P, _P, _P, _P, _I64, _P, _P, _I64, _I64, _P, _P, _P, _P),
     # int4_pack.c
     "ss_int4pack_rows": (_P, _I64, _INT, _I64, _I64, _I64, _I64, _I64, _P, _P, _INT),
     "ss_q4vnni_rows": (_P, _I64, _INT, _I64, _I64, _I64, _P, _I64, _P, _P, _INT),
@@ -102,7 +106,7 @@ SIGNATURES = {  # decode_ops.c's functions: argument types (all return void)
     # dequant.c: (raw, fmt, blocks, out, out_f16, threads)
     "ss_dequant_blocks": (_P, _INT, _I64, _P, _INT, _INT),
 }
-INT_RESULTS = ("ss_q4_ffn_on_signal", "ss_moe_ffn", "ss_moe_rows")  # returning an int
+INT_RESULTS = ("ss_q4_ffn_on_signal", "ss_moe_ffn", "ss_moe_rows", "ss_decode_moe_layer")  # returning an int
 I64_RESULTS = ("ss_moe_rows_workspace",)  # of SIGNATURES, those returning an int64
 # functions that return something (and take nothing)
 RETURNS = {"ss_q4_has_vnni": _INT, "ss_q4_has_simd": _INT, "ss_q6_has_vnni": _INT,

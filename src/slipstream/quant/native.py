@@ -15,6 +15,12 @@ from .base import registry
 
 FORMATS = {Q.Q4_0: 0, Q.Q4_1: 1, Q.Q8_0: 2, Q.Q4_K: 3, Q.Q6_K: 4}  # dequant.c's DQ_* codes
 DTYPES = {torch.float16: 1, torch.float32: 0}  # its out_f16 flag
+# Below this many GGUF bytes the blocks are dequantized on the calling thread: a decode token's
+# embedding row (a Q6_K row of 2048: 1.7 KB) in an OpenMP region of 2 waited for the other
+# thread, and on the 2-core EPYC with two other processes busy that took 3.8-8 ms a token of
+# a Qwen3-30B-A3B-shaped file's ~70 (a thread descheduled holds the region for its slice).
+# Each value is made from its own block either way, so the bits are the same.
+ONE_THREAD_BYTES = 1 << 16
 
 
 def dequantize_native(blocks: torch.Tensor, qtype: Q, shape: tuple[int, ...],
@@ -33,8 +39,9 @@ def dequantize_native(blocks: torch.Tensor, qtype: Q, shape: tuple[int, ...],
     blocks = blocks.contiguous()
     if out is None:
         out = torch.empty(shape, dtype=dtype)
+    threads = torch.get_num_threads() if blocks.numel() >= ONE_THREAD_BYTES else 1
     lib.ss_dequant_blocks(blocks.data_ptr(), code, blocks.shape[0], out.data_ptr(), f16,
-                          torch.get_num_threads())
+                          threads)
     return out
 
 

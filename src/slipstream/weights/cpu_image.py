@@ -38,8 +38,9 @@ from ..model.llama import LayerWeights
 from .cpu.decode import PackedDecodeLinear
 from .cpu.groups import INT4_GROUP, Q
 from .cpu.kinds import PREFILL_KINDS, kind_for, packed_prefill_on, q4vnni_available
-from .cpu.codebook import Cb4Linear, cb4_nbytes
+from .cpu.codebook import Cb4Linear, cb4_grid, cb4_nbytes
 from .cpu.iquant import IqLinear, iq_nbytes
+from .cpu.parts import PartsLinear
 from .cpu.q6vnni import Q6VnniLinear, q6vnni_nbytes
 from .cpu.torch_kernels import Int4PackLinear, Int4PairLinear, Int8PackLinear
 from .cpu.vnni import Q4VnniLinear, Q8VnniLinear, q4vnni_parts_nbytes, q8vnni_nbytes
@@ -48,6 +49,8 @@ from .linear import GEMV_MAX_ROWS, DenseLinear
 from .loader import LayerBuilder, TensorSource
 
 CPU = torch.device("cpu")
+# a PartsLinear's kind in an image: "parts:" and each part's kind/rows, comma-separated
+PARTS = "parts:"
 _PACKED = {"int4pack": Int4PackLinear, "int4pair": Int4PairLinear, "int8pack": Int8PackLinear}
 
 
@@ -107,6 +110,13 @@ def _linear_tensors(lin) -> tuple[str, int, list[tuple[str, torch.Tensor]]]:
     """(kind, rows, [(plane, tensor)]) of the linear decode uses."""
     if isinstance(lin, PackedDecodeLinear):
         lin = lin.packed  # packs now (its dense weight where pack_group made no copy)
+    if isinstance(lin, PartsLinear):  # each part's planes (and bias) under its index
+        kinds, planes = [], []
+        for i, part in enumerate(lin.parts):
+            kind, rows, own = _linear_tensors(part)
+            kinds.append(f"{kind}/{rows}")
+            planes += [(f"{i}.{plane}", t) for plane, t in own]
+        return PARTS + ",".join(kinds), lin.out_features, planes
     if isinstance(lin, (Q4VnniLinear, Q6VnniLinear)):
         planes, kind = [("packed", lin.packed)], lin.kind
     elif isinstance(lin, Cb4Linear):  # the grid in the kind's name: MXFP4's is "cb4-mx"
@@ -201,6 +211,14 @@ def _views(layout: CpuLayerLayout, buf: torch.Tensor) -> dict[tuple, torch.Tenso
 
 def _packed_linear(name: str, kind: str, rows: int, views: dict[tuple, torch.Tensor]):
     """The packed linear `name` of an image, as views (`views`: the image's, by key)."""
+    if kind.startswith(PARTS):
+        parts = []
+        for i, spec in enumerate(kind[len(PARTS):].split(",")):
+            part_kind, _, part_rows = spec.rpartition("/")
+            own = {(name, plane[len(f"{i}."):]): v for (n, *rest), v in views.items()
+                   if n == name and rest and (plane := rest[0]).startswith(f"{i}.")}
+            parts.append(_packed_linear(name, part_kind, int(part_rows), own))
+        return PartsLinear(parts)
     bias = views.get((name, "bias"))
     if kind == "int8pack":
         return Int8PackLinear(views[(name, "codes")], views[(name, "scales")], bias)
@@ -276,30 +294,22 @@ def image_nbytes(gf, cfg, i: int, precision) -> int:
         types = [gf.tensors[f"{n}.weight"].ggml_type for n in names]
         part_shapes = [shapes[f"{p}.weight"] for p in group.parts]
         rows, cols = sum(s[0] for s in part_shapes), part_shapes[0][1]
+        biased = [f"{n}.bias" in gf.tensors for n in names]
         kinds = {kind_for(t) for t in types}
-        # LayerBuilder._packed_decode packs a group whose parts all take one layout
-        # (cpu.pack_group); any other group decodes dense
-        kind = kinds.pop() if len(kinds) == 1 else None
-        padded = -(-rows // 16) * 16
-        if kind == "q4vnni":
-            total += _aligned(q4vnni_parts_nbytes(types, rows, cols))
-        elif kind == "q8vnni":
-            total += _aligned(q8vnni_nbytes(rows, cols))
-        elif kind == "q6vnni":
-            total += _aligned(q6vnni_nbytes(rows, cols))
-        elif kind == "cb4":
-            total += _aligned(cb4_nbytes(rows, cols))
-        elif kind == "iq" and len(set(types)) == 1:  # iq fuses parts of one format only
-            total += _aligned(iq_nbytes(types[0], rows, cols))
-        elif kind == "int4pack":
-            total += _aligned(padded * cols // 2) + _aligned(cols // INT4_GROUP * padded * 4)
-        elif kind == "int4pair":
-            total += _aligned(padded * cols) + _aligned(2 * cols // INT4_GROUP * padded * 4)
-        elif kind == "int8pack":
-            total += _aligned(rows * cols) + _aligned(rows * 2)
-        else:
-            total += _aligned(rows * cols * dense_bytes)
-        if any(f"{n}.bias" in gf.tensors for n in names):
+        kind = next(iter(kinds)) if len(kinds) == 1 else None
+        # LayerBuilder._packed_decode packs a group whose parts all take one layout as one
+        # linear (cpu.pack_group: cb4 of one grid, iq of one format), one whose parts take
+        # several as a PartsLinear of one per part (cpu.pack_joined), each with its own
+        # bias; a group with a part no layout reads decodes dense
+        one = kind is not None and (kind != "cb4" or len({cb4_grid(t) for t in types}) == 1) \
+            and (kind != "iq" or len(set(types)) == 1)
+        if not one and None not in kinds:
+            total += sum(_linear_nbytes(kind_for(t), [t], s[0], s[1], dense_bytes)
+                         + (_aligned(s[0] * 4) if b else 0)
+                         for t, s, b in zip(types, part_shapes, biased))
+            continue
+        total += _linear_nbytes(kind, types, rows, cols, dense_bytes)
+        if any(biased):
             total += _aligned(rows * 4)
     for norm in spec.norms:
         if f"{norm}.weight" in shapes:  # (an optional vector the file lacks is not made)
@@ -307,3 +317,26 @@ def image_nbytes(gf, cfg, i: int, precision) -> int:
     for vector in spec.vectors:  # (float32 tensors named otherwise: Qwen3.5's ssm_a)
         total += _aligned(int(torch.Size(shapes[vector]).numel()) * 4)
     return max(total, IMAGE_ALIGN)
+
+
+def _linear_nbytes(kind: str | None, types, rows: int, cols: int, dense_bytes: int) -> int:
+    """Bytes of one packed linear of `kind` over `rows` rows of `types` in an image (its
+    planes but the bias), or of its dense weight where kind is None."""
+    padded = -(-rows // 16) * 16
+    if kind == "q4vnni":
+        return _aligned(q4vnni_parts_nbytes(types, rows, cols))
+    if kind == "q8vnni":
+        return _aligned(q8vnni_nbytes(rows, cols))
+    if kind == "q6vnni":
+        return _aligned(q6vnni_nbytes(rows, cols))
+    if kind == "cb4":
+        return _aligned(cb4_nbytes(rows, cols))
+    if kind == "iq" and len(set(types)) == 1:  # iq fuses parts of one format only
+        return _aligned(iq_nbytes(types[0], rows, cols))
+    if kind == "int4pack":
+        return _aligned(padded * cols // 2) + _aligned(cols // INT4_GROUP * padded * 4)
+    if kind == "int4pair":
+        return _aligned(padded * cols) + _aligned(2 * cols // INT4_GROUP * padded * 4)
+    if kind == "int8pack":
+        return _aligned(rows * cols) + _aligned(rows * 2)
+    return _aligned(rows * cols * dense_bytes)

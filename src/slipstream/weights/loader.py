@@ -39,7 +39,8 @@ from .expert_tiers import ExpertFile
 from .split_build import SplitPlacement, SplitRuntime, SplitSpec
 from .file_bytes import private_file_bytes, release_mapped_pages
 from .prefetch import prefetch_dense
-from .cpu import PackedDecodeLinear, kind_for, pack_group, prefills_packed
+from .cpu import PackedDecodeLinear, kind_for, prefills_packed
+from .cpu.kinds import pack_joined
 from .image import flattened
 from .linear import (GEMV_MAX_ROWS, DenseLinear, LazyDenseLinear, Linear, OnDemandDenseLinear,
                      QuantEmbedding, QuantLinear, Workspace, lazy_dense)
@@ -333,7 +334,7 @@ class LayerBuilder:
         # up to GEMV_MAX_ROWS tokens, as DenseLinear's own matvec path: a row's bits then do
         # not depend on how many rows share its call (the server's chunked prefill relies on
         # it); a prompt that short pays the packing, a longer one leaves it to the first step
-        return PackedDecodeLinear(dense, lambda: pack_group(raws, types, shapes, biases)[0],
+        return PackedDecodeLinear(dense, lambda: pack_joined(raws, types, shapes, biases),
                                   GEMV_MAX_ROWS, packed_prefill=prefills_packed(types))
 
 

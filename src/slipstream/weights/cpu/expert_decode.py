@@ -124,6 +124,11 @@ def native_expert_sum(pairs: Sequence[tuple[object, object]], weights: torch.Ten
     return out
 
 
+# how model.cpu_native_moe finds a resident bank's experts' descriptors, to sum them inside its
+# one-call layer (the model's math does not import the weight formats)
+native_expert_sum.expert_descriptor = expert_descriptor  # type: ignore[attr-defined]
+
+
 def native_expert_ffn(gate_up, down, h: torch.Tensor, act: str = "silu") -> torch.Tensor:
     """model.moe.expert_ffn for the rows h routed to one expert, however many: through its
     packed copies as native_expert_sum computes a token's (gate/up, its bias, the gated product

@@ -13,6 +13,7 @@ from ..linear import Linear
 from .codebook import CB4_FORMATS, Cb4Linear, cb4_available, cb4_grid, cb4_nbytes
 from .iquant import IQ_FORMATS, IqLinear, iq_available, iq_nbytes
 from .groups import INT4_FORMATS, INT4_GROUP, PAIR_FORMATS, UNPACKED_FORMATS, Q, concat_bias
+from .parts import PartsLinear
 from .q6vnni import Q6VnniLinear, q6vnni_available, q6vnni_nbytes
 from .torch_kernels import Int4PackLinear, Int4PairLinear, Int8PackLinear
 from .vnni import Q4VnniLinear, Q8VnniLinear, q4vnni_parts_nbytes, q8vnni_nbytes
@@ -150,3 +151,15 @@ def pack_group(raws: Sequence[torch.Tensor], qtypes: Sequence[GGMLQuantizationTy
     parts = [_BUILDERS[k]([r], [t], [s], b) if k is not None else None
              for r, t, s, k, b in zip(raws, qtypes, shapes, kinds, biases)]
     return None, parts
+
+
+def pack_joined(raws: Sequence[torch.Tensor], qtypes: Sequence[GGMLQuantizationType | int],
+                shapes: Sequence[tuple[int, int]], biases: Sequence[torch.Tensor | None]
+                ) -> Linear | None:
+    """A group's one packed decode linear: pack_group's fused one, or where its parts take
+    different layouts (Q4_K_M's q/k/v: Q4_K q and k, Q6_K v) a PartsLinear over them; None
+    where a part has no layout (the group then decodes dense)."""
+    fused, parts = pack_group(raws, qtypes, shapes, biases)
+    if fused is not None:
+        return fused
+    return PartsLinear(parts) if parts and all(p is not None for p in parts) else None
