@@ -137,8 +137,8 @@ def _assert_views(store, i: int) -> None:
 
 
 # (quant mix, SLIPSTREAM_PACKED_PREFILL, Q6_K's q6vnni off) -> whether the streamed layers
-# prefill from their images: Q4_K_M's q/k/v are held dense in the image (Q4_K and Q6_K take
-# two layouts) beside q4vnni and q6vnni; without q6vnni (a CPU without its VNNI loop) Q6_K
+# prefill from their images: Q4_K_M's q/k/v are held as parts (q4vnni q and k, q6vnni v:
+# PartsLinear) beside q4vnni and q6vnni; without q6vnni (a CPU without its VNNI loop) Q6_K
 # takes torch's int8pack, which prefills through a dense weight the image lacks, as cb4
 # (IQ4_XS) does: those layers are rebuilt from the GGUF file with their packed copies made for
 # the linears that prefill packed

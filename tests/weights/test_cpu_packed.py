@@ -49,7 +49,7 @@ from slipstream.weights.cpu.q6vnni import Q6VnniLinear, q6vnni_available
 from quant_oracle import q6vnni_bound
 from slipstream.weights.cpu.torch_kernels import (Int4PackLinear, Int4PairLinear,
                                                   Int8PackLinear, int4_params, pack_int4)
-from slipstream.weights.cpu.vnni import Q4VnniLinear, q4vnni_params
+from slipstream.weights.cpu.vnni import Q4VnniLinear, Q8VnniLinear, q4vnni_params
 from slipstream.weights.linear import Linear
 from slipstream.weights.loader import raw_tensor
 
@@ -109,11 +109,11 @@ def weight_error_bound(lin: Linear, ga: GroupAffine, w: torch.Tensor) -> torch.T
     return torch.zeros(rows, cols, dtype=torch.float64)
 
 
-def q4vnni_bound(ga: GroupAffine, xd: torch.Tensor) -> torch.Tensor:
-    """A priori |y - x w^T| of q4vnni/q8vnni for float64 x (m, K): the quantization of x to
-    16 bits (two int8 digits) and the float32 sums (see weights/cpu/vnni.py)."""
+def q4vnni_bound(ga: GroupAffine, xd: torch.Tensor, q8: bool = False) -> torch.Tensor:
+    """A priori |y - x w^T| of q4vnni/q8vnni (`q8`) for float64 x (m, K): the quantization of
+    x to 16 bits (two int8 digits) and the float32 sums (see weights/cpu/vnni.py)."""
     rows, cols = ga.shape
-    if ga.lo == -128:  # Q8_0 (q8vnni): u = q + 128, z = -128 d
+    if q8:  # Q8_0 and Q5_0 (q8vnni): u = q + 128, z = -128 d
         u, s, z = ga.codes.to(torch.int16) + 128, ga.scale, -128 * ga.scale
     else:
         u, s, z = q4vnni_params(ga)
@@ -123,7 +123,7 @@ def q4vnni_bound(ga: GroupAffine, xd: torch.Tensor) -> torch.Tensor:
     top = 32512
     dx = xd.abs().view(xd.shape[0], -1, 32).amax(-1) / top
     dxe = (dx / 2 * (1 + 2.0 ** -20))[..., None].expand(-1, -1, 32).reshape(xd.shape)
-    roundings = cols // 32 + 3 + (ga.lo == -128)  # Q8_0 x 16 bits: sums past 2^24
+    roundings = cols // 32 + 3 + q8  # 8-bit codes x 16 bits: sums past 2^24
     return dxe @ w.abs().t() + roundings * F32_U * ((xd.abs() + dxe) @ terms.t())
 
 
@@ -162,7 +162,7 @@ def check(lin: Linear, raw: torch.Tensor, qtype: Q, shape, xs: list[torch.Tensor
     err = (y.double() - r - y_ref).abs()
     k = shape[1]
     if isinstance(lin, Q4VnniLinear):  # and Q8VnniLinear
-        bound = q4vnni_bound(ga, xd)
+        bound = q4vnni_bound(ga, xd, q8=isinstance(lin, Q8VnniLinear))
     elif isinstance(lin, Q6VnniLinear):
         bound = q6vnni_bound(ga, xd)
     else:
@@ -195,14 +195,15 @@ def check(lin: Linear, raw: torch.Tensor, qtype: Q, shape, xs: list[torch.Tensor
             "bound_fraction": float((err / (bound + tiny)).max())}
 
 
-# Every layout each GGUF format maps onto: the 4-bit formats onto int4pack, Q8_0 onto
-# int4pair, Q8_0 and Q6_K onto int8pack (which also takes the 4-bit ones).
+# Every layout each GGUF format maps onto: the 4-bit formats onto int4pack, Q8_0 and Q5_0 onto
+# int4pair, Q8_0, Q5_0 and Q6_K onto int8pack (which also takes the 4-bit ones).
 MAPPINGS = [(Q.Q4_0, "int4pack"), (Q.Q4_1, "int4pack"), (Q.Q4_K, "int4pack"),
             (Q.Q8_0, "int4pair"), (Q.Q8_0, "int8pack"), (Q.Q6_K, "int8pack"),
-            (Q.Q4_1, "int8pack"), (Q.Q4_K, "int8pack")]
+            (Q.Q4_1, "int8pack"), (Q.Q4_K, "int8pack"), (Q.Q5_0, "int4pair"),
+            (Q.Q5_0, "int8pack")]
 if q4vnni_available():  # the native library: int8 activations times the 4-bit codes
     MAPPINGS += [(Q.Q4_0, "q4vnni"), (Q.Q4_1, "q4vnni"), (Q.Q4_K, "q4vnni"),
-                 (Q.Q8_0, "q8vnni")]
+                 (Q.Q8_0, "q8vnni"), (Q.Q5_0, "q8vnni")]
 if q6vnni_available():  # and its VNNI loop: Q6_K's own codes
     MAPPINGS += [(Q.Q6_K, "q6vnni")]
 INT4 = kind_for(Q.Q4_K)  # what "auto" packs the 4-bit formats as here: q4vnni or int4pack
@@ -348,7 +349,7 @@ def test_default_model(smollm_path):
     assert seen == {Q.Q4_1, Q.Q8_0}
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q5_0, Q.Q6_K])
 def test_unpacking_is_the_dequantizer_bit_for_bit(qtype):
     rng = np.random.default_rng(int(qtype))
     raw = torch.from_numpy(random_tensor(qtype, (48, 512), rng, 0.02)).view(48, -1)

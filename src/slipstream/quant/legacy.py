@@ -35,7 +35,8 @@ def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
     return x.mul_(d).add_(m)
 
 
-def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+def five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """Q5_0/Q5_1's unsigned five-bit codes, (n, 32) uint8, from their blocks' qh and qs."""
     # qh: (n, 4) bytes of the 32-bit high-bit word; reading it byte by byte (bit b of byte k is
     # bit 8k + b of the word) avoids uint32, which older torch cannot shift.
     n = qh.shape[0]
@@ -45,13 +46,13 @@ def _five_bit(qh: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
 
 def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
     d = f16_field(blocks, 0)
-    x = _five_bit(blocks[:, 2:6], blocks[:, 6:22]).float()
+    x = five_bit(blocks[:, 2:6], blocks[:, 6:22]).float()
     return x.sub_(16).mul_(d)  # q - 16 is exact in float32, as in int8
 
 
 def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
     d, m = f16_field(blocks, 0), f16_field(blocks, 2)
-    x = _five_bit(blocks[:, 4:8], blocks[:, 8:24]).float()
+    x = five_bit(blocks[:, 4:8], blocks[:, 8:24]).float()
     return x.mul_(d).add_(m)
 
 

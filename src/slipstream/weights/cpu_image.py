@@ -249,8 +249,18 @@ def prefills_from_image(layout: CpuLayerLayout) -> bool:
     alone reads its smaller GGUF span, as before), and every other linear is held dense in
     the image (the float16 weight a resident layer's prefill widens too)."""
     kinds = [kind for kind, _ in layout.linears.values()]
-    return packed_prefill_on() and any(k in PREFILL_KINDS for k in kinds) and \
-        all(k in PREFILL_KINDS or k == "dense" for k in kinds)
+    return packed_prefill_on() and any(_prefills(k) for k in kinds) and \
+        all(_prefills(k) or k == "dense" for k in kinds)
+
+
+def _prefills(kind: str) -> bool:
+    """Whether an image's linear of `kind` takes prefill through its packed copy: a layout
+    of PREFILL_KINDS, or parts (PartsLinear) all of such layouts, as the resident layer's
+    (weights.cpu.kinds.prefills_packed: every part's layout)."""
+    if kind.startswith(PARTS):
+        return all(spec.rpartition("/")[0] in PREFILL_KINDS
+                   for spec in kind[len(PARTS):].split(","))
+    return kind in PREFILL_KINDS
 
 
 def decode_layer(layout: CpuLayerLayout, buf: torch.Tensor) -> LayerWeights:
@@ -268,7 +278,7 @@ def decode_layer(layout: CpuLayerLayout, buf: torch.Tensor) -> LayerWeights:
             continue
         fields[name] = PackedDecodeLinear.decode_only(
             _packed_linear(name, kind, rows, views), GEMV_MAX_ROWS,
-            packed_prefill=prefill and kind in PREFILL_KINDS)
+            packed_prefill=prefill and _prefills(kind))
     for key, v in views.items():
         if len(key) == 1:
             fields[key[0]] = v

@@ -17,14 +17,19 @@ from gguf import GGMLQuantizationType
 
 from ...quant import get_format
 from ...quant.base import crumbs, f16_field, nibbles
+from ...quant.legacy import five_bit
 
 Q = GGMLQuantizationType
 INT4_GROUP = 32  # torch's int4 CPU kernel takes groups of 32, 64, 128 or 256; GGUF's are 32
 BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bfloat16 keeps 8 significant bits: |round(v) - v| <= 2^-8 |v|
 INT4_FORMATS = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K})
-INT8_FORMATS = frozenset({Q.Q8_0, Q.Q6_K})  # int8pack's formats (any format can go)
+INT8_FORMATS = frozenset({Q.Q8_0, Q.Q5_0, Q.Q6_K})  # int8pack's formats (any format can go)
 UNPACKED_FORMATS = INT4_FORMATS | INT8_FORMATS  # the formats `group_affine` reads
-PAIR_FORMATS = frozenset({Q.Q8_0})  # 8-bit codes in groups of 32: two int4 halves
+# signed codes of at most 8 bits in groups of 32 with one float16 scale each: Q8_0's, and
+# Q5_0's (q - 16 in [-16, 15]: Q4_K_M files hold it where a matrix's rows are not whole
+# 256-blocks, Gemma 3 270M's 640-wide q/k and FFN gate/up), kept exactly at 8.5 bits a
+# weight where a dense float16 copy took 16
+PAIR_FORMATS = frozenset({Q.Q8_0, Q.Q5_0})
 # Load-time work goes a slice of rows at a time, ~256K weights (1 MiB of float32 transients),
 # so each unpacking step reads and writes L2 rather than RAM.
 _CHUNK_WEIGHTS = 1 << 18
@@ -193,6 +198,9 @@ def group_affine(raw: torch.Tensor, qtype: GGMLQuantizationType | int,
     elif qtype == Q.Q8_0:  # d | qs[32] int8
         codes = b[:, 2:34].contiguous().view(torch.int8)
         scale, offset, group, lo = f16_field(b, 0), None, 32, -128
+    elif qtype == Q.Q5_0:  # d | qh[4] | qs[16]: five-bit codes, w = d (q - 16)
+        codes = five_bit(b[:, 2:6], b[:, 6:22]).to(torch.int8) - 16
+        scale, offset, group, lo = f16_field(b, 0), None, 32, -16
     elif qtype == Q.Q4_K:  # d | dmin | scales[12] | qs[128]: 8 sub-blocks of 32
         d, dmin = f16_field(b, 0), f16_field(b, 2)
         sc, m = k_scale_min(b[:, 4:16])
@@ -273,10 +281,10 @@ def finish(y: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None,
 
 
 def check_pair_formats(kind: str, qtypes) -> None:
-    """The Q8_0 layouts (int4pair, q8vnni) read nothing else."""
+    """The 8-bit layouts (int4pair, q8vnni) read PAIR_FORMATS alone."""
     if any(Q(int(t)) not in PAIR_FORMATS for t in qtypes):
-        raise ValueError(f"{kind} reads Q8_0 only, not "
-                         f"{', '.join(Q(int(t)).name for t in qtypes)}")
+        raise ValueError(f"{kind} reads {', '.join(sorted(t.name for t in PAIR_FORMATS))} "
+                         f"only, not {', '.join(Q(int(t)).name for t in qtypes)}")
 
 
 def concat_bias(biases: Sequence[torch.Tensor | None], shapes) -> torch.Tensor | None:

@@ -238,7 +238,9 @@ class Q8VnniLinear(Q4VnniLinear):
         padded = -(-rows // Q4V_ROWS) * Q4V_ROWS
         # in one native pass where the library is there (the same bytes): in torch ops the
         # default model's tied head (49152 x 576) took 0.24 s, which its first token waited for
-        by_native = q8vnni_native(raws, shapes, padded)
+        # (int4_pack.c reads Q8_0's blocks; Q5_0's go through torch)
+        by_native = (q8vnni_native(raws, shapes, padded)
+                     if all(Q(int(t)) == Q.Q8_0 for t in qtypes) else None)
         if by_native is not None:
             return cls(by_native, rows, bias)
         u = torch.zeros(padded, cols, dtype=torch.uint8)  # padding rows: scale 0
