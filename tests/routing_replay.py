@@ -99,10 +99,11 @@ def replayed_routing(calls: list[RoutingCall]) -> Iterator[list[RoutingCall]]:
 
 
 def assert_same_decisive_choices(recorded: list[RoutingCall], own: list[RoutingCall],
-                                 tau: float = 1e-2, weight_tol: float = 1e-2) -> int:
+                                 tau: float = 1e-2, weight_tol: float | None = 1e-2) -> int:
     """The replaying run's own router chose the recorded experts (as a set) in every row where
     the recorded choice was decisive (margin over tau), with each expert's weight within
-    weight_tol; returns the number of rows left out as near ties."""
+    weight_tol (None: the weights not compared, for runs whose router inputs differ by more
+    than rounding: "fast" against "exact"); returns the number of rows left out as near ties."""
     assert len(own) == len(recorded), (len(own), len(recorded))
     ties = 0
     for i, (rec, got) in enumerate(zip(recorded, own)):
@@ -113,6 +114,7 @@ def assert_same_decisive_choices(recorded: list[RoutingCall], own: list[RoutingC
         assert torch.equal(got_ids, want_ids), f"route call {i}: other experts at decisive rows"
         want_w = rec.weights[decisive].gather(1, order).double()
         got_w = got.weights[decisive].gather(1, got_order).double()
-        if want_w.numel():
-            assert (got_w - want_w).abs().max().item() <= weight_tol, f"route call {i}: weights"
+        if want_w.numel() and weight_tol is not None:
+            worst = (got_w - want_w).abs().max().item()
+            assert worst <= weight_tol, f"route call {i}: weights {worst:.3e} apart"
     return ties

@@ -94,3 +94,14 @@ def test_pin_ahead_locks_the_next_buffer_of_a_kind_at_its_last_size(runtime):
     unregistered = {c[1] for c in runtime.calls if c[0] == "unregister"}
     live = {first.data_ptr(), second.data_ptr(), odd.data_ptr()}
     assert registered - unregistered == live  # the dropped guesses were unlocked
+
+
+def test_pin_ahead_resolves_a_bare_cuda_device_on_the_callers_thread(monkeypatch):
+    """torch.cuda.set_device refuses a device without an index ("cuda"): the worker is given
+    the caller's current index, read when the PinAhead is made."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    ahead = pinned.PinAhead(torch.device("cuda"))
+    assert ahead.index == 3
+    assert pinned.PinAhead(torch.device("cuda:1")).index == 1
+    assert pinned.PinAhead(torch.device("cpu")).index is None
+    ahead.__exit__(None, None, None)

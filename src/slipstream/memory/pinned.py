@@ -88,13 +88,17 @@ class PinAhead:
 
     def __init__(self, device: torch.device):
         self.device = device
+        # the index, resolved on the caller's thread: torch.cuda.set_device refuses a bare
+        # "cuda", and a new thread's current device is the first, not the caller's
+        self.index = (device.index if device.index is not None else torch.cuda.current_device()
+                      ) if device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slipstream-pin")
         self.sizes: dict[object, int] = {}
         self.pending: dict[object, tuple[int, Future]] = {}
 
     def _lock(self, nbytes: int) -> torch.Tensor:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)  # a new thread's current device is the first
+        if self.index is not None:
+            torch.cuda.set_device(self.index)
         return pinned_empty(nbytes)
 
     def expect(self, kind: object) -> None:
