@@ -38,9 +38,10 @@
 # and counts as failed if it is cut twice); PYTEST_ARGS adds pytest arguments (-k, say).
 # The plugin works without this script too: `pytest -m gpu --suite-state FILE --time-budget S`
 # in each call, then `pytest --suite-state FILE --suite-summary tests`.
-# Files back in $OUT: gpu-suite-I.log (shard I of this call, 0 the tests run alone; verbose,
-# with the passing tests' output),
-# gpu-suite-state.json, gpu-suite-summary.txt.
+# Files back in $OUT: gpu-suite-logs.tgz (gpu-suite-I.log of shard I of this call, 0 the tests
+# run alone; verbose, with the passing tests' output), gpu-suite-state.json,
+# gpu-suite-summary.txt (and setup.sh's host.txt): few files, as a call brings back only 8,
+# and 9 logs beside the state once left the state behind.
 set -uo pipefail
 OUTDIR=${OUT:-/tmp/slipstream-out}
 mkdir -p "$OUTDIR"
@@ -98,4 +99,7 @@ grep -hE "^(FAILED|ERROR)|this call ran" "$OUTDIR"/gpu-suite-*.log | head -20
 cp "$STATE" "$OUTDIR/gpu-suite-state.json"
 python3 -m pytest -p no:cacheprovider --suite-state "$STATE" --suite-summary tests \
   | tee "$OUTDIR/gpu-suite-summary.txt"
-exit "${PIPESTATUS[0]}"
+rc=${PIPESTATUS[0]}
+tar czf "$OUTDIR/gpu-suite-logs.tgz" -C "$OUTDIR" $(cd "$OUTDIR" && ls gpu-suite-*.log) \
+  && rm -f "$OUTDIR"/gpu-suite-*.log
+exit "$rc"
