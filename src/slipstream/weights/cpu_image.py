@@ -213,11 +213,10 @@ def _packed_linear(name: str, kind: str, rows: int, views: dict[tuple, torch.Ten
     """The packed linear `name` of an image, as views (`views`: the image's, by key)."""
     if kind.startswith(PARTS):
         parts = []
-        for i, spec in enumerate(kind[len(PARTS):].split(",")):
-            part_kind, _, part_rows = spec.rpartition("/")
+        for i, (part_kind, part_rows) in enumerate(_parts_of(kind)):
             own = {(name, plane[len(f"{i}."):]): v for (n, *rest), v in views.items()
                    if n == name and rest and (plane := rest[0]).startswith(f"{i}.")}
-            parts.append(_packed_linear(name, part_kind, int(part_rows), own))
+            parts.append(_packed_linear(name, part_kind, part_rows, own))
         return PartsLinear(parts)
     bias = views.get((name, "bias"))
     if kind == "int8pack":
@@ -258,9 +257,14 @@ def _prefills(kind: str) -> bool:
     of PREFILL_KINDS, or parts (PartsLinear) all of such layouts, as the resident layer's
     (weights.cpu.kinds.prefills_packed: every part's layout)."""
     if kind.startswith(PARTS):
-        return all(spec.rpartition("/")[0] in PREFILL_KINDS
-                   for spec in kind[len(PARTS):].split(","))
+        return all(k in PREFILL_KINDS for k, _ in _parts_of(kind))
     return kind in PREFILL_KINDS
+
+
+def _parts_of(kind: str) -> list[tuple[str, int]]:
+    """A PartsLinear's image kind ("parts:" and each part's kind/rows) as (kind, rows) pairs."""
+    specs = (spec.rpartition("/") for spec in kind[len(PARTS):].split(","))
+    return [(k, int(rows)) for k, _, rows in specs]
 
 
 def decode_layer(layout: CpuLayerLayout, buf: torch.Tensor) -> LayerWeights:
