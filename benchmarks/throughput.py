@@ -34,6 +34,13 @@ CUDA events per token (what `slipstream run --stats` shows). --llamacpp BUILD ru
 on the same file in the same run with as many layers on the GPU as the case's VRAM holds
 (-ngl 46 for the 70B at 24 GiB, 16 for the 8B at 4 GiB, 99 resident), 16 threads, tg and pp512.
 
+--load-reps N times the load apart (dense cases): N more processes after the case's own, each
+opening the model with the page cache and slipstream's image cache warm (the case's own process
+wrote the images), timing the load, its phases (`model.load_phases`) and the first token of a
+one-token prompt; with --llamacpp, llama.cpp's load, context and first token at the same -ngl and
+context, N times in one process after an untimed load (benchmarks/device/llama_load.sh). The
+ratio compares the loads up to a ready context (slipstream's load allocates its KV cache too).
+
 Each case runs in a process of its own (its VRAM peak is its own; a case that dies takes no
 other with it). Prints a table; writes RESULTS/DATE-<case>-<device>.json per case.
 """
@@ -302,7 +309,7 @@ def run_case(name: str, workdir: Path, a: argparse.Namespace) -> dict:
     torch.cuda.synchronize()
     row: dict = {"name": name, "model": path.name, "vram_budget": budget,
                  "ram_budget": ram_budget, "io": io, "hybrid": hybrid,
-                 "load_s": round(time.perf_counter() - t0, 1)}
+                 "load_s": round(time.perf_counter() - t0, 1), "load_phases": model.load_phases}
     plan, engine = model.plan, model.engine
     row["tiers"] = {t: plan.tiers.count(t) for t in sorted(set(plan.tiers))}
     row["predicted_tok_s"] = round(plan.predicted_tok_s, 3) if plan.predicted_tok_s else None
@@ -340,12 +347,69 @@ def run_case(name: str, workdir: Path, a: argparse.Namespace) -> dict:
     return row
 
 
-def run_in_child(name: str, a: argparse.Namespace) -> dict:
+def load_only(name: str, workdir: Path, a: argparse.Namespace) -> dict:
+    """One warm load of the case's model in this process: its seconds, its phases, and the
+    first token of a one-token prompt after it."""
+    import torch
+
+    shape, quant, budget, ram_budget, io, hybrid, _, arch = case(name)
+    path = common.synth_path(shape, quant, workdir, arch)
+    t0 = time.perf_counter()
+    model = load_model(path, budget, ram_budget, io, hybrid, a.ctx)
+    torch.cuda.synchronize()
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    model.engine.reset()
+    model.engine.forward([1])
+    torch.cuda.synchronize()
+    row = {"load_s": round(load_s, 3), "load_phases": model.load_phases,
+           "first_token_ms": round((time.perf_counter() - t0) * 1e3, 1)}
+    model.close()
+    return row
+
+
+def load_runs(name: str, a: argparse.Namespace) -> dict:
+    """--load-reps warm loads, each in a process of its own: the runs and their median."""
+    runs = [run_in_child(name, a, load=True) for _ in range(a.load_reps)]
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return {"load_error": runs[-1]["error"]}
+    mid = sorted(ok, key=lambda r: r["load_s"])[len(ok) // 2]
+    return {"load_warm_s": mid["load_s"], "load_warm_s_runs": [r["load_s"] for r in ok],
+            "load_phases_warm": mid["load_phases"], "first_token_ms_warm": mid["first_token_ms"]}
+
+
+def with_llamacpp_load(row: dict, build: str, a: argparse.Namespace) -> None:
+    """llama.cpp's load, context and first token at the case's -ngl and context, --load-reps
+    times in one process (llama_load.sh), beside slipstream's warm load."""
+    shape, quant, budget, *_, ngl, arch = case(row["name"])
+    path = common.synth_path(shape, quant, a.workdir, arch)
+    if ngl is None:
+        ngl = llamacpp_layers_within(path, budget)
+    script = Path(__file__).parent / "device" / "llama_load.sh"
+    b = Path(build)
+    env = {**os.environ, "LLAMA_BUILD": str(b if b.is_dir() else b.parent.parent)}
+    proc = subprocess.run(["bash", str(script), str(path), str(ngl), str(a.ctx),
+                           str(a.load_reps)], capture_output=True, text=True, env=env,
+                          timeout=a.case_timeout)
+    if proc.returncode != 0:
+        row["llamacpp_load_error"] = (proc.stderr.strip() or f"exit {proc.returncode}")[-300:]
+        return
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    ready = [lo + c for lo, c in zip(res["load_ms"], res["context_ms"])]
+    row["llamacpp_load"] = res
+    row["llamacpp_load_ms"] = round(statistics.median(ready), 1)
+    row["llamacpp_first_token_ms"] = round(statistics.median(res["first_token_ms"]), 1)
+    if row.get("load_warm_s"):
+        row["load_ratio_to_llamacpp"] = round(row["load_warm_s"] * 1e3 / row["llamacpp_load_ms"], 3)
+
+
+def run_in_child(name: str, a: argparse.Namespace, load: bool = False) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = Path(f.name)
     cmd = [sys.executable, __file__, "--one", name, "--case-json", str(result),
            "--workdir", str(a.workdir), "--tokens", str(a.tokens), "--repeats", str(a.repeats),
-           "--ctx", str(a.ctx)]
+           "--ctx", str(a.ctx), *(["--load-only"] if load else [])]
     try:
         proc = subprocess.run(cmd, timeout=a.case_timeout, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0 or not result.stat().st_size:
@@ -426,13 +490,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="streamed cases: timed runs")
     ap.add_argument("--ctx", type=int, default=2048)
     ap.add_argument("--case-timeout", type=float, default=900)
+    ap.add_argument("--load-reps", type=int, default=0,
+                    help="dense cases: warm loads timed apart, each in its own process, and "
+                         "llama.cpp's with --llamacpp (default 0: none)")
+    ap.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--case-json", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.workdir = Path(a.workdir)
     if a.one:
         job = moe_job(a.one)
-        row = run_moe_case(a.one, *job, a) if job else run_case(a.one, a.workdir, a)
+        if a.load_only:
+            row = load_only(a.one, a.workdir, a)
+        else:
+            row = run_moe_case(a.one, *job, a) if job else run_case(a.one, a.workdir, a)
         Path(a.case_json).write_text(json.dumps(row))
         return 0
     names = [c for c in a.case.split(",") if c]
@@ -455,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
                 with_llamacpp_moe(row, a.llamacpp, a)
             else:
                 with_llamacpp(row, a.llamacpp, a.workdir)
+        if a.load_reps and not moe and "error" not in row:
+            row.update(load_runs(name, a))
+            if a.llamacpp:
+                with_llamacpp_load(row, a.llamacpp, a)
         if moe and not a.keep_files:
             moe_path(*moe, a.workdir, write=False).unlink(missing_ok=True)
         rows.append(row)
@@ -471,6 +546,13 @@ def main(argv: list[str] | None = None) -> int:
         ("llamacpp_tg", "llama tg", ".2f"), ("llamacpp_pp", "llama pp", ".1f"),
         ("cpu_share", "share", ".2f"), ("expert_vram_hit_rate", "VRAM hits", ".2f"),
         ("vram_process_gib", "VRAM GiB", ".2f"), ("error", "error", "")]))
+    if any("load_warm_s" in r for r in rows):
+        print(common.table([r for r in rows if "load_warm_s" in r], [
+            ("name", "case", ""), ("load_s", "cold load s", ".1f"),
+            ("load_warm_s", "warm load s", ".2f"), ("first_token_ms_warm", "1st token ms", ".0f"),
+            ("llamacpp_load_ms", "llama load ms", ".0f"),
+            ("llamacpp_first_token_ms", "llama 1st ms", ".0f"),
+            ("load_ratio_to_llamacpp", "ratio", ".2f")]))
     return 1 if any("error" in r for r in rows) else 0
 
 

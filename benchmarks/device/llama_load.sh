@@ -7,10 +7,11 @@
 #
 #   bash benchmarks/device/llama_load.sh MODEL.gguf NGL [CTX] [REPS]
 #
+# LLAMA_BUILD (default /tmp/lbuild) is the build folder.
 # Prints one JSON line: {"load_ms": [...], "context_ms": [...], "first_token_ms": [...], ...}.
 set -euo pipefail
 M=${1:?MODEL.gguf}; NGL=${2:?NGL}; CTX=${3:-4096}; REPS=${4:-3}
-B=/tmp/lbuild; SRC=/tmp/llama-src/.llama
+B=${LLAMA_BUILD:-/tmp/lbuild}; SRC=/tmp/llama-src/.llama
 [ -d "$SRC" ] || SRC=.llama
 LIB=$(dirname "$(find "$B" -name 'libllama.so*' | head -1)" 2>/dev/null)
 [ -n "$LIB" ] && [ "$LIB" != . ] || { echo "no libllama under $B: run llama_build first" >&2; exit 1; }
