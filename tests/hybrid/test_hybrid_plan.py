@@ -306,3 +306,28 @@ def test_this_hosts_last_level_cache_is_read():
     from slipstream.hybrid.probe import last_level_cache_bytes
 
     assert (1 << 20) <= last_level_cache_bytes() <= (4 << 30)
+
+
+def test_the_cpu_probe_weight_repeats_a_random_tile_with_q4k_scales_in_every_run():
+    """The probe weight is drawn for PROBE_TILE row blocks and repeated: every row block
+    exists, the array is contiguous, and every run of every block (the repeated ones too)
+    starts with Q4_K's d and dmin at 0.01."""
+    import torch
+
+    from slipstream.hybrid import probe
+    from slipstream.weights.cpu import vnni
+
+    rows, cols = (probe.PROBE_TILE * 2 + 3) * vnni.Q4V_ROWS, 512
+    probe._q4vnni_weight.cache_clear()
+    try:
+        w = probe._q4vnni_weight(rows, cols)
+    finally:
+        probe._q4vnni_weight.cache_clear()
+    blocks = -(-rows // vnni.Q4V_ROWS)
+    assert w.packed.shape == (blocks, cols // 32, vnni.Q4V_KS_RECORD_BYTES)
+    assert w.packed.is_contiguous()
+    runs = w.packed.view(blocks, cols // 32 // vnni.Q4V_KS_RUN, -1)
+    heads = runs[..., :4 * vnni.Q4V_ROWS].contiguous().view(torch.float16)
+    assert torch.all(heads == torch.tensor(0.01, dtype=torch.float16))
+    assert torch.equal(w.packed[probe.PROBE_TILE], w.packed[0])  # repeated, not redrawn
+    assert not torch.equal(w.packed[1], w.packed[0])  # random within the tile

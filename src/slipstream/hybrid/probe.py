@@ -75,6 +75,7 @@ def _host_matmul(rows: int, cols: int, tokens: int, kind: str | None = None):
 # measured).
 PROBE_CACHE_MULTIPLE = 3
 PROBE_MAX_BYTES = 2 << 30
+PROBE_TILE = 64  # row blocks of random records the probe weight repeats
 
 
 def last_level_cache_bytes() -> int:
@@ -103,15 +104,20 @@ def probe_rows(rows: int, cols: int, bits_per_weight: float = 6.0) -> int:
 def _q4vnni_weight(rows: int, cols: int):
     """A random weight in the q4vnni layout Q4_K takes (Q4_K's own scales: d and dmin 0.01,
     scales, mins and codes random), made in its records directly: packing random Q4_K bytes
-    took 9 s for a quarter of this size on 2 cores."""
+    took 9 s for a quarter of this size on 2 cores. Random bytes are drawn for PROBE_TILE
+    row blocks and repeated (a parallel copy): drawing all of a 900 MB probe weight (three
+    300 MiB caches) took 6 s of a 70B's load on one core, and the kernel's time depends on
+    the bytes it reads, not on their values."""
     gen = torch.Generator().manual_seed(0)
     blocks, groups = -(-rows // vnni.Q4V_ROWS), cols // INT4_GROUP
-    packed = torch.randint(0, 256, (blocks, groups, vnni.Q4V_KS_RECORD_BYTES),
-                           dtype=torch.uint8, generator=gen)
-    runs = packed.view(blocks, groups // vnni.Q4V_KS_RUN, -1)  # each run: d and dmin first
+    tile_blocks = min(blocks, PROBE_TILE)
+    tile = torch.randint(0, 256, (tile_blocks, groups, vnni.Q4V_KS_RECORD_BYTES),
+                         dtype=torch.uint8, generator=gen)
+    runs = tile.view(tile_blocks, groups // vnni.Q4V_KS_RUN, -1)  # each run: d and dmin first
     runs[..., :4 * vnni.Q4V_ROWS] = torch.full(
-        (blocks, groups // vnni.Q4V_KS_RUN, 2 * vnni.Q4V_ROWS), 0.01,
+        (tile_blocks, groups // vnni.Q4V_KS_RUN, 2 * vnni.Q4V_ROWS), 0.01,
         dtype=torch.float16).view(torch.uint8)
+    packed = tile.repeat(-(-blocks // tile_blocks), 1, 1)[:blocks]  # a contiguous prefix
     return vnni.Q4VnniLinear(packed, rows)
 
 
