@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,18 @@ def written_beside(model: Path) -> list[Path]:
     images = cache_dir() / "images"
     return sorted({*model.parent.glob(glob.escape(model.name) + ".slipstream*"),
                    *images.glob(glob.escape(f"{model.name}.{key}") + ".slipstream*")})
+
+
+def written_path(model: Path, kind: str) -> Path:
+    """Where slipstream writes its file `kind` for `model`: MODEL.kind next to it when its
+    folder is writable (access(2) also says no on a read-only mount), else
+    cache/images/MODEL.HASH.kind (HASH as in written_beside: one cache folder for models of
+    every folder, keyed by the path)."""
+    model = model.resolve()
+    if os.access(model.parent, os.W_OK):
+        return model.parent / f"{model.name}.{kind}"
+    key = hashlib.sha1(str(model).encode()).hexdigest()[:12]
+    return cache_dir() / "images" / f"{model.name}.{key}.{kind}"
 
 
 def is_gguf(path: Path) -> bool:

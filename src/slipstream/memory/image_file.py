@@ -57,7 +57,7 @@ import torch
 from rich.progress import BarColumn, DownloadColumn, Progress
 
 from ..errors import BudgetTooSmall, ImageFileError, SlipstreamError
-from ..hub.store import cache_dir
+from ..hub.store import written_path
 from ..weights.cpu_image import CpuLayerLayout, cpu_image_of, layout_fingerprint
 from ..weights.image import LayerLayout, to_image
 from ..weights.loader import LayerBuilder, TensorSource, release_transients
@@ -95,26 +95,13 @@ def plan_key(layers: Sequence[int]) -> str:
     return "H" + hashlib.sha1(",".join(map(str, ls)).encode()).hexdigest()[:12]
 
 
-def image_dir(model: Path) -> Path:
-    """Where a model's image files go: next to it when its folder is writable (access(2)
-    also says no on a read-only mount), else under the slipstream cache."""
-    model = model.resolve()
-    if os.access(model.parent, os.W_OK):
-        return model.parent
-    return cache_dir() / "images"
-
-
 def image_paths(model: Path, kind: str = "slipstream", *,
                 layers: Sequence[int]) -> tuple[Path, Path]:
-    """(data file, index file) of the images of `layers`. `kind` names the file:
-    "slipstream" (CUDA's images), "slipstream-cpu" (streamed CPU layers) or
-    "slipstream-cpu-resident" (memory.resident_image)."""
-    model = model.resolve()
-    d = image_dir(model)
-    name = model.name
-    if d != model.parent:  # one cache folder for models of every folder: keyed by the path
-        name += "." + hashlib.sha1(str(model).encode()).hexdigest()[:12]
-    base = d / f"{name}.{kind}.{plan_key(layers)}"
+    """(data file, index file) of the images of `layers`, next to the model or in the cache
+    (hub.store.written_path). `kind` names the file: "slipstream" (CUDA's images),
+    "slipstream-cpu" (streamed CPU layers) or "slipstream-cpu-resident"
+    (memory.resident_image)."""
+    base = written_path(model, f"{kind}.{plan_key(layers)}")
     return base.with_name(base.name + ".img"), base.with_name(base.name + ".json")
 
 

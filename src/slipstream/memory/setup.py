@@ -18,7 +18,8 @@ from ..precision import Precision
 from ..weights.cpu import kind_for, packed_nbytes, packed_prefill_on
 from ..weights.cpu_image import cpu_image_of, image_nbytes
 from ..weights.image import to_image
-from ..weights.loader import LayerBuilder, TensorSource, layer_span, release_transients
+from ..weights.layer_reads import staged_sources
+from ..weights.loader import LayerBuilder, layer_span, release_transients
 from .budget import mem_available
 from .cuda_store import CudaLayerStore, SplitPolicy
 from .cuda_context import outside_allocator_bytes
@@ -471,8 +472,9 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
                       DownloadColumn(), transient=True) as bar:
             task = bar.add_task("pinning streamed layers" + (
                 " and packing the CPU's share" if splits else ""), total=total)
-            for k, i in enumerate(pinned):
-                src = TensorSource(gf)
+            # a dense model's layers read into locked staging (weights.layer_reads)
+            staged = builder.family_spec.experts is None
+            for k, (i, src) in enumerate(staged_sources(gf, pinned, device, staged)):
                 with maybe(clock, "streamed layers: read and built on the GPU"):
                     built = (split.build_layer(builder, src, i) if i in splits
                              else builder.build(src, i))

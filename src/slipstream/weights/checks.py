@@ -18,6 +18,8 @@ only its norms and biases are checked (a few KiB a layer), not its scales, which
 the whole file (2 ms for the default model's 30 layers).
 
 SLIPSTREAM_CHECK_WEIGHTS=0 turns both errors into TensorWarning and loads the file anyway.
+The tensors that passed are recorded next to the model (weights.checked), and a later load of
+the unchanged file reads only those it has not checked.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .. import envs, quant
+from . import checked
 from ..errors import CorruptTensorValues, MisnamedTensor, TensorWarning
 from ..model.families import family_for, spec_for
 from ..model.layer_spec import EMBEDDING, HEAD
@@ -233,8 +236,11 @@ def check_values(gf: GGUFFile, cfg: ModelConfig, resident_layers: Collection[int
             if t.kind != "weight":
                 kinds[name] = t.kind
     is_strict = strict()
-    found = value_findings(gf, names, kinds, first_only=is_strict)
+    done = checked.passed(gf.path)  # an earlier load of the unchanged file checked these
+    todo = [n for n in names if n not in done]
+    found = value_findings(gf, todo, kinds, first_only=is_strict)
     if not found:
+        checked.record(gf.path, todo)
         return
     if is_strict:
         raise CorruptTensorValues(f"{found[0]}; {FIX} ({ANYWAY})")

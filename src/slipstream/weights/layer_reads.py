@@ -1,0 +1,105 @@
+"""A CUDA load's layers read from the file into page-locked staging, the next layer's read
+going on while the current one is built: the builder's copies to the GPU then come from
+locked pages, not from the memory map.
+
+Built from the map, a layer's tensors were copied to the GPU tensor by tensor from pageable
+memory: the driver stages such copies itself, and every page of the map is faulted in on the
+way. On the device's host a warm load of a 70B at 24 GiB spent 13.4 s building its 42
+resident layers (20 GB) and 16.3 s its 38 pinned ones, where llama.cpp loaded its 46 GPU
+layers in 9.8 s. Here each layer's span of the file is read with a few parallel preads (16 MiB
+each) into one of two locked buffers, and its tensors are views of that buffer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ..errors import GGUFError
+from ..modelfile.gguf_file import GGUFFile
+from .source import TensorSource, layer_span
+
+CHUNK = 16 << 20  # bytes per pread: several in flight per layer
+READERS = 4  # threads reading one layer's chunks side by side
+
+
+class StagedLayers:
+    """TensorSources over staged copies of layers' file bytes, in the order asked, each
+    valid until the next one is taken: the caller builds layer i from its source, and the
+    builder's host-to-device copies from it are done (synchronised here) before its buffer is
+    read into again."""
+
+    def __init__(self, gf: GGUFFile, layers: Iterable[int], device: torch.device):
+        self.gf, self.device = gf, device
+        self.layers = list(layers)
+        self.spans = {i: layer_span(gf, i) for i in self.layers}
+        size = max((end - start for start, end in self.spans.values()), default=0)
+        # here, not at the top: the memory package's stores import the loader, which imports
+        # this module
+        from ..memory.pinned import pinned_empty
+
+        def alloc(n: int) -> torch.Tensor:  # locked for a GPU's copies; plain for the CPU's
+            return pinned_empty(n) if device.type == "cuda" else torch.empty(n, dtype=torch.uint8)
+
+        self.buffers = [alloc(size) for _ in range(min(2, len(self.layers)))]
+        self.pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="slipstream-load")
+        self.fd = os.open(gf.path, os.O_RDONLY)
+
+    def _read(self, i: int, buffer: torch.Tensor) -> list[Future]:
+        start, end = self.spans[i]
+        view = memoryview(buffer.numpy())
+        return [self.pool.submit(self._chunk, view, at, min(at + CHUNK, end - start), start)
+                for at in range(0, end - start, CHUNK)]
+
+    def _chunk(self, view: memoryview, a: int, b: int, base: int) -> None:
+        while a < b:
+            got = os.preadv(self.fd, [view[a:b]], base + a)
+            if got <= 0:
+                raise GGUFError(f"{self.gf.path.name}: the file ends at byte {base + a}, inside "
+                                f"a layer's tensors: truncated while loading")
+            a += got
+
+    def __iter__(self) -> Iterator[tuple[int, TensorSource]]:
+        if not self.layers:
+            return
+        pending = self._read(self.layers[0], self.buffers[0])
+        for k, i in enumerate(self.layers):
+            for f in pending:
+                f.result()
+            if self.device.type == "cuda":
+                # the layer before this one was built from the other buffer: its copies done
+                torch.cuda.synchronize(self.device)
+            if k + 1 < len(self.layers):
+                pending = self._read(self.layers[k + 1], self.buffers[(k + 1) % 2])
+            start, end = self.spans[i]
+            yield i, TensorSource(self.gf, self.buffers[k % 2][:end - start], start)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.buffers = []
+
+    def __enter__(self) -> "StagedLayers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def staged_sources(gf: GGUFFile, layers: Iterable[int], device: torch.device, staged: bool
+                   ) -> Iterator[tuple[int, TensorSource]]:
+    """(i, source) for each of `layers`: staged (StagedLayers) where `staged`, else the
+    memory-mapped file's."""
+    if not staged:
+        src = TensorSource(gf)
+        yield from ((i, src) for i in layers)
+        return
+    with StagedLayers(gf, layers, device) as reads:
+        yield from reads
