@@ -73,6 +73,9 @@ CASES = {
     "70b-q4k-vram24-hybrid": ("70b", "Q4_K", "24GiB", None, "direct", "auto", 46),
     "70b-q4k-vram24-ram12": ("70b", "Q4_K", "24GiB", "12GiB", "direct", "off", 46),
     "70b-q4k-vram24-mmap": ("70b", "Q4_K", "24GiB", "12GiB", "mmap", "off", 46),
+    # the 70B's layers at a quarter of the file and the budget, for load checks in a short call
+    "70b-20l-q4k-vram6-hybrid": ("70b", "Q4_K", "6GiB", None, "direct", "auto", None, "llama",
+                                 20),
     "qwen3-32b-q4k": ("32b", "Q4_K", None, None, "direct", "off", 99, "qwen3"),
     "gemma3-27b-q4k": ("27b", "Q4_K", None, None, "direct", "off", 99, "gemma3"),
     "qwen3-32b-q4k-vram12": ("32b", "Q4_K", "12GiB", None, "direct", "auto", None, "qwen3"),
@@ -99,9 +102,19 @@ LLAMACPP_OVERHEAD = 1.5 * 2**30
 
 
 def case(name: str) -> tuple:
-    """CASES[name], its architecture filled in (llama where it names none)."""
-    c = CASES[name]
+    """CASES[name] less its layer count (case_file's), its architecture filled in (llama
+    where it names none)."""
+    c = CASES[name][:8]
     return c if len(c) == 8 else (*c, "llama")
+
+
+def case_file(name: str, workdir: Path, write: bool = True) -> Path:
+    """The case's synthetic file (written first where missing, `write`): its shape with the
+    case's layer count where it names one."""
+    shape, quant, *_, arch = case(name)
+    layers = CASES[name][8] if len(CASES[name]) > 8 else None
+    make = common.synth_model if write else common.synth_path
+    return make(shape, quant, workdir, arch, layers)
 
 
 def llamacpp_layers_within(path: Path, budget: str, ctx: int = 2048) -> int:
@@ -298,7 +311,7 @@ def run_case(name: str, workdir: Path, a: argparse.Namespace) -> dict:
     from slipstream.runtime.bench import bench_decode, bench_prefill, weight_bytes_per_token
 
     shape, quant, budget, ram_budget, io, hybrid, _, arch = case(name)
-    path = common.synth_model(shape, quant, workdir, arch)
+    path = case_file(name, workdir)
     # the pinned-copy roofline is probed before the load: its 2 GiB buffer would not fit beside
     # the weights under a small budget's cap (12 GiB), and is freed before the peak is counted
     h2d = h2d_pinned_gbps(2 << 30) if budget is not None else None
@@ -353,17 +366,18 @@ def load_only(name: str, workdir: Path, a: argparse.Namespace) -> dict:
     import torch
 
     shape, quant, budget, ram_budget, io, hybrid, _, arch = case(name)
-    path = common.synth_path(shape, quant, workdir, arch)
+    path = case_file(name, workdir, write=False)
     t0 = time.perf_counter()
     model = load_model(path, budget, ram_budget, io, hybrid, a.ctx)
     torch.cuda.synchronize()
     load_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    model.engine.reset()
-    model.engine.forward([1])
-    torch.cuda.synchronize()
-    row = {"load_s": round(load_s, 3), "load_phases": model.load_phases,
-           "first_token_ms": round((time.perf_counter() - t0) * 1e3, 1)}
+    row = {"load_s": round(load_s, 3), "load_phases": model.load_phases}
+    if a.first_token:
+        t0 = time.perf_counter()
+        model.engine.reset()
+        model.engine.forward([1])
+        torch.cuda.synchronize()
+        row["first_token_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
     model.close()
     return row
 
@@ -376,14 +390,15 @@ def load_runs(name: str, a: argparse.Namespace) -> dict:
         return {"load_error": runs[-1]["error"]}
     mid = sorted(ok, key=lambda r: r["load_s"])[len(ok) // 2]
     return {"load_warm_s": mid["load_s"], "load_warm_s_runs": [r["load_s"] for r in ok],
-            "load_phases_warm": mid["load_phases"], "first_token_ms_warm": mid["first_token_ms"]}
+            "load_phases_warm": mid["load_phases"],
+            "first_token_ms_warm": mid.get("first_token_ms")}
 
 
 def with_llamacpp_load(row: dict, build: str, a: argparse.Namespace) -> None:
     """llama.cpp's load, context and first token at the case's -ngl and context, --load-reps
     times in one process (llama_load.sh), beside slipstream's warm load."""
     shape, quant, budget, *_, ngl, arch = case(row["name"])
-    path = common.synth_path(shape, quant, a.workdir, arch)
+    path = case_file(row["name"], a.workdir, write=False)
     if ngl is None:
         ngl = llamacpp_layers_within(path, budget)
     script = Path(__file__).parent / "device" / "llama_load.sh"
@@ -409,7 +424,8 @@ def run_in_child(name: str, a: argparse.Namespace, load: bool = False) -> dict:
         result = Path(f.name)
     cmd = [sys.executable, __file__, "--one", name, "--case-json", str(result),
            "--workdir", str(a.workdir), "--tokens", str(a.tokens), "--repeats", str(a.repeats),
-           "--ctx", str(a.ctx), *(["--load-only"] if load else [])]
+           "--ctx", str(a.ctx), *(["--load-only"] if load else []),
+           *([] if a.first_token else ["--no-first-token"])]
     try:
         proc = subprocess.run(cmd, timeout=a.case_timeout, stderr=subprocess.PIPE, text=True)
         if proc.returncode != 0 or not result.stat().st_size:
@@ -453,7 +469,7 @@ def with_llamacpp_moe(row: dict, build: str, a: argparse.Namespace) -> None:
 
 def with_llamacpp(row: dict, build: str, workdir: Path) -> None:
     shape, quant, budget, *_, ngl, arch = case(row["name"])
-    path = common.synth_model(shape, quant, workdir, arch)
+    path = case_file(row["name"], workdir)
     if ngl is None:
         ngl = llamacpp_layers_within(path, budget)
     tg = "128" if ngl == 99 else "16"
@@ -493,6 +509,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load-reps", type=int, default=0,
                     help="dense cases: warm loads timed apart, each in its own process, and "
                          "llama.cpp's with --llamacpp (default 0: none)")
+    ap.add_argument("--loads-only", action="store_true",
+                    help="dense cases: only the loads (a cold one, then --load-reps warm ones), "
+                         "no decode nor prefill")
+    ap.add_argument("--no-first-token", dest="first_token", action="store_false",
+                    help="--load-reps: time the loads alone (no kernel compiled in the process)")
     ap.add_argument("--load-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--one", help=argparse.SUPPRESS)
     ap.add_argument("--case-json", help=argparse.SUPPRESS)
@@ -519,8 +540,21 @@ def main(argv: list[str] | None = None) -> int:
     head = common.provenance("cuda")
     rows = []
     for name in jobs:
-        row = run_in_child(name, a)
         moe = moe_job(name)
+        if a.loads_only and not moe:
+            case_file(name, a.workdir)  # written here: the cold load below times no synth
+            cold = run_in_child(name, a, load=True)
+            row = {"name": name, **cold}
+        else:
+            row = run_in_child(name, a)
+        if a.loads_only and not moe and "error" not in row:
+            row.update(load_runs(name, a))
+            if a.llamacpp:
+                with_llamacpp_load(row, a.llamacpp, a)
+            rows.append(row)
+            path = common.write_result(name + "-load", {**head, **row}, a.results)
+            print(json.dumps({"case": name, "file": str(path)}), flush=True)
+            continue
         if a.llamacpp and "error" not in row:
             if moe:
                 with_llamacpp_moe(row, a.llamacpp, a)
