@@ -69,6 +69,10 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     if nbytes < EXACT_FROM:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     mapping = _LockedMapping(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        # 2 MiB pages where the kernel has them to give: a 472 MiB image is 236 faults and
+        # entries to lock rather than 120,000 (a 4 KiB fault each where it has not)
+        mapping.madvise(mmap.MADV_HUGEPAGE)
     host = torch.frombuffer(mapping, dtype=torch.uint8)
     host.zero_()  # the page faults on torch's threads, not in the driver's one
     if int(_cudart().cudaHostRegister(host.data_ptr(), nbytes, 0)) != 0:
