@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import os
 import re
 import struct
 import subprocess

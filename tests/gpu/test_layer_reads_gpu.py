@@ -1,4 +1,4 @@
-"""A CUDA build from staged bytes (weights.layer_reads) on the GPU: the same packed layer as
+"""A CUDA build from staged bytes (memory.layer_reads) on the GPU: the same packed layer as
 one built from the memory map, from locked buffers."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.precision import Precision
 from slipstream.synth import write_synth
 from slipstream.weights.image import to_image
-from slipstream.weights.layer_reads import staged_sources
+from slipstream.memory.layer_reads import staged_sources
 from slipstream.weights.loader import LayerBuilder
 from slipstream.weights.source import TensorSource
 

@@ -18,7 +18,6 @@ from ..precision import Precision
 from ..weights.cpu import kind_for, packed_nbytes, packed_prefill_on
 from ..weights.cpu_image import cpu_image_of, image_nbytes
 from ..weights.image import to_image
-from ..weights.layer_reads import staged_sources
 from ..weights.loader import LayerBuilder, layer_span, release_transients
 from .budget import mem_available
 from .cuda_store import CudaLayerStore, SplitPolicy
@@ -26,6 +25,7 @@ from .cuda_context import outside_allocator_bytes
 from .devices import pad_stage_plan
 from .image_file import build_cpu_images, build_images
 from .kvikio_io import require_kvikio
+from .layer_reads import staged_sources
 from .pinned import PinAhead
 from .probes import cpu_decode_rates, h2d_pinned_gbps, memory_read_gbps, span_read_gbps
 from .expert_plan import plan_experts
@@ -472,7 +472,7 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
                       DownloadColumn(), transient=True) as bar:
             task = bar.add_task("pinning streamed layers" + (
                 " and packing the CPU's share" if splits else ""), total=total)
-            # a dense model's layers read into locked staging (weights.layer_reads)
+            # a dense model's layers read into locked staging (memory.layer_reads)
             staged = builder.family_spec.experts is None
             for k, (i, src) in enumerate(staged_sources(gf, pinned, device, staged)):
                 with maybe(clock, "streamed layers: read and built on the GPU"):

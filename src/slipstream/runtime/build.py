@@ -4,6 +4,7 @@ within the budgets, and build its engine (weights, stores, stages) from the plan
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from ..hybrid.probe import clear_weights, cpu_packed_gbps
 from ..memory.budget import fmt_bytes, mem_available, parse_size
 from ..memory.cuda_context import outside_allocator_bytes
 from ..memory.devices import per_device_budgets, resolve_devices, stage_ranges
+from ..memory.layer_reads import staged_sources
 from ..memory.planner import Plan, StagePlan
 from ..memory.probes import h2d_pinned_gbps
 from ..memory.resident_image import attach_resident_image, image_wanted
@@ -378,7 +380,10 @@ def load_weights_with_progress(gf, cfg, dev, precision: Precision, show: bool,
                             holds_head=plan.stages[-1].holds_head if plan else True,
                             expert_slots=plan.expert_slots
                             if plan and plan.vram_expert_slots is None else None,
-                            expert_split=split_placement(plan))
+                            expert_split=split_placement(plan),
+                            # a CUDA load's layers read into locked staging beside the builds
+                            layer_sources=functools.partial(staged_sources, gf, device=dev)
+                            if dev.type == "cuda" else None)
 
 
 def split_placement(plan: Plan | None) -> SplitPlacement | None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -39,7 +39,6 @@ from .prefetch import prefetch_dense
 from .cpu import PackedDecodeLinear, kind_for, prefills_packed
 from .cpu.kinds import pack_joined
 from .image import flattened
-from .layer_reads import staged_sources
 from .source import TensorSource, layer_span, raw_tensor  # noqa: F401 (imported from here too)
 from .linear import (GEMV_MAX_ROWS, DenseLinear, LazyDenseLinear, Linear, OnDemandDenseLinear,
                      QuantEmbedding, QuantLinear, Workspace, lazy_dense)
@@ -280,9 +279,13 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
                  flat_layers: bool = False, holds_embedding: bool = True,
                  holds_head: bool = True,
                  expert_slots: list[int] | None = None,
-                 expert_split: SplitPlacement | None = None) -> ModelWeights:
+                 expert_split: SplitPlacement | None = None,
+                 layer_sources: Callable[[list[int]], Iterable[tuple[int, TensorSource]]]
+                 | None = None) -> ModelWeights:
     """Build the model's weights on `device`: every layer, or only `resident_layers` (the
     others are left as None for a streaming store to fill). Norms stay float32.
+    `layer_sources(layers)`: (i, source) for each of a dense model's layers in order, where
+    they come from somewhere else than the map (memory.layer_reads.staged_sources).
     `embed_on_host`: the token embedding stays in host memory (see QuantEmbedding).
     `private`: no weight stays a view of the file's memory map (see the module doc); None
     (auto) is True on CPU, where it costs the embedding table's GGUF bytes (28.7 MiB for the
@@ -427,11 +430,12 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     # loaded yet keeps its transients off the VRAM peak (memory.vram counts them).
     layers: list[LayerWeights | None] = [None] * cfg.n_layers
     built = [i for i in range(cfg.n_layers) if resident_layers is None or i in resident_layers]
-    # a CUDA model's dense layers read into locked staging (weights.layer_reads); a mixture of
-    # experts' stay views of the map, which its experts are placed from one by one
-    staged = device.type == "cuda" and held is None and builder.family_spec.experts is None
-    for i, layer_src in staged_sources(gf, built, device, staged):
-        layer = builder.build(layer_src if staged else src, i)
+    # a dense model's layers from `layer_sources` where given (a CUDA load's locked staging,
+    # memory.layer_reads); a mixture of experts' stay views of the map, which its experts are
+    # placed from one by one
+    staged = layer_sources is not None and held is None and builder.family_spec.experts is None
+    for i, layer_src in layer_sources(built) if staged else ((i, src) for i in built):
+        layer = builder.build(layer_src, i)
         if flat_layers and builder.quantized:
             release_transients(device)  # the build's, before the layer takes its buffer
             layer = flattened(layer, workspace)

@@ -28,7 +28,7 @@ from typing import Any, Mapping
 from ...errors import InvalidMetadata, UnsupportedArchitecture
 from ...modelfile.hparams import FIX, md_float, md_int
 from ..layer_spec import LayerSpec, LinearGroup, TensorSpec
-from .base import BlockTraits, Family
+from .base import Family
 from .experts import EXPERTS
 from .routed import (DENSE_FFN, FFN_LINEARS, OPTIONAL_SELECTION_BIAS, ROUTED,
                      routed_fields)

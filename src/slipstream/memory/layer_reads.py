@@ -20,7 +20,8 @@ import torch
 
 from ..errors import GGUFError
 from ..modelfile.gguf_file import GGUFFile
-from .source import TensorSource, layer_span
+from ..weights.source import TensorSource, layer_span
+from .pinned import pinned_empty
 
 CHUNK = 16 << 20  # bytes per pread: several in flight per layer
 READERS = 4  # threads reading one layer's chunks side by side
@@ -37,10 +38,6 @@ class StagedLayers:
         self.layers = list(layers)
         self.spans = {i: layer_span(gf, i) for i in self.layers}
         size = max((end - start for start, end in self.spans.values()), default=0)
-        # here, not at the top: the memory package's stores import the loader, which imports
-        # this module
-        from ..memory.pinned import pinned_empty
-
         def alloc(n: int) -> torch.Tensor:  # locked for a GPU's copies; plain for the CPU's
             return pinned_empty(n) if device.type == "cuda" else torch.empty(n, dtype=torch.uint8)
 
@@ -93,7 +90,7 @@ class StagedLayers:
         self.close()
 
 
-def staged_sources(gf: GGUFFile, layers: Iterable[int], device: torch.device, staged: bool
+def staged_sources(gf: GGUFFile, layers: Iterable[int], device: torch.device, staged: bool = True
                    ) -> Iterator[tuple[int, TensorSource]]:
     """(i, source) for each of `layers`: staged (StagedLayers) where `staged`, else the
     memory-mapped file's."""

@@ -1,4 +1,4 @@
-"""weights.layer_reads: a CUDA load's layers read into staging buffers, the next one's read
+"""memory.layer_reads: a CUDA load's layers read into staging buffers, the next one's read
 beside the current build. Each layer's tensors from the staged bytes are the map's bytes, a
 layer built from them (with the CUDA builder's packing, driven on the CPU as
 tests/weights/test_flat_layers.py does) has the same image as one built from the map, the
@@ -16,8 +16,8 @@ from slipstream.modelfile.config import ModelConfig
 from slipstream.modelfile.gguf_file import GGUFFile
 from slipstream.precision import Precision
 from slipstream.synth import write_synth
-from slipstream.weights import layer_reads
-from slipstream.weights.layer_reads import StagedLayers, staged_sources
+from slipstream.memory import layer_reads
+from slipstream.memory.layer_reads import StagedLayers, staged_sources
 from slipstream.weights.source import TensorSource, layer_span
 
 CPU = torch.device("cpu")
@@ -92,3 +92,33 @@ def test_a_file_cut_short_while_loading_is_named(model, tmp_path):
     with pytest.raises(GGUFError, match="cut.gguf.*truncated while loading"):
         for _ in staged_sources(cut, [0, 1, 2], CPU, staged=True):
             pass
+
+
+def test_load_weights_from_staged_sources_builds_the_same_layers(model):
+    """load_weights' `layer_sources` (a CUDA load's staging) gives the layers built from the
+    map: on the CPU, with dense weights, every tensor equal."""
+    import dataclasses
+
+    from slipstream.weights.loader import load_weights
+
+    gf, cfg = model
+    prec = Precision.of("exact", CPU)
+    asked = []
+
+    def sources(layers):
+        asked.append(list(layers))
+        return staged_sources(gf, layers, CPU)
+
+    staged = load_weights(gf, cfg, CPU, prec, private=False, resident_layers={0, 2},
+                          layer_sources=sources)
+    mapped = load_weights(gf, cfg, CPU, prec, private=False, resident_layers={0, 2})
+    assert asked == [[0, 2]] and staged.layers[1] is None
+    compared = 0
+    for i in (0, 2):
+        for f in dataclasses.fields(staged.layers[i]):
+            a, b = getattr(staged.layers[i], f.name), getattr(mapped.layers[i], f.name)
+            a, b = getattr(a, "weight", a), getattr(b, "weight", b)
+            if isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), (i, f.name)
+                compared += 1
+    assert compared >= 2 * 7  # q/k/v or qkv, output, gate/up, down, two norms a layer
