@@ -19,7 +19,6 @@ import torch
 
 from . import native
 from .errors import BadArgument, BudgetTooSmall, RecurrentState, oom_summary
-from .hub.store import cache_dir
 from .memory.budget import fmt_bytes, parse_size
 from .memory.devices import resolve_device, stage_ranges
 from .memory.planner import Plan, StagePlan
@@ -29,13 +28,12 @@ from .modelfile.chat_template import ChatTemplate
 from .modelfile.config import ModelConfig
 from .modelfile.gguf_file import GGUFFile
 from .modelfile.tokenizer import Tokenizer
-from .modelfile.tokenizer_cache import load_tokenizer
 from .precision import Precision
 from .runtime import layer_skip
 from .runtime.build import (allocator_budget, build_engine, check_skip_layers, context_size,
                             device_for_auto, hybrid_mode, measured, open_model, plain_plan,
                             plan_model, resolve_path, stage_devices, stage_plans,
-                            start_reading, with_hybrid)
+                            start_reading, tokenizer_beside, with_hybrid)
 from .runtime.engine import Engine
 from .runtime.generate import Generation, GenerationStats, autoregressive, generate
 from .load_clock import LoadClock
@@ -358,7 +356,7 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
     with clock.phase("tokenizer"):
         if not staged and pipeline is None:
             start_reading(gf, dev, place.ram_budget, place.private_weights)  # beside it
-        tokenizer = load_tokenizer(gf, cache_dir() / "tokenizers")  # built once per file
+        tokenizing = tokenizer_beside(gf, dev)
         template = ChatTemplate.from_metadata(gf.metadata)
     n_ctx = context_size(cfg, ctx)
     check_skip_layers(cfg, skip_layers)  # before the load, which may take minutes
@@ -432,6 +430,8 @@ def load(path: str | os.PathLike[str] | None = None, *, device: str | torch.devi
                     f"the budget allows this process ({oom_summary(e)}); raise --vram-budget "
                     f"or lower --ctx") from None
         raise
+    with clock.phase("tokenizer, beside the load"):
+        tokenizer = tokenizing.result()
     model = Model(model_path, gf, cfg, engine, tokenizer, template, plan)
     if pipeline is not None:
         from .runtime.pipeline import stage_rows  # torch.distributed, as join above

@@ -76,3 +76,42 @@ def test_unwritable_folder_still_builds(synth_model, tmp_path):
     gf = GGUFFile(synth_model)
     _same(Tokenizer.from_metadata(gf.metadata), load_tokenizer(gf, blocker / "tokenizers"))
     assert blocker.read_text() == "a file where the folder would be"
+
+
+def test_a_cuda_load_reads_a_cached_tokenizer_beside_it_and_builds_a_new_one_first(
+        synth_model, tmp_path, monkeypatch):
+    """runtime.build.tokenizer_beside: on CUDA, a tokenizer already in the cache is read in a
+    thread of its own beside the load; one not yet built is built before the load goes on (a
+    file whose tokenizer cannot be built fails before its weights load), and so is every CPU
+    load's."""
+    import threading
+
+    import torch
+
+    from slipstream.errors import TokenizerError
+    from slipstream.modelfile import tokenizer_cache
+    from slipstream.runtime import build
+
+    monkeypatch.setenv("SLIPSTREAM_CACHE", str(tmp_path))
+    threads: list[str] = []
+    real = tokenizer_cache.load_tokenizer
+
+    def spy(gf, folder):
+        threads.append(threading.current_thread().name)
+        return real(gf, folder)
+
+    monkeypatch.setattr(build, "load_tokenizer", spy)
+    gf, cuda = GGUFFile(synth_model), torch.device("cuda")  # only its type is read
+    first = build.tokenizer_beside(gf, cuda)
+    assert first.done() and threads == [threading.current_thread().name]  # built here
+    assert tokenizer_cache.is_cached(gf, tmp_path / "tokenizers")
+    beside = build.tokenizer_beside(gf, cuda).result(timeout=60)
+    assert threads[1].startswith("slipstream-tokenizer")
+    _same(first.result(), beside)
+    assert build.tokenizer_beside(gf, torch.device("cpu")).done()
+    assert threads[2] == threading.current_thread().name
+    bad = write_synth(tmp_path / "bad.gguf", "tiny", "Q8_0", seed=3)
+    monkeypatch.setattr(Tokenizer, "from_metadata",
+                        staticmethod(lambda md: (_ for _ in ()).throw(TokenizerError("no"))))
+    with pytest.raises(TokenizerError):
+        build.tokenizer_beside(GGUFFile(bad), cuda)

@@ -103,6 +103,14 @@ def decode(text: str) -> Tokenizer:
     return tok
 
 
+def is_cached(gf: GGUFFile, folder: Path) -> bool:
+    """Whether `folder` holds an entry for `gf` as it is now (built once, so it builds)."""
+    try:
+        return (folder / f"{cache_key(Path(gf.path))}.json").is_file()
+    except OSError:
+        return False
+
+
 def load_tokenizer(gf: GGUFFile, folder: Path | None) -> Tokenizer:
     """The tokenizer of `gf`, from `folder`'s cache entry where one matches the file, else
     built from its metadata (Tokenizer.from_metadata: its errors as they are) and cached.
