@@ -142,7 +142,8 @@ def test_rm_removes_the_layer_images_written_for_the_model(env, gguf_bytes, monk
                                                            capsys):
     """memory/image_file.py writes MODEL.slipstream[-cpu].KEY.img/.json (KEY: the plan's
     streamed layers) beside the model, or in cache/images/ where the model's folder is not
-    writable; rm deletes those of every plan, by the names that module itself gives."""
+    writable; rm deletes those of every plan, by the names that module itself gives, and the
+    model's checked-tensors record and tokenizer cache entry."""
     from slipstream import cli
     from slipstream.memory import image_file
 
@@ -159,12 +160,21 @@ def test_rm_removes_the_layer_images_written_for_the_model(env, gguf_bytes, monk
                 written += image_file.image_paths(path, kind, layers=layers)
     written += [w.with_name(w.name + ".tmp") for w in written[:2]]  # a write cut short
     assert len(set(written)) == 18 and any("images" in w.parts for w in written)
+    # the record of its checked tensors (weights.checked), and its tokenizer's cache entry
+    from slipstream.modelfile.tokenizer_cache import cache_key
+    from slipstream.weights import checked
+
+    written.append(store.written_path(path, checked.KIND))
+    written.append(store.cache_dir() / "tokenizers" / f"{cache_key(path)}.json")
+    other = store.cache_dir() / "tokenizers" / ("0" * 32 + ".json")  # another model's: kept
+    other.parent.mkdir(parents=True, exist_ok=True)
+    other.write_text("{}")
     for w in written:
         w.parent.mkdir(parents=True, exist_ok=True)
         w.write_bytes(b"image")
     assert cli.main(["rm", FILE]) == 0, capsys.readouterr().err
     assert [w for w in written if w.exists()] == []
-    assert not path.exists() and not path.parent.exists()
+    assert not path.exists() and not path.parent.exists() and other.exists()
 
 
 # --- downloads that end early ------------------------------------------------------------

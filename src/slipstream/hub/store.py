@@ -72,6 +72,19 @@ def written_beside(model: Path) -> list[Path]:
                    *images.glob(glob.escape(f"{model.name}.{key}") + ".slipstream*")})
 
 
+def tokenizer_entries(model: Path) -> list[Path]:
+    """The tokenizer cache's entry built from `model` as it is (modelfile.tokenizer_cache),
+    where there is one."""
+    # here: the tokenizers library it loads costs a CLI start that does not remove a model
+    from ..modelfile.tokenizer_cache import cache_key
+
+    try:
+        entry = cache_dir() / "tokenizers" / f"{cache_key(model)}.json"
+    except OSError:
+        return []
+    return [entry] if entry.exists() else []
+
+
 def written_path(model: Path, kind: str) -> Path:
     """Where slipstream writes its file `kind` for `model`: MODEL.kind next to it when its
     folder is writable (access(2) also says no on a read-only mount), else
@@ -185,6 +198,7 @@ def remove(model: CachedModel) -> None:
     # not FILE.lock: a lock file is deleted only by the pull that holds it (hub/http.py)
     companions = [p.with_name(p.name + s) for s in (SOURCE_SUFFIX, PARTIAL_SUFFIX)]
     companions += written_beside(p)
+    companions += tokenizer_entries(p)
     hf = root / "hf"
     if hf in p.parents:
         user, repo, *rest = p.relative_to(hf).parts
