@@ -32,7 +32,8 @@ FAST = Precision.of("fast", CPU)
 # (architecture, quant mix) -> the kind each decode linear takes. Q4_K_M's q/k/v mix Q4_K and
 # Q6_K, whose layouts differ, so the resident layer decodes that group through its parts
 # (pack_group fuses only parts of one layout; "parts": a PartsLinear, its kind naming each
-# part's layout and rows); Q5_K has no packed layout at all.
+# part's layout and rows); Q5_K takes q8vnni's records with float32 scales and zeros where the
+# native library is there, else stays dense.
 INT8 = kind_for(8)  # Q8_0's: q8vnni or int4pair
 INT4 = kind_for(12)  # Q4_K (12)'s decode layout here: q4vnni with the native library, else int4pack
 Q6 = kind_for(14)  # Q6_K (14)'s: q6vnni with the native library's VNNI loop, else int8pack
@@ -42,8 +43,8 @@ CASES = {
                               ffn_down=Q6),
     ("llama", "Q8_0"): dict(attn_qkv=INT8, attn_output=INT8, ffn_gate_up=INT8, ffn_down=INT8),
     ("llama", "Q4_0"): dict(attn_qkv=INT4, attn_output=INT4, ffn_gate_up=INT4, ffn_down=INT4),
-    ("llama", "Q5_K"): dict(attn_qkv="dense", attn_output="dense", ffn_gate_up="dense",
-                            ffn_down="dense"),
+    ("llama", "Q5_K"): dict.fromkeys(("attn_qkv", "attn_output", "ffn_gate_up", "ffn_down"),
+                                     kind_for(13) or "dense"),  # Q5_K (13)'s
     ("qwen2", "Q4_K"): dict(attn_qkv=INT4, attn_output=INT4, ffn_gate_up=INT4,
                             ffn_down=INT4),  # q/k/v biases
 }

@@ -503,10 +503,14 @@ def test_kinds():
     assert kind_for(Q.Q8_0, "int4pair") == "int4pair"
     assert kind_for(Q.Q6_K) == ("q6vnni" if q6vnni_available() else "int8pack")
     assert kind_for(Q.Q8_0, "int8pack") == "int8pack"
-    assert kind_for(Q.Q6_K, "int4pack") is None and kind_for(Q.Q5_K) is None
+    assert kind_for(Q.Q6_K, "int4pack") is None
+    # Q5_1 and Q5_K: our q8vnni (float32 scales and zeros) alone; no torch kernel reads them
+    five = "q8vnni" if q4vnni_available() else None
+    assert kind_for(Q.Q5_K) == five and kind_for(Q.Q5_1) == five
+    assert kind_for(Q.Q5_K, "torch") is None and kind_for(Q.Q5_1, "int4pair") is None
     assert kind_for(Q.Q4_K, "int4pair") is None and kind_for(Q.Q8_0, "int4pack") is None
-    assert kind_for(Q.F16) is None
-    assert pack_linear(torch.zeros(16, 4 * 176, dtype=torch.uint8), Q.Q5_K, (16, 1024)) is None
+    assert kind_for(Q.F16) is None and kind_for(Q.Q3_K) is None
+    assert pack_linear(torch.zeros(16, 4 * 110, dtype=torch.uint8), Q.Q3_K, (16, 1024)) is None
     with pytest.raises(ValueError):
         kind_for(Q.Q4_K, "fp8")
 

@@ -37,8 +37,11 @@ pytestmark = pytest.mark.skipif(native.library() is None,
 # (format, rows, cols): odd row counts (the last 16-row block padded), and widths that are not
 # a multiple of 256 where the format allows it (Q4_0, Q4_1: blocks of 32; Q4_K: 256)
 SHAPES = [(Q.Q4_0, 37, 96), (Q.Q4_0, 16, 32), (Q.Q4_1, 45, 160), (Q.Q4_1, 64, 576),
-          (Q.Q4_K, 23, 256), (Q.Q4_K, 80, 768), (Q.Q8_0, 29, 96), (Q.Q8_0, 48, 576)]
-KIND = {Q.Q4_0: "q4vnni", Q.Q4_1: "q4vnni", Q.Q4_K: "q4vnni", Q.Q8_0: "q8vnni"}
+          (Q.Q4_K, 23, 256), (Q.Q4_K, 80, 768), (Q.Q8_0, 29, 96), (Q.Q8_0, 48, 576),
+          (Q.Q5_1, 37, 96), (Q.Q5_1, 48, 576), (Q.Q5_K, 23, 256), (Q.Q5_K, 80, 768)]
+KIND = {Q.Q4_0: "q4vnni", Q.Q4_1: "q4vnni", Q.Q4_K: "q4vnni", Q.Q8_0: "q8vnni",
+        Q.Q5_1: "q8vnni", Q.Q5_K: "q8vnni"}
+EIGHT_BIT = (Q.Q8_0, Q.Q5_1, Q.Q5_K)  # q8vnni's 8-bit codes
 IDS = [f"{t.name}-{r}x{c}" for t, r, c in SHAPES]
 
 
@@ -47,12 +50,14 @@ def affine(raw: torch.Tensor, qtype: Q, shape):
     ga = group_affine(raw, qtype, shape)
     if qtype == Q.Q8_0:
         return ga.codes.to(torch.int16) + 128, ga.scale, -128 * ga.scale
+    if qtype in EIGHT_BIT:  # five-bit codes and their mins
+        return ga.codes.to(torch.int16), ga.scale, ga.offset
     return q4vnni_params(ga)
 
 
 def oracle(raw: torch.Tensor, qtype: Q, shape, x: torch.Tensor):
     """(float64 y of the dequantized weights times the quantized x, the rounding bound per
-    output), x float32 (m, k). Per group: a product, two multiply-adds (and for Q8_0's codes,
+    output), x float32 (m, k). Per group: a product, two multiply-adds (and for 8-bit codes,
     whose sums with X pass 2^24, the sum's conversion to float); then one add."""
     rows, cols = shape
     w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype)).double()
@@ -60,7 +65,7 @@ def oracle(raw: torch.Tensor, qtype: Q, shape, x: torch.Tensor):
     u, s, z = affine(raw, qtype, shape)
     terms = ((u.double().view(rows, -1, 32) * s.double()[..., None]).abs()
              + z.double().abs()[..., None]).view(rows, cols)
-    roundings = cols // 32 + 3 + (qtype == Q.Q8_0)
+    roundings = cols // 32 + 3 + (qtype in EIGHT_BIT)
     return xq @ w.t(), roundings * F32_U * (xq.abs() @ terms.t())
 
 
@@ -95,8 +100,11 @@ def test_kernel_against_the_oracle(qtype, rows, cols, threads):
     assert lin.kind == KIND[qtype]
     assert lin.nbytes == packed_nbytes(qtype, (rows, cols), kind=KIND[qtype])
     assert lin.k_scales == k_scales
-    # Q4_0/Q4_1/Q8_0's fields are float16s; Q4_K's float32 records or its own scales
+    # Q4_0/Q4_1/Q8_0's fields are float16s; Q4_K's float32 records or its own scales; Q5_1's
+    # and Q5_K's float32 records (q8vnni's Q8_F32)
     assert lin.scale_f32 == (qtype == Q.Q4_K and not k_scales)
+    assert lin.packed.shape[2] == (640 if qtype in (Q.Q5_1, Q.Q5_K) else
+                                   544 if qtype == Q.Q8_0 else lin.packed.shape[2])
     g = torch.Generator().manual_seed(rows)
     for m in (1, 3, 9):
         x = torch.randn(m, cols, generator=g)

@@ -23,6 +23,8 @@
  *     Q4_F16: 256 bytes of codes | s[16] | z[16]   (float16)
  *     Q4_F32: 256 bytes of codes | s[16] | z[16]   (float32: Q4_K's d sc is not a float16)
  *     Q8_F16: 512 bytes of codes | s[16]           (float16; Q8_0: u = q + 128, z = -128 s)
+ *     Q8_F32: 512 bytes of codes | s[16] | z[16]   (float32: Q5_1's and Q5_K's 5-bit codes,
+ *             u = q in [0, 31], with their mins; Q5_K's d sc is not a float16)
  *     Q4_KS:  Q4_K's own scales, in runs of 8 groups behind a header (see Q4_KS below)
  * 4-bit codes: those of row r, columns 4j..4j+3 of the group (j = 0..7), are bytes 4r..4r+3 of
  * chunk j % 4 (64 bytes each), in the low nibbles for j < 4 and the high ones for j >= 4. So one
@@ -77,6 +79,9 @@
 #define Q4_F32 1
 #define Q8_F16 2
 #define Q4_KS 3
+#define Q8_F32 4
+#define Q4_IS_Q8(f) ((f) == Q8_F16 || (f) == Q8_F32)  /* 8-bit codes, 512 bytes a record */
+#define Q4_IS_F32(f) ((f) == Q4_F32 || (f) == Q8_F32)  /* float32 s[16] and z[16] */
 
 /* Q4_KS: Q4_K's own scales, 4.625 bits a weight against Q4_F32's 6, the same bits. A block's
  * groups go in runs of 8 (a Q4_K super-block), each run a header of d[16] and dmin[16]
@@ -90,11 +95,12 @@
 #define Q4_KS_HEADER (4 * Q4_ROWS + 2 * Q4_KS_RUN * Q4_ROWS)
 #define Q4_KS_RUN_BYTES (Q4_KS_HEADER + Q4_KS_RUN * 256)
 
-static inline int64_t q4_code_bytes(int fmt) { return fmt == Q8_F16 ? 512 : 256; }
+static inline int64_t q4_code_bytes(int fmt) { return Q4_IS_Q8(fmt) ? 512 : 256; }
 
 /* Bytes a group takes in a block (Q4_KS: its share of a run, header included). */
 static inline int64_t q4_record_bytes(int fmt) {
     return fmt == Q4_F16 ? 256 + 64 : fmt == Q4_F32 ? 256 + 128 : fmt == Q8_F16 ? 512 + 32
+           : fmt == Q8_F32 ? 512 + 128
            : Q4_KS_RUN_BYTES / Q4_KS_RUN;
 }
 
@@ -215,7 +221,7 @@ static inline void q4_scales(const uint8_t *p, int64_t g, const int fmt, float *
         if (fmt == Q4_KS) {
             s[i] = f16_to_f32(h[i]) * (float)sc[i];
             z[i] = -f16_to_f32(h[Q4_ROWS + i]) * (float)sc[Q4_KS_MINS + i];
-        } else if (fmt == Q4_F32) {
+        } else if (Q4_IS_F32(fmt)) {
             memcpy(&s[i], sp + 4 * i, 4);
             memcpy(&z[i], sp + 4 * Q4_ROWS + 4 * i, 4);
         } else {
@@ -234,7 +240,7 @@ static inline void q4_scales(const uint8_t *p, int64_t g, const int fmt, float *
 
 /* Code t (0..3) of quad j (columns 4j..4j+3) of row i in a record. */
 static inline int q4_code(const uint8_t *p, const int fmt, int i, int j, int t) {
-    if (fmt == Q8_F16) return p[64 * j + 4 * i + t];
+    if (Q4_IS_Q8(fmt)) return p[64 * j + 4 * i + t];
     return (p[64 * (j & 3) + 4 * i + t] >> (4 * (j >> 2))) & 0x0f;
 }
 
@@ -328,7 +334,7 @@ static inline __attribute__((always_inline)) void q4_prefetch_vnni(
 /* A record's codes as 8 vectors, u[j] lane i holding row i's codes of columns 4j..4j+3. */
 static inline __attribute__((always_inline)) void q4_unpack_vnni(
         const uint8_t *p, const int fmt, __m512i *u) {
-    if (fmt == Q8_F16) {
+    if (Q4_IS_Q8(fmt)) {
         for (int j = 0; j < 8; j++) u[j] = _mm512_loadu_si512((const void *)(p + 64 * j));
     } else {
         const __m512i low = _mm512_set1_epi8(0x0f);
@@ -360,7 +366,7 @@ static inline __attribute__((always_inline)) void q4_scales_vnni(
             _mm_loadu_si128((const __m128i *)sc))));
         *z = _mm512_mul_ps(*ks_ndmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
             _mm_loadu_si128((const __m128i *)(sc + Q4_KS_MINS)))));
-    } else if (fmt == Q4_F32) {
+    } else if (Q4_IS_F32(fmt)) {
         *s = _mm512_loadu_ps((const void *)(p + codes));
         *z = _mm512_loadu_ps((const void *)(p + codes + 64));
     } else {
@@ -447,7 +453,7 @@ static inline __attribute__((always_inline)) void q4_block_avx2(
             for (int r = 0; r < M; r++) {
                 sl[r] = sh[r] = tl[r] = th[r] = _mm256_setzero_si256();
             }
-            if (fmt == Q8_F16) {
+            if (Q4_IS_Q8(fmt)) {
                 for (int j = 0; j < 8; j++) {
                     __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * j + 32 * h));
                     __m256i ul = _mm256_and_si256(v, low);
@@ -489,7 +495,7 @@ static inline __attribute__((always_inline)) void q4_block_avx2(
                                       _mm_loadu_si128((const __m128i *)(hd + Q4_ROWS)))),
                                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
                                       (const __m128i *)(sc + Q4_KS_MINS)))));
-            } else if (fmt == Q4_F32) {
+            } else if (Q4_IS_F32(fmt)) {
                 s = _mm256_loadu_ps((const float *)(p + codes + 32 * h));
                 z = _mm256_loadu_ps((const float *)(p + codes + 64 + 32 * h));
             } else {
@@ -500,11 +506,11 @@ static inline __attribute__((always_inline)) void q4_block_avx2(
             }
             for (int r = 0; r < M; r++) {
                 __m256i a = _mm256_madd_epi16(sl[r], ones);
-                if (fmt == Q8_F16)
+                if (Q4_IS_Q8(fmt))
                     a = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(sh[r], ones), 4), a);
                 /* 256 (u . hi) + u . lo, as the generic loop */
                 __m256i b = _mm256_madd_epi16(tl[r], ones);
-                if (fmt == Q8_F16)
+                if (Q4_IS_Q8(fmt))
                     b = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(th[r], ones), 4), b);
                 a = _mm256_add_epi32(_mm256_slli_epi32(a, 8), b);
                 __m256 prod = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(dx[r * G + g]));
@@ -577,6 +583,7 @@ static void q4_share(const uint8_t *w, int64_t b0, int64_t b1, int64_t n, int64_
     if (fmt == Q4_F16) { Q4_CASE(M_, Q4_F16); } \
     else if (fmt == Q4_F32) { Q4_CASE(M_, Q4_F32); } \
     else if (fmt == Q4_KS) { Q4_CASE(M_, Q4_KS); } \
+    else if (fmt == Q8_F32) { Q4_CASE(M_, Q8_F32); } \
     else { Q4_CASE(M_, Q8_F16); }
                 /* each (rows, format) its own copy, so that both are constants */
                 switch (left) {
@@ -642,7 +649,7 @@ void ss_omp_touch(int threads) {
 typedef struct {
     const uint8_t *w;
     int64_t n, k;
-    int64_t fmt;  /* Q4_F16, Q4_F32, Q8_F16 or Q4_KS */
+    int64_t fmt;  /* Q4_F16, Q4_F32, Q8_F16, Q4_KS or Q8_F32 */
 } q4_weight;
 
 #define Q4_X_F32 1   /* flags: x is float32 (else bfloat16) */

@@ -43,7 +43,8 @@ from .cpu.iquant import IqLinear, iq_nbytes
 from .cpu.parts import PartsLinear
 from .cpu.q6vnni import Q6VnniLinear, q6vnni_nbytes
 from .cpu.torch_kernels import Int4PackLinear, Int4PairLinear, Int8PackLinear
-from .cpu.vnni import Q4VnniLinear, Q8VnniLinear, q4vnni_parts_nbytes, q8vnni_nbytes
+from .cpu.vnni import (Q4VnniLinear, Q8VnniLinear, q4vnni_parts_nbytes, q8vnni_nbytes,
+                       q8vnni_zeros)
 from .image import IMAGE_ALIGN, _Entry
 from .linear import GEMV_MAX_ROWS, DenseLinear
 from .loader import LayerBuilder, TensorSource
@@ -340,7 +341,7 @@ def _linear_nbytes(kind: str | None, types, rows: int, cols: int, dense_bytes: i
     if kind == "q4vnni":
         return _aligned(q4vnni_parts_nbytes(types, rows, cols))
     if kind == "q8vnni":
-        return _aligned(q8vnni_nbytes(rows, cols))
+        return _aligned(q8vnni_nbytes(rows, cols, q8vnni_zeros(types)))
     if kind == "q6vnni":
         return _aligned(q6vnni_nbytes(rows, cols))
     if kind == "cb4":

@@ -16,7 +16,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from ...quant import get_format
-from ...quant.base import crumbs, f16_field, nibbles
+from ...quant.base import bits, crumbs, f16_field, nibbles
 from ...quant.legacy import five_bit
 
 Q = GGMLQuantizationType
@@ -30,6 +30,10 @@ UNPACKED_FORMATS = INT4_FORMATS | INT8_FORMATS  # the formats `group_affine` rea
 # 256-blocks, Gemma 3 270M's 640-wide q/k and FFN gate/up), kept exactly at 8.5 bits a
 # weight where a dense float16 copy took 16
 PAIR_FORMATS = frozenset({Q.Q8_0, Q.Q5_0})
+# unsigned five-bit codes with a scale and a min for each group of 32: Q5_1's (d, m) and Q5_K's
+# (d sc, dmin m, as Q4_K's), which q8vnni keeps exactly at 10 bits a weight (8-bit codes, a
+# float32 scale and zero per group), where a dense float16 copy took 16
+OFFSET8_FORMATS = frozenset({Q.Q5_1, Q.Q5_K})
 # Load-time work goes a slice of rows at a time, ~256K weights (1 MiB of float32 transients),
 # so each unpacking step reads and writes L2 rather than RAM.
 _CHUNK_WEIGHTS = 1 << 18
@@ -201,6 +205,18 @@ def group_affine(raw: torch.Tensor, qtype: GGMLQuantizationType | int,
     elif qtype == Q.Q5_0:  # d | qh[4] | qs[16]: five-bit codes, w = d (q - 16)
         codes = five_bit(b[:, 2:6], b[:, 6:22]).to(torch.int8) - 16
         scale, offset, group, lo = f16_field(b, 0), None, 32, -16
+    elif qtype == Q.Q5_1:  # d | m | qh[4] | qs[16]: five-bit codes, w = d q + m
+        codes = five_bit(b[:, 4:8], b[:, 8:24]).to(torch.int8)
+        scale, offset, group, lo = f16_field(b, 0), f16_field(b, 2), 32, 0
+    elif qtype == Q.Q5_K:  # d | dmin | scales[12] | qh[32] | qs[128]: 8 sub-blocks of 32
+        d, dmin = f16_field(b, 0), f16_field(b, 2)
+        sc, m = k_scale_min(b[:, 4:16])
+        low = nibbles(b[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32)  # as Q4_K's
+        high = bits(b[:, 16:48])  # bit j of byte l: the fifth bit of sub-block j's element l
+        codes = (low | (high << 4)).reshape(n, 256).to(torch.int8)
+        scale = d * sc.float()  # exact: an f16 times a 6-bit integer
+        offset = -(dmin * m.float())
+        group, lo = 32, 0
     elif qtype == Q.Q4_K:  # d | dmin | scales[12] | qs[128]: 8 sub-blocks of 32
         d, dmin = f16_field(b, 0), f16_field(b, 2)
         sc, m = k_scale_min(b[:, 4:16])
@@ -218,8 +234,8 @@ def group_affine(raw: torch.Tensor, qtype: GGMLQuantizationType | int,
         scale = f16_field(b, 208) * sc.float()  # exact: an f16 times an 8-bit integer
         offset, group, lo = None, 16, -32
     else:
-        raise ValueError(f"no packed CPU layout reads {qtype.name}; "
-                         f"these do: {', '.join(t.name for t in sorted(UNPACKED_FORMATS))}")
+        raise ValueError(f"no packed CPU layout reads {qtype.name}; these do: "
+                         f"{', '.join(t.name for t in sorted(UNPACKED_FORMATS | OFFSET8_FORMATS))}")
     per_row = cols // group
     scale = scale.reshape(rows, per_row)
     if offset is not None:
@@ -281,9 +297,10 @@ def finish(y: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None,
 
 
 def check_pair_formats(kind: str, qtypes) -> None:
-    """The 8-bit layouts (int4pair, q8vnni) read PAIR_FORMATS alone."""
-    if any(Q(int(t)) not in PAIR_FORMATS for t in qtypes):
-        raise ValueError(f"{kind} reads {', '.join(sorted(t.name for t in PAIR_FORMATS))} "
+    """The 8-bit layouts read PAIR_FORMATS, and q8vnni OFFSET8_FORMATS too."""
+    known = PAIR_FORMATS | (OFFSET8_FORMATS if kind == "q8vnni" else frozenset())
+    if any(Q(int(t)) not in known for t in qtypes):
+        raise ValueError(f"{kind} reads {', '.join(sorted(t.name for t in known))} "
                          f"only, not {', '.join(Q(int(t)).name for t in qtypes)}")
 
 

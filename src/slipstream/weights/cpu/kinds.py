@@ -12,7 +12,8 @@ from ... import envs, native
 from ..linear import Linear
 from .codebook import CB4_FORMATS, Cb4Linear, cb4_available, cb4_grid, cb4_nbytes
 from .iquant import IQ_FORMATS, IqLinear, iq_available, iq_nbytes
-from .groups import INT4_FORMATS, INT4_GROUP, PAIR_FORMATS, UNPACKED_FORMATS, Q, concat_bias
+from .groups import (INT4_FORMATS, INT4_GROUP, OFFSET8_FORMATS, PAIR_FORMATS, UNPACKED_FORMATS,
+                     Q, concat_bias)
 from .parts import PartsLinear
 from .q6vnni import Q6VnniLinear, q6vnni_available, q6vnni_nbytes
 from .torch_kernels import Int4PackLinear, Int4PairLinear, Int8PackLinear
@@ -57,7 +58,8 @@ def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | Non
     formats (MXFP4, IQ4_NL, IQ4_XS) take cb4 wherever the native library builds (auto; no
     torch kernel reads them: kind="torch" and the others give None), else stay dense; so do
     the i-quant grid formats IQ3_XXS, IQ2_XXS, IQ3_S, IQ1_S, IQ2_XS, IQ2_S and IQ1_M with iq
-    (auto or "iq")."""
+    (auto or "iq"), and Q5_1 and Q5_K with q8vnni's float32 records (auto or "q8vnni", where
+    the native library is there)."""
     qtype = Q(int(qtype))
     if kind not in AUTO_KINDS and kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(AUTO_KINDS + KINDS)}, not {kind!r}")
@@ -67,6 +69,9 @@ def kind_for(qtype: GGMLQuantizationType | int, kind: str = "auto") -> str | Non
         return "iq" if kind in ("auto", "iq") and iq_available() else None
     if kind in ("cb4", "iq"):
         return None
+    if qtype in OFFSET8_FORMATS:  # Q5_1, Q5_K: our kernel's q8vnni only (no torch kernel)
+        ours = kind in ("auto", "q8vnni") and q4vnni_available()
+        return "q8vnni" if ours else None
     if qtype not in UNPACKED_FORMATS:
         return None
     if kind in AUTO_KINDS:
@@ -106,7 +111,7 @@ def packed_nbytes(qtype: GGMLQuantizationType | int, shape: tuple[int, int],
     if k == "q4vnni":  # float16 scales and zeros hold Q4_0's and Q4_1's exactly, not Q4_K's
         return q4vnni_parts_nbytes((qtype,), rows, cols)
     if k == "q8vnni":
-        return q8vnni_nbytes(rows, cols)
+        return q8vnni_nbytes(rows, cols, Q(int(qtype)) in OFFSET8_FORMATS)
     if k == "q6vnni":
         return q6vnni_nbytes(rows, cols)
     if k == "cb4":

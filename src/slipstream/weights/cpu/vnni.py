@@ -24,8 +24,8 @@ from gguf import GGMLQuantizationType
 
 from ... import native
 from ..linear import Linear
-from .groups import (INT4_GROUP, Q4V_CODE_BYTES, Q4V_ROWS, GroupAffine, Q, RowBlocks,
-                     check_pair_formats, gguf_blocks, k_scale_min, q4vnni_flags, row_chunks)
+from .groups import (INT4_GROUP, OFFSET8_FORMATS, Q4V_CODE_BYTES, Q4V_ROWS, GroupAffine, Q,
+                     RowBlocks, check_pair_formats, gguf_blocks, k_scale_min, q4vnni_flags, row_chunks)
 from .native_pack import Q8V_RECORD_BYTES, q4vnni_native, q8vnni_native
 
 
@@ -43,9 +43,12 @@ def q4vnni_record_bytes(scale_f32: bool) -> int:
 Q4V_KS_RUN = 8
 Q4V_KS_HEADER_BYTES = 2 * Q4V_ROWS * 2 + 2 * Q4V_KS_RUN * Q4V_ROWS
 Q4V_KS_RECORD_BYTES = Q4V_CODE_BYTES + Q4V_KS_HEADER_BYTES // Q4V_KS_RUN
-# record bytes -> q4_matvec.c's Q4_F16, Q4_F32, Q8_F16, Q4_KS
+# q8vnni's records with a float32 scale and zero per row and group (Q5_1, Q5_K: q4_matvec.c's
+# Q8_F32): 8-bit codes, 10 bits a weight
+Q8V_F32_RECORD_BYTES = 2 * Q4V_CODE_BYTES + 2 * Q4V_ROWS * 4
+# record bytes -> q4_matvec.c's Q4_F16, Q4_F32, Q8_F16, Q4_KS, Q8_F32
 Q4V_FORMATS = {q4vnni_record_bytes(False): 0, q4vnni_record_bytes(True): 1, Q8V_RECORD_BYTES: 2,
-               Q4V_KS_RECORD_BYTES: 3}
+               Q4V_KS_RECORD_BYTES: 3, Q8V_F32_RECORD_BYTES: 4}
 
 
 def q4vnni_k_scales(qtypes: Sequence[GGMLQuantizationType | int], cols: int) -> bool:
@@ -69,9 +72,16 @@ def q4vnni_parts_nbytes(qtypes: Sequence[GGMLQuantizationType | int], rows: int,
     return q4vnni_nbytes(rows, cols, has_k, q4vnni_k_scales(qtypes, cols))
 
 
-def q8vnni_nbytes(rows: int, cols: int) -> int:
-    """Bytes of a (rows, cols) q8vnni weight: 8 + 0.5 bits a weight, Q8_0's own size."""
-    return -(-rows // Q4V_ROWS) * (cols // INT4_GROUP) * Q8V_RECORD_BYTES
+def q8vnni_nbytes(rows: int, cols: int, zeros: bool = False) -> int:
+    """Bytes of a (rows, cols) q8vnni weight: 8 + 0.5 bits a weight, Q8_0's own size; with
+    `zeros` (Q5_1's or Q5_K's mins: float32 scales and zeros), 8 + 2."""
+    record = Q8V_F32_RECORD_BYTES if zeros else Q8V_RECORD_BYTES
+    return -(-rows // Q4V_ROWS) * (cols // INT4_GROUP) * record
+
+
+def q8vnni_zeros(qtypes: Sequence[GGMLQuantizationType | int]) -> bool:
+    """Whether q8vnni packs these parts with float32 scales and zeros: any has mins."""
+    return any(Q(int(t)) in OFFSET8_FORMATS for t in qtypes)
 
 
 def q4vnni_params(ga: GroupAffine) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -166,7 +176,7 @@ class Q4VnniLinear(RowBlocks, Linear):
         self.bias = bias
         self.in_features = packed.shape[1] * INT4_GROUP
         fmt = Q4V_FORMATS.get(packed.shape[2])
-        if fmt is None or (fmt == 2) != (self.kind == "q8vnni"):
+        if fmt is None or (fmt in (2, 4)) != (self.kind == "q8vnni"):
             raise ValueError(f"{self.kind} records are not {packed.shape[2]} bytes")
         self.scale_f32 = fmt == 1
         self.k_scales = fmt == 3  # Q4_K's own scales (Q4_KS)
@@ -225,7 +235,9 @@ class Q8VnniLinear(Q4VnniLinear):
     u = q + 128 (unsigned, for vpdpbusd), with w = d u - 128 d, so the weights are Q8_0's exactly
     (d float16, as in the file) at Q8_0's own 8.5 bits a weight. Against int4pair (Q8_0 as two
     int4 halves through torch's kernel): 15% fewer bytes, exact scales, int8 activations.
-    `packed` is (ceil(rows / 16), in / 32, 544) uint8."""
+    `packed` is (ceil(rows / 16), in / 32, 544) uint8. Q5_1's and Q5_K's five-bit codes with
+    their mins take Q8_F32 records (u = q, float32 s and z: Q5_K's d sc is an f16 times a 6-bit
+    integer), 640 bytes: their weights exactly, at 10 bits a weight against 16 as float16."""
 
     kind = "q8vnni"
 
@@ -245,9 +257,19 @@ class Q8VnniLinear(Q4VnniLinear):
             return cls(by_native, rows, bias)
         u = torch.zeros(padded, cols, dtype=torch.uint8)  # padding rows: scale 0
         s = torch.zeros(padded, cols // INT4_GROUP)
+        zeros = q8vnni_zeros(qtypes)
+        z = torch.zeros(padded, cols // INT4_GROUP) if zeros else None
         for r0, ga in row_chunks(raws, qtypes, shapes):
             r1 = r0 + ga.shape[0]
-            u[r0:r1] = (ga.codes.to(torch.int16) + 128).to(torch.uint8)
+            if zeros:  # w = s u + z: u = q - lo, z = lo s (+ the format's min)
+                u[r0:r1] = (ga.codes.to(torch.int16) - ga.lo).to(torch.uint8)
+                z[r0:r1] = ga.lo * ga.scale + (ga.offset if ga.offset is not None else 0)
+            else:
+                u[r0:r1] = (ga.codes.to(torch.int16) + 128).to(torch.uint8)
             s[r0:r1] = ga.scale
-        packed = torch.cat([q8vnni_codes(u), _q4vnni_plane(s, torch.float16)], dim=2)
+        if zeros:
+            packed = torch.cat([q8vnni_codes(u), _q4vnni_plane(s, torch.float32),
+                                _q4vnni_plane(z, torch.float32)], dim=2)
+        else:
+            packed = torch.cat([q8vnni_codes(u), _q4vnni_plane(s, torch.float16)], dim=2)
         return cls(packed, rows, bias)
