@@ -65,7 +65,7 @@ from .budget import fmt_bytes
 from .disk import ALIGN, fingerprint
 
 FORMAT_VERSION = 2  # bump when LayerLayout, to_image or pack_weight change their bytes
-CPU_FORMAT_VERSION = 3  # bump when weights.cpu_image or weights.cpu change their bytes
+CPU_FORMAT_VERSION = 4  # bump when weights.cpu_image or weights.cpu change their bytes
 SPACE_MARGIN = 1 << 30  # leave this much free on the disk after writing the file
 
 

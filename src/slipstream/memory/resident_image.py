@@ -52,7 +52,7 @@ from .image_file import _locked, _open_index, cpu_identity, image_paths, write_i
 # image, took 1.01 s; a 1B Q4_K (0.98 GB) packed for 6-18 s, and loaded in 1.6-2.8 s from it
 # (2-core machine under load 3-6)
 AUTO_MIN_MODEL_BYTES = 256 << 20
-RESIDENT_FORMAT_VERSION = 3  # bump when packed_image's entries or this file's keys change
+RESIDENT_FORMAT_VERSION = 4  # bump when packed_image's entries or this file's keys change
 KIND = "slipstream-cpu-resident"  # MODEL.KIND.KEY.img (hub.store.written_beside: rm)
 
 
