@@ -19,12 +19,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..errors import GGUFError
+from ..model.families import file_spec
 from ..modelfile.gguf_file import GGUFFile
 from ..weights.source import TensorSource, layer_span
 from .pinned import pinned_empty
 
 CHUNK = 16 << 20  # bytes per pread: several in flight per layer
 READERS = 4  # threads reading one layer's chunks side by side
+SPAN_SLACK = 16 << 20  # bytes a layer's span may hold beyond twice its tensors' (`compact`)
 
 
 class StagedLayers:
@@ -90,11 +92,24 @@ class StagedLayers:
         self.close()
 
 
+def compact(gf: GGUFFile, layers: Iterable[int]) -> bool:
+    """Whether each layer's tensors lie together in the file: its span at most twice their
+    bytes and SPAN_SLACK. A file that interleaves layers would have every span reach across
+    others, and a staging buffer as large; its layers are built from the map instead."""
+    for i in layers:
+        start, end = layer_span(gf, i)
+        held = sum(gf.tensors[n].n_bytes for n in file_spec(gf).names(i, gf.tensors))
+        if end - start > 2 * held + SPAN_SLACK:
+            return False
+    return True
+
+
 def staged_sources(gf: GGUFFile, layers: Iterable[int], device: torch.device, staged: bool = True
                    ) -> Iterator[tuple[int, TensorSource]]:
-    """(i, source) for each of `layers`: staged (StagedLayers) where `staged`, else the
-    memory-mapped file's."""
-    if not staged:
+    """(i, source) for each of `layers`: staged (StagedLayers) where `staged` and the file
+    keeps each layer's tensors together (`compact`), else the memory-mapped file's."""
+    layers = list(layers)
+    if not staged or not compact(gf, layers):
         src = TensorSource(gf)
         yield from ((i, src) for i in layers)
         return
