@@ -159,3 +159,13 @@ def test_a_file_that_interleaves_layers_is_read_from_the_map(model, tmp_path, mo
         for name in file_spec(other).names(i, other.tensors):
             shape = other.tensors[name].shape
             assert torch.equal(src.raw(name, shape), mapped.raw(name, shape))
+
+
+def test_a_mixture_of_experts_is_read_from_the_map(tmp_path):
+    """Its experts are placed from the layer's bytes one by one, some after the build: a
+    reused staging buffer would not hold them, so its layers stay views of the map."""
+    path = write_synth(tmp_path / "moe.gguf", "tiny", "Q8_0", n_layers=2, arch="qwen3moe",
+                       seed=2)
+    gf = GGUFFile(path)
+    assert layer_reads.compact(gf, range(2))
+    assert all(src.buffer is None for _, src in staged_sources(gf, range(2), CPU))

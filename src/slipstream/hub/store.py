@@ -66,10 +66,15 @@ def written_beside(model: Path) -> list[Path]:
     (MODEL.slipstream[-cpu].KEY.*), beside the model, or in cache/images/ under
     MODEL.HASH.slipstream[-cpu].KEY.* where the model's folder was not writable (HASH: the
     first 12 hex digits of the sha1 of its resolved path)."""
-    key = hashlib.sha1(str(model.resolve()).encode()).hexdigest()[:12]
     images = cache_dir() / "images"
     return sorted({*model.parent.glob(glob.escape(model.name) + ".slipstream*"),
-                   *images.glob(glob.escape(f"{model.name}.{key}") + ".slipstream*")})
+                   *images.glob(glob.escape(f"{model.name}.{_path_key(model)}") + ".slipstream*")})
+
+
+def _path_key(model: Path) -> str:
+    """The first 12 hex digits of the sha1 of the model's resolved path: its files' names in
+    the cache's images/ folder, one folder for models of every folder."""
+    return hashlib.sha1(str(model.resolve()).encode()).hexdigest()[:12]
 
 
 def tokenizer_entries(model: Path) -> list[Path]:
@@ -93,8 +98,7 @@ def written_path(model: Path, kind: str) -> Path:
     model = model.resolve()
     if os.access(model.parent, os.W_OK):
         return model.parent / f"{model.name}.{kind}"
-    key = hashlib.sha1(str(model).encode()).hexdigest()[:12]
-    return cache_dir() / "images" / f"{model.name}.{key}.{kind}"
+    return cache_dir() / "images" / f"{model.name}.{_path_key(model)}.{kind}"
 
 
 def is_gguf(path: Path) -> bool:

@@ -40,9 +40,9 @@ class StagedLayers:
         self.layers = list(layers)
         self.spans = {i: layer_span(gf, i) for i in self.layers}
         size = max((end - start for start, end in self.spans.values()), default=0)
-        def alloc(n: int) -> torch.Tensor:  # locked for a GPU's copies; plain for the CPU's
-            return pinned_empty(n) if device.type == "cuda" else torch.empty(n, dtype=torch.uint8)
-
+        # locked for a GPU's copies; plain for the CPU's
+        alloc = pinned_empty if device.type == "cuda" else \
+            (lambda n: torch.empty(n, dtype=torch.uint8))
         self.buffers = [alloc(size) for _ in range(min(2, len(self.layers)))]
         self.pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="slipstream-load")
         self.fd = os.open(gf.path, os.O_RDONLY)
@@ -106,10 +106,12 @@ def compact(gf: GGUFFile, layers: Iterable[int]) -> bool:
 
 def staged_sources(gf: GGUFFile, layers: Iterable[int], device: torch.device, staged: bool = True
                    ) -> Iterator[tuple[int, TensorSource]]:
-    """(i, source) for each of `layers`: staged (StagedLayers) where `staged` and the file
-    keeps each layer's tensors together (`compact`), else the memory-mapped file's."""
+    """(i, source) for each of `layers`: staged (StagedLayers) where `staged`, the model is
+    dense and the file keeps each layer's tensors together (`compact`), else the
+    memory-mapped file's. A mixture of experts' layers stay views of the map: its experts are
+    placed from them one by one, some after the build, which a reused buffer would not hold."""
     layers = list(layers)
-    if not staged or not compact(gf, layers):
+    if not staged or file_spec(gf).experts is not None or not compact(gf, layers):
         src = TensorSource(gf)
         yield from ((i, src) for i in layers)
         return

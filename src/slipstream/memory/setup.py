@@ -472,9 +472,8 @@ def pin_streamed_layers(gf: GGUFFile, cfg: ModelConfig, device: torch.device,
                       DownloadColumn(), transient=True) as bar:
             task = bar.add_task("pinning streamed layers" + (
                 " and packing the CPU's share" if splits else ""), total=total)
-            # a dense model's layers read into locked staging (memory.layer_reads)
-            staged = builder.family_spec.experts is None
-            for k, (i, src) in enumerate(staged_sources(gf, pinned, device, staged)):
+            # read into locked staging where the model is dense (memory.layer_reads)
+            for k, (i, src) in enumerate(staged_sources(gf, pinned, device)):
                 with maybe(clock, "streamed layers: read and built on the GPU"):
                     built = (split.build_layer(builder, src, i) if i in splits
                              else builder.build(src, i))

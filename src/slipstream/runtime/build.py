@@ -6,9 +6,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence

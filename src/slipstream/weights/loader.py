@@ -430,10 +430,9 @@ def load_weights(gf: GGUFFile, cfg: ModelConfig, device: torch.device, precision
     # loaded yet keeps its transients off the VRAM peak (memory.vram counts them).
     layers: list[LayerWeights | None] = [None] * cfg.n_layers
     built = [i for i in range(cfg.n_layers) if resident_layers is None or i in resident_layers]
-    # a dense model's layers from `layer_sources` where given (a CUDA load's locked staging,
-    # memory.layer_reads); a mixture of experts' stay views of the map, which its experts are
-    # placed from one by one
-    staged = layer_sources is not None and held is None and builder.family_spec.experts is None
+    # the layers from `layer_sources` where given (a CUDA load's locked staging,
+    # memory.layer_reads), else from the map or the held buffer
+    staged = layer_sources is not None and held is None
     for i, layer_src in layer_sources(built) if staged else ((i, src) for i in built):
         layer = builder.build(layer_src, i)
         if flat_layers and builder.quantized:
